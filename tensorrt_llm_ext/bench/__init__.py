@@ -1,0 +1,11 @@
+"""Benchmarks run by ``trtllm-ext bench <name>``. Each module registers itself on import."""
+
+# name -> module that registers it (imported lazily so one benchmark's imports never slow another)
+BENCHMARK_MODULES = {
+    "allreduce": "tensorrt_llm_ext.bench.allreduce_norm",
+    "select": "tensorrt_llm_ext.bench.select",
+    "markov": "tensorrt_llm_ext.bench.markov",
+    "tail": "tensorrt_llm_ext.bench.tail",
+    "drafter": "tensorrt_llm_ext.bench.drafter",
+    "step": "tensorrt_llm_ext.bench.step",
+}

@@ -1,0 +1,203 @@
+"""Exact ``(value, global index)`` selection keys, shared by every selection kernel and the exchange.
+
+A row's winner in ``torch.argmax`` order is: the first NaN if any; else the maximum; ties to the lowest
+global index. We make that order a plain integer maximum:
+
+* ``ordered_i32(x)``: fp32 -> int32, monotone in ``x``; ``-0.0`` and ``+0.0`` map alike (argmax treats them
+  as a tie); every NaN maps to ``INT32_MAX`` (above ``+inf``).
+* ``pack_key(ord, gid) = ord << 32 | (0xFFFFFFFF - gid)`` as int64: the larger key is the better
+  candidate, the lower id wins a tie. ``EMPTY_KEY`` (``INT64_MIN``) is below every real key; a shard with
+  no valid column contributes it.
+
+The TP exchange is then one all-reduce MAX over int64 (exact at any vocab size below 2^32).
+Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+EMPTY_KEY = -(2**63)
+_LO_MASK = 0xFFFFFFFF
+MAX_VOCAB = 2**32 - 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton helpers
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def ordered_i32(x):
+    """fp32 block -> int32 keys whose signed order is torch.argmax's value order (NaN highest)."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(x != x, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def block_best(keys, cols, valid, AXIS: tl.constexpr):
+    """Best ``(ordered key, column)`` along ``AXIS`` of a block; ``(INT32_MIN, 2^31-1)`` if none valid.
+
+    ``cols`` must be int32 and increasing with the global index so the min column breaks ties.
+    """
+    k = tl.where(valid, keys, -2147483648)
+    best = tl.max(k, axis=AXIS)
+    if AXIS == 0:
+        hit = (k == best) & valid
+    else:
+        hit = (k == tl.expand_dims(best, AXIS)) & valid
+    col = tl.min(tl.where(hit, cols, 2147483647), axis=AXIS)
+    return best, col
+
+
+@triton.jit
+def combine_best(best_k, best_c, k, c):
+    """Merge a running best with a new candidate (elementwise): higher key, then lower column."""
+    take = (k > best_k) | ((k == best_k) & (c < best_c))
+    return tl.where(take, k, best_k), tl.where(take, c, best_c)
+
+
+@triton.jit
+def pack_key(ord_key, gid):
+    """int32 ordered key + int64 global id -> int64 selection key (EMPTY_KEY when ord is INT32_MIN)."""
+    hi = ord_key.to(tl.int64) << 32
+    lo = 4294967295 - gid.to(tl.int64)
+    return tl.where(ord_key == -2147483648, -9223372036854775808, hi | lo)
+
+
+@triton.jit
+def key_to_id(key):
+    """int64 selection key -> global id (int64); -1 for EMPTY_KEY."""
+    gid = 4294967295 - (key & 4294967295)
+    return tl.where(key == -9223372036854775808, -1, gid)
+
+
+@triton.jit
+def philox_uniform(seed, c0, c1, c2, c3):
+    """Uniform in the open interval (0, 1) from Philox-4x32-10 keyed by ``seed`` and counter c0..c3.
+
+    Uses the top 24 bits of the first output word: ``u = (x >> 8 + 0.5) * 2^-24``, exact in fp32.
+    """
+    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    top = (r0 >> 8).to(tl.int32)
+    return (top.to(tl.float32) + 0.5) * 5.9604644775390625e-08
+
+
+@triton.jit
+def gumbel_noise(seed, offset, gid, SALT: tl.constexpr):
+    """Gumbel(0, 1) noise keyed by (request seed, request offset, global vocab id, salt).
+
+    Counter: c0 = gid, c1 = offset low word, c2 = offset high word, c3 = SALT (separates target,
+    draft and Markov-chain draws). Independent of TP size and block size by construction.
+    """
+    off = offset.to(tl.int64)
+    c0 = gid.to(tl.uint32)
+    c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
+    c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
+    c3 = c0 * 0 + SALT
+    u = philox_uniform(seed.to(tl.int64), c0, c1, c2, c3)
+    return -tl.log(-tl.log(u))
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch twins (host/eager; also what tests and the exchange use)
+# ----------------------------------------------------------------------------------------------------
+def ordered_i32_torch(values: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`ordered_i32` (any float dtype; converted to fp32 exactly)."""
+    x = values.float()
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    bits = x.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return torch.where(torch.isnan(x), torch.full_like(key, INT32_MAX), key)
+
+
+def pack_key_torch(ord_key: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+    hi = ord_key.to(torch.int64) << 32
+    lo = _LO_MASK - gid.to(torch.int64)
+    return torch.where(ord_key == INT32_MIN, torch.full_like(hi, EMPTY_KEY), hi | lo)
+
+
+def key_to_id_torch(keys: torch.Tensor) -> torch.Tensor:
+    gid = _LO_MASK - (keys & _LO_MASK)
+    return torch.where(keys == EMPTY_KEY, torch.full_like(gid, -1), gid)
+
+
+def shard_argmax_key_reference(shard_logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Eager: each row of ``[R, V_local]`` shard logits -> its int64 selection key.
+
+    Columns whose global id is ``>= vocab_size`` (the padded tail of the last shard) never win; a shard
+    with no valid column yields ``EMPTY_KEY``.
+    """
+    rows, width = shard_logits.shape
+    valid = max(0, min(width, vocab_size - vocab_start))
+    if valid == 0:
+        return torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=shard_logits.device)
+    x = shard_logits[:, :valid].float()
+    ords = ordered_i32_torch(x).to(torch.int64)
+    best = ords.max(dim=1).values
+    # Lowest column among the maxima: argmax of a boolean returns the first True.
+    col = (ords == best[:, None]).to(torch.uint8).argmax(dim=1)
+    return pack_key_torch(best.to(torch.int32), col + vocab_start)
+
+
+def _philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
+    """Philox-4x32-10 on int64 tensors holding uint32 values (matches ``tl.philox``)."""
+    m = 0xFFFFFFFF
+    k0 = seed & m
+    k1 = (seed >> 32) & m
+    a, b = 0xD2511F53, 0xCD9E8D57
+    for _ in range(10):
+        p0 = b * c2  # B * c2, full 64-bit product of 32-bit values (fits in int64 as unsigned? see below)
+        p1 = a * c0
+        hi0 = _umulhi(b, c2)
+        hi1 = _umulhi(a, c0)
+        n0 = hi0 ^ c1 ^ k0
+        n2 = hi1 ^ c3 ^ k1
+        n1 = p0 & m
+        n3 = p1 & m
+        c0, c1, c2, c3 = n0, n1, n2, n3
+        k0 = (k0 + 0x9E3779B9) & m
+        k1 = (k1 + 0xBB67AE85) & m
+    return c0, c1, c2, c3
+
+
+def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
+    """High 32 bits of the 64-bit product of constant ``a`` and uint32 values ``x`` (no int64 overflow)."""
+    x_lo = x & 0xFFFF
+    x_hi = x >> 16
+    a_lo = a & 0xFFFF
+    a_hi = a >> 16
+    lo_lo = a_lo * x_lo
+    mid1 = a_hi * x_lo
+    mid2 = a_lo * x_hi
+    hi_hi = a_hi * x_hi
+    carry = ((lo_lo >> 16) + (mid1 & 0xFFFF) + (mid2 & 0xFFFF)) >> 16
+    return (hi_hi + (mid1 >> 16) + (mid2 >> 16) + carry) & 0xFFFFFFFF
+
+
+def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
+    """Torch twin of :func:`philox_uniform` (inputs broadcastable int64 tensors of uint32 values)."""
+    r0, _, _, _ = _philox_4x32_10_torch(seed, c0, c1, c2, c3)
+    top = (r0 >> 8).to(torch.float32)
+    return (top + 0.5) * 5.9604644775390625e-08
+
+
+def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tensor, salt: int) -> torch.Tensor:
+    """Torch twin of :func:`gumbel_noise`. ``seed``/``offset`` ``[R, 1]`` int64, ``gid`` ``[1, N]`` int64.
+
+    The uniforms are bit-identical to the kernel's; the logs are torch's (the kernel's ``tl.log`` may
+    differ by an ulp on GPU), so compare sampled ids through statistics or near-tie-aware checks.
+    """
+    seed = seed.to(torch.int64)
+    off = offset.to(torch.int64)
+    gid = gid.to(torch.int64) & 0xFFFFFFFF
+    c0 = gid + torch.zeros_like(off)
+    c1 = (off & 0xFFFFFFFF) + torch.zeros_like(gid)
+    c2 = ((off >> 32) & 0xFFFFFFFF) + torch.zeros_like(gid)
+    c3 = torch.full_like(c0, salt & 0xFFFFFFFF)
+    u = philox_uniform_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
+    return -torch.log(-torch.log(u))

@@ -1,0 +1,94 @@
+"""RMSNorm with an optional fused residual add: the norm half of the fused all-reduce.
+
+Numerics (eager twin and kernel alike, TensorRT-LLM's RMSNorm): ``h = x + residual`` in fp32,
+``residual_out = h`` cast to the input dtype, ``out = weight * (h * rsqrt(mean(h^2) + eps))`` with the
+normalized value cast to the input dtype before the weight multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    hidden, stride_x, stride_r, stride_o, stride_ro, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(residual_out_ptr + row * stride_ro + cols, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
+    var = tl.sum(h * h, axis=0) / hidden
+    normed = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm expects x of shape [rows, hidden], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("rms_norm expects x with a contiguous last dimension")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm residual must be {tuple(x.shape)} with a contiguous last dim, "
+                         f"got {tuple(residual.shape)}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused ``(x + residual) -> RMSNorm`` in one launch.
+
+    Args:
+        x: ``[rows, hidden]`` (any float dtype; leading dims flattened by the caller).
+        weight: ``[hidden]``.
+        residual: optional ``[rows, hidden]``; when given, ``residual_out = x + residual``.
+        out, residual_out: optional preallocated outputs (CUDA-graph safe when given).
+
+    Returns:
+        ``(out, residual_out)``; ``residual_out`` is None without a residual. May alias ``residual``.
+    """
+    _check(x, weight, residual)
+    rows, hidden = x.shape
+    if out is None:
+        out = torch.empty_like(x)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(x)
+    if rows == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    r = residual if residual is not None else x
+    ro = residual_out if residual_out is not None else out
+    _rms_norm_kernel[(rows,)](
+        x, r, weight, out, ro, hidden, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out, residual_out
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eager twin of :func:`rms_norm`."""
+    h = x.float()
+    residual_out = None
+    if residual is not None:
+        h = h + residual.float()
+        residual_out = h.to(x.dtype)
+    var = h.pow(2).mean(-1, keepdim=True)
+    normed = (h * torch.rsqrt(var + eps)).to(x.dtype)
+    return weight * normed, residual_out
