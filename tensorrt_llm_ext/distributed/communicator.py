@@ -1,0 +1,142 @@
+"""Process groups from MPI: rank/world from mpi4py, rendezvous over MPI, NCCL on CUDA else gloo.
+
+One state per process (idempotent): MPI-launched test workers are reused across tests, so a second
+``init_from_mpi`` with the same world returns the groups already built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tensorrt_llm_ext._env import ENV
+from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.mapping import Mapping
+
+
+@dataclass
+class _State:
+    world_size: int
+    rank: int
+    backend: str
+    device: torch.device
+    cpu_group: object  # gloo group over the whole world, for host-side agreement
+    tp_groups: dict = field(default_factory=dict)  # tuple(ranks) -> (device group, cpu group)
+
+
+_STATE: _State | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mpi_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def init_from_mpi(
+    tp_size: int | None = None,
+    enable_attention_dp: bool = False,
+    timeout_s: float | None = None,
+    backend: str | None = None,
+) -> Mapping:
+    """Initialise torch.distributed from the MPI world and return this rank's :class:`Mapping`.
+
+    Args:
+        tp_size: TP size (default: the whole world); must divide the world size.
+        enable_attention_dp: recorded on the Mapping (disables vocab-parallel selection and fusion).
+        timeout_s: how long a collective waits for a peer before raising (default from ``_env``).
+        backend: force ``"gloo"`` or ``"nccl"``; default NCCL when CUDA is available, else gloo.
+    """
+    global _STATE
+    comm = _mpi_comm()
+    world, rank = comm.Get_size(), comm.Get_rank()
+    tp = world if tp_size is None else tp_size
+    if tp < 1 or world % tp != 0:
+        raise ValueError(f"tp_size={tp} does not divide the MPI world size {world}")
+    mapping = Mapping(world_size=world, rank=rank, tp_size=tp, pp_size=world // tp,
+                      enable_attention_dp=enable_attention_dp,
+                      gpus_per_node=max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 8)
+    if _STATE is not None and dist.is_initialized():
+        if (_STATE.world_size, _STATE.rank) != (world, rank):
+            raise RuntimeError("torch.distributed is already initialised with another world")
+        _ensure_tp_groups(mapping)
+        return mapping
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    addr = comm.bcast(f"tcp://127.0.0.1:{_free_port()}" if rank == 0 else None, root=0)
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else ENV.collective_timeout_s)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, init_method=addr, world_size=world, rank=rank,
+                            timeout=timeout, **kwargs)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _STATE = _State(world_size=world, rank=rank, backend=backend, device=device, cpu_group=cpu_group)
+    _ensure_tp_groups(mapping)
+    logger.debug(f"rank {rank}/{world}: torch.distributed {backend} at {addr}")
+    return mapping
+
+
+def _ensure_tp_groups(mapping: Mapping) -> None:
+    """Create the TP groups of ``mapping``'s layout (a collective over all ranks; cached)."""
+    assert _STATE is not None
+    for pp in range(mapping.pp_size):
+        ranks = tuple(range(pp * mapping.tp_size, (pp + 1) * mapping.tp_size))
+        if ranks in _STATE.tp_groups:
+            continue
+        if len(ranks) == _STATE.world_size:
+            groups = (dist.group.WORLD, _STATE.cpu_group)
+        else:
+            dev = dist.new_group(list(ranks))
+            cpu = dist.new_group(list(ranks), backend="gloo") if _STATE.backend != "gloo" else dev
+            groups = (dev, cpu)
+        _STATE.tp_groups[ranks] = groups
+
+
+def is_initialized() -> bool:
+    return _STATE is not None and dist.is_initialized()
+
+
+def comm_device() -> torch.device:
+    """Where collective tensors must live (CUDA for NCCL, CPU for gloo)."""
+    return _STATE.device if _STATE is not None else torch.device("cpu")
+
+
+def backend_name() -> str | None:
+    return _STATE.backend if _STATE is not None else None
+
+
+def tp_group(mapping: Mapping):
+    """The device process group of ``mapping``'s TP group (None at tp 1)."""
+    if mapping.tp_size == 1:
+        return None
+    if _STATE is None:
+        raise RuntimeError("tp_size > 1 needs torch.distributed: call init_from_mpi() first")
+    return _STATE.tp_groups[mapping.tp_group][0]
+
+
+def tp_cpu_group(mapping: Mapping):
+    """The gloo group of ``mapping``'s TP group, for host-side agreement (None at tp 1)."""
+    if mapping.tp_size == 1:
+        return None
+    if _STATE is None:
+        raise RuntimeError("tp_size > 1 needs torch.distributed: call init_from_mpi() first")
+    return _STATE.tp_groups[mapping.tp_group][1]
+
+
+def world_cpu_group():
+    return None if _STATE is None else _STATE.cpu_group
