@@ -1,0 +1,367 @@
+"""Shard selection: each row of vocab-shard logits ``[R, V_local]`` -> one int64 selection key.
+
+The key (see :mod:`tensorrt_llm_ext.kernels.ordered_key`) orders candidates exactly as ``torch.argmax``
+over the gathered row does (first NaN, then the maximum, ties to the lowest global id), so the TP
+exchange is one all-reduce MAX over ``[R]`` int64 and the winner's id is read back from the key.
+
+Optionally the value is perturbed for keyed Gumbel-max sampling: per row temperature ``T`` (fp32,
+``T <= 0`` = greedy), seed and offset (int64); the perturbed value is ``div_rn(x, T) + G`` in fp32 with
+``G = gumbel_noise(seed, offset, global id, SALT)``. The noise depends on the global vocab id only, so a
+draw is the same at every TP size, split count and block size.
+
+One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
+the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs and the partial
+winners are combined inside the same launch (see ``_shard_select_kernel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tensorrt_llm_ext.kernels.ordered_key import (
+    EMPTY_KEY,
+    MAX_VOCAB,
+    block_best,
+    combine_best,
+    gumbel_noise,
+    gumbel_noise_torch,
+    key_to_id,
+    key_to_id_torch,
+    ordered_i32,
+    ordered_i32_torch,
+    pack_key,
+    pack_key_torch,
+)
+
+# Philox counter word c3 of the Gumbel noise: separates the target sampler's draws from the drafter's
+# (and from the Markov chain's, which owns its own salt) for the same (seed, offset, id).
+TARGET_SALT = 0x5E1EC7
+DRAFT_SALT = 0xD7AF7
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DEFAULT_BLOCK = 2048
+# Programs we aim for per launch, per SM: enough loads in flight to saturate HBM on few rows.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _fold_tile(row_ptr, cols, col_end, best_k, best_c, greedy, inv_t, seed, offset, vocab_start,
+               MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
+    """Fold one tile of columns into the per-lane running best (ordered key, column)."""
+    if MASKED:
+        valid = cols < col_end
+        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(row_ptr + cols).to(tl.float32)
+    if SAMPLE:
+        if not greedy:
+            g = gumbel_noise(seed, offset, cols.to(tl.int64) + vocab_start, SALT)
+            x = tl.math.div_rn(x, inv_t) + g
+    k = ordered_i32(x)
+    if MASKED:
+        k = tl.where(valid, k, -2147483648)
+        cols = tl.where(valid, cols, 2147483647)
+    return combine_best(best_k, best_c, k, cols)
+
+
+@triton.jit
+def _shard_select_kernel(
+    x_ptr,  # [R, V_local] logits, unit column stride
+    temp_ptr,  # [R] fp32 (read only if SAMPLE)
+    seed_ptr,  # [R] int64 (read only if SAMPLE)
+    offset_ptr,  # [R] int64 (read only if SAMPLE)
+    out_ptr,  # [R] int64: selection keys, or ids if OUT_IDS
+    slot_ptr,  # [>= R] int64 scratch, EMPTY_KEY between launches (read only if SPLIT)
+    count_ptr,  # [>= R] int32 scratch, 0 between launches (read only if SPLIT)
+    stride_row,
+    n_valid,  # columns of this shard with global id < vocab_size
+    vocab_start,
+    chunk,  # columns per split program (a multiple of BLOCK)
+    num_splits,
+    BLOCK: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    OUT_IDS: tl.constexpr,
+    SALT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = x_ptr + row.to(tl.int64) * stride_row
+    lanes = tl.arange(0, BLOCK)
+
+    greedy = True
+    inv_t = 1.0
+    seed = 0
+    offset = 0
+    if SAMPLE:
+        temp = tl.load(temp_ptr + row)
+        greedy = temp <= 0.0
+        inv_t = tl.where(greedy, 1.0, temp)  # divisor; 1.0 keeps greedy rows' values untouched
+        seed = tl.load(seed_ptr + row)
+        offset = tl.load(offset_ptr + row)
+
+    # Per-lane running best: a later tile only takes a lane on a strictly better key (its columns are
+    # higher), so each lane keeps its lowest column among equal keys, as block_best does at the end.
+    best_k = tl.full([BLOCK], -2147483648, tl.int32)
+    best_c = tl.full([BLOCK], 2147483647, tl.int32)
+    col_begin = split * chunk
+    col_end = tl.minimum(col_begin + chunk, n_valid)
+    # Full tiles load unmasked (so loads vectorize); only the last split can have a ragged tail.
+    full_end = col_begin + ((col_end - col_begin) // BLOCK) * BLOCK
+    for start in range(col_begin, full_end, BLOCK):
+        best_k, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_k, best_c, greedy, inv_t, seed,
+                                    offset, vocab_start, False, SAMPLE, SALT)
+    if full_end < col_end:
+        best_k, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_k, best_c, greedy, inv_t, seed,
+                                    offset, vocab_start, True, SAMPLE, SALT)
+
+    # No real value maps to INT32_MIN (that pattern is a NaN, mapped to INT32_MAX), so it marks "none".
+    bk, bc = block_best(best_k, best_c, best_k != -2147483648, 0)
+    key = pack_key(bk, bc.to(tl.int64) + vocab_start)
+
+    if SPLIT:
+        # One-launch combine without a spin-wait (the interpreter runs programs one after another):
+        # every split program folds its key into the row's scratch slot with an int64 atomic max, then
+        # bumps the row's arrival counter. Both are acq_rel atomics at GPU scope, issued in this order
+        # by one thread, so the program that sees count == num_splits - 1 (the last to arrive) reads a
+        # slot that already holds every other split's key. It takes the slot with an exchange that
+        # resets it to EMPTY_KEY and resets the counter, leaving the scratch ready for the next launch
+        # (and for CUDA-graph replay) without a memset.
+        tl.atomic_max(slot_ptr + row, key)
+        arrived = tl.atomic_add(count_ptr + row, 1)
+        if arrived == num_splits - 1:
+            final = tl.atomic_xchg(slot_ptr + row, -9223372036854775808)
+            final = tl.maximum(final, key)
+            tl.atomic_xchg(count_ptr + row, 0)
+            if OUT_IDS:
+                tl.store(out_ptr + row, key_to_id(final))
+            else:
+                tl.store(out_ptr + row, final)
+    else:
+        if OUT_IDS:
+            tl.store(out_ptr + row, key_to_id(key))
+        else:
+            tl.store(out_ptr + row, key)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scratch: per device, grown outside capture only
+# ----------------------------------------------------------------------------------------------------
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots int64 [cap], counts int32 [cap])`` for ``rows`` rows, cached per device.
+
+    Launches that share it must be ordered on one stream (the kernel leaves it reset on exit).
+    """
+    cached = _SCRATCH.get(device)
+    if cached is not None and cached[0].numel() >= rows:
+        return cached
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"shard_select: split scratch for {rows} rows is not allocated yet and a CUDA graph is "
+            f"capturing; run one eager call with >= {rows} rows first (warm-up) or pass scratch=")
+    cap = max(256, triton.next_power_of_2(rows))
+    slots = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=device)
+    counts = torch.zeros((cap,), dtype=torch.int32, device=device)
+    _SCRATCH[device] = (slots, counts)
+    return slots, counts
+
+
+def make_shard_select_scratch(rows: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caller-owned scratch for :func:`shard_select_keys` (``scratch=``), e.g. for a second stream."""
+    device = torch.device(device)
+    return (torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=device),
+            torch.zeros((rows,), dtype=torch.int32, device=device))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs per row still exercises the split path
+    n = _SM_COUNT.get(device)
+    if n is None:
+        n = torch.cuda.get_device_properties(device).multi_processor_count
+        _SM_COUNT[device] = n
+    return n
+
+
+def plan_splits(rows: int, n_valid: int, device: torch.device, block: int = _DEFAULT_BLOCK,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, chunk)`` for a launch: chunk a multiple of ``block``, ``num_splits * chunk >= n_valid``.
+
+    Depends on shapes only, so a captured graph and its eager warm-up agree.
+    """
+    tiles = max(1, triton.cdiv(n_valid, block))
+    if num_splits is None:
+        target = _PROGRAMS_PER_SM * _sm_count(device)
+        num_splits = triton.cdiv(target, max(rows, 1))
+    num_splits = max(1, min(num_splits, tiles))
+    chunk = triton.cdiv(tiles, num_splits) * block
+    num_splits = max(1, triton.cdiv(n_valid, chunk))
+    return num_splits, chunk
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher and eager twin
+# ----------------------------------------------------------------------------------------------------
+def _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, out_dtype):
+    if not isinstance(shard_logits, torch.Tensor) or shard_logits.dim() != 2:
+        got = tuple(shard_logits.shape) if isinstance(shard_logits, torch.Tensor) else type(shard_logits).__name__
+        raise ValueError(f"shard_logits: expected a 2-D tensor [R, V_local], got {got}")
+    if shard_logits.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"shard_logits: expected dtype in {_SUPPORTED_DTYPES}, got {shard_logits.dtype}")
+    rows, width = shard_logits.shape
+    if width > 1 and shard_logits.stride(1) != 1:
+        raise ValueError(f"shard_logits: expected unit column stride, got strides {tuple(shard_logits.stride())}")
+    for name, v in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}: expected a Python int, got {type(v).__name__}")
+    if not 0 < vocab_size <= MAX_VOCAB:
+        raise ValueError(f"vocab_size: expected in [1, {MAX_VOCAB}] for the int64 key, got {vocab_size}")
+    if not 0 <= vocab_start < vocab_size:
+        raise ValueError(f"vocab_start: expected in [0, vocab_size={vocab_size}), got {vocab_start}")
+    if vocab_start + width > MAX_VOCAB + 1:
+        raise ValueError(f"shard columns reach global id {vocab_start + width - 1} > {MAX_VOCAB}")
+    device = shard_logits.device
+    sampled = (temperatures, seeds, offsets)
+    if any(t is not None for t in sampled) and any(t is None for t in sampled):
+        raise ValueError("temperatures, seeds and offsets: expected all three or none")
+    if temperatures is not None:
+        for name, t, dtype in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
+                               ("offsets", offsets, torch.int64)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a tensor [{rows}] {dtype}, got {type(t).__name__}")
+            if tuple(t.shape) != (rows,):
+                raise ValueError(f"{name}: expected shape ({rows},) (one per row), got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if out is not None:
+        if tuple(out.shape) != (rows,) or out.dtype != out_dtype or out.device != device:
+            raise ValueError(f"out: expected ({rows},) {out_dtype} on {device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        if rows > 1 and out.stride(0) != 1:
+            raise ValueError(f"out: expected contiguous, got stride {out.stride(0)}")
+
+
+def shard_select_keys(
+    shard_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    temperatures: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    *,
+    salt: int = TARGET_SALT,
+    out: torch.Tensor | None = None,
+    return_ids: bool = False,
+    block_size: int = _DEFAULT_BLOCK,
+    num_splits: int | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Reduce each row of ``[R, V_local]`` shard logits to its int64 selection key (one launch).
+
+    Args:
+        shard_logits: ``[R, V_local]`` fp32/fp16/bf16, any row stride, unit column stride. Column ``j``
+            is global id ``vocab_start + j``; columns with global id ``>= vocab_size`` (padding) never win.
+        temperatures, seeds, offsets: ``[R]`` fp32 / int64 / int64, all or none. With them, rows with
+            ``T > 0`` select on ``div_rn(x, T) + gumbel_noise(seed, offset, id, salt)``; ``T <= 0`` rows
+            are greedy.
+        out: ``[R]`` int64, written in place.
+        return_ids: write global ids (``-1`` for a shard with no valid column) instead of keys; use it
+            when this rank holds the whole vocabulary (no exchange follows).
+        block_size, num_splits: tiling (a power of two; programs per row). The result never depends
+            on them.
+        scratch: ``(slots int64 [>= R] filled with EMPTY_KEY, counts int32 [>= R] zeros)``; the kernel
+            restores them. Default: a per-device cache (launches sharing it must be stream-ordered).
+
+    Returns ``out`` (``[R]`` int64). CUDA-graph safe once the cached scratch holds ``R`` rows (any eager
+    call with ``>= R`` rows on the device) or with ``scratch=``; ``out=`` avoids the only other allocation.
+    """
+    _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, torch.int64)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
+    if not 0 <= salt <= 0xFFFFFFFF:
+        raise ValueError(f"salt: expected a uint32, got {salt}")
+    rows, width = shard_logits.shape
+    device = shard_logits.device
+    if out is None:
+        out = torch.empty((rows,), dtype=torch.int64, device=device)
+    if rows == 0:
+        return out
+    n_valid = max(0, min(width, vocab_size - vocab_start))
+    splits, chunk = plan_splits(rows, n_valid, device, block_size, num_splits)
+    if splits > 1:
+        if scratch is None:
+            scratch = _scratch(device, rows)
+        slots, counts = scratch
+        if slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32:
+            raise ValueError(f"scratch: expected (int64 [>= {rows}], int32 [>= {rows}]), got "
+                             f"({slots.dtype} {tuple(slots.shape)}, {counts.dtype} {tuple(counts.shape)})")
+    else:
+        slots, counts = out, out  # never read: SPLIT is off
+    sample = temperatures is not None
+    stride_row = shard_logits.stride(0) if rows > 1 else width
+    _shard_select_kernel[(rows, splits)](
+        shard_logits,
+        temperatures if sample else out,
+        seeds if sample else out,
+        offsets if sample else out,
+        out,
+        slots,
+        counts,
+        stride_row,
+        n_valid,
+        vocab_start,
+        chunk,
+        splits,
+        BLOCK=block_size,
+        SAMPLE=sample,
+        SPLIT=splits > 1,
+        OUT_IDS=return_ids,
+        SALT=salt,
+        num_warps=4 if block_size <= 1024 else 8,
+    )
+    return out
+
+
+def shard_select_keys_reference(
+    shard_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    temperatures: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    *,
+    salt: int = TARGET_SALT,
+    return_ids: bool = False,
+) -> torch.Tensor:
+    """Eager twin of :func:`shard_select_keys` (``[R, V_local]`` -> ``[R]`` int64).
+
+    Bit-identical for greedy rows. For sampled rows the uniforms and ``div_rn`` match exactly but the
+    logs are torch's, which may differ from the kernel's ``tl.log`` by an ulp on GPU.
+    """
+    _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, None, torch.int64)
+    rows, width = shard_logits.shape
+    device = shard_logits.device
+    n_valid = max(0, min(width, vocab_size - vocab_start))
+    if n_valid == 0 or rows == 0:
+        keys = torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=device)
+    else:
+        x = shard_logits[:, :n_valid].float()
+        if temperatures is not None:
+            gid = torch.arange(vocab_start, vocab_start + n_valid, device=device, dtype=torch.int64)[None, :]
+            g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
+            greedy = (temperatures <= 0)[:, None]
+            t = torch.where(greedy, torch.ones_like(temperatures[:, None]), temperatures[:, None])
+            x = torch.where(greedy, x, x / t + g)
+        ords = ordered_i32_torch(x).to(torch.int64)
+        best = ords.max(dim=1).values
+        col = (ords == best[:, None]).to(torch.uint8).argmax(dim=1)
+        keys = pack_key_torch(best.to(torch.int32), col + vocab_start)
+    return key_to_id_torch(keys) if return_ids else keys

@@ -1,0 +1,561 @@
+"""Vocab-parallel target and draft token selection.
+
+With a COLUMN-parallel LM head every TP rank holds the logits of its vocabulary shard. Instead of
+all-gathering ``[R, V]`` and running the same selection on every rank, each rank reduces its shard to
+one int64 selection key per row (:func:`tensorrt_llm_ext.kernels.shard_select.shard_select_keys`, one
+launch) and the :class:`~tensorrt_llm_ext.distributed.PairExchange` (one all-reduce MAX over ``[R]``
+int64) picks the winner. The chosen ids are exactly those of the gathered path: ``torch.argmax`` order
+(first NaN, then the maximum, ties to the lowest global id) and, for sampling, the same keyed
+Gumbel-max noise per global id at every TP size.
+
+Layers, bottom up:
+
+* functional: :func:`vocab_parallel_argmax`, :func:`gumbel_sample`, :func:`draft_tokens_from_shard` and
+  their gathered twins :func:`gathered_argmax`, :func:`gathered_gumbel_sample` (the reference that
+  "bit-exact to the gathered path" is checked against);
+* :class:`VocabShardedLogits`: a shard with the facts needed to index it;
+* :class:`VocabParallelHead`: an eligible :class:`LMHead` + exchange;
+* :class:`VocabParallelSelection`: the decision, made once after load, agreed across ranks, logged;
+* :class:`VocabParallelSelector` (the component a worker base holds) and
+  :class:`VocabParallelSelectionMixin` (its thin worker-side face).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from tensorrt_llm_ext.distributed import PairExchange, agree_any, allgather
+from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
+from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
+from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.modules.lm_head import LMHead
+from tensorrt_llm_ext.modules.linear import TensorParallelMode
+from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
+
+__all__ = [
+    "DRAFT_SALT", "TARGET_SALT", "RequestSampling", "SelectionMode", "SelectionParams", "VocabParallelHead",
+    "VocabParallelSelection", "VocabParallelSelectionMixin", "VocabParallelSelector", "VocabShardedLogits",
+    "draft_tokens_from_shard", "gathered_argmax", "gathered_gumbel_sample", "gumbel_sample",
+    "needs_full_vocab", "needs_gathered_logits", "vocab_parallel_argmax",
+]
+
+_ID_MASK = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------------
+# Functional layer
+# ----------------------------------------------------------------------------------------------------
+def _rows_2d(shard_logits: torch.Tensor) -> torch.Tensor:
+    if not isinstance(shard_logits, torch.Tensor) or shard_logits.dim() < 2:
+        got = tuple(shard_logits.shape) if isinstance(shard_logits, torch.Tensor) else type(shard_logits).__name__
+        raise ValueError(f"shard_logits: expected a tensor [R, V_shard] (or [..., V_shard]), got {got}")
+    return shard_logits if shard_logits.dim() == 2 else shard_logits.reshape(-1, shard_logits.shape[-1])
+
+
+def _check_exchange(exchange: PairExchange | None) -> bool:
+    """True when a cross-rank exchange follows (tp > 1)."""
+    if exchange is None:
+        return False
+    if not isinstance(exchange, PairExchange):
+        raise ValueError(f"exchange: expected a PairExchange or None, got {type(exchange).__name__}")
+    return not exchange.is_identity
+
+
+def _select(shard_logits, vocab_start, vocab_size, exchange, temperatures, seeds, offsets, salt, out):
+    x = _rows_2d(shard_logits)
+    if out is not None and out.dim() != 1:
+        out_flat = out.view(-1)  # [B, K] -> [B*K]; a view keeps the write in place
+    else:
+        out_flat = out
+    if not _check_exchange(exchange):
+        # This rank holds every candidate: the kernel writes ids directly.
+        ids = shard_select_keys(x, vocab_start, vocab_size, temperatures, seeds, offsets, salt=salt,
+                                out=out_flat, return_ids=True)
+        return out if out is not None else ids
+    keys = shard_select_keys(x, vocab_start, vocab_size, temperatures, seeds, offsets, salt=salt, out=out_flat)
+    exchange.exchange_(keys)
+    # id = 0xFFFFFFFF - (key & 0xFFFFFFFF) == ~key & 0xFFFFFFFF; in place, no EMPTY_KEY after the
+    # exchange since the shards together cover the vocabulary.
+    torch.bitwise_not(keys, out=keys)
+    keys.bitwise_and_(_ID_MASK)
+    return out if out is not None else keys
+
+
+def vocab_parallel_argmax(
+    shard_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    exchange: PairExchange | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy ids over the whole vocabulary from this rank's shard: ``[R, V_shard] -> [R]`` int64.
+
+    Equal to ``torch.argmax(gathered_logits[:, :vocab_size], -1)`` bit for bit (first NaN, max, lowest id).
+    Padded columns (global id ``>= vocab_size``) never win. ``exchange=None`` (or tp 1): this rank holds
+    the whole vocabulary. One kernel launch + one ``[R]`` int64 all-reduce MAX; ``out`` (``[R]`` int64)
+    is written in place. CUDA-graph safe (see :func:`shard_select_keys` for the split scratch).
+    """
+    return _select(shard_logits, vocab_start, vocab_size, exchange, None, None, None, TARGET_SALT, out)
+
+
+def gumbel_sample(
+    shard_logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    exchange: PairExchange | None = None,
+    *,
+    salt: int = TARGET_SALT,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Keyed Gumbel-max sampling from this rank's shard: ``[R, V_shard] -> [R]`` int64.
+
+    ``token = argmax(div_rn(x, T) + G(seed, offset, global id, salt))`` per row, fp32; rows with
+    ``temperatures <= 0`` are greedy (plain argmax), so a batch may mix greedy and sampled rows.
+    ``temperatures`` ``[R]`` fp32, ``seeds`` / ``offsets`` ``[R]`` int64 (the request's seed and the
+    position of the draw; change the offset per step). The draw depends on the global id only, hence is
+    the same at every TP size. One launch + one collective; CUDA-graph safe.
+    """
+    return _select(shard_logits, vocab_start, vocab_size, exchange, temperatures, seeds, offsets, salt, out)
+
+
+def draft_tokens_from_shard(
+    block_shard_logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    exchange: PairExchange | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy draft tokens through the target head: ``[B, K, V_shard] -> [B, K]`` int64 (``out`` in place)."""
+    if not isinstance(block_shard_logits, torch.Tensor) or block_shard_logits.dim() != 3:
+        got = tuple(block_shard_logits.shape) if isinstance(block_shard_logits, torch.Tensor) else block_shard_logits
+        raise ValueError(f"block_shard_logits: expected [B, K, V_shard], got {got}")
+    b, k, _ = block_shard_logits.shape
+    if out is not None and (tuple(out.shape) != (b, k) or out.dtype != torch.int64 or not out.is_contiguous()):
+        raise ValueError(f"out: expected contiguous ({b}, {k}) int64, got {tuple(out.shape)} {out.dtype}")
+    ids = _select(block_shard_logits, vocab_start, vocab_size, exchange, None, None, None, DRAFT_SALT, out)
+    return ids.view(b, k)
+
+
+def _gather_full(shard_logits: torch.Tensor, vocab_size: int, mapping: Mapping | None) -> torch.Tensor:
+    full = shard_logits if mapping is None or mapping.tp_size == 1 else allgather(shard_logits, mapping, dim=-1)
+    if full.shape[-1] < vocab_size:
+        raise ValueError(f"gathered logits: expected >= {vocab_size} columns, got {full.shape[-1]}")
+    return full[..., :vocab_size]
+
+
+def gathered_argmax(shard_logits: torch.Tensor, vocab_size: int, mapping: Mapping | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gathered path: all-gather the shards, then the same kernel on the full row (no exchange)."""
+    return vocab_parallel_argmax(_gather_full(shard_logits, vocab_size, mapping), 0, vocab_size, None, out=out)
+
+
+def gathered_gumbel_sample(shard_logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                           offsets: torch.Tensor, vocab_size: int, mapping: Mapping | None = None, *,
+                           salt: int = TARGET_SALT, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gathered twin of :func:`gumbel_sample` (all-gather, then the same kernel, no exchange)."""
+    full = _gather_full(shard_logits, vocab_size, mapping)
+    return gumbel_sample(full, temperatures, seeds, offsets, 0, vocab_size, None, salt=salt, out=out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shard logits and the head
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VocabShardedLogits:
+    """This rank's vocabulary shard of some logits, with what is needed to index it.
+
+    ``logits [..., shard_width]``: column ``j`` is global id ``vocab_start + j``; columns with global id
+    ``>= vocab_size`` are padding (only the last shard has any) and never selected.
+    """
+
+    logits: torch.Tensor
+    vocab_start: int
+    vocab_size: int
+    padded_vocab_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.logits, torch.Tensor) or self.logits.dim() < 1:
+            raise ValueError("VocabShardedLogits.logits: expected a tensor [..., V_shard]")
+        width = self.logits.shape[-1]
+        if not 0 < self.vocab_size <= MAX_VOCAB:
+            raise ValueError(f"VocabShardedLogits.vocab_size: expected in [1, {MAX_VOCAB}], got {self.vocab_size}")
+        if not 0 <= self.vocab_start < self.vocab_size:
+            raise ValueError(f"VocabShardedLogits.vocab_start: expected in [0, {self.vocab_size}), "
+                             f"got {self.vocab_start}")
+        if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % width != 0:
+            raise ValueError(f"VocabShardedLogits.padded_vocab_size: expected >= vocab_size={self.vocab_size} "
+                             f"and a multiple of the shard width {width}, got {self.padded_vocab_size}")
+        if self.vocab_start % width != 0 or self.vocab_start + width > self.padded_vocab_size:
+            raise ValueError(f"VocabShardedLogits: shard [{self.vocab_start}, {self.vocab_start + width}) is "
+                             f"not a shard of the padded vocabulary [0, {self.padded_vocab_size})")
+
+    @property
+    def shard_width(self) -> int:
+        return self.logits.shape[-1]
+
+    @property
+    def tp_size(self) -> int:
+        return self.padded_vocab_size // self.shard_width
+
+    @property
+    def num_valid(self) -> int:
+        """Columns of this shard that are real vocabulary."""
+        return min(self.shard_width, self.vocab_size - self.vocab_start)
+
+
+class VocabParallelHead:
+    """An eligible COLUMN-parallel :class:`LMHead` plus the pair exchange of its TP group.
+
+    Created once after load (by :class:`VocabParallelSelector`); every method is CUDA-graph safe.
+    """
+
+    def __init__(self, lm_head: LMHead, exchange: PairExchange):
+        if not isinstance(lm_head, LMHead) or lm_head.tp_mode != TensorParallelMode.COLUMN:
+            raise ValueError("VocabParallelHead: expected a COLUMN-parallel LMHead")
+        if lm_head.quantized:
+            raise ValueError("VocabParallelHead: a quantized LM head is not supported")
+        if exchange.tp_size != lm_head.tp_size:
+            raise ValueError(f"VocabParallelHead: exchange tp_size {exchange.tp_size} != head tp_size {lm_head.tp_size}")
+        self.lm_head = lm_head
+        self.exchange = exchange
+        self.mapping = lm_head.mapping
+
+    @property
+    def vocab_start(self) -> int:
+        return self.lm_head.vocab_start
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.lm_head.padded_vocab_size
+
+    def wrap(self, shard: torch.Tensor) -> VocabShardedLogits:
+        return VocabShardedLogits(shard, self.vocab_start, self.vocab_size, self.padded_vocab_size)
+
+    def _unwrap(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
+        if isinstance(shard, VocabShardedLogits):
+            if (shard.vocab_start, shard.vocab_size, shard.padded_vocab_size) != (
+                    self.vocab_start, self.vocab_size, self.padded_vocab_size):
+                raise ValueError(f"VocabParallelHead: shard [{shard.vocab_start}, +{shard.shard_width}) of "
+                                 f"V={shard.vocab_size} is not this head's [{self.vocab_start}, "
+                                 f"+{self.lm_head.shard_width}) of V={self.vocab_size}")
+            return shard.logits
+        if shard.shape[-1] != self.lm_head.shard_width:
+            raise ValueError(f"VocabParallelHead: expected shard logits [..., {self.lm_head.shard_width}], "
+                             f"got {tuple(shard.shape)}")
+        return shard
+
+    def shard_logits(self, hidden: torch.Tensor) -> VocabShardedLogits:
+        """``hidden [..., H]`` -> this rank's shard ``[..., V_padded / tp]`` (no gather)."""
+        return self.wrap(self.lm_head.shard_forward(hidden))
+
+    def argmax(self, shard: VocabShardedLogits | torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return vocab_parallel_argmax(self._unwrap(shard), self.vocab_start, self.vocab_size, self.exchange, out=out)
+
+    def sample(self, shard: VocabShardedLogits | torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+               offsets: torch.Tensor, *, salt: int = TARGET_SALT, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gumbel_sample(self._unwrap(shard), temperatures, seeds, offsets, self.vocab_start, self.vocab_size,
+                             self.exchange, salt=salt, out=out)
+
+    def draft_tokens(self, block_shard: VocabShardedLogits | torch.Tensor, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, K, V_shard]`` -> ``[B, K]`` greedy draft tokens."""
+        return draft_tokens_from_shard(self._unwrap(block_shard), self.vocab_start, self.vocab_size, self.exchange,
+                                       out=out)
+
+    def gather(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
+        """The fallback: all-gather to the full ``[..., V]`` logits (padding sliced off)."""
+        return _gather_full(self._unwrap(shard), self.vocab_size, self.mapping)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The decision, made once after load
+# ----------------------------------------------------------------------------------------------------
+class SelectionMode(str, enum.Enum):
+    AUTO = "auto"  # vocab-parallel where eligible, else the gathered path (reason logged)
+    ON = "on"  # like AUTO, but an ineligible target is an error instead of a fallback
+    OFF = "off"  # always the gathered path
+
+
+class _Check(enum.Enum):
+    """Eligibility checks in the order they are evaluated; the first that fails is the reason."""
+
+    MODE_OFF = "vocab-parallel selection is off (mode='off')"
+    TP_ONE = "tp_size == 1: nothing is gathered, nothing to gain"
+    ATTENTION_DP = "attention DP: the head is not vocab-sharded over a plain TP group"
+    HEAD_NOT_COLUMN = "the LM head is not a COLUMN-parallel LMHead with gather_output"
+    HEAD_QUANTIZED = "the LM head is quantized"
+    HEAD_UNEVEN = "the LM head is unevenly sharded (vocab % tp != 0, padded last shard)"
+    VOCAB_TOO_LARGE = "vocab >= 2^32 does not fit the int64 selection key"
+    CUSTOM_LOGITS_PROCESSOR = "the model has its own logits processor (not the plain LogitsProcessor)"
+    OCCURRENCE_PENALTIES = "occurrence penalties need the full-vocabulary logits"
+    GUIDED_DECODER = "a guided decoder masks the full-vocabulary logits"
+    DRAFTER_OWN_HEAD = "the drafter does not draft through the target's LM head"
+
+
+_HEAD_CHECKS = (_Check.HEAD_NOT_COLUMN, _Check.HEAD_QUANTIZED, _Check.HEAD_UNEVEN, _Check.VOCAB_TOO_LARGE)
+
+
+def _head_failures(lm_head) -> dict[_Check, bool]:
+    if not isinstance(lm_head, LMHead):
+        return {_Check.HEAD_NOT_COLUMN: True, _Check.HEAD_QUANTIZED: False, _Check.HEAD_UNEVEN: False,
+                _Check.VOCAB_TOO_LARGE: False}
+    return {
+        _Check.HEAD_NOT_COLUMN: lm_head.tp_mode != TensorParallelMode.COLUMN or not lm_head.gather_output,
+        _Check.HEAD_QUANTIZED: bool(lm_head.quantized),
+        _Check.HEAD_UNEVEN: not lm_head.is_evenly_sharded,
+        _Check.VOCAB_TOO_LARGE: lm_head.padded_vocab_size > MAX_VOCAB,
+    }
+
+
+def local_target_failures(mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
+                          occurrence_penalties: bool = False, mode: str = "auto") -> dict[_Check, bool]:
+    """This rank's target-side checks (no collective); ``True`` = the check fails here."""
+    mode = SelectionMode(mode)
+    failures = {
+        _Check.MODE_OFF: mode == SelectionMode.OFF,
+        _Check.TP_ONE: mapping.tp_size == 1,
+        _Check.ATTENTION_DP: mapping.enable_attention_dp,
+    }
+    failures.update(_head_failures(lm_head))
+    failures.update({
+        # Exactly the plain class: a subclass may transform the logits.
+        _Check.CUSTOM_LOGITS_PROCESSOR: type(logits_processor) is not LogitsProcessor,
+        _Check.OCCURRENCE_PENALTIES: bool(occurrence_penalties),
+        _Check.GUIDED_DECODER: guided_decoder is not None,
+    })
+    return failures
+
+
+def local_draft_failures(mapping: Mapping, lm_head, drafter_lm_head, *, mode: str = "auto") -> dict[_Check, bool]:
+    """This rank's draft-side checks: the drafter drafts greedily through the target's own (eligible) head."""
+    mode = SelectionMode(mode)
+    failures = {
+        _Check.MODE_OFF: mode == SelectionMode.OFF,
+        _Check.TP_ONE: mapping.tp_size == 1,
+        _Check.ATTENTION_DP: mapping.enable_attention_dp,
+        _Check.DRAFTER_OWN_HEAD: drafter_lm_head is None or drafter_lm_head is not lm_head,
+    }
+    failures.update(_head_failures(lm_head))
+    return failures
+
+
+# Checks whose inputs are identical on every rank by construction need no agreement.
+_UNIFORM = {_Check.MODE_OFF, _Check.TP_ONE, _Check.ATTENTION_DP}
+
+
+def _first_agreed_failure(mapping: Mapping, failures: dict[_Check, bool]) -> _Check | None:
+    """The first check that fails on ANY rank; every rank walks the same checks, so the same collectives."""
+    for check, failed in failures.items():
+        if check in _UNIFORM or mapping.tp_size == 1:
+            if failed:
+                return check
+            continue
+        if agree_any(mapping, failed):
+            return check
+    return None
+
+
+@dataclass(frozen=True)
+class VocabParallelSelection:
+    """Whether target and draft token selection run vocab-parallel, and why (identical on every rank)."""
+
+    target_enabled: bool
+    draft_enabled: bool
+    target_reason: str
+    draft_reason: str
+    tp_size: int = 1
+
+    @classmethod
+    def decide(cls, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
+               occurrence_penalties: bool = False, mode: str = "auto",
+               drafter_lm_head=None) -> "VocabParallelSelection":
+        """Decide once after load (a few tiny CPU collectives when tp > 1: call on every rank).
+
+        Target side first (plain ``LogitsProcessor`` only, never with a guided decoder), then the draft
+        side (only once the drafter has taken over the target's head). ``mode='on'`` raises instead of
+        falling back for the target side.
+        """
+        mode = SelectionMode(mode)
+        t_fail = _first_agreed_failure(mapping, local_target_failures(
+            mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
+            occurrence_penalties=occurrence_penalties, mode=mode))
+        if t_fail is not None and mode == SelectionMode.ON:
+            raise ValueError(f"vocab-parallel selection forced on (mode='on') but not possible: {t_fail.value}")
+        d_fail = _first_agreed_failure(mapping, local_draft_failures(mapping, lm_head, drafter_lm_head, mode=mode))
+        decision = cls(
+            target_enabled=t_fail is None,
+            draft_enabled=d_fail is None,
+            target_reason="eligible" if t_fail is None else t_fail.value,
+            draft_reason="eligible" if d_fail is None else d_fail.value,
+            tp_size=mapping.tp_size,
+        )
+        logger.info(decision.describe())
+        return decision
+
+    def describe(self) -> str:
+        t = "vocab-parallel" if self.target_enabled else f"gathered ({self.target_reason})"
+        d = "vocab-parallel" if self.draft_enabled else f"gathered ({self.draft_reason})"
+        return f"token selection at tp={self.tp_size}: target {t}; draft {d}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per batch
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestSampling:
+    """What token selection needs to know about one request."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    return_logprobs: bool = False
+    has_logits_post_processor: bool = False
+
+
+def needs_full_vocab(request: RequestSampling) -> bool:
+    """True when the request's token cannot be picked from the shards (it takes the gathered path):
+    a logits post-processor, logprobs, or top-k (> 1) / top-p (< 1) filtering."""
+    return (request.has_logits_post_processor or request.return_logprobs
+            or (request.top_k is not None and request.top_k > 1)
+            or (request.top_p is not None and request.top_p < 1.0))
+
+
+def needs_gathered_logits(requests) -> bool:
+    """The engine gathers a step's shard logits only when some request has a logits post-processor."""
+    return any(r.has_logits_post_processor for r in requests)
+
+
+@dataclass(frozen=True)
+class SelectionParams:
+    """One batch's selection inputs. ``temperatures=None``: all rows greedy.
+
+    ``temperatures`` ``[R]`` fp32 (``0`` = greedy row), ``seeds`` / ``offsets`` ``[R]`` int64, device
+    tensors prepared before capture (slot-indexed state).
+    """
+
+    temperatures: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    salt: int = TARGET_SALT
+
+
+class VocabParallelSelector:
+    """The component a worker base holds: bound once after load, then selects tokens every step."""
+
+    def __init__(self) -> None:
+        self.selection: VocabParallelSelection | None = None
+        self.lm_head: LMHead | None = None
+        self.logits_processor = None
+        self.target_head: VocabParallelHead | None = None
+        self.draft_head: VocabParallelHead | None = None
+
+    @property
+    def is_bound(self) -> bool:
+        return self.selection is not None
+
+    def bind(self, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
+             occurrence_penalties: bool = False, mode: str = "auto",
+             drafter_lm_head=None) -> VocabParallelSelection:
+        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load."""
+        if self.selection is not None:
+            raise RuntimeError("VocabParallelSelector.bind: already bound (the decision is made once)")
+        selection = VocabParallelSelection.decide(
+            mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
+            occurrence_penalties=occurrence_penalties, mode=mode, drafter_lm_head=drafter_lm_head)
+        exchange = PairExchange(mapping) if (selection.target_enabled or selection.draft_enabled) else None
+        self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
+        self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
+        self.lm_head = lm_head
+        self.logits_processor = logits_processor
+        self.selection = selection
+        return selection
+
+    def _require_bound(self) -> None:
+        if self.selection is None:
+            raise RuntimeError("VocabParallelSelector: call bind() once after load first")
+
+    def target_logits(self, hidden_states: torch.Tensor,
+                      row_indices: torch.Tensor | None = None) -> VocabShardedLogits | torch.Tensor:
+        """The step's target logits: this rank's shard when bound vocab-parallel, else the processor's."""
+        self._require_bound()
+        if self.target_head is not None:
+            if row_indices is not None:
+                hidden_states = hidden_states.index_select(0, row_indices)
+            return self.target_head.shard_logits(hidden_states)
+        return self.logits_processor(hidden_states, self.lm_head, row_indices)
+
+    def full_logits(self, logits: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary ``[..., V]`` logits for the gathered sampler (gathers a shard)."""
+        self._require_bound()
+        if isinstance(logits, VocabShardedLogits):
+            return _gather_full(logits.logits, logits.vocab_size, self.lm_head.mapping)
+        return logits
+
+    def select_tokens(self, logits: VocabShardedLogits | torch.Tensor, params: SelectionParams | None = None, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy / temperature-only Gumbel selection: ``[R, V_shard]`` shard or ``[R, V]`` full -> ``[R]``.
+
+        Batches with a request that :func:`needs_full_vocab` go to the gathered sampler via
+        :meth:`full_logits` instead. CUDA-graph safe.
+        """
+        self._require_bound()
+        params = params or SelectionParams()
+        if isinstance(logits, VocabShardedLogits):
+            if self.target_head is None:
+                raise ValueError("select_tokens: got shard logits but the target side is not vocab-parallel")
+            x, start, vocab, exchange = self.target_head._unwrap(logits), logits.vocab_start, logits.vocab_size, \
+                self.target_head.exchange
+        else:
+            x, start, vocab, exchange = logits, 0, logits.shape[-1], None
+        if params.temperatures is None:
+            return vocab_parallel_argmax(x, start, vocab, exchange, out=out)
+        return gumbel_sample(x, params.temperatures, params.seeds, params.offsets, start, vocab, exchange,
+                             salt=params.salt, out=out)
+
+    def draft_tokens(self, block_logits: VocabShardedLogits | torch.Tensor, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy draft tokens ``[B, K]`` from block logits: a ``[B, K, V_shard]`` shard (draft side bound)
+        or full ``[B, K, V]`` logits."""
+        self._require_bound()
+        if isinstance(block_logits, VocabShardedLogits):
+            if self.draft_head is None:
+                raise ValueError("draft_tokens: got shard logits but the draft side is not vocab-parallel")
+            return self.draft_head.draft_tokens(block_logits, out=out)
+        return draft_tokens_from_shard(block_logits, 0, block_logits.shape[-1], None, out=out)
+
+
+class VocabParallelSelectionMixin:
+    """Worker-side face of :class:`VocabParallelSelector`: the post-load hook calls
+    :meth:`bind_vocab_parallel` once; the step calls :meth:`select_tokens`."""
+
+    vocab_parallel: VocabParallelSelector | None = None
+
+    def bind_vocab_parallel(self, mapping: Mapping, lm_head, logits_processor, **kwargs) -> VocabParallelSelection:
+        selector = VocabParallelSelector()
+        selection = selector.bind(mapping, lm_head, logits_processor, **kwargs)
+        self.vocab_parallel = selector
+        return selection
+
+    def _selector(self) -> VocabParallelSelector:
+        if self.vocab_parallel is None:
+            raise RuntimeError("bind_vocab_parallel() must run once after load before selecting tokens")
+        return self.vocab_parallel
+
+    def target_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor | None = None):
+        return self._selector().target_logits(hidden_states, row_indices)
+
+    def select_tokens(self, logits, params: SelectionParams | None = None, *, out: torch.Tensor | None = None):
+        return self._selector().select_tokens(logits, params, out=out)
