@@ -1,0 +1,418 @@
+"""Reference DSpark block drafter (MLA-style single latent) with drafter TP fusion.
+
+Data flow of one step (shape letters: N context positions, B requests, K block length, H hidden,
+F = n_cap * H_t captured target features, L drafter layers, d_c latent width, V vocabulary):
+
+1. Context: :meth:`DSparkDrafter.compute_context_latents` ``features [N, F] -> latents [N, L, d_c]``:
+   ``ctx = hidden_norm(fc(features))`` ``[N, H]`` then ONE GEMM with ``kv_a_proj.weight [L*d_c, H]``
+   (every layer's latent projection). The worker stores them into the paged pool with its own
+   store kernel; the drafter never writes context latents.
+2. Block decode: :meth:`DSparkDrafter.forward_block` embeds ``[anchor, MASK, ...]``, and in each layer
+   projects the block's own latents (``kv_a_proj`` rows of that layer, applied to the input-normed
+   block hidden), **writes them into the pool at the placement's pages/offsets** (the only pool write
+   the drafter does), then attends over the context latents (``< ctx_len``, via the block table) plus
+   the block's own latents (bidirectional), then the MLP. It returns the final-normed hidden states
+   ``[B, K, H]``; the worker applies the LM head it owns (vocab-parallel or gathered) and runs the
+   Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
+
+TP layout (``Mapping.is_plain_tp``): heads split over ranks (column-parallel ``q_proj``/``k_up``/``v_up``,
+row-parallel ``o_proj``), MLP column-parallel gate/up, row-parallel down; ``fc``, ``kv_a_proj``, the
+norms and the embedding are replicated unless the plan splits ``fc``. Under attention DP every module is
+replicated (no TP inside the drafter). The fusions are declared by the CLASS (``tp_fusions``) and
+resolved once at build into :attr:`DSparkDrafter.tp_plan` (a frozen :class:`DrafterTPPlan`):
+
+* ``fc_input_split``: ``fc`` keeps this rank's input-feature slice (weight ``[H, F/tp]``), multiplies
+  the rank's slice of the features, and one all-reduce with ``RMS_NORM`` fusion sums the partials and
+  applies ``hidden_norm``. An ``F`` that does not split over tp keeps the whole ``fc`` (logged once).
+* ``residual_norm_fusion``: ``o_proj``/``down_proj`` return un-reduced partials and each all-reduce is
+  fused with the residual add and the following RMSNorm (``RESIDUAL_RMS_NORM``): post-attention norm,
+  the next layer's input norm, the final norm. Unfused: reduced output, then ``RMSNorm(x, residual)``.
+
+Only rounding changes between the plans (sum order of the reductions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorrt_llm_ext.distributed import AllReduce, AllReduceFusionOp, AllReduceParams
+from tensorrt_llm_ext.logger import info_once
+from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.modules.attention import (gather_context_latents, read_block_latents,
+                                                single_latent_block_attention, write_block_latents)
+from tensorrt_llm_ext.modules.embedding import Embedding
+from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
+from tensorrt_llm_ext.modules.rms_norm import RMSNorm
+from tensorrt_llm_ext.speculative.contract import (NO_TP_FUSIONS, DrafterBlockInputs, DrafterCapabilities,
+                                                   DrafterTPFusions, DrafterTPPlan, MarkovHeadWeights)
+
+
+@dataclass(frozen=True)
+class DSparkDrafterConfig:
+    """Sizes of the drafter. ``F = num_capture_layers * target_hidden_size`` is fc's input width."""
+
+    hidden_size: int = 64  # H
+    target_hidden_size: int = 40  # H_t, width of one captured target layer
+    num_capture_layers: int = 3  # n_cap, target layers concatenated into fc's input
+    num_layers: int = 2  # L
+    num_heads: int = 4
+    head_dim: int = 16  # D (RoPE over the whole head)
+    latent_dim: int = 32  # d_c, the single latent per position and layer
+    intermediate_size: int = 96
+    vocab_size: int = 1031  # V
+    markov_rank: int = 8  # r
+    mask_token_id: int = 1030
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "target_hidden_size", "num_capture_layers", "num_layers", "num_heads",
+                     "head_dim", "latent_dim", "intermediate_size", "vocab_size", "markov_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DSparkDrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"DSparkDrafterConfig.head_dim must be even (RoPE), got {self.head_dim}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_capture_layers * self.target_hidden_size
+
+
+def resolve_drafter_tp_plan(declared: DrafterTPFusions, mapping: Mapping, fc_in_features: int,
+                            owner: str = "drafter") -> DrafterTPPlan:
+    """The immutable TP plan of a drafter class's declaration under ``mapping`` (no side effects)."""
+    if mapping.tp_size == 1:
+        return DrafterTPPlan(False, False, "tp_size=1: no all-reduce to fuse")
+    if mapping.enable_attention_dp:
+        return DrafterTPPlan(False, False, "attention DP: the drafter is replicated, no TP all-reduce")
+    if declared == NO_TP_FUSIONS:
+        return DrafterTPPlan(False, False, f"{owner} declares no TP fusions: whole fc, unfused norms")
+    split = declared.fc_input_split
+    notes = []
+    if split and fc_in_features % mapping.tp_size != 0:
+        split = False
+        notes.append(f"fc input width {fc_in_features} does not split over tp_size={mapping.tp_size}: "
+                     "keeping the unsplit fc and hidden_norm")
+    elif split:
+        notes.append(f"fc split along input features ({fc_in_features // mapping.tp_size} per rank), "
+                     "all-reduce fused with hidden_norm")
+    if declared.residual_norm_fusion:
+        notes.append("o_proj/down_proj all-reduces fused with residual add + RMSNorm")
+    return DrafterTPPlan(split, declared.residual_norm_fusion,
+                         f"{owner} at tp_size={mapping.tp_size}: " + "; ".join(notes or ["no fusion declared"]))
+
+
+class SingleLatentAttention(nn.Module):
+    """Per-layer attention weights: q, per-head K/V up-projections of the latent, output projection."""
+
+    def __init__(self, cfg: DSparkDrafterConfig, mapping: Mapping, tp_mode_ok: bool, reduce_o: bool,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        col = TensorParallelMode.COLUMN if tp_mode_ok else None
+        row = TensorParallelMode.ROW if tp_mode_ok else None
+        qdim = cfg.num_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, qdim, dtype=dtype, device=device, mapping=mapping,
+                             tensor_parallel_mode=col)
+        self.k_up_proj = Linear(cfg.latent_dim, qdim, dtype=dtype, device=device, mapping=mapping,
+                                tensor_parallel_mode=col)
+        self.v_up_proj = Linear(cfg.latent_dim, qdim, dtype=dtype, device=device, mapping=mapping,
+                                tensor_parallel_mode=col)
+        self.o_proj = Linear(qdim, cfg.hidden_size, dtype=dtype, device=device, mapping=mapping,
+                             tensor_parallel_mode=row, reduce_output=reduce_o)
+        self.num_local_heads = self.q_proj.local_out_features // cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, kv_a_weight: torch.Tensor, pool_layer: torch.Tensor,
+                inputs: DrafterBlockInputs) -> torch.Tensor:
+        """``x [B, K, H]`` (input-normed) -> o_proj output ``[B, K, H]`` (partial when not reducing).
+
+        Writes the block's latents of this layer into ``pool_layer`` at ``inputs.placement``.
+        """
+        b, k, _ = x.shape
+        q = self.q_proj(x).view(b, k, self.num_local_heads, self.head_dim)
+        write_block_latents(pool_layer, inputs.placement, F.linear(x, kv_a_weight))
+        block_latents = read_block_latents(pool_layer, inputs.placement)
+        ctx_latents, ctx_valid = gather_context_latents(pool_layer, inputs.cache, inputs.slot_ids,
+                                                        inputs.placement.ctx_lens)
+        o = single_latent_block_attention(q, block_latents, ctx_latents, ctx_valid, inputs.placement,
+                                          self.k_up_proj.weight, self.v_up_proj.weight, self.rope_theta,
+                                          self.scale)
+        return self.o_proj(o.reshape(b, k, self.num_local_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: DSparkDrafterConfig, mapping: Mapping, tp_mode_ok: bool, reduce_down: bool,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        col = TensorParallelMode.COLUMN if tp_mode_ok else None
+        row = TensorParallelMode.ROW if tp_mode_ok else None
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
+        self.up_proj = Linear(h, i, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
+        self.down_proj = Linear(i, h, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=row,
+                                reduce_output=reduce_down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, cfg: DSparkDrafterConfig, mapping: Mapping, tp_mode_ok: bool, fused: bool,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = SingleLatentAttention(cfg, mapping, tp_mode_ok, not fused, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(cfg, mapping, tp_mode_ok, not fused, dtype, device)
+
+
+def full_weight_shapes(cfg: DSparkDrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Names and FULL (unsharded) shapes of the drafter's state dict, in init order."""
+    h, d_c, qdim = cfg.hidden_size, cfg.latent_dim, cfg.num_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (cfg.vocab_size, h),
+        "fc.weight": (h, cfg.fc_in_features),
+        "hidden_norm.weight": (h,),
+        "kv_a_proj.weight": (cfg.num_layers * d_c, h),
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (qdim, h),
+            p + "self_attn.k_up_proj.weight": (qdim, d_c),
+            p + "self_attn.v_up_proj.weight": (qdim, d_c),
+            p + "self_attn.o_proj.weight": (h, qdim),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        })
+    shapes.update({
+        "norm.weight": (h,),
+        "markov_w1": (cfg.vocab_size, cfg.markov_rank),
+        "markov_w2": (cfg.vocab_size, cfg.markov_rank),
+    })
+    return shapes
+
+
+def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int,
+                             dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Deterministic FULL weights: one CPU fp32 generator drawn in :func:`full_weight_shapes` order.
+
+    Independent of the rank and the TP size (shard afterwards). Norm weights ``1 + 0.1 N(0,1)``, linear
+    weights ``N(0,1)/sqrt(fan_in)``, embedding ``N(0,1)``, Markov factors ``N(0,1)/sqrt(r)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in full_weight_shapes(cfg).items():
+        w = torch.randn(shape, generator=g, dtype=torch.float32)
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * w
+        elif name.startswith("markov"):
+            w = w / math.sqrt(cfg.markov_rank)
+        elif name != "embed_tokens.weight":
+            w = w / math.sqrt(shape[1])
+        out[name] = w.to(dtype)
+    return out
+
+
+class DSparkDrafter(nn.Module, DrafterCapabilities):
+    """MLA-style DSpark drafter. Declares both TP fusions; see the module docstring for the data flow.
+
+    Args:
+        config: sizes.
+        mapping: the rank layout; the TP plan is resolved from it once, here.
+        dtype, device: parameter dtype/device (the paged pool must use ``dtype``).
+    """
+
+    tp_fusions = DrafterTPFusions(fc_input_split=True, residual_norm_fusion=True)
+
+    def __init__(self, config: DSparkDrafterConfig, mapping: Mapping | None = None,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+        super().__init__()
+        mapping = mapping or Mapping()
+        cfg = config
+        self.config = cfg
+        self.mapping = mapping
+        self.dtype = dtype
+        self.tp_plan: DrafterTPPlan = resolve_drafter_tp_plan(type(self).tp_fusions, mapping,
+                                                              cfg.fc_in_features, type(self).__name__)
+        info_once(f"{type(self).__name__} TP plan: {self.tp_plan}", key=f"drafter-plan-{type(self).__name__}-"
+                  f"{mapping.tp_size}-{mapping.enable_attention_dp}-{cfg.fc_in_features}")
+        tp_mode_ok = mapping.is_plain_tp  # attention DP: the drafter is replicated
+        if tp_mode_ok:
+            for name, size in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+                if size % mapping.tp_size:
+                    raise ValueError(f"DSparkDrafter: {name}={size} must be divisible by tp_size={mapping.tp_size}")
+        fused = self.tp_plan.residual_norm_fusion
+        h = cfg.hidden_size
+        self.embed_tokens = Embedding(cfg.vocab_size, h, dtype, device, mapping)
+        if self.tp_plan.fc_input_split:
+            self.fc = Linear(cfg.fc_in_features, h, dtype=dtype, device=device, mapping=mapping,
+                             tensor_parallel_mode=TensorParallelMode.ROW, reduce_output=False)
+        else:
+            self.fc = Linear(cfg.fc_in_features, h, dtype=dtype, device=device, mapping=mapping)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.kv_a_proj = Linear(h, cfg.num_layers * cfg.latent_dim, dtype=dtype, device=device, mapping=mapping)
+        self.layers = nn.ModuleList(
+            DSparkDecoderLayer(cfg, mapping, tp_mode_ok, fused, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        # Markov factors: w1 whole (indexed by the previous global token id); w2 padded to a multiple
+        # of tp_size rows (zero rows past V), the same sharding as a column-parallel LM head.
+        self.padded_vocab_size = -(-cfg.vocab_size // mapping.tp_size) * mapping.tp_size
+        self.markov_w1 = nn.Parameter(torch.empty(cfg.vocab_size, cfg.markov_rank, dtype=dtype, device=device),
+                                      requires_grad=False)
+        self.markov_w2 = nn.Parameter(torch.zeros(self.padded_vocab_size, cfg.markov_rank, dtype=dtype,
+                                                  device=device), requires_grad=False)
+        self.all_reduce = AllReduce(mapping) if (self.tp_plan.fc_input_split or fused) else None
+        self._lm_head: nn.Module | None = None
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load FULL (unsharded) weights named as in :func:`full_weight_shapes`; each module slices its
+        rank's part. Raises ValueError on a missing, unexpected or mis-shaped entry."""
+        expected = full_weight_shapes(self.config)
+        missing = sorted(set(expected) - set(state_dict))
+        extra = sorted(set(state_dict) - set(expected))
+        if missing or extra:
+            raise ValueError(f"DSparkDrafter.load_full_state_dict: missing {missing}, unexpected {extra}")
+        for name, shape in expected.items():
+            if tuple(state_dict[name].shape) != shape:
+                raise ValueError(f"DSparkDrafter.load_full_state_dict: {name} expected {list(shape)}, "
+                                 f"got {list(state_dict[name].shape)}")
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, (Linear, RMSNorm, Embedding)):
+                mod.load_weights(state_dict[f"{mod_name}.weight"].to(self.dtype))
+        with torch.no_grad():
+            self.markov_w1.copy_(state_dict["markov_w1"])
+            self.markov_w2.zero_()
+            self.markov_w2[: self.config.vocab_size].copy_(state_dict["markov_w2"])
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init: the same FULL weights on every rank and TP size, then sliced."""
+        self.load_full_state_dict(generate_full_state_dict(self.config, seed, self.dtype))
+
+    def take_over_lm_head(self, lm_head: nn.Module) -> None:
+        """Use the target's LM head (the drafter has none). Kept unregistered: not in the state dict."""
+        object.__setattr__(self, "_lm_head", lm_head)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if self._lm_head is None:
+            raise RuntimeError("DSparkDrafter has no LM head of its own; call take_over_lm_head(target_head)")
+        return self._lm_head
+
+    def markov_head_weights(self, vocab_parallel: bool | None = None) -> MarkovHeadWeights:
+        """The Markov factors for the worker's chain (views, no copy).
+
+        ``vocab_parallel`` (default ``mapping.is_plain_tp``): ``markov_w2`` is this rank's rows of the
+        padded vocabulary, ``[V_pad/tp, r]`` from ``vocab_start = tp_rank * V_pad/tp`` (zero rows past
+        V); otherwise the whole ``[V, r]``.
+        """
+        if vocab_parallel is None:
+            vocab_parallel = self.mapping.is_plain_tp
+        w2 = self.markov_w2[: self.config.vocab_size]
+        start = 0
+        if vocab_parallel and self.mapping.tp_size > 1:
+            start, end = shard_range(self.padded_vocab_size, self.mapping.tp_size, self.mapping.tp_rank)
+            w2 = self.markov_w2[start:end]
+        return MarkovHeadWeights(markov_w1=self.markov_w1, markov_w2=w2, vocab_start=start,
+                                 vocab_size=self.config.vocab_size)
+
+    # -- sizes the worker needs ------------------------------------------------------------------
+    @property
+    def num_latent_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def latent_dim(self) -> int:
+        return self.config.latent_dim
+
+    def latent_pool_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+        """``[L, num_pages, page_size, d_c]`` for :class:`PagedLatentCache.pool` (dtype = drafter dtype)."""
+        return (self.config.num_layers, num_pages, page_size, self.config.latent_dim)
+
+    # -- forward -------------------------------------------------------------------------------
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(features))``: ``[N, F] -> [N, H]``; identical on every rank.
+
+        Split plan: this rank's ``[N, F/tp]`` slice times its fc slice, one all-reduce with RMS_NORM
+        fusion. Otherwise: the whole fc, then hidden_norm.
+        """
+        cfg = self.config
+        if features.dim() != 2 or features.shape[1] != cfg.fc_in_features:
+            raise ValueError(f"project_context: expected features [N, {cfg.fc_in_features}], "
+                             f"got {tuple(features.shape)}")
+        if self.tp_plan.fc_input_split:
+            start, end = shard_range(cfg.fc_in_features, self.mapping.tp_size, self.mapping.tp_rank)
+            partial = self.fc(features.narrow(1, start, end - start))
+            return self.all_reduce(partial, all_reduce_params=AllReduceParams(
+                fusion_op=AllReduceFusionOp.RMS_NORM, norm_weight=self.hidden_norm.weight,
+                eps=self.hidden_norm.eps))
+        return self.hidden_norm(self.fc(features))
+
+    def compute_context_latents(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [N, F]`` (captured target layers concatenated) -> ``[N, L, d_c]`` latents.
+
+        All layers' latent projections in one GEMM; the caller stores them into the paged pool.
+        """
+        ctx = self.project_context(features)
+        return self.kv_a_proj(ctx).view(ctx.shape[0], self.config.num_layers, self.config.latent_dim)
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+        """Residual add + RMSNorm after a row-parallel projection; fused into its all-reduce when planned."""
+        if self.tp_plan.residual_norm_fusion:
+            return self.all_reduce(x, all_reduce_params=AllReduceParams(
+                fusion_op=AllReduceFusionOp.RESIDUAL_RMS_NORM, residual=residual, norm_weight=norm.weight,
+                eps=norm.eps))
+        return norm(x, residual=residual)
+
+    def forward_block(self, inputs: DrafterBlockInputs) -> torch.Tensor:
+        """One block decode: ``inputs.block_input_ids [B, K]`` -> final-normed hidden ``[B, K, H]``.
+
+        Side effect: for every layer ``l`` the block's own latents are written into
+        ``inputs.cache.pool[l]`` at ``inputs.placement.page_ids/page_offsets`` (nothing else is written).
+        Dummy rows (``seq_lens == 0``) produce finite output. Identical on every TP rank. Fixed shapes,
+        no host sync: CUDA-graph capturable (given graph-safe collectives).
+        """
+        ids = inputs.block_input_ids
+        pool = inputs.cache.pool
+        if pool.dim() != 4 or pool.shape[0] != self.config.num_layers or pool.shape[3] != self.config.latent_dim:
+            raise ValueError(f"forward_block: pool must be [{self.config.num_layers}, pages, page_size, "
+                             f"{self.config.latent_dim}], got {tuple(pool.shape)}")
+        if pool.dtype != self.dtype:
+            raise ValueError(f"forward_block: pool dtype must be {self.dtype}, got {pool.dtype}")
+        if inputs.placement.page_ids.shape != ids.shape:
+            raise ValueError(f"forward_block: placement [B, K] must match block ids {tuple(ids.shape)}, "
+                             f"got {tuple(inputs.placement.page_ids.shape)}")
+        d_c = self.config.latent_dim
+        hidden = self.embed_tokens(ids)
+        residual = hidden
+        x = self.layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(self.layers):
+            kv_a_weight = self.kv_a_proj.weight[i * d_c:(i + 1) * d_c]
+            attn = layer.self_attn(x, kv_a_weight, pool[i], inputs)
+            x, residual = self._add_norm(attn, residual, layer.post_attention_layernorm)
+            mlp = layer.mlp(x)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = self._add_norm(mlp, residual, next_norm)
+        return x
+
+
+class DSparkDrafterNoFusion(DSparkDrafter):
+    """The same drafter without the TP fusion declaration (a drafter family not yet measured with it):
+    the whole fc, the unfused hidden_norm, reduced o_proj/down_proj then ``RMSNorm(x, residual)``."""
+
+    tp_fusions = NO_TP_FUSIONS
