@@ -1,0 +1,409 @@
+"""DSpark Markov draft chain, owned by the worker: full vocabulary or a vocab shard with the pair exchange.
+
+Semantics (DESIGN.md §3). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
+(this rank's vocabulary rows ``[vocab_start, vocab_start + V_local)``). With ``prev_0`` the anchor (last
+accepted token) and base draft logits ``base[b, k, :]``, for ``k = 0 .. K-1``::
+
+    bias_k   = F.linear(w1[prev_k], w2).to(logits dtype)     # [B, V_local]
+    biased_k = base[:, k] + bias_k                            # logits dtype, stored and returned
+    prev_{k+1} = token[:, k] = select(biased_k)               # over the global vocabulary
+
+``select`` is ``torch.argmax`` order (first NaN, else max, ties to the lowest global id; padded columns
+``>= vocab_size`` never win); on a shard each rank packs its best into an int64 selection key
+(:mod:`tensorrt_llm_ext.kernels.ordered_key`) and the ``PairExchange`` all-reduces MAX once per step.
+
+Invalid previous tokens (an anchor ``< 0`` or ``>= V``: padding / CUDA-graph dummy rows) gather a ZERO
+``w1`` row, so their step's bias is ``F.linear(0, w2)`` (zero) and the row selects from its base logits;
+nothing is read out of bounds. Later steps of such a row chain normally from its selected tokens.
+
+Keyed sampling: with ``temperatures``/``seeds``/``offsets`` (``[B]`` each), a row with ``T > 0`` selects
+``argmax(biased / T + G)`` with ``G = gumbel_noise(seed, offsets[b] + k, global id, MARKOV_SALT)`` --
+block position ``k`` uses Philox offset ``offsets[b] + k``, and the salt keeps these draws independent
+of the target's and the backbone draft's; ``T <= 0`` rows are greedy. The draw depends only on the
+global id, so it is identical at every TP size. The biased logits returned are never temperature-scaled.
+
+Modes (both CUDA-graph safe with a preallocated :class:`MarkovWorkspace` and ``out``):
+
+* ``"exact"``: per block position three launches -- resolve the previous token from the step keys (or
+  the anchors) and gather its ``w1`` row into ``[B, r]``; ``torch.mm(h, w2.t(), out=bias)`` (the same
+  cuBLAS/CPU GEMM ``F.linear`` runs, hence bitwise the eager bias); add + select + store with one atomic
+  MAX per (program, row) into the step key -- then the exchange. Bit-identical to
+  :func:`markov_chain_logits_reference`.
+* ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_fused`), bias computed
+  in-kernel in a fixed reduction order: bitwise identical at every TP size and batch size, tokens equal
+  to ``exact`` except at near-ties (the bias is rounded once from a different fp32 sum order).
+
+A chain ends with one finishing launch that writes the last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tensorrt_llm_ext._env import ENV
+from tensorrt_llm_ext.kernels.markov_fused import (W_BF16, W_FP16, W_FP32, FusedConfig, add_in_logits_dtype,
+                                                    bias_to_logits, fused_config, launch_fused_step,
+                                                    selection_score)
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, block_best, gumbel_noise_torch, key_to_id,
+                                                  key_to_id_torch, ordered_i32, pack_key,
+                                                  shard_argmax_key_reference)
+from tensorrt_llm_ext.speculative.contract import MarkovHeadWeights
+
+MARKOV_SALT = 0x4D4B5631  # "MKV1": Philox counter word c3 of the Markov chain's Gumbel draws
+MODES = ("exact", "fused")
+_LOGITS_DTYPES = (torch.bfloat16, torch.float32)
+_W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
+_SELECT_BLOCK = 1024  # columns per program of the exact mode's select kernel
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact mode kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["k", "read_slot", "reset_slot"])
+def _markov_resolve_kernel(
+    anchors_ptr, keys_ptr, w1_ptr, h_ptr, tokens_ptr,
+    k, read_slot, reset_slot, vocab_size, r, stride_slot, stride_w1, stride_h, stride_tok,
+    FROM_ANCHOR: tl.constexpr, GATHER: tl.constexpr, RESET: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program per row: previous token (anchor or step key) -> token record, key reset, w1 gather."""
+    b = tl.program_id(0).to(tl.int64)
+    one = tl.arange(0, 1)
+    if FROM_ANCHOR:
+        prev = tl.load(anchors_ptr + b + one).to(tl.int64)
+    else:
+        prev = key_to_id(tl.load(keys_ptr + read_slot * stride_slot + b + one))
+        tl.store(tokens_ptr + b * stride_tok + (k - 1) + one, prev)
+    if RESET:
+        tl.store(keys_ptr + reset_slot * stride_slot + b + one, tl.full([1], -9223372036854775808, tl.int64))
+    if GATHER:
+        rr = tl.arange(0, BLOCK_R)
+        valid = (prev >= 0) & (prev < vocab_size)  # [1]
+        safe = tl.where(valid, prev, 0)
+        row = tl.load(w1_ptr + safe * stride_w1 + rr, mask=(rr < r) & valid, other=0.0)
+        tl.store(h_ptr + b * stride_h + rr, row, mask=rr < r)
+
+
+@triton.jit(do_not_specialize=["k", "vocab_start"])
+def _markov_select_kernel(
+    base_ptr, bias_ptr, out_ptr, keys_ptr, temps_ptr, seeds_ptr, offsets_ptr,
+    k, v_local, vocab_start, vocab_size,
+    stride_bb, stride_bk, stride_bias, stride_ob, stride_ok,
+    SAMPLE: tl.constexpr, SALT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Grid (B, column blocks): biased = base[:, k] + bias (logits dtype), store, MAX the block's key."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < v_local
+    gid = cols.to(tl.int64) + vocab_start
+    base = tl.load(base_ptr + b * stride_bb + k * stride_bk + cols, mask=cmask, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + b * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)
+    s = add_in_logits_dtype(base, bias_to_logits(bias, 0, OUT_BF16), OUT_BF16)
+    tl.store(out_ptr + b * stride_ob + k * stride_ok + cols, s.to(out_ptr.dtype.element_ty), mask=cmask)
+    if SAMPLE:
+        temp = tl.load(temps_ptr + b)
+        seed = tl.load(seeds_ptr + b)
+        off = tl.load(offsets_ptr + b) + k
+        zeros = tl.zeros([BLOCK_V], dtype=tl.int64)
+        s = selection_score(s, gid, temp, seed + zeros, off + zeros, SAMPLE, SALT)
+    best, col = block_best(ordered_i32(s), cols, cmask & (gid < vocab_size), 0)
+    tl.atomic_max(keys_ptr + b, pack_key(best, col.to(tl.int64) + vocab_start))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Workspace, validation, stepper
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MarkovWorkspace:
+    """Preallocated chain buffers (allocate once, before graph capture; views ``[:B]`` are used per call).
+
+    ``keys`` must hold ``EMPTY_KEY`` in slot 0 between chains: :meth:`allocate` sets it and every chain's
+    finishing launch restores it for the rows it used.
+    """
+
+    keys: torch.Tensor  # [3, max_B] int64 step selection keys (ring of three slots)
+    tokens: torch.Tensor  # [max_B, K] int64
+    h: torch.Tensor  # [max_B, r] weights dtype, gathered w1 rows (exact mode; [0, r] for fused)
+    bias: torch.Tensor  # [max_B, V_local] weights dtype, the bias GEMV output (exact mode; [0, V_local] for fused)
+
+    @classmethod
+    def allocate(cls, max_batch_size: int, draft_len: int, markov_w2: torch.Tensor, mode: str) -> MarkovWorkspace:
+        dev, dt = markov_w2.device, markov_w2.dtype
+        v_local, r = markov_w2.shape
+        rows = max_batch_size if mode == "exact" else 0
+        return cls(
+            keys=torch.full((3, max_batch_size), EMPTY_KEY, dtype=torch.int64, device=dev),
+            tokens=torch.zeros((max_batch_size, draft_len), dtype=torch.int64, device=dev),
+            h=torch.zeros((rows, r), dtype=dt, device=dev),
+            bias=torch.zeros((rows, v_local), dtype=dt, device=dev),
+        )
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, seeds, offsets, mode, out):
+    if mode not in MODES:
+        raise ValueError(f"markov_chain_logits mode must be one of {MODES}, got {mode!r}")
+    if base.dim() != 3:
+        raise ValueError(f"base_logits must be [B, K, V_local], got shape {tuple(base.shape)}")
+    if base.dtype not in _LOGITS_DTYPES:
+        raise ValueError(f"base_logits dtype must be one of {_LOGITS_DTYPES}, got {base.dtype}")
+    if base.stride(2) != 1:
+        raise ValueError("base_logits must have a contiguous last dimension")
+    B, K, v_local = base.shape
+    if w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != w2.shape[1]:
+        raise ValueError(f"markov_w1 [V, r] and markov_w2 [V_local, r] expected, got {tuple(w1.shape)} and "
+                         f"{tuple(w2.shape)}")
+    if w1.dtype != w2.dtype or w1.dtype not in _W_KIND:
+        raise ValueError(f"markov weights must share a dtype in {tuple(_W_KIND)}, got {w1.dtype}, {w2.dtype}")
+    if w1.stride(1) != 1 or w2.stride(1) != 1:
+        raise ValueError("markov_w1 and markov_w2 must have contiguous rows")
+    if w2.shape[0] != v_local:
+        raise ValueError(f"markov_w2 rows ({w2.shape[0]}) must equal base_logits' V_local ({v_local})")
+    if not 0 < vocab_size <= w1.shape[0] or vocab_size >= 2**32 - 1:
+        raise ValueError(f"vocab_size must be in (0, {w1.shape[0]}] (markov_w1 rows), got {vocab_size}")
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if anchors.shape != (B,) or anchors.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"anchors must be int32/int64 [{B}], got {anchors.dtype} {tuple(anchors.shape)}")
+    for name, t in (("anchors", anchors), ("markov_w1", w1), ("markov_w2", w2)):
+        if t.device != base.device:
+            raise ValueError(f"{name} must be on {base.device}, got {t.device}")
+    given = [t is not None for t in (temperatures, seeds, offsets)]
+    if any(given) and not all(given):
+        raise ValueError("temperatures, seeds and offsets must be given together")
+    if all(given):
+        for name, t, dt in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
+                            ("offsets", offsets, torch.int64)):
+            if t.shape != (B,) or t.dtype != dt or t.device != base.device:
+                raise ValueError(f"{name} must be {dt} [{B}] on {base.device}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+    if out is not None and (out.shape != base.shape or out.dtype != base.dtype or out.stride(2) != 1
+                            or out.device != base.device):
+        raise ValueError(f"out must be {base.dtype} {tuple(base.shape)} with a contiguous last dim, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if not base.is_cuda and not ENV.triton_interpret:
+        raise ValueError("markov_chain_logits on CPU tensors needs TRITON_INTERPRET=1")
+
+
+class MarkovChainStepper:
+    """One chain invocation, driven step by step: ``keys = step(k)`` for ``k = 0..K-1`` (exchange ``keys``
+    in place between steps), then ``finish()``. :func:`markov_chain_logits` drives it with a
+    ``PairExchange``; tests drive several shards in lockstep with a host-side MAX instead.
+    """
+
+    def __init__(self, base_logits, anchors, markov_w1, markov_w2, *, vocab_start=0, vocab_size=None,
+                 temperatures=None, seeds=None, offsets=None, mode="exact", out=None,
+                 workspace: MarkovWorkspace | None = None, config: FusedConfig | None = None):
+        vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
+        _check_inputs(base_logits, anchors, markov_w1, markov_w2, vocab_start, vocab_size, temperatures,
+                      seeds, offsets, mode, out)
+        B, K, v_local = base_logits.shape
+        r = markov_w1.shape[1]
+        if out is None or workspace is None:
+            if _capturing(base_logits):
+                raise ValueError("markov_chain_logits needs out= and workspace= while a CUDA graph captures")
+            out = torch.empty_like(base_logits) if out is None else out
+            workspace = MarkovWorkspace.allocate(B, K, markov_w2, mode) if workspace is None else workspace
+        ws = workspace
+        need_rows = B if mode == "exact" else 0
+        if (ws.keys.shape[1] < B or ws.tokens.shape[0] < B or ws.tokens.shape[1] != K or ws.h.shape[0] < need_rows
+                or ws.bias.shape[0] < need_rows or (mode == "exact" and (ws.h.shape[1] != r
+                                                                        or ws.bias.shape[1] != v_local))):
+            raise ValueError(f"workspace too small for B={B}, K={K}, r={r}, V_local={v_local}, mode={mode}")
+        self.base, self.anchors, self.w1, self.w2 = base_logits, anchors, markov_w1, markov_w2
+        self.vocab_start, self.vocab_size, self.mode = vocab_start, vocab_size, mode
+        self.sample = temperatures is not None
+        self.temps, self.seeds, self.offsets = temperatures, seeds, offsets
+        self.out, self.ws, self.B, self.K = out, ws, B, K
+        self.tokens = ws.tokens[:B]
+        self.interpret = not base_logits.is_cuda
+        self.config = config or fused_config(r, self.interpret)
+        self.w_kind = _W_KIND[markov_w1.dtype]
+        self.out_bf16 = base_logits.dtype == torch.bfloat16
+
+    def step(self, k: int) -> torch.Tensor:
+        """Run block position ``k``; returns this step's ``[B]`` int64 keys view (exchange it in place)."""
+        B = self.B
+        if B == 0:
+            return self.ws.keys[0, :0]
+        if self.mode == "fused":
+            launch_fused_step(self.base, self.w1, self.w2, self.out, self.anchors, self.ws.keys, self.tokens,
+                              self.temps, self.seeds, self.offsets, vocab_start=self.vocab_start,
+                              vocab_size=self.vocab_size, k=k, offset_k=k, salt=MARKOV_SALT,
+                              w_kind=self.w_kind, out_bf16=self.out_bf16, config=self.config,
+                              interpret=self.interpret)
+            return self.ws.keys[k % 3, :B]
+        h, bias = self.ws.h[:B], self.ws.bias[:B]
+        r = self.w1.shape[1]
+        _markov_resolve_kernel[(B,)](
+            self.anchors, self.ws.keys, self.w1, h, self.tokens, k, 0, 0, self.vocab_size, r,
+            self.ws.keys.stride(0), self.w1.stride(0), h.stride(0), self.tokens.stride(0),
+            FROM_ANCHOR=k == 0, GATHER=True, RESET=True, BLOCK_R=triton.next_power_of_2(r),
+        )
+        torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
+        v_local = self.base.shape[2]
+        s = self.sample
+        _markov_select_kernel[(B, triton.cdiv(v_local, _SELECT_BLOCK))](
+            self.base, bias, self.out, self.ws.keys, self.temps if s else bias, self.seeds if s else self.anchors,
+            self.offsets if s else self.anchors, k, v_local, self.vocab_start, self.vocab_size,
+            self.base.stride(0), self.base.stride(1), bias.stride(0), self.out.stride(0), self.out.stride(1),
+            SAMPLE=s, SALT=MARKOV_SALT, OUT_BF16=self.out_bf16, BLOCK_V=_SELECT_BLOCK, num_warps=4,
+        )
+        return self.ws.keys[0, :B]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the last token (and restore the key ring's slot 0); returns ``(biased_logits, tokens)``."""
+        if self.B > 0:
+            K = self.K
+            read = (K - 1) % 3 if self.mode == "fused" else 0
+            _markov_resolve_kernel[(self.B,)](
+                self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, K, read, 0, self.vocab_size, 1,
+                self.ws.keys.stride(0), self.w1.stride(0), 0, self.tokens.stride(0),
+                FROM_ANCHOR=False, GATHER=False, RESET=self.mode == "fused", BLOCK_R=1,
+            )
+        return self.out, self.tokens
+
+
+def markov_chain_logits(
+    base_logits: torch.Tensor,
+    anchors: torch.Tensor,
+    markov_w1: torch.Tensor,
+    markov_w2: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    exchange=None,
+    temperatures: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    mode: str = "exact",
+    out: torch.Tensor | None = None,
+    workspace: MarkovWorkspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Markov draft chain over K block positions.
+
+    Args:
+        base_logits: ``[B, K, V_local]`` bf16/fp32 base draft logits of this rank's vocabulary columns.
+        anchors: ``[B]`` int32/int64 last accepted tokens (global ids; invalid ids give a zero bias).
+        markov_w1: ``[V, r]`` (whole); markov_w2: ``[V_local, r]`` this rank's rows; same dtype
+            (bf16/fp16/fp32).
+        vocab_start, vocab_size: global id of column 0 and the real vocabulary ``V`` (default
+            ``markov_w1.shape[0]``); columns with global id ``>= vocab_size`` never win.
+        exchange: a ``PairExchange`` (``exchange_(keys)``) for a vocab shard; None on one rank.
+        temperatures/seeds/offsets: ``[B]`` fp32/int64/int64 for keyed Gumbel-max (see module docs).
+        mode: ``"exact"`` (bit-identical to :func:`markov_chain_logits_reference`) or ``"fused"``.
+        out: optional ``[B, K, V_local]`` output; workspace: optional :class:`MarkovWorkspace`.
+            Both are required under CUDA-graph capture (then the call allocates nothing and never syncs).
+
+    Returns:
+        ``(biased_logits [B, K, V_local] in the logits dtype, tokens [B, K] int64)``; ``tokens`` is a
+        view of the workspace.
+    """
+    stepper = MarkovChainStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
+                                 vocab_size=vocab_size, temperatures=temperatures, seeds=seeds,
+                                 offsets=offsets, mode=mode, out=out, workspace=workspace)
+    for k in range(stepper.K):
+        keys = stepper.step(k)
+        if exchange is not None:
+            exchange.exchange_(keys)
+    return stepper.finish()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Eager reference
+# ----------------------------------------------------------------------------------------------------
+class MarkovReferenceStepper:
+    """Eager twin of :class:`MarkovChainStepper` (same step/exchange/finish protocol)."""
+
+    def __init__(self, base_logits, anchors, markov_w1, markov_w2, *, vocab_start=0, vocab_size=None,
+                 temperatures=None, seeds=None, offsets=None):
+        self.base, self.w1, self.w2 = base_logits, markov_w1, markov_w2
+        self.vocab_start = vocab_start
+        self.vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
+        self.temps, self.seeds, self.offsets = temperatures, seeds, offsets
+        B, K, v_local = base_logits.shape
+        self.K = K
+        self.prev = anchors.to(torch.int64)
+        self.outs: list[torch.Tensor] = []
+        self.toks: list[torch.Tensor] = []
+        self.keys: torch.Tensor | None = None
+        self.gid = torch.arange(v_local, device=base_logits.device, dtype=torch.int64) + vocab_start
+
+    def step(self, k: int) -> torch.Tensor:
+        if self.keys is not None:
+            self.prev = key_to_id_torch(self.keys)
+            self.toks.append(self.prev)
+        valid = (self.prev >= 0) & (self.prev < self.vocab_size)
+        h = self.w1[torch.where(valid, self.prev, 0)]
+        h = torch.where(valid[:, None], h, torch.zeros_like(h))
+        bias = F.linear(h, self.w2).to(self.base.dtype)
+        biased = self.base[:, k] + bias
+        self.outs.append(biased)
+        score = biased.float()
+        if self.temps is not None:
+            g = gumbel_noise_torch(self.seeds[:, None], (self.offsets + k)[:, None], self.gid[None, :],
+                                   MARKOV_SALT)
+            t = self.temps[:, None]
+            score = torch.where(t > 0, score / torch.where(t > 0, t, torch.ones_like(t)) + g, score)
+        self.keys = shard_argmax_key_reference(score, self.vocab_start, self.vocab_size)
+        return self.keys
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.toks.append(key_to_id_torch(self.keys))
+        return torch.stack(self.outs, dim=1), torch.stack(self.toks, dim=1)
+
+
+def markov_chain_logits_reference(
+    base_logits, anchors, markov_w1, markov_w2, *, vocab_start=0, vocab_size=None, exchange=None,
+    temperatures=None, seeds=None, offsets=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager chain (the semantics): per step ``F.linear`` bias, add in the logits dtype, torch.argmax-order
+    selection via int64 keys (exchanged on a shard). Same arguments and returns as :func:`markov_chain_logits`.
+    """
+    st = MarkovReferenceStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
+                                vocab_size=vocab_size, temperatures=temperatures, seeds=seeds, offsets=offsets)
+    for k in range(st.K):
+        keys = st.step(k)
+        if exchange is not None:
+            exchange.exchange_(keys)
+    return st.finish()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker-side component
+# ----------------------------------------------------------------------------------------------------
+class MarkovChain:
+    """The worker's Markov chain: reads the drafter's :class:`MarkovHeadWeights`, owns the preallocated
+    buffers, runs :func:`markov_chain_logits` (CUDA-graph safe: no allocation, no host sync per call).
+
+    ``mode`` comes from the worker config (read once); default ``"fused"``: one launch per block position,
+    bitwise identical at every TP size; ``"exact"`` reproduces the eager chain bit for bit.
+    """
+
+    def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
+                 logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "fused"):
+        if mode not in MODES:
+            raise ValueError(f"MarkovChain mode must be one of {MODES}, got {mode!r}")
+        self.weights = weights
+        self.mode = mode
+        self.exchange = exchange
+        w2 = weights.markov_w2
+        self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2, mode)
+        self.out = torch.empty((max_batch_size, draft_len, w2.shape[0]), dtype=logits_dtype, device=w2.device)
+
+    def __call__(self, base_logits: torch.Tensor, anchors: torch.Tensor, temperatures=None, seeds=None,
+                 offsets=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``base_logits [B, K, V_local]``, ``anchors [B]`` -> views ``(biased [B, K, V_local], tokens [B, K])``."""
+        B = base_logits.shape[0]
+        w = self.weights
+        return markov_chain_logits(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_start=w.vocab_start,
+                                   vocab_size=w.vocab_size, exchange=self.exchange, temperatures=temperatures,
+                                   seeds=seeds, offsets=offsets, mode=self.mode, out=self.out[:B],
+                                   workspace=self.workspace)
