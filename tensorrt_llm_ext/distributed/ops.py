@@ -112,7 +112,9 @@ def allgather(x: torch.Tensor, mapping: Mapping, dim: int = -1) -> torch.Tensor:
         return x
     group = tp_group(mapping)
     x = x.contiguous()
-    out = torch.empty((mapping.tp_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    flat = torch.empty((mapping.tp_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(flat, x, group=group)
     dim = dim % x.dim()
-    return torch.cat(out.unbind(0), dim=dim)
+    if dim == 0:
+        return flat
+    return torch.cat(flat.chunk(mapping.tp_size, dim=0), dim=dim)

@@ -26,8 +26,9 @@ def _rms_norm_kernel(
         h += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(residual_out_ptr + row * stride_ro + cols, h.to(residual_out_ptr.dtype.element_ty), mask=mask)
     var = tl.sum(h * h, axis=0) / hidden
-    normed = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    # Round the normalized value to the output dtype first (as the eager twin does), multiply in fp32.
+    normed = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,0 +1,1 @@
+"""Test and list tooling shipped with the package (MPI harness, test-db lists)."""
