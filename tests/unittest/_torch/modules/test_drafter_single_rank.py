@@ -298,3 +298,13 @@ def test_linear_column_row_tp1_and_shards():
                tensor_parallel_mode=TensorParallelMode.COLUMN)
     s.init_weights(torch.Generator().manual_seed(3))
     assert torch.equal(s.weight, a.weight[6:])
+
+
+def test_unsplit_fc_plan_logged_once(caplog):
+    # A width no other test uses, so the once-per-process key is fresh.
+    cfg = DSparkDrafterConfig(target_hidden_size=43, num_capture_layers=1)
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        for r in range(2):
+            DSparkDrafter(cfg, Mapping(world_size=2, rank=r, tp_size=2))
+    msgs = [rec.getMessage() for rec in caplog.records if "does not split" in rec.getMessage()]
+    assert len(msgs) == 1 and "43" in msgs[0]
