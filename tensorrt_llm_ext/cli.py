@@ -1,0 +1,99 @@
+"""``trtllm-ext``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.selfcheck import environment_report, multi_rank_selfcheck
+
+    for k, v in environment_report():
+        print(f"{k:>20}: {v}")
+    if args.ranks <= 1:
+        return 0
+    print(f"\n{args.ranks}-rank self-check (MPI spawn, {'NCCL' if _cuda() else 'gloo'}): "
+          "pair exchange vs torch.argmax, AllReduce+RMSNorm vs eager")
+    results = multi_rank_selfcheck(args.ranks)
+    ok = True
+    for rank, exchange_ok, norm_ok in results:
+        print(f"  rank {rank}: pair exchange {'ok' if exchange_ok else 'MISMATCH'}, "
+              f"all-reduce norm {'ok' if norm_ok else 'MISMATCH'}")
+        ok &= exchange_ok and norm_ok
+    print("self-check passed" if ok else "self-check FAILED")
+    return 0 if ok else 1
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cmd_test_list(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.testing.runner import run_test_list
+    from tensorrt_llm_ext.testing.test_db import ListDbError
+
+    try:
+        return run_test_list(args.name, dry_run=args.dry_run, pytest_args=args.pytest_args)
+    except ListDbError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from tensorrt_llm_ext.bench.harness import load_benchmark
+
+    try:
+        bench = load_benchmark(args.name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"trtllm-ext bench {bench.name}", description=bench.help)
+    parser.add_argument("--out", help="also append the Markdown table(s) to this file")
+    if bench.add_args is not None:
+        bench.add_args(parser)
+    bench.run(parser.parse_args(rest))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trtllm-ext", description=__doc__)
+    sub = p.add_subparsers(dest="command")
+    info = sub.add_parser("info", help="report the environment and self-check the distributed layer")
+    info.add_argument("--ranks", type=int, default=2, help="ranks for the self-check (1 = skip)")
+    tl = sub.add_parser("test-list", help="run a test-db list with pytest")
+    tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
+    tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
+    tl.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+    b = sub.add_parser("bench", help="run a benchmark (tables; CUDA-graph timing on GPU)", add_help=False)
+    b.add_argument("name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "bench":
+        if len(argv) < 2 or argv[1].startswith("-"):
+            from tensorrt_llm_ext.bench import BENCHMARK_MODULES
+
+            print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
+            return 2
+        return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
+    args = parser.parse_args(argv)
+    if args.command in (None, "info"):
+        if args.command is None:
+            args = parser.parse_args(["info"])
+        return _cmd_info(args)
+    if args.command == "test-list":
+        if args.pytest_args and args.pytest_args[0] == "--":
+            args.pytest_args = args.pytest_args[1:]
+        return _cmd_test_list(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

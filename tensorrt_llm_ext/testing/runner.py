@@ -1,0 +1,68 @@
+"""``trtllm-ext test-list``: run a test-db list with pytest, honouring each entry's TIMEOUT."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.testing.test_db import (list_entries, load_test_db, matching_lists)
+
+
+def repo_root() -> Path:
+    """The source tree (lists and tests are not installed with the package)."""
+    here = Path(__file__).resolve()
+    for p in [Path.cwd(), *here.parents]:
+        if (p / "test_lists" / "test-db").is_dir() and (p / "tests").is_dir():
+            return p
+    raise FileNotFoundError("run from the tensorrt_llm_ext source tree (test_lists/ and tests/ not found)")
+
+
+def machine() -> tuple[str, int]:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.get_device_name(0), torch.cuda.device_count()
+    return "cpu", 0
+
+
+def run_test_list(name: str | None, dry_run: bool = False, pytest_args: list[str] | None = None) -> int:
+    root = repo_root()
+    lists = load_test_db(root / "test_lists" / "test-db")
+    if name is None:
+        gpu, count = machine()
+        names = matching_lists(lists, gpu, count)
+        if not names:
+            logger.error(f"no test list matches this machine ({gpu}, {count} GPUs)")
+            return 2
+        logger.info(f"lists matching this machine ({gpu}, {count} GPUs): {', '.join(names)}")
+    else:
+        names = [name]
+    by_timeout: dict[int, list[str]] = defaultdict(list)
+    for n in names:
+        for e in list_entries(lists, n):
+            ids = by_timeout[e.timeout_min]
+            node = f"tests/{e.node_id}"
+            if node not in ids:
+                ids.append(node)
+    rc = 0
+    env = dict(os.environ)
+    if not _has_cuda():
+        env.setdefault("TRITON_INTERPRET", "1")
+    for timeout_min, ids in sorted(by_timeout.items()):
+        cmd = [sys.executable, "-m", "pytest", "-q", f"--timeout={timeout_min * 60}", *ids, *(pytest_args or [])]
+        if dry_run:
+            print(f"# TIMEOUT {timeout_min} min, {len(ids)} tests")
+            print(" ".join(cmd))
+            continue
+        rc = subprocess.call(cmd, cwd=root, env=env) or rc
+    return rc
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
