@@ -175,9 +175,8 @@ def strict_accept(
     """
     b, k, flat = _strict_accept_shapes(draft_tokens, target_tokens, num_contexts)
     device = draft_tokens.device
-    if flat and verify_lens is None and target_tokens.shape[0] != num_contexts + (b - num_contexts) * (k + 1):
-        raise ValueError(f"flat target_tokens must be [num_contexts + G*(K+1)] = "
-                         f"[{num_contexts + (b - num_contexts) * (k + 1)}], got {list(target_tokens.shape)}")
+    if flat and verify_lens is None:
+        _check_flat_len(target_tokens, num_contexts, b - num_contexts, k)
     force = _force_arg(forced_num_accepted, b, device)
     if out is None:
         _need_out("strict_accept")
@@ -223,42 +222,68 @@ def strict_accept_reference(
     forced_num_accepted: int | torch.Tensor | None = None,
     verify_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager twin of :func:`strict_accept` (also its ragged path); same arguments and results."""
+    """Eager twin of :func:`strict_accept` (also its ragged path); same arguments and results.
+
+    The uniform-width branch is the chain a stock one-model worker runs (capturable); the ragged
+    branch checks ``verify_lens`` values on the host (it syncs unless capturing).
+    """
     b, k, flat = _strict_accept_shapes(draft_tokens, target_tokens, num_contexts)
     g = b - num_contexts
     device = draft_tokens.device
     force = _force_arg(forced_num_accepted, b, device)
-    cols = torch.arange(k + 1, device=device)
     if verify_lens is None:
-        verify = torch.full((b,), k + 1, dtype=torch.int64, device=device)
-    else:
-        _check_int("verify_lens", verify_lens, (b,))
-        _check_device(device, verify_lens=verify_lens)
-        verify = verify_lens.to(torch.int64).clone()
-        if not _capturing() and g > 0 and bool(((verify[num_contexts:] < 1) | (verify[num_contexts:] > k + 1)).any()):
+        if flat:
+            _check_flat_len(target_tokens, num_contexts, g, k)
+            ctx_t, gen_t = target_tokens[:num_contexts], target_tokens[num_contexts:].view(g, k + 1)
+        else:
+            ctx_t, gen_t = target_tokens[:num_contexts, 0], target_tokens[num_contexts:]
+        accepted = torch.zeros((b, k + 1), dtype=torch.int32, device=device)
+        accepted[:num_contexts, 0] = ctx_t
+        accepted[num_contexts:] = gen_t
+        num_acc = torch.ones((b,), dtype=torch.int32, device=device)
+        num_acc[num_contexts:] += torch.cumprod((draft_tokens == gen_t[:, :k]).int(), dim=-1).sum(-1).int()
+        if isinstance(force, int):
+            num_acc[num_contexts:] = min(force, k + 1)
+        elif force is not None:
+            num_acc[num_contexts:] = force[num_contexts:].clamp(1, k + 1)
+        return accepted, num_acc
+
+    cols = torch.arange(k + 1, device=device)
+    _check_int("verify_lens", verify_lens, (b,))
+    _check_device(device, verify_lens=verify_lens)
+    verify = verify_lens.to(torch.int64).clone()
+    verify[:num_contexts] = 1
+    if not _capturing():
+        if g > 0 and bool(((verify[num_contexts:] < 1) | (verify[num_contexts:] > k + 1)).any()):
             raise ValueError(f"verify_lens of generation requests must lie in [1, K+1] = [1, {k + 1}], "
                              f"got {verify[num_contexts:].tolist()}")
-    verify[:num_contexts] = 1
+        if flat and target_tokens.shape[0] != int(verify.sum()):
+            raise ValueError(f"flat target_tokens must hold sum(verify_lens) = {int(verify.sum())} tokens "
+                             f"(one per context), got {target_tokens.shape[0]}")
+    valid = cols[None, :] < verify[:, None]
     if flat:
         starts = torch.cumsum(verify, 0) - verify
-        idx = starts[:, None] + cols[None, :]
-        valid = cols[None, :] < verify[:, None]
-        if target_tokens.shape[0] == 0:
-            gathered = torch.zeros((b, k + 1), dtype=target_tokens.dtype, device=device)
-        else:
-            gathered = target_tokens[idx.clamp(max=target_tokens.shape[0] - 1)]
+        idx = (starts[:, None] + cols[None, :]).clamp(max=max(target_tokens.shape[0] - 1, 0))
+        gathered = target_tokens[idx] if target_tokens.shape[0] else torch.zeros_like(idx)
     else:
-        valid = cols[None, :] < verify[:, None]
         gathered = target_tokens
     accepted = torch.where(valid, gathered, torch.zeros_like(gathered)).to(torch.int32)
-    gen_t = gathered[num_contexts:, :k].to(torch.int64)
-    match = (draft_tokens.to(torch.int64) == gen_t) & (cols[None, :k] < verify[num_contexts:, None] - 1)
+    gen_t = gathered[num_contexts:, :k]
+    match = (draft_tokens == gen_t) & valid[num_contexts:, 1:]
     num_acc = torch.ones((b,), dtype=torch.int32, device=device)
-    num_acc[num_contexts:] += torch.cumprod(match.to(torch.int32), dim=-1).sum(-1).to(torch.int32)
-    if force is not None:
-        f = force if isinstance(force, int) else force[num_contexts:].to(torch.int64).clamp(min=1)
-        num_acc[num_contexts:] = torch.minimum(torch.as_tensor(f, device=device), verify[num_contexts:]).to(torch.int32)
+    num_acc[num_contexts:] += torch.cumprod(match.int(), dim=-1).sum(-1).int()
+    if isinstance(force, int):
+        num_acc[num_contexts:] = verify[num_contexts:].clamp(max=force).int()
+    elif force is not None:
+        num_acc[num_contexts:] = torch.minimum(force[num_contexts:].to(torch.int64).clamp(min=1),
+                                               verify[num_contexts:]).int()
     return accepted, num_acc
+
+
+def _check_flat_len(target_tokens, num_contexts, g, k):
+    if target_tokens.shape[0] != num_contexts + g * (k + 1):
+        raise ValueError(f"flat target_tokens must be [num_contexts + G*(K+1)] = [{num_contexts + g * (k + 1)}], "
+                         f"got {list(target_tokens.shape)}")
 
 
 # ====================================================================================================
@@ -333,7 +358,7 @@ def decode_block_table(
     block = max(16, min(1024, triton.next_power_of_2(max(max_blocks, 1))))
     _decode_block_table_kernel[(b,)](
         encoded_offsets, out, num_blocks_out, max_blocks, divisor,
-        encoded_offsets.stride(0), out.stride(0), BLOCK=block,
+        encoded_offsets.stride(0), out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256)),
     )
     return out, num_blocks_out
 
@@ -580,6 +605,7 @@ def paged_latent_step(
         num_contexts, page_size, max_ctx_len, mask_token_id, max_pages,
         accepted_tokens.stride(0), block_table.stride(0),
         K=k, BLOCK_J=triton.next_power_of_2(k + 1), BLOCK_P=max(16, min(1024, triton.next_power_of_2(max_pages))),
+        num_warps=1,  # a few dozen scalars per request: latency, not width
     )
     return out
 
@@ -710,7 +736,7 @@ def store_context_latents(
     _store_context_latents_kernel[(n, layers, triton.cdiv(d_c, block_d))](
         latents, dest_pages, dest_offsets, write_mask, pool,
         pool.shape[1], pool.shape[2], d_c, latents.stride(0), latents.stride(1),
-        pool.stride(0), pool.stride(1), pool.stride(2), BLOCK_D=block_d,
+        pool.stride(0), pool.stride(1), pool.stride(2), BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 128)),
     )
     return pool
 
