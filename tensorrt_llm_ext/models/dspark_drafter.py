@@ -26,9 +26,11 @@ resolved once at build into :attr:`DSparkDrafter.tp_plan` (a frozen :class:`Draf
   applies ``hidden_norm``. An ``F`` that does not split over tp keeps the whole ``fc`` (logged once).
 * ``residual_norm_fusion``: ``o_proj``/``down_proj`` return un-reduced partials and each all-reduce is
   fused with the residual add and the following RMSNorm (``RESIDUAL_RMS_NORM``): post-attention norm,
-  the next layer's input norm, the final norm. Unfused: reduced output, then ``RMSNorm(x, residual)``.
+  the next layer's input norm, the final norm. Unfused (also at tp 1): reduced output, then the
+  residual add, then the RMSNorm, as separate launches.
 
-Only rounding changes between the plans (sum order of the reductions).
+Only rounding changes between the plans: the sum order of the reductions, and the fused epilogue
+norms the fp32 sum ``x + residual`` where the unfused path norms the sum rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -377,7 +379,10 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             return self.all_reduce(x, all_reduce_params=AllReduceParams(
                 fusion_op=AllReduceFusionOp.RESIDUAL_RMS_NORM, residual=residual, norm_weight=norm.weight,
                 eps=norm.eps))
-        return norm(x, residual=residual)
+        # Unfused ("before"): the row-parallel projection already reduced; add and norm are separate
+        # launches, the norm reading the residual rounded to the model dtype.
+        residual = x + residual
+        return norm(residual), residual
 
     def forward_block(self, inputs: DrafterBlockInputs) -> torch.Tensor:
         """One block decode: ``inputs.block_input_ids [B, K]`` -> final-normed hidden ``[B, K, H]``.
@@ -413,6 +418,6 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
 
 class DSparkDrafterNoFusion(DSparkDrafter):
     """The same drafter without the TP fusion declaration (a drafter family not yet measured with it):
-    the whole fc, the unfused hidden_norm, reduced o_proj/down_proj then ``RMSNorm(x, residual)``."""
+    the whole fc, the unfused hidden_norm, reduced o_proj/down_proj, then residual add and RMSNorm."""
 
     tp_fusions = NO_TP_FUSIONS

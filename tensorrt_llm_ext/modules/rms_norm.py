@@ -2,8 +2,7 @@
 
 Numerics are :mod:`tensorrt_llm_ext.kernels.rms_norm`'s: with ``residual=``, ``h = x + residual`` in
 fp32, ``residual_out = h`` in the input dtype, the norm of the fp32 ``h`` -- the same epilogue the fused
-all-reduce (``AllReduceFusionOp.RESIDUAL_RMS_NORM``) runs after its reduction, so the fused and the
-unfused drafter differ only in the sum order of the reduction.
+all-reduce (``AllReduceFusionOp.RESIDUAL_RMS_NORM``) runs after its reduction.
 """
 
 from __future__ import annotations
