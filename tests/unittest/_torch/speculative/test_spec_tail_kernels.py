@@ -390,10 +390,10 @@ def test_bad_input_raises_value_error():
 # GPU: compiled kernels under CUDA-graph capture and replay
 # ----------------------------------------------------------------------------------------------------
 @requires_cuda
-@pytest.mark.parametrize("num_gen,num_contexts,max_pages", [(7, 0, 8), (256, 0, 600), (61, 3, 33)])
-def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages):
+@pytest.mark.parametrize("num_gen,num_contexts,max_pages,d_c", [(7, 0, 8, 512), (256, 0, 40, 128), (61, 3, 1030, 32)])
+def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
     dev = "cuda"
-    k, ps, layers, d_c, divisor = 7, 16, 3, 512, 4
+    k, ps, layers, divisor = 7, 16, 3, 4
     b = num_contexts + num_gen
     # static inputs
     draft = torch.zeros((num_gen, k), dtype=torch.int64, device=dev)

@@ -1,0 +1,482 @@
+"""Single-rank tests of vocab-parallel selection: the shard-select kernel (CPU interpreter and GPU),
+the functional layer, the LM head and the selection decision.
+
+A TP exchange is simulated in one process by reducing each shard to its key and taking the max, which
+is exactly what the all-reduce MAX of :class:`PairExchange` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
+from tensorrt_llm_ext.kernels.shard_select import (DRAFT_SALT, TARGET_SALT, make_shard_select_scratch,
+                                                   shard_select_keys, shard_select_keys_reference)
+from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.modules.lm_head import LMHead
+from tensorrt_llm_ext.modules.linear import TensorParallelMode
+from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
+from tensorrt_llm_ext.speculative.vocab_parallel import (
+    RequestSampling, SelectionParams, VocabParallelSelection, VocabParallelSelectionMixin, VocabShardedLogits,
+    draft_tokens_from_shard, gathered_argmax, gumbel_sample, local_draft_failures, local_target_failures,
+    needs_full_vocab, needs_gathered_logits, vocab_parallel_argmax)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NAN, INF = float("nan"), float("inf")
+
+
+def _adversarial(rows_v: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """Rows that break naive argmaxes: NaN (several), ties (across shard boundaries), -inf, all-NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(rows_v, 8), vocab, generator=g)
+    x[0, 5] = NAN
+    x[0, vocab - 3] = NAN
+    x[0, 1] = 100.0  # a larger value before the first NaN must still lose
+    x[1] = -INF
+    x[2] = NAN
+    x[3, :] = 1.0  # all tied: lowest index
+    x[4, vocab // 3] = 50.0
+    x[4, vocab // 2] = 50.0
+    x[4, vocab - 1] = 50.0
+    x[5] = -INF
+    x[5, vocab - 1] = -6e4  # the only finite value (fp16-representable) sits at the very end
+    x[6, vocab - 2] = 0.0
+    x[6, 3] = -0.0  # -0.0 and +0.0 tie: lowest index, if nothing else is positive
+    x[6] = torch.where(x[6] > 0, -x[6], x[6])
+    x[6, 3], x[6, vocab - 2] = -0.0, 0.0
+    return x[:rows_v].to(dtype).to(device)
+
+
+def _simulated_tp(x: torch.Tensor, tp: int, vocab: int, **kw) -> torch.Tensor:
+    """Split ``[R, V]`` like a COLUMN LMHead (zero-padded last shard), select per shard, take the max."""
+    width = -(-vocab // tp)
+    pad = width * tp - vocab
+    xp = torch.cat([x, torch.zeros(x.shape[0], pad, dtype=x.dtype, device=x.device)], dim=1)
+    keys = torch.stack([shard_select_keys(xp[:, r * width:(r + 1) * width], r * width, vocab, **kw)
+                        for r in range(tp)])
+    return key_to_id_torch(keys.max(dim=0).values)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Argmax
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_order_matches_torch(device, dtype):
+    vocab = 1999
+    x = _adversarial(8, vocab, dtype, device)
+    expected = torch.argmax(x.float(), dim=1)
+    for block, splits in ((2048, 1), (128, None), (64, 5), (16, 3)):
+        ids = vocab_parallel_argmax(x, 0, vocab)
+        assert torch.equal(ids, expected)
+        keys = shard_select_keys(x, 0, vocab, block_size=block, num_splits=splits)
+        assert torch.equal(keys, shard_select_keys_reference(x, 0, vocab)), (block, splits)
+        assert torch.equal(key_to_id_torch(keys), expected)
+    # Known winners, stated explicitly.
+    assert ids[0].item() == 5 and ids[1].item() == 0 and ids[2].item() == 0 and ids[3].item() == 0
+    assert ids[4].item() == vocab // 3 and ids[5].item() == vocab - 1 and ids[6].item() == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_simulated_tp_argmax_with_padded_shard(device, tp):
+    vocab = 1001  # uneven at tp 2/3/4 (pad 1/1/3)
+    x = _adversarial(8, vocab, torch.bfloat16, device, seed=tp)
+    x[7] = -INF  # padded zero columns would beat every real column if they were not masked
+    ids = _simulated_tp(x, tp, vocab, block_size=64)
+    assert torch.equal(ids, torch.argmax(x.float(), dim=1))
+    assert ids[7].item() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_columns_never_win(device):
+    vocab, width = 700, 256  # tp 3 shards of 256: the last has 188 real + 68 padded columns
+    shard = torch.full((3, width), -INF, device=device)
+    shard[:, 188:] = 0.0  # padded columns hold logit 0 (zero weight rows)
+    keys = shard_select_keys(shard, 512, vocab, block_size=32, num_splits=4)
+    assert torch.equal(key_to_id_torch(keys), torch.full((3,), 512, device=device))
+    # A shard made only of padding (a shard past the vocabulary) contributes the empty key.
+    keys = shard_select_keys(shard[:, 188:], 700 - 1, vocab)  # one real column
+    assert torch.equal(key_to_id_torch(keys), torch.full((3,), 699, device=device))
+    empty = shard_select_keys_reference(shard, 512, 512 + 1)
+    assert key_to_id_torch(empty)[0].item() == 512
+    keys = shard_select_keys(torch.zeros(2, 0, device=device), 0, 5)
+    assert torch.equal(keys, torch.full((2,), EMPTY_KEY, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows(device, dtype):
+    vocab = 777
+    base = _adversarial(6, 1000, dtype, device, seed=3)
+    x = base[:, 100:100 + vocab]  # row stride 1000, offset start
+    assert not x.is_contiguous()
+    assert torch.equal(vocab_parallel_argmax(x, 0, vocab), torch.argmax(x.float(), dim=1))
+    every_other = base[::2, :vocab]
+    assert torch.equal(vocab_parallel_argmax(every_other, 0, vocab), torch.argmax(every_other.float(), dim=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_rows_many_shapes(device):
+    g = torch.Generator().manual_seed(1)
+    for rows, vocab in ((1, 3), (3, 1023), (5, 2049), (2, 4097)):
+        x = (torch.randn(rows, vocab, generator=g) * 3).round().to(torch.bfloat16).to(device)  # many ties
+        assert torch.equal(vocab_parallel_argmax(x, 0, vocab), torch.argmax(x.float(), dim=1))
+        assert torch.equal(_simulated_tp(x, 3, vocab, block_size=128), torch.argmax(x.float(), dim=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_tokens_from_shard(device):
+    b, k, vocab, tp = 3, 4, 613, 2
+    x = _adversarial(b * k, vocab, torch.bfloat16, device, seed=5).view(b, k, vocab)
+    expected = torch.argmax(x.float(), dim=-1)
+    assert torch.equal(draft_tokens_from_shard(x, 0, vocab), expected)
+    out = torch.empty(b, k, dtype=torch.int64, device=device)
+    assert draft_tokens_from_shard(x, 0, vocab, out=out) is out and torch.equal(out, expected)
+    width = -(-vocab // tp)
+    xp = torch.nn.functional.pad(x, (0, width * tp - vocab))
+    keys = torch.stack([shard_select_keys(xp[..., r * width:(r + 1) * width].reshape(b * k, width), r * width,
+                                          vocab) for r in range(tp)])
+    assert torch.equal(key_to_id_torch(keys.max(0).values).view(b, k), expected)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gumbel-max
+# ----------------------------------------------------------------------------------------------------
+def _sampling_inputs(rows, device, temperature=1.0, seed=1234, offset0=0):
+    return (torch.full((rows,), temperature, dtype=torch.float32, device=device),
+            torch.full((rows,), seed, dtype=torch.int64, device=device),
+            torch.arange(offset0, offset0 + rows, dtype=torch.int64, device=device))
+
+
+def _chi2_upper(df: int, z: float = 5.0) -> float:
+    """Upper quantile of chi^2(df) by Wilson-Hilferty; z = 5 sigma (p ~ 3e-7): a conservative bound."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gumbel_matches_softmax_chi_square(device, temperature):
+    vocab, draws = 13, 3000
+    logits = torch.tensor([[1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.25, 3.0, -2.0, 0.75, 1.25, -0.25]])
+    x = logits.expand(draws, vocab).contiguous().to(device)
+    temps, seeds, offsets = _sampling_inputs(draws, device, temperature, seed=99)
+    if device == "cpu":
+        # The interpreter runs one program per row (too slow for thousands of draws): take the
+        # statistics on the eager twin and check that the kernel draws bit-identically on a subset.
+        ids = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets, return_ids=True)
+        sub = slice(0, 48)
+        assert torch.equal(gumbel_sample(x[sub], temps[sub], seeds[sub], offsets[sub], 0, vocab), ids[sub])
+    else:
+        ids = gumbel_sample(x, temps, seeds, offsets, 0, vocab).cpu()
+    counts = torch.bincount(ids, minlength=vocab).double()
+    expected = torch.softmax(logits[0].double() / temperature, dim=0) * draws
+    stat = ((counts - expected) ** 2 / expected).sum().item()
+    assert stat < _chi2_upper(vocab - 1), (stat, counts, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_keying(device):
+    vocab, rows = 1537, 6
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, vocab, generator=g).to(device)
+    temps, seeds, offsets = _sampling_inputs(rows, device, 1.0, seed=42, offset0=10)
+    seeds[3] = 2**40 + 5  # high seed word
+    offsets[4] = 2**33 + 1  # high offset word
+    ref = gumbel_sample(x, temps, seeds, offsets, 0, vocab)
+    # Kernel vs eager twin (uniforms exact; logs may differ by an ulp only on GPU).
+    if device == "cpu":
+        keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets)
+        assert torch.equal(keys, shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets))
+    # Same draw at every block size, split count and simulated TP size (noise keyed by global id).
+    for block, splits in ((16, 7), (64, None), (2048, 1)):
+        keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits)
+        assert torch.equal(key_to_id_torch(keys), ref)
+    for tp in (2, 3):
+        assert torch.equal(_simulated_tp(x, tp, vocab, temperatures=temps, seeds=seeds, offsets=offsets), ref)
+    # Same (seed, offset) -> same token; rows 0..5 repeat.
+    assert torch.equal(gumbel_sample(x, temps, seeds, offsets, 0, vocab), ref)
+    # Flat logits make the draw depend on the noise only: distinct keys give distinct draws (w.h.p.).
+    flat = torch.zeros(64, vocab, device=device)
+    t64, s64, o64 = _sampling_inputs(64, device, 1.0, seed=42)
+    a = gumbel_sample(flat, t64, s64, o64, 0, vocab)
+    assert torch.equal(gumbel_sample(flat, t64, s64, torch.zeros_like(o64) + o64, 0, vocab), a)
+    assert (gumbel_sample(flat, t64, s64, o64 + 1000, 0, vocab) != a).sum() > 48
+    assert (gumbel_sample(flat, t64, s64 + 1, o64, 0, vocab) != a).sum() > 48
+    assert (gumbel_sample(flat, t64, s64, o64, 0, vocab, salt=DRAFT_SALT) != a).sum() > 48
+    assert a.unique().numel() > 48  # different offsets in one batch draw different tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_greedy_and_sampled_rows(device):
+    vocab, rows = 901, 8
+    x = _adversarial(rows, vocab, torch.bfloat16, device, seed=11)
+    temps = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5, 0.0, 1.0], device=device)
+    seeds = torch.arange(rows, dtype=torch.int64, device=device) + 17
+    offsets = torch.arange(rows, dtype=torch.int64, device=device) * 3
+    ids = gumbel_sample(x, temps, seeds, offsets, 0, vocab)
+    greedy = temps == 0
+    assert torch.equal(ids[greedy], torch.argmax(x.float(), dim=1)[greedy])
+    # A sampled row's draw does not depend on its neighbours being greedy.
+    all_sampled = gumbel_sample(x, torch.where(greedy, 1.0, temps), seeds, offsets, 0, vocab)
+    assert torch.equal(ids[~greedy], all_sampled[~greedy])
+    assert torch.equal(_simulated_tp(x, 4, vocab, temperatures=temps, seeds=seeds, offsets=offsets, block_size=32),
+                       ids)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input validation
+# ----------------------------------------------------------------------------------------------------
+def test_bad_inputs_raise():
+    x = torch.randn(4, 100)
+    t, s, o = _sampling_inputs(4, "cpu")
+    with pytest.raises(ValueError, match="vocab_start"):
+        vocab_parallel_argmax(x, 300, 300)
+    with pytest.raises(ValueError, match="vocab_start"):
+        vocab_parallel_argmax(x, -1, 300)
+    with pytest.raises(ValueError, match="vocab_size"):
+        vocab_parallel_argmax(x, 0, 0)
+    with pytest.raises(ValueError, match=r"expected shape \(4,\)"):
+        gumbel_sample(x, t[:3], s, o, 0, 100)
+    with pytest.raises(ValueError, match="offsets: expected dtype torch.int64"):
+        gumbel_sample(x, t, s, o.int(), 0, 100)
+    with pytest.raises(ValueError, match="seeds: expected dtype"):
+        gumbel_sample(x, t, s.float(), o, 0, 100)
+    with pytest.raises(ValueError, match="temperatures: expected dtype torch.float32"):
+        gumbel_sample(x, t.double(), s, o, 0, 100)
+    with pytest.raises(ValueError, match="all three or none"):
+        shard_select_keys(x, 0, 100, t, None, None)
+    with pytest.raises(ValueError, match="unit column stride"):
+        vocab_parallel_argmax(x.t(), 0, 100)
+    with pytest.raises(ValueError, match="dtype"):
+        vocab_parallel_argmax(x.double(), 0, 100)
+    with pytest.raises(ValueError, match="out"):
+        vocab_parallel_argmax(x, 0, 100, out=torch.empty(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="expected a tensor"):
+        vocab_parallel_argmax(torch.randn(5), 0, 5)
+    with pytest.raises(ValueError, match="scratch"):
+        shard_select_keys(x, 0, 100, block_size=16, num_splits=4, scratch=make_shard_select_scratch(2, "cpu"))
+    with pytest.raises(ValueError, match="vocab_start"):
+        VocabShardedLogits(x, 100, 100, 100)
+    with pytest.raises(ValueError, match="not a shard"):
+        VocabShardedLogits(x, 50, 150, 200)
+    with pytest.raises(ValueError, match="padded_vocab_size"):
+        VocabShardedLogits(x, 0, 150, 150)
+
+
+def test_caller_scratch_is_restored():
+    x = _adversarial(3, 500, torch.float32, "cpu")
+    scratch = make_shard_select_scratch(3, "cpu")
+    for _ in range(2):
+        keys = shard_select_keys(x, 0, 500, block_size=16, num_splits=6, scratch=scratch)
+        assert torch.equal(keys, shard_select_keys_reference(x, 0, 500))
+        assert torch.all(scratch[0] == EMPTY_KEY) and torch.all(scratch[1] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LM head, logits processor, decisions
+# ----------------------------------------------------------------------------------------------------
+def _head(vocab=301, hidden=32, tp=1, rank=0, gather=True, mode=TensorParallelMode.COLUMN, dp=False):
+    mapping = Mapping(world_size=tp, rank=rank, tp_size=tp, enable_attention_dp=dp)
+    head = LMHead(vocab, hidden, dtype=torch.float32, mapping=mapping, tensor_parallel_mode=mode,
+                  gather_output=gather if mode is not None else False)
+    return mapping, head
+
+
+def test_lm_head_shards_and_padding():
+    vocab, hidden = 301, 16
+    full = torch.randn(vocab, hidden)
+    h = torch.randn(5, hidden)
+    ref = h @ full.t()
+    for tp in (1, 2, 3, 4):
+        pieces = []
+        for rank in range(tp):
+            _, head = _head(vocab, hidden, tp, rank)
+            head.load_weights(full)
+            assert head.weight.shape == (-(-vocab // tp), hidden)
+            assert head.padded_vocab_size == head.weight.shape[0] * tp and head.vocab_size == vocab
+            assert head.vocab_start == rank * head.weight.shape[0] and head.quantized is False
+            shard = head.shard_forward(h)
+            if rank == tp - 1 and head.padding_size:
+                assert torch.all(head.weight[head.num_valid_rows:] == 0)
+                assert torch.all(shard[:, head.num_valid_rows:] == 0)  # padded logits are 0, not -inf
+            pieces.append(shard)
+        torch.testing.assert_close(torch.cat(pieces, 1)[:, :vocab], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="too small"):
+        _head(vocab=5, tp=4, rank=0)
+    _, head = _head(tp=1)
+    with pytest.raises(ValueError, match="expected full weight"):
+        head.load_weights(torch.zeros(300, 32))
+    _, head = _head(vocab, hidden, tp=1)
+    head.load_weights(full)
+    rows = torch.tensor([1, 3])
+    assert torch.equal(LogitsProcessor()(h, head, rows), head(h[rows]))
+
+
+class _CustomProcessor(LogitsProcessor):
+    def forward(self, hidden_states, lm_head, row_indices=None):
+        return super().forward(hidden_states, lm_head, row_indices) * 2.0
+
+
+def _first_failure(failures):
+    return next((c.value for c, failed in failures.items() if failed), None)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("eligible", None),
+    ("off", "mode='off'"),
+    ("tp1", "tp_size == 1"),
+    ("attention_dp", "attention DP"),
+    ("replicated", "not a COLUMN-parallel"),
+    ("no_gather", "not a COLUMN-parallel"),
+    ("quantized", "quantized"),
+    ("uneven", "unevenly sharded"),
+    ("custom_processor", "own logits processor"),
+    ("penalties", "occurrence penalties"),
+    ("guided", "guided decoder"),
+])
+def test_selection_decision_reasons(case, expected):
+    tp = 1 if case == "tp1" else 2
+    kw = {}
+    vocab = 301 if case == "uneven" else 300
+    mapping, head = _head(vocab=vocab, tp=tp, dp=case == "attention_dp",
+                          mode=None if case == "replicated" else TensorParallelMode.COLUMN,
+                          gather=case != "no_gather")
+    if case == "quantized":
+        head.quantized = True
+    processor = _CustomProcessor() if case == "custom_processor" else LogitsProcessor()
+    if case == "penalties":
+        kw["occurrence_penalties"] = True
+    if case == "guided":
+        kw["guided_decoder"] = object()
+    if case == "off":
+        kw["mode"] = "off"
+    target = _first_failure(local_target_failures(mapping, head, processor, **kw))
+    if expected is None:
+        assert target is None
+    else:
+        assert target is not None and expected in target
+    # Draft side: the drafter drafting through the target head; target-only reasons do not apply.
+    draft = _first_failure(local_draft_failures(mapping, head, head, mode=kw.get("mode", "auto")))
+    if case in ("custom_processor", "penalties", "guided", "eligible"):
+        assert draft is None
+    else:
+        assert draft is not None and expected in draft
+    if expected is None:
+        assert "does not draft through" in _first_failure(local_draft_failures(mapping, head, None))
+
+
+def test_decide_single_rank_and_modes():
+    mapping, head = _head(tp=1)
+    sel = VocabParallelSelection.decide(mapping, head, LogitsProcessor(), drafter_lm_head=head)
+    assert not sel.target_enabled and not sel.draft_enabled and "tp_size == 1" in sel.target_reason
+    with pytest.raises(ValueError, match="mode='on'"):
+        VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="on")
+    with pytest.raises(ValueError):
+        VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="sometimes")
+
+
+def test_request_routing():
+    assert not needs_full_vocab(RequestSampling(temperature=0.0))
+    assert not needs_full_vocab(RequestSampling(temperature=0.8, top_k=1, top_p=1.0))
+    assert needs_full_vocab(RequestSampling(temperature=0.8, top_k=50))
+    assert needs_full_vocab(RequestSampling(temperature=0.8, top_p=0.9))
+    assert needs_full_vocab(RequestSampling(return_logprobs=True))
+    assert needs_full_vocab(RequestSampling(has_logits_post_processor=True))
+    assert not needs_gathered_logits([RequestSampling(return_logprobs=True), RequestSampling()])
+    assert needs_gathered_logits([RequestSampling(), RequestSampling(has_logits_post_processor=True)])
+
+
+class _Worker(VocabParallelSelectionMixin):
+    pass
+
+
+@pytest.mark.parametrize("processor_cls", [LogitsProcessor, _CustomProcessor])
+def test_worker_component_single_rank(processor_cls):
+    """tp 1 (and a custom processor) keep the gathered path: logits come from the model's processor."""
+    vocab, hidden = 257, 16
+    mapping, head = _head(vocab=vocab, hidden=hidden, tp=1)
+    head.load_weights(torch.randn(vocab, hidden))
+    worker = _Worker()
+    with pytest.raises(RuntimeError, match="bind_vocab_parallel"):
+        worker.select_tokens(torch.zeros(1, vocab))
+    sel = worker.bind_vocab_parallel(mapping, head, processor_cls(), drafter_lm_head=head)
+    assert not sel.target_enabled
+    with pytest.raises(RuntimeError, match="already bound"):
+        worker.vocab_parallel.bind(mapping, head, processor_cls())
+    h = torch.randn(6, hidden)
+    logits = worker.target_logits(h, torch.tensor([0, 2, 5]))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (3, vocab)
+    torch.testing.assert_close(logits, processor_cls()(h[[0, 2, 5]], head), rtol=0, atol=0)
+    assert torch.equal(worker.select_tokens(logits), torch.argmax(logits, dim=1))
+    temps, seeds, offsets = _sampling_inputs(3, "cpu", 0.0)
+    assert torch.equal(worker.select_tokens(logits, SelectionParams(temps, seeds, offsets)),
+                       torch.argmax(logits, dim=1))
+    assert torch.equal(gathered_argmax(logits, vocab), torch.argmax(logits, dim=1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_replay_matches_eager():
+    vocab, tp = 200064, 4
+    width = vocab // tp
+    rows = 8
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0, 0.0, 0.9], device="cuda")
+    seeds = torch.arange(rows, dtype=torch.int64, device="cuda") * 7919
+    offsets = torch.arange(rows, dtype=torch.int64, device="cuda")
+    out_a = torch.empty(rows, dtype=torch.int64, device="cuda")
+    out_s = torch.empty(rows, dtype=torch.int64, device="cuda")
+    start = width * 2
+    # Eager warm-up (allocates the split scratch, compiles).
+    vocab_parallel_argmax(x, start, vocab, out=out_a)
+    gumbel_sample(x, temps, seeds, offsets, start, vocab, out=out_s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        vocab_parallel_argmax(x, start, vocab, out=out_a)
+        gumbel_sample(x, temps, seeds, offsets, start, vocab, out=out_s)
+    for step in range(3):
+        x.copy_(torch.randn_like(x))
+        x[step, 100] = float("nan")
+        offsets.add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_a, vocab_parallel_argmax(x, start, vocab) - 0)
+        assert torch.equal(out_a - start, torch.argmax(x.float(), dim=1))
+        assert torch.equal(out_s, gumbel_sample(x, temps, seeds, offsets, start, vocab))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_large_vocab_matches_torch_argmax(dtype):
+    vocab = 200064
+    for rows in (1, 7, 64, 257):
+        x = torch.randn(rows, vocab, device="cuda").to(dtype)
+        x[0, vocab - 1] = x[0].max()  # a tie with the earlier maximum: lowest index wins
+        if rows > 2:
+            x[1, 12345] = float("nan")
+            x[2] = float("-inf")
+        assert torch.equal(vocab_parallel_argmax(x, 0, vocab), torch.argmax(x, dim=1))
+        for tp in (2, 8):
+            assert torch.equal(_simulated_tp(x, tp, vocab), torch.argmax(x, dim=1))
+        keys = shard_select_keys(x, 0, vocab)
+        assert torch.equal(keys, shard_select_keys_reference(x, 0, vocab))
+    # Sampling: the GPU kernel's tl.log may differ from torch's by an ulp, so compare the draws with
+    # the eager twin allowing only near-tie disagreements (rare), and across block sizes exactly.
+    rows = 64
+    x = torch.randn(rows, vocab, device="cuda").to(dtype)
+    temps, seeds, offsets = _sampling_inputs(rows, "cuda")
+    ids = gumbel_sample(x, temps, seeds, offsets, 0, vocab)
+    ref = key_to_id_torch(shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets))
+    assert (ids != ref).sum().item() <= 1
+    for block, splits in ((1024, 3), (4096, 1)):
+        keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits)
+        assert torch.equal(key_to_id_torch(keys), ids)
+    assert TARGET_SALT != DRAFT_SALT
