@@ -2,7 +2,6 @@
 
 # name -> module that registers it (imported lazily so one benchmark's imports never slow another)
 BENCHMARK_MODULES = {
-    "allreduce": "tensorrt_llm_ext.bench.allreduce_norm",
     "select": "tensorrt_llm_ext.bench.select",
     "markov": "tensorrt_llm_ext.bench.markov",
     "tail": "tensorrt_llm_ext.bench.tail",
