@@ -9,8 +9,8 @@ F = n_cap * H_t captured target features, L drafter layers, d_c latent width, V 
    store kernel; the drafter never writes context latents.
 2. Block decode: :meth:`DSparkDrafter.forward_block` embeds ``[anchor, MASK, ...]``, and in each layer
    projects the block's own latents (``kv_a_proj`` rows of that layer, applied to the input-normed
-   block hidden), **writes them into the pool at the placement's pages/offsets** (the only pool write
-   the drafter does), then attends over the context latents (``< ctx_len``, via the block table) plus
+   block hidden), **writes them into the pool at the placement's pages/offsets** (entries with page
+   id ``-1`` skipped; the only pool write the drafter does), then attends over the context latents (``< ctx_len``, via the block table) plus
    the block's own latents (bidirectional), then the MLP. It returns the final-normed hidden states
    ``[B, K, H]``; the worker applies the LM head it owns (vocab-parallel or gathered) and runs the
    Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
@@ -45,8 +45,8 @@ from torch import nn
 from tensorrt_llm_ext.distributed import AllReduce, AllReduceFusionOp, AllReduceParams
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.modules.attention import (gather_context_latents, read_block_latents,
-                                                single_latent_block_attention, write_block_latents)
+from tensorrt_llm_ext.modules.attention import (gather_context_latents, single_latent_block_attention,
+                                                write_block_latents)
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
@@ -141,8 +141,10 @@ class SingleLatentAttention(nn.Module):
         """
         b, k, _ = x.shape
         q = self.q_proj(x).view(b, k, self.num_local_heads, self.head_dim)
-        write_block_latents(pool_layer, inputs.placement, F.linear(x, kv_a_weight))
-        block_latents = read_block_latents(pool_layer, inputs.placement)
+        # Stored for later steps' bookkeeping; attention reads the computed values (same bits as
+        # stored), so entries without a page (-1) still attend their own block.
+        block_latents = F.linear(x, kv_a_weight).to(pool_layer.dtype)
+        write_block_latents(pool_layer, inputs.placement, block_latents)
         ctx_latents, ctx_valid = gather_context_latents(pool_layer, inputs.cache, inputs.slot_ids,
                                                         inputs.placement.ctx_lens)
         o = single_latent_block_attention(q, block_latents, ctx_latents, ctx_valid, inputs.placement,
@@ -388,7 +390,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         """One block decode: ``inputs.block_input_ids [B, K]`` -> final-normed hidden ``[B, K, H]``.
 
         Side effect: for every layer ``l`` the block's own latents are written into
-        ``inputs.cache.pool[l]`` at ``inputs.placement.page_ids/page_offsets`` (nothing else is written).
+        ``inputs.cache.pool[l]`` at ``inputs.placement.page_ids/page_offsets`` where ``page_ids >= 0``
+        (nothing else is written; ``-1`` entries -- dummy rows, unallocated pages -- are skipped).
         Dummy rows (``seq_lens == 0``) produce finite output. Identical on every TP rank. Fixed shapes,
         no host sync: CUDA-graph capturable (given graph-safe collectives).
         """

@@ -5,8 +5,10 @@ keys and values are up-projected per head (``k = W_uk c``, ``v = W_uv c``) and R
 at their absolute positions. A draft block of ``K`` positions attends to
 
 * the request's context latents, positions ``0 .. ctx_len-1``, read through the cache's block table, and
-* the block's own latents, read at the :class:`~tensorrt_llm_ext.speculative.contract.DraftBlockPlacement`
-  pages/offsets (written there first by :func:`write_block_latents`),
+* the block's own latents (stored first at the
+  :class:`~tensorrt_llm_ext.speculative.contract.DraftBlockPlacement` pages/offsets by
+  :func:`write_block_latents`; attention uses the computed values, so a position whose page is
+  unallocated still attends correctly),
 
 bidirectionally within the block and without a causal mask over the context. A dummy row
 (``seq_lens == 0``) sees nothing and yields zeros (finite).
@@ -47,18 +49,26 @@ def write_block_latents(pool_layer: torch.Tensor, placement: DraftBlockPlacement
 
     Args:
         pool_layer: ``[num_pages, page_size, d_c]``, one drafter layer of the pool (written in place).
-        placement: ``page_ids`` / ``page_offsets`` ``[B, K]`` int32, valid (``>= 0``) on every row; a
-            dummy row's placement must point at pages its owner reserves for it.
+        placement: ``page_ids`` / ``page_offsets`` ``[B, K]`` int32; ``page_ids < 0`` (unallocated page,
+            dummy row) means "do not store".
         latents: ``[B, K, d_c]`` (cast to the pool dtype).
 
-    Writes exactly the ``B * K`` destinations of the placement, nothing else. CUDA-graph safe.
+    Writes exactly the destinations with ``page_ids >= 0``, nothing else. CUDA-graph safe: no mask
+    compaction; skipped entries are redirected to the first stored entry's destination with that
+    entry's value (identical bits, so the duplicate index is harmless), or, when nothing is stored,
+    to slot ``[0, 0]`` with its own current value.
     """
-    pool_layer[placement.page_ids.long(), placement.page_offsets.long()] = latents.to(pool_layer.dtype)
-
-
-def read_block_latents(pool_layer: torch.Tensor, placement: DraftBlockPlacement) -> torch.Tensor:
-    """``[B, K, d_c]``: the latents stored at the placement."""
-    return pool_layer[placement.page_ids.long(), placement.page_offsets.long()]
+    num_pages, page_size, d_c = pool_layer.shape
+    flat = pool_layer.view(num_pages * page_size, d_c)
+    valid = (placement.page_ids >= 0).reshape(-1)
+    dest = (placement.page_ids.long().clamp_min(0) * page_size + placement.page_offsets.long()).reshape(-1)
+    vals = latents.reshape(-1, d_c).to(pool_layer.dtype)
+    first = torch.argmax(valid.to(torch.int32))  # first stored entry (0 if none)
+    any_valid = valid[first]
+    sink_idx = torch.where(any_valid, dest[first], torch.zeros_like(dest[first]))
+    sink_val = torch.where(any_valid, vals[first], flat[0])
+    idx = torch.where(valid, dest, sink_idx)
+    flat[idx] = torch.where(valid.unsqueeze(1), vals, sink_val)
 
 
 def gather_context_latents(

@@ -16,6 +16,7 @@ import torch
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models import (DSparkDrafter, DSparkDrafterConfig, DSparkDrafterNoFusion,
                                      full_weight_shapes, generate_full_state_dict, resolve_drafter_tp_plan)
+from tensorrt_llm_ext.modules.attention import write_block_latents
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
@@ -28,7 +29,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 
 def make_block_inputs(cfg, dtype, k=4, page_size=4, max_pages=4, seed=1):
     """A paged scenario: 3 requests (ctx 9, ctx 0, ctx 5) + 1 dummy row, permuted physical pages,
-    unallocated (-1) table tails, a random (stale) pool so that unmasked garbage would show."""
+    unallocated (-1) table tails (one block position without a page), a random (stale) pool so that
+    unmasked garbage would show."""
     g = torch.Generator().manual_seed(seed)
     num_slots = 5
     num_pages = num_slots * max_pages
@@ -36,12 +38,14 @@ def make_block_inputs(cfg, dtype, k=4, page_size=4, max_pages=4, seed=1):
     perm = torch.randperm(num_pages, generator=g).view(num_slots, max_pages).to(torch.int32)
     block_table = perm.clone()
     block_table[1, 2:] = -1  # slot 1 (ctx 0) needs one page
+    block_table[0, 2:] = -1  # slot 0 (ctx 5): the block's last position (8) has no page -> not stored
     slot_ids = torch.tensor([3, 1, 0, 4], dtype=torch.int32)
     ctx_lens = torch.tensor([9, 0, 5, 0], dtype=torch.int32)
     seq_lens = torch.tensor([9 + k, k, 5 + k, 0], dtype=torch.int32)  # row 3: CUDA-graph dummy
     positions = (ctx_lens.long().unsqueeze(1) + torch.arange(k)).to(torch.int32)
     rows = block_table[slot_ids.long()].long()
     page_ids = torch.gather(rows, 1, positions.long() // page_size).to(torch.int32)
+    page_ids[3] = -1  # a dummy row stores nothing (the worker's placement convention)
     page_offsets = (positions % page_size).to(torch.int32)
     ids = torch.randint(0, cfg.vocab_size, (4, k), generator=g)
     ids[:, 1:] = cfg.mask_token_id
@@ -140,13 +144,26 @@ def test_deterministic_init_and_state_dict_round_trip():
         d.load_full_state_dict(bad)
 
 
+def _to_device(inputs, device):
+    pl, c = inputs.placement, inputs.cache
+    return DrafterBlockInputs(inputs.block_input_ids.to(device), inputs.slot_ids.to(device),
+                              DraftBlockPlacement(*(t.to(device) for t in (pl.positions, pl.page_ids, pl.page_offsets,
+                                                                            pl.ctx_lens, pl.seq_lens))),
+                              PagedLatentCache(c.pool.to(device), c.block_table.to(device)))
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_block_decode_matches_dense_attention(dtype):
-    drafter = DSparkDrafter(CFG, dtype=dtype)
+def test_paged_block_decode_matches_dense_attention(dtype, device):
+    drafter = DSparkDrafter(CFG, dtype=dtype, device=device)
     drafter.init_weights(3)
-    inputs = make_block_inputs(CFG, dtype)
-    pool_before = inputs.cache.pool.clone()
-    out = drafter.forward_block(inputs)
+    dev_inputs = _to_device(make_block_inputs(CFG, dtype), device)
+    pool_before = dev_inputs.cache.pool.clone().cpu()
+    out = drafter.forward_block(dev_inputs).cpu()
+    inputs = _to_device(dev_inputs, "cpu")
     ref, blk_lat = dense_reference(generate_full_state_dict(CFG, 3, dtype), CFG, inputs)
     assert out.shape == (4, 4, CFG.hidden_size) and out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -155,11 +172,40 @@ def test_paged_block_decode_matches_dense_attention(dtype):
     torch.testing.assert_close(out[~live].float(), ref[~live], **TOL[dtype])  # dummy row: no attention
     # The block latents were written at the placement, and nothing else in the pool changed.
     pl, pool = inputs.placement, inputs.cache.pool
+    stored = pl.page_ids >= 0
+    assert not stored.all() and stored.any()
     written = torch.zeros(pool.shape[:3], dtype=torch.bool)
-    written[:, pl.page_ids.long(), pl.page_offsets.long()] = True
+    written[:, pl.page_ids[stored].long(), pl.page_offsets[stored].long()] = True
     assert torch.equal(pool[~written], pool_before[~written])
-    torch.testing.assert_close(pool[:, pl.page_ids.long(), pl.page_offsets.long()].float(), blk_lat,
-                               **TOL[dtype])
+    torch.testing.assert_close(pool[:, pl.page_ids[stored].long(), pl.page_offsets[stored].long()].float(),
+                               blk_lat[:, stored], **TOL[dtype])
+
+
+@CUDA
+def test_forward_block_cuda_graph_replay():
+    """The block decode captures into a CUDA graph (no host sync, no escaping allocation) and the
+    replay reproduces the eager output and pool writes (same kernels; bf16 tolerance 1e-2)."""
+    drafter = DSparkDrafter(CFG, dtype=torch.bfloat16, device="cuda")
+    drafter.init_weights(4)
+    inputs = _to_device(make_block_inputs(CFG, torch.bfloat16), "cuda")
+    pool0 = inputs.cache.pool.clone()
+    eager = drafter.forward_block(inputs).clone()
+    eager_pool = inputs.cache.pool.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        drafter.forward_block(inputs)  # warm-up: Triton compile, cuBLAS handles
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = drafter.forward_block(inputs)
+    inputs.cache.pool.copy_(pool0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(inputs.cache.pool, eager_pool, atol=1e-2, rtol=1e-2)
+    assert torch.isfinite(out).all()
 
 
 def test_context_latents_one_gemm_and_project():
@@ -308,3 +354,25 @@ def test_unsplit_fc_plan_logged_once(caplog):
             DSparkDrafter(cfg, Mapping(world_size=2, rank=r, tp_size=2))
     msgs = [rec.getMessage() for rec in caplog.records if "does not split" in rec.getMessage()]
     assert len(msgs) == 1 and "43" in msgs[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_write_block_latents_skips_unplaced(device):
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 4, 5, generator=g).to(device)
+    lat = torch.randn(2, 3, 5, generator=g).to(device)
+    pos = torch.zeros(2, 3, dtype=torch.int32)
+    ids = torch.tensor([[-1, 4, -1], [2, -1, 0]], dtype=torch.int32)
+    offs = torch.tensor([[0, 3, 1], [1, 0, 0]], dtype=torch.int32)
+    place = DraftBlockPlacement(pos, ids.to(device), offs.to(device), pos[:, 0], pos[:, 0])
+    before = pool.clone()
+    write_block_latents(pool, place, lat)
+    expect = before.clone()
+    for b in range(2):
+        for k in range(3):
+            if ids[b, k] >= 0:
+                expect[ids[b, k], offs[b, k]] = lat[b, k]
+    assert torch.equal(pool, expect)  # stored bit for bit, nothing else touched
+    none = DraftBlockPlacement(pos, torch.full_like(ids, -1).to(device), offs.to(device), pos[:, 0], pos[:, 0])
+    write_block_latents(pool, none, lat)
+    assert torch.equal(pool, expect)

@@ -29,11 +29,13 @@ def _block_inputs(cfg, dtype, device, k=4, page_size=4, max_pages=4, seed=1):
     pool = torch.randn(cfg.num_layers, num_slots * max_pages, page_size, cfg.latent_dim, generator=g).to(dtype)
     table = torch.randperm(num_slots * max_pages, generator=g).view(num_slots, max_pages).to(torch.int32)
     table[1, 2:] = -1
+    table[0, 2:] = -1  # slot 0 (ctx 5): block position 8 has no page -> not stored
     slot_ids = torch.tensor([3, 1, 0, 4], dtype=torch.int32)
     ctx_lens = torch.tensor([9, 0, 5, 0], dtype=torch.int32)
     seq_lens = torch.tensor([9 + k, k, 5 + k, 0], dtype=torch.int32)
     positions = (ctx_lens.long().unsqueeze(1) + torch.arange(k)).to(torch.int32)
     page_ids = torch.gather(table[slot_ids.long()].long(), 1, positions.long() // page_size).to(torch.int32)
+    page_ids[3] = -1  # the dummy row stores nothing
     ids = torch.randint(0, cfg.vocab_size, (4, k), generator=g)
     ids[:, 1:] = cfg.mask_token_id
     placement = DraftBlockPlacement(*(t.to(device) for t in (positions, page_ids, positions % page_size,
