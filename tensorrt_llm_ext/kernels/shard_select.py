@@ -344,7 +344,8 @@ def shard_select_keys_reference(
     """Eager twin of :func:`shard_select_keys` (``[R, V_local]`` -> ``[R]`` int64).
 
     Bit-identical for greedy rows. For sampled rows the uniforms and ``div_rn`` match exactly but the
-    logs are torch's, which may differ from the kernel's ``tl.log`` by an ulp on GPU.
+    logs are torch's, which may differ from the kernel's ``tl.log`` (numpy in the interpreter, approximate
+    on GPU) by an ulp: sampled ids agree except, rarely, on a near-tie.
     """
     _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, None, torch.int64)
     rows, width = shard_logits.shape

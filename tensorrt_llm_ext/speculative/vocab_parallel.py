@@ -142,7 +142,7 @@ def draft_tokens_from_shard(
     if out is not None and (tuple(out.shape) != (b, k) or out.dtype != torch.int64 or not out.is_contiguous()):
         raise ValueError(f"out: expected contiguous ({b}, {k}) int64, got {tuple(out.shape)} {out.dtype}")
     ids = _select(block_shard_logits, vocab_start, vocab_size, exchange, None, None, None, DRAFT_SALT, out)
-    return ids.view(b, k)
+    return out if out is not None else ids.view(b, k)
 
 
 def _gather_full(shard_logits: torch.Tensor, vocab_size: int, mapping: Mapping | None) -> torch.Tensor:
