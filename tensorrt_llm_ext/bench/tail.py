@@ -54,7 +54,7 @@ def _count_launches(fn, device) -> str:
 
     fn()  # compiled and warm
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     return str(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
