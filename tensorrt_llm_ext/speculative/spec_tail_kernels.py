@@ -136,6 +136,7 @@ def _force_arg(forced_num_accepted, b: int, device):
         return forced_num_accepted
     _check_int("forced_num_accepted", forced_num_accepted, (b,))
     _check_device(device, forced_num_accepted=forced_num_accepted)
+    _check_contiguous(forced_num_accepted=forced_num_accepted)
     return forced_num_accepted
 
 
