@@ -19,6 +19,8 @@ from tensorrt_llm_ext.speculative.spec_tail_kernels import (
 )
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The parity tests run compiled on a GPU machine and under the Triton interpreter on CPU.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _equal_outputs(a, b):
@@ -49,6 +51,9 @@ def _accept_inputs(num_contexts, num_gen, k, dtype, seed, device="cpu"):
 
 
 def _accept_oracle(draft, target, num_contexts, verify=None, force=None):
+    draft, target = draft.cpu(), target.cpu()
+    verify = verify.cpu() if verify is not None else None
+    force = force.cpu() if isinstance(force, torch.Tensor) else force
     b, k1 = target.shape
     n = []
     for r in range(b):
@@ -72,12 +77,12 @@ def _accept_oracle(draft, target, num_contexts, verify=None, force=None):
 @pytest.mark.parametrize("num_contexts,num_gen,k", [(0, 9, 7), (3, 8, 3), (2, 0, 4), (1, 5, 1)])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_strict_accept_matches_reference(flat, num_contexts, num_gen, k, dtype):
-    draft, target = _accept_inputs(num_contexts, num_gen, k, dtype, seed=num_gen * 31 + k)
+    draft, target = _accept_inputs(num_contexts, num_gen, k, dtype, seed=num_gen * 31 + k, device=DEV)
     tin = torch.cat([target[:num_contexts, 0], target[num_contexts:].reshape(-1)]) if flat else target
     got = strict_accept(draft, tin, num_contexts)
     ref = strict_accept_reference(draft, tin, num_contexts)
     _equal_outputs(got, ref)
-    assert torch.equal(got[1], _accept_oracle(draft, target, num_contexts))
+    assert torch.equal(got[1].cpu(), _accept_oracle(draft, target, num_contexts))
     if num_gen:
         # the kinds of rows we built are all present
         gen_n = got[1][num_contexts:]
@@ -91,28 +96,28 @@ def test_strict_accept_matches_reference(flat, num_contexts, num_gen, k, dtype):
 @pytest.mark.parametrize("flat", [False, True])
 def test_strict_accept_forced(flat):
     nc, ng, k = 2, 7, 5
-    draft, target = _accept_inputs(nc, ng, k, torch.int64, seed=5)
+    draft, target = _accept_inputs(nc, ng, k, torch.int64, seed=5, device=DEV)
     tin = torch.cat([target[:nc, 0], target[nc:].reshape(-1)]) if flat else target
-    for force in (1, 3, k + 1, k + 9, torch.tensor([9, 9, 0, 1, 2, 6, 7, 40, -3])):
+    for force in (1, 3, k + 1, k + 9, torch.tensor([9, 9, 0, 1, 2, 6, 7, 40, -3], device=DEV)):
         got = strict_accept(draft, tin, nc, forced_num_accepted=force)
         _equal_outputs(got, strict_accept_reference(draft, tin, nc, forced_num_accepted=force))
-        assert torch.equal(got[1], _accept_oracle(draft, target, nc, force=force))
+        assert torch.equal(got[1].cpu(), _accept_oracle(draft, target, nc, force=force))
 
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_strict_accept_ragged_forced_capped_by_verify_len(flat):
     nc, ng, k = 2, 6, 4
-    draft, target = _accept_inputs(nc, ng, k, torch.int32, seed=11)
-    verify = torch.tensor([7, 0, 1, 2, 5, 3, 4, 5])  # context entries are ignored
+    draft, target = _accept_inputs(nc, ng, k, torch.int32, seed=11, device=DEV)
+    verify = torch.tensor([7, 0, 1, 2, 5, 3, 4, 5], device=DEV)  # context entries are ignored
     if flat:
         tin = torch.cat([target[:nc, 0]] + [target[nc + i, : int(verify[nc + i])] for i in range(ng)])
     else:
         tin = target
-    for force in (None, 4, torch.tensor([1, 1, 5, 5, 5, 1, 9, 2])):
+    for force in (None, 4, torch.tensor([1, 1, 5, 5, 5, 1, 9, 2], device=DEV)):
         acc, n = strict_accept(draft, tin, nc, verify_lens=verify, forced_num_accepted=force)
         ref = strict_accept_reference(draft, tin, nc, verify_lens=verify, forced_num_accepted=force)
         _equal_outputs((acc, n), ref)
-        assert torch.equal(n, _accept_oracle(draft, target, nc, verify=verify, force=force))
+        assert torch.equal(n.cpu(), _accept_oracle(draft, target, nc, verify=verify, force=force))
         assert (n[nc:] <= verify[nc:]).all()  # a forced count never exceeds the verify length
         for r in range(nc, nc + ng):  # tokens past the verify length are zeros
             v = int(verify[r])
@@ -120,9 +125,9 @@ def test_strict_accept_ragged_forced_capped_by_verify_len(flat):
 
 
 def test_strict_accept_out_buffers_reused():
-    draft, target = _accept_inputs(1, 6, 7, torch.int64, seed=2)
-    acc = torch.full((7, 8), -9, dtype=torch.int64)
-    n = torch.full((7,), -9, dtype=torch.int32)
+    draft, target = _accept_inputs(1, 6, 7, torch.int64, seed=2, device=DEV)
+    acc = torch.full((7, 8), -9, dtype=torch.int64, device=DEV)
+    n = torch.full((7,), -9, dtype=torch.int32, device=DEV)
     got = strict_accept(draft, target, 1, out=(acc, n))
     assert got[0] is acc and got[1] is n
     ref = strict_accept_reference(draft, target, 1)
@@ -149,10 +154,10 @@ def _encoded_offsets(b, max_blocks, divisor, seed):
 
 @pytest.mark.parametrize("b,max_blocks,divisor", [(5, 13, 3), (9, 40, 1), (4, 1, 7), (3, 1100, 16)])
 def test_decode_block_table(b, max_blocks, divisor):
-    o = _encoded_offsets(b, max_blocks, divisor, seed=max_blocks)
+    o = _encoded_offsets(b, max_blocks, divisor, seed=max_blocks).to(DEV)
     assert (o < 0).any() and (o == 0).any()
-    expect_table = torch.tensor([[max(int(x), 0) // divisor for x in row] for row in o], dtype=torch.int32)
-    expect_n = torch.tensor([sum(int(x) >= 0 for x in row) for row in o], dtype=torch.int32)
+    expect_table = torch.tensor([[max(x, 0) // divisor for x in row] for row in o.tolist()], dtype=torch.int32, device=DEV)
+    expect_n = torch.tensor([sum(x >= 0 for x in row) for row in o.tolist()], dtype=torch.int32, device=DEV)
     ref = decode_block_table_reference(o, divisor)
     got = decode_block_table(o, divisor)
     _equal_outputs(got, ref)
@@ -160,7 +165,7 @@ def test_decode_block_table(b, max_blocks, divisor):
     assert int(got[1][0]) == 0 and int(got[1][1]) == max_blocks and not got[0][:2].any()
     # in place, into the offsets tensor itself
     inplace = o.clone()
-    nb = torch.full((b,), -5, dtype=torch.int32)
+    nb = torch.full((b,), -5, dtype=torch.int32, device=DEV)
     t, n = decode_block_table(inplace, divisor, out=inplace, num_blocks_out=nb)
     assert t is inplace and n is nb
     assert torch.equal(inplace, expect_table) and torch.equal(nb, expect_n)
@@ -222,6 +227,7 @@ def _paged_oracle(accepted, num_acc, slots, is_dummy, ctx, table, *, num_context
                   max_ctx_len, mask_token_id):
     """Plain-python statement of the documented semantics (independent of both implementations)."""
     k = draft_len
+    accepted, num_acc, slots, is_dummy, ctx, table = (t.cpu() for t in (accepted, num_acc, slots, is_dummy, ctx, table))
     out = dict(adv=[], pos=[], lat=[], new_ctx={})
     for r in range(num_contexts, accepted.shape[0]):
         s = int(slots[r])
@@ -262,7 +268,7 @@ PAGED_CASES = {
 def test_paged_latent_step_and_store(case):
     seed, nc, ng, k, ps, mp, nd, mcl = PAGED_CASES[case]
     (accepted, num_acc, slots, is_dummy, ctx, table), kw, pool0, latents = _paged_case(
-        seed, num_contexts=nc, num_gen=ng, k=k, page_size=ps, max_pages=mp, num_dummy=nd, max_ctx_len=mcl)
+        seed, num_contexts=nc, num_gen=ng, k=k, page_size=ps, max_pages=mp, num_dummy=nd, max_ctx_len=mcl, device=DEV)
     assert int(is_dummy.sum()) == nd and not is_dummy[:nc].any()
     ctx_fused, ctx_ref = ctx.clone(), ctx.clone()
     got = paged_latent_step(accepted, num_acc, slots, is_dummy, ctx_fused, table, **kw)
@@ -291,7 +297,7 @@ def test_paged_latent_step_and_store(case):
     if case == "max_ctx_ceiling":
         assert any(a == mcl for a in oracle["adv"])
     if case == "odd_page_outrun":  # some accepted latents of real rows had no page, and A was capped by pages
-        accepted_j = torch.arange(k + 1)[None, :] < n_clamped[:, None]
+        accepted_j = torch.arange(k + 1, device=DEV)[None, :] < n_clamped[:, None]
         assert (accepted_j & ~got.latent_write_mask & ~is_dummy[nc:, None]).any()
         assert (got.advertised_ctx_lens < ctx_fused[slots[nc:].long()])[~is_dummy[nc:]].any()
     assert not got.latent_write_mask[is_dummy[nc:]].any()
@@ -304,7 +310,7 @@ def test_paged_latent_step_and_store(case):
     store_context_latents(latents, pages, offs, mask, pool_fused)
     store_context_latents_reference(latents, pages, offs, mask, pool_ref)
     assert torch.equal(pool_fused, pool_ref)
-    touched = torch.zeros(pool0.shape[1:3], dtype=torch.bool)
+    touched = torch.zeros(pool0.shape[1:3], dtype=torch.bool, device=DEV)
     for i in mask.nonzero().squeeze(1).tolist():
         p, o = int(pages[i]), int(offs[i])
         assert not touched[p, o], "destinations of one step are distinct"
@@ -317,17 +323,17 @@ def test_paged_latent_step_and_store(case):
 def test_store_context_latents_prefill_and_bad_destinations():
     g = torch.Generator().manual_seed(7)
     layers, num_pages, ps, d_c, n = 3, 6, 4, 1030, 9  # d_c spans two column blocks
-    pool0 = torch.randn((layers, num_pages, ps, d_c), generator=g).to(torch.bfloat16)
-    latents = torch.randn((n, layers, d_c), generator=g).to(torch.bfloat16)
-    pages = torch.tensor([0, 5, -1, 6, 2, 3, 3, 1, 4], dtype=torch.int32)
-    offs = torch.tensor([0, 3, 1, 0, 4, -1, 2, 1, 0], dtype=torch.int64)
-    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.bool)
+    pool0 = torch.randn((layers, num_pages, ps, d_c), generator=g).to(DEV, torch.bfloat16)
+    latents = torch.randn((n, layers, d_c), generator=g).to(DEV, torch.bfloat16)
+    pages = torch.tensor([0, 5, -1, 6, 2, 3, 3, 1, 4], dtype=torch.int32, device=DEV)
+    offs = torch.tensor([0, 3, 1, 0, 4, -1, 2, 1, 0], dtype=torch.int64, device=DEV)
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.bool, device=DEV)
     got, ref = pool0.clone(), pool0.clone()
     store_context_latents(latents, pages, offs, mask, got)
     store_context_latents_reference(latents, pages, offs, mask, ref)
     assert torch.equal(got, ref)
     written = [0, 1, 6, 8]  # -1 page, page >= num_pages, offset >= page_size, negative offset, masked: skipped
-    touched = torch.zeros((num_pages, ps), dtype=torch.bool)
+    touched = torch.zeros((num_pages, ps), dtype=torch.bool, device=DEV)
     for i in written:
         touched[pages[i], offs[i]] = True
         assert torch.equal(got[:, pages[i], offs[i]], latents[i])
