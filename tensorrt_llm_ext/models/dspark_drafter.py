@@ -10,10 +10,10 @@ F = n_cap * H_t captured target features, L drafter layers, d_c latent width, V 
 2. Block decode: :meth:`DSparkDrafter.forward_block` embeds ``[anchor, MASK, ...]``, and in each layer
    projects the block's own latents (``kv_a_proj`` rows of that layer, applied to the input-normed
    block hidden), **writes them into the pool at the placement's pages/offsets** (entries with page
-   id ``-1`` skipped; the only pool write the drafter does), then attends over the context latents (``< ctx_len``, via the block table) plus
-   the block's own latents (bidirectional), then the MLP. It returns the final-normed hidden states
-   ``[B, K, H]``; the worker applies the LM head it owns (vocab-parallel or gathered) and runs the
-   Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
+   id ``-1`` skipped; the only pool write the drafter does), then attends over the context latents
+   (``< ctx_len``, via the block table) plus the block's own latents (bidirectional), then the MLP.
+   It returns the final-normed hidden states ``[B, K, H]``; the worker applies the LM head it owns
+   (vocab-parallel or gathered) and runs the Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
 
 TP layout (``Mapping.is_plain_tp``): heads split over ranks (column-parallel ``q_proj``/``k_up``/``v_up``,
 row-parallel ``o_proj``), MLP column-parallel gate/up, row-parallel down; ``fc``, ``kv_a_proj``, the

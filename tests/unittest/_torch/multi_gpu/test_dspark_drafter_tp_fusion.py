@@ -1,10 +1,10 @@
 """DSpark drafter TP fusion over MPI (2 and 4 ranks; gloo on CPU, NCCL on GPU).
 
 A TP drafter and a single-rank drafter are built on every rank from the same seeded full weights and
-fed the same inputs. Tolerances (TP vs single rank; only the sum order of the reductions differs):
-fp32 ``atol=rtol=1e-5``; bf16 projected context ``atol=rtol=4e-2`` and block-decode output
-``atol=rtol=6e-2`` (normed values up to ~4, bf16 ulp 1/64 there; measured on CPU/gloo: <= 2 ulps). Every rank must hold the
-same bits, and projections that the plan keeps unsplit must equal the single rank's bit for bit.
+fed the same inputs. Tolerances (TP vs single rank; only rounding differs): fp32 ``atol=rtol=1e-5``;
+bf16 projected context ``atol=rtol=4e-2`` and block-decode output ``atol=rtol=6e-2`` (normed values
+up to ~4, bf16 ulp 1/64 there; measured on CPU/gloo: <= 2 ulps). Every rank must hold the same
+bits, and projections that the plan keeps unsplit must equal the single rank's bit for bit.
 """
 
 from __future__ import annotations
