@@ -376,3 +376,15 @@ def test_write_block_latents_skips_unplaced(device):
     none = DraftBlockPlacement(pos, torch.full_like(ids, -1).to(device), offs.to(device), pos[:, 0], pos[:, 0])
     write_block_latents(pool, none, lat)
     assert torch.equal(pool, expect)
+
+
+def test_bench_fc_bytes_per_rank_and_smoke(capsys):
+    from tensorrt_llm_ext.bench.drafter import fc_bytes_per_rank, main
+
+    whole = 7168 * 35840 * 2
+    for tp in (1, 2, 4, 8):
+        assert fc_bytes_per_rank(DSparkDrafter, tp) * tp == whole
+        assert fc_bytes_per_rank(DSparkDrafterNoFusion, tp) == whole
+    if not torch.cuda.is_available():  # on GPU the full benchmark is run by hand, not from a test
+        main([])
+        assert "1/8" in capsys.readouterr().out
