@@ -69,7 +69,7 @@ def test_argmax_order_matches_torch(device, dtype):
     vocab = 1999
     x = _adversarial(8, vocab, dtype, device)
     expected = torch.argmax(x.float(), dim=1)
-    for block, splits in ((2048, 1), (128, None), (64, 5), (16, 3)):
+    for block, splits in ((2048, 1), (256, None), (64, 5)):
         ids = vocab_parallel_argmax(x, 0, vocab)
         assert torch.equal(ids, expected)
         keys = shard_select_keys(x, 0, vocab, block_size=block, num_splits=splits)
@@ -182,7 +182,7 @@ def test_gumbel_matches_softmax_chi_square(device, temperature):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gumbel_keying(device):
-    vocab, rows = 1537, 6
+    vocab, rows = 777, 6
     g = torch.Generator().manual_seed(7)
     x = torch.randn(rows, vocab, generator=g).to(device)
     temps, seeds, offsets = _sampling_inputs(rows, device, 1.0, seed=42, offset0=10)
@@ -194,22 +194,24 @@ def test_gumbel_keying(device):
     twin = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets, return_ids=True)
     assert (twin != ref).sum().item() <= 1
     # Same draw at every block size, split count and simulated TP size (noise keyed by global id).
-    for block, splits in ((16, 7), (64, None), (2048, 1)):
+    for block, splits in ((64, 5), (256, None), (2048, 1)):
         keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits)
         assert torch.equal(key_to_id_torch(keys), ref)
     for tp in (2, 3):
         assert torch.equal(_simulated_tp(x, tp, vocab, temperatures=temps, seeds=seeds, offsets=offsets), ref)
     # Same (seed, offset) -> same token; rows 0..5 repeat.
     assert torch.equal(gumbel_sample(x, temps, seeds, offsets, 0, vocab), ref)
-    # Flat logits make the draw depend on the noise only: distinct keys give distinct draws (w.h.p.).
-    flat = torch.zeros(64, vocab, device=device)
-    t64, s64, o64 = _sampling_inputs(64, device, 1.0, seed=42)
-    a = gumbel_sample(flat, t64, s64, o64, 0, vocab)
-    assert torch.equal(gumbel_sample(flat, t64, s64, torch.zeros_like(o64) + o64, 0, vocab), a)
-    assert (gumbel_sample(flat, t64, s64, o64 + 1000, 0, vocab) != a).sum() > 48
-    assert (gumbel_sample(flat, t64, s64 + 1, o64, 0, vocab) != a).sum() > 48
-    assert (gumbel_sample(flat, t64, s64, o64, 0, vocab, salt=DRAFT_SALT) != a).sum() > 48
-    assert a.unique().numel() > 48  # different offsets in one batch draw different tokens
+    # Flat logits make the draw depend on the noise only: distinct keys give distinct draws (w.h.p.:
+    # two independent draws over 257 ids collide with probability 1/257).
+    n, v = 24, 257
+    flat = torch.zeros(n, v, device=device)
+    tn, sn, on = _sampling_inputs(n, device, 1.0, seed=42)
+    a = gumbel_sample(flat, tn, sn, on, 0, v)
+    assert torch.equal(gumbel_sample(flat, tn, sn, on.clone(), 0, v), a)
+    assert (gumbel_sample(flat, tn, sn, on + 1000, 0, v) != a).sum() >= n - 4
+    assert (gumbel_sample(flat, tn, sn + 1, on, 0, v) != a).sum() >= n - 4
+    assert (gumbel_sample(flat, tn, sn, on, 0, v, salt=DRAFT_SALT) != a).sum() >= n - 4
+    assert a.unique().numel() >= n - 4  # different offsets in one batch draw different tokens
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -225,7 +227,7 @@ def test_mixed_greedy_and_sampled_rows(device):
     # A sampled row's draw does not depend on its neighbours being greedy.
     all_sampled = gumbel_sample(x, torch.where(greedy, 1.0, temps), seeds, offsets, 0, vocab)
     assert torch.equal(ids[~greedy], all_sampled[~greedy])
-    assert torch.equal(_simulated_tp(x, 4, vocab, temperatures=temps, seeds=seeds, offsets=offsets, block_size=32),
+    assert torch.equal(_simulated_tp(x, 4, vocab, temperatures=temps, seeds=seeds, offsets=offsets, block_size=128),
                        ids)
 
 
