@@ -1,0 +1,1 @@
+"""TensorRT-LLM-style layers: linear (TP column/row), RMSNorm, embedding, attention helpers, LM head."""
