@@ -47,7 +47,7 @@ _PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _fold_tile(row_ptr, cols, col_end, best_k, best_c, greedy, inv_t, seed, offset, vocab_start,
+def _fold_tile(row_ptr, cols, col_end, best_k, best_c, sampled, inv_t, seed, offset, vocab_start,
                MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
     """Fold one tile of columns into the per-lane running best (ordered key, column)."""
     if MASKED:
@@ -56,7 +56,7 @@ def _fold_tile(row_ptr, cols, col_end, best_k, best_c, greedy, inv_t, seed, offs
     else:
         x = tl.load(row_ptr + cols).to(tl.float32)
     if SAMPLE:
-        if not greedy:
+        if sampled:
             g = gumbel_noise(seed, offset, cols.to(tl.int64) + vocab_start, SALT)
             x = tl.math.div_rn(x, inv_t) + g
     k = ordered_i32(x)
@@ -91,14 +91,14 @@ def _shard_select_kernel(
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
     lanes = tl.arange(0, BLOCK)
 
-    greedy = True
+    sampled = False
     inv_t = 1.0
     seed = 0
     offset = 0
     if SAMPLE:
         temp = tl.load(temp_ptr + row)
-        greedy = temp <= 0.0
-        inv_t = tl.where(greedy, 1.0, temp)  # divisor; 1.0 keeps greedy rows' values untouched
+        sampled = temp > 0.0  # T <= 0 rows are greedy: plain values, no noise
+        inv_t = tl.where(sampled, temp, 1.0)
         seed = tl.load(seed_ptr + row)
         offset = tl.load(offset_ptr + row)
 
@@ -111,10 +111,10 @@ def _shard_select_kernel(
     # Full tiles load unmasked (so loads vectorize); only the last split can have a ragged tail.
     full_end = col_begin + ((col_end - col_begin) // BLOCK) * BLOCK
     for start in range(col_begin, full_end, BLOCK):
-        best_k, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_k, best_c, greedy, inv_t, seed,
+        best_k, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_k, best_c, sampled, inv_t, seed,
                                     offset, vocab_start, False, SAMPLE, SALT)
     if full_end < col_end:
-        best_k, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_k, best_c, greedy, inv_t, seed,
+        best_k, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_k, best_c, sampled, inv_t, seed,
                                     offset, vocab_start, True, SAMPLE, SALT)
 
     # No real value maps to INT32_MIN (that pattern is a NaN, mapped to INT32_MAX), so it marks "none".
@@ -260,7 +260,7 @@ def shard_select_keys(
     salt: int = TARGET_SALT,
     out: torch.Tensor | None = None,
     return_ids: bool = False,
-    block_size: int = _DEFAULT_BLOCK,
+    block_size: int | None = None,
     num_splits: int | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -275,8 +275,9 @@ def shard_select_keys(
         out: ``[R]`` int64, written in place.
         return_ids: write global ids (``-1`` for a shard with no valid column) instead of keys; use it
             when this rank holds the whole vocabulary (no exchange follows).
-        block_size, num_splits: tiling (a power of two; programs per row). The result never depends
-            on them.
+        block_size, num_splits: tiling (columns per tile, a power of two; programs per row). Default:
+            2048 (smaller for narrow shards) and enough programs to fill the GPU. The result never
+            depends on them.
         scratch: ``(slots int64 [>= R] filled with EMPTY_KEY, counts int32 [>= R] zeros)``; the kernel
             restores them. Default: a per-device cache (launches sharing it must be stream-ordered).
 
@@ -284,17 +285,19 @@ def shard_select_keys(
     call with ``>= R`` rows on the device) or with ``scratch=``; ``out=`` avoids the only other allocation.
     """
     _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, torch.int64)
+    rows, width = shard_logits.shape
+    n_valid = max(0, min(width, vocab_size - vocab_start))
+    if block_size is None:
+        block_size = min(_DEFAULT_BLOCK, max(16, triton.next_power_of_2(max(n_valid, 1))))
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
     if not 0 <= salt <= 0xFFFFFFFF:
         raise ValueError(f"salt: expected a uint32, got {salt}")
-    rows, width = shard_logits.shape
     device = shard_logits.device
     if out is None:
         out = torch.empty((rows,), dtype=torch.int64, device=device)
     if rows == 0:
         return out
-    n_valid = max(0, min(width, vocab_size - vocab_start))
     splits, chunk = plan_splits(rows, n_valid, device, block_size, num_splits)
     if splits > 1:
         if scratch is None:
@@ -358,7 +361,7 @@ def shard_select_keys_reference(
         if temperatures is not None:
             gid = torch.arange(vocab_start, vocab_start + n_valid, device=device, dtype=torch.int64)[None, :]
             g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
-            greedy = (temperatures <= 0)[:, None]
+            greedy = ~(temperatures > 0)[:, None]  # as the kernel: NaN or T <= 0 is greedy
             t = torch.where(greedy, torch.ones_like(temperatures[:, None]), temperatures[:, None])
             x = torch.where(greedy, x, x / t + g)
         ords = ordered_i32_torch(x).to(torch.int64)
