@@ -1,4 +1,4 @@
-"""``trtllm-ext``: the command-line entry point."""
+"""``trtllm-ext``: the command-line entry point (default command: ``generate`` on the embedded model)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,36 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+    ensure_triton_interpreter()  # before any kernel module is imported
+    from tensorrt_llm_ext.runtime.generate_cli import main_generate
+
+    return main_generate(args)
+
+
+def _add_generate_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompts", nargs="*", help="prompts as token ids ('1 2 3' or '1,2,3'); default: the embedded set")
+    g.add_argument("--prompts-file", help="a file of prompts: one per line (ids), or a JSON list of id lists")
+    g.add_argument("--config", help="runtime YAML (trtllm-serve style); default: the embedded dspark_default.yaml")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, launched through MPI (default: config)")
+    g.add_argument("--max-new-tokens", type=int, default=24)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 keyed Gumbel-max sampling")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed + i)")
+    g.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
+    g.add_argument("--draft-len", type=int, default=None, help="override speculative_config.max_draft_len")
+    g.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default=None,
+                   help="override speculative_config.vocab_parallel_selection")
+    g.add_argument("--markov-mode", choices=["exact", "fused"], default=None,
+                   help="override speculative_config.markov_chain_mode")
+    g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
+    g.add_argument("--check", action="store_true",
+                   help="also run the target's own decode and the gathered path; exit 1 unless all agree")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--json", dest="json_out", help="also write the results as JSON to this file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtllm-ext", description=__doc__)
     sub = p.add_subparsers(dest="command")
@@ -69,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
     b = sub.add_parser("bench", help="run a benchmark (tables; CUDA-graph timing on GPU)", add_help=False)
     b.add_argument("name")
+    g = sub.add_parser("generate", help="speculative generation (DSpark) on the embedded model (the default command)")
+    _add_generate_args(g)
     return p
 
 
@@ -82,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
             return 2
         return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["generate", *argv]  # generate is the default command
     args = parser.parse_args(argv)
-    if args.command in (None, "info"):
-        if args.command is None:
-            args = parser.parse_args(["info"])
+    if args.command == "generate":
+        return _cmd_generate(args)
+    if args.command == "info":
         return _cmd_info(args)
     if args.command == "test-list":
         if args.pytest_args and args.pytest_args[0] == "--":

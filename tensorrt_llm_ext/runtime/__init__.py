@@ -1,0 +1,1 @@
+"""Runtime: config, requests, caches, the batching engine, CUDA-graph capture, multi-rank launch."""

@@ -1,0 +1,95 @@
+"""The body of ``trtllm-ext generate`` (argument handling and printing; the work is in :mod:`.launch`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+
+from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
+                                             parse_prompt, run_generate)
+
+
+def _fmt_ids(ids: list[int], limit: int = 32) -> str:
+    head = " ".join(str(t) for t in ids[:limit])
+    return head + (f" ... (+{len(ids) - limit})" if len(ids) > limit else "")
+
+
+def main_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    overrides = {}
+    if args.tp is not None:
+        overrides["tensor_parallel_size"] = args.tp
+    if args.draft_len is not None:
+        overrides["speculative_config.max_draft_len"] = args.draft_len
+    if args.vocab_parallel is not None:
+        overrides["speculative_config.vocab_parallel_selection"] = args.vocab_parallel
+    if args.markov_mode is not None:
+        overrides["speculative_config.markov_chain_mode"] = args.markov_mode
+    try:
+        cfg = load_config(args.config, **overrides)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.cuda_graph and not torch.cuda.is_available():
+        print("error: --cuda-graph needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.cuda_graph and cfg.cuda_graph_config is None:
+        cfg = cfg.with_overrides(**{"cuda_graph_config.enable_padding": True})
+    vocab = cfg.model.target.vocab_size
+    try:
+        if args.prompts_file:
+            prompts = load_prompts_file(args.prompts_file)
+        elif args.prompts:
+            prompts = [parse_prompt(p) for p in args.prompts]
+        else:
+            prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    requests = [dict(prompt_ids=p, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop),
+                     temperature=args.temperature, seed=args.seed + i, request_id=i) for i, p in enumerate(prompts)]
+    modes = ["speculative"] + (["target_only", "gathered"] if args.check else [])
+    tp = cfg.tensor_parallel_size
+    job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=args.cuda_graph,
+                      show_progress=not args.no_progress and sys.stderr.isatty())
+    device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    spec = cfg.speculative_config
+    print(f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
+          f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if args.cuda_graph else 'off'}, "
+          f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
+          f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}")
+    reports = run_generate(job, tp)
+    res = reports[0].results["speculative"]
+    print(f"selection: {res.selection}")
+    for i, p in enumerate(prompts):
+        if res.errors[i]:
+            print(f"[{i}] rejected: {res.errors[i]}")
+            continue
+        acc = res.accepted_lens[i]
+        mean = sum(acc) / len(acc) if acc else float("nan")
+        print(f"[{i}] prompt ({len(p)} ids): {_fmt_ids(p, 16)}")
+        print(f"    -> {len(res.outputs[i])} ids ({res.finish_reasons[i]}, {len(acc)} steps, "
+              f"acceptance {mean:.2f}): {_fmt_ids(res.outputs[i])}")
+    ntok = sum(len(o) for o in res.outputs)
+    mal = res.mean_acceptance_length
+    print(f"speculative: {res.num_steps} steps, {ntok} tokens, mean acceptance length "
+          f"{'-' if math.isnan(mal) else f'{mal:.2f}'} tokens/step (K+1 = {spec.max_draft_len + 1} max), "
+          f"{res.wall_s:.1f} s")
+    rc = 0
+    if args.check:
+        outcome = check_reports(reports)
+        print("check:")
+        for line in outcome.lines:
+            print(line)
+        print("check passed: speculative output equals the target's own decode" if outcome.ok else "check FAILED")
+        rc = 0 if outcome.ok else 1
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump([{"rank": r.rank, "results": {m: asdict(x) for m, x in r.results.items()}} for r in reports],
+                      f, indent=1)
+    return rc

@@ -1,0 +1,189 @@
+"""``trtllm-ext generate``: speculative generation on one rank or N MPI-launched TP ranks.
+
+``run_generate`` runs every requested mode on every rank (each rank builds the same engine from the same
+config; tokens are identical across ranks by construction, and the launcher checks it) and returns what
+rank 0 saw plus a per-rank digest. ``--tp 1`` runs in this process; ``--tp N`` spawns N ranks with
+:class:`~tensorrt_llm_ext.testing.mpi.MpiPool` (bounded waits: a broken rank fails, never hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
+# longer than a latent page, ids spread over the vocabulary.
+DEFAULT_PROMPTS: list[list[int]] = [
+    [1, 17, 305, 42, 9, 77, 1023, 5],
+    [911],
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5, 0, 2, 8, 8, 4],
+    [1200, 14, 640, 88, 1401, 12],
+    [250, 251, 252, 253],
+    [700, 33, 33, 33, 1100, 64, 7, 990, 512, 256, 128],
+]
+
+
+def ensure_triton_interpreter() -> None:
+    """On a machine without CUDA the Triton kernels run under the interpreter, which must be switched on
+    before any kernel module is imported (the CLI entry point, like tests/conftest.py, does it first)."""
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        cuda = False
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def parse_prompt(text: str) -> list[int]:
+    """``"1 2 3"`` / ``"1,2,3"`` / ``"[1, 2, 3]"`` -> ids (ValueError naming the bad item)."""
+    items = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
+    try:
+        return [int(x) for x in items]
+    except ValueError:
+        raise ValueError(f"prompt {text!r}: expected token ids separated by spaces or commas") from None
+
+
+def load_prompts_file(path: str) -> list[list[int]]:
+    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas)."""
+    text = Path(path).read_text()
+    stripped = text.strip()
+    if stripped.startswith("[["):
+        data = json.loads(stripped)
+        return [[int(t) for t in p] for p in data]
+    return [parse_prompt(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@dataclass
+class GenerateJob:
+    """Everything a rank needs (plain data: shipped to MPI ranks by value)."""
+
+    config: dict  # RuntimeConfig.model_dump()
+    requests: list[dict]  # Request fields
+    modes: list[str]  # engine modes to run, "speculative" first
+    cuda_graph: bool = False
+    show_progress: bool = False
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    outputs: list[list[int]]
+    finish_reasons: list[str | None]
+    errors: list[str | None]
+    accepted_lens: list[list[int]]
+    num_steps: int
+    mean_acceptance_length: float
+    wall_s: float
+    selection: str = ""
+
+
+@dataclass
+class RankReport:
+    rank: int
+    results: dict[str, ModeResult] = field(default_factory=dict)
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None, None
+    try:
+        from tqdm import tqdm
+    except Exception:  # tqdm is an optional UI dependency
+        return None, None
+    bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+    return bar, bar.update
+
+
+def run_job(job: GenerateJob, mapping=None) -> RankReport:
+    """Build the engine for this rank and run every mode of ``job`` (call on every rank)."""
+    import torch
+
+    from tensorrt_llm_ext.mapping import Mapping
+    from tensorrt_llm_ext.runtime.config import parse_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    cfg = parse_config(job.config)
+    mapping = mapping or Mapping()
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    engine = Engine(cfg, mapping, device=device, use_cuda_graph=job.cuda_graph)
+    requests = [Request(**r) for r in job.requests]
+    report = RankReport(rank=mapping.rank)
+    total = sum(r.max_new_tokens for r in requests)
+    for mode in job.modes:
+        bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0)
+        results, stats = engine.generate(requests, mode=mode, progress=update)
+        if bar is not None:
+            bar.close()
+        worker = engine.worker("gathered" if mode == "gathered" else "speculative")
+        report.results[mode] = ModeResult(
+            mode=mode, outputs=[r.output_ids for r in results], finish_reasons=[r.finish_reason for r in results],
+            errors=[r.error for r in results], accepted_lens=[r.accepted_lens for r in results],
+            num_steps=stats.num_steps, mean_acceptance_length=stats.mean_acceptance_length, wall_s=stats.wall_s,
+            selection=worker.selection.describe() if mode != "target_only" else "gathered (target-only decode)")
+    return report
+
+
+def _rank_main(job_dict: dict) -> dict:
+    """MPI rank entry: join the TP group, run the job, return a plain dict."""
+    from tensorrt_llm_ext.distributed import init_from_mpi
+
+    job = GenerateJob(**job_dict)
+    tp = job.config.get("tensor_parallel_size", 1)
+    mapping = init_from_mpi(tp_size=tp)
+    report = run_job(job, mapping)
+    return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
+
+
+def run_generate(job: GenerateJob, tp_size: int, timeout: float = 1800.0) -> list[RankReport]:
+    """Run ``job`` on ``tp_size`` ranks (in process at 1); returns one report per rank, rank order."""
+    if tp_size == 1:
+        return [run_job(job)]
+    from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
+
+    pool = MpiPool(tp_size).start()
+    try:
+        raw = run_on_ranks(pool, _rank_main, asdict(job), timeout=timeout)
+    finally:
+        pool.shutdown()
+    reports = []
+    for item in raw:
+        rep = RankReport(rank=item["rank"])
+        rep.results = {m: ModeResult(**r) for m, r in item["results"].items()}
+        reports.append(rep)
+    return reports
+
+
+@dataclass
+class CheckOutcome:
+    ok: bool
+    lines: list[str]
+
+
+def check_reports(reports: list[RankReport]) -> CheckOutcome:
+    """Every mode and every rank must produce the same tokens as rank 0's speculative run."""
+    lines = []
+    ok = True
+    ref = reports[0].results
+    spec = ref["speculative"]
+    for mode, res in ref.items():
+        if mode == "speculative":
+            continue
+        same = res.outputs == spec.outputs and res.finish_reasons == spec.finish_reasons
+        bad = [i for i, (a, b) in enumerate(zip(res.outputs, spec.outputs)) if a != b]
+        label = {"target_only": "target-only decode (non-speculative)", "gathered": "gathered-logits path"}[mode]
+        lines.append(f"  speculative vs {label}: {'agree' if same else f'DIFFER on requests {bad}'}")
+        ok &= same
+    if len(reports) > 1:
+        same_ranks = all(r.results[m].outputs == ref[m].outputs for r in reports[1:] for m in ref)
+        lines.append(f"  all {len(reports)} ranks produced identical tokens: {'yes' if same_ranks else 'NO'}")
+        ok &= same_ranks
+    return CheckOutcome(ok, lines)

@@ -1,0 +1,75 @@
+"""Requests and their results.
+
+A :class:`Request` is validated against the engine's limits before it gets a slot; a bad request gets a
+:class:`RequestError` recorded on ITS result (``finish_reason == "error"``) and never disturbs the other
+requests of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (the message says which field and why)."""
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``temperature == 0`` is greedy; ``temperature > 0`` samples with keyed Gumbel-max: the token at
+    absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is reproducible and identical
+    between the speculative path and the target's own decode.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    seed: int = 0
+    request_id: int | None = None
+
+    def validate(self, vocab_size: int, max_seq_len: int) -> None:
+        """Raise :class:`RequestError` if this request cannot run under these limits."""
+        rid = f"request {self.request_id}" if self.request_id is not None else "request"
+        ids = self.prompt_ids
+        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise RequestError(f"{rid}: prompt_ids must be a list of ints")
+        if len(ids) == 0:
+            raise RequestError(f"{rid}: empty prompt (prompt_ids needs at least one token)")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{rid}: prompt_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"{rid}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if len(ids) + self.max_new_tokens > max_seq_len:
+            raise RequestError(f"{rid}: prompt of {len(ids)} tokens + max_new_tokens={self.max_new_tokens} exceeds "
+                               f"the cache (max_seq_len={max_seq_len})")
+        bad_stop = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad_stop:
+            raise RequestError(f"{rid}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab_size})")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
+                and self.temperature == self.temperature):
+            raise RequestError(f"{rid}: temperature must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
+
+
+@dataclass
+class RequestResult:
+    """What a request produced. ``output_ids`` excludes the prompt; ``finish_reason`` is ``length``,
+    ``stop`` or ``error`` (then ``error`` says why and nothing was generated)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_steps: int = 0  # generation steps this request took part in (the prefill not counted)
+    accepted_lens: list[int] = field(default_factory=list)  # tokens accepted per generation step
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens accepted per speculative step (1.0 = no draft accepted); NaN without steps."""
+        return sum(self.accepted_lens) / len(self.accepted_lens) if self.accepted_lens else float("nan")

@@ -1,0 +1,288 @@
+"""The one-model DSpark worker: one speculative decode step, CUDA-graph capturable per batch size.
+
+Per generation step over rows ``[0, B)`` (``B`` = a CUDA-graph batch size; padding rows are dummies on
+the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.speculative.contract`:
+
+1. ``block table``: decode the KV manager's encoded page offsets (:func:`decode_block_table`).
+2. ``target``: verify ``[anchor, d_0 .. d_{K-1}]`` of every row at positions ``ctx_len .. ctx_len+K``
+   (tokens and ``ctx_len`` are read per slot on the device) -> final hidden ``[B*(K+1), H]`` + captured
+   features ``[B*(K+1), F]``.
+3. ``selection``: the target's token for every verified position, from this rank's vocab shard with the
+   pair exchange when bound vocab-parallel, else from the gathered logits; greedy rows ``argmax``,
+   sampled rows keyed Gumbel-max with ``(seed, offset = absolute position of the token)``.
+4. ``tail``: :func:`strict_accept` -> :func:`paged_latent_step` (bonus token, block ids, latent
+   destinations, ``ctx_len`` advance, the block's :class:`DraftBlockPlacement`) -> the drafter's context
+   latents of the verified positions, stored by :func:`store_context_latents` (accepted ones only).
+5. ``draft``: the drafter's block decode -> base draft logits through the shared LM head (its shard when
+   the draft side is vocab-parallel) -> ``chain``: the :class:`MarkovChain` -> the next K drafts
+   (greedy: the draft most likely to equal the target's token, sampled or not).
+
+The token the target picks at absolute position ``p`` depends only on the sequence before ``p`` and the
+request's ``(seed, p)``; strict acceptance keeps exactly the target's tokens, so the output equals the
+target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit.
+
+No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
+``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
+from tensorrt_llm_ext.speculative.metadata import SpecMetadata
+from tensorrt_llm_ext.speculative.spec_tail_kernels import (PagedLatentStep, decode_block_table,
+                                                            paged_latent_step, store_context_latents,
+                                                            strict_accept)
+from tensorrt_llm_ext.speculative.vocab_parallel import SelectionParams, VocabShardedLogits, gumbel_sample
+from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
+
+
+@dataclass
+class DSparkState:
+    """Device state the step reads and mutates, indexed by slot (``num_slots`` = requests + the dummy slot)."""
+
+    kv_cache: object  # LlamaTarget KVCache: k, v [L_t, num_slots, max_positions, kvh, D]
+    latent_pool: torch.Tensor  # [L, num_pages + 1, page_size, d_c]; the last page is scratch
+    encoded_offsets: torch.Tensor  # [num_slots, max_pages] int32, page * divisor, -1 = unallocated
+    block_table: torch.Tensor  # [num_slots, max_pages] int32, decoded each step
+    ctx_lens: torch.Tensor  # [num_slots] int32, drafter context length = position of the anchor
+    ref_lens: torch.Tensor  # [num_slots] int32, sequence length minus one for the target-only decode
+    slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
+    slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
+    slot_seeds: torch.Tensor  # [num_slots] int64
+    page_size: int
+    page_divisor: int
+    dummy_slot: int
+    max_ctx_len: int
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step writes (snapshotted around CUDA-graph warm-up)."""
+        return [*self.kv_cache.tensors(), self.latent_pool, self.block_table, self.ctx_lens, self.ref_lens,
+                self.slot_tokens]
+
+
+class DSparkWorker(SpecWorkerBase):
+    """One-model DSpark worker over a :class:`~tensorrt_llm_ext.models.llama_target.LlamaTarget` and a
+    :class:`~tensorrt_llm_ext.models.dspark_drafter.DSparkDrafter` sharing its LM head.
+
+    Usage: ``w = DSparkWorker(...); w.post_load(target, drafter, vocab_parallel_mode=...)``; per request
+    ``w.prefill(slot, prompt, ...)``; per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
+    """
+
+    def __init__(self, target, drafter, state: DSparkState, *, mapping: Mapping, draft_len: int,
+                 max_batch_size: int, markov_chain_mode: str = "exact"):
+        super().__init__(mapping, draft_len, max_batch_size)
+        self.target = target
+        self.drafter = drafter
+        self.state = state
+        self.markov_chain_mode = markov_chain_mode
+        self.device = state.ctx_lens.device
+        self.vocab_size = target.config.vocab_size
+        self.mask_token_id = drafter.config.mask_token_id
+        r, k = max_batch_size, draft_len
+        dev = self.device
+        num_slots = state.ctx_lens.shape[0]
+        # Slot ids of the step's rows live on the spec metadata (shared by every CUDA-graph view).
+        self.metadata = SpecMetadata(max_num_requests=r, max_draft_len=k, vocab_size=self.vocab_size,
+                                     num_seq_slots=num_slots, device=dev, use_rejection_sampling=False)
+        self.metadata.prepare()
+        self.slot_ids = self.metadata.batch_slot_ids  # [R] int32
+        self.num_accepted = self.metadata.num_accepted  # [R] int32
+        self.is_dummy = torch.ones(r, dtype=torch.bool, device=dev)
+        self.cols = torch.arange(k + 1, dtype=torch.int64, device=dev)
+        self.target_tokens = torch.zeros(r * (k + 1), dtype=torch.int64, device=dev)
+        self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
+        self.num_blocks = torch.zeros(num_slots, dtype=torch.int32, device=dev)
+        self.next_new_tokens = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
+        self.ref_tokens = torch.zeros(r, dtype=torch.int64, device=dev)
+        self._tail = PagedLatentStep.allocate(r, k, dev)
+        self._tail_views: dict[int, PagedLatentStep] = {}
+        self.markov: MarkovChain | None = None
+        self._prefill_tail = PagedLatentStep.allocate(1, k, dev)
+
+    # -- binding -------------------------------------------------------------------------------------
+    def _on_bound(self) -> None:
+        sel = self.vocab_parallel
+        draft_vp = sel.draft_head is not None
+        weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
+        self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                                  logits_dtype=self.target.dtype, exchange=sel.draft_head.exchange if draft_vp else None,
+                                  mode=self.markov_chain_mode)
+
+    # -- host-side row setup (outside any captured region) -------------------------------------------------
+    def set_rows(self, slots: list[int], batch_size: int) -> None:
+        """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot)."""
+        n = len(slots)
+        if n > batch_size or batch_size > self.max_batch_size:
+            raise ValueError(f"set_rows: {n} slots do not fit batch_size={batch_size} (max {self.max_batch_size})")
+        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
+        ids[:n] = torch.tensor(slots, dtype=torch.int32)
+        dummy = torch.ones(batch_size, dtype=torch.bool)
+        dummy[:n] = False
+        self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
+        self.is_dummy[:batch_size].copy_(dummy)
+
+    def tail_buffers(self, batch_size: int) -> PagedLatentStep:
+        """Views of the preallocated tail outputs for ``batch_size`` rows (created outside capture)."""
+        view = self._tail_views.get(batch_size)
+        if view is None:
+            t, p, b = self._tail, self._tail.placement, batch_size
+            view = PagedLatentStep(
+                bonus_tokens=t.bonus_tokens[:b], block_input_ids=t.block_input_ids[:b],
+                latent_pages=t.latent_pages[:b], latent_offsets=t.latent_offsets[:b],
+                latent_write_mask=t.latent_write_mask[:b],
+                placement=DraftBlockPlacement(positions=p.positions[:b], page_ids=p.page_ids[:b],
+                                              page_offsets=p.page_offsets[:b], ctx_lens=p.ctx_lens[:b],
+                                              seq_lens=p.seq_lens[:b]))
+            self._tail_views[batch_size] = view
+        return view
+
+    # -- pieces shared by prefill, the step and the target-only decode -----------------------------------
+    def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
+        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
+        logits = self.target_logits(hidden)
+        ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
+        return ids, logits
+
+    def _draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
+        """Drafter block decode -> base logits through the shared head -> Markov chain -> ``out_drafts [B, K]``."""
+        st = self.state
+        with nvtx_range("draft_forward"):
+            cache = PagedLatentCache(pool=st.latent_pool, block_table=st.block_table)
+            hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids,
+                                                                   slot_ids=slots, placement=tail.placement,
+                                                                   cache=cache))
+            sel = self.vocab_parallel
+            if sel.draft_head is not None:
+                base = sel.draft_head.lm_head.shard_forward(hidden)  # [B, K, V_shard], no gather
+            else:
+                base = self.drafter.lm_head(hidden)  # [B, K, V] gathered
+        with nvtx_range("markov_chain"):
+            _, drafts = self.markov(base, tail.bonus_tokens)
+            out_drafts.copy_(drafts)
+
+    # -- prefill (eager, one request) -----------------------------------------------------------------
+    def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
+                speculative: bool = True) -> int:
+        """Context phase of one request on ``slot``: returns its first generated token (a host int).
+
+        Speculative: also stores the prompt's drafter context latents, advances ``ctx_len`` to the prompt
+        length (the first token is the anchor) and drafts the first block. Target-only: records the last
+        token for :meth:`target_only_step`. Eager (not captured), synchronises once for the token.
+        """
+        st = self.state
+        dev = self.device
+        n = len(prompt_ids)
+        k = self.draft_len
+        st.slot_temps[slot] = float(temperature)
+        st.slot_seeds[slot] = int(seed)
+        with nvtx_range("prefill"):
+            ids = torch.tensor([prompt_ids], dtype=torch.int64, device=dev)
+            positions = torch.arange(n, dtype=torch.int64, device=dev)[None]
+            slots = torch.tensor([slot], dtype=torch.int32, device=dev)
+            out = self.target(ids, positions, slots, st.kv_cache)
+            tok = torch.empty(1, dtype=torch.int64, device=dev)
+            self._select(out.hidden_states[n - 1:n], st.slot_temps[slot:slot + 1], st.slot_seeds[slot:slot + 1],
+                         torch.tensor([n], dtype=torch.int64, device=dev), tok)
+            if not speculative:
+                st.ref_lens[slot] = n
+                st.slot_tokens[slot, 0] = tok[0]
+                return int(tok.item())
+            decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+            latents = self.drafter.compute_context_latents(out.captured)  # [n, L, d_c]
+            # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
+            # treats the prefill as a generation row that accepted exactly one token (the first generated one).
+            pos = torch.arange(n, device=dev)
+            pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
+            pages = st.block_table[slot, pidx]
+            store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1, st.latent_pool)
+            st.ctx_lens[slot] = n - 1
+            accepted = torch.zeros(1, k + 1, dtype=torch.int64, device=dev)
+            accepted[0, 0] = tok[0]
+            tail = paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
+                                     torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens, st.block_table,
+                                     num_contexts=0, page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
+                                     mask_token_id=self.mask_token_id, out=self._prefill_tail)
+            last = torch.zeros(k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
+            last[0] = latents[n - 1]
+            store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                  tail.latent_write_mask.view(-1), st.latent_pool)
+            drafts = torch.empty(1, k, dtype=torch.int64, device=dev)
+            self._draft(tail, slots, drafts)
+            st.slot_tokens[slot, 0] = tok[0]
+            st.slot_tokens[slot, 1:] = drafts[0]
+        return int(tok.item())
+
+    # -- the speculative step ---------------------------------------------------------------------------
+    def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
+        st = self.state
+        b, k = batch_size, self.draft_len
+        slots = self.slot_ids[:b]
+        slots_l = slots.long()
+        dummy = self.is_dummy[:b]
+        with nvtx_range("block_table"):
+            decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+        with nvtx_range("target_forward"):
+            tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
+            positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
+            out = self.target(tokens, positions, slots, st.kv_cache)
+        with nvtx_range("selection"):
+            temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).reshape(-1)
+            seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).reshape(-1)
+            target_tokens, logits = self._select(out.hidden_states, temps, seeds, (positions + 1).reshape(-1),
+                                                 self.target_tokens[:b * (k + 1)])
+        with nvtx_range("tail"):
+            accepted, num_acc = strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+                                              out=(self.accepted[:b], self.num_accepted[:b]))
+            tail = paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table, num_contexts=0,
+                                     page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
+                                     mask_token_id=self.mask_token_id, out=self.tail_buffers(b))
+            latents = self.drafter.compute_context_latents(out.captured)  # [B*(K+1), L, d_c]
+            store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                  tail.latent_write_mask.view(-1), st.latent_pool)
+        nxt = self.next_new_tokens[:b]
+        self._draft(tail, slots, nxt[:, 1:])
+        nxt[:, 0].copy_(tail.bonus_tokens)
+        st.slot_tokens[slots_l] = nxt
+        logits_out = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        return {
+            "logits": logits_out,  # [B*(K+1), V] gathered, or this rank's [B*(K+1), V_shard]
+            "new_tokens": accepted,  # [B, K+1], the first new_tokens_lens are accepted
+            "new_tokens_lens": num_acc,  # [B] int32
+            "next_draft_tokens": nxt[:, 1:],  # [B, K]
+            "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
+        }
+
+    # -- the target's own decode (the lossless reference) -------------------------------------------------
+    def target_only_step(self, batch_size: int) -> torch.Tensor:
+        """One non-speculative decode step over rows ``[0, B)``: ``[B]`` int64 next tokens.
+
+        Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
+        positions, overwritten by the next step before anyone attends them), so every kernel with a
+        shape-dependent reduction order sees the shape it sees in the speculative step. Selection is the
+        gathered path (``LogitsProcessor`` + the full-vocabulary kernel). CUDA-graph safe.
+        """
+        st = self.state
+        b, k = batch_size, self.draft_len
+        slots = self.slot_ids[:b]
+        slots_l = slots.long()
+        live = (~self.is_dummy[:b]).to(torch.int32)
+        with nvtx_range("target_only"):
+            tokens = st.slot_tokens[slots_l]
+            positions = st.ref_lens[slots_l].long()[:, None] + self.cols
+            out = self.target(tokens, positions, slots, st.kv_cache)
+            hidden = out.hidden_states.view(b, k + 1, -1)[:, 0]
+            logits = self.target.logits(hidden)
+            ids = self.ref_tokens[:b]
+            gumbel_sample(logits, st.slot_temps[slots_l], st.slot_seeds[slots_l], positions[:, 0] + 1, 0,
+                          self.vocab_size, None, out=ids)
+            st.ref_lens[slots_l] += live
+            tokens[:, 0] = ids
+            st.slot_tokens[slots_l] = tokens
+        return ids
