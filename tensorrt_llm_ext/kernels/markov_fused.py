@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import block_best, gumbel_noise, key_to_id, ordered_i32, pack_key
+from tensorrt_llm_ext.kernels.ordered_key import (block_best, combine_best, gumbel_noise, key_to_id, ordered_i32,
+                                                  pack_key)
 
 # Weights dtype codes (constexpr W_KIND): how the fp32 accumulator is rounded to F.linear's output dtype.
 W_FP32, W_BF16, W_FP16 = 0, 1, 2
@@ -92,92 +93,102 @@ def selection_score(s, gid, temp, seed, offset, SAMPLE: tl.constexpr, SALT: tl.c
 # ----------------------------------------------------------------------------------------------------
 # Fused step kernel
 # ----------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["k", "vocab_start", "prev_slot", "cur_slot", "next_slot", "offset_k"])
+@triton.jit(do_not_specialize=["B", "k", "vocab_start", "prev_slot", "cur_slot", "next_slot", "offset_k",
+                             "n_tiles", "n_progs"])
 def _markov_fused_step_kernel(
     base_ptr, w1_ptr, w2_ptr, out_ptr, anchors_ptr, keys_ptr, tokens_ptr,
     temps_ptr, seeds_ptr, offsets_ptr,
-    B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k,
+    B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k, n_tiles, n_progs,
     stride_bb, stride_bk, stride_ob, stride_ok, stride_w1, stride_w2, stride_slot, stride_tok,
     R: tl.constexpr, IS_FIRST: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr,
     W_KIND: tl.constexpr, OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 local column ids
-    cmask = cols < v_local
-    gid = cols.to(tl.int64) + vocab_start
-    col_ok = cmask & (gid < vocab_size)  # padded shard columns (gid >= V) never win
+    # Grid (row tiles, persistent column programs). A program resolves its rows' previous tokens and
+    # gathers their w1 rows once, then streams column tiles pid_n, pid_n + n_progs, ...: the tile loop
+    # is the innermost loop, so the pipeliner prefetches the next w2/base tiles while this one computes.
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    if IS_FIRST:
+        prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
+    else:
+        key = tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask, other=-9223372036854775808)
+        prev = key_to_id(key)
+        # Column program 0 records step k-1's token and clears the slot launch k+1 will MAX into.
+        tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask & (pid_n == 0))
+    tl.store(keys_ptr + next_slot * stride_slot + rows64,
+             tl.full([BLOCK_B], -9223372036854775808, tl.int64), mask=rmask & (pid_n == 0))
+    # Invalid previous ids (padding/dummy anchors) gather a zero w1 row: zero bias, never out of bounds.
+    pvalid = rmask & (prev >= 0) & (prev < vocab_size)
+    psafe = tl.where(pvalid, prev, 0)
     rr = tl.arange(0, BLOCK_R)
-    cols64 = cols.to(tl.int64)
-    for b0 in range(0, B, BLOCK_B):
-        rows = b0 + tl.arange(0, BLOCK_B)
-        rmask = rows < B
-        rows64 = rows.to(tl.int64)
-        if IS_FIRST:
-            prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
-        else:
-            key = tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask, other=-9223372036854775808)
-            prev = key_to_id(key)
-            # Program 0 records step k-1's token and clears the slot launch k+1 will MAX into.
-            tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask & (pid == 0))
-        tl.store(keys_ptr + next_slot * stride_slot + rows64,
-                 tl.full([BLOCK_B], -9223372036854775808, tl.int64), mask=rmask & (pid == 0))
-        # Invalid previous ids (padding/dummy anchors) gather a zero w1 row: zero bias, never out of bounds.
-        pvalid = rmask & (prev >= 0) & (prev < vocab_size)
-        psafe = tl.where(pvalid, prev, 0)
+    h = tl.load(w1_ptr + psafe[:, None] * stride_w1 + rr[None, :], mask=pvalid[:, None] & (rr[None, :] < R),
+                other=0.0)  # [BLOCK_B, BLOCK_R]; BLOCK_R >= R: the whole r in one dot
+    if DOT_FP32:
+        h32 = h.to(tl.float32)
+    if SAMPLE:
+        temp = tl.load(temps_ptr + rows64, mask=rmask, other=0.0)
+        seed = tl.load(seeds_ptr + rows64, mask=rmask, other=0)
+        off = tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k
 
-        acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rk = r0 + rr
-            h = tl.load(w1_ptr + psafe[:, None] * stride_w1 + rk[None, :],
-                        mask=pvalid[:, None] & (rk[None, :] < R), other=0.0)  # [BLOCK_B, BLOCK_R]
-            w = tl.load(w2_ptr + cols64[None, :] * stride_w2 + rk[:, None],
-                        mask=cmask[None, :] & (rk[:, None] < R), other=0.0)  # [BLOCK_R, BLOCK_N]
-            if DOT_FP32:
-                acc += tl.sum(h.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-            elif W_KIND == 0:
-                acc = tl.dot(h, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(h, w, acc)
-
-        bias = bias_to_logits(acc, W_KIND, OUT_BF16)
+    best_k = tl.full([BLOCK_B], -2147483648, tl.int32)
+    best_c = tl.full([BLOCK_B], 2147483647, tl.int32)
+    for t in range(pid_n, n_tiles, n_progs):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 local column ids
+        cmask = cols < v_local
+        cols64 = cols.to(tl.int64)
+        gid = cols64 + vocab_start
         m2 = rmask[:, None] & cmask[None, :]
         base = tl.load(base_ptr + rows64[:, None] * stride_bb + k * stride_bk + cols64[None, :], mask=m2,
-                       other=0.0).to(tl.float32)
-        s = add_in_logits_dtype(base, bias, OUT_BF16)
+                       other=0.0)
+        w = tl.load(w2_ptr + cols64[:, None] * stride_w2 + rr[None, :],
+                    mask=cmask[:, None] & (rr[None, :] < R), other=0.0)  # [BLOCK_N, BLOCK_R]
+        if DOT_FP32:
+            acc = tl.sum(h32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif W_KIND == 0:
+            acc = tl.dot(h, tl.trans(w), input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w))
+        bias = bias_to_logits(acc, W_KIND, OUT_BF16)
+        s = add_in_logits_dtype(base.to(tl.float32), bias, OUT_BF16)
         tl.store(out_ptr + rows64[:, None] * stride_ob + k * stride_ok + cols64[None, :],
                  s.to(out_ptr.dtype.element_ty), mask=m2)
         if SAMPLE:
-            temp = tl.load(temps_ptr + rows64, mask=rmask, other=0.0)
-            seed = tl.load(seeds_ptr + rows64, mask=rmask, other=0)
-            off = tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k
             zeros = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.int64)
             s = selection_score(s, gid[None, :] + zeros, temp[:, None], seed[:, None] + zeros,
                                 off[:, None] + zeros, SAMPLE, SALT)
-        best, col = block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
-                               rmask[:, None] & col_ok[None, :], 1)
-        keys = pack_key(best, col.to(tl.int64) + vocab_start)
-        tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows64, keys, mask=rmask)
+        col_ok = cmask & (gid < vocab_size)  # padded shard columns (gid >= V) never win
+        tk, tc = block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
+                            rmask[:, None] & col_ok[None, :], 1)
+        best_k, best_c = combine_best(best_k, best_c, tk, tc)
+    keys = pack_key(best_k, best_c.to(tl.int64) + vocab_start)
+    tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows64, keys, mask=rmask)
 
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Tile config of the fused step. Fixed per (r, interpreter): never chosen by B or the shard width,
-    because the tile shapes fix each column's reduction order (the cross-TP / cross-B bitwise guarantee)."""
+    """Tile config of the fused step. The tile shapes (``block_b``, ``block_n``, whole ``r`` per dot) fix
+    each column's reduction order, so they depend on ``r`` and the backend only -- never on B or the shard
+    width (the cross-TP / cross-B bitwise guarantee). ``programs`` (persistent column programs) does not
+    change any value, only the schedule."""
 
     block_b: int
     block_n: int
-    block_r: int
     num_warps: int
     num_stages: int
+    programs: int
 
 
-def fused_config(r: int, interpret: bool) -> FusedConfig:
+def fused_config(r: int, interpret: bool, device=None) -> FusedConfig:
     if interpret:
-        return FusedConfig(block_b=16, block_n=64, block_r=32, num_warps=4, num_stages=1)
-    # Hopper: BLOCK_B = 64 rows is one wgmma M tile; w2 tiles [64 x 128] bf16 stream through shared
-    # memory once per row tile (at B <= 64 exactly once per step; at B = 128 the second pass hits L2).
-    return FusedConfig(block_b=64, block_n=128, block_r=64, num_warps=4, num_stages=3)
+        return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=1, programs=3)
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=3, programs=2 * sms)
 
 
 def launch_fused_step(
@@ -189,14 +200,16 @@ def launch_fused_step(
     B, _, v_local = base.shape
     r = w1.shape[1]
     sample = temps is not None
-    grid = (triton.cdiv(v_local, config.block_n),)
-    _markov_fused_step_kernel[grid](
+    n_tiles = triton.cdiv(v_local, config.block_n)
+    row_tiles = triton.cdiv(B, config.block_b)
+    n_progs = max(1, min(n_tiles, triton.cdiv(config.programs, row_tiles)))
+    _markov_fused_step_kernel[(row_tiles, n_progs)](
         base, w1, w2, out, anchors, keys, tokens,
         temps if sample else base, seeds if sample else anchors, offsets if sample else anchors,
-        B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k,
+        B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k, n_tiles, n_progs,
         base.stride(0), base.stride(1), out.stride(0), out.stride(1), w1.stride(0), w2.stride(0),
         keys.stride(0), tokens.stride(0),
         R=r, IS_FIRST=k == 0, SAMPLE=sample, SALT=salt, W_KIND=w_kind, OUT_BF16=out_bf16,
-        DOT_FP32=interpret, BLOCK_B=config.block_b, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_FP32=interpret, BLOCK_B=config.block_b, BLOCK_N=config.block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=config.num_warps, num_stages=config.num_stages,
     )

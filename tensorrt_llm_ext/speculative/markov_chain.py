@@ -224,7 +224,7 @@ class MarkovChainStepper:
         self.out, self.ws, self.B, self.K = out, ws, B, K
         self.tokens = ws.tokens[:B]
         self.interpret = not base_logits.is_cuda
-        self.config = config or fused_config(r, self.interpret)
+        self.config = config or fused_config(r, self.interpret, base_logits.device)
         self.w_kind = _W_KIND[markov_w1.dtype]
         self.out_bf16 = base_logits.dtype == torch.bfloat16
 
@@ -266,7 +266,7 @@ class MarkovChainStepper:
             _markov_resolve_kernel[(self.B,)](
                 self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, K, read, 0, self.vocab_size, 1,
                 self.ws.keys.stride(0), self.w1.stride(0), 0, self.tokens.stride(0),
-                FROM_ANCHOR=False, GATHER=False, RESET=self.mode == "fused", BLOCK_R=1,
+                FROM_ANCHOR=False, GATHER=False, RESET=True, BLOCK_R=1,
             )
         return self.out, self.tokens
 

@@ -1,0 +1,362 @@
+"""DSpark Markov chain: exact mode bit-identical to the eager chain; fused mode bitwise identical across
+vocab-shard splits and batch sizes; keyed sampling identical across splits; graph replay (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
+from tensorrt_llm_ext.speculative.contract import MarkovHeadWeights
+from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, MarkovChainStepper, MarkovReferenceStepper,
+                                                       MarkovWorkspace, markov_chain_logits,
+                                                       markov_chain_logits_reference)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled kernels, graphs, large sizes)")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN payloads aside (torch's CPU and CUDA casts canonicalize NaN differently)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return False
+    ia = a.masked_fill(na, 0).view(torch.int16 if a.element_size() == 2 else torch.int32)
+    ib = b.masked_fill(nb, 0).view(torch.int16 if b.element_size() == 2 else torch.int32)
+    return torch.equal(ia, ib)
+
+
+def _make(B, K, V, r, wdt, ldt, seed=0, scale=0.3, dev=DEV):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, K, V, generator=g).to(ldt)
+    w1 = (torch.randn(V, r, generator=g) * scale).to(wdt)
+    w2 = (torch.randn(V, r, generator=g) * scale).to(wdt)
+    anchors = torch.randint(0, V, (B,), generator=g)
+    return base.to(dev), anchors.to(dev), w1.to(dev), w2.to(dev)
+
+
+def _adversarial(base: torch.Tensor) -> torch.Tensor:
+    """Ties, NaN, -inf rows and large values across the whole row (shard boundaries included)."""
+    base = base.clone()
+    B, K, V = base.shape
+    if B > 0:
+        base[0, 0, :] = 0.0  # all-equal row: bias decides, ties to lowest id
+        base[0, -1, V // 3] = float("nan")  # NaN wins wherever it is
+        base[0, -1, V - 2] = float("nan")
+    if B > 1:
+        base[1, 0, :] = float("-inf")  # -inf + finite bias stays -inf: tie across the row -> id 0
+        base[1, -1, [5, V // 2, V - 1]] = 1e4  # exact ties far apart: lowest id
+    return base
+
+
+def _sampling(B, seed=7, dev=DEV):
+    g = torch.Generator().manual_seed(seed)
+    temps = torch.rand(B, generator=g) * 1.5 + 0.3
+    temps[::3] = 0.0  # greedy rows mixed in
+    seeds = torch.randint(0, 2**62, (B,), generator=g)
+    offsets = torch.randint(0, 2**40, (B,), generator=g)
+    return temps.to(dev), seeds.to(dev), offsets.to(dev)
+
+
+def _run_shards(base, anchors, w1, w2, tp, *, mode, vocab_size=None, sampling=None, reference=False):
+    """Emulate a TP-``tp`` vocab shard on one process: each shard's stepper in lockstep, host-side MAX of
+    the step keys standing in for the PairExchange. Returns the gathered logits (padding dropped) and
+    every shard's tokens."""
+    V = base.shape[2] if vocab_size is None else vocab_size
+    width = -(-base.shape[2] // tp)
+    steppers, spans = [], []
+    for rk in range(tp):
+        s0, s1 = rk * width, min(base.shape[2], (rk + 1) * width)
+        bl = torch.full((base.shape[0], base.shape[1], width), 3e4, dtype=base.dtype, device=base.device)
+        bl[:, :, : s1 - s0] = base[:, :, s0:s1]  # padded columns hold huge logits: they must never win
+        w2s = torch.zeros(width, w2.shape[1], dtype=w2.dtype, device=w2.device)
+        w2s[: s1 - s0] = w2[s0:s1]
+        kw = dict(vocab_start=s0, vocab_size=V)
+        if sampling is not None:
+            kw.update(temperatures=sampling[0], seeds=sampling[1], offsets=sampling[2])
+        if reference:
+            steppers.append(MarkovReferenceStepper(bl, anchors, w1, w2s, **kw))
+        else:
+            steppers.append(MarkovChainStepper(bl, anchors, w1, w2s, mode=mode, **kw))
+        spans.append((s0, s1))
+    for k in range(base.shape[1]):
+        keys = [st.step(k) for st in steppers]
+        best = torch.stack(keys).max(dim=0).values
+        for kk in keys:
+            kk.copy_(best)
+    results = [st.finish() for st in steppers]
+    logits = torch.cat([o[:, :, : s1 - s0] for (o, _), (s0, s1) in zip(results, spans)], dim=2)
+    return logits, [t.clone() for _, t in results]
+
+
+# ------------------------------------------------------------------------------------------------------
+# exact mode == eager chain
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ldt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B", [1, 3])
+def test_exact_matches_eager(wdt, ldt, B):
+    base, anchors, w1, w2 = _make(B, 3, 1531, 40, wdt, ldt, seed=B)
+    base = _adversarial(base)
+    ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact")
+    assert torch.equal(t, rt)
+    assert _bits_equal(o, ro)
+
+
+def test_exact_adversarial_tokens():
+    """NaN wins, -inf rows tie to id 0, exact ties go to the lowest id (checked against torch.argmax)."""
+    B, K, V, r = 2, 2, 1000, 16
+    base = torch.zeros(B, K, V)
+    w1 = torch.zeros(V, r)
+    w2 = torch.zeros(V, r)  # zero bias: tokens are argmax of the base rows
+    base[0, 0, 700] = float("nan")
+    base[0, 0, 900] = float("nan")
+    base[1, 0] = float("-inf")
+    base[0, 1, [10, 400, 999]] = 5.0
+    base[1, 1, 0] = -1.0
+    base[1, 1, [3, 998]] = 2.0
+    base, w1, w2 = base.to(DEV), w1.to(DEV), w2.to(DEV)
+    anchors = torch.tensor([1, 2], device=DEV)
+    for mode in ("exact", "fused"):
+        o, t = markov_chain_logits(base, anchors, w1, w2, mode=mode)
+        assert t.tolist() == [[700, 10], [0, 3]], mode
+        assert torch.equal(t, torch.argmax(o, dim=2)), mode
+
+
+@pytest.mark.parametrize("mode", ["exact", "fused"])
+def test_invalid_anchors_zero_bias(mode):
+    """Anchors < 0 or >= V read nothing out of bounds: their step-0 bias is zero (a zero w1 row)."""
+    B, K, V, r = 4, 2, 613, 24
+    base, _, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=3)
+    # w1 only as big as the real vocab: any out-of-range gather would fault on GPU / raise on CPU.
+    anchors = torch.tensor([-1, V, 2**40, 17], device=DEV)
+    ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode=mode)
+    assert torch.equal(o[:3, 0], base[:3, 0])  # zero bias: the row is its base logits
+    assert torch.equal(t[:3, 0], torch.argmax(base[:3, 0], dim=1))
+    if mode == "exact":
+        assert torch.equal(t, rt) and _bits_equal(o, ro)
+    assert torch.equal(ro[:3, 0], base[:3, 0])
+
+
+def test_exact_shard_split_matches_eager_shards():
+    """Vocab shards (TP 2/3/4 emulated, padded last shard): exact == eager chain run on the same shards."""
+    base, anchors, w1, w2 = _make(3, 3, 1237, 32, torch.bfloat16, torch.bfloat16, seed=5)
+    base = _adversarial(base)
+    for tp in (2, 3, 4):
+        lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="exact")
+        ro, rt = _run_shards(base, anchors, w1, w2, tp, mode="exact", reference=True)
+        assert all(torch.equal(t, rt[0]) for t in lt + rt), tp
+        assert _bits_equal(lo, ro), tp
+
+
+# ------------------------------------------------------------------------------------------------------
+# fused mode: bitwise across splits and batch sizes; stored row is what was selected from
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_fused_identical_across_tp_splits(wdt):
+    base, anchors, w1, w2 = _make(3, 3, 803, 40, wdt, torch.bfloat16, seed=11)
+    base = _adversarial(base)
+    o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    assert torch.equal(t1, torch.argmax(o1, dim=2))  # the stored biased row is what was selected from
+    for tp in (2, 3, 4):
+        lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused")
+        assert all(torch.equal(t, t1) for t in lt), tp
+        assert _bits_equal(lo, o1), tp
+
+
+def test_fused_row_independent_of_batch():
+    base, anchors, w1, w2 = _make(20, 2, 501, 40, torch.bfloat16, torch.bfloat16, seed=13)
+    anchors[4] = -1
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    for rows in ([0], [4, 5], list(range(3, 20))):  # one row tile, a partial tile, spanning tiles
+        idx = torch.tensor(rows, device=DEV)
+        os_, ts = markov_chain_logits(base[idx].contiguous(), anchors[idx], w1, w2, mode="fused")
+        assert torch.equal(ts, t[idx]) and _bits_equal(os_, o[idx]), rows
+
+
+def test_fused_agrees_with_exact():
+    """Tokens agree with the exact chain except at near-ties; measured, and the rate printed."""
+    base, anchors, w1, w2 = _make(8, 4, 1500, 48, torch.bfloat16, torch.bfloat16, seed=17)
+    eo, et = markov_chain_logits(base, anchors, w1, w2, mode="exact")
+    fo, ft = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    agree = (et == ft).float().mean().item()
+    print(f"fused/exact token agreement: {agree:.4f}")
+    assert agree >= 0.9
+    # Per-row bias difference is rounding only (one bf16 ulp of the bias at most, before any divergence).
+    first = (et[:, 0] == ft[:, 0])
+    assert first.float().mean().item() >= 0.9
+    diff = (eo[:, 0].float() - fo[:, 0].float()).abs()
+    assert diff.max().item() <= 0.07
+
+
+# ------------------------------------------------------------------------------------------------------
+# keyed sampling
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["exact", "fused"])
+def test_sampling_identical_across_splits(mode):
+    """Keyed Gumbel draws depend on the global id only: the same tokens at every TP split. Integer-valued
+    weights make every GEMM exact, so the exact mode's shard bias equals the full one too."""
+    B, K, V, r = 5, 2, 601, 16
+    g = torch.Generator().manual_seed(23)
+    base = torch.randn(B, K, V, generator=g).to(torch.bfloat16).to(DEV)
+    w1 = torch.randint(-2, 3, (V, r), generator=g).to(torch.bfloat16).to(DEV)
+    w2 = (torch.randint(-2, 3, (V, r), generator=g) * 0.125).to(torch.bfloat16).to(DEV)
+    anchors = torch.randint(0, V, (B,), generator=g).to(DEV)
+    samp = _sampling(B)
+    o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode=mode, temperatures=samp[0], seeds=samp[1],
+                                 offsets=samp[2])
+    for tp in (2, 3):
+        lo, lt = _run_shards(base, anchors, w1, w2, tp, mode=mode, sampling=samp)
+        assert all(torch.equal(t, t1) for t in lt), (mode, tp)
+        assert _bits_equal(lo, o1)
+    # Greedy rows select the plain argmax; sampled rows differ from greedy somewhere.
+    greedy = samp[0] == 0
+    assert torch.equal(t1[greedy], torch.argmax(o1[greedy], dim=2))
+    assert not torch.equal(t1[~greedy], torch.argmax(o1[~greedy], dim=2))
+
+
+def test_exact_sampling_matches_eager():
+    """Exact mode with keyed sampling vs the eager chain (torch twin of the Philox/Gumbel draw). The
+    uniforms are bit-identical; tl.log may differ from torch.log by an ulp, so a mismatch is allowed only
+    where the eager scores of both candidates are within float rounding."""
+    B, K, V, r = 6, 3, 1201, 24
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=29)
+    samp = _sampling(B, seed=31)
+    ro, rt = markov_chain_logits_reference(base, anchors, w1, w2, temperatures=samp[0], seeds=samp[1],
+                                           offsets=samp[2])
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact", temperatures=samp[0], seeds=samp[1],
+                               offsets=samp[2])
+    assert torch.equal(t, rt)
+    assert _bits_equal(o, ro)
+
+
+def test_sampling_distribution():
+    """Sampled first tokens follow softmax(biased / T) (chi-square over many seeds)."""
+    n, V, r = 800, 5, 4
+    base = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(n, 1)[:, None, :].to(DEV)
+    w1 = torch.zeros(V, r, device=DEV)
+    w2 = torch.zeros(V, r, device=DEV)
+    anchors = torch.zeros(n, dtype=torch.int64, device=DEV)
+    temps = torch.full((n,), 0.8, device=DEV)
+    seeds = torch.arange(n, dtype=torch.int64, device=DEV) * 7919 + 3
+    offsets = torch.zeros(n, dtype=torch.int64, device=DEV)
+    _, t = markov_chain_logits(base, anchors, w1, w2, mode="fused", temperatures=temps, seeds=seeds,
+                               offsets=offsets)
+    counts = torch.bincount(t[:, 0].cpu(), minlength=V).double()
+    p = torch.softmax(base[0, 0].cpu().double() / 0.8, dim=0)
+    chi2 = (((counts - n * p) ** 2) / (n * p)).sum().item()
+    assert chi2 < 18.5  # 4 dof, p ~ 0.001
+
+
+# ------------------------------------------------------------------------------------------------------
+# component, validation
+# ------------------------------------------------------------------------------------------------------
+def test_markov_chain_component_reuses_buffers():
+    base, anchors, w1, w2 = _make(3, 2, 700, 16, torch.bfloat16, torch.bfloat16, seed=37)
+    weights = MarkovHeadWeights(markov_w1=w1, markov_w2=w2, vocab_start=0, vocab_size=700)
+    for mode in ("exact", "fused"):
+        chain = MarkovChain(weights, max_batch_size=4, draft_len=2, logits_dtype=torch.bfloat16, mode=mode)
+        ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
+        for B in (3, 1, 3):  # different batch sizes reuse the same buffers
+            o, t = chain(base[:B], anchors[:B])
+            assert o.data_ptr() == chain.out.data_ptr() and t.data_ptr() == chain.workspace.tokens.data_ptr()
+            if mode == "exact":
+                assert torch.equal(t, rt[:B]) and _bits_equal(o, ro[:B])
+            else:
+                assert torch.equal(t, torch.argmax(o, dim=2))
+        assert (chain.workspace.keys[0] == EMPTY_KEY).all()  # ring slot 0 restored for the next chain
+
+
+def test_validation_errors():
+    base, anchors, w1, w2 = _make(2, 2, 300, 8, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="mode"):
+        markov_chain_logits(base, anchors, w1, w2, mode="nope")
+    with pytest.raises(ValueError, match="V_local"):
+        markov_chain_logits(base, anchors, w1, w2[:-1])
+    with pytest.raises(ValueError, match="anchors"):
+        markov_chain_logits(base, anchors[:1], w1, w2)
+    with pytest.raises(ValueError, match="together"):
+        markov_chain_logits(base, anchors, w1, w2, temperatures=torch.ones(2, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        markov_chain_logits(base.half(), anchors, w1, w2)
+    with pytest.raises(ValueError, match="workspace"):
+        ws = MarkovWorkspace.allocate(1, 2, w2, "exact")
+        markov_chain_logits(base, anchors, w1, w2, workspace=ws)
+
+
+def test_empty_batch():
+    base, anchors, w1, w2 = _make(0, 2, 300, 8, torch.bfloat16, torch.bfloat16)
+    for mode in ("exact", "fused"):
+        o, t = markov_chain_logits(base, anchors, w1, w2, mode=mode)
+        assert o.shape == (0, 2, 300) and t.shape == (0, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU only: large sizes, CUDA graph
+# ------------------------------------------------------------------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("B", [1, 8, 64, 128])
+def test_gpu_exact_large_matches_eager(B):
+    V, r, K = 200064, 256, 7
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=B, scale=0.05)
+    base = _adversarial(base)
+    anchors[-1] = -1
+    ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact")
+    assert torch.equal(t, rt) and _bits_equal(o, ro)
+    fo, ft = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    assert torch.equal(ft, torch.argmax(fo, dim=2))
+    print(f"B={B}: fused/exact token agreement {(ft == t).float().mean().item():.4f}")
+
+
+@gpu_only
+def test_gpu_fused_large_splits_and_rows():
+    V, r, K, B = 200064, 256, 3, 8
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=41, scale=0.05)
+    o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    for tp in (2, 3, 4, 8):
+        lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused")
+        assert all(torch.equal(t, t1) for t in lt) and _bits_equal(lo, o1), tp
+    big = torch.randn(128, K, V, device=DEV).to(torch.bfloat16)
+    big_a = torch.randint(0, V, (128,), device=DEV)
+    big[77], big_a[77] = base[2], anchors[2]
+    bo, bt = markov_chain_logits(big, big_a, w1, w2, mode="fused")
+    assert torch.equal(bt[77], t1[2]) and _bits_equal(bo[77], o1[2])
+
+
+@gpu_only
+@pytest.mark.parametrize("mode", ["exact", "fused"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_gpu_cuda_graph_replay(mode, sample):
+    V, r, K, B = 50021, 128, 5, 16
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=43, scale=0.1)
+    samp = _sampling(B) if sample else (None, None, None)
+    kw = dict(temperatures=samp[0], seeds=samp[1], offsets=samp[2])
+    eo, et = markov_chain_logits(base, anchors, w1, w2, mode=mode, **kw)
+    eo, et = eo.clone(), et.clone()
+    chain = MarkovChain(MarkovHeadWeights(w1, w2, 0, V), max_batch_size=B, draft_len=K, mode=mode)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(base, anchors, *samp)  # warm-up compiles outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, gt = chain(base, anchors, *samp)
+    go.zero_()
+    gt.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gt, et) and _bits_equal(go, eo)
+    # New inputs copied into the captured tensors take effect on replay.
+    base.copy_(torch.randn_like(base.float()).to(base.dtype))
+    anchors.copy_(torch.randint(0, V, (B,), device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rt = markov_chain_logits(base, anchors, w1, w2, mode=mode, **kw)
+    assert torch.equal(gt, rt) and _bits_equal(go, ro)
