@@ -224,7 +224,8 @@ class VocabParallelHead:
         if lm_head.quantized:
             raise ValueError("VocabParallelHead: a quantized LM head is not supported")
         if exchange.tp_size != lm_head.tp_size:
-            raise ValueError(f"VocabParallelHead: exchange tp_size {exchange.tp_size} != head tp_size {lm_head.tp_size}")
+            raise ValueError(f"VocabParallelHead: exchange tp_size {exchange.tp_size} != "
+                             f"head tp_size {lm_head.tp_size}")
         self.lm_head = lm_head
         self.exchange = exchange
         self.mapping = lm_head.mapping
