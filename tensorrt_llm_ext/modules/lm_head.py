@@ -26,7 +26,7 @@ class LMHead(nn.Module):
         num_embeddings: the vocabulary size ``V`` (unpadded).
         embedding_dim: the hidden size ``H``.
         dtype, device: weight dtype/device.
-        mapping: the rank layout.
+        mapping: the rank layout (attention DP makes the head replicated, as in TensorRT-LLM).
         tensor_parallel_mode: ``COLUMN`` or ``None`` (ROW is not used for LM heads here).
         gather_output: COLUMN only: return the full ``[..., V]`` logits (all-gather + unpad).
 
@@ -50,11 +50,16 @@ class LMHead(nn.Module):
         super().__init__()
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"LMHead: expected positive sizes, got V={num_embeddings}, H={embedding_dim}")
+        mapping = mapping or Mapping()
+        if mapping.enable_attention_dp:
+            # As in TensorRT-LLM: with attention DP every rank decodes its own requests, so the head is
+            # replicated (and vocab-parallel selection does not apply).
+            tensor_parallel_mode, gather_output = None, False
         if tensor_parallel_mode not in (None, TensorParallelMode.COLUMN):
             raise ValueError(f"LMHead: tensor_parallel_mode must be COLUMN or None, got {tensor_parallel_mode!r}")
         if gather_output and tensor_parallel_mode != TensorParallelMode.COLUMN:
             raise ValueError("LMHead: gather_output needs tensor_parallel_mode=COLUMN")
-        self.mapping = mapping or Mapping()
+        self.mapping = mapping
         self.tp_mode = tensor_parallel_mode
         self.tp_size = self.mapping.tp_size if tensor_parallel_mode is not None else 1
         self.tp_rank = self.mapping.tp_rank if tensor_parallel_mode is not None else 0
@@ -72,6 +77,11 @@ class LMHead(nn.Module):
         self.num_valid_rows = min(self.shard_width, num_embeddings - self.vocab_start)
         self.weight = nn.Parameter(torch.zeros(self.shard_width, embedding_dim, dtype=dtype, device=device),
                                    requires_grad=False)
+
+    @property
+    def vocab_size_padded(self) -> int:
+        """TensorRT-LLM's name for ``padded_vocab_size``."""
+        return self.padded_vocab_size
 
     @property
     def is_evenly_sharded(self) -> bool:

@@ -311,6 +311,8 @@ def test_lm_head_shards_and_padding():
         torch.testing.assert_close(torch.cat(pieces, 1)[:, :vocab], ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="too small"):
         _head(vocab=5, tp=4, rank=0)
+    _, dp_head = _head(vocab, hidden, tp=2, dp=True)  # attention DP: replicated, as in TensorRT-LLM
+    assert dp_head.tp_mode is None and dp_head.weight.shape == (vocab, hidden) and dp_head.vocab_size_padded == vocab
     _, head = _head(tp=1)
     with pytest.raises(ValueError, match="expected full weight"):
         head.load_weights(torch.zeros(300, 32))
