@@ -24,7 +24,6 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     EMPTY_KEY,
     MAX_VOCAB,
     block_best,
-    combine_best,
     gumbel_noise,
     gumbel_noise_torch,
     key_to_id,
@@ -47,9 +46,15 @@ _PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _fold_tile(row_ptr, cols, col_end, best_k, best_c, sampled, inv_t, seed, offset, vocab_start,
+def _fold_tile(row_ptr, cols, col_end, best_v, best_c, sampled, inv_t, seed, offset, vocab_start,
                MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
-    """Fold one tile of columns into the per-lane running best (ordered key, column)."""
+    """Fold one tile into the per-lane running best ``(fp32 value, column)`` in torch.argmax order.
+
+    Kept in the float domain so the hot loop is ~7 instructions per element (a bandwidth-bound
+    kernel must not become issue-bound): a lane takes a later column only if its value is strictly
+    greater, or it is the lane's first NaN. Later tiles have higher columns, so each lane keeps its
+    first NaN, else its maximum at the lowest column (-0.0 == +0.0 ties, as in torch).
+    """
     if MASKED:
         valid = cols < col_end
         x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
@@ -59,11 +64,10 @@ def _fold_tile(row_ptr, cols, col_end, best_k, best_c, sampled, inv_t, seed, off
         if sampled:
             g = gumbel_noise(seed, offset, cols.to(tl.int64) + vocab_start, SALT)
             x = tl.math.div_rn(x, inv_t) + g
-    k = ordered_i32(x)
+    take = (x > best_v) | ((x != x) & (best_v == best_v))
     if MASKED:
-        k = tl.where(valid, k, -2147483648)
-        cols = tl.where(valid, cols, 2147483647)
-    return combine_best(best_k, best_c, k, cols)
+        take = take & valid
+    return tl.where(take, x, best_v), tl.where(take, cols, best_c)
 
 
 @triton.jit
@@ -102,23 +106,24 @@ def _shard_select_kernel(
         seed = tl.load(seed_ptr + row)
         offset = tl.load(offset_ptr + row)
 
-    # Per-lane running best: a later tile only takes a lane on a strictly better key (its columns are
-    # higher), so each lane keeps its lowest column among equal keys, as block_best does at the end.
-    best_k = tl.full([BLOCK], -2147483648, tl.int32)
-    best_c = tl.full([BLOCK], 2147483647, tl.int32)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
+    # Per-lane running best. It starts at (-inf, the lane's first column): a lane whose values are all
+    # -inf keeps its first column, which is then the right answer; a lane past col_end (a short
+    # chunk) is never taken and stays invalid (column >= col_end).
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_c = col_begin + lanes
     # Full tiles load unmasked (so loads vectorize); only the last split can have a ragged tail.
     full_end = col_begin + ((col_end - col_begin) // BLOCK) * BLOCK
     for start in range(col_begin, full_end, BLOCK):
-        best_k, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_k, best_c, sampled, inv_t, seed,
+        best_v, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_v, best_c, sampled, inv_t, seed,
                                     offset, vocab_start, False, SAMPLE, SALT)
     if full_end < col_end:
-        best_k, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_k, best_c, sampled, inv_t, seed,
+        best_v, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_v, best_c, sampled, inv_t, seed,
                                     offset, vocab_start, True, SAMPLE, SALT)
 
-    # No real value maps to INT32_MIN (that pattern is a NaN, mapped to INT32_MAX), so it marks "none".
-    bk, bc = block_best(best_k, best_c, best_k != -2147483648, 0)
+    # Across lanes: exact ordered keys (NaN highest), the lowest column among equal keys.
+    bk, bc = block_best(ordered_i32(best_v), best_c, best_c < col_end, 0)
     key = pack_key(bk, bc.to(tl.int64) + vocab_start)
 
     if SPLIT:
