@@ -100,7 +100,20 @@ def gumbel_noise(seed, offset, gid, SALT: tl.constexpr):
     c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
     c3 = c0 * 0 + SALT
     u = philox_uniform(seed.to(tl.int64), c0, c1, c2, c3)
-    return -tl.log(-tl.log(u))
+    return -tl.log(_neg_log_uniform(u))
+
+
+@triton.jit
+def _neg_log_uniform(u):
+    """``-log(u)`` for ``u`` in (0, 1), accurate near 1 where GPU ``tl.log`` is approximate.
+
+    ``t = 1 - u`` is exact for our 24-bit uniforms. For ``t < 2^-6`` the series ``t + t^2/2 + t^3/3 +
+    t^4/4`` (error below ``t^5/5``, < 1e-10 relative) replaces ``log``, whose absolute error near 1 could
+    otherwise return 0 (making the Gumbel noise +inf and the token certain) or a positive value.
+    """
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
+    return tl.where(t < 0.015625, series, -tl.log(u))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,4 +213,6 @@ def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tens
     c2 = ((off >> 32) & 0xFFFFFFFF) + torch.zeros_like(gid)
     c3 = torch.full_like(c0, salt & 0xFFFFFFFF)
     u = philox_uniform_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
-    return -torch.log(-torch.log(u))
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
+    return -torch.log(torch.where(t < 0.015625, series, -torch.log(u)))
