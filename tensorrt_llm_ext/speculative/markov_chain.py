@@ -59,6 +59,7 @@ MODES = ("exact", "fused")
 _LOGITS_DTYPES = (torch.bfloat16, torch.float32)
 _W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
 _SELECT_BLOCK = 1024  # columns per program of the exact mode's select kernel
+_SELECT_WARPS = 4
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class MarkovChainStepper:
             self.base, bias, self.out, self.ws.keys, self.temps if s else bias, self.seeds if s else self.anchors,
             self.offsets if s else self.anchors, k, v_local, self.vocab_start, self.vocab_size,
             self.base.stride(0), self.base.stride(1), bias.stride(0), self.out.stride(0), self.out.stride(1),
-            SAMPLE=s, SALT=MARKOV_SALT, OUT_BF16=self.out_bf16, BLOCK_V=_SELECT_BLOCK, num_warps=4,
+            SAMPLE=s, SALT=MARKOV_SALT, OUT_BF16=self.out_bf16, BLOCK_V=_SELECT_BLOCK, num_warps=_SELECT_WARPS,
         )
         return self.ws.keys[0, :B]
 
@@ -383,20 +384,32 @@ class MarkovChain:
     """The worker's Markov chain: reads the drafter's :class:`MarkovHeadWeights`, owns the preallocated
     buffers, runs :func:`markov_chain_logits` (CUDA-graph safe: no allocation, no host sync per call).
 
-    ``mode`` comes from the worker config (read once); default ``"fused"``: one launch per block position,
-    bitwise identical at every TP size; ``"exact"`` reproduces the eager chain bit for bit.
+    ``mode`` comes from the worker config (read once): ``"exact"`` reproduces the eager chain bit for bit;
+    ``"fused"`` is one launch per block position and bitwise identical at every TP size; ``"auto"``
+    (default) runs ``fused`` for batches of at most ``fused_max_batch`` rows and ``exact`` above, which
+    is the faster of the two on an H200 (docs/markov_chain.md). The choice depends on the batch size
+    only (a shape, fixed per captured graph), and both modes share one workspace.
     """
 
     def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
-                 logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "fused"):
-        if mode not in MODES:
-            raise ValueError(f"MarkovChain mode must be one of {MODES}, got {mode!r}")
+                 logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "auto",
+                 fused_max_batch: int = 16):
+        if mode not in MODES + ("auto",):
+            raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto',)}, got {mode!r}")
         self.weights = weights
         self.mode = mode
+        self.fused_max_batch = fused_max_batch
         self.exchange = exchange
         w2 = weights.markov_w2
-        self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2, mode)
+        # The exact layout holds every buffer either mode needs.
+        self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2,
+                                                  "fused" if mode == "fused" else "exact")
         self.out = torch.empty((max_batch_size, draft_len, w2.shape[0]), dtype=logits_dtype, device=w2.device)
+
+    def mode_for(self, batch_size: int) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "fused" if batch_size <= self.fused_max_batch else "exact"
 
     def __call__(self, base_logits: torch.Tensor, anchors: torch.Tensor, temperatures=None, seeds=None,
                  offsets=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,5 +418,5 @@ class MarkovChain:
         w = self.weights
         return markov_chain_logits(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_start=w.vocab_start,
                                    vocab_size=w.vocab_size, exchange=self.exchange, temperatures=temperatures,
-                                   seeds=seeds, offsets=offsets, mode=self.mode, out=self.out[:B],
+                                   seeds=seeds, offsets=offsets, mode=self.mode_for(B), out=self.out[:B],
                                    workspace=self.workspace)

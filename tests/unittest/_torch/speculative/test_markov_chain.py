@@ -259,13 +259,14 @@ def test_sampling_distribution():
 def test_markov_chain_component_reuses_buffers():
     base, anchors, w1, w2 = _make(3, 2, 700, 16, torch.bfloat16, torch.bfloat16, seed=37)
     weights = MarkovHeadWeights(markov_w1=w1, markov_w2=w2, vocab_start=0, vocab_size=700)
-    for mode in ("exact", "fused"):
-        chain = MarkovChain(weights, max_batch_size=4, draft_len=2, logits_dtype=torch.bfloat16, mode=mode)
+    for mode in ("exact", "fused", "auto"):
+        chain = MarkovChain(weights, max_batch_size=4, draft_len=2, logits_dtype=torch.bfloat16, mode=mode,
+                            fused_max_batch=2)
         ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
-        for B in (3, 1, 3):  # different batch sizes reuse the same buffers
+        for B in (3, 1, 3, 2):  # different batch sizes reuse the same buffers (auto: exact, fused, ...)
             o, t = chain(base[:B], anchors[:B])
             assert o.data_ptr() == chain.out.data_ptr() and t.data_ptr() == chain.workspace.tokens.data_ptr()
-            if mode == "exact":
+            if chain.mode_for(B) == "exact":
                 assert torch.equal(t, rt[:B]) and _bits_equal(o, ro[:B])
             else:
                 assert torch.equal(t, torch.argmax(o, dim=2))
@@ -340,6 +341,7 @@ def test_gpu_cuda_graph_replay(mode, sample):
     eo, et = markov_chain_logits(base, anchors, w1, w2, mode=mode, **kw)
     eo, et = eo.clone(), et.clone()
     chain = MarkovChain(MarkovHeadWeights(w1, w2, 0, V), max_batch_size=B, draft_len=K, mode=mode)
+    assert chain.mode_for(B) == mode
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
