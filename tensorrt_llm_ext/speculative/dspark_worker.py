@@ -233,8 +233,10 @@ class DSparkWorker(SpecWorkerBase):
             positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
             out = self.target(tokens, positions, slots, st.kv_cache)
         with nvtx_range("selection"):
-            temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).reshape(-1)
-            seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).reshape(-1)
+            # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
+            # selection kernel indexes these per-row tensors as dense arrays.
+            temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+            seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
             target_tokens, logits = self._select(out.hidden_states, temps, seeds, (positions + 1).reshape(-1),
                                                  self.target_tokens[:b * (k + 1)])
         with nvtx_range("tail"):
