@@ -79,7 +79,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-len", type=int, default=None, help="override speculative_config.max_draft_len")
     g.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default=None,
                    help="override speculative_config.vocab_parallel_selection")
-    g.add_argument("--markov-mode", choices=["exact", "fused"], default=None,
+    g.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default=None,
                    help="override speculative_config.markov_chain_mode")
     g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
     g.add_argument("--check", action="store_true",

@@ -15,7 +15,7 @@ Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml`
       max_draft_len: 4
       markov_rank: 8
       vocab_parallel_selection: auto   # auto | on | off
-      markov_chain_mode: exact         # exact | fused
+      markov_chain_mode: auto          # exact | fused | auto
     cuda_graph_config:
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
@@ -109,7 +109,17 @@ class SpeculativeConfig(_Strict):
     markov_rank: int = Field(48, ge=1)  # r
     speculative_model_dir: str | None = None  # accepted for compatibility; see model.drafter_weights
     vocab_parallel_selection: Literal["auto", "on", "off"] = "auto"
-    markov_chain_mode: Literal["exact", "fused"] = "exact"
+    # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
+    # batches, exact above (the Markov chain component decides per captured batch size).
+    markov_chain_mode: Literal["exact", "fused", "auto"] = "auto"
+
+    @field_validator("vocab_parallel_selection", mode="before")
+    @classmethod
+    def _yaml_bool(cls, v):
+        # YAML 1.1 reads a bare on/off as a boolean.
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
 
     @field_validator("decoding_type", mode="before")
     @classmethod
@@ -181,10 +191,6 @@ class RuntimeConfig(_Strict):
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The CUDA-graph batch sizes (padding buckets): configured, else powers of two to max_batch_size."""
-        if (self.model.drafter_init == "target_bigram" and self.model.drafter_weights is None
-                and self.speculative_config.markov_rank != t.hidden_size):
-            raise ValueError(f"speculative_config.markov_rank={self.speculative_config.markov_rank} must equal "
-                             f"model.target.hidden_size={t.hidden_size} with model.drafter_init='target_bigram'")
         cg = self.cuda_graph_config
         if cg is not None and cg.batch_sizes is not None:
             return cg.batch_sizes

@@ -75,7 +75,7 @@ class DSparkWorker(SpecWorkerBase):
     """
 
     def __init__(self, target, drafter, state: DSparkState, *, mapping: Mapping, draft_len: int,
-                 max_batch_size: int, markov_chain_mode: str = "exact"):
+                 max_batch_size: int, markov_chain_mode: str = "auto"):
         super().__init__(mapping, draft_len, max_batch_size)
         self.target = target
         self.drafter = drafter

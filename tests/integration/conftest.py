@@ -1,0 +1,47 @@
+"""Integration test setup: the same environment as tests/unittest/conftest.py (Triton interpreter on CPU,
+bounded collectives, MPI pools) plus one intra-op thread on CPU.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` is evaluated, i.e. before the package's kernel
+modules are imported -- which is why it happens here, at conftest import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The tiny models' GEMMs are ~50x slower with 2 intra-op threads on the 2-core CI machines.
+    torch.set_num_threads(1)
+os.environ.setdefault("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "60")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+_bindir = os.path.dirname(sys.executable)
+os.environ["PATH"] = _bindir + os.pathsep + os.environ.get("PATH", "")
+
+from tensorrt_llm_ext.testing.mpi import MpiPool  # noqa: E402
+
+_POOLS: dict[int, MpiPool] = {}
+
+
+@pytest.fixture
+def mpi_pool_executor(request):
+    """An MPI pool of ``request.param`` ranks (default 2), reused across tests until a test breaks it."""
+    world = getattr(request, "param", 2)
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    pool = _POOLS.get(world)
+    if pool is None or pool.broken or pool.executor is None:
+        pool = MpiPool(world).start()
+        _POOLS[world] = pool
+    yield pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _POOLS.values():
+        pool.shutdown()
+    _POOLS.clear()

@@ -1,0 +1,88 @@
+"""Runtime config: the embedded default, trtllm-serve-style YAML, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tensorrt_llm_ext.runtime.config import ConfigError, RuntimeConfig, default_config_text, load_config, parse_config
+
+SERVE_YAML = """
+backend: pytorch
+tensor_parallel_size: 2
+max_batch_size: 16
+max_seq_len: 512
+enable_chunked_prefill: false
+print_iter_log: true
+kv_cache_config:
+  free_gpu_memory_fraction: 0.8
+  tokens_per_block: 32
+cuda_graph_config:
+  enable_padding: true
+  batch_sizes: [1, 2, 4, 8, 16]
+speculative_config:
+  decoding_type: DSpark
+  max_draft_len: 7
+  markov_rank: 48
+  speculative_model_dir: /models/dspark-drafter
+  vocab_parallel_selection: on
+  markov_chain_mode: fused
+"""
+
+
+def test_embedded_default_loads():
+    cfg = load_config()
+    assert isinstance(cfg, RuntimeConfig)
+    assert cfg.speculative_config.decoding_type == "DSpark"
+    assert cfg.model.target.vocab_size <= 4096  # small enough for a CPU
+    assert yaml.safe_load(default_config_text())["speculative_config"]["decoding_type"] == "DSpark"
+
+
+def test_serve_style_yaml(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_YAML)
+    cfg = load_config(path)
+    assert cfg.tensor_parallel_size == 2 and cfg.max_batch_size == 16
+    assert cfg.speculative_config.max_draft_len == 7
+    assert cfg.speculative_config.vocab_parallel_selection == "on"
+    assert cfg.speculative_config.markov_chain_mode == "fused"
+    assert cfg.graph_batch_sizes() == (1, 2, 4, 8, 16)
+    assert cfg.kv_cache_config.tokens_per_block == 32
+
+
+def test_default_graph_batch_sizes_and_overrides():
+    cfg = load_config(**{"max_batch_size": 6, "cuda_graph_config.enable_padding": True})
+    assert cfg.graph_batch_sizes() == (1, 2, 4, 6)
+    assert load_config(**{"speculative_config.max_draft_len": 3}).draft_len == 3
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"speculative_config": {"max_draft_len": 0}}, "speculative_config.max_draft_len"),
+    ({"speculative_config": {"decoding_type": "Eagle3"}}, "speculative_config.decoding_type"),
+    ({"speculative_config": {"vocab_parallel_selection": "maybe"}}, "speculative_config.vocab_parallel_selection"),
+    ({"speculative_config": {"markov_chain_mode": "slow"}}, "speculative_config.markov_chain_mode"),
+    ({"speculative_config": {"max_draft_len": 4, "draft_len_typo": 3}}, "speculative_config.draft_len_typo"),
+    ({"max_batch_sise": 4}, "max_batch_sise"),
+    ({"cuda_graph_config": {"batch_sizes": [0, 2]}}, "cuda_graph_config.batch_sizes"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"model": {"dtype": "float8"}}, "model.dtype"),
+    ({"model": {"target": {"head_dim": 7}}}, "head_dim"),
+    ({"tensor_parallel_size": 3}, "num_heads"),
+    ({"max_batch_size": 2, "cuda_graph_config": {"batch_sizes": [1, 4]}}, "cuda_graph_config.batch_sizes"),
+    ({"speculative_config": {"markov_rank": 8}}, "speculative_config.markov_rank"),
+])
+def test_invalid_values_name_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert field in str(err.value), str(err.value)
+
+
+def test_yaml_errors_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("speculative_config: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(top)

@@ -1,0 +1,206 @@
+"""Lossless end to end (DESIGN.md section 3): speculative output == the target's own decode, at TP 1.
+
+Greedy and keyed-Gumbel sampling, vocab-parallel (where bound) and gathered, eager on the CPU (Triton
+interpreter); on a GPU also under CUDA graphs, across batch sizes with padding. Multi-rank TP: see
+tests/integration/multi_gpu/test_dspark_lossless_tp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.requests import Request
+
+# Small enough for the Triton interpreter; an odd vocabulary; prompts longer than a latent page.
+SMALL = {
+    "model.target.vocab_size": 517, "model.target.hidden_size": 32, "model.target.head_dim": 8,
+    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
+    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
+    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
+    "speculative_config.markov_rank": 32, "max_batch_size": 4, "max_seq_len": 48,
+    "kv_cache_config.tokens_per_block": 8,
+}
+PROMPTS = [[5, 17, 300, 42], [101], list(range(200, 219)), [7, 7, 7, 480, 2, 9, 31, 64, 128, 256, 3]]
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _engine(**overrides) -> Engine:
+    return Engine(load_config(**{**SMALL, **overrides}))
+
+
+def _requests(max_new=10, temperature=0.0, seed=0, prompts=PROMPTS):
+    return [Request(list(p), max_new_tokens=max_new, temperature=temperature, seed=seed + i)
+            for i, p in enumerate(prompts)]
+
+
+def _outputs(results):
+    return [(r.output_ids, r.finish_reason) for r in results]
+
+
+def test_greedy_speculative_equals_target_decode():
+    eng = _engine()
+    reqs = _requests(max_new=12)
+    spec, stats = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    gathered, _ = eng.generate(reqs, "gathered")
+    assert _outputs(spec) == _outputs(ref)
+    assert _outputs(gathered) == _outputs(ref)
+    assert all(len(r.output_ids) == 12 and r.finish_reason == "length" for r in spec)
+    # Multi-token acceptance really happened (the tail's n_acc > 1 paths are exercised) and fewer steps ran.
+    lens = [n for r in spec for n in r.accepted_lens]
+    assert max(lens) >= 3 and stats.mean_acceptance_length > 1.2, lens
+    assert stats.num_steps < 11
+
+
+def test_seeded_sampling_speculative_equals_target_decode():
+    eng = _engine()
+    reqs = _requests(max_new=10, temperature=0.9, seed=11)
+    spec, _ = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    assert _outputs(spec) == _outputs(ref)
+    # The draws are keyed: another seed changes the output; sampling is not the greedy output.
+    other, _ = eng.generate(_requests(max_new=10, temperature=0.9, seed=12), "target_only")
+    greedy, _ = eng.generate(_requests(max_new=10), "target_only")
+    assert _outputs(other) != _outputs(ref) and _outputs(greedy) != _outputs(ref)
+
+
+def test_mixed_greedy_and_sampled_batch_and_stop_tokens():
+    eng = _engine(**{"speculative_config.markov_chain_mode": "fused"})
+    greedy_ref, _ = eng.generate(_requests(max_new=10), "target_only")
+    stop = greedy_ref[0].output_ids[4]
+    reqs = _requests(max_new=10)
+    reqs[1].temperature, reqs[1].seed = 1.3, 5
+    reqs[0].stop_token_ids = (stop,)
+    spec, _ = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    assert _outputs(spec) == _outputs(ref)
+    first = greedy_ref[0].output_ids.index(stop)
+    assert spec[0].finish_reason == "stop" and spec[0].output_ids == greedy_ref[0].output_ids[:first + 1]
+    assert spec[2].output_ids == greedy_ref[2].output_ids  # greedy rows unaffected by a sampled neighbour
+
+
+def test_worker_step_returns_one_model_dict():
+    eng = _engine()
+    worker = eng.worker()
+    k = eng.draft_len
+    for slot, p in enumerate(PROMPTS[:2]):
+        eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
+        worker.prefill(slot, p, 0.0, 0)
+    worker.set_rows([0, 1], 3)  # one padding row on the dummy slot
+    ctx_before = eng.state.ctx_lens[:2].clone()
+    out = worker.forward(3)
+    assert set(out) == {"logits", "new_tokens", "new_tokens_lens", "next_draft_tokens", "next_new_tokens"}
+    assert out["new_tokens"].shape == (3, k + 1) and out["next_draft_tokens"].shape == (3, k)
+    assert out["next_new_tokens"].shape == (3, k + 1) and out["new_tokens_lens"].dtype == torch.int32
+    assert out["logits"].shape == (3 * (k + 1), eng.vocab_size)
+    lens = out["new_tokens_lens"]
+    assert bool(((lens >= 1) & (lens <= k + 1)).all())
+    for b in range(2):  # the bonus token (last accepted) is the next anchor; ctx_len advanced by n_acc
+        assert out["next_new_tokens"][b, 0] == out["new_tokens"][b, lens[b] - 1]
+        assert eng.state.ctx_lens[b] == ctx_before[b] + lens[b]
+    assert eng.state.ctx_lens[eng.state.dummy_slot] == 0  # the dummy slot is emptied, never advanced
+    assert torch.equal(eng.state.slot_tokens[:2], out["next_new_tokens"][:2])
+    for slot in (0, 1):
+        eng.pages.free(slot)
+
+
+def test_target_state_dict_round_trip_and_errors():
+    from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig, generate_full_state_dict
+
+    cfg = LlamaTargetConfig(vocab_size=101, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                            intermediate_size=32, capture_layers=(1,))
+    a, b = LlamaTarget(cfg), LlamaTarget(cfg)
+    a.init_weights(3)
+    sd = generate_full_state_dict(cfg, 3)
+    b.load_full_state_dict(sd)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    bad = dict(sd)
+    bad.pop("norm.weight")
+    with pytest.raises(ValueError, match="norm.weight"):
+        b.load_full_state_dict(bad)
+    bad = dict(sd, **{"lm_head.weight": torch.zeros(100, 16)})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        b.load_full_state_dict(bad)
+
+
+def test_target_block_rows_equal_one_token_steps():
+    """The verification block's rows equal the target's one-token decode (the lossless premise)."""
+    from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
+
+    cfg = LlamaTargetConfig(vocab_size=211, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                            intermediate_size=32, capture_layers=(0, 1))
+    m = LlamaTarget(cfg)
+    m.init_weights(5)
+    seq = torch.tensor([[3, 50, 7, 190, 11, 12, 100, 4]])
+    slot = torch.zeros(1, dtype=torch.int32)
+    kv = m.make_kv_cache(2, 16)
+    block = m.logits(m(seq, torch.arange(8)[None], slot, kv).hidden_states)
+    kv1 = m.make_kv_cache(2, 16)
+    rows = [m.logits(m(seq[:, i:i + 1], torch.tensor([[i]]), slot, kv1).hidden_states) for i in range(8)]
+    torch.testing.assert_close(block, torch.cat(rows), rtol=1e-5, atol=1e-5)
+    assert torch.equal(block.argmax(-1), torch.cat(rows).argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: CUDA graphs
+# ---------------------------------------------------------------------------------------------------
+def _graph_engine(dtype: str, batch_sizes, **overrides) -> Engine:
+    cfg = load_config(**{**SMALL, "max_batch_size": 8, "model.dtype": dtype,
+                         "cuda_graph_config.batch_sizes": list(batch_sizes),
+                         "cuda_graph_config.enable_padding": True, **overrides})
+    return Engine(cfg, use_cuda_graph=True)
+
+
+GPU_PROMPTS = PROMPTS + [[9, 8, 7, 6, 5], [400, 401], list(range(10, 40))]
+
+
+@cuda_only
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_graph_lossless_fixed_batch_bf16(temperature):
+    """bf16, every step replayed at one padded batch size: graph == the target's decode at that shape."""
+    eng = _graph_engine("bfloat16", [8])
+    reqs = _requests(max_new=16, temperature=temperature, seed=3, prompts=GPU_PROMPTS)
+    spec, stats = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    gathered, _ = eng.generate(reqs, "gathered")
+    assert _outputs(spec) == _outputs(ref) == _outputs(gathered)
+    assert stats.num_steps > 0
+
+
+@cuda_only
+def test_cuda_graph_lossless_across_batch_sizes_with_padding():
+    """fp32, graphs for 1/2/4/8 rows; requests of different lengths make the active count fall through
+    every size (padding rows on the dummy slot). Greedy and sampled rows in one batch."""
+    eng = _graph_engine("float32", [1, 2, 4, 8])
+    reqs = [Request(p, max_new_tokens=4 + 5 * i, temperature=0.7 if i % 2 else 0.0, seed=i)
+            for i, p in enumerate(GPU_PROMPTS)]
+    spec, _ = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    assert _outputs(spec) == _outputs(ref)
+    assert sorted(eng._runners["speculative"].graphs) == [1, 2, 4, 8]
+    eager = Engine(eng.config, use_cuda_graph=False)
+    eager_out, _ = eager.generate(reqs, "speculative")
+    assert _outputs(eager_out) == _outputs(ref)
+
+
+@cuda_only
+def test_cuda_graph_capture_restores_state():
+    eng = _graph_engine("bfloat16", [1, 4])
+    before = [t.clone() for t in eng.state.mutable_tensors()]
+    eng.worker()  # captures
+    after = eng.state.mutable_tensors()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@cuda_only
+def test_cuda_graph_large_vocab_bf16_lossless():
+    """A realistic head width (vocab 128k, split selection kernels) under graphs, bf16."""
+    eng = _graph_engine("bfloat16", [4], **{"model.target.vocab_size": 128256, "max_batch_size": 4})
+    reqs = _requests(max_new=12, prompts=[[1, 2, 3], [99999, 5], [70000] * 9, [128000]])
+    spec, _ = eng.generate(reqs, "speculative")
+    ref, _ = eng.generate(reqs, "target_only")
+    assert _outputs(spec) == _outputs(ref)

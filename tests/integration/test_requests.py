@@ -1,0 +1,65 @@
+"""Request handling: bad requests rejected without disturbing the batch; slots and pages freed and reused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.requests import Request, RequestError
+
+SMALL = {
+    "model.target.vocab_size": 301, "model.target.hidden_size": 32, "model.target.head_dim": 8,
+    "model.target.num_layers": 2, "model.target.capture_layers": [1], "model.target.intermediate_size": 64,
+    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
+    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 2,
+    "speculative_config.markov_rank": 32, "max_batch_size": 2, "max_seq_len": 24,
+    "kv_cache_config.tokens_per_block": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(load_config(**SMALL))
+
+
+@pytest.mark.parametrize("request_, match", [
+    (Request([], 4), "empty prompt"),
+    (Request([1, 301], 4), "outside the vocabulary"),
+    (Request([-1, 2], 4), "outside the vocabulary"),
+    (Request(list(range(20)), 5), "exceeds the cache"),
+    (Request([1, 2], 0), "max_new_tokens"),
+    (Request([1, 2], 4, temperature=-0.5), "temperature"),
+    (Request([1, 2], 4, stop_token_ids=(999,)), "stop_token_ids"),
+    (Request([1, 2], 4, seed=-3), "seed"),
+])
+def test_validation_messages(engine, request_, match):
+    with pytest.raises(RequestError, match=match):
+        engine.validate(request_)
+
+
+def test_bad_requests_do_not_disturb_the_batch(engine):
+    good = [Request([3, 4, 5], 6), Request([250, 1], 6, temperature=0.8, seed=4), Request([7] * 9, 6)]
+    alone, _ = engine.generate(good, "speculative")
+    mixed = [Request([], 6), good[0], Request([1, 500], 6), good[1], Request(list(range(30)), 6), good[2]]
+    results, _ = engine.generate(mixed, "speculative")
+    assert [r.finish_reason for r in results] == ["error", "length", "error", "length", "error", "length"]
+    assert "empty prompt" in results[0].error and "vocabulary" in results[2].error and "cache" in results[4].error
+    assert all(r.output_ids == [] for r in results[0:5:2])
+    assert [r.output_ids for r in results[1::2]] == [r.output_ids for r in alone]
+    assert engine.slots.num_free == 2 and engine.pages.num_free == engine.pages.num_pages
+
+
+def test_slot_reuse_over_many_requests(engine):
+    """Nine requests through two slots (each slot reused several times, pages freed and handed out again):
+    every request still equals the target's own decode, and runs the same alone."""
+    reqs = [Request([(13 * i + 1) % 301, (7 * i) % 301, 42], max_new_tokens=3 + (i % 4), seed=i,
+                    temperature=0.6 if i % 3 == 0 else 0.0) for i in range(9)]
+    spec, stats = engine.generate(reqs, "speculative")
+    ref, _ = engine.generate(reqs, "target_only")
+    assert [r.output_ids for r in spec] == [r.output_ids for r in ref]
+    assert all(len(r.output_ids) == q.max_new_tokens for r, q in zip(spec, reqs))
+    assert engine.slots.num_free == 2 and engine.pages.num_free == engine.pages.num_pages
+    assert int((engine.pages.encoded_offsets >= 0).sum()) == 0
+    solo, _ = engine.generate([reqs[7]], "speculative")
+    assert solo[0].output_ids == spec[7].output_ids
