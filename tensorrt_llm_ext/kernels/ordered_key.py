@@ -80,11 +80,13 @@ def key_to_id(key):
 def philox_uniform(seed, c0, c1, c2, c3):
     """Uniform in the open interval (0, 1) from Philox-4x32-10 keyed by ``seed`` and counter c0..c3.
 
-    Uses the top 24 bits of the first output word: ``u = (x >> 8 + 0.5) * 2^-24``, exact in fp32.
+    Uses the top 23 bits of the first output word: ``u = ((x >> 9) + 0.5) * 2^-23``. ``top + 0.5`` needs
+    24 significant bits, so it is exact in fp32 and ``u <= 1 - 2^-24 < 1`` (with 24 bits, ``2^24 - 0.5``
+    rounds to ``2^24`` and ``u`` could be exactly 1, making the Gumbel noise infinite).
     """
     r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    top = (r0 >> 8).to(tl.int32)
-    return (top.to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    top = (r0 >> 9).to(tl.int32)
+    return (top.to(tl.float32) + 0.5) * 1.1920928955078125e-07
 
 
 @triton.jit
@@ -195,8 +197,8 @@ def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
 def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
     """Torch twin of :func:`philox_uniform` (inputs broadcastable int64 tensors of uint32 values)."""
     r0, _, _, _ = _philox_4x32_10_torch(seed, c0, c1, c2, c3)
-    top = (r0 >> 8).to(torch.float32)
-    return (top + 0.5) * 5.9604644775390625e-08
+    top = (r0 >> 9).to(torch.float32)
+    return (top + 0.5) * 1.1920928955078125e-07
 
 
 def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tensor, salt: int) -> torch.Tensor:

@@ -63,10 +63,12 @@ def write_block_latents(pool_layer: torch.Tensor, placement: DraftBlockPlacement
     valid = (placement.page_ids >= 0).reshape(-1)
     dest = (placement.page_ids.long().clamp_min(0) * page_size + placement.page_offsets.long()).reshape(-1)
     vals = latents.reshape(-1, d_c).to(pool_layer.dtype)
-    first = torch.argmax(valid.to(torch.int32))  # first stored entry (0 if none)
-    any_valid = valid[first]
-    sink_idx = torch.where(any_valid, dest[first], torch.zeros_like(dest[first]))
-    sink_val = torch.where(any_valid, vals[first], flat[0])
+    # index_select with a [1] index, never tensor[0-dim tensor] (that converts to a Python int: a host
+    # sync, which fails under CUDA-graph capture).
+    first = torch.argmax(valid.to(torch.int32)).view(1)  # first stored entry (0 if none)
+    any_valid = valid.index_select(0, first)  # [1]
+    sink_idx = torch.where(any_valid, dest.index_select(0, first), torch.zeros_like(first))  # [1]
+    sink_val = torch.where(any_valid.unsqueeze(1), vals.index_select(0, first), flat[:1])  # [1, d_c]
     idx = torch.where(valid, dest, sink_idx)
     flat[idx] = torch.where(valid.unsqueeze(1), vals, sink_val)
 
