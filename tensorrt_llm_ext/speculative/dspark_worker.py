@@ -104,6 +104,7 @@ class DSparkWorker(SpecWorkerBase):
         self._tail_views: dict[int, PagedLatentStep] = {}
         self.markov: MarkovChain | None = None
         self._prefill_tail = PagedLatentStep.allocate(1, k, dev)
+        self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
 
     # -- binding -------------------------------------------------------------------------------------
     def _on_bound(self) -> None:
@@ -143,6 +144,17 @@ class DSparkWorker(SpecWorkerBase):
         return view
 
     # -- pieces shared by prefill, the step and the target-only decode -----------------------------------
+    def _decode_pages(self) -> None:
+        """Encoded offsets -> physical page ids, ``-1`` kept where unallocated.
+
+        :func:`decode_block_table` maps an unallocated entry to page 0 (and counts the valid ones);
+        :func:`paged_latent_step` counts allocated pages as the entries ``>= 0``, so the unallocated ones
+        are set back to -1 (one more elementwise launch; capturable).
+        """
+        st = self.state
+        decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+        torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
+
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                 out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
@@ -194,7 +206,7 @@ class DSparkWorker(SpecWorkerBase):
                 st.ref_lens[slot] = n
                 st.slot_tokens[slot, 0] = tok[0]
                 return int(tok.item())
-            decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+            self._decode_pages()
             latents = self.drafter.compute_context_latents(out.captured)  # [n, L, d_c]
             # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
             # treats the prefill as a generation row that accepted exactly one token (the first generated one).
@@ -227,7 +239,7 @@ class DSparkWorker(SpecWorkerBase):
         slots_l = slots.long()
         dummy = self.is_dummy[:b]
         with nvtx_range("block_table"):
-            decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+            self._decode_pages()
         with nvtx_range("target_forward"):
             tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
             positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]

@@ -104,6 +104,10 @@ def test_worker_step_returns_one_model_dict():
         assert eng.state.ctx_lens[b] == ctx_before[b] + lens[b]
     assert eng.state.ctx_lens[eng.state.dummy_slot] == 0  # the dummy slot is emptied, never advanced
     assert torch.equal(eng.state.slot_tokens[:2], out["next_new_tokens"][:2])
+    # The decoded block table keeps unallocated pages at -1 (the bookkeeping counts allocated pages).
+    allocated = eng.pages.max_pages_per_slot
+    assert [int((eng.state.block_table[s] >= 0).sum()) for s in range(4)] == [allocated, allocated, 0, 0]
+    assert int((eng.state.block_table[eng.state.dummy_slot] >= 0).sum()) == 0
     for slot in (0, 1):
         eng.pages.free(slot)
 
