@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tensorrt_llm_ext.runtime.config import ConfigError, RuntimeConfig, default_config_text, load_config, parse_config
+from tensorrt_llm_ext.runtime.config import (ConfigError, RuntimeConfig, _load_yaml, _mini_yaml, default_config_text,
+                                             load_config, parse_config)
 
 SERVE_YAML = """
 backend: pytorch
@@ -35,13 +35,16 @@ def test_embedded_default_loads():
     assert isinstance(cfg, RuntimeConfig)
     assert cfg.speculative_config.decoding_type == "DSpark"
     assert cfg.model.target.vocab_size <= 4096  # small enough for a CPU
-    assert yaml.safe_load(default_config_text())["speculative_config"]["decoding_type"] == "DSpark"
+    assert _load_yaml(default_config_text())["speculative_config"]["decoding_type"] == "DSpark"
+    # The built-in subset parser (machines without PyYAML) reads the embedded file the same way.
+    assert parse_config(_mini_yaml(default_config_text())) == cfg
 
 
 def test_serve_style_yaml(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text(SERVE_YAML)
     cfg = load_config(path)
+    assert parse_config(_mini_yaml(SERVE_YAML)) == cfg
     assert cfg.tensor_parallel_size == 2 and cfg.max_batch_size == 16
     assert cfg.speculative_config.max_draft_len == 7
     assert cfg.speculative_config.vocab_parallel_selection == "on"
@@ -80,7 +83,7 @@ def test_invalid_values_name_the_field(data, field):
 def test_yaml_errors_are_config_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("speculative_config: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML|speculative_config"):
         load_config(bad)
     top = tmp_path / "list.yaml"
     top.write_text("- 1\n- 2\n")
