@@ -7,4 +7,5 @@ BENCHMARK_MODULES = {
     "tail": "tensorrt_llm_ext.bench.tail",
     "drafter": "tensorrt_llm_ext.bench.drafter",
     "step": "tensorrt_llm_ext.bench.step",
+    "tp": "tensorrt_llm_ext.bench.tp",
 }

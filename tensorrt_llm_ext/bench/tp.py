@@ -1,0 +1,502 @@
+"""``trtllm-ext bench tp --tp N``: the TP paths side by side, measured on N MPI-launched ranks.
+
+The command spawns N ranks itself (:class:`~tensorrt_llm_ext.testing.mpi.MpiPool`, one GPU per rank,
+NCCL; gloo on CPU as a smoke run whose timings are meaningless). Every rank runs the same measurements
+in the same order; the table shows, per cell, the MAXIMUM over ranks of each rank's median (a TP step
+waits for its slowest rank). Sections:
+
+1. selection (bf16): vocab-parallel (shard kernel + :class:`PairExchange`, one ``[R]`` int64 all-reduce
+   MAX) vs the gathered path (all-gather of the shard logits, then the same kernel over the full row),
+   greedy and keyed Gumbel sampling, rows 1..256, V = 200064, 129280 and 129281 (a padded last shard
+   at any tp > 1: 129280 splits evenly over 2/4/8);
+2. the Markov chain on a vocabulary shard with the exchange (exact and fused modes) vs the replicated
+   full-vocabulary chain (the exact mode, and the eager reference chain) that every rank would run;
+3. the drafter with TP fusion (:class:`DSparkDrafter`) vs without (:class:`DSparkDrafterNoFusion`):
+   context projection and block decode;
+4. ``bench step`` per rank, when :mod:`tensorrt_llm_ext.bench.step` exposes ``measure_step_rank``.
+
+Timing: :meth:`BenchTimer.time_graph` (CUDA-graph replay, collectives captured). Before timing a variant
+every rank test-captures it once and the ranks agree (:func:`agree_all`) on the outcome, so they all take
+the same branch; where capture fails anywhere, the variant is timed eagerly (``time_eager``) on every
+rank and the table says so. Never a rank alone in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+ensure_triton_interpreter()  # before any kernel module is imported (the CPU smoke run needs the interpreter)
+
+import torch  # noqa: E402
+
+from tensorrt_llm_ext.bench.harness import (BenchTimer, fmt, print_table, register_benchmark,  # noqa: E402
+                                            rotation_count)
+
+# Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
+# fc), 2 layers, weights drawn on the device (initialises in well under a second).
+GPU_DRAFTER = dict(hidden_size=4096, target_hidden_size=4096, num_capture_layers=3, num_layers=2, num_heads=32,
+                   head_dim=128, latent_dim=512, intermediate_size=11008, vocab_size=32000, markov_rank=64,
+                   mask_token_id=31999)
+TINY_DRAFTER = dict(hidden_size=64, target_hidden_size=40, num_capture_layers=3, num_layers=2, num_heads=4,
+                    head_dim=16, latent_dim=32, intermediate_size=96, vocab_size=1031, markov_rank=8,
+                    mask_token_id=1030)
+
+
+@dataclass(frozen=True)
+class TpSizes:
+    """What every rank measures (plain data: shipped to the ranks)."""
+
+    select_vocabs: tuple[int, ...] = (200064, 129280, 129281)
+    select_rows: tuple[int, ...] = (1, 8, 64, 256)
+    markov_vocab: int = 200064
+    markov_rank: int = 256
+    draft_len: int = 7
+    markov_batches: tuple[int, ...] = (1, 8, 32, 128)
+    drafter: dict = field(default_factory=lambda: dict(GPU_DRAFTER))
+    ctx_rows: tuple[int, ...] = (1, 64, 512)
+    block_batches: tuple[int, ...] = (1, 8, 32)
+    ctx_len: int = 256  # context positions every block attends to
+    page_size: int = 64
+
+
+def sizes_for(tiny: bool, quick: bool) -> TpSizes:
+    """Full sizes, ``--quick`` (first and last of each list) or ``--tiny`` (CPU smoke sizes)."""
+    if tiny:
+        s = TpSizes(select_vocabs=(2048, 2003), select_rows=(1, 3), markov_vocab=2003, markov_rank=16,
+                    draft_len=3, markov_batches=(1, 2), drafter=dict(TINY_DRAFTER), ctx_rows=(1, 5),
+                    block_batches=(1, 2), ctx_len=6, page_size=4)
+    else:
+        s = TpSizes()
+    if quick:
+        ends = lambda xs: tuple(dict.fromkeys((xs[0], xs[-1])))  # noqa: E731
+        s = TpSizes(**{**asdict(s), "select_rows": ends(s.select_rows), "markov_batches": ends(s.markov_batches),
+                       "ctx_rows": ends(s.ctx_rows), "block_batches": ends(s.block_batches)})
+    return s
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per rank
+# ----------------------------------------------------------------------------------------------------
+class _AgreedTimer:
+    """``BenchTimer`` for collectives: a variant is graph-timed only if every rank captured it."""
+
+    def __init__(self, mapping, reps: int, calls_per_rep: int):
+        self.mapping = mapping
+        self.bt = BenchTimer(reps=reps, calls_per_rep=calls_per_rep)
+        self.eager: dict[str, str] = {}  # label -> why it was timed eagerly
+
+    @property
+    def smoke(self) -> bool:
+        return self.bt.smoke
+
+    def _probe(self, fns) -> None:
+        """Warm up (compile, lazy NCCL/cuBLAS setup) and capture one graph that is never replayed: a
+        capture enqueues nothing on the peers, so a rank whose capture fails leaves nobody waiting."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+        del graph
+
+    def time(self, label: str, fns) -> float:
+        """Microseconds per call of ``fns`` (round-robin); NaN on CPU (one smoke call)."""
+        from tensorrt_llm_ext.distributed import agree_all
+
+        if self.smoke:
+            return self.bt.time_graph(fns)
+        if label not in self.eager:
+            err = None
+            try:
+                self._probe(fns)
+            except Exception as e:  # report, agree, fall back together
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+                try:
+                    torch.cuda.synchronize()
+                except Exception:
+                    pass
+            if not agree_all(self.mapping, err is None):
+                self.eager[label] = err or "graph capture failed on another rank"
+        if label in self.eager:
+            return self.bt.time_eager(fns)
+        return self.bt.time_graph(fns)
+
+
+def _gen(device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _select_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
+    from tensorrt_llm_ext.distributed import PairExchange
+    from tensorrt_llm_ext.speculative.vocab_parallel import (gathered_argmax, gathered_gumbel_sample, gumbel_sample,
+                                                             vocab_parallel_argmax)
+
+    tp, rank = mapping.tp_size, mapping.tp_rank
+    ex = PairExchange(mapping)
+    for vocab in sizes.select_vocabs:
+        width = -(-vocab // tp)
+        start = rank * width  # the LM head's padded sharding: the last shard holds tp*width - V pad columns
+        for rows in sizes.select_rows:
+            n = 1 if timer.smoke else rotation_count(rows * width * 2)
+            g = _gen(dev, vocab * 1009 + rows * 31 + rank)
+            shards = [torch.randn(rows, width, generator=g, device=dev).to(torch.bfloat16) for _ in range(n)]
+            keys = torch.empty(rows, dtype=torch.int64, device=dev)
+            gathered = torch.empty(rows, dtype=torch.int64, device=dev)
+            temps = torch.ones(rows, dtype=torch.float32, device=dev)
+            seeds = torch.arange(rows, dtype=torch.int64, device=dev) + 17
+            offsets = torch.arange(rows, dtype=torch.int64, device=dev)
+            t = {
+                "vp_argmax": timer.time("select: vocab-parallel argmax", [
+                    lambda x=x: vocab_parallel_argmax(x, start, vocab, ex, out=keys) for x in shards]),
+                "gathered_argmax": timer.time("select: gathered argmax", [
+                    lambda x=x: gathered_argmax(x, vocab, mapping, out=gathered) for x in shards]),
+                "vp_sample": timer.time("select: vocab-parallel sample", [
+                    lambda x=x: gumbel_sample(x, temps, seeds, offsets, start, vocab, ex, out=keys) for x in shards]),
+                "gathered_sample": timer.time("select: gathered sample", [
+                    lambda x=x: gathered_gumbel_sample(x, temps, seeds, offsets, vocab, mapping, out=gathered)
+                    for x in shards]),
+            }
+            # The same ids as the gathered path, on this rank's timed inputs (collectives: every rank).
+            a = vocab_parallel_argmax(shards[0], start, vocab, ex).clone()
+            b = gathered_argmax(shards[0], vocab, mapping).clone()
+            sa = gumbel_sample(shards[0], temps, seeds, offsets, start, vocab, ex).clone()
+            sb = gathered_gumbel_sample(shards[0], temps, seeds, offsets, vocab, mapping).clone()
+            equal = bool(torch.equal(a, b) and torch.equal(sa, sb))
+            out["select"].append(dict(vocab=vocab, width=width, pad=tp * width - vocab, rows=rows, t=t, equal=equal))
+            del shards
+
+
+def _markov_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
+    from tensorrt_llm_ext.distributed import PairExchange
+    from tensorrt_llm_ext.speculative.markov_chain import (MarkovWorkspace, markov_chain_logits,
+                                                           markov_chain_logits_reference)
+
+    tp, rank = mapping.tp_size, mapping.tp_rank
+    V, r, K = sizes.markov_vocab, sizes.markov_rank, sizes.draft_len
+    ex = PairExchange(mapping)
+    g = _gen(dev, 7)  # same seed on every rank: the same full weights and inputs everywhere
+    w1 = (torch.randn(V, r, generator=g, device=dev) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(V, r, generator=g, device=dev) * 0.05).to(torch.bfloat16)
+    width = -(-V // tp)
+    start = rank * width
+    valid = max(0, min(width, V - start))
+    w2_shard = torch.zeros(width, r, dtype=w2.dtype, device=dev)  # padded rows are zero, as in the drafter
+    w2_shard[:valid].copy_(w2[start:start + valid])
+    for B in sizes.markov_batches:
+        n = 1 if timer.smoke else rotation_count(2 * B * K * V * 2)
+        gi = _gen(dev, 1000 + B)
+        fulls = [torch.randn(B, K, V, generator=gi, device=dev).to(torch.bfloat16) for _ in range(n)]
+        anchors = torch.randint(0, V, (B,), generator=gi, device=dev)
+        shards = []
+        for f in fulls:
+            s = torch.zeros(B, K, width, dtype=f.dtype, device=dev)
+            s[..., :valid].copy_(f[..., start:start + valid])
+            shards.append(s)
+        t, tokens = {}, {}
+        for mode in ("exact", "fused"):
+            ws = MarkovWorkspace.allocate(B, K, w2_shard, mode)
+            outs = [torch.empty_like(s) for s in shards]
+            run = [lambda s=s, o=o, ws=ws, mode=mode: markov_chain_logits(
+                s, anchors, w1, w2_shard, vocab_start=start, vocab_size=V, exchange=ex, mode=mode, out=o,
+                workspace=ws) for s, o in zip(shards, outs)]
+            t[f"shard_{mode}"] = timer.time(f"markov: shard {mode} + exchange", run)
+            tokens[mode] = run[0]()[1].clone()
+            del outs, ws
+        ws = MarkovWorkspace.allocate(B, K, w2, "exact")
+        outs = [torch.empty_like(f) for f in fulls]
+        run = [lambda f=f, o=o: markov_chain_logits(f, anchors, w1, w2, mode="exact", out=o, workspace=ws)
+               for f, o in zip(fulls, outs)]
+        t["repl_exact"] = timer.time("markov: replicated exact", run)
+        ref = run[0]()[1].clone()
+        del outs, ws
+        t["repl_eager"] = timer.time("markov: replicated eager", [
+            lambda f=f: markov_chain_logits_reference(f, anchors, w1, w2) for f in fulls])
+        match = {m: float((tokens[m] == ref).float().mean().item()) for m in tokens}
+        out["markov"].append(dict(B=B, width=width, t=t, match=match))
+        del fulls, shards
+
+
+def _device_state_dict(cfg, seed: int, dtype, dev) -> dict:
+    """FULL drafter weights drawn on the device (same seed on every rank: the same full weights), scaled
+    like :func:`generate_full_state_dict` so activations stay in range."""
+    from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes
+
+    g = _gen(dev, seed)
+    sd = {}
+    for name, shape in full_weight_shapes(cfg).items():
+        w = torch.randn(shape, generator=g, device=dev)
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * w
+        elif name.startswith("markov"):
+            w = w / math.sqrt(cfg.markov_rank)
+        elif name != "embed_tokens.weight":
+            w = w / math.sqrt(shape[1])
+        sd[name] = w.to(dtype)
+    return sd
+
+
+def _block_inputs(cfg, B: int, K: int, ctx_len: int, page_size: int, dev):
+    """B live requests, each with ``ctx_len`` context positions in its own pages, then the K-block."""
+    from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+
+    g = _gen(dev, 99 + B)
+    max_pages = -(-(ctx_len + K) // page_size)
+    pool = (torch.randn(cfg.num_layers, B * max_pages, page_size, cfg.latent_dim, generator=g, device=dev)
+            * 0.5).to(torch.bfloat16)
+    table = torch.arange(B * max_pages, dtype=torch.int32, device=dev).view(B, max_pages)
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    positions = (ctx_len + torch.arange(K, device=dev)).expand(B, K).to(torch.int32).contiguous()
+    page_ids = torch.gather(table, 1, (positions // page_size).long()).to(torch.int32)
+    ctx_lens = torch.full((B,), ctx_len, dtype=torch.int32, device=dev)
+    ids = torch.full((B, K), cfg.mask_token_id, dtype=torch.int64, device=dev)
+    ids[:, 0] = torch.randint(0, cfg.vocab_size, (B,), generator=g, device=dev)
+    placement = DraftBlockPlacement(positions, page_ids, (positions % page_size).contiguous(), ctx_lens,
+                                    ctx_lens + K)
+    return DrafterBlockInputs(ids, slots, placement, PagedLatentCache(pool, table))
+
+
+def _drafter_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
+    from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig, DSparkDrafterNoFusion
+
+    cfg = DSparkDrafterConfig(**sizes.drafter)
+    sd = _device_state_dict(cfg, 3, torch.bfloat16, dev)
+    models = {}
+    for name, cls in (("fusion", DSparkDrafter), ("no_fusion", DSparkDrafterNoFusion)):
+        m = cls(cfg, mapping, dtype=torch.bfloat16, device=dev)
+        m.load_full_state_dict(sd)
+        models[name] = m
+    del sd
+    out["drafter_plans"] = {k: str(m.tp_plan) for k, m in models.items()}
+    F_in = cfg.fc_in_features
+    for N in sizes.ctx_rows:
+        n = 1 if timer.smoke else rotation_count(N * F_in * 2)
+        g = _gen(dev, 500 + N)
+        feats = [torch.randn(N, F_in, generator=g, device=dev).to(torch.bfloat16) for _ in range(n)]
+        t = {k: timer.time(f"drafter: context projection ({k})", [lambda f=f, m=m: m.project_context(f)
+                                                                   for f in feats])
+             for k, m in models.items()}
+        out["drafter"].append(dict(stage="context projection", size=N, rows=N, t=t))
+        del feats
+    K = sizes.draft_len
+    for B in sizes.block_batches:
+        t = {}
+        for k, m in models.items():
+            inputs = _block_inputs(cfg, B, K, sizes.ctx_len, sizes.page_size, dev)
+            t[k] = timer.time(f"drafter: block decode ({k})", [lambda m=m, i=inputs: m.forward_block(i)])
+            del inputs
+        out["drafter"].append(dict(stage="block decode", size=B, rows=B * K, t=t))
+    del models
+
+
+def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_per_rep: int,
+               step_available: bool) -> dict:
+    """MPI rank entry: join the TP group, run every section in the same order on every rank."""
+    # NCCL reads this at communicator creation: keep NVLink multicast (NVLS) off, as the device README asks.
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    from tensorrt_llm_ext.distributed import backend_name, comm_device, init_from_mpi
+
+    mapping = init_from_mpi(tp_size=tp)
+    dev = comm_device()
+    if dev.type != "cuda":
+        torch.set_num_threads(1)  # the ranks share the CPU cores
+    sizes = TpSizes(**sizes_dict)
+    timer = _AgreedTimer(mapping, reps, calls_per_rep)
+    out: dict = dict(rank=mapping.rank, backend=backend_name(), smoke=timer.smoke,
+                     device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                     select=[], markov=[], drafter=[], drafter_plans={}, step=None)
+    with torch.no_grad():
+        if "select" in sections:
+            _select_section(mapping, dev, sizes, timer, out)
+        if "markov" in sections:
+            _markov_section(mapping, dev, sizes, timer, out)
+        if "drafter" in sections:
+            _drafter_section(mapping, dev, sizes, timer, out)
+        if "step" in sections and step_available:
+            from tensorrt_llm_ext.bench import step
+
+            out["step"] = step.measure_step_rank(mapping)
+    out["eager"] = dict(timer.eager)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher and tables
+# ----------------------------------------------------------------------------------------------------
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=2, help="ranks to launch (one GPU each)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes (first and last of each list)")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke sizes (tiny vocabularies and drafter)")
+    p.add_argument("--sections", default="select,markov,drafter,step")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median)")
+    p.add_argument("--calls-per-rep", type=int, default=10, help="graph replays per repetition")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a rank is declared hung")
+
+
+def _max_over_ranks(results: list[dict], section: str, i: int, key: str) -> float:
+    vals = [r[section][i]["t"][key] for r in results]
+    return float("nan") if any(v != v for v in vals) else max(vals)
+
+
+def _ratio(a: float, b: float) -> str:
+    return fmt(a / b, 2) if a == a and b == b and b > 0 else "-"
+
+
+def _step_status() -> tuple[bool, str]:
+    try:
+        from tensorrt_llm_ext.bench import step
+    except Exception as e:  # a broken step module must not take the other sections down
+        return False, f"bench step: not measured (tensorrt_llm_ext.bench.step failed to import: {type(e).__name__})"
+    if callable(step.__dict__.get("measure_step_rank")):
+        return True, ""
+    return False, ("bench step: not measured at TP -- tensorrt_llm_ext.bench.step exposes no per-rank "
+                   "measurement function (measure_step_rank(mapping) -> table dict); run `trtllm-ext bench "
+                   "step` for the single-rank stages")
+
+
+def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
+    """Launch ``args.tp`` ranks (or use ``pool``), measure, print the tables; returns their text."""
+    from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
+
+    tp = args.tp
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        raise ValueError(f"--tp {tp} needs {tp} GPUs (one per rank), found {torch.cuda.device_count()}")
+    sizes = sizes_for(args.tiny, args.quick)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    step_ok, step_note = _step_status() if "step" in sections else (False, "")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned ranks (NVLink multicast stays off)
+    own = pool is None
+    if own:
+        pool = MpiPool(tp).start()
+    try:
+        results = run_on_ranks(pool, _rank_main, tp, asdict(sizes), sections, args.reps, args.calls_per_rep,
+                               step_ok, timeout=args.timeout)
+    finally:
+        if own:
+            pool.shutdown()
+    return _tables(args, tp, sizes, results, step_note)
+
+
+def _tables(args, tp: int, sizes: TpSizes, results: list[dict], step_note: str) -> list[str]:
+    r0 = results[0]
+    smoke = r0["smoke"]
+    eager: dict[str, str] = {}
+    for r in results:
+        eager.update(r["eager"])
+    head = (f"TP {tp}, backend {r0['backend']}, ranks on {', '.join(sorted({r['device'] for r in results}))}. "
+            "Each time is the MAXIMUM over ranks of the per-rank median (a TP step waits for the slowest rank), "
+            "us per call.")
+    timing = ("CPU gloo smoke run: every variant ran once, timings meaningless ('-')." if smoke else
+              "Timed under CUDA-graph replay (collectives captured), median of repetitions, inputs rotated past "
+              "the 60 MiB L2 where noted.")
+
+    def how(prefix: str) -> str:
+        fell = {k: v for k, v in eager.items() if k.startswith(prefix)}
+        if not fell:
+            return ""
+        return "EAGER timing (graph capture failed, agreed on every rank): " + "; ".join(
+            f"{k} ({v})" for k, v in sorted(fell.items()))
+
+    texts = []
+    if r0["select"]:
+        rows = []
+        for i, e in enumerate(r0["select"]):
+            t = {k: _max_over_ranks(results, "select", i, k) for k in e["t"]}
+            equal = all(r["select"][i]["equal"] for r in results)
+            rows.append([e["vocab"], e["width"], e["pad"], e["rows"], fmt(t["vp_argmax"], 2),
+                         fmt(t["gathered_argmax"], 2), _ratio(t["gathered_argmax"], t["vp_argmax"]),
+                         fmt(t["vp_sample"], 2), fmt(t["gathered_sample"], 2),
+                         _ratio(t["gathered_sample"], t["vp_sample"]), "yes" if equal else "NO"])
+        notes = [head, timing,
+                 "vp = vocab_parallel_argmax / gumbel_sample on this rank's [rows, shard width] bf16 shard + the "
+                 "PairExchange (one [rows] int64 all-reduce MAX) + id decode; gathered = gathered_argmax / "
+                 "gathered_gumbel_sample: all-gather of the shard logits, then the same kernel over the full row. "
+                 "pad = padded columns of the last shard (tp * width - V). sample: T=1, keyed Gumbel-max. "
+                 "ids equal: vp ids == gathered ids (argmax and sample) on every rank. Shard inputs rotated "
+                 "past the L2.",
+                 "V=200064 and 129280 split evenly over tp 2/4/8; 129281 gives a padded last shard."]
+        if how("select"):
+            notes.append(how("select"))
+        texts.append(print_table(f"bench tp: vocab-parallel vs gathered selection, bf16, TP {tp}",
+                                 ["V", "shard width", "pad", "rows", "vp argmax", "gathered argmax", "gathered/vp",
+                                  "vp sample", "gathered sample", "gathered/vp sample", "ids equal"], rows, notes))
+    if r0["markov"]:
+        rows = []
+        for i, e in enumerate(r0["markov"]):
+            t = {k: _max_over_ranks(results, "markov", i, k) for k in e["t"]}
+            best = min(t["shard_exact"], t["shard_fused"]) if not smoke else float("nan")
+            match = {m: min(r["markov"][i]["match"][m] for r in results) for m in e["match"]}
+            rows.append([e["B"], e["width"], fmt(t["shard_exact"]), fmt(t["shard_fused"]), fmt(t["repl_exact"]),
+                         fmt(t["repl_eager"]), _ratio(t["repl_exact"], best), _ratio(t["repl_eager"], best),
+                         f"{100 * match['exact']:.1f}% / {100 * match['fused']:.1f}%"])
+        notes = [head, timing,
+                 f"V={sizes.markov_vocab}, r={sizes.markov_rank}, K={sizes.draft_len}, bf16, greedy. shard exact / "
+                 "shard fused = markov_chain_logits on this rank's [B, K, V_local] shard and [V_local, r] markov_w2 "
+                 "rows with the PairExchange each step (K all-reduces of [B] int64); replicated exact = the exact "
+                 "mode on the full vocabulary, no exchange; replicated eager = markov_chain_logits_reference on the "
+                 "full vocabulary (what every rank runs without the shard chain). repl/best = replicated time over "
+                 "the faster shard mode. Base-logit sets rotated past the L2; weights are not.",
+                 "tokens = repl: share of draft tokens equal to the replicated exact chain (minimum over ranks), "
+                 "shard exact / shard fused; below 100% only at near-ties (bias GEMM sum order differs between "
+                 "shard and full width, and fused rounds its bias once from another order)."]
+        if how("markov"):
+            notes.append(how("markov"))
+        texts.append(print_table(f"bench tp: vocab-shard Markov chain vs replicated chain, TP {tp}",
+                                 ["B", "V_local", "shard exact", "shard fused", "repl exact", "repl eager",
+                                  "repl exact/best", "repl eager/best", "tokens = repl (exact / fused)"],
+                                 rows, notes))
+    if r0["drafter"]:
+        rows = []
+        for i, e in enumerate(r0["drafter"]):
+            t = {k: _max_over_ranks(results, "drafter", i, k) for k in e["t"]}
+            label = f"N={e['size']}" if e["stage"] == "context projection" else f"B={e['size']}, K={sizes.draft_len}"
+            rows.append([e["stage"], label, e["rows"], fmt(t["fusion"]), fmt(t["no_fusion"]),
+                         _ratio(t["no_fusion"], t["fusion"])])
+        d = sizes.drafter
+        notes = [head, timing,
+                 f"drafter config: hidden {d['hidden_size']}, fc input {d['num_capture_layers']}*"
+                 f"{d['target_hidden_size']}={d['num_capture_layers'] * d['target_hidden_size']}, "
+                 f"{d['num_layers']} layers, {d['num_heads']} heads x {d['head_dim']}, latent {d['latent_dim']}, "
+                 f"MLP {d['intermediate_size']}, vocab {d['vocab_size']}, bf16; block decode attends to "
+                 f"{sizes.ctx_len} context positions per request (page size {sizes.page_size}).",
+                 "fusion = DSparkDrafter (fc split over input features + all-reduce fused with hidden_norm; "
+                 "o_proj/down_proj all-reduces fused with residual add + RMSNorm); no fusion = "
+                 "DSparkDrafterNoFusion (whole fc replicated, reduced projections, separate add and norm). "
+                 "context projection = project_context on [N, F] features (rotated past the L2); block decode = "
+                 "forward_block (eager reference attention, same in both) on one input set.",
+                 "plans: " + " | ".join(f"{k}: {v}" for k, v in r0["drafter_plans"].items())]
+        if how("drafter"):
+            notes.append(how("drafter"))
+        texts.append(print_table(f"bench tp: drafter with vs without TP fusion, TP {tp}",
+                                 ["stage", "size", "rows", "fusion", "no fusion", "no fusion/fusion"], rows, notes))
+    step = r0.get("step")
+    if step:
+        texts.append(print_table(step["title"] + f" (rank 0, TP {tp})", step["headers"], step["rows"],
+                                 list(step.get("notes", [])) + [head]))
+    elif step_note:
+        texts.append(print_table(f"bench tp: sections not measured, TP {tp}", ["section", "reason"],
+                                 [["step", step_note]], [head]))
+    out_path = getattr(args, "out", None)
+    if out_path:
+        with open(out_path, "a") as f:
+            for text in texts:
+                f.write(text + "\n")
+    return texts
+
+
+@register_benchmark("tp", "TP paths side by side on N MPI ranks: vocab-parallel vs gathered selection, shard vs "
+                          "replicated Markov chain, drafter with vs without TP fusion", add_args=_add_args)
+def run(args: argparse.Namespace) -> None:
+    run_tp(args)
