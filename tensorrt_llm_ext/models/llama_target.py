@@ -169,12 +169,14 @@ class LlamaAttention(nn.Module):
                              f"divisible by tp_size={tp}")
         col, row = TensorParallelMode.COLUMN, TensorParallelMode.ROW
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, cfg.num_heads * d, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
+        self.q_proj = Linear(h, cfg.num_heads * d, dtype=dtype, device=device, mapping=mapping,
+                             tensor_parallel_mode=col)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, device=device, mapping=mapping,
                              tensor_parallel_mode=col)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, device=device, mapping=mapping,
                              tensor_parallel_mode=col)
-        self.o_proj = Linear(cfg.num_heads * d, h, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=row)
+        self.o_proj = Linear(cfg.num_heads * d, h, dtype=dtype, device=device, mapping=mapping,
+                             tensor_parallel_mode=row)
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = cfg.num_kv_heads // tp
         self.head_dim = d
@@ -311,8 +313,8 @@ class LlamaTarget(nn.Module):
         hidden = self.embed_tokens(input_ids)
         captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(_norm(layer.input_layernorm, hidden), positions, slot_ids, kv_cache.k[i], kv_cache.v[i],
-                                   cos, sin)
+            attn = layer.self_attn(_norm(layer.input_layernorm, hidden), positions, slot_ids, kv_cache.k[i],
+                                   kv_cache.v[i], cos, sin)
             hidden = hidden + attn
             hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
             if i in self._capture_index:

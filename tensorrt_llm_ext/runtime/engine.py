@@ -126,7 +126,8 @@ class Engine:
             raise ValueError(f"Engine: config tensor_parallel_size={config.tensor_parallel_size} but the mapping "
                              f"has tp_size={mapping.tp_size}")
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            cuda = torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError("Engine: CUDA graphs need a CUDA device")
@@ -190,7 +191,8 @@ class Engine:
         pending: deque[_Active] = deque()
         for i, req in enumerate(requests):
             rid = req.request_id if req.request_id is not None else i
-            res = RequestResult(request_id=rid, prompt_ids=list(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else [])
+            prompt = list(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else []
+            res = RequestResult(request_id=rid, prompt_ids=prompt)
             results.append(res)
             try:
                 self.validate(req)

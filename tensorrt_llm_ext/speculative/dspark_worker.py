@@ -112,8 +112,8 @@ class DSparkWorker(SpecWorkerBase):
         draft_vp = sel.draft_head is not None
         weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
         self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
-                                  logits_dtype=self.target.dtype, exchange=sel.draft_head.exchange if draft_vp else None,
-                                  mode=self.markov_chain_mode)
+                                  logits_dtype=self.target.dtype,
+                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=self.markov_chain_mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tensorrt_llm_ext.cli import main
 from tensorrt_llm_ext.runtime.config import load_config
 
 SMALL = {
+    "model.dtype": "float32",
     "model.target.vocab_size": 516, "model.target.hidden_size": 32, "model.target.head_dim": 8,
     "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
     "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
@@ -61,6 +63,7 @@ def test_generate_reports_bad_config_and_bad_prompt(small_yaml, tmp_path, capsys
     assert rc == 0 and "[0] rejected" in text and "[1] prompt" in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     """The README's main job at TP 2 (MPI-spawned ranks, gloo on CPU): all paths agree on every rank."""
     rc = main(["generate", "--config", small_yaml, "--tp", "2", "--max-new-tokens", "5", "--check", "--no-progress",

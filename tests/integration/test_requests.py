@@ -9,6 +9,7 @@ from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
 
 SMALL = {
+    "model.dtype": "float32",
     "model.target.vocab_size": 301, "model.target.hidden_size": 32, "model.target.head_dim": 8,
     "model.target.num_layers": 2, "model.target.capture_layers": [1], "model.target.intermediate_size": 64,
     "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
