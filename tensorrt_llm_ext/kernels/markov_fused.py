@@ -1,31 +1,32 @@
 """One-launch-per-step DSpark Markov chain kernel (``mode="fused"``) and the Triton helpers both modes share.
 
-Per block position ``k`` one launch: each program owns ``BLOCK_N`` vocabulary columns of this rank's
-shard for ALL rows (looping over fixed ``BLOCK_B`` row tiles). It
+Per block position ``k`` one launch over a grid (row tiles of ``BLOCK_B``, persistent column programs).
+A program
 
-1. resolves each row's previous token: the anchor at ``k == 0``, else the id of the row's selection key
+1. resolves its rows' previous tokens: the anchor at ``k == 0``, else the id of the row's selection key
    of step ``k-1`` (already reduced over programs by the previous launch's atomics and, on a vocab shard,
-   all-reduced over ranks by the pair exchange);
-2. gathers the previous tokens' ``markov_w1`` rows and computes its columns' bias in-kernel
-   (``bias[b, n] = sum_r w1[prev_b, r] * w2[n, r]``, fp32 accumulate), so no bias tensor touches HBM;
+   all-reduced over ranks by the pair exchange), and gathers their ``markov_w1`` rows once;
+2. streams its ``BLOCK_N``-column tiles of this rank's ``markov_w2`` and computes their bias in-kernel
+   (``bias[b, n] = sum_r w1[prev_b, r] * w2[n, r]``, the whole ``r`` in one fp32-accumulating dot), so no
+   bias tensor touches HBM;
 3. rounds the bias to the weights dtype (what ``F.linear`` would return) then to the logits dtype, adds the
-   base logits, rounds to the logits dtype, stores the biased row and folds its best selection key into
-   the row's step key with one int64 atomic MAX per (program, row).
+   base logits, rounds to the logits dtype, stores the biased tile, keeps a running best key per row and
+   folds it into the row's step key with one int64 atomic MAX per (program, row).
 
 Exactness across vocab shards and batch sizes: the bias of column ``n`` for row ``b`` depends only on
-``w1[prev_b]`` and ``w2[n]``: every program runs the same instruction sequence over the same tile shapes
-(``BLOCK_B x BLOCK_R @ BLOCK_R x BLOCK_N``, r-chunks in increasing order), fixed per ``r`` and independent
-of ``B``, of the shard width and of the column's position in its tile. Hence a shard's columns are
-bitwise the columns of the TP-1 run, and a row's result does not depend on the other rows.
+``w1[prev_b]`` and ``w2[n]``: every tile runs the same instruction sequence over the same shapes
+(``BLOCK_B x r @ r x BLOCK_N``), fixed per ``r`` and backend and independent of ``B``, of the shard width,
+of the number of programs and of the column's position in its tile. Hence a shard's columns are bitwise
+the columns of the TP-1 run, and a row's result does not depend on the other rows.
 
 Step keys live in a ring of three ``[B]`` slots (``keys[3, max_B]``): launch ``k`` reads slot
 ``(k-1) % 3``, MAX-es into slot ``k % 3`` and resets slot ``(k+1) % 3`` to ``EMPTY_KEY`` (nobody touches it
 during launch ``k``). Slot 0 must be ``EMPTY_KEY`` when a chain starts: the chain's finishing launch
 re-establishes that for the next chain.
 
-Interpreter: ``tl.dot`` on bf16 is wrong there, so ``DOT_FP32`` computes each r-chunk as an fp32
-broadcast product summed over r (position-independent too). GPU: ``tl.dot`` on the weights dtype (bf16
-tensor cores; fp32 weights with ``input_precision="ieee"``, never TF32).
+Interpreter: ``tl.dot`` on bf16 is wrong there, so ``DOT_FP32`` computes the dot as an fp32 broadcast
+product summed over r (position-independent too). GPU: ``tl.dot`` on the weights dtype (bf16 tensor
+cores; fp32 weights with ``input_precision="ieee"``, never TF32).
 """
 
 from __future__ import annotations

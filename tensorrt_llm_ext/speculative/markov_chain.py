@@ -58,7 +58,7 @@ MARKOV_SALT = 0x4D4B5631  # "MKV1": Philox counter word c3 of the Markov chain's
 MODES = ("exact", "fused")
 _LOGITS_DTYPES = (torch.bfloat16, torch.float32)
 _W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
-_SELECT_BLOCK = 1024  # columns per program of the exact mode's select kernel
+_SELECT_BLOCK = 2048  # columns per program of the exact mode's select kernel
 _SELECT_WARPS = 4
 
 
