@@ -82,6 +82,9 @@ def sizes_for(tiny: bool, quick: bool) -> TpSizes:
 # ----------------------------------------------------------------------------------------------------
 # Per rank
 # ----------------------------------------------------------------------------------------------------
+_PEER_FAILED = "graph capture failed on another rank"
+
+
 class _AgreedTimer:
     """``BenchTimer`` for collectives: a variant is graph-timed only if every rank captured it."""
 
@@ -127,7 +130,7 @@ class _AgreedTimer:
                 except Exception:
                     pass
             if not agree_all(self.mapping, err is None):
-                self.eager[label] = err or "graph capture failed on another rank"
+                self.eager[label] = err or _PEER_FAILED
         if label in self.eager:
             return self.bt.time_eager(fns)
         return self.bt.time_graph(fns)
@@ -393,8 +396,10 @@ def _tables(args, tp: int, sizes: TpSizes, results: list[dict], step_note: str) 
     r0 = results[0]
     smoke = r0["smoke"]
     eager: dict[str, str] = {}
-    for r in results:
-        eager.update(r["eager"])
+    for r in results:  # keep the failing rank's own error over its peers' "failed on another rank"
+        for label, why in r["eager"].items():
+            if label not in eager or why != _PEER_FAILED:
+                eager[label] = f"rank {r['rank']}: {why}" if why != _PEER_FAILED else why
     head = (f"TP {tp}, backend {r0['backend']}, ranks on {', '.join(sorted({r['device'] for r in results}))}. "
             "Each time is the MAXIMUM over ranks of the per-rank median (a TP step waits for the slowest rank), "
             "us per call.")
@@ -426,7 +431,10 @@ def _tables(args, tp: int, sizes: TpSizes, results: list[dict], step_note: str) 
                  "pad = padded columns of the last shard (tp * width - V). sample: T=1, keyed Gumbel-max. "
                  "ids equal: vp ids == gathered ids (argmax and sample) on every rank. Shard inputs rotated "
                  "past the L2.",
-                 "V=200064 and 129280 split evenly over tp 2/4/8; 129281 gives a padded last shard."]
+                 "Padded last shard at this TP: " + (", ".join(
+                     f"V={v} ({tp * -(-v // tp) - v} pad columns)" for v in sizes.select_vocabs if v % tp) or "none")
+                 + "; even split: " + (", ".join(f"V={v}" for v in sizes.select_vocabs if v % tp == 0) or "none")
+                 + " (129280, DeepSeek-V3's vocabulary, splits evenly over tp 2/4/8; 129281 stands in for it)."]
         if how("select"):
             notes.append(how("select"))
         texts.append(print_table(f"bench tp: vocab-parallel vs gathered selection, bf16, TP {tp}",
