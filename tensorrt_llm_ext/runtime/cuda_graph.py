@@ -20,6 +20,17 @@ from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 WARMUP_STEPS = 2
 
 
+def pad_batch_size(n: int, batch_sizes: tuple[int, ...], enable_padding: bool) -> int | None:
+    """The captured batch size that serves ``n`` rows: ``n`` itself, else (with padding) the smallest larger
+    one; None means run eagerly. ``batch_sizes`` sorted ascending."""
+    if n in batch_sizes:
+        return n
+    if not enable_padding:
+        return None
+    i = bisect.bisect_left(batch_sizes, n)
+    return batch_sizes[i] if i < len(batch_sizes) else None
+
+
 class CudaGraphRunner:
     """Captures ``worker.forward(B)`` for each ``B`` in ``batch_sizes`` and replays it."""
 
@@ -37,12 +48,7 @@ class CudaGraphRunner:
 
     def padded_size(self, n: int) -> int | None:
         """The graph batch size that serves ``n`` rows (padding up), or None to run eagerly."""
-        if n in self.batch_sizes:
-            return n
-        if not self.enable_padding:
-            return None
-        i = bisect.bisect_left(self.batch_sizes, n)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+        return pad_batch_size(n, self.batch_sizes, self.enable_padding)
 
     def capture(self) -> None:
         w = self.worker
@@ -50,6 +56,9 @@ class CudaGraphRunner:
         snapshot = [t.clone() for t in mutable]
         try:
             for b in sorted(self.batch_sizes, reverse=True):
+                # The per-batch-size metadata view shares the base's slot buffers (what the step reads).
+                view = w.metadata.create_cuda_graph_metadata(b)
+                assert view.batch_slot_ids is w.slot_ids
                 w.set_rows([], b)  # every row a dummy
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())

@@ -211,3 +211,11 @@ def test_cuda_graph_large_vocab_bf16_lossless():
     spec, _ = eng.generate(reqs, "speculative")
     ref, _ = eng.generate(reqs, "target_only")
     assert _outputs(spec) == _outputs(ref)
+
+
+def test_graph_batch_size_padding_rule():
+    from tensorrt_llm_ext.runtime.cuda_graph import pad_batch_size
+
+    sizes = (1, 2, 4, 8)
+    assert [pad_batch_size(n, sizes, True) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert [pad_batch_size(n, sizes, False) for n in (3, 4)] == [None, 4]
