@@ -219,3 +219,14 @@ def test_graph_batch_size_padding_rule():
     sizes = (1, 2, 4, 8)
     assert [pad_batch_size(n, sizes, True) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert [pad_batch_size(n, sizes, False) for n in (3, 4)] == [None, 4]
+
+
+def test_nvtx_ranges_are_optional(monkeypatch, caplog):
+    """Without the nvtx package the stage ranges are no-ops (logged once), the step still runs."""
+    import tensorrt_llm_ext.speculative.worker_base as wb
+
+    monkeypatch.setattr(wb, "_nvtx", None)
+    with wb.nvtx_range("stage"):
+        pass
+    with wb.nvtx_range("stage"):
+        pass
