@@ -3,8 +3,8 @@
 * Slots ``0 .. max_batch_size-1`` belong to requests; slot ``max_batch_size`` is the DUMMY slot that
   CUDA-graph padding rows use (its state is scratch, emptied by every step).
 * The drafter's latent pool has ``num_pages + 1`` pages; the last one is a SCRATCH page never handed
-  out: a placement entry of ``-1`` (a dummy row, or nothing allocated) indexes it, so a write through an
-  unallocated placement can never land in a request's page.
+  out: a placement entry of ``-1`` (a dummy row, or nothing allocated) used as an index reaches it, so a
+  read or write through an unallocated placement can never touch a request's page.
 * Pages are handed out per request at admission (enough for its prompt, its ``max_new_tokens`` and the
   overshoot of a speculative step) and recorded as ENCODED block offsets (``page * divisor``, ``-1`` =
   unallocated), the way a KV-cache manager reports them; the step decodes them with
