@@ -189,7 +189,9 @@ def fused_config(r: int, interpret: bool, device=None) -> FusedConfig:
     import torch
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=3, programs=2 * sms)
+    # Measured on an H200 (sweep of tile/stage/program counts): 2 stages and 4 programs per SM stream
+    # best from B = 1 to 128; the tile shapes are the invariance contract, the rest is schedule only.
+    return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=2, programs=4 * sms)
 
 
 def launch_fused_step(

@@ -393,7 +393,7 @@ class MarkovChain:
 
     def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
                  logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "auto",
-                 fused_max_batch: int = 16):
+                 fused_max_batch: int = 32):
         if mode not in MODES + ("auto",):
             raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto',)}, got {mode!r}")
         self.weights = weights
