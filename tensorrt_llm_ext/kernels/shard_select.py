@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
+from tensorrt_llm_ext.logger import info_once
+
 from tensorrt_llm_ext.kernels.ordered_key import (
     EMPTY_KEY,
     MAX_VOCAB,
@@ -292,6 +295,14 @@ def shard_select_keys(
     call with ``>= R`` rows on the device) or with ``scratch=``; ``out=`` avoids the only other allocation.
     """
     _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, torch.int64)
+    if not triton_runs_on(shard_logits):
+        # CPU tensors without the Triton interpreter: the eager twin gives the same greedy keys
+        # (sampled rows up to ulp-level log differences). Logged once.
+        info_once("shard_select_keys: CPU tensors without TRITON_INTERPRET=1, using the eager twin",
+                  key="shard-select-eager")
+        res = shard_select_keys_reference(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets,
+                                          salt=salt, return_ids=return_ids)
+        return res if out is None else out.copy_(res)
     rows, width = shard_logits.shape
     n_valid = max(0, min(width, vocab_size - vocab_start))
     if block_size is None:

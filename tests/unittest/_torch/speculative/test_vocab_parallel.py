@@ -272,8 +272,8 @@ def test_bad_inputs_raise():
 
 
 def test_caller_scratch_is_restored():
-    x = _adversarial(3, 500, torch.float32, "cpu")
-    scratch = make_shard_select_scratch(3, "cpu")
+    x = _adversarial(3, 500, torch.float32, DEVICES[0])
+    scratch = make_shard_select_scratch(3, DEVICES[0])
     for _ in range(2):
         keys = shard_select_keys(x, 0, 500, block_size=16, num_splits=6, scratch=scratch)
         assert torch.equal(keys, shard_select_keys_reference(x, 0, 500))
