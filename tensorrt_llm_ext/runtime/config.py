@@ -23,11 +23,11 @@ Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml`
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensorrt_llm_ext.logger import info_once
@@ -247,64 +247,7 @@ class _YamlError(ValueError):
     pass
 
 
-def _scalar(text: str):
-    t = text.strip()
-    if t.startswith("[") and t.endswith("]"):
-        inner = t[1:-1].strip()
-        return [_scalar(x) for x in inner.split(",")] if inner else []
-    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
-        return t[1:-1]
-    low = t.lower()
-    if low in ("null", "~", ""):
-        return None
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(t)
-        except ValueError:
-            pass
-    return t
-
-
-def _mini_yaml(text: str):
-    """The YAML subset the config files use (nested block mappings, scalars, ``[a, b]`` lists, comments),
-    for machines without PyYAML. JSON text is accepted too."""
-    if text.lstrip().startswith(("{", "[")):
-        return json.loads(text)
-    root: dict = {}
-    stack = [(-1, root)]
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        key, sep, value = line.strip().partition(":")
-        if not sep or not key:
-            raise _YamlError(f"line {lineno}: expected 'key: value', got {raw.strip()!r}")
-        while stack and indent <= stack[-1][0]:
-            stack.pop()
-        if not stack:
-            raise _YamlError(f"line {lineno}: bad indentation")
-        parent = stack[-1][1]
-        if value.strip():
-            parent[key.strip()] = _scalar(value)
-        else:
-            child: dict = {}
-            parent[key.strip()] = child
-            stack.append((indent, child))
-    return root
-
-
 def _load_yaml(text: str):
-    """PyYAML's ``safe_load`` where installed, else :func:`_mini_yaml` (logged once)."""
-    try:
-        import yaml
-    except ImportError:
-        info_once("PyYAML not installed: reading config files with the built-in YAML subset parser")
-        return _mini_yaml(text)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
