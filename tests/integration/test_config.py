@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorrt_llm_ext.runtime.config import (ConfigError, RuntimeConfig, _load_yaml, _mini_yaml, default_config_text,
+from tensorrt_llm_ext.runtime.config import (ConfigError, RuntimeConfig, _load_yaml, default_config_text,
                                              load_config, parse_config)
 
 SERVE_YAML = """
@@ -36,15 +36,12 @@ def test_embedded_default_loads():
     assert cfg.speculative_config.decoding_type == "DSpark"
     assert cfg.model.target.vocab_size <= 4096  # small enough for a CPU
     assert _load_yaml(default_config_text())["speculative_config"]["decoding_type"] == "DSpark"
-    # The built-in subset parser (machines without PyYAML) reads the embedded file the same way.
-    assert parse_config(_mini_yaml(default_config_text())) == cfg
 
 
 def test_serve_style_yaml(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text(SERVE_YAML)
     cfg = load_config(path)
-    assert parse_config(_mini_yaml(SERVE_YAML)) == cfg
     assert cfg.tensor_parallel_size == 2 and cfg.max_batch_size == 16
     assert cfg.speculative_config.max_draft_len == 7
     assert cfg.speculative_config.vocab_parallel_selection == "on"
