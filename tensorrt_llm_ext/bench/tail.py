@@ -68,7 +68,7 @@ def _accept_set(b, k, device, g):
 
 
 def _paged_set(b, k, args, device, g):
-    ps, mp = args.page_size, args.max_pages
+    mp = args.max_pages
     num_slots = b + 1
     perm = torch.randperm(num_slots * mp, generator=g).to(torch.int32)
     table = perm.view(num_slots, mp).clone()

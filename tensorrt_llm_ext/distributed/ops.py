@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_ext.distributed.communicator import tp_group
-from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
-from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
+from tensorrt_llm_ext.kernels.rms_norm import rms_norm_nd
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
 
@@ -90,17 +89,7 @@ class AllReduce(torch.nn.Module):
             residual = p.residual
         elif p.fusion_op != AllReduceFusionOp.RMS_NORM:
             raise ValueError(f"unsupported fusion op {p.fusion_op!r}")
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
-        if triton_runs_on(x2):
-            out, res_out = rms_norm(x2.contiguous(), p.norm_weight, p.eps,
-                                    residual=r2.contiguous() if r2 is not None else None)
-        else:
-            out, res_out = rms_norm_reference(x2, p.norm_weight, p.eps, residual=r2)
-        if residual is None:
-            return out.reshape(shape)
-        return out.reshape(shape), res_out.reshape(shape)
+        return rms_norm_nd(x, p.norm_weight, p.eps, residual=residual)
 
 
 def allgather(x: torch.Tensor, mapping: Mapping, dim: int = -1) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -93,3 +95,22 @@ def rms_norm_reference(
     var = h.pow(2).mean(-1, keepdim=True)
     normed = (h * torch.rsqrt(var + eps)).to(x.dtype)
     return weight * normed, residual_out
+
+
+def rms_norm_nd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` on ``[..., hidden]`` inputs: the kernel where Triton runs, else the eager twin.
+
+    Returns ``out`` without a residual, ``(out, residual_out)`` with one; shapes equal ``x``'s.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+    if triton_runs_on(x2):
+        out, res_out = rms_norm(x2.contiguous(), weight, eps, residual=r2.contiguous() if r2 is not None else None)
+    else:
+        out, res_out = rms_norm_reference(x2, weight, eps, residual=r2)
+    if residual is None:
+        return out.reshape(shape)
+    return out.reshape(shape), res_out.reshape(shape)

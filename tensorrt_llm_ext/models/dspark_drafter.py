@@ -50,6 +50,7 @@ from tensorrt_llm_ext.modules.attention import (gather_context_latents, single_l
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
+from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
 from tensorrt_llm_ext.speculative.contract import (NO_TP_FUSIONS, DrafterBlockInputs, DrafterCapabilities,
                                                    DrafterTPFusions, DrafterTPPlan, MarkovHeadWeights)
 
@@ -287,18 +288,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load FULL (unsharded) weights named as in :func:`full_weight_shapes`; each module slices its
         rank's part. Raises ValueError on a missing, unexpected or mis-shaped entry."""
-        expected = full_weight_shapes(self.config)
-        missing = sorted(set(expected) - set(state_dict))
-        extra = sorted(set(state_dict) - set(expected))
-        if missing or extra:
-            raise ValueError(f"DSparkDrafter.load_full_state_dict: missing {missing}, unexpected {extra}")
-        for name, shape in expected.items():
-            if tuple(state_dict[name].shape) != shape:
-                raise ValueError(f"DSparkDrafter.load_full_state_dict: {name} expected {list(shape)}, "
-                                 f"got {list(state_dict[name].shape)}")
-        for mod_name, mod in self.named_modules():
-            if isinstance(mod, (Linear, RMSNorm, Embedding)):
-                mod.load_weights(state_dict[f"{mod_name}.weight"].to(self.dtype))
+        check_full_state_dict("DSparkDrafter", full_weight_shapes(self.config), state_dict)
+        load_sharded_modules(self, state_dict, (Linear, RMSNorm, Embedding), self.dtype)
         with torch.no_grad():
             self.markov_w1.copy_(state_dict["markov_w1"])
             self.markov_w2.zero_()

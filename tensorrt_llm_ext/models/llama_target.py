@@ -41,6 +41,7 @@ from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
+from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -268,18 +269,8 @@ class LlamaTarget(nn.Module):
 
         Raises ValueError naming a missing, unexpected or mis-shaped entry.
         """
-        expected = full_weight_shapes(self.config)
-        missing = sorted(set(expected) - set(state_dict))
-        extra = sorted(set(state_dict) - set(expected))
-        if missing or extra:
-            raise ValueError(f"LlamaTarget.load_full_state_dict: missing {missing}, unexpected {extra}")
-        for name, shape in expected.items():
-            if tuple(state_dict[name].shape) != shape:
-                raise ValueError(f"LlamaTarget.load_full_state_dict: {name} expected {list(shape)}, "
-                                 f"got {list(state_dict[name].shape)}")
-        for mod_name, mod in self.named_modules():
-            if isinstance(mod, (Linear, RMSNorm, Embedding, LMHead)):
-                mod.load_weights(state_dict[f"{mod_name}.weight"].to(self.dtype))
+        check_full_state_dict("LlamaTarget", full_weight_shapes(self.config), state_dict)
+        load_sharded_modules(self, state_dict, (Linear, RMSNorm, Embedding, LMHead), self.dtype)
 
     def init_weights(self, seed: int, residual_scale: float = 1.0) -> None:
         self.load_full_state_dict(generate_full_state_dict(self.config, seed, torch.float32, residual_scale))

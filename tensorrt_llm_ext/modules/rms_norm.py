@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
-from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
+from tensorrt_llm_ext.kernels.rms_norm import rms_norm_nd
 
 
 class RMSNorm(nn.Module):
@@ -44,17 +43,7 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm: expected [..., {self.hidden_size}], got {tuple(x.shape)}")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"RMSNorm: residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
-        r2 = residual.reshape(-1, self.hidden_size) if residual is not None else None
-        if triton_runs_on(x2):
-            out, res_out = rms_norm(x2.contiguous(), self.weight, self.eps,
-                                    residual=r2.contiguous() if r2 is not None else None)
-        else:
-            out, res_out = rms_norm_reference(x2, self.weight, self.eps, residual=r2)
-        if residual is None:
-            return out.reshape(shape)
-        return out.reshape(shape), res_out.reshape(shape)
+        return rms_norm_nd(x, self.weight, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

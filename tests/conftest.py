@@ -1,4 +1,5 @@
-"""Test session setup: Triton interpreter on CPU, MPI pools for multi-rank tests.
+"""Test session setup for unit and integration tests: Triton interpreter on CPU, bounded collectives,
+MPI pools for multi-rank tests.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` is evaluated, i.e. before the package's kernel
 modules are imported -- which is why it happens here, at conftest import.
@@ -14,6 +15,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The tiny models' GEMMs are ~50x slower with 2 intra-op threads on the 2-core CI machines.
+    torch.set_num_threads(1)
 # A rank waiting for a peer that died raises instead of hanging (torch.distributed timeout).
 os.environ.setdefault("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "60")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
