@@ -251,6 +251,11 @@ def _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offset
                 raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
             if t.device != device:
                 raise ValueError(f"{name}: expected device {device}, got {t.device}")
+            # The kernel reads row i at element i: a broadcast (stride-0) or strided view would be
+            # read wrongly without any error, so refuse it.
+            if rows > 1 and t.stride(0) != 1:
+                raise ValueError(f"{name}: expected a contiguous [{rows}] tensor, got stride {t.stride(0)} "
+                                 "(call .contiguous() on broadcast views)")
     if out is not None:
         if tuple(out.shape) != (rows,) or out.dtype != out_dtype or out.device != device:
             raise ValueError(f"out: expected ({rows},) {out_dtype} on {device}, "

@@ -253,6 +253,8 @@ def test_bad_inputs_raise():
         gumbel_sample(x, t.double(), s, o, 0, 100)
     with pytest.raises(ValueError, match="all three or none"):
         shard_select_keys(x, 0, 100, t, None, None)
+    with pytest.raises(ValueError, match="temperatures: expected a contiguous"):
+        gumbel_sample(x, t[:1].expand(4), s, o, 0, 100)  # a broadcast view would be misread
     with pytest.raises(ValueError, match="unit column stride"):
         vocab_parallel_argmax(x.t(), 0, 100)
     with pytest.raises(ValueError, match="dtype"):
