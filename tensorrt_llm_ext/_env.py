@@ -14,12 +14,14 @@ class _Env:
     triton_interpret: bool
     # Seconds a collective may wait for a peer before the process group raises (no hang).
     collective_timeout_s: float
+    log_level: str
 
 
 def _read() -> _Env:
     return _Env(
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         collective_timeout_s=float(os.environ.get("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "120")),
+        log_level=os.environ.get("TLLM_EXT_LOG_LEVEL", "INFO").upper(),
     )
 
 

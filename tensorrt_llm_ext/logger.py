@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from tensorrt_llm_ext._env import ENV
 
 _LOGGER_NAME = "tensorrt_llm_ext"
 _seen_once: set[str] = set()
@@ -16,7 +17,7 @@ def _make_logger() -> logging.Logger:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[%(asctime)s] [TRT-LLM-EXT] [%(levelname)s] %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
-        log.setLevel(os.environ.get("TLLM_EXT_LOG_LEVEL", "INFO").upper())
+        log.setLevel(ENV.log_level)
         log.propagate = True
     return log
 
