@@ -185,6 +185,14 @@ def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, 
             if t.shape != (B,) or t.dtype != dt or t.device != base.device:
                 raise ValueError(f"{name} must be {dt} [{B}] on {base.device}, got {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
+    # The kernels read row b of every per-row tensor at element b: a strided or broadcast view (e.g.
+    # accepted[:, 0]) would be read wrongly without any error, so refuse it.
+    per_row = [("anchors", anchors)] + [(n, t) for n, t in (("temperatures", temperatures), ("seeds", seeds),
+                                                            ("offsets", offsets)) if t is not None]
+    for name, t in per_row:
+        if B > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous [{B}] tensor, got stride {t.stride(0)} "
+                             "(call .contiguous() on strided or broadcast views)")
     if out is not None and (out.shape != base.shape or out.dtype != base.dtype or out.stride(2) != 1
                             or out.device != base.device):
         raise ValueError(f"out must be {base.dtype} {tuple(base.shape)} with a contiguous last dim, got "
@@ -292,13 +300,15 @@ def markov_chain_logits(
 
     Args:
         base_logits: ``[B, K, V_local]`` bf16/fp32 base draft logits of this rank's vocabulary columns.
-        anchors: ``[B]`` int32/int64 last accepted tokens (global ids; invalid ids give a zero bias).
+        anchors: ``[B]`` int32/int64 contiguous, last accepted tokens (global ids; invalid ids give a zero
+            bias).
         markov_w1: ``[V, r]`` (whole); markov_w2: ``[V_local, r]`` this rank's rows; same dtype
             (bf16/fp16/fp32).
         vocab_start, vocab_size: global id of column 0 and the real vocabulary ``V`` (default
             ``markov_w1.shape[0]``); columns with global id ``>= vocab_size`` never win.
         exchange: a ``PairExchange`` (``exchange_(keys)``) for a vocab shard; None on one rank.
-        temperatures/seeds/offsets: ``[B]`` fp32/int64/int64 for keyed Gumbel-max (see module docs).
+        temperatures/seeds/offsets: ``[B]`` fp32/int64/int64, contiguous, for keyed Gumbel-max (see module
+            docs).
         mode: ``"exact"`` (bit-identical to :func:`markov_chain_logits_reference`) or ``"fused"``.
         out: optional ``[B, K, V_local]`` output; workspace: optional :class:`MarkovWorkspace`.
             Both are required under CUDA-graph capture (then the call allocates nothing and never syncs).

@@ -290,6 +290,23 @@ def test_validation_errors():
         markov_chain_logits(base, anchors, w1, w2, workspace=ws)
 
 
+def test_strided_per_row_inputs_rejected():
+    """The kernels read row b at element b: a strided anchors/sampling view was read wrongly, silently."""
+    base, _, w1, w2 = _make(3, 2, 97, 8, torch.float32, torch.float32)
+    accepted = torch.randint(0, 97, (3, 4), generator=torch.Generator().manual_seed(1)).to(DEV)
+    for mode in ("exact", "fused"):
+        with pytest.raises(ValueError, match="anchors must be a contiguous"):
+            markov_chain_logits(base, accepted[:, 0], w1, w2, mode=mode)
+    anchors = accepted[:, 0].contiguous()
+    temps = torch.tensor([0.7], device=DEV).expand(3)  # broadcast view: stride 0
+    seeds = torch.arange(6, device=DEV)[::2]
+    offsets = torch.zeros(3, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="temperatures must be a contiguous"):
+        markov_chain_logits(base, anchors, w1, w2, temperatures=temps, seeds=seeds.contiguous(), offsets=offsets)
+    with pytest.raises(ValueError, match="seeds must be a contiguous"):
+        markov_chain_logits(base, anchors, w1, w2, temperatures=temps.contiguous(), seeds=seeds, offsets=offsets)
+
+
 def test_empty_batch():
     base, anchors, w1, w2 = _make(0, 2, 300, 8, torch.bfloat16, torch.bfloat16)
     for mode in ("exact", "fused"):
