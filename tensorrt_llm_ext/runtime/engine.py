@@ -113,18 +113,24 @@ class Engine:
     """Models, caches and workers of one rank, built once from a :class:`RuntimeConfig`.
 
     Args:
-        config: the runtime config (``tensor_parallel_size`` must equal ``mapping.tp_size``).
-        mapping: this rank's layout (``Mapping()`` for one rank).
+        config: the runtime config (``tensor_parallel_size`` and ``enable_attention_dp`` must match
+            ``mapping``).
+        mapping: this rank's layout (default: one rank with the config's ``enable_attention_dp``).
         device: default CUDA when available, else CPU.
         use_cuda_graph: capture the speculative step per batch size (CUDA only).
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
                  use_cuda_graph: bool = False):
-        mapping = mapping or Mapping()
+        mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
             raise ValueError(f"Engine: config tensor_parallel_size={config.tensor_parallel_size} but the mapping "
                              f"has tp_size={mapping.tp_size}")
+        if mapping.enable_attention_dp != config.enable_attention_dp:
+            # A config flag the rank layout does not carry would be silently ignored (vocab-parallel
+            # selection and the drafter fusions read it from the Mapping).
+            raise ValueError(f"Engine: config enable_attention_dp={config.enable_attention_dp} but the mapping "
+                             f"has enable_attention_dp={mapping.enable_attention_dp}")
         if device is None:
             cuda = torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

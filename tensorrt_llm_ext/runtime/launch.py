@@ -109,7 +109,7 @@ def run_job(job: GenerateJob, mapping=None) -> RankReport:
     from tensorrt_llm_ext.runtime.requests import Request
 
     cfg = parse_config(job.config)
-    mapping = mapping or Mapping()
+    mapping = mapping or Mapping(enable_attention_dp=cfg.enable_attention_dp)
     device = None
     if torch.cuda.is_available():
         device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
@@ -142,7 +142,7 @@ def _rank_main(job_dict: dict) -> dict:
 
     job = GenerateJob(**job_dict)
     tp = job.config.get("tensor_parallel_size", 1)
-    mapping = init_from_mpi(tp_size=tp)
+    mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
     report = run_job(job, mapping)
     return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
 

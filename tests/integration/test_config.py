@@ -86,3 +86,23 @@ def test_yaml_errors_are_config_errors(tmp_path):
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(top)
+
+
+def test_attention_dp_flag_reaches_the_mapping():
+    """``enable_attention_dp`` in the config was silently ignored (the rank's Mapping never carried it, so
+    vocab-parallel selection and the drafter fusions stayed on); now it reaches the Mapping, and a config
+    and a mapping that disagree are refused."""
+    from tensorrt_llm_ext.mapping import Mapping
+    from tensorrt_llm_ext.runtime.engine import Engine
+
+    tiny = {"model.dtype": "float32", "model.target.vocab_size": 64, "model.target.hidden_size": 16,
+            "model.target.head_dim": 4, "model.target.num_layers": 1, "model.target.capture_layers": [0],
+            "model.target.intermediate_size": 16, "model.drafter.num_layers": 1, "model.drafter.latent_dim": 8,
+            "model.drafter.head_dim": 4, "model.drafter.intermediate_size": 16,
+            "speculative_config.markov_rank": 16, "max_batch_size": 1, "max_seq_len": 16}
+    cfg = load_config(**tiny, enable_attention_dp=True)
+    with pytest.raises(ValueError, match="enable_attention_dp"):
+        Engine(cfg, Mapping())
+    with pytest.raises(ValueError, match="enable_attention_dp"):
+        Engine(load_config(**tiny), Mapping(enable_attention_dp=True))
+    assert Engine(cfg).mapping.enable_attention_dp
