@@ -105,6 +105,7 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._prefill_tail = PagedLatentStep.allocate(1, k, dev)
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
+        self._rows_batch_size: int | None = None  # batch size of the last set_rows()
 
     # -- binding -------------------------------------------------------------------------------------
     def _on_bound(self) -> None:
@@ -119,14 +120,29 @@ class DSparkWorker(SpecWorkerBase):
     def set_rows(self, slots: list[int], batch_size: int) -> None:
         """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot)."""
         n = len(slots)
-        if n > batch_size or batch_size > self.max_batch_size:
+        if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"set_rows: {n} slots do not fit batch_size={batch_size} (max {self.max_batch_size})")
+        # The step indexes per-slot state with these ids on the device and advances each real row's slot
+        # once: an id out of range is a device fault, a repeated one advances a request twice.
+        bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.state.dummy_slot]
+        if bad:
+            raise ValueError(f"set_rows: slots {bad[:5]} are not request slots [0, {self.state.dummy_slot})")
+        if len(set(slots)) != n:
+            raise ValueError(f"set_rows: a slot may run in one row of a step, got {list(slots)}")
         ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
         dummy = torch.ones(batch_size, dtype=torch.bool)
         dummy[:n] = False
         self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
         self.is_dummy[:batch_size].copy_(dummy)
+        self._rows_batch_size = batch_size
+
+    def _check_rows(self, batch_size: int) -> None:
+        # Rows past the last set_rows() batch hold stale slot ids: running them would advance (and
+        # overwrite the caches of) requests that are not in this step.
+        if batch_size != self._rows_batch_size:
+            raise ValueError(f"{type(self).__name__}: the step runs {batch_size} rows but set_rows() prepared "
+                             f"{self._rows_batch_size}; call set_rows(slots, {batch_size}) first")
 
     def tail_buffers(self, batch_size: int) -> PagedLatentStep:
         """Views of the preallocated tail outputs for ``batch_size`` rows (created outside capture)."""
@@ -233,6 +249,7 @@ class DSparkWorker(SpecWorkerBase):
 
     # -- the speculative step ---------------------------------------------------------------------------
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
+        self._check_rows(batch_size)
         st = self.state
         b, k = batch_size, self.draft_len
         slots = self.slot_ids[:b]
@@ -282,6 +299,7 @@ class DSparkWorker(SpecWorkerBase):
         shape-dependent reduction order sees the shape it sees in the speculative step. Selection is the
         gathered path (``LogitsProcessor`` + the full-vocabulary kernel). CUDA-graph safe.
         """
+        self._check_rows(batch_size)
         st = self.state
         b, k = batch_size, self.draft_len
         slots = self.slot_ids[:b]

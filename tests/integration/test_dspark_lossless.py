@@ -115,6 +115,25 @@ def test_worker_step_returns_one_model_dict():
         eng.pages.free(slot)
 
 
+def test_step_rows_are_validated():
+    """Bad rows used to reach the device: a slot out of range (an index fault on a GPU), a slot in two rows
+    (advanced twice), or a step larger than set_rows() prepared (stale rows advance absent requests)."""
+    eng = Engine(load_config(**{**SMALL, "model.target.num_layers": 1, "model.target.capture_layers": [0]}))
+    worker = eng.worker()
+    dummy = eng.state.dummy_slot
+    for slots, match in (([0, 0], "one row"), ([dummy], "not request slots"), ([-1], "not request slots"),
+                         ([dummy + 1], "not request slots")):
+        with pytest.raises(ValueError, match=match):
+            worker.set_rows(slots, 2)
+    worker.set_rows([0], 1)
+    ctx = eng.state.ctx_lens.clone()
+    with pytest.raises(ValueError, match="set_rows"):
+        worker.forward(2)
+    with pytest.raises(ValueError, match="set_rows"):
+        worker.target_only_step(3)
+    assert torch.equal(eng.state.ctx_lens, ctx)
+
+
 def test_target_state_dict_round_trip_and_errors():
     from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig, generate_full_state_dict
 
