@@ -160,13 +160,18 @@ def _shard_select_kernel(
 # Scratch: per device, grown outside capture only
 # ----------------------------------------------------------------------------------------------------
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# Outgrown scratch buffers are kept, never freed: a CUDA graph captured while one of them was current
+# still reads and writes it on replay (the kernel leaves it reset, so it stays valid for those graphs).
+_RETIRED_SCRATCH: list[tuple[torch.Tensor, torch.Tensor]] = []
 _SM_COUNT: dict[torch.device, int] = {}
 
 
 def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots int64 [cap], counts int32 [cap])`` for ``rows`` rows, cached per device.
 
-    Launches that share it must be ordered on one stream (the kernel leaves it reset on exit).
+    Launches that share it must be ordered on one stream (the kernel leaves it reset on exit). When a
+    later eager call needs more rows (e.g. a step larger than every captured batch size), a larger buffer
+    replaces it for new launches; the old one stays allocated for the graphs that captured it.
     """
     cached = _SCRATCH.get(device)
     if cached is not None and cached[0].numel() >= rows:
@@ -178,6 +183,8 @@ def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tenso
     cap = max(256, triton.next_power_of_2(rows))
     slots = torch.full((cap,), EMPTY_KEY, dtype=torch.int64, device=device)
     counts = torch.zeros((cap,), dtype=torch.int32, device=device)
+    if cached is not None:
+        _RETIRED_SCRATCH.append(cached)
     _SCRATCH[device] = (slots, counts)
     return slots, counts
 

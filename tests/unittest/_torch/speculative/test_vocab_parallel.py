@@ -273,6 +273,26 @@ def test_bad_inputs_raise():
         VocabShardedLogits(x, 0, 150, 150)
 
 
+def test_outgrown_split_scratch_stays_allocated():
+    """A larger eager call (a step above every captured batch size) replaced the cached split scratch and
+    freed the old one while captured graphs still point at it (replay on freed memory). Now it is kept."""
+    import gc
+    import weakref
+
+    from tensorrt_llm_ext.kernels import shard_select as ss
+
+    dev = torch.device("cpu")
+    small = ss._scratch(dev, 1)
+    cap = small[0].numel()
+    refs = [weakref.ref(t) for t in small]
+    del small
+    big = ss._scratch(dev, cap + 1)
+    assert big[0].numel() > cap and ss._scratch(dev, 1)[0] is big[0]
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert bool((refs[0]() == EMPTY_KEY).all()) and not refs[1]().any()
+
+
 def test_caller_scratch_is_restored():
     x = _adversarial(3, 500, torch.float32, DEVICES[0])
     scratch = make_shard_select_scratch(3, DEVICES[0])
