@@ -66,3 +66,16 @@ def test_machine_matching():
     assert matching_lists(lists, "NVIDIA H200", 1) == ["l0_h200"]
     assert matching_lists(lists, "NVIDIA H200", 4) == ["l0_dgx_h200"]
     assert "l0_dgx_b200" in matching_lists(lists, "NVIDIA B200", 8)
+
+
+def test_runner_without_pytest_timeout(monkeypatch, capsys):
+    """The GPU machine has no pytest-timeout: `--timeout` made pytest exit with a usage error before any
+    test ran. Without the plugin the flag is left out (each group is bounded by a process timeout)."""
+    from tensorrt_llm_ext.testing import runner
+
+    monkeypatch.chdir(ROOT)
+    for available in (True, False):
+        monkeypatch.setattr(runner, "_has_pytest_timeout", lambda: available)
+        assert runner.run_test_list("l0_cpu", dry_run=True) == 0
+        cmds = [line for line in capsys.readouterr().out.splitlines() if "pytest" in line]
+        assert cmds and all(("--timeout" in c) == available for c in cmds)
