@@ -229,9 +229,9 @@ def _format_error(e: ValidationError) -> str:
 
 def parse_config(data: dict | None) -> RuntimeConfig:
     """Validate a config dict (as loaded from YAML); raises :class:`ConfigError` naming the fields."""
-    data = dict(data or {})
-    if not isinstance(data, dict):
+    if data is not None and not isinstance(data, dict):
         raise ConfigError(f"invalid runtime config: expected a mapping at the top level, got {type(data).__name__}")
+    data = dict(data or {})
     ignored = sorted(k for k in data if k in IGNORED_SERVE_KEYS)
     for k in ignored:
         data.pop(k)

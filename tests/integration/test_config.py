@@ -106,3 +106,8 @@ def test_attention_dp_flag_reaches_the_mapping():
     with pytest.raises(ValueError, match="enable_attention_dp"):
         Engine(load_config(**tiny), Mapping(enable_attention_dp=True))
     assert Engine(cfg).mapping.enable_attention_dp
+
+
+def test_non_mapping_config_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
+        parse_config([("max_batch_size", 4)])
