@@ -24,7 +24,6 @@ rank and the table says so. Never a rank alone in a collective.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -231,22 +230,10 @@ def _markov_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict
 
 
 def _device_state_dict(cfg, seed: int, dtype, dev) -> dict:
-    """FULL drafter weights drawn on the device (same seed on every rank: the same full weights), scaled
-    like :func:`generate_full_state_dict` so activations stay in range."""
-    from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes
+    """FULL drafter weights drawn on the device (same seed on every rank: the same full weights)."""
+    from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict
 
-    g = _gen(dev, seed)
-    sd = {}
-    for name, shape in full_weight_shapes(cfg).items():
-        w = torch.randn(shape, generator=g, device=dev)
-        if len(shape) == 1:
-            w = 1.0 + 0.1 * w
-        elif name.startswith("markov"):
-            w = w / math.sqrt(cfg.markov_rank)
-        elif name != "embed_tokens.weight":
-            w = w / math.sqrt(shape[1])
-        sd[name] = w.to(dtype)
-    return sd
+    return generate_full_state_dict(cfg, seed, dtype, device=dev)
 
 
 def _block_inputs(cfg, B: int, K: int, ctx_len: int, page_size: int, dev):

@@ -212,17 +212,19 @@ def full_weight_shapes(cfg: DSparkDrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int,
-                             dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Deterministic FULL weights: one CPU fp32 generator drawn in :func:`full_weight_shapes` order.
+def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
+                             device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Deterministic FULL weights: one fp32 generator on ``device`` drawn in :func:`full_weight_shapes` order.
 
-    Independent of the rank and the TP size (shard afterwards). Norm weights ``1 + 0.1 N(0,1)``, linear
-    weights ``N(0,1)/sqrt(fan_in)``, embedding ``N(0,1)``, Markov factors ``N(0,1)/sqrt(r)``.
+    Independent of the rank and the TP size (shard afterwards); the CPU stream (the default) is the
+    reference, a CUDA generator gives other but equally deterministic weights (fast for benchmarks).
+    Norm weights ``1 + 0.1 N(0,1)``, linear weights ``N(0,1)/sqrt(fan_in)``, embedding ``N(0,1)``,
+    Markov factors ``N(0,1)/sqrt(r)``.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in full_weight_shapes(cfg).items():
-        w = torch.randn(shape, generator=g, dtype=torch.float32)
+        w = torch.randn(shape, generator=g, dtype=torch.float32, device=device)
         if len(shape) == 1:
             w = 1.0 + 0.1 * w
         elif name.startswith("markov"):

@@ -112,18 +112,12 @@ class MpiPool:
 
         MPICH then aborts the whole job, this process included -- a visible failure, never a hang.
         """
-        self.broken = True
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self.executor is not None:
-            try:
-                self.executor.shutdown(wait=False, cancel_futures=True)
-            except Exception:
-                pass
-        self.executor = None
+        self.discard()
 
     def shutdown(self) -> None:
         if self.executor is not None and not self.broken:
