@@ -11,10 +11,13 @@ slots are read from static buffers that :meth:`DSparkWorker.set_rows` fills befo
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import torch
 
+from tensorrt_llm_ext.distributed import agree_all
 from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 WARMUP_STEPS = 2
@@ -29,6 +32,26 @@ def pad_batch_size(n: int, batch_sizes: tuple[int, ...], enable_padding: bool) -
         return None
     i = bisect.bisect_left(batch_sizes, n)
     return batch_sizes[i] if i < len(batch_sizes) else None
+
+
+def agree_on_capture(mapping: Mapping, capture: Callable[[], None]) -> bool:
+    """Run ``capture`` and agree across the TP group whether every rank succeeded.
+
+    During capture the collectives are only recorded, so a rank whose capture raises does not leave its
+    peers waiting; after the vote every rank takes the same path (graphs everywhere, or eager
+    everywhere) and logs the same line.
+    """
+    error = None
+    try:
+        capture()
+    except Exception as e:  # any capture failure becomes an agreed eager fallback, never a lone one
+        error = e
+    ok = agree_all(mapping, error is None)
+    if not ok:
+        mine = f"this rank: {type(error).__name__}: {error}" if error is not None else "this rank captured"
+        logger.warning(f"CUDA-graph capture failed on at least one of {mapping.tp_size} ranks ({mine}); "
+                       "every rank runs the speculative step eagerly")
+    return ok
 
 
 class CudaGraphRunner:
@@ -79,6 +102,13 @@ class CudaGraphRunner:
                 t.copy_(s)
             torch.cuda.synchronize()
         logger.info(f"captured the speculative step for batch sizes {sorted(self.graphs)}")
+
+    def capture_agreed(self, mapping: Mapping) -> bool:
+        """:meth:`capture` with an agreed outcome; on failure the graphs are dropped (run eagerly)."""
+        ok = agree_on_capture(mapping, self.capture)
+        if not ok:
+            self.graphs.clear()
+        return ok
 
     def run(self, batch_size: int) -> dict:
         graph, outputs = self.graphs[batch_size]

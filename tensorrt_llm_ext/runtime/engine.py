@@ -164,8 +164,8 @@ class Engine:
             self._workers[path] = w
             if self.use_cuda_graph:
                 runner = CudaGraphRunner(w, self.batch_sizes, enable_padding=self.enable_padding)
-                runner.capture()
-                self._runners[path] = runner
+                if runner.capture_agreed(self.mapping):
+                    self._runners[path] = runner
         return self._workers[path]
 
     def _padded(self, path: str, n: int) -> int:
