@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
+from tensorrt_llm_ext.kernels.dispatch import is_capturing, triton_runs_on
 from tensorrt_llm_ext.logger import info_once
 
 from tensorrt_llm_ext.kernels.ordered_key import (
@@ -176,7 +176,7 @@ def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tenso
     cached = _SCRATCH.get(device)
     if cached is not None and cached[0].numel() >= rows:
         return cached
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if is_capturing(device):
         raise RuntimeError(
             f"shard_select: split scratch for {rows} rows is not allocated yet and a CUDA graph is "
             f"capturing; run one eager call with >= {rows} rows first (warm-up) or pass scratch=")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext._env import ENV
+from tensorrt_llm_ext.kernels.dispatch import is_capturing, triton_runs_on
 from tensorrt_llm_ext.kernels.markov_fused import (W_BF16, W_FP16, W_FP32, FusedConfig, add_in_logits_dtype,
                                                     bias_to_logits, fused_config, launch_fused_step,
                                                     selection_score)
@@ -144,10 +144,6 @@ class MarkovWorkspace:
         )
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, seeds, offsets, mode, out):
     if mode not in MODES:
         raise ValueError(f"markov_chain_logits mode must be one of {MODES}, got {mode!r}")
@@ -197,7 +193,7 @@ def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, 
                             or out.device != base.device):
         raise ValueError(f"out must be {base.dtype} {tuple(base.shape)} with a contiguous last dim, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    if not base.is_cuda and not ENV.triton_interpret:
+    if not triton_runs_on(base):
         raise ValueError("markov_chain_logits on CPU tensors needs TRITON_INTERPRET=1")
 
 
@@ -216,7 +212,7 @@ class MarkovChainStepper:
         B, K, v_local = base_logits.shape
         r = markov_w1.shape[1]
         if out is None or workspace is None:
-            if _capturing(base_logits):
+            if is_capturing(base_logits.device):
                 raise ValueError("markov_chain_logits needs out= and workspace= while a CUDA graph captures")
             out = torch.empty_like(base_logits) if out is None else out
             workspace = MarkovWorkspace.allocate(B, K, markov_w2, mode) if workspace is None else workspace
@@ -320,6 +316,11 @@ def markov_chain_logits(
     stepper = MarkovChainStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
                                  vocab_size=vocab_size, temperatures=temperatures, seeds=seeds,
                                  offsets=offsets, mode=mode, out=out, workspace=workspace)
+    return _run_chain(stepper, exchange)
+
+
+def _run_chain(stepper, exchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drive a stepper through its K block positions, exchanging each step's keys on a vocab shard."""
     for k in range(stepper.K):
         keys = stepper.step(k)
         if exchange is not None:
@@ -380,11 +381,7 @@ def markov_chain_logits_reference(
     """
     st = MarkovReferenceStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
                                 vocab_size=vocab_size, temperatures=temperatures, seeds=seeds, offsets=offsets)
-    for k in range(st.K):
-        keys = st.step(k)
-        if exchange is not None:
-            exchange.exchange_(keys)
-    return st.finish()
+    return _run_chain(st, exchange)
 
 
 # ----------------------------------------------------------------------------------------------------

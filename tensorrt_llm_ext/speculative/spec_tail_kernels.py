@@ -24,18 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.kernels.dispatch import is_capturing
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _need_out(name: str) -> None:
-    if _capturing():
+    if is_capturing():
         raise ValueError(f"{name}: pass out= buffers while a CUDA graph is capturing (no allocation there)")
 
 
@@ -254,7 +251,7 @@ def strict_accept_reference(
     _check_device(device, verify_lens=verify_lens)
     verify = verify_lens.to(torch.int64).clone()
     verify[:num_contexts] = 1
-    if not _capturing():
+    if not is_capturing():
         if g > 0 and bool(((verify[num_contexts:] < 1) | (verify[num_contexts:] > k + 1)).any()):
             raise ValueError(f"verify_lens of generation requests must lie in [1, K+1] = [1, {k + 1}], "
                              f"got {verify[num_contexts:].tolist()}")
