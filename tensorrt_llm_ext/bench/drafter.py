@@ -19,7 +19,7 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
-from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
+from tensorrt_llm_ext.kernels.common import triton_runs_on
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterNoFusion, resolve_drafter_tp_plan

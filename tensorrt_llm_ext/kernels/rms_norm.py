@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.dispatch import triton_runs_on
+from tensorrt_llm_ext.kernels.common import triton_runs_on
 
 
 @triton.jit

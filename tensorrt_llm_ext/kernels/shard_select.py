@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.dispatch import is_capturing, triton_runs_on
+from tensorrt_llm_ext.kernels.common import is_capturing, triton_runs_on
 from tensorrt_llm_ext.logger import info_once
 
 from tensorrt_llm_ext.kernels.ordered_key import (

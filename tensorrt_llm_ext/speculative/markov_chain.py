@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.dispatch import is_capturing, triton_runs_on
+from tensorrt_llm_ext.kernels.common import is_capturing, triton_runs_on
 from tensorrt_llm_ext.kernels.markov_fused import (W_BF16, W_FP16, W_FP32, FusedConfig, add_in_logits_dtype,
                                                     bias_to_logits, fused_config, launch_fused_step,
                                                     selection_score)
