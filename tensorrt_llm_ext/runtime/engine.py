@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
@@ -123,6 +123,7 @@ class Engine:
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
                  use_cuda_graph: bool = False):
+        log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
             raise ValueError(f"Engine: config tensor_parallel_size={config.tensor_parallel_size} but the mapping "

@@ -1,6 +1,6 @@
 """DSpark Markov draft chain, owned by the worker: full vocabulary or a vocab shard with the pair exchange.
 
-Semantics (DESIGN.md §3). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
+Semantics (docs/markov_chain.md). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
 (this rank's vocabulary rows ``[vocab_start, vocab_start + V_local)``). With ``prev_0`` the anchor (last
 accepted token) and base draft logits ``base[b, k, :]``, for ``k = 0 .. K-1``::
 

@@ -1,4 +1,4 @@
-"""Lossless end to end (DESIGN.md section 3): speculative output == the target's own decode, at TP 1.
+"""Lossless end to end (docs/end_to_end.md): speculative output == the target's own decode, at TP 1.
 
 Greedy and keyed-Gumbel sampling, vocab-parallel (where bound) and gathered, eager on the CPU (Triton
 interpreter); on a GPU also under CUDA graphs, across batch sizes with padding. Multi-rank TP: see
