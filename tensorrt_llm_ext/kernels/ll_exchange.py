@@ -70,6 +70,8 @@ TAG_PERIOD = (1 << TAG_BITS) - 1  # tags 1 .. 2^32 - 1
 HI_MASK = -(1 << 32)  # 0xFFFFFFFF_00000000 as int64
 WORDS_PER_ROW = 2
 HALVES = 2
+# The peer axis of the kernel is always this wide (masked past the world size): one kernel variant per
+# buffer size whatever the TP size, so the solo launch at setup loads exactly the variant used later.
 MAX_WORLD = 8
 # Measured on the H200 while the protocol was designed: one poll (an atomic/volatile load round) costs
 # about 431 ns, so ~2 s of spinning is ~4.6 M polls. The bound is in polls, not seconds: a poll that
@@ -190,10 +192,6 @@ class LLExchangeState:
         return self.epoch.shape[0]
 
     @property
-    def block_w(self) -> int:
-        return triton.next_power_of_2(self.world)
-
-    @property
     def block_r(self) -> int:
         return triton.next_power_of_2(self.slot_rows)
 
@@ -233,8 +231,8 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, spin_limit: int =
     _ll_exchange_kernel[(p,)](
         keys, out, state.buf_ptrs, state.epoch, state.flag,
         rows, state.world, state.rank_base, spin_limit, keys.stride(0),
-        SLOT_ROWS=state.slot_rows, BLOCK_W=state.block_w, BLOCK_R=state.block_r,
-        num_warps=num_warps_for(state.block_w * state.block_r, elements_per_warp=64, max_warps=4),
+        SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r,
+        num_warps=num_warps_for(MAX_WORLD * state.block_r, elements_per_warp=128, max_warps=4),
     )
     return out
 

@@ -34,6 +34,7 @@ import torch
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
+from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.spec_tail_kernels import (PagedLatentStep, decode_block_table,
                                                             paged_latent_step, store_context_latents,
@@ -112,9 +113,14 @@ class DSparkWorker(SpecWorkerBase):
         sel = self.vocab_parallel
         draft_vp = sel.draft_head is not None
         weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
+        mode = self.markov_chain_mode
+        if draft_vp:  # agreed on every rank, so is the guard's collective
+            full = self.drafter.markov_head_weights(vocab_parallel=False)
+            mode = resolve_markov_mode(mode, self.mapping, weights.markov_w1, full.markov_w2, weights.markov_w2,
+                                       weights.vocab_start, weights.vocab_size, self.max_batch_size)
         self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
                                   logits_dtype=self.target.dtype,
-                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=self.markov_chain_mode)
+                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorrt_llm_ext.distributed import PairExchange, agree_any, allgather
+from tensorrt_llm_ext.distributed.low_latency import ExchangeStrategy
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
 from tensorrt_llm_ext.logger import logger
@@ -462,6 +463,7 @@ class VocabParallelSelector:
         self.logits_processor = None
         self.target_head: VocabParallelHead | None = None
         self.draft_head: VocabParallelHead | None = None
+        self.exchange: PairExchange | None = None  # shared by both heads
 
     @property
     def is_bound(self) -> bool:
@@ -469,14 +471,22 @@ class VocabParallelSelector:
 
     def bind(self, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
              occurrence_penalties: bool = False, mode: str = "auto",
-             drafter_lm_head=None) -> VocabParallelSelection:
-        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load."""
+             drafter_lm_head=None, exchange: str = "nccl", max_exchange_rows: int = 0) -> VocabParallelSelection:
+        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load.
+
+        ``exchange`` (``speculative_config.exchange``: auto | nccl | low_latency) picks the
+        :class:`PairExchange` backend; ``max_exchange_rows`` is the most rows one exchange carries
+        (``max_batch_size * (K + 1)`` for the worker's target rows).
+        """
         if self.selection is not None:
             raise RuntimeError("VocabParallelSelector.bind: already bound (the decision is made once)")
+        strategy = ExchangeStrategy(exchange)  # a bad value fails before any collective
         selection = VocabParallelSelection.decide(
             mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
             occurrence_penalties=occurrence_penalties, mode=mode, drafter_lm_head=drafter_lm_head)
-        exchange = PairExchange(mapping) if (selection.target_enabled or selection.draft_enabled) else None
+        exchange = (PairExchange(mapping, strategy, max_rows=max_exchange_rows)
+                    if (selection.target_enabled or selection.draft_enabled) else None)
+        self.exchange = exchange
         self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
         self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
         self.lm_head = lm_head
@@ -487,6 +497,11 @@ class VocabParallelSelector:
     def _require_bound(self) -> None:
         if self.selection is None:
             raise RuntimeError("VocabParallelSelector: call bind() once after load first")
+
+    def check_exchange(self) -> None:
+        """Raise ``RuntimeError`` if the pair exchange timed out since load (no device sync; once per step)."""
+        if self.exchange is not None:
+            self.exchange.check_exchange()
 
     def target_logits(self, hidden_states: torch.Tensor,
                       row_indices: torch.Tensor | None = None) -> VocabShardedLogits | torch.Tensor:
@@ -560,3 +575,7 @@ class VocabParallelSelectionMixin:
 
     def select_tokens(self, logits, params: SelectionParams | None = None, *, out: torch.Tensor | None = None):
         return self._selector().select_tokens(logits, params, out=out)
+
+    def check_exchange(self) -> None:
+        """Raise if the pair exchange timed out (reads pinned host memory; call once per step)."""
+        self._selector().check_exchange()

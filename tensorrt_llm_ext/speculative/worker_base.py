@@ -61,18 +61,21 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
 
     # -- post-load hook ------------------------------------------------------------------------------
     def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", guided_decoder=None,
-                  occurrence_penalties: bool = False) -> VocabParallelSelection:
+                  occurrence_penalties: bool = False, exchange: str = "nccl") -> VocabParallelSelection:
         """Bind token selection once after load (call on every rank; a few tiny CPU collectives at tp > 1).
 
         The drafter takes over the target's LM head first, so the draft side can be decided against it;
         the selector decides the target side before the draft side. Calling it twice is an error.
+        ``exchange`` is ``speculative_config.exchange`` (the pair exchange's backend, sized for the
+        step's ``max_batch_size * (K + 1)`` target rows).
         """
         if self.selection is not None:
             raise RuntimeError(f"{type(self).__name__}.post_load: already bound (the decision is made once)")
         drafter.take_over_lm_head(target.lm_head)
         self.selection = self.bind_vocab_parallel(
             self.mapping, target.lm_head, target.logits_processor, guided_decoder=guided_decoder,
-            occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode, drafter_lm_head=drafter.lm_head)
+            occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode, drafter_lm_head=drafter.lm_head,
+            exchange=exchange, max_exchange_rows=self.max_batch_size * (self.draft_len + 1))
         self._on_bound()
         return self.selection
 
@@ -90,6 +93,8 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.forward: call post_load() once after load first")
         if not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size must lie in [1, {self.max_batch_size}], got {batch_size}")
+        # A low-latency exchange that timed out in an earlier step raises here (a host read, no sync).
+        self.check_exchange()
         with nvtx_range(f"{type(self).__name__}.step"):
             return self._forward_impl(batch_size)
 
