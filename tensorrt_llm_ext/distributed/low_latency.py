@@ -146,6 +146,11 @@ def _platform_failure(mapping: Mapping) -> SetupFailure:
     return SetupFailure.NONE
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _allocate_symmetric(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -180,7 +185,7 @@ def _step_allocate(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -
                                world=1, slot_rows=rows, rank_base=0)
         keys = torch.full((1, rows), 7, dtype=torch.int64, device=dev)
         ll_exchange(keys, solo, spin_limit=0, out=keys)
-        torch.cuda.synchronize(dev)
+        _sync(dev)
         if int(at.flag[0]) != 0 or int(keys[0, 0]) != 7:
             return SetupFailure.COMPILE, "the solo launch did not return its own keys"
     except Exception as e:
@@ -211,7 +216,7 @@ def _step_warmup(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -> 
         keys = _warmup_keys(mapping, rows, mapping.tp_rank, dev).view(1, rows)
         expect = torch.stack([_warmup_keys(mapping, rows, i, dev) for i in range(mapping.tp_size)]).amax(0)
         ll_exchange(keys, at.state, spin_limit=spin_limit, out=keys)
-        torch.cuda.synchronize(dev)
+        _sync(dev)
         if int(at.flag[0]) != 0:
             return SetupFailure.WARMUP, "a peer's warm-up words did not arrive (timeout)"
         if not torch.equal(keys[0], expect):
