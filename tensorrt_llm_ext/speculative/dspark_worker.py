@@ -113,14 +113,20 @@ class DSparkWorker(SpecWorkerBase):
         sel = self.vocab_parallel
         draft_vp = sel.draft_head is not None
         weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
-        mode = self.markov_chain_mode
-        if draft_vp:  # agreed on every rank, so is the guard's collective
+
+        def chain(mode: str) -> MarkovChain:
+            return MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                               logits_dtype=self.target.dtype,
+                               exchange=sel.draft_head.exchange if draft_vp else None, mode=mode)
+
+        self.markov = chain(self.markov_chain_mode)
+        if draft_vp:  # agreed on every rank, and so are the sizes: the guard's collective is too
+            exact_sizes = [b for b in range(1, self.max_batch_size + 1) if self.markov.mode_for(b) == "exact"]
             full = self.drafter.markov_head_weights(vocab_parallel=False)
-            mode = resolve_markov_mode(mode, self.mapping, weights.markov_w1, full.markov_w2, weights.markov_w2,
-                                       weights.vocab_start, weights.vocab_size, self.max_batch_size)
-        self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
-                                  logits_dtype=self.target.dtype,
-                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=mode)
+            mode = resolve_markov_mode(self.markov_chain_mode, self.mapping, weights.markov_w1, full.markov_w2,
+                                       weights.markov_w2, weights.vocab_start, weights.vocab_size, exact_sizes)
+            if mode != self.markov_chain_mode:
+                self.markov = chain(mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:

@@ -25,8 +25,9 @@ def test_guard_passes_where_the_sliced_gemm_is_exact(vocab, r, tp, dtype):
     w1, w2_pad, width = _weights(vocab, r, tp, dtype=dtype)
     for k in range(tp):
         shard = w2_pad[k * width:(k + 1) * width]
-        assert first_inexact_batch_size(w1, w2_pad[:vocab], shard, k * width, vocab, 9) == 0
-        assert resolve_markov_mode("exact", Mapping(), w1, w2_pad[:vocab], shard, k * width, vocab, 9) == "exact"
+        assert first_inexact_batch_size(w1, w2_pad[:vocab], shard, k * width, vocab, range(1, 10)) == 0
+        assert resolve_markov_mode("exact", Mapping(), w1, w2_pad[:vocab], shard, k * width, vocab,
+                                   range(1, 10)) == "exact"
 
 
 def test_forced_mismatch_falls_back_to_fused_with_one_line(caplog):
@@ -36,11 +37,14 @@ def test_forced_mismatch_falls_back_to_fused_with_one_line(caplog):
     shard = w2_pad[start:start + width]
     full = w2_pad[:vocab].clone()
     full[start + 5, 3] += 1.0  # the "full" projection now differs in one of this shard's columns
-    assert first_inexact_batch_size(w1, full, shard, start, vocab, 7) == 1
+    assert first_inexact_batch_size(w1, full, shard, start, vocab, range(1, 8)) == 1
+    assert first_inexact_batch_size(w1, full, shard, start, vocab, [5, 3]) == 3  # the smallest failing size
     with caplog.at_level(logging.WARNING, logger="tensorrt_llm_ext"):
         for mode in ("exact", "auto"):
-            assert resolve_markov_mode(mode, Mapping(), w1, full, shard, start, vocab, 7) == "fused"
-        assert resolve_markov_mode("fused", Mapping(), w1, full, shard, start, vocab, 7) == "fused"
+            assert resolve_markov_mode(mode, Mapping(), w1, full, shard, start, vocab, range(1, 8)) == "fused"
+        assert resolve_markov_mode("fused", Mapping(), w1, full, shard, start, vocab, range(1, 8)) == "fused"
+        # "auto" whose every size runs fused checks nothing: no warning, mode kept.
+        assert resolve_markov_mode("auto", Mapping(), w1, full, shard, start, vocab, []) == "auto"
     lines = [r.getMessage() for r in caplog.records if "Markov chain" in r.getMessage()]
     assert len(lines) == 2 and "batch size 1 on tp rank 0" in lines[0] and "using mode 'fused'" in lines[0]
 
@@ -52,8 +56,8 @@ def test_guard_ignores_padded_rows_and_catches_a_late_batch_size(monkeypatch):
     shard = w2_pad[start:start + width].clone()
     shard[-1] = 1e30  # a padded row (global id >= vocab): never compared, never wins
     full = w2_pad[:vocab]
-    exact_here = first_inexact_batch_size(w1, full, shard, start, vocab, 6)
-    assert exact_here == first_inexact_batch_size(w1, full, w2_pad[start:start + width], start, vocab, 6)
+    exact_here = first_inexact_batch_size(w1, full, shard, start, vocab, range(1, 7))
+    assert exact_here == first_inexact_batch_size(w1, full, w2_pad[start:start + width], start, vocab, range(1, 7))
 
     # A projection that differs only from batch size 4 on: the sweep must reach it.
     calls = {"n": 0}
@@ -68,6 +72,6 @@ def test_guard_ignores_padded_rows_and_catches_a_late_batch_size(monkeypatch):
         return out
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
-    got = first_inexact_batch_size(w1, full, w2_pad[start:start + width], start, vocab, 6)
+    got = first_inexact_batch_size(w1, full, w2_pad[start:start + width], start, vocab, range(1, 7))
     assert calls["n"] == 6
     assert got == (exact_here if 0 < exact_here < 4 else 4)
