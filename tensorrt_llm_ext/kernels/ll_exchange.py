@@ -129,7 +129,7 @@ def _ll_exchange_kernel(
     p = tl.arange(0, BLOCK_W)
     peer = (p < world) & (p != rank)
     m2 = peer[:, None] & rmask[None, :]  # [BLOCK_W, BLOCK_R]
-    slot_words: tl.constexpr = SLOT_ROWS * 2
+    slot_words = SLOT_ROWS * 2
     row_off = r[None, :].to(tl.int64) * 2
 
     # Publish this rank's words into slot [half, rank] of every peer (one 8-byte store per word: the

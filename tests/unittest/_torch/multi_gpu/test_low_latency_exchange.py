@@ -153,7 +153,9 @@ def _symmetric_memory_case():
     g = torch.Generator().manual_seed(3)
     out = {"mismatch": 0}
     for start in (1, 2**14 - 1, 2**22 - 2, TAG_PERIOD - 1):
-        ll_ex.low_latency.state.epoch.fill_(start)  # the same on every rank
+        # The same on every rank. Safe to jump here only because the NCCL exchange below orders every
+        # rank's previous low-latency round before this fill (a peer may not still be reading our words).
+        ll_ex.low_latency.state.epoch.fill_(start)
         for rows in (1, 8, 64, 128):
             keys = torch.randint(-(2**62), 2**62, (tp, rows), generator=g)
             keys[:, 0] = EMPTY_KEY
