@@ -1,7 +1,7 @@
 """The one-model DSpark worker: one speculative decode step, CUDA-graph capturable per batch size.
 
 Per generation step over rows ``[0, B)`` (``B`` = a CUDA-graph batch size; padding rows are dummies on
-the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.speculative.contract`:
+the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 
 1. ``block table``: decode the KV manager's encoded page offsets (:func:`decode_block_table`).
 2. ``target``: verify ``[anchor, d_0 .. d_{K-1}]`` of every row at positions ``ctx_len .. ctx_len+K``
@@ -27,44 +27,19 @@ No allocation through a launcher, no host sync and no data-dependent Python bran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
+                                       PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (PagedLatentStep, decode_block_table,
-                                                            paged_latent_step, store_context_latents,
-                                                            strict_accept)
+from tensorrt_llm_ext.kernels.block_table import decode_block_table
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, store_context_latents
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept
 from tensorrt_llm_ext.speculative.vocab_parallel import SelectionParams, VocabShardedLogits, gumbel_sample
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
-
-
-@dataclass
-class DSparkState:
-    """Device state the step reads and mutates, indexed by slot (``num_slots`` = requests + the dummy slot)."""
-
-    kv_cache: object  # LlamaTarget KVCache: k, v [L_t, num_slots, max_positions, kvh, D]
-    latent_pool: torch.Tensor  # [L, num_pages + 1, page_size, d_c]; the last page is scratch
-    encoded_offsets: torch.Tensor  # [num_slots, max_pages] int32, page * divisor, -1 = unallocated
-    block_table: torch.Tensor  # [num_slots, max_pages] int32, decoded each step
-    ctx_lens: torch.Tensor  # [num_slots] int32, drafter context length = position of the anchor
-    ref_lens: torch.Tensor  # [num_slots] int32, sequence length minus one for the target-only decode
-    slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
-    slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
-    slot_seeds: torch.Tensor  # [num_slots] int64
-    page_size: int
-    page_divisor: int
-    dummy_slot: int
-    max_ctx_len: int
-
-    def mutable_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a step writes (snapshotted around CUDA-graph warm-up)."""
-        return [*self.kv_cache.tensors(), self.latent_pool, self.block_table, self.ctx_lens, self.ref_lens,
-                self.slot_tokens]
 
 
 class DSparkWorker(SpecWorkerBase):
@@ -75,16 +50,16 @@ class DSparkWorker(SpecWorkerBase):
     ``w.prefill(slot, prompt, ...)``; per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
     """
 
-    def __init__(self, target, drafter, state: DSparkState, *, mapping: Mapping, draft_len: int,
-                 max_batch_size: int, markov_chain_mode: str = "auto"):
+    def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
+                 draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto"):
         super().__init__(mapping, draft_len, max_batch_size)
         self.target = target
         self.drafter = drafter
         self.state = state
         self.markov_chain_mode = markov_chain_mode
         self.device = state.ctx_lens.device
-        self.vocab_size = target.config.vocab_size
-        self.mask_token_id = drafter.config.mask_token_id
+        self.vocab_size = target.vocab_size
+        self.mask_token_id = drafter.mask_token_id
         r, k = max_batch_size, draft_len
         dev = self.device
         num_slots = state.ctx_lens.shape[0]
