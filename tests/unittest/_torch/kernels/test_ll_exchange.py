@@ -359,3 +359,24 @@ def test_gpu_timeout_flag_is_in_pinned_host_memory():
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), torch.full((1, rows), EMPTY_KEY))
     assert sim.state.flag.tolist() == [1, 0]  # epoch 0 timed out: flag = epoch + 1
+
+
+def test_check_exchange_reaches_pair_exchange_and_selector():
+    """A timed-out round (flag set by the kernel) raises from PairExchange.check_exchange and from the
+    selector the worker calls once per step; a clean flag does not."""
+    from tensorrt_llm_ext.distributed import PairExchange
+    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+
+    dev = _device()
+    buffers = torch.zeros((2, 2, 2, 2, 2), dtype=torch.int64, device=dev)
+    state = _rank_state(buffers, 0, 41, 2)
+    pair = PairExchange(Mapping())
+    pair.low_latency = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, None, 3)
+    sel = VocabParallelSelector()
+    sel.exchange = pair
+    pair.check_exchange()
+    sel.check_exchange()
+    ll_exchange(torch.zeros(1, 2, dtype=torch.int64, device=dev), state, spin_limit=3)  # the peer never writes
+    for check in (pair.check_exchange, sel.check_exchange):
+        with pytest.raises(RuntimeError, match="low-latency pair exchange .* at epoch 41"):
+            check()
