@@ -31,10 +31,10 @@ import torch  # noqa: E402
 from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark  # noqa: E402
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
-from tensorrt_llm_ext.speculative.contract import DrafterBlockInputs, PagedLatentCache  # noqa: E402
+from tensorrt_llm_ext.contract import DrafterBlockInputs, PagedLatentCache  # noqa: E402
 from tensorrt_llm_ext.speculative.markov_chain import markov_chain_logits_reference  # noqa: E402
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (  # noqa: E402
-    paged_latent_step, paged_latent_step_reference, store_context_latents, strict_accept, strict_accept_reference)
+from tensorrt_llm_ext.kernels.paged_latent import paged_latent_step, paged_latent_step_reference, store_context_latents
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample  # noqa: E402
 
 GPU_MODEL = {

@@ -238,7 +238,7 @@ def _device_state_dict(cfg, seed: int, dtype, dev) -> dict:
 
 def _block_inputs(cfg, B: int, K: int, ctx_len: int, page_size: int, dev):
     """B live requests, each with ``ctx_len`` context positions in its own pages, then the K-block."""
-    from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+    from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 
     g = _gen(dev, 99 + B)
     max_pages = -(-(ctx_len + K) // page_size)

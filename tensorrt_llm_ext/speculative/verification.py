@@ -16,7 +16,7 @@ Semantics (docs/rejection_sampling.md has the full statement):
   ``norm(max(p - q, 0))``, otherwise a sample of ``p_K``. Uniforms are Philox keyed by (seed, absolute
   position, salt) only, so the result does not depend on the TP size, batch composition or tiling.
 * ``T <= 0`` rows: strict acceptance against the target argmax (``torch.argmax`` order), bitwise what
-  :func:`~tensorrt_llm_ext.speculative.spec_tail_kernels.strict_accept` returns on
+  :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
 Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels

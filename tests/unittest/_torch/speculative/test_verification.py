@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.kernels.fixed_point_softmax import LOG2E_F32, fixed_point_weight_torch
-from tensorrt_llm_ext.speculative.spec_tail_kernels import strict_accept
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept
 from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, rejection_sample,
                                                         rejection_sample_reference, top_p_keep, top_p_keep_reference)
 from tensorrt_llm_ext.speculative.vocab_parallel import vocab_parallel_argmax
@@ -151,7 +151,7 @@ def _verify_inputs(b: int, k: int, vocab: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("use_top_p,vocab,splits,b,k,block", [
-    (False, 1031, 1, 8, 3, 512), (True, 1031, 3, 8, 3, 256), (True, 4099, 2, 4, 2, 1024)])
+    (False, 1031, 1, 8, 3, 512), (True, 1031, 2, 8, 2, 512), (True, 4099, 2, 4, 2, 1024)])
 def test_rejection_sample_equals_twin(use_top_p, vocab, splits, b, k, block):
     target, draft, tokens, temps, seeds, offsets, top_p = (t.to(DEV) for t in _verify_inputs(b, k, vocab, vocab))
     tp = top_p if use_top_p else None
