@@ -185,7 +185,18 @@ class Engine:
         """Serve ``requests`` to completion; results in request order (bad requests carry their error).
 
         ``progress``: optional callable ``progress(num_new_tokens)`` called after each step (a tqdm update).
+
+        Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
+        every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
+        next call serves its requests as a fresh engine would.
         """
+        try:
+            return self._generate(requests, mode, progress)
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
         path = "gathered" if mode == "gathered" else "speculative"
@@ -196,11 +207,15 @@ class Engine:
         results: list[RequestResult] = []
         pending: deque[_Active] = deque()
         for i, req in enumerate(requests):
-            rid = req.request_id if req.request_id is not None else i
-            prompt = list(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else []
-            res = RequestResult(request_id=rid, prompt_ids=prompt)
+            is_request = isinstance(req, Request)  # a caller may pass anything: then that item's error
+            rid = req.request_id if is_request else None
+            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else i
+            prompt = req.prompt_ids if is_request and isinstance(req.prompt_ids, (list, tuple)) else []
+            res = RequestResult(request_id=rid, prompt_ids=list(prompt))
             results.append(res)
             try:
+                if not is_request:
+                    raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
@@ -272,3 +287,16 @@ class Engine:
         active.pop(a.slot, None)
         self.pages.free(a.slot)
         self.slots.release(a.slot)
+
+    def _release_all(self) -> None:
+        """Return every held slot and page and reset the workers' step state (after an escaped exception).
+
+        Per-slot device state needs no reset: a prefill rewrites everything its slot's next request
+        reads (context length, tokens, sampling state; KV and latent positions are written before they
+        are attended), exactly as when a request finishes normally.
+        """
+        held = self.slots.release_all()
+        self.pages.free_all()
+        for w in self._workers.values():
+            w.reset_step_state()
+        logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")
