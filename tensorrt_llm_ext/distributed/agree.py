@@ -30,3 +30,14 @@ def agree_all(mapping: Mapping, flag: bool) -> bool:
 def agree_any(mapping: Mapping, flag: bool) -> bool:
     """True on every rank iff ``flag`` is True on any rank of the TP group (all-reduce MAX)."""
     return _reduce_flag(mapping, flag, dist.ReduceOp.MAX)
+
+
+def gather_objects(mapping: Mapping, obj) -> list:
+    """``obj`` of every rank of the TP group, in rank order (one pickled all-gather over the CPU group;
+    ``[obj]`` at tp 1). For host-side checks made once per batch, never inside a step."""
+    group = tp_cpu_group(mapping)
+    if group is None:
+        return [obj]
+    out = [None] * mapping.tp_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

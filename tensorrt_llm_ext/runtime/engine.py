@@ -15,12 +15,14 @@ the dummy slot) and replays the captured step when graphs are enabled, else runs
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
@@ -204,6 +206,8 @@ class Engine:
         speculative = mode != "target_only"
         stats = GenerationStats(mode=mode)
         t0 = time.perf_counter()
+        if self.mapping.tp_size > 1:
+            self._check_same_batch(requests, mode)
         results: list[RequestResult] = []
         pending: deque[_Active] = deque()
         for i, req in enumerate(requests):
@@ -287,6 +291,28 @@ class Engine:
         active.pop(a.slot, None)
         self.pages.free(a.slot)
         self.slots.release(a.slot)
+
+    def _check_same_batch(self, requests: list[Request], mode: str) -> None:
+        """Every TP rank must serve the same batch: its host decisions (admission, rows per step, stops)
+        follow from the requests, and ranks that disagree would meet in collectives of different shapes
+        (an abort inside the collective library). One small CPU all-gather per ``generate()`` call, where
+        the batch is set up -- nothing is added to the step. Raises ``ValueError`` naming each rank's batch.
+        """
+        def sig(r) -> tuple:
+            if not isinstance(r, Request):
+                return (type(r).__name__,)
+            return (repr(r.prompt_ids), repr(r.max_new_tokens), repr(r.stop_token_ids), repr(r.temperature),
+                    repr(r.seed))
+
+        digest = hashlib.sha256(repr([mode] + [sig(r) for r in requests]).encode()).hexdigest()
+        lens = [len(r.prompt_ids) if isinstance(r, Request) and isinstance(r.prompt_ids, (list, tuple)) else None
+                for r in requests]
+        shape = f"{len(requests)} requests, prompt lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}, mode {mode}"
+        views = gather_objects(self.mapping, (digest, shape))
+        if len({d for d, _ in views}) > 1:
+            ranks = "; ".join(f"rank {r}: {s} (digest {d[:8]})" for r, (d, s) in enumerate(views))
+            raise ValueError(f"generate: the {self.mapping.tp_size} TP ranks were given different batches "
+                             f"(every rank must serve the same requests): {ranks}")
 
     def _release_all(self) -> None:
         """Return every held slot and page and reset the workers' step state (after an escaped exception).

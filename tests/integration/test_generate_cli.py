@@ -57,10 +57,10 @@ def test_generate_reports_bad_config_and_bad_prompt(small_yaml, tmp_path, capsys
     assert "speculative_config.max_draft_len" in capsys.readouterr().err
     assert main(["generate", "--config", small_yaml, "1 x 3"]) == 2
     assert "token ids" in capsys.readouterr().err
-    # An out-of-vocabulary prompt is rejected on its own; the other prompt is served.
+    # An out-of-vocabulary prompt is rejected on its own; the other prompt is served; the run exits 3.
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "999", "1 2"])
     text = capsys.readouterr().out
-    assert rc == 0 and "[0] rejected" in text and "[1] prompt" in text
+    assert rc == 3 and "[0] rejected" in text and "[1] prompt" in text and "1 of 2 request(s) rejected" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
