@@ -72,3 +72,12 @@ def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     assert rc == 0, text
     assert "target vocab-parallel; draft vocab-parallel" in text
     assert "all 2 ranks produced identical tokens: yes" in text
+
+
+def test_check_fails_on_rejections_and_when_nothing_is_compared(small_yaml, capsys):
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--check", "--no-progress", "999"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "nothing was compared" in text and "check FAILED" in text and "check passed" not in text
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--check", "--no-progress", "999", "1 2"])
+    text = capsys.readouterr().out
+    assert rc == 3 and "check FAILED: requests were rejected" in text and "rejected, not compared: [0]" in text
