@@ -333,9 +333,12 @@ def shard_select_keys(
         if scratch is None:
             scratch = _scratch(device, rows)
         slots, counts = scratch
-        if slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32:
-            raise ValueError(f"scratch: expected (int64 [>= {rows}], int32 [>= {rows}]), got "
-                             f"({slots.dtype} {tuple(slots.shape)}, {counts.dtype} {tuple(counts.shape)})")
+        if (slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32
+                or slots.device != device or counts.device != device or not slots.is_contiguous()
+                or not counts.is_contiguous()):
+            raise ValueError(f"scratch: expected contiguous (int64 [>= {rows}], int32 [>= {rows}]) on {device}, got "
+                             f"({slots.dtype} {tuple(slots.shape)} on {slots.device}, {counts.dtype} "
+                             f"{tuple(counts.shape)} on {counts.device})")
     else:
         slots, counts = out, out  # never read: SPLIT is off
     sample = temperatures is not None

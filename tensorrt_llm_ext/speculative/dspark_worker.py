@@ -34,10 +34,10 @@ from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, 
                                        PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
-from tensorrt_llm_ext.kernels.block_table import decode_block_table
-from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, store_context_latents
-from tensorrt_llm_ext.kernels.strict_accept import strict_accept
-from tensorrt_llm_ext.speculative.vocab_parallel import SelectionParams, VocabShardedLogits, gumbel_sample
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
+from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
+from tensorrt_llm_ext.speculative.vocab_parallel import (TARGET_SALT, SelectionParams, VocabShardedLogits, gumbel_sample,
+                                                         vocab_parallel_argmax)
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
 
 
@@ -50,12 +50,17 @@ class DSparkWorker(SpecWorkerBase):
     """
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
-                 draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto"):
+                 draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
+                 sampling: bool = True):
         super().__init__(mapping, draft_len, max_batch_size)
+        self.ops = ops
+        # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
+        # upstream worker does) and refuses sampled requests.
+        self.sampling = sampling
         self.target = target
         self.drafter = drafter
         self.state = state
-        self.markov_chain_mode = markov_chain_mode
+        self.markov_chain_mode = ops.markov_mode or markov_chain_mode
         self.device = state.ctx_lens.device
         self.vocab_size = target.vocab_size
         self.mask_token_id = drafter.mask_token_id
@@ -83,13 +88,17 @@ class DSparkWorker(SpecWorkerBase):
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
 
     # -- binding -------------------------------------------------------------------------------------
+    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
+        if not self.ops.vocab_parallel and vocab_parallel_mode != "off":
+            raise ValueError(f"DSparkWorker: the {self.ops.name} op table selects from gathered logits; bind it "
+                             f"with vocab_parallel_mode='off', got {vocab_parallel_mode!r}")
+        return super().post_load(target, drafter, vocab_parallel_mode=vocab_parallel_mode, **kwargs)
+
     def _on_bound(self) -> None:
-        sel = self.vocab_parallel
-        draft_vp = sel.draft_head is not None
-        weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
+        exchange = self.vocab_parallel.draft_exchange
+        weights = self.drafter.markov_head_weights(vocab_parallel=exchange is not None)
         self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
-                                  logits_dtype=self.target.dtype,
-                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=self.markov_chain_mode)
+                                  logits_dtype=self.target.dtype, exchange=exchange, mode=self.markov_chain_mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:
@@ -152,29 +161,33 @@ class DSparkWorker(SpecWorkerBase):
         are set back to -1 (one more elementwise launch; capturable).
         """
         st = self.state
-        decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+        self.ops.decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table,
+                                    num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                 out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
         logits = self.target_logits(hidden)
+        if not self.sampling:
+            temps = seeds = offsets = None
+        if self.ops.select is not None:
+            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
         ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
         return ids, logits
 
-    def _draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
-        """Drafter block decode -> base logits through the shared head -> Markov chain -> ``out_drafts [B, K]``."""
-        st = self.state
+    def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
+        """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
+        side, else ``[B, K, V]``."""
+        cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
+        hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
+                                                               placement=tail.placement, cache=cache))
+        return self.draft_logits(hidden)
+
+    def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
+        """Drafter block decode -> base logits -> Markov chain -> ``out_drafts [B, K]``."""
         with nvtx_range("draft_forward"):
-            cache = PagedLatentCache(pool=st.latent_pool, block_table=st.block_table)
-            hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids,
-                                                                   slot_ids=slots, placement=tail.placement,
-                                                                   cache=cache))
-            sel = self.vocab_parallel
-            if sel.draft_head is not None:
-                base = sel.draft_head.lm_head.shard_forward(hidden)  # [B, K, V_shard], no gather
-            else:
-                base = self.drafter.lm_head(hidden)  # [B, K, V] gathered
+            base = self.draft_block_logits(tail, slots)
         with nvtx_range("markov_chain"):
             _, drafts = self.markov(base, tail.bonus_tokens)
             out_drafts.copy_(drafts)
@@ -192,6 +205,9 @@ class DSparkWorker(SpecWorkerBase):
         dev = self.device
         n = len(prompt_ids)
         k = self.draft_len
+        if temperature > 0 and not self.sampling:
+            raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
+                             f"got temperature {temperature}")
         st.slot_temps[slot] = float(temperature)
         st.slot_seeds[slot] = int(seed)
         with nvtx_range("prefill"):
@@ -213,58 +229,85 @@ class DSparkWorker(SpecWorkerBase):
             pos = torch.arange(n, device=dev)
             pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
             pages = st.block_table[slot, pidx]
-            store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1, st.latent_pool)
+            self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1,
+                                           st.latent_pool)
             st.ctx_lens[slot] = n - 1
             accepted = torch.zeros(1, k + 1, dtype=torch.int64, device=dev)
             accepted[0, 0] = tok[0]
-            tail = paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
-                                     torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens, st.block_table,
-                                     num_contexts=0, page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
-                                     mask_token_id=self.mask_token_id, out=self._prefill_tail)
+            tail = self.ops.paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
+                                              torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens,
+                                              st.block_table, num_contexts=0, page_size=st.page_size, draft_len=k,
+                                              max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
+                                              out=self._prefill_tail)
             last = torch.zeros(k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
             last[0] = latents[n - 1]
-            store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
-                                  tail.latent_write_mask.view(-1), st.latent_pool)
+            self.ops.store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                           tail.latent_write_mask.view(-1), st.latent_pool)
             drafts = torch.empty(1, k, dtype=torch.int64, device=dev)
-            self._draft(tail, slots, drafts)
+            self.draft(tail, slots, drafts)
             st.slot_tokens[slot, 0] = tok[0]
             st.slot_tokens[slot, 1:] = drafts[0]
         return int(tok.item())
 
     # -- the speculative step ---------------------------------------------------------------------------
+    # The step's stages, each a method so that ``bench step`` can time them on the worker itself (with
+    # either op table) instead of re-assembling a step.
+    def verify_forward(self, batch_size: int):
+        """The target's verification forward of ``[anchor, d_0 .. d_{K-1}]``: ``(tokens [B, K+1], positions
+        [B, K+1], TargetOutput)``."""
+        st = self.state
+        slots = self.slot_ids[:batch_size]
+        slots_l = slots.long()
+        tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
+        positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
+        return tokens, positions, self.target(tokens, positions, slots, st.kv_cache)
+
+    def select_targets(self, batch_size: int, hidden: torch.Tensor, positions: torch.Tensor):
+        """The target's token at every verified position: ``([B*(K+1)] int64, logits)``."""
+        st = self.state
+        b, k = batch_size, self.draft_len
+        slots_l = self.slot_ids[:b].long()
+        # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
+        # selection kernel indexes these per-row tensors as dense arrays.
+        temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)])
+
+    def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
+                           captured: torch.Tensor):
+        """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
+        ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+        st, ops = self.state, self.ops
+        b, k = batch_size, self.draft_len
+        slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
+        accepted, num_acc = ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+                                              out=(self.accepted[:b], self.num_accepted[:b]))
+        tail = ops.paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table,
+                                     num_contexts=0, page_size=st.page_size, draft_len=k,
+                                     max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
+                                     out=self.tail_buffers(b))
+        latents = self.drafter.compute_context_latents(captured)  # [B*(K+1), L, d_c]
+        ops.store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                  tail.latent_write_mask.view(-1), st.latent_pool)
+        return accepted, num_acc, tail
+
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
         self._check_rows(batch_size)
         st = self.state
-        b, k = batch_size, self.draft_len
+        b = batch_size
         slots = self.slot_ids[:b]
-        slots_l = slots.long()
-        dummy = self.is_dummy[:b]
         with nvtx_range("block_table"):
             self._decode_pages()
         with nvtx_range("target_forward"):
-            tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
-            positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
-            out = self.target(tokens, positions, slots, st.kv_cache)
+            tokens, positions, out = self.verify_forward(b)
         with nvtx_range("selection"):
-            # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
-            # selection kernel indexes these per-row tensors as dense arrays.
-            temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-            seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-            target_tokens, logits = self._select(out.hidden_states, temps, seeds, (positions + 1).reshape(-1),
-                                                 self.target_tokens[:b * (k + 1)])
+            target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
         with nvtx_range("tail"):
-            accepted, num_acc = strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
-                                              out=(self.accepted[:b], self.num_accepted[:b]))
-            tail = paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table, num_contexts=0,
-                                     page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
-                                     mask_token_id=self.mask_token_id, out=self.tail_buffers(b))
-            latents = self.drafter.compute_context_latents(out.captured)  # [B*(K+1), L, d_c]
-            store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
-                                  tail.latent_write_mask.view(-1), st.latent_pool)
+            accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
         nxt = self.next_new_tokens[:b]
-        self._draft(tail, slots, nxt[:, 1:])
+        self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)
-        st.slot_tokens[slots_l] = nxt
+        st.slot_tokens[slots.long()] = nxt
         logits_out = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         return {
             "logits": logits_out,  # [B*(K+1), V] gathered, or this rank's [B*(K+1), V_shard]
@@ -296,8 +339,14 @@ class DSparkWorker(SpecWorkerBase):
             hidden = out.hidden_states.view(b, k + 1, -1)[:, 0]
             logits = self.target.logits(hidden)
             ids = self.ref_tokens[:b]
-            gumbel_sample(logits, st.slot_temps[slots_l], st.slot_seeds[slots_l], positions[:, 0] + 1, 0,
-                          self.vocab_size, None, out=ids)
+            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if self.sampling else (None, None)
+            offsets = positions[:, 0] + 1 if self.sampling else None
+            if self.ops.select is not None:
+                self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, ids)
+            elif temps is None:
+                vocab_parallel_argmax(logits, 0, self.vocab_size, None, out=ids)
+            else:
+                gumbel_sample(logits, temps, seeds, offsets, 0, self.vocab_size, None, out=ids)
             st.ref_lens[slots_l] += live
             tokens[:, 0] = ids
             st.slot_tokens[slots_l] = tokens

@@ -1,6 +1,6 @@
 """DSpark Markov draft chain, owned by the worker: full vocabulary or a vocab shard with the pair exchange.
 
-Semantics (DESIGN.md §3). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
+Semantics (docs/markov_chain.md). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
 (this rank's vocabulary rows ``[vocab_start, vocab_start + V_local)``). With ``prev_0`` the anchor (last
 accepted token) and base draft logits ``base[b, k, :]``, for ``k = 0 .. K-1``::
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tensorrt_llm_ext.contract import MarkovHeadWeights
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing, triton_runs_on
@@ -48,6 +49,7 @@ from tensorrt_llm_ext.kernels.markov_step import (W_BF16, W_FP16, W_FP32, FusedC
                                                   launch_exact_resolve, launch_exact_select, launch_fused_step,
                                                   markov_step_reference)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
+from tensorrt_llm_ext.speculative.step_ops import stock_select
 
 MARKOV_SALT = 0x4D4B5631  # "MKV1": Philox counter word c3 of the Markov chain's Gumbel draws
 MODES = ("exact", "fused")
@@ -333,6 +335,32 @@ def markov_chain_logits_reference(
     return _run_chain(st, exchange)
 
 
+def markov_chain_stock(
+    base_logits, anchors, markov_w1, markov_w2, *, vocab_size=None, temperatures=None, seeds=None, offsets=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stock chain the upstream worker ran, on the full vocabulary: per block position ``F.linear`` bias,
+    add, ``torch.argmax`` (sampled rows: ``argmax(biased / T + G)`` with this chain's keyed noise).
+
+    Same tokens and biased logits as :func:`markov_chain_logits_reference` (and hence the ``exact`` mode);
+    only the selection is a plain ``torch.argmax`` instead of int64 keys. Capturable (allocates in the
+    graph's pool); no exchange -- the stock worker gathers.
+    """
+    vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
+    B, K, _ = base_logits.shape
+    prev = anchors.to(torch.int64)
+    outs, toks = [], []
+    for k in range(K):
+        valid = (prev >= 0) & (prev < vocab_size)
+        h = markov_w1[torch.where(valid, prev, 0)] * valid[:, None].to(markov_w1.dtype)
+        biased = base_logits[:, k] + F.linear(h, markov_w2).to(base_logits.dtype)
+        outs.append(biased)
+        off = None if offsets is None else offsets + k
+        prev = stock_select(biased[:, :vocab_size], temperatures, seeds, off, MARKOV_SALT,
+                            torch.empty(B, dtype=torch.int64, device=base_logits.device))
+        toks.append(prev)
+    return torch.stack(outs, dim=1), torch.stack(toks, dim=1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Worker-side component
 # ----------------------------------------------------------------------------------------------------
@@ -344,14 +372,17 @@ class MarkovChain:
     ``"fused"`` is one launch per block position and bitwise identical at every TP size; ``"auto"``
     (default) runs ``fused`` for batches of at most ``fused_max_batch`` rows and ``exact`` above, which
     is the faster of the two on an H200 (docs/markov_chain.md). The choice depends on the batch size
-    only (a shape, fixed per captured graph), and both modes share one workspace.
+    only (a shape, fixed per captured graph), and both modes share one workspace. ``"stock"`` is the
+    upstream eager chain (:func:`markov_chain_stock`), the stock op table's.
     """
 
     def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
                  logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "auto",
                  fused_max_batch: int = 32):
-        if mode not in MODES + ("auto",):
-            raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto',)}, got {mode!r}")
+        if mode not in MODES + ("auto", "stock"):
+            raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto', 'stock')}, got {mode!r}")
+        if mode == "stock" and (exchange is not None or weights.vocab_start != 0):
+            raise ValueError("MarkovChain mode 'stock' runs on the full vocabulary (the stock worker gathers)")
         self.weights = weights
         self.mode = mode
         self.fused_max_batch = fused_max_batch
@@ -376,6 +407,9 @@ class MarkovChain:
         """``base_logits [B, K, V_local]``, ``anchors [B]`` -> views ``(biased [B, K, V_local], tokens [B, K])``."""
         B = base_logits.shape[0]
         w = self.weights
+        if self.mode == "stock":
+            return markov_chain_stock(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_size=w.vocab_size,
+                                      temperatures=temperatures, seeds=seeds, offsets=offsets)
         return markov_chain_logits(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_start=w.vocab_start,
                                    vocab_size=w.vocab_size, exchange=self.exchange, temperatures=temperatures,
                                    seeds=seeds, offsets=offsets, mode=self.mode_for(B), out=self.out[:B],
