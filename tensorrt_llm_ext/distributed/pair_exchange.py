@@ -5,6 +5,16 @@ Every rank reduces its vocabulary shard to one int64 selection key per row (see
 ``0xFFFFFFFF - global id`` in the low word). The TP winner is then the plain maximum, taken with one
 all-reduce MAX over int64: exact for any value (NaN first, ties to the lowest global id) and any
 vocabulary below 2^32 -- no low-precision reduction anywhere.
+
+Two backends take the same maximum (``strategy``, read once at construction):
+
+* ``nccl``: ``dist.all_reduce(keys, MAX)`` on the TP group.
+* ``low_latency`` (:mod:`tensorrt_llm_ext.distributed.low_latency`): tagged words written straight into
+  the peers' symmetric memory, one kernel, no NCCL launch; set up in agreed steps on every rank, and
+  NCCL on every rank when it cannot be (``auto`` tries it, ``low_latency`` asks for it: both fall back).
+  Exchanges of more rows than its buffer holds go through NCCL (decided on the shape, the same on every
+  rank). A round whose peer never writes sets a flag in pinned host memory; :meth:`check_exchange`
+  raises on it.
 """
 
 from __future__ import annotations
@@ -13,19 +23,44 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_ext.distributed.communicator import tp_group
+from tensorrt_llm_ext.distributed.low_latency import (ExchangeStrategy, LowLatencyExchange,
+                                                      setup_low_latency_exchange)
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id_torch
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
 
 
 class PairExchange:
-    """One all-reduce MAX of int64 selection keys over the TP group (no-op at tp 1).
+    """The TP-wide MAX of int64 selection keys (no-op at tp 1).
+
+    Args:
+        mapping: the rank layout.
+        strategy: ``"nccl"`` (default), ``"auto"`` or ``"low_latency"`` (see the module docs). Anything
+            but ``"nccl"`` at tp > 1 runs collectives over the CPU group: construct on every TP rank.
+        max_rows: the most rows one exchange carries (sizes the low-latency buffer).
 
     CUDA-graph safe: in place, no allocation, no host sync.
     """
 
-    def __init__(self, mapping: Mapping):
+    def __init__(self, mapping: Mapping, strategy: ExchangeStrategy | str = ExchangeStrategy.NCCL,
+                 max_rows: int = 0):
         self.mapping = mapping
         self._group = tp_group(mapping)
+        try:
+            self.strategy = ExchangeStrategy(strategy)
+        except ValueError:
+            raise ValueError(f"PairExchange: strategy must be one of "
+                             f"{[s.value for s in ExchangeStrategy]}, got {strategy!r}") from None
+        self.low_latency: LowLatencyExchange | None = None
+        self.backend_reason = "exchange='nccl'"
+        if self.strategy != ExchangeStrategy.NCCL and self._group is not None:
+            self.low_latency, self.backend_reason = setup_low_latency_exchange(mapping, max_rows,
+                                                                               strategy=self.strategy)
+
+    @property
+    def backend(self) -> str:
+        """``"low_latency"`` or ``"nccl"`` (identical on every rank)."""
+        return "low_latency" if self.low_latency is not None else "nccl"
 
     @property
     def tp_size(self) -> int:
@@ -41,9 +76,22 @@ class PairExchange:
             raise ValueError(f"PairExchange expects int64 selection keys, got {keys.dtype}")
         if not keys.is_contiguous():
             raise ValueError("PairExchange expects contiguous keys")
-        if self._group is not None:
-            dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self._group)
+        if self._group is None:
+            return keys
+        ll = self.low_latency
+        if ll is not None:
+            if keys.numel() <= ll.max_rows:
+                return ll.exchange_(keys)
+            info_once(f"PairExchange: {keys.numel()} rows exceed the low-latency buffer ({ll.max_rows} rows); "
+                      "this exchange uses the NCCL all-reduce", key=f"pair-exchange-rows-{keys.numel()}")
+        dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self._group)
         return keys
+
+    def check_exchange(self) -> None:
+        """Raise ``RuntimeError`` naming the exchange if a low-latency round timed out (no device sync;
+        call once per step). A no-op on the NCCL backend, whose timeouts raise by themselves."""
+        if self.low_latency is not None:
+            self.low_latency.check_exchange()
 
     def winner_ids(self, keys: torch.Tensor) -> torch.Tensor:
         """Exchange ``keys`` in place and decode the winning global ids (int64 ``[R]``)."""

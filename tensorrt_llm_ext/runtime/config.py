@@ -16,6 +16,7 @@ Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml`
       markov_rank: 8
       vocab_parallel_selection: auto   # auto | on | off
       markov_chain_mode: auto          # exact | fused | auto
+      exchange: auto                   # auto | nccl | low_latency
     cuda_graph_config:
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
@@ -112,6 +113,10 @@ class SpeculativeConfig(_Strict):
     # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
     # batches, exact above (the Markov chain component decides per captured batch size).
     markov_chain_mode: Literal["exact", "fused", "auto"] = "auto"
+    # How the TP pair exchange runs: low_latency = tagged words over symmetric memory; nccl = an NCCL
+    # all-reduce MAX; auto = low_latency where it sets up on every rank. Any setup failure (non-CUDA,
+    # no symmetric memory, a rank failing) falls back to NCCL on every rank, logged identically.
+    exchange: Literal["auto", "nccl", "low_latency"] = "auto"
 
     @field_validator("vocab_parallel_selection", mode="before")
     @classmethod

@@ -173,7 +173,8 @@ class Engine:
                              max_batch_size=self.max_batch_size,
                              markov_chain_mode=self.config.speculative_config.markov_chain_mode,
                              ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling)
-            w.post_load(self.target, self.drafter, vocab_parallel_mode=mode)
+            w.post_load(self.target, self.drafter, vocab_parallel_mode=mode,
+                        exchange=self.config.speculative_config.exchange)
             self._workers[key] = w
             if self.use_cuda_graph:
                 runner = CudaGraphRunner(w, self.batch_sizes, enable_padding=self.enable_padding)
@@ -266,6 +267,9 @@ class Engine:
                 else:
                     ids = worker.target_only_step(b)[:n].cpu().tolist()
                     new, lens = [[t] for t in ids], [1] * n
+                # The copies above synchronised: a low-latency exchange of this step that timed out has
+                # set its flag by now, and its rows must not become tokens.
+                worker.check_exchange()
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):

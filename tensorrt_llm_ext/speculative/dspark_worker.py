@@ -33,6 +33,7 @@ from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
                                        PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
+from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
@@ -97,8 +98,19 @@ class DSparkWorker(SpecWorkerBase):
     def _on_bound(self) -> None:
         exchange = self.vocab_parallel.draft_exchange
         weights = self.drafter.markov_head_weights(vocab_parallel=exchange is not None)
-        self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
-                                  logits_dtype=self.target.dtype, exchange=exchange, mode=self.markov_chain_mode)
+
+        def chain(mode: str) -> MarkovChain:
+            return MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                               logits_dtype=self.target.dtype, exchange=exchange, mode=mode)
+
+        self.markov = chain(self.markov_chain_mode)
+        if exchange is not None:  # agreed on every rank, and so are the sizes: the guard's collective is too
+            exact_sizes = [b for b in range(1, self.max_batch_size + 1) if self.markov.mode_for(b) == "exact"]
+            full = self.drafter.markov_head_weights(vocab_parallel=False)
+            mode = resolve_markov_mode(self.markov_chain_mode, self.mapping, weights.markov_w1, full.markov_w2,
+                                       weights.markov_w2, weights.vocab_start, weights.vocab_size, exact_sizes)
+            if mode != self.markov_chain_mode:
+                self.markov = chain(mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:

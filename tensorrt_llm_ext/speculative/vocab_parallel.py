@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorrt_llm_ext.distributed import PairExchange, agree_any, allgather
+from tensorrt_llm_ext.distributed.low_latency import ExchangeStrategy
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
 from tensorrt_llm_ext.logger import logger
@@ -428,6 +429,7 @@ class VocabParallelSelector:
         self.logits_processor = None
         self.target_head: VocabParallelHead | None = None
         self.draft_head: VocabParallelHead | None = None
+        self.exchange: PairExchange | None = None  # shared by both heads
 
     @property
     def is_bound(self) -> bool:
@@ -435,14 +437,22 @@ class VocabParallelSelector:
 
     def bind(self, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
              occurrence_penalties: bool = False, mode: str = "auto",
-             drafter_lm_head=None) -> VocabParallelSelection:
-        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load."""
+             drafter_lm_head=None, exchange: str = "nccl", max_exchange_rows: int = 0) -> VocabParallelSelection:
+        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load.
+
+        ``exchange`` (``speculative_config.exchange``: auto | nccl | low_latency) picks the
+        :class:`PairExchange` backend; ``max_exchange_rows`` is the most rows one exchange carries
+        (``max_batch_size * (K + 1)`` for the worker's target rows).
+        """
         if self.selection is not None:
             raise RuntimeError("VocabParallelSelector.bind: already bound (the decision is made once)")
+        strategy = ExchangeStrategy(exchange)  # a bad value fails before any collective
         selection = VocabParallelSelection.decide(
             mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
             occurrence_penalties=occurrence_penalties, mode=mode, drafter_lm_head=drafter_lm_head)
-        exchange = PairExchange(mapping) if (selection.target_enabled or selection.draft_enabled) else None
+        exchange = (PairExchange(mapping, strategy, max_rows=max_exchange_rows)
+                    if (selection.target_enabled or selection.draft_enabled) else None)
+        self.exchange = exchange
         self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
         self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
         self.lm_head = lm_head
@@ -454,6 +464,11 @@ class VocabParallelSelector:
     def _require_bound(self) -> None:
         if self.selection is None:
             raise RuntimeError("VocabParallelSelector: call bind() once after load first")
+
+    def check_exchange(self) -> None:
+        """Raise ``RuntimeError`` if the pair exchange timed out since load (no device sync; once per step)."""
+        if self.exchange is not None:
+            self.exchange.check_exchange()
 
     def target_logits(self, hidden_states: torch.Tensor,
                       row_indices: torch.Tensor | None = None) -> VocabShardedLogits | torch.Tensor:
@@ -512,15 +527,20 @@ class VocabParallelSelectionMixin:
     vocab_parallel: VocabParallelSelector | None = None
 
     def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", guided_decoder=None,
-                  occurrence_penalties: bool = False) -> VocabParallelSelection:
-        """Bind once after load (a few tiny CPU collectives at tp > 1); calling it twice is an error."""
+                  occurrence_penalties: bool = False, exchange: str = "nccl",
+                  max_exchange_rows: int = 0) -> VocabParallelSelection:
+        """Bind once after load (a few tiny CPU collectives at tp > 1); calling it twice is an error.
+
+        ``exchange`` is ``speculative_config.exchange`` (the pair exchange's backend), sized for
+        ``max_exchange_rows`` rows per exchange.
+        """
         if self.vocab_parallel is not None:
             raise RuntimeError(f"{type(self).__name__}.post_load: already bound (the decision is made once)")
         drafter.take_over_lm_head(target.lm_head)
         selector = VocabParallelSelector()
         selector.bind(self.mapping, target.lm_head, target.logits_processor, guided_decoder=guided_decoder,
                       occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode,
-                      drafter_lm_head=drafter.lm_head)
+                      drafter_lm_head=drafter.lm_head, exchange=exchange, max_exchange_rows=max_exchange_rows)
         self.vocab_parallel = selector
         self._on_bound()
         return selector.selection
@@ -546,3 +566,7 @@ class VocabParallelSelectionMixin:
 
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self._selector().draft_logits(hidden_states)
+
+    def check_exchange(self) -> None:
+        """Raise if the pair exchange timed out (reads pinned host memory; call once per step)."""
+        self._selector().check_exchange()

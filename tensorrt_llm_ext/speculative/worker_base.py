@@ -64,6 +64,11 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         self.draft_len = draft_len
         self.max_batch_size = max_batch_size
 
+    def post_load(self, target, drafter, **kwargs):
+        """The mixin's post-load binding, with the pair exchange sized for the step's ``B * (K + 1)`` rows."""
+        return super().post_load(target, drafter, max_exchange_rows=self.max_batch_size * (self.draft_len + 1),
+                                 **kwargs)
+
     # -- the step ------------------------------------------------------------------------------------
     def forward(self, batch_size: int) -> dict[str, torch.Tensor]:
         """Run one speculative step over rows ``[0, batch_size)`` of the step buffers.
@@ -75,6 +80,8 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.forward: call post_load() once after load first")
         if not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size must lie in [1, {self.max_batch_size}], got {batch_size}")
+        # A low-latency exchange that timed out in an earlier step raises here (a host read, no sync).
+        self.check_exchange()
         with nvtx_range(f"{type(self).__name__}.step"):
             return self._forward_impl(batch_size)
 
