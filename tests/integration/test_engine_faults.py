@@ -85,14 +85,14 @@ def test_exception_mid_step_then_good_generate(monkeypatch):
     """The step raises after the target, the acceptance and the ctx_len advance ran (in the draft)."""
     engine = _engine("exact")
     worker = engine.worker()
-    real = worker._draft
+    real = worker.draft
     hook = _raise_on_call(4, Injected("draft of the second step fails"))  # 2 prefills, step 1, step 2
 
     def draft(*args, **kwargs):
         hook()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "_draft", draft)
+    monkeypatch.setattr(worker, "draft", draft)
     with pytest.raises(Injected):
         engine.generate(_requests())
     monkeypatch.undo()
