@@ -9,4 +9,5 @@ BENCHMARK_MODULES = {
     "step": "tensorrt_llm_ext.bench.step",
     "tp": "tensorrt_llm_ext.bench.tp",
     "exchange": "tensorrt_llm_ext.bench.exchange",
+    "verify": "tensorrt_llm_ext.bench.verify",
 }

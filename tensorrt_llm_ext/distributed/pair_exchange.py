@@ -15,6 +15,12 @@ Two backends take the same maximum (``strategy``, read once at construction):
   Exchanges of more rows than its buffer holds go through NCCL (decided on the shape, the same on every
   rank). A round whose peer never writes sets a flag in pinned host memory; :meth:`check_exchange`
   raises on it.
+
+Rejection-sampling verification needs a few more small exact collectives over the same group:
+:meth:`PairExchange.max_` / :meth:`PairExchange.sum_` (integer all-reduce, in place) and
+:meth:`PairExchange.gather_ranks` (every rank's tensor stacked ``[tp, ...]``). Every collective adds the
+bytes this rank sends to :attr:`PairExchange.bytes_sent` on the host (no device sync), so a test can show
+that the sharded paths move per-row partials only, never a vocabulary row.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.distributed as dist
 from tensorrt_llm_ext.distributed.communicator import tp_group
 from tensorrt_llm_ext.distributed.low_latency import (ExchangeStrategy, LowLatencyExchange,
                                                       setup_low_latency_exchange)
+from tensorrt_llm_ext.distributed.ops import _all_gather_flat
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id_torch
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
@@ -46,6 +53,8 @@ class PairExchange:
                  max_rows: int = 0):
         self.mapping = mapping
         self._group = tp_group(mapping)
+        # Bytes this rank contributed to collectives so far (host counter, counted per call; 0 at tp 1).
+        self.bytes_sent = 0
         try:
             self.strategy = ExchangeStrategy(strategy)
         except ValueError:
@@ -96,3 +105,52 @@ class PairExchange:
     def winner_ids(self, keys: torch.Tensor) -> torch.Tensor:
         """Exchange ``keys`` in place and decode the winning global ids (int64 ``[R]``)."""
         return key_to_id_torch(self.exchange_(keys))
+
+    # ------------------------------------------------------------------------------------------------
+    # Small exact collectives of rejection-sampling verification (integer only: exact in any order)
+    # ------------------------------------------------------------------------------------------------
+    def _check_int_tensor(self, name: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"PairExchange.{name}: expected an int32/int64 tensor, got {got}")
+        if not t.is_contiguous():
+            raise ValueError(f"PairExchange.{name}: expected a contiguous tensor")
+
+    def _count(self, t: torch.Tensor) -> None:
+        if self._group is not None:
+            self.bytes_sent += t.numel() * t.element_size()
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise TP-wide maximum of an int32/int64 tensor, in place; returns ``t``."""
+        self._check_int_tensor("max_", t)
+        if self._group is not None:
+            self._count(t)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return t
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise TP-wide sum of an int32/int64 tensor, in place (exact: integer adds); returns ``t``."""
+        self._check_int_tensor("sum_", t)
+        if self._group is not None:
+            self._count(t)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
+        return t
+
+    def gather_ranks(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``t`` stacked in TP-rank order: ``[*S] -> [tp, *S]`` (``out`` written in place).
+
+        At tp 1 this is ``t[None]`` (copied into ``out`` when given). CUDA-graph safe with ``out=``.
+        """
+        self._check_int_tensor("gather_ranks", t)
+        shape = (self.tp_size, *t.shape)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != t.dtype or not out.is_contiguous():
+                raise ValueError(f"PairExchange.gather_ranks: out expected contiguous {list(shape)} {t.dtype}, "
+                                 f"got {list(out.shape)} {out.dtype}")
+        if self._group is None:
+            return t.unsqueeze(0) if out is None else out.copy_(t.unsqueeze(0))
+        if out is None:
+            out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        self._count(t)
+        _all_gather_flat(out.view(-1), t.view(-1), group=self._group)
+        return out
