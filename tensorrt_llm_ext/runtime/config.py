@@ -328,7 +328,7 @@ class RuntimeConfig(_Strict):
         return tuple(sizes)
 
     def no_effect_fields(self) -> list[tuple[str, Any, str]]:
-        """``(path, value, reason)`` of every *no effect here* field the configuration sets."""
+        """``(path, value, reason)`` of every *no effect here* field the configuration sets to a non-default value."""
         return _no_effect_fields(self, "")
 
     def with_overrides(self, **overrides) -> "RuntimeConfig":
@@ -345,7 +345,8 @@ def _no_effect_fields(model: BaseModel, prefix: str) -> list[tuple[str, Any, str
         value = getattr(model, name)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         if "no_effect" in extra:
-            out.append((prefix + name, value, extra["no_effect"]))
+            if value != info.default:  # a value equal to TensorRT-LLM's default changes nothing anywhere
+                out.append((prefix + name, value, extra["no_effect"]))
         elif isinstance(value, BaseModel):
             out.extend(_no_effect_fields(value, f"{prefix}{name}."))
     return out

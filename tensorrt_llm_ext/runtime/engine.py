@@ -274,6 +274,38 @@ class Engine:
         stats.num_tokens = sum(len(r.output_ids) for r in results)
         return results, stats
 
+    # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
+    def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
+        """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
+        generated token."""
+        path = "gathered" if mode == "gathered" else "speculative"
+        self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
+                                               self.state.page_size))
+        return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
+                                         speculative=mode != "target_only")
+
+    def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
+        """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new
+        tokens (``[K+1]``, the first ``lens[i]`` accepted) and ``lens``. Pads to a captured batch size and
+        replays its graph where one exists, else runs eagerly -- the same step :meth:`generate` runs."""
+        path = "gathered" if mode == "gathered" else "speculative"
+        worker = self.worker(path)
+        n = len(slots)
+        b = self._padded(path, n)
+        worker.set_rows(list(slots), b)
+        with nvtx_range(f"engine.step.{mode}"):
+            if mode != "target_only":
+                runner = self._runners.get(path)
+                outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+                return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
+            ids = worker.target_only_step(b)[:n].cpu().tolist()
+            return [[t] for t in ids], [1] * n
+
+    def release_slot(self, slot: int) -> None:
+        """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
+        self.pages.free(slot)
+        self.slots.release(slot)
+
     @staticmethod
     def _append(a: _Active, tokens: list[int]) -> bool:
         """Append accepted tokens up to the stop token / the length limit; True when the request is done."""

@@ -49,12 +49,26 @@ def parse_prompt(text: str) -> list[int]:
 
 
 def load_prompts_file(path: str) -> list[list[int]]:
-    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas)."""
+    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas). Every id must be
+    an integer (``2.7``, ``true`` or ``null`` is an error naming the prompt and the item)."""
     text = Path(path).read_text()
     stripped = text.strip()
-    if stripped.startswith("[["):
-        data = json.loads(stripped)
-        return [[int(t) for t in p] for p in data]
+    if stripped.startswith("["):
+        try:
+            data = json.loads(stripped)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of token-id lists")
+        out = []
+        for i, p in enumerate(data):
+            if not isinstance(p, list):
+                raise ValueError(f"{path}: prompt {i} must be a list of token ids, got {json.dumps(p)}")
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
+            if bad:
+                raise ValueError(f"{path}: prompt {i}: token ids must be integers, got {json.dumps(bad[0])}")
+            out.append(list(p))
+        return out
     return [parse_prompt(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 

@@ -41,7 +41,7 @@ cuda_graph_config:
 speculative_config:
   decoding_type: DSpark
   max_draft_len: 3
-  use_rejection_sampling: false
+  use_rejection_sampling: true
 """
 
 
