@@ -158,6 +158,10 @@ def _rank_main(job_dict: dict) -> dict:
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
     report = run_job(job, mapping)
+    from tensorrt_llm_ext.distributed.communicator import world_cpu_group
+    from tensorrt_llm_ext.logger import flush_rank_logs
+
+    flush_rank_logs(world_cpu_group())  # identical lines once, lines that differ once per rank
     return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
 
 

@@ -143,6 +143,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     else:
         torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
+    # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
+    # before rank 0 starts planning and the others start following.
+    selection = engine.worker("speculative").selection.describe()
     scheduler = Scheduler(engine)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
@@ -151,6 +154,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
 
         ranks = [None] * tp
         dist.all_gather_object(ranks, {"rank": mapping.rank, "pid": os.getpid()}, group=channel.group)
+        from tensorrt_llm_ext.logger import flush_rank_logs
+
+        flush_rank_logs(channel.group)  # start-up lines: once when identical, per rank when they differ
         if mapping.rank != 0:
             try:
                 follower_loop(scheduler, channel)
@@ -165,7 +171,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
-             f"K={cfg.draft_len} max_batch_size={cfg.max_batch_size} selection={engine.worker().selection.describe()} "
+             f"K={cfg.draft_len} max_batch_size={cfg.max_batch_size} selection={selection} "
              f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'}")
     rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready)
     if channel.distributed:

@@ -75,3 +75,43 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
         time.sleep(0.25)
     server.stop(10)
     raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
+
+
+# A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.
+SMALL_SERVE_CONFIG = {
+    "model.dtype": "float32",
+    "model.target.vocab_size": 516, "model.target.hidden_size": 32, "model.target.head_dim": 8,
+    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
+    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
+    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
+    "speculative_config.markov_rank": 32, "max_batch_size": 8, "max_seq_len": 40,
+    "kv_cache_config.tokens_per_block": 8,
+}
+
+
+def sample_bodies(n: int, vocab: int, seed: int = 5, max_tokens: tuple[int, int] = (2, 4)) -> list[dict]:
+    """``n`` completion bodies: random prompts of 1..8 ids, every other one sampled with its own seed."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = {"prompt": [rng.randrange(vocab) for _ in range(rng.randint(1, 8))],
+                "max_tokens": rng.randint(*max_tokens)}
+        if i % 2:
+            body.update(temperature=0.8, seed=1000 + i)
+        out.append(body)
+    return out
+
+
+def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[int]]:
+    """What :meth:`Engine.generate` (TP 1, in this process) produces for single-prompt ``bodies``."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    engine = Engine(load_config(**config_overrides))
+    reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], temperature=b.get("temperature", 0.0),
+                    seed=b.get("seed", 0), stop_token_ids=tuple(b.get("stop", ()))) for b in bodies]
+    results, _ = engine.generate(reqs)
+    return [r.output_ids for r in results]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import threading
 import time
 
@@ -20,44 +19,18 @@ pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
-from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
-from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
-from tensorrt_llm_ext.testing.server import start_server  # noqa: E402
+from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, reference_outputs, sample_bodies,  # noqa: E402
+                                             start_server)
 
-SMALL = {
-    "model.dtype": "float32",
-    "model.target.vocab_size": 516, "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 8, "max_seq_len": 40,
-    "kv_cache_config.tokens_per_block": 8,
-}
-VOCAB = 516
-
-
-def _bodies(n: int, seed: int = 5) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        body = {"prompt": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))], "max_tokens": rng.randint(2, 4)}
-        if i % 2:
-            body.update(temperature=0.8, seed=1000 + i)
-        out.append(body)
-    out[3]["stop"] = [7, 11]
-    return out
-
-
-BODIES = _bodies(32)
+SMALL = SMALL_SERVE_CONFIG
+VOCAB = SMALL["model.target.vocab_size"]
+BODIES = sample_bodies(32, VOCAB)
+BODIES[3]["stop"] = [7, 11]
 LONG = {"prompt": [9, 8, 7], "max_tokens": 8}
 
 
 def _reference(bodies: list[dict]) -> list[list[int]]:
-    engine = Engine(load_config(**SMALL))
-    reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], temperature=b.get("temperature", 0.0),
-                    seed=b.get("seed", 0), stop_token_ids=tuple(b.get("stop", ()))) for b in bodies]
-    results, _ = engine.generate(reqs)
-    return [r.output_ids for r in results]
+    return reference_outputs(SMALL, bodies)
 
 
 @pytest.fixture(scope="module")
