@@ -8,4 +8,5 @@ BENCHMARK_MODULES = {
     "drafter": "tensorrt_llm_ext.bench.drafter",
     "step": "tensorrt_llm_ext.bench.step",
     "tp": "tensorrt_llm_ext.bench.tp",
+    "serve": "tensorrt_llm_ext.bench.serve",
 }

@@ -1,4 +1,5 @@
-"""``trtllm-ext serve`` on loopback: a real HTTP client against a server process started by the test.
+"""``trtllm-ext serve`` on loopback: a real HTTP client against a server process started by the test
+(one shared server; the SIGTERM test starts and stops its own).
 
 The server's outputs are compared with :meth:`Engine.generate` on the same config and prompts (ids
 bitwise). Tests run in file order on one server; the last one stops it with SIGTERM.
@@ -38,12 +39,15 @@ def reference():
     return _reference(BODIES + [LONG])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
+def _start(d):
     cfg = d / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
-    srv = start_server(["--config", str(cfg), "--drain-timeout", "60"], str(d / "server.log"))
+    return start_server(["--config", str(cfg), "--drain-timeout", "60"], str(d / "server.log"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _start(tmp_path_factory.mktemp("serve"))
     yield srv
     srv.stop(30)
 
@@ -148,7 +152,8 @@ def test_disconnect_frees_the_slot(server):
     assert httpx.get(server.url + "/health", timeout=10).json()["free_slots"] == SMALL["max_batch_size"]
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(server, reference):
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, reference):
+    server = _start(tmp_path)
     result = {}
 
     def post():
@@ -163,4 +168,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, reference):
     t.join(120)
     assert result["r"].status_code == 200
     assert result["r"].json()["choices"][0]["token_ids"] == reference[-1]
-    assert server.wait(60) == 0, server.log()[-3000:]
+    try:
+        assert server.wait(60) == 0, server.log()[-3000:]
+    finally:
+        server.stop(10)
