@@ -1,4 +1,10 @@
-"""Environment switches, read once at import and logged. Nothing else in the package reads os.environ.
+"""The environment switches this package reads: read once, here, at import.
+
+No other module reads a switch. A few *set* variables for what they start, before it starts: the
+launcher turns ``TRITON_INTERPRET`` on for CPU runs before any kernel module is imported
+(``runtime/launch.py``), the MPI pool puts the venv's ``bin/`` on ``PATH`` for ``mpiexec``, and the TP
+benchmark keeps ``NCCL_NVLS_ENABLE=0`` for its ranks. :func:`tensorrt_llm_ext.logger.log_environment`
+logs the values once per process (the engine calls it at start).
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` is evaluated; this module only reports it.
 A malformed value is not raised here (an import-time traceback): it is recorded in ``ENV.errors`` and the
@@ -22,6 +28,10 @@ class _Env:
     # Set by `trtllm-ext serve --tp N` on the ranks it launches through mpiexec.
     serve_rank: bool = False
     errors: tuple[str, ...] = field(default=())
+
+    def describe(self) -> str:
+        return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
+                f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}")
 
 
 def _read() -> _Env:

@@ -8,5 +8,7 @@ BENCHMARK_MODULES = {
     "drafter": "tensorrt_llm_ext.bench.drafter",
     "step": "tensorrt_llm_ext.bench.step",
     "tp": "tensorrt_llm_ext.bench.tp",
+    "exchange": "tensorrt_llm_ext.bench.exchange",
+    "verify": "tensorrt_llm_ext.bench.verify",
     "serve": "tensorrt_llm_ext.bench.serve",
 }

@@ -1,26 +1,30 @@
-"""``trtllm-ext bench step``: one DSpark decode step split into stages, this module's path vs the stock path.
+"""``trtllm-ext bench step``: one DSpark decode step, by stage, with the fused and the stock op table.
 
-Per batch size B (every row a live generation request, K drafts), on one rank:
+Both columns time the same :class:`~tensorrt_llm_ext.speculative.dspark_worker.DSparkWorker` code on
+the same engine state: ``ours`` is the worker with :data:`~tensorrt_llm_ext.speculative.step_ops.FUSED_OPS`
+(this module's kernels), ``stock`` the worker with :data:`~tensorrt_llm_ext.speculative.step_ops.STOCK_OPS`
+-- the upstream eager path (gathered logits + ``torch.argmax``, the eager acceptance/bookkeeping chains,
+an eager store, the ``F.linear`` + add + ``torch.argmax`` Markov chain). Both workers are greedy-only
+(every row of the benchmark is a greedy generation request), as an upstream greedy worker is.
 
-* ``target fwd``: the target's verification forward + its LM head GEMM (identical in both paths);
-* ``select``: the target's tokens from the ``[B*(K+1), V]`` logits -- this module's selection kernel
-  (one launch, exact ``torch.argmax`` order, keyed Gumbel ready) vs the stock gathered ``torch.argmax``;
-* ``tail``: strict acceptance + paged-latent bookkeeping + context-latent store -- the fused kernels vs
-  their eager chains (a capturable eager store: masked rows go to the scratch page);
-* ``draft fwd``: context latents + the drafter's block decode + its LM head GEMM (identical);
-* ``chain``: the Markov draft chain -- the worker's :class:`MarkovChain` (configured mode) vs the eager
-  reference chain;
-* ``outside target`` = select + tail + draft fwd + chain, and the whole step (``worker.forward`` vs the
-  same step assembled from the stock pieces), each captured in a CUDA graph.
+Per batch size B (every row a live request, K drafts), each stage is a worker method captured in a CUDA
+graph and replayed (median):
 
-Every stage is captured in its own CUDA graph and replayed (median of many); the inputs are one set
-(the logits at B >= 8 and the weights already exceed the 60 MiB L2; small B may be flattered equally for
-both paths). On CPU: a smoke run of a tiny model (timings meaningless, printed as "-").
+* ``target fwd``: the verification forward (identical for both tables);
+* ``select``: the LM head + the target's tokens (vocab-parallel kernel / ``torch.argmax`` on the gathered
+  logits);
+* ``tail``: strict acceptance + paged-latent bookkeeping + context-latent store;
+* ``draft fwd``: the drafter's block decode + its LM head (identical);
+* ``chain``: the Markov draft chain;
+* ``outside target`` = select + tail + draft fwd + chain, and the whole step ``worker.forward(B)``.
+
+On CPU: a smoke run of the tiny test model (timings meaningless, printed as "-").
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
@@ -31,11 +35,7 @@ import torch  # noqa: E402
 from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark  # noqa: E402
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
-from tensorrt_llm_ext.speculative.contract import DrafterBlockInputs, PagedLatentCache  # noqa: E402
-from tensorrt_llm_ext.speculative.markov_chain import markov_chain_logits_reference  # noqa: E402
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (  # noqa: E402
-    paged_latent_step, paged_latent_step_reference, store_context_latents, strict_accept, strict_accept_reference)
-from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample  # noqa: E402
+from tensorrt_llm_ext.testing.tiny_models import tiny_model  # noqa: E402
 
 GPU_MODEL = {
     "model.dtype": "bfloat16", "model.drafter_init": "random", "model.target.vocab_size": 128256,
@@ -45,13 +45,9 @@ GPU_MODEL = {
     "model.drafter.head_dim": 64, "model.drafter.latent_dim": 256, "model.drafter.intermediate_size": 2816,
     "speculative_config.markov_rank": 256, "max_seq_len": 256, "kv_cache_config.tokens_per_block": 64,
 }
-CPU_MODEL = {
-    "model.drafter_init": "random", "model.target.vocab_size": 517, "model.target.hidden_size": 32,
-    "model.target.head_dim": 8, "model.target.num_layers": 2, "model.target.capture_layers": [0, 1],
-    "model.target.intermediate_size": 64, "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16,
-    "model.drafter.head_dim": 8, "model.drafter.intermediate_size": 64, "speculative_config.markov_rank": 8,
-    "max_seq_len": 48, "kv_cache_config.tokens_per_block": 8,
-}
+CPU_MODEL = tiny_model(**{"model.drafter_init": "random", "model.target.vocab_size": 517,
+                          "speculative_config.markov_rank": 8})
+STAGES = ("target_fwd", "select", "tail", "draft_fwd", "chain", "step")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -61,152 +57,80 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=128256 if cuda else 517)
     p.add_argument("--prompt-len", type=int, default=64 if cuda else 8)
     p.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default="auto")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top kernels of one captured fused step per batch size (torch profiler)")
 
 
-def _stock_store(latents, pages, offsets, mask, pool):
-    """Capturable eager store: rows not to be written go to the scratch (last) page of the pool."""
-    scratch = pool.shape[1] - 1
-    ok = mask & (pages >= 0)
-    pc = torch.where(ok, pages.long(), torch.full_like(pages, scratch, dtype=torch.long))
-    pool[:, pc, offsets.long()] = latents.transpose(0, 1).to(pool.dtype)
+class _Stages:
+    """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`_setup`."""
 
-
-class _StepBench:
-    """One engine with ``B`` live requests, the inputs of every stage, and both paths' stage callables."""
-
-    def __init__(self, eng: Engine, batch: int, prompt_len: int):
-        self.eng, self.b = eng, batch
-        w = eng.worker()
-        self.w = w
-        st = eng.state
-        k = eng.draft_len
-        v = eng.vocab_size
-        for slot in range(batch):
-            eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
-            prompt = [(slot * 7919 + i * 104729) % v for i in range(prompt_len)]
-            w.prefill(slot, prompt, 0.0, slot)
-        w.set_rows(list(range(batch)), batch)
-        dev = eng.device
-        self.slots = w.slot_ids[:batch]
-        sl = self.slots.long()
-        self.tokens = st.slot_tokens[sl].clone()
-        self.positions = st.ctx_lens[sl].long()[:, None] + w.cols
-        out = eng.target(self.tokens, self.positions, self.slots, st.kv_cache)
+    def __init__(self, eng: Engine, worker, b: int, ctx0: torch.Tensor):
+        self.eng, self.w, self.b, self.ctx0 = eng, worker, b, ctx0
+        worker.set_rows(list(range(b)), b)
+        worker._decode_pages()
+        self.tokens, self.positions, out = worker.verify_forward(b)
+        self.tokens = self.tokens.clone()
         self.hidden, self.captured = out.hidden_states, out.captured
-        self.logits = eng.target.logits(self.hidden)
-        rows = batch * (k + 1)
-        self.temps = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.offsets = (self.positions + 1).reshape(-1)
-        self.sel_out = torch.empty(rows, dtype=torch.int64, device=dev)
-        self.targets = gumbel_sample(self.logits, self.temps, self.seeds, self.offsets, 0, v)
-        self.drafts = self.tokens[:, 1:].contiguous()
-        self.dummy = w.is_dummy[:batch]
-        self.acc_out = (torch.empty(batch, k + 1, dtype=torch.int64, device=dev),
-                        torch.empty(batch, dtype=torch.int32, device=dev))
-        self.tail = w.tail_buffers(batch)
-        self.latents = eng.drafter.compute_context_latents(self.captured)
-        accepted, n_acc = strict_accept(self.drafts, self.targets.view(batch, k + 1), 0, out=self.acc_out)
-        ctx = st.ctx_lens.clone()
-        self.kwargs = dict(num_contexts=0, page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
-                           mask_token_id=w.mask_token_id)
-        paged_latent_step(accepted, n_acc, self.slots, self.dummy, st.ctx_lens, st.block_table, out=self.tail,
-                          **self.kwargs)
-        st.ctx_lens.copy_(ctx)
-        self.base = self._draft_fwd()
-        # Stages that advance ctx_len restore it first, so thousands of replays never run past the caches.
-        self.ctx0 = st.ctx_lens.clone()
-        sel = w.vocab_parallel
-        self.w1 = w.markov.weights.markov_w1
-        self.w2 = w.markov.weights.markov_w2
-        self.chain_vocab = (w.markov.weights.vocab_start, w.markov.weights.vocab_size)
-        assert sel is not None
+        self.targets, _ = worker.select_targets(b, self.hidden, self.positions)
+        self.targets = self.targets.clone()
+        _, _, self.tail_out = worker.accept_and_advance(b, self.tokens, self.targets, self.captured)
+        eng.state.ctx_lens.copy_(ctx0)
+        self.slots = worker.slot_ids[:b]
+        self.base = worker.draft_block_logits(self.tail_out, self.slots).clone()
+        self.anchors = self.tail_out.bonus_tokens.clone()
 
-    # -- shared stages ---------------------------------------------------------------------------------
     def target_fwd(self):
-        st = self.eng.state
-        out = self.eng.target(self.tokens, self.positions, self.slots, st.kv_cache)
-        return self.eng.target.logits(out.hidden_states)
+        return self.w.verify_forward(self.b)
 
-    def _draft_fwd(self):
-        st = self.eng.state
-        lat = self.eng.drafter.compute_context_latents(self.captured)
-        cache = PagedLatentCache(pool=st.latent_pool, block_table=st.block_table)
-        hidden = self.eng.drafter.forward_block(DrafterBlockInputs(self.tail.block_input_ids, self.slots,
-                                                                   self.tail.placement, cache))
-        del lat
-        return self.eng.drafter.lm_head(hidden)
+    def select(self):
+        return self.w.select_targets(self.b, self.hidden, self.positions)
+
+    def tail(self):
+        self.eng.state.ctx_lens.copy_(self.ctx0)  # thousands of replays never run past the caches
+        return self.w.accept_and_advance(self.b, self.tokens, self.targets, self.captured)
 
     def draft_fwd(self):
-        return self._draft_fwd()
+        return self.w.draft_block_logits(self.tail_out, self.slots)
 
-    # -- this module -----------------------------------------------------------------------------------
-    def select_ours(self):
-        return gumbel_sample(self.logits, self.temps, self.seeds, self.offsets, 0, self.eng.vocab_size,
-                             out=self.sel_out)
+    def chain(self):
+        return self.w.markov(self.base, self.anchors)
 
-    def tail_ours(self):
-        st = self.eng.state
-        st.ctx_lens.copy_(self.ctx0)
-        accepted, n_acc = strict_accept(self.drafts, self.targets.view(self.b, -1), 0, out=self.acc_out)
-        t = paged_latent_step(accepted, n_acc, self.slots, self.dummy, st.ctx_lens, st.block_table, out=self.tail,
-                              **self.kwargs)
-        store_context_latents(self.latents, t.latent_pages.view(-1), t.latent_offsets.view(-1),
-                              t.latent_write_mask.view(-1), st.latent_pool)
-
-    def chain_ours(self):
-        return self.w.markov(self.base, self.tail.bonus_tokens)
-
-    def step_ours(self):
+    def step(self):
         self.eng.state.ctx_lens.copy_(self.ctx0)
         return self.w.forward(self.b)
 
-    # -- stock ---------------------------------------------------------------------------------------
-    def select_stock(self):
-        return torch.argmax(self.logits, dim=-1)
 
-    def tail_stock(self):
-        st = self.eng.state
-        st.ctx_lens.copy_(self.ctx0)
-        accepted, n_acc = strict_accept_reference(self.drafts, self.targets.view(self.b, -1), 0)
-        t = paged_latent_step_reference(accepted, n_acc, self.slots, self.dummy, st.ctx_lens, st.block_table,
-                                        **self.kwargs)
-        _stock_store(self.latents, t.latent_pages.view(-1), t.latent_offsets.view(-1), t.latent_write_mask.view(-1),
-                     st.latent_pool)
-
-    def chain_stock(self):
-        start, vocab = self.chain_vocab
-        return markov_chain_logits_reference(self.base, self.tail.bonus_tokens, self.w1, self.w2, vocab_start=start,
-                                             vocab_size=vocab)
-
-    def step_stock(self):
-        """The whole step from stock pieces: gathered argmax, eager tail, eager chain."""
-        eng, st, b = self.eng, self.eng.state, self.b
-        st.ctx_lens.copy_(self.ctx0)
-        sl = self.slots.long()
-        tokens = st.slot_tokens[sl]
-        positions = st.ctx_lens[sl].long()[:, None] + self.w.cols
-        out = eng.target(tokens, positions, self.slots, st.kv_cache)
-        targets = torch.argmax(eng.target.logits(out.hidden_states), dim=-1)
-        accepted, n_acc = strict_accept_reference(tokens[:, 1:], targets.view(b, -1), 0)
-        t = paged_latent_step_reference(accepted, n_acc, self.slots, self.dummy, st.ctx_lens, st.block_table,
-                                        **self.kwargs)
-        lat = eng.drafter.compute_context_latents(out.captured)
-        _stock_store(lat, t.latent_pages.view(-1), t.latent_offsets.view(-1), t.latent_write_mask.view(-1),
-                     st.latent_pool)
-        cache = PagedLatentCache(pool=st.latent_pool, block_table=st.block_table)
-        hidden = eng.drafter.forward_block(DrafterBlockInputs(t.block_input_ids, self.slots, t.placement, cache))
-        start, vocab = self.chain_vocab
-        _, drafts = markov_chain_logits_reference(eng.drafter.lm_head(hidden), t.bonus_tokens, self.w1, self.w2,
-                                                  vocab_start=start, vocab_size=vocab)
-        st.slot_tokens[sl] = torch.cat((t.bonus_tokens.long()[:, None], drafts), dim=1)
-
-    def release(self):
-        for slot in range(self.b):
-            self.eng.pages.free(slot)
+def _setup(eng: Engine, b: int, prompt_len: int) -> torch.Tensor:
+    """``b`` live greedy requests on slots ``0..b-1``; returns their ``ctx_lens`` to restore between replays."""
+    w = eng.worker("speculative", sampling=False)
+    for slot in range(b):
+        eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
+        prompt = [(slot * 7919 + i * 104729) % eng.vocab_size for i in range(prompt_len)]
+        w.prefill(slot, prompt, 0.0, slot)
+    return eng.state.ctx_lens.clone()
 
 
-@register_benchmark("step", "one DSpark decode step by stage: this module vs the stock path (CUDA graphs)",
+def _profile(stages: _Stages, top: int = 12) -> list[str]:
+    """Top CUDA kernels of one captured step (replayed under the torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        stages.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        stages.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+    return table.splitlines()
+
+
+@register_benchmark("step", "one DSpark decode step by stage: fused vs stock op table (CUDA graphs)",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
@@ -217,35 +141,46 @@ def run(args: argparse.Namespace) -> None:
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
     cfg = load_config(**model)
-    timer = BenchTimer()
-    rows, notes = [], []
+    # A whole step is ~1 ms: few replays per sample keep the run to minutes at every batch size.
+    timer = BenchTimer(reps=7, calls_per_rep=4)
     eng = Engine(cfg)
+    fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
+    rows, profiles = [], []
     for b in sizes:
-        bench = _StepBench(eng, b, args.prompt_len)
+        ctx0 = _setup(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
-        t = {}
-        for name in ("target_fwd", "draft_fwd", "select_ours", "select_stock", "tail_ours", "tail_stock",
-                     "chain_ours", "chain_stock", "step_ours", "step_stock"):
-            t[name] = timer.time_graph([getattr(bench, name)])
-            for dst, src in zip(eng.state.mutable_tensors(), snapshot):  # every stage starts from the same state
-                dst.copy_(src)
-        ours = t["select_ours"] + t["tail_ours"] + t["draft_fwd"] + t["chain_ours"]
-        stock = t["select_stock"] + t["tail_stock"] + t["draft_fwd"] + t["chain_stock"]
-        pair = lambda a, s: f"{fmt(t[a])} / {fmt(t[s])}"  # noqa: E731
-        rows.append([b, fmt(t["target_fwd"]), pair("select_ours", "select_stock"), pair("tail_ours", "tail_stock"),
-                     fmt(t["draft_fwd"]), pair("chain_ours", "chain_stock"), f"{fmt(ours)} / {fmt(stock)}",
-                     fmt(stock / ours, 2) if ours == ours else "-", pair("step_ours", "step_stock")])
-        bench.release()
-    sel = eng.worker().selection.describe()
-    notes += [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, "
-              f"K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, markov mode "
-              f"{cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; {sel}",
-              "times in us, median of CUDA-graph replays; 'ours / stock'; outside target = select + tail + "
-              "draft fwd + chain (draft fwd is the same model in both paths); stock select = torch.argmax on the "
-              "gathered logits, stock tail/chain = the eager reference chains"]
-    text = print_table("bench step: DSpark decode step by stage, this module / stock",
+        t: dict[tuple[str, str], float] = {}
+        for table, worker in (("ours", fused), ("stock", stock)):
+            stages = _Stages(eng, worker, b, ctx0)
+            for name in STAGES:
+                if name in ("target_fwd", "draft_fwd") and table == "stock":
+                    t[(name, table)] = t[(name, "ours")]  # the same model code in both tables
+                    continue
+                t[(name, table)] = timer.time_graph([getattr(stages, name)], min_calls_per_graph=4)
+                for dst, src in zip(eng.state.mutable_tensors(), snapshot):  # every stage starts alike
+                    dst.copy_(src)
+            if args.profile and cuda and table == "ours":
+                profiles += [f"profile of one captured fused step at B={b}:"] + _profile(stages)
+        outside = {tab: sum(t[(s, tab)] for s in ("select", "tail", "draft_fwd", "chain")) for tab in ("ours", "stock")}
+        pair = lambda s: f"{fmt(t[(s, 'ours')])} / {fmt(t[(s, 'stock')])}"  # noqa: E731
+        rows.append([b, fmt(t[("target_fwd", "ours")]), pair("select"), pair("tail"), fmt(t[("draft_fwd", "ours")]),
+                     pair("chain"), f"{fmt(outside['ours'])} / {fmt(outside['stock'])}",
+                     fmt(outside["stock"] / outside["ours"], 2) if not timer.smoke else "-", pair("step"),
+                     fmt(t[("step", "stock")] / t[("step", "ours")], 2) if not timer.smoke else "-"])
+        print(f"bench step: B={b} done", file=sys.stderr, flush=True)
+        for slot in range(b):
+            eng.pages.free(slot)
+    notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, "
+             f"K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, markov mode "
+             f"{cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; {fused.selection.describe()}",
+             "times in us, median of CUDA-graph replays; 'ours / stock' = the same worker with the fused / the stock "
+             "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, F.linear + add + "
+             "torch.argmax Markov chain); outside target = select + tail + draft fwd + chain"]
+    text = print_table("bench step: DSpark decode step by stage, fused / stock op table",
                        ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x",
-                        "whole step"], rows, notes)
+                        "whole step", "step gain x"], rows, notes)
+    for line in profiles:
+        print(line)
     if getattr(args, "out", None):
         with open(args.out, "a") as f:
             f.write(text + "\n")

@@ -14,16 +14,9 @@ import argparse
 import torch
 
 from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (
-    PagedLatentStep,
-    decode_block_table,
-    decode_block_table_reference,
-    paged_latent_step,
-    paged_latent_step_reference,
-    store_context_latents,
-    strict_accept,
-    strict_accept_reference,
-)
+from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 
 _SETS = 4  # the tail's inputs are KiBs: rotation only keeps replays from reusing one set's lines
 

@@ -61,6 +61,9 @@ class TpSizes:
     block_batches: tuple[int, ...] = (1, 8, 32)
     ctx_len: int = 256  # context positions every block attends to
     page_size: int = 64
+    step_vocab: int = 128256  # the whole-step section: bench step's model at this vocabulary
+    step_batches: tuple[int, ...] = (1, 8, 32)
+    step_tiny: bool = False  # the tiny test model instead of bench step's GPU model
 
 
 def sizes_for(tiny: bool, quick: bool) -> TpSizes:
@@ -68,13 +71,15 @@ def sizes_for(tiny: bool, quick: bool) -> TpSizes:
     if tiny:
         s = TpSizes(select_vocabs=(2048, 2003), select_rows=(1, 3), markov_vocab=2003, markov_rank=16,
                     draft_len=3, markov_batches=(1, 2), drafter=dict(TINY_DRAFTER), ctx_rows=(1, 5),
-                    block_batches=(1, 2), ctx_len=6, page_size=4)
+                    block_batches=(1, 2), ctx_len=6, page_size=4, step_vocab=516, step_batches=(1, 2),
+                    step_tiny=True)
     else:
         s = TpSizes()
     if quick:
         ends = lambda xs: tuple(dict.fromkeys((xs[0], xs[-1])))  # noqa: E731
         s = TpSizes(**{**asdict(s), "select_rows": ends(s.select_rows), "markov_batches": ends(s.markov_batches),
-                       "ctx_rows": ends(s.ctx_rows), "block_batches": ends(s.block_batches)})
+                       "ctx_rows": ends(s.ctx_rows), "block_batches": ends(s.block_batches),
+                       "step_batches": ends(s.step_batches)})
     return s
 
 
@@ -238,7 +243,7 @@ def _device_state_dict(cfg, seed: int, dtype, dev) -> dict:
 
 def _block_inputs(cfg, B: int, K: int, ctx_len: int, page_size: int, dev):
     """B live requests, each with ``ctx_len`` context positions in its own pages, then the K-block."""
-    from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+    from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 
     g = _gen(dev, 99 + B)
     max_pages = -(-(ctx_len + K) // page_size)
@@ -289,8 +294,37 @@ def _drafter_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dic
     del models
 
 
-def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_per_rep: int,
-               step_available: bool) -> dict:
+def _step_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
+    """The whole DSpark step on this rank, fused vs stock op table (bench step's worker stages)."""
+    from tensorrt_llm_ext.bench.step import CPU_MODEL, GPU_MODEL, _setup, _Stages
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+
+    model = dict(CPU_MODEL if sizes.step_tiny else GPU_MODEL)
+    model.update({"model.target.vocab_size": sizes.step_vocab, "speculative_config.max_draft_len": sizes.draft_len,
+                  "max_batch_size": max(sizes.step_batches), "tensor_parallel_size": mapping.tp_size})
+    eng = Engine(load_config(**model), mapping, device=dev)
+    fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
+    out["step_selection"] = fused.selection.describe()
+    for b in sizes.step_batches:
+        ctx0 = _setup(eng, b, 8 if sizes.step_tiny else 64)
+        snapshot = [x.clone() for x in eng.state.mutable_tensors()]
+        t, tokens = {}, {}
+        for name, worker in (("fused", fused), ("stock", stock)):
+            stages = _Stages(eng, worker, b, ctx0)
+            t[name] = timer.time(f"step: {name} B={b}", [stages.step])
+            for dst, src in zip(eng.state.mutable_tensors(), snapshot):
+                dst.copy_(src)
+            tokens[name] = stages.step()["new_tokens"][:b].cpu()
+            for dst, src in zip(eng.state.mutable_tensors(), snapshot):
+                dst.copy_(src)
+        out["step"].append(dict(B=b, t=t, equal=bool(torch.equal(tokens["fused"].long(), tokens["stock"].long()))))
+        for slot in range(b):
+            eng.pages.free(slot)
+    del eng
+
+
+def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_per_rep: int) -> dict:
     """MPI rank entry: join the TP group, run every section in the same order on every rank."""
     # NCCL reads this at communicator creation: keep NVLink multicast (NVLS) off, as the device README asks.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -304,7 +338,7 @@ def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_
     timer = _AgreedTimer(mapping, reps, calls_per_rep)
     out: dict = dict(rank=mapping.rank, backend=backend_name(), smoke=timer.smoke,
                      device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                     select=[], markov=[], drafter=[], drafter_plans={}, step=None)
+                     select=[], markov=[], drafter=[], drafter_plans={}, step=[])
     with torch.no_grad():
         if "select" in sections:
             _select_section(mapping, dev, sizes, timer, out)
@@ -312,10 +346,8 @@ def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_
             _markov_section(mapping, dev, sizes, timer, out)
         if "drafter" in sections:
             _drafter_section(mapping, dev, sizes, timer, out)
-        if "step" in sections and step_available:
-            from tensorrt_llm_ext.bench import step
-
-            out["step"] = step.measure_step_rank(mapping)
+        if "step" in sections:
+            _step_section(mapping, dev, sizes, timer, out)
     out["eager"] = dict(timer.eager)
     return out
 
@@ -342,18 +374,6 @@ def _ratio(a: float, b: float) -> str:
     return fmt(a / b, 2) if a == a and b == b and b > 0 else "-"
 
 
-def _step_status() -> tuple[bool, str]:
-    try:
-        from tensorrt_llm_ext.bench import step
-    except Exception as e:  # a broken step module must not take the other sections down
-        return False, f"bench step: not measured (tensorrt_llm_ext.bench.step failed to import: {type(e).__name__})"
-    if callable(step.__dict__.get("measure_step_rank")):
-        return True, ""
-    return False, ("bench step: not measured at TP -- tensorrt_llm_ext.bench.step exposes no per-rank "
-                   "measurement function (measure_step_rank(mapping) -> table dict); run `trtllm-ext bench "
-                   "step` for the single-rank stages")
-
-
 def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
     """Launch ``args.tp`` ranks (or use ``pool``), measure, print the tables; returns their text."""
     from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
@@ -365,21 +385,20 @@ def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
         raise ValueError(f"--tp {tp} needs {tp} GPUs (one per rank), found {torch.cuda.device_count()}")
     sizes = sizes_for(args.tiny, args.quick)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    step_ok, step_note = _step_status() if "step" in sections else (False, "")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned ranks (NVLink multicast stays off)
     own = pool is None
     if own:
         pool = MpiPool(tp).start()
     try:
         results = run_on_ranks(pool, _rank_main, tp, asdict(sizes), sections, args.reps, args.calls_per_rep,
-                               step_ok, timeout=args.timeout)
+                               timeout=args.timeout)
     finally:
         if own:
             pool.shutdown()
-    return _tables(args, tp, sizes, results, step_note)
+    return _tables(args, tp, sizes, results)
 
 
-def _tables(args, tp: int, sizes: TpSizes, results: list[dict], step_note: str) -> list[str]:
+def _tables(args, tp: int, sizes: TpSizes, results: list[dict]) -> list[str]:
     r0 = results[0]
     smoke = r0["smoke"]
     eager: dict[str, str] = {}
@@ -476,13 +495,23 @@ def _tables(args, tp: int, sizes: TpSizes, results: list[dict], step_note: str) 
             notes.append(how("drafter"))
         texts.append(print_table(f"bench tp: drafter with vs without TP fusion, TP {tp}",
                                  ["stage", "size", "rows", "fusion", "no fusion", "no fusion/fusion"], rows, notes))
-    step = r0.get("step")
-    if step:
-        texts.append(print_table(step["title"] + f" (rank 0, TP {tp})", step["headers"], step["rows"],
-                                 list(step.get("notes", [])) + [head]))
-    elif step_note:
-        texts.append(print_table(f"bench tp: sections not measured, TP {tp}", ["section", "reason"],
-                                 [["step", step_note]], [head]))
+    if r0["step"]:
+        rows = []
+        for i, e in enumerate(r0["step"]):
+            t = {k: _max_over_ranks(results, "step", i, k) for k in e["t"]}
+            equal = all(r["step"][i]["equal"] for r in results)
+            rows.append([e["B"], fmt(t["fused"]), fmt(t["stock"]), _ratio(t["stock"], t["fused"]),
+                         "yes" if equal else "NO"])
+        notes = [head, timing,
+                 f"bench step's model at V={sizes.step_vocab}, K={sizes.draft_len}, greedy rows; fused / stock = the "
+                 "same DSparkWorker with the fused / the stock op table (stock: gathered logits + torch.argmax, eager "
+                 "acceptance/bookkeeping/store chains, F.linear + add + torch.argmax Markov chain); whole "
+                 "worker.forward(B) per rank. tokens equal: the step's accepted tokens agree between the tables on "
+                 "every rank.", r0["step_selection"]]
+        if how("step"):
+            notes.append(how("step"))
+        texts.append(print_table(f"bench tp: whole DSpark step, fused vs stock op table, TP {tp}",
+                                 ["B", "fused step", "stock step", "stock/fused", "tokens equal"], rows, notes))
     out_path = getattr(args, "out", None)
     if out_path:
         with open(out_path, "a") as f:

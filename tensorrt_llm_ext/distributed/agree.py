@@ -30,3 +30,18 @@ def agree_all(mapping: Mapping, flag: bool) -> bool:
 def agree_any(mapping: Mapping, flag: bool) -> bool:
     """True on every rank iff ``flag`` is True on any rank of the TP group (all-reduce MAX)."""
     return _reduce_flag(mapping, flag, dist.ReduceOp.MAX)
+
+
+def agree_codes(mapping: Mapping, code: int) -> list[int]:
+    """Every TP rank's ``code`` (a small non-negative int), identical on every rank: ``[tp_size]``.
+
+    One all-reduce SUM of a one-hot ``[tp_size]`` vector over the CPU group, so each rank can word the
+    same log line (which rank failed first, and why) without a pickled collective.
+    """
+    group = tp_cpu_group(mapping)
+    if group is None:
+        return [int(code)]
+    t = torch.zeros(mapping.tp_size, dtype=torch.int64)
+    t[mapping.tp_rank] = int(code)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return [int(c) for c in t.tolist()]

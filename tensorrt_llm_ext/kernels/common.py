@@ -6,7 +6,7 @@ One place for each, so every launcher words its errors alike and picks ``num_war
 * :class:`CaptureAllocationError` and :func:`refuse_allocation_while_capturing`: a launcher called
   without ``out=`` buffers while a CUDA graph is capturing would allocate inside the graph; it raises
   this one exception type instead.
-* :func:`check_tensor` / :func:`check_int`: ``ValueError`` naming the argument, what was expected and
+* :func:`check_tensor`, :func:`check_devices`, :func:`check_contiguous`, :func:`check_int`: ``ValueError`` naming the argument, what was expected and
   what arrived.
 * :func:`num_warps_for`: warps for a block of ``n`` elements per program.
 """
@@ -20,9 +20,13 @@ import torch
 from tensorrt_llm_ext._env import ENV
 
 __all__ = [
-    "CaptureAllocationError", "check_int", "check_tensor", "is_capturing", "num_warps_for",
+    "INT_DTYPES", "CaptureAllocationError", "check_contiguous", "check_devices", "check_int", "check_tensor",
+    "is_capturing", "num_warps_for",
     "refuse_allocation_while_capturing", "triton_runs_on",
 ]
+
+
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
@@ -89,6 +93,19 @@ def check_tensor(
     return t
 
 
+def check_devices(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Every named tensor on ``device``."""
+    for name, t in tensors.items():
+        if t.device != torch.device(device):
+            raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def check_contiguous(**tensors: torch.Tensor) -> None:
+    """Every named tensor dense (launchers that index ``ptr + i`` must refuse strided/broadcast views)."""
+    for name, t in tensors.items():
+        check_tensor(name, t, contiguous=True)
+
+
 def check_int(name: str, v, *, lo: int | None = None, hi: int | None = None) -> int:
     """A Python int (not bool) with ``lo <= v < hi`` where given; ``ValueError`` otherwise."""
     if isinstance(v, bool) or not isinstance(v, int):
@@ -100,8 +117,8 @@ def check_int(name: str, v, *, lo: int | None = None, hi: int | None = None) -> 
     return v
 
 
-def num_warps_for(block: int, *, elements_per_warp: int = 256, max_warps: int = 8) -> int:
-    """Warps for a program that handles ``block`` elements: one per ``elements_per_warp``, 1..max_warps,
-    a power of two (the launch-settings helper every launcher uses)."""
-    warps = max(1, min(max_warps, block // elements_per_warp))
+def num_warps_for(block: int, *, elements_per_warp: int = 256, min_warps: int = 1, max_warps: int = 8) -> int:
+    """Warps for a program that handles ``block`` elements: one per ``elements_per_warp``, clamped to
+    ``[min_warps, max_warps]``, a power of two (the launch-settings helper every launcher uses)."""
+    warps = max(min_warps, min(max_warps, block // elements_per_warp))
     return 1 << (warps.bit_length() - 1)

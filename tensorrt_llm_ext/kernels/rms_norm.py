@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import triton_runs_on
+from tensorrt_llm_ext.kernels.common import num_warps_for, triton_runs_on
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def rms_norm(
     ro = residual_out if residual_out is not None else out
     _rms_norm_kernel[(rows,)](
         x, r, weight, out, ro, hidden, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block, max_warps=16),
     )
     return out, residual_out
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import is_capturing, triton_runs_on
+from tensorrt_llm_ext.kernels.common import CaptureAllocationError, is_capturing, num_warps_for, triton_runs_on
 from tensorrt_llm_ext.logger import info_once
 
 from tensorrt_llm_ext.kernels.ordered_key import (
@@ -177,7 +177,7 @@ def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tenso
     if cached is not None and cached[0].numel() >= rows:
         return cached
     if is_capturing(device):
-        raise RuntimeError(
+        raise CaptureAllocationError(
             f"shard_select: split scratch for {rows} rows is not allocated yet and a CUDA graph is "
             f"capturing; run one eager call with >= {rows} rows first (warm-up) or pass scratch=")
     cap = max(256, triton.next_power_of_2(rows))
@@ -333,9 +333,12 @@ def shard_select_keys(
         if scratch is None:
             scratch = _scratch(device, rows)
         slots, counts = scratch
-        if slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32:
-            raise ValueError(f"scratch: expected (int64 [>= {rows}], int32 [>= {rows}]), got "
-                             f"({slots.dtype} {tuple(slots.shape)}, {counts.dtype} {tuple(counts.shape)})")
+        if (slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32
+                or slots.device != device or counts.device != device or not slots.is_contiguous()
+                or not counts.is_contiguous()):
+            raise ValueError(f"scratch: expected contiguous (int64 [>= {rows}], int32 [>= {rows}]) on {device}, got "
+                             f"({slots.dtype} {tuple(slots.shape)} on {slots.device}, {counts.dtype} "
+                             f"{tuple(counts.shape)} on {counts.device})")
     else:
         slots, counts = out, out  # never read: SPLIT is off
     sample = temperatures is not None
@@ -358,7 +361,7 @@ def shard_select_keys(
         SPLIT=splits > 1,
         OUT_IDS=return_ids,
         SALT=salt,
-        num_warps=4 if block_size <= 1024 else 8,
+        num_warps=num_warps_for(block_size, min_warps=4),
     )
     return out
 

@@ -51,7 +51,7 @@ from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
-from tensorrt_llm_ext.speculative.contract import (NO_TP_FUSIONS, DrafterBlockInputs, DrafterCapabilities,
+from tensorrt_llm_ext.contract import (NO_TP_FUSIONS, DrafterBlockInputs, DrafterCapabilities,
                                                    DrafterTPFusions, DrafterTPPlan, MarkovHeadWeights)
 
 
@@ -285,6 +285,10 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
                                                   device=device), requires_grad=False)
         self.all_reduce = AllReduce(mapping) if (self.tp_plan.fc_input_split or fused) else None
         self._lm_head: nn.Module | None = None
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
 
     # -- weights -------------------------------------------------------------------------------
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

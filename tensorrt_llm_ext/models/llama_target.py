@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorrt_llm_ext.contract import TargetOutput
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.attention import apply_rope, rope_cos_sin
 from tensorrt_llm_ext.modules.embedding import Embedding
@@ -234,12 +235,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, mapping, dtype, device)
 
 
-@dataclass(frozen=True)
-class TargetOutput:
-    hidden_states: torch.Tensor  # [B*T, H] final-normed, the LM head's input
-    captured: torch.Tensor  # [B*T, n_cap * H] hidden states of the capture layers, concatenated
-
-
 class LlamaTarget(nn.Module):
     """The target model. ``forward`` runs one fixed-shape step; ``logits`` applies the head.
 
@@ -313,6 +308,10 @@ class LlamaTarget(nn.Module):
         final = _norm(self.norm, hidden)
         return TargetOutput(hidden_states=final.reshape(b * t, cfg.hidden_size),
                             captured=torch.cat(captured, dim=-1).reshape(b * t, cfg.capture_width))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
 
     def logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary logits ``[R, V]`` through the plain processor (gathered at tp > 1)."""

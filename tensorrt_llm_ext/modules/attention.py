@@ -6,7 +6,7 @@ at their absolute positions. A draft block of ``K`` positions attends to
 
 * the request's context latents, positions ``0 .. ctx_len-1``, read through the cache's block table, and
 * the block's own latents (stored first at the
-  :class:`~tensorrt_llm_ext.speculative.contract.DraftBlockPlacement` pages/offsets by
+  :class:`~tensorrt_llm_ext.contract.DraftBlockPlacement` pages/offsets by
   :func:`write_block_latents`; attention uses the computed values, so a position whose page is
   unallocated still attends correctly),
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, PagedLatentCache
+from tensorrt_llm_ext.contract import DraftBlockPlacement, PagedLatentCache
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

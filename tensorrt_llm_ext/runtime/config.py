@@ -26,6 +26,8 @@ Example::
       decoding_type: DSpark
       max_draft_len: 4
       vocab_parallel_selection: auto   # auto | on | off
+      markov_chain_mode: auto          # exact | fused | auto
+      exchange: auto                   # auto | nccl | low_latency
     cuda_graph_config:                 # on a GPU: capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
@@ -144,6 +146,10 @@ class SpeculativeConfig(_Strict):
     # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
     # batches, exact above (the Markov chain component decides per captured batch size).
     markov_chain_mode: Literal["exact", "fused", "auto"] = "auto"
+    # How the TP pair exchange runs: low_latency = tagged words over symmetric memory; nccl = an NCCL
+    # all-reduce MAX; auto = low_latency where it sets up on every rank. Any setup failure (non-CUDA,
+    # no symmetric memory, a rank failing) falls back to NCCL on every rank, logged identically.
+    exchange: Literal["auto", "nccl", "low_latency"] = "auto"
     load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
     max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
     acceptance_window: StrictInt | None = no_effect(None, "speculation is never switched off by acceptance")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
@@ -33,9 +33,10 @@ from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
-MODES = ("speculative", "gathered", "target_only")
+MODES = ("speculative", "gathered", "target_only", "stock")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -142,6 +143,7 @@ class Engine:
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
                  use_cuda_graph: bool = False):
+        log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
             raise ValueError(f"Engine: config tensor_parallel_size={config.tensor_parallel_size} but the mapping "
@@ -173,20 +175,30 @@ class Engine:
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
 
     # -- workers -------------------------------------------------------------------------------------
-    def worker(self, path: str = "speculative") -> DSparkWorker:
-        """The worker of ``path`` (``speculative``: configured selection; ``gathered``: forced off)."""
-        if path not in self._workers:
+    def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
+        """The worker of ``path``: ``speculative`` (fused ops, configured selection), ``gathered`` (fused ops,
+        vocab-parallel selection forced off) or ``stock`` (the upstream eager op table, gathered).
+
+        ``sampling=False`` builds a greedy-only worker (plain argmax selection; sampled requests refused),
+        kept apart from the sampling-capable one of the same path.
+        """
+        key = path if sampling else f"{path}:greedy"
+        if key not in self._workers:
+            if path not in ("speculative", "gathered", "stock"):
+                raise ValueError(f"Engine.worker: unknown path {path!r}")
             mode = self.config.speculative_config.vocab_parallel_selection if path == "speculative" else "off"
             w = DSparkWorker(self.target, self.drafter, self.state, mapping=self.mapping, draft_len=self.draft_len,
                              max_batch_size=self.max_batch_size,
-                             markov_chain_mode=self.config.speculative_config.markov_chain_mode)
-            w.post_load(self.target, self.drafter, vocab_parallel_mode=mode)
-            self._workers[path] = w
+                             markov_chain_mode=self.config.speculative_config.markov_chain_mode,
+                             ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling)
+            w.post_load(self.target, self.drafter, vocab_parallel_mode=mode,
+                        exchange=self.config.speculative_config.exchange)
+            self._workers[key] = w
             if self.use_cuda_graph:
                 runner = CudaGraphRunner(w, self.batch_sizes, enable_padding=self.enable_padding)
                 if runner.capture_agreed(self.mapping):
-                    self._runners[path] = runner
-        return self._workers[path]
+                    self._runners[key] = runner
+        return self._workers[key]
 
     def _padded(self, path: str, n: int) -> int:
         runner = self._runners.get(path)
@@ -208,7 +220,7 @@ class Engine:
         """
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
-        path = "gathered" if mode == "gathered" else "speculative"
+        path = mode if mode in ("gathered", "stock") else "speculative"
         worker = self.worker(path)
         speculative = mode != "target_only"
         stats = GenerationStats(mode=mode)
@@ -256,6 +268,9 @@ class Engine:
                 else:
                     ids = worker.target_only_step(b)[:n].cpu().tolist()
                     new, lens = [[t] for t in ids], [1] * n
+                # The copies above synchronised: a low-latency exchange of this step that timed out has
+                # set its flag by now, and its rows must not become tokens.
+                worker.check_exchange()
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):

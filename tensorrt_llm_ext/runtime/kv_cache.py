@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm_ext.speculative.dspark_worker import DSparkState
+from tensorrt_llm_ext.contract import DSparkState
 
 
 class SlotPool:

@@ -1,7 +1,7 @@
 """The one-model DSpark worker: one speculative decode step, CUDA-graph capturable per batch size.
 
 Per generation step over rows ``[0, B)`` (``B`` = a CUDA-graph batch size; padding rows are dummies on
-the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.speculative.contract`:
+the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 
 1. ``block table``: decode the KV manager's encoded page offsets (:func:`decode_block_table`).
 2. ``target``: verify ``[anchor, d_0 .. d_{K-1}]`` of every row at positions ``ctx_len .. ctx_len+K``
@@ -27,43 +27,19 @@ No allocation through a launcher, no host sync and no data-dependent Python bran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
+                                       PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
+from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (PagedLatentStep, decode_block_table,
-                                                            paged_latent_step, store_context_latents,
-                                                            strict_accept)
-from tensorrt_llm_ext.speculative.vocab_parallel import SelectionParams, VocabShardedLogits, gumbel_sample
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
+from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
+from tensorrt_llm_ext.speculative.vocab_parallel import (TARGET_SALT, SelectionParams, VocabShardedLogits, gumbel_sample,
+                                                         vocab_parallel_argmax)
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
-
-
-@dataclass
-class DSparkState:
-    """Device state the step reads and mutates, indexed by slot (``num_slots`` = requests + the dummy slot)."""
-
-    kv_cache: object  # LlamaTarget KVCache: k, v [L_t, num_slots, max_positions, kvh, D]
-    latent_pool: torch.Tensor  # [L, num_pages + 1, page_size, d_c]; the last page is scratch
-    encoded_offsets: torch.Tensor  # [num_slots, max_pages] int32, page * divisor, -1 = unallocated
-    block_table: torch.Tensor  # [num_slots, max_pages] int32, decoded each step
-    ctx_lens: torch.Tensor  # [num_slots] int32, drafter context length = position of the anchor
-    ref_lens: torch.Tensor  # [num_slots] int32, sequence length minus one for the target-only decode
-    slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
-    slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
-    slot_seeds: torch.Tensor  # [num_slots] int64
-    page_size: int
-    page_divisor: int
-    dummy_slot: int
-    max_ctx_len: int
-
-    def mutable_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a step writes (snapshotted around CUDA-graph warm-up)."""
-        return [*self.kv_cache.tensors(), self.latent_pool, self.block_table, self.ctx_lens, self.ref_lens,
-                self.slot_tokens]
 
 
 class DSparkWorker(SpecWorkerBase):
@@ -74,16 +50,21 @@ class DSparkWorker(SpecWorkerBase):
     ``w.prefill(slot, prompt, ...)``; per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
     """
 
-    def __init__(self, target, drafter, state: DSparkState, *, mapping: Mapping, draft_len: int,
-                 max_batch_size: int, markov_chain_mode: str = "auto"):
+    def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
+                 draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
+                 sampling: bool = True):
         super().__init__(mapping, draft_len, max_batch_size)
+        self.ops = ops
+        # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
+        # upstream worker does) and refuses sampled requests.
+        self.sampling = sampling
         self.target = target
         self.drafter = drafter
         self.state = state
-        self.markov_chain_mode = markov_chain_mode
+        self.markov_chain_mode = ops.markov_mode or markov_chain_mode
         self.device = state.ctx_lens.device
-        self.vocab_size = target.config.vocab_size
-        self.mask_token_id = drafter.config.mask_token_id
+        self.vocab_size = target.vocab_size
+        self.mask_token_id = drafter.mask_token_id
         r, k = max_batch_size, draft_len
         dev = self.device
         num_slots = state.ctx_lens.shape[0]
@@ -108,13 +89,28 @@ class DSparkWorker(SpecWorkerBase):
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
 
     # -- binding -------------------------------------------------------------------------------------
+    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
+        if not self.ops.vocab_parallel and vocab_parallel_mode != "off":
+            raise ValueError(f"DSparkWorker: the {self.ops.name} op table selects from gathered logits; bind it "
+                             f"with vocab_parallel_mode='off', got {vocab_parallel_mode!r}")
+        return super().post_load(target, drafter, vocab_parallel_mode=vocab_parallel_mode, **kwargs)
+
     def _on_bound(self) -> None:
-        sel = self.vocab_parallel
-        draft_vp = sel.draft_head is not None
-        weights = self.drafter.markov_head_weights(vocab_parallel=draft_vp)
-        self.markov = MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
-                                  logits_dtype=self.target.dtype,
-                                  exchange=sel.draft_head.exchange if draft_vp else None, mode=self.markov_chain_mode)
+        exchange = self.vocab_parallel.draft_exchange
+        weights = self.drafter.markov_head_weights(vocab_parallel=exchange is not None)
+
+        def chain(mode: str) -> MarkovChain:
+            return MarkovChain(weights, max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                               logits_dtype=self.target.dtype, exchange=exchange, mode=mode)
+
+        self.markov = chain(self.markov_chain_mode)
+        if exchange is not None:  # agreed on every rank, and so are the sizes: the guard's collective is too
+            exact_sizes = [b for b in range(1, self.max_batch_size + 1) if self.markov.mode_for(b) == "exact"]
+            full = self.drafter.markov_head_weights(vocab_parallel=False)
+            mode = resolve_markov_mode(self.markov_chain_mode, self.mapping, weights.markov_w1, full.markov_w2,
+                                       weights.markov_w2, weights.vocab_start, weights.vocab_size, exact_sizes)
+            if mode != self.markov_chain_mode:
+                self.markov = chain(mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
     def set_rows(self, slots: list[int], batch_size: int) -> None:
@@ -168,29 +164,33 @@ class DSparkWorker(SpecWorkerBase):
         are set back to -1 (one more elementwise launch; capturable).
         """
         st = self.state
-        decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table, num_blocks_out=self.num_blocks)
+        self.ops.decode_block_table(st.encoded_offsets, st.page_divisor, out=st.block_table,
+                                    num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                 out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
         logits = self.target_logits(hidden)
+        if not self.sampling:
+            temps = seeds = offsets = None
+        if self.ops.select is not None:
+            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
         ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
         return ids, logits
 
-    def _draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
-        """Drafter block decode -> base logits through the shared head -> Markov chain -> ``out_drafts [B, K]``."""
-        st = self.state
+    def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
+        """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
+        side, else ``[B, K, V]``."""
+        cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
+        hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
+                                                               placement=tail.placement, cache=cache))
+        return self.draft_logits(hidden)
+
+    def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
+        """Drafter block decode -> base logits -> Markov chain -> ``out_drafts [B, K]``."""
         with nvtx_range("draft_forward"):
-            cache = PagedLatentCache(pool=st.latent_pool, block_table=st.block_table)
-            hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids,
-                                                                   slot_ids=slots, placement=tail.placement,
-                                                                   cache=cache))
-            sel = self.vocab_parallel
-            if sel.draft_head is not None:
-                base = sel.draft_head.lm_head.shard_forward(hidden)  # [B, K, V_shard], no gather
-            else:
-                base = self.drafter.lm_head(hidden)  # [B, K, V] gathered
+            base = self.draft_block_logits(tail, slots)
         with nvtx_range("markov_chain"):
             _, drafts = self.markov(base, tail.bonus_tokens)
             out_drafts.copy_(drafts)
@@ -208,6 +208,9 @@ class DSparkWorker(SpecWorkerBase):
         dev = self.device
         n = len(prompt_ids)
         k = self.draft_len
+        if temperature > 0 and not self.sampling:
+            raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
+                             f"got temperature {temperature}")
         st.slot_temps[slot] = float(temperature)
         st.slot_seeds[slot] = int(seed)
         with nvtx_range("prefill"):
@@ -229,58 +232,85 @@ class DSparkWorker(SpecWorkerBase):
             pos = torch.arange(n, device=dev)
             pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
             pages = st.block_table[slot, pidx]
-            store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1, st.latent_pool)
+            self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1,
+                                           st.latent_pool)
             st.ctx_lens[slot] = n - 1
             accepted = torch.zeros(1, k + 1, dtype=torch.int64, device=dev)
             accepted[0, 0] = tok[0]
-            tail = paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
-                                     torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens, st.block_table,
-                                     num_contexts=0, page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
-                                     mask_token_id=self.mask_token_id, out=self._prefill_tail)
+            tail = self.ops.paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
+                                              torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens,
+                                              st.block_table, num_contexts=0, page_size=st.page_size, draft_len=k,
+                                              max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
+                                              out=self._prefill_tail)
             last = torch.zeros(k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
             last[0] = latents[n - 1]
-            store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
-                                  tail.latent_write_mask.view(-1), st.latent_pool)
+            self.ops.store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                           tail.latent_write_mask.view(-1), st.latent_pool)
             drafts = torch.empty(1, k, dtype=torch.int64, device=dev)
-            self._draft(tail, slots, drafts)
+            self.draft(tail, slots, drafts)
             st.slot_tokens[slot, 0] = tok[0]
             st.slot_tokens[slot, 1:] = drafts[0]
         return int(tok.item())
 
     # -- the speculative step ---------------------------------------------------------------------------
+    # The step's stages, each a method so that ``bench step`` can time them on the worker itself (with
+    # either op table) instead of re-assembling a step.
+    def verify_forward(self, batch_size: int):
+        """The target's verification forward of ``[anchor, d_0 .. d_{K-1}]``: ``(tokens [B, K+1], positions
+        [B, K+1], TargetOutput)``."""
+        st = self.state
+        slots = self.slot_ids[:batch_size]
+        slots_l = slots.long()
+        tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
+        positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
+        return tokens, positions, self.target(tokens, positions, slots, st.kv_cache)
+
+    def select_targets(self, batch_size: int, hidden: torch.Tensor, positions: torch.Tensor):
+        """The target's token at every verified position: ``([B*(K+1)] int64, logits)``."""
+        st = self.state
+        b, k = batch_size, self.draft_len
+        slots_l = self.slot_ids[:b].long()
+        # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
+        # selection kernel indexes these per-row tensors as dense arrays.
+        temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)])
+
+    def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
+                           captured: torch.Tensor):
+        """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
+        ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+        st, ops = self.state, self.ops
+        b, k = batch_size, self.draft_len
+        slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
+        accepted, num_acc = ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+                                              out=(self.accepted[:b], self.num_accepted[:b]))
+        tail = ops.paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table,
+                                     num_contexts=0, page_size=st.page_size, draft_len=k,
+                                     max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
+                                     out=self.tail_buffers(b))
+        latents = self.drafter.compute_context_latents(captured)  # [B*(K+1), L, d_c]
+        ops.store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
+                                  tail.latent_write_mask.view(-1), st.latent_pool)
+        return accepted, num_acc, tail
+
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
         self._check_rows(batch_size)
         st = self.state
-        b, k = batch_size, self.draft_len
+        b = batch_size
         slots = self.slot_ids[:b]
-        slots_l = slots.long()
-        dummy = self.is_dummy[:b]
         with nvtx_range("block_table"):
             self._decode_pages()
         with nvtx_range("target_forward"):
-            tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
-            positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
-            out = self.target(tokens, positions, slots, st.kv_cache)
+            tokens, positions, out = self.verify_forward(b)
         with nvtx_range("selection"):
-            # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
-            # selection kernel indexes these per-row tensors as dense arrays.
-            temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-            seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-            target_tokens, logits = self._select(out.hidden_states, temps, seeds, (positions + 1).reshape(-1),
-                                                 self.target_tokens[:b * (k + 1)])
+            target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
         with nvtx_range("tail"):
-            accepted, num_acc = strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
-                                              out=(self.accepted[:b], self.num_accepted[:b]))
-            tail = paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table, num_contexts=0,
-                                     page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
-                                     mask_token_id=self.mask_token_id, out=self.tail_buffers(b))
-            latents = self.drafter.compute_context_latents(out.captured)  # [B*(K+1), L, d_c]
-            store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
-                                  tail.latent_write_mask.view(-1), st.latent_pool)
+            accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
         nxt = self.next_new_tokens[:b]
-        self._draft(tail, slots, nxt[:, 1:])
+        self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)
-        st.slot_tokens[slots_l] = nxt
+        st.slot_tokens[slots.long()] = nxt
         logits_out = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         return {
             "logits": logits_out,  # [B*(K+1), V] gathered, or this rank's [B*(K+1), V_shard]
@@ -312,8 +342,14 @@ class DSparkWorker(SpecWorkerBase):
             hidden = out.hidden_states.view(b, k + 1, -1)[:, 0]
             logits = self.target.logits(hidden)
             ids = self.ref_tokens[:b]
-            gumbel_sample(logits, st.slot_temps[slots_l], st.slot_seeds[slots_l], positions[:, 0] + 1, 0,
-                          self.vocab_size, None, out=ids)
+            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if self.sampling else (None, None)
+            offsets = positions[:, 0] + 1 if self.sampling else None
+            if self.ops.select is not None:
+                self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, ids)
+            elif temps is None:
+                vocab_parallel_argmax(logits, 0, self.vocab_size, None, out=ids)
+            else:
+                gumbel_sample(logits, temps, seeds, offsets, 0, self.vocab_size, None, out=ids)
             st.ref_lens[slots_l] += live
             tokens[:, 0] = ids
             st.slot_tokens[slots_l] = tokens

@@ -1,6 +1,6 @@
 """DSpark Markov draft chain, owned by the worker: full vocabulary or a vocab shard with the pair exchange.
 
-Semantics (DESIGN.md §3). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
+Semantics (docs/markov_chain.md). Weights ``markov_w1 [V, r]`` (whole on every rank) and ``markov_w2 [V_local, r]``
 (this rank's vocabulary rows ``[vocab_start, vocab_start + V_local)``). With ``prev_0`` the anchor (last
 accepted token) and base draft logits ``base[b, k, :]``, for ``k = 0 .. K-1``::
 
@@ -29,7 +29,7 @@ Modes (both CUDA-graph safe with a preallocated :class:`MarkovWorkspace` and ``o
   cuBLAS/CPU GEMM ``F.linear`` runs, hence bitwise the eager bias); add + select + store with one atomic
   MAX per (program, row) into the step key -- then the exchange. Bit-identical to
   :func:`markov_chain_logits_reference`.
-* ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_fused`), bias computed
+* ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_step`), bias computed
   in-kernel in a fixed reduction order: bitwise identical at every TP size and batch size, tokens equal
   to ``exact`` except at near-ties (the bias is rounded once from a different fp32 sum order).
 
@@ -42,77 +42,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import is_capturing, triton_runs_on
-from tensorrt_llm_ext.kernels.markov_fused import (W_BF16, W_FP16, W_FP32, FusedConfig, add_in_logits_dtype,
-                                                    bias_to_logits, fused_config, launch_fused_step,
-                                                    selection_score)
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, block_best, gumbel_noise_torch, key_to_id,
-                                                  key_to_id_torch, ordered_i32, pack_key,
-                                                  shard_argmax_key_reference)
-from tensorrt_llm_ext.speculative.contract import MarkovHeadWeights
+from tensorrt_llm_ext.contract import MarkovHeadWeights
+from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing, triton_runs_on
+from tensorrt_llm_ext.kernels.markov_step import (W_BF16, W_FP16, W_FP32, FusedConfig, fused_config,
+                                                  launch_exact_resolve, launch_exact_select, launch_fused_step,
+                                                  markov_step_reference)
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
+from tensorrt_llm_ext.speculative.step_ops import stock_select
 
 MARKOV_SALT = 0x4D4B5631  # "MKV1": Philox counter word c3 of the Markov chain's Gumbel draws
 MODES = ("exact", "fused")
 _LOGITS_DTYPES = (torch.bfloat16, torch.float32)
 _W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
-_SELECT_BLOCK = 2048  # columns per program of the exact mode's select kernel
-_SELECT_WARPS = 4
-
-
-# ----------------------------------------------------------------------------------------------------
-# Exact mode kernels
-# ----------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["k", "read_slot", "reset_slot"])
-def _markov_resolve_kernel(
-    anchors_ptr, keys_ptr, w1_ptr, h_ptr, tokens_ptr,
-    k, read_slot, reset_slot, vocab_size, r, stride_slot, stride_w1, stride_h, stride_tok,
-    FROM_ANCHOR: tl.constexpr, GATHER: tl.constexpr, RESET: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """One program per row: previous token (anchor or step key) -> token record, key reset, w1 gather."""
-    b = tl.program_id(0).to(tl.int64)
-    one = tl.arange(0, 1)
-    if FROM_ANCHOR:
-        prev = tl.load(anchors_ptr + b + one).to(tl.int64)
-    else:
-        prev = key_to_id(tl.load(keys_ptr + read_slot * stride_slot + b + one))
-        tl.store(tokens_ptr + b * stride_tok + (k - 1) + one, prev)
-    if RESET:
-        tl.store(keys_ptr + reset_slot * stride_slot + b + one, tl.full([1], -9223372036854775808, tl.int64))
-    if GATHER:
-        rr = tl.arange(0, BLOCK_R)
-        valid = (prev >= 0) & (prev < vocab_size)  # [1]
-        safe = tl.where(valid, prev, 0)
-        row = tl.load(w1_ptr + safe * stride_w1 + rr, mask=(rr < r) & valid, other=0.0)
-        tl.store(h_ptr + b * stride_h + rr, row, mask=rr < r)
-
-
-@triton.jit(do_not_specialize=["k", "vocab_start"])
-def _markov_select_kernel(
-    base_ptr, bias_ptr, out_ptr, keys_ptr, temps_ptr, seeds_ptr, offsets_ptr,
-    k, v_local, vocab_start, vocab_size,
-    stride_bb, stride_bk, stride_bias, stride_ob, stride_ok,
-    SAMPLE: tl.constexpr, SALT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Grid (B, column blocks): biased = base[:, k] + bias (logits dtype), store, MAX the block's key."""
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < v_local
-    gid = cols.to(tl.int64) + vocab_start
-    base = tl.load(base_ptr + b * stride_bb + k * stride_bk + cols, mask=cmask, other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + b * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)
-    s = add_in_logits_dtype(base, bias_to_logits(bias, 0, OUT_BF16), OUT_BF16)
-    tl.store(out_ptr + b * stride_ob + k * stride_ok + cols, s.to(out_ptr.dtype.element_ty), mask=cmask)
-    if SAMPLE:
-        temp = tl.load(temps_ptr + b)
-        seed = tl.load(seeds_ptr + b)
-        off = tl.load(offsets_ptr + b) + k
-        zeros = tl.zeros([BLOCK_V], dtype=tl.int64)
-        s = selection_score(s, gid, temp, seed + zeros, off + zeros, SAMPLE, SALT)
-    best, col = block_best(ordered_i32(s), cols, cmask & (gid < vocab_size), 0)
-    tl.atomic_max(keys_ptr + b, pack_key(best, col.to(tl.int64) + vocab_start))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,8 +154,7 @@ class MarkovChainStepper:
         B, K, v_local = base_logits.shape
         r = markov_w1.shape[1]
         if out is None or workspace is None:
-            if is_capturing(base_logits.device):
-                raise ValueError("markov_chain_logits needs out= and workspace= while a CUDA graph captures")
+            refuse_allocation_while_capturing("markov_chain_logits (out=, workspace=)", base_logits.device)
             out = torch.empty_like(base_logits) if out is None else out
             workspace = MarkovWorkspace.allocate(B, K, markov_w2, mode) if workspace is None else workspace
         ws = workspace
@@ -246,21 +187,11 @@ class MarkovChainStepper:
                               interpret=self.interpret)
             return self.ws.keys[k % 3, :B]
         h, bias = self.ws.h[:B], self.ws.bias[:B]
-        r = self.w1.shape[1]
-        _markov_resolve_kernel[(B,)](
-            self.anchors, self.ws.keys, self.w1, h, self.tokens, k, 0, 0, self.vocab_size, r,
-            self.ws.keys.stride(0), self.w1.stride(0), h.stride(0), self.tokens.stride(0),
-            FROM_ANCHOR=k == 0, GATHER=True, RESET=True, BLOCK_R=triton.next_power_of_2(r),
-        )
+        launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=k, read_slot=0, reset_slot=0,
+                             vocab_size=self.vocab_size, gather=True)
         torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
-        v_local = self.base.shape[2]
-        s = self.sample
-        _markov_select_kernel[(B, triton.cdiv(v_local, _SELECT_BLOCK))](
-            self.base, bias, self.out, self.ws.keys, self.temps if s else bias, self.seeds if s else self.anchors,
-            self.offsets if s else self.anchors, k, v_local, self.vocab_start, self.vocab_size,
-            self.base.stride(0), self.base.stride(1), bias.stride(0), self.out.stride(0), self.out.stride(1),
-            SAMPLE=s, SALT=MARKOV_SALT, OUT_BF16=self.out_bf16, BLOCK_V=_SELECT_BLOCK, num_warps=_SELECT_WARPS,
-        )
+        launch_exact_select(self.base, bias, self.out, self.ws.keys[0], self.temps, self.seeds, self.offsets, k=k,
+                            vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT)
         return self.ws.keys[0, :B]
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,11 +199,8 @@ class MarkovChainStepper:
         if self.B > 0:
             K = self.K
             read = (K - 1) % 3 if self.mode == "fused" else 0
-            _markov_resolve_kernel[(self.B,)](
-                self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, K, read, 0, self.vocab_size, 1,
-                self.ws.keys.stride(0), self.w1.stride(0), 0, self.tokens.stride(0),
-                FROM_ANCHOR=False, GATHER=False, RESET=True, BLOCK_R=1,
-            )
+            launch_exact_resolve(self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, k=K, read_slot=read,
+                                 reset_slot=0, vocab_size=self.vocab_size, gather=False)
         return self.out, self.tokens
 
 
@@ -346,25 +274,17 @@ class MarkovReferenceStepper:
         self.outs: list[torch.Tensor] = []
         self.toks: list[torch.Tensor] = []
         self.keys: torch.Tensor | None = None
-        self.gid = torch.arange(v_local, device=base_logits.device, dtype=torch.int64) + vocab_start
 
     def step(self, k: int) -> torch.Tensor:
         if self.keys is not None:
             self.prev = key_to_id_torch(self.keys)
             self.toks.append(self.prev)
-        valid = (self.prev >= 0) & (self.prev < self.vocab_size)
-        h = self.w1[torch.where(valid, self.prev, 0)]
-        h = torch.where(valid[:, None], h, torch.zeros_like(h))
-        bias = F.linear(h, self.w2).to(self.base.dtype)
-        biased = self.base[:, k] + bias
+        offsets = None if self.offsets is None else self.offsets + k
+        biased, self.keys = markov_step_reference(self.base[:, k], self.prev, self.w1, self.w2,
+                                                  vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+                                                  temperatures=self.temps, seeds=self.seeds, offsets=offsets,
+                                                  salt=MARKOV_SALT)
         self.outs.append(biased)
-        score = biased.float()
-        if self.temps is not None:
-            g = gumbel_noise_torch(self.seeds[:, None], (self.offsets + k)[:, None], self.gid[None, :],
-                                   MARKOV_SALT)
-            t = self.temps[:, None]
-            score = torch.where(t > 0, score / torch.where(t > 0, t, torch.ones_like(t)) + g, score)
-        self.keys = shard_argmax_key_reference(score, self.vocab_start, self.vocab_size)
         return self.keys
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +304,32 @@ def markov_chain_logits_reference(
     return _run_chain(st, exchange)
 
 
+def markov_chain_stock(
+    base_logits, anchors, markov_w1, markov_w2, *, vocab_size=None, temperatures=None, seeds=None, offsets=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stock chain the upstream worker ran, on the full vocabulary: per block position ``F.linear`` bias,
+    add, ``torch.argmax`` (sampled rows: ``argmax(biased / T + G)`` with this chain's keyed noise).
+
+    Same tokens and biased logits as :func:`markov_chain_logits_reference` (and hence the ``exact`` mode);
+    only the selection is a plain ``torch.argmax`` instead of int64 keys. Capturable (allocates in the
+    graph's pool); no exchange -- the stock worker gathers.
+    """
+    vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
+    B, K, _ = base_logits.shape
+    prev = anchors.to(torch.int64)
+    outs, toks = [], []
+    for k in range(K):
+        valid = (prev >= 0) & (prev < vocab_size)
+        h = markov_w1[torch.where(valid, prev, 0)] * valid[:, None].to(markov_w1.dtype)
+        biased = base_logits[:, k] + F.linear(h, markov_w2).to(base_logits.dtype)
+        outs.append(biased)
+        off = None if offsets is None else offsets + k
+        prev = stock_select(biased[:, :vocab_size], temperatures, seeds, off, MARKOV_SALT,
+                            torch.empty(B, dtype=torch.int64, device=base_logits.device))
+        toks.append(prev)
+    return torch.stack(outs, dim=1), torch.stack(toks, dim=1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Worker-side component
 # ----------------------------------------------------------------------------------------------------
@@ -395,14 +341,17 @@ class MarkovChain:
     ``"fused"`` is one launch per block position and bitwise identical at every TP size; ``"auto"``
     (default) runs ``fused`` for batches of at most ``fused_max_batch`` rows and ``exact`` above, which
     is the faster of the two on an H200 (docs/markov_chain.md). The choice depends on the batch size
-    only (a shape, fixed per captured graph), and both modes share one workspace.
+    only (a shape, fixed per captured graph), and both modes share one workspace. ``"stock"`` is the
+    upstream eager chain (:func:`markov_chain_stock`), the stock op table's.
     """
 
     def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
                  logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "auto",
                  fused_max_batch: int = 32):
-        if mode not in MODES + ("auto",):
-            raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto',)}, got {mode!r}")
+        if mode not in MODES + ("auto", "stock"):
+            raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto', 'stock')}, got {mode!r}")
+        if mode == "stock" and (exchange is not None or weights.vocab_start != 0):
+            raise ValueError("MarkovChain mode 'stock' runs on the full vocabulary (the stock worker gathers)")
         self.weights = weights
         self.mode = mode
         self.fused_max_batch = fused_max_batch
@@ -423,6 +372,9 @@ class MarkovChain:
         """``base_logits [B, K, V_local]``, ``anchors [B]`` -> views ``(biased [B, K, V_local], tokens [B, K])``."""
         B = base_logits.shape[0]
         w = self.weights
+        if self.mode == "stock":
+            return markov_chain_stock(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_size=w.vocab_size,
+                                      temperatures=temperatures, seeds=seeds, offsets=offsets)
         return markov_chain_logits(base_logits, anchors, w.markov_w1, w.markov_w2, vocab_start=w.vocab_start,
                                    vocab_size=w.vocab_size, exchange=self.exchange, temperatures=temperatures,
                                    seeds=seeds, offsets=offsets, mode=self.mode_for(B), out=self.out[:B],

@@ -10,8 +10,7 @@ Gumbel-max noise per global id at every TP size.
 
 Layers, bottom up:
 
-* functional: :func:`vocab_parallel_argmax`, :func:`gumbel_sample`, :func:`draft_tokens_from_shard` and
-  their gathered twins :func:`gathered_argmax`, :func:`gathered_gumbel_sample` (the reference that
+* functional: :func:`vocab_parallel_argmax`, :func:`gumbel_sample` and their gathered twins :func:`gathered_argmax`, :func:`gathered_gumbel_sample` (the reference that
   "bit-exact to the gathered path" is checked against);
 * :class:`VocabShardedLogits`: a shard with the facts needed to index it;
 * :class:`VocabParallelHead`: an eligible :class:`LMHead` + exchange;
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorrt_llm_ext.distributed import PairExchange, agree_any, allgather
+from tensorrt_llm_ext.distributed.low_latency import ExchangeStrategy
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
 from tensorrt_llm_ext.logger import logger
@@ -39,8 +39,7 @@ from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 __all__ = [
     "DRAFT_SALT", "TARGET_SALT", "RequestSampling", "SelectionMode", "SelectionParams", "VocabParallelHead",
     "VocabParallelSelection", "VocabParallelSelectionMixin", "VocabParallelSelector", "VocabShardedLogits",
-    "draft_tokens_from_shard", "gathered_argmax", "gathered_gumbel_sample", "gumbel_sample",
-    "needs_full_vocab", "needs_gathered_logits", "vocab_parallel_argmax",
+    "gathered_argmax", "gathered_gumbel_sample", "gumbel_sample", "needs_full_vocab", "vocab_parallel_argmax",
 ]
 
 _ID_MASK = 0xFFFFFFFF
@@ -124,25 +123,6 @@ def gumbel_sample(
     the same at every TP size. One launch + one collective; CUDA-graph safe.
     """
     return _select(shard_logits, vocab_start, vocab_size, exchange, temperatures, seeds, offsets, salt, out)
-
-
-def draft_tokens_from_shard(
-    block_shard_logits: torch.Tensor,
-    vocab_start: int,
-    vocab_size: int,
-    exchange: PairExchange | None = None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Greedy draft tokens through the target head: ``[B, K, V_shard] -> [B, K]`` int64 (``out`` in place)."""
-    if not isinstance(block_shard_logits, torch.Tensor) or block_shard_logits.dim() != 3:
-        got = tuple(block_shard_logits.shape) if isinstance(block_shard_logits, torch.Tensor) else block_shard_logits
-        raise ValueError(f"block_shard_logits: expected [B, K, V_shard], got {got}")
-    b, k, _ = block_shard_logits.shape
-    if out is not None and (tuple(out.shape) != (b, k) or out.dtype != torch.int64 or not out.is_contiguous()):
-        raise ValueError(f"out: expected contiguous ({b}, {k}) int64, got {tuple(out.shape)} {out.dtype}")
-    ids = _select(block_shard_logits, vocab_start, vocab_size, exchange, None, None, None, DRAFT_SALT, out)
-    return out if out is not None else ids.view(b, k)
 
 
 def _gather_full(shard_logits: torch.Tensor, vocab_size: int, mapping: Mapping | None) -> torch.Tensor:
@@ -261,20 +241,6 @@ class VocabParallelHead:
     def shard_logits(self, hidden: torch.Tensor) -> VocabShardedLogits:
         """``hidden [..., H]`` -> this rank's shard ``[..., V_padded / tp]`` (no gather)."""
         return self.wrap(self.lm_head.shard_forward(hidden))
-
-    def argmax(self, shard: VocabShardedLogits | torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return vocab_parallel_argmax(self._unwrap(shard), self.vocab_start, self.vocab_size, self.exchange, out=out)
-
-    def sample(self, shard: VocabShardedLogits | torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-               offsets: torch.Tensor, *, salt: int = TARGET_SALT, out: torch.Tensor | None = None) -> torch.Tensor:
-        return gumbel_sample(self._unwrap(shard), temperatures, seeds, offsets, self.vocab_start, self.vocab_size,
-                             self.exchange, salt=salt, out=out)
-
-    def draft_tokens(self, block_shard: VocabShardedLogits | torch.Tensor, *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, K, V_shard]`` -> ``[B, K]`` greedy draft tokens."""
-        return draft_tokens_from_shard(self._unwrap(block_shard), self.vocab_start, self.vocab_size, self.exchange,
-                                       out=out)
 
     def gather(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
         """The fallback: all-gather to the full ``[..., V]`` logits (padding sliced off)."""
@@ -434,11 +400,6 @@ def needs_full_vocab(request: RequestSampling) -> bool:
             or (request.top_p is not None and request.top_p < 1.0))
 
 
-def needs_gathered_logits(requests) -> bool:
-    """The engine gathers a step's shard logits only when some request has a logits post-processor."""
-    return any(r.has_logits_post_processor for r in requests)
-
-
 @dataclass(frozen=True)
 class SelectionParams:
     """One batch's selection inputs. ``temperatures=None``: all rows greedy.
@@ -459,9 +420,11 @@ class VocabParallelSelector:
     def __init__(self) -> None:
         self.selection: VocabParallelSelection | None = None
         self.lm_head: LMHead | None = None
+        self.drafter_lm_head = None
         self.logits_processor = None
         self.target_head: VocabParallelHead | None = None
         self.draft_head: VocabParallelHead | None = None
+        self.exchange: PairExchange | None = None  # shared by both heads
 
     @property
     def is_bound(self) -> bool:
@@ -469,17 +432,26 @@ class VocabParallelSelector:
 
     def bind(self, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
              occurrence_penalties: bool = False, mode: str = "auto",
-             drafter_lm_head=None) -> VocabParallelSelection:
-        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load."""
+             drafter_lm_head=None, exchange: str = "nccl", max_exchange_rows: int = 0) -> VocabParallelSelection:
+        """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load.
+
+        ``exchange`` (``speculative_config.exchange``: auto | nccl | low_latency) picks the
+        :class:`PairExchange` backend; ``max_exchange_rows`` is the most rows one exchange carries
+        (``max_batch_size * (K + 1)`` for the worker's target rows).
+        """
         if self.selection is not None:
             raise RuntimeError("VocabParallelSelector.bind: already bound (the decision is made once)")
+        strategy = ExchangeStrategy(exchange)  # a bad value fails before any collective
         selection = VocabParallelSelection.decide(
             mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
             occurrence_penalties=occurrence_penalties, mode=mode, drafter_lm_head=drafter_lm_head)
-        exchange = PairExchange(mapping) if (selection.target_enabled or selection.draft_enabled) else None
+        exchange = (PairExchange(mapping, strategy, max_rows=max_exchange_rows)
+                    if (selection.target_enabled or selection.draft_enabled) else None)
+        self.exchange = exchange
         self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
         self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
         self.lm_head = lm_head
+        self.drafter_lm_head = drafter_lm_head
         self.logits_processor = logits_processor
         self.selection = selection
         return selection
@@ -487,6 +459,11 @@ class VocabParallelSelector:
     def _require_bound(self) -> None:
         if self.selection is None:
             raise RuntimeError("VocabParallelSelector: call bind() once after load first")
+
+    def check_exchange(self) -> None:
+        """Raise ``RuntimeError`` if the pair exchange timed out since load (no device sync; once per step)."""
+        if self.exchange is not None:
+            self.exchange.check_exchange()
 
     def target_logits(self, hidden_states: torch.Tensor,
                       row_indices: torch.Tensor | None = None) -> VocabShardedLogits | torch.Tensor:
@@ -498,19 +475,11 @@ class VocabParallelSelector:
             return self.target_head.shard_logits(hidden_states)
         return self.logits_processor(hidden_states, self.lm_head, row_indices)
 
-    def full_logits(self, logits: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary ``[..., V]`` logits for the gathered sampler (gathers a shard)."""
-        self._require_bound()
-        if isinstance(logits, VocabShardedLogits):
-            return _gather_full(logits.logits, logits.vocab_size, self.lm_head.mapping)
-        return logits
-
     def select_tokens(self, logits: VocabShardedLogits | torch.Tensor, params: SelectionParams | None = None, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy / temperature-only Gumbel selection: ``[R, V_shard]`` shard or ``[R, V]`` full -> ``[R]``.
 
-        Batches with a request that :func:`needs_full_vocab` go to the gathered sampler via
-        :meth:`full_logits` instead. CUDA-graph safe.
+        A batch with a request that :func:`needs_full_vocab` must take the gathered path. CUDA-graph safe.
         """
         self._require_bound()
         params = params or SelectionParams()
@@ -526,33 +495,62 @@ class VocabParallelSelector:
         return gumbel_sample(x, params.temperatures, params.seeds, params.offsets, start, vocab, exchange,
                              salt=params.salt, out=out)
 
-    def draft_tokens(self, block_logits: VocabShardedLogits | torch.Tensor, *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """Greedy draft tokens ``[B, K]`` from block logits: a ``[B, K, V_shard]`` shard (draft side bound)
-        or full ``[B, K, V]`` logits."""
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The drafter's block logits: this rank's shard ``[..., V_shard]`` when the draft side is
+        vocab-parallel (no gather), else the drafter head's full ``[..., V]`` logits."""
         self._require_bound()
-        if isinstance(block_logits, VocabShardedLogits):
-            if self.draft_head is None:
-                raise ValueError("draft_tokens: got shard logits but the draft side is not vocab-parallel")
-            return self.draft_head.draft_tokens(block_logits, out=out)
-        return draft_tokens_from_shard(block_logits, 0, block_logits.shape[-1], None, out=out)
+        if self.draft_head is not None:
+            return self.draft_head.lm_head.shard_forward(hidden_states)
+        return self.drafter_lm_head(hidden_states)
+
+    @property
+    def draft_exchange(self) -> PairExchange | None:
+        """The exchange the Markov chain uses on a draft shard (None when drafts see the full vocabulary)."""
+        return self.draft_head.exchange if self.draft_head is not None else None
 
 
 class VocabParallelSelectionMixin:
-    """Worker-side face of :class:`VocabParallelSelector`: the post-load hook calls
-    :meth:`bind_vocab_parallel` once; the step calls :meth:`select_tokens`."""
+    """The worker mixin that binds token selection once after load and holds the one selector.
+
+    :meth:`post_load` (call once, on every rank) lets the drafter take over the target's LM head, then
+    binds the :class:`VocabParallelSelector` -- target side first, then the draft side against that head --
+    and calls the worker's ``_on_bound`` hook. The decision lives in the selector alone
+    (:attr:`selection` reads it); the step selects target tokens through :meth:`select_tokens` and
+    computes draft logits through :meth:`draft_logits`.
+    """
 
     vocab_parallel: VocabParallelSelector | None = None
 
-    def bind_vocab_parallel(self, mapping: Mapping, lm_head, logits_processor, **kwargs) -> VocabParallelSelection:
+    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", guided_decoder=None,
+                  occurrence_penalties: bool = False, exchange: str = "nccl",
+                  max_exchange_rows: int = 0) -> VocabParallelSelection:
+        """Bind once after load (a few tiny CPU collectives at tp > 1); calling it twice is an error.
+
+        ``exchange`` is ``speculative_config.exchange`` (the pair exchange's backend), sized for
+        ``max_exchange_rows`` rows per exchange.
+        """
+        if self.vocab_parallel is not None:
+            raise RuntimeError(f"{type(self).__name__}.post_load: already bound (the decision is made once)")
+        drafter.take_over_lm_head(target.lm_head)
         selector = VocabParallelSelector()
-        selection = selector.bind(mapping, lm_head, logits_processor, **kwargs)
+        selector.bind(self.mapping, target.lm_head, target.logits_processor, guided_decoder=guided_decoder,
+                      occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode,
+                      drafter_lm_head=drafter.lm_head, exchange=exchange, max_exchange_rows=max_exchange_rows)
         self.vocab_parallel = selector
-        return selection
+        self._on_bound()
+        return selector.selection
+
+    def _on_bound(self) -> None:
+        """Hook for subclasses: build what depends on the selection decision (buffers, chain)."""
+
+    @property
+    def selection(self) -> VocabParallelSelection | None:
+        """The decision (None before :meth:`post_load`)."""
+        return None if self.vocab_parallel is None else self.vocab_parallel.selection
 
     def _selector(self) -> VocabParallelSelector:
         if self.vocab_parallel is None:
-            raise RuntimeError("bind_vocab_parallel() must run once after load before selecting tokens")
+            raise RuntimeError(f"{type(self).__name__}: call post_load() once after load before selecting tokens")
         return self.vocab_parallel
 
     def target_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor | None = None):
@@ -560,3 +558,10 @@ class VocabParallelSelectionMixin:
 
     def select_tokens(self, logits, params: SelectionParams | None = None, *, out: torch.Tensor | None = None):
         return self._selector().select_tokens(logits, params, out=out)
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._selector().draft_logits(hidden_states)
+
+    def check_exchange(self) -> None:
+        """Raise if the pair exchange timed out (reads pinned host memory; call once per step)."""
+        self._selector().check_exchange()

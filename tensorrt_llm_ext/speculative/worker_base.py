@@ -1,11 +1,12 @@
 """Speculative worker base: owns ``forward``, holds the vocab-parallel selection component.
 
 TensorRT-LLM's shape: the base class owns ``forward`` (checks, profiling range) and calls the abstract
-``_forward_impl`` of the concrete worker. Token selection lives in one composable component, the
-:class:`~tensorrt_llm_ext.speculative.vocab_parallel.VocabParallelSelector` (through its mixin), bound
-ONCE by the post-load hook :meth:`SpecWorkerBase.post_load`: target side first, then the draft side once
-the drafter has taken over the target's LM head. The decision is agreed across ranks and logged
-identically on every rank; nothing is probed inside a step.
+``_forward_impl`` of the concrete worker; a subclass that overrides ``forward`` is refused at class
+creation. Token selection lives in one composable component, the
+:class:`~tensorrt_llm_ext.speculative.vocab_parallel.VocabParallelSelector`, bound ONCE by the mixin's
+post-load hook (:meth:`~tensorrt_llm_ext.speculative.vocab_parallel.VocabParallelSelectionMixin.post_load`):
+target side first, then the draft side once the drafter has taken over the target's LM head. The
+decision is agreed across ranks, logged identically on every rank, and stored in the selector only.
 
 NVTX: :func:`nvtx_range` marks each stage of a step. The ``nvtx`` package is optional (the GPU machine may
 lack it): without it the ranges are no-ops, logged once.
@@ -20,7 +21,7 @@ import torch
 
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelection, VocabParallelSelectionMixin
+from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelectionMixin
 
 try:  # optional: ranges become no-ops without the package
     import nvtx as _nvtx
@@ -50,6 +51,11 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         max_batch_size: rows of the largest step.
     """
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must not override forward(); implement _forward_impl() instead")
+
     def __init__(self, mapping: Mapping, draft_len: int, max_batch_size: int):
         if draft_len < 1 or max_batch_size < 1:
             raise ValueError(f"SpecWorkerBase: need draft_len >= 1 and max_batch_size >= 1, got {draft_len}, "
@@ -57,27 +63,11 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         self.mapping = mapping
         self.draft_len = draft_len
         self.max_batch_size = max_batch_size
-        self.selection: VocabParallelSelection | None = None
 
-    # -- post-load hook ------------------------------------------------------------------------------
-    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", guided_decoder=None,
-                  occurrence_penalties: bool = False) -> VocabParallelSelection:
-        """Bind token selection once after load (call on every rank; a few tiny CPU collectives at tp > 1).
-
-        The drafter takes over the target's LM head first, so the draft side can be decided against it;
-        the selector decides the target side before the draft side. Calling it twice is an error.
-        """
-        if self.selection is not None:
-            raise RuntimeError(f"{type(self).__name__}.post_load: already bound (the decision is made once)")
-        drafter.take_over_lm_head(target.lm_head)
-        self.selection = self.bind_vocab_parallel(
-            self.mapping, target.lm_head, target.logits_processor, guided_decoder=guided_decoder,
-            occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode, drafter_lm_head=drafter.lm_head)
-        self._on_bound()
-        return self.selection
-
-    def _on_bound(self) -> None:
-        """Hook for subclasses: build what depends on the selection decision (buffers, chain)."""
+    def post_load(self, target, drafter, **kwargs):
+        """The mixin's post-load binding, with the pair exchange sized for the step's ``B * (K + 1)`` rows."""
+        return super().post_load(target, drafter, max_exchange_rows=self.max_batch_size * (self.draft_len + 1),
+                                 **kwargs)
 
     # -- the step ------------------------------------------------------------------------------------
     def forward(self, batch_size: int) -> dict[str, torch.Tensor]:
@@ -86,10 +76,12 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         Returns TensorRT-LLM's one-model worker dict: ``logits``, ``new_tokens [B, K+1]``,
         ``new_tokens_lens [B]``, ``next_draft_tokens [B, K]``, ``next_new_tokens [B, K+1]``.
         """
-        if self.selection is None:
+        if self.vocab_parallel is None:
             raise RuntimeError(f"{type(self).__name__}.forward: call post_load() once after load first")
         if not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size must lie in [1, {self.max_batch_size}], got {batch_size}")
+        # A low-latency exchange that timed out in an earlier step raises here (a host read, no sync).
+        self.check_exchange()
         with nvtx_range(f"{type(self).__name__}.step"):
             return self._forward_impl(batch_size)
 

@@ -110,3 +110,25 @@ def test_attention_dp_flag_reaches_the_mapping():
 def test_non_mapping_config_is_a_config_error():
     with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
         parse_config([("max_batch_size", 4)])
+
+
+def test_exchange_option_is_validated_and_reaches_the_pair_exchange():
+    from tensorrt_llm_ext.distributed import PairExchange
+    from tensorrt_llm_ext.mapping import Mapping
+    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+
+    assert parse_config({}).speculative_config.exchange == "auto"
+    for value in ("auto", "nccl", "low_latency"):
+        assert parse_config({"speculative_config": {"exchange": value}}).speculative_config.exchange == value
+    for bad in ("fast", "NCCL", True, 1, None):
+        with pytest.raises(ConfigError) as err:
+            parse_config({"speculative_config": {"exchange": bad}})
+        msg = str(err.value)
+        assert "speculative_config.exchange" in msg and "'auto', 'nccl' or 'low_latency'" in msg, msg
+    with pytest.raises(ValueError, match=r"PairExchange: strategy must be one of \['auto', 'nccl', 'low_latency'\]"):
+        PairExchange(Mapping(), "fast")
+    # A single rank has nothing to exchange, whatever the strategy.
+    ex = PairExchange(Mapping(), "low_latency", max_rows=8)
+    assert ex.backend == "nccl" and ex.is_identity
+    with pytest.raises(ValueError, match="'fast' is not a valid ExchangeStrategy"):
+        VocabParallelSelector().bind(Mapping(), None, None, exchange="fast")

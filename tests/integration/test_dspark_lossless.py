@@ -1,4 +1,4 @@
-"""Lossless end to end (DESIGN.md section 3): speculative output == the target's own decode, at TP 1.
+"""Lossless end to end (docs/end_to_end.md): speculative output == the target's own decode, at TP 1.
 
 Greedy and keyed-Gumbel sampling, vocab-parallel (where bound) and gathered, eager on the CPU (Triton
 interpreter); on a GPU also under CUDA graphs, across batch sizes with padding. Multi-rank TP: see
@@ -13,19 +13,12 @@ import torch
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 # Small enough for the Triton interpreter; an odd vocabulary; prompts longer than a latent page. fp32: eager
 # steps run at the live batch size, so the speculative run and the reference see different GEMM shapes; on
 # a GPU bf16 rounding of another shape could flip a near-tie (bf16 is tested at one fixed graph shape).
-SMALL = {
-    "model.dtype": "float32",
-    "model.target.vocab_size": 517, "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 4, "max_seq_len": 48,
-    "kv_cache_config.tokens_per_block": 8,
-}
+SMALL = tiny_model()
 PROMPTS = [[5, 17, 300, 42], [101], list(range(200, 219)), [7, 7, 7, 480, 2, 9, 31, 64, 128, 256, 3]]
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -57,6 +50,31 @@ def test_greedy_speculative_equals_target_decode():
     lens = [n for r in spec for n in r.accepted_lens]
     assert max(lens) >= 3 and stats.mean_acceptance_length > 1.2, lens
     assert stats.num_steps < 11
+
+
+@pytest.mark.parametrize("markov_mode", ["exact", "fused"])
+def test_fused_and_stock_op_tables_give_identical_tokens(markov_mode):
+    """One worker, two op tables: the stock (upstream eager) step emits exactly the fused step's tokens,
+    greedy and keyed-sampled rows in one batch."""
+    eng = _engine(**{"speculative_config.markov_chain_mode": markov_mode})
+    reqs = _requests(max_new=10)
+    reqs[1].temperature, reqs[1].seed = 0.9, 3
+    reqs[3].temperature, reqs[3].seed = 1.2, 4
+    fused, fused_stats = eng.generate(reqs, "speculative")
+    stock, stock_stats = eng.generate(reqs, "stock")
+    assert _outputs(stock) == _outputs(fused)
+    assert eng.worker("stock").ops.name == "stock" and eng.worker("speculative").ops.name == "fused"
+    assert stock_stats.mean_acceptance_length > 1.0 and fused_stats.mean_acceptance_length > 1.0
+    if markov_mode == "exact":  # the exact chain is bitwise the stock chain: same drafts, same acceptance
+        assert [r.accepted_lens for r in stock] == [r.accepted_lens for r in fused]
+
+
+def test_greedy_only_worker_refuses_sampled_requests():
+    eng = _engine()
+    w = eng.worker("speculative", sampling=False)
+    assert w is not eng.worker("speculative") and not w.sampling
+    with pytest.raises(ValueError, match="greedy-only"):
+        w.prefill(0, [1, 2, 3], 0.7, 0)
 
 
 def test_seeded_sampling_speculative_equals_target_decode():

@@ -11,17 +11,11 @@ from __future__ import annotations
 import pytest
 
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 # fp32: eager steps run at the live batch size, so GEMM shapes differ between the speculative run and the
 # reference; fp32 keeps shape-dependent rounding far below any logit gap (bf16 is covered on one GPU).
-SMALL = {
-    "model.dtype": "float32", "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 4, "max_seq_len": 40,
-    "kv_cache_config.tokens_per_block": 8,
-}
+SMALL = tiny_model(**{"max_seq_len": 40})
 PROMPTS = [[5, 17, 300, 42], [101], list(range(200, 219))]
 
 
@@ -57,8 +51,9 @@ def _check(results, tp):
     for r in results[1:]:
         assert r == first, "ranks disagree"
     assert first["speculative"] == first["target_only"], first
-    if "gathered" in first:
-        assert first["gathered"] == first["target_only"]
+    for mode in ("gathered", "stock"):
+        if mode in first:
+            assert first[mode] == first["target_only"], mode
     assert all(len(o) > 0 for o in first["speculative"])
     return first
 
@@ -66,7 +61,7 @@ def _check(results, tp):
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_lossless_tp2_vocab_parallel(mpi_pool_executor):
     res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 516, 10,
-                              ("speculative", "target_only", "gathered")), 2)
+                              ("speculative", "target_only", "gathered", "stock")), 2)
     assert res["target_vp"] and res["draft_vp"], res["selection"]
     assert res["speculative_acc"] > 1.0
 

@@ -20,7 +20,7 @@ from tensorrt_llm_ext.modules.attention import write_block_latents
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
-from tensorrt_llm_ext.speculative.contract import (DraftBlockPlacement, DrafterBlockInputs, DrafterTPFusions,
+from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DrafterTPFusions,
                                                    PagedLatentCache)
 
 CFG = DSparkDrafterConfig()

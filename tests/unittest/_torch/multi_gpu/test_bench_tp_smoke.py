@@ -59,7 +59,8 @@ def test_bench_tp_smoke_two_ranks(tmp_path):
     if not torch.cuda.is_available():
         assert "CPU gloo smoke run" in text
         assert all(c == "-" for r in sel for c in r[4:-1])
-    # bench step runs at TP only through its per-rank hook; without it, the skip and its reason are printed.
-    if "### bench tp: sections not measured, TP 2" in text:
-        skipped = _table(text, "bench tp: sections not measured, TP 2")
-        assert [r[0] for r in skipped] == ["step"] and "not measured" in skipped[0][1]
+    step = _table(text, "bench tp: whole DSpark step, fused vs stock op table, TP 2")
+    assert [r[0] for r in step] == ["1", "2"]
+    assert all(r[-1] == "yes" for r in step), "fused and stock op tables disagree"
+    assert "target vocab-parallel" in text  # V=516 splits evenly: the fused step selects from shards
+    assert "not measured" not in text

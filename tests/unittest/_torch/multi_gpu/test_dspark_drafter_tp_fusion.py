@@ -22,7 +22,7 @@ TOL = {
 
 def _block_inputs(cfg, dtype, device, k=4, page_size=4, max_pages=4, seed=1):
     """3 requests (ctx 9, 0, 5) + a dummy row over permuted pages of a random (stale) pool."""
-    from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+    from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 
     g = torch.Generator().manual_seed(seed)
     num_slots = 5

@@ -38,7 +38,7 @@ def _rank_chain():
     import torch
 
     from tensorrt_llm_ext.distributed import PairExchange, comm_device, init_from_mpi
-    from tensorrt_llm_ext.speculative.contract import MarkovHeadWeights
+    from tensorrt_llm_ext.contract import MarkovHeadWeights
     from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, markov_chain_logits,
                                                            markov_chain_logits_reference)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
-from tensorrt_llm_ext.speculative.contract import MarkovHeadWeights
+from tensorrt_llm_ext.contract import MarkovHeadWeights
 from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, MarkovChainStepper, MarkovReferenceStepper,
                                                        MarkovWorkspace, markov_chain_logits,
                                                        markov_chain_logits_reference)

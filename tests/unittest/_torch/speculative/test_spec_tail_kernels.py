@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.speculative.contract import DraftBlockPlacement
-from tensorrt_llm_ext.speculative.spec_tail_kernels import (
-    PagedLatentStep,
-    decode_block_table,
-    decode_block_table_reference,
-    paged_latent_step,
-    paged_latent_step_reference,
-    store_context_latents,
-    store_context_latents_reference,
-    strict_accept,
-    strict_accept_reference,
-)
+from tensorrt_llm_ext.contract import DraftBlockPlacement
+from tensorrt_llm_ext.kernels.common import CaptureAllocationError
+from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents, store_context_latents_reference
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The parity tests run compiled on a GPU machine and under the Triton interpreter on CPU.
@@ -472,6 +465,6 @@ def test_capture_without_out_raises():
     draft, target = (t.cuda() for t in _accept_inputs(0, 4, 3, torch.int32, seed=0))
     strict_accept(draft, target, 0)  # compile
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match="out="):
+    with pytest.raises(CaptureAllocationError, match="out="):
         with torch.cuda.graph(graph):
             strict_accept(draft, target, 0)

@@ -21,8 +21,8 @@ from tensorrt_llm_ext.modules.linear import TensorParallelMode
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 from tensorrt_llm_ext.speculative.vocab_parallel import (
     RequestSampling, SelectionParams, VocabParallelSelection, VocabParallelSelectionMixin, VocabShardedLogits,
-    draft_tokens_from_shard, gathered_argmax, gumbel_sample, local_draft_failures, local_target_failures,
-    needs_full_vocab, needs_gathered_logits, vocab_parallel_argmax)
+    gathered_argmax, gumbel_sample, local_draft_failures, local_target_failures,
+    needs_full_vocab, vocab_parallel_argmax)
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 NAN, INF = float("nan"), float("inf")
@@ -126,21 +126,6 @@ def test_random_rows_many_shapes(device):
         x = (torch.randn(rows, vocab, generator=g) * 3).round().to(torch.bfloat16).to(device)  # many ties
         assert torch.equal(vocab_parallel_argmax(x, 0, vocab), torch.argmax(x.float(), dim=1))
         assert torch.equal(_simulated_tp(x, 3, vocab, block_size=128), torch.argmax(x.float(), dim=1))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_draft_tokens_from_shard(device):
-    b, k, vocab, tp = 3, 4, 613, 2
-    x = _adversarial(b * k, vocab, torch.bfloat16, device, seed=5).view(b, k, vocab)
-    expected = torch.argmax(x.float(), dim=-1)
-    assert torch.equal(draft_tokens_from_shard(x, 0, vocab), expected)
-    out = torch.empty(b, k, dtype=torch.int64, device=device)
-    assert draft_tokens_from_shard(x, 0, vocab, out=out) is out and torch.equal(out, expected)
-    width = -(-vocab // tp)
-    xp = torch.nn.functional.pad(x, (0, width * tp - vocab))
-    keys = torch.stack([shard_select_keys(xp[..., r * width:(r + 1) * width].reshape(b * k, width), r * width,
-                                          vocab) for r in range(tp)])
-    assert torch.equal(key_to_id_torch(keys.max(0).values).view(b, k), expected)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -414,12 +399,21 @@ def test_request_routing():
     assert needs_full_vocab(RequestSampling(temperature=0.8, top_p=0.9))
     assert needs_full_vocab(RequestSampling(return_logprobs=True))
     assert needs_full_vocab(RequestSampling(has_logits_post_processor=True))
-    assert not needs_gathered_logits([RequestSampling(return_logprobs=True), RequestSampling()])
-    assert needs_gathered_logits([RequestSampling(), RequestSampling(has_logits_post_processor=True)])
 
 
 class _Worker(VocabParallelSelectionMixin):
-    pass
+    def __init__(self, mapping):
+        self.mapping = mapping
+
+
+class _Model:
+    """The few attributes post_load reads of a target (head + processor) and of a drafter."""
+
+    def __init__(self, head, processor=None):
+        self.lm_head, self.logits_processor = head, processor
+
+    def take_over_lm_head(self, head):
+        self.lm_head = head
 
 
 @pytest.mark.parametrize("processor_cls", [LogitsProcessor, _CustomProcessor])
@@ -428,13 +422,15 @@ def test_worker_component_single_rank(processor_cls):
     vocab, hidden = 257, 16
     mapping, head = _head(vocab=vocab, hidden=hidden, tp=1)
     head.load_weights(torch.randn(vocab, hidden))
-    worker = _Worker()
-    with pytest.raises(RuntimeError, match="bind_vocab_parallel"):
+    worker = _Worker(mapping)
+    with pytest.raises(RuntimeError, match="post_load"):
         worker.select_tokens(torch.zeros(1, vocab))
-    sel = worker.bind_vocab_parallel(mapping, head, processor_cls(), drafter_lm_head=head)
-    assert not sel.target_enabled
+    sel = worker.post_load(_Model(head, processor_cls()), _Model(None))
+    assert not sel.target_enabled and worker.selection is sel
     with pytest.raises(RuntimeError, match="already bound"):
         worker.vocab_parallel.bind(mapping, head, processor_cls())
+    with pytest.raises(RuntimeError, match="already bound"):
+        worker.post_load(_Model(head, processor_cls()), _Model(None))
     h = torch.randn(6, hidden)
     logits = worker.target_logits(h, torch.tensor([0, 2, 5]))
     assert isinstance(logits, torch.Tensor) and logits.shape == (3, vocab)

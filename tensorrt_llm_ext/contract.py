@@ -1,7 +1,9 @@
-"""Plain data types shared by drafter models and speculative workers.
+"""The contract between models and speculative workers: plain data types and ``typing.Protocol`` s.
 
-A leaf module: torch and dataclasses only -- no kernel, no communication import. Models depend on this
-module alone; workers fill these types and hand them to models.
+A leaf module: torch, dataclasses and typing only -- no kernel, no communication, no model import.
+Models depend on this module alone from the speculative side; workers fill these types, hand them to
+models, and call models only through :class:`TargetModel` and :class:`DraftModel` (exactly what a
+worker uses, nothing else). :class:`DSparkState` is the device state a DSpark step reads and mutates.
 
 Shape letters: B requests, K draft length (block length), V vocabulary, r Markov rank, L drafter
 layers, d_c latent width, tp TP size.
@@ -24,7 +26,7 @@ from the request's block table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -113,3 +115,81 @@ class DrafterCapabilities:
     """Mixin for drafter classes: the declaration the worker and the TP plan read, never probed."""
 
     tp_fusions: ClassVar[DrafterTPFusions] = NO_TP_FUSIONS
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """One target forward's outputs (rows flattened ``b * T + t``)."""
+
+    hidden_states: torch.Tensor  # [B*T, H] final-normed, the LM head's input
+    captured: torch.Tensor  # [B*T, n_cap * H] hidden states of the drafter's capture layers, concatenated
+
+
+@dataclass
+class DSparkState:
+    """Device state a DSpark step reads and mutates, indexed by slot (``num_slots`` = requests + the dummy slot).
+
+    Allocated once by the runtime (before any CUDA-graph capture); every tensor keeps its storage.
+    """
+
+    kv_cache: Any  # the target's KV cache (``tensors()`` lists its buffers): k, v [L_t, num_slots, max_pos, kvh, D]
+    latent_pool: torch.Tensor  # [L, num_pages + 1, page_size, d_c]; the last page is scratch
+    encoded_offsets: torch.Tensor  # [num_slots, max_pages] int32, page * divisor, -1 = unallocated
+    block_table: torch.Tensor  # [num_slots, max_pages] int32, decoded each step
+    ctx_lens: torch.Tensor  # [num_slots] int32, drafter context length = position of the anchor
+    ref_lens: torch.Tensor  # [num_slots] int32, sequence length minus one for the target-only decode
+    slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
+    slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
+    slot_seeds: torch.Tensor  # [num_slots] int64
+    page_size: int
+    page_divisor: int
+    dummy_slot: int
+    max_ctx_len: int
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step writes (snapshotted around CUDA-graph warm-up)."""
+        return [*self.kv_cache.tensors(), self.latent_pool, self.block_table, self.ctx_lens, self.ref_lens,
+                self.slot_tokens]
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """What a speculative worker calls on the target model (and nothing else)."""
+
+    lm_head: Any  # the (possibly vocab-sharded) LM head the selection binds after load
+    logits_processor: Any  # the plain logits processor (a subclass disables vocab-parallel selection)
+    dtype: torch.dtype  # activation / logits dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """``V``, the real (unpadded) vocabulary."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 kv_cache: Any) -> TargetOutput:
+        """One fixed-shape forward of ``[B, T]`` tokens at ``positions`` writing the slots' KV cache."""
+
+    def logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-vocabulary ``[R, V]`` logits through the head and the logits processor."""
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """What a speculative worker calls on a DSpark block drafter (and nothing else)."""
+
+    lm_head: Any  # the head drafts go through (the target's, after take_over_lm_head)
+
+    @property
+    def mask_token_id(self) -> int:
+        """Input id of the block's masked positions."""
+
+    def take_over_lm_head(self, lm_head: Any) -> None:
+        """Draft through the target's LM head from now on (called once, after load)."""
+
+    def markov_head_weights(self, vocab_parallel: bool | None = None) -> MarkovHeadWeights:
+        """The Markov head, ``markov_w2`` restricted to this rank's vocabulary rows when ``vocab_parallel``."""
+
+    def compute_context_latents(self, features: torch.Tensor) -> torch.Tensor:
+        """Captured target features ``[N, F]`` -> context latents of every drafter layer ``[N, L, d_c]``."""
+
+    def forward_block(self, inputs: DrafterBlockInputs) -> torch.Tensor:
+        """One block decode -> final hidden states ``[B, K, H]`` (the LM head's input)."""

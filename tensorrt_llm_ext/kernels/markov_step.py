@@ -1,4 +1,11 @@
-"""One-launch-per-step DSpark Markov chain kernel (``mode="fused"``) and the Triton helpers both modes share.
+"""The DSpark Markov chain's per-step kernels: the one-launch fused step (``mode="fused"``), the exact
+mode's resolve and select kernels, the Triton helpers both share, and the eager twin of one step.
+
+The chain itself (workspace, stepping, exchange) is orchestrated by
+:mod:`tensorrt_llm_ext.speculative.markov_chain`.
+
+Fused step
+----------
 
 Per block position ``k`` one launch over a grid (row tiles of ``BLOCK_B``, persistent column programs).
 A program
@@ -33,11 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import (block_best, combine_best, gumbel_noise, key_to_id, ordered_i32,
-                                                  pack_key)
+from tensorrt_llm_ext.kernels.common import num_warps_for
+from tensorrt_llm_ext.kernels.ordered_key import (block_best, combine_best, gumbel_noise, gumbel_noise_torch, key_to_id,
+                                                  ordered_i32, pack_key, shard_argmax_key_reference)
 
 # Weights dtype codes (constexpr W_KIND): how the fp32 accumulator is rounded to F.linear's output dtype.
 W_FP32, W_BF16, W_FP16 = 0, 1, 2
@@ -186,8 +196,6 @@ class FusedConfig:
 def fused_config(r: int, interpret: bool, device=None) -> FusedConfig:
     if interpret:
         return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=1, programs=3)
-    import torch
-
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     # Measured on an H200 (sweep of tile/stage/program counts): 2 stages and 4 programs per SM stream
     # best from B = 1 to 128; the tile shapes are the invariance contract, the rest is schedule only.
@@ -216,3 +224,109 @@ def launch_fused_step(
         DOT_FP32=interpret, BLOCK_B=config.block_b, BLOCK_N=config.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact mode: resolve (previous token + w1 gather) and select (add + store + key) kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["k", "read_slot", "reset_slot"])
+def _markov_resolve_kernel(
+    anchors_ptr, keys_ptr, w1_ptr, h_ptr, tokens_ptr,
+    k, read_slot, reset_slot, vocab_size, r, stride_slot, stride_w1, stride_h, stride_tok,
+    FROM_ANCHOR: tl.constexpr, GATHER: tl.constexpr, RESET: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program per row: previous token (anchor or step key) -> token record, key reset, w1 gather."""
+    b = tl.program_id(0).to(tl.int64)
+    one = tl.arange(0, 1)
+    if FROM_ANCHOR:
+        prev = tl.load(anchors_ptr + b + one).to(tl.int64)
+    else:
+        prev = key_to_id(tl.load(keys_ptr + read_slot * stride_slot + b + one))
+        tl.store(tokens_ptr + b * stride_tok + (k - 1) + one, prev)
+    if RESET:
+        tl.store(keys_ptr + reset_slot * stride_slot + b + one, tl.full([1], -9223372036854775808, tl.int64))
+    if GATHER:
+        rr = tl.arange(0, BLOCK_R)
+        valid = (prev >= 0) & (prev < vocab_size)  # [1]
+        safe = tl.where(valid, prev, 0)
+        row = tl.load(w1_ptr + safe * stride_w1 + rr, mask=(rr < r) & valid, other=0.0)
+        tl.store(h_ptr + b * stride_h + rr, row, mask=rr < r)
+
+
+@triton.jit(do_not_specialize=["k", "vocab_start"])
+def _markov_select_kernel(
+    base_ptr, bias_ptr, out_ptr, keys_ptr, temps_ptr, seeds_ptr, offsets_ptr,
+    k, v_local, vocab_start, vocab_size,
+    stride_bb, stride_bk, stride_bias, stride_ob, stride_ok,
+    SAMPLE: tl.constexpr, SALT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Grid (B, column blocks): biased = base[:, k] + bias (logits dtype), store, MAX the block's key."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < v_local
+    gid = cols.to(tl.int64) + vocab_start
+    base = tl.load(base_ptr + b * stride_bb + k * stride_bk + cols, mask=cmask, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + b * stride_bias + cols, mask=cmask, other=0.0).to(tl.float32)
+    s = add_in_logits_dtype(base, bias_to_logits(bias, 0, OUT_BF16), OUT_BF16)
+    tl.store(out_ptr + b * stride_ob + k * stride_ok + cols, s.to(out_ptr.dtype.element_ty), mask=cmask)
+    if SAMPLE:
+        temp = tl.load(temps_ptr + b)
+        seed = tl.load(seeds_ptr + b)
+        off = tl.load(offsets_ptr + b) + k
+        zeros = tl.zeros([BLOCK_V], dtype=tl.int64)
+        s = selection_score(s, gid, temp, seed + zeros, off + zeros, SAMPLE, SALT)
+    best, col = block_best(ordered_i32(s), cols, cmask & (gid < vocab_size), 0)
+    tl.atomic_max(keys_ptr + b, pack_key(best, col.to(tl.int64) + vocab_start))
+
+
+SELECT_BLOCK = 2048  # columns per program of the exact mode's select kernel (measured on an H200)
+
+
+def launch_exact_resolve(anchors, keys, w1, h, tokens, *, k: int, read_slot: int, reset_slot: int,
+                         vocab_size: int, gather: bool) -> None:
+    """Resolve step ``k``'s previous tokens (anchor at ``k == 0``, else the ids of ``keys[read_slot]``), record
+    them in ``tokens[:, k-1]``, reset ``keys[reset_slot]`` and, with ``gather``, copy their ``w1`` rows into
+    ``h [B, r]`` (zero rows for invalid ids). Internal (validated by the chain). CUDA-graph safe."""
+    B = tokens.shape[0]
+    r = w1.shape[1] if gather else 1
+    _markov_resolve_kernel[(B,)](
+        anchors, keys, w1, h if gather else w1, tokens, k, read_slot, reset_slot, vocab_size, r,
+        keys.stride(0), w1.stride(0), h.stride(0) if gather else 0, tokens.stride(0),
+        FROM_ANCHOR=k == 0, GATHER=gather, RESET=True, BLOCK_R=triton.next_power_of_2(r),
+    )
+
+
+def launch_exact_select(base, bias, out, keys, temps, seeds, offsets, *, k: int, vocab_start: int,
+                        vocab_size: int, salt: int) -> None:
+    """``out[:, k] = base[:, k] + bias`` (logits dtype) and each row's best key MAX-ed into ``keys [B]``.
+    Internal (validated by the chain). CUDA-graph safe."""
+    B, _, v_local = base.shape
+    sample = temps is not None
+    _markov_select_kernel[(B, triton.cdiv(v_local, SELECT_BLOCK))](
+        base, bias, out, keys, temps if sample else bias, seeds if sample else keys, offsets if sample else keys,
+        k, v_local, vocab_start, vocab_size, base.stride(0), base.stride(1), bias.stride(0), out.stride(0),
+        out.stride(1), SAMPLE=sample, SALT=salt, OUT_BF16=base.dtype == torch.bfloat16, BLOCK_V=SELECT_BLOCK,
+        num_warps=num_warps_for(SELECT_BLOCK, elements_per_warp=512),
+    )
+
+
+def markov_step_reference(base_k, prev, markov_w1, markov_w2, *, vocab_start: int, vocab_size: int,
+                          temperatures=None, seeds=None, offsets=None, salt: int):
+    """Eager twin of one chain step: ``(biased [B, V_local] logits dtype, keys [B] int64)``.
+
+    ``bias = F.linear(w1[prev], w2)`` (a zero row for invalid ``prev``), ``biased = base_k + bias`` in the
+    logits dtype, and each row's selection key over this shard (``torch.argmax`` order; keyed Gumbel-max
+    at ``offsets`` for rows with ``T > 0``). The stock chain the upstream worker ran, bit for bit.
+    """
+    valid = (prev >= 0) & (prev < vocab_size)
+    h = markov_w1[torch.where(valid, prev, 0)]
+    h = torch.where(valid[:, None], h, torch.zeros_like(h))
+    bias = F.linear(h, markov_w2).to(base_k.dtype)
+    biased = base_k + bias
+    score = biased.float()
+    if temperatures is not None:
+        gid = torch.arange(base_k.shape[1], device=base_k.device, dtype=torch.int64) + vocab_start
+        g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid[None, :], salt)
+        t = temperatures[:, None]
+        score = torch.where(t > 0, score / torch.where(t > 0, t, torch.ones_like(t)) + g, score)
+    return biased, shard_argmax_key_reference(score, vocab_start, vocab_size)

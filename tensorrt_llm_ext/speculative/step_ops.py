@@ -1,0 +1,114 @@
+"""The two op tables a :class:`~tensorrt_llm_ext.speculative.dspark_worker.DSparkWorker` step runs with.
+
+One worker, two tables: :data:`FUSED_OPS` (this module's kernels) and :data:`STOCK_OPS` -- the eager path
+the upstream one-model worker ran before these optimisations, op for op:
+
+=====================  ======================================  ==========================================
+stage                  fused                                   stock (upstream eager)
+=====================  ======================================  ==========================================
+block table            :func:`decode_block_table` (1 launch)   clamp + floor-divide + count (torch)
+target selection       shard kernel + pair exchange            gathered logits + ``torch.argmax``; sampled
+                                                               rows ``argmax(x / T + G)`` in torch
+strict acceptance      :func:`strict_accept` (1 launch)        compare + cumprod + sum chain (torch)
+drafter bookkeeping    :func:`paged_latent_step` (1 launch)    the eager chain (torch)
+context-latent store   :func:`store_context_latents`           index-put into the pool (torch; rows not
+                                                               written go to the scratch page)
+Markov chain           ``exact`` / ``fused`` kernels           per step ``F.linear`` + add + ``torch.argmax``
+=====================  ======================================  ==========================================
+
+The stock worker always selects from the gathered logits (vocab-parallel selection off), since the
+upstream path gathers. Both tables produce the same tokens (tests hold them to it); ``trtllm-ext bench
+step`` times the same worker object with each table, so its baseline is the real stock step, never a
+re-assembly. Every op is CUDA-graph capturable (the stock ones allocate inside the graph's pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
+from tensorrt_llm_ext.kernels.ordered_key import gumbel_noise_torch
+from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
+                                                   store_context_latents)
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
+
+__all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "stock_select", "stock_store_context_latents"]
+
+
+def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
+                 offsets: torch.Tensor | None, salt: int, out: torch.Tensor) -> torch.Tensor:
+    """Stock target selection on full-vocabulary logits ``[R, V]`` -> ``out [R]`` int64.
+
+    Greedy (``temperatures=None``): ``torch.argmax``. Sampled: rows with ``T > 0`` take
+    ``argmax(x / T + G(seed, offset, id, salt))`` -- the same keyed noise as the fused kernel, computed
+    in torch over the whole row -- and the others ``argmax(x)``.
+    """
+    if temperatures is None:
+        return torch.argmax(logits, dim=-1, out=out)
+    x = logits.float()
+    gid = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)[None, :]
+    g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
+    t = temperatures[:, None]
+    scored = torch.where(t > 0, x / torch.where(t > 0, t, torch.ones_like(t)) + g, x)
+    return torch.argmax(scored, dim=-1, out=out)
+
+
+def stock_store_context_latents(latents: torch.Tensor, dest_pages: torch.Tensor, dest_offsets: torch.Tensor,
+                                write_mask: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Stock context-latent store ``latents [N, L, d_c]`` -> ``pool [L, P+1, page, d_c]`` (capturable).
+
+    Rows that must not be written go to the scratch (last) page instead of a data-dependent subset.
+    """
+    scratch = pool.shape[1] - 1
+    ok = write_mask & (dest_pages >= 0)
+    pages = torch.where(ok, dest_pages.long(), torch.full_like(dest_pages, scratch, dtype=torch.long))
+    pool[:, pages, dest_offsets.long()] = latents.transpose(0, 1).to(pool.dtype)
+    return pool
+
+
+def _stock_decode_block_table(encoded_offsets, divisor, *, out, num_blocks_out):
+    table, num_blocks = decode_block_table_reference(encoded_offsets, divisor)
+    out.copy_(table)
+    num_blocks_out.copy_(num_blocks)
+    return out, num_blocks_out
+
+
+def _stock_strict_accept(draft_tokens, target_tokens, num_contexts, *, out=None):
+    del out  # the eager chain returns its own tensors
+    return strict_accept_reference(draft_tokens, target_tokens, num_contexts)
+
+
+def _stock_paged_latent_step(accepted, num_accepted, slot_ids, is_dummy, ctx_lens, block_table, *,
+                             out: PagedLatentStep | None = None, **kwargs) -> PagedLatentStep:
+    del out
+    return paged_latent_step_reference(accepted, num_accepted, slot_ids, is_dummy, ctx_lens, block_table, **kwargs)
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The ops one DSpark step calls; signatures are those of the fused launchers.
+
+    ``markov_mode`` ``None`` keeps the worker's configured chain mode; ``"stock"`` runs the eager chain.
+    ``vocab_parallel``: whether this table may select from vocab shards (stock: never).
+    """
+
+    name: str
+    decode_block_table: Callable
+    strict_accept: Callable
+    paged_latent_step: Callable
+    store_context_latents: Callable
+    select: Callable | None  # None: the worker's vocab-parallel selector (fused kernels)
+    markov_mode: str | None
+    vocab_parallel: bool
+
+
+FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
+                    paged_latent_step=paged_latent_step, store_context_latents=store_context_latents, select=None,
+                    markov_mode=None, vocab_parallel=True)
+STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
+                    paged_latent_step=_stock_paged_latent_step, store_context_latents=stock_store_context_latents,
+                    select=stock_select, markov_mode="stock", vocab_parallel=False)
+OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}

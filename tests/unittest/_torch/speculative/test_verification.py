@@ -1,0 +1,317 @@
+"""Single-rank tests of rejection-sampling verification and exact top-p: kernels equal their eager twins
+bit for bit; the integer weights match float64; top-p matches a float64 reference; greedy rows equal
+today's strict-acceptance path; the emitted token is distributed as the target's p (chi-square); bad
+input raises ValueError naming the argument. Multi-rank TP invariance: multi_gpu/test_verification_tp.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.fixed_point_softmax import LOG2E_F32, fixed_point_weight_torch
+from tensorrt_llm_ext.kernels.strict_accept import strict_accept
+from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, rejection_sample,
+                                                        rejection_sample_reference, top_p_keep, top_p_keep_reference)
+from tensorrt_llm_ext.speculative.vocab_parallel import vocab_parallel_argmax
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAN, INF = float("nan"), float("inf")
+
+
+def _chi2_upper(df: int, z: float = 5.0) -> float:
+    """Upper quantile of chi^2(df) by Wilson-Hilferty; z = 5 sigma (p ~ 3e-7)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def adversarial_rows(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Random rows plus: a NaN, -inf columns, a row with no finite logit, a huge tie group, a flat row,
+    a one-hot row, ties straddling shard boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(rows, 8), vocab, generator=g) * 2.0
+    x[0, 3] = NAN
+    x[0, vocab // 2:] = -INF
+    x[1] = -INF
+    x[2] = x[2] * 0.05 - 5.0
+    x[2, : vocab // 3] = 1.5  # big tie group holding the boundary of top-p
+    x[3] = 0.0  # flat
+    x[4] = -30.0
+    x[4, vocab - 2] = 30.0  # mass in one token
+    x[5, [0, vocab // 2, vocab - 1]] = 9.0  # ties across shards
+    x[6] = torch.randint(-3, 3, (vocab,), generator=g).float()  # many ties
+    return x[:rows].contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# integer weights
+# ----------------------------------------------------------------------------------------------------
+def test_fixed_point_weight_matches_float64():
+    g = torch.Generator().manual_seed(1)
+    x = -torch.rand(200_000, generator=g) * 22.0
+    x[:3] = torch.tensor([0.0, -1e-30, -20.79])
+    t = torch.tensor(1.0)
+    f = fixed_point_weight_torch(x, torch.zeros(()), t, torch.ones_like(x, dtype=torch.bool))
+    z = (x / t * torch.tensor(LOG2E_F32)).clamp_min(-64.0)
+    q = (z * 16777216.0).to(torch.int64)
+    exact = torch.exp2(30.0 + q.double() / 2**24)
+    live = (q >> 24) >= -30
+    err = (f.double() - exact).abs()
+    assert f[0].item() == 2**30
+    assert bool((err[live] <= 0.5 + 1e-8 * exact[live]).all()), (err / exact)[live].max()
+    assert bool((f[~live] == 0).all())
+    assert bool((f[:-1][x[:-1] >= x[1:]] >= f[1:][x[:-1] >= x[1:]]).all())  # monotone in x
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact top-p
+# ----------------------------------------------------------------------------------------------------
+def _top_p_float64(x: torch.Tensor, p: torch.Tensor, t: torch.Tensor):
+    """(kept, cumulative mass before each kept token) in (logit desc, id asc) order, float64."""
+    rows, vocab = x.shape
+    kept = torch.zeros_like(x, dtype=torch.bool)
+    margin = torch.full((rows,), INF, dtype=torch.float64)
+    for r in range(rows):
+        xr = x[r].double()
+        fin = torch.isfinite(xr)
+        if not fin.any():
+            continue
+        ids = torch.arange(vocab)[fin]
+        vals = xr[fin]
+        order = sorted(range(len(ids)), key=lambda i: (-vals[i].item(), ids[i].item()))
+        ids, vals = ids[order], vals[order]
+        w = torch.exp((vals - vals.max()) / t[r].double())
+        cum = torch.cumsum(w / w.sum(), 0)
+        n = int((cum < p[r].double()).sum().item()) + 1
+        n = min(n, len(ids))
+        kept[r, ids[:n]] = True
+        margin[r] = (cum - p[r].double()).abs().min()
+    return kept, margin
+
+
+@pytest.mark.parametrize("vocab,splits,block", [(1031, 3, 256), (4099, 2, 1024)])
+def test_top_p_kernel_equals_twin_and_float64(vocab, splits, block):
+    x = adversarial_rows(9, vocab, seed=vocab)
+    p = torch.tensor([0.9, 0.5, 0.4, 0.3, 0.99, 0.7, 0.6, 1.0, 1e-7])
+    t = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.3, 1.0, 0.9, 1.0, 1.0])
+    ws = VerificationWorkspace(9, 0, 0, vocab, block_size=block, num_splits=splits, device=DEV)
+    xd, pd, td = x.to(DEV), p.to(DEV), t.to(DEV)
+    m = top_p_keep(xd, pd, temperatures=td, workspace=ws).cpu()
+    m_ref = top_p_keep_reference(xd, pd, temperatures=td).cpu()
+    assert torch.equal(m, m_ref)
+    assert torch.equal(m, top_p_keep(xd, pd, temperatures=td, workspace=ws).cpu())  # two runs, same mask
+    ref, margin = _top_p_float64(x, p, t)
+    for r in range(9):
+        if margin[r] > 1e-6:
+            assert torch.equal(m[r], ref[r]), (r, m[r].sum(), ref[r].sum())
+    fin = torch.isfinite(x)
+    assert torch.equal(m[7], fin[7])  # p = 1 keeps every finite token
+    assert m[8].sum() == 1 and m[8, int(torch.argmax(x[8]))]  # tiny p keeps the (first) max only
+    assert m[1].sum() == 0  # no finite logit, nothing kept
+    assert not m[0, 3]  # NaN never kept
+    # tie group: the kept ones are the lowest ids of the boundary value
+    row2 = m[2, : vocab // 3]
+    n = int(row2.sum())
+    assert 0 < n < vocab // 3 and bool(row2[:n].all()) and m[2].sum() == n
+
+
+def test_top_p_greedy_rows_and_padding():
+    vocab, width = 1031, 520  # the second shard of 2: columns >= 511 are padding
+    x = adversarial_rows(6, width, seed=5)
+    p = torch.full((6,), 0.9)
+    t = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    m = top_p_keep(x.to(DEV), p.to(DEV), temperatures=t.to(DEV), vocab_start=520, vocab_size=vocab).cpu()
+    assert not m[:, vocab - 520:].any()
+    assert m[0].sum() == 1 and m[3].sum() == 1  # T = 0 keeps the first maximum
+
+
+# ----------------------------------------------------------------------------------------------------
+# rejection_sample
+# ----------------------------------------------------------------------------------------------------
+def _verify_inputs(b: int, k: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(b, k + 1, vocab, generator=g) * 1.5
+    draft = target[:, :k] + 0.5 * torch.randn(b, k, vocab, generator=g)
+    tokens = torch.randint(0, vocab, (b, k), generator=g)
+    tokens[:, 0] = target[:, 0].argmax(-1)  # likely accepted: exercises acceptance runs
+    adv = adversarial_rows(8, vocab, seed)
+    target[0, 1] = adv[0]
+    target[1, 0] = adv[1]  # no finite logit: point mass on the argmax
+    draft[1, 1] = adv[1]  # q = 0 everywhere
+    target[2, 2] = adv[2]
+    target[3 % b, k] = adv[4]
+    draft[2, 0] = adv[5]
+    temps = torch.tensor([1.0, 0.8, 0.0, 1.0, 1.2, 0.0, 0.7, 1.0])[:b].contiguous()
+    seeds = torch.arange(b, dtype=torch.int64) * 7919 + 2**33
+    offsets = torch.arange(b, dtype=torch.int64) * 3 + 11
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 0.9, 0.8, 0.6])[:b].contiguous()
+    return target, draft, tokens, temps, seeds, offsets, top_p
+
+
+@pytest.mark.parametrize("use_top_p,vocab,splits,b,k,block", [
+    (False, 1031, 1, 8, 3, 512), (True, 1031, 2, 8, 2, 512), (True, 4099, 2, 4, 2, 1024)])
+def test_rejection_sample_equals_twin(use_top_p, vocab, splits, b, k, block):
+    target, draft, tokens, temps, seeds, offsets, top_p = (t.to(DEV) for t in _verify_inputs(b, k, vocab, vocab))
+    tp = top_p if use_top_p else None
+    ws = VerificationWorkspace.for_verification(b, k, vocab, block_size=block, num_splits=splits, device=DEV)
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp)
+    acc, n = rejection_sample(target, draft, tokens, **kw, workspace=ws)
+    acc_r, n_r = rejection_sample_reference(target, draft, tokens, **kw)
+    assert torch.equal(acc, acc_r) and torch.equal(n, n_r)
+    assert n.dtype == torch.int32 and bool(((n >= 1) & (n <= k + 1)).all())
+    # out= buffers written in place, and a second run gives the same
+    out = (torch.full_like(acc, 7), torch.zeros_like(n))
+    res = rejection_sample(target, draft, tokens, **kw, workspace=ws, out=out)
+    assert res[0] is out[0] and torch.equal(out[0], acc) and torch.equal(out[1], n)
+    # emitted tokens are real vocabulary ids; the rest of a sampled row is -1
+    for r in range(b):
+        row = acc[r].cpu()
+        assert bool(((row[: n[r]] >= 0) & (row[: n[r]] < vocab)).all())
+        if temps[r] > 0:
+            assert bool((row[n[r]:] == -1).all())
+            assert torch.equal(row[: n[r] - 1], tokens[r, : n[r] - 1].cpu())  # accepted drafts first
+    # a row with no finite target logit (request 1, position 0) emits the target argmax there if the draft
+    # differs from it
+    if tokens[1, 0] != target[1, 0].argmax():
+        assert n[1] == 1 and acc[1, 0] == target[1, 0].argmax()
+
+
+def test_greedy_rows_equal_strict_accept_path():
+    b, k, vocab = 8, 3, 523
+    target, draft, tokens, _, seeds, offsets, top_p = (t.to(DEV) for t in _verify_inputs(b, k, vocab, 3))
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.9, 0.0, 1.0, 0.0], device=DEV)
+    # make some greedy drafts match the target argmax for a few leading positions
+    t_ids = vocab_parallel_argmax(target.view(-1, vocab), 0, vocab).view(b, k + 1)
+    tokens[2] = t_ids[2, :k]
+    tokens[3, :2] = t_ids[3, :2]
+    for tp in (None, top_p):
+        acc, n = rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp)
+        ref_acc, ref_n = strict_accept(tokens, t_ids, 0)
+        greedy = temps == 0
+        assert torch.equal(acc[greedy], ref_acc.to(torch.int64)[greedy])
+        assert torch.equal(n[greedy], ref_n[greedy])
+        assert n[2] == k + 1 and n[3] == 3
+
+
+@pytest.mark.parametrize("use_top_p", [False, True])
+def test_emitted_token_is_distributed_as_p(use_top_p):
+    """Drafts sampled from q (known seeds); the first emitted token must follow p (top-p restricted)."""
+    vocab, k, draws, temp = 13, 2, 4000, 0.9
+    tl_row = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -0.5, 0.25, 3.0, -2.0, 0.75, 1.25, -0.25])
+    dl_row = torch.tensor([2.0, 0.0, 1.0, 0.5, -1.0, 1.5, 1.0, -0.5, 1.0, 0.0, 0.25, -0.25, 0.5])
+    target = tl_row.expand(draws, k + 1, vocab).contiguous()
+    draft = dl_row.expand(draws, k, vocab).contiguous()
+    g = torch.Generator().manual_seed(2024)
+    q = torch.softmax(dl_row.double() / temp, 0)
+    tokens = torch.multinomial(q.expand(draws * k, vocab), 1, replacement=True, generator=g).view(draws, k)
+    temps = torch.full((draws,), temp)
+    seeds = torch.arange(draws, dtype=torch.int64) * 104729 + 5
+    offsets = torch.full((draws,), 40, dtype=torch.int64)
+    top_p = torch.full((draws,), 0.8) if use_top_p else None
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p)
+    # statistics on the eager twin (the interpreter is slow for thousands of rows); the kernel is checked
+    # bitwise on a subset
+    acc, n = rejection_sample_reference(target, draft, tokens, **kw)
+    sub = slice(0, 8)
+    sub_kw = dict(temperatures=temps[sub], seeds=seeds[sub], offsets=offsets[sub],
+                  top_p=top_p[sub] if use_top_p else None)
+    acc_k, n_k = rejection_sample(target[sub].to(DEV), draft[sub].to(DEV), tokens[sub].to(DEV),
+                                  **{a: (v.to(DEV) if v is not None else None) for a, v in sub_kw.items()})
+    assert torch.equal(acc_k.cpu(), acc[sub]) and torch.equal(n_k.cpu(), n[sub])
+    p = torch.softmax(tl_row.double() / temp, 0)
+    if use_top_p:
+        kept, _ = _top_p_float64(tl_row[None], torch.tensor([0.8]), torch.tensor([temp]))
+        p = torch.where(kept[0], p, torch.zeros_like(p))
+        p = p / p.sum()
+    counts = torch.bincount(acc[:, 0], minlength=vocab).double()
+    live = p > 0
+    assert counts[~live].sum() == 0  # never a token outside the top-p set
+    expected = p[live] * draws
+    stat = ((counts[live] - expected) ** 2 / expected).sum().item()
+    assert stat < _chi2_upper(int(live.sum()) - 1), (stat, counts, expected)
+    # more than strict acceptance would give: q and p differ but overlap
+    assert (n > 1).float().mean() > 0.3
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------------
+def test_bad_input_raises_value_error():
+    b, k, vocab = 2, 2, 64
+    target = torch.randn(b, k + 1, vocab, device=DEV)
+    draft = torch.randn(b, k, vocab, device=DEV)
+    tokens = torch.zeros(b, k, dtype=torch.int64, device=DEV)
+    temps = torch.ones(b, device=DEV)
+    seeds = torch.zeros(b, dtype=torch.int64, device=DEV)
+    offs = torch.zeros(b, dtype=torch.int64, device=DEV)
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offs)
+
+    def bad(name, **over):
+        args = dict(target_logits=target, draft_logits=draft, draft_tokens=tokens, **kw)
+        args.update(over)
+        with pytest.raises(ValueError, match=name):
+            rejection_sample(args.pop("target_logits"), args.pop("draft_logits"), args.pop("draft_tokens"), **args)
+
+    bad("draft_logits", draft_logits=torch.randn(b, k + 1, vocab, device=DEV))
+    bad("target_logits", target_logits=torch.randn(b, vocab, device=DEV))
+    bad("target_logits", target_logits=target.to(torch.int32))
+    bad("draft_tokens", draft_tokens=tokens.to(torch.int32))
+    bad("draft_tokens", draft_tokens=torch.full((b, k), vocab, dtype=torch.int64, device=DEV))
+    bad("draft_tokens", draft_tokens=torch.full((b, k), -1, dtype=torch.int64, device=DEV))
+    bad("temperatures", temperatures=torch.tensor([1.0, -0.5], device=DEV))
+    bad("temperatures", temperatures=torch.ones(b + 1, device=DEV))
+    bad("seeds", seeds=torch.zeros(b, dtype=torch.int32, device=DEV))
+    bad("top_p", top_p=torch.tensor([0.5, 1.5], device=DEV))
+    bad("top_p", top_p=torch.tensor([0.0, 0.5], device=DEV))
+    bad("vocab_size", vocab_size=0)
+    bad("vocab_start", vocab_start=vocab, vocab_size=vocab)
+    bad("exchange", exchange=object())
+    small = VerificationWorkspace.for_verification(1, k, vocab)
+    bad("workspace", workspace=small)
+    with pytest.raises(ValueError, match="top_p"):
+        top_p_keep(target[:, 0], torch.tensor([0.5, 2.0], device=DEV))
+    with pytest.raises(ValueError, match="logits"):
+        top_p_keep(target, torch.tensor([0.5, 0.5], device=DEV))
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: large vocabulary and CUDA-graph replay
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_large_vocab_and_graph_replay(dtype):
+    b, k, vocab = 8, 7, 200064
+    target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(b, k, vocab, 11)
+    target, draft = target.to("cuda", dtype), draft.to("cuda", dtype)
+    tokens, temps, seeds, offsets, top_p = (t.cuda() for t in (tokens, temps, seeds, offsets, top_p))
+    ws = VerificationWorkspace.for_verification(b, k, vocab, device="cuda", num_splits=8)
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p, workspace=ws)
+    acc, n = rejection_sample(target, draft, tokens, **kw)
+    acc_r, n_r = rejection_sample_reference(target, draft, tokens, temperatures=temps, seeds=seeds,
+                                            offsets=offsets, top_p=top_p)
+    assert torch.equal(acc, acc_r) and torch.equal(n, n_r)
+    mask = top_p_keep(target.view(-1, vocab), top_p.repeat_interleave(k + 1),
+                      temperatures=temps.repeat_interleave(k + 1).clamp_min(0.5))
+    mask_r = top_p_keep_reference(target.view(-1, vocab), top_p.repeat_interleave(k + 1),
+                                  temperatures=temps.repeat_interleave(k + 1).clamp_min(0.5))
+    assert torch.equal(mask, mask_r)
+    out = (torch.empty_like(acc), torch.empty_like(n))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rejection_sample(target, draft, tokens, **kw, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rejection_sample(target, draft, tokens, **kw, out=out)
+    out[0].fill_(-7)
+    offsets.add_(1)  # new draws, same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    acc2, n2 = rejection_sample(target, draft, tokens, **kw)
+    assert torch.equal(out[0], acc2) and torch.equal(out[1], n2)
+    with pytest.raises(Exception):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets)
