@@ -36,13 +36,14 @@ Example::
 from __future__ import annotations
 
 import copy
+import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, field_validator, model_validator)
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, ValidationError, field_validator, model_validator)
 
 from tensorrt_llm_ext.logger import info_once
 
@@ -57,6 +58,17 @@ class ConfigError(ValueError):
 def no_effect(default: Any, reason: str) -> Any:
     """A declared TensorRT-LLM field that this runtime accepts, type-checks and logs, but does not use."""
     return Field(default, json_schema_extra={"no_effect": reason})
+
+
+_YAML11_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_float(v):
+    # PyYAML reads YAML 1.1, where `1e-6` (no dot) is a string, not a float; accept exactly that spelling.
+    return float(v) if isinstance(v, str) and _YAML11_EXP_FLOAT.fullmatch(v) else v
+
+
+Float = Annotated[StrictFloat, BeforeValidator(_yaml_float)]  # a number; not a bool, not other strings
 
 
 class _Strict(BaseModel):
@@ -76,10 +88,10 @@ class TargetModelConfig(_Strict):
     head_dim: StrictInt = Field(12, ge=2)
     intermediate_size: StrictInt = Field(96, ge=1)
     capture_layers: tuple[StrictInt, ...] = (0, 1, 2)  # = speculative_config.target_layer_ids
-    rope_theta: StrictFloat = Field(10000.0, gt=0)
-    rms_norm_eps: StrictFloat = Field(1e-6, gt=0)
+    rope_theta: Float = Field(10000.0, gt=0)
+    rms_norm_eps: Float = Field(1e-6, gt=0)
     tie_word_embeddings: StrictBool = False  # a checkpoint without lm_head.weight reads the embedding
-    residual_scale: StrictFloat = Field(0.25, gt=0)  # seeded init only: scale of what each layer adds
+    residual_scale: Float = Field(0.25, gt=0)  # seeded init only: scale of what each layer adds
 
     @model_validator(mode="after")
     def _check(self):
@@ -153,7 +165,7 @@ class SpeculativeConfig(_Strict):
     load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
     max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
     acceptance_window: StrictInt | None = no_effect(None, "speculation is never switched off by acceptance")
-    acceptance_length_threshold: StrictFloat | None = no_effect(None, "speculation is never switched off")
+    acceptance_length_threshold: Float | None = no_effect(None, "speculation is never switched off")
     allow_advanced_sampling: StrictBool = no_effect(False, "deprecated upstream; sampling is per request")
 
     @field_validator("vocab_parallel_selection", mode="before")
@@ -204,7 +216,7 @@ class KvCacheConfig(_Strict):
     dtype: StrictStr = no_effect("auto", "caches are kept in the model dtype")
     enable_block_reuse: StrictBool = no_effect(True, "no prefix reuse: every request prefills its prompt")
     enable_partial_reuse: StrictBool = no_effect(True, "no prefix reuse")
-    free_gpu_memory_fraction: StrictFloat | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
+    free_gpu_memory_fraction: Float | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
     max_tokens: StrictInt | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
     max_attention_window: tuple[StrictInt, ...] | None = no_effect(None, "full attention over max_seq_len")
     host_cache_size: StrictInt | None = no_effect(None, "no host offload")
