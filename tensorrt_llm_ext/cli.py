@@ -129,7 +129,13 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="override speculative_config.markov_chain_mode")
     g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
     g.add_argument("--check", action="store_true",
-                   help="also run the target's own decode and the gathered path; exit 1 unless all agree")
+                   help="also run the target's own decode and the gathered path; exit 1 unless all agree "
+                        "(and something was compared)")
+    g.add_argument("--rank-timeout", type=float, default=60.0,
+                   help="TP > 1: seconds a rank waits for a peer in a collective before the job fails "
+                        "(bounds how long a hung rank goes unnoticed)")
+    g.add_argument("--job-timeout", type=float, default=1800.0, help="TP > 1: seconds the whole run may take")
+    g.add_argument("--log-dir", help="TP > 1: keep each rank's log (rank<r>.log) in this directory")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", dest="json_out", help="also write the results as JSON to this file")
     g.add_argument("--model", default=None,

@@ -15,12 +15,14 @@ the dummy slot) and replays the captured step when graphs are enabled, else runs
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
@@ -217,7 +219,18 @@ class Engine:
         """Serve ``requests`` to completion; results in request order (bad requests carry their error).
 
         ``progress``: optional callable ``progress(num_new_tokens)`` called after each step (a tqdm update).
+
+        Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
+        every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
+        next call serves its requests as a fresh engine would.
         """
+        try:
+            return self._generate(requests, mode, progress)
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
         path = mode if mode in ("gathered", "stock") else "speculative"
@@ -225,14 +238,20 @@ class Engine:
         speculative = mode != "target_only"
         stats = GenerationStats(mode=mode)
         t0 = time.perf_counter()
+        if self.mapping.tp_size > 1:
+            self._check_same_batch(requests, mode)
         results: list[RequestResult] = []
         pending: deque[_Active] = deque()
         for i, req in enumerate(requests):
-            rid = req.request_id if req.request_id is not None else i
-            prompt = list(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else []
-            res = RequestResult(request_id=rid, prompt_ids=prompt)
+            is_request = isinstance(req, Request)  # a caller may pass anything: then that item's error
+            rid = req.request_id if is_request else None
+            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else i
+            prompt = req.prompt_ids if is_request and isinstance(req.prompt_ids, (list, tuple)) else []
+            res = RequestResult(request_id=rid, prompt_ids=list(prompt))
             results.append(res)
             try:
+                if not is_request:
+                    raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
@@ -339,3 +358,38 @@ class Engine:
         active.pop(a.slot, None)
         self.pages.free(a.slot)
         self.slots.release(a.slot)
+
+    def _check_same_batch(self, requests: list[Request], mode: str) -> None:
+        """Every TP rank must serve the same batch: its host decisions (admission, rows per step, stops)
+        follow from the requests, and ranks that disagree would meet in collectives of different shapes
+        (an abort inside the collective library). One small CPU all-gather per ``generate()`` call, where
+        the batch is set up -- nothing is added to the step. Raises ``ValueError`` naming each rank's batch.
+        """
+        def sig(r) -> tuple:
+            if not isinstance(r, Request):
+                return (type(r).__name__,)
+            return (repr(r.prompt_ids), repr(r.max_new_tokens), repr(r.stop_token_ids), repr(r.temperature),
+                    repr(r.seed))
+
+        digest = hashlib.sha256(repr([mode] + [sig(r) for r in requests]).encode()).hexdigest()
+        lens = [len(r.prompt_ids) if isinstance(r, Request) and isinstance(r.prompt_ids, (list, tuple)) else None
+                for r in requests]
+        shape = f"{len(requests)} requests, prompt lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}, mode {mode}"
+        views = gather_objects(self.mapping, (digest, shape))
+        if len({d for d, _ in views}) > 1:
+            ranks = "; ".join(f"rank {r}: {s} (digest {d[:8]})" for r, (d, s) in enumerate(views))
+            raise ValueError(f"generate: the {self.mapping.tp_size} TP ranks were given different batches "
+                             f"(every rank must serve the same requests): {ranks}")
+
+    def _release_all(self) -> None:
+        """Return every held slot and page and reset the workers' step state (after an escaped exception).
+
+        Per-slot device state needs no reset: a prefill rewrites everything its slot's next request
+        reads (context length, tokens, sampling state; KV and latent positions are written before they
+        are attended), exactly as when a request finishes normally.
+        """
+        held = self.slots.release_all()
+        self.pages.free_all()
+        for w in self._workers.values():
+            w.reset_step_state()
+        logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")

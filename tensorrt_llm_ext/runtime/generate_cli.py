@@ -1,4 +1,13 @@
-"""The body of ``trtllm-ext generate`` (argument handling and printing; the work is in :mod:`.launch`)."""
+"""The body of ``trtllm-ext generate`` (argument handling and printing; the work is in :mod:`.launch`).
+
+Exit codes (documented in README and docs/fault_matrix.md):
+
+* ``0``: every request was served (and with ``--check`` every path and rank agreed);
+* ``1``: ``--check`` found a difference, or compared nothing;
+* ``2``: bad arguments, config or prompts (nothing ran);
+* ``3``: one or more requests were rejected (the others were served and printed);
+* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,9 @@ from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
+from tensorrt_llm_ext.runtime.ranks import RankJobError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
 
 
 def _fmt_ids(ids: list[int], limit: int = 32) -> str:
@@ -72,7 +84,12 @@ def main_generate(args: argparse.Namespace) -> int:
           f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
           f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
           f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}")
-    reports = run_generate(job, tp)
+    try:
+        reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
+                               log_dir=args.log_dir)
+    except RankJobError as e:
+        print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
+        return EXIT_RANK_FAILED
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):
@@ -89,15 +106,24 @@ def main_generate(args: argparse.Namespace) -> int:
     print(f"speculative: {res.num_steps} steps, {ntok} tokens, mean acceptance length "
           f"{'-' if math.isnan(mal) else f'{mal:.2f}'} tokens/step (K+1 = {spec.max_draft_len + 1} max), "
           f"{res.wall_s:.1f} s")
-    rc = 0
     outcome = None
+    rejected = [i for i, e in enumerate(res.errors) if e]
+    rc = EXIT_REJECTED if rejected else EXIT_OK
+    if rejected:
+        print(f"{len(rejected)} of {len(prompts)} request(s) rejected: {rejected} (exit code {EXIT_REJECTED})")
     if args.check:
         outcome = check_reports(reports)
         print("check:")
         for line in outcome.lines:
             print(line)
-        print("check passed: speculative output equals the target's own decode" if outcome.ok else "check FAILED")
-        rc = 0 if outcome.ok else 1
+        if outcome.ok:
+            print("check passed: speculative output equals the target's own decode")
+        else:
+            why = [w for w, bad in (("outputs differ", outcome.differs), ("requests were rejected", outcome.rejected),
+                                    ("nothing was compared", outcome.compared == 0)) if bad]
+            print(f"check FAILED: {', '.join(why)}")
+        if outcome.differs or outcome.compared == 0:
+            rc = EXIT_CHECK_FAILED
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(json_report(cfg, prompts, requests, reports, outcome, cuda_graph), f, indent=1)
