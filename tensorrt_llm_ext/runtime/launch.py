@@ -50,12 +50,26 @@ def parse_prompt(text: str) -> list[int]:
 
 
 def load_prompts_file(path: str) -> list[list[int]]:
-    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas)."""
+    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas). Every id must be
+    an integer (``2.7``, ``true`` or ``null`` is an error naming the prompt and the item)."""
     text = Path(path).read_text()
     stripped = text.strip()
-    if stripped.startswith("[["):
-        data = json.loads(stripped)
-        return [[int(t) for t in p] for p in data]
+    if stripped.startswith("["):
+        try:
+            data = json.loads(stripped)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of token-id lists")
+        out = []
+        for i, p in enumerate(data):
+            if not isinstance(p, list):
+                raise ValueError(f"{path}: prompt {i} must be a list of token ids, got {json.dumps(p)}")
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
+            if bad:
+                raise ValueError(f"{path}: prompt {i}: token ids must be integers, got {json.dumps(bad[0])}")
+            out.append(list(p))
+        return out
     return [parse_prompt(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -145,6 +159,10 @@ def _rank_main(job_dict: dict) -> dict:
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
     report = run_job(job, mapping)
+    from tensorrt_llm_ext.distributed.communicator import world_cpu_group
+    from tensorrt_llm_ext.logger import flush_rank_logs
+
+    flush_rank_logs(world_cpu_group())  # identical lines once, lines that differ once per rank
     return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
 
 

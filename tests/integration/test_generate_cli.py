@@ -29,7 +29,7 @@ def test_generate_check_tp1(small_yaml, tmp_path, capsys):
     assert rc == 0, text
     assert "check passed" in text and "mean acceptance length" in text
     data = json.loads(out_json.read_text())
-    res = data[0]["results"]
+    res = data["ranks"][0]["results"]  # --json: versions, config, requests, check, ranks
     assert res["speculative"]["outputs"] == res["target_only"]["outputs"] == res["gathered"]["outputs"]
     assert all(len(o) == 6 for o in res["speculative"]["outputs"])
 
