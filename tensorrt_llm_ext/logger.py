@@ -4,8 +4,10 @@ At TP > 1 (after :func:`set_rank`), every rank runs the same code and would prin
 times. So: rank 0 prints its INFO lines live, untagged; other ranks keep theirs and hand them over at
 :func:`flush_rank_logs` (a collective at a point every rank reaches: end of start-up, end of a run), where
 rank 0 prints only the lines that differ from its own, tagged ``[rank r]``. WARNING and ERROR lines are
-printed live by every rank, tagged ``[rank r]`` on ranks > 0. The gate sits on this package's stream
-handler only (pytest's caplog and other handlers see every record).
+printed live by every rank, tagged ``[rank r]`` on ranks > 0. A rank whose stderr is a log file of its
+own (the CLI's rank launcher, :func:`use_private_rank_stream`) prints its INFO lines live as well, so its
+log shows what it did up to a fault. The gate sits on this package's stream handler only (pytest's caplog
+and other handlers see every record).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _LOGGER_NAME = "tensorrt_llm_ext"
 _seen_once: set[str] = set()
 _rank, _world = 0, 1
 _held: list[str] = []  # INFO lines since the last flush (rank 0: printed; others: held back)
+_private_stream = False  # this rank's stderr is its own log file (runtime/ranks.py): print every line live
 
 
 class _RankGate(logging.Filter):
@@ -27,7 +30,8 @@ class _RankGate(logging.Filter):
             return True
         if record.levelno <= logging.INFO:
             _held.append(record.getMessage())
-            return _rank == 0
+            if not (_rank == 0 or _private_stream):
+                return False
         if _rank > 0:
             record.msg, record.args = f"[rank {_rank}] {record.getMessage()}", ()
         return True
@@ -52,6 +56,13 @@ def set_rank(rank: int, world_size: int) -> None:
     """This process is ``rank`` of ``world_size`` (called by ``init_from_mpi``)."""
     global _rank, _world
     _rank, _world = rank, world_size
+
+
+def use_private_rank_stream() -> None:
+    """This rank's stderr is a file of its own (the CLI's rank launcher): print its INFO lines live too,
+    tagged, so its log shows what it did up to a fault."""
+    global _private_stream
+    _private_stream = True
 
 
 def flush_rank_logs(group=None) -> None:
@@ -94,7 +105,3 @@ def log_environment() -> None:
     """Log the environment switches (:mod:`tensorrt_llm_ext._env`) once per process."""
     info_once(f"environment: {ENV.describe()}", key="environment")
 
-
-def log_environment() -> None:
-    """Log the environment switches (:mod:`tensorrt_llm_ext._env`) once per process."""
-    info_once(f"environment: {ENV.describe()}", key="environment")

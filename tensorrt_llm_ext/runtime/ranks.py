@@ -345,6 +345,9 @@ def _rank_main(run_dir: Path) -> None:
     faulthandler.enable(all_threads=True)  # a fatal signal (segfault, abort) prints the Python stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for them before a kill
     rank = _env_rank()
+    from tensorrt_llm_ext.logger import use_private_rank_stream
+
+    use_private_rank_stream()  # stdout/stderr go to rank<r>.log: keep every line there
     try:
         fn, args, kwargs = cloudpickle.loads((run_dir / "job.pkl").read_bytes())
         result = fn(*args, **kwargs)
