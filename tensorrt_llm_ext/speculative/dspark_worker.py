@@ -132,6 +132,15 @@ class DSparkWorker(SpecWorkerBase):
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
 
+    def reset_step_state(self) -> None:
+        """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
+
+        The next step then needs a fresh :meth:`set_rows`; per-slot state is rewritten by each prefill.
+        """
+        self._rows_batch_size = None
+        if self.markov is not None:
+            self.markov.reset()
+
     def _check_rows(self, batch_size: int) -> None:
         # Rows past the last set_rows() batch hold stale slot ids: running them would advance (and
         # overwrite the caches of) requests that are not in this step.
