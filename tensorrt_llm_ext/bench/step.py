@@ -14,7 +14,9 @@ graph and replayed (median):
 * ``select``: the LM head + the target's tokens (vocab-parallel kernel / ``torch.argmax`` on the gathered
   logits);
 * ``tail``: strict acceptance + paged-latent bookkeeping + context-latent store;
-* ``draft fwd``: the drafter's block decode + its LM head (identical);
+* ``draft fwd``: the drafter's block decode + its LM head: ours with the fused block-attention kernel, stock
+  with its eager twin (the upstream path; same drafter object, :meth:`DSparkDrafter.set_attention_backend`
+  switched before the stock column's graphs are captured);
 * ``chain``: the Markov draft chain;
 * ``outside target`` = select + tail + draft fwd + chain, and the whole step ``worker.forward(B)``.
 
@@ -101,12 +103,14 @@ class _Stages:
 
 
 def _setup(eng: Engine, b: int, prompt_len: int) -> torch.Tensor:
-    """``b`` live greedy requests on slots ``0..b-1``; returns their ``ctx_lens`` to restore between replays."""
+    """``b`` live greedy requests on slots ``0..b-1`` (one batched prefill); returns their ``ctx_lens`` to
+    restore between replays."""
     w = eng.worker("speculative", sampling=False)
-    for slot in range(b):
+    slots = list(range(b))
+    for slot in slots:
         eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
-        prompt = [(slot * 7919 + i * 104729) % eng.vocab_size for i in range(prompt_len)]
-        w.prefill(slot, prompt, 0.0, slot)
+    prompts = [[(slot * 7919 + i * 104729) % eng.vocab_size for i in range(prompt_len)] for slot in slots]
+    w.prefill_batch(slots, prompts, [0.0] * b, slots)
     return eng.state.ctx_lens.clone()
 
 
@@ -145,15 +149,18 @@ def run(args: argparse.Namespace) -> None:
     timer = BenchTimer(reps=7, calls_per_rep=4)
     eng = Engine(cfg)
     fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
+    # The drafter's block attention: the fused kernel for ours (where Triton runs), the eager twin for stock.
+    attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
     rows, profiles = [], []
     for b in sizes:
         ctx0 = _setup(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
         t: dict[tuple[str, str], float] = {}
         for table, worker in (("ours", fused), ("stock", stock)):
+            eng.drafter.set_attention_backend(attention[table])
             stages = _Stages(eng, worker, b, ctx0)
             for name in STAGES:
-                if name in ("target_fwd", "draft_fwd") and table == "stock":
+                if name == "target_fwd" and table == "stock":
                     t[(name, table)] = t[(name, "ours")]  # the same model code in both tables
                     continue
                 t[(name, table)] = timer.time_graph([getattr(stages, name)], min_calls_per_graph=4)
@@ -163,19 +170,21 @@ def run(args: argparse.Namespace) -> None:
                 profiles += [f"profile of one captured fused step at B={b}:"] + _profile(stages)
         outside = {tab: sum(t[(s, tab)] for s in ("select", "tail", "draft_fwd", "chain")) for tab in ("ours", "stock")}
         pair = lambda s: f"{fmt(t[(s, 'ours')])} / {fmt(t[(s, 'stock')])}"  # noqa: E731
-        rows.append([b, fmt(t[("target_fwd", "ours")]), pair("select"), pair("tail"), fmt(t[("draft_fwd", "ours")]),
+        rows.append([b, fmt(t[("target_fwd", "ours")]), pair("select"), pair("tail"), pair("draft_fwd"),
                      pair("chain"), f"{fmt(outside['ours'])} / {fmt(outside['stock'])}",
                      fmt(outside["stock"] / outside["ours"], 2) if not timer.smoke else "-", pair("step"),
                      fmt(t[("step", "stock")] / t[("step", "ours")], 2) if not timer.smoke else "-"])
         print(f"bench step: B={b} done", file=sys.stderr, flush=True)
         for slot in range(b):
             eng.pages.free(slot)
+    eng.drafter.set_attention_backend(attention["ours"])
     notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, "
              f"K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, markov mode "
              f"{cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; {fused.selection.describe()}",
              "times in us, median of CUDA-graph replays; 'ours / stock' = the same worker with the fused / the stock "
-             "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, F.linear + add + "
-             "torch.argmax Markov chain); outside target = select + tail + draft fwd + chain"]
+             "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, the drafter's eager "
+             "block attention, F.linear + add + torch.argmax Markov chain); outside target = select + tail + draft "
+             f"fwd + chain; drafter block attention ours: {attention['ours']}"]
     text = print_table("bench step: DSpark decode step by stage, fused / stock op table",
                        ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x",
                         "whole step", "step gain x"], rows, notes)

@@ -3,6 +3,7 @@
 Launchers are functions of their tensors (results in ``out=`` buffers or returned), with one declared
 exception: :mod:`~tensorrt_llm_ext.kernels.shard_select` keeps a per-device split-scratch buffer (a
 documented module-level cache that the kernel leaves reset after every launch; pass ``scratch=`` to own
-it). Shared validation, launch settings and the capture-allocation error live in
+it), and :mod:`~tensorrt_llm_ext.kernels.latent_block_attention` caches its fp32 RoPE frequency table per
+``(head_dim, theta, device)`` (built on the first, warm-up call). Shared validation, launch settings and the capture-allocation error live in
 :mod:`~tensorrt_llm_ext.kernels.common`.
 """

@@ -12,7 +12,9 @@ F = n_cap * H_t captured target features, L drafter layers, d_c latent width, V 
    block hidden), **writes them into the pool at the placement's pages/offsets** (entries with page
    id ``-1`` skipped; the only pool write the drafter does), then attends over the context latents
    (``< ctx_len``, via the block table) plus the block's own latents (bidirectional), then the MLP.
-   It returns the final-normed hidden states ``[B, K, H]``; the worker applies the LM head it owns
+   Store and attention are ONE launch of the fused kernel
+   (:func:`~tensorrt_llm_ext.kernels.latent_block_attention.latent_block_attention`) where Triton runs,
+   its eager twin otherwise (chosen once at build, ``attention_backend``). It returns the final-normed hidden states ``[B, K, H]``; the worker applies the LM head it owns
    (vocab-parallel or gathered) and runs the Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
 
 TP layout (``Mapping.is_plain_tp``): heads split over ranks (column-parallel ``q_proj``/``k_up``/``v_up``,
@@ -45,8 +47,7 @@ from torch import nn
 from tensorrt_llm_ext.distributed import AllReduce, AllReduceFusionOp, AllReduceParams
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.modules.attention import (gather_context_latents, single_latent_block_attention,
-                                                write_block_latents)
+from tensorrt_llm_ext.modules.attention import resolve_block_attention
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
@@ -135,22 +136,22 @@ class SingleLatentAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x: torch.Tensor, kv_a_weight: torch.Tensor, pool_layer: torch.Tensor,
-                inputs: DrafterBlockInputs) -> torch.Tensor:
+                inputs: DrafterBlockInputs, attention) -> torch.Tensor:
         """``x [B, K, H]`` (input-normed) -> o_proj output ``[B, K, H]`` (partial when not reducing).
 
-        Writes the block's latents of this layer into ``pool_layer`` at ``inputs.placement``.
+        ``attention``: the block attention the drafter resolved at build (fused kernel or its eager
+        twin, same arguments); it writes the block's latents of this layer into ``pool_layer`` at
+        ``inputs.placement``.
         """
         b, k, _ = x.shape
         q = self.q_proj(x).view(b, k, self.num_local_heads, self.head_dim)
         # Stored for later steps' bookkeeping; attention reads the computed values (same bits as
         # stored), so entries without a page (-1) still attend their own block.
         block_latents = F.linear(x, kv_a_weight).to(pool_layer.dtype)
-        write_block_latents(pool_layer, inputs.placement, block_latents)
-        ctx_latents, ctx_valid = gather_context_latents(pool_layer, inputs.cache, inputs.slot_ids,
-                                                        inputs.placement.ctx_lens)
-        o = single_latent_block_attention(q, block_latents, ctx_latents, ctx_valid, inputs.placement,
-                                          self.k_up_proj.weight, self.v_up_proj.weight, self.rope_theta,
-                                          self.scale)
+        # The output is an activation like F.linear's (allocated by torch, in the graph's pool under capture).
+        o = attention(q, block_latents, pool_layer, inputs.cache.block_table, inputs.slot_ids, inputs.placement,
+                      self.k_up_proj.weight, self.v_up_proj.weight, self.rope_theta, self.scale,
+                      out=torch.empty_like(q))
         return self.o_proj(o.reshape(b, k, self.num_local_heads * self.head_dim))
 
 
@@ -242,12 +243,16 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         config: sizes.
         mapping: the rank layout; the TP plan is resolved from it once, here.
         dtype, device: parameter dtype/device (the paged pool must use ``dtype``).
+        attention_backend: the block attention, resolved once here and logged
+            (:func:`~tensorrt_llm_ext.modules.attention.resolve_block_attention`): ``"auto"`` (the fused
+            kernel where Triton runs, else the eager twin), ``"fused"`` or ``"eager"``.
     """
 
     tp_fusions = DrafterTPFusions(fc_input_split=True, residual_norm_fusion=True)
 
     def __init__(self, config: DSparkDrafterConfig, mapping: Mapping | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 attention_backend: str = "auto"):
         super().__init__()
         mapping = mapping or Mapping()
         cfg = config
@@ -285,6 +290,14 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
                                                   device=device), requires_grad=False)
         self.all_reduce = AllReduce(mapping) if (self.tp_plan.fc_input_split or fused) else None
         self._lm_head: nn.Module | None = None
+        self.attention_backend, self._block_attention = resolve_block_attention(
+            attention_backend, self.kv_a_proj.weight.device, type(self).__name__)
+
+    def set_attention_backend(self, name: str) -> None:
+        """Re-resolve the block attention (``"auto"``, ``"fused"``, ``"eager"``), e.g. for a benchmark's stock
+        column. Not inside a step: a captured graph keeps the kernels it was captured with."""
+        self.attention_backend, self._block_attention = resolve_block_attention(
+            name, self.kv_a_proj.weight.device, type(self).__name__)
 
     @property
     def mask_token_id(self) -> int:
@@ -408,7 +421,7 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         x = self.layers[0].input_layernorm(hidden)
         for i, layer in enumerate(self.layers):
             kv_a_weight = self.kv_a_proj.weight[i * d_c:(i + 1) * d_c]
-            attn = layer.self_attn(x, kv_a_weight, pool[i], inputs)
+            attn = layer.self_attn(x, kv_a_weight, pool[i], inputs, self._block_attention)
             x, residual = self._add_norm(attn, residual, layer.post_attention_layernorm)
             mlp = layer.mlp(x)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm

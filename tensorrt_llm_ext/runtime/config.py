@@ -245,7 +245,7 @@ class RuntimeConfig(_Strict):
     tokenizer: StrictStr | None = None  # a tokenizer directory for text prompts (default: the model directory)
     # -- accepted, no effect here ----------------------------------------------------------------------
     backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
-    max_num_tokens: StrictInt | None = no_effect(None, "prompts are prefilled one request at a time")
+    max_num_tokens: StrictInt | None = no_effect(None, "the requests admitted together are prefilled in one forward, no token budget")
     max_input_len: StrictInt | None = no_effect(None, "prompt + max_tokens is bounded by max_seq_len")
     moe_expert_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
     moe_tensor_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")

@@ -8,8 +8,9 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 * ``"gathered"``: the same, with vocab-parallel selection forced off (gathered logits everywhere);
 * ``"target_only"``: the target's own non-speculative decode, the lossless reference.
 
-Requests are admitted in order while slots are free; a request that fails validation gets an error
-result and never reaches a slot. Each step pads the active rows to a CUDA-graph batch size (dummy rows on
+Requests are admitted in order while slots are free, and every request admitted in one loop iteration is
+prefilled in one batched call (:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context
+store); a request that fails validation gets an error result and never reaches a slot. Each step pads the active rows to a CUDA-graph batch size (dummy rows on
 the dummy slot) and replays the captured step when graphs are enabled, else runs it eagerly.
 """
 
@@ -260,18 +261,24 @@ class Engine:
             pending.append(_Active(req, res, -1))
         active: dict[int, _Active] = {}
         while pending or active:
+            admitted: list[_Active] = []
             while pending and self.slots.num_free:
                 a = pending.popleft()
                 a.slot = self.slots.acquire()
                 req = a.request
                 self.pages.allocate(a.slot, pages_needed(len(req.prompt_ids) + req.max_new_tokens, self.draft_len,
                                                          self.state.page_size))
-                tok = worker.prefill(a.slot, list(req.prompt_ids), req.temperature, req.seed, speculative=speculative)
-                active[a.slot] = a
-                if self._append(a, [tok]):
-                    self._finish(active, a)
-                if progress is not None:
-                    progress(1)
+                admitted.append(a)
+            if admitted:  # every request admitted this iteration: one batched prefill
+                toks = worker.prefill_batch([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
+                                            [a.request.temperature for a in admitted],
+                                            [a.request.seed for a in admitted], speculative=speculative)
+                for a, tok in zip(admitted, toks):
+                    active[a.slot] = a
+                    if self._append(a, [tok]):
+                        self._finish(active, a)
+                    if progress is not None:
+                        progress(1)
             if not active:
                 continue
             order = sorted(active)

@@ -46,8 +46,8 @@ class DSparkWorker(SpecWorkerBase):
     """One-model DSpark worker over a :class:`~tensorrt_llm_ext.models.llama_target.LlamaTarget` and a
     :class:`~tensorrt_llm_ext.models.dspark_drafter.DSparkDrafter` sharing its LM head.
 
-    Usage: ``w = DSparkWorker(...); w.post_load(target, drafter, vocab_parallel_mode=...)``; per request
-    ``w.prefill(slot, prompt, ...)``; per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
+    Usage: ``w = DSparkWorker(...); w.post_load(target, drafter, vocab_parallel_mode=...)``; per admission
+    ``w.prefill_batch(slots, prompts, ...)`` (or ``w.prefill(slot, prompt, ...)``); per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
     """
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
@@ -84,7 +84,6 @@ class DSparkWorker(SpecWorkerBase):
         self._tail = PagedLatentStep.allocate(r, k, dev)
         self._tail_views: dict[int, PagedLatentStep] = {}
         self.markov: MarkovChain | None = None
-        self._prefill_tail = PagedLatentStep.allocate(1, k, dev)
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
 
@@ -204,62 +203,99 @@ class DSparkWorker(SpecWorkerBase):
             _, drafts = self.markov(base, tail.bonus_tokens)
             out_drafts.copy_(drafts)
 
-    # -- prefill (eager, one request) -----------------------------------------------------------------
+    # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
                 speculative: bool = True) -> int:
-        """Context phase of one request on ``slot``: returns its first generated token (a host int).
+        """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
+        return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative)[0]
 
-        Speculative: also stores the prompt's drafter context latents, advances ``ctx_len`` to the prompt
-        length (the first token is the anchor) and drafts the first block. Target-only: records the last
-        token for :meth:`target_only_step`. Eager (not captured), synchronises once for the token.
+    def _check_prefill(self, slots, prompts, temperatures, seeds) -> None:
+        n = len(slots)
+        if n == 0 or not len(prompts) == len(temperatures) == len(seeds) == n:
+            raise ValueError(f"prefill_batch: expected one prompt, temperature and seed per slot (at least one), got "
+                             f"{n} slots, {len(prompts)} prompts, {len(temperatures)} temperatures, {len(seeds)} seeds")
+        bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.state.dummy_slot]
+        if bad or len(set(slots)) != n:
+            raise ValueError(f"prefill_batch: slots must be distinct request slots [0, {self.state.dummy_slot}), "
+                             f"got {list(slots)}")
+        empty = [s for s, p in zip(slots, prompts) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
+        if not self.sampling and any(t > 0 for t in temperatures):
+            raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
+                             f"got temperatures {list(temperatures)}")
+
+    def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], seeds: list[int],
+                      speculative: bool = True) -> list[int]:
+        """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
+
+        The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
+        at positions ``0 .. n_r-1`` and padding tokens at ``n_r .. T-1``). Each row writes only its own
+        slot's KV cache: the padding positions lie past the prompt, stale like rejected drafts, and every
+        later step rewrites a position before any query attends it. Speculative: ONE store of every
+        prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
+        bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
+        latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
+        Target-only: records the last token for :meth:`target_only_step`.
+
+        Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
+        GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
+        GEMM of another shape may round differently. Eager (not captured), synchronises once for the tokens.
         """
+        self._check_prefill(slots, prompts, temperatures, seeds)
         st = self.state
         dev = self.device
-        n = len(prompt_ids)
         k = self.draft_len
-        if temperature > 0 and not self.sampling:
-            raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
-                             f"got temperature {temperature}")
-        st.slot_temps[slot] = float(temperature)
-        st.slot_seeds[slot] = int(seed)
+        r = len(slots)
+        lens = [len(p) for p in prompts]
+        t = max(lens)
+        slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+        slots_l = slots_t.long()
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
+        st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
         with nvtx_range("prefill"):
-            ids = torch.tensor([prompt_ids], dtype=torch.int64, device=dev)
-            positions = torch.arange(n, dtype=torch.int64, device=dev)[None]
-            slots = torch.tensor([slot], dtype=torch.int32, device=dev)
-            out = self.target(ids, positions, slots, st.kv_cache)
-            tok = torch.empty(1, dtype=torch.int64, device=dev)
-            self._select(out.hidden_states[n - 1:n], st.slot_temps[slot:slot + 1], st.slot_seeds[slot:slot + 1],
-                         torch.tensor([n], dtype=torch.int64, device=dev), tok)
+            ids = torch.zeros(r, t, dtype=torch.int64)
+            for row, p in enumerate(prompts):
+                ids[row, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
+            ids = ids.to(dev)
+            positions = torch.arange(t, dtype=torch.int64, device=dev).expand(r, t)
+            out = self.target(ids, positions, slots_t, st.kv_cache)
+            last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
+            tok = torch.empty(r, dtype=torch.int64, device=dev)
+            self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l], st.slot_seeds[slots_l],
+                         lens_t, tok)
             if not speculative:
-                st.ref_lens[slot] = n
-                st.slot_tokens[slot, 0] = tok[0]
-                return int(tok.item())
+                st.ref_lens[slots_l] = lens_t.to(st.ref_lens.dtype)
+                st.slot_tokens[slots_l, 0] = tok
+                return tok.tolist()
             self._decode_pages()
-            latents = self.drafter.compute_context_latents(out.captured)  # [n, L, d_c]
+            latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
             # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
-            # treats the prefill as a generation row that accepted exactly one token (the first generated one).
-            pos = torch.arange(n, device=dev)
+            # treats each prompt as a generation row that accepted exactly one token (its first generated one).
+            pos = positions.reshape(-1)
             pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
-            pages = st.block_table[slot, pidx]
-            self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), pos < n - 1,
-                                           st.latent_pool)
-            st.ctx_lens[slot] = n - 1
-            accepted = torch.zeros(1, k + 1, dtype=torch.int64, device=dev)
-            accepted[0, 0] = tok[0]
-            tail = self.ops.paged_latent_step(accepted, torch.ones(1, dtype=torch.int32, device=dev), slots,
-                                              torch.zeros(1, dtype=torch.bool, device=dev), st.ctx_lens,
+            pages = st.block_table[slots_l.repeat_interleave(t), pidx]
+            keep = (positions < (lens_t - 1)[:, None]).reshape(-1)
+            self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), keep, st.latent_pool)
+            st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
+            accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
+            accepted[:, 0] = tok
+            tail = self.ops.paged_latent_step(accepted, torch.ones(r, dtype=torch.int32, device=dev), slots_t,
+                                              torch.zeros(r, dtype=torch.bool, device=dev), st.ctx_lens,
                                               st.block_table, num_contexts=0, page_size=st.page_size, draft_len=k,
                                               max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
-                                              out=self._prefill_tail)
-            last = torch.zeros(k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
-            last[0] = latents[n - 1]
-            self.ops.store_context_latents(last, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
-                                           tail.latent_write_mask.view(-1), st.latent_pool)
-            drafts = torch.empty(1, k, dtype=torch.int64, device=dev)
-            self.draft(tail, slots, drafts)
-            st.slot_tokens[slot, 0] = tok[0]
-            st.slot_tokens[slot, 1:] = drafts[0]
-        return int(tok.item())
+                                              out=PagedLatentStep.allocate(r, k, dev))
+            last_lat = torch.zeros(r, k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
+            last_lat[:, 0] = latents.index_select(0, last)
+            self.ops.store_context_latents(last_lat.view(r * (k + 1), *latents.shape[1:]), tail.latent_pages.view(-1),
+                                           tail.latent_offsets.view(-1), tail.latent_write_mask.view(-1),
+                                           st.latent_pool)
+            drafts = torch.empty(r, k, dtype=torch.int64, device=dev)
+            self.draft(tail, slots_t, drafts)
+            st.slot_tokens[slots_l, 0] = tok
+            st.slot_tokens[slots_l, 1:] = drafts
+        return tok.tolist()
 
     # -- the speculative step ---------------------------------------------------------------------------
     # The step's stages, each a method so that ``bench step`` can time them on the worker itself (with

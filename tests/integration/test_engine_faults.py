@@ -65,16 +65,17 @@ def _raise_on_call(n, exc):
 
 
 def test_exception_in_prefill_then_good_generate(monkeypatch):
+    """The second admission's batched prefill (the third request, while the first two are active) fails."""
     engine = _engine("exact")
     worker = engine.worker()
-    real = worker.prefill
-    hook = _raise_on_call(2, Injected("prefill of the second request fails"))
+    real = worker.prefill_batch
+    hook = _raise_on_call(2, Injected("prefill of the second admission fails"))
 
-    def prefill(*args, **kwargs):
+    def prefill_batch(*args, **kwargs):
         hook()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "prefill", prefill)
+    monkeypatch.setattr(worker, "prefill_batch", prefill_batch)
     with pytest.raises(Injected):
         engine.generate(_requests())
     monkeypatch.undo()
@@ -86,7 +87,7 @@ def test_exception_mid_step_then_good_generate(monkeypatch):
     engine = _engine("exact")
     worker = engine.worker()
     real = worker.draft
-    hook = _raise_on_call(4, Injected("draft of the second step fails"))  # 2 prefills, step 1, step 2
+    hook = _raise_on_call(3, Injected("draft of the second step fails"))  # 1 batched prefill, step 1, step 2
 
     def draft(*args, **kwargs):
         hook()
@@ -122,7 +123,7 @@ def test_exception_inside_markov_chain_then_good_generate(markov_mode, monkeypat
 def test_exception_in_progress_callback_then_good_generate(exc):
     engine = _engine("exact")
     with pytest.raises(type(exc)):
-        engine.generate(_requests(), progress=_raise_on_call(3, exc))  # after 2 prefills, in the first step
+        engine.generate(_requests(), progress=_raise_on_call(3, exc))  # after 2 prefilled requests, in the first step
     _assert_recovered(engine)
 
 

@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
+from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models import (DSparkDrafter, DSparkDrafterConfig, DSparkDrafterNoFusion,
                                      full_weight_shapes, generate_full_state_dict, resolve_drafter_tp_plan)
-from tensorrt_llm_ext.modules.attention import write_block_latents
+from tensorrt_llm_ext.modules.attention import resolve_block_attention, write_block_latents
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
@@ -155,10 +156,14 @@ def _to_device(inputs, device):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("backend", ["fused", "eager"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_block_decode_matches_dense_attention(dtype, device):
-    drafter = DSparkDrafter(CFG, dtype=dtype, device=device)
+def test_paged_block_decode_matches_dense_attention(dtype, device, backend):
+    if backend == "fused" and device == "cpu" and torch.cuda.is_available():
+        pytest.skip("Triton takes CPU tensors only under the interpreter (CPU machines)")
+    drafter = DSparkDrafter(CFG, dtype=dtype, device=device, attention_backend=backend)
+    assert drafter.attention_backend == backend
     drafter.init_weights(3)
     dev_inputs = _to_device(make_block_inputs(CFG, dtype), device)
     pool_before = dev_inputs.cache.pool.clone().cpu()
@@ -182,10 +187,11 @@ def test_paged_block_decode_matches_dense_attention(dtype, device):
 
 
 @CUDA
-def test_forward_block_cuda_graph_replay():
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_forward_block_cuda_graph_replay(backend):
     """The block decode captures into a CUDA graph (no host sync, no escaping allocation) and the
     replay reproduces the eager output and pool writes (same kernels; bf16 tolerance 1e-2)."""
-    drafter = DSparkDrafter(CFG, dtype=torch.bfloat16, device="cuda")
+    drafter = DSparkDrafter(CFG, dtype=torch.bfloat16, device="cuda", attention_backend=backend)
     drafter.init_weights(4)
     inputs = _to_device(make_block_inputs(CFG, torch.bfloat16), "cuda")
     pool0 = inputs.cache.pool.clone()
@@ -225,7 +231,7 @@ def test_context_latents_one_gemm_and_project():
 
 
 def test_dummy_rows_only_are_finite():
-    drafter = DSparkDrafter(CFG)
+    drafter = DSparkDrafter(CFG)  # auto: the fused kernel on CPU under the interpreter
     drafter.init_weights(0)
     inputs = make_block_inputs(CFG, torch.bfloat16)
     pl = inputs.placement
@@ -388,3 +394,21 @@ def test_bench_fc_bytes_per_rank_and_smoke(capsys):
     if not torch.cuda.is_available():  # on GPU the full benchmark is run by hand, not from a test
         main([])
         assert "1/8" in capsys.readouterr().out
+
+
+def test_block_attention_backend_resolution(caplog):
+    # "auto" on CPU: the fused kernel under the interpreter (CPU machines), else the eager twin.
+    cpu_auto = "fused" if ENV.triton_interpret else "eager"
+    assert resolve_block_attention("auto", "cpu", "t-auto")[0] == cpu_auto
+    assert resolve_block_attention("eager", "cpu", "t-eager")[0] == "eager"
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_block_attention("flash", "cpu")
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        for _ in range(2):
+            resolve_block_attention("auto", "cpu", "t-logged-once")
+    msgs = [r.getMessage() for r in caplog.records if "t-logged-once block attention" in r.getMessage()]
+    assert len(msgs) == 1 and msgs[0].startswith(f"t-logged-once block attention: {cpu_auto} (")
+    d = DSparkDrafter(CFG, attention_backend="eager")
+    assert d.attention_backend == "eager"
+    d.set_attention_backend("auto")
+    assert d.attention_backend == cpu_auto

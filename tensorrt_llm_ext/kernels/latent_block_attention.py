@@ -1,0 +1,413 @@
+"""Single-latent (MLA-style) attention of a draft block over the paged drafter context, one launch per layer.
+
+Every position stores ONE latent ``c [d_c]`` per drafter layer in the paged pool (shared by all heads);
+keys and values are up-projected per head (``k = W_uk c``, ``v = W_uv c``) and rotate-half RoPE is applied
+to q and k at their absolute positions. A draft block of ``K`` positions attends to
+
+* the request's context latents, positions ``0 .. ctx_len-1``, read through the cache's block table
+  (position ``p`` lives at ``pool[block_table[slot, p // page_size], p % page_size]``), and
+* the block's own latents (stored at the :class:`~tensorrt_llm_ext.contract.DraftBlockPlacement`
+  pages/offsets; attention uses the computed values, so a position whose page is unallocated still
+  attends its block),
+
+bidirectionally within the block and without a causal mask over the context. A dummy row
+(``seq_lens == 0``) sees nothing and yields zeros (finite).
+
+Two implementations of the same function:
+
+* :func:`latent_block_attention_reference`, the eager twin (the drafter's original path): stores the
+  block latents, gathers the whole table span ``[B, max_pages * page_size, d_c]``, up-projects every
+  gathered latent (keys and values rounded to the model dtype by ``F.linear``), RoPE, a masked fp32
+  softmax. About 40 small launches per layer.
+* :func:`latent_block_attention`, one Triton launch, grid ``(B, heads)``. Per program: RoPE on the
+  block's ``K`` queries in registers; a loop over the live context only (``ctx_len`` read on the device,
+  no padding span) in tiles of ``BLOCK_N`` positions loaded through the block table; per tile the key
+  up-projection ``[BLOCK_N, d_c] x [d_c, D]`` on tensor cores (model dtype in, fp32 accumulate), RoPE on
+  the keys, scores, an online (flash) softmax in fp32; the **value up-projection is absorbed**: the
+  program accumulates ``sum_j p_j c_j`` in latent space ``[K, d_c]`` and multiplies by ``W_uv`` once at
+  the end (``K * d_c * D`` instead of ``ctx_len * d_c * D`` per head). The block's own latents are the
+  last tile, and the head-0 program stores them into the pool (the only pool write).
+
+Numerics: the kernel keeps keys and values in fp32 where the twin rounds them to the model dtype, sums
+in another order (online softmax) and, for 16-bit inputs, runs its fp32-operand products (scores,
+``p @ c``, the final ``W_uv``) in TF32 (10-bit mantissa, finer than the twin's bf16 rounding of keys and
+values). fp32 inputs use IEEE fp32 products: kernel and twin then agree to ~1e-5. bf16: within a few
+bf16 ulps of the O(1) outputs (tests hold ``atol = rtol = 2e-2`` on CPU and on the H200); bitwise is
+not promised. The block-latent store is bitwise (a copy).
+
+Preconditions (the worker's bookkeeping guarantees them): no block destination aliases a context
+position ``< ctx_len`` of any row (the block is placed after the advertised context), and real rows do
+not share pages. Graph safety: given ``out=`` the launcher allocates nothing, never syncs and branches
+on shapes only; the per-``(head_dim, theta, device)`` RoPE frequency table is cached on first use
+(:data:`_INV_FREQ`), so the first call must happen outside a capture (warm-up).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tensorrt_llm_ext.contract import DraftBlockPlacement
+from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_devices, check_int, check_tensor, num_warps_for,
+                                             refuse_allocation_while_capturing, triton_runs_on)
+from tensorrt_llm_ext.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = ["gather_context_latents", "latent_block_attention", "latent_block_attention_reference",
+           "masked_softmax_attention", "single_latent_block_attention", "write_block_latents"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Scratch cache: the fp32 RoPE frequency table ``[D/2]`` per (head_dim, theta, device), built outside capture
+# on the first call (warm-up) and reused by every later call and captured graph.
+_INV_FREQ: dict[tuple[int, float, str], torch.Tensor] = {}
+
+
+@triton.jit
+def _attend_tile(lat, kpos, kvalid, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_w, row0, inv_freq, f, f_ok, c, c_ok,
+                 scale, HALF: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of latents ``lat [N, BLOCK_C]`` at positions ``kpos [N]`` into the online softmax state."""
+    wmask = c_ok[:, None] & f_ok[None, :]
+    # W_uk rows of this head, transposed to [BLOCK_C, BLOCK_HALF]: the two rotate-half halves of the key.
+    wk1 = tl.load(wk_ptr + (row0 + f)[None, :] * stride_w + c[:, None], mask=wmask, other=0.0).to(DOT_DTYPE)
+    wk2 = tl.load(wk_ptr + (row0 + HALF + f)[None, :] * stride_w + c[:, None], mask=wmask, other=0.0).to(DOT_DTYPE)
+    lat_d = lat.to(DOT_DTYPE)
+    k1 = tl.dot(lat_d, wk1, input_precision=PRECISION)  # [N, BLOCK_HALF] fp32
+    k2 = tl.dot(lat_d, wk2, input_precision=PRECISION)
+    ang = kpos.to(tl.float32)[:, None] * inv_freq[None, :]
+    kc = tl.cos(ang)
+    ks = tl.sin(ang)
+    k1r = k1 * kc - k2 * ks
+    k2r = k2 * kc + k1 * ks
+    s = tl.dot(q1r, tl.trans(k1r), input_precision=PRECISION)
+    s += tl.dot(q2r, tl.trans(k2r), input_precision=PRECISION)  # [BLOCK_M, N]
+    s = tl.where(kvalid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep every term 0, never NaN
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # Value up-projection absorbed: accumulate the probability-weighted latents, W_uv comes once at the end.
+    acc = acc * alpha[:, None] + tl.dot(p, lat.to(tl.float32), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["k_len", "page_size", "max_pages"])
+def _latent_block_attention_kernel(
+    q_ptr, blk_ptr, pool_ptr, bt_ptr, slot_ptr, ctx_lens_ptr, seq_lens_ptr, pos_ptr, page_ids_ptr, page_off_ptr,
+    wk_ptr, wv_ptr, inv_freq_ptr, out_ptr,
+    k_len, d_c, page_size, max_pages, scale,
+    stride_qb, stride_qk, stride_qh, stride_bb, stride_bk, stride_pp, stride_po, stride_bt,
+    stride_wk, stride_wv, stride_ob, stride_ok, stride_oh, stride_place,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, STORE_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hd = tl.program_id(1)
+    row0 = hd * (2 * HALF)  # first W row of this head
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = tl.load(seq_lens_ptr + b) > 0
+    n_ctx = tl.minimum(tl.maximum(tl.load(ctx_lens_ptr + b), 0), max_pages * page_size)
+    n_ctx = tl.where(live, n_ctx, 0)
+
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < k_len
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < d_c
+    inv_freq = tl.load(inv_freq_ptr + f, mask=f_ok, other=0.0)
+
+    qpos = tl.load(pos_ptr + b * stride_place + m, mask=m_ok, other=0)
+    qmask = m_ok[:, None] & f_ok[None, :]
+    q_row = q_ptr + b * stride_qb + m[:, None] * stride_qk + hd * stride_qh
+    q1 = tl.load(q_row + f[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + HALF + f[None, :], mask=qmask, other=0.0).to(tl.float32)
+    ang = qpos.to(tl.float32)[:, None] * inv_freq[None, :]
+    qc = tl.cos(ang)
+    qs = tl.sin(ang)
+    q1r = q1 * qc - q2 * qs
+    q2r = q2 * qc + q1 * qs
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    bt_row = bt_ptr + slot * stride_bt
+    # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
+    for start in range(0, n_ctx, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < n_ctx
+        page = tl.maximum(tl.load(bt_row + n // page_size, mask=n_ok, other=0), 0).to(tl.int64)
+        lat_ptrs = pool_ptr + page[:, None] * stride_pp + (n % page_size).to(tl.int64)[:, None] * stride_po + c[None, :]
+        lat = tl.load(lat_ptrs, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        m_i, l_i, acc = _attend_tile(lat, n, n_ok, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0, inv_freq, f,
+                                     f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
+
+    # The block's own latents: the last tile, at the block's RoPE positions.
+    bmask = m_ok[:, None] & c_ok[None, :]
+    blk = tl.load(blk_ptr + b * stride_bb + m[:, None] * stride_bk + c[None, :], mask=bmask, other=0.0)
+    m_i, l_i, acc = _attend_tile(blk, qpos, m_ok & live, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0, inv_freq,
+                                 f, f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
+    if STORE_BLOCK:
+        if hd == 0:
+            dpage = tl.load(page_ids_ptr + b * stride_place + m, mask=m_ok, other=-1)
+            doff = tl.load(page_off_ptr + b * stride_place + m, mask=m_ok, other=0)
+            dst = pool_ptr + tl.maximum(dpage, 0).to(tl.int64)[:, None] * stride_pp \
+                + doff.to(tl.int64)[:, None] * stride_po + c[None, :]
+            tl.store(dst, blk.to(pool_ptr.dtype.element_ty), mask=bmask & (dpage >= 0)[:, None])
+
+    o_lat = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no valid key is all zeros
+    wmask = c_ok[:, None] & f_ok[None, :]
+    wv1 = tl.load(wv_ptr + (row0 + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
+    wv2 = tl.load(wv_ptr + (row0 + HALF + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
+    o1 = tl.dot(o_lat, wv1, input_precision=PRECISION)
+    o2 = tl.dot(o_lat, wv2, input_precision=PRECISION)
+    o_row = out_ptr + b * stride_ob + m[:, None] * stride_ok + hd * stride_oh
+    tl.store(o_row + f[None, :], o1.to(out_ptr.dtype.element_ty), mask=qmask)
+    tl.store(o_row + HALF + f[None, :], o2.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    key = (head_dim, float(theta), str(device))
+    t = _INV_FREQ.get(key)
+    if t is None:
+        refuse_allocation_while_capturing("latent_block_attention (RoPE table; call once before capture)", device)
+        t = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, device)
+    return t
+
+
+def _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out):
+    check_tensor("q", q, dtype=FLOAT_DTYPES, unit_last_stride=True)
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [B, K, h, D], got {list(q.shape)}")
+    b, k, h, d = q.shape
+    if d % 2:
+        raise ValueError(f"q: head_dim must be even (rotate-half RoPE), got {d}")
+    check_tensor("pool_layer", pool_layer, dtype=FLOAT_DTYPES, unit_last_stride=True)
+    if pool_layer.dim() != 3:
+        raise ValueError(f"pool_layer: expected shape [num_pages, page_size, d_c], got {list(pool_layer.shape)}")
+    d_c = pool_layer.shape[2]
+    check_tensor("block_latents", block_latents, shape=(b, k, d_c), dtype=pool_layer.dtype, unit_last_stride=True)
+    check_tensor("block_table", block_table, shape=(None, None), dtype=torch.int32, unit_last_stride=True)
+    check_tensor("slot_ids", slot_ids, shape=(b,), dtype=INT_DTYPES, contiguous=True)
+    for name in ("positions", "page_ids", "page_offsets"):
+        check_tensor(f"placement.{name}", getattr(placement, name), shape=(b, k), dtype=torch.int32, contiguous=True)
+    for name in ("ctx_lens", "seq_lens"):
+        check_tensor(f"placement.{name}", getattr(placement, name), shape=(b,), dtype=torch.int32, contiguous=True)
+    for name, w in (("k_up_weight", k_up_weight), ("v_up_weight", v_up_weight)):
+        check_tensor(name, w, shape=(h * d, d_c), dtype=pool_layer.dtype, unit_last_stride=True)
+    if out is not None:
+        check_tensor("out", out, shape=(b, k, h, d), dtype=q.dtype, unit_last_stride=True)
+    check_devices(q.device, block_latents=block_latents, pool_layer=pool_layer, block_table=block_table,
+                  slot_ids=slot_ids, positions=placement.positions, page_ids=placement.page_ids,
+                  page_offsets=placement.page_offsets, ctx_lens=placement.ctx_lens, seq_lens=placement.seq_lens,
+                  k_up_weight=k_up_weight, v_up_weight=v_up_weight, **({} if out is None else {"out": out}))
+    if not triton_runs_on(q):
+        raise ValueError(f"latent_block_attention: Triton cannot run on {q.device} (CUDA, or CPU with "
+                         "TRITON_INTERPRET=1); use latent_block_attention_reference")
+
+
+def latent_block_attention(
+    q: torch.Tensor,
+    block_latents: torch.Tensor,
+    pool_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    placement: DraftBlockPlacement,
+    k_up_weight: torch.Tensor,
+    v_up_weight: torch.Tensor,
+    rope_theta: float,
+    scale: float,
+    *,
+    store_block_latents: bool = True,
+    out: torch.Tensor | None = None,
+    block_n: int = 32,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Fused block attention over the paged single-latent context (one launch); see the module docstring.
+
+    Args:
+        q: ``[B, K, h, D]`` queries before RoPE (``h`` = this rank's heads; D even), unit last stride.
+        block_latents: ``[B, K, d_c]`` the block's own latents, pool dtype.
+        pool_layer: ``[num_pages, page_size, d_c]``, one drafter layer of the pool; the block latents are
+            written in place at ``placement.page_ids / page_offsets`` where ``page_ids >= 0`` (when
+            ``store_block_latents``), nothing else is written.
+        block_table: ``[num_slots, max_pages]`` int32 physical page ids (negative entries read as page 0;
+            they lie past ``ctx_len`` in practice).
+        slot_ids: ``[B]`` int32/int64 rows of ``block_table``.
+        placement: block positions (RoPE and query positions) ``[B, K]``, pages/offsets ``[B, K]``,
+            ``ctx_lens`` ``[B]`` (context positions attended, capped at ``max_pages * page_size``),
+            ``seq_lens`` ``[B]`` (0 = dummy row: output zeros), all int32.
+        k_up_weight, v_up_weight: ``[h * D, d_c]`` per-head up-projections, pool dtype.
+        rope_theta, scale: RoPE base; softmax scale.
+        out: optional ``[B, K, h, D]`` output in ``q``'s dtype (required inside a CUDA-graph capture).
+        block_n: context positions per tile (power of two >= 16); num_warps / num_stages: launch settings
+            (``None``: :func:`num_warps_for` / Triton's default). Tuning knobs, results do not depend on them
+            beyond rounding.
+
+    Returns ``out``. CUDA-graph safe with ``out=`` once warmed up (see the module docstring).
+    """
+    _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out)
+    check_int("block_n", block_n, lo=16, hi=1025)
+    if block_n & (block_n - 1):
+        raise ValueError(f"block_n: expected a power of two, got {block_n}")
+    b, k, h, d = q.shape
+    num_pages, page_size, d_c = pool_layer.shape
+    inv_freq = _inv_freq(d, rope_theta, q.device)
+    if out is None:
+        refuse_allocation_while_capturing("latent_block_attention", q.device)
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    block_c = max(16, triton.next_power_of_2(d_c))
+    interpret = not q.is_cuda
+    # The interpreter's tl.dot is wrong on bf16 (it multiplies the raw bits): upcast there. On the GPU the
+    # key up-projection takes the model dtype (exact products, fp32 accumulate) and fp32-operand products
+    # run in TF32 for 16-bit models, IEEE for fp32 ones.
+    fp32_model = pool_layer.dtype == torch.float32
+    dot_dtype = tl.float32 if (interpret or fp32_model) else (tl.bfloat16 if pool_layer.dtype == torch.bfloat16
+                                                               else tl.float16)
+    precision = "ieee" if fp32_model else "tf32"
+    if num_warps is None:
+        num_warps = num_warps_for(block_n * block_c, elements_per_warp=2048, min_warps=4)
+    launch = {"num_warps": num_warps}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    _latent_block_attention_kernel[(b, h)](
+        q, block_latents, pool_layer, block_table, slot_ids, placement.ctx_lens, placement.seq_lens,
+        placement.positions, placement.page_ids, placement.page_offsets, k_up_weight, v_up_weight, inv_freq, out,
+        k, d_c, page_size, block_table.shape[1], float(scale),
+        q.stride(0), q.stride(1), q.stride(2), block_latents.stride(0), block_latents.stride(1),
+        pool_layer.stride(0), pool_layer.stride(1), block_table.stride(0),
+        k_up_weight.stride(0), v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        placement.positions.stride(0),
+        HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=max(16, triton.next_power_of_2(k)),
+        BLOCK_N=block_n, BLOCK_C=block_c, STORE_BLOCK=store_block_latents, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        **launch,
+    )
+    return out
+
+
+# -- the eager twin (the drafter's original path) ---------------------------------------------------------------
+def write_block_latents(pool_layer: torch.Tensor, placement: DraftBlockPlacement, latents: torch.Tensor) -> None:
+    """Store the block's own latents at the placement: ``pool_layer[page_ids, page_offsets] = latents``.
+
+    Args:
+        pool_layer: ``[num_pages, page_size, d_c]``, one drafter layer of the pool (written in place).
+        placement: ``page_ids`` / ``page_offsets`` ``[B, K]`` int32; ``page_ids < 0`` (unallocated page,
+            dummy row) means "do not store".
+        latents: ``[B, K, d_c]`` (cast to the pool dtype).
+
+    Writes exactly the destinations with ``page_ids >= 0``, nothing else. CUDA-graph safe: no mask
+    compaction; skipped entries are redirected to the first stored entry's destination with that
+    entry's value (identical bits, so the duplicate index is harmless), or, when nothing is stored,
+    to slot ``[0, 0]`` with its own current value.
+    """
+    num_pages, page_size, d_c = pool_layer.shape
+    flat = pool_layer.view(num_pages * page_size, d_c)
+    valid = (placement.page_ids >= 0).reshape(-1)
+    dest = (placement.page_ids.long().clamp_min(0) * page_size + placement.page_offsets.long()).reshape(-1)
+    vals = latents.reshape(-1, d_c).to(pool_layer.dtype)
+    # index_select with a [1] index, never tensor[0-dim tensor] (that converts to a Python int: a host
+    # sync, which fails under CUDA-graph capture).
+    first = torch.argmax(valid.to(torch.int32)).view(1)  # first stored entry (0 if none)
+    any_valid = valid.index_select(0, first)  # [1]
+    sink_idx = torch.where(any_valid, dest.index_select(0, first), torch.zeros_like(first))  # [1]
+    sink_val = torch.where(any_valid.unsqueeze(1), vals.index_select(0, first), flat[:1])  # [1, d_c]
+    idx = torch.where(valid, dest, sink_idx)
+    flat[idx] = torch.where(valid.unsqueeze(1), vals, sink_val)
+
+
+def gather_context_latents(pool_layer: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor,
+                           ctx_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather every request's context latents through the block table.
+
+    Returns ``latents [B, P, d_c]`` (``P = max_pages * page_size``; position ``p`` of request ``b`` is
+    ``pool[block_table[slot, p // page_size], p % page_size]``) and ``valid [B, P]`` (``p < ctx_len``).
+    Unallocated (negative) table entries are read as page 0 and masked out.
+    """
+    page_size = pool_layer.shape[1]
+    table = block_table[slot_ids.long()].long().clamp_min(0)  # [B, max_pages]
+    b, max_pages = table.shape
+    pos = torch.arange(max_pages * page_size, device=pool_layer.device)
+    pages = table[:, pos // page_size]  # [B, P]
+    latents = pool_layer[pages, (pos % page_size).expand(b, -1)]  # [B, P, d_c]
+    valid = pos.unsqueeze(0) < ctx_lens.long().unsqueeze(1)
+    return latents, valid
+
+
+def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """``q [B, K, h, D]``, ``k/v [B, S, h, D]``, ``valid [B, S]`` bool -> ``[B, K, h, D]`` fp32.
+
+    Softmax in fp32 over the valid keys only; a row with no valid key returns zeros (never NaN).
+    """
+    scores = torch.einsum("bkhd,bshd->bhks", q.float(), k.float()) * scale
+    mask = valid[:, None, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max) * mask
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.einsum("bhks,bshd->bkhd", p, v.float())
+
+
+def single_latent_block_attention(q: torch.Tensor, block_latents: torch.Tensor, ctx_latents: torch.Tensor,
+                                  ctx_valid: torch.Tensor, placement: DraftBlockPlacement, k_up_weight: torch.Tensor,
+                                  v_up_weight: torch.Tensor, rope_theta: float, scale: float) -> torch.Tensor:
+    """Attention of the block's queries over gathered context + block latents (eager).
+
+    Args:
+        q: ``[B, K, h, D]`` queries before RoPE (``h`` = this rank's heads).
+        block_latents: ``[B, K, d_c]``, the block's latents (as stored at the placement).
+        ctx_latents, ctx_valid: from :func:`gather_context_latents`, ``[B, P, d_c]`` / ``[B, P]``.
+        placement: RoPE positions of the block (``positions``) and ``seq_lens`` (0 = dummy row).
+        k_up_weight, v_up_weight: ``[h * D, d_c]`` per-head up-projections of this rank's heads.
+
+    Returns ``[B, K, h, D]`` in ``q``'s dtype. Context keys take RoPE at their position index.
+    """
+    b, kk, h, d = q.shape
+    p = ctx_latents.shape[1]
+    ctx_pos = torch.arange(p, device=q.device).expand(b, p)
+    lat = torch.cat((ctx_latents.to(q.dtype), block_latents.to(q.dtype)), dim=1)  # [B, P+K, d_c]
+    pos = torch.cat((ctx_pos, placement.positions.long()), dim=1)  # [B, P+K]
+    keys = torch.nn.functional.linear(lat, k_up_weight).view(b, p + kk, h, d)
+    vals = torch.nn.functional.linear(lat, v_up_weight).view(b, p + kk, h, d)
+    cos, sin = rope_cos_sin(pos, d, rope_theta)
+    keys = apply_rope(keys, cos, sin)
+    qcos, qsin = rope_cos_sin(placement.positions, d, rope_theta)
+    qr = apply_rope(q, qcos, qsin)
+    live = (placement.seq_lens > 0).unsqueeze(1)  # [B, 1]: a dummy row sees nothing
+    valid = torch.cat((ctx_valid & live, live.expand(b, kk)), dim=1)
+    return masked_softmax_attention(qr, keys, vals, valid, scale).to(q.dtype)
+
+
+def latent_block_attention_reference(
+    q: torch.Tensor,
+    block_latents: torch.Tensor,
+    pool_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_ids: torch.Tensor,
+    placement: DraftBlockPlacement,
+    k_up_weight: torch.Tensor,
+    v_up_weight: torch.Tensor,
+    rope_theta: float,
+    scale: float,
+    *,
+    store_block_latents: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager twin of :func:`latent_block_attention` (same arguments, same writes): store the block latents,
+    gather the whole table span, up-project every gathered latent, masked fp32 softmax. Any device;
+    capturable (its allocations land in the graph's pool); context capped at ``max_pages * page_size``."""
+    if store_block_latents:
+        write_block_latents(pool_layer, placement, block_latents)
+    ctx, valid = gather_context_latents(pool_layer, block_table, slot_ids, placement.ctx_lens)
+    o = single_latent_block_attention(q, block_latents, ctx, valid, placement, k_up_weight, v_up_weight, rope_theta,
+                                      scale)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
