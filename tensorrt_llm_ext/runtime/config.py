@@ -17,6 +17,8 @@ Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml`
       vocab_parallel_selection: auto   # auto | on | off
       markov_chain_mode: auto          # exact | fused | auto
       exchange: auto                   # auto | nccl | low_latency
+      use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
+      vocab_sharded_verification: auto # auto | on | off
     cuda_graph_config:
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
@@ -117,14 +119,27 @@ class SpeculativeConfig(_Strict):
     # all-reduce MAX; auto = low_latency where it sets up on every rank. Any setup failure (non-CUDA,
     # no symmetric memory, a rank failing) falls back to NCCL on every rank, logged identically.
     exchange: Literal["auto", "nccl", "low_latency"] = "auto"
+    # TensorRT-LLM's field name: sampled requests draft with keyed Gumbel-max at their temperature and are
+    # verified by rejection sampling (docs/rejection_sampling.md); greedy requests keep strict acceptance.
+    use_rejection_sampling: bool = False
+    # Where rejection sampling verifies: on this rank's vocabulary columns (auto: whenever target and
+    # draft heads are vocab-parallel; on: an error at load otherwise) or on gathered logits (off).
+    vocab_sharded_verification: Literal["auto", "on", "off"] = "auto"
 
-    @field_validator("vocab_parallel_selection", mode="before")
+    @field_validator("vocab_parallel_selection", "vocab_sharded_verification", mode="before")
     @classmethod
     def _yaml_bool(cls, v):
         # YAML 1.1 reads a bare on/off as a boolean.
         if isinstance(v, bool):
             return "on" if v else "off"
         return v
+
+    @model_validator(mode="after")
+    def _check_verification(self):
+        if self.vocab_sharded_verification == "on" and not self.use_rejection_sampling:
+            raise ValueError("vocab_sharded_verification='on' needs use_rejection_sampling: true (strict "
+                             "acceptance has no verification to shard)")
+        return self
 
     @field_validator("decoding_type", mode="before")
     @classmethod

@@ -10,16 +10,26 @@ the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 3. ``selection``: the target's token for every verified position, from this rank's vocab shard with the
    pair exchange when bound vocab-parallel, else from the gathered logits; greedy rows ``argmax``,
    sampled rows keyed Gumbel-max with ``(seed, offset = absolute position of the token)``.
-4. ``tail``: :func:`strict_accept` -> :func:`paged_latent_step` (bonus token, block ids, latent
+4. ``tail``: :func:`strict_accept` (or, with ``use_rejection_sampling``, :func:`rejection_sample` against
+   the draft logits stored per slot by the previous step, see :mod:`.rejection_verifier`) -> :func:`paged_latent_step` (bonus token, block ids, latent
    destinations, ``ctx_len`` advance, the block's :class:`DraftBlockPlacement`) -> the drafter's context
    latents of the verified positions, stored by :func:`store_context_latents` (accepted ones only).
 5. ``draft``: the drafter's block decode -> base draft logits through the shared LM head (its shard when
    the draft side is vocab-parallel) -> ``chain``: the :class:`MarkovChain` -> the next K drafts
-   (greedy: the draft most likely to equal the target's token, sampled or not).
+   (greedy: the draft most likely to equal the target's token, sampled or not; with rejection sampling,
+   sampled rows draw keyed Gumbel-max at their temperature with Philox offset = the absolute position of
+   the drafted token, and the biased logits are stored per slot as the draft distribution).
 
 The token the target picks at absolute position ``p`` depends only on the sequence before ``p`` and the
 request's ``(seed, p)``; strict acceptance keeps exactly the target's tokens, so the output equals the
-target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit.
+target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit. Rejection
+sampling keeps the target's distribution instead (greedy rows stay strict acceptance, bit for bit).
+
+Top-p (``prefill(..., top_p=)``): sampled rows select from the target's exact top-p set
+(:func:`top_p_keep`, on the shards when bound vocab-parallel), in the step, in prefill and in the
+target-only decode alike. A step runs the top-p variant only when one of its rows has ``top_p < 1``
+(a host-side fact of :meth:`set_rows`); only the default variant is captured in CUDA graphs
+(:attr:`step_is_default`).
 
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
@@ -29,12 +39,14 @@ from __future__ import annotations
 
 import torch
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
                                        PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
+from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.vocab_parallel import (TARGET_SALT, SelectionParams, VocabShardedLogits, gumbel_sample,
@@ -52,12 +64,15 @@ class DSparkWorker(SpecWorkerBase):
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
-                 sampling: bool = True):
+                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto"):
         super().__init__(mapping, draft_len, max_batch_size)
         self.ops = ops
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
+        self.use_rejection_sampling = use_rejection_sampling  # config; the decision lives in self.verifier
+        self.verification_mode = verification_mode
+        self.verifier: RejectionVerifier | None = None  # bound in _on_bound when rejection sampling is on
         self.target = target
         self.drafter = drafter
         self.state = state
@@ -87,6 +102,12 @@ class DSparkWorker(SpecWorkerBase):
         self._prefill_tail = PagedLatentStep.allocate(1, k, dev)
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
+        # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
+        self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
+        self._host_full_vocab = [False] * num_slots
+        self._step_top_p = False
+        self._step_full_vocab = False
 
     # -- binding -------------------------------------------------------------------------------------
     def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
@@ -104,6 +125,17 @@ class DSparkWorker(SpecWorkerBase):
                                logits_dtype=self.target.dtype, exchange=exchange, mode=mode)
 
         self.markov = chain(self.markov_chain_mode)
+        decision = RejectionVerification.decide(
+            use_rejection_sampling=self.use_rejection_sampling, mode=self.verification_mode,
+            sampling=self.sampling, selector=self.vocab_parallel, tp_size=self.mapping.tp_size)
+        if decision.enabled:
+            self.verifier = RejectionVerifier(decision, self.vocab_parallel, self.mapping,
+                                              max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                                              vocab_size=self.vocab_size, logits_dtype=self.target.dtype,
+                                              device=self.device)
+            self.metadata.allocate_draft_logits(self.verifier.width, self.target.dtype)
+        else:
+            logger.info(decision.describe())
         if exchange is not None:  # agreed on every rank, and so are the sizes: the guard's collective is too
             exact_sizes = [b for b in range(1, self.max_batch_size + 1) if self.markov.mode_for(b) == "exact"]
             full = self.drafter.markov_head_weights(vocab_parallel=False)
@@ -132,6 +164,14 @@ class DSparkWorker(SpecWorkerBase):
         self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
+        self._step_top_p = any(self._host_top_p[s] < 1.0 for s in slots)
+        self._step_full_vocab = any(self._host_full_vocab[s] for s in slots)
+
+    @property
+    def step_is_default(self) -> bool:
+        """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row, no
+        row routed to the full vocabulary): the variant CUDA graphs capture; others run eagerly."""
+        return not (self._step_top_p or self._step_full_vocab)
 
     def _check_rows(self, batch_size: int) -> None:
         # Rows past the last set_rows() batch hold stale slot ids: running them would advance (and
@@ -168,12 +208,32 @@ class DSparkWorker(SpecWorkerBase):
                                     num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
+    def _top_p_masked(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor,
+                      top_p: torch.Tensor) -> VocabShardedLogits | torch.Tensor:
+        """``logits`` with ``-inf`` outside the exact top-p set of every sampled row with ``top_p < 1``
+        (computed jointly on the shards when ``logits`` is a shard); other rows unchanged."""
+        if isinstance(logits, VocabShardedLogits):
+            x, start, vocab = logits.logits, logits.vocab_start, logits.vocab_size
+            exchange = self.vocab_parallel.target_head.exchange
+        else:
+            x, start, vocab, exchange = logits, 0, logits.shape[-1], None
+        keep = self.ops.top_p_keep(x.contiguous(), top_p, temperatures=temps, vocab_start=start, vocab_size=vocab,
+                                   exchange=exchange)
+        restrict = ((top_p < 1.0) & (temps > 0))[:, None]
+        masked = torch.where(keep | ~restrict, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
+        return logits.__class__(masked, start, vocab, logits.padded_vocab_size) \
+            if isinstance(logits, VocabShardedLogits) else masked
+
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-                out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
-        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
+                out: torch.Tensor, top_p: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
+        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
+        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set."""
         logits = self.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
+        elif top_p is not None:
+            logits = self._top_p_masked(logits, temps, top_p)
         if self.ops.select is not None:
             return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
         ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
@@ -192,13 +252,27 @@ class DSparkWorker(SpecWorkerBase):
         with nvtx_range("draft_forward"):
             base = self.draft_block_logits(tail, slots)
         with nvtx_range("markov_chain"):
-            _, drafts = self.markov(base, tail.bonus_tokens)
+            if self.verifier is None:
+                _, drafts = self.markov(base, tail.bonus_tokens)
+            else:
+                # Sampled drafts: keyed Gumbel-max at the row's temperature, Philox offset = the absolute
+                # position of the drafted token (the anchor sits at ctx_len, already advanced; draft k at
+                # ctx_len + 1 + k); the biased logits are the draft distribution q of the next verification.
+                st, slots_l = self.state, slots.long()
+                offsets = st.ctx_lens[slots_l].long() + 1
+                biased, drafts = self.markov(base, tail.bonus_tokens, st.slot_temps[slots_l], st.slot_seeds[slots_l],
+                                             offsets)
+                self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
 
     # -- prefill (eager, one request) -----------------------------------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
-                speculative: bool = True) -> int:
+                speculative: bool = True, *, top_p: float = 1.0, full_vocab: bool = False) -> int:
         """Context phase of one request on ``slot``: returns its first generated token (a host int).
+
+        ``top_p`` in (0, 1]: the request samples from the target's exact top-p set. ``full_vocab``: the
+        request needs the full-vocabulary logits (``needs_full_vocab``), so every step it runs in
+        verifies on the gathered path.
 
         Speculative: also stores the prompt's drafter context latents, advances ``ctx_len`` to the prompt
         length (the first token is the anchor) and drafts the first block. Target-only: records the last
@@ -211,8 +285,14 @@ class DSparkWorker(SpecWorkerBase):
         if temperature > 0 and not self.sampling:
             raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
                              f"got temperature {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"{type(self).__name__}.prefill: top_p must be in (0, 1], got {top_p}")
         st.slot_temps[slot] = float(temperature)
         st.slot_seeds[slot] = int(seed)
+        restricted = temperature > 0 and top_p < 1.0
+        self.slot_top_p[slot] = float(top_p)
+        self._host_top_p[slot] = float(top_p) if restricted else 1.0
+        self._host_full_vocab[slot] = bool(full_vocab)
         with nvtx_range("prefill"):
             ids = torch.tensor([prompt_ids], dtype=torch.int64, device=dev)
             positions = torch.arange(n, dtype=torch.int64, device=dev)[None]
@@ -220,7 +300,8 @@ class DSparkWorker(SpecWorkerBase):
             out = self.target(ids, positions, slots, st.kv_cache)
             tok = torch.empty(1, dtype=torch.int64, device=dev)
             self._select(out.hidden_states[n - 1:n], st.slot_temps[slot:slot + 1], st.slot_seeds[slot:slot + 1],
-                         torch.tensor([n], dtype=torch.int64, device=dev), tok)
+                         torch.tensor([n], dtype=torch.int64, device=dev), tok,
+                         self.slot_top_p[slot:slot + 1] if restricted else None)
             if not speculative:
                 st.ref_lens[slot] = n
                 st.slot_tokens[slot, 0] = tok[0]
@@ -274,17 +355,41 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)])
+        top_p = self.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self._step_top_p else None
+        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
+                            top_p)
 
     def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
                            captured: torch.Tensor):
         """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
         ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+        b, k = batch_size, self.draft_len
+        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+                                                   out=(self.accepted[:b], self.num_accepted[:b]))
+        return self.advance(b, accepted, num_acc, captured)
+
+    def rejection_verify(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                         hidden: torch.Tensor):
+        """Rejection-sampling verification of the step's rows against the stored draft logits:
+        ``(accepted [B, K+1], num_accepted [B], logits)`` (greedy rows: strict acceptance, bitwise)."""
+        st = self.state
+        b = batch_size
+        slots_l = self.slot_ids[:b].long()
+        logits = self.target_logits(hidden)
+        x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        top_p = self.slot_top_p[slots_l] if self._step_top_p else None
+        accepted, num_acc = self.verifier.verify(
+            self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
+            temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
+            top_p=top_p, full_vocab=self._step_full_vocab, out=(self.accepted[:b], self.num_accepted[:b]))
+        return accepted, num_acc, logits
+
+    def advance(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor, captured: torch.Tensor):
+        """Paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of the accepted
+        tokens: ``(accepted, num_accepted, PagedLatentStep)``."""
         st, ops = self.state, self.ops
         b, k = batch_size, self.draft_len
         slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
-        accepted, num_acc = ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
-                                              out=(self.accepted[:b], self.num_accepted[:b]))
         tail = ops.paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table,
                                      num_contexts=0, page_size=st.page_size, draft_len=k,
                                      max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
@@ -303,10 +408,16 @@ class DSparkWorker(SpecWorkerBase):
             self._decode_pages()
         with nvtx_range("target_forward"):
             tokens, positions, out = self.verify_forward(b)
-        with nvtx_range("selection"):
-            target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
-        with nvtx_range("tail"):
-            accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
+        if self.verifier is None:
+            with nvtx_range("selection"):
+                target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
+            with nvtx_range("tail"):
+                accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
+        else:
+            with nvtx_range("rejection_sampling"):
+                accepted, num_acc, logits = self.rejection_verify(b, tokens, positions, out.hidden_states)
+            with nvtx_range("tail"):
+                accepted, num_acc, tail = self.advance(b, accepted, num_acc, out.captured)
         nxt = self.next_new_tokens[:b]
         self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)
@@ -344,6 +455,8 @@ class DSparkWorker(SpecWorkerBase):
             ids = self.ref_tokens[:b]
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if self.sampling else (None, None)
             offsets = positions[:, 0] + 1 if self.sampling else None
+            if self.sampling and self._step_top_p:
+                logits = self._top_p_masked(logits, temps, self.slot_top_p[slots_l])
             if self.ops.select is not None:
                 self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, ids)
             elif temps is None:
