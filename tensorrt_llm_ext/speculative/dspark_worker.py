@@ -431,6 +431,32 @@ class DSparkWorker(SpecWorkerBase):
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
         }
 
+    # -- checks ------------------------------------------------------------------------------------------
+    def target_top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
+                                top_p: float) -> list[bool]:
+        """For each emitted token, whether it lies in the target's kept set at its position (eager).
+
+        Teacher-forces ``prompt + output`` through the target on ``slot`` (its KV cache is overwritten: call
+        between requests) and evaluates :func:`top_p_keep` on the full-vocabulary logits with the request's
+        temperature and ``top_p`` (``T = 0`` keeps exactly the first maximum, so a greedy token is checked
+        against the argmax). One full-sequence forward: its logits round differently from the step's, so a
+        token exactly at the kept set's boundary could in principle flip (fp32: far below any gap here).
+        """
+        if not output_ids:
+            return []
+        dev = self.device
+        seq = list(prompt_ids) + list(output_ids[:-1])
+        ids = torch.tensor([seq], dtype=torch.int64, device=dev)
+        positions = torch.arange(len(seq), dtype=torch.int64, device=dev)[None]
+        out = self.target(ids, positions, torch.tensor([slot], dtype=torch.int32, device=dev), self.state.kv_cache)
+        n, m = len(prompt_ids), len(output_ids)
+        logits = self.target.logits(out.hidden_states[n - 1:n - 1 + m]).contiguous()
+        temps = torch.full((m,), float(temperature), dtype=torch.float32, device=dev)
+        keep = self.ops.top_p_keep(logits, torch.full((m,), float(top_p), dtype=torch.float32, device=dev),
+                                   temperatures=temps)
+        toks = torch.tensor(output_ids, dtype=torch.int64, device=dev)
+        return keep.gather(1, toks[:, None])[:, 0].cpu().tolist()
+
     # -- the target's own decode (the lossless reference) -------------------------------------------------
     def target_only_step(self, batch_size: int) -> torch.Tensor:
         """One non-speculative decode step over rows ``[0, B)``: ``[B]`` int64 next tokens.
