@@ -20,6 +20,7 @@ import torch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
+from tensorrt_llm_ext.testing.stats import chi_square_homogeneity
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 PROMPTS = [[5, 17, 30, 42], [51], list(range(20, 31)), [7, 7, 60, 2, 9]]
@@ -37,32 +38,15 @@ def _eager_rms_norm(monkeypatch):
     monkeypatch.setattr(rms, "triton_runs_on", lambda t: False)
 
 
-def chi_square_homogeneity(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple[float, int, float]:
-    """Two-sample chi-square test of equal distributions: ``(statistic, dof, p-value)``. Cells whose
-    expected count is below ``min_expected`` in either sample are pooled into one cell."""
-    na, nb = sum(a.values()), sum(b.values())
-    n = na + nb
-    cells, pooled = [], [0, 0]
-    for key in sorted(set(a) | set(b)):
-        ca, cb = a.get(key, 0), b.get(key, 0)
-        tot = ca + cb
-        if min(tot * na / n, tot * nb / n) < min_expected:
-            pooled[0] += ca
-            pooled[1] += cb
-        else:
-            cells.append((ca, cb))
-    if sum(pooled):
-        cells.append(tuple(pooled))
-    stat = 0.0
-    for ca, cb in cells:
-        tot = ca + cb
-        for c, ns in ((ca, na), (cb, nb)):
-            e = tot * ns / n
-            stat += (c - e) ** 2 / e
-    dof = len(cells) - 1
-    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)))
-    return stat, dof, p
+def test_chi_square_helper_accepts_equal_and_rejects_different():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    a = Counter(torch.multinomial(p, 2000, True, generator=g).tolist())
+    b = Counter(torch.multinomial(p, 2000, True, generator=g).tolist())
+    c = Counter(torch.multinomial(torch.tensor([0.3, 0.3, 0.2, 0.2]), 2000, True, generator=g).tolist())
+    assert chi_square_homogeneity(a, b)[2] > ALPHA
+    assert chi_square_homogeneity(a, c)[2] < 1e-6
+    assert chi_square_homogeneity(a, b)[1] == 3
 
 
 def _joint(results, idx=(0, 1)) -> Counter:
