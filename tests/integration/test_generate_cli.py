@@ -65,3 +65,22 @@ def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     assert rc == 0, text
     assert "target vocab-parallel; draft vocab-parallel" in text
     assert "all 2 ranks produced identical tokens: yes" in text
+
+
+def test_generate_rejection_sampling_check(tmp_path, capsys):
+    """``--rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise (one
+    rank here: the gathered worker is the reference), greedy copies == the target decode, every token in
+    the target's top-p set."""
+    cfg = tmp_path / "rs.yaml"
+    small = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 1,
+                          "model.target.capture_layers": [0], "max_seq_len": 24})
+    cfg.write_text(json.dumps(load_config(**small).model_dump(mode="json")))
+    out_json = tmp_path / "out.json"
+    rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "4", "--temperature", "1", "--top-p", "0.9",
+               "--rejection-sampling", "--check", "--no-progress", "--json", str(out_json), "1 2 3"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "verification=rejection sampling" in text and "check passed: sharded == gathered" in text
+    res = json.loads(out_json.read_text())[0]["results"]["speculative"]
+    assert len(res["outputs"]) == 2 and res["outside_top_p"] == [0, 0]  # the prompt + its greedy copy
+    assert main(["generate", "--config", str(cfg), "--top-p", "1.5"]) == 2

@@ -172,3 +172,20 @@ def test_decision_is_logged_and_stored_once(monkeypatch):
     g = eng.worker(sampling=False)
     assert g.verifier is None
     assert d.tp_size == 1 and "rejection sampling, gathered" in d.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_equals_eager(dtype):
+    """The whole rejection-sampling verification is captured in the step: graph replay (with padding) emits
+    the eager step's bits; top-p steps run eagerly (the default variant is the one captured)."""
+    cfg = load_config(**{**SMALL, **RS, "model.dtype": dtype, "max_batch_size": 4,
+                         "cuda_graph_config.batch_sizes": [1, 2, 4]})
+    reqs = _mixed_requests(max_new=8)
+    reqs[3].top_p = 1.0
+    eager, _ = Engine(cfg).generate(reqs[:3], "speculative")
+    graphed_engine = Engine(cfg, use_cuda_graph=True)
+    graphed, _ = graphed_engine.generate(reqs[:3], "speculative")
+    assert graphed_engine._runners, "no graphs captured"
+    assert [r.output_ids for r in graphed] == [r.output_ids for r in eager]
+    assert [r.accepted_lens for r in graphed] == [r.accepted_lens for r in eager]
