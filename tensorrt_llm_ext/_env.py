@@ -7,12 +7,16 @@ benchmark keeps ``NCCL_NVLS_ENABLE=0`` for its ranks. :func:`tensorrt_llm_ext.lo
 logs the values once per process (the engine calls it at start).
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` is evaluated; this module only reports it.
+A malformed value is not raised here (an import-time traceback): it is recorded in ``ENV.errors`` and the
+default is used; the CLI refuses to start with a one-line error naming the variable.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,9 @@ class _Env:
     # Seconds a collective may wait for a peer before the process group raises (no hang).
     collective_timeout_s: float
     log_level: str
+    # Set by `trtllm-ext serve --tp N` on the ranks it launches through mpiexec.
+    serve_rank: bool = False
+    errors: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
@@ -28,10 +35,25 @@ class _Env:
 
 
 def _read() -> _Env:
+    errors = []
+    raw_timeout = os.environ.get("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "120")
+    try:
+        timeout = float(raw_timeout)
+        if not timeout > 0:
+            raise ValueError
+    except ValueError:
+        errors.append(f"TLLM_EXT_COLLECTIVE_TIMEOUT_S={raw_timeout!r}: expected a number of seconds > 0")
+        timeout = 120.0
+    level = os.environ.get("TLLM_EXT_LOG_LEVEL", "INFO").upper()
+    if level not in _LOG_LEVELS:
+        errors.append(f"TLLM_EXT_LOG_LEVEL={level!r}: expected one of {', '.join(_LOG_LEVELS)}")
+        level = "INFO"
     return _Env(
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        collective_timeout_s=float(os.environ.get("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "120")),
-        log_level=os.environ.get("TLLM_EXT_LOG_LEVEL", "INFO").upper(),
+        collective_timeout_s=timeout,
+        log_level=level,
+        serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
+        errors=tuple(errors),
     )
 
 

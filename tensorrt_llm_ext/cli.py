@@ -42,8 +42,21 @@ def _cmd_test_list(args: argparse.Namespace) -> int:
         return 2
 
 
+def _writable(path: str, flag: str) -> str | None:
+    """One-line error if ``path`` cannot be written (checked before the work, not after it)."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot write ({e.strerror or e})"
+    return None
+
+
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from tensorrt_llm_ext.bench.harness import load_benchmark
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+    ensure_triton_interpreter()  # on a CPU, like generate: before any kernel module is imported
+    from tensorrt_llm_ext.bench.harness import load_benchmark, write_tables
 
     try:
         bench = load_benchmark(args.name)
@@ -52,9 +65,42 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"trtllm-ext bench {bench.name}", description=bench.help)
     parser.add_argument("--out", help="also append the Markdown table(s) to this file")
+    parser.add_argument("--json", dest="json_out", help="also write the tables as JSON to this file")
+    parser.add_argument("--csv", dest="csv_out", help="also write the tables as CSV to this file")
     if bench.add_args is not None:
         bench.add_args(parser)
-    bench.run(parser.parse_args(rest))
+    bargs = parser.parse_args(rest)
+    for path, flag in ((bargs.out, "--out"), (bargs.json_out, "--json"), (bargs.csv_out, "--csv")):
+        err = path and _writable(path, flag)
+        if err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    rc = bench.run(bargs)
+    write_tables(bargs.json_out, bargs.csv_out)
+    return rc if isinstance(rc, int) else 0
+
+
+def _cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+    ensure_triton_interpreter()
+    from tensorrt_llm_ext.runtime.serve_cli import main_serve
+
+    return main_serve(args, argv)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+
+    try:
+        cfg = load_config(args.config)
+        paths = export_model(cfg, args.dir, args.drafter_dir, dtype=args.dtype)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for what, path in paths:
+        print(f"{what}: {path}")
     return 0
 
 
@@ -86,31 +132,75 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="speculative_config.use_rejection_sampling: sampled drafts, rejection-sampling verification")
     g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
     g.add_argument("--check", action="store_true",
-                   help="also run the target's own decode and the gathered path; exit 1 unless all agree (with "
-                        "--rejection-sampling: sharded == gathered bitwise, greedy rows == target decode, every "
-                        "token in the target's top-p set; see docs/end_to_end.md)")
+                   help="also run the target's own decode and the gathered path; exit 1 unless all agree "
+                        "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "
+                        "greedy rows == target decode, every token in the target's top-p set (docs/end_to_end.md)")
+    g.add_argument("--rank-timeout", type=float, default=60.0,
+                   help="TP > 1: seconds a rank waits for a peer in a collective before the job fails "
+                        "(bounds how long a hung rank goes unnoticed)")
+    g.add_argument("--job-timeout", type=float, default=1800.0, help="TP > 1: seconds the whole run may take")
+    g.add_argument("--log-dir", help="TP > 1: keep each rank's log (rank<r>.log) in this directory")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", dest="json_out", help="also write the results as JSON to this file")
+    g.add_argument("--model", default=None,
+                   help="a checkpoint directory (Hugging Face Llama; see `trtllm-ext export`); default: embedded")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tensorrt_llm_ext import __version__
+    from tensorrt_llm_ext.runtime.serve_cli import add_serve_args
+
     p = argparse.ArgumentParser(prog="trtllm-ext", description=__doc__)
+    p.add_argument("--version", action="version", version=f"trtllm-ext {__version__}")
     sub = p.add_subparsers(dest="command")
     info = sub.add_parser("info", help="report the environment and self-check the distributed layer")
     info.add_argument("--ranks", type=int, default=2, help="ranks for the self-check (1 = skip)")
     tl = sub.add_parser("test-list", help="run a test-db list with pytest")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
-    tl.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
     b = sub.add_parser("bench", help="run a benchmark (tables; CUDA-graph timing on GPU)", add_help=False)
     b.add_argument("name")
     g = sub.add_parser("generate", help="speculative generation (DSpark) on the embedded model (the default command)")
     _add_generate_args(g)
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions) over the engine")
+    add_serve_args(s)
+    e = sub.add_parser("export", help="write the configured model as checkpoint directories (HF Llama + drafter)")
+    e.add_argument("dir", help="target directory (config.json + model.safetensors, Hugging Face names)")
+    e.add_argument("--drafter-dir", default=None, help="drafter directory (default: DIR/dspark_drafter)")
+    e.add_argument("--config", help="runtime YAML whose model is exported (default: the embedded one)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     return p
+
+
+def _split_test_list_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``test-list [NAME] [--dry-run] [-- PYTEST ARGS]`` in any order of NAME and --dry-run."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _quick(argv: list[str]) -> int:
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-h"], ["--help"]):
+        return _quick(argv)
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+    ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
+    from tensorrt_llm_ext._env import ENV
+
+    if ENV.errors:
+        for err in ENV.errors:
+            print(f"error: environment: {err}", file=sys.stderr)
+        return 2
     parser = build_parser()
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1].startswith("-"):
@@ -119,16 +209,23 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
             return 2
         return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["generate", *argv]  # generate is the default command
+    pytest_args: list[str] = []
+    if argv[0] == "test-list":
+        head, pytest_args = _split_test_list_args(argv[1:])
+        argv = ["test-list", *head]
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)
+    if args.command == "serve":
+        return _cmd_serve(args, argv)
+    if args.command == "export":
+        return _cmd_export(args)
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "test-list":
-        if args.pytest_args and args.pytest_args[0] == "--":
-            args.pytest_args = args.pytest_args[1:]
+        args.pytest_args = pytest_args
         return _cmd_test_list(args)
     parser.error(f"unknown command {args.command}")
     return 2

@@ -10,4 +10,5 @@ BENCHMARK_MODULES = {
     "tp": "tensorrt_llm_ext.bench.tp",
     "exchange": "tensorrt_llm_ext.bench.exchange",
     "verify": "tensorrt_llm_ext.bench.verify",
+    "serve": "tensorrt_llm_ext.bench.serve",
 }

@@ -29,6 +29,9 @@ class Benchmark:
 
 REGISTRY: dict[str, Benchmark] = {}
 
+# Every table printed in this process, for `bench --json/--csv` (title, headers, rows, notes, environment).
+TABLES: list[dict] = []
+
 
 def register_benchmark(name: str, help: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None):
     """Decorator: register ``fn(args)`` as ``trtllm-ext bench <name>``."""
@@ -177,5 +180,26 @@ def print_table(title: str, headers: list[str], rows: list[list[object]], notes:
     for n in notes or []:
         lines.append(f"\n{n}")
     text = "\n".join(lines) + "\n"
+    TABLES.append({"title": title, "environment": lines[2], "headers": [str(h) for h in headers],
+                   "rows": [[c if isinstance(c, (int, float)) else str(c) for c in r] for r in rows],
+                   "notes": list(notes or [])})
     print(text, flush=True)
     return text
+
+
+def write_tables(json_path: str | None, csv_path: str | None) -> None:
+    """Write every table of this run as JSON (a list of tables) and/or CSV (one row per table row, the
+    table's title in the first column)."""
+    import csv
+    import json
+
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(TABLES, f, indent=1)
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            for t in TABLES:
+                w.writerow(["table", *t["headers"]])
+                for r in t["rows"]:
+                    w.writerow([t["title"], *r])

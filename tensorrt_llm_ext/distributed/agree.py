@@ -45,3 +45,14 @@ def agree_codes(mapping: Mapping, code: int) -> list[int]:
     t[mapping.tp_rank] = int(code)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return [int(c) for c in t.tolist()]
+
+
+def gather_objects(mapping: Mapping, obj) -> list:
+    """``obj`` of every rank of the TP group, in rank order (one pickled all-gather over the CPU group;
+    ``[obj]`` at tp 1). For host-side checks made once per batch, never inside a step."""
+    group = tp_cpu_group(mapping)
+    if group is None:
+        return [obj]
+    out = [None] * mapping.tp_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_ext._env import ENV
-from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.logger import logger, set_rank
 from tensorrt_llm_ext.mapping import Mapping
 
 
@@ -60,6 +60,7 @@ def init_from_mpi(
     global _STATE
     comm = _mpi_comm()
     world, rank = comm.Get_size(), comm.Get_rank()
+    set_rank(rank, world)
     tp = world if tp_size is None else tp_size
     if tp < 1 or world % tp != 0:
         raise ValueError(f"tp_size={tp} does not divide the MPI world size {world}")

@@ -63,7 +63,7 @@ def decode_block_table(
         encoded_offsets: ``[B, max_blocks]`` int32, last dim contiguous.
         divisor: int >= 1 (offset units per block); otherwise ``ValueError``.
         out: optional ``[B, max_blocks]`` int32; may be ``encoded_offsets`` itself (in place).
-        num_blocks_out: optional ``[B]`` int32.
+        num_blocks_out: optional ``[B]`` int32, contiguous.
 
     Returns:
         ``(table [B, max_blocks] int32, num_blocks [B] int32)``. CUDA-graph safe with both outputs given.
@@ -78,7 +78,8 @@ def decode_block_table(
     if num_blocks_out is None:
         num_blocks_out = torch.empty((b,), dtype=torch.int32, device=device)
     check_tensor("out", out, shape=(b, max_blocks), dtype=torch.int32)
-    check_tensor("num_blocks_out", num_blocks_out, shape=(b,), dtype=torch.int32)
+    # The kernel writes the count of row i at element i: a strided view would be written as if dense.
+    check_tensor("num_blocks_out", num_blocks_out, shape=(b,), dtype=torch.int32, contiguous=True)
     check_devices(device, out=out, num_blocks_out=num_blocks_out)
     if encoded_offsets.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("decode_block_table expects a contiguous last dimension")

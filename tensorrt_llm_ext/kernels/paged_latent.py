@@ -20,6 +20,7 @@ from tensorrt_llm_ext.kernels.common import (
     check_contiguous,
     check_devices,
     check_tensor,
+    is_capturing,
     num_warps_for,
     refuse_allocation_while_capturing,
 )
@@ -178,7 +179,24 @@ def _paged_checks(accepted_tokens, num_accepted, slot_ids, is_dummy, ctx_lens, b
                       is_dummy=is_dummy, ctx_lens=ctx_lens)
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must have a contiguous last dimension")
+    if b > num_contexts and not is_capturing(accepted_tokens.device):
+        _check_slot_range(slot_ids[num_contexts:], ctx_lens.shape[0])
     return b - num_contexts
+
+
+def _check_slot_range(slot_ids: torch.Tensor, num_slots: int) -> None:
+    """``ValueError`` unless every slot id lies in ``[0, num_slots)``.
+
+    The kernel indexes ``ctx_lens`` and the block table with the slot id and writes ``ctx_lens[slot]``:
+    an id out of range reads and writes outside them (heap corruption on CPU, a fault on GPU). One host
+    read per call; skipped while a CUDA graph is capturing (no sync there: the worker checks the ids
+    where it sets the step's rows up, outside the captured step).
+    """
+    lo, hi = torch.stack(torch.aminmax(slot_ids)).tolist()
+    if lo < 0 or hi >= num_slots:
+        bad = slot_ids[(slot_ids < 0) | (slot_ids >= num_slots)][:5].tolist()
+        raise ValueError(f"slot_ids: expected ids in [0, {num_slots}) (the rows of ctx_lens / block_table), "
+                         f"got {bad}")
 
 
 def paged_latent_step(
@@ -219,9 +237,12 @@ def paged_latent_step(
       computed as ``c = 0`` with no pages: nothing to write (mask False, pages ``-1``), ``A = 0``,
       ``seq_lens = 0``, positions ``0..K-1``.
 
-    Preconditions (not checkable without a device sync): slot ids lie in ``[0, num_slots)``; a real
-    row's slot is used by no other row of the step (dummies may share one slot). Values are written
-    only to ``ctx_lens`` at the step's slots and to ``out``.
+    Slot ids must lie in ``[0, num_slots)``: checked on the host (one read, ``ValueError``) unless a CUDA
+    graph is capturing, where the caller checks them when it sets the rows up (the worker's
+    ``set_rows``). Precondition (not checked): a real row's slot is used by no other row of the step
+    (dummies may share one slot). Values are written only to ``ctx_lens`` at the step's slots and to
+    ``out``. Page ids are copied from ``block_table``, never dereferenced here (the store kernel bounds
+    them).
 
     Args:
         accepted_tokens: ``[B, K+1]`` int32/int64 (from :func:`strict_accept`).

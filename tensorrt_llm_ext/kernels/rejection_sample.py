@@ -237,7 +237,7 @@ def _rejection_pick_kernel(
                 ties_stride, split, HAS_P)
             col_begin = split * chunk
             col_end = tl.minimum(col_begin + chunk, n_valid)
-            found = -1
+            found = tl.full([], -1, tl.int64)  # int64 from the start: the loop assigns an int64 id
             cum = base
             for start in range(col_begin, col_end, BLOCK):
                 cols = start + lanes

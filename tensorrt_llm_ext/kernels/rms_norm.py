@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import num_warps_for, triton_runs_on
+from tensorrt_llm_ext.kernels.common import (check_tensor, num_warps_for, refuse_allocation_while_capturing,
+                                             triton_runs_on)
 
 
 @triton.jit
@@ -60,17 +61,25 @@ def rms_norm(
         x: ``[rows, hidden]`` (any float dtype; leading dims flattened by the caller).
         weight: ``[hidden]``.
         residual: optional ``[rows, hidden]``; when given, ``residual_out = x + residual``.
-        out, residual_out: optional preallocated outputs (CUDA-graph safe when given).
+        out, residual_out: optional preallocated ``[rows, hidden]`` outputs of ``x``'s dtype with unit
+            last stride (rows may be strided); CUDA-graph safe when given.
 
     Returns:
         ``(out, residual_out)``; ``residual_out`` is None without a residual. May alias ``residual``.
     """
     _check(x, weight, residual)
     rows, hidden = x.shape
+    if out is None or (residual is not None and residual_out is None):
+        refuse_allocation_while_capturing("rms_norm", x.device)
     if out is None:
         out = torch.empty_like(x)
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
+    # Rows are written through their stride; a strided last dimension would be written as if dense.
+    check_tensor("out", out, shape=tuple(x.shape), dtype=x.dtype, device=x.device, unit_last_stride=True)
+    if residual_out is not None:
+        check_tensor("residual_out", residual_out, shape=tuple(x.shape), dtype=x.dtype, device=x.device,
+                     unit_last_stride=True)
     if rows == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)

@@ -271,6 +271,16 @@ def _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offset
             raise ValueError(f"out: expected contiguous, got stride {out.stride(0)}")
 
 
+def _check_scratch(scratch, rows: int, device: torch.device) -> None:
+    slots, counts = scratch
+    if (slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32
+            or slots.device != device or counts.device != device or not slots.is_contiguous()
+            or not counts.is_contiguous()):
+        raise ValueError(f"scratch: expected contiguous (int64 [>= {rows}], int32 [>= {rows}]) on {device}, got "
+                         f"({slots.dtype} {tuple(slots.shape)} on {slots.device}, {counts.dtype} "
+                         f"{tuple(counts.shape)} on {counts.device})")
+
+
 def shard_select_keys(
     shard_logits: torch.Tensor,
     vocab_start: int,
@@ -307,6 +317,8 @@ def shard_select_keys(
     call with ``>= R`` rows on the device) or with ``scratch=``; ``out=`` avoids the only other allocation.
     """
     _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, torch.int64)
+    if scratch is not None:
+        _check_scratch(scratch, shard_logits.shape[0], shard_logits.device)
     if not triton_runs_on(shard_logits):
         # CPU tensors without the Triton interpreter: the eager twin gives the same greedy keys
         # (sampled rows up to ulp-level log differences). Logged once.
@@ -333,12 +345,6 @@ def shard_select_keys(
         if scratch is None:
             scratch = _scratch(device, rows)
         slots, counts = scratch
-        if (slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32
-                or slots.device != device or counts.device != device or not slots.is_contiguous()
-                or not counts.is_contiguous()):
-            raise ValueError(f"scratch: expected contiguous (int64 [>= {rows}], int32 [>= {rows}]) on {device}, got "
-                             f"({slots.dtype} {tuple(slots.shape)} on {slots.device}, {counts.dtype} "
-                             f"{tuple(counts.shape)} on {counts.device})")
     else:
         slots, counts = out, out  # never read: SPLIT is off
     sample = temperatures is not None

@@ -124,10 +124,12 @@ def strict_accept(
         verify_lens: optional ``[B]`` int, tokens verified per request (ragged drafts: request i drafted
             ``verify_lens[i] - 1 <= K`` tokens, ``draft_tokens[i, :verify_lens[i]-1]``); context
             entries are ignored (a context verifies one). Ragged verification runs the eager chain.
-        out: optional ``(accepted_tokens [B, K+1] int32/int64, num_accepted [B] int32)``.
+        out: optional ``(accepted_tokens [B, K+1] int32/int64 with unit last stride (rows may be
+            strided), num_accepted [B] int32 contiguous)``; int32 ``accepted_tokens`` holds ids below 2^31
+            only.
 
     Returns:
-        ``accepted_tokens [B, K+1]``: a generation row's verified target tokens (the first
+        ``accepted_tokens [B, K+1]`` (int64 unless ``out`` says otherwise): a generation row's verified target tokens (the first
         ``num_accepted`` are the accepted ones), a context row ``[t, 0, ..., 0]``, zeros past a ragged
         row's verify length; ``num_accepted [B]`` int32: 1 for a context, otherwise
         ``1 + (leading k with d[k] == t[k])`` or the capped forced count.
@@ -141,11 +143,15 @@ def strict_accept(
     force = _force_arg(forced_num_accepted, b, device)
     if out is None:
         refuse_allocation_while_capturing("strict_accept")
-        out = (torch.empty((b, k + 1), dtype=torch.int32, device=device),
+        # int64 ids by default: selection serves vocabularies up to 2^32 - 1, an int32 id would wrap.
+        out = (torch.empty((b, k + 1), dtype=torch.int64, device=device),
                torch.empty((b,), dtype=torch.int32, device=device))
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ValueError(f"out: expected a tuple (accepted_tokens, num_accepted), got {type(out).__name__}")
     accepted, num_acc = out
-    check_tensor("accepted_tokens (out)", accepted, shape=(b, k + 1), dtype=INT_DTYPES)
-    check_tensor("num_accepted (out)", num_acc, shape=(b,), dtype=torch.int32)
+    check_tensor("accepted_tokens (out)", accepted, shape=(b, k + 1), dtype=INT_DTYPES, unit_last_stride=True)
+    # The kernel writes num_accepted[i] at element i: a strided view would be written as if dense.
+    check_tensor("num_accepted (out)", num_acc, shape=(b,), dtype=torch.int32, contiguous=True)
     check_devices(device, accepted_tokens=accepted, num_accepted=num_acc)
     if verify_lens is not None:
         info_once("strict_accept: ragged verification (verify_lens given) runs the eager chain",
@@ -198,7 +204,7 @@ def strict_accept_reference(
             ctx_t, gen_t = target_tokens[:num_contexts], target_tokens[num_contexts:].view(g, k + 1)
         else:
             ctx_t, gen_t = target_tokens[:num_contexts, 0], target_tokens[num_contexts:]
-        accepted = torch.zeros((b, k + 1), dtype=torch.int32, device=device)
+        accepted = torch.zeros((b, k + 1), dtype=torch.int64, device=device)
         accepted[:num_contexts, 0] = ctx_t
         accepted[num_contexts:] = gen_t
         num_acc = torch.ones((b,), dtype=torch.int32, device=device)
@@ -228,7 +234,7 @@ def strict_accept_reference(
         gathered = target_tokens[idx] if target_tokens.shape[0] else torch.zeros_like(idx)
     else:
         gathered = target_tokens
-    accepted = torch.where(valid, gathered, torch.zeros_like(gathered)).to(torch.int32)
+    accepted = torch.where(valid, gathered, torch.zeros_like(gathered)).to(torch.int64)
     gen_t = gathered[num_contexts:, :k]
     match = (draft_tokens == gen_t) & valid[num_contexts:, 1:]
     num_acc = torch.ones((b,), dtype=torch.int32, device=device)

@@ -132,7 +132,7 @@ def _top_p_round_kernel(
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
     if TIES:
-        tok = -1
+        tok = tl.full([], -1, tl.int64)  # the branch below assigns an int64 id
         if HAS_TOK:
             kk = row % row_div
             if kk < k_tok:

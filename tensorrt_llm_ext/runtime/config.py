@@ -1,11 +1,23 @@
 """The runtime configuration: the YAML a ``trtllm-serve --config`` user writes, plus this module's options.
 
-Read once (:func:`load_config`), validated by pydantic; an invalid value raises :class:`ConfigError`
-whose message names the field path (``speculative_config.max_draft_len: ...``). Unknown keys are errors
-(a typo must not be silently ignored), except a short list of ``trtllm-serve`` options that have no
-meaning here; those are accepted and logged once.
+Field names follow TensorRT-LLM's LLM API arguments (``tensorrt_llm/llmapi/llm_args.py``: ``TorchLlmArgs``,
+``KvCacheConfig``, ``CudaGraphConfig``, ``DecodingBaseConfig``). :func:`load_config` reads it once:
 
-Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml``)::
+* **Layering.** The user's file is merged over the embedded default
+  (``tensorrt_llm_ext/configs/dspark_default.yaml``): mappings merge key by key, anything else (a scalar,
+  a list, ``null``) replaces. A file that sets only ``speculative_config`` keeps the default model.
+* **Strict types.** Integers must be integers (``true`` is not 1, ``2.0`` is not 2), booleans booleans,
+  strings strings; ranges are checked. An invalid value raises :class:`ConfigError` whose message names the
+  field path (``speculative_config.max_draft_len: ...``).
+* **Unknown keys are errors** (a typo must not be silently ignored). Every field of TensorRT-LLM that a
+  public recipe uses is declared: either honoured, or declared *no effect here* (``no_effect(...)`` below),
+  which is accepted, type-checked and logged once with the reason.
+* **Models from disk.** ``model: DIR`` (or ``trtllm-ext serve DIR``) reads the target's sizes from a
+  Hugging Face Llama ``DIR/config.json``; ``speculative_config.speculative_model`` (alias
+  ``speculative_model_dir``) or ``DIR/dspark_drafter`` gives the drafter's (see
+  :mod:`tensorrt_llm_ext.models.checkpoint`).
+
+Example::
 
     tensor_parallel_size: 2
     max_batch_size: 8
@@ -13,59 +25,75 @@ Example (the embedded default is ``tensorrt_llm_ext/configs/dspark_default.yaml`
     speculative_config:
       decoding_type: DSpark
       max_draft_len: 4
-      markov_rank: 8
       vocab_parallel_selection: auto   # auto | on | off
       markov_chain_mode: auto          # exact | fused | auto
       exchange: auto                   # auto | nccl | low_latency
       use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
       vocab_sharded_verification: auto # auto | on | off
-    cuda_graph_config:
+    cuda_graph_config:                 # on a GPU: capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
 """
 
 from __future__ import annotations
 
+import copy
+import re
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, ValidationError, field_validator, model_validator)
 
 from tensorrt_llm_ext.logger import info_once
 
 DEFAULT_CONFIG_NAME = "dspark_default.yaml"
-
-# trtllm-serve options a user's file may carry that mean nothing to this runtime: accepted, logged.
-IGNORED_SERVE_KEYS = frozenset({
-    "backend", "print_iter_log", "disable_overlap_scheduler", "enable_chunked_prefill", "stream_interval",
-    "enable_iter_perf_stats", "return_perf_metrics", "moe_config", "max_num_tokens", "trust_remote_code",
-    "scheduler_config", "kv_cache_dtype", "enable_autotuner",
-})
+DRAFTER_SUBDIR = "dspark_drafter"  # where `trtllm-ext export DIR` puts the drafter, and where `DIR` looks for it
 
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names every offending field."""
 
 
+def no_effect(default: Any, reason: str) -> Any:
+    """A declared TensorRT-LLM field that this runtime accepts, type-checks and logs, but does not use."""
+    return Field(default, json_schema_extra={"no_effect": reason})
+
+
+_YAML11_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_float(v):
+    # PyYAML reads YAML 1.1, where `1e-6` (no dot) is a string, not a float; accept exactly that spelling.
+    return float(v) if isinstance(v, str) and _YAML11_EXP_FLOAT.fullmatch(v) else v
+
+
+Float = Annotated[StrictFloat, BeforeValidator(_yaml_float)]  # a number; not a bool, not other strings
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# -- the embedded model ----------------------------------------------------------------------------------
 class TargetModelConfig(_Strict):
-    """The tiny Llama-like target (see :class:`tensorrt_llm_ext.models.llama_target.LlamaTargetConfig`)."""
+    """The Llama target's sizes (see :class:`tensorrt_llm_ext.models.llama_target.LlamaTargetConfig`); read
+    from ``config.json`` when ``model`` is a checkpoint directory."""
 
-    vocab_size: int = Field(1031, ge=16, lt=2**24)
-    hidden_size: int = Field(48, ge=2)
-    num_layers: int = Field(3, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(4, ge=1)
-    head_dim: int = Field(12, ge=2)
-    intermediate_size: int = Field(96, ge=1)
-    capture_layers: tuple[int, ...] = (0, 1, 2)
-    rope_theta: float = Field(10000.0, gt=0)
-    residual_scale: float = Field(0.25, gt=0)  # seeded init only: scale of what each layer adds (see llama_target)
+    vocab_size: StrictInt = Field(1031, ge=16, lt=2**24)
+    hidden_size: StrictInt = Field(48, ge=2)
+    num_layers: StrictInt = Field(3, ge=1)
+    num_heads: StrictInt = Field(4, ge=1)
+    num_kv_heads: StrictInt = Field(4, ge=1)
+    head_dim: StrictInt = Field(12, ge=2)
+    intermediate_size: StrictInt = Field(96, ge=1)
+    capture_layers: tuple[StrictInt, ...] = (0, 1, 2)  # = speculative_config.target_layer_ids
+    rope_theta: Float = Field(10000.0, gt=0)
+    rms_norm_eps: Float = Field(1e-6, gt=0)
+    tie_word_embeddings: StrictBool = False  # a checkpoint without lm_head.weight reads the embedding
+    residual_scale: Float = Field(0.25, gt=0)  # seeded init only: scale of what each layer adds
 
     @model_validator(mode="after")
     def _check(self):
@@ -83,34 +111,52 @@ class DrafterModelConfig(_Strict):
     """The DSpark drafter sizes. Its hidden size is the target's (it drafts through the target's LM head);
     vocab and Markov rank come from the target and ``speculative_config``."""
 
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    head_dim: int = Field(16, ge=2)
-    latent_dim: int = Field(32, ge=1)
-    intermediate_size: int = Field(96, ge=1)
+    num_layers: StrictInt = Field(2, ge=1)
+    num_heads: StrictInt = Field(4, ge=1)
+    head_dim: StrictInt = Field(16, ge=2)
+    latent_dim: StrictInt = Field(32, ge=1)
+    intermediate_size: StrictInt = Field(96, ge=1)
 
 
 class ModelConfig(_Strict):
-    """Which weights: the embedded deterministic ones (``seed``) or full state dicts (``*_weights``)."""
+    """Which weights: a checkpoint directory (``path``), the embedded seeded ones (``seed``), or full
+    ``torch.save`` state dicts (``*_weights``). ``model: DIR`` in YAML is short for ``model: {path: DIR}``."""
 
+    path: StrictStr | None = None  # a Hugging Face Llama directory (config.json + *.safetensors)
     target: TargetModelConfig = TargetModelConfig()
     drafter: DrafterModelConfig = DrafterModelConfig()
-    seed: int = Field(1234, ge=0)
+    drafter_path: StrictStr | None = None  # resolved drafter directory (speculative_model or path/dspark_drafter)
+    seed: StrictInt = Field(1234, ge=0)
     # Seeded drafter init: "target_bigram" sets the Markov head to the target's embedding->head bigram (real
     # acceptance on the seeded target); "random" leaves every drafter weight random (acceptance ~1).
     drafter_init: Literal["target_bigram", "random"] = "target_bigram"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    target_weights: str | None = None  # a torch.save'd FULL state dict (names of llama_target.full_weight_shapes)
-    drafter_weights: str | None = None  # ... of dspark_drafter.full_weight_shapes
+    target_weights: StrictStr | None = None  # a torch.save'd FULL state dict (llama_target.full_weight_shapes)
+    drafter_weights: StrictStr | None = None  # ... of dspark_drafter.full_weight_shapes
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dir_shorthand(cls, v):
+        return {"path": v} if isinstance(v, str) else v
 
 
+# -- trtllm-serve sections ---------------------------------------------------------------------------------
 class SpeculativeConfig(_Strict):
-    """``speculative_config``: TensorRT-LLM's keys for a DSpark one-model drafter, plus this module's."""
+    """``speculative_config``: TensorRT-LLM's ``DecodingBaseConfig`` keys for a DSpark one-model drafter, plus
+    this module's (``vocab_parallel_selection``, ``markov_chain_mode``, ``vocab_sharded_verification``)."""
 
     decoding_type: Literal["DSpark"] = "DSpark"
-    max_draft_len: int = Field(4, ge=1, le=32)  # K
-    markov_rank: int = Field(48, ge=1)  # r
-    speculative_model_dir: str | None = None  # accepted for compatibility; see model.drafter_weights
+    max_draft_len: StrictInt = Field(4, ge=1, le=32)  # K
+    max_total_draft_tokens: StrictInt | None = Field(None, ge=1)  # linear chains only: must equal K
+    # The drafter directory (TensorRT-LLM's current name; `speculative_model_dir` is its older alias).
+    speculative_model: StrictStr | None = Field(
+        None, validation_alias=AliasChoices("speculative_model", "speculative_model_dir"))
+    markov_rank: StrictInt = Field(48, ge=1)  # r
+    mask_token_id: StrictInt | None = Field(None, ge=0)  # the drafter's block mask token; None: vocab_size - 1
+    target_layer_ids: tuple[StrictInt, ...] | None = None  # target layers feeding the drafter (model.target.capture_layers)
+    # TensorRT-LLM's field name: sampled requests draft with keyed Gumbel-max at their temperature and are
+    # verified by rejection sampling (docs/rejection_sampling.md); greedy requests keep strict acceptance.
+    use_rejection_sampling: StrictBool = False
     vocab_parallel_selection: Literal["auto", "on", "off"] = "auto"
     # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
     # batches, exact above (the Markov chain component decides per captured batch size).
@@ -119,12 +165,14 @@ class SpeculativeConfig(_Strict):
     # all-reduce MAX; auto = low_latency where it sets up on every rank. Any setup failure (non-CUDA,
     # no symmetric memory, a rank failing) falls back to NCCL on every rank, logged identically.
     exchange: Literal["auto", "nccl", "low_latency"] = "auto"
-    # TensorRT-LLM's field name: sampled requests draft with keyed Gumbel-max at their temperature and are
-    # verified by rejection sampling (docs/rejection_sampling.md); greedy requests keep strict acceptance.
-    use_rejection_sampling: bool = False
     # Where rejection sampling verifies: on this rank's vocabulary columns (auto: whenever target and
     # draft heads are vocab-parallel; on: an error at load otherwise) or on gathered logits (off).
     vocab_sharded_verification: Literal["auto", "on", "off"] = "auto"
+    load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
+    max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
+    acceptance_window: StrictInt | None = no_effect(None, "speculation is never switched off by acceptance")
+    acceptance_length_threshold: Float | None = no_effect(None, "speculation is never switched off")
+    allow_advanced_sampling: StrictBool = no_effect(False, "deprecated upstream; sampling is per request")
 
     @field_validator("vocab_parallel_selection", "vocab_sharded_verification", mode="before")
     @classmethod
@@ -148,11 +196,21 @@ class SpeculativeConfig(_Strict):
             return "DSpark"
         raise ValueError(f"only decoding_type 'DSpark' is supported here, got {v!r}")
 
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_total_draft_tokens is not None and self.max_total_draft_tokens != self.max_draft_len:
+            raise ValueError(f"max_total_draft_tokens={self.max_total_draft_tokens} must equal max_draft_len="
+                             f"{self.max_draft_len} (DSpark drafts one linear chain, no tree)")
+        return self
+
 
 class CudaGraphConfig(_Strict):
-    batch_sizes: tuple[int, ...] | None = None  # None: powers of two up to max_batch_size
-    enable_padding: bool = True
-    max_batch_size: int | None = Field(None, ge=1)
+    """``cuda_graph_config``: on a CUDA device the speculative step is captured per batch size whenever
+    this section is present (``null`` or absent: eager steps). Ignored on a CPU (logged)."""
+
+    batch_sizes: tuple[StrictInt, ...] | None = None  # None: powers of two up to max_batch_size
+    enable_padding: StrictBool = True
+    max_batch_size: StrictInt | None = Field(None, ge=1)
 
     @field_validator("batch_sizes")
     @classmethod
@@ -165,8 +223,20 @@ class CudaGraphConfig(_Strict):
 
 
 class KvCacheConfig(_Strict):
-    tokens_per_block: int = Field(16, ge=1)  # the drafter's latent page size
-    free_gpu_memory_fraction: float | None = Field(None, gt=0, le=1)  # accepted; caches are sized by max_seq_len
+    """``kv_cache_config``. Caches are sized once at start from ``max_batch_size`` x ``max_seq_len``."""
+
+    tokens_per_block: StrictInt = Field(16, ge=1)  # the drafter's latent page size
+    dtype: StrictStr = no_effect("auto", "caches are kept in the model dtype")
+    enable_block_reuse: StrictBool = no_effect(True, "no prefix reuse: every request prefills its prompt")
+    enable_partial_reuse: StrictBool = no_effect(True, "no prefix reuse")
+    free_gpu_memory_fraction: Float | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
+    max_tokens: StrictInt | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
+    max_attention_window: tuple[StrictInt, ...] | None = no_effect(None, "full attention over max_seq_len")
+    host_cache_size: StrictInt | None = no_effect(None, "no host offload")
+    event_buffer_max_size: StrictInt = no_effect(0, "no KV cache events")
+
+
+_PER_ITER = "this runtime's step loop has no such option"
 
 
 class RuntimeConfig(_Strict):
@@ -174,18 +244,65 @@ class RuntimeConfig(_Strict):
 
     model: ModelConfig = ModelConfig()
     speculative_config: SpeculativeConfig = SpeculativeConfig()
-    cuda_graph_config: CudaGraphConfig | None = None  # None: eager steps (set it to capture on CUDA)
+    cuda_graph_config: CudaGraphConfig | None = None  # None: eager steps
     kv_cache_config: KvCacheConfig = KvCacheConfig()
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: StrictInt = Field(1, ge=1)
     pipeline_parallel_size: Literal[1] = 1
-    enable_attention_dp: bool = False
-    max_batch_size: int = Field(8, ge=1)
-    max_seq_len: int = Field(256, ge=8)  # prompt + generated tokens of one request
+    context_parallel_size: Literal[1] = 1
+    max_beam_width: Literal[1] = 1
+    enable_attention_dp: StrictBool = False
+    max_batch_size: StrictInt = Field(8, ge=1)
+    max_seq_len: StrictInt = Field(256, ge=8)  # prompt + generated tokens of one request
+    # TensorRT-LLM's top-level dtype; moved into model.dtype (one place decides).
+    dtype: Literal["auto", "float32", "bfloat16"] | None = None
+    tokenizer: StrictStr | None = None  # a tokenizer directory for text prompts (default: the model directory)
+    # -- accepted, no effect here ----------------------------------------------------------------------
+    backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
+    max_num_tokens: StrictInt | None = no_effect(None, "prompts are prefilled one request at a time")
+    max_input_len: StrictInt | None = no_effect(None, "prompt + max_tokens is bounded by max_seq_len")
+    moe_expert_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
+    moe_tensor_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
+    moe_cluster_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
+    moe_config: dict[str, Any] | None = no_effect(None, "dense target, no experts")
+    attn_backend: StrictStr | None = no_effect(None, "one attention implementation (eager, cache per slot)")
+    allreduce_strategy: StrictStr | None = no_effect(None, "AllReduce picks its own strategy")
+    trust_remote_code: StrictBool = no_effect(False, "no remote code is ever run")
+    disable_overlap_scheduler: StrictBool = no_effect(False, "the step loop does not overlap host and device")
+    enable_chunked_prefill: StrictBool = no_effect(False, "prompts are prefilled whole")
+    print_iter_log: StrictBool = no_effect(False, "per-step numbers are on /metrics")
+    enable_iter_perf_stats: StrictBool = no_effect(False, "per-step numbers are on /metrics")
+    return_perf_metrics: StrictBool = no_effect(False, "per-step numbers are on /metrics")
+    stream_interval: StrictInt | None = no_effect(None, "streams one chunk per engine step")
+    enable_autotuner: StrictBool = no_effect(True, _PER_ITER)
+    enable_min_latency: StrictBool = no_effect(False, _PER_ITER)
+    scheduler_config: dict[str, Any] | None = no_effect(None, "first come, first served between steps")
+    sampler_type: StrictStr | None = no_effect(None, "selection is the worker's (vocab-parallel or gathered)")
+    torch_compile_config: dict[str, Any] | None = no_effect(None, "no torch.compile")
+    checkpoint_format: StrictStr | None = no_effect(None, "checkpoints are Hugging Face safetensors")
+    load_format: StrictStr | None = no_effect(None, "checkpoints are Hugging Face safetensors")
+    gpus_per_node: StrictInt | None = no_effect(None, "one process per GPU of this node")
+    kv_cache_dtype: StrictStr | None = no_effect(None, "caches are kept in the model dtype")
+    guided_decoding_backend: StrictStr | None = no_effect(None, "no guided decoding")
+    num_postprocess_workers: StrictInt = no_effect(0, "detokenization runs in the server process")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_dtype(cls, data):
+        # TensorRT-LLM's `dtype` and this module's `model.dtype` are one decision: keep it in model.dtype.
+        if isinstance(data, dict) and data.get("dtype") is not None:
+            model = data.get("model") or {}
+            model = {"path": model} if isinstance(model, str) else dict(model)
+            inner = model.get("dtype")
+            if inner not in (None, "auto", data["dtype"]):
+                raise ValueError(f"dtype={data['dtype']!r} and model.dtype={inner!r} disagree; set one")
+            data = {**data, "model": {**model, "dtype": data["dtype"]}}
+        return data
 
     @model_validator(mode="after")
     def _check(self):
         tp = self.tensor_parallel_size
         t = self.model.target
+        spec = self.speculative_config
         for name, size in (("model.target.num_heads", t.num_heads), ("model.target.num_kv_heads", t.num_kv_heads),
                            ("model.target.intermediate_size", t.intermediate_size),
                            ("model.drafter.num_heads", self.model.drafter.num_heads),
@@ -194,10 +311,24 @@ class RuntimeConfig(_Strict):
                 raise ValueError(f"{name}={size} must be divisible by tensor_parallel_size={tp}")
         if (tp - 1) * -(-t.vocab_size // tp) >= t.vocab_size:
             raise ValueError(f"model.target.vocab_size={t.vocab_size} is too small for tensor_parallel_size={tp}")
+        if spec.vocab_parallel_selection == "on" and t.vocab_size % tp:
+            # Checked here so the run fails before any rank starts (the worker would refuse it after load).
+            raise ValueError(f"speculative_config.vocab_parallel_selection='on' needs a vocabulary that shards "
+                             f"evenly: vocab_size={t.vocab_size} is not divisible by tensor_parallel_size={tp} "
+                             f"(use auto or off)")
+        if spec.vocab_parallel_selection == "on" and self.enable_attention_dp:
+            raise ValueError("speculative_config.vocab_parallel_selection='on' is not available with "
+                             "enable_attention_dp (the head is replicated); use auto or off")
         if (self.model.drafter_init == "target_bigram" and self.model.drafter_weights is None
-                and self.speculative_config.markov_rank != t.hidden_size):
-            raise ValueError(f"speculative_config.markov_rank={self.speculative_config.markov_rank} must equal "
+                and self.model.drafter_path is None and spec.markov_rank != t.hidden_size):
+            raise ValueError(f"speculative_config.markov_rank={spec.markov_rank} must equal "
                              f"model.target.hidden_size={t.hidden_size} with model.drafter_init='target_bigram'")
+        if spec.target_layer_ids is not None and tuple(spec.target_layer_ids) != tuple(t.capture_layers):
+            raise ValueError(f"speculative_config.target_layer_ids={list(spec.target_layer_ids)} and "
+                             f"model.target.capture_layers={list(t.capture_layers)} disagree")
+        if spec.mask_token_id is not None and spec.mask_token_id >= t.vocab_size:
+            raise ValueError(f"speculative_config.mask_token_id={spec.mask_token_id} is outside the vocabulary "
+                             f"[0, {t.vocab_size})")
         cg = self.cuda_graph_config
         if cg is not None and cg.batch_sizes is not None and max(cg.batch_sizes) > self.max_batch_size:
             raise ValueError(f"cuda_graph_config.batch_sizes {list(cg.batch_sizes)} exceed "
@@ -208,6 +339,11 @@ class RuntimeConfig(_Strict):
     @property
     def draft_len(self) -> int:
         return self.speculative_config.max_draft_len
+
+    @property
+    def mask_token_id(self) -> int:
+        m = self.speculative_config.mask_token_id
+        return self.model.target.vocab_size - 1 if m is None else m
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The CUDA-graph batch sizes (padding buckets): configured, else powers of two to max_batch_size."""
@@ -222,43 +358,64 @@ class RuntimeConfig(_Strict):
         sizes.append(top)
         return tuple(sizes)
 
+    def no_effect_fields(self) -> list[tuple[str, Any, str]]:
+        """``(path, value, reason)`` of every *no effect here* field the configuration sets to a non-default value."""
+        return _no_effect_fields(self, "")
+
     def with_overrides(self, **overrides) -> "RuntimeConfig":
         """A copy with dotted-path overrides (``{"speculative_config.max_draft_len": 3}``), re-validated."""
-        data = self.model_dump()
-        for path, value in overrides.items():
-            node = data
-            keys = path.split(".")
-            for k in keys[:-1]:
-                if node.get(k) is None:
-                    node[k] = {}
-                node = node[k]
-            node[keys[-1]] = value
+        data = self.model_dump(exclude_unset=True)
+        _apply_overrides(data, overrides)
         return parse_config(data)
+
+
+def _no_effect_fields(model: BaseModel, prefix: str) -> list[tuple[str, Any, str]]:
+    out = []
+    for name in sorted(model.model_fields_set):
+        info = type(model).model_fields[name]
+        value = getattr(model, name)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if "no_effect" in extra:
+            if value != info.default:  # a value equal to TensorRT-LLM's default changes nothing anywhere
+                out.append((prefix + name, value, extra["no_effect"]))
+        elif isinstance(value, BaseModel):
+            out.extend(_no_effect_fields(value, f"{prefix}{name}."))
+    return out
+
+
+def _apply_overrides(data: dict, overrides: dict) -> None:
+    for path, value in overrides.items():
+        node = data
+        keys = path.split(".")
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {"path": node[k]} if k == "model" and isinstance(node.get(k), str) else {}
+            node = node[k]
+        node[keys[-1]] = value
 
 
 def _format_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        # pydantic reports a failed Literal member of a union as a location step; keep field names only.
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("literal[", "function-")))
+        loc = loc or "<root>"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see tensorrt_llm_ext/configs/dspark_default.yaml)"
+        elif err["type"] in ("int_type", "bool_type", "float_type", "string_type"):
+            msg += f", got {err['input']!r}"
         parts.append(f"{loc}: {msg}")
-    return "invalid runtime config: " + "; ".join(parts)
+    return "invalid runtime config: " + "; ".join(dict.fromkeys(parts))
 
 
 def parse_config(data: dict | None) -> RuntimeConfig:
-    """Validate a config dict (as loaded from YAML); raises :class:`ConfigError` naming the fields."""
+    """Validate a complete config dict (no layering, no checkpoint reading, no logging); raises
+    :class:`ConfigError` naming the fields."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"invalid runtime config: expected a mapping at the top level, got {type(data).__name__}")
-    data = dict(data or {})
-    ignored = sorted(k for k in data if k in IGNORED_SERVE_KEYS)
-    for k in ignored:
-        data.pop(k)
-    if ignored:
-        info_once(f"config: ignoring trtllm-serve options with no meaning here: {ignored}")
     try:
-        return RuntimeConfig.model_validate(data)
+        return RuntimeConfig.model_validate(dict(data or {}))
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
 
@@ -278,14 +435,110 @@ def default_config_text() -> str:
     return resources.files("tensorrt_llm_ext.configs").joinpath(DEFAULT_CONFIG_NAME).read_text()
 
 
-def load_config(path: str | Path | None = None, **overrides) -> RuntimeConfig:
-    """Load ``path`` (YAML) or the embedded default, then apply dotted-path ``overrides``."""
-    text = default_config_text() if path is None else Path(path).read_text()
+def merge_layers(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: mappings merge key by key; a scalar, a list or ``None`` replaces."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge_layers(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _read_user_file(path: str | Path) -> dict:
     try:
-        data = _load_yaml(text) or {}
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        data = _load_yaml(text)
     except _YamlError as e:
-        raise ConfigError(f"invalid runtime config: {path or DEFAULT_CONFIG_NAME} is not valid YAML: {e}") from None
+        raise ConfigError(f"invalid runtime config: {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"invalid runtime config: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _resolve_checkpoints(data: dict, user: dict) -> dict:
+    """Fill model/drafter sizes from checkpoint directories (``model.path``, ``speculative_model``)."""
+    from tensorrt_llm_ext.models.checkpoint import CheckpointError, read_drafter_config, read_llama_config
+
+    model = data.get("model")
+    if isinstance(model, str):
+        model = {"path": model}
+    if not isinstance(model, dict):
+        return data
+    data = {**data, "model": dict(model)}
+    model = data["model"]
+    spec = dict(data.get("speculative_config") or {})
+    user_model = user.get("model") if isinstance(user.get("model"), dict) else {}
+    user_spec = user.get("speculative_config") if isinstance(user.get("speculative_config"), dict) else {}
+    try:
+        if model.get("path"):
+            if "target" in user_model:
+                raise ConfigError("invalid runtime config: model.target: the sizes come from the checkpoint's "
+                                  "config.json when model is a directory; remove model.target")
+            target = read_llama_config(model["path"])
+            if spec.get("target_layer_ids") is not None:
+                target["capture_layers"] = list(spec["target_layer_ids"])
+            model["target"] = target
+            if "drafter_init" not in user_model:
+                model["drafter_init"] = "target_bigram"
+        drafter_dir = spec.pop("speculative_model_dir", None) or spec.get("speculative_model")
+        if drafter_dir is None and model.get("path") and (Path(model["path"]) / DRAFTER_SUBDIR).is_dir():
+            drafter_dir = str(Path(model["path"]) / DRAFTER_SUBDIR)
+        if drafter_dir is not None:
+            d = read_drafter_config(drafter_dir)
+            target = model.get("target") if isinstance(model.get("target"), dict) else {}
+            for key in ("hidden_size", "vocab_size"):
+                if key in target and target[key] != d[key]:
+                    raise ConfigError(f"invalid runtime config: the drafter checkpoint {drafter_dir} has {key}="
+                                      f"{d[key]} but the target has {target[key]} (a drafter drafts through the "
+                                      f"target's LM head)")
+            for key in ("markov_rank", "mask_token_id", "target_layer_ids"):
+                if key in user_spec and user_spec[key] is not None and _as_list(user_spec[key]) != _as_list(d[key]):
+                    raise ConfigError(f"invalid runtime config: speculative_config.{key}={user_spec[key]!r} but "
+                                      f"the drafter checkpoint {drafter_dir} has {d[key]!r}")
+            spec.update(speculative_model=drafter_dir, markov_rank=d["markov_rank"], mask_token_id=d["mask_token_id"],
+                        target_layer_ids=d["target_layer_ids"])
+            model["drafter"] = d["drafter"]
+            model["drafter_path"] = drafter_dir
+            if isinstance(model.get("target"), dict):
+                model["target"] = {**model["target"], "capture_layers": list(d["target_layer_ids"])}
+        elif model.get("path"):
+            # No drafter checkpoint: the seeded drafter, its Markov head the target's bigram (r = hidden size).
+            spec["markov_rank"] = model["target"]["hidden_size"]
+            info_once(f"config: no drafter checkpoint (speculative_config.speculative_model unset and no "
+                      f"{DRAFTER_SUBDIR}/ in {model['path']}): seeded drafter with the target's bigram Markov head")
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    data["speculative_config"] = spec
+    return data
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def load_config(path: str | Path | None = None, model_dir: str | None = None, **overrides) -> RuntimeConfig:
+    """The embedded default, the YAML at ``path`` layered over it, ``model_dir`` (a checkpoint directory,
+    e.g. ``serve DIR``), then dotted-path ``overrides``; logs each *no effect here* field once."""
+    data = _load_yaml(default_config_text())
+    user = _read_user_file(path) if path is not None else {}
+    if isinstance(user.get("model"), str):
+        # A checkpoint directory replaces the embedded target; the embedded drafter sizes stay the default.
+        user = {**user, "model": {"path": user["model"]}}
+    if model_dir is not None:
+        user = merge_layers(user, {"model": {"path": str(model_dir)}})
+    if isinstance(user.get("model"), dict) and user["model"].get("path"):
+        data["model"] = {k: v for k, v in data["model"].items() if k not in ("target",)}
+    data = merge_layers(data, user)
+    _apply_overrides(data, overrides)
+    data = _resolve_checkpoints(data, user)
     cfg = parse_config(data)
-    return cfg.with_overrides(**overrides) if overrides else cfg
+    for field_path, value, reason in cfg.no_effect_fields():
+        info_once(f"config: {field_path}={value!r} accepted, no effect here ({reason})")
+    return cfg

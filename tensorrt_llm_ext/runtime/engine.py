@@ -15,14 +15,17 @@ the dummy slot) and replays the captured step when graphs are enabled, else runs
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
@@ -44,37 +47,56 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device) -> tuple[LlamaTarget, DSparkDrafter]:
-    """The target and the drafter with this rank's slices of the FULL weights (seeded or from files)."""
-    m = config.model
-    t = m.target
-    dtype = resolve_dtype(m.dtype, device)
+def model_configs(config: RuntimeConfig) -> tuple[LlamaTargetConfig, DSparkDrafterConfig]:
+    """The target's and the drafter's sizes from the runtime config."""
+    t = config.model.target
     tcfg = LlamaTargetConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=t.num_layers,
                              num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
                              intermediate_size=t.intermediate_size, capture_layers=tuple(t.capture_layers),
-                             rope_theta=t.rope_theta)
-    d = m.drafter
+                             rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps)
+    d = config.model.drafter
     dcfg = DSparkDrafterConfig(hidden_size=t.hidden_size, target_hidden_size=t.hidden_size,
                                num_capture_layers=len(t.capture_layers), num_layers=d.num_layers,
                                num_heads=d.num_heads, head_dim=d.head_dim, latent_dim=d.latent_dim,
                                intermediate_size=d.intermediate_size, vocab_size=t.vocab_size,
-                               markov_rank=config.speculative_config.markov_rank, mask_token_id=t.vocab_size - 1)
-    target = LlamaTarget(tcfg, mapping, dtype=dtype, device=device)
-    drafter = DSparkDrafter(dcfg, mapping, dtype=dtype, device=device)
-    if m.target_weights:
+                               markov_rank=config.speculative_config.markov_rank,
+                               mask_token_id=config.mask_token_id, rms_norm_eps=t.rms_norm_eps)
+    return tcfg, dcfg
+
+
+def full_state_dicts(config: RuntimeConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The FULL (unsharded) target and drafter weights: from checkpoint directories, ``torch.save`` files,
+    or the seeded embedded init -- identical on every rank and at every TP size."""
+    m = config.model
+    tcfg, dcfg = model_configs(config)
+    if m.path:
+        target_sd = load_llama_state_dict(m.path, tcfg, m.target.tie_word_embeddings)
+    elif m.target_weights:
         target_sd = torch.load(m.target_weights, map_location="cpu", weights_only=True)
     else:
-        target_sd = generate_target_state_dict(tcfg, m.seed, torch.float32, t.residual_scale)
-    target.load_full_state_dict(target_sd)
-    if m.drafter_weights:
-        drafter.load_full_state_dict(torch.load(m.drafter_weights, map_location="cpu", weights_only=True))
+        target_sd = generate_target_state_dict(tcfg, m.seed, torch.float32, m.target.residual_scale)
+    if m.drafter_path:
+        drafter_sd = load_drafter_state_dict(m.drafter_path, dcfg)
+    elif m.drafter_weights:
+        drafter_sd = torch.load(m.drafter_weights, map_location="cpu", weights_only=True)
     else:
         drafter_sd = generate_drafter_state_dict(dcfg, m.seed + 1, torch.float32)
         if m.drafter_init == "target_bigram":
             drafter_sd.update(bigram_markov_head(target_sd, tcfg.rms_norm_eps))
             # Quiet backbone: the draft logits are the Markov bias plus a small backbone term.
             drafter_sd["norm.weight"] = drafter_sd["norm.weight"] * 0.05
-        drafter.load_full_state_dict(drafter_sd)
+    return target_sd, drafter_sd
+
+
+def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device) -> tuple[LlamaTarget, DSparkDrafter]:
+    """The target and the drafter with this rank's slices of the FULL weights (seeded or from files)."""
+    dtype = resolve_dtype(config.model.dtype, device)
+    tcfg, dcfg = model_configs(config)
+    target = LlamaTarget(tcfg, mapping, dtype=dtype, device=device)
+    drafter = DSparkDrafter(dcfg, mapping, dtype=dtype, device=device)
+    target_sd, drafter_sd = full_state_dicts(config)
+    target.load_full_state_dict(target_sd)
+    drafter.load_full_state_dict(drafter_sd)
     return target, drafter
 
 
@@ -201,7 +223,18 @@ class Engine:
         """Serve ``requests`` to completion; results in request order (bad requests carry their error).
 
         ``progress``: optional callable ``progress(num_new_tokens)`` called after each step (a tqdm update).
+
+        Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
+        every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
+        next call serves its requests as a fresh engine would.
         """
+        try:
+            return self._generate(requests, mode, progress)
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
         path = mode if mode in ("gathered", "stock") else "speculative"
@@ -209,14 +242,20 @@ class Engine:
         speculative = mode != "target_only"
         stats = GenerationStats(mode=mode)
         t0 = time.perf_counter()
+        if self.mapping.tp_size > 1:
+            self._check_same_batch(requests, mode)
         results: list[RequestResult] = []
         pending: deque[_Active] = deque()
         for i, req in enumerate(requests):
-            rid = req.request_id if req.request_id is not None else i
-            prompt = list(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else []
-            res = RequestResult(request_id=rid, prompt_ids=prompt)
+            is_request = isinstance(req, Request)  # a caller may pass anything: then that item's error
+            rid = req.request_id if is_request else None
+            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else i
+            prompt = req.prompt_ids if is_request and isinstance(req.prompt_ids, (list, tuple)) else []
+            res = RequestResult(request_id=rid, prompt_ids=list(prompt))
             results.append(res)
             try:
+                if not is_request:
+                    raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
@@ -276,6 +315,38 @@ class Engine:
         stats.num_tokens = sum(len(r.output_ids) for r in results)
         return results, stats
 
+    # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
+    def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
+        """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
+        generated token."""
+        path = "gathered" if mode == "gathered" else "speculative"
+        self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
+                                               self.state.page_size))
+        return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
+                                         speculative=mode != "target_only")
+
+    def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
+        """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new
+        tokens (``[K+1]``, the first ``lens[i]`` accepted) and ``lens``. Pads to a captured batch size and
+        replays its graph where one exists, else runs eagerly -- the same step :meth:`generate` runs."""
+        path = "gathered" if mode == "gathered" else "speculative"
+        worker = self.worker(path)
+        n = len(slots)
+        b = self._padded(path, n)
+        worker.set_rows(list(slots), b)
+        with nvtx_range(f"engine.step.{mode}"):
+            if mode != "target_only":
+                runner = self._runners.get(path)
+                outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+                return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
+            ids = worker.target_only_step(b)[:n].cpu().tolist()
+            return [[t] for t in ids], [1] * n
+
+    def release_slot(self, slot: int) -> None:
+        """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
+        self.pages.free(slot)
+        self.slots.release(slot)
+
     @staticmethod
     def _append(a: _Active, tokens: list[int]) -> bool:
         """Append accepted tokens up to the stop token / the length limit; True when the request is done."""
@@ -294,3 +365,38 @@ class Engine:
         active.pop(a.slot, None)
         self.pages.free(a.slot)
         self.slots.release(a.slot)
+
+    def _check_same_batch(self, requests: list[Request], mode: str) -> None:
+        """Every TP rank must serve the same batch: its host decisions (admission, rows per step, stops)
+        follow from the requests, and ranks that disagree would meet in collectives of different shapes
+        (an abort inside the collective library). One small CPU all-gather per ``generate()`` call, where
+        the batch is set up -- nothing is added to the step. Raises ``ValueError`` naming each rank's batch.
+        """
+        def sig(r) -> tuple:
+            if not isinstance(r, Request):
+                return (type(r).__name__,)
+            return (repr(r.prompt_ids), repr(r.max_new_tokens), repr(r.stop_token_ids), repr(r.temperature),
+                    repr(r.seed))
+
+        digest = hashlib.sha256(repr([mode] + [sig(r) for r in requests]).encode()).hexdigest()
+        lens = [len(r.prompt_ids) if isinstance(r, Request) and isinstance(r.prompt_ids, (list, tuple)) else None
+                for r in requests]
+        shape = f"{len(requests)} requests, prompt lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}, mode {mode}"
+        views = gather_objects(self.mapping, (digest, shape))
+        if len({d for d, _ in views}) > 1:
+            ranks = "; ".join(f"rank {r}: {s} (digest {d[:8]})" for r, (d, s) in enumerate(views))
+            raise ValueError(f"generate: the {self.mapping.tp_size} TP ranks were given different batches "
+                             f"(every rank must serve the same requests): {ranks}")
+
+    def _release_all(self) -> None:
+        """Return every held slot and page and reset the workers' step state (after an escaped exception).
+
+        Per-slot device state needs no reset: a prefill rewrites everything its slot's next request
+        reads (context length, tokens, sampling state; KV and latent positions are written before they
+        are attended), exactly as when a request finishes normally.
+        """
+        held = self.slots.release_all()
+        self.pages.free_all()
+        for w in self._workers.values():
+            w.reset_step_state()
+        logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")

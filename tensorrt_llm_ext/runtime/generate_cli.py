@@ -1,4 +1,13 @@
-"""The body of ``trtllm-ext generate`` (argument handling and printing; the work is in :mod:`.launch`)."""
+"""The body of ``trtllm-ext generate`` (argument handling and printing; the work is in :mod:`.launch`).
+
+Exit codes (documented in README and docs/fault_matrix.md):
+
+* ``0``: every request was served (and with ``--check`` every path and rank agreed);
+* ``1``: ``--check`` found a difference, or compared nothing;
+* ``2``: bad arguments, config or prompts (nothing ran);
+* ``3``: one or more requests were rejected (the others were served and printed);
+* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,12 @@ import sys
 from dataclasses import asdict
 
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
+from tensorrt_llm_ext.runtime.ranks import RankJobError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
 
 
 def _fmt_ids(ids: list[int], limit: int = 32) -> str:
@@ -36,15 +49,23 @@ def main_generate(args: argparse.Namespace) -> int:
         print(f"error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, **overrides)
+        cfg = load_config(args.config, model_dir=args.model, **overrides)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.cuda_graph and not torch.cuda.is_available():
         print("error: --cuda-graph needs a CUDA device", file=sys.stderr)
         return 2
+    if args.json_out:
+        try:  # checked before the run, not after it
+            with open(args.json_out, "a"):
+                pass
+        except OSError as e:
+            print(f"error: --json {args.json_out}: cannot write ({e.strerror or e})", file=sys.stderr)
+            return 2
     if args.cuda_graph and cfg.cuda_graph_config is None:
         cfg = cfg.with_overrides(**{"cuda_graph_config.enable_padding": True})
+    cuda_graph = use_cuda_graph(cfg, args.cuda_graph)
     vocab = cfg.model.target.vocab_size
     try:
         if args.prompts_file:
@@ -69,17 +90,22 @@ def main_generate(args: argparse.Namespace) -> int:
         greedy += [True] * n
     modes = ["speculative"] + (["target_only", "gathered"] if args.check else [])
     tp = cfg.tensor_parallel_size
-    job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=args.cuda_graph,
+    job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
                       show_progress=not args.no_progress and sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
     spec = cfg.speculative_config
     print(f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
-          f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if args.cuda_graph else 'off'}, "
+          f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
           f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
           f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}"
           f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
           f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
-    reports = run_generate(job, tp)
+    try:
+        reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
+                               log_dir=args.log_dir)
+    except RankJobError as e:
+        print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
+        return EXIT_RANK_FAILED
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):
@@ -98,19 +124,61 @@ def main_generate(args: argparse.Namespace) -> int:
     print(f"speculative: {res.num_steps} steps, {ntok} tokens, mean acceptance length "
           f"{'-' if math.isnan(mal) else f'{mal:.2f}'} tokens/step (K+1 = {spec.max_draft_len + 1} max), "
           f"{res.wall_s:.1f} s")
-    rc = 0
+    outcome = None
+    rejected = [i for i, e in enumerate(res.errors) if e]
+    rc = EXIT_REJECTED if rejected else EXIT_OK
+    if rejected:
+        print(f"{len(rejected)} of {len(prompts)} request(s) rejected: {rejected} (exit code {EXIT_REJECTED})")
     if args.check:
         outcome = check_reports(reports, rejection_sampling=rejection, greedy=greedy)
         print("check:")
         for line in outcome.lines:
             print(line)
-        passed = ("check passed: sharded == gathered verification, greedy rows == the target's own decode, every "
+        if outcome.ok:
+            print("check passed: sharded == gathered verification, greedy rows == the target's own decode, every "
                   "token in the target's top-p set" if rejection else
                   "check passed: speculative output equals the target's own decode")
-        print(passed if outcome.ok else "check FAILED")
-        rc = 0 if outcome.ok else 1
+        else:
+            why = [w for w, bad in (("outputs differ", outcome.differs), ("requests were rejected", outcome.rejected),
+                                    ("nothing was compared", outcome.compared == 0)) if bad]
+            print(f"check FAILED: {', '.join(why)}")
+        if outcome.differs or outcome.compared == 0:
+            rc = EXIT_CHECK_FAILED
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump([{"rank": r.rank, "results": {m: asdict(x) for m, x in r.results.items()}} for r in reports],
-                      f, indent=1)
+            json.dump(json_report(cfg, prompts, requests, reports, outcome, cuda_graph), f, indent=1)
     return rc
+
+
+def json_report(cfg, prompts, requests, reports, outcome, cuda_graph: bool) -> dict:
+    """What ``--json`` writes: versions, the resolved config, per-request records, per-rank results, the
+    check verdict (``null`` without ``--check``)."""
+    import torch
+    import triton
+
+    from tensorrt_llm_ext import __version__
+
+    res = reports[0].results["speculative"]
+    records = []
+    for i, (p, r) in enumerate(zip(prompts, requests)):
+        acc = res.accepted_lens[i]
+        records.append({
+            "request_id": i, "prompt_ids": p, "max_new_tokens": r["max_new_tokens"],
+            "temperature": r["temperature"], "top_p": r["top_p"], "seed": r["seed"], "stop_token_ids": list(r["stop_token_ids"]),
+            "output_ids": res.outputs[i], "finish_reason": res.finish_reasons[i], "error": res.errors[i],
+            "steps": len(acc), "accepted_lens": acc,
+            "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,
+        })
+    mal = res.mean_acceptance_length
+    return {
+        "versions": {"tensorrt_llm_ext": __version__, "torch": torch.__version__, "triton": triton.__version__,
+                     "python": sys.version.split()[0]},
+        "config": cfg.model_dump(mode="json"),
+        "cuda_graph": cuda_graph,
+        "selection": res.selection,
+        "summary": {"num_steps": res.num_steps, "num_tokens": sum(len(o) for o in res.outputs),
+                    "mean_acceptance_length": None if math.isnan(mal) else mal, "wall_s": res.wall_s},
+        "requests": records,
+        "check": None if outcome is None else {"passed": outcome.ok, "lines": [x.strip() for x in outcome.lines]},
+        "ranks": [{"rank": r.rank, "results": {m: asdict(x) for m, x in r.results.items()}} for r in reports],
+    }

@@ -40,6 +40,12 @@ class SlotPool:
             raise RuntimeError(f"SlotPool: slot {slot} released twice or out of range")
         self._free.append(slot)
 
+    def release_all(self) -> int:
+        """Free every slot; returns how many were held."""
+        held = self.num_slots - len(self._free)
+        self._free = list(range(self.num_slots))
+        return held
+
 
 class PageAllocator:
     """Pages of the drafter's latent pool, with the encoded block-offset table of every slot."""
@@ -76,6 +82,12 @@ class PageAllocator:
         pages = self._owned.pop(slot, [])
         self._free.extend(pages)
         self.encoded_offsets[slot].fill_(-1)
+
+    def free_all(self) -> None:
+        """Free the pages of every slot (the table returns to all ``-1``)."""
+        self._owned.clear()
+        self._free = list(range(self.num_pages))
+        self.encoded_offsets.fill_(-1)
 
 
 def pages_needed(num_tokens: int, draft_len: int, page_size: int) -> int:

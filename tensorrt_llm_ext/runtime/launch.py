@@ -3,7 +3,8 @@
 ``run_generate`` runs every requested mode on every rank (each rank builds the same engine from the same
 config; tokens are identical across ranks by construction, and the launcher checks it) and returns what
 rank 0 saw plus a per-rank digest. ``--tp 1`` runs in this process; ``--tp N`` spawns N ranks with
-:class:`~tensorrt_llm_ext.testing.mpi.MpiPool` (bounded waits: a broken rank fails, never hangs).
+:func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks` (supervised: a rank that fails, dies or hangs is
+named, with how it ended and its last log lines, within a bound).
 """
 
 from __future__ import annotations
@@ -49,12 +50,26 @@ def parse_prompt(text: str) -> list[int]:
 
 
 def load_prompts_file(path: str) -> list[list[int]]:
-    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas)."""
+    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas). Every id must be
+    an integer (``2.7``, ``true`` or ``null`` is an error naming the prompt and the item)."""
     text = Path(path).read_text()
     stripped = text.strip()
-    if stripped.startswith("[["):
-        data = json.loads(stripped)
-        return [[int(t) for t in p] for p in data]
+    if stripped.startswith("["):
+        try:
+            data = json.loads(stripped)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of token-id lists")
+        out = []
+        for i, p in enumerate(data):
+            if not isinstance(p, list):
+                raise ValueError(f"{path}: prompt {i} must be a list of token ids, got {json.dumps(p)}")
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
+            if bad:
+                raise ValueError(f"{path}: prompt {i}: token ids must be integers, got {json.dumps(bad[0])}")
+            out.append(list(p))
+        return out
     return [parse_prompt(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -165,20 +180,32 @@ def _rank_main(job_dict: dict) -> dict:
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
     report = run_job(job, mapping)
+    from tensorrt_llm_ext.distributed.communicator import world_cpu_group
+    from tensorrt_llm_ext.logger import flush_rank_logs
+
+    flush_rank_logs(world_cpu_group())  # identical lines once, lines that differ once per rank
     return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
 
 
-def run_generate(job: GenerateJob, tp_size: int, timeout: float = 1800.0) -> list[RankReport]:
-    """Run ``job`` on ``tp_size`` ranks (in process at 1); returns one report per rank, rank order."""
+DEFAULT_JOB_TIMEOUT_S = 1800.0
+DEFAULT_RANK_TIMEOUT_S = 60.0
+
+
+def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TIMEOUT_S,
+                 rank_timeout: float = DEFAULT_RANK_TIMEOUT_S, log_dir: str | None = None) -> list[RankReport]:
+    """Run ``job`` on ``tp_size`` ranks (in process at 1); returns one report per rank, rank order.
+
+    At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
+    that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
+    naming it. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
+    it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs.
+    """
     if tp_size == 1:
         return [run_job(job)]
-    from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
+    from tensorrt_llm_ext.runtime.ranks import launch_ranks
 
-    pool = MpiPool(tp_size).start()
-    try:
-        raw = run_on_ranks(pool, _rank_main, asdict(job), timeout=timeout)
-    finally:
-        pool.shutdown()
+    raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
+                       log_dir=log_dir)
     reports = []
     for item in raw:
         rep = RankReport(rank=item["rank"])
@@ -189,13 +216,19 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = 1800.0) -> lis
 
 @dataclass
 class CheckOutcome:
-    ok: bool
+    ok: bool  # every mode and rank agree, nothing was rejected, something was compared
     lines: list[str]
+    differs: bool = False  # some mode or rank produced other tokens than rank 0's speculative run
+    rejected: list[int] = field(default_factory=list)  # requests rejected (never compared)
+    compared: int = 0  # requests served and compared
 
 
 def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False,
                   greedy: list[bool] | None = None) -> CheckOutcome:
     """Strict acceptance: every mode and every rank must produce the same tokens as rank 0's speculative run.
+
+    Fails as well when a request was rejected (its output was never compared) or when no request was
+    served at all (nothing was compared): a check that compared nothing must not pass.
 
     Rejection sampling (``rejection_sampling=True``; sampled outputs follow the target's distribution, not
     its seeded draws): the vocab-sharded run equals the gathered-verification run bitwise (tokens and
@@ -205,44 +238,61 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     if rejection_sampling:
         return _check_rejection(reports, greedy or [])
     lines = []
-    ok = True
+    differs = False
     ref = reports[0].results
     spec = ref["speculative"]
+    rejected = [i for i, e in enumerate(spec.errors) if e]
+    compared = len(spec.outputs) - len(rejected)
+    if rejected:
+        lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
+    if compared == 0:
+        lines.append("  nothing was compared: no request was served")
     for mode, res in ref.items():
         if mode == "speculative":
             continue
-        same = res.outputs == spec.outputs and res.finish_reasons == spec.finish_reasons
+        same = (res.outputs == spec.outputs and res.finish_reasons == spec.finish_reasons
+                and res.errors == spec.errors)
         bad = [i for i, (a, b) in enumerate(zip(res.outputs, spec.outputs)) if a != b]
         label = {"target_only": "target-only decode (non-speculative)", "gathered": "gathered-logits path"}[mode]
         lines.append(f"  speculative vs {label}: {'agree' if same else f'DIFFER on requests {bad}'}")
-        ok &= same
+        differs |= not same
     if len(reports) > 1:
         same_ranks = all(r.results[m].outputs == ref[m].outputs for r in reports[1:] for m in ref)
         lines.append(f"  all {len(reports)} ranks produced identical tokens: {'yes' if same_ranks else 'NO'}")
-        ok &= same_ranks
-    return CheckOutcome(ok, lines)
+        differs |= not same_ranks
+    ok = not differs and not rejected and compared > 0
+    return CheckOutcome(ok, lines, differs=differs, rejected=rejected, compared=compared)
 
 
 def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
     ref = reports[0].results
     spec, gathered, target = ref["speculative"], ref["gathered"], ref["target_only"]
-    lines, ok = [], True
+    lines, differs = [], False
+    rejected = [i for i, e in enumerate(spec.errors) if e]
+    compared = len(spec.outputs) - len(rejected)
+    if rejected:
+        lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
     same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
     bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
     lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
                  f"{'agree' if same else f'DIFFER on requests {bad}'}")
-    ok &= same
-    rows = [i for i, g in enumerate(greedy) if g]
+    differs |= not same
+    rows = [i for i, g in enumerate(greedy) if g and i not in rejected]
     bad = [i for i in rows if spec.outputs[i] != target.outputs[i]]
     lines.append(f"  greedy requests {rows} vs target-only decode: {'agree' if rows and not bad else f'DIFFER on {bad}'}")
-    ok &= bool(rows) and not bad
+    differs |= bool(bad)
     outside = spec.outside_top_p or []
     n = sum(len(o) for o in spec.outputs)
+    inside_ok = len(outside) == len(spec.outputs) and not sum(outside)
     lines.append(f"  emitted tokens inside the target's top-p kept set: {n - sum(outside)} / {n}"
-                 + ("" if len(outside) == len(spec.outputs) and not sum(outside) else "  FAILED"))
-    ok &= len(outside) == len(spec.outputs) and not sum(outside)
+                 + ("" if inside_ok else "  FAILED"))
+    differs |= not inside_ok
     if len(reports) > 1:
         same_ranks = all(r.results[m].outputs == ref[m].outputs for r in reports[1:] for m in ref)
         lines.append(f"  all {len(reports)} ranks produced identical tokens: {'yes' if same_ranks else 'NO'}")
-        ok &= same_ranks
-    return CheckOutcome(ok, lines)
+        differs |= not same_ranks
+    if not rows:
+        lines.append("  nothing was compared: no greedy request was served")
+        compared = 0
+    ok = not differs and not rejected and compared > 0
+    return CheckOutcome(ok, lines, differs=differs, rejected=rejected, compared=compared)

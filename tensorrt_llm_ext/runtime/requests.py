@@ -7,6 +7,7 @@ requests of the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,32 +35,64 @@ class Request:
     top_p: float = 1.0
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
-        """Raise :class:`RequestError` if this request cannot run under these limits."""
-        rid = f"request {self.request_id}" if self.request_id is not None else "request"
+        """Raise :class:`RequestError` if this request cannot run under these limits.
+
+        Total over every field value, wrong types included: nothing but a :class:`RequestError` leaves
+        it, so the engine can turn any bad field into that request's error and serve the rest.
+        """
+        try:
+            self._validate(vocab_size, max_seq_len)
+        except RequestError:
+            raise
+        except Exception as e:  # a field of a type no check foresaw: still this request's error only
+            raise RequestError(f"{self._label()}: invalid request ({type(e).__name__}: {e})") from e
+
+    def _label(self) -> str:
+        rid = self.request_id
+        return f"request {rid}" if _is_int(rid) else "request"
+
+    def _validate(self, vocab_size: int, max_seq_len: int) -> None:
+        rid = self._label()
+        if self.request_id is not None and not _is_int(self.request_id):
+            raise RequestError(f"{rid}: request_id must be an int or None, got {type(self.request_id).__name__}")
         ids = self.prompt_ids
-        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise RequestError(f"{rid}: prompt_ids must be a list of ints")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            raise RequestError(f"{rid}: prompt_ids must be a list of ints, got {_describe(ids)}")
         if len(ids) == 0:
             raise RequestError(f"{rid}: empty prompt (prompt_ids needs at least one token)")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"{rid}: prompt_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError(f"{rid}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if len(ids) + self.max_new_tokens > max_seq_len:
             raise RequestError(f"{rid}: prompt of {len(ids)} tokens + max_new_tokens={self.max_new_tokens} exceeds "
                                f"the cache (max_seq_len={max_seq_len})")
-        bad_stop = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        stop = self.stop_token_ids
+        if not isinstance(stop, (list, tuple, set, frozenset)):
+            raise RequestError(f"{rid}: stop_token_ids must be a list/tuple of ints, got {_describe(stop)}")
+        bad_stop = [t for t in stop if not (_is_int(t) and 0 <= t < vocab_size)]
         if bad_stop:
             raise RequestError(f"{rid}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab_size})")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
-                and self.temperature == self.temperature):
-            raise RequestError(f"{rid}: temperature must be a number >= 0, got {self.temperature!r}")
+        temp = self.temperature
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
+            raise RequestError(f"{rid}: temperature must be a finite number >= 0, got {temp!r}")
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
                 or not 0 < self.top_p <= 1):
             raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _describe(v) -> str:
+    if isinstance(v, (list, tuple)):
+        odd = [t for t in v if not _is_int(t)]
+        return f"{type(v).__name__} with {type(odd[0]).__name__} item {odd[0]!r}" if odd else type(v).__name__
+    return f"{type(v).__name__} {v!r}"[:80]
 
 
 @dataclass

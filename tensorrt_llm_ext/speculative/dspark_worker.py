@@ -173,6 +173,15 @@ class DSparkWorker(SpecWorkerBase):
         row routed to the full vocabulary): the variant CUDA graphs capture; others run eagerly."""
         return not (self._step_top_p or self._step_full_vocab)
 
+    def reset_step_state(self) -> None:
+        """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
+
+        The next step then needs a fresh :meth:`set_rows`; per-slot state is rewritten by each prefill.
+        """
+        self._rows_batch_size = None
+        if self.markov is not None:
+            self.markov.reset()
+
     def _check_rows(self, batch_size: int) -> None:
         # Rows past the last set_rows() batch hold stale slot ids: running them would advance (and
         # overwrite the caches of) requests that are not in this step.

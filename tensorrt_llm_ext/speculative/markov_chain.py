@@ -64,8 +64,10 @@ _W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
 class MarkovWorkspace:
     """Preallocated chain buffers (allocate once, before graph capture; views ``[:B]`` are used per call).
 
-    ``keys`` must hold ``EMPTY_KEY`` in slot 0 between chains: :meth:`allocate` sets it and every chain's
-    finishing launch restores it for the rows it used.
+    ``keys`` must hold ``EMPTY_KEY`` in slot 0 between chains: :meth:`allocate` sets it, every chain's
+    finishing launch restores it for the rows it used, and a chain that does not finish (an exchange or
+    a launch raised, Ctrl-C) resets its rows on the way out (:meth:`reset`), so an aborted chain never
+    poisons the next one.
     """
 
     keys: torch.Tensor  # [3, max_B] int64 step selection keys (ring of three slots)
@@ -85,6 +87,10 @@ class MarkovWorkspace:
             bias=torch.zeros((rows, v_local), dtype=dt, device=dev),
         )
 
+    def reset(self, rows: int | None = None) -> None:
+        """Put the key ring of the first ``rows`` rows (default all) back to ``EMPTY_KEY`` (one fill)."""
+        self.keys[:, :rows].fill_(EMPTY_KEY)
+
 
 def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, seeds, offsets, mode, out):
     if mode not in MODES:
@@ -96,6 +102,9 @@ def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, 
     if base.stride(2) != 1:
         raise ValueError("base_logits must have a contiguous last dimension")
     B, K, v_local = base.shape
+    if v_local == 0:
+        # Every key would stay EMPTY_KEY and decode to token -1: refuse rather than draft a non-token.
+        raise ValueError("base_logits has no vocabulary columns (V_local = 0); a shard holds at least one column")
     if w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != w2.shape[1]:
         raise ValueError(f"markov_w1 [V, r] and markov_w2 [V_local, r] expected, got {tuple(w1.shape)} and "
                          f"{tuple(w2.shape)}")
@@ -194,9 +203,13 @@ class MarkovChainStepper:
                             vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT)
         return self.ws.keys[0, :B]
 
+    def abort(self) -> None:
+        """Leave the workspace as a finished chain would (called when the chain stops early)."""
+        self.ws.reset(self.B)
+
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the last token (and restore the key ring's slot 0); returns ``(biased_logits, tokens)``."""
-        if self.B > 0:
+        if self.B > 0 and self.K > 0:  # K = 0: nothing was drafted, the empty results are final
             K = self.K
             read = (K - 1) % 3 if self.mode == "fused" else 0
             launch_exact_resolve(self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, k=K, read_slot=read,
@@ -239,7 +252,10 @@ def markov_chain_logits(
 
     Returns:
         ``(biased_logits [B, K, V_local] in the logits dtype, tokens [B, K] int64)``; ``tokens`` is a
-        view of the workspace.
+        view of the workspace. ``K = 0`` returns the empty results (nothing is launched).
+
+    Raises ``ValueError`` for a shard without columns (``V_local = 0``). A chain that raises part way
+    (e.g. its exchange timed out) leaves ``workspace`` clean for the next chain.
     """
     stepper = MarkovChainStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
                                  vocab_size=vocab_size, temperatures=temperatures, seeds=seeds,
@@ -248,12 +264,21 @@ def markov_chain_logits(
 
 
 def _run_chain(stepper, exchange) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drive a stepper through its K block positions, exchanging each step's keys on a vocab shard."""
-    for k in range(stepper.K):
-        keys = stepper.step(k)
-        if exchange is not None:
-            exchange.exchange_(keys)
-    return stepper.finish()
+    """Drive a stepper through its K block positions, exchanging each step's keys on a vocab shard.
+
+    A chain that does not reach ``finish`` (the exchange timed out, a launch raised, Ctrl-C) resets its
+    workspace rows before the exception propagates: the key ring would otherwise hold this chain's keys
+    and the next chain on the workspace would resolve its tokens from them, silently.
+    """
+    try:
+        for k in range(stepper.K):
+            keys = stepper.step(k)
+            if exchange is not None:
+                exchange.exchange_(keys)
+        return stepper.finish()
+    except BaseException:
+        stepper.abort()
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,7 +312,13 @@ class MarkovReferenceStepper:
         self.outs.append(biased)
         return self.keys
 
+    def abort(self) -> None:
+        """Nothing to clean: the eager chain keeps no state beyond this object."""
+
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:  # K = 0: an empty chain
+            B = self.base.shape[0]
+            return self.base.clone(), torch.empty((B, 0), dtype=torch.int64, device=self.base.device)
         self.toks.append(key_to_id_torch(self.keys))
         return torch.stack(self.outs, dim=1), torch.stack(self.toks, dim=1)
 
@@ -361,6 +392,10 @@ class MarkovChain:
         self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2,
                                                   "fused" if mode == "fused" else "exact")
         self.out = torch.empty((max_batch_size, draft_len, w2.shape[0]), dtype=logits_dtype, device=w2.device)
+
+    def reset(self) -> None:
+        """Clean the workspace's key ring (the engine calls it after an aborted step)."""
+        self.workspace.reset()
 
     def mode_for(self, batch_size: int) -> str:
         if self.mode != "auto":

@@ -66,6 +66,11 @@ def _check_exchange(exchange: PairExchange | None) -> bool:
 
 def _select(shard_logits, vocab_start, vocab_size, exchange, temperatures, seeds, offsets, salt, out):
     x = _rows_2d(shard_logits)
+    if x.shape[1] == 0:
+        # No candidate: the key stays EMPTY_KEY and would decode to id -1 (one rank) or 0xFFFFFFFF
+        # (after the exchange). Shards of an evenly split head all have the same width, so every rank
+        # refuses alike.
+        raise ValueError(f"shard_logits: the shard has no vocabulary columns (shape {tuple(shard_logits.shape)})")
     if out is not None and out.dim() != 1:
         out_flat = out.view(-1)  # [B, K] -> [B*K]; a view keeps the write in place
     else:

@@ -8,6 +8,7 @@ rank that raises is reported with its own traceback; a rank that hangs fails the
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -18,8 +19,12 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
+from tensorrt_llm_ext._env import ENV
+
 DEFAULT_TIMEOUT_S = 300.0
-_GRACE_S = 90.0  # beyond the watchdog: the collective timeout (60 s in tests) must fire first
+# Beyond the watchdog: a peer waiting in a collective raises after the collective timeout; a rank
+# that still has not answered then is stuck in C and is named (and killed) as not answering.
+_GRACE_S = ENV.collective_timeout_s + 10.0
 
 
 class RankFailure(RuntimeError):
@@ -45,6 +50,9 @@ def _worker_entry(blob: bytes, timeout: float):
     if armed:
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
+        # A rank blocked inside a C call never runs the alarm's Python handler: faulthandler prints
+        # its stack to stderr from C at the same deadline, so the stuck rank is visible.
+        faulthandler.dump_traceback_later(timeout, exit=False)
     try:
         fn, args, kwargs = cloudpickle.loads(blob)
         return ("ok", rank, fn(*args, **kwargs))
@@ -54,6 +62,7 @@ def _worker_entry(blob: bytes, timeout: float):
         return ("error", rank, tb)
     finally:
         if armed:
+            faulthandler.cancel_dump_traceback_later()
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
@@ -165,9 +174,11 @@ def run_on_ranks(pool, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) 
         if mpool is not None:
             # A rank raised: its peers may hold half-finished collectives. Start fresh next time.
             mpool.kill() if pending else mpool.discard()
+        # Futures are not bound to ranks: the ranks that never answered are the ones missing.
+        silent = sorted(set(range(world)) - set(results) - {r for r in errors if r >= 0})
         lines = [f"{len(errors)} of {world} ranks failed:"]
         for rank, text in sorted(errors.items(), key=lambda kv: kv[0]):
-            who = f"rank {rank}" if rank >= 0 else "a rank"
+            who = f"rank {rank}" if rank >= 0 else f"rank {silent[-rank - 1]}" if -rank <= len(silent) else "a rank"
             lines.append(f"--- {who} ---\n{text.rstrip()}")
         raise RankFailure("\n".join(lines))
     return [results[r] for r in sorted(results)]

@@ -24,7 +24,6 @@ speculative_config:
   decoding_type: DSpark
   max_draft_len: 7
   markov_rank: 48
-  speculative_model_dir: /models/dspark-drafter
   vocab_parallel_selection: on
   markov_chain_mode: fused
 """

@@ -29,7 +29,7 @@ def test_generate_check_tp1(small_yaml, tmp_path, capsys):
     assert rc == 0, text
     assert "check passed" in text and "mean acceptance length" in text
     data = json.loads(out_json.read_text())
-    res = data[0]["results"]
+    res = data["ranks"][0]["results"]  # --json: versions, config, requests, check, ranks
     assert res["speculative"]["outputs"] == res["target_only"]["outputs"] == res["gathered"]["outputs"]
     assert all(len(o) == 6 for o in res["speculative"]["outputs"])
 
@@ -50,10 +50,10 @@ def test_generate_reports_bad_config_and_bad_prompt(small_yaml, tmp_path, capsys
     assert "speculative_config.max_draft_len" in capsys.readouterr().err
     assert main(["generate", "--config", small_yaml, "1 x 3"]) == 2
     assert "token ids" in capsys.readouterr().err
-    # An out-of-vocabulary prompt is rejected on its own; the other prompt is served.
+    # An out-of-vocabulary prompt is rejected on its own; the other prompt is served; the run exits 3.
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "999", "1 2"])
     text = capsys.readouterr().out
-    assert rc == 0 and "[0] rejected" in text and "[1] prompt" in text
+    assert rc == 3 and "[0] rejected" in text and "[1] prompt" in text and "1 of 2 request(s) rejected" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -65,6 +65,15 @@ def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     assert rc == 0, text
     assert "target vocab-parallel; draft vocab-parallel" in text
     assert "all 2 ranks produced identical tokens: yes" in text
+
+
+def test_check_fails_on_rejections_and_when_nothing_is_compared(small_yaml, capsys):
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--check", "--no-progress", "999"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "nothing was compared" in text and "check FAILED" in text and "check passed" not in text
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--check", "--no-progress", "999", "1 2"])
+    text = capsys.readouterr().out
+    assert rc == 3 and "check FAILED: requests were rejected" in text and "rejected, not compared: [0]" in text
 
 
 def test_generate_rejection_sampling_check(tmp_path, capsys):
@@ -81,6 +90,8 @@ def test_generate_rejection_sampling_check(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "verification=rejection sampling" in text and "check passed: sharded == gathered" in text
-    res = json.loads(out_json.read_text())[0]["results"]["speculative"]
+    data = json.loads(out_json.read_text())
+    assert data["check"]["passed"] and data["requests"][0]["top_p"] == 0.9
+    res = data["ranks"][0]["results"]["speculative"]
     assert len(res["outputs"]) == 2 and res["outside_top_p"] == [0, 0]  # the prompt + its greedy copy
     assert main(["generate", "--config", str(cfg), "--top-p", "1.5"]) == 2

@@ -343,6 +343,11 @@ def test_gpu_late_peer_on_another_stream(start):
                 torch.cuda._sleep(10_000_000)  # ~5 ms of clock cycles
             ll_exchange(keys[1], states[1], out=outs[1])
         torch.cuda.synchronize()
+        if warm:
+            # Measured on the H200: the very first pair of launches can serialize (module loading) and time
+            # out; the product warms every variant at setup for exactly this reason. Only the late-peer pass
+            # below is under test.
+            sim.state.flag.zero_()
     want = torch.cat(keys).max(0).values.cpu()
     assert torch.equal(outs[0].cpu()[0], want) and torch.equal(outs[1].cpu()[0], want)
     assert sim.state.flag.tolist() == [0, 0]

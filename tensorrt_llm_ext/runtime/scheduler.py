@@ -1,0 +1,140 @@
+"""Continuous batching over an :class:`~tensorrt_llm_ext.runtime.engine.Engine`: requests join and leave
+between engine steps.
+
+The scheduler is driven by :class:`StepPlan` s -- plain data (admit these requests, cancel those, run one
+step) -- so that at TP N the plan rank 0 decides can be broadcast and applied identically on every rank:
+slot assignment (lowest free slot first), page allocation and every token depend only on the sequence
+of plans, never on timing. :meth:`Scheduler.apply` returns the :class:`Event` s of the plan (each
+request's new tokens and whether it finished).
+
+Per request the tokens are exactly what :meth:`Engine.generate` produces for it: prefill gives the first
+token, each step appends the accepted tokens up to a stop token or ``max_new_tokens``; a request's tokens
+depend only on its own prompt, seed and temperature, not on which requests share its steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tensorrt_llm_ext.runtime.requests import Request, RequestError
+
+
+@dataclass
+class StepPlan:
+    """What every rank does next, in this order: cancel, admit, run one step over the active requests."""
+
+    cancel: list[int] = field(default_factory=list)  # handles
+    admit: list[tuple[int, dict]] = field(default_factory=list)  # (handle, Request fields)
+    run: bool = True
+    stop: bool = False  # the server is shutting down: ranks leave their loop
+
+
+@dataclass
+class Event:
+    """One request's progress in one plan."""
+
+    handle: int
+    tokens: list[int]  # tokens appended by this plan (the prompt excluded)
+    finish_reason: str | None = None  # length | stop | cancelled | error; None: still running
+    error: str | None = None
+    accepted_len: int | None = None  # tokens accepted by this step (None: the prefill's first token)
+
+
+@dataclass
+class StepStats:
+    num_rows: int = 0  # requests in the step (0: no step ran)
+    accepted_lens: list[int] = field(default_factory=list)
+    step_s: float = 0.0
+    prefill_s: float = 0.0
+    num_prefills: int = 0
+
+
+@dataclass
+class _Live:
+    request: Request
+    slot: int
+    num_out: int = 0
+
+
+class Scheduler:
+    """Requests in flight on one rank's engine, keyed by caller-chosen integer handles."""
+
+    def __init__(self, engine, mode: str = "speculative"):
+        self.engine = engine
+        self.mode = mode
+        self._live: dict[int, _Live] = {}
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.engine.slots.num_free
+
+    @property
+    def num_active(self) -> int:
+        return len(self._live)
+
+    def validate(self, request: Request) -> None:
+        """Raise :class:`RequestError` if the engine cannot serve ``request``."""
+        self.engine.validate(request)
+
+    def apply(self, plan: StepPlan) -> tuple[list[Event], StepStats]:
+        events: list[Event] = []
+        stats = StepStats()
+        for handle in plan.cancel:
+            live = self._live.pop(handle, None)
+            if live is not None:
+                self.engine.release_slot(live.slot)
+                events.append(Event(handle, [], "cancelled"))
+        for handle, fields in plan.admit:
+            events.append(self._admit(handle, Request(**fields), stats))
+        if plan.run and self._live:
+            events.extend(self._step(stats))
+        return events, stats
+
+    def _admit(self, handle: int, request: Request, stats: StepStats) -> Event:
+        try:
+            self.validate(request)
+        except RequestError as e:
+            return Event(handle, [], "error", str(e))
+        if handle in self._live or not self.num_free_slots:
+            return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
+        t0 = time.perf_counter()
+        slot = self.engine.slots.acquire()
+        first = self.engine.prefill_slot(slot, request, self.mode)
+        stats.prefill_s += time.perf_counter() - t0
+        stats.num_prefills += 1
+        live = _Live(request, slot)
+        self._live[handle] = live
+        return self._append(handle, live, [first], None)
+
+    def _step(self, stats: StepStats) -> list[Event]:
+        by_slot = {live.slot: handle for handle, live in self._live.items()}
+        order = sorted(by_slot)
+        t0 = time.perf_counter()
+        new, lens = self.engine.run_step(order, self.mode)
+        stats.step_s = time.perf_counter() - t0
+        stats.num_rows = len(order)
+        stats.accepted_lens = list(lens)
+        events = []
+        for row, slot in enumerate(order):
+            handle = by_slot[slot]
+            events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row]))
+        return events
+
+    def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None) -> Event:
+        """Tokens up to a stop token / ``max_new_tokens``; a finished request leaves its slot."""
+        req = live.request
+        kept, reason = [], None
+        for t in tokens:
+            kept.append(int(t))
+            live.num_out += 1
+            if int(t) in req.stop_token_ids:
+                reason = "stop"
+                break
+            if live.num_out >= req.max_new_tokens:
+                reason = "length"
+                break
+        if reason is not None:
+            del self._live[handle]
+            self.engine.release_slot(live.slot)
+        return Event(handle, kept, reason, None, accepted)

@@ -1,0 +1,212 @@
+"""The body of ``trtllm-ext serve``: checks before any work, the TP launch through mpiexec, one rank's server.
+
+``serve --tp N`` (or ``tensor_parallel_size: N``) outside an MPI job re-runs itself under ``mpiexec -n N``
+(environment ``TLLM_EXT_SERVE_RANK=1``) and forwards SIGTERM/SIGINT to it; rank 0 serves HTTP, the other
+ranks follow rank 0's plans. With MPICH's launcher the ranks are started with ``-disable-auto-cleanup`` so
+that a rank that dies leaves rank 0 alive to answer 503 and exit non-zero (the launcher then exits
+non-zero too); with Open MPI the launcher itself stops every rank when one dies (no 503, still non-zero).
+
+Exit codes: 0 after a SIGTERM/SIGINT drain; 2 for a bad argument, config or port (before any work);
+3 when the engine or a rank failed while serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+from tensorrt_llm_ext.runtime.config import ConfigError, RuntimeConfig, load_config
+
+EXIT_USAGE = 2
+
+
+def _port_error(host: str, port: int) -> str | None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, str | None]:
+    """The resolved config, or a one-line error (config, paths, port) -- before any model is built."""
+    overrides = {}
+    if args.tp is not None:
+        overrides["tensor_parallel_size"] = args.tp
+    try:
+        cfg = load_config(args.config, model_dir=args.model, **overrides)
+    except ConfigError as e:
+        return None, str(e)
+    if not 1 <= args.port <= 65535:
+        return None, f"--port {args.port}: expected 1..65535"
+    if args.max_queue < 1:
+        return None, f"--max-queue {args.max_queue}: expected >= 1"
+    if not args.drain_timeout > 0:
+        return None, f"--drain-timeout {args.drain_timeout}: expected seconds > 0"
+    tok = args.tokenizer or cfg.tokenizer
+    if tok is not None and not os.path.isdir(tok):
+        return None, f"tokenizer directory {tok} not found"
+    err = _port_error(args.host, args.port)
+    return (None, err) if err else (cfg, None)
+
+
+def _mpiexec() -> tuple[list[str], dict[str, str]]:
+    """The launcher next to this interpreter (the venv's mpich wheel) or on PATH, with its flags."""
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(exe):
+        exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise FileNotFoundError("serve --tp N needs mpiexec (the mpich wheel or an MPI installation) on PATH")
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    env = {}
+    if "HYDRA" in version or "MPICH" in version:
+        flags = ["-disable-auto-cleanup"]  # a dead rank leaves rank 0 alive to answer 503 and exit non-zero
+    else:  # Open MPI: root and 2-core machines need these (see docs/serving.md)
+        flags = ["--oversubscribe"]
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return [exe, *flags], env
+
+
+def launch_ranks(tp: int, argv: list[str]) -> int:
+    """Run this command on ``tp`` MPI ranks; forward SIGTERM/SIGINT; return the launcher's exit code."""
+    try:
+        launcher, extra_env = _mpiexec()
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    cmd = [*launcher, "-n", str(tp), sys.executable, "-m", "tensorrt_llm_ext.cli", *argv]
+    env = {**os.environ, **extra_env, "TLLM_EXT_SERVE_RANK": "1"}
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        proc.send_signal(signum)  # the launcher forwards it to every rank; rank 0 drains, then stops the others
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc if rc >= 0 else 128 - rc
+
+
+def use_cuda_graph(cfg: RuntimeConfig, force: bool = False) -> bool:
+    """CUDA graphs follow ``cuda_graph_config`` on a CUDA device (``force``: the ``--cuda-graph`` flag)."""
+    import torch
+
+    from tensorrt_llm_ext.logger import info_once
+
+    if not torch.cuda.is_available():
+        if cfg.cuda_graph_config is not None:
+            info_once("cuda_graph_config: no CUDA device, steps run eagerly")
+        return False
+    return force or cfg.cuda_graph_config is not None
+
+
+def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
+    """Build this rank's engine and serve (rank 0) or follow (other ranks)."""
+    import torch
+
+    from tensorrt_llm_ext import __version__
+    from tensorrt_llm_ext.logger import logger
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.scheduler import Scheduler
+    from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
+                                                 ServerMetrics, follower_loop, load_tokenizer, run_server)
+
+    tp = cfg.tensor_parallel_size
+    mapping = None
+    if tp > 1:
+        from tensorrt_llm_ext.distributed import init_from_mpi
+
+        mapping = init_from_mpi(tp_size=tp, enable_attention_dp=cfg.enable_attention_dp)
+        if mapping.rank != 0:
+            # SIGTERM reaches every rank; only rank 0 decides when to stop (after draining).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    device = None
+    if torch.cuda.is_available():
+        local = mapping.local_rank if mapping is not None else 0
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
+    engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
+    # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
+    # before rank 0 starts planning and the others start following.
+    selection = engine.worker("speculative").selection.describe()
+    scheduler = Scheduler(engine)
+    channel = PlanChannel(mapping)
+    ranks = [{"rank": 0, "pid": os.getpid()}]
+    if channel.distributed:
+        import torch.distributed as dist
+
+        ranks = [None] * tp
+        dist.all_gather_object(ranks, {"rank": mapping.rank, "pid": os.getpid()}, group=channel.group)
+        from tensorrt_llm_ext.logger import flush_rank_logs
+
+        flush_rank_logs(channel.group)  # start-up lines: once when identical, per rank when they differ
+        if mapping.rank != 0:
+            try:
+                follower_loop(scheduler, channel)
+            except BaseException as e:  # rank 0 died or timed out: leave without MPI_Finalize (a dead peer hangs it)
+                logger.error(f"serve: rank {mapping.rank} lost rank 0: {type(e).__name__}: {e}")
+                os._exit(EXIT_ENGINE_FAILED)
+            os._exit(0)
+    metrics = ServerMetrics(cfg.draft_len)
+    loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path
+                                      else "dspark-embedded")
+    ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
+                       tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path))
+    ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
+             f"K={cfg.draft_len} max_batch_size={cfg.max_batch_size} selection={selection} "
+             f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'}")
+    rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready)
+    if channel.distributed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # peers may be dead: MPI_Finalize could wait for them forever
+    return rc
+
+
+def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from tensorrt_llm_ext._env import ENV
+
+    if ENV.serve_rank:
+        cfg = load_config(args.config, model_dir=args.model,
+                          **({"tensor_parallel_size": args.tp} if args.tp is not None else {}))
+        return serve_rank(cfg, args)
+    cfg, err = check_serve_args(args)
+    if err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if cfg.tensor_parallel_size > 1:
+        return launch_ranks(cfg.tensor_parallel_size, argv)
+    return serve_rank(cfg, args)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face Llama directory (see `trtllm-ext export`); default: the embedded model")
+    p.add_argument("--config", help="trtllm-serve style YAML, layered over the embedded default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (over MPI); default: the config")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    p.add_argument("--served-model-name", default=None, help="the model id of /v1/models")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture steps on CUDA even without cuda_graph_config (which enables them by itself)")

@@ -1,0 +1,117 @@
+"""Start ``trtllm-ext serve`` as a child process on a free loopback port (tests and ``bench serve``).
+
+Every wait is bounded: the server must answer ``/health`` within ``start_timeout`` seconds, and
+:meth:`ServerProcess.stop` sends SIGTERM, then SIGKILL after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                return self.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        return self.proc.returncode
+
+
+def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, env: dict | None = None,
+                 host: str = "127.0.0.1") -> ServerProcess:
+    """``trtllm-ext serve ARGS --host HOST --port <free>``; returns once ``/health`` answers 200."""
+    import httpx
+
+    port = free_port(host)
+    cmd = [sys.executable, "-m", "tensorrt_llm_ext.cli", "serve", *args, "--host", host, "--port", str(port)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    log.close()
+    server = ServerProcess(proc, f"http://{host}:{port}", log_path)
+    deadline = time.monotonic() + start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode} before answering:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop(10)
+    raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
+
+
+# A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.
+SMALL_SERVE_CONFIG = {
+    "model.dtype": "float32",
+    "model.target.vocab_size": 516, "model.target.hidden_size": 32, "model.target.head_dim": 8,
+    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
+    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
+    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
+    "speculative_config.markov_rank": 32, "max_batch_size": 8, "max_seq_len": 40,
+    "kv_cache_config.tokens_per_block": 8,
+}
+
+
+def sample_bodies(n: int, vocab: int, seed: int = 5, max_tokens: tuple[int, int] = (2, 4)) -> list[dict]:
+    """``n`` completion bodies: random prompts of 1..8 ids, every other one sampled with its own seed."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = {"prompt": [rng.randrange(vocab) for _ in range(rng.randint(1, 8))],
+                "max_tokens": rng.randint(*max_tokens)}
+        if i % 2:
+            body.update(temperature=0.8, seed=1000 + i)
+        out.append(body)
+    return out
+
+
+def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[int]]:
+    """What :meth:`Engine.generate` (TP 1, in this process) produces for single-prompt ``bodies``."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    engine = Engine(load_config(**config_overrides))
+    reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], temperature=b.get("temperature", 0.0),
+                    seed=b.get("seed", 0), stop_token_ids=tuple(b.get("stop", ()))) for b in bodies]
+    results, _ = engine.generate(reqs)
+    return [r.output_ids for r in results]

@@ -1,0 +1,159 @@
+"""Engine exception safety and per-request validation: whatever escapes a prefill, a step or the
+progress callback hands every slot and page back, and the next generate() equals a fresh engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.requests import Request
+
+SMALL = {
+    "model.dtype": "float32",
+    "model.target.vocab_size": 301, "model.target.hidden_size": 32, "model.target.head_dim": 8,
+    "model.target.num_layers": 2, "model.target.capture_layers": [1], "model.target.intermediate_size": 64,
+    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
+    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
+    "speculative_config.markov_rank": 32, "max_batch_size": 2, "max_seq_len": 40,
+    "kv_cache_config.tokens_per_block": 4,
+}
+
+
+def _requests():
+    # Three requests through two slots: the third is admitted when a slot frees up.
+    return [Request([3, 4, 5], 5), Request([7] * 9, 5, temperature=0.7, seed=5), Request([250, 1, 2, 9], 4)]
+
+
+class Injected(Exception):
+    pass
+
+
+_FRESH: dict[str, list[list[int]]] = {}
+
+
+def _fresh_outputs(markov_mode: str) -> list[list[int]]:
+    """A fresh engine's tokens for ``_requests()`` (computed once per Markov mode)."""
+    if markov_mode not in _FRESH:
+        results, _ = _engine(markov_mode).generate(_requests())
+        assert all(r.finish_reason == "length" for r in results)
+        _FRESH[markov_mode] = [r.output_ids for r in results]
+    return _FRESH[markov_mode]
+
+
+def _engine(markov_mode):
+    return Engine(load_config(**SMALL, **{"speculative_config.markov_chain_mode": markov_mode}))
+
+
+def _assert_recovered(engine, markov_mode="exact"):
+    assert engine.slots.num_free == engine.slots.num_slots
+    assert engine.pages.num_free == engine.pages.num_pages
+    assert int((engine.pages.encoded_offsets >= 0).sum()) == 0
+    results, _ = engine.generate(_requests())  # would spin forever with leaked slots
+    assert [r.output_ids for r in results] == _fresh_outputs(markov_mode)
+    assert engine.slots.num_free == engine.slots.num_slots
+
+
+def _raise_on_call(n, exc):
+    calls = {"n": 0}
+
+    def hook(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise exc
+    return hook
+
+
+def test_exception_in_prefill_then_good_generate(monkeypatch):
+    engine = _engine("exact")
+    worker = engine.worker()
+    real = worker.prefill
+    hook = _raise_on_call(2, Injected("prefill of the second request fails"))
+
+    def prefill(*args, **kwargs):
+        hook()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "prefill", prefill)
+    with pytest.raises(Injected):
+        engine.generate(_requests())
+    monkeypatch.undo()
+    _assert_recovered(engine)
+
+
+def test_exception_mid_step_then_good_generate(monkeypatch):
+    """The step raises after the target, the acceptance and the ctx_len advance ran (in the draft)."""
+    engine = _engine("exact")
+    worker = engine.worker()
+    real = worker.draft
+    hook = _raise_on_call(4, Injected("draft of the second step fails"))  # 2 prefills, step 1, step 2
+
+    def draft(*args, **kwargs):
+        hook()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "draft", draft)
+    with pytest.raises(Injected):
+        engine.generate(_requests())
+    monkeypatch.undo()
+    _assert_recovered(engine)
+
+
+@pytest.mark.parametrize("markov_mode", ["exact", "fused"])
+def test_exception_inside_markov_chain_then_good_generate(markov_mode, monkeypatch):
+    """The chain's exchange raises after its first launch (a collective timeout at TP > 1): the
+    workspace must be left clean, or the fused mode's next chain resolves wrong tokens silently."""
+    engine = _engine(markov_mode)
+    chain = engine.worker().markov
+
+    class TimedOut:
+        def exchange_(self, keys):
+            raise Injected("simulated collective timeout inside the chain")
+
+    engine.generate([Request([3, 4, 5], 2)])  # one good request first
+    monkeypatch.setattr(chain, "exchange", TimedOut())
+    with pytest.raises(Injected):
+        engine.generate(_requests())
+    monkeypatch.undo()
+    _assert_recovered(engine, markov_mode)
+
+
+@pytest.mark.parametrize("exc", [Injected("callback failed"), KeyboardInterrupt("Ctrl-C")])
+def test_exception_in_progress_callback_then_good_generate(exc):
+    engine = _engine("exact")
+    with pytest.raises(type(exc)):
+        engine.generate(_requests(), progress=_raise_on_call(3, exc))  # after 2 prefills, in the first step
+    _assert_recovered(engine)
+
+
+BAD_FIELDS = [
+    (Request([1, 2], 4, stop_token_ids=5), "stop_token_ids"),
+    (Request([1, 2], 4, stop_token_ids=None), "stop_token_ids"),
+    (Request([1, 2], 4, stop_token_ids=("a",)), "stop_token_ids"),
+    (Request([1, 2], 4, temperature=None), "temperature"),
+    (Request([1, 2], 4, temperature=float("inf")), "temperature"),
+    (Request([1, 2], 4, temperature=True), "temperature"),
+    (Request(None, 4), "prompt_ids"),
+    (Request("1 2 3", 4), "prompt_ids"),
+    (Request([1, 2.0], 4), "prompt_ids"),
+    (Request([1, 2], None), "max_new_tokens"),
+    (Request([1, 2], 4.0), "max_new_tokens"),
+    (Request([1, 2], 4, seed="7"), "seed"),
+    (Request([1, 2], 4, request_id="x"), "request_id"),
+    ({"prompt_ids": [1, 2]}, "expected a Request"),
+]
+
+
+def test_badly_typed_fields_are_their_requests_errors():
+    """Each bad field (wrong types included) is its request's error; the good requests around them are
+    served exactly as alone."""
+    engine = _engine("exact")
+    good = [Request([3, 4, 5], 4), Request([7] * 9, 4)]
+    alone, _ = engine.generate(good)
+    batch = [good[0]] + [bad for bad, _ in BAD_FIELDS] + [good[1]]
+    results, _ = engine.generate(batch)
+    assert [r.finish_reason for r in results] == ["length"] + ["error"] * len(BAD_FIELDS) + ["length"]
+    for (_, match), r in zip(BAD_FIELDS, results[1:-1]):
+        assert match in r.error and r.output_ids == [], r.error
+    assert [results[0].output_ids, results[-1].output_ids] == [r.output_ids for r in alone]
+    assert engine.slots.num_free == engine.slots.num_slots

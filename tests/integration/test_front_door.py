@@ -1,0 +1,99 @@
+"""The CLI's front door: one-line errors before any work, --version, test-list argument order, bench on a
+CPU without TRITON_INTERPRET (with --json/--csv), richer generate --json."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tensorrt_llm_ext import __version__
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG
+
+
+def _cli(*args, env_drop=(), env=None, timeout=300):
+    e = {k: v for k, v in os.environ.items() if k not in env_drop}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tensorrt_llm_ext.cli", *args], capture_output=True, text=True,
+                          env=e, timeout=timeout)
+
+
+def test_version_and_env_errors_are_one_line():
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"trtllm-ext {__version__}"
+    r = _cli("info", "--ranks", "1", env={"TLLM_EXT_COLLECTIVE_TIMEOUT_S": "soon"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("error: environment: TLLM_EXT_COLLECTIVE_TIMEOUT_S='soon': expected a number of "
+                                "seconds > 0")
+
+
+def test_info_reports_the_interpreter_generate_would_use():
+    r = _cli("info", "--ranks", "1", env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0 and "triton interpreter: on" in r.stdout
+
+
+def test_test_list_dry_run_in_either_order(capsys):
+    for argv in (["test-list", "l0_h200", "--dry-run"], ["test-list", "--dry-run", "l0_h200"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("# TIMEOUT") and "-m pytest" in out and "--dry-run" not in out
+
+
+def test_bench_switches_the_interpreter_on_and_writes_json_csv(tmp_path):
+    j, c = tmp_path / "t.json", tmp_path / "t.csv"
+    r = _cli("bench", "tail", "--json", str(j), "--csv", str(c), env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stderr[-2000:]
+    tables = json.loads(j.read_text())
+    assert tables and tables[0]["headers"][0] == "op" and tables[0]["rows"]
+    rows = list(csv.reader(c.open()))
+    assert rows[0][0] == "table" and rows[1][0] == tables[0]["title"] and len(rows) > len(tables[0]["rows"])
+    r = _cli("bench", "tail", "--json", str(tmp_path / "no" / "such" / "t.json"))
+    assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def small_yaml(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "small.yaml"
+    path.write_text(json.dumps(load_config(**SMALL_SERVE_CONFIG).model_dump(mode="json", exclude_unset=True)))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv_tail, content, message", [
+    (["--prompts-file"], "[[1, 2, null]]", "token ids must be integers, got null"),
+    (["--prompts-file"], "[[1, 2.7]]", "token ids must be integers, got 2.7"),
+    (["--prompts-file"], "[[1, true]]", "token ids must be integers, got true"),
+    (["--json", "/nonexistent/dir/out.json"], None, "--json /nonexistent/dir/out.json: cannot write"),
+    (["--tp", "2", "--vocab-parallel", "on", "--config"], "model: {target: {vocab_size: 515}}\n",
+     "vocab_parallel_selection='on' needs a vocabulary that shards evenly"),
+])
+def test_generate_errors_are_one_line_before_any_work(tmp_path, capsys, small_yaml, argv_tail, content, message):
+    argv = ["generate", "--no-progress"]
+    if content is not None:
+        f = tmp_path / "input"
+        f.write_text(content)
+        argv += [*argv_tail, str(f)]
+    else:
+        argv += [*argv_tail, "--config", small_yaml]
+    if "--prompts-file" in argv_tail:
+        argv += ["--config", small_yaml]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_generate_json_has_requests_config_versions_and_verdict(tmp_path, small_yaml):
+    out = tmp_path / "out.json"
+    assert main(["generate", "--config", small_yaml, "--no-progress", "--max-new-tokens", "3", "--check",
+                 "--json", str(out), "5 6 7", "9"]) == 0
+    data = json.loads(out.read_text())
+    assert data["versions"]["tensorrt_llm_ext"] == __version__ and "torch" in data["versions"]
+    assert data["config"]["max_batch_size"] == SMALL_SERVE_CONFIG["max_batch_size"]
+    assert [r["prompt_ids"] for r in data["requests"]] == [[5, 6, 7], [9]]
+    assert all(len(r["output_ids"]) == 3 and r["steps"] == len(r["accepted_lens"]) for r in data["requests"])
+    assert data["check"]["passed"] is True
