@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
@@ -23,7 +25,11 @@ SMALL = tiny_model(**{"model.target.vocab_size": 66, "model.target.num_layers": 
 PROMPTS = [[5, 17, 30, 42], [51], list(range(20, 31)), [7, 7, 60, 2, 9]]
 
 
-def _setup(tp: int, eager_twins: bool):
+@contextlib.contextmanager
+def _rank_env(tp: int, eager_twins: bool):
+    """Join the TP group; on CPU run the model's RMSNorm on its eager twin and (``eager_twins``) give the
+    engine an op table with eager-twin verification / top-p / tail ops. The MPI pool's rank processes are
+    reused by later tests, so every patch is undone on the way out."""
     import dataclasses
 
     import torch
@@ -36,28 +42,37 @@ def _setup(tp: int, eager_twins: bool):
 
     mapping = init_from_mpi(tp_size=tp)
     device = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
-    else:
-        torch.set_num_threads(1)
-        rms.triton_runs_on = lambda t: False  # a spawned rank process: nothing else runs in it
-    if eager_twins:
-        stock = step_ops.STOCK_OPS
-        engine_mod.FUSED_OPS = dataclasses.replace(
-            step_ops.FUSED_OPS, name="fused-eager-twins", decode_block_table=stock.decode_block_table,
-            strict_accept=stock.strict_accept, paged_latent_step=stock.paged_latent_step,
-            store_context_latents=stock.store_context_latents, rejection_sample=rejection_sample_reference,
-            top_p_keep=top_p_keep_reference)
-    return mapping, device
+    saved = (rms.triton_runs_on, engine_mod.FUSED_OPS, torch.get_num_threads())
+    try:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
+        else:
+            torch.set_num_threads(1)
+            rms.triton_runs_on = lambda t: False
+        if eager_twins:
+            stock = step_ops.STOCK_OPS
+            engine_mod.FUSED_OPS = dataclasses.replace(
+                step_ops.FUSED_OPS, name="fused-eager-twins", decode_block_table=stock.decode_block_table,
+                strict_accept=stock.strict_accept, paged_latent_step=stock.paged_latent_step,
+                store_context_latents=stock.store_context_latents, rejection_sample=rejection_sample_reference,
+                top_p_keep=top_p_keep_reference)
+        yield mapping, device
+    finally:
+        rms.triton_runs_on, engine_mod.FUSED_OPS = saved[0], saved[1]
+        torch.set_num_threads(saved[2])
 
 
 def _rank_sharded_vs_gathered(max_new: int):
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+
+    with _rank_env(2, eager_twins=False) as (mapping, device):
+        return _sharded_vs_gathered(Engine(load_config(**SMALL), mapping, device=device), max_new)
+
+
+def _sharded_vs_gathered(eng, max_new: int):
     from tensorrt_llm_ext.runtime.requests import Request
 
-    mapping, device = _setup(2, eager_twins=False)
-    eng = Engine(load_config(**SMALL), mapping, device=device)
     reqs = [Request(list(p), max_new_tokens=max_new, seed=3 + i) for i, p in enumerate(PROMPTS)]
     reqs[1].temperature = 1.0
     reqs[3].temperature, reqs[3].top_p = 0.7, 0.8
@@ -109,11 +124,15 @@ def test_tp2_sharded_verification_equals_gathered(mpi_pool_executor):
 
 
 def _rank_distribution(n: int, temp: float):
+    with _rank_env(2, eager_twins=True) as (mapping, device):
+        return _distribution(mapping, device, n, temp)
+
+
+def _distribution(mapping, device, n: int, temp: float):
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.requests import Request
 
-    mapping, device = _setup(2, eager_twins=True)
     dist = {**SMALL, "model.target.vocab_size": 24, "speculative_config.max_draft_len": 2, "max_batch_size": 64,
             "max_seq_len": 16}
     prompt = [3, 11, 7]
