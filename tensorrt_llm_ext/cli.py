@@ -127,10 +127,14 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="override speculative_config.vocab_parallel_selection")
     g.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default=None,
                    help="override speculative_config.markov_chain_mode")
+    g.add_argument("--top-p", type=float, default=1.0, help="exact top-p of sampled requests, in (0, 1] (1 = off)")
+    g.add_argument("--rejection-sampling", action="store_true",
+                   help="speculative_config.use_rejection_sampling: sampled drafts, rejection-sampling verification")
     g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
     g.add_argument("--check", action="store_true",
                    help="also run the target's own decode and the gathered path; exit 1 unless all agree "
-                        "(and something was compared)")
+                        "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "
+                        "greedy rows == target decode, every token in the target's top-p set (docs/end_to_end.md)")
     g.add_argument("--rank-timeout", type=float, default=60.0,
                    help="TP > 1: seconds a rank waits for a peer in a collective before the job fails "
                         "(bounds how long a hung rank goes unnoticed)")

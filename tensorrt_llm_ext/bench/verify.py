@@ -8,6 +8,11 @@ bandwidth); and the honest stock path on the gathered full vocabulary: temperatu
 draft, ``torch.sort``-based top-p of the target, the rejection test, the residual / bonus draw by
 Gumbel-max, all torch ops. Everything under CUDA-graph replay with input sets rotated beyond the L2.
 On CPU: a smoke run at tiny sizes (timings meaningless).
+
+``--acceptance`` instead prints the mean acceptance length on the embedded model (the default runtime
+config) at T = 0.7 and 1.0: strict acceptance with greedy drafts vs rejection sampling with sampled drafts.
+Acceptance lengths are not timings, so the CPU numbers are meaningful; the engine runs its ``stock`` op
+table on CPU (the same tokens as the fused one, bitwise, much faster under the interpreter).
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=2048, help="columns per tile of every verification kernel")
     p.add_argument("--num-splits", type=int, default=8, help="column chunks (programs) per row")
     p.add_argument("--no-stock", action="store_true", help="skip the gathered stock baseline")
+    p.add_argument("--acceptance", action="store_true",
+                   help="mean acceptance length on the embedded model: strict vs rejection sampling (no timing)")
+    p.add_argument("--temperatures", default="0.7,1.0", help="temperatures of --acceptance")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request of --acceptance")
+    p.add_argument("--seeds", type=int, default=4, help="seeds per prompt of --acceptance")
 
 
 def stock_verify(target, draft, tokens, temps, top_p, u_accept):
@@ -75,9 +85,40 @@ def exchange_volume(batch: int, k: int, tp: int, top_p: bool) -> tuple[int, int]
     return calls, words * 8
 
 
+def acceptance(args: argparse.Namespace) -> None:
+    """Mean acceptance length (tokens per step) of strict acceptance vs rejection sampling."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.launch import DEFAULT_PROMPTS
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    temps = [float(x) for x in args.temperatures.split(",")]
+    mode = "speculative" if torch.cuda.is_available() else "stock"
+    base = load_config()
+    vocab = base.model.target.vocab_size
+    prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
+    rows = []
+    engines = {rs: Engine(load_config(**{"speculative_config.use_rejection_sampling": rs})) for rs in (False, True)}
+    for t in temps:
+        reqs = [Request(list(p), max_new_tokens=args.max_new_tokens, temperature=t, seed=1000 * s + i)
+                for s in range(args.seeds) for i, p in enumerate(prompts)]
+        mal = {rs: engines[rs].generate(reqs, mode)[1].mean_acceptance_length for rs in (False, True)}
+        rows.append([t, len(reqs), fmt(mal[False], 3), fmt(mal[True], 3), fmt(mal[True] / mal[False], 2)])
+    k = base.speculative_config.max_draft_len
+    print_table(
+        f"bench verify --acceptance: embedded model (V={vocab}, K={k}, {base.model.drafter_init} drafter), "
+        f"{args.max_new_tokens} tokens per request, engine op table '{mode}'",
+        ["T", "requests", "strict, greedy drafts", "rejection sampling, sampled drafts", "ratio"], rows,
+        notes=[f"mean acceptance length = tokens emitted per speculative step (1 .. K+1 = {k + 1}).",
+               "Not a timing: the same on CPU and GPU up to the model dtype (CPU float32, CUDA bfloat16)."])
+
+
 @register_benchmark("verify", "sharded rejection-sampling verification (+ exact top-p) vs the gathered stock path",
                     _add_args)
 def run(args: argparse.Namespace) -> None:
+    if args.acceptance:
+        acceptance(args)
+        return
     timer = BenchTimer()
     # The gathered stock path takes milliseconds per call at large B: few replays per sample keep the run short.
     stock_timer = BenchTimer(reps=5, calls_per_rep=2)

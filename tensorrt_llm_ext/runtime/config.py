@@ -28,6 +28,8 @@ Example::
       vocab_parallel_selection: auto   # auto | on | off
       markov_chain_mode: auto          # exact | fused | auto
       exchange: auto                   # auto | nccl | low_latency
+      use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
+      vocab_sharded_verification: auto # auto | on | off
     cuda_graph_config:                 # on a GPU: capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]
       enable_padding: true
@@ -141,7 +143,7 @@ class ModelConfig(_Strict):
 # -- trtllm-serve sections ---------------------------------------------------------------------------------
 class SpeculativeConfig(_Strict):
     """``speculative_config``: TensorRT-LLM's ``DecodingBaseConfig`` keys for a DSpark one-model drafter, plus
-    this module's (``vocab_parallel_selection``, ``markov_chain_mode``)."""
+    this module's (``vocab_parallel_selection``, ``markov_chain_mode``, ``vocab_sharded_verification``)."""
 
     decoding_type: Literal["DSpark"] = "DSpark"
     max_draft_len: StrictInt = Field(4, ge=1, le=32)  # K
@@ -152,8 +154,9 @@ class SpeculativeConfig(_Strict):
     markov_rank: StrictInt = Field(48, ge=1)  # r
     mask_token_id: StrictInt | None = Field(None, ge=0)  # the drafter's block mask token; None: vocab_size - 1
     target_layer_ids: tuple[StrictInt, ...] | None = None  # target layers feeding the drafter (model.target.capture_layers)
-    use_rejection_sampling: StrictBool = no_effect(
-        False, "not honoured yet: verification is strict acceptance (lossless; sampled rows use keyed Gumbel-max)")
+    # TensorRT-LLM's field name: sampled requests draft with keyed Gumbel-max at their temperature and are
+    # verified by rejection sampling (docs/rejection_sampling.md); greedy requests keep strict acceptance.
+    use_rejection_sampling: StrictBool = False
     vocab_parallel_selection: Literal["auto", "on", "off"] = "auto"
     # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
     # batches, exact above (the Markov chain component decides per captured batch size).
@@ -162,19 +165,29 @@ class SpeculativeConfig(_Strict):
     # all-reduce MAX; auto = low_latency where it sets up on every rank. Any setup failure (non-CUDA,
     # no symmetric memory, a rank failing) falls back to NCCL on every rank, logged identically.
     exchange: Literal["auto", "nccl", "low_latency"] = "auto"
+    # Where rejection sampling verifies: on this rank's vocabulary columns (auto: whenever target and
+    # draft heads are vocab-parallel; on: an error at load otherwise) or on gathered logits (off).
+    vocab_sharded_verification: Literal["auto", "on", "off"] = "auto"
     load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
     max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
     acceptance_window: StrictInt | None = no_effect(None, "speculation is never switched off by acceptance")
     acceptance_length_threshold: Float | None = no_effect(None, "speculation is never switched off")
     allow_advanced_sampling: StrictBool = no_effect(False, "deprecated upstream; sampling is per request")
 
-    @field_validator("vocab_parallel_selection", mode="before")
+    @field_validator("vocab_parallel_selection", "vocab_sharded_verification", mode="before")
     @classmethod
     def _yaml_bool(cls, v):
         # YAML 1.1 reads a bare on/off as a boolean.
         if isinstance(v, bool):
             return "on" if v else "off"
         return v
+
+    @model_validator(mode="after")
+    def _check_verification(self):
+        if self.vocab_sharded_verification == "on" and not self.use_rejection_sampling:
+            raise ValueError("vocab_sharded_verification='on' needs use_rejection_sampling: true (strict "
+                             "acceptance has no verification to shard)")
+        return self
 
     @field_validator("decoding_type", mode="before")
     @classmethod

@@ -189,11 +189,15 @@ class Engine:
         if key not in self._workers:
             if path not in ("speculative", "gathered", "stock"):
                 raise ValueError(f"Engine.worker: unknown path {path!r}")
-            mode = self.config.speculative_config.vocab_parallel_selection if path == "speculative" else "off"
+            spec = self.config.speculative_config
+            mode = spec.vocab_parallel_selection if path == "speculative" else "off"
+            # gathered / stock paths verify on gathered logits too (they are the references of the sharded one)
+            verification = spec.vocab_sharded_verification if path == "speculative" and sampling else "off"
             w = DSparkWorker(self.target, self.drafter, self.state, mapping=self.mapping, draft_len=self.draft_len,
-                             max_batch_size=self.max_batch_size,
-                             markov_chain_mode=self.config.speculative_config.markov_chain_mode,
-                             ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling)
+                             max_batch_size=self.max_batch_size, markov_chain_mode=spec.markov_chain_mode,
+                             ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling,
+                             use_rejection_sampling=spec.use_rejection_sampling and sampling,
+                             verification_mode=verification)
             w.post_load(self.target, self.drafter, vocab_parallel_mode=mode,
                         exchange=self.config.speculative_config.exchange)
             self._workers[key] = w
@@ -272,7 +276,8 @@ class Engine:
             if admitted:  # every request admitted this iteration: one batched prefill
                 toks = worker.prefill_batch([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                             [a.request.temperature for a in admitted],
-                                            [a.request.seed for a in admitted], speculative=speculative)
+                                            [a.request.seed for a in admitted], speculative=speculative,
+                                            top_ps=[a.request.top_p for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -288,7 +293,9 @@ class Engine:
             with nvtx_range(f"engine.step.{mode}"):
                 if speculative:
                     runner = self._runners.get(path)
-                    outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+                    # Graphs hold the default step variant; a step with a top-p row runs eagerly.
+                    replay = runner is not None and b in runner.graphs and worker.step_is_default
+                    outs = runner.run(b) if replay else worker.forward(b)
                     new = outs["new_tokens"][:n].cpu().tolist()
                     lens = outs["new_tokens_lens"][:n].cpu().tolist()
                 else:
@@ -323,7 +330,7 @@ class Engine:
         self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
                                                self.state.page_size))
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
-                                         speculative=mode != "target_only")
+                                         speculative=mode != "target_only", top_p=request.top_p)
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
         """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new

@@ -43,6 +43,11 @@ def main_generate(args: argparse.Namespace) -> int:
         overrides["speculative_config.vocab_parallel_selection"] = args.vocab_parallel
     if args.markov_mode is not None:
         overrides["speculative_config.markov_chain_mode"] = args.markov_mode
+    if args.rejection_sampling:
+        overrides["speculative_config.use_rejection_sampling"] = True
+    if not 0 < args.top_p <= 1:
+        print(f"error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, model_dir=args.model, **overrides)
     except (ConfigError, OSError) as e:
@@ -73,17 +78,28 @@ def main_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     requests = [dict(prompt_ids=p, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop),
-                     temperature=args.temperature, seed=args.seed + i, request_id=i) for i, p in enumerate(prompts)]
+                     temperature=args.temperature, seed=args.seed + i, request_id=i, top_p=args.top_p)
+                for i, p in enumerate(prompts)]
+    rejection = cfg.speculative_config.use_rejection_sampling
+    greedy = [args.temperature == 0] * len(requests)
+    if args.check and rejection:
+        # Sampled rejection runs are checked distributionally; greedy copies of every prompt ride in the same
+        # batches so that greedy rows next to sampled ones are checked against the target-only decode.
+        n = len(requests)
+        requests += [{**r, "temperature": 0.0, "request_id": n + i} for i, r in enumerate(requests)]
+        greedy += [True] * n
     modes = ["speculative"] + (["target_only", "gathered"] if args.check else [])
     tp = cfg.tensor_parallel_size
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
-                      show_progress=not args.no_progress and sys.stderr.isatty())
+                      show_progress=not args.no_progress and sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
     spec = cfg.speculative_config
     print(f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
           f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
           f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-          f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}")
+          f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}"
+          f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
+          f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
     try:
         reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
                                log_dir=args.log_dir)
@@ -101,8 +117,10 @@ def main_generate(args: argparse.Namespace) -> int:
         print(f"[{i}] prompt ({len(p)} ids): {_fmt_ids(p, 16)}")
         print(f"    -> {len(res.outputs[i])} ids ({res.finish_reasons[i]}, {len(acc)} steps, "
               f"acceptance {mean:.2f}): {_fmt_ids(res.outputs[i])}")
-    ntok = sum(len(o) for o in res.outputs)
-    mal = res.mean_acceptance_length
+    shown = res.accepted_lens[:len(prompts)]  # without the check's greedy copies
+    ntok = sum(len(o) for o in res.outputs[:len(prompts)])
+    steps = [n for acc in shown for n in acc]
+    mal = sum(steps) / len(steps) if steps else float("nan")
     print(f"speculative: {res.num_steps} steps, {ntok} tokens, mean acceptance length "
           f"{'-' if math.isnan(mal) else f'{mal:.2f}'} tokens/step (K+1 = {spec.max_draft_len + 1} max), "
           f"{res.wall_s:.1f} s")
@@ -112,12 +130,14 @@ def main_generate(args: argparse.Namespace) -> int:
     if rejected:
         print(f"{len(rejected)} of {len(prompts)} request(s) rejected: {rejected} (exit code {EXIT_REJECTED})")
     if args.check:
-        outcome = check_reports(reports)
+        outcome = check_reports(reports, rejection_sampling=rejection, greedy=greedy)
         print("check:")
         for line in outcome.lines:
             print(line)
         if outcome.ok:
-            print("check passed: speculative output equals the target's own decode")
+            print("check passed: sharded == gathered verification, greedy rows == the target's own decode, every "
+                  "token in the target's top-p set" if rejection else
+                  "check passed: speculative output equals the target's own decode")
         else:
             why = [w for w, bad in (("outputs differ", outcome.differs), ("requests were rejected", outcome.rejected),
                                     ("nothing was compared", outcome.compared == 0)) if bad]
@@ -144,7 +164,7 @@ def json_report(cfg, prompts, requests, reports, outcome, cuda_graph: bool) -> d
         acc = res.accepted_lens[i]
         records.append({
             "request_id": i, "prompt_ids": p, "max_new_tokens": r["max_new_tokens"],
-            "temperature": r["temperature"], "seed": r["seed"], "stop_token_ids": list(r["stop_token_ids"]),
+            "temperature": r["temperature"], "top_p": r["top_p"], "seed": r["seed"], "stop_token_ids": list(r["stop_token_ids"]),
             "output_ids": res.outputs[i], "finish_reason": res.finish_reasons[i], "error": res.errors[i],
             "steps": len(acc), "accepted_lens": acc,
             "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,

@@ -82,6 +82,7 @@ class GenerateJob:
     modes: list[str]  # engine modes to run, "speculative" first
     cuda_graph: bool = False
     show_progress: bool = False
+    check_top_p: bool = False  # also check every speculative token against the target's top-p kept set
 
 
 @dataclass
@@ -95,6 +96,7 @@ class ModeResult:
     mean_acceptance_length: float
     wall_s: float
     selection: str = ""
+    outside_top_p: list[int] | None = None  # per request: emitted tokens outside the target's kept set
 
 
 @dataclass
@@ -147,8 +149,27 @@ def run_job(job: GenerateJob, mapping=None) -> RankReport:
             mode=mode, outputs=[r.output_ids for r in results], finish_reasons=[r.finish_reason for r in results],
             errors=[r.error for r in results], accepted_lens=[r.accepted_lens for r in results],
             num_steps=stats.num_steps, mean_acceptance_length=stats.mean_acceptance_length, wall_s=stats.wall_s,
-            selection=worker.selection.describe() if mode != "target_only" else "gathered (target-only decode)")
+            selection=_describe(worker) if mode != "target_only" else "gathered (target-only decode)")
+        if job.check_top_p and mode == "speculative":
+            report.results[mode].outside_top_p = _outside_top_p(engine, worker, requests, results)
     return report
+
+
+def _describe(worker) -> str:
+    v = worker.verifier
+    return worker.selection.describe() + ("" if v is None else f"; {v.decision.describe()}")
+
+
+def _outside_top_p(engine, worker, requests, results) -> list[int]:
+    """Per request, how many emitted tokens lie outside the target's top-p kept set (run on every rank)."""
+    counts = []
+    for req, res in zip(requests, results):
+        if res.error is not None:
+            counts.append(0)
+            continue
+        inside = worker.target_top_p_membership(0, list(req.prompt_ids), res.output_ids, req.temperature, req.top_p)
+        counts.append(sum(1 for ok in inside if not ok))
+    return counts
 
 
 def _rank_main(job_dict: dict) -> dict:
@@ -202,12 +223,20 @@ class CheckOutcome:
     compared: int = 0  # requests served and compared
 
 
-def check_reports(reports: list[RankReport]) -> CheckOutcome:
-    """Every mode and every rank must produce the same tokens as rank 0's speculative run.
+def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False,
+                  greedy: list[bool] | None = None) -> CheckOutcome:
+    """Strict acceptance: every mode and every rank must produce the same tokens as rank 0's speculative run.
 
     Fails as well when a request was rejected (its output was never compared) or when no request was
     served at all (nothing was compared): a check that compared nothing must not pass.
+
+    Rejection sampling (``rejection_sampling=True``; sampled outputs follow the target's distribution, not
+    its seeded draws): the vocab-sharded run equals the gathered-verification run bitwise (tokens and
+    accepted lengths), the ``greedy`` requests equal the target-only decode, every emitted token lies in
+    the target's top-p kept set, and every rank produced identical tokens.
     """
+    if rejection_sampling:
+        return _check_rejection(reports, greedy or [])
     lines = []
     differs = False
     ref = reports[0].results
@@ -231,5 +260,39 @@ def check_reports(reports: list[RankReport]) -> CheckOutcome:
         same_ranks = all(r.results[m].outputs == ref[m].outputs for r in reports[1:] for m in ref)
         lines.append(f"  all {len(reports)} ranks produced identical tokens: {'yes' if same_ranks else 'NO'}")
         differs |= not same_ranks
+    ok = not differs and not rejected and compared > 0
+    return CheckOutcome(ok, lines, differs=differs, rejected=rejected, compared=compared)
+
+
+def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
+    ref = reports[0].results
+    spec, gathered, target = ref["speculative"], ref["gathered"], ref["target_only"]
+    lines, differs = [], False
+    rejected = [i for i, e in enumerate(spec.errors) if e]
+    compared = len(spec.outputs) - len(rejected)
+    if rejected:
+        lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
+    same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
+    bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
+    lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
+                 f"{'agree' if same else f'DIFFER on requests {bad}'}")
+    differs |= not same
+    rows = [i for i, g in enumerate(greedy) if g and i not in rejected]
+    bad = [i for i in rows if spec.outputs[i] != target.outputs[i]]
+    lines.append(f"  greedy requests {rows} vs target-only decode: {'agree' if rows and not bad else f'DIFFER on {bad}'}")
+    differs |= bool(bad)
+    outside = spec.outside_top_p or []
+    n = sum(len(o) for o in spec.outputs)
+    inside_ok = len(outside) == len(spec.outputs) and not sum(outside)
+    lines.append(f"  emitted tokens inside the target's top-p kept set: {n - sum(outside)} / {n}"
+                 + ("" if inside_ok else "  FAILED"))
+    differs |= not inside_ok
+    if len(reports) > 1:
+        same_ranks = all(r.results[m].outputs == ref[m].outputs for r in reports[1:] for m in ref)
+        lines.append(f"  all {len(reports)} ranks produced identical tokens: {'yes' if same_ranks else 'NO'}")
+        differs |= not same_ranks
+    if not rows:
+        lines.append("  nothing was compared: no greedy request was served")
+        compared = 0
     ok = not differs and not rejected and compared > 0
     return CheckOutcome(ok, lines, differs=differs, rejected=rejected, compared=compared)

@@ -21,7 +21,9 @@ class Request:
 
     ``temperature == 0`` is greedy; ``temperature > 0`` samples with keyed Gumbel-max: the token at
     absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is reproducible and identical
-    between the speculative path and the target's own decode.
+    between the speculative path and the target's own decode. ``top_p`` in ``(0, 1]`` restricts a sampled
+    request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no restriction, greedy
+    requests ignore it).
     """
 
     prompt_ids: list[int]
@@ -30,6 +32,7 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     request_id: int | None = None
+    top_p: float = 1.0
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -74,6 +77,9 @@ class Request:
         temp = self.temperature
         if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
             raise RequestError(f"{rid}: temperature must be a finite number >= 0, got {temp!r}")
+        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                or not 0 < self.top_p <= 1):
+            raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
 

@@ -367,8 +367,8 @@ def build_requests(ctx: ServeContext, body: CompletionRequest) -> tuple[list[dic
         raise ApiError(400, f"max_tokens: must be >= 1, got {body.max_tokens}", "max_tokens")
     if not (body.temperature >= 0):
         raise ApiError(400, f"temperature: must be >= 0, got {body.temperature}", "temperature")
-    if body.top_p != 1.0:
-        raise ApiError(400, "top_p: only 1.0 is supported until rejection-sampling verification lands", "top_p")
+    if not (0.0 < body.top_p <= 1.0):
+        raise ApiError(400, f"top_p: must be in (0, 1], got {body.top_p}", "top_p")
     if body.n != 1:
         raise ApiError(400, f"n: only 1 is supported, got {body.n}", "n")
     if body.seed is not None and not 0 <= body.seed < 2**63:
@@ -378,7 +378,7 @@ def build_requests(ctx: ServeContext, body: CompletionRequest) -> tuple[list[dic
     out = []
     for i, ids in enumerate(prompts):
         fields = dict(prompt_ids=ids, max_new_tokens=body.max_tokens, stop_token_ids=stop_ids,
-                      temperature=float(body.temperature), seed=(body.seed or 0) + i)
+                      temperature=float(body.temperature), seed=(body.seed or 0) + i, top_p=float(body.top_p))
         try:
             Request(**fields).validate(ctx.vocab_size, ctx.max_seq_len)
         except RequestError as e:

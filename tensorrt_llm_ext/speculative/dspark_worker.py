@@ -10,16 +10,26 @@ the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 3. ``selection``: the target's token for every verified position, from this rank's vocab shard with the
    pair exchange when bound vocab-parallel, else from the gathered logits; greedy rows ``argmax``,
    sampled rows keyed Gumbel-max with ``(seed, offset = absolute position of the token)``.
-4. ``tail``: :func:`strict_accept` -> :func:`paged_latent_step` (bonus token, block ids, latent
+4. ``tail``: :func:`strict_accept` (or, with ``use_rejection_sampling``, :func:`rejection_sample` against
+   the draft logits stored per slot by the previous step, see :mod:`.rejection_verifier`) -> :func:`paged_latent_step` (bonus token, block ids, latent
    destinations, ``ctx_len`` advance, the block's :class:`DraftBlockPlacement`) -> the drafter's context
    latents of the verified positions, stored by :func:`store_context_latents` (accepted ones only).
 5. ``draft``: the drafter's block decode -> base draft logits through the shared LM head (its shard when
    the draft side is vocab-parallel) -> ``chain``: the :class:`MarkovChain` -> the next K drafts
-   (greedy: the draft most likely to equal the target's token, sampled or not).
+   (greedy: the draft most likely to equal the target's token, sampled or not; with rejection sampling,
+   sampled rows draw keyed Gumbel-max at their temperature with Philox offset = the absolute position of
+   the drafted token, and the biased logits are stored per slot as the draft distribution).
 
 The token the target picks at absolute position ``p`` depends only on the sequence before ``p`` and the
 request's ``(seed, p)``; strict acceptance keeps exactly the target's tokens, so the output equals the
-target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit.
+target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit. Rejection
+sampling keeps the target's distribution instead (greedy rows stay strict acceptance, bit for bit).
+
+Top-p (``prefill(..., top_p=)``): sampled rows select from the target's exact top-p set
+(:func:`top_p_keep`, on the shards when bound vocab-parallel), in the step, in prefill and in the
+target-only decode alike. A step runs the top-p variant only when one of its rows has ``top_p < 1``
+(a host-side fact of :meth:`set_rows`); only the default variant is captured in CUDA graphs
+(:attr:`step_is_default`).
 
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
@@ -29,12 +39,14 @@ from __future__ import annotations
 
 import torch
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
                                        PagedLatentCache, TargetModel)
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
+from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.vocab_parallel import (TARGET_SALT, SelectionParams, VocabShardedLogits, gumbel_sample,
@@ -52,12 +64,15 @@ class DSparkWorker(SpecWorkerBase):
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
-                 sampling: bool = True):
+                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto"):
         super().__init__(mapping, draft_len, max_batch_size)
         self.ops = ops
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
+        self.use_rejection_sampling = use_rejection_sampling  # config; the decision lives in self.verifier
+        self.verification_mode = verification_mode
+        self.verifier: RejectionVerifier | None = None  # bound in _on_bound when rejection sampling is on
         self.target = target
         self.drafter = drafter
         self.state = state
@@ -86,6 +101,12 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
+        # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
+        self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
+        self._host_full_vocab = [False] * num_slots
+        self._step_top_p = False
+        self._step_full_vocab = False
 
     # -- binding -------------------------------------------------------------------------------------
     def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
@@ -103,6 +124,17 @@ class DSparkWorker(SpecWorkerBase):
                                logits_dtype=self.target.dtype, exchange=exchange, mode=mode)
 
         self.markov = chain(self.markov_chain_mode)
+        decision = RejectionVerification.decide(
+            use_rejection_sampling=self.use_rejection_sampling, mode=self.verification_mode,
+            sampling=self.sampling, selector=self.vocab_parallel, tp_size=self.mapping.tp_size)
+        if decision.enabled:
+            self.verifier = RejectionVerifier(decision, self.vocab_parallel, self.mapping,
+                                              max_batch_size=self.max_batch_size, draft_len=self.draft_len,
+                                              vocab_size=self.vocab_size, logits_dtype=self.target.dtype,
+                                              device=self.device)
+            self.metadata.allocate_draft_logits(self.verifier.width, self.target.dtype)
+        else:
+            logger.info(decision.describe())
         if exchange is not None:  # agreed on every rank, and so are the sizes: the guard's collective is too
             exact_sizes = [b for b in range(1, self.max_batch_size + 1) if self.markov.mode_for(b) == "exact"]
             full = self.drafter.markov_head_weights(vocab_parallel=False)
@@ -131,6 +163,14 @@ class DSparkWorker(SpecWorkerBase):
         self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
+        self._step_top_p = any(self._host_top_p[s] < 1.0 for s in slots)
+        self._step_full_vocab = any(self._host_full_vocab[s] for s in slots)
+
+    @property
+    def step_is_default(self) -> bool:
+        """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row, no
+        row routed to the full vocabulary): the variant CUDA graphs capture; others run eagerly."""
+        return not (self._step_top_p or self._step_full_vocab)
 
     def reset_step_state(self) -> None:
         """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
@@ -176,12 +216,32 @@ class DSparkWorker(SpecWorkerBase):
                                     num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
+    def _top_p_masked(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor,
+                      top_p: torch.Tensor) -> VocabShardedLogits | torch.Tensor:
+        """``logits`` with ``-inf`` outside the exact top-p set of every sampled row with ``top_p < 1``
+        (computed jointly on the shards when ``logits`` is a shard); other rows unchanged."""
+        if isinstance(logits, VocabShardedLogits):
+            x, start, vocab = logits.logits, logits.vocab_start, logits.vocab_size
+            exchange = self.vocab_parallel.target_head.exchange
+        else:
+            x, start, vocab, exchange = logits, 0, logits.shape[-1], None
+        keep = self.ops.top_p_keep(x.contiguous(), top_p, temperatures=temps, vocab_start=start, vocab_size=vocab,
+                                   exchange=exchange)
+        restrict = ((top_p < 1.0) & (temps > 0))[:, None]
+        masked = torch.where(keep | ~restrict, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
+        return logits.__class__(masked, start, vocab, logits.padded_vocab_size) \
+            if isinstance(logits, VocabShardedLogits) else masked
+
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-                out: torch.Tensor) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
-        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered."""
+                out: torch.Tensor, top_p: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
+        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
+        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set."""
         logits = self.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
+        elif top_p is not None:
+            logits = self._top_p_masked(logits, temps, top_p)
         if self.ops.select is not None:
             return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
         ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
@@ -200,16 +260,27 @@ class DSparkWorker(SpecWorkerBase):
         with nvtx_range("draft_forward"):
             base = self.draft_block_logits(tail, slots)
         with nvtx_range("markov_chain"):
-            _, drafts = self.markov(base, tail.bonus_tokens)
+            if self.verifier is None:
+                _, drafts = self.markov(base, tail.bonus_tokens)
+            else:
+                # Sampled drafts: keyed Gumbel-max at the row's temperature, Philox offset = the absolute
+                # position of the drafted token (the anchor sits at ctx_len, already advanced; draft k at
+                # ctx_len + 1 + k); the biased logits are the draft distribution q of the next verification.
+                st, slots_l = self.state, slots.long()
+                offsets = st.ctx_lens[slots_l].long() + 1
+                biased, drafts = self.markov(base, tail.bonus_tokens, st.slot_temps[slots_l], st.slot_seeds[slots_l],
+                                             offsets)
+                self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
-                speculative: bool = True) -> int:
+                speculative: bool = True, *, top_p: float = 1.0, full_vocab: bool = False) -> int:
         """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
-        return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative)[0]
+        return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative,
+                                  top_ps=[top_p], full_vocabs=[full_vocab])[0]
 
-    def _check_prefill(self, slots, prompts, temperatures, seeds) -> None:
+    def _check_prefill(self, slots, prompts, temperatures, seeds, top_ps, full_vocabs) -> None:
         n = len(slots)
         if n == 0 or not len(prompts) == len(temperatures) == len(seeds) == n:
             raise ValueError(f"prefill_batch: expected one prompt, temperature and seed per slot (at least one), got "
@@ -221,12 +292,19 @@ class DSparkWorker(SpecWorkerBase):
         empty = [s for s, p in zip(slots, prompts) if len(p) == 0]
         if empty:
             raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
+        if len(top_ps) != n or len(full_vocabs) != n:
+            raise ValueError(f"prefill_batch: expected one top_p and full_vocab per slot, got {len(top_ps)}, "
+                             f"{len(full_vocabs)} for {n} slots")
+        bad_p = [p for p in top_ps if not 0.0 < p <= 1.0]
+        if bad_p:
+            raise ValueError(f"{type(self).__name__}.prefill: top_p must be in (0, 1], got {bad_p}")
         if not self.sampling and any(t > 0 for t in temperatures):
             raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
                              f"got temperatures {list(temperatures)}")
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                      speculative: bool = True) -> list[int]:
+                      speculative: bool = True, *, top_ps: list[float] | None = None,
+                      full_vocabs: list[bool] | None = None) -> list[int]:
         """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
 
         The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
@@ -236,13 +314,17 @@ class DSparkWorker(SpecWorkerBase):
         prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
         bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
-        Target-only: records the last token for :meth:`target_only_step`.
+        Target-only: records the last token for :meth:`target_only_step`. ``top_ps`` (default 1): each
+        request samples from the target's exact top-p set; ``full_vocabs``: the request needs the
+        full-vocabulary logits (``needs_full_vocab``), so every step it runs in verifies on the gathered path.
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
         GEMM of another shape may round differently. Eager (not captured), synchronises once for the tokens.
         """
-        self._check_prefill(slots, prompts, temperatures, seeds)
+        top_ps = [1.0] * len(slots) if top_ps is None else list(top_ps)
+        full_vocabs = [False] * len(slots) if full_vocabs is None else list(full_vocabs)
+        self._check_prefill(slots, prompts, temperatures, seeds, top_ps, full_vocabs)
         st = self.state
         dev = self.device
         k = self.draft_len
@@ -254,6 +336,11 @@ class DSparkWorker(SpecWorkerBase):
         lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
         st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
         st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
+        restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
+        self.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=self.slot_top_p.dtype, device=dev)
+        for slot, p, rest, fv in zip(slots, top_ps, restricted, full_vocabs):
+            self._host_top_p[slot] = float(p) if rest else 1.0
+            self._host_full_vocab[slot] = bool(fv)
         with nvtx_range("prefill"):
             ids = torch.zeros(r, t, dtype=torch.int64)
             for row, p in enumerate(prompts):
@@ -264,7 +351,7 @@ class DSparkWorker(SpecWorkerBase):
             last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l], st.slot_seeds[slots_l],
-                         lens_t, tok)
+                         lens_t, tok, self.slot_top_p[slots_l] if any(restricted) else None)
             if not speculative:
                 st.ref_lens[slots_l] = lens_t.to(st.ref_lens.dtype)
                 st.slot_tokens[slots_l, 0] = tok
@@ -319,17 +406,41 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)])
+        top_p = self.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self._step_top_p else None
+        return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
+                            top_p)
 
     def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
                            captured: torch.Tensor):
         """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
         ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+        b, k = batch_size, self.draft_len
+        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+                                                   out=(self.accepted[:b], self.num_accepted[:b]))
+        return self.advance(b, accepted, num_acc, captured)
+
+    def rejection_verify(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                         hidden: torch.Tensor):
+        """Rejection-sampling verification of the step's rows against the stored draft logits:
+        ``(accepted [B, K+1], num_accepted [B], logits)`` (greedy rows: strict acceptance, bitwise)."""
+        st = self.state
+        b = batch_size
+        slots_l = self.slot_ids[:b].long()
+        logits = self.target_logits(hidden)
+        x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        top_p = self.slot_top_p[slots_l] if self._step_top_p else None
+        accepted, num_acc = self.verifier.verify(
+            self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
+            temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
+            top_p=top_p, full_vocab=self._step_full_vocab, out=(self.accepted[:b], self.num_accepted[:b]))
+        return accepted, num_acc, logits
+
+    def advance(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor, captured: torch.Tensor):
+        """Paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of the accepted
+        tokens: ``(accepted, num_accepted, PagedLatentStep)``."""
         st, ops = self.state, self.ops
         b, k = batch_size, self.draft_len
         slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
-        accepted, num_acc = ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
-                                              out=(self.accepted[:b], self.num_accepted[:b]))
         tail = ops.paged_latent_step(accepted, num_acc, slots, dummy, st.ctx_lens, st.block_table,
                                      num_contexts=0, page_size=st.page_size, draft_len=k,
                                      max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
@@ -348,10 +459,16 @@ class DSparkWorker(SpecWorkerBase):
             self._decode_pages()
         with nvtx_range("target_forward"):
             tokens, positions, out = self.verify_forward(b)
-        with nvtx_range("selection"):
-            target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
-        with nvtx_range("tail"):
-            accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
+        if self.verifier is None:
+            with nvtx_range("selection"):
+                target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
+            with nvtx_range("tail"):
+                accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
+        else:
+            with nvtx_range("rejection_sampling"):
+                accepted, num_acc, logits = self.rejection_verify(b, tokens, positions, out.hidden_states)
+            with nvtx_range("tail"):
+                accepted, num_acc, tail = self.advance(b, accepted, num_acc, out.captured)
         nxt = self.next_new_tokens[:b]
         self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)
@@ -364,6 +481,32 @@ class DSparkWorker(SpecWorkerBase):
             "next_draft_tokens": nxt[:, 1:],  # [B, K]
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
         }
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def target_top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
+                                top_p: float) -> list[bool]:
+        """For each emitted token, whether it lies in the target's kept set at its position (eager).
+
+        Teacher-forces ``prompt + output`` through the target on ``slot`` (its KV cache is overwritten: call
+        between requests) and evaluates :func:`top_p_keep` on the full-vocabulary logits with the request's
+        temperature and ``top_p`` (``T = 0`` keeps exactly the first maximum, so a greedy token is checked
+        against the argmax). One full-sequence forward: its logits round differently from the step's, so a
+        token exactly at the kept set's boundary could in principle flip (fp32: far below any gap here).
+        """
+        if not output_ids:
+            return []
+        dev = self.device
+        seq = list(prompt_ids) + list(output_ids[:-1])
+        ids = torch.tensor([seq], dtype=torch.int64, device=dev)
+        positions = torch.arange(len(seq), dtype=torch.int64, device=dev)[None]
+        out = self.target(ids, positions, torch.tensor([slot], dtype=torch.int32, device=dev), self.state.kv_cache)
+        n, m = len(prompt_ids), len(output_ids)
+        logits = self.target.logits(out.hidden_states[n - 1:n - 1 + m]).contiguous()
+        temps = torch.full((m,), float(temperature), dtype=torch.float32, device=dev)
+        keep = self.ops.top_p_keep(logits, torch.full((m,), float(top_p), dtype=torch.float32, device=dev),
+                                   temperatures=temps)
+        toks = torch.tensor(output_ids, dtype=torch.int64, device=dev)
+        return keep.gather(1, toks[:, None])[:, 0].cpu().tolist()
 
     # -- the target's own decode (the lossless reference) -------------------------------------------------
     def target_only_step(self, batch_size: int) -> torch.Tensor:
@@ -389,6 +532,8 @@ class DSparkWorker(SpecWorkerBase):
             ids = self.ref_tokens[:b]
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if self.sampling else (None, None)
             offsets = positions[:, 0] + 1 if self.sampling else None
+            if self.sampling and self._step_top_p:
+                logits = self._top_p_masked(logits, temps, self.slot_top_p[slots_l])
             if self.ops.select is not None:
                 self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, ids)
             elif temps is None:

@@ -14,6 +14,10 @@ drafter bookkeeping    :func:`paged_latent_step` (1 launch)    the eager chain (
 context-latent store   :func:`store_context_latents`           index-put into the pool (torch; rows not
                                                                written go to the scratch page)
 Markov chain           ``exact`` / ``fused`` kernels           per step ``F.linear`` + add + ``torch.argmax``
+rejection sampling     :func:`rejection_sample` on the shard   :func:`rejection_sample_reference` (the
+(``use_rejection_       (or gathered) + small exchanges         eager twin) on the gathered full-vocabulary
+sampling``)                                                     logits
+exact top-p            :func:`top_p_keep`                      :func:`top_p_keep_reference` (gathered)
 =====================  ======================================  ==========================================
 
 The stock worker always selects from the gathered logits (vocab-parallel selection off), since the
@@ -34,6 +38,8 @@ from tensorrt_llm_ext.kernels.ordered_key import gumbel_noise_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
+from tensorrt_llm_ext.speculative.verification import (rejection_sample, rejection_sample_reference, top_p_keep,
+                                                        top_p_keep_reference)
 
 __all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "stock_select", "stock_store_context_latents"]
 
@@ -103,12 +109,15 @@ class StepOps:
     select: Callable | None  # None: the worker's vocab-parallel selector (fused kernels)
     markov_mode: str | None
     vocab_parallel: bool
+    rejection_sample: Callable  # signature of verification.rejection_sample
+    top_p_keep: Callable  # signature of verification.top_p_keep
 
 
 FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
                     paged_latent_step=paged_latent_step, store_context_latents=store_context_latents, select=None,
-                    markov_mode=None, vocab_parallel=True)
+                    markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
                     paged_latent_step=_stock_paged_latent_step, store_context_latents=stock_store_context_latents,
-                    select=stock_select, markov_mode="stock", vocab_parallel=False)
+                    select=stock_select, markov_mode="stock", vocab_parallel=False,
+                    rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}

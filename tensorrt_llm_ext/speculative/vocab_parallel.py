@@ -399,10 +399,10 @@ class RequestSampling:
 
 def needs_full_vocab(request: RequestSampling) -> bool:
     """True when the request's token cannot be picked from the shards (it takes the gathered path):
-    a logits post-processor, logprobs, or top-k (> 1) / top-p (< 1) filtering."""
+    a logits post-processor, logprobs, or top-k (> 1) filtering. Top-p is decided on the shards (the
+    exact top-p of :mod:`tensorrt_llm_ext.speculative.verification`), so it needs no gather."""
     return (request.has_logits_post_processor or request.return_logprobs
-            or (request.top_k is not None and request.top_k > 1)
-            or (request.top_p is not None and request.top_p < 1.0))
+            or (request.top_k is not None and request.top_k > 1))
 
 
 @dataclass(frozen=True)

@@ -74,3 +74,24 @@ def test_check_fails_on_rejections_and_when_nothing_is_compared(small_yaml, caps
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--check", "--no-progress", "999", "1 2"])
     text = capsys.readouterr().out
     assert rc == 3 and "check FAILED: requests were rejected" in text and "rejected, not compared: [0]" in text
+
+
+def test_generate_rejection_sampling_check(tmp_path, capsys):
+    """``--rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise (one
+    rank here: the gathered worker is the reference), greedy copies == the target decode, every token in
+    the target's top-p set."""
+    cfg = tmp_path / "rs.yaml"
+    small = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 1,
+                          "model.target.capture_layers": [0], "max_seq_len": 24})
+    cfg.write_text(json.dumps(load_config(**small).model_dump(mode="json")))
+    out_json = tmp_path / "out.json"
+    rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "4", "--temperature", "1", "--top-p", "0.9",
+               "--rejection-sampling", "--check", "--no-progress", "--json", str(out_json), "1 2 3"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "verification=rejection sampling" in text and "check passed: sharded == gathered" in text
+    data = json.loads(out_json.read_text())
+    assert data["check"]["passed"] and data["requests"][0]["top_p"] == 0.9
+    res = data["ranks"][0]["results"]["speculative"]
+    assert len(res["outputs"]) == 2 and res["outside_top_p"] == [0, 0]  # the prompt + its greedy copy
+    assert main(["generate", "--config", str(cfg), "--top-p", "1.5"]) == 2

@@ -396,7 +396,9 @@ def test_request_routing():
     assert not needs_full_vocab(RequestSampling(temperature=0.0))
     assert not needs_full_vocab(RequestSampling(temperature=0.8, top_k=1, top_p=1.0))
     assert needs_full_vocab(RequestSampling(temperature=0.8, top_k=50))
-    assert needs_full_vocab(RequestSampling(temperature=0.8, top_p=0.9))
+    # top-p is decided jointly on the shards (exact top-p): no gather
+    assert not needs_full_vocab(RequestSampling(temperature=0.8, top_p=0.9))
+    assert needs_full_vocab(RequestSampling(temperature=0.8, top_k=50, top_p=0.9))
     assert needs_full_vocab(RequestSampling(return_logprobs=True))
     assert needs_full_vocab(RequestSampling(has_logits_post_processor=True))
 
