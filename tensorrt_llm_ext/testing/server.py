@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -78,15 +80,7 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
 
 
 # A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.
-SMALL_SERVE_CONFIG = {
-    "model.dtype": "float32",
-    "model.target.vocab_size": 516, "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [0, 1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 8, "max_seq_len": 40,
-    "kv_cache_config.tokens_per_block": 8,
-}
+SMALL_SERVE_CONFIG = tiny_model(**{"model.target.vocab_size": 516, "max_batch_size": 8, "max_seq_len": 40})
 
 
 def sample_bodies(n: int, vocab: int, seed: int = 5, max_tokens: tuple[int, int] = (2, 4)) -> list[dict]:

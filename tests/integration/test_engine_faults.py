@@ -8,16 +8,10 @@ import pytest
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
-SMALL = {
-    "model.dtype": "float32",
-    "model.target.vocab_size": 301, "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 2, "max_seq_len": 40,
-    "kv_cache_config.tokens_per_block": 4,
-}
+SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 2,
+                       "max_seq_len": 40, "kv_cache_config.tokens_per_block": 4})
 
 
 def _requests():

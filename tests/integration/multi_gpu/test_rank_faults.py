@@ -18,19 +18,13 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.ranks import RankJobError, launch_ranks
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 ROOT = Path(__file__).resolve().parents[3]
-SMALL = {
-    "model.dtype": "float32",
-    "model.target.vocab_size": 302, "model.target.hidden_size": 32, "model.target.head_dim": 8,
-    "model.target.num_layers": 2, "model.target.capture_layers": [1], "model.target.intermediate_size": 64,
-    "model.drafter.num_layers": 1, "model.drafter.latent_dim": 16, "model.drafter.head_dim": 8,
-    "model.drafter.intermediate_size": 64, "speculative_config.max_draft_len": 3,
-    "speculative_config.markov_rank": 32, "max_batch_size": 2, "max_seq_len": 64,
-    "kv_cache_config.tokens_per_block": 4, "tensor_parallel_size": 2,
-}
+SMALL = tiny_model(**{"model.target.vocab_size": 302, "model.target.capture_layers": [1], "max_batch_size": 2,
+                       "max_seq_len": 64, "kv_cache_config.tokens_per_block": 4, "tensor_parallel_size": 2})
 RANK_TIMEOUT_S = 5.0
 BOUND_S = 25.0  # detection + stack dump + stop, on 2 shared CPU cores (rank start-up not counted)
 
