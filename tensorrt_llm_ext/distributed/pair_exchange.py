@@ -120,21 +120,20 @@ class PairExchange:
         if self._group is not None:
             self.bytes_sent += t.numel() * t.element_size()
 
-    def max_(self, t: torch.Tensor) -> torch.Tensor:
-        """Elementwise TP-wide maximum of an int32/int64 tensor, in place; returns ``t``."""
-        self._check_int_tensor("max_", t)
+    def _all_reduce_int_(self, name: str, t: torch.Tensor, op) -> torch.Tensor:
+        self._check_int_tensor(name, t)
         if self._group is not None:
             self._count(t)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(t, op=op, group=self._group)
         return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise TP-wide maximum of an int32/int64 tensor, in place; returns ``t``."""
+        return self._all_reduce_int_("max_", t, dist.ReduceOp.MAX)
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise TP-wide sum of an int32/int64 tensor, in place (exact: integer adds); returns ``t``."""
-        self._check_int_tensor("sum_", t)
-        if self._group is not None:
-            self._count(t)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
-        return t
+        return self._all_reduce_int_("sum_", t, dist.ReduceOp.SUM)
 
     def gather_ranks(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's ``t`` stacked in TP-rank order: ``[*S] -> [tp, *S]`` (``out`` written in place).

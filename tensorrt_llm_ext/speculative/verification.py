@@ -159,6 +159,16 @@ def _views(bufs: dict[str, torch.Tensor], plan: _Plan) -> SimpleNamespace:
     return ns
 
 
+def _call_buffers(workspace, plan, dev, name: str):
+    """The call's buffers: carved from ``workspace`` (capturable), else allocated here (never while capturing)."""
+    if workspace is None:
+        refuse_allocation_while_capturing(f"{name} (no workspace)", dev)
+        return _eager_views(plan, dev)
+    if workspace.tp != plan.tp:
+        raise ValueError(f"workspace: allocated for tp={workspace.tp}, the exchange has tp={plan.tp}")
+    return workspace.carve(plan)
+
+
 def _eager_views(plan: _Plan, device) -> SimpleNamespace:
     return _views({name: torch.empty(n, dtype=torch.int64, device=device) for name, n in plan.sizes().items()},
                   plan)
@@ -244,13 +254,7 @@ def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, excha
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
     splits, _ = fps.plan_chunks(max(0, min(width, vocab_size - vocab_start)), bs, ns)
     plan = _Plan(rows, 0, 0, splits, tp, True)
-    if workspace is not None:
-        if workspace.tp != tp:
-            raise ValueError(f"workspace: allocated for tp={workspace.tp}, the exchange has tp={tp}")
-        ws = workspace.carve(plan)
-    else:
-        refuse_allocation_while_capturing("top_p_keep (no workspace)", dev)
-        ws = _eager_views(plan, dev)
+    ws = _call_buffers(workspace, plan, dev, "top_p_keep")
     kw = dict(block_size=bs, num_splits=ns)
     ws.zero.zero_()
     ops.row_max_keys(logits, vocab_start, vocab_size, argmax=False, out=ws.keys_t, **kw)
@@ -322,13 +326,7 @@ def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatur
     splits, _ = fps.plan_chunks(n_valid, bs, ns)
     has_p = top_p is not None
     plan = _Plan(b * k1, b * k, b, splits, tp, has_p)
-    if workspace is not None:
-        if workspace.tp != tp:
-            raise ValueError(f"workspace: allocated for tp={workspace.tp}, the exchange has tp={tp}")
-        ws = workspace.carve(plan)
-    else:
-        refuse_allocation_while_capturing("rejection_sample (no workspace)", dev)
-        ws = _eager_views(plan, dev)
+    ws = _call_buffers(workspace, plan, dev, "rejection_sample")
     kw = dict(block_size=bs, num_splits=ns)
     tgt = target_logits.view(b * k1, width)
     drf = draft_logits.view(b * k, width)
