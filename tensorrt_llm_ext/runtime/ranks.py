@@ -317,20 +317,44 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # readers never see a half-written record
 
 
+def _die_with_parent() -> None:
+    """In the child (before exec): SIGKILL it when its supervisor dies, so no rank outlives a killed job."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
+    """Start the real rank (it inherits the MPI process-management handle), forward SIGTERM/SIGINT to it,
+    return what ``waitpid`` says (negative: the signal that ended it)."""
+    fds = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []  # MPICH's PMI connection
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout,
+                             stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
+                             preexec_fn=_die_with_parent)
+    if on_start is not None:
+        on_start(child)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return child.wait()
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
 def _supervise(run_dir: Path) -> int:
     rank = _env_rank()
-    fds = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []  # MPICH's PMI connection
     with open(run_dir / f"rank{rank}.log", "wb") as log:
-        child = subprocess.Popen([sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--rank", str(run_dir)],
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=fds)
-        _write_json(run_dir / f"rank{rank}.pid.json", {"pid": child.pid, "supervisor": os.getpid()})
-
-        def forward(signum, frame):
-            child.send_signal(signum)
-
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
-        rc = child.wait()
+        rc = _run_child([sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--rank", str(run_dir)],
+                        stdout=log, on_start=lambda child: _write_json(
+                            run_dir / f"rank{rank}.pid.json", {"pid": child.pid, "supervisor": os.getpid()}))
     sig = -rc if rc < 0 else None
     _write_json(run_dir / f"rank{rank}.exit.json",
                 {"returncode": rc if rc >= 0 else None, "signal": sig, "time": time.time()})
@@ -338,7 +362,26 @@ def _supervise(run_dir: Path) -> int:
         # Exiting now would make mpiexec kill the other ranks before the launcher collected their
         # stacks; the launcher kills this supervisor once it has (bounded by the linger time).
         time.sleep(_SUPERVISOR_LINGER_S)
-    return 0 if rc == 0 else (128 + sig if sig else rc)
+    return _exit_code(rc)
+
+
+def supervise_command(cmd: list[str], linger_s: float) -> int:
+    """One rank of a long-running MPI job (``trtllm-ext serve --tp N``): run ``cmd`` as a child with
+    inherited stdout/stderr and return its exit code.
+
+    MPICH's launcher kills every rank as soon as one process it started dies by a signal, even with
+    ``-disable-auto-cleanup``. A rank that dies under this supervisor is reported here (which rank, how)
+    and the supervisor stays ``linger_s`` longer, so the surviving ranks notice the loss themselves
+    (rank 0 answers 503 and exits non-zero) instead of being killed mid-response. Rank 0's own end is
+    passed on at once: it ends the job."""
+    rank = _env_rank()
+    rc = _run_child(cmd)
+    if rc != 0:
+        how = f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else f"exited with code {rc}"
+        print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)
+        if rank != 0:  # rank 0 is the one that answers and decides the job's end: never delay it
+            time.sleep(linger_s)
+    return _exit_code(rc)
 
 
 def _rank_main(run_dir: Path) -> None:
@@ -361,13 +404,16 @@ def _rank_main(run_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    mode, run_dir = argv[0], Path(argv[1])
+    mode = argv[0] if argv else ""
     if mode == "--supervise":
-        return _supervise(run_dir)
+        return _supervise(Path(argv[1]))
     if mode == "--rank":
-        _rank_main(run_dir)
+        _rank_main(Path(argv[1]))
         return 0
-    raise SystemExit(f"usage: python -m tensorrt_llm_ext.runtime.ranks --supervise|--rank RUN_DIR, got {argv}")
+    if mode == "--supervise-command" and len(argv) > 3 and argv[2] == "--":
+        return supervise_command(argv[3:], float(argv[1]))
+    raise SystemExit("usage: python -m tensorrt_llm_ext.runtime.ranks --supervise|--rank RUN_DIR | "
+                     f"--supervise-command LINGER_S -- CMD..., got {argv}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 ``serve --tp N`` (or ``tensor_parallel_size: N``) outside an MPI job re-runs itself under ``mpiexec -n N``
 (environment ``TLLM_EXT_SERVE_RANK=1``) and forwards SIGTERM/SIGINT to it; rank 0 serves HTTP, the other
-ranks follow rank 0's plans. With MPICH's launcher the ranks are started with ``-disable-auto-cleanup`` so
-that a rank that dies leaves rank 0 alive to answer 503 and exit non-zero (the launcher then exits
-non-zero too); with Open MPI the launcher itself stops every rank when one dies (no 503, still non-zero).
+ranks follow rank 0's plans. Every rank runs under a small supervisor (``runtime/ranks.py``): MPI launchers
+kill all ranks the moment one process they started dies, so a follower that dies is reported by its
+supervisor (which rank, how), and the supervisor lingers while rank 0 notices the loss, answers 503 and
+exits non-zero by itself (the launcher then exits non-zero too).
 
 Exit codes: 0 after a SIGTERM/SIGINT drain; 2 for a bad argument, config or port (before any work);
 3 when the engine or a rank failed while serving.
@@ -70,12 +71,17 @@ def _mpiexec() -> tuple[list[str], dict[str, str]]:
         version = ""
     env = {}
     if "HYDRA" in version or "MPICH" in version:
-        flags = ["-disable-auto-cleanup"]  # a dead rank leaves rank 0 alive to answer 503 and exit non-zero
+        flags = []
     else:  # Open MPI: root and 2-core machines need these (see docs/serving.md)
         flags = ["--oversubscribe"]
         if os.geteuid() == 0:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return [exe, *flags], env
+
+
+# A dead follower's supervisor stays this long: rank 0 notices the loss at its next heartbeat, answers
+# 503 for the failure grace and exits (about 3 s); the rest bounds a rank 0 stuck in a collective.
+FOLLOWER_LINGER_S = 30.0
 
 
 def launch_ranks(tp: int, argv: list[str]) -> int:
@@ -85,7 +91,10 @@ def launch_ranks(tp: int, argv: list[str]) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    cmd = [*launcher, "-n", str(tp), sys.executable, "-m", "tensorrt_llm_ext.cli", *argv]
+    # Each rank runs under a supervisor (runtime/ranks.py): a follower that dies does not take rank 0 down
+    # with it before rank 0 has answered 503 and exited by itself.
+    cmd = [*launcher, "-n", str(tp), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--supervise-command",
+           str(FOLLOWER_LINGER_S), "--", sys.executable, "-m", "tensorrt_llm_ext.cli", *argv]
     env = {**os.environ, **extra_env, "TLLM_EXT_SERVE_RANK": "1"}
     proc = subprocess.Popen(cmd, env=env)
 

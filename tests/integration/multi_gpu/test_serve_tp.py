@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
-from tensorrt_llm_ext.runtime.server import HEARTBEAT_S  # noqa: E402
+from tensorrt_llm_ext.runtime.server import EXIT_ENGINE_FAILED, HEARTBEAT_S  # noqa: E402
 from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG as SMALL, reference_outputs,  # noqa: E402
                                              sample_bodies, start_server)
 
@@ -68,5 +68,8 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
         assert "engine failed" in r.json()["error"]["message"]
         rc = srv.wait(120)
         assert rc != 0, srv.log()[-3000:]
+        # The dead rank is named by its supervisor; rank 0 ended by itself with the engine-failure code.
+        assert "rank 1 was killed by signal 9 (SIGKILL)" in srv.log(), srv.log()[-3000:]
+        assert f"rank 0 exited with code {EXIT_ENGINE_FAILED}" in srv.log(), srv.log()[-3000:]
     finally:
         srv.stop(30)
