@@ -104,125 +104,271 @@ def selection_score(s, gid, temp, seed, offset, SAMPLE: tl.constexpr, SALT: tl.c
 # ----------------------------------------------------------------------------------------------------
 # Fused step kernel
 # ----------------------------------------------------------------------------------------------------
+FUSED_BLOCK_B = 16  # rows per tl.dot: part of the bitwise contract (module docs), never a knob
+ORDERS = ("alternate", "same")
+
+
+@triton.jit
+def _gather_w1_rows(w1_ptr, psafe, pvalid, rr, stride_w1, R: tl.constexpr, DOT_FP32: tl.constexpr,
+                    EVICT: tl.constexpr):
+    """``[BLOCK_B, BLOCK_R]`` rows ``w1[psafe]`` (zero rows where ``pvalid`` is false; fp32 for ``DOT_FP32``)."""
+    h = tl.load(w1_ptr + psafe[:, None] * stride_w1 + rr[None, :], mask=pvalid[:, None] & (rr[None, :] < R),
+                other=0.0, eviction_policy=EVICT)
+    if DOT_FP32:
+        h = h.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, gid, k,
+                stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off, best_k, best_c,
+                SAMPLE: tl.constexpr, SALT: tl.constexpr, W_KIND: tl.constexpr, OUT_BF16: tl.constexpr,
+                DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BASE_EVICT: tl.constexpr):
+    """One ``BLOCK_B x BLOCK_N`` output tile: bias dot, roundings, add, store, fold into the running best.
+
+    ``h [BLOCK_B, BLOCK_R]`` (fp32 with ``DOT_FP32``), ``w [BLOCK_N, BLOCK_R]`` (fp32 with ``DOT_FP32``):
+    the same instruction sequence for every tile of every batch, shard and program.
+    """
+    m2 = rmask[:, None] & cmask[None, :]
+    base = tl.load(base_ptr + rows64[:, None] * stride_bb + k * stride_bk + cols64[None, :], mask=m2, other=0.0,
+                   eviction_policy=BASE_EVICT)
+    if DOT_FP32:
+        acc = tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+    elif W_KIND == 0:
+        acc = tl.dot(h, tl.trans(w), input_precision="ieee")
+    else:
+        acc = tl.dot(h, tl.trans(w))
+    bias = bias_to_logits(acc, W_KIND, OUT_BF16)
+    s = add_in_logits_dtype(base.to(tl.float32), bias, OUT_BF16)
+    tl.store(out_ptr + rows64[:, None] * stride_ob + k * stride_ok + cols64[None, :], s.to(out_ptr.dtype.element_ty),
+             mask=m2)
+    if SAMPLE:
+        zeros = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.int64)
+        s = selection_score(s, gid[None, :] + zeros, temp[:, None], seed[:, None] + zeros, off[:, None] + zeros,
+                            SAMPLE, SALT)
+    # Padded shard columns (gid >= V) never win.
+    tk, tc = block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
+                        rmask[:, None] & col_ok[None, :], 1)
+    return combine_best(best_k, best_c, tk, tc)
+
+
 @triton.jit(do_not_specialize=["B", "k", "vocab_start", "prev_slot", "cur_slot", "next_slot", "offset_k",
-                             "n_tiles", "n_progs"])
+                             "n_tiles", "n_progs", "reverse"])
 def _markov_fused_step_kernel(
     base_ptr, w1_ptr, w2_ptr, out_ptr, anchors_ptr, keys_ptr, tokens_ptr,
     temps_ptr, seeds_ptr, offsets_ptr,
-    B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k, n_tiles, n_progs,
+    B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k, n_tiles, n_progs, reverse,
     stride_bb, stride_bk, stride_ob, stride_ok, stride_w1, stride_w2, stride_slot, stride_tok,
     R: tl.constexpr, IS_FIRST: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr,
     W_KIND: tl.constexpr, OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROW_TILES: tl.constexpr, H_ONCE: tl.constexpr,
+    W_EVICT: tl.constexpr, BASE_EVICT: tl.constexpr,
 ):
-    # Grid (row tiles, persistent column programs). A program resolves its rows' previous tokens and
-    # gathers their w1 rows once, then streams column tiles pid_n, pid_n + n_progs, ...: the tile loop
-    # is the innermost loop, so the pipeliner prefetches the next w2/base tiles while this one computes.
-    pid_b = tl.program_id(0)
+    # Grid (row-tile groups, persistent column programs). A program owns ROW_TILES row tiles of BLOCK_B
+    # rows: it resolves their previous tokens once (and, with H_ONCE, gathers their w1 rows once), then
+    # streams its column tiles; each w2 tile is loaded once and applied to every row tile (the row-tile
+    # loop is unrolled, so the column loop stays the innermost loop the pipeliner prefetches across).
+    # Per-row-tile state lives in tuples of registers (one entry per row tile, each in the layout its
+    # producer gave it): no padding to a power of two, no layout conversion per tile.
+    pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rmask = rows < B
-    rows64 = rows.to(tl.int64)
-    if IS_FIRST:
-        prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
-    else:
-        key = tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask, other=-9223372036854775808)
-        prev = key_to_id(key)
-        # Column program 0 records step k-1's token and clears the slot launch k+1 will MAX into.
-        tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask & (pid_n == 0))
-    tl.store(keys_ptr + next_slot * stride_slot + rows64,
-             tl.full([BLOCK_B], -9223372036854775808, tl.int64), mask=rmask & (pid_n == 0))
-    # Invalid previous ids (padding/dummy anchors) gather a zero w1 row: zero bias, never out of bounds.
-    pvalid = rmask & (prev >= 0) & (prev < vocab_size)
-    psafe = tl.where(pvalid, prev, 0)
     rr = tl.arange(0, BLOCK_R)
-    h = tl.load(w1_ptr + psafe[:, None] * stride_w1 + rr[None, :], mask=pvalid[:, None] & (rr[None, :] < R),
-                other=0.0)  # [BLOCK_B, BLOCK_R]; BLOCK_R >= R: the whole r in one dot
-    if DOT_FP32:
-        h32 = h.to(tl.float32)
-    if SAMPLE:
-        temp = tl.load(temps_ptr + rows64, mask=rmask, other=0.0)
-        seed = tl.load(seeds_ptr + rows64, mask=rmask, other=0)
-        off = tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k
+    first_row = pid_g * (ROW_TILES * BLOCK_B)
+    psafes = ()
+    pvalids = ()
+    hs = ()
+    temps = ()
+    seeds = ()
+    offs = ()
+    best_ks = ()
+    best_cs = ()
+    for i in tl.static_range(ROW_TILES):
+        rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        rows64 = rows.to(tl.int64)
+        if IS_FIRST:
+            prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
+        else:
+            key = tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask, other=-9223372036854775808)
+            prev = key_to_id(key)
+            # Column program 0 records step k-1's token and clears the slot launch k+1 will MAX into.
+            tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask & (pid_n == 0))
+        tl.store(keys_ptr + next_slot * stride_slot + rows64,
+                 tl.full([BLOCK_B], -9223372036854775808, tl.int64), mask=rmask & (pid_n == 0))
+        # Invalid previous ids (padding/dummy anchors) gather a zero w1 row: zero bias, never out of bounds.
+        pvalid = rmask & (prev >= 0) & (prev < vocab_size)
+        psafe = tl.where(pvalid, prev, 0)
+        psafes = psafes + (psafe,)
+        pvalids = pvalids + (pvalid,)
+        if H_ONCE:
+            hs = hs + (_gather_w1_rows(w1_ptr, psafe, pvalid, rr, stride_w1, R, DOT_FP32, W_EVICT),)
+        if SAMPLE:
+            temps = temps + (tl.load(temps_ptr + rows64, mask=rmask, other=0.0),)
+            seeds = seeds + (tl.load(seeds_ptr + rows64, mask=rmask, other=0),)
+            offs = offs + (tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k,)
+        best_ks = best_ks + (tl.full([BLOCK_B], -2147483648, tl.int32),)
+        best_cs = best_cs + (tl.full([BLOCK_B], 2147483647, tl.int32),)
 
-    best_k = tl.full([BLOCK_B], -2147483648, tl.int32)
-    best_c = tl.full([BLOCK_B], 2147483647, tl.int32)
     for t in range(pid_n, n_tiles, n_progs):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 local column ids
+        # reverse = 1 scans the tiles from the end: what the previous step read last (its final round of
+        # tiles, still in L2) is read first. No value depends on the order (combine_best is a max).
+        tt = t + reverse * (n_tiles - 1 - 2 * t)
+        cols = tt * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 local column ids
         cmask = cols < v_local
         cols64 = cols.to(tl.int64)
         gid = cols64 + vocab_start
-        m2 = rmask[:, None] & cmask[None, :]
-        base = tl.load(base_ptr + rows64[:, None] * stride_bb + k * stride_bk + cols64[None, :], mask=m2,
-                       other=0.0)
-        w = tl.load(w2_ptr + cols64[:, None] * stride_w2 + rr[None, :],
-                    mask=cmask[:, None] & (rr[None, :] < R), other=0.0)  # [BLOCK_N, BLOCK_R]
+        col_ok = cmask & (gid < vocab_size)
+        w = tl.load(w2_ptr + cols64[:, None] * stride_w2 + rr[None, :], mask=cmask[:, None] & (rr[None, :] < R),
+                    other=0.0, eviction_policy=W_EVICT)  # [BLOCK_N, BLOCK_R]: loaded once for every row tile
         if DOT_FP32:
-            acc = tl.sum(h32[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        elif W_KIND == 0:
-            acc = tl.dot(h, tl.trans(w), input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w))
-        bias = bias_to_logits(acc, W_KIND, OUT_BF16)
-        s = add_in_logits_dtype(base.to(tl.float32), bias, OUT_BF16)
-        tl.store(out_ptr + rows64[:, None] * stride_ob + k * stride_ok + cols64[None, :],
-                 s.to(out_ptr.dtype.element_ty), mask=m2)
-        if SAMPLE:
-            zeros = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.int64)
-            s = selection_score(s, gid[None, :] + zeros, temp[:, None], seed[:, None] + zeros,
-                                off[:, None] + zeros, SAMPLE, SALT)
-        col_ok = cmask & (gid < vocab_size)  # padded shard columns (gid >= V) never win
-        tk, tc = block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
-                            rmask[:, None] & col_ok[None, :], 1)
-        best_k, best_c = combine_best(best_k, best_c, tk, tc)
-    keys = pack_key(best_k, best_c.to(tl.int64) + vocab_start)
-    tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows64, keys, mask=rmask)
+            w = w.to(tl.float32)
+        for i in tl.static_range(ROW_TILES):
+            rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+            if H_ONCE:
+                h = hs[i]
+            else:  # re-gathered per column tile: the rows are in L1/L2 after the first tile
+                h = _gather_w1_rows(w1_ptr, psafes[i], pvalids[i], rr, stride_w1, R, DOT_FP32, W_EVICT)
+            if SAMPLE:
+                temp = temps[i]
+                seed = seeds[i]
+                off = offs[i]
+            else:
+                temp = 0.0
+                seed = 0
+                off = 0
+            bk, bc = _fused_tile(h, w, base_ptr, out_ptr, rows.to(tl.int64), rows < B, cols, cols64, cmask, col_ok,
+                                 gid, k, stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off,
+                                 best_ks[i], best_cs[i], SAMPLE, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N,
+                                 BASE_EVICT)
+            best_ks = best_ks[:i] + (bk,) + best_ks[i + 1:]
+            best_cs = best_cs[:i] + (bc,) + best_cs[i + 1:]
+
+    # One atomic MAX per (program, row): the step key is the max over programs (and, after the
+    # exchange, over ranks), whatever order the programs finish in.
+    for i in tl.static_range(ROW_TILES):
+        rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+        keys = pack_key(best_ks[i], best_cs[i].to(tl.int64) + vocab_start)
+        tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows.to(tl.int64), keys, mask=rows < B)
 
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Tile config of the fused step. The tile shapes (``block_b``, ``block_n``, whole ``r`` per dot) fix
-    each column's reduction order, so they depend on ``r`` and the backend only -- never on B or the shard
-    width (the cross-TP / cross-B bitwise guarantee). ``programs`` (persistent column programs) does not
-    change any value, only the schedule."""
+    """Schedule of the fused step. No field changes a value (module docs): every one only decides which
+    program computes which tiles, in which order, with which pipeline depth.
 
-    block_b: int
+    ``block_n``: columns per tile (``16 x r @ r x block_n`` per dot); ``num_warps`` / ``num_stages``:
+    Triton launch settings; ``programs``: persistent column programs in all (divided among the row-tile
+    groups); ``row_tiles``: the most 16-row tiles one program applies each ``markov_w2`` tile to -- a
+    batch of more than ``16 * row_tiles`` rows is split into groups (grid axis 0), each streaming
+    ``markov_w2`` once; ``h_once``: gather each row tile's ``w1`` rows once per program and keep them
+    in registers (else re-gather them per column tile, from L1/L2); ``cache_hints``: ``evict_last`` on the
+    ``markov_w2`` / ``w1`` loads and ``evict_first`` on the streamed base-logit loads.
+    """
+
     block_n: int
     num_warps: int
     num_stages: int
     programs: int
+    row_tiles: int = 8
+    h_once: bool = True
+    cache_hints: bool = False
+
+    def describe(self) -> str:
+        return (f"n{self.block_n} w{self.num_warps} s{self.num_stages} p{self.programs} rt{self.row_tiles} "
+                f"{'h1' if self.h_once else 'hN'}{' ch' if self.cache_hints else ''}")
 
 
-def fused_config(r: int, interpret: bool, device=None) -> FusedConfig:
+@dataclass(frozen=True)
+class FusedSchedule:
+    """One row of the per-B schedule table; ``programs_per_sm`` times the SM count gives ``programs``."""
+
+    max_batch: int | None  # inclusive upper bound of the batch sizes this row covers; None: every larger B
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+    row_tiles: int
+    h_once: bool
+    cache_hints: bool = False
+
+    def config(self, sms: int) -> FusedConfig:
+        return FusedConfig(block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+                           programs=self.programs_per_sm * sms, row_tiles=self.row_tiles, h_once=self.h_once,
+                           cache_hints=self.cache_hints)
+
+
+# Per-B schedule of the fused step on CUDA (first row whose max_batch >= B). TO BE MEASURED on the
+# H200 (`trtllm-ext bench markov` prints the variants per B): only the B <= 16 row is a measured
+# configuration (the one-row-tile kernel's sweep: 64 columns, 4 warps, 2 stages, 4 programs per SM);
+# the others are starting points (h in registers while it fits, more columns per tile and fewer
+# programs as B grows, since every program then does B/16 dots per w2 tile).
+FUSED_SCHEDULES: tuple[FusedSchedule, ...] = (
+    FusedSchedule(16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=8, h_once=True),
+    FusedSchedule(32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=8, h_once=False),
+    FusedSchedule(64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
+    FusedSchedule(None, block_n=128, num_warps=8, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
+)
+# The interpreter runs programs one after another: few programs, one stage (timing is meaningless there).
+INTERPRET_CONFIG = FusedConfig(block_n=64, num_warps=4, num_stages=1, programs=3, row_tiles=4, h_once=True)
+
+
+def fused_schedule(batch_size: int, schedules: tuple[FusedSchedule, ...] = FUSED_SCHEDULES) -> FusedSchedule:
+    """The row of ``schedules`` that covers ``batch_size`` (the last row covers every larger B)."""
+    for s in schedules:
+        if s.max_batch is None or batch_size <= s.max_batch:
+            return s
+    return schedules[-1]
+
+
+def fused_config(r: int, interpret: bool, device=None, batch_size: int = 1) -> FusedConfig:
+    """The fused step's schedule for ``batch_size`` rows of Markov rank ``r`` (see :data:`FUSED_SCHEDULES`).
+
+    ``r`` does not pick anything today (the whole ``r`` is one dot at every size the chain validates);
+    it stays in the signature because a schedule measured at r = 256 need not suit another rank.
+    """
     if interpret:
-        return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=1, programs=3)
+        return INTERPRET_CONFIG
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # Measured on an H200 (sweep of tile/stage/program counts): 2 stages and 4 programs per SM stream
-    # best from B = 1 to 128; the tile shapes are the invariance contract, the rest is schedule only.
-    return FusedConfig(block_b=16, block_n=64, num_warps=4, num_stages=2, programs=4 * sms)
+    return fused_schedule(batch_size).config(sms)
+
+
+def fused_grid(batch_size: int, v_local: int, config: FusedConfig) -> tuple[int, int, int, int]:
+    """``(groups, row_tiles per group, column programs, column tiles)`` of a fused launch."""
+    row_tiles = triton.cdiv(batch_size, FUSED_BLOCK_B)
+    groups = triton.cdiv(row_tiles, config.row_tiles)
+    per_group = triton.cdiv(row_tiles, groups)  # balanced groups: the last one is never mostly empty
+    n_tiles = triton.cdiv(v_local, config.block_n)
+    n_progs = max(1, min(n_tiles, triton.cdiv(config.programs, groups)))
+    return groups, per_group, n_progs, n_tiles
 
 
 def launch_fused_step(
     base, w1, w2, out, anchors, keys, tokens, temps, seeds, offsets, *,
     vocab_start: int, vocab_size: int, k: int, offset_k: int, salt: int, w_kind: int, out_bf16: bool,
-    config: FusedConfig, interpret: bool,
+    config: FusedConfig, interpret: bool, order: str = "alternate",
 ) -> None:
-    """Launch step ``k`` of the fused chain (internal; validated by the caller). CUDA-graph safe."""
+    """Launch step ``k`` of the fused chain (internal; validated by the caller). CUDA-graph safe.
+
+    ``order="alternate"`` scans the column tiles backwards at odd ``k`` (L2 reuse across steps);
+    ``"same"`` scans every step forwards. Both give the same values, bit for bit.
+    """
     B, _, v_local = base.shape
     r = w1.shape[1]
     sample = temps is not None
-    n_tiles = triton.cdiv(v_local, config.block_n)
-    row_tiles = triton.cdiv(B, config.block_b)
-    n_progs = max(1, min(n_tiles, triton.cdiv(config.programs, row_tiles)))
-    _markov_fused_step_kernel[(row_tiles, n_progs)](
+    groups, per_group, n_progs, n_tiles = fused_grid(B, v_local, config)
+    reverse = 1 if order == "alternate" and k % 2 == 1 else 0
+    _markov_fused_step_kernel[(groups, n_progs)](
         base, w1, w2, out, anchors, keys, tokens,
         temps if sample else base, seeds if sample else anchors, offsets if sample else anchors,
-        B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k, n_tiles, n_progs,
+        B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k, n_tiles, n_progs, reverse,
         base.stride(0), base.stride(1), out.stride(0), out.stride(1), w1.stride(0), w2.stride(0),
         keys.stride(0), tokens.stride(0),
         R=r, IS_FIRST=k == 0, SAMPLE=sample, SALT=salt, W_KIND=w_kind, OUT_BF16=out_bf16,
-        DOT_FP32=interpret, BLOCK_B=config.block_b, BLOCK_N=config.block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_FP32=interpret, BLOCK_B=FUSED_BLOCK_B, BLOCK_N=config.block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), ROW_TILES=per_group, H_ONCE=config.h_once,
+        W_EVICT="evict_last" if config.cache_hints else "", BASE_EVICT="evict_first" if config.cache_hints else "",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from tensorrt_llm_ext.contract import MarkovHeadWeights
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing, triton_runs_on
-from tensorrt_llm_ext.kernels.markov_step import (W_BF16, W_FP16, W_FP32, FusedConfig, fused_config,
+from tensorrt_llm_ext.kernels.markov_step import (ORDERS, W_BF16, W_FP16, W_FP32, FusedConfig, fused_config,
                                                   launch_exact_resolve, launch_exact_select, launch_fused_step,
                                                   markov_step_reference)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
@@ -156,10 +156,13 @@ class MarkovChainStepper:
 
     def __init__(self, base_logits, anchors, markov_w1, markov_w2, *, vocab_start=0, vocab_size=None,
                  temperatures=None, seeds=None, offsets=None, mode="exact", out=None,
-                 workspace: MarkovWorkspace | None = None, config: FusedConfig | None = None):
+                 workspace: MarkovWorkspace | None = None, config: FusedConfig | None = None,
+                 order: str = "alternate"):
         vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
         _check_inputs(base_logits, anchors, markov_w1, markov_w2, vocab_start, vocab_size, temperatures,
                       seeds, offsets, mode, out)
+        if order not in ORDERS:
+            raise ValueError(f"markov_chain_logits order must be one of {ORDERS}, got {order!r}")
         B, K, v_local = base_logits.shape
         r = markov_w1.shape[1]
         if out is None or workspace is None:
@@ -179,7 +182,8 @@ class MarkovChainStepper:
         self.out, self.ws, self.B, self.K = out, ws, B, K
         self.tokens = ws.tokens[:B]
         self.interpret = not base_logits.is_cuda
-        self.config = config or fused_config(r, self.interpret, base_logits.device)
+        self.config = config or fused_config(r, self.interpret, base_logits.device, B)
+        self.order = order
         self.w_kind = _W_KIND[markov_w1.dtype]
         self.out_bf16 = base_logits.dtype == torch.bfloat16
 
@@ -193,7 +197,7 @@ class MarkovChainStepper:
                               self.temps, self.seeds, self.offsets, vocab_start=self.vocab_start,
                               vocab_size=self.vocab_size, k=k, offset_k=k, salt=MARKOV_SALT,
                               w_kind=self.w_kind, out_bf16=self.out_bf16, config=self.config,
-                              interpret=self.interpret)
+                              interpret=self.interpret, order=self.order)
             return self.ws.keys[k % 3, :B]
         h, bias = self.ws.h[:B], self.ws.bias[:B]
         launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=k, read_slot=0, reset_slot=0,
@@ -232,6 +236,8 @@ def markov_chain_logits(
     mode: str = "exact",
     out: torch.Tensor | None = None,
     workspace: MarkovWorkspace | None = None,
+    order: str = "alternate",
+    config: FusedConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Markov draft chain over K block positions.
 
@@ -249,6 +255,10 @@ def markov_chain_logits(
         mode: ``"exact"`` (bit-identical to :func:`markov_chain_logits_reference`) or ``"fused"``.
         out: optional ``[B, K, V_local]`` output; workspace: optional :class:`MarkovWorkspace`.
             Both are required under CUDA-graph capture (then the call allocates nothing and never syncs).
+        order, config: the fused mode's schedule (no effect on any value): ``"alternate"`` (default)
+            scans ``markov_w2`` backwards at odd block positions so the tiles the previous step read last
+            are read first, from L2; ``"same"`` scans forwards every step. ``config`` overrides the
+            per-B :func:`~tensorrt_llm_ext.kernels.markov_step.fused_config` (benchmarks, tests).
 
     Returns:
         ``(biased_logits [B, K, V_local] in the logits dtype, tokens [B, K] int64)``; ``tokens`` is a
@@ -259,7 +269,8 @@ def markov_chain_logits(
     """
     stepper = MarkovChainStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
                                  vocab_size=vocab_size, temperatures=temperatures, seeds=seeds,
-                                 offsets=offsets, mode=mode, out=out, workspace=workspace)
+                                 offsets=offsets, mode=mode, out=out, workspace=workspace, config=config,
+                                 order=order)
     return _run_chain(stepper, exchange)
 
 
