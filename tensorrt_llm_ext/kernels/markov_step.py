@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import num_warps_for
+from tensorrt_llm_ext.kernels.common import check_int, num_warps_for
 from tensorrt_llm_ext.kernels.ordered_key import (block_best, combine_best, gumbel_noise, gumbel_noise_torch, key_to_id,
                                                   ordered_i32, pack_key, shard_argmax_key_reference)
 
@@ -120,14 +120,38 @@ def _gather_w1_rows(w1_ptr, psafe, pvalid, rr, stride_w1, R: tl.constexpr, DOT_F
 
 
 @triton.jit
+def _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot, vocab_size, IS_FIRST: tl.constexpr):
+    """Rows' previous tokens (the anchor at k = 0, else the id of step k-1's exchanged key) and the safe
+    gather index: invalid ids (padding/dummy anchors) gather a zero w1 row, never out of bounds."""
+    if IS_FIRST:
+        prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
+    else:
+        prev = key_to_id(tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask,
+                                 other=-9223372036854775808))
+    pvalid = rmask & (prev >= 0) & (prev < vocab_size)
+    return prev, tl.where(pvalid, prev, 0), pvalid
+
+
+@triton.jit
+def _record_rows(keys_ptr, tokens_ptr, rows64, rmask, prev, k, next_slot, stride_slot, stride_tok,
+                 IS_FIRST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Column program 0's bookkeeping: record step k-1's token, clear the slot launch k+1 will MAX into."""
+    if not IS_FIRST:
+        tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask)
+    tl.store(keys_ptr + next_slot * stride_slot + rows64, tl.full([BLOCK_B], -9223372036854775808, tl.int64),
+             mask=rmask)
+
+
+@triton.jit
 def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, gid, k,
-                stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off, best_k, best_c,
+                stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off,
                 SAMPLE: tl.constexpr, SALT: tl.constexpr, W_KIND: tl.constexpr, OUT_BF16: tl.constexpr,
                 DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BASE_EVICT: tl.constexpr):
-    """One ``BLOCK_B x BLOCK_N`` output tile: bias dot, roundings, add, store, fold into the running best.
+    """One ``BLOCK_B x BLOCK_N`` output tile: bias dot, roundings, add, store; returns the tile's best
+    ``(ordered key, local column)`` per row.
 
-    ``h [BLOCK_B, BLOCK_R]`` (fp32 with ``DOT_FP32``), ``w [BLOCK_N, BLOCK_R]`` (fp32 with ``DOT_FP32``):
-    the same instruction sequence for every tile of every batch, shard and program.
+    ``h [BLOCK_B, BLOCK_R]``, ``w [BLOCK_N, BLOCK_R]`` (both fp32 with ``DOT_FP32``): the same instruction
+    sequence for every tile of every batch, shard and program -- the bitwise contract.
     """
     m2 = rmask[:, None] & cmask[None, :]
     base = tl.load(base_ptr + rows64[:, None] * stride_bb + k * stride_bk + cols64[None, :], mask=m2, other=0.0,
@@ -147,68 +171,73 @@ def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col
         s = selection_score(s, gid[None, :] + zeros, temp[:, None], seed[:, None] + zeros, off[:, None] + zeros,
                             SAMPLE, SALT)
     # Padded shard columns (gid >= V) never win.
-    tk, tc = block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
-                        rmask[:, None] & col_ok[None, :], 1)
-    return combine_best(best_k, best_c, tk, tc)
+    return block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
+                      rmask[:, None] & col_ok[None, :], 1)
 
 
 @triton.jit(do_not_specialize=["B", "k", "vocab_start", "prev_slot", "cur_slot", "next_slot", "offset_k",
-                             "n_tiles", "n_progs", "reverse"])
+                             "n_tiles", "n_progs", "reverse", "group_tiles"])
 def _markov_fused_step_kernel(
     base_ptr, w1_ptr, w2_ptr, out_ptr, anchors_ptr, keys_ptr, tokens_ptr,
     temps_ptr, seeds_ptr, offsets_ptr,
     B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k, n_tiles, n_progs, reverse,
+    group_tiles,
     stride_bb, stride_bk, stride_ob, stride_ok, stride_w1, stride_w2, stride_slot, stride_tok,
     R: tl.constexpr, IS_FIRST: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr,
     W_KIND: tl.constexpr, OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ROW_TILES: tl.constexpr, H_ONCE: tl.constexpr,
-    W_EVICT: tl.constexpr, BASE_EVICT: tl.constexpr,
+    ROW_TILES: tl.constexpr, H_ONCE: tl.constexpr, W_EVICT: tl.constexpr, BASE_EVICT: tl.constexpr,
 ):
-    # Grid (row-tile groups, persistent column programs). A program owns ROW_TILES row tiles of BLOCK_B
-    # rows: it resolves their previous tokens once (and, with H_ONCE, gathers their w1 rows once), then
-    # streams its column tiles; each w2 tile is loaded once and applied to every row tile (the row-tile
-    # loop is unrolled, so the column loop stays the innermost loop the pipeliner prefetches across).
-    # Per-row-tile state lives in tuples of registers (one entry per row tile, each in the layout its
-    # producer gave it): no padding to a power of two, no layout conversion per tile.
+    # Grid (row-tile groups, persistent column programs). A program owns `group_tiles` row tiles of
+    # BLOCK_B rows and streams its column tiles; each w2 tile is loaded once and applied to every row tile.
+    #   H_ONCE: the row-tile loop is unrolled (ROW_TILES = group_tiles): each tile's previous tokens and
+    #     w1 rows are gathered once, before the column loop, and with the running best kept in tuples of
+    #     registers (one entry per row tile, in the layout its producer gave it).
+    #   else: a runtime row-tile loop inside the column loop (ROW_TILES = a power of two >= group_tiles)
+    #     re-resolves each tile's previous tokens and re-gathers its w1 rows per column tile (L1/L2 hits:
+    #     B*r*2 bytes in all), and keeps the running best in one [ROW_TILES, BLOCK_B] register tensor,
+    #     updated with tl.where; nothing per row tile stays live across the column loop but that tensor.
+    # Either way one atomic MAX per (program, row) at the end.
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     rr = tl.arange(0, BLOCK_R)
-    first_row = pid_g * (ROW_TILES * BLOCK_B)
-    psafes = ()
-    pvalids = ()
-    hs = ()
-    temps = ()
-    seeds = ()
-    offs = ()
-    best_ks = ()
-    best_cs = ()
-    for i in tl.static_range(ROW_TILES):
-        rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
-        rmask = rows < B
-        rows64 = rows.to(tl.int64)
-        if IS_FIRST:
-            prev = tl.load(anchors_ptr + rows64, mask=rmask, other=-1).to(tl.int64)
-        else:
-            key = tl.load(keys_ptr + prev_slot * stride_slot + rows64, mask=rmask, other=-9223372036854775808)
-            prev = key_to_id(key)
-            # Column program 0 records step k-1's token and clears the slot launch k+1 will MAX into.
-            tl.store(tokens_ptr + rows64 * stride_tok + (k - 1), prev, mask=rmask & (pid_n == 0))
-        tl.store(keys_ptr + next_slot * stride_slot + rows64,
-                 tl.full([BLOCK_B], -9223372036854775808, tl.int64), mask=rmask & (pid_n == 0))
-        # Invalid previous ids (padding/dummy anchors) gather a zero w1 row: zero bias, never out of bounds.
-        pvalid = rmask & (prev >= 0) & (prev < vocab_size)
-        psafe = tl.where(pvalid, prev, 0)
-        psafes = psafes + (psafe,)
-        pvalids = pvalids + (pvalid,)
-        if H_ONCE:
+    first_row = pid_g * group_tiles * BLOCK_B
+    if H_ONCE:
+        hs = ()
+        temps = ()
+        seeds = ()
+        offs = ()
+        best_ks = ()
+        best_cs = ()
+        for i in tl.static_range(ROW_TILES):
+            rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+            rmask = rows < B
+            rows64 = rows.to(tl.int64)
+            prev, psafe, pvalid = _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot,
+                                                vocab_size, IS_FIRST)
+            _record_rows(keys_ptr, tokens_ptr, rows64, rmask & (pid_n == 0), prev, k, next_slot, stride_slot,
+                         stride_tok, IS_FIRST, BLOCK_B)
             hs = hs + (_gather_w1_rows(w1_ptr, psafe, pvalid, rr, stride_w1, R, DOT_FP32, W_EVICT),)
-        if SAMPLE:
-            temps = temps + (tl.load(temps_ptr + rows64, mask=rmask, other=0.0),)
-            seeds = seeds + (tl.load(seeds_ptr + rows64, mask=rmask, other=0),)
-            offs = offs + (tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k,)
-        best_ks = best_ks + (tl.full([BLOCK_B], -2147483648, tl.int32),)
-        best_cs = best_cs + (tl.full([BLOCK_B], 2147483647, tl.int32),)
+            if SAMPLE:
+                temps = temps + (tl.load(temps_ptr + rows64, mask=rmask, other=0.0),)
+                seeds = seeds + (tl.load(seeds_ptr + rows64, mask=rmask, other=0),)
+                offs = offs + (tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k,)
+            best_ks = best_ks + (tl.full([BLOCK_B], -2147483648, tl.int32),)
+            best_cs = best_cs + (tl.full([BLOCK_B], 2147483647, tl.int32),)
+    else:
+        tiles_here = tl.minimum(group_tiles, tl.cdiv(B - first_row, BLOCK_B))
+        if pid_n == 0:
+            for i in range(0, tiles_here):
+                rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+                rmask = rows < B
+                rows64 = rows.to(tl.int64)
+                prev, psafe, pvalid = _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot,
+                                                    vocab_size, IS_FIRST)
+                _record_rows(keys_ptr, tokens_ptr, rows64, rmask, prev, k, next_slot, stride_slot, stride_tok,
+                             IS_FIRST, BLOCK_B)
+        ti = tl.arange(0, ROW_TILES)
+        best_k2 = tl.full([ROW_TILES, BLOCK_B], -2147483648, tl.int32)
+        best_c2 = tl.full([ROW_TILES, BLOCK_B], 2147483647, tl.int32)
 
     for t in range(pid_n, n_tiles, n_progs):
         # reverse = 1 scans the tiles from the end: what the previous step read last (its final round of
@@ -223,60 +252,93 @@ def _markov_fused_step_kernel(
                     other=0.0, eviction_policy=W_EVICT)  # [BLOCK_N, BLOCK_R]: loaded once for every row tile
         if DOT_FP32:
             w = w.to(tl.float32)
-        for i in tl.static_range(ROW_TILES):
-            rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
-            if H_ONCE:
-                h = hs[i]
-            else:  # re-gathered per column tile: the rows are in L1/L2 after the first tile
-                h = _gather_w1_rows(w1_ptr, psafes[i], pvalids[i], rr, stride_w1, R, DOT_FP32, W_EVICT)
-            if SAMPLE:
-                temp = temps[i]
-                seed = seeds[i]
-                off = offs[i]
-            else:
-                temp = 0.0
-                seed = 0
-                off = 0
-            bk, bc = _fused_tile(h, w, base_ptr, out_ptr, rows.to(tl.int64), rows < B, cols, cols64, cmask, col_ok,
-                                 gid, k, stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off,
-                                 best_ks[i], best_cs[i], SAMPLE, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N,
-                                 BASE_EVICT)
-            best_ks = best_ks[:i] + (bk,) + best_ks[i + 1:]
-            best_cs = best_cs[:i] + (bc,) + best_cs[i + 1:]
+        if H_ONCE:
+            for i in tl.static_range(ROW_TILES):
+                rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+                if SAMPLE:
+                    temp, seed, off = temps[i], seeds[i], offs[i]
+                else:
+                    temp, seed, off = 0.0, 0, 0
+                tk, tc = _fused_tile(hs[i], w, base_ptr, out_ptr, rows.to(tl.int64), rows < B, cols, cols64, cmask,
+                                     col_ok, gid, k, stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off,
+                                     SAMPLE, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N, BASE_EVICT)
+                bk, bc = combine_best(best_ks[i], best_cs[i], tk, tc)
+                best_ks = best_ks[:i] + (bk,) + best_ks[i + 1:]
+                best_cs = best_cs[:i] + (bc,) + best_cs[i + 1:]
+        else:
+            for i in range(0, tiles_here):
+                rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+                rmask = rows < B
+                rows64 = rows.to(tl.int64)
+                prev, psafe, pvalid = _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot,
+                                                    vocab_size, IS_FIRST)
+                h = _gather_w1_rows(w1_ptr, psafe, pvalid, rr, stride_w1, R, DOT_FP32, W_EVICT)
+                if SAMPLE:
+                    temp = tl.load(temps_ptr + rows64, mask=rmask, other=0.0)
+                    seed = tl.load(seeds_ptr + rows64, mask=rmask, other=0)
+                    off = tl.load(offsets_ptr + rows64, mask=rmask, other=0) + offset_k
+                else:
+                    temp, seed, off = 0.0, 0, 0
+                tk, tc = _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, gid, k,
+                                     stride_bb, stride_bk, stride_ob, stride_ok, temp, seed, off,
+                                     SAMPLE, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N, BASE_EVICT)
+                nk, nc = combine_best(best_k2, best_c2, tk[None, :], tc[None, :])
+                sel = ti[:, None] == i
+                best_k2 = tl.where(sel, nk, best_k2)
+                best_c2 = tl.where(sel, nc, best_c2)
 
     # One atomic MAX per (program, row): the step key is the max over programs (and, after the
     # exchange, over ranks), whatever order the programs finish in.
-    for i in tl.static_range(ROW_TILES):
-        rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
-        keys = pack_key(best_ks[i], best_cs[i].to(tl.int64) + vocab_start)
-        tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows.to(tl.int64), keys, mask=rows < B)
+    if H_ONCE:
+        for i in tl.static_range(ROW_TILES):
+            rows = first_row + i * BLOCK_B + tl.arange(0, BLOCK_B)
+            keys = pack_key(best_ks[i], best_cs[i].to(tl.int64) + vocab_start)
+            tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows.to(tl.int64), keys, mask=rows < B)
+    else:
+        rows2 = first_row + ti[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
+        keys2 = pack_key(best_k2, best_c2.to(tl.int64) + vocab_start)
+        tl.atomic_max(keys_ptr + cur_slot * stride_slot + rows2.to(tl.int64), keys2,
+                      mask=(rows2 < B) & (ti[:, None] < tiles_here))
+
+
+H_ONCE_MAX_ROW_TILES = 2  # w1 rows kept in registers for at most this many row tiles (r = 256: 255 regs, no spill)
 
 
 @dataclass(frozen=True)
 class FusedConfig:
-    """Schedule of the fused step. No field changes a value (module docs): every one only decides which
+    """Schedule of the fused step. No field changes a value (module docs): each only decides which
     program computes which tiles, in which order, with which pipeline depth.
 
     ``block_n``: columns per tile (``16 x r @ r x block_n`` per dot); ``num_warps`` / ``num_stages``:
     Triton launch settings; ``programs``: persistent column programs in all (divided among the row-tile
     groups); ``row_tiles``: the most 16-row tiles one program applies each ``markov_w2`` tile to -- a
-    batch of more than ``16 * row_tiles`` rows is split into groups (grid axis 0), each streaming
-    ``markov_w2`` once; ``h_once``: gather each row tile's ``w1`` rows once per program and keep them
-    in registers (else re-gather them per column tile, from L1/L2); ``cache_hints``: ``evict_last`` on the
-    ``markov_w2`` / ``w1`` loads and ``evict_first`` on the streamed base-logit loads.
+    batch of more than ``16 * row_tiles`` rows is split into balanced groups (grid axis 0), each
+    streaming ``markov_w2`` once; ``h_once``: gather each row tile's ``w1`` rows once per program and keep
+    them in registers (at most :data:`H_ONCE_MAX_ROW_TILES` row tiles), else re-gather them per column
+    tile from L1/L2; ``cache_hints``: ``evict_last`` on the ``markov_w2`` / ``w1`` loads and
+    ``evict_first`` on the streamed base-logit loads.
     """
 
     block_n: int
     num_warps: int
     num_stages: int
     programs: int
-    row_tiles: int = 8
-    h_once: bool = True
+    row_tiles: int
+    h_once: bool
     cache_hints: bool = False
 
+    def __post_init__(self):
+        for name in ("block_n", "num_warps", "num_stages", "programs", "row_tiles"):
+            check_int(f"FusedConfig.{name}", getattr(self, name), lo=1)
+        if self.block_n & (self.block_n - 1) or self.block_n < 16:
+            raise ValueError(f"FusedConfig.block_n: expected a power of two >= 16, got {self.block_n}")
+        if self.h_once and self.row_tiles > H_ONCE_MAX_ROW_TILES:
+            raise ValueError(f"FusedConfig: h_once keeps w1 rows in registers for at most {H_ONCE_MAX_ROW_TILES} "
+                             f"row tiles, got row_tiles={self.row_tiles}")
+
     def describe(self) -> str:
-        return (f"n{self.block_n} w{self.num_warps} s{self.num_stages} p{self.programs} rt{self.row_tiles} "
-                f"{'h1' if self.h_once else 'hN'}{' ch' if self.cache_hints else ''}")
+        return (f"n{self.block_n}/w{self.num_warps}/s{self.num_stages}/p{self.programs}/rt{self.row_tiles}/"
+                f"{'h1' if self.h_once else 'hN'}{'/ch' if self.cache_hints else ''}")
 
 
 @dataclass(frozen=True)
@@ -298,19 +360,22 @@ class FusedSchedule:
                            cache_hints=self.cache_hints)
 
 
-# Per-B schedule of the fused step on CUDA (first row whose max_batch >= B). TO BE MEASURED on the
-# H200 (`trtllm-ext bench markov` prints the variants per B): only the B <= 16 row is a measured
-# configuration (the one-row-tile kernel's sweep: 64 columns, 4 warps, 2 stages, 4 programs per SM);
-# the others are starting points (h in registers while it fits, more columns per tile and fewer
-# programs as B grows, since every program then does B/16 dots per w2 tile).
+# Per-B schedule of the fused step on CUDA (the first row whose max_batch >= B). TO BE MEASURED on the
+# H200 with `trtllm-ext bench markov` (it times these rows and a few variants per B): only the B <= 16
+# row is a measured configuration (the one-row-tile kernel's sweep: 64 columns, 4 warps, 2 stages,
+# 4 programs per SM); the others are starting points (w1 rows in registers while they fit, fewer
+# programs as B grows since each then does B/16 dots per markov_w2 tile).
 FUSED_SCHEDULES: tuple[FusedSchedule, ...] = (
-    FusedSchedule(16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=8, h_once=True),
-    FusedSchedule(32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=8, h_once=False),
+    FusedSchedule(16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=1, h_once=True),
+    FusedSchedule(32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=2, h_once=True),
     FusedSchedule(64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
-    FusedSchedule(None, block_n=128, num_warps=8, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
+    FusedSchedule(None, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
 )
 # The interpreter runs programs one after another: few programs, one stage (timing is meaningless there).
-INTERPRET_CONFIG = FusedConfig(block_n=64, num_warps=4, num_stages=1, programs=3, row_tiles=4, h_once=True)
+INTERPRET_SCHEDULES: tuple[FusedSchedule, ...] = (
+    FusedSchedule(16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=3, row_tiles=1, h_once=True),
+    FusedSchedule(None, block_n=64, num_warps=4, num_stages=1, programs_per_sm=3, row_tiles=4, h_once=False),
+)
 
 
 def fused_schedule(batch_size: int, schedules: tuple[FusedSchedule, ...] = FUSED_SCHEDULES) -> FusedSchedule:
@@ -322,13 +387,14 @@ def fused_schedule(batch_size: int, schedules: tuple[FusedSchedule, ...] = FUSED
 
 
 def fused_config(r: int, interpret: bool, device=None, batch_size: int = 1) -> FusedConfig:
-    """The fused step's schedule for ``batch_size`` rows of Markov rank ``r`` (see :data:`FUSED_SCHEDULES`).
+    """The fused step's schedule for ``batch_size`` rows of Markov rank ``r`` (:data:`FUSED_SCHEDULES`;
+    the interpreter: :data:`INTERPRET_SCHEDULES`, one "SM").
 
-    ``r`` does not pick anything today (the whole ``r`` is one dot at every size the chain validates);
-    it stays in the signature because a schedule measured at r = 256 need not suit another rank.
+    ``r`` picks nothing today (the whole ``r`` is one dot); it stays in the signature because a schedule
+    measured at r = 256 need not suit another rank.
     """
     if interpret:
-        return INTERPRET_CONFIG
+        return fused_schedule(batch_size, INTERPRET_SCHEDULES).config(1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return fused_schedule(batch_size).config(sms)
 
@@ -362,11 +428,13 @@ def launch_fused_step(
         base, w1, w2, out, anchors, keys, tokens,
         temps if sample else base, seeds if sample else anchors, offsets if sample else anchors,
         B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k, n_tiles, n_progs, reverse,
+        per_group,
         base.stride(0), base.stride(1), out.stride(0), out.stride(1), w1.stride(0), w2.stride(0),
         keys.stride(0), tokens.stride(0),
         R=r, IS_FIRST=k == 0, SAMPLE=sample, SALT=salt, W_KIND=w_kind, OUT_BF16=out_bf16,
         DOT_FP32=interpret, BLOCK_B=FUSED_BLOCK_B, BLOCK_N=config.block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), ROW_TILES=per_group, H_ONCE=config.h_once,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), H_ONCE=config.h_once,
+        ROW_TILES=per_group if config.h_once else triton.next_power_of_2(per_group),
         W_EVICT="evict_last" if config.cache_hints else "", BASE_EVICT="evict_first" if config.cache_hints else "",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
