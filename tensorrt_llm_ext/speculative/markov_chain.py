@@ -49,6 +49,7 @@ from tensorrt_llm_ext.kernels.markov_step import (ORDERS, W_BF16, W_FP16, W_FP32
                                                   launch_exact_resolve, launch_exact_select, launch_fused_step,
                                                   markov_step_reference)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.step_ops import stock_select
 
 MARKOV_SALT = 0x4D4B5631  # "MKV1": Philox counter word c3 of the Markov chain's Gumbel draws
@@ -375,30 +376,90 @@ def markov_chain_stock(
 # ----------------------------------------------------------------------------------------------------
 # Worker-side component
 # ----------------------------------------------------------------------------------------------------
+# Auto mode: per batch size, the faster of "fused" and "exact" measured on the target GPU. Keys are
+# substrings of torch.cuda.get_device_name() (the longest matching key wins, so "H200" is not taken
+# for an "H20"); each value lists (max batch size, mode) rows in increasing order, the last row's max
+# None covering every larger B. TO BE FILLED by the lead from `trtllm-ext bench markov` on the H200
+# (its "auto picks / faster" columns): the placeholder is the old kernel's crossover (fused faster up
+# to B = 32, exact above), which the one-pass fused step may move.
+AutoModeTable = tuple[tuple[int | None, str], ...]
+AUTO_MODE_TABLES: dict[str, AutoModeTable] = {
+    "H200": ((32, "fused"), (None, "exact")),
+}
+# GPUs not in the table, and the CPU interpreter (where speed does not matter): the same crossover.
+AUTO_MODE_DEFAULT: AutoModeTable = ((32, "fused"), (None, "exact"))
+
+
+def auto_mode_table(device_name: str | None) -> tuple[str, AutoModeTable]:
+    """``(table name, rows)`` for a device name (``None``: CPU): the longest key of
+    :data:`AUTO_MODE_TABLES` contained in the name, else ``("default", AUTO_MODE_DEFAULT)``."""
+    if device_name is not None:
+        for key in sorted(AUTO_MODE_TABLES, key=len, reverse=True):
+            if key in device_name:
+                return key, AUTO_MODE_TABLES[key]
+    return "default", AUTO_MODE_DEFAULT
+
+
+def auto_mode_for(table: AutoModeTable, batch_size: int) -> str:
+    """The mode ``table`` gives ``batch_size`` (the first row whose max covers it)."""
+    for max_batch, mode in table:
+        if max_batch is None or batch_size <= max_batch:
+            return mode
+    return table[-1][1]
+
+
+def _check_auto_table(table: AutoModeTable) -> None:
+    bounds = [m for m, _ in table]
+    if (not table or bounds[-1] is not None or any(b is None for b in bounds[:-1])
+            or bounds[:-1] != sorted(set(bounds[:-1])) or any(mode not in MODES for _, mode in table)):
+        raise ValueError(f"auto mode table must be increasing (max batch, mode in {MODES}) rows ending with "
+                         f"(None, mode), got {table!r}")
+
+
+def describe_auto_table(table: AutoModeTable) -> str:
+    parts, lo = [], 1
+    for max_batch, mode in table:
+        parts.append(f"B>={lo} {mode}" if max_batch is None else f"B {lo}..{max_batch} {mode}")
+        lo = (max_batch or 0) + 1
+    return ", ".join(parts)
+
+
 class MarkovChain:
     """The worker's Markov chain: reads the drafter's :class:`MarkovHeadWeights`, owns the preallocated
     buffers, runs :func:`markov_chain_logits` (CUDA-graph safe: no allocation, no host sync per call).
 
     ``mode`` comes from the worker config (read once): ``"exact"`` reproduces the eager chain bit for bit;
     ``"fused"`` is one launch per block position and bitwise identical at every TP size; ``"auto"``
-    (default) runs ``fused`` for batches of at most ``fused_max_batch`` rows and ``exact`` above, which
-    is the faster of the two on an H200 (docs/markov_chain.md). The choice depends on the batch size
-    only (a shape, fixed per captured graph), and both modes share one workspace. ``"stock"`` is the
-    upstream eager chain (:func:`markov_chain_stock`), the stock op table's.
+    (default) runs, per batch size, the mode of the table measured on this GPU
+    (:data:`AUTO_MODE_TABLES`, looked up once by device name and logged once; :data:`AUTO_MODE_DEFAULT`
+    for other GPUs and CPU), or of ``auto_table`` when given. The choice depends on the batch size only
+    (a shape, fixed per captured graph), and both modes share one workspace. ``"stock"`` is the upstream
+    eager chain (:func:`markov_chain_stock`), the stock op table's.
     """
 
     def __init__(self, weights: MarkovHeadWeights, *, max_batch_size: int, draft_len: int,
                  logits_dtype: torch.dtype = torch.bfloat16, exchange=None, mode: str = "auto",
-                 fused_max_batch: int = 32):
+                 auto_table: AutoModeTable | None = None):
         if mode not in MODES + ("auto", "stock"):
             raise ValueError(f"MarkovChain mode must be one of {MODES + ('auto', 'stock')}, got {mode!r}")
         if mode == "stock" and (exchange is not None or weights.vocab_start != 0):
             raise ValueError("MarkovChain mode 'stock' runs on the full vocabulary (the stock worker gathers)")
         self.weights = weights
         self.mode = mode
-        self.fused_max_batch = fused_max_batch
         self.exchange = exchange
         w2 = weights.markov_w2
+        self.auto_table: AutoModeTable | None = None
+        if mode == "auto":
+            if auto_table is None:
+                device_name = torch.cuda.get_device_name(w2.device) if w2.is_cuda else None
+                name, auto_table = auto_mode_table(device_name)
+                where = f"table {name!r} for {device_name!r}" if device_name else f"table {name!r} (CPU)"
+            else:
+                where = "the given table"
+            _check_auto_table(auto_table)
+            self.auto_table = auto_table
+            info_once(f"Markov chain mode 'auto': {where}: {describe_auto_table(auto_table)}",
+                             key=f"markov-auto:{where}:{auto_table}")
         # The exact layout holds every buffer either mode needs.
         self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2,
                                                   "fused" if mode == "fused" else "exact")
@@ -409,9 +470,9 @@ class MarkovChain:
         self.workspace.reset()
 
     def mode_for(self, batch_size: int) -> str:
-        if self.mode != "auto":
+        if self.auto_table is None:
             return self.mode
-        return "fused" if batch_size <= self.fused_max_batch else "exact"
+        return auto_mode_for(self.auto_table, batch_size)
 
     def __call__(self, base_logits: torch.Tensor, anchors: torch.Tensor, temperatures=None, seeds=None,
                  offsets=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,8 +69,8 @@ def resolve_markov_mode(mode: str, mapping: Mapping, markov_w1: torch.Tensor, fu
     not be bitwise the single-rank chain at one of ``exact_batch_sizes`` on some rank.
 
     ``exact_batch_sizes``: the batch sizes at which ``mode`` runs the exact kernels (every size for
-    ``"exact"``; those above the fused limit for ``"auto"``); it must be the same on every rank. With
-    none (``"fused"``, or ``"auto"`` whose sizes all run fused) nothing is checked and nothing is
+    ``"exact"``; for ``"auto"`` the sizes its table maps to ``"exact"``); it must be the same on every
+    rank. With none (``"fused"``, or ``"auto"`` whose sizes all run fused) nothing is checked and nothing is
     exchanged; otherwise call on every TP rank (one agreement over the CPU group).
     """
     sizes = sorted(set(exact_batch_sizes))

@@ -8,6 +8,8 @@ import torch
 
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.contract import MarkovHeadWeights
+from tensorrt_llm_ext.kernels.markov_step import FusedConfig, fused_grid
+from tensorrt_llm_ext.speculative import markov_chain as mc
 from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, MarkovChainStepper, MarkovReferenceStepper,
                                                        MarkovWorkspace, markov_chain_logits,
                                                        markov_chain_logits_reference)
@@ -61,7 +63,7 @@ def _sampling(B, seed=7, dev=DEV):
     return temps.to(dev), seeds.to(dev), offsets.to(dev)
 
 
-def _run_shards(base, anchors, w1, w2, tp, *, mode, vocab_size=None, sampling=None, reference=False):
+def _run_shards(base, anchors, w1, w2, tp, *, mode, vocab_size=None, sampling=None, reference=False, order="alternate"):
     """Emulate a TP-``tp`` vocab shard on one process: each shard's stepper in lockstep, host-side MAX of
     the step keys standing in for the PairExchange. Returns the gathered logits (padding dropped) and
     every shard's tokens."""
@@ -80,7 +82,7 @@ def _run_shards(base, anchors, w1, w2, tp, *, mode, vocab_size=None, sampling=No
         if reference:
             steppers.append(MarkovReferenceStepper(bl, anchors, w1, w2s, **kw))
         else:
-            steppers.append(MarkovChainStepper(bl, anchors, w1, w2s, mode=mode, **kw))
+            steppers.append(MarkovChainStepper(bl, anchors, w1, w2s, mode=mode, order=order, **kw))
         spans.append((s0, s1))
     for k in range(base.shape[1]):
         keys = [st.step(k) for st in steppers]
@@ -194,6 +196,146 @@ def test_fused_agrees_with_exact():
     assert diff.max().item() <= 0.07
 
 
+# Schedules of the fused step that must all give the same bits (interpreter: 3 column programs, so
+# tiles p, p+3, ... belong to program p; the B = 40 default is one group of three row tiles, runtime loop).
+_SCHEDULES = [
+    FusedConfig(block_n=64, num_warps=4, num_stages=1, programs=3, row_tiles=1, h_once=True),
+    FusedConfig(block_n=64, num_warps=4, num_stages=1, programs=3, row_tiles=2, h_once=True),
+    FusedConfig(block_n=32, num_warps=4, num_stages=1, programs=5, row_tiles=1, h_once=False),
+    FusedConfig(block_n=128, num_warps=4, num_stages=1, programs=2, row_tiles=2, h_once=False, cache_hints=True),
+    FusedConfig(block_n=64, num_warps=4, num_stages=1, programs=1, row_tiles=8, h_once=False),
+]
+
+
+def test_fused_three_row_tiles_match_rows_alone_and_b16():
+    """B = 40 (three 16-row tiles, one w2 pass): every row bitwise equals the row run alone and the
+    B = 16 runs of the same rows (tile-aligned and shifted)."""
+    B, K, V, r = 40, 2, 613, 16
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=51)
+    base = _adversarial(base)
+    anchors[7] = -1
+    assert fused_grid(B, V, mc.fused_config(r, True, batch_size=B))[:2] == (1, 3)  # one group of 3 tiles
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    assert torch.equal(t, torch.argmax(o, dim=2))
+    for lo in (0, 16, 24):  # B = 16 runs: tile-aligned and straddling two tiles of the B = 40 run
+        idx = torch.arange(lo, lo + 16, device=DEV)
+        o16, t16 = markov_chain_logits(base[idx].contiguous(), anchors[idx], w1, w2, mode="fused")
+        assert torch.equal(t16, t[idx]) and _bits_equal(o16, o[idx]), lo
+    for b in (0, 7, 15, 16, 23, 31, 32, 39):  # first/last rows of each tile, the invalid anchor's row
+        o1, t1 = markov_chain_logits(base[b:b + 1].contiguous(), anchors[b:b + 1].contiguous(), w1, w2, mode="fused")
+        assert torch.equal(t1, t[b:b + 1]) and _bits_equal(o1, o[b:b + 1]), b
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_fused_schedules_and_orders_identical(sample):
+    """No schedule knob changes a value: row-tile groups, w1 rows kept or re-gathered, tile width, program
+    count, cache hints, and the column order (alternating vs same) give the same tokens and biased
+    logits, bit for bit; also on TP 2/3 emulated shards."""
+    B, K, V, r = 40, 2, 613, 16
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=53)
+    base = _adversarial(base)
+    samp = _sampling(B, seed=5) if sample else (None, None, None)
+    kw = dict(temperatures=samp[0], seeds=samp[1], offsets=samp[2])
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused", order="same", **kw)
+    o, t = o.clone(), t.clone()
+    # Interpreter time is precious: each schedule once, in either order (the reference is 'same').
+    runs = [(None, "alternate")] + [(cfg, ("alternate", "same")[i % 2]) for i, cfg in enumerate(_SCHEDULES)]
+    for cfg, order in runs if not sample else [(None, "alternate")]:
+        oc, tc = markov_chain_logits(base, anchors, w1, w2, mode="fused", order=order, config=cfg, **kw)
+        assert torch.equal(tc, t) and _bits_equal(oc, o), (cfg, order)
+    for tp in (2, 3) if not sample else (2,):
+        lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", order="alternate",
+                             sampling=samp if sample else None)
+        assert all(torch.equal(x, t) for x in lt) and _bits_equal(lo, o), tp
+
+
+def test_fused_order_ties_across_tiles_and_programs():
+    """Equal maxima in different column tiles, owned by the same or by different programs, and scanned in
+    either direction (odd steps run backwards with order='alternate'): the lowest id wins, as torch.argmax;
+    NaN beats everything wherever it sits."""
+    B, K, V, r = 18, 3, 700, 16  # 11 tiles of 64 columns; program p owns tiles p, p+3, p+6, ...
+    g = torch.Generator().manual_seed(57)
+    base = (torch.rand(B, K, V, generator=g) * 0.1).to(torch.bfloat16)
+    w1 = (torch.randn(V, r, generator=g) * 0.3).to(torch.bfloat16)
+    w2 = (torch.randn(V, r, generator=g) * 0.3).to(torch.bfloat16)
+    # step -> tied columns: same program far apart (tiles 1, 10), two programs (tiles 1, 2; step 1 runs
+    # backwards with 'alternate'), the first and the last tile.
+    ties = {0: (70, 650), 1: (70, 140), 2: (5, 699)}
+    for k, cols in ties.items():
+        w2[list(cols)] = w2[cols[0]].clone()  # same w2 row: same bias in every row, so the tie survives the bias
+        base[:, k, list(cols)] = 50.0
+    base[3, 2, [130, 690]] = float("nan")  # two NaNs in different programs: the first wins
+    base, w1, w2 = base.to(DEV), w1.to(DEV), w2.to(DEV)
+    anchors = torch.randint(0, V, (B,), generator=g).to(DEV)
+    for cfg in (None, _SCHEDULES[0], _SCHEDULES[3]):
+        outs = {}
+        for order in ("alternate", "same"):
+            o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused", order=order, config=cfg)
+            assert torch.equal(t, torch.argmax(o, dim=2)), (cfg, order)
+            for k, cols in ties.items():
+                want = torch.full((B,), min(cols), dtype=torch.int64, device=DEV)
+                if k == 2:
+                    want[3] = 130
+                assert torch.equal(t[:, k], want), (cfg, order, k)
+            outs[order] = (o.clone(), t.clone())
+        assert torch.equal(outs["alternate"][1], outs["same"][1])
+        assert _bits_equal(outs["alternate"][0], outs["same"][0])
+
+
+def test_fused_config_validation():
+    with pytest.raises(ValueError, match="h_once"):
+        FusedConfig(block_n=64, num_warps=4, num_stages=2, programs=4, row_tiles=4, h_once=True)
+    with pytest.raises(ValueError, match="block_n"):
+        FusedConfig(block_n=48, num_warps=4, num_stages=2, programs=4, row_tiles=1, h_once=True)
+    with pytest.raises(ValueError, match="programs"):
+        FusedConfig(block_n=64, num_warps=4, num_stages=2, programs=0, row_tiles=1, h_once=True)
+    base, anchors, w1, w2 = _make(2, 2, 300, 8, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="order"):
+        markov_chain_logits(base, anchors, w1, w2, mode="fused", order="reverse")
+
+
+def test_fused_grid_groups_are_balanced():
+    cfg = FusedConfig(block_n=64, num_warps=4, num_stages=2, programs=528, row_tiles=8, h_once=False)
+    # (groups, row tiles per group, column programs, column tiles) at V = 200064
+    assert fused_grid(1, 200064, cfg) == (1, 1, 528, 3126)
+    assert fused_grid(128, 200064, cfg) == (1, 8, 528, 3126)
+    assert fused_grid(136, 200064, cfg) == (2, 5, 264, 3126)  # 9 tiles: 5 + 4, not 8 + 1
+    assert fused_grid(256, 100, cfg) == (2, 8, 2, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# auto mode: per-B table measured per GPU
+# ------------------------------------------------------------------------------------------------------
+def test_auto_mode_table_lookup(monkeypatch):
+    monkeypatch.setattr(mc, "AUTO_MODE_TABLES", {"H200": ((8, "fused"), (None, "exact")),
+                                                 "H20": ((64, "fused"), (None, "exact"))})
+    assert mc.auto_mode_table("NVIDIA H200") == ("H200", ((8, "fused"), (None, "exact")))  # longest key wins
+    assert mc.auto_mode_table("NVIDIA H20") == ("H20", ((64, "fused"), (None, "exact")))
+    assert mc.auto_mode_table("NVIDIA A100-SXM4-80GB") == ("default", mc.AUTO_MODE_DEFAULT)
+    assert mc.auto_mode_table(None) == ("default", mc.AUTO_MODE_DEFAULT)
+    table = ((1, "exact"), (32, "fused"), (None, "exact"))
+    assert [mc.auto_mode_for(table, b) for b in (1, 2, 32, 33, 4096)] == ["exact", "fused", "fused", "exact", "exact"]
+
+
+def test_auto_mode_component_follows_table(caplog):
+    base, anchors, w1, w2 = _make(3, 2, 300, 8, torch.bfloat16, torch.bfloat16, seed=59)
+    weights = MarkovHeadWeights(markov_w1=w1, markov_w2=w2, vocab_start=0, vocab_size=300)
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        chain = MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto")
+        MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto")
+    name, table = mc.auto_mode_table(torch.cuda.get_device_name() if CUDA else None)
+    assert chain.auto_table == table
+    assert [chain.mode_for(b) for b in range(1, 300)] == [mc.auto_mode_for(table, b) for b in range(1, 300)]
+    lines = [r.getMessage() for r in caplog.records if "Markov chain mode 'auto'" in r.getMessage()]
+    assert len(lines) <= 1 and all(f"table {name!r}" in ln for ln in lines)  # once per process
+    given = MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto", auto_table=((1, "exact"), (None, "fused")))
+    assert [given.mode_for(b) for b in (1, 2, 3)] == ["exact", "fused", "fused"]
+    assert MarkovChain(weights, max_batch_size=4, draft_len=2, mode="fused").mode_for(300) == "fused"
+    for bad in ((), ((8, "fused"),), ((8, "fused"), (4, "exact"), (None, "exact")), ((None, "eager"),)):
+        with pytest.raises(ValueError, match="auto mode table"):
+            MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto", auto_table=bad)
+
+
 # ------------------------------------------------------------------------------------------------------
 # keyed sampling
 # ------------------------------------------------------------------------------------------------------
@@ -261,7 +403,7 @@ def test_markov_chain_component_reuses_buffers():
     weights = MarkovHeadWeights(markov_w1=w1, markov_w2=w2, vocab_start=0, vocab_size=700)
     for mode in ("exact", "fused", "auto"):
         chain = MarkovChain(weights, max_batch_size=4, draft_len=2, logits_dtype=torch.bfloat16, mode=mode,
-                            fused_max_batch=2)
+                            auto_table=((2, "fused"), (None, "exact")) if mode == "auto" else None)
         ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
         for B in (3, 1, 3, 2):  # different batch sizes reuse the same buffers (auto: exact, fused, ...)
             o, t = chain(base[:B], anchors[:B])
