@@ -1,18 +1,28 @@
 """``trtllm-ext bench markov``: the DSpark Markov draft chain -- eager, exact and fused side by side.
 
-Per batch size B (K block positions, vocabulary V, Markov rank r, bf16), under CUDA-graph replay with
-the base-logit sets rotated beyond the L2:
+One run answers what the fused step's schedule table and the auto mode's table need (K block
+positions, vocabulary V, Markov rank r, bf16, CUDA-graph replay with the base-logit sets rotated
+beyond the L2):
 
-* eager: the replicated eager chain (per step ``F.linear`` bias, add, ``torch.argmax``), the baseline;
-* exact / fused: :func:`markov_chain_logits` in each mode (greedy);
-* gemv: one ``torch.mm(h, w2.t())`` bias GEMV (what ``exact`` runs K times);
-* HBM floor: K reads of ``markov_w2`` + the base logits read + the biased logits written, at the
-  measured copy bandwidth; exact floor: K x gemv + the add/select traffic (base read, bias read, biased
-  write per step) at that bandwidth.
+1. Full vocabulary, per batch size B:
 
-Then the per-rank time on TP 2/4/8 shard widths (one GPU, shard-sized ``markov_w2``, no exchange): the
-shard's ``markov_w2`` stays in the same memory across replays, so at TP >= 4 (<= 25.6 MB, below the
-60 MiB L2) the K reads may be served from L2 -- the stretch goal, reported against the HBM floor.
+   * eager: the replicated eager chain (per step ``F.linear`` bias, add, ``torch.argmax``), the baseline;
+   * exact; fused with the column order the same every step (``same``) and alternating (``alt``, the
+     default): :func:`markov_chain_logits`, greedy, with the per-B schedule of ``fused_config``;
+   * gemv: one ``torch.mm(h, w2.t())`` bias GEMV (what ``exact`` runs K times);
+   * HBM floor: K reads of ``markov_w2`` + the base logits read + the biased logits written, at the
+     measured copy bandwidth; exact floor: K x gemv + the add/select traffic (base read, bias read,
+     biased write per step) at that bandwidth;
+   * the mode ``auto`` picks at B on this GPU (``AUTO_MODE_TABLES``) and the mode measured faster.
+
+2. Schedule variants of the fused step per B (alternating order): the table's row and up to
+   ``--variants`` others (tile width, warps, programs, row-tile grouping, w1 rows kept or re-gathered,
+   cache hints), so the per-B rows of ``FUSED_SCHEDULES`` can be filled from this run.
+
+3. Per rank on TP 2/4/8 shard widths (one GPU, shard-sized ``markov_w2``, no exchange): exact, fused
+   same / alt. The shard's ``markov_w2`` is not rotated, so at TP >= 4 (<= 25.6 MB, below the 60 MiB
+   L2) the K reads may be served from L2 -- the stretch goal, reported against the HBM floor.
+
 On CPU: a smoke run at tiny sizes (timings meaningless).
 """
 
@@ -25,7 +35,9 @@ import torch.nn.functional as F
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
-from tensorrt_llm_ext.speculative.markov_chain import MarkovWorkspace, markov_chain_logits
+from tensorrt_llm_ext.kernels.markov_step import FusedConfig, fused_config, fused_grid
+from tensorrt_llm_ext.speculative.markov_chain import (MarkovWorkspace, auto_mode_for, auto_mode_table,
+                                                       markov_chain_logits)
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +47,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1,4,8,32,64,128")
     p.add_argument("--tp-sizes", default="2,4,8")
     p.add_argument("--tp-batch", default="1,8,32,128")
+    p.add_argument("--variants", type=int, default=2, choices=range(0, 4),
+                   help="fused schedule variants timed per B besides the table's row (0-3)")
 
 
 def _eager_chain(base, anchors, w1, w2):
@@ -48,63 +62,122 @@ def _eager_chain(base, anchors, w1, w2):
     return torch.stack(outs, dim=1), torch.stack(toks, dim=1)
 
 
-def _measure(timer, B, K, width, w1, w2, bw, *, eager: bool):
-    device, dtype = w2.device, w2.dtype
-    V = w1.shape[0]
-    elt = torch.tensor([], dtype=dtype).element_size()
-    logit_bytes = B * K * width * elt
-    n = rotation_count(2 * logit_bytes)
-    g = torch.Generator(device=device).manual_seed(B * 7 + width)
-    bases = [torch.randn(B, K, width, generator=g, device=device).to(dtype) for _ in range(n)]
-    anchors = torch.randint(0, V, (B,), generator=g, device=device)
-    res = {}
-    if eager:
-        res["eager"] = timer.time_graph([lambda x=x: _eager_chain(x, anchors, w1, w2) for x in bases])
-    for mode in ("exact", "fused"):
-        ws = MarkovWorkspace.allocate(B, K, w2, mode)
-        outs = [torch.empty_like(x) for x in bases]
-        res[mode] = timer.time_graph([
-            lambda x=x, o=o, ws=ws, mode=mode: markov_chain_logits(x, anchors, w1, w2, mode=mode, out=o,
-                                                                   workspace=ws)
-            for x, o in zip(bases, outs)])
-        del outs, ws
-    h = w1[anchors].contiguous()
-    bias = torch.empty(B, width, dtype=dtype, device=device)
-    res["gemv"] = timer.time_graph([lambda: torch.mm(h, w2.t(), out=bias)])
-    w2_bytes = w2.numel() * elt
-    res["hbm_floor"] = floor_us(K * w2_bytes + 2 * logit_bytes, bw)
-    res["exact_floor"] = K * res["gemv"] + floor_us(3 * logit_bytes, bw)
-    return res
+def schedule_variants(batch_size: int, table: FusedConfig, n: int) -> list[FusedConfig]:
+    """Up to ``n`` schedules other than ``table`` worth timing at ``batch_size`` (no value changes)."""
+    p = table.programs
+
+    def cfg(block_n, warps, programs, row_tiles, h_once, stages=2, hints=False):
+        return FusedConfig(block_n, warps, stages, max(1, programs), row_tiles, h_once, cache_hints=hints)
+
+    if batch_size <= 16:
+        cands = [cfg(128, 8, p // 2, 1, True), cfg(64, 4, p, 1, True, stages=3, hints=True), cfg(64, 4, p // 2, 1, True)]
+    elif batch_size <= 32:
+        cands = [cfg(64, 4, p, 8, False), cfg(64, 4, p // 2, 8, False), cfg(64, 4, p, 2, True, hints=True)]
+    else:
+        cands = [cfg(64, 4, 2 * p, 8, False), cfg(128, 8, p, 8, False), cfg(64, 4, 2 * p, 2, True)]
+    cands.append(cfg(table.block_n, table.num_warps, table.programs, table.row_tiles, table.h_once,
+                     stages=table.num_stages, hints=not table.cache_hints))
+    out = []
+    for c in cands:
+        if c != table and c not in out:
+            out.append(c)
+    return out[:n]
 
 
-@register_benchmark("markov", "DSpark Markov chain: eager vs exact vs fused, HBM floor, TP shard widths", _add_args)
+class _Case:
+    """Rotated input sets of one shape, reused by every variant measured at that shape."""
+
+    def __init__(self, B, K, width, w1, w2, seed):
+        device, dtype = w2.device, w2.dtype
+        self.elt = torch.tensor([], dtype=dtype).element_size()
+        self.logit_bytes = B * K * width * self.elt
+        n = rotation_count(2 * self.logit_bytes)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.bases = [torch.randn(B, K, width, generator=g, device=device).to(dtype) for _ in range(n)]
+        self.outs = [torch.empty_like(x) for x in self.bases]
+        self.anchors = torch.randint(0, w1.shape[0], (B,), generator=g, device=device)
+        self.B, self.K, self.w1, self.w2 = B, K, w1, w2
+
+    def chain(self, timer, mode, order="alternate", config=None):
+        ws = MarkovWorkspace.allocate(self.B, self.K, self.w2, mode)
+        return timer.time_graph([
+            lambda x=x, o=o: markov_chain_logits(x, self.anchors, self.w1, self.w2, mode=mode, out=o, workspace=ws,
+                                                 order=order, config=config)
+            for x, o in zip(self.bases, self.outs)])
+
+    def eager(self, timer):
+        return timer.time_graph([lambda x=x: _eager_chain(x, self.anchors, self.w1, self.w2) for x in self.bases])
+
+    def gemv(self, timer):
+        h = self.w1[self.anchors].contiguous()
+        bias = torch.empty(self.B, self.w2.shape[0], dtype=self.w2.dtype, device=self.w2.device)
+        return timer.time_graph([lambda: torch.mm(h, self.w2.t(), out=bias)])
+
+    def floors(self, bw, gemv_us):
+        w2_bytes = self.w2.numel() * self.elt
+        hbm = floor_us(self.K * w2_bytes + 2 * self.logit_bytes, bw)
+        return hbm, self.K * gemv_us + floor_us(3 * self.logit_bytes, bw)
+
+
+def _ratio(a, b, digits=2):
+    return fmt(a / b, digits)
+
+
+@register_benchmark("markov", "DSpark Markov chain: eager vs exact vs fused (orders, schedules), HBM floor, TP shards",
+                    _add_args)
 def run(args: argparse.Namespace) -> None:
-    timer = BenchTimer()
+    timer = BenchTimer(reps=7, calls_per_rep=5)  # few iterations: the whole run stays near 3 minutes
     device = timer.device
     V, r, K = args.vocab, args.rank, args.draft_len
     batches = [int(b) for b in args.batch.split(",")]
     tps = [int(t) for t in args.tp_sizes.split(",")]
     tp_batches = [int(b) for b in args.tp_batch.split(",")]
     if timer.smoke:
-        V, r, K, batches, tps, tp_batches = 2003, 32, 3, [1, 3], [2], [2]
+        V, r, K, batches, tps, tp_batches = 2003, 32, 3, [1, 20], [2], [2]
+    interpret = timer.smoke
     bw = measure_copy_bandwidth(device)
     g = torch.Generator(device=device).manual_seed(0)
     w1 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
+    table_name, auto_table = auto_mode_table(None if timer.smoke else torch.cuda.get_device_name(device))
 
-    rows = []
+    rows, sched_rows = [], []
     for B in batches:
-        m = _measure(timer, B, K, V, w1, w2, bw, eager=True)
-        rows.append([B, fmt(m["eager"]), fmt(m["exact"]), fmt(m["fused"]), fmt(m["gemv"]), fmt(m["hbm_floor"]),
-                     fmt(m["exact_floor"]), fmt(m["exact"] / m["exact_floor"], 2),
-                     fmt(m["fused"] / m["hbm_floor"], 2), fmt(m["eager"] / min(m["exact"], m["fused"]), 2)])
+        case = _Case(B, K, V, w1, w2, seed=B * 7 + V)
+        m = {"eager": case.eager(timer), "exact": case.chain(timer, "exact"),
+             "same": case.chain(timer, "fused", order="same"), "alt": case.chain(timer, "fused"),
+             "gemv": case.gemv(timer)}
+        hbm, exact_floor = case.floors(bw, m["gemv"])
+        fused = min(m["same"], m["alt"])
+        faster = "-" if timer.smoke else ("fused" if m["alt"] <= m["exact"] else "exact")
+        rows.append([B, fmt(m["eager"]), fmt(m["exact"]), fmt(m["same"]), fmt(m["alt"]), fmt(m["gemv"]), fmt(hbm),
+                     fmt(exact_floor), _ratio(m["exact"], exact_floor), _ratio(m["alt"], hbm),
+                     _ratio(m["alt"], m["same"], 3), _ratio(m["eager"], min(m["exact"], fused)),
+                     auto_mode_for(auto_table, B), faster])
+        table_cfg = fused_config(r, interpret, device, B)
+        for i, cfg in enumerate([table_cfg] + schedule_variants(B, table_cfg, args.variants)):
+            us = m["alt"] if i == 0 else case.chain(timer, "fused", config=cfg)
+            groups, per_group = fused_grid(B, V, cfg)[:2]
+            sched_rows.append([B, "table" if i == 0 else f"variant {i}", cfg.describe(), f"{groups}x{per_group}",
+                               fmt(us), _ratio(us, hbm), _ratio(us, m["alt"], 3)])
+        del case
     print_table(
         f"Markov chain, V={V}, r={r}, K={K}, bf16, full vocabulary (us per chain)",
-        ["B", "eager", "exact", "fused", "gemv x1", "HBM floor", "exact floor", "exact/floor", "fused/HBM",
-         "eager/best"],
+        ["B", "eager", "exact", "fused same", "fused alt", "gemv x1", "HBM floor", "exact floor", "exact/floor",
+         "alt/HBM", "alt/same", "eager/best", f"auto ({table_name})", "faster"],
         rows,
-        [f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). Goals: exact/floor <= 1.10; fused/HBM <= 1.15 "
-         "at B <= 32, <= 1.3 at B = 128."],
+        [f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). 'fused same' scans markov_w2 forwards every step, "
+         "'fused alt' (the default) backwards at odd steps. Goals: exact/floor <= 1.10; fused/HBM <= 1.15 at "
+         "B <= 32, <= 1.3 at B = 64 and 128. 'auto' is the mode the auto table picks here; 'faster' the one "
+         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLES from it."],
+    )
+    print_table(
+        f"Fused step schedules, V={V}, r={r}, K={K}, bf16, alternating order (us per chain)",
+        ["B", "row", "config", "groups x row tiles", "fused", "fused/HBM", "vs table"],
+        sched_rows,
+        ["config: n<block_n>/w<warps>/s<stages>/p<programs>/rt<row tiles per program>/h1 (w1 rows kept) or hN "
+         "(re-gathered per column tile)[/ch cache hints]. Every schedule gives the same bits (tests); fill "
+         "FUSED_SCHEDULES from the fastest per B."],
     )
 
     rows = []
@@ -112,14 +185,21 @@ def run(args: argparse.Namespace) -> None:
         width = -(-V // tp)
         w2s = w2[:width].contiguous()  # shard-sized weight (values irrelevant to time)
         for B in tp_batches:
-            m = _measure(timer, B, K, width, w1, w2s, bw, eager=False)
-            rows.append([tp, width, B, fmt(m["exact"]), fmt(m["fused"]), fmt(m["gemv"]), fmt(m["hbm_floor"]),
-                         fmt(m["exact"] / m["exact_floor"], 2), fmt(m["fused"] / m["hbm_floor"], 2)])
+            case = _Case(B, K, width, w1, w2s, seed=B * 7 + width)
+            m = {"exact": case.chain(timer, "exact"), "same": case.chain(timer, "fused", order="same"),
+                 "alt": case.chain(timer, "fused"), "gemv": case.gemv(timer)}
+            hbm, exact_floor = case.floors(bw, m["gemv"])
+            rows.append([tp, width, B, fmt(m["exact"]), fmt(m["same"]), fmt(m["alt"]), fmt(m["gemv"]), fmt(hbm),
+                         _ratio(m["exact"], exact_floor), _ratio(m["same"], hbm), _ratio(m["alt"], hbm),
+                         _ratio(m["alt"], m["same"], 3)])
+            del case
         del w2s
     print_table(
         f"Markov chain per rank on a vocab shard (one GPU, no exchange), r={r}, K={K}, bf16 (us per chain)",
-        ["tp", "V_local", "B", "exact", "fused", "gemv x1", "HBM floor", "exact/floor", "fused/HBM"],
+        ["tp", "V_local", "B", "exact", "fused same", "fused alt", "gemv x1", "HBM floor", "exact/floor", "same/HBM",
+         "alt/HBM", "alt/same"],
         rows,
         ["The shard's markov_w2 is not rotated: at tp >= 4 it fits the 60 MiB L2, so fused/HBM < 1 means the "
-         "K reads were served from L2 (stretch goal). Add one [B] int64 all-reduce per step for the exchange."],
+         "K reads were served from L2 (stretch goal: <= 0.7 at TP 4, B <= 8). Add one [B] int64 all-reduce per "
+         "step for the exchange."],
     )

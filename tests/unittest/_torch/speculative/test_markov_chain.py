@@ -521,3 +521,87 @@ def test_gpu_cuda_graph_replay(mode, sample):
     torch.cuda.synchronize()
     ro, rt = markov_chain_logits(base, anchors, w1, w2, mode=mode, **kw)
     assert torch.equal(gt, rt) and _bits_equal(go, ro)
+
+
+def _gpu_schedules():
+    """The per-B table's configs and the bench's variants, at this GPU's SM count."""
+    from tensorrt_llm_ext.bench.markov import schedule_variants
+    from tensorrt_llm_ext.kernels.markov_step import FUSED_SCHEDULES
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = [s.config(sms) for s in FUSED_SCHEDULES]
+    variants = []
+    for s, cfg in zip(FUSED_SCHEDULES, table):
+        variants += [c for c in schedule_variants(s.max_batch or 128, cfg, 2) if c not in table + variants]
+    return table, variants
+
+
+@gpu_only
+def test_gpu_fused_one_pass_rows_orders_schedules():
+    """V = 200064, r = 256: rows of B = 128 (one w2 pass, 8 row tiles), B = 40 and B = 1 are bitwise
+    equal; alternating == same order; every schedule of the table and of the bench gives the same bits."""
+    V, r, K = 200064, 256, 3
+    base, anchors, w1, w2 = _make(128, K, V, r, torch.bfloat16, torch.bfloat16, seed=61, scale=0.05)
+    base = _adversarial(base)
+    anchors[50] = -1
+    o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    o, t = o.clone(), t.clone()
+    assert torch.equal(t, torch.argmax(o, dim=2))
+    os_, ts = markov_chain_logits(base, anchors, w1, w2, mode="fused", order="same")
+    assert torch.equal(ts, t) and _bits_equal(os_, o)
+    for lo, n in ((0, 40), (88, 40), (50, 1), (127, 1), (3, 1)):
+        idx = torch.arange(lo, lo + n, device=DEV)
+        ob, tb = markov_chain_logits(base[idx].contiguous(), anchors[idx].contiguous(), w1, w2, mode="fused")
+        assert torch.equal(tb, t[idx]) and _bits_equal(ob, o[idx]), (lo, n)
+    table, variants = _gpu_schedules()  # compile time: table rows at two sizes, variants at one
+    for cfg, B in [(c, b) for c in table for b in (40, 128)] + [(c, 40) for c in variants]:
+        oc, tc = markov_chain_logits(base[:B].contiguous(), anchors[:B].contiguous(), w1, w2, mode="fused",
+                                     config=cfg)
+        assert torch.equal(tc, t[:B]) and _bits_equal(oc, o[:B]), (cfg, B)
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [1, 40, 128])
+def test_gpu_fused_one_pass_tp_splits(B):
+    """Shard widths (TP 2/4/8 and an odd TP 3 with a padded shard) equal the TP-1 chain bit for bit, both
+    orders, greedy and keyed sampling."""
+    V, r, K = 200064, 256, 3
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=67 + B, scale=0.05)
+    base = _adversarial(base)
+    for samp in (None, _sampling(B, seed=3)):
+        kw = {} if samp is None else dict(temperatures=samp[0], seeds=samp[1], offsets=samp[2])
+        o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode="fused", **kw)
+        o1, t1 = o1.clone(), t1.clone()
+        for tp, order in ((2, "same"), (3, "alternate"), (4, "alternate"), (8, "same")):
+            lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", sampling=samp, order=order)
+            assert all(torch.equal(x, t1) for x in lt) and _bits_equal(lo, o1), (tp, order, samp is None)
+
+
+@gpu_only
+@pytest.mark.parametrize("B", [1, 40, 128])
+def test_gpu_fused_one_pass_graph_replay(B):
+    """CUDA-graph replay of the one-pass fused chain (the worker's component) == eager, then new inputs."""
+    V, r, K = 200064, 256, 3
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=71 + B, scale=0.05)
+    eo, et = markov_chain_logits(base, anchors, w1, w2, mode="fused")
+    eo, et = eo.clone(), et.clone()
+    chain = MarkovChain(MarkovHeadWeights(w1, w2, 0, V), max_batch_size=B, draft_len=K, mode="fused")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(base, anchors)  # warm-up compiles outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, gt = chain(base, anchors)
+    go.zero_()
+    gt.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gt, et) and _bits_equal(go, eo)
+    base.copy_(torch.randn_like(base.float()).to(base.dtype))
+    anchors.copy_(torch.randint(0, V, (B,), device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rt = markov_chain_logits(base, anchors, w1, w2, mode="fused", order="same")
+    assert torch.equal(gt, rt) and _bits_equal(go, ro)
