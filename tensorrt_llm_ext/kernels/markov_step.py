@@ -7,24 +7,55 @@ The chain itself (workspace, stepping, exchange) is orchestrated by
 Fused step
 ----------
 
-Per block position ``k`` one launch over a grid (row tiles of ``BLOCK_B``, persistent column programs).
-A program
+Per block position ``k`` one launch over a grid (row-tile groups, persistent column programs). Every
+program owns all the row tiles (``BLOCK_B = 16`` rows each) of its group -- the whole batch up to
+``16 * row_tiles`` rows (128 by default), so ``markov_w2`` is read ONCE per step at any such B -- and a
+strided set of ``BLOCK_N``-column tiles. A program
 
 1. resolves its rows' previous tokens: the anchor at ``k == 0``, else the id of the row's selection key
    of step ``k-1`` (already reduced over programs by the previous launch's atomics and, on a vocab shard,
-   all-reduced over ranks by the pair exchange), and gathers their ``markov_w1`` rows once;
-2. streams its ``BLOCK_N``-column tiles of this rank's ``markov_w2`` and computes their bias in-kernel
-   (``bias[b, n] = sum_r w1[prev_b, r] * w2[n, r]``, the whole ``r`` in one fp32-accumulating dot), so no
-   bias tensor touches HBM;
+   all-reduced over ranks by the pair exchange);
+2. per column tile, loads the ``markov_w2`` tile once and, for every row tile, computes the bias in-kernel
+   (``bias[b, n] = sum_r w1[prev_b, r] * w2[n, r]``, the whole ``r`` in one fp32-accumulating
+   ``16 x r @ r x BLOCK_N`` dot), so no bias tensor touches HBM;
 3. rounds the bias to the weights dtype (what ``F.linear`` would return) then to the logits dtype, adds the
    base logits, rounds to the logits dtype, stores the biased tile, keeps a running best key per row and
-   folds it into the row's step key with one int64 atomic MAX per (program, row).
+   finally folds it into the row's step key with one int64 atomic MAX per (program, row).
 
-Exactness across vocab shards and batch sizes: the bias of column ``n`` for row ``b`` depends only on
-``w1[prev_b]`` and ``w2[n]``: every tile runs the same instruction sequence over the same shapes
-(``BLOCK_B x r @ r x BLOCK_N``), fixed per ``r`` and backend and independent of ``B``, of the shard width,
-of the number of programs and of the column's position in its tile. Hence a shard's columns are bitwise
-the columns of the TP-1 run, and a row's result does not depend on the other rows.
+Two row-tile schedules (constexpr ``H_ONCE``, chosen per B by :data:`FUSED_SCHEDULES`):
+
+* ``H_ONCE``: the row-tile loop is unrolled; each row tile's ``w1`` rows are gathered once per program
+  and stay in registers, and so does each tile's running best (a tuple with one ``[BLOCK_B]`` entry per
+  row tile, each in the layout the tile's reduction produced: no layout conversion, no padding). The
+  ``w1`` rows are the dot's A operand, replicated in every warp (64 registers per row tile at r = 256 and
+  4 warps), so this holds at most :data:`H_ONCE_MAX_ROW_TILES` row tiles.
+* otherwise a runtime row-tile loop inside the column loop re-resolves each tile's previous tokens and
+  re-gathers its ``w1`` rows per column tile (L1/L2 hits: the whole batch's rows are ``B * r * 2`` bytes)
+  and keeps the running best of all row tiles in one ``[ROW_TILES, BLOCK_B]`` register tensor
+  (``ROW_TILES`` a power of two >= the group's row tiles) updated with ``tl.where`` per row tile: only
+  that tensor is live across the column loop, so register use does not grow with B (an unrolled loop
+  spilled at 4+ row tiles: the compiler hoisted the re-gathers).
+
+Both keep the per-program atomics at one per row: per-tile atomics on the same addresses would serialise
+on the step key. A batch of more than ``16 * row_tiles`` rows is split into balanced groups of row tiles
+(grid axis 0), each group streaming ``markov_w2`` once.
+
+Column order. With ``order="alternate"`` (the default) odd steps scan the column tiles backwards: a
+forward step reads its highest tiles last, and those are still in L2 when the next step starts with them.
+No value depends on the order: ``combine_best`` and ``block_best`` take the lexicographic maximum of
+``(ordered key, -column)`` -- a total order, so the combine is associative and commutative with ties to
+the lowest id -- and the atomic MAX of packed keys is the same maximum across programs. Cache hints
+(``FusedConfig.cache_hints``: ``evict_last`` on ``markov_w2`` / ``w1`` loads, ``evict_first`` on the
+streamed base logits) are schedule-only too; the interpreter ignores them.
+
+Exactness across vocab shards, batch sizes and schedules: the bias of column ``n`` for row ``b`` depends
+only on ``w1[prev_b]`` and ``w2[n]``: every tile runs the same instruction sequence over the same shapes
+(``BLOCK_B x r @ r x BLOCK_N``; on sm90 one chain of ``mma.sync m16n8k16`` over ``r`` per output element
+at every ``BLOCK_N`` and warp count -- a 16-row tile is below wgmma's 64), independent of ``B``, of the
+shard width, of the number of programs, of the row-tile schedule and of the column's position in its
+tile. Hence a shard's columns are bitwise the columns of the TP-1 run, and a row's result does not depend
+on the other rows. ``BLOCK_B`` is fixed (:data:`FUSED_BLOCK_B`); the GPU tests check every schedule of
+the table and of ``bench markov`` bit for bit.
 
 Step keys live in a ring of three ``[B]`` slots (``keys[3, max_B]``): launch ``k`` reads slot
 ``(k-1) % 3``, MAX-es into slot ``k % 3`` and resets slot ``(k+1) % 3`` to ``EMPTY_KEY`` (nobody touches it
