@@ -34,6 +34,17 @@ re-establishes that for the next chain.
 Interpreter: ``tl.dot`` on bf16 is wrong there, so ``DOT_FP32`` computes the dot as an fp32 broadcast
 product summed over r (position-independent too). GPU: ``tl.dot`` on the weights dtype (bf16 tensor
 cores; fp32 weights with ``input_precision="ieee"``, never TF32).
+
+Exact mode
+----------
+
+The bias is the GEMM ``F.linear`` runs (launched by the chain); these kernels sit around it. Resolve: one
+program per row turns the anchor or the step key into the previous token and gathers its ``w1`` row.
+Select: grid ``(B, V_local / SELECT_BLOCK)``, add + store + one key MAX per program. Without an exchange
+the select launch also resolves the next step: per row, each program counts itself after its key MAX
+(acquire-release atomic) and the row's last program reads the finished key, records the token, gathers
+``w1[token]`` for the next GEMM and clears the ring slot the next launch uses (the whole ring at the last
+step). No program ever waits for another, so the interpreter's one-after-another order is fine.
 """
 
 from __future__ import annotations
