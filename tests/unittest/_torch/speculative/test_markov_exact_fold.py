@@ -11,8 +11,13 @@ from tensorrt_llm_ext.contract import MarkovHeadWeights
 from tensorrt_llm_ext.kernels import markov_step
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.speculative import markov_chain as mc
-from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, MarkovChainStepper, MarkovWorkspace,
-                                                       markov_chain_logits, markov_chain_logits_reference)
+from tensorrt_llm_ext.speculative.markov_chain import (
+    MarkovChain,
+    MarkovChainStepper,
+    MarkovWorkspace,
+    markov_chain_logits,
+    markov_chain_logits_reference,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
