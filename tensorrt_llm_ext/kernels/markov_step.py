@@ -370,8 +370,9 @@ class FusedConfig:
     cache_hints: bool = False
 
     def __post_init__(self):
-        for name in ("block_n", "num_warps", "num_stages", "programs", "row_tiles"):
-            check_int(f"FusedConfig.{name}", getattr(self, name), lo=1)
+        for name, v in (("block_n", self.block_n), ("num_warps", self.num_warps), ("num_stages", self.num_stages),
+                        ("programs", self.programs), ("row_tiles", self.row_tiles)):
+            check_int(f"FusedConfig.{name}", v, lo=1)
         if self.block_n & (self.block_n - 1) or self.block_n < 16:
             raise ValueError(f"FusedConfig.block_n: expected a power of two >= 16, got {self.block_n}")
         if self.h_once and self.row_tiles > H_ONCE_MAX_ROW_TILES:
