@@ -47,7 +47,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1,4,8,32,64,128")
     p.add_argument("--tp-sizes", default="2,4,8")
     p.add_argument("--tp-batch", default="1,8,32,128")
-    p.add_argument("--variants", type=int, default=2, choices=range(0, 4),
+    p.add_argument("--variants", type=int, default=2, choices=range(4),
                    help="fused schedule variants timed per B besides the table's row (0-3)")
 
 
@@ -166,18 +166,18 @@ def run(args: argparse.Namespace) -> None:
         ["B", "eager", "exact", "fused same", "fused alt", "gemv x1", "HBM floor", "exact floor", "exact/floor",
          "alt/HBM", "alt/same", "eager/best", f"auto ({table_name})", "faster"],
         rows,
-        [f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). 'fused same' scans markov_w2 forwards every step, "
+        [(f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). 'fused same' scans markov_w2 forwards every step, "
          "'fused alt' (the default) backwards at odd steps. Goals: exact/floor <= 1.10; fused/HBM <= 1.15 at "
          "B <= 32, <= 1.3 at B = 64 and 128. 'auto' is the mode the auto table picks here; 'faster' the one "
-         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLES from it."],
+         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLES from it.")],
     )
     print_table(
         f"Fused step schedules, V={V}, r={r}, K={K}, bf16, alternating order (us per chain)",
         ["B", "row", "config", "groups x row tiles", "fused", "fused/HBM", "vs table"],
         sched_rows,
-        ["config: n<block_n>/w<warps>/s<stages>/p<programs>/rt<row tiles per program>/h1 (w1 rows kept) or hN "
+        [("config: n<block_n>/w<warps>/s<stages>/p<programs>/rt<row tiles per program>/h1 (w1 rows kept) or hN "
          "(re-gathered per column tile)[/ch cache hints]. Every schedule gives the same bits (tests); fill "
-         "FUSED_SCHEDULES from the fastest per B."],
+         "FUSED_SCHEDULES from the fastest per B.")],
     )
 
     rows = []
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
         ["tp", "V_local", "B", "exact", "fused same", "fused alt", "gemv x1", "HBM floor", "exact/floor", "same/HBM",
          "alt/HBM", "alt/same"],
         rows,
-        ["The shard's markov_w2 is not rotated: at tp >= 4 it fits the 60 MiB L2, so fused/HBM < 1 means the "
+        [("The shard's markov_w2 is not rotated: at tp >= 4 it fits the 60 MiB L2, so fused/HBM < 1 means the "
          "K reads were served from L2 (stretch goal: <= 0.7 at TP 4, B <= 8). Add one [B] int64 all-reduce per "
-         "step for the exchange."],
+         "step for the exchange.")],
     )

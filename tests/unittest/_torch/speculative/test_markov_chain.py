@@ -578,7 +578,7 @@ def test_gpu_fused_one_pass_tp_splits(B):
     base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=67 + B, scale=0.05)
     base = _adversarial(base)
     for samp in (None, _sampling(B, seed=3)):
-        kw = {} if samp is None else dict(temperatures=samp[0], seeds=samp[1], offsets=samp[2])
+        kw = {} if samp is None else {"temperatures": samp[0], "seeds": samp[1], "offsets": samp[2]}
         o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode="fused", **kw)
         o1, t1 = o1.clone(), t1.clone()
         for tp, order in ((2, "same"), (3, "alternate"), (4, "alternate"), (8, "same")):
