@@ -10,7 +10,17 @@ global index. We make that order a plain integer maximum:
   no valid column contributes it.
 
 The TP exchange is then one all-reduce MAX over int64 (exact at any vocab size below 2^32).
-Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit.
+
+Keyed Gumbel noise (every sampler of the project: the target's ``TARGET_SALT``, the drafter's
+``DRAFT_SALT``, the Markov chain's ``MARKOV_SALT``): the draw of global id ``g`` for a request
+``(seed, offset)`` is word ``g % 4`` of Philox-4x32-10 keyed by ``seed`` with counter
+``(g // 4, offset low word, offset high word, salt)``, mapped to ``u = ((word >> 9) + 0.5) * 2^-23`` and
+``G = -log(-log u)``. One Philox call yields the draws of four consecutive ids (a kernel that owns them
+calls it once); the four words of a block are independent, and the draw depends on
+``(seed, offset, g, salt)`` only -- never on the TP size, split or tile.
+
+Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit (the logs up to
+an ulp: the GPU's ``tl.log`` is not torch's).
 """
 
 from __future__ import annotations

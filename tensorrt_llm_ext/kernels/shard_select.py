@@ -6,12 +6,16 @@ exchange is one all-reduce MAX over ``[R]`` int64 and the winner's id is read ba
 
 Optionally the value is perturbed for keyed Gumbel-max sampling: per row temperature ``T`` (fp32,
 ``T <= 0`` = greedy), seed and offset (int64); the perturbed value is ``div_rn(x, T) + G`` in fp32 with
-``G = gumbel_noise(seed, offset, global id, SALT)``. The noise depends on the global vocab id only, so a
-draw is the same at every TP size, split count and block size.
+``G = gumbel_noise(seed, offset, global id, SALT)`` (word ``id % 4`` of the Philox block ``id // 4``; see
+:mod:`tensorrt_llm_ext.kernels.ordered_key`). The kernel computes one Philox block per four columns of
+its tiles and gets the same values; the noise depends on the global vocab id only, so a draw is the same
+at every TP size, split count and block size, whatever the shard's start modulo 4.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
-the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs and the partial
-winners are combined inside the same launch (see ``_shard_select_kernel``).
+the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
+resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. Each
+program folds two tiles per loop iteration while the next two are already loading (see
+``_shard_select_kernel``).
 """
 
 from __future__ import annotations
