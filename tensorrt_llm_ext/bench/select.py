@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     sweep_shapes, sweep_blocks, sweep_programs = _SWEEP_SHAPES, _SWEEP_BLOCKS, _SWEEP_PROGRAMS
     if timer.smoke:
         vocab, rows_list, tp_list = 2003, [1, 3], [1, 2]
-        sweep_shapes, sweep_blocks, sweep_programs = ((2, 3),), (256,), (1, 2)
+        sweep_shapes, sweep_blocks, sweep_programs = ((2, 3),), (256, 1024), (2,)
     bw = measure_copy_bandwidth(device)
     elt = torch.tensor([], dtype=dtype).element_size()
     table = []
