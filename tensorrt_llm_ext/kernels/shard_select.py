@@ -75,26 +75,29 @@ def _fold(x, start, best_v, best_s, valid, MASKED: tl.constexpr):
 
 @triton.jit
 def _tile_noise(seed, offset, vocab_start, start, GROUPS: tl.constexpr, SALT: tl.constexpr):
-    """Gumbel noise of a ``[GROUPS, 4]`` tile: element ``(i, j)`` is local column ``start + 4 i + j``.
+    """Gumbel noise of a ``[4, GROUPS]`` tile: element ``(j, i)`` is local column ``start + 4 i + j``.
 
     Equal, element for element, to ``gumbel_noise(seed, offset, vocab_start + column, SALT)`` with one
     Philox call per four columns instead of one per column. ``start`` is a multiple of 4. When the
     shard starts at a global id that is a multiple of 4 (``phase == 0``: every TP shard of a vocabulary
-    divisible by 4 tp) row ``i`` is exactly Philox block ``(vocab_start + start) // 4 + i``; otherwise a row
-    straddles two blocks and takes the tail words of block ``q`` and the head words of ``q + 1`` (two
+    divisible by 4 tp) group ``i`` is exactly Philox block ``(vocab_start + start) // 4 + i``; otherwise a
+    group straddles two blocks and takes the tail words of block ``q`` and the head words of ``q + 1`` (two
     calls per four columns, still half the per-column cost).
     """
     phase = (vocab_start & 3).to(tl.int32)
-    q = (vocab_start >> 2) + (start >> 2) + tl.arange(0, GROUPS).to(tl.int64)
-    j = tl.arange(0, 4)[None, :]
+    # Groups along the fast (last) axis: the default layout then spreads threads over groups and keeps
+    # a group's four words in one thread, so each thread runs Philox once per group it owns. (With the
+    # groups on axis 0, the compiler laid [GROUPS, 4] out with four threads per group and computed the
+    # Philox block in each of them: the per-column cost again, seen in the generated code.)
+    q = (vocab_start >> 2) + (start >> 2) + tl.arange(0, GROUPS).to(tl.int64)[None, :]
+    j = tl.arange(0, 4)[:, None]
     a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
     if phase == 0:
-        w = pick_word(j, a0[:, None], a1[:, None], a2[:, None], a3[:, None])
+        w = pick_word(j, a0, a1, a2, a3)
     else:
         b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
         k = j + phase
-        w = tl.where(k < 4, pick_word(k, a0[:, None], a1[:, None], a2[:, None], a3[:, None]),
-                     pick_word(k - 4, b0[:, None], b1[:, None], b2[:, None], b3[:, None]))
+        w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
     return gumbel_from_word(w)
 
 
@@ -115,7 +118,7 @@ def _score_fold(x, start, best_v, best_s, valid, sampled, temp, seed, offset, vo
     x = x.to(tl.float32)
     if SAMPLE:
         if sampled:
-            g = _tile_noise(seed, offset, vocab_start, start, x.shape[0], SALT)
+            g = _tile_noise(seed, offset, vocab_start, start, x.shape[1], SALT)
             x = tl.math.div_rn(x, temp) + g
     return _fold(x, start, best_v, best_s, valid, MASKED)
 
@@ -144,9 +147,9 @@ def _shard_select_kernel(
     split = tl.program_id(1)
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
     if SAMPLE:
-        # [BLOCK / 4, 4] tiles: row i of a tile is four consecutive columns, whose noise comes from one
-        # Philox call (_tile_noise); the 4 words of a row stay in one thread.
-        lanes = (tl.arange(0, BLOCK // 4) * 4)[:, None] + tl.arange(0, 4)[None, :]
+        # [4, BLOCK / 4] tiles: group (column) i of a tile is four consecutive logits columns, whose
+        # noise comes from one Philox call (_tile_noise); the 4 words of a group stay in one thread.
+        lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, BLOCK // 4) * 4)[None, :]
     else:
         lanes = tl.arange(0, BLOCK)
 
