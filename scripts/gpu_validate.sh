@@ -2,17 +2,24 @@
 # One batched GPU validation run (the l0_h200 list, then the benchmarks), logs under $1 (default ./out).
 # Usage on the GPU machine, from the repo root:  bash scripts/gpu_validate.sh "$OUT" [bench ...]
 # Each stage is bounded by its own timeout so one slow stage cannot eat the others' time.
+# TESTS="path::name ..." runs those tests instead of the whole l0_h200 list (a short device budget);
+# BENCH_ARGS_<name>="..." passes arguments to `bench <name>`.
 set -u
 out=${1:-out}; shift || true
 benches=("$@"); [ ${#benches[@]} -gt 0 ] || benches=(step verify exchange)
 mkdir -p "$out"
 source scripts/gpu_env.sh
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"; } > "$out/env.txt" 2>&1
-timeout "${L0_TIMEOUT:-330}" python3 -m tensorrt_llm_ext.cli test-list l0_h200 -- -q --timeout 150 -p no:cacheprovider -rfE > "$out/l0_h200.log" 2>&1
+if [ -n "${TESTS:-}" ]; then
+  (cd tests && timeout "${L0_TIMEOUT:-330}" python3 -m pytest $TESTS -q --timeout 150 -p no:cacheprovider -rfE) > "$out/l0_h200.log" 2>&1
+else
+  timeout "${L0_TIMEOUT:-330}" python3 -m tensorrt_llm_ext.cli test-list l0_h200 -- -q --timeout 150 -p no:cacheprovider -rfE > "$out/l0_h200.log" 2>&1
+fi
 echo "l0_h200 rc=$?" >> "$out/l0_h200.log"
 grep -E "passed|failed" "$out/l0_h200.log" | tail -2
 for b in "${benches[@]}"; do
-  timeout "${BENCH_TIMEOUT:-120}" python3 -m tensorrt_llm_ext.cli bench $b > "$out/bench_$b.log" 2>&1
+  extra_var="BENCH_ARGS_$b"
+  timeout "${BENCH_TIMEOUT:-120}" python3 -m tensorrt_llm_ext.cli bench $b ${!extra_var:-} > "$out/bench_$b.log" 2>&1
   echo "bench $b rc=$?" >> "$out/bench_$b.log"
   tail -1 "$out/bench_$b.log"
 done

@@ -33,7 +33,7 @@ import torch
 
 from tensorrt_llm_ext.distributed.agree import agree_codes
 from tensorrt_llm_ext.distributed.communicator import backend_name, comm_device, tp_group
-from tensorrt_llm_ext.kernels.ll_exchange import (MAX_WORLD, SPIN_LIMIT, SPIN_NS_PER_POLL, LLExchangeState,
+from tensorrt_llm_ext.kernels.ll_exchange import (MAX_WORLD, WAIT_TIMEOUT_S, LLExchangeState,
                                                   allocate_flag, buffer_shape, ll_exchange)
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
@@ -94,10 +94,10 @@ class LowLatencyExchange:
     """
 
     def __init__(self, mapping: Mapping, state: LLExchangeState, buffer: torch.Tensor, handle,
-                 spin_limit: int = SPIN_LIMIT):
+                 timeout_s: float = WAIT_TIMEOUT_S):
         self.mapping = mapping
         self.state = state
-        self.spin_limit = spin_limit
+        self.timeout_s = timeout_s
         # Keep the symmetric allocation (and its mapping of the peers) alive as long as the exchange.
         self._buffer = buffer
         self._handle = handle
@@ -108,7 +108,7 @@ class LowLatencyExchange:
 
     def exchange_(self, keys: torch.Tensor) -> torch.Tensor:
         """``[R]`` int64 keys -> the TP-wide maximum, in place (``R <= max_rows``); returns ``keys``."""
-        ll_exchange(keys.view(1, -1), self.state, spin_limit=self.spin_limit, out=keys.view(1, -1))
+        ll_exchange(keys.view(1, -1), self.state, timeout_s=self.timeout_s, out=keys.view(1, -1))
         return keys
 
     def timed_out_epoch(self) -> int | None:
@@ -122,8 +122,7 @@ class LowLatencyExchange:
         if epoch is not None:
             raise RuntimeError(
                 f"low-latency pair exchange (tp rank {self.mapping.tp_rank}/{self.mapping.tp_size}): a peer's "
-                f"words did not arrive within {self.spin_limit} polls (~{self.spin_limit * SPIN_NS_PER_POLL / 1e9:.1f}"
-                f" s) at epoch {epoch}; the rows of that round hold no token. A peer is dead or stalled.")
+                f"words did not arrive within {self.timeout_s:g} s at epoch {epoch}; the rows of that round hold no token. A peer is dead or stalled.")
 
 
 @dataclass
@@ -169,7 +168,7 @@ def _rendezvous(buffer: torch.Tensor, mapping: Mapping) -> tuple[object, list[in
     return handle, ptrs
 
 
-def _step_allocate(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -> tuple[SetupFailure, str]:
+def _step_allocate(mapping: Mapping, rows: int, timeout_s: float, at: _Attempt) -> tuple[SetupFailure, str]:
     dev = comm_device()
     try:
         at.buffer = _allocate_symmetric(buffer_shape(mapping.tp_size, rows), dev)
@@ -194,7 +193,7 @@ def _step_allocate(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -
     return SetupFailure.NONE, ""
 
 
-def _step_rendezvous(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -> tuple[SetupFailure, str]:
+def _step_rendezvous(mapping: Mapping, rows: int, timeout_s: float, at: _Attempt) -> tuple[SetupFailure, str]:
     try:
         at.handle, ptrs = _rendezvous(at.buffer, mapping)
         at.state = LLExchangeState(buf_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=at.buffer.device),
@@ -211,12 +210,12 @@ def _warmup_keys(mapping: Mapping, rows: int, rank: int, device) -> torch.Tensor
     return ((r + rank) % mapping.tp_size) * 1_000_003 + r
 
 
-def _step_warmup(mapping: Mapping, rows: int, spin_limit: int, at: _Attempt) -> tuple[SetupFailure, str]:
+def _step_warmup(mapping: Mapping, rows: int, timeout_s: float, at: _Attempt) -> tuple[SetupFailure, str]:
     try:
         dev = at.buffer.device
         keys = _warmup_keys(mapping, rows, mapping.tp_rank, dev).view(1, rows)
         expect = torch.stack([_warmup_keys(mapping, rows, i, dev) for i in range(mapping.tp_size)]).amax(0)
-        ll_exchange(keys, at.state, spin_limit=spin_limit, out=keys)
+        ll_exchange(keys, at.state, timeout_s=timeout_s, out=keys)
         _sync(dev)
         if int(at.flag[0]) != 0:
             return SetupFailure.WARMUP, "a peer's warm-up words did not arrive (timeout)"
@@ -239,7 +238,7 @@ def _agreed(mapping: Mapping, code: SetupFailure, detail: str) -> str | None:
 
 
 def setup_low_latency_exchange(mapping: Mapping, max_rows: int, *, strategy: ExchangeStrategy | str = "auto",
-                               spin_limit: int = SPIN_LIMIT) -> tuple[LowLatencyExchange | None, str]:
+                               timeout_s: float = WAIT_TIMEOUT_S) -> tuple[LowLatencyExchange | None, str]:
     """Set up the low-latency exchange for up to ``max_rows`` rows (call on every rank of the TP group).
 
     Returns ``(exchange, reason)``: the exchange and ``"low_latency"``, or ``None`` and the reason it
@@ -260,18 +259,18 @@ def setup_low_latency_exchange(mapping: Mapping, max_rows: int, *, strategy: Exc
         rows = max_ll_rows()  # larger exchanges go through NCCL, per call (decided on the shape)
     at = _Attempt()
     if code == SetupFailure.NONE:
-        code, detail = _step_allocate(mapping, rows, spin_limit, at)
+        code, detail = _step_allocate(mapping, rows, timeout_s, at)
     reason = _agreed(mapping, code, detail)
     if reason is None:
-        reason = _agreed(mapping, *_step_rendezvous(mapping, rows, spin_limit, at))
+        reason = _agreed(mapping, *_step_rendezvous(mapping, rows, timeout_s, at))
     if reason is None:
-        reason = _agreed(mapping, *_step_warmup(mapping, rows, spin_limit, at))
+        reason = _agreed(mapping, *_step_warmup(mapping, rows, timeout_s, at))
     if reason is not None:
         line = (f"PairExchange(tp={mapping.tp_size}): low-latency exchange unavailable ({reason}); "
                 f"using the NCCL all-reduce")
         (logger.warning if strategy == ExchangeStrategy.LOW_LATENCY else logger.info)(line)
         return None, reason
     logger.info(f"PairExchange(tp={mapping.tp_size}): low-latency exchange over symmetric memory, up to {rows} "
-                f"rows per round, spin bound {spin_limit} polls")
-    return LowLatencyExchange(mapping, at.state, at.buffer, at.handle, spin_limit), "low_latency"
+                f"rows per round, wait bound {timeout_s:g} s")
+    return LowLatencyExchange(mapping, at.state, at.buffer, at.handle, timeout_s), "low_latency"
 

@@ -32,8 +32,9 @@ Why a stale word cannot alias:
   zeroed at setup): those carry another epoch's tag, which repeats only every 2^32 - 1 epochs.
 * The int64 epoch does not wrap in practice (2^63 epochs at one per microsecond is 292 000 years).
 
-Bounded wait: the spin stops after ``spin_limit`` polls (:data:`SPIN_LIMIT` ~ 2 s at the 431 ns per
-poll measured on an H200). Rows still missing a peer's word then get ``EMPTY_KEY`` (no token is made
+Bounded wait: on a GPU the spin stops after ``timeout_s`` (:data:`WAIT_TIMEOUT_S` = 2 s) by the device's
+nanosecond clock, read every :data:`TIMER_EVERY` polls; under the interpreter (no clock) after
+``spin_limit`` polls. Rows still missing a peer's word then get ``EMPTY_KEY`` (no token is made
 from incomplete data: ``key_to_id`` gives -1), and the rank writes ``epoch + 1`` into its timeout flag,
 which lives in pinned host memory so the host reads it without a device sync (``check_exchange``).
 Words that were not consumed are left in place; after a timeout the exchange is dead (the worker
@@ -59,9 +60,9 @@ from tensorrt_llm_ext.kernels.common import (check_int, check_tensor, num_warps_
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 
 __all__ = [
-    "HALVES", "LLExchangeReference", "LLExchangeState", "MAX_WORLD", "SPIN_LIMIT", "SPIN_NS_PER_POLL",
+    "HALVES", "LLExchangeReference", "LLExchangeState", "MAX_WORLD", "SPIN_LIMIT", "WAIT_TIMEOUT_S",
     "SimulatedPeers", "TAG_PERIOD", "WORDS_PER_ROW", "buffer_shape", "decode_words", "encode_words",
-    "ll_exchange", "ll_exchange_reference", "tag_of",
+    "default_spin_limit", "ll_exchange", "ll_exchange_reference", "tag_of",
 ]
 
 TAG_BITS = 32
@@ -73,11 +74,23 @@ HALVES = 2
 # The peer axis of the kernel is always this wide (masked past the world size): one kernel variant per
 # buffer size whatever the TP size, so the solo launch at setup loads exactly the variant used later.
 MAX_WORLD = 8
-# Measured on the H200 while the protocol was designed: one poll (an atomic/volatile load round) costs
-# about 431 ns, so ~2 s of spinning is ~4.6 M polls. The bound is in polls, not seconds: a poll that
-# reads more words (more peers, more rows) takes longer, and the wait is then somewhat over 2 s.
-SPIN_NS_PER_POLL = 431
+# The wait is bounded in time on a GPU: the spin reads the device's nanosecond clock (%globaltimer) every
+# TIMER_EVERY polls and stops once WAIT_TIMEOUT_S have passed, whatever a poll costs (measured on the H200:
+# 215 ns with one row to 1197 ns with 8 peers x 128 rows, so a poll-count bound waited 1.0-5.6 s).
+WAIT_TIMEOUT_S = 2.0
+TIMER_EVERY = 16  # reading the clock is a few hundred cycles: not on every poll
+# The poll bound: under the interpreter (no clock there) the only bound, and what tests use to force a
+# timeout quickly; on a GPU it is a backstop far beyond the time bound (2^31 - 1 polls >= 7 minutes).
 SPIN_LIMIT = 4_640_000
+NO_POLL_LIMIT = 2**31 - 1
+MAX_TIMEOUT_S = 2000  # 2000 s in 1024-ns units still fits an int32
+
+
+@triton.jit
+def _globaltimer_ns():
+    """The GPU's global nanosecond timer (PTX %globaltimer); not pure, so it is re-read in loops."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 
 def tag_of(epoch: int) -> int:
@@ -106,12 +119,13 @@ def decode_words(words: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["rows", "world", "rank_base", "spin_limit", "stride_keys"],
+@triton.jit(do_not_specialize=["rows", "world", "rank_base", "spin_limit", "timeout_units", "stride_keys"],
             do_not_specialize_on_alignment=["keys_ptr", "out_ptr"])
 def _ll_exchange_kernel(
     keys_ptr, out_ptr, buf_ptrs_ptr, epoch_ptr, flag_ptr,
-    rows, world, rank_base, spin_limit, stride_keys,
-    SLOT_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+    rows, world, rank_base, spin_limit, timeout_units, stride_keys,
+    SLOT_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, TIMED: tl.constexpr,
+    TIMER_EVERY: tl.constexpr,
 ):
     """One program per driven rank (1 on a real rank, W for simulated peers): publish, spin, combine.
 
@@ -149,12 +163,19 @@ def _ll_exchange_kernel(
     w_lo = tl.load(src + 1, mask=m2, other=0, volatile=True)
     ok = (((w_hi & 4294967295) == tag) & ((w_lo & 4294967295) == tag)) | ~m2
     polls = 0
-    while (tl.min(ok.to(tl.int32)) == 0) & (polls < spin_limit):
+    # Loop-carried types stay fixed (int32 polls, int64 clock) on every path.
+    elapsed = tl.full([], 0, tl.int64)
+    if TIMED:
+        t0 = _globaltimer_ns()
+    while (tl.min(ok.to(tl.int32)) == 0) & (polls < spin_limit) & (elapsed < timeout_units):
         need = m2 & ~ok
         w_hi = tl.where(ok, w_hi, tl.load(src, mask=need, other=0, volatile=True))
         w_lo = tl.where(ok, w_lo, tl.load(src + 1, mask=need, other=0, volatile=True))
         ok = (((w_hi & 4294967295) == tag) & ((w_lo & 4294967295) == tag)) | ~m2
         polls += 1
+        if TIMED:
+            if polls % TIMER_EVERY == 0:
+                elapsed = (_globaltimer_ns() - t0) >> 10  # in units of 1.024 us
 
     got = ok & m2
     # Consume and clear: the slot holds 0 again until the peer writes epoch + 2.
@@ -204,12 +225,26 @@ def allocate_flag(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
-def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, spin_limit: int = SPIN_LIMIT,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def _timeout_units(timeout_s: float) -> int:
+    """Seconds -> the kernel's clock units (1024 ns). Always an int32 value (<= MAX_TIMEOUT_S), so every
+    timeout runs the one compiled variant that the setup launch loaded."""
+    return int(timeout_s * 1e9) >> 10
+
+
+def default_spin_limit(device: torch.device) -> int:
+    """The poll bound that goes with the time bound: none to speak of on a GPU, :data:`SPIN_LIMIT` where
+    there is no clock (the interpreter)."""
+    return NO_POLL_LIMIT if device.type == "cuda" else SPIN_LIMIT
+
+
+def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float = WAIT_TIMEOUT_S,
+                spin_limit: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One exchange round for every driven rank: ``keys [P, R]`` int64 -> ``out [P, R]`` TP-wide MAX.
 
-    Rows whose peers' words did not arrive within ``spin_limit`` polls hold ``EMPTY_KEY`` and the
-    driven rank's ``state.flag`` entry is set to ``epoch + 1``. ``out`` may be ``keys`` (in place).
+    The wait ends after ``timeout_s`` (GPU clock) or ``spin_limit`` polls (default
+    :func:`default_spin_limit`), whichever comes first; rows whose peers' words did not arrive by then
+    hold ``EMPTY_KEY`` and the driven rank's ``state.flag`` entry is set to ``epoch + 1``. ``out`` may be
+    ``keys`` (in place).
     Advances ``state.epoch`` by one per driven rank. CUDA-graph safe with ``out``: one launch, no
     allocation, no host sync; the epoch lives on the device, so replays use fresh epochs.
     """
@@ -217,7 +252,11 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, spin_limit: int =
     check_tensor("keys", keys, shape=(p, None), dtype=torch.int64, contiguous=True)
     rows = keys.shape[1]
     check_int("rows", rows, lo=0, hi=state.slot_rows + 1)
+    if spin_limit is None:
+        spin_limit = default_spin_limit(keys.device)
     check_int("spin_limit", spin_limit, lo=0, hi=2**31)
+    if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s: expected seconds in [0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
     if not triton_runs_on(keys):
         raise ValueError(f"keys: expected a CUDA tensor (or TRITON_INTERPRET=1 on CPU), got {keys.device}")
     if keys.device != state.epoch.device:
@@ -230,8 +269,9 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, spin_limit: int =
         return out
     _ll_exchange_kernel[(p,)](
         keys, out, state.buf_ptrs, state.epoch, state.flag,
-        rows, state.world, state.rank_base, spin_limit, keys.stride(0),
-        SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r,
+        rows, state.world, state.rank_base, spin_limit, _timeout_units(timeout_s), keys.stride(0),
+        SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r, TIMED=keys.is_cuda,
+        TIMER_EVERY=TIMER_EVERY,
         num_warps=num_warps_for(MAX_WORLD * state.block_r, elements_per_warp=128, max_warps=4),
     )
     return out
@@ -261,10 +301,10 @@ class SimulatedPeers:
         """Start every simulated rank at ``epoch`` (outside capture)."""
         self.state.epoch.fill_(epoch)
 
-    def exchange(self, keys: torch.Tensor, *, spin_limit: int = SPIN_LIMIT,
+    def exchange(self, keys: torch.Tensor, *, timeout_s: float = WAIT_TIMEOUT_S, spin_limit: int | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """``keys [world, R]`` (row ``i`` = rank ``i``'s keys) -> ``[world, R]`` exchanged keys."""
-        return ll_exchange(keys, self.state, spin_limit=spin_limit, out=out)
+        return ll_exchange(keys, self.state, timeout_s=timeout_s, spin_limit=spin_limit, out=out)
 
 
 # ----------------------------------------------------------------------------------------------------

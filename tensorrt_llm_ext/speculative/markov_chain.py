@@ -24,16 +24,19 @@ global id, so it is identical at every TP size. The biased logits returned are n
 
 Modes (both CUDA-graph safe with a preallocated :class:`MarkovWorkspace` and ``out``):
 
-* ``"exact"``: per block position three launches -- resolve the previous token from the step keys (or
-  the anchors) and gather its ``w1`` row into ``[B, r]``; ``torch.mm(h, w2.t(), out=bias)`` (the same
-  cuBLAS/CPU GEMM ``F.linear`` runs, hence bitwise the eager bias); add + select + store with one atomic
-  MAX per (program, row) into the step key -- then the exchange. Bit-identical to
-  :func:`markov_chain_logits_reference`.
+* ``"exact"``: ``torch.mm(h, w2.t(), out=bias)`` per block position (the same cuBLAS/CPU GEMM ``F.linear``
+  runs, hence bitwise the eager bias) around Triton kernels that resolve the previous token from the step
+  keys (or the anchors), gather its ``w1`` row into ``h [B, r]``, and add + select + store with one atomic
+  MAX per (program, row) into the step key. Bit-identical to :func:`markov_chain_logits_reference`.
+  Without an exchange the resolve of step ``k + 1`` is folded into the select launch of step ``k`` (the
+  row's last program does it): one resolve launch at the chain start, then GEMM + select per step, and no
+  finishing launch. With an exchange the keys are final only after it, so each step is resolve + GEMM +
+  select, then the exchange, and the chain ends with one finishing resolve.
 * ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_step`), bias computed
   in-kernel in a fixed reduction order: bitwise identical at every TP size and batch size, tokens equal
   to ``exact`` except at near-ties (the bias is rounded once from a different fp32 sum order).
 
-A chain ends with one finishing launch that writes the last token.
+A ``fused`` chain and an exchanged ``exact`` chain end with one finishing launch that writes the last token.
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ _W_KIND = {torch.float32: W_FP32, torch.bfloat16: W_BF16, torch.float16: W_FP16}
 class MarkovWorkspace:
     """Preallocated chain buffers (allocate once, before graph capture; views ``[:B]`` are used per call).
 
-    ``keys`` must hold ``EMPTY_KEY`` in slot 0 between chains: :meth:`allocate` sets it, every chain's
-    finishing launch restores it for the rows it used, and a chain that does not finish (an exchange or
-    a launch raised, Ctrl-C) resets its rows on the way out (:meth:`reset`), so an aborted chain never
+    ``keys`` must hold ``EMPTY_KEY`` in slot 0 and ``counts`` zero between chains: :meth:`allocate` sets
+    them, every chain's last launch restores them for the rows it used (the folded exact select's last
+    programs zero their counters after every launch), and a chain that does not finish (an exchange or a
+    launch raised, Ctrl-C) resets its rows on the way out (:meth:`reset`), so an aborted chain never
     poisons the next one.
     """
 
@@ -74,6 +78,7 @@ class MarkovWorkspace:
     tokens: torch.Tensor  # [max_B, K] int64
     h: torch.Tensor  # [max_B, r] weights dtype, gathered w1 rows (exact mode; [0, r] for fused)
     bias: torch.Tensor  # [max_B, V_local] weights dtype, the bias GEMV output (exact mode; [0, V_local] for fused)
+    counts: torch.Tensor  # [max_B] int32 finished select programs per row (folded exact mode; [0] for fused)
 
     @classmethod
     def allocate(cls, max_batch_size: int, draft_len: int, markov_w2: torch.Tensor, mode: str) -> MarkovWorkspace:
@@ -85,11 +90,14 @@ class MarkovWorkspace:
             tokens=torch.zeros((max_batch_size, draft_len), dtype=torch.int64, device=dev),
             h=torch.zeros((rows, r), dtype=dt, device=dev),
             bias=torch.zeros((rows, v_local), dtype=dt, device=dev),
+            counts=torch.zeros((rows,), dtype=torch.int32, device=dev),
         )
 
     def reset(self, rows: int | None = None) -> None:
-        """Put the key ring of the first ``rows`` rows (default all) back to ``EMPTY_KEY`` (one fill)."""
+        """Put the key ring of the first ``rows`` rows (default all) back to ``EMPTY_KEY`` and their
+        select counters to zero (two fills)."""
         self.keys[:, :rows].fill_(EMPTY_KEY)
+        self.counts[:rows].zero_()
 
 
 def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, seeds, offsets, mode, out):
@@ -152,11 +160,16 @@ class MarkovChainStepper:
     """One chain invocation, driven step by step: ``keys = step(k)`` for ``k = 0..K-1`` (exchange ``keys``
     in place between steps), then ``finish()``. :func:`markov_chain_logits` drives it with a
     ``PairExchange``; tests drive several shards in lockstep with a host-side MAX instead.
+
+    ``fold_resolve`` (exact mode; set when nothing exchanges the keys between steps) folds each step's
+    resolve into the previous step's select launch: the keys a step returns are then already consumed,
+    and the last step's are cleared by its own launch, so they must not be exchanged.
     """
 
     def __init__(self, base_logits, anchors, markov_w1, markov_w2, *, vocab_start=0, vocab_size=None,
                  temperatures=None, seeds=None, offsets=None, mode="exact", out=None,
-                 workspace: MarkovWorkspace | None = None, config: FusedConfig | None = None):
+                 workspace: MarkovWorkspace | None = None, config: FusedConfig | None = None,
+                 fold_resolve: bool = False):
         vocab_size = markov_w1.shape[0] if vocab_size is None else vocab_size
         _check_inputs(base_logits, anchors, markov_w1, markov_w2, vocab_start, vocab_size, temperatures,
                       seeds, offsets, mode, out)
@@ -169,8 +182,8 @@ class MarkovChainStepper:
         ws = workspace
         need_rows = B if mode == "exact" else 0
         if (ws.keys.shape[1] < B or ws.tokens.shape[0] < B or ws.tokens.shape[1] != K or ws.h.shape[0] < need_rows
-                or ws.bias.shape[0] < need_rows or (mode == "exact" and (ws.h.shape[1] != r
-                                                                        or ws.bias.shape[1] != v_local))):
+                or ws.bias.shape[0] < need_rows or ws.counts.shape[0] < need_rows
+                or (mode == "exact" and (ws.h.shape[1] != r or ws.bias.shape[1] != v_local))):
             raise ValueError(f"workspace too small for B={B}, K={K}, r={r}, V_local={v_local}, mode={mode}")
         self.base, self.anchors, self.w1, self.w2 = base_logits, anchors, markov_w1, markov_w2
         self.vocab_start, self.vocab_size, self.mode = vocab_start, vocab_size, mode
@@ -182,6 +195,7 @@ class MarkovChainStepper:
         self.config = config or fused_config(r, self.interpret, base_logits.device)
         self.w_kind = _W_KIND[markov_w1.dtype]
         self.out_bf16 = base_logits.dtype == torch.bfloat16
+        self.fold = fold_resolve and mode == "exact"
 
     def step(self, k: int) -> torch.Tensor:
         """Run block position ``k``; returns this step's ``[B]`` int64 keys view (exchange it in place)."""
@@ -196,11 +210,25 @@ class MarkovChainStepper:
                               interpret=self.interpret)
             return self.ws.keys[k % 3, :B]
         h, bias = self.ws.h[:B], self.ws.bias[:B]
+        if self.fold:
+            # Folded: step k's select launch resolves step k + 1 (its row's last program), so only the
+            # chain start resolves on its own -- the anchors, and a clean slot 0 and counters.
+            if k == 0:
+                launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=0, read_slot=0,
+                                     reset_slot=0, vocab_size=self.vocab_size, gather=True,
+                                     counts=self.ws.counts)
+            torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
+            launch_exact_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets,
+                                k=k, vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT,
+                                cur_slot=k % 3, fold=(self.ws.counts, self.w1, h, self.tokens),
+                                last_step=k == self.K - 1)
+            return self.ws.keys[k % 3, :B]
         launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=k, read_slot=0, reset_slot=0,
                              vocab_size=self.vocab_size, gather=True)
         torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
-        launch_exact_select(self.base, bias, self.out, self.ws.keys[0], self.temps, self.seeds, self.offsets, k=k,
-                            vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT)
+        launch_exact_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets, k=k,
+                            vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT,
+                            cur_slot=0)
         return self.ws.keys[0, :B]
 
     def abort(self) -> None:
@@ -208,8 +236,9 @@ class MarkovChainStepper:
         self.ws.reset(self.B)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the last token (and restore the key ring's slot 0); returns ``(biased_logits, tokens)``."""
-        if self.B > 0 and self.K > 0:  # K = 0: nothing was drafted, the empty results are final
+        """Write the last token (and restore the key ring's slot 0); returns ``(biased_logits, tokens)``.
+        Folded exact chains launch nothing here: their last select launch did both."""
+        if self.B > 0 and self.K > 0 and not self.fold:  # K = 0: nothing was drafted, the results are final
             K = self.K
             read = (K - 1) % 3 if self.mode == "fused" else 0
             launch_exact_resolve(self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, k=K, read_slot=read,
@@ -259,7 +288,8 @@ def markov_chain_logits(
     """
     stepper = MarkovChainStepper(base_logits, anchors, markov_w1, markov_w2, vocab_start=vocab_start,
                                  vocab_size=vocab_size, temperatures=temperatures, seeds=seeds,
-                                 offsets=offsets, mode=mode, out=out, workspace=workspace)
+                                 offsets=offsets, mode=mode, out=out, workspace=workspace,
+                                 fold_resolve=exchange is None)
     return _run_chain(stepper, exchange)
 
 

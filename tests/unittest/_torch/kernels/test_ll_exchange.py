@@ -230,7 +230,7 @@ def test_kernel_absent_peer_and_stale_words_time_out(start):
     assert torch.equal(out.cpu()[0], torch.full((rows,), EMPTY_KEY))
     assert int(state.flag[0]) == start + 1
     assert int(buffers[0, start & 1, 1, 0, 0].cpu()) != 0  # an unconsumed word is left where it was
-    ex = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, handle=None, spin_limit=5)
+    ex = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, handle=None, timeout_s=0.5)
     assert ex.timed_out_epoch() == start
     with pytest.raises(RuntimeError, match=rf"low-latency pair exchange \(tp rank 0/2\).*epoch {start}"):
         ex.check_exchange()
@@ -273,6 +273,9 @@ def test_launcher_validation():
         SimulatedPeers(9, 4, dev)
     with pytest.raises(ValueError, match="spin_limit"):
         sim.exchange(torch.zeros(2, 3, dtype=torch.int64, device=dev), spin_limit=-1)
+    for bad in (-1.0, 2001, "2"):
+        with pytest.raises(ValueError, match=r"timeout_s: expected seconds in \[0, 2000\]"):
+            sim.exchange(torch.zeros(2, 3, dtype=torch.int64, device=dev), timeout_s=bad)
     assert triton_runs_on(sim.state.epoch)
 
 
@@ -364,6 +367,30 @@ def test_gpu_timeout_flag_is_in_pinned_host_memory():
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), torch.full((1, rows), EMPTY_KEY))
     assert sim.state.flag.tolist() == [1, 0]  # epoch 0 timed out: flag = epoch + 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 128])
+def test_gpu_wait_is_bounded_in_time_not_polls(rows):
+    """With no poll bound, a peer that never writes ends the wait after timeout_s by the GPU clock,
+    whatever a poll costs (1 row and 128 rows poll at very different rates)."""
+    import time
+
+    world = 8
+    sim = SimulatedPeers(world, rows, "cuda")
+    st = LLExchangeState(buf_ptrs=sim.state.buf_ptrs, epoch=sim.state.epoch[:1], flag=sim.state.flag[:1],
+                         world=world, slot_rows=rows, rank_base=0)
+    keys = torch.ones(1, rows, dtype=torch.int64, device="cuda")
+    ll_exchange(keys, st, timeout_s=0.001, out=keys)  # compile and load
+    torch.cuda.synchronize()
+    sim.state.flag.zero_()
+    t0 = time.perf_counter()
+    out = ll_exchange(torch.ones(1, rows, dtype=torch.int64, device="cuda"), st, timeout_s=0.25)
+    torch.cuda.synchronize()
+    waited = time.perf_counter() - t0
+    assert 0.25 <= waited < 0.45, waited
+    assert torch.equal(out.cpu(), torch.full((1, rows), EMPTY_KEY))
+    assert sim.state.flag.tolist()[0] == 2  # epoch 1 timed out
 
 
 def test_check_exchange_reaches_pair_exchange_and_selector():
