@@ -10,7 +10,17 @@ global index. We make that order a plain integer maximum:
   no valid column contributes it.
 
 The TP exchange is then one all-reduce MAX over int64 (exact at any vocab size below 2^32).
-Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit.
+
+Keyed Gumbel noise (every sampler of the project: the target's ``TARGET_SALT``, the drafter's
+``DRAFT_SALT``, the Markov chain's ``MARKOV_SALT``): the draw of global id ``g`` for a request
+``(seed, offset)`` is word ``g % 4`` of Philox-4x32-10 keyed by ``seed`` with counter
+``(g // 4, offset low word, offset high word, salt)``, mapped to ``u = ((word >> 9) + 0.5) * 2^-23`` and
+``G = -log(-log u)``. One Philox call yields the draws of four consecutive ids (a kernel that owns them
+calls it once); the four words of a block are independent, and the draw depends on
+``(seed, offset, g, salt)`` only -- never on the TP size, split or tile.
+
+Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit (the logs up to
+an ulp: the GPU's ``tl.log`` is not torch's).
 """
 
 from __future__ import annotations
@@ -77,32 +87,68 @@ def key_to_id(key):
 
 
 @triton.jit
-def philox_uniform(seed, c0, c1, c2, c3):
-    """Uniform in the open interval (0, 1) from Philox-4x32-10 keyed by ``seed`` and counter c0..c3.
+def uniform_from_word(r):
+    """uint32 Philox word -> uniform in the open interval (0, 1): ``u = ((r >> 9) + 0.5) * 2^-23``.
 
-    Uses the top 23 bits of the first output word: ``u = ((x >> 9) + 0.5) * 2^-23``. ``top + 0.5`` needs
-    24 significant bits, so it is exact in fp32 and ``u <= 1 - 2^-24 < 1`` (with 24 bits, ``2^24 - 0.5``
-    rounds to ``2^24`` and ``u`` could be exactly 1, making the Gumbel noise infinite).
+    The top 23 bits: ``top + 0.5`` needs 24 significant bits, so it is exact in fp32 and
+    ``u <= 1 - 2^-24 < 1`` (with 24 bits, ``2^24 - 0.5`` rounds to ``2^24`` and ``u`` could be exactly 1,
+    making the Gumbel noise infinite). Computed without an int->float conversion: ``1 + top * 2^-23``
+    is the float whose mantissa is ``top``, and adding ``-(1 - 2^-24)`` to it is exact, so the result is
+    bit for bit ``(top + 0.5) * 2^-23``.
     """
+    one_top = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_top - 0.999999940395355224609375
+
+
+@triton.jit
+def philox_uniform(seed, c0, c1, c2, c3):
+    """Uniform in (0, 1) from the first output word of Philox-4x32-10 keyed by ``seed``, counter c0..c3."""
     r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    top = (r0 >> 9).to(tl.int32)
-    return (top.to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return uniform_from_word(r0)
+
+
+@triton.jit
+def gumbel_from_word(r):
+    """uint32 Philox word -> Gumbel(0, 1) noise ``-log(-log u)``, ``u = uniform_from_word(r)``."""
+    return -tl.log(_neg_log_uniform(uniform_from_word(r)))
+
+
+@triton.jit
+def gumbel_words4(seed, offset, group, SALT: tl.constexpr):
+    """The four uint32 words of the Philox block that feeds global ids ``4 * group + 0..3``.
+
+    ``group`` (any integer block, = gid // 4) -> ``(w0, w1, w2, w3)`` of Philox-4x32-10 keyed by ``seed``
+    with counter ``(group, offset low word, offset high word, SALT)``. Word ``w`` is the draw of global
+    id ``4 * group + w``: one Philox call serves four consecutive columns.
+    """
+    off = offset.to(tl.int64)
+    c0 = (group.to(tl.int64) & 1073741823).to(tl.uint32)
+    c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
+    c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
+    c3 = c0 * 0 + SALT
+    return tl.philox(seed.to(tl.int64), c0, c1, c2, c3)
+
+
+@triton.jit
+def pick_word(w, r0, r1, r2, r3):
+    """Elementwise ``(r0, r1, r2, r3)[w]`` for ``w`` in 0..3 (broadcasting)."""
+    return tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
 
 
 @triton.jit
 def gumbel_noise(seed, offset, gid, SALT: tl.constexpr):
     """Gumbel(0, 1) noise keyed by (request seed, request offset, global vocab id, salt).
 
-    Counter: c0 = gid, c1 = offset low word, c2 = offset high word, c3 = SALT (separates target,
-    draft and Markov-chain draws). Independent of TP size and block size by construction.
+    The draw of global id ``gid`` is word ``gid % 4`` of the Philox block with counter
+    ``(gid // 4, offset low word, offset high word, SALT)`` (:func:`gumbel_words4`; the salt separates
+    target, draft and Markov-chain draws). This per-element form computes the whole block for each
+    element; a kernel that owns four consecutive ids can call :func:`gumbel_words4` once for them (the
+    shard-select kernel does) and gets the same values. Independent of TP size, split and block size by
+    construction: the draw depends on (seed, offset, gid, salt) only.
     """
-    off = offset.to(tl.int64)
-    c0 = gid.to(tl.uint32)
-    c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
-    c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
-    c3 = c0 * 0 + SALT
-    u = philox_uniform(seed.to(tl.int64), c0, c1, c2, c3)
-    return -tl.log(_neg_log_uniform(u))
+    g = gid.to(tl.int64) & 4294967295
+    r0, r1, r2, r3 = gumbel_words4(seed, offset, g >> 2, SALT)
+    return gumbel_from_word(pick_word((g & 3).to(tl.int32), r0, r1, r2, r3))
 
 
 @triton.jit
@@ -204,17 +250,22 @@ def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
 def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tensor, salt: int) -> torch.Tensor:
     """Torch twin of :func:`gumbel_noise`. ``seed``/``offset`` ``[R, 1]`` int64, ``gid`` ``[1, N]`` int64.
 
-    The uniforms are bit-identical to the kernel's; the logs are torch's (the kernel's ``tl.log`` may
-    differ by an ulp on GPU), so compare sampled ids through statistics or near-tie-aware checks.
+    Word ``gid % 4`` of Philox-4x32-10(seed; gid // 4, offset lo, offset hi, salt). The uniforms are
+    bit-identical to the kernel's; the logs are torch's (the kernel's ``tl.log`` may differ by an ulp on
+    GPU), so compare sampled ids through statistics or near-tie-aware checks.
     """
     seed = seed.to(torch.int64)
     off = offset.to(torch.int64)
     gid = gid.to(torch.int64) & 0xFFFFFFFF
-    c0 = gid + torch.zeros_like(off)
+    c0 = (gid >> 2) + torch.zeros_like(off)
     c1 = (off & 0xFFFFFFFF) + torch.zeros_like(gid)
     c2 = ((off >> 32) & 0xFFFFFFFF) + torch.zeros_like(gid)
     c3 = torch.full_like(c0, salt & 0xFFFFFFFF)
-    u = philox_uniform_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
+    r0, r1, r2, r3 = _philox_4x32_10_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
+    w = gid & 3
+    r = torch.where(w == 0, r0, torch.where(w == 1, r1, torch.where(w == 2, r2, r3)))
+    top = (r >> 9).to(torch.float32)
+    u = (top + 0.5) * 1.1920928955078125e-07
     t = 1.0 - u
     series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
     return -torch.log(torch.where(t < 0.015625, series, -torch.log(u)))

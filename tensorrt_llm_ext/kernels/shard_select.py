@@ -6,12 +6,16 @@ exchange is one all-reduce MAX over ``[R]`` int64 and the winner's id is read ba
 
 Optionally the value is perturbed for keyed Gumbel-max sampling: per row temperature ``T`` (fp32,
 ``T <= 0`` = greedy), seed and offset (int64); the perturbed value is ``div_rn(x, T) + G`` in fp32 with
-``G = gumbel_noise(seed, offset, global id, SALT)``. The noise depends on the global vocab id only, so a
-draw is the same at every TP size, split count and block size.
+``G = gumbel_noise(seed, offset, global id, SALT)`` (word ``id % 4`` of the Philox block ``id // 4``; see
+:mod:`tensorrt_llm_ext.kernels.ordered_key`). The kernel computes one Philox block per four columns of
+its tiles and gets the same values; the noise depends on the global vocab id only, so a draw is the same
+at every TP size, split count and block size, whatever the shard's start modulo 4.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
-the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs and the partial
-winners are combined inside the same launch (see ``_shard_select_kernel``).
+the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
+resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. Each
+program folds two tiles per loop iteration while the next two are already loading (see
+``_shard_select_kernel``).
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     EMPTY_KEY,
     MAX_VOCAB,
     block_best,
-    gumbel_noise,
+    gumbel_from_word,
     gumbel_noise_torch,
+    gumbel_words4,
     key_to_id,
     key_to_id_torch,
     ordered_i32,
     ordered_i32_torch,
     pack_key,
     pack_key_torch,
+    pick_word,
 )
 
 # Philox counter word c3 of the Gumbel noise: separates the target sampler's draws from the drafter's
@@ -43,39 +49,81 @@ TARGET_SALT = 0x5E1EC7
 DRAFT_SALT = 0xD7AF7
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# 4096 columns over 8 warps: 16 bf16 (two 16-byte loads) in flight per thread, so ~4 resident programs
-# per SM keep enough bytes in flight to approach HBM bandwidth without software pipelining.
-_DEFAULT_BLOCK = 4096
-# Programs we aim for per launch, per SM: enough loads in flight to saturate HBM on few rows.
-_PROGRAMS_PER_SM = 4
+# Bytes per tile: 4096 bf16/fp16 (2048 fp32) columns over 8 warps, i.e. two 16-byte loads per thread per
+# tile. The loop keeps the next two tiles in flight while it folds the current two (see the kernel).
+_TILE_BYTES = 8192
+# Resident programs per SM the split plan aims for (one wave: a second partial wave would double the tail).
+_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _fold_tile(row_ptr, cols, col_end, best_v, best_c, sampled, inv_t, seed, offset, vocab_start,
-               MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
-    """Fold one tile into the per-lane running best ``(fp32 value, column)`` in torch.argmax order.
+def _fold(x, start, best_v, best_s, valid, MASKED: tl.constexpr):
+    """Fold one tile (fp32 ``x``, tile start column ``start``) into the per-lane running best.
 
-    Kept in the float domain so the hot loop is ~7 instructions per element (a bandwidth-bound
-    kernel must not become issue-bound): a lane takes a later column only if its value is strictly
-    greater, or it is the lane's first NaN. Later tiles have higher columns, so each lane keeps its
-    first NaN, else its maximum at the lowest column (-0.0 == +0.0 ties, as in torch).
+    Per lane ``(best value, start of the tile that gave it)``, in torch.argmax order, kept in the float
+    domain so the hot loop is ~5 instructions per element (a bandwidth-bound kernel must not become
+    issue-bound): a lane takes the tile's value when ``not (x <= best)`` -- strictly greater, or ``x`` is
+    NaN -- and its best is not NaN yet, so each lane keeps its first NaN, else its maximum at the lowest
+    column (later tiles have higher columns; ``-0.0 == +0.0`` ties, as in torch). Tracking the tile start
+    (a scalar) instead of the column saves an add per element; the column is ``start + lane``.
     """
-    if MASKED:
-        valid = cols < col_end
-        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(row_ptr + cols).to(tl.float32)
-    if SAMPLE:
-        if sampled:
-            g = gumbel_noise(seed, offset, cols.to(tl.int64) + vocab_start, SALT)
-            x = tl.math.div_rn(x, inv_t) + g
-    take = (x > best_v) | ((x != x) & (best_v == best_v))
+    take = ~(x <= best_v) & (best_v == best_v)
     if MASKED:
         take = take & valid
-    return tl.where(take, x, best_v), tl.where(take, cols, best_c)
+    return tl.where(take, x, best_v), tl.where(take, start, best_s)
 
 
 @triton.jit
+def _tile_noise(seed, offset, vocab_start, start, GROUPS: tl.constexpr, SALT: tl.constexpr):
+    """Gumbel noise of a ``[4, GROUPS]`` tile: element ``(j, i)`` is local column ``start + 4 i + j``.
+
+    Equal, element for element, to ``gumbel_noise(seed, offset, vocab_start + column, SALT)`` with one
+    Philox call per four columns instead of one per column. ``start`` is a multiple of 4. When the
+    shard starts at a global id that is a multiple of 4 (``phase == 0``: every TP shard of a vocabulary
+    divisible by 4 tp) group ``i`` is exactly Philox block ``(vocab_start + start) // 4 + i``; otherwise a
+    group straddles two blocks and takes the tail words of block ``q`` and the head words of ``q + 1`` (two
+    calls per four columns, still half the per-column cost).
+    """
+    phase = (vocab_start & 3).to(tl.int32)
+    # Groups along the fast (last) axis: the default layout then spreads threads over groups and keeps
+    # a group's four words in one thread, so each thread runs Philox once per group it owns. (With the
+    # groups on axis 0, the compiler laid [GROUPS, 4] out with four threads per group and computed the
+    # Philox block in each of them: the per-column cost again, seen in the generated code.)
+    q = (vocab_start >> 2) + (start >> 2) + tl.arange(0, GROUPS).to(tl.int64)[None, :]
+    j = tl.arange(0, 4)[:, None]
+    a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
+    if phase == 0:
+        w = pick_word(j, a0, a1, a2, a3)
+    else:
+        b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
+        k = j + phase
+        w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
+    return gumbel_from_word(w)
+
+
+@triton.jit
+def _load_fold(row_ptr, lanes, start, col_end, best_v, best_s, sampled, temp, seed, offset, vocab_start,
+               MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
+    """Load (masked) and fold the ragged tail tile at ``start``."""
+    valid = start + lanes < col_end
+    x = tl.load(row_ptr + start + lanes, mask=valid, other=0.0)
+    return _score_fold(x, start, best_v, best_s, valid, sampled, temp, seed, offset, vocab_start, MASKED,
+                       SAMPLE, SALT)
+
+
+@triton.jit
+def _score_fold(x, start, best_v, best_s, valid, sampled, temp, seed, offset, vocab_start,
+                MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
+    """Score one loaded tile (``div_rn(x, T) + G`` for a sampled row, else ``x``) and fold it."""
+    x = x.to(tl.float32)
+    if SAMPLE:
+        if sampled:
+            g = _tile_noise(seed, offset, vocab_start, start, x.shape[1], SALT)
+            x = tl.math.div_rn(x, temp) + g
+    return _fold(x, start, best_v, best_s, valid, MASKED)
+
+
+@triton.jit(do_not_specialize=["vocab_start", "num_splits"])
 def _shard_select_kernel(
     x_ptr,  # [R, V_local] logits, unit column stride
     temp_ptr,  # [R] fp32 (read only if SAMPLE)
@@ -87,7 +135,7 @@ def _shard_select_kernel(
     stride_row,
     n_valid,  # columns of this shard with global id < vocab_size
     vocab_start,
-    chunk,  # columns per split program (a multiple of BLOCK)
+    chunk,  # columns per split program (a multiple of BLOCK; specialized, so split starts stay aligned)
     num_splits,
     BLOCK: tl.constexpr,
     SAMPLE: tl.constexpr,
@@ -98,53 +146,75 @@ def _shard_select_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
-    lanes = tl.arange(0, BLOCK)
+    if SAMPLE:
+        # [4, BLOCK / 4] tiles: group (column) i of a tile is four consecutive logits columns, whose
+        # noise comes from one Philox call (_tile_noise); the 4 words of a group stay in one thread.
+        lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, BLOCK // 4) * 4)[None, :]
+    else:
+        lanes = tl.arange(0, BLOCK)
 
     sampled = False
-    inv_t = 1.0
+    temp = 1.0
     seed = 0
     offset = 0
     if SAMPLE:
-        temp = tl.load(temp_ptr + row)
-        sampled = temp > 0.0  # T <= 0 rows are greedy: plain values, no noise
-        inv_t = tl.where(sampled, temp, 1.0)
+        t_row = tl.load(temp_ptr + row)
+        sampled = t_row > 0.0  # T <= 0 rows are greedy: plain values, no noise
+        temp = tl.where(sampled, t_row, 1.0)
         seed = tl.load(seed_ptr + row)
         offset = tl.load(offset_ptr + row)
 
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
-    # Per-lane running best. It starts at (-inf, the lane's first column): a lane whose values are all
-    # -inf keeps its first column, which is then the right answer; a lane past col_end (a short
+    # Per-lane running best (value, tile start). It starts at (-inf, col_begin): a lane whose values are
+    # all -inf keeps its first column, which is then the right answer; a lane past col_end (a short
     # chunk) is never taken and stays invalid (column >= col_end).
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_c = col_begin + lanes
-    # Full tiles load unmasked (so loads vectorize); only the last split can have a ragged tail.
-    full_end = col_begin + ((col_end - col_begin) // BLOCK) * BLOCK
-    for start in range(col_begin, full_end, BLOCK):
-        best_v, best_c = _fold_tile(row_ptr, start + lanes, col_end, best_v, best_c, sampled, inv_t, seed,
-                                    offset, vocab_start, False, SAMPLE, SALT)
+    best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
+    best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
+    zero = tl.zeros(lanes.shape, tl.int32)
+    # Full tiles load unmasked in effect: their masks are per-program scalars (splat), which keep the
+    # loads vectorized. Two tiles per iteration, and the next two are loaded before the current two
+    # are folded, so up to four tiles per program are in flight while it computes (few rows leave the
+    # kernel latency-bound otherwise: each program would wait for every load before it issues the next).
+    n_full = (col_end - col_begin) // BLOCK
+    x0 = tl.load(row_ptr + col_begin + lanes, mask=zero < n_full, other=0.0)
+    x1 = tl.load(row_ptr + col_begin + BLOCK + lanes, mask=zero + 1 < n_full, other=0.0)
+    for t in range(0, n_full, 2):
+        c0 = x0
+        c1 = x1
+        start = col_begin + t * BLOCK
+        x0 = tl.load(row_ptr + start + 2 * BLOCK + lanes, mask=zero + (t + 2) < n_full, other=0.0)
+        x1 = tl.load(row_ptr + start + 3 * BLOCK + lanes, mask=zero + (t + 3) < n_full, other=0.0)
+        best_v, best_s = _score_fold(c0, start, best_v, best_s, lanes, sampled, temp, seed, offset,
+                                     vocab_start, False, SAMPLE, SALT)
+        if t + 1 < n_full:
+            best_v, best_s = _score_fold(c1, start + BLOCK, best_v, best_s, lanes, sampled, temp, seed,
+                                         offset, vocab_start, False, SAMPLE, SALT)
+    full_end = col_begin + n_full * BLOCK
     if full_end < col_end:
-        best_v, best_c = _fold_tile(row_ptr, full_end + lanes, col_end, best_v, best_c, sampled, inv_t, seed,
+        best_v, best_s = _load_fold(row_ptr, lanes, full_end, col_end, best_v, best_s, sampled, temp, seed,
                                     offset, vocab_start, True, SAMPLE, SALT)
 
     # Across lanes: exact ordered keys (NaN highest), the lowest column among equal keys.
-    bk, bc = block_best(ordered_i32(best_v), best_c, best_c < col_end, 0)
+    best_c = tl.reshape(best_s + lanes, [BLOCK])
+    bk, bc = block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, best_c < col_end, 0)
     key = pack_key(bk, bc.to(tl.int64) + vocab_start)
 
     if SPLIT:
         # One-launch combine without a spin-wait (the interpreter runs programs one after another):
         # every split program folds its key into the row's scratch slot with an int64 atomic max, then
-        # bumps the row's arrival counter. Both are acq_rel atomics at GPU scope, issued in this order
-        # by one thread, so the program that sees count == num_splits - 1 (the last to arrive) reads a
-        # slot that already holds every other split's key. It takes the slot with an exchange that
-        # resets it to EMPTY_KEY and resets the counter, leaving the scratch ready for the next launch
-        # (and for CUDA-graph replay) without a memset.
-        tl.atomic_max(slot_ptr + row, key)
-        arrived = tl.atomic_add(count_ptr + row, 1)
+        # bumps the row's arrival counter. One thread issues both, in this order; the counter's add is
+        # acq_rel at GPU scope, so its release orders the (relaxed, fire-and-forget) max before it, and
+        # the program that sees count == num_splits - 1 (the last to arrive) acquires every earlier
+        # add and so reads a slot that already holds every other split's key. It takes the slot with
+        # an exchange that resets it to EMPTY_KEY and resets the counter, leaving the scratch ready for
+        # the next launch (and for CUDA-graph replay) without a memset.
+        tl.atomic_max(slot_ptr + row, key, sem="relaxed")
+        arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
         if arrived == num_splits - 1:
-            final = tl.atomic_xchg(slot_ptr + row, -9223372036854775808)
+            final = tl.atomic_xchg(slot_ptr + row, -9223372036854775808, sem="relaxed")
             final = tl.maximum(final, key)
-            tl.atomic_xchg(count_ptr + row, 0)
+            tl.atomic_xchg(count_ptr + row, 0, sem="relaxed")
             if OUT_IDS:
                 tl.store(out_ptr + row, key_to_id(final))
             else:
@@ -198,7 +268,7 @@ def make_shard_select_scratch(rows: int, device: torch.device | str) -> tuple[to
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # interpreter: a few programs per row still exercises the split path
+        return 8  # interpreter: a few programs per row still exercises the split path
     n = _SM_COUNT.get(device)
     if n is None:
         n = torch.cuda.get_device_properties(device).multi_processor_count
@@ -206,16 +276,25 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
-def plan_splits(rows: int, n_valid: int, device: torch.device, block: int = _DEFAULT_BLOCK,
-                num_splits: int | None = None) -> tuple[int, int]:
+def default_block(n_valid: int, dtype: torch.dtype) -> int:
+    """Columns per tile: ``_TILE_BYTES`` of logits (4096 bf16/fp16, 2048 fp32), less for narrow shards."""
+    block = _TILE_BYTES // torch.tensor([], dtype=dtype).element_size()
+    return min(block, max(16, triton.next_power_of_2(max(n_valid, 1))))
+
+
+def plan_splits(rows: int, n_valid: int, device: torch.device, block: int, num_splits: int | None = None,
+                programs_per_sm: int = _PROGRAMS_PER_SM) -> tuple[int, int]:
     """``(num_splits, chunk)`` for a launch: chunk a multiple of ``block``, ``num_splits * chunk >= n_valid``.
 
+    A schedule only (the key never depends on it). Default: as many programs per row as fit one wave of
+    ``programs_per_sm`` resident programs per SM (``rows * num_splits <= programs_per_sm * SMs``, so no
+    partial second wave doubles the tail), capped at one tile per program. Few rows get many programs
+    of a tile or two each (their loads all in flight at once); many rows get one program per row.
     Depends on shapes only, so a captured graph and its eager warm-up agree.
     """
     tiles = max(1, triton.cdiv(n_valid, block))
     if num_splits is None:
-        target = _PROGRAMS_PER_SM * _sm_count(device)
-        num_splits = triton.cdiv(target, max(rows, 1))
+        num_splits = (programs_per_sm * _sm_count(device)) // max(rows, 1)
     num_splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, num_splits) * block
     num_splits = max(1, triton.cdiv(n_valid, chunk))
@@ -307,9 +386,8 @@ def shard_select_keys(
         out: ``[R]`` int64, written in place.
         return_ids: write global ids (``-1`` for a shard with no valid column) instead of keys; use it
             when this rank holds the whole vocabulary (no exchange follows).
-        block_size, num_splits: tiling (columns per tile, a power of two; programs per row). Default:
-            4096 (smaller for narrow shards) and enough programs to fill the GPU. The result never
-            depends on them.
+        block_size, num_splits: tiling (columns per tile, a power of two >= 16; programs per row).
+            Default: :func:`default_block` and :func:`plan_splits`. The result never depends on them.
         scratch: ``(slots int64 [>= R] filled with EMPTY_KEY, counts int32 [>= R] zeros)``; the kernel
             restores them. Default: a per-device cache (launches sharing it must be stream-ordered).
 
@@ -330,7 +408,7 @@ def shard_select_keys(
     rows, width = shard_logits.shape
     n_valid = max(0, min(width, vocab_size - vocab_start))
     if block_size is None:
-        block_size = min(_DEFAULT_BLOCK, max(16, triton.next_power_of_2(max(n_valid, 1))))
+        block_size = default_block(n_valid, shard_logits.dtype)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
     if not 0 <= salt <= 0xFFFFFFFF:

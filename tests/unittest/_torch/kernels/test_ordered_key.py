@@ -5,10 +5,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, block_best, gumbel_noise, gumbel_noise_torch,
-                                                  key_to_id_torch, ordered_i32, ordered_i32_torch, pack_key,
-                                                  philox_uniform, philox_uniform_torch,
-                                                  shard_argmax_key_reference)
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, _philox_4x32_10_torch, block_best, gumbel_noise,
+                                                  gumbel_noise_torch, gumbel_words4, key_to_id_torch, ordered_i32,
+                                                  ordered_i32_torch, pack_key, philox_uniform, philox_uniform_torch,
+                                                  shard_argmax_key_reference, uniform_from_word)
 
 # Triton takes CPU tensors only under the interpreter (CPU machines); on a GPU machine test CUDA.
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -72,3 +72,68 @@ def test_padded_or_empty_shard_never_wins():
     key = shard_argmax_key_reference(padded, 10, 13)
     assert key_to_id_torch(key).item() == 10
     assert shard_argmax_key_reference(torch.zeros(2, 4), 16, 13).tolist() == [EMPTY_KEY] * 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Gumbel noise mapping: word gid % 4 of the Philox block with counter (gid // 4, offset, salt)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _words_kernel(g_ptr, w_ptr, u_ptr, word_in_ptr, seed, offset, gid0, n, N: tl.constexpr, SALT: tl.constexpr):
+    c = tl.arange(0, N)
+    valid = c < n
+    s = tl.full([N], seed, tl.int64)
+    off = tl.full([N], offset, tl.int64)
+    tl.store(g_ptr + c, gumbel_noise(s, off, (c + gid0).to(tl.int64), SALT), mask=valid)
+    q = tl.arange(0, N // 4).to(tl.int64) + gid0 // 4  # the blocks of ids gid0 .. (gid0 rounded down to 4)
+    r0, r1, r2, r3 = gumbel_words4(seed, offset, q, SALT)
+    i = tl.arange(0, N // 4) * 4
+    tl.store(w_ptr + i, r0.to(tl.int64))
+    tl.store(w_ptr + i + 1, r1.to(tl.int64))
+    tl.store(w_ptr + i + 2, r2.to(tl.int64))
+    tl.store(w_ptr + i + 3, r3.to(tl.int64))
+    words = tl.load(word_in_ptr + c).to(tl.uint32)
+    tl.store(u_ptr + c, uniform_from_word(words))
+
+
+def _gumbel_of_word(r: torch.Tensor) -> torch.Tensor:
+    """The documented word -> noise transform, written out: u = ((r >> 9) + 0.5) 2^-23, G = -log(-log u)."""
+    u = ((r >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
+    return -torch.log(torch.where(t < 0.015625, series, -torch.log(u)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gid0", [0, 4 * 12345 + 1, 2**32 - 64 - 3])
+def test_gumbel_four_column_mapping(device, gid0):
+    """One Philox block feeds four consecutive global ids: id 4q + w takes word w of the block with counter
+    (q, offset lo, offset hi, salt). Pinned here against Philox itself, for the torch twin (bitwise) and
+    the kernel helpers (words and uniforms bitwise; the logs within GPU tl.log's error), at an
+    unaligned first id and near the 2^32 id limit."""
+    n, N, salt = 61, 64, 0xD7AF7
+    seed, offset = 2**40 + 977, 2**33 + 5
+    gid = torch.arange(gid0, gid0 + n, dtype=torch.int64)
+    q, w = gid // 4, gid % 4
+    words = _philox_4x32_10_torch(torch.full_like(q, seed), q, torch.full_like(q, offset & 0xFFFFFFFF),
+                                  torch.full_like(q, offset >> 32), torch.full_like(q, salt))
+    word = torch.stack(words).gather(0, w[None])[0]
+    expected = _gumbel_of_word(word)
+    twin = gumbel_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), gid[None], salt)[0]
+    assert torch.equal(twin, expected)
+    # Ids of one block draw from one Philox call: distinct words, so distinct noise (independent draws).
+    assert twin.unique().numel() == n
+
+    g = torch.empty(n, device=device)
+    got_words = torch.empty(N, dtype=torch.int64, device=device)
+    edge = torch.tensor([0, 0x1FF, 0x200, 0xFFFFFFFF, 0xFFFFFE00, 0x80000000, 0x7FFFFFFF], dtype=torch.int64)
+    word_in = torch.cat([edge, word[:N - edge.numel()]]).to(device)
+    u = torch.empty(N, device=device)
+    _words_kernel[(1,)](g, got_words, u, word_in, seed, offset, gid0, n, N=N, SALT=salt)
+    torch.testing.assert_close(g.cpu(), expected, atol=2e-5, rtol=2e-5)  # GPU tl.log is approximate
+    q0 = torch.arange(N // 4, dtype=torch.int64) + gid0 // 4
+    ref_words = _philox_4x32_10_torch(torch.full_like(q0, seed), q0, torch.full_like(q0, offset & 0xFFFFFFFF),
+                                      torch.full_like(q0, offset >> 32), torch.full_like(q0, salt))
+    assert torch.equal(got_words.cpu().view(-1, 4), torch.stack(ref_words, dim=1))
+    ref_u = ((word_in.cpu() >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    assert torch.equal(u.cpu(), ref_u)  # the bit-trick uniform is exactly (top + 0.5) * 2^-23
+    assert u.max().item() < 1.0 and u.min().item() > 0.0

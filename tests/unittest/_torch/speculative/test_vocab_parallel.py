@@ -50,14 +50,19 @@ def _adversarial(rows_v: int, vocab: int, dtype: torch.dtype, device: str, seed:
     return x[:rows_v].to(dtype).to(device)
 
 
-def _simulated_tp(x: torch.Tensor, tp: int, vocab: int, **kw) -> torch.Tensor:
-    """Split ``[R, V]`` like a COLUMN LMHead (zero-padded last shard), select per shard, take the max."""
+def _simulated_tp_keys(x: torch.Tensor, tp: int, vocab: int, **kw) -> torch.Tensor:
+    """Split ``[R, V]`` like a COLUMN LMHead (zero-padded last shard), select per shard, take the max key."""
     width = -(-vocab // tp)
     pad = width * tp - vocab
     xp = torch.cat([x, torch.zeros(x.shape[0], pad, dtype=x.dtype, device=x.device)], dim=1)
     keys = torch.stack([shard_select_keys(xp[:, r * width:(r + 1) * width], r * width, vocab, **kw)
                         for r in range(tp)])
-    return key_to_id_torch(keys.max(dim=0).values)
+    return keys.max(dim=0).values
+
+
+def _simulated_tp(x: torch.Tensor, tp: int, vocab: int, **kw) -> torch.Tensor:
+    """:func:`_simulated_tp_keys` -> the winners' global ids."""
+    return key_to_id_torch(_simulated_tp_keys(x, tp, vocab, **kw))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,6 +205,88 @@ def test_gumbel_keying(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_unaligned_shard_starts(device):
+    """The noise of id g is word g % 4 of Philox block g // 4; the kernel computes one block per four
+    columns of its tile. Shards starting at ids 4n+1, 4n+2, 4n+3 (odd widths) must draw exactly the ids'
+    own words: every simulated TP size gives the TP 1 keys bit for bit, at several block sizes and splits
+    (flat rows make the draw the argmax of the noise alone, so a shifted word would move it)."""
+    vocab, rows = 203, 4
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, vocab, generator=g)
+    x[:2] = 0.0  # flat rows: the winner is the noise's argmax
+    x = x.to(torch.bfloat16).to(device)
+    temps, seeds, offsets = _sampling_inputs(rows, device, 1.0, seed=2**35 + 3, offset0=2**32 - 2)
+    temps[3] = 0.0  # one greedy row among them
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
+    full = shard_select_keys(x, 0, vocab, **kw)
+    # Kernel vs eager twin: the uniforms are exact, the logs (numpy / GPU vs torch) may differ by an ulp,
+    # which can only flip a near-tie of the noisy score.
+    twin = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets)
+    assert (key_to_id_torch(full) != key_to_id_torch(twin)).sum().item() <= 1
+    # tp 2/4/5: widths 102, 51, 41 -> shard starts 102, 51, 102, 153, 41, 82, 123, 164 (every phase mod 4)
+    for tp, (block, splits) in ((2, (32, 2)), (4, (16, 2)), (5, (64, None))):
+        assert torch.equal(_simulated_tp_keys(x, tp, vocab, block_size=block, num_splits=splits, **kw), full), tp
+    # One shard at every phase: its winner among its own ids, as the eager twin draws it.
+    for start in (1, 2, 3):
+        shard = x[:, start:start + 61]
+        keys = shard_select_keys(shard, start, vocab, temps, seeds, offsets, block_size=32, num_splits=1)
+        ref = shard_select_keys_reference(shard, start, vocab, temps, seeds, offsets)
+        assert (key_to_id_torch(keys) != key_to_id_torch(ref)).sum().item() <= 1, start
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_and_tile_schedule_invariance(device, dtype):
+    """Two tiles per loop iteration with the next two prefetched: programs with 0, 1, 2, 3 and more full
+    tiles, with and without a ragged tail, give the same keys (greedy and sampled) as the eager twin."""
+    vocab = 300  # 4 tiles of 64 + 44
+    x = _adversarial(8, vocab, dtype, device, seed=9)
+    x[7, 64 * 2 - 1], x[7, 64 * 2] = 7.0, 7.0  # a tie across a tile boundary: the lower id wins
+    greedy_ref = shard_select_keys_reference(x, 0, vocab)
+    # Full tiles per program: 4 + tail; 3, 1 + tail; 2, 2, tail; 1, 1, 1, 1, tail; and 16-wide tiles.
+    for block, splits in ((64, 1), (64, 2), (64, 3), (64, 5), (128, 2), (16, 3), (512, 1)):
+        keys = shard_select_keys(x, 0, vocab, block_size=block, num_splits=splits)
+        assert torch.equal(keys, greedy_ref), (block, splits)
+    assert key_to_id_torch(greedy_ref)[7].item() == 64 * 2 - 1
+    if dtype != torch.bfloat16:
+        return  # the sampled schedules once (the interpreter is slow on Philox)
+    rows = 4
+    temps, seeds, offsets = _sampling_inputs(rows, device, 0.9, seed=11)
+    temps[1] = -1.0  # greedy
+    xs = x[3:3 + rows]
+    sampled_ids = shard_select_keys(xs, 0, vocab, temps, seeds, offsets, block_size=64, num_splits=1,
+                                    return_ids=True)
+    for block, splits in ((64, 2), (64, 5), (16, 2), (512, 1)):
+        ids = shard_select_keys(xs, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits,
+                                return_ids=True)
+        assert torch.equal(ids, sampled_ids), (block, splits)
+    twin = shard_select_keys_reference(xs, 0, vocab, temps, seeds, offsets, return_ids=True)
+    assert (twin != sampled_ids).sum().item() <= 1  # ulp-level log differences can flip a near-tie only
+
+
+def test_plan_splits_one_wave_and_covering():
+    """The split plan is a schedule: chunks are whole tiles that cover the shard, and the grid fits one
+    wave of resident programs (no partial second wave) unless one program per row already exceeds it."""
+    from tensorrt_llm_ext.kernels import shard_select as ss
+
+    dev = torch.device("cpu")
+    wave = ss._PROGRAMS_PER_SM * ss._sm_count(dev)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n_valid in (0, 1, 15, 16, 17, 1001, 50016, 200064):
+            block = ss.default_block(n_valid, dtype)
+            assert block & (block - 1) == 0 and 16 <= block <= ss._TILE_BYTES // (2 if dtype == torch.bfloat16 else 4)
+            for rows in (1, 3, 8, 64, 256, 1000):
+                splits, chunk = ss.plan_splits(rows, n_valid, dev, block)
+                assert chunk % block == 0 and splits >= 1
+                assert splits * chunk >= n_valid and (splits - 1) * chunk < max(n_valid, 1)
+                assert rows * splits <= max(rows, wave), (rows, n_valid, splits)
+    # Few rows split a wide row into many one-tile programs; many rows take one program per row.
+    chunk = 4096 * -(-49 // min(wave, 49))  # 49 tiles of 4096 over at most one wave of programs
+    assert ss.plan_splits(1, 200064, dev, 4096) == (-(-200064 // chunk), chunk)
+    assert ss.plan_splits(1000, 200064, dev, 4096) == (1, 200064 // 4096 * 4096 + 4096)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_greedy_and_sampled_rows(device):
     vocab, rows = 901, 8
     x = _adversarial(rows, vocab, torch.bfloat16, device, seed=11)
@@ -214,6 +301,23 @@ def test_mixed_greedy_and_sampled_rows(device):
     assert torch.equal(ids[~greedy], all_sampled[~greedy])
     assert torch.equal(_simulated_tp(x, 4, vocab, temperatures=temps, seeds=seeds, offsets=offsets, block_size=128),
                        ids)
+
+
+def test_bench_select_smoke_tables():
+    """`bench select` prints the goal columns (greedy and Gumbel % of floor, Gumbel/greedy, argmax/greedy)
+    for every (tp, rows) and a schedule sweep that marks the launcher's default (CPU: smoke sizes)."""
+    import argparse
+
+    from tensorrt_llm_ext.bench import harness
+    from tensorrt_llm_ext.bench.select import run
+
+    harness.TABLES.clear()
+    run(argparse.Namespace(vocab=200064, rows="1,8", tp_sizes="1,2", dtype="bf16", no_sweep=False))
+    main, sweep = harness.TABLES[-2:]
+    for col in ("greedy % of floor", "gumbel % of floor", "gumbel/greedy", "argmax/greedy"):
+        assert col in main["headers"]
+    assert [r[:3] for r in main["rows"]] == [[1, 1, 2003], [1, 3, 2003], [2, 1, 1002], [2, 3, 1002]]
+    assert "*" in [r[-1] for r in sweep["rows"]] and {r[2] for r in sweep["rows"]} == {256, 1024}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -505,6 +609,25 @@ def test_large_vocab_matches_torch_argmax(dtype):
         keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits)
         assert torch.equal(key_to_id_torch(keys), ids)
     assert TARGET_SALT != DRAFT_SALT
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gumbel_unaligned_shards_large_vocab():
+    """Compiled kernel, odd vocabulary (200063): TP 2/3/4/8 shard starts at every phase mod 4 draw the TP 1
+    keys bit for bit (one Philox block per four ids, taken across the shard boundary), default schedules
+    and forced ones; and the draw agrees with the eager twin up to ulp-level near-ties of the log."""
+    vocab = 200063
+    for rows in (8, 64, 256):
+        x = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+        x[: rows // 2] = 0.0  # flat rows: the draw is the noise's argmax
+        temps, seeds, offsets = _sampling_inputs(rows, "cuda", 1.0, seed=77 + rows)
+        kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
+        full = shard_select_keys(x, 0, vocab, **kw)
+        for tp in (2, 3, 4, 8):
+            assert torch.equal(_simulated_tp_keys(x, tp, vocab, **kw), full), (rows, tp)
+        assert torch.equal(_simulated_tp_keys(x, 3, vocab, block_size=1024, num_splits=5, **kw), full)
+        twin = key_to_id_torch(shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets))
+        assert (key_to_id_torch(full) != twin).sum().item() <= 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
