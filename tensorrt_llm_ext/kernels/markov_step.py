@@ -403,16 +403,15 @@ class FusedSchedule:
                            cache_hints=self.cache_hints)
 
 
-# Per-B schedule of the fused step on CUDA (the first row whose max_batch >= B). TO BE MEASURED on the
-# H200 with `trtllm-ext bench markov` (it times these rows and a few variants per B): only the B <= 16
-# row is a measured configuration (the one-row-tile kernel's sweep: 64 columns, 4 warps, 2 stages,
-# 4 programs per SM); the others are starting points (w1 rows in registers while they fit, fewer
-# programs as B grows since each then does B/16 dots per markov_w2 tile).
+# Per-B schedule of the fused step on CUDA (the first row whose max_batch >= B). Measured on the H200
+# (2026-12-01, `trtllm-ext bench markov`, V = 200064, r = 256, K = 7, bf16; docs/markov_chain.md): one
+# row tile per group -- every 16 rows stream markov_w2 again, over 4 programs per SM shared by the groups
+# -- beat every one-pass schedule at every B: reading the weight once per step and looping over 2-8 row
+# tiles inside each program took 436-477 us at B = 32 (vs ~300-330), 707 at 64 (vs ~540) and 1233 at
+# 128 (vs ~1030): the in-program row loop serialises what separate groups run in parallel, and at B >= 64
+# the step is then bound by the dots (mma.sync, 16-row tiles), not by the weight's bytes.
 FUSED_SCHEDULES: tuple[FusedSchedule, ...] = (
-    FusedSchedule(16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=1, h_once=True),
-    FusedSchedule(32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=2, h_once=True),
-    FusedSchedule(64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
-    FusedSchedule(None, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, row_tiles=8, h_once=False),
+    FusedSchedule(None, block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, row_tiles=1, h_once=True),
 )
 # The interpreter runs programs one after another: few programs, one stage (timing is meaningless there).
 INTERPRET_SCHEDULES: tuple[FusedSchedule, ...] = (

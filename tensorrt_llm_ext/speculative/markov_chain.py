@@ -407,14 +407,13 @@ def markov_chain_stock(
 # Auto mode: per batch size, the faster of "fused" and "exact" measured on the target GPU. Keys are
 # substrings of torch.cuda.get_device_name() (the longest matching key wins, so "H200" is not taken
 # for an "H20"); each value lists (max batch size, mode) rows in increasing order, the last row's max
-# None covering every larger B. TO BE FILLED by the lead from `trtllm-ext bench markov` on the H200
-# (its "auto picks / faster" columns): the placeholder is the old kernel's crossover (fused faster up
-# to B = 32, exact above), which the one-pass fused step may move.
+# None covering every larger B. H200: measured with `trtllm-ext bench markov` (2026-12-01, V = 200064,
+# r = 256, K = 7, bf16): fused is faster at B = 1 / 8 / 32, exact at B = 64 / 128 (docs/markov_chain.md).
 AutoModeTable = tuple[tuple[int | None, str], ...]
 AUTO_MODE_TABLES: dict[str, AutoModeTable] = {
     "H200": ((32, "fused"), (None, "exact")),
 }
-# GPUs not in the table, and the CPU interpreter (where speed does not matter): the same crossover.
+# GPUs not in the table (unmeasured), and the CPU interpreter (where speed does not matter): the same crossover.
 AUTO_MODE_DEFAULT: AutoModeTable = ((32, "fused"), (None, "exact"))
 
 
