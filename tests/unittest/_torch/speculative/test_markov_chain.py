@@ -6,38 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.contract import MarkovHeadWeights
 from tensorrt_llm_ext.kernels.markov_step import FusedConfig, fused_grid
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.speculative import markov_chain as mc
-from tensorrt_llm_ext.speculative.markov_chain import (MarkovChain, MarkovChainStepper, MarkovReferenceStepper,
-                                                       MarkovWorkspace, markov_chain_logits,
-                                                       markov_chain_logits_reference)
+from tensorrt_llm_ext.speculative.markov_chain import (
+    MarkovChain,
+    MarkovChainStepper,
+    MarkovReferenceStepper,
+    MarkovWorkspace,
+    markov_chain_logits,
+    markov_chain_logits_reference,
+)
+from tensorrt_llm_ext.testing.markov import bits_equal, markov_inputs, sampling_inputs
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled kernels, graphs, large sizes)")
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality, NaN payloads aside (torch's CPU and CUDA casts canonicalize NaN differently)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    na, nb = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(na, nb):
-        return False
-    ia = a.masked_fill(na, 0).view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.masked_fill(nb, 0).view(torch.int16 if b.element_size() == 2 else torch.int32)
-    return torch.equal(ia, ib)
-
-
 def _make(B, K, V, r, wdt, ldt, seed=0, scale=0.3, dev=DEV):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(B, K, V, generator=g).to(ldt)
-    w1 = (torch.randn(V, r, generator=g) * scale).to(wdt)
-    w2 = (torch.randn(V, r, generator=g) * scale).to(wdt)
-    anchors = torch.randint(0, V, (B,), generator=g)
-    return base.to(dev), anchors.to(dev), w1.to(dev), w2.to(dev)
+    return markov_inputs(B, K, V, r, wdt, ldt, seed=seed, scale=scale, device=dev)
 
 
 def _adversarial(base: torch.Tensor) -> torch.Tensor:
@@ -55,12 +44,7 @@ def _adversarial(base: torch.Tensor) -> torch.Tensor:
 
 
 def _sampling(B, seed=7, dev=DEV):
-    g = torch.Generator().manual_seed(seed)
-    temps = torch.rand(B, generator=g) * 1.5 + 0.3
-    temps[::3] = 0.0  # greedy rows mixed in
-    seeds = torch.randint(0, 2**62, (B,), generator=g)
-    offsets = torch.randint(0, 2**40, (B,), generator=g)
-    return temps.to(dev), seeds.to(dev), offsets.to(dev)
+    return sampling_inputs(B, seed=seed, device=dev)
 
 
 def _run_shards(base, anchors, w1, w2, tp, *, mode, vocab_size=None, sampling=None, reference=False, order="alternate"):
@@ -106,7 +90,7 @@ def test_exact_matches_eager(wdt, ldt, B):
     ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact")
     assert torch.equal(t, rt)
-    assert _bits_equal(o, ro)
+    assert bits_equal(o, ro)
 
 
 def test_exact_adversarial_tokens():
@@ -141,7 +125,7 @@ def test_invalid_anchors_zero_bias(mode):
     assert torch.equal(o[:3, 0], base[:3, 0])  # zero bias: the row is its base logits
     assert torch.equal(t[:3, 0], torch.argmax(base[:3, 0], dim=1))
     if mode == "exact":
-        assert torch.equal(t, rt) and _bits_equal(o, ro)
+        assert torch.equal(t, rt) and bits_equal(o, ro)
     assert torch.equal(ro[:3, 0], base[:3, 0])
 
 
@@ -153,7 +137,7 @@ def test_exact_shard_split_matches_eager_shards():
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="exact")
         ro, rt = _run_shards(base, anchors, w1, w2, tp, mode="exact", reference=True)
         assert all(torch.equal(t, rt[0]) for t in lt + rt), tp
-        assert _bits_equal(lo, ro), tp
+        assert bits_equal(lo, ro), tp
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -168,7 +152,7 @@ def test_fused_identical_across_tp_splits(wdt):
     for tp in (2, 3, 4):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused")
         assert all(torch.equal(t, t1) for t in lt), tp
-        assert _bits_equal(lo, o1), tp
+        assert bits_equal(lo, o1), tp
 
 
 def test_fused_row_independent_of_batch():
@@ -178,7 +162,7 @@ def test_fused_row_independent_of_batch():
     for rows in ([0], [4, 5], list(range(3, 20))):  # one row tile, a partial tile, spanning tiles
         idx = torch.tensor(rows, device=DEV)
         os_, ts = markov_chain_logits(base[idx].contiguous(), anchors[idx], w1, w2, mode="fused")
-        assert torch.equal(ts, t[idx]) and _bits_equal(os_, o[idx]), rows
+        assert torch.equal(ts, t[idx]) and bits_equal(os_, o[idx]), rows
 
 
 def test_fused_agrees_with_exact():
@@ -220,10 +204,10 @@ def test_fused_three_row_tiles_match_rows_alone_and_b16():
     for lo in (0, 16, 24):  # B = 16 runs: tile-aligned and straddling two tiles of the B = 40 run
         idx = torch.arange(lo, lo + 16, device=DEV)
         o16, t16 = markov_chain_logits(base[idx].contiguous(), anchors[idx], w1, w2, mode="fused")
-        assert torch.equal(t16, t[idx]) and _bits_equal(o16, o[idx]), lo
+        assert torch.equal(t16, t[idx]) and bits_equal(o16, o[idx]), lo
     for b in (0, 7, 15, 16, 23, 31, 32, 39):  # first/last rows of each tile, the invalid anchor's row
         o1, t1 = markov_chain_logits(base[b:b + 1].contiguous(), anchors[b:b + 1].contiguous(), w1, w2, mode="fused")
-        assert torch.equal(t1, t[b:b + 1]) and _bits_equal(o1, o[b:b + 1]), b
+        assert torch.equal(t1, t[b:b + 1]) and bits_equal(o1, o[b:b + 1]), b
 
 
 @pytest.mark.parametrize("sample", [False, True])
@@ -242,11 +226,11 @@ def test_fused_schedules_and_orders_identical(sample):
     runs = [(None, "alternate")] + [(cfg, ("alternate", "same")[i % 2]) for i, cfg in enumerate(_SCHEDULES)]
     for cfg, order in runs if not sample else [(None, "alternate")]:
         oc, tc = markov_chain_logits(base, anchors, w1, w2, mode="fused", order=order, config=cfg, **kw)
-        assert torch.equal(tc, t) and _bits_equal(oc, o), (cfg, order)
+        assert torch.equal(tc, t) and bits_equal(oc, o), (cfg, order)
     for tp in (2, 3) if not sample else (2,):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", order="alternate",
                              sampling=samp if sample else None)
-        assert all(torch.equal(x, t) for x in lt) and _bits_equal(lo, o), tp
+        assert all(torch.equal(x, t) for x in lt) and bits_equal(lo, o), tp
 
 
 def test_fused_order_ties_across_tiles_and_programs():
@@ -279,7 +263,7 @@ def test_fused_order_ties_across_tiles_and_programs():
                 assert torch.equal(t[:, k], want), (cfg, order, k)
             outs[order] = (o.clone(), t.clone())
         assert torch.equal(outs["alternate"][1], outs["same"][1])
-        assert _bits_equal(outs["alternate"][0], outs["same"][0])
+        assert bits_equal(outs["alternate"][0], outs["same"][0])
 
 
 def test_fused_config_validation():
@@ -355,7 +339,7 @@ def test_sampling_identical_across_splits(mode):
     for tp in (2, 3):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode=mode, sampling=samp)
         assert all(torch.equal(t, t1) for t in lt), (mode, tp)
-        assert _bits_equal(lo, o1)
+        assert bits_equal(lo, o1)
     # Greedy rows select the plain argmax; sampled rows differ from greedy somewhere.
     greedy = samp[0] == 0
     assert torch.equal(t1[greedy], torch.argmax(o1[greedy], dim=2))
@@ -374,7 +358,7 @@ def test_exact_sampling_matches_eager():
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact", temperatures=samp[0], seeds=samp[1],
                                offsets=samp[2])
     assert torch.equal(t, rt)
-    assert _bits_equal(o, ro)
+    assert bits_equal(o, ro)
 
 
 def test_sampling_distribution():
@@ -409,7 +393,7 @@ def test_markov_chain_component_reuses_buffers():
             o, t = chain(base[:B], anchors[:B])
             assert o.data_ptr() == chain.out.data_ptr() and t.data_ptr() == chain.workspace.tokens.data_ptr()
             if chain.mode_for(B) == "exact":
-                assert torch.equal(t, rt[:B]) and _bits_equal(o, ro[:B])
+                assert torch.equal(t, rt[:B]) and bits_equal(o, ro[:B])
             else:
                 assert torch.equal(t, torch.argmax(o, dim=2))
         assert (chain.workspace.keys[0] == EMPTY_KEY).all()  # ring slot 0 restored for the next chain
@@ -468,7 +452,7 @@ def test_gpu_exact_large_matches_eager(B):
     anchors[-1] = -1
     ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact")
-    assert torch.equal(t, rt) and _bits_equal(o, ro)
+    assert torch.equal(t, rt) and bits_equal(o, ro)
     fo, ft = markov_chain_logits(base, anchors, w1, w2, mode="fused")
     assert torch.equal(ft, torch.argmax(fo, dim=2))
     print(f"B={B}: fused/exact token agreement {(ft == t).float().mean().item():.4f}")
@@ -481,12 +465,12 @@ def test_gpu_fused_large_splits_and_rows():
     o1, t1 = markov_chain_logits(base, anchors, w1, w2, mode="fused")
     for tp in (2, 3, 4, 8):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused")
-        assert all(torch.equal(t, t1) for t in lt) and _bits_equal(lo, o1), tp
+        assert all(torch.equal(t, t1) for t in lt) and bits_equal(lo, o1), tp
     big = torch.randn(128, K, V, device=DEV).to(torch.bfloat16)
     big_a = torch.randint(0, V, (128,), device=DEV)
     big[77], big_a[77] = base[2], anchors[2]
     bo, bt = markov_chain_logits(big, big_a, w1, w2, mode="fused")
-    assert torch.equal(bt[77], t1[2]) and _bits_equal(bo[77], o1[2])
+    assert torch.equal(bt[77], t1[2]) and bits_equal(bo[77], o1[2])
 
 
 @gpu_only
@@ -513,14 +497,14 @@ def test_gpu_cuda_graph_replay(mode, sample):
     gt.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(gt, et) and _bits_equal(go, eo)
+    assert torch.equal(gt, et) and bits_equal(go, eo)
     # New inputs copied into the captured tensors take effect on replay.
     base.copy_(torch.randn_like(base.float()).to(base.dtype))
     anchors.copy_(torch.randint(0, V, (B,), device=DEV))
     graph.replay()
     torch.cuda.synchronize()
     ro, rt = markov_chain_logits(base, anchors, w1, w2, mode=mode, **kw)
-    assert torch.equal(gt, rt) and _bits_equal(go, ro)
+    assert torch.equal(gt, rt) and bits_equal(go, ro)
 
 
 def _gpu_schedules():
@@ -557,16 +541,16 @@ def test_gpu_fused_one_pass_rows_orders_schedules():
     o, t = o.clone(), t.clone()
     assert torch.equal(t, torch.argmax(o, dim=2))
     os_, ts = markov_chain_logits(base, anchors, w1, w2, mode="fused", order="same")
-    assert torch.equal(ts, t) and _bits_equal(os_, o)
+    assert torch.equal(ts, t) and bits_equal(os_, o)
     for lo, n in ((0, 40), (88, 40), (50, 1), (127, 1), (3, 1)):
         idx = torch.arange(lo, lo + n, device=DEV)
         ob, tb = markov_chain_logits(base[idx].contiguous(), anchors[idx].contiguous(), w1, w2, mode="fused")
-        assert torch.equal(tb, t[idx]) and _bits_equal(ob, o[idx]), (lo, n)
+        assert torch.equal(tb, t[idx]) and bits_equal(ob, o[idx]), (lo, n)
     table, variants = _gpu_schedules()  # compile time: table rows at two sizes, variants at one
     for cfg, B in [(c, b) for c in table for b in (40, 128)] + [(c, 40) for c in variants]:
         oc, tc = markov_chain_logits(base[:B].contiguous(), anchors[:B].contiguous(), w1, w2, mode="fused",
                                      config=cfg)
-        assert torch.equal(tc, t[:B]) and _bits_equal(oc, o[:B]), (cfg, B)
+        assert torch.equal(tc, t[:B]) and bits_equal(oc, o[:B]), (cfg, B)
 
 
 @gpu_only
@@ -583,7 +567,7 @@ def test_gpu_fused_one_pass_tp_splits(B):
         o1, t1 = o1.clone(), t1.clone()
         for tp, order in ((2, "same"), (3, "alternate"), (4, "alternate"), (8, "same")):
             lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", sampling=samp, order=order)
-            assert all(torch.equal(x, t1) for x in lt) and _bits_equal(lo, o1), (tp, order, samp is None)
+            assert all(torch.equal(x, t1) for x in lt) and bits_equal(lo, o1), (tp, order, samp is None)
 
 
 @gpu_only
@@ -607,10 +591,10 @@ def test_gpu_fused_one_pass_graph_replay(B):
     gt.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(gt, et) and _bits_equal(go, eo)
+    assert torch.equal(gt, et) and bits_equal(go, eo)
     base.copy_(torch.randn_like(base.float()).to(base.dtype))
     anchors.copy_(torch.randint(0, V, (B,), device=DEV))
     graph.replay()
     torch.cuda.synchronize()
     ro, rt = markov_chain_logits(base, anchors, w1, w2, mode="fused", order="same")
-    assert torch.equal(gt, rt) and _bits_equal(go, ro)
+    assert torch.equal(gt, rt) and bits_equal(go, ro)

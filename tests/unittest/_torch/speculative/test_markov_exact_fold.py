@@ -18,40 +18,19 @@ from tensorrt_llm_ext.speculative.markov_chain import (
     markov_chain_logits,
     markov_chain_logits_reference,
 )
+from tensorrt_llm_ext.testing.markov import bits_equal, markov_inputs, sampling_inputs
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled kernels, graphs, large sizes)")
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality, NaN payloads aside (torch's CPU and CUDA casts canonicalize NaN differently)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    na, nb = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(na, nb):
-        return False
-    ia = a.masked_fill(na, 0).view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.masked_fill(nb, 0).view(torch.int16 if b.element_size() == 2 else torch.int32)
-    return torch.equal(ia, ib)
-
-
 def _make(B, K, V, r, wdt, ldt, seed=0, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(B, K, V, generator=g).to(ldt)
-    w1 = (torch.randn(V, r, generator=g) * scale).to(wdt)
-    w2 = (torch.randn(V, r, generator=g) * scale).to(wdt)
-    anchors = torch.randint(0, V, (B,), generator=g)
-    return base.to(DEV), anchors.to(DEV), w1.to(DEV), w2.to(DEV)
+    return markov_inputs(B, K, V, r, wdt, ldt, seed=seed, scale=scale, device=DEV)
 
 
 def _sampling(B, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    temps = torch.rand(B, generator=g) * 1.5 + 0.3
-    temps[::3] = 0.0  # greedy rows mixed in
-    seeds = torch.randint(0, 2**62, (B,), generator=g)
-    offsets = torch.randint(0, 2**40, (B,), generator=g)
-    return temps.to(DEV), seeds.to(DEV), offsets.to(DEV)
+    return sampling_inputs(B, seed=seed, device=DEV)
 
 
 def _adversarial(base: torch.Tensor, block: int) -> torch.Tensor:
@@ -109,9 +88,9 @@ def test_folded_matches_eager(wdt, ldt, B, K):
     anchors[-1] = -1 if B > 1 else anchors[-1]
     ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact")
-    assert torch.equal(t, rt) and _bits_equal(o, ro)
+    assert torch.equal(t, rt) and bits_equal(o, ro)
     xo, xt = markov_chain_logits(base, anchors, w1, w2, mode="exact", exchange=_Identity())
-    assert torch.equal(xt, rt) and _bits_equal(xo, ro)
+    assert torch.equal(xt, rt) and bits_equal(xo, ro)
     if B > 1:
         assert t[0, K - 1].item() == markov_step.SELECT_BLOCK + 1  # the first NaN, in the second program
         assert t[1, 0].item() == 0  # an all -inf row ties to id 0
@@ -132,7 +111,7 @@ def test_folded_many_programs_per_row(monkeypatch, sample):
     ro, rt = markov_chain_logits_reference(base, anchors, w1, w2, **kw)
     ws = MarkovWorkspace.allocate(B, K, w2, "exact")
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact", workspace=ws, **kw)
-    assert torch.equal(t, rt) and _bits_equal(o, ro)
+    assert torch.equal(t, rt) and bits_equal(o, ro)
     assert _clean(ws, B)
     if not sample:
         assert t[1, K - 1].item() == block - 1  # exact tie across a program boundary: the lowest id
@@ -175,9 +154,9 @@ def test_workspace_reuse_across_batches_and_modes(K):
                         (3, "fused", None)):
         o, t = markov_chain_logits(base[:B], anchors[:B], w1, w2, mode=mode, exchange=ex, workspace=ws)
         if mode == "exact":
-            assert torch.equal(t, rt[:B]) and _bits_equal(o, ro[:B]), (B, ex)
+            assert torch.equal(t, rt[:B]) and bits_equal(o, ro[:B]), (B, ex)
         else:
-            assert torch.equal(t, ft[:B]) and _bits_equal(o, fo[:B]), B
+            assert torch.equal(t, ft[:B]) and bits_equal(o, fo[:B]), B
         # An exact chain leaves its rows' whole ring and counters clean; any chain leaves slot 0 clean.
         assert (ws.keys[0, :max_B] == EMPTY_KEY).all() and (mode == "fused" or _clean(ws, B)), (B, mode)
 
@@ -230,7 +209,7 @@ def test_dirty_counters_do_not_leak_into_the_next_chain():
     chain.workspace.counts.fill_(5)
     chain.workspace.keys.fill_(1 << 40)
     o, t = chain(base, anchors)
-    assert torch.equal(t, rt) and _bits_equal(o, ro)
+    assert torch.equal(t, rt) and bits_equal(o, ro)
     chain.workspace.counts.fill_(5)
     chain.reset()
     assert _clean(chain.workspace, 4)
@@ -254,13 +233,13 @@ def test_gpu_folded_large_matches_eager(B, sample):
     o, t = markov_chain_logits(base, anchors, w1, w2, mode="exact", **kw)
     xo, xt = markov_chain_logits(base, anchors, w1, w2, mode="exact", exchange=_Identity(), **kw)
     # Sampled rows: tl.log may differ from torch.log by an ulp on GPU; the two kernel paths may not.
-    assert torch.equal(t, xt) and _bits_equal(o, xo)
+    assert torch.equal(t, xt) and bits_equal(o, xo)
     if sample:
-        assert _bits_equal(o[:, 0], ro[:, 0])  # step 0 depends on the anchors only
+        assert bits_equal(o[:, 0], ro[:, 0])  # step 0 depends on the anchors only
         agree = (t == rt).float().mean().item()
         assert agree >= 0.99, agree
     else:
-        assert torch.equal(t, rt) and _bits_equal(o, ro)
+        assert torch.equal(t, rt) and bits_equal(o, ro)
 
 
 @gpu_only
@@ -288,5 +267,5 @@ def test_gpu_folded_graph_replay_matches_eager(B):
         graph.replay()
         ro, rt = markov_chain_logits_reference(base, anchors, w1, w2)
         torch.cuda.synchronize()
-        assert torch.equal(gt, rt) and _bits_equal(go, ro), i
+        assert torch.equal(gt, rt) and bits_equal(go, ro), i
     assert _clean(chain.workspace, B)
