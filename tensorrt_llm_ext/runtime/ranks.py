@@ -71,7 +71,7 @@ class RankOutcome:
         if self.stopped_by_launcher:
             return "was still running when the job was stopped (its stacks are in the log below)"
         if self.signal is not None:
-            return f"was killed by signal {self.signal} ({signal.Signals(self.signal).name})"
+            return f"was killed by signal {self.signal} ({_signal_name(self.signal)})"
         if self.returncode is None:
             return "left no exit record"
         if self.returncode != 0:
@@ -317,31 +317,54 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # readers never see a half-written record
 
 
-def _die_with_parent() -> None:
+def _signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; real-time signals without a name in :class:`signal.Signals` get ``signal N``
+    (``signal.Signals(N)`` would raise, and a supervisor must not die while reporting its rank)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _die_with_parent(parent: int) -> None:
     """In the child (before exec): SIGKILL it when its supervisor dies, so no rank outlives a killed job."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:  # the supervisor died before the prctl: the death signal will never come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
     """Start the real rank (it inherits the MPI process-management handle), forward SIGTERM/SIGINT to it,
-    return what ``waitpid`` says (negative: the signal that ended it)."""
+    return what ``waitpid`` says (negative: the signal that ended it).
+
+    The forwarding handlers are installed before the child is started: a SIGTERM that arrives while it
+    starts is held and passed on once it runs (with the default action it would kill the supervisor, and
+    the death signal would SIGKILL the rank instead of letting it drain)."""
     fds = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []  # MPICH's PMI connection
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout,
-                             stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
-                             preexec_fn=_die_with_parent)
-    if on_start is not None:
-        on_start(child)
+    child: subprocess.Popen | None = None
+    held: list[int] = []
 
     def forward(signum, frame):
-        child.send_signal(signum)
+        if child is None:
+            held.append(signum)
+        else:
+            child.send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    parent = os.getpid()
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout,
+                             stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
+                             preexec_fn=lambda: _die_with_parent(parent))
+    for signum in held:
+        child.send_signal(signum)
+    if on_start is not None:
+        on_start(child)
     return child.wait()
 
 
@@ -377,7 +400,7 @@ def supervise_command(cmd: list[str], linger_s: float) -> int:
     rank = _env_rank()
     rc = _run_child(cmd)
     if rc != 0:
-        how = f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else f"exited with code {rc}"
+        how = f"was killed by signal {-rc} ({_signal_name(-rc)})" if rc < 0 else f"exited with code {rc}"
         print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)
         if rank != 0:  # rank 0 is the one that answers and decides the job's end: never delay it
             time.sleep(linger_s)

@@ -1,0 +1,78 @@
+"""The per-rank supervisor of ``serve --tp N`` (``ranks.py --supervise-command``), without MPI: the rank
+index comes from ``PMI_RANK`` as under MPICH. Exit codes, the dead rank named on stderr, the linger of a
+follower (and none for rank 0), SIGTERM forwarded to the child, a signal without a name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _supervise(rank: int, child_code: str, linger_s: float = 0.0, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PMI_RANK": str(rank), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--supervise-command", str(linger_s), "--",
+           sys.executable, "-c", textwrap.dedent(child_code)]
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_supervisor_passes_exit_codes_and_names_a_killed_rank(rank):
+    rc, err, _ = _finish(_supervise(rank, "raise SystemExit(0)"))
+    assert rc == 0 and "[ERROR]" not in err, err
+    rc, err, _ = _finish(_supervise(rank, "raise SystemExit(3)"))
+    assert rc == 3 and f"rank {rank} exited with code 3" in err, err
+    rc, err, _ = _finish(_supervise(rank, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    assert rc == 128 + 9 and f"rank {rank} was killed by signal 9 (SIGKILL)" in err, err
+
+
+def test_supervisor_survives_a_signal_without_a_name():
+    """Real-time signals between SIGRTMIN and SIGRTMAX have no ``signal.Signals`` member: the supervisor
+    still reports the rank and passes the code on (it raised ValueError while reporting before)."""
+    signum = signal.SIGRTMIN + 6
+    with pytest.raises(ValueError):
+        signal.Signals(signum)
+    rc, err, _ = _finish(_supervise(1, f"import os; os.kill(os.getpid(), {signum})"))
+    assert rc == 128 + signum, err
+    assert f"rank 1 was killed by signal {signum} (signal {signum})" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_follower_lingers_and_rank_0_does_not():
+    """A failed follower's supervisor stays ``linger_s`` (rank 0 must answer before the launcher reacts);
+    rank 0's end is passed on at once."""
+    rc, err, took = _finish(_supervise(1, "raise SystemExit(5)", linger_s=1.5))
+    assert rc == 5 and took >= 1.5, (rc, took, err)
+    rc, err, took = _finish(_supervise(0, "raise SystemExit(5)", linger_s=30))
+    assert rc == 5 and took < 15, (rc, took, err)
+
+
+def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
+    """SIGTERM to the supervisor is forwarded: the child's handler runs (a drain) and its exit code is
+    the supervisor's."""
+    child = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+        print("ready", flush=True)
+        time.sleep(60)
+        sys.exit(7)
+    """
+    proc = _supervise(0, child, stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    rc, err, took = _finish(proc)
+    assert rc == 0 and took < 30, (rc, took, err)
