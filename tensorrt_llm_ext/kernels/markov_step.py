@@ -9,7 +9,8 @@ Fused step
 
 Per block position ``k`` one launch over a grid (row-tile groups, persistent column programs). Every
 program owns all the row tiles (``BLOCK_B = 16`` rows each) of its group -- the whole batch up to
-``16 * row_tiles`` rows (128 by default), so ``markov_w2`` is read ONCE per step at any such B -- and a
+``16 * row_tiles`` rows, so ``markov_w2`` is read ONCE per step at any such B (the measured default,
+:data:`FUSED_SCHEDULES`, is ``row_tiles = 1``: each 16-row group streams it again) -- and a
 strided set of ``BLOCK_N``-column tiles. A program
 
 1. resolves its rows' previous tokens: the anchor at ``k == 0``, else the id of the row's selection key
@@ -22,7 +23,7 @@ strided set of ``BLOCK_N``-column tiles. A program
    base logits, rounds to the logits dtype, stores the biased tile, keeps a running best key per row and
    finally folds it into the row's step key with one int64 atomic MAX per (program, row).
 
-Two row-tile schedules (constexpr ``H_ONCE``, chosen per B by :data:`FUSED_SCHEDULES`):
+Two row-tile schedules (constexpr ``H_ONCE``, from the per-B row of :data:`FUSED_SCHEDULES` or ``config=``):
 
 * ``H_ONCE``: the row-tile loop is unrolled; each row tile's ``w1`` rows are gathered once per program
   and stay in registers, and so does each tile's running best (a tuple with one ``[BLOCK_B]`` entry per
