@@ -278,7 +278,7 @@ def _sm_count(device: torch.device) -> int:
 
 def default_block(n_valid: int, dtype: torch.dtype) -> int:
     """Columns per tile: ``_TILE_BYTES`` of logits (4096 bf16/fp16, 2048 fp32), less for narrow shards."""
-    block = _TILE_BYTES // torch.tensor([], dtype=dtype).element_size()
+    block = _TILE_BYTES // dtype.itemsize  # no tensor per call: this runs on every launch
     return min(block, max(16, triton.next_power_of_2(max(n_valid, 1))))
 
 
