@@ -255,7 +255,7 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float 
     if spin_limit is None:
         spin_limit = default_spin_limit(keys.device)
     check_int("spin_limit", spin_limit, lo=0, hi=2**31)
-    if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s <= MAX_TIMEOUT_S):
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout_s: expected seconds in [0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
     if not triton_runs_on(keys):
         raise ValueError(f"keys: expected a CUDA tensor (or TRITON_INTERPRET=1 on CPU), got {keys.device}")

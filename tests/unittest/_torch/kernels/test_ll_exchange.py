@@ -273,7 +273,7 @@ def test_launcher_validation():
         SimulatedPeers(9, 4, dev)
     with pytest.raises(ValueError, match="spin_limit"):
         sim.exchange(torch.zeros(2, 3, dtype=torch.int64, device=dev), spin_limit=-1)
-    for bad in (-1.0, 2001, "2"):
+    for bad in (-1.0, 2001, "2", True, float("nan")):
         with pytest.raises(ValueError, match=r"timeout_s: expected seconds in \[0, 2000\]"):
             sim.exchange(torch.zeros(2, 3, dtype=torch.int64, device=dev), timeout_s=bad)
     assert triton_runs_on(sim.state.epoch)
@@ -403,7 +403,8 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     buffers = torch.zeros((2, 2, 2, 2, 2), dtype=torch.int64, device=dev)
     state = _rank_state(buffers, 0, 41, 2)
     pair = PairExchange(Mapping())
-    pair.low_latency = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, None, 3)
+    pair.low_latency = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, None,
+                                          timeout_s=0.5)
     sel = VocabParallelSelector()
     sel.exchange = pair
     pair.check_exchange()
