@@ -70,7 +70,8 @@ def schedule_variants(batch_size: int, table: FusedConfig, n: int) -> list[Fused
         return FusedConfig(block_n, warps, stages, max(1, programs), row_tiles, h_once, cache_hints=hints)
 
     if batch_size <= 16:
-        cands = [cfg(128, 8, p // 2, 1, True), cfg(64, 4, p, 1, True, stages=3, hints=True), cfg(64, 4, p // 2, 1, True)]
+        cands = [cfg(128, 8, p // 2, 1, True), cfg(64, 4, p, 1, True, stages=3, hints=True),
+                 cfg(64, 4, p // 2, 1, True)]
     elif batch_size <= 32:
         cands = [cfg(64, 4, p, 8, False), cfg(64, 4, p // 2, 8, False), cfg(64, 4, p, 2, True, hints=True)]
     else:

@@ -122,7 +122,8 @@ class LowLatencyExchange:
         if epoch is not None:
             raise RuntimeError(
                 f"low-latency pair exchange (tp rank {self.mapping.tp_rank}/{self.mapping.tp_size}): a peer's "
-                f"words did not arrive within {self.timeout_s:g} s at epoch {epoch}; the rows of that round hold no token. A peer is dead or stalled.")
+                f"words did not arrive within {self.timeout_s:g} s at epoch {epoch}; the rows of that round hold no "
+                "token. A peer is dead or stalled.")
 
 
 @dataclass

@@ -486,7 +486,7 @@ class MarkovChain:
             _check_auto_table(auto_table)
             self.auto_table = auto_table
             info_once(f"Markov chain mode 'auto': {where}: {describe_auto_table(auto_table)}",
-                             key=f"markov-auto:{where}:{auto_table}")
+                      key=f"markov-auto:{where}:{auto_table}")
         # The exact layout holds every buffer either mode needs.
         self.workspace = MarkovWorkspace.allocate(max_batch_size, draft_len, w2,
                                                   "fused" if mode == "fused" else "exact")
