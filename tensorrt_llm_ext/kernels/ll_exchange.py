@@ -227,7 +227,8 @@ def allocate_flag(n: int, device: torch.device) -> torch.Tensor:
 
 def _timeout_units(timeout_s: float) -> int:
     """Seconds -> the kernel's clock units (1024 ns). Always an int32 value (<= MAX_TIMEOUT_S), so every
-    timeout runs the one compiled variant that the setup launch loaded."""
+    timeout runs the one compiled variant that the setup launch loaded. The interpreter has no clock
+    (its elapsed time stays 0): it gets the largest bound, so there only ``spin_limit`` ends the wait."""
     return int(timeout_s * 1e9) >> 10
 
 
@@ -269,7 +270,7 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float 
         return out
     _ll_exchange_kernel[(p,)](
         keys, out, state.buf_ptrs, state.epoch, state.flag,
-        rows, state.world, state.rank_base, spin_limit, _timeout_units(timeout_s), keys.stride(0),
+        rows, state.world, state.rank_base, spin_limit, _timeout_units(timeout_s) if keys.is_cuda else _timeout_units(MAX_TIMEOUT_S), keys.stride(0),
         SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r, TIMED=keys.is_cuda,
         TIMER_EVERY=TIMER_EVERY,
         num_warps=num_warps_for(MAX_WORLD * state.block_r, elements_per_warp=128, max_warps=4),
