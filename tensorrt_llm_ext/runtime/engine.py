@@ -36,10 +36,22 @@ from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm_ext.speculative.logprobs import token_logprobs
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
+from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 MODES = ("speculative", "gathered", "target_only", "stock")
+
+
+def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
+    """The EOS ids of the configured checkpoint directory (``config.json``, ``generation_config.json`` and the
+    tokenizer's); none for the embedded model."""
+    if not config.model.path:
+        return ()
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+    return tuple(read_checkpoint_facts(config.model.path).eos_token_ids)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -171,6 +183,9 @@ class Engine:
         self.state, self.slots, self.pages = build_state(
             self.target, self.drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
             draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device)
+        # The checkpoint's EOS ids end every request that does not set ignore_eos (the embedded model has none).
+        self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
+        self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
         self.use_cuda_graph = use_cuda_graph
         self._workers: dict[str, DSparkWorker] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
@@ -258,6 +273,9 @@ class Engine:
                 if not is_request:
                     raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
+                if req.logprobs is not None:
+                    raise RequestError(f"request {rid}: logprobs are reported by the step-level API (serve), "
+                                       f"not by generate()")
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
                 logger.warning(f"rejected: {e}")
@@ -332,6 +350,49 @@ class Engine:
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
                                          speculative=mode != "target_only", top_p=request.top_p)
 
+    def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
+        """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
+        path = "gathered" if mode == "gathered" else "speculative"
+        logits = self.worker(path).prefill_logits
+        logits = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        return self._logprobs(path, logits, [0], [token], [request])[0]
+
+    def step_logprobs(self, requests: list[Request | None], new: list[list[int]], lens: list[int],
+                      mode: str = "speculative") -> list[list | None]:
+        """Per row of the last :meth:`run_step`: the accepted tokens' ``(logprob, top k)`` for rows whose
+        request asks for logprobs (``None`` elsewhere). One batched computation (and, on a vocab-parallel
+        head, its few ``[rows]`` / ``[rows, k]`` collectives) per step; call on every rank."""
+        if mode == "target_only":
+            raise ValueError("step_logprobs: the target-only decode keeps no step logits")
+        path = "gathered" if mode == "gathered" else "speculative"
+        k1 = self.draft_len + 1
+        rows, toks, reqs, where = [], [], [], []
+        for r, req in enumerate(requests):
+            if req is None or req.logprobs is None:
+                continue
+            for j in range(lens[r]):
+                rows.append(r * k1 + j)
+                toks.append(new[r][j])
+                reqs.append(req)
+                where.append(r)
+        out: list[list | None] = [None if req is None or req.logprobs is None else [] for req in requests]
+        if rows:
+            for r, lp in zip(where, self._logprobs(path, self._step_logits, rows, toks, reqs)):
+                out[r].append(lp)
+        return out
+
+    def _logprobs(self, path: str, logits: torch.Tensor, rows: list[int], tokens: list[int],
+                  requests: list[Request]) -> list[tuple[float, list[tuple[int, float]]]]:
+        worker = self.worker(path)
+        dev = logits.device
+        x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
+                            torch.tensor([float(r.temperature) for r in requests], dtype=torch.float32, device=dev),
+                            torch.tensor([float(r.top_p) for r in requests], dtype=torch.float32, device=dev),
+                            max(r.logprobs for r in requests), head=worker.vocab_parallel.target_head,
+                            top_p_keep=worker.ops.top_p_keep)
+        return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
+
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
         """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new
         tokens (``[K+1]``, the first ``lens[i]`` accepted) and ``lens``. Pads to a captured batch size and
@@ -345,6 +406,7 @@ class Engine:
             if mode != "target_only":
                 runner = self._runners.get(path)
                 outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next step
                 return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
             ids = worker.target_only_step(b)[:n].cpu().tolist()
             return [[t] for t in ids], [1] * n
@@ -354,19 +416,34 @@ class Engine:
         self.pages.free(slot)
         self.slots.release(slot)
 
-    @staticmethod
-    def _append(a: _Active, tokens: list[int]) -> bool:
+    def stop_ids(self, request: Request) -> frozenset[int]:
+        """The ids that end ``request``: its ``stop_token_ids`` plus, unless ``ignore_eos``, the EOS ids."""
+        own = frozenset(int(t) for t in request.stop_token_ids)
+        return own if request.ignore_eos else own | self.eos_token_ids
+
+    def finish_tokens(self, request: Request, num_out: int, tokens: list[int]) -> tuple[int, str | None]:
+        """How many of ``tokens`` (appended after ``num_out`` outputs) ``request`` keeps, and why it ends.
+
+        A stop id (after ``min_tokens`` outputs) is kept as the last token; ``max_new_tokens`` ends with
+        ``length``; the tokens after either in an accepted block are discarded. ``(len(tokens), None)``:
+        the request runs on.
+        """
+        stops = self.stop_ids(request)
+        for i, t in enumerate(tokens):
+            n = num_out + i + 1
+            if int(t) in stops and n > request.min_tokens:
+                return i + 1, "stop"
+            if n >= request.max_new_tokens:
+                return i + 1, "length"
+        return len(tokens), None
+
+    def _append(self, a: _Active, tokens: list[int]) -> bool:
         """Append accepted tokens up to the stop token / the length limit; True when the request is done."""
-        res, req = a.result, a.request
-        for t in tokens:
-            res.output_ids.append(int(t))
-            if int(t) in req.stop_token_ids:
-                res.finish_reason = "stop"
-                return True
-            if len(res.output_ids) >= req.max_new_tokens:
-                res.finish_reason = "length"
-                return True
-        return False
+        res = a.result
+        kept, reason = self.finish_tokens(a.request, len(res.output_ids), tokens)
+        res.output_ids.extend(int(t) for t in tokens[:kept])
+        res.finish_reason = reason
+        return reason is not None
 
     def _finish(self, active: dict[int, _Active], a: _Active) -> None:
         active.pop(a.slot, None)

@@ -24,6 +24,12 @@ class Request:
     between the speculative path and the target's own decode. ``top_p`` in ``(0, 1]`` restricts a sampled
     request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no restriction, greedy
     requests ignore it).
+
+    Stopping: a request finishes (``finish_reason == "stop"``) at the first token in ``stop_token_ids`` or,
+    unless ``ignore_eos``, in the engine's EOS ids (the checkpoint's); the stop token is the last output
+    token and the tokens after it in an accepted speculative block are discarded. Before ``min_tokens``
+    tokens no stop token ends the request (it is kept as an ordinary token; nothing is masked).
+    ``logprobs`` ``k`` (0..20): also report each emitted token's log-probability and its top ``k``.
     """
 
     prompt_ids: list[int]
@@ -33,6 +39,9 @@ class Request:
     seed: int = 0
     request_id: int | None = None
     top_p: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -82,6 +91,13 @@ class Request:
             raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"{rid}: ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError(f"{rid}: min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+                               f"got {self.min_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
+            raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
 
 
 def _is_int(v) -> bool:
@@ -107,6 +123,8 @@ class RequestResult:
     error: str | None = None
     num_steps: int = 0  # generation steps this request took part in (the prefill not counted)
     accepted_lens: list[int] = field(default_factory=list)  # tokens accepted per generation step
+    # With Request.logprobs: per output token (its log-probability, [(id, log-probability)] top k).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -8,8 +8,9 @@ of plans, never on timing. :meth:`Scheduler.apply` returns the :class:`Event` s 
 request's new tokens and whether it finished).
 
 Per request the tokens are exactly what :meth:`Engine.generate` produces for it: prefill gives the first
-token, each step appends the accepted tokens up to a stop token or ``max_new_tokens``; a request's tokens
-depend only on its own prompt, seed and temperature, not on which requests share its steps.
+token, each step appends the accepted tokens up to a stop token (its ``stop_token_ids`` or, unless
+``ignore_eos``, the checkpoint's EOS, honoured after ``min_tokens``) or ``max_new_tokens``; a request's
+tokens depend only on its own prompt, seed and temperature, not on which requests share its steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Event:
     finish_reason: str | None = None  # length | stop | cancelled | error; None: still running
     error: str | None = None
     accepted_len: int | None = None  # tokens accepted by this step (None: the prefill's first token)
+    logprobs: list | None = None  # with Request.logprobs: per token (logprob, [(id, logprob)] top k)
 
 
 @dataclass
@@ -101,40 +103,37 @@ class Scheduler:
         t0 = time.perf_counter()
         slot = self.engine.slots.acquire()
         first = self.engine.prefill_slot(slot, request, self.mode)
+        lps = [self.engine.prefill_logprobs(request, first, self.mode)] if request.logprobs is not None else None
         stats.prefill_s += time.perf_counter() - t0
         stats.num_prefills += 1
         live = _Live(request, slot)
         self._live[handle] = live
-        return self._append(handle, live, [first], None)
+        return self._append(handle, live, [first], None, lps)
 
     def _step(self, stats: StepStats) -> list[Event]:
         by_slot = {live.slot: handle for handle, live in self._live.items()}
         order = sorted(by_slot)
         t0 = time.perf_counter()
         new, lens = self.engine.run_step(order, self.mode)
+        reqs = [self._live[by_slot[slot]].request for slot in order]
+        lps = (self.engine.step_logprobs(reqs, new, lens, self.mode) if any(r.logprobs is not None for r in reqs)
+               else [None] * len(order))
         stats.step_s = time.perf_counter() - t0
         stats.num_rows = len(order)
         stats.accepted_lens = list(lens)
         events = []
         for row, slot in enumerate(order):
             handle = by_slot[slot]
-            events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row]))
+            events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row]))
         return events
 
-    def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None) -> Event:
-        """Tokens up to a stop token / ``max_new_tokens``; a finished request leaves its slot."""
-        req = live.request
-        kept, reason = [], None
-        for t in tokens:
-            kept.append(int(t))
-            live.num_out += 1
-            if int(t) in req.stop_token_ids:
-                reason = "stop"
-                break
-            if live.num_out >= req.max_new_tokens:
-                reason = "length"
-                break
+    def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None, logprobs=None) -> Event:
+        """Tokens up to a stop token / ``max_new_tokens`` (:meth:`Engine.finish_tokens`); a finished request
+        leaves its slot (its KV and latent pages are freed)."""
+        n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens)
+        live.num_out += n
         if reason is not None:
             del self._live[handle]
             self.engine.release_slot(live.slot)
-        return Event(handle, kept, reason, None, accepted)
+        return Event(handle, [int(t) for t in tokens[:n]], reason, None, accepted,
+                     logprobs[:n] if logprobs is not None else None)

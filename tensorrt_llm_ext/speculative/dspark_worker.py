@@ -107,6 +107,8 @@ class DSparkWorker(SpecWorkerBase):
         self._host_full_vocab = [False] * num_slots
         self._step_top_p = False
         self._step_full_vocab = False
+        # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
+        self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
 
     # -- binding -------------------------------------------------------------------------------------
     def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
@@ -236,16 +238,17 @@ class DSparkWorker(SpecWorkerBase):
                 out: torch.Tensor, top_p: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
-        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set."""
-        logits = self.target_logits(hidden)
+        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set. Returns the ids and the
+        raw logits (before the top-p mask: what log-probabilities are computed from)."""
+        raw = logits = self.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
         elif top_p is not None:
             logits = self._top_p_masked(logits, temps, top_p)
         if self.ops.select is not None:
-            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
+            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), raw
         ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
-        return ids, logits
+        return ids, raw
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
         """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
@@ -350,7 +353,7 @@ class DSparkWorker(SpecWorkerBase):
             out = self.target(ids, positions, slots_t, st.kv_cache)
             last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
-            self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l], st.slot_seeds[slots_l],
+            _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l], st.slot_seeds[slots_l],
                          lens_t, tok, self.slot_top_p[slots_l] if any(restricted) else None)
             if not speculative:
                 st.ref_lens[slots_l] = lens_t.to(st.ref_lens.dtype)
