@@ -1,19 +1,25 @@
-"""``trtllm-ext serve``: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
+"""``trtllm-ext serve``: the OpenAI-compatible HTTP app (FastAPI + uvicorn) over the engine loop.
 
-Threads of rank 0: uvicorn's event loop (HTTP) in the main thread, and one :class:`EngineLoop` thread that
-owns the engine. Requests are validated in the handler (a bad one answers 400 and never reaches the engine),
-queued, and admitted between engine steps while slots are free (continuous batching,
-:mod:`tensorrt_llm_ext.runtime.scheduler`). Every plan the loop makes (cancel / admit / step) goes through a
-:class:`PlanChannel` first: at TP N it is broadcast to every rank over the TP group's gloo group, so all
-ranks run the same steps (an idle loop sends an empty plan every ``HEARTBEAT_S``, so a rank blocked waiting
-for work never reaches the collective timeout, and a dead peer is noticed within a heartbeat or a step).
+Threads of rank 0: uvicorn's event loop (HTTP) in the main thread, and one
+:class:`~tensorrt_llm_ext.runtime.engine_loop.EngineLoop` thread that owns the engine. A body is parsed and
+validated once (:mod:`~tensorrt_llm_ext.runtime.openai_protocol`; a bad one answers 400 naming the field and
+never reaches the engine), turned into engine requests (one per prompt and choice), queued, and admitted
+between engine steps while slots are free.
 
-If the engine raises (a rank died, a collective timed out), the loop marks the server unhealthy: every
-request in flight and every new one answers 503, ``/health`` answers 503, and the server shuts itself down
-with exit code :data:`EXIT_ENGINE_FAILED`. SIGTERM drains: uvicorn stops accepting connections, in-flight
-requests finish (bounded by ``drain_timeout_s``), then the loop stops the ranks and the process exits 0.
+Stopping: the engine ends a request at its stop ids / the checkpoint's EOS (``ignore_eos`` aside, after
+``min_tokens``) or its length; stop strings are matched here on the decoded text, and the request is then
+cancelled in the engine (its slot freed before the next step). ``text``, ``token_ids`` and ``usage`` agree:
+the tokens end with the one that completed the stop (string or id), the text ends before the stop string
+(unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
 
-Endpoints: ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Failures: if the engine raises, every request in flight and every new one answers 503, ``/health`` answers
+503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT drains: no new connections, new
+requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
+runs then ends with a 503 error body (or, streaming, an SSE error chunk then ``[DONE]``) and its slot is
+freed, and the process exits 0.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text).
 """
 
 from __future__ import annotations
@@ -23,286 +29,27 @@ import json
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.runtime.requests import Request, RequestError
-from tensorrt_llm_ext.runtime.scheduler import Event, Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.engine_loop import (Aborted, EngineFailure, EngineLoop, PlanChannel, QueueFull,
+                                                  ServerMetrics, Sink, follower_loop)
+from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                                      ServeLimits, parse_body)
+from tensorrt_llm_ext.runtime.scheduler import Event
 
-HEARTBEAT_S = 0.5
+__all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "ServerMetrics", "create_app",
+           "follower_loop", "load_tokenizer", "run_server", "served_model_name"]
+
 EXIT_ENGINE_FAILED = 3  # the engine (or a rank) failed while serving
 FAILURE_GRACE_S = 2.0  # after a failure: answer 503s this long, then exit
+SHUTDOWN_GRACE_S = 5.0  # after the drain deadline: time for the 503s to reach their clients
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
 
 
-# -- request / response models (OpenAI completions) --------------------------------------------------------
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` body. ``prompt``: token ids (``[1, 2, 3]``), a batch of them, or text when the
-    model has a tokenizer. ``stop``: token ids, or strings with a tokenizer. Unknown fields are refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: StrictStr | None = None
-    prompt: list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
-    max_tokens: StrictInt = 16
-    temperature: StrictFloat = 0.0
-    top_p: StrictFloat = 1.0
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | list[StrictInt] | None = None
-    stream: StrictBool = False
-    n: StrictInt = 1
-    user: StrictStr | None = None
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
-# -- metrics -----------------------------------------------------------------------------------------------
-class ServerMetrics:
-    """Prometheus metrics of one server (its own registry)."""
-
-    def __init__(self, draft_len: int):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry()
-        p = "trtllm_ext_"
-        self.requests = Counter(p + "requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.rejected = Counter(p + "requests_rejected", "Requests answered 4xx/5xx before reaching the engine",
-                                ["status"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generated_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
-        self.acceptance = Histogram(p + "acceptance_length", "Tokens accepted per request per speculative step",
-                                    buckets=[i + 0.5 for i in range(1, draft_len + 1)], registry=r)
-        self.step_time = Histogram(p + "step_seconds", "Wall time of one engine step",
-                                   buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
-                                   registry=r)
-        self.batch = Histogram(p + "step_batch_size", "Requests per engine step",
-                               buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256], registry=r)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a slot", registry=r)
-        self.active = Gauge(p + "active_requests", "Requests holding a slot", registry=r)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
-# -- plan broadcast ------------------------------------------------------------------------------------------
-class PlanChannel:
-    """Rank 0's plans reach every rank of the TP group (no-op at TP 1)."""
-
-    def __init__(self, mapping=None):
-        self.group = None
-        if mapping is not None and mapping.tp_size > 1:
-            from tensorrt_llm_ext.distributed.communicator import tp_cpu_group
-
-            self.group = tp_cpu_group(mapping)
-            self.src = mapping.tp_group[0]
-
-    @property
-    def distributed(self) -> bool:
-        return self.group is not None
-
-    def exchange(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0 passes its plan, the others None; every rank returns rank 0's plan."""
-        if self.group is None:
-            return plan
-        import torch.distributed as dist
-
-        box = [asdict(plan) if plan is not None else None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        d = box[0]
-        return StepPlan(cancel=list(d["cancel"]), admit=[(h, f) for h, f in d["admit"]], run=d["run"], stop=d["stop"])
-
-
-def follower_loop(scheduler: Scheduler, channel: PlanChannel) -> None:
-    """Ranks > 0: apply rank 0's plans until it says stop (an error propagates: the rank exits non-zero)."""
-    while True:
-        plan = channel.exchange(None)
-        if plan.stop:
-            return
-        scheduler.apply(plan)
-
-
-# -- the engine loop (rank 0) ------------------------------------------------------------------------------
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass
-class EngineFailure:
-    message: str
-
-
-class QueueFull(Exception):
-    pass
-
-
-@dataclass
-class LoopState:
-    """A snapshot for /health."""
-
-    healthy: bool
-    active: int
-    queued: int
-    free_slots: int
-    steps: int
-    error: str | None = None
-    ranks: list[dict] = field(default_factory=list)
-
-
-class EngineLoop:
-    """Owns the scheduler on rank 0; handlers submit requests and cancel them from the event loop."""
-
-    def __init__(self, scheduler: Scheduler, channel: PlanChannel, metrics: ServerMetrics, max_queue: int,
-                 ranks: list[dict] | None = None):
-        self.scheduler = scheduler
-        self.channel = channel
-        self.metrics = metrics
-        self.max_queue = max_queue
-        self.ranks = ranks or []
-        self._cond = threading.Condition()
-        self._pending: deque[tuple[int, dict, _Sink]] = deque()
-        self._sinks: dict[int, _Sink] = {}  # admitted handles
-        self._cancel: set[int] = set()
-        self._next = 0
-        self._stop = False
-        self._steps = 0
-        self.failure: str | None = None
-        self.on_failure = None  # callable, set by the server: shut uvicorn down after the grace period
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    # -- called from handlers -------------------------------------------------------------------------------
-    def submit(self, fields: dict, sink: _Sink) -> int:
-        with self._cond:
-            if self.failure is not None:
-                raise EngineFailure(self.failure)
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"{len(self._pending)} requests are waiting (max_queue={self.max_queue})")
-            handle = self._next
-            self._next += 1
-            self._pending.append((handle, fields, sink))
-            self.metrics.queue_depth.set(len(self._pending))
-            self._cond.notify()
-            return handle
-
-    def cancel(self, handle: int) -> None:
-        with self._cond:
-            self._cancel.add(handle)
-            self._cond.notify()
-
-    def state(self) -> LoopState:
-        with self._cond:
-            return LoopState(self.failure is None, self.scheduler.num_active, len(self._pending),
-                             self.scheduler.num_free_slots, self._steps, self.failure, self.ranks)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the loop (and the other ranks) once the queue is empty; bounded wait."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    # -- the loop -----------------------------------------------------------------------------------------
-    def _next_plan(self) -> StepPlan | None:
-        with self._cond:
-            idle = not (self._pending or self._cancel or self.scheduler.num_active or self._stop)
-            if idle:
-                self._cond.wait(HEARTBEAT_S)
-            # Cancelled requests still in the queue never reach the engine.
-            if self._cancel and self._pending:
-                kept = deque()
-                for item in self._pending:
-                    if item[0] in self._cancel:
-                        self._cancel.discard(item[0])
-                        item[2].put(Event(item[0], [], "cancelled"))
-                    else:
-                        kept.append(item)
-                self._pending = kept
-            cancel = sorted(h for h in self._cancel if h in self._sinks)
-            self._cancel.clear()
-            free = self.scheduler.num_free_slots + len(cancel)
-            admit = []
-            while self._pending and len(admit) < free:
-                handle, fields, sink = self._pending.popleft()
-                self._sinks[handle] = sink
-                admit.append((handle, fields))
-            self.metrics.queue_depth.set(len(self._pending))
-            stop = self._stop and not self._pending and not self.scheduler.num_active and not admit
-            if not (cancel or admit or self.scheduler.num_active or stop):
-                return StepPlan(run=False) if self.channel.distributed else None  # heartbeat
-            return StepPlan(cancel=cancel, admit=admit, run=True, stop=stop)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                plan = self._next_plan()
-                if plan is None:
-                    continue
-                plan = self.channel.exchange(plan)
-                if plan.stop:
-                    return
-                events, stats = self.scheduler.apply(plan)
-                self._record(plan, events, stats)
-        except BaseException as e:  # a dead rank, a collective timeout, a bug: fail loudly, never hang
-            self._fail(f"{type(e).__name__}: {e}")
-
-    def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
-        m = self.metrics
-        for _, fields in plan.admit:
-            m.prompt_tokens.inc(len(fields["prompt_ids"]))
-        if stats.num_rows:
-            self._steps += 1
-            m.steps.inc()
-            m.step_time.observe(stats.step_s)
-            m.batch.observe(stats.num_rows)
-        for e in events:
-            if e.accepted_len is not None:
-                m.acceptance.observe(e.accepted_len)
-            m.generated_tokens.inc(len(e.tokens))
-            if e.finish_reason is not None:
-                m.requests.labels(e.finish_reason).inc()
-            sink = self._sinks.get(e.handle)
-            if sink is not None:
-                if e.finish_reason is not None:
-                    del self._sinks[e.handle]
-                sink.put(e)
-        m.active.set(self.scheduler.num_active)
-
-    def _fail(self, message: str) -> None:
-        logger.error(f"serve: engine failed, answering 503 and shutting down: {message}")
-        with self._cond:
-            self.failure = message
-            sinks = list(self._sinks.values()) + [s for _, _, s in self._pending]
-            self._sinks.clear()
-            self._pending.clear()
-        for sink in sinks:
-            sink.put(EngineFailure(message))
-        if self.on_failure is not None:
-            self.on_failure()
-
-
-# -- the app -----------------------------------------------------------------------------------------------
 @dataclass
 class ServeContext:
     """What the handlers need (built once at start)."""
@@ -310,115 +57,193 @@ class ServeContext:
     loop: EngineLoop
     model_name: str
     vocab_size: int
-    max_seq_len: int
+    max_seq_len: int  # max_model_len: prompt + generated tokens of one request
     tokenizer: Any = None  # a transformers tokenizer, or None (token-id prompts only)
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # SIGTERM received: new requests answer 503
+
+    @property
+    def limits(self) -> ServeLimits:
+        return ServeLimits(self.vocab_size, self.max_seq_len)
 
 
-def _param_of(err: dict) -> str:
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    # pydantic names union members (`list[int]`, `str`) in the location; keep the field path only.
-    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "function-after")]
-    return ".".join(loc) or "body"
+def served_model_name(cfg, override: str | None) -> str:
+    """``--served-model-name``, else the checkpoint directory's name, else ``dspark-embedded``."""
+    import os
+
+    if override:
+        return override
+    return os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path else "dspark-embedded"
 
 
+# -- requests ----------------------------------------------------------------------------------------------
 def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
-    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
+    if isinstance(p, str) or (p and isinstance(p[0], str)):
         if ctx.tokenizer is None:
             raise ApiError(400, "prompt: text prompts need a tokenizer (the model directory has none); send token "
                                 "ids, e.g. \"prompt\": [1, 2, 3]", "prompt")
-        texts = [p] if isinstance(p, str) else list(p)
-        prompts = [list(ctx.tokenizer.encode(t, add_special_tokens=True)) for t in texts]
-    elif isinstance(p, list) and p and isinstance(p[0], list):
-        prompts = [list(x) for x in p]
-    else:
-        prompts = [list(p)]
-    for i, ids in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        if not ids:
-            raise ApiError(400, f"{where}: empty prompt (at least one token)", "prompt")
-        bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise ApiError(400, f"{where}: token ids {bad[:5]} outside the vocabulary [0, {ctx.vocab_size})", "prompt")
-    return prompts
+        return [list(ctx.tokenizer.encode(t, add_special_tokens=True)) for t in ([p] if isinstance(p, str) else p)]
+    return [list(x) for x in p] if p and isinstance(p[0], list) else [list(p)]
 
 
-def _stop_tokens(ctx: ServeContext, body: CompletionRequest) -> tuple[tuple[int, ...], list[str]]:
-    s = body.stop
+def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
+    tok = ctx.tokenizer
+    if tok is None:
+        raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
+                            "(use /v1/completions with token ids)", "messages")
+    if not getattr(tok, "chat_template", None):  # a transformers tokenizer always declares the attribute
+        raise ApiError(400, "messages: the model's tokenizer has no chat template (use /v1/completions)", "messages")
+    msgs = [{k: v for k, v in m.model_dump().items() if v is not None} for m in body.messages]
+    try:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                                      return_dict=False)
+    except Exception as e:  # the template's own error (for example a role order it refuses)
+        raise ApiError(400, f"messages: the chat template refused them: {type(e).__name__}: {e}", "messages") from None
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def _stop_fields(ctx: ServeContext, body) -> tuple[tuple[int, ...], list[str]]:
+    s, ids = body.stop, tuple(body.stop_token_ids or ())
     if s is None or s == []:
-        return (), []
+        return ids, []
     if isinstance(s, list) and isinstance(s[0], int):
-        bad = [t for t in s if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise ApiError(400, f"stop: token ids {bad[:5]} outside the vocabulary [0, {ctx.vocab_size})", "stop")
-        return tuple(s), []
+        return ids + tuple(s), []
     if ctx.tokenizer is None:
         raise ApiError(400, "stop: stop strings need a tokenizer; send stop token ids", "stop")
-    return (), [s] if isinstance(s, str) else list(s)
+    return ids, [s] if isinstance(s, str) else list(s)
 
 
-def build_requests(ctx: ServeContext, body: CompletionRequest) -> tuple[list[dict], list[str]]:
-    """Validated engine request fields, one per prompt (raises :class:`ApiError` 400 naming the field)."""
+def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: int | None,
+                   default_max_tokens: int | None) -> list[dict]:
+    """Engine request fields, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``
+    with seed ``seed + index``). The body is validated already; what is checked here is what needs the
+    tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
     if body.model is not None and body.model != ctx.model_name:
         raise ApiError(404, f"model: {body.model!r} is not served here (serving {ctx.model_name!r})", "model",
                        "model_not_found")
-    if body.max_tokens < 1:
-        raise ApiError(400, f"max_tokens: must be >= 1, got {body.max_tokens}", "max_tokens")
-    if not (body.temperature >= 0):
-        raise ApiError(400, f"temperature: must be >= 0, got {body.temperature}", "temperature")
-    if not (0.0 < body.top_p <= 1.0):
-        raise ApiError(400, f"top_p: must be in (0, 1], got {body.top_p}", "top_p")
-    if body.n != 1:
-        raise ApiError(400, f"n: only 1 is supported, got {body.n}", "n")
-    if body.seed is not None and not 0 <= body.seed < 2**63:
-        raise ApiError(400, f"seed: must be in [0, 2^63), got {body.seed}", "seed")
-    prompts = _encode_prompts(ctx, body)
-    stop_ids, stop_strings = _stop_tokens(ctx, body)
+    stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):
-        fields = dict(prompt_ids=ids, max_new_tokens=body.max_tokens, stop_token_ids=stop_ids,
-                      temperature=float(body.temperature), seed=(body.seed or 0) + i, top_p=float(body.top_p))
-        try:
-            Request(**fields).validate(ctx.vocab_size, ctx.max_seq_len)
-        except RequestError as e:
-            raise ApiError(400, f"max_tokens: {e}", "max_tokens") from None
-        out.append(fields)
-    return out, stop_strings
+        room = ctx.max_seq_len - len(ids)
+        if room < 1:
+            raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate (max_model_len="
+                                f"{ctx.max_seq_len})", "prompt")
+        limit = body.token_limit()
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if limit is None:
+            limit = room if default_max_tokens is None else default_max_tokens
+        if limit > room:
+            raise ApiError(400, f"{param}: prompt of {len(ids)} tokens + {param}={limit} exceeds max_model_len="
+                                f"{ctx.max_seq_len}", param)
+        for j in range(body.n):
+            index = i * body.n + j
+            out.append(dict(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
+                            temperature=float(body.temperature), seed=(body.seed or 0) + index,
+                            top_p=float(body.top_p), ignore_eos=body.ignore_eos,
+                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
+    return out
 
 
+# -- one choice's output -----------------------------------------------------------------------------------
 class _Choice:
-    def __init__(self, index: int, prompt_len: int):
-        self.index, self.prompt_len = index, prompt_len
+    """Tokens, log-probabilities and text of one choice, cut at its stop (string or id)."""
+
+    def __init__(self, ctx: ServeContext, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool):
+        self.ctx, self.index, self.prompt_ids = ctx, index, prompt_ids
+        self.stops, self.include_stop = stops, include_stop
         self.tokens: list[int] = []
+        self.logprobs: list = []
         self.finish_reason: str | None = None
+        self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
         self.text_sent = 0
+        self.tokens_sent = 0
+        self.logprobs_sent = 0
+
+    def decode(self, tokens: list[int]) -> str | None:
+        tok = self.ctx.tokenizer
+        return tok.decode(tokens, skip_special_tokens=True) if tok is not None else None
+
+    def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
+        prev = len(self.tokens)
+        self.tokens.extend(e.tokens)
+        if e.logprobs is not None:
+            self.logprobs.extend(e.logprobs)
+        if e.finish_reason is not None:
+            self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
+            self.stop_token = e.finish_reason == "stop"
+        if self.stops and self.finish_reason in (None, "stop", "length"):
+            for m in range(prev + 1, len(self.tokens) + 1):  # the first token that completes a stop string
+                if any(s in self.decode(self.tokens[:m]) for s in self.stops):
+                    del self.tokens[m:]
+                    del self.logprobs[m:]
+                    was_running = self.finish_reason is None
+                    self.finish_reason, self.stop_token = "stop", False
+                    if was_running:
+                        loop.cancel(handle, "stop")
+                    break
+
+    def text(self) -> str | None:
+        """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
+        toks = self.tokens[:-1] if self.stop_token else self.tokens
+        text = self.decode(toks)
+        if text is None or not self.stops:
+            return text
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        if not hits:
+            return text
+        at, s = min(hits)
+        return text[:at + len(s)] if self.include_stop else text[:at]
+
+    def stream_text(self) -> str | None:
+        """The text that can be sent now: while running, hold back what may still become a stop string or
+        an incomplete UTF-8 character."""
+        text = self.text()
+        if text is None or self.finish_reason is not None:
+            return text
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        text = text[:max(0, len(text) - hold)]
+        return text.rstrip("\ufffd")
 
 
-def _text(ctx: ServeContext, tokens: list[int]) -> str | None:
-    return ctx.tokenizer.decode(tokens, skip_special_tokens=True) if ctx.tokenizer is not None else None
+def _token_str(ctx: ServeContext, token: int) -> str:
+    return ctx.tokenizer.decode([token]) if ctx.tokenizer is not None else f"token_id:{token}"
 
 
-def _hit_stop_string(ctx: ServeContext, choice: _Choice, stops: list[str]) -> bool:
-    if not stops:
-        return False
-    text = _text(ctx, choice.tokens)
-    return any(s in text for s in stops)
+def _lp(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (outside top-p) and NaN-free by construction
 
 
-def _trim_stop(text: str | None, stops: list[str]) -> str | None:
-    if text is None or not stops:
-        return text
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    return text if cut < 0 else text[:cut]
+def _completion_logprobs(ctx: ServeContext, lps: list, tokens: list[int], text_offset0: int = 0) -> dict:
+    strs = [_token_str(ctx, t) for t in tokens]
+    offsets, at = [], text_offset0
+    for s in strs:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": strs, "token_logprobs": [_lp(lp) for lp, _ in lps],
+            "top_logprobs": [{_token_str(ctx, i): _lp(v) for i, v in top} for _, top in lps], "text_offset": offsets}
 
 
+def _chat_logprobs(ctx: ServeContext, lps: list, tokens: list[int]) -> dict:
+    def entry(t, v):
+        s = _token_str(ctx, t)
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                        for t, (lp, top) in zip(tokens, lps)]}
+
+
+# -- the app -----------------------------------------------------------------------------------------------
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from tensorrt_llm_ext import __version__
 
     @asynccontextmanager
     async def lifespan(app):
@@ -426,34 +251,21 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             on_ready()
         yield
 
-    app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     def error_response(e: ApiError) -> JSONResponse:
         metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        param = _param_of(first)
-        if first.get("type") == "json_invalid":
-            return error_response(ApiError(400, f"malformed JSON body: {first.get('msg')}", "body"))
-        if first.get("type") == "extra_forbidden":
-            return error_response(ApiError(400, f"{param}: unknown field", param))
-        if first.get("type") == "missing":
-            return error_response(ApiError(400, f"{param}: required", param))
-        if param.split(".")[0] in ("prompt", "stop"):  # unions: one message, not one per member
-            field_name = param.split(".")[0]
-            what = ("token ids (a list of ints, or a list of such lists) or text" if field_name == "prompt"
-                    else "stop token ids (a list of ints) or stop strings")
-            return error_response(ApiError(400, f"{param}: expected {what}", field_name))
-        msgs = sorted({f"{_param_of(e)}: {e.get('msg')}" for e in errs})
-        return error_response(ApiError(400, "; ".join(msgs[:4]), param))
-
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # 404 / 405: the OpenAI object too
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       None, kind))
 
     @app.get("/health")
     async def health():
@@ -461,116 +273,204 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         body = {"status": "ok" if st.healthy else "unhealthy", **asdict(st)}
         return JSONResponse(body, status_code=200 if st.healthy else 503)
 
-    @app.get("/metrics")
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     async def prom():
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/metrics", prom, methods=["GET"])
+    app.add_api_route("/prometheus/metrics", prom, methods=["GET"])  # trtllm-serve's path
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
                                             "owned_by": "tensorrt_llm_ext", "max_model_len": ctx.max_seq_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest):
+    def check_available() -> None:
         if ctx.loop.failure is not None:
             raise ApiError(503, f"engine failed: {ctx.loop.failure}", None, "service_unavailable")
-        reqs, stops = build_requests(ctx, body)
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles: dict[int, _Choice] = {}
+        if ctx.draining:
+            raise ApiError(503, "the server is shutting down", None, "service_unavailable")
+
+    def submit(reqs: list[dict], sink: Sink) -> list[int]:
         try:
-            for i, fields in enumerate(reqs):
-                handles[ctx.loop.submit(fields, sink)] = _Choice(i, len(fields["prompt_ids"]))
+            return ctx.loop.submit(reqs, sink)
         except QueueFull as e:
-            for h in handles:
-                ctx.loop.cancel(h)
             raise ApiError(429, f"server busy: {e}", None, "rate_limit_exceeded") from None
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        check_available()
+        body = parse_body(await http.body(), CompletionRequest, ctx.limits)
+        prompts = _encode_prompts(ctx, body)
+        reqs = build_requests(ctx, body, prompts, body.logprobs, 16)
+        _, stops = _stop_fields(ctx, body)
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        handles = submit(reqs, sink)
+        choices = {h: _Choice(ctx, k, f["prompt_ids"], stops, body.include_stop_str_in_output)
+                   for k, (h, f) in enumerate(zip(handles, reqs))}
+        out = _Output(ctx, f"cmpl-{uuid.uuid4().hex[:24]}", "text_completion", body, choices, sink)
         if body.stream:
-            return StreamingResponse(_stream(ctx, rid, sink, handles, stops), media_type="text/event-stream")
-        return await _collect(ctx, rid, sink, handles, stops, http)
+            return StreamingResponse(out.stream(), media_type="text/event-stream")
+        return await out.collect(http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        check_available()
+        body = parse_body(await http.body(), ChatCompletionRequest, ctx.limits)
+        prompt = _chat_prompt(ctx, body)
+        reqs = build_requests(ctx, body, [prompt], body.logprobs_k(), None)
+        _, stops = _stop_fields(ctx, body)
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        handles = submit(reqs, sink)
+        choices = {h: _Choice(ctx, k, prompt, stops, body.include_stop_str_in_output)
+                   for k, h in enumerate(handles)}
+        out = _Output(ctx, f"chatcmpl-{uuid.uuid4().hex[:24]}", "chat.completion", body, choices, sink)
+        if body.stream:
+            return StreamingResponse(out.stream(), media_type="text/event-stream")
+        return await out.collect(http)
 
     return app
 
 
-def _chunk(ctx: ServeContext, rid: str, choices: list[dict]) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name,
-            "choices": choices}
+class _Output:
+    """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream."""
 
+    def __init__(self, ctx: ServeContext, rid: str, kind: str, body, choices: dict[int, _Choice], sink: Sink):
+        self.ctx, self.rid, self.kind, self.body, self.choices, self.sink = ctx, rid, kind, body, choices, sink
+        self.chat = kind == "chat.completion"
+        self.want_logprobs = (body.logprobs if not self.chat else body.logprobs_k()) is not None
+        self.created = int(time.time())
 
-def _apply_event(ctx: ServeContext, e: Event, handles: dict[int, _Choice], stops: list[str]) -> _Choice:
-    ch = handles[e.handle]
-    ch.tokens.extend(e.tokens)
-    if e.finish_reason is not None:
-        ch.finish_reason = e.finish_reason
-    elif _hit_stop_string(ctx, ch, stops):
-        ch.finish_reason = "stop"
-        ctx.loop.cancel(e.handle)
-    return ch
+    def running(self) -> bool:
+        return any(ch.finish_reason is None for ch in self.choices.values())
 
+    def _apply(self, item) -> _Choice | None:
+        ch = self.choices.get(item.handle)
+        if ch is None or ch.finish_reason is not None:
+            return None
+        ch.apply(item, self.ctx.loop, item.handle)
+        return ch
 
-async def _collect(ctx, rid, sink, handles, stops, http):
-    from fastapi.responses import JSONResponse
+    def usage(self) -> dict:
+        # Each prompt once, however many choices it has (OpenAI and vLLM count it so).
+        prompt = sum(len(ch.prompt_ids) for ch in self.choices.values() if ch.index % self.body.n == 0)
+        completion = sum(len(ch.tokens) for ch in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    try:
-        while any(ch.finish_reason is None for ch in handles.values()):
-            try:
-                item = await asyncio.wait_for(sink.queue.get(), 0.25)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return JSONResponse({}, status_code=499)
-                continue
-            if isinstance(item, EngineFailure):
-                raise ApiError(503, f"engine failed: {item.message}", None, "service_unavailable")
-            _apply_event(ctx, item, handles, stops)
-        choices = []
-        for ch in sorted(handles.values(), key=lambda c: c.index):
-            if ch.finish_reason == "error":
-                raise ApiError(500, "the engine refused a validated request", None, "internal_error")
-            c = {"index": ch.index, "token_ids": ch.tokens, "finish_reason": ch.finish_reason, "logprobs": None}
-            text = _trim_stop(_text(ctx, ch.tokens), stops)
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.ctx.model_name}
+
+    @staticmethod
+    def _error(item) -> ApiError:
+        if isinstance(item, Aborted):
+            return ApiError(503, item.message, None, "service_unavailable")
+        return ApiError(503, f"engine failed: {item.message}", None, "service_unavailable")
+
+    def _release(self) -> None:
+        for h, ch in self.choices.items():
+            if ch.finish_reason is None:
+                self.ctx.loop.cancel(h)
+
+    # -- non-streaming ------------------------------------------------------------------------------------
+    def _final_choice(self, ch: _Choice) -> dict:
+        if ch.finish_reason == "error":
+            raise ApiError(500, "the engine refused a validated request", None, "internal_error")
+        text = ch.text()
+        if not self.chat:
+            c = {"index": ch.index, "token_ids": list(ch.tokens), "finish_reason": ch.finish_reason, "logprobs": None}
+            prefix = ""
+            if self.body.echo:
+                prefix = ch.decode(ch.prompt_ids) or ""
+                c["prompt_token_ids"] = list(ch.prompt_ids)
             if text is not None:
-                c["text"] = text
-            choices.append(c)
-        prompt = sum(ch.prompt_len for ch in handles.values())
-        completion = sum(len(ch.tokens) for ch in handles.values())
-        return {**_chunk(ctx, rid, choices),
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
-    finally:
-        for h, ch in handles.items():
-            if ch.finish_reason is None:
-                ctx.loop.cancel(h)
+                c["text"] = prefix + text
+            if self.want_logprobs:
+                c["logprobs"] = _completion_logprobs(self.ctx, ch.logprobs, ch.tokens, len(prefix))
+            return c
+        c = {"index": ch.index, "message": {"role": "assistant", "content": text or ""},
+             "finish_reason": ch.finish_reason, "logprobs": None, "token_ids": list(ch.tokens)}
+        if self.want_logprobs:
+            c["logprobs"] = _chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
+        return c
 
+    async def collect(self, http: HttpRequest):
+        from fastapi.responses import JSONResponse
 
-async def _stream(ctx, rid, sink, handles, stops):
-    """SSE: one chunk per engine event with the new tokens, a final chunk per choice, then ``[DONE]``."""
-    try:
-        while any(ch.finish_reason is None for ch in handles.values()):
-            item = await sink.queue.get()
-            if isinstance(item, EngineFailure):
-                err = ApiError(503, f"engine failed: {item.message}", None, "service_unavailable")
-                yield f"data: {json.dumps(err.body())}\n\n"
-                return
-            ch = handles.get(item.handle)
-            if ch is None or ch.finish_reason is not None:
-                continue
-            before = len(ch.tokens)
-            _apply_event(ctx, item, handles, stops)
-            new = ch.tokens[before:]
-            c = {"index": ch.index, "token_ids": new, "finish_reason": ch.finish_reason, "logprobs": None}
-            if ctx.tokenizer is not None:
-                full = _trim_stop(_text(ctx, ch.tokens), stops)
-                c["text"], ch.text_sent = full[ch.text_sent:], len(full)
-            yield f"data: {json.dumps(_chunk(ctx, rid, [c]))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:  # a client that disconnects cancels the stream: free its slots
-        for h, ch in handles.items():
-            if ch.finish_reason is None:
-                ctx.loop.cancel(h)
+        try:
+            while self.running():
+                try:
+                    item = await asyncio.wait_for(self.sink.queue.get(), 0.25)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if isinstance(item, (EngineFailure, Aborted)):
+                    raise self._error(item)
+                self._apply(item)
+            choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
+            return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
+        finally:
+            self._release()
+
+    # -- streaming ----------------------------------------------------------------------------------------
+    def _delta(self, ch: _Choice, first: bool) -> dict:
+        new_tokens = ch.tokens[ch.tokens_sent:]
+        new_lps = ch.logprobs[ch.logprobs_sent:len(ch.tokens)]
+        ch.tokens_sent, ch.logprobs_sent = len(ch.tokens), len(ch.tokens)
+        text = ch.stream_text()
+        delta_text = None
+        if text is not None:
+            delta_text, ch.text_sent = text[ch.text_sent:], max(ch.text_sent, len(text))
+        if self.chat:
+            delta = {"role": "assistant", "content": delta_text or ""} if first else {"content": delta_text or ""}
+            c = {"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": ch.finish_reason,
+                 "token_ids": new_tokens}
+            if self.want_logprobs:
+                c["logprobs"] = _chat_logprobs(self.ctx, new_lps, new_tokens)
+            return c
+        c = {"index": ch.index, "token_ids": new_tokens, "finish_reason": ch.finish_reason, "logprobs": None}
+        if first and self.body.echo:
+            c["prompt_token_ids"] = list(ch.prompt_ids)
+        if delta_text is not None:
+            c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
+        if self.want_logprobs:
+            c["logprobs"] = _completion_logprobs(self.ctx, new_lps, new_tokens)
+        return c
+
+    def _sse(self, obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream(self):
+        """SSE: one chunk per engine event with the new tokens, a final chunk per choice, the usage chunk
+        (``stream_options.include_usage``), then ``[DONE]``; an error ends with an error chunk then ``[DONE]``."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        first = set(self.choices)
+        try:
+            while self.running():
+                item = await self.sink.queue.get()
+                if isinstance(item, (EngineFailure, Aborted)):
+                    yield self._sse(self._error(item).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                ch = self._apply(item)
+                if ch is None:
+                    continue
+                c = self._delta(ch, item.handle in first)
+                first.discard(item.handle)
+                yield self._sse({**self._head(obj), "choices": [c]})
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield self._sse({**self._head(obj), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # a client that disconnects cancels the stream: free its slots
+            self._release()
 
 
 def load_tokenizer(directory: str | None):
@@ -592,10 +492,16 @@ def load_tokenizer(directory: str | None):
 def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, drain_timeout_s: float,
                ready_line: str) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (:data:`EXIT_ENGINE_FAILED`)."""
-    import uvicorn
-
     import contextlib
     import signal
+
+    import uvicorn
+
+    def drain_deadline():
+        n = ctx.loop.abort_all(f"the server is shutting down: the request did not finish within the drain "
+                               f"timeout ({drain_timeout_s:g} s)")
+        if n:
+            logger.warning(f"serve: drain timeout ({drain_timeout_s:g} s) passed: ended {n} request(s) with 503")
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -609,9 +515,18 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
                 for s, h in old.items():
                     signal.signal(s, h)
 
+        def handle_exit(self, sig, frame):
+            if not ctx.draining:
+                ctx.draining = True
+                timer = threading.Timer(drain_timeout_s, drain_deadline)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
     app = create_app(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_timeout_s, lifespan="on")
+                            timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on")
     server = _Server(config)
 
     def shutdown_later():

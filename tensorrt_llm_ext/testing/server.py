@@ -1,4 +1,5 @@
-"""Start ``trtllm-ext serve`` as a child process on a free loopback port (tests and ``bench serve``).
+"""Start ``trtllm-ext serve`` as a child process on a free loopback port (tests and ``bench serve``), or the
+same server in this process (:func:`start_in_process`).
 
 Every wait is bounded: the server must answer ``/health`` within ``start_timeout`` seconds, and
 :meth:`ServerProcess.stop` sends SIGTERM, then SIGKILL after ``timeout``.
@@ -77,6 +78,59 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
         time.sleep(0.25)
     server.stop(10)
     raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
+
+
+@dataclass
+class InProcessServer:
+    """A server in this process (uvicorn in a thread over an in-process engine): what tests use where the
+    subprocess is not the point (no interpreter start, no model build per test module)."""
+
+    url: str
+    engine: object
+    loop: object
+    uvicorn_server: object
+    thread: object
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(timeout)
+        self.loop.stop(timeout)
+
+
+def start_in_process(config_overrides: dict | None = None, *, model_dir: str | None = None, max_queue: int = 1024,
+                     start_timeout: float = 60.0, host: str = "127.0.0.1") -> InProcessServer:
+    """Engine + scheduler + engine loop + app of ``load_config(model_dir=..., **config_overrides)``, served by
+    uvicorn on a free loopback port in a daemon thread; returns once it listens."""
+    import threading
+
+    import uvicorn
+
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.scheduler import Scheduler
+    from tensorrt_llm_ext.runtime.server import (EngineLoop, PlanChannel, ServeContext, ServerMetrics, create_app,
+                                                 load_tokenizer, served_model_name)
+
+    cfg = load_config(model_dir=model_dir, **(config_overrides or {}))
+    engine = Engine(cfg)
+    metrics = ServerMetrics(cfg.draft_len)
+    loop = EngineLoop(Scheduler(engine), PlanChannel(None), metrics, max_queue=max_queue)
+    ctx = ServeContext(loop=loop, model_name=served_model_name(cfg, None), vocab_size=engine.vocab_size,
+                       max_seq_len=cfg.max_seq_len, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path))
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx, metrics), host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="on"))
+    loop.start()
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            loop.stop(5)
+            raise TimeoutError(f"the in-process server did not start within {start_timeout:.0f}s")
+        time.sleep(0.02)
+    return InProcessServer(f"http://{host}:{port}", engine, loop, server, thread)
 
 
 # A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.

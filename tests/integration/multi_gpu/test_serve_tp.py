@@ -16,7 +16,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
-from tensorrt_llm_ext.runtime.server import EXIT_ENGINE_FAILED, HEARTBEAT_S  # noqa: E402
+from tensorrt_llm_ext.runtime.engine_loop import HEARTBEAT_S  # noqa: E402
+from tensorrt_llm_ext.runtime.server import EXIT_ENGINE_FAILED  # noqa: E402
 from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG as SMALL, reference_outputs,  # noqa: E402
                                              sample_bodies, start_server)
 

@@ -1,0 +1,301 @@
+"""The server's engine loop: one thread on rank 0 that owns the :class:`Scheduler`, its plan broadcast to the
+other TP ranks, and the server's Prometheus metrics.
+
+Handlers (on the HTTP event loop) :meth:`EngineLoop.submit` requests and :meth:`EngineLoop.cancel` them; the
+loop admits waiting requests between engine steps while slots are free (continuous batching). Every plan
+(cancel / admit / step) goes through a :class:`PlanChannel` first: at TP N it is broadcast to every rank over
+the TP group's gloo group, so all ranks run the same steps (an idle loop sends an empty plan every
+``HEARTBEAT_S``, so a rank blocked waiting for work never reaches the collective timeout, and a dead peer is
+noticed within a heartbeat or a step).
+
+Queue bound: ``max_queue`` counts requests *waiting* for a slot -- a burst at an idle server first fills the
+free slots. A failure of the engine answers every request in flight (:class:`EngineFailure`); a shutdown
+past its drain deadline ends every request still running with :class:`Aborted` and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.runtime.scheduler import Event, Scheduler, StepPlan
+
+HEARTBEAT_S = 0.5
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self, draft_len: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        p = "trtllm_ext_"
+        self.requests = Counter(p + "requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter(p + "requests_rejected", "Requests answered 4xx/5xx before reaching the engine",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
+        self.acceptance = Histogram(p + "acceptance_length", "Tokens accepted per request per speculative step",
+                                    buckets=[i + 0.5 for i in range(1, draft_len + 1)], registry=r)
+        self.step_time = Histogram(p + "step_seconds", "Wall time of one engine step",
+                                   buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+                                   registry=r)
+        self.batch = Histogram(p + "step_batch_size", "Requests per engine step",
+                               buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256], registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a slot", registry=r)
+        self.active = Gauge(p + "active_requests", "Requests holding a slot", registry=r)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class PlanChannel:
+    """Rank 0's plans reach every rank of the TP group (no-op at TP 1)."""
+
+    def __init__(self, mapping=None):
+        self.group = None
+        if mapping is not None and mapping.tp_size > 1:
+            from tensorrt_llm_ext.distributed.communicator import tp_cpu_group
+
+            self.group = tp_cpu_group(mapping)
+            self.src = mapping.tp_group[0]
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def exchange(self, plan: StepPlan | None) -> StepPlan:
+        """Rank 0 passes its plan, the others None; every rank returns rank 0's plan."""
+        if self.group is None:
+            return plan
+        import torch.distributed as dist
+
+        box = [asdict(plan) if plan is not None else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        d = box[0]
+        return StepPlan(cancel=list(d["cancel"]), admit=[(h, f) for h, f in d["admit"]], run=d["run"], stop=d["stop"])
+
+
+def follower_loop(scheduler: Scheduler, channel: PlanChannel) -> None:
+    """Ranks > 0: apply rank 0's plans until it says stop (an error propagates: the rank exits non-zero)."""
+    while True:
+        plan = channel.exchange(None)
+        if plan.stop:
+            return
+        scheduler.apply(plan)
+
+
+@dataclass
+class Sink:
+    """Where the engine thread delivers one HTTP request's events (an asyncio queue of the handler's loop)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
+            pass
+
+
+@dataclass
+class EngineFailure:
+    message: str
+
+
+@dataclass
+class Aborted:
+    """The request was ended by the server (shutdown past the drain deadline)."""
+
+    message: str
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class LoopState:
+    """A snapshot for /health."""
+
+    healthy: bool
+    active: int
+    queued: int
+    free_slots: int
+    steps: int
+    error: str | None = None
+    ranks: list[dict] = field(default_factory=list)
+
+
+class EngineLoop:
+    """Owns the scheduler on rank 0; handlers submit requests and cancel them from the event loop."""
+
+    def __init__(self, scheduler: Scheduler, channel: PlanChannel, metrics: ServerMetrics, max_queue: int,
+                 ranks: list[dict] | None = None):
+        self.scheduler = scheduler
+        self.channel = channel
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.capacity = scheduler.num_free_slots  # slots of an idle engine
+        self.ranks = ranks or []
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[int, dict, Sink]] = deque()
+        self._sinks: dict[int, Sink] = {}  # admitted handles (each holds a slot, or will after this plan)
+        self._cancel: dict[int, str] = {}  # handle -> the finish reason its cancellation is counted as
+        self._plan_reasons: dict[int, str] = {}  # the same, for the cancellations of the plan being applied
+        self._next = 0
+        self._stop = False
+        self._steps = 0
+        self.failure: str | None = None
+        self.on_failure = None  # callable, set by the server: shut uvicorn down after the grace period
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- called from handlers -------------------------------------------------------------------------------
+    def submit(self, fields: list[dict], sink: Sink) -> list[int]:
+        """Queue every request of one HTTP request at once (all or none): their handles.
+
+        Raises :class:`QueueFull` when more than ``max_queue`` would be left *waiting* -- requests that go
+        straight into free slots do not count -- and :class:`EngineFailure` once the engine failed.
+        """
+        with self._cond:
+            if self.failure is not None:
+                raise EngineFailure(self.failure)
+            free = self.capacity - len(self._sinks)
+            waiting = len(self._pending) + len(fields) - max(0, free)
+            if waiting > self.max_queue:
+                raise QueueFull(f"{max(0, len(self._pending) - max(0, free))} requests are waiting for a slot and "
+                                f"this one needs {len(fields)} (max_queue={self.max_queue})")
+            handles = []
+            for f in fields:
+                handles.append(self._next)
+                self._pending.append((self._next, f, sink))
+                self._next += 1
+            self.metrics.queue_depth.set(max(0, len(self._pending) - max(0, free)))
+            self._cond.notify()
+            return handles
+
+    def cancel(self, handle: int, reason: str = "cancelled") -> None:
+        """End ``handle`` before its next step (``reason``: how it is counted, e.g. ``stop`` for a stop string)."""
+        with self._cond:
+            self._cancel.setdefault(handle, reason)
+            self._cond.notify()
+
+    def abort_all(self, message: str) -> int:
+        """End every request queued or running with :class:`Aborted` (their slots are freed by the next plan);
+        returns how many. For a shutdown whose drain deadline passed."""
+        with self._cond:
+            items = [(h, s) for h, _, s in self._pending] + list(self._sinks.items())
+            for h, _ in items:
+                self._cancel.setdefault(h, "aborted")
+            self._cond.notify()
+        for _, sink in items:
+            sink.put(Aborted(message))
+        return len(items)
+
+    def state(self) -> LoopState:
+        with self._cond:
+            return LoopState(self.failure is None, self.scheduler.num_active, len(self._pending),
+                             self.scheduler.num_free_slots, self._steps, self.failure, self.ranks)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop (and the other ranks) once the queue is empty; bounded wait."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _next_plan(self) -> StepPlan | None:
+        with self._cond:
+            idle = not (self._pending or self._cancel or self.scheduler.num_active or self._stop)
+            if idle:
+                self._cond.wait(HEARTBEAT_S)
+            # Cancelled requests still in the queue never reach the engine.
+            if self._cancel and self._pending:
+                kept = deque()
+                for item in self._pending:
+                    if item[0] in self._cancel:
+                        reason = self._cancel.pop(item[0])
+                        self.metrics.requests.labels(reason).inc()
+                        item[2].put(Event(item[0], [], "cancelled"))
+                    else:
+                        kept.append(item)
+                self._pending = kept
+            cancel = sorted(h for h in self._cancel if h in self._sinks)
+            # How this plan's cancellations are counted; a cancel of a handle that already finished is dropped.
+            self._plan_reasons = {h: self._cancel[h] for h in cancel}
+            self._cancel = {}
+            free = self.scheduler.num_free_slots + len(cancel)
+            admit = []
+            while self._pending and len(admit) < free:
+                handle, fields, sink = self._pending.popleft()
+                self._sinks[handle] = sink
+                admit.append((handle, fields))
+            self.metrics.queue_depth.set(len(self._pending))
+            stop = self._stop and not self._pending and not self.scheduler.num_active and not admit
+            if not (cancel or admit or self.scheduler.num_active or stop):
+                return StepPlan(run=False) if self.channel.distributed else None  # heartbeat
+            return StepPlan(cancel=cancel, admit=admit, run=True, stop=stop)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                plan = self._next_plan()
+                if plan is None:
+                    continue
+                plan = self.channel.exchange(plan)
+                if plan.stop:
+                    return
+                events, stats = self.scheduler.apply(plan)
+                self._record(plan, events, stats)
+        except BaseException as e:  # a dead rank, a collective timeout, a bug: fail loudly, never hang
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
+        m = self.metrics
+        for _, fields in plan.admit:
+            m.prompt_tokens.inc(len(fields["prompt_ids"]))
+        if stats.num_rows:
+            self._steps += 1
+            m.steps.inc()
+            m.step_time.observe(stats.step_s)
+            m.batch.observe(stats.num_rows)
+        for e in events:
+            if e.accepted_len is not None:
+                m.acceptance.observe(e.accepted_len)
+            m.generated_tokens.inc(len(e.tokens))
+            if e.finish_reason is not None:
+                reason = self._plan_reasons.get(e.handle, e.finish_reason) if e.finish_reason == "cancelled" \
+                    else e.finish_reason
+                m.requests.labels(reason).inc()
+            with self._cond:
+                sink = self._sinks.get(e.handle)
+                if sink is not None and e.finish_reason is not None:
+                    del self._sinks[e.handle]
+            if sink is not None:
+                sink.put(e)
+        m.active.set(self.scheduler.num_active)
+
+    def _fail(self, message: str) -> None:
+        logger.error(f"serve: engine failed, answering 503 and shutting down: {message}")
+        with self._cond:
+            self.failure = message
+            sinks = list(self._sinks.values()) + [s for _, _, s in self._pending]
+            self._sinks.clear()
+            self._pending.clear()
+        for sink in sinks:
+            sink.put(EngineFailure(message))
+        if self.on_failure is not None:
+            self.on_failure()

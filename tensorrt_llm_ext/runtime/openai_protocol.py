@@ -1,0 +1,346 @@
+"""The OpenAI wire protocol of ``trtllm-ext serve``: request models (one validator per field), the error
+object, and body parsing that answers every malformed body with that object.
+
+A request is validated here once, completely: types (strict: ``true`` is not ``1``), ranges, and with the
+validation context (:class:`ServeLimits`) the vocabulary and the length limit. What leaves
+:func:`parse_body` can be turned into engine requests without another check. Unknown fields are refused
+by name (``frequency_penalty`` is an error, not silently ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
+MAX_JSON_DEPTH = 64  # deeper bodies are refused before json.loads recurses
+
+
+class ApiError(Exception):
+    """An OpenAI error response: ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What field validation needs to know about the served model (the pydantic validation context)."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+def _limits(info: ValidationInfo) -> ServeLimits | None:
+    return info.context.get("limits") if isinstance(info.context, dict) else None
+
+
+def _check_ids(ids: list[int], what: str, info: ValidationInfo) -> None:
+    lim = _limits(info)
+    if lim is None:
+        return
+    bad = [t for t in ids if not 0 <= t < lim.vocab_size]
+    if bad:
+        raise ValueError(f"{what} {bad[:5]} outside the vocabulary [0, {lim.vocab_size})")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields completions and chat share (OpenAI's, plus vLLM's ``stop_token_ids`` / ``ignore_eos`` /
+    ``min_tokens`` / ``include_stop_str_in_output``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat = 0.0
+    top_p: StrictFloat = 1.0
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"must be a finite number >= 0, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if not 0.0 < v <= 1.0:  # NaN fails too
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not 0 <= v < 2**63:
+            raise ValueError(f"must be in [0, 2^63), got {v}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"must be in [1, {MAX_N}], got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v, info: ValidationInfo):
+        if isinstance(v, list) and v and isinstance(v[0], int):
+            _check_ids(v, "token ids", info)
+        if isinstance(v, str) and v == "" or isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("an empty stop string would stop at once")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v, info: ValidationInfo):
+        if v:
+            _check_ids(v, "token ids", info)
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v):
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _across_fields(self):
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options", "only allowed when stream is true")
+        if self.seed is not None and self.seed + self.num_choices() - 1 >= 2**63:
+            raise _FieldError("seed", f"seed + {self.num_choices() - 1} (one seed per choice) must stay below 2^63, "
+                                      f"got seed {self.seed}")
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}")
+        return self
+
+    def num_choices(self) -> int:
+        """Engine requests this body makes (choices over every prompt)."""
+        return self.n
+
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class _FieldError(ValueError):
+    """A cross-field check that names the field it blames."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. ``prompt``: token ids (``[1, 2, 3]``), a batch of them, or text (one or a
+    list) when the model has a tokenizer. ``stop``: token ids, or strings with a tokenizer."""
+
+    prompt: list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v, info: ValidationInfo):
+        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) or not v else v
+        for i, p in enumerate(items):
+            where = "" if len(items) == 1 else f"prompt {i}: "
+            if len(p) == 0:
+                raise ValueError(f"{where}empty prompt (at least one token)")
+            if isinstance(p, list):
+                _check_ids(p, f"{where}token ids", info)
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.echo and self.logprobs is not None:
+            raise _FieldError("echo", "echo with logprobs would need prompt logprobs, which are not served; "
+                                      "send echo or logprobs")
+        return self
+
+    def prompts_count(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+
+    def num_choices(self) -> int:
+        return self.n * self.prompts_count()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr | list[dict] | None = None
+    name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, list):  # OpenAI content parts: text only here
+            texts = []
+            for part in v:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"only text content parts are served, got {str(part)[:60]}")
+                texts.append(part["text"])
+            return "".join(texts)
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template."""
+
+    messages: list[ChatMessage]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v):
+        if not v:
+            raise ValueError("at least one message")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs", "needs logprobs: true")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+_UNION_TAGS = ("str", "int", "function-after", "function-before", "list", "bool", "float")
+
+
+def _param_of(err: dict) -> str:
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # pydantic names union members (`list[int]`, `str`) in the location; keep the field path only.
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in _UNION_TAGS]
+    return ".".join(loc) or "body"
+
+
+_UNION_WORDS = {"prompt": "token ids (a list of ints, or a list of such lists) or text",
+                "stop": "stop token ids (a list of ints) or stop strings"}
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """The first problem of a pydantic error as a 400 naming its field."""
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    param = _param_of(first)
+    ctx_err = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, _FieldError):
+        return ApiError(400, str(ctx_err), ctx_err.param)
+    kind = first.get("type")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"{param}: unknown field", param)
+    if kind == "missing":
+        return ApiError(400, f"{param}: required", param)
+    top = param.split(".")[0]
+    if kind == "value_error":
+        return ApiError(400, f"{param}: {first.get('msg', '').removeprefix('Value error, ')}", top)
+    if top in _UNION_WORDS:  # unions: one message, not one per member
+        return ApiError(400, f"{param}: expected {_UNION_WORDS[top]}", top)
+    msgs = sorted({f"{_param_of(x)}: {x.get('msg')}" for x in errs})
+    return ApiError(400, "; ".join(msgs[:4]), top)
+
+
+def _json_depth_ok(raw: bytes) -> bool:
+    """Nesting depth of ``[`` / ``{`` outside strings stays within :data:`MAX_JSON_DEPTH` (a linear scan)."""
+    depth, in_str, esc = 0, False, False
+    for c in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == 0x5C:  # backslash
+                esc = True
+            elif c == 0x22:
+                in_str = False
+        elif c == 0x22:
+            in_str = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = None) -> BaseModel:
+    """Raw HTTP body -> a validated request model, or :class:`ApiError` 400 (OpenAI's error object) for a
+    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, or invalid."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: not UTF-8 ({e.reason} at byte {e.start})", "body") from None
+    if not text.strip():
+        raise ApiError(400, "body: empty (expected a JSON object)", "body")
+    if not _json_depth_ok(raw):
+        raise ApiError(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "body")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
+    try:
+        return model.model_validate(data, context={"limits": limits})
+    except ValidationError as e:
+        raise validation_error(e) from None
