@@ -1,5 +1,5 @@
-"""``trtllm-ext serve`` on loopback: a real HTTP client against a server process started by the test
-(one shared server; the SIGTERM test starts and stops its own).
+"""``trtllm-ext serve`` on loopback: a real HTTP client against the server (one shared in-process server;
+the SIGTERM tests start and stop their own process, since the signal and the exit code are the point).
 
 The server's outputs are compared with :meth:`Engine.generate` on the same config and prompts (ids
 bitwise). Tests run in file order on one server; the last one stops it with SIGTERM.
@@ -21,11 +21,11 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, reference_outputs, sample_bodies,  # noqa: E402
-                                             start_server)
+                                             start_in_process, start_server)
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
-BODIES = sample_bodies(32, VOCAB)
+BODIES = sample_bodies(16, VOCAB)
 BODIES[3]["stop"] = [7, 11]
 LONG = {"prompt": [9, 8, 7], "max_tokens": 8}
 
@@ -46,8 +46,8 @@ def _start(d):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = _start(tmp_path_factory.mktemp("serve"))
+def server():
+    srv = start_in_process(SMALL)
     yield srv
     srv.stop(30)
 
@@ -64,7 +64,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def test_concurrent_requests_equal_generate(server, reference):
-    """32 concurrent requests over 8 slots: the rest queue and complete; ids equal Engine.generate's."""
+    """16 concurrent requests over 8 slots: the rest queue and complete; ids equal Engine.generate's."""
     responses = asyncio.run(_post_all(server.url, BODIES))
     assert [r.status_code for r in responses] == [200] * len(BODIES), [r.text for r in responses if r.status_code != 200]
     got = [r.json()["choices"][0]["token_ids"] for r in responses]

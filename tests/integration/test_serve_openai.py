@@ -1,0 +1,264 @@
+"""The OpenAI fields of ``trtllm-ext serve`` through the ``openai`` client and raw HTTP (one in-process
+server on the small token-id model): logprobs against a ``torch.log_softmax`` reference, ``n``, seeds,
+``max_completion_tokens``, stop ids inside an accepted speculative block, refused fields naming themselves,
+the queue bound under a burst, and requests ended by the drain deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import torch  # noqa: E402
+
+from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
+from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
+from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
+from tensorrt_llm_ext.speculative.verification import top_p_keep_reference  # noqa: E402
+from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
+
+SMALL = SMALL_SERVE_CONFIG
+VOCAB = SMALL["model.target.vocab_size"]
+SLOTS = SMALL["max_batch_size"]
+PROMPT = [17, 305 % VOCAB, 42, 9]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_in_process(SMALL)
+    yield srv
+    srv.stop(30)
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    return Engine(load_config(**SMALL))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _events(engine: Engine, fields: dict) -> list:
+    """The scheduler's events for one request alone (prefill, then one event per step)."""
+    sch = Scheduler(engine)
+    events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
+    while sch.num_active:
+        events += sch.apply(StepPlan())[0]
+    return events
+
+
+def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], temperature: float, top_p: float):
+    """Teacher-forced target logits -> log_softmax at the request's temperature and top-p: ``[n, V]``."""
+    seq = prompt + out[:-1]
+    hidden = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], torch.tensor([0], dtype=torch.int32),
+                           engine.state.kv_cache).hidden_states
+    logits = engine.target.logits(hidden)[len(prompt) - 1:].float()
+    x = logits / (temperature if temperature > 0 else 1.0)
+    if temperature > 0 and top_p < 1:
+        n = len(out)
+        keep = top_p_keep_reference(logits.contiguous(), torch.full((n,), top_p), temperatures=torch.full((n,), temperature))
+        x = x.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_logprobs_and_n_match_log_softmax_reference(client, ref_engine, temperature, top_p):
+    """Two choices (seed, seed + 1) with logprobs=3: tokens equal the engine's for those seeds, each token's
+    logprob and the top 3 equal ``torch.log_softmax`` of the teacher-forced logits (1e-4)."""
+    out = client.completions.create(model="dspark-embedded", prompt=PROMPT, max_tokens=6, n=2, seed=40,
+                                    temperature=temperature, top_p=top_p, logprobs=3)
+    assert len(out.choices) == 2 and sorted(c.index for c in out.choices) == [0, 1]
+    for c in out.choices:
+        ref = ref_engine.generate([Request(PROMPT, 6, temperature=temperature, seed=40 + c.index, top_p=top_p)])[0][0]
+        tokens = c.to_dict()["token_ids"]
+        assert tokens == ref.output_ids and _ids(c.logprobs.tokens) == tokens
+        lp = _reference_logprobs(ref_engine, PROMPT, tokens, temperature, top_p)
+        got = torch.tensor(c.logprobs.token_logprobs)
+        torch.testing.assert_close(got, lp[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-4, rtol=0)
+        for row, top in enumerate(c.logprobs.top_logprobs):
+            vals, ids = torch.topk(lp[row], 3)
+            finite = torch.isfinite(vals)  # past the top-p set: -inf, reported as -9999, ties to the lowest id
+            assert [int(k.removeprefix("token_id:")) for k in top][:int(finite.sum())] == ids[finite].tolist()
+            torch.testing.assert_close(torch.tensor(list(top.values())), vals.clamp(min=-9999.0), atol=1e-4, rtol=0)
+    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.usage.completion_tokens == sum(len(c.to_dict()["token_ids"]) for c in out.choices)
+    if temperature > 0:
+        assert out.choices[0].to_dict()["token_ids"] != out.choices[1].to_dict()["token_ids"]
+
+
+def test_max_completion_tokens_and_streamed_usage(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_completion_tokens": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert len(ch["token_ids"]) == 3 and ch["finish_reason"] == "length"
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": PROMPT, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+                            "logprobs": 1}) as s:
+        for line in s.iter_lines():
+            if line:
+                chunks.append(line.removeprefix("data: "))
+    assert chunks[-1] == "[DONE]"
+    body = [json.loads(c) for c in chunks[:-1]]
+    assert body[-1]["choices"] == [] and body[-1]["usage"]["completion_tokens"] == 5
+    tokens = [t for b in body[:-1] for t in b["choices"][0]["token_ids"]]
+    lp_tokens = [t for b in body[:-1] for t in _ids(b["choices"][0]["logprobs"]["tokens"])]
+    assert len(tokens) == 5 and lp_tokens == tokens
+
+
+def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
+    """A stop id that is not the last token of its accepted block: the tokens after it are dropped, the
+    stop token is the last one, usage counts exactly those, the slot is freed; ``min_tokens`` past it runs on."""
+    fields = dict(prompt_ids=PROMPT, max_new_tokens=30)
+    events = _events(ref_engine, fields)
+    full = [t for e in events for t in e.tokens]
+    at, pos = None, 0
+    for e in events:
+        if e.accepted_len is not None and e.accepted_len >= 2:
+            for j, t in enumerate(e.tokens[:-1]):
+                if t not in full[:pos + j]:
+                    at = pos + j
+                    break
+        if at is not None:
+            break
+        pos += len(e.tokens)
+    assert at is not None, f"no accepted block of >= 2 tokens with a fresh token: {[e.accepted_len for e in events]}"
+    stop = full[at]
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": PROMPT, "max_tokens": 30, "stop_token_ids": [stop]}).json()
+    ch = r["choices"][0]
+    assert ch["token_ids"] == full[:at + 1] and ch["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == at + 1
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": PROMPT, "max_tokens": 30, "stop": [stop], "min_tokens": at + 1}).json()
+    later = [i for i, t in enumerate(full) if t == stop and i > at]
+    expect = full[:later[0] + 1] if later else full
+    assert r["choices"][0]["token_ids"] == expect
+    assert httpx.get(server.url + "/health", timeout=10).json()["free_slots"] == SLOTS
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1], "logprobs": 21}, "logprobs"),
+    ({"prompt": [1], "n": 0}, "n"),
+    ({"prompt": [1], "temperature": -1.0}, "temperature"),
+    ({"prompt": [1], "top_p": 1.5}, "top_p"),
+    ({"prompt": [1], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"prompt": [1], "min_tokens": -1}, "min_tokens"),
+    ({"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [1], "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"prompt": [1], "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": [[1, 2], [3]], "seed": 2**63 - 1, "temperature": 0.5}, "seed"),
+])
+def test_refused_fields_name_themselves(client, body, param):
+    extra = {k: v for k, v in body.items() if k != "prompt"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="dspark-embedded", prompt=body["prompt"], extra_body=extra)
+    err = e.value.body if "error" not in (e.value.body or {}) else e.value.body["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+def test_chat_without_tokenizer_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="dspark-embedded", messages=[{"role": "user", "content": "hi"}])
+    err = e.value.body if "error" not in (e.value.body or {}) else e.value.body["error"]
+    assert err["param"] == "messages" and "tokenizer" in err["message"]
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": [1, 2], "temperature": Infinity}', "temperature"),
+    (b'{"prompt": [1, 2], "temperature": 1e400}', "temperature"),
+    (b"\x00\xff\xfe garbage", "body"),
+    (b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", "body"),
+])
+def test_odd_bodies_get_the_openai_error_object(server, raw, param):
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_burst_at_an_idle_server_fills_free_slots_before_the_queue():
+    """8 free slots, max_queue 2: 10 simultaneous requests all fit (8 admitted + 2 waiting)."""
+    srv = start_in_process(SMALL, max_queue=2)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=300) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={"prompt": [k + 1, 2], "max_tokens": 2})
+                                              for k in range(SLOTS + 2)))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert codes == [200] * (SLOTS + 2), codes
+    finally:
+        srv.stop(30)
+
+
+def test_queue_bound_counts_waiting_requests_only():
+    from tensorrt_llm_ext.runtime.engine_loop import EngineLoop, PlanChannel, QueueFull, ServerMetrics, Sink
+
+    class _Slots:  # an idle engine with 8 free slots; the loop thread is never started
+        num_free_slots, num_active = 8, 0
+
+    loop = EngineLoop(_Slots(), PlanChannel(None), ServerMetrics(3), max_queue=4)
+    sink = Sink(None, None)
+    assert len(loop.submit([{}] * 12, sink)) == 12  # 8 go to free slots, 4 wait
+    with pytest.raises(QueueFull):
+        loop.submit([{}], sink)
+
+
+def test_requests_running_at_the_drain_deadline_end_with_503_and_free_their_slots(server):
+    """What the drain deadline does (EngineLoop.abort_all): plain requests get a 503 error object, streams an
+    error chunk then [DONE]; every slot comes back."""
+    body = {"prompt": [5, 6], "max_tokens": 36}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            async def stream():
+                lines = []
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line.removeprefix("data: "))
+                return lines
+
+            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
+            tasks += [asyncio.create_task(stream()) for _ in range(3)]
+            deadline = time.monotonic() + 120
+            while (await c.get("/health")).json()["active"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            server.loop.abort_all("the server is shutting down")
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    for r in results[:3]:
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.json()["error"]["type"] == "service_unavailable"
+    ended = [r for r in results[:3] if r.status_code == 503]
+    for lines in results[3:]:
+        assert lines[-1] == "[DONE]"
+        last = json.loads(lines[-2])
+        if "error" in last:
+            ended.append(last)
+            assert last["error"]["code"] == 503
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+    assert ended  # 36 tokens per request cannot all be done by the first step
+    deadline = time.monotonic() + 60
+    while httpx.get(server.url + "/health", timeout=10).json()["free_slots"] != SLOTS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health", timeout=10).json()["free_slots"] == SLOTS
