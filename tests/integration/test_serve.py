@@ -39,10 +39,10 @@ def reference():
     return _reference(BODIES + [LONG])
 
 
-def _start(d):
+def _start(d, drain_timeout: float = 60):
     cfg = d / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
-    return start_server(["--config", str(cfg), "--drain-timeout", "60"], str(d / "server.log"))
+    return start_server(["--config", str(cfg), "--drain-timeout", str(drain_timeout)], str(d / "server.log"))
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +172,51 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, reference):
         assert server.wait(60) == 0, server.log()[-3000:]
     finally:
         server.stop(10)
+
+
+def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly_and_exits_0(tmp_path):
+    """More in flight than a 1 s drain allows: each request ends as a 200 or a 503 OpenAI error body, each stream
+    with [DONE] (after an error chunk when cut), no traceback, exit 0 (replaces repro http_sigterm.py)."""
+    server = _start(tmp_path, drain_timeout=1)
+    body = {"prompt": [5, 6], "max_tokens": 36}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            async def stream():
+                lines = []
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line.removeprefix("data: "))
+                return lines
+
+            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(6)]
+            tasks += [asyncio.create_task(stream()) for _ in range(6)]
+            deadline = time.monotonic() + 120
+            while (await c.get("/health")).json()["active"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            server.terminate()
+            return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+        rc = server.wait(60)
+    finally:
+        server.stop(10)
+    log = server.log()
+    assert rc == 0 and "Traceback" not in log and "Event loop is closed" not in log, log[-3000:]
+    ended = 0
+    for r in results[:6]:
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.json()["error"]["type"] == "service_unavailable" and "drain" in r.json()["error"]["message"]
+            ended += 1
+    for lines in results[6:]:
+        assert lines[-1] == "[DONE]", lines[-3:]
+        last = json.loads(lines[-2])
+        if "error" in last:
+            assert last["error"]["code"] == 503
+            ended += 1
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+    assert ended >= 1  # 12 requests of 36 tokens over 8 slots do not finish within 1 s on any machine here
