@@ -50,7 +50,10 @@ from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Fiel
 from tensorrt_llm_ext.logger import info_once
 
 DEFAULT_CONFIG_NAME = "dspark_default.yaml"
-DRAFTER_SUBDIR = "dspark_drafter"  # where `trtllm-ext export DIR` puts the drafter, and where `DIR` looks for it
+DRAFTER_SUBDIR = "dspark_drafter"
+# max_model_len of a checkpoint whose max_position_embeddings is larger, when nothing else bounds the KV cache
+# (caches are sized max_batch_size x max_seq_len at start).
+DEFAULT_MAX_MODEL_LEN = 4096  # where `trtllm-ext export DIR` puts the drafter, and where `DIR` looks for it
 
 
 class ConfigError(ValueError):
@@ -230,7 +233,8 @@ class KvCacheConfig(_Strict):
     enable_block_reuse: StrictBool = no_effect(True, "no prefix reuse: every request prefills its prompt")
     enable_partial_reuse: StrictBool = no_effect(True, "no prefix reuse")
     free_gpu_memory_fraction: Float | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
-    max_tokens: StrictInt | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
+    # With a checkpoint directory and no max_seq_len: max_model_len <= max_tokens // max_batch_size.
+    max_tokens: StrictInt | None = Field(None, ge=1)
     max_attention_window: tuple[StrictInt, ...] | None = no_effect(None, "full attention over max_seq_len")
     host_cache_size: StrictInt | None = no_effect(None, "no host offload")
     event_buffer_max_size: StrictInt = no_effect(0, "no KV cache events")
@@ -462,8 +466,9 @@ def _read_user_file(path: str | Path) -> dict:
     return data
 
 
-def _resolve_checkpoints(data: dict, user: dict) -> dict:
-    """Fill model/drafter sizes from checkpoint directories (``model.path``, ``speculative_model``)."""
+def _resolve_checkpoints(data: dict, user: dict, user_len=None) -> dict:
+    """Fill model/drafter sizes from checkpoint directories (``model.path``, ``speculative_model``) and the
+    maximum length from the checkpoint (``user_len``: the ``max_seq_len`` the user set, or None)."""
     from tensorrt_llm_ext.models.checkpoint import CheckpointError, read_drafter_config, read_llama_config
 
     model = data.get("model")
@@ -513,10 +518,40 @@ def _resolve_checkpoints(data: dict, user: dict) -> dict:
             spec["markov_rank"] = model["target"]["hidden_size"]
             info_once(f"config: no drafter checkpoint (speculative_config.speculative_model unset and no "
                       f"{DRAFTER_SUBDIR}/ in {model['path']}): seeded drafter with the target's bigram Markov head")
+        data["speculative_config"] = spec
+        if model.get("path"):
+            data["max_seq_len"] = _max_model_len(data, model["path"], user_len)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    data["speculative_config"] = spec
     return data
+
+
+def _max_model_len(data: dict, path: str, user_len) -> int:
+    """``max_seq_len`` with a checkpoint: the user's value, else the checkpoint's ``max_position_embeddings``;
+    either capped by ``max_position_embeddings`` and by the KV configuration (``kv_cache_config.max_tokens``
+    over ``max_batch_size`` slots, else :data:`DEFAULT_MAX_MODEL_LEN`); every cap is logged once."""
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+    mpe = read_checkpoint_facts(path).max_position_embeddings
+    kv = data.get("kv_cache_config") if isinstance(data.get("kv_cache_config"), dict) else {}
+    batch = data.get("max_batch_size")
+    if isinstance(kv.get("max_tokens"), int) and isinstance(batch, int) and batch > 0:
+        kv_cap, kv_why = kv["max_tokens"] // batch, f"kv_cache_config.max_tokens={kv['max_tokens']} over {batch} slots"
+    else:
+        kv_cap, kv_why = DEFAULT_MAX_MODEL_LEN, f"the default KV bound {DEFAULT_MAX_MODEL_LEN} per slot"
+    if user_len is not None:
+        if not isinstance(user_len, int) or isinstance(user_len, bool) or mpe is None or user_len <= mpe:
+            return user_len  # a bad type is reported by the field's own check
+        info_once(f"config: max_seq_len={user_len} capped to the checkpoint's max_position_embeddings={mpe}")
+        return mpe
+    if mpe is None:
+        return data.get("max_seq_len")
+    if mpe > kv_cap:
+        info_once(f"config: max_model_len {kv_cap} (the checkpoint's max_position_embeddings={mpe} capped by "
+                  f"{kv_why}; set max_seq_len or kv_cache_config.max_tokens to change it)")
+        return kv_cap
+    info_once(f"config: max_model_len {mpe} (the checkpoint's max_position_embeddings)")
+    return mpe
 
 
 def _as_list(v):
@@ -537,7 +572,8 @@ def load_config(path: str | Path | None = None, model_dir: str | None = None, **
         data["model"] = {k: v for k, v in data["model"].items() if k not in ("target",)}
     data = merge_layers(data, user)
     _apply_overrides(data, overrides)
-    data = _resolve_checkpoints(data, user)
+    user_len = overrides.get("max_seq_len", user.get("max_seq_len"))
+    data = _resolve_checkpoints(data, user, user_len)
     cfg = parse_config(data)
     for field_path, value, reason in cfg.no_effect_fields():
         info_once(f"config: {field_path}={value!r} accepted, no effect here ({reason})")
