@@ -260,6 +260,8 @@ class RuntimeConfig(_Strict):
     # TensorRT-LLM's top-level dtype; moved into model.dtype (one place decides).
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
     tokenizer: StrictStr | None = None  # a tokenizer directory for text prompts (default: the model directory)
+    # trtllm-serve's --log_level spellings; None: TLLM_EXT_LOG_LEVEL (default info). Applied by the CLI at start.
+    log_level: Literal["trace", "debug", "verbose", "info", "warning", "error", "internal_error"] | None = None
     # -- accepted, no effect here ----------------------------------------------------------------------
     backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
     max_num_tokens: StrictInt | None = no_effect(None, "the requests admitted together are prefilled in one forward, no token budget")
@@ -558,9 +560,22 @@ def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def load_config(path: str | Path | None = None, model_dir: str | None = None, **overrides) -> RuntimeConfig:
+# trtllm-serve's log levels -> the logging module's.
+LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "verbose": "DEBUG", "info": "INFO", "warning": "WARNING",
+              "error": "ERROR", "internal_error": "CRITICAL"}
+
+
+def log_no_effect_fields(cfg: RuntimeConfig) -> None:
+    """One INFO line per *no effect here* field the configuration sets (once per process)."""
+    for field_path, value, reason in cfg.no_effect_fields():
+        info_once(f"config: {field_path}={value!r} accepted, no effect here ({reason})")
+
+
+def load_config(path: str | Path | None = None, model_dir: str | None = None, *, log_no_effect: bool = True,
+                **overrides) -> RuntimeConfig:
     """The embedded default, the YAML at ``path`` layered over it, ``model_dir`` (a checkpoint directory,
-    e.g. ``serve DIR``), then dotted-path ``overrides``; logs each *no effect here* field once."""
+    e.g. ``serve DIR``), then dotted-path ``overrides``; logs each *no effect here* field once
+    (``log_no_effect=False``: the caller logs them where it decides, e.g. once per job on rank 0)."""
     data = _load_yaml(default_config_text())
     user = _read_user_file(path) if path is not None else {}
     if isinstance(user.get("model"), str):
@@ -575,6 +590,6 @@ def load_config(path: str | Path | None = None, model_dir: str | None = None, **
     user_len = overrides.get("max_seq_len", user.get("max_seq_len"))
     data = _resolve_checkpoints(data, user, user_len)
     cfg = parse_config(data)
-    for field_path, value, reason in cfg.no_effect_fields():
-        info_once(f"config: {field_path}={value!r} accepted, no effect here ({reason})")
+    if log_no_effect:
+        log_no_effect_fields(cfg)
     return cfg

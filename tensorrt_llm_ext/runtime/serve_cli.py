@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 
-from tensorrt_llm_ext.runtime.config import ConfigError, RuntimeConfig, load_config
+from tensorrt_llm_ext.runtime.config import LOG_LEVELS, ConfigError, RuntimeConfig, load_config, log_no_effect_fields
 
 EXIT_USAGE = 2
 
@@ -36,13 +36,39 @@ def _port_error(host: str, port: int) -> str | None:
     return None
 
 
+# trtllm-serve flags that set a config field (argparse dest -> dotted config path); the others are spellings of
+# this CLI's own flags (--tp_size = --tp, --extra_llm_api_options = --config).
+TRTLLM_SERVE_FIELDS = {
+    "tp": "tensor_parallel_size",
+    "max_batch_size": "max_batch_size",
+    "max_seq_len": "max_seq_len",
+    "max_num_tokens": "max_num_tokens",
+    "log_level": "log_level",
+    "backend": "backend",
+    "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+    "trust_remote_code": "trust_remote_code",
+}
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The config fields the command line sets (flags left out set nothing: the YAML or the default holds)."""
+    return {path: getattr(args, dest) for dest, path in TRTLLM_SERVE_FIELDS.items() if getattr(args, dest) is not None}
+
+
+def _load(args: argparse.Namespace) -> RuntimeConfig:
+    """The job's config; its *no effect here* lines are logged later, once per job (rank 0 or TP 1)."""
+    cfg = load_config(args.config, model_dir=args.model, log_no_effect=False, **config_overrides(args))
+    if cfg.log_level is not None:
+        from tensorrt_llm_ext.logger import logger
+
+        logger.setLevel(LOG_LEVELS[cfg.log_level])
+    return cfg
+
+
 def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, str | None]:
     """The resolved config, or a one-line error (config, paths, port) -- before any model is built."""
-    overrides = {}
-    if args.tp is not None:
-        overrides["tensor_parallel_size"] = args.tp
     try:
-        cfg = load_config(args.config, model_dir=args.model, **overrides)
+        cfg = _load(args)
     except ConfigError as e:
         return None, str(e)
     if not 1 <= args.port <= 65535:
@@ -132,7 +158,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
-                                                 ServerMetrics, follower_loop, load_tokenizer, run_server)
+                                                 ServerMetrics, follower_loop, load_tokenizer, run_server,
+                                                 served_model_name)
 
     tp = cfg.tensor_parallel_size
     mapping = None
@@ -151,6 +178,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
+    if mapping is None or mapping.rank == 0:
+        log_no_effect_fields(cfg)  # once per job, not once per rank
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
     # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
     # before rank 0 starts planning and the others start following.
@@ -175,8 +204,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
             os._exit(0)
     metrics = ServerMetrics(cfg.draft_len)
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path
-                                      else "dspark-embedded")
+    name = served_model_name(cfg, args.served_model_name)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
@@ -194,9 +222,7 @@ def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
     from tensorrt_llm_ext._env import ENV
 
     if ENV.serve_rank:
-        cfg = load_config(args.config, model_dir=args.model,
-                          **({"tensor_parallel_size": args.tp} if args.tp is not None else {}))
-        return serve_rank(cfg, args)
+        return serve_rank(_load(args), args)
     cfg, err = check_serve_args(args)
     if err:
         print(f"error: {err}", file=sys.stderr)
@@ -209,10 +235,22 @@ def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face Llama directory (see `trtllm-ext export`); default: the embedded model")
-    p.add_argument("--config", help="trtllm-serve style YAML, layered over the embedded default")
+    p.add_argument("--config", "--extra_llm_api_options", dest="config",
+                   help="trtllm-serve style YAML, layered over the embedded default")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (over MPI); default: the config")
+    p.add_argument("--tp", "--tp_size", dest="tp", type=int, default=None,
+                   help="tensor-parallel ranks (over MPI); default: the config")
+    # trtllm-serve's spellings of config fields (TRTLLM_SERVE_FIELDS); unset: the YAML or the default holds.
+    p.add_argument("--max_batch_size", type=int, default=None, help="= max_batch_size")
+    p.add_argument("--max_seq_len", type=int, default=None, help="= max_seq_len (prompt + generated tokens)")
+    p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (accepted, no effect)")
+    p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
+    p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
+    p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
+                   help="= kv_cache_config.free_gpu_memory_fraction (accepted, no effect)")
+    p.add_argument("--trust_remote_code", action="store_const", const=True, default=None,
+                   help="= trust_remote_code (accepted, no effect: no remote code is run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     p.add_argument("--served-model-name", default=None, help="the model id of /v1/models")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")

@@ -28,7 +28,7 @@ SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
 SERVE = {"max_batch_size": 4, "model.dtype": "float32"}  # sizes come from the checkpoint
 PROMPT = [17, 305, 42, 9]  # the words "w17 w305 w42 w9" (the tiny tokenizer adds no BOS)
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 def _events(engine: Engine, fields: dict) -> list:
@@ -64,14 +64,18 @@ def checkpoint(tmp_path_factory):
     return d, full, at
 
 
-def test_eos_from_config_equals_transformers_generate(checkpoint):
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return Engine(load_config(model_dir=str(checkpoint[0]), **SERVE))
+
+
+def test_eos_from_config_equals_transformers_generate(checkpoint, engine):
     d, full, at = checkpoint
     eos = full[at]
     hf = transformers.LlamaForCausalLM.from_pretrained(d).eval().float()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(PROMPT):].tolist()
     assert ref == full[:at + 1] and ref[-1] == eos  # transformers stops at the EOS
-    engine = Engine(load_config(model_dir=str(d), **SERVE))
     assert eos in engine.eos_token_ids
     results, _ = engine.generate([Request(PROMPT, MAX_NEW), Request(PROMPT, MAX_NEW, ignore_eos=True)])
     assert results[0].output_ids == ref and results[0].finish_reason == "stop"  # generate --model stops too
@@ -94,15 +98,14 @@ def served(checkpoint):
     srv.stop(30)
 
 
-def test_chat_text_and_logprobs_through_the_openai_client(served):
+def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     srv, d, full, at = served
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=120, max_retries=0)
     assert client.models.list().data[0].id == "tiny-llama"
     tok = transformers.AutoTokenizer.from_pretrained(d)
     messages = [{"role": "user", "content": "w17 w42"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    engine = Engine(load_config(model_dir=str(d), **SERVE))
-    ref = engine.generate([Request(prompt, 12)])[0][0]
+    ref = engine.generate([Request(prompt, 8)])[0][0]
     out = client.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=len(ref.output_ids),
                                          logprobs=True, top_logprobs=2)
     ch = out.choices[0]

@@ -119,3 +119,57 @@ def test_trtllm_names_and_aliases(tmp_path):
     missing = tmp_path / "missing.yaml"
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(missing)
+
+
+# trtllm-serve spelling -> (argv, the config value it must set)
+_ALIASES = [
+    (["--tp_size", "2"], lambda c: c.tensor_parallel_size == 2),
+    (["--max_batch_size", "4"], lambda c: c.max_batch_size == 4),
+    (["--max_seq_len", "64"], lambda c: c.max_seq_len == 64),
+    (["--max_num_tokens", "512"], lambda c: c.max_num_tokens == 512),
+    (["--log_level", "debug"], lambda c: c.log_level == "debug"),
+    (["--backend", "pytorch"], lambda c: c.backend == "pytorch"),
+    (["--kv_cache_free_gpu_memory_fraction", "0.9"], lambda c: c.kv_cache_config.free_gpu_memory_fraction == 0.9),
+    (["--trust_remote_code"], lambda c: c.trust_remote_code is True),
+    (["--extra_llm_api_options", "{yaml}"], lambda c: c.max_batch_size == 2 and c.draft_len == 2),
+]
+
+
+@pytest.mark.parametrize("argv,check", _ALIASES, ids=[a[0][0] for a in _ALIASES])
+def test_trtllm_serve_flag_aliases(tmp_path, argv, check):
+    """Every trtllm-serve spelling parses and lands on its config field; unset flags change nothing."""
+    from tensorrt_llm_ext.cli import build_parser
+    from tensorrt_llm_ext.runtime.serve_cli import _load
+
+    yaml_path = tmp_path / "extra.yaml"
+    yaml_path.write_text("max_batch_size: 2\nspeculative_config:\n  max_draft_len: 2\n")
+    args = build_parser().parse_args(["serve", *[a.format(yaml=yaml_path) for a in argv]])
+    level = logging.getLogger("tensorrt_llm_ext").level
+    try:
+        cfg = _load(args)  # --log_level also sets the logger's level
+    finally:
+        logging.getLogger("tensorrt_llm_ext").setLevel(level)
+    assert check(cfg), cfg
+    base = _load(build_parser().parse_args(["serve"]))
+    changed = {k for k, v in cfg.model_dump().items() if v != base.model_dump()[k]}
+    assert len(changed) <= 2, changed  # only the aliased field (and, for the YAML, its two keys)
+
+
+def test_log_level_in_yaml_and_no_effect_lines_once_per_job(tmp_path, caplog):
+    from tensorrt_llm_ext import logger as log_module
+    from tensorrt_llm_ext.cli import build_parser
+    from tensorrt_llm_ext.runtime.serve_cli import _load
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("log_level: warning\nmax_num_tokens: 4096\n")
+    level = log_module.logger.level
+    try:
+        with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+            cfg = _load(build_parser().parse_args(["serve", "--config", str(path)]))
+            assert cfg.log_level == "warning" and log_module.logger.level == logging.WARNING
+        # the launcher and every rank load the config; none of them logs the no-effect lines there
+        assert not [r for r in caplog.records if "no effect here" in r.getMessage()]
+        with pytest.raises(ConfigError, match="log_level"):
+            load_config(path, log_level="loud")
+    finally:
+        log_module.logger.setLevel(level)
