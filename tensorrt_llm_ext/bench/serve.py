@@ -1,12 +1,16 @@
-"""``trtllm-ext bench serve``: a bounded load test of ``trtllm-ext serve`` on loopback.
+"""``trtllm-ext bench serve``: TTFT, TPOT and throughput of ``trtllm-ext serve`` on loopback, speculative
+against the target's own decode (``serve --no-speculation``), greedy and sampled, at several concurrencies --
+all in one run.
 
-Starts the server as a child process (a free 127.0.0.1 port), sends ``--requests`` completions with
-``--concurrency`` in flight (greedy and seeded sampling alternating, random token-id prompts), stops the
-server with SIGTERM and prints throughput and latency percentiles. Everything is bounded: the run stops
-after ``--max-seconds`` whatever is left. Traffic goes to the loopback address only.
+For each decode (a server child process each, a free 127.0.0.1 port), each sampling setting (greedy, and
+``temperature 1, top_p 0.95``) and each ``--concurrency`` value, ``--requests-per-client`` x concurrency
+streamed completions of random token-id prompts are sent with that many in flight. Per request: TTFT = request
+sent to the first chunk with a token, TPOT = (last token - first token) / (tokens - 1). Throughput = generated
+tokens / wall time of the cell; acceptance = the server's acceptance histogram over the cell. Servers are
+stopped with SIGTERM (their exit code is printed). Everything is bounded by ``--max-seconds`` per cell.
 
-On a CPU the model is the small test config (Triton interpreter): the numbers only show that the path
-works. This is a benchmark, not a test: nothing here asserts a time.
+On a CPU the model is the small test config (Triton interpreter) and the defaults are tiny: the numbers only
+show that the path works. This is a benchmark, not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import fmt, print_table, register_benchmark
 
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "T=1 top-p 0.95": {"temperature": 1.0, "top_p": 0.95}}
+
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     cpu = not torch.cuda.is_available()
-    p.add_argument("--requests", type=int, default=48 if cpu else 400)
-    p.add_argument("--concurrency", type=int, default=8 if cpu else 32)
-    p.add_argument("--max-tokens", type=int, default=4 if cpu else 64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2] if cpu else [1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2 if cpu else 8)
+    p.add_argument("--max-tokens", type=int, default=4 if cpu else 128)
     p.add_argument("--config", default=None, help="server YAML (default: the small CPU config / the embedded one)")
     p.add_argument("--model", default=None, help="checkpoint directory to serve")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending after this long")
+    p.add_argument("--decodes", nargs="+", choices=["speculative", "target_only"],
+                   default=["speculative", "target_only"])
+    p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending in a cell after this long")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -42,34 +50,65 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _load(url: str, bodies: list[dict], concurrency: int, deadline: float) -> tuple[list[float], int, int]:
+async def _one(client, body: dict) -> tuple[float, float, int] | None:
+    """Streams one completion: (TTFT s, TPOT s, tokens), or None on an error."""
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                return None
+            n = sum(len(c.get("token_ids", ())) for c in chunk["choices"])
+            if n:
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+                tokens += n
+    if first is None:
+        return None
+    return first - t0, (last - first) / (tokens - 1) if tokens > 1 else float("nan"), tokens
+
+
+async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float):
     import httpx
 
-    latencies, tokens, errors = [], 0, 0
     queue = list(reversed(bodies))
+    out, errors = [], 0
 
-    async def worker(client):
-        nonlocal tokens, errors
+    async def client_loop(client):
+        nonlocal errors
         while queue and time.monotonic() < deadline:
             body = queue.pop()
-            t0 = time.perf_counter()
             try:
-                r = await client.post("/v1/completions", json=body)
+                res = await _one(client, body)
             except httpx.HTTPError:
+                res = None
+            if res is None:
                 errors += 1
-                continue
-            if r.status_code != 200:
-                errors += 1
-                continue
-            latencies.append(time.perf_counter() - t0)
-            tokens += r.json()["usage"]["completion_tokens"]
+            else:
+                out.append(res)
 
     async with httpx.AsyncClient(base_url=url, timeout=max(1.0, deadline - time.monotonic())) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return latencies, tokens, errors
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return out, errors
 
 
-@register_benchmark("serve", "bounded load test of trtllm-ext serve on loopback (throughput, p50/p99 latency)",
+def _acceptance(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+         for s in fam.samples}
+    return m.get("trtllm_ext_acceptance_length_sum", 0.0), m.get("trtllm_ext_acceptance_length_count", 0.0)
+
+
+@register_benchmark("serve", "TTFT / TPOT / throughput of trtllm-ext serve on loopback, speculative vs target-only",
                     _add_args)
 def run(args: argparse.Namespace) -> None:
     from tensorrt_llm_ext.runtime.config import load_config
@@ -82,37 +121,51 @@ def run(args: argparse.Namespace) -> None:
         Path(cfg_path).write_text(json.dumps(load_config(**SMALL_SERVE_CONFIG).model_dump(mode="json",
                                                                                          exclude_unset=True)))
     cfg = load_config(cfg_path, model_dir=args.model)
-    srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
-        ["--tp", str(args.tp), "--max-queue", str(max(1024, args.requests))]
-    bodies = sample_bodies(args.requests, cfg.model.target.vocab_size, max_tokens=(args.max_tokens, args.max_tokens))
     limit = cfg.max_seq_len - args.max_tokens
-    for b in bodies:
-        b["prompt"] = b["prompt"][:max(1, limit)]
-    server = start_server(srv_args, str(work / "server.log"))
-    try:
-        t0 = time.perf_counter()
-        lat, tokens, errors = asyncio.run(_load(server.url, bodies, args.concurrency,
-                                                time.monotonic() + args.max_seconds))
-        wall = time.perf_counter() - t0
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
-                   for s in fam.samples}
-    finally:
-        rc = server.stop(60)
-    acc_n = metrics.get("trtllm_ext_acceptance_length_count", 0)
-    mean_acc = metrics.get("trtllm_ext_acceptance_length_sum", 0) / acc_n if acc_n else float("nan")
-    rows = [[len(bodies), len(lat), errors, args.concurrency, args.max_tokens, fmt(wall, 1), fmt(len(lat) / wall, 2),
-             fmt(tokens / wall, 1), fmt(statistics.median(lat) * 1e3 if lat else float("nan"), 0),
-             fmt(_pct(lat, 0.99) * 1e3, 0), fmt(mean_acc, 2), rc]]
-    notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}; latency = request sent to "
-             f"full response; server exit code after SIGTERM in the last column."]
+    most = max(args.concurrency) * args.requests_per_client
+    srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
+        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))]
+    rows = []
+    for decode in args.decodes:
+        server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
+                              str(work / f"server_{decode}.log"))
+        try:
+            for name, sampling in SAMPLINGS.items():
+                for conc in args.concurrency:
+                    n = conc * args.requests_per_client
+                    bodies = sample_bodies(n, cfg.model.target.vocab_size, max_tokens=(args.max_tokens,) * 2)
+                    for i, b in enumerate(bodies):
+                        b.update(prompt=b["prompt"][:max(1, limit)], seed=i, **sampling)
+                    acc0 = _acceptance(server.url)
+                    t0 = time.perf_counter()
+                    res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
+                    wall = time.perf_counter() - t0
+                    acc1 = _acceptance(server.url)
+                    acc_n = acc1[1] - acc0[1]
+                    tokens = sum(r[2] for r in res)
+                    ttft = [r[0] for r in res]
+                    tpot = [r[1] for r in res if r[1] == r[1]]
+                    rows.append([decode, name, conc, n, len(res), errors,
+                                 fmt(statistics.median(ttft) * 1e3 if ttft else float("nan"), 1),
+                                 fmt(_pct(ttft, 0.99) * 1e3, 1),
+                                 fmt(statistics.median(tpot) * 1e3 if tpot else float("nan"), 2),
+                                 fmt(tokens / wall, 1), fmt(len(res) / wall, 2),
+                                 fmt((acc1[0] - acc0[0]) / acc_n if acc_n else float("nan"), 2)])
+        finally:
+            rc = server.stop(60)
+        rows[-1].append(rc)
+    for r in rows:
+        if len(r) == 12:
+            r.append("")
+    notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
+             f"{args.requests_per_client} requests per client; streamed completions; TTFT = request sent to its "
+             f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
+             f"a server's exit code after SIGTERM on its last row."]
     if not torch.cuda.is_available():
         notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
-    text = print_table("bench serve: bounded load on loopback",
-                       ["requests", "ok", "errors", "concurrency", "max_tokens", "wall s", "req/s", "tok/s",
-                        "p50 ms", "p99 ms", "mean acceptance", "exit"], rows, notes)
+    text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
+                       ["decode", "sampling", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
+                        "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "exit"], rows, notes)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")

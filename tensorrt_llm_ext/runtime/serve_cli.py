@@ -184,7 +184,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
     # before rank 0 starts planning and the others start following.
     selection = engine.worker("speculative").selection.describe()
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine, mode="target_only" if args.no_speculation else "speculative")
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -206,9 +206,11 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks)
     name = served_model_name(cfg, args.served_model_name)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
-                       tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path))
+                       tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path),
+                       speculative=not args.no_speculation)
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
-             f"K={cfg.draft_len} max_batch_size={cfg.max_batch_size} selection={selection} "
+             f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
+             f"selection={selection} "
              f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'}")
     rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready)
     if channel.distributed:
@@ -255,5 +257,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id of /v1/models")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture steps on CUDA even without cuda_graph_config (which enables them by itself)")

@@ -61,6 +61,7 @@ class ServeContext:
     tokenizer: Any = None  # a transformers tokenizer, or None (token-id prompts only)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: new requests answer 503
+    speculative: bool = True  # False (--no-speculation): the target's own decode, which keeps no logits
 
     @property
     def limits(self) -> ServeLimits:
@@ -124,6 +125,9 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     if body.model is not None and body.model != ctx.model_name:
         raise ApiError(404, f"model: {body.model!r} is not served here (serving {ctx.model_name!r})", "model",
                        "model_not_found")
+    if logprobs is not None and not ctx.speculative:
+        raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
+                       "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):
