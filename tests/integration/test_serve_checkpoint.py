@@ -106,8 +106,8 @@ def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     messages = [{"role": "user", "content": "w17 w42"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     ref = engine.generate([Request(prompt, 8)])[0][0]
-    out = client.chat.completions.create(model="tiny-llama", messages=messages, max_completion_tokens=len(ref.output_ids),
-                                         logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(model="tiny-llama", messages=messages, logprobs=True, top_logprobs=2,
+                                         max_completion_tokens=len(ref.output_ids))
     ch = out.choices[0]
     ids = ch.to_dict()["token_ids"]
     assert ids == ref.output_ids and ch.finish_reason == ("stop" if ref.finish_reason == "stop" else "length")

@@ -66,7 +66,8 @@ def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], tempe
     x = logits / (temperature if temperature > 0 else 1.0)
     if temperature > 0 and top_p < 1:
         n = len(out)
-        keep = top_p_keep_reference(logits.contiguous(), torch.full((n,), top_p), temperatures=torch.full((n,), temperature))
+        keep = top_p_keep_reference(logits.contiguous(), torch.full((n,), top_p),
+                                    temperatures=torch.full((n,), temperature))
         x = x.masked_fill(~keep, float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
@@ -107,8 +108,8 @@ def test_max_completion_tokens_and_streamed_usage(server):
     assert len(ch["token_ids"]) == 3 and ch["finish_reason"] == "length"
     chunks = []
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                      json={"prompt": PROMPT, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
-                            "logprobs": 1}) as s:
+                      json={"prompt": PROMPT, "max_tokens": 5, "stream": True, "logprobs": 1,
+                            "stream_options": {"include_usage": True}}) as s:
         for line in s.iter_lines():
             if line:
                 chunks.append(line.removeprefix("data: "))
