@@ -58,7 +58,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
 
 
 class _Sampling(BaseModel):
