@@ -69,12 +69,14 @@ class ServeContext:
 
 
 def served_model_name(cfg, override: str | None) -> str:
-    """``--served-model-name``, else the checkpoint directory's name, else ``dspark-embedded``."""
-    import os
-
+    """``--served-model-name``, else the checkpoint's (its directory's name), else ``dspark-embedded``."""
     if override:
         return override
-    return os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path else "dspark-embedded"
+    if not cfg.model.path:
+        return "dspark-embedded"
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+    return read_checkpoint_facts(cfg.model.path).model_name
 
 
 # -- requests ----------------------------------------------------------------------------------------------
