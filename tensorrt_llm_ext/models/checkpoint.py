@@ -38,6 +38,7 @@ from tensorrt_llm_ext.logger import logger
 
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes as drafter_weight_shapes
+from tensorrt_llm_ext.models.hf_config import int_field, target_fields
 from tensorrt_llm_ext.models.llama_target import LlamaTargetConfig
 from tensorrt_llm_ext.models.llama_target import full_weight_shapes as target_weight_shapes
 
@@ -67,17 +68,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _int(cfg: dict, key: str, path: Path, default=None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise CheckpointError(f"checkpoint: {path}: {key} must be an integer, got {v!r}")
-    return v
-
-
-def _float(cfg: dict, key: str, path: Path, default=None) -> float:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise CheckpointError(f"checkpoint: {path}: {key} must be a number, got {v!r}")
-    return float(v)
+    try:
+        return int_field(cfg, key, default)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
 
 
 def default_target_layer_ids(num_layers: int) -> list[int]:
@@ -214,49 +208,12 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
     )
 
 
-# -- target: Hugging Face Llama ---------------------------------------------------------------------------
-def read_llama_config(directory: str | Path) -> dict:
-    """``DIR/config.json`` of a Hugging Face Llama -> the fields of ``model.target`` (plain dict)."""
-    path = Path(directory) / "config.json"
-    if not Path(directory).is_dir():
-        raise CheckpointError(f"checkpoint: model directory {directory} not found")
-    cfg = _read_json(path)
-    arch = cfg.get("architectures") or []
-    if "LlamaForCausalLM" not in arch and cfg.get("model_type") != "llama":
-        raise CheckpointError(f"checkpoint: {path}: only Llama-architecture targets (LlamaForCausalLM) are "
-                              f"supported, got architectures={arch} model_type={cfg.get('model_type')!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"checkpoint: {path}: hidden_act={cfg['hidden_act']!r} is not supported (SiLU only)")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"checkpoint: {path}: {key}=true is not supported (bias-free projections only)")
-    rope_theta = cfg.get("rope_theta")
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):  # transformers >= 5 writes RoPE settings here
-        if params.get("rope_type", "default") != "default":
-            raise CheckpointError(f"checkpoint: {path}: rope_parameters.rope_type={params['rope_type']!r} is not "
-                                  "supported (plain RoPE only)")
-        rope_theta = params.get("rope_theta", rope_theta)
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise CheckpointError(f"checkpoint: {path}: rope_scaling={scaling!r} is not supported (plain RoPE only)")
-    heads = _int(cfg, "num_attention_heads", path)
-    hidden = _int(cfg, "hidden_size", path)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    num_layers = _int(cfg, "num_hidden_layers", path)
-    return {
-        "vocab_size": _int(cfg, "vocab_size", path),
-        "hidden_size": hidden,
-        "num_layers": num_layers,
-        "num_heads": heads,
-        "num_kv_heads": _int(cfg, "num_key_value_heads", path, heads),
-        "head_dim": _int({"head_dim": head_dim}, "head_dim", path),
-        "intermediate_size": _int(cfg, "intermediate_size", path),
-        "capture_layers": default_target_layer_ids(num_layers),
-        "rope_theta": _float({"rope_theta": 10000.0 if rope_theta is None else rope_theta}, "rope_theta", path),
-        "rms_norm_eps": _float(cfg, "rms_norm_eps", path, 1e-6),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    }
+# -- weight files: one check for headers (before any work) and for loaded tensors ---------------------------
+# safetensors dtype codes -> names; only the float ones load (a model here computes in fp32 / bf16)
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2"}
+_FLOAT_WEIGHTS = ("float32", "float16", "bfloat16")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -266,36 +223,136 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return [single]
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"checkpoint: {index} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"checkpoint: {index} has no weight_map of tensor name -> file name")
         return [directory / name for name in sorted(set(weight_map.values()))]
     raise CheckpointError(f"checkpoint: {directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _unreadable(f: Path, e: Exception) -> CheckpointError:
+    size = f.stat().st_size
+    if size == 0:
+        return CheckpointError(f"checkpoint: {f} is empty (0 bytes)")
+    # safetensors' own words say which part is broken (header length, header JSON, offsets, coverage)
+    return CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({size} bytes: {e})")
 
-    out: dict[str, torch.Tensor] = {}
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """``name -> (file, shape, dtype name)`` from the safetensors headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    out = {}
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
-            out.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    entry = st.get_slice(name)
+                    out[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
         except Exception as e:  # safetensors raises its own error type (or OSError) on a corrupt file
-            raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
+            raise _unreadable(f, e) from None
     return out
 
 
-def _check_shapes(owner: str, where: Path, expected: dict[str, tuple[int, ...]], sd: dict[str, torch.Tensor],
-                  rename=lambda n: n) -> None:
-    missing = [rename(n) for n in expected if n not in sd]
+def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint: {f} not found")
+        try:
+            out.update({name: (f, t) for name, t in load_file(str(f)).items()})
+        except Exception as e:
+            raise _unreadable(f, e) from None
+    return out
+
+
+def _check_entries(owner: str, files: list[Path], expected: dict[str, tuple[int, ...]],
+                   entries: dict[str, tuple[Path, tuple[int, ...], str]]) -> None:
+    """Every ``expected`` name present (file names in the message), with the implied shape and a float dtype."""
+    missing = [n for n in expected if n not in entries]
     if missing:
+        where = files[0] if len(files) == 1 else files[0].parent
         raise CheckpointError(f"checkpoint: {where}: {owner} tensors missing: {missing[:6]}"
                               f"{' ...' if len(missing) > 6 else ''}")
     for name, shape in expected.items():
-        if tuple(sd[name].shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint: {where}: {rename(name)} has shape {list(sd[name].shape)}, "
-                                  f"the config implies {list(shape)}")
+        f, got, dtype = entries[name]
+        if got != tuple(shape):
+            raise CheckpointError(f"checkpoint: {f}: {name} has shape {list(got)}, the config implies {list(shape)}")
+        if dtype not in _FLOAT_WEIGHTS:
+            raise CheckpointError(f"checkpoint: {f}: {name} is {dtype}; weights must be float32, float16 or "
+                                  "bfloat16")
+
+
+def _finite(owner_entries: dict[str, tuple[Path, torch.Tensor]]) -> None:
+    """One ``isfinite`` pass per tensor: a NaN or inf weight is refused by name before it can serve."""
+    for name, (f, t) in owner_entries.items():
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"checkpoint: {f}: {name} holds {bad} non-finite value(s) (NaN or inf) of "
+                                  f"{t.numel()}")
+
+
+# -- target: Hugging Face Llama, Mistral, Qwen2, Qwen3 ------------------------------------------------------
+# Switches of LlamaTargetConfig that the runtime config's model.target does not hold (read_target_family).
+FAMILY_FIELDS = ("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
+
+
+def _target_fields(directory: str | Path) -> tuple[Path, dict]:
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"checkpoint: model directory {directory} not found")
+    path = Path(directory) / "config.json"
+    try:
+        return path, target_fields(_read_json(path))
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+
+
+def read_target_config(directory: str | Path) -> tuple[LlamaTargetConfig, bool]:
+    """``(LlamaTargetConfig, tie_word_embeddings)`` of a Hugging Face directory (default capture layers)."""
+    path, fields = _target_fields(directory)
+    tie = fields.pop("tie_word_embeddings")
+    try:
+        cfg = LlamaTargetConfig(**fields, capture_layers=tuple(default_target_layer_ids(fields["num_layers"])))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+    return cfg, tie
+
+
+def read_target_family(directory: str | Path) -> dict:
+    """The family switches of ``DIR/config.json`` (:data:`FAMILY_FIELDS`: biases, q/k norms, RoPE scaling) as
+    keyword arguments of :class:`LlamaTargetConfig` -- what :func:`read_llama_config`'s plain dict leaves out.
+
+    Example::
+
+        tcfg = dataclasses.replace(tcfg, **read_target_family(model_dir))  # a Qwen3 target gets qk_norm=True
+    """
+    cfg, _ = read_target_config(directory)
+    return {name: getattr(cfg, name) for name in FAMILY_FIELDS}
+
+
+def _expected_hf_shapes(cfg: LlamaTargetConfig, tie_word_embeddings: bool, present) -> dict[str, tuple[int, ...]]:
+    shapes = {_hf_name(n): s for n, s in target_weight_shapes(cfg).items()}
+    if tie_word_embeddings and "lm_head.weight" not in present:
+        del shapes["lm_head.weight"]  # the head reads the embedding
+    return shapes
+
+
+def read_llama_config(directory: str | Path) -> dict:
+    """``DIR/config.json`` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 -> the fields of ``model.target``
+    (plain dict; the family switches are :func:`read_target_family`'s), after checking the weight files'
+    headers against them (names, shapes, float dtypes, offsets), so a broken checkpoint is refused in one
+    line before any work."""
+    cfg, tie = read_target_config(directory)
+    files = _safetensors_files(Path(directory))
+    headers = _headers(files)
+    _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
+    fields = {k: v for k, v in vars(cfg).items() if k not in FAMILY_FIELDS}
+    return {**fields, "capture_layers": list(cfg.capture_layers), "tie_word_embeddings": tie}
 
 
 def _hf_name(name: str) -> str:
@@ -304,19 +361,30 @@ def _hf_name(name: str) -> str:
 
 def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
                           tie_word_embeddings: bool | None = None) -> dict[str, torch.Tensor]:
-    """The FULL target state dict (this project's names) from a Hugging Face Llama directory."""
+    """The FULL target state dict (this project's names) from a Hugging Face directory.
+
+    Refuses (:class:`CheckpointError`, one line naming the file) a missing or mis-shaped tensor, a dtype
+    other than float32 / float16 / bfloat16, a NaN or inf weight, and a ``cfg`` built without the family
+    switches this checkpoint needs (:func:`read_target_family`), which would compute another model.
+    """
     directory = Path(directory)
+    path, fields = _target_fields(directory)
+    for name in FAMILY_FIELDS:
+        if getattr(cfg, name) != fields[name]:
+            raise CheckpointError(f"checkpoint: {path}: this checkpoint needs {name}={fields[name]!r}, the target "
+                                  f"was configured with {getattr(cfg, name)!r} (pass read_target_family(DIR))")
     if tie_word_embeddings is None:
-        tie_word_embeddings = read_llama_config(directory)["tie_word_embeddings"]
-    raw = _load_safetensors(_safetensors_files(directory))
-    sd = {}
-    for name in target_weight_shapes(cfg):
-        hf = _hf_name(name)
-        if hf in raw:
-            sd[name] = raw[hf]
-    if "lm_head.weight" not in sd and tie_word_embeddings and "embed_tokens.weight" in sd:
+        tie_word_embeddings = fields["tie_word_embeddings"]
+    files = _safetensors_files(directory)
+    raw = _load_tensors(files)
+    expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
+    _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                               for n, (f, t) in raw.items()})
+    used = {n: raw[n] for n in expected}
+    _finite(used)
+    sd = {name: used[_hf_name(name)][1] for name in target_weight_shapes(cfg) if _hf_name(name) in used}
+    if "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]
-    _check_shapes("target", directory, target_weight_shapes(cfg), sd, _hf_name)
     return sd
 
 
@@ -370,7 +438,7 @@ def read_drafter_config(directory: str | Path) -> dict:
     layers = cfg.get("target_layer_ids")
     if not isinstance(layers, list) or not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
         raise CheckpointError(f"checkpoint: {path}: target_layer_ids must be a non-empty list of ints, got {layers!r}")
-    return {
+    out = {
         "drafter": {"num_layers": _int(cfg, "num_hidden_layers", path), "num_heads": _int(cfg, "num_attention_heads", path),
                     "head_dim": _int(cfg, "head_dim", path), "latent_dim": _int(cfg, "latent_dim", path),
                     "intermediate_size": _int(cfg, "intermediate_size", path)},
@@ -380,13 +448,29 @@ def read_drafter_config(directory: str | Path) -> dict:
         "hidden_size": _int(cfg, "hidden_size", path),
         "vocab_size": _int(cfg, "vocab_size", path),
     }
+    try:
+        dcfg = DSparkDrafterConfig(hidden_size=out["hidden_size"], target_hidden_size=out["hidden_size"],
+                                   num_capture_layers=len(layers), vocab_size=out["vocab_size"],
+                                   markov_rank=out["markov_rank"], mask_token_id=out["mask_token_id"], **out["drafter"])
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+    # The weight file's header against these sizes, before any work (the data is checked at load).
+    files = [directory / "model.safetensors"]
+    _check_entries("drafter", files, drafter_weight_shapes(dcfg), _headers(files))
+    return out
 
 
 def load_drafter_state_dict(directory: str | Path, cfg: DSparkDrafterConfig) -> dict[str, torch.Tensor]:
-    directory = Path(directory)
-    sd = _load_safetensors([directory / "model.safetensors"])
-    _check_shapes("drafter", directory, drafter_weight_shapes(cfg), sd)
-    return {k: sd[k] for k in drafter_weight_shapes(cfg)}
+    """The drafter's FULL state dict; the same refusals as :func:`load_llama_state_dict` (shapes, dtypes,
+    non-finite values), one line naming the file."""
+    files = [Path(directory) / "model.safetensors"]
+    raw = _load_tensors(files)
+    expected = drafter_weight_shapes(cfg)
+    _check_entries("drafter", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                                for n, (f, t) in raw.items()})
+    used = {n: raw[n] for n in expected}
+    _finite(used)
+    return {n: t for n, (_, t) in used.items()}
 
 
 def save_drafter_checkpoint(directory: str | Path, cfg: DSparkDrafterConfig, target_layer_ids: list[int],

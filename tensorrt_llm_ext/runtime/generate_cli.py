@@ -17,6 +17,7 @@ import math
 import sys
 from dataclasses import asdict
 
+from tensorrt_llm_ext.models.checkpoint import CheckpointError
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
@@ -106,6 +107,9 @@ def main_generate(args: argparse.Namespace) -> int:
     except RankJobError as e:
         print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
         return EXIT_RANK_FAILED
+    except CheckpointError as e:  # a weight refused at load (NaN / inf): one line, as the checks before any work
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):
