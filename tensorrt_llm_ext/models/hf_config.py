@@ -85,7 +85,8 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
         return theta, RopeScaling(
             rope_type=rope_type, factor=float_field({"factor": factor}, "factor"),
             original_max_position_embeddings=None if rope_type == "linear" else original,
-            low_freq_factor=float_field(d, "low_freq_factor", 1.0), high_freq_factor=float_field(d, "high_freq_factor", 4.0),
+            low_freq_factor=float_field(d, "low_freq_factor", 1.0),
+            high_freq_factor=float_field(d, "high_freq_factor", 4.0),
             beta_fast=float_field({"beta_fast": d.get("beta_fast") or 32.0}, "beta_fast"),
             beta_slow=float_field({"beta_slow": d.get("beta_slow") or 1.0}, "beta_slow"),
             attention_factor=_optional_float(d, "attention_factor"), mscale=_optional_float(d, "mscale"),

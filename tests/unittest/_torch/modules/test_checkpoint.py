@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from tensorrt_llm_ext.models.checkpoint import (CheckpointError, CheckpointFacts, load_llama_state_dict,
-                                                read_checkpoint_facts, read_llama_config)
-from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
+from tensorrt_llm_ext.models.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint_facts
+from tensorrt_llm_ext.testing.hf_checkpoints import load_target, target_logits
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import full_state_dicts
 from tensorrt_llm_ext.runtime.export import export_model
@@ -24,22 +23,6 @@ TINY = {
     "model.drafter.intermediate_size": 32, "speculative_config.markov_rank": 32, "max_batch_size": 2,
     "max_seq_len": 32,
 }
-
-
-def _target_from_dir(directory) -> LlamaTarget:
-    t = read_llama_config(directory)
-    cfg = LlamaTargetConfig(**{k: v for k, v in t.items() if k not in ("tie_word_embeddings", "capture_layers")},
-                            capture_layers=tuple(t["capture_layers"]))
-    model = LlamaTarget(cfg, dtype=torch.float32)
-    model.load_full_state_dict(load_llama_state_dict(directory, cfg))
-    return model
-
-
-def _our_logits(model: LlamaTarget, ids: list[int]) -> torch.Tensor:
-    cache = model.make_kv_cache(1, len(ids) + 1)
-    inp = torch.tensor([ids])
-    out = model(inp, torch.arange(len(ids))[None], torch.zeros(1, dtype=torch.int32), cache)
-    return model.logits(out.hidden_states)
 
 
 def test_export_then_load_is_bit_exact(tmp_path):
@@ -71,7 +54,7 @@ def test_transformers_llama_parity(tmp_path, tied):
     ids = [5, 17, 300, 2, 99, 42, 7, 250, 1]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-        got = _our_logits(_target_from_dir(tmp_path / "hf"), ids)
+        got = target_logits(load_target(tmp_path / "hf"), ids)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -83,7 +66,7 @@ def test_exported_target_loads_in_transformers(tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m").eval().float()
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with torch.no_grad():
-        torch.testing.assert_close(_our_logits(_target_from_dir(tmp_path / "m"), ids), hf(torch.tensor([ids])).logits[0],
+        torch.testing.assert_close(target_logits(load_target(tmp_path / "m"), ids), hf(torch.tensor([ids])).logits[0],
                                    atol=2e-5, rtol=1e-4)
 
 
