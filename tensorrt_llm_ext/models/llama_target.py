@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm_ext.contract import TargetOutput
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.attention import apply_rope
 from tensorrt_llm_ext.modules.embedding import Embedding
@@ -296,9 +297,14 @@ class LlamaTarget(nn.Module):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load FULL weights named as in :func:`full_weight_shapes`; each module slices its rank's part.
 
-        Raises ValueError naming a missing, unexpected or mis-shaped entry.
+        Raises ValueError naming a missing, unexpected or mis-shaped entry. Weights stored in another dtype
+        (a checkpoint's ``torch_dtype``) are cast to the model's, logged once.
         """
         check_full_state_dict("LlamaTarget", full_weight_shapes(self.config), state_dict)
+        stored = sorted({str(t.dtype).removeprefix("torch.") for t in state_dict.values()})
+        model = str(self.dtype).removeprefix("torch.")
+        if stored != [model]:
+            info_once(f"LlamaTarget: weights stored as {', '.join(stored)} are cast to {model} (the model dtype)")
         load_sharded_modules(self, state_dict, (Linear, RMSNorm, Embedding, LMHead), self.dtype)
 
     def init_weights(self, seed: int, residual_scale: float = 1.0) -> None:

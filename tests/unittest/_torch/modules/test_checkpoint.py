@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint_facts
 from tensorrt_llm_ext.testing.hf_checkpoints import load_target, target_logits
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
@@ -247,3 +248,19 @@ def test_checkpoint_facts_missing_and_malformed_files(tmp_path, caplog):
     _write_json(d / "tokenizer_config.json", {"eos_token": {"content": "<eot>"},
                                               "added_tokens_decoder": {"12": {"content": "<eot>"}}})
     assert read_checkpoint_facts(d).eos_token_ids == (12,)
+
+
+def test_bf16_checkpoint_dtype_is_a_fact_and_its_cast_is_logged(tmp_path, caplog, monkeypatch):
+    from tensorrt_llm_ext import logger as ext_logger
+    from tensorrt_llm_ext.runtime.engine import build_models
+
+    monkeypatch.setattr(ext_logger, "_seen_once", set())  # earlier tests may have logged the line already
+    d = tmp_path / "bf16"
+    export_model(load_config(**TINY), d, dtype="bfloat16")
+    facts = read_checkpoint_facts(d)
+    assert (facts.torch_dtype, facts.max_position_embeddings, facts.model_name) == (torch.bfloat16, 32, "bf16")
+    cfg = load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)  # CPU: model.dtype auto -> float32
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        target, _ = build_models(cfg, Mapping(), torch.device("cpu"))
+    assert target.dtype == torch.float32
+    assert "LlamaTarget: weights stored as bfloat16 are cast to float32 (the model dtype)" in caplog.text
