@@ -4,7 +4,7 @@ Exit codes (documented in README and docs/fault_matrix.md):
 
 * ``0``: every request was served (and with ``--check`` every path and rank agreed);
 * ``1``: ``--check`` found a difference, or compared nothing;
-* ``2``: bad arguments, config or prompts (nothing ran);
+* ``2``: bad arguments, config, checkpoint or prompts (nothing ran);
 * ``3``: one or more requests were rejected (the others were served and printed);
 * ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
 """
