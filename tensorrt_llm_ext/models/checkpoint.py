@@ -116,36 +116,41 @@ def _token_content(token) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def _tokenizer_token_id(directory: Path, which: str) -> int | None:
-    """The id of the tokenizer's ``eos_token`` / ``bos_token`` (``which``), looked up in
-    ``tokenizer_config.json``'s ``added_tokens_decoder``, then ``tokenizer.json``'s added tokens and vocabulary."""
+def _tokenizer_token_ids(directory: Path) -> dict[str, int | None]:
+    """The ids of the tokenizer's ``eos_token`` and ``bos_token``, looked up in ``tokenizer_config.json``'s
+    ``added_tokens_decoder``, then ``tokenizer.json``'s added tokens and vocabulary (each file read once)."""
     config_path = directory / "tokenizer_config.json"
     if not config_path.is_file():
-        return None
+        return {"eos_token": None, "bos_token": None}
     tok_cfg = _read_json(config_path)
-    content = _token_content(tok_cfg.get(which))
-    if content is None:
-        return None
+    wanted = {which: _token_content(tok_cfg.get(which)) for which in ("eos_token", "bos_token")}
+    found: dict[str, int] = {}
     decoder = tok_cfg.get("added_tokens_decoder")
     for key, entry in (decoder.items() if isinstance(decoder, dict) else ()):
-        if _token_content(entry) == content and str(key).isdigit():
-            return int(key)
+        if str(key).isdigit():
+            found.setdefault(_token_content(entry), int(key))
     tok_path = directory / "tokenizer.json"
-    if tok_path.is_file():
+    if any(c is not None and c not in found for c in wanted.values()) and tok_path.is_file():
         tok = _read_json(tok_path)
         for entry in tok.get("added_tokens") or ():
-            if isinstance(entry, dict) and entry.get("content") == content and isinstance(entry.get("id"), int):
-                return entry["id"]
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int):
+                found.setdefault(entry.get("content"), entry["id"])
         vocab = (tok.get("model") or {}).get("vocab")
-        if isinstance(vocab, dict) and isinstance(vocab.get(content), int):
-            return vocab[content]
-        if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+        if isinstance(vocab, dict):
+            for c in wanted.values():
+                if isinstance(vocab.get(c), int):
+                    found.setdefault(c, vocab[c])
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
             for i, entry in enumerate(vocab):
-                if isinstance(entry, list) and entry and entry[0] == content:
-                    return i
-    logger.warning(f"checkpoint: {config_path}: {which}={content!r} has no id in the tokenizer files; "
-                   f"the tokenizer's {which} is not used")
-    return None
+                if isinstance(entry, list) and entry and entry[0] in wanted.values():
+                    found.setdefault(entry[0], i)
+    out = {}
+    for which, content in wanted.items():
+        out[which] = None if content is None else found.get(content)
+        if content is not None and out[which] is None:
+            logger.warning(f"checkpoint: {config_path}: {which}={content!r} has no id in the tokenizer files; "
+                           f"the tokenizer's {which} is not used")
+    return out
 
 
 def _has_chat_template(directory: Path) -> bool:
@@ -183,11 +188,11 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
         ids = _token_ids(source.get("bos_token_id"), "bos_token_id", path)
         if bos is None and ids:
             bos = ids[0]
-    tok_eos = _tokenizer_token_id(directory, "eos_token")
-    if tok_eos is not None:
-        eos.append(tok_eos)
+    tok = _tokenizer_token_ids(directory)
+    if tok["eos_token"] is not None:
+        eos.append(tok["eos_token"])
     if bos is None:
-        bos = _tokenizer_token_id(directory, "bos_token")
+        bos = tok["bos_token"]
 
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None and (isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1):
@@ -289,8 +294,9 @@ def _check_entries(owner: str, files: list[Path], expected: dict[str, tuple[int,
 def _finite(owner_entries: dict[str, tuple[Path, torch.Tensor]]) -> None:
     """One ``isfinite`` pass per tensor: a NaN or inf weight is refused by name before it can serve."""
     for name, (f, t) in owner_entries.items():
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+        # in chunks: the boolean temporary stays small next to an embedding of 10^9 elements
+        if not all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(1 << 24)):
+            bad = sum(int((~torch.isfinite(part)).sum()) for part in t.reshape(-1).split(1 << 24))
             raise CheckpointError(f"checkpoint: {f}: {name} holds {bad} non-finite value(s) (NaN or inf) of "
                                   f"{t.numel()}")
 
