@@ -155,7 +155,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     try:
         engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
     except CheckpointError as e:  # a weight refused at load (NaN / inf): one line, as the checks before any work
-        print(f"error: {e}", file=sys.stderr)
+        if mapping is None or mapping.rank == 0:  # every rank read the same file
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
     # before rank 0 starts planning and the others start following.
