@@ -1,13 +1,11 @@
-"""Checkpoints on disk: a Hugging Face Llama target directory and a DSpark drafter directory.
+"""Checkpoints on disk: a Hugging Face decoder target directory and a DSpark drafter directory.
 
-**Target** (any Hugging Face ``LlamaForCausalLM`` directory): ``config.json`` plus ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``, tensors under Hugging Face names (``model.layers.0.self_attn.q_proj
-.weight``, ``lm_head.weight``; a tied head reads ``model.embed_tokens.weight``). What
-:class:`~tensorrt_llm_ext.models.llama_target.LlamaTarget` computes is checked against the config before
-any weight is read, and what it does not support is refused by name: another architecture, an activation
-other than SiLU, RoPE scaling (``rope_scaling`` / a non-default ``rope_parameters.rope_type``), attention or
-MLP biases. GQA (``num_key_value_heads``), an explicit ``head_dim``, ``rms_norm_eps``, ``rope_theta`` and
-``tie_word_embeddings`` are honoured.
+**Target** (a Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM`` directory): ``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``, tensors under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``; a tied head reads ``model.embed_tokens.weight``). :mod:`~tensorrt_llm_ext.models.hf_config`
+turns ``config.json`` into the :class:`~tensorrt_llm_ext.models.llama_target.LlamaTargetConfig` that computes
+it and refuses by name what no switch covers; ``docs/checkpoints.md`` lists both.
 
 **Drafter** (this project's format, written by ``trtllm-ext export``): ``config.json`` with
 ``"architectures": ["DSparkDrafter"]``, ``"format_version": 1`` and the sizes --
@@ -21,8 +19,10 @@ MLP biases. GQA (``num_key_value_heads``), an explicit ``head_dim``, ``rms_norm_
 BOS ids (``config.json``, ``generation_config.json``, the tokenizer), ``max_position_embeddings``, the
 ``torch_dtype`` and whether a tokenizer and a chat template are there.
 
-Every failure is a :class:`CheckpointError` naming the file and what is wrong (missing, not JSON, not a
-safetensors file, a missing or mis-shaped tensor).
+Every failure is a :class:`CheckpointError`, one line naming the file and what is wrong: missing, not JSON,
+not a readable safetensors file (truncated, empty, offsets past the end), a missing or mis-shaped tensor, a
+non-float dtype -- all from the headers, when the config is read, before any work -- or a NaN / inf weight
+(one ``isfinite`` pass per tensor at load).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
 # -- weight files: one check for headers (before any work) and for loaded tensors ---------------------------
 # safetensors dtype codes -> names; only the float ones load (a model here computes in fp32 / bf16)
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2"}
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _FLOAT_WEIGHTS = ("float32", "float16", "bfloat16")
 
 
@@ -445,7 +445,8 @@ def read_drafter_config(directory: str | Path) -> dict:
     if not isinstance(layers, list) or not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
         raise CheckpointError(f"checkpoint: {path}: target_layer_ids must be a non-empty list of ints, got {layers!r}")
     out = {
-        "drafter": {"num_layers": _int(cfg, "num_hidden_layers", path), "num_heads": _int(cfg, "num_attention_heads", path),
+        "drafter": {"num_layers": _int(cfg, "num_hidden_layers", path),
+                    "num_heads": _int(cfg, "num_attention_heads", path),
                     "head_dim": _int(cfg, "head_dim", path), "latent_dim": _int(cfg, "latent_dim", path),
                     "intermediate_size": _int(cfg, "intermediate_size", path)},
         "markov_rank": _int(cfg, "markov_rank", path),

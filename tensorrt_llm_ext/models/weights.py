@@ -24,6 +24,9 @@ def load_sharded_modules(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     where the state dict has one; a ``Linear`` refuses a missing or unexpected bias) via ``load_weights``."""
     for mod_name, mod in model.named_modules():
         if isinstance(mod, module_types):
-            bias = state_dict.get(f"{mod_name}.bias")
             weight = state_dict[f"{mod_name}.weight"].to(dtype)
-            mod.load_weights(weight) if bias is None else mod.load_weights(weight, bias.to(dtype))
+            bias = state_dict.get(f"{mod_name}.bias")
+            if bias is None:
+                mod.load_weights(weight)
+            else:
+                mod.load_weights(weight, bias.to(dtype))
