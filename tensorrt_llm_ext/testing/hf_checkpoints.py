@@ -9,7 +9,9 @@ imports this module.
 * :func:`save_tiny_hf_checkpoint` -- a random ``*ForCausalLM`` of one supported family (:data:`TINY_FAMILIES`:
   Llama 3 with ``llama3`` RoPE, Llama with biases and ``linear`` / ``yarn`` RoPE, Mistral, Qwen2, Qwen3),
   optionally with that tokenizer and EOS ids; :func:`save_tiny_llama3_checkpoint` and
-  :func:`save_tiny_qwen3_checkpoint` are the two a server test serves with chat.
+  :func:`save_tiny_qwen3_checkpoint` are the two a server test serves with chat. The weights depend on
+  ``seed`` and the family only: decode once, then write the same seed again with an ``eos_token_id`` that
+  the greedy decode reaches.
 * :func:`load_target` and :func:`greedy_decode` -- this project's :class:`LlamaTarget` from such a directory
   and its greedy tokens (prefill, then one token per step through the KV cache); :func:`hf_greedy_decode`
   is the ``transformers`` reference.
@@ -31,8 +33,9 @@ TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start|> {{ m['role'] }} {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|start|> assistant {% endif %}"
 )
-# Ids 0..4 of every tiny tokenizer; the rest of the vocabulary is `w{id}`.
+# Ids 0..4 of every tiny tokenizer (special), 5..7 the chat roles; the rest of the vocabulary is `w{id}`.
 TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|start|>", "<|end|>")
+TINY_ROLE_WORDS = ("system", "user", "assistant")
 
 
 def save_tiny_tokenizer(directory: str | Path, vocab_size: int, *, eos_token: str = "</s>",
@@ -40,17 +43,19 @@ def save_tiny_tokenizer(directory: str | Path, vocab_size: int, *, eos_token: st
     """Write a word-level tokenizer of ``vocab_size`` ids into ``directory``; returns the
     ``PreTrainedTokenizerFast``.
 
-    Ids ``0..4`` are :data:`TINY_SPECIAL_TOKENS` (``<unk>``, ``<s>``, ``</s>``, ``<|start|>``, ``<|end|>``);
-    id ``i >= 5`` is the word ``w{i}``, so ``"w7 w9"`` encodes to ``[7, 9]`` and decodes back.
-    ``chat_template=None`` writes no template.
+    Ids ``0..4`` are :data:`TINY_SPECIAL_TOKENS` (``<unk>``, ``<s>``, ``</s>``, ``<|start|>``, ``<|end|>``),
+    ``5..7`` the role words ``system``, ``user``, ``assistant``; id ``i >= 8`` is the word ``w{i}``, so
+    ``"w9 w300"`` encodes to ``[9, 300]`` and decodes back. ``chat_template=None`` writes no template; with
+    :data:`TINY_CHAT_TEMPLATE` a user turn ``"w9"`` plus the generation prompt is ``[1, 3, 6, 9, 4, 3, 7]``.
     """
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    if vocab_size <= len(TINY_SPECIAL_TOKENS):
-        raise ValueError(f"save_tiny_tokenizer: vocab_size must exceed {len(TINY_SPECIAL_TOKENS)}, got {vocab_size}")
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": i for i in range(len(TINY_SPECIAL_TOKENS), vocab_size)})
+    fixed = TINY_SPECIAL_TOKENS + TINY_ROLE_WORDS
+    if vocab_size <= len(fixed):
+        raise ValueError(f"save_tiny_tokenizer: vocab_size must exceed {len(fixed)}, got {vocab_size}")
+    vocab = {tok: i for i, tok in enumerate(fixed)}
+    vocab.update({f"w{i}": i for i in range(len(fixed), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()  # joins words with a space

@@ -74,3 +74,24 @@ def test_hub_config_spellings():
     assert target_fields(mistral)["rope_scaling"] is None
     with pytest.raises(ValueError, match="sliding_window=4096"):
         target_fields({**mistral, "sliding_window": 4096})
+
+
+def test_chat_checkpoint_writers_have_facts_and_a_working_template(tmp_path):
+    """What a server test serves: the Llama-3-style and Qwen3-style writers with tokenizer, chat template and
+    EOS; the same seed gives the same weights whatever the EOS (pick an EOS the greedy decode reaches)."""
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+    from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_llama3_checkpoint, save_tiny_qwen3_checkpoint
+
+    for name, write in (("l3", save_tiny_llama3_checkpoint), ("q3", save_tiny_qwen3_checkpoint)):
+        hf = write(tmp_path / name, seed=1)
+        facts = read_checkpoint_facts(tmp_path / name)
+        assert (facts.eos_token_ids, facts.bos_token_id, facts.has_tokenizer, facts.has_chat_template) == (
+            (2,), 1, True, True)
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+        ids = tok.apply_chat_template([{"role": "user", "content": "w9 w300"}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        assert ids == [1, 3, 6, 9, 300, 4, 3, 7]  # <s> <|start|> user w9 w300 <|end|> <|start|> assistant
+        assert tok.decode([9, 300]) == "w9 w300"
+        other = write(tmp_path / f"{name}_eos9", seed=1, eos_token_id=9)
+        assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), other.state_dict().values()))
+        assert read_checkpoint_facts(tmp_path / f"{name}_eos9").eos_token_ids == (9, 2)
