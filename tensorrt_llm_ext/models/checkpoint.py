@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.logger import info_once, logger
 
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes as drafter_weight_shapes
@@ -387,6 +387,10 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
     _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                                for n, (f, t) in raw.items()})
     used = {n: raw[n] for n in expected}
+    unused = sorted(set(raw) - set(used) - {"lm_head.weight"})
+    if unused:  # e.g. a stored rotary inv_freq; transformers does not use them either
+        info_once(f"checkpoint: {directory}: {len(unused)} tensor(s) not used by the model: {unused[:6]}"
+                  f"{' ...' if len(unused) > 6 else ''}")
     _finite(used)
     sd = {name: used[_hf_name(name)][1] for name in target_weight_shapes(cfg) if _hf_name(name) in used}
     if "lm_head.weight" not in sd:

@@ -95,3 +95,16 @@ def test_chat_checkpoint_writers_have_facts_and_a_working_template(tmp_path):
         other = write(tmp_path / f"{name}_eos9", seed=1, eos_token_id=9)
         assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), other.state_dict().values()))
         assert read_checkpoint_facts(tmp_path / f"{name}_eos9").eos_token_ids == (9, 2)
+
+
+def test_tensors_the_model_does_not_use_are_logged(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf_checkpoint(tmp_path / "m", "llama3")
+    path = tmp_path / "m" / "model.safetensors"
+    sd = load_file(str(path))
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(sd, str(path))
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        load_target(tmp_path / "m")
+    assert "1 tensor(s) not used by the model: ['model.layers.0.self_attn.rotary_emb.inv_freq']" in caplog.text
