@@ -140,8 +140,7 @@ def generate_full_state_dict(cfg: LlamaTargetConfig, seed: int, dtype: torch.dty
     """Deterministic FULL weights from one CPU fp32 generator, independent of rank and TP size.
 
     Norms ``1 + 0.1 N(0,1)``, biases ``0.1 N(0,1)``, linears and the head ``N(0,1)/sqrt(fan_in)``, embedding
-    ``N(0,1)``. The head
-    is scaled up (x4) so greedy decoding is not a single repeated token on random weights.
+    ``N(0,1)``. The head is scaled up (x4) so greedy decoding is not a single repeated token on random weights.
     ``residual_scale`` scales ``o_proj``/``down_proj`` (what each layer adds to the residual stream): a
     small value makes the model close to a bigram model of its embedding and head, which a drafter's
     Markov head can learn exactly (the embedded default uses that to get real acceptance).
@@ -212,7 +211,6 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = cfg.num_kv_heads // tp
         self.head_dim = d
-        self.rope_theta = cfg.rope_theta
         self.scale = 1.0 / math.sqrt(d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, k_cache: torch.Tensor,
