@@ -4,7 +4,7 @@ Exit codes (documented in README and docs/fault_matrix.md):
 
 * ``0``: every request was served (and with ``--check`` every path and rank agreed);
 * ``1``: ``--check`` found a difference, or compared nothing;
-* ``2``: bad arguments, config, checkpoint or prompts (nothing ran);
+* ``2``: bad arguments, config or prompts (nothing ran);
 * ``3``: one or more requests were rejected (the others were served and printed);
 * ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
 """
@@ -17,7 +17,6 @@ import math
 import sys
 from dataclasses import asdict
 
-from tensorrt_llm_ext.models.checkpoint import CheckpointError
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
@@ -107,9 +106,6 @@ def main_generate(args: argparse.Namespace) -> int:
     except RankJobError as e:
         print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
         return EXIT_RANK_FAILED
-    except CheckpointError as e:  # a weight refused at load (NaN / inf): one line, as the checks before any work
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):

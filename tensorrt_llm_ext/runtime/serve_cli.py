@@ -129,7 +129,6 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
 
     from tensorrt_llm_ext import __version__
     from tensorrt_llm_ext.logger import logger
-    from tensorrt_llm_ext.models.checkpoint import CheckpointError
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
@@ -152,12 +151,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
-    try:
-        engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
-    except CheckpointError as e:  # a weight refused at load (NaN / inf): one line, as the checks before any work
-        if mapping is None or mapping.rank == 0:  # every rank read the same file
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
     # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
     # before rank 0 starts planning and the others start following.
     selection = engine.worker("speculative").selection.describe()
