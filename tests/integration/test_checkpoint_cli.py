@@ -40,3 +40,23 @@ def test_non_finite_checkpoint_exits_2_with_one_line(nan_checkpoint, capsys, com
     err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
     assert err == [f"error: checkpoint: {nan_checkpoint / 'model.safetensors'}: model.norm.weight holds 1 "
                    f"non-finite value(s) (NaN or inf) of 32"]
+
+
+def test_generate_model_serves_a_qwen3_checkpoint_with_its_family_switches(tmp_path, capsys):
+    """The engine builds the target with the checkpoint's switches (q/k norms, explicit head_dim): the
+    speculative output equals the target's own decode, and the first token is transformers' greedy one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tensorrt_llm_ext.testing.hf_checkpoints import hf_greedy_decode, save_tiny_qwen3_checkpoint
+
+    d = tmp_path / "qwen3"
+    save_tiny_qwen3_checkpoint(d)
+    prompt = [1, 17, 30]
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "4", "--check",
+                 " ".join(map(str, prompt))]) == 0
+    out = capsys.readouterr().out
+    assert "check passed" in out
+    hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+    expected = hf_greedy_decode(hf, prompt, 4)
+    assert "-> 4 ids (length" in out and " ".join(map(str, expected)) in out, (expected, out)
