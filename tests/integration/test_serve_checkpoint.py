@@ -177,3 +177,40 @@ def test_chat_without_a_template_is_a_clear_400(tmp_path):
         assert err["param"] == "messages" and "chat template" in err["message"]
     finally:
         srv.stop(30)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_llama3_and_qwen3_checkpoints_serve_chat_eos_and_logprobs(tmp_path, family):
+    """A Llama-3-style (llama3 RoPE) and a Qwen3-style (q/k norms, explicit head_dim) tiny checkpoint with a
+    chat template: chat through the openai client stops at the checkpoint's EOS exactly where transformers'
+    greedy decode reaches it, the content leaves the EOS out, and logprobs equal log_softmax of transformers'
+    logits (1e-4)."""
+    from tensorrt_llm_ext.testing.hf_checkpoints import hf_greedy_decode, save_tiny_hf_checkpoint
+
+    d = tmp_path / f"tiny-{family}"
+    hf = save_tiny_hf_checkpoint(d, family, tokenizer=True, eos_token_id=2)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "system", "content": "w11"}, {"role": "user", "content": "w17 w42"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    free = hf_greedy_decode(hf, prompt, 12)
+    at = next(i for i, t in enumerate(free) if i >= 2 and t > 4 and t not in free[:i])
+    save_tiny_hf_checkpoint(d, family, tokenizer=True, eos_token_id=free[at])  # same seed: same weights
+    srv = start_in_process(SERVE, model_dir=str(d))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        out = client.chat.completions.create(model=d.name, messages=messages, max_completion_tokens=12,
+                                             logprobs=True, top_logprobs=3)
+    finally:
+        srv.stop(30)
+    ch = out.choices[0]
+    ids = ch.to_dict()["token_ids"]
+    assert ids == free[:at + 1] and ch.finish_reason == "stop"
+    assert ch.message.content == tok.decode(free[:at], skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == at + 1
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    ref = torch.log_softmax(logits, -1)
+    got = torch.tensor([c.logprob for c in ch.logprobs.content])
+    torch.testing.assert_close(got, ref[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4, rtol=0)
+    top = torch.tensor([[t.logprob for t in c.top_logprobs] for c in ch.logprobs.content])
+    torch.testing.assert_close(top, torch.topk(ref, 3).values, atol=1e-4, rtol=0)
