@@ -124,7 +124,7 @@ def test_max_completion_tokens_and_streamed_usage(server):
 def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     """A stop id that is not the last token of its accepted block: the tokens after it are dropped, the
     stop token is the last one, usage counts exactly those, the slot is freed; ``min_tokens`` past it runs on."""
-    fields = dict(prompt_ids=PROMPT, max_new_tokens=30)
+    fields = dict(prompt_ids=PROMPT, max_new_tokens=16)
     events = _events(ref_engine, fields)
     full = [t for e in events for t in e.tokens]
     at, pos = None, 0
@@ -140,12 +140,12 @@ def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     assert at is not None, f"no accepted block of >= 2 tokens with a fresh token: {[e.accepted_len for e in events]}"
     stop = full[at]
     r = httpx.post(server.url + "/v1/completions", timeout=120,
-                   json={"prompt": PROMPT, "max_tokens": 30, "stop_token_ids": [stop]}).json()
+                   json={"prompt": PROMPT, "max_tokens": 16, "stop_token_ids": [stop]}).json()
     ch = r["choices"][0]
     assert ch["token_ids"] == full[:at + 1] and ch["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == at + 1
     r = httpx.post(server.url + "/v1/completions", timeout=120,
-                   json={"prompt": PROMPT, "max_tokens": 30, "stop": [stop], "min_tokens": at + 1}).json()
+                   json={"prompt": PROMPT, "max_tokens": 16, "stop": [stop], "min_tokens": at + 1}).json()
     later = [i for i, t in enumerate(full) if t == stop and i > at]
     expect = full[:later[0] + 1] if later else full
     assert r["choices"][0]["token_ids"] == expect

@@ -39,9 +39,19 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
     srv = start_server(["--config", str(cfg), "--tp", "2"], str(tmp_path / "server.log"), start_timeout=240)
     try:
         with httpx.Client(base_url=srv.url, timeout=300) as c:
-            got = [c.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies[:2]]
+            # logprobs on the vocab-parallel head: computed on the shards, every rank in step
+            answers = [c.post("/v1/completions", json={**b, "logprobs": 2}).json()["choices"][0] for b in bodies[:2]]
             health = c.get("/health").json()
+        got = [a["token_ids"] for a in answers]
         assert got == reference[:2]
+        for a in answers:
+            lp = a["logprobs"]
+            assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == a["token_ids"]
+            assert all(-9999.0 <= v <= 0 for v in lp["token_logprobs"])
+        # bodies[0] is greedy: each token is the argmax, so its logprob is the first of the top 2
+        first = [list(top.items())[0] for top in answers[0]["logprobs"]["top_logprobs"]]
+        assert [int(k.removeprefix("token_id:")) for k, _ in first] == answers[0]["token_ids"]
+        assert [v for _, v in first] == answers[0]["logprobs"]["token_logprobs"]
         batch = [httpx.post(srv.url + "/v1/completions", json={"prompt": [b["prompt"] for b in bodies[2:]],
                                                                 "max_tokens": 3}, timeout=300)]
         # A batch prompt is one choice per prompt; greedy (no temperature), so compare with greedy TP 1.
