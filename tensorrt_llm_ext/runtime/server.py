@@ -302,7 +302,11 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         if ctx.draining:
             raise ApiError(503, "the server is shutting down", None, "service_unavailable")
 
-    def submit(reqs: list[dict], sink: Sink) -> list[int]:
+    def submit(reqs: list[dict], sink: Sink, param: str) -> list[int]:
+        most = ctx.loop.capacity + ctx.loop.max_queue
+        if len(reqs) > most:  # would be refused however long the client waits: not a 429
+            raise ApiError(400, f"{param}: {len(reqs)} choices exceed what the server holds at once ({most} = "
+                                f"max_batch_size + max_queue); send fewer prompts or a smaller n", param)
         try:
             return ctx.loop.submit(reqs, sink)
         except QueueFull as e:
@@ -310,15 +314,26 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
+    async def read_body(http: HttpRequest) -> bytes | None:
+        from starlette.requests import ClientDisconnect
+
+        try:
+            return await http.body()
+        except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
+            return None
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         check_available()
-        body = parse_body(await http.body(), CompletionRequest, ctx.limits)
+        raw = await read_body(http)
+        if raw is None:
+            return Response(status_code=499)
+        body = parse_body(raw, CompletionRequest, ctx.limits)
         prompts = _encode_prompts(ctx, body)
         reqs = build_requests(ctx, body, prompts, body.logprobs, 16)
         _, stops = _stop_fields(ctx, body)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = submit(reqs, sink)
+        handles = submit(reqs, sink, "n" if body.n > 1 else "prompt")
         choices = {h: _Choice(ctx, k, f["prompt_ids"], stops, body.include_stop_str_in_output)
                    for k, (h, f) in enumerate(zip(handles, reqs))}
         out = _Output(ctx, f"cmpl-{uuid.uuid4().hex[:24]}", "text_completion", body, choices, sink)
@@ -329,12 +344,15 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         check_available()
-        body = parse_body(await http.body(), ChatCompletionRequest, ctx.limits)
+        raw = await read_body(http)
+        if raw is None:
+            return Response(status_code=499)
+        body = parse_body(raw, ChatCompletionRequest, ctx.limits)
         prompt = _chat_prompt(ctx, body)
         reqs = build_requests(ctx, body, [prompt], body.logprobs_k(), None)
         _, stops = _stop_fields(ctx, body)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = submit(reqs, sink)
+        handles = submit(reqs, sink, "n")
         choices = {h: _Choice(ctx, k, prompt, stops, body.include_stop_str_in_output)
                    for k, h in enumerate(handles)}
         out = _Output(ctx, f"chatcmpl-{uuid.uuid4().hex[:24]}", "chat.completion", body, choices, sink)
