@@ -119,7 +119,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="runtime YAML (trtllm-serve style); default: the embedded dspark_default.yaml")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, launched through MPI (default: config)")
     g.add_argument("--max-new-tokens", type=int, default=24)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 keyed Gumbel-max sampling")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (so is T < 1e-5, its T -> 0 limit); more: keyed Gumbel-max sampling")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed + i)")
     g.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     g.add_argument("--draft-len", type=int, default=None, help="override speculative_config.max_draft_len")
