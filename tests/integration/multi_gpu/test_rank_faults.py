@@ -121,6 +121,8 @@ def _engine_fault(case: str, config: dict, requests: list[dict]):
         DSparkWorker.forward = forward
     if case == "other_batch" and rank == 1:
         requests = requests[:1]
+    if case == "other_top_p":  # the same batch but for one sampling field: 0.5 vs 1.0 ended in a collective timeout
+        requests = [dict(r, temperature=1.0, seed=5, top_p=0.5 if rank == 0 else 1.0) for r in requests]
     run_job(GenerateJob(config=config, requests=requests, modes=["speculative"]), mapping)
     return rank
 
@@ -128,7 +130,8 @@ def _engine_fault(case: str, config: dict, requests: list[dict]):
 @pytest.mark.parametrize("case, headline, detail", [
     ("raise_before_init", "rank 1 exited with code 1", "injected: rank 1 fails before joining"),
     ("exit_mid", "rank 1 exited with code 7", "os._exit(7) in step 3"),
-    ("other_batch", "exited with code 1", "TP ranks were given different batches"),
+    ("other_batch", "exited with code 1", "they differ in: the number of requests"),
+    ("other_top_p", "exited with code 1", "they differ in: top_p)"),
 ])
 def test_rank_fault_named(case, headline, detail):
     cfg = load_config(**SMALL).model_dump(mode="json")
@@ -137,5 +140,8 @@ def test_rank_fault_named(case, headline, detail):
         launch_ranks(2, _engine_fault, case, cfg, reqs, timeout=300, collective_timeout=RANK_TIMEOUT_S)
     text = str(err.value)
     assert headline in err.value.headline and detail in text, text
-    if case == "other_batch":  # both ranks refuse, naming each rank's batch
+    if case.startswith("other_"):  # both ranks refuse before any step, naming each rank's batch
+        assert "TP ranks were given different batches" in text and "Timed out" not in text
+        assert all(o.returncode == 1 and "different batches" in o.log_tail for o in err.value.outcomes), text
+    if case == "other_batch":
         assert "rank 0: 2 requests" in text and "rank 1: 1 requests" in text
