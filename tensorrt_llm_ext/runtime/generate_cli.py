@@ -6,7 +6,9 @@ Exit codes (documented in README and docs/fault_matrix.md):
 * ``1``: ``--check`` found a difference, or compared nothing;
 * ``2``: bad arguments, config or prompts (nothing ran);
 * ``3``: one or more requests were rejected (the others were served and printed);
-* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
+* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines);
+* ``130`` / ``143`` (128 + the signal): ``--tp N`` interrupted by SIGINT / SIGTERM; the signal was passed on
+  to the ranks, which were given 5 s to end before the rest of the job was killed (no rank left running).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
-from tensorrt_llm_ext.runtime.ranks import RankJobError
+from tensorrt_llm_ext.runtime.ranks import RankJobError, RankJobInterrupted
 from tensorrt_llm_ext.runtime.requests import MIN_TEMPERATURE
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
@@ -113,9 +115,15 @@ def main_generate(args: argparse.Namespace) -> int:
     try:
         reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
                                log_dir=args.log_dir)
+    except RankJobInterrupted as e:
+        print(f"error: the {tp}-rank job was {e.headline} (rank logs: {e.log_dir})", file=sys.stderr)
+        return 128 + e.signum
     except RankJobError as e:
         print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
         return EXIT_RANK_FAILED
+    except FileNotFoundError as e:  # no mpiexec: nothing ran
+        print(f"error: --tp {tp}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):
