@@ -408,11 +408,26 @@ def store_context_latents(
     return pool
 
 
-def store_context_latents_reference(latents, dest_pages, dest_offsets, write_mask, pool) -> torch.Tensor:
-    """Eager twin of :func:`store_context_latents` (boolean selection: syncs, not capturable)."""
+def store_context_latents_reference(latents, dest_pages, dest_offsets, write_mask, pool, *,
+                                    sink_page: int | None = None) -> torch.Tensor:
+    """Eager twin of :func:`store_context_latents`: rows that are masked out or whose destination lies
+    outside the pool are not written.
+
+    ``sink_page=None``: those rows are skipped by a boolean selection (syncs, not capturable), so nothing
+    else in the pool changes, exactly as the kernel. ``sink_page=p`` (the engine's pool keeps a last,
+    scratch page): they are written to page ``p`` instead, which needs no sync and is capturable -- the
+    upstream eager store the stock op table runs; pages other than ``p`` end equal to the default's, and
+    a destination on page ``p`` counts as outside the pool.
+    """
     _store_checks(latents, dest_pages, dest_offsets, write_mask, pool)
-    ok = (write_mask & (dest_pages >= 0) & (dest_pages < pool.shape[1])
+    num_pages = pool.shape[1] if sink_page is None else sink_page
+    ok = (write_mask & (dest_pages >= 0) & (dest_pages < num_pages)
           & (dest_offsets >= 0) & (dest_offsets < pool.shape[2]))
+    if sink_page is not None:
+        pages = torch.where(ok, dest_pages.long(), torch.full_like(dest_pages, sink_page, dtype=torch.long))
+        offsets = torch.where(ok, dest_offsets.long(), torch.zeros_like(dest_offsets, dtype=torch.long))
+        pool[:, pages, offsets] = latents.transpose(0, 1).to(pool.dtype)
+        return pool
     rows = ok.nonzero().squeeze(1)
     pool[:, dest_pages[rows].long(), dest_offsets[rows].long()] = latents[rows].transpose(0, 1)
     return pool

@@ -148,7 +148,7 @@ def test_step_rows_are_validated():
     with pytest.raises(ValueError, match="set_rows"):
         worker.forward(2)
     with pytest.raises(ValueError, match="set_rows"):
-        worker.target_only_step(3)
+        eng.reference().step(3)
     assert torch.equal(eng.state.ctx_lens, ctx)
 
 
