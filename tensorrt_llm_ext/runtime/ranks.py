@@ -4,7 +4,8 @@ Used by ``trtllm-ext generate --tp N`` (:func:`launch_ranks`), ``trtllm-ext serv
 (:func:`launch_command`), ``bench tp``, ``info`` and the multi-rank tests (:class:`MpiPool`,
 :func:`run_on_ranks`; ``tensorrt_llm_ext.testing.mpi`` re-exports them for pytest).
 
-The launching process is NOT part of the MPI job, so it survives any rank fault and reports it:
+The launching process is NOT part of the MPI job, so it survives any rank fault and reports it (and a rank
+exits within a second once its launcher is gone):
 
 * ``mpiexec`` starts one **supervisor** per rank (plain Python, no MPI). It starts the real rank as its
   child, passing the MPI process-management handle on (``PMI_FD`` / the inherited environment), sends
@@ -60,7 +61,8 @@ _DUMP_WAIT_S = 1.0  # after SIGUSR1: time for the survivors' faulthandler to pri
 _KILL_WAIT_S = 5.0  # after SIGKILL: time for mpiexec and the supervisors to go
 _FINISH_WAIT_S = 30.0  # after the stop request: time for MPI finalize and mpiexec to exit
 _TERM_WAIT_S = 5.0  # after a forwarded SIGTERM/SIGINT: time for the ranks to end by themselves
-_START_TIMEOUT_S = 120.0  # mpiexec + supervisors + MPI init of every rank (2-8 s measured)
+_START_TIMEOUT_S = 120.0  # mpiexec + supervisors + MPI init of every rank (0.6-0.8 s measured for 2-4 ranks)
+_LAUNCHER_CHECK_S = 1.0  # how often a rank checks that its launcher is still alive
 _SUPERVISOR_LINGER_S = 30.0  # a supervisor whose rank failed waits for the launcher (see _supervise)
 _LOG_TAIL = 20
 
@@ -289,6 +291,7 @@ class MpiPool:
                 old.unlink()
         cmd = [*launcher, "-n", str(self.world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
                "--supervise", str(self.log_dir)]
+        _write_json(self.log_dir / "launcher.json", {"pid": os.getpid()})  # the ranks exit when it is gone
         self._launcher_log = open(self.log_dir / "mpiexec.log", "wb")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._launcher_log,
                                      stderr=subprocess.STDOUT, env=rank_env(self.collective_timeout, self.env),
@@ -306,8 +309,9 @@ class MpiPool:
                 self._interrupted(self._received[0], None)
             if self._exits() or self.proc.poll() is not None or time.monotonic() > deadline:
                 missing = [r for r, x in enumerate(ready) if x is None]
-                self._fail(f"could not start {self.world_size} MPI ranks within {timeout:.0f}s: rank(s) {missing} "
-                           f"did not join ({_tail(self.log_dir / 'mpiexec.log', 8).strip() or 'mpiexec said nothing'})",
+                why = "in time" if time.monotonic() > deadline else "(a rank or mpiexec ended)"
+                self._fail(f"could not start {self.world_size} MPI ranks: rank(s) {missing} did not join MPI {why}; "
+                           f"mpiexec: {_tail(self.log_dir / 'mpiexec.log', 8).strip() or 'said nothing'}",
                            "start", dump=True)
             time.sleep(_POLL_S)
 
@@ -654,6 +658,15 @@ def supervise_command(cmd: list[str], linger_s: float) -> int:
     return _exit_code(rc)
 
 
+def _exit_without_launcher(rank: int, pid: int) -> None:
+    """A rank's watchdog: exit once the launching process is gone (SIGKILLed, say), idle or mid-call, so no
+    rank outlives the process that would collect its result."""
+    while _pid_alive(pid):
+        time.sleep(_LAUNCHER_CHECK_S)
+    print(f"[rank {rank}] the launcher (pid {pid}) is gone: exiting", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def _rank_main(run_dir: Path) -> None:
     """A rank: join MPI, then run ``task{n}.pkl`` for n = 0, 1, ... until ``stop`` appears."""
     faulthandler.enable(all_threads=True)  # a fatal signal (segfault, abort) prints the Python stacks
@@ -664,6 +677,9 @@ def _rank_main(run_dir: Path) -> None:
     from tensorrt_llm_ext.logger import use_private_rank_stream
 
     use_private_rank_stream()  # stdout/stderr go to rank<r>.log: keep every line there
+    launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
+    if launcher is not None:
+        threading.Thread(target=_exit_without_launcher, args=(rank, launcher), daemon=True).start()
     _write_json(run_dir / f"rank{rank}.ready.json", {"world": MPI.COMM_WORLD.Get_size(), "pid": os.getpid()})
     n = 0
     while True:

@@ -83,11 +83,12 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_cli_passes_a_stop_signal_on_to_the_ranks(tmp_path, sig):
-    """SIGTERM / SIGINT to ``generate --tp 2`` mid-run: passed on to the ranks, waited for (5 s at most), the rest
-    killed; exit 128 + the signal, nothing of the run left (was: exit 143 at once, mpiexec and the ranks ran on
-    for about a minute)."""
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "token selection"), (signal.SIGINT, "start-up")],
+                         ids=["SIGTERM-mid-run", "SIGINT-at-start-up"])
+def test_cli_passes_a_stop_signal_on_to_the_ranks(tmp_path, sig, when):
+    """SIGTERM / SIGINT to ``generate --tp 2`` (mid-run, or while the ranks start): passed on to the ranks, waited
+    for (5 s at most), the rest killed; exit 128 + the signal, nothing of the run left (was: exit 143 at once,
+    mpiexec and the ranks ran on for about a minute)."""
     cfg = tmp_path / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json")))
     logs = tmp_path / "logs"
@@ -98,8 +99,11 @@ def test_cli_passes_a_stop_signal_on_to_the_ranks(tmp_path, sig):
                            text=True)
     try:
         log1 = logs / "rank1.log"
-        _wait_for(lambda: log1.exists() and "token selection" in log1.read_text(errors="replace"), 120,
-                  "rank 1 to start generating")
+        if when == "start-up":
+            _wait_for(lambda: (logs / "rank1.pid.json").exists(), 120, "rank 1 to start")
+        else:
+            _wait_for(lambda: log1.exists() and when in log1.read_text(errors="replace"), 120,
+                      "rank 1 to start generating")
         assert _processes_naming(str(logs))  # mpiexec, supervisors and ranks are up
         cli.send_signal(sig)
         t0 = time.monotonic()
