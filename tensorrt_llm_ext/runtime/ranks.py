@@ -634,8 +634,12 @@ def _supervise(run_dir: Path) -> int:
                 {"returncode": rc if rc >= 0 else None, "signal": sig, "time": time.time()})
     if rc != 0:
         # Exiting now would make mpiexec kill the other ranks before the launcher collected their
-        # stacks; the launcher kills this supervisor once it has (bounded by the linger time).
-        time.sleep(_SUPERVISOR_LINGER_S)
+        # stacks; the launcher kills this supervisor once it has (bounded by the linger time, and over
+        # at once when the launcher is gone).
+        launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
+        end = time.monotonic() + _SUPERVISOR_LINGER_S
+        while time.monotonic() < end and (launcher is None or _pid_alive(launcher)):
+            time.sleep(min(_LAUNCHER_CHECK_S, max(0.0, end - time.monotonic())))
     return _exit_code(rc)
 
 
