@@ -1,7 +1,11 @@
 """The multi-rank harness itself: a failing, dying or hanging rank is reported by rank within the bound,
 never hung, and never takes the test process down."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +100,45 @@ def test_hanging_rank_fails_within_timeout():
         assert pool.broken
     finally:
         pool.shutdown()
+
+
+_LAUNCHER = """
+import sys, time
+from tensorrt_llm_ext.runtime.ranks import MpiPool
+pool = MpiPool(2, log_dir=sys.argv[1]).start()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
+    """A SIGKILLed launcher (a killed CLI or test process) leaves no rank, supervisor or mpiexec behind."""
+    logs = str(tmp_path / "pool")
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, logs], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout.readline().strip() == "started"
+        assert len(_processes_naming(logs)) >= 5  # mpiexec + 2 supervisors + 2 ranks
+        launcher.kill()
+        launcher.wait(timeout=30)
+        t0 = time.monotonic()
+        while _processes_naming(logs) and time.monotonic() - t0 < BOUND_S:
+            time.sleep(0.1)
+        assert _processes_naming(logs) == [], f"left running {time.monotonic() - t0:.1f}s after the kill"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
