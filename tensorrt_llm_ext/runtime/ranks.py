@@ -494,9 +494,11 @@ def _headline(outcomes: list[RankOutcome], reason: str, timeout: float, run_dir:
         return f"rank(s) {missing} gave no result within the time limit of {timeout:g}s (hung; stacks in the logs)"
     if failures:
         first = failures[0]
-        text = (first.error or first.log_tail).lower()
         others = [r for r in running if r != first.rank]
-        if others and ("timed out" in text or "timeout" in text):
+        # Only a raised timeout (gloo: "Timed out waiting", NCCL: "... before timing out") says the peers
+        # stopped responding; a death is its own cause.
+        said = first.error.strip().splitlines()[-1].lower() if first.error else ""
+        if others and any(w in said for w in ("timed out", "timeout", "timing out")):
             return (f"rank(s) {others} stopped responding (hung): rank {first.rank} timed out waiting for "
                     f"them in a collective and {first.how()}")
         return f"rank {first.rank} {first.how()}"
