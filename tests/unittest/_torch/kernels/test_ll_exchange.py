@@ -429,8 +429,9 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     pair = PairExchange(Mapping())
     pair.low_latency = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, None,
                                           timeout_s=0.5)
-    off = VocabParallelSelection(target_enabled=False, draft_enabled=False, target_reason="test", draft_reason="test")
-    sel = VocabParallelSelector(off, lm_head=None, drafter_lm_head=None, logits_processor=None, exchange=pair)
+    gathered = VocabParallelSelection(target_enabled=False, draft_enabled=False, target_reason="test",
+                                      draft_reason="test")
+    sel = VocabParallelSelector(gathered, None, None, None, pair)
     pair.check_exchange()
     sel.check_exchange()
     ll_exchange(torch.zeros(1, 2, dtype=torch.int64, device=dev), state, spin_limit=3)  # the peer never writes
