@@ -426,9 +426,10 @@ class MpiPool:
             self._launcher_log.close()
             self._launcher_log = None
 
-    def _stop(self, n: int | None, dump: bool) -> tuple[set[int], set[int]]:
+    def _stop(self, n: int | None, dump: bool) -> tuple[set[int], set[int], dict[int, dict]]:
         """Dump the stacks of the ranks still running (``dump``), then kill the job. Returns the ranks running
-        when the stop began and those still running at the kill."""
+        when the stop began, those still running at the kill, and the exit records from before the kill (the
+        kill's own SIGKILLs are not how a rank ended)."""
         self.broken = True
         running = self._running(n)
         still = set(running)
@@ -439,12 +440,13 @@ class MpiPool:
             # A peer on its way out (its own error, e.g. the dead rank's closed socket) ended or answered by
             # itself: it was not stopped by the launcher.
             still = running & self._running(n)
-        self._kill()
-        return running, still
-
-    def _outcomes(self, n: int | None, running: set[int], still: set[int]) -> list[RankOutcome]:
-        results = self._results(n) if n is not None else [None] * self.world_size
         exits = self._exits()
+        self._kill()
+        return running, still, exits
+
+    def _outcomes(self, n: int | None, running: set[int], still: set[int],
+                  exits: dict[int, dict]) -> list[RankOutcome]:
+        results = self._results(n) if n is not None else [None] * self.world_size
         out = []
         for r in range(self.world_size):
             res, e = results[r], exits.get(r)
@@ -453,15 +455,15 @@ class MpiPool:
                             stopped_by_launcher=r in still)
             if res is not None and res[0] == "error":
                 o.error, o.error_at = res[1], res[2]
-            if e is not None and r not in still:
+            if e is not None:
                 o.returncode, o.signal, o.ended_at = e["returncode"], e["signal"], e["time"]
             out.append(o)
         return out
 
     def _fail(self, headline: str | None, reason: str, *, n: int | None = None, dump: bool,
               timeout: float = 0.0):
-        running, still = self._stop(n, dump)
-        outcomes = self._outcomes(n, running, still)
+        running, still, exits = self._stop(n, dump)
+        outcomes = self._outcomes(n, running, still, exits)
         raise RankJobError(headline or _headline(outcomes, reason, timeout, self.log_dir), outcomes,
                            str(self.log_dir))
 
@@ -474,8 +476,8 @@ class MpiPool:
         while time.monotonic() < t0 + _TERM_WAIT_S and self._running(n):
             time.sleep(_POLL_S)
         waited = time.monotonic() - t0
-        running, still = self._stop(n, dump=False)
-        outcomes = self._outcomes(n, set(), still)
+        running, still, exits = self._stop(n, dump=False)
+        outcomes = self._outcomes(n, set(), still, exits)
         headline = (f"interrupted by {_signal_name(signum)}: passed on to the {self.world_size} ranks, "
                     + (f"{len(still)} still running after {_TERM_WAIT_S:g}s were killed" if still
                        else f"which ended within {waited:.1f}s")
