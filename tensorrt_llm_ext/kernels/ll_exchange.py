@@ -35,9 +35,10 @@ Why a stale word cannot alias:
 Bounded wait: on a GPU the spin stops after ``timeout_s`` (:data:`WAIT_TIMEOUT_S` = 2 s) by the device's
 nanosecond clock, read every :data:`TIMER_EVERY` polls; under the interpreter (no clock in the kernel) the
 host turns ``timeout_s`` into a poll count at the poll cost it measured once (:func:`interpreter_poll_cost`);
-``spin_limit`` polls bound it too, whichever is smaller. Rows still missing a peer's word then get ``EMPTY_KEY`` (no token is made
-from incomplete data: ``key_to_id`` gives -1), and the rank writes ``epoch + 1`` into its timeout flag,
-which lives in pinned host memory so the host reads it without a device sync (``check_exchange``).
+``spin_limit`` polls bound it too, whichever is smaller. Rows still missing a peer's word then get
+``EMPTY_KEY`` (no token is made from incomplete data: ``key_to_id`` gives -1), and the rank writes
+``epoch + 1`` into its timeout flag, which lives in pinned host memory so the host reads it without a device
+sync (``check_exchange``).
 Words that were not consumed are left in place; after a timeout the exchange is dead (the worker
 raises), and no later epoch is trusted.
 
@@ -295,9 +296,9 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float 
     """One exchange round for every driven rank: ``keys [P, R]`` int64 -> ``out [P, R]`` TP-wide MAX.
 
     The wait ends after ``timeout_s`` (GPU clock; under the interpreter the polls that fit in it at the
-    measured poll cost) or ``spin_limit`` polls (default :func:`default_spin_limit`), whichever comes first; rows whose peers' words did not arrive by then
-    hold ``EMPTY_KEY`` and the driven rank's ``state.flag`` entry is set to ``epoch + 1``. ``out`` may be
-    ``keys`` (in place).
+    measured poll cost) or ``spin_limit`` polls (default :func:`default_spin_limit`), whichever comes first;
+    rows whose peers' words did not arrive by then hold ``EMPTY_KEY`` and the driven rank's ``state.flag``
+    entry is set to ``epoch + 1``. ``out`` may be ``keys`` (in place).
     Advances ``state.epoch`` by one per driven rank. CUDA-graph safe with ``out``: one launch, no
     allocation, no host sync; the epoch lives on the device, so replays use fresh epochs.
     """
