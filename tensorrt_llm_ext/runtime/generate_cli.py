@@ -121,8 +121,8 @@ def main_generate(args: argparse.Namespace) -> int:
     except RankJobError as e:
         print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
         return EXIT_RANK_FAILED
-    except FileNotFoundError as e:  # no mpiexec: nothing ran
-        print(f"error: --tp {tp}: {e}", file=sys.stderr)
+    except FileNotFoundError as e:  # no mpiexec (or a file the engine needs): nothing was generated
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
