@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -80,6 +81,31 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
     raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
 
 
+# The Triton interpreter is not thread-safe: two engines stepping at once in one process (two in-process
+# servers, or a server and a test's reference engine) corrupt each other's launches. Every in-process
+# server's step holds this lock, and so must a test's own engine work while a server is alive.
+KERNEL_LOCK = threading.RLock()
+
+
+class _SerialScheduler:
+    """A :class:`Scheduler` whose plans run under :data:`KERNEL_LOCK` (what the engine loop calls of it)."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._scheduler.num_free_slots
+
+    @property
+    def num_active(self) -> int:
+        return self._scheduler.num_active
+
+    def apply(self, plan):
+        with KERNEL_LOCK:
+            return self._scheduler.apply(plan)
+
+
 @dataclass
 class InProcessServer:
     """A server in this process (uvicorn in a thread over an in-process engine): what tests use where the
@@ -101,8 +127,6 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
                      start_timeout: float = 60.0, host: str = "127.0.0.1") -> InProcessServer:
     """Engine + scheduler + engine loop + app of ``load_config(model_dir=..., **config_overrides)``, served by
     uvicorn on a free loopback port in a daemon thread; returns once it listens."""
-    import threading
-
     import uvicorn
 
     from tensorrt_llm_ext.runtime.config import load_config
@@ -112,9 +136,10 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
                                                  load_tokenizer, served_model_name)
 
     cfg = load_config(model_dir=model_dir, **(config_overrides or {}))
-    engine = Engine(cfg)
+    with KERNEL_LOCK:
+        engine = Engine(cfg)
     metrics = ServerMetrics(cfg.draft_len)
-    loop = EngineLoop(Scheduler(engine), PlanChannel(None), metrics, max_queue=max_queue)
+    loop = EngineLoop(_SerialScheduler(Scheduler(engine)), PlanChannel(None), metrics, max_queue=max_queue)
     ctx = ServeContext(loop=loop, model_name=served_model_name(cfg, None), vocab_size=engine.vocab_size,
                        max_seq_len=cfg.max_seq_len, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path))
     port = free_port(host)
@@ -158,8 +183,8 @@ def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[i
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.requests import Request
 
-    engine = Engine(load_config(**config_overrides))
     reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], temperature=b.get("temperature", 0.0),
                     seed=b.get("seed", 0), stop_token_ids=tuple(b.get("stop", ()))) for b in bodies]
-    results, _ = engine.generate(reqs)
+    with KERNEL_LOCK:  # an in-process server may be stepping in this process
+        results, _ = Engine(load_config(**config_overrides)).generate(reqs)
     return [r.output_ids for r in results]

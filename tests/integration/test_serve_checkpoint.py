@@ -22,7 +22,7 @@ from tensorrt_llm_ext.runtime.export import export_model  # noqa: E402
 from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
 from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer  # noqa: E402
-from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
+from tensorrt_llm_ext.testing.server import KERNEL_LOCK, SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -32,10 +32,11 @@ MAX_NEW = 16
 
 
 def _events(engine: Engine, fields: dict) -> list:
-    sch = Scheduler(engine)
-    events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
-    while sch.num_active:
-        events += sch.apply(StepPlan())[0]
+    with KERNEL_LOCK:  # the interpreter is not thread-safe: never beside a server's step
+        sch = Scheduler(engine)
+        events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
+        while sch.num_active:
+            events += sch.apply(StepPlan())[0]
     return events
 
 
@@ -47,7 +48,8 @@ def checkpoint(tmp_path_factory):
     export_model(load_config(**SMALL), d)
     save_tiny_tokenizer(d, VOCAB)
     cfg = json.loads((d / "config.json").read_text())
-    engine = Engine(load_config(model_dir=str(d), **SERVE))
+    with KERNEL_LOCK:
+        engine = Engine(load_config(model_dir=str(d), **SERVE))
     events = _events(engine, dict(prompt_ids=PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True))
     full = [t for e in events for t in e.tokens]
     at, pos = None, 0
@@ -66,7 +68,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return Engine(load_config(model_dir=str(checkpoint[0]), **SERVE))
+    with KERNEL_LOCK:
+        return Engine(load_config(model_dir=str(checkpoint[0]), **SERVE))
 
 
 def test_eos_from_config_equals_transformers_generate(checkpoint, engine):
@@ -77,7 +80,8 @@ def test_eos_from_config_equals_transformers_generate(checkpoint, engine):
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(PROMPT):].tolist()
     assert ref == full[:at + 1] and ref[-1] == eos  # transformers stops at the EOS
     assert eos in engine.eos_token_ids
-    results, _ = engine.generate([Request(PROMPT, MAX_NEW), Request(PROMPT, MAX_NEW, ignore_eos=True)])
+    with KERNEL_LOCK:
+        results, _ = engine.generate([Request(PROMPT, MAX_NEW), Request(PROMPT, MAX_NEW, ignore_eos=True)])
     assert results[0].output_ids == ref and results[0].finish_reason == "stop"  # generate --model stops too
     assert results[1].output_ids == full and results[1].finish_reason == "length"
     assert engine.slots.num_free == SERVE["max_batch_size"]
@@ -105,7 +109,8 @@ def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     tok = transformers.AutoTokenizer.from_pretrained(d)
     messages = [{"role": "user", "content": "w17 w42"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    ref = engine.generate([Request(prompt, 8)])[0][0]
+    with KERNEL_LOCK:
+        ref = engine.generate([Request(prompt, 8)])[0][0]
     out = client.chat.completions.create(model="tiny-llama", messages=messages, logprobs=True, top_logprobs=2,
                                          max_completion_tokens=len(ref.output_ids))
     ch = out.choices[0]

@@ -23,7 +23,7 @@ from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
 from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
 from tensorrt_llm_ext.speculative.verification import top_p_keep_reference  # noqa: E402
-from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
+from tensorrt_llm_ext.testing.server import KERNEL_LOCK, SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -40,7 +40,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def ref_engine():
-    return Engine(load_config(**SMALL))
+    with KERNEL_LOCK:  # the interpreter is not thread-safe: never beside a server's step
+        return Engine(load_config(**SMALL))
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +51,21 @@ def client(server):
 
 def _events(engine: Engine, fields: dict) -> list:
     """The scheduler's events for one request alone (prefill, then one event per step)."""
-    sch = Scheduler(engine)
-    events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
-    while sch.num_active:
-        events += sch.apply(StepPlan())[0]
+    with KERNEL_LOCK:
+        sch = Scheduler(engine)
+        events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
+        while sch.num_active:
+            events += sch.apply(StepPlan())[0]
     return events
 
 
 def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], temperature: float, top_p: float):
     """Teacher-forced target logits -> log_softmax at the request's temperature and top-p: ``[n, V]``."""
     seq = prompt + out[:-1]
-    hidden = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], torch.tensor([0], dtype=torch.int32),
-                           engine.state.kv_cache).hidden_states
-    logits = engine.target.logits(hidden)[len(prompt) - 1:].float()
+    with KERNEL_LOCK:
+        hidden = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], torch.tensor([0], dtype=torch.int32),
+                               engine.state.kv_cache).hidden_states
+        logits = engine.target.logits(hidden)[len(prompt) - 1:].float()
     x = logits / (temperature if temperature > 0 else 1.0)
     if temperature > 0 and top_p < 1:
         n = len(out)
@@ -84,7 +87,9 @@ def test_logprobs_and_n_match_log_softmax_reference(client, ref_engine, temperat
                                     temperature=temperature, top_p=top_p, logprobs=3)
     assert len(out.choices) == 2 and sorted(c.index for c in out.choices) == [0, 1]
     for c in out.choices:
-        ref = ref_engine.generate([Request(PROMPT, 6, temperature=temperature, seed=40 + c.index, top_p=top_p)])[0][0]
+        with KERNEL_LOCK:
+            ref = ref_engine.generate([Request(PROMPT, 6, temperature=temperature, seed=40 + c.index,
+                                               top_p=top_p)])[0][0]
         tokens = c.to_dict()["token_ids"]
         assert tokens == ref.output_ids and _ids(c.logprobs.tokens) == tokens
         lp = _reference_logprobs(ref_engine, PROMPT, tokens, temperature, top_p)
