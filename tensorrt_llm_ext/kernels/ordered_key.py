@@ -240,6 +240,10 @@ def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
     return (hi_hi + (mid1 >> 16) + (mid2 >> 16) + carry) & 0xFFFFFFFF
 
 
+# The Philox twin under its public name, for callers outside this module.
+philox_4x32_10_torch = _philox_4x32_10_torch
+
+
 def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
     """Torch twin of :func:`philox_uniform` (inputs broadcastable int64 tensors of uint32 values)."""
     r0, _, _, _ = _philox_4x32_10_torch(seed, c0, c1, c2, c3)
