@@ -79,6 +79,33 @@ def _rank_verify():
         res = _call(fused or dev.type == "cuda", *args, vocab_start=start, vocab_size=vocab, exchange=exchange)
         res["mask"] = res["mask"][:, : stop - start]
         out[vocab] = res
+    # exchange rounds of one call of each kind (the eager twin issues the same exchanges as the kernels)
+    issued: list[str] = []
+    for meth in ("exchange_", "max_", "sum_", "gather_ranks"):
+        def counted(*a, _orig=getattr(exchange, meth), _name=meth, **kw):
+            issued.append(_name)
+            return _orig(*a, **kw)
+        setattr(exchange, meth, counted)
+    from tensorrt_llm_ext.speculative.verification import rejection_sample_reference, top_p_keep_reference
+
+    vocab = 1031
+    width = -(-vocab // mapping.tp_size)
+    start = mapping.tp_rank * width
+    target, draft, tokens, temps, seeds, offsets, top_p = _inputs(vocab)
+    sharded = [_shard(target, start, min(vocab, start + width), width).to(dev),
+               _shard(draft, start, min(vocab, start + width), width).to(dev)]
+    rounds = {}
+    for key, tp_ in ((("rejection_sample", False), None), (("rejection_sample", True), top_p.to(dev))):
+        issued.clear()
+        rejection_sample_reference(*sharded, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
+                                   offsets=offsets.to(dev), top_p=tp_, vocab_start=start, vocab_size=vocab,
+                                   exchange=exchange)
+        rounds[key] = len(issued)
+    issued.clear()
+    top_p_keep_reference(sharded[0].reshape(B * (K + 1), width), top_p.to(dev).repeat_interleave(K + 1),
+                         vocab_start=start, vocab_size=vocab, exchange=exchange)
+    rounds[("top_p_keep", True)] = len(issued)
+    out["rounds"] = rounds
     # exchange volume: one rejection_sample and one top_p_keep call at two vocabulary sizes
     volume = {}
     for vocab in (1031, 4099):
@@ -113,9 +140,14 @@ def test_verification_tp_invariant(mpi_pool_executor):
                 assert torch.equal(r[name][1], ref[name][1]), (vocab, name)
         mask = torch.cat([r["mask"] for r in ranks], dim=1)
         assert torch.equal(mask, ref["mask"]), vocab
+    from tensorrt_llm_ext.speculative.verification import CALL_SHAPE
+
+    for r in per_rank:  # exchange rounds per call: the documented shape; the issue's limits where met
+        assert r[0]["rounds"] == {key: shape[1] for key, shape in CALL_SHAPE.items()}, r[0]["rounds"]
+    assert per_rank[0][0]["rounds"][("rejection_sample", False)] <= 3
     for _, volume in per_rank:
         # the same bytes at both vocabulary sizes: only per-row partials cross ranks
         assert volume[1031] == volume[4099] and volume[1031][0] > 0 and volume[1031][1] > 0, volume
-    # and they are small: under 2 KiB per target row per call (histograms dominate)
+    # and they are small: under 8 KiB per target row per call (the three 2 KiB histograms dominate)
     rows = B * (K + 1)
     assert per_rank[0][1][4099][0] < rows * 2048 * 4 + 4096, (tp, per_rank[0][1])
