@@ -43,7 +43,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COL
                                                           radix_to_f32_torch, row_max_from_keys)
 
 __all__ = [
-    "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "row_tau", "top_p_mask", "top_p_mask_reference",
+    "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
+    "top_p_mask_reference",
     "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
 
@@ -154,7 +155,7 @@ def _top_p_round_kernel(
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
     exp2_ptr,
     stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
-    rnd,  # 1..3: which digit this kernel histograms; 4 with TIES
+    rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -170,6 +171,11 @@ def _top_p_round_kernel(
     prefix = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2))
     mass = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2 + 1))
     prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau)
+    if TIES:
+        # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
+        full = prefix << rnd
+        low = ((prefix * 0 + 1) << rnd) - 1
+        prefix = tl.where(tau < 0, prefix, tl.where(full < 2147483648, full | low, full))
     if split == 0:
         tl.store(state_out_ptr + r64 * 2, prefix)
         tl.store(state_out_ptr + r64 * 2 + 1, mass)
@@ -391,6 +397,18 @@ def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, st
     hist_out.copy_(h.view(rows, splits, HIST_BUCKETS))
 
 
+def radix_rounds(dtype: torch.dtype) -> int:
+    """Radix rounds after round 0 that the logits' dtype needs: its fp32 radix key has 32 (fp32), 19 (fp16)
+    or 16 (bf16) significant bits, the rest constant given the sign, so bf16 stops after round 1 and fp16
+    after round 2 (exact: every finite key of the dtype is still told apart). A static fact of the call."""
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+
+
+def _check_skip(skip_bits: int) -> None:
+    if skip_bits not in (0, 8, 16):
+        raise ValueError(f"skip_bits: expected 0, 8 or 16, got {skip_bits!r}")
+
+
 def _check_ties(logits, ties, splits):
     check_tensor("ties", ties, shape=(logits.shape[0], splits, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
@@ -398,8 +416,11 @@ def _check_ties(logits, ties, splits):
 
 def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-               block_size: int = 2048, num_splits: int = 1) -> None:
+               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
     """Resolve the last digit (``state_out`` = (b*, mass above b*)) and count this shard's ties.
+
+    ``skip_bits`` (0, 8 or 16): the low radix-key bits that no round histogrammed because the logits' dtype
+    leaves them constant (:func:`radix_rounds`); ``b*`` gets them from its sign.
 
     ``ties [R, S, 2]``, every slot written: per column chunk the ties of ``b*`` and those with a global id
     below the row's token (``tokens[r // row_div, r % row_div]``); all-gathered next. CUDA-graph safe.
@@ -407,6 +428,7 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
     _check_ties(logits, ties, splits)
+    _check_skip(skip_bits)
     rows = logits.shape[0]
     if rows == 0:
         return
@@ -414,20 +436,23 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
         tokens if tokens is not None else keys, exp2_table(logits.device), logits.stride(0), sums.shape[2],
-        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, 4,
+        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, skip_bits,
         BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, num_warps=num_warps_for(block_size))
 
 
 def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                          vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
-                         row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
+                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
     """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
     _check_ties(logits, ties, splits)
+    _check_skip(skip_bits)
     rows = logits.shape[0]
     _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     bstar, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)
+    full = bstar << skip_bits
+    bstar = torch.where(tau < 0, bstar, torch.where(full < 2**31, full | ((1 << skip_bits) - 1), full))
     state_out[:, 0] = bstar
     state_out[:, 1] = mass
     x = logits[:, :n_valid].float()

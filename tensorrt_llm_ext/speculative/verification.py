@@ -24,10 +24,11 @@ Semantics (docs/rejection_sampling.md has the full statement):
 Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels
 equal their eager twins and the sharded call equals the TP-1 call bit for bit.
 
-Per call (:data:`CALL_SHAPE`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
-``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p 8 launches and 7 exchanges
-(radix rounds 1..3 and the tie count in between); ``top_p_keep`` 7 launches and 6 exchanges. Each launcher
-is one kernel launch and writes every slot of its output, so no call issues a memset or a copy.
+Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
+``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
+count come in between: bf16 logits 6 launches and 5 exchanges, fp16 7 / 6, fp32 8 / 7; ``top_p_keep``
+bf16 5 / 4, fp32 7 / 6. Each launcher is one kernel launch and writes every slot of its output, so no call
+issues a memset or a copy.
 
 CUDA graphs: pass a :class:`VerificationWorkspace` (allocated once for the largest batch) and ``out=``;
 then no call allocates, syncs the host or branches on data. Input checks that need device values (draft
@@ -49,9 +50,9 @@ from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 
-__all__ = ["CALL_SHAPE", "EAGER_KERNELS", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
-           "VerificationWorkspace", "rejection_sample", "rejection_sample_reference", "top_p_keep",
-           "top_p_keep_reference"]
+__all__ = ["EAGER_KERNELS", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
+           "VerificationWorkspace", "call_shape", "rejection_sample", "rejection_sample_reference",
+           "top_p_keep", "top_p_keep_reference"]
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,21 @@ EAGER_KERNELS = VerificationKernels(
     top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
     top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference)
 
-# (launches, exchange rounds) of one call, by entry point and top-p: the pipeline below, written down once
-# (tests count both on CPU and hold them to these; docs/rejection_sampling.md has the before/after table).
-CALL_SHAPE = {("rejection_sample", False): (4, 3), ("rejection_sample", True): (8, 7),
-              ("top_p_keep", True): (7, 6)}
+def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """``(launches, exchange rounds)`` of one call of ``entry`` (``"rejection_sample"`` / ``"top_p_keep"``).
+
+    The pipeline below, written down once (tests count both on CPU and hold them to it;
+    docs/rejection_sampling.md has the before/after table). With top-p the radix rounds depend on the
+    logits' dtype (:func:`~tensorrt_llm_ext.kernels.top_p.radix_rounds`): bf16 1, fp16 2, fp32 3.
+    """
+    if entry not in ("rejection_sample", "top_p_keep") or (entry == "top_p_keep" and not top_p):
+        raise ValueError(f"call_shape: expected ('rejection_sample', bool) or ('top_p_keep', True), got "
+                         f"{(entry, top_p)!r}")
+    n = tpk.radix_rounds(dtype) if top_p else 0
+    if entry == "top_p_keep":
+        return 4 + n, 3 + n  # keys, sums, n rounds, ties, mask / MAX, SUM, n SUMs, gather
+    return (5 + n, 4 + n) if top_p else (4, 3)  # + draw, assemble / + the race's gather
+
 
 _H = fps.HIST_BUCKETS
 _DEFAULT_BLOCK = 2048
@@ -100,6 +112,7 @@ class VerificationPlan:
     splits: int
     tp: int
     top_p: bool
+    rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype)
 
     def sizes(self) -> dict[str, int]:
         rt, rq, b, s, tp = self.rows_t, self.rows_q, self.batch, self.splits, self.tp
@@ -119,7 +132,7 @@ class VerificationPlan:
         rounds = [("max", sz["keys"]), ("sum", sz["sums"])]
         if self.top_p:
             per_round = self.rows_t * self.splits * _H
-            rounds += [("sum", per_round)] * 3 + [("all_gather", self.rows_t * self.splits * 2)]
+            rounds += [("sum", per_round)] * self.rounds + [("all_gather", self.rows_t * self.splits * 2)]
         if self.batch:
             rounds.append(("all_gather", self.batch * self.splits * rs.RACE_COLS))
         return rounds
@@ -240,16 +253,18 @@ def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
 # ----------------------------------------------------------------------------------------------------
 def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, exchange, ws, kw, *, tokens=None,
                   row_div=1):
-    """Radix rounds 1..3 and the tie count (``ws.state[3]`` = (b*, mass above), ``ws.ties_all``)."""
+    """Radix rounds 1..n (n by dtype: bf16 1, fp16 2, fp32 3) and the tie count (``ws.state[3]`` = (b*, mass
+    above), ``ws.ties_all``)."""
+    n = tpk.radix_rounds(logits.dtype)
     prev = ws.sums_t[:, :, fps.SUMS_COLS:]
-    for rnd in (1, 2, 3):
+    for rnd in range(1, n + 1):
         ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)], ws.state[rnd - 1],
                         ws.hist[rnd - 1], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
         if exchange is not None:
             exchange.sum_(ws.hist[rnd - 1])
         prev = ws.hist[rnd - 1]
-    ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[2], ws.state[3], ws.ties, vocab_start,
-                   vocab_size, tokens=tokens, row_div=row_div, **kw)
+    ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
+                   vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), **kw)
     if exchange is not None:
         exchange.gather_ranks(ws.ties, out=ws.ties_all)
 

@@ -140,10 +140,11 @@ def test_verification_tp_invariant(mpi_pool_executor):
                 assert torch.equal(r[name][1], ref[name][1]), (vocab, name)
         mask = torch.cat([r["mask"] for r in ranks], dim=1)
         assert torch.equal(mask, ref["mask"]), vocab
-    from tensorrt_llm_ext.speculative.verification import CALL_SHAPE
+    from tensorrt_llm_ext.speculative.verification import call_shape
 
-    for r in per_rank:  # exchange rounds per call: the documented shape; the limits where met
-        assert r[0]["rounds"] == {key: shape[1] for key, shape in CALL_SHAPE.items()}, r[0]["rounds"]
+    for r in per_rank:  # exchange rounds per call (fp32 logits): the documented shape; the limit where met
+        assert r[0]["rounds"] == {key: call_shape(*key)[1] for key in r[0]["rounds"]}, r[0]["rounds"]
+        assert len(r[0]["rounds"]) == 3
     assert per_rank[0][0]["rounds"][("rejection_sample", False)] <= 3
     for _, volume in per_rank:
         # the same bytes at both vocabulary sizes: only per-row partials cross ranks

@@ -17,7 +17,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import LOG2E_F32, fixed_point_
 from tensorrt_llm_ext.kernels.rejection_sample import log2_table, neg_log2_q40_torch
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept
 from tensorrt_llm_ext.speculative import verification
-from tensorrt_llm_ext.speculative.verification import (CALL_SHAPE, VerificationWorkspace, rejection_sample,
+from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, call_shape, rejection_sample,
                                                         rejection_sample_reference, top_p_keep, top_p_keep_reference)
 from tensorrt_llm_ext.speculative.vocab_parallel import vocab_parallel_argmax
 
@@ -312,8 +312,8 @@ class _LaunchCounter(TorchDispatchMode):
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="counts interpreter launches (the GPU twin is in l0_h200)")
-@pytest.mark.parametrize("b,splits", [(1, 1), (3, 3)])
-def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits):
+@pytest.mark.parametrize("b,splits,dtype", [(1, 1, torch.bfloat16), (2, 3, torch.float32)])
+def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype):
     from triton.runtime.interpreter import InterpretedFunction
 
     counter = _LaunchCounter()
@@ -331,8 +331,8 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits):
     monkeypatch.setattr(verification, "is_capturing", lambda *a: True)  # as under capture: no value checks
     k, vocab = 2, 517
     target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(max(b, 4), k, vocab, 5)
-    target, draft, tokens = target[:b].contiguous(), draft[:b].contiguous(), tokens[:b].contiguous()
-    temps, seeds, offsets, top_p = (t[:b].contiguous() for t in (temps, seeds, offsets, top_p))
+    target, draft = target[:b].to(dtype).contiguous(), draft[:b].to(dtype).contiguous()
+    tokens, temps, seeds, offsets, top_p = (t[:b].contiguous() for t in (tokens, temps, seeds, offsets, top_p))
     ws = VerificationWorkspace.for_verification(b, k, vocab, block_size=128, num_splits=splits)
     out = (torch.empty(b, k + 1, dtype=torch.int64), torch.empty(b, dtype=torch.int32))
     mask = torch.empty(b * (k + 1), vocab, dtype=torch.bool)
@@ -344,15 +344,36 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits):
                                                              offsets=offsets, top_p=top_p, out=out, workspace=ws),
         ("top_p_keep", True): lambda: top_p_keep(rows, rows_p, temperatures=rows_t, out=mask, workspace=ws),
     }
-    limits = {("rejection_sample", False): 4, ("rejection_sample", True): 8, ("top_p_keep", True): 7}
     for key, call in calls.items():
         counter.triton, counter.torch_ops = 0, []
         with counter:
             call()
         assert counter.torch_ops == [], (key, counter.torch_ops)  # no memset, copy or host check
-        assert counter.triton == CALL_SHAPE[key][0] <= limits[key], (key, counter.triton)
-    # the issue's limits where they are met (rejection_sample with top-p: 8 > 7, documented)
-    assert CALL_SHAPE[("rejection_sample", False)] <= (4, 3) and CALL_SHAPE[("top_p_keep", True)][0] <= 7
+        assert counter.triton == call_shape(*key, dtype)[0], (key, counter.triton)
+    # the issue's limits (4 / 7 launches, 3 / 5 rounds): met without top-p and, for bf16 logits, with it
+    assert call_shape("rejection_sample", False) == (4, 3)
+    if dtype == torch.bfloat16:
+        assert call_shape("rejection_sample", True, dtype) == (6, 5)
+        assert call_shape("top_p_keep", True, dtype) == (5, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_dtypes_skip_radix_rounds_exactly(dtype):
+    """bf16 / fp16 logits run 1 / 2 radix rounds instead of 3: the same kept sets and tokens as the same
+    values in fp32 (all rounds), at a tie-heavy vocabulary."""
+    b, k, vocab = 3, 2, 523
+    target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(b, k, vocab, 9)
+    target[0, 0, :200] = 1.0  # a tie group at the boundary
+    target, draft = target.to(dtype), draft.to(dtype)
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p)
+    narrow = rejection_sample(target, draft, tokens, **kw)
+    wide = rejection_sample_reference(target.float(), draft.float(), tokens, **kw)
+    assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1])
+    rows = target.view(-1, vocab)
+    p_rows = torch.tensor([0.9, 0.3, 0.999, 0.5, 0.7, 0.95, 0.2, 0.8, 0.6])
+    m = top_p_keep(rows, p_rows)
+    assert torch.equal(m, top_p_keep_reference(rows.float(), p_rows))
+    assert torch.equal(m, top_p_keep_reference(rows, p_rows))
 
 
 def test_race_log_is_positive_and_close_to_float64():
