@@ -95,16 +95,18 @@ def _rank_verify():
     sharded = [_shard(target, start, min(vocab, start + width), width).to(dev),
                _shard(draft, start, min(vocab, start + width), width).to(dev)]
     rounds = {}
-    for key, tp_ in ((("rejection_sample", False), None), (("rejection_sample", True), top_p.to(dev))):
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = [x.to(dtype) for x in sharded]
+        for key, tp_ in ((("rejection_sample", False), None), (("rejection_sample", True), top_p.to(dev))):
+            issued.clear()
+            rejection_sample_reference(*logits, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
+                                       offsets=offsets.to(dev), top_p=tp_, vocab_start=start, vocab_size=vocab,
+                                       exchange=exchange)
+            rounds[(*key, str(dtype))] = len(issued)
         issued.clear()
-        rejection_sample_reference(*sharded, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
-                                   offsets=offsets.to(dev), top_p=tp_, vocab_start=start, vocab_size=vocab,
-                                   exchange=exchange)
-        rounds[key] = len(issued)
-    issued.clear()
-    top_p_keep_reference(sharded[0].reshape(B * (K + 1), width), top_p.to(dev).repeat_interleave(K + 1),
-                         vocab_start=start, vocab_size=vocab, exchange=exchange)
-    rounds[("top_p_keep", True)] = len(issued)
+        top_p_keep_reference(logits[0].reshape(B * (K + 1), width), top_p.to(dev).repeat_interleave(K + 1),
+                             vocab_start=start, vocab_size=vocab, exchange=exchange)
+        rounds[("top_p_keep", True, str(dtype))] = len(issued)
     out["rounds"] = rounds
     # exchange volume: one rejection_sample and one top_p_keep call at two vocabulary sizes
     volume = {}
@@ -142,10 +144,14 @@ def test_verification_tp_invariant(mpi_pool_executor):
         assert torch.equal(mask, ref["mask"]), vocab
     from tensorrt_llm_ext.speculative.verification import call_shape
 
-    for r in per_rank:  # exchange rounds per call (fp32 logits): the documented shape; the limit where met
-        assert r[0]["rounds"] == {key: call_shape(*key)[1] for key in r[0]["rounds"]}, r[0]["rounds"]
-        assert len(r[0]["rounds"]) == 3
-    assert per_rank[0][0]["rounds"][("rejection_sample", False)] <= 3
+    dtypes = {str(d): d for d in (torch.float32, torch.bfloat16)}
+    for r in per_rank:  # exchange rounds per call: the documented shape
+        got = r[0]["rounds"]
+        assert len(got) == 6 and got == {key: call_shape(key[0], key[1], dtypes[key[2]])[1] for key in got}, got
+    # the limits (3 without top-p, 5 with it): met without top-p, and with it on bf16 logits
+    got = per_rank[0][0]["rounds"]
+    assert got[("rejection_sample", False, "torch.float32")] <= 3
+    assert got[("rejection_sample", True, "torch.bfloat16")] <= 5
     for _, volume in per_rank:
         # the same bytes at both vocabulary sizes: only per-row partials cross ranks
         assert volume[1031] == volume[4099] and volume[1031][0] > 0 and volume[1031][1] > 0, volume

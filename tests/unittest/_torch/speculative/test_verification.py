@@ -366,12 +366,12 @@ def test_narrow_dtypes_skip_radix_rounds_exactly(dtype):
     target[0, 0, :200] = 1.0  # a tie group at the boundary
     target, draft = target.to(dtype), draft.to(dtype)
     kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p)
-    narrow = rejection_sample(target, draft, tokens, **kw)
+    narrow = rejection_sample(target.to(DEV), draft.to(DEV), tokens.to(DEV), **{a: v.to(DEV) for a, v in kw.items()})
     wide = rejection_sample_reference(target.float(), draft.float(), tokens, **kw)
-    assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1])
+    assert torch.equal(narrow[0].cpu(), wide[0]) and torch.equal(narrow[1].cpu(), wide[1])
     rows = target.view(-1, vocab)
     p_rows = torch.tensor([0.9, 0.3, 0.999, 0.5, 0.7, 0.95, 0.2, 0.8, 0.6])
-    m = top_p_keep(rows, p_rows)
+    m = top_p_keep(rows.to(DEV), p_rows.to(DEV)).cpu()
     assert torch.equal(m, top_p_keep_reference(rows.float(), p_rows))
     assert torch.equal(m, top_p_keep_reference(rows, p_rows))
 
@@ -464,3 +464,38 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
     with pytest.raises(Exception):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_launch_count_and_graph_capture(dtype):
+    """One captured call replays exactly call_shape() device launches (kernels, and no memset or copy), and
+    the replay equals the eager call, without and with top-p, at V_local = 50016 and 8 column chunks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b, k, vocab = 8, 7, 50016
+    target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(b, k, vocab, 13)
+    target, draft = target.to("cuda", dtype), draft.to("cuda", dtype)
+    tokens, temps, seeds, offsets, top_p = (t.cuda() for t in (tokens, temps, seeds, offsets, top_p))
+    ws = VerificationWorkspace.for_verification(b, k, vocab, device="cuda", num_splits=8)
+    for tp_arg in (None, top_p):
+        out = (torch.empty(b, k + 1, dtype=torch.int64, device="cuda"),
+               torch.empty(b, dtype=torch.int32, device="cuda"))
+        kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp_arg, workspace=ws)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            rejection_sample(target, draft, tokens, **kw, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rejection_sample(target, draft, tokens, **kw, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        launches = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(launches) == call_shape("rejection_sample", tp_arg is not None, dtype)[0], launches
+        acc, n = rejection_sample(target, draft, tokens, **kw)
+        assert torch.equal(out[0], acc) and torch.equal(out[1], n)
