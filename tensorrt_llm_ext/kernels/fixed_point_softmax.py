@@ -44,7 +44,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCA
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
-    "EXP2_Q30", "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
+    "EXP2_Q30", "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key", "device_table",
     "decode_max_key_torch", "exp2_table", "fixed_point_weight", "fixed_point_weight_torch", "is_finite",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
@@ -65,18 +65,24 @@ _LN2_Q46: tl.constexpr = tl.constexpr(_LN2_Q46_INT)
 _ONE: tl.constexpr = tl.constexpr(ONE_Q30)
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _DEFAULT_BLOCK = 2048
-_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def device_table(name: str, values: list[int], device: torch.device | str) -> torch.Tensor:
+    """The int64 constant table ``name`` on ``device``: cached, allocated outside capture on first use
+    (a workspace constructor asks for it, so a captured call only looks it up)."""
+    key = (name, torch.device(device))
+    t = _TABLES.get(key)
+    if t is None:
+        refuse_allocation_while_capturing(name, key[1])
+        t = torch.tensor(values, dtype=torch.int64, device=key[1])
+        _TABLES[key] = t
+    return t
 
 
 def exp2_table(device: torch.device | str) -> torch.Tensor:
-    """The ``[256]`` int64 Q30 table on ``device`` (cached; allocated outside capture on first use)."""
-    device = torch.device(device)
-    t = _TABLES.get(device)
-    if t is None:
-        refuse_allocation_while_capturing("exp2_table", device)
-        t = torch.tensor(EXP2_Q30, dtype=torch.int64, device=device)
-        _TABLES[device] = t
-    return t
+    """The ``[256]`` int64 Q30 table of ``2^(a/256)`` on ``device`` (:func:`device_table`)."""
+    return device_table("exp2_table", EXP2_Q30, device)
 
 
 # ----------------------------------------------------------------------------------------------------

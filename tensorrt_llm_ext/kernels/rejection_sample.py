@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for, refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
-                                                          exp2_table, fixed_point_weight, fixed_point_weight_torch,
+                                                          device_table, exp2_table, fixed_point_weight, fixed_point_weight_torch,
                                                           is_finite, plan_chunks, radix_key, radix_key_torch,
                                                           row_max_from_keys)
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch
@@ -63,18 +63,11 @@ LOG2_Q40 = [int(round(math.log2(1.0 + a / 4096.0) * _Q40)) for a in range(4097)]
 _ACCEPT: tl.constexpr = tl.constexpr(ACCEPT_SALT)
 _RESIDUAL: tl.constexpr = tl.constexpr(RESIDUAL_SALT)
 _BONUS: tl.constexpr = tl.constexpr(BONUS_SALT)
-_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def log2_table(device: torch.device | str) -> torch.Tensor:
-    """The ``[4097]`` int64 Q40 table on ``device`` (cached; allocated outside capture on first use)."""
-    device = torch.device(device)
-    t = _TABLES.get(device)
-    if t is None:
-        refuse_allocation_while_capturing("log2_table", device)
-        t = torch.tensor(LOG2_Q40, dtype=torch.int64, device=device)
-        _TABLES[device] = t
-    return t
+    """The ``[4097]`` int64 Q40 table of ``log2(1 + a/4096)`` on ``device`` (cached, see ``device_table``)."""
+    return device_table("log2_table", LOG2_Q40, device)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COLS, check_logits, decode_max_key,
+from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
                                                           decode_max_key_torch, exp2_table, fixed_point_weight,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
@@ -357,8 +357,8 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
 
     ``sums [R, S, cols_t]`` (the exchanged target part of ``verify_sums``), ``prev_hist [R, S, 256]`` (the
     exchanged previous histogram: ``sums[:, :, 3:]`` for round 1), ``state_prev``/``state_out`` ``[R, 2]``
-    (prefix, mass above; round 1 starts from the empty prefix and ignores ``state_prev``), ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged next). One
-    launch; CUDA-graph safe.
+    (prefix, mass above; round 1 starts from the empty prefix and ignores ``state_prev``),
+    ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged next). One launch; CUDA-graph safe.
     """
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)

@@ -117,8 +117,6 @@ def _rank_verify():
         target, draft, tokens, temps, seeds, offsets, top_p = _inputs(vocab)
         args = [_shard(target, start, stop, width).to(dev), _shard(draft, start, stop, width).to(dev)]
         before = exchange.bytes_sent
-        from tensorrt_llm_ext.speculative.verification import rejection_sample_reference, top_p_keep_reference
-
         rejection_sample_reference(*args, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
                                    offsets=offsets.to(dev), top_p=top_p.to(dev), vocab_start=start, vocab_size=vocab,
                                    exchange=exchange)

@@ -265,7 +265,7 @@ def test_top_p_extreme_sets_kernel_equals_twin():
 
 
 def test_rejection_sample_extreme_top_p_rows():
-    b, k, vocab = 4, 2, 1031
+    b, k, vocab = 4, 2, 517
     rows = _extreme_rows(b * (k + 1), vocab).view(b, k + 1, vocab)
     target = rows.contiguous()
     draft = rows[:, :k].flip(0).contiguous()  # flat drafts where the target is one-hot and vice versa
@@ -275,7 +275,7 @@ def test_rejection_sample_extreme_top_p_rows():
     seeds = torch.arange(b, dtype=torch.int64) + 17
     offsets = torch.arange(b, dtype=torch.int64) * 5
     top_p = torch.tensor([0.9999, 0.9999, 0.5, 0.9999])
-    ws = VerificationWorkspace.for_verification(b, k, vocab, block_size=256, num_splits=3, device=DEV)
+    ws = VerificationWorkspace.for_verification(b, k, vocab, block_size=128, num_splits=3, device=DEV)
     kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p)
     acc, n = rejection_sample(*(t.to(DEV) for t in (target, draft, tokens)),
                               **{a: v.to(DEV) for a, v in kw.items()}, workspace=ws)
@@ -428,6 +428,19 @@ def test_bad_input_raises_value_error():
 # ----------------------------------------------------------------------------------------------------
 # GPU: large vocabulary and CUDA-graph replay
 # ----------------------------------------------------------------------------------------------------
+def _captured(call) -> "torch.cuda.CUDAGraph":
+    """``call`` warmed up on a side stream, then captured in a CUDA graph (returned, not replayed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_large_vocab_and_graph_replay(dtype):
@@ -447,14 +460,7 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
                                   temperatures=temps.repeat_interleave(k + 1).clamp_min(0.5))
     assert torch.equal(mask, mask_r)
     out = (torch.empty_like(acc), torch.empty_like(n))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        rejection_sample(target, draft, tokens, **kw, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rejection_sample(target, draft, tokens, **kw, out=out)
+    graph = _captured(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
     out[0].fill_(-7)
     offsets.add_(1)  # new draws, same graph
     graph.replay()
@@ -482,14 +488,7 @@ def test_gpu_launch_count_and_graph_capture(dtype):
         out = (torch.empty(b, k + 1, dtype=torch.int64, device="cuda"),
                torch.empty(b, dtype=torch.int32, device="cuda"))
         kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp_arg, workspace=ws)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            rejection_sample(target, draft, tokens, **kw, out=out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            rejection_sample(target, draft, tokens, **kw, out=out)
+        graph = _captured(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
