@@ -120,9 +120,8 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
         print_table(title, headers, rows, notes=[f"{sum(r[1] for r in rows)} launches per call in all."])
 
 
-def _profile_cuda(call, replays: int = 20) -> list[list[object]]:
-    from torch.profiler import ProfilerActivity, profile
-
+def capture_graph(call) -> "torch.cuda.CUDAGraph":
+    """``call`` warmed up on a side stream, then captured in a CUDA graph (returned, not replayed)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -131,6 +130,13 @@ def _profile_cuda(call, replays: int = 20) -> list[list[object]]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
+    return graph
+
+
+def _profile_cuda(call, replays: int = 20) -> list[list[object]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture_graph(call)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -13,6 +13,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tensorrt_llm_ext.bench.verify import capture_graph
 from tensorrt_llm_ext.kernels.fixed_point_softmax import LOG2E_F32, fixed_point_weight_torch
 from tensorrt_llm_ext.kernels.rejection_sample import log2_table, neg_log2_q40_torch
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept
@@ -428,19 +429,6 @@ def test_bad_input_raises_value_error():
 # ----------------------------------------------------------------------------------------------------
 # GPU: large vocabulary and CUDA-graph replay
 # ----------------------------------------------------------------------------------------------------
-def _captured(call) -> "torch.cuda.CUDAGraph":
-    """``call`` warmed up on a side stream, then captured in a CUDA graph (returned, not replayed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_large_vocab_and_graph_replay(dtype):
@@ -460,7 +448,7 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
                                   temperatures=temps.repeat_interleave(k + 1).clamp_min(0.5))
     assert torch.equal(mask, mask_r)
     out = (torch.empty_like(acc), torch.empty_like(n))
-    graph = _captured(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
+    graph = capture_graph(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
     out[0].fill_(-7)
     offsets.add_(1)  # new draws, same graph
     graph.replay()
@@ -488,7 +476,7 @@ def test_gpu_launch_count_and_graph_capture(dtype):
         out = (torch.empty(b, k + 1, dtype=torch.int64, device="cuda"),
                torch.empty(b, dtype=torch.int32, device="cuda"))
         kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp_arg, workspace=ws)
-        graph = _captured(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
+        graph = capture_graph(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
