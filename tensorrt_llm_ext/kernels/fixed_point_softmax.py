@@ -53,7 +53,7 @@ __all__ = [
 
 ONE_Q30 = 1 << 30
 HIST_BUCKETS = 256
-SUMS_COLS = 3  # weight_sums columns before the histogram: Z, F(token), radix key(token)
+SUMS_COLS = 3  # verify_sums columns before the histogram: Z, F(token), radix key(token)
 # fp32 value of log2(e) (the constant both Triton and torch multiply by, exactly representable).
 LOG2E_F32 = float(torch.tensor(math.log2(math.e), dtype=torch.float32).item())
 # 2^(a/256) in Q30, a = 0..255 (float64 is accurate to ~1e-16 here, far from any rounding tie).

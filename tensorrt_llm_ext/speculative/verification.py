@@ -320,7 +320,8 @@ def top_p_keep(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch
     The kept set is the smallest prefix in (logit desc, global id asc) order whose fixed-point mass reaches
     ``ceil(p * Z)``; ``p = 1`` keeps every finite token; padded (id >= vocab_size) and non-finite columns
     are never kept; a row without a finite logit keeps nothing. Decided jointly by all ranks of
-    ``exchange`` with six small collectives; bitwise the same at every TP size. CUDA-graph safe with
+    ``exchange`` with ``call_shape("top_p_keep", True, logits.dtype)`` small collectives (bf16 4, fp32 6);
+    bitwise the same at every TP size. CUDA-graph safe with
     ``out=``, ``temperatures`` and ``workspace``.
     """
     return _top_p_keep(FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
