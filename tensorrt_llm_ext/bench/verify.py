@@ -29,6 +29,7 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
+from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.speculative.verification import VerificationPlan, VerificationWorkspace, rejection_sample
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -81,9 +82,11 @@ def stock_verify(target, draft, tokens, temps, top_p, u_accept):
     return out, n_acc + 1
 
 
-def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1) -> tuple[int, int]:
+def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(exchange rounds, bytes this rank sends) of one sharded rejection_sample call at TP ``tp``."""
-    rounds = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p).exchanges()
+    plan = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p, radix_rounds(dtype))
+    rounds = plan.exchanges()
     return len(rounds), 8 * sum(words for _, words in rounds)
 
 
@@ -265,7 +268,8 @@ def run(args: argparse.Namespace) -> None:
                     del fulls
                 stock = stock_cache.get(key, float("nan"))
                 ours = res[name]
-                calls, nbytes = exchange_volume(b, k, tp, name == "top_p", ws.splits) if tp > 1 else (0, 0)
+                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", ws.splits, dtype) if tp > 1
+                                 else (0, 0))
                 rows.append([tp, width, b, name, fmt(fl, 2), fmt(ours, 2), fmt(ours / fl, 2), fmt(stock, 1),
                              fmt(stock / ours, 1), f"{calls} / {nbytes}"])
             print(f"bench verify: tp {tp} B={b} done", file=sys.stderr, flush=True)

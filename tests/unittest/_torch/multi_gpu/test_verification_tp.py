@@ -153,6 +153,10 @@ def test_verification_tp_invariant(mpi_pool_executor):
     for _, volume in per_rank:
         # the same bytes at both vocabulary sizes: only per-row partials cross ranks
         assert volume[1031] == volume[4099] and volume[1031][0] > 0 and volume[1031][1] > 0, volume
+    # the bytes are what VerificationPlan.exchanges() lists (what bench verify prints)
+    from tensorrt_llm_ext.bench.verify import exchange_volume
+
+    assert per_rank[0][1][1031][0] == exchange_volume(B, K, tp, True, 1, torch.float32)[1], per_rank[0][1]
     # and they are small: under 8 KiB per target row per call (the three 2 KiB histograms dominate)
     rows = B * (K + 1)
     assert per_rank[0][1][4099][0] < rows * 2048 * 4 + 4096, (tp, per_rank[0][1])
