@@ -76,7 +76,13 @@ def _rank_verify():
         args = [_shard(target, start, stop, width), _shard(draft, start, stop, width), tokens, temps, seeds,
                 offsets, top_p]
         args = [a.to(dev) for a in args]
-        res = _call(fused or dev.type == "cuda", *args, vocab_start=start, vocab_size=vocab, exchange=exchange)
+        kw = dict(vocab_start=start, vocab_size=vocab, exchange=exchange)
+        if fused:  # several column chunks per row: the reductions over ranks and chunks together
+            from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
+
+            kw["workspace"] = VerificationWorkspace.for_verification(B, K, width, tp=mapping.tp_size, device=dev,
+                                                                     block_size=128, num_splits=2)
+        res = _call(fused or dev.type == "cuda", *args, **kw)
         res["mask"] = res["mask"][:, : stop - start]
         out[vocab] = res
     # exchange rounds of one call of each kind (the eager twin issues the same exchanges as the kernels)
