@@ -1,7 +1,9 @@
 """Single-rank tests of rejection-sampling verification and exact top-p: kernels equal their eager twins
 bit for bit; the integer weights match float64; top-p matches a float64 reference; greedy rows equal
-today's strict-acceptance path; the emitted token is distributed as the target's p (chi-square); bad
-input raises ValueError naming the argument. Multi-rank TP invariance: multi_gpu/test_verification_tp.py.
+today's strict-acceptance path; the emitted token is distributed as the target's p (chi-square); huge and
+tiny top-p sets; bf16 / fp16 (fewer radix rounds) equal fp32; the launches per call (no memset, copy or
+host check besides the kernels); bad input raises ValueError naming the argument. Multi-rank TP invariance
+and exchange rounds: multi_gpu/test_verification_tp.py.
 """
 
 from __future__ import annotations
