@@ -30,7 +30,8 @@ import torch
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
-from tensorrt_llm_ext.speculative.verification import VerificationPlan, VerificationWorkspace, rejection_sample
+from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, column_plan,
+                                                        rejection_sample)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -268,7 +269,8 @@ def run(args: argparse.Namespace) -> None:
                     del fulls
                 stock = stock_cache.get(key, float("nan"))
                 ours = res[name]
-                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", ws.splits, dtype) if tp > 1
+                s_eff, _ = column_plan(b * (2 * k + 1), width, block, splits)
+                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype) if tp > 1
                                  else (0, 0))
                 rows.append([tp, width, b, name, fmt(fl, 2), fmt(ours, 2), fmt(ours / fl, 2), fmt(stock, 1),
                              fmt(stock / ours, 1), f"{calls} / {nbytes}"])

@@ -50,7 +50,7 @@ from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 
-__all__ = ["EAGER_KERNELS", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
+__all__ = ["EAGER_KERNELS", "column_plan", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
            "VerificationWorkspace", "call_shape", "rejection_sample", "rejection_sample_reference",
            "top_p_keep", "top_p_keep_reference"]
 
@@ -99,6 +99,16 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
 
 _H = fps.HIST_BUCKETS
 _DEFAULT_BLOCK = 2048
+# Column chunks are for occupancy at small batches: enough (row, chunk) programs to fill the GPU, no more,
+# since every exchanged slot is per (row, chunk) and the volume grows with the chunk count.
+_TARGET_PROGRAMS = 512
+
+
+def column_plan(rows: int, n_valid: int, block_size: int, num_splits: int) -> tuple[int, int]:
+    """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``n_valid`` owned columns: at
+    most ``num_splits`` chunks per row and no more than ``ceil(512 / rows)``. Depends on shapes only."""
+    want = max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(rows, 1))))
+    return fps.plan_chunks(n_valid, block_size, want)
 
 
 @dataclass(frozen=True)
@@ -293,12 +303,12 @@ def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, excha
         out = torch.empty((rows, width), dtype=torch.bool, device=dev)
     check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    splits, _ = fps.plan_chunks(max(0, min(width, vocab_size - vocab_start)), bs, ns)
+    splits, chunk = column_plan(rows, max(0, min(width, vocab_size - vocab_start)), bs, ns)
     plan = VerificationPlan(rows, 0, 0, splits, tp, True)
     ws = _call_buffers(workspace, plan, dev, "top_p_keep")
     if rows == 0:
         return out
-    kw = dict(block_size=bs, num_splits=ns)
+    kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
     ex = _exchange_or_none(exchange)
     ops.keys(logits, None, vocab_start, vocab_size, out=ws.keys, **kw)
     if ex is not None:
@@ -367,13 +377,13 @@ def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatur
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
     n_valid = max(0, min(width, vocab_size - vocab_start))
-    splits, _ = fps.plan_chunks(n_valid, bs, ns)
+    splits, chunk = column_plan(b * (2 * k + 1), n_valid, bs, ns)
     has_p = top_p is not None
     plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p)
     ws = _call_buffers(workspace, plan, dev, "rejection_sample")
     if b == 0:
         return accepted, num_accepted
-    kw = dict(block_size=bs, num_splits=ns)
+    kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
     ex = _exchange_or_none(exchange)
     tgt = target_logits.view(b * k1, width)
     drf = draft_logits.view(b * k, width)
