@@ -153,7 +153,7 @@ def _profile(stages: _Stages, top: int = 12) -> list[str]:
 
 @register_benchmark("step", "one DSpark decode step by stage: fused vs stock op table (CUDA graphs)",
                     add_args=_add_args)
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
@@ -167,11 +167,19 @@ def run(args: argparse.Namespace) -> None:
     model = dict(GPU_MODEL if cuda else _cpu_model())
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
+    err = None
+    if args.temperature < 0:
+        err = f"--temperature: expected a value >= 0, got {args.temperature}"
+    elif not 0.0 < args.top_p <= 1.0:
+        err = f"--top-p: expected a value in (0, 1], got {args.top_p}"
+    elif args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
+        err = "--rejection-sampling / --top-p need --temperature > 0 (the sampled mode)"
+    if err:
+        print(f"error: bench step: {err}", file=sys.stderr)
+        return 2
     if args.temperature > 0:
         _run_sampled(args, model, sizes)
-        return
-    if args.rejection_sampling or args.top_p < 1:
-        raise ValueError("bench step: --rejection-sampling / --top-p need --temperature > 0 (the sampled mode)")
+        return 0
     cfg = load_config(**model)
     # A whole step is ~1 ms: few replays per sample keep the run to minutes at every batch size.
     timer = BenchTimer(reps=7, calls_per_rep=4)
@@ -221,6 +229,7 @@ def run(args: argparse.Namespace) -> None:
     if getattr(args, "out", None):
         with open(args.out, "a") as f:
             f.write(text + "\n")
+    return 0
 
 
 def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> None:
@@ -231,8 +240,6 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
 
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"bench step: --top-p expected a value in (0, 1], got {args.top_p}")
     model = dict(model)
     model["speculative_config.use_rejection_sampling"] = bool(args.rejection_sampling)
     cfg = load_config(**model)
