@@ -226,6 +226,10 @@ def _philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
+# The Philox twin under its public name, for callers outside this module.
+philox_4x32_10_torch = _philox_4x32_10_torch
+
+
 def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
     """High 32 bits of the 64-bit product of constant ``a`` and uint32 values ``x`` (no int64 overflow)."""
     x_lo = x & 0xFFFF
@@ -238,10 +242,6 @@ def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
     hi_hi = a_hi * x_hi
     carry = ((lo_lo >> 16) + (mid1 & 0xFFFF) + (mid2 & 0xFFFF)) >> 16
     return (hi_hi + (mid1 >> 16) + (mid2 >> 16) + carry) & 0xFFFFFFFF
-
-
-# The Philox twin under its public name, for callers outside this module.
-philox_4x32_10_torch = _philox_4x32_10_torch
 
 
 def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
