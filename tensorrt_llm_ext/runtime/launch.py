@@ -231,8 +231,10 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     Fails as well when a request was rejected (its output was never compared) or when no request was
     served at all (nothing was compared): a check that compared nothing must not pass.
 
+    At tp 1 the job runs no ``gathered`` mode (it is the speculative path itself); the check says so.
+
     Rejection sampling (``rejection_sampling=True``; sampled outputs follow the target's distribution, not
-    its seeded draws): the vocab-sharded run equals the gathered-verification run bitwise (tokens and
+    its seeded draws): at tp > 1 the vocab-sharded run equals the gathered-verification run bitwise (tokens and
     accepted lengths), the ``greedy`` requests equal the target-only decode, every emitted token lies in
     the target's top-p kept set, and every rank produced identical tokens.
     """
@@ -248,6 +250,8 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
         lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
     if compared == 0:
         lines.append("  nothing was compared: no request was served")
+    if "gathered" not in ref:
+        lines.append("  gathered-logits path: the speculative path itself at tp=1 (nothing is sharded), not compared")
     for mode, res in ref.items():
         if mode == "speculative":
             continue
@@ -267,17 +271,20 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
 
 def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
     ref = reports[0].results
-    spec, gathered, target = ref["speculative"], ref["gathered"], ref["target_only"]
+    spec, gathered, target = ref["speculative"], ref.get("gathered"), ref["target_only"]
     lines, differs = [], False
     rejected = [i for i, e in enumerate(spec.errors) if e]
     compared = len(spec.outputs) - len(rejected)
     if rejected:
         lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
-    same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
-    bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
-    lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
-                 f"{'agree' if same else f'DIFFER on requests {bad}'}")
-    differs |= not same
+    if gathered is None:
+        lines.append("  sharded vs gathered verification: the same call at tp=1 (nothing is sharded), not compared")
+    else:
+        same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
+        bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
+        lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
+                     f"{'agree' if same else f'DIFFER on requests {bad}'}")
+        differs |= not same
     rows = [i for i, g in enumerate(greedy) if g and i not in rejected]
     bad = [i for i in rows if spec.outputs[i] != target.outputs[i]]
     lines.append(f"  greedy requests {rows} vs target-only decode: {'agree' if rows and not bad else f'DIFFER on {bad}'}")
