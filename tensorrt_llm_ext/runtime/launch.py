@@ -15,6 +15,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tensorrt_llm_ext.models.checkpoint import CheckpointError
+
 # A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
@@ -180,7 +182,11 @@ def _rank_main(job_dict: dict) -> dict:
     job = GenerateJob(**job_dict)
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
-    report = run_job(job, mapping)
+    try:
+        report = run_job(job, mapping)
+    except CheckpointError as e:
+        # Every rank reads the same files and refuses them alike: a refusal of the input, not a rank fault.
+        return {"rank": mapping.rank, "refused": str(e)}
     from tensorrt_llm_ext.distributed.communicator import world_cpu_group
     from tensorrt_llm_ext.logger import flush_rank_logs
 
@@ -198,7 +204,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
 
     At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
     that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
-    naming it. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
+    naming it; a checkpoint every rank refuses at load raises its :class:`CheckpointError` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
     it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs.
     """
     if tp_size == 1:
@@ -207,6 +213,9 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
 
     raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
                        log_dir=log_dir)
+    refused = [item["refused"] for item in raw if "refused" in item]
+    if refused:
+        raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
     reports = []
     for item in raw:
         rep = RankReport(rank=item["rank"])
