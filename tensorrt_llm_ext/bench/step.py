@@ -55,7 +55,7 @@ GPU_MODEL = {
 
 
 def _cpu_model() -> dict:
-    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.configs.tiny_model import tiny_model
 
     return tiny_model(**{"model.drafter_init": "random", "model.target.vocab_size": 517,
                          "speculative_config.markov_rank": 8})
@@ -80,8 +80,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="sampled mode: sampled drafts + rejection-sampling verification (else strict acceptance)")
 
 
-class _Stages:
-    """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`_setup`."""
+class StepStages:
+    """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`setup_rows`."""
 
     def __init__(self, eng: Engine, worker, b: int, ctx0: torch.Tensor):
         self.eng, self.w, self.b, self.ctx0 = eng, worker, b, ctx0
@@ -119,7 +119,7 @@ class _Stages:
         return self.w.forward(self.b)
 
 
-def _setup(eng, b: int, prompt_len: int, worker=None, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+def setup_rows(eng, b: int, prompt_len: int, worker=None, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
     """``b`` live requests on slots ``0..b-1`` (one batched prefill; greedy unless ``temperature > 0``); returns
     their ``ctx_lens`` to restore between replays."""
     w = worker if worker is not None else eng.worker("speculative", sampling=False)
@@ -131,7 +131,7 @@ def _setup(eng, b: int, prompt_len: int, worker=None, temperature: float = 0.0, 
     return eng.state.ctx_lens.clone()
 
 
-def _profile(stages: _Stages, top: int = 12) -> list[str]:
+def _profile(stages: StepStages, top: int = 12) -> list[str]:
     """Top CUDA kernels of one captured step (replayed under the torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -189,12 +189,12 @@ def run(args: argparse.Namespace) -> int:
     attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
     rows, profiles = [], []
     for b in sizes:
-        ctx0 = _setup(eng, b, args.prompt_len)
+        ctx0 = setup_rows(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
         t: dict[tuple[str, str], float] = {}
         for table, worker in (("ours", fused), ("stock", stock)):
             eng.drafter.set_attention_backend(attention[table])
-            stages = _Stages(eng, worker, b, ctx0)
+            stages = StepStages(eng, worker, b, ctx0)
             for name in STAGES:
                 if name == "target_fwd" and table == "stock":
                     t[(name, table)] = t[(name, "ours")]  # the same model code in both tables
@@ -252,7 +252,7 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
         t, how = {}, {}
         for table, worker in workers.items():
             eng.drafter.set_attention_backend(attention[table])
-            ctx0 = _setup(eng, b, args.prompt_len, worker, args.temperature, args.top_p)
+            ctx0 = setup_rows(eng, b, args.prompt_len, worker, args.temperature, args.top_p)
             worker.set_rows(list(range(b)), b)
 
             def step(worker=worker, ctx0=ctx0):

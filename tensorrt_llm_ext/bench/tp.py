@@ -291,7 +291,7 @@ def _drafter_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dic
 
 def _step_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
     """The whole DSpark step on this rank, fused vs stock op table (bench step's worker stages)."""
-    from tensorrt_llm_ext.bench.step import CPU_MODEL, GPU_MODEL, _setup, _Stages
+    from tensorrt_llm_ext.bench.step import CPU_MODEL, GPU_MODEL, StepStages, setup_rows
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
 
@@ -302,11 +302,11 @@ def _step_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) 
     fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
     out["step_selection"] = fused.selection.describe()
     for b in sizes.step_batches:
-        ctx0 = _setup(eng, b, 8 if sizes.step_tiny else 64)
+        ctx0 = setup_rows(eng, b, 8 if sizes.step_tiny else 64)
         snapshot = [x.clone() for x in eng.state.mutable_tensors()]
         t, tokens = {}, {}
         for name, worker in (("fused", fused), ("stock", stock)):
-            stages = _Stages(eng, worker, b, ctx0)
+            stages = StepStages(eng, worker, b, ctx0)
             t[name] = timer.time(f"step: {name} B={b}", [stages.step])
             for dst, src in zip(eng.state.mutable_tensors(), snapshot):
                 dst.copy_(src)

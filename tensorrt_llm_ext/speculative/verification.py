@@ -81,6 +81,7 @@ EAGER_KERNELS = VerificationKernels(
     top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
     top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference)
 
+
 def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """``(launches, exchange rounds)`` of one call of ``entry`` (``"rejection_sample"`` / ``"top_p_keep"``).
 
