@@ -54,7 +54,7 @@ GPU_MODEL = {
 }
 
 
-def _cpu_model() -> dict:
+def cpu_model() -> dict:
     from tensorrt_llm_ext.configs.tiny_model import tiny_model
 
     return tiny_model(**{"model.drafter_init": "random", "model.target.vocab_size": 517,
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if not cuda:
         torch.set_num_threads(1)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    model = dict(GPU_MODEL if cuda else _cpu_model())
+    model = dict(GPU_MODEL if cuda else cpu_model())
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
     err = None

@@ -291,11 +291,11 @@ def _drafter_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dic
 
 def _step_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
     """The whole DSpark step on this rank, fused vs stock op table (bench step's worker stages)."""
-    from tensorrt_llm_ext.bench.step import CPU_MODEL, GPU_MODEL, StepStages, setup_rows
+    from tensorrt_llm_ext.bench.step import GPU_MODEL, StepStages, cpu_model, setup_rows
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
 
-    model = dict(CPU_MODEL if sizes.step_tiny else GPU_MODEL)
+    model = cpu_model() if sizes.step_tiny else dict(GPU_MODEL)
     model.update({"model.target.vocab_size": sizes.step_vocab, "speculative_config.max_draft_len": sizes.draft_len,
                   "max_batch_size": max(sizes.step_batches), "tensor_parallel_size": mapping.tp_size})
     eng = Engine(load_config(**model), mapping, device=dev)
