@@ -332,7 +332,8 @@ def test_auto_mode_component_follows_table(caplog, monkeypatch):
         chain = MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto")
         MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto")
     assert chain.auto_table == mc.AUTO_MODE_TABLE
-    assert [chain.mode_for(b) for b in range(1, 300)] == [mc.auto_mode_for(mc.AUTO_MODE_TABLE, b) for b in range(1, 300)]
+    want = [mc.auto_mode_for(mc.AUTO_MODE_TABLE, b) for b in range(1, 300)]
+    assert [chain.mode_for(b) for b in range(1, 300)] == want
     lines = [r.getMessage() for r in caplog.records if "Markov chain mode 'auto'" in r.getMessage()]
     assert lines == ["Markov chain mode 'auto': the table measured on the H200: B 1..32 fused, B>=33 exact"], lines
     given = MarkovChain(weights, max_batch_size=4, draft_len=2, mode="auto", auto_table=((1, "exact"), (None, "fused")))
