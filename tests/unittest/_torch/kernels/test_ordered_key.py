@@ -19,7 +19,7 @@ def _noise_close(got: torch.Tensor, want: torch.Tensor) -> None:
     if CPU:
         assert torch.equal(got.cpu(), want)
     else:
-        torch.testing.assert_close(got.cpu(), want, atol=4e-6, rtol=4e-6)
+        torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)  # lg2.approx: ~1e-5 of the noise
 
 # Triton takes CPU tensors only under the interpreter (CPU machines); on a GPU machine test CUDA.
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
