@@ -153,11 +153,32 @@ class DSparkState:
 
 
 @runtime_checkable
+class LanguageModelHead(Protocol):
+    """What a worker calls on an LM head. Vocab-parallel selection needs more than this protocol (a
+    column-parallel, evenly sharded, unquantized head it can shard): it binds only the package's own
+    ``LMHead`` class and takes the gathered path for any other head, saying why."""
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> full-vocabulary logits ``[..., V]`` (gathered across ranks where sharded)."""
+
+
+@runtime_checkable
+class LogitsProcessorLike(Protocol):
+    """Hidden states -> the logits tokens are selected from. Only the package's plain ``LogitsProcessor``
+    leaves the head's logits unchanged; any other processor may transform them, so vocab-parallel
+    selection takes the gathered path for it."""
+
+    def __call__(self, hidden_states: torch.Tensor, lm_head: LanguageModelHead,
+                 row_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """``[R, H]`` (rows ``row_indices`` of it where given) -> ``[R', V]`` logits."""
+
+
+@runtime_checkable
 class TargetModel(Protocol):
     """What a speculative worker calls on the target model (and nothing else)."""
 
-    lm_head: Any  # the (possibly vocab-sharded) LM head the selection binds after load
-    logits_processor: Any  # the plain logits processor (a subclass disables vocab-parallel selection)
+    lm_head: LanguageModelHead  # the (possibly vocab-sharded) LM head the selection binds after load
+    logits_processor: LogitsProcessorLike  # the plain one keeps vocab-parallel selection possible
     dtype: torch.dtype  # activation / logits dtype
 
     @property
@@ -176,13 +197,13 @@ class TargetModel(Protocol):
 class DraftModel(Protocol):
     """What a speculative worker calls on a DSpark block drafter (and nothing else)."""
 
-    lm_head: Any  # the head drafts go through (the target's, after take_over_lm_head)
+    lm_head: LanguageModelHead | None  # the head drafts go through (the target's, after take_over_lm_head)
 
     @property
     def mask_token_id(self) -> int:
         """Input id of the block's masked positions."""
 
-    def take_over_lm_head(self, lm_head: Any) -> None:
+    def take_over_lm_head(self, lm_head: LanguageModelHead) -> None:
         """Draft through the target's LM head from now on (called once, after load)."""
 
     def markov_head_weights(self, vocab_parallel: bool | None = None) -> MarkovHeadWeights:

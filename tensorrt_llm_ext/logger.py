@@ -94,13 +94,6 @@ def info_once(msg: str, key: str | None = None) -> None:
         logger.info(msg)
 
 
-def warning_once(msg: str, key: str | None = None) -> None:
-    k = key or msg
-    if k not in _seen_once:
-        _seen_once.add(k)
-        logger.warning(msg)
-
-
 def log_environment() -> None:
     """Log the environment switches (:mod:`tensorrt_llm_ext._env`) once per process."""
     info_once(f"environment: {ENV.describe()}", key="environment")

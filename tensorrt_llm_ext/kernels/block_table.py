@@ -12,6 +12,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import (
     check_devices,
+    check_int,
     check_tensor,
     num_warps_for,
     refuse_allocation_while_capturing,
@@ -35,14 +36,8 @@ def _decode_block_table_kernel(
 
 
 def _decode_checks(encoded_offsets, divisor):
-    if isinstance(divisor, bool) or not isinstance(divisor, int):
-        raise ValueError(f"divisor must be a Python int, got {type(divisor).__name__}")
-    if divisor <= 0 or divisor >= 2**31:
-        raise ValueError(f"divisor must lie in [1, 2^31), got {divisor}")
-    if not isinstance(encoded_offsets, torch.Tensor) or encoded_offsets.dim() != 2:
-        raise ValueError(f"encoded_offsets must be [B, max_blocks], got {getattr(encoded_offsets, 'shape', None)}")
-    if encoded_offsets.dtype != torch.int32:
-        raise ValueError(f"encoded_offsets must be int32, got {encoded_offsets.dtype}")
+    check_int("divisor", divisor, lo=1, hi=2**31)
+    check_tensor("encoded_offsets [B, max_blocks]", encoded_offsets, shape=(None, None), dtype=torch.int32)
 
 
 def decode_block_table(

@@ -19,6 +19,7 @@ from tensorrt_llm_ext.kernels.common import (
     INT_DTYPES,
     check_contiguous,
     check_devices,
+    check_int,
     check_tensor,
     is_capturing,
     num_warps_for,
@@ -143,42 +144,27 @@ def _paged_latent_step_kernel(
 
 def _paged_checks(accepted_tokens, num_accepted, slot_ids, is_dummy, ctx_lens, block_table,
                   num_contexts, page_size, draft_len, max_ctx_len, mask_token_id):
-    for name, v in dict(num_contexts=num_contexts, page_size=page_size, draft_len=draft_len,
-                        max_ctx_len=max_ctx_len, mask_token_id=mask_token_id).items():
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must be a Python int, got {type(v).__name__}")
-    if draft_len < 1:
-        raise ValueError(f"draft_len (K) must be >= 1, got {draft_len}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if num_contexts < 0 or max_ctx_len < 0 or mask_token_id < 0:
-        raise ValueError(f"num_contexts, max_ctx_len and mask_token_id must be >= 0, "
-                         f"got {num_contexts}, {max_ctx_len}, {mask_token_id}")
-    if max_ctx_len >= 2**31 - 2 * draft_len:
-        raise ValueError(f"max_ctx_len must be below 2^31 - 2K, got {max_ctx_len}")
-    if not isinstance(accepted_tokens, torch.Tensor) or accepted_tokens.dim() != 2:
-        raise ValueError(f"accepted_tokens must be [B, K+1], got {getattr(accepted_tokens, 'shape', None)}")
+    check_int("draft_len (K)", draft_len, lo=1)
+    check_int("page_size", page_size, lo=1)
+    check_int("num_contexts", num_contexts, lo=0)
+    check_int("mask_token_id", mask_token_id, lo=0)
+    check_int("max_ctx_len (below 2^31 - 2K)", max_ctx_len, lo=0, hi=2**31 - 2 * draft_len)
+    check_tensor("accepted_tokens [B, K+1]", accepted_tokens, shape=(None, draft_len + 1))
     b = accepted_tokens.shape[0]
     check_tensor("accepted_tokens", accepted_tokens, shape=(b, draft_len + 1), dtype=INT_DTYPES)
-    if num_contexts > b:
-        raise ValueError(f"num_contexts ({num_contexts}) exceeds the step's rows ({b})")
+    check_int("num_contexts (at most the step's rows)", num_contexts, lo=0, hi=b + 1)
     check_tensor("num_accepted", num_accepted, shape=(b,), dtype=INT_DTYPES)
     check_tensor("slot_ids", slot_ids, shape=(b,), dtype=INT_DTYPES)
     check_tensor("is_dummy", is_dummy, shape=(b,), dtype=torch.bool)
-    if ctx_lens.dim() != 1:
-        raise ValueError(f"ctx_lens must be [num_slots], got {list(ctx_lens.shape)}")
-    check_tensor("ctx_lens", ctx_lens, shape=tuple(ctx_lens.shape), dtype=torch.int32)
-    if block_table.dim() != 2 or block_table.shape[0] != ctx_lens.shape[0]:
-        raise ValueError(f"block_table must be [num_slots={ctx_lens.shape[0]}, max_pages], got {list(block_table.shape)}")
-    check_tensor("block_table", block_table, shape=tuple(block_table.shape), dtype=torch.int32)
+    check_tensor("ctx_lens [num_slots]", ctx_lens, shape=(None,), dtype=torch.int32)
+    check_tensor("block_table [num_slots, max_pages]", block_table, shape=(ctx_lens.shape[0], None),
+                 dtype=torch.int32, unit_last_stride=True)
     if block_table.shape[1] < 1:
-        raise ValueError("block_table needs at least one page column")
+        raise ValueError("block_table: expected at least one page column, got 0")
     check_devices(accepted_tokens.device, num_accepted=num_accepted, slot_ids=slot_ids, is_dummy=is_dummy,
                   ctx_lens=ctx_lens, block_table=block_table)
     check_contiguous(accepted_tokens=accepted_tokens, num_accepted=num_accepted, slot_ids=slot_ids,
                       is_dummy=is_dummy, ctx_lens=ctx_lens)
-    if block_table.stride(-1) != 1:
-        raise ValueError("block_table must have a contiguous last dimension")
     if b > num_contexts and not is_capturing(accepted_tokens.device):
         _check_slot_range(slot_ids[num_contexts:], ctx_lens.shape[0])
     return b - num_contexts
@@ -279,7 +265,7 @@ def paged_latent_step(
 
 def _check_step_out(out: PagedLatentStep, g: int, k: int, device) -> None:
     if not isinstance(out, PagedLatentStep):
-        raise ValueError(f"out must be a PagedLatentStep, got {type(out).__name__}")
+        raise ValueError(f"out: expected a PagedLatentStep, got {type(out).__name__}")
     expect = dict(bonus_tokens=((g,), torch.int32), block_input_ids=((g, k), torch.int64),
                   latent_pages=((g, k + 1), torch.int32), latent_offsets=((g, k + 1), torch.int32),
                   latent_write_mask=((g, k + 1), torch.bool), positions=((g, k), torch.int32),
@@ -355,15 +341,9 @@ def _store_context_latents_kernel(
 
 
 def _store_checks(latents, dest_pages, dest_offsets, write_mask, pool):
-    if not isinstance(latents, torch.Tensor) or latents.dim() != 3:
-        raise ValueError(f"latents must be [N, L, d_c], got {getattr(latents, 'shape', None)}")
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
-        raise ValueError(f"pool must be [L, num_pages, page_size, d_c], got {getattr(pool, 'shape', None)}")
+    check_tensor("latents [N, L, d_c]", latents, shape=(None, None, None))
     n, layers, d_c = latents.shape
-    if pool.shape[0] != layers or pool.shape[3] != d_c:
-        raise ValueError(f"pool must be [L={layers}, num_pages, page_size, d_c={d_c}], got {list(pool.shape)}")
-    if pool.dtype != latents.dtype:
-        raise ValueError(f"pool dtype {pool.dtype} must equal latents dtype {latents.dtype}")
+    check_tensor("pool [L, num_pages, page_size, d_c]", pool, shape=(layers, None, None, d_c), dtype=latents.dtype)
     check_tensor("dest_pages", dest_pages, shape=(n,), dtype=INT_DTYPES)
     check_tensor("dest_offsets", dest_offsets, shape=(n,), dtype=INT_DTYPES)
     check_tensor("write_mask", write_mask, shape=(n,), dtype=torch.bool)
@@ -408,11 +388,26 @@ def store_context_latents(
     return pool
 
 
-def store_context_latents_reference(latents, dest_pages, dest_offsets, write_mask, pool) -> torch.Tensor:
-    """Eager twin of :func:`store_context_latents` (boolean selection: syncs, not capturable)."""
+def store_context_latents_reference(latents, dest_pages, dest_offsets, write_mask, pool, *,
+                                    sink_page: int | None = None) -> torch.Tensor:
+    """Eager twin of :func:`store_context_latents`: rows that are masked out or whose destination lies
+    outside the pool are not written.
+
+    ``sink_page=None``: those rows are skipped by a boolean selection (syncs, not capturable), so nothing
+    else in the pool changes, exactly as the kernel. ``sink_page=p`` (the engine's pool keeps a last,
+    scratch page): they are written to page ``p`` instead, which needs no sync and is capturable -- the
+    upstream eager store the stock op table runs; pages other than ``p`` end equal to the default's, and
+    a destination on page ``p`` counts as outside the pool.
+    """
     _store_checks(latents, dest_pages, dest_offsets, write_mask, pool)
-    ok = (write_mask & (dest_pages >= 0) & (dest_pages < pool.shape[1])
+    num_pages = pool.shape[1] if sink_page is None else sink_page
+    ok = (write_mask & (dest_pages >= 0) & (dest_pages < num_pages)
           & (dest_offsets >= 0) & (dest_offsets < pool.shape[2]))
+    if sink_page is not None:
+        pages = torch.where(ok, dest_pages.long(), torch.full_like(dest_pages, sink_page, dtype=torch.long))
+        offsets = torch.where(ok, dest_offsets.long(), torch.zeros_like(dest_offsets, dtype=torch.long))
+        pool[:, pages, offsets] = latents.transpose(0, 1).to(pool.dtype)
+        return pool
     rows = ok.nonzero().squeeze(1)
     pool[:, dest_pages[rows].long(), dest_offsets[rows].long()] = latents[rows].transpose(0, 1)
     return pool

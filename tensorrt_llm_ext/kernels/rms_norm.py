@@ -36,15 +36,10 @@ def _rms_norm_kernel(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"rms_norm expects x of shape [rows, hidden], got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        raise ValueError("rms_norm expects x with a contiguous last dimension")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"rms_norm residual must be {tuple(x.shape)} with a contiguous last dim, "
-                         f"got {tuple(residual.shape)}")
+    check_tensor("rms_norm x [rows, hidden]", x, shape=(None, None), unit_last_stride=True)
+    check_tensor("rms_norm weight [hidden]", weight, shape=(x.shape[1],))
+    if residual is not None:
+        check_tensor("rms_norm residual [rows, hidden]", residual, shape=tuple(x.shape), unit_last_stride=True)
 
 
 def rms_norm(

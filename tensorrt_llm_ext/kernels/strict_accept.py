@@ -16,6 +16,7 @@ from tensorrt_llm_ext.kernels.common import (
     INT_DTYPES,
     check_contiguous,
     check_devices,
+    check_int,
     check_tensor,
     is_capturing,
     refuse_allocation_while_capturing,
@@ -64,23 +65,18 @@ def _strict_accept_kernel(
 
 
 def _strict_accept_shapes(draft_tokens, target_tokens, num_contexts):
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [G, K], got {getattr(draft_tokens, 'shape', draft_tokens)}")
-    if draft_tokens.dtype not in INT_DTYPES or target_tokens.dtype not in INT_DTYPES:
-        raise ValueError(f"draft/target tokens must have dtype int32 or int64, got {draft_tokens.dtype}, {target_tokens.dtype}")
-    if not isinstance(num_contexts, int) or num_contexts < 0:
-        raise ValueError(f"num_contexts must be an int >= 0, got {num_contexts!r}")
+    check_tensor("draft_tokens", draft_tokens, shape=(None, None), dtype=INT_DTYPES)
+    check_tensor("target_tokens", target_tokens, dtype=INT_DTYPES)
+    check_int("num_contexts", num_contexts, lo=0)
     g, k = draft_tokens.shape
     b = num_contexts + g
     if target_tokens.dim() == 2:
-        if tuple(target_tokens.shape) != (b, k + 1):
-            raise ValueError(f"target_tokens must be [num_contexts + G, K+1] = [{b}, {k + 1}], "
-                             f"got {list(target_tokens.shape)}")
+        check_tensor("target_tokens [num_contexts + G, K+1]", target_tokens, shape=(b, k + 1))
         flat = False
     elif target_tokens.dim() == 1:
         flat = True
     else:
-        raise ValueError(f"target_tokens must be [B, K+1] or flat, got {list(target_tokens.shape)}")
+        raise ValueError(f"target_tokens: expected [B, K+1] or flat, got shape {list(target_tokens.shape)}")
     check_devices(draft_tokens.device, target_tokens=target_tokens)
     return b, k, flat
 
@@ -88,12 +84,9 @@ def _strict_accept_shapes(draft_tokens, target_tokens, num_contexts):
 def _force_arg(forced_num_accepted, b: int, device):
     if forced_num_accepted is None:
         return None
-    if isinstance(forced_num_accepted, bool) or not isinstance(forced_num_accepted, (int, torch.Tensor)):
-        raise ValueError(f"forced_num_accepted must be an int or a [B] tensor, got {type(forced_num_accepted).__name__}")
-    if isinstance(forced_num_accepted, int):
-        if forced_num_accepted < 1:
-            raise ValueError(f"forced_num_accepted counts accepted tokens (>= 1), got {forced_num_accepted}")
-        return forced_num_accepted
+    if not isinstance(forced_num_accepted, torch.Tensor):
+        # an int counts accepted tokens (>= 1); anything else (a bool too) is refused by check_int
+        return check_int("forced_num_accepted (an int or a [B] tensor)", forced_num_accepted, lo=1)
     check_tensor("forced_num_accepted", forced_num_accepted, shape=(b,), dtype=INT_DTYPES)
     check_devices(device, forced_num_accepted=forced_num_accepted)
     check_contiguous(forced_num_accepted=forced_num_accepted)
@@ -248,7 +241,5 @@ def strict_accept_reference(
 
 
 def _check_flat_len(target_tokens, num_contexts, g, k):
-    if target_tokens.shape[0] != num_contexts + g * (k + 1):
-        raise ValueError(f"flat target_tokens must be [num_contexts + G*(K+1)] = [{num_contexts + g * (k + 1)}], "
-                         f"got {list(target_tokens.shape)}")
+    check_tensor("flat target_tokens [num_contexts + G*(K+1)]", target_tokens, shape=(num_contexts + g * (k + 1),))
 

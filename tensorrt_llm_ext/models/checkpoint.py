@@ -17,6 +17,10 @@ MLP biases. GQA (``num_key_value_heads``), an explicit ``head_dim``, ``rms_norm_
 ``model.safetensors`` with the names of :func:`~tensorrt_llm_ext.models.dspark_drafter.full_weight_shapes`
 (``fc.weight``, ``kv_a_proj.weight``, ``layers.{i}.self_attn.k_up_proj.weight``, ``markov_w1``, ...).
 
+**Facts** (:func:`read_checkpoint_facts`): what serving needs besides the weights -- the served name, EOS and
+BOS ids (``config.json``, ``generation_config.json``, the tokenizer), ``max_position_embeddings``, the
+``torch_dtype`` and whether a tokenizer and a chat template are there.
+
 Every failure is a :class:`CheckpointError` naming the file and what is wrong (missing, not JSON, not a
 safetensors file, a missing or mis-shaped tensor).
 """
@@ -24,9 +28,13 @@ safetensors file, a missing or mis-shaped tensor).
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tensorrt_llm_ext.logger import logger
 
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes as drafter_weight_shapes
@@ -36,6 +44,10 @@ from tensorrt_llm_ext.models.llama_target import full_weight_shapes as target_we
 DRAFTER_ARCHITECTURE = "DSparkDrafter"
 DRAFTER_FORMAT_VERSION = 1
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# config.json's `torch_dtype` / `dtype` spellings (transformers writes the torch names; older tools the short ones)
+_DTYPE_FROM_NAME = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+                    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 class CheckpointError(ValueError):
@@ -73,6 +85,133 @@ def default_target_layer_ids(num_layers: int) -> list[int]:
     if num_layers <= 3:
         return list(range(num_layers))
     return sorted({1, num_layers // 2 - 1, num_layers - 4} & set(range(num_layers))) or [num_layers - 1]
+
+
+# -- facts: what serving needs from a checkpoint besides its weights --------------------------------------
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a Hugging Face checkpoint directory says about serving it (read by :func:`read_checkpoint_facts`).
+
+    The embedded default model (no directory) has no facts: no EOS, its own maximum length.
+    """
+
+    model_name: str  # default served model name: the directory's name
+    eos_token_ids: tuple[int, ...]  # config.json, generation_config.json, then the tokenizer's; () if none
+    bos_token_id: int | None
+    max_position_embeddings: int | None
+    torch_dtype: torch.dtype | None  # config.json `torch_dtype` (transformers >= 5: `dtype`)
+    has_tokenizer: bool
+    has_chat_template: bool
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _token_ids(value, key: str, path: Path) -> tuple[int, ...]:
+    """``eos_token_id`` / ``bos_token_id``: ``null``, an int or a list of ints (each >= 0)."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise CheckpointError(f"checkpoint: {path}: {key} must be a token id >= 0 or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _token_content(token) -> str | None:
+    """A tokenizer_config.json special token: a string or an ``AddedToken`` dict ``{"content": ...}``."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _tokenizer_token_id(directory: Path, which: str) -> int | None:
+    """The id of the tokenizer's ``eos_token`` / ``bos_token`` (``which``), looked up in
+    ``tokenizer_config.json``'s ``added_tokens_decoder``, then ``tokenizer.json``'s added tokens and vocabulary."""
+    config_path = directory / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    tok_cfg = _read_json(config_path)
+    content = _token_content(tok_cfg.get(which))
+    if content is None:
+        return None
+    decoder = tok_cfg.get("added_tokens_decoder")
+    for key, entry in (decoder.items() if isinstance(decoder, dict) else ()):
+        if _token_content(entry) == content and str(key).isdigit():
+            return int(key)
+    tok_path = directory / "tokenizer.json"
+    if tok_path.is_file():
+        tok = _read_json(tok_path)
+        for entry in tok.get("added_tokens") or ():
+            if isinstance(entry, dict) and entry.get("content") == content and isinstance(entry.get("id"), int):
+                return entry["id"]
+        vocab = (tok.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict) and isinstance(vocab.get(content), int):
+            return vocab[content]
+        if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+            for i, entry in enumerate(vocab):
+                if isinstance(entry, list) and entry and entry[0] == content:
+                    return i
+    logger.warning(f"checkpoint: {config_path}: {which}={content!r} has no id in the tokenizer files; "
+                   f"the tokenizer's {which} is not used")
+    return None
+
+
+def _has_chat_template(directory: Path) -> bool:
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    config_path = directory / "tokenizer_config.json"
+    return config_path.is_file() and bool(_read_json(config_path).get("chat_template"))
+
+
+def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
+    """The serving facts of a Hugging Face checkpoint directory (its weights are not read).
+
+    EOS ids are collected in order from ``config.json``, ``generation_config.json`` (either an int or a
+    list) and the tokenizer's ``eos_token``, without repeats; ``bos_token_id`` is the first of the same
+    three that sets one. Raises :class:`CheckpointError` (one line naming the file) for a missing directory
+    or ``config.json``, a file that is not a JSON object, or a malformed id, length or dtype.
+
+    Example::
+
+        facts = read_checkpoint_facts("/models/Llama-3.2-1B-Instruct")
+        facts.model_name, facts.eos_token_ids  # ('Llama-3.2-1B-Instruct', (128001, 128008, 128009))
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint: model directory {directory} not found")
+    config_path = directory / "config.json"
+    cfg = _read_json(config_path)
+    gen_path = directory / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+
+    eos: list[int] = []
+    bos: int | None = None
+    for source, path in ((cfg, config_path), (gen, gen_path)):
+        eos.extend(_token_ids(source.get("eos_token_id"), "eos_token_id", path))
+        ids = _token_ids(source.get("bos_token_id"), "bos_token_id", path)
+        if bos is None and ids:
+            bos = ids[0]
+    tok_eos = _tokenizer_token_id(directory, "eos_token")
+    if tok_eos is not None:
+        eos.append(tok_eos)
+    if bos is None:
+        bos = _tokenizer_token_id(directory, "bos_token")
+
+    max_pos = cfg.get("max_position_embeddings")
+    if max_pos is not None and (isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1):
+        raise CheckpointError(f"checkpoint: {config_path}: max_position_embeddings must be an integer >= 1, "
+                              f"got {max_pos!r}")
+    dtype_name = cfg.get("torch_dtype", cfg.get("dtype"))
+    if dtype_name is not None and dtype_name not in _DTYPE_FROM_NAME:
+        raise CheckpointError(f"checkpoint: {config_path}: torch_dtype={dtype_name!r} is not a float dtype this "
+                              f"loader reads (float32, float16 or bfloat16)")
+    return CheckpointFacts(
+        model_name=Path(os.path.abspath(directory)).name,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        bos_token_id=bos,
+        max_position_embeddings=max_pos,
+        torch_dtype=None if dtype_name is None else _DTYPE_FROM_NAME[dtype_name],
+        has_tokenizer=any((directory / name).is_file() for name in _TOKENIZER_FILES),
+        has_chat_template=_has_chat_template(directory),
+    )
 
 
 # -- target: Hugging Face Llama ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
@@ -173,6 +174,7 @@ class Engine:
             draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device)
         self.use_cuda_graph = use_cuda_graph
         self._workers: dict[str, DSparkWorker] = {}
+        self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
         self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
@@ -198,14 +200,20 @@ class Engine:
                              ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling,
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
                              verification_mode=verification)
-            w.post_load(self.target, self.drafter, vocab_parallel_mode=mode,
-                        exchange=self.config.speculative_config.exchange)
+            w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
             self._workers[key] = w
             if self.use_cuda_graph:
                 runner = CudaGraphRunner(w, self.batch_sizes, enable_padding=self.enable_padding)
                 if runner.capture_agreed(self.mapping):
                     self._runners[key] = runner
         return self._workers[key]
+
+    def reference(self, path: str = "speculative") -> ReferenceDecoder:
+        """The target-only decode (the lossless reference) over the worker of ``path``."""
+        ref = self._references.get(path)
+        if ref is None:
+            ref = self._references[path] = ReferenceDecoder(self.worker(path))
+        return ref
 
     def _padded(self, path: str, n: int) -> int:
         runner = self._runners.get(path)
@@ -274,10 +282,10 @@ class Engine:
                                                          self.state.page_size))
                 admitted.append(a)
             if admitted:  # every request admitted this iteration: one batched prefill
-                toks = worker.prefill_batch([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
-                                            [a.request.temperature for a in admitted],
-                                            [a.request.seed for a in admitted], speculative=speculative,
-                                            top_ps=[a.request.top_p for a in admitted])
+                prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
+                toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
+                               [a.request.temperature for a in admitted], [a.request.seed for a in admitted],
+                               top_ps=[a.request.top_p for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -299,11 +307,11 @@ class Engine:
                     new = outs["new_tokens"][:n].cpu().tolist()
                     lens = outs["new_tokens_lens"][:n].cpu().tolist()
                 else:
-                    ids = worker.target_only_step(b)[:n].cpu().tolist()
+                    ids = self.reference(path).step(b)[:n].cpu().tolist()
                     new, lens = [[t] for t in ids], [1] * n
                 # The copies above synchronised: a low-latency exchange of this step that timed out has
                 # set its flag by now, and its rows must not become tokens.
-                worker.check_exchange()
+                worker.vocab_parallel.check_exchange()
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):
@@ -329,8 +337,11 @@ class Engine:
         path = "gathered" if mode == "gathered" else "speculative"
         self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
                                                self.state.page_size))
+        if mode == "target_only":
+            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)], [request.temperature],
+                                                       [request.seed], top_ps=[request.top_p])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
-                                         speculative=mode != "target_only", top_p=request.top_p)
+                                         top_p=request.top_p)
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
         """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new
@@ -346,7 +357,7 @@ class Engine:
                 runner = self._runners.get(path)
                 outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
                 return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
-            ids = worker.target_only_step(b)[:n].cpu().tolist()
+            ids = self.reference(path).step(b)[:n].cpu().tolist()
             return [[t] for t in ids], [1] * n
 
     def release_slot(self, slot: int) -> None:

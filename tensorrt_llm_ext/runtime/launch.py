@@ -167,7 +167,8 @@ def _outside_top_p(engine, worker, requests, results) -> list[int]:
         if res.error is not None:
             counts.append(0)
             continue
-        inside = worker.target_top_p_membership(0, list(req.prompt_ids), res.output_ids, req.temperature, req.top_p)
+        inside = engine.reference().top_p_membership(0, list(req.prompt_ids), res.output_ids, req.temperature,
+                                                     req.top_p)
         counts.append(sum(1 for ok in inside if not ok))
     return counts
 

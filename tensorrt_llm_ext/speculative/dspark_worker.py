@@ -22,12 +22,13 @@ the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 
 The token the target picks at absolute position ``p`` depends only on the sequence before ``p`` and the
 request's ``(seed, p)``; strict acceptance keeps exactly the target's tokens, so the output equals the
-target's own decode (:meth:`DSparkWorker.target_only_step`, same step shape) bit for bit. Rejection
+target's own decode (:class:`~tensorrt_llm_ext.speculative.reference_decoder.ReferenceDecoder`, same step
+shape) bit for bit. Rejection
 sampling keeps the target's distribution instead (greedy rows stay strict acceptance, bit for bit).
 
 Top-p (``prefill(..., top_p=)``): sampled rows select from the target's exact top-p set
 (:func:`top_p_keep`, on the shards when bound vocab-parallel), in the step, in prefill and in the
-target-only decode alike. A step runs the top-p variant only when one of its rows has ``top_p < 1``
+reference decode alike. A step runs the top-p variant only when one of its rows has ``top_p < 1``
 (a host-side fact of :meth:`set_rows`); only the default variant is captured in CUDA graphs
 (:attr:`step_is_default`).
 
@@ -49,8 +50,7 @@ from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
-from tensorrt_llm_ext.speculative.vocab_parallel import (TARGET_SALT, SelectionParams, VocabShardedLogits, gumbel_sample,
-                                                         vocab_parallel_argmax)
+from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, SelectionParams, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
 
 
@@ -58,14 +58,14 @@ class DSparkWorker(SpecWorkerBase):
     """One-model DSpark worker over a :class:`~tensorrt_llm_ext.models.llama_target.LlamaTarget` and a
     :class:`~tensorrt_llm_ext.models.dspark_drafter.DSparkDrafter` sharing its LM head.
 
-    Usage: ``w = DSparkWorker(...); w.post_load(target, drafter, vocab_parallel_mode=...)``; per admission
+    Usage: ``w = DSparkWorker(...); w.post_load(vocab_parallel_mode=...)``; per admission
     ``w.prefill_batch(slots, prompts, ...)`` (or ``w.prefill(slot, prompt, ...)``); per step ``w.set_rows(slots, batch_size)`` then ``w.forward(B)``.
     """
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
                  sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto"):
-        super().__init__(mapping, draft_len, max_batch_size)
+        super().__init__(mapping, target, drafter, draft_len, max_batch_size)
         self.ops = ops
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
@@ -73,8 +73,6 @@ class DSparkWorker(SpecWorkerBase):
         self.use_rejection_sampling = use_rejection_sampling  # config; the decision lives in self.verifier
         self.verification_mode = verification_mode
         self.verifier: RejectionVerifier | None = None  # bound in _on_bound when rejection sampling is on
-        self.target = target
-        self.drafter = drafter
         self.state = state
         self.markov_chain_mode = ops.markov_mode or markov_chain_mode
         self.device = state.ctx_lens.device
@@ -95,7 +93,6 @@ class DSparkWorker(SpecWorkerBase):
         self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
         self.num_blocks = torch.zeros(num_slots, dtype=torch.int32, device=dev)
         self.next_new_tokens = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
-        self.ref_tokens = torch.zeros(r, dtype=torch.int64, device=dev)
         self._tail = PagedLatentStep.allocate(r, k, dev)
         self._tail_views: dict[int, PagedLatentStep] = {}
         self.markov: MarkovChain | None = None
@@ -109,13 +106,12 @@ class DSparkWorker(SpecWorkerBase):
         self._step_full_vocab = False
 
     # -- binding -------------------------------------------------------------------------------------
-    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", **kwargs):
-        if not self.ops.vocab_parallel and vocab_parallel_mode != "off":
-            raise ValueError(f"DSparkWorker: the {self.ops.name} op table selects from gathered logits; bind it "
-                             f"with vocab_parallel_mode='off', got {vocab_parallel_mode!r}")
-        return super().post_load(target, drafter, vocab_parallel_mode=vocab_parallel_mode, **kwargs)
-
     def _on_bound(self) -> None:
+        sel = self.vocab_parallel.selection
+        if not self.ops.vocab_parallel and (sel.target_enabled or sel.draft_enabled):
+            # Same op table and decision on every rank: every rank raises alike, no peer waits.
+            raise ValueError(f"DSparkWorker: the {self.ops.name} op table selects from gathered logits; bind it "
+                             f"with vocab_parallel_mode='off' ({sel.describe()})")
         exchange = self.vocab_parallel.draft_exchange
         weights = self.drafter.markov_head_weights(vocab_parallel=exchange is not None)
 
@@ -149,13 +145,7 @@ class DSparkWorker(SpecWorkerBase):
         n = len(slots)
         if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"set_rows: {n} slots do not fit batch_size={batch_size} (max {self.max_batch_size})")
-        # The step indexes per-slot state with these ids on the device and advances each real row's slot
-        # once: an id out of range is a device fault, a repeated one advances a request twice.
-        bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.state.dummy_slot]
-        if bad:
-            raise ValueError(f"set_rows: slots {bad[:5]} are not request slots [0, {self.state.dummy_slot})")
-        if len(set(slots)) != n:
-            raise ValueError(f"set_rows: a slot may run in one row of a step, got {list(slots)}")
+        self.check_slots("set_rows", slots)
         ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
         dummy = torch.ones(batch_size, dtype=torch.bool)
@@ -165,6 +155,23 @@ class DSparkWorker(SpecWorkerBase):
         self._rows_batch_size = batch_size
         self._step_top_p = any(self._host_top_p[s] < 1.0 for s in slots)
         self._step_full_vocab = any(self._host_full_vocab[s] for s in slots)
+
+    def check_slots(self, where: str, slots: list[int]) -> None:
+        """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the
+        device and advances each real row's slot once -- an id out of range is a device fault, a repeated
+        one advances a request twice."""
+        dummy = self.state.dummy_slot
+        bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < dummy]
+        want = f"{where}: expected distinct request slots [0, {dummy}), got {list(slots)[:8]}"
+        if bad:
+            raise ValueError(f"{want}: {bad[:5]} are not request slots")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"{want}: a slot may run in one row of a step")
+
+    @property
+    def step_top_p(self) -> bool:
+        """Whether a row of the last :meth:`set_rows` samples from a top-p set (``top_p < 1``)."""
+        return self._step_top_p
 
     @property
     def step_is_default(self) -> bool:
@@ -181,7 +188,7 @@ class DSparkWorker(SpecWorkerBase):
         if self.markov is not None:
             self.markov.reset()
 
-    def _check_rows(self, batch_size: int) -> None:
+    def check_rows(self, batch_size: int) -> None:
         # Rows past the last set_rows() batch hold stale slot ids: running them would advance (and
         # overwrite the caches of) requests that are not in this step.
         if batch_size != self._rows_batch_size:
@@ -216,7 +223,7 @@ class DSparkWorker(SpecWorkerBase):
                                     num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
-    def _top_p_masked(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor,
+    def top_p_masked(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor,
                       top_p: torch.Tensor) -> VocabShardedLogits | torch.Tensor:
         """``logits`` with ``-inf`` outside the exact top-p set of every sampled row with ``top_p < 1``
         (computed jointly on the shards when ``logits`` is a shard); other rows unchanged."""
@@ -237,15 +244,21 @@ class DSparkWorker(SpecWorkerBase):
                 ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
         ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set."""
-        logits = self.target_logits(hidden)
+        logits = self.vocab_parallel.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
         elif top_p is not None:
-            logits = self._top_p_masked(logits, temps, top_p)
+            logits = self.top_p_masked(logits, temps, top_p)
+        return self.select_from(logits, temps, seeds, offsets, out), logits
+
+    def select_from(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor | None,
+                    seeds: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the stock table's
+        torch selection, else the vocab-parallel selector (``temps=None``: greedy). ``out`` ``[R]`` int64."""
         if self.ops.select is not None:
-            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out), logits
-        ids = self.select_tokens(logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
-        return ids, logits
+            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out)
+        return self.vocab_parallel.select_tokens(
+            logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
         """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
@@ -253,7 +266,7 @@ class DSparkWorker(SpecWorkerBase):
         cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
         hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
                                                                placement=tail.placement, cache=cache))
-        return self.draft_logits(hidden)
+        return self.vocab_parallel.draft_logits(hidden)
 
     def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
         """Drafter block decode -> base logits -> Markov chain -> ``out_drafts [B, K]``."""
@@ -285,10 +298,7 @@ class DSparkWorker(SpecWorkerBase):
         if n == 0 or not len(prompts) == len(temperatures) == len(seeds) == n:
             raise ValueError(f"prefill_batch: expected one prompt, temperature and seed per slot (at least one), got "
                              f"{n} slots, {len(prompts)} prompts, {len(temperatures)} temperatures, {len(seeds)} seeds")
-        bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.state.dummy_slot]
-        if bad or len(set(slots)) != n:
-            raise ValueError(f"prefill_batch: slots must be distinct request slots [0, {self.state.dummy_slot}), "
-                             f"got {list(slots)}")
+        self.check_slots("prefill_batch", slots)
         empty = [s for s, p in zip(slots, prompts) if len(p) == 0]
         if empty:
             raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
@@ -314,7 +324,7 @@ class DSparkWorker(SpecWorkerBase):
         prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
         bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
-        Target-only: records the last token for :meth:`target_only_step`. ``top_ps`` (default 1): each
+        ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``top_ps`` (default 1): each
         request samples from the target's exact top-p set; ``full_vocabs``: the request needs the
         full-vocabulary logits (``needs_full_vocab``), so every step it runs in verifies on the gathered path.
 
@@ -352,9 +362,7 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l], st.slot_seeds[slots_l],
                          lens_t, tok, self.slot_top_p[slots_l] if any(restricted) else None)
-            if not speculative:
-                st.ref_lens[slots_l] = lens_t.to(st.ref_lens.dtype)
-                st.slot_tokens[slots_l, 0] = tok
+            if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
             self._decode_pages()
             latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
@@ -426,7 +434,7 @@ class DSparkWorker(SpecWorkerBase):
         st = self.state
         b = batch_size
         slots_l = self.slot_ids[:b].long()
-        logits = self.target_logits(hidden)
+        logits = self.vocab_parallel.target_logits(hidden)
         x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         top_p = self.slot_top_p[slots_l] if self._step_top_p else None
         accepted, num_acc = self.verifier.verify(
@@ -451,7 +459,7 @@ class DSparkWorker(SpecWorkerBase):
         return accepted, num_acc, tail
 
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
-        self._check_rows(batch_size)
+        self.check_rows(batch_size)
         st = self.state
         b = batch_size
         slots = self.slot_ids[:b]
@@ -481,66 +489,3 @@ class DSparkWorker(SpecWorkerBase):
             "next_draft_tokens": nxt[:, 1:],  # [B, K]
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
         }
-
-    # -- checks ------------------------------------------------------------------------------------------
-    def target_top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
-                                top_p: float) -> list[bool]:
-        """For each emitted token, whether it lies in the target's kept set at its position (eager).
-
-        Teacher-forces ``prompt + output`` through the target on ``slot`` (its KV cache is overwritten: call
-        between requests) and evaluates :func:`top_p_keep` on the full-vocabulary logits with the request's
-        temperature and ``top_p`` (``T = 0`` keeps exactly the first maximum, so a greedy token is checked
-        against the argmax). One full-sequence forward: its logits round differently from the step's, so a
-        token exactly at the kept set's boundary could in principle flip (fp32: far below any gap here).
-        """
-        if not output_ids:
-            return []
-        dev = self.device
-        seq = list(prompt_ids) + list(output_ids[:-1])
-        ids = torch.tensor([seq], dtype=torch.int64, device=dev)
-        positions = torch.arange(len(seq), dtype=torch.int64, device=dev)[None]
-        out = self.target(ids, positions, torch.tensor([slot], dtype=torch.int32, device=dev), self.state.kv_cache)
-        n, m = len(prompt_ids), len(output_ids)
-        logits = self.target.logits(out.hidden_states[n - 1:n - 1 + m]).contiguous()
-        temps = torch.full((m,), float(temperature), dtype=torch.float32, device=dev)
-        keep = self.ops.top_p_keep(logits, torch.full((m,), float(top_p), dtype=torch.float32, device=dev),
-                                   temperatures=temps)
-        toks = torch.tensor(output_ids, dtype=torch.int64, device=dev)
-        return keep.gather(1, toks[:, None])[:, 0].cpu().tolist()
-
-    # -- the target's own decode (the lossless reference) -------------------------------------------------
-    def target_only_step(self, batch_size: int) -> torch.Tensor:
-        """One non-speculative decode step over rows ``[0, B)``: ``[B]`` int64 next tokens.
-
-        Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
-        positions, overwritten by the next step before anyone attends them), so every kernel with a
-        shape-dependent reduction order sees the shape it sees in the speculative step. Selection is the
-        gathered path (``LogitsProcessor`` + the full-vocabulary kernel). CUDA-graph safe.
-        """
-        self._check_rows(batch_size)
-        st = self.state
-        b, k = batch_size, self.draft_len
-        slots = self.slot_ids[:b]
-        slots_l = slots.long()
-        live = (~self.is_dummy[:b]).to(torch.int32)
-        with nvtx_range("target_only"):
-            tokens = st.slot_tokens[slots_l]
-            positions = st.ref_lens[slots_l].long()[:, None] + self.cols
-            out = self.target(tokens, positions, slots, st.kv_cache)
-            hidden = out.hidden_states.view(b, k + 1, -1)[:, 0]
-            logits = self.target.logits(hidden)
-            ids = self.ref_tokens[:b]
-            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if self.sampling else (None, None)
-            offsets = positions[:, 0] + 1 if self.sampling else None
-            if self.sampling and self._step_top_p:
-                logits = self._top_p_masked(logits, temps, self.slot_top_p[slots_l])
-            if self.ops.select is not None:
-                self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, ids)
-            elif temps is None:
-                vocab_parallel_argmax(logits, 0, self.vocab_size, None, out=ids)
-            else:
-                gumbel_sample(logits, temps, seeds, offsets, 0, self.vocab_size, None, out=ids)
-            st.ref_lens[slots_l] += live
-            tokens[:, 0] = ids
-            st.slot_tokens[slots_l] = tokens
-        return ids

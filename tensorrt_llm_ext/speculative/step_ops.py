@@ -36,12 +36,12 @@ import torch
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
 from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
-                                                   store_context_latents)
+                                                   store_context_latents, store_context_latents_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 from tensorrt_llm_ext.speculative.verification import (rejection_sample, rejection_sample_reference, top_p_keep,
                                                         top_p_keep_reference)
 
-__all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "stock_select", "stock_store_context_latents"]
+__all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "stock_select"]
 
 
 def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
@@ -58,17 +58,10 @@ def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds:
     return torch.argmax(scored, dim=-1, out=out)
 
 
-def stock_store_context_latents(latents: torch.Tensor, dest_pages: torch.Tensor, dest_offsets: torch.Tensor,
-                                write_mask: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Stock context-latent store ``latents [N, L, d_c]`` -> ``pool [L, P+1, page, d_c]`` (capturable).
-
-    Rows that must not be written go to the scratch (last) page instead of a data-dependent subset.
-    """
-    scratch = pool.shape[1] - 1
-    ok = write_mask & (dest_pages >= 0)
-    pages = torch.where(ok, dest_pages.long(), torch.full_like(dest_pages, scratch, dtype=torch.long))
-    pool[:, pages, dest_offsets.long()] = latents.transpose(0, 1).to(pool.dtype)
-    return pool
+def _stock_store_context_latents(latents, dest_pages, dest_offsets, write_mask, pool):
+    # The upstream eager store: rows not written go to the pool's last (scratch) page, no sync.
+    return store_context_latents_reference(latents, dest_pages, dest_offsets, write_mask, pool,
+                                           sink_page=pool.shape[1] - 1)
 
 
 def _stock_decode_block_table(encoded_offsets, divisor, *, out, num_blocks_out):
@@ -113,7 +106,7 @@ FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_
                     paged_latent_step=paged_latent_step, store_context_latents=store_context_latents, select=None,
                     markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
-                    paged_latent_step=_stock_paged_latent_step, store_context_latents=stock_store_context_latents,
+                    paged_latent_step=_stock_paged_latent_step, store_context_latents=_stock_store_context_latents,
                     select=stock_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}

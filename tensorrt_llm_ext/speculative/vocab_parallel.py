@@ -15,8 +15,8 @@ Layers, bottom up:
 * :class:`VocabShardedLogits`: a shard with the facts needed to index it;
 * :class:`VocabParallelHead`: an eligible :class:`LMHead` + exchange;
 * :class:`VocabParallelSelection`: the decision, made once after load, agreed across ranks, logged;
-* :class:`VocabParallelSelector` (the component a worker base holds) and
-  :class:`VocabParallelSelectionMixin` (its thin worker-side face).
+* :class:`VocabParallelSelector`: the component a worker holds, bound once after load;
+* :class:`VocabParallelSelectionMixin`: the post-load hook that binds it on a worker.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tensorrt_llm_ext.distributed import PairExchange, agree_any, allgather
 from tensorrt_llm_ext.distributed.low_latency import ExchangeStrategy
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
+from tensorrt_llm_ext.contract import DraftModel, LanguageModelHead, LogitsProcessorLike, TargetModel
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.lm_head import LMHead
@@ -191,11 +192,6 @@ class VocabShardedLogits:
     def tp_size(self) -> int:
         return self.padded_vocab_size // self.shard_width
 
-    @property
-    def num_valid(self) -> int:
-        """Columns of this shard that are real vocabulary."""
-        return min(self.shard_width, self.vocab_size - self.vocab_start)
-
 
 class VocabParallelHead:
     """An eligible COLUMN-parallel :class:`LMHead` plus the pair exchange of its TP group.
@@ -230,7 +226,7 @@ class VocabParallelHead:
     def wrap(self, shard: torch.Tensor) -> VocabShardedLogits:
         return VocabShardedLogits(shard, self.vocab_start, self.vocab_size, self.padded_vocab_size)
 
-    def _unwrap(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
+    def unwrap(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
         if isinstance(shard, VocabShardedLogits):
             if (shard.vocab_start, shard.vocab_size, shard.padded_vocab_size) != (
                     self.vocab_start, self.vocab_size, self.padded_vocab_size):
@@ -249,7 +245,7 @@ class VocabParallelHead:
 
     def gather(self, shard: VocabShardedLogits | torch.Tensor) -> torch.Tensor:
         """The fallback: all-gather to the full ``[..., V]`` logits (padding sliced off)."""
-        return _gather_full(self._unwrap(shard), self.vocab_size, self.mapping)
+        return _gather_full(self.unwrap(shard), self.vocab_size, self.mapping)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -272,8 +268,6 @@ class _Check(enum.Enum):
     HEAD_UNEVEN = "the LM head is unevenly sharded (vocab % tp != 0, padded last shard)"
     VOCAB_TOO_LARGE = "vocab >= 2^32 does not fit the int64 selection key"
     CUSTOM_LOGITS_PROCESSOR = "the model has its own logits processor (not the plain LogitsProcessor)"
-    OCCURRENCE_PENALTIES = "occurrence penalties need the full-vocabulary logits"
-    GUIDED_DECODER = "a guided decoder masks the full-vocabulary logits"
     DRAFTER_OWN_HEAD = "the drafter does not draft through the target's LM head"
 
 
@@ -292,8 +286,7 @@ def _head_failures(lm_head) -> dict[_Check, bool]:
     }
 
 
-def local_target_failures(mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
-                          occurrence_penalties: bool = False, mode: str = "auto") -> dict[_Check, bool]:
+def local_target_failures(mapping: Mapping, lm_head, logits_processor, *, mode: str = "auto") -> dict[_Check, bool]:
     """This rank's target-side checks (no collective); ``True`` = the check fails here."""
     mode = SelectionMode(mode)
     failures = {
@@ -305,8 +298,6 @@ def local_target_failures(mapping: Mapping, lm_head, logits_processor, *, guided
     failures.update({
         # Exactly the plain class: a subclass may transform the logits.
         _Check.CUSTOM_LOGITS_PROCESSOR: type(logits_processor) is not LogitsProcessor,
-        _Check.OCCURRENCE_PENALTIES: bool(occurrence_penalties),
-        _Check.GUIDED_DECODER: guided_decoder is not None,
     })
     return failures
 
@@ -351,19 +342,16 @@ class VocabParallelSelection:
     tp_size: int = 1
 
     @classmethod
-    def decide(cls, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
-               occurrence_penalties: bool = False, mode: str = "auto",
+    def decide(cls, mapping: Mapping, lm_head, logits_processor, *, mode: str = "auto",
                drafter_lm_head=None) -> "VocabParallelSelection":
         """Decide once after load (a few tiny CPU collectives when tp > 1: call on every rank).
 
-        Target side first (plain ``LogitsProcessor`` only, never with a guided decoder), then the draft
+        Target side first (plain ``LogitsProcessor`` only), then the draft
         side (only once the drafter has taken over the target's head). ``mode='on'`` raises instead of
         falling back for the target side.
         """
         mode = SelectionMode(mode)
-        t_fail = _first_agreed_failure(mapping, local_target_failures(
-            mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
-            occurrence_penalties=occurrence_penalties, mode=mode))
+        t_fail = _first_agreed_failure(mapping, local_target_failures(mapping, lm_head, logits_processor, mode=mode))
         if t_fail is not None and mode == SelectionMode.ON:
             raise ValueError(f"vocab-parallel selection forced on (mode='on') but not possible: {t_fail.value}")
         d_fail = _first_agreed_failure(mapping, local_draft_failures(mapping, lm_head, drafter_lm_head, mode=mode))
@@ -420,50 +408,39 @@ class SelectionParams:
 
 
 class VocabParallelSelector:
-    """The component a worker base holds: bound once after load, then selects tokens every step."""
+    """The component a worker holds: made bound (:meth:`bind`, once after load), then selects tokens.
 
-    def __init__(self) -> None:
-        self.selection: VocabParallelSelection | None = None
-        self.lm_head: LMHead | None = None
-        self.drafter_lm_head = None
-        self.logits_processor = None
-        self.target_head: VocabParallelHead | None = None
-        self.draft_head: VocabParallelHead | None = None
-        self.exchange: PairExchange | None = None  # shared by both heads
+    ``target_head`` / ``draft_head`` are set where that side runs vocab-parallel (None: gathered);
+    ``exchange`` is the pair exchange both heads share (None when neither side is vocab-parallel).
+    """
 
-    @property
-    def is_bound(self) -> bool:
-        return self.selection is not None
+    def __init__(self, selection: VocabParallelSelection, lm_head: LanguageModelHead,
+                 drafter_lm_head: LanguageModelHead | None, logits_processor: LogitsProcessorLike,
+                 exchange: PairExchange | None):
+        self.selection = selection
+        self.lm_head = lm_head
+        self.drafter_lm_head = drafter_lm_head
+        self.logits_processor = logits_processor
+        self.exchange = exchange
+        self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
+        self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
 
-    def bind(self, mapping: Mapping, lm_head, logits_processor, *, guided_decoder=None,
-             occurrence_penalties: bool = False, mode: str = "auto",
-             drafter_lm_head=None, exchange: str = "nccl", max_exchange_rows: int = 0) -> VocabParallelSelection:
+    @classmethod
+    def bind(cls, mapping: Mapping, lm_head: LanguageModelHead, logits_processor: LogitsProcessorLike, *,
+             mode: str = "auto", drafter_lm_head: LanguageModelHead | None = None, exchange: str = "nccl",
+             max_exchange_rows: int = 0) -> VocabParallelSelector:
         """Decide (agreed across ranks) and bind the heads. Call once, on every rank, after load.
 
         ``exchange`` (``speculative_config.exchange``: auto | nccl | low_latency) picks the
         :class:`PairExchange` backend; ``max_exchange_rows`` is the most rows one exchange carries
         (``max_batch_size * (K + 1)`` for the worker's target rows).
         """
-        if self.selection is not None:
-            raise RuntimeError("VocabParallelSelector.bind: already bound (the decision is made once)")
         strategy = ExchangeStrategy(exchange)  # a bad value fails before any collective
-        selection = VocabParallelSelection.decide(
-            mapping, lm_head, logits_processor, guided_decoder=guided_decoder,
-            occurrence_penalties=occurrence_penalties, mode=mode, drafter_lm_head=drafter_lm_head)
-        exchange = (PairExchange(mapping, strategy, max_rows=max_exchange_rows)
-                    if (selection.target_enabled or selection.draft_enabled) else None)
-        self.exchange = exchange
-        self.target_head = VocabParallelHead(lm_head, exchange) if selection.target_enabled else None
-        self.draft_head = VocabParallelHead(lm_head, exchange) if selection.draft_enabled else None
-        self.lm_head = lm_head
-        self.drafter_lm_head = drafter_lm_head
-        self.logits_processor = logits_processor
-        self.selection = selection
-        return selection
-
-    def _require_bound(self) -> None:
-        if self.selection is None:
-            raise RuntimeError("VocabParallelSelector: call bind() once after load first")
+        selection = VocabParallelSelection.decide(mapping, lm_head, logits_processor, mode=mode,
+                                                  drafter_lm_head=drafter_lm_head)
+        pair = (PairExchange(mapping, strategy, max_rows=max_exchange_rows)
+                if (selection.target_enabled or selection.draft_enabled) else None)
+        return cls(selection, lm_head, drafter_lm_head, logits_processor, pair)
 
     def check_exchange(self) -> None:
         """Raise ``RuntimeError`` if the pair exchange timed out since load (no device sync; once per step)."""
@@ -473,7 +450,6 @@ class VocabParallelSelector:
     def target_logits(self, hidden_states: torch.Tensor,
                       row_indices: torch.Tensor | None = None) -> VocabShardedLogits | torch.Tensor:
         """The step's target logits: this rank's shard when bound vocab-parallel, else the processor's."""
-        self._require_bound()
         if self.target_head is not None:
             if row_indices is not None:
                 hidden_states = hidden_states.index_select(0, row_indices)
@@ -486,12 +462,11 @@ class VocabParallelSelector:
 
         A batch with a request that :func:`needs_full_vocab` must take the gathered path. CUDA-graph safe.
         """
-        self._require_bound()
         params = params or SelectionParams()
         if isinstance(logits, VocabShardedLogits):
             if self.target_head is None:
                 raise ValueError("select_tokens: got shard logits but the target side is not vocab-parallel")
-            x, start, vocab, exchange = self.target_head._unwrap(logits), logits.vocab_start, logits.vocab_size, \
+            x, start, vocab, exchange = self.target_head.unwrap(logits), logits.vocab_start, logits.vocab_size, \
                 self.target_head.exchange
         else:
             x, start, vocab, exchange = logits, 0, logits.shape[-1], None
@@ -503,7 +478,6 @@ class VocabParallelSelector:
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The drafter's block logits: this rank's shard ``[..., V_shard]`` when the draft side is
         vocab-parallel (no gather), else the drafter head's full ``[..., V]`` logits."""
-        self._require_bound()
         if self.draft_head is not None:
             return self.draft_head.lm_head.shard_forward(hidden_states)
         return self.drafter_lm_head(hidden_states)
@@ -515,35 +489,34 @@ class VocabParallelSelector:
 
 
 class VocabParallelSelectionMixin:
-    """The worker mixin that binds token selection once after load and holds the one selector.
+    """The worker mixin that binds token selection once, after model load.
 
-    :meth:`post_load` (call once, on every rank) lets the drafter take over the target's LM head, then
-    binds the :class:`VocabParallelSelector` -- target side first, then the draft side against that head --
-    and calls the worker's ``_on_bound`` hook. The decision lives in the selector alone
-    (:attr:`selection` reads it); the step selects target tokens through :meth:`select_tokens` and
-    computes draft logits through :meth:`draft_logits`.
+    :meth:`post_load` (once, on every rank) lets the drafter take over the target's LM head, binds the
+    :class:`VocabParallelSelector` into :attr:`vocab_parallel` -- target side first, then the draft side
+    against that head -- and calls the worker's :meth:`_on_bound` hook. The decision lives in the
+    selector alone; the worker calls the selector directly.
     """
 
+    mapping: Mapping
+    target: TargetModel
+    drafter: DraftModel
+    max_exchange_rows: int  # rows one pair exchange carries (the step's B * (K + 1))
     vocab_parallel: VocabParallelSelector | None = None
 
-    def post_load(self, target, drafter, *, vocab_parallel_mode: str = "auto", guided_decoder=None,
-                  occurrence_penalties: bool = False, exchange: str = "nccl",
-                  max_exchange_rows: int = 0) -> VocabParallelSelection:
+    def post_load(self, *, vocab_parallel_mode: str = "auto", exchange: str = "nccl") -> VocabParallelSelection:
         """Bind once after load (a few tiny CPU collectives at tp > 1); calling it twice is an error.
 
-        ``exchange`` is ``speculative_config.exchange`` (the pair exchange's backend), sized for
-        ``max_exchange_rows`` rows per exchange.
+        ``vocab_parallel_mode`` is ``speculative_config.vocab_parallel_selection`` (auto | on | off),
+        ``exchange`` is ``speculative_config.exchange`` (the pair exchange's backend).
         """
         if self.vocab_parallel is not None:
             raise RuntimeError(f"{type(self).__name__}.post_load: already bound (the decision is made once)")
-        drafter.take_over_lm_head(target.lm_head)
-        selector = VocabParallelSelector()
-        selector.bind(self.mapping, target.lm_head, target.logits_processor, guided_decoder=guided_decoder,
-                      occurrence_penalties=occurrence_penalties, mode=vocab_parallel_mode,
-                      drafter_lm_head=drafter.lm_head, exchange=exchange, max_exchange_rows=max_exchange_rows)
-        self.vocab_parallel = selector
+        self.drafter.take_over_lm_head(self.target.lm_head)
+        self.vocab_parallel = VocabParallelSelector.bind(
+            self.mapping, self.target.lm_head, self.target.logits_processor, mode=vocab_parallel_mode,
+            drafter_lm_head=self.drafter.lm_head, exchange=exchange, max_exchange_rows=self.max_exchange_rows)
         self._on_bound()
-        return selector.selection
+        return self.vocab_parallel.selection
 
     def _on_bound(self) -> None:
         """Hook for subclasses: build what depends on the selection decision (buffers, chain)."""
@@ -552,21 +525,3 @@ class VocabParallelSelectionMixin:
     def selection(self) -> VocabParallelSelection | None:
         """The decision (None before :meth:`post_load`)."""
         return None if self.vocab_parallel is None else self.vocab_parallel.selection
-
-    def _selector(self) -> VocabParallelSelector:
-        if self.vocab_parallel is None:
-            raise RuntimeError(f"{type(self).__name__}: call post_load() once after load before selecting tokens")
-        return self.vocab_parallel
-
-    def target_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor | None = None):
-        return self._selector().target_logits(hidden_states, row_indices)
-
-    def select_tokens(self, logits, params: SelectionParams | None = None, *, out: torch.Tensor | None = None):
-        return self._selector().select_tokens(logits, params, out=out)
-
-    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._selector().draft_logits(hidden_states)
-
-    def check_exchange(self) -> None:
-        """Raise if the pair exchange timed out (reads pinned host memory; call once per step)."""
-        self._selector().check_exchange()

@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from tensorrt_llm_ext.contract import DraftModel, TargetModel
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelectionMixin
@@ -47,8 +48,12 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
 
     Args:
         mapping: the rank layout.
+        target, drafter: the loaded models (called only through the contract's protocols).
         draft_len: ``K``, drafts per request and step.
         max_batch_size: rows of the largest step.
+
+    :meth:`post_load` (the mixin's) binds token selection once; the pair exchange is sized for the step's
+    ``B * (K + 1)`` target rows.
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -56,18 +61,17 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         if "forward" in cls.__dict__:
             raise TypeError(f"{cls.__name__} must not override forward(); implement _forward_impl() instead")
 
-    def __init__(self, mapping: Mapping, draft_len: int, max_batch_size: int):
+    def __init__(self, mapping: Mapping, target: TargetModel, drafter: DraftModel, draft_len: int,
+                 max_batch_size: int):
         if draft_len < 1 or max_batch_size < 1:
             raise ValueError(f"SpecWorkerBase: need draft_len >= 1 and max_batch_size >= 1, got {draft_len}, "
                              f"{max_batch_size}")
         self.mapping = mapping
+        self.target = target
+        self.drafter = drafter
         self.draft_len = draft_len
         self.max_batch_size = max_batch_size
-
-    def post_load(self, target, drafter, **kwargs):
-        """The mixin's post-load binding, with the pair exchange sized for the step's ``B * (K + 1)`` rows."""
-        return super().post_load(target, drafter, max_exchange_rows=self.max_batch_size * (self.draft_len + 1),
-                                 **kwargs)
+        self.max_exchange_rows = max_batch_size * (draft_len + 1)
 
     # -- the step ------------------------------------------------------------------------------------
     def forward(self, batch_size: int) -> dict[str, torch.Tensor]:
@@ -81,7 +85,7 @@ class SpecWorkerBase(VocabParallelSelectionMixin, abc.ABC):
         if not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"batch_size must lie in [1, {self.max_batch_size}], got {batch_size}")
         # A low-latency exchange that timed out in an earlier step raises here (a host read, no sync).
-        self.check_exchange()
+        self.vocab_parallel.check_exchange()
         with nvtx_range(f"{type(self).__name__}.step"):
             return self._forward_impl(batch_size)
 

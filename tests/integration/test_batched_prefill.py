@@ -33,10 +33,14 @@ def _prefilled(batched: bool, temperature: float, speculative: bool):
         eng.pages.allocate(slot, pages_needed(len(p) + MAX_NEW, eng.draft_len, eng.state.page_size))
     temps = [temperature if i % 2 == 0 else 0.0 for i in range(len(SLOTS))]  # greedy and sampled rows mixed
     seeds = [11 + i for i in range(len(SLOTS))]
-    if batched:
-        toks = w.prefill_batch(SLOTS, PROMPTS, temps, seeds, speculative=speculative)
+    if not speculative:  # the reference decode's context phase
+        prefill = eng.reference().prefill_batch
+        toks = (prefill(SLOTS, PROMPTS, temps, seeds) if batched else
+                [prefill([s], [p], [t], [sd])[0] for s, p, t, sd in zip(SLOTS, PROMPTS, temps, seeds)])
+    elif batched:
+        toks = w.prefill_batch(SLOTS, PROMPTS, temps, seeds)
     else:
-        toks = [w.prefill(s, p, t, sd, speculative=speculative) for s, p, t, sd in zip(SLOTS, PROMPTS, temps, seeds)]
+        toks = [w.prefill(s, p, t, sd) for s, p, t, sd in zip(SLOTS, PROMPTS, temps, seeds)]
     return eng, w, toks
 
 

@@ -7,6 +7,8 @@ tests/integration/multi_gpu/test_dspark_lossless_tp.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -28,6 +30,27 @@ def _engine(**overrides) -> Engine:
     return Engine(load_config(**{**SMALL, **overrides}))
 
 
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    """The default engine, shared by the tests that need no other config (generate() leaves no slot held)."""
+    return _engine()
+
+
+_REFERENCES: dict[str, list] = {}
+
+
+def _reference(reqs) -> list:
+    """The target's own decode of ``reqs``, memoized: it depends on the target and the requests only (not
+    on the drafter, the Markov mode or the op table), so tests that compare against the same requests share
+    one decode."""
+    key = repr(reqs)
+    if key not in _REFERENCES:
+        if "engine" not in _REFERENCES:
+            _REFERENCES["engine"] = _engine()
+        _REFERENCES[key] = _outputs(_REFERENCES["engine"].generate(reqs, "target_only")[0])
+    return _REFERENCES[key]
+
+
 def _requests(max_new=10, temperature=0.0, seed=0, prompts=PROMPTS):
     return [Request(list(p), max_new_tokens=max_new, temperature=temperature, seed=seed + i)
             for i, p in enumerate(prompts)]
@@ -37,14 +60,11 @@ def _outputs(results):
     return [(r.output_ids, r.finish_reason) for r in results]
 
 
-def test_greedy_speculative_equals_target_decode():
-    eng = _engine()
+def test_greedy_speculative_equals_target_decode(engine):
+    # At TP 1 the gathered path is the speculative path (nothing is sharded): the TP 2 tests compare them.
     reqs = _requests(max_new=12)
-    spec, stats = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
-    gathered, _ = eng.generate(reqs, "gathered")
-    assert _outputs(spec) == _outputs(ref)
-    assert _outputs(gathered) == _outputs(ref)
+    spec, stats = engine.generate(reqs, "speculative")
+    assert _outputs(spec) == _reference(reqs)
     assert all(len(r.output_ids) == 12 and r.finish_reason == "length" for r in spec)
     # Multi-token acceptance really happened (the tail's n_acc > 1 paths are exercised) and fewer steps ran.
     lens = [n for r in spec for n in r.accepted_lens]
@@ -69,43 +89,40 @@ def test_fused_and_stock_op_tables_give_identical_tokens(markov_mode):
         assert [r.accepted_lens for r in stock] == [r.accepted_lens for r in fused]
 
 
-def test_greedy_only_worker_refuses_sampled_requests():
-    eng = _engine()
-    w = eng.worker("speculative", sampling=False)
-    assert w is not eng.worker("speculative") and not w.sampling
+def test_greedy_only_worker_refuses_sampled_requests(engine):
+    w = engine.worker("speculative", sampling=False)
+    assert w is not engine.worker("speculative") and not w.sampling
     with pytest.raises(ValueError, match="greedy-only"):
         w.prefill(0, [1, 2, 3], 0.7, 0)
 
 
-def test_seeded_sampling_speculative_equals_target_decode():
-    eng = _engine()
+def test_seeded_sampling_speculative_equals_target_decode(engine):
     reqs = _requests(max_new=10, temperature=0.9, seed=11)
-    spec, _ = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
-    assert _outputs(spec) == _outputs(ref)
+    spec, _ = engine.generate(reqs, "speculative")
+    ref = _reference(reqs)
+    assert _outputs(spec) == ref
     # The draws are keyed: another seed changes the output; sampling is not the greedy output.
-    other, _ = eng.generate(_requests(max_new=10, temperature=0.9, seed=12), "target_only")
-    greedy, _ = eng.generate(_requests(max_new=10), "target_only")
-    assert _outputs(other) != _outputs(ref) and _outputs(greedy) != _outputs(ref)
+    other = _reference(_requests(max_new=10, temperature=0.9, seed=12))
+    greedy = _reference(_requests(max_new=10))
+    assert other != ref and greedy != ref
 
 
 def test_mixed_greedy_and_sampled_batch_and_stop_tokens():
     eng = _engine(**{"speculative_config.markov_chain_mode": "fused"})
-    greedy_ref, _ = eng.generate(_requests(max_new=10), "target_only")
-    stop = greedy_ref[0].output_ids[4]
+    greedy_ref = [out for out, _ in _reference(_requests(max_new=10))]
+    stop = greedy_ref[0][4]
     reqs = _requests(max_new=10)
     reqs[1].temperature, reqs[1].seed = 1.3, 5
     reqs[0].stop_token_ids = (stop,)
     spec, _ = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
-    assert _outputs(spec) == _outputs(ref)
-    first = greedy_ref[0].output_ids.index(stop)
-    assert spec[0].finish_reason == "stop" and spec[0].output_ids == greedy_ref[0].output_ids[:first + 1]
-    assert spec[2].output_ids == greedy_ref[2].output_ids  # greedy rows unaffected by a sampled neighbour
+    assert _outputs(spec) == _reference(reqs)
+    first = greedy_ref[0].index(stop)
+    assert spec[0].finish_reason == "stop" and spec[0].output_ids == greedy_ref[0][:first + 1]
+    assert spec[2].output_ids == greedy_ref[2]  # greedy rows unaffected by a sampled neighbour
 
 
-def test_worker_step_returns_one_model_dict():
-    eng = _engine()
+def test_worker_step_returns_one_model_dict(engine):
+    eng = engine
     worker = eng.worker()
     k = eng.draft_len
     for slot, p in enumerate(PROMPTS[:2]):
@@ -148,7 +165,7 @@ def test_step_rows_are_validated():
     with pytest.raises(ValueError, match="set_rows"):
         worker.forward(2)
     with pytest.raises(ValueError, match="set_rows"):
-        worker.target_only_step(3)
+        eng.reference().step(3)
     assert torch.equal(eng.state.ctx_lens, ctx)
 
 
@@ -259,11 +276,31 @@ def test_graph_batch_size_padding_rule():
 
 
 def test_nvtx_ranges_are_optional(monkeypatch, caplog):
-    """Without the nvtx package the stage ranges are no-ops (logged once), the step still runs."""
+    """Without the nvtx package the stage ranges are no-ops, logged once; with it, each range is annotated."""
+    import logging
+
+    import tensorrt_llm_ext.logger as log
     import tensorrt_llm_ext.speculative.worker_base as wb
 
+    monkeypatch.setattr(log, "_seen_once", set())
     monkeypatch.setattr(wb, "_nvtx", None)
-    with wb.nvtx_range("stage"):
+    ran = []
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        for _ in range(2):
+            with wb.nvtx_range("stage"):
+                ran.append(True)
+    assert ran == [True, True]
+    assert sum("nvtx package not installed" in r.getMessage() for r in caplog.records) == 1
+
+    calls = []
+
+    class FakeNvtx:
+        @staticmethod
+        def annotate(name, domain):
+            calls.append((name, domain))
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(wb, "_nvtx", FakeNvtx)
+    with wb.nvtx_range("target_forward"):
         pass
-    with wb.nvtx_range("stage"):
-        pass
+    assert calls == [("target_forward", "tensorrt_llm_ext")]

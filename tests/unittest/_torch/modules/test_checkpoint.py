@@ -1,6 +1,6 @@
 """Checkpoints from disk: export -> load round trip bit-exact, a real transformers LlamaForCausalLM loaded
-here matches its logits (fp32, atol 2e-5 / rtol 1e-4), and missing / corrupt / unsupported files give one
-clear error."""
+here matches its logits (fp32, atol 2e-5 / rtol 1e-4), missing / corrupt / unsupported files give one
+clear error, and the serving facts (EOS, BOS, length, dtype, tokenizer) are read from the directory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from tensorrt_llm_ext.models.checkpoint import CheckpointError, load_llama_state_dict, read_llama_config
+from tensorrt_llm_ext.models.checkpoint import (CheckpointError, CheckpointFacts, load_llama_state_dict,
+                                                read_checkpoint_facts, read_llama_config)
 from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import full_state_dicts
@@ -128,3 +129,70 @@ def test_missing_corrupt_and_unsupported_files_are_clear_errors(tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(model_dir=str(d))
+
+
+def _write_json(path, data) -> None:
+    path.write_text(json.dumps(data))
+
+
+def test_checkpoint_facts_from_config_generation_config_and_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer
+
+    d = tmp_path / "Tiny-Llama-3"
+    d.mkdir()
+    _write_json(d / "config.json", {"eos_token_id": 7, "bos_token_id": 1, "max_position_embeddings": 256,
+                                    "torch_dtype": "bfloat16"})
+    assert read_checkpoint_facts(d) == CheckpointFacts(
+        model_name="Tiny-Llama-3", eos_token_ids=(7,), bos_token_id=1, max_position_embeddings=256,
+        torch_dtype=torch.bfloat16, has_tokenizer=False, has_chat_template=False)
+    # A list in generation_config.json adds to config.json's int (order kept, no repeats); transformers >= 5
+    # spells the dtype `dtype`.
+    _write_json(d / "config.json", {"eos_token_id": [9, 7], "dtype": "float32"})
+    _write_json(d / "generation_config.json", {"eos_token_id": [7, 11], "bos_token_id": 3})
+    facts = read_checkpoint_facts(d)
+    assert (facts.eos_token_ids, facts.bos_token_id, facts.torch_dtype) == ((9, 7, 11), 3, torch.float32)
+    assert facts.max_position_embeddings is None
+    # The tokenizer's eos (`<|end|>` is id 4 of the tiny tokenizer) comes last; its bos fills a missing one.
+    save_tiny_tokenizer(d, 40, eos_token="<|end|>")
+    (d / "generation_config.json").unlink()
+    facts = read_checkpoint_facts(str(d) + "/")
+    assert (facts.model_name, facts.eos_token_ids, facts.bos_token_id) == ("Tiny-Llama-3", (9, 7, 4), 1)
+    assert facts.has_tokenizer and facts.has_chat_template
+    _write_json(d / "config.json", {})
+    (d / "chat_template.jinja").unlink()
+    facts = read_checkpoint_facts(d)
+    assert (facts.eos_token_ids, facts.has_tokenizer, facts.has_chat_template) == ((4,), True, False)
+
+
+def test_checkpoint_facts_missing_and_malformed_files(tmp_path, caplog):
+    with pytest.raises(CheckpointError, match="model directory .*nope not found"):
+        read_checkpoint_facts(tmp_path / "nope")
+    d = tmp_path / "m"
+    d.mkdir()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        read_checkpoint_facts(d)
+    _write_json(d / "config.json", {"vocab_size": 10})
+    assert read_checkpoint_facts(d) == CheckpointFacts("m", (), None, None, None, False, False)
+    for change, match in (({"eos_token_id": "2"}, "config.json: eos_token_id must be a token id"),
+                          ({"eos_token_id": [2, -1]}, "eos_token_id must be"),
+                          ({"bos_token_id": True}, "bos_token_id must be"),
+                          ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+                          ({"torch_dtype": "int8"}, "torch_dtype='int8' is not a float dtype")):
+        _write_json(d / "config.json", change)
+        with pytest.raises(CheckpointError, match=match) as err:
+            read_checkpoint_facts(d)
+        assert "\n" not in str(err.value)
+    _write_json(d / "config.json", {})
+    (d / "generation_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
+        read_checkpoint_facts(d)
+    (d / "generation_config.json").unlink()
+    # A tokenizer eos that no tokenizer file can resolve is left out, with a warning naming it.
+    _write_json(d / "tokenizer_config.json", {"eos_token": {"content": "<eot>"}})
+    with caplog.at_level("WARNING", logger="tensorrt_llm_ext"):
+        assert read_checkpoint_facts(d).eos_token_ids == ()
+    assert "eos_token='<eot>' has no id" in caplog.text
+    _write_json(d / "tokenizer_config.json", {"eos_token": {"content": "<eot>"},
+                                              "added_tokens_decoder": {"12": {"content": "<eot>"}}})
+    assert read_checkpoint_facts(d).eos_token_ids == (12,)

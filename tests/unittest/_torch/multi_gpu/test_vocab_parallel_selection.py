@@ -100,8 +100,8 @@ def _rank_head_and_selector():
         pass
 
     class Worker(VocabParallelSelectionMixin):
-        def __init__(self, mapping):
-            self.mapping = mapping
+        def __init__(self, mapping, target, drafter):
+            self.mapping, self.target, self.drafter, self.max_exchange_rows = mapping, target, drafter, 0
 
     class Model:  # the few attributes post_load reads of a target and a drafter
         def __init__(self, head, proc=None):
@@ -122,9 +122,10 @@ def _rank_head_and_selector():
         head.load_weights(full_w)
         single = LMHead(vocab, hidden, torch.float32, device, Mapping(), None)
         single.load_weights(full_w)
-        worker = Worker(mapping)
-        sel = worker.post_load(Model(head, LogitsProcessor()), Model(None))
-        logits = worker.target_logits(h)
+        worker = Worker(mapping, Model(head, LogitsProcessor()), Model(None))
+        sel = worker.post_load()
+        selector = worker.vocab_parallel
+        logits = selector.target_logits(h)
         entry = {"decision": (sel.target_enabled, sel.draft_enabled, sel.target_reason, sel.draft_reason),
                  "gathered_head": head(h).cpu(), "single_head": single(h).cpu()}
         if sel.target_enabled:
@@ -135,11 +136,11 @@ def _rank_head_and_selector():
             temps = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5, 1.0], device=device)
             seeds = torch.arange(rows, dtype=torch.int64, device=device)
             offsets = torch.arange(rows, dtype=torch.int64, device=device) * 5
-            entry["argmax"] = (worker.select_tokens(logits).cpu(), gathered_argmax(shard, vocab, mapping).cpu())
-            entry["sample"] = (worker.select_tokens(logits, SelectionParams(temps, seeds, offsets)).cpu(),
+            entry["argmax"] = (selector.select_tokens(logits).cpu(), gathered_argmax(shard, vocab, mapping).cpu())
+            entry["sample"] = (selector.select_tokens(logits, SelectionParams(temps, seeds, offsets)).cpu(),
                                gathered_gumbel_sample(shard, temps, seeds, offsets, vocab, mapping).cpu())
             # The draft side goes through the selector too: this rank's shard of the shared head, no gather.
-            entry["draft"] = (worker.draft_logits(h).cpu(), shard.cpu())
+            entry["draft"] = (selector.draft_logits(h).cpu(), shard.cpu())
         out[vocab] = entry
     # A custom logits processor on one rank only: every rank keeps the gathered path, same reason.
     head = LMHead(1200, hidden, torch.float32, device, mapping, TensorParallelMode.COLUMN, gather_output=True)

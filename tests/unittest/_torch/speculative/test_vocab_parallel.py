@@ -452,8 +452,6 @@ def _first_failure(failures):
     ("quantized", "quantized"),
     ("uneven", "unevenly sharded"),
     ("custom_processor", "own logits processor"),
-    ("penalties", "occurrence penalties"),
-    ("guided", "guided decoder"),
 ])
 def test_selection_decision_reasons(case, expected):
     tp = 1 if case == "tp1" else 2
@@ -465,10 +463,6 @@ def test_selection_decision_reasons(case, expected):
     if case == "quantized":
         head.quantized = True
     processor = _CustomProcessor() if case == "custom_processor" else LogitsProcessor()
-    if case == "penalties":
-        kw["occurrence_penalties"] = True
-    if case == "guided":
-        kw["guided_decoder"] = object()
     if case == "off":
         kw["mode"] = "off"
     target = _first_failure(local_target_failures(mapping, head, processor, **kw))
@@ -478,7 +472,7 @@ def test_selection_decision_reasons(case, expected):
         assert target is not None and expected in target
     # Draft side: the drafter drafting through the target head; target-only reasons do not apply.
     draft = _first_failure(local_draft_failures(mapping, head, head, mode=kw.get("mode", "auto")))
-    if case in ("custom_processor", "penalties", "guided", "eligible"):
+    if case in ("custom_processor", "eligible"):
         assert draft is None
     else:
         assert draft is not None and expected in draft
@@ -508,8 +502,8 @@ def test_request_routing():
 
 
 class _Worker(VocabParallelSelectionMixin):
-    def __init__(self, mapping):
-        self.mapping = mapping
+    def __init__(self, mapping, target, drafter):
+        self.mapping, self.target, self.drafter, self.max_exchange_rows = mapping, target, drafter, 0
 
 
 class _Model:
@@ -528,22 +522,21 @@ def test_worker_component_single_rank(processor_cls):
     vocab, hidden = 257, 16
     mapping, head = _head(vocab=vocab, hidden=hidden, tp=1)
     head.load_weights(torch.randn(vocab, hidden))
-    worker = _Worker(mapping)
-    with pytest.raises(RuntimeError, match="post_load"):
-        worker.select_tokens(torch.zeros(1, vocab))
-    sel = worker.post_load(_Model(head, processor_cls()), _Model(None))
+    worker = _Worker(mapping, _Model(head, processor_cls()), _Model(None))
+    assert worker.vocab_parallel is None and worker.selection is None
+    sel = worker.post_load()
     assert not sel.target_enabled and worker.selection is sel
+    assert worker.drafter.lm_head is head  # the drafter took over the target's head
     with pytest.raises(RuntimeError, match="already bound"):
-        worker.vocab_parallel.bind(mapping, head, processor_cls())
-    with pytest.raises(RuntimeError, match="already bound"):
-        worker.post_load(_Model(head, processor_cls()), _Model(None))
+        worker.post_load()
+    selector = worker.vocab_parallel
     h = torch.randn(6, hidden)
-    logits = worker.target_logits(h, torch.tensor([0, 2, 5]))
+    logits = selector.target_logits(h, torch.tensor([0, 2, 5]))
     assert isinstance(logits, torch.Tensor) and logits.shape == (3, vocab)
     torch.testing.assert_close(logits, processor_cls()(h[[0, 2, 5]], head), rtol=0, atol=0)
-    assert torch.equal(worker.select_tokens(logits), torch.argmax(logits, dim=1))
+    assert torch.equal(selector.select_tokens(logits), torch.argmax(logits, dim=1))
     temps, seeds, offsets = _sampling_inputs(3, "cpu", 0.0)
-    assert torch.equal(worker.select_tokens(logits, SelectionParams(temps, seeds, offsets)),
+    assert torch.equal(selector.select_tokens(logits, SelectionParams(temps, seeds, offsets)),
                        torch.argmax(logits, dim=1))
     assert torch.equal(gathered_argmax(logits, vocab), torch.argmax(logits, dim=1))
 

@@ -23,7 +23,7 @@ def test_forward_before_post_load_raises_and_selection_is_unset():
         def _forward_impl(self, batch_size):
             return {"rows": batch_size}
 
-    w = Good(Mapping(), draft_len=2, max_batch_size=4)
+    w = Good(Mapping(), None, None, draft_len=2, max_batch_size=4)
     assert w.selection is None
     with pytest.raises(RuntimeError, match="post_load"):
         w.forward(1)

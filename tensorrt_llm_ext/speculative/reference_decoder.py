@@ -1,0 +1,100 @@
+"""The lossless reference beside the worker: the target's own non-speculative decode, and the top-p check.
+
+The worker's speculative output is checked against what this decoder produces with the same target,
+state and selection (:meth:`ReferenceDecoder.step`): strict acceptance keeps exactly the target's
+tokens, so the two are equal bit for bit; rejection sampling keeps the target's distribution instead,
+and :meth:`ReferenceDecoder.top_p_membership` checks that every sampled token lies in the target's exact
+top-p set. The decoder reads the worker's models, state and op table but adds nothing to its step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm_ext.speculative.worker_base import nvtx_range
+
+__all__ = ["ReferenceDecoder"]
+
+
+class ReferenceDecoder:
+    """The target-only decode of a bound :class:`DSparkWorker` (its target, slot state and op table).
+
+    Usage: ``ref = ReferenceDecoder(worker)``; per admission ``ref.prefill_batch(slots, prompts, ...)``;
+    per step ``worker.set_rows(slots, B)`` then ``ref.step(B)``. A slot decoded here holds the reference's
+    own state (``ref_lens``, ``slot_tokens[:, 0]``): do not run speculative steps on it in between.
+    """
+
+    def __init__(self, worker: DSparkWorker):
+        if worker.vocab_parallel is None:
+            raise RuntimeError("ReferenceDecoder: bind the worker (post_load) first")
+        self.worker = worker
+        self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
+
+    def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float],
+                      seeds: list[int], *, top_ps: list[float] | None = None) -> list[int]:
+        """The context phase of several requests (the worker's, nothing drafted): their first tokens."""
+        w, st = self.worker, self.worker.state
+        toks = w.prefill_batch(slots, prompts, temperatures, seeds, speculative=False, top_ps=top_ps)
+        slots_l = torch.tensor(slots, dtype=torch.int64, device=w.device)
+        st.ref_lens[slots_l] = torch.tensor([len(p) for p in prompts], dtype=st.ref_lens.dtype, device=w.device)
+        st.slot_tokens[slots_l, 0] = torch.tensor(toks, dtype=st.slot_tokens.dtype, device=w.device)
+        return toks
+
+    def step(self, batch_size: int) -> torch.Tensor:
+        """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens.
+
+        Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
+        positions, overwritten by the next step before anyone attends them), so every kernel with a
+        shape-dependent reduction order sees the shape it sees in the speculative step. Selection is the
+        gathered path (the target's full-vocabulary logits) through the worker's one selection dispatch.
+        CUDA-graph safe.
+        """
+        w = self.worker
+        w.check_rows(batch_size)
+        st = w.state
+        b = batch_size
+        slots = w.slot_ids[:b]
+        slots_l = slots.long()
+        live = (~w.is_dummy[:b]).to(torch.int32)
+        with nvtx_range("target_only"):
+            tokens = st.slot_tokens[slots_l]
+            positions = st.ref_lens[slots_l].long()[:, None] + w.cols
+            out = w.target(tokens, positions, slots, st.kv_cache)
+            hidden = out.hidden_states.view(b, w.draft_len + 1, -1)[:, 0]
+            logits = w.target.logits(hidden)
+            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
+            offsets = positions[:, 0] + 1 if w.sampling else None
+            if w.sampling and w.step_top_p:
+                logits = w.top_p_masked(logits, temps, w.slot_top_p[slots_l])
+            ids = w.select_from(logits, temps, seeds, offsets, self.next_tokens[:b])
+            st.ref_lens[slots_l] += live
+            tokens[:, 0] = ids
+            st.slot_tokens[slots_l] = tokens
+        return ids
+
+    def top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
+                         top_p: float) -> list[bool]:
+        """For each emitted token, whether it lies in the target's kept set at its position (eager).
+
+        Teacher-forces ``prompt + output`` through the target on ``slot`` (its KV cache is overwritten: call
+        between requests) and evaluates ``top_p_keep`` on the full-vocabulary logits with the request's
+        temperature and ``top_p`` (``T = 0`` keeps exactly the first maximum, so a greedy token is checked
+        against the argmax). One full-sequence forward: its logits round differently from the step's, so a
+        token exactly at the kept set's boundary could in principle flip (fp32: far below any gap here).
+        """
+        if not output_ids:
+            return []
+        w = self.worker
+        dev = w.device
+        seq = list(prompt_ids) + list(output_ids[:-1])
+        ids = torch.tensor([seq], dtype=torch.int64, device=dev)
+        positions = torch.arange(len(seq), dtype=torch.int64, device=dev)[None]
+        out = w.target(ids, positions, torch.tensor([slot], dtype=torch.int32, device=dev), w.state.kv_cache)
+        n, m = len(prompt_ids), len(output_ids)
+        logits = w.target.logits(out.hidden_states[n - 1:n - 1 + m]).contiguous()
+        temps = torch.full((m,), float(temperature), dtype=torch.float32, device=dev)
+        keep = w.ops.top_p_keep(logits, torch.full((m,), float(top_p), dtype=torch.float32, device=dev),
+                                temperatures=temps)
+        toks = torch.tensor(output_ids, dtype=torch.int64, device=dev)
+        return keep.gather(1, toks[:, None])[:, 0].cpu().tolist()
