@@ -39,18 +39,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from tensorrt_llm_ext._env import ENV
+from triton.runtime.interpreter import InterpretedFunction
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 EMPTY_KEY = -(2**63)
 _LO_MASK = 0xFFFFFFFF
 MAX_VOCAB = 2**32 - 1
-# Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
-# log2f); the interpreter has no inline asm and takes numpy's. Read once, at import (TRITON_INTERPRET must
-# be set before any kernel module is imported anyway).
-_SFU_LOG2: tl.constexpr = tl.constexpr(not ENV.triton_interpret)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,6 +110,12 @@ def uniform_from_word(r):
     """
     one_top = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
     return one_top - 0.999999940395355224609375
+
+
+# Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
+# log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
+# module's kernels (interpreted or compiled), so it always matches how they run.
+_SFU_LOG2: tl.constexpr = tl.constexpr(not isinstance(ordered_i32, InterpretedFunction))
 
 
 @triton.jit
