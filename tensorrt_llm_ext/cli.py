@@ -86,7 +86,7 @@ def _cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
     ensure_triton_interpreter()
     from tensorrt_llm_ext.runtime.serve_cli import main_serve
 
-    return main_serve(args, argv)
+    return _checkpoint_refusal_exits_2(main_serve, args, argv)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -110,7 +110,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ensure_triton_interpreter()  # before any kernel module is imported
     from tensorrt_llm_ext.runtime.generate_cli import main_generate
 
-    return main_generate(args)
+    return _checkpoint_refusal_exits_2(main_generate, args)
+
+
+def _checkpoint_refusal_exits_2(command, *args) -> int:
+    """A weight refused at load (a NaN / inf tensor; the header checks run with the config, before any work)
+    is the same one line and exit 2 as those checks, not a traceback. At ``serve --tp N`` every rank refuses
+    the same file: rank 0 prints the line."""
+    from tensorrt_llm_ext.models.checkpoint import CheckpointError
+
+    try:
+        return command(*args)
+    except CheckpointError as e:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _add_generate_args(g: argparse.ArgumentParser) -> None:

@@ -42,6 +42,15 @@ def mpi_pool_executor(request):
     yield pool
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``), every multi-rank test joins one group, so ``--dist loadgroup`` runs them
+    one after another on one worker (one MPI pool at a time, as without xdist) while the other workers
+    take the single-process tests."""
+    for item in items:
+        if "mpi_pool_executor" in item.fixturenames or "multi_gpu" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group("mpi"))
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.shutdown()

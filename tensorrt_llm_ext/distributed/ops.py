@@ -94,7 +94,7 @@ class AllReduce(torch.nn.Module):
 
 # torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); the GPU image
 # (torch 2.11) has only the former.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def allgather(x: torch.Tensor, mapping: Mapping, dim: int = -1) -> torch.Tensor:
@@ -107,7 +107,7 @@ def allgather(x: torch.Tensor, mapping: Mapping, dim: int = -1) -> torch.Tensor:
     group = tp_group(mapping)
     x = x.contiguous()
     flat = torch.empty((mapping.tp_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(flat, x, group=group)
+    all_gather_flat(flat, x, group=group)
     dim = dim % x.dim()
     if dim == 0:
         return flat

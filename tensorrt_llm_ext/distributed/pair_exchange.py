@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tensorrt_llm_ext.distributed.communicator import tp_group
 from tensorrt_llm_ext.distributed.low_latency import (ExchangeStrategy, LowLatencyExchange,
                                                       setup_low_latency_exchange)
-from tensorrt_llm_ext.distributed.ops import _all_gather_flat
+from tensorrt_llm_ext.distributed.ops import all_gather_flat
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id_torch
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
@@ -151,5 +151,5 @@ class PairExchange:
         if out is None:
             out = torch.empty(shape, dtype=t.dtype, device=t.device)
         self._count(t)
-        _all_gather_flat(out.view(-1), t.view(-1), group=self._group)
+        all_gather_flat(out.view(-1), t.view(-1), group=self._group)
         return out

@@ -1,13 +1,11 @@
-"""Checkpoints on disk: a Hugging Face Llama target directory and a DSpark drafter directory.
+"""Checkpoints on disk: a Hugging Face decoder target directory and a DSpark drafter directory.
 
-**Target** (any Hugging Face ``LlamaForCausalLM`` directory): ``config.json`` plus ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``, tensors under Hugging Face names (``model.layers.0.self_attn.q_proj
-.weight``, ``lm_head.weight``; a tied head reads ``model.embed_tokens.weight``). What
-:class:`~tensorrt_llm_ext.models.llama_target.LlamaTarget` computes is checked against the config before
-any weight is read, and what it does not support is refused by name: another architecture, an activation
-other than SiLU, RoPE scaling (``rope_scaling`` / a non-default ``rope_parameters.rope_type``), attention or
-MLP biases. GQA (``num_key_value_heads``), an explicit ``head_dim``, ``rms_norm_eps``, ``rope_theta`` and
-``tie_word_embeddings`` are honoured.
+**Target** (a Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM`` directory): ``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``, tensors under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``; a tied head reads ``model.embed_tokens.weight``). :mod:`~tensorrt_llm_ext.models.hf_config`
+turns ``config.json`` into the :class:`~tensorrt_llm_ext.models.llama_target.LlamaTargetConfig` that computes
+it and refuses by name what no switch covers; ``docs/checkpoints.md`` lists both.
 
 **Drafter** (this project's format, written by ``trtllm-ext export``): ``config.json`` with
 ``"architectures": ["DSparkDrafter"]``, ``"format_version": 1`` and the sizes --
@@ -21,8 +19,10 @@ MLP biases. GQA (``num_key_value_heads``), an explicit ``head_dim``, ``rms_norm_
 BOS ids (``config.json``, ``generation_config.json``, the tokenizer), ``max_position_embeddings``, the
 ``torch_dtype`` and whether a tokenizer and a chat template are there.
 
-Every failure is a :class:`CheckpointError` naming the file and what is wrong (missing, not JSON, not a
-safetensors file, a missing or mis-shaped tensor).
+Every failure is a :class:`CheckpointError`, one line naming the file and what is wrong: missing, not JSON,
+not a readable safetensors file (truncated, empty, offsets past the end), a missing or mis-shaped tensor, a
+non-float dtype -- all from the headers, when the config is read, before any work -- or a NaN / inf weight
+(one ``isfinite`` pass per tensor at load).
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
-from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.logger import info_once, logger
 
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import full_weight_shapes as drafter_weight_shapes
+from tensorrt_llm_ext.models.hf_config import int_field, target_fields
 from tensorrt_llm_ext.models.llama_target import LlamaTargetConfig
 from tensorrt_llm_ext.models.llama_target import full_weight_shapes as target_weight_shapes
 
@@ -67,17 +68,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _int(cfg: dict, key: str, path: Path, default=None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise CheckpointError(f"checkpoint: {path}: {key} must be an integer, got {v!r}")
-    return v
-
-
-def _float(cfg: dict, key: str, path: Path, default=None) -> float:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise CheckpointError(f"checkpoint: {path}: {key} must be a number, got {v!r}")
-    return float(v)
+    try:
+        return int_field(cfg, key, default)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
 
 
 def default_target_layer_ids(num_layers: int) -> list[int]:
@@ -122,36 +116,41 @@ def _token_content(token) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def _tokenizer_token_id(directory: Path, which: str) -> int | None:
-    """The id of the tokenizer's ``eos_token`` / ``bos_token`` (``which``), looked up in
-    ``tokenizer_config.json``'s ``added_tokens_decoder``, then ``tokenizer.json``'s added tokens and vocabulary."""
+def _tokenizer_token_ids(directory: Path) -> dict[str, int | None]:
+    """The ids of the tokenizer's ``eos_token`` and ``bos_token``, looked up in ``tokenizer_config.json``'s
+    ``added_tokens_decoder``, then ``tokenizer.json``'s added tokens and vocabulary (each file read once)."""
     config_path = directory / "tokenizer_config.json"
     if not config_path.is_file():
-        return None
+        return {"eos_token": None, "bos_token": None}
     tok_cfg = _read_json(config_path)
-    content = _token_content(tok_cfg.get(which))
-    if content is None:
-        return None
+    wanted = {which: _token_content(tok_cfg.get(which)) for which in ("eos_token", "bos_token")}
+    found: dict[str, int] = {}
     decoder = tok_cfg.get("added_tokens_decoder")
     for key, entry in (decoder.items() if isinstance(decoder, dict) else ()):
-        if _token_content(entry) == content and str(key).isdigit():
-            return int(key)
+        if str(key).isdigit():
+            found.setdefault(_token_content(entry), int(key))
     tok_path = directory / "tokenizer.json"
-    if tok_path.is_file():
+    if any(c is not None and c not in found for c in wanted.values()) and tok_path.is_file():
         tok = _read_json(tok_path)
         for entry in tok.get("added_tokens") or ():
-            if isinstance(entry, dict) and entry.get("content") == content and isinstance(entry.get("id"), int):
-                return entry["id"]
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int):
+                found.setdefault(entry.get("content"), entry["id"])
         vocab = (tok.get("model") or {}).get("vocab")
-        if isinstance(vocab, dict) and isinstance(vocab.get(content), int):
-            return vocab[content]
-        if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+        if isinstance(vocab, dict):
+            for c in wanted.values():
+                if isinstance(vocab.get(c), int):
+                    found.setdefault(c, vocab[c])
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
             for i, entry in enumerate(vocab):
-                if isinstance(entry, list) and entry and entry[0] == content:
-                    return i
-    logger.warning(f"checkpoint: {config_path}: {which}={content!r} has no id in the tokenizer files; "
-                   f"the tokenizer's {which} is not used")
-    return None
+                if isinstance(entry, list) and entry and entry[0] in wanted.values():
+                    found.setdefault(entry[0], i)
+    out = {}
+    for which, content in wanted.items():
+        out[which] = None if content is None else found.get(content)
+        if content is not None and out[which] is None:
+            logger.warning(f"checkpoint: {config_path}: {which}={content!r} has no id in the tokenizer files; "
+                           f"the tokenizer's {which} is not used")
+    return out
 
 
 def _has_chat_template(directory: Path) -> bool:
@@ -189,11 +188,11 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
         ids = _token_ids(source.get("bos_token_id"), "bos_token_id", path)
         if bos is None and ids:
             bos = ids[0]
-    tok_eos = _tokenizer_token_id(directory, "eos_token")
-    if tok_eos is not None:
-        eos.append(tok_eos)
+    tok = _tokenizer_token_ids(directory)
+    if tok["eos_token"] is not None:
+        eos.append(tok["eos_token"])
     if bos is None:
-        bos = _tokenizer_token_id(directory, "bos_token")
+        bos = tok["bos_token"]
 
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None and (isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1):
@@ -214,49 +213,12 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
     )
 
 
-# -- target: Hugging Face Llama ---------------------------------------------------------------------------
-def read_llama_config(directory: str | Path) -> dict:
-    """``DIR/config.json`` of a Hugging Face Llama -> the fields of ``model.target`` (plain dict)."""
-    path = Path(directory) / "config.json"
-    if not Path(directory).is_dir():
-        raise CheckpointError(f"checkpoint: model directory {directory} not found")
-    cfg = _read_json(path)
-    arch = cfg.get("architectures") or []
-    if "LlamaForCausalLM" not in arch and cfg.get("model_type") != "llama":
-        raise CheckpointError(f"checkpoint: {path}: only Llama-architecture targets (LlamaForCausalLM) are "
-                              f"supported, got architectures={arch} model_type={cfg.get('model_type')!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"checkpoint: {path}: hidden_act={cfg['hidden_act']!r} is not supported (SiLU only)")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"checkpoint: {path}: {key}=true is not supported (bias-free projections only)")
-    rope_theta = cfg.get("rope_theta")
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):  # transformers >= 5 writes RoPE settings here
-        if params.get("rope_type", "default") != "default":
-            raise CheckpointError(f"checkpoint: {path}: rope_parameters.rope_type={params['rope_type']!r} is not "
-                                  "supported (plain RoPE only)")
-        rope_theta = params.get("rope_theta", rope_theta)
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise CheckpointError(f"checkpoint: {path}: rope_scaling={scaling!r} is not supported (plain RoPE only)")
-    heads = _int(cfg, "num_attention_heads", path)
-    hidden = _int(cfg, "hidden_size", path)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    num_layers = _int(cfg, "num_hidden_layers", path)
-    return {
-        "vocab_size": _int(cfg, "vocab_size", path),
-        "hidden_size": hidden,
-        "num_layers": num_layers,
-        "num_heads": heads,
-        "num_kv_heads": _int(cfg, "num_key_value_heads", path, heads),
-        "head_dim": _int({"head_dim": head_dim}, "head_dim", path),
-        "intermediate_size": _int(cfg, "intermediate_size", path),
-        "capture_layers": default_target_layer_ids(num_layers),
-        "rope_theta": _float({"rope_theta": 10000.0 if rope_theta is None else rope_theta}, "rope_theta", path),
-        "rms_norm_eps": _float(cfg, "rms_norm_eps", path, 1e-6),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    }
+# -- weight files: one check for headers (before any work) and for loaded tensors ---------------------------
+# safetensors dtype codes -> names; only the float ones load (a model here computes in fp32 / bf16)
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_FLOAT_WEIGHTS = ("float32", "float16", "bfloat16")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -266,36 +228,137 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return [single]
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"checkpoint: {index} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"checkpoint: {index} has no weight_map of tensor name -> file name")
         return [directory / name for name in sorted(set(weight_map.values()))]
     raise CheckpointError(f"checkpoint: {directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _unreadable(f: Path, e: Exception) -> CheckpointError:
+    size = f.stat().st_size
+    if size == 0:
+        return CheckpointError(f"checkpoint: {f} is empty (0 bytes)")
+    # safetensors' own words say which part is broken (header length, header JSON, offsets, coverage)
+    return CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({size} bytes: {e})")
 
-    out: dict[str, torch.Tensor] = {}
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """``name -> (file, shape, dtype name)`` from the safetensors headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    out = {}
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
-            out.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    entry = st.get_slice(name)
+                    out[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
         except Exception as e:  # safetensors raises its own error type (or OSError) on a corrupt file
-            raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
+            raise _unreadable(f, e) from None
     return out
 
 
-def _check_shapes(owner: str, where: Path, expected: dict[str, tuple[int, ...]], sd: dict[str, torch.Tensor],
-                  rename=lambda n: n) -> None:
-    missing = [rename(n) for n in expected if n not in sd]
+def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint: {f} not found")
+        try:
+            out.update({name: (f, t) for name, t in load_file(str(f)).items()})
+        except Exception as e:
+            raise _unreadable(f, e) from None
+    return out
+
+
+def _check_entries(owner: str, files: list[Path], expected: dict[str, tuple[int, ...]],
+                   entries: dict[str, tuple[Path, tuple[int, ...], str]]) -> None:
+    """Every ``expected`` name present (file names in the message), with the implied shape and a float dtype."""
+    missing = [n for n in expected if n not in entries]
     if missing:
+        where = files[0] if len(files) == 1 else files[0].parent
         raise CheckpointError(f"checkpoint: {where}: {owner} tensors missing: {missing[:6]}"
                               f"{' ...' if len(missing) > 6 else ''}")
     for name, shape in expected.items():
-        if tuple(sd[name].shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint: {where}: {rename(name)} has shape {list(sd[name].shape)}, "
-                                  f"the config implies {list(shape)}")
+        f, got, dtype = entries[name]
+        if got != tuple(shape):
+            raise CheckpointError(f"checkpoint: {f}: {name} has shape {list(got)}, the config implies {list(shape)}")
+        if dtype not in _FLOAT_WEIGHTS:
+            raise CheckpointError(f"checkpoint: {f}: {name} is {dtype}; weights must be float32, float16 or "
+                                  "bfloat16")
+
+
+def _finite(owner_entries: dict[str, tuple[Path, torch.Tensor]]) -> None:
+    """One ``isfinite`` pass per tensor: a NaN or inf weight is refused by name before it can serve."""
+    for name, (f, t) in owner_entries.items():
+        # in chunks: the boolean temporary stays small next to an embedding of 10^9 elements
+        if not all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(1 << 24)):
+            bad = sum(int((~torch.isfinite(part)).sum()) for part in t.reshape(-1).split(1 << 24))
+            raise CheckpointError(f"checkpoint: {f}: {name} holds {bad} non-finite value(s) (NaN or inf) of "
+                                  f"{t.numel()}")
+
+
+# -- target: Hugging Face Llama, Mistral, Qwen2, Qwen3 ------------------------------------------------------
+# Switches of LlamaTargetConfig that the runtime config's model.target does not hold (read_target_family).
+FAMILY_FIELDS = ("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
+
+
+def _target_fields(directory: str | Path) -> tuple[Path, dict]:
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"checkpoint: model directory {directory} not found")
+    path = Path(directory) / "config.json"
+    try:
+        return path, target_fields(_read_json(path))
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+
+
+def read_target_config(directory: str | Path) -> tuple[LlamaTargetConfig, bool]:
+    """``(LlamaTargetConfig, tie_word_embeddings)`` of a Hugging Face directory (default capture layers)."""
+    path, fields = _target_fields(directory)
+    tie = fields.pop("tie_word_embeddings")
+    try:
+        cfg = LlamaTargetConfig(**fields, capture_layers=tuple(default_target_layer_ids(fields["num_layers"])))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+    return cfg, tie
+
+
+def read_target_family(directory: str | Path) -> dict:
+    """The family switches of ``DIR/config.json`` (:data:`FAMILY_FIELDS`: biases, q/k norms, RoPE scaling) as
+    keyword arguments of :class:`LlamaTargetConfig` -- what :func:`read_llama_config`'s plain dict leaves out.
+
+    Example::
+
+        tcfg = dataclasses.replace(tcfg, **read_target_family(model_dir))  # a Qwen3 target gets qk_norm=True
+    """
+    cfg, _ = read_target_config(directory)
+    return {name: getattr(cfg, name) for name in FAMILY_FIELDS}
+
+
+def _expected_hf_shapes(cfg: LlamaTargetConfig, tie_word_embeddings: bool, present) -> dict[str, tuple[int, ...]]:
+    shapes = {_hf_name(n): s for n, s in target_weight_shapes(cfg).items()}
+    if tie_word_embeddings and "lm_head.weight" not in present:
+        del shapes["lm_head.weight"]  # the head reads the embedding
+    return shapes
+
+
+def read_llama_config(directory: str | Path) -> dict:
+    """``DIR/config.json`` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 -> the fields of ``model.target``
+    (plain dict; the family switches are :func:`read_target_family`'s), after checking the weight files'
+    headers against them (names, shapes, float dtypes, offsets), so a broken checkpoint is refused in one
+    line before any work."""
+    cfg, tie = read_target_config(directory)
+    files = _safetensors_files(Path(directory))
+    headers = _headers(files)
+    _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
+    fields = {k: v for k, v in vars(cfg).items() if k not in FAMILY_FIELDS}
+    return {**fields, "capture_layers": list(cfg.capture_layers), "tie_word_embeddings": tie}
 
 
 def _hf_name(name: str) -> str:
@@ -304,19 +367,34 @@ def _hf_name(name: str) -> str:
 
 def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
                           tie_word_embeddings: bool | None = None) -> dict[str, torch.Tensor]:
-    """The FULL target state dict (this project's names) from a Hugging Face Llama directory."""
+    """The FULL target state dict (this project's names) from a Hugging Face directory.
+
+    Refuses (:class:`CheckpointError`, one line naming the file) a missing or mis-shaped tensor, a dtype
+    other than float32 / float16 / bfloat16, a NaN or inf weight, and a ``cfg`` built without the family
+    switches this checkpoint needs (:func:`read_target_family`), which would compute another model.
+    """
     directory = Path(directory)
+    path, fields = _target_fields(directory)
+    for name in FAMILY_FIELDS:
+        if getattr(cfg, name) != fields[name]:
+            raise CheckpointError(f"checkpoint: {path}: this checkpoint needs {name}={fields[name]!r}, the target "
+                                  f"was configured with {getattr(cfg, name)!r} (pass read_target_family(DIR))")
     if tie_word_embeddings is None:
-        tie_word_embeddings = read_llama_config(directory)["tie_word_embeddings"]
-    raw = _load_safetensors(_safetensors_files(directory))
-    sd = {}
-    for name in target_weight_shapes(cfg):
-        hf = _hf_name(name)
-        if hf in raw:
-            sd[name] = raw[hf]
-    if "lm_head.weight" not in sd and tie_word_embeddings and "embed_tokens.weight" in sd:
+        tie_word_embeddings = fields["tie_word_embeddings"]
+    files = _safetensors_files(directory)
+    raw = _load_tensors(files)
+    expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
+    _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                               for n, (f, t) in raw.items()})
+    used = {n: raw[n] for n in expected}
+    unused = sorted(set(raw) - set(used) - {"lm_head.weight"})
+    if unused:  # e.g. a stored rotary inv_freq; transformers does not use them either
+        info_once(f"checkpoint: {directory}: {len(unused)} tensor(s) not used by the model: {unused[:6]}"
+                  f"{' ...' if len(unused) > 6 else ''}")
+    _finite(used)
+    sd = {name: used[_hf_name(name)][1] for name in target_weight_shapes(cfg) if _hf_name(name) in used}
+    if "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]
-    _check_shapes("target", directory, target_weight_shapes(cfg), sd, _hf_name)
     return sd
 
 
@@ -370,8 +448,9 @@ def read_drafter_config(directory: str | Path) -> dict:
     layers = cfg.get("target_layer_ids")
     if not isinstance(layers, list) or not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
         raise CheckpointError(f"checkpoint: {path}: target_layer_ids must be a non-empty list of ints, got {layers!r}")
-    return {
-        "drafter": {"num_layers": _int(cfg, "num_hidden_layers", path), "num_heads": _int(cfg, "num_attention_heads", path),
+    out = {
+        "drafter": {"num_layers": _int(cfg, "num_hidden_layers", path),
+                    "num_heads": _int(cfg, "num_attention_heads", path),
                     "head_dim": _int(cfg, "head_dim", path), "latent_dim": _int(cfg, "latent_dim", path),
                     "intermediate_size": _int(cfg, "intermediate_size", path)},
         "markov_rank": _int(cfg, "markov_rank", path),
@@ -380,13 +459,29 @@ def read_drafter_config(directory: str | Path) -> dict:
         "hidden_size": _int(cfg, "hidden_size", path),
         "vocab_size": _int(cfg, "vocab_size", path),
     }
+    try:
+        dcfg = DSparkDrafterConfig(hidden_size=out["hidden_size"], target_hidden_size=out["hidden_size"],
+                                   num_capture_layers=len(layers), vocab_size=out["vocab_size"],
+                                   markov_rank=out["markov_rank"], mask_token_id=out["mask_token_id"], **out["drafter"])
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
+    # The weight file's header against these sizes, before any work (the data is checked at load).
+    files = [directory / "model.safetensors"]
+    _check_entries("drafter", files, drafter_weight_shapes(dcfg), _headers(files))
+    return out
 
 
 def load_drafter_state_dict(directory: str | Path, cfg: DSparkDrafterConfig) -> dict[str, torch.Tensor]:
-    directory = Path(directory)
-    sd = _load_safetensors([directory / "model.safetensors"])
-    _check_shapes("drafter", directory, drafter_weight_shapes(cfg), sd)
-    return {k: sd[k] for k in drafter_weight_shapes(cfg)}
+    """The drafter's FULL state dict; the same refusals as :func:`load_llama_state_dict` (shapes, dtypes,
+    non-finite values), one line naming the file."""
+    files = [Path(directory) / "model.safetensors"]
+    raw = _load_tensors(files)
+    expected = drafter_weight_shapes(cfg)
+    _check_entries("drafter", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                                for n, (f, t) in raw.items()})
+    used = {n: raw[n] for n in expected}
+    _finite(used)
+    return {n: t for n, (_, t) in used.items()}
 
 
 def save_drafter_checkpoint(directory: str | Path, cfg: DSparkDrafterConfig, target_layer_ids: list[int],

@@ -5,6 +5,12 @@ Decoder layers (pre-norm): ``h += o_proj(attn(norm(h)))``; ``h += down(silu(gate
 plain :class:`LogitsProcessor`. Attention is GQA (``num_kv_heads`` divides ``num_heads``) with NeoX RoPE
 over a per-slot KV cache sized at start.
 
+The Hugging Face families this covers (see ``docs/checkpoints.md``) differ only in switches of
+:class:`LlamaTargetConfig`: q/k/v biases (Qwen2), an ``o_proj`` bias and MLP biases (Llama's
+``attention_bias`` / ``mlp_bias``), per-head RMSNorm of q and k before RoPE (Qwen3's ``q_norm`` /
+``k_norm``) and scaled RoPE (:class:`~tensorrt_llm_ext.modules.rope.RopeScaling`: Llama 3.x ``llama3``,
+``linear``, ``yarn``).
+
 TP layout: q/k/v and gate/up column-parallel (heads and the MLP split over ranks), o_proj and down_proj
 row-parallel with a reduced output, norms and the embedding replicated. Every TP size holds the same
 FULL weights (deterministic seeded init, or :meth:`LlamaTarget.load_full_state_dict`), sliced per rank.
@@ -34,14 +40,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm_ext.contract import TargetOutput
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.modules.attention import apply_rope, rope_cos_sin
+from tensorrt_llm_ext.modules.attention import apply_rope
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
+from tensorrt_llm_ext.modules.rope import RopeScaling, RotaryEmbedding
 from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
 
 
@@ -69,6 +77,11 @@ class LlamaTargetConfig:
     capture_layers: tuple[int, ...] = (0, 1, 2)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2, Llama attention_bias)
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry a bias (Llama mlp_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE (Qwen3), weights [head_dim]
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -107,6 +120,17 @@ def full_weight_shapes(cfg: LlamaTargetConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
             p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
         })
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (cfg.num_heads * d,),
+                           p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
+                           p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,)})
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (cfg.intermediate_size,),
+                           p + "mlp.up_proj.bias": (cfg.intermediate_size,), p + "mlp.down_proj.bias": (h,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     shapes.update({"norm.weight": (h,), "lm_head.weight": (cfg.vocab_size, h)})
     return shapes
 
@@ -115,8 +139,8 @@ def generate_full_state_dict(cfg: LlamaTargetConfig, seed: int, dtype: torch.dty
                              residual_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Deterministic FULL weights from one CPU fp32 generator, independent of rank and TP size.
 
-    Norms ``1 + 0.1 N(0,1)``, linears and the head ``N(0,1)/sqrt(fan_in)``, embedding ``N(0,1)``. The head
-    is scaled up (x4) so greedy decoding is not a single repeated token on random weights.
+    Norms ``1 + 0.1 N(0,1)``, biases ``0.1 N(0,1)``, linears and the head ``N(0,1)/sqrt(fan_in)``, embedding
+    ``N(0,1)``. The head is scaled up (x4) so greedy decoding is not a single repeated token on random weights.
     ``residual_scale`` scales ``o_proj``/``down_proj`` (what each layer adds to the residual stream): a
     small value makes the model close to a bigram model of its embedding and head, which a drafter's
     Markov head can learn exactly (the embedded default uses that to get real acceptance).
@@ -125,7 +149,9 @@ def generate_full_state_dict(cfg: LlamaTargetConfig, seed: int, dtype: torch.dty
     out = {}
     for name, shape in full_weight_shapes(cfg).items():
         w = torch.randn(shape, generator=g, dtype=torch.float32)
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            w = 0.1 * w
+        elif len(shape) == 1:
             w = 1.0 + 0.1 * w
         elif name != "embed_tokens.weight":
             w = w / math.sqrt(shape[1])
@@ -171,18 +197,20 @@ class LlamaAttention(nn.Module):
                              f"divisible by tp_size={tp}")
         col, row = TensorParallelMode.COLUMN, TensorParallelMode.ROW
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, cfg.num_heads * d, dtype=dtype, device=device, mapping=mapping,
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, device=device, mapping=mapping,
                              tensor_parallel_mode=col)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, device=device, mapping=mapping,
-                             tensor_parallel_mode=col)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, dtype=dtype, device=device, mapping=mapping,
-                             tensor_parallel_mode=col)
-        self.o_proj = Linear(cfg.num_heads * d, h, dtype=dtype, device=device, mapping=mapping,
-                             tensor_parallel_mode=row)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, device=device,
+                             mapping=mapping, tensor_parallel_mode=col)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, device=device,
+                             mapping=mapping, tensor_parallel_mode=col)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dtype, device=device,
+                             mapping=mapping, tensor_parallel_mode=row)
+        # Qwen3: one [head_dim] weight shared by every head, so it is replicated, not split, under TP.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = cfg.num_kv_heads // tp
         self.head_dim = d
-        self.rope_theta = cfg.rope_theta
         self.scale = 1.0 / math.sqrt(d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, k_cache: torch.Tensor,
@@ -190,8 +218,11 @@ class LlamaAttention(nn.Module):
         """``x [B, T, H]``; writes K/V at ``cache[slot, position]`` then attends causally over the cache row."""
         b, t, _ = x.shape
         d = self.head_dim
-        q = apply_rope(self.q_proj(x).view(b, t, self.num_heads, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(b, t, self.num_kv_heads, d), cos, sin)
+        q = self.q_proj(x).view(b, t, self.num_heads, d)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = _norm(self.q_norm, q), _norm(self.k_norm, k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, d)
         slots = slot_ids.long()[:, None].expand(b, t)
         pos = positions.long()
@@ -218,9 +249,10 @@ class LlamaMLP(nn.Module):
                              f"tp_size={mapping.tp_size}")
         col, row = TensorParallelMode.COLUMN, TensorParallelMode.ROW
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(h, i, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
-        self.up_proj = Linear(h, i, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
-        self.down_proj = Linear(i, h, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=row)
+        b = cfg.mlp_bias
+        self.gate_proj = Linear(h, i, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
+        self.up_proj = Linear(h, i, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
+        self.down_proj = Linear(i, h, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -253,6 +285,7 @@ class LlamaTarget(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device, mapping)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, mapping, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device, mapping=mapping,
                               tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True)
         self.logits_processor = LogitsProcessor()
@@ -262,9 +295,14 @@ class LlamaTarget(nn.Module):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load FULL weights named as in :func:`full_weight_shapes`; each module slices its rank's part.
 
-        Raises ValueError naming a missing, unexpected or mis-shaped entry.
+        Raises ValueError naming a missing, unexpected or mis-shaped entry. Weights stored in another dtype
+        (a checkpoint's ``torch_dtype``) are cast to the model's, logged once.
         """
         check_full_state_dict("LlamaTarget", full_weight_shapes(self.config), state_dict)
+        stored = sorted({str(t.dtype).removeprefix("torch.") for t in state_dict.values()})
+        model = str(self.dtype).removeprefix("torch.")
+        if stored != [model]:
+            info_once(f"LlamaTarget: weights stored as {', '.join(stored)} are cast to {model} (the model dtype)")
         load_sharded_modules(self, state_dict, (Linear, RMSNorm, Embedding, LMHead), self.dtype)
 
     def init_weights(self, seed: int, residual_scale: float = 1.0) -> None:
@@ -295,7 +333,7 @@ class LlamaTarget(nn.Module):
                              f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(slot_ids.shape)}")
         b, t = input_ids.shape
         cfg = self.config
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
         captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
         for i, layer in enumerate(self.layers):

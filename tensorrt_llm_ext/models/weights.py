@@ -20,7 +20,13 @@ def check_full_state_dict(owner: str, expected: dict[str, tuple[int, ...]], stat
 
 def load_sharded_modules(model: nn.Module, state_dict: dict[str, torch.Tensor], module_types: tuple[type, ...],
                          dtype: torch.dtype) -> None:
-    """Each submodule of ``module_types`` takes its rank's slice of ``<name>.weight`` (``load_weights``)."""
+    """Each submodule of ``module_types`` takes its rank's slice of ``<name>.weight`` (and of ``<name>.bias``
+    where the state dict has one; a ``Linear`` refuses a missing or unexpected bias) via ``load_weights``."""
     for mod_name, mod in model.named_modules():
         if isinstance(mod, module_types):
-            mod.load_weights(state_dict[f"{mod_name}.weight"].to(dtype))
+            weight = state_dict[f"{mod_name}.weight"].to(dtype)
+            bias = state_dict.get(f"{mod_name}.bias")
+            if bias is None:
+                mod.load_weights(weight)
+            else:
+                mod.load_weights(weight, bias.to(dtype))

@@ -26,7 +26,7 @@ import torch
 from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
+from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict, read_target_family
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
@@ -55,7 +55,9 @@ def model_configs(config: RuntimeConfig) -> tuple[LlamaTargetConfig, DSparkDraft
     tcfg = LlamaTargetConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=t.num_layers,
                              num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
                              intermediate_size=t.intermediate_size, capture_layers=tuple(t.capture_layers),
-                             rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps)
+                             rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps,
+                             # a checkpoint's family switches (biases, q/k norms, RoPE scaling)
+                             **(read_target_family(config.model.path) if config.model.path else {}))
     d = config.model.drafter
     dcfg = DSparkDrafterConfig(hidden_size=t.hidden_size, target_hidden_size=t.hidden_size,
                                num_capture_layers=len(t.capture_layers), num_layers=d.num_layers,

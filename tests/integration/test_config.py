@@ -131,4 +131,4 @@ def test_exchange_option_is_validated_and_reaches_the_pair_exchange():
     ex = PairExchange(Mapping(), "low_latency", max_rows=8)
     assert ex.backend == "nccl" and ex.is_identity
     with pytest.raises(ValueError, match="'fast' is not a valid ExchangeStrategy"):
-        VocabParallelSelector().bind(Mapping(), None, None, exchange="fast")
+        VocabParallelSelector.bind(Mapping(), None, None, exchange="fast")

@@ -397,7 +397,7 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     """A timed-out round (flag set by the kernel) raises from PairExchange.check_exchange and from the
     selector the worker calls once per step; a clean flag does not."""
     from tensorrt_llm_ext.distributed import PairExchange
-    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelection, VocabParallelSelector
 
     dev = _device()
     buffers = torch.zeros((2, 2, 2, 2, 2), dtype=torch.int64, device=dev)
@@ -405,8 +405,9 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     pair = PairExchange(Mapping())
     pair.low_latency = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, None,
                                           timeout_s=0.5)
-    sel = VocabParallelSelector()
-    sel.exchange = pair
+    gathered = VocabParallelSelection(target_enabled=False, draft_enabled=False, target_reason="test",
+                                      draft_reason="test")
+    sel = VocabParallelSelector(gathered, None, None, None, pair)
     pair.check_exchange()
     sel.check_exchange()
     ll_exchange(torch.zeros(1, 2, dtype=torch.int64, device=dev), state, spin_limit=3)  # the peer never writes

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from tensorrt_llm_ext.models.checkpoint import (CheckpointError, CheckpointFacts, load_llama_state_dict,
-                                                read_checkpoint_facts, read_llama_config)
-from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
+from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.models.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint_facts
+from tensorrt_llm_ext.testing.hf_checkpoints import load_target, target_logits
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import full_state_dicts
 from tensorrt_llm_ext.runtime.export import export_model
@@ -24,22 +24,6 @@ TINY = {
     "model.drafter.intermediate_size": 32, "speculative_config.markov_rank": 32, "max_batch_size": 2,
     "max_seq_len": 32,
 }
-
-
-def _target_from_dir(directory) -> LlamaTarget:
-    t = read_llama_config(directory)
-    cfg = LlamaTargetConfig(**{k: v for k, v in t.items() if k not in ("tie_word_embeddings", "capture_layers")},
-                            capture_layers=tuple(t["capture_layers"]))
-    model = LlamaTarget(cfg, dtype=torch.float32)
-    model.load_full_state_dict(load_llama_state_dict(directory, cfg))
-    return model
-
-
-def _our_logits(model: LlamaTarget, ids: list[int]) -> torch.Tensor:
-    cache = model.make_kv_cache(1, len(ids) + 1)
-    inp = torch.tensor([ids])
-    out = model(inp, torch.arange(len(ids))[None], torch.zeros(1, dtype=torch.int32), cache)
-    return model.logits(out.hidden_states)
 
 
 def test_export_then_load_is_bit_exact(tmp_path):
@@ -71,7 +55,7 @@ def test_transformers_llama_parity(tmp_path, tied):
     ids = [5, 17, 300, 2, 99, 42, 7, 250, 1]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-        got = _our_logits(_target_from_dir(tmp_path / "hf"), ids)
+        got = target_logits(load_target(tmp_path / "hf"), ids)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -83,7 +67,7 @@ def test_exported_target_loads_in_transformers(tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m").eval().float()
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with torch.no_grad():
-        torch.testing.assert_close(_our_logits(_target_from_dir(tmp_path / "m"), ids), hf(torch.tensor([ids])).logits[0],
+        torch.testing.assert_close(target_logits(load_target(tmp_path / "m"), ids), hf(torch.tensor([ids])).logits[0],
                                    atol=2e-5, rtol=1e-4)
 
 
@@ -93,42 +77,110 @@ def test_missing_corrupt_and_unsupported_files_are_clear_errors(tmp_path):
     d = tmp_path / "m"
     with pytest.raises(ConfigError, match="model directory .* not found"):
         load_config(model_dir=str(tmp_path / "nope"))
-    # A corrupt weight file: named, one line.
-    blob = (d / "model.safetensors").read_bytes()
-    (d / "model.safetensors").write_bytes(blob[: len(blob) // 3])
-    tcfg = LlamaTargetConfig(vocab_size=517, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                             intermediate_size=48, capture_layers=(0, 1))
-    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
-        load_llama_state_dict(d, tcfg)
-    (d / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="neither model.safetensors"):
-        load_llama_state_dict(d, tcfg)
-    # A missing tensor is named.
-    from safetensors.torch import load_file, save_file
-
-    d = tmp_path / "m2"
-    export_model(cfg, d)
-    drafter = d / "dspark_drafter" / "model.safetensors"
-    sd = load_file(str(drafter))
-    sd.pop("markov_w1")
-    save_file(sd, str(drafter))
-    from tensorrt_llm_ext.runtime.engine import Engine
-
-    with pytest.raises(CheckpointError, match="markov_w1"):
-        Engine(load_config(model_dir=str(d), **{"max_batch_size": 2, "max_seq_len": 32}))
     config = json.loads((d / "config.json").read_text())
-    for change, match in (({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "only Llama"),
-                          ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-                          ({"attention_bias": True}, "attention_bias"),
+    for change, match in (({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
+                          ({"architectures": ["Qwen3ForCausalLM"], "model_type": "llama"}, "model_type='llama'"),
+                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+                          ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),
+                          ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                             "high_freq_factor": 1.0}}, "low_freq_factor < high_freq_factor"),
+                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+                          ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
+                           "sliding_window=16"),
+                          ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+                            "sliding_window": 4096}, "sliding_window=4096"),
+                          ({"num_local_experts": 8}, "mixture-of-experts"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
                           ({"num_hidden_layers": 2.5}, "num_hidden_layers")):
         (d / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ConfigError, match=match) as err:
             load_config(model_dir=str(d))
-        assert "\n" not in str(err.value)
+        assert "\n" not in str(err.value) and "config.json" in str(err.value)
     (d / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(model_dir=str(d))
+
+
+# -- corrupt weight files (issue 22 items 3 and 9): one line naming the file and the problem -------------------
+def _rewrite(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path))
+    edit(sd)
+    save_file(sd, str(path))
+
+
+def _lie_about_offsets(path) -> None:
+    """The header claims data past the end of the file for one tensor (the file keeps its length)."""
+    import struct
+
+    blob = path.read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    start, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [start, end + 10**6]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+
+
+T, D = "model.safetensors", "dspark_drafter/model.safetensors"
+HEADER_CASES = {  # checked before any work, from the headers alone
+    "trunc_target": (T, lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "not a readable safetensors"),
+    "trunc_header": (T, lambda p: p.write_bytes(p.read_bytes()[:20]), "not a readable safetensors file .20 bytes"),
+    "trunc_drafter": (D, lambda p: p.write_bytes(p.read_bytes()[:-100]), "not a readable safetensors"),
+    "empty_target": (T, lambda p: p.write_bytes(b""), "is empty .0 bytes"),
+    "no_weights": (T, lambda p: p.unlink(), "has neither model.safetensors"),
+    "wrong_shape": (T, lambda p: _rewrite(p, lambda sd: sd.update({
+        "model.layers.0.self_attn.q_proj.weight": sd["model.layers.0.self_attn.q_proj.weight"][:, :-1].contiguous()})),
+        r"model.layers.0.self_attn.q_proj.weight has shape \[32, 31\], the config implies \[32, 32\]"),
+    "missing_tensor": (T, lambda p: _rewrite(p, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
+                       r"target tensors missing: \['model.layers.1.mlp.up_proj.weight'\]"),
+    "missing_drafter": (D, lambda p: _rewrite(p, lambda sd: sd.pop("markov_w1")), "drafter tensors missing"),
+    "int_dtype": (T, lambda p: _rewrite(p, lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].int()})),
+                  "model.norm.weight is int32; weights must be float32, float16 or bfloat16"),
+    "header_lies": (T, _lie_about_offsets, "not a readable safetensors"),
+}
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt") / "good"
+    export_model(load_config(**TINY), d)
+    return d
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_corrupt_weight_files_are_one_line_before_any_work(good_checkpoint, tmp_path, case):
+    rel, corrupt, match = HEADER_CASES[case]
+    d = _copy(good_checkpoint, tmp_path / case)
+    corrupt(d / rel)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)
+    msg = str(err.value)
+    assert "\n" not in msg and str(d / rel if case != "no_weights" else d) in msg
+
+
+@pytest.mark.parametrize("where", ["target", "drafter"])
+def test_non_finite_weights_are_refused_at_load_by_name(good_checkpoint, tmp_path, where):
+    d = _copy(good_checkpoint, tmp_path / where)
+    path, name, value = ((d / T, "model.norm.weight", float("nan")) if where == "target" else
+                         (d / D, "markov_w2", float("inf")))
+
+    def poison(sd):
+        sd[name].view(-1)[1] = value
+
+    _rewrite(path, poison)
+    cfg = load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)  # the headers are fine
+    with pytest.raises(CheckpointError, match=rf"{path}: {name} holds 1 non-finite value\(s\) \(NaN or inf\) of "):
+        full_state_dicts(cfg)
 
 
 def _write_json(path, data) -> None:
@@ -196,3 +248,19 @@ def test_checkpoint_facts_missing_and_malformed_files(tmp_path, caplog):
     _write_json(d / "tokenizer_config.json", {"eos_token": {"content": "<eot>"},
                                               "added_tokens_decoder": {"12": {"content": "<eot>"}}})
     assert read_checkpoint_facts(d).eos_token_ids == (12,)
+
+
+def test_bf16_checkpoint_dtype_is_a_fact_and_its_cast_is_logged(tmp_path, caplog, monkeypatch):
+    from tensorrt_llm_ext import logger as ext_logger
+    from tensorrt_llm_ext.runtime.engine import build_models
+
+    monkeypatch.setattr(ext_logger, "_seen_once", set())  # earlier tests may have logged the line already
+    d = tmp_path / "bf16"
+    export_model(load_config(**TINY), d, dtype="bfloat16")
+    facts = read_checkpoint_facts(d)
+    assert (facts.torch_dtype, facts.max_position_embeddings, facts.model_name) == (torch.bfloat16, 32, "bf16")
+    cfg = load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)  # CPU: model.dtype auto -> float32
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        target, _ = build_models(cfg, Mapping(), torch.device("cpu"))
+    assert target.dtype == torch.float32
+    assert "LlamaTarget: weights stored as bfloat16 are cast to float32 (the model dtype)" in caplog.text
