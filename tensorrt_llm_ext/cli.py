@@ -36,7 +36,7 @@ def _cmd_test_list(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.testing.test_db import ListDbError
 
     try:
-        return run_test_list(args.name, dry_run=args.dry_run, pytest_args=args.pytest_args)
+        return run_test_list(args.name, dry_run=args.dry_run, pytest_args=args.pytest_args, jobs=args.jobs)
     except ListDbError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -135,7 +135,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="runtime YAML (trtllm-serve style); default: the embedded dspark_default.yaml")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, launched through MPI (default: config)")
     g.add_argument("--max-new-tokens", type=int, default=24)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 keyed Gumbel-max sampling")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (so is T < 1e-5, its T -> 0 limit); more: keyed Gumbel-max sampling")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed + i)")
     g.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     g.add_argument("--draft-len", type=int, default=None, help="override speculative_config.max_draft_len")
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     tl = sub.add_parser("test-list", help="run a test-db list with pytest")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
+    tl.add_argument("--jobs", type=int, default=None,
+                    help="pytest-xdist workers (default: one per core, at most 2, on a CPU machine with "
+                         "pytest-xdist installed; 1 = one process)")
     b = sub.add_parser("bench", help="run a benchmark (tables; CUDA-graph timing on GPU)", add_help=False)
     b.add_argument("name")
     g = sub.add_parser("generate", help="speculative generation (DSpark) on the embedded model (the default command)")

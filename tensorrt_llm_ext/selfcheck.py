@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import platform
-import shutil
 import sys
+
+from tensorrt_llm_ext.runtime.ranks import mpiexec_command
 
 
 def environment_report() -> list[tuple[str, str]]:
@@ -30,7 +31,10 @@ def environment_report() -> list[tuple[str, str]]:
         rows.append(("MPI", MPI.Get_library_version().splitlines()[0].strip()))
     except Exception as e:  # report, don't fail: the single-rank paths work without MPI
         rows.append(("MPI", f"unavailable ({e})"))
-    rows.append(("mpiexec", shutil.which("mpiexec") or "not on PATH"))
+    try:
+        rows.append(("mpiexec", " ".join(mpiexec_command()[0])))
+    except FileNotFoundError as e:
+        rows.append(("mpiexec", f"not found ({e})"))
     return rows
 
 
@@ -65,10 +69,6 @@ def _rank_check(vocab: int):
 
 
 def multi_rank_selfcheck(world_size: int = 2, vocab: int = 1001, timeout: float = 120.0) -> list[tuple]:
-    from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
+    from tensorrt_llm_ext.runtime.ranks import launch_ranks
 
-    pool = MpiPool(world_size).start()
-    try:
-        return run_on_ranks(pool, _rank_check, vocab, timeout=timeout)
-    finally:
-        pool.shutdown()
+    return launch_ranks(world_size, _rank_check, vocab, timeout=timeout)

@@ -31,12 +31,13 @@ _POOLS: dict[int, MpiPool] = {}
 
 @pytest.fixture
 def mpi_pool_executor(request):
-    """An MPI pool of ``request.param`` ranks (default 2), reused across tests until a test breaks it."""
+    """An MPI pool of ``request.param`` ranks (default 2), reused across tests until a test breaks it
+    (:class:`tensorrt_llm_ext.runtime.ranks.MpiPool`: supervised ranks outside this process's MPI job)."""
     world = getattr(request, "param", 2)
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     pool = _POOLS.get(world)
-    if pool is None or pool.broken or pool.executor is None:
+    if pool is None or pool.broken:
         pool = MpiPool(world).start()
         _POOLS[world] = pool
     yield pool

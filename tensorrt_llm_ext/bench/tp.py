@@ -1,6 +1,6 @@
 """``trtllm-ext bench tp --tp N``: the TP paths side by side, measured on N MPI-launched ranks.
 
-The command spawns N ranks itself (:class:`~tensorrt_llm_ext.testing.mpi.MpiPool`, one GPU per rank,
+The command starts N ranks itself (:class:`~tensorrt_llm_ext.runtime.ranks.MpiPool`, one GPU per rank,
 NCCL; gloo on CPU as a smoke run whose timings are meaningless). Every rank runs the same measurements
 in the same order; the table shows, per cell, the MAXIMUM over ranks of each rank's median (a TP step
 waits for its slowest rank). Sections:
@@ -13,7 +13,7 @@ waits for its slowest rank). Sections:
    full-vocabulary chain (the exact mode, and the eager reference chain) that every rank would run;
 3. the drafter with TP fusion (:class:`DSparkDrafter`) vs without (:class:`DSparkDrafterNoFusion`):
    context projection and block decode;
-4. ``bench step`` per rank, when :mod:`tensorrt_llm_ext.bench.step` exposes ``measure_step_rank``.
+4. the whole DSpark step per rank (``bench step``'s model and worker stages), fused vs stock op table.
 
 Timing: :meth:`BenchTimer.time_graph` (CUDA-graph replay, collectives captured). Before timing a variant
 every rank test-captures it once and the ranks agree (:func:`agree_all`) on the outcome, so they all take
@@ -27,14 +27,9 @@ import argparse
 import os
 from dataclasses import asdict, dataclass, field
 
-from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+import torch
 
-ensure_triton_interpreter()  # before any kernel module is imported (the CPU smoke run needs the interpreter)
-
-import torch  # noqa: E402
-
-from tensorrt_llm_ext.bench.harness import (BenchTimer, fmt, print_table, register_benchmark,  # noqa: E402
-                                            rotation_count)
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
 # fc), 2 layers, weights drawn on the device (initialises in well under a second).
@@ -376,8 +371,10 @@ def _ratio(a: float, b: float) -> str:
 
 def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
     """Launch ``args.tp`` ranks (or use ``pool``), measure, print the tables; returns their text."""
-    from tensorrt_llm_ext.testing.mpi import MpiPool, run_on_ranks
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+    from tensorrt_llm_ext.runtime.ranks import MpiPool
 
+    ensure_triton_interpreter()  # a CPU smoke run: before the ranks import any kernel module
     tp = args.tp
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
@@ -385,13 +382,12 @@ def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
         raise ValueError(f"--tp {tp} needs {tp} GPUs (one per rank), found {torch.cuda.device_count()}")
     sizes = sizes_for(args.tiny, args.quick)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned ranks (NVLink multicast stays off)
     own = pool is None
     if own:
-        pool = MpiPool(tp).start()
+        pool = MpiPool(tp, env={"NCCL_NVLS_ENABLE": "0"}).start()  # the ranks keep NVLink multicast off
     try:
-        results = run_on_ranks(pool, _rank_main, tp, asdict(sizes), sections, args.reps, args.calls_per_rep,
-                               timeout=args.timeout)
+        results = pool.run(_rank_main, tp, asdict(sizes), sections, args.reps, args.calls_per_rep,
+                           timeout=args.timeout)
     finally:
         if own:
             pool.shutdown()

@@ -33,10 +33,12 @@ Why a stale word cannot alias:
 * The int64 epoch does not wrap in practice (2^63 epochs at one per microsecond is 292 000 years).
 
 Bounded wait: on a GPU the spin stops after ``timeout_s`` (:data:`WAIT_TIMEOUT_S` = 2 s) by the device's
-nanosecond clock, read every :data:`TIMER_EVERY` polls; under the interpreter (no clock) after
-``spin_limit`` polls. Rows still missing a peer's word then get ``EMPTY_KEY`` (no token is made
-from incomplete data: ``key_to_id`` gives -1), and the rank writes ``epoch + 1`` into its timeout flag,
-which lives in pinned host memory so the host reads it without a device sync (``check_exchange``).
+nanosecond clock, read every :data:`TIMER_EVERY` polls; under the interpreter (no clock in the kernel) the
+host turns ``timeout_s`` into a poll count at the poll cost it measured once (:func:`interpreter_poll_cost`);
+``spin_limit`` polls bound it too, whichever is smaller. Rows still missing a peer's word then get
+``EMPTY_KEY`` (no token is made from incomplete data: ``key_to_id`` gives -1), and the rank writes
+``epoch + 1`` into its timeout flag, which lives in pinned host memory so the host reads it without a device
+sync (``check_exchange``).
 Words that were not consumed are left in place; after a timeout the exchange is dead (the worker
 raises), and no later epoch is trusted.
 
@@ -48,6 +50,7 @@ the Triton interpreter runs programs one after another and a cross-program spin 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +65,8 @@ from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 __all__ = [
     "HALVES", "LLExchangeReference", "LLExchangeState", "MAX_WORLD", "SPIN_LIMIT", "WAIT_TIMEOUT_S",
     "SimulatedPeers", "TAG_PERIOD", "WORDS_PER_ROW", "buffer_shape", "decode_words", "encode_words",
-    "default_spin_limit", "ll_exchange", "ll_exchange_reference", "tag_of",
+    "default_spin_limit", "interpreter_poll_cost", "interpreter_poll_limit", "ll_exchange", "ll_exchange_reference",
+    "tag_of",
 ]
 
 TAG_BITS = 32
@@ -79,8 +83,9 @@ MAX_WORLD = 8
 # 215 ns with one row to 1197 ns with 8 peers x 128 rows, so a poll-count bound waited 1.0-5.6 s).
 WAIT_TIMEOUT_S = 2.0
 TIMER_EVERY = 16  # reading the clock is a few hundred cycles: not on every poll
-# The poll bound: under the interpreter (no clock there) the only bound, and what tests use to force a
-# timeout quickly; on a GPU it is a backstop far beyond the time bound (2^31 - 1 polls >= 7 minutes).
+# The poll bound: what tests use to force a timeout quickly, the default backstop under the interpreter (where
+# the time bound becomes polls at the measured poll cost); on a GPU far beyond the time bound (2^31 - 1 polls
+# >= 7 minutes).
 SPIN_LIMIT = 4_640_000
 NO_POLL_LIMIT = 2**31 - 1
 MAX_TIMEOUT_S = 2000  # 2000 s in 1024-ns units still fits an int32
@@ -228,24 +233,72 @@ def allocate_flag(n: int, device: torch.device) -> torch.Tensor:
 def _timeout_units(timeout_s: float) -> int:
     """Seconds -> the kernel's clock units (1024 ns). Always an int32 value (<= MAX_TIMEOUT_S), so every
     timeout runs the one compiled variant that the setup launch loaded. The interpreter has no clock
-    (its elapsed time stays 0): it gets the largest bound, so there only ``spin_limit`` ends the wait."""
+    (its elapsed time stays 0): it gets the largest bound, and the host bounds its polls instead
+    (:func:`interpreter_poll_limit`)."""
     return int(timeout_s * 1e9) >> 10
 
 
 def default_spin_limit(device: torch.device) -> int:
     """The poll bound that goes with the time bound: none to speak of on a GPU, :data:`SPIN_LIMIT` where
-    there is no clock (the interpreter)."""
+    there is no clock (the interpreter; there the time bound becomes a poll bound too, see
+    :func:`interpreter_poll_limit`)."""
     return NO_POLL_LIMIT if device.type == "cuda" else SPIN_LIMIT
+
+
+# Seconds per poll of the interpreted spin, per BLOCK_R (the peer axis is always MAX_WORLD wide), measured once.
+_POLL_COST_S: dict[int, float] = {}
+_PROBE_POLLS = 8
+
+
+def _launch(keys, out, state: LLExchangeState, spin_limit: int, timeout_units: int, timed: bool) -> None:
+    _ll_exchange_kernel[(state.driven,)](
+        keys, out, state.buf_ptrs, state.epoch, state.flag,
+        keys.shape[1], state.world, state.rank_base, spin_limit, timeout_units, keys.stride(0),
+        SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r, TIMED=timed,
+        TIMER_EVERY=TIMER_EVERY,
+        num_warps=num_warps_for(MAX_WORLD * state.block_r, elements_per_warp=128, max_warps=4),
+    )
+
+
+def interpreter_poll_cost(slot_rows: int) -> float:
+    """Seconds one poll of the spin takes under the interpreter for buffers of ``slot_rows`` rows.
+
+    Measured once per process and block size on a private two-rank state whose peer never writes (the
+    same kernel, ``spin_limit`` 0 and :data:`_PROBE_POLLS`), so the host can turn the time bound into a
+    poll bound where the kernel has no clock. About 1.4 ms on the 2-core CI machine."""
+    block_r = triton.next_power_of_2(slot_rows)
+    if block_r not in _POLL_COST_S:
+        bufs = torch.zeros((2, *buffer_shape(2, slot_rows)), dtype=torch.int64)
+        ptrs = torch.tensor([bufs[0].data_ptr(), bufs[1].data_ptr()], dtype=torch.int64)
+
+        def run(polls: int) -> float:
+            st = LLExchangeState(buf_ptrs=ptrs, epoch=torch.zeros(1, dtype=torch.int64),
+                                 flag=torch.zeros(1, dtype=torch.int64), world=2, slot_rows=slot_rows, rank_base=0)
+            keys = torch.zeros(1, slot_rows, dtype=torch.int64)
+            t0 = time.perf_counter()
+            _launch(keys, keys, st, polls, _timeout_units(MAX_TIMEOUT_S), timed=False)
+            return time.perf_counter() - t0
+
+        run(0)  # first launch: the interpreter's own set-up
+        base = min(run(0), run(0))
+        _POLL_COST_S[block_r] = max((run(_PROBE_POLLS) - base) / _PROBE_POLLS, 1e-6)
+    return _POLL_COST_S[block_r]
+
+
+def interpreter_poll_limit(timeout_s: float, slot_rows: int) -> int:
+    """The time bound as a poll bound under the interpreter: the polls that fit in ``timeout_s`` at the
+    measured cost (:func:`interpreter_poll_cost`)."""
+    return min(NO_POLL_LIMIT, int(timeout_s / interpreter_poll_cost(slot_rows)))
 
 
 def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float = WAIT_TIMEOUT_S,
                 spin_limit: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One exchange round for every driven rank: ``keys [P, R]`` int64 -> ``out [P, R]`` TP-wide MAX.
 
-    The wait ends after ``timeout_s`` (GPU clock) or ``spin_limit`` polls (default
-    :func:`default_spin_limit`), whichever comes first; rows whose peers' words did not arrive by then
-    hold ``EMPTY_KEY`` and the driven rank's ``state.flag`` entry is set to ``epoch + 1``. ``out`` may be
-    ``keys`` (in place).
+    The wait ends after ``timeout_s`` (GPU clock; under the interpreter the polls that fit in it at the
+    measured poll cost) or ``spin_limit`` polls (default :func:`default_spin_limit`), whichever comes first;
+    rows whose peers' words did not arrive by then hold ``EMPTY_KEY`` and the driven rank's ``state.flag``
+    entry is set to ``epoch + 1``. ``out`` may be ``keys`` (in place).
     Advances ``state.epoch`` by one per driven rank. CUDA-graph safe with ``out``: one launch, no
     allocation, no host sync; the epoch lives on the device, so replays use fresh epochs.
     """
@@ -268,13 +321,13 @@ def ll_exchange(keys: torch.Tensor, state: LLExchangeState, *, timeout_s: float 
     check_tensor("out", out, shape=(p, rows), dtype=torch.int64, device=keys.device, contiguous=True)
     if rows == 0:
         return out
-    _ll_exchange_kernel[(p,)](
-        keys, out, state.buf_ptrs, state.epoch, state.flag,
-        rows, state.world, state.rank_base, spin_limit, _timeout_units(timeout_s) if keys.is_cuda else _timeout_units(MAX_TIMEOUT_S), keys.stride(0),
-        SLOT_ROWS=state.slot_rows, BLOCK_W=MAX_WORLD, BLOCK_R=state.block_r, TIMED=keys.is_cuda,
-        TIMER_EVERY=TIMER_EVERY,
-        num_warps=num_warps_for(MAX_WORLD * state.block_r, elements_per_warp=128, max_warps=4),
-    )
+    if keys.is_cuda:
+        _launch(keys, out, state, spin_limit, _timeout_units(timeout_s), timed=True)
+    else:
+        # No clock in the interpreted kernel (its elapsed time stays 0 under the largest time bound): the host
+        # turns timeout_s into polls at the measured poll cost, so the wait is bounded in time here too.
+        spin_limit = min(spin_limit, interpreter_poll_limit(timeout_s, state.slot_rows))
+        _launch(keys, out, state, spin_limit, _timeout_units(MAX_TIMEOUT_S), timed=False)
     return out
 
 

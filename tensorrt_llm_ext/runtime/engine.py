@@ -16,6 +16,7 @@ the dummy slot) and replays the captured step when graphs are enabled, else runs
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import deque
@@ -286,7 +287,8 @@ class Engine:
             if admitted:  # every request admitted this iteration: one batched prefill
                 prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
-                               [a.request.temperature for a in admitted], [a.request.seed for a in admitted],
+                               [a.request.sampling_temperature for a in admitted],
+                               [a.request.seed for a in admitted],
                                top_ps=[a.request.top_p for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
@@ -340,9 +342,10 @@ class Engine:
         self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
                                                self.state.page_size))
         if mode == "target_only":
-            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)], [request.temperature],
-                                                       [request.seed], top_ps=[request.top_p])[0]
-        return self.worker(path).prefill(slot, list(request.prompt_ids), request.temperature, request.seed,
+            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
+                                                       [request.sampling_temperature], [request.seed],
+                                                       top_ps=[request.top_p])[0]
+        return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
                                          top_p=request.top_p)
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
@@ -389,24 +392,36 @@ class Engine:
     def _check_same_batch(self, requests: list[Request], mode: str) -> None:
         """Every TP rank must serve the same batch: its host decisions (admission, rows per step, stops)
         follow from the requests, and ranks that disagree would meet in collectives of different shapes
-        (an abort inside the collective library). One small CPU all-gather per ``generate()`` call, where
-        the batch is set up -- nothing is added to the step. Raises ``ValueError`` naming each rank's batch.
+        (an abort inside the collective library) or sample with different parameters (tokens matching no
+        rank's request). One small CPU all-gather per ``generate()`` call, where the batch is set up --
+        nothing is added to the step. Every field of :class:`Request` is compared (prompt, max tokens,
+        stop ids, temperature, top-p, seed, request id, and any field added later). Raises ``ValueError``
+        on every rank, naming each rank's batch and the fields that differ.
         """
+        names = [f.name for f in dataclasses.fields(Request)]
+
         def sig(r) -> tuple:
             if not isinstance(r, Request):
                 return (type(r).__name__,)
-            return (repr(r.prompt_ids), repr(r.max_new_tokens), repr(r.stop_token_ids), repr(r.temperature),
-                    repr(r.seed))
+            return tuple(repr(getattr(r, n)) for n in names)
 
-        digest = hashlib.sha256(repr([mode] + [sig(r) for r in requests]).encode()).hexdigest()
+        def digest(x) -> str:
+            return hashlib.sha256(repr(x).encode()).hexdigest()
+
+        sigs = [sig(r) for r in requests]
+        # Per field: its digest over the batch, so a mismatch names what differs (prompt_ids, top_p, ...).
+        per_field = {n: digest([s[i] if len(s) > i else s for s in sigs]) for i, n in enumerate(names)}
         lens = [len(r.prompt_ids) if isinstance(r, Request) and isinstance(r.prompt_ids, (list, tuple)) else None
                 for r in requests]
         shape = f"{len(requests)} requests, prompt lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}, mode {mode}"
-        views = gather_objects(self.mapping, (digest, shape))
-        if len({d for d, _ in views}) > 1:
-            ranks = "; ".join(f"rank {r}: {s} (digest {d[:8]})" for r, (d, s) in enumerate(views))
+        views = gather_objects(self.mapping, (digest([mode] + sigs), shape, per_field))
+        if len({d for d, _, _ in views}) > 1:
+            fields = [n for n in names if len({f[n] for _, _, f in views}) > 1]
+            differ = ("the number of requests" if len({s.split(" ")[0] for _, s, _ in views}) > 1
+                      else ", ".join(fields) or "the mode or the request types")
+            ranks = "; ".join(f"rank {r}: {s} (digest {d[:8]})" for r, (d, s, _) in enumerate(views))
             raise ValueError(f"generate: the {self.mapping.tp_size} TP ranks were given different batches "
-                             f"(every rank must serve the same requests): {ranks}")
+                             f"(every rank must serve the same requests; they differ in: {differ}): {ranks}")
 
     def _release_all(self) -> None:
         """Return every held slot and page and reset the workers' step state (after an escaped exception).

@@ -6,7 +6,9 @@ Exit codes (documented in README and docs/fault_matrix.md):
 * ``1``: ``--check`` found a difference, or compared nothing;
 * ``2``: bad arguments, config or prompts (nothing ran);
 * ``3``: one or more requests were rejected (the others were served and printed);
-* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines).
+* ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines);
+* ``130`` / ``143`` (128 + the signal): ``--tp N`` interrupted by SIGINT / SIGTERM; the signal was passed on
+  to the ranks, which were given 5 s to end before the rest of the job was killed (no rank left running).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
-from tensorrt_llm_ext.runtime.ranks import RankJobError
+from tensorrt_llm_ext.runtime.ranks import RankJobError, RankJobInterrupted
+from tensorrt_llm_ext.runtime.requests import MIN_TEMPERATURE
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
 
@@ -29,6 +32,14 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 
 def _fmt_ids(ids: list[int], limit: int = 32) -> str:
     head = " ".join(str(t) for t in ids[:limit])
     return head + (f" ... (+{len(ids) - limit})" if len(ids) > limit else "")
+
+
+def _sampling(temperature: float, seed: int) -> str:
+    if temperature == 0:
+        return "greedy"
+    if temperature < MIN_TEMPERATURE:
+        return f"temperature={temperature:g} (below the minimum {MIN_TEMPERATURE:g}: served greedy, its T -> 0 limit)"
+    return f"temperature={temperature} seed={seed}+i"
 
 
 def main_generate(args: argparse.Namespace) -> int:
@@ -81,15 +92,17 @@ def main_generate(args: argparse.Namespace) -> int:
                      temperature=args.temperature, seed=args.seed + i, request_id=i, top_p=args.top_p)
                 for i, p in enumerate(prompts)]
     rejection = cfg.speculative_config.use_rejection_sampling
-    greedy = [args.temperature == 0] * len(requests)
+    served_greedy = args.temperature < MIN_TEMPERATURE  # 0, or a tiny T served as its T -> 0 limit
+    greedy = [served_greedy] * len(requests)
     if args.check and rejection:
         # Sampled rejection runs are checked distributionally; greedy copies of every prompt ride in the same
         # batches so that greedy rows next to sampled ones are checked against the target-only decode.
         n = len(requests)
         requests += [{**r, "temperature": 0.0, "request_id": n + i} for i, r in enumerate(requests)]
         greedy += [True] * n
-    modes = ["speculative"] + (["target_only", "gathered"] if args.check else [])
     tp = cfg.tensor_parallel_size
+    # At tp 1 nothing is sharded: the gathered path is the speculative path itself, so it is not compared.
+    modes = ["speculative"] + (["target_only"] + (["gathered"] if tp > 1 else []) if args.check else [])
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
                       show_progress=not args.no_progress and sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
@@ -97,15 +110,21 @@ def main_generate(args: argparse.Namespace) -> int:
     print(f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
           f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
           f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-          f"{'greedy' if args.temperature == 0 else f'temperature={args.temperature} seed={args.seed}+i'}"
+          f"{_sampling(args.temperature, args.seed)}"
           f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
           f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
     try:
         reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
                                log_dir=args.log_dir)
+    except RankJobInterrupted as e:
+        print(f"error: the {tp}-rank job was {e.headline} (rank logs: {e.log_dir})", file=sys.stderr)
+        return 128 + e.signum
     except RankJobError as e:
         print(f"error: the {tp}-rank job failed: {e}", file=sys.stderr)
         return EXIT_RANK_FAILED
+    except FileNotFoundError as e:  # no mpiexec (or a file the engine needs): nothing was generated
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     res = reports[0].results["speculative"]
     print(f"selection: {res.selection}")
     for i, p in enumerate(prompts):
@@ -135,8 +154,9 @@ def main_generate(args: argparse.Namespace) -> int:
         for line in outcome.lines:
             print(line)
         if outcome.ok:
-            print("check passed: sharded == gathered verification, greedy rows == the target's own decode, every "
-                  "token in the target's top-p set" if rejection else
+            sharded = "sharded == gathered verification, " if tp > 1 else ""
+            print(f"check passed: {sharded}greedy rows == the target's own decode, every token in the target's "
+                  f"top-p set" if rejection else
                   "check passed: speculative output equals the target's own decode")
         else:
             why = [w for w, bad in (("outputs differ", outcome.differs), ("requests were rejected", outcome.rejected),

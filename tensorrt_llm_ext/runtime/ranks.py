@@ -1,28 +1,42 @@
-"""Supervised multi-rank jobs: N MPI ranks whose every fault is reported by rank, within a bound.
+"""The one way ranks are launched: ``mpiexec`` found once, every rank supervised, every fault named within a bound.
 
-``launch_ranks(n, fn, ...)`` runs ``fn(*args, **kwargs)`` once on each of ``n`` ranks started by
-``mpiexec`` and returns the results in rank order. The launching process is NOT part of the MPI job (a
-dying MPI-spawned worker would abort it), so it survives any rank fault and reports it:
+Used by ``trtllm-ext generate --tp N`` (:func:`launch_ranks`), ``trtllm-ext serve --tp N``
+(:func:`launch_command`), ``bench tp``, ``info`` and the multi-rank tests (:class:`MpiPool`,
+:func:`run_on_ranks`; ``tensorrt_llm_ext.testing.mpi`` re-exports them for pytest).
+
+The launching process is NOT part of the MPI job, so it survives any rank fault and reports it (and a rank
+exits within a second once its launcher is gone):
 
 * ``mpiexec`` starts one **supervisor** per rank (plain Python, no MPI). It starts the real rank as its
   child, passing the MPI process-management handle on (``PMI_FD`` / the inherited environment), sends
   the rank's stdout and stderr to ``rank{r}.log`` and records how the rank ended (exit code or
   signal) in ``rank{r}.exit.json`` -- what ``waitpid`` says, also for SIGKILL or ``os._exit``.
 * The **rank** registers :mod:`faulthandler` (a fatal signal prints its Python stack; ``SIGUSR1``
-  prints every thread's stack, even while it is blocked inside a C call), runs ``fn`` and writes its
-  result, or prints its traceback and exits with code 1.
-* The **launcher** polls the run directory. At the first rank that ends badly, or when ``timeout``
-  passes, it asks every surviving rank for its stacks (``SIGUSR1``), stops the whole job and raises
-  :class:`RankJobError`: which rank, how (exit code / signal / no result in time), its last log lines.
+  prints every thread's stack, even while it is blocked inside a C call), joins MPI, then runs the
+  functions the launcher ships it (cloudpickle, one ``task{n}.pkl`` per call) and writes each result or
+  traceback (``rank{r}.task{n}.pkl``) until told to stop.
+* The **launcher** (:class:`MpiPool`) polls the run directory. At the first rank that raises or ends,
+  or when the call's ``timeout`` passes, it asks every rank still running for its stacks
+  (``SIGUSR1``), stops the whole job and raises :class:`RankJobError`: which rank, how (raised / exit
+  code / signal / no result in time), its last log lines; a rank that was still running when a peer
+  timed out waiting for it in a collective is named as hung. :func:`launch_ranks` is one call on a
+  fresh pool. SIGTERM / SIGINT to the launcher during :func:`launch_ranks` is forwarded to the ranks,
+  waited for (``_TERM_WAIT_S``), then the rest is killed (:class:`RankJobInterrupted`).
 
-Bounds. A dead rank is noticed within a poll interval (0.1 s) and the job is stopped within
-``_DUMP_WAIT_S + _KILL_WAIT_S`` more. A hung rank (stuck in Python or in C) makes its peers' next
-collective raise after the collective timeout (``collective_timeout``, exported to the ranks as
-``TLLM_EXT_COLLECTIVE_TIMEOUT_S``), which ends the job as above; ``timeout`` bounds everything else.
+Why not ``mpi4py.futures.MPIPoolExecutor``: it spawns its workers into the launching process's own MPI
+job, and MPICH's process manager SIGKILLs that whole job, the spawning process included, when a worker
+dies (measured: a worker's ``os._exit(7)`` killed the pytest process within 5 s, with no result line).
+
+Bounds. A dead rank or a raised error is noticed within a poll interval (``_POLL_S``); the peers get
+``_ERROR_GRACE_S`` to report theirs, then the job is stopped within ``_DUMP_WAIT_S + _KILL_WAIT_S``
+more. A hung rank (stuck in Python or in C) makes its peers' next collective raise after the collective
+timeout (``collective_timeout``, exported to the ranks as ``TLLM_EXT_COLLECTIVE_TIMEOUT_S``), which ends
+the call as above; ``timeout`` bounds everything else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -32,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -39,10 +54,15 @@ from pathlib import Path
 
 import cloudpickle
 
-_POLL_S = 0.1
+_POLL_S = 0.02  # the launcher's poll of the run directory
+_TASK_POLL_S = 0.02  # the longest an idle rank sleeps between looks for its next task
+_ERROR_GRACE_S = 0.5  # after a rank's error: time for its peers to report theirs (an error at the same time)
 _DUMP_WAIT_S = 1.0  # after SIGUSR1: time for the survivors' faulthandler to print their stacks
 _KILL_WAIT_S = 5.0  # after SIGKILL: time for mpiexec and the supervisors to go
-_FINISH_WAIT_S = 30.0  # after every rank wrote its result: time for MPI finalize and mpiexec to exit
+_FINISH_WAIT_S = 30.0  # after the stop request: time for MPI finalize and mpiexec to exit
+_TERM_WAIT_S = 5.0  # after a forwarded SIGTERM/SIGINT: time for the ranks to end by themselves
+_START_TIMEOUT_S = 120.0  # mpiexec + supervisors + MPI init of every rank (0.6-0.8 s measured for 2-4 ranks)
+_LAUNCHER_CHECK_S = 1.0  # how often a rank checks that its launcher is still alive
 _SUPERVISOR_LINGER_S = 30.0  # a supervisor whose rank failed waits for the launcher (see _supervise)
 _LOG_TAIL = 20
 
@@ -51,36 +71,119 @@ _LOG_TAIL = 20
 _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
+# ----------------------------------------------------------------------------------------------------
+# mpiexec, the ranks' environment, shipping functions
+# ----------------------------------------------------------------------------------------------------
+_MPIEXEC: tuple[list[str], dict[str, str]] | None = None
+
+
+def mpiexec_command() -> tuple[list[str], dict[str, str]]:
+    """``(argv prefix, environment)`` for starting ranks; found once per process.
+
+    The ``mpiexec`` next to this interpreter (the venv's ``mpich`` wheel) first, else the first ``mpiexec``
+    / ``mpirun`` on PATH. MPICH (hydra) needs no flags; Open MPI (any other ``--version``) gets
+    ``--oversubscribe`` (4 ranks on 2 cores) and, as root, ``OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)`` and
+    ``PRTE_ALLOW_RUN_AS_ROOT(_CONFIRM)`` (measured on the CI and H200 machines). Raises
+    ``FileNotFoundError`` saying what to install.
+    """
+    global _MPIEXEC
+    if _MPIEXEC is None:
+        exe = str(Path(sys.executable).parent / "mpiexec")
+        if not os.path.exists(exe):
+            exe = shutil.which("mpiexec") or shutil.which("mpirun")
+        if exe is None:
+            raise FileNotFoundError("no mpiexec/mpirun found (install the mpich wheel, or put MPI's bin/ on PATH)")
+        try:
+            version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = ""
+        env: dict[str, str] = {}
+        if "HYDRA" in version or "MPICH" in version:
+            flags: list[str] = []
+        else:
+            flags = ["--oversubscribe"]
+            if os.geteuid() == 0:
+                env = {k: "1" for k in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+                                        "PRTE_ALLOW_RUN_AS_ROOT", "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM")}
+        _MPIEXEC = ([exe, *flags], env)
+    return list(_MPIEXEC[0]), dict(_MPIEXEC[1])
+
+
+def rank_env(collective_timeout: float | None = None, env: dict | None = None) -> dict[str, str]:
+    """The ranks' environment: this one, with this package first on PYTHONPATH, the interpreter's ``bin/``
+    first on PATH, what :func:`mpiexec_command` needs, the collective timeout and ``env`` on top."""
+    e = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])  # the ranks import this very package
+    e["PYTHONPATH"] = pkg_root + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
+    e.update(mpiexec_command()[1])
+    if collective_timeout is not None:
+        e["TLLM_EXT_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout)
+    e.update(env or {})
+    return e
+
+
+def pickle_call(fn, args, kwargs) -> bytes:
+    """``(fn, args, kwargs)`` by cloudpickle; a function from outside the package (a test module, a script)
+    travels by value, since the ranks cannot import it."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and not module.__name__.startswith("tensorrt_llm_ext"):
+        cloudpickle.register_pickle_by_value(module)
+    return cloudpickle.dumps((fn, args, kwargs))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Outcomes and errors
+# ----------------------------------------------------------------------------------------------------
 @dataclass
 class RankOutcome:
-    """How one rank ended. ``returncode``/``signal`` come from the rank's supervisor (``waitpid``)."""
+    """How one rank fared in a failed call. ``returncode``/``signal`` come from its supervisor (``waitpid``)."""
 
     rank: int
-    returncode: int | None = None  # exit code (None: killed by a signal, or no record)
+    returncode: int | None = None  # exit code (None: still running, killed by a signal, or no record)
     signal: int | None = None  # the signal that ended it
     ended_at: float | None = None  # time.time() when its supervisor saw it end
-    has_result: bool = False
+    has_result: bool = False  # returned a value for this call
+    error: str | None = None  # the traceback it raised in this call
+    error_at: float | None = None
+    running_at_failure: bool = False  # neither returned nor ended when the launcher began stopping the job
     stopped_by_launcher: bool = False  # still running when the job was stopped
     log_tail: str = ""
 
     @property
     def failed(self) -> bool:
-        return not self.has_result or self.returncode != 0
+        return not self.has_result
+
+    @property
+    def failed_at(self) -> float | None:
+        """When it raised or ended badly (None: it did neither)."""
+        if self.error is not None:
+            return self.error_at
+        bad_end = self.signal is not None or self.returncode not in (None, 0)
+        return self.ended_at if bad_end or (self.returncode == 0 and not self.has_result) else None
 
     def how(self) -> str:
+        if self.error is not None:
+            return f"raised {self.error.strip().splitlines()[-1]}"
         if self.stopped_by_launcher:
             return "was still running when the job was stopped (its stacks are in the log below)"
         if self.signal is not None:
-            return f"was killed by signal {self.signal} ({_signal_name(self.signal)})"
-        if self.returncode is None:
+            ended = f"was killed by signal {self.signal} ({_signal_name(self.signal)})"
+        elif self.returncode not in (None, 0):
+            ended = f"exited with code {self.returncode}"
+        elif self.returncode == 0 and not self.has_result:
+            ended = "exited with code 0 without a result"
+        elif self.has_result:
+            return "finished"
+        else:
             return "left no exit record"
-        if self.returncode != 0:
-            return f"exited with code {self.returncode}"
-        return "finished" if self.has_result else "exited with code 0 without a result"
+        if self.running_at_failure:
+            return f"was still running at the first failure (its stacks are in the log below), then {ended}"
+        return ended
 
 
 class RankJobError(RuntimeError):
-    """A multi-rank job failed: ``headline`` names the failing rank and how; ``outcomes`` has every rank."""
+    """A multi-rank call failed: ``headline`` names the failing rank and how; ``outcomes`` has every rank."""
 
     def __init__(self, headline: str, outcomes: list[RankOutcome], log_dir: str):
         self.headline = headline
@@ -89,58 +192,35 @@ class RankJobError(RuntimeError):
         parts = [headline, f"(rank logs: {log_dir})"]
         for o in outcomes:
             parts.append(f"--- rank {o.rank} {o.how()}")
-            if o.failed and o.log_tail:
+            if o.error is not None:
+                parts.append("\n".join("    | " + line for line in o.error.rstrip().splitlines()[-_LOG_TAIL:]))
+            elif o.failed and o.log_tail:
                 parts.append(o.log_tail.rstrip())
         super().__init__("\n".join(parts))
 
-    @property
-    def failed_ranks(self) -> list[int]:
-        return [o.rank for o in self.outcomes if o.failed]
+
+class RankJobInterrupted(RankJobError):
+    """The launcher got SIGTERM / SIGINT (``signum``): it was forwarded to the ranks and the job stopped."""
+
+    def __init__(self, signum: int, headline: str, outcomes: list[RankOutcome], log_dir: str):
+        self.signum = signum
+        super().__init__(headline, outcomes, log_dir)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Launcher side
 # ----------------------------------------------------------------------------------------------------
-def _mpiexec() -> str:
-    """The venv's mpiexec (next to this interpreter) first, else the first on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    for name in ("mpiexec", "mpirun"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError("launch_ranks: no mpiexec/mpirun found (install mpich, or put MPI's bin/ on PATH)")
-
-
-def _pickle_job(fn, args, kwargs) -> bytes:
-    module = sys.modules.get(fn.__module__) if hasattr(fn, "__module__") else None
-    if module is not None and not module.__name__.startswith("tensorrt_llm_ext"):
-        cloudpickle.register_pickle_by_value(module)  # test modules are not importable on the ranks
-    return cloudpickle.dumps((fn, args, kwargs))
-
-
-def _rank_env(collective_timeout: float | None, env: dict | None) -> dict:
-    e = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])  # the ranks import this very package
-    e["PYTHONPATH"] = pkg_root + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
-    if collective_timeout is not None:
-        e["TLLM_EXT_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout)
-    # Open MPI refuses root and oversubscription without these (measured on the CI and H200 machines);
-    # MPICH ignores them.
-    for k in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "PRTE_ALLOW_RUN_AS_ROOT",
-              "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_rmaps_base_oversubscribe"):
-        e.setdefault(k, "1")
-    e.update(env or {})
-    return e
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # readers never see a half-written record
 
 
 def _pid_alive(pid: int) -> bool:
@@ -169,136 +249,317 @@ def _tail(path: Path, n: int = _LOG_TAIL) -> str:
     return "\n".join("    | " + line for line in lines[-n:])
 
 
-def launch_ranks(world_size: int, fn, *args, timeout: float = 1800.0, collective_timeout: float | None = None,
-                 log_dir: str | None = None, env: dict | None = None, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` MPI ranks; results in rank order.
+class MpiPool:
+    """``world_size`` MPI ranks kept running across calls, each under a supervisor; see the module docs.
+
+    ``MpiPool(2).start()``, then :meth:`run` (or :func:`run_on_ranks`) any number of times, then
+    :meth:`shutdown`. After a failed call the pool is ``broken`` (its ranks were stopped): start a new one.
 
     Args:
-        timeout: seconds the whole job may take; then every rank is stopped (a ``RankJobError`` naming
-            the ranks without a result).
         collective_timeout: exported to the ranks as ``TLLM_EXT_COLLECTIVE_TIMEOUT_S`` (how long a
-            collective waits for a peer before raising); default: the launcher's environment.
-        log_dir: where the rank logs go (default: a fresh temporary directory, removed on success).
+            collective waits for a peer before raising); default: this process's environment.
+        log_dir: where the rank logs go (default: a fresh temporary directory, removed by a clean
+            :meth:`shutdown`; kept after a failure and named in the error).
         env: extra environment variables for the ranks.
-
-    Raises :class:`RankJobError` when any rank fails, dies or hangs (see the module docs for bounds).
     """
-    if world_size < 1:
-        raise ValueError(f"launch_ranks: world_size must be >= 1, got {world_size}")
-    keep = log_dir is not None
-    run_dir = Path(log_dir) if keep else Path(tempfile.mkdtemp(prefix="trtllm_ext_ranks_"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("rank*"):
-        old.unlink()
-    (run_dir / "job.pkl").write_bytes(_pickle_job(fn, args, kwargs))
-    cmd = [_mpiexec(), "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
-           "--supervise", str(run_dir)]
-    launcher_log = open(run_dir / "mpiexec.log", "wb")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.STDOUT,
-                            env=_rank_env(collective_timeout, env), start_new_session=True)
-    deadline = time.monotonic() + timeout
-    reason = None
-    try:
+
+    def __init__(self, world_size: int, *, collective_timeout: float | None = None, log_dir: str | None = None,
+                 env: dict | None = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"MpiPool: world_size: expected an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.collective_timeout = collective_timeout
+        self.env = dict(env or {})
+        self._keep = log_dir is not None
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.proc: subprocess.Popen | None = None
+        self.broken = False
+        self._tasks = 0
+        self._launcher_log = None
+        self._received: list[int] = []  # signals caught while forwarding (see forwarding_signals)
+
+    # -- life cycle ----------------------------------------------------------------------------------
+    def start(self, timeout: float = _START_TIMEOUT_S) -> "MpiPool":
+        """Start the ranks and wait until every one has joined MPI (``RankJobError`` naming the ranks that
+        did not, within ``timeout``)."""
+        launcher, _ = mpiexec_command()
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="trtllm_ext_ranks_"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.log_dir.glob("rank*"), *self.log_dir.glob("task*"), self.log_dir / "stop"]:
+            if old.is_file():
+                old.unlink()
+        cmd = [*launcher, "-n", str(self.world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
+               "--supervise", str(self.log_dir)]
+        _write_json(self.log_dir / "launcher.json", {"pid": os.getpid()})  # the ranks exit when it is gone
+        self._launcher_log = open(self.log_dir / "mpiexec.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._launcher_log,
+                                     stderr=subprocess.STDOUT, env=rank_env(self.collective_timeout, self.env),
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
         while True:
-            exits = {r: _read_json(run_dir / f"rank{r}.exit.json") for r in range(world_size)}
-            bad = [r for r, e in exits.items() if e is not None and (e["returncode"] != 0 or e["signal"] is not None)]
-            done = all((run_dir / f"rank{r}.result.pkl").exists() for r in range(world_size))
-            if bad:
-                reason = "failed"
-                break
-            if done:
-                break
-            if proc.poll() is not None:
-                reason = "mpiexec"
-                break
-            if time.monotonic() > deadline:
-                reason = "timeout"
-                break
+            ready = [_read_json(self.log_dir / f"rank{r}.ready.json") for r in range(self.world_size)]
+            if all(ready):
+                sizes = {x["world"] for x in ready}
+                if sizes != {self.world_size}:
+                    self._fail(f"the ranks report MPI world sizes {sorted(sizes)}, expected {self.world_size}",
+                               "start", dump=False)
+                return self
+            if self._received:
+                self._interrupted(self._received[0], None)
+            if self._exits() or self.proc.poll() is not None or time.monotonic() > deadline:
+                missing = [r for r, x in enumerate(ready) if x is None]
+                why = "in time" if time.monotonic() > deadline else "(a rank or mpiexec ended)"
+                self._fail(f"could not start {self.world_size} MPI ranks: rank(s) {missing} did not join MPI {why}; "
+                           f"mpiexec: {_tail(self.log_dir / 'mpiexec.log', 8).strip() or 'said nothing'}",
+                           "start", dump=True)
             time.sleep(_POLL_S)
-        if reason is None:
+
+    def shutdown(self) -> None:
+        """Ask the ranks to exit (they finalize MPI) and wait for mpiexec, bounded; stop it past the bound."""
+        if self.proc is None:
+            return
+        if not self.broken and self.proc.poll() is None:
+            (self.log_dir / "stop").write_text("")
             try:
-                proc.wait(timeout=_FINISH_WAIT_S)
+                self.proc.wait(timeout=_FINISH_WAIT_S)
             except subprocess.TimeoutExpired:
                 from tensorrt_llm_ext.logger import logger
 
-                logger.warning(f"launch_ranks: every rank returned but mpiexec did not exit within "
-                               f"{_FINISH_WAIT_S:.0f}s; stopping it")
-                _stop(proc, run_dir, world_size, dump=False)
-            results = [pickle.loads((run_dir / f"rank{r}.result.pkl").read_bytes()) for r in range(world_size)]
-            if not keep:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            return results
-        alive = _stop(proc, run_dir, world_size, dump=True)
-    finally:
-        if proc.poll() is None:
-            _stop(proc, run_dir, world_size, dump=False)
-        launcher_log.close()
-    outcomes = _outcomes(run_dir, world_size, alive)
-    raise RankJobError(_headline(outcomes, reason, timeout, run_dir), outcomes, str(run_dir))
+                logger.warning(f"MpiPool: the ranks did not exit within {_FINISH_WAIT_S:.0f}s of the stop request; "
+                               "stopping them")
+        self._kill()
+        if not self._keep and not self.broken:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """Stop every rank now (SIGKILL); the pool is broken."""
+        self.broken = True
+        self._kill()
 
-def _rank_pids(run_dir: Path, world_size: int) -> dict[int, int]:
-    pids = {}
-    for r in range(world_size):
-        info = _read_json(run_dir / f"rank{r}.pid.json")
-        if info is not None:
-            pids[r] = info["pid"]
-    return pids
+    @contextlib.contextmanager
+    def forwarding_signals(self):
+        """Within: SIGTERM / SIGINT to this process (main thread only) is passed on to the ranks at the next
+        poll of :meth:`start` or :meth:`run`, which stop the job and raise :class:`RankJobInterrupted`."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        restore = {s: signal.signal(s, lambda signum, frame: self._received.append(signum))
+                   for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in restore.items():
+                signal.signal(s, handler)
 
+    # -- calls ---------------------------------------------------------------------------------------
+    def run(self, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` once on every rank; the results in rank order.
 
-def _stop(proc: subprocess.Popen, run_dir: Path, world_size: int, dump: bool) -> set[int]:
-    """Dump the survivors' stacks (``dump``), then kill every rank and mpiexec; returns the ranks that
-    were still running."""
-    pids = _rank_pids(run_dir, world_size)
-    alive = {r for r, pid in pids.items() if _pid_alive(pid) and not (run_dir / f"rank{r}.exit.json").exists()}
-    if dump and alive:
-        _signal_all([pids[r] for r in alive], signal.SIGUSR1)
-        time.sleep(_DUMP_WAIT_S)
-        # A peer that was already on its way out (its own error, e.g. the dead rank's closed socket)
-        # ended by itself: it was not stopped by the launcher.
-        alive = {r for r in alive if not (run_dir / f"rank{r}.exit.json").exists()}
-    _signal_all(pids.values(), signal.SIGKILL)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and the supervisors
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=_KILL_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    return alive
+        Raises :class:`RankJobError` (and breaks the pool) when a rank raises, dies, or any rank gives no
+        result within ``timeout`` seconds.
+        """
+        if self.proc is None or self.broken:
+            raise RuntimeError("MpiPool.run: the pool is not running (start() it; a failed call breaks it)")
+        n = self._tasks
+        self._tasks += 1
+        tmp = self.log_dir / f"task{n}.tmp"
+        tmp.write_bytes(pickle_call(fn, args, kwargs))
+        os.replace(tmp, self.log_dir / f"task{n}.pkl")
+        deadline = time.monotonic() + timeout
+        error_seen = None
+        while True:
+            results = self._results(n)
+            if all(r is not None and r[0] == "ok" for r in results):
+                return [r[1] for r in results]
+            if self._received:
+                self._interrupted(self._received[0], n)
+            errors = [r for r in results if r is not None and r[0] == "error"]
+            if errors and error_seen is None:
+                error_seen = time.monotonic()
+            if self._exits():
+                self._fail(None, "failed", n=n, dump=True)
+            if error_seen is not None and (all(r is not None for r in results)
+                                           or time.monotonic() > error_seen + _ERROR_GRACE_S):
+                self._fail(None, "failed", n=n, dump=True)
+            if self.proc.poll() is not None:
+                self._fail(None, "mpiexec", n=n, dump=True)
+            if time.monotonic() > deadline:
+                self._fail(None, "timeout", n=n, dump=True, timeout=timeout)
+            time.sleep(_POLL_S)
 
+    # -- internals -----------------------------------------------------------------------------------
+    def _results(self, n: int) -> list:
+        out = []
+        for r in range(self.world_size):
+            path = self.log_dir / f"rank{r}.task{n}.pkl"
+            try:
+                out.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+            except Exception as e:  # a result this process cannot unpickle is that rank's error
+                out.append(("error", f"its result could not be unpickled here: {type(e).__name__}: {e}", time.time()))
+        return out
 
-def _outcomes(run_dir: Path, world_size: int, alive: set[int]) -> list[RankOutcome]:
-    out = []
-    for r in range(world_size):
-        e = _read_json(run_dir / f"rank{r}.exit.json")
-        o = RankOutcome(rank=r, has_result=(run_dir / f"rank{r}.result.pkl").exists(),
-                        log_tail=_tail(run_dir / f"rank{r}.log"))
-        if r in alive:
-            o.stopped_by_launcher = True
-        elif e is not None:
-            o.returncode, o.signal, o.ended_at = e["returncode"], e["signal"], e["time"]
-        out.append(o)
-    return out
+    def _exits(self) -> dict[int, dict]:
+        return {r: e for r in range(self.world_size) if (e := _read_json(self.log_dir / f"rank{r}.exit.json"))}
+
+    def _pids(self) -> dict[int, int]:
+        return {r: x["pid"] for r in range(self.world_size) if (x := _read_json(self.log_dir / f"rank{r}.pid.json"))}
+
+    def _running(self, n: int | None) -> set[int]:
+        """Ranks alive that neither ended nor answered call ``n``."""
+        pids, exits = self._pids(), self._exits()
+        results = self._results(n) if n is not None else [None] * self.world_size
+        return {r for r, pid in pids.items() if r not in exits and results[r] is None and _pid_alive(pid)}
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            _signal_all(self._pids().values(), signal.SIGKILL)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # mpiexec, its proxies and the supervisors
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._launcher_log is not None:
+            self._launcher_log.close()
+            self._launcher_log = None
+
+    def _stop(self, n: int | None, dump: bool) -> tuple[set[int], set[int], dict[int, dict]]:
+        """Dump the stacks of the ranks still running (``dump``), then kill the job. Returns the ranks running
+        when the stop began, those still running at the kill, and the exit records from before the kill (the
+        kill's own SIGKILLs are not how a rank ended)."""
+        self.broken = True
+        running = self._running(n)
+        still = set(running)
+        if dump and running:
+            pids = self._pids()
+            _signal_all([pids[r] for r in running], signal.SIGUSR1)
+            time.sleep(_DUMP_WAIT_S)
+            # A peer on its way out (its own error, e.g. the dead rank's closed socket) ended or answered by
+            # itself: it was not stopped by the launcher.
+            still = running & self._running(n)
+        exits = self._exits()
+        self._kill()
+        return running, still, exits
+
+    def _outcomes(self, n: int | None, running: set[int], still: set[int],
+                  exits: dict[int, dict]) -> list[RankOutcome]:
+        results = self._results(n) if n is not None else [None] * self.world_size
+        out = []
+        for r in range(self.world_size):
+            res, e = results[r], exits.get(r)
+            o = RankOutcome(rank=r, has_result=res is not None and res[0] == "ok",
+                            log_tail=_tail(self.log_dir / f"rank{r}.log"), running_at_failure=r in running,
+                            stopped_by_launcher=r in still)
+            if res is not None and res[0] == "error":
+                o.error, o.error_at = res[1], res[2]
+            if e is not None:
+                o.returncode, o.signal, o.ended_at = e["returncode"], e["signal"], e["time"]
+            out.append(o)
+        return out
+
+    def _fail(self, headline: str | None, reason: str, *, n: int | None = None, dump: bool,
+              timeout: float = 0.0):
+        running, still, exits = self._stop(n, dump)
+        outcomes = self._outcomes(n, running, still, exits)
+        raise RankJobError(headline or _headline(outcomes, reason, timeout, self.log_dir), outcomes,
+                           str(self.log_dir))
+
+    def _interrupted(self, signum: int, n: int | None):
+        """Pass ``signum`` on to every rank, give them ``_TERM_WAIT_S`` to end (or answer), kill the rest,
+        raise."""
+        self.broken = True
+        t0 = time.monotonic()
+        _signal_all(self._pids().values(), signum)
+        while time.monotonic() < t0 + _TERM_WAIT_S and self._running(n):
+            time.sleep(_POLL_S)
+        waited = time.monotonic() - t0
+        running, still, exits = self._stop(n, dump=False)
+        outcomes = self._outcomes(n, set(), still, exits)
+        headline = (f"interrupted by {_signal_name(signum)}: passed on to the {self.world_size} ranks, "
+                    + (f"{len(still)} still running after {_TERM_WAIT_S:g}s were killed" if still
+                       else f"which ended within {waited:.1f}s")
+                    + "; mpiexec stopped, no rank left running")
+        raise RankJobInterrupted(signum, headline, outcomes, str(self.log_dir))
 
 
 def _headline(outcomes: list[RankOutcome], reason: str, timeout: float, run_dir: Path) -> str:
-    ended = sorted((o for o in outcomes if o.failed and o.ended_at is not None), key=lambda o: o.ended_at)
-    hung = [o.rank for o in outcomes if o.stopped_by_launcher]
-    if reason == "timeout":
+    # A rank that died comes first: its peers' errors (a closed connection) follow from it, and a rank of
+    # this launcher never dies of its own error (it reports it and waits).
+    failures = sorted((o for o in outcomes if o.failed_at is not None),
+                      key=lambda o: (o.error is not None, o.failed_at))
+    running = [o.rank for o in outcomes if o.running_at_failure]
+    if reason == "timeout" and not failures:
         missing = [o.rank for o in outcomes if not o.has_result]
-        return f"rank(s) {missing} gave no result within the job timeout of {timeout:.0f}s (timeout)"
-    if ended:
-        first = ended[0]
-        tail = first.log_tail.lower()
-        if hung and ("timed out" in tail or "timeout" in tail):
-            return (f"rank(s) {hung} stopped responding (hung): rank {first.rank} timed out waiting for "
+        return f"rank(s) {missing} gave no result within the time limit of {timeout:g}s (hung; stacks in the logs)"
+    if failures:
+        first = failures[0]
+        others = [r for r in running if r != first.rank]
+        # Only a raised timeout (gloo: "Timed out waiting", NCCL: "... before timing out") says the peers
+        # stopped responding; a death is its own cause.
+        said = first.error.strip().splitlines()[-1].lower() if first.error else ""
+        if others and any(w in said for w in ("timed out", "timeout", "timing out")):
+            return (f"rank(s) {others} stopped responding (hung): rank {first.rank} timed out waiting for "
                     f"them in a collective and {first.how()}")
         return f"rank {first.rank} {first.how()}"
     if reason == "mpiexec":
         return f"mpiexec exited before every rank reported: {_tail(run_dir / 'mpiexec.log', 8)}"
     return "the job failed without a rank record"
+
+
+def run_on_ranks(pool: MpiPool, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+    """``pool.run(fn, *args, timeout=timeout, **kwargs)``: ``fn`` once on every rank, results in rank order."""
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def launch_ranks(world_size: int, fn, *args, timeout: float = 1800.0, collective_timeout: float | None = None,
+                 log_dir: str | None = None, env: dict | None = None, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh MPI ranks; results in rank order.
+
+    Args:
+        timeout: seconds the call may take; then every rank is stopped (a ``RankJobError`` naming the ranks
+            without a result).
+        collective_timeout, log_dir, env: as for :class:`MpiPool` (the logs are kept after a failure).
+
+    Raises :class:`RankJobError` when any rank fails, dies or hangs (see the module docs for bounds), and
+    :class:`RankJobInterrupted` when this process gets SIGTERM / SIGINT meanwhile (called from the main
+    thread): the signal is passed on to the ranks, which get ``_TERM_WAIT_S`` to end before the rest of
+    the job is killed.
+
+    Example::
+
+        launch_ranks(2, my_fn, 3, timeout=60)   # [my_fn(3) on rank 0, my_fn(3) on rank 1]
+    """
+    pool = MpiPool(world_size, collective_timeout=collective_timeout, log_dir=log_dir, env=env)
+    with pool.forwarding_signals():
+        try:
+            pool.start()
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            pool.shutdown()
+
+
+def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dict | None = None) -> int:
+    """Run the command ``cmd`` on ``world_size`` MPI ranks, each under :func:`supervise_command`; SIGTERM /
+    SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
+    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``."""
+    launcher, _ = mpiexec_command()
+    full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
+            "--supervise-command", str(linger_s), "--", *cmd]
+    proc = subprocess.Popen(full, env=rank_env(None, env))
+
+    def forward(signum, frame):
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc if rc >= 0 else 128 - rc
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,12 +570,6 @@ def _env_rank() -> int:
         if k in os.environ:
             return int(os.environ[k])
     raise RuntimeError(f"supervisor: none of {_RANK_ENV} is set (not started by mpiexec?)")
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # readers never see a half-written record
 
 
 def _signal_name(signum: int) -> str:
@@ -374,7 +629,7 @@ def _exit_code(rc: int) -> int:
 
 def _supervise(run_dir: Path) -> int:
     rank = _env_rank()
-    with open(run_dir / f"rank{rank}.log", "wb") as log:
+    with open(run_dir / f"rank{rank}.log", "ab") as log:
         rc = _run_child([sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--rank", str(run_dir)],
                         stdout=log, on_start=lambda child: _write_json(
                             run_dir / f"rank{rank}.pid.json", {"pid": child.pid, "supervisor": os.getpid()}))
@@ -383,8 +638,12 @@ def _supervise(run_dir: Path) -> int:
                 {"returncode": rc if rc >= 0 else None, "signal": sig, "time": time.time()})
     if rc != 0:
         # Exiting now would make mpiexec kill the other ranks before the launcher collected their
-        # stacks; the launcher kills this supervisor once it has (bounded by the linger time).
-        time.sleep(_SUPERVISOR_LINGER_S)
+        # stacks; the launcher kills this supervisor once it has (bounded by the linger time, and over
+        # at once when the launcher is gone).
+        launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
+        end = time.monotonic() + _SUPERVISOR_LINGER_S
+        while time.monotonic() < end and (launcher is None or _pid_alive(launcher)):
+            time.sleep(min(_LAUNCHER_CHECK_S, max(0.0, end - time.monotonic())))
     return _exit_code(rc)
 
 
@@ -407,23 +666,54 @@ def supervise_command(cmd: list[str], linger_s: float) -> int:
     return _exit_code(rc)
 
 
+def _exit_without_launcher(rank: int, pid: int) -> None:
+    """A rank's watchdog: exit once the launching process is gone (SIGKILLed, say), idle or mid-call, so no
+    rank outlives the process that would collect its result."""
+    while _pid_alive(pid):
+        time.sleep(_LAUNCHER_CHECK_S)
+    print(f"[rank {rank}] the launcher (pid {pid}) is gone: exiting", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def _rank_main(run_dir: Path) -> None:
+    """A rank: join MPI, then run ``task{n}.pkl`` for n = 0, 1, ... until ``stop`` appears."""
     faulthandler.enable(all_threads=True)  # a fatal signal (segfault, abort) prints the Python stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for them before a kill
     rank = _env_rank()
+    from mpi4py import MPI
+
     from tensorrt_llm_ext.logger import use_private_rank_stream
 
     use_private_rank_stream()  # stdout/stderr go to rank<r>.log: keep every line there
-    try:
-        fn, args, kwargs = cloudpickle.loads((run_dir / "job.pkl").read_bytes())
-        result = fn(*args, **kwargs)
-        tmp = run_dir / f"rank{rank}.result.tmp"
-        tmp.write_bytes(pickle.dumps(result))
-        os.replace(tmp, run_dir / f"rank{rank}.result.pkl")
-    except BaseException:
-        print(f"[rank {rank}] raised:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
+    if launcher is not None:
+        threading.Thread(target=_exit_without_launcher, args=(rank, launcher), daemon=True).start()
+    _write_json(run_dir / f"rank{rank}.ready.json", {"world": MPI.COMM_WORLD.Get_size(), "pid": os.getpid()})
+    n = 0
+    while True:
+        task = run_dir / f"task{n}.pkl"
+        wait = 0.001
+        while not task.exists():
+            if (run_dir / "stop").exists():
+                return
+            time.sleep(wait)
+            wait = min(2 * wait, _TASK_POLL_S)
+        try:
+            fn, args, kwargs = cloudpickle.loads(task.read_bytes())
+            payload = ("ok", fn(*args, **kwargs), time.time())
+        except BaseException:  # report everything, KeyboardInterrupt included, with the rank's traceback
+            tb = traceback.format_exc()
+            print(f"[rank {rank}] raised:\n{tb}", file=sys.stderr, flush=True)
+            payload = ("error", tb, time.time())
+        try:
+            data = pickle.dumps(payload)
+        except Exception as e:
+            data = pickle.dumps(("error", f"its result could not be pickled: {type(e).__name__}: {e}", time.time()))
         sys.stdout.flush()
-        os._exit(1)  # no MPI finalize: it could wait for a peer that is gone
+        tmp = run_dir / f"rank{rank}.task{n}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, run_dir / f"rank{rank}.task{n}.pkl")
+        n += 1
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,12 @@ import math
 from dataclasses import dataclass, field
 
 
+# Below this a temperature is served as its T -> 0 limit, greedy. Under about 1e-38 ``x / T`` overflows fp32 and
+# every positive logit ties at +inf (the keyed Gumbel draw, the verification and the target-only decode then
+# agree on garbage); far above that a Gumbel draw already equals the argmax unless logits tie within ~20 T.
+MIN_TEMPERATURE = 1e-5
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve (the message says which field and why)."""
 
@@ -19,11 +25,11 @@ class RequestError(ValueError):
 class Request:
     """One generation request.
 
-    ``temperature == 0`` is greedy; ``temperature > 0`` samples with keyed Gumbel-max: the token at
-    absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is reproducible and identical
-    between the speculative path and the target's own decode. ``top_p`` in ``(0, 1]`` restricts a sampled
-    request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no restriction, greedy
-    requests ignore it).
+    ``temperature == 0`` (or below :data:`MIN_TEMPERATURE`) is greedy; larger temperatures sample with keyed
+    Gumbel-max: the token at absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is
+    reproducible and identical between the speculative path and the target's own decode. ``top_p`` in
+    ``(0, 1]`` restricts a sampled request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no
+    restriction, greedy requests ignore it).
     """
 
     prompt_ids: list[int]
@@ -33,6 +39,11 @@ class Request:
     seed: int = 0
     request_id: int | None = None
     top_p: float = 1.0
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature a slot samples at: ``0.0`` (greedy) below :data:`MIN_TEMPERATURE`, else ``temperature``."""
+        return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 
 from tensorrt_llm_ext.runtime.config import ConfigError, RuntimeConfig, load_config
@@ -58,56 +56,23 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
     return (None, err) if err else (cfg, None)
 
 
-def _mpiexec() -> tuple[list[str], dict[str, str]]:
-    """The launcher next to this interpreter (the venv's mpich wheel) or on PATH, with its flags."""
-    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(exe):
-        exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        raise FileNotFoundError("serve --tp N needs mpiexec (the mpich wheel or an MPI installation) on PATH")
-    try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        version = ""
-    env = {}
-    if "HYDRA" in version or "MPICH" in version:
-        flags = []
-    else:  # Open MPI: root and 2-core machines need these (see docs/serving.md)
-        flags = ["--oversubscribe"]
-        if os.geteuid() == 0:
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return [exe, *flags], env
-
-
 # A dead follower's supervisor stays this long: rank 0 notices the loss at its next heartbeat, answers
 # 503 for the failure grace and exits (about 3 s); the rest bounds a rank 0 stuck in a collective.
 FOLLOWER_LINGER_S = 30.0
 
 
-def launch_ranks(tp: int, argv: list[str]) -> int:
-    """Run this command on ``tp`` MPI ranks; forward SIGTERM/SIGINT; return the launcher's exit code."""
+def launch_tp(tp: int, argv: list[str]) -> int:
+    """Run this command on ``tp`` MPI ranks (:func:`~tensorrt_llm_ext.runtime.ranks.launch_command`: every
+    rank under a supervisor, SIGTERM/SIGINT forwarded); return the launcher's exit code."""
+    from tensorrt_llm_ext.runtime.ranks import launch_command
+
+    # A follower that dies does not take rank 0 down with it before rank 0 has answered 503 and exited.
     try:
-        launcher, extra_env = _mpiexec()
+        return launch_command(tp, [sys.executable, "-m", "tensorrt_llm_ext.cli", *argv], linger_s=FOLLOWER_LINGER_S,
+                              env={"TLLM_EXT_SERVE_RANK": "1"})
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: serve --tp N needs mpiexec: {e}", file=sys.stderr)
         return EXIT_USAGE
-    # Each rank runs under a supervisor (runtime/ranks.py): a follower that dies does not take rank 0 down
-    # with it before rank 0 has answered 503 and exited by itself.
-    cmd = [*launcher, "-n", str(tp), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--supervise-command",
-           str(FOLLOWER_LINGER_S), "--", sys.executable, "-m", "tensorrt_llm_ext.cli", *argv]
-    env = {**os.environ, **extra_env, "TLLM_EXT_SERVE_RANK": "1"}
-    proc = subprocess.Popen(cmd, env=env)
-
-    def forward(signum, frame):
-        proc.send_signal(signum)  # the launcher forwards it to every rank; rank 0 drains, then stops the others
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        rc = proc.wait()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return rc if rc >= 0 else 128 - rc
 
 
 def use_cuda_graph(cfg: RuntimeConfig, force: bool = False) -> bool:
@@ -202,7 +167,7 @@ def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     if cfg.tensor_parallel_size > 1:
-        return launch_ranks(cfg.tensor_parallel_size, argv)
+        return launch_tp(cfg.tensor_parallel_size, argv)
     return serve_rank(cfg, args)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
-from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.requests import MIN_TEMPERATURE, Request
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 2,
@@ -152,3 +152,19 @@ def test_badly_typed_fields_are_their_requests_errors():
         assert match in r.error and r.output_ids == [], r.error
     assert [results[0].output_ids, results[-1].output_ids] == [r.output_ids for r in alone]
     assert engine.slots.num_free == engine.slots.num_slots
+
+
+@pytest.mark.parametrize("rejection", [False, True], ids=["strict", "rejection_sampling"])
+def test_tiny_temperature_is_served_greedy_on_every_path(rejection):
+    """``0 < T < MIN_TEMPERATURE`` is its T -> 0 limit on every path: the keyed Gumbel draw, the verification
+    (strict or rejection sampling) and the target-only decode all give the greedy tokens, for every seed (was:
+    ``x / T`` overflowed fp32 below ~2e-38 and every path agreed on ``[1, 0, 0, ...]``)."""
+    assert Request([1], temperature=MIN_TEMPERATURE).sampling_temperature == MIN_TEMPERATURE
+    assert Request([1], temperature=MIN_TEMPERATURE * 0.99).sampling_temperature == 0.0
+    engine = Engine(load_config(**SMALL, **{"speculative_config.use_rejection_sampling": rejection}))
+    prompts = [[3, 4, 5], [7] * 9]
+    greedy = [r.output_ids for r in engine.generate([Request(p, 4) for p in prompts])[0]]
+    for t, mode in ((1e-45, "speculative"), (2e-38, "gathered"), (2e-38, "target_only")):
+        reqs = [Request(p, 4, temperature=t, seed=s, top_p=0.9) for s, p in enumerate(prompts, start=11)]
+        results, _ = engine.generate(reqs, mode=mode)
+        assert [r.output_ids for r in results] == greedy, (t, mode)

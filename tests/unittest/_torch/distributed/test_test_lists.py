@@ -79,3 +79,28 @@ def test_runner_without_pytest_timeout(monkeypatch, capsys):
         assert runner.run_test_list("l0_cpu", dry_run=True) == 0
         cmds = [line for line in capsys.readouterr().out.splitlines() if "pytest" in line]
         assert cmds and all(("--timeout" in c) == available for c in cmds)
+
+
+def test_runner_spreads_over_xdist_workers_on_cpu(monkeypatch, capsys):
+    """On a CPU machine with pytest-xdist each group runs on 2 workers (multi-rank tests in one xdist
+    group); --jobs 1, a GPU machine, a caller's own -n or a missing plugin keep one process."""
+    import importlib.util
+
+    from tensorrt_llm_ext.testing import runner
+
+    monkeypatch.chdir(ROOT)
+    real_find_spec = importlib.util.find_spec
+
+    def cmds(jobs=None, pytest_args=None, cuda=False, xdist=True):
+        monkeypatch.setattr(runner, "_has_cuda", lambda: cuda)
+        monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
+        monkeypatch.setattr(runner.importlib.util, "find_spec",
+                            lambda name: (object() if xdist else None) if name == "xdist" else real_find_spec(name))
+        assert runner.run_test_list("l0_cpu", dry_run=True, pytest_args=pytest_args, jobs=jobs) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if "-m pytest" in line]
+
+    assert all(" -n 2 --dist loadgroup " in c for c in cmds())
+    for kwargs in (dict(jobs=1), dict(cuda=True), dict(xdist=False), dict(pytest_args=["-n", "3"])):
+        got = cmds(**kwargs)
+        assert got and all("--dist loadgroup" not in c for c in got), kwargs
+    assert all(c.endswith("-n 3") for c in cmds(pytest_args=["-n", "3"]))

@@ -2,14 +2,16 @@
 interpreter) and the simulated-peers protocol on one GPU (CUDA tests skip without a GPU)."""
 
 import random
+import time
 
 import pytest
 import torch
 
 from tensorrt_llm_ext.distributed.low_latency import LowLatencyExchange
 from tensorrt_llm_ext.kernels.common import triton_runs_on
-from tensorrt_llm_ext.kernels.ll_exchange import (TAG_MASK, TAG_PERIOD, LLExchangeReference, LLExchangeState,
-                                                  SimulatedPeers, allocate_flag, decode_words, encode_words,
+from tensorrt_llm_ext.kernels.ll_exchange import (SPIN_LIMIT, TAG_MASK, TAG_PERIOD, LLExchangeReference,
+                                                  LLExchangeState, SimulatedPeers, allocate_flag, decode_words,
+                                                  encode_words, interpreter_poll_cost, interpreter_poll_limit,
                                                   ll_exchange, ll_exchange_reference, tag_of)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, pack_key_torch, ordered_i32_torch
 from tensorrt_llm_ext.mapping import Mapping
@@ -256,6 +258,28 @@ def test_interpreter_runs_simulated_ranks_one_after_another():
     assert torch.equal(sim.buffers, model.buffers)
     assert sim.state.flag.tolist() == model.flag == [start + 1, start + 1, 0]
     assert torch.equal(out[-1], keys.max(0).values)
+
+
+def test_interpreter_wait_is_bounded_in_time():
+    """Under the interpreter (no clock in the kernel) the default wait still ends after about ``timeout_s``:
+    the host turns it into polls at the measured poll cost (was: the default 4.64 M polls, about 1.9 h)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's bound; the GPU's is test_gpu_wait_is_bounded_in_time_not_polls")
+    world, slot_rows, timeout_s = 2, 4, 0.05
+    buffers = torch.zeros((world, 2, world, slot_rows, 2), dtype=torch.int64)
+    state = _rank_state(buffers, 0, 0, slot_rows)  # rank 1 never runs: a dead peer
+    ex = LowLatencyExchange(Mapping(world_size=2, rank=0, tp_size=2), state, buffers, handle=None,
+                            timeout_s=timeout_s)
+    polls = interpreter_poll_limit(timeout_s, slot_rows)
+    assert polls == int(timeout_s / interpreter_poll_cost(slot_rows)) and 0 < polls < SPIN_LIMIT
+    assert interpreter_poll_limit(10 * timeout_s, slot_rows) >= 10 * polls
+    t0 = time.monotonic()
+    out = ex.exchange_(torch.tensor([5, 9, 1, 7], dtype=torch.int64))
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout_s + 3.0, elapsed  # + one interpreted launch, on a loaded 2-core machine
+    assert torch.equal(out, torch.full((4,), EMPTY_KEY))
+    with pytest.raises(RuntimeError, match=r"did not arrive within 0.05 s at epoch 0"):
+        ex.check_exchange()
 
 
 def test_launcher_validation():
