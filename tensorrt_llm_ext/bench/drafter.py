@@ -7,6 +7,10 @@
    Triton launch) vs the add and the norm launched separately, hidden 7168, rows 1..512, under CUDA
    graph replay with rotated inputs, against the HBM floor.
 3. Launch counts per drafter layer before/after the fusion.
+4. The drafter block attention's schedule sweep per B (``latent_block_attention``: context tile ``block_n``,
+   warps, stages, context split-K), against the eager twin and the HBM floor (the live context latents
+   read once), so :data:`~tensorrt_llm_ext.kernels.latent_block_attention.ATTENTION_SCHEDULES` can be
+   filled from one H200 run.
 
 On CPU it runs a smoke pass (tiny sizes, timings meaningless).
 """
@@ -19,7 +23,10 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
+from tensorrt_llm_ext.contract import DraftBlockPlacement
 from tensorrt_llm_ext.kernels.common import triton_runs_on
+from tensorrt_llm_ext.kernels.latent_block_attention import (AttentionSchedule, attention_schedule,
+                                                             latent_block_attention, latent_block_attention_reference)
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterNoFusion, resolve_drafter_tp_plan
@@ -33,6 +40,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--eps", type=float, default=1e-6)
+    p.add_argument("--attn-batch", default="1,8,32", help="block attention sweep: batch sizes")
+    p.add_argument("--attn-ctx", type=int, default=1024, help="block attention sweep: context length per row")
+    p.add_argument("--attn-shape", default="8,64,256,7", help="heads,head_dim,latent_dim,K of the sweep")
 
 
 def fc_bytes_per_rank(cls, tp: int, hidden: int = KIMI_K3_FC[0], in_features: int = KIMI_K3_FC[1],
@@ -123,7 +133,67 @@ def _launch_table() -> None:
                  "for reading 1/tp of the fc weight."])
 
 
-@register_benchmark("drafter", "drafter TP fusion: fc bytes per rank, fused residual+RMSNorm, launch counts",
+def attention_sweep_schedules(smoke: bool) -> list[AttentionSchedule]:
+    """The block attention schedules the sweep times (every B): tile x warps x split-K (stages: Triton's)."""
+    if smoke:
+        return [AttentionSchedule(None, block_n=16), AttentionSchedule(None, block_n=16, split_k=2)]
+    return [AttentionSchedule(None, block_n=bn, num_warps=w, split_k=sk)
+            for bn in (16, 32, 64) for w in (4, 8) for sk in (1, 2, 4, 8, 16)]
+
+
+def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtype, device, seed: int):
+    """Inputs of one block-attention call: ``b`` rows of ``ctx`` context positions in pages of 64 (rows' pages
+    interleaved, as a busy pool would place them), the block right after the context."""
+    g = torch.Generator().manual_seed(seed)
+    page = 64
+    pages_per_row = -(-(ctx + k) // page)
+    num_pages = b * pages_per_row + 1
+    table = torch.randperm(num_pages - 1, generator=g)[: b * pages_per_row].view(b, pages_per_row).to(torch.int32)
+    pos = (torch.full((b, 1), ctx) + torch.arange(k)).to(torch.int32)
+    pages = torch.gather(table.long(), 1, (pos.long() // page)).to(torch.int32)
+    mv = lambda t: t.to(device)  # noqa: E731
+    placement = DraftBlockPlacement(mv(pos), mv(pages), mv((pos % page).to(torch.int32)),
+                                    mv(torch.full((b,), ctx, dtype=torch.int32)),
+                                    mv(torch.full((b,), ctx + k, dtype=torch.int32)))
+    return dict(q=mv(torch.randn(b, k, heads, d, generator=g).to(dtype)),
+                block_latents=mv(torch.randn(b, k, d_c, generator=g).to(dtype)),
+                pool_layer=mv(torch.randn(num_pages, page, d_c, generator=g).to(dtype)), block_table=mv(table),
+                slot_ids=mv(torch.arange(b, dtype=torch.int32)),
+                placement=placement,
+                k_up_weight=mv((torch.randn(heads * d, d_c, generator=g) / d_c ** 0.5).to(dtype)),
+                v_up_weight=mv((torch.randn(heads * d, d_c, generator=g) / d_c ** 0.5).to(dtype)),
+                rope_theta=10000.0, scale=d ** -0.5)
+
+
+def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: float) -> None:
+    heads, d, d_c, k = (int(x) for x in args.attn_shape.split(","))
+    batches = [int(x) for x in args.attn_batch.split(",")]
+    ctx = args.attn_ctx
+    if timer.smoke:
+        heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
+    dtype = torch.bfloat16
+    rows = []
+    for b in batches:
+        case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
+        out = torch.empty_like(case["q"])
+        # Floor: the live context latents and both up-projections read once, the output written once.
+        nbytes = (b * ctx * d_c + 2 * heads * d * d_c + b * k * heads * d) * 2
+        fl = floor_us(nbytes, bandwidth)
+        t_eager = timer.time_graph([lambda: latent_block_attention_reference(**case, out=out)])
+        table_sched = attention_schedule(b)
+        for sched in [table_sched] + [x for x in attention_sweep_schedules(timer.smoke) if x != table_sched]:
+            latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
+            t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
+            rows.append([b, ctx, sched.describe(), "*" if sched == table_sched else "", fmt(t, 2), fmt(t_eager, 1),
+                         fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2), fmt(t / fl, 1) if t == t else "-"])
+    print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per layer)",
+                ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us", "fused/floor"],
+                rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine launch). "
+                       "* = the row of ATTENTION_SCHEDULES for B; fill it from the fastest per B. Goal: <= 10 us at "
+                       "B <= 8. Split-K changes the softmax sum order (within the twin's tolerance, not bitwise)."])
+
+
+@register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> None:
     timer = BenchTimer()
@@ -131,6 +201,7 @@ def run(args: argparse.Namespace) -> None:
     _fc_table(bandwidth)
     _norm_table(args, timer, bandwidth)
     _launch_table()
+    _attention_table(args, timer, bandwidth)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,11 +13,12 @@ beyond the L2):
    * HBM floor: K reads of ``markov_w2`` + the base logits read + the biased logits written, at the
      measured copy bandwidth; exact floor: K x gemv + the add/select traffic (base read, bias read,
      biased write per step) at that bandwidth;
-   * the mode ``auto`` picks at B on this GPU (``AUTO_MODE_TABLES``) and the mode measured faster.
+   * the mode ``auto`` picks at B (``AUTO_MODE_TABLE``) and the mode measured faster.
 
 2. Schedule variants of the fused step per B (alternating order): the table's row and up to
-   ``--variants`` others (tile width, warps, programs, row-tile grouping, w1 rows kept or re-gathered,
-   cache hints), so the per-B rows of ``FUSED_SCHEDULES`` can be filled from this run.
+   ``--variants`` others (the 64-row tile first -- the wgmma-sized shape, one shape for every B -- then
+   tile width, warps, programs, cache hints), so ``FUSED_SCHEDULES`` can be filled from this run. A
+   ``block_b`` is one table for all B (it is part of the bitwise contract): compare it across every B.
 
 3. Per rank on TP 2/4/8 shard widths (one GPU, shard-sized ``markov_w2``, no exchange): exact, fused
    same / alt. The shard's ``markov_w2`` is not rotated, so at TP >= 4 (<= 25.6 MB, below the 60 MiB
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
-from tensorrt_llm_ext.kernels.markov_step import FusedConfig, fused_config, fused_grid
-from tensorrt_llm_ext.speculative.markov_chain import (MarkovWorkspace, auto_mode_for, auto_mode_table,
+from tensorrt_llm_ext.kernels.markov_fused_step import FusedConfig, fused_config, fused_grid
+from tensorrt_llm_ext.speculative.markov_chain import (AUTO_MODE_TABLE, MarkovWorkspace, auto_mode_for,
                                                        markov_chain_logits)
 
 
@@ -47,8 +48,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1,4,8,32,64,128")
     p.add_argument("--tp-sizes", default="2,4,8")
     p.add_argument("--tp-batch", default="1,8,32,128")
-    p.add_argument("--variants", type=int, default=2, choices=range(4),
-                   help="fused schedule variants timed per B besides the table's row (0-3)")
+    p.add_argument("--variants", type=int, default=2, choices=range(5),
+                   help="fused schedule variants timed per B besides the table's row (0-4)")
 
 
 def _eager_chain(base, anchors, w1, w2):
@@ -63,21 +64,21 @@ def _eager_chain(base, anchors, w1, w2):
 
 
 def schedule_variants(batch_size: int, table: FusedConfig, n: int) -> list[FusedConfig]:
-    """Up to ``n`` schedules other than ``table`` worth timing at ``batch_size`` (no value changes)."""
+    """Up to ``n`` schedules other than ``table`` worth timing at ``batch_size``: the 64-row tile with the
+    table's other fields first (the tile shape at every B), then schedule-only variants."""
     p = table.programs
 
-    def cfg(block_n, warps, programs, row_tiles, h_once, stages=2, hints=False):
-        return FusedConfig(block_n, warps, stages, max(1, programs), row_tiles, h_once, cache_hints=hints)
+    def cfg(block_n, warps, programs, stages=2, hints=False, block_b=table.block_b):
+        return FusedConfig(block_n, warps, stages, max(1, programs), cache_hints=hints, block_b=block_b)
 
+    # 64-row tiles at 8 warps (compiled for sm90 with triton 3.7: wgmma; 4 warps spill, block_n 128 spills too).
+    cands = [cfg(64, 8, p, block_b=64), cfg(32, 8, p, block_b=64)]
     if batch_size <= 16:
-        cands = [cfg(128, 8, p // 2, 1, True), cfg(64, 4, p, 1, True, stages=3, hints=True),
-                 cfg(64, 4, p // 2, 1, True)]
-    elif batch_size <= 32:
-        cands = [cfg(64, 4, p, 8, False), cfg(64, 4, p // 2, 8, False), cfg(64, 4, p, 2, True, hints=True)]
+        cands += [cfg(128, 8, p // 2), cfg(64, 4, p, stages=3, hints=True)]
     else:
-        cands = [cfg(64, 4, 2 * p, 8, False), cfg(128, 8, p, 8, False), cfg(64, 4, 2 * p, 2, True)]
-    cands.append(cfg(table.block_n, table.num_warps, table.programs, table.row_tiles, table.h_once,
-                     stages=table.num_stages, hints=not table.cache_hints))
+        cands += [cfg(64, 4, 2 * p), cfg(128, 8, p)]
+    cands.append(cfg(table.block_n, table.num_warps, table.programs, stages=table.num_stages,
+                     hints=not table.cache_hints))
     out = []
     for c in cands:
         if c != table and c not in out:
@@ -140,7 +141,6 @@ def run(args: argparse.Namespace) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     w1 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
-    table_name, auto_table = auto_mode_table(None if timer.smoke else torch.cuda.get_device_name(device))
 
     rows, sched_rows = [], []
     for B in batches:
@@ -154,31 +154,31 @@ def run(args: argparse.Namespace) -> None:
         rows.append([B, fmt(m["eager"]), fmt(m["exact"]), fmt(m["same"]), fmt(m["alt"]), fmt(m["gemv"]), fmt(hbm),
                      fmt(exact_floor), _ratio(m["exact"], exact_floor), _ratio(m["alt"], hbm),
                      _ratio(m["alt"], m["same"], 3), _ratio(m["eager"], min(m["exact"], fused)),
-                     auto_mode_for(auto_table, B), faster])
+                     auto_mode_for(AUTO_MODE_TABLE, B), faster])
         table_cfg = fused_config(r, interpret, device, B)
         for i, cfg in enumerate([table_cfg] + schedule_variants(B, table_cfg, args.variants)):
             us = m["alt"] if i == 0 else case.chain(timer, "fused", config=cfg)
-            groups, per_group = fused_grid(B, V, cfg)[:2]
-            sched_rows.append([B, "table" if i == 0 else f"variant {i}", cfg.describe(), f"{groups}x{per_group}",
+            row_tiles, n_progs = fused_grid(B, V, cfg)[:2]
+            sched_rows.append([B, "table" if i == 0 else f"variant {i}", cfg.describe(), f"{row_tiles}x{n_progs}",
                                fmt(us), _ratio(us, hbm), _ratio(us, m["alt"], 3)])
         del case
     print_table(
         f"Markov chain, V={V}, r={r}, K={K}, bf16, full vocabulary (us per chain)",
         ["B", "eager", "exact", "fused same", "fused alt", "gemv x1", "HBM floor", "exact floor", "exact/floor",
-         "alt/HBM", "alt/same", "eager/best", f"auto ({table_name})", "faster"],
+         "alt/HBM", "alt/same", "eager/best", "auto", "faster"],
         rows,
         [(f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). 'fused same' scans markov_w2 forwards every step, "
          "'fused alt' (the default) backwards at odd steps. Goals: exact/floor <= 1.10; fused/HBM <= 1.15 at "
          "B <= 32, <= 1.3 at B = 64 and 128. 'auto' is the mode the auto table picks here; 'faster' the one "
-         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLES from it.")],
+         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLE from it.")],
     )
     print_table(
         f"Fused step schedules, V={V}, r={r}, K={K}, bf16, alternating order (us per chain)",
-        ["B", "row", "config", "groups x row tiles", "fused", "fused/HBM", "vs table"],
+        ["B", "row", "config", "row tiles x programs", "fused", "fused/HBM", "vs table"],
         sched_rows,
-        [("config: n<block_n>/w<warps>/s<stages>/p<programs>/rt<row tiles per program>/h1 (w1 rows kept) or hN "
-         "(re-gathered per column tile)[/ch cache hints]. Every schedule gives the same bits (tests); fill "
-         "FUSED_SCHEDULES from the fastest per B.")],
+        [("config: b<rows per tile>/n<block_n>/w<warps>/s<stages>/p<programs>[/ch cache hints]. For one b every "
+         "schedule gives the same bits (tests); b is one value for the whole table (compare b64 against b16 "
+         "at every B before switching), the rest may be filled per B from the fastest.")],
     )
 
     rows = []

@@ -20,7 +20,14 @@ graph and replayed (median):
 * ``chain``: the Markov draft chain;
 * ``outside target`` = select + tail + draft fwd + chain, and the whole step ``worker.forward(B)``.
 
-On CPU: a smoke run of the tiny test model (timings meaningless, printed as "-").
+``--temperature T [--top-p P] [--rejection-sampling]``: the sampled mode. Every row samples at ``T``; with
+``--rejection-sampling`` the drafter's chain samples its drafts and the step verifies them by rejection
+sampling (:func:`~tensorrt_llm_ext.speculative.verification.rejection_sample` on the shard for ours, its eager
+twin on the gathered logits for stock), else the target's sampled tokens are accepted strictly. The whole step
+is timed per table (a step with a top-p row is not the captured variant, so it is timed eagerly, as it runs).
+
+On CPU: a smoke run of the tiny test model (timings meaningless, printed as "-"). The Triton interpreter is
+switched on when :func:`run` starts (not at import).
 """
 
 from __future__ import annotations
@@ -28,16 +35,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+from typing import TYPE_CHECKING
 
-ensure_triton_interpreter()  # before any kernel module is imported (a CPU smoke run needs the interpreter)
+import torch
 
-import torch  # noqa: E402
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
 
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark  # noqa: E402
-from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
-from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
-from tensorrt_llm_ext.testing.tiny_models import tiny_model  # noqa: E402
+if TYPE_CHECKING:
+    from tensorrt_llm_ext.runtime.engine import Engine
 
 GPU_MODEL = {
     "model.dtype": "bfloat16", "model.drafter_init": "random", "model.target.vocab_size": 128256,
@@ -47,8 +52,15 @@ GPU_MODEL = {
     "model.drafter.head_dim": 64, "model.drafter.latent_dim": 256, "model.drafter.intermediate_size": 2816,
     "speculative_config.markov_rank": 256, "max_seq_len": 256, "kv_cache_config.tokens_per_block": 64,
 }
-CPU_MODEL = tiny_model(**{"model.drafter_init": "random", "model.target.vocab_size": 517,
-                          "speculative_config.markov_rank": 8})
+
+
+def cpu_model() -> dict:
+    from tensorrt_llm_ext.configs.tiny_model import tiny_model
+
+    return tiny_model(**{"model.drafter_init": "random", "model.target.vocab_size": 517,
+                         "speculative_config.markov_rank": 8})
+
+
 STAGES = ("target_fwd", "select", "tail", "draft_fwd", "chain", "step")
 
 
@@ -61,10 +73,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default="auto")
     p.add_argument("--profile", action="store_true",
                    help="print the top kernels of one captured fused step per batch size (torch profiler)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: the sampled mode (every row samples at this temperature; whole step timed)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' top-p (sampled mode)")
+    p.add_argument("--rejection-sampling", action="store_true",
+                   help="sampled mode: sampled drafts + rejection-sampling verification (else strict acceptance)")
 
 
-class _Stages:
-    """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`_setup`."""
+class StepStages:
+    """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`setup_rows`."""
 
     def __init__(self, eng: Engine, worker, b: int, ctx0: torch.Tensor):
         self.eng, self.w, self.b, self.ctx0 = eng, worker, b, ctx0
@@ -102,19 +119,19 @@ class _Stages:
         return self.w.forward(self.b)
 
 
-def _setup(eng: Engine, b: int, prompt_len: int) -> torch.Tensor:
-    """``b`` live greedy requests on slots ``0..b-1`` (one batched prefill); returns their ``ctx_lens`` to
-    restore between replays."""
-    w = eng.worker("speculative", sampling=False)
+def setup_rows(eng, b: int, prompt_len: int, worker=None, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """``b`` live requests on slots ``0..b-1`` (one batched prefill; greedy unless ``temperature > 0``); returns
+    their ``ctx_lens`` to restore between replays."""
+    w = worker if worker is not None else eng.worker("speculative", sampling=False)
     slots = list(range(b))
     for slot in slots:
         eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
     prompts = [[(slot * 7919 + i * 104729) % eng.vocab_size for i in range(prompt_len)] for slot in slots]
-    w.prefill_batch(slots, prompts, [0.0] * b, slots)
+    w.prefill_batch(slots, prompts, [temperature] * b, [1000 + s for s in slots], top_ps=[top_p] * b)
     return eng.state.ctx_lens.clone()
 
 
-def _profile(stages: _Stages, top: int = 12) -> list[str]:
+def _profile(stages: StepStages, top: int = 12) -> list[str]:
     """Top CUDA kernels of one captured step (replayed under the torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -136,14 +153,33 @@ def _profile(stages: _Stages, top: int = 12) -> list[str]:
 
 @register_benchmark("step", "one DSpark decode step by stage: fused vs stock op table (CUDA graphs)",
                     add_args=_add_args)
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+
+    ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(1)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    model = dict(GPU_MODEL if cuda else CPU_MODEL)
+    model = dict(GPU_MODEL if cuda else cpu_model())
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
+    err = None
+    if args.temperature < 0:
+        err = f"--temperature: expected a value >= 0, got {args.temperature}"
+    elif not 0.0 < args.top_p <= 1.0:
+        err = f"--top-p: expected a value in (0, 1], got {args.top_p}"
+    elif args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
+        err = "--rejection-sampling / --top-p need --temperature > 0 (the sampled mode)"
+    if err:
+        print(f"error: bench step: {err}", file=sys.stderr)
+        return 2
+    if args.temperature > 0:
+        _run_sampled(args, model, sizes)
+        return 0
     cfg = load_config(**model)
     # A whole step is ~1 ms: few replays per sample keep the run to minutes at every batch size.
     timer = BenchTimer(reps=7, calls_per_rep=4)
@@ -153,12 +189,12 @@ def run(args: argparse.Namespace) -> None:
     attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
     rows, profiles = [], []
     for b in sizes:
-        ctx0 = _setup(eng, b, args.prompt_len)
+        ctx0 = setup_rows(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
         t: dict[tuple[str, str], float] = {}
         for table, worker in (("ours", fused), ("stock", stock)):
             eng.drafter.set_attention_backend(attention[table])
-            stages = _Stages(eng, worker, b, ctx0)
+            stages = StepStages(eng, worker, b, ctx0)
             for name in STAGES:
                 if name == "target_fwd" and table == "stock":
                     t[(name, table)] = t[(name, "ours")]  # the same model code in both tables
@@ -190,6 +226,59 @@ def run(args: argparse.Namespace) -> None:
                         "whole step", "step gain x"], rows, notes)
     for line in profiles:
         print(line)
+    if getattr(args, "out", None):
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> None:
+    """The whole step with sampled traffic: every row samples at ``--temperature`` (``--top-p``); drafts
+    sampled from the Markov chain and rejection-sampling verification with ``--rejection-sampling``, else
+    strict acceptance of sampled target tokens. Ours (fused op table) vs stock (the same worker with the
+    stock table: gathered logits, eager twins) in one run, on the same engine state."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+
+    model = dict(model)
+    model["speculative_config.use_rejection_sampling"] = bool(args.rejection_sampling)
+    cfg = load_config(**model)
+    timer = BenchTimer(reps=7, calls_per_rep=4)
+    eng = Engine(cfg)
+    workers = {"ours": eng.worker("speculative", sampling=True), "stock": eng.worker("stock", sampling=True)}
+    attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
+    rows = []
+    for b in sizes:
+        t, how = {}, {}
+        for table, worker in workers.items():
+            eng.drafter.set_attention_backend(attention[table])
+            ctx0 = setup_rows(eng, b, args.prompt_len, worker, args.temperature, args.top_p)
+            worker.set_rows(list(range(b)), b)
+
+            def step(worker=worker, ctx0=ctx0):
+                eng.state.ctx_lens.copy_(ctx0)  # every replay verifies the same positions
+                return worker.forward(b)
+
+            # a step with a top-p row is not the captured variant (the worker runs it eagerly): time it so
+            if worker.step_is_default:
+                t[table], how[table] = timer.time_graph([step], min_calls_per_graph=4), "graph"
+            else:
+                t[table], how[table] = timer.time_eager([step]), "eager"
+            for slot in range(b):
+                eng.pages.free(slot)
+        rows.append([b, fmt(t["ours"]), fmt(t["stock"]), fmt(t["stock"] / t["ours"], 2) if not timer.smoke else "-",
+                     f"{how['ours']} / {how['stock']}"])
+        print(f"bench step (sampled): B={b} done", file=sys.stderr, flush=True)
+    eng.drafter.set_attention_backend(attention["ours"])
+    verify = "rejection sampling (sampled drafts)" if args.rejection_sampling else "strict acceptance"
+    notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, K={cfg.draft_len}, "
+             f"dtype {eng.target.dtype}; every row T={args.temperature}, top-p {args.top_p}; verification: {verify}; "
+             f"{workers['ours'].selection.describe()}",
+             "times in us per whole step (worker.forward), median; 'graph' = CUDA-graph replay, 'eager' = the "
+             "step variant the worker does not capture (a top-p row); ours = fused op table, stock = the same "
+             "worker with the stock op table (gathered logits, eager twins)."]
+    text = print_table("bench step --temperature: the whole DSpark step with sampled traffic, fused / stock op table",
+                       ["B", "ours us", "stock us", "step gain x", "timed as (ours / stock)"], rows, notes)
     if getattr(args, "out", None):
         with open(args.out, "a") as f:
             f.write(text + "\n")

@@ -291,22 +291,22 @@ def _drafter_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dic
 
 def _step_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict) -> None:
     """The whole DSpark step on this rank, fused vs stock op table (bench step's worker stages)."""
-    from tensorrt_llm_ext.bench.step import CPU_MODEL, GPU_MODEL, _setup, _Stages
+    from tensorrt_llm_ext.bench.step import GPU_MODEL, StepStages, cpu_model, setup_rows
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
 
-    model = dict(CPU_MODEL if sizes.step_tiny else GPU_MODEL)
+    model = cpu_model() if sizes.step_tiny else dict(GPU_MODEL)
     model.update({"model.target.vocab_size": sizes.step_vocab, "speculative_config.max_draft_len": sizes.draft_len,
                   "max_batch_size": max(sizes.step_batches), "tensor_parallel_size": mapping.tp_size})
     eng = Engine(load_config(**model), mapping, device=dev)
     fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
     out["step_selection"] = fused.selection.describe()
     for b in sizes.step_batches:
-        ctx0 = _setup(eng, b, 8 if sizes.step_tiny else 64)
+        ctx0 = setup_rows(eng, b, 8 if sizes.step_tiny else 64)
         snapshot = [x.clone() for x in eng.state.mutable_tensors()]
         t, tokens = {}, {}
         for name, worker in (("fused", fused), ("stock", stock)):
-            stages = _Stages(eng, worker, b, ctx0)
+            stages = StepStages(eng, worker, b, ctx0)
             t[name] = timer.time(f"step: {name} B={b}", [stages.step])
             for dst, src in zip(eng.state.mutable_tensors(), snapshot):
                 dst.copy_(src)

@@ -19,12 +19,16 @@ Consequences: F(max) = 2^30 exactly, so a row's mass ``Z = sum F < V * 2^30 < 2^
 the same in any order: shard sums plus one int64 all-reduce SUM are bitwise the TP-1 sum. F depends on
 ``(x, m, T)`` only, never on the tiling.
 
-Kernels here (launchers + eager twins, bitwise equal):
+Kernels here (launchers + eager twins, bitwise equal), the first two passes of a verification call;
+each is ONE launch over the target rows and the draft rows together and writes every slot of its output
+(per row and column chunk: no memset, no global atomics), so consumers reduce over the chunks:
 
-* :func:`row_max_keys`: per row the largest finite logit (ordered int32 key as int64, ``EMPTY_KEY`` when the
-  row has none) and, optionally, the ``torch.argmax``-order selection key (NaN first; as ``shard_select``).
-* :func:`weight_sums`: per row ``Z``, the weight and radix key of one token of the row (the drafted one),
-  and optionally the first exact top-p histogram (mass per top byte of the radix key, see ``top_p``).
+* :func:`verify_keys` (pass 1): per (row, chunk) the ``torch.argmax``-order selection key of target rows
+  (NaN first; as ``shard_select``) and the ordered int32 key of the largest finite logit (``EMPTY_KEY``
+  when none). One int64 MAX exchange.
+* :func:`verify_sums` (pass 2): per (row, chunk) ``Z``, the weight and radix key of the row's drafted
+  token, and optionally the first exact top-p histogram (mass per top byte of the radix key, see
+  ``top_p``) in a per-program slot. One int64 SUM exchange.
 """
 
 from __future__ import annotations
@@ -35,20 +39,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import (check_int, check_tensor, num_warps_for,
-                                             refuse_allocation_while_capturing)
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best, combine_best,
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
-    "EXP2_Q30", "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "decode_max_key_torch",
-    "fixed_point_weight", "fixed_point_weight_torch", "radix_key_torch", "row_max_keys",
-    "row_max_keys_reference", "weight_sums", "weight_sums_reference",
+    "EXP2_Q30", "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key", "device_table",
+    "decode_max_key_torch", "exp2_table", "fixed_point_weight", "fixed_point_weight_torch", "is_finite",
+    "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
+    "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "verify_sums_reference",
 ]
 
 ONE_Q30 = 1 << 30
 HIST_BUCKETS = 256
-SUMS_COLS = 3  # weight_sums columns before the histogram: Z, F(token), radix key(token)
+SUMS_COLS = 3  # verify_sums columns before the histogram: Z, F(token), radix key(token)
 # fp32 value of log2(e) (the constant both Triton and torch multiply by, exactly representable).
 LOG2E_F32 = float(torch.tensor(math.log2(math.e), dtype=torch.float32).item())
 # 2^(a/256) in Q30, a = 0..255 (float64 is accurate to ~1e-16 here, far from any rounding tie).
@@ -60,18 +65,24 @@ _LN2_Q46: tl.constexpr = tl.constexpr(_LN2_Q46_INT)
 _ONE: tl.constexpr = tl.constexpr(ONE_Q30)
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _DEFAULT_BLOCK = 2048
-_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def device_table(name: str, values: list[int], device: torch.device | str) -> torch.Tensor:
+    """The int64 constant table ``name`` on ``device``: cached, allocated outside capture on first use
+    (a workspace constructor asks for it, so a captured call only looks it up)."""
+    key = (name, torch.device(device))
+    t = _TABLES.get(key)
+    if t is None:
+        refuse_allocation_while_capturing(name, key[1])
+        t = torch.tensor(values, dtype=torch.int64, device=key[1])
+        _TABLES[key] = t
+    return t
 
 
 def exp2_table(device: torch.device | str) -> torch.Tensor:
-    """The ``[256]`` int64 Q30 table on ``device`` (cached; allocated outside capture on first use)."""
-    device = torch.device(device)
-    t = _TABLES.get(device)
-    if t is None:
-        refuse_allocation_while_capturing("exp2_table", device)
-        t = torch.tensor(EXP2_Q30, dtype=torch.int64, device=device)
-        _TABLES[device] = t
-    return t
+    """The ``[256]`` int64 Q30 table of ``2^(a/256)`` on ``device`` (:func:`device_table`)."""
+    return device_table("exp2_table", EXP2_Q30, device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -131,19 +142,36 @@ def is_finite(x):
 
 
 @triton.jit
-def _row_max_keys_kernel(
-    x_ptr,  # [R, V_local] logits
-    keys_ptr,  # [R, 2] int64: (argmax key, finite-max key), EMPTY_KEY on entry
-    stride_row,
-    n_valid,
-    vocab_start,
-    chunk,
+def load_pair_tile(t_row, q_row, is_t, cols, valid):
+    """fp32 tile of a row that is a target row (``is_t``) or a draft row: one masked load per tensor, so
+    one launch serves both tensors (even of different dtypes) and only the row's own bytes are read."""
+    xt = tl.load(t_row + cols, mask=valid & is_t, other=0.0).to(tl.float32)
+    xq = tl.load(q_row + cols, mask=valid & (~is_t), other=0.0).to(tl.float32)
+    return tl.where(is_t, xt, xq)
+
+
+@triton.jit
+def row_max_from_keys(keys_ptr, row, num_splits):
+    """The row's exchanged finite-max key, reduced over its per-split slots ``keys [R, S, 2]`` column 1."""
+    base = keys_ptr + row.to(tl.int64) * num_splits * 2 + 1
+    k = tl.load(base)
+    for s in range(1, num_splits):
+        k = tl.maximum(k, tl.load(base + s * 2))
+    return k
+
+
+@triton.jit
+def _verify_keys_kernel(
+    t_ptr, q_ptr,  # [rows_t, V_local], [rows_q, V_local] logits (q_ptr = t_ptr when rows_q = 0)
+    keys_ptr,  # [rows_t + rows_q, S, 2] int64 out: (argmax key, finite-max key) per (row, split)
+    stride_t, stride_q, rows_t, n_valid, vocab_start, chunk, num_splits,
     BLOCK: tl.constexpr,
-    ARGMAX: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    row_ptr = x_ptr + row.to(tl.int64) * stride_row
+    is_t = row < rows_t
+    t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
+    q_row = q_ptr + tl.maximum(row - rows_t, 0).to(tl.int64) * stride_q
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
@@ -153,47 +181,46 @@ def _row_max_keys_kernel(
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
-        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        x = load_pair_tile(t_row, q_row, is_t, cols, valid)
         o = ordered_i32(x)
         best_fin = tl.maximum(best_fin, tl.where(valid & is_finite(x), o, -2147483648))
-        if ARGMAX:
-            bk, bc = block_best(o, cols, valid, 0)
-            arg_k, arg_c = combine_best(arg_k, arg_c, bk, bc)
+        bk, bc = block_best(o, cols, valid & is_t, 0)  # draft rows need no argmax: EMPTY_KEY
+        arg_k, arg_c = combine_best(arg_k, arg_c, bk, bc)
     fin = tl.max(best_fin, 0)
-    fin_key = tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64))
-    tl.atomic_max(keys_ptr + row * 2 + 1, fin_key)
-    if ARGMAX:
-        tl.atomic_max(keys_ptr + row * 2, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
+    out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
+    tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
+    tl.store(out + 1, tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64)))
 
 
 @triton.jit
-def _weight_sums_kernel(
-    x_ptr,  # [R, V_local] logits
-    keys_ptr,  # [R, 2] int64 exchanged keys (finite max in column 1)
-    temp_ptr,  # [R // row_div] fp32
-    tok_ptr,  # [R // row_div, k_tok] int64 global ids (read only if HAS_TOK)
-    sums_ptr,  # [R, sums_stride] int64, zero on entry: Z, F(tok), radix(tok), hist[256]
+def _verify_sums_kernel(
+    t_ptr, q_ptr,  # logits as in _verify_keys_kernel
+    keys_ptr,  # [rows_t + rows_q, S, 2] int64, exchanged (MAX)
+    temp_ptr,  # [B] fp32
+    tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
+    sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
     exp2_ptr,
-    stride_row,
-    sums_stride,
-    n_valid,
-    vocab_start,
-    chunk,
-    row_div,
-    k_tok,
-    BLOCK: tl.constexpr,
-    HAS_TOK: tl.constexpr,
-    HIST: tl.constexpr,
+    stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
+    BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    b = row // row_div
-    kk = row % row_div
-    row_ptr = x_ptr + row.to(tl.int64) * stride_row
-    out_ptr = sums_ptr + row.to(tl.int64) * sums_stride
+    is_t = row < rows_t
+    rq = tl.maximum(row - rows_t, 0)
+    b = tl.where(is_t, row // div_t, rq // div_q)
+    kk = tl.where(is_t, row % div_t, rq % div_q)
+    t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
+    q_row = q_ptr + rq.to(tl.int64) * stride_q
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
     temp = tl.load(temp_ptr + b)
     t = tl.where(temp > 0.0, temp, 1.0)
-    m = decode_max_key(tl.load(keys_ptr + row * 2 + 1))
+    out = sums_ptr + tl.where(is_t, (row.to(tl.int64) * num_splits + split) * cols_t,
+                              sums_q_off + (rq.to(tl.int64) * num_splits + split) * 3)
+    if HIST:
+        if is_t:
+            # this program's own 256 buckets (no other program touches them): zero, then accumulate
+            tl.store(out + 3 + tl.arange(0, 256), tl.zeros([256], tl.int64))
+            tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
@@ -201,23 +228,25 @@ def _weight_sums_kernel(
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
-        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        fin = valid & is_finite(x)
-        w = fixed_point_weight(x, m, t, fin, exp2_ptr)
+        x = load_pair_tile(t_row, q_row, is_t, cols, valid)
+        w = fixed_point_weight(x, m, t, valid & is_finite(x), exp2_ptr)
         acc += w
         if HIST:
-            tl.atomic_add(out_ptr + 3 + (radix_key(x) >> 24), w, mask=w > 0)
-    tl.atomic_add(out_ptr, tl.sum(acc, 0))
+            if is_t:
+                tl.atomic_add(out + 3 + (radix_key(x) >> 24), w, mask=w > 0)
+    ftok = tl.sum(acc, 0) * 0
+    utok = ftok
     if HAS_TOK:
         if kk < k_tok:
-            tok = tl.load(tok_ptr + b.to(tl.int64) * k_tok + kk)
-            col = tok - vocab_start
+            col = tl.load(tok_ptr + b.to(tl.int64) * k_tok + kk) - vocab_start
             if (col >= col_begin) & (col < col_end):
-                xt = tl.load(row_ptr + col).to(tl.float32)
+                xt = tl.where(is_t, tl.load(t_row + col).to(tl.float32), tl.load(q_row + col).to(tl.float32))
                 ft = is_finite(xt)
-                wt = fixed_point_weight(xt, m, t, ft, exp2_ptr)
-                tl.atomic_add(out_ptr + 1, wt)
-                tl.atomic_add(out_ptr + 2, tl.where(ft, radix_key(xt), 0))
+                ftok = fixed_point_weight(xt, m, t, ft, exp2_ptr)
+                utok = tl.where(ft, radix_key(xt), 0)
+    tl.store(out, tl.sum(acc, 0))
+    tl.store(out + 1, ftok)
+    tl.store(out + 2, utok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,14 +290,11 @@ def decode_max_key_torch(key: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(x)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Launchers and eager twins
 # ----------------------------------------------------------------------------------------------------
-def _check_logits(name: str, logits, vocab_start: int, vocab_size: int) -> int:
+def check_logits(name: str, logits, vocab_start: int, vocab_size: int) -> int:
+    """Validate ``[R, V_local]`` shard logits and the vocabulary range; returns the owned column count."""
     check_tensor(name, logits, dtype=_SUPPORTED, unit_last_stride=True)
     if logits.dim() != 2:
         raise ValueError(f"{name}: expected shape [R, V_local], got {list(logits.shape)}")
@@ -289,126 +315,169 @@ def plan_chunks(n_valid: int, block: int, num_splits: int) -> tuple[int, int]:
     return max(1, triton.cdiv(max(n_valid, 1), chunk)), chunk
 
 
-def row_max_keys(logits: torch.Tensor, vocab_start: int, vocab_size: int, *, argmax: bool = True,
-                 out: torch.Tensor | None = None, block_size: int = _DEFAULT_BLOCK,
-                 num_splits: int = 1) -> torch.Tensor:
-    """Per row of ``logits [R, V_local]``: ``out [R, 2]`` int64 = (argmax selection key, finite-max key).
+def _pair(target, draft, vocab_start, vocab_size):
+    n_valid = check_logits("target_logits", target, vocab_start, vocab_size)
+    if draft is not None:
+        check_logits("draft_logits", draft, vocab_start, vocab_size)
+        if draft.shape[1] != target.shape[1] or draft.device != target.device:
+            raise ValueError(f"draft_logits: expected [*, {target.shape[1]}] on {target.device}, got "
+                             f"{list(draft.shape)} on {draft.device}")
+    return n_valid, target.shape[0], 0 if draft is None else draft.shape[0]
 
-    Column 0 is ``shard_select``'s greedy key (``torch.argmax`` order; left ``EMPTY_KEY`` when ``argmax``
-    is False); column 1 the ordered int32 key of the largest finite logit, ``EMPTY_KEY`` if none. Both are
-    exchanged with one int64 MAX. ``out`` is overwritten (filled here). CUDA-graph safe with ``out=``.
+
+def verify_keys(target: torch.Tensor, draft: torch.Tensor | None, vocab_start: int, vocab_size: int, *,
+                out: torch.Tensor, block_size: int = _DEFAULT_BLOCK, num_splits: int = 1) -> torch.Tensor:
+    """Pass 1 of verification, one launch over the target rows and the draft rows.
+
+    ``target [R_t, V_local]``, ``draft [R_q, V_local]`` or None. ``out [R_t + R_q, S, 2]`` int64 (S = the
+    column plan's split count, :func:`plan_chunks`), every slot written: per (row, column chunk) the
+    ``torch.argmax``-order selection key (target rows; ``EMPTY_KEY`` for draft rows) and the ordered key of
+    the largest finite logit (``EMPTY_KEY`` if none). Exchanged with one int64 MAX; consumers reduce over
+    S. CUDA-graph safe.
     """
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    rows = logits.shape[0]
-    if out is None:
-        refuse_allocation_while_capturing("row_max_keys", logits.device)
-        out = torch.empty((rows, 2), dtype=torch.int64, device=logits.device)
-    check_tensor("out", out, shape=(rows, 2), dtype=torch.int64, device=logits.device, contiguous=True)
-    out.fill_(EMPTY_KEY)
-    if rows == 0 or n_valid == 0:
-        return out
+    n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
     splits, chunk = plan_chunks(n_valid, block_size, num_splits)
-    _row_max_keys_kernel[(rows, splits)](
-        logits, out, logits.stride(0), n_valid, vocab_start, chunk, BLOCK=block_size, ARGMAX=argmax,
+    check_tensor("out", out, shape=(rt + rq, splits, 2), dtype=torch.int64, device=target.device, contiguous=True)
+    if rt + rq == 0:
+        return out
+    if rt == 0:
+        raise ValueError("target_logits: expected at least one row")
+    q = draft if draft is not None and rq else target
+    _verify_keys_kernel[(rt + rq, splits)](
+        target, q, out, target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits,
+        BLOCK=block_size, num_warps=num_warps_for(block_size))
+    return out
+
+
+def _chunked(x: torch.Tensor, n_valid: int, splits: int, chunk: int, fill) -> torch.Tensor:
+    """``[R, n_valid] -> [R, S, chunk]`` padded with ``fill`` (the twins' view of the column plan)."""
+    pad = torch.full((x.shape[0], splits * chunk), fill, dtype=x.dtype, device=x.device)
+    pad[:, :n_valid] = x
+    return pad.view(x.shape[0], splits, chunk)
+
+
+def _rows_f32(target, draft, n_valid):
+    rows = [target[:, :n_valid].float()]
+    if draft is not None and draft.shape[0]:
+        rows.append(draft[:, :n_valid].float())
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def verify_keys_reference(target: torch.Tensor, draft: torch.Tensor | None, vocab_start: int, vocab_size: int, *,
+                          out: torch.Tensor, block_size: int = _DEFAULT_BLOCK, num_splits: int = 1) -> torch.Tensor:
+    """Eager twin of :func:`verify_keys` (the same per-split slots)."""
+    n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
+    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    check_tensor("out", out, shape=(rt + rq, splits, 2), dtype=torch.int64, device=target.device, contiguous=True)
+    x = _rows_f32(target, draft, n_valid)
+    o = _chunked(ordered_i32_torch(x), n_valid, splits, chunk, INT32_MIN)
+    fin = _chunked(torch.isfinite(x), n_valid, splits, chunk, False)
+    fmax = torch.where(fin, o, torch.full_like(o, INT32_MIN)).max(-1).values.to(torch.int64)
+    best = o.max(-1).values
+    col = (o == best[..., None]).to(torch.uint8).argmax(-1)
+    gid = torch.arange(splits, device=x.device)[None, :] * chunk + col + vocab_start
+    arg = pack_key_torch(best, gid)
+    arg[rt:] = EMPTY_KEY
+    out[..., 0] = arg
+    out[..., 1] = torch.where(fmax == INT32_MIN, torch.full_like(fmax, EMPTY_KEY), fmax)
+    return out
+
+
+def sums_layout(rows_t: int, rows_q: int, splits: int, hist: bool) -> tuple[int, int]:
+    """``(cols_t, size)`` of the flat sums buffer: ``[rows_t, S, cols_t]`` then ``[rows_q, S, 3]``."""
+    cols_t = SUMS_COLS + (HIST_BUCKETS if hist else 0)
+    return cols_t, rows_t * splits * cols_t + rows_q * splits * SUMS_COLS
+
+
+def _check_sums(target, draft, keys, temperatures, tokens, div_t, div_q, hist, out, block_size, num_splits,
+                vocab_start, vocab_size):
+    n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
+    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    dev = target.device
+    check_int("row_div", div_t, lo=1)
+    check_int("row_div_q", div_q, lo=1)
+    if rt % div_t or rq % div_q:
+        raise ValueError(f"rows: expected row counts divisible by {div_t} / {div_q}, got {rt} / {rq}")
+    check_tensor("keys", keys, shape=(rt + rq, splits, 2), dtype=torch.int64, device=dev, contiguous=True)
+    check_tensor("temperatures", temperatures, shape=(rt // div_t,), dtype=torch.float32, device=dev,
+                 contiguous=True)
+    if tokens is not None:
+        check_tensor("tokens", tokens, shape=(rt // div_t, None), dtype=torch.int64, device=dev, contiguous=True)
+    cols_t, size = sums_layout(rt, rq, splits, hist)
+    check_tensor("out", out, shape=(size,), dtype=torch.int64, device=dev, contiguous=True)
+    return n_valid, rt, rq, splits, chunk, cols_t
+
+
+def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Tensor, temperatures: torch.Tensor,
+                vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
+                row_div_q: int = 1, hist: bool = False, out: torch.Tensor, block_size: int = _DEFAULT_BLOCK,
+                num_splits: int = 1) -> torch.Tensor:
+    """Pass 2 of verification, one launch over the target rows and the draft rows: this shard's masses.
+
+    ``out`` is the flat buffer of :func:`sums_layout`, every slot written: per (row, column chunk) ``Z``
+    (sum of F over owned finite columns), ``F(tok)`` and ``radix_key(tok)`` of the row's token where the
+    chunk owns it (0 elsewhere), and for target rows with ``hist`` the mass per top byte of the radix key
+    (top-p round 0; a per-program histogram, no other program adds into it). Target row ``r`` belongs to
+    request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K), draft row ``r`` to
+    request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
+    MAX exchange. Exact under one int64 SUM across ranks. CUDA-graph safe.
+    """
+    n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
+                                                          row_div_q, hist, out, block_size, num_splits,
+                                                          vocab_start, vocab_size)
+    if rt + rq == 0:
+        return out
+    q = draft if draft is not None and rq else target
+    k_tok = tokens.shape[1] if tokens is not None else 0
+    _verify_sums_kernel[(rt + rq, splits)](
+        target, q, keys, temperatures, tokens if tokens is not None else keys, out, exp2_table(target.device),
+        target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
+        row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
         num_warps=num_warps_for(block_size))
     return out
 
 
-def row_max_keys_reference(logits: torch.Tensor, vocab_start: int, vocab_size: int, *, argmax: bool = True,
-                           out: torch.Tensor | None = None, block_size: int = _DEFAULT_BLOCK,
-                           num_splits: int = 1) -> torch.Tensor:
-    """Eager twin of :func:`row_max_keys` (tiling arguments accepted and ignored)."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    rows = logits.shape[0]
-    res = torch.full((rows, 2), EMPTY_KEY, dtype=torch.int64, device=logits.device)
-    if rows and n_valid:
-        x = logits[:, :n_valid].float()
-        o = ordered_i32_torch(x).to(torch.int64)
-        fin = torch.where(_finite(x), o, torch.full_like(o, INT32_MIN)).max(dim=1).values
-        res[:, 1] = torch.where(fin == INT32_MIN, torch.full_like(fin, EMPTY_KEY), fin)
-        if argmax:
-            best = o.max(dim=1).values
-            col = (o == best[:, None]).to(torch.uint8).argmax(dim=1)
-            res[:, 0] = pack_key_torch(best.to(torch.int32), col + vocab_start)
-    return res if out is None else out.copy_(res)
-
-
-def _check_sums_args(logits, keys, temperatures, tokens, row_div, hist, out):
-    rows = logits.shape[0]
-    check_int("row_div", row_div, lo=1)
-    if rows % row_div:
-        raise ValueError(f"logits: expected a row count divisible by row_div={row_div}, got {rows}")
-    check_tensor("keys", keys, shape=(rows, 2), dtype=torch.int64, device=logits.device, contiguous=True)
-    check_tensor("temperatures", temperatures, shape=(rows // row_div,), dtype=torch.float32,
-                 device=logits.device, contiguous=True)
-    if tokens is not None:
-        check_tensor("tokens", tokens, shape=(rows // row_div, None), dtype=torch.int64, device=logits.device,
-                     contiguous=True)
-    width = SUMS_COLS + (HIST_BUCKETS if hist else 0)
-    if out is not None:
-        check_tensor("out", out, shape=(rows, width), dtype=torch.int64, device=logits.device, contiguous=True)
-    return width
-
-
-def weight_sums(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, vocab_start: int,
-                vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, hist: bool = False,
-                out: torch.Tensor | None = None, block_size: int = _DEFAULT_BLOCK,
-                num_splits: int = 1) -> torch.Tensor:
-    """This shard's integer masses: ``out [R, 3 (+256)]`` int64, zeroed here, then summed over columns.
-
-    Row ``r`` belongs to request ``r // row_div`` (its temperature; ``T <= 0`` rows use ``T = 1``). Columns:
-    ``Z`` (sum of F over owned finite columns), ``F(tok)`` and ``radix_key(tok)`` of the row's token
-    ``tokens[r // row_div, r % row_div]`` where this shard owns it (0 elsewhere, and for rows with
-    ``r % row_div >= tokens.shape[1]``), then with ``hist`` the mass per top byte of the radix key. Exact
-    under one int64 SUM across ranks. ``keys`` are :func:`row_max_keys` after the exchange.
-    """
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    width = _check_sums_args(logits, keys, temperatures, tokens, row_div, hist, out)
-    rows = logits.shape[0]
-    if out is None:
-        refuse_allocation_while_capturing("weight_sums", logits.device)
-        out = torch.empty((rows, width), dtype=torch.int64, device=logits.device)
-    out.zero_()
-    if rows == 0 or n_valid == 0:
-        return out
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
-    k_tok = tokens.shape[1] if tokens is not None else 0
-    _weight_sums_kernel[(rows, splits)](
-        logits, keys, temperatures, tokens if tokens is not None else keys, out, exp2_table(logits.device),
-        logits.stride(0), width, n_valid, vocab_start, chunk, row_div, k_tok,
-        BLOCK=block_size, HAS_TOK=tokens is not None and k_tok > 0, HIST=hist, num_warps=num_warps_for(block_size))
-    return out
-
-
-def weight_sums_reference(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, vocab_start: int,
-                          vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-                          hist: bool = False, out: torch.Tensor | None = None, block_size: int = _DEFAULT_BLOCK,
+def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Tensor,
+                          temperatures: torch.Tensor, vocab_start: int, vocab_size: int, *,
+                          tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
+                          hist: bool = False, out: torch.Tensor, block_size: int = _DEFAULT_BLOCK,
                           num_splits: int = 1) -> torch.Tensor:
-    """Eager twin of :func:`weight_sums` (tiling arguments accepted and ignored)."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    width = _check_sums_args(logits, keys, temperatures, tokens, row_div, hist, out)
-    rows = logits.shape[0]
-    dev = logits.device
-    res = torch.zeros((rows, width), dtype=torch.int64, device=dev)
-    if rows and n_valid:
-        x = logits[:, :n_valid].float()
-        fin = _finite(x)
-        m = decode_max_key_torch(keys[:, 1])[:, None]
-        temp = temperatures.repeat_interleave(row_div)[:, None]
-        t = torch.where(temp > 0, temp, torch.ones_like(temp))
-        w = fixed_point_weight_torch(x, m, t, fin)
-        res[:, 0] = w.sum(dim=1)
-        if hist:
-            res[:, SUMS_COLS:].scatter_add_(1, radix_key_torch(x) >> 24, w)
-        if tokens is not None and tokens.shape[1] > 0:
-            k_tok = tokens.shape[1]
-            kk = torch.arange(rows, device=dev) % row_div
-            tok = torch.where(kk < k_tok, tokens.repeat_interleave(row_div, dim=0).gather(
-                1, kk.clamp(max=k_tok - 1)[:, None])[:, 0], torch.full_like(kk, -1))
-            col = tok - vocab_start
-            own = (col >= 0) & (col < n_valid)
-            colc = torch.where(own, col, torch.zeros_like(col))[:, None]
-            res[:, 1] = torch.where(own, w.gather(1, colc)[:, 0], torch.zeros_like(col))
-            xt = x.gather(1, colc)[:, 0]
-            res[:, 2] = torch.where(own & _finite(xt), radix_key_torch(xt), torch.zeros_like(col))
-    return res if out is None else out.copy_(res)
+    """Eager twin of :func:`verify_sums` (the same per-split slots)."""
+    n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
+                                                          row_div_q, hist, out, block_size, num_splits,
+                                                          vocab_start, vocab_size)
+    dev = target.device
+    rows = rt + rq
+    x = _rows_f32(target, draft, n_valid)
+    fin = torch.isfinite(x)
+    kmax = keys[:, :, 1].max(1).values
+    m = decode_max_key_torch(kmax)[:, None]
+    bi = torch.cat([torch.arange(rt, device=dev) // row_div, torch.arange(rq, device=dev) // row_div_q])
+    kk = torch.cat([torch.arange(rt, device=dev) % row_div, torch.arange(rq, device=dev) % row_div_q])
+    temp = temperatures[bi][:, None]
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    w = fixed_point_weight_torch(x, m, t, fin)
+    res = torch.zeros((rows, splits, SUMS_COLS), dtype=torch.int64, device=dev)
+    res[:, :, 0] = _chunked(w, n_valid, splits, chunk, 0).sum(-1)
+    if tokens is not None and tokens.shape[1] > 0:
+        k_tok = tokens.shape[1]
+        tok = torch.where(kk < k_tok, tokens[bi, kk.clamp(max=k_tok - 1)], torch.full_like(kk, -1))
+        col = tok - vocab_start
+        own = (col >= 0) & (col < n_valid)
+        colc = torch.where(own, col, torch.zeros_like(col))
+        s_own = colc // chunk
+        ri = torch.arange(rows, device=dev)
+        ft = torch.where(own, w[ri, colc], torch.zeros_like(col))
+        xt = x[ri, colc]
+        ut = torch.where(own & torch.isfinite(xt), radix_key_torch(xt), torch.zeros_like(col))
+        res[ri, s_own, 1] = ft
+        res[ri, s_own, 2] = ut
+    flat_t = out[: rt * splits * cols_t].view(rt, splits, cols_t)
+    flat_t[:, :, :SUMS_COLS] = res[:rt]
+    if hist:
+        h = torch.zeros((rt, splits * HIST_BUCKETS), dtype=torch.int64, device=dev)
+        scol = torch.arange(n_valid, device=dev) // chunk
+        h.scatter_add_(1, scol[None, :] * HIST_BUCKETS + (radix_key_torch(x[:rt]) >> 24), w[:rt])
+        flat_t[:, :, SUMS_COLS:] = h.view(rt, splits, HIST_BUCKETS)
+    out[rt * splits * cols_t:].view(rq, splits, SUMS_COLS).copy_(res[rt:])
+    return out

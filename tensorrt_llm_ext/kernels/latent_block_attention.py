@@ -44,6 +44,8 @@ on shapes only; the per-``(head_dim, theta, device)`` RoPE frequency table is ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -53,8 +55,9 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_devices, check_in
                                              refuse_allocation_while_capturing, triton_runs_on)
 from tensorrt_llm_ext.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
-__all__ = ["gather_context_latents", "latent_block_attention", "latent_block_attention_reference",
-           "masked_softmax_attention", "single_latent_block_attention", "write_block_latents"]
+__all__ = ["ATTENTION_SCHEDULES", "AttentionSchedule", "attention_schedule", "gather_context_latents",
+           "latent_block_attention", "latent_block_attention_reference", "masked_softmax_attention",
+           "single_latent_block_attention", "write_block_latents"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -92,18 +95,39 @@ def _attend_tile(lat, kpos, kvalid, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_w, r
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["k_len", "page_size", "max_pages"])
+@triton.jit
+def _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
+            stride_oh, HALF: tl.constexpr, PRECISION: tl.constexpr):
+    """Normalise the latent-space accumulator and apply ``W_uv`` (the absorbed value up-projection)."""
+    o_lat = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no valid key is all zeros
+    wmask = c_ok[:, None] & f_ok[None, :]
+    wv1 = tl.load(wv_ptr + (row0 + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
+    wv2 = tl.load(wv_ptr + (row0 + HALF + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
+    o1 = tl.dot(o_lat, wv1, input_precision=PRECISION)
+    o2 = tl.dot(o_lat, wv2, input_precision=PRECISION)
+    o_row = out_ptr + b * stride_ob + m[:, None] * stride_ok + hd * stride_oh
+    tl.store(o_row + f[None, :], o1.to(out_ptr.dtype.element_ty), mask=qmask)
+    tl.store(o_row + HALF + f[None, :], o2.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit(do_not_specialize=["k_len", "page_size", "max_pages", "split_len", "n_splits"])
 def _latent_block_attention_kernel(
     q_ptr, blk_ptr, pool_ptr, bt_ptr, slot_ptr, ctx_lens_ptr, seq_lens_ptr, pos_ptr, page_ids_ptr, page_off_ptr,
-    wk_ptr, wv_ptr, inv_freq_ptr, out_ptr,
-    k_len, d_c, page_size, max_pages, scale,
+    wk_ptr, wv_ptr, inv_freq_ptr, out_ptr, part_ptr,
+    k_len, d_c, page_size, max_pages, scale, split_len, n_splits,
     stride_qb, stride_qk, stride_qh, stride_bb, stride_bk, stride_pp, stride_po, stride_bt,
     stride_wk, stride_wv, stride_ob, stride_ok, stride_oh, stride_place,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, STORE_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    # Grid (B, heads, splits). Split s attends context positions [s * split_len, (s + 1) * split_len) of
+    # the live context; the last split also attends the block's own latents (and stores them). Without
+    # SPLIT (one split) the program finishes the row itself; with it, each split writes its online-softmax
+    # state (m, l, acc) to part_ptr and _latent_block_attention_combine_kernel merges them.
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
+    sp = tl.program_id(2)
     row0 = hd * (2 * HALF)  # first W row of this head
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = tl.load(seq_lens_ptr + b) > 0
@@ -134,37 +158,71 @@ def _latent_block_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     bt_row = bt_ptr + slot * stride_bt
     # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
-    for start in range(0, n_ctx, BLOCK_N):
+    lo = sp * split_len
+    hi = tl.minimum(n_ctx, lo + split_len)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < n_ctx
+        n_ok = n < hi
         page = tl.maximum(tl.load(bt_row + n // page_size, mask=n_ok, other=0), 0).to(tl.int64)
         lat_ptrs = pool_ptr + page[:, None] * stride_pp + (n % page_size).to(tl.int64)[:, None] * stride_po + c[None, :]
         lat = tl.load(lat_ptrs, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
         m_i, l_i, acc = _attend_tile(lat, n, n_ok, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0, inv_freq, f,
                                      f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
 
-    # The block's own latents: the last tile, at the block's RoPE positions.
+    # The block's own latents: the last tile (of the last split), at the block's RoPE positions.
     bmask = m_ok[:, None] & c_ok[None, :]
-    blk = tl.load(blk_ptr + b * stride_bb + m[:, None] * stride_bk + c[None, :], mask=bmask, other=0.0)
-    m_i, l_i, acc = _attend_tile(blk, qpos, m_ok & live, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0, inv_freq,
-                                 f, f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
-    if STORE_BLOCK:
-        if hd == 0:
-            dpage = tl.load(page_ids_ptr + b * stride_place + m, mask=m_ok, other=-1)
-            doff = tl.load(page_off_ptr + b * stride_place + m, mask=m_ok, other=0)
-            dst = pool_ptr + tl.maximum(dpage, 0).to(tl.int64)[:, None] * stride_pp \
-                + doff.to(tl.int64)[:, None] * stride_po + c[None, :]
-            tl.store(dst, blk.to(pool_ptr.dtype.element_ty), mask=bmask & (dpage >= 0)[:, None])
+    if sp == n_splits - 1:
+        blk = tl.load(blk_ptr + b * stride_bb + m[:, None] * stride_bk + c[None, :], mask=bmask, other=0.0)
+        m_i, l_i, acc = _attend_tile(blk, qpos, m_ok & live, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0,
+                                     inv_freq, f, f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
+        if STORE_BLOCK:
+            if hd == 0:
+                dpage = tl.load(page_ids_ptr + b * stride_place + m, mask=m_ok, other=-1)
+                doff = tl.load(page_off_ptr + b * stride_place + m, mask=m_ok, other=0)
+                dst = pool_ptr + tl.maximum(dpage, 0).to(tl.int64)[:, None] * stride_pp \
+                    + doff.to(tl.int64)[:, None] * stride_po + c[None, :]
+                tl.store(dst, blk.to(pool_ptr.dtype.element_ty), mask=bmask & (dpage >= 0)[:, None])
+    if SPLIT:
+        # part[(b * heads + hd) * n_splits + sp] = (m [BLOCK_M], l [BLOCK_M], acc [BLOCK_M, BLOCK_C]), fp32.
+        rec = part_ptr + ((b * tl.num_programs(1) + hd) * n_splits + sp) * (BLOCK_M * (BLOCK_C + 2))
+        tl.store(rec + m, m_i)
+        tl.store(rec + BLOCK_M + m, l_i)
+        tl.store(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :], acc)
+    else:
+        _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
+                stride_oh, HALF, PRECISION)
 
-    o_lat = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no valid key is all zeros
-    wmask = c_ok[:, None] & f_ok[None, :]
-    wv1 = tl.load(wv_ptr + (row0 + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
-    wv2 = tl.load(wv_ptr + (row0 + HALF + f)[None, :] * stride_wv + c[:, None], mask=wmask, other=0.0).to(tl.float32)
-    o1 = tl.dot(o_lat, wv1, input_precision=PRECISION)
-    o2 = tl.dot(o_lat, wv2, input_precision=PRECISION)
-    o_row = out_ptr + b * stride_ob + m[:, None] * stride_ok + hd * stride_oh
-    tl.store(o_row + f[None, :], o1.to(out_ptr.dtype.element_ty), mask=qmask)
-    tl.store(o_row + HALF + f[None, :], o2.to(out_ptr.dtype.element_ty), mask=qmask)
+
+@triton.jit(do_not_specialize=["k_len", "n_splits"])
+def _latent_block_attention_combine_kernel(
+    part_ptr, wv_ptr, out_ptr, k_len, d_c, n_splits, stride_wv, stride_ob, stride_ok, stride_oh,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (B, heads): merge the splits' online-softmax states in split order, then ``W_uv``."""
+    b = tl.program_id(0).to(tl.int64)
+    hd = tl.program_id(1)
+    row0 = hd * (2 * HALF)
+    m = tl.arange(0, BLOCK_M)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < d_c
+    qmask = (m < k_len)[:, None] & f_ok[None, :]
+    base = part_ptr + (b * tl.num_programs(1) + hd) * n_splits * (BLOCK_M * (BLOCK_C + 2))
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for sp in range(0, n_splits):
+        m_all = tl.maximum(m_all, tl.load(base + sp * (BLOCK_M * (BLOCK_C + 2)) + m))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for sp in range(0, n_splits):
+        rec = base + sp * (BLOCK_M * (BLOCK_C + 2))
+        w = tl.exp(tl.load(rec + m) - m_safe)  # an empty split (m = -inf) weighs 0
+        l_i += w * tl.load(rec + BLOCK_M + m)
+        acc += w[:, None] * tl.load(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :])
+    _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
+            stride_oh, HALF, PRECISION)
 
 
 def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -207,6 +265,64 @@ def _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_
                          "TRITON_INTERPRET=1); use latent_block_attention_reference")
 
 
+@dataclass(frozen=True)
+class AttentionSchedule:
+    """One row of the per-B schedule table of :func:`latent_block_attention` (``None``: the launcher's
+    default). ``split_k``: context splits per (row, head) -- programs in all ``B * heads * split_k``, plus one
+    combine launch when ``split_k > 1``."""
+
+    max_batch: int | None  # inclusive upper bound of the batch sizes this row covers; None: every larger B
+    block_n: int = 32
+    num_warps: int | None = None
+    num_stages: int | None = None
+    split_k: int = 1
+
+    def __post_init__(self):
+        check_int("AttentionSchedule.block_n", self.block_n, lo=16, hi=1025)
+        if self.block_n & (self.block_n - 1):
+            raise ValueError(f"AttentionSchedule.block_n: expected a power of two, got {self.block_n}")
+        check_int("AttentionSchedule.split_k", self.split_k, lo=1, hi=257)
+        for name in ("num_warps", "num_stages"):
+            if getattr(self, name) is not None:
+                check_int(f"AttentionSchedule.{name}", getattr(self, name), lo=1, hi=17)
+
+    def describe(self) -> str:
+        return (f"n{self.block_n}/w{self.num_warps or 'auto'}/s{self.num_stages or 'auto'}/k{self.split_k}")
+
+
+# Per-B schedule (the first row whose max_batch >= B). Not measured yet: the H200 sweep (`trtllm-ext bench
+# attention`) has not been run since split-K exists, so the one row is the schedule the kernel always had
+# (32-position tiles, default warps/stages, no split) until the sweep's rows say otherwise.
+ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (AttentionSchedule(None),)
+
+
+def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...] = ATTENTION_SCHEDULES
+                       ) -> AttentionSchedule:
+    """The row of ``schedules`` that covers ``batch_size`` (the last row covers every larger B)."""
+    for sch in schedules:
+        if sch.max_batch is None or batch_size <= sch.max_batch:
+            return sch
+    return schedules[-1]
+
+
+# Scratch cache of the split-K partials (fp32 ``[B * heads * split_k * BLOCK_M * (BLOCK_C + 2)]``), one per
+# device, grown only outside capture. Outgrown buffers are kept for the graphs that captured them.
+_PARTIALS: dict[str, torch.Tensor] = {}
+_RETIRED_PARTIALS: list[torch.Tensor] = []
+
+
+def _partials(device: torch.device, numel: int) -> torch.Tensor:
+    cached = _PARTIALS.get(str(device))
+    if cached is not None and cached.numel() >= numel:
+        return cached
+    refuse_allocation_while_capturing("latent_block_attention (split-K partials; run one eager call with the "
+                                      "largest batch first)", device)
+    if cached is not None:
+        _RETIRED_PARTIALS.append(cached)
+    buf = _PARTIALS[str(device)] = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+    return buf
+
+
 def latent_block_attention(
     q: torch.Tensor,
     block_latents: torch.Tensor,
@@ -221,11 +337,9 @@ def latent_block_attention(
     *,
     store_block_latents: bool = True,
     out: torch.Tensor | None = None,
-    block_n: int = 32,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    schedule: AttentionSchedule | None = None,
 ) -> torch.Tensor:
-    """Fused block attention over the paged single-latent context (one launch); see the module docstring.
+    """Fused block attention over the paged single-latent context; see the module docstring.
 
     Args:
         q: ``[B, K, h, D]`` queries before RoPE (``h`` = this rank's heads; D even), unit last stride.
@@ -242,17 +356,20 @@ def latent_block_attention(
         k_up_weight, v_up_weight: ``[h * D, d_c]`` per-head up-projections, pool dtype.
         rope_theta, scale: RoPE base; softmax scale.
         out: optional ``[B, K, h, D]`` output in ``q``'s dtype (required inside a CUDA-graph capture).
-        block_n: context positions per tile (power of two >= 16); num_warps / num_stages: launch settings
-            (``None``: :func:`num_warps_for` / Triton's default). Tuning knobs, results do not depend on them
-            beyond rounding.
+        schedule: tile width, warps, stages and context split (default: the row of
+            :data:`ATTENTION_SCHEDULES` for B). Results depend on it only by rounding (the online softmax
+            sums in tile and split order); the block-latent store never does.
 
-    Returns ``out``. CUDA-graph safe with ``out=`` once warmed up (see the module docstring).
+    Returns ``out``. One launch (two with ``split_k > 1``: the splits, then their combine). CUDA-graph safe
+    with ``out=`` once warmed up at the largest B (the RoPE table and the split-K partials are cached).
     """
     _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out)
-    check_int("block_n", block_n, lo=16, hi=1025)
-    if block_n & (block_n - 1):
-        raise ValueError(f"block_n: expected a power of two, got {block_n}")
     b, k, h, d = q.shape
+    if schedule is None:
+        schedule = attention_schedule(b)
+    elif not isinstance(schedule, AttentionSchedule):
+        raise ValueError(f"schedule: expected an AttentionSchedule, got {type(schedule).__name__}")
+    block_n = schedule.block_n
     num_pages, page_size, d_c = pool_layer.shape
     inv_freq = _inv_freq(d, rope_theta, q.device)
     if out is None:
@@ -261,6 +378,7 @@ def latent_block_attention(
     if b == 0:
         return out
     block_c = max(16, triton.next_power_of_2(d_c))
+    block_m = max(16, triton.next_power_of_2(k))
     interpret = not q.is_cuda
     # The interpreter's tl.dot is wrong on bf16 (it multiplies the raw bits): upcast there. On the GPU the
     # key up-projection takes the model dtype (exact products, fp32 accumulate) and fp32-operand products
@@ -269,23 +387,35 @@ def latent_block_attention(
     dot_dtype = tl.float32 if (interpret or fp32_model) else (tl.bfloat16 if pool_layer.dtype == torch.bfloat16
                                                                else tl.float16)
     precision = "ieee" if fp32_model else "tf32"
-    if num_warps is None:
-        num_warps = num_warps_for(block_n * block_c, elements_per_warp=2048, min_warps=4)
+    num_warps = schedule.num_warps or num_warps_for(block_n * block_c, elements_per_warp=2048, min_warps=4)
     launch = {"num_warps": num_warps}
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
-    _latent_block_attention_kernel[(b, h)](
+    if schedule.num_stages is not None:
+        launch["num_stages"] = schedule.num_stages
+    # Splits over the table span (the live context is on the device): whole tiles per split, shapes only.
+    max_ctx = block_table.shape[1] * page_size
+    tiles = max(1, triton.cdiv(max_ctx, block_n))
+    splits = max(1, min(schedule.split_k, tiles))
+    split_len = triton.cdiv(tiles, splits) * block_n
+    splits = max(1, triton.cdiv(max_ctx, split_len))
+    part = _partials(q.device, b * h * splits * block_m * (block_c + 2)) if splits > 1 else out
+    _latent_block_attention_kernel[(b, h, splits)](
         q, block_latents, pool_layer, block_table, slot_ids, placement.ctx_lens, placement.seq_lens,
         placement.positions, placement.page_ids, placement.page_offsets, k_up_weight, v_up_weight, inv_freq, out,
-        k, d_c, page_size, block_table.shape[1], float(scale),
+        part, k, d_c, page_size, block_table.shape[1], float(scale), split_len, splits,
         q.stride(0), q.stride(1), q.stride(2), block_latents.stride(0), block_latents.stride(1),
         pool_layer.stride(0), pool_layer.stride(1), block_table.stride(0),
         k_up_weight.stride(0), v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2),
         placement.positions.stride(0),
-        HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=max(16, triton.next_power_of_2(k)),
+        HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_C=block_c, STORE_BLOCK=store_block_latents, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        **launch,
+        SPLIT=splits > 1, **launch,
     )
+    if splits > 1:
+        _latent_block_attention_combine_kernel[(b, h)](
+            part, v_up_weight, out, k, d_c, splits, v_up_weight.stride(0), out.stride(0), out.stride(1),
+            out.stride(2), HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m,
+            BLOCK_C=block_c, PRECISION=precision, num_warps=4,
+        )
     return out
 
 

@@ -11,16 +11,27 @@ global index. We make that order a plain integer maximum:
 
 The TP exchange is then one all-reduce MAX over int64 (exact at any vocab size below 2^32).
 
-Keyed Gumbel noise (every sampler of the project: the target's ``TARGET_SALT``, the drafter's
-``DRAFT_SALT``, the Markov chain's ``MARKOV_SALT``): the draw of global id ``g`` for a request
-``(seed, offset)`` is word ``g % 4`` of Philox-4x32-10 keyed by ``seed`` with counter
-``(g // 4, offset low word, offset high word, salt)``, mapped to ``u = ((word >> 9) + 0.5) * 2^-23`` and
-``G = -log(-log u)``. One Philox call yields the draws of four consecutive ids (a kernel that owns them
-calls it once); the four words of a block are independent, and the draw depends on
-``(seed, offset, g, salt)`` only -- never on the TP size, split or tile.
+Keyed Gumbel-max sampling (every sampler of the project: the target's ``TARGET_SALT``, the drafter's
+``DRAFT_SALT``, the Markov chain's ``MARKOV_SALT``), evaluated in log2 space. The word of global id ``g``
+for a request ``(seed, offset)`` is word ``g % 4`` of Philox-4x32-10 keyed by ``seed`` with counter
+``(g // 4, offset low word, offset high word, salt)``; it maps to ``u = ((word >> 9) + 0.5) * 2^-23`` and
+to the noise ``G2 = -log2(E2)``, ``E2 = -log2(u)`` (an exponential variate scaled by ``log2 e``; for
+``1 - u < 2^-6`` the series ``log2(e) * (t + t^2/2 + t^3/3 + t^4/4)``, ``t = 1 - u``, instead of the log,
+which is inexact near 1). A row with temperature ``T > 0`` selects ``argmax(x * S + G2)`` with
+``S = div_rn(log2 e, T)`` computed once per row. Since ``x * S + G2 = log2(e) * (x / T + G) - log2(log2 e)``
+with ``G = -ln(-ln u)`` standard Gumbel, this is Gumbel-max in exact arithmetic: tokens follow
+``softmax(x / T)``. Per element it costs two ``log2`` and one multiply-add (no divide, no natural log).
 
-Triton helpers (``@triton.jit``) and torch twins live side by side and agree bit for bit (the logs up to
-an ulp: the GPU's ``tl.log`` is not torch's).
+One Philox call yields the words of four consecutive ids (a kernel that owns them calls it once); the
+four words of a block are independent, and the draw depends on ``(seed, offset, g, salt)`` only -- never
+on the TP size, split or tile.
+
+Triton helpers (``@triton.jit``) and torch twins live side by side. Integer and IEEE-rounded float ops
+agree bit for bit everywhere; ``log2`` is the backend's: under the interpreter it is numpy's, and the
+twins call numpy's on CPU tensors, so kernel and twin agree bit for bit there. On GPU ``tl.log2`` is the
+device approximation (and multiply-adds may be fused), so GPU kernels and the torch twin can differ by
+ulps of the score: sampled ids agree except at float near-ties. A GPU kernel still computes the same
+score for a ``(seed, offset, id, salt)`` at every TP size and tiling (same instructions per element).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -100,17 +112,48 @@ def uniform_from_word(r):
     return one_top - 0.999999940395355224609375
 
 
-@triton.jit
-def philox_uniform(seed, c0, c1, c2, c3):
-    """Uniform in (0, 1) from the first output word of Philox-4x32-10 keyed by ``seed``, counter c0..c3."""
-    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    return uniform_from_word(r0)
+# Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
+# log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
+# module's kernels (interpreted or compiled), so it always matches how they run.
+_SFU_LOG2: tl.constexpr = tl.constexpr(not isinstance(ordered_i32, InterpretedFunction))
 
 
 @triton.jit
-def gumbel_from_word(r):
-    """uint32 Philox word -> Gumbel(0, 1) noise ``-log(-log u)``, ``u = uniform_from_word(r)``."""
-    return -tl.log(_neg_log_uniform(uniform_from_word(r)))
+def _log2(x):
+    """fp32 log2: ``lg2.approx.f32`` when compiled (absolute error about 2^-22 on [0.5, 2], relative
+    elsewhere), numpy's under the interpreter."""
+    if _SFU_LOG2:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def gumbel2_from_word(r):
+    """uint32 Philox word -> log2-space Gumbel noise ``G2 = -log2(-log2 u)``, ``u = uniform_from_word(r)``.
+
+    ``t = 1 - u`` is exact for these 24-bit uniforms; near ``u = 1`` (``t < 2^-6``) ``-log2 u`` is the
+    series ``log2(e) * (t + t^2/2 + t^3/3 + t^4/4)`` (error below ``t^5/5``, < 1e-10 relative), since a
+    log's absolute error there could return 0 (``G2 = +inf``, a certain token) or a negative value.
+    Elsewhere ``-log2 u >= 0.0227``, so the SFU log2's absolute error stays below 1e-5 of the noise.
+    """
+    u = uniform_from_word(r)
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    return -_log2(tl.where(t < 0.015625, series, -_log2(u)))
+
+
+@triton.jit
+def gumbel_scale(temp):
+    """Per-row multiplier ``S = div_rn(log2 e, T)`` of a sampled row (``T > 0``); 1.0 for greedy rows (unused)."""
+    return tl.math.div_rn(tl.full(temp.shape, 1.4426950216293335, tl.float32), tl.where(temp > 0, temp, 1.0))
+
+
+@triton.jit
+def gumbel_score(x, scale, noise):
+    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises."""
+    return x * scale + noise
 
 
 @triton.jit
@@ -136,32 +179,19 @@ def pick_word(w, r0, r1, r2, r3):
 
 
 @triton.jit
-def gumbel_noise(seed, offset, gid, SALT: tl.constexpr):
-    """Gumbel(0, 1) noise keyed by (request seed, request offset, global vocab id, salt).
+def gumbel2_noise(seed, offset, gid, SALT: tl.constexpr):
+    """Log2-space Gumbel noise ``G2`` keyed by (request seed, request offset, global vocab id, salt).
 
     The draw of global id ``gid`` is word ``gid % 4`` of the Philox block with counter
     ``(gid // 4, offset low word, offset high word, SALT)`` (:func:`gumbel_words4`; the salt separates
-    target, draft and Markov-chain draws). This per-element form computes the whole block for each
-    element; a kernel that owns four consecutive ids can call :func:`gumbel_words4` once for them (the
-    shard-select kernel does) and gets the same values. Independent of TP size, split and block size by
-    construction: the draw depends on (seed, offset, gid, salt) only.
+    target, draft and Markov-chain draws), mapped by :func:`gumbel2_from_word`. This per-element form
+    computes the whole block for each element; a kernel that owns four consecutive ids can call
+    :func:`gumbel_words4` once for them (the shard-select kernel does) and gets the same values. The
+    score is ``gumbel_score(x, gumbel_scale(T), G2)``.
     """
     g = gid.to(tl.int64) & 4294967295
     r0, r1, r2, r3 = gumbel_words4(seed, offset, g >> 2, SALT)
-    return gumbel_from_word(pick_word((g & 3).to(tl.int32), r0, r1, r2, r3))
-
-
-@triton.jit
-def _neg_log_uniform(u):
-    """``-log(u)`` for ``u`` in (0, 1), accurate near 1 where GPU ``tl.log`` is approximate.
-
-    ``t = 1 - u`` is exact for our 24-bit uniforms. For ``t < 2^-6`` the series ``t + t^2/2 + t^3/3 +
-    t^4/4`` (error below ``t^5/5``, < 1e-10 relative) replaces ``log``, whose absolute error near 1 could
-    otherwise return 0 (making the Gumbel noise +inf and the token certain) or a positive value.
-    """
-    t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
-    return tl.where(t < 0.015625, series, -tl.log(u))
+    return gumbel2_from_word(pick_word((g & 3).to(tl.int32), r0, r1, r2, r3))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -226,6 +256,10 @@ def _philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
+# The Philox twin under its public name, for callers outside this module.
+philox_4x32_10_torch = _philox_4x32_10_torch
+
+
 def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
     """High 32 bits of the 64-bit product of constant ``a`` and uint32 values ``x`` (no int64 overflow)."""
     x_lo = x & 0xFFFF
@@ -240,19 +274,41 @@ def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
     return (hi_hi + (mid1 >> 16) + (mid2 >> 16) + carry) & 0xFFFFFFFF
 
 
-def philox_uniform_torch(seed, c0, c1, c2, c3) -> torch.Tensor:
-    """Torch twin of :func:`philox_uniform` (inputs broadcastable int64 tensors of uint32 values)."""
-    r0, _, _, _ = _philox_4x32_10_torch(seed, c0, c1, c2, c3)
-    top = (r0 >> 9).to(torch.float32)
-    return (top + 0.5) * 1.1920928955078125e-07
+LOG2E_F32 = 1.4426950216293335  # fp32(log2 e), the constant the kernels use
 
 
-def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tensor, salt: int) -> torch.Tensor:
-    """Torch twin of :func:`gumbel_noise`. ``seed``/``offset`` ``[R, 1]`` int64, ``gid`` ``[1, N]`` int64.
+def _log2_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log2`` as the kernels compute it on this device: under the Triton interpreter ``tl.log2`` is
+    numpy's, so CPU tensors take numpy's (torch's CPU log2 may differ by an ulp); CUDA tensors take
+    torch's (the GPU kernel's device approximation may differ by ulps, see the module docs)."""
+    if x.device.type == "cpu":
+        import numpy as np
 
-    Word ``gid % 4`` of Philox-4x32-10(seed; gid // 4, offset lo, offset hi, salt). The uniforms are
-    bit-identical to the kernel's; the logs are torch's (the kernel's ``tl.log`` may differ by an ulp on
-    GPU), so compare sampled ids through statistics or near-tie-aware checks.
+        return torch.from_numpy(np.log2(x.contiguous().numpy()))
+    return torch.log2(x)
+
+
+def gumbel2_from_word_torch(r: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`gumbel2_from_word` (int64 tensor of uint32 words -> fp32), the same fp32 ops in
+    the same order."""
+    top = (r >> 9).to(torch.float32)
+    u = (top + 0.5) * 1.1920928955078125e-07  # exact: 24 significant bits
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * LOG2E_F32
+    return -_log2_f32(torch.where(t < 0.015625, series, -_log2_f32(u)))
+
+
+def gumbel_scale_torch(temperatures: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`gumbel_scale`: ``log2(e) / T`` (IEEE fp32 division) for ``T > 0``, else 1.0."""
+    t = temperatures.to(torch.float32)
+    return torch.full_like(t, LOG2E_F32) / torch.where(t > 0, t, torch.ones_like(t))
+
+
+def gumbel2_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tensor, salt: int) -> torch.Tensor:
+    """Torch twin of :func:`gumbel2_noise`. ``seed``/``offset`` ``[R, 1]`` int64, ``gid`` ``[1, N]`` int64.
+
+    Word ``gid % 4`` of Philox-4x32-10(seed; gid // 4, offset lo, offset hi, salt), mapped by
+    :func:`gumbel2_from_word_torch`.
     """
     seed = seed.to(torch.int64)
     off = offset.to(torch.int64)
@@ -263,9 +319,21 @@ def gumbel_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Tens
     c3 = torch.full_like(c0, salt & 0xFFFFFFFF)
     r0, r1, r2, r3 = _philox_4x32_10_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
     w = gid & 3
-    r = torch.where(w == 0, r0, torch.where(w == 1, r1, torch.where(w == 2, r2, r3)))
-    top = (r >> 9).to(torch.float32)
-    u = (top + 0.5) * 1.1920928955078125e-07
-    t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
-    return -torch.log(torch.where(t < 0.015625, series, -torch.log(u)))
+    return gumbel2_from_word_torch(torch.where(w == 0, r0, torch.where(w == 1, r1, torch.where(w == 2, r2, r3))))
+
+
+def keyed_gumbel_scores_torch(x: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                              vocab_start: int, salt: int) -> torch.Tensor:
+    """The fp32 scores every keyed sampler maximises, for ``[R, N]`` logits whose column ``j`` is global id
+    ``vocab_start + j``: ``x * S + G2`` for rows with ``T > 0`` (see the module docs), ``x`` for the others
+    (``T <= 0`` or NaN: greedy). ``temperatures`` fp32, ``seeds`` / ``offsets`` int64, all ``[R]``.
+
+    Example (the stock sampler: ``torch.argmax`` of the scores is the keyed Gumbel-max token)::
+
+        ids = torch.argmax(keyed_gumbel_scores_torch(logits, temps, seeds, offsets, 0, TARGET_SALT), dim=-1)
+    """
+    xf = x.float()
+    gid = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)[None, :] + vocab_start
+    g = gumbel2_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
+    sampled = (temperatures > 0)[:, None]
+    return torch.where(sampled, xf * gumbel_scale_torch(temperatures)[:, None] + g, xf)

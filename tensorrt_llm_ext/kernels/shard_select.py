@@ -5,11 +5,12 @@ over the gathered row does (first NaN, then the maximum, ties to the lowest glob
 exchange is one all-reduce MAX over ``[R]`` int64 and the winner's id is read back from the key.
 
 Optionally the value is perturbed for keyed Gumbel-max sampling: per row temperature ``T`` (fp32,
-``T <= 0`` = greedy), seed and offset (int64); the perturbed value is ``div_rn(x, T) + G`` in fp32 with
-``G = gumbel_noise(seed, offset, global id, SALT)`` (word ``id % 4`` of the Philox block ``id // 4``; see
-:mod:`tensorrt_llm_ext.kernels.ordered_key`). The kernel computes one Philox block per four columns of
-its tiles and gets the same values; the noise depends on the global vocab id only, so a draw is the same
-at every TP size, split count and block size, whatever the shard's start modulo 4.
+``T <= 0`` = greedy), seed and offset (int64); the score is ``x * S + G2`` in fp32 with
+``S = div_rn(log2 e, T)`` once per row and ``G2 = gumbel2_noise(seed, offset, global id, SALT)`` (word
+``id % 4`` of the Philox block ``id // 4``, two ``log2``; see :mod:`tensorrt_llm_ext.kernels.ordered_key`).
+The kernel computes one Philox block per four columns of its tiles and gets the same values; the noise
+depends on the global vocab id only, so a draw is the same at every TP size, split count and block size,
+whatever the shard's start modulo 4.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
 the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
@@ -24,19 +25,22 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import CaptureAllocationError, is_capturing, num_warps_for, triton_runs_on
+from tensorrt_llm_ext.kernels.common import (CaptureAllocationError, check_int, check_tensor, is_capturing,
+                                             num_warps_for, triton_runs_on)
 from tensorrt_llm_ext.logger import info_once
 
 from tensorrt_llm_ext.kernels.ordered_key import (
     EMPTY_KEY,
     MAX_VOCAB,
     block_best,
-    gumbel_from_word,
-    gumbel_noise_torch,
+    gumbel2_from_word,
+    gumbel_scale,
+    gumbel_score,
     gumbel_words4,
     key_to_id,
     key_to_id_torch,
     ordered_i32,
+    keyed_gumbel_scores_torch,
     ordered_i32_torch,
     pack_key,
     pack_key_torch,
@@ -77,7 +81,7 @@ def _fold(x, start, best_v, best_s, valid, MASKED: tl.constexpr):
 def _tile_noise(seed, offset, vocab_start, start, GROUPS: tl.constexpr, SALT: tl.constexpr):
     """Gumbel noise of a ``[4, GROUPS]`` tile: element ``(j, i)`` is local column ``start + 4 i + j``.
 
-    Equal, element for element, to ``gumbel_noise(seed, offset, vocab_start + column, SALT)`` with one
+    Equal, element for element, to ``gumbel2_noise(seed, offset, vocab_start + column, SALT)`` with one
     Philox call per four columns instead of one per column. ``start`` is a multiple of 4. When the
     shard starts at a global id that is a multiple of 4 (``phase == 0``: every TP shard of a vocabulary
     divisible by 4 tp) group ``i`` is exactly Philox block ``(vocab_start + start) // 4 + i``; otherwise a
@@ -98,28 +102,28 @@ def _tile_noise(seed, offset, vocab_start, start, GROUPS: tl.constexpr, SALT: tl
         b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
         k = j + phase
         w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
-    return gumbel_from_word(w)
+    return gumbel2_from_word(w)
 
 
 @triton.jit
-def _load_fold(row_ptr, lanes, start, col_end, best_v, best_s, sampled, temp, seed, offset, vocab_start,
+def _load_fold(row_ptr, lanes, start, col_end, best_v, best_s, sampled, scale, seed, offset, vocab_start,
                MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
     """Load (masked) and fold the ragged tail tile at ``start``."""
     valid = start + lanes < col_end
     x = tl.load(row_ptr + start + lanes, mask=valid, other=0.0)
-    return _score_fold(x, start, best_v, best_s, valid, sampled, temp, seed, offset, vocab_start, MASKED,
+    return _score_fold(x, start, best_v, best_s, valid, sampled, scale, seed, offset, vocab_start, MASKED,
                        SAMPLE, SALT)
 
 
 @triton.jit
-def _score_fold(x, start, best_v, best_s, valid, sampled, temp, seed, offset, vocab_start,
+def _score_fold(x, start, best_v, best_s, valid, sampled, scale, seed, offset, vocab_start,
                 MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
-    """Score one loaded tile (``div_rn(x, T) + G`` for a sampled row, else ``x``) and fold it."""
+    """Score one loaded tile (``x * S + G2`` for a sampled row, else ``x``) and fold it."""
     x = x.to(tl.float32)
     if SAMPLE:
         if sampled:
             g = _tile_noise(seed, offset, vocab_start, start, x.shape[1], SALT)
-            x = tl.math.div_rn(x, temp) + g
+            x = gumbel_score(x, scale, g)
     return _fold(x, start, best_v, best_s, valid, MASKED)
 
 
@@ -154,13 +158,13 @@ def _shard_select_kernel(
         lanes = tl.arange(0, BLOCK)
 
     sampled = False
-    temp = 1.0
+    scale = 1.0
     seed = 0
     offset = 0
     if SAMPLE:
         t_row = tl.load(temp_ptr + row)
         sampled = t_row > 0.0  # T <= 0 rows are greedy: plain values, no noise
-        temp = tl.where(sampled, t_row, 1.0)
+        scale = gumbel_scale(t_row)  # the row's one division
         seed = tl.load(seed_ptr + row)
         offset = tl.load(offset_ptr + row)
 
@@ -185,14 +189,14 @@ def _shard_select_kernel(
         start = col_begin + t * BLOCK
         x0 = tl.load(row_ptr + start + 2 * BLOCK + lanes, mask=zero + (t + 2) < n_full, other=0.0)
         x1 = tl.load(row_ptr + start + 3 * BLOCK + lanes, mask=zero + (t + 3) < n_full, other=0.0)
-        best_v, best_s = _score_fold(c0, start, best_v, best_s, lanes, sampled, temp, seed, offset,
+        best_v, best_s = _score_fold(c0, start, best_v, best_s, lanes, sampled, scale, seed, offset,
                                      vocab_start, False, SAMPLE, SALT)
         if t + 1 < n_full:
-            best_v, best_s = _score_fold(c1, start + BLOCK, best_v, best_s, lanes, sampled, temp, seed,
+            best_v, best_s = _score_fold(c1, start + BLOCK, best_v, best_s, lanes, sampled, scale, seed,
                                          offset, vocab_start, False, SAMPLE, SALT)
     full_end = col_begin + n_full * BLOCK
     if full_end < col_end:
-        best_v, best_s = _load_fold(row_ptr, lanes, full_end, col_end, best_v, best_s, sampled, temp, seed,
+        best_v, best_s = _load_fold(row_ptr, lanes, full_end, col_end, best_v, best_s, sampled, scale, seed,
                                     offset, vocab_start, True, SAMPLE, SALT)
 
     # Across lanes: exact ordered keys (NaN highest), the lowest column among equal keys.
@@ -305,59 +309,36 @@ def plan_splits(rows: int, n_valid: int, device: torch.device, block: int, num_s
 # Launcher and eager twin
 # ----------------------------------------------------------------------------------------------------
 def _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, out_dtype):
-    if not isinstance(shard_logits, torch.Tensor) or shard_logits.dim() != 2:
-        got = tuple(shard_logits.shape) if isinstance(shard_logits, torch.Tensor) else type(shard_logits).__name__
-        raise ValueError(f"shard_logits: expected a 2-D tensor [R, V_local], got {got}")
-    if shard_logits.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"shard_logits: expected dtype in {_SUPPORTED_DTYPES}, got {shard_logits.dtype}")
+    check_tensor("shard_logits", shard_logits, shape=(None, None), dtype=_SUPPORTED_DTYPES, unit_last_stride=True)
     rows, width = shard_logits.shape
-    if width > 1 and shard_logits.stride(1) != 1:
-        raise ValueError(f"shard_logits: expected unit column stride, got strides {tuple(shard_logits.stride())}")
-    for name, v in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name}: expected a Python int, got {type(v).__name__}")
-    if not 0 < vocab_size <= MAX_VOCAB:
-        raise ValueError(f"vocab_size: expected in [1, {MAX_VOCAB}] for the int64 key, got {vocab_size}")
-    if not 0 <= vocab_start < vocab_size:
-        raise ValueError(f"vocab_start: expected in [0, vocab_size={vocab_size}), got {vocab_start}")
+    check_int("vocab_size", vocab_size, lo=1, hi=MAX_VOCAB + 1)  # the int64 key holds ids below 2^32 - 1
+    check_int("vocab_start", vocab_start, lo=0, hi=vocab_size)
     if vocab_start + width > MAX_VOCAB + 1:
-        raise ValueError(f"shard columns reach global id {vocab_start + width - 1} > {MAX_VOCAB}")
+        raise ValueError(f"shard_logits: expected columns below global id {MAX_VOCAB + 1}, got "
+                         f"{vocab_start + width} (vocab_start {vocab_start} + width {width})")
     device = shard_logits.device
     sampled = (temperatures, seeds, offsets)
     if any(t is not None for t in sampled) and any(t is None for t in sampled):
-        raise ValueError("temperatures, seeds and offsets: expected all three or none")
+        raise ValueError("temperatures, seeds and offsets: expected all three or none, got "
+                         + ", ".join(n for n, t in zip(("temperatures", "seeds", "offsets"), sampled) if t is not None))
     if temperatures is not None:
+        # The kernel reads row i at element i: a broadcast (stride-0) or strided view would be read
+        # wrongly without any error, so refuse it.
         for name, t, dtype in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
                                ("offsets", offsets, torch.int64)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: expected a tensor [{rows}] {dtype}, got {type(t).__name__}")
-            if tuple(t.shape) != (rows,):
-                raise ValueError(f"{name}: expected shape ({rows},) (one per row), got {tuple(t.shape)}")
-            if t.dtype != dtype:
-                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name}: expected device {device}, got {t.device}")
-            # The kernel reads row i at element i: a broadcast (stride-0) or strided view would be
-            # read wrongly without any error, so refuse it.
-            if rows > 1 and t.stride(0) != 1:
-                raise ValueError(f"{name}: expected a contiguous [{rows}] tensor, got stride {t.stride(0)} "
-                                 "(call .contiguous() on broadcast views)")
+            check_tensor(name, t, shape=(rows,), dtype=dtype, device=device, contiguous=True)
     if out is not None:
-        if tuple(out.shape) != (rows,) or out.dtype != out_dtype or out.device != device:
-            raise ValueError(f"out: expected ({rows},) {out_dtype} on {device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
-        if rows > 1 and out.stride(0) != 1:
-            raise ValueError(f"out: expected contiguous, got stride {out.stride(0)}")
+        check_tensor("out", out, shape=(rows,), dtype=out_dtype, device=device, contiguous=True)
 
 
 def _check_scratch(scratch, rows: int, device: torch.device) -> None:
+    if not isinstance(scratch, tuple) or len(scratch) != 2:
+        raise ValueError(f"scratch: expected a (slots, counts) tuple, got {type(scratch).__name__}")
     slots, counts = scratch
-    if (slots.numel() < rows or counts.numel() < rows or slots.dtype != torch.int64 or counts.dtype != torch.int32
-            or slots.device != device or counts.device != device or not slots.is_contiguous()
-            or not counts.is_contiguous()):
-        raise ValueError(f"scratch: expected contiguous (int64 [>= {rows}], int32 [>= {rows}]) on {device}, got "
-                         f"({slots.dtype} {tuple(slots.shape)} on {slots.device}, {counts.dtype} "
-                         f"{tuple(counts.shape)} on {counts.device})")
+    for name, t, dtype in (("scratch slots", slots, torch.int64), ("scratch counts", counts, torch.int32)):
+        check_tensor(name, t, dtype=dtype, device=device, contiguous=True)
+        if t.dim() != 1 or t.numel() < rows:
+            raise ValueError(f"{name}: expected a 1-D tensor of >= {rows} elements, got shape {list(t.shape)}")
 
 
 def shard_select_keys(
@@ -381,8 +362,8 @@ def shard_select_keys(
         shard_logits: ``[R, V_local]`` fp32/fp16/bf16, any row stride, unit column stride. Column ``j``
             is global id ``vocab_start + j``; columns with global id ``>= vocab_size`` (padding) never win.
         temperatures, seeds, offsets: ``[R]`` fp32 / int64 / int64, all or none. With them, rows with
-            ``T > 0`` select on ``div_rn(x, T) + gumbel_noise(seed, offset, id, salt)``; ``T <= 0`` rows
-            are greedy.
+            ``T > 0`` select on ``x * div_rn(log2 e, T) + gumbel2_noise(seed, offset, id, salt)`` (keyed
+            Gumbel-max in log2 space, :mod:`~tensorrt_llm_ext.kernels.ordered_key`); ``T <= 0`` rows are greedy.
         out: ``[R]`` int64, written in place.
         return_ids: write global ids (``-1`` for a shard with no valid column) instead of keys; use it
             when this rank holds the whole vocabulary (no exchange follows).
@@ -398,8 +379,7 @@ def shard_select_keys(
     if scratch is not None:
         _check_scratch(scratch, shard_logits.shape[0], shard_logits.device)
     if not triton_runs_on(shard_logits):
-        # CPU tensors without the Triton interpreter: the eager twin gives the same greedy keys
-        # (sampled rows up to ulp-level log differences). Logged once.
+        # CPU tensors without the Triton interpreter: the eager twin gives the same keys. Logged once.
         info_once("shard_select_keys: CPU tensors without TRITON_INTERPRET=1, using the eager twin",
                   key="shard-select-eager")
         res = shard_select_keys_reference(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets,
@@ -409,10 +389,12 @@ def shard_select_keys(
     n_valid = max(0, min(width, vocab_size - vocab_start))
     if block_size is None:
         block_size = default_block(n_valid, shard_logits.dtype)
-    if block_size < 16 or block_size & (block_size - 1):
+    check_int("block_size", block_size, lo=16)
+    if block_size & (block_size - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
-    if not 0 <= salt <= 0xFFFFFFFF:
-        raise ValueError(f"salt: expected a uint32, got {salt}")
+    check_int("salt", salt, lo=0, hi=2**32)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, lo=1)
     device = shard_logits.device
     if out is None:
         out = torch.empty((rows,), dtype=torch.int64, device=device)
@@ -463,9 +445,9 @@ def shard_select_keys_reference(
 ) -> torch.Tensor:
     """Eager twin of :func:`shard_select_keys` (``[R, V_local]`` -> ``[R]`` int64).
 
-    Bit-identical for greedy rows. For sampled rows the uniforms and ``div_rn`` match exactly but the
-    logs are torch's, which may differ from the kernel's ``tl.log`` (numpy in the interpreter, approximate
-    on GPU) by an ulp: sampled ids agree except, rarely, on a near-tie.
+    Bit-identical for greedy rows, and for sampled rows under the Triton interpreter (the same fp32 ops,
+    numpy's ``log2`` on both sides). On GPU the kernel's ``tl.log2`` is the device approximation: sampled
+    ids agree except, rarely, at a float near-tie of the scores.
     """
     _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, None, torch.int64)
     rows, width = shard_logits.shape
@@ -476,11 +458,7 @@ def shard_select_keys_reference(
     else:
         x = shard_logits[:, :n_valid].float()
         if temperatures is not None:
-            gid = torch.arange(vocab_start, vocab_start + n_valid, device=device, dtype=torch.int64)[None, :]
-            g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
-            greedy = ~(temperatures > 0)[:, None]  # as the kernel: NaN or T <= 0 is greedy
-            t = torch.where(greedy, torch.ones_like(temperatures[:, None]), temperatures[:, None])
-            x = torch.where(greedy, x, x / t + g)
+            x = keyed_gumbel_scores_torch(x, temperatures, seeds, offsets, vocab_start, salt)
         ords = ordered_i32_torch(x).to(torch.int64)
         best = ords.max(dim=1).values
         col = (ords == best[:, None]).to(torch.uint8).argmax(dim=1)

@@ -8,19 +8,25 @@ with ``T <= 0`` keep exactly their first maximum (``tau = 1``); a row without a 
 
 The boundary is the radix key ``u`` (the fp32 ordered key made unsigned: larger logit, larger ``u``) of
 the token where the prefix mass crosses ``tau``. Four rounds find it a byte at a time, most significant
-first: round ``r`` adds, per row, the mass of every token whose top ``8r`` bits equal the prefix found so
-far into 256 buckets of the next byte (int64 atomics: exact in any order); after one int64 SUM across
-ranks every rank scans the 256 buckets from the top and takes the first whose cumulative mass (plus the
-mass above the prefix) reaches ``tau``. Round 0 is fused into ``weight_sums``; the resolve of round ``r``
-runs at the start of the kernel of round ``r + 1`` (every program of a row resolves the same, program 0
-stores it). After round 3 the boundary value ``b*`` and the mass strictly above it are exact.
+first: round ``r`` adds, per row and column chunk, the mass of every token whose top ``8r`` bits equal the
+prefix found so far into 256 buckets of the next byte. Each program owns its 256 buckets (no global
+atomics shared between programs, no memset: the program zeroes its own slot); after one int64 SUM across
+ranks every rank sums the chunks' buckets and scans them from the top for the first whose cumulative
+mass (plus the mass above the prefix) reaches ``tau``. Round 0 is fused into ``verify_sums``; the resolve
+of round ``r`` runs at the start of the kernel of round ``r + 1`` (every program of a row resolves the
+same, the program of chunk 0 stores it). After round 3 the boundary value ``b*`` and the mass strictly
+above it are exact.
 
 Tokens with key ``b*`` all weigh the same ``F*``; the first ``n_keep = ceil((tau - mass_above) / F*)`` of
-them in global id order are kept. Each rank counts its ties per column chunk, one all-gather of the
-per-rank counts ``[tp, R, 2]`` gives every rank the ties that precede its shard, and a token's tie rank is
-that base plus a prefix count inside the shard. The kept mass comes out for free:
-``Z_p = mass_above + n_keep * F*``. Rounds: the max exchange, the sums (round 0), rounds 1..3, the tie
-counts: six small collectives, none of them proportional to the vocabulary.
+them in global id order are kept. Each program counts its ties (and those with a global id below the
+row's drafted token), one all-gather of the counts ``[tp, R, S, 2]`` gives every rank the ties that
+precede each of its chunks, and a token's tie rank is that base plus a prefix count inside the chunk. The
+kept mass comes out for free: ``Z_p = mass_above + n_keep * F*``. :func:`final_rows` (a ``@triton.jit``
+helper, used by the mask kernel and by the draw) derives all of it where it is needed, so there is no
+separate finalize launch.
+
+Launches of :func:`~tensorrt_llm_ext.speculative.verification.top_p_keep`: ``verify_keys``,
+``verify_sums`` (round 0), rounds 1..3, ties, mask: 7 launches, 6 exchanges (MAX, SUM, 3 x SUM, gather).
 """
 
 from __future__ import annotations
@@ -30,19 +36,17 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COLS, _check_logits, decode_max_key,
+from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
                                                           decode_max_key_torch, exp2_table, fixed_point_weight,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
-                                                          radix_to_f32_torch)
+                                                          radix_to_f32_torch, row_max_from_keys)
 
 __all__ = [
-    "FINAL_COLS", "kept_in_tile", "top_p_finalize", "top_p_finalize_reference", "top_p_mask", "top_p_mask_reference",
+    "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
+    "top_p_mask_reference",
     "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
-
-# top_p_finalize columns: kept mass Z_p, F(token) if kept else 0, n_keep, ties before this shard, b*
-FINAL_COLS = 5
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -63,10 +67,19 @@ def row_tau(p, z, temp, HAS_P: tl.constexpr):
 
 
 @triton.jit
-def _resolve(hist_ptr, prefix, mass, tau):
+def _sum_splits(ptr, num_splits, split_stride, mask):
+    """Sum of ``ptr[s * split_stride]`` over the column chunks (elementwise; ``ptr`` scalar or block)."""
+    v = tl.load(ptr, mask=mask, other=0)
+    for s in range(1, num_splits):
+        v += tl.load(ptr + s * split_stride, mask=mask, other=0)
+    return v
+
+
+@triton.jit
+def _resolve(hist_ptr, num_splits, split_stride, prefix, mass, tau):
     """One radix digit: the first bucket from the top whose cumulative mass reaches ``tau``."""
     j = tl.arange(0, 256)
-    g = tl.load(hist_ptr + 255 - j)
+    g = _sum_splits(hist_ptr + 255 - j, num_splits, split_stride, j < 256)
     c = tl.cumsum(g, 0)
     hit = (mass + c) >= tau
     jstar = tl.min(tl.where(hit, j, 255), 0)
@@ -88,46 +101,85 @@ def kept_in_tile(u, fin, bstar, n_keep, run):
 
 
 @triton.jit
-def _row_setup(keys_ptr, temp_ptr, top_p_ptr, sums_ptr, row, b, sums_stride, HAS_P: tl.constexpr):
-    temp = tl.load(temp_ptr + b)
-    t = tl.where(temp > 0.0, temp, 1.0)
-    m = decode_max_key(tl.load(keys_ptr + row * 2 + 1))
-    z = tl.load(sums_ptr + row.to(tl.int64) * sums_stride)
-    p = 1.0
+def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, exp2_ptr, cols_t, num_splits, rows,
+               rank, tp, split, HAS_P: tl.constexpr):
+    """Per target row ``r`` (scalar or block): ``(Z_p, F_p(tok) if kept else 0, n_keep, tie base, b*)``.
+
+    The tie base counts the ties of ``b*`` before column chunk ``split`` of rank ``rank`` in global id
+    order. ``sums`` is the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
+    every finite token (``Z_p = Z``). Identical on every rank but the tie base.
+    """
+    r64 = r.to(tl.int64)
+    srow = sums_ptr + r64 * num_splits * cols_t
+    z = _sum_splits(srow, num_splits, cols_t, ok)
+    ftok = _sum_splits(srow + 1, num_splits, cols_t, ok)
+    zp = z
+    fp_tok = ftok
+    n_keep = z * 0
+    run = z * 0
+    bstar = z * 0
     if HAS_P:
-        p = tl.load(top_p_ptr + b)
-    tau = row_tau(p, z, temp, HAS_P)
-    return t, m, tau
+        utok = _sum_splits(srow + 2, num_splits, cols_t, ok)
+        t = tl.where(temp > 0.0, temp, 1.0)
+        tau = row_tau(p, z, temp, True)
+        keep_all = tau < 0
+        m = decode_max_key(row_max_from_keys(keys_ptr, r, num_splits))
+        bstar = tl.load(state_ptr + r64 * 2, mask=ok, other=0)
+        mass = tl.load(state_ptr + r64 * 2 + 1, mask=ok, other=0)
+        fstar = fixed_point_weight(radix_to_f32(bstar), m, t, ok & ~keep_all, exp2_ptr)
+        fs = tl.maximum(fstar, 1)
+        n_keep = tl.where(keep_all, 0, (tau - mass + fs - 1) // fs)
+        zp = tl.where(keep_all, z, mass + n_keep * fs)
+        tok_rank = z * 0
+        for q in range(tp):
+            for s in range(num_splits):
+                base = ties_all_ptr + ((q * rows + r64) * num_splits + s) * 2
+                c0 = tl.load(base, mask=ok, other=0)
+                run += tl.where((q < rank) | ((q == rank) & (s < split)), c0, 0)
+                tok_rank += tl.load(base + 1, mask=ok, other=0)
+        kept_tok = keep_all | (utok > bstar) | ((utok == bstar) & (tok_rank < n_keep))
+        fp_tok = tl.where(kept_tok, ftok, 0)
+    return zp, fp_tok, n_keep, run, bstar
 
 
 @triton.jit
 def _top_p_round_kernel(
-    x_ptr, keys_ptr, temp_ptr, top_p_ptr, sums_ptr,
-    prev_hist_ptr,  # [R, prev_stride] int64: the previous round's exchanged histogram (at column hist_col)
+    x_ptr,  # [R, V_local] target logits
+    keys_ptr,  # [>= R, S, 2] int64 exchanged keys
+    temp_ptr, top_p_ptr,  # [R // row_div] fp32
+    sums_ptr,  # [R, S, cols_t] int64 exchanged (Z in column 0)
+    prev_ptr,  # the previous round's exchanged histogram, [R, S, 256] at strides (prev_rs, prev_ss)
     state_prev_ptr,  # [R, 2] int64 (prefix, mass above) before this round's digit
-    state_out_ptr,  # [R, 2] int64 written by program 0 of each row
-    hist_out_ptr,  # [R, 256] int64, zero on entry (or None-like when TIES)
-    chunk_ties_ptr,  # [R, num_splits] int64 (TIES)
-    ties_ptr,  # [R, 2] int64, zero on entry (TIES): ties on this shard, ties before the row's token
+    state_out_ptr,  # [R, 2] int64 written by the program of chunk 0
+    out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S, 2] tie counts (TIES), every slot written
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
     exp2_ptr,
-    stride_row, sums_stride, prev_stride, hist_col, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
-    rnd,  # 1..3: which digit this kernel histograms; 4 with TIES
-    BLOCK: tl.constexpr,
-    TIES: tl.constexpr,
-    HAS_TOK: tl.constexpr,
+    stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
+    rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
+    BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
+    r64 = row.to(tl.int64)
     b = row // row_div
-    t, m, tau = _row_setup(keys_ptr, temp_ptr, top_p_ptr, sums_ptr, row, b, sums_stride, True)
-    prefix = tl.load(state_prev_ptr + row * 2)
-    mass = tl.load(state_prev_ptr + row * 2 + 1)
-    prefix, mass = _resolve(prev_hist_ptr + row.to(tl.int64) * prev_stride + hist_col, prefix, mass, tau)
+    temp = tl.load(temp_ptr + b)
+    t = tl.where(temp > 0.0, temp, 1.0)
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
+    z = _sum_splits(sums_ptr + r64 * num_splits * cols_t, num_splits, cols_t, row >= 0)
+    tau = row_tau(tl.load(top_p_ptr + b), z, temp, True)
+    # round 1 starts from the empty prefix (no memset of a state buffer needed)
+    prefix = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2))
+    mass = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2 + 1))
+    prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau)
+    if TIES:
+        # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
+        full = prefix << rnd
+        low = ((prefix * 0 + 1) << rnd) - 1
+        prefix = tl.where(tau < 0, prefix, tl.where(full < 2147483648, full | low, full))
     if split == 0:
-        tl.store(state_out_ptr + row * 2, prefix)
-        tl.store(state_out_ptr + row * 2 + 1, mass)
-    row_ptr = x_ptr + row.to(tl.int64) * stride_row
+        tl.store(state_out_ptr + r64 * 2, prefix)
+        tl.store(state_out_ptr + r64 * 2 + 1, mass)
+    row_ptr = x_ptr + r64 * stride_row
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
@@ -147,15 +199,16 @@ def _top_p_round_kernel(
                 tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
                 cnt += tie
                 before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
-        c = tl.sum(cnt, 0)
-        tl.store(chunk_ties_ptr + row.to(tl.int64) * num_splits + split, c)
-        tl.atomic_add(ties_ptr + row * 2, c)
-        tl.atomic_add(ties_ptr + row * 2 + 1, tl.sum(before, 0))
+        out = out_ptr + (r64 * num_splits + split) * 2
+        tl.store(out, tl.sum(cnt, 0))
+        tl.store(out + 1, tl.sum(before, 0))
     else:
+        out = out_ptr + (r64 * num_splits + split) * 256
+        tl.store(out + tl.arange(0, 256), tl.zeros([256], tl.int64))  # this program's own buckets
+        tl.debug_barrier()
         if tau >= 0:
             sh_match = 32 - 8 * rnd
             sh_digit = 24 - 8 * rnd
-            out_ptr = hist_out_ptr + row.to(tl.int64) * 256
             for start in range(col_begin, col_end, BLOCK):
                 cols = start + lanes
                 valid = cols < col_end
@@ -163,85 +216,37 @@ def _top_p_round_kernel(
                 u = radix_key(x)
                 hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
                 w = fixed_point_weight(x, m, t, hit, exp2_ptr)
-                tl.atomic_add(out_ptr + ((u >> sh_digit) & 255), w, mask=w > 0)
-
-
-@triton.jit
-def _top_p_finalize_kernel(
-    keys_ptr, temp_ptr, top_p_ptr, sums_ptr,
-    state_ptr,  # [R, 2] int64: (b*, mass above b*) (HAS_P)
-    ties_all_ptr,  # [tp, R, 2] int64 gathered tie counts (HAS_P)
-    final_ptr,  # [R, FINAL_COLS] int64 out
-    exp2_ptr,
-    rows, sums_stride, rank, tp, row_div,
-    BLOCK_R: tl.constexpr,
-    HAS_P: tl.constexpr,
-):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < rows
-    r64 = r.to(tl.int64)
-    b = r // row_div
-    z = tl.load(sums_ptr + r64 * sums_stride, mask=ok, other=0)
-    ftok = tl.load(sums_ptr + r64 * sums_stride + 1, mask=ok, other=0)
-    utok = tl.load(sums_ptr + r64 * sums_stride + 2, mask=ok, other=0)
-    zp = z
-    fp_tok = ftok
-    n_keep = z * 0
-    tie_base = z * 0
-    bstar = z * 0
-    if HAS_P:
-        temp = tl.load(temp_ptr + b, mask=ok, other=1.0)
-        t = tl.where(temp > 0.0, temp, 1.0)
-        p = tl.load(top_p_ptr + b, mask=ok, other=1.0)
-        tau = row_tau(p, z, temp, True)
-        keep_all = tau < 0
-        m = decode_max_key(tl.load(keys_ptr + r64 * 2 + 1, mask=ok, other=0))
-        bstar = tl.load(state_ptr + r64 * 2, mask=ok, other=0)
-        mass = tl.load(state_ptr + r64 * 2 + 1, mask=ok, other=0)
-        fstar = fixed_point_weight(radix_to_f32(bstar), m, t, ok & ~keep_all, exp2_ptr)
-        fs = tl.maximum(fstar, 1)
-        n_keep = tl.where(keep_all, 0, (tau - mass + fs - 1) // fs)
-        zp = tl.where(keep_all, z, mass + n_keep * fs)
-        tok_rank = z * 0
-        for q in range(tp):
-            base = ties_all_ptr + (q * rows + r64) * 2
-            c0 = tl.load(base, mask=ok, other=0)
-            tie_base += tl.where(q < rank, c0, 0)
-            tok_rank += tl.load(base + 1, mask=ok, other=0)
-        kept_tok = keep_all | (utok > bstar) | ((utok == bstar) & (tok_rank < n_keep))
-        fp_tok = tl.where(kept_tok, ftok, 0)
-    out = final_ptr + r64 * 5
-    tl.store(out, zp, mask=ok)
-    tl.store(out + 1, fp_tok, mask=ok)
-    tl.store(out + 2, n_keep, mask=ok)
-    tl.store(out + 3, tie_base, mask=ok)
-    tl.store(out + 4, bstar, mask=ok)
+                tl.atomic_add(out + ((u >> sh_digit) & 255), w, mask=w > 0)
 
 
 @triton.jit
 def _top_p_mask_kernel(
-    x_ptr, final_ptr, chunk_ties_ptr,
-    mask_ptr,  # [R, mask_stride] uint8 (a bool tensor's bytes), zero on entry
-    stride_row, mask_stride, n_valid, chunk, num_splits,
+    x_ptr, keys_ptr, temp_ptr, top_p_ptr, sums_ptr,
+    state_ptr,  # [R, 2] int64: (b*, mass above b*)
+    ties_all_ptr,  # [tp, R, S, 2] int64 gathered tie counts
+    mask_ptr,  # [R, width] uint8 (a bool tensor's bytes), every column written
+    exp2_ptr,
+    stride_row, width, cols_t, n_valid, chunk, num_splits, rows, row_div, rank, tp,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     r64 = row.to(tl.int64)
-    n_keep = tl.load(final_ptr + r64 * 5 + 2)
-    run = tl.load(final_ptr + r64 * 5 + 3)
-    bstar = tl.load(final_ptr + r64 * 5 + 4)
-    for s in range(split):
-        run += tl.load(chunk_ties_ptr + r64 * num_splits + s)
+    b = row // row_div
+    _, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, tl.load(temp_ptr + b),
+                                          tl.load(top_p_ptr + b), row, row >= 0, exp2_ptr, cols_t, num_splits,
+                                          rows, rank, tp, split, True)
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
-    for start in range(col_begin, col_end, BLOCK):
+    # the last chunk also clears the padded columns [n_valid, width)
+    col_stop = tl.where(split == num_splits - 1, tl.maximum(width, col_end), col_end)
+    for start in range(col_begin, col_stop, BLOCK):
         cols = start + lanes
         valid = cols < col_end
         x = tl.load(x_ptr + r64 * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
         kept, run = kept_in_tile(radix_key(x), valid & is_finite(x), bstar, n_keep, run)
-        tl.store(mask_ptr + r64 * mask_stride + cols, kept.to(tl.uint8), mask=valid)
+        tl.store(mask_ptr + r64 * width + cols, kept.to(tl.uint8), mask=cols < col_stop)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,7 +266,8 @@ def row_tau_torch(p: torch.Tensor | None, z: torch.Tensor, temp: torch.Tensor) -
 
 
 def _resolve_torch(hist: torch.Tensor, prefix: torch.Tensor, mass: torch.Tensor, tau: torch.Tensor):
-    g = hist.flip(1)
+    """``hist [R, S, 256]`` (summed over the chunks here)."""
+    g = hist.sum(1).flip(1)
     c = torch.cumsum(g, 1)
     j = torch.arange(256, device=hist.device)
     hit = (mass[:, None] + c) >= tau[:, None]
@@ -274,11 +280,12 @@ def _resolve_torch(hist: torch.Tensor, prefix: torch.Tensor, mass: torch.Tensor,
 
 
 def _row_setup_torch(keys, temperatures, top_p, sums, row_div):
+    rows = sums.shape[0]
     temp = temperatures.repeat_interleave(row_div)
     t = torch.where(temp > 0, temp, torch.ones_like(temp))
-    m = decode_max_key_torch(keys[:, 1])
+    m = decode_max_key_torch(keys[:rows, :, 1].max(1).values)
     p = top_p.repeat_interleave(row_div) if top_p is not None else None
-    return t, m, row_tau_torch(p, sums[:, 0], temp)
+    return t, m, row_tau_torch(p, sums[:, :, 0].sum(1), temp)
 
 
 def kept_torch(u, fin, bstar, n_keep, tie_base):
@@ -287,22 +294,60 @@ def kept_torch(u, fin, bstar, n_keep, tie_base):
     return fin & ((u > bstar[:, None]) | (tie & (rank < n_keep[:, None])))
 
 
+def final_rows_torch(keys, sums, state, ties_all, temp, p, rank: int):
+    """Torch twin of :func:`final_rows` for rows ``[R]`` (``temp``/``p`` per row; ``p`` None = no top-p).
+
+    Returns ``(Z_p, F_p(tok), n_keep, tie base [R, S], b*)``: the tie base of every chunk of ``rank``.
+    """
+    z, ftok, utok = sums[:, :, 0].sum(1), sums[:, :, 1].sum(1), sums[:, :, 2].sum(1)
+    zero = torch.zeros_like(z)
+    splits = sums.shape[1]
+    if p is None:
+        return z, ftok, zero, torch.zeros((z.shape[0], splits), dtype=torch.int64, device=z.device), zero
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    tau = row_tau_torch(p, z, temp)
+    keep_all = tau < 0
+    m = decode_max_key_torch(keys[: z.shape[0], :, 1].max(1).values)
+    bstar, mass = state[:, 0], state[:, 1]
+    fstar = fixed_point_weight_torch(radix_to_f32_torch(bstar), m, t, ~keep_all)
+    fs = torch.clamp_min(fstar, 1)
+    n_keep = torch.where(keep_all, zero, (tau - mass + fs - 1) // fs)
+    zp = torch.where(keep_all, z, mass + n_keep * fs)
+    counts = ties_all[..., 0]  # [tp, R, S]
+    run = counts[:rank].sum((0, 2))[:, None] + torch.cumsum(counts[rank], 1) - counts[rank]
+    tok_rank = ties_all[..., 1].sum((0, 2))
+    kept_tok = keep_all | (utok > bstar) | ((utok == bstar) & (tok_rank < n_keep))
+    return zp, torch.where(kept_tok, ftok, zero), n_keep, run, bstar
+
+
+def _chunk_index(n_valid: int, chunk: int, device) -> torch.Tensor:
+    return torch.arange(n_valid, device=device) // chunk
+
+
 # ----------------------------------------------------------------------------------------------------
 # Launchers and eager twins
 # ----------------------------------------------------------------------------------------------------
-def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div):
+def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div, block_size,
+                 num_splits, vocab_start, vocab_size):
+    n_valid = check_logits("logits", logits, vocab_start, vocab_size)
+    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
     rows = logits.shape[0]
     dev = logits.device
     check_int("row_div", row_div, lo=1)
-    check_tensor("keys", keys, shape=(rows, 2), dtype=torch.int64, device=dev, contiguous=True)
+    check_tensor("keys", keys, shape=(None, splits, 2), dtype=torch.int64, device=dev, contiguous=True)
+    if keys.shape[0] < rows:
+        raise ValueError(f"keys: expected >= {rows} rows, got {keys.shape[0]}")
     check_tensor("temperatures", temperatures, shape=(rows // row_div,), dtype=torch.float32, device=dev,
                  contiguous=True)
     check_tensor("top_p", top_p, shape=(rows // row_div,), dtype=torch.float32, device=dev, contiguous=True)
-    check_tensor("sums", sums, shape=(rows, None), dtype=torch.int64, device=dev, contiguous=True)
-    check_tensor("prev_hist", prev_hist, shape=(rows, HIST_BUCKETS), dtype=torch.int64, device=dev,
-                 unit_last_stride=True)
+    check_tensor("sums", sums, shape=(rows, splits, None), dtype=torch.int64, device=dev, contiguous=True)
+    if prev_hist is not None:
+        check_tensor("prev_hist", prev_hist, shape=(rows, splits, HIST_BUCKETS), dtype=torch.int64, device=dev,
+                     unit_last_stride=True)
     for name, t in (("state_prev", state_prev), ("state_out", state_out)):
-        check_tensor(name, t, shape=(rows, 2), dtype=torch.int64, device=dev, contiguous=True)
+        if t is not None:
+            check_tensor(name, t, shape=(rows, 2), dtype=torch.int64, device=dev, contiguous=True)
+    return n_valid, splits, chunk
 
 
 def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
@@ -310,23 +355,23 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
                 num_splits: int = 1) -> None:
     """Radix round ``rnd`` (1..3): resolve the previous digit into ``state_out`` and histogram the next.
 
-    ``prev_hist`` ``[R, 256]`` (the exchanged previous histogram: ``sums[:, 3:]`` for round 1),
-    ``state_prev``/``state_out`` ``[R, 2]`` (prefix, mass above), ``hist_out`` ``[R, 256]`` int64 zeroed by
-    the caller (SUM-exchanged next). Writes only ``state_out`` and ``hist_out``; CUDA-graph safe.
+    ``sums [R, S, cols_t]`` (the exchanged target part of ``verify_sums``), ``prev_hist [R, S, 256]`` (the
+    exchanged previous histogram: ``sums[:, :, 3:]`` for round 1), ``state_prev``/``state_out`` ``[R, 2]``
+    (prefix, mass above; round 1 starts from the empty prefix and ignores ``state_prev``),
+    ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged next). One launch; CUDA-graph safe.
     """
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div)
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
+                                          row_div, block_size, num_splits, vocab_start, vocab_size)
     check_int("rnd", rnd, lo=1, hi=4)
     rows = logits.shape[0]
-    check_tensor("hist_out", hist_out, shape=(rows, HIST_BUCKETS), dtype=torch.int64, device=logits.device,
+    check_tensor("hist_out", hist_out, shape=(rows, splits, HIST_BUCKETS), dtype=torch.int64, device=logits.device,
                  contiguous=True)
     if rows == 0:
         return
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
     _top_p_round_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, hist_out, hist_out,
-        keys, exp2_table(logits.device), logits.stride(0), sums.stride(0), prev_hist.stride(0), 0, n_valid,
-        vocab_start, chunk, splits, row_div, 0, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
+        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
+        exp2_table(logits.device), logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
+        n_valid, vocab_start, chunk, splits, row_div, 0, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
         num_warps=num_warps_for(block_size))
 
 
@@ -334,170 +379,149 @@ def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, st
                           vocab_start: int, vocab_size: int, rnd: int, *, row_div: int = 1,
                           block_size: int = 2048, num_splits: int = 1) -> None:
     """Eager twin of :func:`top_p_round` (same buffers written)."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div)
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
+                                          row_div, block_size, num_splits, vocab_start, vocab_size)
+    rows = logits.shape[0]
     t, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
-    prefix, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)
+    start = torch.zeros_like(state_prev) if rnd == 1 else state_prev
+    prefix, mass = _resolve_torch(prev_hist, start[:, 0], start[:, 1], tau)
     state_out[:, 0] = prefix
     state_out[:, 1] = mass
     x = logits[:, :n_valid].float()
     u = radix_key_torch(x)
     hit = torch.isfinite(x) & ((u >> (32 - 8 * rnd)) == prefix[:, None]) & (tau >= 0)[:, None]
     w = fixed_point_weight_torch(x, m[:, None], t[:, None], hit)
-    hist_out.zero_()
-    hist_out.scatter_add_(1, (u >> (24 - 8 * rnd)) & 255, w)
+    h = torch.zeros((rows, splits * HIST_BUCKETS), dtype=torch.int64, device=x.device)
+    sc = _chunk_index(n_valid, chunk, x.device)[None, :] * HIST_BUCKETS
+    h.scatter_add_(1, sc + ((u >> (24 - 8 * rnd)) & 255), w)
+    hist_out.copy_(h.view(rows, splits, HIST_BUCKETS))
 
 
-def _check_ties(logits, chunk_ties, ties, splits):
-    rows = logits.shape[0]
-    check_tensor("chunk_ties", chunk_ties, shape=(rows, None), dtype=torch.int64, device=logits.device,
+def radix_rounds(dtype: torch.dtype) -> int:
+    """Radix rounds after round 0 that the logits' dtype needs: its fp32 radix key has 32 (fp32), 19 (fp16)
+    or 16 (bf16) significant bits, the rest constant given the sign, so bf16 stops after round 1 and fp16
+    after round 2 (exact: every finite key of the dtype is still told apart). A static fact of the call."""
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+
+
+def _check_skip(skip_bits: int) -> None:
+    if skip_bits not in (0, 8, 16):
+        raise ValueError(f"skip_bits: expected 0, 8 or 16, got {skip_bits!r}")
+
+
+def _check_ties(logits, ties, splits):
+    check_tensor("ties", ties, shape=(logits.shape[0], splits, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
-    if chunk_ties.shape[1] < splits:
-        raise ValueError(f"chunk_ties: expected >= {splits} columns (one per column chunk), got {chunk_ties.shape[1]}")
-    check_tensor("ties", ties, shape=(rows, 2), dtype=torch.int64, device=logits.device, contiguous=True)
 
 
-def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, chunk_ties, ties,
+def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-               block_size: int = 2048, num_splits: int = 1) -> None:
+               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
     """Resolve the last digit (``state_out`` = (b*, mass above b*)) and count this shard's ties.
 
-    ``chunk_ties [R, >= splits]``: ties per column chunk (the tie rank base of later kernels);
-    ``ties [R, 2]`` (zeroed by the caller): ties on this shard and ties with a global id below the row's
-    token (``tokens[r // row_div, r % row_div]``); gather it across ranks next. CUDA-graph safe.
+    ``skip_bits`` (0, 8 or 16): the low radix-key bits that no round histogrammed because the logits' dtype
+    leaves them constant (:func:`radix_rounds`); ``b*`` gets them from its sign.
+
+    ``ties [R, S, 2]``, every slot written: per column chunk the ties of ``b*`` and those with a global id
+    below the row's token (``tokens[r // row_div, r % row_div]``); all-gathered next. CUDA-graph safe.
     """
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div)
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
+                                          row_div, block_size, num_splits, vocab_start, vocab_size)
+    _check_ties(logits, ties, splits)
+    _check_skip(skip_bits)
     rows = logits.shape[0]
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
-    _check_ties(logits, chunk_ties, ties, splits)
     if rows == 0:
         return
     k_tok = tokens.shape[1] if tokens is not None else 0
     _top_p_round_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties, chunk_ties, ties,
-        tokens if tokens is not None else keys, exp2_table(logits.device), logits.stride(0), sums.stride(0),
-        prev_hist.stride(0), 0, n_valid, vocab_start, chunk, chunk_ties.shape[1], row_div, k_tok, 4,
+        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
+        tokens if tokens is not None else keys, exp2_table(logits.device), logits.stride(0), sums.shape[2],
+        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, skip_bits,
         BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, num_warps=num_warps_for(block_size))
 
 
-def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, chunk_ties,
-                         ties, vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
-                         row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
-    """Eager twin of :func:`top_p_ties` (same buffers written; ``chunk_ties`` per the same column plan)."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
-    _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
-    _check_ties(logits, chunk_ties, ties, splits)
+def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
+                         vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
+                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
+    """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
+                                          row_div, block_size, num_splits, vocab_start, vocab_size)
+    _check_ties(logits, ties, splits)
+    _check_skip(skip_bits)
     rows = logits.shape[0]
     _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     bstar, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)
+    full = bstar << skip_bits
+    bstar = torch.where(tau < 0, bstar, torch.where(full < 2**31, full | ((1 << skip_bits) - 1), full))
     state_out[:, 0] = bstar
     state_out[:, 1] = mass
     x = logits[:, :n_valid].float()
     tie = (torch.isfinite(x) & (radix_key_torch(x) == bstar[:, None]) & (tau >= 0)[:, None]).to(torch.int64)
-    per_chunk = torch.zeros((rows, splits * chunk), dtype=torch.int64, device=x.device)
-    per_chunk[:, :n_valid] = tie
-    chunk_ties[:, :splits] = per_chunk.view(rows, splits, chunk).sum(-1)
-    ties[:, 0] = tie.sum(1)
     if tokens is not None and tokens.shape[1] > 0:
         k_tok = tokens.shape[1]
         kk = torch.arange(rows, device=x.device) % row_div
         tok = tokens.repeat_interleave(row_div, dim=0).gather(1, kk.clamp(max=k_tok - 1)[:, None])[:, 0]
         tok = torch.where(kk < k_tok, tok, torch.full_like(tok, -1))
         gid = torch.arange(vocab_start, vocab_start + n_valid, device=x.device)
-        ties[:, 1] = (tie * (gid[None, :] < tok[:, None])).sum(1)
+        before = tie * (gid[None, :] < tok[:, None])
     else:
-        ties[:, 1] = 0
+        before = torch.zeros_like(tie)
+    pad = torch.zeros((rows, 2, splits * chunk), dtype=torch.int64, device=x.device)
+    pad[:, 0, :n_valid] = tie
+    pad[:, 1, :n_valid] = before
+    ties.copy_(pad.view(rows, 2, splits, chunk).sum(-1).transpose(1, 2))
 
 
-def _check_finalize(keys, temperatures, top_p, sums, state, ties_all, final, row_div, tp):
-    rows = keys.shape[0]
-    dev = keys.device
-    check_tensor("keys", keys, shape=(rows, 2), dtype=torch.int64, contiguous=True)
-    check_tensor("temperatures", temperatures, shape=(rows // row_div,), dtype=torch.float32, device=dev,
-                 contiguous=True)
-    check_tensor("sums", sums, shape=(rows, None), dtype=torch.int64, device=dev, contiguous=True)
-    check_tensor("final", final, shape=(rows, FINAL_COLS), dtype=torch.int64, device=dev, contiguous=True)
-    if top_p is not None:
-        check_tensor("top_p", top_p, shape=(rows // row_div,), dtype=torch.float32, device=dev, contiguous=True)
-        check_tensor("state", state, shape=(rows, 2), dtype=torch.int64, device=dev, contiguous=True)
-        check_tensor("ties_all", ties_all, shape=(tp, rows, 2), dtype=torch.int64, device=dev, contiguous=True)
-
-
-def top_p_finalize(keys, temperatures, top_p, sums, state, ties_all, final, *, rank: int = 0, tp: int = 1,
-                   row_div: int = 1) -> torch.Tensor:
-    """Per row: ``final [R, 5]`` = (kept mass Z_p, F(token) if kept else 0, n_keep, ties before this shard, b*).
-
-    ``top_p=None``: every finite token is kept (``Z_p = Z``; ``state``/``ties_all`` unused). Same on every
-    rank except column 3. CUDA-graph safe.
-    """
-    check_int("tp", tp, lo=1)
-    check_int("rank", rank, lo=0, hi=tp)
-    _check_finalize(keys, temperatures, top_p, sums, state, ties_all, final, row_div, tp)
-    rows = keys.shape[0]
-    if rows == 0:
-        return final
-    block_r = 64
-    has_p = top_p is not None
-    _top_p_finalize_kernel[(triton.cdiv(rows, block_r),)](
-        keys, temperatures, top_p if has_p else temperatures, sums, state if has_p else keys,
-        ties_all if has_p else keys, final, exp2_table(keys.device), rows, sums.stride(0), rank, tp, row_div,
-        BLOCK_R=block_r, HAS_P=has_p, num_warps=1)
-    return final
-
-
-def top_p_finalize_reference(keys, temperatures, top_p, sums, state, ties_all, final, *, rank: int = 0, tp: int = 1,
-                             row_div: int = 1) -> torch.Tensor:
-    """Eager twin of :func:`top_p_finalize`."""
-    check_int("tp", tp, lo=1)
-    check_int("rank", rank, lo=0, hi=tp)
-    _check_finalize(keys, temperatures, top_p, sums, state, ties_all, final, row_div, tp)
-    z, ftok, utok = sums[:, 0], sums[:, 1], sums[:, 2]
-    zero = torch.zeros_like(z)
-    if top_p is None:
-        final.copy_(torch.stack([z, ftok, zero, zero, zero], dim=1))
-        return final
-    t, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
-    keep_all = tau < 0
-    bstar, mass = state[:, 0], state[:, 1]
-    fstar = fixed_point_weight_torch(radix_to_f32_torch(bstar), m, t, ~keep_all)
-    fs = torch.clamp_min(fstar, 1)
-    n_keep = torch.where(keep_all, zero, (tau - mass + fs - 1) // fs)
-    zp = torch.where(keep_all, z, mass + n_keep * fs)
-    tie_base = ties_all[:rank, :, 0].sum(0) if rank > 0 else zero
-    tok_rank = ties_all[:, :, 1].sum(0)
-    kept_tok = keep_all | (utok > bstar) | ((utok == bstar) & (tok_rank < n_keep))
-    final.copy_(torch.stack([zp, torch.where(kept_tok, ftok, zero), n_keep, tie_base, bstar], dim=1))
-    return final
-
-
-def top_p_mask(logits, final, chunk_ties, vocab_start: int, vocab_size: int, *, out: torch.Tensor,
-               block_size: int = 2048, num_splits: int = 1) -> torch.Tensor:
-    """The kept set as ``out [R, V_local]`` bool (padded and non-finite columns False). CUDA-graph safe."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
+def _check_mask(logits, keys, temperatures, top_p, sums, state, ties_all, out, row_div, rank, block_size,
+                num_splits, vocab_start, vocab_size):
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, None, state, None, row_div,
+                                          block_size, num_splits, vocab_start, vocab_size)
     rows, width = logits.shape
-    check_tensor("final", final, shape=(rows, FINAL_COLS), dtype=torch.int64, device=logits.device, contiguous=True)
-    check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=logits.device, contiguous=True)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
-    check_tensor("chunk_ties", chunk_ties, shape=(rows, None), dtype=torch.int64, device=logits.device,
+    check_tensor("ties_all", ties_all, shape=(None, rows, splits, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
-    if chunk_ties.shape[1] < splits:
-        raise ValueError(f"chunk_ties: expected >= {splits} columns, got {chunk_ties.shape[1]}")
-    out.zero_()
-    if rows == 0 or n_valid == 0:
+    check_int("rank", rank, lo=0, hi=ties_all.shape[0])
+    check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=logits.device, contiguous=True)
+    return n_valid, splits, chunk
+
+
+def top_p_mask(logits, keys, temperatures, top_p, sums, state, ties_all, vocab_start: int, vocab_size: int, *,
+               out: torch.Tensor, rank: int = 0, row_div: int = 1, block_size: int = 2048,
+               num_splits: int = 1) -> torch.Tensor:
+    """The kept set as ``out [R, V_local]`` bool, every column written (padded and non-finite False).
+
+    Derives ``n_keep`` / ``b*`` / the tie base from the exchanged ``sums``, ``state`` (after
+    :func:`top_p_ties`) and ``ties_all [tp, R, S, 2]``. One launch; CUDA-graph safe.
+    """
+    n_valid, splits, chunk = _check_mask(logits, keys, temperatures, top_p, sums, state, ties_all, out, row_div,
+                                         rank, block_size, num_splits, vocab_start, vocab_size)
+    rows, width = logits.shape
+    if rows == 0:
         return out
     _top_p_mask_kernel[(rows, splits)](
-        logits, final, chunk_ties, out.view(torch.uint8), logits.stride(0), width, n_valid, chunk,
-        chunk_ties.shape[1], BLOCK=block_size, num_warps=num_warps_for(block_size))
+        logits, keys, temperatures, top_p, sums, state, ties_all, out.view(torch.uint8), exp2_table(logits.device),
+        logits.stride(0), width, sums.shape[2], n_valid, chunk, splits, rows, row_div, rank, ties_all.shape[0],
+        BLOCK=block_size, num_warps=num_warps_for(block_size))
     return out
 
 
-def top_p_mask_reference(logits, final, chunk_ties, vocab_start: int, vocab_size: int, *, out: torch.Tensor,
+def top_p_mask_reference(logits, keys, temperatures, top_p, sums, state, ties_all, vocab_start: int,
+                         vocab_size: int, *, out: torch.Tensor, rank: int = 0, row_div: int = 1,
                          block_size: int = 2048, num_splits: int = 1) -> torch.Tensor:
     """Eager twin of :func:`top_p_mask`."""
-    n_valid = _check_logits("logits", logits, vocab_start, vocab_size)
+    n_valid, splits, chunk = _check_mask(logits, keys, temperatures, top_p, sums, state, ties_all, out, row_div,
+                                         rank, block_size, num_splits, vocab_start, vocab_size)
     x = logits[:, :n_valid].float()
+    temp = temperatures.repeat_interleave(row_div)
+    p = top_p.repeat_interleave(row_div)
+    _, _, n_keep, run, bstar = final_rows_torch(keys, sums, state, ties_all, temp, p, rank)
+    u = radix_key_torch(x)
+    fin = torch.isfinite(x)
+    tie = (fin & (u == bstar[:, None])).to(torch.int64)
+    # rank of a tie inside its chunk, plus the chunk's base
+    pad = torch.zeros((x.shape[0], splits * chunk), dtype=torch.int64, device=x.device)
+    pad[:, :n_valid] = tie
+    within = (torch.cumsum(pad.view(-1, splits, chunk), 2) - 1 + run[:, :, None]).view(x.shape[0], -1)[:, :n_valid]
+    kept = fin & ((u > bstar[:, None]) | ((tie > 0) & (within < n_keep[:, None])))
     out.zero_()
-    out[:, :n_valid] = kept_torch(radix_key_torch(x), torch.isfinite(x), final[:, 4], final[:, 2], final[:, 3])
+    out[:, :n_valid] = kept
     return out

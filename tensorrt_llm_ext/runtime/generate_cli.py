@@ -100,8 +100,9 @@ def main_generate(args: argparse.Namespace) -> int:
         n = len(requests)
         requests += [{**r, "temperature": 0.0, "request_id": n + i} for i, r in enumerate(requests)]
         greedy += [True] * n
-    modes = ["speculative"] + (["target_only", "gathered"] if args.check else [])
     tp = cfg.tensor_parallel_size
+    # At tp 1 nothing is sharded: the gathered path is the speculative path itself, so it is not compared.
+    modes = ["speculative"] + (["target_only"] + (["gathered"] if tp > 1 else []) if args.check else [])
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
                       show_progress=not args.no_progress and sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
@@ -153,8 +154,9 @@ def main_generate(args: argparse.Namespace) -> int:
         for line in outcome.lines:
             print(line)
         if outcome.ok:
-            print("check passed: sharded == gathered verification, greedy rows == the target's own decode, every "
-                  "token in the target's top-p set" if rejection else
+            sharded = "sharded == gathered verification, " if tp > 1 else ""
+            print(f"check passed: {sharded}greedy rows == the target's own decode, every token in the target's "
+                  f"top-p set" if rejection else
                   "check passed: speculative output equals the target's own decode")
         else:
             why = [w for w, bad in (("outputs differ", outcome.differs), ("requests were rejected", outcome.rejected),

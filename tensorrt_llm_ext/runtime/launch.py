@@ -15,6 +15,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tensorrt_llm_ext.models.checkpoint import CheckpointError
+
 # A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
@@ -180,7 +182,11 @@ def _rank_main(job_dict: dict) -> dict:
     job = GenerateJob(**job_dict)
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
-    report = run_job(job, mapping)
+    try:
+        report = run_job(job, mapping)
+    except CheckpointError as e:
+        # Every rank reads the same files and refuses them alike: a refusal of the input, not a rank fault.
+        return {"rank": mapping.rank, "refused": str(e)}
     from tensorrt_llm_ext.distributed.communicator import world_cpu_group
     from tensorrt_llm_ext.logger import flush_rank_logs
 
@@ -198,7 +204,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
 
     At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
     that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
-    naming it. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
+    naming it; a checkpoint every rank refuses at load raises its :class:`CheckpointError` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
     it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs.
     """
     if tp_size == 1:
@@ -207,6 +213,9 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
 
     raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
                        log_dir=log_dir)
+    refused = [item["refused"] for item in raw if "refused" in item]
+    if refused:
+        raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
     reports = []
     for item in raw:
         rep = RankReport(rank=item["rank"])
@@ -231,8 +240,10 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     Fails as well when a request was rejected (its output was never compared) or when no request was
     served at all (nothing was compared): a check that compared nothing must not pass.
 
+    At tp 1 the job runs no ``gathered`` mode (it is the speculative path itself); the check says so.
+
     Rejection sampling (``rejection_sampling=True``; sampled outputs follow the target's distribution, not
-    its seeded draws): the vocab-sharded run equals the gathered-verification run bitwise (tokens and
+    its seeded draws): at tp > 1 the vocab-sharded run equals the gathered-verification run bitwise (tokens and
     accepted lengths), the ``greedy`` requests equal the target-only decode, every emitted token lies in
     the target's top-p kept set, and every rank produced identical tokens.
     """
@@ -248,6 +259,8 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
         lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
     if compared == 0:
         lines.append("  nothing was compared: no request was served")
+    if "gathered" not in ref:
+        lines.append("  gathered-logits path: the speculative path itself at tp=1 (nothing is sharded), not compared")
     for mode, res in ref.items():
         if mode == "speculative":
             continue
@@ -267,17 +280,20 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
 
 def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
     ref = reports[0].results
-    spec, gathered, target = ref["speculative"], ref["gathered"], ref["target_only"]
+    spec, gathered, target = ref["speculative"], ref.get("gathered"), ref["target_only"]
     lines, differs = [], False
     rejected = [i for i, e in enumerate(spec.errors) if e]
     compared = len(spec.outputs) - len(rejected)
     if rejected:
         lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
-    same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
-    bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
-    lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
-                 f"{'agree' if same else f'DIFFER on requests {bad}'}")
-    differs |= not same
+    if gathered is None:
+        lines.append("  sharded vs gathered verification: the same call at tp=1 (nothing is sharded), not compared")
+    else:
+        same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
+        bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
+        lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
+                     f"{'agree' if same else f'DIFFER on requests {bad}'}")
+        differs |= not same
     rows = [i for i, g in enumerate(greedy) if g and i not in rejected]
     bad = [i for i in rows if spec.outputs[i] != target.outputs[i]]
     lines.append(f"  greedy requests {rows} vs target-only decode: {'agree' if rows and not bad else f'DIFFER on {bad}'}")

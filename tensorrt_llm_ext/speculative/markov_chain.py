@@ -17,9 +17,10 @@ Invalid previous tokens (an anchor ``< 0`` or ``>= V``: padding / CUDA-graph dum
 nothing is read out of bounds. Later steps of such a row chain normally from its selected tokens.
 
 Keyed sampling: with ``temperatures``/``seeds``/``offsets`` (``[B]`` each), a row with ``T > 0`` selects
-``argmax(biased / T + G)`` with ``G = gumbel_noise(seed, offsets[b] + k, global id, MARKOV_SALT)`` --
-block position ``k`` uses Philox offset ``offsets[b] + k``, and the salt keeps these draws independent
-of the target's and the backbone draft's; ``T <= 0`` rows are greedy. The draw depends only on the
+``argmax(biased * div_rn(log2 e, T) + G2)`` with ``G2 = gumbel2_noise(seed, offsets[b] + k, global id,
+MARKOV_SALT)`` (keyed Gumbel-max in log2 space, :mod:`tensorrt_llm_ext.kernels.ordered_key`) -- block
+position ``k`` uses Philox offset ``offsets[b] + k``, and the salt keeps these draws independent of the
+target's and the backbone draft's; ``T <= 0`` rows are greedy. The draw depends only on the
 global id, so it is identical at every TP size. The biased logits returned are never temperature-scaled.
 
 Modes (both CUDA-graph safe with a preallocated :class:`MarkovWorkspace` and ``out``):
@@ -32,7 +33,7 @@ Modes (both CUDA-graph safe with a preallocated :class:`MarkovWorkspace` and ``o
   row's last program does it): one resolve launch at the chain start, then GEMM + select per step, and no
   finishing launch. With an exchange the keys are final only after it, so each step is resolve + GEMM +
   select, then the exchange, and the chain ends with one finishing resolve.
-* ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_step`), bias computed
+* ``"fused"``: one launch per block position (:mod:`tensorrt_llm_ext.kernels.markov_fused_step`), bias computed
   in-kernel in a fixed reduction order: bitwise identical at every TP size and batch size, tokens equal
   to ``exact`` except at near-ties (the bias is rounded once from a different fp32 sum order).
 
@@ -47,10 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorrt_llm_ext.contract import MarkovHeadWeights
-from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing, triton_runs_on
-from tensorrt_llm_ext.kernels.markov_step import (ORDERS, W_BF16, W_FP16, W_FP32, FusedConfig, fused_config,
-                                                  launch_exact_resolve, launch_exact_select, launch_fused_step,
-                                                  markov_step_reference)
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, refuse_allocation_while_capturing, triton_runs_on
+from tensorrt_llm_ext.kernels.markov_exact_step import markov_resolve, markov_select
+from tensorrt_llm_ext.kernels.markov_fused_step import ORDERS, FusedConfig, fused_config, markov_fused_step
+from tensorrt_llm_ext.kernels.markov_step import W_BF16, W_FP16, W_FP32, markov_step_reference
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.step_ops import stock_select
@@ -103,58 +104,36 @@ class MarkovWorkspace:
 
 def _check_inputs(base, anchors, w1, w2, vocab_start, vocab_size, temperatures, seeds, offsets, mode, out):
     if mode not in MODES:
-        raise ValueError(f"markov_chain_logits mode must be one of {MODES}, got {mode!r}")
-    if base.dim() != 3:
-        raise ValueError(f"base_logits must be [B, K, V_local], got shape {tuple(base.shape)}")
-    if base.dtype not in _LOGITS_DTYPES:
-        raise ValueError(f"base_logits dtype must be one of {_LOGITS_DTYPES}, got {base.dtype}")
-    if base.stride(2) != 1:
-        raise ValueError("base_logits must have a contiguous last dimension")
+        raise ValueError(f"markov_chain_logits mode: expected one of {MODES}, got {mode!r}")
+    check_tensor("base_logits", base, shape=(None, None, None), dtype=_LOGITS_DTYPES, unit_last_stride=True)
     B, K, v_local = base.shape
+    dev = base.device
     if v_local == 0:
         # Every key would stay EMPTY_KEY and decode to token -1: refuse rather than draft a non-token.
-        raise ValueError("base_logits has no vocabulary columns (V_local = 0); a shard holds at least one column")
-    if w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != w2.shape[1]:
-        raise ValueError(f"markov_w1 [V, r] and markov_w2 [V_local, r] expected, got {tuple(w1.shape)} and "
-                         f"{tuple(w2.shape)}")
-    if w1.dtype != w2.dtype or w1.dtype not in _W_KIND:
-        raise ValueError(f"markov weights must share a dtype in {tuple(_W_KIND)}, got {w1.dtype}, {w2.dtype}")
-    if w1.stride(1) != 1 or w2.stride(1) != 1:
-        raise ValueError("markov_w1 and markov_w2 must have contiguous rows")
-    if w2.shape[0] != v_local:
-        raise ValueError(f"markov_w2 rows ({w2.shape[0]}) must equal base_logits' V_local ({v_local})")
-    if not 0 < vocab_size <= w1.shape[0] or vocab_size >= 2**32 - 1:
-        raise ValueError(f"vocab_size must be in (0, {w1.shape[0]}] (markov_w1 rows), got {vocab_size}")
-    if vocab_start < 0:
-        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    if anchors.shape != (B,) or anchors.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"anchors must be int32/int64 [{B}], got {anchors.dtype} {tuple(anchors.shape)}")
-    for name, t in (("anchors", anchors), ("markov_w1", w1), ("markov_w2", w2)):
-        if t.device != base.device:
-            raise ValueError(f"{name} must be on {base.device}, got {t.device}")
+        raise ValueError("base_logits: expected at least one vocabulary column (a shard holds one), got "
+                         "no vocabulary columns (V_local = 0)")
+    check_tensor("markov_w1", w1, shape=(None, None), dtype=tuple(_W_KIND), device=dev, unit_last_stride=True)
+    r = w1.shape[1]
+    check_tensor("markov_w2", w2, shape=(v_local, r), dtype=w1.dtype, device=dev, unit_last_stride=True)
+    # vocab_size < 2^32 - 1: the int64 selection key holds global ids below that
+    check_int("vocab_size", vocab_size, lo=1, hi=min(w1.shape[0], 2**32 - 2) + 1)
+    check_int("vocab_start", vocab_start, lo=0)
+    # The kernels read row b of every per-row tensor at element b: a strided or broadcast view (e.g.
+    # accepted[:, 0]) would be read wrongly without any error, so refuse it.
+    check_tensor("anchors", anchors, shape=(B,), dtype=(torch.int32, torch.int64), device=dev, contiguous=True)
     given = [t is not None for t in (temperatures, seeds, offsets)]
     if any(given) and not all(given):
-        raise ValueError("temperatures, seeds and offsets must be given together")
+        raise ValueError("temperatures, seeds and offsets: expected all three together or none, got "
+                         + ", ".join(n for n, g in zip(("temperatures", "seeds", "offsets"), given) if g))
     if all(given):
         for name, t, dt in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
                             ("offsets", offsets, torch.int64)):
-            if t.shape != (B,) or t.dtype != dt or t.device != base.device:
-                raise ValueError(f"{name} must be {dt} [{B}] on {base.device}, got {t.dtype} "
-                                 f"{tuple(t.shape)} on {t.device}")
-    # The kernels read row b of every per-row tensor at element b: a strided or broadcast view (e.g.
-    # accepted[:, 0]) would be read wrongly without any error, so refuse it.
-    per_row = [("anchors", anchors)] + [(n, t) for n, t in (("temperatures", temperatures), ("seeds", seeds),
-                                                            ("offsets", offsets)) if t is not None]
-    for name, t in per_row:
-        if B > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous [{B}] tensor, got stride {t.stride(0)} "
-                             "(call .contiguous() on strided or broadcast views)")
-    if out is not None and (out.shape != base.shape or out.dtype != base.dtype or out.stride(2) != 1
-                            or out.device != base.device):
-        raise ValueError(f"out must be {base.dtype} {tuple(base.shape)} with a contiguous last dim, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+            check_tensor(name, t, shape=(B,), dtype=dt, device=dev, contiguous=True)
+    if out is not None:
+        check_tensor("out", out, shape=tuple(base.shape), dtype=base.dtype, device=dev, unit_last_stride=True)
     if not triton_runs_on(base):
-        raise ValueError("markov_chain_logits on CPU tensors needs TRITON_INTERPRET=1")
+        raise ValueError(f"base_logits: expected a CUDA tensor or TRITON_INTERPRET=1, got device {dev} without "
+                         "the interpreter")
 
 
 class MarkovChainStepper:
@@ -175,7 +154,7 @@ class MarkovChainStepper:
         _check_inputs(base_logits, anchors, markov_w1, markov_w2, vocab_start, vocab_size, temperatures,
                       seeds, offsets, mode, out)
         if order not in ORDERS:
-            raise ValueError(f"markov_chain_logits order must be one of {ORDERS}, got {order!r}")
+            raise ValueError(f"markov_chain_logits order: expected one of {ORDERS}, got {order!r}")
         B, K, v_local = base_logits.shape
         r = markov_w1.shape[1]
         if out is None or workspace is None:
@@ -187,7 +166,9 @@ class MarkovChainStepper:
         if (ws.keys.shape[1] < B or ws.tokens.shape[0] < B or ws.tokens.shape[1] != K or ws.h.shape[0] < need_rows
                 or ws.bias.shape[0] < need_rows or ws.counts.shape[0] < need_rows
                 or (mode == "exact" and (ws.h.shape[1] != r or ws.bias.shape[1] != v_local))):
-            raise ValueError(f"workspace too small for B={B}, K={K}, r={r}, V_local={v_local}, mode={mode}")
+            raise ValueError(f"workspace: expected room for B={B}, K={K}, r={r}, V_local={v_local} (mode {mode}), got "
+                             f"keys {list(ws.keys.shape)}, tokens {list(ws.tokens.shape)}, h {list(ws.h.shape)}, "
+                             f"bias {list(ws.bias.shape)}")
         self.base, self.anchors, self.w1, self.w2 = base_logits, anchors, markov_w1, markov_w2
         self.vocab_start, self.vocab_size, self.mode = vocab_start, vocab_size, mode
         self.sample = temperatures is not None
@@ -207,7 +188,7 @@ class MarkovChainStepper:
         if B == 0:
             return self.ws.keys[0, :0]
         if self.mode == "fused":
-            launch_fused_step(self.base, self.w1, self.w2, self.out, self.anchors, self.ws.keys, self.tokens,
+            markov_fused_step(self.base, self.w1, self.w2, self.out, self.anchors, self.ws.keys, self.tokens,
                               self.temps, self.seeds, self.offsets, vocab_start=self.vocab_start,
                               vocab_size=self.vocab_size, k=k, offset_k=k, salt=MARKOV_SALT,
                               w_kind=self.w_kind, out_bf16=self.out_bf16, config=self.config,
@@ -218,21 +199,19 @@ class MarkovChainStepper:
             # Folded: step k's select launch resolves step k + 1 (its row's last program), so only the
             # chain start resolves on its own -- the anchors, and a clean slot 0 and counters.
             if k == 0:
-                launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=0, read_slot=0,
-                                     reset_slot=0, vocab_size=self.vocab_size, gather=True,
-                                     counts=self.ws.counts)
+                markov_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=0, read_slot=0,
+                               reset_slot=0, vocab_size=self.vocab_size, gather=True, counts=self.ws.counts)
             torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
-            launch_exact_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets,
-                                k=k, vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT,
-                                cur_slot=k % 3, fold=(self.ws.counts, self.w1, h, self.tokens),
-                                last_step=k == self.K - 1)
+            markov_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets,
+                          k=k, vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT,
+                          cur_slot=k % 3, fold=(self.ws.counts, self.w1, h, self.tokens),
+                          last_step=k == self.K - 1)
             return self.ws.keys[k % 3, :B]
-        launch_exact_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=k, read_slot=0, reset_slot=0,
-                             vocab_size=self.vocab_size, gather=True)
+        markov_resolve(self.anchors, self.ws.keys, self.w1, h, self.tokens, k=k, read_slot=0, reset_slot=0,
+                       vocab_size=self.vocab_size, gather=True)
         torch.mm(h, self.w2.t(), out=bias)  # the GEMM F.linear(h, w2) runs: bitwise the eager bias
-        launch_exact_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets, k=k,
-                            vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT,
-                            cur_slot=0)
+        markov_select(self.base, bias, self.out, self.ws.keys, self.temps, self.seeds, self.offsets, k=k,
+                      vocab_start=self.vocab_start, vocab_size=self.vocab_size, salt=MARKOV_SALT, cur_slot=0)
         return self.ws.keys[0, :B]
 
     def abort(self) -> None:
@@ -245,8 +224,8 @@ class MarkovChainStepper:
         if self.B > 0 and self.K > 0 and not self.fold:  # K = 0: nothing was drafted, the results are final
             K = self.K
             read = (K - 1) % 3 if self.mode == "fused" else 0
-            launch_exact_resolve(self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, k=K, read_slot=read,
-                                 reset_slot=0, vocab_size=self.vocab_size, gather=False)
+            markov_resolve(self.anchors, self.ws.keys, self.w1, self.w1, self.tokens, k=K, read_slot=read,
+                           reset_slot=0, vocab_size=self.vocab_size, gather=False)
         return self.out, self.tokens
 
 
@@ -287,7 +266,7 @@ def markov_chain_logits(
         order, config: the fused mode's schedule (no effect on any value): ``"alternate"`` (default)
             scans ``markov_w2`` backwards at odd block positions so the tiles the previous step read last
             are read first, from L2; ``"same"`` scans forwards every step. ``config`` overrides the
-            per-B :func:`~tensorrt_llm_ext.kernels.markov_step.fused_config` (benchmarks, tests).
+            per-B :func:`~tensorrt_llm_ext.kernels.markov_fused_step.fused_config` (benchmarks, tests).
 
     Returns:
         ``(biased_logits [B, K, V_local] in the logits dtype, tokens [B, K] int64)``; ``tokens`` is a
@@ -404,27 +383,13 @@ def markov_chain_stock(
 # ----------------------------------------------------------------------------------------------------
 # Worker-side component
 # ----------------------------------------------------------------------------------------------------
-# Auto mode: per batch size, the faster of "fused" and "exact" measured on the target GPU. Keys are
-# substrings of torch.cuda.get_device_name() (the longest matching key wins, so "H200" is not taken
-# for an "H20"); each value lists (max batch size, mode) rows in increasing order, the last row's max
-# None covering every larger B. H200: measured with `trtllm-ext bench markov` (2026-12-01, V = 200064,
-# r = 256, K = 7, bf16): fused is faster at B = 1 / 8 / 32, exact at B = 64 / 128 (docs/markov_chain.md).
+# Auto mode: per batch size, the faster of "fused" and "exact": (max batch size, mode) rows in increasing
+# order, the last row's max None covering every larger B. Measured on the H200 with `trtllm-ext bench markov`
+# (2026-12-01, V = 200064, r = 256, K = 7, bf16): fused is faster at B = 1 / 8 / 32, exact at B = 64 / 128
+# (docs/markov_chain.md). One table for every device (no other GPU has been measured; a per-device lookup
+# whose only entry equalled its default was removed); `auto_table=` overrides it.
 AutoModeTable = tuple[tuple[int | None, str], ...]
-AUTO_MODE_TABLES: dict[str, AutoModeTable] = {
-    "H200": ((32, "fused"), (None, "exact")),
-}
-# GPUs not in the table (unmeasured), and the CPU interpreter (where speed does not matter): the same crossover.
-AUTO_MODE_DEFAULT: AutoModeTable = ((32, "fused"), (None, "exact"))
-
-
-def auto_mode_table(device_name: str | None) -> tuple[str, AutoModeTable]:
-    """``(table name, rows)`` for a device name (``None``: CPU): the longest key of
-    :data:`AUTO_MODE_TABLES` contained in the name, else ``("default", AUTO_MODE_DEFAULT)``."""
-    if device_name is not None:
-        for key in sorted(AUTO_MODE_TABLES, key=len, reverse=True):
-            if key in device_name:
-                return key, AUTO_MODE_TABLES[key]
-    return "default", AUTO_MODE_DEFAULT
+AUTO_MODE_TABLE: AutoModeTable = ((32, "fused"), (None, "exact"))
 
 
 def auto_mode_for(table: AutoModeTable, batch_size: int) -> str:
@@ -457,9 +422,8 @@ class MarkovChain:
 
     ``mode`` comes from the worker config (read once): ``"exact"`` reproduces the eager chain bit for bit;
     ``"fused"`` is one launch per block position and bitwise identical at every TP size; ``"auto"``
-    (default) runs, per batch size, the mode of the table measured on this GPU
-    (:data:`AUTO_MODE_TABLES`, looked up once by device name and logged once; :data:`AUTO_MODE_DEFAULT`
-    for other GPUs and CPU), or of ``auto_table`` when given. The choice depends on the batch size only
+    (default) runs, per batch size, the mode of :data:`AUTO_MODE_TABLE` (measured on the H200; logged
+    once), or of ``auto_table`` when given. The choice depends on the batch size only
     (a shape, fixed per captured graph), and both modes share one workspace. ``"stock"`` is the upstream
     eager chain (:func:`markov_chain_stock`), the stock op table's.
     """
@@ -477,12 +441,8 @@ class MarkovChain:
         w2 = weights.markov_w2
         self.auto_table: AutoModeTable | None = None
         if mode == "auto":
-            if auto_table is None:
-                device_name = torch.cuda.get_device_name(w2.device) if w2.is_cuda else None
-                name, auto_table = auto_mode_table(device_name)
-                where = f"table {name!r} for {device_name!r}" if device_name else f"table {name!r} (CPU)"
-            else:
-                where = "the given table"
+            where = "the given table" if auto_table is not None else "the table measured on the H200"
+            auto_table = AUTO_MODE_TABLE if auto_table is None else auto_table
             _check_auto_table(auto_table)
             self.auto_table = auto_table
             info_once(f"Markov chain mode 'auto': {where}: {describe_auto_table(auto_table)}",

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
-from tensorrt_llm_ext.kernels.ordered_key import gumbel_noise_torch
+from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents, store_context_latents_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
@@ -48,17 +48,13 @@ def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds:
                  offsets: torch.Tensor | None, salt: int, out: torch.Tensor) -> torch.Tensor:
     """Stock target selection on full-vocabulary logits ``[R, V]`` -> ``out [R]`` int64.
 
-    Greedy (``temperatures=None``): ``torch.argmax``. Sampled: rows with ``T > 0`` take
-    ``argmax(x / T + G(seed, offset, id, salt))`` -- the same keyed noise as the fused kernel, computed
-    in torch over the whole row -- and the others ``argmax(x)``.
+    Greedy (``temperatures=None``): ``torch.argmax``. Sampled: rows with ``T > 0`` take the argmax of the
+    keyed Gumbel-max scores (``keyed_gumbel_scores_torch``: the same keyed noise and score as the fused
+    kernels, computed in torch over the whole row) and the others ``argmax(x)``.
     """
     if temperatures is None:
         return torch.argmax(logits, dim=-1, out=out)
-    x = logits.float()
-    gid = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)[None, :]
-    g = gumbel_noise_torch(seeds[:, None], offsets[:, None], gid, salt)
-    t = temperatures[:, None]
-    scored = torch.where(t > 0, x / torch.where(t > 0, t, torch.ones_like(t)) + g, x)
+    scored = keyed_gumbel_scores_torch(logits, temperatures, seeds, offsets, 0, salt)
     return torch.argmax(scored, dim=-1, out=out)
 
 

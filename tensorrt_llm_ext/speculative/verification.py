@@ -2,8 +2,8 @@
 
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
-crosses ranks: per row an int64 max key, a few int64 mass sums, radix histograms ``[R, 256]`` for top-p,
-tie counts ``[tp, R, 2]``, per-rank draw totals ``[tp, B, 2]`` and the drawn id ``[B]``.
+crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
+``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 4]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -13,14 +13,22 @@ Semantics (docs/rejection_sampling.md has the full statement):
   softmax in the same fixed point (the drafter samples with keyed Gumbel-max over the full vocabulary, so
   the draft side applies no top-p). Both use the request's temperature.
 * Accept ``d_k`` iff ``u_k * q(d_k) < p(d_k)``; at the first rejection emit a sample of
-  ``norm(max(p - q, 0))``, otherwise a sample of ``p_K``. Uniforms are Philox keyed by (seed, absolute
-  position, salt) only, so the result does not depend on the TP size, batch composition or tiling.
+  ``norm(max(p - q, 0))``, otherwise a sample of ``p_K`` (an exponential race keyed by global id, see
+  :mod:`~tensorrt_llm_ext.kernels.rejection_sample`). Uniforms are Philox keyed by (seed, absolute
+  position, global id where needed, salt) only, so the result does not depend on the TP size, batch
+  composition or tiling.
 * ``T <= 0`` rows: strict acceptance against the target argmax (``torch.argmax`` order), bitwise what
   :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
 Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels
 equal their eager twins and the sharded call equals the TP-1 call bit for bit.
+
+Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
+``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
+count come in between: bf16 logits 6 launches and 5 exchanges, fp16 7 / 6, fp32 8 / 7; ``top_p_keep``
+bf16 5 / 4, fp32 7 / 6. Each launcher is one kernel launch and writes every slot of its output, so no call
+issues a memset or a copy.
 
 CUDA graphs: pass a :class:`VerificationWorkspace` (allocated once for the largest batch) and ``out=``;
 then no call allocates, syncs the host or branches on data. Input checks that need device values (draft
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -41,43 +50,103 @@ from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 
-__all__ = ["VerificationWorkspace", "rejection_sample", "rejection_sample_reference", "top_p_keep",
-           "top_p_keep_reference"]
-
-_FUSED = SimpleNamespace(
-    row_max_keys=fps.row_max_keys, weight_sums=fps.weight_sums, top_p_round=tpk.top_p_round,
-    top_p_ties=tpk.top_p_ties, top_p_finalize=tpk.top_p_finalize, top_p_mask=tpk.top_p_mask,
-    partials=rs.rejection_partials, pick=rs.rejection_pick, assemble=rs.rejection_assemble)
-_EAGER = SimpleNamespace(
-    row_max_keys=fps.row_max_keys_reference, weight_sums=fps.weight_sums_reference,
-    top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
-    top_p_finalize=tpk.top_p_finalize_reference, top_p_mask=tpk.top_p_mask_reference,
-    partials=rs.rejection_partials_reference, pick=rs.rejection_pick_reference,
-    assemble=rs.rejection_assemble_reference)
-
-_H = fps.HIST_BUCKETS
-_DEFAULT_BLOCK = 2048
+__all__ = ["EAGER_KERNELS", "column_plan", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
+           "VerificationWorkspace", "call_shape", "rejection_sample", "rejection_sample_reference",
+           "top_p_keep", "top_p_keep_reference"]
 
 
 @dataclass(frozen=True)
-class _Plan:
+class VerificationKernels:
+    """The kernel table one verification call runs with: the fused launchers or their eager twins.
+
+    Every entry has the launcher's signature; the pipeline (exchanges, buffers, order) is the same for
+    both tables, so the eager twin of a call is the same call with :data:`EAGER_KERNELS`.
+    """
+
+    name: str
+    keys: Callable  # fixed_point_softmax.verify_keys
+    sums: Callable  # fixed_point_softmax.verify_sums
+    top_p_round: Callable  # top_p.top_p_round
+    top_p_ties: Callable  # top_p.top_p_ties
+    top_p_mask: Callable  # top_p.top_p_mask
+    draw: Callable  # rejection_sample.rejection_draw
+    assemble: Callable  # rejection_sample.rejection_assemble
+
+
+FUSED_KERNELS = VerificationKernels(
+    name="fused", keys=fps.verify_keys, sums=fps.verify_sums, top_p_round=tpk.top_p_round, top_p_ties=tpk.top_p_ties,
+    top_p_mask=tpk.top_p_mask, draw=rs.rejection_draw, assemble=rs.rejection_assemble)
+EAGER_KERNELS = VerificationKernels(
+    name="eager", keys=fps.verify_keys_reference, sums=fps.verify_sums_reference,
+    top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
+    top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference)
+
+
+def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """``(launches, exchange rounds)`` of one call of ``entry`` (``"rejection_sample"`` / ``"top_p_keep"``).
+
+    The pipeline below, written down once (tests count both on CPU and hold them to it;
+    docs/rejection_sampling.md has the before/after table). With top-p the radix rounds depend on the
+    logits' dtype (:func:`~tensorrt_llm_ext.kernels.top_p.radix_rounds`): bf16 1, fp16 2, fp32 3.
+    """
+    if entry not in ("rejection_sample", "top_p_keep") or (entry == "top_p_keep" and not top_p):
+        raise ValueError(f"call_shape: expected ('rejection_sample', bool) or ('top_p_keep', True), got "
+                         f"{(entry, top_p)!r}")
+    n = tpk.radix_rounds(dtype) if top_p else 0
+    if entry == "top_p_keep":
+        return 4 + n, 3 + n  # keys, sums, n rounds, ties, mask / MAX, SUM, n SUMs, gather
+    return (5 + n, 4 + n) if top_p else (4, 3)  # + draw, assemble / + the race's gather
+
+
+_H = fps.HIST_BUCKETS
+_DEFAULT_BLOCK = 2048
+# Column chunks are for occupancy at small batches: enough (row, chunk) programs to fill the GPU, no more,
+# since every exchanged slot is per (row, chunk) and the volume grows with the chunk count.
+_TARGET_PROGRAMS = 512
+
+
+def column_plan(rows: int, n_valid: int, block_size: int, num_splits: int) -> tuple[int, int]:
+    """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``n_valid`` owned columns: at
+    most ``num_splits`` chunks per row and no more than ``ceil(512 / rows)``. Depends on shapes only."""
+    want = max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(rows, 1))))
+    return fps.plan_chunks(n_valid, block_size, want)
+
+
+@dataclass(frozen=True)
+class VerificationPlan:
+    """Buffer sizes of one call: ``rows_t`` target rows, ``rows_q`` draft rows, ``batch`` requests, ``splits``
+    column chunks per row, ``tp`` ranks, with or without top-p (int64 elements per named buffer)."""
+
     rows_t: int
     rows_q: int
     batch: int
     splits: int
     tp: int
     top_p: bool
+    rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype)
 
     def sizes(self) -> dict[str, int]:
         rt, rq, b, s, tp = self.rows_t, self.rows_q, self.batch, self.splits, self.tp
-        hist = _H if self.top_p else 0
+        p = self.top_p
+        gathered = tp > 1  # at tp 1 the "gathered" buffers are views of the local ones
         return {
-            "keys": (rt + rq) * 2, "sums": rt * (fps.SUMS_COLS + hist) + rq * fps.SUMS_COLS,
-            # zeroed once per call, contiguous: state[0], hist rounds 1..3, ties, draw totals, pick
-            "zero": rt * 2 + (3 * rt * _H if self.top_p else 0) + rt * 2 + b * 2 + b,
-            "state": 4 * rt * 2, "chunk_ties": rt * s, "ties_all": tp * rt * 2, "final": rt * tpk.FINAL_COLS,
-            "dec": b * 2, "partial": b * s * 2, "tot_all": tp * b * 2,
+            "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
+            "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0, "ties": rt * s * 2 if p else 0,
+            "ties_all": tp * rt * s * 2 if p and gathered else 0, "dec": b * 2, "race": b * s * rs.RACE_COLS,
+            "race_all": tp * b * s * rs.RACE_COLS if gathered else 0,
         }
+
+    def exchanges(self) -> list[tuple[str, int]]:
+        """The exchange rounds of a ``rejection_sample`` call (``batch > 0``) or a ``top_p_keep`` call
+        (``batch == 0``) in order: ``(collective, int64 words this rank sends)``."""
+        sz = self.sizes()
+        rounds = [("max", sz["keys"]), ("sum", sz["sums"])]
+        if self.top_p:
+            per_round = self.rows_t * self.splits * _H
+            rounds += [("sum", per_round)] * self.rounds + [("all_gather", self.rows_t * self.splits * 2)]
+        if self.batch:
+            rounds.append(("all_gather", self.batch * self.splits * rs.RACE_COLS))
+        return rounds
 
 
 class VerificationWorkspace:
@@ -103,17 +172,18 @@ class VerificationWorkspace:
         self.num_splits = num_splits
         self.tp = tp
         self.splits, _ = fps.plan_chunks(shard_width, block_size, num_splits)
-        self.capacity = _Plan(max_rows_t, max_rows_q, max_batch, self.splits, tp, True)
+        self.capacity = VerificationPlan(max_rows_t, max_rows_q, max_batch, self.splits, tp, True)
         cap = self.capacity.sizes()
         self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in cap.items()}
         self.device = torch.device(device)
-        fps.exp2_table(device)  # the weight table, allocated now rather than inside a capture
+        fps.exp2_table(device)  # the weight tables, allocated now rather than inside a capture
+        rs.log2_table(device)
 
     @classmethod
     def for_verification(cls, max_batch: int, draft_len: int, shard_width: int, **kw) -> "VerificationWorkspace":
         return cls(max_batch * (draft_len + 1), max_batch * draft_len, max_batch, shard_width, **kw)
 
-    def carve(self, plan: _Plan) -> SimpleNamespace:
+    def carve(self, plan: VerificationPlan) -> SimpleNamespace:
         sizes = plan.sizes()
         cap = self.capacity.sizes()
         for name, n in sizes.items():
@@ -123,39 +193,25 @@ class VerificationWorkspace:
         return _views(self._bufs, plan)
 
 
-def _views(bufs: dict[str, torch.Tensor], plan: _Plan) -> SimpleNamespace:
+def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNamespace:
     rt, rq, b, s, tp = plan.rows_t, plan.rows_q, plan.batch, plan.splits, plan.tp
-    hist_w = _H if plan.top_p else 0
+    sizes = plan.sizes()
+    cols_t, _ = fps.sums_layout(rt, rq, s, plan.top_p)
     ns = SimpleNamespace()
-    keys = bufs["keys"][: (rt + rq) * 2]
-    ns.keys = keys
-    ns.keys_t, ns.keys_q = keys[: rt * 2].view(rt, 2), keys[rt * 2:].view(rq, 2)
-    sums = bufs["sums"][: rt * (fps.SUMS_COLS + hist_w) + rq * fps.SUMS_COLS]
-    ns.sums = sums
-    ns.sums_t = sums[: rt * (fps.SUMS_COLS + hist_w)].view(rt, fps.SUMS_COLS + hist_w)
-    ns.sums_q = sums[rt * (fps.SUMS_COLS + hist_w):].view(rq, fps.SUMS_COLS)
-    zero = bufs["zero"][: plan.sizes()["zero"]]
-    ns.zero = zero
-    o = 0
-
-    def take(n, *shape):
-        nonlocal o
-        v = zero[o:o + n].view(*shape)
-        o += n
-        return v
-
-    ns.state0 = take(rt * 2, rt, 2)
-    ns.hist = take(3 * rt * _H, 3, rt, _H) if plan.top_p else None
-    ns.ties = take(rt * 2, rt, 2)
-    ns.tot = take(b * 2, b, 2)
-    ns.pick = take(b, b)
-    ns.state = bufs["state"][: 4 * rt * 2].view(4, rt, 2)
-    ns.chunk_ties = bufs["chunk_ties"][: rt * s].view(rt, s)
-    ns.ties_all = bufs["ties_all"][: tp * rt * 2].view(tp, rt, 2)
-    ns.final = bufs["final"][: rt * tpk.FINAL_COLS].view(rt, tpk.FINAL_COLS)
-    ns.dec = bufs["dec"][: b * 2].view(b, 2)
-    ns.partial = bufs["partial"][: b * s * 2].view(b, s, 2)
-    ns.tot_all = bufs["tot_all"][: tp * b * 2].view(tp, b, 2)
+    ns.keys = bufs["keys"][: sizes["keys"]].view(rt + rq, s, 2)
+    ns.sums = bufs["sums"][: sizes["sums"]]
+    ns.sums_t = ns.sums[: rt * s * cols_t].view(rt, s, cols_t)
+    ns.sums_q = ns.sums[rt * s * cols_t:].view(rq, s, fps.SUMS_COLS)
+    if plan.top_p:
+        ns.hist = bufs["hist"][: sizes["hist"]].view(3, rt, s, _H)
+        ns.state = bufs["state"][: sizes["state"]].view(4, rt, 2)
+        ns.ties = bufs["ties"][: sizes["ties"]].view(rt, s, 2)
+        ns.ties_all = (bufs["ties_all"][: sizes["ties_all"]].view(tp, rt, s, 2) if tp > 1
+                       else ns.ties.unsqueeze(0))
+    ns.dec = bufs["dec"][: sizes["dec"]].view(b, 2)
+    ns.race = bufs["race"][: sizes["race"]].view(b, s, rs.RACE_COLS)
+    ns.race_all = (bufs["race_all"][: sizes["race_all"]].view(tp, b, s, rs.RACE_COLS) if tp > 1
+                   else ns.race.unsqueeze(0))
     return ns
 
 
@@ -163,15 +219,10 @@ def _call_buffers(workspace, plan, dev, name: str):
     """The call's buffers: carved from ``workspace`` (capturable), else allocated here (never while capturing)."""
     if workspace is None:
         refuse_allocation_while_capturing(f"{name} (no workspace)", dev)
-        return _eager_views(plan, dev)
+        return _views({n: torch.empty(v, dtype=torch.int64, device=dev) for n, v in plan.sizes().items()}, plan)
     if workspace.tp != plan.tp:
         raise ValueError(f"workspace: allocated for tp={workspace.tp}, the exchange has tp={plan.tp}")
     return workspace.carve(plan)
-
-
-def _eager_views(plan: _Plan, device) -> SimpleNamespace:
-    return _views({name: torch.empty(n, dtype=torch.int64, device=device) for name, n in plan.sizes().items()},
-                  plan)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,28 +260,29 @@ def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# top_p_keep
+# The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
-def _top_p_pipeline(ops, logits, temps, top_p, vocab_start, vocab_size, exchange, rank, tp, ws, kw, *,
-                    tokens=None, row_div=1, keys=None, sums=None):
-    """The radix select: rounds 1..3, tie counts, finalize (``ws.final``). ``keys``/``sums`` exchanged."""
-    prev = sums[:, fps.SUMS_COLS:]
-    states = [ws.state0, ws.state[0], ws.state[1], ws.state[2], ws.state[3]]
-    for rnd in (1, 2, 3):
-        hist = ws.hist[rnd - 1]
-        ops.top_p_round(logits, keys, temps, top_p, sums, prev, states[rnd - 1], states[rnd], hist, vocab_start,
-                        vocab_size, rnd, row_div=row_div, **kw)
+def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, exchange, ws, kw, *, tokens=None,
+                  row_div=1):
+    """Radix rounds 1..n (n by dtype: bf16 1, fp16 2, fp32 3) and the tie count (``ws.state[3]`` = (b*, mass
+    above), ``ws.ties_all``)."""
+    n = tpk.radix_rounds(logits.dtype)
+    prev = ws.sums_t[:, :, fps.SUMS_COLS:]
+    for rnd in range(1, n + 1):
+        ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)], ws.state[rnd - 1],
+                        ws.hist[rnd - 1], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
         if exchange is not None:
-            exchange.sum_(hist)
-        prev = hist
-    ops.top_p_ties(logits, keys, temps, top_p, sums, prev, states[3], states[4], ws.chunk_ties, ws.ties,
-                   vocab_start, vocab_size, tokens=tokens, row_div=row_div, **kw)
+            exchange.sum_(ws.hist[rnd - 1])
+        prev = ws.hist[rnd - 1]
+    ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
+                   vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), **kw)
     if exchange is not None:
         exchange.gather_ranks(ws.ties, out=ws.ties_all)
-    else:
-        ws.ties_all.copy_(ws.ties.unsqueeze(0))
-    ops.top_p_finalize(keys, temps, top_p, sums, states[4], ws.ties_all, ws.final, rank=rank, tp=tp,
-                       row_div=row_div)
+
+
+def _exchange_or_none(exchange: PairExchange | None) -> PairExchange | None:
+    """The exchange to issue collectives on: None at tp 1 (every round is then a no-op, not a copy)."""
+    return None if exchange is None or exchange.tp_size == 1 else exchange
 
 
 def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace):
@@ -252,20 +304,22 @@ def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, excha
         out = torch.empty((rows, width), dtype=torch.bool, device=dev)
     check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    splits, _ = fps.plan_chunks(max(0, min(width, vocab_size - vocab_start)), bs, ns)
-    plan = _Plan(rows, 0, 0, splits, tp, True)
+    splits, chunk = column_plan(rows, max(0, min(width, vocab_size - vocab_start)), bs, ns)
+    plan = VerificationPlan(rows, 0, 0, splits, tp, True)
     ws = _call_buffers(workspace, plan, dev, "top_p_keep")
-    kw = dict(block_size=bs, num_splits=ns)
-    ws.zero.zero_()
-    ops.row_max_keys(logits, vocab_start, vocab_size, argmax=False, out=ws.keys_t, **kw)
-    if exchange is not None:
-        exchange.max_(ws.keys)
-    ops.weight_sums(logits, ws.keys_t, temperatures, vocab_start, vocab_size, hist=True, out=ws.sums_t, **kw)
-    if exchange is not None:
-        exchange.sum_(ws.sums)
-    _top_p_pipeline(ops, logits, temperatures, top_p, vocab_start, vocab_size, exchange, rank, tp, ws, kw,
-                    keys=ws.keys_t, sums=ws.sums_t)
-    return ops.top_p_mask(logits, ws.final, ws.chunk_ties, vocab_start, vocab_size, out=out, **kw)
+    if rows == 0:
+        return out
+    kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
+    ex = _exchange_or_none(exchange)
+    ops.keys(logits, None, vocab_start, vocab_size, out=ws.keys, **kw)
+    if ex is not None:
+        ex.max_(ws.keys)
+    ops.sums(logits, None, ws.keys, temperatures, vocab_start, vocab_size, hist=True, out=ws.sums, **kw)
+    if ex is not None:
+        ex.sum_(ws.sums)
+    _top_p_rounds(ops, logits, temperatures, top_p, vocab_start, vocab_size, ex, ws, kw)
+    return ops.top_p_mask(logits, ws.keys, temperatures, top_p, ws.sums_t, ws.state[3], ws.ties_all, vocab_start,
+                          vocab_size, out=out, rank=rank, **kw)
 
 
 def top_p_keep(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch.Tensor | None = None,
@@ -277,10 +331,11 @@ def top_p_keep(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch
     The kept set is the smallest prefix in (logit desc, global id asc) order whose fixed-point mass reaches
     ``ceil(p * Z)``; ``p = 1`` keeps every finite token; padded (id >= vocab_size) and non-finite columns
     are never kept; a row without a finite logit keeps nothing. Decided jointly by all ranks of
-    ``exchange`` with six small collectives; bitwise the same at every TP size. CUDA-graph safe with
+    ``exchange`` with ``call_shape("top_p_keep", True, logits.dtype)`` small collectives (bf16 4, fp32 6);
+    bitwise the same at every TP size. CUDA-graph safe with
     ``out=``, ``temperatures`` and ``workspace``.
     """
-    return _top_p_keep(_FUSED, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    return _top_p_keep(FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
 
 
 def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch.Tensor | None = None,
@@ -288,7 +343,7 @@ def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatu
                          out: torch.Tensor | None = None,
                          workspace: VerificationWorkspace | None = None) -> torch.Tensor:
     """Eager twin of :func:`top_p_keep` (same exchanges; torch ops instead of kernels)."""
-    return _top_p_keep(_EAGER, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    return _top_p_keep(EAGER_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -323,46 +378,37 @@ def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatur
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
     n_valid = max(0, min(width, vocab_size - vocab_start))
-    splits, _ = fps.plan_chunks(n_valid, bs, ns)
+    splits, chunk = column_plan(b * (2 * k + 1), n_valid, bs, ns)
     has_p = top_p is not None
-    plan = _Plan(b * k1, b * k, b, splits, tp, has_p)
+    plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p)
     ws = _call_buffers(workspace, plan, dev, "rejection_sample")
-    kw = dict(block_size=bs, num_splits=ns)
+    if b == 0:
+        return accepted, num_accepted
+    kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
+    ex = _exchange_or_none(exchange)
     tgt = target_logits.view(b * k1, width)
     drf = draft_logits.view(b * k, width)
-    ws.zero.zero_()
-    # 1. row maxima (and the target argmax for greedy rows and rows without a finite logit)
-    ops.row_max_keys(tgt, vocab_start, vocab_size, argmax=True, out=ws.keys_t, **kw)
-    ops.row_max_keys(drf, vocab_start, vocab_size, argmax=False, out=ws.keys_q, **kw)
-    if exchange is not None:
-        exchange.max_(ws.keys)
-    # 2. masses Z, the drafted tokens' weights, and top-p round 0
-    ops.weight_sums(tgt, ws.keys_t, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1,
-                    hist=has_p, out=ws.sums_t, **kw)
-    ops.weight_sums(drf, ws.keys_q, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k,
-                    out=ws.sums_q, **kw)
-    if exchange is not None:
-        exchange.sum_(ws.sums)
-    # 3. exact top-p of the target rows: Z_p and F_p(d_k)
+    # pass 1: row maxima of target and draft rows (and the target argmax), one launch
+    ops.keys(tgt, drf, vocab_start, vocab_size, out=ws.keys, **kw)
+    if ex is not None:
+        ex.max_(ws.keys)
+    # pass 2: masses Z, the drafted tokens' weights, and top-p round 0, one launch
+    ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1, row_div_q=k,
+             hist=has_p, out=ws.sums, **kw)
+    if ex is not None:
+        ex.sum_(ws.sums)
+    # exact top-p of the target rows: the boundary and its tie counts
+    state = ties_all = None
     if has_p:
-        _top_p_pipeline(ops, tgt, temperatures, top_p, vocab_start, vocab_size, exchange, rank, tp, ws, kw,
-                        tokens=draft_tokens, row_div=k1, keys=ws.keys_t, sums=ws.sums_t)
-    else:
-        ops.top_p_finalize(ws.keys_t, temperatures, None, ws.sums_t, None, None, ws.final, rank=rank, tp=tp,
-                           row_div=k1)
-    # 4. decisions and the residual / bonus draw
-    args = (tgt, drf, draft_tokens, temperatures, seeds, offsets, ws.keys_t, ws.keys_q, ws.sums_q, ws.final,
-            ws.chunk_ties)
-    ops.partials(*args, ws.dec, ws.partial, ws.tot, vocab_start, vocab_size, has_top_p=has_p, **kw)
-    if exchange is not None:
-        exchange.gather_ranks(ws.tot, out=ws.tot_all)
-    else:
-        ws.tot_all.copy_(ws.tot.unsqueeze(0))
-    ops.pick(*args, ws.dec, ws.partial, ws.tot_all, ws.pick, vocab_start, vocab_size, has_top_p=has_p, rank=rank,
-             **kw)
-    if exchange is not None:
-        exchange.sum_(ws.pick)
-    ops.assemble(draft_tokens, ws.keys_t, ws.dec, ws.pick, accepted, num_accepted)
+        _top_p_rounds(ops, tgt, temperatures, top_p, vocab_start, vocab_size, ex, ws, kw, tokens=draft_tokens,
+                      row_div=k1)
+        state, ties_all = ws.state[3], ws.ties_all
+    # decisions and the residual / bonus race over the chunks of row k*, then the winner
+    ops.draw(tgt, drf, draft_tokens, temperatures, seeds, offsets, top_p, ws.keys, ws.sums_t, ws.sums_q, state,
+             ties_all, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, **kw)
+    if ex is not None:
+        ex.gather_ranks(ws.race, out=ws.race_all)
+    ops.assemble(draft_tokens, ws.keys, ws.dec, ws.race_all, accepted, num_accepted)
     return accepted, num_accepted
 
 
@@ -392,7 +438,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     and the target argmax on greedy rows (as ``strict_accept``). Identical on every rank and at every TP
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
-    return _rejection_sample(_FUSED, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
+    return _rejection_sample(FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
                              top_p, vocab_start, vocab_size, exchange, out, workspace)
 
 
@@ -403,5 +449,5 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                out: tuple[torch.Tensor, torch.Tensor] | None = None,
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
-    return _rejection_sample(_EAGER, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
+    return _rejection_sample(EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
                              top_p, vocab_start, vocab_size, exchange, out, workspace)

@@ -32,10 +32,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("command", ["generate", "generate_tp2", "serve"])
 def test_non_finite_checkpoint_exits_2_with_one_line(nan_checkpoint, capsys, command):
     argv = (["generate", "--model", str(nan_checkpoint), "--no-progress", "--max-new-tokens", "2", "1 17 305"]
-            if command == "generate" else ["serve", str(nan_checkpoint), "--port", str(_free_port())])
+            if command != "serve" else ["serve", str(nan_checkpoint), "--port", str(_free_port())])
+    if command == "generate_tp2":  # every rank refuses the same file: one line, exit 2, not a rank fault
+        argv += ["--tp", "2"]
     assert main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
     assert err == [f"error: checkpoint: {nan_checkpoint / 'model.safetensors'}: model.norm.weight holds 1 "

@@ -30,8 +30,10 @@ def test_generate_check_tp1(small_yaml, tmp_path, capsys):
     assert "check passed" in text and "mean acceptance length" in text
     data = json.loads(out_json.read_text())
     res = data["ranks"][0]["results"]  # --json: versions, config, requests, check, ranks
-    assert res["speculative"]["outputs"] == res["target_only"]["outputs"] == res["gathered"]["outputs"]
+    assert res["speculative"]["outputs"] == res["target_only"]["outputs"]
     assert all(len(o) == 6 for o in res["speculative"]["outputs"])
+    # At tp 1 the gathered path is the speculative path itself: not run, not claimed.
+    assert "gathered" not in res and "not compared" in text and "speculative vs gathered" not in text
 
 
 def test_generate_is_the_default_command_and_reads_a_prompts_file(small_yaml, tmp_path, capsys):
@@ -77,21 +79,26 @@ def test_check_fails_on_rejections_and_when_nothing_is_compared(small_yaml, caps
 
 
 def test_generate_rejection_sampling_check(tmp_path, capsys):
-    """``--rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise (one
-    rank here: the gathered worker is the reference), greedy copies == the target decode, every token in
-    the target's top-p set."""
+    """``--tp 2 --rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise,
+    greedy copies == the target decode, every token in the target's top-p set; at tp 1 there is nothing
+    sharded to compare and the check does not claim it."""
     cfg = tmp_path / "rs.yaml"
     small = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 1,
                           "model.target.capture_layers": [0], "max_seq_len": 24})
     cfg.write_text(json.dumps(load_config(**small).model_dump(mode="json")))
     out_json = tmp_path / "out.json"
     rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "4", "--temperature", "1", "--top-p", "0.9",
-               "--rejection-sampling", "--check", "--no-progress", "--json", str(out_json), "1 2 3"])
+               "--rejection-sampling", "--check", "--no-progress", "--json", str(out_json), "--tp", "2", "1 2 3"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "verification=rejection sampling" in text and "check passed: sharded == gathered" in text
+    assert "speculative vs gathered verification (bitwise, tokens + acceptance): agree" in text
     data = json.loads(out_json.read_text())
     assert data["check"]["passed"] and data["requests"][0]["top_p"] == 0.9
     res = data["ranks"][0]["results"]["speculative"]
     assert len(res["outputs"]) == 2 and res["outside_top_p"] == [0, 0]  # the prompt + its greedy copy
     assert main(["generate", "--config", str(cfg), "--top-p", "1.5"]) == 2
+    rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "2", "--temperature", "1", "--top-p", "0.9",
+               "--rejection-sampling", "--check", "--no-progress", "1 2 3"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "check passed: greedy rows" in text and "not compared" in text, text

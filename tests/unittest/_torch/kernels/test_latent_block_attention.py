@@ -13,7 +13,9 @@ import torch
 
 from tensorrt_llm_ext.contract import DraftBlockPlacement
 from tensorrt_llm_ext.kernels.common import CaptureAllocationError
-from tensorrt_llm_ext.kernels.latent_block_attention import latent_block_attention, latent_block_attention_reference
+from tensorrt_llm_ext.kernels.latent_block_attention import (ATTENTION_SCHEDULES, AttentionSchedule,
+                                                             attention_schedule, latent_block_attention,
+                                                             latent_block_attention_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -77,7 +79,7 @@ def run_both(case, **kw):
 def test_fused_matches_eager_twin(dtype, shape):
     case = make_case(dtype, **shape)
     before = case["pool_layer"].clone()
-    fused, ref, pool_f, pool_r = run_both(case, block_n=16)
+    fused, ref, pool_f, pool_r = run_both(case, schedule=AttentionSchedule(None, block_n=16))
     assert fused.shape == ref.shape and fused.dtype == dtype
     torch.testing.assert_close(fused.float(), ref.float(), **TOL[dtype])
     assert torch.equal(pool_f, pool_r)  # the block-latent store is a copy, bit for bit
@@ -95,10 +97,11 @@ def test_context_spanning_pages_and_tiles_and_length_one():
     """Every context length from 0 to a few pages (several BLOCK_N tiles), incl. 1 and page boundaries."""
     lens = (0, 1, 3, 4, 5, 15, 16, 17, 31)
     case = make_case(torch.float32, b=len(lens), k=2, ctx=lens, dummy=(), page_size=4, max_pages=9)
-    fused, ref, _, _ = run_both(case, block_n=16)
+    fused, ref, _, _ = run_both(case, schedule=AttentionSchedule(None, block_n=16))
     torch.testing.assert_close(fused, ref, **TOL[torch.float32])
     # The tile size is a tuning knob only.
-    torch.testing.assert_close(run_both(case, block_n=64)[0], fused, **TOL[torch.float32])
+    wide = run_both(case, schedule=AttentionSchedule(None, block_n=64))[0]
+    torch.testing.assert_close(wide, fused, **TOL[torch.float32])
 
 
 def test_stale_pool_garbage_never_leaks():
@@ -134,9 +137,40 @@ def test_out_buffer_no_store_and_validation():
     with pytest.raises(ValueError, match="head_dim must be even"):
         latent_block_attention(**{**case, "q": case["q"][..., :-1]})
     with pytest.raises(ValueError, match="block_n"):
-        latent_block_attention(**case, block_n=24)
+        AttentionSchedule(None, block_n=24)
+    with pytest.raises(ValueError, match="split_k"):
+        AttentionSchedule(None, split_k=0)
+    with pytest.raises(ValueError, match="schedule: expected an AttentionSchedule"):
+        latent_block_attention(**case, schedule=(32, 4))
     with pytest.raises(ValueError, match="out"):
         latent_block_attention(**case, out=out[:, :1])
+
+
+def test_split_k_schedules_within_tolerance_and_store_bitwise():
+    """Context split-K (splits written as online-softmax partials, merged in split order by a second
+    launch): every split count -- including splits past a row's live context (empty) and more splits than
+    tiles -- equals the twin within the fp32 tolerance (the sum order changes, so not bitwise) and the
+    unsplit kernel within the same; the block-latent store stays bitwise, dummy rows stay zero."""
+    lens = (0, 1, 5, 16, 17, 35)
+    case = make_case(torch.float32, b=len(lens), k=2, ctx=lens, dummy=(0,), page_size=4, max_pages=9)
+    one, ref, pool_one, pool_ref = run_both(case, schedule=AttentionSchedule(None, block_n=16))
+    for split_k in (2, 3, 64):
+        got, _, pool_got, _ = run_both(case, schedule=AttentionSchedule(None, block_n=16, split_k=split_k))
+        torch.testing.assert_close(got, ref, **TOL[torch.float32])
+        torch.testing.assert_close(got, one, **TOL[torch.float32])
+        assert torch.equal(pool_got, pool_ref) and torch.equal(got[0], torch.zeros_like(got[0])), split_k
+    bf = make_case(torch.bfloat16, seed=3)
+    got, ref, pool_got, pool_ref = run_both(bf, schedule=AttentionSchedule(None, block_n=16, split_k=2))
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[torch.bfloat16])
+    assert torch.equal(pool_got, pool_ref)
+
+
+def test_attention_schedule_table():
+    table = (AttentionSchedule(8, block_n=16, split_k=4), AttentionSchedule(None, block_n=64, num_warps=8))
+    assert [attention_schedule(b, table).split_k for b in (1, 8, 9, 512)] == [4, 4, 1, 1]
+    assert attention_schedule(3, ATTENTION_SCHEDULES) == ATTENTION_SCHEDULES[-1]
+    assert ATTENTION_SCHEDULES[-1].max_batch is None  # the last row covers every larger B
+    assert table[1].describe() == "n64/w8/sauto/k1"
 
 
 # -- GPU: realistic shapes, CUDA-graph replay -------------------------------------------------------------
@@ -171,3 +205,35 @@ def test_realistic_shapes_bf16_and_graph_replay(b):
     with pytest.raises(CaptureAllocationError, match="out="):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             latent_block_attention(**case)
+
+
+@CUDA
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("split_k", [4, 16])
+def test_gpu_split_k_bf16_and_graph_replay(b, split_k):
+    """Split-K on the H200 shapes of the drafter (8 heads x 64, latent 256, K = 7, context up to 1024 in pages
+    of 64): within the bf16 tolerance of the twin and of the unsplit kernel, the block-latent store bitwise,
+    and a CUDA-graph replay of both launches equal to the eager run bit for bit (the partials are cached)."""
+    k, page_size, max_pages = 7, 64, 17
+    ctx = tuple(int(x) for x in torch.randint(1, 1025, (b,), generator=torch.Generator().manual_seed(7 + b)))
+    case = make_case(torch.bfloat16, b=b, k=k, heads=8, head_dim=64, d_c=256, page_size=page_size,
+                     max_pages=max_pages, ctx=ctx, dummy=(), device="cuda", seed=b)
+    sched = AttentionSchedule(None, block_n=32, split_k=split_k)
+    pool0 = case["pool_layer"].clone()
+    got, ref, pool_got, pool_ref = run_both(case, schedule=sched)
+    one = run_both(case, schedule=AttentionSchedule(None))[0]
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(got.float(), one.float(), **TOL[torch.bfloat16])
+    assert torch.equal(pool_got, pool_ref)
+    out = torch.empty_like(case["q"])
+    case["pool_layer"] = pool0.clone()
+    latent_block_attention(**case, out=out, schedule=sched)  # warm-up: compile, RoPE table, partials
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        latent_block_attention(**case, out=out, schedule=sched)
+    out.zero_()
+    case["pool_layer"].copy_(pool0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -5,10 +5,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, _philox_4x32_10_torch, block_best, gumbel_noise,
-                                                  gumbel_noise_torch, gumbel_words4, key_to_id_torch, ordered_i32,
-                                                  ordered_i32_torch, pack_key, philox_uniform, philox_uniform_torch,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, LOG2E_F32, _philox_4x32_10_torch, block_best,
+                                                  gumbel2_from_word, gumbel2_from_word_torch, gumbel2_noise,
+                                                  gumbel2_noise_torch, gumbel_scale, gumbel_scale_torch, gumbel_words4,
+                                                  key_to_id_torch, ordered_i32, ordered_i32_torch, pack_key,
                                                   shard_argmax_key_reference, uniform_from_word)
+
+CPU = not torch.cuda.is_available()
+
+
+def _noise_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise under the interpreter (numpy's log2 on both sides); within the GPU log2's error on CUDA."""
+    if CPU:
+        assert torch.equal(got.cpu(), want)
+    else:
+        torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)  # lg2.approx: ~1e-5 of the noise
 
 # Triton takes CPU tensors only under the interpreter (CPU machines); on a GPU machine test CUDA.
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -23,11 +34,10 @@ def _probe_kernel(x_ptr, ord_ptr, key_ptr, u_ptr, g_ptr, seed, offset, n, vocab_
     tl.store(ord_ptr + c, o, mask=valid)
     best, col = block_best(o, c, valid, AXIS=0)
     tl.store(key_ptr, pack_key(best, (col + vocab_start).to(tl.int64)))
-    cu = c.to(tl.uint32)
-    tl.store(u_ptr + c, philox_uniform(seed, cu, cu * 0 + 5, cu * 0, cu * 0 + 7), mask=valid)
     s = tl.full([N], seed, tl.int64)
     off = tl.full([N], offset, tl.int64)
-    tl.store(g_ptr + c, gumbel_noise(s, off, (c + vocab_start).to(tl.int64), 3), mask=valid)
+    tl.store(g_ptr + c, gumbel2_noise(s, off, (c + vocab_start).to(tl.int64), 3), mask=valid)
+    tl.store(u_ptr + c, gumbel_scale(x), mask=valid)  # per-"row" multiplier log2(e) / T of each value
 
 
 def _rows():
@@ -58,11 +68,10 @@ def test_kernel_keys_match_torch_twins(device, dtype):
         assert torch.equal(key.cpu(), ref_key)
         assert key_to_id_torch(key.cpu()).item() == torch.argmax(x.cpu().float()).item() + start
         c = torch.arange(n)
-        ref_u = philox_uniform_torch(torch.tensor(seed), c, torch.full_like(c, 5), torch.zeros_like(c),
-                                     torch.full_like(c, 7))
-        assert torch.equal(u.cpu(), ref_u)  # integer Philox: bitwise on every backend
-        ref_g = gumbel_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), (c + start)[None], 3)[0]
-        torch.testing.assert_close(gn.cpu(), ref_g, atol=2e-5, rtol=2e-5)  # GPU tl.log is approximate
+        # IEEE division (div_rn) in both: bitwise on every backend; T <= 0 or NaN -> 1.0
+        assert torch.equal(u.cpu(), gumbel_scale_torch(x.cpu().float()))
+        ref_g = gumbel2_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), (c + start)[None], 3)[0]
+        _noise_close(gn, ref_g)
 
 
 def test_padded_or_empty_shard_never_wins():
@@ -75,15 +84,17 @@ def test_padded_or_empty_shard_never_wins():
 
 
 # ----------------------------------------------------------------------------------------------------
-# The Gumbel noise mapping: word gid % 4 of the Philox block with counter (gid // 4, offset, salt)
+# The Gumbel noise mapping: word gid % 4 of the Philox block with counter (gid // 4, offset, salt),
+# G2 = -log2(-log2 u)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _words_kernel(g_ptr, w_ptr, u_ptr, word_in_ptr, seed, offset, gid0, n, N: tl.constexpr, SALT: tl.constexpr):
+def _words_kernel(g_ptr, w_ptr, u_ptr, e_ptr, word_in_ptr, seed, offset, gid0, n, N: tl.constexpr,
+                  SALT: tl.constexpr):
     c = tl.arange(0, N)
     valid = c < n
     s = tl.full([N], seed, tl.int64)
     off = tl.full([N], offset, tl.int64)
-    tl.store(g_ptr + c, gumbel_noise(s, off, (c + gid0).to(tl.int64), SALT), mask=valid)
+    tl.store(g_ptr + c, gumbel2_noise(s, off, (c + gid0).to(tl.int64), SALT), mask=valid)
     q = tl.arange(0, N // 4).to(tl.int64) + gid0 // 4  # the blocks of ids gid0 .. (gid0 rounded down to 4)
     r0, r1, r2, r3 = gumbel_words4(seed, offset, q, SALT)
     i = tl.arange(0, N // 4) * 4
@@ -93,23 +104,24 @@ def _words_kernel(g_ptr, w_ptr, u_ptr, word_in_ptr, seed, offset, gid0, n, N: tl
     tl.store(w_ptr + i + 3, r3.to(tl.int64))
     words = tl.load(word_in_ptr + c).to(tl.uint32)
     tl.store(u_ptr + c, uniform_from_word(words))
+    tl.store(e_ptr + c, gumbel2_from_word(words))
 
 
-def _gumbel_of_word(r: torch.Tensor) -> torch.Tensor:
-    """The documented word -> noise transform, written out: u = ((r >> 9) + 0.5) 2^-23, G = -log(-log u)."""
-    u = ((r >> 9).to(torch.float32) + 0.5) * 2.0**-23
-    t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25)))
-    return -torch.log(torch.where(t < 0.015625, series, -torch.log(u)))
+def _gumbel2_of_word(r: torch.Tensor) -> torch.Tensor:
+    """The documented word -> noise transform, written out in float64: u = ((r >> 9) + 0.5) 2^-23,
+    G2 = -log2(-log2 u)."""
+    u = ((r >> 9).to(torch.float64) + 0.5) * 2.0**-23
+    return -torch.log2(-torch.log2(u))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gid0", [0, 4 * 12345 + 1, 2**32 - 64 - 3])
 def test_gumbel_four_column_mapping(device, gid0):
     """One Philox block feeds four consecutive global ids: id 4q + w takes word w of the block with counter
-    (q, offset lo, offset hi, salt). Pinned here against Philox itself, for the torch twin (bitwise) and
-    the kernel helpers (words and uniforms bitwise; the logs within GPU tl.log's error), at an
-    unaligned first id and near the 2^32 id limit."""
+    (q, offset lo, offset hi, salt), and G2 = -log2(-log2 u). Pinned here against Philox itself and a
+    float64 evaluation of the mapping (the fp32 twin within 2e-6), for the kernel helpers (words and
+    uniforms bitwise everywhere; the noise bitwise to the twin under the interpreter, within the GPU log2's
+    error on CUDA), at an unaligned first id and near the 2^32 id limit."""
     n, N, salt = 61, 64, 0xD7AF7
     seed, offset = 2**40 + 977, 2**33 + 5
     gid = torch.arange(gid0, gid0 + n, dtype=torch.int64)
@@ -117,9 +129,9 @@ def test_gumbel_four_column_mapping(device, gid0):
     words = _philox_4x32_10_torch(torch.full_like(q, seed), q, torch.full_like(q, offset & 0xFFFFFFFF),
                                   torch.full_like(q, offset >> 32), torch.full_like(q, salt))
     word = torch.stack(words).gather(0, w[None])[0]
-    expected = _gumbel_of_word(word)
-    twin = gumbel_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), gid[None], salt)[0]
-    assert torch.equal(twin, expected)
+    twin = gumbel2_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), gid[None], salt)[0]
+    assert torch.equal(twin, gumbel2_from_word_torch(word))
+    torch.testing.assert_close(twin.double(), _gumbel2_of_word(word), atol=2e-6, rtol=2e-6)
     # Ids of one block draw from one Philox call: distinct words, so distinct noise (independent draws).
     assert twin.unique().numel() == n
 
@@ -128,8 +140,9 @@ def test_gumbel_four_column_mapping(device, gid0):
     edge = torch.tensor([0, 0x1FF, 0x200, 0xFFFFFFFF, 0xFFFFFE00, 0x80000000, 0x7FFFFFFF], dtype=torch.int64)
     word_in = torch.cat([edge, word[:N - edge.numel()]]).to(device)
     u = torch.empty(N, device=device)
-    _words_kernel[(1,)](g, got_words, u, word_in, seed, offset, gid0, n, N=N, SALT=salt)
-    torch.testing.assert_close(g.cpu(), expected, atol=2e-5, rtol=2e-5)  # GPU tl.log is approximate
+    e = torch.empty(N, device=device)
+    _words_kernel[(1,)](g, got_words, u, e, word_in, seed, offset, gid0, n, N=N, SALT=salt)
+    _noise_close(g, twin)
     q0 = torch.arange(N // 4, dtype=torch.int64) + gid0 // 4
     ref_words = _philox_4x32_10_torch(torch.full_like(q0, seed), q0, torch.full_like(q0, offset & 0xFFFFFFFF),
                                       torch.full_like(q0, offset >> 32), torch.full_like(q0, salt))
@@ -137,3 +150,21 @@ def test_gumbel_four_column_mapping(device, gid0):
     ref_u = ((word_in.cpu() >> 9).to(torch.float32) + 0.5) * 2.0**-23
     assert torch.equal(u.cpu(), ref_u)  # the bit-trick uniform is exactly (top + 0.5) * 2^-23
     assert u.max().item() < 1.0 and u.min().item() > 0.0
+    # Edge words (u next to 0 and to 1, where the series replaces the inner log): finite noise, the twin's
+    # value, and the float64 mapping's within 2e-6 (near u = 1 the noise is large: relative error).
+    want = gumbel2_from_word_torch(word_in.cpu())
+    _noise_close(e, want)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(want.double(), _gumbel2_of_word(word_in.cpu()), atol=2e-6, rtol=2e-6)
+
+
+def test_log2_score_is_gumbel_max():
+    """x * log2(e)/T + G2 is log2(e) * (x/T + G) - log2(log2 e) with G = -ln(-ln u): the same argmax as the
+    natural-log Gumbel-max (checked in float64 over every 2^23 uniform is too slow here; 2^16 spread words
+    against the float64 identity)."""
+    r = torch.arange(0, 2**32, 2**16, dtype=torch.int64) + 0x1FF
+    g2 = gumbel2_from_word_torch(r).double()
+    u = ((r >> 9).to(torch.float64) + 0.5) * 2.0**-23
+    g = -torch.log(-torch.log(u))
+    torch.testing.assert_close(g2, float(LOG2E_F32) * g - torch.log2(torch.tensor(float(LOG2E_F32)).double()),
+                               atol=2e-6, rtol=2e-6)

@@ -9,7 +9,7 @@ import torch
 
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
 
-V, R, K, B = 1201, 24, 3, 4  # 1201 pads the last shard at TP 2/3/4
+V, R, K, B = 601, 16, 3, 4  # 601 pads the last shard at TP 2/3/4
 
 
 def _inputs(integer_weights: bool):

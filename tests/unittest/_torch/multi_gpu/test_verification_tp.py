@@ -76,9 +76,44 @@ def _rank_verify():
         args = [_shard(target, start, stop, width), _shard(draft, start, stop, width), tokens, temps, seeds,
                 offsets, top_p]
         args = [a.to(dev) for a in args]
-        res = _call(fused or dev.type == "cuda", *args, vocab_start=start, vocab_size=vocab, exchange=exchange)
+        kw = dict(vocab_start=start, vocab_size=vocab, exchange=exchange)
+        if fused:  # several column chunks per row: the reductions over ranks and chunks together
+            from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
+
+            kw["workspace"] = VerificationWorkspace.for_verification(B, K, width, tp=mapping.tp_size, device=dev,
+                                                                     block_size=128, num_splits=2)
+        res = _call(fused or dev.type == "cuda", *args, **kw)
         res["mask"] = res["mask"][:, : stop - start]
         out[vocab] = res
+    # exchange rounds of one call of each kind (the eager twin issues the same exchanges as the kernels)
+    issued: list[str] = []
+    for meth in ("exchange_", "max_", "sum_", "gather_ranks"):
+        def counted(*a, _orig=getattr(exchange, meth), _name=meth, **kw):
+            issued.append(_name)
+            return _orig(*a, **kw)
+        setattr(exchange, meth, counted)
+    from tensorrt_llm_ext.speculative.verification import rejection_sample_reference, top_p_keep_reference
+
+    vocab = 1031
+    width = -(-vocab // mapping.tp_size)
+    start = mapping.tp_rank * width
+    target, draft, tokens, temps, seeds, offsets, top_p = _inputs(vocab)
+    sharded = [_shard(target, start, min(vocab, start + width), width).to(dev),
+               _shard(draft, start, min(vocab, start + width), width).to(dev)]
+    rounds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = [x.to(dtype) for x in sharded]
+        for key, tp_ in ((("rejection_sample", False), None), (("rejection_sample", True), top_p.to(dev))):
+            issued.clear()
+            rejection_sample_reference(*logits, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
+                                       offsets=offsets.to(dev), top_p=tp_, vocab_start=start, vocab_size=vocab,
+                                       exchange=exchange)
+            rounds[(*key, str(dtype))] = len(issued)
+        issued.clear()
+        top_p_keep_reference(logits[0].reshape(B * (K + 1), width), top_p.to(dev).repeat_interleave(K + 1),
+                             vocab_start=start, vocab_size=vocab, exchange=exchange)
+        rounds[("top_p_keep", True, str(dtype))] = len(issued)
+    out["rounds"] = rounds
     # exchange volume: one rejection_sample and one top_p_keep call at two vocabulary sizes
     volume = {}
     for vocab in (1031, 4099):
@@ -88,8 +123,6 @@ def _rank_verify():
         target, draft, tokens, temps, seeds, offsets, top_p = _inputs(vocab)
         args = [_shard(target, start, stop, width).to(dev), _shard(draft, start, stop, width).to(dev)]
         before = exchange.bytes_sent
-        from tensorrt_llm_ext.speculative.verification import rejection_sample_reference, top_p_keep_reference
-
         rejection_sample_reference(*args, tokens.to(dev), temperatures=temps.to(dev), seeds=seeds.to(dev),
                                    offsets=offsets.to(dev), top_p=top_p.to(dev), vocab_start=start, vocab_size=vocab,
                                    exchange=exchange)
@@ -113,9 +146,23 @@ def test_verification_tp_invariant(mpi_pool_executor):
                 assert torch.equal(r[name][1], ref[name][1]), (vocab, name)
         mask = torch.cat([r["mask"] for r in ranks], dim=1)
         assert torch.equal(mask, ref["mask"]), vocab
+    from tensorrt_llm_ext.speculative.verification import call_shape
+
+    dtypes = {str(d): d for d in (torch.float32, torch.bfloat16)}
+    for r in per_rank:  # exchange rounds per call: the documented shape
+        got = r[0]["rounds"]
+        assert len(got) == 6 and got == {key: call_shape(key[0], key[1], dtypes[key[2]])[1] for key in got}, got
+    # the issue's limits (3 without top-p, 5 with it): met without top-p, and with it on bf16 logits
+    got = per_rank[0][0]["rounds"]
+    assert got[("rejection_sample", False, "torch.float32")] <= 3
+    assert got[("rejection_sample", True, "torch.bfloat16")] <= 5
     for _, volume in per_rank:
         # the same bytes at both vocabulary sizes: only per-row partials cross ranks
         assert volume[1031] == volume[4099] and volume[1031][0] > 0 and volume[1031][1] > 0, volume
-    # and they are small: under 2 KiB per target row per call (histograms dominate)
+    # the bytes are what VerificationPlan.exchanges() lists (what bench verify prints)
+    from tensorrt_llm_ext.bench.verify import exchange_volume
+
+    assert per_rank[0][1][1031][0] == exchange_volume(B, K, tp, True, 1, torch.float32)[1], per_rank[0][1]
+    # and they are small: under 8 KiB per target row per call (the three 2 KiB histograms dominate)
     rows = B * (K + 1)
     assert per_rank[0][1][4099][0] < rows * 2048 * 4 + 4096, (tp, per_rank[0][1])

@@ -179,10 +179,15 @@ def test_gumbel_keying(device):
     seeds[3] = 2**40 + 5  # high seed word
     offsets[4] = 2**33 + 1  # high offset word
     ref = gumbel_sample(x, temps, seeds, offsets, 0, vocab)
-    # Kernel vs eager twin: the uniforms are exact, the logs may differ by an ulp (numpy / libdevice vs
-    # torch), which can only flip a near-tie: the selected ids agree.
+    # Kernel vs eager twin: bitwise under the interpreter (the same fp32 ops, numpy's log2 on both sides);
+    # on GPU the SFU log2 differs from torch's by ulps, which can only flip a near-tie.
     twin = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets, return_ids=True)
-    assert (twin != ref).sum().item() <= 1
+    if device == "cpu":
+        assert torch.equal(twin, ref)
+        keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets)
+        assert torch.equal(keys, shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets))
+    else:
+        assert (twin != ref).sum().item() <= 1
     # Same draw at every block size, split count and simulated TP size (noise keyed by global id).
     for block, splits in ((64, 5), (256, None), (2048, 1)):
         keys = shard_select_keys(x, 0, vocab, temps, seeds, offsets, block_size=block, num_splits=splits)
@@ -332,19 +337,19 @@ def test_bad_inputs_raise():
         vocab_parallel_argmax(x, -1, 300)
     with pytest.raises(ValueError, match="vocab_size"):
         vocab_parallel_argmax(x, 0, 0)
-    with pytest.raises(ValueError, match=r"expected shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"temperatures: expected shape \[4\]"):
         gumbel_sample(x, t[:3], s, o, 0, 100)
-    with pytest.raises(ValueError, match="offsets: expected dtype torch.int64"):
+    with pytest.raises(ValueError, match="offsets: expected dtype int64"):
         gumbel_sample(x, t, s, o.int(), 0, 100)
     with pytest.raises(ValueError, match="seeds: expected dtype"):
         gumbel_sample(x, t, s.float(), o, 0, 100)
-    with pytest.raises(ValueError, match="temperatures: expected dtype torch.float32"):
+    with pytest.raises(ValueError, match="temperatures: expected dtype float32"):
         gumbel_sample(x, t.double(), s, o, 0, 100)
     with pytest.raises(ValueError, match="all three or none"):
         shard_select_keys(x, 0, 100, t, None, None)
     with pytest.raises(ValueError, match="temperatures: expected a contiguous"):
         gumbel_sample(x, t[:1].expand(4), s, o, 0, 100)  # a broadcast view would be misread
-    with pytest.raises(ValueError, match="unit column stride"):
+    with pytest.raises(ValueError, match="shard_logits: expected unit stride"):
         vocab_parallel_argmax(x.t(), 0, 100)
     with pytest.raises(ValueError, match="dtype"):
         vocab_parallel_argmax(x.double(), 0, 100)

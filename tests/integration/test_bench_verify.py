@@ -1,0 +1,19 @@
+"""``trtllm-ext bench verify --profile``: the launch list of one call (CPU: the interpreter's launches with
+counts; GPU: kernels of a captured call under torch.profiler), matching the pipeline's documented shape."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.speculative.verification import call_shape
+
+
+def test_bench_verify_profile_lists_the_launches_of_one_call(capsys):
+    assert main(["bench", "verify", "--profile", "--batch-sizes", "1"]) == 0
+    text = capsys.readouterr().out
+    totals = [int(n) for n in re.findall(r"(\d+) launches per call in all", text)]
+    assert totals == [call_shape("rejection_sample", False)[0], call_shape("rejection_sample", True, torch.bfloat16)[0]]
+    assert "_rejection_draw_kernel" in text and "_verify_keys_kernel" in text
