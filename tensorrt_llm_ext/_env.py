@@ -2,8 +2,8 @@
 
 No other module reads a switch. A few *set* variables for what they start, before it starts: the
 launcher turns ``TRITON_INTERPRET`` on for CPU runs before any kernel module is imported
-(``runtime/launch.py``), the MPI pool puts the venv's ``bin/`` on ``PATH`` for ``mpiexec``, and the TP
-benchmark keeps ``NCCL_NVLS_ENABLE=0`` for its ranks. :func:`tensorrt_llm_ext.logger.log_environment`
+(``runtime/launch.py``), the rank launcher puts the interpreter's ``bin/`` first on the ranks' ``PATH``
+(``runtime/ranks.py`` ``rank_env``), and the TP benchmark keeps ``NCCL_NVLS_ENABLE=0`` for its ranks. :func:`tensorrt_llm_ext.logger.log_environment`
 logs the values once per process (the engine calls it at start).
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` is evaluated; this module only reports it.

@@ -15,8 +15,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tensorrt_llm_ext.models.checkpoint import CheckpointError
-
 # A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
@@ -182,6 +180,8 @@ def _rank_main(job_dict: dict) -> dict:
     job = GenerateJob(**job_dict)
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
+    from tensorrt_llm_ext.models.checkpoint import CheckpointError
+
     try:
         report = run_job(job, mapping)
     except CheckpointError as e:
@@ -215,6 +215,8 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
                        log_dir=log_dir)
     refused = [item["refused"] for item in raw if "refused" in item]
     if refused:
+        from tensorrt_llm_ext.models.checkpoint import CheckpointError
+
         raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
     reports = []
     for item in raw:
