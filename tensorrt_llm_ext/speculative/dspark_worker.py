@@ -101,9 +101,7 @@ class DSparkWorker(SpecWorkerBase):
         # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
         self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
         self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
-        self._host_full_vocab = [False] * num_slots
         self._step_top_p = False
-        self._step_full_vocab = False
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
 
@@ -156,7 +154,6 @@ class DSparkWorker(SpecWorkerBase):
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
         self._step_top_p = any(self._host_top_p[s] < 1.0 for s in slots)
-        self._step_full_vocab = any(self._host_full_vocab[s] for s in slots)
 
     def check_slots(self, where: str, slots: list[int]) -> None:
         """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the
@@ -179,7 +176,7 @@ class DSparkWorker(SpecWorkerBase):
     def step_is_default(self) -> bool:
         """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row, no
         row routed to the full vocabulary): the variant CUDA graphs capture; others run eagerly."""
-        return not (self._step_top_p or self._step_full_vocab)
+        return not self._step_top_p
 
     def reset_step_state(self) -> None:
         """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
@@ -291,12 +288,12 @@ class DSparkWorker(SpecWorkerBase):
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
-                speculative: bool = True, *, top_p: float = 1.0, full_vocab: bool = False) -> int:
+                speculative: bool = True, *, top_p: float = 1.0) -> int:
         """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
         return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative,
-                                  top_ps=[top_p], full_vocabs=[full_vocab])[0]
+                                  top_ps=[top_p])[0]
 
-    def _check_prefill(self, slots, prompts, temperatures, seeds, top_ps, full_vocabs) -> None:
+    def _check_prefill(self, slots, prompts, temperatures, seeds, top_ps) -> None:
         n = len(slots)
         if n == 0 or not len(prompts) == len(temperatures) == len(seeds) == n:
             raise ValueError(f"prefill_batch: expected one prompt, temperature and seed per slot (at least one), got "
@@ -305,19 +302,15 @@ class DSparkWorker(SpecWorkerBase):
         empty = [s for s, p in zip(slots, prompts) if len(p) == 0]
         if empty:
             raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
-        if len(top_ps) != n or len(full_vocabs) != n:
-            raise ValueError(f"prefill_batch: expected one top_p and full_vocab per slot, got {len(top_ps)}, "
-                             f"{len(full_vocabs)} for {n} slots")
-        bad_p = [p for p in top_ps if not 0.0 < p <= 1.0]
-        if bad_p:
-            raise ValueError(f"{type(self).__name__}.prefill: top_p must be in (0, 1], got {bad_p}")
+        if len(top_ps) != n:
+            raise ValueError(f"prefill_batch: expected one top_p per slot, got {len(top_ps)} for {n} slots")
+        # top_p's range is the request's (Request.validate) and the kernel API's (verification) to check
         if not self.sampling and any(t > 0 for t in temperatures):
             raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
                              f"got temperatures {list(temperatures)}")
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                      speculative: bool = True, *, top_ps: list[float] | None = None,
-                      full_vocabs: list[bool] | None = None) -> list[int]:
+                      speculative: bool = True, *, top_ps: list[float] | None = None) -> list[int]:
         """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
 
         The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
@@ -327,17 +320,15 @@ class DSparkWorker(SpecWorkerBase):
         prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
         bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
-        ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``top_ps`` (default 1): each
-        request samples from the target's exact top-p set; ``full_vocabs``: the request needs the
-        full-vocabulary logits (``needs_full_vocab``), so every step it runs in verifies on the gathered path.
+        ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``top_ps``
+        (default 1): each request samples from the target's exact top-p set.
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
         GEMM of another shape may round differently. Eager (not captured), synchronises once for the tokens.
         """
         top_ps = [1.0] * len(slots) if top_ps is None else list(top_ps)
-        full_vocabs = [False] * len(slots) if full_vocabs is None else list(full_vocabs)
-        self._check_prefill(slots, prompts, temperatures, seeds, top_ps, full_vocabs)
+        self._check_prefill(slots, prompts, temperatures, seeds, top_ps)
         st = self.state
         dev = self.device
         k = self.draft_len
@@ -351,9 +342,8 @@ class DSparkWorker(SpecWorkerBase):
         st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
         restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
         self.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=self.slot_top_p.dtype, device=dev)
-        for slot, p, rest, fv in zip(slots, top_ps, restricted, full_vocabs):
+        for slot, p, rest in zip(slots, top_ps, restricted):
             self._host_top_p[slot] = float(p) if rest else 1.0
-            self._host_full_vocab[slot] = bool(fv)
         with nvtx_range("prefill"):
             ids = torch.zeros(r, t, dtype=torch.int64)
             for row, p in enumerate(prompts):
@@ -444,7 +434,7 @@ class DSparkWorker(SpecWorkerBase):
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
-            top_p=top_p, full_vocab=self._step_full_vocab, out=(self.accepted[:b], self.num_accepted[:b]))
+            top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]))
         return accepted, num_acc, logits
 
     def advance(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor, captured: torch.Tensor):

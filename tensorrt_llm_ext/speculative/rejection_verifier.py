@@ -14,15 +14,12 @@ The decision is derived only from the selection decision (already agreed across 
 (identical on every rank), so it is the same on every rank without a collective of its own; it is logged
 once per worker and stored here alone (:attr:`RejectionVerifier.decision`).
 
-Per step, a step with a row that needs the full vocabulary (``needs_full_vocab``: logprobs, a logits
-post-processor) verifies gathered: target shards are all-gathered and the stored draft-logit shards of
-the step's rows are completed by one bounded all-gather ``[B, K, V_local] -> [B, K, V]``. Sharded and
-gathered verification give the same bits (the TP-1 call is the reference of the sharded one), so the
-routing changes cost, never tokens.
+Sharded and gathered verification give the same bits (the TP-1 call is the reference of the sharded
+one). No request needs the full-vocabulary logits in the step: logprobs are computed on the shards
+(:mod:`~tensorrt_llm_ext.speculative.logprobs`), top-p by the exact sharded top-p.
 
-CUDA graphs: the workspaces and the row buffers are allocated here, once, before any capture; the sharded
-(or plain gathered) step allocates nothing. A routed full-vocabulary step all-gathers (allocates) and
-runs eagerly.
+CUDA graphs: the workspaces and the row buffers are allocated here, once, before any capture; the step
+allocates nothing.
 """
 
 from __future__ import annotations
@@ -141,7 +138,7 @@ class RejectionVerifier:
     # -- verification ------------------------------------------------------------------------------------
     def verify(self, fn, target_logits: torch.Tensor, stored: torch.Tensor, slots: torch.Tensor,
                tokens: torch.Tensor, *, temperatures: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-               top_p: torch.Tensor | None, full_vocab: bool, out: tuple[torch.Tensor, torch.Tensor]):
+               top_p: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor]):
         """One step's rejection sampling: ``(accepted [B, K+1] int64, num_accepted [B] int32)`` in ``out``.
 
         Args:
@@ -150,7 +147,6 @@ class RejectionVerifier:
             stored: the slot-indexed draft-logits buffer ``[S, K, W]``; slots: ``[B]`` int64 row slots.
             tokens: ``[B, K+1]`` the verified ``[anchor, d_0 .. d_{K-1}]``.
             temperatures / seeds / offsets / top_p: ``[B]`` (``offsets`` = position of ``d_0``).
-            full_vocab: route this step to the gathered path (a row needs the full vocabulary).
         """
         b, k = tokens.shape[0], self.draft_len
         drafts = self.draft_tokens[:b]
@@ -161,10 +157,5 @@ class RejectionVerifier:
         if not self.decision.sharded:
             tgt = target_logits.reshape(b, k + 1, -1)[..., :self.vocab_size].contiguous()
             return fn(tgt, rows, drafts, vocab_size=self.vocab_size, workspace=self.full_workspace, **kw)
-        if full_vocab:
-            tgt = allgather(target_logits, self.mapping, dim=-1)[:, :self.vocab_size]
-            full = allgather(rows, self.mapping, dim=-1)[..., :self.vocab_size].contiguous()
-            return fn(tgt.reshape(b, k + 1, -1).contiguous(), full, drafts, vocab_size=self.vocab_size,
-                      workspace=self.full_workspace, **kw)
         return fn(target_logits.view(b, k + 1, self.width), rows, drafts, vocab_start=self.vocab_start,
                   vocab_size=self.vocab_size, exchange=self.exchange, workspace=self.sharded_workspace, **kw)

@@ -38,9 +38,9 @@ from tensorrt_llm_ext.modules.linear import TensorParallelMode
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 
 __all__ = [
-    "DRAFT_SALT", "TARGET_SALT", "RequestSampling", "SelectionMode", "SelectionParams", "VocabParallelHead",
+    "DRAFT_SALT", "TARGET_SALT", "SelectionMode", "SelectionParams", "VocabParallelHead",
     "VocabParallelSelection", "VocabParallelSelectionMixin", "VocabParallelSelector", "VocabShardedLogits",
-    "gathered_argmax", "gathered_gumbel_sample", "gumbel_sample", "needs_full_vocab", "vocab_parallel_argmax",
+    "gathered_argmax", "gathered_gumbel_sample", "gumbel_sample", "vocab_parallel_argmax",
 ]
 
 _ID_MASK = 0xFFFFFFFF
@@ -375,25 +375,6 @@ class VocabParallelSelection:
 # Per batch
 # ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RequestSampling:
-    """What token selection needs to know about one request."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    return_logprobs: bool = False
-    has_logits_post_processor: bool = False
-
-
-def needs_full_vocab(request: RequestSampling) -> bool:
-    """True when the request's token cannot be picked from the shards (it takes the gathered path):
-    a logits post-processor, logprobs, or top-k (> 1) filtering. Top-p is decided on the shards (the
-    exact top-p of :mod:`tensorrt_llm_ext.speculative.verification`), so it needs no gather."""
-    return (request.has_logits_post_processor or request.return_logprobs
-            or (request.top_k is not None and request.top_k > 1))
-
-
-@dataclass(frozen=True)
 class SelectionParams:
     """One batch's selection inputs. ``temperatures=None``: all rows greedy.
 
@@ -460,7 +441,7 @@ class VocabParallelSelector:
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy / temperature-only Gumbel selection: ``[R, V_shard]`` shard or ``[R, V]`` full -> ``[R]``.
 
-        A batch with a request that :func:`needs_full_vocab` must take the gathered path. CUDA-graph safe.
+        CUDA-graph safe.
         """
         params = params or SelectionParams()
         if isinstance(logits, VocabShardedLogits):

@@ -2,8 +2,6 @@
 
 * Vocab-sharded verification == gathered verification bitwise (tokens and acceptance lengths), greedy rows
   == the target-only decode, top-p rows, identical on every rank; the decision is "vocab-sharded".
-* A step with a row that needs the full vocabulary is routed to the gathered path (no verification
-  exchange) and emits the same bits.
 * Lossless in distribution at TP 2 (a smaller count than at TP 1): chi-square of the first two tokens,
   alpha = 1e-3. For speed the sharded worker runs an op table whose verification, top-p and tail ops are
   the eager twins (same exchanges, same bits as the fused launchers); selection and the Markov chain stay
@@ -83,23 +81,6 @@ def _sharded_vs_gathered(eng, max_new: int):
         out[mode + "_acc"] = [r.accepted_lens for r in results]
     out["decision"] = eng.worker().verifier.decision.describe()
     out["gathered_decision"] = eng.worker("gathered").verifier.decision.describe()
-
-    # Routing, at the worker level (the engine has no request kind that needs the full vocabulary yet).
-    w = eng.worker()
-    ex = w.verifier.exchange
-    routed = {}
-    for full_vocab in (False, True):
-        for slot, p in enumerate(PROMPTS[:2]):
-            eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
-            w.prefill(slot, p, 1.0, 11 + slot, full_vocab=full_vocab and slot == 1)
-        w.set_rows([0, 1], 2)
-        before = ex.bytes_sent
-        o = w.forward(2)
-        routed[full_vocab] = (o["new_tokens"].tolist(), o["new_tokens_lens"].tolist(), ex.bytes_sent - before,
-                              w.step_is_default)
-        for slot in (0, 1):
-            eng.pages.free(slot)
-    out["routed"] = routed
     return out
 
 
@@ -115,12 +96,6 @@ def test_tp2_sharded_verification_equals_gathered(mpi_pool_executor):
     for i in (0, 2):  # greedy rows
         assert first["speculative"][i] == first["target_only"][i]
     assert all(len(o) == 5 for o in first["speculative"])
-    (tok_a, len_a, bytes_a, default_a), (tok_b, len_b, bytes_b, default_b) = first["routed"][False], first["routed"][True]
-    assert default_a and not default_b
-    assert tok_a == tok_b and len_a == len_b  # routing changes cost, never bits
-    # The sharded step sends the verification's exchanges; the routed one gathers instead (the Markov
-    # chain's pair exchange is all it sends through the PairExchange).
-    assert bytes_b < bytes_a, (bytes_a, bytes_b)
 
 
 def _rank_distribution(n: int, temp: float):

@@ -20,9 +20,9 @@ from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.linear import TensorParallelMode
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 from tensorrt_llm_ext.speculative.vocab_parallel import (
-    RequestSampling, SelectionParams, VocabParallelSelection, VocabParallelSelectionMixin, VocabShardedLogits,
+    SelectionParams, VocabParallelSelection, VocabParallelSelectionMixin, VocabShardedLogits,
     gathered_argmax, gumbel_sample, local_draft_failures, local_target_failures,
-    needs_full_vocab, vocab_parallel_argmax)
+    vocab_parallel_argmax)
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 NAN, INF = float("nan"), float("inf")
@@ -493,17 +493,6 @@ def test_decide_single_rank_and_modes():
         VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="on")
     with pytest.raises(ValueError):
         VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="sometimes")
-
-
-def test_request_routing():
-    assert not needs_full_vocab(RequestSampling(temperature=0.0))
-    assert not needs_full_vocab(RequestSampling(temperature=0.8, top_k=1, top_p=1.0))
-    assert needs_full_vocab(RequestSampling(temperature=0.8, top_k=50))
-    # top-p is decided jointly on the shards (exact top-p): no gather
-    assert not needs_full_vocab(RequestSampling(temperature=0.8, top_p=0.9))
-    assert needs_full_vocab(RequestSampling(temperature=0.8, top_k=50, top_p=0.9))
-    assert needs_full_vocab(RequestSampling(return_logprobs=True))
-    assert needs_full_vocab(RequestSampling(has_logits_post_processor=True))
 
 
 class _Worker(VocabParallelSelectionMixin):
