@@ -112,7 +112,7 @@ def _acceptance(url: str) -> tuple[float, float]:
                     _add_args)
 def run(args: argparse.Namespace) -> None:
     from tensorrt_llm_ext.runtime.config import load_config
-    from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, sample_bodies, start_server
+    from tensorrt_llm_ext.bench.server_process import SMALL_SERVE_CONFIG, sample_bodies, start_server
 
     work = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     cfg_path = args.config

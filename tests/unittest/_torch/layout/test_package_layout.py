@@ -8,11 +8,13 @@ from pathlib import Path
 import tensorrt_llm_ext
 
 PKG = Path(tensorrt_llm_ext.__file__).parent
-# Dependency order (DESIGN: contract <- kernels <- distributed <- modules/models <- speculative <- runtime <- CLI).
-# Base modules (environment, logging, the rank layout) sit below everything and import nothing above them.
+# Dependency order (DESIGN: contract <- kernels <- distributed <- modules <- models <- speculative <- runtime
+# <- CLI). Base modules (environment, logging, the rank layout) sit below everything and import nothing
+# above them. Test support sits above everything that ships: only the CLI (its test-list command) and the
+# tests import it.
 BASE = {"_env", "logger", "mapping"}
-LAYER = {"contract": 0, "kernels": 1, "distributed": 2, "modules": 3, "models": 3, "speculative": 4,
-         "runtime": 5, "testing": 5, "bench": 6, "cli": 6, "selfcheck": 6, "__init__": 6, "configs": 5, "serve": 6}
+LAYER = {"contract": 0, "kernels": 1, "distributed": 2, "modules": 3, "models": 4, "speculative": 5,
+         "configs": 6, "runtime": 6, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
 
 
 def _part(module: str) -> str | None:
@@ -23,14 +25,30 @@ def _part(module: str) -> str | None:
 
 
 def _layer(part: str) -> int:
-    return -1 if part in BASE else LAYER.get(part, 6)
+    return -1 if part in BASE else LAYER.get(part, max(LAYER.values()))
 
 
-def _imports(path: Path):
+def _absolute(rel: Path, module: str | None, level: int) -> str:
+    """``from ..x import y`` in ``kernels/k.py`` -> ``tensorrt_llm_ext.x``: level 1 is the file's own folder
+    (a package's ``__init__`` included), each further level one folder up."""
+    package = ["tensorrt_llm_ext", *rel.parts[:-1]]
+    package = package[:len(package) - (level - 1)]
+    return ".".join(package + ([module] if module else []))
+
+
+def _imports(path: Path, rel: Path | None = None):
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, node.lineno
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                yield node.module, node.lineno
+            else:
+                base = _absolute(rel if rel is not None else Path(path.name), node.module, node.level)
+                if node.module:
+                    yield base, node.lineno
+                else:  # from . import x, y: each name is a module of that package
+                    for alias in node.names:
+                        yield f"{base}.{alias.name}", node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -41,7 +59,7 @@ def _violations() -> list[str]:
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG)
         own = rel.parts[0].removesuffix(".py")
-        for module, line in _imports(path):
+        for module, line in _imports(path, rel):
             part = _part(module)
             if part is None or part == own:
                 continue
@@ -56,21 +74,36 @@ def test_imports_point_down_the_dependency_order():
 
 def test_contract_and_kernels_import_nothing_above_them():
     forbidden = ("tensorrt_llm_ext.speculative", "tensorrt_llm_ext.models", "tensorrt_llm_ext.runtime",
-                 "tensorrt_llm_ext.modules", "tensorrt_llm_ext.distributed")
+                 "tensorrt_llm_ext.modules", "tensorrt_llm_ext.distributed", "tensorrt_llm_ext.testing")
     offenders = []
     for path in [PKG / "contract.py", *sorted((PKG / "kernels").rglob("*.py"))]:
-        offenders += [f"{path.name}: {m}" for m, _ in _imports(path) if m.startswith(forbidden)]
+        rel = path.relative_to(PKG)
+        offenders += [f"{rel}: {m}" for m, _ in _imports(path, rel) if m.startswith(forbidden)]
     assert offenders == []
-    contract_deps = {m for m, _ in _imports(PKG / "contract.py") if m.startswith("tensorrt_llm_ext")}
+    contract_deps = {m for m, _ in _imports(PKG / "contract.py", Path("contract.py"))
+                     if m.startswith("tensorrt_llm_ext")}
     assert contract_deps == set()
 
 
 def test_the_layout_check_catches_an_upward_import(tmp_path, monkeypatch):
     fake = tmp_path / "tensorrt_llm_ext"
-    (fake / "kernels").mkdir(parents=True)
-    (fake / "kernels" / "k.py").write_text("from tensorrt_llm_ext.speculative.x import y\n")
+    for sub in ("kernels", "models", "bench"):
+        (fake / sub).mkdir(parents=True)
     monkeypatch.setattr(__import__(__name__, fromlist=["PKG"]), "PKG", fake)
-    assert len(_violations()) == 1
+    (fake / "kernels" / "k.py").write_text("from tensorrt_llm_ext.speculative.x import y\n")
+    (fake / "kernels" / "ok.py").write_text("from . import common\nfrom .common import check_tensor\n")
+    assert _violations() == ["kernels/k.py:1 imports tensorrt_llm_ext.speculative.x (layer speculative is above "
+                             "kernels)"]
+    # relative imports resolve to their absolute module: two levels up from kernels/ is the package root
+    (fake / "kernels" / "rel.py").write_text("x = 1\nfrom ..runtime.engine import Engine\n")
+    # models sit above modules; test support sits above what ships
+    (fake / "models" / "m.py").write_text("from tensorrt_llm_ext.modules import linear\n")
+    (fake / "bench" / "b.py").write_text("from ..testing.mpi import MpiPool\n")
+    assert _violations() == [
+        "bench/b.py:1 imports tensorrt_llm_ext.testing.mpi (layer testing is above bench)",
+        "kernels/k.py:1 imports tensorrt_llm_ext.speculative.x (layer speculative is above kernels)",
+        "kernels/rel.py:2 imports tensorrt_llm_ext.runtime.engine (layer runtime is above kernels)",
+    ]
 
 
 def test_every_triton_jit_lives_under_kernels():
