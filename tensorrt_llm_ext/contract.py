@@ -30,6 +30,11 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+# The smallest temperature a keyed Gumbel draw takes: below about 1e-38 the scaled logit overflows fp32 and
+# every positive logit ties at +inf; far above 1e-38 a draw already equals the argmax unless logits tie
+# within ~20 T. A request below it is served greedy (its T -> 0 limit); the selection API refuses it.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class DraftBlockPlacement:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 
-# Below this a temperature is served as its T -> 0 limit, greedy. Under about 1e-38 ``x / T`` overflows fp32 and
-# every positive logit ties at +inf (the keyed Gumbel draw, the verification and the target-only decode then
-# agree on garbage); far above that a Gumbel draw already equals the argmax unless logits tie within ~20 T.
-MIN_TEMPERATURE = 1e-5
+
+# Below MIN_TEMPERATURE a request's temperature is served as its T -> 0 limit, greedy: under about 1e-38 the
+# scaled logit overflows fp32 and every positive logit ties at +inf (the keyed Gumbel draw, the verification and
+# the target-only decode then agreed on garbage).
 
 
 class RequestError(ValueError):

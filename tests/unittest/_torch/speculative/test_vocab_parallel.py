@@ -636,3 +636,17 @@ def test_gumbel_tail_bound_large_vocab():
     counts = torch.bincount(got, minlength=13).double()
     expected = torch.softmax(small[0].double().cpu(), 0) * draws
     assert ((counts - expected) ** 2 / expected).sum().item() < _chi2_upper(12)
+
+
+def test_gumbel_sample_refuses_a_temperature_that_overflows():
+    """0 < T < MIN_TEMPERATURE overflowed the scaled logits (every seed drew the lowest id of the +inf tie):
+    the selection API refuses it by name; 0 (greedy) and MIN_TEMPERATURE itself are served."""
+    from tensorrt_llm_ext.contract import MIN_TEMPERATURE
+
+    x = torch.tensor([[0.5, -1.0, 3.0, 2.0, 0.1, -0.2]])
+    seeds, offsets = torch.tensor([3]), torch.tensor([0])
+    for t in (1e-30, 1e-45, MIN_TEMPERATURE / 2):
+        with pytest.raises(ValueError, match="temperatures: expected 0 \\(greedy\\) or >= 1e-05"):
+            gumbel_sample(x, torch.tensor([t]), seeds, offsets, 0, 6)
+    for t in (0.0, MIN_TEMPERATURE):
+        assert gumbel_sample(x, torch.tensor([t]), seeds, offsets, 0, 6).item() == 2  # the argmax
