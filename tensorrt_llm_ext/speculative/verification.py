@@ -50,17 +50,18 @@ from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 
-__all__ = ["EAGER_KERNELS", "column_plan", "FUSED_KERNELS", "VerificationKernels", "VerificationPlan",
-           "VerificationWorkspace", "call_shape", "rejection_sample", "rejection_sample_reference",
-           "top_p_keep", "top_p_keep_reference"]
+__all__ = ["VerificationPlan", "VerificationWorkspace", "call_shape", "column_plan", "rejection_sample",
+           "rejection_sample_reference", "top_p_keep", "top_p_keep_reference"]
 
 
 @dataclass(frozen=True)
-class VerificationKernels:
-    """The kernel table one verification call runs with: the fused launchers or their eager twins.
+class _VerificationKernels:
+    """The kernels one verification call runs with: the fused launchers or their eager twins.
 
-    Every entry has the launcher's signature; the pipeline (exchanges, buffers, order) is the same for
-    both tables, so the eager twin of a call is the same call with :data:`EAGER_KERNELS`.
+    Not an op table of its own: the worker picks ``rejection_sample`` or ``rejection_sample_reference``
+    (and ``top_p_keep`` / ``top_p_keep_reference``) through its one op table, ``StepOps``; this pairing is
+    how each of those two entry points runs the same pipeline (exchanges, buffers, order) -- the eager
+    twin of a call is the same call with :data:`_EAGER_KERNELS`. Every entry has the launcher's signature.
     """
 
     name: str
@@ -73,10 +74,10 @@ class VerificationKernels:
     assemble: Callable  # rejection_sample.rejection_assemble
 
 
-FUSED_KERNELS = VerificationKernels(
+_FUSED_KERNELS = _VerificationKernels(
     name="fused", keys=fps.verify_keys, sums=fps.verify_sums, top_p_round=tpk.top_p_round, top_p_ties=tpk.top_p_ties,
     top_p_mask=tpk.top_p_mask, draw=rs.rejection_draw, assemble=rs.rejection_assemble)
-EAGER_KERNELS = VerificationKernels(
+_EAGER_KERNELS = _VerificationKernels(
     name="eager", keys=fps.verify_keys_reference, sums=fps.verify_sums_reference,
     top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
     top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference)
@@ -335,7 +336,7 @@ def top_p_keep(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch
     bitwise the same at every TP size. CUDA-graph safe with
     ``out=``, ``temperatures`` and ``workspace``.
     """
-    return _top_p_keep(FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    return _top_p_keep(_FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
 
 
 def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch.Tensor | None = None,
@@ -343,7 +344,7 @@ def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatu
                          out: torch.Tensor | None = None,
                          workspace: VerificationWorkspace | None = None) -> torch.Tensor:
     """Eager twin of :func:`top_p_keep` (same exchanges; torch ops instead of kernels)."""
-    return _top_p_keep(EAGER_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    return _top_p_keep(_EAGER_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -438,7 +439,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     and the target argmax on greedy rows (as ``strict_accept``). Identical on every rank and at every TP
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
-    return _rejection_sample(FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
+    return _rejection_sample(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
                              top_p, vocab_start, vocab_size, exchange, out, workspace)
 
 
@@ -449,5 +450,5 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                out: tuple[torch.Tensor, torch.Tensor] | None = None,
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
-    return _rejection_sample(EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
+    return _rejection_sample(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
                              top_p, vocab_start, vocab_size, exchange, out, workspace)

@@ -12,7 +12,7 @@ from tensorrt_llm_ext.bench.server_process import (SMALL_SERVE_CONFIG, ServerPro
                                                    start_server)
 
 __all__ = ["KERNEL_LOCK", "SMALL_SERVE_CONFIG", "InProcessServer", "ServerProcess", "free_port", "reference_outputs",
-           "sample_bodies", "start_in_process", "start_server"]
+           "requests_in_flight_then", "sample_bodies", "start_in_process", "start_server"]
 
 
 # The Triton interpreter is not thread-safe: two engines stepping at once in one process (two in-process
@@ -103,3 +103,29 @@ def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[i
     with KERNEL_LOCK:  # an in-process server may be stepping in this process
         results, _ = Engine(load_config(**config_overrides)).generate(reqs)
     return [r.output_ids for r in results]
+
+
+async def requests_in_flight_then(url: str, body: dict, n: int, stop) -> list:
+    """``n`` plain and ``n`` streamed completions of ``body`` in flight at ``url``; once one is active, call
+    ``stop()`` (SIGTERM, a drain deadline, ...). Returns the plain responses, then each stream's SSE data
+    lines (``[DONE]`` included)."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        async def stream():
+            lines = []
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line:
+                        lines.append(line.removeprefix("data: "))
+            return lines
+
+        tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(n)]
+        tasks += [asyncio.create_task(stream()) for _ in range(n)]
+        deadline = time.monotonic() + 120
+        while (await c.get("/health")).json()["active"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop()
+        return await asyncio.gather(*tasks)

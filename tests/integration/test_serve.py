@@ -20,8 +20,8 @@ pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
-from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, reference_outputs, sample_bodies,  # noqa: E402
-                                             start_in_process, start_server)
+from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, reference_outputs,  # noqa: E402
+                                             requests_in_flight_then, sample_bodies, start_in_process, start_server)
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -180,26 +180,8 @@ def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly_and_exits_0(t
     server = _start(tmp_path, drain_timeout=1)
     body = {"prompt": [5, 6], "max_tokens": 36}
 
-    async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-            async def stream():
-                lines = []
-                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    async for line in r.aiter_lines():
-                        if line:
-                            lines.append(line.removeprefix("data: "))
-                return lines
-
-            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(6)]
-            tasks += [asyncio.create_task(stream()) for _ in range(6)]
-            deadline = time.monotonic() + 120
-            while (await c.get("/health")).json()["active"] < 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            server.terminate()
-            return await asyncio.gather(*tasks)
-
     try:
-        results = asyncio.run(run())
+        results = asyncio.run(requests_in_flight_then(server.url, body, 6, server.terminate))
         rc = server.wait(60)
     finally:
         server.stop(10)

@@ -23,7 +23,8 @@ from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
 from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
 from tensorrt_llm_ext.speculative.verification import top_p_keep_reference  # noqa: E402
-from tensorrt_llm_ext.testing.server import KERNEL_LOCK, SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
+from tensorrt_llm_ext.testing.server import (KERNEL_LOCK, SMALL_SERVE_CONFIG, requests_in_flight_then,  # noqa: E402
+                                              start_in_process)
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -232,25 +233,8 @@ def test_requests_running_at_the_drain_deadline_end_with_503_and_free_their_slot
     error chunk then [DONE]; every slot comes back."""
     body = {"prompt": [5, 6], "max_tokens": 36}
 
-    async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-            async def stream():
-                lines = []
-                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    async for line in r.aiter_lines():
-                        if line:
-                            lines.append(line.removeprefix("data: "))
-                return lines
-
-            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
-            tasks += [asyncio.create_task(stream()) for _ in range(3)]
-            deadline = time.monotonic() + 120
-            while (await c.get("/health")).json()["active"] < 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            server.loop.abort_all("the server is shutting down")
-            return await asyncio.gather(*tasks)
-
-    results = asyncio.run(run())
+    results = asyncio.run(requests_in_flight_then(
+        server.url, body, 3, lambda: server.loop.abort_all("the server is shutting down")))
     for r in results[:3]:
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:

@@ -1,6 +1,6 @@
-"""Hugging Face families at TP 2 (MPI, gloo on CPU): a Llama 3 (`llama3` RoPE) and a Qwen3 (q/k norms, explicit
-head_dim) checkpoint, each rank loading its slices from the directory, give transformers' greedy tokens on every
-rank -- both families in one MPI launch."""
+"""Hugging Face families at TP 2 (MPI, gloo on CPU): Llama 3 (`llama3` RoPE), Qwen2 (q/k/v biases), Qwen3 (q/k
+norms, explicit head_dim) and Mistral checkpoints, each rank loading its slices from the directory, give
+transformers' greedy tokens on every rank -- every family in one MPI launch."""
 
 from __future__ import annotations
 
@@ -25,14 +25,18 @@ def _decode_on_rank(directories: list[str], num_tokens: int) -> list[list[int]]:
     return [greedy_decode(load_target(d, mapping, device=comm_device()), PROMPT, num_tokens) for d in directories]
 
 
-def test_tp2_llama3_and_qwen3_greedy_equal_transformers(mpi_pool_executor, tmp_path):
-    from tensorrt_llm_ext.testing.hf_checkpoints import hf_greedy_decode, save_tiny_hf_checkpoint
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral")
 
+
+def test_tp2_families_greedy_equal_transformers(mpi_pool_executor, tmp_path):
+    from tensorrt_llm_ext.testing.hf_checkpoints import TINY_FAMILIES, hf_greedy_decode, save_tiny_hf_checkpoint
+
+    assert set(FAMILIES) <= set(TINY_FAMILIES)
     want = []
-    for family in ("llama3", "qwen3"):
+    for family in FAMILIES:
         hf = save_tiny_hf_checkpoint(tmp_path / family, family, seed=5)
         want.append(hf_greedy_decode(hf, PROMPT, NEW_TOKENS))
-    results = run_on_ranks(mpi_pool_executor, _decode_on_rank, [str(tmp_path / f) for f in ("llama3", "qwen3")],
+    results = run_on_ranks(mpi_pool_executor, _decode_on_rank, [str(tmp_path / f) for f in FAMILIES],
                            NEW_TOKENS, timeout=240)
     assert len(results) == 2
     for rank, got in enumerate(results):
