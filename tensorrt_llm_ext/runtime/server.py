@@ -322,43 +322,42 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
             return None
 
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
+    async def read_request(http: HttpRequest, model):
+        """The parsed body (the OpenAI error object on any fault), or None when the client left mid-body."""
         check_available()
         raw = await read_body(http)
-        if raw is None:
-            return Response(status_code=499)
-        body = parse_body(raw, CompletionRequest, ctx.limits)
-        prompts = _encode_prompts(ctx, body)
-        reqs = build_requests(ctx, body, prompts, body.logprobs, 16)
+        return None if raw is None else parse_body(raw, model, ctx.limits)
+
+    async def serve_choices(http: HttpRequest, body, reqs: list[dict], prompts: list[list[int]], param: str,
+                            kind: str, prefix: str):
+        """Submit one request's choices (``prompts[k]`` is choice k's prompt) and answer: JSON or SSE."""
         _, stops = _stop_fields(ctx, body)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = submit(reqs, sink, "n" if body.n > 1 else "prompt")
-        choices = {h: _Choice(ctx, k, f["prompt_ids"], stops, body.include_stop_str_in_output)
-                   for k, (h, f) in enumerate(zip(handles, reqs))}
-        out = _Output(ctx, f"cmpl-{uuid.uuid4().hex[:24]}", "text_completion", body, choices, sink)
+        handles = submit(reqs, sink, param)
+        choices = {h: _Choice(ctx, k, p, stops, body.include_stop_str_in_output)
+                   for k, (h, p) in enumerate(zip(handles, prompts))}
+        out = _Output(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink)
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)
 
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await read_request(http, CompletionRequest)
+        if body is None:
+            return Response(status_code=499)
+        reqs = build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16)
+        return await serve_choices(http, body, reqs, [f["prompt_ids"] for f in reqs], "n" if body.n > 1 else "prompt",
+                                   "text_completion", "cmpl")
+
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        check_available()
-        raw = await read_body(http)
-        if raw is None:
+        body = await read_request(http, ChatCompletionRequest)
+        if body is None:
             return Response(status_code=499)
-        body = parse_body(raw, ChatCompletionRequest, ctx.limits)
         prompt = _chat_prompt(ctx, body)
         reqs = build_requests(ctx, body, [prompt], body.logprobs_k(), None)
-        _, stops = _stop_fields(ctx, body)
-        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = submit(reqs, sink, "n")
-        choices = {h: _Choice(ctx, k, prompt, stops, body.include_stop_str_in_output)
-                   for k, h in enumerate(handles)}
-        out = _Output(ctx, f"chatcmpl-{uuid.uuid4().hex[:24]}", "chat.completion", body, choices, sink)
-        if body.stream:
-            return StreamingResponse(out.stream(), media_type="text/event-stream")
-        return await out.collect(http)
+        return await serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
 
     return app
 

@@ -42,7 +42,8 @@ def _wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_cli_names_a_sigkilled_rank(tmp_path):
+def _start_generate_tp2(tmp_path) -> tuple[subprocess.Popen, Path]:
+    """``generate --tp 2`` (the small config's TP) as a child process keeping its rank logs: ``(cli, log dir)``."""
     cfg = tmp_path / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json")))
     logs = tmp_path / "logs"
@@ -51,6 +52,11 @@ def test_cli_names_a_sigkilled_rank(tmp_path):
                             "--max-new-tokens", "40", "--no-progress", "--rank-timeout", str(RANK_TIMEOUT_S),
                             "--log-dir", str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                            text=True)
+    return cli, logs
+
+
+def test_cli_names_a_sigkilled_rank(tmp_path):
+    cli, logs = _start_generate_tp2(tmp_path)
     try:
         log1 = logs / "rank1.log"
         # Mid-run: rank 1 has built its engine and bound its token selection.
@@ -89,14 +95,7 @@ def test_cli_passes_a_stop_signal_on_to_the_ranks(tmp_path, sig, when):
     """SIGTERM / SIGINT to ``generate --tp 2`` (mid-run, or while the ranks start): passed on to the ranks, waited
     for (5 s at most), the rest killed; exit 128 + the signal, nothing of the run left (was: exit 143 at once,
     mpiexec and the ranks ran on for about a minute)."""
-    cfg = tmp_path / "small.yaml"
-    cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json")))
-    logs = tmp_path / "logs"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cli = subprocess.Popen([sys.executable, "-m", "tensorrt_llm_ext.cli", "generate", "--config", str(cfg),
-                            "--max-new-tokens", "40", "--no-progress", "--rank-timeout", str(RANK_TIMEOUT_S),
-                            "--log-dir", str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                           text=True)
+    cli, logs = _start_generate_tp2(tmp_path)
     try:
         log1 = logs / "rank1.log"
         if when == "start-up":
