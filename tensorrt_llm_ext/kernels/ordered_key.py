@@ -39,7 +39,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -115,7 +114,7 @@ def uniform_from_word(r):
 # Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
 # log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
 # module's kernels (interpreted or compiled), so it always matches how they run.
-_SFU_LOG2: tl.constexpr = tl.constexpr(not isinstance(ordered_i32, InterpretedFunction))
+_SFU_LOG2: tl.constexpr = tl.constexpr(type(ordered_i32).__name__ != "InterpretedFunction")  # by name: no import
 
 
 @triton.jit
