@@ -234,7 +234,7 @@ def shard_argmax_key_reference(shard_logits: torch.Tensor, vocab_start: int, voc
     return pack_key_torch(best.to(torch.int32), col + vocab_start)
 
 
-def _philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
+def philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
     """Philox-4x32-10 on int64 tensors holding uint32 values (matches ``tl.philox``)."""
     m = 0xFFFFFFFF
     k0 = seed & m
@@ -253,10 +253,6 @@ def _philox_4x32_10_torch(seed: torch.Tensor, c0, c1, c2, c3):
         k0 = (k0 + 0x9E3779B9) & m
         k1 = (k1 + 0xBB67AE85) & m
     return c0, c1, c2, c3
-
-
-# The Philox twin under its public name, for callers outside this module.
-philox_4x32_10_torch = _philox_4x32_10_torch
 
 
 def _umulhi(a: int, x: torch.Tensor) -> torch.Tensor:
@@ -316,7 +312,7 @@ def gumbel2_noise_torch(seed: torch.Tensor, offset: torch.Tensor, gid: torch.Ten
     c1 = (off & 0xFFFFFFFF) + torch.zeros_like(gid)
     c2 = ((off >> 32) & 0xFFFFFFFF) + torch.zeros_like(gid)
     c3 = torch.full_like(c0, salt & 0xFFFFFFFF)
-    r0, r1, r2, r3 = _philox_4x32_10_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
+    r0, r1, r2, r3 = philox_4x32_10_torch(seed + torch.zeros_like(c0), c0, c1, c2, c3)
     w = gid & 3
     return gumbel2_from_word_torch(torch.where(w == 0, r0, torch.where(w == 1, r1, torch.where(w == 2, r2, r3))))
 

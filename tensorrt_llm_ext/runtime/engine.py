@@ -27,7 +27,8 @@ import torch
 from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict, read_target_family
+from tensorrt_llm_ext.models.checkpoint import (load_drafter_state_dict, load_llama_state_dict, read_checkpoint_facts,
+                                                 read_target_family)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
@@ -51,8 +52,6 @@ def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
     tokenizer's); none for the embedded model."""
     if not config.model.path:
         return ()
-    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
-
     return tuple(read_checkpoint_facts(config.model.path).eos_token_ids)
 
 

@@ -174,9 +174,9 @@ class DSparkWorker(SpecWorkerBase):
 
     @property
     def step_is_default(self) -> bool:
-        """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row, no
-        row routed to the full vocabulary): the variant CUDA graphs capture; others run eagerly."""
-        return not self._step_top_p
+        """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row): the
+        variant CUDA graphs capture; others run eagerly."""
+        return not self.step_top_p
 
     def reset_step_state(self) -> None:
         """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, LOG2E_F32, _philox_4x32_10_torch, block_best,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, LOG2E_F32, philox_4x32_10_torch, block_best,
                                                   gumbel2_from_word, gumbel2_from_word_torch, gumbel2_noise,
                                                   gumbel2_noise_torch, gumbel_scale, gumbel_scale_torch, gumbel_words4,
                                                   key_to_id_torch, ordered_i32, ordered_i32_torch, pack_key,
@@ -126,7 +126,7 @@ def test_gumbel_four_column_mapping(device, gid0):
     seed, offset = 2**40 + 977, 2**33 + 5
     gid = torch.arange(gid0, gid0 + n, dtype=torch.int64)
     q, w = gid // 4, gid % 4
-    words = _philox_4x32_10_torch(torch.full_like(q, seed), q, torch.full_like(q, offset & 0xFFFFFFFF),
+    words = philox_4x32_10_torch(torch.full_like(q, seed), q, torch.full_like(q, offset & 0xFFFFFFFF),
                                   torch.full_like(q, offset >> 32), torch.full_like(q, salt))
     word = torch.stack(words).gather(0, w[None])[0]
     twin = gumbel2_noise_torch(torch.tensor([[seed]]), torch.tensor([[offset]]), gid[None], salt)[0]
@@ -144,7 +144,7 @@ def test_gumbel_four_column_mapping(device, gid0):
     _words_kernel[(1,)](g, got_words, u, e, word_in, seed, offset, gid0, n, N=N, SALT=salt)
     _noise_close(g, twin)
     q0 = torch.arange(N // 4, dtype=torch.int64) + gid0 // 4
-    ref_words = _philox_4x32_10_torch(torch.full_like(q0, seed), q0, torch.full_like(q0, offset & 0xFFFFFFFF),
+    ref_words = philox_4x32_10_torch(torch.full_like(q0, seed), q0, torch.full_like(q0, offset & 0xFFFFFFFF),
                                       torch.full_like(q0, offset >> 32), torch.full_like(q0, salt))
     assert torch.equal(got_words.cpu().view(-1, 4), torch.stack(ref_words, dim=1))
     ref_u = ((word_in.cpu() >> 9).to(torch.float32) + 0.5) * 2.0**-23
