@@ -226,7 +226,7 @@ def _rejection_draw_kernel(
         b64 = b.to(tl.int64)
         row_s = b64 * (K + 1) + kstar
         row_qs = b64 * K + tl.minimum(kstar, K - 1)
-        zp, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
+        zp, _zr, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
                                                row_s >= 0, exp2_ptr, cols_t, num_splits, rows_t, rank, tp, split,
                                                HAS_P)
         zq = tl.load(q_sums_ptr + row_qs * num_splits * 3)
