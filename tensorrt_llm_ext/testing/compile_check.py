@@ -35,26 +35,29 @@ DEFAULT_SWEEP = "tensorrt_llm_ext.testing.compile_sweep"
 
 
 # -- worker: one arch, in this process ------------------------------------------------------------------------
-def _worker(arch: int, sweep_module: str, with_sass: bool, out_path: str) -> int:
+def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bool, out_path: str) -> int:
     import triton
 
     if triton.knobs.runtime.interpret:
         raise SystemExit("compile-check worker: TRITON_INTERPRET=1 makes every kernel an interpreted function; "
                          "run it without TRITON_INTERPRET")
-    from tensorrt_llm_ext.testing.compile_only import CompileFailure, CompileOnly
+    from tensorrt_llm_ext.testing.compile_only import CompileFailure, CompileOnly, _cpu_seconds
 
     sweep = importlib.import_module(sweep_module)
     started = time.perf_counter()
     case_times = {}
     with CompileOnly(arch) as cc:
         for case in sweep.SWEEP:
+            if cases is not None and case.name not in cases:
+                continue
             cc.case = case.name
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_seconds()
             try:
                 case.run()
             except Exception as e:  # a launcher that raised before or between launches: reported, fails the check
                 cc.failures.append(CompileFailure("(launcher)", "-", arch, f"{type(e).__name__}: {e}", case.name))
-            case_times[case.name] = round(time.perf_counter() - t0, 2)
+            case_times[case.name] = {"wall": round(time.perf_counter() - t0, 1), "cpu": round(_cpu_seconds() - c0, 1)}
+            print(f"sm_{arch} {case.name}: {case_times[case.name]}", file=sys.stderr, flush=True)
             seen = {v.kernel for v in cc.variants if v.case == case.name} | {
                 f.kernel for f in cc.failures if f.case == case.name}
             for kernel in case.kernels:
@@ -86,13 +89,13 @@ def _worker(arch: int, sweep_module: str, with_sass: bool, out_path: str) -> int
 
 
 # -- driver ----------------------------------------------------------------------------------------------------
-def _run_worker(arch: int, sweep_module: str, with_sass: bool) -> dict:
+def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool) -> dict:
     fd, path = tempfile.mkstemp(prefix=f"compile_check_sm{arch}_", suffix=".json")
     os.close(fd)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
     cmd = [sys.executable, "-m", "tensorrt_llm_ext.testing.compile_check", "--worker", "--arch", str(arch),
-           "--sweep-module", sweep_module, "--out", path] + (["--sass"] if with_sass else [])
+           "--sweep-module", sweep_module, "--cases", ",".join(cases), "--out", path] + (["--sass"] if with_sass else [])
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -102,6 +105,26 @@ def _run_worker(arch: int, sweep_module: str, with_sass: bool) -> dict:
             return json.load(f)
     finally:
         os.unlink(path)
+
+
+def _partition(sweep, parts: int) -> list[list[str]]:
+    """The sweep's cases in ``parts`` groups of about equal measured cost (largest first, to the lightest)."""
+    groups: list[tuple[float, list[str]]] = [(0.0, []) for _ in range(parts)]
+    for case in sorted(sweep.SWEEP, key=lambda c: -c.cost):
+        i = min(range(parts), key=lambda j: groups[j][0])
+        groups[i] = (groups[i][0] + case.cost, groups[i][1] + [case.name])
+    return [names for _, names in groups if names]
+
+
+def _merge(arch: int, parts: list[dict]) -> dict:
+    crashed = [p for p in parts if p.get("crashed")]
+    if crashed:
+        return {"arch": arch, "crashed": True, "error": "\n".join(p["error"] for p in crashed)}
+    first = parts[0]
+    return {"arch": arch, "triton": first["triton"], "seconds": max(p["seconds"] for p in parts),
+            "case_seconds": {k: v for p in parts for k, v in p["case_seconds"].items()},
+            "variants": [v for p in parts for v in p["variants"]],
+            "failures": [f for p in parts for f in p["failures"]], "accepted_spills": first["accepted_spills"]}
 
 
 def spill_failures(report: dict) -> list[str]:
@@ -141,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="run the launcher sweep (the default and only mode)")
     p.add_argument("--sweep-module", default=DEFAULT_SWEEP, help=argparse.SUPPRESS)
     p.add_argument("--table", default=None, help="write the per-kernel resource table (Markdown) to this path")
-    p.add_argument("--jobs", type=int, default=None, help="arches compiled at once (default: one per core)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes compiling at once, split over arches and sweep cases (default: one per core)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sass", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cases", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         arches = [int(a) for a in args.arch.split(",") if a.strip()]
@@ -156,11 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         if a not in ARCHES:
             p.error(f"--arch: expected one of {sorted(ARCHES)}, got {a}")
     if args.worker:
-        return _worker(arches[0], args.sweep_module, args.sass, args.out)
+        cases = args.cases.split(",") if args.cases else None
+        return _worker(arches[0], args.sweep_module, cases, args.sass, args.out)
     started = time.perf_counter()
-    jobs = args.jobs or max(1, min(len(arches), os.cpu_count() or 1))
+    jobs = args.jobs or os.cpu_count() or 1
+    # One worker process per (arch, group of cases): `jobs` processes compile at once.
+    groups = _partition(importlib.import_module(args.sweep_module), max(1, jobs // len(arches)))
+    tasks = [(a, g) for a in arches for g in groups]
     with ThreadPoolExecutor(jobs) as pool:
-        reports = list(pool.map(lambda a: _run_worker(a, args.sweep_module, args.table is not None), arches))
+        parts = list(pool.map(lambda t: _run_worker(t[0], args.sweep_module, t[1], args.table is not None), tasks))
+    reports = [_merge(a, [p for (arch, _), p in zip(tasks, parts) if arch == a]) for a in arches]
     ok = True
     for report in reports:
         report_ok, lines = _summarize(report)

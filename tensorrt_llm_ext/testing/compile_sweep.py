@@ -34,6 +34,7 @@ class SweepCase:
     run: Callable[[], None]
     kernels: tuple[str, ...]  # the kernels (qualnames) this case launches; the check fails if one does not compile
     captured: bool = True  # launched inside the captured decode step
+    cost: float = 1.0  # relative compile time (measured), to split the cases over worker processes
 
 
 # Kernels allowed to spill in the captured step, with the reason (empty: none is).
