@@ -417,7 +417,7 @@ class DSparkWorker(SpecWorkerBase):
         """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
         ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
         b, k = batch_size, self.draft_len
-        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
                                                    out=(self.accepted[:b], self.num_accepted[:b]))
         return self.advance(b, accepted, num_acc, captured)
 
