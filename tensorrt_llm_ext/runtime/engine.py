@@ -332,7 +332,7 @@ class Engine:
                     new, lens = [[t] for t in ids], [1] * n
                 # The copies above synchronised: a low-latency exchange of this step that timed out has
                 # set its flag by now, and its rows must not become tokens.
-                worker.vocab_parallel.check_exchange()
+                worker.token_selector.check_exchange()
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):
@@ -406,7 +406,7 @@ class Engine:
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
                             torch.tensor([float(r.top_p) for r in requests], dtype=torch.float32, device=dev),
-                            max(r.logprobs for r in requests), head=worker.vocab_parallel.target_head,
+                            max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
 
