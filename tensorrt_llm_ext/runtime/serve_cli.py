@@ -2,7 +2,7 @@
 
 ``serve --tp N`` (or ``tensor_parallel_size: N``) outside an MPI job re-runs itself under ``mpiexec -n N``
 (environment ``TLLM_EXT_SERVE_RANK=1``) and forwards SIGTERM/SIGINT to it; rank 0 serves HTTP, the other
-ranks follow rank 0's plans. Every rank runs under a small supervisor (``runtime/ranks.py``): MPI launchers
+ranks follow rank 0's plans. Every rank runs under a small supervisor (``runtime/rank_supervisor.py``): MPI launchers
 kill all ranks the moment one process they started dies, so a follower that dies is reported by its
 supervisor (which rank, how), and the supervisor lingers while rank 0 notices the loss, answers 503 and
 exits non-zero by itself (the launcher then exits non-zero too).
