@@ -306,7 +306,8 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.top_p for a in admitted])
+                               top_ps=[a.request.top_p for a in admitted],
+                               processing=[a.request.processing() for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -361,9 +362,10 @@ class Engine:
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.top_p])[0]
+                                                       top_ps=[request.top_p],
+                                                       processing=[request.processing()])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.top_p)
+                                         top_p=request.top_p, processing=request.processing())
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
@@ -422,7 +424,9 @@ class Engine:
         with nvtx_range(f"engine.step.{mode}"):
             if mode != "target_only":
                 runner = self._runners.get(path)
-                outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+                # Graphs hold the default step variant; a step with a top-p or processed row runs eagerly.
+                replay = runner is not None and b in runner.graphs and worker.step_is_default
+                outs = runner.run(b) if replay else worker.forward(b)
                 self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next step
                 return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
             ids = self.reference(path).step(b)[:n].cpu().tolist()
