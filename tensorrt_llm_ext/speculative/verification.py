@@ -3,7 +3,7 @@
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
 crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
-``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 4]``.
+``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 2]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -177,8 +177,6 @@ class VerificationWorkspace:
         cap = self.capacity.sizes()
         self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in cap.items()}
         self.device = torch.device(device)
-        fps.exp2_table(device)  # the weight tables, allocated now rather than inside a capture
-        rs.log2_table(device)
 
     @classmethod
     def for_verification(cls, max_batch: int, draft_len: int, shard_width: int, **kw) -> "VerificationWorkspace":
