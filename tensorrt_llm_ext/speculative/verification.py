@@ -101,7 +101,7 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
 
 
 _H = fps.HIST_BUCKETS
-_DEFAULT_BLOCK = 2048
+_DEFAULT_BLOCK = 1024
 # Column chunks are for occupancy at small batches: enough (row, chunk) programs to fill the GPU, no more,
 # since every exchanged slot is per (row, chunk) and the volume grows with the chunk count.
 _TARGET_PROGRAMS = 512
@@ -174,9 +174,8 @@ class VerificationWorkspace:
         self.num_splits = num_splits
         self.tp = tp
         self.splits, _ = fps.plan_chunks(shard_width, block_size, num_splits)
-        self.capacity = VerificationPlan(max_rows_t, max_rows_q, max_batch, self.splits, tp, True)
-        cap = self.capacity.sizes()
-        self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in cap.items()}
+        self._capacity = _capacity(max_rows_t, max_rows_q, max_batch, shard_width, block_size, num_splits, tp)
+        self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in self._capacity.items()}
         self.device = torch.device(device)
 
     @classmethod
@@ -185,12 +184,32 @@ class VerificationWorkspace:
 
     def carve(self, plan: VerificationPlan) -> SimpleNamespace:
         sizes = plan.sizes()
-        cap = self.capacity.sizes()
+        cap = self._capacity
         for name, n in sizes.items():
             if n > cap[name]:
                 raise ValueError(f"workspace: {name} needs {n} elements, the workspace holds {cap[name]} "
                                  f"(allocate it for the largest batch)")
         return _views(self._bufs, plan)
+
+
+def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, block_size: int, num_splits: int,
+              tp: int) -> dict[str, int]:
+    """Elements per buffer for every call a workspace serves: the max over its batch sizes (the column plan
+    uses fewer chunks at more rows, so the largest batch times the most chunks would overallocate)."""
+    cap: dict[str, int] = {}
+
+    def fit(rt: int, rq: int, b: int) -> None:
+        s, _ = column_plan(rt + rq, width, block_size, num_splits)
+        for name, n in VerificationPlan(rt, rq, b, s, tp, True).sizes().items():
+            cap[name] = max(cap.get(name, 0), n)
+
+    k = max_rows_q // max_batch if max_batch else 0
+    for bb in range(1, max_batch + 1):  # rejection_sample of bb requests
+        fit(min(bb * (k + 1), max_rows_t), min(bb * k, max_rows_q), bb)
+    for rt in range(1, max_rows_t + 1):  # top_p_keep of rt rows
+        fit(rt, 0, 0)
+    fit(0, 0, 0)
+    return cap
 
 
 def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNamespace:
