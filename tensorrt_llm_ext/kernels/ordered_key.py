@@ -111,6 +111,17 @@ def uniform_from_word(r):
     return one_top - 0.999999940395355224609375
 
 
+@triton.jit
+def one_minus_uniform(r):
+    """``1 - uniform_from_word(r)``, bit for bit, without the subtraction: ``(comp + 0.5) * 2^-23``.
+
+    ``comp = (r >> 9) ^ (2^23 - 1)`` is ``2^23 - 1 - top``, so this is ``1 - (top + 0.5) * 2^-23`` exactly
+    (``t`` of :func:`gumbel2_from_word`); the same construction as :func:`uniform_from_word`.
+    """
+    one_comp = (((r >> 9) ^ 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_comp - 0.999999940395355224609375
+
+
 # Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
 # log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
 # module's kernels (interpreted or compiled), so it always matches how they run.

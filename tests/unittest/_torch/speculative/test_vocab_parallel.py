@@ -240,6 +240,45 @@ def test_gumbel_unaligned_shard_starts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_skip_bound_keeps_the_exact_winner(device):
+    """The sampled kernel skips the exact score of a tile when a bound says no element can beat the
+    program's best so far. Rows built so that the bound is decisive -- a dominant logit early with a NaN,
+    an inf or the real winner late, all -inf, huge magnitudes (the slack scales with them), flat rows (no
+    skipping) -- give the eager twin's keys, the same at every tile, split and simulated TP size (shard
+    starts at every phase mod 4)."""
+    vocab = 263
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(26, vocab, generator=g)
+    x[16:] = 0.0  # rows 10..25: random and flat rows, where the noise decides among many candidates
+    x[0, 1], x[0, vocab - 3] = 60.0, NAN  # NaN after a dominant value: the NaN wins
+    x[1, 7], x[1, 200] = INF, INF  # tied +inf scores: the lower id
+    x[2] = -INF  # nothing finite: the first id
+    x[3] = -INF
+    x[3, vocab - 1] = -3.0  # the only finite value, last
+    x[4, 2] = 30.0  # dominant at a low temperature, early: every later tile is skipped
+    x[5] *= 1e4  # scores near 1e4: the skip slack must scale with |thr|
+    x[6] = 0.0  # flat: the noise alone decides
+    x[7, vocab - 5] = 6.0  # a late winner beats the best of the earlier tiles
+    x[8, 0] = NAN
+    x[9, 3], x[9, vocab - 2] = INF, NAN  # NaN after +inf: the NaN wins
+    x = x.to(device)
+    temps, seeds, offsets = _sampling_inputs(26, device, 1.0, seed=2**33 + 9, offset0=77)
+    temps[4] = 0.05
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
+    keys = shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, **kw)  # 17 tiles: the bound decides 16
+    ids = key_to_id_torch(keys)
+    assert ids[0].item() == vocab - 3 and ids[1].item() == 7 and ids[2].item() == 0
+    assert ids[3].item() == vocab - 1 and ids[4].item() == 2 and ids[8].item() == 0 and ids[9].item() == vocab - 2
+    twin = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets)
+    if device == "cpu":
+        assert torch.equal(keys, twin)
+    else:
+        assert (key_to_id_torch(twin) != ids).sum().item() <= 1
+    # tp 5: shard starts 53, 106, 159, 212 (phases 1, 2, 3, 0), two programs per shard
+    assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, **kw), keys)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_and_tile_schedule_invariance(device, dtype):
     """Two tiles per loop iteration with the next two prefetched: programs with 0, 1, 2, 3 and more full
