@@ -150,7 +150,12 @@ def gumbel2_from_word(r):
     """
     u = uniform_from_word(r)
     t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    # Explicit fma: one instruction sequence wherever this is inlined (compiled code would otherwise fuse
+    # or not by context); the interpreter's fma rounds twice, as the torch twin's mul + add does.
+    c = tl.fma(t, 0.25, 0.3333333432674408)
+    c = tl.fma(t, c, 0.5)
+    c = tl.fma(t, c, 1.0)
+    series = t * c * 1.4426950216293335
     return -_log2(tl.where(t < 0.015625, series, -_log2(u)))
 
 
@@ -162,8 +167,10 @@ def gumbel_scale(temp):
 
 @triton.jit
 def gumbel_score(x, scale, noise):
-    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises."""
-    return x * scale + noise
+    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises: one fma when compiled, so a
+    column's score is the same instruction in every kernel, tile and TP size (the interpreter's fma rounds
+    twice, as the torch twin does)."""
+    return tl.fma(x, scale, noise)
 
 
 @triton.jit

@@ -8,9 +8,10 @@ Optionally the value is perturbed for keyed Gumbel-max sampling: per row tempera
 ``T <= 0`` = greedy), seed and offset (int64); the score is ``x * S + G2`` in fp32 with
 ``S = div_rn(log2 e, T)`` once per row and ``G2 = gumbel2_noise(seed, offset, global id, SALT)`` (word
 ``id % 4`` of the Philox block ``id // 4``, two ``log2``; see :mod:`tensorrt_llm_ext.kernels.ordered_key`).
-The kernel computes one Philox block per four columns of its tiles and gets the same values; the noise
-depends on the global vocab id only, so a draw is the same at every TP size, split count and block size,
-whatever the shard's start modulo 4.
+A sampled row runs its own loop (``_sampled_span``): one Philox call per four columns (two when the
+shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one ``exp2`` per column) says some column could beat the program's best so far; the skipped
+columns provably lose, so the keys are those of the full computation. The noise depends on the global
+vocab id only, so a draw is the same at every TP size, split count and block size.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
 the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
@@ -130,32 +131,49 @@ _SKIP_SLACK = tl.constexpr(0.00390625)
 
 
 @triton.jit
+def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """Philox words of a ``[4, G]`` tile: element ``(j, i)`` is local column ``start + 4 i + j`` (``start`` a
+    multiple of 4), its word that of global id ``vocab_start + start + 4 i + j``.
+
+    The groups lie along the fast axis, so a group's four words stay in one thread and each thread runs
+    Philox once per group it owns. ``ALIGNED`` (``vocab_start % 4 == 0``, every shard of a vocabulary
+    divisible by 4 tp): group ``i`` is exactly Philox block ``(vocab_start + start) / 4 + i``, one call
+    per four columns. Otherwise a group straddles two blocks and takes the tail words of one and the head
+    words of the next (two calls per four columns; such shards also have odd row strides, so their loads
+    are not vectorized either).
+    """
+    q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[None, :]
+    j = tl.arange(0, 4)[:, None]
+    a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
+    if ALIGNED:
+        w = pick_word(j, a0, a1, a2, a3)
+    else:
+        b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
+        k = j + (vocab_start & 3).to(tl.int32)
+        w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
+    return w
+
+
+@triton.jit
 def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
-                  MASKED: tl.constexpr, SALT: tl.constexpr):
-    """Fold one ``[4, G]`` tile of a sampled row (element ``(j, i)`` is local column ``start + 4 i + j``,
-    ``vocab_start + start`` a multiple of 4) into the per-lane best, skipping the exact score when no
+                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """Fold one ``[4, G]`` tile of a sampled row into the per-lane best, skipping the exact score when no
     element of the tile can beat the program's best so far.
 
-    Group ``i`` is Philox block ``(vocab_start + start) // 4 + i``: one call per four columns, its four
-    words in one thread (the groups lie along the fast axis). The exact score ``x * S + G2`` costs two
-    SFU log2 and a near-1 series per element; a bound costs one exp2: since ``-log2 u >= log2(e) t``
-    with ``t = 1 - u`` (exact in fp32), ``x * S + G2 > thr`` needs ``t < 2^(x S - thr - log2(log2 e))``.
-    ``thr`` is the best score folded so far (NaN ignored); an element failing the test scores at most
-    ``thr`` (minus the slack) and has a higher column than the element that set ``thr``, so it cannot
-    win: skipping the tile leaves the program's result exactly what the full fold gives. A NaN value
-    (NaN bound) and any element while ``thr = -inf`` (NaN bound as well, or ``+inf``) always take the
-    exact path, and masked lanes (``-inf``) never do.
+    The exact score ``x * S + G2`` costs two SFU log2 and a near-1 series per element; a bound costs one
+    exp2: since ``-log2 u >= log2(e) t`` with ``t = 1 - u`` (exact in fp32), ``x * S + G2 > thr`` needs
+    ``t < 2^(x S - thr - log2(log2 e))``. ``thr`` is the best score folded so far (NaN ignored); an
+    element failing the test scores below ``thr`` and has a higher column than the element that set
+    ``thr``, so it cannot win: skipping the tile leaves the program's result exactly what the full fold
+    gives. A NaN value (NaN bound) and any element while ``thr = -inf`` (NaN or ``+inf`` bound) always
+    take the exact path; masked lanes never do.
     """
-    G: tl.constexpr = x.shape[1]
     xf = x.to(tl.float32)
-    q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[None, :]
-    a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
-    w = pick_word(tl.arange(0, 4)[:, None], a0, a1, a2, a3)
+    w = _tile_words(seed, offset, vocab_start, start, x.shape[1], ALIGNED, SALT)
     # The slack absorbs the fp32 rounding of x * S + G2 (relative 2^-24 of magnitudes near |thr|) and the
     # device exp2 / log2 approximations; skipping less than possible never changes a result.
     lift = thr + (_LOG2_LOG2E - _SKIP_SLACK) - tl.abs(thr) * 3.814697265625e-06
-    bound = tl.exp2(xf * scale - lift)
-    cand = ~(one_minus_uniform(w) >= bound)
+    cand = ~(one_minus_uniform(w) >= tl.exp2(xf * scale - lift))
     if MASKED:
         cand = cand & valid
     if tl.max(cand.to(tl.int32)) > 0:
@@ -168,46 +186,28 @@ def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_star
 @triton.jit
 def _sampled_span(row_ptr, col_begin, col_end, scale, seed, offset, vocab_start, BLOCK: tl.constexpr,
                   ALIGNED: tl.constexpr, SALT: tl.constexpr):
-    """Best ``(ordered key, local column)`` of ``x * S + G2`` over the row's columns ``[col_begin, col_end)``.
-
-    Tiles are aligned to Philox blocks in global ids: they start at ``col_begin - phase`` with
-    ``phase = vocab_start % 4``, so every group of four columns is one Philox call whatever the shard's
-    start (a shard that starts inside a block masks the block's head; a split shares its edge blocks with
-    its neighbour, each masking the other's columns). ``ALIGNED`` (``phase == 0``, a launch constant) keeps
-    full tiles unmasked and their loads vectorized.
-    """
+    """Best ``(ordered key, local column)`` of ``x * S + G2`` over the row's columns ``[col_begin, col_end)``:
+    full tiles unmasked (vectorized loads), then the ragged tail."""
     G: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, G) * 4)[None, :]
-    if ALIGNED:
-        first = col_begin
-    else:
-        first = col_begin - (vocab_start & 3)
     best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
-    best_s = tl.full(lanes.shape, 0, tl.int32) + first
+    best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
     thr = float("-inf")
-    n_full = tl.maximum(col_end - first, 0) // BLOCK
+    n_full = (col_end - col_begin) // BLOCK
     for t in range(0, n_full):
-        start = first + t * BLOCK
-        if ALIGNED:
-            x = tl.load(row_ptr + start + lanes)
-            best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start,
-                                                lanes, False, SALT)
-        else:
-            valid = start + lanes >= col_begin
-            x = tl.load(row_ptr + start + lanes, mask=valid, other=float("-inf"))
-            best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start,
-                                                valid, True, SALT)
-    tail = first + n_full * BLOCK
+        start = col_begin + t * BLOCK
+        x = tl.load(row_ptr + start + lanes)
+        best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, lanes,
+                                            False, ALIGNED, SALT)
+    tail = col_begin + n_full * BLOCK
     if tail < col_end:
-        valid = (tail + lanes >= col_begin) & (tail + lanes < col_end)
+        valid = tail + lanes < col_end
         x = tl.load(row_ptr + tail + lanes, mask=valid, other=float("-inf"))
         best_v, best_s, thr = _sampled_tile(x, tail, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
-                                            True, SALT)
-    # A lane that never took a value stands for its first column; one before col_begin (the masked head
-    # of a block) is invalid, and the lane holding col_begin itself is valid, so an all -inf span still
-    # answers col_begin.
+                                            True, ALIGNED, SALT)
+    # A lane that never took a value stands for its first column (an all -inf span answers col_begin).
     best_c = tl.reshape(best_s + lanes, [BLOCK])
-    return block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, (best_c >= col_begin) & (best_c < col_end), 0)
+    return block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, best_c < col_end, 0)
 
 
 @triton.jit(do_not_specialize=["vocab_start", "num_splits"])

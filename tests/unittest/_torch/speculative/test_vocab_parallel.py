@@ -349,19 +349,26 @@ def test_mixed_greedy_and_sampled_rows(device):
 
 def test_bench_select_smoke_tables():
     """`bench select` prints the goal columns (greedy and Gumbel % of floor, Gumbel/greedy, argmax/greedy)
-    for every (tp, rows) and a schedule sweep that marks the launcher's default (CPU: smoke sizes)."""
+    for every (tp, rows), and the greedy and sampled schedule sweeps, each marking the launcher's default
+    and naming the defaults to paste (CPU: smoke sizes); --tables picks a subset."""
     import argparse
 
     from tensorrt_llm_ext.bench import harness
     from tensorrt_llm_ext.bench.select import run
 
     harness.TABLES.clear()
-    run(argparse.Namespace(vocab=200064, rows="1,8", tp_sizes="1,2", dtype="bf16", no_sweep=False))
-    main, sweep = harness.TABLES[-2:]
+    run(argparse.Namespace(vocab=200064, rows="1,8", tp_sizes="1,2", dtype="bf16", no_sweep=False,
+                           tables="main,greedy,sampled"))
+    main, greedy, sampled = harness.TABLES[-3:]
     for col in ("greedy % of floor", "gumbel % of floor", "gumbel/greedy", "argmax/greedy"):
         assert col in main["headers"]
     assert [r[:3] for r in main["rows"]] == [[1, 1, 2003], [1, 3, 2003], [2, 1, 1002], [2, 3, 1002]]
-    assert "*" in [r[-1] for r in sweep["rows"]] and {r[2] for r in sweep["rows"]} == {256, 1024}
+    assert "*" in [r[-1] for r in greedy["rows"]] and {r[2] for r in greedy["rows"]} == {256, 1024}
+    assert {r[3] for r in sampled["rows"]} == {2, 4} and "sampled" in sampled["title"]
+    assert any("_SAMPLED_TILE_COLUMNS = 256" in n for n in sampled["notes"])
+    harness.TABLES.clear()
+    run(argparse.Namespace(vocab=200064, rows="1", tp_sizes="1", dtype="bf16", no_sweep=False, tables="sampled"))
+    assert len(harness.TABLES) == 1 and "sampled" in harness.TABLES[0]["title"]
 
 
 # ----------------------------------------------------------------------------------------------------
