@@ -115,3 +115,22 @@ def test_rejection_sampling_keeps_the_processed_distribution():
     plain_res, _ = ref_eng.generate(plain, "stock")
     _, _, p_wrong = chi_square_homogeneity(_joint(rs_res, (0, 1)), _joint(plain_res, (0, 1)))
     assert p_wrong < 1e-6, p_wrong
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rejection", [False, True])
+def test_cuda_processed_rows_beside_captured_steps(rejection):
+    """On the GPU in bf16 with CUDA graphs: processed steps run eagerly beside captured default steps, and the
+    speculative decode is the target decode's (strict: every row; rejection sampling: the greedy rows)."""
+    cfg = load_config(**{**SMALL, **(RS if rejection else {}), "model.dtype": "bfloat16",
+                         "cuda_graph_config.batch_sizes": [1, 2, 4, 8]})
+    eng = Engine(cfg, use_cuda_graph=True)
+    spec, _ = eng.generate(_requests(), "speculative")
+    ref, _ = eng.generate(_requests(), "target_only")
+    assert eng._runners, "no graphs captured"
+    rows = (0, 2, 4) if rejection else range(len(ROWS))
+    assert [spec[i].output_ids for i in rows] == [ref[i].output_ids for i in rows]
+    assert spec[4].output_ids == [13] * MAX_NEW
+    plain, _ = eng.generate(_requests(processed=False), "speculative")  # default steps: replayed graphs
+    eager, _ = Engine(cfg).generate(_requests(processed=False), "speculative")
+    assert [r.output_ids for r in plain] == [r.output_ids for r in eager]
