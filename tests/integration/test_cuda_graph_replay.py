@@ -208,7 +208,7 @@ def test_a_missing_variant_runs_eagerly_and_logs_once(monkeypatch, caplog):
     eng = _engine(monkeypatch, graphs=True)
     monkeypatch.setattr(engine_module, "CudaGraphRunner", NoTopP)
     greedy = [r.output_ids for r in eng.generate(_batch("greedy", 4), "stock")[0]]
-    with caplog.at_level("WARNING", logger="TRT-LLM-EXT"):
+    with caplog.at_level("WARNING", logger="tensorrt_llm_ext"):
         got = [r.output_ids for r in eng.generate(_batch("top_p", 4), "stock")[0]]
     runner = eng.runner("stock")
     assert got == greedy and runner.captured(TOP_P_VARIANT) == [] and runner.captured(DEFAULT_VARIANT) == [1, 2, 4]
@@ -299,3 +299,43 @@ def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     assert TOP_P_VARIANT in _replayed(eng, "speculative") and eng.runner("speculative").eager_steps == 0
     runner = eng.runner("speculative")
     assert runner.captured(DEFAULT_VARIANT) == runner.captured(TOP_P_VARIANT) == [1, 2, 4, 8, 16]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Graphs by default on a CUDA device (serve, generate, bench serve), off by config or flag, none on a CPU
+# ---------------------------------------------------------------------------------------------------
+def test_graphs_are_on_by_default_on_cuda_and_off_by_null_or_flag(monkeypatch, tmp_path, caplog):
+    from tensorrt_llm_ext.cli import build_parser
+    from tensorrt_llm_ext.logger import _seen_once
+    from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
+
+    cfg = load_config(**{"max_batch_size": 12})
+    assert cfg.cuda_graph_config is not None and cfg.graph_batch_sizes() == (1, 2, 4, 8, 12)
+    off = tmp_path / "off.yaml"
+    off.write_text("cuda_graph_config: null\n")
+    no_cfg = load_config(off)
+    assert no_cfg.cuda_graph_config is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert use_cuda_graph(cfg) and not use_cuda_graph(no_cfg)
+    assert not use_cuda_graph(cfg, False) and use_cuda_graph(no_cfg, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _seen_once.discard("CUDA graphs: no CUDA device, every step runs eagerly")
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        assert not use_cuda_graph(cfg) and not use_cuda_graph(cfg, True) and not use_cuda_graph(no_cfg)
+    assert sum("no CUDA device" in r.getMessage() for r in caplog.records) == 1
+    parser = build_parser()
+    for command in ("serve", "generate"):
+        assert parser.parse_args([command]).cuda_graph is None  # the config decides
+        assert parser.parse_args([command, "--no-cuda-graph"]).cuda_graph is False
+        assert parser.parse_args([command, "--cuda-graph"]).cuda_graph is True
+
+
+def test_graphs_off_runs_every_step_eagerly_without_a_log_line(monkeypatch, caplog):
+    """A CPU engine (graphs off) runs each mode's steps through the same runner, eagerly, logging nothing per step."""
+    _fast_eager_kernels(monkeypatch)
+    eng = _engine(monkeypatch, graphs=False)
+    with caplog.at_level("WARNING", logger="tensorrt_llm_ext"):
+        for mode in ("stock", "target_only"):
+            eng.generate(_batch("mixed", 3), mode)
+            assert not eng.runner(mode).enabled and eng.runner(mode).eager_steps > 0
+    assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
