@@ -251,7 +251,7 @@ class Engine:
             if mode == "target_only":
                 forward, name = self.reference(_path(mode)).step, "the target-only decode"
             else:
-                forward, name = worker.forward, f"the {mode} step" if mode != "speculative" else "the speculative step"
+                forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
                                      enable_padding=self.enable_padding)
             if runner.enabled:

@@ -263,8 +263,7 @@ def _gpu_engine(**overrides) -> Engine:
 
 
 @cuda_only
-@pytest.mark.parametrize("rejection", [False, True])
-@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+@pytest.mark.parametrize("mode,rejection", [("speculative", False), ("speculative", True), ("target_only", False)])
 def test_gpu_top_p_tiny_equals_greedy_under_graphs(mode, rejection):
     """With graphs (captured per batch size and variant), T = 1 and top-p 1e-3 answer the greedy answer for
     every one of 12 seeds, through ``run_step`` (serve's loop) and ``generate`` alike, replaying the top-p graph
