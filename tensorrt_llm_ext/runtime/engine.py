@@ -410,7 +410,7 @@ class Engine:
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
                             torch.tensor([float(r.top_p) for r in requests], dtype=torch.float32, device=dev),
-                            max(r.logprobs for r in requests), head=worker.vocab_parallel.target_head,
+                            max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
 
@@ -433,7 +433,7 @@ class Engine:
                 new, lens = outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
             # The copies above synchronised: a low-latency exchange of this step that timed out has set its
             # flag by now, and its rows must not become tokens.
-            runner.worker.vocab_parallel.check_exchange()
+            runner.worker.token_selector.check_exchange()
         return new, lens
 
     def release_slot(self, slot: int) -> None:

@@ -14,8 +14,8 @@ from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 
 
 # Below MIN_TEMPERATURE a request's temperature is served as its T -> 0 limit, greedy: under about 1e-38 the
-# scaled logit overflows fp32 and every positive logit ties at +inf (the keyed Gumbel draw, the verification and
-# the target-only decode then agreed on garbage).
+# scaled logit overflows fp32 and every positive logit ties at +inf, so a draw at that temperature would mean
+# nothing.
 
 
 class RequestError(ValueError):

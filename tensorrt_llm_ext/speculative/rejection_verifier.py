@@ -32,7 +32,7 @@ from tensorrt_llm_ext.distributed import PairExchange, allgather
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
-from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+from tensorrt_llm_ext.speculative.token_selector import VocabParallelSelector
 
 __all__ = ["RejectionVerification", "RejectionVerifier", "VERIFICATION_MODES"]
 

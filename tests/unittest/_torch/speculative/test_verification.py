@@ -195,7 +195,7 @@ def test_greedy_rows_equal_strict_accept_path():
     tokens[3, :2] = t_ids[3, :2]
     for tp in (None, top_p):
         acc, n = rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp)
-        ref_acc, ref_n = strict_accept(tokens, t_ids, 0)
+        ref_acc, ref_n = strict_accept(tokens, t_ids)
         greedy = temps == 0
         assert torch.equal(acc[greedy], ref_acc.to(torch.int64)[greedy])
         assert torch.equal(n[greedy], ref_n[greedy])

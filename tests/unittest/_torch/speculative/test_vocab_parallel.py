@@ -19,10 +19,12 @@ from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.linear import TensorParallelMode
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
-from tensorrt_llm_ext.speculative.vocab_parallel import (
-    SelectionParams, VocabParallelSelection, VocabParallelSelectionMixin, VocabShardedLogits,
-    gathered_argmax, gumbel_sample, local_draft_failures, local_target_failures,
-    vocab_parallel_argmax)
+from tensorrt_llm_ext.speculative.selection_decision import (VocabParallelSelection, local_draft_failures,
+                                                             local_target_failures)
+from tensorrt_llm_ext.speculative.token_selector import SelectionParams
+from tensorrt_llm_ext.speculative.vocab_parallel import (VocabShardedLogits, gathered_argmax, gumbel_sample,
+                                                         vocab_parallel_argmax)
+from tensorrt_llm_ext.speculative.worker_base import VocabParallelSelectionMixin
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 NAN, INF = float("nan"), float("inf")
@@ -517,13 +519,13 @@ def test_worker_component_single_rank(processor_cls):
     mapping, head = _head(vocab=vocab, hidden=hidden, tp=1)
     head.load_weights(torch.randn(vocab, hidden))
     worker = _Worker(mapping, _Model(head, processor_cls()), _Model(None))
-    assert worker.vocab_parallel is None and worker.selection is None
+    assert worker.token_selector is None and worker.selection is None
     sel = worker.post_load()
     assert not sel.target_enabled and worker.selection is sel
     assert worker.drafter.lm_head is head  # the drafter took over the target's head
     with pytest.raises(RuntimeError, match="already bound"):
         worker.post_load()
-    selector = worker.vocab_parallel
+    selector = worker.token_selector
     h = torch.randn(6, hidden)
     logits = selector.target_logits(h, torch.tensor([0, 2, 5]))
     assert isinstance(logits, torch.Tensor) and logits.shape == (3, vocab)
