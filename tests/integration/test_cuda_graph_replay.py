@@ -272,8 +272,7 @@ def test_gpu_top_p_tiny_equals_greedy_under_graphs(mode, rejection):
     prompt = [5, 17, 300, 42, 7, 7]
     greedy = [Request(list(prompt), max_new_tokens=24) for _ in range(SEEDS)]
     sampled = [Request(list(prompt), max_new_tokens=24, temperature=1.0, top_p=1e-3, seed=s) for s in range(SEEDS)]
-    want = [r.output_ids for r in eng.generate(greedy, mode)[0]]
-    assert len(set(map(tuple, want))) == 1
+    want = [r.output_ids for r in eng.generate(greedy, mode)[0]]  # row by row: the same step shapes
     eng.runner(mode).replays.clear()
     served = _serve(eng, sampled, mode)
     assert served == want, f"{sum(s == w for s, w in zip(served, want))} of {SEEDS} seeds equal greedy"
@@ -338,3 +337,27 @@ def test_graphs_off_runs_every_step_eagerly_without_a_log_line(monkeypatch, capl
             eng.generate(_batch("mixed", 3), mode)
             assert not eng.runner(mode).enabled and eng.runner(mode).eager_steps > 0
     assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
+
+
+@cuda_only
+def test_gpu_the_old_rule_drops_top_p():
+    """What ``serve --cuda-graph`` did before the rule lived in the runner: the rows prepared for their top-p
+    step, then the default graph (captured without the top-p restriction) replayed. The same 12 seeds then
+    stop answering the greedy answer -- the failure the rule above prevents, shown on real graphs."""
+
+    class OldRule(CudaGraphRunner):
+        def step(self, slots):
+            b = plan_step(len(slots), DEFAULT_VARIANT, [k for k in self.graphs if k[1] == DEFAULT_VARIANT]).batch_size
+            self.worker.set_rows(list(slots), b)  # the rows' own variant (top-p) ...
+            return self._replay((b, DEFAULT_VARIANT))  # ... but a graph captured without it
+
+    eng = _gpu_engine()
+    prompt = [5, 17, 300, 42, 7, 7]
+    want = [r.output_ids for r in eng.generate([Request(list(prompt), max_new_tokens=24) for _ in range(SEEDS)])[0]]
+    runner = eng.runner("speculative")
+    old = OldRule(runner.worker, runner.forward, batch_sizes=runner.batch_sizes)
+    old.graphs = runner.graphs  # the engine's own captured graphs
+    eng._runners["speculative"] = old
+    sampled = [Request(list(prompt), max_new_tokens=24, temperature=1.0, top_p=1e-3, seed=s) for s in range(SEEDS)]
+    served = _serve(eng, sampled, "speculative")
+    assert sum(s == w for s, w in zip(served, want)) < SEEDS
