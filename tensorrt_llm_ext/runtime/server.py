@@ -76,11 +76,8 @@ def served_model_name(cfg, override: str | None) -> str:
     """``--served-model-name``, else the checkpoint's (its directory's name), else ``dspark-embedded``."""
     if override:
         return override
-    if not cfg.model.path:
-        return "dspark-embedded"
-    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
-
-    return read_checkpoint_facts(cfg.model.path).model_name
+    facts = cfg.checkpoint_facts
+    return "dspark-embedded" if facts is None else facts.model_name
 
 
 # -- requests ----------------------------------------------------------------------------------------------
