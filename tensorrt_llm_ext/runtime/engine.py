@@ -203,6 +203,8 @@ class Engine:
         self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
         self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None  # None: every step eager
+        # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
+        self._graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
 
     # -- workers -------------------------------------------------------------------------------------
@@ -251,7 +253,7 @@ class Engine:
             else:
                 forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
-                                     enable_padding=self.enable_padding)
+                                     enable_padding=self.enable_padding, pool=self._graph_pool)
             if runner.enabled:
                 runner.capture(self.mapping)
             self._runners[mode] = runner
