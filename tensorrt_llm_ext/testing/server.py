@@ -50,6 +50,7 @@ class InProcessServer:
     loop: object
     uvicorn_server: object
     thread: object
+    context: object = None  # the handlers' ServeContext
 
     def stop(self, timeout: float = 30.0) -> None:
         self.uvicorn_server.should_exit = True
@@ -58,9 +59,10 @@ class InProcessServer:
 
 
 def start_in_process(config_overrides: dict | None = None, *, model_dir: str | None = None, max_queue: int = 1024,
-                     start_timeout: float = 60.0, host: str = "127.0.0.1") -> InProcessServer:
+                     start_timeout: float = 60.0, host: str = "127.0.0.1", **context) -> InProcessServer:
     """Engine + scheduler + engine loop + app of ``load_config(model_dir=..., **config_overrides)``, served by
-    uvicorn on a free loopback port in a daemon thread; returns once it listens."""
+    uvicorn on a free loopback port in a daemon thread; returns once it listens. ``context``: further
+    :class:`ServeContext` fields (``max_body_bytes``)."""
     import uvicorn
 
     from tensorrt_llm_ext.runtime.config import load_config
@@ -75,7 +77,8 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     metrics = ServerMetrics(cfg.draft_len)
     loop = EngineLoop(_SerialScheduler(Scheduler(engine)), PlanChannel(None), metrics, max_queue=max_queue)
     ctx = ServeContext(loop=loop, model_name=served_model_name(cfg, None), vocab_size=engine.vocab_size,
-                       max_seq_len=cfg.max_seq_len, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path))
+                       max_seq_len=cfg.max_seq_len, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path),
+                       **context)
     port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(ctx, metrics), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
@@ -89,7 +92,7 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
             loop.stop(5)
             raise TimeoutError(f"the in-process server did not start within {start_timeout:.0f}s")
         time.sleep(0.02)
-    return InProcessServer(f"http://{host}:{port}", engine, loop, server, thread)
+    return InProcessServer(f"http://{host}:{port}", engine, loop, server, thread, ctx)
 
 
 def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[int]]:
