@@ -104,6 +104,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.models.gguf_import import import_gguf
+
+    try:
+        paths = import_gguf(args.file, args.dir, dtype=args.dtype, tokenizer=not args.no_tokenizer)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for what, path in paths:
+        print(f"{what}: {path}")
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
@@ -189,7 +202,32 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter-dir", default=None, help="drafter directory (default: DIR/dspark_drafter)")
     e.add_argument("--config", help="runtime YAML whose model is exported (default: the embedded one)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gg = sub.add_parser("import-gguf", help="write a llama.cpp GGUF (Llama) as a Hugging Face directory "
+                        "(dequantized safetensors, tokenizer, generation config)")
+    gg.add_argument("file", help="the .gguf file (architecture llama)")
+    gg.add_argument("dir", help="the Hugging Face directory to write (serve DIR / generate --model DIR)")
+    gg.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="weights' dtype on disk (float32 keeps the dequantized values exactly)")
+    gg.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files (needs no transformers)")
     return p
+
+
+def bench_usage() -> str:
+    """``trtllm-ext bench --help``: every benchmark with its one-line description (each module is imported
+    to read the description it registers)."""
+    from tensorrt_llm_ext.bench import BENCHMARK_MODULES
+    from tensorrt_llm_ext.bench.harness import load_benchmark
+
+    lines = ["usage: trtllm-ext bench NAME [options]   (trtllm-ext bench NAME --help: its options)", "",
+             "benchmarks:"]
+    width = max(len(n) for n in BENCHMARK_MODULES)
+    for name in sorted(BENCHMARK_MODULES):
+        try:
+            text = load_benchmark(name).help
+        except ImportError as e:  # a missing optional dependency: the others are still listed
+            text = f"(unavailable here: {e})"
+        lines.append(f"  {name:<{width}}  {text}")
+    return "\n".join(lines)
 
 
 def _split_test_list_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -224,10 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1].startswith("-"):
-            from tensorrt_llm_ext.bench import BENCHMARK_MODULES
-
-            print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
-            return 2
+            print(bench_usage())
+            return 0 if len(argv) >= 2 and argv[1] in ("-h", "--help") else 2
         return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["generate", *argv]  # generate is the default command
@@ -242,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_serve(args, argv)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "import-gguf":
+        return _cmd_import_gguf(args)
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "test-list":

@@ -27,8 +27,7 @@ import torch
 from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.checkpoint import (load_drafter_state_dict, load_llama_state_dict, read_checkpoint_facts,
-                                                 read_target_family)
+from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
@@ -50,9 +49,8 @@ MODES = ("speculative", "gathered", "target_only", "stock")
 def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
     """The EOS ids of the configured checkpoint directory (``config.json``, ``generation_config.json`` and the
     tokenizer's); none for the embedded model."""
-    if not config.model.path:
-        return ()
-    return tuple(read_checkpoint_facts(config.model.path).eos_token_ids)
+    facts = config.checkpoint_facts
+    return () if facts is None else tuple(facts.eos_token_ids)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -69,7 +67,7 @@ def model_configs(config: RuntimeConfig) -> tuple[LlamaTargetConfig, DSparkDraft
                              intermediate_size=t.intermediate_size, capture_layers=tuple(t.capture_layers),
                              rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps,
                              # a checkpoint's family switches (biases, q/k norms, RoPE scaling)
-                             **(read_target_family(config.model.path) if config.model.path else {}))
+                             **config.target_family)
     d = config.model.drafter
     dcfg = DSparkDrafterConfig(hidden_size=t.hidden_size, target_hidden_size=t.hidden_size,
                                num_capture_layers=len(t.capture_layers), num_layers=d.num_layers,
@@ -332,7 +330,7 @@ class Engine:
                     new, lens = [[t] for t in ids], [1] * n
                 # The copies above synchronised: a low-latency exchange of this step that timed out has
                 # set its flag by now, and its rows must not become tokens.
-                worker.vocab_parallel.check_exchange()
+                worker.token_selector.check_exchange()
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):
@@ -406,7 +404,7 @@ class Engine:
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
                             torch.tensor([r.sampling_top_p for r in requests], dtype=torch.float32, device=dev),
-                            max(r.logprobs for r in requests), head=worker.vocab_parallel.target_head,
+                            max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
 

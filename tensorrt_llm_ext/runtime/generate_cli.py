@@ -109,7 +109,7 @@ def main_generate(args: argparse.Namespace) -> int:
     # At tp 1 nothing is sharded: the gathered path is the speculative path itself, so it is not compared.
     modes = ["speculative"] + (["target_only"] + (["gathered"] if tp > 1 else []) if args.check else [])
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
-                      show_progress=not args.no_progress and sys.stderr.isatty(), check_top_p=args.check and rejection)
+                      show_progress=not args.no_progress, progress_terminal=sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
     spec = cfg.speculative_config
     banner = (f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,7 +101,8 @@ class GenerateJob:
     requests: list[dict]  # Request fields
     modes: list[str]  # engine modes to run, "speculative" first
     cuda_graph: bool = False
-    show_progress: bool = False
+    show_progress: bool = False  # progress of each mode on rank 0
+    progress_terminal: bool = True  # stderr is a terminal: a tqdm bar; else a log line every PROGRESS_LINE_S
     check_top_p: bool = False  # also check every speculative token against the target's top-p kept set
 
 
@@ -124,15 +126,48 @@ class RankReport:
     results: dict[str, ModeResult] = field(default_factory=dict)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+PROGRESS_LINE_S = 10.0  # without a terminal: one progress line at most this often
+
+
+class _ProgressLines:
+    """Progress as log lines (stderr is not a terminal: a log file or a pipe, where a bar would be noise)."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        from tensorrt_llm_ext.logger import logger  # not at import: _env is read after ensure_triton_interpreter
+
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_LINE_S:
+            self.last = now
+            logger.info(f"generate: {self.desc}: {self.done}/{self.total} tokens at most, {now - self.t0:.0f} s")
+
+    def close(self) -> None:
+        from tensorrt_llm_ext.logger import logger
+
+        logger.info(f"generate: {self.desc}: {self.done} tokens in {time.monotonic() - self.t0:.1f} s")
+
+
+def _progress_bar(total: int, desc: str, enabled: bool, terminal: bool = True):
+    """A tqdm bar on a terminal, else :class:`_ProgressLines` (None, None when disabled)."""
+    from tensorrt_llm_ext.logger import logger
+
     if not enabled:
         return None, None
-    try:
-        from tqdm import tqdm
-    except Exception:  # tqdm is an optional UI dependency
-        return None, None
-    bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
-    return bar, bar.update
+    if terminal:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is an optional UI dependency
+            logger.info("generate: tqdm is not installed: progress as log lines")
+        else:
+            bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+            return bar, bar.update
+    lines = _ProgressLines(total, desc)
+    logger.info(f"generate: {desc} decode of {total} tokens at most")
+    return lines, lines.update
 
 
 def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
@@ -155,6 +190,10 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
         # Measured on the 2-core CI machines: a [24, 48] x [48, 1536] fp32 GEMM takes 5 ms with 2 intra-op
         # threads and 0.1 ms with one; the tiny model's steps are all such GEMMs (and ranks share the cores).
         torch.set_num_threads(1)
+    if job.show_progress and mapping.rank == 0:
+        from tensorrt_llm_ext.logger import logger
+
+        logger.info("generate: building the engine (weights, caches" + (", CUDA graphs)" if job.cuda_graph else ")"))
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=job.cuda_graph)
     if on_built is not None:
         on_built()
@@ -162,7 +201,7 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
     report = RankReport(rank=mapping.rank)
     total = sum(r.max_new_tokens for r in requests)
     for mode in job.modes:
-        bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0)
+        bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0, job.progress_terminal)
         results, stats = engine.generate(requests, mode=mode, progress=update)
         if bar is not None:
             bar.close()

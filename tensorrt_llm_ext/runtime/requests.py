@@ -14,8 +14,8 @@ from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 
 
 # Below MIN_TEMPERATURE a request's temperature is served as its T -> 0 limit, greedy: under about 1e-38 the
-# scaled logit overflows fp32 and every positive logit ties at +inf (the keyed Gumbel draw, the verification and
-# the target-only decode then agreed on garbage).
+# scaled logit overflows fp32 and every positive logit ties at +inf, so a draw at that temperature would mean
+# nothing.
 
 # The engine samples in fp32, so a field is checked in fp32 here, where it enters: a double the layers below
 # would see as another value is refused or normalised at the boundary, never inside a step.

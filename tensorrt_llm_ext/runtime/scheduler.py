@@ -85,6 +85,13 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self._live)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the cache pages held by requests in flight (pages are reserved at admission for the
+        prompt and ``max_new_tokens``), 0..1."""
+        pages = self.engine.pages
+        return (pages.num_pages - pages.num_free) / pages.num_pages if pages.num_pages else 0.0
+
     def validate(self, request: Request) -> None:
         """Raise :class:`RequestError` if the engine cannot serve ``request``."""
         self.engine.validate(request)

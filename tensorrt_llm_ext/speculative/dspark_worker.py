@@ -50,7 +50,8 @@ from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
-from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, SelectionParams, VocabShardedLogits
+from tensorrt_llm_ext.speculative.token_selector import SelectionParams
+from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
 
 
@@ -107,12 +108,12 @@ class DSparkWorker(SpecWorkerBase):
 
     # -- binding -------------------------------------------------------------------------------------
     def _on_bound(self) -> None:
-        sel = self.vocab_parallel.selection
+        sel = self.token_selector.selection
         if not self.ops.vocab_parallel and (sel.target_enabled or sel.draft_enabled):
             # Same op table and decision on every rank: every rank raises alike, no peer waits.
             raise ValueError(f"DSparkWorker: the {self.ops.name} op table selects from gathered logits; bind it "
                              f"with vocab_parallel_mode='off' ({sel.describe()})")
-        exchange = self.vocab_parallel.draft_exchange
+        exchange = self.token_selector.draft_exchange
         weights = self.drafter.markov_head_weights(vocab_parallel=exchange is not None)
 
         def chain(mode: str) -> MarkovChain:
@@ -122,9 +123,9 @@ class DSparkWorker(SpecWorkerBase):
         self.markov = chain(self.markov_chain_mode)
         decision = RejectionVerification.decide(
             use_rejection_sampling=self.use_rejection_sampling, mode=self.verification_mode,
-            sampling=self.sampling, selector=self.vocab_parallel, tp_size=self.mapping.tp_size)
+            sampling=self.sampling, selector=self.token_selector, tp_size=self.mapping.tp_size)
         if decision.enabled:
-            self.verifier = RejectionVerifier(decision, self.vocab_parallel, self.mapping,
+            self.verifier = RejectionVerifier(decision, self.token_selector, self.mapping,
                                               max_batch_size=self.max_batch_size, draft_len=self.draft_len,
                                               vocab_size=self.vocab_size, logits_dtype=self.target.dtype,
                                               device=self.device)
@@ -228,7 +229,7 @@ class DSparkWorker(SpecWorkerBase):
         (computed jointly on the shards when ``logits`` is a shard); other rows unchanged."""
         if isinstance(logits, VocabShardedLogits):
             x, start, vocab = logits.logits, logits.vocab_start, logits.vocab_size
-            exchange = self.vocab_parallel.target_head.exchange
+            exchange = self.token_selector.target_head.exchange
         else:
             x, start, vocab, exchange = logits, 0, logits.shape[-1], None
         keep = self.ops.top_p_keep(x.contiguous(), top_p, temperatures=temps, vocab_start=start, vocab_size=vocab,
@@ -244,7 +245,7 @@ class DSparkWorker(SpecWorkerBase):
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
         ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set. Returns the ids and the
         raw logits (before the top-p mask: what log-probabilities are computed from)."""
-        raw = logits = self.vocab_parallel.target_logits(hidden)
+        raw = logits = self.token_selector.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
         elif top_p is not None:
@@ -257,7 +258,7 @@ class DSparkWorker(SpecWorkerBase):
         torch selection, else the vocab-parallel selector (``temps=None``: greedy). ``out`` ``[R]`` int64."""
         if self.ops.select is not None:
             return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out)
-        return self.vocab_parallel.select_tokens(
+        return self.token_selector.select_tokens(
             logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
@@ -266,7 +267,7 @@ class DSparkWorker(SpecWorkerBase):
         cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
         hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
                                                                placement=tail.placement, cache=cache))
-        return self.vocab_parallel.draft_logits(hidden)
+        return self.token_selector.draft_logits(hidden)
 
     def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
         """Drafter block decode -> base logits -> Markov chain -> ``out_drafts [B, K]``."""
@@ -417,7 +418,7 @@ class DSparkWorker(SpecWorkerBase):
         """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
         ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
         b, k = batch_size, self.draft_len
-        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1), 0,
+        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
                                                    out=(self.accepted[:b], self.num_accepted[:b]))
         return self.advance(b, accepted, num_acc, captured)
 
@@ -428,7 +429,7 @@ class DSparkWorker(SpecWorkerBase):
         st = self.state
         b = batch_size
         slots_l = self.slot_ids[:b].long()
-        logits = self.vocab_parallel.target_logits(hidden)
+        logits = self.token_selector.target_logits(hidden)
         x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         top_p = self.slot_top_p[slots_l] if self._step_top_p else None
         accepted, num_acc = self.verifier.verify(

@@ -26,7 +26,7 @@ class ReferenceDecoder:
     """
 
     def __init__(self, worker: DSparkWorker):
-        if worker.vocab_parallel is None:
+        if worker.token_selector is None:
             raise RuntimeError("ReferenceDecoder: bind the worker (post_load) first")
         self.worker = worker
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
