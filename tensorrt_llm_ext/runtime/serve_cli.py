@@ -149,17 +149,19 @@ def launch_tp(tp: int, argv: list[str]) -> int:
         return EXIT_USAGE
 
 
-def use_cuda_graph(cfg: RuntimeConfig, force: bool = False) -> bool:
-    """CUDA graphs follow ``cuda_graph_config`` on a CUDA device (``force``: the ``--cuda-graph`` flag)."""
+def use_cuda_graph(cfg: RuntimeConfig, flag: bool | None = None) -> bool:
+    """Whether every decode step is captured in CUDA graphs: on a CUDA device, ``flag`` (``--cuda-graph`` /
+    ``--no-cuda-graph``) when given, else ``cuda_graph_config`` (present by default; ``null`` turns graphs
+    off). On a CPU never (logged once)."""
     import torch
 
     from tensorrt_llm_ext.logger import info_once
 
     if not torch.cuda.is_available():
-        if cfg.cuda_graph_config is not None:
-            info_once("cuda_graph_config: no CUDA device, steps run eagerly")
+        if flag or (flag is None and cfg.cuda_graph_config is not None):
+            info_once("CUDA graphs: no CUDA device, every step runs eagerly")
         return False
-    return force or cfg.cuda_graph_config is not None
+    return cfg.cuda_graph_config is not None if flag is None else flag
 
 
 def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
@@ -194,10 +196,12 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     if mapping is None or mapping.rank == 0:
         log_no_effect_fields(cfg)  # once per job, not once per rank
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
-    # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
-    # before rank 0 starts planning and the others start following.
+    # Binding the worker and capturing the served decode's graphs agree across ranks (collectives): every
+    # rank does both here, in the same order, before rank 0 starts planning and the others start following.
     selection = engine.worker("speculative").selection.describe()
-    scheduler = Scheduler(engine, mode="target_only" if args.no_speculation else "speculative")
+    mode = "target_only" if args.no_speculation else "speculative"
+    engine.runner(mode)
+    scheduler = Scheduler(engine, mode=mode)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -299,5 +303,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies answer 413 without being parsed (default 8 MiB)")
     p.add_argument("--no-speculation", action="store_true",
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="capture steps on CUDA even without cuda_graph_config (which enables them by itself)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")
