@@ -326,7 +326,7 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.top_p for a in admitted])
+                               top_ps=[a.request.sampling_top_p for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -365,9 +365,9 @@ class Engine:
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.top_p])[0]
+                                                       top_ps=[request.sampling_top_p])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.top_p)
+                                         top_p=request.sampling_top_p)
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
@@ -409,7 +409,7 @@ class Engine:
         x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
-                            torch.tensor([float(r.top_p) for r in requests], dtype=torch.float32, device=dev),
+                            torch.tensor([r.sampling_top_p for r in requests], dtype=torch.float32, device=dev),
                             max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
@@ -435,6 +435,12 @@ class Engine:
             # flag by now, and its rows must not become tokens.
             runner.worker.token_selector.check_exchange()
         return new, lens
+
+    def reset_step_state(self) -> None:
+        """Reset every worker's step state (prepared rows, Markov key ring) after a prefill or step that was
+        aborted part way; held slots stay held (each prefill rewrites its slot's state)."""
+        for w in self._workers.values():
+            w.reset_step_state()
 
     def release_slot(self, slot: int) -> None:
         """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
@@ -518,6 +524,5 @@ class Engine:
         """
         held = self.slots.release_all()
         self.pages.free_all()
-        for w in self._workers.values():
-            w.reset_step_state()
+        self.reset_step_state()
         logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")
