@@ -41,6 +41,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", nargs="+", choices=["speculative", "target_only"],
                    default=["speculative", "target_only"])
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending in a cell after this long")
+    p.add_argument("--prompt-set", choices=["random", "held_out"], default="random",
+                   help="random token ids, or the held-out chat prompts of bench acceptance (a --model with a chat "
+                        "tokenizer; docs/real_model.md)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -125,6 +128,11 @@ def run(args: argparse.Namespace) -> None:
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
         ["--tp", str(args.tp), "--max-queue", str(max(1024, most))]
+    held_out = None
+    if args.prompt_set == "held_out":
+        from tensorrt_llm_ext.training.prompts import prompt_token_ids
+
+        held_out = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
     rows = []
     for decode in args.decodes:
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
@@ -134,6 +142,9 @@ def run(args: argparse.Namespace) -> None:
                 for conc in args.concurrency:
                     n = conc * args.requests_per_client
                     bodies = sample_bodies(n, cfg.model.target.vocab_size, max_tokens=(args.max_tokens,) * 2)
+                    if args.prompt_set == "held_out":
+                        for b, p in zip(bodies, held_out * (n // len(held_out) + 1)):
+                            b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=b["prompt"][:max(1, limit)], seed=i, **sampling)
                     acc0 = _acceptance(server.url)
@@ -158,7 +169,8 @@ def run(args: argparse.Namespace) -> None:
         if len(r) == 12:
             r.append("")
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
-             f"{args.requests_per_client} requests per client; streamed completions; TTFT = request sent to its "
+             f"{args.requests_per_client} requests per client, {args.prompt_set} prompts; streamed completions; "
+             f"TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
              f"a server's exit code after SIGTERM on its last row."]
     if not torch.cuda.is_available():
