@@ -202,7 +202,9 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="exact top-p of sampled requests, in (0, 1] (1 = off)")
     g.add_argument("--rejection-sampling", action="store_true",
                    help="speculative_config.use_rejection_sampling: sampled drafts, rejection-sampling verification")
-    g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")
     g.add_argument("--check", action="store_true",
                    help="also run the target's own decode and the gathered path; exit 1 unless all agree "
                         "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "
@@ -257,6 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bench_usage() -> str:
+    """``trtllm-ext bench --help``: every benchmark with its one-line description (each module is imported
+    to read the description it registers)."""
+    from tensorrt_llm_ext.bench import BENCHMARK_MODULES
+    from tensorrt_llm_ext.bench.harness import load_benchmark
+
+    lines = ["usage: trtllm-ext bench NAME [options]   (trtllm-ext bench NAME --help: its options)", "",
+             "benchmarks:"]
+    width = max(len(n) for n in BENCHMARK_MODULES)
+    for name in sorted(BENCHMARK_MODULES):
+        try:
+            text = load_benchmark(name).help
+        except ImportError as e:  # a missing optional dependency: the others are still listed
+            text = f"(unavailable here: {e})"
+        lines.append(f"  {name:<{width}}  {text}")
+    return "\n".join(lines)
+
+
 def _split_test_list_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """``test-list [NAME] [--dry-run] [-- PYTEST ARGS]`` in any order of NAME and --dry-run."""
     if "--" in argv:
@@ -289,10 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1].startswith("-"):
-            from tensorrt_llm_ext.bench import BENCHMARK_MODULES
-
-            print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
-            return 2
+            print(bench_usage())
+            return 0 if len(argv) >= 2 and argv[1] in ("-h", "--help") else 2
         return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["generate", *argv]  # generate is the default command
