@@ -687,3 +687,30 @@ def test_gpu_fused_b_invariance_alone_vs_batch_of_64(block_b, sample):
     for tp in (2, 4):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", sampling=samp, config=cfg)
         assert all(torch.equal(x, t) for x in lt) and bits_equal(lo, o), tp
+
+
+@gpu_only
+@pytest.mark.parametrize("block_b", [16, 64])
+def test_gpu_sweep_grid_schedules_bitwise(block_b):
+    """Every schedule `bench markov --tables sweep` may paste into FUSED_SCHEDULES gives, within its
+    block_b, the same bits as the others (greedy and sampled rows; B = 40 and a request alone), so the
+    table can be filled per B from the fastest without changing any output."""
+    from tensorrt_llm_ext.bench.markov import sweep_configs
+
+    V, r, K, B = 200064, 256, 3, 40
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=83 + block_b, scale=0.05)
+    base = _adversarial(base)
+    samp = _sampling(B, seed=13)  # every third row greedy
+    kw = {"temperatures": samp[0], "seeds": samp[1], "offsets": samp[2]}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ref = None
+    for cfg, _ in sweep_configs(sms, block_b):
+        o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused", config=cfg, **kw)
+        if ref is None:
+            ref = (o.clone(), t.clone())
+            continue
+        assert torch.equal(t, ref[1]) and bits_equal(o, ref[0]), cfg.describe()
+        one = slice(7, 8)
+        o1, t1 = markov_chain_logits(base[one].contiguous(), anchors[one].contiguous(), w1, w2, mode="fused",
+                                     config=cfg, **{k: v[one].contiguous() for k, v in kw.items()})
+        assert torch.equal(t1, ref[1][one]) and bits_equal(o1, ref[0][one]), cfg.describe()
