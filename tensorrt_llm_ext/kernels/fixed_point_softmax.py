@@ -46,7 +46,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCA
 
 __all__ = [
     "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
-    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "is_finite", "sfu_exp2",
+    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
@@ -97,6 +97,39 @@ def sfu_log2(x):
                                          is_pure=True, pack=1)
     else:
         return tl.log2(x)
+
+
+# Warp-aggregated histogram add (compiled only): the lanes of a warp holding the same bucket (match.any) sum
+# their weight's low and high 16-bit halves (redux.sync, exact: < 2^21 each), and the lowest such lane issues
+# one atomic for the group; every lane executes it together (the elementwise loop is uniform across a warp).
+_HIST_AGG_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 m, lo, hi, slo, shi, lt;
+.reg .pred p;
+match.any.sync.b32 m, $2, 0xffffffff;
+and.b32 lo, $3, 65535;
+shr.u32 hi, $3, 16;
+redux.sync.add.u32 slo, lo, m;
+redux.sync.add.u32 shi, hi, m;
+mov.u32 lt, %lanemask_lt;
+and.b32 lt, lt, m;
+setp.eq.u32 p, lt, 0;
+selp.b32 $0, slo, 0, p;
+selp.b32 $1, shi, 0, p;
+}""")
+
+
+@triton.jit
+def hist_add(base, bucket, w):
+    """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing), as
+    relaxed atomics into the calling program's own buckets. Compiled: warp-aggregated (one atomic per distinct
+    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element."""
+    if _SFU:
+        slo, shi = tl.inline_asm_elementwise(_HIST_AGG_ASM, "=r,=r,r,r", [bucket.to(tl.int32), w.to(tl.int32)],
+                                             dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+        agg = (shi.to(tl.int64) << 16) + slo.to(tl.int64)
+        tl.atomic_add(base + bucket, agg, mask=agg > 0, sem="relaxed")
+    else:
+        tl.atomic_add(base + bucket, w, mask=w > 0, sem="relaxed")
 
 
 @triton.jit
@@ -237,7 +270,7 @@ def _verify_sums_kernel(
         acc += w
         if HIST:
             if is_t:
-                tl.atomic_add(out + 3 + (radix_key(x) >> 24), w, mask=w > 0)
+                hist_add(out + 3, (radix_key(x) >> 24).to(tl.int32), w)
     ftok = tl.sum(acc, 0) * 0
     utok = ftok
     if HAS_TOK:

@@ -199,7 +199,7 @@ def _rejection_draw_kernel(
     dec_ptr,  # [B, 2] int64 out: (k*, mode), written by the program of chunk 0
     race_ptr,  # [B, S, 2] int64 out, every slot written
     stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, K, rank, tp,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr, ALIGNED4: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -235,8 +235,11 @@ def _rejection_draw_kernel(
         lanes = tl.arange(0, BLOCK)
         col_begin = split * chunk
         col_end = tl.minimum(col_begin + chunk, n_valid)
-        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids)
-        lead = (vocab_start + col_begin) & 3
+        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids); when the shard
+        # starts at one (ALIGNED4: a static fact of the launch) the tiles are the chunk's own, so loads vectorize
+        lead = 0
+        if not ALIGNED4:
+            lead = (vocab_start + col_begin) & 3
         for start in range(col_begin - lead, col_end, BLOCK):
             cols = start + lanes
             valid = (cols >= col_begin) & (cols < col_end)
@@ -363,7 +366,7 @@ def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, k
         temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race,
         target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
         splits, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
-        num_warps=num_warps_for(block_size))
+        ALIGNED4=vocab_start % 4 == 0, num_warps=num_warps_for(block_size))
 
 
 def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, rank):

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
-                                                          decode_max_key_torch, fixed_point_weight,
+                                                          decode_max_key_torch, fixed_point_weight, hist_add,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
                                                           radix_to_f32_torch, row_max_from_keys, weight_scale,
@@ -216,7 +216,7 @@ def _top_p_round_kernel(
                 u = radix_key(x)
                 hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
                 w = fixed_point_weight(x, m, c, hit)
-                tl.atomic_add(out + ((u >> sh_digit) & 255), w, mask=w > 0)
+                hist_add(out, ((u >> sh_digit) & 255).to(tl.int32), w)
 
 
 @triton.jit
