@@ -49,7 +49,7 @@ __all__ = [
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
-    "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "row_max_from_keys", "row_max_from_keys_rows", "split_reduce", "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
 
@@ -190,13 +190,39 @@ def load_pair_tile(t_row, q_row, is_t, cols, valid):
 
 
 @triton.jit
-def row_max_from_keys(keys_ptr, row, num_splits):
+def split_reduce(ptr, num_splits, stride, mask, SPLITS: tl.constexpr, MAX: tl.constexpr):
+    """Sum (or max, ``MAX``) of ``ptr[s * stride]`` over the column chunks ``s < num_splits`` in one vector load
+    (``SPLITS`` = next power of two >= num_splits); ``ptr`` / ``mask`` a scalar (-> scalar)."""
+    s = tl.arange(0, SPLITS)
+    ok = (s < num_splits) & mask
+    if MAX:
+        return tl.max(tl.load(ptr + s * stride, mask=ok, other=-9223372036854775808), 0)
+    else:
+        return tl.sum(tl.load(ptr + s * stride, mask=ok, other=0), 0)
+
+
+@triton.jit
+def split_reduce_rows(ptr, num_splits, stride, mask, SPLITS: tl.constexpr, MAX: tl.constexpr):
+    """:func:`split_reduce` for a block of pointers ``ptr [X]`` (mask ``[X]``) -> ``[X]``, one 2-D load."""
+    s = tl.arange(0, SPLITS)
+    ok = (s[None, :] < num_splits) & mask[:, None]
+    addr = ptr[:, None] + s[None, :] * stride
+    if MAX:
+        return tl.max(tl.load(addr, mask=ok, other=-9223372036854775808), 1)
+    else:
+        return tl.sum(tl.load(addr, mask=ok, other=0), 1)
+
+
+@triton.jit
+def row_max_from_keys(keys_ptr, row, num_splits, SPLITS: tl.constexpr):
     """The row's exchanged finite-max key, reduced over its per-split slots ``keys [R, S, 2]`` column 1."""
-    base = keys_ptr + row.to(tl.int64) * num_splits * 2 + 1
-    k = tl.load(base)
-    for s in range(1, num_splits):
-        k = tl.maximum(k, tl.load(base + s * 2))
-    return k
+    return split_reduce(keys_ptr + row.to(tl.int64) * num_splits * 2 + 1, num_splits, 2, row >= 0, SPLITS, True)
+
+
+@triton.jit
+def row_max_from_keys_rows(keys_ptr, rows, num_splits, mask, SPLITS: tl.constexpr):
+    """:func:`row_max_from_keys` of a block of rows."""
+    return split_reduce_rows(keys_ptr + rows.to(tl.int64) * num_splits * 2 + 1, num_splits, 2, mask, SPLITS, True)
 
 
 @triton.jit
@@ -239,7 +265,7 @@ def _verify_sums_kernel(
     tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
-    BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -249,7 +275,7 @@ def _verify_sums_kernel(
     kk = tl.where(is_t, row % div_t, rq % div_q)
     t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
     q_row = q_ptr + rq.to(tl.int64) * stride_q
-    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits, SPLITS))
     c = weight_scale(tl.load(temp_ptr + b))
     out = sums_ptr + tl.where(is_t, (row.to(tl.int64) * num_splits + split) * cols_t,
                               sums_q_off + (rq.to(tl.int64) * num_splits + split) * 3)
@@ -481,7 +507,7 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
         target, q, keys, temperatures, tokens if tokens is not None else keys, out,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
-        num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
     return out
 
 
