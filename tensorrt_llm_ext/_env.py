@@ -27,6 +27,8 @@ class _Env:
     log_level: str
     # Set by `trtllm-ext serve --tp N` on the ranks it launches through mpiexec.
     serve_rank: bool = False
+    # `trtllm-ext serve`'s API key when --api-key is not given (vLLM's VLLM_API_KEY); never logged.
+    api_key: str | None = field(default=None, repr=False)
     errors: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -53,6 +55,7 @@ def _read() -> _Env:
         collective_timeout_s=timeout,
         log_level=level,
         serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
+        api_key=os.environ.get("TLLM_EXT_API_KEY") or None,
         errors=tuple(errors),
     )
 

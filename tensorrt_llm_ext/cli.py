@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -104,6 +105,60 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.models.gguf_import import import_gguf
+
+    try:
+        paths = import_gguf(args.file, args.dir, dtype=args.dtype, tokenizer=not args.no_tokenizer)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for what, path in paths:
+        print(f"{what}: {path}")
+    return 0
+
+
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tensorrt_llm_ext.models.checkpoint import CheckpointError
+    from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
+
+    try:
+        tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+        out = args.out or str(Path(args.dir) / "dspark_drafter")
+        summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
+                                progress=not args.no_progress)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    acc = summary["held_out_greedy_acceptance"]
+    print(f"drafter: {out}")
+    print(f"loss: {summary['first_losses'][:1]} -> {summary['last_losses'][-1:]}")
+    print(f"held-out greedy acceptance length (K={tc.draft_len}): init ({tc.init}) {acc['init']}, "
+          f"trained {acc['trained']}")
+    return 0
+
+
+def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from tensorrt_llm_ext.training.trainer import TrainConfig
+
+    t.add_argument("dir", help="the target: a Hugging Face Llama directory (e.g. written by import-gguf)")
+    t.add_argument("--out", default=None, help="the drafter directory to write (default DIR/dspark_drafter, "
+                                                "where serve DIR finds it)")
+    t.add_argument("--work-dir", default=None, help="data cache and trainer checkpoints (default OUT_work beside OUT)")
+    t.add_argument("--resume", action="store_true", help="continue from WORK_DIR/trainer_state.pt and its data")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
+        if f.name == "markov_rank":
+            kind = int
+        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                       help=f"default {f.default} (docs/real_model.md)")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
@@ -147,7 +202,9 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="exact top-p of sampled requests, in (0, 1] (1 = off)")
     g.add_argument("--rejection-sampling", action="store_true",
                    help="speculative_config.use_rejection_sampling: sampled drafts, rejection-sampling verification")
-    g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")
     g.add_argument("--check", action="store_true",
                    help="also run the target's own decode and the gathered path; exit 1 unless all agree "
                         "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "
@@ -191,7 +248,35 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter-dir", default=None, help="drafter directory (default: DIR/dspark_drafter)")
     e.add_argument("--config", help="runtime YAML whose model is exported (default: the embedded one)")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gg = sub.add_parser("import-gguf", help="write a llama.cpp GGUF (Llama) as a Hugging Face directory "
+                        "(dequantized safetensors, tokenizer, generation config)")
+    gg.add_argument("file", help="the .gguf file (architecture llama)")
+    gg.add_argument("dir", help="the Hugging Face directory to write (serve DIR / generate --model DIR)")
+    gg.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="weights' dtype on disk (float32 keeps the dequantized values exactly)")
+    gg.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files (needs no transformers)")
+    tr = sub.add_parser("train-drafter", help="train a DSpark drafter on a target by self-distillation "
+                        "(docs/real_model.md)")
+    _add_train_drafter_args(tr)
     return p
+
+
+def bench_usage() -> str:
+    """``trtllm-ext bench --help``: every benchmark with its one-line description (each module is imported
+    to read the description it registers)."""
+    from tensorrt_llm_ext.bench import BENCHMARK_MODULES
+    from tensorrt_llm_ext.bench.harness import load_benchmark
+
+    lines = ["usage: trtllm-ext bench NAME [options]   (trtllm-ext bench NAME --help: its options)", "",
+             "benchmarks:"]
+    width = max(len(n) for n in BENCHMARK_MODULES)
+    for name in sorted(BENCHMARK_MODULES):
+        try:
+            text = load_benchmark(name).help
+        except ImportError as e:  # a missing optional dependency: the others are still listed
+            text = f"(unavailable here: {e})"
+        lines.append(f"  {name:<{width}}  {text}")
+    return "\n".join(lines)
 
 
 def _split_test_list_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -232,10 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1].startswith("-"):
-            from tensorrt_llm_ext.bench import BENCHMARK_MODULES
-
-            print("usage: trtllm-ext bench NAME [options]; names: " + ", ".join(sorted(BENCHMARK_MODULES)))
-            return 2
+            print(bench_usage())
+            return 0 if len(argv) >= 2 and argv[1] in ("-h", "--help") else 2
         return _cmd_bench(argparse.Namespace(name=argv[1]), argv[2:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["generate", *argv]  # generate is the default command
@@ -250,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_serve(args, argv)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "import-gguf":
+        return _cmd_import_gguf(args)
+    if args.command == "train-drafter":
+        return _cmd_train_drafter(args)
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "test-list":

@@ -21,7 +21,7 @@ _LOGGER_NAME = "tensorrt_llm_ext"
 _seen_once: set[str] = set()
 _rank, _world = 0, 1
 _held: list[str] = []  # INFO lines since the last flush (rank 0: printed; others: held back)
-_private_stream = False  # this rank's stderr is its own log file (runtime/ranks.py): print every line live
+_private_stream = False  # this rank's stderr is its own log file (runtime/rank_process.py): print every line live
 
 
 class _RankGate(logging.Filter):

@@ -111,6 +111,17 @@ def uniform_from_word(r):
     return one_top - 0.999999940395355224609375
 
 
+@triton.jit
+def one_minus_uniform(r):
+    """``1 - uniform_from_word(r)``, bit for bit, without the subtraction: ``(comp + 0.5) * 2^-23``.
+
+    ``comp = (r >> 9) ^ (2^23 - 1)`` is ``2^23 - 1 - top``, so this is ``1 - (top + 0.5) * 2^-23`` exactly
+    (``t`` of :func:`gumbel2_from_word`); the same construction as :func:`uniform_from_word`.
+    """
+    one_comp = (((r >> 9) ^ 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_comp - 0.999999940395355224609375
+
+
 # Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
 # log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
 # module's kernels (interpreted or compiled), so it always matches how they run.
@@ -139,7 +150,12 @@ def gumbel2_from_word(r):
     """
     u = uniform_from_word(r)
     t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    # Explicit fma: one instruction sequence wherever this is inlined (compiled code would otherwise fuse
+    # or not by context); the interpreter's fma rounds twice, as the torch twin's mul + add does.
+    c = tl.fma(t, 0.25, 0.3333333432674408)
+    c = tl.fma(t, c, 0.5)
+    c = tl.fma(t, c, 1.0)
+    series = t * c * 1.4426950216293335
     return -_log2(tl.where(t < 0.015625, series, -_log2(u)))
 
 
@@ -151,24 +167,50 @@ def gumbel_scale(temp):
 
 @triton.jit
 def gumbel_score(x, scale, noise):
-    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises."""
-    return x * scale + noise
+    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises: one fma when compiled, so a
+    column's score is the same instruction in every kernel, tile and TP size (the interpreter's fma rounds
+    twice, as the torch twin does)."""
+    return tl.fma(x, scale, noise)
 
 
 @triton.jit
-def gumbel_words4(seed, offset, group, SALT: tl.constexpr):
+def philox_4x32_10_wide(seed, c0, c1, c2, c3):
+    """Philox-4x32-10, the same words as ``tl.philox(seed, c0, c1, c2, c3)`` (uint32 counters, int64 seed),
+    each round's two products taken as one 32x32 -> 64-bit multiply (``mul.wide.u32``: high and low word
+    from one instruction) instead of separate ``mul.hi`` and ``mul.lo``."""
+    s = seed.to(tl.int64)
+    k0 = (s & 4294967295).to(tl.uint32)
+    k1 = ((s >> 32) & 4294967295).to(tl.uint32)
+    for _ in tl.static_range(10):
+        p0 = c2.to(tl.uint64) * 3449720151  # 0xCD9E8D57
+        p1 = c0.to(tl.uint64) * 3528531795  # 0xD2511F53
+        c0 = (p0 >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (p1 >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = p0.to(tl.uint32)
+        c3 = p1.to(tl.uint32)
+        k0 = k0 + 2654435769  # 0x9E3779B9, wraps mod 2^32
+        k1 = k1 + 3144134277  # 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def gumbel_words4(seed, offset, group, SALT: tl.constexpr, WIDE_MUL: tl.constexpr = False):
     """The four uint32 words of the Philox block that feeds global ids ``4 * group + 0..3``.
 
     ``group`` (any integer block, = gid // 4) -> ``(w0, w1, w2, w3)`` of Philox-4x32-10 keyed by ``seed``
     with counter ``(group, offset low word, offset high word, SALT)``. Word ``w`` is the draw of global
-    id ``4 * group + w``: one Philox call serves four consecutive columns.
+    id ``4 * group + w``: one Philox call serves four consecutive columns. ``WIDE_MUL`` computes the same
+    words with :func:`philox_4x32_10_wide` (a schedule choice: fewer multiply instructions).
     """
     off = offset.to(tl.int64)
     c0 = (group.to(tl.int64) & 1073741823).to(tl.uint32)
     c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
     c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
     c3 = c0 * 0 + SALT
-    return tl.philox(seed.to(tl.int64), c0, c1, c2, c3)
+    if WIDE_MUL:
+        return philox_4x32_10_wide(seed, c0, c1, c2, c3)
+    else:
+        return tl.philox(seed.to(tl.int64), c0, c1, c2, c3)
 
 
 @triton.jit

@@ -47,10 +47,6 @@ class PagedLatentStep:
         return self.placement.positions
 
     @property
-    def advertised_ctx_lens(self) -> torch.Tensor:
-        return self.placement.ctx_lens
-
-    @property
     def seq_lens(self) -> torch.Tensor:
         return self.placement.seq_lens
 
@@ -341,15 +337,14 @@ def _store_context_latents_kernel(
 
 
 def _store_checks(latents, dest_pages, dest_offsets, write_mask, pool):
-    check_tensor("latents [N, L, d_c]", latents, shape=(None, None, None))
+    check_tensor("latents [N, L, d_c]", latents, shape=(None, None, None), unit_last_stride=True)
     n, layers, d_c = latents.shape
-    check_tensor("pool [L, num_pages, page_size, d_c]", pool, shape=(layers, None, None, d_c), dtype=latents.dtype)
+    check_tensor("pool [L, num_pages, page_size, d_c]", pool, shape=(layers, None, None, d_c), dtype=latents.dtype,
+                 unit_last_stride=True)
     check_tensor("dest_pages", dest_pages, shape=(n,), dtype=INT_DTYPES)
     check_tensor("dest_offsets", dest_offsets, shape=(n,), dtype=INT_DTYPES)
     check_tensor("write_mask", write_mask, shape=(n,), dtype=torch.bool)
     check_devices(latents.device, dest_pages=dest_pages, dest_offsets=dest_offsets, write_mask=write_mask, pool=pool)
-    if latents.stride(-1) != 1 or pool.stride(-1) != 1:
-        raise ValueError("latents and pool need a contiguous last dimension")
     check_contiguous(dest_pages=dest_pages, dest_offsets=dest_offsets, write_mask=write_mask)
 
 

@@ -30,8 +30,8 @@ Example::
       exchange: auto                   # auto | nccl | low_latency
       use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
       vocab_sharded_verification: auto # auto | on | off
-    cuda_graph_config:                 # on a GPU: capture per batch size (null: eager)
-      batch_sizes: [1, 2, 4, 8]
+    cuda_graph_config:                 # on a GPU (default on): capture per batch size (null: eager)
+      batch_sizes: [1, 2, 4, 8]        # default: powers of two up to max_batch_size, and max_batch_size
       enable_padding: true
 """
 
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      StrictStr, ValidationError, field_validator, model_validator)
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat,
+                      StrictInt, StrictStr, ValidationError, field_validator, model_validator)
 
 from tensorrt_llm_ext.logger import info_once
 
@@ -208,8 +208,9 @@ class SpeculativeConfig(_Strict):
 
 
 class CudaGraphConfig(_Strict):
-    """``cuda_graph_config``: on a CUDA device the speculative step is captured per batch size whenever
-    this section is present (``null`` or absent: eager steps). Ignored on a CPU (logged)."""
+    """``cuda_graph_config``: on a CUDA device every decode step (speculative and target-only) is captured
+    per batch size and step variant whenever this section is present -- it is by default; ``null`` turns
+    graphs off (eager steps). Ignored on a CPU (logged once)."""
 
     batch_sizes: tuple[StrictInt, ...] | None = None  # None: powers of two up to max_batch_size
     enable_padding: StrictBool = True
@@ -248,7 +249,7 @@ class RuntimeConfig(_Strict):
 
     model: ModelConfig = ModelConfig()
     speculative_config: SpeculativeConfig = SpeculativeConfig()
-    cuda_graph_config: CudaGraphConfig | None = None  # None: eager steps
+    cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig()  # None (``null``): eager steps
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     tensor_parallel_size: StrictInt = Field(1, ge=1)
     pipeline_parallel_size: Literal[1] = 1
@@ -260,6 +261,9 @@ class RuntimeConfig(_Strict):
     # TensorRT-LLM's top-level dtype; moved into model.dtype (one place decides).
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
     tokenizer: StrictStr | None = None  # a tokenizer directory for text prompts (default: the model directory)
+    # What model.path's files say beyond the fields above, read once per configuration (see checkpoint_facts).
+    _checkpoint_facts: Any = PrivateAttr(default=None)
+    _target_family: Any = PrivateAttr(default=None)
     # trtllm-serve's --log_level spellings; None: TLLM_EXT_LOG_LEVEL (default info). Applied by the CLI at start.
     log_level: Literal["trace", "debug", "verbose", "info", "warning", "error", "internal_error"] | None = None
     # -- accepted, no effect here ----------------------------------------------------------------------
@@ -350,6 +354,30 @@ class RuntimeConfig(_Strict):
     def mask_token_id(self) -> int:
         m = self.speculative_config.mask_token_id
         return self.model.target.vocab_size - 1 if m is None else m
+
+    @property
+    def checkpoint_facts(self):
+        """The serving facts of ``model.path`` (:class:`~tensorrt_llm_ext.models.checkpoint.CheckpointFacts`:
+        served name, EOS ids, maximum length ...), None for the embedded model; read once per configuration."""
+        if not self.model.path:
+            return None
+        if self._checkpoint_facts is None:
+            from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+            self._checkpoint_facts = read_checkpoint_facts(self.model.path)
+        return self._checkpoint_facts
+
+    @property
+    def target_family(self) -> dict:
+        """The family switches of ``model.path``'s target (biases, q/k norms, RoPE scaling) as keyword arguments
+        of ``LlamaTargetConfig``, ``{}`` for the embedded model; read once per configuration."""
+        if not self.model.path:
+            return {}
+        if self._target_family is None:
+            from tensorrt_llm_ext.models.checkpoint import read_target_family
+
+            self._target_family = read_target_family(self.model.path)
+        return dict(self._target_family)
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The CUDA-graph batch sizes (padding buckets): configured, else powers of two to max_batch_size."""
@@ -468,16 +496,19 @@ def _read_user_file(path: str | Path) -> dict:
     return data
 
 
-def _resolve_checkpoints(data: dict, user: dict, user_len=None) -> dict:
+def _resolve_checkpoints(data: dict, user: dict, user_len=None):
     """Fill model/drafter sizes from checkpoint directories (``model.path``, ``speculative_model``) and the
-    maximum length from the checkpoint (``user_len``: the ``max_seq_len`` the user set, or None)."""
-    from tensorrt_llm_ext.models.checkpoint import CheckpointError, read_drafter_config, read_llama_config
+    maximum length from the checkpoint (``user_len``: the ``max_seq_len`` the user set, or None). Returns
+    ``(data, the checkpoint's facts or None)``."""
+    from tensorrt_llm_ext.models.checkpoint import (CheckpointError, read_checkpoint_facts, read_drafter_config,
+                                                     read_llama_config)
 
     model = data.get("model")
     if isinstance(model, str):
         model = {"path": model}
     if not isinstance(model, dict):
-        return data
+        return data, None
+    facts = None
     data = {**data, "model": dict(model)}
     model = data["model"]
     spec = dict(data.get("speculative_config") or {})
@@ -522,19 +553,17 @@ def _resolve_checkpoints(data: dict, user: dict, user_len=None) -> dict:
                       f"{DRAFTER_SUBDIR}/ in {model['path']}): seeded drafter with the target's bigram Markov head")
         data["speculative_config"] = spec
         if model.get("path"):
-            data["max_seq_len"] = _max_model_len(data, model["path"], user_len)
+            facts = read_checkpoint_facts(model["path"])
+            data["max_seq_len"] = _max_model_len(data, facts.max_position_embeddings, user_len)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    return data
+    return data, facts
 
 
-def _max_model_len(data: dict, path: str, user_len) -> int:
-    """``max_seq_len`` with a checkpoint: the user's value, else the checkpoint's ``max_position_embeddings``;
-    either capped by ``max_position_embeddings`` and by the KV configuration (``kv_cache_config.max_tokens``
-    over ``max_batch_size`` slots, else :data:`DEFAULT_MAX_MODEL_LEN`); every cap is logged once."""
-    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
-
-    mpe = read_checkpoint_facts(path).max_position_embeddings
+def _max_model_len(data: dict, mpe: int | None, user_len) -> int:
+    """``max_seq_len`` with a checkpoint: the user's value, else the checkpoint's ``max_position_embeddings``
+    (``mpe``); either capped by ``mpe`` and by the KV configuration (``kv_cache_config.max_tokens`` over
+    ``max_batch_size`` slots, else :data:`DEFAULT_MAX_MODEL_LEN`); every cap is logged once."""
     kv = data.get("kv_cache_config") if isinstance(data.get("kv_cache_config"), dict) else {}
     batch = data.get("max_batch_size")
     if isinstance(kv.get("max_tokens"), int) and isinstance(batch, int) and batch > 0:
@@ -588,8 +617,9 @@ def load_config(path: str | Path | None = None, model_dir: str | None = None, *,
     data = merge_layers(data, user)
     _apply_overrides(data, overrides)
     user_len = overrides.get("max_seq_len", user.get("max_seq_len"))
-    data = _resolve_checkpoints(data, user, user_len)
+    data, facts = _resolve_checkpoints(data, user, user_len)
     cfg = parse_config(data)
+    cfg._checkpoint_facts = facts  # read while resolving the checkpoint: not again for this configuration
     if log_no_effect:
         log_no_effect_fields(cfg)
     return cfg

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,25 @@ def ensure_triton_interpreter() -> None:
         cuda = False
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def cuda_device_count() -> int | None:
+    """GPUs this host shows, or None without CUDA (ranks then run on CPU, any number of them). The one place
+    the launchers read it, so that a test can stand in for a host with fewer GPUs."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def tp_gpu_error(tp_size: int) -> str | None:
+    """One line when ``tp_size`` ranks (one per GPU, all on this host) need more GPUs than it has; checked
+    before any rank starts (ranks sharing a GPU end in NCCL's "Duplicate GPU detected")."""
+    n = cuda_device_count()
+    if tp_size > 1 and n is not None and n < tp_size:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        return f"--tp {tp_size} needs {tp_size} GPUs (one rank per GPU on this host), found {n}{seen}"
+    return None
 
 
 def parse_prompt(text: str) -> list[int]:
@@ -81,7 +101,8 @@ class GenerateJob:
     requests: list[dict]  # Request fields
     modes: list[str]  # engine modes to run, "speculative" first
     cuda_graph: bool = False
-    show_progress: bool = False
+    show_progress: bool = False  # progress of each mode on rank 0
+    progress_terminal: bool = True  # stderr is a terminal: a tqdm bar; else a log line every PROGRESS_LINE_S
     check_top_p: bool = False  # also check every speculative token against the target's top-p kept set
 
 
@@ -105,19 +126,53 @@ class RankReport:
     results: dict[str, ModeResult] = field(default_factory=dict)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+PROGRESS_LINE_S = 10.0  # without a terminal: one progress line at most this often
+
+
+class _ProgressLines:
+    """Progress as log lines (stderr is not a terminal: a log file or a pipe, where a bar would be noise)."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        from tensorrt_llm_ext.logger import logger  # not at import: _env is read after ensure_triton_interpreter
+
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_LINE_S:
+            self.last = now
+            logger.info(f"generate: {self.desc}: {self.done}/{self.total} tokens at most, {now - self.t0:.0f} s")
+
+    def close(self) -> None:
+        from tensorrt_llm_ext.logger import logger
+
+        logger.info(f"generate: {self.desc}: {self.done} tokens in {time.monotonic() - self.t0:.1f} s")
+
+
+def _progress_bar(total: int, desc: str, enabled: bool, terminal: bool = True):
+    """A tqdm bar on a terminal, else :class:`_ProgressLines` (None, None when disabled)."""
+    from tensorrt_llm_ext.logger import logger
+
     if not enabled:
         return None, None
-    try:
-        from tqdm import tqdm
-    except Exception:  # tqdm is an optional UI dependency
-        return None, None
-    bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
-    return bar, bar.update
+    if terminal:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is an optional UI dependency
+            logger.info("generate: tqdm is not installed: progress as log lines")
+        else:
+            bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+            return bar, bar.update
+    lines = _ProgressLines(total, desc)
+    logger.info(f"generate: {desc} decode of {total} tokens at most")
+    return lines, lines.update
 
 
-def run_job(job: GenerateJob, mapping=None) -> RankReport:
-    """Build the engine for this rank and run every mode of ``job`` (call on every rank)."""
+def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
+    """Build the engine for this rank and run every mode of ``job`` (call on every rank); ``on_built()`` is
+    called once the engine is built (its checkpoint read and checked)."""
     import torch
 
     from tensorrt_llm_ext.mapping import Mapping
@@ -135,12 +190,18 @@ def run_job(job: GenerateJob, mapping=None) -> RankReport:
         # Measured on the 2-core CI machines: a [24, 48] x [48, 1536] fp32 GEMM takes 5 ms with 2 intra-op
         # threads and 0.1 ms with one; the tiny model's steps are all such GEMMs (and ranks share the cores).
         torch.set_num_threads(1)
+    if job.show_progress and mapping.rank == 0:
+        from tensorrt_llm_ext.logger import logger
+
+        logger.info("generate: building the engine (weights, caches" + (", CUDA graphs)" if job.cuda_graph else ")"))
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=job.cuda_graph)
+    if on_built is not None:
+        on_built()
     requests = [Request(**r) for r in job.requests]
     report = RankReport(rank=mapping.rank)
     total = sum(r.max_new_tokens for r in requests)
     for mode in job.modes:
-        bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0)
+        bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0, job.progress_terminal)
         results, stats = engine.generate(requests, mode=mode, progress=update)
         if bar is not None:
             bar.close()
@@ -168,7 +229,7 @@ def _outside_top_p(engine, worker, requests, results) -> list[int]:
             counts.append(0)
             continue
         inside = engine.reference().top_p_membership(0, list(req.prompt_ids), res.output_ids,
-                                                     req.sampling_temperature, req.top_p)
+                                                     req.sampling_temperature, req.sampling_top_p)
         counts.append(sum(1 for ok in inside if not ok))
     return counts
 
@@ -199,16 +260,19 @@ DEFAULT_RANK_TIMEOUT_S = 60.0
 
 
 def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TIMEOUT_S,
-                 rank_timeout: float = DEFAULT_RANK_TIMEOUT_S, log_dir: str | None = None) -> list[RankReport]:
+                 rank_timeout: float = DEFAULT_RANK_TIMEOUT_S, log_dir: str | None = None,
+                 on_built=None) -> list[RankReport]:
     """Run ``job`` on ``tp_size`` ranks (in process at 1); returns one report per rank, rank order.
 
     At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
     that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
     naming it; a checkpoint every rank refuses at load raises its :class:`CheckpointError` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
-    it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs.
+    it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs. ``on_built()`` is called once the
+    engine passed its load checks: at TP 1 when it is built, at TP N when the ranks have reported (the
+    launcher does not hear from them before).
     """
     if tp_size == 1:
-        return [run_job(job)]
+        return [run_job(job, on_built=on_built)]
     from tensorrt_llm_ext.runtime.ranks import launch_ranks
 
     raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
@@ -218,6 +282,8 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
         from tensorrt_llm_ext.models.checkpoint import CheckpointError
 
         raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
+    if on_built is not None:
+        on_built()
     reports = []
     for item in raw:
         rep = RankReport(rank=item["rank"])

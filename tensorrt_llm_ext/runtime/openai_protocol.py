@@ -4,7 +4,8 @@ object, and body parsing that answers every malformed body with that object.
 A request is validated here once, completely: types (strict: ``true`` is not ``1``), ranges, and with the
 validation context (:class:`ServeLimits`) the vocabulary and the length limit. What leaves
 :func:`parse_body` can be turned into engine requests without another check. Unknown fields are refused
-by name (``frequency_penalty`` is an error, not silently ignored).
+by name, never silently ignored; a known field at a value this server cannot honour (``response_format``
+``json_object``, tools with ``tool_choice`` other than ``none``) is refused naming the field and saying why.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Literal
 
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
+
+from tensorrt_llm_ext.runtime.requests import FP32_MAX
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
@@ -54,6 +57,33 @@ def _check_ids(ids: list[int], what: str, info: ValidationInfo) -> None:
         raise ValueError(f"{what} {bad[:5]} outside the vocabulary [0, {lim.vocab_size})")
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema's own fields; refused below unless type is text
+
+    type: StrictStr
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v):
+        if v != "text":
+            raise ValueError(f"only {{\"type\": \"text\"}} is served, got {v!r} (no guided decoding: the output "
+                             f"is not constrained to JSON)")
+        return v
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")  # description, parameters, strict: passed to the chat template
+
+    name: StrictStr
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +111,18 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    best_of: StrictInt | None = None
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    response_format: ResponseFormat | None = None
+    # vLLM's sampling fields with vLLM's / OpenAI's ranges (the engine's logits processing); a field not in
+    # SERVED_SAMPLING is refused at any value but its no-op, naming itself.
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | StrictInt | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -94,6 +136,8 @@ class _Sampling(BaseModel):
     def _temperature(cls, v):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"must be a finite number >= 0, got {v}")
+        if v > FP32_MAX:  # the engine samples in fp32, where this is inf
+            raise ValueError(f"{v} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})")
         return v
 
     @field_validator("top_p")
@@ -101,7 +145,7 @@ class _Sampling(BaseModel):
     def _top_p(cls, v):
         if not 0.0 < v <= 1.0:  # NaN fails too
             raise ValueError(f"must be in (0, 1], got {v}")
-        return v
+        return v  # below the smallest normal fp32 it is served as MIN_TOP_P (Request.sampling_top_p)
 
     @field_validator("seed")
     @classmethod
@@ -133,6 +177,49 @@ class _Sampling(BaseModel):
             _check_ids(v, "token ids", info)
         return v
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError(f"must be -1 or 0 (no limit) or a positive count, got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v):
+        if v is not None and not 0.0 <= v <= 1.0:  # NaN fails too
+            raise ValueError(f"must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ValueError(f"must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0, got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v, info: ValidationInfo):
+        if not v:
+            return v
+        ids = []
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids as strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+            ids.append(int(key))
+        _check_ids(ids, "token ids", info)
+        return v
+
     @field_validator("min_tokens")
     @classmethod
     def _min_tokens(cls, v):
@@ -150,15 +237,61 @@ class _Sampling(BaseModel):
         limit = self.max_completion_tokens or self.max_tokens
         if limit is not None and self.min_tokens > limit:
             raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise _FieldError("best_of", f"must be >= n={self.n}, got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n:
+            raise _FieldError("best_of", f"best_of={self.best_of} > n={self.n} is not served (ranking candidates "
+                                         f"by log-probability is not implemented); send best_of = n or leave it out")
+        for name, value in self.unserved_sampling().items():
+            raise _FieldError(name, f"{name}={value} is not served yet: the engine does not implement it, so only "
+                                    f"its no-op value ({NO_OP_WORDS[name]}) is accepted")
         return self
+
+    def unserved_sampling(self) -> dict:
+        """The sampling fields set to a value other than their no-op that the engine does not implement."""
+        return {name: getattr(self, name) for name in NO_OP_SAMPLING
+                if name not in SERVED_SAMPLING and not _is_no_op(name, getattr(self, name))}
 
     def num_choices(self) -> int:
         """Engine requests this body makes (choices over every prompt)."""
         return self.n
 
+    def processing_fields(self) -> dict:
+        """The engine request's logits-processing fields (no-op values normalised: ``top_k`` -1 -> 0)."""
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return dict(top_k=top_k, min_p=float(self.min_p or 0.0),
+                    presence_penalty=float(self.presence_penalty or 0.0),
+                    frequency_penalty=float(self.frequency_penalty or 0.0),
+                    repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None else 1.0),
+                    logit_bias={int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None)
+
+    def processes_logits(self) -> bool:
+        return any(not _is_no_op(name, getattr(self, name)) for name in NO_OP_SAMPLING)
+
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# Each sampling field and the value that leaves the distribution unchanged (vLLM's defaults; top_k 0 and -1
+# both mean no limit, logit_bias {} or null nothing, min_p 0 nothing).
+NO_OP_SAMPLING = {"top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "repetition_penalty": 1.0, "logit_bias": {}}
+NO_OP_WORDS = {"top_k": "-1 or 0", "min_p": "0", "presence_penalty": "0", "frequency_penalty": "0",
+               "repetition_penalty": "1", "logit_bias": "{} or null"}
+# The fields the engine implements (speculative/logits_processing.py); a field missing here is refused at any
+# value but its no-op.
+SERVED_SAMPLING: frozenset[str] = frozenset(NO_OP_SAMPLING)
+
+
+def _is_no_op(name: str, value) -> bool:
+    if value is None:
+        return True
+    if name == "top_k":
+        return value in (-1, 0)
+    if name == "logit_bias":
+        return not value
+    return value == NO_OP_SAMPLING[name]
 
 
 class _FieldError(ValueError):
@@ -211,12 +344,43 @@ class CompletionRequest(_Sampling):
         return self.n * self.prompts_count()
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    arguments: StrictStr  # JSON text (OpenAI's shape); given to the chat template as the object it encodes
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
+    """One message. ``tool_calls`` (assistant) and ``tool_call_id`` (tool) of earlier turns are accepted
+    whether or not this request gives ``tools``: they are history, rendered by the chat template."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it: ``tool_calls[].function.arguments`` decoded from JSON
+        (templates index and ``tojson`` them as objects), absent fields left out."""
+        d = {k: v for k, v in self.model_dump().items() if v is not None}
+        for call in d.get("tool_calls") or ():
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass  # not JSON: the template sees the text as sent
+        return d
 
     @field_validator("content")
     @classmethod
@@ -231,6 +395,11 @@ class ChatMessage(BaseModel):
         return v
 
 
+# apply_chat_template arguments the server sets itself: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                                      "return_dict", "return_tensors", "chat_template", "padding", "truncation"})
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template."""
 
@@ -238,6 +407,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    tools: list[Tool] | None = None
+    tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict | None = None
 
     @field_validator("messages")
     @classmethod
@@ -253,10 +426,29 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
         return v
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, v):
+        clash = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise ValueError(f"{clash} are set by the server (use the request's own fields: messages, tools, "
+                             f"add_generation_prompt)")
+        return v
+
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise _FieldError("top_logprobs", "needs logprobs: true")
+        choice = self.tool_choice
+        if choice is not None and choice not in ("none", "auto", "required") and not isinstance(choice, dict):
+            raise _FieldError("tool_choice", f"expected \"none\", \"auto\", \"required\" or a named function, "
+                                             f"got {choice!r}")
+        if self.tools and choice != "none":
+            raise _FieldError("tool_choice", f"tool calls are not served (no tool-call parser): with tools, send "
+                                             f"tool_choice \"none\" (the tools then reach the chat template only), "
+                                             f"got {choice if choice is not None else 'auto (the default)'!r}")
+        if not self.tools and choice not in (None, "none", "auto"):
+            raise _FieldError("tool_choice", f"{choice!r} needs tools, and tool calls are not served")
         return self
 
     def logprobs_k(self) -> int | None:
@@ -322,9 +514,29 @@ def _json_depth_ok(raw: bytes) -> bool:
     return True
 
 
+def _lone_surrogate(data, path: str = "") -> tuple[str, str, int] | None:
+    """The first string in ``data`` (keys included) holding a lone UTF-16 surrogate -- valid JSON (``"\\ud800"``)
+    but no Unicode text, which a tokenizer cannot encode: ``(field path, the surrogate, its index)``."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")  # refuses exactly the surrogates, at C speed
+        except UnicodeEncodeError as e:
+            return path or "body", data[e.start], e.start
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        where = f"{path}.{k}" if path else str(k)
+        hit = _lone_surrogate(k, where) if isinstance(k, str) else None
+        hit = hit or _lone_surrogate(v, where)
+        if hit:
+            return hit
+    return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = None) -> BaseModel:
     """Raw HTTP body -> a validated request model, or :class:`ApiError` 400 (OpenAI's error object) for a
-    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, or invalid."""
+    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, holding a lone
+    surrogate in a string, or invalid."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -339,7 +551,53 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
         raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
+    if "\\u" in text and (bad := _lone_surrogate(data)) is not None:  # only a \u escape can make one
+        where, c, i = bad
+        raise ApiError(400, f"{where}: a lone UTF-16 surrogate (\\u{ord(c):04x} at character {i}) is not Unicode "
+                            f"text; send the character's full surrogate pair or its UTF-8", where.split(".")[0])
     try:
         return model.model_validate(data, context={"limits": limits})
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+# -- /tokenize and /detokenize (vLLM's endpoints) ----------------------------------------------------------
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: ``prompt`` (text) or ``messages`` (through the chat template), as vLLM serves it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise _FieldError("prompt", "send exactly one of prompt (text) and messages")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.prompt is not None
+        clash = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise _FieldError("chat_template_kwargs", f"{clash} are set by the server")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: ``tokens`` -> ``{"prompt": text}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, v, info: ValidationInfo):
+        _check_ids(v, "token ids", info)
+        return v

@@ -1,27 +1,29 @@
 """The one way ranks are launched: ``mpiexec`` found once, every rank supervised, every fault named within a bound.
 
-Used by ``trtllm-ext generate --tp N`` (:func:`launch_ranks`), ``trtllm-ext serve --tp N``
-(:func:`launch_command`), ``bench tp``, ``info`` and the multi-rank tests (:class:`MpiPool`,
+This module is the launcher. Used by ``trtllm-ext generate --tp N`` (:func:`launch_ranks`), ``trtllm-ext
+serve --tp N`` (:func:`launch_command`), ``bench tp``, ``info`` and the multi-rank tests (:class:`MpiPool`,
 :func:`run_on_ranks`; ``tensorrt_llm_ext.testing.mpi`` re-exports them for pytest).
 
 The launching process is NOT part of the MPI job, so it survives any rank fault and reports it (and a rank
-exits within a second once its launcher is gone):
+exits within a second once its launcher is gone). Three processes, one module each:
 
-* ``mpiexec`` starts one **supervisor** per rank (plain Python, no MPI). It starts the real rank as its
-  child, passing the MPI process-management handle on (``PMI_FD`` / the inherited environment), sends
-  the rank's stdout and stderr to ``rank{r}.log`` and records how the rank ended (exit code or
-  signal) in ``rank{r}.exit.json`` -- what ``waitpid`` says, also for SIGKILL or ``os._exit``.
-* The **rank** registers :mod:`faulthandler` (a fatal signal prints its Python stack; ``SIGUSR1``
-  prints every thread's stack, even while it is blocked inside a C call), joins MPI, then runs the
-  functions the launcher ships it (cloudpickle, one ``task{n}.pkl`` per call) and writes each result or
-  traceback (``rank{r}.task{n}.pkl``) until told to stop.
-* The **launcher** (:class:`MpiPool`) polls the run directory. At the first rank that raises or ends,
+* ``mpiexec`` starts one **supervisor** per rank (:mod:`.rank_supervisor`, plain Python, no MPI). It
+  starts the real rank as its child, passing the MPI process-management handle on, sends the rank's
+  stdout and stderr to ``rank{r}.log`` and records how the rank ended (exit code or signal) in
+  ``rank{r}.exit.json`` -- what ``waitpid`` says, also for SIGKILL or ``os._exit``.
+* The **rank** (:mod:`.rank_process`) registers :mod:`faulthandler` (a fatal signal prints its Python
+  stack; ``SIGUSR1`` prints every thread's stack, even while it is blocked inside a C call), joins MPI,
+  then runs the functions the launcher ships it (cloudpickle, one ``task{n}.pkl`` per call) and writes
+  each result or traceback (``rank{r}.task{n}.pkl``) until told to stop.
+* The **launcher** (:class:`MpiPool`, here) polls the run directory. At the first rank that raises or ends,
   or when the call's ``timeout`` passes, it asks every rank still running for its stacks
   (``SIGUSR1``), stops the whole job and raises :class:`RankJobError`: which rank, how (raised / exit
   code / signal / no result in time), its last log lines; a rank that was still running when a peer
   timed out waiting for it in a collective is named as hung. :func:`launch_ranks` is one call on a
   fresh pool. SIGTERM / SIGINT to the launcher during :func:`launch_ranks` is forwarded to the ranks,
   waited for (``_TERM_WAIT_S``), then the rest is killed (:class:`RankJobInterrupted`).
+
+The three talk only through the run directory (:mod:`.rank_files`).
 
 Why not ``mpi4py.futures.MPIPoolExecutor``: it spawns its workers into the launching process's own MPI
 job, and MPICH's process manager SIGKILLs that whole job, the spawning process included, when a worker
@@ -37,8 +39,6 @@ the call as above; ``timeout`` bounds everything else.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import json
 import os
 import pickle
 import shutil
@@ -48,27 +48,21 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import cloudpickle
 
+from tensorrt_llm_ext.runtime.rank_files import pid_alive, read_json, signal_name, write_json
+
 _POLL_S = 0.02  # the launcher's poll of the run directory
-_TASK_POLL_S = 0.02  # the longest an idle rank sleeps between looks for its next task
 _ERROR_GRACE_S = 0.5  # after a rank's error: time for its peers to report theirs (an error at the same time)
 _DUMP_WAIT_S = 1.0  # after SIGUSR1: time for the survivors' faulthandler to print their stacks
 _KILL_WAIT_S = 5.0  # after SIGKILL: time for mpiexec and the supervisors to go
 _FINISH_WAIT_S = 30.0  # after the stop request: time for MPI finalize and mpiexec to exit
 _TERM_WAIT_S = 5.0  # after a forwarded SIGTERM/SIGINT: time for the ranks to end by themselves
 _START_TIMEOUT_S = 120.0  # mpiexec + supervisors + MPI init of every rank (0.6-0.8 s measured for 2-4 ranks)
-_LAUNCHER_CHECK_S = 1.0  # how often a rank checks that its launcher is still alive
-_SUPERVISOR_LINGER_S = 30.0  # a supervisor whose rank failed waits for the launcher (see _supervise)
 _LOG_TAIL = 20
-
-# Environment variables that carry a rank's index under the process managers we meet (MPICH hydra,
-# Open MPI / PMIx).
-_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -168,7 +162,7 @@ class RankOutcome:
         if self.stopped_by_launcher:
             return "was still running when the job was stopped (its stacks are in the log below)"
         if self.signal is not None:
-            ended = f"was killed by signal {self.signal} ({_signal_name(self.signal)})"
+            ended = f"was killed by signal {self.signal} ({signal_name(self.signal)})"
         elif self.returncode not in (None, 0):
             ended = f"exited with code {self.returncode}"
         elif self.returncode == 0 and not self.has_result:
@@ -210,29 +204,6 @@ class RankJobInterrupted(RankJobError):
 # ----------------------------------------------------------------------------------------------------
 # Launcher side
 # ----------------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # readers never see a half-written record
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _signal_all(pids, sig) -> None:
     for pid in pids:
         try:
@@ -289,16 +260,16 @@ class MpiPool:
         for old in [*self.log_dir.glob("rank*"), *self.log_dir.glob("task*"), self.log_dir / "stop"]:
             if old.is_file():
                 old.unlink()
-        cmd = [*launcher, "-n", str(self.world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
-               "--supervise", str(self.log_dir)]
-        _write_json(self.log_dir / "launcher.json", {"pid": os.getpid()})  # the ranks exit when it is gone
+        cmd = [*launcher, "-n", str(self.world_size), sys.executable, "-m",
+               "tensorrt_llm_ext.runtime.rank_supervisor", "--supervise", str(self.log_dir)]
+        write_json(self.log_dir / "launcher.json", {"pid": os.getpid()})  # the ranks exit when it is gone
         self._launcher_log = open(self.log_dir / "mpiexec.log", "wb")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._launcher_log,
                                      stderr=subprocess.STDOUT, env=rank_env(self.collective_timeout, self.env),
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
-            ready = [_read_json(self.log_dir / f"rank{r}.ready.json") for r in range(self.world_size)]
+            ready = [read_json(self.log_dir / f"rank{r}.ready.json") for r in range(self.world_size)]
             if all(ready):
                 sizes = {x["world"] for x in ready}
                 if sizes != {self.world_size}:
@@ -400,16 +371,16 @@ class MpiPool:
         return out
 
     def _exits(self) -> dict[int, dict]:
-        return {r: e for r in range(self.world_size) if (e := _read_json(self.log_dir / f"rank{r}.exit.json"))}
+        return {r: e for r in range(self.world_size) if (e := read_json(self.log_dir / f"rank{r}.exit.json"))}
 
     def _pids(self) -> dict[int, int]:
-        return {r: x["pid"] for r in range(self.world_size) if (x := _read_json(self.log_dir / f"rank{r}.pid.json"))}
+        return {r: x["pid"] for r in range(self.world_size) if (x := read_json(self.log_dir / f"rank{r}.pid.json"))}
 
     def _running(self, n: int | None) -> set[int]:
         """Ranks alive that neither ended nor answered call ``n``."""
         pids, exits = self._pids(), self._exits()
         results = self._results(n) if n is not None else [None] * self.world_size
-        return {r for r, pid in pids.items() if r not in exits and results[r] is None and _pid_alive(pid)}
+        return {r for r, pid in pids.items() if r not in exits and results[r] is None and pid_alive(pid)}
 
     def _kill(self) -> None:
         if self.proc is not None:
@@ -478,7 +449,7 @@ class MpiPool:
         waited = time.monotonic() - t0
         running, still, exits = self._stop(n, dump=False)
         outcomes = self._outcomes(n, set(), still, exits)
-        headline = (f"interrupted by {_signal_name(signum)}: passed on to the {self.world_size} ranks, "
+        headline = (f"interrupted by {signal_name(signum)}: passed on to the {self.world_size} ranks, "
                     + (f"{len(still)} still running after {_TERM_WAIT_S:g}s were killed" if still
                        else f"which ended within {waited:.1f}s")
                     + "; mpiexec stopped, no rank left running")
@@ -542,11 +513,12 @@ def launch_ranks(world_size: int, fn, *args, timeout: float = 1800.0, collective
 
 
 def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dict | None = None) -> int:
-    """Run the command ``cmd`` on ``world_size`` MPI ranks, each under :func:`supervise_command`; SIGTERM /
+    """Run the command ``cmd`` on ``world_size`` MPI ranks, each under
+    :func:`~tensorrt_llm_ext.runtime.rank_supervisor.supervise_command`; SIGTERM /
     SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
     code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``."""
     launcher, _ = mpiexec_command()
-    full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks",
+    full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor",
             "--supervise-command", str(linger_s), "--", *cmd]
     proc = subprocess.Popen(full, env=rank_env(None, env))
 
@@ -560,174 +532,3 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
         for s, h in old.items():
             signal.signal(s, h)
     return rc if rc >= 0 else 128 - rc
-
-
-# ----------------------------------------------------------------------------------------------------
-# Supervisor and rank side (run under mpiexec)
-# ----------------------------------------------------------------------------------------------------
-def _env_rank() -> int:
-    for k in _RANK_ENV:
-        if k in os.environ:
-            return int(os.environ[k])
-    raise RuntimeError(f"supervisor: none of {_RANK_ENV} is set (not started by mpiexec?)")
-
-
-def _signal_name(signum: int) -> str:
-    """``SIGKILL`` for 9; real-time signals without a name in :class:`signal.Signals` get ``signal N``
-    (``signal.Signals(N)`` would raise, and a supervisor must not die while reporting its rank)."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child (before exec): SIGKILL it when its supervisor dies, so no rank outlives a killed job."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the supervisor died before the prctl: the death signal will never come
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
-    """Start the real rank (it inherits the MPI process-management handle), forward SIGTERM/SIGINT to it,
-    return what ``waitpid`` says (negative: the signal that ended it).
-
-    The forwarding handlers are installed before the child is started: a SIGTERM that arrives while it
-    starts is held and passed on once it runs (with the default action it would kill the supervisor, and
-    the death signal would SIGKILL the rank instead of letting it drain)."""
-    fds = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []  # MPICH's PMI connection
-    child: subprocess.Popen | None = None
-    held: list[int] = []
-
-    def forward(signum, frame):
-        if child is None:
-            held.append(signum)
-        else:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    parent = os.getpid()
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout,
-                             stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
-                             preexec_fn=lambda: _die_with_parent(parent))
-    for signum in held:
-        child.send_signal(signum)
-    if on_start is not None:
-        on_start(child)
-    return child.wait()
-
-
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
-
-
-def _supervise(run_dir: Path) -> int:
-    rank = _env_rank()
-    with open(run_dir / f"rank{rank}.log", "ab") as log:
-        rc = _run_child([sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--rank", str(run_dir)],
-                        stdout=log, on_start=lambda child: _write_json(
-                            run_dir / f"rank{rank}.pid.json", {"pid": child.pid, "supervisor": os.getpid()}))
-    sig = -rc if rc < 0 else None
-    _write_json(run_dir / f"rank{rank}.exit.json",
-                {"returncode": rc if rc >= 0 else None, "signal": sig, "time": time.time()})
-    if rc != 0:
-        # Exiting now would make mpiexec kill the other ranks before the launcher collected their
-        # stacks; the launcher kills this supervisor once it has (bounded by the linger time, and over
-        # at once when the launcher is gone).
-        launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
-        end = time.monotonic() + _SUPERVISOR_LINGER_S
-        while time.monotonic() < end and (launcher is None or _pid_alive(launcher)):
-            time.sleep(min(_LAUNCHER_CHECK_S, max(0.0, end - time.monotonic())))
-    return _exit_code(rc)
-
-
-def supervise_command(cmd: list[str], linger_s: float) -> int:
-    """One rank of a long-running MPI job (``trtllm-ext serve --tp N``): run ``cmd`` as a child with
-    inherited stdout/stderr and return its exit code.
-
-    MPICH's launcher kills every rank as soon as one process it started dies by a signal, even with
-    ``-disable-auto-cleanup``. A rank that dies under this supervisor is reported here (which rank, how)
-    and the supervisor stays ``linger_s`` longer, so the surviving ranks notice the loss themselves
-    (rank 0 answers 503 and exits non-zero) instead of being killed mid-response. Rank 0's own end is
-    passed on at once: it ends the job."""
-    rank = _env_rank()
-    rc = _run_child(cmd)
-    if rc != 0:
-        how = f"was killed by signal {-rc} ({_signal_name(-rc)})" if rc < 0 else f"exited with code {rc}"
-        print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)
-        if rank != 0:  # rank 0 is the one that answers and decides the job's end: never delay it
-            time.sleep(linger_s)
-    return _exit_code(rc)
-
-
-def _exit_without_launcher(rank: int, pid: int) -> None:
-    """A rank's watchdog: exit once the launching process is gone (SIGKILLed, say), idle or mid-call, so no
-    rank outlives the process that would collect its result."""
-    while _pid_alive(pid):
-        time.sleep(_LAUNCHER_CHECK_S)
-    print(f"[rank {rank}] the launcher (pid {pid}) is gone: exiting", file=sys.stderr, flush=True)
-    os._exit(3)
-
-
-def _rank_main(run_dir: Path) -> None:
-    """A rank: join MPI, then run ``task{n}.pkl`` for n = 0, 1, ... until ``stop`` appears."""
-    faulthandler.enable(all_threads=True)  # a fatal signal (segfault, abort) prints the Python stacks
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for them before a kill
-    rank = _env_rank()
-    from mpi4py import MPI
-
-    from tensorrt_llm_ext.logger import use_private_rank_stream
-
-    use_private_rank_stream()  # stdout/stderr go to rank<r>.log: keep every line there
-    launcher = (_read_json(run_dir / "launcher.json") or {}).get("pid")
-    if launcher is not None:
-        threading.Thread(target=_exit_without_launcher, args=(rank, launcher), daemon=True).start()
-    _write_json(run_dir / f"rank{rank}.ready.json", {"world": MPI.COMM_WORLD.Get_size(), "pid": os.getpid()})
-    n = 0
-    while True:
-        task = run_dir / f"task{n}.pkl"
-        wait = 0.001
-        while not task.exists():
-            if (run_dir / "stop").exists():
-                return
-            time.sleep(wait)
-            wait = min(2 * wait, _TASK_POLL_S)
-        try:
-            fn, args, kwargs = cloudpickle.loads(task.read_bytes())
-            payload = ("ok", fn(*args, **kwargs), time.time())
-        except BaseException:  # report everything, KeyboardInterrupt included, with the rank's traceback
-            tb = traceback.format_exc()
-            print(f"[rank {rank}] raised:\n{tb}", file=sys.stderr, flush=True)
-            payload = ("error", tb, time.time())
-        try:
-            data = pickle.dumps(payload)
-        except Exception as e:
-            data = pickle.dumps(("error", f"its result could not be pickled: {type(e).__name__}: {e}", time.time()))
-        sys.stdout.flush()
-        tmp = run_dir / f"rank{rank}.task{n}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, run_dir / f"rank{rank}.task{n}.pkl")
-        n += 1
-
-
-def main(argv: list[str]) -> int:
-    mode = argv[0] if argv else ""
-    if mode == "--supervise":
-        return _supervise(Path(argv[1]))
-    if mode == "--rank":
-        _rank_main(Path(argv[1]))
-        return 0
-    if mode == "--supervise-command" and len(argv) > 3 and argv[2] == "--":
-        return supervise_command(argv[3:], float(argv[1]))
-    raise SystemExit("usage: python -m tensorrt_llm_ext.runtime.ranks --supervise|--rank RUN_DIR | "
-                     f"--supervise-command LINGER_S -- CMD..., got {argv}")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

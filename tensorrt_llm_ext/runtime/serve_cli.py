@@ -2,12 +2,14 @@
 
 ``serve --tp N`` (or ``tensor_parallel_size: N``) outside an MPI job re-runs itself under ``mpiexec -n N``
 (environment ``TLLM_EXT_SERVE_RANK=1``) and forwards SIGTERM/SIGINT to it; rank 0 serves HTTP, the other
-ranks follow rank 0's plans. Every rank runs under a small supervisor (``runtime/ranks.py``): MPI launchers
+ranks follow rank 0's plans. Every rank runs under a small supervisor (``runtime/rank_supervisor.py``): MPI launchers
 kill all ranks the moment one process they started dies, so a follower that dies is reported by its
 supervisor (which rank, how), and the supervisor lingers while rank 0 notices the loss, answers 503 and
 exits non-zero by itself (the launcher then exits non-zero too).
 
-Exit codes: 0 after a SIGTERM/SIGINT drain; 2 for a bad argument, config or port (before any work);
+Exit codes: 0 after a SIGTERM/SIGINT drain; 128 + the signal (130 / 143) when a second SIGINT / SIGTERM cut
+the drain short (every request still running ended with its error first); 2 for a bad argument, config, port,
+a tokenizer larger than the model's vocabulary or ``--tp N`` above the host's GPU count (before any work);
 3 when the engine or a rank failed while serving.
 """
 
@@ -34,9 +36,11 @@ def _port_error(host: str, port: int) -> str | None:
     return None
 
 
-# trtllm-serve flags that set a config field (argparse dest -> dotted config path); the others are spellings of
-# this CLI's own flags (--tp_size = --tp, --extra_llm_api_options = --config).
+# trtllm-serve and vLLM flags that set a config field (argparse dest -> dotted config path); the others are
+# spellings of this CLI's own flags (--tp_size = --tensor-parallel-size = --tp, --max-model-len = --max_seq_len,
+# --extra_llm_api_options = --config).
 TRTLLM_SERVE_FIELDS = {
+    "dtype": "dtype",
     "tp": "tensor_parallel_size",
     "max_batch_size": "max_batch_size",
     "max_seq_len": "max_seq_len",
@@ -75,11 +79,55 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
         return None, f"--max-queue {args.max_queue}: expected >= 1"
     if not args.drain_timeout > 0:
         return None, f"--drain-timeout {args.drain_timeout}: expected seconds > 0"
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        return None, f"--max-body-bytes {args.max_body_bytes}: expected >= 1"
     tok = args.tokenizer or cfg.tokenizer
     if tok is not None and not os.path.isdir(tok):
         return None, f"tokenizer directory {tok} not found"
+    err = _tokenizer_error(tok or cfg.model.path, cfg.model.target.vocab_size)
+    if err:
+        return None, err
+    from tensorrt_llm_ext.runtime import launch
+
+    err = launch.tp_gpu_error(cfg.tensor_parallel_size)
+    if err:
+        return None, err
+    try:
+        read_chat_template(args.chat_template)
+    except ValueError as e:
+        return None, str(e)
     err = _port_error(args.host, args.port)
     return (None, err) if err else (cfg, None)
+
+
+def _tokenizer_error(directory: str | None, vocab_size: int) -> str | None:
+    """The tokenizer that would be served must not produce ids past the model's vocabulary (checked here,
+    before any rank starts, so a mismatched pair exits 2 instead of failing requests)."""
+    from tensorrt_llm_ext.runtime.server import load_tokenizer, tokenizer_vocab_error
+
+    tokenizer = load_tokenizer(directory)
+    err = tokenizer_vocab_error(tokenizer, vocab_size) if tokenizer is not None else None
+    return f"tokenizer {directory}: {err}" if err else None
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the Jinja template itself (vLLM's rule: a path that exists is read;
+    otherwise a value with Jinja markup is the template)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: expected a file or a Jinja template, got neither")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``TLLM_EXT_API_KEY``, else None (no key)."""
+    from tensorrt_llm_ext._env import ENV
+
+    return args.api_key or ENV.api_key
 
 
 # A dead follower's supervisor stays this long: rank 0 notices the loss at its next heartbeat, answers
@@ -101,17 +149,19 @@ def launch_tp(tp: int, argv: list[str]) -> int:
         return EXIT_USAGE
 
 
-def use_cuda_graph(cfg: RuntimeConfig, force: bool = False) -> bool:
-    """CUDA graphs follow ``cuda_graph_config`` on a CUDA device (``force``: the ``--cuda-graph`` flag)."""
+def use_cuda_graph(cfg: RuntimeConfig, flag: bool | None = None) -> bool:
+    """Whether every decode step is captured in CUDA graphs: on a CUDA device, ``flag`` (``--cuda-graph`` /
+    ``--no-cuda-graph``) when given, else ``cuda_graph_config`` (present by default; ``null`` turns graphs
+    off). On a CPU never (logged once)."""
     import torch
 
     from tensorrt_llm_ext.logger import info_once
 
     if not torch.cuda.is_available():
-        if cfg.cuda_graph_config is not None:
-            info_once("cuda_graph_config: no CUDA device, steps run eagerly")
+        if flag or (flag is None and cfg.cuda_graph_config is not None):
+            info_once("CUDA graphs: no CUDA device, every step runs eagerly")
         return False
-    return force or cfg.cuda_graph_config is not None
+    return cfg.cuda_graph_config is not None if flag is None else flag
 
 
 def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
@@ -146,10 +196,12 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     if mapping is None or mapping.rank == 0:
         log_no_effect_fields(cfg)  # once per job, not once per rank
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
-    # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
-    # before rank 0 starts planning and the others start following.
+    # Binding the worker and capturing the served decode's graphs agree across ranks (collectives): every
+    # rank does both here, in the same order, before rank 0 starts planning and the others start following.
     selection = engine.worker("speculative").selection.describe()
-    scheduler = Scheduler(engine, mode="target_only" if args.no_speculation else "speculative")
+    mode = "target_only" if args.no_speculation else "speculative"
+    engine.runner(mode)
+    scheduler = Scheduler(engine, mode=mode)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -167,17 +219,22 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
                 logger.error(f"serve: rank {mapping.rank} lost rank 0: {type(e).__name__}: {e}")
                 os._exit(EXIT_ENGINE_FAILED)
             os._exit(0)
-    metrics = ServerMetrics(cfg.draft_len)
-    loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks)
-    name = served_model_name(cfg, args.served_model_name)
+    names = args.served_model_name or []
+    name = served_model_name(cfg, names[0] if names else None)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name)
+    loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
+                      speculative=not args.no_speculation)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path),
-                       speculative=not args.no_speculation)
+                       speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
+                       model_aliases=tuple(names[1:]), api_key=api_key(args),
+                       **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
              f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
              f"selection={selection} "
-             f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'}")
-    rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready)
+             f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
+             f"api_key={'yes' if ctx.api_key else 'no'}")
+    rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -199,6 +256,13 @@ def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
     return serve_rank(cfg, args)
 
 
+def _dtype(value: str) -> str:
+    dtype = {"float": "float32", "auto": "auto", "bfloat16": "bfloat16", "float32": "float32"}.get(value)
+    if dtype is None:
+        raise argparse.ArgumentTypeError(f"expected auto, bfloat16, float32 or float, got {value!r}")
+    return dtype
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face Llama directory (see `trtllm-ext export`); default: the embedded model")
@@ -206,11 +270,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="trtllm-serve style YAML, layered over the embedded default")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", "--tp_size", dest="tp", type=int, default=None,
+    p.add_argument("--tp", "--tp_size", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=None,
                    help="tensor-parallel ranks (over MPI); default: the config")
-    # trtllm-serve's spellings of config fields (TRTLLM_SERVE_FIELDS); unset: the YAML or the default holds.
-    p.add_argument("--max_batch_size", type=int, default=None, help="= max_batch_size")
-    p.add_argument("--max_seq_len", type=int, default=None, help="= max_seq_len (prompt + generated tokens)")
+    # trtllm-serve's and vLLM's spellings of config fields (TRTLLM_SERVE_FIELDS); unset: the YAML or the default.
+    p.add_argument("--max_batch_size", "--max-num-seqs", dest="max_batch_size", type=int, default=None,
+                   help="= max_batch_size (request slots)")
+    p.add_argument("--max_seq_len", "--max-model-len", dest="max_seq_len", type=int, default=None,
+                   help="= max_seq_len (prompt + generated tokens, max_model_len)")
+    p.add_argument("--dtype", type=_dtype, default=None,
+                   help="= dtype: auto, bfloat16 or float32 (vLLM's 'float' = float32; float16 is not served)")
     p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (accepted, no effect)")
     p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
     p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
@@ -219,10 +287,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust_remote_code", action="store_const", const=True, default=None,
                    help="= trust_remote_code (accepted, no effect: no remote code is run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
-    p.add_argument("--served-model-name", default=None, help="the model id of /v1/models")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model id of /v1/models and responses; further names are accepted as `model` too")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: TLLM_EXT_API_KEY; none: open)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="one log line per HTTP request (uvicorn's access log; default off)")
+    p.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                   help="vLLM's spelling of --no-access-log")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies answer 413 without being parsed (default 8 MiB)")
     p.add_argument("--no-speculation", action="store_true",
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="capture steps on CUDA even without cuda_graph_config (which enables them by itself)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")

@@ -12,14 +12,19 @@ cancelled in the engine (its slot freed before the next step). ``text``, ``token
 the tokens end with the one that completed the stop (string or id), the text ends before the stop string
 (unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
 
-Failures: if the engine raises, every request in flight and every new one answers 503, ``/health`` answers
+Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
+engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the
+engine serves on. If the engine raises, every request in flight and every new one answers 503, ``/health`` answers
 503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT drains: no new connections, new
 requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
 runs then ends with a 503 error body (or, streaming, an SSE error chunk then ``[DONE]``) and its slot is
-freed, and the process exits 0.
+freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
+way (503 / error chunk then ``[DONE]``) and the process exits ``128 + signal`` (130 for SIGINT, 143 for
+SIGTERM) after at most :data:`FORCED_GRACE_S`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text).
+``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's). With an API key every ``/v1/*`` route needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.engine_loop import (Aborted, EngineFailure, EngineLoop, PlanChannel, QueueFull,
                                                   ServerMetrics, Sink, follower_loop)
 from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                                      ServeLimits, parse_body)
+                                                      DetokenizeRequest, ServeLimits, TokenizeRequest, parse_body)
 from tensorrt_llm_ext.runtime.scheduler import Event
 
 __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "ServerMetrics", "create_app",
@@ -47,7 +52,11 @@ __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "S
 EXIT_ENGINE_FAILED = 3  # the engine (or a rank) failed while serving
 FAILURE_GRACE_S = 2.0  # after a failure: answer 503s this long, then exit
 SHUTDOWN_GRACE_S = 5.0  # after the drain deadline: time for the 503s to reach their clients
+FORCED_GRACE_S = 2.0  # after a second SIGTERM/SIGINT: time for the error chunks to reach their clients
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # serve --max-body-bytes: a larger body answers 413, never parsed
+BODY_DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped up to this, so its client gets the 413
+PREP_THREADS = 4  # parsing, tokenizing and request building run on these threads, never on the event loop
 
 
 @dataclass
@@ -62,6 +71,10 @@ class ServeContext:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: new requests answer 503
     speculative: bool = True  # False (--no-speculation): the target's own decode, which keeps no logits
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
+    model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as `model`
+    api_key: str | None = None  # --api-key / TLLM_EXT_API_KEY: required on /v1/* routes
 
     @property
     def limits(self) -> ServeLimits:
@@ -72,40 +85,86 @@ def served_model_name(cfg, override: str | None) -> str:
     """``--served-model-name``, else the checkpoint's (its directory's name), else ``dspark-embedded``."""
     if override:
         return override
-    if not cfg.model.path:
-        return "dspark-embedded"
-    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
-
-    return read_checkpoint_facts(cfg.model.path).model_name
+    facts = cfg.checkpoint_facts
+    return "dspark-embedded" if facts is None else facts.model_name
 
 
 # -- requests ----------------------------------------------------------------------------------------------
+def _in_vocab(ctx: ServeContext, ids: list[int], param: str) -> list[int]:
+    """Tokenizer output checked against the model's vocabulary (a tokenizer larger than the model is refused
+    at start; this names the token if one slips through)."""
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise ApiError(400, f"{param}: the tokenizer gave token {ctx.tokenizer.convert_ids_to_tokens(bad[0])!r} (id "
+                            f"{bad[0]}), outside the model's vocabulary [0, {ctx.vocab_size}): the tokenizer does not "
+                            f"match the model", param)
+    return ids
+
+
+def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
+    """One line when ``tokenizer`` has ids the model's vocabulary lacks (a mismatched pair: text mapping to
+    them could never be served), else None."""
+    vocab = tokenizer.get_vocab()  # added tokens included
+    top = max(vocab.values(), default=-1)
+    if top < vocab_size:
+        return None
+    name = next(t for t, i in vocab.items() if i == top)
+    over = sum(1 for i in vocab.values() if i >= vocab_size)
+    return (f"the tokenizer has {over} token(s) outside the model's vocabulary of {vocab_size} ids (the highest: "
+            f"{name!r}, id {top}); serve the tokenizer that belongs to the model")
+
+
 def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str) or (p and isinstance(p[0], str)):
         if ctx.tokenizer is None:
             raise ApiError(400, "prompt: text prompts need a tokenizer (the model directory has none); send token "
                                 "ids, e.g. \"prompt\": [1, 2, 3]", "prompt")
-        return [list(ctx.tokenizer.encode(t, add_special_tokens=True)) for t in ([p] if isinstance(p, str) else p)]
+        return [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt")
+                for t in ([p] if isinstance(p, str) else p)]
     return [list(x) for x in p] if p and isinstance(p[0], list) else [list(p)]
 
 
-def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
+def _need_tokenizer(ctx: ServeContext, param: str):
+    if ctx.tokenizer is None:
+        raise ApiError(400, f"{param}: needs a tokenizer, and this model has none (token ids only)", param)
+    return ctx.tokenizer
+
+
+def _template_ids(ctx: ServeContext, messages, add_generation_prompt: bool, tools, template_kwargs,
+                  add_special_tokens: bool = False) -> list[int]:
+    """``messages`` through the chat template (``--chat-template``, else the tokenizer's) as token ids."""
     tok = ctx.tokenizer
-    if tok is None:
-        raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
-                            "(use /v1/completions with token ids)", "messages")
-    if not getattr(tok, "chat_template", None):  # a transformers tokenizer always declares the attribute
-        raise ApiError(400, "messages: the model's tokenizer has no chat template (use /v1/completions)", "messages")
-    msgs = [{k: v for k, v in m.model_dump().items() if v is not None} for m in body.messages]
+    template = ctx.chat_template or getattr(tok, "chat_template", None)
+    if not template:  # a transformers tokenizer always declares the attribute
+        raise ApiError(400, "messages: the model's tokenizer has no chat template (use /v1/completions, or start "
+                            "the server with --chat-template)", "messages")
+    msgs = [m.template_dict() for m in messages]
+    extra = dict(template_kwargs or {})
+    if tools:  # only with tool_choice "none" (validated): the template sees the tools, no call is parsed
+        extra["tools"] = [t.model_dump() for t in tools]
     try:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                      return_dict=False)
+        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                       chat_template=template, **extra)
     except Exception as e:  # the template's own error (for example a role order it refuses)
         raise ApiError(400, f"messages: the chat template refused them: {type(e).__name__}: {e}", "messages") from None
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
+    # The template writes the special tokens (BOS) itself; the tokenizer adds none unless asked.
+    return [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
+    if ctx.tokenizer is None:
+        raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
+                            "(use /v1/completions with token ids)", "messages")
+    return _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                        body.chat_template_kwargs), "messages")
+
+
+def check_model(ctx: ServeContext, model: str | None) -> None:
+    """404 (OpenAI's ``model_not_found``) unless ``model`` is None or one of the served names."""
+    if model is not None and model != ctx.model_name and model not in ctx.model_aliases:
+        raise ApiError(404, f"model: {model!r} is not served here (serving {ctx.model_name!r})", "model",
+                       "model_not_found")
 
 
 def _stop_fields(ctx: ServeContext, body) -> tuple[tuple[int, ...], list[str]]:
@@ -124,12 +183,13 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     """Engine request fields, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``
     with seed ``seed + index``). The body is validated already; what is checked here is what needs the
     tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
-    if body.model is not None and body.model != ctx.model_name:
-        raise ApiError(404, f"model: {body.model!r} is not served here (serving {ctx.model_name!r})", "model",
-                       "model_not_found")
+    check_model(ctx, body.model)
     if logprobs is not None and not ctx.speculative:
         raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
                        "logprobs")
+    if logprobs is not None and body.processes_logits():
+        raise ApiError(400, "logprobs: not served with top_k, min_p, penalties or logit_bias (log-probabilities are "
+                            "computed from the unprocessed logits); send one or the other", "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):
@@ -149,7 +209,8 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
             out.append(dict(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
                             temperature=float(body.temperature), seed=(body.seed or 0) + index,
                             top_p=float(body.top_p), ignore_eos=body.ignore_eos,
-                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
+                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
+                            **body.processing_fields()))
     return out
 
 
@@ -157,20 +218,23 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
 class _Choice:
     """Tokens, log-probabilities and text of one choice, cut at its stop (string or id)."""
 
-    def __init__(self, ctx: ServeContext, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool):
+    def __init__(self, ctx: ServeContext, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool,
+                 body=None):
         self.ctx, self.index, self.prompt_ids = ctx, index, prompt_ids
         self.stops, self.include_stop = stops, include_stop
+        self.skip_special = body.skip_special_tokens if body is not None else True
+        self.spaces_between = body.spaces_between_special_tokens if body is not None else True
         self.tokens: list[int] = []
         self.logprobs: list = []
         self.finish_reason: str | None = None
+        self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
         self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprobs_sent = 0
 
     def decode(self, tokens: list[int]) -> str | None:
-        tok = self.ctx.tokenizer
-        return tok.decode(tokens, skip_special_tokens=True) if tok is not None else None
+        return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
 
     def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
         prev = len(self.tokens)
@@ -180,6 +244,10 @@ class _Choice:
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
             self.stop_token = e.finish_reason == "stop"
+        if e.finish_reason == "error":
+            msg = e.error or "the engine ended the request with an error"
+            self.error = (ApiError(400, msg) if e.request_fault
+                          else ApiError(500, msg, None, "internal_error"))
         if self.stops and self.finish_reason in (None, "stop", "length"):
             for m in range(prev + 1, len(self.tokens) + 1):  # the first token that completes a stop string
                 if any(s in self.decode(self.tokens[:m]) for s in self.stops):
@@ -214,6 +282,30 @@ class _Choice:
         return text.rstrip("\ufffd")
 
 
+def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
+                spaces_between_special_tokens: bool = True) -> str | None:
+    """``tokens`` as text (None without a tokenizer). Special tokens are dropped (``skip_special_tokens``) or
+    kept; kept ones are separated from the text beside them by one space when ``spaces_between_special_tokens``
+    (vLLM's meaning; ``transformers``' fast tokenizers ignore that argument, so it is applied here)."""
+    if tok is None:
+        return None
+    if skip_special_tokens:
+        return tok.decode(tokens, skip_special_tokens=True)
+    special = set(getattr(tok, "all_special_ids", ()))
+    parts, run = [], []
+    for t in tokens:
+        if t in special:
+            if run:
+                parts.append(tok.decode(run))
+                run = []
+            parts.append(tok.decode([t]))
+        else:
+            run.append(t)
+    if run:
+        parts.append(tok.decode(run))
+    return (" " if spaces_between_special_tokens else "").join(parts)
+
+
 def _token_str(ctx: ServeContext, token: int) -> str:
     return ctx.tokenizer.decode([token]) if ctx.tokenizer is not None else f"token_id:{token}"
 
@@ -242,7 +334,40 @@ def _chat_logprobs(ctx: ServeContext, lps: list, tokens: list[int]) -> dict:
 
 
 # -- the app -----------------------------------------------------------------------------------------------
+class ApiKeyGate:
+    """ASGI middleware: every ``/v1/*`` request must carry ``Authorization: Bearer <api_key>`` (vLLM's rule:
+    ``/health``, ``/metrics``, ``/version``, ``/tokenize`` stay open for probes and scrapers). Anything else
+    is a 401 in OpenAI's error shape. A plain ASGI wrapper: no request body is read, streaming is untouched."""
+
+    def __init__(self, app, api_key: str, on_reject=None):
+        self.app, self.on_reject = app, on_reject
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if (path == "/v1" or path.startswith("/v1/")) and scope.get("method") != "OPTIONS":
+            import hmac
+
+            got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                if self.on_reject is not None:
+                    self.on_reject()
+                why = "no Authorization header" if not got else "the API key does not match"
+                err = ApiError(401, f"invalid API key ({why}): send 'Authorization: Bearer <key>' with the key the "
+                                    f"server was started with (--api-key or TLLM_EXT_API_KEY)", None,
+                               "authentication_error")
+                payload = json.dumps(err.body()).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(payload)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": payload})
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
+    from concurrent.futures import ThreadPoolExecutor
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -251,16 +376,27 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
 
     from tensorrt_llm_ext import __version__
 
+    # A 20 MB body took 15-32 s to parse and tokenize: on the event loop that froze every client. Here it
+    # delays only its own answer (the tokenizer releases the GIL; Python parsing yields it every few ms).
+    prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+
     @asynccontextmanager
     async def lifespan(app):
         if on_ready is not None:
             on_ready()
-        yield
+        try:
+            yield
+        finally:
+            prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
-    def error_response(e: ApiError) -> JSONResponse:
-        metrics.rejected.labels(str(e.status)).inc()
+    def error_response(e: ApiError, count: bool = True) -> JSONResponse:
+        if count:
+            metrics.rejected(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ApiError)
@@ -270,8 +406,12 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):  # 404 / 405: the OpenAI object too
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        # A path nobody serves (a scanner, a typo) is not a rejected request: not counted.
         return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       None, kind))
+                                       None, kind), count=exc.status_code != 404)
+
+    if ctx.api_key:
+        app.add_middleware(ApiKeyGate, api_key=ctx.api_key, on_reject=lambda: metrics.rejected(401))
 
     @app.get("/health")
     async def health():
@@ -315,18 +455,37 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
     async def read_body(http: HttpRequest) -> bytes | None:
+        """The body, or :class:`ApiError` 413 past ``ctx.max_body_bytes`` (by ``Content-Length`` or as it
+        arrives); None when the client left mid-body."""
         from starlette.requests import ClientDisconnect
 
+        limit = ctx.max_body_bytes
+        declared = http.headers.get("content-length", "")
+        declared_size = int(declared) if declared.isdigit() else 0
+        too_big = declared_size > limit
+        chunks, size = [], 0
         try:
-            return await http.body()
+            async for chunk in http.stream():
+                size += len(chunk)
+                if too_big or size > limit:  # from here only drained (not kept), so that the client reads the 413
+                    too_big = True
+                    chunks.clear()
+                    if size > BODY_DRAIN_BYTES:
+                        break
+                else:
+                    chunks.append(chunk)
         except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
             return None
+        if too_big:
+            raise ApiError(413, f"body: {max(size, declared_size)} bytes exceed the server's limit of {limit} bytes "
+                                f"(serve --max-body-bytes)", "body")
+        return b"".join(chunks)
 
     async def read_request(http: HttpRequest, model):
         """The parsed body (the OpenAI error object on any fault), or None when the client left mid-body."""
         check_available()
         raw = await read_body(http)
-        return None if raw is None else parse_body(raw, model, ctx.limits)
+        return None if raw is None else await off_loop(parse_body, raw, model, ctx.limits)
 
     async def serve_choices(http: HttpRequest, body, reqs: list[dict], prompts: list[list[int]], param: str,
                             kind: str, prefix: str):
@@ -334,19 +493,53 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         _, stops = _stop_fields(ctx, body)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         handles = submit(reqs, sink, param)
-        choices = {h: _Choice(ctx, k, p, stops, body.include_stop_str_in_output)
+        choices = {h: _Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
                    for k, (h, p) in enumerate(zip(handles, prompts))}
         out = _Output(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink)
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)
 
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        raw = await read_body(http)
+        if raw is None:
+            return Response(status_code=499)
+        return await off_loop(tokenize_body, raw)
+
+    def tokenize_body(raw: bytes) -> dict:
+        body = parse_body(raw, TokenizeRequest, ctx.limits)
+        check_model(ctx, body.model)
+        tok = _need_tokenizer(ctx, "messages" if body.messages is not None else "prompt")
+        if body.messages is not None:
+            ids = _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                body.chat_template_kwargs, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        out = {"count": len(ids), "max_model_len": ctx.max_seq_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest):
+        raw = await read_body(http)
+        if raw is None:
+            return Response(status_code=499)
+        return await off_loop(detokenize_body, raw)
+
+    def detokenize_body(raw: bytes) -> dict:
+        body = parse_body(raw, DetokenizeRequest, ctx.limits)
+        check_model(ctx, body.model)
+        tok = _need_tokenizer(ctx, "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         body = await read_request(http, CompletionRequest)
         if body is None:
             return Response(status_code=499)
-        reqs = build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16)
+        reqs = await off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
         return await serve_choices(http, body, reqs, [f["prompt_ids"] for f in reqs], "n" if body.n > 1 else "prompt",
                                    "text_completion", "cmpl")
 
@@ -355,8 +548,8 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         body = await read_request(http, ChatCompletionRequest)
         if body is None:
             return Response(status_code=499)
-        prompt = _chat_prompt(ctx, body)
-        reqs = build_requests(ctx, body, [prompt], body.logprobs_k(), None)
+        prompt = await off_loop(_chat_prompt, ctx, body)
+        reqs = await off_loop(build_requests, ctx, body, [prompt], body.logprobs_k(), None)
         return await serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
 
     return app
@@ -403,8 +596,8 @@ class _Output:
 
     # -- non-streaming ------------------------------------------------------------------------------------
     def _final_choice(self, ch: _Choice) -> dict:
-        if ch.finish_reason == "error":
-            raise ApiError(500, "the engine refused a validated request", None, "internal_error")
+        if ch.error is not None:
+            raise ch.error
         text = ch.text()
         if not self.chat:
             c = {"index": ch.index, "token_ids": list(ch.tokens), "finish_reason": ch.finish_reason, "logprobs": None}
@@ -485,6 +678,10 @@ class _Output:
                 ch = self._apply(item)
                 if ch is None:
                     continue
+                if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
+                    yield self._sse(ch.error.body())
+                    yield "data: [DONE]\n\n"
+                    return
                 c = self._delta(ch, item.handle in first)
                 first.discard(item.handle)
                 yield self._sse({**self._head(obj), "choices": [c]})
@@ -512,17 +709,37 @@ def load_tokenizer(directory: str | None):
     return AutoTokenizer.from_pretrained(directory)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a --host value) only accepts connections from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, drain_timeout_s: float,
-               ready_line: str) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (:data:`EXIT_ENGINE_FAILED`)."""
+               ready_line: str, access_log: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0 after draining; a second one during the drain: ``128 + signal``) or an
+    engine failure (:data:`EXIT_ENGINE_FAILED`).
+    ``access_log``: uvicorn's one line per HTTP request."""
     import contextlib
     import signal
 
     import uvicorn
 
+    if not ctx.api_key and not is_loopback(host):
+        logger.warning(f"serve: listening on {host}, beyond this machine, without an API key: anyone who can reach "
+                       f"port {port} can use the model (set --api-key or TLLM_EXT_API_KEY)")
+    drain = {}  # start time and how many requests the deadline ended
+
     def drain_deadline():
         n = ctx.loop.abort_all(f"the server is shutting down: the request did not finish within the drain "
                                f"timeout ({drain_timeout_s:g} s)")
+        drain["ended"] = n
         if n:
             logger.warning(f"serve: drain timeout ({drain_timeout_s:g} s) passed: ended {n} request(s) with 503")
 
@@ -538,18 +755,42 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
                 for s, h in old.items():
                     signal.signal(s, h)
 
+        forced_by: int | None = None  # the second signal, which ended the drain early
+
         def handle_exit(self, sig, frame):
             if not ctx.draining:
                 ctx.draining = True
+                drain["t0"] = time.monotonic()
+                st = ctx.loop.state()
+                logger.info(f"serve: {signal.Signals(sig).name} received: draining {st.active} running and "
+                            f"{st.queued} queued request(s) (new requests answer 503; drain timeout "
+                            f"{drain_timeout_s:g} s)")
                 timer = threading.Timer(drain_timeout_s, drain_deadline)
                 timer.daemon = True
                 timer.start()
-            super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+            elif self.forced_by is None:
+                # Not uvicorn's force exit, which cancels every stream mid-flight (tracebacks, no [DONE]): end
+                # each request with its error first (off the signal handler: abort_all takes the loop's lock),
+                # then stop waiting for connections after a short grace.
+                self.forced_by = sig
+                threading.Thread(target=forced_end, args=(sig,), name="serve-forced-end", daemon=True).start()
+
+    def forced_end(sig: int) -> None:
+        name = signal.Signals(sig).name
+        n = ctx.loop.abort_all(f"the server is shutting down: a second {name} ended the request")
+        logger.warning(f"serve: a second {name} during the drain: ended {n} request(s), exiting {128 + sig}")
+        time.sleep(FORCED_GRACE_S)
+        server.force_exit = True
 
     app = create_app(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
                             timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on")
+    if access_log:  # uvicorn's access lines are INFO; its other start-up lines stay quiet
+        import logging
+
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _Server(config)
 
     def shutdown_later():
@@ -562,6 +803,13 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
         server.run()
     finally:
         ctx.loop.stop(timeout=drain_timeout_s + 10)
+        if "t0" in drain:
+            ended = drain.get("ended", 0)
+            logger.info(f"serve: drain finished after {time.monotonic() - drain['t0']:.1f} s: "
+                        + (f"{ended} request(s) ended by the drain timeout" if ended
+                           else "every request in flight was answered"))
     if ctx.loop.failure is not None:
         return EXIT_ENGINE_FAILED
+    if server.forced_by is not None:
+        return 128 + server.forced_by
     return 0 if server.started else 2

@@ -386,8 +386,8 @@ def markov_chain_stock(
 # Auto mode: per batch size, the faster of "fused" and "exact": (max batch size, mode) rows in increasing
 # order, the last row's max None covering every larger B. Measured on the H200 with `trtllm-ext bench markov`
 # (2026-12-01, V = 200064, r = 256, K = 7, bf16): fused is faster at B = 1 / 8 / 32, exact at B = 64 / 128
-# (docs/markov_chain.md). One table for every device (no other GPU has been measured; a per-device lookup
-# whose only entry equalled its default was removed); `auto_table=` overrides it.
+# (docs/markov_chain.md). One table for every device, since no other GPU has been measured; `auto_table=`
+# overrides it.
 AutoModeTable = tuple[tuple[int | None, str], ...]
 AUTO_MODE_TABLE: AutoModeTable = ((32, "fused"), (None, "exact"))
 

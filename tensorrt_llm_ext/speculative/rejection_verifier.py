@@ -32,7 +32,7 @@ from tensorrt_llm_ext.distributed import PairExchange, allgather
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
-from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+from tensorrt_llm_ext.speculative.token_selector import VocabParallelSelector
 
 __all__ = ["RejectionVerification", "RejectionVerifier", "VERIFICATION_MODES"]
 
@@ -105,7 +105,7 @@ class RejectionVerifier:
         r, k = max_batch_size, draft_len
         # Wider column chunks on a GPU keep every SM busy at small B; the interpreter runs programs one
         # after another, so one chunk per row is fastest there. Results do not depend on the plan.
-        splits = 8 if torch.device(device).type == "cuda" else 1
+        splits = 32 if torch.device(device).type == "cuda" else 1
         if decision.sharded:
             head = selector.target_head
             self.exchange: PairExchange | None = head.exchange

@@ -71,9 +71,9 @@ def _stock_decode_block_table(encoded_offsets, divisor, *, out, num_blocks_out):
     return out, num_blocks_out
 
 
-def _stock_strict_accept(draft_tokens, target_tokens, num_contexts, *, out=None):
+def _stock_strict_accept(draft_tokens, target_tokens, *, out=None):
     del out  # the eager chain returns its own tensors
-    return strict_accept_reference(draft_tokens, target_tokens, num_contexts)
+    return strict_accept_reference(draft_tokens, target_tokens)
 
 
 def _stock_paged_latent_step(accepted, num_accepted, slot_ids, is_dummy, ctx_lens, block_table, *,

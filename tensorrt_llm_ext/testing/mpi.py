@@ -11,6 +11,4 @@ from __future__ import annotations
 
 from tensorrt_llm_ext.runtime.ranks import MpiPool, RankJobError, run_on_ranks
 
-__all__ = ["MpiPool", "RankFailure", "run_on_ranks"]
-
-RankFailure = RankJobError  # the name the tests know
+__all__ = ["MpiPool", "RankJobError", "run_on_ranks"]

@@ -1,6 +1,6 @@
 """`generate --model DIR` and `serve DIR` on a checkpoint refused at load (non-finite weights): exit 2 with one
 line naming the file and the tensor, no traceback -- the same as the checks that run before any work
-(corrupt headers, wrong shapes, int weights; their cases are in unittest/_torch/modules/test_checkpoint.py).
+(corrupt headers, wrong shapes, int weights; their cases are in unittest/_torch/models/test_checkpoint.py).
 In process: the exit code is main()'s return value."""
 
 from __future__ import annotations

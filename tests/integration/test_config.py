@@ -115,7 +115,7 @@ def test_non_mapping_config_is_a_config_error():
 def test_exchange_option_is_validated_and_reaches_the_pair_exchange():
     from tensorrt_llm_ext.distributed import PairExchange
     from tensorrt_llm_ext.mapping import Mapping
-    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelector
+    from tensorrt_llm_ext.speculative.token_selector import VocabParallelSelector
 
     assert parse_config({}).speculative_config.exchange == "auto"
     for value in ("auto", "nccl", "low_latency"):

@@ -39,10 +39,11 @@ def reference():
     return _reference(BODIES + [LONG])
 
 
-def _start(d, drain_timeout: float = 60):
+def _start(d, drain_timeout: float = 60, host: str = "127.0.0.1"):
     cfg = d / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
-    return start_server(["--config", str(cfg), "--drain-timeout", str(drain_timeout)], str(d / "server.log"))
+    return start_server(["--config", str(cfg), "--drain-timeout", str(drain_timeout)], str(d / "server.log"),
+                        host=host)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,15 @@ async def _post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
 
 
 def _metrics(url: str) -> dict[str, float]:
+    """Samples by name and labels, the ``model_name`` label (on every sample) left out of the key."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else ""): s.value
-            for fam in prom_parser.text_string_to_metric_families(text) for s in fam.samples}
+    out = {}
+    for fam in prom_parser.text_string_to_metric_families(text):
+        for s in fam.samples:
+            assert s.labels.get("model_name") == "dspark-embedded", s
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            out[s.name + (json.dumps(labels, sort_keys=True) if labels else "")] = s.value
+    return out
 
 
 def test_concurrent_requests_equal_generate(server, reference):
@@ -109,7 +116,7 @@ def test_bad_requests_answer_400_naming_the_field_and_the_batch_is_unaffected(se
                 "prompt ": await c.post("/v1/completions", json={"prompt": [1, VOCAB], "max_tokens": 3}),
                 "max_tokens": await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 0}),
                 "max_tokens ": await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 200}),
-                "frequency_penalty": await c.post("/v1/completions", json={"prompt": [1], "frequency_penalty": 1.0}),
+                "frequency_penalty": await c.post("/v1/completions", json={"prompt": [1], "frequency_penalty": 2.5}),
                 "body": await c.post("/v1/completions", content=b'{"prompt": [1, 2', 
                                      headers={"content-type": "application/json"}),
                 "prompt  ": await c.post("/v1/completions", json={"prompt": [1, 2.7]}),
@@ -172,12 +179,17 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, reference):
         assert server.wait(60) == 0, server.log()[-3000:]
     finally:
         server.stop(10)
+    log = server.log()
+    assert "SIGTERM received: draining 1 running and 0 queued request(s)" in log, log[-3000:]
+    assert "drain finished after" in log and "every request in flight was answered" in log, log[-3000:]
+    assert "without an API key" not in log  # loopback: no warning
 
 
 def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly_and_exits_0(tmp_path):
     """More in flight than a 1 s drain allows: each request ends as a 200 or a 503 OpenAI error body, each stream
-    with [DONE] (after an error chunk when cut), no traceback, exit 0 (replaces repro http_sigterm.py)."""
-    server = _start(tmp_path, drain_timeout=1)
+    with [DONE] (after an error chunk when cut), no traceback, exit 0 (replaces repro http_sigterm.py). Listening
+    on every interface without a key, the server warns at start."""
+    server = _start(tmp_path, drain_timeout=1, host="0.0.0.0")
     body = {"prompt": [5, 6], "max_tokens": 36}
 
     try:
@@ -202,3 +214,5 @@ def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly_and_exits_0(t
         else:
             assert last["choices"][0]["finish_reason"] == "length"
     assert ended >= 1  # 12 requests of 36 tokens over 8 slots do not finish within 1 s on any machine here
+    assert "listening on 0.0.0.0, beyond this machine, without an API key" in log, log[-3000:]
+    assert "request(s) ended by the drain timeout" in log, log[-3000:]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _supervise(rank: int, child_code: str, linger_s: float = 0.0, **popen) -> subprocess.Popen:
     env = {**os.environ, "PMI_RANK": str(rank), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "tensorrt_llm_ext.runtime.ranks", "--supervise-command", str(linger_s), "--",
+    cmd = [sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor", "--supervise-command", str(linger_s), "--",
            sys.executable, "-c", textwrap.dedent(child_code)]
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, **popen)
 

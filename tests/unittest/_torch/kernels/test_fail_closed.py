@@ -31,27 +31,27 @@ def _accept_inputs():
 # -- strided out= -------------------------------------------------------------------------------------
 def test_strict_accept_strided_outputs():
     draft, target = _accept_inputs()
-    want_acc, want_n = strict_accept_reference(draft, target, 0)
+    want_acc, want_n = strict_accept_reference(draft, target)
     assert want_n.tolist() == [1, 3, 3]
     wide = torch.full((3, 7), -5, dtype=torch.int64, device=DEV)
-    acc, n = strict_accept(draft, target, 0, out=(wide[:, 2:5], torch.empty(3, dtype=torch.int32, device=DEV)))
+    acc, n = strict_accept(draft, target, out=(wide[:, 2:5], torch.empty(3, dtype=torch.int32, device=DEV)))
     assert torch.equal(acc, want_acc) and torch.equal(n, want_n)  # strided rows: written through the stride
     assert torch.equal(wide[:, :2], torch.full((3, 2), -5, device=DEV)) and torch.equal(wide[:, 5:], wide[:, :2])
     buf = torch.full((6,), 99, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="num_accepted.*contiguous"):
-        strict_accept(draft, target, 0, out=(torch.empty(3, 3, dtype=torch.int64, device=DEV), buf[::2]))
+        strict_accept(draft, target, out=(torch.empty(3, 3, dtype=torch.int64, device=DEV), buf[::2]))
     assert buf.tolist() == [99] * 6
     cols = torch.empty(3, 6, dtype=torch.int64, device=DEV)[:, ::2]  # strided last dimension
     with pytest.raises(ValueError, match="accepted_tokens.*unit stride"):
-        strict_accept(draft, target, 0, out=(cols, torch.empty(3, dtype=torch.int32, device=DEV)))
+        strict_accept(draft, target, out=(cols, torch.empty(3, dtype=torch.int32, device=DEV)))
 
 
 def test_strict_accept_default_output_keeps_ids_above_2_31():
     draft, target = _accept_inputs()
     target[2, 0] = 3_000_000_000
     target[1, 1] = 2**32 - 2  # the largest id selection can return (V = 2^32 - 1)
-    acc, n = strict_accept(draft, target, 0)
-    ref_acc, ref_n = strict_accept_reference(draft, target, 0)
+    acc, n = strict_accept(draft, target)
+    ref_acc, ref_n = strict_accept_reference(draft, target)
     assert acc.dtype == torch.int64 and ref_acc.dtype == torch.int64
     assert acc[2, 0].item() == 3_000_000_000 and acc[1, 1].item() == 2**32 - 2
     assert torch.equal(acc, ref_acc) and torch.equal(n, ref_n)

@@ -421,7 +421,8 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     """A timed-out round (flag set by the kernel) raises from PairExchange.check_exchange and from the
     selector the worker calls once per step; a clean flag does not."""
     from tensorrt_llm_ext.distributed import PairExchange
-    from tensorrt_llm_ext.speculative.vocab_parallel import VocabParallelSelection, VocabParallelSelector
+    from tensorrt_llm_ext.speculative.selection_decision import VocabParallelSelection
+    from tensorrt_llm_ext.speculative.token_selector import VocabParallelSelector
 
     dev = _device()
     buffers = torch.zeros((2, 2, 2, 2, 2), dtype=torch.int64, device=dev)

@@ -8,13 +8,13 @@ from pathlib import Path
 import tensorrt_llm_ext
 
 PKG = Path(tensorrt_llm_ext.__file__).parent
-# Dependency order (DESIGN: contract <- kernels <- distributed <- modules <- models <- speculative <- runtime
-# <- CLI). Base modules (environment, logging, the rank layout) sit below everything and import nothing
+# Dependency order: contract <- kernels <- distributed <- modules <- models <- speculative <- runtime <- CLI.
+# Base modules (environment, logging, the rank layout) sit below everything and import nothing
 # above them. Test support sits above everything that ships: only the CLI (its test-list command) and the
 # tests import it.
 BASE = {"_env", "logger", "mapping"}
 LAYER = {"contract": 0, "kernels": 1, "distributed": 2, "modules": 3, "models": 4, "speculative": 5,
-         "configs": 6, "runtime": 6, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
+         "configs": 6, "runtime": 6, "training": 7, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
 
 
 def _part(module: str) -> str | None:
@@ -24,8 +24,9 @@ def _part(module: str) -> str | None:
     return parts[1]
 
 
-def _layer(part: str) -> int:
-    return -1 if part in BASE else LAYER.get(part, max(LAYER.values()))
+def _layer(part: str) -> int | None:
+    """The part's layer; None for a top-level module not placed in the order (it must be placed, not guessed)."""
+    return -1 if part in BASE else LAYER.get(part)
 
 
 def _absolute(rel: Path, module: str | None, level: int) -> str:
@@ -59,11 +60,16 @@ def _violations() -> list[str]:
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG)
         own = rel.parts[0].removesuffix(".py")
+        if _layer(own) is None:
+            bad.append(f"{rel}: top-level module {own} has no place in the dependency order")
+            continue
         for module, line in _imports(path, rel):
             part = _part(module)
             if part is None or part == own:
                 continue
-            if _layer(part) > _layer(own):
+            if _layer(part) is None:
+                bad.append(f"{rel}:{line} imports {module} (no such top-level module in the dependency order)")
+            elif _layer(part) > _layer(own):
                 bad.append(f"{rel}:{line} imports {module} (layer {part} is above {own})")
     return bad
 
@@ -99,10 +105,20 @@ def test_the_layout_check_catches_an_upward_import(tmp_path, monkeypatch):
     # models sit above modules; test support sits above what ships
     (fake / "models" / "m.py").write_text("from tensorrt_llm_ext.modules import linear\n")
     (fake / "bench" / "b.py").write_text("from ..testing.mpi import MpiPool\n")
-    assert _violations() == [
+    upward = [
         "bench/b.py:1 imports tensorrt_llm_ext.testing.mpi (layer testing is above bench)",
         "kernels/k.py:1 imports tensorrt_llm_ext.speculative.x (layer speculative is above kernels)",
         "kernels/rel.py:2 imports tensorrt_llm_ext.runtime.engine (layer runtime is above kernels)",
+    ]
+    assert _violations() == upward
+    # a top-level module outside the order is refused, not given a layer, and so is an import of one
+    (fake / "plugins").mkdir()
+    (fake / "plugins" / "p.py").write_text("from tensorrt_llm_ext.kernels import common\n")
+    (fake / "models" / "uses_plugin.py").write_text("from tensorrt_llm_ext.plugins.p import hook\n")
+    assert _violations() == upward + [
+        "models/uses_plugin.py:1 imports tensorrt_llm_ext.plugins.p (no such top-level module in the dependency "
+        "order)",
+        "plugins/p.py: top-level module plugins has no place in the dependency order",
     ]
 
 

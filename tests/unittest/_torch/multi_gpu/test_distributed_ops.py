@@ -113,7 +113,7 @@ def _bad_tp_case():
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_tp_size_not_dividing_world_is_rejected(mpi_pool_executor):
-    from tensorrt_llm_ext.testing.mpi import RankFailure
+    from tensorrt_llm_ext.testing.mpi import RankJobError
 
-    with pytest.raises(RankFailure, match="does not divide"):
+    with pytest.raises(RankJobError, match="does not divide"):
         run_on_ranks(mpi_pool_executor, _bad_tp_case)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorrt_llm_ext.testing.mpi import MpiPool, RankFailure, run_on_ranks
+from tensorrt_llm_ext.testing.mpi import MpiPool, RankJobError, run_on_ranks
 
 # Detection (a 20 ms poll) + 0.5 s for the peers' errors + 1 s stack dump + the kill, on 2 shared cores.
 BOUND_S = 10.0
@@ -62,7 +62,7 @@ def _ranks():
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_failing_rank_is_reported_with_its_traceback(mpi_pool_executor):
     t0 = time.monotonic()
-    with pytest.raises(RankFailure) as err:
+    with pytest.raises(RankJobError) as err:
         run_on_ranks(mpi_pool_executor, _rank_one_raises, timeout=60)
     assert err.value.headline.startswith("rank 1 raised ValueError: deliberate failure on rank 1"), str(err.value)
     assert "in _rank_one_raises" in str(err.value)  # its traceback
@@ -76,7 +76,7 @@ def test_rank_that_exits_mid_run_is_named_with_its_exit_code():
     pool = MpiPool(2).start()
     try:
         t0 = time.monotonic()
-        with pytest.raises(RankFailure) as err:
+        with pytest.raises(RankJobError) as err:
             run_on_ranks(pool, _rank_one_exits_mid_run, timeout=120)
         elapsed = time.monotonic() - t0
         assert err.value.headline == "rank 1 exited with code 7", str(err.value)
@@ -91,7 +91,7 @@ def test_hanging_rank_fails_within_timeout():
     pool = MpiPool(2).start()
     try:
         t0 = time.monotonic()
-        with pytest.raises(RankFailure) as err:
+        with pytest.raises(RankJobError) as err:
             run_on_ranks(pool, _rank_one_hangs, timeout=5)
         assert err.value.headline.startswith("rank(s) [1] gave no result within the time limit of 5s")
         hung = err.value.outcomes[1]

@@ -92,9 +92,11 @@ def _rank_head_and_selector():
     from tensorrt_llm_ext.modules.linear import TensorParallelMode
     from tensorrt_llm_ext.modules.lm_head import LMHead
     from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
-    from tensorrt_llm_ext.speculative.vocab_parallel import (SelectionParams, VocabParallelSelection,
-                                                             VocabParallelSelectionMixin, VocabShardedLogits,
-                                                             gathered_argmax, gathered_gumbel_sample)
+    from tensorrt_llm_ext.speculative.selection_decision import VocabParallelSelection
+    from tensorrt_llm_ext.speculative.token_selector import SelectionParams
+    from tensorrt_llm_ext.speculative.vocab_parallel import (VocabShardedLogits, gathered_argmax,
+                                                             gathered_gumbel_sample)
+    from tensorrt_llm_ext.speculative.worker_base import VocabParallelSelectionMixin
 
     class Custom(LogitsProcessor):
         pass
@@ -124,7 +126,7 @@ def _rank_head_and_selector():
         single.load_weights(full_w)
         worker = Worker(mapping, Model(head, LogitsProcessor()), Model(None))
         sel = worker.post_load()
-        selector = worker.vocab_parallel
+        selector = worker.token_selector
         logits = selector.target_logits(h)
         entry = {"decision": (sel.target_enabled, sel.draft_enabled, sel.target_reason, sel.draft_reason),
                  "gathered_head": head(h).cpu(), "single_head": single(h).cpu()}

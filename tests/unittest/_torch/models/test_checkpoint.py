@@ -264,3 +264,24 @@ def test_bf16_checkpoint_dtype_is_a_fact_and_its_cast_is_logged(tmp_path, caplog
         target, _ = build_models(cfg, Mapping(), torch.device("cpu"))
     assert target.dtype == torch.float32
     assert "LlamaTarget: weights stored as bfloat16 are cast to float32 (the model dtype)" in caplog.text
+
+
+def test_a_build_reads_the_checkpoint_facts_once(tmp_path, monkeypatch):
+    from tensorrt_llm_ext.models import checkpoint
+    from tensorrt_llm_ext.runtime.engine import build_models, checkpoint_eos_ids
+    from tensorrt_llm_ext.runtime.server import served_model_name
+
+    d = tmp_path / "tiny"
+    export_model(load_config(**TINY), d)
+    calls = []
+    for name in ("read_checkpoint_facts", "read_target_family"):
+        def counted(directory, _read=getattr(checkpoint, name), _name=name):
+            calls.append(_name)
+            return _read(directory)
+        monkeypatch.setattr(checkpoint, name, counted)
+    cfg = load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)
+    build_models(cfg, Mapping(), torch.device("cpu"))
+    assert checkpoint_eos_ids(cfg) == cfg.checkpoint_facts.eos_token_ids
+    assert served_model_name(cfg, None) == "tiny" and cfg.max_seq_len == 32
+    assert sorted(calls) == ["read_checkpoint_facts", "read_target_family"]  # config, engine and server share them
+    assert load_config(**TINY).checkpoint_facts is None and load_config(**TINY).target_family == {}

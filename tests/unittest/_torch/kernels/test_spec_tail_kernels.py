@@ -25,13 +25,12 @@ def _equal_outputs(a, b):
 # ----------------------------------------------------------------------------------------------------
 # Strict acceptance
 # ----------------------------------------------------------------------------------------------------
-def _accept_inputs(num_contexts, num_gen, k, dtype, seed, device="cpu"):
+def _accept_inputs(num_rows, k, dtype, seed, device="cpu"):
     """Drafts with all-match, no-match and partial rows (plus random ones)."""
     g = torch.Generator().manual_seed(seed)
-    b = num_contexts + num_gen
-    target = torch.randint(0, 50, (b, k + 1), generator=g, dtype=dtype)
-    draft = target[num_contexts:, :k].clone()
-    for i in range(num_gen):
+    target = torch.randint(0, 50, (num_rows, k + 1), generator=g, dtype=dtype)
+    draft = target[:, :k].clone()
+    for i in range(num_rows):
         kind = i % 4
         if kind == 1:  # no match: the first draft differs
             draft[i, 0] += 1
@@ -39,91 +38,48 @@ def _accept_inputs(num_contexts, num_gen, k, dtype, seed, device="cpu"):
             draft[i, int(torch.randint(0, k, (1,), generator=g))] += 1
         elif kind == 3:  # random tokens from a small alphabet
             draft[i] = torch.randint(0, 2, (k,), generator=g, dtype=dtype)
-            target[num_contexts + i, :k] = torch.randint(0, 2, (k,), generator=g, dtype=dtype)
+            target[i, :k] = torch.randint(0, 2, (k,), generator=g, dtype=dtype)
     return draft.to(device), target.to(device)
 
 
-def _accept_oracle(draft, target, num_contexts, verify=None, force=None):
+def _accept_oracle(draft, target):
     draft, target = draft.cpu(), target.cpu()
-    verify = verify.cpu() if verify is not None else None
-    force = force.cpu() if isinstance(force, torch.Tensor) else force
-    b, k1 = target.shape
     n = []
-    for r in range(b):
-        if r < num_contexts:
-            n.append(1)
-            continue
-        v = k1 if verify is None else int(verify[r])
+    for r in range(target.shape[0]):
         cnt = 1
-        for j in range(v - 1):
-            if int(draft[r - num_contexts, j]) != int(target[r, j]):
+        for j in range(draft.shape[1]):
+            if int(draft[r, j]) != int(target[r, j]):
                 break
             cnt += 1
-        if force is not None:
-            f = force if isinstance(force, int) else max(int(force[r]), 1)
-            cnt = min(f, v)
         n.append(cnt)
     return torch.tensor(n, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("num_contexts,num_gen,k", [(0, 9, 7), (3, 8, 3), (2, 0, 4), (1, 5, 1)])
+@pytest.mark.parametrize("num_rows,k", [(9, 7), (8, 3), (0, 4), (5, 1)])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_strict_accept_matches_reference(flat, num_contexts, num_gen, k, dtype):
-    draft, target = _accept_inputs(num_contexts, num_gen, k, dtype, seed=num_gen * 31 + k, device=DEV)
-    tin = torch.cat([target[:num_contexts, 0], target[num_contexts:].reshape(-1)]) if flat else target
-    got = strict_accept(draft, tin, num_contexts)
-    ref = strict_accept_reference(draft, tin, num_contexts)
+@pytest.mark.parametrize("strided_rows", [False, True])
+def test_strict_accept_matches_reference(num_rows, k, dtype, strided_rows):
+    draft, target = _accept_inputs(num_rows, k, dtype, seed=num_rows * 31 + k, device=DEV)
+    if strided_rows:  # as the worker passes them: the drafts are columns 1.. of the verified tokens
+        tokens = torch.cat([target[:, :1], draft], dim=1)
+        draft = tokens[:, 1:]
+    got = strict_accept(draft, target)
+    ref = strict_accept_reference(draft, target)
     _equal_outputs(got, ref)
-    assert torch.equal(got[1].cpu(), _accept_oracle(draft, target, num_contexts))
-    if num_gen:
+    assert torch.equal(got[1].cpu(), _accept_oracle(draft, target))
+    if num_rows:
         # the kinds of rows we built are all present
-        gen_n = got[1][num_contexts:]
-        assert int(gen_n[0]) == k + 1 and int(gen_n[min(1, num_gen - 1)]) in (1, k + 1)
-    # context rows: [sampled token, 0...], generation rows: the verified target row
-    assert torch.equal(got[0][:num_contexts, 0], target[:num_contexts, 0].to(torch.int32))
-    assert not got[0][:num_contexts, 1:].any()
-    assert torch.equal(got[0][num_contexts:], target[num_contexts:].to(torch.int32))
-
-
-@pytest.mark.parametrize("flat", [False, True])
-def test_strict_accept_forced(flat):
-    nc, ng, k = 2, 7, 5
-    draft, target = _accept_inputs(nc, ng, k, torch.int64, seed=5, device=DEV)
-    tin = torch.cat([target[:nc, 0], target[nc:].reshape(-1)]) if flat else target
-    for force in (1, 3, k + 1, k + 9, torch.tensor([9, 9, 0, 1, 2, 6, 7, 40, -3], device=DEV)):
-        got = strict_accept(draft, tin, nc, forced_num_accepted=force)
-        _equal_outputs(got, strict_accept_reference(draft, tin, nc, forced_num_accepted=force))
-        assert torch.equal(got[1].cpu(), _accept_oracle(draft, target, nc, force=force))
-
-
-@pytest.mark.parametrize("flat", [False, True])
-def test_strict_accept_ragged_forced_capped_by_verify_len(flat):
-    nc, ng, k = 2, 6, 4
-    draft, target = _accept_inputs(nc, ng, k, torch.int32, seed=11, device=DEV)
-    verify = torch.tensor([7, 0, 1, 2, 5, 3, 4, 5], device=DEV)  # context entries are ignored
-    if flat:
-        tin = torch.cat([target[:nc, 0]] + [target[nc + i, : int(verify[nc + i])] for i in range(ng)])
-    else:
-        tin = target
-    for force in (None, 4, torch.tensor([1, 1, 5, 5, 5, 1, 9, 2], device=DEV)):
-        acc, n = strict_accept(draft, tin, nc, verify_lens=verify, forced_num_accepted=force)
-        ref = strict_accept_reference(draft, tin, nc, verify_lens=verify, forced_num_accepted=force)
-        _equal_outputs((acc, n), ref)
-        assert torch.equal(n.cpu(), _accept_oracle(draft, target, nc, verify=verify, force=force))
-        assert (n[nc:] <= verify[nc:]).all()  # a forced count never exceeds the verify length
-        for r in range(nc, nc + ng):  # tokens past the verify length are zeros
-            v = int(verify[r])
-            assert torch.equal(acc[r, :v], target[r, :v]) and not acc[r, v:].any()
+        assert int(got[1][0]) == k + 1 and int(got[1][min(1, num_rows - 1)]) in (1, k + 1)
+    assert torch.equal(got[0], target.to(torch.int64))  # the verified target rows
 
 
 def test_strict_accept_out_buffers_reused():
-    draft, target = _accept_inputs(1, 6, 7, torch.int64, seed=2, device=DEV)
+    draft, target = _accept_inputs(7, 7, torch.int64, seed=2, device=DEV)
     acc = torch.full((7, 8), -9, dtype=torch.int64, device=DEV)
     n = torch.full((7,), -9, dtype=torch.int32, device=DEV)
-    got = strict_accept(draft, target, 1, out=(acc, n))
+    got = strict_accept(draft, target, out=(acc, n))
     assert got[0] is acc and got[1] is n
-    ref = strict_accept_reference(draft, target, 1)
+    ref = strict_accept_reference(draft, target)
     assert torch.equal(acc, ref[0].to(torch.int64)) and torch.equal(n, ref[1])
 
 
@@ -275,7 +231,7 @@ def test_paged_latent_step_and_store(case):
 
     # the documented semantics, from a plain-python oracle
     oracle = _paged_oracle(accepted, num_acc, slots, is_dummy, ctx, table, **kw)
-    assert got.advertised_ctx_lens.tolist() == oracle["adv"]
+    assert got.placement.ctx_lens.tolist() == oracle["adv"]
     assert got.seq_lens.tolist() == [0 if bool(d) else a + k for a, d in zip(oracle["adv"], is_dummy[nc:])]
     assert got.positions.tolist() == oracle["pos"]
     lat = [[(int(p), int(o), bool(m)) for p, o, m in zip(*rows)] for rows in
@@ -292,7 +248,7 @@ def test_paged_latent_step_and_store(case):
     if case == "odd_page_outrun":  # some accepted latents of real rows had no page, and A was capped by pages
         accepted_j = torch.arange(k + 1, device=DEV)[None, :] < n_clamped[:, None]
         assert (accepted_j & ~got.latent_write_mask & ~is_dummy[nc:, None]).any()
-        assert (got.advertised_ctx_lens < ctx_fused[slots[nc:].long()])[~is_dummy[nc:]].any()
+        assert (got.placement.ctx_lens < ctx_fused[slots[nc:].long()])[~is_dummy[nc:]].any()
     assert not got.latent_write_mask[is_dummy[nc:]].any()
     assert (got.placement.page_ids[is_dummy[nc:]] == -1).all()
     assert (got.seq_lens[is_dummy[nc:]] == 0).all()
@@ -337,21 +293,15 @@ def test_store_context_latents_prefill_and_bad_destinations():
 # Host-side validation
 # ----------------------------------------------------------------------------------------------------
 def test_bad_input_raises_value_error():
-    draft, target = _accept_inputs(1, 4, 3, torch.int32, seed=0)
+    draft, target = _accept_inputs(5, 3, torch.int32, seed=0)
     with pytest.raises(ValueError, match="target_tokens"):
-        strict_accept(draft, target[:-1], 1)  # mismatched batch
-    with pytest.raises(ValueError, match="flat"):
-        strict_accept(draft, target.reshape(-1), 1)
-    with pytest.raises(ValueError, match="forced_num_accepted"):
-        strict_accept(draft, target, 1, forced_num_accepted=-1)
-    with pytest.raises(ValueError, match="forced_num_accepted"):
-        strict_accept(draft, target, 1, forced_num_accepted=torch.ones(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="verify_lens"):
-        strict_accept(draft, target, 1, verify_lens=torch.tensor([1, 2, 9, 2, 1]))
-    with pytest.raises(ValueError, match="num_contexts"):
-        strict_accept(draft, target, -1)
+        strict_accept(draft, target[:-1])  # mismatched batch
+    with pytest.raises(ValueError, match="target_tokens"):
+        strict_accept(draft, target.reshape(-1))  # one layout: [B, K+1]
     with pytest.raises(ValueError, match="dtype"):
-        strict_accept(draft.float(), target, 1)
+        strict_accept(draft.float(), target)
+    with pytest.raises(ValueError, match="draft_tokens.*unit stride"):
+        strict_accept(torch.zeros((5, 6), dtype=torch.int32)[:, ::2], target)
     o = torch.zeros((2, 3), dtype=torch.int32)
     for bad in (0, -4, 2.0):
         with pytest.raises(ValueError, match="divisor"):
@@ -397,7 +347,7 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
     k, ps, layers, divisor = 7, 16, 3, 4
     b = num_contexts + num_gen
     # static inputs
-    draft = torch.zeros((num_gen, k), dtype=torch.int64, device=dev)
+    draft = torch.zeros((b, k), dtype=torch.int64, device=dev)
     target = torch.zeros((b, k + 1), dtype=torch.int64, device=dev)
     offsets = torch.zeros((b, max_pages), dtype=torch.int32, device=dev)
     (acc0, _, slots0, dummy0, ctx0, table0), kw0, pool0, lat0 = _paged_case(
@@ -415,7 +365,7 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
     step = PagedLatentStep.allocate(num_gen, k, dev)
 
     def run():
-        strict_accept(draft, target, num_contexts, out=(acc, num_acc))
+        strict_accept(draft, target, out=(acc, num_acc))
         decode_block_table(offsets, divisor, out=dec, num_blocks_out=nblk)
         paged_latent_step(acc, num_acc, slots, is_dummy, ctx, table, **kw, out=step)
         store_context_latents(latents, step.latent_pages.view(-1), step.latent_offsets.view(-1),
@@ -432,7 +382,7 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
         run()
 
     for it in range(3):
-        d_cpu, t_cpu = _accept_inputs(num_contexts, num_gen, k, torch.int64, seed=100 + it)
+        d_cpu, t_cpu = _accept_inputs(b, k, torch.int64, seed=100 + it)
         draft.copy_(d_cpu)
         target.copy_(t_cpu)
         offsets.copy_(_encoded_offsets(b, max_pages, divisor, seed=it))
@@ -441,7 +391,7 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
         pool.copy_(pool_init)
         graph.replay()
         torch.cuda.synchronize()
-        ref_acc, ref_n = strict_accept_reference(draft, target, num_contexts)
+        ref_acc, ref_n = strict_accept_reference(draft, target)
         assert torch.equal(acc, ref_acc) and torch.equal(num_acc, ref_n)
         ref_dec = decode_block_table_reference(offsets, divisor)
         assert torch.equal(dec, ref_dec[0]) and torch.equal(nblk, ref_dec[1])
@@ -462,9 +412,9 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
 
 @requires_cuda
 def test_capture_without_out_raises():
-    draft, target = (t.cuda() for t in _accept_inputs(0, 4, 3, torch.int32, seed=0))
-    strict_accept(draft, target, 0)  # compile
+    draft, target = (t.cuda() for t in _accept_inputs(4, 3, torch.int32, seed=0))
+    strict_accept(draft, target)  # compile
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CaptureAllocationError, match="out="):
         with torch.cuda.graph(graph):
-            strict_accept(draft, target, 0)
+            strict_accept(draft, target)

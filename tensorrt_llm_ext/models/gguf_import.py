@@ -1,0 +1,201 @@
+"""A llama.cpp GGUF file (architecture ``llama``) -> a Hugging Face ``LlamaForCausalLM`` directory.
+
+``trtllm-ext import-gguf FILE DIR`` writes what ``serve DIR`` / ``generate --model DIR`` and ``transformers``
+read:
+
+* ``config.json``: a plain ``LlamaForCausalLM`` config from the GGUF metadata (``llama.block_count``,
+  ``llama.embedding_length``, ``llama.attention.head_count[_kv]``, ``llama.rope.freq_base``, ...), the head
+  tied to the embedding when the file has no ``output.weight``; no ``quantization_config``: the weights are
+  written dequantized.
+* ``model.safetensors``: every tensor dequantized on the host (``gguf.quants.dequantize``: Q4_0, Q4_1, Q8_0,
+  K-quants, F16 ...) under Hugging Face names, in ``--dtype`` (float32 keeps the dequantized values exactly).
+  llama.cpp stores ``attn_q`` / ``attn_k`` rows interleaved for its RoPE layout; they are put back in the
+  Hugging Face (NeoX half-split) order per head.
+* the tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with the chat template), converted from the
+  GGUF vocabulary by ``transformers`` (``AutoTokenizer`` with ``gguf_file=``; the model itself is not loaded
+  through ``transformers``, which would need ``accelerate``).
+* ``generation_config.json`` with the EOS / BOS ids of the file.
+
+Refused by name (``ValueError``): another architecture, a tensor this mapping does not know (biases,
+``rope_freqs`` of scaled RoPE), a RoPE scaling entry, a shape that disagrees with the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tensorrt_llm_ext.logger import logger
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("import-gguf needs the `gguf` package (pip install gguf, pinned in "
+                          "requirements-cpu.txt)") from None
+    return gguf
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"GGUF: metadata {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError for an unknown name."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    raise ValueError(f"GGUF: tensor {gguf_name!r} has no Hugging Face Llama counterpart here (known: "
+                     f"{', '.join(_TOP_NAMES)}, blk.N.{{{', '.join(_LAYER_NAMES)}}}.weight)")
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head, rows ``(pair i, half h)`` -> ``(half h, pair i)``.
+
+    llama.cpp rotates adjacent pairs ``(2i, 2i+1)``; Hugging Face rotates ``(i, i + D/2)``. The converter that
+    wrote the file interleaved each head's rows so that both rotate the same values; this is its inverse.
+    """
+    out_features = w.shape[0]
+    if out_features % (2 * num_heads):
+        raise ValueError(f"GGUF: {out_features} q/k rows do not split into {num_heads} heads of even size")
+    half = out_features // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf_config(reader) -> dict:
+    """The Hugging Face ``LlamaConfig`` dict of a ``llama`` GGUF file (no quantization entry)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF: general.architecture={arch!r} is not supported (llama only)")
+    if "llama.rope.scaling.type" in reader.fields and _field(reader, "llama.rope.scaling.type") not in ("none",):
+        raise ValueError(f"GGUF: llama.rope.scaling.type={_field(reader, 'llama.rope.scaling.type')!r} is not "
+                         "supported (plain RoPE only)")
+    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(_field(reader, "llama.attention.head_count"))
+    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0)) or None
+    if vocab is None:
+        raise ValueError("GGUF: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    names = {t.name for t in reader.tensors}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)), "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if name in reader.fields:
+            cfg[key] = int(_field(reader, name))
+    return cfg
+
+
+def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    return shapes
+
+
+def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of the file dequantized, under Hugging Face names, q/k rows in Hugging Face order."""
+    gguf = _require_gguf()
+    expected = _expected_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if name not in expected or tuple(w.shape) != expected[name]:
+            raise ValueError(f"GGUF: tensor {t.name} ({t.tensor_type.name}) has shape {list(w.shape)}, the metadata "
+                             f"implies {list(expected.get(name, ())) or 'no such tensor'}")
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope_rows(w, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
+        out[name] = w.to(dtype)
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ValueError(f"GGUF: tensors missing for the metadata's model: {missing[:6]}")
+    return out
+
+
+def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "float32",
+                tokenizer: bool = True) -> list[tuple[str, Path]]:
+    """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written."""
+    gguf = _require_gguf()
+    from tensorrt_llm_ext.models.checkpoint import _save_safetensors
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"import-gguf: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise ValueError(f"import-gguf: {gguf_file} not found")
+    reader = gguf.GGUFReader(str(gguf_file))
+    cfg = read_gguf_config(reader)
+    sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg["torch_dtype"] = dtype
+    written = []
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    written.append(("config", directory / "config.json"))
+    _save_safetensors(sd, directory / "model.safetensors", {"format": "pt"})
+    written.append(("weights", directory / "model.safetensors"))
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    written.append(("generation config", directory / "generation_config.json"))
+    if tokenizer:
+        written.extend(_write_tokenizer(gguf_file, directory))
+    return written
+
+
+def _write_tokenizer(gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:
+    """The GGUF vocabulary as Hugging Face tokenizer files (``transformers``' GGUF tokenizer conversion)."""
+    from transformers import AutoTokenizer
+
+    # transformers resolves gguf_file relative to a directory; a copy is avoided by pointing at the parent.
+    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    files = tok.save_pretrained(str(directory))
+    if not getattr(tok, "chat_template", None):
+        logger.info(f"import-gguf: {gguf_file.name} has no chat template; chat requests will be refused")
+    # transformers may write its own generation hints next to ours; ours (from the GGUF ids) stay.
+    return [("tokenizer", Path(f)) for f in files if Path(f).name in ("tokenizer.json", "tokenizer_config.json",
+                                                                          "chat_template.jinja",
+                                                                          "special_tokens_map.json")]

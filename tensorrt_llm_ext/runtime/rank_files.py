@@ -1,0 +1,65 @@
+"""What the rank launcher, the rank supervisors and the ranks share: the run directory's records and the
+process facts all three read.
+
+The three talk only through files in one run directory (:mod:`.ranks` names them): JSON records written
+atomically (:func:`write_json`, read back by :func:`read_json`), the shipped calls and their results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+__all__ = ["LAUNCHER_CHECK_S", "RANK_ENV", "env_rank", "pid_alive", "read_json", "signal_name", "write_json"]
+
+LAUNCHER_CHECK_S = 1.0  # how often a rank (and a lingering supervisor) checks that its launcher is still alive
+
+# Environment variables that carry a rank's index under the process managers we meet (MPICH hydra,
+# Open MPI / PMIx).
+RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON record of the run directory; None while it is missing or half-written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a record atomically (a temporary file, then a rename)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # readers never see a half-written record
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+
+def env_rank() -> int:
+    """This process's rank, from the variable its process manager set."""
+    for k in RANK_ENV:
+        if k in os.environ:
+            return int(os.environ[k])
+    raise RuntimeError(f"supervisor: none of {RANK_ENV} is set (not started by mpiexec?)")
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; real-time signals without a name in :class:`signal.Signals` get ``signal N``
+    (``signal.Signals(N)`` would raise, and a supervisor must not die while reporting its rank)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
