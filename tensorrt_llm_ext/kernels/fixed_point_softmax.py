@@ -267,8 +267,9 @@ def _verify_sums_kernel(
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
+    # programs walk the rows and chunks backwards: the first ones read what verify_keys read last (still in L2)
+    row = tl.num_programs(0) - 1 - tl.program_id(0)
+    split = tl.num_programs(1) - 1 - tl.program_id(1)
     is_t = row < rows_t
     rq = tl.maximum(row - rows_t, 0)
     b = tl.where(is_t, row // div_t, rq // div_q)

@@ -168,8 +168,13 @@ def _top_p_round_kernel(
     rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    # the order of the rows alternates between consecutive passes (sums backwards, rounds forwards, the tie
+    # count backwards), so each pass starts on the rows the previous one read last (still in L2)
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if TIES:
+        row = tl.num_programs(0) - 1 - row
+        split = tl.num_programs(1) - 1 - split
     r64 = row.to(tl.int64)
     b = row // row_div
     temp = tl.load(temp_ptr + b)
