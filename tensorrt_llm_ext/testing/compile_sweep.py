@@ -71,30 +71,57 @@ def _select():
 
 
 # -- verification: top-p and rejection sampling ---------------------------------------------------------------
+# The runtime's column chunks on a GPU (rejection_verifier / dspark_worker): 32 for rejection sampling, 8 for
+# the top-p mask.
+_REJECTION_SPLITS, _TOP_P_SPLITS = 32, 8
+
+
+def _one_rank(steps):
+    """Drive one rank's verification pipeline (a generator of exchange points) with no-op exchanges: compile
+    only, the values are never read, so one simulated rank of any TP size is enough."""
+    try:
+        next(steps)
+        while True:
+            next(steps)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _verification_shards():
+    """(tp, vocab_start, width, vocab_size): the whole vocabulary (TP 1 and the gathered path), the last
+    shard at TP 2 and 8, and the odd vocabulary whole."""
+    return [(tp, start, width, size) for tp, (start, width, size) in zip((1, 2, 8), _shards())] + [
+        (1, *_shards(ODD_VOCAB)[0])]
+
+
 def _top_p():
-    from tensorrt_llm_ext.speculative.verification import top_p_keep
+    from tensorrt_llm_ext.speculative import verification as vf
 
     for dtype in FLOATS:
-        for start, width, size in (_shards()[2], _shards(ODD_VOCAB)[0]):
-            b = 8
-            logits = torch.zeros(b, width, dtype=dtype)
-            temps, _, _ = _rows(b)
-            top_p_keep(logits, torch.full((b,), 0.9), temperatures=temps, vocab_start=start, vocab_size=size)
+        for tp, start, width, size in _verification_shards():
+            b, k = 8, 7
+            rows = b * (k + 1)
+            ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_TOP_P_SPLITS)
+            logits = torch.zeros(rows, width, dtype=dtype)
+            temps, _, _ = _rows(rows)
+            _one_rank(vf._top_p_keep_steps(vf._FUSED_KERNELS, logits, torch.full((rows,), 0.9), temps, start, size,
+                                           tp, tp - 1, None, ws))
 
 
 def _rejection():
-    from tensorrt_llm_ext.speculative.verification import rejection_sample
+    from tensorrt_llm_ext.speculative import verification as vf
 
     for dtype in FLOATS:
-        for start, width, size in (_shards()[2], _shards(ODD_VOCAB)[0]):
+        for tp, start, width, size in _verification_shards():
             b, k = 4, 7
+            ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_REJECTION_SPLITS)
             temps, seeds, offsets = _rows(b)  # sampled rows and a greedy one: greedy is per row, not per launch
             target = torch.zeros(b, k + 1, width, dtype=dtype)
             draft = torch.zeros(b, k, width, dtype=dtype)
             tokens = torch.zeros(b, k, dtype=torch.int64) + start
             for top_p in (None, torch.full((b,), 0.9)):
-                rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets,
-                                 top_p=top_p, vocab_start=start, vocab_size=size)
+                _one_rank(vf._rejection_sample_steps(vf._FUSED_KERNELS, target, draft, tokens, temps, seeds, offsets,
+                                                     top_p, start, size, tp, tp - 1, None, ws))
 
 
 # -- the step's small kernels ---------------------------------------------------------------------------------
@@ -167,19 +194,21 @@ def _attention():
 def _markov():
     from tensorrt_llm_ext.speculative.markov_chain import markov_chain_logits
 
-    for dtype in (torch.bfloat16, torch.float32):
-        for start, width, size in _shards()[2:]:
-            r, k = 256, 7
-            for b in (1, 8, 64):
-                base = torch.zeros(b, k, width, dtype=dtype)
-                anchors = torch.zeros(b, dtype=torch.int64)
-                w1 = torch.zeros(size, r, dtype=dtype)
-                w2 = torch.zeros(width, r, dtype=dtype)
-                for sampled in (False, True):
-                    rows = dict(zip(("temperatures", "seeds", "offsets"), _rows(b))) if sampled else {}
-                    if b <= 8:  # the exact mode's bias GEMM runs here on the CPU: keep it small
-                        markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size,
-                                            mode="exact", **rows)
+    start, width, size = _shards()[2]
+    r, k = 256, 7  # the measured table's rank and draft length (docs/markov_chain.md)
+    w1s = {dtype: torch.zeros(size, r, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+    for dtype, w1 in w1s.items():
+        w2 = torch.zeros(width, r, dtype=dtype)
+        # B = 1 specializes the exact kernels' row count; the fused kernel never specializes on B (one table row).
+        for b, modes in ((1, ("exact",)), (8, ("exact", "fused"))):
+            base = torch.zeros(b, k, width, dtype=dtype)
+            anchors = torch.zeros(b, dtype=torch.int64)
+            for sampled in (False, True):
+                rows = dict(zip(("temperatures", "seeds", "offsets"), _rows(b))) if sampled else {}
+                if "exact" in modes:
+                    markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size, mode="exact",
+                                        **rows)
+                if "fused" in modes:
                     for cfg in _fused_configs(r, b):
                         markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size,
                                             mode="fused", config=cfg, **rows)
@@ -211,22 +240,22 @@ def _exchange():
 
 _K = "tensorrt_llm_ext.kernels."
 SWEEP: tuple[SweepCase, ...] = (
-    SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",)),
+    SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",), cost=12),
     SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel", _K + "fixed_point_softmax:_verify_sums_kernel",
-                                _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel")),
+                                _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=15),
     SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
-                                        _K + "rejection_sample:_rejection_assemble_kernel")),
+                                        _K + "rejection_sample:_rejection_assemble_kernel"), cost=55),
     SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
                                                       _K + "strict_accept:_strict_accept_kernel",
                                                       _K + "paged_latent:_paged_latent_step_kernel",
-                                                      _K + "paged_latent:_store_context_latents_kernel")),
-    SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",)),
+                                                      _K + "paged_latent:_store_context_latents_kernel"), cost=2),
+    SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
-                                        _K + "latent_block_attention:_latent_block_attention_combine_kernel")),
+                                        _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=110),
     SweepCase("markov", _markov, (_K + "markov_exact_step:_markov_resolve_kernel",
                                   _K + "markov_exact_step:_markov_select_kernel",
-                                  _K + "markov_fused_step:_markov_fused_step_kernel")),
-    SweepCase("exchange", _exchange, (_K + "ll_exchange:_ll_exchange_kernel",)),
+                                  _K + "markov_fused_step:_markov_fused_step_kernel"), cost=50),
+    SweepCase("exchange", _exchange, (_K + "ll_exchange:_ll_exchange_kernel",), cost=2),
 )
 
 
