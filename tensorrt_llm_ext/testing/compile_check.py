@@ -148,8 +148,9 @@ def _summarize(report: dict) -> tuple[bool, list[str]]:
     spilling = sorted({v["kernel"].split(":")[-1] for v in report["variants"]
                        if v["spill_stores"] > 0 or v["spill_loads"] > 0})
     ok = not failures and not spills
+    cpu = sum(t["cpu"] for t in report["case_seconds"].values())
     lines.append(f"sm_{report['arch']} (triton {report['triton']}): {len(report['variants'])} specializations of "
-                 f"{len(kernels)} kernels compiled in {report['seconds']} s; {len(failures)} failed; "
+                 f"{len(kernels)} kernels compiled in {report['seconds']} s ({cpu:.0f} CPU s); {len(failures)} failed; "
                  f"spilling: {', '.join(spilling) or 'none'}")
     for f in failures:
         lines.append(f"FAILED {f['kernel']} for sm_{f['arch']} (case {f['case']})\n  specialization: "
