@@ -66,7 +66,7 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
                                                       "(the sweep no longer reaches it)", case.name))
     elapsed = time.perf_counter() - started
     captured = {k for case in sweep.SWEEP if case.captured for k in case.kernels}
-    accepted = getattr(sweep, "ACCEPTED_SPILLS", {})
+    accepted = [vars(a) | {"when": list(a.when)} for a in getattr(sweep, "ACCEPTED_SPILLS", ())]
     variants = []
     for v in cc.variants:
         row = {"kernel": v.kernel, "spec": v.specialization, "case": v.case, "registers": v.ptxas.registers,
@@ -127,12 +127,21 @@ def _merge(arch: int, parts: list[dict]) -> dict:
             "failures": [f for p in parts for f in p["failures"]], "accepted_spills": first["accepted_spills"]}
 
 
+def accepted_reason(report: dict, v: dict) -> str | None:
+    """The reason of the accepted-spill entry that covers variant ``v``, or None."""
+    spilled = max(0, v["spill_stores"]) + max(0, v["spill_loads"])
+    for a in report.get("accepted_spills", []):
+        if a["kernel"] == v["kernel"] and all(w in v["spec"] for w in a["when"]) and spilled <= a["max_bytes"]:
+            return a["reason"]
+    return None
+
+
 def spill_failures(report: dict) -> list[str]:
-    """Spills in captured-step kernels not listed as accepted (one line each)."""
+    """Spills in captured-step kernels not covered by an accepted entry (one line each)."""
     out = []
-    accepted = report.get("accepted_spills", {})
     for v in report["variants"]:
-        if v["captured"] and (v["spill_stores"] > 0 or v["spill_loads"] > 0) and v["kernel"] not in accepted:
+        if (v["captured"] and (v["spill_stores"] > 0 or v["spill_loads"] > 0)
+                and accepted_reason(report, v) is None):
             out.append(f"SPILL {v['kernel']} for sm_{report['arch']} (case {v['case']}): {v['spill_stores']} B "
                        f"stored, {v['spill_loads']} B loaded, {v['registers']} registers\n  specialization: {v['spec']}")
     return out

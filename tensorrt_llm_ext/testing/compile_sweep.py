@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["ACCEPTED_SPILLS", "SWEEP", "SweepCase", "captured_kernels"]
+__all__ = ["ACCEPTED_SPILLS", "AcceptedSpill", "SWEEP", "SweepCase", "captured_kernels"]
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 VOCAB = 128256  # Llama 3: shards of 128256 / 64128 / 16032 columns at TP 1 / 2 / 8
@@ -37,8 +37,37 @@ class SweepCase:
     cost: float = 1.0  # relative compile time (measured), to split the cases over worker processes
 
 
-# Kernels allowed to spill in the captured step, with the reason (empty: none is).
-ACCEPTED_SPILLS: dict[str, str] = {}
+@dataclass(frozen=True)
+class AcceptedSpill:
+    """A spill the check lets pass: in ``kernel``, on specializations whose description holds every string
+    of ``when`` (e.g. ``"BLOCK_B=64"``), up to ``max_bytes`` (stores + loads); any other spill fails."""
+
+    kernel: str
+    when: tuple[str, ...]
+    max_bytes: int
+    reason: str
+
+
+_KM = "tensorrt_llm_ext.kernels."
+# Spills found by the first run of the check (2026-12-02), listed so CI is green while their owners decide;
+# each names the specializations and a bound, so a new or larger spill still fails.
+ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
+    AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("W_KIND=0", "BLOCK_B=64"), 90_000,
+                  "the 64-row tile with fp32 weights (20-28 KB stored): BLOCK_B=64 is built and tested but in no "
+                  "schedule-table row (not measured); measure or rework before a row uses it"),
+    AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("BLOCK_B=16", "IS_FIRST=True", "SAMPLE=True"),
+                  16, "4 B stored / 4 B loaded under Triton 3.7.1 only (none under 3.6.0): first step of a "
+                  "sampled chain; left to the kernel's owner"),
+    AcceptedSpill(_KM + "rejection_sample:_rejection_draw_kernel", ("HAS_P=True",), 32,
+                  "12 B stored / 12 B loaded under Triton 3.6.0 only (none under 3.7.1), top-p rows; left to "
+                  "the kernel's owner"),
+    AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_kernel", ("PRECISION='ieee'", "BLOCK_C=256"),
+                  12_000, "an fp32 drafter (IEEE dots) at latent 256 (~5 KB at 255 registers); the GPU default "
+                  "dtype is bf16, which does not spill"),
+    AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_combine_kernel",
+                  ("PRECISION='ieee'", "BLOCK_C=256"), 20_000,
+                  "an fp32 drafter at latent 256 with split-K (~6 KB stored); the GPU default dtype is bf16"),
+)
 
 
 def _shards(vocab: int = VOCAB):
@@ -135,11 +164,9 @@ def _step_bookkeeping():
             decode_block_table(torch.zeros(b, max_blocks, dtype=torch.int32), 16)
         for k in DRAFT_LENS:
             drafts = torch.zeros(b, k, dtype=torch.int64)
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0)
-            strict_accept(drafts, torch.zeros(b * (k + 1), dtype=torch.int64), 0)  # flat targets
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0, forced_num_accepted=2)
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0,
-                          forced_num_accepted=torch.ones(b, dtype=torch.int32))
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64))
+            tokens = torch.zeros(b, k + 2, dtype=torch.int64)  # the worker's strided views of one buffer
+            strict_accept(tokens[:, 1:], torch.zeros(b, k + 1, dtype=torch.int64))
             slots = 2 * b
             for max_pages in (10, 64):
                 block_table = torch.zeros(slots, max_pages, dtype=torch.int32)

@@ -121,7 +121,9 @@ def write_table(path: str, reports: list[dict]) -> None:
         spilling = [v for v in r["variants"] if v["spill_stores"] > 0 or v["spill_loads"] > 0]
         lines += ["", f"Spilling specializations on sm_{r['arch']}: {len(spilling) or 'none'}", ""]
         for v in sorted(spilling, key=lambda v: (v["kernel"], -v["spill_stores"])):
-            reason = r.get("accepted_spills", {}).get(v["kernel"])
+            from tensorrt_llm_ext.testing.compile_check import accepted_reason
+
+            reason = accepted_reason(r, v)
             lines.append(f"- `{v['kernel'].split(':')[-1]}` {v['spill_stores']} B stored / {v['spill_loads']} B loaded "
                          f"at {v['registers']} registers{f' (accepted: {reason})' if reason else ''}: `{v['spec']}`")
         lines.append("")

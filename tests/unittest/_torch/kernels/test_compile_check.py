@@ -100,17 +100,20 @@ def test_planted_front_end_error_and_out_of_range_constexpr_fail_the_check_by_na
 
 
 def test_spill_gate_fails_unlisted_spills_in_captured_kernels_only():
-    base = {"arch": 90, "accepted_spills": {"m:_accepted_kernel": "measured, no faster variant"}}
+    base = {"arch": 90, "accepted_spills": [{"kernel": "m:_accepted_kernel", "when": ["x: *fp32"], "max_bytes": 64,
+                                             "reason": "measured, no faster variant"}]}
     row = dict(spec="(x: *fp32) num_warps=4 num_stages=3", case="c", registers=255, spill_loads=0)
     report = dict(base, variants=[
         dict(row, kernel="m:_spilling_kernel", spill_stores=64, captured=True),
         dict(row, kernel="m:_accepted_kernel", spill_stores=64, captured=True),
+        dict(row, kernel="m:_accepted_kernel", spill_stores=65, captured=True),  # over the accepted bound
         dict(row, kernel="m:_offline_kernel", spill_stores=64, captured=False),
         dict(row, kernel="m:_clean_kernel", spill_stores=0, captured=True),
     ])
     lines = spill_failures(report)
-    assert len(lines) == 1 and lines[0].startswith("SPILL m:_spilling_kernel for sm_90"), lines
+    assert len(lines) == 2 and lines[0].startswith("SPILL m:_spilling_kernel for sm_90"), lines
     assert "64 B stored" in lines[0] and "255 registers" in lines[0]
+    assert lines[1].startswith("SPILL m:_accepted_kernel") and "65 B stored" in lines[1], lines
 
 
 def test_every_launched_kernel_is_in_the_sweep():
@@ -124,5 +127,5 @@ def test_every_launched_kernel_is_in_the_sweep():
                 defined.add(f"tensorrt_llm_ext.kernels.{path.stem}:{node.name}")
     swept = {k for case in SWEEP for k in case.kernels}
     assert defined and defined == swept, (sorted(defined - swept), sorted(swept - defined))
-    assert set(ACCEPTED_SPILLS) <= swept
-    assert all(reason.strip() for reason in ACCEPTED_SPILLS.values())
+    assert {a.kernel for a in ACCEPTED_SPILLS} <= swept
+    assert all(a.reason.strip() and a.when and a.max_bytes > 0 for a in ACCEPTED_SPILLS)
