@@ -165,7 +165,7 @@ def _step_bookkeeping():
         for k in DRAFT_LENS:
             drafts = torch.zeros(b, k, dtype=torch.int64)
             strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64))
-            tokens = torch.zeros(b, k + 2, dtype=torch.int64)  # the worker's strided views of one buffer
+            tokens = torch.zeros(b, k + 1, dtype=torch.int64)  # the worker's strided view of one buffer
             strict_accept(tokens[:, 1:], torch.zeros(b, k + 1, dtype=torch.int64))
             slots = 2 * b
             for max_pages in (10, 64):
