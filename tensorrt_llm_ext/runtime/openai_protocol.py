@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from tensorrt_llm_ext.runtime.requests import FP32_MAX
+
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
 MAX_JSON_DEPTH = 64  # deeper bodies are refused before json.loads recurses
@@ -134,6 +136,8 @@ class _Sampling(BaseModel):
     def _temperature(cls, v):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"must be a finite number >= 0, got {v}")
+        if v > FP32_MAX:  # the engine samples in fp32, where this is inf
+            raise ValueError(f"{v} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})")
         return v
 
     @field_validator("top_p")
@@ -141,7 +145,7 @@ class _Sampling(BaseModel):
     def _top_p(cls, v):
         if not 0.0 < v <= 1.0:  # NaN fails too
             raise ValueError(f"must be in (0, 1], got {v}")
-        return v
+        return v  # below the smallest normal fp32 it is served as MIN_TOP_P (Request.sampling_top_p)
 
     @field_validator("seed")
     @classmethod
@@ -496,9 +500,29 @@ def _json_depth_ok(raw: bytes) -> bool:
     return True
 
 
+def _lone_surrogate(data, path: str = "") -> tuple[str, str, int] | None:
+    """The first string in ``data`` (keys included) holding a lone UTF-16 surrogate -- valid JSON (``"\\ud800"``)
+    but no Unicode text, which a tokenizer cannot encode: ``(field path, the surrogate, its index)``."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")  # refuses exactly the surrogates, at C speed
+        except UnicodeEncodeError as e:
+            return path or "body", data[e.start], e.start
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        where = f"{path}.{k}" if path else str(k)
+        hit = _lone_surrogate(k, where) if isinstance(k, str) else None
+        hit = hit or _lone_surrogate(v, where)
+        if hit:
+            return hit
+    return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = None) -> BaseModel:
     """Raw HTTP body -> a validated request model, or :class:`ApiError` 400 (OpenAI's error object) for a
-    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, or invalid."""
+    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, holding a lone
+    surrogate in a string, or invalid."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -513,6 +537,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
         raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
+    if "\\u" in text and (bad := _lone_surrogate(data)) is not None:  # only a \u escape can make one
+        where, c, i = bad
+        raise ApiError(400, f"{where}: a lone UTF-16 surrogate (\\u{ord(c):04x} at character {i}) is not Unicode "
+                            f"text; send the character's full surrogate pair or its UTF-8", where.split(".")[0])
     try:
         return model.model_validate(data, context={"limits": limits})
     except ValidationError as e:

@@ -17,6 +17,14 @@ from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 # scaled logit overflows fp32 and every positive logit ties at +inf, so a draw at that temperature would mean
 # nothing.
 
+# The engine samples in fp32, so a field is checked in fp32 here, where it enters: a double the layers below
+# would see as another value is refused or normalised at the boundary, never inside a step.
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
+# The smallest normal fp32 (2^-126). A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
+# keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
+# it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
+MIN_TOP_P = 2.0 ** -126
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve (the message says which field and why)."""
@@ -54,6 +62,12 @@ class Request:
     def sampling_temperature(self) -> float:
         """The temperature a slot samples at: ``0.0`` (greedy) below :data:`MIN_TEMPERATURE`, else ``temperature``."""
         return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
+
+    @property
+    def sampling_top_p(self) -> float:
+        """The top-p a slot samples with: ``top_p``, raised to :data:`MIN_TOP_P` when it is below the smallest
+        normal fp32 (the same kept set: the most probable token)."""
+        return max(float(self.top_p), MIN_TOP_P)
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -98,6 +112,9 @@ class Request:
         temp = self.temperature
         if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
             raise RequestError(f"{rid}: temperature must be a finite number >= 0, got {temp!r}")
+        if temp > FP32_MAX:
+            raise RequestError(f"{rid}: temperature {temp!r} overflows fp32, the engine's precision (at most "
+                               f"{FP32_MAX:.6g})")
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
                 or not 0 < self.top_p <= 1):
             raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
