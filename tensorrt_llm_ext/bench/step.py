@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.generate_cli import sampling_from_flags
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -168,11 +169,11 @@ def run(args: argparse.Namespace) -> int:
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
     err = None
-    if args.temperature < 0:
-        err = f"--temperature: expected a value >= 0, got {args.temperature}"
-    elif not 0.0 < args.top_p <= 1.0:
-        err = f"--top-p: expected a value in (0, 1], got {args.top_p}"
-    elif args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
+    try:
+        sampling_from_flags(args.temperature, args.top_p, 0)
+    except ValueError as e:
+        err = str(e)
+    if err is None and args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
         err = "--rejection-sampling / --top-p need --temperature > 0 (the sampled mode)"
     if err:
         print(f"error: bench step: {err}", file=sys.stderr)

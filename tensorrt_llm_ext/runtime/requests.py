@@ -7,15 +7,9 @@ requests of the batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from tensorrt_llm_ext.contract import MIN_TEMPERATURE
-
-
-# Below MIN_TEMPERATURE a request's temperature is served as its T -> 0 limit, greedy: under about 1e-38 the
-# scaled logit overflows fp32 and every positive logit ties at +inf, so a draw at that temperature would mean
-# nothing.
+from tensorrt_llm_ext.contract import MIN_TEMPERATURE, SamplingParams
 
 
 class RequestError(ValueError):
@@ -26,11 +20,9 @@ class RequestError(ValueError):
 class Request:
     """One generation request.
 
-    ``temperature == 0`` (or below :data:`MIN_TEMPERATURE`) is greedy; larger temperatures sample with keyed
-    Gumbel-max: the token at absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is
-    reproducible and identical between the speculative path and the target's own decode. ``top_p`` in
-    ``(0, 1]`` restricts a sampled request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no
-    restriction, greedy requests ignore it).
+    ``temperature``, ``top_p`` and ``seed`` are the request's :class:`~tensorrt_llm_ext.contract.SamplingParams`
+    (:attr:`sampling_params`: their rules, the one effective-temperature rule, greedy below
+    :data:`MIN_TEMPERATURE`, and their checks; the exact top-p set is docs/rejection_sampling.md's).
 
     Stopping: a request finishes (``finish_reason == "stop"``) at the first token in ``stop_token_ids`` or,
     unless ``ignore_eos``, in the engine's EOS ids (the checkpoint's); the stop token is the last output
@@ -51,9 +43,14 @@ class Request:
     logprobs: int | None = None
 
     @property
+    def sampling_params(self) -> SamplingParams:
+        """This request's sampling rules (``ValueError`` naming the field when one is out of range)."""
+        return SamplingParams(self.temperature, self.top_p, self.seed)
+
+    @property
     def sampling_temperature(self) -> float:
-        """The temperature a slot samples at: ``0.0`` (greedy) below :data:`MIN_TEMPERATURE`, else ``temperature``."""
-        return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
+        """The temperature a slot samples at (:attr:`SamplingParams.effective_temperature`)."""
+        return self.sampling_params.effective_temperature
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -95,14 +92,10 @@ class Request:
         bad_stop = [t for t in stop if not (_is_int(t) and 0 <= t < vocab_size)]
         if bad_stop:
             raise RequestError(f"{rid}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab_size})")
-        temp = self.temperature
-        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
-            raise RequestError(f"{rid}: temperature must be a finite number >= 0, got {temp!r}")
-        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                or not 0 < self.top_p <= 1):
-            raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
-            raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
+        try:
+            self.sampling_params
+        except ValueError as e:
+            raise RequestError(f"{rid}: {e}") from None
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{rid}: ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:

@@ -99,8 +99,7 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
-        # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
-        self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        # The host-side copy of the slots' top-p (state.slot_top_p) that set_rows() routes a step by.
         self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
         self._step_top_p = False
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
@@ -342,7 +341,7 @@ class DSparkWorker(SpecWorkerBase):
         st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
         st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
         restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
-        self.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=self.slot_top_p.dtype, device=dev)
+        st.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=st.slot_top_p.dtype, device=dev)
         for slot, p, rest in zip(slots, top_ps, restricted):
             self._host_top_p[slot] = float(p) if rest else 1.0
         with nvtx_range("prefill"):
@@ -356,7 +355,7 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
-                                                  self.slot_top_p[slots_l] if any(restricted) else None)
+                                                  st.slot_top_p[slots_l] if any(restricted) else None)
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
             self._decode_pages()
@@ -409,7 +408,7 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        top_p = self.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self._step_top_p else None
+        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self._step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
                             top_p)
 
@@ -431,7 +430,7 @@ class DSparkWorker(SpecWorkerBase):
         slots_l = self.slot_ids[:b].long()
         logits = self.token_selector.target_logits(hidden)
         x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
-        top_p = self.slot_top_p[slots_l] if self._step_top_p else None
+        top_p = st.slot_top_p[slots_l] if self._step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,

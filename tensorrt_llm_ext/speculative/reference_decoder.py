@@ -66,7 +66,7 @@ class ReferenceDecoder:
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
             if w.sampling and w.step_top_p:
-                logits = w.top_p_masked(logits, temps, w.slot_top_p[slots_l])
+                logits = w.top_p_masked(logits, temps, st.slot_top_p[slots_l])
             ids = w.select_from(logits, temps, seeds, offsets, self.next_tokens[:b])
             st.ref_lens[slots_l] += live
             tokens[:, 0] = ids
