@@ -86,13 +86,13 @@ class StepStages:
     def __init__(self, eng: Engine, worker, b: int, ctx0: torch.Tensor):
         self.eng, self.w, self.b, self.ctx0 = eng, worker, b, ctx0
         worker.set_rows(list(range(b)), b)
-        worker._decode_pages()
+        worker.decode_pages()
         self.tokens, self.positions, out = worker.verify_forward(b)
         self.tokens = self.tokens.clone()
         self.hidden, self.captured = out.hidden_states, out.captured
         self.targets, _ = worker.select_targets(b, self.hidden, self.positions)
         self.targets = self.targets.clone()
-        _, _, self.tail_out = worker.accept_and_advance(b, self.tokens, self.targets, self.captured)
+        self.tail_out = self._tail()
         eng.state.ctx_lens.copy_(ctx0)
         self.slots = worker.slot_ids[:b]
         self.base = worker.draft_block_logits(self.tail_out, self.slots).clone()
@@ -104,9 +104,13 @@ class StepStages:
     def select(self):
         return self.w.select_targets(self.b, self.hidden, self.positions)
 
+    def _tail(self):
+        accepted, num_acc = self.w.strict_accept(self.b, self.tokens, self.targets)
+        return self.w.update_drafter_context(self.b, accepted, num_acc, self.captured)
+
     def tail(self):
         self.eng.state.ctx_lens.copy_(self.ctx0)  # thousands of replays never run past the caches
-        return self.w.accept_and_advance(self.b, self.tokens, self.targets, self.captured)
+        return self._tail()
 
     def draft_fwd(self):
         return self.w.draft_block_logits(self.tail_out, self.slots)
