@@ -160,7 +160,9 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="exact top-p of sampled requests, in (0, 1] (1 = off)")
     g.add_argument("--rejection-sampling", action="store_true",
                    help="speculative_config.use_rejection_sampling: sampled drafts, rejection-sampling verification")
-    g.add_argument("--cuda-graph", action="store_true", help="capture the speculative step per batch size (CUDA)")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")
     g.add_argument("--check", action="store_true",
                    help="also run the target's own decode and the gathered path; exit 1 unless all agree "
                         "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "

@@ -37,15 +37,18 @@ import torch
 # every positive logit ties at +inf; far above 1e-38 a draw already equals the argmax unless logits tie
 # within ~20 T. A request below it is served greedy (its T -> 0 limit); the selection API refuses it.
 MIN_TEMPERATURE = 1e-5
+# The engine samples in fp32, so a sampling field is checked in fp32 where it enters: a double the layers below
+# would see as another value is refused or normalised at the boundary, never inside a step.
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
+# The smallest normal fp32 (2^-126). A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
+# keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
+# it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
+MIN_TOP_P = 2.0 ** -126
 
 
 def _fp32(x: float) -> float:
-    """``x`` as a slot holds it (fp32): the rule and the checks below decide on this value, as the device does."""
-    try:
-        x = float(x)
-    except OverflowError:  # an int beyond any float
-        return math.inf if x > 0 else -math.inf
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` as a slot holds it (fp32): the effective-temperature rule decides on this value, as the device does."""
+    return float(torch.tensor(float(x), dtype=torch.float32))
 
 
 def _is_number(v) -> bool:
@@ -57,11 +60,13 @@ def sampling_problem(name: str, value) -> str | None:
     is valid. The one wording of these rules: the HTTP protocol, requests, the CLI and the benchmarks say it
     under their own name for the field (``temperature``, ``--top-p``, ...)."""
     if name == "temperature":
-        if not (_is_number(value) and value >= 0 and math.isfinite(_fp32(value))):
-            return f"expected a number >= 0, finite in fp32 (0 = greedy), got {value!r}"
+        if not (_is_number(value) and value >= 0 and (isinstance(value, int) or math.isfinite(value))):
+            return f"expected a finite number >= 0 (0 = greedy), got {value!r}"
+        if value > FP32_MAX:
+            return f"{value!r} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})"
     elif name == "top_p":
-        if not (_is_number(value) and 0 < value <= 1 and _fp32(value) > 0):  # NaN fails too
-            return f"expected a number in (0, 1], nonzero in fp32, got {value!r}"
+        if not (_is_number(value) and 0 < value <= 1):  # NaN fails too
+            return f"expected a number in (0, 1], got {value!r}"
     elif name == "seed":
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63):
             return f"expected an int in [0, 2^63), got {value!r}"
@@ -79,7 +84,8 @@ class SamplingParams:
     :attr:`effective_temperature`, the token at absolute position ``p`` with Philox key ``(seed, offset=p)``,
     so a draw is reproducible and the same on the speculative path and the target's own decode. ``top_p``
     in ``(0, 1]`` restricts a sampled request to the target's exact top-p set (1: no restriction; a greedy
-    request ignores it). A slot holds these in fp32, so the rule and the checks decide in fp32.
+    request ignores it). A slot holds these in fp32, so the rules and the checks decide in fp32: a temperature
+    beyond fp32 is refused, a top-p below the smallest normal fp32 is served as :data:`MIN_TOP_P`.
     """
 
     temperature: float = 0.0
@@ -97,6 +103,12 @@ class SamplingParams:
         """The temperature a slot samples at: ``0.0`` (greedy, the T -> 0 limit) when the fp32 temperature is
         below :data:`MIN_TEMPERATURE` in fp32, else ``temperature``."""
         return 0.0 if _fp32(self.temperature) < _fp32(MIN_TEMPERATURE) else float(self.temperature)
+
+    @property
+    def effective_top_p(self) -> float:
+        """The top-p a slot samples with: ``top_p``, raised to :data:`MIN_TOP_P` below the smallest normal fp32
+        (the same kept set: the most probable token)."""
+        return max(float(self.top_p), MIN_TOP_P)
 
     @property
     def is_greedy(self) -> bool:

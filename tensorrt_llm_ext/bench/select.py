@@ -7,9 +7,10 @@ rotated beyond the L2. The floor is the shard read once at the measured copy ban
 read+write rate is the ceiling for a pure read). The exchange (one ``[R]`` int64 all-reduce) and the
 all-gather it replaces are not in this single-GPU table.
 
-A second table sweeps the greedy kernel's schedule (tile width x resident programs per SM, the two knobs
-of ``kernels/shard_select.py``) at a few shapes, so one run says whether the defaults are the best.
-On CPU: a smoke run at tiny sizes (timings meaningless).
+Two more tables sweep the schedules (``--tables``): the greedy kernel's (tile width x warps x resident
+programs per SM) and the sampled kernel's (the same knobs, its own defaults), at a few shapes each, and
+print the default lines to paste into ``kernels/shard_select.py`` (the schedule that is fastest summed
+over the shapes). A schedule never changes a key. On CPU: a smoke run at tiny sizes (timings meaningless).
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ from tensorrt_llm_ext.kernels import shard_select as ss
 from tensorrt_llm_ext.kernels.shard_select import shard_select_keys
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# (tp, rows) of the schedule sweep: latency-bound, the 70% goal's shape, the 50% goal's shape.
+# (tp, rows) of the greedy sweep: latency-bound, the 70% goal's shape, the 50% goal's shape.
 _SWEEP_SHAPES = ((1, 8), (1, 64), (4, 256))
 _SWEEP_BLOCKS = (2048, 4096, 8192)
-_SWEEP_PROGRAMS = (1, 2, 4, 8)
+_SWEEP_WARPS = (4, 8)
+_SWEEP_PROGRAMS = (1, 2, 3, 4, 8)
+# The sampled sweep: the gumbel/greedy goal's shapes (full vocabulary at 64 and 256 rows) and a TP 4 shard.
+_SAMPLED_SHAPES = ((1, 64), (1, 256), (4, 256))
+_SAMPLED_BLOCKS = (1024, 2048, 4096)
+_SAMPLED_WARPS = (2, 4, 8)
+_SAMPLED_PROGRAMS = (2, 4, 8)
+_TABLES = ("main", "greedy", "sampled")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +43,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default="1,8,64,256")
     p.add_argument("--tp-sizes", default="1,2,4,8")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    p.add_argument("--no-sweep", action="store_true", help="skip the schedule sweep table")
+    p.add_argument("--no-sweep", action="store_true", help="the main table only (same as --tables main)")
+    p.add_argument("--tables", default=",".join(_TABLES),
+                   help=f"comma-separated subset of {','.join(_TABLES)}: the goal table, the greedy schedule sweep, "
+                        "the sampled schedule sweep")
 
 
 def _sets(rows: int, width: int, dtype, device, n: int) -> list[torch.Tensor]:
@@ -56,12 +67,33 @@ def run(args: argparse.Namespace) -> None:
     vocab = args.vocab
     rows_list = [int(r) for r in args.rows.split(",")]
     tp_list = [int(t) for t in args.tp_sizes.split(",")]
-    sweep_shapes, sweep_blocks, sweep_programs = _SWEEP_SHAPES, _SWEEP_BLOCKS, _SWEEP_PROGRAMS
+    tables = set(getattr(args, "tables", ",".join(_TABLES)).split(","))
+    if getattr(args, "no_sweep", False):
+        tables = {"main"}
+    if not tables <= set(_TABLES):
+        raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
+    sweep_shapes, sweep_blocks, sweep_warps, sweep_programs = _SWEEP_SHAPES, _SWEEP_BLOCKS, _SWEEP_WARPS, _SWEEP_PROGRAMS
+    sampled_shapes, sampled_blocks = _SAMPLED_SHAPES, _SAMPLED_BLOCKS
+    sampled_warps, sampled_programs = _SAMPLED_WARPS, _SAMPLED_PROGRAMS
     if timer.smoke:
         vocab, rows_list, tp_list = 2003, [1, 3], [1, 2]
-        sweep_shapes, sweep_blocks, sweep_programs = ((2, 3),), (256, 1024), (2,)
+        sweep_shapes, sweep_blocks, sweep_warps, sweep_programs = ((2, 3),), (256, 1024), (4,), (2,)
+        sampled_shapes, sampled_blocks, sampled_warps, sampled_programs = ((2, 3),), (256,), (2, 4), (2,)
     bw = measure_copy_bandwidth(device)
     elt = torch.tensor([], dtype=dtype).element_size()
+    if "main" in tables:
+        _main_table(timer, bw, dtype, args.dtype, vocab, elt, tp_list, rows_list)
+    if "greedy" in tables:
+        _sweep(timer, bw, dtype, vocab, elt, sampled=False, shapes=sweep_shapes, blocks=sweep_blocks,
+               warps=sweep_warps, programs=sweep_programs)
+    if "sampled" in tables:
+        _sweep(timer, bw, dtype, vocab, elt, sampled=True, shapes=sampled_shapes, blocks=sampled_blocks,
+               warps=sampled_warps, programs=sampled_programs)
+
+
+def _main_table(timer, bw, dtype, dtype_name, vocab, elt, tp_list, rows_list) -> None:
+    """The goal table: greedy and sampled kernel, torch.argmax and the gathered path per (tp, rows)."""
+    device = timer.device
     table = []
     full_cache: dict[int, tuple[float, float]] = {}
     for tp in tp_list:
@@ -100,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
                 fmt(t_full_argmax / t_kernel, 2),
             ])
     print_table(
-        f"bench select: shard selection, {args.dtype}, V={vocab}",
+        f"bench select: shard selection, {dtype_name}, V={vocab}",
         ["tp", "rows", "shard width", "shard MiB", "floor us", "greedy us", "greedy % of floor", "gumbel us",
          "gumbel % of floor", "gumbel/greedy", "argmax(shard) us", "argmax/greedy", "gathered argmax(V) us",
          "greedy(V) us", "gathered/greedy"],
@@ -114,35 +146,68 @@ def run(args: argparse.Namespace) -> None:
             "on tp 2/4 shards; gumbel/greedy <= 2 at >= 64 rows; argmax/greedy >= 1 everywhere.",
         ],
     )
-    if args.no_sweep:
-        return
-    sweep = []
-    for tp, rows in sweep_shapes:
+
+
+def _sweep(timer, bw, dtype, vocab, elt, *, sampled, shapes, blocks, warps, programs) -> None:
+    """Time every (tile, warps, programs/SM) at each shape; mark the launcher's default and print the
+    defaults to paste (the schedule with the least time summed over the shapes)."""
+    device = timer.device
+    kind = "sampled" if sampled else "greedy"
+    rows_out, totals = [], {}
+    for tp, rows in shapes:
         width = -(-vocab // tp)
         start = (tp - 1) * width
         n_valid = min(width, vocab - start)
         shard_bytes = rows * width * elt
         shards = _sets(rows, width, dtype, device, rotation_count(shard_bytes))
         keys = torch.empty(rows, dtype=torch.int64, device=device)
+        samp = {}
+        if sampled:
+            samp = dict(temperatures=torch.ones(rows, dtype=torch.float32, device=device),
+                        seeds=torch.arange(rows, dtype=torch.int64, device=device),
+                        offsets=torch.arange(rows, dtype=torch.int64, device=device))
         fl = floor_us(shard_bytes, bw)
-        default_block = ss.default_block(n_valid, dtype)
-        default_plan = ss.plan_splits(rows, n_valid, device, default_block)
-        for block in sweep_blocks:
-            for progs in sweep_programs:
-                splits, _ = ss.plan_splits(rows, n_valid, device, block, programs_per_sm=progs)
-                # Eager call first: the scratch for this row count exists before capture.
-                shard_select_keys(shards[0], start, vocab, out=keys, block_size=block, num_splits=splits)
-                t = timer.time_graph([
-                    lambda x=x, b=block, s=splits: shard_select_keys(x, start, vocab, out=keys, block_size=b,
-                                                                     num_splits=s) for x in shards])
-                is_default = block == default_block and splits == default_plan[0]
-                sweep.append([tp, rows, block, progs, splits, fmt(t, 2), _pct(fl, t), "*" if is_default else ""])
+        d_block = ss.default_block(n_valid, dtype, sampled)
+        d_warps = ss.default_warps(d_block, sampled)
+        d_splits = ss.plan_splits(rows, n_valid, device, d_block,
+                                  programs_per_sm=ss._SAMPLED_PROGRAMS_PER_SM if sampled else ss._PROGRAMS_PER_SM)[0]
+        reference = None
+        for block in blocks:
+            for nw in warps:
+                for progs in programs:
+                    splits, _ = ss.plan_splits(rows, n_valid, device, block, programs_per_sm=progs)
+                    kw = dict(out=keys, block_size=block, num_splits=splits, num_warps=nw, **samp)
+                    # Eager call first: the scratch for this row count exists before capture; and the key
+                    # must not depend on the schedule.
+                    shard_select_keys(shards[0], start, vocab, **kw)
+                    if reference is None:
+                        reference = keys.clone()
+                    elif not torch.equal(keys, reference):
+                        raise RuntimeError(f"bench select: {kind} keys depend on the schedule "
+                                           f"(block {block}, warps {nw}, splits {splits})")
+                    t = timer.time_graph([lambda x=x, kw=kw: shard_select_keys(x, start, vocab, **kw) for x in shards])
+                    is_default = block == d_block and nw == d_warps and splits == d_splits
+                    totals[(block, nw, progs)] = totals.get((block, nw, progs), 0.0) + t
+                    rows_out.append([tp, rows, block, nw, progs, splits, fmt(t, 2), _pct(fl, t),
+                                     "*" if is_default else ""])
         del shards
+    best = min(totals, key=totals.get) if totals else None
+    names = (("_SAMPLED_TILE_COLUMNS", "_SAMPLED_WARPS", "_SAMPLED_PROGRAMS_PER_SM") if sampled else
+             ("_TILE_BYTES", "default_warps", "_PROGRAMS_PER_SM"))
+    paste = ""
+    if best is not None:
+        block, nw, progs = best
+        first = block if sampled else block * elt
+        paste = (f"fastest summed over the shapes: block {block}, {nw} warps, {progs} programs/SM -> "
+                 f"{names[0]} = {first}; {names[1]} {nw}; {names[2]} = {progs}")
     print_table(
-        f"bench select: greedy schedule sweep, {args.dtype}, V={vocab}",
-        ["tp", "rows", "block", "programs/SM", "splits/row", "greedy us", "% of floor", "default"],
-        sweep,
-        notes=["block = columns per tile (ss._TILE_BYTES sets the default); programs/SM = the one-wave target of "
-               "plan_splits (ss._PROGRAMS_PER_SM is the default); * = the launcher's default schedule. The key "
-               "never depends on the schedule."],
+        f"bench select: {kind} schedule sweep, {_dtype_name(dtype)}, V={vocab}",
+        ["tp", "rows", "block", "warps", "programs/SM", "splits/row", f"{kind} us", "% of floor", "default"],
+        rows_out,
+        notes=["block = columns per tile; programs/SM = the one-wave target of plan_splits; * = the launcher's "
+               "default schedule. Every schedule gave the same keys (checked).", paste],
     )
+
+
+def _dtype_name(dtype) -> str:
+    return next(k for k, v in _DTYPES.items() if v == dtype)

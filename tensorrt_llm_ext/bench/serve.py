@@ -9,8 +9,11 @@ sent to the first chunk with a token, TPOT = (last token - first token) / (token
 tokens / wall time of the cell; acceptance = the server's acceptance histogram over the cell. Servers are
 stopped with SIGTERM (their exit code is printed). Everything is bounded by ``--max-seconds`` per cell.
 
-On a CPU the model is the small test config (Triton interpreter) and the defaults are tiny: the numbers only
-show that the path works. This is a benchmark, not a test: nothing here asserts a time.
+On a CUDA device both servers capture every decode step in CUDA graphs (the serve default: the speculative
+step and the ``--no-speculation`` target-only decode alike), so the speculative gain compares a captured step
+with a captured step; ``--no-cuda-graph`` runs both eagerly. On a CPU the model is the small test config (Triton
+interpreter) and the defaults are tiny: the numbers only show that the path works. This is a benchmark, not a
+test: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", nargs="+", choices=["speculative", "target_only"],
                    default=["speculative", "target_only"])
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending in a cell after this long")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -124,7 +129,8 @@ def run(args: argparse.Namespace) -> None:
     limit = cfg.max_seq_len - args.max_tokens
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
-        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))]
+        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + (["--no-cuda-graph"] if args.no_cuda_graph else [])
+    graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
     rows = []
     for decode in args.decodes:
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
@@ -160,7 +166,9 @@ def run(args: argparse.Namespace) -> None:
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client; streamed completions; TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
-             f"a server's exit code after SIGTERM on its last row."]
+             f"a server's exit code after SIGTERM on its last row.",
+             "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
+                                else "off (every step eager)")]
     if not torch.cuda.is_available():
         notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",

@@ -24,7 +24,9 @@ graph and replayed (median):
 ``--rejection-sampling`` the drafter's chain samples its drafts and the step verifies them by rejection
 sampling (:func:`~tensorrt_llm_ext.speculative.verification.rejection_sample` on the shard for ours, its eager
 twin on the gathered logits for stock), else the target's sampled tokens are accepted strictly. The whole step
-is timed per table (a step with a top-p row is not the captured variant, so it is timed eagerly, as it runs).
+is timed per table under CUDA-graph replay of the variant the engine replays for these rows (the top-p variant
+when ``--top-p < 1``, see :mod:`tensorrt_llm_ext.runtime.cuda_graph`); ``--profile`` lists the top kernels of
+one captured sampled step of each table.
 
 On CPU: a smoke run of the tiny test model (timings meaningless, printed as "-"). The Triton interpreter is
 switched on when :func:`run` starts (not at import).
@@ -135,18 +137,18 @@ def setup_rows(eng, b: int, prompt_len: int, worker=None, temperature: float = 0
     return eng.state.ctx_lens.clone()
 
 
-def _profile(stages: StepStages, top: int = 12) -> list[str]:
-    """Top CUDA kernels of one captured step (replayed under the torch profiler)."""
+def _profile(step, top: int = 12) -> list[str]:
+    """Top CUDA kernels of one captured ``step()`` (replayed under the torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        stages.step()
+        step()
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        stages.step()
+        step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                 for dst, src in zip(eng.state.mutable_tensors(), snapshot):  # every stage starts alike
                     dst.copy_(src)
             if args.profile and cuda and table == "ours":
-                profiles += [f"profile of one captured fused step at B={b}:"] + _profile(stages)
+                profiles += [f"profile of one captured fused step at B={b}:"] + _profile(stages.step)
         outside = {tab: sum(t[(s, tab)] for s in ("select", "tail", "draft_fwd", "chain")) for tab in ("ours", "stock")}
         pair = lambda s: f"{fmt(t[(s, 'ours')])} / {fmt(t[(s, 'stock')])}"  # noqa: E731
         rows.append([b, fmt(t[("target_fwd", "ours")]), pair("select"), pair("tail"), pair("draft_fwd"),
@@ -252,23 +254,22 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
     eng = Engine(cfg)
     workers = {"ours": eng.worker("speculative", sampling=True), "stock": eng.worker("stock", sampling=True)}
     attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
-    rows = []
+    rows, profiles = [], []
     for b in sizes:
         t, how = {}, {}
         for table, worker in workers.items():
             eng.drafter.set_attention_backend(attention[table])
             ctx0 = setup_rows(eng, b, args.prompt_len, worker, args.temperature, args.top_p)
-            worker.set_rows(list(range(b)), b)
+            worker.set_rows(list(range(b)), b)  # the variant these rows need: the one the engine replays
+            how[table] = str(worker.step_variant)
 
             def step(worker=worker, ctx0=ctx0):
                 eng.state.ctx_lens.copy_(ctx0)  # every replay verifies the same positions
                 return worker.forward(b)
 
-            # a step with a top-p row is not the captured variant (the worker runs it eagerly): time it so
-            if worker.step_is_default:
-                t[table], how[table] = timer.time_graph([step], min_calls_per_graph=4), "graph"
-            else:
-                t[table], how[table] = timer.time_eager([step]), "eager"
+            t[table] = timer.time_graph([step], min_calls_per_graph=4)
+            if args.profile and not timer.smoke:
+                profiles += [f"profile of one captured sampled step ({table}) at B={b}:"] + _profile(step)
             for slot in range(b):
                 eng.pages.free(slot)
         rows.append([b, fmt(t["ours"]), fmt(t["stock"]), fmt(t["stock"] / t["ours"], 2) if not timer.smoke else "-",
@@ -279,11 +280,13 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
     notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, K={cfg.draft_len}, "
              f"dtype {eng.target.dtype}; every row T={args.temperature}, top-p {args.top_p}; verification: {verify}; "
              f"{workers['ours'].selection.describe()}",
-             "times in us per whole step (worker.forward), median; 'graph' = CUDA-graph replay, 'eager' = the "
-             "step variant the worker does not capture (a top-p row); ours = fused op table, stock = the same "
-             "worker with the stock op table (gathered logits, eager twins)."]
+             "times in us per whole step (worker.forward), median of CUDA-graph replays of the step variant the "
+             "engine replays for these rows (top-p: the exact top-p restriction captured in the step); ours = fused "
+             "op table, stock = the same worker with the stock op table (gathered logits, eager twins)."]
     text = print_table("bench step --temperature: the whole DSpark step with sampled traffic, fused / stock op table",
-                       ["B", "ours us", "stock us", "step gain x", "timed as (ours / stock)"], rows, notes)
+                       ["B", "ours us", "stock us", "step gain x", "variant (ours / stock)"], rows, notes)
+    for line in profiles:
+        print(line)
     if getattr(args, "out", None):
         with open(args.out, "a") as f:
             f.write(text + "\n")

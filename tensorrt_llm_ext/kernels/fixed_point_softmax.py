@@ -1,27 +1,27 @@
 """Fixed-point softmax weights: the exact, order-independent masses of rejection-sampling verification.
 
 A temperature softmax summed in floating point depends on the summation order, hence on the TP size and
-the tiling. We give every token an integer weight instead, computed without any transcendental:
+the tiling. Every token gets an integer weight instead, and every mass is an exact int64 sum:
 
     m = the row's largest finite logit (fp32; exchanged as an int32 ordered key, see ``ordered_key``)
-    d = x - m                 (fp32)           s = div_rn(d, T)      (fp32, IEEE round-to-nearest)
-    z = s * LOG2E             (fp32)           q = trunc(max(z, -64) * 2^24) as int64 (exact scaling)
-    n = q >> 24  (floor)      f = q & (2^24 - 1)
-    F = round(2^(30 + n + f / 2^24))  with integer ops only; F = 0 when n < -30 or x is not finite
+    c = div_rn(log2 e, T)          (fp32, once per row; T clamped to >= MIN_TEMPERATURE)
+    z = (x - m) * c                (fp32, <= 0; IEEE sub then mul: no add after the multiply, no FMA)
+    F = trunc(exp2(z) * 2^30)      (int32 <= 2^30, widened to int64); F = 0 for a non-finite x
 
-``2^(f / 2^24)`` is a 256-entry Q30 table of ``2^(a / 256)`` (top 8 bits of f) times a cubic integer
-polynomial of ``e^w``, ``w = b * ln2 / 2^24 < 2^-8 ln2`` (low 16 bits b), in Q30; the product is Q60 and one
-rounding shift by ``30 - n`` gives F. Relative error against float64 ``2^(30 + q / 2^24)``: below 1e-8
-(plus half a unit of F). No add follows a multiply in the float part, so FMA contraction cannot change
-the rounding on GPU; Triton's ``div_rn`` and torch's fp32 division are both IEEE.
+``exp2`` is the hardware's ``ex2.approx.ftz.f32`` (one MUFU instruction) in compiled kernels and numpy's
+``exp2`` under the Triton interpreter; the eager twins take numpy's on CPU tensors and torch's on CUDA
+tensors. So: the same kernel gives the same F for the same ``(x, m, T)`` at every TP size, tiling and
+kernel (one instruction sequence per element); under the interpreter kernel and twin agree bit for bit;
+on a GPU the twin is within ``|F_kernel - F_twin| <= 2^-21 F + 1`` of the kernel (ex2.approx's relative
+error is below 2^-22; tested). The kernel's weights define the distribution.
 
-Consequences: F(max) = 2^30 exactly, so a row's mass ``Z = sum F < V * 2^30 < 2^62`` is an exact int64 sum,
-the same in any order: shard sums plus one int64 all-reduce SUM are bitwise the TP-1 sum. F depends on
-``(x, m, T)`` only, never on the tiling.
+Consequences: F(max) = 2^30, tokens more than 30 binades below the max weigh 0, a row's mass
+``Z = sum F < V * 2^30 < 2^62`` is an exact int64 sum, the same in any order: shard sums plus one int64
+all-reduce SUM are bitwise the TP-1 sum. F depends on ``(x, m, T)`` only, never on the tiling.
 
-Kernels here (launchers + eager twins, bitwise equal), the first two passes of a verification call;
-each is ONE launch over the target rows and the draft rows together and writes every slot of its output
-(per row and column chunk: no memset, no global atomics), so consumers reduce over the chunks:
+Kernels here (launchers + eager twins), the first two passes of a verification call; each is ONE
+launch over the target rows and the draft rows together and writes every slot of its output (per row and
+column chunk: no memset, no global atomics shared between programs), so consumers reduce over the chunks:
 
 * :func:`verify_keys` (pass 1): per (row, chunk) the ``torch.argmax``-order selection key of target rows
   (NaN first; as ``shard_select``) and the ordered int32 key of the largest finite logit (``EMPTY_KEY``
@@ -39,13 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for, refuse_allocation_while_capturing
+from tensorrt_llm_ext.contract import MIN_TEMPERATURE
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best, combine_best,
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
-    "EXP2_Q30", "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key", "device_table",
-    "decode_max_key_torch", "exp2_table", "fixed_point_weight", "fixed_point_weight_torch", "is_finite",
+    "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
+    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "is_finite", "sfu_exp2",
+    "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
@@ -56,62 +58,66 @@ HIST_BUCKETS = 256
 SUMS_COLS = 3  # verify_sums columns before the histogram: Z, F(token), radix key(token)
 # fp32 value of log2(e) (the constant both Triton and torch multiply by, exactly representable).
 LOG2E_F32 = float(torch.tensor(math.log2(math.e), dtype=torch.float32).item())
-# 2^(a/256) in Q30, a = 0..255 (float64 is accurate to ~1e-16 here, far from any rounding tie).
-EXP2_Q30 = [int(round(2.0 ** (a / 256.0) * ONE_Q30)) for a in range(256)]
-_LN2_Q46_INT = int(round(math.log(2.0) * 2.0**46))
 
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E_F32)
-_LN2_Q46: tl.constexpr = tl.constexpr(_LN2_Q46_INT)
-_ONE: tl.constexpr = tl.constexpr(ONE_Q30)
+_MIN_T: tl.constexpr = tl.constexpr(MIN_TEMPERATURE)
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _DEFAULT_BLOCK = 2048
-_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def device_table(name: str, values: list[int], device: torch.device | str) -> torch.Tensor:
-    """The int64 constant table ``name`` on ``device``: cached, allocated outside capture on first use
-    (a workspace constructor asks for it, so a captured call only looks it up)."""
-    key = (name, torch.device(device))
-    t = _TABLES.get(key)
-    if t is None:
-        refuse_allocation_while_capturing(name, key[1])
-        t = torch.tensor(values, dtype=torch.int64, device=key[1])
-        _TABLES[key] = t
-    return t
-
-
-def exp2_table(device: torch.device | str) -> torch.Tensor:
-    """The ``[256]`` int64 Q30 table of ``2^(a/256)`` on ``device`` (:func:`device_table`)."""
-    return device_table("exp2_table", EXP2_Q30, device)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Triton helpers
 # ----------------------------------------------------------------------------------------------------
+# Compiled kernels take exp2 / log2 from the SFU (one MUFU instruction each); the interpreter has no inline
+# asm and takes numpy's. Decided by what triton.jit made of this module (interpreted or compiled), by class
+# name so that no interpreter module is imported.
 @triton.jit
-def fixed_point_weight(x, m, t, fin, exp2_ptr):
-    """Integer weight F (int64) of fp32 logits ``x`` given the row max ``m`` and temperature ``t > 0``.
+def _probe():
+    pass
 
-    ``fin`` marks the tokens that carry weight (finite, real vocabulary); the others get 0.
-    """
+
+_SFU: tl.constexpr = tl.constexpr(type(_probe).__name__ != "InterpretedFunction")
+
+
+@triton.jit
+def sfu_exp2(x):
+    """fp32 ``2^x``: ``ex2.approx.ftz.f32`` when compiled (relative error < 2^-22), numpy's when interpreted."""
+    if _SFU:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def sfu_log2(x):
+    """fp32 ``log2 x``: ``lg2.approx.ftz.f32`` when compiled, numpy's when interpreted."""
+    if _SFU:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def weight_scale(temp):
+    """Per-row ``c = div_rn(log2 e, T)`` (fp32) of the weights; ``T`` clamped to >= MIN_TEMPERATURE (the
+    API refuses smaller positive T outside capture; the clamp keeps a captured call finite), greedy rows
+    (``T <= 0``) use ``T = 1``."""
+    t = tl.where(temp > 0.0, tl.maximum(temp, _MIN_T), 1.0)
+    return tl.math.div_rn(tl.full(t.shape, _LOG2E, tl.float32), t)
+
+
+@triton.jit
+def fixed_point_weight(x, m, c, fin):
+    """Integer weight F (int64) of fp32 logits ``x`` given the row max ``m`` and the row's ``c``
+    (:func:`weight_scale`): ``trunc(exp2((x - m) * c) * 2^30)``. ``fin`` marks the tokens that carry weight
+    (finite, real vocabulary); the others get 0."""
     xs = tl.where(fin, x, m)
-    d = xs - m
-    s = tl.math.div_rn(d, t)
-    z = s * _LOG2E
-    z = tl.maximum(z, -64.0)
-    q = (z * 16777216.0).to(tl.int64)
-    n = q >> 24
-    f = q & 16777215
-    tab = tl.load(exp2_ptr + (f >> 16))
-    b = f & 65535
-    w = (b * _LN2_Q46) >> 40
-    ww = w * w
-    e = _ONE + w + (ww >> 31) + (((ww >> 30) * w) >> 30) // 6
-    p = tab * e
-    sh = tl.minimum(30 - n, 60)
-    one = sh * 0 + 1
-    big = (p + (one << (sh - 1))) >> sh
-    return tl.where(fin & (n >= -30), big, 0)
+    z = (xs - m) * c
+    e = sfu_exp2(tl.maximum(z, -126.0))
+    f = (e * 1073741824.0).to(tl.int32)
+    return tl.where(fin, f, 0).to(tl.int64)
 
 
 @triton.jit
@@ -199,7 +205,6 @@ def _verify_sums_kernel(
     temp_ptr,  # [B] fp32
     tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
-    exp2_ptr,
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr,
 ):
@@ -212,8 +217,7 @@ def _verify_sums_kernel(
     t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
     q_row = q_ptr + rq.to(tl.int64) * stride_q
     m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
-    temp = tl.load(temp_ptr + b)
-    t = tl.where(temp > 0.0, temp, 1.0)
+    c = weight_scale(tl.load(temp_ptr + b))
     out = sums_ptr + tl.where(is_t, (row.to(tl.int64) * num_splits + split) * cols_t,
                               sums_q_off + (rq.to(tl.int64) * num_splits + split) * 3)
     if HIST:
@@ -229,7 +233,7 @@ def _verify_sums_kernel(
         cols = start + lanes
         valid = cols < col_end
         x = load_pair_tile(t_row, q_row, is_t, cols, valid)
-        w = fixed_point_weight(x, m, t, valid & is_finite(x), exp2_ptr)
+        w = fixed_point_weight(x, m, c, valid & is_finite(x))
         acc += w
         if HIST:
             if is_t:
@@ -242,7 +246,7 @@ def _verify_sums_kernel(
             if (col >= col_begin) & (col < col_end):
                 xt = tl.where(is_t, tl.load(t_row + col).to(tl.float32), tl.load(q_row + col).to(tl.float32))
                 ft = is_finite(xt)
-                ftok = fixed_point_weight(xt, m, t, ft, exp2_ptr)
+                ftok = fixed_point_weight(xt, m, c, ft)
                 utok = tl.where(ft, radix_key(xt), 0)
     tl.store(out, tl.sum(acc, 0))
     tl.store(out + 1, ftok)
@@ -252,26 +256,37 @@ def _verify_sums_kernel(
 # ----------------------------------------------------------------------------------------------------
 # torch twins of the helpers
 # ----------------------------------------------------------------------------------------------------
-def fixed_point_weight_torch(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, fin: torch.Tensor) -> torch.Tensor:
-    """Torch twin of :func:`fixed_point_weight` (fp32 ``x``, broadcastable fp32 ``m``/``t``, bool ``fin``)."""
-    table = exp2_table(x.device)
+def _on_numpy(x: torch.Tensor, fn) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(getattr(np, fn)(x.detach().contiguous().numpy()))
+
+
+def sfu_exp2_torch(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2^x`` as the kernels compute it on this device: numpy's on CPU tensors (the interpreter's),
+    torch's on CUDA tensors (within 2^-22 relative of the kernel's ``ex2.approx``)."""
+    return _on_numpy(x, "exp2") if x.device.type == "cpu" else torch.exp2(x)
+
+
+def sfu_log2_torch(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log2 x`` as the kernels compute it on this device (see :func:`sfu_exp2_torch`)."""
+    return _on_numpy(x, "log2") if x.device.type == "cpu" else torch.log2(x)
+
+
+def weight_scale_torch(temperatures: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`weight_scale` (fp32, IEEE division)."""
+    t = temperatures.to(torch.float32)
+    t = torch.where(t > 0, torch.clamp_min(t, MIN_TEMPERATURE), torch.ones_like(t))
+    return torch.full_like(t, LOG2E_F32) / t
+
+
+def fixed_point_weight_torch(x: torch.Tensor, m: torch.Tensor, c: torch.Tensor, fin: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`fixed_point_weight` (fp32 ``x``, broadcastable fp32 ``m`` / ``c``, bool ``fin``)."""
     xs = torch.where(fin, x, m)
-    d = xs - m
-    s = d / t
-    z = s * torch.tensor(LOG2E_F32, dtype=torch.float32, device=x.device)
-    z = torch.clamp_min(z, -64.0)
-    q = (z * 16777216.0).to(torch.int64)
-    n = q >> 24
-    f = q & 16777215
-    tab = table[f >> 16]
-    b = f & 65535
-    w = (b * _LN2_Q46_INT) >> 40
-    ww = w * w
-    e = ONE_Q30 + w + (ww >> 31) + (((ww >> 30) * w) >> 30) // 6
-    p = tab * e
-    sh = torch.clamp_max(30 - n, 60)
-    big = (p + (torch.ones_like(sh) << (sh - 1))) >> sh
-    return torch.where(fin & (n >= -30), big, torch.zeros_like(big))
+    z = (xs - m) * c
+    e = sfu_exp2_torch(torch.clamp_min(z, -126.0))
+    f = (e * 1073741824.0).to(torch.int32).to(torch.int64)
+    return torch.where(fin, f, torch.zeros_like(f))
 
 
 def radix_key_torch(x: torch.Tensor) -> torch.Tensor:
@@ -430,7 +445,7 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
     q = draft if draft is not None and rq else target
     k_tok = tokens.shape[1] if tokens is not None else 0
     _verify_sums_kernel[(rt + rq, splits)](
-        target, q, keys, temperatures, tokens if tokens is not None else keys, out, exp2_table(target.device),
+        target, q, keys, temperatures, tokens if tokens is not None else keys, out,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
         num_warps=num_warps_for(block_size))
@@ -454,9 +469,8 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
     m = decode_max_key_torch(kmax)[:, None]
     bi = torch.cat([torch.arange(rt, device=dev) // row_div, torch.arange(rq, device=dev) // row_div_q])
     kk = torch.cat([torch.arange(rt, device=dev) % row_div, torch.arange(rq, device=dev) % row_div_q])
-    temp = temperatures[bi][:, None]
-    t = torch.where(temp > 0, temp, torch.ones_like(temp))
-    w = fixed_point_weight_torch(x, m, t, fin)
+    c = weight_scale_torch(temperatures[bi])[:, None]
+    w = fixed_point_weight_torch(x, m, c, fin)
     res = torch.zeros((rows, splits, SUMS_COLS), dtype=torch.int64, device=dev)
     res[:, :, 0] = _chunked(w, n_valid, splits, chunk, 0).sum(-1)
     if tokens is not None and tokens.shape[1] > 0:

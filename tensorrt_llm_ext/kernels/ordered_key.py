@@ -111,6 +111,17 @@ def uniform_from_word(r):
     return one_top - 0.999999940395355224609375
 
 
+@triton.jit
+def one_minus_uniform(r):
+    """``1 - uniform_from_word(r)``, bit for bit, without the subtraction: ``(comp + 0.5) * 2^-23``.
+
+    ``comp = (r >> 9) ^ (2^23 - 1)`` is ``2^23 - 1 - top``, so this is ``1 - (top + 0.5) * 2^-23`` exactly
+    (``t`` of :func:`gumbel2_from_word`); the same construction as :func:`uniform_from_word`.
+    """
+    one_comp = (((r >> 9) ^ 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_comp - 0.999999940395355224609375
+
+
 # Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
 # log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
 # module's kernels (interpreted or compiled), so it always matches how they run.
@@ -139,7 +150,12 @@ def gumbel2_from_word(r):
     """
     u = uniform_from_word(r)
     t = 1.0 - u
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    # Explicit fma: one instruction sequence wherever this is inlined (compiled code would otherwise fuse
+    # or not by context); the interpreter's fma rounds twice, as the torch twin's mul + add does.
+    c = tl.fma(t, 0.25, 0.3333333432674408)
+    c = tl.fma(t, c, 0.5)
+    c = tl.fma(t, c, 1.0)
+    series = t * c * 1.4426950216293335
     return -_log2(tl.where(t < 0.015625, series, -_log2(u)))
 
 
@@ -151,8 +167,10 @@ def gumbel_scale(temp):
 
 @triton.jit
 def gumbel_score(x, scale, noise):
-    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises."""
-    return x * scale + noise
+    """The keyed Gumbel-max score ``x * S + G2`` (fp32) a sampled row maximises: one fma when compiled, so a
+    column's score is the same instruction in every kernel, tile and TP size (the interpreter's fma rounds
+    twice, as the torch twin does)."""
+    return tl.fma(x, scale, noise)
 
 
 @triton.jit

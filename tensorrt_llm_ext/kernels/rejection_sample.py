@@ -8,26 +8,27 @@ mass ``Z_p`` and ``F_p(d_k)`` from :func:`~tensorrt_llm_ext.kernels.top_p.final_
   ``Z_q = 0``); ``u_k`` is a 52-bit uniform from Philox keyed by (seed, offset + k, ``ACCEPT_SALT``). A target
   row without a finite logit (``Z_p = 0``) is the point mass on its argmax: accept iff ``d_k`` equals it.
 * ``k*`` = the first rejection (``K`` if none). Emit, at row ``k*``: a sample of ``norm(max(p - q, 0))``
-  (residual; weights ``trunc(max(F_p/Z_p - F_q/Z_q, 0) * 2^52)`` as int64) or, when all were accepted, of
+  (residual; fp32 weights ``max(F_p * (1 / Z_p) - F_q * (1 / Z_q), 0)``) or, when all were accepted, of
   ``p_K`` (bonus; weights ``F_p``); the argmax when ``Z_p = 0`` at ``k*``; if every residual weight is 0
   (p and q equal up to rounding) the draw falls back to ``p_{k*}``.
 * The draw is an exponential race, so it needs no totals and no prefix across ranks: token ``j`` with
-  weight ``w_j > 0`` gets the key ``L_j / w_j`` (float64, one IEEE division), ``L_j = -log2(u_j)`` in Q40
-  fixed point (:func:`neg_log2_q40`: exact integer ops and a 4097-entry table), ``u_j`` from the Philox
-  word keyed by (seed, offset + k*, global id ``j``, ``RESIDUAL_SALT`` / ``BONUS_SALT``); the smallest key
-  wins, ties to the lowest id. ``argmin_j E_j / w_j`` with ``E_j`` exponential is a sample of
-  ``w / sum(w)``; ``L_j`` is ``E_j / ln 2`` up to the 32-bit uniform and the table's interpolation
-  (below 2e-8 absolute). Every program keeps its chunk's best ``(key, id)`` for the residual and for the
-  fallback weights; one all-gather ``[tp, B, S, 4]`` and :func:`rejection_assemble` pick the winner.
+  weight ``w_j > 0`` gets the fp32 key ``E_j / w_j``, ``E_j = -log2(u_j)`` (the SFU ``log2``; a series near
+  ``u = 1``, so ``E_j > 0``), ``u_j`` a 24-bit uniform from the Philox word of global id ``j`` keyed by (seed,
+  offset + k*, ``j // 4``, ``RESIDUAL_SALT`` / ``BONUS_SALT``) -- one Philox call serves four consecutive
+  ids, word ``j % 4``. The smallest key wins, ties to the lowest id (key bits and id packed in one int64,
+  one min). ``argmin_j E_j / w_j`` with ``E_j`` exponential is a sample of ``w / sum(w)``, up to the 24-bit
+  uniform and fp32 rounding of the key. Every program keeps its chunk's best packed key for the residual
+  and for the fallback weights; one all-gather ``[tp, B, S, 2]`` and :func:`rejection_assemble` pick the
+  winner.
 
-Launches: :func:`rejection_draw` (decide + race over the chunks of row ``k*``) and
-:func:`rejection_assemble` (reduce the race, write the outputs). Everything is integer, one IEEE float64
-operation at a time, or a comparison, so the kernels, their eager twins and every TP size agree bit for bit.
+Launches: :func:`rejection_draw` (decide + race over the chunks of row k*) and
+:func:`rejection_assemble` (reduce the race, write the outputs). A kernel gives the same bits at every
+TP size and tiling (the same instruction sequence per element and order-independent min / sum); its
+eager twin agrees bit for bit under the interpreter and within the SFU's tolerance on a GPU (see
+``fixed_point_softmax``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -35,16 +36,18 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
-                                                          device_table, exp2_table, fixed_point_weight, fixed_point_weight_torch,
-                                                          is_finite, plan_chunks, radix_key, radix_key_torch,
-                                                          row_max_from_keys)
-from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch
+                                                          fixed_point_weight, fixed_point_weight_torch, is_finite,
+                                                          plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
+                                                          sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
+from tensorrt_llm_ext.kernels.ordered_key import (key_to_id, key_to_id_torch, philox_4x32_10_torch, pick_word,
+                                                  uniform_from_word)
 from tensorrt_llm_ext.kernels.top_p import final_rows, final_rows_torch, kept_in_tile
 
 __all__ = [
     "ACCEPT_SALT", "BONUS_SALT", "MODE_ARGMAX", "MODE_BONUS", "MODE_GREEDY", "MODE_RESIDUAL", "NO_CANDIDATE",
-    "RACE_COLS", "RESIDUAL_SALT", "log2_table", "neg_log2_q40", "neg_log2_q40_torch", "rejection_assemble",
-    "rejection_assemble_reference", "rejection_draw", "rejection_draw_reference", "uniform52", "uniform52_torch",
+    "RACE_COLS", "RESIDUAL_SALT", "neg_log2_uniform", "neg_log2_uniform_torch", "race_words_torch",
+    "rejection_assemble", "rejection_assemble_reference", "rejection_draw", "rejection_draw_reference", "uniform52",
+    "uniform52_torch",
 ]
 
 # Philox counter word c3 of verification's draws (distinct from the target, draft and Markov salts).
@@ -53,21 +56,14 @@ RESIDUAL_SALT = 0x4E5D1
 BONUS_SALT = 0xB0705
 # dec[b, 1]: how row b ends
 MODE_GREEDY, MODE_RESIDUAL, MODE_BONUS, MODE_ARGMAX = 0, 1, 2, 3
-RACE_COLS = 4  # per (request, chunk): residual (key bits, id), fallback (key bits, id)
-INF_BITS = 0x7FF0000000000000  # float64 +inf as int64: "no candidate" (above every finite key)
-NO_CANDIDATE = 2**62  # the id that goes with INF_BITS
-_TWO52 = 4503599627370496.0
-_Q40 = 1 << 40
-# log2(1 + a / 4096) in Q40, a = 0..4096 (float64 is accurate to ~1e-16 here, far from any rounding tie)
-LOG2_Q40 = [int(round(math.log2(1.0 + a / 4096.0) * _Q40)) for a in range(4097)]
+RACE_COLS = 2  # per (request, chunk): the packed best (key bits << 32 | id) of the residual and of the fallback
+# "no candidate": +inf key bits with the id 2^32 - 1 (no vocabulary id: MAX_VOCAB = 2^32 - 1), above every
+# real candidate's packed key
+NO_CANDIDATE = (0x7F800000 << 32) | 0xFFFFFFFF
 _ACCEPT: tl.constexpr = tl.constexpr(ACCEPT_SALT)
 _RESIDUAL: tl.constexpr = tl.constexpr(RESIDUAL_SALT)
 _BONUS: tl.constexpr = tl.constexpr(BONUS_SALT)
-
-
-def log2_table(device: torch.device | str) -> torch.Tensor:
-    """The ``[4097]`` int64 Q40 table of ``log2(1 + a/4096)`` on ``device`` (cached, see ``device_table``)."""
-    return device_table("log2_table", LOG2_Q40, device)
+_NONE: tl.constexpr = tl.constexpr(NO_CANDIDATE)
 
 
 @triton.jit
@@ -95,65 +91,63 @@ def uniform52_torch(seed: torch.Tensor, pos: torch.Tensor, salt) -> torch.Tensor
 
 
 @triton.jit
-def neg_log2_q40(word, table_ptr):
-    """``-log2(u)`` in Q40 (int64 > 0) for ``u = (2 * word + 1) / 2^33``, ``word`` a uint32 Philox word.
+def neg_log2_uniform(r):
+    """uint32 Philox word -> ``E = -log2(u) > 0`` (fp32), ``u = uniform_from_word(r)`` in (0, 1).
 
-    ``y = 2 * word + 1 < 2^33`` converts to float64 exactly; its exponent ``e`` and mantissa bits give
-    ``log2(y) = e + log2(1 + a / 4096 + b / 2^32)``, the last term by linear interpolation in the table
-    (the chord lies below the concave log, so the result stays > 0 even for the largest word).
-    """
-    y = word.to(tl.int64) * 2 + 1
-    bits = y.to(tl.float64).to(tl.int64, bitcast=True)
-    e = (bits >> 52) - 1023
-    man = bits & 4503599627370495
-    a = man >> 40
-    b = (man >> 20) & 1048575
-    lo = tl.load(table_ptr + a)
-    hi = tl.load(table_ptr + a + 1)
-    val = lo + (((hi - lo) * b) >> 20)
-    return (33 << 40) - ((e << 40) + val)
+    Near ``u = 1`` (``t = 1 - u < 2^-6``, exact) the series ``log2(e) * (t + t^2/2 + t^3/3 + t^4/4)``, since
+    the SFU log2's absolute error there could reach 0 (a certain winner); elsewhere ``E >= 0.0227``."""
+    u = uniform_from_word(r)
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    return tl.where(t < 0.015625, series, -sfu_log2(u))
 
 
-def neg_log2_q40_torch(word: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Torch twin of :func:`neg_log2_q40` (int64 tensor of uint32 words)."""
-    y = word.to(torch.int64) * 2 + 1
-    bits = y.to(torch.float64).view(torch.int64)
-    e = (bits >> 52) - 1023
-    man = bits & 4503599627370495
-    a = man >> 40
-    b = (man >> 20) & 1048575
-    lo = table[a]
-    hi = table[a + 1]
-    val = lo + (((hi - lo) * b) >> 20)
-    return (33 << 40) - ((e << 40) + val)
+def neg_log2_uniform_torch(r: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`neg_log2_uniform` (int64 tensor of uint32 words -> fp32)."""
+    top = (r >> 9).to(torch.float32)
+    u = (top + 0.5) * 1.1920928955078125e-07  # exact: 24 significant bits, as uniform_from_word
+    t = 1.0 - u
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * 0.25))) * 1.4426950216293335
+    return torch.where(t < 0.015625, series, -sfu_log2_torch(u))
 
 
 @triton.jit
-def _race_word(seed, pos, gid, salt):
-    """The Philox word of global id ``gid`` (block) at position ``pos`` (scalar) with ``salt``."""
-    c0 = (gid.to(tl.int64) & 4294967295).to(tl.uint32)
+def _race_words(seed, pos, gid0, salt, BLOCK: tl.constexpr):
+    """The Philox words of global ids ``gid0 + 0..BLOCK-1`` (``gid0`` a multiple of 4) at position ``pos``:
+    one Philox call per four ids (counter ``(gid // 4, pos lo, pos hi, salt)``, word ``gid % 4``)."""
+    g = (gid0 >> 2) + tl.arange(0, BLOCK // 4).to(tl.int64)
+    c0 = (g & 4294967295).to(tl.uint32)
     p = pos.to(tl.int64)
     c1 = (p & 4294967295).to(tl.uint32) + c0 * 0
     c2 = ((p >> 32) & 4294967295).to(tl.uint32) + c0 * 0
     c3 = c0 * 0 + salt.to(tl.uint32)
-    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    return r0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+
+
+def race_words_torch(seed: torch.Tensor, pos: torch.Tensor, gid: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """Torch twin of the race's Philox words: ``seed`` / ``pos`` / ``salt`` ``[B, 1]``, ``gid`` ``[1, N]`` int64."""
+    g = gid & 0xFFFFFFFF
+    c0 = (g >> 2) + 0 * pos
+    c1 = (pos & 0xFFFFFFFF) + 0 * g
+    c2 = ((pos >> 32) & 0xFFFFFFFF) + 0 * g
+    r0, r1, r2, r3 = philox_4x32_10_torch(seed + 0 * c0, c0, c1, c2, (salt & 0xFFFFFFFF) + 0 * c0)
+    w = g & 3
+    return torch.where(w == 0, r0, torch.where(w == 1, r1, torch.where(w == 2, r2, r3)))
 
 
 @triton.jit
-def _race_tile(w, lg, gids, best_k, best_i):
-    """Merge one tile's race ``L / w`` (w > 0 only) into the running best (key as int64 bits, id)."""
-    key = tl.where(w > 0, lg.to(tl.float64) / tl.maximum(w, 1).to(tl.float64), float("inf"))
-    kb = key.to(tl.int64, bitcast=True)
-    tb = tl.min(kb, 0)
-    ti = tl.min(tl.where(kb == tb, gids, 4611686018427387904), 0)
-    take = tb < best_k  # earlier tiles hold lower ids, so an equal key keeps the running best
-    return tl.where(take, tb, best_k), tl.where(take, ti, best_i)
+def _race_tile(w, e, gids, best):
+    """Merge one tile's race ``E / w`` (fp32 ``w > 0`` only) into the running packed best ``key bits << 32 | id``."""
+    key = tl.where(w > 0.0, e / tl.where(w > 0.0, w, 1.0), float("inf"))
+    packed = (key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | gids
+    packed = tl.where(w > 0.0, packed, _NONE)
+    return tl.minimum(best, tl.min(packed, 0))
 
 
 @triton.jit
 def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,
-            exp2_ptr, b, K, cols_t, num_splits, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr):
+            b, K, cols_t, num_splits, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr):
     """(k*, mode, target argmax ids [BLOCK_K]) of request b (identical in every program and on every rank)."""
     temp = tl.load(temp_ptr + b)
     seed = tl.load(seed_ptr + b).to(tl.int64)
@@ -167,7 +161,7 @@ def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, 
     b64 = b.to(tl.int64)
     row_t = b64 * (K + 1) + tl.where(kv1, ks, 0)
     row_q = b64 * K + tl.where(kv, ks, 0)
-    zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, exp2_ptr, cols_t,
+    zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, cols_t,
                                  num_splits, rows_t, rank, tp, 0, HAS_P)
     zp = tl.where(kv1, zp, 1)
     # target argmax ids (the per-chunk selection keys reduced)
@@ -203,8 +197,7 @@ def _rejection_draw_kernel(
     state_ptr, ties_all_ptr,  # top-p: [B*(K+1), 2] (b*, mass above), [tp, B*(K+1), S, 2] (HAS_P)
     tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,  # [B, K] int64, [B] fp32, [B] int64, [B] int64, [B] fp32
     dec_ptr,  # [B, 2] int64 out: (k*, mode), written by the program of chunk 0
-    race_ptr,  # [B, S, 4] int64 out, every slot written
-    exp2_ptr, log2_ptr,
+    race_ptr,  # [B, S, 2] int64 out, every slot written
     stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, K, rank, tp,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
 ):
@@ -212,28 +205,29 @@ def _rejection_draw_kernel(
     split = tl.program_id(1)
     nb = tl.num_programs(0)
     rows_t = nb * (K + 1)
-    kstar, mode, _, temp, seed, off, p = _decide(keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr,
-                                                 temp_ptr, seed_ptr, off_ptr, p_ptr, exp2_ptr, b, K, cols_t,
-                                                 num_splits, rows_t, rank, tp, BLOCK_K, HAS_P)
+    kstar, mode, _targ, temp, seed, off, p = _decide(keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr,
+                                                 temp_ptr, seed_ptr, off_ptr, p_ptr, b, K, cols_t, num_splits, rows_t,
+                                                 rank, tp, BLOCK_K, HAS_P)
     if split == 0:
         tl.store(dec_ptr + b * 2, kstar.to(tl.int64))
         tl.store(dec_ptr + b * 2 + 1, mode.to(tl.int64))
-    best_m = tl.full([], 9218868437227405312, tl.int64)
-    id_m = tl.full([], 4611686018427387904, tl.int64)
+    best_m = tl.full([], _NONE, tl.int64)
     best_a = best_m
-    id_a = id_m
     if (mode == 1) | (mode == 2):
         b64 = b.to(tl.int64)
         row_s = b64 * (K + 1) + kstar
         row_qs = b64 * K + tl.minimum(kstar, K - 1)
-        zp, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
-                                               row_s >= 0, exp2_ptr, cols_t, num_splits, rows_t, rank, tp, split,
-                                               HAS_P)
+        zp, _fp_tok, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
+                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, split, HAS_P)
         zq = tl.load(q_sums_ptr + row_qs * num_splits * 3)
         for s in range(1, num_splits):
             zq += tl.load(q_sums_ptr + (row_qs * num_splits + s) * 3)
         m_p = decode_max_key(row_max_from_keys(keys_ptr, row_s, num_splits))
         m_q = decode_max_key(row_max_from_keys(keys_ptr, rows_t + row_qs, num_splits))
+        c = weight_scale(temp)
+        # fp32 reciprocals of the masses (float64 division, rounded once): residual weight F_p * a - F_q * b
+        inv_p = (1.0 / tl.maximum(zp, 1).to(tl.float64)).to(tl.float32)
+        inv_q = tl.where(zq > 0, 1.0 / tl.maximum(zq, 1).to(tl.float64), 0.0).to(tl.float32)
         salt = tl.where(mode == 1, _RESIDUAL, _BONUS)
         pos = off + kstar
         t_row = t_ptr + row_s * stride_t
@@ -241,48 +235,41 @@ def _rejection_draw_kernel(
         lanes = tl.arange(0, BLOCK)
         col_begin = split * chunk
         col_end = tl.minimum(col_begin + chunk, n_valid)
-        for start in range(col_begin, col_end, BLOCK):
+        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids)
+        lead = (vocab_start + col_begin) & 3
+        for start in range(col_begin - lead, col_end, BLOCK):
             cols = start + lanes
-            valid = cols < col_end
+            valid = (cols >= col_begin) & (cols < col_end)
             xp = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32)
             fin = valid & is_finite(xp)
             if HAS_P:
                 kept, run = kept_in_tile(radix_key(xp), fin, bstar, n_keep, run)
             else:
                 kept = fin
-            fp = fixed_point_weight(xp, m_p, temp, kept, exp2_ptr)
-            main = fp
+            fpw = fixed_point_weight(xp, m_p, c, kept).to(tl.float32)
+            main = fpw
             if mode == 1:
                 xq = tl.load(q_row + cols, mask=valid, other=0.0).to(tl.float32)
-                fq = fixed_point_weight(xq, m_q, temp, valid & is_finite(xq), exp2_ptr)
-                pv = fp.to(tl.float64) / tl.maximum(zp, 1).to(tl.float64)
-                qv = tl.where(zq > 0, fq.to(tl.float64) / tl.maximum(zq, 1).to(tl.float64), 0.0)
-                main = (tl.maximum(pv - qv, 0.0) * 4503599627370496.0).to(tl.int64)
-            gids = cols.to(tl.int64) + vocab_start
-            lg = neg_log2_q40(_race_word(seed, pos, gids, salt), log2_ptr)
-            best_m, id_m = _race_tile(main, lg, gids, best_m, id_m)
-            best_a, id_a = _race_tile(fp, lg, gids, best_a, id_a)
-    out = race_ptr + (b.to(tl.int64) * num_splits + split) * 4
+                fqw = fixed_point_weight(xq, m_q, c, valid & is_finite(xq)).to(tl.float32)
+                main = tl.maximum(fpw * inv_p - fqw * inv_q, 0.0)
+            gid0 = vocab_start + start
+            e = neg_log2_uniform(_race_words(seed, pos, gid0.to(tl.int64), salt, BLOCK))
+            gids = gid0.to(tl.int64) + lanes
+            best_m = _race_tile(main, e, gids, best_m)
+            best_a = _race_tile(fpw, e, gids, best_a)
+    out = race_ptr + (b.to(tl.int64) * num_splits + split) * 2
     tl.store(out, best_m)
-    tl.store(out + 1, id_m)
-    tl.store(out + 2, best_a)
-    tl.store(out + 3, id_a)
+    tl.store(out + 1, best_a)
 
 
 @triton.jit
 def _best_of(race_all_ptr, b64, col, batch, num_splits, tp):
-    """Lexicographic min of (key bits, id) at ``col`` over every rank and chunk of request b."""
-    best = tl.full([], 9218868437227405312, tl.int64)
-    bid = tl.full([], 4611686018427387904, tl.int64)
+    """Min of the packed (key bits, id) at ``col`` over every rank and chunk of request b."""
+    best = tl.full([], _NONE, tl.int64)
     for q in range(tp):
         for s in range(num_splits):
-            base = race_all_ptr + ((q * batch + b64) * num_splits + s) * 4 + col
-            k = tl.load(base)
-            i = tl.load(base + 1)
-            take = (k < best) | ((k == best) & (i < bid))
-            best = tl.where(take, k, best)
-            bid = tl.where(take, i, bid)
-    return best, bid
+            best = tl.minimum(best, tl.load(race_all_ptr + ((q * batch + b64) * num_splits + s) * 2 + col))
+    return best
 
 
 @triton.jit
@@ -290,7 +277,7 @@ def _rejection_assemble_kernel(
     tok_ptr,  # [B, K] int64
     keys_ptr,  # [B*(K+1) + B*K, S, 2] int64 exchanged keys
     dec_ptr,  # [B, 2] int64
-    race_all_ptr,  # [tp, B, S, 4] int64 gathered race
+    race_all_ptr,  # [tp, B, S, 2] int64 gathered race
     acc_ptr,  # [B, K+1] int64 out
     num_ptr,  # [B] int32 out
     K, num_splits, tp,
@@ -310,9 +297,9 @@ def _rejection_assemble_kernel(
     d = tl.load(tok_ptr + b64 * K + ks, mask=kv, other=-1)
     kstar = tl.load(dec_ptr + b * 2)
     mode = tl.load(dec_ptr + b * 2 + 1)
-    km, im = _best_of(race_all_ptr, b64, 0, batch, num_splits, tp)
-    _, ia = _best_of(race_all_ptr, b64, 2, batch, num_splits, tp)
-    drawn = tl.where(km < 9218868437227405312, im, ia)
+    bm = _best_of(race_all_ptr, b64, 0, batch, num_splits, tp)
+    ba = _best_of(race_all_ptr, b64, 1, batch, num_splits, tp)
+    drawn = tl.where(bm != _NONE, bm, ba) & 4294967295
     miss = kv & (d != targ)
     n_greedy = 1 + tl.min(tl.where(miss, ks, K), 0)
     emitted = tl.where(mode == 3, tl.sum(tl.where(ks == kstar, targ, 0), 0), drawn)
@@ -357,7 +344,7 @@ def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, k
     """Decide every request (``dec [B, 2]`` = (k*, mode)) and race its draw over each column chunk of row k*.
 
     ``keys`` / ``sums`` / ``q_sums`` exchanged (``verify_keys`` / ``verify_sums``); with ``top_p`` also
-    ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S, 2]``. ``race [B, S, 4]`` int64, every
+    ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S, 2]``. ``race [B, S, 2]`` int64, every
     slot written (all-gathered next). One launch; CUDA-graph safe.
     """
     n_valid, b, k, splits, chunk = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys,
@@ -373,8 +360,8 @@ def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, k
     has_p = top_p is not None
     _rejection_draw_kernel[(b, splits)](
         target, draft, keys, sums, q_sums, state if has_p else keys, ties_all if has_p else keys, tokens,
-        temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race, exp2_table(target.device),
-        log2_table(target.device), target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
+        temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race,
+        target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
         splits, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
         num_warps=num_warps_for(block_size))
 
@@ -403,17 +390,17 @@ def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sum
     return kstar, mode, targ, (zp, n_keep, run, bstar)
 
 
-def _race_torch(w: torch.Tensor, lg: torch.Tensor, n_valid: int, splits: int, chunk: int, vocab_start: int):
-    """Per chunk ``(key bits, id)`` ``[B, S]`` x 2 of the race ``L / w`` (INF_BITS / NO_CANDIDATE if none)."""
-    key = torch.where(w > 0, lg.double() / w.clamp_min(1).double(), torch.full_like(lg, float("inf"),
-                                                                                    dtype=torch.float64))
-    kb = torch.full((w.shape[0], splits * chunk), INF_BITS, dtype=torch.int64, device=w.device)
-    kb[:, :n_valid] = key.view(torch.int64)
-    kb = kb.view(w.shape[0], splits, chunk)
-    best = kb.min(-1).values
-    col = (kb == best[..., None]).to(torch.uint8).argmax(-1)
-    gid = torch.arange(splits, device=w.device)[None, :] * chunk + col + vocab_start
-    return best, torch.where(best == INF_BITS, torch.full_like(gid, NO_CANDIDATE), gid)
+def _race_torch(w: torch.Tensor, e: torch.Tensor, n_valid: int, splits: int, chunk: int, vocab_start: int):
+    """Per chunk the packed best ``key bits << 32 | id`` ``[B, S]`` of the race ``E / w`` (fp32 ``w``;
+    NO_CANDIDATE where no weight is positive)."""
+    pos = w > 0
+    key = torch.where(pos, e / torch.where(pos, w, torch.ones_like(w)), torch.full_like(w, float("inf")))
+    gid = torch.arange(vocab_start, vocab_start + n_valid, device=w.device)[None, :]
+    packed = torch.where(pos, (key.view(torch.int32).to(torch.int64) << 32) | gid,
+                         torch.full_like(gid, NO_CANDIDATE))
+    full = torch.full((w.shape[0], splits * chunk), NO_CANDIDATE, dtype=torch.int64, device=w.device)
+    full[:, :n_valid] = packed
+    return full.view(w.shape[0], splits, chunk).min(-1).values
 
 
 def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state,
@@ -444,30 +431,26 @@ def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets
         kept = fin & ((u > bstar[row_s][:, None]) | ((tie > 0) & (within < n_keep[row_s][:, None])))
     else:
         kept = fin
-    t = temperatures[:, None]
+    c = weight_scale_torch(temperatures)[:, None]
     m_p = decode_max_key_torch(keys[row_s, :, 1].max(1).values)[:, None]
-    fpw = fixed_point_weight_torch(xp, m_p, t, kept)
+    fpw = fixed_point_weight_torch(xp, m_p, c, kept).to(torch.float32)
     zp = zp_all.view(-1)[row_s][:, None]
     xq = draft[row_qs, :n_valid].float()
     m_q = decode_max_key_torch(keys[rt + row_qs, :, 1].max(1).values)[:, None]
-    fqw = fixed_point_weight_torch(xq, m_q, t, torch.isfinite(xq))
+    fqw = fixed_point_weight_torch(xq, m_q, c, torch.isfinite(xq)).to(torch.float32)
     zq = q_sums[row_qs, :, 0].sum(1)[:, None]
-    pv = fpw.double() / zp.clamp_min(1).double()
-    qv = torch.where(zq > 0, fqw.double() / zq.clamp_min(1).double(), torch.zeros_like(pv))
-    res = (torch.clamp_min(pv - qv, 0.0) * _TWO52).to(torch.int64)
+    inv_p = (1.0 / zp.clamp_min(1).double()).float()
+    inv_q = torch.where(zq > 0, 1.0 / zq.clamp_min(1).double(), torch.zeros_like(zq, dtype=torch.float64)).float()
+    res = torch.clamp_min(fpw * inv_p - fqw * inv_q, 0.0)
     main = torch.where((mode == MODE_RESIDUAL)[:, None], res, fpw)
     live = ((mode == MODE_RESIDUAL) | (mode == MODE_BONUS))[:, None]
     zero = torch.zeros_like(main)
     main, alt = torch.where(live, main, zero), torch.where(live, fpw, zero)
     gid = torch.arange(vocab_start, vocab_start + n_valid, device=dev)[None, :]
     salt = torch.where(mode == MODE_RESIDUAL, RESIDUAL_SALT, BONUS_SALT)[:, None]
-    pos = (offsets + kstar)[:, None]
-    c1, c2 = (pos & 0xFFFFFFFF) + 0 * gid, ((pos >> 32) & 0xFFFFFFFF) + 0 * gid
-    c0 = gid + 0 * pos
-    r0, _, _, _ = philox_4x32_10_torch(seeds[:, None] + 0 * c0, c0, c1, c2, salt + 0 * c0)
-    lg = neg_log2_q40_torch(r0, log2_table(dev))
-    race[:, :, 0], race[:, :, 1] = _race_torch(main, lg, n_valid, splits, chunk, vocab_start)
-    race[:, :, 2], race[:, :, 3] = _race_torch(alt, lg, n_valid, splits, chunk, vocab_start)
+    e = neg_log2_uniform_torch(race_words_torch(seeds[:, None], (offsets + kstar)[:, None], gid, salt))
+    race[:, :, 0] = _race_torch(main, e, n_valid, splits, chunk, vocab_start)
+    race[:, :, 1] = _race_torch(alt, e, n_valid, splits, chunk, vocab_start)
 
 
 def _check_assemble(tokens, keys, dec, race_all, accepted, num_accepted):
@@ -493,16 +476,6 @@ def rejection_assemble(tokens, keys, dec, race_all, accepted, num_accepted) -> N
                                      race_all.shape[0], BLOCK_K=triton.next_power_of_2(k + 1), num_warps=1)
 
 
-def _best_torch(race_all: torch.Tensor, col: int):
-    """Lexicographic min (key bits, id) over ranks and chunks: ``race_all [tp, B, S, 4]`` -> ``[B]`` x 2."""
-    tp, b, s, _ = race_all.shape
-    k = race_all[..., col].permute(1, 0, 2).reshape(b, tp * s)
-    i = race_all[..., col + 1].permute(1, 0, 2).reshape(b, tp * s)
-    best = k.min(1).values
-    bid = torch.where(k == best[:, None], i, torch.full_like(i, NO_CANDIDATE)).min(1).values
-    return best, bid
-
-
 def rejection_assemble_reference(tokens, keys, dec, race_all, accepted, num_accepted) -> None:
     """Eager twin of :func:`rejection_assemble`."""
     b, k = _check_assemble(tokens, keys, dec, race_all, accepted, num_accepted)
@@ -512,9 +485,9 @@ def rejection_assemble_reference(tokens, keys, dec, race_all, accepted, num_acce
     ks = torch.arange(k + 1, device=dev)
     targ = key_to_id_torch(keys[: b * (k + 1), :, 0].max(1).values).view(b, k + 1)
     kstar, mode = dec[:, 0], dec[:, 1]
-    km, im = _best_torch(race_all, 0)
-    _, ia = _best_torch(race_all, 2)
-    drawn = torch.where(km < INF_BITS, im, ia)
+    bm = race_all[..., 0].permute(1, 0, 2).reshape(b, -1).min(1).values
+    ba = race_all[..., 1].permute(1, 0, 2).reshape(b, -1).min(1).values
+    drawn = torch.where(bm != NO_CANDIDATE, bm, ba) & 0xFFFFFFFF
     miss = tokens != targ[:, :k]
     n_greedy = 1 + torch.where(miss, ks[None, :k], torch.full_like(tokens, k)).min(1).values
     emitted = torch.where(mode == MODE_ARGMAX, targ.gather(1, kstar[:, None])[:, 0], drawn)

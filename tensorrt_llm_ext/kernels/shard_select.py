@@ -8,9 +8,10 @@ Optionally the value is perturbed for keyed Gumbel-max sampling: per row tempera
 ``T <= 0`` = greedy), seed and offset (int64); the score is ``x * S + G2`` in fp32 with
 ``S = div_rn(log2 e, T)`` once per row and ``G2 = gumbel2_noise(seed, offset, global id, SALT)`` (word
 ``id % 4`` of the Philox block ``id // 4``, two ``log2``; see :mod:`tensorrt_llm_ext.kernels.ordered_key`).
-The kernel computes one Philox block per four columns of its tiles and gets the same values; the noise
-depends on the global vocab id only, so a draw is the same at every TP size, split count and block size,
-whatever the shard's start modulo 4.
+A sampled row runs its own loop (``_sampled_span``): one Philox call per four columns (two when the
+shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one ``exp2`` per column) says some column could beat the program's best so far; the skipped
+columns provably lose, so the keys are those of the full computation. The noise depends on the global
+vocab id only, so a draw is the same at every TP size, split count and block size.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
 the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
@@ -39,8 +40,9 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     gumbel_words4,
     key_to_id,
     key_to_id_torch,
-    ordered_i32,
     keyed_gumbel_scores_torch,
+    one_minus_uniform,
+    ordered_i32,
     ordered_i32_torch,
     pack_key,
     pack_key_torch,
@@ -58,6 +60,11 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_BYTES = 8192
 # Resident programs per SM the split plan aims for (one wave: a second partial wave would double the tail).
 _PROGRAMS_PER_SM = 2
+# The sampled kernel's schedule (a launch with temperatures): it is issue-bound (Philox per four columns,
+# the skip bound per column), not bandwidth-bound, so it has its own tile, warps and wave target.
+_SAMPLED_TILE_COLUMNS = 2048
+_SAMPLED_WARPS = 4
+_SAMPLED_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -78,53 +85,129 @@ def _fold(x, start, best_v, best_s, valid, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _tile_noise(seed, offset, vocab_start, start, GROUPS: tl.constexpr, SALT: tl.constexpr):
-    """Gumbel noise of a ``[4, GROUPS]`` tile: element ``(j, i)`` is local column ``start + 4 i + j``.
+def _greedy_span(row_ptr, col_begin, col_end, BLOCK: tl.constexpr):
+    """Best ``(ordered key, local column)`` of the row's columns ``[col_begin, col_end)`` in torch.argmax
+    order (``(INT32_MIN, ...)`` when the span is empty).
 
-    Equal, element for element, to ``gumbel2_noise(seed, offset, vocab_start + column, SALT)`` with one
-    Philox call per four columns instead of one per column. ``start`` is a multiple of 4. When the
-    shard starts at a global id that is a multiple of 4 (``phase == 0``: every TP shard of a vocabulary
-    divisible by 4 tp) group ``i`` is exactly Philox block ``(vocab_start + start) // 4 + i``; otherwise a
-    group straddles two blocks and takes the tail words of block ``q`` and the head words of ``q + 1`` (two
-    calls per four columns, still half the per-column cost).
+    Full tiles load unmasked in effect: their masks are per-program scalars (splat), which keep the loads
+    vectorized. Two tiles per iteration, and the next two are loaded before the current two are folded,
+    so up to four tiles per program are in flight while it computes (few rows leave the kernel
+    latency-bound otherwise: each program would wait for every load before it issues the next).
     """
-    phase = (vocab_start & 3).to(tl.int32)
-    # Groups along the fast (last) axis: the default layout then spreads threads over groups and keeps
-    # a group's four words in one thread, so each thread runs Philox once per group it owns. (With the
-    # groups on axis 0, the compiler laid [GROUPS, 4] out with four threads per group and computed the
-    # Philox block in each of them: the per-column cost again, seen in the generated code.)
-    q = (vocab_start >> 2) + (start >> 2) + tl.arange(0, GROUPS).to(tl.int64)[None, :]
+    lanes = tl.arange(0, BLOCK)
+    # Per-lane running best (value, tile start). It starts at (-inf, col_begin): a lane whose values are
+    # all -inf keeps its first column, which is then the right answer; a lane past col_end (a short
+    # chunk) is never taken and stays invalid (column >= col_end).
+    best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
+    best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
+    zero = tl.zeros(lanes.shape, tl.int32)
+    n_full = (col_end - col_begin) // BLOCK
+    x0 = tl.load(row_ptr + col_begin + lanes, mask=zero < n_full, other=0.0)
+    x1 = tl.load(row_ptr + col_begin + BLOCK + lanes, mask=zero + 1 < n_full, other=0.0)
+    for t in range(0, n_full, 2):
+        c0 = x0
+        c1 = x1
+        start = col_begin + t * BLOCK
+        x0 = tl.load(row_ptr + start + 2 * BLOCK + lanes, mask=zero + (t + 2) < n_full, other=0.0)
+        x1 = tl.load(row_ptr + start + 3 * BLOCK + lanes, mask=zero + (t + 3) < n_full, other=0.0)
+        best_v, best_s = _fold(c0.to(tl.float32), start, best_v, best_s, lanes, False)
+        if t + 1 < n_full:
+            best_v, best_s = _fold(c1.to(tl.float32), start + BLOCK, best_v, best_s, lanes, False)
+    full_end = col_begin + n_full * BLOCK
+    if full_end < col_end:
+        valid = full_end + lanes < col_end
+        x = tl.load(row_ptr + full_end + lanes, mask=valid, other=0.0)
+        best_v, best_s = _fold(x.to(tl.float32), full_end, best_v, best_s, valid, True)
+    # Across lanes: exact ordered keys (NaN highest), the lowest column among equal keys.
+    best_c = best_s + lanes
+    return block_best(ordered_i32(best_v), best_c, best_c < col_end, 0)
+
+
+# log2(log2 e): -log2(u) >= log2(e) * (1 - u), so G2 = -log2(-log2 u) <= -log2(1 - u) - LOG2_LOG2E (rounded down).
+_LOG2_LOG2E = tl.constexpr(0.52876)
+# Slack of the skip bound, in log2 units: far above the score's rounding and the SFU log2/exp2 errors
+# (about 1e-5 here), and scaled with the magnitudes involved (see _sampled_tile).
+_SKIP_SLACK = tl.constexpr(0.00390625)
+
+
+@triton.jit
+def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """Philox words of a ``[4, G]`` tile: element ``(j, i)`` is local column ``start + 4 i + j`` (``start`` a
+    multiple of 4), its word that of global id ``vocab_start + start + 4 i + j``.
+
+    The groups lie along the fast axis, so a group's four words stay in one thread and each thread runs
+    Philox once per group it owns. ``ALIGNED`` (``vocab_start % 4 == 0``, every shard of a vocabulary
+    divisible by 4 tp): group ``i`` is exactly Philox block ``(vocab_start + start) / 4 + i``, one call
+    per four columns. Otherwise a group straddles two blocks and takes the tail words of one and the head
+    words of the next (two calls per four columns; such shards also have odd row strides, so their loads
+    are not vectorized either).
+    """
+    q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[None, :]
     j = tl.arange(0, 4)[:, None]
     a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
-    if phase == 0:
+    if ALIGNED:
         w = pick_word(j, a0, a1, a2, a3)
     else:
         b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
-        k = j + phase
+        k = j + (vocab_start & 3).to(tl.int32)
         w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
-    return gumbel2_from_word(w)
+    return w
 
 
 @triton.jit
-def _load_fold(row_ptr, lanes, start, col_end, best_v, best_s, sampled, scale, seed, offset, vocab_start,
-               MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
-    """Load (masked) and fold the ragged tail tile at ``start``."""
-    valid = start + lanes < col_end
-    x = tl.load(row_ptr + start + lanes, mask=valid, other=0.0)
-    return _score_fold(x, start, best_v, best_s, valid, sampled, scale, seed, offset, vocab_start, MASKED,
-                       SAMPLE, SALT)
+def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
+                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """Fold one ``[4, G]`` tile of a sampled row into the per-lane best, skipping the exact score when no
+    element of the tile can beat the program's best so far.
+
+    The exact score ``x * S + G2`` costs two SFU log2 and a near-1 series per element; a bound costs one
+    exp2: since ``-log2 u >= log2(e) t`` with ``t = 1 - u`` (exact in fp32), ``x * S + G2 > thr`` needs
+    ``t < 2^(x S - thr - log2(log2 e))``. ``thr`` is the best score folded so far (NaN ignored); an
+    element failing the test scores below ``thr`` and has a higher column than the element that set
+    ``thr``, so it cannot win: skipping the tile leaves the program's result exactly what the full fold
+    gives. A NaN value (NaN bound) and any element while ``thr = -inf`` (NaN or ``+inf`` bound) always
+    take the exact path; masked lanes never do.
+    """
+    xf = x.to(tl.float32)
+    w = _tile_words(seed, offset, vocab_start, start, x.shape[1], ALIGNED, SALT)
+    # The slack absorbs the fp32 rounding of x * S + G2 (relative 2^-24 of magnitudes near |thr|) and the
+    # device exp2 / log2 approximations; skipping less than possible never changes a result.
+    lift = thr + (_LOG2_LOG2E - _SKIP_SLACK) - tl.abs(thr) * 3.814697265625e-06
+    cand = ~(one_minus_uniform(w) >= tl.exp2(xf * scale - lift))
+    if MASKED:
+        cand = cand & valid
+    if tl.max(cand.to(tl.int32)) > 0:
+        s = gumbel_score(xf, scale, gumbel2_from_word(w))
+        best_v, best_s = _fold(s, start, best_v, best_s, valid, MASKED)
+        thr = tl.max(tl.where(best_v == best_v, best_v, float("-inf")))
+    return best_v, best_s, thr
 
 
 @triton.jit
-def _score_fold(x, start, best_v, best_s, valid, sampled, scale, seed, offset, vocab_start,
-                MASKED: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr):
-    """Score one loaded tile (``x * S + G2`` for a sampled row, else ``x``) and fold it."""
-    x = x.to(tl.float32)
-    if SAMPLE:
-        if sampled:
-            g = _tile_noise(seed, offset, vocab_start, start, x.shape[1], SALT)
-            x = gumbel_score(x, scale, g)
-    return _fold(x, start, best_v, best_s, valid, MASKED)
+def _sampled_span(row_ptr, col_begin, col_end, scale, seed, offset, vocab_start, BLOCK: tl.constexpr,
+                  ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """Best ``(ordered key, local column)`` of ``x * S + G2`` over the row's columns ``[col_begin, col_end)``:
+    full tiles unmasked (vectorized loads), then the ragged tail."""
+    G: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, G) * 4)[None, :]
+    best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
+    best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
+    thr = float("-inf")
+    n_full = (col_end - col_begin) // BLOCK
+    for t in range(0, n_full):
+        start = col_begin + t * BLOCK
+        x = tl.load(row_ptr + start + lanes)
+        best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, lanes,
+                                            False, ALIGNED, SALT)
+    tail = col_begin + n_full * BLOCK
+    if tail < col_end:
+        valid = tail + lanes < col_end
+        x = tl.load(row_ptr + tail + lanes, mask=valid, other=float("-inf"))
+        best_v, best_s, thr = _sampled_tile(x, tail, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
+                                            True, ALIGNED, SALT)
+    # A lane that never took a value stands for its first column (an all -inf span answers col_begin).
+    best_c = tl.reshape(best_s + lanes, [BLOCK])
+    return block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, best_c < col_end, 0)
 
 
 @triton.jit(do_not_specialize=["vocab_start", "num_splits"])
@@ -146,62 +229,23 @@ def _shard_select_kernel(
     SPLIT: tl.constexpr,
     OUT_IDS: tl.constexpr,
     SALT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # vocab_start % 4 == 0 (read only if SAMPLE)
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
-    if SAMPLE:
-        # [4, BLOCK / 4] tiles: group (column) i of a tile is four consecutive logits columns, whose
-        # noise comes from one Philox call (_tile_noise); the 4 words of a group stay in one thread.
-        lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, BLOCK // 4) * 4)[None, :]
-    else:
-        lanes = tl.arange(0, BLOCK)
-
-    sampled = False
-    scale = 1.0
-    seed = 0
-    offset = 0
-    if SAMPLE:
-        t_row = tl.load(temp_ptr + row)
-        sampled = t_row > 0.0  # T <= 0 rows are greedy: plain values, no noise
-        scale = gumbel_scale(t_row)  # the row's one division
-        seed = tl.load(seed_ptr + row)
-        offset = tl.load(offset_ptr + row)
-
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
-    # Per-lane running best (value, tile start). It starts at (-inf, col_begin): a lane whose values are
-    # all -inf keeps its first column, which is then the right answer; a lane past col_end (a short
-    # chunk) is never taken and stays invalid (column >= col_end).
-    best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
-    best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
-    zero = tl.zeros(lanes.shape, tl.int32)
-    # Full tiles load unmasked in effect: their masks are per-program scalars (splat), which keep the
-    # loads vectorized. Two tiles per iteration, and the next two are loaded before the current two
-    # are folded, so up to four tiles per program are in flight while it computes (few rows leave the
-    # kernel latency-bound otherwise: each program would wait for every load before it issues the next).
-    n_full = (col_end - col_begin) // BLOCK
-    x0 = tl.load(row_ptr + col_begin + lanes, mask=zero < n_full, other=0.0)
-    x1 = tl.load(row_ptr + col_begin + BLOCK + lanes, mask=zero + 1 < n_full, other=0.0)
-    for t in range(0, n_full, 2):
-        c0 = x0
-        c1 = x1
-        start = col_begin + t * BLOCK
-        x0 = tl.load(row_ptr + start + 2 * BLOCK + lanes, mask=zero + (t + 2) < n_full, other=0.0)
-        x1 = tl.load(row_ptr + start + 3 * BLOCK + lanes, mask=zero + (t + 3) < n_full, other=0.0)
-        best_v, best_s = _score_fold(c0, start, best_v, best_s, lanes, sampled, scale, seed, offset,
-                                     vocab_start, False, SAMPLE, SALT)
-        if t + 1 < n_full:
-            best_v, best_s = _score_fold(c1, start + BLOCK, best_v, best_s, lanes, sampled, scale, seed,
-                                         offset, vocab_start, False, SAMPLE, SALT)
-    full_end = col_begin + n_full * BLOCK
-    if full_end < col_end:
-        best_v, best_s = _load_fold(row_ptr, lanes, full_end, col_end, best_v, best_s, sampled, scale, seed,
-                                    offset, vocab_start, True, SAMPLE, SALT)
-
-    # Across lanes: exact ordered keys (NaN highest), the lowest column among equal keys.
-    best_c = tl.reshape(best_s + lanes, [BLOCK])
-    bk, bc = block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, best_c < col_end, 0)
+    if SAMPLE:
+        t_row = tl.load(temp_ptr + row)
+        if t_row > 0.0:
+            # The row's one division; T <= 0 rows are greedy: plain values, no noise.
+            bk, bc = _sampled_span(row_ptr, col_begin, col_end, gumbel_scale(t_row), tl.load(seed_ptr + row),
+                                   tl.load(offset_ptr + row), vocab_start, BLOCK, ALIGNED, SALT)
+        else:
+            bk, bc = _greedy_span(row_ptr, col_begin, col_end, BLOCK)
+    else:
+        bk, bc = _greedy_span(row_ptr, col_begin, col_end, BLOCK)
     key = pack_key(bk, bc.to(tl.int64) + vocab_start)
 
     if SPLIT:
@@ -280,10 +324,19 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
-def default_block(n_valid: int, dtype: torch.dtype) -> int:
-    """Columns per tile: ``_TILE_BYTES`` of logits (4096 bf16/fp16, 2048 fp32), less for narrow shards."""
-    block = _TILE_BYTES // dtype.itemsize  # no tensor per call: this runs on every launch
+def default_block(n_valid: int, dtype: torch.dtype, sampled: bool = False) -> int:
+    """Columns per tile: greedy ``_TILE_BYTES`` of logits (4096 bf16/fp16, 2048 fp32), sampled
+    ``_SAMPLED_TILE_COLUMNS``; less for narrow shards."""
+    block = _SAMPLED_TILE_COLUMNS if sampled else _TILE_BYTES // dtype.itemsize  # no tensor per call
     return min(block, max(16, triton.next_power_of_2(max(n_valid, 1))))
+
+
+def default_warps(block: int, sampled: bool = False) -> int:
+    """Warps per program: greedy one per 256 columns (4 to 8); sampled ``_SAMPLED_WARPS`` (fewer for tiles
+    of fewer than 32 columns per warp)."""
+    if sampled:
+        return max(1, min(_SAMPLED_WARPS, block // 128))
+    return num_warps_for(block, min_warps=4)
 
 
 def plan_splits(rows: int, n_valid: int, device: torch.device, block: int, num_splits: int | None = None,
@@ -354,6 +407,7 @@ def shard_select_keys(
     return_ids: bool = False,
     block_size: int | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reduce each row of ``[R, V_local]`` shard logits to its int64 selection key (one launch).
@@ -367,8 +421,10 @@ def shard_select_keys(
         out: ``[R]`` int64, written in place.
         return_ids: write global ids (``-1`` for a shard with no valid column) instead of keys; use it
             when this rank holds the whole vocabulary (no exchange follows).
-        block_size, num_splits: tiling (columns per tile, a power of two >= 16; programs per row).
-            Default: :func:`default_block` and :func:`plan_splits`. The result never depends on them.
+        block_size, num_splits, num_warps: the schedule (columns per tile, a power of two >= 16; programs per
+            row; warps per program). Default: :func:`default_block`, :func:`plan_splits` (with
+            ``_SAMPLED_PROGRAMS_PER_SM`` for a sampled launch) and :func:`default_warps`. The result never
+            depends on them.
         scratch: ``(slots int64 [>= R] filled with EMPTY_KEY, counts int32 [>= R] zeros)``; the kernel
             restores them. Default: a per-device cache (launches sharing it must be stream-ordered).
 
@@ -387,27 +443,33 @@ def shard_select_keys(
         return res if out is None else out.copy_(res)
     rows, width = shard_logits.shape
     n_valid = max(0, min(width, vocab_size - vocab_start))
+    sample = temperatures is not None
     if block_size is None:
-        block_size = default_block(n_valid, shard_logits.dtype)
+        block_size = default_block(n_valid, shard_logits.dtype, sample)
     check_int("block_size", block_size, lo=16)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
     check_int("salt", salt, lo=0, hi=2**32)
     if num_splits is not None:
         check_int("num_splits", num_splits, lo=1)
+    if num_warps is None:
+        num_warps = default_warps(block_size, sample)
+    check_int("num_warps", num_warps, lo=1, hi=32)
+    if num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps: expected a power of two <= 32, got {num_warps}")
     device = shard_logits.device
     if out is None:
         out = torch.empty((rows,), dtype=torch.int64, device=device)
     if rows == 0:
         return out
-    splits, chunk = plan_splits(rows, n_valid, device, block_size, num_splits)
+    splits, chunk = plan_splits(rows, n_valid, device, block_size, num_splits,
+                                _SAMPLED_PROGRAMS_PER_SM if sample else _PROGRAMS_PER_SM)
     if splits > 1:
         if scratch is None:
             scratch = _scratch(device, rows)
         slots, counts = scratch
     else:
         slots, counts = out, out  # never read: SPLIT is off
-    sample = temperatures is not None
     stride_row = shard_logits.stride(0) if rows > 1 else width
     _shard_select_kernel[(rows, splits)](
         shard_logits,
@@ -427,7 +489,8 @@ def shard_select_keys(
         SPLIT=splits > 1,
         OUT_IDS=return_ids,
         SALT=salt,
-        num_warps=num_warps_for(block_size, min_warps=4),
+        ALIGNED=vocab_start % 4 == 0,
+        num_warps=num_warps,
     )
     return out
 

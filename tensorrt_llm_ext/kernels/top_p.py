@@ -37,10 +37,11 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
-                                                          decode_max_key_torch, exp2_table, fixed_point_weight,
+                                                          decode_max_key_torch, fixed_point_weight,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
-                                                          radix_to_f32_torch, row_max_from_keys)
+                                                          radix_to_f32_torch, row_max_from_keys, weight_scale,
+                                                          weight_scale_torch)
 
 __all__ = [
     "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
@@ -101,7 +102,7 @@ def kept_in_tile(u, fin, bstar, n_keep, run):
 
 
 @triton.jit
-def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, exp2_ptr, cols_t, num_splits, rows,
+def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols_t, num_splits, rows,
                rank, tp, split, HAS_P: tl.constexpr):
     """Per target row ``r`` (scalar or block): ``(Z_p, F_p(tok) if kept else 0, n_keep, tie base, b*)``.
 
@@ -120,13 +121,13 @@ def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, exp2
     bstar = z * 0
     if HAS_P:
         utok = _sum_splits(srow + 2, num_splits, cols_t, ok)
-        t = tl.where(temp > 0.0, temp, 1.0)
+        c = weight_scale(temp)
         tau = row_tau(p, z, temp, True)
         keep_all = tau < 0
         m = decode_max_key(row_max_from_keys(keys_ptr, r, num_splits))
         bstar = tl.load(state_ptr + r64 * 2, mask=ok, other=0)
         mass = tl.load(state_ptr + r64 * 2 + 1, mask=ok, other=0)
-        fstar = fixed_point_weight(radix_to_f32(bstar), m, t, ok & ~keep_all, exp2_ptr)
+        fstar = fixed_point_weight(radix_to_f32(bstar), m, c, ok & ~keep_all)
         fs = tl.maximum(fstar, 1)
         n_keep = tl.where(keep_all, 0, (tau - mass + fs - 1) // fs)
         zp = tl.where(keep_all, z, mass + n_keep * fs)
@@ -153,7 +154,6 @@ def _top_p_round_kernel(
     state_out_ptr,  # [R, 2] int64 written by the program of chunk 0
     out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S, 2] tie counts (TIES), every slot written
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
-    exp2_ptr,
     stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
     rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr,
@@ -163,7 +163,7 @@ def _top_p_round_kernel(
     r64 = row.to(tl.int64)
     b = row // row_div
     temp = tl.load(temp_ptr + b)
-    t = tl.where(temp > 0.0, temp, 1.0)
+    c = weight_scale(temp)
     m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
     z = _sum_splits(sums_ptr + r64 * num_splits * cols_t, num_splits, cols_t, row >= 0)
     tau = row_tau(tl.load(top_p_ptr + b), z, temp, True)
@@ -215,7 +215,7 @@ def _top_p_round_kernel(
                 x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
                 u = radix_key(x)
                 hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
-                w = fixed_point_weight(x, m, t, hit, exp2_ptr)
+                w = fixed_point_weight(x, m, c, hit)
                 tl.atomic_add(out + ((u >> sh_digit) & 255), w, mask=w > 0)
 
 
@@ -225,7 +225,6 @@ def _top_p_mask_kernel(
     state_ptr,  # [R, 2] int64: (b*, mass above b*)
     ties_all_ptr,  # [tp, R, S, 2] int64 gathered tie counts
     mask_ptr,  # [R, width] uint8 (a bool tensor's bytes), every column written
-    exp2_ptr,
     stride_row, width, cols_t, n_valid, chunk, num_splits, rows, row_div, rank, tp,
     BLOCK: tl.constexpr,
 ):
@@ -234,7 +233,7 @@ def _top_p_mask_kernel(
     r64 = row.to(tl.int64)
     b = row // row_div
     _, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, tl.load(temp_ptr + b),
-                                          tl.load(top_p_ptr + b), row, row >= 0, exp2_ptr, cols_t, num_splits,
+                                          tl.load(top_p_ptr + b), row, row >= 0, cols_t, num_splits,
                                           rows, rank, tp, split, True)
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
@@ -282,10 +281,10 @@ def _resolve_torch(hist: torch.Tensor, prefix: torch.Tensor, mass: torch.Tensor,
 def _row_setup_torch(keys, temperatures, top_p, sums, row_div):
     rows = sums.shape[0]
     temp = temperatures.repeat_interleave(row_div)
-    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    c = weight_scale_torch(temp)
     m = decode_max_key_torch(keys[:rows, :, 1].max(1).values)
     p = top_p.repeat_interleave(row_div) if top_p is not None else None
-    return t, m, row_tau_torch(p, sums[:, :, 0].sum(1), temp)
+    return c, m, row_tau_torch(p, sums[:, :, 0].sum(1), temp)
 
 
 def kept_torch(u, fin, bstar, n_keep, tie_base):
@@ -304,12 +303,12 @@ def final_rows_torch(keys, sums, state, ties_all, temp, p, rank: int):
     splits = sums.shape[1]
     if p is None:
         return z, ftok, zero, torch.zeros((z.shape[0], splits), dtype=torch.int64, device=z.device), zero
-    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    c = weight_scale_torch(temp)
     tau = row_tau_torch(p, z, temp)
     keep_all = tau < 0
     m = decode_max_key_torch(keys[: z.shape[0], :, 1].max(1).values)
     bstar, mass = state[:, 0], state[:, 1]
-    fstar = fixed_point_weight_torch(radix_to_f32_torch(bstar), m, t, ~keep_all)
+    fstar = fixed_point_weight_torch(radix_to_f32_torch(bstar), m, c, ~keep_all)
     fs = torch.clamp_min(fstar, 1)
     n_keep = torch.where(keep_all, zero, (tau - mass + fs - 1) // fs)
     zp = torch.where(keep_all, z, mass + n_keep * fs)
@@ -370,7 +369,7 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
         return
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
-        exp2_table(logits.device), logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
+        logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
         n_valid, vocab_start, chunk, splits, row_div, 0, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
         num_warps=num_warps_for(block_size))
 
@@ -382,7 +381,7 @@ def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, st
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
     rows = logits.shape[0]
-    t, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
+    c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     start = torch.zeros_like(state_prev) if rnd == 1 else state_prev
     prefix, mass = _resolve_torch(prev_hist, start[:, 0], start[:, 1], tau)
     state_out[:, 0] = prefix
@@ -390,7 +389,7 @@ def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, st
     x = logits[:, :n_valid].float()
     u = radix_key_torch(x)
     hit = torch.isfinite(x) & ((u >> (32 - 8 * rnd)) == prefix[:, None]) & (tau >= 0)[:, None]
-    w = fixed_point_weight_torch(x, m[:, None], t[:, None], hit)
+    w = fixed_point_weight_torch(x, m[:, None], c[:, None], hit)
     h = torch.zeros((rows, splits * HIST_BUCKETS), dtype=torch.int64, device=x.device)
     sc = _chunk_index(n_valid, chunk, x.device)[None, :] * HIST_BUCKETS
     h.scatter_add_(1, sc + ((u >> (24 - 8 * rnd)) & 255), w)
@@ -435,7 +434,7 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     k_tok = tokens.shape[1] if tokens is not None else 0
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
-        tokens if tokens is not None else keys, exp2_table(logits.device), logits.stride(0), sums.shape[2],
+        tokens if tokens is not None else keys, logits.stride(0), sums.shape[2],
         prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, skip_bits,
         BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, num_warps=num_warps_for(block_size))
 
@@ -498,7 +497,7 @@ def top_p_mask(logits, keys, temperatures, top_p, sums, state, ties_all, vocab_s
     if rows == 0:
         return out
     _top_p_mask_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, state, ties_all, out.view(torch.uint8), exp2_table(logits.device),
+        logits, keys, temperatures, top_p, sums, state, ties_all, out.view(torch.uint8),
         logits.stride(0), width, sums.shape[2], n_valid, chunk, splits, rows, row_div, rank, ties_all.shape[0],
         BLOCK=block_size, num_warps=num_warps_for(block_size))
     return out

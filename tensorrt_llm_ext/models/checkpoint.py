@@ -199,7 +199,7 @@ def read_checkpoint_facts(directory: str | Path) -> CheckpointFacts:
         raise CheckpointError(f"checkpoint: {config_path}: max_position_embeddings must be an integer >= 1, "
                               f"got {max_pos!r}")
     dtype_name = cfg.get("torch_dtype", cfg.get("dtype"))
-    if dtype_name is not None and dtype_name not in _DTYPE_FROM_NAME:
+    if dtype_name is not None and (not isinstance(dtype_name, str) or dtype_name not in _DTYPE_FROM_NAME):
         raise CheckpointError(f"checkpoint: {config_path}: torch_dtype={dtype_name!r} is not a float dtype this "
                               f"loader reads (float32, float16 or bfloat16)")
     return CheckpointFacts(

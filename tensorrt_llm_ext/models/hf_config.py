@@ -41,6 +41,17 @@ def float_field(cfg: dict, key: str, default=None) -> float:
     return float(v)
 
 
+def bool_field(cfg: dict, key: str, default: bool = False) -> bool:
+    """A JSON ``true`` / ``false`` (``null`` or absent: ``default``). Strict: the string ``"false"`` is truthy in
+    Python, so a switch given as a string would be taken as on -- refused by name instead."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{key} must be true or false, got {v!r}")
+    return v
+
+
 def _optional_float(cfg: dict, key: str) -> float | None:
     return None if cfg.get(key) is None else float_field(cfg, key)
 
@@ -90,7 +101,7 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
             beta_fast=float_field({"beta_fast": d.get("beta_fast") or 32.0}, "beta_fast"),
             beta_slow=float_field({"beta_slow": d.get("beta_slow") or 1.0}, "beta_slow"),
             attention_factor=_optional_float(d, "attention_factor"), mscale=_optional_float(d, "mscale"),
-            mscale_all_dim=_optional_float(d, "mscale_all_dim"), truncate=bool(d.get("truncate", True)))
+            mscale_all_dim=_optional_float(d, "mscale_all_dim"), truncate=bool_field(d, "truncate", True))
     except ValueError as e:
         raise ValueError(f"rope_scaling {d}: {e}") from None
 
@@ -102,7 +113,7 @@ def _check_sliding_window(cfg: dict, family: str) -> None:
         raise ValueError(f"layer_types={sorted(set(layer_types))} is not supported (full attention only)")
     window = cfg.get("sliding_window")
     if family in ("qwen2", "qwen3"):
-        active = bool(cfg.get("use_sliding_window", False)) and window is not None
+        active = bool_field(cfg, "use_sliding_window") and window is not None
     else:  # Mistral applies any window; one at least as long as the model's context never binds
         max_pos = cfg.get("max_position_embeddings")
         active = window is not None and not (isinstance(max_pos, int) and isinstance(window, int) and window >= max_pos)
@@ -127,7 +138,7 @@ def target_fields(cfg: dict) -> dict:
     hidden = int_field(cfg, "hidden_size")
     head_dim = cfg.get("head_dim")
     head_dim = int_field({"head_dim": hidden // heads if head_dim is None and heads > 0 else head_dim}, "head_dim")
-    attention_bias = bool(cfg.get("attention_bias", False)) if family in ("llama", "qwen3") else False
+    attention_bias = bool_field(cfg, "attention_bias") if family in ("llama", "qwen3") else False
     return {
         "vocab_size": int_field(cfg, "vocab_size"),
         "hidden_size": hidden,
@@ -140,8 +151,8 @@ def target_fields(cfg: dict) -> dict:
         "rms_norm_eps": float_field(cfg, "rms_norm_eps", 1e-6),
         "qkv_bias": attention_bias or family == "qwen2",
         "o_proj_bias": attention_bias,
-        "mlp_bias": bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
+        "mlp_bias": bool_field(cfg, "mlp_bias") if family == "llama" else False,
         "qk_norm": family == "qwen3",
         "rope_scaling": scaling,
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": bool_field(cfg, "tie_word_embeddings"),
     }

@@ -30,8 +30,8 @@ Example::
       exchange: auto                   # auto | nccl | low_latency
       use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
       vocab_sharded_verification: auto # auto | on | off
-    cuda_graph_config:                 # on a GPU: capture per batch size (null: eager)
-      batch_sizes: [1, 2, 4, 8]
+    cuda_graph_config:                 # on a GPU (default on): capture per batch size (null: eager)
+      batch_sizes: [1, 2, 4, 8]        # default: powers of two up to max_batch_size, and max_batch_size
       enable_padding: true
 """
 
@@ -208,8 +208,9 @@ class SpeculativeConfig(_Strict):
 
 
 class CudaGraphConfig(_Strict):
-    """``cuda_graph_config``: on a CUDA device the speculative step is captured per batch size whenever
-    this section is present (``null`` or absent: eager steps). Ignored on a CPU (logged)."""
+    """``cuda_graph_config``: on a CUDA device every decode step (speculative and target-only) is captured
+    per batch size and step variant whenever this section is present -- it is by default; ``null`` turns
+    graphs off (eager steps). Ignored on a CPU (logged once)."""
 
     batch_sizes: tuple[StrictInt, ...] | None = None  # None: powers of two up to max_batch_size
     enable_padding: StrictBool = True
@@ -248,7 +249,7 @@ class RuntimeConfig(_Strict):
 
     model: ModelConfig = ModelConfig()
     speculative_config: SpeculativeConfig = SpeculativeConfig()
-    cuda_graph_config: CudaGraphConfig | None = None  # None: eager steps
+    cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig()  # None (``null``): eager steps
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     tensor_parallel_size: StrictInt = Field(1, ge=1)
     pipeline_parallel_size: Literal[1] = 1

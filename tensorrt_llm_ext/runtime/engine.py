@@ -10,8 +10,12 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 
 Requests are admitted in order while slots are free, and every request admitted in one loop iteration is
 prefilled in one batched call (:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context
-store); a request that fails validation gets an error result and never reaches a slot. Each step pads the active rows to a CUDA-graph batch size (dummy rows on
-the dummy slot) and replays the captured step when graphs are enabled, else runs it eagerly.
+store); a request that fails validation gets an error result and never reaches a slot.
+
+Every step -- of :meth:`Engine.generate` and of :meth:`Engine.run_step` (what ``serve``'s scheduler calls) --
+goes through :meth:`Engine.run_step` and the mode's :class:`CudaGraphRunner` (:meth:`Engine.runner`), which
+alone decides whether the step replays a captured graph (padding the rows to a graph batch size, dummy rows
+on the dummy slot) or runs eagerly (:func:`~tensorrt_llm_ext.runtime.cuda_graph.plan_step`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 MODES = ("speculative", "gathered", "target_only", "stock")
+
+
+def _path(mode: str) -> str:
+    """The worker a mode runs on: ``gathered`` / ``stock`` their own, the rest the speculative worker."""
+    return mode if mode in ("gathered", "stock") else "speculative"
 
 
 def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
@@ -154,7 +163,9 @@ class Engine:
             ``mapping``).
         mapping: this rank's layout (default: one rank with the config's ``enable_attention_dp``).
         device: default CUDA when available, else CPU.
-        use_cuda_graph: capture the speculative step per batch size (CUDA only).
+        use_cuda_graph: capture every decode step this engine runs (the speculative step and the
+            target-only decode), per batch size and step variant, on first use of each (CUDA only; the
+            batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``).
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
@@ -191,7 +202,9 @@ class Engine:
         self._workers: dict[str, DSparkWorker] = {}
         self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
-        self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None
+        self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None  # None: every step eager
+        # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
+        self._graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
 
     # -- workers -------------------------------------------------------------------------------------
@@ -217,10 +230,6 @@ class Engine:
                              verification_mode=verification)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
             self._workers[key] = w
-            if self.use_cuda_graph:
-                runner = CudaGraphRunner(w, self.batch_sizes, enable_padding=self.enable_padding)
-                if runner.capture_agreed(self.mapping):
-                    self._runners[key] = runner
         return self._workers[key]
 
     def reference(self, path: str = "speculative") -> ReferenceDecoder:
@@ -230,13 +239,25 @@ class Engine:
             ref = self._references[path] = ReferenceDecoder(self.worker(path))
         return ref
 
-    def _padded(self, path: str, n: int) -> int:
-        runner = self._runners.get(path)
-        if runner is not None:
-            padded = runner.padded_size(n)
-            if padded is not None:
-                return padded
-        return n
+    def runner(self, mode: str = "speculative") -> CudaGraphRunner:
+        """The step runner of ``mode`` (one per decode: the speculative step of ``speculative`` / ``gathered`` /
+        ``stock``, and the target-only decode), built -- and with graphs on, captured (every rank in the same
+        order: capture agrees across ranks) -- on first use."""
+        if mode not in MODES:
+            raise ValueError(f"Engine.runner: mode must be one of {MODES}, got {mode!r}")
+        runner = self._runners.get(mode)
+        if runner is None:
+            worker = self.worker(_path(mode))
+            if mode == "target_only":
+                forward, name = self.reference(_path(mode)).step, "the target-only decode"
+            else:
+                forward, name = worker.forward, f"the {mode} step"
+            runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
+                                     enable_padding=self.enable_padding, pool=self._graph_pool)
+            if runner.enabled:
+                runner.capture(self.mapping)
+            self._runners[mode] = runner
+        return runner
 
     # -- generation ----------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -261,8 +282,9 @@ class Engine:
     def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
-        path = mode if mode in ("gathered", "stock") else "speculative"
+        path = _path(mode)
         worker = self.worker(path)
+        self.runner(mode)  # built (and captured) before the clock starts
         speculative = mode != "target_only"
         stats = GenerationStats(mode=mode)
         t0 = time.perf_counter()
@@ -304,7 +326,7 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.top_p for a in admitted])
+                               top_ps=[a.request.sampling_top_p for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -314,23 +336,7 @@ class Engine:
             if not active:
                 continue
             order = sorted(active)
-            n = len(order)
-            b = self._padded(path, n)
-            worker.set_rows(order, b)
-            with nvtx_range(f"engine.step.{mode}"):
-                if speculative:
-                    runner = self._runners.get(path)
-                    # Graphs hold the default step variant; a step with a top-p row runs eagerly.
-                    replay = runner is not None and b in runner.graphs and worker.step_is_default
-                    outs = runner.run(b) if replay else worker.forward(b)
-                    new = outs["new_tokens"][:n].cpu().tolist()
-                    lens = outs["new_tokens_lens"][:n].cpu().tolist()
-                else:
-                    ids = self.reference(path).step(b)[:n].cpu().tolist()
-                    new, lens = [[t] for t in ids], [1] * n
-                # The copies above synchronised: a low-latency exchange of this step that timed out has
-                # set its flag by now, and its rows must not become tokens.
-                worker.token_selector.check_exchange()
+            new, lens = self.run_step(order, mode)  # the one step loop, as serve's
             stats.num_steps += 1
             produced = 0
             for row, slot in enumerate(order):
@@ -353,21 +359,21 @@ class Engine:
     def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
         """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
         generated token."""
-        path = "gathered" if mode == "gathered" else "speculative"
+        path = _path(mode)
         self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
                                                self.state.page_size))
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.top_p])[0]
+                                                       top_ps=[request.sampling_top_p])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.top_p)
+                                         top_p=request.sampling_top_p)
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
         if mode == "target_only":
             raise ValueError("prefill_logprobs: the target-only decode keeps no prefill logits")
-        path = "gathered" if mode == "gathered" else "speculative"
+        path = _path(mode)
         logits = self.worker(path).prefill_logits
         logits = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         return self._logprobs(path, logits, [0], [token], [request])[0]
@@ -379,7 +385,7 @@ class Engine:
         head, its few ``[rows]`` / ``[rows, k]`` collectives) per step; call on every rank."""
         if mode == "target_only":
             raise ValueError("step_logprobs: the target-only decode keeps no step logits")
-        path = "gathered" if mode == "gathered" else "speculative"
+        path = _path(mode)
         k1 = self.draft_len + 1
         rows, toks, reqs, where = [], [], [], []
         for r, req in enumerate(requests):
@@ -403,28 +409,38 @@ class Engine:
         x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
-                            torch.tensor([float(r.top_p) for r in requests], dtype=torch.float32, device=dev),
+                            torch.tensor([r.sampling_top_p for r in requests], dtype=torch.float32, device=dev),
                             max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
         """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new
-        tokens (``[K+1]``, the first ``lens[i]`` accepted) and ``lens``. Pads to a captured batch size and
-        replays its graph where one exists, else runs eagerly -- the same step :meth:`generate` runs."""
-        path = "gathered" if mode == "gathered" else "speculative"
-        worker = self.worker(path)
+        tokens (``[K+1]`` speculative, ``[1]`` target-only; the first ``lens[i]`` accepted) and ``lens``.
+
+        The step :meth:`generate` runs too: the mode's runner (:meth:`runner`) replays a captured graph
+        that covers the rows or runs the step eagerly -- it alone decides.
+        """
+        runner = self.runner(mode)
         n = len(slots)
-        b = self._padded(path, n)
-        worker.set_rows(list(slots), b)
         with nvtx_range(f"engine.step.{mode}"):
-            if mode != "target_only":
-                runner = self._runners.get(path)
-                outs = runner.run(b) if runner is not None and b in runner.graphs else worker.forward(b)
+            outs = runner.step(list(slots))
+            if mode == "target_only":
+                ids = outs[:n].cpu().tolist()
+                new, lens = [[t] for t in ids], [1] * n
+            else:
                 self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next step
-                return outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
-            ids = self.reference(path).step(b)[:n].cpu().tolist()
-            return [[t] for t in ids], [1] * n
+                new, lens = outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
+            # The copies above synchronised: a low-latency exchange of this step that timed out has set its
+            # flag by now, and its rows must not become tokens.
+            runner.worker.token_selector.check_exchange()
+        return new, lens
+
+    def reset_step_state(self) -> None:
+        """Reset every worker's step state (prepared rows, Markov key ring) after a prefill or step that was
+        aborted part way; held slots stay held (each prefill rewrites its slot's state)."""
+        for w in self._workers.values():
+            w.reset_step_state()
 
     def release_slot(self, slot: int) -> None:
         """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
@@ -508,6 +524,5 @@ class Engine:
         """
         held = self.slots.release_all()
         self.pages.free_all()
-        for w in self._workers.values():
-            w.reset_step_state()
+        self.reset_step_state()
         logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")

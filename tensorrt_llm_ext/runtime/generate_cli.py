@@ -4,7 +4,7 @@ Exit codes (documented in README and docs/fault_matrix.md):
 
 * ``0``: every request was served (and with ``--check`` every path and rank agreed);
 * ``1``: ``--check`` found a difference, or compared nothing;
-* ``2``: bad arguments, config or prompts (nothing ran);
+* ``2``: bad arguments, config or prompts, or ``--tp N`` on a host with fewer than N GPUs (nothing ran);
 * ``3``: one or more requests were rejected (the others were served and printed);
 * ``4``: a rank failed, died or hung (the report names it, how it ended and its last log lines);
 * ``130`` / ``143`` (128 + the signal): ``--tp N`` interrupted by SIGINT / SIGTERM; the signal was passed on
@@ -19,6 +19,7 @@ import math
 import sys
 from dataclasses import asdict
 
+from tensorrt_llm_ext.runtime import launch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
@@ -78,6 +79,10 @@ def main_generate(args: argparse.Namespace) -> int:
     if args.cuda_graph and not torch.cuda.is_available():
         print("error: --cuda-graph needs a CUDA device", file=sys.stderr)
         return 2
+    gpus = launch.tp_gpu_error(cfg.tensor_parallel_size)
+    if gpus:
+        print(f"error: {gpus}", file=sys.stderr)
+        return 2
     if args.json_out:
         try:  # checked before the run, not after it
             with open(args.json_out, "a"):
@@ -117,15 +122,16 @@ def main_generate(args: argparse.Namespace) -> int:
                       show_progress=not args.no_progress, progress_terminal=sys.stderr.isatty(), check_top_p=args.check and rejection)
     device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
     spec = cfg.speculative_config
-    print(f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
-          f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
-          f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-          f"{_sampling(sampling)}"
-          f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
-          f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
+    banner = (f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
+              f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
+              f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
+              f"{_sampling(sampling)}"
+              f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
+              f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
     try:
+        # The banner follows the load: a checkpoint refused there (NaN weights) prints its one line alone.
         reports = run_generate(job, tp, timeout=args.job_timeout, rank_timeout=args.rank_timeout,
-                               log_dir=args.log_dir)
+                               log_dir=args.log_dir, on_built=lambda: print(banner, flush=True))
     except RankJobInterrupted as e:
         print(f"error: the {tp}-rank job was {e.headline} (rank logs: {e.log_dir})", file=sys.stderr)
         return 128 + e.signum

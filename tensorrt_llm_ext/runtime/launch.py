@@ -41,6 +41,25 @@ def ensure_triton_interpreter() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def cuda_device_count() -> int | None:
+    """GPUs this host shows, or None without CUDA (ranks then run on CPU, any number of them). The one place
+    the launchers read it, so that a test can stand in for a host with fewer GPUs."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def tp_gpu_error(tp_size: int) -> str | None:
+    """One line when ``tp_size`` ranks (one per GPU, all on this host) need more GPUs than it has; checked
+    before any rank starts (ranks sharing a GPU end in NCCL's "Duplicate GPU detected")."""
+    n = cuda_device_count()
+    if tp_size > 1 and n is not None and n < tp_size:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        return f"--tp {tp_size} needs {tp_size} GPUs (one rank per GPU on this host), found {n}{seen}"
+    return None
+
+
 def parse_prompt(text: str) -> list[int]:
     """``"1 2 3"`` / ``"1,2,3"`` / ``"[1, 2, 3]"`` -> ids (ValueError naming the bad item)."""
     items = text.replace("[", " ").replace("]", " ").replace(",", " ").split()
@@ -151,8 +170,9 @@ def _progress_bar(total: int, desc: str, enabled: bool, terminal: bool = True):
     return lines, lines.update
 
 
-def run_job(job: GenerateJob, mapping=None) -> RankReport:
-    """Build the engine for this rank and run every mode of ``job`` (call on every rank)."""
+def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
+    """Build the engine for this rank and run every mode of ``job`` (call on every rank); ``on_built()`` is
+    called once the engine is built (its checkpoint read and checked)."""
     import torch
 
     from tensorrt_llm_ext.mapping import Mapping
@@ -175,6 +195,8 @@ def run_job(job: GenerateJob, mapping=None) -> RankReport:
 
         logger.info("generate: building the engine (weights, caches" + (", CUDA graphs)" if job.cuda_graph else ")"))
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=job.cuda_graph)
+    if on_built is not None:
+        on_built()
     requests = [Request(**r) for r in job.requests]
     report = RankReport(rank=mapping.rank)
     total = sum(r.max_new_tokens for r in requests)
@@ -207,7 +229,7 @@ def _outside_top_p(engine, worker, requests, results) -> list[int]:
             counts.append(0)
             continue
         inside = engine.reference().top_p_membership(0, list(req.prompt_ids), res.output_ids,
-                                                     req.sampling_temperature, req.top_p)
+                                                     req.sampling_temperature, req.sampling_top_p)
         counts.append(sum(1 for ok in inside if not ok))
     return counts
 
@@ -238,16 +260,19 @@ DEFAULT_RANK_TIMEOUT_S = 60.0
 
 
 def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TIMEOUT_S,
-                 rank_timeout: float = DEFAULT_RANK_TIMEOUT_S, log_dir: str | None = None) -> list[RankReport]:
+                 rank_timeout: float = DEFAULT_RANK_TIMEOUT_S, log_dir: str | None = None,
+                 on_built=None) -> list[RankReport]:
     """Run ``job`` on ``tp_size`` ranks (in process at 1); returns one report per rank, rank order.
 
     At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
     that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
     naming it; a checkpoint every rank refuses at load raises its :class:`CheckpointError` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
-    it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs.
+    it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs. ``on_built()`` is called once the
+    engine passed its load checks: at TP 1 when it is built, at TP N when the ranks have reported (the
+    launcher does not hear from them before).
     """
     if tp_size == 1:
-        return [run_job(job)]
+        return [run_job(job, on_built=on_built)]
     from tensorrt_llm_ext.runtime.ranks import launch_ranks
 
     raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
@@ -257,6 +282,8 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
         from tensorrt_llm_ext.models.checkpoint import CheckpointError
 
         raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
+    if on_built is not None:
+        on_built()
     reports = []
     for item in raw:
         rep = RankReport(rank=item["rank"])

@@ -134,7 +134,8 @@ class _Sampling(BaseModel):
     @field_validator("temperature", "top_p", "seed")
     @classmethod
     def _sampling(cls, v, info: ValidationInfo):
-        # The request's SamplingParams rules, in their one wording (seed None: the default seed 0).
+        # The request's SamplingParams rules, in their one wording (seed None: the default seed 0; a top_p
+        # below the smallest normal fp32 is served as MIN_TOP_P, Request.sampling_top_p).
         problem = None if v is None else sampling_problem(info.field_name, v)
         if problem is not None:
             raise ValueError(problem)
@@ -486,9 +487,29 @@ def _json_depth_ok(raw: bytes) -> bool:
     return True
 
 
+def _lone_surrogate(data, path: str = "") -> tuple[str, str, int] | None:
+    """The first string in ``data`` (keys included) holding a lone UTF-16 surrogate -- valid JSON (``"\\ud800"``)
+    but no Unicode text, which a tokenizer cannot encode: ``(field path, the surrogate, its index)``."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")  # refuses exactly the surrogates, at C speed
+        except UnicodeEncodeError as e:
+            return path or "body", data[e.start], e.start
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        where = f"{path}.{k}" if path else str(k)
+        hit = _lone_surrogate(k, where) if isinstance(k, str) else None
+        hit = hit or _lone_surrogate(v, where)
+        if hit:
+            return hit
+    return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = None) -> BaseModel:
     """Raw HTTP body -> a validated request model, or :class:`ApiError` 400 (OpenAI's error object) for a
-    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, or invalid."""
+    body that is not UTF-8, not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, not an object, holding a lone
+    surrogate in a string, or invalid."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -503,6 +524,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
         raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
+    if "\\u" in text and (bad := _lone_surrogate(data)) is not None:  # only a \u escape can make one
+        where, c, i = bad
+        raise ApiError(400, f"{where}: a lone UTF-16 surrogate (\\u{ord(c):04x} at character {i}) is not Unicode "
+                            f"text; send the character's full surrogate pair or its UTF-8", where.split(".")[0])
     try:
         return model.model_validate(data, context={"limits": limits})
     except ValidationError as e:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorrt_llm_ext.contract import MIN_TEMPERATURE, SamplingParams
+from tensorrt_llm_ext.contract import FP32_MAX, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+
+__all__ = ["FP32_MAX", "MIN_TEMPERATURE", "MIN_TOP_P", "Request", "RequestError", "RequestResult"]
 
 
 class RequestError(ValueError):
@@ -51,6 +53,11 @@ class Request:
     def sampling_temperature(self) -> float:
         """The temperature a slot samples at (:attr:`SamplingParams.effective_temperature`)."""
         return self.sampling_params.effective_temperature
+
+    @property
+    def sampling_top_p(self) -> float:
+        """The top-p a slot samples with (:attr:`SamplingParams.effective_top_p`)."""
+        return self.sampling_params.effective_top_p
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.

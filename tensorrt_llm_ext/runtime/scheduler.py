@@ -11,6 +11,12 @@ Per request the tokens are exactly what :meth:`Engine.generate` produces for it:
 token, each step appends the accepted tokens up to a stop token (its ``stop_token_ids`` or, unless
 ``ignore_eos``, the checkpoint's EOS, honoured after ``min_tokens``) or ``max_new_tokens``; a request's
 tokens depend only on its own prompt, seed and temperature, not on which requests share its steps.
+
+A request-level error inside a plan -- a layer below refusing a value (``ValueError``) that validation let
+through -- fails requests, never the engine: in a prefill that request alone; in a step every request of the
+step (a step aborted part way cannot be resumed row by row), the ones that fail validation named as the cause.
+Their slots are freed, the workers' step state reset, and later plans are served. Any other exception (a
+collective timeout, a device fault) propagates: the engine has failed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
 
 
@@ -41,6 +48,9 @@ class Event:
     error: str | None = None
     accepted_len: int | None = None  # tokens accepted by this step (None: the prefill's first token)
     logprobs: list | None = None  # with Request.logprobs: per token (logprob, [(id, logprob)] top k)
+    # With finish_reason "error": True when the request's own values are the cause (HTTP 400), False when it
+    # ended because its step was aborted by another request's error (HTTP 500).
+    request_fault: bool = True
 
 
 @dataclass
@@ -109,8 +119,15 @@ class Scheduler:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         t0 = time.perf_counter()
         slot = self.engine.slots.acquire()
-        first = self.engine.prefill_slot(slot, request, self.mode)
-        lps = [self.engine.prefill_logprobs(request, first, self.mode)] if request.logprobs is not None else None
+        try:
+            first = self.engine.prefill_slot(slot, request, self.mode)
+            lps = [self.engine.prefill_logprobs(request, first, self.mode)] if request.logprobs is not None else None
+        except ValueError as e:  # a layer below refused a value of this request: it fails, the engine serves on
+            self.engine.release_slot(slot)
+            self.engine.reset_step_state()
+            msg = f"request {handle}: refused in its prefill: {type(e).__name__}: {e}"
+            logger.warning(f"scheduler: {msg}")
+            return Event(handle, [], "error", msg)
         stats.prefill_s += time.perf_counter() - t0
         stats.num_prefills += 1
         live = _Live(request, slot)
@@ -121,10 +138,13 @@ class Scheduler:
         by_slot = {live.slot: handle for handle, live in self._live.items()}
         order = sorted(by_slot)
         t0 = time.perf_counter()
-        new, lens = self.engine.run_step(order, self.mode)
         reqs = [self._live[by_slot[slot]].request for slot in order]
-        lps = (self.engine.step_logprobs(reqs, new, lens, self.mode) if any(r.logprobs is not None for r in reqs)
-               else [None] * len(order))
+        try:
+            new, lens = self.engine.run_step(order, self.mode)
+            lps = (self.engine.step_logprobs(reqs, new, lens, self.mode) if any(r.logprobs is not None for r in reqs)
+                   else [None] * len(order))
+        except ValueError as e:
+            return self._fail_step([by_slot[slot] for slot in order], e)
         stats.step_s = time.perf_counter() - t0
         stats.num_rows = len(order)
         stats.accepted_lens = list(lens)
@@ -132,6 +152,30 @@ class Scheduler:
         for row, slot in enumerate(order):
             handle = by_slot[slot]
             events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row]))
+        return events
+
+    def _fail_step(self, handles: list[int], error: ValueError) -> list[Event]:
+        """A step refused a value part way: every request of it ends with an error (the ones whose own fields
+        fail validation named as the cause), their slots are freed and the step state reset."""
+        cause = f"{type(error).__name__}: {error}"
+        culprits = {}
+        for h in handles:
+            try:
+                self.validate(self._live[h].request)
+            except RequestError as e:
+                culprits[h] = str(e)
+        events = []
+        for h in handles:
+            live = self._live.pop(h)
+            self.engine.release_slot(live.slot)
+            if h in culprits:
+                events.append(Event(h, [], "error", f"{culprits[h]} (the step refused it: {cause})"))
+            else:
+                blame = f"requests {sorted(culprits)}" if culprits else "a value the step refused"
+                events.append(Event(h, [], "error", f"request {h}: ended with its step, aborted by {blame}: {cause}",
+                                    request_fault=False))
+        self.engine.reset_step_state()
+        logger.warning(f"scheduler: a step refused {cause}; ended its {len(handles)} request(s), engine serving on")
         return events
 
     def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None, logprobs=None) -> Event:

@@ -7,7 +7,9 @@ kill all ranks the moment one process they started dies, so a follower that dies
 supervisor (which rank, how), and the supervisor lingers while rank 0 notices the loss, answers 503 and
 exits non-zero by itself (the launcher then exits non-zero too).
 
-Exit codes: 0 after a SIGTERM/SIGINT drain; 2 for a bad argument, config or port (before any work);
+Exit codes: 0 after a SIGTERM/SIGINT drain; 128 + the signal (130 / 143) when a second SIGINT / SIGTERM cut
+the drain short (every request still running ended with its error first); 2 for a bad argument, config, port,
+a tokenizer larger than the model's vocabulary or ``--tp N`` above the host's GPU count (before any work);
 3 when the engine or a rank failed while serving.
 """
 
@@ -77,15 +79,35 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
         return None, f"--max-queue {args.max_queue}: expected >= 1"
     if not args.drain_timeout > 0:
         return None, f"--drain-timeout {args.drain_timeout}: expected seconds > 0"
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        return None, f"--max-body-bytes {args.max_body_bytes}: expected >= 1"
     tok = args.tokenizer or cfg.tokenizer
     if tok is not None and not os.path.isdir(tok):
         return None, f"tokenizer directory {tok} not found"
+    err = _tokenizer_error(tok or cfg.model.path, cfg.model.target.vocab_size)
+    if err:
+        return None, err
+    from tensorrt_llm_ext.runtime import launch
+
+    err = launch.tp_gpu_error(cfg.tensor_parallel_size)
+    if err:
+        return None, err
     try:
         read_chat_template(args.chat_template)
     except ValueError as e:
         return None, str(e)
     err = _port_error(args.host, args.port)
     return (None, err) if err else (cfg, None)
+
+
+def _tokenizer_error(directory: str | None, vocab_size: int) -> str | None:
+    """The tokenizer that would be served must not produce ids past the model's vocabulary (checked here,
+    before any rank starts, so a mismatched pair exits 2 instead of failing requests)."""
+    from tensorrt_llm_ext.runtime.server import load_tokenizer, tokenizer_vocab_error
+
+    tokenizer = load_tokenizer(directory)
+    err = tokenizer_vocab_error(tokenizer, vocab_size) if tokenizer is not None else None
+    return f"tokenizer {directory}: {err}" if err else None
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -127,17 +149,19 @@ def launch_tp(tp: int, argv: list[str]) -> int:
         return EXIT_USAGE
 
 
-def use_cuda_graph(cfg: RuntimeConfig, force: bool = False) -> bool:
-    """CUDA graphs follow ``cuda_graph_config`` on a CUDA device (``force``: the ``--cuda-graph`` flag)."""
+def use_cuda_graph(cfg: RuntimeConfig, flag: bool | None = None) -> bool:
+    """Whether every decode step is captured in CUDA graphs: on a CUDA device, ``flag`` (``--cuda-graph`` /
+    ``--no-cuda-graph``) when given, else ``cuda_graph_config`` (present by default; ``null`` turns graphs
+    off). On a CPU never (logged once)."""
     import torch
 
     from tensorrt_llm_ext.logger import info_once
 
     if not torch.cuda.is_available():
-        if cfg.cuda_graph_config is not None:
-            info_once("cuda_graph_config: no CUDA device, steps run eagerly")
+        if flag or (flag is None and cfg.cuda_graph_config is not None):
+            info_once("CUDA graphs: no CUDA device, every step runs eagerly")
         return False
-    return force or cfg.cuda_graph_config is not None
+    return cfg.cuda_graph_config is not None if flag is None else flag
 
 
 def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
@@ -172,10 +196,12 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     if mapping is None or mapping.rank == 0:
         log_no_effect_fields(cfg)  # once per job, not once per rank
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
-    # Binding the worker agrees across ranks (collectives): every rank does it here, in the same order,
-    # before rank 0 starts planning and the others start following.
+    # Binding the worker and capturing the served decode's graphs agree across ranks (collectives): every
+    # rank does both here, in the same order, before rank 0 starts planning and the others start following.
     selection = engine.worker("speculative").selection.describe()
-    scheduler = Scheduler(engine, mode="target_only" if args.no_speculation else "speculative")
+    mode = "target_only" if args.no_speculation else "speculative"
+    engine.runner(mode)
+    scheduler = Scheduler(engine, mode=mode)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -201,7 +227,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path),
                        speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
-                       model_aliases=tuple(names[1:]), api_key=api_key(args))
+                       model_aliases=tuple(names[1:]), api_key=api_key(args),
+                       **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
              f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
              f"selection={selection} "
@@ -272,7 +299,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's spelling of --no-access-log")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies answer 413 without being parsed (default 8 MiB)")
     p.add_argument("--no-speculation", action="store_true",
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="capture steps on CUDA even without cuda_graph_config (which enables them by itself)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
+                        "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")

@@ -12,11 +12,15 @@ cancelled in the engine (its slot freed before the next step). ``text``, ``token
 the tokens end with the one that completed the stop (string or id), the text ends before the stop string
 (unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
 
-Failures: if the engine raises, every request in flight and every new one answers 503, ``/health`` answers
+Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
+engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the
+engine serves on. If the engine raises, every request in flight and every new one answers 503, ``/health`` answers
 503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT drains: no new connections, new
 requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
 runs then ends with a 503 error body (or, streaming, an SSE error chunk then ``[DONE]``) and its slot is
-freed, and the process exits 0.
+freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
+way (503 / error chunk then ``[DONE]``) and the process exits ``128 + signal`` (130 for SIGINT, 143 for
+SIGTERM) after at most :data:`FORCED_GRACE_S`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text), ``POST /tokenize`` and
@@ -48,7 +52,11 @@ __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "S
 EXIT_ENGINE_FAILED = 3  # the engine (or a rank) failed while serving
 FAILURE_GRACE_S = 2.0  # after a failure: answer 503s this long, then exit
 SHUTDOWN_GRACE_S = 5.0  # after the drain deadline: time for the 503s to reach their clients
+FORCED_GRACE_S = 2.0  # after a second SIGTERM/SIGINT: time for the error chunks to reach their clients
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # serve --max-body-bytes: a larger body answers 413, never parsed
+BODY_DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped up to this, so its client gets the 413
+PREP_THREADS = 4  # parsing, tokenizing and request building run on these threads, never on the event loop
 
 
 @dataclass
@@ -63,6 +71,7 @@ class ServeContext:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM received: new requests answer 503
     speculative: bool = True  # False (--no-speculation): the target's own decode, which keeps no logits
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as `model`
     api_key: str | None = None  # --api-key / TLLM_EXT_API_KEY: required on /v1/* routes
@@ -81,13 +90,38 @@ def served_model_name(cfg, override: str | None) -> str:
 
 
 # -- requests ----------------------------------------------------------------------------------------------
+def _in_vocab(ctx: ServeContext, ids: list[int], param: str) -> list[int]:
+    """Tokenizer output checked against the model's vocabulary (a tokenizer larger than the model is refused
+    at start; this names the token if one slips through)."""
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise ApiError(400, f"{param}: the tokenizer gave token {ctx.tokenizer.convert_ids_to_tokens(bad[0])!r} (id "
+                            f"{bad[0]}), outside the model's vocabulary [0, {ctx.vocab_size}): the tokenizer does not "
+                            f"match the model", param)
+    return ids
+
+
+def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
+    """One line when ``tokenizer`` has ids the model's vocabulary lacks (a mismatched pair: text mapping to
+    them could never be served), else None."""
+    vocab = tokenizer.get_vocab()  # added tokens included
+    top = max(vocab.values(), default=-1)
+    if top < vocab_size:
+        return None
+    name = next(t for t, i in vocab.items() if i == top)
+    over = sum(1 for i in vocab.values() if i >= vocab_size)
+    return (f"the tokenizer has {over} token(s) outside the model's vocabulary of {vocab_size} ids (the highest: "
+            f"{name!r}, id {top}); serve the tokenizer that belongs to the model")
+
+
 def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str) or (p and isinstance(p[0], str)):
         if ctx.tokenizer is None:
             raise ApiError(400, "prompt: text prompts need a tokenizer (the model directory has none); send token "
                                 "ids, e.g. \"prompt\": [1, 2, 3]", "prompt")
-        return [list(ctx.tokenizer.encode(t, add_special_tokens=True)) for t in ([p] if isinstance(p, str) else p)]
+        return [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt")
+                for t in ([p] if isinstance(p, str) else p)]
     return [list(x) for x in p] if p and isinstance(p[0], list) else [list(p)]
 
 
@@ -122,7 +156,8 @@ def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
     if ctx.tokenizer is None:
         raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
                             "(use /v1/completions with token ids)", "messages")
-    return _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
+    return _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                        body.chat_template_kwargs), "messages")
 
 
 def check_model(ctx: ServeContext, model: str | None) -> None:
@@ -188,6 +223,7 @@ class _Choice:
         self.tokens: list[int] = []
         self.logprobs: list = []
         self.finish_reason: str | None = None
+        self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
         self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
         self.text_sent = 0
         self.tokens_sent = 0
@@ -204,6 +240,10 @@ class _Choice:
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
             self.stop_token = e.finish_reason == "stop"
+        if e.finish_reason == "error":
+            msg = e.error or "the engine ended the request with an error"
+            self.error = (ApiError(400, msg) if e.request_fault
+                          else ApiError(500, msg, None, "internal_error"))
         if self.stops and self.finish_reason in (None, "stop", "length"):
             for m in range(prev + 1, len(self.tokens) + 1):  # the first token that completes a stop string
                 if any(s in self.decode(self.tokens[:m]) for s in self.stops):
@@ -323,6 +363,7 @@ class ApiKeyGate:
 
 
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
+    from concurrent.futures import ThreadPoolExecutor
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -331,11 +372,21 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
 
     from tensorrt_llm_ext import __version__
 
+    # A 20 MB body took 15-32 s to parse and tokenize: on the event loop that froze every client. Here it
+    # delays only its own answer (the tokenizer releases the GIL; Python parsing yields it every few ms).
+    prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+
     @asynccontextmanager
     async def lifespan(app):
         if on_ready is not None:
             on_ready()
-        yield
+        try:
+            yield
+        finally:
+            prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
@@ -400,18 +451,37 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
     async def read_body(http: HttpRequest) -> bytes | None:
+        """The body, or :class:`ApiError` 413 past ``ctx.max_body_bytes`` (by ``Content-Length`` or as it
+        arrives); None when the client left mid-body."""
         from starlette.requests import ClientDisconnect
 
+        limit = ctx.max_body_bytes
+        declared = http.headers.get("content-length", "")
+        declared_size = int(declared) if declared.isdigit() else 0
+        too_big = declared_size > limit
+        chunks, size = [], 0
         try:
-            return await http.body()
+            async for chunk in http.stream():
+                size += len(chunk)
+                if too_big or size > limit:  # from here only drained (not kept), so that the client reads the 413
+                    too_big = True
+                    chunks.clear()
+                    if size > BODY_DRAIN_BYTES:
+                        break
+                else:
+                    chunks.append(chunk)
         except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
             return None
+        if too_big:
+            raise ApiError(413, f"body: {max(size, declared_size)} bytes exceed the server's limit of {limit} bytes "
+                                f"(serve --max-body-bytes)", "body")
+        return b"".join(chunks)
 
     async def read_request(http: HttpRequest, model):
         """The parsed body (the OpenAI error object on any fault), or None when the client left mid-body."""
         check_available()
         raw = await read_body(http)
-        return None if raw is None else parse_body(raw, model, ctx.limits)
+        return None if raw is None else await off_loop(parse_body, raw, model, ctx.limits)
 
     async def serve_choices(http: HttpRequest, body, reqs: list[dict], prompts: list[list[int]], param: str,
                             kind: str, prefix: str):
@@ -431,6 +501,9 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         raw = await read_body(http)
         if raw is None:
             return Response(status_code=499)
+        return await off_loop(tokenize_body, raw)
+
+    def tokenize_body(raw: bytes) -> dict:
         body = parse_body(raw, TokenizeRequest, ctx.limits)
         check_model(ctx, body.model)
         tok = _need_tokenizer(ctx, "messages" if body.messages is not None else "prompt")
@@ -449,6 +522,9 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         raw = await read_body(http)
         if raw is None:
             return Response(status_code=499)
+        return await off_loop(detokenize_body, raw)
+
+    def detokenize_body(raw: bytes) -> dict:
         body = parse_body(raw, DetokenizeRequest, ctx.limits)
         check_model(ctx, body.model)
         tok = _need_tokenizer(ctx, "tokens")
@@ -459,7 +535,7 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         body = await read_request(http, CompletionRequest)
         if body is None:
             return Response(status_code=499)
-        reqs = build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16)
+        reqs = await off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
         return await serve_choices(http, body, reqs, [f["prompt_ids"] for f in reqs], "n" if body.n > 1 else "prompt",
                                    "text_completion", "cmpl")
 
@@ -468,8 +544,8 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         body = await read_request(http, ChatCompletionRequest)
         if body is None:
             return Response(status_code=499)
-        prompt = _chat_prompt(ctx, body)
-        reqs = build_requests(ctx, body, [prompt], body.logprobs_k(), None)
+        prompt = await off_loop(_chat_prompt, ctx, body)
+        reqs = await off_loop(build_requests, ctx, body, [prompt], body.logprobs_k(), None)
         return await serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
 
     return app
@@ -516,8 +592,8 @@ class _Output:
 
     # -- non-streaming ------------------------------------------------------------------------------------
     def _final_choice(self, ch: _Choice) -> dict:
-        if ch.finish_reason == "error":
-            raise ApiError(500, "the engine refused a validated request", None, "internal_error")
+        if ch.error is not None:
+            raise ch.error
         text = ch.text()
         if not self.chat:
             c = {"index": ch.index, "token_ids": list(ch.tokens), "finish_reason": ch.finish_reason, "logprobs": None}
@@ -598,6 +674,10 @@ class _Output:
                 ch = self._apply(item)
                 if ch is None:
                     continue
+                if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
+                    yield self._sse(ch.error.body())
+                    yield "data: [DONE]\n\n"
+                    return
                 c = self._delta(ch, item.handle in first)
                 first.discard(item.handle)
                 yield self._sse({**self._head(obj), "choices": [c]})
@@ -639,7 +719,8 @@ def is_loopback(host: str) -> bool:
 
 def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, drain_timeout_s: float,
                ready_line: str, access_log: bool = False) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (:data:`EXIT_ENGINE_FAILED`).
+    """Serve until SIGTERM/SIGINT (exit 0 after draining; a second one during the drain: ``128 + signal``) or an
+    engine failure (:data:`EXIT_ENGINE_FAILED`).
     ``access_log``: uvicorn's one line per HTTP request."""
     import contextlib
     import signal
@@ -670,6 +751,8 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
                 for s, h in old.items():
                     signal.signal(s, h)
 
+        forced_by: int | None = None  # the second signal, which ended the drain early
+
         def handle_exit(self, sig, frame):
             if not ctx.draining:
                 ctx.draining = True
@@ -681,7 +764,20 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
                 timer = threading.Timer(drain_timeout_s, drain_deadline)
                 timer.daemon = True
                 timer.start()
-            super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+            elif self.forced_by is None:
+                # Not uvicorn's force exit, which cancels every stream mid-flight (tracebacks, no [DONE]): end
+                # each request with its error first (off the signal handler: abort_all takes the loop's lock),
+                # then stop waiting for connections after a short grace.
+                self.forced_by = sig
+                threading.Thread(target=forced_end, args=(sig,), name="serve-forced-end", daemon=True).start()
+
+    def forced_end(sig: int) -> None:
+        name = signal.Signals(sig).name
+        n = ctx.loop.abort_all(f"the server is shutting down: a second {name} ended the request")
+        logger.warning(f"serve: a second {name} during the drain: ended {n} request(s), exiting {128 + sig}")
+        time.sleep(FORCED_GRACE_S)
+        server.force_exit = True
 
     app = create_app(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
@@ -710,4 +806,6 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
                            else "every request in flight was answered"))
     if ctx.loop.failure is not None:
         return EXIT_ENGINE_FAILED
+    if server.forced_by is not None:
+        return 128 + server.forced_by
     return 0 if server.started else 2

@@ -28,9 +28,10 @@ sampling keeps the target's distribution instead (greedy rows stay strict accept
 
 Top-p (``prefill(..., top_p=)``): sampled rows select from the target's exact top-p set
 (:func:`top_p_keep`, on the shards when bound vocab-parallel), in the step, in prefill and in the
-reference decode alike. A step runs the top-p variant only when one of its rows has ``top_p < 1``
-(a host-side fact of :meth:`set_rows`); only the default variant is captured in CUDA graphs
-(:attr:`step_is_default`).
+reference decode alike. Whether a step runs the top-p path is its :class:`StepVariant`, a host-side fact
+fixed by :meth:`set_rows` (by default the variant the rows need, :meth:`step_needs`); CUDA graphs capture
+each variant of :attr:`step_variants` and the graph runner replays one that covers the rows
+(:mod:`tensorrt_llm_ext.runtime.cuda_graph`).
 
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
@@ -49,7 +50,10 @@ from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
+from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
+from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT, StepVariant
+from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
 
@@ -100,7 +104,11 @@ class DSparkWorker(SpecWorkerBase):
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
         # The host-side copy of the slots' top-p (state.slot_top_p) that set_rows() routes a step by.
         self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
-        self._step_top_p = False
+        self._step_variant = DEFAULT_VARIANT
+        # The exact top-p path's buffers per logits width (kept set [R*(K+1), W] bool + its workspace),
+        # allocated on first use outside any capture (a capture's warm-up runs first), so the top-p
+        # variant of the step is capturable.
+        self._top_p_buffers: dict[int, tuple[torch.Tensor, VerificationWorkspace]] = {}
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
 
@@ -139,12 +147,32 @@ class DSparkWorker(SpecWorkerBase):
                 self.markov = chain(mode)
 
     # -- host-side row setup (outside any captured region) -------------------------------------------------
-    def set_rows(self, slots: list[int], batch_size: int) -> None:
-        """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot)."""
+    @property
+    def step_variants(self) -> tuple[StepVariant, ...]:
+        """The variants this worker's steps can need, cheapest first (what CUDA graphs capture): a
+        greedy-only worker never restricts to a top-p set."""
+        return (DEFAULT_VARIANT, TOP_P_VARIANT) if self.sampling else (DEFAULT_VARIANT,)
+
+    def step_needs(self, slots: list[int]) -> StepVariant:
+        """The cheapest variant that computes every row's distribution for a step over ``slots``: the
+        top-p one iff a row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill)."""
+        return TOP_P_VARIANT if any(self._host_top_p[s] < 1.0 for s in slots) else DEFAULT_VARIANT
+
+    def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
+        """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot).
+
+        ``variant``: the code path the step runs (default: :meth:`step_needs` of ``slots``); it must cover
+        the rows' needs -- a step never runs a path that computes another distribution for a row.
+        """
         n = len(slots)
         if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
             raise ValueError(f"set_rows: {n} slots do not fit batch_size={batch_size} (max {self.max_batch_size})")
         self.check_slots("set_rows", slots)
+        need = self.step_needs(slots)
+        variant = need if variant is None else variant
+        if not variant.covers(need) or variant not in self.step_variants:
+            raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
+                             f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")
         ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
         dummy = torch.ones(batch_size, dtype=torch.bool)
@@ -152,7 +180,7 @@ class DSparkWorker(SpecWorkerBase):
         self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
-        self._step_top_p = any(self._host_top_p[s] < 1.0 for s in slots)
+        self._step_variant = variant
 
     def check_slots(self, where: str, slots: list[int]) -> None:
         """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the
@@ -167,15 +195,14 @@ class DSparkWorker(SpecWorkerBase):
             raise ValueError(f"{want}: a slot may run in one row of a step")
 
     @property
-    def step_top_p(self) -> bool:
-        """Whether a row of the last :meth:`set_rows` samples from a top-p set (``top_p < 1``)."""
-        return self._step_top_p
+    def step_variant(self) -> StepVariant:
+        """The variant the step prepared by the last :meth:`set_rows` runs."""
+        return self._step_variant
 
     @property
-    def step_is_default(self) -> bool:
-        """Whether the rows of the last :meth:`set_rows` run the default step variant (no top-p row): the
-        variant CUDA graphs capture; others run eagerly."""
-        return not self.step_top_p
+    def step_top_p(self) -> bool:
+        """Whether the prepared step runs the exact top-p restriction (its variant's switch)."""
+        return self._step_variant.top_p
 
     def reset_step_state(self) -> None:
         """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
@@ -230,12 +257,28 @@ class DSparkWorker(SpecWorkerBase):
             exchange = self.token_selector.target_head.exchange
         else:
             x, start, vocab, exchange = logits, 0, logits.shape[-1], None
-        keep = self.ops.top_p_keep(x.contiguous(), top_p, temperatures=temps, vocab_start=start, vocab_size=vocab,
-                                   exchange=exchange)
+        out, workspace = self.top_p_buffers(x.shape[-1], exchange.tp_size if exchange is not None else 1)
+        keep = self.ops.top_p_keep(x.contiguous(), top_p.contiguous(), temperatures=temps.contiguous(),
+                                   vocab_start=start, vocab_size=vocab, exchange=exchange, out=out[:x.shape[0]],
+                                   workspace=workspace)
         restrict = ((top_p < 1.0) & (temps > 0))[:, None]
         masked = torch.where(keep | ~restrict, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
         return logits.__class__(masked, start, vocab, logits.padded_vocab_size) \
             if isinstance(logits, VocabShardedLogits) else masked
+
+    def top_p_buffers(self, width: int, tp: int) -> tuple[torch.Tensor, VerificationWorkspace]:
+        """The kept-set buffer ``[R*(K+1), width]`` bool and the workspace of :meth:`top_p_masked` (at most
+        ``R*(K+1)`` rows: a step's verified positions), allocated once per width, never inside a capture."""
+        bufs = self._top_p_buffers.get(width)
+        if bufs is None:
+            refuse_allocation_while_capturing("DSparkWorker top-p buffers", self.device)
+            rows = self.max_batch_size * (self.draft_len + 1)
+            # as the rejection verifier: column chunks fill the GPU at small B, one chunk in the interpreter
+            splits = 8 if self.device.type == "cuda" else 1
+            ws = VerificationWorkspace.for_verification(self.max_batch_size, self.draft_len, width, tp=tp,
+                                                        device=self.device, num_splits=splits)
+            bufs = self._top_p_buffers[width] = (torch.empty(rows, width, dtype=torch.bool, device=self.device), ws)
+        return bufs
 
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                 out: torch.Tensor, top_p: torch.Tensor | None = None
@@ -404,7 +447,7 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self._step_top_p else None
+        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
                             top_p)
 
@@ -444,7 +487,7 @@ class DSparkWorker(SpecWorkerBase):
         slots_l = self.slot_ids[:b].long()
         logits = self.token_selector.target_logits(hidden)
         x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
-        top_p = st.slot_top_p[slots_l] if self._step_top_p else None
+        top_p = st.slot_top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,

@@ -105,7 +105,7 @@ class RejectionVerifier:
         r, k = max_batch_size, draft_len
         # Wider column chunks on a GPU keep every SM busy at small B; the interpreter runs programs one
         # after another, so one chunk per row is fastest there. Results do not depend on the plan.
-        splits = 8 if torch.device(device).type == "cuda" else 1
+        splits = 32 if torch.device(device).type == "cuda" else 1
         if decision.sharded:
             head = selector.target_head
             self.exchange: PairExchange | None = head.exchange

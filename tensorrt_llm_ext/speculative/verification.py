@@ -3,7 +3,7 @@
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
 crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
-``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 4]``.
+``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 2]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.distributed import PairExchange
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels import rejection_sample as rs
@@ -100,7 +101,7 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
 
 
 _H = fps.HIST_BUCKETS
-_DEFAULT_BLOCK = 2048
+_DEFAULT_BLOCK = 1024
 # Column chunks are for occupancy at small batches: enough (row, chunk) programs to fill the GPU, no more,
 # since every exchanged slot is per (row, chunk) and the volume grows with the chunk count.
 _TARGET_PROGRAMS = 512
@@ -173,12 +174,9 @@ class VerificationWorkspace:
         self.num_splits = num_splits
         self.tp = tp
         self.splits, _ = fps.plan_chunks(shard_width, block_size, num_splits)
-        self.capacity = VerificationPlan(max_rows_t, max_rows_q, max_batch, self.splits, tp, True)
-        cap = self.capacity.sizes()
-        self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in cap.items()}
+        self._capacity = _capacity(max_rows_t, max_rows_q, max_batch, shard_width, block_size, num_splits, tp)
+        self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in self._capacity.items()}
         self.device = torch.device(device)
-        fps.exp2_table(device)  # the weight tables, allocated now rather than inside a capture
-        rs.log2_table(device)
 
     @classmethod
     def for_verification(cls, max_batch: int, draft_len: int, shard_width: int, **kw) -> "VerificationWorkspace":
@@ -186,12 +184,32 @@ class VerificationWorkspace:
 
     def carve(self, plan: VerificationPlan) -> SimpleNamespace:
         sizes = plan.sizes()
-        cap = self.capacity.sizes()
+        cap = self._capacity
         for name, n in sizes.items():
             if n > cap[name]:
                 raise ValueError(f"workspace: {name} needs {n} elements, the workspace holds {cap[name]} "
                                  f"(allocate it for the largest batch)")
         return _views(self._bufs, plan)
+
+
+def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, block_size: int, num_splits: int,
+              tp: int) -> dict[str, int]:
+    """Elements per buffer for every call a workspace serves: the max over its batch sizes (the column plan
+    uses fewer chunks at more rows, so the largest batch times the most chunks would overallocate)."""
+    cap: dict[str, int] = {}
+
+    def fit(rt: int, rq: int, b: int) -> None:
+        s, _ = column_plan(rt + rq, width, block_size, num_splits)
+        for name, n in VerificationPlan(rt, rq, b, s, tp, True).sizes().items():
+            cap[name] = max(cap.get(name, 0), n)
+
+    k = max_rows_q // max_batch if max_batch else 0
+    for bb in range(1, max_batch + 1):  # rejection_sample of bb requests
+        fit(min(bb * (k + 1), max_rows_t), min(bb * k, max_rows_q), bb)
+    for rt in range(1, max_rows_t + 1):  # top_p_keep of rt rows
+        fit(rt, 0, 0)
+    fit(0, 0, 0)
+    return cap
 
 
 def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNamespace:
@@ -237,11 +255,17 @@ def _exchange_facts(exchange: PairExchange | None) -> tuple[PairExchange | None,
     return exchange, exchange.tp_size, exchange.mapping.tp_rank
 
 
-def _vocab(vocab_start, vocab_size, width) -> int:
+def _vocab(vocab_start, vocab_size, width, tp) -> int:
     if vocab_size is None:
         vocab_size = vocab_start + width
     check_int("vocab_size", vocab_size, lo=1, hi=MAX_VOCAB + 1)
     check_int("vocab_start", vocab_start, lo=0, hi=vocab_size)
+    if tp == 1 and (vocab_start > 0 or vocab_size > width):
+        # one rank must own the whole vocabulary: the ids outside [vocab_start, vocab_start + width) would
+        # silently count as absent (zero mass, never kept or drawn)
+        raise ValueError(f"vocab_start / vocab_size: without an exchange (tp 1) this rank must own every id, "
+                         f"expected vocab_start 0 and vocab_size <= {width} (the width), got vocab_start "
+                         f"{vocab_start} and vocab_size {vocab_size}; pass the TP group's exchange")
     return vocab_size
 
 
@@ -251,6 +275,11 @@ def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
         return
     if temperatures.numel() and not bool((temperatures >= 0).all()):
         raise ValueError(f"temperatures: expected values >= 0 (0 = greedy), got {temperatures.tolist()}")
+    tiny = (temperatures > 0) & (temperatures < MIN_TEMPERATURE)
+    if temperatures.numel() and bool(tiny.any()):
+        # the rule of every sampler (contract.MIN_TEMPERATURE): below it a request is served greedy
+        raise ValueError(f"temperatures: expected 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
+                         f"{temperatures[tiny][:4].tolist()} (serve it greedy, its T -> 0 limit)")
     if top_p is not None and top_p.numel() and not bool(((top_p > 0) & (top_p <= 1)).all()):
         raise ValueError(f"top_p: expected values in (0, 1], got {top_p.tolist()}")
     if draft_tokens is not None and draft_tokens.numel():
@@ -263,8 +292,7 @@ def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
 # ----------------------------------------------------------------------------------------------------
 # The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
-def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, exchange, ws, kw, *, tokens=None,
-                  row_div=1):
+def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *, tokens=None, row_div=1):
     """Radix rounds 1..n (n by dtype: bf16 1, fp16 2, fp32 3) and the tie count (``ws.state[3]`` = (b*, mass
     above), ``ws.ties_all``)."""
     n = tpk.radix_rounds(logits.dtype)
@@ -272,13 +300,30 @@ def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, exchange, 
     for rnd in range(1, n + 1):
         ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)], ws.state[rnd - 1],
                         ws.hist[rnd - 1], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
-        if exchange is not None:
-            exchange.sum_(ws.hist[rnd - 1])
+        yield "sum", ws.hist[rnd - 1], None
         prev = ws.hist[rnd - 1]
     ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
                    vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), **kw)
-    if exchange is not None:
-        exchange.gather_ranks(ws.ties, out=ws.ties_all)
+    yield "gather", ws.ties, ws.ties_all
+
+
+def _drive(steps, exchange: PairExchange | None):
+    """Run a pipeline generator, issuing each exchange point it yields on ``exchange`` (none at tp 1)."""
+    ex = _exchange_or_none(exchange)
+    try:
+        step = next(steps)
+        while True:
+            op, buf, out = step
+            if ex is not None:
+                if op == "max":
+                    ex.max_(buf)
+                elif op == "sum":
+                    ex.sum_(buf)
+                else:
+                    ex.gather_ranks(buf, out=out)
+            step = next(steps)
+    except StopIteration as stop:
+        return stop.value
 
 
 def _exchange_or_none(exchange: PairExchange | None) -> PairExchange | None:
@@ -286,7 +331,8 @@ def _exchange_or_none(exchange: PairExchange | None) -> PairExchange | None:
     return None if exchange is None or exchange.tp_size == 1 else exchange
 
 
-def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace):
+def _top_p_keep_steps(ops, logits, top_p, temperatures, vocab_start, vocab_size, tp, rank, out, workspace):
+    """``top_p_keep`` as a generator that yields its exchange points (``(op, buffer, out)``, see :func:`_drive`)."""
     check_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), unit_last_stride=True)
     if logits.dim() != 2:
         raise ValueError(f"logits: expected shape [R, V_local], got {list(logits.shape)}")
@@ -297,8 +343,7 @@ def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, excha
         refuse_allocation_while_capturing("top_p_keep (temperatures=None)", dev)
         temperatures = torch.ones(rows, dtype=torch.float32, device=dev)
     check_tensor("temperatures", temperatures, shape=(rows,), dtype=torch.float32, device=dev, contiguous=True)
-    vocab_size = _vocab(vocab_start, vocab_size, width)
-    exchange, tp, rank = _exchange_facts(exchange)
+    vocab_size = _vocab(vocab_start, vocab_size, width, tp)
     _host_checks(temperatures, top_p, None, vocab_size)
     if out is None:
         refuse_allocation_while_capturing("top_p_keep", dev)
@@ -311,14 +356,11 @@ def _top_p_keep(ops, logits, top_p, temperatures, vocab_start, vocab_size, excha
     if rows == 0:
         return out
     kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
-    ex = _exchange_or_none(exchange)
     ops.keys(logits, None, vocab_start, vocab_size, out=ws.keys, **kw)
-    if ex is not None:
-        ex.max_(ws.keys)
+    yield "max", ws.keys, None
     ops.sums(logits, None, ws.keys, temperatures, vocab_start, vocab_size, hist=True, out=ws.sums, **kw)
-    if ex is not None:
-        ex.sum_(ws.sums)
-    _top_p_rounds(ops, logits, temperatures, top_p, vocab_start, vocab_size, ex, ws, kw)
+    yield "sum", ws.sums, None
+    yield from _top_p_rounds(ops, logits, temperatures, top_p, vocab_start, vocab_size, ws, kw)
     return ops.top_p_mask(logits, ws.keys, temperatures, top_p, ws.sums_t, ws.state[3], ws.ties_all, vocab_start,
                           vocab_size, out=out, rank=rank, **kw)
 
@@ -336,7 +378,9 @@ def top_p_keep(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch
     bitwise the same at every TP size. CUDA-graph safe with
     ``out=``, ``temperatures`` and ``workspace``.
     """
-    return _top_p_keep(_FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    exchange, tp, rank = _exchange_facts(exchange)
+    return _drive(_top_p_keep_steps(_FUSED_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, tp, rank,
+                                    out, workspace), exchange)
 
 
 def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatures: torch.Tensor | None = None,
@@ -344,14 +388,18 @@ def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatu
                          out: torch.Tensor | None = None,
                          workspace: VerificationWorkspace | None = None) -> torch.Tensor:
     """Eager twin of :func:`top_p_keep` (same exchanges; torch ops instead of kernels)."""
-    return _top_p_keep(_EAGER_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, exchange, out, workspace)
+    exchange, tp, rank = _exchange_facts(exchange)
+    return _drive(_top_p_keep_steps(_EAGER_KERNELS, logits, top_p, temperatures, vocab_start, vocab_size, tp, rank,
+                                    out, workspace), exchange)
 
 
 # ----------------------------------------------------------------------------------------------------
 # rejection_sample
 # ----------------------------------------------------------------------------------------------------
-def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets, top_p,
-                      vocab_start, vocab_size, exchange, out, workspace):
+def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets, top_p,
+                            vocab_start, vocab_size, tp, rank, out, workspace):
+    """``rejection_sample`` as a generator that yields its exchange points (``(op, buffer, out)``, see
+    :func:`_drive`)."""
     for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
         check_tensor(name, t, dtype=(torch.float32, torch.float16, torch.bfloat16), contiguous=True)
         if t.dim() != 3:
@@ -368,8 +416,7 @@ def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatur
     check_tensor("offsets", offsets, shape=(b,), dtype=torch.int64, device=dev, contiguous=True)
     if top_p is not None:
         check_tensor("top_p", top_p, shape=(b,), dtype=torch.float32, device=dev, contiguous=True)
-    vocab_size = _vocab(vocab_start, vocab_size, width)
-    exchange, tp, rank = _exchange_facts(exchange)
+    vocab_size = _vocab(vocab_start, vocab_size, width, tp)
     _host_checks(temperatures, top_p, draft_tokens, vocab_size)
     if out is None:
         refuse_allocation_while_capturing("rejection_sample", dev)
@@ -386,29 +433,25 @@ def _rejection_sample(ops, target_logits, draft_logits, draft_tokens, temperatur
     if b == 0:
         return accepted, num_accepted
     kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
-    ex = _exchange_or_none(exchange)
     tgt = target_logits.view(b * k1, width)
     drf = draft_logits.view(b * k, width)
     # pass 1: row maxima of target and draft rows (and the target argmax), one launch
     ops.keys(tgt, drf, vocab_start, vocab_size, out=ws.keys, **kw)
-    if ex is not None:
-        ex.max_(ws.keys)
+    yield "max", ws.keys, None
     # pass 2: masses Z, the drafted tokens' weights, and top-p round 0, one launch
     ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1, row_div_q=k,
              hist=has_p, out=ws.sums, **kw)
-    if ex is not None:
-        ex.sum_(ws.sums)
+    yield "sum", ws.sums, None
     # exact top-p of the target rows: the boundary and its tie counts
     state = ties_all = None
     if has_p:
-        _top_p_rounds(ops, tgt, temperatures, top_p, vocab_start, vocab_size, ex, ws, kw, tokens=draft_tokens,
-                      row_div=k1)
+        yield from _top_p_rounds(ops, tgt, temperatures, top_p, vocab_start, vocab_size, ws, kw, tokens=draft_tokens,
+                                 row_div=k1)
         state, ties_all = ws.state[3], ws.ties_all
     # decisions and the residual / bonus race over the chunks of row k*, then the winner
     ops.draw(tgt, drf, draft_tokens, temperatures, seeds, offsets, top_p, ws.keys, ws.sums_t, ws.sums_q, state,
              ties_all, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, **kw)
-    if ex is not None:
-        ex.gather_ranks(ws.race, out=ws.race_all)
+    yield "gather", ws.race, ws.race_all
     ops.assemble(draft_tokens, ws.keys, ws.dec, ws.race_all, accepted, num_accepted)
     return accepted, num_accepted
 
@@ -439,8 +482,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     and the target argmax on greedy rows (as ``strict_accept``). Identical on every rank and at every TP
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
-    return _rejection_sample(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
-                             top_p, vocab_start, vocab_size, exchange, out, workspace)
+    exchange, tp, rank = _exchange_facts(exchange)
+    return _drive(_rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
 
 
 def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -450,5 +494,6 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                out: tuple[torch.Tensor, torch.Tensor] | None = None,
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
-    return _rejection_sample(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets,
-                             top_p, vocab_start, vocab_size, exchange, out, workspace)
+    exchange, tp, rank = _exchange_facts(exchange)
+    return _drive(_rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)

@@ -54,6 +54,7 @@ class InProcessServer:
     loop: object
     uvicorn_server: object
     thread: object
+    context: object = None  # the handlers' ServeContext
 
     def stop(self, timeout: float = 30.0) -> None:
         self.uvicorn_server.should_exit = True
@@ -63,10 +64,11 @@ class InProcessServer:
 
 def start_in_process(config_overrides: dict | None = None, *, model_dir: str | None = None, max_queue: int = 1024,
                      start_timeout: float = 60.0, host: str = "127.0.0.1", api_key: str | None = None,
-                     chat_template: str | None = None) -> InProcessServer:
+                     chat_template: str | None = None, **context) -> InProcessServer:
     """Engine + scheduler + engine loop + app of ``load_config(model_dir=..., **config_overrides)``, served by
     uvicorn on a free loopback port in a daemon thread; returns once it listens. ``api_key`` and
-    ``chat_template``: as ``serve --api-key`` / ``--chat-template`` (the template's text)."""
+    ``chat_template``: as ``serve --api-key`` / ``--chat-template`` (the template's text); ``context``: further :class:`ServeContext` fields
+    (``max_body_bytes``)."""
     import uvicorn
 
     from tensorrt_llm_ext.runtime.config import load_config
@@ -83,7 +85,7 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     loop = EngineLoop(_SerialScheduler(Scheduler(engine)), PlanChannel(None), metrics, max_queue=max_queue)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path), api_key=api_key,
-                       chat_template=chat_template)
+                       chat_template=chat_template, **context)
     port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(ctx, metrics), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
@@ -97,7 +99,7 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
             loop.stop(5)
             raise TimeoutError(f"the in-process server did not start within {start_timeout:.0f}s")
         time.sleep(0.02)
-    return InProcessServer(f"http://{host}:{port}", engine, loop, server, thread)
+    return InProcessServer(f"http://{host}:{port}", engine, loop, server, thread, ctx)
 
 
 def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[int]]:

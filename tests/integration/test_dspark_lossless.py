@@ -15,6 +15,7 @@ import torch
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 # Small enough for the Triton interpreter; an odd vocabulary; prompts longer than a latent page. fp32: eager
@@ -242,7 +243,9 @@ def test_cuda_graph_lossless_across_batch_sizes_with_padding():
     spec, _ = eng.generate(reqs, "speculative")
     ref, _ = eng.generate(reqs, "target_only")
     assert _outputs(spec) == _outputs(ref)
-    assert sorted(eng._runners["speculative"].graphs) == [1, 2, 4, 8]
+    runner = eng.runner("speculative")
+    assert runner.captured(DEFAULT_VARIANT) == runner.captured(TOP_P_VARIANT) == [1, 2, 4, 8]
+    assert runner.eager_steps == 0 and sum(runner.replays.values()) > 0
     eager = Engine(eng.config, use_cuda_graph=False)
     eager_out, _ = eager.generate(reqs, "speculative")
     assert _outputs(eager_out) == _outputs(ref)
@@ -252,7 +255,8 @@ def test_cuda_graph_lossless_across_batch_sizes_with_padding():
 def test_cuda_graph_capture_restores_state():
     eng = _graph_engine("bfloat16", [1, 4])
     before = [t.clone() for t in eng.state.mutable_tensors()]
-    eng.worker()  # captures
+    eng.runner("speculative")  # captures (both variants)
+    eng.runner("target_only")
     after = eng.state.mutable_tensors()
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 

@@ -180,14 +180,16 @@ def test_decision_is_logged_and_stored_once(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager(dtype):
     """The whole rejection-sampling verification is captured in the step: graph replay (with padding) emits
-    the eager step's bits; top-p steps run eagerly (the default variant is the one captured)."""
+    the eager step's bits, for steps without a top-p row (the default graphs) and with one (the top-p graphs;
+    the batch keeps its top-p request)."""
     cfg = load_config(**{**SMALL, **RS, "model.dtype": dtype, "max_batch_size": 4,
                          "cuda_graph_config.batch_sizes": [1, 2, 4]})
-    reqs = _mixed_requests(max_new=8)
-    reqs[3].top_p = 1.0
-    eager, _ = Engine(cfg).generate(reqs[:3], "speculative")
     graphed_engine = Engine(cfg, use_cuda_graph=True)
-    graphed, _ = graphed_engine.generate(reqs[:3], "speculative")
-    assert graphed_engine._runners, "no graphs captured"
-    assert [r.output_ids for r in graphed] == [r.output_ids for r in eager]
-    assert [r.accepted_lens for r in graphed] == [r.accepted_lens for r in eager]
+    for reqs in (_mixed_requests(max_new=8)[:3], _mixed_requests(max_new=8)):  # without / with the top-p row
+        eager, _ = Engine(cfg).generate(reqs, "speculative")
+        graphed, _ = graphed_engine.generate(reqs, "speculative")
+        assert [r.output_ids for r in graphed] == [r.output_ids for r in eager]
+        assert [r.accepted_lens for r in graphed] == [r.accepted_lens for r in eager]
+    runner = graphed_engine.runner("speculative")
+    assert runner.eager_steps == 0
+    assert {v.top_p for (_, v), n in runner.replays.items() if n} == {False, True}

@@ -242,6 +242,45 @@ def test_gumbel_unaligned_shard_starts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_skip_bound_keeps_the_exact_winner(device):
+    """The sampled kernel skips the exact score of a tile when a bound says no element can beat the
+    program's best so far. Rows built so that the bound is decisive -- a dominant logit early with a NaN,
+    an inf or the real winner late, all -inf, huge magnitudes (the slack scales with them), flat rows (no
+    skipping) -- give the eager twin's keys, the same at every tile, split and simulated TP size (shard
+    starts at every phase mod 4)."""
+    vocab = 263
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(26, vocab, generator=g)
+    x[16:] = 0.0  # rows 10..25: random and flat rows, where the noise decides among many candidates
+    x[0, 1], x[0, vocab - 3] = 60.0, NAN  # NaN after a dominant value: the NaN wins
+    x[1, 7], x[1, 200] = INF, INF  # tied +inf scores: the lower id
+    x[2] = -INF  # nothing finite: the first id
+    x[3] = -INF
+    x[3, vocab - 1] = -3.0  # the only finite value, last
+    x[4, 2] = 30.0  # dominant at a low temperature, early: every later tile is skipped
+    x[5] *= 1e4  # scores near 1e4: the skip slack must scale with |thr|
+    x[6] = 0.0  # flat: the noise alone decides
+    x[7, vocab - 5] = 6.0  # a late winner beats the best of the earlier tiles
+    x[8, 0] = NAN
+    x[9, 3], x[9, vocab - 2] = INF, NAN  # NaN after +inf: the NaN wins
+    x = x.to(device)
+    temps, seeds, offsets = _sampling_inputs(26, device, 1.0, seed=2**33 + 9, offset0=77)
+    temps[4] = 0.05
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
+    keys = shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, **kw)  # 17 tiles: the bound decides 16
+    ids = key_to_id_torch(keys)
+    assert ids[0].item() == vocab - 3 and ids[1].item() == 7 and ids[2].item() == 0
+    assert ids[3].item() == vocab - 1 and ids[4].item() == 2 and ids[8].item() == 0 and ids[9].item() == vocab - 2
+    twin = shard_select_keys_reference(x, 0, vocab, temps, seeds, offsets)
+    if device == "cpu":
+        assert torch.equal(keys, twin)
+    else:
+        assert (key_to_id_torch(twin) != ids).sum().item() <= 1
+    # tp 5: shard starts 53, 106, 159, 212 (phases 1, 2, 3, 0), two programs per shard
+    assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, **kw), keys)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_and_tile_schedule_invariance(device, dtype):
     """Two tiles per loop iteration with the next two prefetched: programs with 0, 1, 2, 3 and more full
@@ -312,19 +351,26 @@ def test_mixed_greedy_and_sampled_rows(device):
 
 def test_bench_select_smoke_tables():
     """`bench select` prints the goal columns (greedy and Gumbel % of floor, Gumbel/greedy, argmax/greedy)
-    for every (tp, rows) and a schedule sweep that marks the launcher's default (CPU: smoke sizes)."""
+    for every (tp, rows), and the greedy and sampled schedule sweeps, each marking the launcher's default
+    and naming the defaults to paste (CPU: smoke sizes); --tables picks a subset."""
     import argparse
 
     from tensorrt_llm_ext.bench import harness
     from tensorrt_llm_ext.bench.select import run
 
     harness.TABLES.clear()
-    run(argparse.Namespace(vocab=200064, rows="1,8", tp_sizes="1,2", dtype="bf16", no_sweep=False))
-    main, sweep = harness.TABLES[-2:]
+    run(argparse.Namespace(vocab=200064, rows="1,8", tp_sizes="1,2", dtype="bf16", no_sweep=False,
+                           tables="main,greedy,sampled"))
+    main, greedy, sampled = harness.TABLES[-3:]
     for col in ("greedy % of floor", "gumbel % of floor", "gumbel/greedy", "argmax/greedy"):
         assert col in main["headers"]
     assert [r[:3] for r in main["rows"]] == [[1, 1, 2003], [1, 3, 2003], [2, 1, 1002], [2, 3, 1002]]
-    assert "*" in [r[-1] for r in sweep["rows"]] and {r[2] for r in sweep["rows"]} == {256, 1024}
+    assert "*" in [r[-1] for r in greedy["rows"]] and {r[2] for r in greedy["rows"]} == {256, 1024}
+    assert {r[3] for r in sampled["rows"]} == {2, 4} and "sampled" in sampled["title"]
+    assert any("_SAMPLED_TILE_COLUMNS = 256" in n for n in sampled["notes"])
+    harness.TABLES.clear()
+    run(argparse.Namespace(vocab=200064, rows="1", tp_sizes="1", dtype="bf16", no_sweep=False, tables="sampled"))
+    assert len(harness.TABLES) == 1 and "sampled" in harness.TABLES[0]["title"]
 
 
 # ----------------------------------------------------------------------------------------------------

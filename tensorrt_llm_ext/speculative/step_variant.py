@@ -1,0 +1,47 @@
+"""The code path of one decode step, as a CUDA graph freezes it.
+
+A captured graph replays the kernels recorded at capture, whatever the rows hold at replay: a host-side
+branch of the step (whether any row samples from a top-p set) is decided once, when the graph is captured.
+:class:`StepVariant` names those branches. The worker derives from a step's rows the variant they need
+(:meth:`~tensorrt_llm_ext.speculative.dspark_worker.DSparkWorker.step_needs`), the graph runner picks a
+captured variant that *covers* it (computes the same distribution for every row) or runs the step eagerly,
+and :meth:`~tensorrt_llm_ext.speculative.dspark_worker.DSparkWorker.set_rows` records the variant the step
+runs.
+
+The top-p variant covers every step: a row with ``top_p = 1`` (or a greedy row) keeps its whole row in the
+masked path, so the top-p step computes the default step's distribution for it, at the cost of the top-p
+kernels. The default variant covers only steps without a top-p row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_VARIANT", "TOP_P_VARIANT", "StepVariant"]
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """One code path of the step (a captured graph computes exactly one).
+
+    ``top_p``: the exact top-p restriction runs for the step's sampled rows (rows with ``top_p = 1`` or
+    ``T = 0`` are unchanged by it).
+    """
+
+    top_p: bool = False
+
+    def covers(self, need: "StepVariant") -> bool:
+        """Whether running this variant gives every row of a step that needs ``need`` its own distribution."""
+        return self.top_p or not need.top_p
+
+    @property
+    def cost(self) -> int:
+        """Relative cost (the runner prefers the cheapest covering variant)."""
+        return int(self.top_p)
+
+    def __str__(self) -> str:
+        return "top-p" if self.top_p else "default"
+
+
+DEFAULT_VARIANT = StepVariant(top_p=False)
+TOP_P_VARIANT = StepVariant(top_p=True)
