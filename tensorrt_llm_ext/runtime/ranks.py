@@ -516,14 +516,22 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     """Run the command ``cmd`` on ``world_size`` MPI ranks, each under
     :func:`~tensorrt_llm_ext.runtime.rank_supervisor.supervise_command`; SIGTERM /
     SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
-    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``."""
+    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``.
+
+    ``mpiexec`` runs in its own session, so a terminal's Ctrl-C reaches this process only (not every rank
+    twice, directly and through its supervisor), and every signal after the first is passed on as SIGTERM:
+    MPICH's ``mpiexec`` answers a second SIGINT by killing the whole job (exit 255), which would cut the
+    streams that rank 0 ends cleanly on a second signal. The rank's exit code keeps the signal received
+    here: after a second SIGINT, 143 (the SIGTERM passed on) is reported as 130."""
     launcher, _ = mpiexec_command()
     full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor",
             "--supervise-command", str(linger_s), "--", *cmd]
-    proc = subprocess.Popen(full, env=rank_env(None, env))
+    proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True)
+    received: list[int] = []
 
     def forward(signum, frame):
-        proc.send_signal(signum)
+        received.append(signum)
+        proc.send_signal(signum if len(received) == 1 else signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -531,4 +539,7 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return rc if rc >= 0 else 128 - rc
+    rc = rc if rc >= 0 else 128 - rc
+    if len(received) > 1 and rc == 128 + signal.SIGTERM:
+        return 128 + received[-1]
+    return rc
