@@ -518,11 +518,14 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
     code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``.
 
-    ``mpiexec`` runs in its own session, so a terminal's Ctrl-C reaches this process only (not every rank
-    twice, directly and through its supervisor), and every signal after the first is passed on as SIGTERM:
-    MPICH's ``mpiexec`` answers a second SIGINT by killing the whole job (exit 255), which would cut the
-    streams that rank 0 ends cleanly on a second signal. The rank's exit code keeps the signal received
-    here: after a second SIGINT, 143 (the SIGTERM passed on) is reported as 130."""
+    ``mpiexec`` runs in its own session, so a terminal's Ctrl-C reaches this process only, and every signal is
+    passed on as SIGTERM. Measured with MPICH's ``mpiexec``: a SIGINT reaches rank 0 twice (and a second one
+    kills the whole job, exit 255), a SIGTERM reaches every rank once, each time -- so rank 0 drains on the
+    first and ends every request cleanly on the second. After a second signal the job's exit code is 128 + the
+    signal received here (130 for SIGINT), as at TP 1, whatever the ranks' codes: once told twice, MPICH's
+    ``mpiexec`` SIGKILLs the ranks still running when the first one exits (a follower that is just leaving;
+    measured: its "BAD TERMINATION ... signal 9" banner, never a lost response).
+    """
     launcher, _ = mpiexec_command()
     full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor",
             "--supervise-command", str(linger_s), "--", *cmd]
@@ -531,7 +534,7 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
 
     def forward(signum, frame):
         received.append(signum)
-        proc.send_signal(signum if len(received) == 1 else signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -540,6 +543,6 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
         for s, h in old.items():
             signal.signal(s, h)
     rc = rc if rc >= 0 else 128 - rc
-    if len(received) > 1 and rc == 128 + signal.SIGTERM:
+    if len(received) > 1:  # told twice to stop: rank 0 ended every request on the second signal (see above)
         return 128 + received[-1]
     return rc
