@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> None:
         tables = {"main"}
     if not tables <= set(_TABLES):
         raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
-    sweep_shapes, sweep_blocks, sweep_warps, sweep_programs = _SWEEP_SHAPES, _SWEEP_BLOCKS, _SWEEP_WARPS, _SWEEP_PROGRAMS
+    sweep_shapes, sweep_blocks = _SWEEP_SHAPES, _SWEEP_BLOCKS
+    sweep_warps, sweep_programs = _SWEEP_WARPS, _SWEEP_PROGRAMS
     sampled_shapes, sampled_blocks = _SAMPLED_SHAPES, _SAMPLED_BLOCKS
     sampled_warps, sampled_programs = _SAMPLED_WARPS, _SAMPLED_PROGRAMS
     wide_at = _SAMPLED_WIDE_AT
