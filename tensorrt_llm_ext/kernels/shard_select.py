@@ -495,7 +495,7 @@ def shard_select_keys(
         SPLIT=splits > 1,
         OUT_IDS=return_ids,
         SALT=salt,
-        ALIGNED=vocab_start % 4 == 0,
+        ALIGNED=vocab_start % 4 == 0 or not sample,  # greedy launches: one variant
         WIDE_MUL=bool(_SAMPLED_WIDE_MUL if wide_mul is None else wide_mul) and sample,
         num_warps=num_warps,
     )
