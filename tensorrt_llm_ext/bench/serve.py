@@ -44,6 +44,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", nargs="+", choices=["speculative", "target_only"],
                    default=["speculative", "target_only"])
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending in a cell after this long")
+    p.add_argument("--prompt-set", choices=["random", "held_out"], default="random",
+                   help="random token ids, or the held-out chat prompts of bench acceptance (a --model with a chat "
+                        "tokenizer; docs/real_model.md)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
 
@@ -131,6 +134,11 @@ def run(args: argparse.Namespace) -> None:
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
         ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + (["--no-cuda-graph"] if args.no_cuda_graph else [])
     graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
+    held_out = None
+    if args.prompt_set == "held_out":
+        from tensorrt_llm_ext.training.prompts import prompt_token_ids
+
+        held_out = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
     rows = []
     for decode in args.decodes:
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
@@ -140,6 +148,9 @@ def run(args: argparse.Namespace) -> None:
                 for conc in args.concurrency:
                     n = conc * args.requests_per_client
                     bodies = sample_bodies(n, cfg.model.target.vocab_size, max_tokens=(args.max_tokens,) * 2)
+                    if args.prompt_set == "held_out":
+                        for b, p in zip(bodies, held_out * (n // len(held_out) + 1)):
+                            b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=b["prompt"][:max(1, limit)], seed=i, **sampling)
                     acc0 = _acceptance(server.url)
@@ -164,7 +175,8 @@ def run(args: argparse.Namespace) -> None:
         if len(r) == 12:
             r.append("")
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
-             f"{args.requests_per_client} requests per client; streamed completions; TTFT = request sent to its "
+             f"{args.requests_per_client} requests per client, {args.prompt_set} prompts; streamed completions; "
+             f"TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
              f"a server's exit code after SIGTERM on its last row.",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs

@@ -38,6 +38,7 @@ from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_f
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
                                                           fixed_point_weight, fixed_point_weight_torch, is_finite,
                                                           plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
+                                                          split_reduce, split_reduce_rows,
                                                           sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
 from tensorrt_llm_ext.kernels.ordered_key import (key_to_id, key_to_id_torch, philox_4x32_10_torch, pick_word,
                                                   uniform_from_word)
@@ -147,7 +148,8 @@ def _race_tile(w, e, gids, best):
 
 @triton.jit
 def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,
-            b, K, cols_t, num_splits, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr):
+            b, K, cols_t, num_splits, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
+            SPLITS: tl.constexpr, TPS: tl.constexpr):
     """(k*, mode, target argmax ids [BLOCK_K]) of request b (identical in every program and on every rank)."""
     temp = tl.load(temp_ptr + b)
     seed = tl.load(seed_ptr + b).to(tl.int64)
@@ -162,21 +164,15 @@ def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, 
     row_t = b64 * (K + 1) + tl.where(kv1, ks, 0)
     row_q = b64 * K + tl.where(kv, ks, 0)
     zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, cols_t,
-                                 num_splits, rows_t, rank, tp, 0, HAS_P)
+                                 num_splits, rows_t, rank, tp, 0, HAS_P, True, SPLITS, TPS)
     zp = tl.where(kv1, zp, 1)
     # target argmax ids (the per-chunk selection keys reduced)
-    kb = t_keys_ptr + row_t * num_splits * 2
-    key = tl.load(kb, mask=kv1, other=0)
-    for s in range(1, num_splits):
-        key = tl.maximum(key, tl.load(kb + s * 2, mask=kv1, other=0))
-    targ = key_to_id(key)
+    targ = key_to_id(tl.where(kv1, split_reduce_rows(t_keys_ptr + row_t * num_splits * 2, num_splits, 2, kv1,
+                                                     SPLITS, True), 0))
     d = tl.load(tok_ptr + row_q, mask=kv, other=-1)
     qrow = q_sums_ptr + row_q * num_splits * 3
-    zq = tl.zeros([BLOCK_K], tl.int64)
-    fq = tl.zeros([BLOCK_K], tl.int64)
-    for s in range(num_splits):
-        zq += tl.load(qrow + s * 3, mask=kv, other=0)
-        fq += tl.load(qrow + s * 3 + 1, mask=kv, other=0)
+    zq = split_reduce_rows(qrow, num_splits, 3, kv, SPLITS, False)
+    fq = split_reduce_rows(qrow + 1, num_splits, 3, kv, SPLITS, False)
     u = uniform52(seed, off + ks, (ks * 0 + _ACCEPT).to(tl.uint32))
     pv = fp.to(tl.float64) / tl.maximum(zp, 1).to(tl.float64)
     qv = tl.where(zq > 0, fq.to(tl.float64) / tl.maximum(zq, 1).to(tl.float64), 0.0)
@@ -199,7 +195,8 @@ def _rejection_draw_kernel(
     dec_ptr,  # [B, 2] int64 out: (k*, mode), written by the program of chunk 0
     race_ptr,  # [B, S, 2] int64 out, every slot written
     stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, K, rank, tp,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr, ALIGNED4: tl.constexpr,
+    SPLITS: tl.constexpr, TPS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -207,7 +204,7 @@ def _rejection_draw_kernel(
     rows_t = nb * (K + 1)
     kstar, mode, _targ, temp, seed, off, p = _decide(keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr,
                                                  temp_ptr, seed_ptr, off_ptr, p_ptr, b, K, cols_t, num_splits, rows_t,
-                                                 rank, tp, BLOCK_K, HAS_P)
+                                                 rank, tp, BLOCK_K, HAS_P, SPLITS, TPS)
     if split == 0:
         tl.store(dec_ptr + b * 2, kstar.to(tl.int64))
         tl.store(dec_ptr + b * 2 + 1, mode.to(tl.int64))
@@ -218,12 +215,11 @@ def _rejection_draw_kernel(
         row_s = b64 * (K + 1) + kstar
         row_qs = b64 * K + tl.minimum(kstar, K - 1)
         zp, _fp_tok, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
-                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, split, HAS_P)
-        zq = tl.load(q_sums_ptr + row_qs * num_splits * 3)
-        for s in range(1, num_splits):
-            zq += tl.load(q_sums_ptr + (row_qs * num_splits + s) * 3)
-        m_p = decode_max_key(row_max_from_keys(keys_ptr, row_s, num_splits))
-        m_q = decode_max_key(row_max_from_keys(keys_ptr, rows_t + row_qs, num_splits))
+                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, split, HAS_P, False,
+                                               SPLITS, TPS)
+        zq = split_reduce(q_sums_ptr + row_qs * num_splits * 3, num_splits, 3, row_qs >= 0, SPLITS, False)
+        m_p = decode_max_key(row_max_from_keys(keys_ptr, row_s, num_splits, SPLITS))
+        m_q = decode_max_key(row_max_from_keys(keys_ptr, rows_t + row_qs, num_splits, SPLITS))
         c = weight_scale(temp)
         # fp32 reciprocals of the masses (float64 division, rounded once): residual weight F_p * a - F_q * b
         inv_p = (1.0 / tl.maximum(zp, 1).to(tl.float64)).to(tl.float32)
@@ -235,8 +231,11 @@ def _rejection_draw_kernel(
         lanes = tl.arange(0, BLOCK)
         col_begin = split * chunk
         col_end = tl.minimum(col_begin + chunk, n_valid)
-        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids)
-        lead = (vocab_start + col_begin) & 3
+        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids); when the shard
+        # starts at one (ALIGNED4: a static fact of the launch) the tiles are the chunk's own, so loads vectorize
+        lead = 0
+        if not ALIGNED4:
+            lead = (vocab_start + col_begin) & 3
         for start in range(col_begin - lead, col_end, BLOCK):
             cols = start + lanes
             valid = (cols >= col_begin) & (cols < col_end)
@@ -263,13 +262,13 @@ def _rejection_draw_kernel(
 
 
 @triton.jit
-def _best_of(race_all_ptr, b64, col, batch, num_splits, tp):
-    """Min of the packed (key bits, id) at ``col`` over every rank and chunk of request b."""
-    best = tl.full([], _NONE, tl.int64)
-    for q in range(tp):
-        for s in range(num_splits):
-            best = tl.minimum(best, tl.load(race_all_ptr + ((q * batch + b64) * num_splits + s) * 2 + col))
-    return best
+def _best_of(race_all_ptr, b64, col, batch, num_splits, tp, TPS: tl.constexpr):
+    """Min of the packed (key bits, id) at ``col`` over every rank and chunk of request b (one vector load)."""
+    j = tl.arange(0, TPS)
+    q = j // num_splits
+    s = j % num_splits
+    addr = race_all_ptr + ((q * batch + b64) * num_splits + s) * 2 + col
+    return tl.min(tl.load(addr, mask=j < tp * num_splits, other=_NONE), 0)
 
 
 @triton.jit
@@ -281,7 +280,7 @@ def _rejection_assemble_kernel(
     acc_ptr,  # [B, K+1] int64 out
     num_ptr,  # [B] int32 out
     K, num_splits, tp,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr,
 ):
     b = tl.program_id(0)
     batch = tl.num_programs(0)
@@ -290,15 +289,12 @@ def _rejection_assemble_kernel(
     kv1 = ks < K + 1
     kv = ks < K
     kb = keys_ptr + (b64 * (K + 1) + tl.where(kv1, ks, 0)) * num_splits * 2
-    key = tl.load(kb, mask=kv1, other=0)
-    for s in range(1, num_splits):
-        key = tl.maximum(key, tl.load(kb + s * 2, mask=kv1, other=0))
-    targ = key_to_id(key)
+    targ = key_to_id(tl.where(kv1, split_reduce_rows(kb, num_splits, 2, kv1, SPLITS, True), 0))
     d = tl.load(tok_ptr + b64 * K + ks, mask=kv, other=-1)
     kstar = tl.load(dec_ptr + b * 2)
     mode = tl.load(dec_ptr + b * 2 + 1)
-    bm = _best_of(race_all_ptr, b64, 0, batch, num_splits, tp)
-    ba = _best_of(race_all_ptr, b64, 1, batch, num_splits, tp)
+    bm = _best_of(race_all_ptr, b64, 0, batch, num_splits, tp, TPS)
+    ba = _best_of(race_all_ptr, b64, 1, batch, num_splits, tp, TPS)
     drawn = tl.where(bm != _NONE, bm, ba) & 4294967295
     miss = kv & (d != targ)
     n_greedy = 1 + tl.min(tl.where(miss, ks, K), 0)
@@ -363,7 +359,8 @@ def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, k
         temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race,
         target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
         splits, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
-        num_warps=num_warps_for(block_size))
+        ALIGNED4=vocab_start % 4 == 0, SPLITS=triton.next_power_of_2(splits),
+        TPS=triton.next_power_of_2(splits * tp), num_warps=num_warps_for(block_size))
 
 
 def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, rank):
@@ -473,7 +470,9 @@ def rejection_assemble(tokens, keys, dec, race_all, accepted, num_accepted) -> N
     if b == 0:
         return
     _rejection_assemble_kernel[(b,)](tokens, keys, dec, race_all, accepted, num_accepted, k, keys.shape[1],
-                                     race_all.shape[0], BLOCK_K=triton.next_power_of_2(k + 1), num_warps=1)
+                                     race_all.shape[0], BLOCK_K=triton.next_power_of_2(k + 1),
+                                     SPLITS=triton.next_power_of_2(keys.shape[1]),
+                                     TPS=triton.next_power_of_2(keys.shape[1] * race_all.shape[0]), num_warps=1)
 
 
 def rejection_assemble_reference(tokens, keys, dec, race_all, accepted, num_accepted) -> None:

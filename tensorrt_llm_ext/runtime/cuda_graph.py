@@ -12,10 +12,10 @@ hold at replay: a graph that does not cover the rows is never replayed. Callers 
 
 **Capture.** Per variant of the worker (:attr:`DSparkWorker.step_variants`: default and top-p for a
 sampling worker), per batch size, largest first: its warm-up sizes every lazily cached scratch buffer for
-the most rows, and all graphs of a runner share one memory pool. Warm-up and capture run with every row a
-dummy (the dummy slot) in the variant forced by :meth:`DSparkWorker.set_rows`, and all mutable state (KV
-cache, latent pool, ``ctx_len``, slot tokens) is snapshotted before and restored after, so capturing never
-disturbs a request. Each variant's capture is agreed across the TP group: a variant that fails on any rank
+the most rows, and all graphs share one memory pool (the engine's, across its runners). Warm-up and capture
+run with every row a dummy (the dummy slot) in the variant forced by :meth:`DSparkWorker.set_rows`, and all
+mutable state (KV cache, latent pool, ``ctx_len``, slot tokens) is snapshotted before and restored after, so
+capturing never disturbs a request. Each variant's capture is agreed across the TP group: a variant that fails on any rank
 is dropped on every rank (its steps run eagerly, logged), the others are kept. Inside a captured step there
 is no launcher allocation and no host sync: the rows' slots are read from static buffers that
 :meth:`DSparkWorker.set_rows` fills before each replay.
@@ -90,9 +90,10 @@ def plan_step(num_rows: int, need: StepVariant, captured: Iterable[tuple[int, St
         why = "no graph captured"
     elif not covering:
         why = f"no captured graph runs the {need} variant"
+    elif enable_padding:
+        why = f"more rows than the largest graph of a {need}-covering variant ({covering[-1]})"
     else:
-        why = (f"{num_rows} rows: the {need}-covering graphs serve {list(covering)} rows"
-               f"{'' if enable_padding else ' (padding off)'}")
+        why = f"a batch size without a graph of a {need}-covering variant (padding off; captured {covering})"
     return ReplayPlan(num_rows, num_rows, need, False, why)
 
 
@@ -127,12 +128,14 @@ class CudaGraphRunner:
         name: what the step is, for the log (``"the speculative step"``).
         batch_sizes: the graph batch sizes; ``None``: graphs off (every step eager, nothing logged per step).
         enable_padding: pad a step up to the next captured size (else a size not captured runs eagerly).
+        pool: a CUDA-graph memory pool handle to capture into (an engine shares one across its runners: their
+            steps never run concurrently); None: this runner's first graph starts one.
 
     Usage: ``runner.capture(mapping)`` once (CUDA), then ``outputs = runner.step(slots)`` per step.
     """
 
     def __init__(self, worker, forward: Callable[[int], object], *, name: str = "the speculative step",
-                 batch_sizes: Iterable[int] | None = None, enable_padding: bool = True):
+                 batch_sizes: Iterable[int] | None = None, enable_padding: bool = True, pool=None):
         self.worker = worker
         self.forward = forward
         self.name = name
@@ -143,7 +146,7 @@ class CudaGraphRunner:
                              f"[1, {worker.max_batch_size}]")
         self.enable_padding = enable_padding
         self.graphs: dict[tuple[int, StepVariant], tuple[torch.cuda.CUDAGraph, object]] = {}
-        self.pool = None
+        self.pool = pool
         self.replays: dict[tuple[int, StepVariant], int] = {}  # replays per graph (tests and logs read it)
         self.eager_steps = 0
         self._logged: set[str] = set()

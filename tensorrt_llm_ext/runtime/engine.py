@@ -203,6 +203,8 @@ class Engine:
         self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
         self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None  # None: every step eager
+        # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
+        self._graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
 
     # -- workers -------------------------------------------------------------------------------------
@@ -251,7 +253,7 @@ class Engine:
             else:
                 forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
-                                     enable_padding=self.enable_padding)
+                                     enable_padding=self.enable_padding, pool=self._graph_pool)
             if runner.enabled:
                 runner.capture(self.mapping)
             self._runners[mode] = runner
@@ -324,7 +326,8 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.sampling_top_p for a in admitted])
+                               top_ps=[a.request.sampling_top_p for a in admitted],
+                               processing=[a.request.processing() for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -363,9 +366,10 @@ class Engine:
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.sampling_top_p])[0]
+                                                       top_ps=[request.sampling_top_p],
+                                                       processing=[request.processing()])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.sampling_top_p)
+                                         top_p=request.sampling_top_p, processing=request.processing())
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""

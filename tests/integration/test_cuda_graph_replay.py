@@ -57,7 +57,7 @@ def test_plan_step_runs_eagerly_when_no_graph_covers_the_step():
     plan = plan_step(3, DEFAULT_VARIANT, [(b, TOP_P_VARIANT) for b in (1, 2, 4)])
     assert plan.replay and (plan.batch_size, plan.variant) == (4, TOP_P_VARIANT)
     # too many rows, padding off, nothing captured: eager, at the live rows, each with its reason
-    for rows, captured, padding, words in [(5, BOTH, True, "serve [1, 2, 4]"), (3, BOTH, False, "padding off"),
+    for rows, captured, padding, words in [(5, BOTH, True, "largest graph"), (3, BOTH, False, "padding off"),
                                            (1, [], True, "no graph captured")]:
         plan = plan_step(rows, DEFAULT_VARIANT, captured, padding)
         assert not plan.replay and plan.batch_size == rows and words in plan.reason
