@@ -69,6 +69,9 @@ def test_top_p_that_is_zero_in_fp32_is_served_and_the_engine_lives(server):
     hot = _post(server, {"prompt": [1, 9, 17], "max_tokens": 3, "temperature": 1e39})
     assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
     assert "overflows fp32" in hot.json()["error"]["message"]
+    for field, value in (("repetition_penalty", 1e39), ("repetition_penalty", 1e-46), ("top_k", 2**70)):
+        r = _post(server, {"prompt": [1, 9, 17], "max_tokens": 3, "temperature": 1.0, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     _healthy(server)
 
 
