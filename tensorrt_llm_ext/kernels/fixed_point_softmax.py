@@ -41,7 +41,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best, combine_best,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best,
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
@@ -240,17 +240,21 @@ def _verify_keys_kernel(
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
+    # per-lane running maxima (a lane's columns increase, so a strictly greater key keeps the first column);
+    # one reduction across lanes at the end instead of two per tile
     best_fin = tl.full([BLOCK], -2147483648, tl.int32)
-    arg_k = -2147483648
-    arg_c = 2147483647
+    lane_k = tl.full([BLOCK], -2147483648, tl.int32)
+    lane_c = tl.full([BLOCK], 2147483647, tl.int32)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
         x = load_pair_tile(t_row, q_row, is_t, cols, valid)
         o = ordered_i32(x)
         best_fin = tl.maximum(best_fin, tl.where(valid & is_finite(x), o, -2147483648))
-        bk, bc = block_best(o, cols, valid & is_t, 0)  # draft rows need no argmax: EMPTY_KEY
-        arg_k, arg_c = combine_best(arg_k, arg_c, bk, bc)
+        take = valid & is_t & (o > lane_k)  # draft rows need no argmax: EMPTY_KEY
+        lane_k = tl.where(take, o, lane_k)
+        lane_c = tl.where(take, cols, lane_c)
+    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
     fin = tl.max(best_fin, 0)
     out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
     tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))

@@ -139,11 +139,12 @@ def race_words_torch(seed: torch.Tensor, pos: torch.Tensor, gid: torch.Tensor, s
 
 @triton.jit
 def _race_tile(w, e, gids, best):
-    """Merge one tile's race ``E / w`` (fp32 ``w > 0`` only) into the running packed best ``key bits << 32 | id``."""
+    """Merge one tile's race ``E / w`` (fp32 ``w > 0`` only) into the per-lane running packed best
+    ``key bits << 32 | id`` (elementwise: one reduction across lanes at the end, not one per tile)."""
     key = tl.where(w > 0.0, e / tl.where(w > 0.0, w, 1.0), float("inf"))
     packed = (key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | gids
     packed = tl.where(w > 0.0, packed, _NONE)
-    return tl.minimum(best, tl.min(packed, 0))
+    return tl.minimum(best, packed)
 
 
 @triton.jit
@@ -208,7 +209,7 @@ def _rejection_draw_kernel(
     if split == 0:
         tl.store(dec_ptr + b * 2, kstar.to(tl.int64))
         tl.store(dec_ptr + b * 2 + 1, mode.to(tl.int64))
-    best_m = tl.full([], _NONE, tl.int64)
+    best_m = tl.full([BLOCK], _NONE, tl.int64)
     best_a = best_m
     if (mode == 1) | (mode == 2):
         b64 = b.to(tl.int64)
@@ -257,8 +258,8 @@ def _rejection_draw_kernel(
             best_m = _race_tile(main, e, gids, best_m)
             best_a = _race_tile(fpw, e, gids, best_a)
     out = race_ptr + (b.to(tl.int64) * num_splits + split) * 2
-    tl.store(out, best_m)
-    tl.store(out + 1, best_a)
+    tl.store(out, tl.min(best_m, 0))
+    tl.store(out + 1, tl.min(best_a, 0))
 
 
 @triton.jit
