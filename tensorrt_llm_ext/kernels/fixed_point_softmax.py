@@ -49,7 +49,7 @@ __all__ = [
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
-    "row_max_from_keys", "row_max_from_keys_rows", "split_reduce", "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce", "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
 
@@ -392,6 +392,19 @@ def plan_chunks(n_valid: int, block: int, num_splits: int) -> tuple[int, int]:
     splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, splits) * block
     return max(1, triton.cdiv(max(n_valid, 1), chunk)), chunk
+
+
+def subchunk_width(chunk: int, block: int, n_sub: int) -> int:
+    """Columns per sub-chunk when a column chunk is split into ``n_sub`` sub-chunks (a multiple of ``block``;
+    trailing sub-chunks may be short or empty). The draw runs one program per (request, sub-chunk): it reads
+    two rows per request, so it needs finer chunks than the passes over every row."""
+    return triton.cdiv(max(1, chunk // block), n_sub) * block
+
+
+def subchunk_index_torch(n_valid: int, chunk: int, n_sub: int, sub: int, device) -> torch.Tensor:
+    """The (chunk, sub-chunk) slot ``chunk_index * n_sub + sub_index`` of each owned column ``[n_valid]``."""
+    col = torch.arange(n_valid, device=device)
+    return (col // chunk) * n_sub + (col % chunk) // sub
 
 
 def _pair(target, draft, vocab_start, vocab_size):
