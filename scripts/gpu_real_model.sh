@@ -3,7 +3,7 @@
 # transformers, train the DSpark drafter, measure acceptance and serving speed. Run from the repo root after
 # `source scripts/gpu_env.sh`; logs and tables go to $OUT (default out/real_model/logs).
 #
-#   bash scripts/gpu_real_model.sh STAGE     STAGE: prepare | train | bench | all
+#   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | bench | all (several run in order)
 #
 # prepare: join .gguf_parts/part* (written by `python3 scripts/gguf_parts.py split FILE`; each part fits one
 #          device call's carry, and a part carried by an earlier call stays on a warm machine), check the
@@ -12,9 +12,9 @@
 # train:   train-drafter at full scale (resumes a run a time limit cut short).
 # bench:   bench acceptance (trained vs bigram, K 4 / 7, greedy / T=1 top-p 0.95 rejection sampling, CUDA
 #          graphs) and bench serve (speculative vs --no-speculation, greedy / T=1, concurrency 1 / 8 / 32, graphs).
-# Each stage fits one 10-minute device call; `all` runs them in a row.
+# `prepare train` fits one 10-minute device call (about 2 + 5.5 minutes), `bench` another (about 9).
 set -uo pipefail
-STAGE=${1:-all}
+STAGES=${*:-all}
 OUT=${OUT:-out/real_model/logs}
 WORK=${REAL_MODEL_WORK:-out/real_model}   # git-ignored: stays on a warm machine between calls
 MODEL=$WORK/SmolLM2-135M-Instruct
@@ -41,21 +41,21 @@ prepare() {
     run timeout 300 $CLI import-gguf "$GGUF" "$MODEL" --dtype bfloat16 2>&1 | tee -a "$OUT/prepare.log"
   fi
   TLLM_EXT_SMOLLM2_GGUF=$(realpath "$GGUF") run timeout 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/integration/test_gguf_import.py 2>&1 | tail -20 | tee "$OUT/test_gguf_import.log"
+    "tests/integration/test_gguf_import.py::test_smollm2_chat_equals_transformers_greedy" 2>&1 | tail -20 | tee "$OUT/test_smollm2.log"
 }
 
 train() {
   # ~1 min of data generation (1024 prompts x 256 tokens), then steps until done; --resume picks up a run
   # that a call's time limit cut short (checkpoints every 250 steps).
-  run timeout 540 $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume --no-progress \
+  run timeout 330 $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume --no-progress \
     --num-prompts 1024 --max-new-tokens 256 --gen-batch 128 --eval-prompts 32 \
-    --steps ${TRAIN_STEPS:-2500} --batch-seqs 16 --anchors 16 --draft-len 7 --save-every 250 \
+    --steps ${TRAIN_STEPS:-2000} --batch-seqs 16 --anchors 16 --draft-len 7 --save-every 250 \
     2>&1 | tee -a "$OUT/train.log"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
 }
 
 bench() {
-  run timeout 280 $CLI bench acceptance --model "$MODEL" --cuda-graph --num-prompts 64 --max-new-tokens 256 \
+  run timeout 250 $CLI bench acceptance --model "$MODEL" --cuda-graph --num-prompts 48 --max-new-tokens 192 \
     --batch-size 16 --out "$OUT/acceptance.md" --json "$OUT/acceptance.json" 2>&1 | tail -30 | tee "$OUT/acceptance.log"
   cat > "$WORK/serve.yaml" <<EOF
 max_batch_size: 32
@@ -65,15 +65,17 @@ speculative_config:
 cuda_graph_config:
   enable_padding: true
 EOF
-  run timeout 300 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
-    --concurrency 1 8 32 --requests-per-client 4 --max-tokens 128 --max-seconds 40 \
+  run timeout 290 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
+    --concurrency 1 8 32 --requests-per-client 4 --max-tokens 128 --max-seconds 20 \
     --out "$OUT/serve.md" --json "$OUT/serve.json" 2>&1 | tail -30 | tee "$OUT/serve.log"
 }
 
-case "$STAGE" in
-  prepare) prepare ;;
-  train) train ;;
-  bench) bench ;;
-  all) prepare && train && bench ;;
-  *) echo "usage: $0 prepare|train|bench|all" >&2; exit 2 ;;
-esac
+for stage in $STAGES; do
+  case "$stage" in
+    prepare) prepare || exit $? ;;
+    train) train || exit $? ;;
+    bench) bench || exit $? ;;
+    all) prepare && train && bench || exit $? ;;
+    *) echo "usage: $0 prepare|train|bench|all ..." >&2; exit 2 ;;
+  esac
+done

@@ -115,8 +115,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     response_format: ResponseFormat | None = None
-    # Sampling fields with vLLM's / OpenAI's ranges; a value other than the no-op is refused by
-    # _not_served below until the engine implements it (the field names itself).
+    # vLLM's sampling fields with vLLM's / OpenAI's ranges (the engine's logits processing); a field not in
+    # SERVED_SAMPLING is refused at any value but its no-op, naming itself.
     top_k: StrictInt | None = None
     min_p: StrictFloat | StrictInt | None = None
     presence_penalty: StrictFloat | StrictInt | None = None
@@ -256,6 +256,18 @@ class _Sampling(BaseModel):
         """Engine requests this body makes (choices over every prompt)."""
         return self.n
 
+    def processing_fields(self) -> dict:
+        """The engine request's logits-processing fields (no-op values normalised: ``top_k`` -1 -> 0)."""
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return dict(top_k=top_k, min_p=float(self.min_p or 0.0),
+                    presence_penalty=float(self.presence_penalty or 0.0),
+                    frequency_penalty=float(self.frequency_penalty or 0.0),
+                    repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None else 1.0),
+                    logit_bias={int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None)
+
+    def processes_logits(self) -> bool:
+        return any(not _is_no_op(name, getattr(self, name)) for name in NO_OP_SAMPLING)
+
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -267,7 +279,9 @@ NO_OP_SAMPLING = {"top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency
                   "repetition_penalty": 1.0, "logit_bias": {}}
 NO_OP_WORDS = {"top_k": "-1 or 0", "min_p": "0", "presence_penalty": "0", "frequency_penalty": "0",
                "repetition_penalty": "1", "logit_bias": "{} or null"}
-SERVED_SAMPLING: frozenset[str] = frozenset()  # the fields the engine implements (other values refused)
+# The fields the engine implements (speculative/logits_processing.py); a field missing here is refused at any
+# value but its no-op.
+SERVED_SAMPLING: frozenset[str] = frozenset(NO_OP_SAMPLING)
 
 
 def _is_no_op(name: str, value) -> bool:

@@ -45,6 +45,10 @@ class Request:
     token and the tokens after it in an accepted speculative block are discarded. Before ``min_tokens``
     tokens no stop token ends the request (it is kept as an ordinary token; nothing is masked).
     ``logprobs`` ``k`` (0..20): also report each emitted token's log-probability and its top ``k``.
+
+    Logits processing (vLLM's fields, :mod:`~tensorrt_llm_ext.speculative.logits_processing`): ``logit_bias``
+    (``{id: bias}``), ``repetition_penalty`` (1: none), ``frequency_penalty`` / ``presence_penalty`` (0: none)
+    for every request; ``min_p`` (0: none) and ``top_k`` (0: no limit) for sampled ones.
     """
 
     prompt_ids: list[int]
@@ -57,6 +61,24 @@ class Request:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+
+    def processing(self):
+        """The request's :class:`LogitsProcessing`, None when every field is at its no-op value."""
+        # Imported here: this module is imported by the CLI before the Triton interpreter may be switched on.
+        from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing
+
+        p = LogitsProcessing(top_k=int(self.top_k), min_p=float(self.min_p),
+                             presence_penalty=float(self.presence_penalty),
+                             frequency_penalty=float(self.frequency_penalty),
+                             repetition_penalty=float(self.repetition_penalty),
+                             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())))
+        return None if p.is_noop else p
 
     @property
     def sampling_temperature(self) -> float:
@@ -127,6 +149,16 @@ class Request:
                                f"got {self.min_tokens!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        if not _is_int(self.top_k):
+            raise RequestError(f"{rid}: top_k must be an int, got {_describe(self.top_k)}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError(f"{rid}: logit_bias must be a dict {{token id: bias}}, got {_describe(self.logit_bias)}")
+        try:
+            processing = self.processing()
+            if processing is not None:
+                processing.check(vocab_size)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{rid}: {e}") from None
 
 
 def _is_int(v) -> bool:

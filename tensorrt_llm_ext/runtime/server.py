@@ -187,6 +187,9 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     if logprobs is not None and not ctx.speculative:
         raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
                        "logprobs")
+    if logprobs is not None and body.processes_logits():
+        raise ApiError(400, "logprobs: not served with top_k, min_p, penalties or logit_bias (log-probabilities are "
+                            "computed from the unprocessed logits); send one or the other", "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):
@@ -206,7 +209,8 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
             out.append(dict(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
                             temperature=float(body.temperature), seed=(body.seed or 0) + index,
                             top_p=float(body.top_p), ignore_eos=body.ignore_eos,
-                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
+                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
+                            **body.processing_fields()))
     return out
 
 
