@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_args(g)
     s = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions) over the engine")
     add_serve_args(s)
+    sub.add_parser("compile-check", add_help=False,
+                   help="compile every Triton kernel for a GPU target without a GPU (sm_90 by default; --help)")
     e = sub.add_parser("export", help="write the configured model as checkpoint directories (HF Llama + drafter)")
     e.add_argument("dir", help="target directory (config.json + model.safetensors, Hugging Face names)")
     e.add_argument("--drafter-dir", default=None, help="drafter directory (default: DIR/dspark_drafter)")
@@ -297,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-h"], ["--help"]):
         return _quick(argv)
+    if argv[:1] == ["compile-check"]:
+        # Compiles for a GPU target without one: its workers need compiled (not interpreted) kernels, so it
+        # runs before the interpreter is switched on. Test support, imported only for this command.
+        from tensorrt_llm_ext.testing.compile_check import main as compile_check_main
+
+        return compile_check_main(argv[1:])
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
