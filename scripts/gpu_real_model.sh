@@ -57,7 +57,7 @@ train() {
   # that a call's time limit cut short (checkpoints every 250 steps).
   run timeout 330 $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume --no-progress \
     --num-prompts 1024 --max-new-tokens 256 --gen-batch 128 --eval-prompts 32 \
-    --steps ${TRAIN_STEPS:-2000} --batch-seqs 16 --anchors 16 --draft-len 7 --lr 1e-3 --save-every 250 \
+    --steps ${TRAIN_STEPS:-2000} --batch-seqs 16 --anchors 32 --draft-len 7 --lr 1e-3 --save-every 250 \
     2>&1 | tee -a "$OUT/train.log"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
 }
