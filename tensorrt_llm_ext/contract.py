@@ -40,10 +40,11 @@ MIN_TEMPERATURE = 1e-5
 # The engine samples in fp32, so a sampling field is checked in fp32 where it enters: a double the layers below
 # would see as another value is refused or normalised at the boundary, never inside a step.
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
-# The smallest normal fp32 (2^-126). A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
+FP32_MIN_NORMAL = 2.0 ** -126  # torch.finfo(torch.float32).tiny: below it a value is denormal or 0.0 in fp32
+# A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
 # keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
 # it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
-MIN_TOP_P = 2.0 ** -126
+MIN_TOP_P = FP32_MIN_NORMAL
 
 
 def _fp32(x: float) -> float:

@@ -326,7 +326,8 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.sampling_top_p for a in admitted])
+                               top_ps=[a.request.sampling_top_p for a in admitted],
+                               processing=[a.request.processing() for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -365,9 +366,10 @@ class Engine:
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.sampling_top_p])[0]
+                                                       top_ps=[request.sampling_top_p],
+                                                       processing=[request.processing()])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.sampling_top_p)
+                                         top_p=request.sampling_top_p, processing=request.processing())
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""

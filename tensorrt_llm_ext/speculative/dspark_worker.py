@@ -33,6 +33,12 @@ fixed by :meth:`set_rows` (by default the variant the rows need, :meth:`step_nee
 each variant of :attr:`step_variants` and the graph runner replays one that covers the rows
 (:mod:`tensorrt_llm_ext.runtime.cuda_graph`).
 
+Logits processing (``prefill(..., processing=)``: ``logit_bias``, penalties, ``min_p``, ``top_k``;
+:mod:`.logits_processing`): the target's logits are processed on the shards before selection, before
+rejection-sampling verification, and in prefill and the reference decode alike, so the processed distribution
+is the one speculation preserves; a step runs it only when one of its rows has a processed field (another
+host-side fact: the processed variant, never captured, so such a step runs eagerly).
+
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
 """
@@ -45,6 +51,7 @@ from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
                                        PagedLatentCache, TargetModel)
+from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
@@ -109,6 +116,8 @@ class DSparkWorker(SpecWorkerBase):
         # allocated on first use outside any capture (a capture's warm-up runs first), so the top-p
         # variant of the step is capturable.
         self._top_p_buffers: dict[int, tuple[torch.Tensor, VerificationWorkspace]] = {}
+        self.processors: SlotLogitsProcessors | None = None  # bound in _on_bound (the target's columns)
+        self._step_slots: list[int] = []  # host slot ids of the last set_rows
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
 
@@ -127,6 +136,11 @@ class DSparkWorker(SpecWorkerBase):
                                logits_dtype=self.target.dtype, exchange=exchange, mode=mode)
 
         self.markov = chain(self.markov_chain_mode)
+        head = self.token_selector.target_head
+        self.processors = SlotLogitsProcessors(
+            self.state.ctx_lens.shape[0], head.vocab_start if head is not None else 0,
+            head.lm_head.shard_width if head is not None else self.vocab_size, self.vocab_size, self.device,
+            self.mapping, sharded=head is not None)
         decision = RejectionVerification.decide(
             use_rejection_sampling=self.use_rejection_sampling, mode=self.verification_mode,
             sampling=self.sampling, selector=self.token_selector, tp_size=self.mapping.tp_size)
@@ -154,9 +168,11 @@ class DSparkWorker(SpecWorkerBase):
         return (DEFAULT_VARIANT, TOP_P_VARIANT) if self.sampling else (DEFAULT_VARIANT,)
 
     def step_needs(self, slots: list[int]) -> StepVariant:
-        """The cheapest variant that computes every row's distribution for a step over ``slots``: the
-        top-p one iff a row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill)."""
-        return TOP_P_VARIANT if any(self._host_top_p[s] < 1.0 for s in slots) else DEFAULT_VARIANT
+        """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a
+        row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill), processed iff a row has
+        logits processing (never captured: such a step runs eagerly)."""
+        top_p = any(self._host_top_p[s] < 1.0 for s in slots)
+        return StepVariant(top_p=top_p, processed=self.processors is not None and self.processors.active(slots))
 
     def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
         """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot).
@@ -170,7 +186,8 @@ class DSparkWorker(SpecWorkerBase):
         self.check_slots("set_rows", slots)
         need = self.step_needs(slots)
         variant = need if variant is None else variant
-        if not variant.covers(need) or variant not in self.step_variants:
+        # A processed step is never captured (its host facts differ step to step): it runs its own variant eagerly.
+        if not variant.covers(need) or (variant not in self.step_variants and variant != need):
             raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
                              f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")
         ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
@@ -181,6 +198,7 @@ class DSparkWorker(SpecWorkerBase):
         self.is_dummy[:batch_size].copy_(dummy)
         self._rows_batch_size = batch_size
         self._step_variant = variant
+        self._step_slots = list(slots)
 
     def check_slots(self, where: str, slots: list[int]) -> None:
         """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the
@@ -203,6 +221,27 @@ class DSparkWorker(SpecWorkerBase):
     def step_top_p(self) -> bool:
         """Whether the prepared step runs the exact top-p restriction (its variant's switch)."""
         return self._step_variant.top_p
+
+    @property
+    def step_slots(self) -> list[int]:
+        """The host slot ids of the last :meth:`set_rows` (its real rows)."""
+        return self._step_slots
+
+    @property
+    def step_processed(self) -> bool:
+        """Whether the prepared step processes its rows' logits (its variant's switch)."""
+        return self._step_variant.processed
+
+    def processed(self, logits: VocabShardedLogits | torch.Tensor, slots: list[int], row_slots: torch.Tensor,
+                  temps: torch.Tensor | None, block_tokens: torch.Tensor | None = None
+                  ) -> VocabShardedLogits | torch.Tensor:
+        """``logits`` (a shard or full rows) through the slots' logits processing (:mod:`.logits_processing`)."""
+        x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        if x.shape[-1] != self.processors.width:
+            raise ValueError(f"processed: logits of width {x.shape[-1]}, the processors hold {self.processors.width}")
+        y = self.processors.apply(x, slots, row_slots, temps, block_tokens)
+        return logits.__class__(y, logits.vocab_start, logits.vocab_size, logits.padded_vocab_size) \
+            if isinstance(logits, VocabShardedLogits) else y
 
     def reset_step_state(self) -> None:
         """Forget the prepared rows and clean the Markov workspace (after a step was aborted part way).
@@ -281,15 +320,18 @@ class DSparkWorker(SpecWorkerBase):
         return bufs
 
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-                out: torch.Tensor, top_p: torch.Tensor | None = None
+                out: torch.Tensor, top_p: torch.Tensor | None = None, process=None
                 ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
         """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
-        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set. Returns the ids and the
-        raw logits (before the top-p mask: what log-probabilities are computed from)."""
+        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set; ``process`` (or None):
+        ``(logits, temps) -> logits``, the rows' logits processing, before top-p. Returns the ids and the raw
+        logits (before processing and the top-p mask: what log-probabilities are computed from)."""
         raw = logits = self.token_selector.target_logits(hidden)
         if not self.sampling:
             temps = seeds = offsets = None
-        elif top_p is not None:
+        if process is not None:
+            logits = process(logits, temps)
+        if self.sampling and top_p is not None:
             logits = self.top_p_masked(logits, temps, top_p)
         return self.select_from(logits, temps, seeds, offsets, out), raw
 
@@ -327,10 +369,10 @@ class DSparkWorker(SpecWorkerBase):
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
-                speculative: bool = True, *, top_p: float = 1.0) -> int:
+                speculative: bool = True, *, top_p: float = 1.0, processing: LogitsProcessing | None = None) -> int:
         """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
         return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative,
-                                  top_ps=[top_p])[0]
+                                  top_ps=[top_p], processing=[processing])[0]
 
     def _check_prefill(self, slots, prompts, temperatures, seeds, top_ps) -> None:
         n = len(slots)
@@ -349,7 +391,8 @@ class DSparkWorker(SpecWorkerBase):
                              f"got temperatures {list(temperatures)}")
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                      speculative: bool = True, *, top_ps: list[float] | None = None) -> list[int]:
+                      speculative: bool = True, *, top_ps: list[float] | None = None,
+                      processing: list[LogitsProcessing | None] | None = None) -> list[int]:
         """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
 
         The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
@@ -360,7 +403,8 @@ class DSparkWorker(SpecWorkerBase):
         bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
         ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``top_ps``
-        (default 1): each request samples from the target's exact top-p set.
+        (default 1): each request samples from the target's exact top-p set; ``processing`` (default none):
+        each request's logits processing (:mod:`.logits_processing`).
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
@@ -383,6 +427,11 @@ class DSparkWorker(SpecWorkerBase):
         st.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=st.slot_top_p.dtype, device=dev)
         for slot, p, rest in zip(slots, top_ps, restricted):
             self._host_top_p[slot] = float(p) if rest else 1.0
+        self.processors.assign(slots, list(processing) if processing is not None else [None] * r, prompts)
+        process = None
+        if self.processors.active(slots):
+            def process(logits, temps):
+                return self.processed(logits, slots, slots_l, temps)
         with nvtx_range("prefill"):
             ids = torch.zeros(r, t, dtype=torch.int64)
             for row, p in enumerate(prompts):
@@ -394,7 +443,8 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
-                                                  st.slot_top_p[slots_l] if any(restricted) else None)
+                                                  st.slot_top_p[slots_l] if any(restricted) else None, process)
+            self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
             self.decode_pages()
@@ -449,7 +499,18 @@ class DSparkWorker(SpecWorkerBase):
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
-                            top_p)
+                            top_p, self._block_process(b) if self.step_processed else None)
+
+    def _block_process(self, batch_size: int):
+        """The step's processing of ``[B*(K+1)]`` verified rows: row ``j`` of a block counts drafts ``0..j-1``."""
+        b, k = batch_size, self.draft_len
+        slots_l = self.slot_ids[:b].long()
+        drafts = self.state.slot_tokens[slots_l][:, 1:]  # the step's drafts (slot_tokens change after the step)
+        rows = slots_l.repeat_interleave(k + 1)
+
+        def process(logits, temps):
+            return self.processed(logits, self._step_slots, rows, temps, drafts)
+        return process
 
     def sample_and_accept_draft_tokens(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
                                        hidden: torch.Tensor):
@@ -486,7 +547,11 @@ class DSparkWorker(SpecWorkerBase):
         b = batch_size
         slots_l = self.slot_ids[:b].long()
         logits = self.token_selector.target_logits(hidden)
-        x = logits.logits if isinstance(logits, VocabShardedLogits) else logits
+        verified = logits
+        if self.step_processed:  # the processed distribution is the one verification preserves
+            temps_rows = st.slot_temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
+            verified = self._block_process(b)(logits, temps_rows)
+        x = verified.logits if isinstance(verified, VocabShardedLogits) else verified
         top_p = st.slot_top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
@@ -522,6 +587,8 @@ class DSparkWorker(SpecWorkerBase):
         accepted, num_acc, logits = self.sample_and_accept_draft_tokens(b, tokens, positions, out.hidden_states)
         with nvtx_range("tail"):
             tail = self.update_drafter_context(b, accepted, num_acc, out.captured)
+        if self.step_processed:
+            self.processors.record(self._step_slots, slots, accepted, num_acc, live=~self.is_dummy[:b])
         nxt = self.next_new_tokens[:b]
         self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)

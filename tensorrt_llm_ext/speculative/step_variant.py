@@ -8,9 +8,11 @@ captured variant that *covers* it (computes the same distribution for every row)
 and :meth:`~tensorrt_llm_ext.speculative.dspark_worker.DSparkWorker.set_rows` records the variant the step
 runs.
 
-The top-p variant covers every step: a row with ``top_p = 1`` (or a greedy row) keeps its whole row in the
-masked path, so the top-p step computes the default step's distribution for it, at the cost of the top-p
-kernels. The default variant covers only steps without a top-p row.
+The top-p variant covers every step without processed rows: a row with ``top_p = 1`` (or a greedy row) keeps
+its whole row in the masked path, so the top-p step computes the default step's distribution for it, at the
+cost of the top-p kernels. The default variant covers only steps without a top-p row. A *processed* variant
+(a row with logits processing: ``logit_bias``, penalties, ``min_p``, ``top_k``) is never captured: its work
+depends on host facts of the rows (which slots count tokens, the largest ``top_k``), so such a step runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,18 +31,20 @@ class StepVariant:
     """
 
     top_p: bool = False
+    processed: bool = False  # the rows' logits processing runs (speculative/logits_processing.py)
 
     def covers(self, need: "StepVariant") -> bool:
         """Whether running this variant gives every row of a step that needs ``need`` its own distribution."""
-        return self.top_p or not need.top_p
+        return (self.top_p or not need.top_p) and (self.processed or not need.processed)
 
     @property
     def cost(self) -> int:
         """Relative cost (the runner prefers the cheapest covering variant)."""
-        return int(self.top_p)
+        return int(self.top_p) + 2 * int(self.processed)
 
     def __str__(self) -> str:
-        return "top-p" if self.top_p else "default"
+        names = [n for n, on in (("top-p", self.top_p), ("processed", self.processed)) if on]
+        return "+".join(names) or "default"
 
 
 DEFAULT_VARIANT = StepVariant(top_p=False)
