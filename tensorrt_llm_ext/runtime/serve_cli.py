@@ -201,7 +201,13 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     selection = engine.worker("speculative").selection.describe()
     mode = "target_only" if args.no_speculation else "speculative"
     engine.runner(mode)
-    scheduler = Scheduler(engine, mode=mode)
+    overlap = not (args.disable_overlap_scheduler or cfg.disable_overlap_scheduler)
+    scheduler = Scheduler(engine, mode=mode, overlap=overlap)
+    if mapping is None or mapping.rank == 0:
+        logger.info("serve: overlap scheduler " + (
+            "on: step n's tokens are stop-checked and streamed while the device runs step n + 1"
+            if overlap else "off (--disable-overlap-scheduler or disable_overlap_scheduler: true): the host work of "
+            "each step runs between steps"))
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -231,7 +237,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
                        **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
              f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
-             f"selection={selection} "
+             f"selection={selection} overlap={'on' if overlap else 'off'} "
              f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
              f"api_key={'yes' if ctx.api_key else 'no'}")
     rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
@@ -303,6 +309,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies answer 413 without being parsed (default 8 MiB)")
     p.add_argument("--no-speculation", action="store_true",
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="run each step's host work (stop checks, streaming, admission) between steps instead of "
+                        "while the device runs the next step (the overlap scheduler, on by default; = disable_overlap_scheduler: true)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
                         "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")

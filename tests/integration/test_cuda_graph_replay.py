@@ -151,9 +151,11 @@ def _batch(kind: str, max_new: int = 6) -> list[Request]:
     return [Request(list(p), max_new_tokens=max_new, seed=11 + i, **kw) for i, (p, kw) in enumerate(zip(PROMPTS, rows))]
 
 
-def _serve(eng: Engine, reqs: list[Request], mode: str) -> list[list[int]]:
-    """The requests through the scheduler (``serve``'s engine loop: :meth:`Engine.run_step` per step)."""
-    sched = Scheduler(eng, mode=mode)
+def _serve(eng: Engine, reqs: list[Request], mode: str, overlap: bool = False) -> list[list[int]]:
+    """The requests through the scheduler (``serve``'s engine loop: :meth:`Engine.run_step` per step; with
+    ``overlap`` step n + 1 is launched -- its graph replayed over the same output tensors -- before step n's
+    tokens are collected)."""
+    sched = Scheduler(eng, mode=mode, overlap=overlap)
     out = {i: [] for i in range(len(reqs))}
     events, _ = sched.apply(StepPlan(admit=[(i, vars(r)) for i, r in enumerate(reqs)]))
     while True:
@@ -190,6 +192,8 @@ def test_replay_rule_through_generate_and_run_step(monkeypatch, mode):
         graphed.runner(mode).replays.clear()
         assert _serve(graphed, _batch(kind), mode) == want, kind
         assert _replayed(graphed, mode) <= used and _replayed(graphed, mode), kind
+        if kind == "mixed":  # the next replay rewrites the graph's outputs: the launched step's copy is kept
+            assert _serve(graphed, _batch(kind), mode, overlap=True) == want
         if kind == "top_p":
             assert want == greedy  # top-p 1e-3 at T = 1 keeps only the argmax
     assert eager.runner(mode).graphs == {} and not eager.runner(mode).enabled
@@ -284,7 +288,7 @@ def test_gpu_top_p_tiny_equals_greedy_under_graphs(mode, rejection):
 @pytest.mark.parametrize("rejection", [False, True])
 def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     """Greedy, top-p (0.9) and plain sampled rows in one batch: graph replay emits the eager engine's tokens,
-    through ``generate`` and ``run_step``; every step replayed (top-p variant)."""
+    through ``generate``, ``run_step`` and the overlap scheduler; every step replayed (top-p variant)."""
     over = {"speculative_config.use_rejection_sampling": rejection}
     eng = _gpu_engine(**over)
     eager = Engine(eng.config, use_cuda_graph=False)
@@ -294,6 +298,7 @@ def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     got = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
     assert got == want
     assert _serve(eng, reqs, "speculative") == want
+    assert _serve(eng, reqs, "speculative", overlap=True) == want  # asynchronous launch, pinned copies, events
     assert TOP_P_VARIANT in _replayed(eng, "speculative") and eng.runner("speculative").eager_steps == 0
     runner = eng.runner("speculative")
     assert runner.captured(DEFAULT_VARIANT) == runner.captured(TOP_P_VARIANT) == [1, 2, 4, 8, 16]
