@@ -149,6 +149,20 @@ def launch_tp(tp: int, argv: list[str]) -> int:
         return EXIT_USAGE
 
 
+def use_overlap_scheduler(cfg: RuntimeConfig, disable: bool = False, log: bool = True) -> bool:
+    """Whether the engine loop overlaps each step's host work with the next step on the device: on unless
+    ``--disable-overlap-scheduler`` (``disable``) or ``disable_overlap_scheduler: true``; logged (``log``)."""
+    from tensorrt_llm_ext.logger import logger
+
+    on = not (disable or cfg.disable_overlap_scheduler)
+    if log:
+        logger.info("serve: overlap scheduler " + (
+            "on: step n's tokens are stop-checked and streamed while the device runs step n + 1" if on else
+            "off (--disable-overlap-scheduler or disable_overlap_scheduler: true): each step's host work runs "
+            "between steps"))
+    return on
+
+
 def use_cuda_graph(cfg: RuntimeConfig, flag: bool | None = None) -> bool:
     """Whether every decode step is captured in CUDA graphs: on a CUDA device, ``flag`` (``--cuda-graph`` /
     ``--no-cuda-graph``) when given, else ``cuda_graph_config`` (present by default; ``null`` turns graphs
@@ -201,13 +215,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     selection = engine.worker("speculative").selection.describe()
     mode = "target_only" if args.no_speculation else "speculative"
     engine.runner(mode)
-    overlap = not (args.disable_overlap_scheduler or cfg.disable_overlap_scheduler)
+    overlap = use_overlap_scheduler(cfg, args.disable_overlap_scheduler, log=mapping is None or mapping.rank == 0)
     scheduler = Scheduler(engine, mode=mode, overlap=overlap)
-    if mapping is None or mapping.rank == 0:
-        logger.info("serve: overlap scheduler " + (
-            "on: step n's tokens are stop-checked and streamed while the device runs step n + 1"
-            if overlap else "off (--disable-overlap-scheduler or disable_overlap_scheduler: true): the host work of "
-            "each step runs between steps"))
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:

@@ -12,6 +12,7 @@ import pytest
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 3,
@@ -20,7 +21,16 @@ SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_laye
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(load_config(**SMALL))
+    # The eager twins of the model's kernels (the same ops; the Triton interpreter is the slow part, and the
+    # scheduling under test does not depend on the op table).
+    import tensorrt_llm_ext.kernels.rms_norm as rms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rms, "triton_runs_on", lambda t: False)
+        eng = Engine(load_config(**SMALL))
+        eng.drafter.set_attention_backend("eager")
+        mp.setattr(eng.worker("speculative"), "ops", STOCK_OPS)
+        yield eng
 
 
 def _serve(engine, mode: str, overlap: bool, requests: dict[int, dict], cancel_after: dict[int, int],
@@ -156,3 +166,24 @@ def test_a_request_stopped_by_its_step_is_not_advanced_into_the_next(engine, gre
     assert out == short_ids[:6]
     assert not sch.in_flight and engine.slots.num_free == SMALL["max_batch_size"]
     assert engine.pages.num_free == engine.pages.num_pages
+
+
+def test_overlap_is_on_by_default_and_off_by_flag_or_config(tmp_path, caplog):
+    from tensorrt_llm_ext.cli import build_parser
+    from tensorrt_llm_ext.runtime.serve_cli import use_overlap_scheduler
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).disable_overlap_scheduler is False
+    assert parser.parse_args(["serve", "--disable-overlap-scheduler"]).disable_overlap_scheduler is True
+    cfg = load_config(**SMALL)
+    off = tmp_path / "off.yaml"
+    off.write_text("disable_overlap_scheduler: true\n")
+    off_cfg = load_config(off)
+    assert off_cfg.disable_overlap_scheduler and ("disable_overlap_scheduler", True) not in [
+        (p, v) for p, v, _ in off_cfg.no_effect_fields()]
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        assert use_overlap_scheduler(cfg) is True
+        assert use_overlap_scheduler(cfg, True) is False and use_overlap_scheduler(off_cfg) is False
+        assert use_overlap_scheduler(cfg, log=False) is True
+    lines = [r.getMessage() for r in caplog.records if "overlap scheduler" in r.getMessage()]
+    assert len(lines) == 3 and "on:" in lines[0] and all("off (" in m for m in lines[1:])
