@@ -122,8 +122,10 @@ selp.b32 $1, shi, 0, p;
 def hist_add(base, bucket, w):
     """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing), as
     relaxed atomics into the calling program's own buckets. Compiled: warp-aggregated (one atomic per distinct
-    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element."""
-    if _SFU:
+    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element. The aggregated
+    form needs every lane to hold distinct elements: blocks of >= 256 elements, which the launchers' warp
+    count (``num_warps_for``: one warp per 256) guarantees; smaller blocks take the per-element form."""
+    if _SFU and w.shape[0] >= 256:
         slo, shi = tl.inline_asm_elementwise(_HIST_AGG_ASM, "=r,=r,r,r", [bucket.to(tl.int32), w.to(tl.int32)],
                                              dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
         agg = (shi.to(tl.int64) << 16) + slo.to(tl.int64)
