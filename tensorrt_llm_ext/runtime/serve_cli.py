@@ -253,7 +253,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(rc)  # peers may be dead: MPI_Finalize could wait for them forever
+        # A second signal ended the drain (rc = 128 + signal): the launcher that passed the signals on reports
+        # that code itself; a non-zero rank would make mpiexec report a bad termination and kill the peers.
+        os._exit(0 if rc > 128 else rc)  # os._exit: peers may be dead, MPI_Finalize could wait for them forever
     return rc
 
 
