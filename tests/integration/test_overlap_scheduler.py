@@ -1,6 +1,6 @@
 """The overlap scheduler (step n + 1 launched before step n's tokens are collected) serves exactly the serial
-scheduler's tokens: several concurrent requests with different lengths, stop tokens, EOS, sampled and top-p
-rows, logprobs and cancellations mid-stream, more requests than slots; every slot and page is freed after.
+scheduler's tokens: several concurrent requests with different lengths, stop tokens, EOS, sampled, top-p and
+penalised rows, logprobs and cancellations mid-stream, more requests than slots; every slot and page is freed after.
 
 On a CPU the step is synchronous, so this runs the overlap code path without concurrency.
 """
@@ -88,7 +88,7 @@ def test_overlap_gives_the_serial_tokens_under_load(engine, greedy_ids, mode):
         2: {"prompt_ids": _prompt(3), "max_new_tokens": 7, "temperature": 0.8, "seed": 5, "top_p": 0.7},
         3: {"prompt_ids": _prompt(4), "max_new_tokens": 12, "temperature": 1.0, "seed": 2},  # cancelled
         4: {"prompt_ids": _prompt(5), "max_new_tokens": 1},
-        5: {"prompt_ids": _prompt(6), "max_new_tokens": 6, "temperature": 1.0, "seed": 9,
+        5: {"prompt_ids": _prompt(6), "max_new_tokens": 6, "temperature": 1.0, "seed": 9, "frequency_penalty": 0.7,
             "stop_token_ids": tuple(eos), "min_tokens": 2},
         6: {"prompt_ids": _prompt(7), "max_new_tokens": 8, "temperature": 1.0, "seed": 4},  # cancelled
     }
