@@ -310,7 +310,8 @@ def run(args: argparse.Namespace) -> None:
                 goal = reference_us(GOALS, tp, name, b, vocab, k, args.dtype).get("goal")
                 rows.append([tp, width, b, name, fmt(fl, 2), fmt(ours, 2), fmt(ours / fl, 2),
                              fmt(goal, 1) if goal else "-",
-                             fmt(peers["vLLM MRv2"], 0) if peers else "-", fmt(peers["FlashInfer"], 0) if peers else "-",
+                             fmt(peers["vLLM MRv2"], 0) if peers else "-",
+                             fmt(peers["FlashInfer"], 0) if peers else "-",
                              fmt(stock, 1), fmt(stock / ours, 1), f"{calls} / {nbytes}"])
             print(f"bench verify: tp {tp} B={b} done", file=sys.stderr, flush=True)
     print_table(

@@ -21,8 +21,10 @@ Semantics (docs/rejection_sampling.md has the full statement):
   :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
-Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels
-equal their eager twins and the sharded call equals the TP-1 call bit for bit.
+Every mass is an exact int64 sum of per-token integer weights that are one fixed instruction sequence of the
+token's logit, the row max and T, so a kernel gives the same bits at every TP size and tiling (the sharded
+call equals the TP-1 call). The weights use the SFU ``exp2``: the eager twins agree bit for bit under the
+interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md, "What is bitwise where").
 
 Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
 ``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
@@ -144,7 +146,8 @@ class VerificationPlan:
             "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
             "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
             "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
-            "dec": b * 2, "race": b * s * f * rs.RACE_COLS, "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
+            "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
+            "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
         }
 
     def exchanges(self) -> list[tuple[str, int]]:
@@ -494,8 +497,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)
 
 
 def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -506,5 +510,6 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)
