@@ -49,7 +49,8 @@ __all__ = [
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
-    "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce", "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
+    "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
 
@@ -122,8 +123,10 @@ selp.b32 $1, shi, 0, p;
 def hist_add(base, bucket, w):
     """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing), as
     relaxed atomics into the calling program's own buckets. Compiled: warp-aggregated (one atomic per distinct
-    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element."""
-    if _SFU:
+    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element. The aggregated
+    form needs every lane to hold distinct elements: blocks of >= 256 elements, which the launchers' warp
+    count (``num_warps_for``: one warp per 256) guarantees; smaller blocks take the per-element form."""
+    if _SFU and w.shape[0] >= 256:
         slo, shi = tl.inline_asm_elementwise(_HIST_AGG_ASM, "=r,=r,r,r", [bucket.to(tl.int32), w.to(tl.int32)],
                                              dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
         agg = (shi.to(tl.int64) << 16) + slo.to(tl.int64)

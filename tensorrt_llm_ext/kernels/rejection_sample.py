@@ -40,8 +40,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_m
                                                           plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
                                                           split_reduce, split_reduce_rows, subchunk_index_torch,
                                                           sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import (key_to_id, key_to_id_torch, philox_4x32_10_torch, pick_word,
-                                                  uniform_from_word)
+from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch, uniform_from_word
 from tensorrt_llm_ext.kernels.top_p import check_sub, final_rows, final_rows_torch, kept_in_tile
 
 __all__ = [

@@ -40,7 +40,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_lo
                                                           decode_max_key_torch, fixed_point_weight, hist_add,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
-                                                          radix_to_f32_torch, row_max_from_keys, subchunk_index_torch, subchunk_width,
+                                                          radix_to_f32_torch, row_max_from_keys, subchunk_index_torch,
+                                                          subchunk_width,
                                                           row_max_from_keys_rows, split_reduce, split_reduce_rows,
                                                           weight_scale,
                                                           weight_scale_torch)
@@ -102,7 +103,8 @@ def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols
     base, b*)``.
 
     The tie base counts the ties of ``b*`` before tie slot ``slot`` of rank ``rank`` in global id order
-    (``ties_all [tp, rows, n_slots, 2]``: a slot is a column chunk, or a sub-chunk of the draw). ``sums`` is the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
+    (``ties_all [tp, rows, n_slots, 2]``: a slot is a column chunk, or a sub-chunk of the draw). ``sums`` is
+    the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
     every finite token (``Z_p = Z``). Identical on every rank but the tie base. Reductions over the chunks
     (``SPLITS``) and over (rank, chunk) (``TPS``, next power of two >= tp * S) are single vector loads.
     """

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from tensorrt_llm_ext.runtime.requests import FP32_MAX
+from tensorrt_llm_ext.runtime.requests import FP32_MAX, FP32_MIN_NORMAL
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
@@ -182,6 +182,8 @@ class _Sampling(BaseModel):
     def _top_k(cls, v):
         if v is not None and v < -1:
             raise ValueError(f"must be -1 or 0 (no limit) or a positive count, got {v}")
+        if v is not None and v >= 2**63:
+            raise ValueError(f"{v} does not fit int64, the engine's type")
         return v
 
     @field_validator("min_p")
@@ -203,6 +205,9 @@ class _Sampling(BaseModel):
     def _repetition_penalty(cls, v):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"must be a finite number > 0, got {v}")
+        if v is not None and not FP32_MIN_NORMAL <= v <= FP32_MAX:  # a divisor: 0 or inf in fp32
+            raise ValueError(f"{v} is {'0' if v < 1 else 'inf'} in fp32, the engine's precision (expected "
+                             f"{FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
         return v
 
     @field_validator("logit_bias")

@@ -20,10 +20,11 @@ from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 # The engine samples in fp32, so a field is checked in fp32 here, where it enters: a double the layers below
 # would see as another value is refused or normalised at the boundary, never inside a step.
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
-# The smallest normal fp32 (2^-126). A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
-# keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
-# it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
-MIN_TOP_P = 2.0 ** -126
+FP32_MIN_NORMAL = 2.0 ** -126  # torch.finfo(torch.float32).tiny: below it a value is denormal or 0.0 in fp32
+# A positive top_p below the smallest normal fp32 (1e-46 is 0.0 in fp32, which the kernels refuse) keeps exactly
+# what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so it is served as
+# MIN_TOP_P: the same kept set, a value every layer accepts.
+MIN_TOP_P = FP32_MIN_NORMAL
 
 
 class RequestError(ValueError):
@@ -151,6 +152,14 @@ class Request:
             raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
         if not _is_int(self.top_k):
             raise RequestError(f"{rid}: top_k must be an int, got {_describe(self.top_k)}")
+        if self.top_k >= 2**63:  # the slot holds it as int64
+            raise RequestError(f"{rid}: top_k {self.top_k} does not fit int64, the engine's type (a top_k at or above "
+                               f"the vocabulary size keeps every token)")
+        rep = self.repetition_penalty
+        if isinstance(rep, (int, float)) and not isinstance(rep, bool) and math.isfinite(rep) and rep > 0 \
+                and not FP32_MIN_NORMAL <= rep <= FP32_MAX:  # a divisor: 0 or inf in fp32
+            raise RequestError(f"{rid}: repetition_penalty {rep!r} is {'0' if rep < 1 else 'inf'} in fp32, the engine's "
+                               f"precision (expected {FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError(f"{rid}: logit_bias must be a dict {{token id: bias}}, got {_describe(self.logit_bias)}")
         try:

@@ -37,7 +37,8 @@ Logits processing (``prefill(..., processing=)``: ``logit_bias``, penalties, ``m
 :mod:`.logits_processing`): the target's logits are processed on the shards before selection, before
 rejection-sampling verification, and in prefill and the reference decode alike, so the processed distribution
 is the one speculation preserves; a step runs it only when one of its rows has a processed field (another
-host-side fact: the processed variant, never captured, so such a step runs eagerly).
+host-side fact: the processed variant, captured like the others; the ops are the same whatever the rows hold,
+see :mod:`.logits_processing`).
 
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
@@ -59,7 +60,8 @@ from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerificatio
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
-from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT, StepVariant
+from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
+                                                      TOP_P_VARIANT, StepVariant)
 from tensorrt_llm_ext.speculative.token_selector import SelectionParams
 from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
@@ -166,15 +168,21 @@ class DSparkWorker(SpecWorkerBase):
     @property
     def step_variants(self) -> tuple[StepVariant, ...]:
         """The variants this worker's steps can need, cheapest first (what CUDA graphs capture): a
-        greedy-only worker never restricts to a top-p set."""
-        return (DEFAULT_VARIANT, TOP_P_VARIANT) if self.sampling else (DEFAULT_VARIANT,)
+        greedy-only worker never restricts to a top-p set; one processed variant per worker (a sampling
+        worker's also runs top-p, so it covers every step but a wide top-k one)."""
+        if self.sampling:
+            return (DEFAULT_VARIANT, TOP_P_VARIANT, PROCESSED_TOP_P_VARIANT)
+        return (DEFAULT_VARIANT, PROCESSED_VARIANT)
 
     def step_needs(self, slots: list[int]) -> StepVariant:
         """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a
         row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill), processed iff a row has
-        logits processing (never captured: such a step runs eagerly)."""
+        logits processing, wide top-k iff a row's ``top_k`` exceeds the captured top-k width (never captured)."""
         top_p = any(self._host_top_p[s] < 1.0 for s in slots)
-        return StepVariant(top_p=top_p, processed=self.processors is not None and self.processors.active(slots))
+        proc = self.processors
+        processed = proc is not None and proc.active(slots)
+        return StepVariant(top_p=top_p, processed=processed,
+                           wide_top_k=processed and self.sampling and proc.wide_top_k(slots))
 
     def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
         """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot).
@@ -188,7 +196,7 @@ class DSparkWorker(SpecWorkerBase):
         self.check_slots("set_rows", slots)
         need = self.step_needs(slots)
         variant = need if variant is None else variant
-        # A processed step is never captured (its host facts differ step to step): it runs its own variant eagerly.
+        # A variant no graph is captured for (wide top-k) runs as the rows need it, eagerly.
         if not variant.covers(need) or (variant not in self.step_variants and variant != need):
             raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
                              f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")

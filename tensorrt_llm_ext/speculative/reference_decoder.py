@@ -79,7 +79,7 @@ class ReferenceDecoder:
             logits = w.target.logits(hidden)
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
-            processed = self.processors.active(w.step_slots)
+            processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
             if processed:
                 logits = self.processors.apply(logits, w.step_slots, slots_l, temps)
             if w.sampling and w.step_top_p:

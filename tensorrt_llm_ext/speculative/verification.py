@@ -3,7 +3,7 @@
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
 crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
-``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 2]``.
+``[R, S, 256]`` for top-p, tie counts ``[tp, R, S * sub, 2]``, and the draw's race ``[tp, B, S * sub, 2]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -21,8 +21,10 @@ Semantics (docs/rejection_sampling.md has the full statement):
   :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
-Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels
-equal their eager twins and the sharded call equals the TP-1 call bit for bit.
+Every mass is an exact int64 sum of per-token integer weights that are one fixed instruction sequence of the
+token's logit, the row max and T, so a kernel gives the same bits at every TP size and tiling (the sharded
+call equals the TP-1 call). The weights use the SFU ``exp2``: the eager twins agree bit for bit under the
+interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md, "What is bitwise where").
 
 Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
 ``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
@@ -114,12 +116,12 @@ def column_plan(rows: int, n_valid: int, block_size: int, num_splits: int) -> tu
     return fps.plan_chunks(n_valid, block_size, want)
 
 
-def draw_plan(batch: int, splits: int, num_splits: int) -> int:
+def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int) -> int:
     """Sub-chunks per column chunk of the draw: about 512 programs over ``batch`` requests (it reads two rows per
     request, so it needs finer chunks than the passes over every row), at most ``num_splits`` (the workspace's
-    cap; 1 without one). Depends on the batch and the plan only, never on the vocabulary, so the exchanged
-    volume does not either (trailing sub-chunks of a short chunk are empty)."""
-    return max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(batch * splits, 1))))
+    cap; 1 without one, so a call without a workspace exchanges a volume independent of the vocabulary) and at
+    most one per tile of the chunk. Depends on shapes only."""
+    return max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(batch * splits, 1)), chunk // block_size))
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ class VerificationPlan:
             "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
             "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
             "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
-            "dec": b * 2, "race": b * s * f * rs.RACE_COLS, "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
+            "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
+            "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
         }
 
     def exchanges(self) -> list[tuple[str, int]]:
@@ -208,8 +211,8 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
     cap: dict[str, int] = {}
 
     def fit(rt: int, rq: int, b: int) -> None:
-        s, _ = column_plan(rt + rq, width, block_size, num_splits)
-        f = draw_plan(b, s, num_splits) if b else 1
+        s, chunk = column_plan(rt + rq, width, block_size, num_splits)
+        f = draw_plan(b, s, chunk, block_size, num_splits) if b else 1
         for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f).sizes().items():
             cap[name] = max(cap.get(name, 0), n)
 
@@ -437,7 +440,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
     n_valid = max(0, min(width, vocab_size - vocab_start))
     splits, chunk = column_plan(b * (2 * k + 1), n_valid, bs, ns)
-    sub = draw_plan(b, splits, ns)
+    sub = draw_plan(b, splits, chunk, bs, ns)
     has_p = top_p is not None
     plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub)
     ws = _call_buffers(workspace, plan, dev, "rejection_sample")
@@ -494,8 +497,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)
 
 
 def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -506,5 +510,6 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)

@@ -7,6 +7,8 @@ Scheduler level (what every rank of a server applies), on a tiny model; the HTTP
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
@@ -54,6 +56,14 @@ def test_fp32_boundary_normalises_top_p_and_refuses_an_overflowing_temperature()
     Request([1], 2, temperature=FP32_MAX, top_p=1e-46).validate(10, 10)
     with pytest.raises(RequestError, match="temperature 1e\\+39 overflows fp32"):
         Request([1], 2, temperature=1e39).validate(10, 10)
+    # A divisor that is 0 or inf in fp32 (1e39 raised a RuntimeError in the prefill and killed the engine) and
+    # a top_k past int64 (an OverflowError there): refused by name.
+    for value, got in ((1e39, "inf"), (1e-46, "0")):
+        with pytest.raises(RequestError, match=re.escape(f"repetition_penalty {value!r} is {got} in fp32")):
+            Request([1], 2, repetition_penalty=value).validate(10, 10)
+    with pytest.raises(RequestError, match="top_k 1180591620717411303424 does not fit int64"):
+        Request([1], 2, temperature=1.0, top_k=2**70).validate(10, 10)
+    Request([1], 2, temperature=1.0, top_k=2**62, repetition_penalty=1e-30).validate(10, 10)
 
 
 def test_underflowing_top_p_is_served_as_the_top_token(engine):

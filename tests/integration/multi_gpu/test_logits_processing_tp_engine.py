@@ -6,6 +6,7 @@ gathered rows over the whole vocabulary -- greedy and keyed-sampled rows, every 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
@@ -20,7 +21,7 @@ ROWS = [
 ]
 
 
-def _rank_generate(tp: int, max_new: int):
+def _rank_generate(tp: int, max_new: int, graphs: bool = False):
     import torch
 
     from tensorrt_llm_ext.distributed import init_from_mpi
@@ -32,10 +33,18 @@ def _rank_generate(tp: int, max_new: int):
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
-    eng = Engine(load_config(**{**SMALL, "tensor_parallel_size": tp}), mapping, device=device)
+    cfg = load_config(**{**SMALL, "tensor_parallel_size": tp})
+    eng = Engine(cfg, mapping, device=device, use_cuda_graph=graphs)
     reqs = [Request(max_new_tokens=max_new, **r) for r in ROWS]
     out = {mode: [r.output_ids for r in eng.generate(reqs, mode)[0]] for mode in ("speculative", "target_only")}
     out["target_vp"] = eng.worker().selection.target_enabled
+    if graphs:  # the same requests eagerly, and what the graphed runners did
+        eager = Engine(cfg, mapping, device=device)
+        out["eager"] = {mode: [r.output_ids for r in eager.generate(reqs, mode)[0]]
+                        for mode in ("speculative", "target_only")}
+        out["eager_steps"] = {mode: eng.runner(mode).eager_steps for mode in ("speculative", "target_only")}
+        out["replayed"] = {mode: sorted(str(v) for (_, v), n in eng.runner(mode).replays.items() if n)
+                           for mode in ("speculative", "target_only")}
     return out
 
 
@@ -47,3 +56,17 @@ def test_tp2_processed_shards_equal_the_gathered_target_decode(mpi_pool_executor
     assert first["target_vp"]
     assert first["speculative"] == first["target_only"], first
     assert first["speculative"][3] == [515] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_tp2_gpu_processed_steps_replay_the_processed_graph(mpi_pool_executor):
+    """At TP 2 under real CUDA graphs: the processed steps (fixed-size row-max all-reduce and top-k all-gather on
+    the shards) replay the processed graph -- no step eager -- and emit the eager engine's tokens on every rank."""
+    results = run_on_ranks(mpi_pool_executor, _rank_generate, 2, 6, True)
+    first = results[0]
+    assert all(r == first for r in results[1:]), "ranks disagree"
+    assert first["speculative"] == first["eager"]["speculative"] == first["target_only"], first
+    assert first["target_only"] == first["eager"]["target_only"]
+    assert first["eager_steps"] == {"speculative": 0, "target_only": 0}, first["eager_steps"]
+    assert all("top-p+processed" in v for v in first["replayed"].values()), first["replayed"]
