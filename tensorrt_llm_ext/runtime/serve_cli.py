@@ -322,7 +322,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
     p.add_argument("--disable-overlap-scheduler", action="store_true",
                    help="run each step's host work (stop checks, streaming, admission) between steps instead of "
-                        "while the device runs the next step (the overlap scheduler, on by default; = disable_overlap_scheduler: true)")
+                        "while the device runs the next step (the overlap scheduler, on by default); "
+                        "= disable_overlap_scheduler: true")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
                         "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")

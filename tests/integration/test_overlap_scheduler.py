@@ -187,3 +187,38 @@ def test_overlap_is_on_by_default_and_off_by_flag_or_config(tmp_path, caplog):
         assert use_overlap_scheduler(cfg, log=False) is True
     lines = [r.getMessage() for r in caplog.records if "overlap scheduler" in r.getMessage()]
     assert len(lines) == 3 and "on:" in lines[0] and all("off (" in m for m in lines[1:])
+
+
+def test_a_step_refused_at_launch_fails_its_requests_and_the_engine_serves_on(engine, greedy_ids):
+    """Overlap: a request-level error raised by the launch of step n + 1 still delivers step n's tokens, fails
+    the requests of step n + 1 (slots freed, step state reset) and later plans are served exactly."""
+
+    class RefusingLaunch:
+        def __init__(self, inner, refuse_call: int):
+            self.inner, self.refuse_call, self.calls = inner, refuse_call, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def launch_step(self, slots, mode="speculative"):
+            self.calls += 1
+            if self.calls == self.refuse_call:
+                raise ValueError("a value the step refused")
+            return self.inner.launch_step(slots, mode)
+
+    sch = Scheduler(RefusingLaunch(engine, refuse_call=3), overlap=True)
+    req = {"prompt_ids": _prompt(2), "max_new_tokens": 10, "ignore_eos": True}
+    evs, _ = sch.apply(StepPlan(admit=[(0, req)], run=False))
+    got = _tokens(evs)
+    for _ in range(3):
+        evs, _ = sch.apply(StepPlan())
+        got += _tokens(evs)
+    assert evs[-1].finish_reason == "error" and "a value the step refused" in evs[-1].error
+    assert got == greedy_ids[:len(got)] and len(got) > 1  # step 1's tokens were delivered before the failure
+    assert not sch.num_active and not sch.in_flight and engine.slots.num_free == SMALL["max_batch_size"]
+    evs, _ = sch.apply(StepPlan(admit=[(1, dict(req, max_new_tokens=4))]))
+    out = _tokens(evs)
+    while sch.num_active:
+        evs, _ = sch.apply(StepPlan())
+        out += _tokens(evs)
+    assert out == greedy_ids[:4] and engine.pages.num_free == engine.pages.num_pages
