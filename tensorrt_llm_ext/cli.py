@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -117,6 +118,47 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tensorrt_llm_ext.models.checkpoint import CheckpointError
+    from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
+
+    try:
+        tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+        out = args.out or str(Path(args.dir) / "dspark_drafter")
+        summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
+                                progress=not args.no_progress)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    acc = summary["held_out_greedy_acceptance"]
+    print(f"drafter: {out}")
+    print(f"loss: {summary['first_losses'][:1]} -> {summary['last_losses'][-1:]}")
+    print(f"held-out greedy acceptance length (K={tc.draft_len}): init ({tc.init}) {acc['init']}, "
+          f"trained {acc['trained']}")
+    return 0
+
+
+def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from tensorrt_llm_ext.training.trainer import TrainConfig
+
+    t.add_argument("dir", help="the target: a Hugging Face Llama directory (e.g. written by import-gguf)")
+    t.add_argument("--out", default=None, help="the drafter directory to write (default DIR/dspark_drafter, "
+                                                "where serve DIR finds it)")
+    t.add_argument("--work-dir", default=None, help="data cache and trainer checkpoints (default OUT_work beside OUT)")
+    t.add_argument("--resume", action="store_true", help="continue from WORK_DIR/trainer_state.pt and its data")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
+        if f.name == "markov_rank":
+            kind = int
+        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                       help=f"default {f.default} (docs/real_model.md)")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
@@ -199,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_args(g)
     s = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions) over the engine")
     add_serve_args(s)
+    sub.add_parser("compile-check", add_help=False,
+                   help="compile every Triton kernel for a GPU target without a GPU (sm_90 by default; --help)")
     e = sub.add_parser("export", help="write the configured model as checkpoint directories (HF Llama + drafter)")
     e.add_argument("dir", help="target directory (config.json + model.safetensors, Hugging Face names)")
     e.add_argument("--drafter-dir", default=None, help="drafter directory (default: DIR/dspark_drafter)")
@@ -211,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="weights' dtype on disk (float32 keeps the dequantized values exactly)")
     gg.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files (needs no transformers)")
+    tr = sub.add_parser("train-drafter", help="train a DSpark drafter on a target by self-distillation "
+                        "(docs/real_model.md)")
+    _add_train_drafter_args(tr)
     return p
 
 
@@ -252,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-h"], ["--help"]):
         return _quick(argv)
+    if argv[:1] == ["compile-check"]:
+        # Compiles for a GPU target without one: its workers need compiled (not interpreted) kernels, so it
+        # runs before the interpreter is switched on. Test support, imported only for this command.
+        from tensorrt_llm_ext.testing.compile_check import main as compile_check_main
+
+        return compile_check_main(argv[1:])
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
@@ -282,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_export(args)
     if args.command == "import-gguf":
         return _cmd_import_gguf(args)
+    if args.command == "train-drafter":
+        return _cmd_train_drafter(args)
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "test-list":

@@ -11,4 +11,5 @@ BENCHMARK_MODULES = {
     "exchange": "tensorrt_llm_ext.bench.exchange",
     "verify": "tensorrt_llm_ext.bench.verify",
     "serve": "tensorrt_llm_ext.bench.serve",
+    "acceptance": "tensorrt_llm_ext.bench.acceptance",
 }

@@ -33,6 +33,7 @@ from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterN
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 
 KIMI_K3_FC = (7168, 35840)  # [H, n_cap * H_t]
+_TABLES = ("fc", "norm", "launches", "attention")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-batch", default="1,8,32", help="block attention sweep: batch sizes")
     p.add_argument("--attn-ctx", type=int, default=1024, help="block attention sweep: context length per row")
     p.add_argument("--attn-shape", default="8,64,256,7", help="heads,head_dim,latent_dim,K of the sweep")
+    p.add_argument("--tables", default=",".join(_TABLES),
+                   help=f"comma-separated subset of {','.join(_TABLES)} (attention alone: the schedule sweep)")
 
 
 def fc_bytes_per_rank(cls, tp: int, hidden: int = KIMI_K3_FC[0], in_features: int = KIMI_K3_FC[1],
@@ -165,6 +168,24 @@ def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtyp
                 rope_theta=10000.0, scale=d ** -0.5)
 
 
+def attention_table_source(best: dict[int, AttentionSchedule]) -> str:
+    """``ATTENTION_SCHEDULES`` source from the fastest schedule per measured B: consecutive B with the same
+    winner share a row whose ``max_batch`` is the largest of them; the last row covers every larger B."""
+    rows: list[list] = []
+    for b in sorted(best):
+        s = best[b]
+        key = (s.block_n, s.num_warps, s.num_stages, s.split_k)
+        if rows and rows[-1][1] == key:
+            rows[-1][0] = b
+        else:
+            rows.append([b, key])
+    parts = []
+    for i, (b, (n, w, st, k)) in enumerate(rows):
+        bound = "None" if i == len(rows) - 1 else str(b)
+        parts.append(f"AttentionSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, split_k={k})")
+    return f"ATTENTION_SCHEDULES = ({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+
+
 def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: float) -> None:
     heads, d, d_c, k = (int(x) for x in args.attn_shape.split(","))
     batches = [int(x) for x in args.attn_batch.split(",")]
@@ -172,7 +193,7 @@ def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: flo
     if timer.smoke:
         heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
     dtype = torch.bfloat16
-    rows = []
+    rows, best = [], {}
     for b in batches:
         case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
         out = torch.empty_like(case["q"])
@@ -184,24 +205,35 @@ def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: flo
         for sched in [table_sched] + [x for x in attention_sweep_schedules(timer.smoke) if x != table_sched]:
             latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
             t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
+            if b not in best or t < best[b][1]:
+                best[b] = (sched, t)
             rows.append([b, ctx, sched.describe(), "*" if sched == table_sched else "", fmt(t, 2), fmt(t_eager, 1),
                          fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2), fmt(t / fl, 1) if t == t else "-"])
     print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per layer)",
                 ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us", "fused/floor"],
                 rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine launch). "
                        "* = the row of ATTENTION_SCHEDULES for B; fill it from the fastest per B. Goal: <= 10 us at "
-                       "B <= 8. Split-K changes the softmax sum order (within the twin's tolerance, not bitwise)."])
+                       "B <= 8. Split-K changes the softmax sum order (within the twin's tolerance, not bitwise).",
+                       "to paste (kernels/latent_block_attention.py): "
+                       + attention_table_source({b: v[0] for b, v in best.items()})])
 
 
 @register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> None:
     timer = BenchTimer()
+    tables = set(getattr(args, "tables", ",".join(_TABLES)).split(","))
+    if not tables <= set(_TABLES):
+        raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
     bandwidth = measure_copy_bandwidth(timer.device)
-    _fc_table(bandwidth)
-    _norm_table(args, timer, bandwidth)
-    _launch_table()
-    _attention_table(args, timer, bandwidth)
+    if "fc" in tables:
+        _fc_table(bandwidth)
+    if "norm" in tables:
+        _norm_table(args, timer, bandwidth)
+    if "launches" in tables:
+        _launch_table()
+    if "attention" in tables:
+        _attention_table(args, timer, bandwidth)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,13 @@ beyond the L2):
    tile width, warps, programs, cache hints), so ``FUSED_SCHEDULES`` can be filled from this run. A
    ``block_b`` is one table for all B (it is part of the bitwise contract): compare it across every B.
 
-3. Per rank on TP 2/4/8 shard widths (one GPU, shard-sized ``markov_w2``, no exchange): exact, fused
+3. ``--tables sweep``: the schedule grid the table is filled from (one ``block_b`` per table, so both
+   tile shapes at every B): 16-row tiles (block_n, warps, stages, programs per SM) and 64-row tiles at
+   8 warps (block_n 32/64, programs per SM 1/2/4 -- the persistent grid -- and 3 stages), each timed per
+   B, with the fastest per B and the ``FUSED_SCHEDULES`` rows to paste for each ``block_b`` (consecutive
+   B with the same winner merged), and which ``block_b`` is faster summed over B.
+
+4. Per rank on TP 2/4/8 shard widths (one GPU, shard-sized ``markov_w2``, no exchange): exact, fused
    same / alt. The shard's ``markov_w2`` is not rotated, so at TP >= 4 (<= 25.6 MB, below the 60 MiB
    L2) the K reads may be served from L2 -- the stretch goal, reported against the HBM floor.
 
@@ -30,6 +36,7 @@ On CPU: a smoke run at tiny sizes (timings meaningless).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +57,56 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-batch", default="1,8,32,128")
     p.add_argument("--variants", type=int, default=2, choices=range(5),
                    help="fused schedule variants timed per B besides the table's row (0-4)")
+    p.add_argument("--tables", default="main,tp",
+                   help=f"comma-separated subset of {','.join(_TABLES)}: the chain per B with its schedule "
+                        "variants, the schedule sweep (prints FUSED_SCHEDULES rows), the TP shards")
+
+
+_TABLES = ("main", "sweep", "tp")
+# The sweep grid: (block_b, block_n, warps, stages, programs per SM). 64-row tiles run at 8 warps only
+# (compiled for sm90: 4 warps spill, and so does block_n 128).
+SWEEP_GRID: tuple[tuple[int, int, int, int, int], ...] = (
+    (16, 64, 4, 2, 2), (16, 64, 4, 2, 4), (16, 64, 4, 2, 8), (16, 64, 4, 3, 4), (16, 128, 8, 2, 4), (16, 32, 4, 2, 8),
+    (64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 8, 2, 4), (64, 64, 8, 3, 2), (64, 32, 8, 2, 2), (64, 32, 8, 2, 4),
+)
+
+
+def sweep_configs(sms: int, block_b: int | None = None) -> list[tuple[FusedConfig, int]]:
+    """``(config, programs per SM)`` of :data:`SWEEP_GRID` at ``sms`` SMs (one ``block_b``, or both)."""
+    return [(FusedConfig(n, w, st, p * sms, block_b=b), p) for b, n, w, st, p in SWEEP_GRID
+            if block_b is None or b == block_b]
+
+
+def schedule_rows(best: dict[int, tuple[FusedConfig, int]], block_b: int) -> str:
+    """``FUSED_SCHEDULES`` source for one ``block_b`` from the fastest config per measured B: consecutive B
+    with the same winner share a row, whose ``max_batch`` is the largest of them (the last row: None)."""
+    rows: list[list] = []
+    for B in sorted(best):
+        cfg, progs = best[B]
+        key = (cfg.block_n, cfg.num_warps, cfg.num_stages, progs)
+        if rows and rows[-1][1] == key:
+            rows[-1][0] = B
+        else:
+            rows.append([B, key])
+    out = []
+    for i, (B, (n, w, st, p)) in enumerate(rows):
+        bound = "None" if i == len(rows) - 1 else str(B)
+        out.append(f"FusedSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, programs_per_sm={p}"
+                   f"{'' if block_b == 16 else f', block_b={block_b}'}),")
+    return " ".join(out)
+
+
+def auto_table_source(faster: dict[int, str]) -> str:
+    """``AUTO_MODE_TABLE`` source from the mode measured faster per B (consecutive B merged, the last row
+    covering every larger B)."""
+    rows: list[list] = []
+    for B in sorted(faster):
+        if rows and rows[-1][1] == faster[B]:
+            rows[-1][0] = B
+        else:
+            rows.append([B, faster[B]])
+    parts = [f'({"None" if i == len(rows) - 1 else B}, "{m}")' for i, (B, m) in enumerate(rows)]
+    return f"AUTO_MODE_TABLE = ({', '.join(parts)}{',' if len(parts) == 1 else ''})"
 
 
 def _eager_chain(base, anchors, w1, w2):
@@ -142,6 +199,20 @@ def run(args: argparse.Namespace) -> None:
     w1 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(V, r, generator=g, device=device) * 0.05).to(torch.bfloat16)
 
+    tables = set(args.tables.split(","))
+    if not tables <= set(_TABLES):
+        raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {args.tables}")
+    if "main" in tables:
+        _main(timer, args, bw, V, r, K, batches, w1, w2, interpret)
+    if "sweep" in tables:
+        _sweep(timer, bw, V, r, K, batches, w1, w2, interpret)
+    if "tp" in tables:
+        _tp(timer, bw, V, r, K, tps, tp_batches, w1, w2)
+
+
+def _main(timer, args, bw, V, r, K, batches, w1, w2, interpret):
+    device = w2.device
+    faster_by_b: dict[int, str] = {}
     rows, sched_rows = [], []
     for B in batches:
         case = _Case(B, K, V, w1, w2, seed=B * 7 + V)
@@ -151,6 +222,7 @@ def run(args: argparse.Namespace) -> None:
         hbm, exact_floor = case.floors(bw, m["gemv"])
         fused = min(m["same"], m["alt"])
         faster = "-" if timer.smoke else ("fused" if m["alt"] <= m["exact"] else "exact")
+        faster_by_b[B] = "fused" if m["alt"] <= m["exact"] else "exact"
         rows.append([B, fmt(m["eager"]), fmt(m["exact"]), fmt(m["same"]), fmt(m["alt"]), fmt(m["gemv"]), fmt(hbm),
                      fmt(exact_floor), _ratio(m["exact"], exact_floor), _ratio(m["alt"], hbm),
                      _ratio(m["alt"], m["same"], 3), _ratio(m["eager"], min(m["exact"], fused)),
@@ -170,7 +242,8 @@ def run(args: argparse.Namespace) -> None:
         [(f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s (read+write). 'fused same' scans markov_w2 forwards every step, "
          "'fused alt' (the default) backwards at odd steps. Goals: exact/floor <= 1.10; fused/HBM <= 1.15 at "
          "B <= 32, <= 1.3 at B = 64 and 128. 'auto' is the mode the auto table picks here; 'faster' the one "
-         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLE from it.")],
+         "measured faster (exact vs fused alt): fill AUTO_MODE_TABLE from it.",
+         f"to paste (speculative/markov_chain.py): {auto_table_source(faster_by_b)}")],
     )
     print_table(
         f"Fused step schedules, V={V}, r={r}, K={K}, bf16, alternating order (us per chain)",
@@ -181,6 +254,49 @@ def run(args: argparse.Namespace) -> None:
          "at every B before switching), the rest may be filled per B from the fastest.")],
     )
 
+
+def _sweep(timer, bw, V, r, K, batches, w1, w2, interpret):
+    """Every config of :data:`SWEEP_GRID` at every B; the fastest per B and block_b, and the rows to paste."""
+    device = w2.device
+    sms = 1 if interpret else torch.cuda.get_device_properties(device).multi_processor_count
+    configs = sweep_configs(sms)
+    if interpret:
+        configs = [(dataclasses.replace(c, num_stages=1, programs=2), 2) for c, _ in configs[:1]] + [
+            (dataclasses.replace(c, num_stages=1, programs=2), 2) for c, _ in configs if c.block_b == 64][:1]
+    rows, best = [], {16: {}, 64: {}}
+    for B in batches:
+        case = _Case(B, K, V, w1, w2, seed=B * 7 + V)
+        hbm = case.floors(bw, 0.0)[0]
+        for cfg, progs in configs:
+            us = case.chain(timer, "fused", config=cfg)
+            row_tiles, n_progs = fused_grid(B, V, cfg)[:2]
+            rows.append([B, cfg.block_b, cfg.describe(), progs, f"{row_tiles}x{n_progs}", fmt(us), _ratio(us, hbm)])
+            cur = best[cfg.block_b].get(B)
+            if cur is None or us < cur[2]:
+                best[cfg.block_b][B] = (cfg, progs, us)
+        del case
+    for row in rows:
+        cfg_best = best[row[1]][row[0]]
+        row.append("*" if cfg_best[0].describe() == row[2] else "")
+    notes = ["config: b<rows per tile>/n<block_n>/w<warps>/s<stages>/p<programs>; * = fastest of its block_b at "
+             "that B. Within one block_b every config gives the same bits (tests); block_b is one value for the "
+             "whole table."]
+    totals = {b: sum(v[2] for v in best[b].values()) for b in best if best[b]}
+    if totals:
+        per_b = ", ".join(f"B={B}: b16/b64 {_ratio(best[16][B][2], best[64][B][2])}" for B in batches
+                          if B in best[16] and B in best[64])
+        notes.append(f"summed over B (fastest of each): " + ", ".join(f"b{b} {fmt(t)} us" for b, t in totals.items())
+                     + (f"; {per_b}" if per_b else ""))
+    for b in (16, 64):
+        if best[b]:
+            src = schedule_rows({B: v[:2] for B, v in best[b].items()}, b)
+            notes.append(f"to paste for block_b={b} (kernels/markov_fused_step.py FUSED_SCHEDULES = (...)): {src}")
+    print_table(f"Fused step schedule sweep, V={V}, r={r}, K={K}, bf16, alternating order (us per chain)",
+                ["B", "block_b", "config", "programs/SM", "row tiles x programs", "fused", "fused/HBM", "best"],
+                rows, notes)
+
+
+def _tp(timer, bw, V, r, K, tps, tp_batches, w1, w2):
     rows = []
     for tp in tps:
         width = -(-V // tp)

@@ -33,8 +33,10 @@ _SWEEP_PROGRAMS = (1, 2, 3, 4, 8)
 # The sampled sweep: the gumbel/greedy goal's shapes (full vocabulary at 64 and 256 rows) and a TP 4 shard.
 _SAMPLED_SHAPES = ((1, 64), (1, 256), (4, 256))
 _SAMPLED_BLOCKS = (1024, 2048, 4096)
-_SAMPLED_WARPS = (2, 4, 8)
+_SAMPLED_WARPS = (4, 8)
 _SAMPLED_PROGRAMS = (2, 4, 8)
+# The wide-multiply Philox (same words) is timed at these (block, warps) only: compiles are the sweep's cost.
+_SAMPLED_WIDE_AT = ((2048, 4), (1024, 4))
 _TABLES = ("main", "greedy", "sampled")
 
 
@@ -72,13 +74,16 @@ def run(args: argparse.Namespace) -> None:
         tables = {"main"}
     if not tables <= set(_TABLES):
         raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
-    sweep_shapes, sweep_blocks, sweep_warps, sweep_programs = _SWEEP_SHAPES, _SWEEP_BLOCKS, _SWEEP_WARPS, _SWEEP_PROGRAMS
+    sweep_shapes, sweep_blocks = _SWEEP_SHAPES, _SWEEP_BLOCKS
+    sweep_warps, sweep_programs = _SWEEP_WARPS, _SWEEP_PROGRAMS
     sampled_shapes, sampled_blocks = _SAMPLED_SHAPES, _SAMPLED_BLOCKS
     sampled_warps, sampled_programs = _SAMPLED_WARPS, _SAMPLED_PROGRAMS
+    wide_at = _SAMPLED_WIDE_AT
     if timer.smoke:
         vocab, rows_list, tp_list = 2003, [1, 3], [1, 2]
         sweep_shapes, sweep_blocks, sweep_warps, sweep_programs = ((2, 3),), (256, 1024), (4,), (2,)
         sampled_shapes, sampled_blocks, sampled_warps, sampled_programs = ((2, 3),), (256,), (2, 4), (2,)
+        wide_at = ((256, 4),)
     bw = measure_copy_bandwidth(device)
     elt = torch.tensor([], dtype=dtype).element_size()
     if "main" in tables:
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
                warps=sweep_warps, programs=sweep_programs)
     if "sampled" in tables:
         _sweep(timer, bw, dtype, vocab, elt, sampled=True, shapes=sampled_shapes, blocks=sampled_blocks,
-               warps=sampled_warps, programs=sampled_programs)
+               warps=sampled_warps, programs=sampled_programs, wide_at=wide_at)
 
 
 def _main_table(timer, bw, dtype, dtype_name, vocab, elt, tp_list, rows_list) -> None:
@@ -148,9 +153,9 @@ def _main_table(timer, bw, dtype, dtype_name, vocab, elt, tp_list, rows_list) ->
     )
 
 
-def _sweep(timer, bw, dtype, vocab, elt, *, sampled, shapes, blocks, warps, programs) -> None:
-    """Time every (tile, warps, programs/SM) at each shape; mark the launcher's default and print the
-    defaults to paste (the schedule with the least time summed over the shapes)."""
+def _sweep(timer, bw, dtype, vocab, elt, *, sampled, shapes, blocks, warps, programs, wide_at=()) -> None:
+    """Time every (tile, warps, programs/SM) at each shape (and the wide-multiply Philox at ``wide_at``);
+    mark the launcher's default and print the defaults to paste (least time summed over the shapes)."""
     device = timer.device
     kind = "sampled" if sampled else "greedy"
     rows_out, totals = [], {}
@@ -172,40 +177,47 @@ def _sweep(timer, bw, dtype, vocab, elt, *, sampled, shapes, blocks, warps, prog
         d_splits = ss.plan_splits(rows, n_valid, device, d_block,
                                   programs_per_sm=ss._SAMPLED_PROGRAMS_PER_SM if sampled else ss._PROGRAMS_PER_SM)[0]
         reference = None
-        for block in blocks:
-            for nw in warps:
-                for progs in programs:
-                    splits, _ = ss.plan_splits(rows, n_valid, device, block, programs_per_sm=progs)
-                    kw = dict(out=keys, block_size=block, num_splits=splits, num_warps=nw, **samp)
-                    # Eager call first: the scratch for this row count exists before capture; and the key
-                    # must not depend on the schedule.
-                    shard_select_keys(shards[0], start, vocab, **kw)
-                    if reference is None:
-                        reference = keys.clone()
-                    elif not torch.equal(keys, reference):
-                        raise RuntimeError(f"bench select: {kind} keys depend on the schedule "
-                                           f"(block {block}, warps {nw}, splits {splits})")
-                    t = timer.time_graph([lambda x=x, kw=kw: shard_select_keys(x, start, vocab, **kw) for x in shards])
-                    is_default = block == d_block and nw == d_warps and splits == d_splits
-                    totals[(block, nw, progs)] = totals.get((block, nw, progs), 0.0) + t
-                    rows_out.append([tp, rows, block, nw, progs, splits, fmt(t, 2), _pct(fl, t),
-                                     "*" if is_default else ""])
+        # 8192-column tiles at 4 warps spill on sm90 (255 registers): not worth a timing.
+        grid = [(b, w, p, False) for b in blocks for w in warps for p in programs if (b, w) != (8192, 4)]
+        grid += [(b, w, p, True) for b, w in wide_at for p in programs]
+        for block, nw, progs, wide in grid:
+            splits, _ = ss.plan_splits(rows, n_valid, device, block, programs_per_sm=progs)
+            kw = dict(out=keys, block_size=block, num_splits=splits, num_warps=nw, **samp)
+            if sampled:
+                kw["wide_mul"] = wide
+            # Eager call first: the scratch for this row count exists before capture; and the key
+            # must not depend on the schedule.
+            shard_select_keys(shards[0], start, vocab, **kw)
+            if reference is None:
+                reference = keys.clone()
+            elif not torch.equal(keys, reference):
+                raise RuntimeError(f"bench select: {kind} keys depend on the schedule "
+                                   f"(block {block}, warps {nw}, splits {splits})")
+            t = timer.time_graph([lambda x=x, kw=kw: shard_select_keys(x, start, vocab, **kw) for x in shards])
+            is_default = (block == d_block and nw == d_warps and splits == d_splits
+                          and wide == (sampled and ss._SAMPLED_WIDE_MUL))
+            totals[(block, nw, progs, wide)] = totals.get((block, nw, progs, wide), 0.0) + t
+            rows_out.append([tp, rows, block, nw, progs, "yes" if wide else "", splits, fmt(t, 2),
+                             _pct(fl, t), "*" if is_default else ""])
         del shards
     best = min(totals, key=totals.get) if totals else None
-    names = (("_SAMPLED_TILE_COLUMNS", "_SAMPLED_WARPS", "_SAMPLED_PROGRAMS_PER_SM") if sampled else
-             ("_TILE_BYTES", "default_warps", "_PROGRAMS_PER_SM"))
     paste = ""
     if best is not None:
-        block, nw, progs = best
-        first = block if sampled else block * elt
-        paste = (f"fastest summed over the shapes: block {block}, {nw} warps, {progs} programs/SM -> "
-                 f"{names[0]} = {first}; {names[1]} {nw}; {names[2]} = {progs}")
+        block, nw, progs, wide = best
+        if sampled:
+            paste = (f"fastest summed over the shapes: _SAMPLED_TILE_COLUMNS = {block}; _SAMPLED_WARPS = {nw}; "
+                     f"_SAMPLED_PROGRAMS_PER_SM = {progs}; _SAMPLED_WIDE_MUL = {wide}")
+        else:
+            paste = (f"fastest summed over the shapes: _TILE_BYTES = {block * elt} ({block} columns); "
+                     f"default_warps -> {nw}; _PROGRAMS_PER_SM = {progs}")
     print_table(
         f"bench select: {kind} schedule sweep, {_dtype_name(dtype)}, V={vocab}",
-        ["tp", "rows", "block", "warps", "programs/SM", "splits/row", f"{kind} us", "% of floor", "default"],
+        ["tp", "rows", "block", "warps", "programs/SM", "wide mul", "splits/row", f"{kind} us", "% of floor",
+         "default"],
         rows_out,
-        notes=["block = columns per tile; programs/SM = the one-wave target of plan_splits; * = the launcher's "
-               "default schedule. Every schedule gave the same keys (checked).", paste],
+        notes=["block = columns per tile; programs/SM = the one-wave target of plan_splits; wide mul = Philox by "
+               "32x32->64-bit multiplies (sampled only; same words); * = the launcher's default schedule. Every "
+               "schedule gave the same keys (checked).", paste],
     )
 
 

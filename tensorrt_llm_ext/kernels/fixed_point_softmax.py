@@ -41,15 +41,16 @@ import triton.language as tl
 
 from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best, combine_best,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best,
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
     "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
-    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "is_finite", "sfu_exp2",
+    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
-    "row_max_from_keys", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
+    "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
 
@@ -97,6 +98,41 @@ def sfu_log2(x):
                                          is_pure=True, pack=1)
     else:
         return tl.log2(x)
+
+
+# Warp-aggregated histogram add (compiled only): the lanes of a warp holding the same bucket (match.any) sum
+# their weight's low and high 16-bit halves (redux.sync, exact: < 2^21 each), and the lowest such lane issues
+# one atomic for the group; every lane executes it together (the elementwise loop is uniform across a warp).
+_HIST_AGG_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 m, lo, hi, slo, shi, lt;
+.reg .pred p;
+match.any.sync.b32 m, $2, 0xffffffff;
+and.b32 lo, $3, 65535;
+shr.u32 hi, $3, 16;
+redux.sync.add.u32 slo, lo, m;
+redux.sync.add.u32 shi, hi, m;
+mov.u32 lt, %lanemask_lt;
+and.b32 lt, lt, m;
+setp.eq.u32 p, lt, 0;
+selp.b32 $0, slo, 0, p;
+selp.b32 $1, shi, 0, p;
+}""")
+
+
+@triton.jit
+def hist_add(base, bucket, w):
+    """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing), as
+    relaxed atomics into the calling program's own buckets. Compiled: warp-aggregated (one atomic per distinct
+    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element. The aggregated
+    form needs every lane to hold distinct elements: blocks of >= 256 elements, which the launchers' warp
+    count (``num_warps_for``: one warp per 256) guarantees; smaller blocks take the per-element form."""
+    if _SFU and w.shape[0] >= 256:
+        slo, shi = tl.inline_asm_elementwise(_HIST_AGG_ASM, "=r,=r,r,r", [bucket.to(tl.int32), w.to(tl.int32)],
+                                             dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+        agg = (shi.to(tl.int64) << 16) + slo.to(tl.int64)
+        tl.atomic_add(base + bucket, agg, mask=agg > 0, sem="relaxed")
+    else:
+        tl.atomic_add(base + bucket, w, mask=w > 0, sem="relaxed")
 
 
 @triton.jit
@@ -157,13 +193,39 @@ def load_pair_tile(t_row, q_row, is_t, cols, valid):
 
 
 @triton.jit
-def row_max_from_keys(keys_ptr, row, num_splits):
+def split_reduce(ptr, num_splits, stride, mask, SPLITS: tl.constexpr, MAX: tl.constexpr):
+    """Sum (or max, ``MAX``) of ``ptr[s * stride]`` over the column chunks ``s < num_splits`` in one vector load
+    (``SPLITS`` = next power of two >= num_splits); ``ptr`` / ``mask`` a scalar (-> scalar)."""
+    s = tl.arange(0, SPLITS)
+    ok = (s < num_splits) & mask
+    if MAX:
+        return tl.max(tl.load(ptr + s * stride, mask=ok, other=-9223372036854775808), 0)
+    else:
+        return tl.sum(tl.load(ptr + s * stride, mask=ok, other=0), 0)
+
+
+@triton.jit
+def split_reduce_rows(ptr, num_splits, stride, mask, SPLITS: tl.constexpr, MAX: tl.constexpr):
+    """:func:`split_reduce` for a block of pointers ``ptr [X]`` (mask ``[X]``) -> ``[X]``, one 2-D load."""
+    s = tl.arange(0, SPLITS)
+    ok = (s[None, :] < num_splits) & mask[:, None]
+    addr = ptr[:, None] + s[None, :] * stride
+    if MAX:
+        return tl.max(tl.load(addr, mask=ok, other=-9223372036854775808), 1)
+    else:
+        return tl.sum(tl.load(addr, mask=ok, other=0), 1)
+
+
+@triton.jit
+def row_max_from_keys(keys_ptr, row, num_splits, SPLITS: tl.constexpr):
     """The row's exchanged finite-max key, reduced over its per-split slots ``keys [R, S, 2]`` column 1."""
-    base = keys_ptr + row.to(tl.int64) * num_splits * 2 + 1
-    k = tl.load(base)
-    for s in range(1, num_splits):
-        k = tl.maximum(k, tl.load(base + s * 2))
-    return k
+    return split_reduce(keys_ptr + row.to(tl.int64) * num_splits * 2 + 1, num_splits, 2, row >= 0, SPLITS, True)
+
+
+@triton.jit
+def row_max_from_keys_rows(keys_ptr, rows, num_splits, mask, SPLITS: tl.constexpr):
+    """:func:`row_max_from_keys` of a block of rows."""
+    return split_reduce_rows(keys_ptr + rows.to(tl.int64) * num_splits * 2 + 1, num_splits, 2, mask, SPLITS, True)
 
 
 @triton.jit
@@ -181,17 +243,21 @@ def _verify_keys_kernel(
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
+    # per-lane running maxima (a lane's columns increase, so a strictly greater key keeps the first column);
+    # one reduction across lanes at the end instead of two per tile
     best_fin = tl.full([BLOCK], -2147483648, tl.int32)
-    arg_k = -2147483648
-    arg_c = 2147483647
+    lane_k = tl.full([BLOCK], -2147483648, tl.int32)
+    lane_c = tl.full([BLOCK], 2147483647, tl.int32)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
         x = load_pair_tile(t_row, q_row, is_t, cols, valid)
         o = ordered_i32(x)
         best_fin = tl.maximum(best_fin, tl.where(valid & is_finite(x), o, -2147483648))
-        bk, bc = block_best(o, cols, valid & is_t, 0)  # draft rows need no argmax: EMPTY_KEY
-        arg_k, arg_c = combine_best(arg_k, arg_c, bk, bc)
+        take = valid & is_t & (o > lane_k)  # draft rows need no argmax: EMPTY_KEY
+        lane_k = tl.where(take, o, lane_k)
+        lane_c = tl.where(take, cols, lane_c)
+    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
     fin = tl.max(best_fin, 0)
     out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
     tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
@@ -206,17 +272,18 @@ def _verify_sums_kernel(
     tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
-    BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
+    # programs walk the rows and chunks backwards: the first ones read what verify_keys read last (still in L2)
+    row = tl.num_programs(0) - 1 - tl.program_id(0)
+    split = tl.num_programs(1) - 1 - tl.program_id(1)
     is_t = row < rows_t
     rq = tl.maximum(row - rows_t, 0)
     b = tl.where(is_t, row // div_t, rq // div_q)
     kk = tl.where(is_t, row % div_t, rq % div_q)
     t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
     q_row = q_ptr + rq.to(tl.int64) * stride_q
-    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits, SPLITS))
     c = weight_scale(tl.load(temp_ptr + b))
     out = sums_ptr + tl.where(is_t, (row.to(tl.int64) * num_splits + split) * cols_t,
                               sums_q_off + (rq.to(tl.int64) * num_splits + split) * 3)
@@ -237,7 +304,7 @@ def _verify_sums_kernel(
         acc += w
         if HIST:
             if is_t:
-                tl.atomic_add(out + 3 + (radix_key(x) >> 24), w, mask=w > 0)
+                hist_add(out + 3, (radix_key(x) >> 24).to(tl.int32), w)
     ftok = tl.sum(acc, 0) * 0
     utok = ftok
     if HAS_TOK:
@@ -328,6 +395,19 @@ def plan_chunks(n_valid: int, block: int, num_splits: int) -> tuple[int, int]:
     splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, splits) * block
     return max(1, triton.cdiv(max(n_valid, 1), chunk)), chunk
+
+
+def subchunk_width(chunk: int, block: int, n_sub: int) -> int:
+    """Columns per sub-chunk when a column chunk is split into ``n_sub`` sub-chunks (a multiple of ``block``;
+    trailing sub-chunks may be short or empty). The draw runs one program per (request, sub-chunk): it reads
+    two rows per request, so it needs finer chunks than the passes over every row."""
+    return triton.cdiv(max(1, chunk // block), n_sub) * block
+
+
+def subchunk_index_torch(n_valid: int, chunk: int, n_sub: int, sub: int, device) -> torch.Tensor:
+    """The (chunk, sub-chunk) slot ``chunk_index * n_sub + sub_index`` of each owned column ``[n_valid]``."""
+    col = torch.arange(n_valid, device=device)
+    return (col // chunk) * n_sub + (col % chunk) // sub
 
 
 def _pair(target, draft, vocab_start, vocab_size):
@@ -448,7 +528,7 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
         target, q, keys, temperatures, tokens if tokens is not None else keys, out,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
-        num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
     return out
 
 

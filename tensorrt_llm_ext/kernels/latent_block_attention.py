@@ -291,7 +291,7 @@ class AttentionSchedule:
 
 
 # Per-B schedule (the first row whose max_batch >= B). Not measured yet: the H200 sweep (`trtllm-ext bench
-# attention`) has not been run since split-K exists, so the one row is the schedule the kernel always had
+# drafter --tables attention`, which prints the rows to paste) has not been run since split-K exists, so the one row is the schedule the kernel always had
 # (32-position tiles, default warps/stages, no split) until the sweep's rows say otherwise.
 ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (AttentionSchedule(None),)
 

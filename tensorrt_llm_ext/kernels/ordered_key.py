@@ -29,9 +29,10 @@ on the TP size, split or tile.
 Triton helpers (``@triton.jit``) and torch twins live side by side. Integer and IEEE-rounded float ops
 agree bit for bit everywhere; ``log2`` is the backend's: under the interpreter it is numpy's, and the
 twins call numpy's on CPU tensors, so kernel and twin agree bit for bit there. On GPU ``tl.log2`` is the
-device approximation (and multiply-adds may be fused), so GPU kernels and the torch twin can differ by
-ulps of the score: sampled ids agree except at float near-ties. A GPU kernel still computes the same
-score for a ``(seed, offset, id, salt)`` at every TP size and tiling (same instructions per element).
+device approximation and the score and near-1 series are explicit fmas (one rounding; the interpreter's
+fma and the twins round twice), so GPU kernels and the torch twin can differ by ulps of the score: sampled
+ids agree except at float near-ties. A GPU kernel still computes the same score for a
+``(seed, offset, id, salt)`` at every TP size and tiling (the same instructions per element).
 """
 
 from __future__ import annotations
@@ -174,19 +175,43 @@ def gumbel_score(x, scale, noise):
 
 
 @triton.jit
-def gumbel_words4(seed, offset, group, SALT: tl.constexpr):
+def philox_4x32_10_wide(seed, c0, c1, c2, c3):
+    """Philox-4x32-10, the same words as ``tl.philox(seed, c0, c1, c2, c3)`` (uint32 counters, int64 seed),
+    each round's two products taken as one 32x32 -> 64-bit multiply (``mul.wide.u32``: high and low word
+    from one instruction) instead of separate ``mul.hi`` and ``mul.lo``."""
+    s = seed.to(tl.int64)
+    k0 = (s & 4294967295).to(tl.uint32)
+    k1 = ((s >> 32) & 4294967295).to(tl.uint32)
+    for _ in tl.static_range(10):
+        p0 = c2.to(tl.uint64) * 3449720151  # 0xCD9E8D57
+        p1 = c0.to(tl.uint64) * 3528531795  # 0xD2511F53
+        c0 = (p0 >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (p1 >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = p0.to(tl.uint32)
+        c3 = p1.to(tl.uint32)
+        k0 = k0 + 2654435769  # 0x9E3779B9, wraps mod 2^32
+        k1 = k1 + 3144134277  # 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def gumbel_words4(seed, offset, group, SALT: tl.constexpr, WIDE_MUL: tl.constexpr = False):
     """The four uint32 words of the Philox block that feeds global ids ``4 * group + 0..3``.
 
     ``group`` (any integer block, = gid // 4) -> ``(w0, w1, w2, w3)`` of Philox-4x32-10 keyed by ``seed``
     with counter ``(group, offset low word, offset high word, SALT)``. Word ``w`` is the draw of global
-    id ``4 * group + w``: one Philox call serves four consecutive columns.
+    id ``4 * group + w``: one Philox call serves four consecutive columns. ``WIDE_MUL`` computes the same
+    words with :func:`philox_4x32_10_wide` (a schedule choice: fewer multiply instructions).
     """
     off = offset.to(tl.int64)
     c0 = (group.to(tl.int64) & 1073741823).to(tl.uint32)
     c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
     c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
     c3 = c0 * 0 + SALT
-    return tl.philox(seed.to(tl.int64), c0, c1, c2, c3)
+    if WIDE_MUL:
+        return philox_4x32_10_wide(seed, c0, c1, c2, c3)
+    else:
+        return tl.philox(seed.to(tl.int64), c0, c1, c2, c3)
 
 
 @triton.jit

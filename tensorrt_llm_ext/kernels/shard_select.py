@@ -9,15 +9,16 @@ Optionally the value is perturbed for keyed Gumbel-max sampling: per row tempera
 ``S = div_rn(log2 e, T)`` once per row and ``G2 = gumbel2_noise(seed, offset, global id, SALT)`` (word
 ``id % 4`` of the Philox block ``id // 4``, two ``log2``; see :mod:`tensorrt_llm_ext.kernels.ordered_key`).
 A sampled row runs its own loop (``_sampled_span``): one Philox call per four columns (two when the
-shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one ``exp2`` per column) says some column could beat the program's best so far; the skipped
-columns provably lose, so the keys are those of the full computation. The noise depends on the global
-vocab id only, so a draw is the same at every TP size, split count and block size.
+shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one
+``exp2`` per column) says some column could beat the program's best so far; the skipped columns provably
+lose, so the keys are those of the full computation. The noise depends on the global vocab id only, so a
+draw is the same at every TP size, split count and block size.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
 the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
-resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. Each
-program folds two tiles per loop iteration while the next two are already loading (see
-``_shard_select_kernel``).
+resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. A
+greedy program folds two tiles per loop iteration while the next two are already loading
+(``_greedy_span``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ _PROGRAMS_PER_SM = 2
 _SAMPLED_TILE_COLUMNS = 2048
 _SAMPLED_WARPS = 4
 _SAMPLED_PROGRAMS_PER_SM = 4
+# Philox with one 32x32 -> 64-bit multiply per product pair (the same words; see philox_4x32_10_wide).
+_SAMPLED_WIDE_MUL = False
 
 
 @triton.jit
@@ -131,7 +134,8 @@ _SKIP_SLACK = tl.constexpr(0.00390625)
 
 
 @triton.jit
-def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr,
+                WIDE_MUL: tl.constexpr):
     """Philox words of a ``[4, G]`` tile: element ``(j, i)`` is local column ``start + 4 i + j`` (``start`` a
     multiple of 4), its word that of global id ``vocab_start + start + 4 i + j``.
 
@@ -144,11 +148,11 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
     """
     q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[None, :]
     j = tl.arange(0, 4)[:, None]
-    a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT)
+    a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT, WIDE_MUL)
     if ALIGNED:
         w = pick_word(j, a0, a1, a2, a3)
     else:
-        b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT)
+        b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT, WIDE_MUL)
         k = j + (vocab_start & 3).to(tl.int32)
         w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
     return w
@@ -156,7 +160,7 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
 
 @triton.jit
 def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
-                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr, WIDE_MUL: tl.constexpr):
     """Fold one ``[4, G]`` tile of a sampled row into the per-lane best, skipping the exact score when no
     element of the tile can beat the program's best so far.
 
@@ -169,7 +173,7 @@ def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_star
     take the exact path; masked lanes never do.
     """
     xf = x.to(tl.float32)
-    w = _tile_words(seed, offset, vocab_start, start, x.shape[1], ALIGNED, SALT)
+    w = _tile_words(seed, offset, vocab_start, start, x.shape[1], ALIGNED, SALT, WIDE_MUL)
     # The slack absorbs the fp32 rounding of x * S + G2 (relative 2^-24 of magnitudes near |thr|) and the
     # device exp2 / log2 approximations; skipping less than possible never changes a result.
     lift = thr + (_LOG2_LOG2E - _SKIP_SLACK) - tl.abs(thr) * 3.814697265625e-06
@@ -185,7 +189,7 @@ def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_star
 
 @triton.jit
 def _sampled_span(row_ptr, col_begin, col_end, scale, seed, offset, vocab_start, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr, SALT: tl.constexpr):
+                  ALIGNED: tl.constexpr, SALT: tl.constexpr, WIDE_MUL: tl.constexpr):
     """Best ``(ordered key, local column)`` of ``x * S + G2`` over the row's columns ``[col_begin, col_end)``:
     full tiles unmasked (vectorized loads), then the ragged tail."""
     G: tl.constexpr = BLOCK // 4
@@ -198,13 +202,13 @@ def _sampled_span(row_ptr, col_begin, col_end, scale, seed, offset, vocab_start,
         start = col_begin + t * BLOCK
         x = tl.load(row_ptr + start + lanes)
         best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, lanes,
-                                            False, ALIGNED, SALT)
+                                            False, ALIGNED, SALT, WIDE_MUL)
     tail = col_begin + n_full * BLOCK
     if tail < col_end:
         valid = tail + lanes < col_end
         x = tl.load(row_ptr + tail + lanes, mask=valid, other=float("-inf"))
         best_v, best_s, thr = _sampled_tile(x, tail, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
-                                            True, ALIGNED, SALT)
+                                            True, ALIGNED, SALT, WIDE_MUL)
     # A lane that never took a value stands for its first column (an all -inf span answers col_begin).
     best_c = tl.reshape(best_s + lanes, [BLOCK])
     return block_best(ordered_i32(tl.reshape(best_v, [BLOCK])), best_c, best_c < col_end, 0)
@@ -230,6 +234,7 @@ def _shard_select_kernel(
     OUT_IDS: tl.constexpr,
     SALT: tl.constexpr,
     ALIGNED: tl.constexpr,  # vocab_start % 4 == 0 (read only if SAMPLE)
+    WIDE_MUL: tl.constexpr,  # Philox through 32x32 -> 64-bit multiplies (same words; read only if SAMPLE)
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -241,7 +246,7 @@ def _shard_select_kernel(
         if t_row > 0.0:
             # The row's one division; T <= 0 rows are greedy: plain values, no noise.
             bk, bc = _sampled_span(row_ptr, col_begin, col_end, gumbel_scale(t_row), tl.load(seed_ptr + row),
-                                   tl.load(offset_ptr + row), vocab_start, BLOCK, ALIGNED, SALT)
+                                   tl.load(offset_ptr + row), vocab_start, BLOCK, ALIGNED, SALT, WIDE_MUL)
         else:
             bk, bc = _greedy_span(row_ptr, col_begin, col_end, BLOCK)
     else:
@@ -408,6 +413,7 @@ def shard_select_keys(
     block_size: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
+    wide_mul: bool | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reduce each row of ``[R, V_local]`` shard logits to its int64 selection key (one launch).
@@ -424,7 +430,8 @@ def shard_select_keys(
         block_size, num_splits, num_warps: the schedule (columns per tile, a power of two >= 16; programs per
             row; warps per program). Default: :func:`default_block`, :func:`plan_splits` (with
             ``_SAMPLED_PROGRAMS_PER_SM`` for a sampled launch) and :func:`default_warps`. The result never
-            depends on them.
+            depends on them. ``wide_mul``: the sampled loop's Philox multiply form (default
+            ``_SAMPLED_WIDE_MUL``; the same words either way).
         scratch: ``(slots int64 [>= R] filled with EMPTY_KEY, counts int32 [>= R] zeros)``; the kernel
             restores them. Default: a per-device cache (launches sharing it must be stream-ordered).
 
@@ -489,7 +496,8 @@ def shard_select_keys(
         SPLIT=splits > 1,
         OUT_IDS=return_ids,
         SALT=salt,
-        ALIGNED=vocab_start % 4 == 0,
+        ALIGNED=vocab_start % 4 == 0 or not sample,  # greedy launches: one variant
+        WIDE_MUL=bool(_SAMPLED_WIDE_MUL if wide_mul is None else wide_mul) and sample,
         num_warps=num_warps,
     )
     return out

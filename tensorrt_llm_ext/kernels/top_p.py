@@ -37,16 +37,19 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
-                                                          decode_max_key_torch, fixed_point_weight,
+                                                          decode_max_key_torch, fixed_point_weight, hist_add,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
-                                                          radix_to_f32_torch, row_max_from_keys, weight_scale,
+                                                          radix_to_f32_torch, row_max_from_keys, subchunk_index_torch,
+                                                          subchunk_width,
+                                                          row_max_from_keys_rows, split_reduce, split_reduce_rows,
+                                                          weight_scale,
                                                           weight_scale_torch)
 
 __all__ = [
     "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
     "top_p_mask_reference",
-    "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
+    "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
 
 
@@ -68,19 +71,10 @@ def row_tau(p, z, temp, HAS_P: tl.constexpr):
 
 
 @triton.jit
-def _sum_splits(ptr, num_splits, split_stride, mask):
-    """Sum of ``ptr[s * split_stride]`` over the column chunks (elementwise; ``ptr`` scalar or block)."""
-    v = tl.load(ptr, mask=mask, other=0)
-    for s in range(1, num_splits):
-        v += tl.load(ptr + s * split_stride, mask=mask, other=0)
-    return v
-
-
-@triton.jit
-def _resolve(hist_ptr, num_splits, split_stride, prefix, mass, tau):
+def _resolve(hist_ptr, num_splits, split_stride, prefix, mass, tau, SPLITS: tl.constexpr):
     """One radix digit: the first bucket from the top whose cumulative mass reaches ``tau``."""
     j = tl.arange(0, 256)
-    g = _sum_splits(hist_ptr + 255 - j, num_splits, split_stride, j < 256)
+    g = split_reduce_rows(hist_ptr + 255 - j, num_splits, split_stride, j < 256, SPLITS, False)
     c = tl.cumsum(g, 0)
     hit = (mass + c) >= tau
     jstar = tl.min(tl.where(hit, j, 255), 0)
@@ -103,41 +97,60 @@ def kept_in_tile(u, fin, bstar, n_keep, run):
 
 @triton.jit
 def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols_t, num_splits, rows,
-               rank, tp, split, HAS_P: tl.constexpr):
-    """Per target row ``r`` (scalar or block): ``(Z_p, F_p(tok) if kept else 0, n_keep, tie base, b*)``.
+               rank, tp, slot, n_slots, HAS_P: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+               TPS: tl.constexpr):
+    """Per target row ``r`` (a scalar, or a block with ``ROWS``): ``(Z_p, F_p(tok) if kept else 0, n_keep, tie
+    base, b*)``.
 
-    The tie base counts the ties of ``b*`` before column chunk ``split`` of rank ``rank`` in global id
-    order. ``sums`` is the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
-    every finite token (``Z_p = Z``). Identical on every rank but the tie base.
+    The tie base counts the ties of ``b*`` before tie slot ``slot`` of rank ``rank`` in global id order
+    (``ties_all [tp, rows, n_slots, 2]``: a slot is a column chunk, or a sub-chunk of the draw). ``sums`` is
+    the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
+    every finite token (``Z_p = Z``). Identical on every rank but the tie base. Reductions over the chunks
+    (``SPLITS``) and over (rank, chunk) (``TPS``, next power of two >= tp * S) are single vector loads.
     """
     r64 = r.to(tl.int64)
     srow = sums_ptr + r64 * num_splits * cols_t
-    z = _sum_splits(srow, num_splits, cols_t, ok)
-    ftok = _sum_splits(srow + 1, num_splits, cols_t, ok)
+    if ROWS:
+        z = split_reduce_rows(srow, num_splits, cols_t, ok, SPLITS, False)
+        ftok = split_reduce_rows(srow + 1, num_splits, cols_t, ok, SPLITS, False)
+    else:
+        z = split_reduce(srow, num_splits, cols_t, ok, SPLITS, False)
+        ftok = split_reduce(srow + 1, num_splits, cols_t, ok, SPLITS, False)
     zp = z
     fp_tok = ftok
     n_keep = z * 0
     run = z * 0
     bstar = z * 0
     if HAS_P:
-        utok = _sum_splits(srow + 2, num_splits, cols_t, ok)
+        j = tl.arange(0, TPS)
+        q = j // n_slots
+        s = j % n_slots
+        jv = j < tp * n_slots
+        before = (q < rank) | ((q == rank) & (s < slot))
+        if ROWS:
+            utok = split_reduce_rows(srow + 2, num_splits, cols_t, ok, SPLITS, False)
+            m = decode_max_key(row_max_from_keys_rows(keys_ptr, r, num_splits, ok, SPLITS))
+            base = ties_all_ptr + ((q[None, :] * rows + r64[:, None]) * n_slots + s[None, :]) * 2
+            lm = jv[None, :] & ok[:, None]
+            c0 = tl.load(base, mask=lm, other=0)
+            run = tl.sum(tl.where(before[None, :], c0, 0), 1)
+            tok_rank = tl.sum(tl.load(base + 1, mask=lm, other=0), 1)
+        else:
+            utok = split_reduce(srow + 2, num_splits, cols_t, ok, SPLITS, False)
+            m = decode_max_key(row_max_from_keys(keys_ptr, r, num_splits, SPLITS))
+            base = ties_all_ptr + ((q * rows + r64) * n_slots + s) * 2
+            c0 = tl.load(base, mask=jv & ok, other=0)
+            run = tl.sum(tl.where(before, c0, 0), 0)
+            tok_rank = tl.sum(tl.load(base + 1, mask=jv & ok, other=0), 0)
         c = weight_scale(temp)
         tau = row_tau(p, z, temp, True)
         keep_all = tau < 0
-        m = decode_max_key(row_max_from_keys(keys_ptr, r, num_splits))
         bstar = tl.load(state_ptr + r64 * 2, mask=ok, other=0)
         mass = tl.load(state_ptr + r64 * 2 + 1, mask=ok, other=0)
         fstar = fixed_point_weight(radix_to_f32(bstar), m, c, ok & ~keep_all)
         fs = tl.maximum(fstar, 1)
         n_keep = tl.where(keep_all, 0, (tau - mass + fs - 1) // fs)
         zp = tl.where(keep_all, z, mass + n_keep * fs)
-        tok_rank = z * 0
-        for q in range(tp):
-            for s in range(num_splits):
-                base = ties_all_ptr + ((q * rows + r64) * num_splits + s) * 2
-                c0 = tl.load(base, mask=ok, other=0)
-                run += tl.where((q < rank) | ((q == rank) & (s < split)), c0, 0)
-                tok_rank += tl.load(base + 1, mask=ok, other=0)
         kept_tok = keep_all | (utok > bstar) | ((utok == bstar) & (tok_rank < n_keep))
         fp_tok = tl.where(kept_tok, ftok, 0)
     return zp, fp_tok, n_keep, run, bstar
@@ -152,25 +165,30 @@ def _top_p_round_kernel(
     prev_ptr,  # the previous round's exchanged histogram, [R, S, 256] at strides (prev_rs, prev_ss)
     state_prev_ptr,  # [R, 2] int64 (prefix, mass above) before this round's digit
     state_out_ptr,  # [R, 2] int64 written by the program of chunk 0
-    out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S, 2] tie counts (TIES), every slot written
+    out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S * n_sub, 2] tie counts (TIES), every slot written
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
-    stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
+    stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok, n_sub, sub,
     rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
-    BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr,
+    BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    # the order of the rows alternates between consecutive passes (sums backwards, rounds forwards, the tie
+    # count backwards), so each pass starts on the rows the previous one read last (still in L2)
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if TIES:
+        row = tl.num_programs(0) - 1 - row
+        split = tl.num_programs(1) - 1 - split
     r64 = row.to(tl.int64)
     b = row // row_div
     temp = tl.load(temp_ptr + b)
     c = weight_scale(temp)
-    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits))
-    z = _sum_splits(sums_ptr + r64 * num_splits * cols_t, num_splits, cols_t, row >= 0)
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits, SPLITS))
+    z = split_reduce(sums_ptr + r64 * num_splits * cols_t, num_splits, cols_t, row >= 0, SPLITS, False)
     tau = row_tau(tl.load(top_p_ptr + b), z, temp, True)
     # round 1 starts from the empty prefix (no memset of a state buffer needed)
     prefix = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2))
     mass = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2 + 1))
-    prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau)
+    prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau, SPLITS)
     if TIES:
         # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
         full = prefix << rnd
@@ -189,19 +207,23 @@ def _top_p_round_kernel(
             kk = row % row_div
             if kk < k_tok:
                 tok = tl.load(tok_ptr + b.to(tl.int64) * k_tok + kk)
-        cnt = tl.zeros([BLOCK], tl.int64)
-        before = tl.zeros([BLOCK], tl.int64)
-        if tau >= 0:
-            for start in range(col_begin, col_end, BLOCK):
-                cols = start + lanes
-                valid = cols < col_end
-                x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-                tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
-                cnt += tie
-                before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
-        out = out_ptr + (r64 * num_splits + split) * 2
-        tl.store(out, tl.sum(cnt, 0))
-        tl.store(out + 1, tl.sum(before, 0))
+        # one (count, before-token count) slot per sub-chunk: the draw's programs need their own tie base
+        for si in range(n_sub):
+            sub_begin = col_begin + si * sub
+            sub_end = tl.minimum(sub_begin + sub, col_end)
+            cnt = tl.zeros([BLOCK], tl.int64)
+            before = tl.zeros([BLOCK], tl.int64)
+            if tau >= 0:
+                for start in range(sub_begin, sub_end, BLOCK):
+                    cols = start + lanes
+                    valid = cols < sub_end
+                    x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+                    tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
+                    cnt += tie
+                    before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
+            out = out_ptr + ((r64 * num_splits + split) * n_sub + si) * 2
+            tl.store(out, tl.sum(cnt, 0))
+            tl.store(out + 1, tl.sum(before, 0))
     else:
         out = out_ptr + (r64 * num_splits + split) * 256
         tl.store(out + tl.arange(0, 256), tl.zeros([256], tl.int64))  # this program's own buckets
@@ -216,7 +238,7 @@ def _top_p_round_kernel(
                 u = radix_key(x)
                 hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
                 w = fixed_point_weight(x, m, c, hit)
-                tl.atomic_add(out + ((u >> sh_digit) & 255), w, mask=w > 0)
+                hist_add(out, ((u >> sh_digit) & 255).to(tl.int32), w)
 
 
 @triton.jit
@@ -226,7 +248,7 @@ def _top_p_mask_kernel(
     ties_all_ptr,  # [tp, R, S, 2] int64 gathered tie counts
     mask_ptr,  # [R, width] uint8 (a bool tensor's bytes), every column written
     stride_row, width, cols_t, n_valid, chunk, num_splits, rows, row_div, rank, tp,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -234,7 +256,7 @@ def _top_p_mask_kernel(
     b = row // row_div
     _, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, tl.load(temp_ptr + b),
                                           tl.load(top_p_ptr + b), row, row >= 0, cols_t, num_splits,
-                                          rows, rank, tp, split, True)
+                                          rows, rank, tp, split, num_splits, True, False, SPLITS, TPS)
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
@@ -370,8 +392,8 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
         logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
-        n_valid, vocab_start, chunk, splits, row_div, 0, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
-        num_warps=num_warps_for(block_size))
+        n_valid, vocab_start, chunk, splits, row_div, 0, 1, chunk, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
+        SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
 
 
 def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
@@ -408,6 +430,12 @@ def _check_skip(skip_bits: int) -> None:
         raise ValueError(f"skip_bits: expected 0, 8 or 16, got {skip_bits!r}")
 
 
+def check_sub(chunk: int, block_size: int, n_sub: int) -> int:
+    """The sub-chunk width of ``n_sub`` sub-chunks per column chunk (``fixed_point_softmax.subchunk_width``)."""
+    check_int("n_sub", n_sub, lo=1)
+    return subchunk_width(chunk, block_size, n_sub)
+
+
 def _check_ties(logits, ties, splits):
     check_tensor("ties", ties, shape=(logits.shape[0], splits, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
@@ -415,18 +443,20 @@ def _check_ties(logits, ties, splits):
 
 def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
+               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Resolve the last digit (``state_out`` = (b*, mass above b*)) and count this shard's ties.
 
     ``skip_bits`` (0, 8 or 16): the low radix-key bits that no round histogrammed because the logits' dtype
     leaves them constant (:func:`radix_rounds`); ``b*`` gets them from its sign.
 
-    ``ties [R, S, 2]``, every slot written: per column chunk the ties of ``b*`` and those with a global id
-    below the row's token (``tokens[r // row_div, r % row_div]``); all-gathered next. CUDA-graph safe.
+    ``ties [R, S * n_sub, 2]``, every slot written: per sub-chunk (``n_sub`` per column chunk,
+    :func:`check_sub`) the ties of ``b*`` and those with a global id below the row's token (``tokens[r // row_div,
+    r % row_div]``); all-gathered next. CUDA-graph safe.
     """
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
-    _check_ties(logits, ties, splits)
+    sub = check_sub(chunk, block_size, n_sub)
+    _check_ties(logits, ties, splits * n_sub)
     _check_skip(skip_bits)
     rows = logits.shape[0]
     if rows == 0:
@@ -435,17 +465,20 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
         tokens if tokens is not None else keys, logits.stride(0), sums.shape[2],
-        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, skip_bits,
-        BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, num_warps=num_warps_for(block_size))
+        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, n_sub, sub,
+        skip_bits, BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, SPLITS=triton.next_power_of_2(splits),
+        num_warps=num_warps_for(block_size))
 
 
 def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                          vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
-                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
+                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1,
+                         n_sub: int = 1) -> None:
     """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
-    _check_ties(logits, ties, splits)
+    sub = check_sub(chunk, block_size, n_sub)
+    _check_ties(logits, ties, splits * n_sub)
     _check_skip(skip_bits)
     rows = logits.shape[0]
     _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
@@ -465,10 +498,11 @@ def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, sta
         before = tie * (gid[None, :] < tok[:, None])
     else:
         before = torch.zeros_like(tie)
-    pad = torch.zeros((rows, 2, splits * chunk), dtype=torch.int64, device=x.device)
-    pad[:, 0, :n_valid] = tie
-    pad[:, 1, :n_valid] = before
-    ties.copy_(pad.view(rows, 2, splits, chunk).sum(-1).transpose(1, 2))
+    slot = subchunk_index_torch(n_valid, chunk, n_sub, sub, x.device)[None, :].expand(rows, n_valid)
+    res = torch.zeros((rows, splits * n_sub, 2), dtype=torch.int64, device=x.device)
+    res[:, :, 0].scatter_add_(1, slot, tie)
+    res[:, :, 1].scatter_add_(1, slot, before)
+    ties.copy_(res)
 
 
 def _check_mask(logits, keys, temperatures, top_p, sums, state, ties_all, out, row_div, rank, block_size,
@@ -499,7 +533,8 @@ def top_p_mask(logits, keys, temperatures, top_p, sums, state, ties_all, vocab_s
     _top_p_mask_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, state, ties_all, out.view(torch.uint8),
         logits.stride(0), width, sums.shape[2], n_valid, chunk, splits, rows, row_div, rank, ties_all.shape[0],
-        BLOCK=block_size, num_warps=num_warps_for(block_size))
+        BLOCK=block_size, SPLITS=triton.next_power_of_2(splits),
+        TPS=triton.next_power_of_2(splits * ties_all.shape[0]), num_warps=num_warps_for(block_size))
     return out
 
 

@@ -78,6 +78,19 @@ class GenerationStats:
         return sum(self.accepted_lens) / len(self.accepted_lens) if self.accepted_lens else float("nan")
 
 
+@dataclass
+class LaunchedStep:
+    """A step enqueued by :meth:`Engine.launch_step`: its rows' slots and the host buffers its tokens are
+    being copied into (``done``: the copy's CUDA event; None on a CPU, where the copy already ran)."""
+
+    slots: list[int]
+    mode: str
+    new: torch.Tensor
+    lens: torch.Tensor | None
+    done: object
+    runner: CudaGraphRunner
+
+
 class Engine:
     """Models, caches and workers of one rank, built once from a :class:`RuntimeConfig`.
 
@@ -249,7 +262,8 @@ class Engine:
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
                                [a.request.sampling_temperature for a in admitted],
                                [a.request.seed for a in admitted],
-                               top_ps=[a.request.sampling_top_p for a in admitted])
+                               top_ps=[a.request.sampling_top_p for a in admitted],
+                               processing=[a.request.processing() for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -288,9 +302,10 @@ class Engine:
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.sampling_top_p])[0]
+                                                       top_ps=[request.sampling_top_p],
+                                                       processing=[request.processing()])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.sampling_top_p)
+                                         top_p=request.sampling_top_p, processing=request.processing())
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
@@ -342,21 +357,56 @@ class Engine:
         tokens (``[K+1]`` speculative, ``[1]`` target-only; the first ``lens[i]`` accepted) and ``lens``.
 
         The step :meth:`generate` runs too: the mode's runner (:meth:`runner`) replays a captured graph
-        that covers the rows or runs the step eagerly -- it alone decides.
+        that covers the rows or runs the step eagerly -- it alone decides. ``run_step`` is
+        :meth:`collect_step` of :meth:`launch_step`.
+        """
+        return self.collect_step(self.launch_step(slots, mode))
+
+    def launch_step(self, slots: list[int], mode: str = "speculative") -> LaunchedStep:
+        """Enqueue one step over ``slots`` and the copy of its tokens into host buffers; returns at once on a
+        CUDA device (the overlap scheduler does the previous step's host work while this one runs).
+
+        The copy is enqueued right behind the step, so the next step's replay (which rewrites the graph's
+        output tensors) cannot overwrite these tokens. The step's logits (:meth:`step_logprobs`) stay valid
+        only until the next launch.
         """
         runner = self.runner(mode)
         n = len(slots)
-        with nvtx_range(f"engine.step.{mode}"):
+        cuda = self.device.type == "cuda"
+        with nvtx_range(f"engine.launch.{mode}"):
             outs = runner.step(list(slots))
             if mode == "target_only":
-                ids = outs[:n].cpu().tolist()
-                new, lens = [[t] for t in ids], [1] * n
+                new_dev, lens_dev = outs[:n], None
             else:
-                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next step
-                new, lens = outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
-            # The copies above synchronised: a low-latency exchange of this step that timed out has set its
-            # flag by now, and its rows must not become tokens.
-            runner.worker.token_selector.check_exchange()
+                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
+                new_dev, lens_dev = outs["new_tokens"][:n], outs["new_tokens_lens"][:n]
+            # Host buffers of their own per step (pinned on CUDA: an asynchronous copy; the caching host
+            # allocator keeps a pinned block until its copy is done). On a CPU the copy is a plain clone.
+            new = torch.empty(new_dev.shape, dtype=new_dev.dtype, pin_memory=cuda)
+            new.copy_(new_dev, non_blocking=cuda)
+            lens = None
+            if lens_dev is not None:
+                lens = torch.empty(lens_dev.shape, dtype=lens_dev.dtype, pin_memory=cuda)
+                lens.copy_(lens_dev, non_blocking=cuda)
+            done = None
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+        return LaunchedStep(list(slots), mode, new, lens, done, runner)
+
+    def collect_step(self, launched: LaunchedStep) -> tuple[list[list[int]], list[int]]:
+        """Wait for ``launched``'s tokens (its copy's event) and return them as :meth:`run_step` does."""
+        with nvtx_range(f"engine.collect.{launched.mode}"):
+            if launched.done is not None:
+                launched.done.synchronize()
+            n = len(launched.slots)
+            if launched.lens is None:  # target-only: one token per row
+                new, lens = [[t] for t in launched.new.tolist()], [1] * n
+            else:
+                new, lens = launched.new.tolist(), launched.lens.tolist()
+            # The step is done: a low-latency exchange of it that timed out has set its flag by now, and its
+            # rows must not become tokens.
+            launched.runner.worker.token_selector.check_exchange()
         return new, lens
 
     def reset_step_state(self) -> None:

@@ -69,6 +69,11 @@ class ServerMetrics:
         self.step_time = one(Histogram(p + "step_seconds", "Wall time of one engine step", name,
                                        buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                                 2.5, 5, 10], registry=r))
+        self.host_time = one(Histogram(p + "step_host_seconds", "Host time between two consecutive engine steps "
+                                       "(plans, bookkeeping, token delivery; prefills excluded): the device waits "
+                                       "this long per step in the serial loop", name,
+                                       buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                0.1], registry=r))
         self.batch = one(Histogram(p + "step_batch_size", "Requests per engine step", name,
                                    buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256], registry=r))
         self.queue_depth = one(Gauge(p + "queue_depth", "Requests waiting for a slot", name, registry=r))
@@ -319,16 +324,22 @@ class EngineLoop:
             return StepPlan(cancel=cancel, admit=admit, run=True, stop=stop)
 
     def _run(self) -> None:
+        last = None  # when the previous step's plan was done, while requests stayed active (back-to-back steps)
         try:
             while True:
                 plan = self._next_plan()
                 if plan is None:
                     continue
+                start = last if last is not None else time.perf_counter()
                 plan = self.channel.exchange(plan)
                 if plan.stop:
                     return
                 events, stats = self.scheduler.apply(plan)
                 self._record(plan, events, stats)
+                now = time.perf_counter()
+                if stats.num_rows and last is not None:
+                    self.metrics.host_time.observe(max(0.0, now - start - stats.step_s - stats.prefill_s))
+                last = now if self.scheduler.num_active else None
         except BaseException as e:  # a dead rank, a collective timeout, a bug: fail loudly, never hang
             self._fail(f"{type(e).__name__}: {e}")
 

@@ -187,6 +187,9 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     if logprobs is not None and not ctx.speculative:
         raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
                        "logprobs")
+    if logprobs is not None and body.processes_logits():
+        raise ApiError(400, "logprobs: not served with top_k, min_p, penalties or logit_bias (log-probabilities are "
+                            "computed from the unprocessed logits); send one or the other", "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):
@@ -206,7 +209,8 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
             out.append(dict(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
                             temperature=float(body.temperature), seed=(body.seed or 0) + index,
                             top_p=float(body.top_p), ignore_eos=body.ignore_eos,
-                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
+                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
+                            **body.processing_fields()))
     return out
 
 
@@ -774,8 +778,9 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
 
     def forced_end(sig: int) -> None:
         name = signal.Signals(sig).name
-        n = ctx.loop.abort_all(f"the server is shutting down: a second {name} ended the request")
-        logger.warning(f"serve: a second {name} during the drain: ended {n} request(s), exiting {128 + sig}")
+        n = ctx.loop.abort_all(f"the server is shutting down: a second stop signal ({name}) ended the request")
+        logger.warning(f"serve: a second stop signal ({name}) during the drain: ended {n} request(s), exiting "
+                       f"{128 + sig}")
         time.sleep(FORCED_GRACE_S)
         server.force_exit = True
 

@@ -28,7 +28,7 @@ TINY_GGUF_SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2
 
 def _byte_symbols() -> list[str]:
     """GPT-2's byte-level alphabet: one printable unicode symbol per byte value, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     symbols, extra = {}, 0
     for b in range(256):
         if b in keep:

@@ -78,14 +78,20 @@ def test_check_fails_on_rejections_and_when_nothing_is_compared(small_yaml, caps
     assert rc == 3 and "check FAILED: requests were rejected" in text and "rejected, not compared: [0]" in text
 
 
-def test_generate_rejection_sampling_check(tmp_path, capsys):
-    """``--tp 2 --rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise,
-    greedy copies == the target decode, every token in the target's top-p set; at tp 1 there is nothing
-    sharded to compare and the check does not claim it."""
+def _rejection_sampling_config(tmp_path):
     cfg = tmp_path / "rs.yaml"
     small = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 1,
                           "model.target.capture_layers": [0], "max_seq_len": 24})
     cfg.write_text(json.dumps(load_config(**small).model_dump(mode="json")))
+    return cfg
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="generate --tp 2 needs 2 GPUs (CPU: gloo ranks)")
+def test_generate_rejection_sampling_check(tmp_path, capsys):
+    """``--tp 2 --rejection-sampling --check`` (docs/end_to_end.md): sharded == gathered verification bitwise,
+    greedy copies == the target decode, every token in the target's top-p set."""
+    cfg = _rejection_sampling_config(tmp_path)
     out_json = tmp_path / "out.json"
     rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "4", "--temperature", "1", "--top-p", "0.9",
                "--rejection-sampling", "--check", "--no-progress", "--json", str(out_json), "--tp", "2", "1 2 3"])
@@ -97,6 +103,12 @@ def test_generate_rejection_sampling_check(tmp_path, capsys):
     assert data["check"]["passed"] and data["requests"][0]["top_p"] == 0.9
     res = data["ranks"][0]["results"]["speculative"]
     assert len(res["outputs"]) == 2 and res["outside_top_p"] == [0, 0]  # the prompt + its greedy copy
+
+
+def test_generate_rejection_sampling_check_tp1(tmp_path, capsys):
+    """At tp 1 there is nothing sharded to compare and the check does not claim it; a bad --top-p is one
+    line, exit 2."""
+    cfg = _rejection_sampling_config(tmp_path)
     assert main(["generate", "--config", str(cfg), "--top-p", "1.5"]) == 2
     rc = main(["generate", "--config", str(cfg), "--max-new-tokens", "2", "--temperature", "1", "--top-p", "0.9",
                "--rejection-sampling", "--check", "--no-progress", "1 2 3"])

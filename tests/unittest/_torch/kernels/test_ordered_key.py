@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, LOG2E_F32, philox_4x32_10_torch, block_best,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, LOG2E_F32, philox_4x32_10_torch, philox_4x32_10_wide,
+                                                  block_best,
                                                   gumbel2_from_word, gumbel2_from_word_torch, gumbel2_noise,
                                                   gumbel2_noise_torch, gumbel_scale, gumbel_scale_torch, gumbel_words4,
                                                   key_to_id_torch, ordered_i32, ordered_i32_torch, pack_key,
@@ -156,6 +157,37 @@ def test_gumbel_four_column_mapping(device, gid0):
     _noise_close(e, want)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(want.double(), _gumbel2_of_word(word_in.cpu()), atol=2e-6, rtol=2e-6)
+
+
+@triton.jit
+def _philox_pair_kernel(out_ptr, c_ptr, seed, N: tl.constexpr):
+    i = tl.arange(0, N)
+    c0 = tl.load(c_ptr + i).to(tl.uint32)
+    c1 = tl.load(c_ptr + N + i).to(tl.uint32)
+    c2 = tl.load(c_ptr + 2 * N + i).to(tl.uint32)
+    c3 = tl.load(c_ptr + 3 * N + i).to(tl.uint32)
+    a = tl.philox(seed, c0, c1, c2, c3)
+    b = philox_4x32_10_wide(seed, c0, c1, c2, c3)
+    for w in tl.static_range(4):
+        tl.store(out_ptr + w * N + i, a[w].to(tl.int64))
+        tl.store(out_ptr + (4 + w) * N + i, b[w].to(tl.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_philox_wide_multiply_same_words(device):
+    """The sampled loop's wide-multiply Philox (a schedule option) yields tl.philox's words bit for bit,
+    and the torch twin's, for counters and seeds across the whole 32/64-bit range."""
+    N = 64
+    g = torch.Generator().manual_seed(3)
+    c = torch.randint(0, 2**32, (4, N), generator=g, dtype=torch.int64)
+    c[:, 0], c[:, 1], c[:, 2] = 0, 2**32 - 1, 2**31  # counter edges
+    for seed in (0, 2**63 - 1, 2**40 + 977, -5):
+        out = torch.empty(8, N, dtype=torch.int64, device=device)
+        _philox_pair_kernel[(1,)](out, c.to(device), seed, N=N)
+        out = out.cpu()
+        assert torch.equal(out[:4], out[4:]), seed
+        ref = philox_4x32_10_torch(torch.full((N,), seed, dtype=torch.int64), c[0], c[1], c[2], c[3])
+        assert torch.equal(out[:4], torch.stack(ref)), seed
 
 
 def test_log2_score_is_gumbel_max():

@@ -14,7 +14,7 @@ PKG = Path(tensorrt_llm_ext.__file__).parent
 # tests import it.
 BASE = {"_env", "logger", "mapping"}
 LAYER = {"contract": 0, "kernels": 1, "distributed": 2, "modules": 3, "models": 4, "speculative": 5,
-         "configs": 6, "runtime": 6, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
+         "configs": 6, "runtime": 6, "training": 7, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
 
 
 def _part(module: str) -> str | None:

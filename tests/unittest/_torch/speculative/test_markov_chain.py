@@ -315,6 +315,35 @@ def test_fused_grid_splits_programs_over_row_tiles():
 # ------------------------------------------------------------------------------------------------------
 # auto mode: per-B table measured on the H200
 # ------------------------------------------------------------------------------------------------------
+def test_bench_markov_sweep_rows_to_paste():
+    """`bench markov --tables sweep` prints FUSED_SCHEDULES and AUTO_MODE_TABLE source: pasted back, it
+    picks each measured B's winner (consecutive B with one winner share a row, the last row covers the
+    rest), and the grid holds both tile shapes with the 64-row tile at 8 warps only."""
+    from tensorrt_llm_ext.bench.markov import auto_table_source, schedule_rows, sweep_configs
+    from tensorrt_llm_ext.kernels.markov_fused_step import FusedSchedule, fused_schedule
+
+    grid = sweep_configs(132)
+    assert {c.block_b for c, _ in grid} == {16, 64}
+    assert all(c.num_warps == 8 and c.block_n <= 64 for c, _ in grid if c.block_b == 64)
+    assert all(c.programs == p * 132 for c, p in grid)
+    a = FusedConfig(64, 8, 2, 264, block_b=64)
+    b = FusedConfig(32, 8, 3, 528, block_b=64)
+    best = {1: (a, 2), 8: (a, 2), 32: (b, 4), 64: (a, 2), 128: (a, 2)}
+    src = schedule_rows(best, 64)
+    table = eval(f"({src})", {"FusedSchedule": FusedSchedule})  # the pasted tuple
+    assert [s.max_batch for s in table] == [8, 32, None]
+    for B, (cfg, progs) in best.items():
+        assert fused_schedule(B, table).config(132) == cfg, B
+    assert fused_schedule(1000, table).config(132) == a
+    assert "block_b" not in schedule_rows({1: (FusedConfig(64, 4, 2, 528), 4)}, 16)
+    src = auto_table_source({1: "fused", 8: "fused", 32: "fused", 64: "exact", 128: "exact"})
+    assert src.startswith("AUTO_MODE_TABLE = ")
+    auto = eval(src.split(" = ", 1)[1])
+    assert auto == ((32, "fused"), (None, "exact"))
+    assert [mc.auto_mode_for(auto, B) for B in (1, 32, 33, 500)] == ["fused", "fused", "exact", "exact"]
+    assert eval(auto_table_source({1: "exact"}).split(" = ", 1)[1]) == ((None, "exact"),)
+
+
 def test_auto_mode_table_lookup():
     assert mc.AUTO_MODE_TABLE == ((32, "fused"), (None, "exact"))  # the H200 measurement (docs/markov_chain.md)
     assert [mc.auto_mode_for(mc.AUTO_MODE_TABLE, b) for b in (1, 32, 33, 128)] == ["fused", "fused", "exact", "exact"]
@@ -658,3 +687,30 @@ def test_gpu_fused_b_invariance_alone_vs_batch_of_64(block_b, sample):
     for tp in (2, 4):
         lo, lt = _run_shards(base, anchors, w1, w2, tp, mode="fused", sampling=samp, config=cfg)
         assert all(torch.equal(x, t) for x in lt) and bits_equal(lo, o), tp
+
+
+@gpu_only
+@pytest.mark.parametrize("block_b", [16, 64])
+def test_gpu_sweep_grid_schedules_bitwise(block_b):
+    """Every schedule `bench markov --tables sweep` may paste into FUSED_SCHEDULES gives, within its
+    block_b, the same bits as the others (greedy and sampled rows; B = 40 and a request alone), so the
+    table can be filled per B from the fastest without changing any output."""
+    from tensorrt_llm_ext.bench.markov import sweep_configs
+
+    V, r, K, B = 200064, 256, 3, 40
+    base, anchors, w1, w2 = _make(B, K, V, r, torch.bfloat16, torch.bfloat16, seed=83 + block_b, scale=0.05)
+    base = _adversarial(base)
+    samp = _sampling(B, seed=13)  # every third row greedy
+    kw = {"temperatures": samp[0], "seeds": samp[1], "offsets": samp[2]}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ref = None
+    for cfg, _ in sweep_configs(sms, block_b):
+        o, t = markov_chain_logits(base, anchors, w1, w2, mode="fused", config=cfg, **kw)
+        if ref is None:
+            ref = (o.clone(), t.clone())
+            continue
+        assert torch.equal(t, ref[1]) and bits_equal(o, ref[0]), cfg.describe()
+        one = slice(7, 8)
+        o1, t1 = markov_chain_logits(base[one].contiguous(), anchors[one].contiguous(), w1, w2, mode="fused",
+                                     config=cfg, **{k: v[one].contiguous() for k, v in kw.items()})
+        assert torch.equal(t1, ref[1][one]) and bits_equal(o1, ref[0][one]), cfg.describe()

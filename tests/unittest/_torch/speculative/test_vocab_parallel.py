@@ -276,8 +276,9 @@ def test_gumbel_skip_bound_keeps_the_exact_winner(device):
         assert torch.equal(keys, twin)
     else:
         assert (key_to_id_torch(twin) != ids).sum().item() <= 1
-    # tp 5: shard starts 53, 106, 159, 212 (phases 1, 2, 3, 0), two programs per shard
-    assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, **kw), keys)
+    # tp 5: shard starts 53, 106, 159, 212 (phases 1, 2, 3, 0), two programs per shard; the wide-multiply
+    # Philox (a schedule option) draws the same words
+    assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, wide_mul=True, **kw), keys)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -367,6 +368,7 @@ def test_bench_select_smoke_tables():
     assert [r[:3] for r in main["rows"]] == [[1, 1, 2003], [1, 3, 2003], [2, 1, 1002], [2, 3, 1002]]
     assert "*" in [r[-1] for r in greedy["rows"]] and {r[2] for r in greedy["rows"]} == {256, 1024}
     assert {r[3] for r in sampled["rows"]} == {2, 4} and "sampled" in sampled["title"]
+    assert {r[5] for r in sampled["rows"]} == {"", "yes"}  # the wide-multiply Philox timed too
     assert any("_SAMPLED_TILE_COLUMNS = 256" in n for n in sampled["notes"])
     harness.TABLES.clear()
     run(argparse.Namespace(vocab=200064, rows="1", tp_sizes="1", dtype="bf16", no_sweep=False, tables="sampled"))

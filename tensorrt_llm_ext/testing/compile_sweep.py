@@ -1,0 +1,234 @@
+"""The compile sweep: every Triton launcher over the variants the runtime launches (test support).
+
+Each :class:`SweepCase` calls one public launcher (or the speculative entry point that composes several)
+with CPU tensors of the runtime's shapes and dtypes; run under
+:class:`~tensorrt_llm_ext.testing.compile_only.CompileOnly`, each launch compiles its specialization
+for the target and runs nothing. The variants: logits dtypes bf16 / fp16 / fp32, greedy / sampled /
+top-p rows, every row of the schedule tables (``FUSED_SCHEDULES`` and the built 64-row tile,
+``ATTENTION_SCHEDULES``), the vocabulary shards of TP 1 / 2 / 8 of a 128256 vocabulary and an odd one
+(50257: lengths not divisible by 16 give other integer specializations), and the draft lengths of the
+default config and the benchmarks (K = 4, 7).
+
+``captured`` marks the kernels of the captured decode step (CUDA graph): a spill there fails the check
+unless :data:`ACCEPTED_SPILLS` names the kernel with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["ACCEPTED_SPILLS", "SWEEP", "SweepCase", "captured_kernels"]
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+VOCAB = 128256  # Llama 3: shards of 128256 / 64128 / 16032 columns at TP 1 / 2 / 8
+ODD_VOCAB = 50257  # a length with no power-of-two factor: the other integer specializations
+DRAFT_LENS = (4, 7)  # the default config's max_draft_len, and the benchmarks' K
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    name: str
+    run: Callable[[], None]
+    kernels: tuple[str, ...]  # the kernels (qualnames) this case launches; the check fails if one does not compile
+    captured: bool = True  # launched inside the captured decode step
+    cost: float = 1.0  # relative compile time (measured), to split the cases over worker processes
+
+
+# Kernels allowed to spill in the captured step, with the reason (empty: none is).
+ACCEPTED_SPILLS: dict[str, str] = {}
+
+
+def _shards(vocab: int = VOCAB):
+    """(vocab_start, width, vocab_size) of the last shard at TP 1 / 2 / 8 (the last holds the padding)."""
+    out = []
+    for tp in (1, 2, 8):
+        width = -(-vocab // tp)
+        out.append(((tp - 1) * width, width, vocab))
+    return out
+
+
+def _rows(b: int):
+    temps = torch.full((b,), 0.7)
+    temps[0] = 0.0  # a greedy row in a sampled batch
+    seeds = torch.arange(b, dtype=torch.int64) + 11
+    offsets = torch.arange(b, dtype=torch.int64) * 3
+    return temps, seeds, offsets
+
+
+# -- target selection: shard_select ---------------------------------------------------------------------------
+def _select():
+    from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample, vocab_parallel_argmax
+
+    for dtype in FLOATS:
+        for (start, width, size), batches in ((_shards()[2], (1, 40)), (_shards(ODD_VOCAB)[0], (40,))):
+            for b in batches:  # one row; 8 requests x (K + 1)
+                logits = torch.zeros(b, width, dtype=dtype)
+                vocab_parallel_argmax(logits, start, size)
+                gumbel_sample(logits, *_rows(b), start, size)
+
+
+# -- verification: top-p and rejection sampling ---------------------------------------------------------------
+def _top_p():
+    from tensorrt_llm_ext.speculative.verification import top_p_keep
+
+    for dtype in FLOATS:
+        for start, width, size in (_shards()[2], _shards(ODD_VOCAB)[0]):
+            b = 8
+            logits = torch.zeros(b, width, dtype=dtype)
+            temps, _, _ = _rows(b)
+            top_p_keep(logits, torch.full((b,), 0.9), temperatures=temps, vocab_start=start, vocab_size=size)
+
+
+def _rejection():
+    from tensorrt_llm_ext.speculative.verification import rejection_sample
+
+    for dtype in FLOATS:
+        for start, width, size in (_shards()[2], _shards(ODD_VOCAB)[0]):
+            b, k = 4, 7
+            temps, seeds, offsets = _rows(b)  # sampled rows and a greedy one: greedy is per row, not per launch
+            target = torch.zeros(b, k + 1, width, dtype=dtype)
+            draft = torch.zeros(b, k, width, dtype=dtype)
+            tokens = torch.zeros(b, k, dtype=torch.int64) + start
+            for top_p in (None, torch.full((b,), 0.9)):
+                rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets,
+                                 top_p=top_p, vocab_start=start, vocab_size=size)
+
+
+# -- the step's small kernels ---------------------------------------------------------------------------------
+def _step_bookkeeping():
+    from tensorrt_llm_ext.kernels.block_table import decode_block_table
+    from tensorrt_llm_ext.kernels.paged_latent import paged_latent_step, store_context_latents
+    from tensorrt_llm_ext.kernels.strict_accept import strict_accept
+
+    for b in (1, 8, 64):
+        for max_blocks in (10, 64):
+            decode_block_table(torch.zeros(b, max_blocks, dtype=torch.int32), 16)
+        for k in DRAFT_LENS:
+            drafts = torch.zeros(b, k, dtype=torch.int64)
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0)
+            strict_accept(drafts, torch.zeros(b * (k + 1), dtype=torch.int64), 0)  # flat targets
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0, forced_num_accepted=2)
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0,
+                          forced_num_accepted=torch.ones(b, dtype=torch.int32))
+            slots = 2 * b
+            for max_pages in (10, 64):
+                block_table = torch.zeros(slots, max_pages, dtype=torch.int32)
+                paged_latent_step(torch.zeros(b, k + 1, dtype=torch.int64), torch.ones(b, dtype=torch.int32),
+                                  torch.arange(b, dtype=torch.int64), torch.zeros(b, dtype=torch.bool),
+                                  torch.zeros(slots, dtype=torch.int32), block_table, num_contexts=0, page_size=16,
+                                  draft_len=k, max_ctx_len=max_pages * 16, mask_token_id=3)
+    for dtype in FLOATS:
+        for d_c in (32, 512):
+            for layers in (1, 2):
+                n = 8 * 5
+                pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
+                store_context_latents(torch.zeros(n, layers, d_c, dtype=dtype), torch.zeros(n, dtype=torch.int32),
+                                      torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool), pool)
+
+
+def _rms_norm():
+    from tensorrt_llm_ext.kernels.rms_norm import rms_norm
+
+    for dtype in FLOATS:
+        for hidden in (48, 4096, 8192):
+            x = torch.zeros(40, hidden, dtype=dtype)
+            w = torch.ones(hidden, dtype=dtype)
+            rms_norm(x, w, 1e-5)
+            rms_norm(x, w, 1e-5, residual=torch.zeros_like(x))
+
+
+# -- drafter block attention -----------------------------------------------------------------------------------
+def _attention():
+    from tensorrt_llm_ext.contract import DraftBlockPlacement
+    from tensorrt_llm_ext.kernels.latent_block_attention import (ATTENTION_SCHEDULES, AttentionSchedule,
+                                                                 latent_block_attention)
+
+    schedules = ATTENTION_SCHEDULES + (AttentionSchedule(None, split_k=4),)  # the split-K path and its combine
+    for dtype in FLOATS:
+        for heads, head_dim, d_c in ((4, 16, 32), (32, 128, 512)):
+            for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
+                b, slots, max_pages, page = 8, 16, 16, 16
+                i32 = lambda *s: torch.zeros(s, dtype=torch.int32)  # noqa: E731
+                placement = DraftBlockPlacement(positions=i32(b, k), page_ids=i32(b, k), page_offsets=i32(b, k),
+                                                ctx_lens=i32(b), seq_lens=i32(b) + k)
+                for sch in schedules:
+                    latent_block_attention(
+                        torch.zeros(b, k, heads, head_dim, dtype=dtype), torch.zeros(b, k, d_c, dtype=dtype),
+                        torch.zeros(32, page, d_c, dtype=dtype), i32(slots, max_pages),
+                        torch.arange(b, dtype=torch.int64), placement,
+                        torch.zeros(heads * head_dim, d_c, dtype=dtype), torch.zeros(heads * head_dim, d_c, dtype=dtype),
+                        10000.0, head_dim ** -0.5, schedule=sch)
+
+
+# -- Markov draft chain ---------------------------------------------------------------------------------------
+def _markov():
+    from tensorrt_llm_ext.speculative.markov_chain import markov_chain_logits
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for start, width, size in _shards()[2:]:
+            r, k = 256, 7
+            for b in (1, 8, 64):
+                base = torch.zeros(b, k, width, dtype=dtype)
+                anchors = torch.zeros(b, dtype=torch.int64)
+                w1 = torch.zeros(size, r, dtype=dtype)
+                w2 = torch.zeros(width, r, dtype=dtype)
+                for sampled in (False, True):
+                    rows = dict(zip(("temperatures", "seeds", "offsets"), _rows(b))) if sampled else {}
+                    if b <= 8:  # the exact mode's bias GEMM runs here on the CPU: keep it small
+                        markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size,
+                                            mode="exact", **rows)
+                    for cfg in _fused_configs(r, b):
+                        markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size,
+                                            mode="fused", config=cfg, **rows)
+
+
+def _fused_configs(r: int, b: int):
+    """The table's config for ``b`` and each built row tile (``BLOCK_B_CHOICES``) on every table row."""
+    import dataclasses
+
+    from tensorrt_llm_ext.kernels.markov_fused_step import BLOCK_B_CHOICES, FUSED_SCHEDULES, fused_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = {fused_config(r, False, None, b)}
+    for s in FUSED_SCHEDULES:
+        for block_b in BLOCK_B_CHOICES:
+            configs.add(dataclasses.replace(s.config(sms), block_b=block_b))
+    return sorted(configs, key=lambda c: c.describe())
+
+
+# -- low-latency exchange ---------------------------------------------------------------------------------------
+def _exchange():
+    from tensorrt_llm_ext.kernels.ll_exchange import SimulatedPeers
+
+    for world in (1, 2, 8):
+        for rows in (8, 40, 256):
+            peers = SimulatedPeers(world, rows, "cpu")
+            peers.exchange(torch.zeros(world, rows, dtype=torch.int64))
+
+
+_K = "tensorrt_llm_ext.kernels."
+SWEEP: tuple[SweepCase, ...] = (
+    SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",)),
+    SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel", _K + "fixed_point_softmax:_verify_sums_kernel",
+                                _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel")),
+    SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
+                                        _K + "rejection_sample:_rejection_assemble_kernel")),
+    SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
+                                                      _K + "strict_accept:_strict_accept_kernel",
+                                                      _K + "paged_latent:_paged_latent_step_kernel",
+                                                      _K + "paged_latent:_store_context_latents_kernel")),
+    SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",)),
+    SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
+                                        _K + "latent_block_attention:_latent_block_attention_combine_kernel")),
+    SweepCase("markov", _markov, (_K + "markov_exact_step:_markov_resolve_kernel",
+                                  _K + "markov_exact_step:_markov_select_kernel",
+                                  _K + "markov_fused_step:_markov_fused_step_kernel")),
+    SweepCase("exchange", _exchange, (_K + "ll_exchange:_ll_exchange_kernel",)),
+)
+
+
+def captured_kernels() -> set[str]:
+    return {k for case in SWEEP if case.captured for k in case.kernels}

@@ -1,0 +1,142 @@
+"""`trtllm-ext train-drafter`: the training forward is the serving drafter's computation, a few steps on a tiny
+target lower the distillation loss, the saved drafter loads through the drafter loader and serves losslessly
+(`generate --check`), and an interrupted run resumed from its checkpoint ends with the same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, read_drafter_config
+from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig, generate_full_state_dict
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.export import export_model
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.training.drafter_forward import block_logits
+from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
+
+# Tiny knobs: 16 prompts x 20 tokens, K = 3, a 1-layer drafter; seconds on 2 cores.
+TINY_TRAIN = ["--num-prompts", "16", "--max-new-tokens", "20", "--gen-batch", "8", "--eval-prompts", "4",
+              "--num-layers", "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "16",
+              "--intermediate-size", "64", "--draft-len", "3", "--batch-seqs", "4", "--anchors", "4",
+              "--lr", "3e-3", "--warmup", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+def test_training_forward_equals_the_serving_drafter(backend):
+    """block_logits (many anchors in one pass, teacher-forced Markov chain) == for each anchor the serving
+    drafter's forward_block over a paged context of the positions before it + LM head + Markov bias."""
+    cfg = DSparkDrafterConfig(hidden_size=24, target_hidden_size=24, num_capture_layers=2, num_layers=2,
+                              num_heads=3, head_dim=8, latent_dim=12, intermediate_size=40, vocab_size=53,
+                              markov_rank=6, mask_token_id=52)
+    sd = generate_full_state_dict(cfg, 5, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    t, k, page = 19, 4, 4
+    feats = torch.randn(1, t, cfg.fc_in_features, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size - 1, (1, t), generator=g)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) / 5
+    anchors = torch.tensor([[1, 7, 12, 15]])
+    ours = block_logits(sd, cfg, head, feats, tokens, anchors, k)[0]  # [M, K, V]
+    drafter = DSparkDrafter(cfg, dtype=torch.float32, attention_backend=backend)
+    drafter.load_full_state_dict(sd)
+    for m, a in enumerate(anchors[0].tolist()):
+        pages = -(-(a + k) // page)
+        pool = torch.zeros(cfg.num_layers, pages, page, cfg.latent_dim)
+        table = torch.arange(pages, dtype=torch.int32)[None]
+        lat = drafter.compute_context_latents(feats[0, :a])  # [a, L, d_c]
+        for p in range(a):
+            pool[:, p // page, p % page] = lat[p]
+        pos = torch.arange(a, a + k, dtype=torch.int32)[None]
+        placement = DraftBlockPlacement(pos, pos // page, pos % page, torch.tensor([a], dtype=torch.int32),
+                                        torch.tensor([a + k], dtype=torch.int32))
+        ids = torch.full((1, k), cfg.mask_token_id)
+        ids[0, 0] = tokens[0, a]
+        hidden = drafter.forward_block(DrafterBlockInputs(ids, torch.zeros(1, dtype=torch.int32), placement,
+                                                          PagedLatentCache(pool, table)))[0]
+        prev = tokens[0, a:a + k]
+        serving = F.linear(hidden, head) + F.linear(sd["markov_w1"][prev], sd["markov_w2"])
+        torch.testing.assert_close(ours[m], serving, atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("target") / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")  # the target alone, as an imported checkpoint is
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("trained") / "tiny"
+    shutil.copytree(tiny_target, d)
+    assert main(["train-drafter", str(d), "--steps", "40", "--save-every", "20", *TINY_TRAIN]) == 0
+    return d
+
+
+def test_train_drafter_lowers_the_loss_and_serves_losslessly(trained, capsys):
+    d = trained
+    summary = json.loads((d / "dspark_drafter" / "training.json").read_text())
+    first, last = summary["first_losses"], summary["last_losses"]
+    assert sum(last) / len(last) < 0.8 * sum(first) / len(first), (first, last)
+    acc = summary["held_out_greedy_acceptance"]
+    assert 1.0 <= acc["init"] <= 4.0 and 1.0 <= acc["trained"] <= 4.0
+    meta = read_drafter_config(d / "dspark_drafter")  # the drafter loader's header checks
+    assert meta["target_layer_ids"] == [0, 1] and meta["drafter"]["num_layers"] == 1
+    assert (d / "dspark_drafter_work" / "trainer_state.pt").is_file()
+    # serve DIR finds DIR/dspark_drafter; the output equals the target's own decode
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "10", "--check",
+                 "--draft-len", "3", "5 17 305 42"]) == 0
+    out = capsys.readouterr().out
+    assert "check passed" in out and "K=3" in out
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "T=1 top-p 0.95"], ids=["greedy", "t1_top_p"])
+def test_bench_acceptance_compares_trained_and_bigram(trained, capsys, sampling):
+    """The engine's acceptance on held-out prompts, both drafters (T=1: rejection sampling; the interpreter
+    makes it the slow one, so CPU CI runs greedy and the H200 list both)."""
+    assert main(["bench", "acceptance", "--model", str(trained), "--draft-lens", "3", "--num-prompts", "1",
+                 "--max-new-tokens", "8", "--batch-size", "1", "--samplings", sampling]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| trained") or
+            line.startswith("| bigram")]
+    assert [(r[0].strip(), r[2].strip()) for r in rows] == [("trained", sampling), ("bigram", sampling)]
+    for r in rows:
+        steps, tokens, mean = int(r[4]), int(r[5]), float(r[6])
+        assert 1.0 <= mean <= 4.0 and abs(mean - tokens / steps) < 1e-3 and steps >= 2
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path, monkeypatch):
+    knobs = TrainConfig(num_prompts=8, max_new_tokens=12, gen_batch=8, eval_prompts=0, num_layers=1, num_heads=2,
+                        head_dim=8, latent_dim=16, intermediate_size=64, draft_len=3, steps=6, batch_seqs=2,
+                        anchors=3, lr=3e-3, warmup=2, save_every=3)
+    whole = train_drafter(tiny_target, tmp_path / "a" / "drafter", knobs, progress=False)
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def killed_in_step_5(*args, **kwargs):  # a Ctrl-C in the 5th step, after the step-3 checkpoint
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", killed_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_target, tmp_path / "b" / "drafter", knobs, progress=False)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    resumed = train_drafter(tiny_target, tmp_path / "b" / "drafter", knobs, progress=False, resume=True)
+    assert resumed["last_losses"] == whole["last_losses"]
+    cfg = DSparkDrafterConfig(**{k: v for k, v in read_drafter_config(tmp_path / "a" / "drafter")["drafter"].items()},
+                              hidden_size=32, target_hidden_size=32, num_capture_layers=2, vocab_size=517,
+                              markov_rank=32, mask_token_id=516)
+    a = load_drafter_state_dict(tmp_path / "a" / "drafter", cfg)
+    b = load_drafter_state_dict(tmp_path / "b" / "drafter", cfg)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(ValueError, match=r"other knobs \(\['steps'\]\)"):
+        train_drafter(tiny_target, tmp_path / "b" / "drafter", TrainConfig(**{**vars(knobs), "steps": 9}),
+                      progress=False, resume=True)

@@ -1,0 +1,167 @@
+"""Logits processing (logit_bias, penalties, min_p, top_k) on the rows of a speculative step against the eager
+full-vocabulary reference (``process_reference``: plain per-row loops): bitwise, on random logits with exact
+ties, -inf entries, an odd vocabulary, drafts inside the block counted per position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors, process_reference
+
+V, K = 37, 3
+FIELDS = [
+    LogitsProcessing(),  # a row without processing beside processed ones: unchanged
+    LogitsProcessing(logit_bias=((3, 5.0), (36, -100.0), (0, 0.5))),
+    LogitsProcessing(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.3),
+    LogitsProcessing(top_k=4),
+    LogitsProcessing(min_p=0.3),
+    LogitsProcessing(top_k=1, min_p=0.9, repetition_penalty=0.6, logit_bias=((5, 2.0),)),
+    LogitsProcessing(top_k=V + 5, frequency_penalty=2.0),  # k beyond the vocabulary: no limit
+]
+TEMPS = [0.0, 1.0, 0.7, 1.3, 0.9, 2.0, 1.0]
+PROMPTS = [[1, 2], [3], [4, 4, 9, 36], [2], [7, 8], [5, 6, 5], [0]]
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(FIELDS) * (K + 1), V, generator=g) * 3).round() / 2  # exact ties
+    logits[1, 7] = float("-inf")
+    history = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(0, 6, (len(FIELDS),),
+                                                                                          generator=g)]
+    drafts = torch.randint(0, V, (len(FIELDS), K), generator=g)
+    drafts[2, :2] = torch.tensor([4, 4])  # a repeated draft inside the block
+    return logits, history, drafts
+
+
+def _reference(logits, history, drafts, temps):
+    rows, fields, t, hist, prompts = [], [], [], [], []
+    for b, f in enumerate(FIELDS):
+        for j in range(K + 1):
+            fields.append(f)
+            t.append(temps[b])
+            hist.append(history[b] + drafts[b, :j].tolist())
+            prompts.append(PROMPTS[b])
+    return process_reference(logits, fields, t, hist, prompts)
+
+
+def _processors(history, width=V, start=0):
+    slots = list(range(len(FIELDS)))
+    proc = SlotLogitsProcessors(len(FIELDS) + 1, start, width, V, "cpu")
+    proc.assign(slots, FIELDS, PROMPTS)
+    for b, h in enumerate(history):  # the generated tokens so far, as the steps would have counted them
+        if h:
+            proc.record(slots, torch.tensor([b]), torch.tensor([h]), torch.tensor([len(h)]))
+    return proc, slots
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_step_rows_equal_the_full_vocabulary_reference(seed):
+    logits, history, drafts = _case(seed)
+    proc, slots = _processors(history)
+    rows = torch.arange(len(FIELDS)).repeat_interleave(K + 1)
+    temps = torch.tensor(TEMPS).repeat_interleave(K + 1)
+    got = proc.apply(logits, slots, rows, temps, drafts)
+    want = _reference(logits, history, drafts, TEMPS)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:K + 1], logits[:K + 1])  # the row without processing is untouched
+    # Each field acts: bias, penalties, top-k (4 kept, or more at ties) and min_p change their rows.
+    for b in range(1, 6):
+        assert not torch.equal(got[b * (K + 1):(b + 1) * (K + 1)], logits[b * (K + 1):(b + 1) * (K + 1)]), b
+    top_k_rows = got[3 * (K + 1):4 * (K + 1)]
+    assert ((top_k_rows > float("-inf")).sum(-1) >= 4).all()
+    # Greedy rows (temperature 0) ignore min_p and top_k; the greedy-only worker passes no temperatures.
+    greedy = proc.apply(logits, slots, rows, None, drafts)
+    assert torch.equal(greedy, _reference(logits, history, drafts, [0.0] * len(FIELDS)))
+
+
+def test_counts_follow_the_accepted_tokens_and_reset_on_assign():
+    proc, slots = _processors([[], [], [], [], [], [], []])
+    tokens = torch.tensor([[4, 4, 9, 1], [2, 3, 5, 6]])
+    proc.record(slots, torch.tensor([2, 5]), tokens, torch.tensor([3, 1]), live=torch.tensor([True, True]))
+    assert proc.counts[2, 4] == 2 and proc.counts[2, 9] == 1 and proc.counts[2, 1] == 0
+    assert proc.counts[5, 2] == 1 and proc.counts[5].sum() == 1
+    proc.record(slots, torch.tensor([2, 5]), tokens, torch.tensor([3, 1]), live=torch.tensor([False, True]))
+    assert proc.counts[2].sum() == 3 and proc.counts[5, 2] == 2  # a dummy row counts nothing
+    proc.assign([2], [FIELDS[2]], [[8]])
+    assert proc.counts[2].sum() == 0 and proc.in_prompt[2].nonzero().view(-1).tolist() == [8]
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_shards_equal_full_rows_without_collectives_for_bias_and_penalties(shards):
+    """Bias and penalties are per column: each shard of an (padded) odd vocabulary gives its columns of the
+    full result; the min_p / top_k exchanges are tested over MPI (multi_gpu/test_logits_processing_tp.py)."""
+    logits, history, drafts = _case(5)
+    rows = torch.arange(len(FIELDS)).repeat_interleave(K + 1)
+    temps = torch.zeros(len(FIELDS) * (K + 1))  # greedy: no min_p / top_k, so no collective is needed
+    full, slots = _processors(history)
+    want = full.apply(logits, slots, rows, temps, drafts)
+    width = -(-V // shards)
+    padded = torch.nn.functional.pad(logits, (0, width * shards - V), value=float("-inf"))
+    for r in range(shards):
+        proc, _ = _processors(history, width, r * width)
+        got = proc.apply(padded[:, r * width:(r + 1) * width], slots, rows, temps, drafts)
+        hi = min(V, (r + 1) * width)
+        assert torch.equal(got[:, :hi - r * width], want[:, r * width:hi]), r
+
+
+def test_bad_fields_name_themselves():
+    for f, word in ((LogitsProcessing(top_k=-2), "top_k"), (LogitsProcessing(min_p=1.5), "min_p"),
+                    (LogitsProcessing(presence_penalty=3.0), "presence_penalty"),
+                    (LogitsProcessing(repetition_penalty=0.0), "repetition_penalty"),
+                    (LogitsProcessing(logit_bias=((V, 1.0),)), "logit_bias"),
+                    (LogitsProcessing(logit_bias=((1, 1.0), (1, 2.0))), "distinct")):
+        with pytest.raises(ValueError, match=word):
+            f.check(V)
+
+
+def _bitwise(got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_the_captured_step_needs_no_host_fact_of_its_rows(seed):
+    """What a CUDA graph records: ``apply`` with no host knowledge of the rows (the capture's empty slot list)
+    computes every row's reference bit for bit -- the ops do not depend on which fields the rows use. Rows with
+    ``top_k`` above the captured exchange width are the one exception: the step says so (wide top-k) and sizes
+    the exchange by its rows."""
+    logits, history, drafts = _case(seed)
+    logits[5, :] = float("-inf")  # a -inf row
+    logits[9, 3] = float("nan")  # a NaN entry
+    rows = torch.arange(len(FIELDS)).repeat_interleave(K + 1)
+    temps = torch.tensor(TEMPS).repeat_interleave(K + 1)
+    want = _reference(logits, history, drafts, TEMPS)
+    proc, slots = _processors(history)
+    assert not proc.wide_top_k(slots) and proc.top_k_width(slots) == proc.captured_top_k
+    _bitwise(proc.apply(logits, [], rows, temps, drafts), want)
+    narrow = SlotLogitsProcessors(len(FIELDS) + 1, 0, V, V, "cpu", captured_top_k=2)
+    narrow.assign(slots, FIELDS, PROMPTS)
+    for b, h in enumerate(history):
+        if h:
+            narrow.record(slots, torch.tensor([b]), torch.tensor([h]), torch.tensor([len(h)]))
+    assert narrow.wide_top_k(slots) and narrow.top_k_width(slots) == 4  # top_k=4 > 2; top_k=V+5 limits nothing
+    assert not narrow.wide_top_k([0, 1, 2, 4, 5, 6])
+    _bitwise(narrow.apply(logits, slots, rows, temps, drafts), want)
+    with pytest.raises(ValueError, match="captured_top_k"):
+        SlotLogitsProcessors(2, 0, V, V, "cpu", captured_top_k=0)
+
+
+def test_slots_without_penalties_ignore_their_counts():
+    """Once the count tables exist every slot's tokens are counted (the step has no per-row branch); a slot
+    without penalties reads them with identity values, so its row stays bit for bit unprocessed."""
+    logits, _, drafts = _case(6)
+    fields = [LogitsProcessing(), LogitsProcessing(logit_bias=((2, 1.0),)), LogitsProcessing(top_k=3)]
+    proc = SlotLogitsProcessors(4, 0, V, V, "cpu")
+    proc.assign([0, 1, 2], fields, [[1], [2], [3]])
+    assert proc.counts is None  # no penalty yet: nothing counted, nothing allocated
+    rows = torch.arange(3).repeat_interleave(K + 1)
+    x = logits[:3 * (K + 1)]
+    temps = torch.tensor([1.0, 0.5, 1.0]).repeat_interleave(K + 1)
+    first = proc.apply(x, [], rows, temps, drafts[:3])
+    assert proc.counts is not None  # the first processed step makes the tables (outside any capture)
+    proc.record([0, 1, 2], torch.arange(3), torch.randint(0, V, (3, 6)), torch.tensor([6, 6, 6]))
+    assert proc.counts.sum() == 18
+    assert torch.equal(proc.apply(x, [], rows, temps, drafts[:3]), first)
+    want = process_reference(x, [f for f in fields for _ in range(K + 1)], temps.tolist(),
+                             [[]] * (3 * (K + 1)), [[]] * (3 * (K + 1)))
+    assert torch.equal(first, want)
