@@ -61,8 +61,7 @@ from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
-                                                      TOP_P_VARIANT, StepVariant)
-from tensorrt_llm_ext.speculative.token_selector import SelectionParams
+                                                       TOP_P_VARIANT, StepVariant)
 from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
@@ -112,8 +111,7 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
-        # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
-        self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        # The host-side copy of the slots' top-p (state.slot_top_p) that set_rows() routes a step by.
         self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
         self._step_variant = DEFAULT_VARIANT
         # The exact top-p path's buffers per logits width (kept set [R*(K+1), W] bool + its workspace),
@@ -285,7 +283,7 @@ class DSparkWorker(SpecWorkerBase):
         return view
 
     # -- pieces shared by prefill, the step and the target-only decode -----------------------------------
-    def _decode_pages(self) -> None:
+    def decode_pages(self) -> None:
         """Encoded offsets -> physical page ids, ``-1`` kept where unallocated.
 
         :func:`decode_block_table` maps an unallocated entry to page 0 (and counts the valid ones);
@@ -347,12 +345,9 @@ class DSparkWorker(SpecWorkerBase):
 
     def select_from(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor | None,
                     seeds: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the stock table's
-        torch selection, else the vocab-parallel selector (``temps=None``: greedy). ``out`` ``[R]`` int64."""
-        if self.ops.select is not None:
-            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out)
-        return self.token_selector.select_tokens(
-            logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
+        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the fused table's
+        selector kernels or the stock table's torch selection (``temps=None``: greedy). ``out`` ``[R]`` int64."""
+        return self.ops.select(self.token_selector, logits, temps, seeds, offsets, TARGET_SALT, out)
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
         """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
@@ -437,7 +432,7 @@ class DSparkWorker(SpecWorkerBase):
         st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
         st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
         restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
-        self.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=self.slot_top_p.dtype, device=dev)
+        st.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=st.slot_top_p.dtype, device=dev)
         for slot, p, rest in zip(slots, top_ps, restricted):
             self._host_top_p[slot] = float(p) if rest else 1.0
         self.processors.assign(slots, list(processing) if processing is not None else [None] * r, prompts)
@@ -456,11 +451,11 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
-                                                  self.slot_top_p[slots_l] if any(restricted) else None, process)
+                                                  st.slot_top_p[slots_l] if any(restricted) else None, process)
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
-            self._decode_pages()
+            self.decode_pages()
             latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
             # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
             # treats each prompt as a generation row that accepted exactly one token (its first generated one).
@@ -510,7 +505,7 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        top_p = self.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
+        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
                             top_p, self._block_process(b) if self.step_processed else None)
 
@@ -525,14 +520,32 @@ class DSparkWorker(SpecWorkerBase):
             return self.processed(logits, self._step_slots, rows, temps, drafts)
         return process
 
-    def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
-                           captured: torch.Tensor):
-        """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
-        ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+    def sample_and_accept_draft_tokens(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                                       hidden: torch.Tensor):
+        """The step's token decision, in both verification modes (TensorRT-LLM's one-model worker method of
+        this name): ``(accepted [B, K+1], num_accepted [B], logits)``.
+
+        Strict acceptance (no rejection verifier): the target's token at every verified position
+        (:meth:`select_targets`: the argmax, or keyed Gumbel-max at the row's temperature within its top-p
+        set), then the drafts accepted while they equal it (:meth:`strict_accept`). Rejection sampling:
+        :meth:`rejection_verify` against the draft logits the previous step stored (greedy rows: the strict
+        rule, bitwise). docs/token_decision.md maps the whole path.
+        """
+        if self.verifier is None:
+            with nvtx_range("selection"):
+                target_tokens, logits = self.select_targets(batch_size, hidden, positions)
+            with nvtx_range("strict_accept"):
+                accepted, num_acc = self.strict_accept(batch_size, tokens, target_tokens)
+            return accepted, num_acc, logits
+        with nvtx_range("rejection_sampling"):
+            return self.rejection_verify(batch_size, tokens, positions, hidden)
+
+    def strict_accept(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor):
+        """The drafts ``tokens[:, 1:]`` accepted while they equal the target's tokens ``[B*(K+1)]``:
+        ``(accepted [B, K+1], num_accepted [B])``."""
         b, k = batch_size, self.draft_len
-        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
-                                                   out=(self.accepted[:b], self.num_accepted[:b]))
-        return self.advance(b, accepted, num_acc, captured)
+        return self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
+                                      out=(self.accepted[:b], self.num_accepted[:b]))
 
     def rejection_verify(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
                          hidden: torch.Tensor):
@@ -547,16 +560,17 @@ class DSparkWorker(SpecWorkerBase):
             temps_rows = st.slot_temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
             verified = self._block_process(b)(logits, temps_rows)
         x = verified.logits if isinstance(verified, VocabShardedLogits) else verified
-        top_p = self.slot_top_p[slots_l] if self.step_top_p else None
+        top_p = st.slot_top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
             top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]))
         return accepted, num_acc, logits
 
-    def advance(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor, captured: torch.Tensor):
-        """Paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of the accepted
-        tokens: ``(accepted, num_accepted, PagedLatentStep)``."""
+    def update_drafter_context(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor,
+                               captured: torch.Tensor) -> PagedLatentStep:
+        """After the decision: paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of
+        the accepted tokens; the bookkeeping's outputs (bonus tokens, the next block's placement)."""
         st, ops = self.state, self.ops
         b, k = batch_size, self.draft_len
         slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
@@ -567,7 +581,7 @@ class DSparkWorker(SpecWorkerBase):
         latents = self.drafter.compute_context_latents(captured)  # [B*(K+1), L, d_c]
         ops.store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
                                   tail.latent_write_mask.view(-1), st.latent_pool)
-        return accepted, num_acc, tail
+        return tail
 
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
         self.check_rows(batch_size)
@@ -575,19 +589,12 @@ class DSparkWorker(SpecWorkerBase):
         b = batch_size
         slots = self.slot_ids[:b]
         with nvtx_range("block_table"):
-            self._decode_pages()
+            self.decode_pages()
         with nvtx_range("target_forward"):
             tokens, positions, out = self.verify_forward(b)
-        if self.verifier is None:
-            with nvtx_range("selection"):
-                target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
-            with nvtx_range("tail"):
-                accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
-        else:
-            with nvtx_range("rejection_sampling"):
-                accepted, num_acc, logits = self.rejection_verify(b, tokens, positions, out.hidden_states)
-            with nvtx_range("tail"):
-                accepted, num_acc, tail = self.advance(b, accepted, num_acc, out.captured)
+        accepted, num_acc, logits = self.sample_and_accept_draft_tokens(b, tokens, positions, out.hidden_states)
+        with nvtx_range("tail"):
+            tail = self.update_drafter_context(b, accepted, num_acc, out.captured)
         if self.step_processed:
             self.processors.record(self._step_slots, slots, accepted, num_acc, live=~self.is_dummy[:b])
         nxt = self.next_new_tokens[:b]

@@ -83,7 +83,7 @@ class ReferenceDecoder:
             if processed:
                 logits = self.processors.apply(logits, w.step_slots, slots_l, temps)
             if w.sampling and w.step_top_p:
-                logits = w.top_p_masked(logits, temps, w.slot_top_p[slots_l])
+                logits = w.top_p_masked(logits, temps, st.slot_top_p[slots_l])
             ids = w.select_from(logits, temps, seeds, offsets, self.next_tokens[:b])
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
