@@ -49,6 +49,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer; docs/real_model.md)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="serve both decodes with the serial step loop (default: the overlap scheduler)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -143,7 +145,9 @@ def run(args: argparse.Namespace) -> None:
     limit = cfg.max_seq_len - args.max_tokens
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
-        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + (["--no-cuda-graph"] if args.no_cuda_graph else [])
+        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + \
+        (["--no-cuda-graph"] if args.no_cuda_graph else []) + \
+        (["--disable-overlap-scheduler"] if args.disable_overlap_scheduler else [])
     graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
     held_out = None
     if args.prompt_set == "held_out":
@@ -193,7 +197,11 @@ def run(args: argparse.Namespace) -> None:
              f"a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
              f"on the host), host ms/step = the mean host time between back-to-back steps (server metrics).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
-                                else "off (every step eager)")]
+                                else "off (every step eager)"),
+             "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
+                                      if args.disable_overlap_scheduler else
+                                      "on (host ms/step runs while the device runs the next step; step ms = the "
+                                      "engine thread's wait on the device per step)")]
     if not torch.cuda.is_available():
         notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
