@@ -108,11 +108,9 @@ def _step_bookkeeping():
             decode_block_table(torch.zeros(b, max_blocks, dtype=torch.int32), 16)
         for k in DRAFT_LENS:
             drafts = torch.zeros(b, k, dtype=torch.int64)
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0)
-            strict_accept(drafts, torch.zeros(b * (k + 1), dtype=torch.int64), 0)  # flat targets
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0, forced_num_accepted=2)
-            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64), 0,
-                          forced_num_accepted=torch.ones(b, dtype=torch.int32))
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64))
+            strict_accept(drafts, torch.zeros(b, k + 1, dtype=torch.int64),  # int32 ids out, as bench tail
+                          out=(torch.empty(b, k + 1, dtype=torch.int32), torch.empty(b, dtype=torch.int32)))
             slots = 2 * b
             for max_pages in (10, 64):
                 block_table = torch.zeros(slots, max_pages, dtype=torch.int32)
