@@ -198,12 +198,15 @@ class DSparkWorker(SpecWorkerBase):
         if not variant.covers(need) or (variant not in self.step_variants and variant != need):
             raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
                              f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")
-        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
+        # On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
+        # overlap scheduler launches the next step before the previous one is done) and never waits for it.
+        pin = self.slot_ids.is_cuda
+        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
-        dummy = torch.ones(batch_size, dtype=torch.bool)
+        dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
         dummy[:n] = False
-        self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
-        self.is_dummy[:batch_size].copy_(dummy)
+        self.slot_ids[:batch_size].copy_(ids, non_blocking=pin)
+        self.is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
         self._rows_batch_size = batch_size
         self._step_variant = variant
         self._step_slots = list(slots)
