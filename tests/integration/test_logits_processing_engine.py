@@ -124,7 +124,7 @@ def test_cuda_processed_rows_beside_captured_steps(rejection):
     replayed default steps, and the speculative decode is the target decode's (strict: every row; rejection
     sampling: the greedy rows)."""
     cfg = load_config(**{**SMALL, **(RS if rejection else {}), "model.dtype": "bfloat16",
-                         "cuda_graph_config.batch_sizes": [1, 2, 4]})
+                         "max_batch_size": 8, "cuda_graph_config.batch_sizes": [1, 2, 4, 8]})
     eng = Engine(cfg, use_cuda_graph=True)
     spec, _ = eng.generate(_requests(), "speculative")
     ref, _ = eng.generate(_requests(), "target_only")
