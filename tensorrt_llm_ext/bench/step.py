@@ -88,13 +88,13 @@ class StepStages:
     def __init__(self, eng: Engine, worker, b: int, ctx0: torch.Tensor):
         self.eng, self.w, self.b, self.ctx0 = eng, worker, b, ctx0
         worker.set_rows(list(range(b)), b)
-        worker._decode_pages()
+        worker.decode_pages()
         self.tokens, self.positions, out = worker.verify_forward(b)
         self.tokens = self.tokens.clone()
         self.hidden, self.captured = out.hidden_states, out.captured
         self.targets, _ = worker.select_targets(b, self.hidden, self.positions)
         self.targets = self.targets.clone()
-        _, _, self.tail_out = worker.accept_and_advance(b, self.tokens, self.targets, self.captured)
+        self.tail_out = self._tail()
         eng.state.ctx_lens.copy_(ctx0)
         self.slots = worker.slot_ids[:b]
         self.base = worker.draft_block_logits(self.tail_out, self.slots).clone()
@@ -106,9 +106,13 @@ class StepStages:
     def select(self):
         return self.w.select_targets(self.b, self.hidden, self.positions)
 
+    def _tail(self):
+        accepted, num_acc = self.w.strict_accept(self.b, self.tokens, self.targets)
+        return self.w.update_drafter_context(self.b, accepted, num_acc, self.captured)
+
     def tail(self):
         self.eng.state.ctx_lens.copy_(self.ctx0)  # thousands of replays never run past the caches
-        return self.w.accept_and_advance(self.b, self.tokens, self.targets, self.captured)
+        return self._tail()
 
     def draft_fwd(self):
         return self.w.draft_block_logits(self.tail_out, self.slots)
@@ -161,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.generate_cli import sampling_from_flags
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -170,11 +175,11 @@ def run(args: argparse.Namespace) -> int:
     model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
                   "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
     err = None
-    if args.temperature < 0:
-        err = f"--temperature: expected a value >= 0, got {args.temperature}"
-    elif not 0.0 < args.top_p <= 1.0:
-        err = f"--top-p: expected a value in (0, 1], got {args.top_p}"
-    elif args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
+    try:
+        sampling_from_flags(args.temperature, args.top_p, 0)
+    except ValueError as e:
+        err = str(e)
+    if err is None and args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
         err = "--rejection-sampling / --top-p need --temperature > 0 (the sampled mode)"
     if err:
         print(f"error: bench step: {err}", file=sys.stderr)

@@ -31,7 +31,7 @@ from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_c
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, column_plan,
-                                                        rejection_sample)
+                                                        draw_plan, rejection_sample)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -108,9 +108,10 @@ def stock_verify(target, draft, tokens, temps, top_p, u_accept):
 
 
 def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
-    """(exchange rounds, bytes this rank sends) of one sharded rejection_sample call at TP ``tp``."""
-    plan = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p, radix_rounds(dtype))
+                    dtype: torch.dtype = torch.bfloat16, sub: int = 1) -> tuple[int, int]:
+    """(exchange rounds, bytes this rank sends) of one sharded rejection_sample call at TP ``tp`` with ``splits``
+    column chunks per row and ``sub`` draw sub-chunks per chunk (``verification.draw_plan``)."""
+    plan = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p, radix_rounds(dtype), sub=sub)
     rounds = plan.exchanges()
     return len(rounds), 8 * sum(words for _, words in rounds)
 
@@ -301,14 +302,16 @@ def run(args: argparse.Namespace) -> None:
                     del fulls
                 stock = stock_cache.get(key, float("nan"))
                 ours = res[name]
-                s_eff, _ = column_plan(b * (2 * k + 1), width, block, splits)
-                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype) if tp > 1
+                s_eff, chunk = column_plan(b * (2 * k + 1), width, block, splits)
+                sub = draw_plan(b, s_eff, chunk, block, splits)
+                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype, sub) if tp > 1
                                  else (0, 0))
                 peers = reference_us(PEERS, tp, name, b, vocab, k, args.dtype)
                 goal = reference_us(GOALS, tp, name, b, vocab, k, args.dtype).get("goal")
                 rows.append([tp, width, b, name, fmt(fl, 2), fmt(ours, 2), fmt(ours / fl, 2),
                              fmt(goal, 1) if goal else "-",
-                             fmt(peers["vLLM MRv2"], 0) if peers else "-", fmt(peers["FlashInfer"], 0) if peers else "-",
+                             fmt(peers["vLLM MRv2"], 0) if peers else "-",
+                             fmt(peers["FlashInfer"], 0) if peers else "-",
                              fmt(stock, 1), fmt(stock / ours, 1), f"{calls} / {nbytes}"])
             print(f"bench verify: tp {tp} B={b} done", file=sys.stderr, flush=True)
     print_table(

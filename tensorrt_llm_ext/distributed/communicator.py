@@ -2,10 +2,16 @@
 
 One state per process (idempotent): MPI-launched test workers are reused across tests, so a second
 ``init_from_mpi`` with the same world returns the groups already built.
+
+Shutdown: :func:`shutdown` tears the groups down in order -- every rank meets once (bounded), then
+``destroy_process_group`` joins gloo's / NCCL's threads -- and ``init_from_mpi`` registers it at exit, before
+mpi4py's own finalisation (measured: a script that just returned aborted with "terminate called without an
+active exception", exit 6, in 4 of 10 runs at 2 ranks; a gloo thread was still joinable at static destruction).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import socket
 from dataclasses import dataclass, field
@@ -29,6 +35,8 @@ class _State:
 
 
 _STATE: _State | None = None
+_AT_EXIT = False  # shutdown() registered with atexit
+SHUTDOWN_BARRIER_S = 10.0  # how long shutdown() waits for the other ranks before tearing down anyway
 
 
 def _free_port() -> int:
@@ -87,9 +95,32 @@ def init_from_mpi(
                             timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     _STATE = _State(world_size=world, rank=rank, backend=backend, device=device, cpu_group=cpu_group)
+    global _AT_EXIT
+    if not _AT_EXIT:  # after mpi4py's import: atexit runs this first (last in, first out)
+        atexit.register(shutdown)
+        _AT_EXIT = True
     _ensure_tp_groups(mapping)
     logger.debug(f"rank {rank}/{world}: torch.distributed {backend} at {addr}")
     return mapping
+
+
+def shutdown(timeout_s: float = SHUTDOWN_BARRIER_S) -> None:
+    """Tear down what :func:`init_from_mpi` built: wait until every rank has called it (at most ``timeout_s``;
+    no rank closes its connections while a peer still uses them), destroy every process group (which joins
+    their threads), forget the state. Idempotent; registered at exit by ``init_from_mpi``, so a script that
+    simply returns exits 0. Call it yourself on every rank to end the groups earlier; a process that must not
+    wait for its peers (one of them died) leaves with ``os._exit`` instead, which skips it."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    if state.world_size > 1:
+        try:
+            dist.monitored_barrier(group=state.cpu_group, timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # a peer died or is stuck: tear this rank down regardless
+            logger.warning(f"rank {state.rank}: shutdown: not every rank arrived within {timeout_s:g} s "
+                           f"({str(e).splitlines()[0][:200]}); destroying the process groups anyway")
+    dist.destroy_process_group()
 
 
 def _ensure_tp_groups(mapping: Mapping) -> None:

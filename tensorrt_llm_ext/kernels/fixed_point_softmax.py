@@ -41,7 +41,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best, combine_best,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCAB, block_best,
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
@@ -49,7 +49,8 @@ __all__ = [
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
-    "row_max_from_keys", "row_max_from_keys_rows", "split_reduce", "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
+    "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
+    "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
 
@@ -99,37 +100,13 @@ def sfu_log2(x):
         return tl.log2(x)
 
 
-# Warp-aggregated histogram add (compiled only): the lanes of a warp holding the same bucket (match.any) sum
-# their weight's low and high 16-bit halves (redux.sync, exact: < 2^21 each), and the lowest such lane issues
-# one atomic for the group; every lane executes it together (the elementwise loop is uniform across a warp).
-_HIST_AGG_ASM: tl.constexpr = tl.constexpr("""{
-.reg .b32 m, lo, hi, slo, shi, lt;
-.reg .pred p;
-match.any.sync.b32 m, $2, 0xffffffff;
-and.b32 lo, $3, 65535;
-shr.u32 hi, $3, 16;
-redux.sync.add.u32 slo, lo, m;
-redux.sync.add.u32 shi, hi, m;
-mov.u32 lt, %lanemask_lt;
-and.b32 lt, lt, m;
-setp.eq.u32 p, lt, 0;
-selp.b32 $0, slo, 0, p;
-selp.b32 $1, shi, 0, p;
-}""")
-
-
 @triton.jit
 def hist_add(base, bucket, w):
-    """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing), as
-    relaxed atomics into the calling program's own buckets. Compiled: warp-aggregated (one atomic per distinct
-    bucket of a warp instruction instead of one per lane); interpreted: one atomic per element."""
-    if _SFU:
-        slo, shi = tl.inline_asm_elementwise(_HIST_AGG_ASM, "=r,=r,r,r", [bucket.to(tl.int32), w.to(tl.int32)],
-                                             dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
-        agg = (shi.to(tl.int64) << 16) + slo.to(tl.int64)
-        tl.atomic_add(base + bucket, agg, mask=agg > 0, sem="relaxed")
-    else:
-        tl.atomic_add(base + bucket, w, mask=w > 0, sem="relaxed")
+    """``base[bucket] += w`` for int64 weights ``0 <= w < 2^31`` (int32 ``bucket``; ``w == 0`` adds nothing): one
+    atomic per element into the calling program's own buckets. A warp-aggregated form (match.any + redux.sync,
+    one atomic per distinct bucket of a warp) was measured on the H200 and made the top-p round 2.7-4x slower
+    (B = 1 / 32 at 50016 columns), so the plain atomic stays."""
+    tl.atomic_add(base + bucket, w, mask=w > 0)
 
 
 @triton.jit
@@ -240,17 +217,21 @@ def _verify_keys_kernel(
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
+    # per-lane running maxima (a lane's columns increase, so a strictly greater key keeps the first column);
+    # one reduction across lanes at the end instead of two per tile
     best_fin = tl.full([BLOCK], -2147483648, tl.int32)
-    arg_k = -2147483648
-    arg_c = 2147483647
+    lane_k = tl.full([BLOCK], -2147483648, tl.int32)
+    lane_c = tl.full([BLOCK], 2147483647, tl.int32)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
         x = load_pair_tile(t_row, q_row, is_t, cols, valid)
         o = ordered_i32(x)
         best_fin = tl.maximum(best_fin, tl.where(valid & is_finite(x), o, -2147483648))
-        bk, bc = block_best(o, cols, valid & is_t, 0)  # draft rows need no argmax: EMPTY_KEY
-        arg_k, arg_c = combine_best(arg_k, arg_c, bk, bc)
+        take = valid & is_t & (o > lane_k)  # draft rows need no argmax: EMPTY_KEY
+        lane_k = tl.where(take, o, lane_k)
+        lane_c = tl.where(take, cols, lane_c)
+    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
     fin = tl.max(best_fin, 0)
     out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
     tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
@@ -388,6 +369,19 @@ def plan_chunks(n_valid: int, block: int, num_splits: int) -> tuple[int, int]:
     splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, splits) * block
     return max(1, triton.cdiv(max(n_valid, 1), chunk)), chunk
+
+
+def subchunk_width(chunk: int, block: int, n_sub: int) -> int:
+    """Columns per sub-chunk when a column chunk is split into ``n_sub`` sub-chunks (a multiple of ``block``;
+    trailing sub-chunks may be short or empty). The draw runs one program per (request, sub-chunk): it reads
+    two rows per request, so it needs finer chunks than the passes over every row."""
+    return triton.cdiv(max(1, chunk // block), n_sub) * block
+
+
+def subchunk_index_torch(n_valid: int, chunk: int, n_sub: int, sub: int, device) -> torch.Tensor:
+    """The (chunk, sub-chunk) slot ``chunk_index * n_sub + sub_index`` of each owned column ``[n_valid]``."""
+    col = torch.arange(n_valid, device=device)
+    return (col // chunk) * n_sub + (col % chunk) // sub
 
 
 def _pair(target, draft, vocab_start, vocab_size):

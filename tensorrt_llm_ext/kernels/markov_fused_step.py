@@ -46,6 +46,7 @@ cores; fp32 weights with ``input_precision="ieee"``, never TF32).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (block_best, combine_best, gumb
                                                   shard_argmax_key_reference)
 
 __all__ = ["BLOCK_B_CHOICES", "FUSED_BLOCK_B", "FUSED_SCHEDULES", "INTERPRET_SCHEDULES", "ORDERS", "FusedConfig",
-           "FusedSchedule", "fused_config", "fused_grid", "fused_schedule", "markov_fused_step",
+           "FUSED_SMEM_BYTES", "FusedSchedule", "fit_shared_memory", "fused_config", "fused_grid", "fused_schedule", "markov_fused_step",
            "markov_fused_step_reference"]
 
 FUSED_BLOCK_B = 16  # rows per tl.dot of the default table: part of the bitwise contract (module docs)
@@ -249,17 +250,39 @@ def fused_schedule(batch_size: int, schedules: tuple[FusedSchedule, ...] = FUSED
     return schedules[-1]
 
 
-def fused_config(r: int, interpret: bool, device=None, batch_size: int = 1) -> FusedConfig:
-    """The fused step's schedule for ``batch_size`` rows of Markov rank ``r`` (:data:`FUSED_SCHEDULES`;
-    the interpreter: :data:`INTERPRET_SCHEDULES`, one "SM").
+# Shared memory a fused tile may pipeline: Hopper's 227 KiB per block less room for the compiler's own scratch.
+FUSED_SMEM_BYTES = 200 * 1024
 
-    ``r`` picks nothing today (the whole ``r`` is one dot); it stays in the signature because a schedule
-    measured at r = 256 need not suit another rank.
-    """
+
+def fit_shared_memory(config: FusedConfig, r: int, elem_bytes: int = 2,
+                      budget: int = FUSED_SMEM_BYTES) -> FusedConfig:
+    """``config`` with fewer pipeline stages (then narrower column tiles) until the pipelined operand tiles,
+    ``num_stages * (block_n + block_b) * BLOCK_R * elem_bytes``, fit ``budget``. The table was measured at
+    r = 256; a wide rank (SmolLM2's r = 576 pads to 1024) would ask for more shared memory than an SM has.
+    Neither field changes a value (:class:`FusedConfig`), so the bits stay those of the table's tile."""
+    block_r = max(16, triton.next_power_of_2(r))
+
+    def need(stages: int, block_n: int) -> int:
+        return stages * (block_n + config.block_b) * block_r * elem_bytes
+
+    stages, block_n = config.num_stages, config.block_n
+    while stages > 1 and need(stages, block_n) > budget:
+        stages -= 1
+    while block_n > 16 and need(stages, block_n) > budget:
+        block_n //= 2
+    if (stages, block_n) == (config.num_stages, config.block_n):
+        return config
+    return dataclasses.replace(config, num_stages=stages, block_n=block_n)
+
+
+def fused_config(r: int, interpret: bool, device=None, batch_size: int = 1, elem_bytes: int = 2) -> FusedConfig:
+    """The fused step's schedule for ``batch_size`` rows of Markov rank ``r`` (:data:`FUSED_SCHEDULES`;
+    the interpreter: :data:`INTERPRET_SCHEDULES`, one "SM"), with its pipeline fitted to shared memory for
+    this ``r`` and weight element size (:func:`fit_shared_memory`)."""
     if interpret:
         return fused_schedule(batch_size, INTERPRET_SCHEDULES).config(1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return fused_schedule(batch_size).config(sms)
+    return fit_shared_memory(fused_schedule(batch_size).config(sms), r, elem_bytes)
 
 
 def fused_grid(batch_size: int, v_local: int, config: FusedConfig) -> tuple[int, int, int]:

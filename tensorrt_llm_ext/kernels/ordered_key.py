@@ -29,9 +29,10 @@ on the TP size, split or tile.
 Triton helpers (``@triton.jit``) and torch twins live side by side. Integer and IEEE-rounded float ops
 agree bit for bit everywhere; ``log2`` is the backend's: under the interpreter it is numpy's, and the
 twins call numpy's on CPU tensors, so kernel and twin agree bit for bit there. On GPU ``tl.log2`` is the
-device approximation (and multiply-adds may be fused), so GPU kernels and the torch twin can differ by
-ulps of the score: sampled ids agree except at float near-ties. A GPU kernel still computes the same
-score for a ``(seed, offset, id, salt)`` at every TP size and tiling (same instructions per element).
+device approximation and the score and near-1 series are explicit fmas (one rounding; the interpreter's
+fma and the twins round twice), so GPU kernels and the torch twin can differ by ulps of the score: sampled
+ids agree except at float near-ties. A GPU kernel still computes the same score for a
+``(seed, offset, id, salt)`` at every TP size and tiling (the same instructions per element).
 """
 
 from __future__ import annotations

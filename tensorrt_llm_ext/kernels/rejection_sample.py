@@ -38,11 +38,10 @@ from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_f
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
                                                           fixed_point_weight, fixed_point_weight_torch, is_finite,
                                                           plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
-                                                          split_reduce, split_reduce_rows,
+                                                          split_reduce, split_reduce_rows, subchunk_index_torch,
                                                           sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import (key_to_id, key_to_id_torch, philox_4x32_10_torch, pick_word,
-                                                  uniform_from_word)
-from tensorrt_llm_ext.kernels.top_p import final_rows, final_rows_torch, kept_in_tile
+from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch, uniform_from_word
+from tensorrt_llm_ext.kernels.top_p import check_sub, final_rows, final_rows_torch, kept_in_tile
 
 __all__ = [
     "ACCEPT_SALT", "BONUS_SALT", "MODE_ARGMAX", "MODE_BONUS", "MODE_GREEDY", "MODE_RESIDUAL", "NO_CANDIDATE",
@@ -139,16 +138,17 @@ def race_words_torch(seed: torch.Tensor, pos: torch.Tensor, gid: torch.Tensor, s
 
 @triton.jit
 def _race_tile(w, e, gids, best):
-    """Merge one tile's race ``E / w`` (fp32 ``w > 0`` only) into the running packed best ``key bits << 32 | id``."""
+    """Merge one tile's race ``E / w`` (fp32 ``w > 0`` only) into the per-lane running packed best
+    ``key bits << 32 | id`` (elementwise: one reduction across lanes at the end, not one per tile)."""
     key = tl.where(w > 0.0, e / tl.where(w > 0.0, w, 1.0), float("inf"))
     packed = (key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | gids
     packed = tl.where(w > 0.0, packed, _NONE)
-    return tl.minimum(best, tl.min(packed, 0))
+    return tl.minimum(best, packed)
 
 
 @triton.jit
 def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,
-            b, K, cols_t, num_splits, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
+            b, K, cols_t, num_splits, n_sub, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
             SPLITS: tl.constexpr, TPS: tl.constexpr):
     """(k*, mode, target argmax ids [BLOCK_K]) of request b (identical in every program and on every rank)."""
     temp = tl.load(temp_ptr + b)
@@ -164,7 +164,7 @@ def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, 
     row_t = b64 * (K + 1) + tl.where(kv1, ks, 0)
     row_q = b64 * K + tl.where(kv, ks, 0)
     zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, cols_t,
-                                 num_splits, rows_t, rank, tp, 0, HAS_P, True, SPLITS, TPS)
+                                 num_splits, rows_t, rank, tp, 0, num_splits * n_sub, HAS_P, True, SPLITS, TPS)
     zp = tl.where(kv1, zp, 1)
     # target argmax ids (the per-chunk selection keys reduced)
     targ = key_to_id(tl.where(kv1, split_reduce_rows(t_keys_ptr + row_t * num_splits * 2, num_splits, 2, kv1,
@@ -194,29 +194,30 @@ def _rejection_draw_kernel(
     tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,  # [B, K] int64, [B] fp32, [B] int64, [B] int64, [B] fp32
     dec_ptr,  # [B, 2] int64 out: (k*, mode), written by the program of chunk 0
     race_ptr,  # [B, S, 2] int64 out, every slot written
-    stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, K, rank, tp,
+    stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, n_sub, sub, K, rank, tp,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr, ALIGNED4: tl.constexpr,
     SPLITS: tl.constexpr, TPS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    split = tl.program_id(1)
+    slot = tl.program_id(1)  # (column chunk, sub-chunk) = (slot // n_sub, slot % n_sub)
     nb = tl.num_programs(0)
     rows_t = nb * (K + 1)
     kstar, mode, _targ, temp, seed, off, p = _decide(keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr,
-                                                 temp_ptr, seed_ptr, off_ptr, p_ptr, b, K, cols_t, num_splits, rows_t,
+                                                 temp_ptr, seed_ptr, off_ptr, p_ptr, b, K, cols_t, num_splits, n_sub,
+                                                 rows_t,
                                                  rank, tp, BLOCK_K, HAS_P, SPLITS, TPS)
-    if split == 0:
+    if slot == 0:
         tl.store(dec_ptr + b * 2, kstar.to(tl.int64))
         tl.store(dec_ptr + b * 2 + 1, mode.to(tl.int64))
-    best_m = tl.full([], _NONE, tl.int64)
+    best_m = tl.full([BLOCK], _NONE, tl.int64)
     best_a = best_m
     if (mode == 1) | (mode == 2):
         b64 = b.to(tl.int64)
         row_s = b64 * (K + 1) + kstar
         row_qs = b64 * K + tl.minimum(kstar, K - 1)
         zp, _fp_tok, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
-                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, split, HAS_P, False,
-                                               SPLITS, TPS)
+                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, slot,
+                                               num_splits * n_sub, HAS_P, False, SPLITS, TPS)
         zq = split_reduce(q_sums_ptr + row_qs * num_splits * 3, num_splits, 3, row_qs >= 0, SPLITS, False)
         m_p = decode_max_key(row_max_from_keys(keys_ptr, row_s, num_splits, SPLITS))
         m_q = decode_max_key(row_max_from_keys(keys_ptr, rows_t + row_qs, num_splits, SPLITS))
@@ -229,8 +230,9 @@ def _rejection_draw_kernel(
         t_row = t_ptr + row_s * stride_t
         q_row = q_ptr + row_qs * stride_q
         lanes = tl.arange(0, BLOCK)
-        col_begin = split * chunk
-        col_end = tl.minimum(col_begin + chunk, n_valid)
+        chunk_begin = (slot // n_sub) * chunk
+        col_begin = chunk_begin + (slot % n_sub) * sub
+        col_end = tl.minimum(tl.minimum(col_begin + sub, chunk_begin + chunk), n_valid)
         # tiles start at a global id that is a multiple of 4 (one Philox call per four ids); when the shard
         # starts at one (ALIGNED4: a static fact of the launch) the tiles are the chunk's own, so loads vectorize
         lead = 0
@@ -256,19 +258,19 @@ def _rejection_draw_kernel(
             gids = gid0.to(tl.int64) + lanes
             best_m = _race_tile(main, e, gids, best_m)
             best_a = _race_tile(fpw, e, gids, best_a)
-    out = race_ptr + (b.to(tl.int64) * num_splits + split) * 2
-    tl.store(out, best_m)
-    tl.store(out + 1, best_a)
+    out = race_ptr + (b.to(tl.int64) * num_splits * n_sub + slot) * 2
+    tl.store(out, tl.min(best_m, 0))
+    tl.store(out + 1, tl.min(best_a, 0))
 
 
 @triton.jit
-def _best_of(race_all_ptr, b64, col, batch, num_splits, tp, TPS: tl.constexpr):
-    """Min of the packed (key bits, id) at ``col`` over every rank and chunk of request b (one vector load)."""
+def _best_of(race_all_ptr, b64, col, batch, n_slots, tp, TPS: tl.constexpr):
+    """Min of the packed (key bits, id) at ``col`` over every rank and slot of request b (one vector load)."""
     j = tl.arange(0, TPS)
-    q = j // num_splits
-    s = j % num_splits
-    addr = race_all_ptr + ((q * batch + b64) * num_splits + s) * 2 + col
-    return tl.min(tl.load(addr, mask=j < tp * num_splits, other=_NONE), 0)
+    q = j // n_slots
+    s = j % n_slots
+    addr = race_all_ptr + ((q * batch + b64) * n_slots + s) * 2 + col
+    return tl.min(tl.load(addr, mask=j < tp * n_slots, other=_NONE), 0)
 
 
 @triton.jit
@@ -279,7 +281,7 @@ def _rejection_assemble_kernel(
     race_all_ptr,  # [tp, B, S, 2] int64 gathered race
     acc_ptr,  # [B, K+1] int64 out
     num_ptr,  # [B] int32 out
-    K, num_splits, tp,
+    K, num_splits, race_slots, tp,
     BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -293,8 +295,8 @@ def _rejection_assemble_kernel(
     d = tl.load(tok_ptr + b64 * K + ks, mask=kv, other=-1)
     kstar = tl.load(dec_ptr + b * 2)
     mode = tl.load(dec_ptr + b * 2 + 1)
-    bm = _best_of(race_all_ptr, b64, 0, batch, num_splits, tp, TPS)
-    ba = _best_of(race_all_ptr, b64, 1, batch, num_splits, tp, TPS)
+    bm = _best_of(race_all_ptr, b64, 0, batch, race_slots, tp, TPS)
+    ba = _best_of(race_all_ptr, b64, 1, batch, race_slots, tp, TPS)
     drawn = tl.where(bm != _NONE, bm, ba) & 4294967295
     miss = kv & (d != targ)
     n_greedy = 1 + tl.min(tl.where(miss, ks, K), 0)
@@ -309,10 +311,11 @@ def _rejection_assemble_kernel(
 # Launchers and eager twins
 # ----------------------------------------------------------------------------------------------------
 def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all,
-                vocab_start, vocab_size, block_size, num_splits):
+                vocab_start, vocab_size, block_size, num_splits, n_sub):
     n_valid = check_logits("target_logits", target, vocab_start, vocab_size)
     check_logits("draft_logits", draft, vocab_start, vocab_size)
     splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    sub = check_sub(chunk, block_size, n_sub)
     check_tensor("draft_tokens", tokens, shape=(None, None), dtype=torch.int64, contiguous=True)
     b, k = tokens.shape
     dev = target.device
@@ -329,38 +332,40 @@ def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys
     if top_p is not None:
         check_tensor("top_p", top_p, shape=(b,), dtype=torch.float32, device=dev, contiguous=True)
         check_tensor("state", state, shape=(rt, 2), dtype=torch.int64, device=dev, contiguous=True)
-        check_tensor("ties_all", ties_all, shape=(None, rt, splits, 2), dtype=torch.int64, device=dev,
+        check_tensor("ties_all", ties_all, shape=(None, rt, splits * n_sub, 2), dtype=torch.int64, device=dev,
                      contiguous=True)
-    return n_valid, b, k, splits, chunk
+    return n_valid, b, k, splits, chunk, sub
 
 
 def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all,
                    dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0, tp: int = 1,
-                   block_size: int = 2048, num_splits: int = 1) -> None:
-    """Decide every request (``dec [B, 2]`` = (k*, mode)) and race its draw over each column chunk of row k*.
+                   block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
+    """Decide every request (``dec [B, 2]`` = (k*, mode)) and race its draw over each sub-chunk of row k*.
 
     ``keys`` / ``sums`` / ``q_sums`` exchanged (``verify_keys`` / ``verify_sums``); with ``top_p`` also
-    ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S, 2]``. ``race [B, S, 2]`` int64, every
-    slot written (all-gathered next). One launch; CUDA-graph safe.
+    ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S * n_sub, 2]``. Each column chunk is split
+    into ``n_sub`` sub-chunks (``fixed_point_softmax.subchunk_width``: the draw reads two rows per request, so
+    it needs more programs than the passes over every row); ``race [B, S * n_sub, 2]`` int64, every slot
+    written (all-gathered next). One launch; CUDA-graph safe.
     """
-    n_valid, b, k, splits, chunk = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys,
-                                               sums, q_sums, state, ties_all, vocab_start, vocab_size, block_size,
-                                               num_splits)
+    n_valid, b, k, splits, chunk, sub = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p,
+                                                    keys, sums, q_sums, state, ties_all, vocab_start, vocab_size,
+                                                    block_size, num_splits, n_sub)
     check_int("tp", tp, lo=1)
     check_int("rank", rank, lo=0, hi=tp)
     check_tensor("dec", dec, shape=(b, 2), dtype=torch.int64, device=target.device, contiguous=True)
-    check_tensor("race", race, shape=(b, splits, RACE_COLS), dtype=torch.int64, device=target.device,
+    check_tensor("race", race, shape=(b, splits * n_sub, RACE_COLS), dtype=torch.int64, device=target.device,
                  contiguous=True)
     if b == 0:
         return
     has_p = top_p is not None
-    _rejection_draw_kernel[(b, splits)](
+    _rejection_draw_kernel[(b, splits * n_sub)](
         target, draft, keys, sums, q_sums, state if has_p else keys, ties_all if has_p else keys, tokens,
         temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race,
         target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
-        splits, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
+        splits, n_sub, sub, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
         ALIGNED4=vocab_start % 4 == 0, SPLITS=triton.next_power_of_2(splits),
-        TPS=triton.next_power_of_2(splits * tp), num_warps=num_warps_for(block_size))
+        TPS=triton.next_power_of_2(splits * n_sub * tp), num_warps=num_warps_for(block_size))
 
 
 def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, rank):
@@ -387,26 +392,25 @@ def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sum
     return kstar, mode, targ, (zp, n_keep, run, bstar)
 
 
-def _race_torch(w: torch.Tensor, e: torch.Tensor, n_valid: int, splits: int, chunk: int, vocab_start: int):
-    """Per chunk the packed best ``key bits << 32 | id`` ``[B, S]`` of the race ``E / w`` (fp32 ``w``;
-    NO_CANDIDATE where no weight is positive)."""
+def _race_torch(w: torch.Tensor, e: torch.Tensor, slot: torch.Tensor, n_slots: int, vocab_start: int):
+    """Per slot (``slot [n_valid]`` of each column) the packed best ``key bits << 32 | id`` ``[B, n_slots]`` of
+    the race ``E / w`` (fp32 ``w``; NO_CANDIDATE where no weight is positive)."""
     pos = w > 0
     key = torch.where(pos, e / torch.where(pos, w, torch.ones_like(w)), torch.full_like(w, float("inf")))
-    gid = torch.arange(vocab_start, vocab_start + n_valid, device=w.device)[None, :]
+    gid = torch.arange(vocab_start, vocab_start + w.shape[1], device=w.device)[None, :]
     packed = torch.where(pos, (key.view(torch.int32).to(torch.int64) << 32) | gid,
                          torch.full_like(gid, NO_CANDIDATE))
-    full = torch.full((w.shape[0], splits * chunk), NO_CANDIDATE, dtype=torch.int64, device=w.device)
-    full[:, :n_valid] = packed
-    return full.view(w.shape[0], splits, chunk).min(-1).values
+    out = torch.full((w.shape[0], n_slots), NO_CANDIDATE, dtype=torch.int64, device=w.device)
+    return out.scatter_reduce_(1, slot[None, :].expand_as(packed), packed, "amin")
 
 
 def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state,
                              ties_all, dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0, tp: int = 1,
-                             block_size: int = 2048, num_splits: int = 1) -> None:
+                             block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Eager twin of :func:`rejection_draw` (same buffers, same column plan)."""
-    n_valid, b, k, splits, chunk = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys,
-                                               sums, q_sums, state, ties_all, vocab_start, vocab_size, block_size,
-                                               num_splits)
+    n_valid, b, k, splits, chunk, sub = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p,
+                                                    keys, sums, q_sums, state, ties_all, vocab_start, vocab_size,
+                                                    block_size, num_splits, n_sub)
     check_int("rank", rank, lo=0, hi=max(tp, 1))
     kstar, mode, _, (zp_all, n_keep, run, bstar) = _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys,
                                                                  sums, q_sums, state, ties_all, rank)
@@ -422,9 +426,9 @@ def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets
     if top_p is not None:
         u = radix_key_torch(xp)
         tie = (fin & (u == bstar[row_s][:, None])).to(torch.int64)
-        pad = torch.zeros((b, splits * chunk), dtype=torch.int64, device=dev)
-        pad[:, :n_valid] = tie
-        within = (torch.cumsum(pad.view(b, splits, chunk), 2) - 1 + run[row_s][:, :, None]).view(b, -1)[:, :n_valid]
+        # tie rank in global id order: the ties of the lower ranks (the base of this rank's first slot) plus
+        # those before the column on this rank
+        within = run[row_s][:, :1] + torch.cumsum(tie, 1) - 1
         kept = fin & ((u > bstar[row_s][:, None]) | ((tie > 0) & (within < n_keep[row_s][:, None])))
     else:
         kept = fin
@@ -446,8 +450,9 @@ def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets
     gid = torch.arange(vocab_start, vocab_start + n_valid, device=dev)[None, :]
     salt = torch.where(mode == MODE_RESIDUAL, RESIDUAL_SALT, BONUS_SALT)[:, None]
     e = neg_log2_uniform_torch(race_words_torch(seeds[:, None], (offsets + kstar)[:, None], gid, salt))
-    race[:, :, 0] = _race_torch(main, e, n_valid, splits, chunk, vocab_start)
-    race[:, :, 1] = _race_torch(alt, e, n_valid, splits, chunk, vocab_start)
+    slot = subchunk_index_torch(n_valid, chunk, n_sub, sub, dev)
+    race[:, :, 0] = _race_torch(main, e, slot, splits * n_sub, vocab_start)
+    race[:, :, 1] = _race_torch(alt, e, slot, splits * n_sub, vocab_start)
 
 
 def _check_assemble(tokens, keys, dec, race_all, accepted, num_accepted):
@@ -456,7 +461,7 @@ def _check_assemble(tokens, keys, dec, race_all, accepted, num_accepted):
     dev = tokens.device
     check_tensor("keys", keys, shape=(b * (2 * k + 1), None, 2), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("dec", dec, shape=(b, 2), dtype=torch.int64, device=dev, contiguous=True)
-    check_tensor("race_all", race_all, shape=(None, b, keys.shape[1], RACE_COLS), dtype=torch.int64, device=dev,
+    check_tensor("race_all", race_all, shape=(None, b, None, RACE_COLS), dtype=torch.int64, device=dev,
                  contiguous=True)
     check_tensor("accepted_tokens (out)", accepted, shape=(b, k + 1), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
@@ -470,9 +475,9 @@ def rejection_assemble(tokens, keys, dec, race_all, accepted, num_accepted) -> N
     if b == 0:
         return
     _rejection_assemble_kernel[(b,)](tokens, keys, dec, race_all, accepted, num_accepted, k, keys.shape[1],
-                                     race_all.shape[0], BLOCK_K=triton.next_power_of_2(k + 1),
+                                     race_all.shape[2], race_all.shape[0], BLOCK_K=triton.next_power_of_2(k + 1),
                                      SPLITS=triton.next_power_of_2(keys.shape[1]),
-                                     TPS=triton.next_power_of_2(keys.shape[1] * race_all.shape[0]), num_warps=1)
+                                     TPS=triton.next_power_of_2(race_all.shape[2] * race_all.shape[0]), num_warps=1)
 
 
 def rejection_assemble_reference(tokens, keys, dec, race_all, accepted, num_accepted) -> None:

@@ -9,15 +9,16 @@ Optionally the value is perturbed for keyed Gumbel-max sampling: per row tempera
 ``S = div_rn(log2 e, T)`` once per row and ``G2 = gumbel2_noise(seed, offset, global id, SALT)`` (word
 ``id % 4`` of the Philox block ``id // 4``, two ``log2``; see :mod:`tensorrt_llm_ext.kernels.ordered_key`).
 A sampled row runs its own loop (``_sampled_span``): one Philox call per four columns (two when the
-shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one ``exp2`` per column) says some column could beat the program's best so far; the skipped
-columns provably lose, so the keys are those of the full computation. The noise depends on the global
-vocab id only, so a draw is the same at every TP size, split count and block size.
+shard's start is not a multiple of 4), and the exact score only for tiles where a cheap bound (one
+``exp2`` per column) says some column could beat the program's best so far; the skipped columns provably
+lose, so the keys are those of the full computation. The noise depends on the global vocab id only, so a
+draw is the same at every TP size, split count and block size.
 
 One launch per call. Few rows give few programs, and one program reading a 400 KB row is far from
 the HBM roof, so the launcher splits each row's columns over ``num_splits`` programs (one wave of
-resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. Each
-program folds two tiles per loop iteration while the next two are already loading (see
-``_shard_select_kernel``).
+resident programs, :func:`plan_splits`) and the partial winners are combined inside the same launch. A
+greedy program folds two tiles per loop iteration while the next two are already loading
+(``_greedy_span``).
 """
 
 from __future__ import annotations

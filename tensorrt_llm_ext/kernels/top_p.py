@@ -40,7 +40,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_lo
                                                           decode_max_key_torch, fixed_point_weight, hist_add,
                                                           fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
-                                                          radix_to_f32_torch, row_max_from_keys,
+                                                          radix_to_f32_torch, row_max_from_keys, subchunk_index_torch,
+                                                          subchunk_width,
                                                           row_max_from_keys_rows, split_reduce, split_reduce_rows,
                                                           weight_scale,
                                                           weight_scale_torch)
@@ -48,7 +49,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_lo
 __all__ = [
     "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
     "top_p_mask_reference",
-    "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
+    "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
 
 
@@ -96,12 +97,14 @@ def kept_in_tile(u, fin, bstar, n_keep, run):
 
 @triton.jit
 def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols_t, num_splits, rows,
-               rank, tp, split, HAS_P: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr):
+               rank, tp, slot, n_slots, HAS_P: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+               TPS: tl.constexpr):
     """Per target row ``r`` (a scalar, or a block with ``ROWS``): ``(Z_p, F_p(tok) if kept else 0, n_keep, tie
     base, b*)``.
 
-    The tie base counts the ties of ``b*`` before column chunk ``split`` of rank ``rank`` in global id
-    order. ``sums`` is the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
+    The tie base counts the ties of ``b*`` before tie slot ``slot`` of rank ``rank`` in global id order
+    (``ties_all [tp, rows, n_slots, 2]``: a slot is a column chunk, or a sub-chunk of the draw). ``sums`` is
+    the exchanged target part ``[rows, S, cols_t]``; without ``HAS_P`` the kept set is
     every finite token (``Z_p = Z``). Identical on every rank but the tie base. Reductions over the chunks
     (``SPLITS``) and over (rank, chunk) (``TPS``, next power of two >= tp * S) are single vector loads.
     """
@@ -120,14 +123,14 @@ def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols
     bstar = z * 0
     if HAS_P:
         j = tl.arange(0, TPS)
-        q = j // num_splits
-        s = j % num_splits
-        jv = j < tp * num_splits
-        before = (q < rank) | ((q == rank) & (s < split))
+        q = j // n_slots
+        s = j % n_slots
+        jv = j < tp * n_slots
+        before = (q < rank) | ((q == rank) & (s < slot))
         if ROWS:
             utok = split_reduce_rows(srow + 2, num_splits, cols_t, ok, SPLITS, False)
             m = decode_max_key(row_max_from_keys_rows(keys_ptr, r, num_splits, ok, SPLITS))
-            base = ties_all_ptr + ((q[None, :] * rows + r64[:, None]) * num_splits + s[None, :]) * 2
+            base = ties_all_ptr + ((q[None, :] * rows + r64[:, None]) * n_slots + s[None, :]) * 2
             lm = jv[None, :] & ok[:, None]
             c0 = tl.load(base, mask=lm, other=0)
             run = tl.sum(tl.where(before[None, :], c0, 0), 1)
@@ -135,7 +138,7 @@ def final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, r, ok, cols
         else:
             utok = split_reduce(srow + 2, num_splits, cols_t, ok, SPLITS, False)
             m = decode_max_key(row_max_from_keys(keys_ptr, r, num_splits, SPLITS))
-            base = ties_all_ptr + ((q * rows + r64) * num_splits + s) * 2
+            base = ties_all_ptr + ((q * rows + r64) * n_slots + s) * 2
             c0 = tl.load(base, mask=jv & ok, other=0)
             run = tl.sum(tl.where(before, c0, 0), 0)
             tok_rank = tl.sum(tl.load(base + 1, mask=jv & ok, other=0), 0)
@@ -162,9 +165,9 @@ def _top_p_round_kernel(
     prev_ptr,  # the previous round's exchanged histogram, [R, S, 256] at strides (prev_rs, prev_ss)
     state_prev_ptr,  # [R, 2] int64 (prefix, mass above) before this round's digit
     state_out_ptr,  # [R, 2] int64 written by the program of chunk 0
-    out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S, 2] tie counts (TIES), every slot written
+    out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S * n_sub, 2] tie counts (TIES), every slot written
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
-    stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok,
+    stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok, n_sub, sub,
     rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr, SPLITS: tl.constexpr,
 ):
@@ -204,19 +207,23 @@ def _top_p_round_kernel(
             kk = row % row_div
             if kk < k_tok:
                 tok = tl.load(tok_ptr + b.to(tl.int64) * k_tok + kk)
-        cnt = tl.zeros([BLOCK], tl.int64)
-        before = tl.zeros([BLOCK], tl.int64)
-        if tau >= 0:
-            for start in range(col_begin, col_end, BLOCK):
-                cols = start + lanes
-                valid = cols < col_end
-                x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-                tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
-                cnt += tie
-                before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
-        out = out_ptr + (r64 * num_splits + split) * 2
-        tl.store(out, tl.sum(cnt, 0))
-        tl.store(out + 1, tl.sum(before, 0))
+        # one (count, before-token count) slot per sub-chunk: the draw's programs need their own tie base
+        for si in range(n_sub):
+            sub_begin = col_begin + si * sub
+            sub_end = tl.minimum(sub_begin + sub, col_end)
+            cnt = tl.zeros([BLOCK], tl.int64)
+            before = tl.zeros([BLOCK], tl.int64)
+            if tau >= 0:
+                for start in range(sub_begin, sub_end, BLOCK):
+                    cols = start + lanes
+                    valid = cols < sub_end
+                    x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+                    tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
+                    cnt += tie
+                    before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
+            out = out_ptr + ((r64 * num_splits + split) * n_sub + si) * 2
+            tl.store(out, tl.sum(cnt, 0))
+            tl.store(out + 1, tl.sum(before, 0))
     else:
         out = out_ptr + (r64 * num_splits + split) * 256
         tl.store(out + tl.arange(0, 256), tl.zeros([256], tl.int64))  # this program's own buckets
@@ -249,7 +256,7 @@ def _top_p_mask_kernel(
     b = row // row_div
     _, _, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, tl.load(temp_ptr + b),
                                           tl.load(top_p_ptr + b), row, row >= 0, cols_t, num_splits,
-                                          rows, rank, tp, split, True, False, SPLITS, TPS)
+                                          rows, rank, tp, split, num_splits, True, False, SPLITS, TPS)
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
@@ -385,7 +392,7 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
         logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
-        n_valid, vocab_start, chunk, splits, row_div, 0, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
+        n_valid, vocab_start, chunk, splits, row_div, 0, 1, chunk, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
         SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
 
 
@@ -423,6 +430,12 @@ def _check_skip(skip_bits: int) -> None:
         raise ValueError(f"skip_bits: expected 0, 8 or 16, got {skip_bits!r}")
 
 
+def check_sub(chunk: int, block_size: int, n_sub: int) -> int:
+    """The sub-chunk width of ``n_sub`` sub-chunks per column chunk (``fixed_point_softmax.subchunk_width``)."""
+    check_int("n_sub", n_sub, lo=1)
+    return subchunk_width(chunk, block_size, n_sub)
+
+
 def _check_ties(logits, ties, splits):
     check_tensor("ties", ties, shape=(logits.shape[0], splits, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
@@ -430,18 +443,20 @@ def _check_ties(logits, ties, splits):
 
 def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
+               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Resolve the last digit (``state_out`` = (b*, mass above b*)) and count this shard's ties.
 
     ``skip_bits`` (0, 8 or 16): the low radix-key bits that no round histogrammed because the logits' dtype
     leaves them constant (:func:`radix_rounds`); ``b*`` gets them from its sign.
 
-    ``ties [R, S, 2]``, every slot written: per column chunk the ties of ``b*`` and those with a global id
-    below the row's token (``tokens[r // row_div, r % row_div]``); all-gathered next. CUDA-graph safe.
+    ``ties [R, S * n_sub, 2]``, every slot written: per sub-chunk (``n_sub`` per column chunk,
+    :func:`check_sub`) the ties of ``b*`` and those with a global id below the row's token (``tokens[r // row_div,
+    r % row_div]``); all-gathered next. CUDA-graph safe.
     """
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
-    _check_ties(logits, ties, splits)
+    sub = check_sub(chunk, block_size, n_sub)
+    _check_ties(logits, ties, splits * n_sub)
     _check_skip(skip_bits)
     rows = logits.shape[0]
     if rows == 0:
@@ -450,18 +465,20 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     _top_p_round_kernel[(rows, splits)](
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
         tokens if tokens is not None else keys, logits.stride(0), sums.shape[2],
-        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, skip_bits,
-        BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, SPLITS=triton.next_power_of_2(splits),
+        prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, n_sub, sub,
+        skip_bits, BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, SPLITS=triton.next_power_of_2(splits),
         num_warps=num_warps_for(block_size))
 
 
 def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
                          vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
-                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1) -> None:
+                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1,
+                         n_sub: int = 1) -> None:
     """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
-    _check_ties(logits, ties, splits)
+    sub = check_sub(chunk, block_size, n_sub)
+    _check_ties(logits, ties, splits * n_sub)
     _check_skip(skip_bits)
     rows = logits.shape[0]
     _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
@@ -481,10 +498,11 @@ def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, sta
         before = tie * (gid[None, :] < tok[:, None])
     else:
         before = torch.zeros_like(tie)
-    pad = torch.zeros((rows, 2, splits * chunk), dtype=torch.int64, device=x.device)
-    pad[:, 0, :n_valid] = tie
-    pad[:, 1, :n_valid] = before
-    ties.copy_(pad.view(rows, 2, splits, chunk).sum(-1).transpose(1, 2))
+    slot = subchunk_index_torch(n_valid, chunk, n_sub, sub, x.device)[None, :].expand(rows, n_valid)
+    res = torch.zeros((rows, splits * n_sub, 2), dtype=torch.int64, device=x.device)
+    res[:, :, 0].scatter_add_(1, slot, tie)
+    res[:, :, 1].scatter_add_(1, slot, before)
+    ties.copy_(res)
 
 
 def _check_mask(logits, keys, temperatures, top_p, sums, state, ties_all, out, row_div, rank, block_size,

@@ -236,6 +236,27 @@ def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int, dtype: torch.d
     return out
 
 
+def bigram_markov_head(target_sd: dict[str, torch.Tensor], eps: float) -> dict[str, torch.Tensor]:
+    """Markov factors that reproduce the target's bigram part: ``w2 @ w1[prev] = head @ norm(embed[prev])``.
+
+    A target whose layers add little to the residual stream predicts roughly ``head @ norm_final(embed[prev])``;
+    with ``r = H`` this is exactly representable by the DSpark vanilla Markov head.
+    """
+    emb = target_sd["embed_tokens.weight"].float()
+    g = target_sd["norm.weight"].float()
+    w1 = g * emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + eps)
+    return {"markov_w1": w1, "markov_w2": target_sd["lm_head.weight"].float().clone()}
+
+
+def init_from_target_bigram(drafter_sd: dict[str, torch.Tensor], target_sd: dict[str, torch.Tensor],
+                            eps: float) -> None:
+    """The seeded drafter's ``target_bigram`` init, in place: the Markov head reproduces the target's bigram
+    part (:func:`bigram_markov_head`), and a quiet backbone (final norm x 0.05) keeps the draft logits the
+    Markov bias plus a small backbone term -- real acceptance on a seeded target without a trained drafter."""
+    drafter_sd.update(bigram_markov_head(target_sd, eps))
+    drafter_sd["norm.weight"] = drafter_sd["norm.weight"] * 0.05
+
+
 class DSparkDrafter(nn.Module, DrafterCapabilities):
     """MLA-style DSpark drafter. Declares both TP fusions; see the module docstring for the data flow.
 

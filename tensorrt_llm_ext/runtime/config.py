@@ -277,7 +277,8 @@ class RuntimeConfig(_Strict):
     attn_backend: StrictStr | None = no_effect(None, "one attention implementation (eager, cache per slot)")
     allreduce_strategy: StrictStr | None = no_effect(None, "AllReduce picks its own strategy")
     trust_remote_code: StrictBool = no_effect(False, "no remote code is ever run")
-    disable_overlap_scheduler: StrictBool = no_effect(False, "the step loop does not overlap host and device")
+    # True: serve runs each step's host work between steps (the serial loop; --disable-overlap-scheduler too).
+    disable_overlap_scheduler: StrictBool = False
     enable_chunked_prefill: StrictBool = no_effect(False, "prompts are prefilled whole")
     print_iter_log: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     enable_iter_perf_stats: StrictBool = no_effect(False, "per-step numbers are on /metrics")

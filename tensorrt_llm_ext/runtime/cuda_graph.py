@@ -10,8 +10,9 @@ says so once per reason in the log. A graph computes the variant it was captured
 hold at replay: a graph that does not cover the rows is never replayed. Callers never decide; they call
 :meth:`CudaGraphRunner.step`.
 
-**Capture.** Per variant of the worker (:attr:`DSparkWorker.step_variants`: default and top-p for a
-sampling worker), per batch size, largest first: its warm-up sizes every lazily cached scratch buffer for
+**Capture.** Per variant of the worker (:attr:`DSparkWorker.step_variants`: default, top-p and
+processed+top-p for a sampling worker, default and processed for a greedy-only one), per batch size,
+largest first: its warm-up sizes every lazily cached scratch buffer (and the processing's count tables) for
 the most rows, and all graphs share one memory pool (the engine's, across its runners). Warm-up and capture
 run with every row a dummy (the dummy slot) in the variant forced by :meth:`DSparkWorker.set_rows`, and all
 mutable state (KV cache, latent pool, ``ctx_len``, slot tokens) is snapshotted before and restored after, so
@@ -75,8 +76,9 @@ def plan_step(num_rows: int, need: StepVariant, captured: Iterable[tuple[int, St
     Example::
 
         >>> from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT
-        >>> plan_step(3, TOP_P_VARIANT, [(4, DEFAULT_VARIANT), (4, TOP_P_VARIANT)])
-        ReplayPlan(num_rows=3, batch_size=4, variant=StepVariant(top_p=True), replay=True, reason='')
+        >>> plan = plan_step(3, TOP_P_VARIANT, [(4, DEFAULT_VARIANT), (4, TOP_P_VARIANT)])
+        >>> plan.batch_size, str(plan.variant), plan.replay
+        (4, 'top-p', True)
     """
     if num_rows < 1:
         raise ValueError(f"plan_step: expected at least one row, got {num_rows}")

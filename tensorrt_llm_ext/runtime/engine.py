@@ -31,14 +31,10 @@ import torch
 from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
-from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig
-from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
-from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
-from tensorrt_llm_ext.models.llama_target import generate_full_state_dict as generate_target_state_dict
 from tensorrt_llm_ext.runtime.config import RuntimeConfig
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
+from tensorrt_llm_ext.runtime.model_loader import build_models
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.logprobs import token_logprobs
@@ -62,79 +58,6 @@ def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
     return () if facts is None else tuple(facts.eos_token_ids)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def model_configs(config: RuntimeConfig) -> tuple[LlamaTargetConfig, DSparkDrafterConfig]:
-    """The target's and the drafter's sizes from the runtime config."""
-    t = config.model.target
-    tcfg = LlamaTargetConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=t.num_layers,
-                             num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-                             intermediate_size=t.intermediate_size, capture_layers=tuple(t.capture_layers),
-                             rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps,
-                             # a checkpoint's family switches (biases, q/k norms, RoPE scaling)
-                             **config.target_family)
-    d = config.model.drafter
-    dcfg = DSparkDrafterConfig(hidden_size=t.hidden_size, target_hidden_size=t.hidden_size,
-                               num_capture_layers=len(t.capture_layers), num_layers=d.num_layers,
-                               num_heads=d.num_heads, head_dim=d.head_dim, latent_dim=d.latent_dim,
-                               intermediate_size=d.intermediate_size, vocab_size=t.vocab_size,
-                               markov_rank=config.speculative_config.markov_rank,
-                               mask_token_id=config.mask_token_id, rms_norm_eps=t.rms_norm_eps)
-    return tcfg, dcfg
-
-
-def full_state_dicts(config: RuntimeConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The FULL (unsharded) target and drafter weights: from checkpoint directories, ``torch.save`` files,
-    or the seeded embedded init -- identical on every rank and at every TP size."""
-    m = config.model
-    tcfg, dcfg = model_configs(config)
-    if m.path:
-        target_sd = load_llama_state_dict(m.path, tcfg, m.target.tie_word_embeddings)
-    elif m.target_weights:
-        target_sd = torch.load(m.target_weights, map_location="cpu", weights_only=True)
-    else:
-        target_sd = generate_target_state_dict(tcfg, m.seed, torch.float32, m.target.residual_scale)
-    if m.drafter_path:
-        drafter_sd = load_drafter_state_dict(m.drafter_path, dcfg)
-    elif m.drafter_weights:
-        drafter_sd = torch.load(m.drafter_weights, map_location="cpu", weights_only=True)
-    else:
-        drafter_sd = generate_drafter_state_dict(dcfg, m.seed + 1, torch.float32)
-        if m.drafter_init == "target_bigram":
-            drafter_sd.update(bigram_markov_head(target_sd, tcfg.rms_norm_eps))
-            # Quiet backbone: the draft logits are the Markov bias plus a small backbone term.
-            drafter_sd["norm.weight"] = drafter_sd["norm.weight"] * 0.05
-    return target_sd, drafter_sd
-
-
-def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device) -> tuple[LlamaTarget, DSparkDrafter]:
-    """The target and the drafter with this rank's slices of the FULL weights (seeded or from files)."""
-    dtype = resolve_dtype(config.model.dtype, device)
-    tcfg, dcfg = model_configs(config)
-    target = LlamaTarget(tcfg, mapping, dtype=dtype, device=device)
-    drafter = DSparkDrafter(dcfg, mapping, dtype=dtype, device=device)
-    target_sd, drafter_sd = full_state_dicts(config)
-    target.load_full_state_dict(target_sd)
-    drafter.load_full_state_dict(drafter_sd)
-    return target, drafter
-
-
-def bigram_markov_head(target_sd: dict[str, torch.Tensor], eps: float) -> dict[str, torch.Tensor]:
-    """Markov factors that reproduce the target's bigram part: ``w2 @ w1[prev] = head @ norm(embed[prev])``.
-
-    A target whose layers add little to the residual stream predicts roughly ``head @ norm_final(embed[prev])``;
-    with ``r = H`` this is exactly representable by the DSpark vanilla Markov head.
-    """
-    emb = target_sd["embed_tokens.weight"].float()
-    g = target_sd["norm.weight"].float()
-    w1 = g * emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + eps)
-    return {"markov_w1": w1, "markov_w2": target_sd["lm_head.weight"].float().clone()}
-
-
 @dataclass
 class _Active:
     request: Request
@@ -153,6 +76,19 @@ class GenerationStats:
     @property
     def mean_acceptance_length(self) -> float:
         return sum(self.accepted_lens) / len(self.accepted_lens) if self.accepted_lens else float("nan")
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued by :meth:`Engine.launch_step`: its rows' slots and the host buffers its tokens are
+    being copied into (``done``: the copy's CUDA event; None on a CPU, where the copy already ran)."""
+
+    slots: list[int]
+    mode: str
+    new: torch.Tensor
+    lens: torch.Tensor | None
+    done: object
+    runner: CudaGraphRunner
 
 
 class Engine:
@@ -421,21 +357,56 @@ class Engine:
         tokens (``[K+1]`` speculative, ``[1]`` target-only; the first ``lens[i]`` accepted) and ``lens``.
 
         The step :meth:`generate` runs too: the mode's runner (:meth:`runner`) replays a captured graph
-        that covers the rows or runs the step eagerly -- it alone decides.
+        that covers the rows or runs the step eagerly -- it alone decides. ``run_step`` is
+        :meth:`collect_step` of :meth:`launch_step`.
+        """
+        return self.collect_step(self.launch_step(slots, mode))
+
+    def launch_step(self, slots: list[int], mode: str = "speculative") -> LaunchedStep:
+        """Enqueue one step over ``slots`` and the copy of its tokens into host buffers; returns at once on a
+        CUDA device (the overlap scheduler does the previous step's host work while this one runs).
+
+        The copy is enqueued right behind the step, so the next step's replay (which rewrites the graph's
+        output tensors) cannot overwrite these tokens. The step's logits (:meth:`step_logprobs`) stay valid
+        only until the next launch.
         """
         runner = self.runner(mode)
         n = len(slots)
-        with nvtx_range(f"engine.step.{mode}"):
+        cuda = self.device.type == "cuda"
+        with nvtx_range(f"engine.launch.{mode}"):
             outs = runner.step(list(slots))
             if mode == "target_only":
-                ids = outs[:n].cpu().tolist()
-                new, lens = [[t] for t in ids], [1] * n
+                new_dev, lens_dev = outs[:n], None
             else:
-                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next step
-                new, lens = outs["new_tokens"][:n].cpu().tolist(), outs["new_tokens_lens"][:n].cpu().tolist()
-            # The copies above synchronised: a low-latency exchange of this step that timed out has set its
-            # flag by now, and its rows must not become tokens.
-            runner.worker.token_selector.check_exchange()
+                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
+                new_dev, lens_dev = outs["new_tokens"][:n], outs["new_tokens_lens"][:n]
+            # Host buffers of their own per step (pinned on CUDA: an asynchronous copy; the caching host
+            # allocator keeps a pinned block until its copy is done). On a CPU the copy is a plain clone.
+            new = torch.empty(new_dev.shape, dtype=new_dev.dtype, pin_memory=cuda)
+            new.copy_(new_dev, non_blocking=cuda)
+            lens = None
+            if lens_dev is not None:
+                lens = torch.empty(lens_dev.shape, dtype=lens_dev.dtype, pin_memory=cuda)
+                lens.copy_(lens_dev, non_blocking=cuda)
+            done = None
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+        return LaunchedStep(list(slots), mode, new, lens, done, runner)
+
+    def collect_step(self, launched: LaunchedStep) -> tuple[list[list[int]], list[int]]:
+        """Wait for ``launched``'s tokens (its copy's event) and return them as :meth:`run_step` does."""
+        with nvtx_range(f"engine.collect.{launched.mode}"):
+            if launched.done is not None:
+                launched.done.synchronize()
+            n = len(launched.slots)
+            if launched.lens is None:  # target-only: one token per row
+                new, lens = [[t] for t in launched.new.tolist()], [1] * n
+            else:
+                new, lens = launched.new.tolist(), launched.lens.tolist()
+            # The step is done: a low-latency exchange of it that timed out has set its flag by now, and its
+            # rows must not become tokens.
+            launched.runner.worker.token_selector.check_exchange()
         return new, lens
 
     def reset_step_state(self) -> None:

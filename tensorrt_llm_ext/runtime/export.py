@@ -10,7 +10,7 @@ import torch
 
 from tensorrt_llm_ext.models.checkpoint import save_drafter_checkpoint, save_llama_checkpoint
 from tensorrt_llm_ext.runtime.config import DRAFTER_SUBDIR, RuntimeConfig
-from tensorrt_llm_ext.runtime.engine import full_state_dicts, model_configs
+from tensorrt_llm_ext.runtime.model_loader import full_state_dicts, model_configs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

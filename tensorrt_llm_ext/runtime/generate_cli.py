@@ -25,7 +25,7 @@ from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
 from tensorrt_llm_ext.runtime.ranks import RankJobError, RankJobInterrupted
-from tensorrt_llm_ext.runtime.requests import MIN_TEMPERATURE
+from tensorrt_llm_ext.contract import MIN_TEMPERATURE, SamplingParams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
 
@@ -35,12 +35,21 @@ def _fmt_ids(ids: list[int], limit: int = 32) -> str:
     return head + (f" ... (+{len(ids) - limit})" if len(ids) > limit else "")
 
 
-def _sampling(temperature: float, seed: int) -> str:
-    if temperature == 0:
+def sampling_from_flags(temperature: float, top_p: float, seed: int) -> SamplingParams:
+    """The command line's :class:`SamplingParams`; a ``ValueError`` naming the flag (``--top-p: expected ...``)."""
+    try:
+        return SamplingParams(temperature, top_p, seed)
+    except ValueError as e:
+        field, _, problem = str(e).partition(": ")
+        raise ValueError(f"--{field.replace('_', '-')}: {problem}") from None
+
+
+def _sampling(s: SamplingParams) -> str:
+    if s.temperature == 0:
         return "greedy"
-    if temperature < MIN_TEMPERATURE:
-        return f"temperature={temperature:g} (below the minimum {MIN_TEMPERATURE:g}: served greedy, its T -> 0 limit)"
-    return f"temperature={temperature} seed={seed}+i"
+    if s.is_greedy:
+        return f"temperature={s.temperature:g} (below the minimum {MIN_TEMPERATURE:g}: served greedy, its T -> 0 limit)"
+    return f"temperature={s.temperature} seed={s.seed}+i"
 
 
 def main_generate(args: argparse.Namespace) -> int:
@@ -57,8 +66,10 @@ def main_generate(args: argparse.Namespace) -> int:
         overrides["speculative_config.markov_chain_mode"] = args.markov_mode
     if args.rejection_sampling:
         overrides["speculative_config.use_rejection_sampling"] = True
-    if not 0 < args.top_p <= 1:
-        print(f"error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
+    try:
+        sampling = sampling_from_flags(args.temperature, args.top_p, args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         cfg = load_config(args.config, model_dir=args.model, **overrides)
@@ -97,8 +108,7 @@ def main_generate(args: argparse.Namespace) -> int:
                      temperature=args.temperature, seed=args.seed + i, request_id=i, top_p=args.top_p)
                 for i, p in enumerate(prompts)]
     rejection = cfg.speculative_config.use_rejection_sampling
-    served_greedy = args.temperature < MIN_TEMPERATURE  # 0, or a tiny T served as its T -> 0 limit
-    greedy = [served_greedy] * len(requests)
+    greedy = [sampling.is_greedy] * len(requests)  # T = 0, or a tiny T served as its T -> 0 limit
     if args.check and rejection:
         # Sampled rejection runs are checked distributionally; greedy copies of every prompt ride in the same
         # batches so that greedy rows next to sampled ones are checked against the target-only decode.
@@ -115,7 +125,7 @@ def main_generate(args: argparse.Namespace) -> int:
     banner = (f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
               f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "
               f"{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-              f"{_sampling(args.temperature, args.seed)}"
+              f"{_sampling(sampling)}"
               f"{f', top_p={args.top_p}' if args.top_p < 1 else ''}, "
               f"verification={'rejection sampling' if rejection else 'strict acceptance'}")
     try:

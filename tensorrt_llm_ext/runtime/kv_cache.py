@@ -120,6 +120,7 @@ def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft
         slot_tokens=torch.zeros(num_slots, k + 1, dtype=torch.int64, device=device),
         slot_temps=torch.zeros(num_slots, dtype=torch.float32, device=device),
         slot_seeds=torch.zeros(num_slots, dtype=torch.int64, device=device),
+        slot_top_p=torch.ones(num_slots, dtype=torch.float32, device=device),
         page_size=page_size,
         page_divisor=divisor,
         dummy_slot=dummy,

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from tensorrt_llm_ext.runtime.requests import FP32_MAX
+from tensorrt_llm_ext.contract import FP32_MAX, FP32_MIN_NORMAL, sampling_problem
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
@@ -131,27 +131,14 @@ class _Sampling(BaseModel):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
-    @field_validator("temperature")
+    @field_validator("temperature", "top_p", "seed")
     @classmethod
-    def _temperature(cls, v):
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"must be a finite number >= 0, got {v}")
-        if v > FP32_MAX:  # the engine samples in fp32, where this is inf
-            raise ValueError(f"{v} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if not 0.0 < v <= 1.0:  # NaN fails too
-            raise ValueError(f"must be in (0, 1], got {v}")
-        return v  # below the smallest normal fp32 it is served as MIN_TOP_P (Request.sampling_top_p)
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v):
-        if v is not None and not 0 <= v < 2**63:
-            raise ValueError(f"must be in [0, 2^63), got {v}")
+    def _sampling(cls, v, info: ValidationInfo):
+        # The request's SamplingParams rules, in their one wording (seed None: the default seed 0; a top_p
+        # below the smallest normal fp32 is served as MIN_TOP_P, Request.sampling_top_p).
+        problem = None if v is None else sampling_problem(info.field_name, v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("n")
@@ -182,6 +169,8 @@ class _Sampling(BaseModel):
     def _top_k(cls, v):
         if v is not None and v < -1:
             raise ValueError(f"must be -1 or 0 (no limit) or a positive count, got {v}")
+        if v is not None and v >= 2**63:
+            raise ValueError(f"{v} does not fit int64, the engine's type")
         return v
 
     @field_validator("min_p")
@@ -203,6 +192,9 @@ class _Sampling(BaseModel):
     def _repetition_penalty(cls, v):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"must be a finite number > 0, got {v}")
+        if v is not None and not FP32_MIN_NORMAL <= v <= FP32_MAX:  # a divisor: 0 or inf in fp32
+            raise ValueError(f"{v} is {'0' if v < 1 else 'inf'} in fp32, the engine's precision (expected "
+                             f"{FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
         return v
 
     @field_validator("logit_bias")

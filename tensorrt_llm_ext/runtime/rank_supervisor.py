@@ -45,7 +45,10 @@ def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
 
     The forwarding handlers are installed before the child is started: a SIGTERM that arrives while it
     starts is held and passed on once it runs (with the default action it would kill the supervisor, and
-    the death signal would SIGKILL the rank instead of letting it drain)."""
+    the death signal would SIGKILL the rank instead of letting it drain). The rank gets its own process
+    group: a signal the MPI launcher sends to the supervisor's group would otherwise reach it twice (directly
+    and forwarded; measured with MPICH: one SIGTERM to ``serve --tp 2`` reached rank 0 twice, which a server
+    takes as a second, forcing signal)."""
     fds = [int(os.environ["PMI_FD"])] if "PMI_FD" in os.environ else []  # MPICH's PMI connection
     child: subprocess.Popen | None = None
     held: list[int] = []
@@ -59,7 +62,7 @@ def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     parent = os.getpid()
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout,
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, process_group=0,
                              stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
                              preexec_fn=lambda: _die_with_parent(parent))
     for signum in held:

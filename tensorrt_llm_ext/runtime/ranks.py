@@ -516,14 +516,25 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     """Run the command ``cmd`` on ``world_size`` MPI ranks, each under
     :func:`~tensorrt_llm_ext.runtime.rank_supervisor.supervise_command`; SIGTERM /
     SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
-    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``."""
+    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``.
+
+    ``mpiexec`` runs in its own session, so a terminal's Ctrl-C reaches this process only, and every signal is
+    passed on as SIGTERM. Measured with MPICH's ``mpiexec``: a SIGINT reaches rank 0 twice (and a second one
+    kills the whole job, exit 255), a SIGTERM reaches every rank once, each time -- so rank 0 drains on the
+    first and ends every request cleanly on the second. After a second signal the job's exit code is 128 + the
+    signal received here (130 for SIGINT), as at TP 1, whatever the ranks' codes: once told twice, MPICH's
+    ``mpiexec`` SIGKILLs the ranks still running when the first one exits (a follower that is just leaving;
+    measured: its "BAD TERMINATION ... signal 9" banner, never a lost response).
+    """
     launcher, _ = mpiexec_command()
     full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor",
             "--supervise-command", str(linger_s), "--", *cmd]
-    proc = subprocess.Popen(full, env=rank_env(None, env))
+    proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True)
+    received: list[int] = []
 
     def forward(signum, frame):
-        proc.send_signal(signum)
+        received.append(signum)
+        proc.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -531,4 +542,7 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return rc if rc >= 0 else 128 - rc
+    rc = rc if rc >= 0 else 128 - rc
+    if len(received) > 1:  # told twice to stop: rank 0 ended every request on the second signal (see above)
+        return 128 + received[-1]
+    return rc

@@ -10,20 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tensorrt_llm_ext.contract import MIN_TEMPERATURE
+from tensorrt_llm_ext.contract import FP32_MAX, FP32_MIN_NORMAL, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
 
-
-# Below MIN_TEMPERATURE a request's temperature is served as its T -> 0 limit, greedy: under about 1e-38 the
-# scaled logit overflows fp32 and every positive logit ties at +inf, so a draw at that temperature would mean
-# nothing.
-
-# The engine samples in fp32, so a field is checked in fp32 here, where it enters: a double the layers below
-# would see as another value is refused or normalised at the boundary, never inside a step.
-FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger temperature is inf in fp32
-# The smallest normal fp32 (2^-126). A smaller positive top_p (1e-46 is 0.0 in fp32, which the kernels refuse)
-# keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
-# it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
-MIN_TOP_P = 2.0 ** -126
+__all__ = ["FP32_MAX", "FP32_MIN_NORMAL", "MIN_TEMPERATURE", "MIN_TOP_P", "Request", "RequestError", "RequestResult"]
 
 
 class RequestError(ValueError):
@@ -34,11 +23,9 @@ class RequestError(ValueError):
 class Request:
     """One generation request.
 
-    ``temperature == 0`` (or below :data:`MIN_TEMPERATURE`) is greedy; larger temperatures sample with keyed
-    Gumbel-max: the token at absolute position ``p`` uses Philox key ``(seed, offset=p)``, so the draw is
-    reproducible and identical between the speculative path and the target's own decode. ``top_p`` in
-    ``(0, 1]`` restricts a sampled request to the target's exact top-p set (docs/rejection_sampling.md; 1 = no
-    restriction, greedy requests ignore it).
+    ``temperature``, ``top_p`` and ``seed`` are the request's :class:`~tensorrt_llm_ext.contract.SamplingParams`
+    (:attr:`sampling_params`: their rules, the one effective-temperature rule, greedy below
+    :data:`MIN_TEMPERATURE`, and their checks; the exact top-p set is docs/rejection_sampling.md's).
 
     Stopping: a request finishes (``finish_reason == "stop"``) at the first token in ``stop_token_ids`` or,
     unless ``ignore_eos``, in the engine's EOS ids (the checkpoint's); the stop token is the last output
@@ -81,15 +68,19 @@ class Request:
         return None if p.is_noop else p
 
     @property
+    def sampling_params(self) -> SamplingParams:
+        """This request's sampling rules (``ValueError`` naming the field when one is out of range)."""
+        return SamplingParams(self.temperature, self.top_p, self.seed)
+
+    @property
     def sampling_temperature(self) -> float:
-        """The temperature a slot samples at: ``0.0`` (greedy) below :data:`MIN_TEMPERATURE`, else ``temperature``."""
-        return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
+        """The temperature a slot samples at (:attr:`SamplingParams.effective_temperature`)."""
+        return self.sampling_params.effective_temperature
 
     @property
     def sampling_top_p(self) -> float:
-        """The top-p a slot samples with: ``top_p``, raised to :data:`MIN_TOP_P` when it is below the smallest
-        normal fp32 (the same kept set: the most probable token)."""
-        return max(float(self.top_p), MIN_TOP_P)
+        """The top-p a slot samples with (:attr:`SamplingParams.effective_top_p`)."""
+        return self.sampling_params.effective_top_p
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -131,17 +122,10 @@ class Request:
         bad_stop = [t for t in stop if not (_is_int(t) and 0 <= t < vocab_size)]
         if bad_stop:
             raise RequestError(f"{rid}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab_size})")
-        temp = self.temperature
-        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
-            raise RequestError(f"{rid}: temperature must be a finite number >= 0, got {temp!r}")
-        if temp > FP32_MAX:
-            raise RequestError(f"{rid}: temperature {temp!r} overflows fp32, the engine's precision (at most "
-                               f"{FP32_MAX:.6g})")
-        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                or not 0 < self.top_p <= 1):
-            raise RequestError(f"{rid}: top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
-            raise RequestError(f"{rid}: seed must be an int in [0, 2^63), got {self.seed!r}")
+        try:
+            self.sampling_params
+        except ValueError as e:
+            raise RequestError(f"{rid}: {e}") from None
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{rid}: ignore_eos must be a bool, got {_describe(self.ignore_eos)}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -151,6 +135,14 @@ class Request:
             raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
         if not _is_int(self.top_k):
             raise RequestError(f"{rid}: top_k must be an int, got {_describe(self.top_k)}")
+        if self.top_k >= 2**63:  # the slot holds it as int64
+            raise RequestError(f"{rid}: top_k {self.top_k} does not fit int64, the engine's type (a top_k at or above "
+                               f"the vocabulary size keeps every token)")
+        rep = self.repetition_penalty
+        if isinstance(rep, (int, float)) and not isinstance(rep, bool) and math.isfinite(rep) and rep > 0 \
+                and not FP32_MIN_NORMAL <= rep <= FP32_MAX:  # a divisor: 0 or inf in fp32
+            raise RequestError(f"{rid}: repetition_penalty {rep!r} is {'0' if rep < 1 else 'inf'} in fp32, the engine's "
+                               f"precision (expected {FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError(f"{rid}: logit_bias must be a dict {{token id: bias}}, got {_describe(self.logit_bias)}")
         try:

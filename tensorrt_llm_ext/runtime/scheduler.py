@@ -17,6 +17,18 @@ through -- fails requests, never the engine: in a prefill that request alone; in
 step (a step aborted part way cannot be resumed row by row), the ones that fail validation named as the cause.
 Their slots are freed, the workers' step state reset, and later plans are served. Any other exception (a
 collective timeout, a device fault) propagates: the engine has failed.
+
+Overlap (``overlap=True``, the server's default): a plan *launches* step n + 1 (:meth:`Engine.launch_step`)
+over the requests live now, then *collects* step n, so the host work of step n's tokens (stop checks here,
+detokenizing and streaming in the server) runs while the device runs step n + 1. A request that step n
+finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its handle is
+no longer live), so nothing past its stop is emitted, and its slot is released when step n is collected (the
+device runs a later prefill into that slot after step n + 1, in stream order). Two rules keep the serial
+path's guarantees: a request that step n may end by ``max_new_tokens`` sits out step n + 1 (an extra step past
+its length could outrun the pages reserved for it; it rejoins at n + 2 if it runs on), and a step with a
+``logprobs`` row is collected at once (the next launch overwrites its logits). Tokens are the serial path's:
+a request's tokens never depend on which steps it shares, and the decisions depend only on the plans and the
+tokens, so every TP rank pipelines the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +75,14 @@ class StepStats:
 
 
 @dataclass
+class _InFlight:
+    """A launched step not yet collected: its :class:`LaunchedStep` and the handle of each row."""
+
+    launched: object
+    handles: list[int]
+
+
+@dataclass
 class _Live:
     request: Request
     slot: int
@@ -72,10 +92,19 @@ class _Live:
 class Scheduler:
     """Requests in flight on one rank's engine, keyed by caller-chosen integer handles."""
 
-    def __init__(self, engine, mode: str = "speculative"):
+    def __init__(self, engine, mode: str = "speculative", overlap: bool = False):
         self.engine = engine
         self.mode = mode
+        self.overlap = overlap
         self._live: dict[int, _Live] = {}
+        self._in_flight: _InFlight | None = None  # overlap: the launched step whose tokens are not collected
+        # Tokens one step can append to a request (the speculative block, or the target-only decode's one).
+        self._step_tokens = engine.draft_len + 1 if mode == "speculative" else 1
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step is still to be collected (overlap; never while no request is live)."""
+        return self._in_flight is not None
 
     @property
     def num_free_slots(self) -> int:
@@ -107,8 +136,67 @@ class Scheduler:
         for handle, fields in plan.admit:
             events.append(self._admit(handle, Request(**fields), stats))
         if plan.run and self._live:
-            events.extend(self._step(stats))
+            events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
+        if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
+            # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
+            events.extend(self._collect(self._take_in_flight(), stats))
         return events, stats
+
+    def _take_in_flight(self) -> _InFlight:
+        fl, self._in_flight = self._in_flight, None
+        return fl
+
+    def _overlap_step(self, stats: StepStats) -> list[Event]:
+        """Launch the next step over the live requests, then collect the one in flight (its host work overlaps
+        the launched step on the device)."""
+        prev = self._take_in_flight()
+        pending = set(prev.handles) if prev is not None else set()
+        # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring).
+        handles = [h for h, live in self._live.items()
+                   if h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens]
+        events: list[Event] = []
+        cur = None
+        if handles:
+            by_slot = {self._live[h].slot: h for h in handles}
+            order = sorted(by_slot)
+            t0 = time.perf_counter()
+            try:
+                launched = self.engine.launch_step(order, self.mode)
+            except ValueError as e:
+                if prev is not None:
+                    events.extend(self._collect(prev, stats))
+                return events + self._fail_step([h for h in handles if h in self._live], e)
+            stats.step_s += time.perf_counter() - t0
+            cur = _InFlight(launched, [by_slot[s] for s in order])
+        if prev is not None:
+            events.extend(self._collect(prev, stats))
+        if cur is not None:
+            if any(self._live[h].request.logprobs is not None for h in cur.handles if h in self._live):
+                events.extend(self._collect(cur, stats))  # the next launch would overwrite its logits
+            else:
+                self._in_flight = cur
+        return events
+
+    def _collect(self, fl: _InFlight, stats: StepStats) -> list[Event]:
+        """The tokens of a launched step for its rows still live; rows that ended after the launch are
+        discarded (their tokens come after their stop)."""
+        t0 = time.perf_counter()
+        new, lens = self.engine.collect_step(fl.launched)
+        reqs = [self._live[h].request if h in self._live else None for h in fl.handles]
+        try:
+            lps = (self.engine.step_logprobs(reqs, new, lens, self.mode)
+                   if any(r is not None and r.logprobs is not None for r in reqs) else [None] * len(reqs))
+        except ValueError as e:
+            return self._fail_step([h for h in fl.handles if h in self._live], e)
+        stats.step_s += time.perf_counter() - t0
+        stats.num_rows = len(fl.handles)
+        stats.accepted_lens = list(lens)
+        events = []
+        for row, h in enumerate(fl.handles):
+            live = self._live.get(h)
+            if live is not None:
+                events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row]))
+        return events
 
     def _admit(self, handle: int, request: Request, stats: StepStats) -> Event:
         try:

@@ -149,6 +149,20 @@ def launch_tp(tp: int, argv: list[str]) -> int:
         return EXIT_USAGE
 
 
+def use_overlap_scheduler(cfg: RuntimeConfig, disable: bool = False, log: bool = True) -> bool:
+    """Whether the engine loop overlaps each step's host work with the next step on the device: on unless
+    ``--disable-overlap-scheduler`` (``disable``) or ``disable_overlap_scheduler: true``; logged (``log``)."""
+    from tensorrt_llm_ext.logger import logger
+
+    on = not (disable or cfg.disable_overlap_scheduler)
+    if log:
+        logger.info("serve: overlap scheduler " + (
+            "on: step n's tokens are stop-checked and streamed while the device runs step n + 1" if on else
+            "off (--disable-overlap-scheduler or disable_overlap_scheduler: true): each step's host work runs "
+            "between steps"))
+    return on
+
+
 def use_cuda_graph(cfg: RuntimeConfig, flag: bool | None = None) -> bool:
     """Whether every decode step is captured in CUDA graphs: on a CUDA device, ``flag`` (``--cuda-graph`` /
     ``--no-cuda-graph``) when given, else ``cuda_graph_config`` (present by default; ``null`` turns graphs
@@ -201,7 +215,8 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     selection = engine.worker("speculative").selection.describe()
     mode = "target_only" if args.no_speculation else "speculative"
     engine.runner(mode)
-    scheduler = Scheduler(engine, mode=mode)
+    overlap = use_overlap_scheduler(cfg, args.disable_overlap_scheduler, log=mapping is None or mapping.rank == 0)
+    scheduler = Scheduler(engine, mode=mode, overlap=overlap)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
     if channel.distributed:
@@ -231,14 +246,16 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
                        **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
     ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
              f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
-             f"selection={selection} "
+             f"selection={selection} overlap={'on' if overlap else 'off'} "
              f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
              f"api_key={'yes' if ctx.api_key else 'no'}")
     rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(rc)  # peers may be dead: MPI_Finalize could wait for them forever
+        # A second signal ended the drain (rc = 128 + signal): the launcher that passed the signals on reports
+        # that code itself; a non-zero rank would make mpiexec report a bad termination and kill the peers.
+        os._exit(0 if rc > 128 else rc)  # os._exit: peers may be dead, MPI_Finalize could wait for them forever
     return rc
 
 
@@ -303,6 +320,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies answer 413 without being parsed (default 8 MiB)")
     p.add_argument("--no-speculation", action="store_true",
                    help="serve the target's own decode, one token per step (no drafter; a baseline for bench serve)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="run each step's host work (stop checks, streaming, admission) between steps instead of "
+                        "while the device runs the next step (the overlap scheduler, on by default); "
+                        "= disable_overlap_scheduler: true")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture every decode step in CUDA graphs on a CUDA device (default: on, unless the config "
                         "sets cuda_graph_config: null); --no-cuda-graph runs every step eagerly")

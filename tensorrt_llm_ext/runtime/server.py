@@ -778,8 +778,9 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
 
     def forced_end(sig: int) -> None:
         name = signal.Signals(sig).name
-        n = ctx.loop.abort_all(f"the server is shutting down: a second {name} ended the request")
-        logger.warning(f"serve: a second {name} during the drain: ended {n} request(s), exiting {128 + sig}")
+        n = ctx.loop.abort_all(f"the server is shutting down: a second stop signal ({name}) ended the request")
+        logger.warning(f"serve: a second stop signal ({name}) during the drain: ended {n} request(s), exiting "
+                       f"{128 + sig}")
         time.sleep(FORCED_GRACE_S)
         server.force_exit = True
 

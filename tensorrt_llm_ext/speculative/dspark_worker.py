@@ -37,7 +37,8 @@ Logits processing (``prefill(..., processing=)``: ``logit_bias``, penalties, ``m
 :mod:`.logits_processing`): the target's logits are processed on the shards before selection, before
 rejection-sampling verification, and in prefill and the reference decode alike, so the processed distribution
 is the one speculation preserves; a step runs it only when one of its rows has a processed field (another
-host-side fact: the processed variant, never captured, so such a step runs eagerly).
+host-side fact: the processed variant, captured like the others; the ops are the same whatever the rows hold,
+see :mod:`.logits_processing`).
 
 No allocation through a launcher, no host sync and no data-dependent Python branch inside the step:
 ``forward(B)`` can be captured once per ``B`` (see :mod:`tensorrt_llm_ext.runtime.cuda_graph`).
@@ -59,8 +60,8 @@ from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerificatio
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
-from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT, StepVariant
-from tensorrt_llm_ext.speculative.token_selector import SelectionParams
+from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
+                                                       TOP_P_VARIANT, StepVariant)
 from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
@@ -110,8 +111,7 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
-        # Per-slot top-p (device, read per row) and the host-side facts set_rows() routes a step by.
-        self.slot_top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        # The host-side copy of the slots' top-p (state.slot_top_p) that set_rows() routes a step by.
         self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
         self._step_variant = DEFAULT_VARIANT
         # The exact top-p path's buffers per logits width (kept set [R*(K+1), W] bool + its workspace),
@@ -166,15 +166,21 @@ class DSparkWorker(SpecWorkerBase):
     @property
     def step_variants(self) -> tuple[StepVariant, ...]:
         """The variants this worker's steps can need, cheapest first (what CUDA graphs capture): a
-        greedy-only worker never restricts to a top-p set."""
-        return (DEFAULT_VARIANT, TOP_P_VARIANT) if self.sampling else (DEFAULT_VARIANT,)
+        greedy-only worker never restricts to a top-p set; one processed variant per worker (a sampling
+        worker's also runs top-p, so it covers every step but a wide top-k one)."""
+        if self.sampling:
+            return (DEFAULT_VARIANT, TOP_P_VARIANT, PROCESSED_TOP_P_VARIANT)
+        return (DEFAULT_VARIANT, PROCESSED_VARIANT)
 
     def step_needs(self, slots: list[int]) -> StepVariant:
         """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a
         row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill), processed iff a row has
-        logits processing (never captured: such a step runs eagerly)."""
+        logits processing, wide top-k iff a row's ``top_k`` exceeds the captured top-k width (never captured)."""
         top_p = any(self._host_top_p[s] < 1.0 for s in slots)
-        return StepVariant(top_p=top_p, processed=self.processors is not None and self.processors.active(slots))
+        proc = self.processors
+        processed = proc is not None and proc.active(slots)
+        return StepVariant(top_p=top_p, processed=processed,
+                           wide_top_k=processed and self.sampling and proc.wide_top_k(slots))
 
     def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
         """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot).
@@ -188,16 +194,19 @@ class DSparkWorker(SpecWorkerBase):
         self.check_slots("set_rows", slots)
         need = self.step_needs(slots)
         variant = need if variant is None else variant
-        # A processed step is never captured (its host facts differ step to step): it runs its own variant eagerly.
+        # A variant no graph is captured for (wide top-k) runs as the rows need it, eagerly.
         if not variant.covers(need) or (variant not in self.step_variants and variant != need):
             raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
                              f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")
-        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32)
+        # On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
+        # overlap scheduler launches the next step before the previous one is done) and never waits for it.
+        pin = self.slot_ids.is_cuda
+        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
-        dummy = torch.ones(batch_size, dtype=torch.bool)
+        dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
         dummy[:n] = False
-        self.slot_ids[:batch_size].copy_(ids, non_blocking=False)
-        self.is_dummy[:batch_size].copy_(dummy)
+        self.slot_ids[:batch_size].copy_(ids, non_blocking=pin)
+        self.is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
         self._rows_batch_size = batch_size
         self._step_variant = variant
         self._step_slots = list(slots)
@@ -277,7 +286,7 @@ class DSparkWorker(SpecWorkerBase):
         return view
 
     # -- pieces shared by prefill, the step and the target-only decode -----------------------------------
-    def _decode_pages(self) -> None:
+    def decode_pages(self) -> None:
         """Encoded offsets -> physical page ids, ``-1`` kept where unallocated.
 
         :func:`decode_block_table` maps an unallocated entry to page 0 (and counts the valid ones);
@@ -339,12 +348,9 @@ class DSparkWorker(SpecWorkerBase):
 
     def select_from(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor | None,
                     seeds: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the stock table's
-        torch selection, else the vocab-parallel selector (``temps=None``: greedy). ``out`` ``[R]`` int64."""
-        if self.ops.select is not None:
-            return self.ops.select(logits, temps, seeds, offsets, TARGET_SALT, out)
-        return self.token_selector.select_tokens(
-            logits, SelectionParams(temperatures=temps, seeds=seeds, offsets=offsets), out=out)
+        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the fused table's
+        selector kernels or the stock table's torch selection (``temps=None``: greedy). ``out`` ``[R]`` int64."""
+        return self.ops.select(self.token_selector, logits, temps, seeds, offsets, TARGET_SALT, out)
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
         """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
@@ -429,7 +435,7 @@ class DSparkWorker(SpecWorkerBase):
         st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
         st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
         restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
-        self.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=self.slot_top_p.dtype, device=dev)
+        st.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=st.slot_top_p.dtype, device=dev)
         for slot, p, rest in zip(slots, top_ps, restricted):
             self._host_top_p[slot] = float(p) if rest else 1.0
         self.processors.assign(slots, list(processing) if processing is not None else [None] * r, prompts)
@@ -448,11 +454,11 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
-                                                  self.slot_top_p[slots_l] if any(restricted) else None, process)
+                                                  st.slot_top_p[slots_l] if any(restricted) else None, process)
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
-            self._decode_pages()
+            self.decode_pages()
             latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
             # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
             # treats each prompt as a generation row that accepted exactly one token (its first generated one).
@@ -502,7 +508,7 @@ class DSparkWorker(SpecWorkerBase):
         # selection kernel indexes these per-row tensors as dense arrays.
         temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
         seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        top_p = self.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
+        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
                             top_p, self._block_process(b) if self.step_processed else None)
 
@@ -517,14 +523,32 @@ class DSparkWorker(SpecWorkerBase):
             return self.processed(logits, self._step_slots, rows, temps, drafts)
         return process
 
-    def accept_and_advance(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor,
-                           captured: torch.Tensor):
-        """Strict acceptance, paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store:
-        ``(accepted [B, K+1], num_accepted [B], PagedLatentStep)``."""
+    def sample_and_accept_draft_tokens(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                                       hidden: torch.Tensor):
+        """The step's token decision, in both verification modes (TensorRT-LLM's one-model worker method of
+        this name): ``(accepted [B, K+1], num_accepted [B], logits)``.
+
+        Strict acceptance (no rejection verifier): the target's token at every verified position
+        (:meth:`select_targets`: the argmax, or keyed Gumbel-max at the row's temperature within its top-p
+        set), then the drafts accepted while they equal it (:meth:`strict_accept`). Rejection sampling:
+        :meth:`rejection_verify` against the draft logits the previous step stored (greedy rows: the strict
+        rule, bitwise). docs/token_decision.md maps the whole path.
+        """
+        if self.verifier is None:
+            with nvtx_range("selection"):
+                target_tokens, logits = self.select_targets(batch_size, hidden, positions)
+            with nvtx_range("strict_accept"):
+                accepted, num_acc = self.strict_accept(batch_size, tokens, target_tokens)
+            return accepted, num_acc, logits
+        with nvtx_range("rejection_sampling"):
+            return self.rejection_verify(batch_size, tokens, positions, hidden)
+
+    def strict_accept(self, batch_size: int, tokens: torch.Tensor, target_tokens: torch.Tensor):
+        """The drafts ``tokens[:, 1:]`` accepted while they equal the target's tokens ``[B*(K+1)]``:
+        ``(accepted [B, K+1], num_accepted [B])``."""
         b, k = batch_size, self.draft_len
-        accepted, num_acc = self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
-                                                   out=(self.accepted[:b], self.num_accepted[:b]))
-        return self.advance(b, accepted, num_acc, captured)
+        return self.ops.strict_accept(tokens[:, 1:], target_tokens.view(b, k + 1),
+                                      out=(self.accepted[:b], self.num_accepted[:b]))
 
     def rejection_verify(self, batch_size: int, tokens: torch.Tensor, positions: torch.Tensor,
                          hidden: torch.Tensor):
@@ -539,16 +563,17 @@ class DSparkWorker(SpecWorkerBase):
             temps_rows = st.slot_temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
             verified = self._block_process(b)(logits, temps_rows)
         x = verified.logits if isinstance(verified, VocabShardedLogits) else verified
-        top_p = self.slot_top_p[slots_l] if self.step_top_p else None
+        top_p = st.slot_top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
             top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]))
         return accepted, num_acc, logits
 
-    def advance(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor, captured: torch.Tensor):
-        """Paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of the accepted
-        tokens: ``(accepted, num_accepted, PagedLatentStep)``."""
+    def update_drafter_context(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor,
+                               captured: torch.Tensor) -> PagedLatentStep:
+        """After the decision: paged-latent bookkeeping (advances ``ctx_lens``) and the context-latent store of
+        the accepted tokens; the bookkeeping's outputs (bonus tokens, the next block's placement)."""
         st, ops = self.state, self.ops
         b, k = batch_size, self.draft_len
         slots, dummy = self.slot_ids[:b], self.is_dummy[:b]
@@ -559,7 +584,7 @@ class DSparkWorker(SpecWorkerBase):
         latents = self.drafter.compute_context_latents(captured)  # [B*(K+1), L, d_c]
         ops.store_context_latents(latents, tail.latent_pages.view(-1), tail.latent_offsets.view(-1),
                                   tail.latent_write_mask.view(-1), st.latent_pool)
-        return accepted, num_acc, tail
+        return tail
 
     def _forward_impl(self, batch_size: int) -> dict[str, torch.Tensor]:
         self.check_rows(batch_size)
@@ -567,19 +592,12 @@ class DSparkWorker(SpecWorkerBase):
         b = batch_size
         slots = self.slot_ids[:b]
         with nvtx_range("block_table"):
-            self._decode_pages()
+            self.decode_pages()
         with nvtx_range("target_forward"):
             tokens, positions, out = self.verify_forward(b)
-        if self.verifier is None:
-            with nvtx_range("selection"):
-                target_tokens, logits = self.select_targets(b, out.hidden_states, positions)
-            with nvtx_range("tail"):
-                accepted, num_acc, tail = self.accept_and_advance(b, tokens, target_tokens, out.captured)
-        else:
-            with nvtx_range("rejection_sampling"):
-                accepted, num_acc, logits = self.rejection_verify(b, tokens, positions, out.hidden_states)
-            with nvtx_range("tail"):
-                accepted, num_acc, tail = self.advance(b, accepted, num_acc, out.captured)
+        accepted, num_acc, logits = self.sample_and_accept_draft_tokens(b, tokens, positions, out.hidden_states)
+        with nvtx_range("tail"):
+            tail = self.update_drafter_context(b, accepted, num_acc, out.captured)
         if self.step_processed:
             self.processors.record(self._step_slots, slots, accepted, num_acc, live=~self.is_dummy[:b])
         nxt = self.next_new_tokens[:b]

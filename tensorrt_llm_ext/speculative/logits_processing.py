@@ -20,9 +20,16 @@ its counts are the request's counts plus drafts ``0 .. j-1`` (what the output wo
 accepted), so every position sees the history it conditions on.
 
 On shards: bias and penalties are per column (each rank its own ids); ``min_p`` needs the row max (one
-all-reduce MAX of ``[R]``), ``top_k`` the k-th largest value (one all-gather of each rank's ``[R, k]`` largest
-values). Torch ops with no host synchronisation (``top_k``'s width is a host fact of the rows, set at
-admission).
+all-reduce MAX of ``[R]``), ``top_k`` the k-th largest value (one all-gather of each rank's ``[R, W]`` largest
+values, ``W`` = :data:`CAPTURED_TOP_K`).
+
+Capturable: :meth:`SlotLogitsProcessors.apply` runs the same ops for every step, whatever its rows hold --
+every field from static per-slot tensors (bias ids / values, ``MAX_LOGIT_BIAS`` per slot; the token-count and
+in-prompt tables; the scalars), a row without a field holding its identity value (bias 0, penalties 0 / 1,
+``min_p`` 0, ``top_k`` 0), each exactly a no-op in floating point (``y / 1``, ``y * 1``, ``y - 0``, a
+``where`` that keeps ``y``), so the result is bit for bit the one computed with the field's work skipped.
+The only host fact left is the top-k exchange width: ``W`` unless a row asks for ``top_k > W`` (then the
+largest such ``top_k``; :meth:`~SlotLogitsProcessors.wide_top_k` tells the step, which then runs eagerly).
 """
 
 from __future__ import annotations
@@ -34,8 +41,12 @@ import torch
 import torch.distributed as dist
 
 from tensorrt_llm_ext.distributed import allgather, tp_group
+from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries per request
+# The top-k exchange width of a captured step: rows with top_k up to it replay; a larger top_k (rare: clients
+# send 20..100) sizes the exchange by the rows and runs its step eagerly.
+CAPTURED_TOP_K = 128
 
 
 @dataclass(frozen=True)
@@ -83,15 +94,19 @@ class LogitsProcessing:
 
 class SlotLogitsProcessors:
     """The processing state of every slot on one rank: its fields (device tensors read per row), the
-    generated-token counts and the prompt's tokens of the slots whose requests use a penalty, over this
-    rank's columns ``[vocab_start, vocab_start + width)``.
+    generated-token counts and the prompt's tokens of every slot, over this rank's columns
+    ``[vocab_start, vocab_start + width)``.
 
     ``mapping`` (with ``sharded``): the TP group whose ranks hold the other columns (collectives on it).
+    ``captured_top_k``: the top-k exchange width of a captured step (:data:`CAPTURED_TOP_K`).
     """
 
     def __init__(self, num_slots: int, vocab_start: int, width: int, vocab_size: int, device,
-                 mapping=None, sharded: bool = False):
+                 mapping=None, sharded: bool = False, captured_top_k: int = CAPTURED_TOP_K):
+        if captured_top_k < 1:
+            raise ValueError(f"SlotLogitsProcessors: captured_top_k must be >= 1, got {captured_top_k}")
         self.num_slots, self.vocab_start, self.width, self.vocab_size = num_slots, vocab_start, width, vocab_size
+        self.captured_top_k = captured_top_k
         self.mapping = mapping if sharded else None
         dev = self.device = torch.device(device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=dev)
@@ -101,11 +116,20 @@ class SlotLogitsProcessors:
         self.repetition = torch.ones(num_slots, dtype=torch.float32, device=dev)
         self.bias_cols = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=dev)  # this rank's columns
         self.bias_vals = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)  # 0: no entry
-        self.counts: torch.Tensor | None = None  # [S, width] int32, allocated with the first penalty request
-        self.in_prompt: torch.Tensor | None = None  # [S, width] bool
+        # [S, width] int32 / bool, allocated with the first processed request or step (never inside a capture:
+        # a capture's warm-up runs first); a slot without penalties ignores its rows (identity penalties).
+        self.counts: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
         self._host: list[LogitsProcessing] = [LogitsProcessing()] * num_slots
         self._cols = torch.arange(width, dtype=torch.int64, device=dev)
         self._valid = (self._cols + vocab_start) < vocab_size  # padding columns of the last shard: never kept
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None:
+            refuse_allocation_while_capturing("SlotLogitsProcessors token-count tables", self.device)
+            self.counts = torch.zeros(self.num_slots, self.width, dtype=torch.int32, device=self.device)
+            self.in_prompt = torch.zeros(self.num_slots, self.width, dtype=torch.bool, device=self.device)
+        return self.counts, self.in_prompt
 
     # -- host side (admission; eager) ------------------------------------------------------------------------
     def assign(self, slots: list[int], fields: list[LogitsProcessing | None], prompts: list[list[int]]) -> None:
@@ -125,62 +149,61 @@ class SlotLogitsProcessors:
             if own:
                 self.bias_cols[slot, :len(own)] = torch.tensor([c for c, _ in own], dtype=torch.int64, device=dev)
                 self.bias_vals[slot, :len(own)] = torch.tensor([b for _, b in own], dtype=torch.float32, device=dev)
-            if f.uses_counts:
-                if self.counts is None:
-                    self.counts = torch.zeros(self.num_slots, self.width, dtype=torch.int32, device=dev)
-                    self.in_prompt = torch.zeros(self.num_slots, self.width, dtype=torch.bool, device=dev)
-                self.counts[slot] = 0
-                self.in_prompt[slot] = False
+            if f.uses_counts or self.counts is not None:
+                counts, in_prompt = self._tables()
+                counts[slot] = 0
+                in_prompt[slot] = False
                 cols = torch.tensor(list(prompt), dtype=torch.int64, device=dev) - self.vocab_start
                 cols = cols[(cols >= 0) & (cols < self.width)]
-                self.in_prompt[slot, cols] = True
+                in_prompt[slot, cols] = True
 
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
         return any(not self._host[s].is_noop for s in slots)
 
-    def _max_top_k(self, slots: list[int]) -> int:
-        """The largest ``top_k`` that limits anything (``0 < k < vocab_size``) among ``slots``; 0: none."""
-        return max((k for k in (self._host[s].top_k for s in slots) if 0 < k < self.vocab_size), default=0)
+    def wide_top_k(self, slots: list[int]) -> bool:
+        """Whether a row of ``slots`` limits to more than :attr:`captured_top_k` tokens (the step's top-k
+        exchange is then sized by its rows: not the captured step's)."""
+        return any(self.captured_top_k < self._host[s].top_k < self.vocab_size for s in slots)
 
-    def _counting(self, slots: list[int]) -> bool:
-        return self.counts is not None and any(self._host[s].uses_counts for s in slots)
+    def top_k_width(self, slots: list[int]) -> int:
+        """The top-k exchange width of a step over ``slots``: :attr:`captured_top_k`, or the largest limiting
+        ``top_k`` of a wide row (:meth:`wide_top_k`). A captured step (no rows) gets the captured width."""
+        return max([self.captured_top_k] + [k for k in (self._host[s].top_k for s in slots) if 0 < k < self.vocab_size])
 
-    # -- device side -----------------------------------------------------------------------------------------
+    # -- device side (the same ops for every step: capturable) ------------------------------------------------
     def apply(self, x: torch.Tensor, slots: list[int], row_slots: torch.Tensor, temps: torch.Tensor | None,
               block_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``x [R, width]`` processed (a new tensor of ``x``'s dtype).
 
-        ``slots``: the host slot ids of the step's rows (host facts: the top-k width, whether counts are
-        read); ``row_slots [R]``: each row's slot; ``temps [R]`` (None: greedy-only, min_p / top_k skipped);
+        ``slots``: the host slot ids of the step's rows (a host fact: the top-k width, :meth:`top_k_width`);
+        ``row_slots [R]``: each row's slot; ``temps [R]`` (None: greedy-only, min_p / top_k skipped);
         ``block_tokens [B, K]`` (a step): rows are ``B`` blocks of ``K + 1``, row ``j`` of block ``b`` counts
         ``block_tokens[b, :j]`` as generated too. Call on every rank of a sharded head with the same rows.
+        No host sync, no branch on the rows' values, fixed-size collectives.
         """
         rows = row_slots.long()
+        counts_table, in_prompt = self._tables()
         y = x.float()
         y = y.scatter_add(1, self.bias_cols[rows], self.bias_vals[rows])  # entries without a bias add 0 at col 0
-        if self._counting(slots):
-            counts = self.counts[rows]
-            if block_tokens is not None:
-                counts = counts + _block_counts(block_tokens, self.vocab_start, self.width)
-            seen = (counts > 0) | self.in_prompt[rows]
-            rep = self.repetition[rows][:, None]
-            y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
-            y = y - self.frequency[rows][:, None] * counts.float()
-            y = y - self.presence[rows][:, None] * (counts > 0).float()
+        counts = counts_table[rows]
+        if block_tokens is not None:
+            counts = counts + _block_counts(block_tokens, self.vocab_start, self.width)
+        seen = (counts > 0) | in_prompt[rows]
+        rep = self.repetition[rows][:, None]  # 1: y / 1 and y * 1 are y
+        y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+        y = y - self.frequency[rows][:, None] * counts.float()  # 0 * count = 0: y - 0 is y
+        y = y - self.presence[rows][:, None] * (counts > 0).float()
         if temps is not None:
             neg_inf = torch.full((), float("-inf"), dtype=y.dtype, device=y.device)
             sampled = temps > 0
             min_p = self.min_p[rows]
-            if any(self._host[s].min_p > 0 for s in slots):
-                row_max = torch.where(self._valid, y, neg_inf).amax(-1)
-                if self.mapping is not None:
-                    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group(self.mapping))
-                floor = row_max + temps.float() * torch.log(min_p)  # log(0) = -inf: no floor
-                y = torch.where((sampled & (min_p > 0))[:, None] & (y < floor[:, None]), neg_inf, y)
-            k = self._max_top_k(slots)
-            if k:
-                y = self._top_k(y, rows, sampled, k, neg_inf)
+            row_max = torch.where(self._valid, y, neg_inf).amax(-1)
+            if self.mapping is not None:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group(self.mapping))
+            floor = row_max + temps.float() * torch.log(min_p)  # log(0) = -inf: no floor (masked below anyway)
+            y = torch.where((sampled & (min_p > 0))[:, None] & (y < floor[:, None]), neg_inf, y)
+            y = self._top_k(y, rows, sampled, self.top_k_width(slots), neg_inf)
         return y.to(x.dtype)
 
     def _top_k(self, y: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor, k_max: int,
@@ -193,23 +216,24 @@ class SlotLogitsProcessors:
         if self.mapping is not None:
             vals = allgather(vals.contiguous(), self.mapping, dim=-1).sort(dim=-1, descending=True).values
         k = self.top_k[rows]
-        limited = sampled & (k > 0) & (k < self.vocab_size)
+        limited = sampled & (k > 0) & (k <= k_max) & (k < self.vocab_size)  # k > k_max: never in this step
         kth = vals.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [R, 1]: the k-th largest over every shard
         return torch.where(limited[:, None] & (y < kth), neg_inf, y)
 
     def record(self, slots: list[int], row_slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor,
                live: torch.Tensor | None = None) -> None:
         """Count the emitted ``tokens [B, T]`` (the first ``num [B]`` of each row, ``live [B]`` rows only) in
-        their slots (no-op unless a row's request uses a penalty)."""
-        if not self._counting(slots):
-            return
+        their slots (every slot once the tables exist: a slot without penalties never reads its counts)."""
+        if self.counts is None and not any(self._host[s].uses_counts for s in slots):
+            return  # nothing reads counts yet; the tables start at the next assign or processed step
+        counts, _ = self._tables()
         b, t = tokens.shape
         cols = tokens.long() - self.vocab_start
         keep = (torch.arange(t, device=tokens.device)[None, :] < num.long()[:, None]) & (cols >= 0) & (cols < self.width)
         if live is not None:
             keep &= live[:, None]
         flat = row_slots.long()[:, None] * self.width + cols.clamp(0, self.width - 1)
-        self.counts.view(-1).index_put_((flat.view(-1),), keep.view(-1).to(torch.int32), accumulate=True)
+        counts.view(-1).scatter_add_(0, flat.view(-1), keep.view(-1).to(torch.int32))
 
 
 def _block_counts(block_tokens: torch.Tensor, vocab_start: int, width: int) -> torch.Tensor:
@@ -223,9 +247,9 @@ def _block_counts(block_tokens: torch.Tensor, vocab_start: int, width: int) -> t
     before = i[None, :] < j[:, None]  # [K+1, K]: draft i precedes row j
     own = (cols >= 0) & (cols < width)  # [B, K]
     keep = before[None, :, :] & own[:, None, :]  # [B, K+1, K]
-    rows = (torch.arange(b, device=dev)[:, None] * (k + 1) + j[None, :])[:, :, None].expand(b, k + 1, k)
     c = cols.clamp(0, width - 1)[:, None, :].expand(b, k + 1, k)
-    out.index_put_((rows.reshape(-1), c.reshape(-1)), keep.reshape(-1).to(torch.int32), accumulate=True)
+    # integer scatter-add: exact whatever the order (repeated drafts add up), no host sync
+    out.scatter_add_(1, c.reshape(b * (k + 1), k), keep.reshape(b * (k + 1), k).to(torch.int32))
     return out
 
 

@@ -176,7 +176,7 @@ class MarkovChainStepper:
         self.out, self.ws, self.B, self.K = out, ws, B, K
         self.tokens = ws.tokens[:B]
         self.interpret = not base_logits.is_cuda
-        self.config = config or fused_config(r, self.interpret, base_logits.device, B)
+        self.config = config or fused_config(r, self.interpret, base_logits.device, B, markov_w2.element_size())
         self.order = order
         self.w_kind = _W_KIND[markov_w1.dtype]
         self.out_bf16 = base_logits.dtype == torch.bfloat16

@@ -79,11 +79,11 @@ class ReferenceDecoder:
             logits = w.target.logits(hidden)
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
-            processed = self.processors.active(w.step_slots)
+            processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
             if processed:
                 logits = self.processors.apply(logits, w.step_slots, slots_l, temps)
             if w.sampling and w.step_top_p:
-                logits = w.top_p_masked(logits, temps, w.slot_top_p[slots_l])
+                logits = w.top_p_masked(logits, temps, st.slot_top_p[slots_l])
             ids = w.select_from(logits, temps, seeds, offsets, self.next_tokens[:b])
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())

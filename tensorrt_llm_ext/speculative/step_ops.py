@@ -38,6 +38,7 @@ from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents, store_context_latents_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
+from tensorrt_llm_ext.speculative.token_selector import SelectionParams, VocabParallelSelector
 from tensorrt_llm_ext.speculative.verification import (rejection_sample, rejection_sample_reference, top_p_keep,
                                                         top_p_keep_reference)
 
@@ -56,6 +57,20 @@ def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds:
         return torch.argmax(logits, dim=-1, out=out)
     scored = keyed_gumbel_scores_torch(logits, temperatures, seeds, offsets, 0, salt)
     return torch.argmax(scored, dim=-1, out=out)
+
+
+def _selector_select(selector: VocabParallelSelector, logits, temperatures, seeds, offsets, salt: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """Fused target selection: the worker's bound selector (this rank's shard with the pair exchange when
+    vocab-parallel, else the full rows; ``temperatures=None``: greedy)."""
+    params = SelectionParams(temperatures=temperatures, seeds=seeds, offsets=offsets, salt=salt)
+    return selector.select_tokens(logits, params, out=out)
+
+
+def _stock_target_select(selector: VocabParallelSelector, logits, temperatures, seeds, offsets, salt: int,
+                         out: torch.Tensor) -> torch.Tensor:
+    del selector  # the stock table always selects from the gathered logits, in torch
+    return stock_select(logits, temperatures, seeds, offsets, salt, out)
 
 
 def _stock_store_context_latents(latents, dest_pages, dest_offsets, write_mask, pool):
@@ -95,7 +110,7 @@ class StepOps:
     strict_accept: Callable
     paged_latent_step: Callable
     store_context_latents: Callable
-    select: Callable | None  # None: the worker's vocab-parallel selector (fused kernels)
+    select: Callable  # (selector, logits, temperatures, seeds, offsets, salt, out) -> out: the target's tokens
     markov_mode: str | None
     vocab_parallel: bool
     rejection_sample: Callable  # signature of verification.rejection_sample
@@ -103,10 +118,11 @@ class StepOps:
 
 
 FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
-                    paged_latent_step=paged_latent_step, store_context_latents=store_context_latents, select=None,
+                    paged_latent_step=paged_latent_step, store_context_latents=store_context_latents,
+                    select=_selector_select,
                     markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
                     paged_latent_step=_stock_paged_latent_step, store_context_latents=_stock_store_context_latents,
-                    select=stock_select, markov_mode="stock", vocab_parallel=False,
+                    select=_stock_target_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}

@@ -3,7 +3,7 @@
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
 crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
-``[R, S, 256]`` for top-p, tie counts ``[tp, R, S, 2]``, and the draw's race ``[tp, B, S, 2]``.
+``[R, S, 256]`` for top-p, tie counts ``[tp, R, S * sub, 2]``, and the draw's race ``[tp, B, S * sub, 2]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -21,8 +21,10 @@ Semantics (docs/rejection_sampling.md has the full statement):
   :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
-Every mass is an exact int64 and every float step a single IEEE float64 operation, so the fused kernels
-equal their eager twins and the sharded call equals the TP-1 call bit for bit.
+Every mass is an exact int64 sum of per-token integer weights that are one fixed instruction sequence of the
+token's logit, the row max and T, so a kernel gives the same bits at every TP size and tiling (the sharded
+call equals the TP-1 call). The weights use the SFU ``exp2``: the eager twins agree bit for bit under the
+interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md, "What is bitwise where").
 
 Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
 ``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
@@ -51,7 +53,7 @@ from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 
-__all__ = ["VerificationPlan", "VerificationWorkspace", "call_shape", "column_plan", "rejection_sample",
+__all__ = ["VerificationPlan", "VerificationWorkspace", "call_shape", "column_plan", "draw_plan", "rejection_sample",
            "rejection_sample_reference", "top_p_keep", "top_p_keep_reference"]
 
 
@@ -114,6 +116,14 @@ def column_plan(rows: int, n_valid: int, block_size: int, num_splits: int) -> tu
     return fps.plan_chunks(n_valid, block_size, want)
 
 
+def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int) -> int:
+    """Sub-chunks per column chunk of the draw: about 512 programs over ``batch`` requests (it reads two rows per
+    request, so it needs finer chunks than the passes over every row), at most ``num_splits`` (the workspace's
+    cap; 1 without one, so a call without a workspace exchanges a volume independent of the vocabulary) and at
+    most one per tile of the chunk. Depends on shapes only."""
+    return max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(batch * splits, 1)), chunk // block_size))
+
+
 @dataclass(frozen=True)
 class VerificationPlan:
     """Buffer sizes of one call: ``rows_t`` target rows, ``rows_q`` draft rows, ``batch`` requests, ``splits``
@@ -126,16 +136,18 @@ class VerificationPlan:
     tp: int
     top_p: bool
     rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype)
+    sub: int = 1  # sub-chunks per chunk of the draw (draw_plan) and of the tie counts
 
     def sizes(self) -> dict[str, int]:
         rt, rq, b, s, tp = self.rows_t, self.rows_q, self.batch, self.splits, self.tp
-        p = self.top_p
+        p, f = self.top_p, self.sub
         gathered = tp > 1  # at tp 1 the "gathered" buffers are views of the local ones
         return {
             "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
-            "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0, "ties": rt * s * 2 if p else 0,
-            "ties_all": tp * rt * s * 2 if p and gathered else 0, "dec": b * 2, "race": b * s * rs.RACE_COLS,
-            "race_all": tp * b * s * rs.RACE_COLS if gathered else 0,
+            "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
+            "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
+            "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
+            "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
         }
 
     def exchanges(self) -> list[tuple[str, int]]:
@@ -145,9 +157,9 @@ class VerificationPlan:
         rounds = [("max", sz["keys"]), ("sum", sz["sums"])]
         if self.top_p:
             per_round = self.rows_t * self.splits * _H
-            rounds += [("sum", per_round)] * self.rounds + [("all_gather", self.rows_t * self.splits * 2)]
+            rounds += [("sum", per_round)] * self.rounds + [("all_gather", self.rows_t * self.splits * self.sub * 2)]
         if self.batch:
-            rounds.append(("all_gather", self.batch * self.splits * rs.RACE_COLS))
+            rounds.append(("all_gather", self.batch * self.splits * self.sub * rs.RACE_COLS))
         return rounds
 
 
@@ -199,8 +211,9 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
     cap: dict[str, int] = {}
 
     def fit(rt: int, rq: int, b: int) -> None:
-        s, _ = column_plan(rt + rq, width, block_size, num_splits)
-        for name, n in VerificationPlan(rt, rq, b, s, tp, True).sizes().items():
+        s, chunk = column_plan(rt + rq, width, block_size, num_splits)
+        f = draw_plan(b, s, chunk, block_size, num_splits) if b else 1
+        for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f).sizes().items():
             cap[name] = max(cap.get(name, 0), n)
 
     k = max_rows_q // max_batch if max_batch else 0
@@ -213,7 +226,7 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
 
 
 def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNamespace:
-    rt, rq, b, s, tp = plan.rows_t, plan.rows_q, plan.batch, plan.splits, plan.tp
+    rt, rq, b, s, tp, f = plan.rows_t, plan.rows_q, plan.batch, plan.splits, plan.tp, plan.sub
     sizes = plan.sizes()
     cols_t, _ = fps.sums_layout(rt, rq, s, plan.top_p)
     ns = SimpleNamespace()
@@ -224,12 +237,12 @@ def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNames
     if plan.top_p:
         ns.hist = bufs["hist"][: sizes["hist"]].view(3, rt, s, _H)
         ns.state = bufs["state"][: sizes["state"]].view(4, rt, 2)
-        ns.ties = bufs["ties"][: sizes["ties"]].view(rt, s, 2)
-        ns.ties_all = (bufs["ties_all"][: sizes["ties_all"]].view(tp, rt, s, 2) if tp > 1
+        ns.ties = bufs["ties"][: sizes["ties"]].view(rt, s * f, 2)
+        ns.ties_all = (bufs["ties_all"][: sizes["ties_all"]].view(tp, rt, s * f, 2) if tp > 1
                        else ns.ties.unsqueeze(0))
     ns.dec = bufs["dec"][: sizes["dec"]].view(b, 2)
-    ns.race = bufs["race"][: sizes["race"]].view(b, s, rs.RACE_COLS)
-    ns.race_all = (bufs["race_all"][: sizes["race_all"]].view(tp, b, s, rs.RACE_COLS) if tp > 1
+    ns.race = bufs["race"][: sizes["race"]].view(b, s * f, rs.RACE_COLS)
+    ns.race_all = (bufs["race_all"][: sizes["race_all"]].view(tp, b, s * f, rs.RACE_COLS) if tp > 1
                    else ns.race.unsqueeze(0))
     return ns
 
@@ -292,7 +305,7 @@ def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
 # ----------------------------------------------------------------------------------------------------
 # The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
-def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *, tokens=None, row_div=1):
+def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *, tokens=None, row_div=1, n_sub=1):
     """Radix rounds 1..n (n by dtype: bf16 1, fp16 2, fp32 3) and the tie count (``ws.state[3]`` = (b*, mass
     above), ``ws.ties_all``)."""
     n = tpk.radix_rounds(logits.dtype)
@@ -303,7 +316,7 @@ def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *,
         yield "sum", ws.hist[rnd - 1], None
         prev = ws.hist[rnd - 1]
     ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
-                   vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), **kw)
+                   vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), n_sub=n_sub, **kw)
     yield "gather", ws.ties, ws.ties_all
 
 
@@ -427,8 +440,9 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
     n_valid = max(0, min(width, vocab_size - vocab_start))
     splits, chunk = column_plan(b * (2 * k + 1), n_valid, bs, ns)
+    sub = draw_plan(b, splits, chunk, bs, ns)
     has_p = top_p is not None
-    plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p)
+    plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub)
     ws = _call_buffers(workspace, plan, dev, "rejection_sample")
     if b == 0:
         return accepted, num_accepted
@@ -446,11 +460,11 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     state = ties_all = None
     if has_p:
         yield from _top_p_rounds(ops, tgt, temperatures, top_p, vocab_start, vocab_size, ws, kw, tokens=draft_tokens,
-                                 row_div=k1)
+                                 row_div=k1, n_sub=sub)
         state, ties_all = ws.state[3], ws.ties_all
     # decisions and the residual / bonus race over the chunks of row k*, then the winner
     ops.draw(tgt, drf, draft_tokens, temperatures, seeds, offsets, top_p, ws.keys, ws.sums_t, ws.sums_q, state,
-             ties_all, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, **kw)
+             ties_all, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, n_sub=sub, **kw)
     yield "gather", ws.race, ws.race_all
     ops.assemble(draft_tokens, ws.keys, ws.dec, ws.race_all, accepted, num_accepted)
     return accepted, num_accepted
@@ -483,8 +497,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     size. CUDA-graph safe with ``out=`` and ``workspace``.
     """
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)
 
 
 def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -495,5 +510,6 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
     exchange, tp, rank = _exchange_facts(exchange)
-    return _drive(_rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                          offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace), exchange)
+    steps = _rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+    return _drive(steps, exchange)

@@ -82,7 +82,9 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
         engine = Engine(cfg)
     name = served_model_name(cfg, None)
     metrics = ServerMetrics(cfg.draft_len, model_name=name)
-    loop = EngineLoop(_SerialScheduler(Scheduler(engine)), PlanChannel(None), metrics, max_queue=max_queue)
+    # The served loop: the overlap scheduler unless the config disables it (as `serve`).
+    scheduler = Scheduler(engine, overlap=not cfg.disable_overlap_scheduler)
+    loop = EngineLoop(_SerialScheduler(scheduler), PlanChannel(None), metrics, max_queue=max_queue)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path), api_key=api_key,
                        chat_template=chat_template, **context)

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_target_config,
                                                 save_drafter_checkpoint)
-from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, full_weight_shapes
+from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
-from tensorrt_llm_ext.runtime.engine import bigram_markov_head
 from tensorrt_llm_ext.training.data import eos_token_ids, generate_dataset, load_target
 from tensorrt_llm_ext.training.drafter_forward import block_hidden, block_logits, context_latents, markov_bias
 from tensorrt_llm_ext.training.prompts import prompt_token_ids

@@ -41,7 +41,7 @@ def test_bench_step_sampled_mode_smoke(capsys):
 def test_bench_step_bad_sampling_arguments_exit_2(capsys):
     assert main(["bench", "step", "--rejection-sampling"]) == 2  # the sampled mode needs a temperature
     assert main(["bench", "step", "--temperature", "1", "--top-p", "1.5"]) == 2
-    assert "--top-p: expected a value in (0, 1], got 1.5" in capsys.readouterr().err
+    assert "--top-p: expected a number in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_bench_step_import_leaves_the_environment_alone():

@@ -25,7 +25,8 @@ from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
-from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT
+from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
+                                                      TOP_P_VARIANT, StepVariant)
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -65,6 +66,30 @@ def test_plan_step_runs_eagerly_when_no_graph_covers_the_step():
         plan_step(0, DEFAULT_VARIANT, BOTH)
 
 
+SAMPLING_GRAPHS = [(b, v) for b in (1, 2, 4) for v in (DEFAULT_VARIANT, TOP_P_VARIANT, PROCESSED_TOP_P_VARIANT)]
+
+
+@pytest.mark.parametrize("need", [PROCESSED_VARIANT, PROCESSED_TOP_P_VARIANT])
+def test_plan_step_picks_the_processed_graph_for_a_processed_row(need):
+    """A step with a processed row (with or without a top-p row) replays the processed graph, padded up; a step
+    without one keeps its cheaper graph; a wide top-k row (above the captured exchange width) runs eagerly."""
+    plan = plan_step(3, need, SAMPLING_GRAPHS)
+    assert plan.replay and (plan.batch_size, plan.variant) == (4, PROCESSED_TOP_P_VARIANT)
+    assert plan_step(3, DEFAULT_VARIANT, SAMPLING_GRAPHS).variant == DEFAULT_VARIANT
+    assert plan_step(1, TOP_P_VARIANT, SAMPLING_GRAPHS).variant == TOP_P_VARIANT
+    greedy_only = [(b, v) for b in (1, 2) for v in (DEFAULT_VARIANT, PROCESSED_VARIANT)]
+    plan = plan_step(2, PROCESSED_VARIANT, greedy_only)
+    assert plan.replay and (plan.batch_size, plan.variant) == (2, PROCESSED_VARIANT)
+    wide = StepVariant(top_p=need.top_p, processed=True, wide_top_k=True)
+    plan = plan_step(2, wide, SAMPLING_GRAPHS)
+    assert not plan.replay and plan.variant == wide and "wide-top-k" in plan.reason
+    for v in (DEFAULT_VARIANT, TOP_P_VARIANT, PROCESSED_TOP_P_VARIANT):
+        assert not v.covers(wide)
+    assert PROCESSED_TOP_P_VARIANT.covers(PROCESSED_VARIANT) and not PROCESSED_VARIANT.covers(PROCESSED_TOP_P_VARIANT)
+    with pytest.raises(ValueError, match="wide_top_k"):
+        StepVariant(wide_top_k=True)
+
+
 def test_plan_step_never_replays_a_graph_that_does_not_cover_the_rows():
     keys = [(b, v) for b in (1, 2, 3, 8) for v in (DEFAULT_VARIANT, TOP_P_VARIANT)]
     for r in range(len(keys) + 1):
@@ -96,12 +121,13 @@ class _SimulatedGraph:
 
     def replay(self) -> None:
         w = self.runner.worker
-        prepared = w._step_variant
-        w._step_variant = self.variant  # the captured code path, whatever the rows hold
+        prepared, slots = w._step_variant, w._step_slots
+        # the captured code path and host facts (captured over dummy rows: no slots), whatever the rows hold
+        w._step_variant, w._step_slots = self.variant, []
         try:
             out = self.runner.forward(self.batch_size)
         finally:
-            w._step_variant = prepared
+            w._step_variant, w._step_slots = prepared, slots
         if isinstance(out, dict):
             for k, v in out.items():
                 self.outputs[k].copy_(v)
@@ -151,9 +177,11 @@ def _batch(kind: str, max_new: int = 6) -> list[Request]:
     return [Request(list(p), max_new_tokens=max_new, seed=11 + i, **kw) for i, (p, kw) in enumerate(zip(PROMPTS, rows))]
 
 
-def _serve(eng: Engine, reqs: list[Request], mode: str) -> list[list[int]]:
-    """The requests through the scheduler (``serve``'s engine loop: :meth:`Engine.run_step` per step)."""
-    sched = Scheduler(eng, mode=mode)
+def _serve(eng: Engine, reqs: list[Request], mode: str, overlap: bool = False) -> list[list[int]]:
+    """The requests through the scheduler (``serve``'s engine loop: :meth:`Engine.run_step` per step; with
+    ``overlap`` step n + 1 is launched -- its graph replayed over the same output tensors -- before step n's
+    tokens are collected)."""
+    sched = Scheduler(eng, mode=mode, overlap=overlap)
     out = {i: [] for i in range(len(reqs))}
     events, _ = sched.apply(StepPlan(admit=[(i, vars(r)) for i, r in enumerate(reqs)]))
     while True:
@@ -190,6 +218,8 @@ def test_replay_rule_through_generate_and_run_step(monkeypatch, mode):
         graphed.runner(mode).replays.clear()
         assert _serve(graphed, _batch(kind), mode) == want, kind
         assert _replayed(graphed, mode) <= used and _replayed(graphed, mode), kind
+        if kind == "mixed":  # the next replay rewrites the graph's outputs: the launched step's copy is kept
+            assert _serve(graphed, _batch(kind), mode, overlap=True) == want
         if kind == "top_p":
             assert want == greedy  # top-p 1e-3 at T = 1 keeps only the argmax
     assert eager.runner(mode).graphs == {} and not eager.runner(mode).enabled
@@ -201,7 +231,7 @@ def test_a_missing_variant_runs_eagerly_and_logs_once(monkeypatch, caplog):
 
     class NoTopP(SimulatedGraphRunner):
         def _capture_variant(self, variant):
-            if variant == TOP_P_VARIANT:
+            if variant.top_p:  # the top-p and the processed (+top-p) graphs: nothing covers a top-p step
                 raise RuntimeError("operation not permitted when stream is capturing")
             super()._capture_variant(variant)
 
@@ -215,6 +245,59 @@ def test_a_missing_variant_runs_eagerly_and_logs_once(monkeypatch, caplog):
     assert runner.eager_steps > 1 and _replayed(eng, "stock") == {DEFAULT_VARIANT}
     eager_lines = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert len(eager_lines) == 1 and "top-p" in eager_lines[0].getMessage()
+
+
+PROCESSED_PROMPTS = [[5, 17, 300, 42], [101, 9], [7, 7, 7, 480, 2], [33, 34]]
+PROCESSED_ROWS = [  # each field in a replayed step, beside a greedy and a top-p row
+    {},
+    dict(temperature=1.0, top_p=0.9, top_k=5, repetition_penalty=1.3),
+    dict(logit_bias={13: 100.0, 7: -100.0}),  # greedy: the +100 bias wins every step
+    dict(temperature=0.8, min_p=0.2, frequency_penalty=0.5, presence_penalty=0.3),
+]
+
+
+def _processed_batch(rows=PROCESSED_ROWS, max_new: int = 5) -> list[Request]:
+    return [Request(list(p), max_new_tokens=max_new, seed=3 + i, **kw)
+            for i, (p, kw) in enumerate(zip(PROCESSED_PROMPTS, rows))]
+
+
+@pytest.mark.parametrize("mode", ["stock", "target_only"])
+def test_processed_rows_replay_the_processed_graph(monkeypatch, mode):
+    """Steps with processed rows replay the processed graph -- captured over dummy rows, so it runs with no host
+    fact of its rows -- and emit the eager engine's tokens, through ``generate`` and ``run_step``; no step runs
+    eagerly (before: every step with a processed row did, and so did its neighbours)."""
+    _fast_eager_kernels(monkeypatch)
+    eager = _engine(monkeypatch, graphs=False)
+    graphed = _engine(monkeypatch, graphs=True)
+    want = [r.output_ids for r in eager.generate(_processed_batch(), mode)[0]]
+    assert want[2] == [13] * 5  # the fields act
+    got = [r.output_ids for r in graphed.generate(_processed_batch(), mode)[0]]
+    runner = graphed.runner(mode)
+    assert got == want
+    assert PROCESSED_TOP_P_VARIANT in _replayed(graphed, mode) and runner.eager_steps == 0
+    assert runner.captured(PROCESSED_TOP_P_VARIANT) == [1, 2, 4]
+    runner.replays.clear()
+    assert _serve(graphed, _processed_batch(), mode) == want
+    assert PROCESSED_TOP_P_VARIANT in _replayed(graphed, mode) and runner.eager_steps == 0
+
+
+def test_a_wide_top_k_row_runs_its_steps_eagerly_and_logs_once(monkeypatch, caplog):
+    """``top_k`` above the captured exchange width (128) is the one field kept eager: its steps run eagerly with
+    the eager engine's tokens, logged once; the other processed steps still replay."""
+    _fast_eager_kernels(monkeypatch)
+    eager = _engine(monkeypatch, graphs=False)
+    graphed = _engine(monkeypatch, graphs=True)
+    rows = [dict(temperature=1.0, top_k=200), dict(temperature=1.0, top_k=7)]
+    want = [r.output_ids for r in eager.generate(_processed_batch(rows, 3), "stock")[0]]
+    with caplog.at_level("WARNING", logger="tensorrt_llm_ext"):
+        got = [r.output_ids for r in graphed.generate(_processed_batch(rows, 3), "stock")[0]]
+        graphed.generate(_processed_batch(rows, 3), "stock")
+    assert got == want and graphed.runner("stock").eager_steps > 1
+    lines = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(lines) == 1 and "wide-top-k" in lines[0], lines
+    graphed.runner("stock").replays.clear()
+    graphed.generate(_processed_batch(rows[1:], 3), "stock")
+    assert _replayed(graphed, "stock") == {PROCESSED_TOP_P_VARIANT}
 
 
 def test_the_old_rule_is_refused_not_replayed(monkeypatch):
@@ -245,7 +328,7 @@ def test_set_rows_refuses_a_variant_that_does_not_cover_the_rows(monkeypatch):
     w.set_rows([0], 2)
     assert w.step_variant == TOP_P_VARIANT
     greedy_only = eng.worker("stock", sampling=False)
-    assert greedy_only.step_variants == (DEFAULT_VARIANT,)
+    assert greedy_only.step_variants == (DEFAULT_VARIANT, PROCESSED_VARIANT)
     with pytest.raises(ValueError, match="does not serve these rows"):
         greedy_only.set_rows([], 1, variant=TOP_P_VARIANT)
     eng.pages.free(0)
@@ -284,7 +367,7 @@ def test_gpu_top_p_tiny_equals_greedy_under_graphs(mode, rejection):
 @pytest.mark.parametrize("rejection", [False, True])
 def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     """Greedy, top-p (0.9) and plain sampled rows in one batch: graph replay emits the eager engine's tokens,
-    through ``generate`` and ``run_step``; every step replayed (top-p variant)."""
+    through ``generate``, ``run_step`` and the overlap scheduler; every step replayed (top-p variant)."""
     over = {"speculative_config.use_rejection_sampling": rejection}
     eng = _gpu_engine(**over)
     eager = Engine(eng.config, use_cuda_graph=False)
@@ -294,9 +377,41 @@ def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     got = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
     assert got == want
     assert _serve(eng, reqs, "speculative") == want
+    assert _serve(eng, reqs, "speculative", overlap=True) == want  # asynchronous launch, pinned copies, events
     assert TOP_P_VARIANT in _replayed(eng, "speculative") and eng.runner("speculative").eager_steps == 0
     runner = eng.runner("speculative")
     assert runner.captured(DEFAULT_VARIANT) == runner.captured(TOP_P_VARIANT) == [1, 2, 4, 8, 16]
+
+
+GPU_PROCESSED_ROWS = [  # every field, greedy and sampled, beside unprocessed greedy / top-p rows
+    {}, dict(temperature=1.0, top_p=0.9),
+    dict(repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4),
+    dict(temperature=1.2, top_k=20, min_p=0.05, logit_bias={9: 2.0, 40: -5.0}),
+    dict(logit_bias={13: 100.0}),
+    dict(temperature=0.9, top_p=0.8, top_k=3, repetition_penalty=1.2),
+    dict(temperature=1.0, min_p=0.3, frequency_penalty=-0.5),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("mode,rejection", [("speculative", False), ("speculative", True), ("target_only", False)])
+def test_gpu_processed_rows_replay_and_equal_eager(mode, rejection):
+    """Real graphs: steps with processed rows (every field, greedy and sampled, beside greedy and top-p rows)
+    replay the processed graph -- no step runs eagerly -- and emit the eager engine's tokens, through
+    ``generate`` and ``run_step`` (serve's loop)."""
+    eng = _gpu_engine(**{"speculative_config.use_rejection_sampling": rejection})
+    eager = Engine(eng.config, use_cuda_graph=False)
+    reqs = [Request([3 + i, 40 * i + 1, 7], max_new_tokens=12 + 3 * i, seed=i, **row)
+            for i, row in enumerate(GPU_PROCESSED_ROWS)]
+    want = [r.output_ids for r in eager.generate(reqs, mode)[0]]
+    assert want[4] == [13] * len(want[4])  # the fields act
+    runner = eng.runner(mode)
+    runner.replays.clear()
+    got = [r.output_ids for r in eng.generate(reqs, mode)[0]]
+    assert got == want
+    assert PROCESSED_TOP_P_VARIANT in _replayed(eng, mode) and runner.eager_steps == 0
+    assert runner.captured(PROCESSED_TOP_P_VARIANT) == [1, 2, 4, 8, 16]
+    assert _serve(eng, reqs, mode) == want and runner.eager_steps == 0
 
 
 # ---------------------------------------------------------------------------------------------------

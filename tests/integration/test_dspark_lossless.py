@@ -255,7 +255,7 @@ def test_cuda_graph_lossless_across_batch_sizes_with_padding():
 def test_cuda_graph_capture_restores_state():
     eng = _graph_engine("bfloat16", [1, 4])
     before = [t.clone() for t in eng.state.mutable_tensors()]
-    eng.runner("speculative")  # captures (both variants)
+    eng.runner("speculative")  # captures (every variant)
     eng.runner("target_only")
     after = eng.state.mutable_tensors()
     assert all(torch.equal(a, b) for a, b in zip(before, after))

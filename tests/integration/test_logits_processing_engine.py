@@ -120,14 +120,16 @@ def test_rejection_sampling_keeps_the_processed_distribution():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rejection", [False, True])
 def test_cuda_processed_rows_beside_captured_steps(rejection):
-    """On the GPU in bf16 with CUDA graphs: processed steps run eagerly beside captured default steps, and the
-    speculative decode is the target decode's (strict: every row; rejection sampling: the greedy rows)."""
+    """On the GPU in bf16 with CUDA graphs: processed steps replay the processed graph (none runs eagerly) beside
+    replayed default steps, and the speculative decode is the target decode's (strict: every row; rejection
+    sampling: the greedy rows)."""
     cfg = load_config(**{**SMALL, **(RS if rejection else {}), "model.dtype": "bfloat16",
-                         "cuda_graph_config.batch_sizes": [1, 2, 4, 8]})
+                         "max_batch_size": 8, "cuda_graph_config.batch_sizes": [1, 2, 4, 8]})
     eng = Engine(cfg, use_cuda_graph=True)
     spec, _ = eng.generate(_requests(), "speculative")
     ref, _ = eng.generate(_requests(), "target_only")
     assert eng._runners, "no graphs captured"
+    assert eng.runner("speculative").eager_steps == 0 and eng.runner("target_only").eager_steps == 0
     rows = (0, 2, 4) if rejection else range(len(ROWS))
     assert [spec[i].output_ids for i in rows] == [ref[i].output_ids for i in rows]
     assert spec[4].output_ids == [13] * MAX_NEW

@@ -7,6 +7,8 @@ Scheduler level (what every rank of a server applies), on a tiny model; the HTTP
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
@@ -52,8 +54,16 @@ def test_fp32_boundary_normalises_top_p_and_refuses_an_overflowing_temperature()
     assert Request([1], 2, top_p=1e-300).sampling_top_p == MIN_TOP_P
     assert Request([1], 2, top_p=0.25).sampling_top_p == 0.25
     Request([1], 2, temperature=FP32_MAX, top_p=1e-46).validate(10, 10)
-    with pytest.raises(RequestError, match="temperature 1e\\+39 overflows fp32"):
+    with pytest.raises(RequestError, match="temperature: 1e\\+39 overflows fp32"):
         Request([1], 2, temperature=1e39).validate(10, 10)
+    # A divisor that is 0 or inf in fp32 (1e39 raised a RuntimeError in the prefill and killed the engine) and
+    # a top_k past int64 (an OverflowError there): refused by name.
+    for value, got in ((1e39, "inf"), (1e-46, "0")):
+        with pytest.raises(RequestError, match=re.escape(f"repetition_penalty {value!r} is {got} in fp32")):
+            Request([1], 2, repetition_penalty=value).validate(10, 10)
+    with pytest.raises(RequestError, match="top_k 1180591620717411303424 does not fit int64"):
+        Request([1], 2, temperature=1.0, top_k=2**70).validate(10, 10)
+    Request([1], 2, temperature=1.0, top_k=2**62, repetition_penalty=1e-30).validate(10, 10)
 
 
 def test_underflowing_top_p_is_served_as_the_top_token(engine):
@@ -140,7 +150,7 @@ def test_step_error_names_the_request_that_fails_validation(engine):
     sch._live[1].request.top_p = 0.0  # what a layer below refuses; validation now refuses it too
     events, _ = sch.apply(StepPlan())
     by = {e.handle: e for e in events}
-    assert by[1].request_fault and "top_p must be a number in (0, 1], got 0.0" in by[1].error
+    assert by[1].request_fault and "top_p: expected a number in (0, 1], got 0.0" in by[1].error
     assert not by[0].request_fault and "aborted by requests [1]" in by[0].error
     assert sch.num_active == 0 and engine.slots.num_free == engine.slots.num_slots
 

@@ -69,6 +69,9 @@ def test_top_p_that_is_zero_in_fp32_is_served_and_the_engine_lives(server):
     hot = _post(server, {"prompt": [1, 9, 17], "max_tokens": 3, "temperature": 1e39})
     assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
     assert "overflows fp32" in hot.json()["error"]["message"]
+    for field, value in (("repetition_penalty", 1e39), ("repetition_penalty", 1e-46), ("top_k", 2**70)):
+        r = _post(server, {"prompt": [1, 9, 17], "max_tokens": 3, "temperature": 1.0, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     _healthy(server)
 
 
@@ -232,18 +235,18 @@ def test_second_sigint_during_the_drain_ends_every_stream_cleanly_and_exits_130(
         server.stop(10)
     log = server.log()
     assert rc == 130 and "Traceback" not in log and "CancelledError" not in log, log[-3000:]
-    assert "a second SIGINT during the drain" in log and took < 30
+    assert "a second stop signal (SIGINT) during the drain" in log and took < 30
     ended = 0
     for r in results[:6]:
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:
-            assert "a second SIGINT ended the request" in r.json()["error"]["message"]
+            assert "a second stop signal (SIGINT) ended the request" in r.json()["error"]["message"]
             ended += 1
     for lines in results[6:]:
         assert lines[-1] == "[DONE]", lines[-3:]
         last = json.loads(lines[-2])
         if "error" in last:
-            assert last["error"]["code"] == 503 and "second SIGINT" in last["error"]["message"]
+            assert last["error"]["code"] == 503 and "second stop signal (SIGINT)" in last["error"]["message"]
             ended += 1
         else:
             assert last["choices"][0]["finish_reason"] == "length"

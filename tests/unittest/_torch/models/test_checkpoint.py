@@ -13,7 +13,7 @@ from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint_facts
 from tensorrt_llm_ext.testing.hf_checkpoints import load_target, target_logits
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
-from tensorrt_llm_ext.runtime.engine import full_state_dicts
+from tensorrt_llm_ext.runtime.model_loader import full_state_dicts
 from tensorrt_llm_ext.runtime.export import export_model
 
 TINY = {
@@ -252,7 +252,7 @@ def test_checkpoint_facts_missing_and_malformed_files(tmp_path, caplog):
 
 def test_bf16_checkpoint_dtype_is_a_fact_and_its_cast_is_logged(tmp_path, caplog, monkeypatch):
     from tensorrt_llm_ext import logger as ext_logger
-    from tensorrt_llm_ext.runtime.engine import build_models
+    from tensorrt_llm_ext.runtime.model_loader import build_models
 
     monkeypatch.setattr(ext_logger, "_seen_once", set())  # earlier tests may have logged the line already
     d = tmp_path / "bf16"
@@ -268,7 +268,8 @@ def test_bf16_checkpoint_dtype_is_a_fact_and_its_cast_is_logged(tmp_path, caplog
 
 def test_a_build_reads_the_checkpoint_facts_once(tmp_path, monkeypatch):
     from tensorrt_llm_ext.models import checkpoint
-    from tensorrt_llm_ext.runtime.engine import build_models, checkpoint_eos_ids
+    from tensorrt_llm_ext.runtime.engine import checkpoint_eos_ids
+    from tensorrt_llm_ext.runtime.model_loader import build_models
     from tensorrt_llm_ext.runtime.server import served_model_name
 
     d = tmp_path / "tiny"

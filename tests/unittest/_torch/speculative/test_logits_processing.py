@@ -113,3 +113,55 @@ def test_bad_fields_name_themselves():
                     (LogitsProcessing(logit_bias=((1, 1.0), (1, 2.0))), "distinct")):
         with pytest.raises(ValueError, match=word):
             f.check(V)
+
+
+def _bitwise(got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_the_captured_step_needs_no_host_fact_of_its_rows(seed):
+    """What a CUDA graph records: ``apply`` with no host knowledge of the rows (the capture's empty slot list)
+    computes every row's reference bit for bit -- the ops do not depend on which fields the rows use. Rows with
+    ``top_k`` above the captured exchange width are the one exception: the step says so (wide top-k) and sizes
+    the exchange by its rows."""
+    logits, history, drafts = _case(seed)
+    logits[5, :] = float("-inf")  # a -inf row
+    logits[9, 3] = float("nan")  # a NaN entry
+    rows = torch.arange(len(FIELDS)).repeat_interleave(K + 1)
+    temps = torch.tensor(TEMPS).repeat_interleave(K + 1)
+    want = _reference(logits, history, drafts, TEMPS)
+    proc, slots = _processors(history)
+    assert not proc.wide_top_k(slots) and proc.top_k_width(slots) == proc.captured_top_k
+    _bitwise(proc.apply(logits, [], rows, temps, drafts), want)
+    narrow = SlotLogitsProcessors(len(FIELDS) + 1, 0, V, V, "cpu", captured_top_k=2)
+    narrow.assign(slots, FIELDS, PROMPTS)
+    for b, h in enumerate(history):
+        if h:
+            narrow.record(slots, torch.tensor([b]), torch.tensor([h]), torch.tensor([len(h)]))
+    assert narrow.wide_top_k(slots) and narrow.top_k_width(slots) == 4  # top_k=4 > 2; top_k=V+5 limits nothing
+    assert not narrow.wide_top_k([0, 1, 2, 4, 5, 6])
+    _bitwise(narrow.apply(logits, slots, rows, temps, drafts), want)
+    with pytest.raises(ValueError, match="captured_top_k"):
+        SlotLogitsProcessors(2, 0, V, V, "cpu", captured_top_k=0)
+
+
+def test_slots_without_penalties_ignore_their_counts():
+    """Once the count tables exist every slot's tokens are counted (the step has no per-row branch); a slot
+    without penalties reads them with identity values, so its row stays bit for bit unprocessed."""
+    logits, _, drafts = _case(6)
+    fields = [LogitsProcessing(), LogitsProcessing(logit_bias=((2, 1.0),)), LogitsProcessing(top_k=3)]
+    proc = SlotLogitsProcessors(4, 0, V, V, "cpu")
+    proc.assign([0, 1, 2], fields, [[1], [2], [3]])
+    assert proc.counts is None  # no penalty yet: nothing counted, nothing allocated
+    rows = torch.arange(3).repeat_interleave(K + 1)
+    x = logits[:3 * (K + 1)]
+    temps = torch.tensor([1.0, 0.5, 1.0]).repeat_interleave(K + 1)
+    first = proc.apply(x, [], rows, temps, drafts[:3])
+    assert proc.counts is not None  # the first processed step makes the tables (outside any capture)
+    proc.record([0, 1, 2], torch.arange(3), torch.randint(0, V, (3, 6)), torch.tensor([6, 6, 6]))
+    assert proc.counts.sum() == 18
+    assert torch.equal(proc.apply(x, [], rows, temps, drafts[:3]), first)
+    want = process_reference(x, [f for f in fields for _ in range(K + 1)], temps.tolist(),
+                             [[]] * (3 * (K + 1)), [[]] * (3 * (K + 1)))
+    assert torch.equal(first, want)

@@ -714,3 +714,19 @@ def test_gpu_sweep_grid_schedules_bitwise(block_b):
         o1, t1 = markov_chain_logits(base[one].contiguous(), anchors[one].contiguous(), w1, w2, mode="fused",
                                      config=cfg, **{k: v[one].contiguous() for k, v in kw.items()})
         assert torch.equal(t1, ref[1][one]) and bits_equal(o1, ref[0][one]), cfg.describe()
+
+
+@pytest.mark.parametrize("r,elem_bytes", [(256, 2), (256, 4), (576, 2), (576, 4), (1000, 4)])
+def test_fused_config_fits_shared_memory(r, elem_bytes):
+    """The table's schedule is kept where it fits (r = 256, the rank it was measured at) and otherwise loses
+    pipeline stages, then column width, until its pipelined tiles fit: a 576-wide target's fp32 Markov
+    weights asked 320 KiB of the H200's 227 KiB per block. The row tile (the bits) never changes."""
+    from tensorrt_llm_ext.kernels.markov_fused_step import FUSED_SMEM_BYTES, FUSED_SCHEDULES, fit_shared_memory
+
+    table = FUSED_SCHEDULES[0].config(132)
+    cfg = fit_shared_memory(table, r, elem_bytes)
+    block_r = max(16, 1 << (r - 1).bit_length())
+    assert cfg.num_stages * (cfg.block_n + cfg.block_b) * block_r * elem_bytes <= FUSED_SMEM_BYTES
+    assert cfg.block_b == table.block_b and cfg.programs == table.programs and cfg.num_warps == table.num_warps
+    need = table.num_stages * (table.block_n + table.block_b) * block_r * elem_bytes
+    assert (cfg == table) == (need <= FUSED_SMEM_BYTES)
