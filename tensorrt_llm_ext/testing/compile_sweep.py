@@ -58,6 +58,9 @@ ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
     AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("BLOCK_B=16", "IS_FIRST=True", "SAMPLE=True"),
                   16, "4 B stored / 4 B loaded under Triton 3.7.1 only (none under 3.6.0): first step of a "
                   "sampled chain; left to the kernel's owner"),
+    AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("R=576",), 70_000,
+                  "a 576-wide target's Markov rank (r pads to 1024): ~300 B at 255 registers with bf16 weights, "
+                  "~30 KB with fp32 ones (found when that sweep row landed); left to the kernel's owner"),
     AcceptedSpill(_KM + "rejection_sample:_rejection_draw_kernel", ("HAS_P=True",), 32,
                   "12 B stored / 12 B loaded under Triton 3.6.0 only (none under 3.7.1), top-p rows; left to "
                   "the kernel's owner"),
