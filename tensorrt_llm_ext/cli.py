@@ -100,6 +100,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _print_paths(paths)
+
+
+def _print_paths(paths) -> int:
+    """Print what a command wrote, one ``what: path`` per line; exit code 0."""
     for what, path in paths:
         print(f"{what}: {path}")
     return 0
@@ -113,9 +118,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     except (ImportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for what, path in paths:
-        print(f"{what}: {path}")
-    return 0
+    return _print_paths(paths)
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:

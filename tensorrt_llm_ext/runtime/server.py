@@ -500,12 +500,16 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)
 
-    @app.post("/tokenize")
-    async def tokenize(http: HttpRequest):
+    async def answer_off_loop(http: HttpRequest, handler):
+        """Read the body (499 if the client left) and answer it with ``handler`` on the worker pool."""
         raw = await read_body(http)
         if raw is None:
             return Response(status_code=499)
-        return await off_loop(tokenize_body, raw)
+        return await off_loop(handler, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        return await answer_off_loop(http, tokenize_body)
 
     def tokenize_body(raw: bytes) -> dict:
         body = parse_body(raw, TokenizeRequest, ctx.limits)
@@ -523,10 +527,7 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
 
     @app.post("/detokenize")
     async def detokenize(http: HttpRequest):
-        raw = await read_body(http)
-        if raw is None:
-            return Response(status_code=499)
-        return await off_loop(detokenize_body, raw)
+        return await answer_off_loop(http, detokenize_body)
 
     def detokenize_body(raw: bytes) -> dict:
         body = parse_body(raw, DetokenizeRequest, ctx.limits)
