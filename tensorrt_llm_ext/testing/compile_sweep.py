@@ -54,7 +54,7 @@ _KM = "tensorrt_llm_ext.kernels."
 ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
     AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("W_KIND=0", "BLOCK_B=64"), 90_000,
                   "the 64-row tile with fp32 weights (20-28 KB stored): BLOCK_B=64 is built and tested but in no "
-                  "schedule-table row (not measured); measure or rework before a row uses it"),
+                  "schedule-table row (no H200 timing of it yet); time or rework it before a row uses it"),
     AcceptedSpill(_KM + "markov_fused_step:_markov_fused_step_kernel", ("BLOCK_B=16", "IS_FIRST=True", "SAMPLE=True"),
                   16, "4 B stored / 4 B loaded under Triton 3.7.1 only (none under 3.6.0): first step of a "
                   "sampled chain; left to the kernel's owner"),
