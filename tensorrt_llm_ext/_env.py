@@ -27,13 +27,18 @@ class _Env:
     log_level: str
     # Set by `trtllm-ext serve --tp N` on the ranks it launches through mpiexec.
     serve_rank: bool = False
+    # TLLM_EXT_CHECK_VALUES=1: the kernel entry points read their per-row values back from the device and refuse
+    # bad ones (FlashInfer's opt-in checks); off in serving, where SamplingParams.check already ran. Tests turn
+    # it on (tests/conftest.py).
+    check_values: bool = False
     # `trtllm-ext serve`'s API key when --api-key is not given (vLLM's VLLM_API_KEY); never logged.
     api_key: str | None = field(default=None, repr=False)
     errors: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
-                f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}")
+                f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
+                f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}")
 
 
 def _read() -> _Env:
@@ -55,6 +60,7 @@ def _read() -> _Env:
         collective_timeout_s=timeout,
         log_level=level,
         serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
+        check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
         api_key=os.environ.get("TLLM_EXT_API_KEY") or None,
         errors=tuple(errors),
     )

@@ -26,10 +26,11 @@ from the request's block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import math
+import secrets
 
 import torch
 
@@ -47,6 +48,10 @@ FP32_MIN_NORMAL = 2.0 ** -126  # torch.finfo(torch.float32).tiny: below it a val
 MIN_TOP_P = FP32_MIN_NORMAL
 
 
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries per request (a slot holds this many)
+_NO_LIMIT_TOP_K = -1  # vLLM's "no limit"; 0 means the same and is what a SamplingParams holds
+
+
 def _fp32(x: float) -> float:
     """``x`` as a slot holds it (fp32): the effective-temperature rule decides on this value, as the device does."""
     return float(torch.tensor(float(x), dtype=torch.float32))
@@ -56,12 +61,22 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def sampling_problem(name: str, value) -> str | None:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    """Compared, never converted: an int past 1e308 has no float (``math.isfinite`` would raise on it)."""
+    return isinstance(v, int) or math.isfinite(v)
+
+
+def sampling_problem(name: str, value, vocab_size: int | None = None) -> str | None:
     """What is wrong with one :class:`SamplingParams` field's value (``"expected ..., got ..."``), None when it
-    is valid. The one wording of these rules: the HTTP protocol, requests, the CLI and the benchmarks say it
-    under their own name for the field (``temperature``, ``--top-p``, ...)."""
+    is valid: the one rule of each field. The HTTP protocol, requests, the CLI and the benchmarks say it under
+    their own name for the field (``temperature``, ``--top-p``, ...). ``logit_bias`` is a sequence of
+    ``(token id, bias)`` pairs; its ids are checked against ``vocab_size`` when it is given."""
     if name == "temperature":
-        if not (_is_number(value) and value >= 0 and (isinstance(value, int) or math.isfinite(value))):
+        if not (_is_number(value) and value >= 0 and _finite(value)):
             return f"expected a finite number >= 0 (0 = greedy), got {value!r}"
         if value > FP32_MAX:
             return f"{value!r} overflows fp32, the engine's precision (at most {FP32_MAX:.6g})"
@@ -69,35 +84,100 @@ def sampling_problem(name: str, value) -> str | None:
         if not (_is_number(value) and 0 < value <= 1):  # NaN fails too
             return f"expected a number in (0, 1], got {value!r}"
     elif name == "seed":
-        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63):
+        if not (_is_int(value) and 0 <= value < 2**63):
             return f"expected an int in [0, 2^63), got {value!r}"
+    elif name == "top_k":
+        if not (_is_int(value) and _NO_LIMIT_TOP_K <= value < 2**63):  # the slot holds it as int64
+            return f"expected -1 or 0 (no limit) or a positive count below 2^63, got {value!r}"
+    elif name == "min_p":
+        if not (_is_number(value) and 0 <= value <= 1):
+            return f"expected a number in [0, 1], got {value!r}"
+    elif name in ("presence_penalty", "frequency_penalty"):
+        if not (_is_number(value) and -2 <= value <= 2):
+            return f"expected a number in [-2, 2], got {value!r}"
+    elif name == "repetition_penalty":
+        if not (_is_number(value) and value > 0 and _finite(value)):
+            return f"expected a finite number > 0, got {value!r}"
+        if not FP32_MIN_NORMAL <= value <= FP32_MAX:  # a divisor: 0 or inf in fp32
+            return (f"{value!r} is {'0' if value < 1 else 'inf'} in fp32, the engine's precision (expected "
+                    f"{FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
+    elif name == "logit_bias":
+        return _logit_bias_problem(value, vocab_size)
     else:
-        raise ValueError(f"sampling_problem: expected temperature, top_p or seed, got {name!r}")
+        raise ValueError(f"sampling_problem: expected a SamplingParams field, got {name!r}")
+    return None
+
+
+def _logit_bias_problem(pairs, vocab_size: int | None) -> str | None:
+    if not isinstance(pairs, (tuple, list)) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+        return f"expected (token id, bias) pairs, got {type(pairs).__name__}"
+    if len(pairs) > MAX_LOGIT_BIAS:
+        return f"expected at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}"
+    ids = [t for t, _ in pairs]
+    if not all(_is_int(t) for t in ids) or len(set(ids)) != len(ids):
+        return "expected distinct int token ids"
+    bad = [t for t in ids if t < 0 or vocab_size is not None and t >= vocab_size]
+    if bad:
+        return f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+    odd = [(t, b) for t, b in pairs if not (_is_number(b) and -100 <= b <= 100)]
+    if odd:
+        return f"expected biases in [-100, 100], got {odd[0][1]!r} for token {odd[0][0]}"
     return None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request's tokens are drawn: its temperature, top-p set and seed (refused with a ``ValueError``
-    naming the field when out of range, see :func:`sampling_problem`).
+    """How one request's tokens are drawn (TensorRT-LLM's and vLLM's ``SamplingParams``): built once where the
+    request enters (``_Sampling.to_sampling_params()`` for HTTP, the flags for the CLI) and handed as this one
+    object to the slot that serves it.
 
     ``temperature`` 0 is greedy (the argmax); a sampled request draws keyed Gumbel-max at its
     :attr:`effective_temperature`, the token at absolute position ``p`` with Philox key ``(seed, offset=p)``,
     so a draw is reproducible and the same on the speculative path and the target's own decode. ``top_p``
     in ``(0, 1]`` restricts a sampled request to the target's exact top-p set (1: no restriction; a greedy
-    request ignores it). A slot holds these in fp32, so the rules and the checks decide in fp32: a temperature
-    beyond fp32 is refused, a top-p below the smallest normal fp32 is served as :data:`MIN_TOP_P`.
+    request ignores it). Logits processing (vLLM's fields, applied in this order before top-p, see
+    :mod:`tensorrt_llm_ext.speculative.logits_processing`): ``logit_bias`` (sorted ``(token id, bias)`` pairs),
+    ``repetition_penalty`` (1: none), ``frequency_penalty`` / ``presence_penalty`` (0: none) for every request;
+    ``min_p`` (0: none) and ``top_k`` (0: no limit; -1 is taken as 0) for sampled ones.
+
+    A slot holds these in fp32, so the rules decide in fp32: a temperature beyond fp32 is refused, a top-p
+    below the smallest normal fp32 is served as :data:`MIN_TOP_P`. :meth:`check` is the one check: a value
+    outside its field's rule (:func:`sampling_problem`) is a ``ValueError`` naming the field. Construction only
+    normalises (``top_k`` -1 -> 0, a ``logit_bias`` dict -> sorted pairs), so a request holding a bad value
+    can still reach admission and be refused there, alone.
+
+    Example::
+
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3, logit_bias={50256: -100})
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "seed"):
-            problem = sampling_problem(name, getattr(self, name))
+        bias = self.logit_bias
+        if isinstance(bias, dict):  # {id: bias} as OpenAI writes it -> sorted pairs
+            bias = tuple(sorted(bias.items(), key=lambda kv: kv[0] if _is_int(kv[0]) else -1))
+        elif isinstance(bias, list):
+            bias = tuple(tuple(p) if isinstance(p, list) else p for p in bias)
+        object.__setattr__(self, "logit_bias", bias)
+        if self.top_k == _NO_LIMIT_TOP_K:
+            object.__setattr__(self, "top_k", 0)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError("field: problem")`` for the first field outside its rule (logit_bias ids against
+        ``vocab_size`` when given)."""
+        for f in fields(self):
+            problem = sampling_problem(f.name, getattr(self, f.name), vocab_size)
             if problem is not None:
-                raise ValueError(f"{name}: {problem}")
+                raise ValueError(f"{f.name}: {problem}")
 
     @property
     def effective_temperature(self) -> float:
@@ -117,8 +197,45 @@ class SamplingParams:
 
     @property
     def restricts_top_p(self) -> bool:
-        """Whether a top-p set applies: a sampled request with ``top_p < 1``."""
+        """Whether a top-p set applies: a sampled request with ``top_p < 1`` (the top-p step variant)."""
         return not self.is_greedy and self.top_p < 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a processing field is set (the processed step variant); top-p is not processing."""
+        return self.processing() != SamplingParams().processing()
+
+    @property
+    def uses_counts(self) -> bool:
+        """Whether the token history matters (a penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def processing(self) -> tuple:
+        """The logits-processing fields, in their order (what the processed variant reads)."""
+        return (self.logit_bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+                self.min_p, self.top_k)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed``; choice ``k``
+        draws with a seed mixed from ``(seed, k)`` (SplitMix64), so the choices of one request share no
+        stream with each other or with the requests of neighbouring seeds."""
+        if index == 0:
+            return self
+        return replace(self, seed=_mix_seed(self.seed, index))
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """SplitMix64's finaliser over ``seed + index * golden``: a well-mixed seed in ``[0, 2^63)``."""
+    m = (1 << 64) - 1
+    z = (seed + index * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) >> 1
+
+
+def fresh_seed() -> int:
+    """A seed for a request that gave none (vLLM: an unseeded request is random), in ``[0, 2^63)``."""
+    return secrets.randbits(63)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 # A rank waiting for a peer that died raises instead of hanging (torch.distributed timeout).
 os.environ.setdefault("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "60")
+# The kernel entry points read their per-row values back and refuse bad ones (opt-in: off in serving).
+os.environ.setdefault("TLLM_EXT_CHECK_VALUES", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 _bindir = os.path.dirname(sys.executable)

@@ -55,6 +55,7 @@ def bigram_view(model_dir: Path, work: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
     from tensorrt_llm_ext.training.prompts import prompt_token_ids
 
@@ -77,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config(model_dir=str(model if variant == "trained" else bigram_view(model, work)), **overrides)
             engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
             for name in args.samplings:
-                reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens, seed=args.seed + i,
-                                **SAMPLINGS[name]) for i, p in enumerate(prompts)]
+                reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens,
+                                sampling=SamplingParams(seed=args.seed + i, **SAMPLINGS[name]))
+                        for i, p in enumerate(prompts)]
                 t0 = time.perf_counter()
                 results, stats = engine.generate(reqs)
                 wall = time.perf_counter() - t0

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def setup_rows(eng, b: int, prompt_len: int, worker=None, temperature: float = 0
     for slot in slots:
         eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
     prompts = [[(slot * 7919 + i * 104729) % eng.vocab_size for i in range(prompt_len)] for slot in slots]
-    w.prefill_batch(slots, prompts, [temperature] * b, [1000 + s for s in slots], top_ps=[top_p] * b)
+    w.prefill_batch(slots, prompts, [SamplingParams(temperature, top_p, seed=1000 + s) for s in slots])
     return eng.state.ctx_lens.clone()
 
 

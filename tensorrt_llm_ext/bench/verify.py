@@ -211,6 +211,7 @@ def acceptance(args: argparse.Namespace) -> None:
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.launch import DEFAULT_PROMPTS
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
     temps = [float(x) for x in args.temperatures.split(",")]
@@ -221,7 +222,8 @@ def acceptance(args: argparse.Namespace) -> None:
     rows = []
     engines = {rs: Engine(load_config(**{"speculative_config.use_rejection_sampling": rs})) for rs in (False, True)}
     for t in temps:
-        reqs = [Request(list(p), max_new_tokens=args.max_new_tokens, temperature=t, seed=1000 * s + i)
+        reqs = [Request(list(p), max_new_tokens=args.max_new_tokens,
+                        sampling=SamplingParams(temperature=t, seed=1000 * s + i))
                 for s in range(args.seeds) for i, p in enumerate(prompts)]
         mal = {rs: engines[rs].generate(reqs, mode)[1].mean_acceptance_length for rs in (False, True)}
         rows.append([t, len(reqs), fmt(mal[False], 3), fmt(mal[True], 3), fmt(mal[True] / mal[False], 2)])

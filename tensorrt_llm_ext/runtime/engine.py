@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.distributed.agree import gather_objects
 from tensorrt_llm_ext.logger import log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
@@ -260,10 +261,7 @@ class Engine:
             if admitted:  # every request admitted this iteration: one batched prefill
                 prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
                 toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
-                               [a.request.sampling_temperature for a in admitted],
-                               [a.request.seed for a in admitted],
-                               top_ps=[a.request.sampling_top_p for a in admitted],
-                               processing=[a.request.processing() for a in admitted])
+                               [a.request.sampling for a in admitted])
                 for a, tok in zip(admitted, toks):
                     active[a.slot] = a
                     if self._append(a, [tok]):
@@ -300,12 +298,8 @@ class Engine:
         self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
                                                self.state.page_size))
         if mode == "target_only":
-            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
-                                                       [request.sampling_temperature], [request.seed],
-                                                       top_ps=[request.sampling_top_p],
-                                                       processing=[request.processing()])[0]
-        return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling_temperature, request.seed,
-                                         top_p=request.sampling_top_p, processing=request.processing())
+            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)], [request.sampling])[0]
+        return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling)
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
         """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
@@ -346,8 +340,9 @@ class Engine:
         dev = logits.device
         x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
-                            torch.tensor([r.sampling_temperature for r in requests], dtype=torch.float32, device=dev),
-                            torch.tensor([r.sampling_top_p for r in requests], dtype=torch.float32, device=dev),
+                            torch.tensor([r.sampling.effective_temperature for r in requests], dtype=torch.float32,
+                                         device=dev),
+                            torch.tensor([r.sampling.effective_top_p for r in requests], dtype=torch.float32, device=dev),
                             max(r.logprobs for r in requests), head=worker.token_selector.target_head,
                             top_p_keep=worker.ops.top_p_keep)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
@@ -460,15 +455,19 @@ class Engine:
         (an abort inside the collective library) or sample with different parameters (tokens matching no
         rank's request). One small CPU all-gather per ``generate()`` call, where the batch is set up --
         nothing is added to the step. Every field of :class:`Request` is compared (prompt, max tokens,
-        stop ids, temperature, top-p, seed, request id, and any field added later). Raises ``ValueError``
+        stop ids, every SamplingParams field, request id, and any field added later). Raises ``ValueError``
         on every rank, naming each rank's batch and the fields that differ.
         """
-        names = [f.name for f in dataclasses.fields(Request)]
+        # The request's fields, its SamplingParams' one by one (so a mismatch names top_p, not sampling).
+        own = [f.name for f in dataclasses.fields(Request) if f.name != "sampling"]
+        drawn = [f.name for f in dataclasses.fields(SamplingParams)]
+        names = own + drawn
 
         def sig(r) -> tuple:
             if not isinstance(r, Request):
                 return (type(r).__name__,)
-            return tuple(repr(getattr(r, n)) for n in names)
+            s = r.sampling if isinstance(r.sampling, SamplingParams) else SamplingParams(seed=repr(r.sampling))
+            return tuple(repr(getattr(r, n)) for n in own) + tuple(repr(getattr(s, n)) for n in drawn)
 
         def digest(x) -> str:
             return hashlib.sha256(repr(x).encode()).hexdigest()

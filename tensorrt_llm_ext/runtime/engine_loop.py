@@ -19,9 +19,10 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Event, Scheduler, StepPlan
 
 HEARTBEAT_S = 0.5
@@ -143,10 +144,9 @@ class PlanChannel:
             return plan
         import torch.distributed as dist
 
-        box = [asdict(plan) if plan is not None else None]
+        box = [plan]  # the plan itself, its Request objects included (pickled by the broadcast)
         dist.broadcast_object_list(box, src=self.src, group=self.group)
-        d = box[0]
-        return StepPlan(cancel=list(d["cancel"]), admit=[(h, f) for h, f in d["admit"]], run=d["run"], stop=d["stop"])
+        return box[0]
 
 
 def follower_loop(scheduler: Scheduler, channel: PlanChannel) -> None:
@@ -214,7 +214,7 @@ class EngineLoop:
         self.capacity = scheduler.num_free_slots  # slots of an idle engine
         self.ranks = ranks or []
         self._cond = threading.Condition()
-        self._pending: deque[tuple[int, dict, Sink]] = deque()
+        self._pending: deque[tuple[int, Request, Sink]] = deque()
         self._arrived: dict[int, float] = {}  # handle -> submit time (perf_counter), until it finishes
         self._last_token: dict[int, float] = {}  # handle -> when its last tokens were delivered
         self._sinks: dict[int, Sink] = {}  # admitted handles (each holds a slot, or will after this plan)
@@ -231,7 +231,7 @@ class EngineLoop:
         self._thread.start()
 
     # -- called from handlers -------------------------------------------------------------------------------
-    def submit(self, fields: list[dict], sink: Sink) -> list[int]:
+    def submit(self, requests: list[Request], sink: Sink) -> list[int]:
         """Queue every request of one HTTP request at once (all or none): their handles.
 
         Raises :class:`QueueFull` when more than ``max_queue`` would be left *waiting* -- requests that go
@@ -241,16 +241,16 @@ class EngineLoop:
             if self.failure is not None:
                 raise EngineFailure(self.failure)
             free = self.capacity - len(self._sinks)
-            waiting = len(self._pending) + len(fields) - max(0, free)
+            waiting = len(self._pending) + len(requests) - max(0, free)
             if waiting > self.max_queue:
                 raise QueueFull(f"{max(0, len(self._pending) - max(0, free))} requests are waiting for a slot and "
-                                f"this one needs {len(fields)} (max_queue={self.max_queue})")
+                                f"this one needs {len(requests)} (max_queue={self.max_queue})")
             handles = []
             now = time.perf_counter()
-            for f in fields:
+            for request in requests:
                 handles.append(self._next)
                 self._arrived[self._next] = now
-                self._pending.append((self._next, f, sink))
+                self._pending.append((self._next, request, sink))
                 self._next += 1
             self.metrics.queue_depth.set(max(0, len(self._pending) - max(0, free)))
             self._cond.notify()
@@ -313,9 +313,9 @@ class EngineLoop:
             admit = []
             now = time.perf_counter()
             while self._pending and len(admit) < free:
-                handle, fields, sink = self._pending.popleft()
+                handle, request, sink = self._pending.popleft()
                 self._sinks[handle] = sink
-                admit.append((handle, fields))
+                admit.append((handle, request))
                 self.metrics.queue_time.observe(now - self._arrived.get(handle, now))
             self.metrics.queue_depth.set(len(self._pending))
             stop = self._stop and not self._pending and not self.scheduler.num_active and not admit
@@ -345,8 +345,8 @@ class EngineLoop:
 
     def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
         m = self.metrics
-        for _, fields in plan.admit:
-            m.prompt_tokens.inc(len(fields["prompt_ids"]))
+        for _, request in plan.admit:
+            m.prompt_tokens.inc(len(request.prompt_ids))
         if stats.num_rows:
             self._steps += 1
             m.steps.inc()

@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tensorrt_llm_ext.runtime import launch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
@@ -25,6 +25,7 @@ from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
 from tensorrt_llm_ext.runtime.launch import (DEFAULT_PROMPTS, GenerateJob, check_reports, load_prompts_file,
                                              parse_prompt, run_generate)
 from tensorrt_llm_ext.runtime.ranks import RankJobError, RankJobInterrupted
+from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.contract import MIN_TEMPERATURE, SamplingParams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_REJECTED, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
@@ -38,7 +39,9 @@ def _fmt_ids(ids: list[int], limit: int = 32) -> str:
 def sampling_from_flags(temperature: float, top_p: float, seed: int) -> SamplingParams:
     """The command line's :class:`SamplingParams`; a ``ValueError`` naming the flag (``--top-p: expected ...``)."""
     try:
-        return SamplingParams(temperature, top_p, seed)
+        params = SamplingParams(temperature, top_p, seed)
+        params.check()
+        return params
     except ValueError as e:
         field, _, problem = str(e).partition(": ")
         raise ValueError(f"--{field.replace('_', '-')}: {problem}") from None
@@ -104,16 +107,16 @@ def main_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    requests = [dict(prompt_ids=p, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop),
-                     temperature=args.temperature, seed=args.seed + i, request_id=i, top_p=args.top_p)
-                for i, p in enumerate(prompts)]
+    requests = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop),
+                        sampling=replace(sampling, seed=args.seed + i), request_id=i) for i, p in enumerate(prompts)]
     rejection = cfg.speculative_config.use_rejection_sampling
     greedy = [sampling.is_greedy] * len(requests)  # T = 0, or a tiny T served as its T -> 0 limit
     if args.check and rejection:
         # Sampled rejection runs are checked distributionally; greedy copies of every prompt ride in the same
         # batches so that greedy rows next to sampled ones are checked against the target-only decode.
         n = len(requests)
-        requests += [{**r, "temperature": 0.0, "request_id": n + i} for i, r in enumerate(requests)]
+        requests += [replace(r, sampling=replace(r.sampling, temperature=0.0), request_id=n + i)
+                     for i, r in enumerate(requests)]
         greedy += [True] * n
     tp = cfg.tensor_parallel_size
     # At tp 1 nothing is sharded: the gathered path is the speculative path itself, so it is not compared.
@@ -199,8 +202,9 @@ def json_report(cfg, prompts, requests, reports, outcome, cuda_graph: bool) -> d
     for i, (p, r) in enumerate(zip(prompts, requests)):
         acc = res.accepted_lens[i]
         records.append({
-            "request_id": i, "prompt_ids": p, "max_new_tokens": r["max_new_tokens"],
-            "temperature": r["temperature"], "top_p": r["top_p"], "seed": r["seed"], "stop_token_ids": list(r["stop_token_ids"]),
+            "request_id": i, "prompt_ids": p, "max_new_tokens": r.max_new_tokens,
+            "temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "seed": r.sampling.seed,
+            "stop_token_ids": list(r.stop_token_ids),
             "output_ids": res.outputs[i], "finish_reason": res.finish_reasons[i], "error": res.errors[i],
             "steps": len(acc), "accepted_lens": acc,
             "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,

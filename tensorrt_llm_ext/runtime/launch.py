@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tensorrt_llm_ext.runtime.requests import Request
+
 # A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
@@ -95,10 +97,10 @@ def load_prompts_file(path: str) -> list[list[int]]:
 
 @dataclass
 class GenerateJob:
-    """Everything a rank needs (plain data: shipped to MPI ranks by value)."""
+    """Everything a rank needs (shipped to MPI ranks by value)."""
 
     config: dict  # RuntimeConfig.model_dump()
-    requests: list[dict]  # Request fields
+    requests: list[Request]
     modes: list[str]  # engine modes to run, "speculative" first
     cuda_graph: bool = False
     show_progress: bool = False  # progress of each mode on rank 0
@@ -178,7 +180,6 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
     from tensorrt_llm_ext.mapping import Mapping
     from tensorrt_llm_ext.runtime.config import parse_config
     from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.runtime.requests import Request
 
     cfg = parse_config(job.config)
     mapping = mapping or Mapping(enable_attention_dp=cfg.enable_attention_dp)
@@ -197,7 +198,7 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=job.cuda_graph)
     if on_built is not None:
         on_built()
-    requests = [Request(**r) for r in job.requests]
+    requests = list(job.requests)
     report = RankReport(rank=mapping.rank)
     total = sum(r.max_new_tokens for r in requests)
     for mode in job.modes:
@@ -229,16 +230,16 @@ def _outside_top_p(engine, worker, requests, results) -> list[int]:
             counts.append(0)
             continue
         inside = engine.reference().top_p_membership(0, list(req.prompt_ids), res.output_ids,
-                                                     req.sampling_temperature, req.sampling_top_p)
+                                                     req.sampling.effective_temperature,
+                                                     req.sampling.effective_top_p)
         counts.append(sum(1 for ok in inside if not ok))
     return counts
 
 
-def _rank_main(job_dict: dict) -> dict:
+def _rank_main(job: GenerateJob) -> dict:
     """MPI rank entry: join the TP group, run the job, return a plain dict."""
     from tensorrt_llm_ext.distributed import init_from_mpi
 
-    job = GenerateJob(**job_dict)
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
     from tensorrt_llm_ext.models.checkpoint import CheckpointError
@@ -275,7 +276,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
         return [run_job(job, on_built=on_built)]
     from tensorrt_llm_ext.runtime.ranks import launch_ranks
 
-    raw = launch_ranks(tp_size, _rank_main, asdict(job), timeout=timeout, collective_timeout=rank_timeout,
+    raw = launch_ranks(tp_size, _rank_main, job, timeout=timeout, collective_timeout=rank_timeout,
                        log_dir=log_dir)
     refused = [item["refused"] for item in raw if "refused" in item]
     if refused:

@@ -11,14 +11,13 @@ by name, never silently ignored; a known field at a value this server cannot hon
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from tensorrt_llm_ext.contract import FP32_MAX, FP32_MIN_NORMAL, sampling_problem
+from tensorrt_llm_ext.contract import SamplingParams, fresh_seed, sampling_problem
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
@@ -131,11 +130,12 @@ class _Sampling(BaseModel):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
-    @field_validator("temperature", "top_p", "seed")
+    @field_validator("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
     @classmethod
     def _sampling(cls, v, info: ValidationInfo):
-        # The request's SamplingParams rules, in their one wording (seed None: the default seed 0; a top_p
-        # below the smallest normal fp32 is served as MIN_TOP_P, Request.sampling_top_p).
+        # The SamplingParams rule of the field, in its one wording (None: the field's default; seed None: a
+        # fresh seed, see to_sampling_params).
         problem = None if v is None else sampling_problem(info.field_name, v)
         if problem is not None:
             raise ValueError(problem)
@@ -164,52 +164,18 @@ class _Sampling(BaseModel):
             _check_ids(v, "token ids", info)
         return v
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is not None and v < -1:
-            raise ValueError(f"must be -1 or 0 (no limit) or a positive count, got {v}")
-        if v is not None and v >= 2**63:
-            raise ValueError(f"{v} does not fit int64, the engine's type")
-        return v
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v):
-        if v is not None and not 0.0 <= v <= 1.0:  # NaN fails too
-            raise ValueError(f"must be in [0, 1], got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise ValueError(f"must be in [-2, 2], got {v}")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v):
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a finite number > 0, got {v}")
-        if v is not None and not FP32_MIN_NORMAL <= v <= FP32_MAX:  # a divisor: 0 or inf in fp32
-            raise ValueError(f"{v} is {'0' if v < 1 else 'inf'} in fp32, the engine's precision (expected "
-                             f"{FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v, info: ValidationInfo):
         if not v:
             return v
-        ids = []
-        for key, bias in v.items():
+        for key in v:
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids as strings, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
-            ids.append(int(key))
-        _check_ids(ids, "token ids", info)
+        lim = _limits(info)
+        problem = sampling_problem("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("min_tokens")
@@ -223,9 +189,6 @@ class _Sampling(BaseModel):
     def _across_fields(self):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "only allowed when stream is true")
-        if self.seed is not None and self.seed + self.num_choices() - 1 >= 2**63:
-            raise _FieldError("seed", f"seed + {self.num_choices() - 1} (one seed per choice) must stay below 2^63, "
-                                      f"got seed {self.seed}")
         limit = self.max_completion_tokens or self.max_tokens
         if limit is not None and self.min_tokens > limit:
             raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}")
@@ -234,56 +197,39 @@ class _Sampling(BaseModel):
         if self.best_of is not None and self.best_of > self.n:
             raise _FieldError("best_of", f"best_of={self.best_of} > n={self.n} is not served (ranking candidates "
                                          f"by log-probability is not implemented); send best_of = n or leave it out")
-        for name, value in self.unserved_sampling().items():
-            raise _FieldError(name, f"{name}={value} is not served yet: the engine does not implement it, so only "
-                                    f"its no-op value ({NO_OP_WORDS[name]}) is accepted")
         return self
-
-    def unserved_sampling(self) -> dict:
-        """The sampling fields set to a value other than their no-op that the engine does not implement."""
-        return {name: getattr(self, name) for name in NO_OP_SAMPLING
-                if name not in SERVED_SAMPLING and not _is_no_op(name, getattr(self, name))}
 
     def num_choices(self) -> int:
         """Engine requests this body makes (choices over every prompt)."""
         return self.n
 
-    def processing_fields(self) -> dict:
-        """The engine request's logits-processing fields (no-op values normalised: ``top_k`` -1 -> 0)."""
-        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
-        return dict(top_k=top_k, min_p=float(self.min_p or 0.0),
-                    presence_penalty=float(self.presence_penalty or 0.0),
-                    frequency_penalty=float(self.frequency_penalty or 0.0),
-                    repetition_penalty=float(self.repetition_penalty if self.repetition_penalty is not None else 1.0),
-                    logit_bias={int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None)
+    def to_sampling_params(self) -> SamplingParams:
+        """The body's :class:`SamplingParams` (the fields are valid: their validators ran the same rules).
 
-    def processes_logits(self) -> bool:
-        return any(not _is_no_op(name, getattr(self, name)) for name in NO_OP_SAMPLING)
+        Fields left out take their defaults (``top_k`` -1 and 0 both mean no limit); a body without a ``seed``
+        gets a fresh one (vLLM: an unseeded request is random, so two such requests differ). The choices of a
+        request with ``n > 1`` draw with :meth:`SamplingParams.for_choice`.
+        """
+        def given(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            temperature=float(self.temperature), top_p=float(self.top_p),
+            seed=self.seed if self.seed is not None else fresh_seed(), top_k=given(self.top_k, 0),
+            min_p=float(given(self.min_p, 0.0)), presence_penalty=float(given(self.presence_penalty, 0.0)),
+            frequency_penalty=float(given(self.frequency_penalty, 0.0)),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            logit_bias=tuple((t, float(b)) for t, b in _bias_pairs(self.logit_bias or {})))
 
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# Each sampling field and the value that leaves the distribution unchanged (vLLM's defaults; top_k 0 and -1
-# both mean no limit, logit_bias {} or null nothing, min_p 0 nothing).
-NO_OP_SAMPLING = {"top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                  "repetition_penalty": 1.0, "logit_bias": {}}
-NO_OP_WORDS = {"top_k": "-1 or 0", "min_p": "0", "presence_penalty": "0", "frequency_penalty": "0",
-               "repetition_penalty": "1", "logit_bias": "{} or null"}
-# The fields the engine implements (speculative/logits_processing.py); a field missing here is refused at any
-# value but its no-op.
-SERVED_SAMPLING: frozenset[str] = frozenset(NO_OP_SAMPLING)
-
-
-def _is_no_op(name: str, value) -> bool:
-    if value is None:
-        return True
-    if name == "top_k":
-        return value in (-1, 0)
-    if name == "logit_bias":
-        return not value
-    return value == NO_OP_SAMPLING[name]
+def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as SamplingParams holds it: sorted ``(id, bias)`` pairs (the biases as
+    sent: the rule compares them, a huge int has no float)."""
+    return tuple(sorted((int(t), b) for t, b in bias.items()))
 
 
 class _FieldError(ValueError):

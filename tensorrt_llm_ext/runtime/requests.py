@@ -7,7 +7,6 @@ requests of the batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.contract import FP32_MAX, FP32_MIN_NORMAL, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
@@ -19,68 +18,29 @@ class RequestError(ValueError):
     """A request the engine cannot serve (the message says which field and why)."""
 
 
-@dataclass
+@dataclass(slots=True)  # a misspelt or retired field (request.temperature = ...) fails instead of being ignored
 class Request:
     """One generation request.
 
-    ``temperature``, ``top_p`` and ``seed`` are the request's :class:`~tensorrt_llm_ext.contract.SamplingParams`
-    (:attr:`sampling_params`: their rules, the one effective-temperature rule, greedy below
-    :data:`MIN_TEMPERATURE`, and their checks; the exact top-p set is docs/rejection_sampling.md's).
+    ``sampling``: how its tokens are drawn, one :class:`~tensorrt_llm_ext.contract.SamplingParams` from where
+    the request entered to the slot that serves it (its rules and its one check; the exact top-p set is
+    docs/rejection_sampling.md's, the logits processing docs/token_decision.md's).
 
     Stopping: a request finishes (``finish_reason == "stop"``) at the first token in ``stop_token_ids`` or,
     unless ``ignore_eos``, in the engine's EOS ids (the checkpoint's); the stop token is the last output
     token and the tokens after it in an accepted speculative block are discarded. Before ``min_tokens``
     tokens no stop token ends the request (it is kept as an ordinary token; nothing is masked).
     ``logprobs`` ``k`` (0..20): also report each emitted token's log-probability and its top ``k``.
-
-    Logits processing (vLLM's fields, :mod:`~tensorrt_llm_ext.speculative.logits_processing`): ``logit_bias``
-    (``{id: bias}``), ``repetition_penalty`` (1: none), ``frequency_penalty`` / ``presence_penalty`` (0: none)
-    for every request; ``min_p`` (0: none) and ``top_k`` (0: no limit) for sampled ones.
     """
 
     prompt_ids: list[int]
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
-    temperature: float = 0.0
-    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: int | None = None
-    top_p: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-
-    def processing(self):
-        """The request's :class:`LogitsProcessing`, None when every field is at its no-op value."""
-        # Imported here: this module is imported by the CLI before the Triton interpreter may be switched on.
-        from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing
-
-        p = LogitsProcessing(top_k=int(self.top_k), min_p=float(self.min_p),
-                             presence_penalty=float(self.presence_penalty),
-                             frequency_penalty=float(self.frequency_penalty),
-                             repetition_penalty=float(self.repetition_penalty),
-                             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())))
-        return None if p.is_noop else p
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        """This request's sampling rules (``ValueError`` naming the field when one is out of range)."""
-        return SamplingParams(self.temperature, self.top_p, self.seed)
-
-    @property
-    def sampling_temperature(self) -> float:
-        """The temperature a slot samples at (:attr:`SamplingParams.effective_temperature`)."""
-        return self.sampling_params.effective_temperature
-
-    @property
-    def sampling_top_p(self) -> float:
-        """The top-p a slot samples with (:attr:`SamplingParams.effective_top_p`)."""
-        return self.sampling_params.effective_top_p
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
@@ -122,8 +82,10 @@ class Request:
         bad_stop = [t for t in stop if not (_is_int(t) and 0 <= t < vocab_size)]
         if bad_stop:
             raise RequestError(f"{rid}: stop_token_ids {bad_stop[:5]} outside the vocabulary [0, {vocab_size})")
+        if not isinstance(self.sampling, SamplingParams):
+            raise RequestError(f"{rid}: sampling must be a SamplingParams, got {_describe(self.sampling)}")
         try:
-            self.sampling_params
+            self.sampling.check(vocab_size)
         except ValueError as e:
             raise RequestError(f"{rid}: {e}") from None
         if not isinstance(self.ignore_eos, bool):
@@ -133,24 +95,6 @@ class Request:
                                f"got {self.min_tokens!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
-        if not _is_int(self.top_k):
-            raise RequestError(f"{rid}: top_k must be an int, got {_describe(self.top_k)}")
-        if self.top_k >= 2**63:  # the slot holds it as int64
-            raise RequestError(f"{rid}: top_k {self.top_k} does not fit int64, the engine's type (a top_k at or above "
-                               f"the vocabulary size keeps every token)")
-        rep = self.repetition_penalty
-        if isinstance(rep, (int, float)) and not isinstance(rep, bool) and math.isfinite(rep) and rep > 0 \
-                and not FP32_MIN_NORMAL <= rep <= FP32_MAX:  # a divisor: 0 or inf in fp32
-            raise RequestError(f"{rid}: repetition_penalty {rep!r} is {'0' if rep < 1 else 'inf'} in fp32, the engine's "
-                               f"precision (expected {FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
-        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise RequestError(f"{rid}: logit_bias must be a dict {{token id: bias}}, got {_describe(self.logit_bias)}")
-        try:
-            processing = self.processing()
-            if processing is not None:
-                processing.check(vocab_size)
-        except (TypeError, ValueError) as e:
-            raise RequestError(f"{rid}: {e}") from None
 
 
 def _is_int(v) -> bool:

@@ -45,7 +45,7 @@ class StepPlan:
     """What every rank does next, in this order: cancel, admit, run one step over the active requests."""
 
     cancel: list[int] = field(default_factory=list)  # handles
-    admit: list[tuple[int, dict]] = field(default_factory=list)  # (handle, Request fields)
+    admit: list[tuple[int, Request]] = field(default_factory=list)  # (handle, request)
     run: bool = True
     stop: bool = False  # the server is shutting down: ranks leave their loop
 
@@ -133,8 +133,8 @@ class Scheduler:
             if live is not None:
                 self.engine.release_slot(live.slot)
                 events.append(Event(handle, [], "cancelled"))
-        for handle, fields in plan.admit:
-            events.append(self._admit(handle, Request(**fields), stats))
+        for handle, request in plan.admit:
+            events.append(self._admit(handle, request, stats))
         if plan.run and self._live:
             events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
         if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):

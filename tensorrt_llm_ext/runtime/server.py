@@ -44,6 +44,7 @@ from tensorrt_llm_ext.runtime.engine_loop import (Aborted, EngineFailure, Engine
                                                   ServerMetrics, Sink, follower_loop)
 from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                       DetokenizeRequest, ServeLimits, TokenizeRequest, parse_body)
+from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Event
 
 __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "ServerMetrics", "create_app",
@@ -179,15 +180,16 @@ def _stop_fields(ctx: ServeContext, body) -> tuple[tuple[int, ...], list[str]]:
 
 
 def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: int | None,
-                   default_max_tokens: int | None) -> list[dict]:
-    """Engine request fields, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``
-    with seed ``seed + index``). The body is validated already; what is checked here is what needs the
-    tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
+                   default_max_tokens: int | None) -> list[Request]:
+    """Engine requests, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``, drawn
+    with ``SamplingParams.for_choice(index)``). The body is validated already; what is checked here is what
+    needs the tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
     check_model(ctx, body.model)
+    params = body.to_sampling_params()
     if logprobs is not None and not ctx.speculative:
         raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
                        "logprobs")
-    if logprobs is not None and body.processes_logits():
+    if logprobs is not None and params.processes_logits:
         raise ApiError(400, "logprobs: not served with top_k, min_p, penalties or logit_bias (log-probabilities are "
                             "computed from the unprocessed logits); send one or the other", "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
@@ -205,12 +207,9 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
             raise ApiError(400, f"{param}: prompt of {len(ids)} tokens + {param}={limit} exceeds max_model_len="
                                 f"{ctx.max_seq_len}", param)
         for j in range(body.n):
-            index = i * body.n + j
-            out.append(dict(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
-                            temperature=float(body.temperature), seed=(body.seed or 0) + index,
-                            top_p=float(body.top_p), ignore_eos=body.ignore_eos,
-                            min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
-                            **body.processing_fields()))
+            out.append(Request(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
+                               sampling=params.for_choice(i * body.n + j), ignore_eos=body.ignore_eos,
+                               min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
     return out
 
 
@@ -487,7 +486,7 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         raw = await read_body(http)
         return None if raw is None else await off_loop(parse_body, raw, model, ctx.limits)
 
-    async def serve_choices(http: HttpRequest, body, reqs: list[dict], prompts: list[list[int]], param: str,
+    async def serve_choices(http: HttpRequest, body, reqs: list[Request], prompts: list[list[int]], param: str,
                             kind: str, prefix: str):
         """Submit one request's choices (``prompts[k]`` is choice k's prompt) and answer: JSON or SSE."""
         _, stops = _stop_fields(ctx, body)
@@ -541,7 +540,7 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         if body is None:
             return Response(status_code=499)
         reqs = await off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
-        return await serve_choices(http, body, reqs, [f["prompt_ids"] for f in reqs], "n" if body.n > 1 else "prompt",
+        return await serve_choices(http, body, reqs, [r.prompt_ids for r in reqs], "n" if body.n > 1 else "prompt",
                                    "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")

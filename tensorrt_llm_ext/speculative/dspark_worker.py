@@ -26,14 +26,14 @@ target's own decode (:class:`~tensorrt_llm_ext.speculative.reference_decoder.Ref
 shape) bit for bit. Rejection
 sampling keeps the target's distribution instead (greedy rows stay strict acceptance, bit for bit).
 
-Top-p (``prefill(..., top_p=)``): sampled rows select from the target's exact top-p set
-(:func:`top_p_keep`, on the shards when bound vocab-parallel), in the step, in prefill and in the
-reference decode alike. Whether a step runs the top-p path is its :class:`StepVariant`, a host-side fact
+Top-p (a request's ``SamplingParams.top_p``, assigned to its slot by :class:`SlotSampling`): sampled rows
+select from the target's exact top-p set (:func:`top_p_keep`, on the shards when bound vocab-parallel), in the
+step, in prefill and in the reference decode alike. Whether a step runs the top-p path is its :class:`StepVariant`, a host-side fact
 fixed by :meth:`set_rows` (by default the variant the rows need, :meth:`step_needs`); CUDA graphs capture
 each variant of :attr:`step_variants` and the graph runner replays one that covers the rows
 (:mod:`tensorrt_llm_ext.runtime.cuda_graph`).
 
-Logits processing (``prefill(..., processing=)``: ``logit_bias``, penalties, ``min_p``, ``top_k``;
+Logits processing (the ``SamplingParams`` fields ``logit_bias``, penalties, ``min_p``, ``top_k``;
 :mod:`.logits_processing`): the target's logits are processed on the shards before selection, before
 rejection-sampling verification, and in prefill and the reference decode alike, so the processed distribution
 is the one speculation preserves; a step runs it only when one of its rows has a processed field (another
@@ -51,18 +51,18 @@ import torch
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
-                                       PagedLatentCache, TargetModel)
-from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors
+                                       PagedLatentCache, SamplingParams, TargetModel)
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
+from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
-from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
                                                        TOP_P_VARIANT, StepVariant)
-from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
+from tensorrt_llm_ext.speculative.target_distribution import TargetDistribution
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT, VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import SpecWorkerBase, nvtx_range
 
@@ -111,13 +111,11 @@ class DSparkWorker(SpecWorkerBase):
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
-        # The host-side copy of the slots' top-p (state.slot_top_p) that set_rows() routes a step by.
-        self._host_top_p = [1.0] * num_slots  # < 1 only for sampled requests
+        # Each slot's SamplingParams: the slot tensors the step reads and the host copy set_rows() routes by.
+        self.slot_sampling = SlotSampling(state, sampling)
         self._step_variant = DEFAULT_VARIANT
-        # The exact top-p path's buffers per logits width (kept set [R*(K+1), W] bool + its workspace),
-        # allocated on first use outside any capture (a capture's warm-up runs first), so the top-p
-        # variant of the step is capturable.
-        self._top_p_buffers: dict[int, tuple[torch.Tensor, VerificationWorkspace]] = {}
+        # Processing, the exact top-p set and selection of target rows, composed once (bound after load).
+        self.distribution = TargetDistribution(ops, max_batch_size, draft_len, dev)
         self.processors: SlotLogitsProcessors | None = None  # bound in _on_bound (the target's columns)
         self._step_slots: list[int] = []  # host slot ids of the last set_rows
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
@@ -143,6 +141,8 @@ class DSparkWorker(SpecWorkerBase):
             self.state.ctx_lens.shape[0], head.vocab_start if head is not None else 0,
             head.lm_head.shard_width if head is not None else self.vocab_size, self.vocab_size, self.device,
             self.mapping, sharded=head is not None)
+        self.slot_sampling.bind_processors(self.processors)
+        self.distribution.bind(self.token_selector)
         decision = RejectionVerification.decide(
             use_rejection_sampling=self.use_rejection_sampling, mode=self.verification_mode,
             sampling=self.sampling, selector=self.token_selector, tp_size=self.mapping.tp_size)
@@ -173,14 +173,9 @@ class DSparkWorker(SpecWorkerBase):
         return (DEFAULT_VARIANT, PROCESSED_VARIANT)
 
     def step_needs(self, slots: list[int]) -> StepVariant:
-        """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a
-        row samples from a top-p set (``T > 0`` and ``top_p < 1``, recorded at prefill), processed iff a row has
-        logits processing, wide top-k iff a row's ``top_k`` exceeds the captured top-k width (never captured)."""
-        top_p = any(self._host_top_p[s] < 1.0 for s in slots)
-        proc = self.processors
-        processed = proc is not None and proc.active(slots)
-        return StepVariant(top_p=top_p, processed=processed,
-                           wide_top_k=processed and self.sampling and proc.wide_top_k(slots))
+        """The cheapest variant that computes every row's distribution for a step over ``slots``, from the
+        slots' params alone (:meth:`SlotSampling.needs`)."""
+        return self.slot_sampling.needs(slots)
 
     def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
         """Rows ``[0, len(slots))`` run these slots; rows up to ``batch_size`` are dummies (dummy slot).
@@ -298,59 +293,18 @@ class DSparkWorker(SpecWorkerBase):
                                     num_blocks_out=self.num_blocks)
         torch.where(st.encoded_offsets >= 0, st.block_table, self._neg_one, out=st.block_table)
 
-    def top_p_masked(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor,
-                      top_p: torch.Tensor) -> VocabShardedLogits | torch.Tensor:
-        """``logits`` with ``-inf`` outside the exact top-p set of every sampled row with ``top_p < 1``
-        (computed jointly on the shards when ``logits`` is a shard); other rows unchanged."""
-        if isinstance(logits, VocabShardedLogits):
-            x, start, vocab = logits.logits, logits.vocab_start, logits.vocab_size
-            exchange = self.token_selector.target_head.exchange
-        else:
-            x, start, vocab, exchange = logits, 0, logits.shape[-1], None
-        out, workspace = self.top_p_buffers(x.shape[-1], exchange.tp_size if exchange is not None else 1)
-        keep = self.ops.top_p_keep(x.contiguous(), top_p.contiguous(), temperatures=temps.contiguous(),
-                                   vocab_start=start, vocab_size=vocab, exchange=exchange, out=out[:x.shape[0]],
-                                   workspace=workspace)
-        restrict = ((top_p < 1.0) & (temps > 0))[:, None]
-        masked = torch.where(keep | ~restrict, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
-        return logits.__class__(masked, start, vocab, logits.padded_vocab_size) \
-            if isinstance(logits, VocabShardedLogits) else masked
-
-    def top_p_buffers(self, width: int, tp: int) -> tuple[torch.Tensor, VerificationWorkspace]:
-        """The kept-set buffer ``[R*(K+1), width]`` bool and the workspace of :meth:`top_p_masked` (at most
-        ``R*(K+1)`` rows: a step's verified positions), allocated once per width, never inside a capture."""
-        bufs = self._top_p_buffers.get(width)
-        if bufs is None:
-            refuse_allocation_while_capturing("DSparkWorker top-p buffers", self.device)
-            rows = self.max_batch_size * (self.draft_len + 1)
-            # as the rejection verifier: column chunks fill the GPU at small B, one chunk in the interpreter
-            splits = 8 if self.device.type == "cuda" else 1
-            ws = VerificationWorkspace.for_verification(self.max_batch_size, self.draft_len, width, tp=tp,
-                                                        device=self.device, num_splits=splits)
-            bufs = self._top_p_buffers[width] = (torch.empty(rows, width, dtype=torch.bool, device=self.device), ws)
-        return bufs
-
     def _select(self, hidden: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                 out: torch.Tensor, top_p: torch.Tensor | None = None, process=None
                 ) -> tuple[torch.Tensor, VocabShardedLogits | torch.Tensor]:
-        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered.
-        ``top_p`` ``[R]`` (or None): sampled rows draw from their exact top-p set; ``process`` (or None):
-        ``(logits, temps) -> logits``, the rows' logits processing, before top-p. Returns the ids and the raw
-        logits (before processing and the top-p mask: what log-probabilities are computed from)."""
-        raw = logits = self.token_selector.target_logits(hidden)
+        """Target tokens for rows of ``hidden [R, H]``: vocab-parallel when bound, else gathered, from the rows'
+        distribution (:class:`TargetDistribution`: ``process`` then the exact top-p set of ``top_p [R]``, each
+        None when no row needs it). Returns the ids and the raw logits (before processing and the top-p mask:
+        what log-probabilities are computed from)."""
+        raw = self.token_selector.target_logits(hidden)
         if not self.sampling:
-            temps = seeds = offsets = None
-        if process is not None:
-            logits = process(logits, temps)
-        if self.sampling and top_p is not None:
-            logits = self.top_p_masked(logits, temps, top_p)
-        return self.select_from(logits, temps, seeds, offsets, out), raw
-
-    def select_from(self, logits: VocabShardedLogits | torch.Tensor, temps: torch.Tensor | None,
-                    seeds: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """The target's tokens from ``logits`` (a shard or the full rows) by the op table: the fused table's
-        selector kernels or the stock table's torch selection (``temps=None``: greedy). ``out`` ``[R]`` int64."""
-        return self.ops.select(self.token_selector, logits, temps, seeds, offsets, TARGET_SALT, out)
+            temps = seeds = offsets = top_p = None
+        return self.distribution.select(raw, temps, seeds, offsets, TARGET_SALT, out, process=process,
+                                        top_p=top_p), raw
 
     def draft_block_logits(self, tail: PagedLatentStep, slots: torch.Tensor) -> torch.Tensor:
         """The drafter's block decode through the shared head: ``[B, K, V_shard]`` on a vocab-parallel draft
@@ -379,31 +333,23 @@ class DSparkWorker(SpecWorkerBase):
             out_drafts.copy_(drafts)
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
-    def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
-                speculative: bool = True, *, top_p: float = 1.0, processing: LogitsProcessing | None = None) -> int:
+    def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                speculative: bool = True) -> int:
         """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
-        return self.prefill_batch([slot], [prompt_ids], [temperature], [seed], speculative=speculative,
-                                  top_ps=[top_p], processing=[processing])[0]
+        return self.prefill_batch([slot], [prompt_ids], [params], speculative=speculative)[0]
 
-    def _check_prefill(self, slots, prompts, temperatures, seeds, top_ps) -> None:
+    def _check_prefill(self, slots, prompts, params) -> None:
         n = len(slots)
-        if n == 0 or not len(prompts) == len(temperatures) == len(seeds) == n:
-            raise ValueError(f"prefill_batch: expected one prompt, temperature and seed per slot (at least one), got "
-                             f"{n} slots, {len(prompts)} prompts, {len(temperatures)} temperatures, {len(seeds)} seeds")
+        if n == 0 or not len(prompts) == len(params) == n:
+            raise ValueError(f"prefill_batch: expected one prompt and one SamplingParams per slot (at least one), "
+                             f"got {n} slots, {len(prompts)} prompts, {len(params)} params")
         self.check_slots("prefill_batch", slots)
         empty = [s for s, p in zip(slots, prompts) if len(p) == 0]
         if empty:
             raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
-        if len(top_ps) != n:
-            raise ValueError(f"prefill_batch: expected one top_p per slot, got {len(top_ps)} for {n} slots")
-        # top_p's range is the request's (Request.validate) and the kernel API's (verification) to check
-        if not self.sampling and any(t > 0 for t in temperatures):
-            raise ValueError(f"{type(self).__name__}: this worker is greedy-only (sampling=False); "
-                             f"got temperatures {list(temperatures)}")
 
-    def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], seeds: list[int],
-                      speculative: bool = True, *, top_ps: list[float] | None = None,
-                      processing: list[LogitsProcessing | None] | None = None) -> list[int]:
+    def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                      speculative: bool = True) -> list[int]:
         """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
 
         The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
@@ -413,16 +359,15 @@ class DSparkWorker(SpecWorkerBase):
         prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
         bookkeeping of all rows as generation rows that accepted one token (the first generated one), whose
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
-        ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``top_ps``
-        (default 1): each request samples from the target's exact top-p set; ``processing`` (default none):
-        each request's logits processing (:mod:`.logits_processing`).
+        ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``params``: each
+        request's :class:`SamplingParams` (checked where the request entered), assigned to its slot
+        (:class:`SlotSampling`): temperature, seed, top-p set and logits processing.
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
         GEMM of another shape may round differently. Eager (not captured), synchronises once for the tokens.
         """
-        top_ps = [1.0] * len(slots) if top_ps is None else list(top_ps)
-        self._check_prefill(slots, prompts, temperatures, seeds, top_ps)
+        self._check_prefill(slots, prompts, params)
         st = self.state
         dev = self.device
         k = self.draft_len
@@ -432,13 +377,10 @@ class DSparkWorker(SpecWorkerBase):
         slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
         slots_l = slots_t.long()
         lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-        st.slot_temps[slots_l] = torch.tensor([float(x) for x in temperatures], dtype=st.slot_temps.dtype, device=dev)
-        st.slot_seeds[slots_l] = torch.tensor([int(x) for x in seeds], dtype=st.slot_seeds.dtype, device=dev)
-        restricted = [t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps)]
-        st.slot_top_p[slots_l] = torch.tensor([float(p) for p in top_ps], dtype=st.slot_top_p.dtype, device=dev)
-        for slot, p, rest in zip(slots, top_ps, restricted):
-            self._host_top_p[slot] = float(p) if rest else 1.0
-        self.processors.assign(slots, list(processing) if processing is not None else [None] * r, prompts)
+        try:
+            self.slot_sampling.assign(slots, list(params), prompts)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
         process = None
         if self.processors.active(slots):
             def process(logits, temps):
@@ -454,7 +396,8 @@ class DSparkWorker(SpecWorkerBase):
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
-                                                  st.slot_top_p[slots_l] if any(restricted) else None, process)
+                                                  st.slot_top_p[slots_l] if self.slot_sampling.restricts_top_p(slots)
+                                                  else None, process)
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
@@ -561,7 +504,8 @@ class DSparkWorker(SpecWorkerBase):
         verified = logits
         if self.step_processed:  # the processed distribution is the one verification preserves
             temps_rows = st.slot_temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
-            verified = self._block_process(b)(logits, temps_rows)
+            # top-p: the verifier's own kernel restricts to the same exact kept set (TargetDistribution's doc)
+            verified = self.distribution.logits(logits, temps_rows, process=self._block_process(b))
         x = verified.logits if isinstance(verified, VocabShardedLogits) else verified
         top_p = st.slot_top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(

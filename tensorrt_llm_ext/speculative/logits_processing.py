@@ -34,62 +34,16 @@ largest such ``top_k``; :meth:`~SlotLogitsProcessors.wide_top_k` tells the step,
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from tensorrt_llm_ext.contract import MAX_LOGIT_BIAS, SamplingParams
 from tensorrt_llm_ext.distributed import allgather, tp_group
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 
-MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries per request
 # The top-k exchange width of a captured step: rows with top_k up to it replay; a larger top_k (rare: clients
 # send 20..100) sizes the exchange by the rows and runs its step eagerly.
 CAPTURED_TOP_K = 128
-
-
-@dataclass(frozen=True)
-class LogitsProcessing:
-    """One request's processing fields; the defaults change nothing (``top_k`` 0: no limit)."""
-
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
-
-    @property
-    def is_noop(self) -> bool:
-        return self == LogitsProcessing()
-
-    @property
-    def uses_counts(self) -> bool:
-        """Whether the token history matters (a penalty)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    def check(self, vocab_size: int) -> None:
-        """Raise ValueError naming the field for a value no processing serves."""
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
-        ids = [t for t, _ in self.logit_bias]
-        if len(set(ids)) != len(ids):
-            raise ValueError("logit_bias: token ids must be distinct")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for _, b in self.logit_bias):
-            raise ValueError("logit_bias: biases must be in [-100, 100]")
 
 
 class SlotLogitsProcessors:
@@ -120,7 +74,7 @@ class SlotLogitsProcessors:
         # a capture's warm-up runs first); a slot without penalties ignores its rows (identity penalties).
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
-        self._host: list[LogitsProcessing] = [LogitsProcessing()] * num_slots
+        self._host: list[SamplingParams] = [SamplingParams()] * num_slots
         self._cols = torch.arange(width, dtype=torch.int64, device=dev)
         self._valid = (self._cols + vocab_start) < vocab_size  # padding columns of the last shard: never kept
 
@@ -132,11 +86,11 @@ class SlotLogitsProcessors:
         return self.counts, self.in_prompt
 
     # -- host side (admission; eager) ------------------------------------------------------------------------
-    def assign(self, slots: list[int], fields: list[LogitsProcessing | None], prompts: list[list[int]]) -> None:
-        """Set the fields of ``slots`` (None: no processing) and reset their counts to the prompts'."""
+    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
+        """Set the processing fields of ``slots`` from their requests' params and reset their counts to the
+        prompts'."""
         dev = self.device
-        for slot, f, prompt in zip(slots, fields, prompts):
-            f = f or LogitsProcessing()
+        for slot, f, prompt in zip(slots, params, prompts):
             self._host[slot] = f
             self.top_k[slot] = f.top_k
             self.min_p[slot] = f.min_p
@@ -159,7 +113,7 @@ class SlotLogitsProcessors:
 
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
-        return any(not self._host[s].is_noop for s in slots)
+        return any(self._host[s].processes_logits for s in slots)
 
     def wide_top_k(self, slots: list[int]) -> bool:
         """Whether a row of ``slots`` limits to more than :attr:`captured_top_k` tokens (the step's top-k
@@ -253,7 +207,7 @@ def _block_counts(block_tokens: torch.Tensor, vocab_start: int, width: int) -> t
     return out
 
 
-def process_reference(logits: torch.Tensor, fields: list[LogitsProcessing], temps: list[float],
+def process_reference(logits: torch.Tensor, fields: list[SamplingParams], temps: list[float],
                       histories: list[list[int]], prompts: list[list[int]]) -> torch.Tensor:
     """The eager full-vocabulary reference: ``logits [R, V]`` processed row by row in plain loops
     (``histories[r]``: the generated tokens before row ``r``'s position). fp32 result."""

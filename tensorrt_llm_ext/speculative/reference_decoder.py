@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors
-
+from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 __all__ = ["ReferenceDecoder"]
@@ -38,17 +39,13 @@ class ReferenceDecoder:
         self.processors = wp if wp.mapping is None else SlotLogitsProcessors(
             wp.num_slots, 0, worker.vocab_size, worker.vocab_size, worker.device)
 
-    def prefill_batch(self, slots: list[int], prompts: list[list[int]], temperatures: list[float],
-                      seeds: list[int], *, top_ps: list[float] | None = None,
-                      processing: list[LogitsProcessing | None] | None = None) -> list[int]:
+    def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         """The context phase of several requests (the worker's, nothing drafted): their first tokens."""
         w, st = self.worker, self.worker.state
-        toks = w.prefill_batch(slots, prompts, temperatures, seeds, speculative=False, top_ps=top_ps,
-                               processing=processing)
+        toks = w.prefill_batch(slots, prompts, params, speculative=False)
         slots_l = torch.tensor(slots, dtype=torch.int64, device=w.device)
         if self.processors is not w.processors:
-            self.processors.assign(slots, list(processing) if processing is not None else [None] * len(slots),
-                                   prompts)
+            self.processors.assign(slots, list(params), prompts)
             self.processors.record(slots, slots_l, torch.tensor(toks, device=w.device)[:, None],
                                    torch.ones(len(slots), dtype=torch.int32, device=w.device))
         st.ref_lens[slots_l] = torch.tensor([len(p) for p in prompts], dtype=st.ref_lens.dtype, device=w.device)
@@ -80,11 +77,12 @@ class ReferenceDecoder:
             temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
             processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
-            if processed:
-                logits = self.processors.apply(logits, w.step_slots, slots_l, temps)
-            if w.sampling and w.step_top_p:
-                logits = w.top_p_masked(logits, temps, st.slot_top_p[slots_l])
-            ids = w.select_from(logits, temps, seeds, offsets, self.next_tokens[:b])
+
+            def process(x, t):
+                return self.processors.apply(x, w.step_slots, slots_l, t)
+            ids = w.distribution.select(logits, temps, seeds, offsets, TARGET_SALT, self.next_tokens[:b],
+                                        process=process if processed else None,
+                                        top_p=st.slot_top_p[slots_l] if w.sampling and w.step_top_p else None)
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
             st.ref_lens[slots_l] += live

@@ -45,13 +45,13 @@ from typing import Callable
 
 import torch
 
-from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.distributed import PairExchange
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels import rejection_sample as rs
 from tensorrt_llm_ext.kernels import top_p as tpk
-from tensorrt_llm_ext.kernels.common import check_int, check_tensor, is_capturing, refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
+from tensorrt_llm_ext.speculative.value_checks import check_row_values
 
 __all__ = ["VerificationPlan", "VerificationWorkspace", "call_shape", "column_plan", "draw_plan", "rejection_sample",
            "rejection_sample_reference", "top_p_keep", "top_p_keep_reference"]
@@ -282,26 +282,6 @@ def _vocab(vocab_start, vocab_size, width, tp) -> int:
     return vocab_size
 
 
-def _host_checks(temperatures, top_p, draft_tokens, vocab_size) -> None:
-    """Value checks that read the device (skipped while capturing: the kernels stay in bounds anyway)."""
-    if is_capturing(temperatures.device):
-        return
-    if temperatures.numel() and not bool((temperatures >= 0).all()):
-        raise ValueError(f"temperatures: expected values >= 0 (0 = greedy), got {temperatures.tolist()}")
-    tiny = (temperatures > 0) & (temperatures < MIN_TEMPERATURE)
-    if temperatures.numel() and bool(tiny.any()):
-        # the rule of every sampler (contract.MIN_TEMPERATURE): below it a request is served greedy
-        raise ValueError(f"temperatures: expected 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
-                         f"{temperatures[tiny][:4].tolist()} (serve it greedy, its T -> 0 limit)")
-    if top_p is not None and top_p.numel() and not bool(((top_p > 0) & (top_p <= 1)).all()):
-        raise ValueError(f"top_p: expected values in (0, 1], got {top_p.tolist()}")
-    if draft_tokens is not None and draft_tokens.numel():
-        bad = (draft_tokens < 0) | (draft_tokens >= vocab_size)
-        if bool(bad.any()):
-            raise ValueError(f"draft_tokens: expected global ids in [0, {vocab_size}), got "
-                             f"{draft_tokens[bad][:8].tolist()}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
@@ -357,7 +337,7 @@ def _top_p_keep_steps(ops, logits, top_p, temperatures, vocab_start, vocab_size,
         temperatures = torch.ones(rows, dtype=torch.float32, device=dev)
     check_tensor("temperatures", temperatures, shape=(rows,), dtype=torch.float32, device=dev, contiguous=True)
     vocab_size = _vocab(vocab_start, vocab_size, width, tp)
-    _host_checks(temperatures, top_p, None, vocab_size)
+    check_row_values(temperatures, top_p)
     if out is None:
         refuse_allocation_while_capturing("top_p_keep", dev)
         out = torch.empty((rows, width), dtype=torch.bool, device=dev)
@@ -430,7 +410,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     if top_p is not None:
         check_tensor("top_p", top_p, shape=(b,), dtype=torch.float32, device=dev, contiguous=True)
     vocab_size = _vocab(vocab_start, vocab_size, width, tp)
-    _host_checks(temperatures, top_p, draft_tokens, vocab_size)
+    check_row_values(temperatures, top_p, draft_tokens, vocab_size)
     if out is None:
         refuse_allocation_while_capturing("rejection_sample", dev)
         out = (torch.empty((b, k1), dtype=torch.int64, device=dev), torch.empty((b,), dtype=torch.int32, device=dev))

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorrt_llm_ext.contract import MIN_TEMPERATURE
 from tensorrt_llm_ext.distributed import PairExchange, allgather
-from tensorrt_llm_ext.kernels.common import is_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.kernels.shard_select import DRAFT_SALT, TARGET_SALT, shard_select_keys
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.linear import TensorParallelMode
+from tensorrt_llm_ext.speculative.value_checks import check_row_values
 
 __all__ = [
     "DRAFT_SALT", "TARGET_SALT", "VocabParallelHead", "VocabShardedLogits", "gather_vocab", "gathered_argmax",
@@ -120,21 +119,9 @@ def gumbel_sample(
     position of the draw; change the offset per step). The draw depends on the global id only, hence is
     the same at every TP size. One launch + one collective; CUDA-graph safe.
     """
-    _check_temperatures(temperatures)
+    if isinstance(temperatures, torch.Tensor):
+        check_row_values(temperatures)
     return _select(shard_logits, vocab_start, vocab_size, exchange, temperatures, seeds, offsets, salt, out)
-
-
-def _check_temperatures(temperatures) -> None:
-    # Below MIN_TEMPERATURE the scaled logits overflow fp32 (every positive logit ties at +inf): refused,
-    # not silently drawn. One host read, skipped while a CUDA graph captures (no sync there; the engine
-    # serves such requests greedy before they reach a slot).
-    if not isinstance(temperatures, torch.Tensor) or temperatures.numel() == 0 or is_capturing(temperatures.device):
-        return
-    tiny = (temperatures > 0) & (temperatures < MIN_TEMPERATURE)
-    if bool(tiny.any()):
-        raise ValueError(f"temperatures: expected 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
-                         f"{temperatures[tiny][:4].tolist()} (a smaller T overflows the scaled logits; serve it "
-                         f"greedy, its T -> 0 limit)")
 
 
 def gather_vocab(shard_logits: torch.Tensor, vocab_size: int, mapping: Mapping | None) -> torch.Tensor:

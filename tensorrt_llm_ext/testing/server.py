@@ -108,10 +108,12 @@ def reference_outputs(config_overrides: dict, bodies: list[dict]) -> list[list[i
     """What :meth:`Engine.generate` (TP 1, in this process) produces for single-prompt ``bodies``."""
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
-    reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], temperature=b.get("temperature", 0.0),
-                    seed=b.get("seed", 0), stop_token_ids=tuple(b.get("stop", ()))) for b in bodies]
+    reqs = [Request(prompt_ids=b["prompt"], max_new_tokens=b["max_tokens"], stop_token_ids=tuple(b.get("stop", ())),
+                    sampling=SamplingParams(temperature=b.get("temperature", 0.0), seed=b.get("seed", 0)))
+            for b in bodies]
     with KERNEL_LOCK:  # an in-process server may be stepping in this process
         results, _ = Engine(load_config(**config_overrides)).generate(reqs)
     return [r.output_ids for r in results]

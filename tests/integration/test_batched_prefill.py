@@ -12,6 +12,7 @@ import torch
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.kv_cache import pages_needed
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -32,15 +33,15 @@ def _prefilled(batched: bool, temperature: float, speculative: bool):
     for slot, p in zip(SLOTS, PROMPTS):
         eng.pages.allocate(slot, pages_needed(len(p) + MAX_NEW, eng.draft_len, eng.state.page_size))
     temps = [temperature if i % 2 == 0 else 0.0 for i in range(len(SLOTS))]  # greedy and sampled rows mixed
-    seeds = [11 + i for i in range(len(SLOTS))]
+    params = [SamplingParams(t, seed=11 + i) for i, t in enumerate(temps)]
     if not speculative:  # the reference decode's context phase
         prefill = eng.reference().prefill_batch
-        toks = (prefill(SLOTS, PROMPTS, temps, seeds) if batched else
-                [prefill([s], [p], [t], [sd])[0] for s, p, t, sd in zip(SLOTS, PROMPTS, temps, seeds)])
+        toks = (prefill(SLOTS, PROMPTS, params) if batched else
+                [prefill([s], [p], [sp])[0] for s, p, sp in zip(SLOTS, PROMPTS, params)])
     elif batched:
-        toks = w.prefill_batch(SLOTS, PROMPTS, temps, seeds)
+        toks = w.prefill_batch(SLOTS, PROMPTS, params)
     else:
-        toks = [w.prefill(s, p, t, sd) for s, p, t, sd in zip(SLOTS, PROMPTS, temps, seeds)]
+        toks = [w.prefill(s, p, sp) for s, p, sp in zip(SLOTS, PROMPTS, params)]
     return eng, w, toks
 
 
@@ -77,7 +78,7 @@ def test_engine_prefills_each_admission_in_one_call_and_stays_lossless():
     still the target's own decode."""
     eng = _engine()
     prompts = PROMPTS + [[9, 8, 7]]
-    reqs = [Request(list(p), max_new_tokens=4, temperature=0.0 if i % 2 else 0.7, seed=i)
+    reqs = [Request(list(p), max_new_tokens=4, sampling=SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i))
             for i, p in enumerate(prompts)]
     results = {}
     for mode in ("speculative", "target_only"):
@@ -102,14 +103,15 @@ def test_engine_prefills_each_admission_in_one_call_and_stays_lossless():
 def test_prefill_batch_validation():
     eng = _engine()
     w = eng.worker()
-    with pytest.raises(ValueError, match="one prompt, temperature and seed per slot"):
-        w.prefill_batch([0, 1], [[1]], [0.0], [0])
+    g = SamplingParams()
+    with pytest.raises(ValueError, match="one prompt and one SamplingParams per slot"):
+        w.prefill_batch([0, 1], [[1]], [g])
     with pytest.raises(ValueError, match="distinct request slots"):
-        w.prefill_batch([0, 0], [[1], [2]], [0.0, 0.0], [0, 0])
+        w.prefill_batch([0, 0], [[1], [2]], [g, g])
     with pytest.raises(ValueError, match="distinct request slots"):
-        w.prefill_batch([eng.state.dummy_slot], [[1]], [0.0], [0])
+        w.prefill_batch([eng.state.dummy_slot], [[1]], [g])
     with pytest.raises(ValueError, match="empty prompt"):
-        w.prefill_batch([0, 1], [[1], []], [0.0, 0.0], [0, 0])
+        w.prefill_batch([0, 1], [[1], []], [g, g])
     greedy = eng.worker(sampling=False)
     with pytest.raises(ValueError, match="greedy-only"):
-        greedy.prefill_batch([0], [[1]], [0.5], [0])
+        greedy.prefill_batch([0], [[1]], [SamplingParams(0.5)])

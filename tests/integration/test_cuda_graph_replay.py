@@ -22,6 +22,7 @@ from tensorrt_llm_ext.runtime import engine as engine_module
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner, plan_step
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
@@ -174,7 +175,7 @@ def _batch(kind: str, max_new: int = 6) -> list[Request]:
     of a 517-token vocabulary, so the answer is the greedy one), or ``mixed`` (greedy, top-p, plain sampled)."""
     rows = {"greedy": [{}] * 3, "top_p": [dict(temperature=1.0, top_p=1e-3)] * 3,
             "mixed": [{}, dict(temperature=1.0, top_p=1e-3), dict(temperature=0.8)]}[kind]
-    return [Request(list(p), max_new_tokens=max_new, seed=11 + i, **kw) for i, (p, kw) in enumerate(zip(PROMPTS, rows))]
+    return [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(**kw, seed=11 + i)) for i, (p, kw) in enumerate(zip(PROMPTS, rows))]
 
 
 def _serve(eng: Engine, reqs: list[Request], mode: str, overlap: bool = False) -> list[list[int]]:
@@ -183,7 +184,7 @@ def _serve(eng: Engine, reqs: list[Request], mode: str, overlap: bool = False) -
     tokens are collected)."""
     sched = Scheduler(eng, mode=mode, overlap=overlap)
     out = {i: [] for i in range(len(reqs))}
-    events, _ = sched.apply(StepPlan(admit=[(i, vars(r)) for i, r in enumerate(reqs)]))
+    events, _ = sched.apply(StepPlan(admit=list(enumerate(reqs))))
     while True:
         for e in events:
             assert e.error is None, e.error
@@ -257,7 +258,7 @@ PROCESSED_ROWS = [  # each field in a replayed step, beside a greedy and a top-p
 
 
 def _processed_batch(rows=PROCESSED_ROWS, max_new: int = 5) -> list[Request]:
-    return [Request(list(p), max_new_tokens=max_new, seed=3 + i, **kw)
+    return [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(**kw, seed=3 + i))
             for i, (p, kw) in enumerate(zip(PROCESSED_PROMPTS, rows))]
 
 
@@ -321,7 +322,7 @@ def test_set_rows_refuses_a_variant_that_does_not_cover_the_rows(monkeypatch):
     eng = _engine(monkeypatch, graphs=False)
     w = eng.worker("stock")
     eng.pages.allocate(0, eng.pages.max_pages_per_slot)
-    w.prefill(0, [5, 6, 7], 1.0, 3, top_p=0.5)
+    w.prefill(0, [5, 6, 7], SamplingParams(1.0, top_p=0.5, seed=3))
     assert w.step_needs([0]) == TOP_P_VARIANT
     with pytest.raises(ValueError, match="does not serve these rows"):
         w.set_rows([0], 1, variant=DEFAULT_VARIANT)
@@ -354,7 +355,7 @@ def test_gpu_top_p_tiny_equals_greedy_under_graphs(mode, rejection):
     eng = _gpu_engine(**{"speculative_config.use_rejection_sampling": rejection})
     prompt = [5, 17, 300, 42, 7, 7]
     greedy = [Request(list(prompt), max_new_tokens=24) for _ in range(SEEDS)]
-    sampled = [Request(list(prompt), max_new_tokens=24, temperature=1.0, top_p=1e-3, seed=s) for s in range(SEEDS)]
+    sampled = [Request(list(prompt), max_new_tokens=24, sampling=SamplingParams(temperature=1.0, top_p=1e-3, seed=s)) for s in range(SEEDS)]
     want = [r.output_ids for r in eng.generate(greedy, mode)[0]]  # row by row: the same step shapes
     eng.runner(mode).replays.clear()
     served = _serve(eng, sampled, mode)
@@ -371,8 +372,9 @@ def test_gpu_mixed_steps_replay_and_equal_eager(rejection):
     over = {"speculative_config.use_rejection_sampling": rejection}
     eng = _gpu_engine(**over)
     eager = Engine(eng.config, use_cuda_graph=False)
-    reqs = [Request([3 + i, 40 * i + 1, 7], max_new_tokens=12 + 3 * i, seed=i,
-                    **[{}, dict(temperature=1.0, top_p=0.9), dict(temperature=0.7)][i % 3]) for i in range(7)]
+    reqs = [Request([3 + i, 40 * i + 1, 7], max_new_tokens=12 + 3 * i,
+                    sampling=SamplingParams(**[{}, dict(temperature=1.0, top_p=0.9), dict(temperature=0.7)][i % 3],
+                                            seed=i)) for i in range(7)]
     want = [r.output_ids for r in eager.generate(reqs, "speculative")[0]]
     got = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
     assert got == want
@@ -401,7 +403,7 @@ def test_gpu_processed_rows_replay_and_equal_eager(mode, rejection):
     ``generate`` and ``run_step`` (serve's loop)."""
     eng = _gpu_engine(**{"speculative_config.use_rejection_sampling": rejection})
     eager = Engine(eng.config, use_cuda_graph=False)
-    reqs = [Request([3 + i, 40 * i + 1, 7], max_new_tokens=12 + 3 * i, seed=i, **row)
+    reqs = [Request([3 + i, 40 * i + 1, 7], max_new_tokens=12 + 3 * i, sampling=SamplingParams(**row, seed=i))
             for i, row in enumerate(GPU_PROCESSED_ROWS)]
     want = [r.output_ids for r in eager.generate(reqs, mode)[0]]
     assert want[4] == [13] * len(want[4])  # the fields act
@@ -473,6 +475,6 @@ def test_gpu_the_old_rule_drops_top_p():
     old = OldRule(runner.worker, runner.forward, batch_sizes=runner.batch_sizes)
     old.graphs = runner.graphs  # the engine's own captured graphs
     eng._runners["speculative"] = old
-    sampled = [Request(list(prompt), max_new_tokens=24, temperature=1.0, top_p=1e-3, seed=s) for s in range(SEEDS)]
+    sampled = [Request(list(prompt), max_new_tokens=24, sampling=SamplingParams(temperature=1.0, top_p=1e-3, seed=s)) for s in range(SEEDS)]
     served = _serve(eng, sampled, "speculative")
     assert sum(s == w for s, w in zip(served, want)) < SEEDS

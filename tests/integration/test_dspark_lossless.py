@@ -14,6 +14,7 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.speculative.step_variant import DEFAULT_VARIANT, TOP_P_VARIANT
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
@@ -53,7 +54,7 @@ def _reference(reqs) -> list:
 
 
 def _requests(max_new=10, temperature=0.0, seed=0, prompts=PROMPTS):
-    return [Request(list(p), max_new_tokens=max_new, temperature=temperature, seed=seed + i)
+    return [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(temperature=temperature, seed=seed + i))
             for i, p in enumerate(prompts)]
 
 
@@ -79,8 +80,8 @@ def test_fused_and_stock_op_tables_give_identical_tokens(markov_mode):
     greedy and keyed-sampled rows in one batch."""
     eng = _engine(**{"speculative_config.markov_chain_mode": markov_mode})
     reqs = _requests(max_new=10)
-    reqs[1].temperature, reqs[1].seed = 0.9, 3
-    reqs[3].temperature, reqs[3].seed = 1.2, 4
+    reqs[1].sampling = SamplingParams(0.9, seed=3)
+    reqs[3].sampling = SamplingParams(1.2, seed=4)
     fused, fused_stats = eng.generate(reqs, "speculative")
     stock, stock_stats = eng.generate(reqs, "stock")
     assert _outputs(stock) == _outputs(fused)
@@ -94,7 +95,7 @@ def test_greedy_only_worker_refuses_sampled_requests(engine):
     w = engine.worker("speculative", sampling=False)
     assert w is not engine.worker("speculative") and not w.sampling
     with pytest.raises(ValueError, match="greedy-only"):
-        w.prefill(0, [1, 2, 3], 0.7, 0)
+        w.prefill(0, [1, 2, 3], SamplingParams(0.7))
 
 
 def test_seeded_sampling_speculative_equals_target_decode(engine):
@@ -113,7 +114,7 @@ def test_mixed_greedy_and_sampled_batch_and_stop_tokens():
     greedy_ref = [out for out, _ in _reference(_requests(max_new=10))]
     stop = greedy_ref[0][4]
     reqs = _requests(max_new=10)
-    reqs[1].temperature, reqs[1].seed = 1.3, 5
+    reqs[1].sampling = SamplingParams(1.3, seed=5)
     reqs[0].stop_token_ids = (stop,)
     spec, _ = eng.generate(reqs, "speculative")
     assert _outputs(spec) == _reference(reqs)
@@ -128,7 +129,7 @@ def test_worker_step_returns_one_model_dict(engine):
     k = eng.draft_len
     for slot, p in enumerate(PROMPTS[:2]):
         eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
-        worker.prefill(slot, p, 0.0, 0)
+        worker.prefill(slot, p)
     worker.set_rows([0, 1], 3)  # one padding row on the dummy slot
     ctx_before = eng.state.ctx_lens[:2].clone()
     out = worker.forward(3)
@@ -238,7 +239,7 @@ def test_cuda_graph_lossless_across_batch_sizes_with_padding():
     """fp32, graphs for 1/2/4/8 rows; requests of different lengths make the active count fall through
     every size (padding rows on the dummy slot). Greedy and sampled rows in one batch."""
     eng = _graph_engine("float32", [1, 2, 4, 8])
-    reqs = [Request(p, max_new_tokens=4 + 5 * i, temperature=0.7 if i % 2 else 0.0, seed=i)
+    reqs = [Request(p, max_new_tokens=4 + 5 * i, sampling=SamplingParams(temperature=0.7 if i % 2 else 0.0, seed=i))
             for i, p in enumerate(GPU_PROMPTS)]
     spec, _ = eng.generate(reqs, "speculative")
     ref, _ = eng.generate(reqs, "target_only")

@@ -7,6 +7,7 @@ import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import MIN_TEMPERATURE, Request
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -16,7 +17,7 @@ SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_laye
 
 def _requests():
     # Three requests through two slots: the third is admitted when a slot frees up.
-    return [Request([3, 4, 5], 5), Request([7] * 9, 5, temperature=0.7, seed=5), Request([250, 1, 2, 9], 4)]
+    return [Request([3, 4, 5], 5), Request([7] * 9, 5, sampling=SamplingParams(temperature=0.7, seed=5)), Request([250, 1, 2, 9], 4)]
 
 
 class Injected(Exception):
@@ -125,15 +126,15 @@ BAD_FIELDS = [
     (Request([1, 2], 4, stop_token_ids=5), "stop_token_ids"),
     (Request([1, 2], 4, stop_token_ids=None), "stop_token_ids"),
     (Request([1, 2], 4, stop_token_ids=("a",)), "stop_token_ids"),
-    (Request([1, 2], 4, temperature=None), "temperature"),
-    (Request([1, 2], 4, temperature=float("inf")), "temperature"),
-    (Request([1, 2], 4, temperature=True), "temperature"),
+    (Request([1, 2], 4, sampling=SamplingParams(temperature=None)), "temperature"),
+    (Request([1, 2], 4, sampling=SamplingParams(temperature=float("inf"))), "temperature"),
+    (Request([1, 2], 4, sampling=SamplingParams(temperature=True)), "temperature"),
     (Request(None, 4), "prompt_ids"),
     (Request("1 2 3", 4), "prompt_ids"),
     (Request([1, 2.0], 4), "prompt_ids"),
     (Request([1, 2], None), "max_new_tokens"),
     (Request([1, 2], 4.0), "max_new_tokens"),
-    (Request([1, 2], 4, seed="7"), "seed"),
+    (Request([1, 2], 4, sampling=SamplingParams(seed="7")), "seed"),
     (Request([1, 2], 4, request_id="x"), "request_id"),
     ({"prompt_ids": [1, 2]}, "expected a Request"),
 ]
@@ -159,12 +160,12 @@ def test_tiny_temperature_is_served_greedy_on_every_path(rejection):
     """``0 < T < MIN_TEMPERATURE`` is its T -> 0 limit on every path: the keyed Gumbel draw, the verification
     (strict or rejection sampling) and the target-only decode all give the greedy tokens, for every seed (was:
     ``x / T`` overflowed fp32 below ~2e-38 and every path agreed on ``[1, 0, 0, ...]``)."""
-    assert Request([1], temperature=MIN_TEMPERATURE).sampling_temperature == MIN_TEMPERATURE
-    assert Request([1], temperature=MIN_TEMPERATURE * 0.99).sampling_temperature == 0.0
+    assert Request([1], sampling=SamplingParams(temperature=MIN_TEMPERATURE)).sampling.effective_temperature == MIN_TEMPERATURE
+    assert Request([1], sampling=SamplingParams(temperature=MIN_TEMPERATURE * 0.99)).sampling.effective_temperature == 0.0
     engine = Engine(load_config(**SMALL, **{"speculative_config.use_rejection_sampling": rejection}))
     prompts = [[3, 4, 5], [7] * 9]
     greedy = [r.output_ids for r in engine.generate([Request(p, 4) for p in prompts])[0]]
     for t, mode in ((1e-45, "speculative"), (2e-38, "gathered"), (2e-38, "target_only")):
-        reqs = [Request(p, 4, temperature=t, seed=s, top_p=0.9) for s, p in enumerate(prompts, start=11)]
+        reqs = [Request(p, 4, sampling=SamplingParams(temperature=t, seed=s, top_p=0.9)) for s, p in enumerate(prompts, start=11)]
         results, _ = engine.generate(reqs, mode=mode)
         assert [r.output_ids for r in results] == greedy, (t, mode)

@@ -18,7 +18,9 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.testing.requests import make_request
 from tensorrt_llm_ext.testing.stats import chi_square_homogeneity
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -40,7 +42,7 @@ MAX_NEW = 6
 
 def _requests(processed: bool = True) -> list[Request]:
     keys = ("prompt_ids", "temperature", "seed", "top_p")
-    return [Request(max_new_tokens=MAX_NEW, **(r if processed else {k: v for k, v in r.items() if k in keys}))
+    return [make_request(max_new_tokens=MAX_NEW, **(r if processed else {k: v for k, v in r.items() if k in keys}))
             for r in ROWS]
 
 
@@ -96,8 +98,8 @@ def test_rejection_sampling_keeps_the_processed_distribution():
     n, temp = 768, 2.0
     fields = dict(top_k=6, repetition_penalty=1.5, frequency_penalty=0.4, logit_bias={4: 1.5})
     prompt = [3, 11, 7]
-    rs_reqs = [Request(list(prompt), max_new_tokens=3, temperature=temp, seed=i, **fields) for i in range(n)]
-    ref_reqs = [Request(list(prompt), max_new_tokens=3, temperature=temp, seed=n + i, **fields) for i in range(n)]
+    rs_reqs = [Request(list(prompt), max_new_tokens=3, sampling=SamplingParams(**fields, temperature=temp, seed=i)) for i in range(n)]
+    ref_reqs = [Request(list(prompt), max_new_tokens=3, sampling=SamplingParams(**fields, temperature=temp, seed=n + i)) for i in range(n)]
     rs_eng, ref_eng = Engine(load_config(**{**DIST, **RS})), Engine(load_config(**DIST))
     for eng in (rs_eng, ref_eng):
         eng.drafter.set_attention_backend("eager")
@@ -111,7 +113,7 @@ def test_rejection_sampling_keeps_the_processed_distribution():
     stat, dof, p = chi_square_homogeneity(_joint(rs_res, (1, 2)), _joint(ref_res, (1, 2)))
     assert p > 1e-3, (stat, dof, p)
     # Power: the unprocessed distribution is a different one.
-    plain = [Request(list(prompt), max_new_tokens=3, temperature=temp, seed=2 * n + i) for i in range(n)]
+    plain = [Request(list(prompt), max_new_tokens=3, sampling=SamplingParams(temperature=temp, seed=2 * n + i)) for i in range(n)]
     plain_res, _ = ref_eng.generate(plain, "stock")
     _, _, p_wrong = chi_square_homogeneity(_joint(rs_res, (0, 1)), _joint(plain_res, (0, 1)))
     assert p_wrong < 1e-6, p_wrong

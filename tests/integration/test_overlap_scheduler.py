@@ -139,7 +139,7 @@ def test_a_request_stopped_by_its_step_is_not_advanced_into_the_next(engine, gre
     long = {"prompt_ids": _prompt(1), "max_new_tokens": 30, "ignore_eos": True}
     short_ids = greedy_ids
     short = {"prompt_ids": _prompt(2), "max_new_tokens": 10, "ignore_eos": True, "stop_token_ids": (short_ids[2],)}
-    evs, _ = sch.apply(StepPlan(admit=[(0, long), (1, short)], run=False))
+    evs, _ = sch.apply(StepPlan(admit=[(0, Request(**long)), (1, Request(**short))], run=False))
     got = {0: _tokens([e for e in evs if e.handle == 0]), 1: _tokens([e for e in evs if e.handle == 1])}
     finished_at = None
     for i in range(12):
@@ -208,7 +208,7 @@ def test_a_step_refused_at_launch_fails_its_requests_and_the_engine_serves_on(en
 
     sch = Scheduler(RefusingLaunch(engine, refuse_call=3), overlap=True)
     req = {"prompt_ids": _prompt(2), "max_new_tokens": 10, "ignore_eos": True}
-    evs, _ = sch.apply(StepPlan(admit=[(0, req)], run=False))
+    evs, _ = sch.apply(StepPlan(admit=[(0, Request(**req))], run=False))
     got = _tokens(evs)
     for _ in range(3):
         evs, _ = sch.apply(StepPlan())
@@ -216,7 +216,7 @@ def test_a_step_refused_at_launch_fails_its_requests_and_the_engine_serves_on(en
     assert evs[-1].finish_reason == "error" and "a value the step refused" in evs[-1].error
     assert got == greedy_ids[:len(got)] and len(got) > 1  # step 1's tokens were delivered before the failure
     assert not sch.num_active and not sch.in_flight and engine.slots.num_free == SMALL["max_batch_size"]
-    evs, _ = sch.apply(StepPlan(admit=[(1, dict(req, max_new_tokens=4))]))
+    evs, _ = sch.apply(StepPlan(admit=[(1, Request(**dict(req, max_new_tokens=4)))]))
     out = _tokens(evs)
     while sch.num_active:
         evs, _ = sch.apply(StepPlan())

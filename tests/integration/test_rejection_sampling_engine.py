@@ -19,6 +19,7 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
 from tensorrt_llm_ext.testing.stats import chi_square_homogeneity
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
@@ -60,8 +61,8 @@ def test_lossless_in_distribution_first_two_tokens(monkeypatch):
     prompt = [3, 11, 7]
     # Disjoint seeds: the first token comes from the same keyed draw in both arms, so shared seeds would
     # correlate the samples.
-    rs_reqs = [Request(list(prompt), max_new_tokens=3, temperature=temp, seed=i) for i in range(n)]
-    ref_reqs = [Request(list(prompt), max_new_tokens=3, temperature=temp, seed=n + i) for i in range(n)]
+    rs_reqs = [Request(list(prompt), max_new_tokens=3, sampling=SamplingParams(temperature=temp, seed=i)) for i in range(n)]
+    ref_reqs = [Request(list(prompt), max_new_tokens=3, sampling=SamplingParams(temperature=temp, seed=n + i)) for i in range(n)]
     rs_eng, ref_eng = Engine(load_config(**{**DIST, **RS})), Engine(load_config(**DIST))
     for eng in (rs_eng, ref_eng):  # the stock table's drafter attention: the eager twin (no interpreter)
         eng.drafter.set_attention_backend("eager")
@@ -90,10 +91,10 @@ SMALL = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 
 
 
 def _mixed_requests(max_new=5):
-    reqs = [Request(list(p), max_new_tokens=max_new, seed=i) for i, p in enumerate(PROMPTS)]
-    reqs[1].temperature = 1.0
-    reqs[3].temperature, reqs[3].top_p = 0.7, 0.8
-    return reqs
+    drawn = [SamplingParams(seed=0), SamplingParams(1.0, seed=1), SamplingParams(seed=2),
+             SamplingParams(0.7, top_p=0.8, seed=3)]
+    return [Request(list(p), max_new_tokens=max_new, sampling=drawn[i] if i < len(drawn) else SamplingParams(seed=i))
+            for i, p in enumerate(PROMPTS)]
 
 
 def test_greedy_rows_bitwise_and_fused_equals_stock(monkeypatch):
@@ -115,7 +116,8 @@ def test_greedy_rows_bitwise_and_fused_equals_stock(monkeypatch):
     assert [r.accepted_lens for r in fused] == [r.accepted_lens for r in stock]
     # Every emitted token lies in its target's top-p kept set (greedy: it is the argmax).
     for req, res in zip(reqs, fused):
-        assert all(rs.reference().top_p_membership(0, req.prompt_ids, res.output_ids, req.temperature, req.top_p))
+        assert all(rs.reference().top_p_membership(0, req.prompt_ids, res.output_ids, req.sampling.temperature,
+                                                   req.sampling.top_p))
     # The membership check can fail: a tiny top-p keeps only the argmax, and the greedy tokens shifted by one
     # id are reported outside (the first token stays the argmax, so the sequence is teacher-forced as given).
     shifted = fused[0].output_ids[:1] + [(t + 1) % rs.vocab_size for t in fused[0].output_ids[1:]]
@@ -129,11 +131,12 @@ def test_top_p_strict_speculative_equals_target_decode(monkeypatch):
     _eager_rms_norm(monkeypatch)
     eng = Engine(load_config(**SMALL))
     reqs = _mixed_requests()
-    reqs[1].temperature, reqs[1].top_p = 3.0, 0.3
+    reqs[1].sampling = SamplingParams(3.0, top_p=0.3, seed=reqs[1].sampling.seed)
     spec, _ = eng.generate(reqs, "stock")
     ref, _ = eng.generate(reqs, "target_only")
     assert [r.output_ids for r in spec] == [r.output_ids for r in ref]
-    wide = [Request(list(r.prompt_ids), max_new_tokens=5, seed=r.seed, temperature=r.temperature) for r in reqs]
+    wide = [Request(list(r.prompt_ids), max_new_tokens=5,
+                    sampling=SamplingParams(seed=r.sampling.seed, temperature=r.sampling.temperature)) for r in reqs]
     unrestricted, _ = eng.generate(wide, "target_only")
     assert unrestricted[1].output_ids != ref[1].output_ids  # top-p changed the draw
 
@@ -158,9 +161,9 @@ def test_config_and_request_validation():
         eng.worker()
     for bad in (0.0, -0.1, 1.5, float("nan"), True, "0.9"):
         with pytest.raises(RequestError, match="top_p"):
-            Request([1, 2], top_p=bad).validate(100, 64)
-    Request([1, 2], top_p=1.0).validate(100, 64)
-    Request([1, 2], top_p=1e-3, temperature=1.0).validate(100, 64)
+            Request([1, 2], sampling=SamplingParams(top_p=bad)).validate(100, 64)
+    Request([1, 2], sampling=SamplingParams(top_p=1.0)).validate(100, 64)
+    Request([1, 2], sampling=SamplingParams(top_p=1e-3, temperature=1.0)).validate(100, 64)
 
 
 def test_decision_is_logged_and_stored_once(monkeypatch):

@@ -7,15 +7,19 @@ Scheduler level (what every rank of a server applies), on a tiny model; the HTTP
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import FP32_MAX, MIN_TOP_P, Request, RequestError
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.requests import make_request
 
 SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 3,
                        "max_seq_len": 40, "kv_cache_config.tokens_per_block": 4})
@@ -29,7 +33,7 @@ def engine():
 def _run(sch: Scheduler, admit: list[tuple[int, dict]]) -> dict[int, list]:
     """Admit, then step until nothing is live: every handle's events."""
     out: dict[int, list] = {}
-    events, _ = sch.apply(StepPlan(admit=admit, run=False))
+    events, _ = sch.apply(StepPlan(admit=[(h, make_request(**f)) for h, f in admit], run=False))
     while True:
         for e in events:
             out.setdefault(e.handle, []).append(e)
@@ -50,20 +54,20 @@ def _alone(engine, fields: dict) -> list[int]:
 
 def test_fp32_boundary_normalises_top_p_and_refuses_an_overflowing_temperature():
     # 1e-46 is a positive double and 0.0 in fp32: served as the smallest normal fp32 (same kept set).
-    assert Request([1], 2, top_p=1e-46).sampling_top_p == MIN_TOP_P
-    assert Request([1], 2, top_p=1e-300).sampling_top_p == MIN_TOP_P
-    assert Request([1], 2, top_p=0.25).sampling_top_p == 0.25
-    Request([1], 2, temperature=FP32_MAX, top_p=1e-46).validate(10, 10)
+    assert Request([1], 2, sampling=SamplingParams(top_p=1e-46)).sampling.effective_top_p == MIN_TOP_P
+    assert Request([1], 2, sampling=SamplingParams(top_p=1e-300)).sampling.effective_top_p == MIN_TOP_P
+    assert Request([1], 2, sampling=SamplingParams(top_p=0.25)).sampling.effective_top_p == 0.25
+    Request([1], 2, sampling=SamplingParams(temperature=FP32_MAX, top_p=1e-46)).validate(10, 10)
     with pytest.raises(RequestError, match="temperature: 1e\\+39 overflows fp32"):
-        Request([1], 2, temperature=1e39).validate(10, 10)
+        Request([1], 2, sampling=SamplingParams(temperature=1e39)).validate(10, 10)
     # A divisor that is 0 or inf in fp32 (1e39 raised a RuntimeError in the prefill and killed the engine) and
     # a top_k past int64 (an OverflowError there): refused by name.
     for value, got in ((1e39, "inf"), (1e-46, "0")):
-        with pytest.raises(RequestError, match=re.escape(f"repetition_penalty {value!r} is {got} in fp32")):
-            Request([1], 2, repetition_penalty=value).validate(10, 10)
-    with pytest.raises(RequestError, match="top_k 1180591620717411303424 does not fit int64"):
-        Request([1], 2, temperature=1.0, top_k=2**70).validate(10, 10)
-    Request([1], 2, temperature=1.0, top_k=2**62, repetition_penalty=1e-30).validate(10, 10)
+        with pytest.raises(RequestError, match=re.escape(f"repetition_penalty: {value!r} is {got} in fp32")):
+            Request([1], 2, sampling=SamplingParams(repetition_penalty=value)).validate(10, 10)
+    with pytest.raises(RequestError, match="top_k: expected .* below 2\\^63, got 1180591620717411303424"):
+        Request([1], 2, sampling=SamplingParams(temperature=1.0, top_k=2**70)).validate(10, 10)
+    Request([1], 2, sampling=SamplingParams(temperature=1.0, top_k=2**62, repetition_penalty=1e-30)).validate(10, 10)
 
 
 def test_underflowing_top_p_is_served_as_the_top_token(engine):
@@ -146,8 +150,9 @@ def test_step_error_names_the_request_that_fails_validation(engine):
     """When a request of the aborted step fails validation (a value that slipped past the boundary), it is
     named as the cause (request_fault) and the others end as bystanders."""
     sch = Scheduler(_Refusing(engine, step_calls={1}))
-    events, _ = sch.apply(StepPlan(admit=[(0, A), (1, C)], run=False))
-    sch._live[1].request.top_p = 0.0  # what a layer below refuses; validation now refuses it too
+    events, _ = sch.apply(StepPlan(admit=[(0, make_request(**A)), (1, make_request(**C))], run=False))
+    live = sch._live[1].request  # a value a layer below refuses; validation now refuses it too
+    live.sampling = dataclasses.replace(live.sampling, top_p=0.0)
     events, _ = sch.apply(StepPlan())
     by = {e.handle: e for e in events}
     assert by[1].request_fault and "top_p: expected a number in (0, 1], got 0.0" in by[1].error
@@ -163,7 +168,7 @@ def test_an_engine_fault_still_propagates(engine):
             raise RuntimeError("collective timed out")
 
     sch = Scheduler(Broken(engine))
-    sch.apply(StepPlan(admit=[(0, A)], run=False))
+    sch.apply(StepPlan(admit=[(0, make_request(**A))], run=False))
     with pytest.raises(RuntimeError, match="collective timed out"):
         sch.apply(StepPlan())
     engine._release_all()

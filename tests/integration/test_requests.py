@@ -6,6 +6,7 @@ import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -25,9 +26,9 @@ def engine():
     (Request([-1, 2], 4), "outside the vocabulary"),
     (Request(list(range(20)), 5), "exceeds the cache"),
     (Request([1, 2], 0), "max_new_tokens"),
-    (Request([1, 2], 4, temperature=-0.5), "temperature"),
+    (Request([1, 2], 4, sampling=SamplingParams(temperature=-0.5)), "temperature"),
     (Request([1, 2], 4, stop_token_ids=(999,)), "stop_token_ids"),
-    (Request([1, 2], 4, seed=-3), "seed"),
+    (Request([1, 2], 4, sampling=SamplingParams(seed=-3)), "seed"),
 ])
 def test_validation_messages(engine, request_, match):
     with pytest.raises(RequestError, match=match):
@@ -35,7 +36,7 @@ def test_validation_messages(engine, request_, match):
 
 
 def test_bad_requests_do_not_disturb_the_batch(engine):
-    good = [Request([3, 4, 5], 6), Request([250, 1], 6, temperature=0.8, seed=4), Request([7] * 9, 6)]
+    good = [Request([3, 4, 5], 6), Request([250, 1], 6, sampling=SamplingParams(temperature=0.8, seed=4)), Request([7] * 9, 6)]
     alone, _ = engine.generate(good, "speculative")
     mixed = [Request([], 6), good[0], Request([1, 500], 6), good[1], Request(list(range(30)), 6), good[2]]
     results, _ = engine.generate(mixed, "speculative")
@@ -49,8 +50,7 @@ def test_bad_requests_do_not_disturb_the_batch(engine):
 def test_slot_reuse_over_many_requests(engine):
     """Nine requests through two slots (each slot reused several times, pages freed and handed out again):
     every request still equals the target's own decode, and runs the same alone."""
-    reqs = [Request([(13 * i + 1) % 301, (7 * i) % 301, 42], max_new_tokens=3 + (i % 4), seed=i,
-                    temperature=0.6 if i % 3 == 0 else 0.0) for i in range(9)]
+    reqs = [Request([(13 * i + 1) % 301, (7 * i) % 301, 42], max_new_tokens=3 + (i % 4), sampling=SamplingParams(seed=i, temperature=0.6 if i % 3 == 0 else 0.0)) for i in range(9)]
     spec, stats = engine.generate(reqs, "speculative")
     ref, _ = engine.generate(reqs, "target_only")
     assert [r.output_ids for r in spec] == [r.output_ids for r in ref]

@@ -23,6 +23,7 @@ from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
 from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer  # noqa: E402
 from tensorrt_llm_ext.testing.server import KERNEL_LOCK, SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
+from tensorrt_llm_ext.testing.requests import make_request
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -34,7 +35,7 @@ MAX_NEW = 16
 def _events(engine: Engine, fields: dict) -> list:
     with KERNEL_LOCK:  # the interpreter is not thread-safe: never beside a server's step
         sch = Scheduler(engine)
-        events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
+        events, _ = sch.apply(StepPlan(admit=[(0, make_request(**fields))], run=False))
         while sch.num_active:
             events += sch.apply(StepPlan())[0]
     return events

@@ -20,11 +20,13 @@ import torch  # noqa: E402
 
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
+from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
 from tensorrt_llm_ext.speculative.verification import top_p_keep_reference  # noqa: E402
 from tensorrt_llm_ext.testing.server import (KERNEL_LOCK, SMALL_SERVE_CONFIG, requests_in_flight_then,  # noqa: E402
                                               start_in_process)
+from tensorrt_llm_ext.testing.requests import make_request
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -54,7 +56,7 @@ def _events(engine: Engine, fields: dict) -> list:
     """The scheduler's events for one request alone (prefill, then one event per step)."""
     with KERNEL_LOCK:
         sch = Scheduler(engine)
-        events, _ = sch.apply(StepPlan(admit=[(0, fields)], run=False))
+        events, _ = sch.apply(StepPlan(admit=[(0, make_request(**fields))], run=False))
         while sch.num_active:
             events += sch.apply(StepPlan())[0]
     return events
@@ -82,15 +84,15 @@ def _ids(tokens: list[str]) -> list[int]:
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
 def test_logprobs_and_n_match_log_softmax_reference(client, ref_engine, temperature, top_p):
-    """Two choices (seed, seed + 1) with logprobs=3: tokens equal the engine's for those seeds, each token's
-    logprob and the top 3 equal ``torch.log_softmax`` of the teacher-forced logits (1e-4)."""
+    """Two choices (``SamplingParams.for_choice`` 0 and 1) with logprobs=3: tokens equal the engine's for those
+    seeds, each token's logprob and the top 3 equal ``torch.log_softmax`` of the teacher-forced logits (1e-4)."""
     out = client.completions.create(model="dspark-embedded", prompt=PROMPT, max_tokens=6, n=2, seed=40,
                                     temperature=temperature, top_p=top_p, logprobs=3)
     assert len(out.choices) == 2 and sorted(c.index for c in out.choices) == [0, 1]
     for c in out.choices:
         with KERNEL_LOCK:
-            ref = ref_engine.generate([Request(PROMPT, 6, temperature=temperature, seed=40 + c.index,
-                                               top_p=top_p)])[0][0]
+            drawn = SamplingParams(temperature=temperature, seed=40, top_p=top_p).for_choice(c.index)
+            ref = ref_engine.generate([Request(PROMPT, 6, sampling=drawn)])[0][0]
         tokens = c.to_dict()["token_ids"]
         assert tokens == ref.output_ids and _ids(c.logprobs.tokens) == tokens
         lp = _reference_logprobs(ref_engine, PROMPT, tokens, temperature, top_p)
@@ -169,7 +171,7 @@ def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [1], "stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"prompt": [1], "frequency_penalty": 2.5}, "frequency_penalty"),
-    ({"prompt": [[1, 2], [3]], "seed": 2**63 - 1, "temperature": 0.5}, "seed"),
+    ({"prompt": [[1, 2], [3]], "seed": 2**63, "temperature": 0.5}, "seed"),
     ({"prompt": [[1]] * 9, "n": 128}, "n"),  # more than slots + queue (8 + 1024) at once: a 400, not a 429
 ])
 def test_refused_fields_name_themselves(client, body, param):
@@ -223,9 +225,9 @@ def test_queue_bound_counts_waiting_requests_only():
 
     loop = EngineLoop(_Slots(), PlanChannel(None), ServerMetrics(3), max_queue=4)
     sink = Sink(None, None)
-    assert len(loop.submit([{}] * 12, sink)) == 12  # 8 go to free slots, 4 wait
+    assert len(loop.submit([Request([1])] * 12, sink)) == 12  # 8 go to free slots, 4 wait
     with pytest.raises(QueueFull):
-        loop.submit([{}], sink)
+        loop.submit([Request([1])], sink)
 
 
 def test_requests_running_at_the_drain_deadline_end_with_503_and_free_their_slots(server):

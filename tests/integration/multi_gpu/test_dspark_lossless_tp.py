@@ -25,6 +25,7 @@ def _rank_generate(tp: int, vocab: int, max_new: int, modes: tuple[str, ...]):
     from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
     mapping = init_from_mpi(tp_size=tp)
@@ -33,7 +34,7 @@ def _rank_generate(tp: int, vocab: int, max_new: int, modes: tuple[str, ...]):
     device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
     cfg = load_config(**{**SMALL, "model.target.vocab_size": vocab, "tensor_parallel_size": tp})
     eng = Engine(cfg, mapping, device=device)
-    reqs = [Request(list(p), max_new_tokens=max_new, temperature=0.9 if i == 1 else 0.0, seed=7 + i)
+    reqs = [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(temperature=0.9 if i == 1 else 0.0, seed=7 + i))
             for i, p in enumerate(PROMPTS)]
     out = {}
     for mode in modes:

@@ -27,7 +27,7 @@ def _rank_generate(tp: int, max_new: int, graphs: bool = False):
     from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.testing.requests import make_request
 
     mapping = init_from_mpi(tp_size=tp)
     if not torch.cuda.is_available():
@@ -35,7 +35,7 @@ def _rank_generate(tp: int, max_new: int, graphs: bool = False):
     device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
     cfg = load_config(**{**SMALL, "tensor_parallel_size": tp})
     eng = Engine(cfg, mapping, device=device, use_cuda_graph=graphs)
-    reqs = [Request(max_new_tokens=max_new, **r) for r in ROWS]
+    reqs = [make_request(max_new_tokens=max_new, **r) for r in ROWS]
     out = {mode: [r.output_ids for r in eng.generate(reqs, mode)[0]] for mode in ("speculative", "target_only")}
     out["target_vp"] = eng.worker().selection.target_enabled
     if graphs:  # the same requests eagerly, and what the graphed runners did

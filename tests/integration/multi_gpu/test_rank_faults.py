@@ -183,7 +183,9 @@ def _engine_fault(case: str, config: dict, requests: list[dict]):
             return real(self, b)
 
         DSparkWorker.forward = forward
-    run_job(GenerateJob(config=config, requests=requests, modes=["speculative"]), mapping)
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    run_job(GenerateJob(config=config, requests=[Request(**r) for r in requests], modes=["speculative"]), mapping)
     return rank
 
 
@@ -207,6 +209,7 @@ def _different_batches(config: dict, requests: list[dict]) -> dict:
 
     from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.runtime.config import parse_config
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.requests import Request
 
@@ -218,7 +221,8 @@ def _different_batches(config: dict, requests: list[dict]) -> dict:
         "other_batch": agreed[:1] if rank == 1 else agreed,
         # The same batch but for one sampling field: 0.5 vs 1.0 ended in a collective timeout, 0.5 vs 0.3 gave
         # tokens matching neither.
-        "other_top_p": [dataclasses.replace(r, temperature=1.0, seed=5, top_p=0.5 if rank == 0 else 1.0)
+        "other_top_p": [dataclasses.replace(r, sampling=SamplingParams(temperature=1.0, seed=5,
+                                                                       top_p=0.5 if rank == 0 else 1.0))
                         for r in agreed],
     }
     out = {}

@@ -69,11 +69,12 @@ def _rank_sharded_vs_gathered(max_new: int):
 
 
 def _sharded_vs_gathered(eng, max_new: int):
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
-    reqs = [Request(list(p), max_new_tokens=max_new, seed=3 + i) for i, p in enumerate(PROMPTS)]
-    reqs[1].temperature = 1.0
-    reqs[3].temperature, reqs[3].top_p = 0.7, 0.8
+    drawn = {1: dict(temperature=1.0), 3: dict(temperature=0.7, top_p=0.8)}
+    reqs = [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(seed=3 + i, **drawn.get(i, {})))
+            for i, p in enumerate(PROMPTS)]
     out = {}
     for mode in ("speculative", "gathered", "target_only"):
         results, _ = eng.generate(reqs, mode)
@@ -106,14 +107,15 @@ def _rank_distribution(n: int, temp: float):
 def _distribution(mapping, device, n: int, temp: float):
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
     dist = {**SMALL, "model.target.vocab_size": 24, "speculative_config.max_draft_len": 2, "max_batch_size": 64,
             "max_seq_len": 16}
     prompt = [3, 11, 7]
     eng = Engine(load_config(**dist), mapping, device=device)
-    rs, _ = eng.generate([Request(list(prompt), max_new_tokens=2, temperature=temp, seed=i) for i in range(n)])
-    ref, _ = eng.generate([Request(list(prompt), max_new_tokens=2, temperature=temp, seed=n + i) for i in range(n)],
+    rs, _ = eng.generate([Request(list(prompt), max_new_tokens=2, sampling=SamplingParams(temperature=temp, seed=i)) for i in range(n)])
+    ref, _ = eng.generate([Request(list(prompt), max_new_tokens=2, sampling=SamplingParams(temperature=temp, seed=n + i)) for i in range(n)],
                           "stock")  # strict acceptance, gathered: bitwise the target's own sampling
     return {"rs": [r.output_ids for r in rs], "ref": [r.output_ids for r in ref],
             "decision": eng.worker().verifier.decision.describe(), "ops": eng.worker().ops.name}

@@ -14,12 +14,12 @@ K = 2
 
 
 def _case(vocab: int):
-    from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing
+    from tensorrt_llm_ext.contract import SamplingParams
 
     g = torch.Generator().manual_seed(vocab)
-    fields = [LogitsProcessing(top_k=5), LogitsProcessing(min_p=0.2, logit_bias=((vocab - 1, 9.0),)),
-              LogitsProcessing(top_k=3, min_p=0.05, frequency_penalty=0.7, repetition_penalty=1.4),
-              LogitsProcessing(), LogitsProcessing(top_k=40, presence_penalty=1.0)]
+    fields = [SamplingParams(top_k=5), SamplingParams(min_p=0.2, logit_bias=((vocab - 1, 9.0),)),
+              SamplingParams(top_k=3, min_p=0.05, frequency_penalty=0.7, repetition_penalty=1.4),
+              SamplingParams(), SamplingParams(top_k=40, presence_penalty=1.0)]
     temps = [1.0, 0.8, 1.5, 1.0, 0.0]
     prompts = [[1], [2, 3], [4, 4], [5], [vocab - 1]]
     logits = (torch.randn(len(fields) * (K + 1), vocab, generator=g) * 2).round() / 2  # ties across shards

@@ -7,17 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors, process_reference
+from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors, process_reference
 
 V, K = 37, 3
 FIELDS = [
-    LogitsProcessing(),  # a row without processing beside processed ones: unchanged
-    LogitsProcessing(logit_bias=((3, 5.0), (36, -100.0), (0, 0.5))),
-    LogitsProcessing(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.3),
-    LogitsProcessing(top_k=4),
-    LogitsProcessing(min_p=0.3),
-    LogitsProcessing(top_k=1, min_p=0.9, repetition_penalty=0.6, logit_bias=((5, 2.0),)),
-    LogitsProcessing(top_k=V + 5, frequency_penalty=2.0),  # k beyond the vocabulary: no limit
+    SamplingParams(),  # a row without processing beside processed ones: unchanged
+    SamplingParams(logit_bias=((3, 5.0), (36, -100.0), (0, 0.5))),
+    SamplingParams(repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.3),
+    SamplingParams(top_k=4),
+    SamplingParams(min_p=0.3),
+    SamplingParams(top_k=1, min_p=0.9, repetition_penalty=0.6, logit_bias=((5, 2.0),)),
+    SamplingParams(top_k=V + 5, frequency_penalty=2.0),  # k beyond the vocabulary: no limit
 ]
 TEMPS = [0.0, 1.0, 0.7, 1.3, 0.9, 2.0, 1.0]
 PROMPTS = [[1, 2], [3], [4, 4, 9, 36], [2], [7, 8], [5, 6, 5], [0]]
@@ -106,11 +107,11 @@ def test_shards_equal_full_rows_without_collectives_for_bias_and_penalties(shard
 
 
 def test_bad_fields_name_themselves():
-    for f, word in ((LogitsProcessing(top_k=-2), "top_k"), (LogitsProcessing(min_p=1.5), "min_p"),
-                    (LogitsProcessing(presence_penalty=3.0), "presence_penalty"),
-                    (LogitsProcessing(repetition_penalty=0.0), "repetition_penalty"),
-                    (LogitsProcessing(logit_bias=((V, 1.0),)), "logit_bias"),
-                    (LogitsProcessing(logit_bias=((1, 1.0), (1, 2.0))), "distinct")):
+    for f, word in ((SamplingParams(top_k=-2), "top_k"), (SamplingParams(min_p=1.5), "min_p"),
+                    (SamplingParams(presence_penalty=3.0), "presence_penalty"),
+                    (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+                    (SamplingParams(logit_bias=((V, 1.0),)), "logit_bias"),
+                    (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "distinct")):
         with pytest.raises(ValueError, match=word):
             f.check(V)
 
@@ -150,7 +151,7 @@ def test_slots_without_penalties_ignore_their_counts():
     """Once the count tables exist every slot's tokens are counted (the step has no per-row branch); a slot
     without penalties reads them with identity values, so its row stays bit for bit unprocessed."""
     logits, _, drafts = _case(6)
-    fields = [LogitsProcessing(), LogitsProcessing(logit_bias=((2, 1.0),)), LogitsProcessing(top_k=3)]
+    fields = [SamplingParams(), SamplingParams(logit_bias=((2, 1.0),)), SamplingParams(top_k=3)]
     proc = SlotLogitsProcessors(4, 0, V, V, "cpu")
     proc.assign([0, 1, 2], fields, [[1], [2], [3]])
     assert proc.counts is None  # no penalty yet: nothing counted, nothing allocated

@@ -1,0 +1,73 @@
+"""Per-slot sampling state (the role of vLLM's ``SamplingStates``): a request's
+:class:`~tensorrt_llm_ext.contract.SamplingParams` assigned to its slot, and the step variant a batch of slots
+needs, answered from those params alone.
+
+:meth:`SlotSampling.assign` is the one place a request's params become slot state: the temperature, seed and
+top-p the kernels read per slot (:class:`~tensorrt_llm_ext.contract.DSparkState`'s ``slot_temps`` /
+``slot_seeds`` / ``slot_top_p``, fp32 / int64 / fp32), the logits-processing tables
+(:class:`~tensorrt_llm_ext.speculative.logits_processing.SlotLogitsProcessors`) and a host copy of each slot's
+params. Nothing in between re-checks or re-derives them: the params were checked once where the request entered
+(``SamplingParams.check``), and the effective values (greedy below ``MIN_TEMPERATURE``, top-p raised to
+``MIN_TOP_P``) are the params' own properties.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorrt_llm_ext.contract import DSparkState, SamplingParams
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
+from tensorrt_llm_ext.speculative.step_variant import StepVariant
+
+__all__ = ["SlotSampling"]
+
+
+class SlotSampling:
+    """The sampling state of every slot of one worker.
+
+    ``state``: the slot tensors the step reads; ``sampling``: False for a greedy-only worker (it refuses
+    sampled params). The logits processors are bound after load (:meth:`bind_processors`: their columns are
+    the target head's shard).
+    """
+
+    def __init__(self, state: DSparkState, sampling: bool):
+        self.state = state
+        self.sampling = sampling
+        self.processors: SlotLogitsProcessors | None = None
+        self.params: list[SamplingParams] = [SamplingParams()] * state.ctx_lens.shape[0]  # host copy, per slot
+
+    def bind_processors(self, processors: SlotLogitsProcessors) -> None:
+        self.processors = processors
+
+    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
+        """Give ``slots`` their requests' params (one per slot) and reset their processing counts to the
+        prompts'. ``ValueError`` for sampled params on a greedy-only worker."""
+        if len(params) != len(slots):
+            raise ValueError(f"SlotSampling.assign: expected one SamplingParams per slot, got {len(params)} for "
+                             f"{len(slots)} slots")
+        if not self.sampling and any(not p.is_greedy for p in params):
+            raise ValueError(f"this worker is greedy-only (sampling=False); got temperatures "
+                             f"{[p.temperature for p in params]}")
+        st = self.state
+        dev = st.slot_temps.device
+        idx = torch.tensor(slots, dtype=torch.int64, device=dev)
+        st.slot_temps[idx] = torch.tensor([p.effective_temperature for p in params], dtype=st.slot_temps.dtype,
+                                          device=dev)
+        st.slot_seeds[idx] = torch.tensor([p.seed for p in params], dtype=st.slot_seeds.dtype, device=dev)
+        st.slot_top_p[idx] = torch.tensor([p.effective_top_p for p in params], dtype=st.slot_top_p.dtype, device=dev)
+        for slot, p in zip(slots, params):
+            self.params[slot] = p
+        self.processors.assign(slots, params, prompts)
+
+    def restricts_top_p(self, slots: list[int]) -> bool:
+        """Whether a row of ``slots`` samples from a top-p set."""
+        return any(self.params[s].restricts_top_p for s in slots)
+
+    def needs(self, slots: list[int]) -> StepVariant:
+        """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a
+        row samples from a top-p set, processed iff a row has logits processing, wide top-k iff a row's
+        ``top_k`` exceeds the captured top-k width (never captured)."""
+        proc = self.processors
+        processed = proc is not None and proc.active(slots)
+        return StepVariant(top_p=self.restricts_top_p(slots), processed=processed,
+                           wide_top_k=processed and self.sampling and proc.wide_top_k(slots))

@@ -1,0 +1,58 @@
+"""An HTTP body's sampling fields become one SamplingParams (``to_sampling_params``), with vLLM's defaults: a body
+without a seed is random (a fresh seed each time), the choices of one request draw streams independent of each
+other and of neighbouring seeds, and every field is refused by the contract's one rule."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tensorrt_llm_ext.contract import SamplingParams, sampling_problem
+from tensorrt_llm_ext.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _body(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": [1, 2], **fields})
+
+
+def test_every_field_reaches_the_params():
+    got = _body(temperature=0.7, top_p=0.9, seed=3, top_k=5, min_p=0.1, presence_penalty=0.5,
+                frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"9": 2, "4": -1.5}).to_sampling_params()
+    assert got == SamplingParams(temperature=0.7, top_p=0.9, seed=3, top_k=5, min_p=0.1, presence_penalty=0.5,
+                                 frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias=((4, -1.5), (9, 2.0)))
+    assert got.processes_logits and got.restricts_top_p
+    # -1 and 0 both mean no limit; an empty or null logit_bias is nothing
+    plain = _body(seed=1, top_k=-1, logit_bias={}).to_sampling_params()
+    assert plain == SamplingParams(seed=1) and not plain.processes_logits
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "seed": 1})
+    assert chat.to_sampling_params() == SamplingParams(seed=1)
+
+
+def test_an_unseeded_body_is_random_and_a_seeded_one_reproducible():
+    seeds = {_body(temperature=1.0).to_sampling_params().seed for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert {_body(temperature=1.0, seed=5).to_sampling_params().seed for _ in range(3)} == {5}
+
+
+def test_choices_are_independent_of_neighbouring_seeds():
+    """Seed s's choices 1.. used to be seeds s+1.., so seed 8's choices 0-1 equalled seed 7's 1-2."""
+    def seeds(seed: int, n: int = 4) -> list[int]:
+        return [SamplingParams(temperature=1.0, seed=seed).for_choice(k).seed for k in range(n)]
+
+    s7, s8 = seeds(7), seeds(8)
+    assert s7[0] == 7 and s8[0] == 8  # choice 0 is the request's own seed
+    assert len(set(s7 + s8)) == 8 and all(0 <= s < 2**63 for s in s7 + s8)
+    assert seeds(2**63 - 1)[0] == 2**63 - 1 and len(set(seeds(2**63 - 1))) == 4  # no overflow at the top
+    assert SamplingParams(seed=7).for_choice(2) == SamplingParams(seed=s7[2])  # only the seed changes
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 1.5), ("seed", 2**63), ("top_k", -2), ("min_p", 1.5),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 10**400), ("logit_bias", {"3": 101}),
+])
+def test_a_bad_field_is_refused_by_the_contract_rule(field, value):
+    with pytest.raises(ValidationError) as err:
+        _body(**{field: value})
+    rule_value = ((3, 101),) if field == "logit_bias" else value
+    assert sampling_problem(field, rule_value) in str(err.value)
