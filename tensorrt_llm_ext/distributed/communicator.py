@@ -152,22 +152,25 @@ def backend_name() -> str | None:
     return _STATE.backend if _STATE is not None else None
 
 
-def tp_group(mapping: Mapping):
-    """The device process group of ``mapping``'s TP group (None at tp 1)."""
+def _tp_groups(mapping: Mapping):
+    """``(device group, gloo group)`` of ``mapping``'s TP group; None at tp 1."""
     if mapping.tp_size == 1:
         return None
     if _STATE is None:
         raise RuntimeError("tp_size > 1 needs torch.distributed: call init_from_mpi() first")
-    return _STATE.tp_groups[mapping.tp_group][0]
+    return _STATE.tp_groups[mapping.tp_group]
+
+
+def tp_group(mapping: Mapping):
+    """The device process group of ``mapping``'s TP group (None at tp 1)."""
+    groups = _tp_groups(mapping)
+    return groups[0] if groups is not None else None
 
 
 def tp_cpu_group(mapping: Mapping):
     """The gloo group of ``mapping``'s TP group, for host-side agreement (None at tp 1)."""
-    if mapping.tp_size == 1:
-        return None
-    if _STATE is None:
-        raise RuntimeError("tp_size > 1 needs torch.distributed: call init_from_mpi() first")
-    return _STATE.tp_groups[mapping.tp_group][1]
+    groups = _tp_groups(mapping)
+    return groups[1] if groups is not None else None
 
 
 def world_cpu_group():

@@ -436,9 +436,16 @@ def check_sub(chunk: int, block_size: int, n_sub: int) -> int:
     return subchunk_width(chunk, block_size, n_sub)
 
 
-def _check_ties(logits, ties, splits):
-    check_tensor("ties", ties, shape=(logits.shape[0], splits, 2), dtype=torch.int64, device=logits.device,
+def _check_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties, row_div,
+                block_size, num_splits, vocab_start, vocab_size, n_sub, skip_bits):
+    """The checks of :func:`top_p_ties` and its twin: ``(n_valid, splits, chunk, sub-chunk width)``."""
+    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
+                                          row_div, block_size, num_splits, vocab_start, vocab_size)
+    sub = check_sub(chunk, block_size, n_sub)
+    check_tensor("ties", ties, shape=(logits.shape[0], splits * n_sub, 2), dtype=torch.int64, device=logits.device,
                  contiguous=True)
+    _check_skip(skip_bits)
+    return n_valid, splits, chunk, sub
 
 
 def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
@@ -453,11 +460,9 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
     :func:`check_sub`) the ties of ``b*`` and those with a global id below the row's token (``tokens[r // row_div,
     r % row_div]``); all-gathered next. CUDA-graph safe.
     """
-    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
-                                          row_div, block_size, num_splits, vocab_start, vocab_size)
-    sub = check_sub(chunk, block_size, n_sub)
-    _check_ties(logits, ties, splits * n_sub)
-    _check_skip(skip_bits)
+    n_valid, splits, chunk, sub = _check_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
+                                              state_out, ties, row_div, block_size, num_splits, vocab_start,
+                                              vocab_size, n_sub, skip_bits)
     rows = logits.shape[0]
     if rows == 0:
         return
@@ -475,11 +480,9 @@ def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, sta
                          row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1,
                          n_sub: int = 1) -> None:
     """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
-    n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
-                                          row_div, block_size, num_splits, vocab_start, vocab_size)
-    sub = check_sub(chunk, block_size, n_sub)
-    _check_ties(logits, ties, splits * n_sub)
-    _check_skip(skip_bits)
+    n_valid, splits, chunk, sub = _check_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
+                                              state_out, ties, row_div, block_size, num_splits, vocab_start,
+                                              vocab_size, n_sub, skip_bits)
     rows = logits.shape[0]
     _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     bstar, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)

@@ -226,6 +226,13 @@ class _Sampling(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _top_logprobs_count(v):
+    """``logprobs`` (completions) / ``top_logprobs`` (chat): how many candidates to report, 0..20."""
+    if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+    return v
+
+
 def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``{"token id": bias}`` as SamplingParams holds it: sorted ``(id, bias)`` pairs (the biases as
     sent: the rule compares them, a huge int has no float)."""
@@ -263,9 +270,7 @@ class CompletionRequest(_Sampling):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, v):
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
-        return v
+        return _top_logprobs_count(v)
 
     @model_validator(mode="after")
     def _echo(self):
@@ -360,9 +365,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
-        return v
+        return _top_logprobs_count(v)
 
     @field_validator("chat_template_kwargs")
     @classmethod
