@@ -137,3 +137,27 @@ def test_validation_names_the_argument():
         paged_attention(q, kp, vp, table.long(), slots, pos, 1.0)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         paged_attention(q[:, :, :5], kp, vp, table, slots, pos, 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group,d,kvh", [(3, 64, 3), (4, 128, 8)])  # SmolLM2-135M, an 8B Llama
+def test_realistic_shapes_bf16_long_context_and_graph_replay(group, d, kvh):
+    """bf16 at 4k+ keys (many pieces) vs the twin, then the same call captured and replayed with new lengths
+    written into the captured position tensor (lengths are tensors: no re-capture)."""
+    page, max_pages, b, t = 16, 300, 4, 8
+    lens = [4700, 4096, 1, 17]
+    case = make_case(b=b, t=t, kvh=kvh, group=group, d=d, page_size=page, max_pages=max_pages,
+                     lens=[max(n, t) for n in lens], dtype=torch.bfloat16)
+    q, kp, vp, table, slots, pos = case
+    out, ref = _run(case)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    o = torch.empty_like(q)
+    paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)  # warm-up (compile) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)
+    pos.copy_(torch.stack([torch.arange(n - t, n) for n in (300, 2000, 4700, 64)]).to(pos.device))
+    graph.replay()
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, d ** -0.5)
+    torch.testing.assert_close(o.float(), ref.float(), **TOL[torch.bfloat16])
