@@ -249,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
                     ts = timer.time_graph([spec_step], min_calls_per_graph=4)
                     spec_rows.append([b, ctx, fmt(ts), fmt(t["target_only"]), fmt(t["verify"]),
                                       fmt(ts - t["verify"]), fmt(ts / t["target_only"], 2)])
-                print(f"bench target: {name} B={b} C={ctx} done", file=sys.stderr, flush=True)
+                print(f"bench target: {name} B={b} C={ctx}: decode {fmt(t['decode'])} verify {fmt(t['verify'])} "
+                      f"target-only {fmt(t['target_only'])} floor {fmt(floor)} attn {fmt(t['attn'])} / "
+                      f"{fmt(attn_floor)} us" + (f"; spec step {spec_rows[-1][2]}" if shape in spec else ""),
+                      file=sys.stderr, flush=True)
         notes = [f"model: {name} ({tcfg.num_layers} layers, hidden {tcfg.hidden_size}, {tcfg.num_heads}/"
                  f"{tcfg.num_kv_heads} heads x {tcfg.head_dim}, vocab {tcfg.vocab_size}), {target.dtype}, K={k}, "
                  f"page {kv.page_size} tokens; weights read per step {weight_bytes / 1e6:.0f} MB, KV "
