@@ -125,9 +125,25 @@ class Scheduler:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the cache pages held by requests in flight (pages are reserved at admission for the
-        prompt and ``max_new_tokens``), 0..1."""
+        prompt, ``max_new_tokens`` and a step's overshoot; a request waits in the queue until they are free),
+        0..1."""
         pages = self.engine.pages
         return (pages.num_pages - pages.num_free) / pages.num_pages if pages.num_pages else 0.0
+
+    def free_pages_after(self, cancel: list[int]) -> int:
+        """Cache pages free once the requests of ``cancel`` (handles) have left (what a plan may admit into)."""
+        pages = self.engine.pages
+        return pages.num_free + sum(pages.num_held(self._live[h].slot) for h in cancel if h in self._live)
+
+    def pages_for(self, fields) -> int:
+        """Pages a request (its :class:`Request` or its fields) takes at admission; 0 for one that fails
+        validation (its admission reports the error and takes nothing)."""
+        try:
+            request = fields if isinstance(fields, Request) else Request(**fields)
+            self.validate(request)
+        except (RequestError, TypeError, ValueError):
+            return 0
+        return self.engine.pages_for(request)
 
     def validate(self, request: Request) -> None:
         """Raise :class:`RequestError` if the engine cannot serve ``request``."""
