@@ -119,7 +119,9 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     import dataclasses
 
     from tensorrt_llm_ext.models.checkpoint import CheckpointError
-    from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
+    import torch
+
+    from tensorrt_llm_ext.training.trainer import TrainConfig, TrainingDiverged, train_drafter
 
     try:
         tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
@@ -129,6 +131,13 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        print(f"error: train-drafter ran out of memory ({str(e).splitlines()[0][:120] if str(e) else 'host'}); "
+              "lower --batch-seqs, --anchors, --gen-batch or --max-new-tokens", file=sys.stderr)
+        return 1
     acc = summary["held_out_greedy_acceptance"]
     print(f"drafter: {out}")
     print(f"loss: {summary['first_losses'][:1]} -> {summary['last_losses'][-1:]}")

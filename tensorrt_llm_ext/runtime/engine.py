@@ -8,7 +8,7 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 * ``"gathered"``: the same, with vocab-parallel selection forced off (gathered logits everywhere);
 * ``"target_only"``: the target's own non-speculative decode, the lossless reference.
 
-Requests are admitted in order while slots are free, and every request admitted in one loop iteration is
+Requests are admitted in order while a slot and their cache pages are free (else they wait for a finish), and every request admitted in one loop iteration is
 prefilled in one batched call (:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context
 store); a request that fails validation gets an error result and never reaches a slot.
 
@@ -130,7 +130,9 @@ class Engine:
         self.vocab_size = self.target.config.vocab_size
         self.state, self.slots, self.pages = build_state(
             self.target, self.drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-            draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device)
+            draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device,
+            max_tokens=config.kv_cache_config.max_tokens,
+            free_gpu_memory_fraction=config.kv_cache_config.free_gpu_memory_fraction)
         # The checkpoint's EOS ids end every request that does not set ignore_eos (the embedded model has none).
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
@@ -256,12 +258,11 @@ class Engine:
         active: dict[int, _Active] = {}
         while pending or active:
             admitted: list[_Active] = []
-            while pending and self.slots.num_free:
+            # Admission in order while a slot and the request's pages are free; otherwise it waits for a finish.
+            while pending and self.slots.num_free and self.pages.can_allocate(self.pages_for(pending[0].request)):
                 a = pending.popleft()
                 a.slot = self.slots.acquire()
-                req = a.request
-                self.pages.allocate(a.slot, pages_needed(len(req.prompt_ids) + req.max_new_tokens, self.draft_len,
-                                                         self.state.page_size))
+                self.pages.allocate(a.slot, self.pages_for(a.request))
                 admitted.append(a)
             if admitted:  # every request admitted this iteration: one batched prefill
                 prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
@@ -298,13 +299,17 @@ class Engine:
         stats.num_tokens = sum(len(r.output_ids) for r in results)
         return results, stats
 
+    def pages_for(self, request: Request) -> int:
+        """Cache pages ``request`` (validated) holds from admission to finish: its prompt, ``max_new_tokens``
+        and the overshoot of a step (:func:`~tensorrt_llm_ext.runtime.kv_cache.pages_needed`)."""
+        return pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len, self.state.page_size)
+
     # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
     def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
         """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
         generated token."""
         path = _path(mode)
-        self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
-                                               self.state.page_size))
+        self.pages.allocate(slot, self.pages_for(request))
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)],
                                                        [request.sampling_temperature], [request.seed],

@@ -29,6 +29,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from tensorrt_llm_ext.testing.kernel_resources import accepted_reason, sass_counts, write_table
+
 __all__ = ["main"]
 
 DEFAULT_SWEEP = "tensorrt_llm_ext.testing.compile_sweep"
@@ -73,8 +75,6 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
                "spill_stores": v.ptxas.spill_stores, "spill_loads": v.ptxas.spill_loads, "stack": v.ptxas.stack,
                "shared": v.shared, "num_warps": v.num_warps, "seconds": v.seconds, "captured": v.kernel in captured}
         if with_sass:
-            from tensorrt_llm_ext.testing.kernel_resources import sass_counts
-
             row.update(sass_counts(v.compiled.asm["cubin"], arch))
         variants.append(row)
     report = {
@@ -125,15 +125,6 @@ def _merge(arch: int, parts: list[dict]) -> dict:
             "case_seconds": {k: v for p in parts for k, v in p["case_seconds"].items()},
             "variants": [v for p in parts for v in p["variants"]],
             "failures": [f for p in parts for f in p["failures"]], "accepted_spills": first["accepted_spills"]}
-
-
-def accepted_reason(report: dict, v: dict) -> str | None:
-    """The reason of the accepted-spill entry that covers variant ``v``, or None."""
-    spilled = max(0, v["spill_stores"]) + max(0, v["spill_loads"])
-    for a in report.get("accepted_spills", []):
-        if a["kernel"] == v["kernel"] and all(w in v["spec"] for w in a["when"]) and spilled <= a["max_bytes"]:
-            return a["reason"]
-    return None
 
 
 def spill_failures(report: dict) -> list[str]:
@@ -207,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         ok &= report_ok
         print("\n".join(lines))
     if args.table and all(not r.get("crashed") for r in reports):
-        from tensorrt_llm_ext.testing.kernel_resources import write_table
-
         write_table(args.table, reports)
         print(f"resource table written to {args.table}")
     print(f"compile-check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from collections import defaultdict
 
-__all__ = ["sass_counts", "sass_loops", "write_table"]
+__all__ = ["accepted_reason", "sass_counts", "sass_loops", "write_table"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -77,6 +77,15 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "ldl": sum(op.startswith("LDL") for op in real), "loops": len(loops), "hot_loop": len(hot_ops)}
 
 
+def accepted_reason(report: dict, v: dict) -> str | None:
+    """The reason of the accepted-spill entry of ``report`` that covers variant ``v``, or None."""
+    spilled = max(0, v["spill_stores"]) + max(0, v["spill_loads"])
+    for a in report.get("accepted_spills", []):
+        if a["kernel"] == v["kernel"] and all(w in v["spec"] for w in a["when"]) and spilled <= a["max_bytes"]:
+            return a["reason"]
+    return None
+
+
 def _span(values) -> str:
     lo, hi = min(values), max(values)
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
@@ -121,8 +130,6 @@ def write_table(path: str, reports: list[dict]) -> None:
         spilling = [v for v in r["variants"] if v["spill_stores"] > 0 or v["spill_loads"] > 0]
         lines += ["", f"Spilling specializations on sm_{r['arch']}: {len(spilling) or 'none'}", ""]
         for v in sorted(spilling, key=lambda v: (v["kernel"], -v["spill_stores"])):
-            from tensorrt_llm_ext.testing.compile_check import accepted_reason
-
             reason = accepted_reason(r, v)
             lines.append(f"- `{v['kernel'].split(':')[-1]}` {v['spill_stores']} B stored / {v['spill_loads']} B loaded "
                          f"at {v['registers']} registers{f' (accepted: {reason})' if reason else ''}: `{v['spec']}`")

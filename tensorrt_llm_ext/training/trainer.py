@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,23 +81,61 @@ class TrainConfig:
     save_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
 
     def __post_init__(self):
-        for name in ("num_prompts", "max_new_tokens", "gen_batch", "num_layers", "num_heads", "head_dim", "latent_dim",
-                     "intermediate_size", "draft_len", "steps", "batch_seqs", "anchors", "save_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train-drafter: {name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.greedy_fraction <= 1.0 or not 0.0 < self.gen_top_p <= 1.0:
-            raise ValueError(f"train-drafter: greedy-fraction must be in [0, 1] and gen-top-p in (0, 1], got "
-                             f"{self.greedy_fraction} / {self.gen_top_p}")
+        """Every knob checked before any work (one line each, the CLI exits 2 on it)."""
+        def bad(name, want, got):
+            raise ValueError(f"train-drafter: --{name.replace('_', '-')} must be {want}, got {got!r}")
+
+        for name, lo, hi in (("num_prompts", 1, 10_000_000), ("max_new_tokens", 1, 8192), ("gen_batch", 1, 4096),
+                             ("num_layers", 1, 64), ("num_heads", 1, 256), ("head_dim", 2, 1024),
+                             ("latent_dim", 1, 8192), ("intermediate_size", 1, 65536), ("draft_len", 1, 32),
+                             ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
+                             ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
+                             ("seed", 0, 2**63 - 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                bad(name, f"an integer in [{lo}, {hi}]", v)
+        if self.head_dim % 2:
+            bad("head_dim", "even (RoPE rotates pairs)", self.head_dim)
+        if self.markov_rank is not None and (not isinstance(self.markov_rank, int) or not 1 <= self.markov_rank <= 65536):
+            bad("markov_rank", "an integer in [1, 65536]", self.markov_rank)
+        for name, lo, hi, lo_open, hi_open in (("lr", 0.0, 1.0, True, False), ("weight_decay", 0.0, 1.0, False, True),
+                                               ("greedy_fraction", 0.0, 1.0, False, False),
+                                               ("gen_temperature", 0.0, 100.0, False, False),
+                                               ("gen_top_p", 0.0, 1.0, True, False),
+                                               ("position_decay", 0.0, 1.0, True, False),
+                                               ("grad_clip", 0.0, 1e6, True, False)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and \
+                (v < hi if hi_open else v <= hi)
+            if not ok:
+                bad(name, f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}", v)
         if self.init not in ("scratch", "bigram"):
-            raise ValueError(f"train-drafter: init must be 'scratch' or 'bigram', got {self.init!r}")
-        if self.eval_prompts < 0:
-            raise ValueError(f"train-drafter: eval-prompts must be >= 0, got {self.eval_prompts}")
+            bad("init", "'scratch' or 'bigram'", self.init)
+        if self.save_dtype not in SAVE_DTYPES:
+            bad("save_dtype", " / ".join(SAVE_DTYPES), self.save_dtype)
+        _device(self.device)  # raises the one-line error for an unknown or absent device
+
+
+SAVE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss went non-finite: the run stops (nothing saved past the last finite checkpoint)."""
 
 
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"train-drafter: --device must be auto, cpu, cuda or cuda:N, got {name!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"train-drafter: --device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"train-drafter: --device {name}: no such CUDA device here "
+                         f"({torch.cuda.device_count()} visible)")
+    return dev
 
 
 def drafter_config(model_dir: str | Path, tc: TrainConfig) -> tuple[DSparkDrafterConfig, list[int]]:
@@ -231,17 +271,19 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
 
     state = None
     if resume and state_path.is_file():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = _load_resume_file(state_path, STATE_KEYS)
+        _check_params(state_path, state["params"], dcfg)
         if state["knobs"] != knobs:
             changed = sorted(k for k in knobs if state["knobs"].get(k) != knobs[k])
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
     if resume and data_path.is_file():
-        data = torch.load(data_path, map_location="cpu", weights_only=True)
+        data = _load_resume_file(data_path, DATA_KEYS)
+        _check_data(data_path, data)
         logger.info(f"train-drafter: data from {data_path} ({data['tokens'].shape[0]} sequences)")
     else:
         data = _make_data(target, model_dir, tc, "train", tc.num_prompts, storage, progress)
-        torch.save(data, data_path)
+        atomic_torch_save(data, data_path)
     eval_data = (_make_data(target, model_dir, tc, "held_out", tc.eval_prompts, storage, progress, greedy_only=True)
                  if tc.eval_prompts else None)
 
@@ -281,6 +323,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         anchors = sample_anchors(batch, tc.anchors, gen)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc.position_decay)
+        if not math.isfinite(metrics["loss"]):
+            last = (step // tc.save_every) * tc.save_every
+            raise TrainingDiverged(f"train-drafter: the loss is {metrics['loss']} at step {step + 1}; stopped, no "
+                                   f"drafter written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), tc.grad_clip)
@@ -299,13 +345,15 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                   if eval_data is not None else None)
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
-    save_drafter_checkpoint(out_dir, dcfg, layers, {n: t.to(save_dtype).cpu() for n, t in final.items()})
+    weights = {n: t.to(save_dtype).cpu() for n, t in final.items()}
+    if not all(bool(torch.isfinite(t).all()) for t in weights.values()):
+        raise TrainingDiverged(f"train-drafter: a drafter weight is non-finite after step {tc.steps}; not written")
     summary = {"target": str(model_dir), "drafter": str(out_dir), "knobs": knobs, "target_layer_ids": layers,
                "sequences": n_seq, "steps": tc.steps, "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval,
                                               "draft_len": tc.draft_len, "prompts": tc.eval_prompts}}
-    (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
                     f"{tc.init}) -> {final_eval:.3f} (trained)")
@@ -329,11 +377,71 @@ def _make_data(target, model_dir, tc: TrainConfig, split: str, n: int, storage, 
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"params": {n: p.detach().cpu() for n, p in params.items()}, "optimizer": opt.state_dict(),
-                "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
-                "init_eval": init_eval}, tmp)
-    tmp.replace(path)  # a kill mid-save leaves the previous checkpoint whole
+    atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items()}, "optimizer": opt.state_dict(),
+                       "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
+                       "init_eval": init_eval}, path)
+
+
+STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
+DATA_KEYS = ("tokens", "lens", "prompt_lens")
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """``torch.save`` to a temporary name beside ``path``, then rename: a kill mid-write leaves the previous
+    file (or none), never a truncated one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict) -> None:
+    """The drafter directory (``config.json``, ``model.safetensors``, ``training.json``) written whole into a
+    temporary sibling and renamed into place: a kill leaves the previous drafter or none, never a config alone."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_drafter_checkpoint(tmp, dcfg, layers, weights)
+        (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
+    """A work-dir file loaded with ``weights_only=True`` (no code runs from a crafted pickle); a damaged one
+    is named in one line."""
+    hint = f"delete it (or use another --work-dir) to start that part over"
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, empty, not a torch file, or a pickle weights_only refuses
+        msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ValueError(f"train-drafter --resume: {path} is damaged or not a train-drafter file ({msg}); {hint}")
+    if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+        raise ValueError(f"train-drafter --resume: {path} lacks {missing}; {hint}")
+    return obj
+
+
+def _check_params(path: Path, params, dcfg) -> None:
+    shapes = full_weight_shapes(dcfg)
+    if not isinstance(params, dict) or set(params) != set(shapes) or any(
+            not isinstance(params[n], torch.Tensor) or tuple(params[n].shape) != s for n, s in shapes.items()):
+        raise ValueError(f"train-drafter --resume: {path} holds weights of another drafter shape; delete it or "
+                         "use another --work-dir")
+
+
+def _check_data(path: Path, data: dict) -> None:
+    n = data["tokens"].shape[0] if isinstance(data["tokens"], torch.Tensor) and data["tokens"].dim() == 2 else -1
+    if n < 1 or any(not isinstance(data[k], torch.Tensor) or data[k].shape[0] != n for k in data if k in DATA_KEYS):
+        raise ValueError(f"train-drafter --resume: {path} is inconsistent (row counts differ); delete it or use "
+                         "another --work-dir")
 
 
 def _progress(iterable, enabled: bool, desc: str, total: int | None = None):

@@ -78,6 +78,77 @@ def test_imports_point_down_the_dependency_order():
     assert _violations() == []
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package modules it imports, function-local imports included (an
+    import deferred into a function still runs the other module's top level: a circle all the same).
+    ``from pkg import name`` points at ``pkg.name`` where that is a module, else at ``pkg``."""
+    files = {}
+    for path in PKG.rglob("*.py"):
+        parts = ["tensorrt_llm_ext", *path.relative_to(PKG).with_suffix("").parts]
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        rel = path.relative_to(PKG)
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module if node.level == 0 else _absolute(rel, node.module, node.level)
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def _circles() -> list[list[str]]:
+    """The import circles of the package: its strongly connected components of more than one module, sorted."""
+    graph, order, low, stack, on_stack, found = _module_graph(), {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_circle_anywhere():
+    """Layers order the top-level parts; inside a part (testing/, speculative/, ...) modules must not import
+    each other in a circle either, deferred imports included."""
+    assert _circles() == []
+
+
+def test_the_circle_check_catches_one_inside_a_layer(tmp_path, monkeypatch):
+    fake = tmp_path / "tensorrt_llm_ext"
+    (fake / "testing").mkdir(parents=True)
+    (fake / "testing" / "__init__.py").write_text("")
+    monkeypatch.setattr(__import__(__name__, fromlist=["PKG"]), "PKG", fake)
+    (fake / "testing" / "a.py").write_text("from tensorrt_llm_ext.testing.b import f\n")
+    (fake / "testing" / "b.py").write_text("def f():\n    from . import c\n")
+    (fake / "testing" / "c.py").write_text("import tensorrt_llm_ext.testing.d\n")
+    (fake / "testing" / "d.py").write_text("x = 1\n")
+    assert _circles() == []  # a chain is fine
+    (fake / "testing" / "d.py").write_text("def g():\n    from .a import y\n")  # deferred, still a circle
+    assert _circles() == [["tensorrt_llm_ext.testing.a", "tensorrt_llm_ext.testing.b", "tensorrt_llm_ext.testing.c",
+                           "tensorrt_llm_ext.testing.d"]]
+
+
 def test_contract_and_kernels_import_nothing_above_them():
     forbidden = ("tensorrt_llm_ext.speculative", "tensorrt_llm_ext.models", "tensorrt_llm_ext.runtime",
                  "tensorrt_llm_ext.modules", "tensorrt_llm_ext.distributed", "tensorrt_llm_ext.testing")
