@@ -324,7 +324,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
     p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
     p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
-                   help="= kv_cache_config.free_gpu_memory_fraction (accepted, no effect)")
+                   help="= kv_cache_config.free_gpu_memory_fraction (the KV page pool's share of free GPU memory)")
     p.add_argument("--trust_remote_code", action="store_const", const=True, default=None,
                    help="= trust_remote_code (accepted, no effect: no remote code is run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
