@@ -606,6 +606,16 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     chat_template_kwargs: dict | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, v):
+        # Not the completions' union message ("token ids ... or text"): here only text is tokenized.
+        if v is not None and not isinstance(v, str):
+            got = "token ids" if isinstance(v, list) else type(v).__name__
+            raise _FieldError("prompt", f"/tokenize takes text (a string), got {got}; token ids are tokens already "
+                                        f"(/detokenize turns them into text)")
+        return v
+
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
