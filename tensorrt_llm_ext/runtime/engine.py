@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorrt_llm_ext.distributed.agree import gather_objects
-from tensorrt_llm_ext.logger import log_environment, logger
+from tensorrt_llm_ext.logger import info_once, log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.runtime.config import RuntimeConfig
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
@@ -39,7 +39,7 @@ from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResu
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.logprobs import token_logprobs
 from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
-from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
+from tensorrt_llm_ext.speculative.step_ops import step_ops_for
 from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
@@ -160,12 +160,18 @@ class Engine:
             if path not in ("speculative", "gathered", "stock"):
                 raise ValueError(f"Engine.worker: unknown path {path!r}")
             spec = self.config.speculative_config
-            mode = spec.vocab_parallel_selection if path == "speculative" else "off"
+            ops = step_ops_for(path, self.device)  # fused where Triton runs, stock torch ops on a plain CPU
+            sharded = path == "speculative" and ops.vocab_parallel
+            if path == "speculative" and not sharded and "on" in (spec.vocab_parallel_selection,
+                                                                   spec.vocab_sharded_verification):
+                info_once(f"vocab-parallel selection / sharded verification 'on': not with the {ops.name} op table "
+                          f"(it selects from gathered logits)", key=f"vocab-parallel-on-{ops.name}")
+            mode = spec.vocab_parallel_selection if sharded else "off"
             # gathered / stock paths verify on gathered logits too (they are the references of the sharded one)
-            verification = spec.vocab_sharded_verification if path == "speculative" and sampling else "off"
+            verification = spec.vocab_sharded_verification if sharded and sampling else "off"
             w = DSparkWorker(self.target, self.drafter, self.state, mapping=self.mapping, draft_len=self.draft_len,
                              max_batch_size=self.max_batch_size, markov_chain_mode=spec.markov_chain_mode,
-                             ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling,
+                             ops=ops, sampling=sampling,
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
                              verification_mode=verification)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)

@@ -523,12 +523,15 @@ def _validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, "; ".join(msgs[:4]), top)
 
 
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a whole string (skipped), or a bracket
+# A whole string (skipped; the unrolled form scans its runs at C speed), or a bracket.
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
 
 def _json_depth_ok(text: str) -> bool:
     """Nesting depth of ``[`` / ``{`` outside strings stays within :data:`MAX_JSON_DEPTH` (one regex scan;
     unterminated strings and unbalanced brackets are json.loads' to refuse)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # most bodies: no scan at all
+        return True
     depth = 0
     for m in _JSON_TOKENS.finditer(text):
         c = m.group()
@@ -602,6 +605,16 @@ class TokenizeRequest(BaseModel):
     return_token_strs: StrictBool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, v):
+        # Not the completions' union message ("token ids ... or text"): here only text is tokenized.
+        if v is not None and not isinstance(v, str):
+            got = "token ids" if isinstance(v, list) else type(v).__name__
+            raise _FieldError("prompt", f"/tokenize takes text (a string), got {got}; token ids are tokens already "
+                                        f"(/detokenize turns them into text)")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self):
