@@ -54,9 +54,6 @@ def _writable(path: str, flag: str) -> str | None:
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
-
-    ensure_triton_interpreter()  # on a CPU, like generate: before any kernel module is imported
     from tensorrt_llm_ext.bench.harness import load_benchmark, write_tables
 
     try:
@@ -82,9 +79,6 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
-
-    ensure_triton_interpreter()
     from tensorrt_llm_ext.runtime.serve_cli import main_serve
 
     return _checkpoint_refusal_exits_2(main_serve, args, argv)
@@ -125,7 +119,9 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     import dataclasses
 
     from tensorrt_llm_ext.models.checkpoint import CheckpointError
-    from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
+    import torch
+
+    from tensorrt_llm_ext.training.trainer import TrainConfig, TrainingDiverged, train_drafter
 
     try:
         tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
@@ -135,6 +131,13 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        print(f"error: train-drafter ran out of memory ({str(e).splitlines()[0][:120] if str(e) else 'host'}); "
+              "lower --batch-seqs, --anchors, --gen-batch or --max-new-tokens", file=sys.stderr)
+        return 1
     acc = summary["held_out_greedy_acceptance"]
     print(f"drafter: {out}")
     print(f"loss: {summary['first_losses'][:1]} -> {summary['last_losses'][-1:]}")
@@ -156,16 +159,20 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
-        if f.name == "markov_rank":
-            kind = int
+        extra = {}
+        if f.name == "prompts":
+            kind, extra = str, {"nargs": "+", "metavar": "SOURCE[:WEIGHT]"}
+        elif f.name == "position_decay":
+            kind = float
+        help_ = {"prompts": "sharegpt, chitchat, templates or FILE.jsonl[.gz], several mixed by weight "
+                            "(default templates)",
+                 "position_decay": "position weight factor (default exp(-1/K), the paper's)"}.get(
+                     f.name, f"default {f.default}")
         t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                       help=f"default {f.default} (docs/real_model.md)")
+                       help=help_ + " (docs/real_model.md)", **extra)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
-
-    ensure_triton_interpreter()  # before any kernel module is imported
     from tensorrt_llm_ext.runtime.generate_cli import main_generate
 
     return _checkpoint_refusal_exits_2(main_generate, args)
@@ -290,6 +297,18 @@ def _split_test_list_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+# Benchmarks that run a model the way a user does (a CPU runs them with torch ops, like generate / serve).
+_MODEL_BENCHMARKS = ("acceptance", "serve")
+
+
+def _runs_kernels(argv: list[str]) -> bool:
+    """Whether a command is about the Triton kernels themselves (the kernel benchmarks), so that a CPU runs
+    them in the interpreter. ``generate``, ``serve``, ``train-drafter``, ``info`` and the model benchmarks do
+    not: on a CPU without ``TRITON_INTERPRET=1`` their step runs the stock torch ops
+    (:func:`~tensorrt_llm_ext.speculative.step_ops.step_ops_for`)."""
+    return argv[:1] == ["bench"] and len(argv) > 1 and argv[1] not in _MODEL_BENCHMARKS
+
+
 def _quick(argv: list[str]) -> int:
     try:
         build_parser().parse_args(argv)
@@ -308,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         from tensorrt_llm_ext.testing.compile_check import main as compile_check_main
 
         return compile_check_main(argv[1:])
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+    if _runs_kernels(argv):
+        from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
-    ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
+        ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
     from tensorrt_llm_ext._env import ENV
 
     if ENV.errors:

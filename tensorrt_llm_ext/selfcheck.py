@@ -22,6 +22,7 @@ def environment_report() -> list[tuple[str, str]]:
         ("torch", torch.__version__),
         ("triton", triton.__version__),
         ("triton interpreter", "on" if ENV.triton_interpret else "off"),
+        ("step ops", _step_ops_row()),
         ("GPU", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
          if torch.cuda.is_available() else "none (CPU; Triton kernels need TRITON_INTERPRET=1)"),
     ]
@@ -36,6 +37,20 @@ def environment_report() -> list[tuple[str, str]]:
     except FileNotFoundError as e:
         rows.append(("mpiexec", f"not found ({e})"))
     return rows
+
+
+def _step_ops_row() -> str:
+    """The op table ``generate`` / ``serve`` run here (:func:`~tensorrt_llm_ext.speculative.step_ops.step_ops_for`)."""
+    import torch
+
+    from tensorrt_llm_ext.speculative.step_ops import fused_ops_run_on
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return "fused Triton kernels"
+    if fused_ops_run_on(device):
+        return "fused Triton kernels in the interpreter (TRITON_INTERPRET=1: slow, for tests)"
+    return "stock torch ops (CPU; TRITON_INTERPRET=1 runs the fused kernels in the interpreter)"
 
 
 def _rank_check(vocab: int):

@@ -23,7 +23,10 @@ Refused by name (``ValueError``): another architecture, a tensor this mapping do
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -160,8 +163,6 @@ def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "floa
                 tokenizer: bool = True) -> list[tuple[str, Path]]:
     """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written."""
     gguf = _require_gguf()
-    from tensorrt_llm_ext.models.checkpoint import _save_safetensors
-
     if dtype not in _DTYPES:
         raise ValueError(f"import-gguf: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     gguf_file = Path(gguf_file)
@@ -171,19 +172,51 @@ def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "floa
     cfg = read_gguf_config(reader)
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    # Everything is written into a temporary directory beside DIR and moved into place once complete: a write
+    # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.importing-", dir=directory.parent))
+    try:
+        written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
+        _move_into_place(staging, directory)
+    except BaseException as e:  # an interrupt too: no staging directory is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(e, Exception) or isinstance(e, (ImportError, ValueError)):
+            raise
+        raise OSError(f"import-gguf: writing {directory} failed ({type(e).__name__}: {e}); nothing was written "
+                      f"there") from None
+    return [(what, directory / path.relative_to(staging)) for what, path in written]
+
+
+def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.Tensor], dtype: str,
+                     tokenizer: bool) -> list[tuple[str, Path]]:
+    from tensorrt_llm_ext.models.checkpoint import _save_safetensors
+
     cfg["torch_dtype"] = dtype
     written = []
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    written.append(("config", directory / "config.json"))
-    _save_safetensors(sd, directory / "model.safetensors", {"format": "pt"})
-    written.append(("weights", directory / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    written.append(("config", out / "config.json"))
+    _save_safetensors(sd, out / "model.safetensors", {"format": "pt"})
+    written.append(("weights", out / "model.safetensors"))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
-    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    written.append(("generation config", directory / "generation_config.json"))
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    written.append(("generation config", out / "generation_config.json"))
     if tokenizer:
-        written.extend(_write_tokenizer(gguf_file, directory))
+        written.extend(_write_tokenizer(gguf_file, out))
     return written
+
+
+def _move_into_place(staging: Path, directory: Path) -> None:
+    """``staging`` becomes ``directory`` (one rename when it does not exist or is empty); into an existing
+    directory each file is renamed over its old version, and files of other names there stay."""
+    if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
+        os.replace(staging, directory)
+        return
+    if not directory.is_dir():
+        raise NotADirectoryError(f"{directory} exists and is not a directory")
+    for f in sorted(staging.iterdir()):
+        os.replace(f, directory / f.name)
+    staging.rmdir()
 
 
 def _write_tokenizer(gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:

@@ -3,7 +3,7 @@
 Decoder layers (pre-norm): ``h += o_proj(attn(norm(h)))``; ``h += down(silu(gate(x)) * up(x))`` with
 ``x = norm(h)``; final norm; column-parallel :class:`LMHead` (``gather_output=True``) applied through the
 plain :class:`LogitsProcessor`. Attention is GQA (``num_kv_heads`` divides ``num_heads``) with NeoX RoPE
-over a per-slot KV cache sized at start.
+over a PAGED KV cache (:class:`PagedKVCache`: one pool of fixed-size pages, a page table per slot).
 
 The Hugging Face families this covers (see ``docs/checkpoints.md``) differ only in switches of
 :class:`LlamaTargetConfig`: q/k/v biases (Qwen2), an ``o_proj`` bias and MLP biases (Llama's
@@ -16,11 +16,17 @@ row-parallel with a reduced output, norms and the embedding replicated. Every TP
 FULL weights (deterministic seeded init, or :meth:`LlamaTarget.load_full_state_dict`), sliced per rank.
 
 The step forward (:meth:`LlamaTarget.forward`) takes a fixed ``[B, T]`` block of tokens with their
-absolute positions and cache slots, writes their K/V at ``cache[slot, position]`` first and then attends
-causally by absolute position over the WHOLE fixed-size cache row (keys at positions ``<= `` the query's).
-Entries beyond a request's length are stale (rejected drafts, padding) but always sit at positions
-larger than every query that could see them, until the step that owns that position rewrites them.
-Hence no length tensor, no host sync, no data-dependent branch: CUDA-graph capturable per ``[B, T]``.
+absolute positions and cache slots, writes their K/V at their page slots (``page_table[slot, pos //
+page_size]``, offset ``pos % page_size``) first and then attends causally by absolute position over the slot's
+pages (keys at positions ``<=`` the query's; the kernel reads only the pages below the block's last position).
+Entries beyond a request's length are stale (rejected drafts, padding) but always sit at positions larger
+than every query that could see them, until the step that owns that position rewrites them; writes past a
+slot's pages go to the scratch page. Hence no length tensor, no host sync, no data-dependent branch:
+CUDA-graph capturable per ``[B, T]``. On CUDA the layer runs the fused kernels
+(:mod:`~tensorrt_llm_ext.kernels.paged_kv_write`, :mod:`~tensorrt_llm_ext.kernels.paged_attention`,
+:mod:`~tensorrt_llm_ext.kernels.rms_norm` with the residual add) and one QKV / one gate-up GEMM (the
+checkpoint's separate q / k / v and gate / up weights are views into the fused ones, so loading is
+unchanged); on a CPU their eager twins.
 
 Per token the computation only depends on that token's row (and the cache), so the same token computed
 at a different row of a same-shaped step gives the same bits -- the property that makes speculative
@@ -42,15 +48,32 @@ from torch import nn
 from tensorrt_llm_ext.contract import TargetOutput
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.modules.attention import apply_rope
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
-from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
+from tensorrt_llm_ext.kernels.paged_attention import paged_attention, paged_attention_reference
+from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
+from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.modules.rope import RopeScaling, RotaryEmbedding
 from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
+
+
+def _add_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(residual + x), residual + x)`` in one launch (``x`` None: the norm of ``residual`` alone).
+
+    The sum is formed in fp32 and rounded once to the model dtype (the bits of ``residual + x`` in that
+    dtype); the norm reads the fp32 sum. CUDA: the fused kernel; CPU: its eager twin (see :func:`_norm`)."""
+    if x is None:
+        return _norm(norm, residual), residual
+    shape = residual.shape
+    x2, r2 = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+    if x.is_cuda:
+        out, res = rms_norm(x2.contiguous(), norm.weight, norm.eps, residual=r2.contiguous())
+    else:
+        out, res = rms_norm_reference(x2, norm.weight, norm.eps, residual=r2)
+    return out.reshape(shape), res.reshape(shape)
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -163,29 +186,75 @@ def generate_full_state_dict(cfg: LlamaTargetConfig, seed: int, dtype: torch.dty
     return out
 
 
-class KVCache:
-    """Per-slot target KV cache: ``k, v [L, num_slots, max_positions, kv_heads_local, D]`` (zeros at start).
+class PagedKVCache:
+    """The target's paged KV cache: ``k, v [L, num_pages + 1, page_size, kv_heads_local, D]`` (zeros at start)
+    and the ``page_table [num_slots, max_pages]`` int32 of each slot's pages.
 
-    Sized once at start; ``max_positions`` must leave room for a whole step past the longest request
-    (the verification block and padding columns are written before being attended).
+    Page ``num_pages`` (the last) is the SCRATCH page, never handed out: unallocated table entries hold its
+    id, so padding rows, the dummy slot and positions past a request's pages write there and never touch a
+    request's page. The table is owned by whoever hands pages out (the runtime's page allocator writes it in
+    place between steps); the model only reads it.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, max_positions: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        shape = (num_layers, num_slots, max_positions, kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, page_table: torch.Tensor):
+        if page_table.dtype != torch.int32 or page_table.dim() != 2:
+            raise ValueError(f"PagedKVCache: page_table must be int32 [num_slots, max_pages], got "
+                             f"{page_table.dtype} {list(page_table.shape)}")
+        shape = (num_layers, num_pages + 1, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_table = page_table
+
+    @property
+    def num_pages(self) -> int:
+        """Pages that can be handed out (the scratch page excluded)."""
+        return self.k.shape[1] - 1
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def scratch_page(self) -> int:
+        return self.k.shape[1] - 1
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.page_table.shape[0]
 
     @property
     def max_positions(self) -> int:
-        return self.k.shape[2]
+        """Positions one slot's table can address."""
+        return self.page_table.shape[1] * self.page_size
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
+
+
+def kv_bytes_per_token(cfg: "LlamaTargetConfig", tp_size: int, dtype: torch.dtype) -> int:
+    """Bytes one token's K and V take on one rank, over every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * (cfg.num_kv_heads // tp_size) * cfg.head_dim * elem
+
+
+def _fuse_linears(*mods: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``[sum of out_local, in_local]`` weight (and bias) whose row blocks ARE the modules' weights (views):
+    the modules keep their names and loaders (a checkpoint's separate q / k / v write into the fused tensor)
+    while the step runs one GEMM."""
+    w = torch.cat([m.weight.data for m in mods], 0)
+    has_bias = [m.bias is not None for m in mods]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("_fuse_linears: either every fused Linear has a bias or none")
+    bias = torch.cat([m.bias.data for m in mods], 0) if all(has_bias) else None
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[off:off + n], requires_grad=False)
+        off += n
+    return w, bias
 
 
 class LlamaAttention(nn.Module):
@@ -205,6 +274,8 @@ class LlamaAttention(nn.Module):
                              mapping=mapping, tensor_parallel_mode=col)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dtype, device=device,
                              mapping=mapping, tensor_parallel_mode=row)
+        # q / k / v of this rank's heads as one GEMM (the three Linears are views into it).
+        self.qkv_weight, self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         # Qwen3: one [head_dim] weight shared by every head, so it is replicated, not split, under TP.
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
@@ -213,32 +284,27 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
         self.scale = 1.0 / math.sqrt(d)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, H]``; writes K/V at ``cache[slot, position]`` then attends causally over the cache row."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor, page_table: torch.Tensor,
+                k_pool: torch.Tensor, v_pool: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, H]``; writes K/V at each token's page slot, then attends causally over the slot's pages.
+
+        CUDA: the fused RoPE + KV write and the paged attention kernel; CPU: their eager twins (the Triton
+        interpreter would run one program at a time)."""
         b, t, _ = x.shape
-        d = self.head_dim
-        q = self.q_proj(x).view(b, t, self.num_heads, d)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, d)
+        d, nq, nk = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, T, (nq + 2 nk) * D]
+        q = qkv[..., :nq * d].view(b, t, nq, d)
+        k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
+        v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
         if self.q_norm is not None:
             q, k = _norm(self.q_norm, q), _norm(self.k_norm, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, d)
-        slots = slot_ids.long()[:, None].expand(b, t)
-        pos = positions.long()
-        k_cache[slots, pos] = k.to(k_cache.dtype)
-        v_cache[slots, pos] = v.to(v_cache.dtype)
-        keys = k_cache[slot_ids.long()].float()  # [B, S, kvh, D]
-        vals = v_cache[slot_ids.long()].float()
-        group = self.num_heads // self.num_kv_heads
-        qg = q.view(b, t, self.num_kv_heads, group, d)
-        scores = torch.einsum("btngd,bsnd->bngts", qg, keys) * self.scale  # [B, kvh, g, T, S]
-        key_pos = torch.arange(k_cache.shape[1], device=x.device)
-        causal = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bngts,bsnd->btngd", probs, vals).reshape(b, t, self.num_heads * d)
-        return self.o_proj(o.to(x.dtype))
+        if x.is_cuda:
+            q = paged_kv_write(q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool)
+            o = paged_attention(q, k_pool, v_pool, page_table, slot_ids, positions, self.scale)
+        else:
+            q = paged_kv_write_reference(q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool)
+            o = paged_attention_reference(q, k_pool, v_pool, page_table, slot_ids, positions, self.scale)
+        return self.o_proj(o.reshape(b, t, nq * d).to(x.dtype))
 
 
 class LlamaMLP(nn.Module):
@@ -253,9 +319,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
         self.up_proj = Linear(h, i, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=col)
         self.down_proj = Linear(i, h, bias=b, dtype=dtype, device=device, mapping=mapping, tensor_parallel_mode=row)
+        self.gate_up_weight, self.gate_up_bias = _fuse_linears(self.gate_proj, self.up_proj)
+        self.local_intermediate = i // mapping.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.local_intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -308,23 +377,41 @@ class LlamaTarget(nn.Module):
     def init_weights(self, seed: int, residual_scale: float = 1.0) -> None:
         self.load_full_state_dict(generate_full_state_dict(self.config, seed, torch.float32, residual_scale))
 
-    def make_kv_cache(self, num_slots: int, max_positions: int, device=None) -> KVCache:
-        """A zeroed cache for ``num_slots`` slots (include any dummy slot) of ``max_positions`` positions."""
+    def make_kv_cache(self, num_slots: int, max_positions: int, device=None, page_size: int = 16) -> PagedKVCache:
+        """A zeroed cache giving each of ``num_slots`` slots its own pages for ``max_positions`` positions
+        (slot ``s`` holds pages ``s * n .. s * n + n - 1``): for callers that own every slot (training data,
+        checks). The runtime builds its pool with :meth:`make_paged_kv_cache` and hands pages out itself."""
+        device = device if device is not None else self.norm.weight.device
+        per_slot = -(-max_positions // page_size)
+        table = torch.arange(num_slots * per_slot, dtype=torch.int32, device=device).view(num_slots, per_slot)
+        return self.make_paged_kv_cache(num_slots * per_slot, page_size, table, device=device)
+
+    def make_paged_kv_cache(self, num_pages: int, page_size: int, page_table: torch.Tensor,
+                            device=None) -> PagedKVCache:
+        """A zeroed pool of ``num_pages`` pages (+ the scratch page) read through ``page_table``."""
         cfg = self.config
         device = device if device is not None else self.norm.weight.device
-        return KVCache(cfg.num_layers, num_slots, max_positions, cfg.num_kv_heads // self.mapping.tp_size,
-                       cfg.head_dim, self.dtype, device)
+        return PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads // self.mapping.tp_size,
+                            cfg.head_dim, self.dtype, device, page_table)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take on this rank (every layer)."""
+        return kv_bytes_per_token(self.config, self.mapping.tp_size, self.dtype)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                kv_cache: KVCache) -> TargetOutput:
+                kv_cache: PagedKVCache) -> TargetOutput:
         """One step over a fixed ``[B, T]`` block.
 
         Args:
             input_ids: ``[B, T]`` int64 token ids (valid ids; padding uses any valid id).
-            positions: ``[B, T]`` int absolute positions, ``< kv_cache.max_positions``.
+            positions: ``[B, T]`` int absolute positions.
             slot_ids: ``[B]`` int cache slots (a dummy slot for padding rows).
-            kv_cache: written at ``[slot, position]`` for every token of the block.
+            kv_cache: written at each token's page slot (the scratch page where the slot has no page).
+
+        Each layer: fused residual add + RMSNorm, one QKV GEMM, RoPE + KV write, paged attention, o_proj,
+        fused residual add + RMSNorm, one gate-up GEMM, SiLU-mul, down_proj; the residual add of the MLP
+        output is fused into the next layer's norm (made explicit after a captured layer).
 
         Returns :class:`TargetOutput` (rows flattened ``b * T + t``). CUDA-graph safe.
         """
@@ -336,14 +423,17 @@ class LlamaTarget(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
         captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
+        pending = None  # the last MLP output, not yet added to `hidden`
+        table = kv_cache.page_table
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(_norm(layer.input_layernorm, hidden), positions, slot_ids, kv_cache.k[i],
-                                   kv_cache.v[i], cos, sin)
-            hidden = hidden + attn
-            hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+            normed, hidden = _add_norm(layer.input_layernorm, pending, hidden)
+            attn = layer.self_attn(normed, positions, slot_ids, table, kv_cache.k[i], kv_cache.v[i], cos, sin)
+            normed, hidden = _add_norm(layer.post_attention_layernorm, attn, hidden)
+            pending = layer.mlp(normed)
             if i in self._capture_index:
+                hidden, pending = hidden + pending, None
                 captured[self._capture_index[i]] = hidden
-        final = _norm(self.norm, hidden)
+        final, _ = _add_norm(self.norm, pending, hidden)
         return TargetOutput(hidden_states=final.reshape(b * t, cfg.hidden_size),
                             captured=torch.cat(captured, dim=-1).reshape(b * t, cfg.capture_width))
 

@@ -227,13 +227,15 @@ class CudaGraphConfig(_Strict):
 
 
 class KvCacheConfig(_Strict):
-    """``kv_cache_config``. Caches are sized once at start from ``max_batch_size`` x ``max_seq_len``."""
+    """``kv_cache_config``. One page pool sized once at start (``max_tokens`` / ``free_gpu_memory_fraction``)."""
 
     tokens_per_block: StrictInt = Field(16, ge=1)  # the drafter's latent page size
     dtype: StrictStr = no_effect("auto", "caches are kept in the model dtype")
     enable_block_reuse: StrictBool = no_effect(True, "no prefix reuse: every request prefills its prompt")
     enable_partial_reuse: StrictBool = no_effect(True, "no prefix reuse")
-    free_gpu_memory_fraction: Float | None = no_effect(None, "caches are sized by max_batch_size x max_seq_len")
+    # The page pool (target KV + drafter latents, runtime/kv_cache.py): this fraction of the free device memory
+    # after the weights and/or max_tokens (the smaller); neither: every slot at max_seq_len.
+    free_gpu_memory_fraction: Float | None = Field(None, gt=0, le=1)
     # With a checkpoint directory and no max_seq_len: max_model_len <= max_tokens // max_batch_size.
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_attention_window: tuple[StrictInt, ...] | None = no_effect(None, "full attention over max_seq_len")
@@ -274,7 +276,7 @@ class RuntimeConfig(_Strict):
     moe_tensor_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
     moe_cluster_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
     moe_config: dict[str, Any] | None = no_effect(None, "dense target, no experts")
-    attn_backend: StrictStr | None = no_effect(None, "one attention implementation (eager, cache per slot)")
+    attn_backend: StrictStr | None = no_effect(None, "one attention implementation (the paged Triton kernel on CUDA, its eager twin on a CPU)")
     allreduce_strategy: StrictStr | None = no_effect(None, "AllReduce picks its own strategy")
     trust_remote_code: StrictBool = no_effect(False, "no remote code is ever run")
     # True: serve runs each step's host work between steps (the serial loop; --disable-overlap-scheduler too).

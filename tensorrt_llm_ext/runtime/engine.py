@@ -8,7 +8,7 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 * ``"gathered"``: the same, with vocab-parallel selection forced off (gathered logits everywhere);
 * ``"target_only"``: the target's own non-speculative decode, the lossless reference.
 
-Requests are admitted in order while slots are free, and every request admitted in one loop iteration is
+Requests are admitted in order while a slot and their cache pages are free (else they wait for a finish), and every request admitted in one loop iteration is
 prefilled in one batched call (:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context
 store); a request that fails validation gets an error result and never reaches a slot.
 
@@ -30,7 +30,7 @@ import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.distributed.agree import gather_objects
-from tensorrt_llm_ext.logger import log_environment, logger
+from tensorrt_llm_ext.logger import info_once, log_environment, logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.runtime.config import RuntimeConfig
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
@@ -40,7 +40,7 @@ from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResu
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.logprobs import token_logprobs
 from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
-from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
+from tensorrt_llm_ext.speculative.step_ops import step_ops_for
 from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
@@ -103,10 +103,12 @@ class Engine:
         use_cuda_graph: capture every decode step this engine runs (the speculative step and the
             target-only decode), per batch size and step variant, on first use of each (CUDA only; the
             batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``).
+        weights: optional FULL ``(target, drafter)`` state dicts in memory instead of the configured ones
+            (:func:`~tensorrt_llm_ext.runtime.model_loader.build_models`).
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
-                 use_cuda_graph: bool = False):
+                 use_cuda_graph: bool = False, weights=None):
         log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
@@ -127,11 +129,13 @@ class Engine:
         self.mapping = mapping
         self.draft_len = config.draft_len
         self.max_batch_size = config.max_batch_size
-        self.target, self.drafter = build_models(config, mapping, self.device)
+        self.target, self.drafter = build_models(config, mapping, self.device, weights)
         self.vocab_size = self.target.config.vocab_size
         self.state, self.slots, self.pages = build_state(
             self.target, self.drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-            draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device)
+            draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device,
+            max_tokens=config.kv_cache_config.max_tokens,
+            free_gpu_memory_fraction=config.kv_cache_config.free_gpu_memory_fraction)
         # The checkpoint's EOS ids end every request that does not set ignore_eos (the embedded model has none).
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
@@ -157,12 +161,18 @@ class Engine:
             if path not in ("speculative", "gathered", "stock"):
                 raise ValueError(f"Engine.worker: unknown path {path!r}")
             spec = self.config.speculative_config
-            mode = spec.vocab_parallel_selection if path == "speculative" else "off"
+            ops = step_ops_for(path, self.device)  # fused where Triton runs, stock torch ops on a plain CPU
+            sharded = path == "speculative" and ops.vocab_parallel
+            if path == "speculative" and not sharded and "on" in (spec.vocab_parallel_selection,
+                                                                   spec.vocab_sharded_verification):
+                info_once(f"vocab-parallel selection / sharded verification 'on': not with the {ops.name} op table "
+                          f"(it selects from gathered logits)", key=f"vocab-parallel-on-{ops.name}")
+            mode = spec.vocab_parallel_selection if sharded else "off"
             # gathered / stock paths verify on gathered logits too (they are the references of the sharded one)
-            verification = spec.vocab_sharded_verification if path == "speculative" and sampling else "off"
+            verification = spec.vocab_sharded_verification if sharded and sampling else "off"
             w = DSparkWorker(self.target, self.drafter, self.state, mapping=self.mapping, draft_len=self.draft_len,
                              max_batch_size=self.max_batch_size, markov_chain_mode=spec.markov_chain_mode,
-                             ops=STOCK_OPS if path == "stock" else FUSED_OPS, sampling=sampling,
+                             ops=ops, sampling=sampling,
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
                              verification_mode=verification)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
@@ -251,12 +261,11 @@ class Engine:
         active: dict[int, _Active] = {}
         while pending or active:
             admitted: list[_Active] = []
-            while pending and self.slots.num_free:
+            # Admission in order while a slot and the request's pages are free; otherwise it waits for a finish.
+            while pending and self.slots.num_free and self.pages.can_allocate(self.pages_for(pending[0].request)):
                 a = pending.popleft()
                 a.slot = self.slots.acquire()
-                req = a.request
-                self.pages.allocate(a.slot, pages_needed(len(req.prompt_ids) + req.max_new_tokens, self.draft_len,
-                                                         self.state.page_size))
+                self.pages.allocate(a.slot, self.pages_for(a.request))
                 admitted.append(a)
             if admitted:  # every request admitted this iteration: one batched prefill
                 prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
@@ -290,13 +299,17 @@ class Engine:
         stats.num_tokens = sum(len(r.output_ids) for r in results)
         return results, stats
 
+    def pages_for(self, request: Request) -> int:
+        """Cache pages ``request`` (validated) holds from admission to finish: its prompt, ``max_new_tokens``
+        and the overshoot of a step (:func:`~tensorrt_llm_ext.runtime.kv_cache.pages_needed`)."""
+        return pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len, self.state.page_size)
+
     # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
     def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
         """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
         generated token."""
         path = _path(mode)
-        self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len,
-                                               self.state.page_size))
+        self.pages.allocate(slot, self.pages_for(request))
         if mode == "target_only":
             return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)], [request.sampling])[0]
         return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling)

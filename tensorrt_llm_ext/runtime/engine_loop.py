@@ -310,9 +310,14 @@ class EngineLoop:
             self._plan_reasons = {h: self._cancel[h] for h in cancel}
             self._cancel = {}
             free = self.scheduler.num_free_slots + len(cancel)
+            pages = self.scheduler.free_pages_after(cancel)
             admit = []
             now = time.perf_counter()
             while self._pending and len(admit) < free:
+                need = self.scheduler.pages_for(self._pending[0][1])
+                if need > pages:  # the next request waits for pages (first come, first served)
+                    break
+                pages -= need
                 handle, request, sink = self._pending.popleft()
                 self._sinks[handle] = sink
                 admit.append((handle, request))

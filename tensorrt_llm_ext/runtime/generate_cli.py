@@ -58,6 +58,8 @@ def _sampling(s: SamplingParams) -> str:
 def main_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from tensorrt_llm_ext.speculative.step_ops import fused_ops_run_on
+
     overrides = {}
     if args.tp is not None:
         overrides["tensor_parallel_size"] = args.tp
@@ -119,11 +121,14 @@ def main_generate(args: argparse.Namespace) -> int:
                      for i, r in enumerate(requests)]
         greedy += [True] * n
     tp = cfg.tensor_parallel_size
-    # At tp 1 nothing is sharded: the gathered path is the speculative path itself, so it is not compared.
-    modes = ["speculative"] + (["target_only"] + (["gathered"] if tp > 1 else []) if args.check else [])
+    # At tp 1 nothing is sharded, nor on a CPU running the stock torch ops (they always gather): the gathered
+    # path is then the speculative path itself, so it is not compared.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sharded = tp > 1 and fused_ops_run_on(device)
+    modes = ["speculative"] + (["target_only"] + (["gathered"] if sharded else []) if args.check else [])
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
                       show_progress=not args.no_progress, progress_terminal=sys.stderr.isatty(), check_top_p=args.check and rejection)
-    device = "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    device += "" if device == "cuda" else (" (Triton interpreter)" if fused_ops_run_on(device) else " (torch ops)")
     spec = cfg.speculative_config
     banner = (f"trtllm-ext generate: DSpark one-model, K={spec.max_draft_len}, tp={tp}, vocab={vocab}, "
               f"markov={spec.markov_chain_mode}, device={device}, cuda_graph={'on' if cuda_graph else 'off'}, "

@@ -1,10 +1,17 @@
-"""Caches sized at start: the target KV cache, the drafter's paged latent pool, slots and pages.
+"""Caches sized at start: the target's paged KV cache, the drafter's paged latent pool, slots and pages.
+
+* ONE page allocator per rank serves both caches: a page id names a page of the target's K/V pool
+  (``[L, num_pages + 1, page_size, kv_heads, D]``) and the page of the drafter's latent pool with the same
+  id, so a request's pages are taken and returned once for both. The number of pages comes from
+  ``kv_cache_config`` (:func:`num_cache_pages`: ``max_tokens``, ``free_gpu_memory_fraction``, else every slot
+  at ``max_seq_len``); a request waits for admission until its pages are free (:meth:`PageAllocator.can_allocate`).
 
 * Slots ``0 .. max_batch_size-1`` belong to requests; slot ``max_batch_size`` is the DUMMY slot that
   CUDA-graph padding rows use (its state is scratch, emptied by every step).
-* The drafter's latent pool has ``num_pages + 1`` pages; the last one is a SCRATCH page never handed
-  out: a placement entry of ``-1`` (a dummy row, or nothing allocated) used as an index reaches it, so a
-  read or write through an unallocated placement can never touch a request's page.
+* Both pools have ``num_pages + 1`` pages; the last one is a SCRATCH page never handed out: a placement
+  entry of ``-1`` (a dummy row, or nothing allocated) used as an index reaches it, and the target's page
+  table holds its id where a slot has no page, so a read or write through an unallocated entry can never
+  touch a request's page.
 * Pages are handed out per request at admission (enough for its prompt, its ``max_new_tokens`` and the
   overshoot of a speculative step) and recorded as ENCODED block offsets (``page * divisor``, ``-1`` =
   unallocated), the way a KV-cache manager reports them; the step decodes them with
@@ -16,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tensorrt_llm_ext.contract import DSparkState
+from tensorrt_llm_ext.logger import info_once
 
 
 class SlotPool:
@@ -48,7 +56,10 @@ class SlotPool:
 
 
 class PageAllocator:
-    """Pages of the drafter's latent pool, with the encoded block-offset table of every slot."""
+    """Pages of the caches, with two per-slot tables kept on the device (rewritten on change only):
+    ``encoded_offsets`` (the drafter's encoded block offsets, ``-1`` = unallocated) and ``page_table``
+    (the target's page ids, the scratch page id ``num_pages`` = unallocated). Pages are handed out lowest
+    first and may be freed in any order."""
 
     def __init__(self, num_pages: int, num_slots: int, max_pages_per_slot: int, divisor: int, device):
         self.num_pages = num_pages
@@ -58,10 +69,24 @@ class PageAllocator:
         self._owned: dict[int, list[int]] = {}
         # [num_slots, max_pages] int32 encoded offsets, -1 = unallocated (device; copied on change only).
         self.encoded_offsets = torch.full((num_slots, max_pages_per_slot), -1, dtype=torch.int32, device=device)
+        # [num_slots, max_pages] int32 page ids, num_pages (the scratch page) = unallocated.
+        self.page_table = torch.full((num_slots, max_pages_per_slot), num_pages, dtype=torch.int32, device=device)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def num_held(self, slot: int) -> int:
+        """Pages ``slot`` holds now."""
+        return len(self._owned.get(slot, ()))
+
+    def can_allocate(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` are free now (admission waits otherwise)."""
+        return num_pages <= len(self._free)
 
     def allocate(self, slot: int, num_pages: int) -> list[int]:
         if slot in self._owned:
@@ -74,20 +99,26 @@ class PageAllocator:
         pages, self._free = self._free[:num_pages], self._free[num_pages:]
         self._owned[slot] = pages
         row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
-        row[:num_pages] = torch.tensor(pages, dtype=torch.int32) * self.divisor
+        ids = torch.tensor(pages, dtype=torch.int32)
+        row[:num_pages] = ids * self.divisor
         self.encoded_offsets[slot].copy_(row)
+        row.fill_(self.num_pages)
+        row[:num_pages] = ids
+        self.page_table[slot].copy_(row)
         return pages
 
     def free(self, slot: int) -> None:
         pages = self._owned.pop(slot, [])
         self._free.extend(pages)
         self.encoded_offsets[slot].fill_(-1)
+        self.page_table[slot].fill_(self.num_pages)
 
     def free_all(self) -> None:
-        """Free the pages of every slot (the table returns to all ``-1``)."""
+        """Free the pages of every slot (the tables return to unallocated)."""
         self._owned.clear()
         self._free = list(range(self.num_pages))
         self.encoded_offsets.fill_(-1)
+        self.page_table.fill_(self.num_pages)
 
 
 def pages_needed(num_tokens: int, draft_len: int, page_size: int) -> int:
@@ -96,19 +127,63 @@ def pages_needed(num_tokens: int, draft_len: int, page_size: int) -> int:
     return -(-(num_tokens + 2 * draft_len + 1) // page_size)
 
 
+def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: int, bytes_per_page: int,
+                    max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None,
+                    device=None) -> tuple[int, str]:
+    """``(num_pages, why)``: the pool's pages from trtllm-serve's ``kv_cache_config`` names.
+
+    ``max_tokens``: ``ceil(max_tokens / page_size)`` pages; ``free_gpu_memory_fraction`` (CUDA): that fraction of
+    the device's free memory now (after the weights) over ``bytes_per_page``; both: the smaller (as
+    TensorRT-LLM). Neither (or a fraction on a CPU): every slot at ``max_seq_len``. Never below one request at
+    ``max_seq_len`` (a smaller pool could never admit a longest request), never above every slot at it.
+    """
+    full = max_batch_size * max_pages_per_slot
+    caps = []
+    if max_tokens is not None:
+        caps.append((-(-max_tokens // page_size), f"kv_cache_config.max_tokens={max_tokens}"))
+    if free_gpu_memory_fraction is not None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            caps.append((int(free * free_gpu_memory_fraction) // bytes_per_page,
+                         f"kv_cache_config.free_gpu_memory_fraction={free_gpu_memory_fraction} of "
+                         f"{free / 2**30:.1f} GiB free at {bytes_per_page} B per page"))
+        else:
+            info_once(f"kv cache: free_gpu_memory_fraction={free_gpu_memory_fraction} ignored on {dev.type} "
+                      f"(no device memory to measure)")
+    if not caps:
+        return full, f"every slot at max_seq_len ({max_batch_size} x {max_pages_per_slot} pages)"
+    pages, why = min(caps)
+    if pages < max_pages_per_slot:
+        return max_pages_per_slot, f"{why} raised to one request at max_seq_len ({max_pages_per_slot} pages)"
+    if pages > full:
+        return full, f"{why} capped at every slot at max_seq_len ({full} pages)"
+    return pages, why
+
+
 def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft_len: int, page_size: int,
-                device) -> tuple[DSparkState, SlotPool, PageAllocator]:
-    """Allocate every cache once: ``max_batch_size`` request slots plus the dummy slot."""
+                device, max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None
+                ) -> tuple[DSparkState, SlotPool, PageAllocator]:
+    """Allocate every cache once: ``max_batch_size`` request slots plus the dummy slot, one page pool (its size
+    from :func:`num_cache_pages`) shared by the target's KV cache and the drafter's latent pool."""
     num_slots = max_batch_size + 1
     dummy = max_batch_size
     k = draft_len
     # Positions a step may write: the longest request + the verification block + padding columns.
     max_positions = max_seq_len + 2 * k + 2
-    kv = target.make_kv_cache(num_slots, max_positions, device=device)
     max_pages = pages_needed(max_seq_len, k, page_size)
-    num_pages = max_batch_size * max_pages
+    latent_page = drafter.latent_pool_shape(1, page_size)
+    bytes_per_page = (page_size * target.kv_bytes_per_token()
+                      + latent_page[0] * latent_page[2] * latent_page[3] * drafter.dtype.itemsize)
+    num_pages, why = num_cache_pages(max_batch_size=max_batch_size, max_pages_per_slot=max_pages,
+                                     page_size=page_size, bytes_per_page=bytes_per_page, max_tokens=max_tokens,
+                                     free_gpu_memory_fraction=free_gpu_memory_fraction, device=device)
+    info_once(f"kv cache: {num_pages} pages of {page_size} tokens ({num_pages * page_size} tokens, "
+              f"{num_pages * bytes_per_page / 2**20:.1f} MiB with the drafter's latents): {why}",
+              key=f"kv-cache-pages-{num_pages}-{page_size}")
     divisor = 2 * drafter.num_latent_layers  # offsets count per-layer K/V-style units, as a KV manager's do
     pages = PageAllocator(num_pages, num_slots, max_pages, divisor, device)
+    kv = target.make_paged_kv_cache(num_pages, page_size, pages.page_table, device=device)
     pool = torch.zeros(drafter.latent_pool_shape(num_pages + 1, page_size), dtype=drafter.dtype, device=device)
     state = DSparkState(
         kv_cache=kv,

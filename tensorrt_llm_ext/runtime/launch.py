@@ -31,8 +31,10 @@ DEFAULT_PROMPTS: list[list[int]] = [
 
 
 def ensure_triton_interpreter() -> None:
-    """On a machine without CUDA the Triton kernels run under the interpreter, which must be switched on
-    before any kernel module is imported (the CLI entry point, like tests/conftest.py, does it first)."""
+    """On a machine without CUDA, switch the Triton interpreter on (before any kernel module is imported) for
+    the commands about the kernels themselves (the kernel benchmarks; tests/conftest.py does it for the
+    suite). ``generate`` and ``serve`` never call it: on a CPU their step runs torch ops unless
+    ``TRITON_INTERPRET=1`` is set explicitly."""
     try:
         import torch
 
@@ -139,7 +141,7 @@ class _ProgressLines:
         self.t0 = self.last = time.monotonic()
 
     def update(self, n: int) -> None:
-        from tensorrt_llm_ext.logger import logger  # not at import: _env is read after ensure_triton_interpreter
+        from tensorrt_llm_ext.logger import logger  # not at import: the CLI reads _env after its interpreter choice
 
         self.done += n
         now = time.monotonic()
@@ -309,7 +311,8 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     Fails as well when a request was rejected (its output was never compared) or when no request was
     served at all (nothing was compared): a check that compared nothing must not pass.
 
-    At tp 1 the job runs no ``gathered`` mode (it is the speculative path itself); the check says so.
+    At tp 1 (and on a CPU running the stock torch ops, which always gather) the job runs no ``gathered`` mode
+    (it is the speculative path itself); the check says so.
 
     Rejection sampling (``rejection_sampling=True``; sampled outputs follow the target's distribution, not
     its seeded draws): at tp > 1 the vocab-sharded run equals the gathered-verification run bitwise (tokens and
@@ -329,7 +332,8 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     if compared == 0:
         lines.append("  nothing was compared: no request was served")
     if "gathered" not in ref:
-        lines.append("  gathered-logits path: the speculative path itself at tp=1 (nothing is sharded), not compared")
+        lines.append("  gathered-logits path: the speculative path itself here (tp=1, or torch ops on a CPU: nothing is "
+                     "sharded), not compared")
     for mode, res in ref.items():
         if mode == "speculative":
             continue
@@ -356,7 +360,8 @@ def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutc
     if rejected:
         lines.append(f"  {len(rejected)} request(s) rejected, not compared: {rejected}")
     if gathered is None:
-        lines.append("  sharded vs gathered verification: the same call at tp=1 (nothing is sharded), not compared")
+        lines.append("  sharded vs gathered verification: the same call here (tp=1, or torch ops on a CPU: nothing is "
+                     "sharded), not compared")
     else:
         same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
         bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]

@@ -11,6 +11,7 @@ by name, never silently ignored; a known field at a value this server cannot hon
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +22,11 @@ from tensorrt_llm_ext.contract import SamplingParams, fresh_seed, sampling_probl
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # choices per request (each takes a slot; more than the queue holds is a 429 anyway)
-MAX_JSON_DEPTH = 64  # deeper bodies are refused before json.loads recurses
+MAX_JSON_DEPTH = 64  # deeper bodies (and tool-call arguments) are refused before json.loads recurses
+# Stop strings: each is searched for in the new text of every step, so their number and length bound a step's
+# work (OpenAI allows 4; vLLM sets no bound, which one request with 200k strings turns into a stalled server).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 
 class ApiError(Exception):
@@ -155,6 +160,13 @@ class _Sampling(BaseModel):
             _check_ids(v, "token ids", info)
         if isinstance(v, str) and v == "" or isinstance(v, list) and any(s == "" for s in v):
             raise ValueError("an empty stop string would stop at once")
+        strings = [v] if isinstance(v, str) else v if isinstance(v, list) and v and isinstance(v[0], str) else []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        longest = max(strings, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string is at most {MAX_STOP_STRING_CHARS} characters, got one of "
+                             f"{len(longest)}")
         return v
 
     @field_validator("stop_token_ids")
@@ -170,8 +182,8 @@ class _Sampling(BaseModel):
         if not v:
             return v
         for key in v:
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids as strings, got {key!r}")
+            if not (key.isascii() and key.isdigit()) or len(key) > 1 and key[0] == "0":
+                raise ValueError(f"keys must be token ids as strings (\"123\", no leading zero), got {key[:40]!r}")
         lim = _limits(info)
         problem = sampling_problem("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
         if problem is not None:
@@ -293,6 +305,14 @@ class ToolCallFunction(BaseModel):
     name: StrictStr
     arguments: StrictStr  # JSON text (OpenAI's shape); given to the chat template as the object it encodes
 
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, v):
+        # Decoded for the chat template (template_dict): bounded like the body, before json.loads recurses.
+        if not _json_depth_ok(v):
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        return v
+
 
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -321,7 +341,7 @@ class ChatMessage(BaseModel):
         for call in d.get("tool_calls") or ():
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):  # depth is bounded at parse; RecursionError is a backstop
                 pass  # not JSON: the template sees the text as sent
         return d
 
@@ -411,8 +431,22 @@ _UNION_WORDS = {"prompt": "token ids (a list of ints, or a list of such lists) o
                 "stop": "stop token ids (a list of ints) or stop strings"}
 
 
+_LONG_NUMBER = re.compile(r"\d{24,}")
+
+
+def _shorten_numbers(message: str) -> str:
+    """A huge JSON integer echoed in a message is described by its size, not written out in full."""
+    return _LONG_NUMBER.sub(lambda m: f"<an integer of {len(m.group())} digits>", message)
+
+
 def validation_error(e: ValidationError) -> ApiError:
     """The first problem of a pydantic error as a 400 naming its field."""
+    err = _validation_error(e)
+    err.message = _shorten_numbers(err.message)
+    return err
+
+
+def _validation_error(e: ValidationError) -> ApiError:
     errs = e.errors()
     first = errs[0] if errs else {}
     param = _param_of(first)
@@ -433,24 +467,23 @@ def validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, "; ".join(msgs[:4]), top)
 
 
-def _json_depth_ok(raw: bytes) -> bool:
-    """Nesting depth of ``[`` / ``{`` outside strings stays within :data:`MAX_JSON_DEPTH` (a linear scan)."""
-    depth, in_str, esc = 0, False, False
-    for c in raw:
-        if in_str:
-            if esc:
-                esc = False
-            elif c == 0x5C:  # backslash
-                esc = True
-            elif c == 0x22:
-                in_str = False
-        elif c == 0x22:
-            in_str = True
-        elif c in (0x5B, 0x7B):
+# A whole string (skipped; the unrolled form scans its runs at C speed), or a bracket.
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def _json_depth_ok(text: str) -> bool:
+    """Nesting depth of ``[`` / ``{`` outside strings stays within :data:`MAX_JSON_DEPTH` (one regex scan;
+    unterminated strings and unbalanced brackets are json.loads' to refuse)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # most bodies: no scan at all
+        return True
+    depth = 0
+    for m in _JSON_TOKENS.finditer(text):
+        c = m.group()
+        if c in "[{":
             depth += 1
             if depth > MAX_JSON_DEPTH:
                 return False
-        elif c in (0x5D, 0x7D):
+        elif c in "]}":
             depth -= 1
     return True
 
@@ -484,7 +517,7 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
         raise ApiError(400, f"body: not UTF-8 ({e.reason} at byte {e.start})", "body") from None
     if not text.strip():
         raise ApiError(400, "body: empty (expected a JSON object)", "body")
-    if not _json_depth_ok(raw):
+    if not _json_depth_ok(text):
         raise ApiError(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "body")
     try:
         data = json.loads(text)
@@ -516,6 +549,16 @@ class TokenizeRequest(BaseModel):
     return_token_strs: StrictBool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, v):
+        # Not the completions' union message ("token ids ... or text"): here only text is tokenized.
+        if v is not None and not isinstance(v, str):
+            got = "token ids" if isinstance(v, list) else type(v).__name__
+            raise _FieldError("prompt", f"/tokenize takes text (a string), got {got}; token ids are tokens already "
+                                        f"(/detokenize turns them into text)")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -7,7 +7,9 @@ also for SIGKILL or ``os._exit``. Under an :class:`~.ranks.MpiPool` (:func:`supe
 ``trtllm-ext serve --tp N`` (:func:`supervise_command`) it is the serving command itself.
 
 Run as ``python -m tensorrt_llm_ext.runtime.rank_supervisor --supervise RUN_DIR`` or
-``... --supervise-command LINGER_S -- CMD...`` (the launcher in :mod:`.ranks` builds these lines).
+``... --supervise-command LINGER_S [--launcher PID] -- CMD...`` (the launcher in :mod:`.ranks` builds these
+lines). With ``--launcher``, a supervisor whose launcher has gone (SIGKILL, a closed terminal) ends its rank:
+no job outlives the command that started it, still serving its port.
 """
 
 from __future__ import annotations
@@ -16,27 +18,50 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from tensorrt_llm_ext.runtime.rank_files import (LAUNCHER_CHECK_S, env_rank, pid_alive, read_json, signal_name,
                                                  write_json)
 
-__all__ = ["SUPERVISOR_LINGER_S", "supervise", "supervise_command"]
+__all__ = ["ORPHAN_DRAIN_S", "SUPERVISOR_LINGER_S", "die_with_parent", "supervise", "supervise_command"]
 
 SUPERVISOR_LINGER_S = 30.0  # a supervisor whose rank failed waits for the launcher (see supervise)
+# A rank whose launcher is gone: SIGTERM (rank 0 stops listening and drains), after this a second SIGTERM (every
+# request ends at once), after as long again SIGKILL. Nobody is left to read the job's exit code.
+ORPHAN_DRAIN_S = 10.0
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child (before exec): SIGKILL it when its supervisor dies, so no rank outlives a killed job."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a child (before exec): send it ``sig`` when its parent dies (Linux ``PR_SET_PDEATHSIG``), so it
+    never outlives the process that started it."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the supervisor died before the prctl: the death signal will never come
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the prctl: the death signal will never come
+        os.kill(os.getpid(), sig)
+
+
+def _end_when_launcher_dies(launcher: int, child: subprocess.Popen, rank: int) -> None:
+    """Watch ``launcher`` (a daemon thread); once it is gone, end ``child`` (see :data:`ORPHAN_DRAIN_S`)."""
+    while child.poll() is None:
+        if not pid_alive(launcher):
+            print(f"[TRT-LLM-EXT] [ERROR] rank {rank}: the launcher (pid {launcher}) is gone: ending the rank",
+                  file=sys.stderr, flush=True)
+            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+                if child.poll() is not None:
+                    return
+                child.send_signal(sig)
+                try:
+                    child.wait(ORPHAN_DRAIN_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            return
+        time.sleep(LAUNCHER_CHECK_S)
 
 
 def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
@@ -64,7 +89,7 @@ def _run_child(cmd: list[str], stdout=None, on_start=None) -> int:
     parent = os.getpid()
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, process_group=0,
                              stderr=subprocess.STDOUT if stdout is not None else None, pass_fds=fds,
-                             preexec_fn=lambda: _die_with_parent(parent))
+                             preexec_fn=lambda: die_with_parent(parent))
     for signum in held:
         child.send_signal(signum)
     if on_start is not None:
@@ -98,7 +123,7 @@ def supervise(run_dir: Path) -> int:
     return _exit_code(rc)
 
 
-def supervise_command(cmd: list[str], linger_s: float) -> int:
+def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = None) -> int:
     """One rank of a long-running MPI job (``trtllm-ext serve --tp N``): run ``cmd`` as a child with
     inherited stdout/stderr and return its exit code.
 
@@ -106,9 +131,16 @@ def supervise_command(cmd: list[str], linger_s: float) -> int:
     ``-disable-auto-cleanup``. A rank that dies under this supervisor is reported here (which rank, how)
     and the supervisor stays ``linger_s`` longer, so the surviving ranks notice the loss themselves
     (rank 0 answers 503 and exits non-zero) instead of being killed mid-response. Rank 0's own end is
-    passed on at once: it ends the job."""
+    passed on at once: it ends the job. ``launcher``: the pid of the command that started the job; once it is
+    gone the rank is ended (:func:`_end_when_launcher_dies`)."""
     rank = env_rank()
-    rc = _run_child(cmd)
+
+    def watch(child):
+        if launcher is not None:
+            threading.Thread(target=_end_when_launcher_dies, args=(launcher, child, rank), daemon=True,
+                             name="launcher-watch").start()
+
+    rc = _run_child(cmd, on_start=watch)
     if rc != 0:
         how = f"was killed by signal {-rc} ({signal_name(-rc)})" if rc < 0 else f"exited with code {rc}"
         print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)
@@ -123,8 +155,10 @@ def main(argv: list[str]) -> int:
         return supervise(Path(argv[1]))
     if mode == "--supervise-command" and len(argv) > 3 and argv[2] == "--":
         return supervise_command(argv[3:], float(argv[1]))
+    if mode == "--supervise-command" and len(argv) > 5 and argv[2] == "--launcher" and argv[4] == "--":
+        return supervise_command(argv[5:], float(argv[1]), int(argv[3]))
     raise SystemExit("usage: python -m tensorrt_llm_ext.runtime.rank_supervisor --supervise RUN_DIR | "
-                     f"--supervise-command LINGER_S -- CMD..., got {argv}")
+                     f"--supervise-command LINGER_S [--launcher PID] -- CMD..., got {argv}")
 
 
 if __name__ == "__main__":

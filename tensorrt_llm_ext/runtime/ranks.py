@@ -526,17 +526,28 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     ``mpiexec`` SIGKILLs the ranks still running when the first one exits (a follower that is just leaving;
     measured: its "BAD TERMINATION ... signal 9" banner, never a lost response).
     """
+    from tensorrt_llm_ext.runtime.rank_supervisor import die_with_parent
+
     launcher, _ = mpiexec_command()
+    me = os.getpid()
     full = [*launcher, "-n", str(world_size), sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor",
-            "--supervise-command", str(linger_s), "--", *cmd]
-    proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True)
+            "--supervise-command", str(linger_s), "--launcher", str(me), "--", *cmd]
     received: list[int] = []
+    proc = None
 
     def forward(signum, frame):
         received.append(signum)
-        proc.send_signal(signal.SIGTERM)
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # Installed before mpiexec starts (a signal meanwhile is passed on once it runs). SIGHUP (the terminal
+    # closed) drains like SIGTERM. A launcher killed outright (SIGKILL) cannot pass anything on: mpiexec gets
+    # SIGTERM as its parent-death signal, and each rank's supervisor ends its rank once this pid is gone.
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True,
+                            preexec_fn=lambda: die_with_parent(me, signal.SIGTERM))
+    for _ in received:
+        proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait()
     finally:

@@ -12,11 +12,11 @@ token, each step appends the accepted tokens up to a stop token (its ``stop_toke
 ``ignore_eos``, the checkpoint's EOS, honoured after ``min_tokens``) or ``max_new_tokens``; a request's
 tokens depend only on its own prompt, seed and temperature, not on which requests share its steps.
 
-A request-level error inside a plan -- a layer below refusing a value (``ValueError``) that validation let
-through -- fails requests, never the engine: in a prefill that request alone; in a step every request of the
-step (a step aborted part way cannot be resumed row by row), the ones that fail validation named as the cause.
+A request-level error inside a plan -- a layer below refusing a value that validation let through
+(:data:`REQUEST_FAULTS`) -- fails requests, never the engine: in a prefill that request alone; in a step
+every request of the step (a step aborted part way cannot be resumed row by row), the ones that fail validation named as the cause.
 Their slots are freed, the workers' step state reset, and later plans are served. Any other exception (a
-collective timeout, a device fault) propagates: the engine has failed.
+collective timeout, a device fault, out of memory, a broken invariant, a bug) propagates: the engine has failed.
 
 Overlap (``overlap=True``, the server's default): a plan *launches* step n + 1 (:meth:`Engine.launch_step`)
 over the requests live now, then *collects* step n, so the host work of step n's tokens (stop checks here,
@@ -38,6 +38,14 @@ from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
+
+# The exceptions a request's own values cause in host code: a ValueError a layer below raises for a value it
+# refuses, an ArithmeticError (OverflowError, ZeroDivisionError) computing with one (a top_k past int64 once
+# raised OverflowError in a prefill). They leave the device and the other slots' state intact, so the request
+# fails and the engine serves on. Everything else -- RuntimeError (torch, CUDA, collectives, out of memory),
+# MemoryError, AssertionError, TypeError / KeyError / IndexError (bugs) -- may leave the engine inconsistent:
+# it fails closed.
+REQUEST_FAULTS = (ValueError, ArithmeticError)
 
 
 @dataclass
@@ -117,9 +125,24 @@ class Scheduler:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the cache pages held by requests in flight (pages are reserved at admission for the
-        prompt and ``max_new_tokens``), 0..1."""
+        prompt, ``max_new_tokens`` and a step's overshoot; a request waits in the queue until they are free),
+        0..1."""
         pages = self.engine.pages
         return (pages.num_pages - pages.num_free) / pages.num_pages if pages.num_pages else 0.0
+
+    def free_pages_after(self, cancel: list[int]) -> int:
+        """Cache pages free once the requests of ``cancel`` (handles) have left (what a plan may admit into)."""
+        pages = self.engine.pages
+        return pages.num_free + sum(pages.num_held(self._live[h].slot) for h in cancel if h in self._live)
+
+    def pages_for(self, request: Request) -> int:
+        """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the
+        error and takes nothing)."""
+        try:
+            self.validate(request)
+        except RequestError:
+            return 0
+        return self.engine.pages_for(request)
 
     def validate(self, request: Request) -> None:
         """Raise :class:`RequestError` if the engine cannot serve ``request``."""
@@ -162,7 +185,7 @@ class Scheduler:
             t0 = time.perf_counter()
             try:
                 launched = self.engine.launch_step(order, self.mode)
-            except ValueError as e:
+            except REQUEST_FAULTS as e:
                 if prev is not None:
                     events.extend(self._collect(prev, stats))
                 return events + self._fail_step([h for h in handles if h in self._live], e)
@@ -186,7 +209,7 @@ class Scheduler:
         try:
             lps = (self.engine.step_logprobs(reqs, new, lens, self.mode)
                    if any(r is not None and r.logprobs is not None for r in reqs) else [None] * len(reqs))
-        except ValueError as e:
+        except REQUEST_FAULTS as e:
             return self._fail_step([h for h in fl.handles if h in self._live], e)
         stats.step_s += time.perf_counter() - t0
         stats.num_rows = len(fl.handles)
@@ -210,7 +233,7 @@ class Scheduler:
         try:
             first = self.engine.prefill_slot(slot, request, self.mode)
             lps = [self.engine.prefill_logprobs(request, first, self.mode)] if request.logprobs is not None else None
-        except ValueError as e:  # a layer below refused a value of this request: it fails, the engine serves on
+        except REQUEST_FAULTS as e:  # a layer below refused a value of this request: it fails, the engine serves on
             self.engine.release_slot(slot)
             self.engine.reset_step_state()
             msg = f"request {handle}: refused in its prefill: {type(e).__name__}: {e}"
@@ -231,7 +254,7 @@ class Scheduler:
             new, lens = self.engine.run_step(order, self.mode)
             lps = (self.engine.step_logprobs(reqs, new, lens, self.mode) if any(r.logprobs is not None for r in reqs)
                    else [None] * len(order))
-        except ValueError as e:
+        except REQUEST_FAULTS as e:
             return self._fail_step([by_slot[slot] for slot in order], e)
         stats.step_s = time.perf_counter() - t0
         stats.num_rows = len(order)
@@ -242,7 +265,7 @@ class Scheduler:
             events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row]))
         return events
 
-    def _fail_step(self, handles: list[int], error: ValueError) -> list[Event]:
+    def _fail_step(self, handles: list[int], error: Exception) -> list[Event]:
         """A step refused a value part way: every request of it ends with an error (the ones whose own fields
         fail validation named as the cause), their slots are freed and the step state reset."""
         cause = f"{type(error).__name__}: {error}"

@@ -81,6 +81,9 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
         return None, f"--drain-timeout {args.drain_timeout}: expected seconds > 0"
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         return None, f"--max-body-bytes {args.max_body_bytes}: expected >= 1"
+    err = api_key_error(args)
+    if err:
+        return None, err
     tok = args.tokenizer or cfg.tokenizer
     if tok is not None and not os.path.isdir(tok):
         return None, f"tokenizer directory {tok} not found"
@@ -128,6 +131,27 @@ def api_key(args: argparse.Namespace) -> str | None:
     from tensorrt_llm_ext._env import ENV
 
     return args.api_key or ENV.api_key
+
+
+def api_key_error(args: argparse.Namespace) -> str | None:
+    """A key no HTTP client could send back (``Authorization`` carries printable ASCII, and clients strip the
+    value's ends), or an empty ``--api-key`` (which would silently mean no key): one line that never shows the
+    key, else None."""
+    from tensorrt_llm_ext._env import ENV
+
+    where = "--api-key" if args.api_key is not None else "TLLM_EXT_API_KEY"
+    key = args.api_key if args.api_key is not None else ENV.api_key
+    if key is None:
+        return None
+    if key == "":
+        return f"{where}: empty (an empty key would mean no key: leave the flag out to serve without one)"
+    if key != key.strip():
+        return f"{where}: the key starts or ends with whitespace, which HTTP clients strip: no client could send it"
+    bad = next((c for c in key if not 0x20 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        return (f"{where}: the key holds the character U+{ord(bad):04X}; an "
+                f"Authorization header carries printable ASCII only, so no standard client could send it")
+    return None
 
 
 # A dead follower's supervisor stays this long: rank 0 notices the loss at its next heartbeat, answers
@@ -300,7 +324,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
     p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
     p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
-                   help="= kv_cache_config.free_gpu_memory_fraction (accepted, no effect)")
+                   help="= kv_cache_config.free_gpu_memory_fraction (the KV page pool's share of free GPU memory)")
     p.add_argument("--trust_remote_code", action="store_const", const=True, default=None,
                    help="= trust_remote_code (accepted, no effect: no remote code is run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")

@@ -7,8 +7,9 @@ never reaches the engine), turned into engine requests (one per prompt and choic
 between engine steps while slots are free.
 
 Stopping: the engine ends a request at its stop ids / the checkpoint's EOS (``ignore_eos`` aside, after
-``min_tokens``) or its length; stop strings are matched here on the decoded text, and the request is then
-cancelled in the engine (its slot freed before the next step). ``text``, ``token_ids`` and ``usage`` agree:
+``min_tokens``) or its length; stop strings are matched here on the decoded text (on a worker thread, only the
+text new since the last event; like stop ids, only once the output has more than ``min_tokens`` tokens), and
+the request is then cancelled in the engine (its slot freed before the next step). ``text``, ``token_ids`` and ``usage`` agree:
 the tokens end with the one that completed the stop (string or id), the text ends before the stop string
 (unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
 
@@ -24,13 +25,16 @@ SIGTERM) after at most :data:`FORCED_GRACE_S`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text), ``POST /tokenize`` and
-``POST /detokenize`` (vLLM's). With an API key every ``/v1/*`` route needs ``Authorization: Bearer <key>``.
+``POST /detokenize`` (vLLM's). With an API key every ``/v1/*`` route needs ``Authorization: Bearer <key>``;
+``/tokenize`` and ``/detokenize`` stay open (as vLLM's), bounded for a request without the key (a 1 MiB body,
+one at a time on a thread of their own, a few waiting, then 429).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
@@ -58,6 +62,13 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set repor
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # serve --max-body-bytes: a larger body answers 413, never parsed
 BODY_DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped up to this, so its client gets the 413
 PREP_THREADS = 4  # parsing, tokenizing and request building run on these threads, never on the event loop
+OUTPUT_THREADS = 2  # decoding outputs and searching them for stop strings: these threads, never the event loop
+DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
+# With --api-key, /tokenize and /detokenize stay open (vLLM's choice: tools count tokens without the key), but a
+# request without the key is bounded: this body size, one at a time on its own thread, a few waiting, the rest 429.
+OPEN_MAX_BODY_BYTES = 1024 * 1024
+OPEN_MAX_WAITING = 8
+TRIM_AFTER_BYTES = 256 * 1024  # after answering a body this large, give freed heap back to the OS (malloc_trim)
 
 
 @dataclass
@@ -215,12 +226,25 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
 
 # -- one choice's output -----------------------------------------------------------------------------------
 class _Choice:
-    """Tokens, log-probabilities and text of one choice, cut at its stop (string or id)."""
+    """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
+
+    Stop strings are searched for incrementally: each event decodes the output once and searches only the text
+    that is new since the last event (plus the longest stop string's length back, for one that spans events),
+    with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
+    than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+
+    DECODE_GUARD = 8  # characters at the end of a decode that a later token may still change (merged bytes)
 
     def __init__(self, ctx: ServeContext, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool,
                  body=None):
         self.ctx, self.index, self.prompt_ids = ctx, index, prompt_ids
         self.stops, self.include_stop = stops, include_stop
+        self.stop_pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
+        self.stop_reach = max((len(s) for s in stops), default=0)  # chars a stop string may reach back
+        self.min_tokens = body.min_tokens if body is not None else 0
+        self.floor: int | None = None  # chars of the first min_tokens tokens' text; a stop must end past it
+        self.checked = 0  # chars of the output text already searched (no stop ends before this)
+        self.stop_span: tuple[int, int] | None = None  # the stop string's [start, end) in text()
         self.skip_special = body.skip_special_tokens if body is not None else True
         self.spaces_between = body.spaces_between_special_tokens if body is not None else True
         self.tokens: list[int] = []
@@ -247,28 +271,52 @@ class _Choice:
             msg = e.error or "the engine ended the request with an error"
             self.error = (ApiError(400, msg) if e.request_fault
                           else ApiError(500, msg, None, "internal_error"))
-        if self.stops and self.finish_reason in (None, "stop", "length"):
-            for m in range(prev + 1, len(self.tokens) + 1):  # the first token that completes a stop string
-                if any(s in self.decode(self.tokens[:m]) for s in self.stops):
-                    del self.tokens[m:]
-                    del self.logprobs[m:]
-                    was_running = self.finish_reason is None
-                    self.finish_reason, self.stop_token = "stop", False
-                    if was_running:
-                        loop.cancel(handle, "stop")
-                    break
+        if self.stops and self.finish_reason in (None, "stop", "length") and len(self.tokens) > self.min_tokens:
+            self._check_stop_strings(prev, loop, handle)
+
+    def _find_stop(self, text: str) -> re.Match | None:
+        """The first stop string in ``text`` that ends past what was searched already and past the min_tokens
+        floor."""
+        floor = self.floor or 0
+        pos = max(0, max(self.checked, floor) + 1 - self.stop_reach)
+        while (m := self.stop_pattern.search(text, pos)) is not None:
+            if m.end() > floor:
+                return m
+            pos = m.start() + 1
+        return None
+
+    def _check_stop_strings(self, prev: int, loop: EngineLoop, handle: int) -> None:
+        if self.floor is None and self.min_tokens > 0:
+            self.floor = len(self.decode(self.tokens[:self.min_tokens]))
+        full = self.decode(self.tokens)
+        hit = self._find_stop(full)
+        if hit is None:
+            self.checked = max(self.checked, len(full) - self.DECODE_GUARD)
+            return
+        # A stop in this event's text: the first of its tokens that completes one (an event carries at most
+        # the accepted block, so a handful of decodes).
+        m = len(self.tokens)
+        for k in range(max(prev, self.min_tokens) + 1, len(self.tokens)):
+            earlier = self._find_stop(self.decode(self.tokens[:k]))
+            if earlier is not None:
+                m, hit = k, earlier
+                break
+        del self.tokens[m:]
+        del self.logprobs[m:]
+        self.stop_span = hit.span()
+        was_running = self.finish_reason is None
+        self.finish_reason, self.stop_token = "stop", False
+        if was_running:
+            loop.cancel(handle, "stop")
 
     def text(self) -> str | None:
         """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
         toks = self.tokens[:-1] if self.stop_token else self.tokens
         text = self.decode(toks)
-        if text is None or not self.stops:
+        if text is None or self.stop_span is None:
             return text
-        hits = [(text.find(s), s) for s in self.stops if s in text]
-        if not hits:
-            return text
-        at, s = min(hits)
-        return text[:at + len(s)] if self.include_stop else text[:at]
+        start, end = self.stop_span
+        return text[:end] if self.include_stop else text[:start]
 
     def stream_text(self) -> str | None:
         """The text that can be sent now: while running, hold back what may still become a stop string or
@@ -276,7 +324,7 @@ class _Choice:
         text = self.text()
         if text is None or self.finish_reason is not None:
             return text
-        hold = max((len(s) - 1 for s in self.stops), default=0)
+        hold = max(0, self.stop_reach - 1)
         text = text[:max(0, len(text) - hold)]
         return text.rstrip("\ufffd")
 
@@ -339,16 +387,21 @@ class ApiKeyGate:
     is a 401 in OpenAI's error shape. A plain ASGI wrapper: no request body is read, streaming is untouched."""
 
     def __init__(self, app, api_key: str, on_reject=None):
-        self.app, self.on_reject = app, on_reject
-        self.expected = f"Bearer {api_key}".encode()
+        self.app, self.on_reject, self.api_key = app, on_reject, api_key
+
+    @staticmethod
+    def authorized(header: str | bytes, api_key: str) -> bool:
+        """Whether an ``Authorization`` header carries ``api_key`` (a constant-time comparison)."""
+        import hmac
+
+        got = header.encode("latin-1") if isinstance(header, str) else header
+        return hmac.compare_digest(got, f"Bearer {api_key}".encode())
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if (path == "/v1" or path.startswith("/v1/")) and scope.get("method") != "OPTIONS":
-            import hmac
-
             got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-            if not hmac.compare_digest(got, self.expected):
+            if not self.authorized(got, self.api_key):
                 if self.on_reject is not None:
                     self.on_reject()
                 why = "no Authorization header" if not got else "the API key does not match"
@@ -379,8 +432,14 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
     # delays only its own answer (the tokenizer releases the GIL; Python parsing yields it every few ms).
     prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
 
+    # Output processing (decoding, stop strings) has its own threads: a slow prompt never delays a stream.
+    output = ThreadPoolExecutor(OUTPUT_THREADS, thread_name_prefix="serve-output")
+
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+
+    async def off_loop_output(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(output, fn, *args)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -390,6 +449,8 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             yield
         finally:
             prep.shutdown(wait=False, cancel_futures=True)
+            output.shutdown(wait=False, cancel_futures=True)
+            open_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
@@ -453,12 +514,12 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
-    async def read_body(http: HttpRequest) -> bytes | None:
-        """The body, or :class:`ApiError` 413 past ``ctx.max_body_bytes`` (by ``Content-Length`` or as it
-        arrives); None when the client left mid-body."""
+    async def read_body(http: HttpRequest, limit: int | None = None, whose: str = "") -> bytes | None:
+        """The body, or :class:`ApiError` 413 past ``limit`` (default ``ctx.max_body_bytes``; by
+        ``Content-Length`` or as it arrives); None when the client left mid-body."""
         from starlette.requests import ClientDisconnect
 
-        limit = ctx.max_body_bytes
+        limit = ctx.max_body_bytes if limit is None else limit
         declared = http.headers.get("content-length", "")
         declared_size = int(declared) if declared.isdigit() else 0
         too_big = declared_size > limit
@@ -476,8 +537,10 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         except ClientDisconnect:  # the client left mid-body: nobody to answer, nothing to log
             return None
         if too_big:
+            why = (f"for a request {whose} (send the key for the server's limit)" if whose
+                   else "(serve --max-body-bytes)")
             raise ApiError(413, f"body: {max(size, declared_size)} bytes exceed the server's limit of {limit} bytes "
-                                f"(serve --max-body-bytes)", "body")
+                                f"{why}", "body")
         return b"".join(chunks)
 
     async def read_request(http: HttpRequest, model):
@@ -494,17 +557,44 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
         handles = submit(reqs, sink, param)
         choices = {h: _Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
                    for k, (h, p) in enumerate(zip(handles, prompts))}
-        out = _Output(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink)
+        out = _Output(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink, off_loop_output)
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)
 
+    open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
+    open_gate = {"running": asyncio.Semaphore(1), "admitted": 0}
+
+    def answer(handler, raw: bytes) -> bytes:
+        # The JSON is written here too: a long token list rendered on the event loop would stall it.
+        payload = json.dumps(handler(raw)).encode()
+        if len(raw) >= TRIM_AFTER_BYTES or len(payload) >= TRIM_AFTER_BYTES:
+            return_freed_memory()
+        return payload
+
     async def answer_off_loop(http: HttpRequest, handler):
-        """Read the body (499 if the client left) and answer it with ``handler`` on the worker pool."""
-        raw = await read_body(http)
-        if raw is None:
-            return Response(status_code=499)
-        return await off_loop(handler, raw)
+        """Read the body (499 if the client left) and answer it with ``handler`` on a worker thread. A request
+        without the API key (on a route left open) is bounded: :data:`OPEN_MAX_BODY_BYTES`, one at a time on
+        its own thread (the key holders' threads stay free), at most :data:`OPEN_MAX_WAITING` waiting (then
+        429)."""
+        if not ctx.api_key or ApiKeyGate.authorized(http.headers.get("authorization", ""), ctx.api_key):
+            raw = await read_body(http)
+            if raw is None:
+                return Response(status_code=499)
+            return Response(await off_loop(answer, handler, raw), media_type="application/json")
+        if open_gate["admitted"] > OPEN_MAX_WAITING:  # one running, the rest waiting
+            raise ApiError(429, f"server busy: {OPEN_MAX_WAITING} requests without the API key are waiting for this "
+                                f"route; retry later or send the key", None, "rate_limit_exceeded")
+        open_gate["admitted"] += 1
+        try:
+            async with open_gate["running"]:
+                raw = await read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
+                if raw is None:
+                    return Response(status_code=499)
+                payload = await asyncio.get_running_loop().run_in_executor(open_pool, answer, handler, raw)
+                return Response(payload, media_type="application/json")
+        finally:
+            open_gate["admitted"] -= 1
 
     @app.post("/tokenize")
     async def tokenize(http: HttpRequest):
@@ -519,6 +609,7 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
                                 body.chat_template_kwargs, add_special_tokens=body.add_special_tokens)
         else:
             ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        ids = _in_vocab(ctx, ids, "messages" if body.messages is not None else "prompt")
         out = {"count": len(ids), "max_model_len": ctx.max_seq_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
@@ -558,8 +649,12 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
 class _Output:
     """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream."""
 
-    def __init__(self, ctx: ServeContext, rid: str, kind: str, body, choices: dict[int, _Choice], sink: Sink):
+    def __init__(self, ctx: ServeContext, rid: str, kind: str, body, choices: dict[int, _Choice], sink: Sink,
+                 off_loop=None):
         self.ctx, self.rid, self.kind, self.body, self.choices, self.sink = ctx, rid, kind, body, choices, sink
+        # Decoding and stop-string search run here (a worker thread) when there is text to decode, never on
+        # the event loop: their cost grows with the output, and every client shares that loop.
+        self.off_loop = off_loop if ctx.tokenizer is not None else None
         self.chat = kind == "chat.completion"
         self.want_logprobs = (body.logprobs if not self.chat else body.logprobs_k()) is not None
         self.created = int(time.time())
@@ -616,20 +711,28 @@ class _Output:
             c["logprobs"] = _chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
         return c
 
+    async def _run(self, fn, *args):
+        return fn(*args) if self.off_loop is None else await self.off_loop(fn, *args)
+
     async def collect(self, http: HttpRequest):
         from fastapi.responses import JSONResponse
 
         try:
+            next_check = time.monotonic() + DISCONNECT_POLL_S
             while self.running():
-                try:
-                    item = await asyncio.wait_for(self.sink.queue.get(), 0.25)
-                except asyncio.TimeoutError:
+                # Polled by the clock, not only when no token came: steps faster than the poll would
+                # otherwise hide a client that left until max_tokens.
+                if time.monotonic() >= next_check:
                     if await http.is_disconnected():
                         return JSONResponse({}, status_code=499)
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                try:
+                    item = await asyncio.wait_for(self.sink.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
                     continue
                 if isinstance(item, (EngineFailure, Aborted)):
                     raise self._error(item)
-                self._apply(item)
+                await self._run(self._apply, item)
             choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
             return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
         finally:
@@ -660,6 +763,13 @@ class _Output:
             c["logprobs"] = _completion_logprobs(self.ctx, new_lps, new_tokens)
         return c
 
+    def _chunk(self, item, first: bool, obj: str) -> tuple[_Choice | None, str | None]:
+        """One event applied to its choice, and the SSE chunk it makes (None when the choice ended or failed)."""
+        ch = self._apply(item)
+        if ch is None or ch.error is not None:
+            return ch, None
+        return ch, self._sse({**self._head(obj), "choices": [self._delta(ch, first)]})
+
     def _sse(self, obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
@@ -675,22 +785,40 @@ class _Output:
                     yield self._sse(self._error(item).body())
                     yield "data: [DONE]\n\n"
                     return
-                ch = self._apply(item)
+                ch, chunk = await self._run(self._chunk, item, item.handle in first, obj)
                 if ch is None:
                     continue
                 if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
                     yield self._sse(ch.error.body())
                     yield "data: [DONE]\n\n"
                     return
-                c = self._delta(ch, item.handle in first)
                 first.discard(item.handle)
-                yield self._sse({**self._head(obj), "choices": [c]})
+                yield chunk
             opts = self.body.stream_options
             if opts is not None and opts.include_usage:
                 yield self._sse({**self._head(obj), "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
         finally:  # a client that disconnects cancels the stream: free its slots
             self._release()
+
+
+def return_freed_memory() -> None:
+    """Give the heap that large bodies and token lists freed back to the OS (glibc keeps it otherwise: a few
+    large requests left the server at several GB); a no-op where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def load_tokenizer(directory: str | None):

@@ -24,6 +24,12 @@ The stock worker always selects from the gathered logits (vocab-parallel selecti
 upstream path gathers. Both tables produce the same tokens (tests hold them to it); ``trtllm-ext bench
 step`` times the same worker object with each table, so its baseline is the real stock step, never a
 re-assembly. Every op is CUDA-graph capturable (the stock ones allocate inside the graph's pool).
+
+Which table an engine path runs (:func:`step_ops_for`, logged once per process): the fused one wherever
+Triton runs -- CUDA, or a CPU with ``TRITON_INTERPRET=1`` set (the test suite sets it, so the tests keep
+exercising the kernels) -- and the stock one on a CPU without it. The interpreter runs each kernel program
+in Python (tens of seconds per step over a 49152-column vocabulary); the stock ops are plain torch and
+produce the same tokens, so ``serve`` / ``generate`` on a CPU run at torch speed.
 """
 
 from __future__ import annotations
@@ -33,16 +39,18 @@ from typing import Callable
 
 import torch
 
+from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
 from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents, store_context_latents_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.token_selector import SelectionParams, VocabParallelSelector
 from tensorrt_llm_ext.speculative.verification import (rejection_sample, rejection_sample_reference, top_p_keep,
                                                         top_p_keep_reference)
 
-__all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "stock_select"]
+__all__ = ["FUSED_OPS", "OP_TABLES", "STOCK_OPS", "StepOps", "fused_ops_run_on", "step_ops_for", "stock_select"]
 
 
 def stock_select(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
@@ -126,3 +134,33 @@ STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, 
                     select=_stock_target_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}
+
+
+def step_ops_for(path: str, device: torch.device | str) -> StepOps:
+    """The op table an engine path runs on ``device``; the choice is logged once per process.
+
+    ``path`` ``"stock"`` always gets :data:`STOCK_OPS`. Other paths get :data:`FUSED_OPS` where Triton runs
+    (CUDA, or CPU with ``TRITON_INTERPRET=1`` set explicitly: the kernels in the interpreter, for tests) and
+    :data:`STOCK_OPS` on a CPU without the interpreter (torch ops; the same tokens).
+
+    >>> step_ops_for("speculative", "cpu").name  # without TRITON_INTERPRET=1
+    'stock'
+    """
+    dev = torch.device(device)
+    if path == "stock":
+        return STOCK_OPS
+    if not fused_ops_run_on(dev):
+        info_once(f"step ops: stock torch ops on {dev.type} (Triton does not run here; set TRITON_INTERPRET=1 to "
+                  f"run the fused kernels in the interpreter)", key=f"step-ops-stock-{dev.type}")
+        return STOCK_OPS
+    if dev.type == "cuda":
+        info_once("step ops: fused Triton kernels (cuda)", key="step-ops-fused-cuda")
+        return FUSED_OPS
+    info_once(f"step ops: fused Triton kernels in the interpreter on {dev.type} (TRITON_INTERPRET=1: "
+              f"exercises the kernels, slow; unset it to run torch ops)", key=f"step-ops-interpret-{dev.type}")
+    return FUSED_OPS
+
+
+def fused_ops_run_on(device: torch.device | str) -> bool:
+    """Whether :data:`FUSED_OPS` run on ``device``: CUDA, or any device under ``TRITON_INTERPRET=1``."""
+    return torch.device(device).type == "cuda" or ENV.triton_interpret

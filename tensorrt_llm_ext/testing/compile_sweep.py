@@ -68,6 +68,10 @@ ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
     AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_kernel", ("PRECISION='ieee'", "BLOCK_C=256"),
                   12_000, "an fp32 drafter (IEEE dots) at latent 256 (~5 KB at 255 registers); the GPU default "
                   "dtype is bf16, which does not spill"),
+    AcceptedSpill(_KM + "paged_attention:_paged_attention_kernel", ("PRECISION='ieee'",), 100_000,
+                  "an fp32 target (IEEE dots on fp32 operand tiles of 32-64 rows x 64-128 dims) spilled 0.4-31 KB at "
+                  "4 warps under Triton 3.7.1 (8 warps spill as much); fp32 targets are the CPU tests' dtype, the "
+                  "GPU default bf16 / fp16 tiles do not spill"),
     AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_combine_kernel",
                   ("PRECISION='ieee'", "BLOCK_C=256"), 20_000,
                   "an fp32 drafter at latent 256 with split-K (~6 KB stored); the GPU default dtype is bf16"),
@@ -223,6 +227,28 @@ def _attention():
                         10000.0, head_dim ** -0.5, schedule=sch)
 
 
+# -- target paged attention -----------------------------------------------------------------------------------
+def _paged_attention():
+    from tensorrt_llm_ext.kernels.paged_attention import paged_attention
+    from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write
+
+    # SmolLM2-135M (9 / 3 heads x 64), an 8B Llama (32 / 8 x 128), a Qwen3-like GQA 2 at head_dim 128; decode
+    # (T = 1), verify (T = K + 1 = 8) and a prefill block (several query tiles, no split).
+    for dtype in FLOATS:
+        for heads, kv_heads, d in ((9, 3, 64), (32, 8, 128), (16, 8, 128)):
+            page, max_pages, b = 16, 64, 4
+            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+            pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+            for t in (1, DRAFT_LENS[-1] + 1, 48):
+                q = torch.zeros(b, t, heads, d, dtype=dtype)
+                pos = torch.zeros(b, t, dtype=torch.int64)
+                slots = torch.zeros(b, dtype=torch.int32)
+                paged_attention(q, pool, pool, table, slots, pos, d ** -0.5)
+                kv = torch.zeros(b, t, kv_heads, d, dtype=dtype)
+                cos = torch.zeros(b, t, d // 2)
+                paged_kv_write(q, kv, kv, cos, cos, pos, slots, table, pool, pool)
+
+
 # -- Markov draft chain ---------------------------------------------------------------------------------------
 def _markov():
     from tensorrt_llm_ext.speculative.markov_chain import markov_chain_logits
@@ -292,6 +318,9 @@ SWEEP: tuple[SweepCase, ...] = (
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
                                         _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=40),
+    SweepCase("paged_attention", _paged_attention, (_K + "paged_attention:_paged_attention_kernel",
+                                                    _K + "paged_attention:_paged_attention_combine_kernel",
+                                                    _K + "paged_kv_write:_paged_kv_write_kernel"), cost=20),
     SweepCase("markov", _markov, (_K + "markov_exact_step:_markov_resolve_kernel",
                                   _K + "markov_exact_step:_markov_select_kernel",
                                   _K + "markov_fused_step:_markov_fused_step_kernel"), cost=50),

@@ -39,6 +39,12 @@ class _SerialScheduler:
     def kv_cache_usage(self) -> float:
         return self._scheduler.kv_cache_usage
 
+    def free_pages_after(self, cancel: list[int]) -> int:
+        return self._scheduler.free_pages_after(cancel)
+
+    def pages_for(self, request) -> int:
+        return self._scheduler.pages_for(request)
+
     def apply(self, plan):
         with KERNEL_LOCK:
             return self._scheduler.apply(plan)

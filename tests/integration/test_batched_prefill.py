@@ -52,12 +52,18 @@ def test_batched_prefill_equals_one_at_a_time(temperature, speculative):
     many, w2, toks2 = _prefilled(True, temperature, speculative)
     assert toks1 == toks2 and all(isinstance(t, int) for t in toks2)
     s1, s2 = one.state, many.state
-    # KV cache: every prompt position (up to GEMM rounding); a row's padding positions (past its prompt)
-    # may hold stale values in its own slot only; every other slot (unused ones, the dummy) is untouched.
+    # KV cache (paged; both engines handed out the same pages): every prompt position (up to GEMM rounding);
+    # a row's padding positions (past its prompt) may hold stale values in its own pages or the scratch page
+    # only; every other page is untouched.
+    table = s1.kv_cache.page_table
+    assert torch.equal(table, s2.kv_cache.page_table)
+    owned = {int(pg) for pg in table.flatten() if pg < s1.kv_cache.num_pages}
+    others = [pg for pg in range(s1.kv_cache.num_pages) if pg not in owned]
     for c1, c2 in zip(s1.kv_cache.tensors(), s2.kv_cache.tensors()):
         for slot, p in zip(SLOTS, PROMPTS):
-            torch.testing.assert_close(c2[:, slot, :len(p)], c1[:, slot, :len(p)], **TOL)
-        others = [s for s in range(c1.shape[1]) if s not in SLOTS]
+            rows = table[slot].long()
+            torch.testing.assert_close(c2[:, rows].flatten(1, 2)[:, :len(p)], c1[:, rows].flatten(1, 2)[:, :len(p)],
+                                       **TOL)
         assert others and not c1[:, others].any() and not c2[:, others].any()
     # Context latents and the first block's latents, at the same places (nothing else written).
     torch.testing.assert_close(s2.latent_pool, s1.latent_pool, **TOL)

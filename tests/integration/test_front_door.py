@@ -1,5 +1,6 @@
 """The CLI's front door: one-line errors before any work, --version, test-list argument order, bench on a
-CPU without TRITON_INTERPRET (with --json/--csv), richer generate --json."""
+CPU without TRITON_INTERPRET (with --json/--csv), richer generate --json, generate on a CPU without
+TRITON_INTERPRET (the stock torch ops, the same tokens as the fused kernels)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def test_version_and_env_errors_are_one_line():
                                 "seconds > 0")
 
 
-def test_info_reports_the_interpreter_generate_would_use():
+def test_info_reports_the_step_ops_generate_would_use():
     r = _cli("info", "--ranks", "1", env_drop=("TRITON_INTERPRET",))
-    assert r.returncode == 0 and "triton interpreter: on" in r.stdout
+    assert r.returncode == 0 and "triton interpreter: off" in r.stdout
+    assert "step ops: stock torch ops (CPU;" in r.stdout
 
 
 def test_test_list_dry_run_in_either_order(capsys):
@@ -97,3 +99,21 @@ def test_generate_json_has_requests_config_versions_and_verdict(tmp_path, small_
     assert [r["prompt_ids"] for r in data["requests"]] == [[5, 6, 7], [9]]
     assert all(len(r["output_ids"]) == 3 and r["steps"] == len(r["accepted_lens"]) for r in data["requests"])
     assert data["check"]["passed"] is True
+
+
+def test_generate_on_a_cpu_without_the_interpreter_runs_torch_ops_with_the_same_tokens(tmp_path, small_yaml):
+    # The suite runs with TRITON_INTERPRET=1: in process, the fused kernels (interpreted); in a child without
+    # it, the stock torch ops, said in one log line. Both pass --check and produce the same tokens.
+    argv = ["generate", "--config", small_yaml, "--no-progress", "--max-new-tokens", "5", "--check",
+            "5 6 7", "9", "1 2 3 4 5 6 7 8 9 10"]
+    fused, stock = tmp_path / "fused.json", tmp_path / "stock.json"
+    assert main([*argv, "--json", str(fused)]) == 0
+    r = _cli(*argv, "--json", str(stock), env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "check passed" in r.stdout and "cpu (torch ops)" in r.stdout
+    ops_lines = [ln for ln in r.stderr.splitlines() if "step ops:" in ln]
+    assert len(ops_lines) == 1 and "stock torch ops on cpu" in ops_lines[0], r.stderr[-2000:]
+    out = {name: json.loads(p.read_text())["ranks"][0]["results"] for name, p in (("fused", fused), ("stock", stock))}
+    assert out["stock"]["speculative"]["outputs"] == out["fused"]["speculative"]["outputs"]
+    assert out["stock"]["speculative"]["accepted_lens"] == out["fused"]["speculative"]["accepted_lens"]
+    assert out["stock"]["target_only"]["outputs"] == out["fused"]["target_only"]["outputs"]

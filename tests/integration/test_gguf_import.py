@@ -138,3 +138,34 @@ def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     assert choice["finish_reason"] == "stop"
     assert choice["token_ids"] == expected, (choice["token_ids"], expected)
     assert "Paris" in choice["message"]["content"] and "<|im_end|>" not in choice["message"]["content"]
+
+
+def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
+    """Disk full while the weights are written (safetensors raises its own error type, not an OSError): one
+    line, exit 2, no DIR and no staging directory left (was: a SafetensorError traceback and a DIR holding
+    config.json only); an existing DIR keeps its files."""
+    import safetensors
+
+    from tensorrt_llm_ext.models import checkpoint
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", seed=3)
+
+    def disk_full(sd, path, metadata):
+        path.write_bytes(b"\0" * 64)  # a part of the file, as a full disk leaves it
+        raise safetensors.SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(checkpoint, "_save_safetensors", disk_full)
+    assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: import-gguf: writing ") and "No space left" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "old"), "--no-tokenizer"]) == 2
+    assert [p.name for p in (tmp_path / "old").iterdir()] == ["config.json"]
+    assert (tmp_path / "old" / "config.json").read_text() == "{}"
+    monkeypatch.undo()
+    assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "old"), "--no-tokenizer"]) == 0
+    assert {p.name for p in (tmp_path / "old").iterdir()} == {"config.json", "model.safetensors",
+                                                              "generation_config.json"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "tiny.gguf"]

@@ -172,3 +172,45 @@ def test_an_engine_fault_still_propagates(engine):
     with pytest.raises(RuntimeError, match="collective timed out"):
         sch.apply(StepPlan())
     engine._release_all()
+
+
+class _Raising(_Refusing):
+    """An engine whose prefill of prompt B raises ``exc`` (after the slot's state was written)."""
+
+    def __init__(self, engine, exc: Exception):
+        super().__init__(engine)
+        self._exc = exc
+
+    def prefill_slot(self, slot, request, mode="speculative"):
+        first = self._engine.prefill_slot(slot, request, mode)
+        if list(request.prompt_ids) == B["prompt_ids"]:
+            raise self._exc
+        return first
+
+
+@pytest.mark.parametrize("exc", [OverflowError("int too large to convert to float"),
+                                 ZeroDivisionError("float division by zero")], ids=["overflow", "zero_division"])
+def test_an_arithmetic_error_from_a_request_value_fails_that_request_alone(engine, exc):
+    """An ArithmeticError in a prefill comes from computing with the request's values (a top_k past int64 once
+    raised OverflowError): the request fails with the message, the engine serves on (was: only ValueError was
+    the request's, anything else killed the engine for every client)."""
+    sch = Scheduler(_Raising(engine, exc))
+    got = _run(sch, [(0, A), (1, B)])
+    bad = got[1][-1]
+    assert bad.finish_reason == "error" and bad.request_fault and f"{type(exc).__name__}: {exc}" in bad.error
+    assert _tokens(got[0]) == _want(engine, 0)
+    assert engine.slots.num_free == engine.slots.num_slots and engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("CUDA error: an illegal memory access"), MemoryError(),
+                                 AssertionError("slot table out of step"), TypeError("bug"), IndexError("bug")],
+                         ids=["runtime", "memory", "assertion", "type", "index"])
+def test_any_other_exception_is_the_engines_failure(engine, exc):
+    """Device faults, out of memory, broken invariants and bugs may leave the engine inconsistent: they
+    propagate (the server then answers 503 and exits 3) instead of being pinned on one request."""
+    sch = Scheduler(_Raising(engine, exc))
+    try:
+        with pytest.raises(type(exc)):
+            sch.apply(StepPlan(admit=[(1, make_request(**B))], run=False))
+    finally:
+        engine._release_all()

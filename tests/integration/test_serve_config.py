@@ -55,11 +55,12 @@ def test_recipe_loads_and_logs_fields_without_effect(tmp_path, caplog):
     assert cfg.graph_batch_sizes() == (1, 2, 4, 8)
     no_effect = {p for p, _, _ in cfg.no_effect_fields()}
     assert {"moe_expert_parallel_size", "max_num_tokens", "max_input_len", "attn_backend", "allreduce_strategy",
-            "kv_cache_config.enable_block_reuse", "kv_cache_config.dtype", "kv_cache_config.free_gpu_memory_fraction",
+            "kv_cache_config.enable_block_reuse", "kv_cache_config.dtype",
             "backend", "moe_config"} <= no_effect
     # honoured now (docs/rejection_sampling.md): a real field, not a no-effect one
     assert cfg.speculative_config.use_rejection_sampling and "speculative_config.use_rejection_sampling" not in no_effect
     assert "tensor_parallel_size" not in no_effect and "kv_cache_config.tokens_per_block" not in no_effect
+    assert "kv_cache_config.free_gpu_memory_fraction" not in no_effect  # sizes the page pool
     logged = [r.getMessage() for r in caplog.records]
     assert any("kv_cache_config.dtype='fp8' accepted, no effect here" in m for m in logged), logged
 

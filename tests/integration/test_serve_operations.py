@@ -229,6 +229,9 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
     other = _post(server, "/tokenize", {"prompt": "w9", "model": "other"})
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    ids = _post(server, "/tokenize", {"prompt": [1, 2, 3]})  # ids are tokens already: say so, not "expected ids"
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+    assert "/tokenize takes text (a string), got token ids" in ids.json()["error"]["message"]
 
 
 # -- vLLM flag spellings --------------------------------------------------------------------------------------

@@ -76,3 +76,73 @@ def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
     proc.send_signal(signal.SIGTERM)
     rc, err, took = _finish(proc)
     assert rc == 0 and took < 30, (rc, took, err)
+
+
+def test_a_rank_whose_launcher_is_gone_is_ended():
+    """``--launcher PID``: once that process is gone (SIGKILLed), the supervisor SIGTERMs its rank (which
+    drains) and exits with the rank's code (was: the job ran on orphaned, still serving its port)."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    env = {**os.environ, "PMI_RANK": "0", "PYTHONPATH": str(ROOT)}
+    child = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+        print("ready", flush=True)
+        time.sleep(120)
+        sys.exit(7)
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor", "--supervise-command",
+                             "0", "--launcher", str(launcher.pid), "--", sys.executable, "-c",
+                             textwrap.dedent(child)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.5)
+        assert proc.poll() is None  # the launcher lives: the rank runs on
+        launcher.kill()
+        launcher.wait()
+        rc, err, took = _finish(proc, timeout=30)
+    finally:
+        launcher.kill()
+        proc.kill()
+    assert rc == 0 and took < 10, (rc, took, err)
+    assert f"the launcher (pid {launcher.pid}) is gone: ending the rank" in err, err
+
+
+def test_an_mpi_job_dies_with_its_launcher_killed_outright(tmp_path):
+    """``launch_command`` on 2 MPI ranks, its launcher SIGKILLed: every rank ends within seconds (mpiexec's
+    parent-death SIGTERM, the supervisors' launcher watch), none is left running."""
+    rank = textwrap.dedent(f"""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+        open(os.path.join({str(tmp_path)!r}, "rank%s.pid" % os.environ.get("PMI_RANK")), "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)
+    launcher_code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
+                     f"sys.exit(launch_command(2, [sys.executable, '-c', {rank!r}], linger_s=1))")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        assert len(pids) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "a rank outlived its launcher"
+    finally:
+        launcher.kill()
+        for p in tmp_path.glob("rank*.pid"):
+            if _alive(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -436,6 +436,12 @@ def test_check_exchange_reaches_pair_exchange_and_selector():
     pair.check_exchange()
     sel.check_exchange()
     ll_exchange(torch.zeros(1, 2, dtype=torch.int64, device=dev), state, spin_limit=3)  # the peer never writes
+    # The launch is asynchronous and the flag is read without a sync (pinned host memory): the engine checks
+    # it once the step is done (Engine.collect_step synchronizes first). Read straight after the launch, the
+    # GPU had not written it yet -- the H200's DID NOT RAISE.
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert int(state.flag[0]) == 42  # epoch 41 timed out
     for check in (pair.check_exchange, sel.check_exchange):
         with pytest.raises(RuntimeError, match="low-latency pair exchange .* at epoch 41"):
             check()

@@ -1,0 +1,134 @@
+"""`train-drafter` fails closed: every knob checked before any work (one line, exit 2), a run whose loss goes
+non-finite stops naming the step and writes no drafter, files are written whole (temporary name + rename), a
+damaged or crafted work-dir file is named on `--resume` and never unpickled as code."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.export import export_model
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.training import trainer
+
+TINY = ["--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--eval-prompts", "0", "--num-layers",
+        "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "8", "--intermediate-size", "16", "--draft-len",
+        "2", "--batch-seqs", "2", "--anchors", "2", "--warmup", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults") / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    return d
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "0"), ("--position-decay", "nan"),
+                                        ("--grad-clip", "-1"), ("--save-dtype", "fp16"), ("--device", "foo"),
+                                        ("--gen-temperature", "nan"), ("--batch-seqs", "100000000"),
+                                        ("--markov-rank", "0"), ("--head-dim", "7")])
+def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
+    """The directory does not even exist: the refusal comes from the knob check, before the target loads."""
+    assert main(["train-drafter", str(tmp_path / "absent"), *TINY, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: train-drafter: {flag}") and value in err[0], err
+
+
+def test_nonfinite_loss_stops_naming_the_step(target, tmp_path, monkeypatch, capsys):
+    real = trainer.distillation_loss
+    calls = []
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            return loss * float("nan"), {**metrics, "loss": float("nan")}
+        return loss, metrics
+
+    monkeypatch.setattr(trainer, "distillation_loss", nan_at_step_3)
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "6", "--save-every", "2", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "at step 3" in err and "last checkpoint, step 2" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_kill_while_the_drafter_is_written_leaves_the_previous_one(target, tmp_path, monkeypatch):
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "2", *TINY]) == 0
+    before = (out / "model.safetensors").read_bytes()
+    real = trainer.save_drafter_checkpoint
+
+    def killed_after_config(directory, *args):
+        real(directory, *args)
+        (directory / "model.safetensors").unlink()  # as if SIGTERM came between the two files
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_drafter_checkpoint", killed_after_config)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train-drafter", str(target), "--out", str(out), "--steps", "3", *TINY])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "training.json"]
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "drafter_work"]  # no temporary left behind
+
+
+def test_atomic_save_keeps_the_previous_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "data.pt"
+    trainer.atomic_torch_save({"a": torch.ones(3)}, path)
+
+    def disk_full(obj, f):
+        open(f, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError):
+        trainer.atomic_torch_save({"a": torch.zeros(3)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["data.pt"]
+
+
+@pytest.fixture(scope="module")
+def work(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("work")
+    assert main(["train-drafter", str(target), "--out", str(d / "drafter"), "--steps", "2", "--save-every", "1",
+                 *TINY]) == 0
+    return d / "drafter_work"
+
+
+@pytest.mark.parametrize("name,damage", [("trainer_state.pt", "truncate"), ("trainer_state.pt", "empty"),
+                                         ("data.pt", "truncate"), ("data.pt", "empty"),
+                                         ("trainer_state.pt", "other dict")])
+def test_resume_names_a_damaged_file(target, work, tmp_path, capsys, name, damage):
+    w = tmp_path / "drafter_work"
+    shutil.copytree(work, w)
+    blob = (w / name).read_bytes()
+    if damage == "other dict":
+        torch.save({"params": {}}, w / name)
+    else:
+        (w / name).write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"")
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--save-every",
+                 "1", "--resume", *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(w / name) in err[0] and "--resume" in err[0], err
+
+
+def test_resume_never_runs_code_from_the_state_file(target, work, tmp_path, capsys):
+    w = tmp_path / "drafter_work"
+    shutil.copytree(work, w)
+    torch.load(w / "trainer_state.pt", weights_only=True)  # a genuine state file loads this way
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"params": {}, "knobs": Evil()}, w / "trainer_state.pt")
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--resume",
+                 *TINY]) == 2
+    assert not marker.exists()
+    assert "trainer_state.pt is damaged or not a train-drafter file" in capsys.readouterr().err

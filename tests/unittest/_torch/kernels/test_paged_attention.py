@@ -1,0 +1,182 @@
+"""The target's paged decode / verify / prefill attention and its RoPE + KV write vs their eager twins.
+
+Tolerances: fp32 ``1e-5`` (same math, another summation order); bf16 ``atol = rtol = 2e-2`` on O(1) outputs
+(the kernel feeds the probabilities to the second product in bf16). Bitwise: a row's output does not depend
+on its neighbours (same shape, other rows / lengths / split pieces beyond it), and the KV write stores
+exactly the twin's values at exactly the twin's page slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.paged_attention import (SPLIT_TOKENS, paged_attention, paged_attention_reference,
+                                                      split_plan)
+from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
+from tensorrt_llm_ext.kernels.rope import rope_cos_sin
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_case(*, b=3, t=1, kvh=2, group=3, d=16, page_size=4, max_pages=6, lens=None, dtype=torch.float32,
+              seed=0, dummy=()):
+    """Random pools with permuted pages, a table whose tail is unallocated (scratch), queries at the last ``t``
+    positions of each row's length (``lens``: keys in use per row incl. the block); rows in ``dummy`` point at
+    the dummy slot (an all-scratch table row)."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = b + 1
+    num_pages = num_slots * max_pages
+    k_pool = torch.randn(num_pages + 1, page_size, kvh, d, generator=g).to(dtype)
+    v_pool = torch.randn(num_pages + 1, page_size, kvh, d, generator=g).to(dtype)
+    table = torch.randperm(num_pages, generator=g).view(num_slots, max_pages).to(torch.int32)
+    lens = lens or [max_pages * page_size - 2 * i for i in range(b)]
+    for s, n in enumerate(lens):
+        table[s, -(-n // page_size):] = num_pages  # unused tail -> scratch
+    table[b] = num_pages  # the dummy slot
+    slots = torch.arange(b, dtype=torch.int32)
+    for r in dummy:
+        slots[r] = b
+    positions = torch.stack([torch.arange(n - t, n) for n in lens])
+    q = torch.randn(b, t, kvh * group, d, generator=g).to(dtype)
+    dev = DEVICE
+    return [x.to(dev) for x in (q, k_pool, v_pool, table, slots, positions)]
+
+
+def _run(case, scale=None):
+    q, kp, vp, table, slots, pos = case
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    return paged_attention(q, kp, vp, table, slots, pos, scale), paged_attention_reference(q, kp, vp, table, slots,
+                                                                                           pos, scale)
+
+
+@pytest.mark.parametrize("group,d", [(1, 64), (3, 16), (8, 128)])
+@pytest.mark.parametrize("t", [1, 4])
+def test_matches_eager_twin_gqa_head_dims_and_blocks(group, d, t):
+    case = make_case(group=group, d=d, t=t, lens=[5, 24, 9])
+    out, ref = _run(case)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_length_one_page_boundaries_and_bf16():
+    for lens in ([1, 4, 5], [8, 3, 12]):  # a single key; lengths on and across page edges (page 4)
+        case = make_case(lens=lens, t=1, dtype=torch.bfloat16, page_size=4, max_pages=3)
+        out, ref = _run(case)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+        assert not out.isnan().any()
+
+
+def test_long_context_multi_split_and_prefill_tiles():
+    page, max_pages = 16, 3 * SPLIT_TOKENS // 16 + 2  # > 3 split pieces
+    n = max_pages * page - 5
+    _, _, splits = split_plan(4 * 3, max_pages, page)
+    assert splits > 3
+    case = make_case(b=2, t=4, group=3, d=16, page_size=page, max_pages=max_pages, lens=[n, SPLIT_TOKENS + 1])
+    out, ref = _run(case)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    # A prefill block (T * G > 64 rows: several query tiles, one piece) over the same cache.
+    case = make_case(b=2, t=30, group=3, d=16, page_size=page, max_pages=4, lens=[64, 40])
+    assert split_plan(30 * 3, 4, page)[1:] == (2, 1)
+    out, ref = _run(case)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
+    """The per-row determinism speculative decoding relies on: the same query at the same position over the
+    same keys gives the same bits at another row of a same-shaped step, next to rows of other lengths, and
+    when its own block reaches further (verify row j vs the decode step whose first row it is)."""
+    page, max_pages = 8, 2 * SPLIT_TOKENS // 8 + 1
+    q, kp, vp, table, slots, pos = make_case(b=3, t=4, page_size=page, max_pages=max_pages, lens=[150, 60, 9])
+    out = paged_attention(q, kp, vp, table, slots, pos, 0.25)
+    # Row 0's query 1 (position 147) as the first query of a block reaching position 150 instead of 149.
+    q2, pos2 = q.clone(), pos.clone()
+    q2[2, 0], pos2[2] = q[0, 1], torch.arange(147, 151)
+    slots2 = slots.clone()
+    slots2[2] = slots[0]
+    q2[1], pos2[1] = torch.randn_like(q[1]), torch.arange(10, 14)  # another neighbour
+    out2 = paged_attention(q2, kp, vp, table, slots2, pos2, 0.25)
+    assert torch.equal(out2[2, 0], out[0, 1])
+    assert torch.equal(out2[0], out[0])
+
+
+def test_padded_rows_and_masked_queries_are_finite():
+    """A dummy row (all-scratch table) and queries whose pieces are empty for some rows of their tile: no NaN."""
+    case = make_case(b=3, t=2, lens=[2, 20, 7], dummy=(1,))
+    out, ref = _run(case)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], **TOL[torch.float32])
+
+
+def test_kv_write_of_one_token_rows_takes_views_of_one_qkv_output():
+    """T = 1 (decode): views of a ``[B, 1, W]`` GEMM output, whose size-1 dimension has an arbitrary stride."""
+    b, h, kvh, d = 2, 3, 1, 16
+    qkv = torch.randn(b, 1, (h + 2 * kvh) * d, device=DEVICE)
+    q = qkv[..., :h * d].view(b, 1, h, d)
+    k = qkv[..., h * d:(h + kvh) * d].view(b, 1, kvh, d)
+    v = qkv[..., (h + kvh) * d:].view(b, 1, kvh, d)
+    positions = torch.tensor([[5], [0]], device=DEVICE)
+    cos, sin = rope_cos_sin(positions, d, 10000.0)
+    table = torch.tensor([[0, 1], [2, 3], [4, 4]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    pools = [torch.zeros(5, 4, kvh, d, device=DEVICE) for _ in range(4)]
+    q_rot = paged_kv_write(q, k, v, cos, sin, positions, slots, table, pools[0], pools[1])
+    q_ref = paged_kv_write_reference(q, k, v, cos, sin, positions, slots, table, pools[2], pools[3])
+    torch.testing.assert_close(q_rot, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], atol=1e-6, rtol=1e-6)
+    assert torch.equal(pools[1], pools[3]) and pools[1][1, 1].abs().sum() > 0
+
+
+def test_kv_write_matches_twin_bitwise_in_the_pools():
+    g = torch.Generator().manual_seed(3)
+    b, t, h, kvh, d, page = 3, 2, 6, 2, 16, 4
+    qkv = torch.randn(b, t, (h + 2 * kvh) * d, generator=g).to(DEVICE)
+    q = qkv[..., :h * d].view(b, t, h, d)
+    k = qkv[..., h * d:(h + kvh) * d].view(b, t, kvh, d)
+    v = qkv[..., (h + kvh) * d:].view(b, t, kvh, d)
+    positions = torch.tensor([[3, 4], [0, 1], [7, 8]], device=DEVICE)  # row 2's position 8 is past its table
+    cos, sin = rope_cos_sin(positions, d, 10000.0)
+    table = torch.tensor([[2, 0], [1, 5], [4, 3], [6, 6]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    pools = [torch.zeros(7, page, kvh, d, device=DEVICE) for _ in range(4)]
+    q_rot = paged_kv_write(q, k, v, cos, sin, positions, slots, table, pools[0], pools[1])
+    q_ref = paged_kv_write_reference(q, k, v, cos, sin, positions, slots, table, pools[2], pools[3])
+    torch.testing.assert_close(q_rot, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], atol=1e-6, rtol=1e-6)
+    assert torch.equal(pools[1], pools[3])  # v is copied
+    assert pools[1][6, 0].abs().sum() > 0  # position 8 of slot 2 went to the scratch page (id 6)
+    assert pools[1][6, 1:].abs().sum() == 0  # and nowhere else in it
+
+
+def test_validation_names_the_argument():
+    q, kp, vp, table, slots, pos = make_case()
+    with pytest.raises(ValueError, match="page_table"):
+        paged_attention(q, kp, vp, table.long(), slots, pos, 1.0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        paged_attention(q[:, :, :5], kp, vp, table, slots, pos, 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group,d,kvh", [(3, 64, 3), (4, 128, 8)])  # SmolLM2-135M, an 8B Llama
+def test_realistic_shapes_bf16_long_context_and_graph_replay(group, d, kvh):
+    """bf16 at 4k+ keys (many pieces) vs the twin, then the same call captured and replayed with new lengths
+    written into the captured position tensor (lengths are tensors: no re-capture)."""
+    page, max_pages, b, t = 16, 300, 4, 8
+    lens = [4700, 4096, 1, 17]
+    case = make_case(b=b, t=t, kvh=kvh, group=group, d=d, page_size=page, max_pages=max_pages,
+                     lens=[max(n, t) for n in lens], dtype=torch.bfloat16)
+    q, kp, vp, table, slots, pos = case
+    out, ref = _run(case)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    o = torch.empty_like(q)
+    paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)  # warm-up (compile) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)
+    pos.copy_(torch.stack([torch.arange(n - t, n) for n in (300, 2000, 4700, 64)]).to(pos.device))
+    graph.replay()
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, d ** -0.5)
+    torch.testing.assert_close(o.float(), ref.float(), **TOL[torch.bfloat16])
