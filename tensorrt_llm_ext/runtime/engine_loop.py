@@ -173,7 +173,9 @@ class Sink:
 
 
 @dataclass
-class EngineFailure:
+class EngineFailure(Exception):
+    """The engine failed: raised by :meth:`EngineLoop.submit` afterwards, and delivered to every waiting sink."""
+
     message: str
 
 

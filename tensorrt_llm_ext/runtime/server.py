@@ -23,6 +23,10 @@ freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends 
 way (503 / error chunk then ``[DONE]``) and the process exits ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM) after at most :data:`FORCED_GRACE_S`.
 
+Layout (TensorRT-LLM's ``OpenAIServer``): :class:`OpenAIServer` holds the route table (:meth:`OpenAIServer.routes`)
+and one method per handler; the answers -- choices, stop strings, log-probabilities, the JSON body or the SSE
+stream -- are built by :mod:`~tensorrt_llm_ext.runtime.openai_responses`.
+
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /version``, ``GET /metrics`` and ``GET /prometheus/metrics`` (Prometheus text), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's). With an API key every ``/v1/*`` route needs ``Authorization: Bearer <key>``;
@@ -34,36 +38,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import Request as HttpRequest  # module level: FastAPI resolves handler annotations here
 
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.runtime.engine_loop import (Aborted, EngineFailure, EngineLoop, PlanChannel, QueueFull,
-                                                  ServerMetrics, Sink, follower_loop)
+from tensorrt_llm_ext.runtime.engine_loop import (EngineFailure, EngineLoop, PlanChannel, QueueFull, ServerMetrics,
+                                                  Sink, follower_loop)
 from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                       DetokenizeRequest, ServeLimits, TokenizeRequest, parse_body)
+from tensorrt_llm_ext.runtime.openai_responses import Choice, ChoicesResponse
 from tensorrt_llm_ext.runtime.requests import Request
-from tensorrt_llm_ext.runtime.scheduler import Event
 
-__all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "PlanChannel", "ServeContext", "ServerMetrics", "create_app",
+__all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "OpenAIServer", "PlanChannel", "ServeContext", "ServerMetrics",
+           "create_app",
            "follower_loop", "load_tokenizer", "run_server", "served_model_name"]
 
 EXIT_ENGINE_FAILED = 3  # the engine (or a rank) failed while serving
 FAILURE_GRACE_S = 2.0  # after a failure: answer 503s this long, then exit
 SHUTDOWN_GRACE_S = 5.0  # after the drain deadline: time for the 503s to reach their clients
 FORCED_GRACE_S = 2.0  # after a second SIGTERM/SIGINT: time for the error chunks to reach their clients
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # serve --max-body-bytes: a larger body answers 413, never parsed
 BODY_DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped up to this, so its client gets the 413
 PREP_THREADS = 4  # parsing, tokenizing and request building run on these threads, never on the event loop
 OUTPUT_THREADS = 2  # decoding outputs and searching them for stop strings: these threads, never the event loop
-DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
 # With --api-key, /tokenize and /detokenize stay open (vLLM's choice: tools count tokens without the key), but a
 # request without the key is bounded: this body size, one at a time on its own thread, a few waiting, the rest 429.
 OPEN_MAX_BODY_BYTES = 1024 * 1024
@@ -224,162 +227,6 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     return out
 
 
-# -- one choice's output -----------------------------------------------------------------------------------
-class _Choice:
-    """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
-
-    Stop strings are searched for incrementally: each event decodes the output once and searches only the text
-    that is new since the last event (plus the longest stop string's length back, for one that spans events),
-    with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
-    than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
-
-    DECODE_GUARD = 8  # characters at the end of a decode that a later token may still change (merged bytes)
-
-    def __init__(self, ctx: ServeContext, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool,
-                 body=None):
-        self.ctx, self.index, self.prompt_ids = ctx, index, prompt_ids
-        self.stops, self.include_stop = stops, include_stop
-        self.stop_pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
-        self.stop_reach = max((len(s) for s in stops), default=0)  # chars a stop string may reach back
-        self.min_tokens = body.min_tokens if body is not None else 0
-        self.floor: int | None = None  # chars of the first min_tokens tokens' text; a stop must end past it
-        self.checked = 0  # chars of the output text already searched (no stop ends before this)
-        self.stop_span: tuple[int, int] | None = None  # the stop string's [start, end) in text()
-        self.skip_special = body.skip_special_tokens if body is not None else True
-        self.spaces_between = body.spaces_between_special_tokens if body is not None else True
-        self.tokens: list[int] = []
-        self.logprobs: list = []
-        self.finish_reason: str | None = None
-        self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
-        self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
-        self.text_sent = 0
-        self.tokens_sent = 0
-        self.logprobs_sent = 0
-
-    def decode(self, tokens: list[int]) -> str | None:
-        return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
-
-    def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
-        prev = len(self.tokens)
-        self.tokens.extend(e.tokens)
-        if e.logprobs is not None:
-            self.logprobs.extend(e.logprobs)
-        if e.finish_reason is not None:
-            self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
-            self.stop_token = e.finish_reason == "stop"
-        if e.finish_reason == "error":
-            msg = e.error or "the engine ended the request with an error"
-            self.error = (ApiError(400, msg) if e.request_fault
-                          else ApiError(500, msg, None, "internal_error"))
-        if self.stops and self.finish_reason in (None, "stop", "length") and len(self.tokens) > self.min_tokens:
-            self._check_stop_strings(prev, loop, handle)
-
-    def _find_stop(self, text: str) -> re.Match | None:
-        """The first stop string in ``text`` that ends past what was searched already and past the min_tokens
-        floor."""
-        floor = self.floor or 0
-        pos = max(0, max(self.checked, floor) + 1 - self.stop_reach)
-        while (m := self.stop_pattern.search(text, pos)) is not None:
-            if m.end() > floor:
-                return m
-            pos = m.start() + 1
-        return None
-
-    def _check_stop_strings(self, prev: int, loop: EngineLoop, handle: int) -> None:
-        if self.floor is None and self.min_tokens > 0:
-            self.floor = len(self.decode(self.tokens[:self.min_tokens]))
-        full = self.decode(self.tokens)
-        hit = self._find_stop(full)
-        if hit is None:
-            self.checked = max(self.checked, len(full) - self.DECODE_GUARD)
-            return
-        # A stop in this event's text: the first of its tokens that completes one (an event carries at most
-        # the accepted block, so a handful of decodes).
-        m = len(self.tokens)
-        for k in range(max(prev, self.min_tokens) + 1, len(self.tokens)):
-            earlier = self._find_stop(self.decode(self.tokens[:k]))
-            if earlier is not None:
-                m, hit = k, earlier
-                break
-        del self.tokens[m:]
-        del self.logprobs[m:]
-        self.stop_span = hit.span()
-        was_running = self.finish_reason is None
-        self.finish_reason, self.stop_token = "stop", False
-        if was_running:
-            loop.cancel(handle, "stop")
-
-    def text(self) -> str | None:
-        """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
-        toks = self.tokens[:-1] if self.stop_token else self.tokens
-        text = self.decode(toks)
-        if text is None or self.stop_span is None:
-            return text
-        start, end = self.stop_span
-        return text[:end] if self.include_stop else text[:start]
-
-    def stream_text(self) -> str | None:
-        """The text that can be sent now: while running, hold back what may still become a stop string or
-        an incomplete UTF-8 character."""
-        text = self.text()
-        if text is None or self.finish_reason is not None:
-            return text
-        hold = max(0, self.stop_reach - 1)
-        text = text[:max(0, len(text) - hold)]
-        return text.rstrip("\ufffd")
-
-
-def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
-                spaces_between_special_tokens: bool = True) -> str | None:
-    """``tokens`` as text (None without a tokenizer). Special tokens are dropped (``skip_special_tokens``) or
-    kept; kept ones are separated from the text beside them by one space when ``spaces_between_special_tokens``
-    (vLLM's meaning; ``transformers``' fast tokenizers ignore that argument, so it is applied here)."""
-    if tok is None:
-        return None
-    if skip_special_tokens:
-        return tok.decode(tokens, skip_special_tokens=True)
-    special = set(getattr(tok, "all_special_ids", ()))
-    parts, run = [], []
-    for t in tokens:
-        if t in special:
-            if run:
-                parts.append(tok.decode(run))
-                run = []
-            parts.append(tok.decode([t]))
-        else:
-            run.append(t)
-    if run:
-        parts.append(tok.decode(run))
-    return (" " if spaces_between_special_tokens else "").join(parts)
-
-
-def _token_str(ctx: ServeContext, token: int) -> str:
-    return ctx.tokenizer.decode([token]) if ctx.tokenizer is not None else f"token_id:{token}"
-
-
-def _lp(v: float) -> float:
-    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (outside top-p) and NaN-free by construction
-
-
-def _completion_logprobs(ctx: ServeContext, lps: list, tokens: list[int], text_offset0: int = 0) -> dict:
-    strs = [_token_str(ctx, t) for t in tokens]
-    offsets, at = [], text_offset0
-    for s in strs:
-        offsets.append(at)
-        at += len(s)
-    return {"tokens": strs, "token_logprobs": [_lp(lp) for lp, _ in lps],
-            "top_logprobs": [{_token_str(ctx, i): _lp(v) for i, v in top} for _, top in lps], "text_offset": offsets}
-
-
-def _chat_logprobs(ctx: ServeContext, lps: list, tokens: list[int]) -> dict:
-    def entry(t, v):
-        s = _token_str(ctx, t)
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
-
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                        for t, (lp, top) in zip(tokens, lps)]}
-
-
 # -- the app -----------------------------------------------------------------------------------------------
 class ApiKeyGate:
     """ASGI middleware: every ``/v1/*`` request must carry ``Authorization: Bearer <api_key>`` (vLLM's rule:
@@ -418,108 +265,187 @@ class ApiKeyGate:
         await self.app(scope, receive, send)
 
 
-def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
-    from concurrent.futures import ThreadPoolExecutor
-    from contextlib import asynccontextmanager
+class OpenAIServer:
+    """The OpenAI-compatible app over one engine loop (TensorRT-LLM's ``OpenAIServer``): a route table
+    (:meth:`routes`, registered by :meth:`register_routes`) and one method per handler; the answers are built by
+    :mod:`~tensorrt_llm_ext.runtime.openai_responses`.
 
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    Parsing, tokenizing and request building run on :data:`PREP_THREADS` threads (a 20 MB body took 15-32 s to
+    parse and tokenize: on the event loop that froze every client; here it delays only its own answer), output
+    processing (decoding, stop strings) on :data:`OUTPUT_THREADS` of its own (a slow prompt never delays a
+    stream), and the routes left open without the API key on one more.
+    """
 
-    from tensorrt_llm_ext import __version__
+    def __init__(self, ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
+        from concurrent.futures import ThreadPoolExecutor
 
-    # A 20 MB body took 15-32 s to parse and tokenize: on the event loop that froze every client. Here it
-    # delays only its own answer (the tokenizer releases the GIL; Python parsing yields it every few ms).
-    prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
+        from fastapi import FastAPI
+        from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    # Output processing (decoding, stop strings) has its own threads: a slow prompt never delays a stream.
-    output = ThreadPoolExecutor(OUTPUT_THREADS, thread_name_prefix="serve-output")
+        self.ctx, self.metrics, self.on_ready = ctx, metrics, on_ready
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
+        self.output = ThreadPoolExecutor(OUTPUT_THREADS, thread_name_prefix="serve-output")
+        self.open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
+        self.open_running = asyncio.Semaphore(1)  # requests without the key on an open route: one at a time
+        self.open_admitted = 0  # ... running or waiting (at most OPEN_MAX_WAITING + 1)
+        self.app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None,
+                           lifespan=self._lifespan)
+        self.app.add_exception_handler(ApiError, self._api_error)
+        self.app.add_exception_handler(StarletteHTTPException, self._http_error)
+        if ctx.api_key:
+            self.app.add_middleware(ApiKeyGate, api_key=ctx.api_key, on_reject=lambda: metrics.rejected(401))
+        self.register_routes()
 
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(prep, fn, *args)
+    def routes(self) -> list[tuple[str, str, Any]]:
+        """``(method, path, handler)`` of every endpoint."""
+        return [
+            ("GET", "/health", self.health),
+            ("GET", "/version", self.version),
+            ("GET", "/metrics", self.prometheus),
+            ("GET", "/prometheus/metrics", self.prometheus),  # trtllm-serve's path
+            ("GET", "/v1/models", self.models),
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat),
+        ]
 
-    async def off_loop_output(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(output, fn, *args)
+    def register_routes(self) -> None:
+        for method, path, handler in self.routes():
+            self.app.add_api_route(path, handler, methods=[method])
 
     @asynccontextmanager
-    async def lifespan(app):
-        if on_ready is not None:
-            on_ready()
+    async def _lifespan(self, app):
+        if self.on_ready is not None:
+            self.on_ready()
         try:
             yield
         finally:
-            prep.shutdown(wait=False, cancel_futures=True)
-            output.shutdown(wait=False, cancel_futures=True)
-            open_pool.shutdown(wait=False, cancel_futures=True)
+            for pool in (self.prep, self.output, self.open_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # -- errors ------------------------------------------------------------------------------------------
+    def error_response(self, e: ApiError, count: bool = True):
+        from fastapi.responses import JSONResponse
 
-    def error_response(e: ApiError, count: bool = True) -> JSONResponse:
         if count:
-            metrics.rejected(e.status)
+            self.metrics.rejected(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return error_response(exc)
+    async def _api_error(self, request, exc: ApiError):
+        return self.error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):  # 404 / 405: the OpenAI object too
+    async def _http_error(self, request, exc):  # 404 / 405: the OpenAI object too
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         # A path nobody serves (a scanner, a typo) is not a rejected request: not counted.
-        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       None, kind), count=exc.status_code != 404)
+        return self.error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                            None, kind), count=exc.status_code != 404)
 
-    if ctx.api_key:
-        app.add_middleware(ApiKeyGate, api_key=ctx.api_key, on_reject=lambda: metrics.rejected(401))
+    # -- handlers ----------------------------------------------------------------------------------------
+    async def health(self):
+        from fastapi.responses import JSONResponse
 
-    @app.get("/health")
-    async def health():
-        st = ctx.loop.state()
+        st = self.ctx.loop.state()
         body = {"status": "ok" if st.healthy else "unhealthy", **asdict(st)}
         return JSONResponse(body, status_code=200 if st.healthy else 503)
 
-    @app.get("/version")
-    async def version():
+    async def version(self):
+        from tensorrt_llm_ext import __version__
+
         return {"version": __version__}
 
-    async def prom():
+    async def prometheus(self):
+        from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_api_route("/metrics", prom, methods=["GET"])
-    app.add_api_route("/prometheus/metrics", prom, methods=["GET"])  # trtllm-serve's path
-
-    @app.get("/v1/models")
-    async def models():
+    async def models(self):
+        ctx = self.ctx
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
                                             "owned_by": "tensorrt_llm_ext", "max_model_len": ctx.max_seq_len}]}
 
-    def check_available() -> None:
-        if ctx.loop.failure is not None:
-            raise ApiError(503, f"engine failed: {ctx.loop.failure}", None, "service_unavailable")
-        if ctx.draining:
+    async def tokenize(self, http: HttpRequest):
+        return await self.answer_off_loop(http, self.tokenize_body)
+
+    async def detokenize(self, http: HttpRequest):
+        return await self.answer_off_loop(http, self.detokenize_body)
+
+    async def completions(self, http: HttpRequest):
+        from fastapi.responses import Response
+
+        ctx = self.ctx
+        body = await self.read_request(http, CompletionRequest)
+        if body is None:
+            return Response(status_code=499)
+        reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
+        return await self.serve_choices(http, body, reqs, [r.prompt_ids for r in reqs],
+                                        "n" if body.n > 1 else "prompt", "text_completion", "cmpl")
+
+    async def chat(self, http: HttpRequest):
+        from fastapi.responses import Response
+
+        body = await self.read_request(http, ChatCompletionRequest)
+        if body is None:
+            return Response(status_code=499)
+        prompt = await self.off_loop(_chat_prompt, self.ctx, body)
+        reqs = await self.off_loop(build_requests, self.ctx, body, [prompt], body.logprobs_k(), None)
+        return await self.serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
+
+    def tokenize_body(self, raw: bytes) -> dict:
+        ctx = self.ctx
+        body = parse_body(raw, TokenizeRequest, ctx.limits)
+        check_model(ctx, body.model)
+        tok = _need_tokenizer(ctx, "messages" if body.messages is not None else "prompt")
+        if body.messages is not None:
+            ids = _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                body.chat_template_kwargs, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        ids = _in_vocab(ctx, ids, "messages" if body.messages is not None else "prompt")
+        out = {"count": len(ids), "max_model_len": ctx.max_seq_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize_body(self, raw: bytes) -> dict:
+        body = parse_body(raw, DetokenizeRequest, self.ctx.limits)
+        check_model(self.ctx, body.model)
+        tok = _need_tokenizer(self.ctx, "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    # -- the pieces the handlers share ---------------------------------------------------------------------
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    async def off_loop_output(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.output, fn, *args)
+
+    def check_available(self) -> None:
+        if self.ctx.loop.failure is not None:
+            raise ApiError(503, f"engine failed: {self.ctx.loop.failure}", None, "service_unavailable")
+        if self.ctx.draining:
             raise ApiError(503, "the server is shutting down", None, "service_unavailable")
 
-    def submit(reqs: list[dict], sink: Sink, param: str) -> list[int]:
-        most = ctx.loop.capacity + ctx.loop.max_queue
+    def submit(self, reqs: list[Request], sink: Sink, param: str) -> list[int]:
+        loop = self.ctx.loop
+        most = loop.capacity + loop.max_queue
         if len(reqs) > most:  # would be refused however long the client waits: not a 429
             raise ApiError(400, f"{param}: {len(reqs)} choices exceed what the server holds at once ({most} = "
                                 f"max_batch_size + max_queue); send fewer prompts or a smaller n", param)
         try:
-            return ctx.loop.submit(reqs, sink)
+            return loop.submit(reqs, sink)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", None, "rate_limit_exceeded") from None
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
-    async def read_body(http: HttpRequest, limit: int | None = None, whose: str = "") -> bytes | None:
+    async def read_body(self, http: HttpRequest, limit: int | None = None, whose: str = "") -> bytes | None:
         """The body, or :class:`ApiError` 413 past ``limit`` (default ``ctx.max_body_bytes``; by
         ``Content-Length`` or as it arrives); None when the client left mid-body."""
         from starlette.requests import ClientDisconnect
 
-        limit = ctx.max_body_bytes if limit is None else limit
+        limit = self.ctx.max_body_bytes if limit is None else limit
         declared = http.headers.get("content-length", "")
         declared_size = int(declared) if declared.isdigit() else 0
         too_big = declared_size > limit
@@ -543,28 +469,30 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
                                 f"{why}", "body")
         return b"".join(chunks)
 
-    async def read_request(http: HttpRequest, model):
+    async def read_request(self, http: HttpRequest, model):
         """The parsed body (the OpenAI error object on any fault), or None when the client left mid-body."""
-        check_available()
-        raw = await read_body(http)
-        return None if raw is None else await off_loop(parse_body, raw, model, ctx.limits)
+        self.check_available()
+        raw = await self.read_body(http)
+        return None if raw is None else await self.off_loop(parse_body, raw, model, self.ctx.limits)
 
-    async def serve_choices(http: HttpRequest, body, reqs: list[Request], prompts: list[list[int]], param: str,
+    async def serve_choices(self, http: HttpRequest, body, reqs: list[Request], prompts: list[list[int]], param: str,
                             kind: str, prefix: str):
         """Submit one request's choices (``prompts[k]`` is choice k's prompt) and answer: JSON or SSE."""
+        from fastapi.responses import StreamingResponse
+
+        ctx = self.ctx
         _, stops = _stop_fields(ctx, body)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = submit(reqs, sink, param)
-        choices = {h: _Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
+        handles = self.submit(reqs, sink, param)
+        choices = {h: Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
                    for k, (h, p) in enumerate(zip(handles, prompts))}
-        out = _Output(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink, off_loop_output)
+        out = ChoicesResponse(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink,
+                              self.off_loop_output)
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)
 
-    open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
-    open_gate = {"running": asyncio.Semaphore(1), "admitted": 0}
-
+    @staticmethod
     def answer(handler, raw: bytes) -> bytes:
         # The JSON is written here too: a long token list rendered on the event loop would stall it.
         payload = json.dumps(handler(raw)).encode()
@@ -572,234 +500,37 @@ def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
             return_freed_memory()
         return payload
 
-    async def answer_off_loop(http: HttpRequest, handler):
+    async def answer_off_loop(self, http: HttpRequest, handler):
         """Read the body (499 if the client left) and answer it with ``handler`` on a worker thread. A request
         without the API key (on a route left open) is bounded: :data:`OPEN_MAX_BODY_BYTES`, one at a time on
         its own thread (the key holders' threads stay free), at most :data:`OPEN_MAX_WAITING` waiting (then
         429)."""
+        from fastapi.responses import Response
+
+        ctx = self.ctx
         if not ctx.api_key or ApiKeyGate.authorized(http.headers.get("authorization", ""), ctx.api_key):
-            raw = await read_body(http)
+            raw = await self.read_body(http)
             if raw is None:
                 return Response(status_code=499)
-            return Response(await off_loop(answer, handler, raw), media_type="application/json")
-        if open_gate["admitted"] > OPEN_MAX_WAITING:  # one running, the rest waiting
+            return Response(await self.off_loop(self.answer, handler, raw), media_type="application/json")
+        if self.open_admitted > OPEN_MAX_WAITING:  # one running, the rest waiting
             raise ApiError(429, f"server busy: {OPEN_MAX_WAITING} requests without the API key are waiting for this "
                                 f"route; retry later or send the key", None, "rate_limit_exceeded")
-        open_gate["admitted"] += 1
+        self.open_admitted += 1
         try:
-            async with open_gate["running"]:
-                raw = await read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
+            async with self.open_running:
+                raw = await self.read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
                 if raw is None:
                     return Response(status_code=499)
-                payload = await asyncio.get_running_loop().run_in_executor(open_pool, answer, handler, raw)
+                payload = await asyncio.get_running_loop().run_in_executor(self.open_pool, self.answer, handler, raw)
                 return Response(payload, media_type="application/json")
         finally:
-            open_gate["admitted"] -= 1
-
-    @app.post("/tokenize")
-    async def tokenize(http: HttpRequest):
-        return await answer_off_loop(http, tokenize_body)
-
-    def tokenize_body(raw: bytes) -> dict:
-        body = parse_body(raw, TokenizeRequest, ctx.limits)
-        check_model(ctx, body.model)
-        tok = _need_tokenizer(ctx, "messages" if body.messages is not None else "prompt")
-        if body.messages is not None:
-            ids = _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
-                                body.chat_template_kwargs, add_special_tokens=body.add_special_tokens)
-        else:
-            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        ids = _in_vocab(ctx, ids, "messages" if body.messages is not None else "prompt")
-        out = {"count": len(ids), "max_model_len": ctx.max_seq_len, "tokens": ids, "token_strs": None}
-        if body.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(http: HttpRequest):
-        return await answer_off_loop(http, detokenize_body)
-
-    def detokenize_body(raw: bytes) -> dict:
-        body = parse_body(raw, DetokenizeRequest, ctx.limits)
-        check_model(ctx, body.model)
-        tok = _need_tokenizer(ctx, "tokens")
-        return {"prompt": tok.decode(body.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        body = await read_request(http, CompletionRequest)
-        if body is None:
-            return Response(status_code=499)
-        reqs = await off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
-        return await serve_choices(http, body, reqs, [r.prompt_ids for r in reqs], "n" if body.n > 1 else "prompt",
-                                   "text_completion", "cmpl")
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: HttpRequest):
-        body = await read_request(http, ChatCompletionRequest)
-        if body is None:
-            return Response(status_code=499)
-        prompt = await off_loop(_chat_prompt, ctx, body)
-        reqs = await off_loop(build_requests, ctx, body, [prompt], body.logprobs_k(), None)
-        return await serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
-
-    return app
+            self.open_admitted -= 1
 
 
-class _Output:
-    """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream."""
-
-    def __init__(self, ctx: ServeContext, rid: str, kind: str, body, choices: dict[int, _Choice], sink: Sink,
-                 off_loop=None):
-        self.ctx, self.rid, self.kind, self.body, self.choices, self.sink = ctx, rid, kind, body, choices, sink
-        # Decoding and stop-string search run here (a worker thread) when there is text to decode, never on
-        # the event loop: their cost grows with the output, and every client shares that loop.
-        self.off_loop = off_loop if ctx.tokenizer is not None else None
-        self.chat = kind == "chat.completion"
-        self.want_logprobs = (body.logprobs if not self.chat else body.logprobs_k()) is not None
-        self.created = int(time.time())
-
-    def running(self) -> bool:
-        return any(ch.finish_reason is None for ch in self.choices.values())
-
-    def _apply(self, item) -> _Choice | None:
-        ch = self.choices.get(item.handle)
-        if ch is None or ch.finish_reason is not None:
-            return None
-        ch.apply(item, self.ctx.loop, item.handle)
-        return ch
-
-    def usage(self) -> dict:
-        # Each prompt once, however many choices it has (OpenAI and vLLM count it so).
-        prompt = sum(len(ch.prompt_ids) for ch in self.choices.values() if ch.index % self.body.n == 0)
-        completion = sum(len(ch.tokens) for ch in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.ctx.model_name}
-
-    @staticmethod
-    def _error(item) -> ApiError:
-        if isinstance(item, Aborted):
-            return ApiError(503, item.message, None, "service_unavailable")
-        return ApiError(503, f"engine failed: {item.message}", None, "service_unavailable")
-
-    def _release(self) -> None:
-        for h, ch in self.choices.items():
-            if ch.finish_reason is None:
-                self.ctx.loop.cancel(h)
-
-    # -- non-streaming ------------------------------------------------------------------------------------
-    def _final_choice(self, ch: _Choice) -> dict:
-        if ch.error is not None:
-            raise ch.error
-        text = ch.text()
-        if not self.chat:
-            c = {"index": ch.index, "token_ids": list(ch.tokens), "finish_reason": ch.finish_reason, "logprobs": None}
-            prefix = ""
-            if self.body.echo:
-                prefix = ch.decode(ch.prompt_ids) or ""
-                c["prompt_token_ids"] = list(ch.prompt_ids)
-            if text is not None:
-                c["text"] = prefix + text
-            if self.want_logprobs:
-                c["logprobs"] = _completion_logprobs(self.ctx, ch.logprobs, ch.tokens, len(prefix))
-            return c
-        c = {"index": ch.index, "message": {"role": "assistant", "content": text or ""},
-             "finish_reason": ch.finish_reason, "logprobs": None, "token_ids": list(ch.tokens)}
-        if self.want_logprobs:
-            c["logprobs"] = _chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
-        return c
-
-    async def _run(self, fn, *args):
-        return fn(*args) if self.off_loop is None else await self.off_loop(fn, *args)
-
-    async def collect(self, http: HttpRequest):
-        from fastapi.responses import JSONResponse
-
-        try:
-            next_check = time.monotonic() + DISCONNECT_POLL_S
-            while self.running():
-                # Polled by the clock, not only when no token came: steps faster than the poll would
-                # otherwise hide a client that left until max_tokens.
-                if time.monotonic() >= next_check:
-                    if await http.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    next_check = time.monotonic() + DISCONNECT_POLL_S
-                try:
-                    item = await asyncio.wait_for(self.sink.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    continue
-                if isinstance(item, (EngineFailure, Aborted)):
-                    raise self._error(item)
-                await self._run(self._apply, item)
-            choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
-            return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
-        finally:
-            self._release()
-
-    # -- streaming ----------------------------------------------------------------------------------------
-    def _delta(self, ch: _Choice, first: bool) -> dict:
-        new_tokens = ch.tokens[ch.tokens_sent:]
-        new_lps = ch.logprobs[ch.logprobs_sent:len(ch.tokens)]
-        ch.tokens_sent, ch.logprobs_sent = len(ch.tokens), len(ch.tokens)
-        text = ch.stream_text()
-        delta_text = None
-        if text is not None:
-            delta_text, ch.text_sent = text[ch.text_sent:], max(ch.text_sent, len(text))
-        if self.chat:
-            delta = {"role": "assistant", "content": delta_text or ""} if first else {"content": delta_text or ""}
-            c = {"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": ch.finish_reason,
-                 "token_ids": new_tokens}
-            if self.want_logprobs:
-                c["logprobs"] = _chat_logprobs(self.ctx, new_lps, new_tokens)
-            return c
-        c = {"index": ch.index, "token_ids": new_tokens, "finish_reason": ch.finish_reason, "logprobs": None}
-        if first and self.body.echo:
-            c["prompt_token_ids"] = list(ch.prompt_ids)
-        if delta_text is not None:
-            c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
-        if self.want_logprobs:
-            c["logprobs"] = _completion_logprobs(self.ctx, new_lps, new_tokens)
-        return c
-
-    def _chunk(self, item, first: bool, obj: str) -> tuple[_Choice | None, str | None]:
-        """One event applied to its choice, and the SSE chunk it makes (None when the choice ended or failed)."""
-        ch = self._apply(item)
-        if ch is None or ch.error is not None:
-            return ch, None
-        return ch, self._sse({**self._head(obj), "choices": [self._delta(ch, first)]})
-
-    def _sse(self, obj: dict) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def stream(self):
-        """SSE: one chunk per engine event with the new tokens, a final chunk per choice, the usage chunk
-        (``stream_options.include_usage``), then ``[DONE]``; an error ends with an error chunk then ``[DONE]``."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        first = set(self.choices)
-        try:
-            while self.running():
-                item = await self.sink.queue.get()
-                if isinstance(item, (EngineFailure, Aborted)):
-                    yield self._sse(self._error(item).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                ch, chunk = await self._run(self._chunk, item, item.handle in first, obj)
-                if ch is None:
-                    continue
-                if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
-                    yield self._sse(ch.error.body())
-                    yield "data: [DONE]\n\n"
-                    return
-                first.discard(item.handle)
-                yield chunk
-            opts = self.body.stream_options
-            if opts is not None and opts.include_usage:
-                yield self._sse({**self._head(obj), "choices": [], "usage": self.usage()})
-            yield "data: [DONE]\n\n"
-        finally:  # a client that disconnects cancels the stream: free its slots
-            self._release()
+def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
+    """The FastAPI app of an :class:`OpenAIServer` over ``ctx`` (``on_ready``: called once it serves)."""
+    return OpenAIServer(ctx, metrics, on_ready).app
 
 
 def return_freed_memory() -> None:

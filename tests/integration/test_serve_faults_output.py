@@ -180,7 +180,7 @@ class _FastStubLoop:
 
     def submit(self, reqs, sink):
         for h, f in enumerate(reqs):
-            threading.Thread(target=self._run, args=(h, f["max_new_tokens"], sink), daemon=True).start()
+            threading.Thread(target=self._run, args=(h, f.max_new_tokens, sink), daemon=True).start()
         return list(range(len(reqs)))
 
     def _run(self, h, n, sink):

@@ -1,0 +1,337 @@
+"""The OpenAI response bodies of ``trtllm-ext serve``: one choice's tokens, text and log-probabilities as the
+engine produces them (:class:`Choice`), and one HTTP request's answer built from its choices -- the JSON body or
+the SSE stream (:class:`ChoicesResponse`). The app (:class:`~tensorrt_llm_ext.runtime.server.OpenAIServer`) routes
+and admits; what an answer looks like lives here.
+
+``ctx`` below is the server's :class:`~tensorrt_llm_ext.runtime.server.ServeContext` (its tokenizer, model name
+and engine loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+from fastapi import Request as HttpRequest
+
+from tensorrt_llm_ext.runtime.engine_loop import Aborted, EngineFailure, EngineLoop, Sink
+from tensorrt_llm_ext.runtime.openai_protocol import ApiError
+from tensorrt_llm_ext.runtime.scheduler import Event
+
+__all__ = ["Choice", "ChoicesResponse", "LOGPROB_FLOOR", "chat_logprobs", "completion_logprobs", "decode_text"]
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
+DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
+
+
+class Choice:
+    """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
+
+    Stop strings are searched for incrementally: each event decodes the output once and searches only the text
+    that is new since the last event (plus the longest stop string's length back, for one that spans events),
+    with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
+    than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+
+    DECODE_GUARD = 8  # characters at the end of a decode that a later token may still change (merged bytes)
+
+    def __init__(self, ctx, index: int, prompt_ids: list[int], stops: list[str], include_stop: bool,
+                 body=None):
+        self.ctx, self.index, self.prompt_ids = ctx, index, prompt_ids
+        self.stops, self.include_stop = stops, include_stop
+        self.stop_pattern = re.compile("|".join(map(re.escape, stops))) if stops else None
+        self.stop_reach = max((len(s) for s in stops), default=0)  # chars a stop string may reach back
+        self.min_tokens = body.min_tokens if body is not None else 0
+        self.floor: int | None = None  # chars of the first min_tokens tokens' text; a stop must end past it
+        self.checked = 0  # chars of the output text already searched (no stop ends before this)
+        self.stop_span: tuple[int, int] | None = None  # the stop string's [start, end) in text()
+        self.skip_special = body.skip_special_tokens if body is not None else True
+        self.spaces_between = body.spaces_between_special_tokens if body is not None else True
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
+        self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.logprobs_sent = 0
+
+    def decode(self, tokens: list[int]) -> str | None:
+        return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
+
+    def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
+        prev = len(self.tokens)
+        self.tokens.extend(e.tokens)
+        if e.logprobs is not None:
+            self.logprobs.extend(e.logprobs)
+        if e.finish_reason is not None:
+            self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
+            self.stop_token = e.finish_reason == "stop"
+        if e.finish_reason == "error":
+            msg = e.error or "the engine ended the request with an error"
+            self.error = (ApiError(400, msg) if e.request_fault
+                          else ApiError(500, msg, None, "internal_error"))
+        if self.stops and self.finish_reason in (None, "stop", "length") and len(self.tokens) > self.min_tokens:
+            self._check_stop_strings(prev, loop, handle)
+
+    def _find_stop(self, text: str) -> re.Match | None:
+        """The first stop string in ``text`` that ends past what was searched already and past the min_tokens
+        floor."""
+        floor = self.floor or 0
+        pos = max(0, max(self.checked, floor) + 1 - self.stop_reach)
+        while (m := self.stop_pattern.search(text, pos)) is not None:
+            if m.end() > floor:
+                return m
+            pos = m.start() + 1
+        return None
+
+    def _check_stop_strings(self, prev: int, loop: EngineLoop, handle: int) -> None:
+        if self.floor is None and self.min_tokens > 0:
+            self.floor = len(self.decode(self.tokens[:self.min_tokens]))
+        full = self.decode(self.tokens)
+        hit = self._find_stop(full)
+        if hit is None:
+            self.checked = max(self.checked, len(full) - self.DECODE_GUARD)
+            return
+        # A stop in this event's text: the first of its tokens that completes one (an event carries at most
+        # the accepted block, so a handful of decodes).
+        m = len(self.tokens)
+        for k in range(max(prev, self.min_tokens) + 1, len(self.tokens)):
+            earlier = self._find_stop(self.decode(self.tokens[:k]))
+            if earlier is not None:
+                m, hit = k, earlier
+                break
+        del self.tokens[m:]
+        del self.logprobs[m:]
+        self.stop_span = hit.span()
+        was_running = self.finish_reason is None
+        self.finish_reason, self.stop_token = "stop", False
+        if was_running:
+            loop.cancel(handle, "stop")
+
+    def text(self) -> str | None:
+        """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
+        toks = self.tokens[:-1] if self.stop_token else self.tokens
+        text = self.decode(toks)
+        if text is None or self.stop_span is None:
+            return text
+        start, end = self.stop_span
+        return text[:end] if self.include_stop else text[:start]
+
+    def stream_text(self) -> str | None:
+        """The text that can be sent now: while running, hold back what may still become a stop string or
+        an incomplete UTF-8 character."""
+        text = self.text()
+        if text is None or self.finish_reason is not None:
+            return text
+        hold = max(0, self.stop_reach - 1)
+        text = text[:max(0, len(text) - hold)]
+        return text.rstrip("\ufffd")
+
+
+def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
+                spaces_between_special_tokens: bool = True) -> str | None:
+    """``tokens`` as text (None without a tokenizer). Special tokens are dropped (``skip_special_tokens``) or
+    kept; kept ones are separated from the text beside them by one space when ``spaces_between_special_tokens``
+    (vLLM's meaning; ``transformers``' fast tokenizers ignore that argument, so it is applied here)."""
+    if tok is None:
+        return None
+    if skip_special_tokens:
+        return tok.decode(tokens, skip_special_tokens=True)
+    special = set(getattr(tok, "all_special_ids", ()))
+    parts, run = [], []
+    for t in tokens:
+        if t in special:
+            if run:
+                parts.append(tok.decode(run))
+                run = []
+            parts.append(tok.decode([t]))
+        else:
+            run.append(t)
+    if run:
+        parts.append(tok.decode(run))
+    return (" " if spaces_between_special_tokens else "").join(parts)
+
+
+def _token_str(ctx, token: int) -> str:
+    return ctx.tokenizer.decode([token]) if ctx.tokenizer is not None else f"token_id:{token}"
+
+
+def _lp(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (outside top-p) and NaN-free by construction
+
+
+def completion_logprobs(ctx, lps: list, tokens: list[int], text_offset0: int = 0) -> dict:
+    strs = [_token_str(ctx, t) for t in tokens]
+    offsets, at = [], text_offset0
+    for s in strs:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": strs, "token_logprobs": [_lp(lp) for lp, _ in lps],
+            "top_logprobs": [{_token_str(ctx, i): _lp(v) for i, v in top} for _, top in lps], "text_offset": offsets}
+
+
+def chat_logprobs(ctx, lps: list, tokens: list[int]) -> dict:
+    def entry(t, v):
+        s = _token_str(ctx, t)
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                        for t, (lp, top) in zip(tokens, lps)]}
+
+
+class ChoicesResponse:
+    """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream."""
+
+    def __init__(self, ctx, rid: str, kind: str, body, choices: dict[int, Choice], sink: Sink,
+                 off_loop=None):
+        self.ctx, self.rid, self.kind, self.body, self.choices, self.sink = ctx, rid, kind, body, choices, sink
+        # Decoding and stop-string search run here (a worker thread) when there is text to decode, never on
+        # the event loop: their cost grows with the output, and every client shares that loop.
+        self.off_loop = off_loop if ctx.tokenizer is not None else None
+        self.chat = kind == "chat.completion"
+        self.want_logprobs = (body.logprobs if not self.chat else body.logprobs_k()) is not None
+        self.created = int(time.time())
+
+    def running(self) -> bool:
+        return any(ch.finish_reason is None for ch in self.choices.values())
+
+    def _apply(self, item) -> Choice | None:
+        ch = self.choices.get(item.handle)
+        if ch is None or ch.finish_reason is not None:
+            return None
+        ch.apply(item, self.ctx.loop, item.handle)
+        return ch
+
+    def usage(self) -> dict:
+        # Each prompt once, however many choices it has (OpenAI and vLLM count it so).
+        prompt = sum(len(ch.prompt_ids) for ch in self.choices.values() if ch.index % self.body.n == 0)
+        completion = sum(len(ch.tokens) for ch in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.ctx.model_name}
+
+    @staticmethod
+    def _error(item) -> ApiError:
+        if isinstance(item, Aborted):
+            return ApiError(503, item.message, None, "service_unavailable")
+        return ApiError(503, f"engine failed: {item.message}", None, "service_unavailable")
+
+    def _release(self) -> None:
+        for h, ch in self.choices.items():
+            if ch.finish_reason is None:
+                self.ctx.loop.cancel(h)
+
+    # -- non-streaming ------------------------------------------------------------------------------------
+    def _final_choice(self, ch: Choice) -> dict:
+        if ch.error is not None:
+            raise ch.error
+        text = ch.text()
+        if not self.chat:
+            c = {"index": ch.index, "token_ids": list(ch.tokens), "finish_reason": ch.finish_reason, "logprobs": None}
+            prefix = ""
+            if self.body.echo:
+                prefix = ch.decode(ch.prompt_ids) or ""
+                c["prompt_token_ids"] = list(ch.prompt_ids)
+            if text is not None:
+                c["text"] = prefix + text
+            if self.want_logprobs:
+                c["logprobs"] = completion_logprobs(self.ctx, ch.logprobs, ch.tokens, len(prefix))
+            return c
+        c = {"index": ch.index, "message": {"role": "assistant", "content": text or ""},
+             "finish_reason": ch.finish_reason, "logprobs": None, "token_ids": list(ch.tokens)}
+        if self.want_logprobs:
+            c["logprobs"] = chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
+        return c
+
+    async def _run(self, fn, *args):
+        return fn(*args) if self.off_loop is None else await self.off_loop(fn, *args)
+
+    async def collect(self, http: HttpRequest):
+        from fastapi.responses import JSONResponse
+
+        try:
+            next_check = time.monotonic() + DISCONNECT_POLL_S
+            while self.running():
+                # Polled by the clock, not only when no token came: steps faster than the poll would
+                # otherwise hide a client that left until max_tokens.
+                if time.monotonic() >= next_check:
+                    if await http.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                try:
+                    item = await asyncio.wait_for(self.sink.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(item, (EngineFailure, Aborted)):
+                    raise self._error(item)
+                await self._run(self._apply, item)
+            choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
+            return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
+        finally:
+            self._release()
+
+    # -- streaming ----------------------------------------------------------------------------------------
+    def _delta(self, ch: Choice, first: bool) -> dict:
+        new_tokens = ch.tokens[ch.tokens_sent:]
+        new_lps = ch.logprobs[ch.logprobs_sent:len(ch.tokens)]
+        ch.tokens_sent, ch.logprobs_sent = len(ch.tokens), len(ch.tokens)
+        text = ch.stream_text()
+        delta_text = None
+        if text is not None:
+            delta_text, ch.text_sent = text[ch.text_sent:], max(ch.text_sent, len(text))
+        if self.chat:
+            delta = {"role": "assistant", "content": delta_text or ""} if first else {"content": delta_text or ""}
+            c = {"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": ch.finish_reason,
+                 "token_ids": new_tokens}
+            if self.want_logprobs:
+                c["logprobs"] = chat_logprobs(self.ctx, new_lps, new_tokens)
+            return c
+        c = {"index": ch.index, "token_ids": new_tokens, "finish_reason": ch.finish_reason, "logprobs": None}
+        if first and self.body.echo:
+            c["prompt_token_ids"] = list(ch.prompt_ids)
+        if delta_text is not None:
+            c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
+        if self.want_logprobs:
+            c["logprobs"] = completion_logprobs(self.ctx, new_lps, new_tokens)
+        return c
+
+    def _chunk(self, item, first: bool, obj: str) -> tuple[Choice | None, str | None]:
+        """One event applied to its choice, and the SSE chunk it makes (None when the choice ended or failed)."""
+        ch = self._apply(item)
+        if ch is None or ch.error is not None:
+            return ch, None
+        return ch, self._sse({**self._head(obj), "choices": [self._delta(ch, first)]})
+
+    def _sse(self, obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream(self):
+        """SSE: one chunk per engine event with the new tokens, a final chunk per choice, the usage chunk
+        (``stream_options.include_usage``), then ``[DONE]``; an error ends with an error chunk then ``[DONE]``."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        first = set(self.choices)
+        try:
+            while self.running():
+                item = await self.sink.queue.get()
+                if isinstance(item, (EngineFailure, Aborted)):
+                    yield self._sse(self._error(item).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                ch, chunk = await self._run(self._chunk, item, item.handle in first, obj)
+                if ch is None:
+                    continue
+                if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
+                    yield self._sse(ch.error.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                first.discard(item.handle)
+                yield chunk
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield self._sse({**self._head(obj), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # a client that disconnects cancels the stream: free its slots
+            self._release()
