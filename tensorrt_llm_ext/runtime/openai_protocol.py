@@ -141,9 +141,8 @@ class _Sampling(BaseModel):
     def _sampling(cls, v, info: ValidationInfo):
         # The SamplingParams rule of the field, in its one wording (None: the field's default; seed None: a
         # fresh seed, see to_sampling_params).
-        problem = None if v is None else sampling_problem(info.field_name, v)
-        if problem is not None:
-            raise ValueError(problem)
+        if v is not None:
+            _sampling_rule(info.field_name, v)
         return v
 
     @field_validator("n")
@@ -185,9 +184,7 @@ class _Sampling(BaseModel):
             if not (key.isascii() and key.isdigit()) or len(key) > 1 and key[0] == "0":
                 raise ValueError(f"keys must be token ids as strings (\"123\", no leading zero), got {key[:40]!r}")
         lim = _limits(info)
-        problem = sampling_problem("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
-        if problem is not None:
-            raise ValueError(problem)
+        _sampling_rule("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
         return v
 
     @field_validator("min_tokens")
@@ -236,6 +233,13 @@ class _Sampling(BaseModel):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _sampling_rule(name: str, value, vocab_size: int | None = None) -> None:
+    """The SamplingParams rule of field ``name`` (:func:`~tensorrt_llm_ext.contract.sampling_problem`)."""
+    problem = sampling_problem(name, value, vocab_size)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _top_logprobs_count(v):
