@@ -160,10 +160,17 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
-        if f.name == "markov_rank":
-            kind = int
+        extra = {}
+        if f.name == "prompts":
+            kind, extra = str, {"nargs": "+", "metavar": "SOURCE[:WEIGHT]"}
+        elif f.name == "position_decay":
+            kind = float
+        help_ = {"prompts": "sharegpt, chitchat, templates or FILE.jsonl[.gz], several mixed by weight "
+                            "(default templates)",
+                 "position_decay": "position weight factor (default exp(-1/K), the paper's)"}.get(
+                     f.name, f"default {f.default}")
         t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                       help=f"default {f.default} (docs/real_model.md)")
+                       help=help_ + " (docs/real_model.md)", **extra)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
