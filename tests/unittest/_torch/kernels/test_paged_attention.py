@@ -110,6 +110,25 @@ def test_padded_rows_and_masked_queries_are_finite():
     torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], **TOL[torch.float32])
 
 
+def test_kv_write_of_one_token_rows_takes_views_of_one_qkv_output():
+    """T = 1 (decode): views of a ``[B, 1, W]`` GEMM output, whose size-1 dimension has an arbitrary stride."""
+    b, h, kvh, d = 2, 3, 1, 16
+    qkv = torch.randn(b, 1, (h + 2 * kvh) * d, device=DEVICE)
+    q = qkv[..., :h * d].view(b, 1, h, d)
+    k = qkv[..., h * d:(h + kvh) * d].view(b, 1, kvh, d)
+    v = qkv[..., (h + kvh) * d:].view(b, 1, kvh, d)
+    positions = torch.tensor([[5], [0]], device=DEVICE)
+    cos, sin = rope_cos_sin(positions, d, 10000.0)
+    table = torch.tensor([[0, 1], [2, 3], [4, 4]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    pools = [torch.zeros(5, 4, kvh, d, device=DEVICE) for _ in range(4)]
+    q_rot = paged_kv_write(q, k, v, cos, sin, positions, slots, table, pools[0], pools[1])
+    q_ref = paged_kv_write_reference(q, k, v, cos, sin, positions, slots, table, pools[2], pools[3])
+    torch.testing.assert_close(q_rot, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], atol=1e-6, rtol=1e-6)
+    assert torch.equal(pools[1], pools[3]) and pools[1][1, 1].abs().sum() > 0
+
+
 def test_kv_write_matches_twin_bitwise_in_the_pools():
     g = torch.Generator().manual_seed(3)
     b, t, h, kvh, d, page = 3, 2, 6, 2, 16, 4
