@@ -588,6 +588,20 @@ def _max_model_len(data: dict, mpe: int | None, user_len) -> int:
     return mpe
 
 
+def describe_drafter(cfg: "RuntimeConfig") -> str:
+    """One line naming the drafter a config loads: where from, trained or seeded, ``K`` and the Markov rank."""
+    spec, m = cfg.speculative_config, cfg.model
+    sizes = (f"K={spec.max_draft_len}, Markov rank r={spec.markov_rank}, {m.drafter.num_layers} layer(s), "
+             f"latent {m.drafter.latent_dim}")
+    if m.drafter_path is not None:
+        return f"drafter: {m.drafter_path} (a trained DSpark checkpoint; {sizes})"
+    if m.drafter_weights is not None:
+        return f"drafter: {m.drafter_weights} (a torch.save state dict; {sizes})"
+    init = ("its Markov head the target's embedding->head bigram" if m.drafter_init == "target_bigram" else
+            "random weights: expect no acceptance")
+    return f"drafter: seeded, not trained (seed {m.seed}; {init}; {sizes})"
+
+
 def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 

@@ -21,7 +21,8 @@ import signal
 import socket
 import sys
 
-from tensorrt_llm_ext.runtime.config import LOG_LEVELS, ConfigError, RuntimeConfig, load_config, log_no_effect_fields
+from tensorrt_llm_ext.runtime.config import (LOG_LEVELS, ConfigError, RuntimeConfig, describe_drafter, load_config,
+                                             log_no_effect_fields)
 
 EXIT_USAGE = 2
 
@@ -111,6 +112,37 @@ def _tokenizer_error(directory: str | None, vocab_size: int) -> str | None:
     tokenizer = load_tokenizer(directory)
     err = tokenizer_vocab_error(tokenizer, vocab_size) if tokenizer is not None else None
     return f"tokenizer {directory}: {err}" if err else None
+
+
+def resolve_tokenizer(cfg: RuntimeConfig, directory: str | None = None):
+    """The tokenizer ``serve`` / ``generate`` use: ``directory`` (``--tokenizer``), else the config's
+    ``tokenizer``, else the model directory's; for the embedded seeded model, the tokenizer built in code for
+    its vocabulary (:mod:`tensorrt_llm_ext.configs.embedded_tokenizer`: byte-level, ChatML template). None
+    (token-id prompts only) when there is none; every choice is logged once."""
+    from tensorrt_llm_ext.logger import info_once
+    from tensorrt_llm_ext.runtime.server import load_tokenizer
+
+    directory = directory or cfg.tokenizer or cfg.model.path
+    if directory is not None:
+        tok = load_tokenizer(directory)
+        info_once(f"tokenizer: {directory}" if tok is not None else f"tokenizer: none in {directory} (token-id "
+                  f"prompts only)", key="tokenizer")
+        return tok
+    if cfg.model.target_weights is not None:
+        info_once("tokenizer: none (model.target_weights has no tokenizer: token-id prompts only; --tokenizer DIR "
+                  "sets one)", key="tokenizer")
+        return None
+    from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
+
+    vocab = cfg.model.target.vocab_size
+    try:
+        tok = build_embedded_tokenizer(vocab)
+    except (ImportError, ValueError) as e:
+        info_once(f"tokenizer: none for the embedded model ({e}): token-id prompts only", key="tokenizer")
+        return None
+    info_once(f"tokenizer: the embedded model's byte-level tokenizer ({vocab} ids, ChatML chat template; the seeded "
+              f"model writes noise, and it has no EOS: requests end at max_tokens or a stop)", key="tokenizer")
+    return tok
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -211,8 +243,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
-                                                 ServerMetrics, follower_loop, load_tokenizer, run_server,
-                                                 served_model_name)
+                                                 ServerMetrics, follower_loop, run_server, served_model_name)
 
     tp = cfg.tensor_parallel_size
     mapping = None
@@ -233,6 +264,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
     if mapping is None or mapping.rank == 0:
         log_no_effect_fields(cfg)  # once per job, not once per rank
+        logger.info(describe_drafter(cfg) if not args.no_speculation else "drafter: not used (--no-speculation)")
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
     # Binding the worker and capturing the served decode's graphs agree across ranks (collectives): every
     # rank does both here, in the same order, before rank 0 starts planning and the others start following.
@@ -264,7 +296,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
                       speculative=not args.no_speculation)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
-                       tokenizer=load_tokenizer(args.tokenizer or cfg.tokenizer or cfg.model.path),
+                       tokenizer=resolve_tokenizer(cfg, args.tokenizer),
                        speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
                        model_aliases=tuple(names[1:]), api_key=api_key(args),
                        **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))

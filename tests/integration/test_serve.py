@@ -183,6 +183,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, reference):
     assert "SIGTERM received: draining 1 running and 0 queued request(s)" in log, log[-3000:]
     assert "drain finished after" in log and "every request in flight was answered" in log, log[-3000:]
     assert "without an API key" not in log  # loopback: no warning
+    assert "RuntimeWarning" not in log  # the interpreter's masked-lane arithmetic is not the user's business
+    assert "drafter: seeded, not trained (seed " in log and "K=3, Markov rank r=32" in log  # what it loaded
+    assert "tokenizer: the embedded model's byte-level tokenizer (516 ids" in log and "tokenizer=yes" in log
 
 
 def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly_and_exits_0(tmp_path):
