@@ -11,8 +11,10 @@ import pytest
 
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
+from tensorrt_llm_ext.testing.requests import make_request
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 SMALL = tiny_model(**{"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 3,
@@ -46,7 +48,7 @@ def _serve(engine, mode: str, overlap: bool, requests: dict[int, dict], cancel_a
         admit = []
         while waiting and len(admit) < sch.num_free_slots + len(cancels):
             h = waiting.pop(0)
-            admit.append((h, requests[h]))
+            admit.append((h, make_request(**requests[h])))
         evs, _ = sch.apply(StepPlan(cancel=sorted(cancels), admit=admit))
         cancels = set()
         for e in evs:
@@ -158,7 +160,7 @@ def test_a_request_stopped_by_its_step_is_not_advanced_into_the_next(engine, gre
     assert len(calls[-1]) == 1 and slot_of_short, calls
     # The freed slot serves a new request with the tokens it gets alone.
     again = {"prompt_ids": _prompt(2), "max_new_tokens": 6, "ignore_eos": True}
-    evs, _ = sch.apply(StepPlan(cancel=[0], admit=[(2, again)]))
+    evs, _ = sch.apply(StepPlan(cancel=[0], admit=[(2, Request(**again))]))
     out = _tokens([e for e in evs if e.handle == 2])
     while sch.num_active:
         evs, _ = sch.apply(StepPlan())

@@ -9,6 +9,7 @@ invariance and exchange rounds over MPI: multi_gpu/test_verification_tp.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,7 +22,7 @@ from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.fixed_point_softmax import fixed_point_weight_torch, weight_scale_torch
 from tensorrt_llm_ext.kernels.rejection_sample import neg_log2_uniform_torch
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept
-from tensorrt_llm_ext.speculative import verification
+from tensorrt_llm_ext.speculative import value_checks, verification
 from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, call_shape, rejection_sample,
                                                         rejection_sample_reference, top_p_keep, top_p_keep_reference)
 from tensorrt_llm_ext.speculative.vocab_parallel import vocab_parallel_argmax
@@ -441,7 +442,8 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype):
             counter.inside = False
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
-    monkeypatch.setattr(verification, "is_capturing", lambda *a: True)  # as under capture: no value checks
+    # as in serving (TLLM_EXT_CHECK_VALUES off) or under capture: no value checks, only the call's own launches
+    monkeypatch.setattr(value_checks, "ENV", dataclasses.replace(value_checks.ENV, check_values=False))
     k, vocab = 2, 517
     target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(max(b, 4), k, vocab, 5)
     target, draft = target[:b].to(dtype).contiguous(), draft[:b].to(dtype).contiguous()
