@@ -320,7 +320,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
             os._exit(0)
     names = args.served_model_name or []
     name = served_model_name(cfg, names[0] if names else None)
-    metrics = ServerMetrics(cfg.draft_len, model_name=name)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
                       speculative=not args.no_speculation)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
