@@ -17,7 +17,7 @@ echo "kernel tests rc=$?" | tee -a "$out/kernel_tests.log"; tail -3 "$out/kernel
 timeout "${T_GENERATE:-90}" python3 -m tensorrt_llm_ext.cli generate --check --cuda-graph --no-progress \
   > "$out/generate_check.log" 2>&1
 echo "generate --check rc=$?" | tee -a "$out/generate_check.log"; grep -E "check" "$out/generate_check.log" | tail -2
-timeout "${T_BENCH:-420}" python3 -m tensorrt_llm_ext.cli bench target ${BENCH_ARGS:-} > "$out/bench_target.log" 2>&1
+timeout "${T_BENCH:-300}" python3 -m tensorrt_llm_ext.cli bench target ${BENCH_ARGS:-} > "$out/bench_target.log" 2>&1
 echo "bench target rc=$?" | tee -a "$out/bench_target.log"; grep -E "^\|" "$out/bench_target.log" | head -80
 (cd tests && timeout "${T_GRAPH:-240}" python3 -m pytest integration/test_dspark_lossless.py \
   integration/test_cuda_graph_replay.py -k "cuda_graph or gpu" -q -p no:cacheprovider -rfE) > "$out/graph_tests.log" 2>&1
