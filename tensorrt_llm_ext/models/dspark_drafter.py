@@ -213,6 +213,24 @@ def full_weight_shapes(cfg: DSparkDrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+CONFIDENCE_HEAD_FILE = "confidence_head.safetensors"  # beside the drafter's model.safetensors; optional
+
+
+def confidence_head_shapes(cfg: DSparkDrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The confidence head ``c_k = sigmoid(w·[h_k; W1[x_{k-1}]] + b)``: ``w`` over the block hidden state and
+    the Markov head's ``W1`` row of the token before position ``k``. Kept out of :func:`full_weight_shapes` (a
+    drafter without it loads and serves as before)."""
+    return {"confidence.weight": (cfg.hidden_size + cfg.markov_rank,), "confidence.bias": (1,)}
+
+
+def block_confidences(hidden: torch.Tensor, prev_tokens: torch.Tensor, markov_w1: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Per-position confidences ``[B, K]`` (fp32) of a block: ``hidden [B, K, H]`` (final-normed),
+    ``prev_tokens [B, K]`` (the anchor, then each draft but the last)."""
+    x = torch.cat((hidden.float(), markov_w1[prev_tokens].float()), dim=-1)
+    return torch.sigmoid(x @ weight.float() + bias.float())
+
+
 def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
                              device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Deterministic FULL weights: one fp32 generator on ``device`` drawn in :func:`full_weight_shapes` order.

@@ -102,9 +102,16 @@ def block_logits(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, lm_h
     """Teacher-forced draft logits ``[S, M, K, V]`` of the blocks anchored at ``anchors [S, M]`` of the
     sequences ``tokens [S, T]`` with captured target features ``features [S, T, F]``; ``prev_k`` is the
     sequence's token at ``a + k`` (positions past ``T - 1`` read the last token; callers mask them)."""
+    return block_forward(params, cfg, lm_head_weight, features, tokens, anchors, draft_len)[0]
+
+
+def block_forward(params, cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor, features: torch.Tensor,
+                  tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int):
+    """:func:`block_logits` and what the confidence head reads: ``(logits [S, M, K, V], hidden [S, M, K, H],
+    prev [S, M, K])``."""
     t = tokens.shape[1]
     anchor_tokens = tokens.gather(1, anchors)
     hidden = block_hidden(params, cfg, context_latents(params, cfg, features), anchor_tokens, anchors, draft_len)
     prev_pos = (anchors[:, :, None] + torch.arange(draft_len, device=anchors.device)).clamp(max=t - 1)
     prev = tokens.gather(1, prev_pos.flatten(1)).view_as(prev_pos)
-    return F.linear(hidden, lm_head_weight) + markov_bias(params, prev)
+    return F.linear(hidden, lm_head_weight) + markov_bias(params, prev), hidden, prev

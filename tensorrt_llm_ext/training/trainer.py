@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,15 +34,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_target_config,
                                                 save_drafter_checkpoint)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
-from tensorrt_llm_ext.training.data import eos_token_ids, generate_dataset, load_target
-from tensorrt_llm_ext.training.drafter_forward import block_hidden, block_logits, context_latents, markov_bias
-from tensorrt_llm_ext.training.prompts import prompt_token_ids
+from tensorrt_llm_ext.models.dspark_drafter import CONFIDENCE_HEAD_FILE, confidence_head_shapes
+from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
+from tensorrt_llm_ext.training.drafter_forward import block_forward, block_hidden, context_latents, markov_bias
+from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
 
 
 @dataclass
@@ -49,7 +52,11 @@ class TrainConfig:
     """The knobs of ``train-drafter`` (each is a CLI flag of the same name with dashes)."""
 
     # data
+    prompts: tuple[str, ...] = ("templates",)  # sources mixed by weight: sharegpt, chitchat, templates, FILE.jsonl[:W]
     num_prompts: int = 512
+    max_turns: int = 3  # user turns of one conversation used as prompts
+    max_prompt_tokens: int = 768
+    held_out_percent: float = 2.0
     max_new_tokens: int = 192
     greedy_fraction: float = 0.5
     gen_temperature: float = 1.0
@@ -62,8 +69,15 @@ class TrainConfig:
     head_dim: int = 64
     latent_dim: int = 128
     intermediate_size: int = 1536
-    markov_rank: int | None = None  # None: the target's hidden size (the bigram init needs it)
+    markov_rank: int = 256
+    target_layers: str = ""  # comma-separated target layer ids the drafter reads; "" = the default spread
     init: str = "scratch"  # scratch | bigram (initial_weights)
+    # objective (the DSpark paper's: 0.1 CE + 0.9 total variation, position weights exp(-k/K), k = 0..K-1)
+    tv_weight: float = 0.9
+    ce_weight: float = 0.1
+    kl_weight: float = 0.0
+    confidence_weight: float = 0.1
+    position_decay: float | None = None  # None: exp(-1/K) per position (the paper); else this factor
     # optimisation
     draft_len: int = 7
     steps: int = 2000
@@ -72,7 +86,6 @@ class TrainConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
     warmup: int = 100
-    position_decay: float = 0.8
     grad_clip: float = 1.0
     # bookkeeping
     save_every: int = 200
@@ -90,25 +103,47 @@ class TrainConfig:
                              ("latent_dim", 1, 8192), ("intermediate_size", 1, 65536), ("draft_len", 1, 32),
                              ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
                              ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
-                             ("seed", 0, 2**63 - 1)):
+                             ("seed", 0, 2**63 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 bad(name, f"an integer in [{lo}, {hi}]", v)
         if self.head_dim % 2:
             bad("head_dim", "even (RoPE rotates pairs)", self.head_dim)
-        if self.markov_rank is not None and (not isinstance(self.markov_rank, int) or not 1 <= self.markov_rank <= 65536):
+        if not isinstance(self.markov_rank, int) or not 1 <= self.markov_rank <= 65536:
             bad("markov_rank", "an integer in [1, 65536]", self.markov_rank)
+        if self.position_decay is None:
+            self.position_decay = math.exp(-1.0 / self.draft_len)
+        if isinstance(self.prompts, str):
+            self.prompts = (self.prompts,)
+        self.prompts = tuple(self.prompts)
+        if not self.prompts:
+            bad("prompts", "at least one source", self.prompts)
+        for spec in self.prompts:
+            parse_source_spec(spec)
+        try:
+            layers = [int(x) for x in self.target_layers.split(",") if x.strip()] if self.target_layers else []
+        except ValueError:
+            bad("target_layers", "comma-separated integers", self.target_layers)
+        if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
+            bad("target_layers", "distinct layer ids >= 0", self.target_layers)
         for name, lo, hi, lo_open, hi_open in (("lr", 0.0, 1.0, True, False), ("weight_decay", 0.0, 1.0, False, True),
                                                ("greedy_fraction", 0.0, 1.0, False, False),
                                                ("gen_temperature", 0.0, 100.0, False, False),
                                                ("gen_top_p", 0.0, 1.0, True, False),
                                                ("position_decay", 0.0, 1.0, True, False),
-                                               ("grad_clip", 0.0, 1e6, True, False)):
+                                               ("grad_clip", 0.0, 1e6, True, False),
+                                               ("held_out_percent", 0.0, 50.0, False, False),
+                                               ("tv_weight", 0.0, 100.0, False, False),
+                                               ("ce_weight", 0.0, 100.0, False, False),
+                                               ("kl_weight", 0.0, 100.0, False, False),
+                                               ("confidence_weight", 0.0, 100.0, False, False)):
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and \
                 (v < hi if hi_open else v <= hi)
             if not ok:
                 bad(name, f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}", v)
+        if self.tv_weight + self.ce_weight + self.kl_weight <= 0:
+            bad("tv_weight", "> 0 when --ce-weight and --kl-weight are 0 (nothing to train)", self.tv_weight)
         if self.init not in ("scratch", "bigram"):
             bad("init", "'scratch' or 'bigram'", self.init)
         if self.save_dtype not in SAVE_DTYPES:
@@ -141,18 +176,22 @@ def _device(name: str) -> torch.device:
 def drafter_config(model_dir: str | Path, tc: TrainConfig) -> tuple[DSparkDrafterConfig, list[int]]:
     """The drafter sizes for the target of ``model_dir`` and the target layers it reads."""
     tcfg, _ = read_target_config(model_dir)
-    layers = default_target_layer_ids(tcfg.num_layers)
+    layers = ([int(x) for x in tc.target_layers.split(",") if x.strip()] if tc.target_layers
+              else default_target_layer_ids(tcfg.num_layers))
+    if any(x >= tcfg.num_layers for x in layers):
+        raise ValueError(f"train-drafter: --target-layers {tc.target_layers}: the target has layers 0.."
+                         f"{tcfg.num_layers - 1}")
     return DSparkDrafterConfig(
         hidden_size=tcfg.hidden_size, target_hidden_size=tcfg.hidden_size, num_capture_layers=len(layers),
         num_layers=tc.num_layers, num_heads=tc.num_heads, head_dim=tc.head_dim, latent_dim=tc.latent_dim,
-        intermediate_size=tc.intermediate_size, vocab_size=tcfg.vocab_size,
-        markov_rank=tc.markov_rank or tcfg.hidden_size, mask_token_id=tcfg.vocab_size - 1,
-        rms_norm_eps=tcfg.rms_norm_eps), layers
+        intermediate_size=tc.intermediate_size, vocab_size=tcfg.vocab_size, markov_rank=tc.markov_rank,
+        mask_token_id=tcfg.vocab_size - 1, rms_norm_eps=tcfg.rms_norm_eps), layers
 
 
 def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor], seed: int,
                     init: str = "scratch") -> dict[str, torch.Tensor]:
-    """The starting weights (fp32), the embedding copied from the target's.
+    """The starting weights (fp32), the embedding copied from the target's, the confidence head at zero
+    (every confidence 0.5).
 
     ``"bigram"``: the engine's seeded drafter (quiet backbone, Markov head = the target's embedding -> head
     bigram; rank = hidden size). On a tied real model that bigram puts most mass on repeating the previous
@@ -172,15 +211,34 @@ def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor
     else:
         sd["markov_w1"] = torch.zeros_like(sd["markov_w1"])
     sd["embed_tokens.weight"] = target_sd["embed_tokens.weight"].float().clone()
+    sd.update({n: torch.zeros(shape) for n, shape in confidence_head_shapes(dcfg).items()})
     return sd
 
 
+def confidence_label(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
+    """The confidence head's target: ``1 - ½‖p_draft - p_target‖₁`` (one minus the total-variation distance;
+    the probability that a draw from the draft is accepted by rejection sampling against the target)."""
+    return 1.0 - 0.5 * (p_draft - p_target).abs().sum(-1)
+
+
+def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
+    """``decay ** k`` for block position ``k = 0 .. K-1`` (default ``decay = exp(-1/K)``: the paper's
+    ``exp(-(k-1)/K)`` with ``k`` counted from 1)."""
+    return decay ** torch.arange(draft_len, device=device, dtype=torch.float32)
+
+
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                      draft_len: int, position_decay: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted KL(target || draft) over the valid block positions, and metrics (per-position top-1 agreement,
-    the teacher-forced greedy acceptance length)."""
+                      draft_len: int, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
+    """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
+    over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1
+    agreement, the teacher-forced greedy acceptance length, mean confidence and label per position).
+
+    TV = ½‖p_draft - p_target‖₁; CE = -log p_draft(the sequence's next token); KL = KL(target || draft). The
+    confidence head reads detached inputs and a detached label: it learns to predict the drafter, never
+    steers it."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
-    logits = block_logits(params, dcfg, lm_head_weight, feats, tokens, anchors, draft_len).float()
+    logits, hidden, prev = block_forward(params, dcfg, lm_head_weight, feats, tokens, anchors, draft_len)
+    logits = logits.float()
     k = torch.arange(draft_len, device=anchors.device)
     pos = anchors[:, :, None] + k  # teacher position of block position k
     valid = pos <= (lens[:, None, None] - 2)  # the teacher's next token exists
@@ -188,23 +246,50 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     teacher = F.linear(teacher_h.to(lm_head_weight.dtype), lm_head_weight).float().view_as(logits)
     p_log = torch.log_softmax(teacher, -1)
     q_log = torch.log_softmax(logits, -1)
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # [S, M, K]
-    w = (position_decay ** k.float())[None, None] * valid
-    loss = (kl * w).sum() / w.sum().clamp_min(1e-6)
+    p, q = p_log.exp(), q_log.exp()
+    tv = 0.5 * (q - p).abs().sum(-1)  # [S, M, K]
+    nxt = tokens.gather(1, (pos + 1).clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos).long()
+    ce = -q_log.gather(-1, nxt[..., None]).squeeze(-1)
+    per_pos = tc.tv_weight * tv + tc.ce_weight * ce
+    if tc.kl_weight:
+        per_pos = per_pos + tc.kl_weight * (p * (p_log - q_log)).sum(-1)
+    w = position_weights(draft_len, tc.position_decay, anchors.device)[None, None] * valid
+    loss = (per_pos * w).sum() / w.sum().clamp_min(1e-6)
+    label = (1.0 - tv).detach().clamp(0.0, 1.0)
+    conf_logit = confidence_logits(params, hidden.detach().float(), prev)
+    v = valid.float()
+    bce = (F.binary_cross_entropy_with_logits(conf_logit, label, reduction="none") * v).sum() / v.sum().clamp_min(1)
+    total = loss + tc.confidence_weight * bce
     with torch.no_grad():
         agree = (logits.argmax(-1) == teacher.argmax(-1)) & valid
         run = torch.cumprod(agree.long(), dim=-1)  # accepted prefix of each block (teacher forced)
         full = valid[..., 0]
         est = (1 + run.sum(-1)).float()[full].mean().item() if bool(full.any()) else float("nan")
-        per_pos = [(agree[..., j].sum() / valid[..., j].sum().clamp_min(1)).item() for j in range(draft_len)]
-    return loss, {"loss": loss.item(), "accept_est": est, "top1": per_pos}
+        n_k = valid.sum((0, 1)).clamp_min(1)
+        top1 = (agree.sum((0, 1)) / n_k).tolist()
+        conf = ((torch.sigmoid(conf_logit) * v).sum((0, 1)) / n_k).tolist()
+        lab = ((label * v).sum((0, 1)) / n_k).tolist()
+        tv_mean = ((tv * v).sum() / v.sum().clamp_min(1)).item()
+        ce_mean = ((ce * v).sum() / v.sum().clamp_min(1)).item()
+    return total, {"loss": total.item(), "tv": tv_mean, "ce": ce_mean, "bce": bce.item(), "accept_est": est,
+                   "top1": top1, "confidence": conf, "label": lab}
 
 
-def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
+def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """``w·[h_k; W1[x_{k-1}]] + b`` for ``hidden [..., H]`` and ``prev [...]`` (the Markov head's ``W1`` row of
+    the token before position ``k``)."""
+    x = torch.cat((hidden, F.embedding(prev, params["markov_w1"]).detach().float()), dim=-1)
+    return x @ params["confidence.weight"].float() + params["confidence.bias"].float()
+
+
+def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target) -> dict[str, torch.Tensor]:
+    """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
+    recomputed now (online)."""
     t = int(data["lens"][idx].max())
-    return {"tokens": data["tokens"][idx, :t].to(device), "lens": data["lens"][idx].to(device),
-            "prompt_lens": data["prompt_lens"][idx].to(device),
-            "features": data["features"][idx, :t].to(device), "final": data["final"][idx, :t].to(device)}
+    tokens = data["tokens"][idx, :t].to(device).long()
+    feats, final = teacher_pass(target, tokens)
+    return {"tokens": tokens, "lens": data["lens"][idx].to(device), "prompt_lens": data["prompt_lens"][idx].to(device),
+            "features": feats, "final": final}
 
 
 def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -217,14 +302,14 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
 
 @torch.no_grad()
 def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.Tensor], draft_len: int,
-                           device, batch_seqs: int = 32) -> float:
+                           device, target, batch_seqs: int = 16) -> float:
     """Mean acceptance length at T = 0 of the drafter on greedy sequences, walked as the engine walks them:
     the anchor starts at the first generated token; the block's K drafts go through the Markov chain (each
     draft biased by the previous draft); the matching prefix and the bonus token are accepted."""
     total, steps = 0, 0
     for start in range(0, data["tokens"].shape[0], batch_seqs):
         idx = torch.arange(start, min(start + batch_seqs, data["tokens"].shape[0]))
-        b = _batch(data, idx, device)
+        b = _batch(data, idx, device, target)
         ctx = context_latents(params, dcfg, b["features"].to(lm_head_weight.dtype))
         tokens, lens = b["tokens"], b["lens"]
         a = b["prompt_lens"].clone()
@@ -261,12 +346,11 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
     work_dir.mkdir(parents=True, exist_ok=True)
-    state_path, data_path = work_dir / "trainer_state.pt", work_dir / "data.pt"
+    state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
     dcfg, layers = drafter_config(model_dir, tc)
     storage = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(model_dir, layers, device, storage)
-    lm_head = target.lm_head.weight.detach()
     knobs = dataclasses.asdict(tc)
+    knobs["prompts"] = list(tc.prompts)
     torch.manual_seed(tc.seed)
 
     state = None
@@ -277,22 +361,17 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             changed = sorted(k for k in knobs if state["knobs"].get(k) != knobs[k])
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
-    if resume and data_path.is_file():
-        data = _load_resume_file(data_path, DATA_KEYS)
-        _check_data(data_path, data)
-        logger.info(f"train-drafter: data from {data_path} ({data['tokens'].shape[0]} sequences)")
-    else:
-        data = _make_data(target, model_dir, tc, "train", tc.num_prompts, storage, progress)
-        atomic_torch_save(data, data_path)
-    eval_data = (_make_data(target, model_dir, tc, "held_out", tc.eval_prompts, storage, progress, greedy_only=True)
-                 if tc.eval_prompts else None)
+    data = _data(model_dir, tc, "train", tc.num_prompts, data_path, resume, device, progress, dcfg.vocab_size)
+    eval_data = (_data(model_dir, tc, "held_out", tc.eval_prompts, eval_path, resume, device, progress,
+                       dcfg.vocab_size) if tc.eval_prompts else None)
+    target = load_target(model_dir, layers, device, storage)  # after generation: one model on the device at a time
+    lm_head = target.lm_head.weight.detach()
 
     target_sd = {"embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu(),
                  "norm.weight": target.norm.weight.detach().float().cpu(),
                  "lm_head.weight": lm_head.float().cpu()}
     init = initial_weights(dcfg, target_sd, tc.seed + 1, tc.init)
-    params = {n: (state["params"][n] if state else init[n]).to(device).float().requires_grad_(True)
-              for n in full_weight_shapes(dcfg)}
+    params = {n: (state["params"][n] if state else init[n]).to(device).float().requires_grad_(True) for n in init}
     opt = torch.optim.AdamW(params.values(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     step0 = 0
     history: list[dict] = []
@@ -304,25 +383,27 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     if state:
         gen.set_state(state["generator"])  # the anchor and batch draws continue where the run stopped
     sched = lambda s: min(1.0, (s + 1) / max(1, tc.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / tc.steps)))
+    backbone = {n: p for n, p in params.items() if not n.startswith("confidence.")}
 
     init_eval = None
     if eval_data is not None and step0 == 0:
-        init_eval = greedy_walk_acceptance({n: p.detach() for n, p in params.items()}, dcfg, lm_head.float(),
-                                           eval_data, tc.draft_len, device)
+        init_eval = greedy_walk_acceptance({n: p.detach() for n, p in backbone.items()}, dcfg, lm_head.float(),
+                                           eval_data, tc.draft_len, device, target)
         logger.info(f"train-drafter: held-out greedy acceptance length at init ({tc.init}): {init_eval:.3f}")
     elif state:
         init_eval = state.get("init_eval")
     bar = _progress(range(step0, tc.steps), progress, "train-drafter")
     n_seq = data["tokens"].shape[0]
-    t0 = time.time()
+    t0 = last_log = time.time()
+    trained_positions = 0
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = tc.lr * sched(step)
         idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
-        batch = _batch(data, idx, device)
+        batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc.position_decay)
+            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc)
         if not math.isfinite(metrics["loss"]):
             last = (step // tc.save_every) * tc.save_every
             raise TrainingDiverged(f"train-drafter: the loss is {metrics['loss']} at step {step + 1}; stopped, no "
@@ -331,28 +412,40 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), tc.grad_clip)
         opt.step()
-        history.append({"step": step + 1, "loss": metrics["loss"], "accept_est": metrics["accept_est"]})
+        trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
+        rate = trained_positions / max(time.time() - t0, 1e-9)
+        history.append({"step": step + 1, "loss": metrics["loss"], "tv": metrics["tv"], "ce": metrics["ce"],
+                        "bce": metrics["bce"], "accept_est": metrics["accept_est"]})
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", accept=f"{metrics['accept_est']:.2f}")
-        elif (step + 1) % max(1, tc.steps // 20) == 0:  # no bar: a log line every 5 % of the run
-            logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} teacher-forced "
-                        f"acceptance {metrics['accept_est']:.2f} top-1 by position "
-                        f"{[round(x, 2) for x in metrics['top1']]} ({time.time() - t0:.0f} s)")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
+                            accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
+        elif (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps:
+            last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
+            logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV {metrics['tv']:.4f}"
+                        f", CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) teacher-forced acceptance "
+                        f"{metrics['accept_est']:.2f} top-1 by position {[round(x, 2) for x in metrics['top1']]} "
+                        f"{rate:.0f} tokens/s ({time.time() - t0:.0f} s)")
         if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps:
             _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
     final = {n: p.detach() for n, p in params.items()}
-    final_eval = (greedy_walk_acceptance(final, dcfg, lm_head.float(), eval_data, tc.draft_len, device)
-                  if eval_data is not None else None)
+    final_eval = calibration = None
+    if eval_data is not None:
+        final_eval = greedy_walk_acceptance({n: final[n] for n in backbone}, dcfg, lm_head.float(), eval_data,
+                                            tc.draft_len, device, target)
+        calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target)
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
     weights = {n: t.to(save_dtype).cpu() for n, t in final.items()}
     if not all(bool(torch.isfinite(t).all()) for t in weights.values()):
         raise TrainingDiverged(f"train-drafter: a drafter weight is non-finite after step {tc.steps}; not written")
     summary = {"target": str(model_dir), "drafter": str(out_dir), "knobs": knobs, "target_layer_ids": layers,
-               "sequences": n_seq, "steps": tc.steps, "train_seconds_this_run": round(time.time() - t0, 1),
+               "sequences": n_seq, "tokens": int(data["lens"].sum()), "steps": tc.steps,
+               "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
+               "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval,
-                                              "draft_len": tc.draft_len, "prompts": tc.eval_prompts}}
+                                              "draft_len": tc.draft_len, "prompts": tc.eval_prompts},
+               "held_out_confidence": calibration}
     write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
@@ -360,20 +453,58 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     return summary
 
 
-def _make_data(target, model_dir, tc: TrainConfig, split: str, n: int, storage, progress, greedy_only=False):
-    prompts = prompt_token_ids(model_dir, split, n, target.config.vocab_size, seed=tc.seed)
-    n_greedy = n if greedy_only else round(n * tc.greedy_fraction)
-    temps = [0.0] * n_greedy + [tc.gen_temperature] * (n - n_greedy)
-    bar = _progress(None, progress, f"generate {split}", total=n)
+@torch.no_grad()
+def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target) -> dict:
+    """Mean confidence and mean label ``1 - TV`` per block position on the held-out sequences (every generated
+    position an anchor): a calibrated head has them equal."""
+    conf, lab = torch.zeros(tc.draft_len), torch.zeros(tc.draft_len)
+    n = 0
+    for start in range(0, eval_data["tokens"].shape[0], 4):
+        idx = torch.arange(start, min(start + 4, eval_data["tokens"].shape[0]))
+        b = _batch(eval_data, idx, device, target)
+        g = torch.Generator(device=device).manual_seed(start)
+        anchors = sample_anchors(b, 32, g)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc)
+        conf += torch.tensor(m["confidence"])
+        lab += torch.tensor(m["label"])
+        n += 1
+    return {"mean_confidence": [round(x, 4) for x in (conf / max(n, 1)).tolist()],
+            "mean_label": [round(x, 4) for x in (lab / max(n, 1)).tolist()]}
+
+
+def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bool, device, progress,
+          vocab_size: int) -> dict[str, torch.Tensor]:
+    """The token sequences of ``split``: loaded on ``--resume`` when its file is there, else made (prompts,
+    the target's answers) and written whole."""
+    if resume and path.is_file():
+        data = _load_resume_file(path, DATA_KEYS)
+        _check_data(path, data)
+        logger.info(f"train-drafter: {split} sequences from {path} ({data['tokens'].shape[0]})")
+        return data
+    convs = mixed_samples(list(tc.prompts), split, n, seed=tc.seed, max_turns=tc.max_turns,
+                          held_out_percent=tc.held_out_percent)
+    if not convs:
+        raise ValueError(f"train-drafter: --prompts {' '.join(tc.prompts)} gave no {split} prompts")
+    prompts = render_prompts(model_dir, convs, vocab_size, seed=tc.seed + (split == "held_out"),
+                             max_prompt_tokens=tc.max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"train-drafter: every {split} prompt is longer than --max-prompt-tokens {tc.max_prompt_tokens}")
+    n_greedy = len(prompts) if split == "held_out" else round(len(prompts) * tc.greedy_fraction)
+    temps = [0.0] * n_greedy + [tc.gen_temperature] * (len(prompts) - n_greedy)
+    random.Random(tc.seed).shuffle(temps)
+    bar = _progress(None, progress, f"generate {split}", total=len(prompts))
     try:
-        return generate_dataset(target, prompts, max_new_tokens=tc.max_new_tokens, temperatures=temps,
-                                top_p=tc.gen_top_p, eos_ids=eos_token_ids(model_dir),
-                                seed=tc.seed + (1 if split == "held_out" else 0),
-                                batch_size=tc.gen_batch, storage_dtype=storage,
-                                progress=getattr(bar, "update", None))
+        data = regenerate(model_dir, prompts, max_new_tokens=tc.max_new_tokens, temperatures=temps, top_p=tc.gen_top_p,
+                          seed=tc.seed * 1_000_003 + (10**6 if split == "held_out" else 0), batch_size=tc.gen_batch,
+                          device=device, cuda_graph=device.type == "cuda", progress=getattr(bar, "update", None))
     finally:
         if hasattr(bar, "close"):
             bar.close()
+    keep = data["lens"] >= data["prompt_lens"] + 2  # an answer of one token has no block to train on
+    data = {k: v[keep] for k, v in data.items()}
+    atomic_torch_save(data, path)
+    return data
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -> None:
@@ -404,7 +535,11 @@ def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict
     old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_drafter_checkpoint(tmp, dcfg, layers, weights)
+        backbone = {n: t for n, t in weights.items() if n not in confidence_head_shapes(dcfg)}
+        save_drafter_checkpoint(tmp, dcfg, layers, backbone)
+        head = {n: weights[n].float().contiguous() for n in confidence_head_shapes(dcfg) if n in weights}
+        if head:
+            save_file(head, str(tmp / CONFIDENCE_HEAD_FILE), {"format": "pt"})
         (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         if out_dir.exists():
             os.replace(out_dir, old)
@@ -430,7 +565,7 @@ def _load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
 
 
 def _check_params(path: Path, params, dcfg) -> None:
-    shapes = full_weight_shapes(dcfg)
+    shapes = {**full_weight_shapes(dcfg), **confidence_head_shapes(dcfg)}
     if not isinstance(params, dict) or set(params) != set(shapes) or any(
             not isinstance(params[n], torch.Tensor) or tuple(params[n].shape) != s for n, s in shapes.items()):
         raise ValueError(f"train-drafter --resume: {path} holds weights of another drafter shape; delete it or "

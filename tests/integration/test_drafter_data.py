@@ -1,0 +1,91 @@
+"""Prompt data and objective pieces of `train-drafter`: the tolerant ShareGPT reader, sources mixed by weight,
+a held-out split that never meets training, the confidence label and the confidence head's serving twin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.models.dspark_drafter import block_confidences
+from tensorrt_llm_ext.training.prompt_sources import mixed_samples, read_jsonl, read_sharegpt, turn_samples
+from tensorrt_llm_ext.training.trainer import confidence_label, confidence_logits, position_weights
+
+
+def _conv(i: int, turns: int = 2) -> dict:
+    msgs = []
+    for t in range(turns):
+        msgs += [{"from": "human", "value": f"question {i}.{t}"}, {"from": "gpt", "value": f"answer {i}.{t}"}]
+    return {"id": f"c{i}", "conversations": msgs}
+
+
+def test_sharegpt_reader_keeps_the_whole_records_of_a_truncated_file(tmp_path):
+    text = json.dumps([_conv(i) for i in range(5)], indent=2)
+    cut = text[: text.index('"answer 4.0"') + 5]  # the file ends inside record 4
+    (tmp_path / "sg.json").write_text(cut)
+    convs = read_sharegpt(tmp_path / "sg.json")
+    assert len(convs) == 4
+    assert convs[3] == [{"role": "user", "content": "question 3.0"}, {"role": "assistant", "content": "answer 3.0"},
+                        {"role": "user", "content": "question 3.1"}, {"role": "assistant", "content": "answer 3.1"}]
+    assert [len(s) for s in turn_samples(convs[0], 3)] == [1, 3]  # each user turn with what came before
+
+
+def test_held_out_split_is_disjoint_from_training(tmp_path):
+    path = tmp_path / "p.jsonl"
+    with open(path, "w") as f:
+        for i in range(400):
+            f.write(json.dumps(_conv(i % 300, turns=2)) + "\n")  # 100 duplicates of earlier conversations
+    train = mixed_samples([str(path)], "train", 10_000, seed=0, max_turns=2, held_out_percent=10.0)
+    held = mixed_samples([str(path)], "held_out", 10_000, seed=0, max_turns=2, held_out_percent=10.0)
+    first = lambda c: c[0]["content"]  # noqa: E731
+    assert held and train and {first(c) for c in train}.isdisjoint({first(c) for c in held})
+    assert all(len(c) == 1 for c in held)  # evaluation prompts are first turns
+    assert 10 <= len({first(c) for c in held}) <= 60  # ~10 % of 300 distinct conversations
+
+
+def test_sources_mix_by_weight_and_a_pinned_file_keeps_its_sets(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(200)))
+    b.write_text("".join(json.dumps({"set": s, "messages": [{"role": "user", "content": f"{s}{i}"}]}) + "\n"
+                         for i in range(50) for s in ("train", "held_out", "mt_bench")))
+    mix = mixed_samples([f"{a}:3", f"{b}:1"], "train", 40, seed=1, max_turns=1, held_out_percent=0.0)
+    names = [c[0]["content"][0] for c in mix]
+    assert len(mix) == 40 and names.count("a") == 30 and names.count("t") == 10
+    assert {c[0]["content"][:2] for c in mixed_samples([str(b)], "mt_bench", 5, seed=0, max_turns=1,
+                                                       held_out_percent=2.0)} == {"mt"}
+    assert len(read_jsonl(b)) == 150
+
+
+def test_bad_prompt_sources_are_refused_before_any_work(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    assert main(["train-drafter", str(tmp_path), "--prompts", "nosuchset"]) == 2
+    assert "--prompts 'nosuchset'" in capsys.readouterr().err
+    assert main(["train-drafter", str(tmp_path), "--prompts", str(tmp_path / "absent.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        read_jsonl(bad)
+
+
+def test_confidence_label_is_one_minus_total_variation():
+    p_d = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]])
+    p_t = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.25, 0.5], [0.2, 0.3, 0.5], [0.1, 0.0, 0.9]])
+    torch.testing.assert_close(confidence_label(p_d, p_t), torch.tensor([0.0, 0.5, 1.0, 0.9]))
+
+
+def test_paper_position_weights():
+    torch.testing.assert_close(position_weights(7, torch.exp(torch.tensor(-1 / 7)).item()),
+                               torch.exp(-torch.arange(7) / 7.0))
+
+
+def test_confidence_head_serving_twin_equals_training():
+    g = torch.Generator().manual_seed(0)
+    h, r, v = 12, 5, 30
+    params = {"markov_w1": torch.randn(v, r, generator=g), "confidence.weight": torch.randn(h + r, generator=g),
+              "confidence.bias": torch.randn(1, generator=g)}
+    hidden, prev = torch.randn(3, 4, h, generator=g), torch.randint(0, v, (3, 4), generator=g)
+    torch.testing.assert_close(block_confidences(hidden, prev, params["markov_w1"], params["confidence.weight"],
+                                                 params["confidence.bias"]),
+                               torch.sigmoid(confidence_logits(params, hidden, prev)))
