@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -200,7 +201,10 @@ def _checkpoint_refusal_exits_2(command, *args) -> int:
 
 
 def _add_generate_args(g: argparse.ArgumentParser) -> None:
-    g.add_argument("prompts", nargs="*", help="prompts as token ids ('1 2 3' or '1,2,3'); default: the embedded set")
+    g.add_argument("prompts", nargs="*", help="prompts as token ids ('1 2 3' or '1,2,3') or text (encoded by the "
+                                              "model's tokenizer); default: the embedded set")
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, put through the tokenizer's chat template")
     g.add_argument("--prompts-file", help="a file of prompts: one per line (ids), or a JSON list of id lists")
     g.add_argument("--config", help="runtime YAML (trtllm-serve style); default: the embedded dspark_default.yaml")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, launched through MPI (default: config)")
@@ -244,7 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     info = sub.add_parser("info", help="report the environment and self-check the distributed layer")
     info.add_argument("--ranks", type=int, default=2, help="ranks for the self-check (1 = skip)")
-    tl = sub.add_parser("test-list", help="run a test-db list with pytest")
+    tl = sub.add_parser("test-list", help="run a test-db list with pytest",
+                        usage="trtllm-ext test-list [NAME] [--dry-run] [--jobs N] [-- PYTEST ARGS ...]",
+                        epilog="Arguments after `--` go to every pytest command unchanged, e.g. "
+                               "`trtllm-ext test-list l0_cpu -- -x -k markov`.")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
     tl.add_argument("--jobs", type=int, default=None,
@@ -332,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         from tensorrt_llm_ext.testing.compile_check import main as compile_check_main
 
         return compile_check_main(argv[1:])
+    # The interpreter evaluates masked-off lanes too (inf - inf there, never stored): numpy's warning about them
+    # is noise in a server's or a benchmark's log.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     if _runs_kernels(argv):
         from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 

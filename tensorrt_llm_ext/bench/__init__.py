@@ -12,4 +12,5 @@ BENCHMARK_MODULES = {
     "verify": "tensorrt_llm_ext.bench.verify",
     "serve": "tensorrt_llm_ext.bench.serve",
     "acceptance": "tensorrt_llm_ext.bench.acceptance",
+    "target": "tensorrt_llm_ext.bench.target",
 }

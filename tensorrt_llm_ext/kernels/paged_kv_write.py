@@ -91,9 +91,14 @@ def _check(q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool):
         raise ValueError(f"paged_kv_write: head_dim must be even (RoPE), got {d}")
     # The kernel addresses each token row as b * T + t with one stride: T and B must fold into one dimension.
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(0) != x.stride(1) * t:
+        if b > 1 and t > 1 and x.stride(0) != x.stride(1) * t:
             raise ValueError(f"paged_kv_write {name}: [B, T] must fold into one row dimension, got stride "
                              f"{list(x.stride())}")
+
+
+def _row_stride(x: torch.Tensor) -> int:
+    """The stride between token rows ``b * T + t`` (a size-1 dimension's own stride is arbitrary)."""
+    return x.stride(0) if x.shape[1] == 1 else x.stride(1)
 
 
 def paged_kv_write(q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool,
@@ -115,15 +120,16 @@ def paged_kv_write(q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v
     kvh = k.shape[2]
     if q_out is None:
         q_out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
+    check_tensor("paged_kv_write q_out", q_out, shape=(b, t, h, d), dtype=q.dtype, device=q.device, contiguous=True)
     if b * t == 0:
         return q_out
     half = d // 2
     _paged_kv_write_kernel[(b * t,)](
         q, k, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool, q_out,
         t, h, kvh, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), cos.stride(1),
+        _row_stride(q), q.stride(2), _row_stride(k), k.stride(2), _row_stride(v), v.stride(2), d // 2,
         positions.stride(0), page_table.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), q_out.stride(1), q_out.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), h * d, q_out.stride(2),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(h),
         BLOCK_KVH=triton.next_power_of_2(kvh), num_warps=1 if h * d <= 1024 else 4,
     )

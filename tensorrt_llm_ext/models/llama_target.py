@@ -55,6 +55,7 @@ from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
 from tensorrt_llm_ext.kernels.paged_attention import paged_attention, paged_attention_reference
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
+from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.modules.rope import RopeScaling, RotaryEmbedding
 from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
@@ -323,8 +324,12 @@ class LlamaMLP(nn.Module):
         self.local_intermediate = i // mapping.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.local_intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        """One gate-up GEMM, SiLU-mul (one kernel on CUDA, its eager twin on a CPU), down_proj."""
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        shape = gate_up.shape
+        flat = gate_up.reshape(-1, shape[-1])
+        act = silu_mul(flat) if x.is_cuda else silu_mul_reference(flat)
+        return self.down_proj(act.view(*shape[:-1], self.local_intermediate))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -410,7 +415,7 @@ class LlamaTarget(nn.Module):
             kv_cache: written at each token's page slot (the scratch page where the slot has no page).
 
         Each layer: fused residual add + RMSNorm, one QKV GEMM, RoPE + KV write, paged attention, o_proj,
-        fused residual add + RMSNorm, one gate-up GEMM, SiLU-mul, down_proj; the residual add of the MLP
+        fused residual add + RMSNorm, one gate-up GEMM, one SiLU-mul, down_proj; the residual add of the MLP
         output is fused into the next layer's norm (made explicit after a captured layer).
 
         Returns :class:`TargetOutput` (rows flattened ``b * T + t``). CUDA-graph safe.

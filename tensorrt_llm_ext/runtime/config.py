@@ -588,6 +588,20 @@ def _max_model_len(data: dict, mpe: int | None, user_len) -> int:
     return mpe
 
 
+def describe_drafter(cfg: "RuntimeConfig") -> str:
+    """One line naming the drafter a config loads: where from, trained or seeded, ``K`` and the Markov rank."""
+    spec, m = cfg.speculative_config, cfg.model
+    sizes = (f"K={spec.max_draft_len}, Markov rank r={spec.markov_rank}, {m.drafter.num_layers} layer(s), "
+             f"latent {m.drafter.latent_dim}")
+    if m.drafter_path is not None:
+        return f"drafter: {m.drafter_path} (a trained DSpark checkpoint; {sizes})"
+    if m.drafter_weights is not None:
+        return f"drafter: {m.drafter_weights} (a torch.save state dict; {sizes})"
+    init = ("its Markov head the target's embedding->head bigram" if m.drafter_init == "target_bigram" else
+            "random weights: expect no acceptance")
+    return f"drafter: seeded, not trained (seed {m.seed}; {init}; {sizes})"
+
+
 def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
@@ -595,6 +609,20 @@ def _as_list(v):
 # trtllm-serve's log levels -> the logging module's.
 LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "verbose": "DEBUG", "info": "INFO", "warning": "WARNING",
               "error": "ERROR", "internal_error": "CRITICAL"}
+
+
+def no_effect_reason(field_path: str) -> str | None:
+    """Why the field at dotted ``field_path`` (``kv_cache_config.enable_block_reuse``) has no effect here, or
+    None for a field this runtime uses (a command-line flag that sets such a field says so even when its value
+    is the default, which the config's own lines leave out)."""
+    model: type[BaseModel] = RuntimeConfig
+    *parents, name = field_path.split(".")
+    for key in parents:
+        model = model.model_fields[key].annotation
+        model = next((a for a in getattr(model, "__args__", (model,)) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), model)
+    extra = model.model_fields[name].json_schema_extra
+    return extra.get("no_effect") if isinstance(extra, dict) else None
 
 
 def log_no_effect_fields(cfg: RuntimeConfig) -> None:

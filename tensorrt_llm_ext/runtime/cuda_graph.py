@@ -209,7 +209,11 @@ class CudaGraphRunner:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaGraphRunner: capturing needs CUDA")
         w = self.worker
-        mutable = w.state.mutable_tensors()
+        # Warm-up rows are all dummies: their K/V go to the scratch page only (the dummy slot's page table holds
+        # nothing else), so of the target's page pools only that page is kept -- a pool sized from free memory
+        # could not be cloned.
+        pools = w.state.kv_cache.tensors()
+        mutable = [t[:, -1] if any(t is p for p in pools) else t for t in w.state.mutable_tensors()]
         snapshot = [t.clone() for t in mutable]
         try:
             for b in sorted(self.batch_sizes, reverse=True):

@@ -102,10 +102,12 @@ class Engine:
         use_cuda_graph: capture every decode step this engine runs (the speculative step and the
             target-only decode), per batch size and step variant, on first use of each (CUDA only; the
             batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``).
+        weights: optional FULL ``(target, drafter)`` state dicts in memory instead of the configured ones
+            (:func:`~tensorrt_llm_ext.runtime.model_loader.build_models`).
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
-                 use_cuda_graph: bool = False):
+                 use_cuda_graph: bool = False, weights=None):
         log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
@@ -126,7 +128,7 @@ class Engine:
         self.mapping = mapping
         self.draft_len = config.draft_len
         self.max_batch_size = config.max_batch_size
-        self.target, self.drafter = build_models(config, mapping, self.device)
+        self.target, self.drafter = build_models(config, mapping, self.device, weights)
         self.vocab_size = self.target.config.vocab_size
         self.state, self.slots, self.pages = build_state(
             self.target, self.drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,

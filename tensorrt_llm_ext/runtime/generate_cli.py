@@ -52,6 +52,41 @@ def _sampling(s: SamplingParams) -> str:
     return f"temperature={s.temperature} seed={s.seed}+i"
 
 
+class TextPrompts:
+    """Prompts as ids: ``"1 2 3"`` is token ids; anything else is text, encoded by the model's tokenizer
+    (:func:`~tensorrt_llm_ext.runtime.serve_cli.resolve_tokenizer`, loaded on first need) as a completion prompt,
+    or with ``chat`` as one user message through the chat template. ``tokenizer`` stays None until a prompt
+    needs it (then the outputs are printed as text too)."""
+
+    def __init__(self, cfg, chat: bool = False):
+        self.cfg, self.chat, self.tokenizer, self._looked = cfg, chat, None, False
+
+    def _tokenizer(self, text: str):
+        if not self._looked:
+            from tensorrt_llm_ext.runtime.serve_cli import resolve_tokenizer
+
+            self.tokenizer, self._looked = resolve_tokenizer(self.cfg), True
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {text!r}: " + ("--chat needs" if self.chat else "not token ids, and text needs")
+                             + " a tokenizer; this model has none (send ids, or --model a directory with one)")
+        return self.tokenizer
+
+    def ids(self, text: str) -> list[int]:
+        if not self.chat:
+            try:
+                return parse_prompt(text)
+            except ValueError:
+                pass
+        tok = self._tokenizer(text)
+        if self.chat:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("--chat: the model's tokenizer has no chat template")
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=False)
+            return list(tok(rendered, add_special_tokens=False)["input_ids"])  # the template wrote the specials
+        return list(tok.encode(text, add_special_tokens=True))
+
+
 def main_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -96,11 +131,12 @@ def main_generate(args: argparse.Namespace) -> int:
         cfg = cfg.with_overrides(**{"cuda_graph_config.enable_padding": True})
     cuda_graph = use_cuda_graph(cfg, args.cuda_graph)
     vocab = cfg.model.target.vocab_size
+    texts = TextPrompts(cfg, chat=args.chat)
     try:
         if args.prompts_file:
             prompts = load_prompts_file(args.prompts_file)
         elif args.prompts:
-            prompts = [parse_prompt(p) for p in args.prompts]
+            prompts = [texts.ids(p) for p in args.prompts]
         else:
             prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
     except (ValueError, OSError) as e:
@@ -157,6 +193,8 @@ def main_generate(args: argparse.Namespace) -> int:
         print(f"[{i}] prompt ({len(p)} ids): {_fmt_ids(p, 16)}")
         print(f"    -> {len(res.outputs[i])} ids ({res.finish_reasons[i]}, {len(acc)} steps, "
               f"acceptance {mean:.2f}): {_fmt_ids(res.outputs[i])}")
+        if texts.tokenizer is not None:
+            print(f"    text: {texts.tokenizer.decode(res.outputs[i], skip_special_tokens=True)!r}")
     shown = res.accepted_lens[:len(prompts)]  # without the check's greedy copies
     ntok = sum(len(o) for o in res.outputs[:len(prompts)])
     steps = [n for acc in shown for n in acc]

@@ -69,13 +69,17 @@ def full_state_dicts(config: RuntimeConfig) -> tuple[dict[str, torch.Tensor], di
     return target_sd, drafter_sd
 
 
-def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device) -> tuple[LlamaTarget, DSparkDrafter]:
-    """The target and the drafter with this rank's slices of the FULL weights (seeded or from files)."""
+def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device,
+                 weights: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+                 ) -> tuple[LlamaTarget, DSparkDrafter]:
+    """The target and the drafter with this rank's slices of the FULL weights (seeded or from files; or
+    ``weights`` = the FULL ``(target, drafter)`` state dicts given in memory, e.g. drawn on the device by a
+    benchmark of a large shape)."""
     dtype = resolve_dtype(config.model.dtype, device)
     tcfg, dcfg = model_configs(config)
     target = LlamaTarget(tcfg, mapping, dtype=dtype, device=device)
     drafter = DSparkDrafter(dcfg, mapping, dtype=dtype, device=device)
-    target_sd, drafter_sd = full_state_dicts(config)
+    target_sd, drafter_sd = weights if weights is not None else full_state_dicts(config)
     target.load_full_state_dict(target_sd)
     drafter.load_full_state_dict(drafter_sd)
     head = load_confidence_head_file(config.model.drafter_path)

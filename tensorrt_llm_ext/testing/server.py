@@ -74,7 +74,7 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     """Engine + scheduler + engine loop + app of ``load_config(model_dir=..., **config_overrides)``, served by
     uvicorn on a free loopback port in a daemon thread; returns once it listens. ``api_key`` and
     ``chat_template``: as ``serve --api-key`` / ``--chat-template`` (the template's text); ``context``: further :class:`ServeContext` fields
-    (``max_body_bytes``)."""
+    (``max_body_bytes``, ``tokenizer``: default the config's directory's, none for the embedded model)."""
     import uvicorn
 
     from tensorrt_llm_ext.runtime.config import load_config
@@ -87,13 +87,13 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     with KERNEL_LOCK:
         engine = Engine(cfg)
     name = served_model_name(cfg, None)
-    metrics = ServerMetrics(cfg.draft_len, model_name=name)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     # The served loop: the overlap scheduler unless the config disables it (as `serve`).
     scheduler = Scheduler(engine, overlap=not cfg.disable_overlap_scheduler)
     loop = EngineLoop(_SerialScheduler(scheduler), PlanChannel(None), metrics, max_queue=max_queue)
+    context.setdefault("tokenizer", load_tokenizer(cfg.tokenizer or cfg.model.path))
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
-                       tokenizer=load_tokenizer(cfg.tokenizer or cfg.model.path), api_key=api_key,
-                       chat_template=chat_template, **context)
+                       api_key=api_key, chat_template=chat_template, **context)
     port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(ctx, metrics), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="on"))

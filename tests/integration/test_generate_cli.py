@@ -50,8 +50,10 @@ def test_generate_reports_bad_config_and_bad_prompt(small_yaml, tmp_path, capsys
     bad.write_text("speculative_config:\n  max_draft_len: -1\n")
     assert main(["generate", "--config", str(bad)]) == 2
     assert "speculative_config.max_draft_len" in capsys.readouterr().err
-    assert main(["generate", "--config", small_yaml, "1 x 3"]) == 2
-    assert "token ids" in capsys.readouterr().err
+    no_tokenizer = tmp_path / "tiny_vocab.yaml"  # 200 ids: too few for the embedded byte-level tokenizer
+    no_tokenizer.write_text("model: {target: {vocab_size: 200}}\n")
+    assert main(["generate", "--config", str(no_tokenizer), "1 x 3"]) == 2
+    assert "not token ids, and text needs a tokenizer" in capsys.readouterr().err
     # An out-of-vocabulary prompt is rejected on its own; the other prompt is served; the run exits 3.
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "999", "1 2"])
     text = capsys.readouterr().out
@@ -114,3 +116,17 @@ def test_generate_rejection_sampling_check_tp1(tmp_path, capsys):
                "--rejection-sampling", "--check", "--no-progress", "1 2 3"])
     text = capsys.readouterr().out
     assert rc == 0 and "check passed: greedy rows" in text and "not compared" in text, text
+
+
+def test_generate_takes_text_and_chat_prompts_with_a_tokenizer(small_yaml, capsys):
+    from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
+
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "3", "--no-progress", "hello world", "5 6"])
+    text = capsys.readouterr().out
+    tok = build_embedded_tokenizer(516)
+    assert rc == 0 and f"[0] prompt ({len(tok.encode('hello world'))} ids)" in text and "[1] prompt (2 ids): 5 6" in text
+    assert text.count("    text: '") == 2  # the outputs as text too
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--chat", "hi"])
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
+    assert rc == 0 and f"[0] prompt ({len(ids)} ids): {' '.join(map(str, ids))}" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from tensorrt_llm_ext.kernels.paged_attention import (SPLIT_TOKENS, paged_attent
                                                       split_plan)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
+from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -110,6 +111,25 @@ def test_padded_rows_and_masked_queries_are_finite():
     torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], **TOL[torch.float32])
 
 
+def test_kv_write_of_one_token_rows_takes_views_of_one_qkv_output():
+    """T = 1 (decode): views of a ``[B, 1, W]`` GEMM output, whose size-1 dimension has an arbitrary stride."""
+    b, h, kvh, d = 2, 3, 1, 16
+    qkv = torch.randn(b, 1, (h + 2 * kvh) * d, device=DEVICE)
+    q = qkv[..., :h * d].view(b, 1, h, d)
+    k = qkv[..., h * d:(h + kvh) * d].view(b, 1, kvh, d)
+    v = qkv[..., (h + kvh) * d:].view(b, 1, kvh, d)
+    positions = torch.tensor([[5], [0]], device=DEVICE)
+    cos, sin = rope_cos_sin(positions, d, 10000.0)
+    table = torch.tensor([[0, 1], [2, 3], [4, 4]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    pools = [torch.zeros(5, 4, kvh, d, device=DEVICE) for _ in range(4)]
+    q_rot = paged_kv_write(q, k, v, cos, sin, positions, slots, table, pools[0], pools[1])
+    q_ref = paged_kv_write_reference(q, k, v, cos, sin, positions, slots, table, pools[2], pools[3])
+    torch.testing.assert_close(q_rot, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], atol=1e-6, rtol=1e-6)
+    assert torch.equal(pools[1], pools[3]) and pools[1][1, 1].abs().sum() > 0
+
+
 def test_kv_write_matches_twin_bitwise_in_the_pools():
     g = torch.Generator().manual_seed(3)
     b, t, h, kvh, d, page = 3, 2, 6, 2, 16, 4
@@ -129,6 +149,20 @@ def test_kv_write_matches_twin_bitwise_in_the_pools():
     assert torch.equal(pools[1], pools[3])  # v is copied
     assert pools[1][6, 0].abs().sum() > 0  # position 8 of slot 2 went to the scratch page (id 6)
     assert pools[1][6, 1:].abs().sum() == 0  # and nowhere else in it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_twin(dtype):
+    """fp32 to rounding; bf16 within two units in the last place (two roundings, each off by up to one unit: the
+    GPU's exp, and the interpreter truncating its bf16 casts); strided rows; odd widths."""
+    g = torch.Generator().manual_seed(1)
+    x = (4 * torch.randn(5, 2 * 1100 + 64, generator=g)).to(dtype).to(DEVICE)[:, :2 * 1100]
+    out = silu_mul(x)
+    ref = silu_mul_reference(x)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    with pytest.raises(ValueError, match="even number of columns"):
+        silu_mul(x[:, :7])
 
 
 def test_validation_names_the_argument():
