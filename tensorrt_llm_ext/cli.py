@@ -243,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     info = sub.add_parser("info", help="report the environment and self-check the distributed layer")
     info.add_argument("--ranks", type=int, default=2, help="ranks for the self-check (1 = skip)")
-    tl = sub.add_parser("test-list", help="run a test-db list with pytest")
+    tl = sub.add_parser("test-list", help="run a test-db list with pytest",
+                        usage="trtllm-ext test-list [NAME] [--dry-run] [--jobs N] [-- PYTEST ARGS ...]",
+                        epilog="Arguments after `--` go to every pytest command unchanged, e.g. "
+                               "`trtllm-ext test-list l0_cpu -- -x -k markov`.")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
     tl.add_argument("--jobs", type=int, default=None,

@@ -615,6 +615,20 @@ LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "verbose": "DEBUG", "info": "I
               "error": "ERROR", "internal_error": "CRITICAL"}
 
 
+def no_effect_reason(field_path: str) -> str | None:
+    """Why the field at dotted ``field_path`` (``kv_cache_config.enable_block_reuse``) has no effect here, or
+    None for a field this runtime uses (a command-line flag that sets such a field says so even when its value
+    is the default, which the config's own lines leave out)."""
+    model: type[BaseModel] = RuntimeConfig
+    *parents, name = field_path.split(".")
+    for key in parents:
+        model = model.model_fields[key].annotation
+        model = next((a for a in getattr(model, "__args__", (model,)) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), model)
+    extra = model.model_fields[name].json_schema_extra
+    return extra.get("no_effect") if isinstance(extra, dict) else None
+
+
 def log_no_effect_fields(cfg: RuntimeConfig) -> None:
     """One INFO line per *no effect here* field the configuration sets (once per process)."""
     for field_path, value, reason in cfg.no_effect_fields():
