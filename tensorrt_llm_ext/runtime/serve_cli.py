@@ -381,7 +381,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="= max_seq_len (prompt + generated tokens, max_model_len)")
     p.add_argument("--dtype", type=_dtype, default=None,
                    help="= dtype: auto, bfloat16 or float32 (vLLM's 'float' = float32; float16 is not served)")
-    p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (accepted, no effect)")
+    p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (tokens of one prefill forward with enable_chunked_prefill)")
     p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
     p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
     p.add_argument("--kv_cache_free_gpu_memory_fraction", "--gpu-memory-utilization",

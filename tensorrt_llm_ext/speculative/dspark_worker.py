@@ -51,7 +51,7 @@ import torch
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
-                                       PagedLatentCache, TargetModel)
+                                       PagedLatentCache, TargetModel, TargetOutput)
 from tensorrt_llm_ext.speculative.logits_processing import LogitsProcessing, SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
@@ -77,9 +77,12 @@ class DSparkWorker(SpecWorkerBase):
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
-                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto"):
+                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto",
+                 prefill_chunk_tokens: int | None = None):
         super().__init__(mapping, target, drafter, draft_len, max_batch_size)
         self.ops = ops
+        # Chunked prefill: at most this many tokens per target forward of a prefill (None: one forward).
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
@@ -457,7 +460,7 @@ class DSparkWorker(SpecWorkerBase):
                 ids[row, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
             ids = ids.to(dev)
             positions = torch.arange(t, dtype=torch.int64, device=dev).expand(r, t)
-            out = self.target(ids, positions, slots_t, st.kv_cache)
+            out = self._prefill_forward(ids, positions, slots_t)
             last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
@@ -493,6 +496,23 @@ class DSparkWorker(SpecWorkerBase):
             st.slot_tokens[slots_l, 0] = tok
             st.slot_tokens[slots_l, 1:] = drafts
         return tok.tolist()
+
+    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TargetOutput:
+        """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive
+        column chunks of at most ``prefill_chunk_tokens`` tokens (``R`` rows x ``chunk`` columns), each writing
+        its K/V before the next attends it; the outputs are the same rows (``r * T + t``)."""
+        r, t = ids.shape
+        cols = t if self.prefill_chunk_tokens is None else max(1, self.prefill_chunk_tokens // r)
+        if cols >= t:
+            return self.target(ids, positions, slots, self.state.kv_cache)
+        outs = [self.target(ids[:, s:s + cols], positions[:, s:s + cols], slots, self.state.kv_cache)
+                for s in range(0, t, cols)]
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([p.view(r, -1, p.shape[-1]) for p in parts], dim=1).reshape(r * t, -1)
+
+        return TargetOutput(hidden_states=cat([o.hidden_states for o in outs]),
+                            captured=cat([o.captured for o in outs]))
 
     # -- the speculative step ---------------------------------------------------------------------------
     # The step's stages, each a method so that ``bench step`` can time them on the worker itself (with
