@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
+# A tiny embedded prompt set (token ids, so the check is about ids): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 17, 305, 42, 9, 77, 1023, 5],
