@@ -376,8 +376,12 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                  "norm.weight": target.norm.weight.detach().float().cpu(),
                  "lm_head.weight": lm_head.float().cpu()}
     init = initial_weights(dcfg, target_sd, tc.seed + 1, tc.init)
-    params = {n: (state["params"][n] if state else init[n]).to(device).float().requires_grad_(True) for n in init}
-    opt = torch.optim.AdamW(params.values(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    # The embedding is the target's and stays frozen (shared, as serving shares it): not in the optimizer nor in
+    # trainer_state.pt (a third of the state on SmolLM2).
+    params = {n: (state["params"][n] if state and n not in FROZEN else init[n]).to(device).float()
+              .requires_grad_(n not in FROZEN) for n in init}
+    opt = torch.optim.AdamW([p for n, p in params.items() if n not in FROZEN], lr=tc.lr,
+                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     step0 = 0
     history: list[dict] = []
     if state:
@@ -422,7 +426,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                                    f"drafter written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), tc.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
         opt.step()
         trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
         rate = trained_positions / max(time.time() - t0, 1e-9)
@@ -521,11 +525,13 @@ def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bo
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -> None:
-    atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items()}, "optimizer": opt.state_dict(),
+    atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
+                       "optimizer": opt.state_dict(),
                        "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
                        "init_eval": init_eval}, path)
 
 
+FROZEN = ("embed_tokens.weight",)  # copied from the target, never trained
 STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
 DATA_KEYS = ("tokens", "lens", "prompt_lens")
 
@@ -578,7 +584,7 @@ def _load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
 
 
 def _check_params(path: Path, params, dcfg) -> None:
-    shapes = {**full_weight_shapes(dcfg), **confidence_head_shapes(dcfg)}
+    shapes = {n: s for n, s in {**full_weight_shapes(dcfg), **confidence_head_shapes(dcfg)}.items() if n not in FROZEN}
     if not isinstance(params, dict) or set(params) != set(shapes) or any(
             not isinstance(params[n], torch.Tensor) or tuple(params[n].shape) != s for n, s in shapes.items()):
         raise ValueError(f"train-drafter --resume: {path} holds weights of another drafter shape; delete it or "
