@@ -109,6 +109,9 @@ class DSparkWorker(SpecWorkerBase):
         self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
         self.num_blocks = torch.zeros(num_slots, dtype=torch.int32, device=dev)
         self.next_new_tokens = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
+        # Per-position confidences of the drafts in next_new_tokens[:, 1:] (a drafter with a confidence
+        # head; the scheduler reads them from the step output; zeros without one).
+        self.draft_confidences = torch.zeros(r, k, dtype=torch.float32, device=dev)
         self._tail = PagedLatentStep.allocate(r, k, dev)
         self._tail_views: dict[int, PagedLatentStep] = {}
         self.markov: MarkovChain | None = None
@@ -361,6 +364,7 @@ class DSparkWorker(SpecWorkerBase):
         cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
         hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
                                                                placement=tail.placement, cache=cache))
+        self._block_hidden = hidden  # the confidence head reads it after the chain
         return self.token_selector.draft_logits(hidden)
 
     def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
@@ -380,6 +384,10 @@ class DSparkWorker(SpecWorkerBase):
                                              offsets)
                 self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
+        if getattr(self.drafter, "has_confidence_head", False):
+            with nvtx_range("draft_confidence"):
+                prev = torch.cat((tail.bonus_tokens.view(-1, 1).long(), drafts[:, :-1].long()), dim=1)
+                self.draft_confidences[:drafts.shape[0]].copy_(self.drafter.block_confidences(self._block_hidden, prev))
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], temperature: float, seed: int,
@@ -631,4 +639,5 @@ class DSparkWorker(SpecWorkerBase):
             "new_tokens_lens": num_acc,  # [B] int32
             "next_draft_tokens": nxt[:, 1:],  # [B, K]
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
+            "draft_confidences": self.draft_confidences[:b],  # [B, K] fp32: c_k of each next draft (0: no head)
         }

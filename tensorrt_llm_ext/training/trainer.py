@@ -340,8 +340,13 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
 
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
-                  resume: bool = False, progress: bool = True) -> dict:
-    """Train and save the drafter; returns the summary written to ``out_dir/training.json``."""
+                  resume: bool = False, progress: bool = True, max_seconds: float | None = None) -> dict:
+    """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
+
+    ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
+    time limit), checkpoint, and write the drafter as it stands (``"complete": false`` in the summary);
+    ``--resume`` continues to ``steps``. Not a knob: a resumed run may use another budget."""
+    t_call = time.time()
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
@@ -396,7 +401,14 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     n_seq = data["tokens"].shape[0]
     t0 = last_log = time.time()
     trained_positions = 0
+    stopped_at = None
     for step in bar:
+        if max_seconds is not None and time.time() - t_call > max_seconds:
+            stopped_at = step
+            _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
+            logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
+                        "checkpointed (--resume continues), writing the drafter as it stands")
+            break
         for g in opt.param_groups:
             g["lr"] = tc.lr * sched(step)
         idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
@@ -440,6 +452,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         raise TrainingDiverged(f"train-drafter: a drafter weight is non-finite after step {tc.steps}; not written")
     summary = {"target": str(model_dir), "drafter": str(out_dir), "knobs": knobs, "target_layer_ids": layers,
                "sequences": n_seq, "tokens": int(data["lens"].sum()), "steps": tc.steps,
+               "steps_done": stopped_at if stopped_at is not None else tc.steps, "complete": stopped_at is None,
                "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],

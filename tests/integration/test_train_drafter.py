@@ -146,3 +146,17 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path,
     with pytest.raises(ValueError, match=r"other knobs \(\['steps'\]\)"):
         train_drafter(tiny_target, tmp_path / "b" / "drafter", TrainConfig(**{**vars(knobs), "steps": 9}),
                       progress=False, resume=True)
+
+
+def test_served_drafter_exposes_per_position_confidences(trained):
+    """serve's loader picks up confidence_head.safetensors; each step leaves c_k of every next draft in the
+    worker's draft_confidences (the step output's field the scheduler reads)."""
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    engine = Engine(load_config(model_dir=str(trained), **{"speculative_config.max_draft_len": 3}))
+    assert engine.drafter.has_confidence_head
+    results, _ = engine.generate([Request(prompt_ids=[5, 17, 305, 42], max_new_tokens=6)])
+    assert results[0].error is None and results[0].num_steps >= 1
+    conf = engine.worker().draft_confidences[:1]
+    assert conf.shape == (1, 3) and bool(((conf > 0) & (conf < 1)).all()), conf
