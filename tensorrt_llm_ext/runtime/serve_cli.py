@@ -134,42 +134,11 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
 def _tokenizer_error(directory: str | None, vocab_size: int) -> str | None:
     """The tokenizer that would be served must not produce ids past the model's vocabulary (checked here,
     before any rank starts, so a mismatched pair exits 2 instead of failing requests)."""
-    from tensorrt_llm_ext.runtime.server import load_tokenizer, tokenizer_vocab_error
+    from tensorrt_llm_ext.runtime.tokenizer import load_tokenizer, tokenizer_vocab_error
 
     tokenizer = load_tokenizer(directory)
     err = tokenizer_vocab_error(tokenizer, vocab_size) if tokenizer is not None else None
     return f"tokenizer {directory}: {err}" if err else None
-
-
-def resolve_tokenizer(cfg: RuntimeConfig, directory: str | None = None):
-    """The tokenizer ``serve`` / ``generate`` use: ``directory`` (``--tokenizer``), else the config's
-    ``tokenizer``, else the model directory's; for the embedded seeded model, the tokenizer built in code for
-    its vocabulary (:mod:`tensorrt_llm_ext.configs.embedded_tokenizer`: byte-level, ChatML template). None
-    (token-id prompts only) when there is none; every choice is logged once."""
-    from tensorrt_llm_ext.logger import info_once
-    from tensorrt_llm_ext.runtime.server import load_tokenizer
-
-    directory = directory or cfg.tokenizer or cfg.model.path
-    if directory is not None:
-        tok = load_tokenizer(directory)
-        info_once(f"tokenizer: {directory}" if tok is not None else f"tokenizer: none in {directory} (token-id "
-                  f"prompts only)", key="tokenizer")
-        return tok
-    if cfg.model.target_weights is not None:
-        info_once("tokenizer: none (model.target_weights has no tokenizer: token-id prompts only; --tokenizer DIR "
-                  "sets one)", key="tokenizer")
-        return None
-    from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
-
-    vocab = cfg.model.target.vocab_size
-    try:
-        tok = build_embedded_tokenizer(vocab)
-    except (ImportError, ValueError) as e:
-        info_once(f"tokenizer: none for the embedded model ({e}): token-id prompts only", key="tokenizer")
-        return None
-    info_once(f"tokenizer: the embedded model's byte-level tokenizer ({vocab} ids, ChatML chat template; the seeded "
-              f"model writes noise, and it has no EOS: requests end at max_tokens or a stop)", key="tokenizer")
-    return tok
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -269,6 +238,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.logger import logger
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
+    from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
                                                  ServerMetrics, follower_loop, run_server, served_model_name)
 
