@@ -127,8 +127,10 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     try:
         tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
         out = args.out or str(Path(args.dir) / "dspark_drafter")
+        if args.max_seconds is not None and not (args.max_seconds > 0 and args.max_seconds < float("inf")):
+            raise ValueError(f"train-drafter: --max-seconds must be a finite number > 0, got {args.max_seconds}")
         summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, max_seconds=args.max_seconds)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,7 +159,10 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
                                                 "where serve DIR finds it)")
     t.add_argument("--work-dir", default=None, help="data cache and trainer checkpoints (default OUT_work beside OUT)")
     t.add_argument("--resume", action="store_true", help="continue from WORK_DIR/trainer_state.pt and its data")
-    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
+    t.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-time budget of this call: checkpoint and write the drafter when it is spent "
+                        "(--resume continues to --steps)")
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
         extra = {}
@@ -243,7 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     info = sub.add_parser("info", help="report the environment and self-check the distributed layer")
     info.add_argument("--ranks", type=int, default=2, help="ranks for the self-check (1 = skip)")
-    tl = sub.add_parser("test-list", help="run a test-db list with pytest")
+    tl = sub.add_parser("test-list", help="run a test-db list with pytest",
+                        usage="trtllm-ext test-list [NAME] [--dry-run] [--jobs N] [-- PYTEST ARGS ...]",
+                        epilog="Arguments after `--` go to every pytest command unchanged, e.g. "
+                               "`trtllm-ext test-list l0_cpu -- -x -k markov`.")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
     tl.add_argument("--jobs", type=int, default=None,

@@ -339,7 +339,7 @@ class DSparkState:
     Allocated once by the runtime (before any CUDA-graph capture); every tensor keeps its storage.
     """
 
-    kv_cache: Any  # the target's KV cache (``tensors()`` lists its buffers): k, v [L_t, num_slots, max_pos, kvh, D]
+    kv_cache: Any  # the target's paged KV cache (``tensors()``: k, v [L_t, num_pages + 1, page_size, kvh, D]; page_table)
     latent_pool: torch.Tensor  # [L, num_pages + 1, page_size, d_c]; the last page is scratch
     encoded_offsets: torch.Tensor  # [num_slots, max_pages] int32, page * divisor, -1 = unallocated
     block_table: torch.Tensor  # [num_slots, max_pages] int32, decoded each step

@@ -86,7 +86,7 @@ def _progress_logger(label: str, budget: int, every_s: float = 30.0):
         if now - state["last"] >= every_s:
             state["last"] = now
             logger.info(f"bench acceptance: {label}: {state['tokens']}/{budget} tokens "
-                        f"({state['tokens'] / (now - state['t0']):.0f} tokens/s)")
+                        f"({state['tokens'] / (now - state['t0']):.1f} tokens/s)")
 
     return update
 

@@ -328,6 +328,9 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         self.markov_w2 = nn.Parameter(torch.zeros(self.padded_vocab_size, cfg.markov_rank, dtype=dtype,
                                                   device=device), requires_grad=False)
         self.all_reduce = AllReduce(mapping) if (self.tp_plan.fc_input_split or fused) else None
+        # The optional confidence head (confidence_head_shapes); None until a checkpoint provides one.
+        self.confidence_weight: torch.Tensor | None = None
+        self.confidence_bias: torch.Tensor | None = None
         self._lm_head: nn.Module | None = None
         self.attention_backend, self._block_attention = resolve_block_attention(
             attention_backend, self.kv_a_proj.weight.device, type(self).__name__)
@@ -352,6 +355,33 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             self.markov_w1.copy_(state_dict["markov_w1"])
             self.markov_w2.zero_()
             self.markov_w2[: self.config.vocab_size].copy_(state_dict["markov_w2"])
+
+    def load_confidence_head(self, head: dict[str, torch.Tensor]) -> None:
+        """Load the confidence head (names and shapes of :func:`confidence_head_shapes`, fp32, replicated on
+        every rank). Raises ValueError on a missing, mis-shaped or non-finite entry."""
+        shapes = confidence_head_shapes(self.config)
+        for name, shape in shapes.items():
+            t = head.get(name)
+            if t is None or tuple(t.shape) != shape:
+                raise ValueError(f"DSparkDrafter confidence head: {name} must be {shape}, got "
+                                 f"{None if t is None else tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"DSparkDrafter confidence head: {name} holds non-finite values")
+        dev = self.markov_w1.device
+        self.confidence_weight = head["confidence.weight"].to(device=dev, dtype=torch.float32).contiguous()
+        self.confidence_bias = head["confidence.bias"].to(device=dev, dtype=torch.float32).contiguous()
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.confidence_weight is not None
+
+    def block_confidences(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Per-position confidences ``[B, K]`` (fp32) of a drafted block (:func:`block_confidences`):
+        ``hidden [B, K, H]`` from :meth:`forward_block`, ``prev_tokens [B, K]`` = the anchor then the drafts
+        but the last. Fixed shapes, no host sync (graph-capturable)."""
+        if self.confidence_weight is None:
+            raise RuntimeError("DSparkDrafter: no confidence head loaded")
+        return block_confidences(hidden, prev_tokens, self.markov_w1, self.confidence_weight, self.confidence_bias)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init: the same FULL weights on every rank and TP size, then sliced."""

@@ -270,7 +270,9 @@ class RuntimeConfig(_Strict):
     log_level: Literal["trace", "debug", "verbose", "info", "warning", "error", "internal_error"] | None = None
     # -- accepted, no effect here ----------------------------------------------------------------------
     backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
-    max_num_tokens: StrictInt | None = no_effect(None, "the requests admitted together are prefilled in one forward, no token budget")
+    # With enable_chunked_prefill: the tokens of one prefill forward (default 8192, TensorRT-LLM's); without it
+    # the requests admitted together are prefilled in one forward.
+    max_num_tokens: StrictInt | None = Field(None, ge=1)
     max_input_len: StrictInt | None = no_effect(None, "prompt + max_tokens is bounded by max_seq_len")
     moe_expert_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
     moe_tensor_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
@@ -281,7 +283,9 @@ class RuntimeConfig(_Strict):
     trust_remote_code: StrictBool = no_effect(False, "no remote code is ever run")
     # True: serve runs each step's host work between steps (the serial loop; --disable-overlap-scheduler too).
     disable_overlap_scheduler: StrictBool = False
-    enable_chunked_prefill: StrictBool = no_effect(False, "prompts are prefilled whole")
+    # A prefill runs as consecutive forwards of at most max_num_tokens tokens (each chunk's K/V written before
+    # the next attends it); chunks are not yet interleaved with decode steps.
+    enable_chunked_prefill: StrictBool = False
     print_iter_log: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     enable_iter_perf_stats: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     return_perf_metrics: StrictBool = no_effect(False, "per-step numbers are on /metrics")
@@ -609,6 +613,20 @@ def _as_list(v):
 # trtllm-serve's log levels -> the logging module's.
 LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "verbose": "DEBUG", "info": "INFO", "warning": "WARNING",
               "error": "ERROR", "internal_error": "CRITICAL"}
+
+
+def no_effect_reason(field_path: str) -> str | None:
+    """Why the field at dotted ``field_path`` (``kv_cache_config.enable_block_reuse``) has no effect here, or
+    None for a field this runtime uses (a command-line flag that sets such a field says so even when its value
+    is the default, which the config's own lines leave out)."""
+    model: type[BaseModel] = RuntimeConfig
+    *parents, name = field_path.split(".")
+    for key in parents:
+        model = model.model_fields[key].annotation
+        model = next((a for a in getattr(model, "__args__", (model,)) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), model)
+    extra = model.model_fields[name].json_schema_extra
+    return extra.get("no_effect") if isinstance(extra, dict) else None
 
 
 def log_no_effect_fields(cfg: RuntimeConfig) -> None:

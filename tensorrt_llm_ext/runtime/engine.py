@@ -45,6 +45,7 @@ from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 MODES = ("speculative", "gathered", "target_only", "stock")
+DEFAULT_MAX_NUM_TOKENS = 8192  # TensorRT-LLM's max_num_tokens default
 
 
 def _path(mode: str) -> str:
@@ -147,6 +148,9 @@ class Engine:
         # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
         self._graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
+        # Chunked prefill: the tokens of one prefill forward (None: a prefill is one forward).
+        self.prefill_chunk_tokens = ((config.max_num_tokens or DEFAULT_MAX_NUM_TOKENS)
+                                     if config.enable_chunked_prefill else None)
 
     # -- workers -------------------------------------------------------------------------------------
     def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
@@ -174,7 +178,7 @@ class Engine:
                              max_batch_size=self.max_batch_size, markov_chain_mode=spec.markov_chain_mode,
                              ops=ops, sampling=sampling,
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
-                             verification_mode=verification)
+                             verification_mode=verification, prefill_chunk_tokens=self.prefill_chunk_tokens)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
             self._workers[key] = w
         return self._workers[key]

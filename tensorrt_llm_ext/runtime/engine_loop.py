@@ -1,5 +1,5 @@
 """The server's engine loop: one thread on rank 0 that owns the :class:`Scheduler`, its plan broadcast to the
-other TP ranks, and the server's Prometheus metrics.
+other TP ranks, and what it reports to the server's Prometheus metrics (:mod:`~tensorrt_llm_ext.runtime.serve_metrics`).
 
 Handlers (on the HTTP event loop) :meth:`EngineLoop.submit` requests and :meth:`EngineLoop.cancel` them; the
 loop admits waiting requests between engine steps while slots are free (continuous batching). Every plan
@@ -24,103 +24,9 @@ from dataclasses import dataclass, field
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Event, Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
 
 HEARTBEAT_S = 0.5
-
-
-# Latency buckets (seconds) of the request histograms: vLLM's ranges, from sub-millisecond inter-token
-# times to minute-long requests.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5, 5.0)
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0)
-
-
-class ServerMetrics:
-    """Prometheus metrics of one server (its own registry). Names: ``trtllm_ext_`` + vLLM's metric name
-    (``vllm:time_to_first_token_seconds`` is ``trtllm_ext_time_to_first_token_seconds``), each with a
-    ``model_name`` label, so a vLLM dashboard needs only its prefix replaced (docs/serving.md)."""
-
-    def __init__(self, draft_len: int, model_name: str = "dspark-embedded"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry()
-        p = "trtllm_ext_"
-        self.draft_len = draft_len
-        name = ["model_name"]
-
-        def one(metric):  # the child of this server's model name
-            return metric.labels(model_name)
-
-        self._requests = Counter(p + "requests", "Finished requests by finish reason", name + ["finish_reason"],
-                                 registry=r)
-        self._rejected = Counter(p + "requests_rejected", "Requests to a served endpoint answered 4xx/5xx before "
-                                 "reaching the engine", name + ["status"], registry=r)
-        self._model = model_name
-        self.prompt_tokens = one(Counter(p + "prompt_tokens", "Prompt tokens admitted", name, registry=r))
-        self.generated_tokens = one(Counter(p + "generation_tokens", "Tokens generated", name, registry=r))
-        self.steps = one(Counter(p + "engine_steps", "Engine steps run", name, registry=r))
-        # Tokens one request gets from one speculative step: 1 (no draft accepted) .. K + 1 (all K drafts
-        # and the bonus token); one bucket per value, so full acceptance has its own finite bucket.
-        self.acceptance = one(Histogram(p + "acceptance_length", "Tokens accepted per request per speculative step "
-                                        "(accepted drafts + 1)", name, buckets=list(range(1, draft_len + 2)),
-                                        registry=r))
-        self.step_time = one(Histogram(p + "step_seconds", "Wall time of one engine step", name,
-                                       buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                                2.5, 5, 10], registry=r))
-        self.host_time = one(Histogram(p + "step_host_seconds", "Host time between two consecutive engine steps "
-                                       "(plans, bookkeeping, token delivery; prefills excluded): the device waits "
-                                       "this long per step in the serial loop", name,
-                                       buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                0.1], registry=r))
-        self.batch = one(Histogram(p + "step_batch_size", "Requests per engine step", name,
-                                   buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256], registry=r))
-        self.queue_depth = one(Gauge(p + "queue_depth", "Requests waiting for a slot", name, registry=r))
-        self.active = one(Gauge(p + "active_requests", "Requests holding a slot", name, registry=r))
-        self.kv_usage = one(Gauge(p + "kv_cache_usage_perc", "Fraction of the KV / latent cache pages held by "
-                                  "running requests (0..1)", name, registry=r))
-        self.ttft = one(Histogram(p + "time_to_first_token_seconds", "Arrival to the first token (queue time and "
-                                  "prefill)", name, buckets=TTFT_BUCKETS, registry=r))
-        self.itl = one(Histogram(p + "inter_token_latency_seconds", "Time between consecutive token deliveries of "
-                                 "a request (one per step; a speculative step delivers its accepted tokens at once)",
-                                 name, buckets=ITL_BUCKETS, registry=r))
-        self.e2e = one(Histogram(p + "e2e_request_latency_seconds", "Arrival to the last token", name,
-                                 buckets=REQUEST_BUCKETS, registry=r))
-        self.queue_time = one(Histogram(p + "request_queue_time_seconds", "Arrival to admission (a slot)", name,
-                                        buckets=REQUEST_BUCKETS, registry=r))
-        self.num_drafts = one(Counter(p + "spec_decode_num_drafts", "Speculative steps over requests (one draft of "
-                                      "K tokens each)", name, registry=r))
-        self.num_draft_tokens = one(Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed", name,
-                                            registry=r))
-        self.num_accepted_tokens = one(Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", name,
-                                               registry=r))
-        self._accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
-                                         "each draft position (0 = the first drafted token)", name + ["position"],
-                                         registry=r)
-        self.accepted_per_pos = [self._accepted_per_pos.labels(model_name, str(i)) for i in range(draft_len)]
-
-    def request_finished(self, reason: str) -> None:
-        self._requests.labels(self._model, reason).inc()
-
-    def rejected(self, status: int) -> None:
-        self._rejected.labels(self._model, str(status)).inc()
-
-    def speculative_step(self, accepted_len: int) -> None:
-        """One request's speculative step that emitted ``accepted_len`` tokens (``accepted_len - 1`` drafts)."""
-        self.acceptance.observe(accepted_len)
-        self.num_drafts.inc()
-        self.num_draft_tokens.inc(self.draft_len)
-        accepted = max(0, min(accepted_len - 1, self.draft_len))
-        self.num_accepted_tokens.inc(accepted)
-        for pos in range(accepted):
-            self.accepted_per_pos[pos].inc()
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
 
 
 class PlanChannel:
@@ -218,7 +124,6 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._pending: deque[tuple[int, Request, Sink]] = deque()
         self._arrived: dict[int, float] = {}  # handle -> submit time (perf_counter), until it finishes
-        self._last_token: dict[int, float] = {}  # handle -> when its last tokens were delivered
         self._sinks: dict[int, Sink] = {}  # admitted handles (each holds a slot, or will after this plan)
         self._cancel: dict[int, str] = {}  # handle -> the finish reason its cancellation is counted as
         self._plan_reasons: dict[int, str] = {}  # the same, for the cancellations of the plan being applied
@@ -323,7 +228,7 @@ class EngineLoop:
                 handle, request, sink = self._pending.popleft()
                 self._sinks[handle] = sink
                 admit.append((handle, request))
-                self.metrics.queue_time.observe(now - self._arrived.get(handle, now))
+                self.metrics.admitted(handle, self._arrived.get(handle, now), now, request)
             self.metrics.queue_depth.set(len(self._pending))
             stop = self._stop and not self._pending and not self.scheduler.num_active and not admit
             if not (cancel or admit or self.scheduler.num_active or stop):
@@ -352,39 +257,33 @@ class EngineLoop:
 
     def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
         m = self.metrics
-        for _, request in plan.admit:
-            m.prompt_tokens.inc(len(request.prompt_ids))
+        prefilled = sum(len(request.prompt_ids) for _, request in plan.admit)
+        m.prompt_tokens.inc(prefilled)
         if stats.num_rows:
             self._steps += 1
             m.steps.inc()
             m.step_time.observe(stats.step_s)
             m.batch.observe(stats.num_rows)
         now = time.perf_counter()
+        generated = 0
         for e in events:
             if e.accepted_len is not None and self.speculative:
                 m.speculative_step(e.accepted_len)
-            m.generated_tokens.inc(len(e.tokens))
-            if e.tokens:
-                last = self._last_token.get(e.handle)
-                if last is None:
-                    m.ttft.observe(now - self._arrived.get(e.handle, now))
-                else:
-                    m.itl.observe(now - last)
-                self._last_token[e.handle] = now
+            m.delivered(e.handle, len(e.tokens), now, self._arrived.get(e.handle))
+            generated += len(e.tokens)
             if e.finish_reason is not None:
                 reason = self._plan_reasons.get(e.handle, e.finish_reason) if e.finish_reason == "cancelled" \
                     else e.finish_reason
-                m.request_finished(reason)
-                arrived = self._arrived.pop(e.handle, None)
-                self._last_token.pop(e.handle, None)
-                if arrived is not None and e.finish_reason in ("stop", "length"):  # served to its end
-                    m.e2e.observe(now - arrived)
+                m.finished(e.handle, reason, now)
+                self._arrived.pop(e.handle, None)
             with self._cond:
                 sink = self._sinks.get(e.handle)
                 if sink is not None and e.finish_reason is not None:
                     del self._sinks[e.handle]
             if sink is not None:
                 sink.put(e)
+        if prefilled or generated:
+            m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
 

@@ -57,7 +57,7 @@ def _sampling(s: SamplingParams) -> str:
 
 class TextPrompts:
     """Prompts as ids: ``"1 2 3"`` is token ids; anything else is text, encoded by the model's tokenizer
-    (:func:`~tensorrt_llm_ext.runtime.serve_cli.resolve_tokenizer`, loaded on first need) as a completion prompt,
+    (:func:`~tensorrt_llm_ext.runtime.tokenizer.resolve_tokenizer`, loaded on first need) as a completion prompt,
     or with ``chat`` as one user message through the chat template. ``tokenizer`` stays None until a prompt
     needs it (then the outputs are printed as text too)."""
 
@@ -66,7 +66,7 @@ class TextPrompts:
 
     def _tokenizer(self, text: str):
         if not self._looked:
-            from tensorrt_llm_ext.runtime.serve_cli import resolve_tokenizer
+            from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer
 
             self.tokenizer, self._looked = resolve_tokenizer(self.cfg), True
         if self.tokenizer is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tensorrt_llm_ext.runtime.requests import Request
 
-# A tiny embedded prompt set (token ids; the embedded model has no tokenizer): lengths 1 .. 37, one
+# A tiny embedded prompt set (token ids, so the check is about ids): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
 DEFAULT_PROMPTS: list[list[int]] = [
     [1, 17, 305, 42, 9, 77, 1023, 5],

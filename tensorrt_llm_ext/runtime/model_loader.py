@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, load_llama_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig, init_from_target_bigram
@@ -81,4 +82,27 @@ def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device,
     target_sd, drafter_sd = weights if weights is not None else full_state_dicts(config)
     target.load_full_state_dict(target_sd)
     drafter.load_full_state_dict(drafter_sd)
+    head = load_confidence_head_file(config.model.drafter_path)
+    if head is not None:
+        drafter.load_confidence_head(head)
     return target, drafter
+
+
+def load_confidence_head_file(drafter_path) -> dict[str, torch.Tensor] | None:
+    """``DRAFTER/confidence_head.safetensors`` when the drafter directory has one (train-drafter writes it)."""
+    if not drafter_path:
+        return None
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tensorrt_llm_ext.models.dspark_drafter import CONFIDENCE_HEAD_FILE
+
+    path = Path(drafter_path) / CONFIDENCE_HEAD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return load_file(str(path))
+    except Exception as e:  # a damaged file: the drafter serves without confidences, said once
+        logger.warning(f"drafter: {path} unreadable ({str(e).splitlines()[0][:120]}); serving without confidences")
+        return None

@@ -50,6 +50,9 @@ TRTLLM_SERVE_FIELDS = {
     "backend": "backend",
     "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
     "trust_remote_code": "trust_remote_code",
+    "enable_prefix_caching": "kv_cache_config.enable_block_reuse",
+    "pp_size": "pipeline_parallel_size",
+    "ep_size": "moe_expert_parallel_size",
 }
 
 
@@ -58,9 +61,33 @@ def config_overrides(args: argparse.Namespace) -> dict:
     return {path: getattr(args, dest) for dest, path in TRTLLM_SERVE_FIELDS.items() if getattr(args, dest) is not None}
 
 
+def log_no_effect_flags(args: argparse.Namespace) -> None:
+    """One line per flag given that sets a *no effect here* field to its default (the config's own lines
+    name only values that differ from TensorRT-LLM's default, but a user who typed the flag asked for it)."""
+    from tensorrt_llm_ext.logger import info_once
+    from tensorrt_llm_ext.runtime.config import RuntimeConfig as _Cfg, no_effect_reason
+
+    defaults = _Cfg().model_dump()
+    for dest, path in TRTLLM_SERVE_FIELDS.items():
+        value = getattr(args, dest)
+        reason = no_effect_reason(path) if value is not None else None
+        node = defaults
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if reason is not None and value == node:
+            info_once(f"serve --{dest.replace('_', '-')}: accepted, no effect here ({reason})")
+
+
+def model_argument(args: argparse.Namespace) -> str | None:
+    """``serve DIR`` or ``serve --model DIR`` (vLLM's and ``generate``'s spelling); both must agree."""
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise ConfigError(f"the model is given twice: {args.model} and --model {args.model_flag}")
+    return args.model if args.model is not None else args.model_flag
+
+
 def _load(args: argparse.Namespace) -> RuntimeConfig:
     """The job's config; its *no effect here* lines are logged later, once per job (rank 0 or TP 1)."""
-    cfg = load_config(args.config, model_dir=args.model, log_no_effect=False, **config_overrides(args))
+    cfg = load_config(args.config, model_dir=model_argument(args), log_no_effect=False, **config_overrides(args))
     if cfg.log_level is not None:
         from tensorrt_llm_ext.logger import logger
 
@@ -107,42 +134,11 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
 def _tokenizer_error(directory: str | None, vocab_size: int) -> str | None:
     """The tokenizer that would be served must not produce ids past the model's vocabulary (checked here,
     before any rank starts, so a mismatched pair exits 2 instead of failing requests)."""
-    from tensorrt_llm_ext.runtime.server import load_tokenizer, tokenizer_vocab_error
+    from tensorrt_llm_ext.runtime.tokenizer import load_tokenizer, tokenizer_vocab_error
 
     tokenizer = load_tokenizer(directory)
     err = tokenizer_vocab_error(tokenizer, vocab_size) if tokenizer is not None else None
     return f"tokenizer {directory}: {err}" if err else None
-
-
-def resolve_tokenizer(cfg: RuntimeConfig, directory: str | None = None):
-    """The tokenizer ``serve`` / ``generate`` use: ``directory`` (``--tokenizer``), else the config's
-    ``tokenizer``, else the model directory's; for the embedded seeded model, the tokenizer built in code for
-    its vocabulary (:mod:`tensorrt_llm_ext.configs.embedded_tokenizer`: byte-level, ChatML template). None
-    (token-id prompts only) when there is none; every choice is logged once."""
-    from tensorrt_llm_ext.logger import info_once
-    from tensorrt_llm_ext.runtime.server import load_tokenizer
-
-    directory = directory or cfg.tokenizer or cfg.model.path
-    if directory is not None:
-        tok = load_tokenizer(directory)
-        info_once(f"tokenizer: {directory}" if tok is not None else f"tokenizer: none in {directory} (token-id "
-                  f"prompts only)", key="tokenizer")
-        return tok
-    if cfg.model.target_weights is not None:
-        info_once("tokenizer: none (model.target_weights has no tokenizer: token-id prompts only; --tokenizer DIR "
-                  "sets one)", key="tokenizer")
-        return None
-    from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
-
-    vocab = cfg.model.target.vocab_size
-    try:
-        tok = build_embedded_tokenizer(vocab)
-    except (ImportError, ValueError) as e:
-        info_once(f"tokenizer: none for the embedded model ({e}): token-id prompts only", key="tokenizer")
-        return None
-    info_once(f"tokenizer: the embedded model's byte-level tokenizer ({vocab} ids, ChatML chat template; the seeded "
-              f"model writes noise, and it has no EOS: requests end at max_tokens or a stop)", key="tokenizer")
-    return tok
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -242,6 +238,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.logger import logger
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
+    from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
                                                  ServerMetrics, follower_loop, run_server, served_model_name)
 
@@ -264,6 +261,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # the tiny model's GEMMs; ranks share the cores (see runtime/launch.py)
     if mapping is None or mapping.rank == 0:
         log_no_effect_fields(cfg)  # once per job, not once per rank
+        log_no_effect_flags(args)
         logger.info(describe_drafter(cfg) if not args.no_speculation else "drafter: not used (--no-speculation)")
     engine = Engine(cfg, mapping, device=device, use_cuda_graph=use_cuda_graph(cfg, args.cuda_graph))
     # Binding the worker and capturing the served decode's graphs agree across ranks (collectives): every
@@ -292,7 +290,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
             os._exit(0)
     names = args.served_model_name or []
     name = served_model_name(cfg, names[0] if names else None)
-    metrics = ServerMetrics(cfg.draft_len, model_name=name)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
                       speculative=not args.no_speculation)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
@@ -339,6 +337,7 @@ def _dtype(value: str) -> str:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a Hugging Face Llama directory (see `trtllm-ext export`); default: the embedded model")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="DIR", help="the same as the positional DIR")
     p.add_argument("--config", "--extra_llm_api_options", dest="config",
                    help="trtllm-serve style YAML, layered over the embedded default")
     p.add_argument("--host", default="127.0.0.1")
@@ -352,13 +351,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="= max_seq_len (prompt + generated tokens, max_model_len)")
     p.add_argument("--dtype", type=_dtype, default=None,
                    help="= dtype: auto, bfloat16 or float32 (vLLM's 'float' = float32; float16 is not served)")
-    p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (accepted, no effect)")
+    p.add_argument("--max_num_tokens", type=int, default=None, help="= max_num_tokens (tokens of one prefill forward with enable_chunked_prefill)")
     p.add_argument("--log_level", choices=sorted(LOG_LEVELS), default=None, help="= log_level")
     p.add_argument("--backend", choices=["pytorch"], default=None, help="= backend (this runtime is its own)")
-    p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
-                   help="= kv_cache_config.free_gpu_memory_fraction (the KV page pool's share of free GPU memory)")
-    p.add_argument("--trust_remote_code", action="store_const", const=True, default=None,
-                   help="= trust_remote_code (accepted, no effect: no remote code is run)")
+    p.add_argument("--kv_cache_free_gpu_memory_fraction", "--gpu-memory-utilization",
+                   dest="kv_cache_free_gpu_memory_fraction", type=float, default=None,
+                   help="= kv_cache_config.free_gpu_memory_fraction: the KV page pool's share of the GPU memory "
+                        "free after the weights (TensorRT-LLM's meaning; vLLM's --gpu-memory-utilization, a share "
+                        "of the whole GPU, is read the same way); no effect on a CPU")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_const",
+                   const=True, default=None, help="= trust_remote_code (accepted, no effect: no remote code is run)")
+    p.add_argument("--enable-prefix-caching", "--enable_prefix_caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="= kv_cache_config.enable_block_reuse (accepted, no effect: every request prefills its prompt)")
+    p.add_argument("--pp_size", "--pipeline-parallel-size", "-pp", dest="pp_size", type=int, default=None,
+                   help="= pipeline_parallel_size (1 only: no pipeline parallelism)")
+    p.add_argument("--ep_size", "--moe_expert_parallel_size", dest="ep_size", type=int, default=None,
+                   help="= moe_expert_parallel_size (accepted, no effect: dense targets, no experts)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model id of /v1/models and responses; further names are accepted as `model` too")

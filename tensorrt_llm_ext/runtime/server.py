@@ -54,6 +54,7 @@ from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRe
                                                       DetokenizeRequest, ServeLimits, TokenizeRequest, parse_body)
 from tensorrt_llm_ext.runtime.openai_responses import Choice, ChoicesResponse
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.tokenizer import load_tokenizer, tokenizer_vocab_error  # noqa: F401 (re-exported)
 
 __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "OpenAIServer", "PlanChannel", "ServeContext", "ServerMetrics",
            "create_app",
@@ -114,19 +115,6 @@ def _in_vocab(ctx: ServeContext, ids: list[int], param: str) -> list[int]:
                             f"{bad[0]}), outside the model's vocabulary [0, {ctx.vocab_size}): the tokenizer does not "
                             f"match the model", param)
     return ids
-
-
-def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
-    """One line when ``tokenizer`` has ids the model's vocabulary lacks (a mismatched pair: text mapping to
-    them could never be served), else None."""
-    vocab = tokenizer.get_vocab()  # added tokens included
-    top = max(vocab.values(), default=-1)
-    if top < vocab_size:
-        return None
-    name = next(t for t, i in vocab.items() if i == top)
-    over = sum(1 for i in vocab.values() if i >= vocab_size)
-    return (f"the tokenizer has {over} token(s) outside the model's vocabulary of {vocab_size} ids (the highest: "
-            f"{name!r}, id {top}); serve the tokenizer that belongs to the model")
 
 
 def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int]]:
@@ -550,22 +538,6 @@ def return_freed_memory() -> None:
 
 
 _malloc_trim = None
-
-
-def load_tokenizer(directory: str | None):
-    """A transformers tokenizer from ``directory`` when it has one (``tokenizer.json`` or
-    ``tokenizer_config.json``), else None (token-id prompts only)."""
-    from pathlib import Path
-
-    if directory is None or not any((Path(directory) / f).is_file()
-                                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        logger.warning(f"serve: {directory} has a tokenizer but transformers is not installed: token-id prompts only")
-        return None
-    return AutoTokenizer.from_pretrained(directory)
 
 
 def is_loopback(host: str) -> bool:

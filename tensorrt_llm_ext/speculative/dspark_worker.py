@@ -51,7 +51,7 @@ import torch
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
-                                       PagedLatentCache, SamplingParams, TargetModel)
+                                       PagedLatentCache, SamplingParams, TargetModel, TargetOutput)
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
@@ -77,9 +77,12 @@ class DSparkWorker(SpecWorkerBase):
 
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
-                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto"):
+                 sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto",
+                 prefill_chunk_tokens: int | None = None):
         super().__init__(mapping, target, drafter, draft_len, max_batch_size)
         self.ops = ops
+        # Chunked prefill: at most this many tokens per target forward of a prefill (None: one forward).
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
@@ -106,6 +109,9 @@ class DSparkWorker(SpecWorkerBase):
         self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
         self.num_blocks = torch.zeros(num_slots, dtype=torch.int32, device=dev)
         self.next_new_tokens = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
+        # Per-position confidences of the drafts in next_new_tokens[:, 1:] (a drafter with a confidence
+        # head; the scheduler reads them from the step output; zeros without one).
+        self.draft_confidences = torch.zeros(r, k, dtype=torch.float32, device=dev)
         self._tail = PagedLatentStep.allocate(r, k, dev)
         self._tail_views: dict[int, PagedLatentStep] = {}
         self.markov: MarkovChain | None = None
@@ -312,6 +318,7 @@ class DSparkWorker(SpecWorkerBase):
         cache = PagedLatentCache(pool=self.state.latent_pool, block_table=self.state.block_table)
         hidden = self.drafter.forward_block(DrafterBlockInputs(block_input_ids=tail.block_input_ids, slot_ids=slots,
                                                                placement=tail.placement, cache=cache))
+        self._block_hidden = hidden  # the confidence head reads it after the chain
         return self.token_selector.draft_logits(hidden)
 
     def draft(self, tail: PagedLatentStep, slots: torch.Tensor, out_drafts: torch.Tensor) -> None:
@@ -331,6 +338,10 @@ class DSparkWorker(SpecWorkerBase):
                                              offsets)
                 self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
+        if getattr(self.drafter, "has_confidence_head", False):
+            with nvtx_range("draft_confidence"):
+                prev = torch.cat((tail.bonus_tokens.view(-1, 1).long(), drafts[:, :-1].long()), dim=1)
+                self.draft_confidences[:drafts.shape[0]].copy_(self.drafter.block_confidences(self._block_hidden, prev))
 
     # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
     def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -391,7 +402,7 @@ class DSparkWorker(SpecWorkerBase):
                 ids[row, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
             ids = ids.to(dev)
             positions = torch.arange(t, dtype=torch.int64, device=dev).expand(r, t)
-            out = self.target(ids, positions, slots_t, st.kv_cache)
+            out = self._prefill_forward(ids, positions, slots_t)
             last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
@@ -428,6 +439,23 @@ class DSparkWorker(SpecWorkerBase):
             st.slot_tokens[slots_l, 0] = tok
             st.slot_tokens[slots_l, 1:] = drafts
         return tok.tolist()
+
+    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TargetOutput:
+        """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive
+        column chunks of at most ``prefill_chunk_tokens`` tokens (``R`` rows x ``chunk`` columns), each writing
+        its K/V before the next attends it; the outputs are the same rows (``r * T + t``)."""
+        r, t = ids.shape
+        cols = t if self.prefill_chunk_tokens is None else max(1, self.prefill_chunk_tokens // r)
+        if cols >= t:
+            return self.target(ids, positions, slots, self.state.kv_cache)
+        outs = [self.target(ids[:, s:s + cols], positions[:, s:s + cols], slots, self.state.kv_cache)
+                for s in range(0, t, cols)]
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([p.view(r, -1, p.shape[-1]) for p in parts], dim=1).reshape(r * t, -1)
+
+        return TargetOutput(hidden_states=cat([o.hidden_states for o in outs]),
+                            captured=cat([o.captured for o in outs]))
 
     # -- the speculative step ---------------------------------------------------------------------------
     # The step's stages, each a method so that ``bench step`` can time them on the worker itself (with
@@ -555,4 +583,5 @@ class DSparkWorker(SpecWorkerBase):
             "new_tokens_lens": num_acc,  # [B] int32
             "next_draft_tokens": nxt[:, 1:],  # [B, K]
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
+            "draft_confidences": self.draft_confidences[:b],  # [B, K] fp32: c_k of each next draft (0: no head)
         }

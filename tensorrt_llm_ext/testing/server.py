@@ -87,7 +87,7 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     with KERNEL_LOCK:
         engine = Engine(cfg)
     name = served_model_name(cfg, None)
-    metrics = ServerMetrics(cfg.draft_len, model_name=name)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     # The served loop: the overlap scheduler unless the config disables it (as `serve`).
     scheduler = Scheduler(engine, overlap=not cfg.disable_overlap_scheduler)
     loop = EngineLoop(_SerialScheduler(scheduler), PlanChannel(None), metrics, max_queue=max_queue)

@@ -123,7 +123,7 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
                 last = time.time()
                 made = sum(map(len, outs))
                 logger.info(f"train-drafter: generated {len(outs)}/{len(prompts)} answers, {made} tokens "
-                            f"({made / max(last - t0, 1e-9):.0f} tokens/s)")
+                            f"({made / max(last - t0, 1e-9):.1f} tokens/s)")
         del engine
     width = max(len(p) + len(o) for p, o in zip(prompts, outs))
     tokens = torch.zeros(len(prompts), width, dtype=torch.int32)

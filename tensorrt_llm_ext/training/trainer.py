@@ -340,8 +340,13 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
 
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
-                  resume: bool = False, progress: bool = True) -> dict:
-    """Train and save the drafter; returns the summary written to ``out_dir/training.json``."""
+                  resume: bool = False, progress: bool = True, max_seconds: float | None = None) -> dict:
+    """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
+
+    ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
+    time limit), checkpoint, and write the drafter as it stands (``"complete": false`` in the summary);
+    ``--resume`` continues to ``steps``. Not a knob: a resumed run may use another budget."""
+    t_call = time.time()
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
@@ -371,8 +376,12 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                  "norm.weight": target.norm.weight.detach().float().cpu(),
                  "lm_head.weight": lm_head.float().cpu()}
     init = initial_weights(dcfg, target_sd, tc.seed + 1, tc.init)
-    params = {n: (state["params"][n] if state else init[n]).to(device).float().requires_grad_(True) for n in init}
-    opt = torch.optim.AdamW(params.values(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    # The embedding is the target's and stays frozen (shared, as serving shares it): not in the optimizer nor in
+    # trainer_state.pt (a third of the state on SmolLM2).
+    params = {n: (state["params"][n] if state and n not in FROZEN else init[n]).to(device).float()
+              .requires_grad_(n not in FROZEN) for n in init}
+    opt = torch.optim.AdamW([p for n, p in params.items() if n not in FROZEN], lr=tc.lr,
+                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     step0 = 0
     history: list[dict] = []
     if state:
@@ -396,7 +405,14 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     n_seq = data["tokens"].shape[0]
     t0 = last_log = time.time()
     trained_positions = 0
+    stopped_at = None
     for step in bar:
+        if max_seconds is not None and time.time() - t_call > max_seconds:
+            stopped_at = step
+            _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
+            logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
+                        "checkpointed (--resume continues), writing the drafter as it stands")
+            break
         for g in opt.param_groups:
             g["lr"] = tc.lr * sched(step)
         idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
@@ -410,7 +426,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                                    f"drafter written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), tc.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
         opt.step()
         trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
         rate = trained_positions / max(time.time() - t0, 1e-9)
@@ -440,6 +456,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         raise TrainingDiverged(f"train-drafter: a drafter weight is non-finite after step {tc.steps}; not written")
     summary = {"target": str(model_dir), "drafter": str(out_dir), "knobs": knobs, "target_layer_ids": layers,
                "sequences": n_seq, "tokens": int(data["lens"].sum()), "steps": tc.steps,
+               "steps_done": stopped_at if stopped_at is not None else tc.steps, "complete": stopped_at is None,
                "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
@@ -508,11 +525,13 @@ def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bo
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -> None:
-    atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items()}, "optimizer": opt.state_dict(),
+    atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
+                       "optimizer": opt.state_dict(),
                        "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
                        "init_eval": init_eval}, path)
 
 
+FROZEN = ("embed_tokens.weight",)  # copied from the target, never trained
 STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
 DATA_KEYS = ("tokens", "lens", "prompt_lens")
 
@@ -565,7 +584,7 @@ def _load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
 
 
 def _check_params(path: Path, params, dcfg) -> None:
-    shapes = {**full_weight_shapes(dcfg), **confidence_head_shapes(dcfg)}
+    shapes = {n: s for n, s in {**full_weight_shapes(dcfg), **confidence_head_shapes(dcfg)}.items() if n not in FROZEN}
     if not isinstance(params, dict) or set(params) != set(shapes) or any(
             not isinstance(params[n], torch.Tensor) or tuple(params[n].shape) != s for n, s in shapes.items()):
         raise ValueError(f"train-drafter --resume: {path} holds weights of another drafter shape; delete it or "

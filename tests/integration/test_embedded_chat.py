@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from tensorrt_llm_ext.configs.embedded_tokenizer import (EMBEDDED_CHAT_TEMPLATE, MIN_EMBEDDED_VOCAB,  # noqa: E402
                                                          build_embedded_tokenizer)
 from tensorrt_llm_ext.runtime.config import describe_drafter, load_config  # noqa: E402
-from tensorrt_llm_ext.runtime.serve_cli import resolve_tokenizer  # noqa: E402
+from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer  # noqa: E402
 from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG  # noqa: E402
 
 
@@ -79,3 +79,16 @@ def test_describe_drafter_names_source_k_and_rank(tmp_path):
     assert "K=3" in seeded and "Markov rank r=32" in seeded
     weights = describe_drafter(load_config(**SMALL_SERVE_CONFIG, **{"model.drafter_weights": "/x/d.pt"}))
     assert weights.startswith("drafter: /x/d.pt (a torch.save state dict")
+
+
+def test_text_prompts_need_no_http_stack():
+    # generate's text prompts resolve the tokenizer without importing the server (fastapi is the serve extra).
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tensorrt_llm_ext.runtime.config import load_config\n"
+            "from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer\n"
+            "assert resolve_tokenizer(load_config()) is not None\n"
+            "assert 'fastapi' not in sys.modules and 'tensorrt_llm_ext.runtime.server' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

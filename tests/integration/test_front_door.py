@@ -117,3 +117,23 @@ def test_generate_on_a_cpu_without_the_interpreter_runs_torch_ops_with_the_same_
     assert out["stock"]["speculative"]["outputs"] == out["fused"]["speculative"]["outputs"]
     assert out["stock"]["speculative"]["accepted_lens"] == out["fused"]["speculative"]["accepted_lens"]
     assert out["stock"]["target_only"]["outputs"] == out["fused"]["target_only"]["outputs"]
+
+
+def test_test_list_help_shows_the_pytest_pass_through(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["test-list", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "[-- PYTEST ARGS ...]" in out and "trtllm-ext test-list l0_cpu -- -x -k markov" in out.replace("\n", " ")
+
+
+def test_models_written_by_the_readme_are_git_ignored():
+    # The README's import-gguf / train-drafter write under models/: a checkpoint must never be committed.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", "models/SmolLM2-135M-Instruct/model.safetensors"],
+                       capture_output=True, timeout=30)
+    assert r.returncode == 0, "models/ is not git-ignored"

@@ -59,13 +59,13 @@ async def _post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    """Samples by name and labels, the ``model_name`` label (on every sample) left out of the key."""
+    """Samples by name and labels, the ``model_name`` and ``engine`` labels (on every sample) left out of the key."""
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
     for fam in prom_parser.text_string_to_metric_families(text):
         for s in fam.samples:
-            assert s.labels.get("model_name") == "dspark-embedded", s
-            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            assert s.labels.get("model_name") == "dspark-embedded" and s.labels.get("engine") == "0", s
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
             out[s.name + (json.dumps(labels, sort_keys=True) if labels else "")] = s.value
     return out
 
@@ -80,10 +80,10 @@ def test_concurrent_requests_equal_generate(server, reference):
     assert usage["prompt_tokens"] == len(BODIES[0]["prompt"]) and usage["completion_tokens"] == len(got[0])
     assert responses[3].json()["choices"][0]["finish_reason"] in ("stop", "length")
     m = _metrics(server.url)
-    assert m["trtllm_ext_requests_total" + json.dumps({"finish_reason": "length"})] >= 1
+    assert m["trtllm_ext_request_success_total" + json.dumps({"finished_reason": "length"})] >= 1
     assert m["trtllm_ext_generation_tokens_total"] >= sum(len(g) for g in got)
     assert m["trtllm_ext_acceptance_length_count"] > 0 and m["trtllm_ext_engine_steps_total"] > 0
-    assert "trtllm_ext_queue_depth" in m and "trtllm_ext_step_seconds_count" in m
+    assert "trtllm_ext_num_requests_waiting" in m and "trtllm_ext_step_seconds_count" in m
 
 
 def test_streaming_chunks_in_order_then_done(server, reference):
@@ -142,7 +142,7 @@ def test_openai_client(server, reference):
 
 
 def test_disconnect_frees_the_slot(server):
-    before = _metrics(server.url).get("trtllm_ext_requests_total" + json.dumps({"finish_reason": "cancelled"}), 0)
+    before = _metrics(server.url).get("trtllm_ext_request_success_total" + json.dumps({"finished_reason": "abort"}), 0)
     with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 36, "stream": True},
                       timeout=60) as r:
         for line in r.iter_lines():
@@ -151,8 +151,8 @@ def test_disconnect_frees_the_slot(server):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         m = _metrics(server.url)
-        cancelled = m.get("trtllm_ext_requests_total" + json.dumps({"finish_reason": "cancelled"}), 0)
-        if cancelled > before and m["trtllm_ext_active_requests"] == 0:
+        cancelled = m.get("trtllm_ext_request_success_total" + json.dumps({"finished_reason": "abort"}), 0)
+        if cancelled > before and m["trtllm_ext_num_requests_running"] == 0:
             break
         time.sleep(0.2)
     assert cancelled == before + 1

@@ -54,7 +54,7 @@ def test_recipe_loads_and_logs_fields_without_effect(tmp_path, caplog):
     assert cfg.draft_len == 3 and cfg.kv_cache_config.tokens_per_block == 32
     assert cfg.graph_batch_sizes() == (1, 2, 4, 8)
     no_effect = {p for p, _, _ in cfg.no_effect_fields()}
-    assert {"moe_expert_parallel_size", "max_num_tokens", "max_input_len", "attn_backend", "allreduce_strategy",
+    assert {"moe_expert_parallel_size", "max_input_len", "attn_backend", "allreduce_strategy",
             "kv_cache_config.enable_block_reuse", "kv_cache_config.dtype",
             "backend", "moe_config"} <= no_effect
     # honoured now (docs/rejection_sampling.md): a real field, not a no-effect one

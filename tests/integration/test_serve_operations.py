@@ -16,6 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
+from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer  # noqa: E402
 from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, start_in_process  # noqa: E402
 
@@ -60,7 +61,7 @@ def _metrics(url: str) -> dict:
 
 
 def _model_label(extra: dict | None = None) -> str:
-    return json.dumps({"model_name": "dspark-embedded", **(extra or {})}, sort_keys=True)
+    return json.dumps({"model_name": "dspark-embedded", "engine": "0", **(extra or {})}, sort_keys=True)
 
 
 # -- fields clients send by default --------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def test_acceptance_buckets_cover_full_acceptance_and_count_per_position():
                for fam in prom_parser.text_string_to_metric_families(text) for s in fam.samples}
 
     def get(name, **labels):
-        return samples[name + json.dumps({"model_name": "m", **labels}, sort_keys=True)]
+        return samples[name + json.dumps({"model_name": "m", "engine": "0", **labels}, sort_keys=True)]
 
     assert get("trtllm_ext_acceptance_length_bucket", le="3.0") == 2
     assert get("trtllm_ext_acceptance_length_bucket", le="4.0") == 4  # full acceptance in a finite bucket
@@ -190,6 +191,44 @@ def test_acceptance_buckets_cover_full_acceptance_and_count_per_position():
     assert get("trtllm_ext_spec_decode_num_accepted_tokens_total") == 0 + 3 + 3 + 1
     assert [get("trtllm_ext_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)] \
         == [3, 2, 2]
+
+
+def test_request_timeline_feeds_vllm_request_metrics():
+    """A hand-made timeline: queue, prefill, decode, inference, e2e and the token histograms hold exactly it."""
+    from tensorrt_llm_ext.runtime.engine_loop import ServerMetrics
+
+    m = ServerMetrics(2, model_name="m", max_model_len=100)
+    m.admitted(7, arrived=10.0, now=10.5, request=Request([1, 2, 3], max_new_tokens=6))
+    m.delivered(7, 1, now=11.0)  # the first token: TTFT 1.0, prefill 0.5
+    m.delivered(7, 3, now=11.25)  # a speculative step's 3 tokens
+    m.delivered(7, 2, now=12.0)
+    m.finished(7, "length", now=12.0)
+    m.request_finished("cancelled")  # a request that left the queue before it got a slot
+    text = m.render().decode()
+    samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+               for fam in prom_parser.text_string_to_metric_families(text) for s in fam.samples}
+
+    def get(name, **labels):
+        return samples[name + json.dumps({"model_name": "m", "engine": "0", **labels}, sort_keys=True)]
+
+    expect_sums = {"request_queue_time_seconds": 0.5, "time_to_first_token_seconds": 1.0,
+                   "request_prefill_time_seconds": 0.5, "request_decode_time_seconds": 1.0,
+                   "request_inference_time_seconds": 1.5, "e2e_request_latency_seconds": 2.0,
+                   "inter_token_latency_seconds": 1.0, "time_per_output_token_seconds": 1.0,
+                   "request_time_per_output_token_seconds": 0.2,  # 1.0 s over the 5 tokens after the first
+                   "request_prompt_tokens": 3, "request_generation_tokens": 6, "request_params_max_tokens": 6}
+    for name, total in expect_sums.items():
+        assert get(f"trtllm_ext_{name}_sum") == pytest.approx(total), name
+    assert get("trtllm_ext_inter_token_latency_seconds_count") == 2
+    assert get("trtllm_ext_generation_tokens_total") == 6
+    assert get("trtllm_ext_request_success_total", finished_reason="length") == 1
+    assert get("trtllm_ext_request_success_total", finished_reason="abort") == 1
+    assert get("trtllm_ext_request_success_total", finished_reason="stop") == 0  # every reason's series exists
+    assert get("trtllm_ext_request_generation_tokens_bucket", le="5.0") == 0
+    assert get("trtllm_ext_request_generation_tokens_bucket", le="10.0") == 1  # vLLM's 1-2-5 buckets
+    assert get("trtllm_ext_num_preemptions_total") == 0
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert get(f"trtllm_ext_{name}") == 0
 
 
 def test_request_metrics_vllm_names_with_model_name(server):
@@ -203,9 +242,20 @@ def test_request_metrics_vllm_names_with_model_name(server):
     httpx.get(server.url + "/no/such/path", timeout=10)  # a 404 of an unknown path is not a rejected request
     m = _metrics(server.url)
     lbl = _model_label()
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
         key = f"trtllm_ext_{name}_count" + lbl
         assert m[key] - before.get(key, 0) == 4, name
+
+    def grew(name, labels=None):
+        key = f"trtllm_ext_{name}" + _model_label(labels)
+        return m[key] - before.get(key, 0)
+
+    assert grew("request_success_total", {"finished_reason": "length"}) == 4
+    assert grew("prompt_tokens_total") == 8 and grew("generation_tokens_total") == 20
+    assert grew("request_generation_tokens_sum") == 20 and grew("iteration_tokens_total_sum") == 28
+    assert m["trtllm_ext_num_requests_running" + lbl] == 0 and m["trtllm_ext_num_requests_waiting" + lbl] == 0
     assert m["trtllm_ext_inter_token_latency_seconds_count" + lbl] > before.get(
         "trtllm_ext_inter_token_latency_seconds_count" + lbl, 0)
     assert 0.0 <= m["trtllm_ext_kv_cache_usage_perc" + lbl] <= 1.0

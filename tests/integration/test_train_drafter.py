@@ -104,11 +104,16 @@ def test_train_drafter_lowers_the_loss_and_serves_losslessly(trained, capsys):
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "T=1 top-p 0.95"], ids=["greedy", "t1_top_p"])
-def test_bench_acceptance_compares_trained_and_bigram(trained, capsys, sampling):
+def test_bench_acceptance_compares_trained_and_bigram(trained, capsys, sampling, tmp_path, monkeypatch):
     """The engine's acceptance on held-out prompts, both drafters (T=1: rejection sampling; the interpreter
-    makes it the slow one, so CPU CI runs greedy and the H200 list both)."""
+    makes it the slow one, so CPU CI runs greedy and the H200 list both); acceptance by position; nothing
+    left in the temporary directory."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["bench", "acceptance", "--model", str(trained), "--draft-lens", "3", "--num-prompts", "1",
                  "--max-new-tokens", "8", "--batch-size", "1", "--samplings", sampling]) == 0
+    assert list(tmp_path.iterdir()) == []
     table = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| trained") or
             line.startswith("| bigram")]
@@ -116,6 +121,9 @@ def test_bench_acceptance_compares_trained_and_bigram(trained, capsys, sampling)
     for r in rows:
         steps, tokens, mean = int(r[4]), int(r[5]), float(r[6])
         assert 1.0 <= mean <= 4.0 and abs(mean - tokens / steps) < 1e-3 and steps >= 2
+        per_pos = [float(x) for x in r[7].split()]  # fraction of steps with the first k drafts accepted
+        assert len(per_pos) == 3 and all(0 <= a <= 1 for a in per_pos) and per_pos == sorted(per_pos, reverse=True)
+        assert abs(sum(per_pos) - (mean - 1)) < 2e-2  # E[accepted drafts] = sum over k of P(first k accepted)
 
 
 def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path, monkeypatch):
@@ -146,3 +154,17 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path,
     with pytest.raises(ValueError, match=r"other knobs \(\['steps'\]\)"):
         train_drafter(tiny_target, tmp_path / "b" / "drafter", TrainConfig(**{**vars(knobs), "steps": 9}),
                       progress=False, resume=True)
+
+
+def test_served_drafter_exposes_per_position_confidences(trained):
+    """serve's loader picks up confidence_head.safetensors; each step leaves c_k of every next draft in the
+    worker's draft_confidences (the step output's field the scheduler reads)."""
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    engine = Engine(load_config(model_dir=str(trained), **{"speculative_config.max_draft_len": 3}))
+    assert engine.drafter.has_confidence_head
+    results, _ = engine.generate([Request(prompt_ids=[5, 17, 305, 42], max_new_tokens=6)])
+    assert results[0].error is None and results[0].num_steps >= 1
+    conf = engine.worker().draft_confidences[:1]
+    assert conf.shape == (1, 3) and bool(((conf > 0) & (conf < 1)).all()), conf

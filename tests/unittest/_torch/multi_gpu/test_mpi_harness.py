@@ -75,13 +75,14 @@ def test_rank_that_exits_mid_run_is_named_with_its_exit_code():
     MPICH SIGKILLed the spawning test process within 5 s, no result line)."""
     pool = MpiPool(2).start()
     try:
-        t0 = time.monotonic()
         with pytest.raises(RankJobError) as err:
             run_on_ranks(pool, _rank_one_exits_mid_run, timeout=120)
-        elapsed = time.monotonic() - t0
+        # Bounded from the rank's death (its supervisor's record), not from the call: the ranks' start-up and
+        # first collective before it took 10.5 s under load (2 busy loops beside the test on 2 cores).
+        noticed = time.time() - err.value.outcomes[1].ended_at
         assert err.value.headline == "rank 1 exited with code 7", str(err.value)
         assert "os._exit(7) mid-run" in err.value.outcomes[1].log_tail
-        assert elapsed < BOUND_S, elapsed
+        assert noticed < BOUND_S, noticed
         assert pool.broken
     finally:
         pool.shutdown()

@@ -1,0 +1,205 @@
+"""The server's Prometheus metrics, named and labelled as vLLM names them.
+
+Every vLLM metric this server can measure has vLLM's name with ``trtllm_ext_`` in place of ``vllm:`` and vLLM's
+labels (``model_name``, ``engine``; ``finished_reason`` on ``request_success``; ``position`` on the per-position
+spec-decode counter), so a vLLM dashboard works with its prefix replaced. Values of ``finished_reason``:
+vLLM's ``stop``, ``length`` and ``abort`` (a client that went away, a shutdown past its drain deadline), and
+``error`` (a request the engine failed). Counters gain ``_total`` in the exposition, as vLLM's do.
+
+What vLLM has and this server cannot measure is absent, not faked: prefix-cache queries / hits (no prefix
+reuse), LoRA, and ``num_preemptions`` is always 0 (nothing is preempted: a request waits for its pages before
+admission). This server's own metrics, beside vLLM's: ``engine_steps``, ``acceptance_length``, ``step_seconds``,
+``step_host_seconds``, ``step_batch_size`` and ``requests_rejected`` (docs/serving.md lists all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FINISHED_REASONS", "ITL_BUCKETS", "REQUEST_BUCKETS", "TTFT_BUCKETS", "ServerMetrics", "token_buckets"]
+
+# Latency buckets (seconds): vLLM's ranges, from sub-millisecond inter-token times to minute-long requests.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# This server's finish reasons -> vLLM's finished_reason label.
+FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort", "error": "error"}
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass
+class _Request:
+    """One admitted request's timeline (``perf_counter`` seconds) and sizes, until it finishes."""
+
+    arrived: float
+    admitted: float
+    prompt_tokens: int
+    max_tokens: int | None
+    first: float | None = None
+    last: float | None = None
+    generated: int = 0
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server (its own registry); the engine loop reports a request's admission,
+    every delivery of its tokens and its end, and each step; everything else is derived here."""
+
+    def __init__(self, draft_len: int, model_name: str = "dspark-embedded", max_model_len: int = 4096,
+                 engine: int = 0):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        p = "trtllm_ext_"
+        self.draft_len = draft_len
+        labels = ["model_name", "engine"]
+        self._values = [model_name, str(engine)]
+        self._requests: dict[int, _Request] = {}
+
+        def one(metric):  # the child of this server's labels
+            return metric.labels(*self._values)
+
+        def counter(name, doc, extra=()):
+            return Counter(p + name, doc, labels + list(extra), registry=r)
+
+        def histogram(name, doc, buckets):
+            return one(Histogram(p + name, doc, labels, buckets=list(buckets), registry=r))
+
+        # -- vLLM's scheduler state --------------------------------------------------------------------------
+        self.active = one(Gauge(p + "num_requests_running", "Requests holding a slot (in the step batch)", labels,
+                                registry=r))
+        self.queue_depth = one(Gauge(p + "num_requests_waiting", "Requests waiting for a slot", labels, registry=r))
+        self.kv_usage = one(Gauge(p + "kv_cache_usage_perc", "Fraction of the KV / latent cache pages held by "
+                                  "running requests (0..1)", labels, registry=r))
+        one(counter("num_preemptions", "Preempted requests (always 0: a request waits for its pages before "
+                    "admission, and is never preempted)"))
+        # -- vLLM's counters ---------------------------------------------------------------------------------
+        self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens admitted (prefilled)"))
+        self.generated_tokens = one(counter("generation_tokens", "Tokens generated"))
+        self._success = counter("request_success", "Finished requests by finished_reason", ["finished_reason"])
+        for reason in sorted(set(FINISHED_REASONS.values())):
+            self._success.labels(*self._values, reason)  # every series exists from the start, at 0
+        # -- vLLM's request histograms -------------------------------------------------------------------------
+        sizes = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request", sizes)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens a finished request "
+                                                   "generated", sizes)
+        self.request_max_tokens = histogram("request_params_max_tokens", "max_tokens of a finished request", sizes)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine iteration (prompt tokens "
+                                          "prefilled + tokens generated)", ITERATION_TOKEN_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token (queue time and prefill)",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive token deliveries of a request "
+                             "(one per step; a speculative step delivers its accepted tokens at once)", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "The same intervals as inter_token_latency_seconds "
+                              "(vLLM's older name for them)", ITL_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "A finished request's decode time "
+                                      "over its tokens after the first", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to admission (a slot): WAITING",
+                                    REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Admission to the last token: RUNNING "
+                                        "(prefill + decode)", REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Admission to the first token: PREFILL",
+                                      REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to the last token: DECODE",
+                                     REQUEST_BUCKETS)
+        # -- vLLM's spec-decode counters -----------------------------------------------------------------------
+        self.num_drafts = one(counter("spec_decode_num_drafts", "Speculative steps over requests (one draft of K "
+                                      "tokens each)"))
+        self.num_draft_tokens = one(counter("spec_decode_num_draft_tokens", "Draft tokens proposed"))
+        self.num_accepted_tokens = one(counter("spec_decode_num_accepted_tokens", "Draft tokens accepted"))
+        per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position "
+                          "(0 = the first drafted token)", ["position"])
+        self.accepted_per_pos = [per_pos.labels(*self._values, str(i)) for i in range(draft_len)]
+        # -- this server's own ---------------------------------------------------------------------------------
+        self._rejected = counter("requests_rejected", "Requests to a served endpoint answered 4xx/5xx before "
+                                 "reaching the engine", ["status"])
+        self.steps = one(counter("engine_steps", "Engine steps run"))
+        # Tokens one request gets from one speculative step: 1 (no draft accepted) .. K + 1 (all K drafts and
+        # the bonus token); one bucket per value, so full acceptance has its own finite bucket.
+        self.acceptance = histogram("acceptance_length", "Tokens accepted per request per speculative step "
+                                    "(accepted drafts + 1)", range(1, draft_len + 2))
+        self.step_time = histogram("step_seconds", "Wall time of one engine step",
+                                   (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.host_time = histogram("step_host_seconds", "Host time between two consecutive engine steps (plans, "
+                                   "bookkeeping, token delivery; prefills excluded): the device waits this long per "
+                                   "step in the serial loop",
+                                   (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
+        self.batch = histogram("step_batch_size", "Requests per engine step", (1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+    # -- what the engine loop reports ------------------------------------------------------------------------
+    def admitted(self, handle: int, arrived: float, now: float, request) -> None:
+        """``handle`` got a slot at ``now`` (it arrived at ``arrived``); ``request``: its engine :class:`Request`."""
+        self.queue_time.observe(max(0.0, now - arrived))
+        self._requests[handle] = _Request(arrived, now, len(request.prompt_ids), request.max_new_tokens)
+
+    def delivered(self, handle: int, num_tokens: int, now: float, arrived: float | None = None) -> None:
+        """``num_tokens`` tokens of ``handle`` were delivered at ``now`` (time to the first, or since the last)."""
+        self.generated_tokens.inc(num_tokens)
+        req = self._requests.get(handle)
+        if not num_tokens or req is None:
+            return
+        if req.first is None:
+            req.first = now
+            self.ttft.observe(max(0.0, now - (arrived if arrived is not None else req.arrived)))
+        else:
+            self.itl.observe(max(0.0, now - req.last))
+            self.tpot.observe(max(0.0, now - req.last))
+        req.last = now
+        req.generated += num_tokens
+
+    def finished(self, handle: int, reason: str, now: float) -> None:
+        """``handle`` ended at ``now`` with this server's ``reason``; a request served to its end (``stop`` /
+        ``length``) also feeds the per-request histograms."""
+        self.request_finished(reason)
+        req = self._requests.pop(handle, None)
+        if req is None or reason not in ("stop", "length"):
+            return
+        self.e2e.observe(max(0.0, now - req.arrived))
+        self.inference_time.observe(max(0.0, now - req.admitted))
+        self.request_prompt_tokens.observe(req.prompt_tokens)
+        self.request_generation_tokens.observe(req.generated)
+        if req.max_tokens is not None:
+            self.request_max_tokens.observe(req.max_tokens)
+        if req.first is not None:
+            self.prefill_time.observe(max(0.0, req.first - req.admitted))
+            self.decode_time.observe(max(0.0, req.last - req.first))
+            if req.generated > 1:
+                self.request_tpot.observe((req.last - req.first) / (req.generated - 1))
+
+    def request_finished(self, reason: str) -> None:
+        """Count one finished request (also one that never reached a slot)."""
+        self._success.labels(*self._values, FINISHED_REASONS.get(reason, reason)).inc()
+
+    def rejected(self, status: int) -> None:
+        self._rejected.labels(*self._values, str(status)).inc()
+
+    def speculative_step(self, accepted_len: int) -> None:
+        """One request's speculative step that emitted ``accepted_len`` tokens (``accepted_len - 1`` drafts)."""
+        self.acceptance.observe(accepted_len)
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(self.draft_len)
+        accepted = max(0, min(accepted_len - 1, self.draft_len))
+        self.num_accepted_tokens.inc(accepted)
+        for pos in range(accepted):
+            self.accepted_per_pos[pos].inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

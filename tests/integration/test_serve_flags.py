@@ -1,0 +1,67 @@
+"""vLLM's and trtllm-serve's flags that a user brings along: accepted with their meaning or with one *no effect
+here* line, never refused as unknown (``--gpu-memory-utilization``, ``--trust-remote-code``,
+``--enable-prefix-caching``, ``--pp_size``, ``--ep_size``, ``serve --model DIR``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from tensorrt_llm_ext import logger as logger_mod
+from tensorrt_llm_ext.runtime.config import ConfigError, log_no_effect_fields, no_effect_reason
+from tensorrt_llm_ext.runtime.serve_cli import (_load, add_serve_args, config_overrides, log_no_effect_flags,
+                                                model_argument)
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_vllm_and_trtllm_serve_flags_map_to_config_fields():
+    args = _parse("--gpu-memory-utilization", "0.85", "--trust-remote-code", "--enable-prefix-caching",
+                  "--pp_size", "1", "--ep_size", "4")
+    assert config_overrides(args) == {"kv_cache_config.free_gpu_memory_fraction": 0.85, "trust_remote_code": True,
+                                      "kv_cache_config.enable_block_reuse": True, "pipeline_parallel_size": 1,
+                                      "moe_expert_parallel_size": 4}
+    cfg = _load(args)
+    assert cfg.kv_cache_config.free_gpu_memory_fraction == 0.85 and cfg.pipeline_parallel_size == 1
+    # TensorRT-LLM's spellings reach the same fields.
+    same = _parse("--kv_cache_free_gpu_memory_fraction", "0.85", "--trust_remote_code", "--enable_prefix_caching",
+                  "--pipeline-parallel-size", "1", "--moe_expert_parallel_size", "4")
+    assert config_overrides(same) == config_overrides(args)
+    assert config_overrides(_parse("--no-enable-prefix-caching")) == {"kv_cache_config.enable_block_reuse": False}
+
+
+def test_each_flag_without_effect_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(logger_mod, "_seen_once", set())
+    args = _parse("--trust-remote-code", "--enable-prefix-caching", "--ep_size", "4", "--pp_size", "1")
+    cfg = _load(args)
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        log_no_effect_fields(cfg)
+        log_no_effect_flags(args)
+    lines = [r.getMessage() for r in caplog.records]
+    # Values that differ from the default: the config's line; the default asked for by a flag: the flag's line.
+    assert [ln for ln in lines if "trust_remote_code" in ln] == [
+        "config: trust_remote_code=True accepted, no effect here (no remote code is ever run)"]
+    assert [ln for ln in lines if "moe_expert_parallel_size" in ln] == [
+        "config: moe_expert_parallel_size=4 accepted, no effect here (dense target, no experts)"]
+    assert [ln for ln in lines if "prefix" in ln] == [
+        f"serve --enable-prefix-caching: accepted, no effect here ({no_effect_reason('kv_cache_config.enable_block_reuse')})"]
+    assert not any("pp" in ln or "pipeline" in ln for ln in lines)  # pp 1 is what runs: nothing to say
+    assert no_effect_reason("kv_cache_config.free_gpu_memory_fraction") is None  # that one is used
+
+
+def test_pipeline_parallelism_above_1_is_one_clear_error():
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        _load(_parse("--pp_size", "2"))
+
+
+def test_serve_takes_the_model_as_a_flag_too(tmp_path):
+    assert model_argument(_parse("--model", "/m")) == "/m" and model_argument(_parse("/m")) == "/m"
+    assert model_argument(_parse("/m", "--model", "/m")) == "/m" and model_argument(_parse()) is None
+    with pytest.raises(ConfigError, match="the model is given twice"):
+        model_argument(_parse("/a", "--model", "/b"))
