@@ -133,8 +133,10 @@ def test_worker_step_returns_one_model_dict(engine):
     worker.set_rows([0, 1], 3)  # one padding row on the dummy slot
     ctx_before = eng.state.ctx_lens[:2].clone()
     out = worker.forward(3)
-    assert set(out) == {"logits", "new_tokens", "new_tokens_lens", "next_draft_tokens", "next_new_tokens"}
+    assert set(out) == {"logits", "new_tokens", "new_tokens_lens", "next_draft_tokens", "next_new_tokens",
+                        "draft_confidences"}
     assert out["new_tokens"].shape == (3, k + 1) and out["next_draft_tokens"].shape == (3, k)
+    assert out["draft_confidences"].shape == (3, k) and out["draft_confidences"].dtype == torch.float32
     assert out["next_new_tokens"].shape == (3, k + 1) and out["new_tokens_lens"].dtype == torch.int32
     assert out["logits"].shape == (3 * (k + 1), eng.vocab_size)
     lens = out["new_tokens_lens"]

@@ -66,8 +66,12 @@ def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], tempe
     """Teacher-forced target logits -> log_softmax at the request's temperature and top-p: ``[n, V]``."""
     seq = prompt + out[:-1]
     with KERNEL_LOCK:
-        hidden = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], torch.tensor([0], dtype=torch.int32),
-                               engine.state.kv_cache).hidden_states
+        engine.pages.allocate(0, engine.pages.max_pages_per_slot)  # slot 0's cache pages, for this forward only
+        try:
+            hidden = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None],
+                                   torch.tensor([0], dtype=torch.int32), engine.state.kv_cache).hidden_states
+        finally:
+            engine.pages.free(0)
         logits = engine.target.logits(hidden)[len(prompt) - 1:].float()
     x = logits / (temperature if temperature > 0 else 1.0)
     if temperature > 0 and top_p < 1:

@@ -33,14 +33,13 @@ def _rank_env(tp: int, eager_twins: bool):
     import torch
 
     import tensorrt_llm_ext.kernels.rms_norm as rms
-    import tensorrt_llm_ext.runtime.engine as engine_mod
     from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.speculative import step_ops
     from tensorrt_llm_ext.speculative.verification import rejection_sample_reference, top_p_keep_reference
 
     mapping = init_from_mpi(tp_size=tp)
     device = None
-    saved = (rms.triton_runs_on, engine_mod.FUSED_OPS, torch.get_num_threads())
+    saved = (rms.triton_runs_on, step_ops.FUSED_OPS, torch.get_num_threads())
     try:
         if torch.cuda.is_available():
             device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
@@ -49,14 +48,14 @@ def _rank_env(tp: int, eager_twins: bool):
             rms.triton_runs_on = lambda t: False
         if eager_twins:
             stock = step_ops.STOCK_OPS
-            engine_mod.FUSED_OPS = dataclasses.replace(
+            step_ops.FUSED_OPS = dataclasses.replace(
                 step_ops.FUSED_OPS, name="fused-eager-twins", decode_block_table=stock.decode_block_table,
                 strict_accept=stock.strict_accept, paged_latent_step=stock.paged_latent_step,
                 store_context_latents=stock.store_context_latents, rejection_sample=rejection_sample_reference,
                 top_p_keep=top_p_keep_reference)
         yield mapping, device
     finally:
-        rms.triton_runs_on, engine_mod.FUSED_OPS = saved[0], saved[1]
+        rms.triton_runs_on, step_ops.FUSED_OPS = saved[0], saved[1]
         torch.set_num_threads(saved[2])
 
 
