@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.engine_loop import HEARTBEAT_S  # noqa: E402
 from tensorrt_llm_ext.runtime.server import EXIT_ENGINE_FAILED  # noqa: E402
+from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer  # noqa: E402
 from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG as SMALL, reference_outputs,  # noqa: E402
                                              sample_bodies, start_server)
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_
 def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
     bodies = BODIES[:6]
     reference = _reference(bodies)
+    tok = resolve_tokenizer(load_config(**SMALL))  # the embedded model's, as serve resolves it
     cfg = tmp_path / "small.yaml"
     cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
     srv = start_server(["--config", str(cfg), "--tp", "2"], str(tmp_path / "server.log"), start_timeout=240)
@@ -46,11 +48,11 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
         assert got == reference[:2]
         for a in answers:
             lp = a["logprobs"]
-            assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == a["token_ids"]
+            assert lp["tokens"] == [tok.decode([t]) for t in a["token_ids"]]
             assert all(-9999.0 <= v <= 0 for v in lp["token_logprobs"])
         # bodies[0] is greedy: each token is the argmax, so its logprob is the first of the top 2
         first = [list(top.items())[0] for top in answers[0]["logprobs"]["top_logprobs"]]
-        assert [int(k.removeprefix("token_id:")) for k, _ in first] == answers[0]["token_ids"]
+        assert [k for k, _ in first] == [tok.decode([t]) for t in answers[0]["token_ids"]]
         assert [v for _, v in first] == answers[0]["logprobs"]["token_logprobs"]
         batch = [httpx.post(srv.url + "/v1/completions", json={"prompt": [b["prompt"] for b in bodies[2:]],
                                                                 "max_tokens": 3}, timeout=300)]
