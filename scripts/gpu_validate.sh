@@ -9,6 +9,9 @@ out=${1:-out}; shift || true
 benches=("$@"); [ ${#benches[@]} -gt 0 ] || benches=(step verify exchange)
 mkdir -p "$out"
 source scripts/gpu_env.sh
+# l0_h200's SmolLM2 test fails without its GGUF: the one gpu_real_model.sh prepare joined on this machine
+joined=out/real_model/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -z "${TLLM_EXT_SMOLLM2_GGUF:-}" ] && [ -f "$joined" ] && export TLLM_EXT_SMOLLM2_GGUF=$PWD/$joined
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"; } > "$out/env.txt" 2>&1
 if [ -n "${TESTS:-}" ]; then
   (cd tests && timeout "${L0_TIMEOUT:-330}" python3 -m pytest $TESTS -q --timeout 150 -p no:cacheprovider -rfE) > "$out/l0_h200.log" 2>&1
