@@ -27,6 +27,7 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import fmt, print_table, register_benchmark
 from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.models.checkpoint import target_only_view
 
 SAMPLINGS = {"greedy": dict(temperature=0.0, top_p=1.0), "T=1 top-p 0.95": dict(temperature=1.0, top_p=0.95)}
 
@@ -91,15 +92,6 @@ def _progress_logger(label: str, budget: int, every_s: float = 30.0):
     return update
 
 
-def bigram_view(model_dir: Path, work: Path) -> Path:
-    """A directory of links to ``model_dir``'s files without its drafter: loading it builds the bigram init."""
-    view = work / model_dir.name
-    view.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and not (view / f.name).exists():
-            (view / f.name).symlink_to(f.resolve())
-    return view
-
 
 @register_benchmark("acceptance", "mean acceptance length on held-out prompts: trained drafter vs bigram init, "
                     "per K, greedy and T=1 rejection sampling", _add_args)
@@ -121,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_acceptance_") as tmp:
         work = Path(tmp)
-        base = load_config(model_dir=str(bigram_view(model, work)))
+        base = load_config(model_dir=str(target_only_view(model, work)))
         try:
             convs = prompt_set_conversations(args)
         except ValueError as e:
@@ -140,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                              "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
                 if variant == "trained":
                     overrides["speculative_config.speculative_model"] = str(drafter)
-                cfg = load_config(model_dir=str(model if variant == "trained" else bigram_view(model, work)),
+                cfg = load_config(model_dir=str(model if variant == "trained" else target_only_view(model, work)),
                                   **overrides)
                 engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
                 for name in args.samplings:

@@ -500,3 +500,14 @@ def save_drafter_checkpoint(directory: str | Path, cfg: DSparkDrafterConfig, tar
     }
     (directory / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     _save_safetensors(state_dict, directory / "model.safetensors", {"format": "pt"})
+
+
+def target_only_view(model_dir: Path, work: Path) -> Path:
+    """A directory of links to ``model_dir``'s files without its drafter: loading it builds the engine's seeded
+    (bigram) drafter, so a drafter being trained, half-trained or under comparison is never loaded."""
+    view = work / model_dir.name
+    view.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not (view / f.name).exists():
+            (view / f.name).symlink_to(f.resolve())
+    return view

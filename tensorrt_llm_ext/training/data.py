@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.models.checkpoint import load_llama_state_dict, read_checkpoint_facts, read_target_config
+from tensorrt_llm_ext.models.checkpoint import (load_llama_state_dict, read_checkpoint_facts, read_target_config,
+                                               target_only_view)
 from tensorrt_llm_ext.models.llama_target import LlamaTarget
 
 
@@ -132,13 +133,3 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
     return {"tokens": tokens, "lens": torch.tensor([len(p) + len(o) for p, o in zip(prompts, outs)]),
             "prompt_lens": torch.tensor([len(p) for p in prompts])}
 
-
-def target_only_view(model_dir: Path, work: Path) -> Path:
-    """A directory of links to ``model_dir``'s files without its drafter (the engine then builds the seeded one;
-    the drafter being trained, or a half-trained one, is never loaded)."""
-    view = work / model_dir.name
-    view.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and not (view / f.name).exists():
-            (view / f.name).symlink_to(f.resolve())
-    return view
