@@ -218,7 +218,8 @@ class PagedKVCache:
 
     @property
     def scratch_page(self) -> int:
-        return self.k.shape[1] - 1
+        """The last page's id: one past the pages that can be handed out."""
+        return self.num_pages
 
     @property
     def num_slots(self) -> int:
