@@ -13,7 +13,11 @@ cache holds C tokens), each a CUDA graph replayed (median):
   KV-bytes floor, and FlashInfer's paged decode at the same shape when ``flashinfer`` imports (else a line
   saying why the column is absent);
 * ``floor``: the bytes a decode step must read (every weight but the embedding once, plus ``B * C`` tokens of
-  K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward.
+  K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward;
+* ``decode unfused`` / ``verify unfused``: the same forwards with ``layer_kernels = "unfused"`` (cuBLAS GEMMs and
+  separate norm / RoPE / SiLU-mul launches) next to the layer the model picks (the fused five-launch layer up to
+  ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver``: kernels of one
+  eager ``[B, 1]`` / ``[B, K+1]`` forward.
 
 ``--spec-shapes`` (default ``llama-8b``): the speculative step (:meth:`DSparkWorker.forward`: verify forward,
 selection, acceptance, drafter block decode and Markov chain) next to the target-only step and the verify
@@ -153,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     ensure_triton_interpreter()
     from tensorrt_llm_ext.kernels.paged_attention import paged_attention
+    from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
 
@@ -222,6 +227,17 @@ def run(args: argparse.Namespace) -> int:
                     "verify": timer.time_graph([lambda: target(tokk, posk, slots, kv)], min_calls_per_graph=4),
                     "target_only": timer.time_graph([target_only], min_calls_per_graph=4),
                 }
+                if ctx == contexts[0]:  # launches do not depend on the context
+                    step_launches = "/".join(str(_launches(lambda tok=tok, pos=pos: target(tok, pos, slots, kv)) or "-")
+                                             for tok, pos in ((tok1, pos1), (tokk, posk)))
+                # The same forwards with the unfused layer (cuBLAS GEMMs, separate norm / RoPE / SiLU launches):
+                # where the fused small-step layer stops paying (FUSED_MAX_ROWS).
+                target.layer_kernels = "unfused"
+                try:
+                    t["decode_unfused"] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4)
+                    t["verify_unfused"] = timer.time_graph([lambda: target(tokk, posk, slots, kv)], min_calls_per_graph=4)
+                finally:
+                    target.layer_kernels = "auto"
                 q = torch.randn(b, 1, tcfg.num_heads // eng.mapping.tp_size, tcfg.head_dim, generator=g, device=dev
                                 ).to(target.dtype)
                 layers = range(min(tcfg.num_layers, 8))
@@ -239,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
                 floor = floor_us(weight_bytes + kv_bytes, bw)
                 attn_floor = floor_us(kv_bytes // tcfg.num_layers, bw)
                 rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
-                             fmt(t["decode"] / floor, 2), fmt(t["attn"]), fmt(attn_floor),
-                             fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                             fmt(t["decode"] / floor, 2), fmt(t["decode_unfused"]), fmt(t["verify_unfused"]),
+                             step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
                 if shape in spec:
                     def spec_step(b=b, ctx0=ctx0):
                         st.ctx_lens.copy_(ctx0)
@@ -261,11 +277,15 @@ def run(args: argparse.Namespace) -> int:
                  "times in us, median of CUDA-graph replays; floor = (weights but the embedding + B*(C+1) tokens of "
                  "K/V) at the copy bandwidth; attn = one layer's paged decode attention (T=1), attn floor = its "
                  "K/V bytes at the copy bandwidth",
+                 f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
+                 "rows B*T at TP 1, else unfused); decode / verify unfused: the same forwards with the unfused layer "
+                 "(cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         text.append(print_table(f"bench target: {name} decode step vs floor",
                                 ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
-                                 "attn", "attn floor", "attn/floor", "flashinfer attn"], rows, notes))
+                                 "decode unfused", "verify unfused", "launches dec/ver", "attn", "attn floor",
+                                 "attn/floor", "flashinfer attn"], rows, notes))
         if spec_rows:
             text.append(print_table(
                 f"bench target: {name} speculative step vs target-only step",
