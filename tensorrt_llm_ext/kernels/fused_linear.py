@@ -16,8 +16,8 @@ not bytes: one program per ``BLOCK_N`` output columns (and ``BLOCK_M`` rows), st
   The bias is added to the fp32 accumulator before the output rounding.
 
 Determinism: each output row is a function of that row only (tiles never mix rows; the reduction order over
-``K`` is fixed by ``BLOCK_K``, which depends on ``K`` only), so a row's bits do not depend on its neighbours;
-the settings (:func:`fused_linear_settings`) depend on ``M`` through ``BLOCK_M`` only.
+``K`` is fixed by the settings), so a row's bits do not depend on its neighbours; the settings
+(:func:`fused_linear_settings`) depend on the shape and dtype only (``M`` through ``BLOCK_M``).
 
 Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes the same roundings with
 ``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
@@ -36,7 +36,7 @@ from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
 __all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "dot_settings", "fused_linear", "fused_linear_reference",
-           "fused_linear_settings"]
+           "fused_linear_settings", "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
@@ -122,20 +122,32 @@ def dot_settings(x: torch.Tensor, w: torch.Tensor):
     return (tl.bfloat16 if w.dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
-def fused_linear_settings(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+def stage_block_k(k: int, block_m: int, w_cols: int, elem_bytes: int) -> int:
+    """``BLOCK_K``: up to 256 inputs per iteration (wide weight loads), halved while one pipeline stage (the
+    ``[BLOCK_M, BLOCK_K]`` input tile and the ``[BLOCK_K, w_cols]`` weight tiles) passes 40 KB of shared memory
+    or the input tile 8192 elements (registers: the prologue holds it in fp32)."""
+    bk = min(256, max(16, triton.next_power_of_2(k)))
+    while bk > 16 and ((block_m + w_cols) * bk * elem_bytes > 40960 or block_m * bk > 8192):
+        bk //= 2
+    return bk
+
+
+def fused_linear_settings(m: int, n: int, k: int, elem_bytes: int = 2, gate_up: bool = False,
+                          sms: int = 132) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for ``M`` rows, ``N`` output columns, ``K`` inputs.
 
     ``BLOCK_N`` is the widest of 64 / 32 / 16 that still gives two programs per SM (``sms``, the H200's 132
     by default): a small-M product reads its weight once, so its speed is the number of weight streams in
-    flight. ``BLOCK_K`` 256 keeps each stream's loads wide. Fixed per shape: never from lengths or data."""
+    flight. ``BLOCK_K`` from :func:`stage_block_k` (``gate_up``: two weight tiles per stage). 8 warps for
+    64-row tiles. Fixed per shape and dtype: never from lengths or data."""
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     block_n = 16
     for cand in (64, 32):
         if triton.cdiv(n, cand) >= 2 * sms:
             block_n = cand
             break
-    block_k = min(256, max(16, triton.next_power_of_2(k)))
-    return block_m, block_n, block_k, 4
+    block_k = stage_block_k(k, block_m, block_n * (2 if gate_up else 1), elem_bytes)
+    return block_m, block_n, block_k, 8 if block_m >= 64 else 4
 
 
 def _check(x, weight, bias, norm_weight, residual, epilogue):
@@ -188,7 +200,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     check_tensor("fused_linear out [M, N]", out, shape=(m, n), dtype=x.dtype, device=x.device, unit_last_stride=True)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps = fused_linear_settings(m, n, k)
+    block_m, block_n, block_k, warps = fused_linear_settings(m, n, k, max(x.element_size(), weight.element_size()),
+                                                             epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
     res = residual if residual is not None else out
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](

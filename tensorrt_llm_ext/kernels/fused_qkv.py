@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor
-from tensorrt_llm_ext.kernels.fused_linear import MAX_BLOCK_M, _normed_tile, _row_rstd, dot_settings
+from tensorrt_llm_ext.kernels.fused_linear import MAX_BLOCK_M, _normed_tile, _row_rstd, dot_settings, stage_block_k
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -189,7 +189,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         return q_out
     half = d // 2
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    block_k = min(128 if d > 64 else 256, max(16, triton.next_power_of_2(k)))
+    block_half = max(16, triton.next_power_of_2(half))
+    block_k = stage_block_k(k, block_m, 2 * block_half, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     dummy = qkv_weight
     _fused_qkv_rope_kernel[(num_heads + 2 * kvh, triton.cdiv(m, block_m))](
@@ -201,8 +202,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         num_heads * d, d,
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
-        BLOCK_M=block_m, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4,
+        BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=8 if block_m >= 64 else 4,
     )
     return q_out
 

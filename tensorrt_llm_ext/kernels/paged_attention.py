@@ -56,6 +56,7 @@ __all__ = ["SPLIT_TOKENS", "paged_attention", "paged_attention_reference", "spli
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
 BLOCK_N = 64  # keys per inner iteration
+MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
 _LOG2E = 1.4426950408889634
 
 
@@ -67,7 +68,7 @@ def _paged_attention_kernel(
     stride_qb, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,7 +133,7 @@ def _paged_attention_kernel(
             if done == live - 1:
                 tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
                 _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim,
-                              split_len, live, BLOCK_M, BLOCK_D)
+                              split_len, live, BLOCK_M, BLOCK_D, MERGE_UNROLL)
         else:
             # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
             # and 0 + 1 * o), so the output is written directly.
@@ -141,24 +142,29 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim, split_len,
-                  live, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge each row's own ``ceil((pos + 1) / split_len)`` pieces, in piece order (a row's bits never depend on
-    the pieces its tile's other rows use: pieces past a row add exact zeros)."""
+                  live, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """Merge each row's own ``ceil((pos + 1) / split_len)`` pieces in piece order, one pass with a running max
+    (UNROLL pieces' loads in flight at once). A piece past a row's own is an exact identity step (weight 0,
+    rescale exp2(0) = 1), so a row's bits never depend on the pieces its tile's other rows use; a row of one
+    piece gets exactly that piece's ``o`` (weight exp2(0) = 1 on zero sums)."""
     used = (pos + split_len) // split_len
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, live):
-        lse = tl.load(part_lse_ptr + prow + s, mask=row_ok & (s < used), other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, lse)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, live):
-        ok = row_ok & (s < used)
-        lse = tl.load(part_lse_ptr + prow + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(ok, tl.math.exp2(lse - tl.where(ok, m, 0.0)), 0.0)
-        o = tl.load(part_o_ptr + (prow + s)[:, None] * head_dim + d[None, :], mask=ok[:, None] & d_ok[None, :],
-                    other=0.0, cache_modifier=".cg")
-        den += w
-        acc += w[:, None] * o
+    for s0 in range(0, live, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            ok = row_ok & (s < used)
+            lse = tl.load(part_lse_ptr + prow + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_o_ptr + (prow + s)[:, None] * head_dim + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_use)
+            w = tl.math.exp2(lse - m_use)
+            den = den * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o
+            m = m_new
     out = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=out_mask)
 
@@ -262,7 +268,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, MERGE_UNROLL=MERGE_UNROLL, num_warps=4,
     )
     return out
 

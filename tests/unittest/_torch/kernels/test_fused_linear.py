@@ -68,8 +68,15 @@ def test_settings_depend_on_shape_only_and_spread_wide_weights():
     assert fused_linear_settings(1, 576, 576)[:3] == (16, 16, 256)
     assert fused_linear_settings(64, 576, 576)[0] == 64
     assert fused_linear_settings(200, 576, 576)[0] == 64
-    bm, bn, bk, _ = fused_linear_settings(1, 14336, 4096)  # an 8B gate-up half: wide tiles, still >= 2 per SM
+    bm, bn, bk, _ = fused_linear_settings(1, 14336, 4096, gate_up=True)  # an 8B gate-up: >= 2 programs per SM
     assert bn == 32 and -(-14336 // bn) >= 264 and bk == 256
+    # One pipeline stage stays within 40 KB of shared memory and the input tile within 8192 elements.
+    for m in (1, 8, 64):
+        for elem in (2, 4):
+            for gate_up in (False, True):
+                bm, bn, bk, warps = fused_linear_settings(m, 14336, 4096, elem, gate_up)
+                assert (bm + bn * (1 + gate_up)) * bk * elem <= 40960 and bm * bk <= 8192 and bk >= 16
+                assert warps == (8 if bm == 64 else 4)
 
 
 def test_validation_names_the_argument():
