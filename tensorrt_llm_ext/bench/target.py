@@ -17,7 +17,9 @@ cache holds C tokens), each a CUDA graph replayed (median):
 * ``decode unfused`` / ``verify unfused``: the same forwards with ``layer_kernels = "unfused"`` (cuBLAS GEMMs and
   separate norm / RoPE / SiLU-mul launches) next to the layer the model picks (the fused five-launch layer up to
   ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver``: kernels of one
-  eager ``[B, 1]`` / ``[B, K+1]`` forward.
+  eager ``[B, 1]`` / ``[B, K+1]`` forward;
+* a second table: the decode attention with each of ``CONFIG_CANDIDATES`` (the split tiles' launch settings),
+  the best against the K/V floor: what sets ``DECODE_CONFIGS``.
 
 ``--spec-shapes`` (default ``llama-8b``): the speculative step (:meth:`DSparkWorker.forward`: verify forward,
 selection, acceptance, drafter block decode and Markov chain) next to the target-only step and the verify
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import paged_attention
+    from tensorrt_llm_ext.kernels.paged_attention import CONFIG_CANDIDATES, decode_config, paged_attention
     from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
@@ -200,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         tcfg = target.config
         one = torch.zeros(1, 1, dtype=torch.int64, device=dev)
         launches = _launches(lambda: target(one, one, torch.zeros(1, dtype=torch.int32, device=dev), kv))
-        rows, spec_rows = [], []
+        rows, spec_rows, cfg_rows = [], [], []
         max_b = max(sizes)
         for slot in range(max_b):
             eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
@@ -244,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
                 scale = tcfg.head_dim ** -0.5
                 t["attn"] = timer.time_graph([lambda i=i: paged_attention(q, kv.k[i], kv.v[i], kv.page_table, slots,
                                                                           pos1, scale) for i in layers])
+                cfg_t = [timer.time_graph([lambda i=i, c=c: paged_attention(q, kv.k[i], kv.v[i], kv.page_table, slots,
+                                                                            pos1, scale, config=c) for i in layers])
+                         for c in CONFIG_CANDIDATES]
                 fi_t = float("nan")
                 if fi is not None:
                     try:
@@ -257,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
                 rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
                              fmt(t["decode"] / floor, 2), fmt(t["decode_unfused"]), fmt(t["verify_unfused"]),
                              step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                best = min(range(len(cfg_t)), key=lambda j: cfg_t[j] if cfg_t[j] == cfg_t[j] else float("inf"))
+                timed = cfg_t[best] == cfg_t[best]  # nan: a CPU smoke run
+                cfg_rows.append([b, ctx, *[fmt(x) for x in cfg_t], fmt(attn_floor),
+                                 CONFIG_CANDIDATES[best].describe() if timed else "-", fmt(cfg_t[best] / attn_floor, 2)])
                 if shape in spec:
                     def spec_step(b=b, ctx0=ctx0):
                         st.ctx_lens.copy_(ctx0)
@@ -286,6 +295,12 @@ def run(args: argparse.Namespace) -> int:
                                 ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
                                  "decode unfused", "verify unfused", "launches dec/ver", "attn", "attn floor",
                                  "attn/floor", "flashinfer attn"], rows, notes))
+        text.append(print_table(
+            f"bench target: {name} paged decode attention by launch config",
+            ["B", "C", *[c.describe() for c in CONFIG_CANDIDATES], "attn floor", "best", "best/floor"], cfg_rows,
+            [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
+             f"(nN = keys per iteration, wW = warps, sS = pipeline stages); the model runs DECODE_CONFIGS[{tcfg.head_dim}]"
+             f" = {decode_config(tcfg.head_dim).describe()}"]))
         if spec_rows:
             text.append(print_table(
                 f"bench target: {name} speculative step vs target-only step",

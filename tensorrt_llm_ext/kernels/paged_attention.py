@@ -45,17 +45,19 @@ feeds ``p`` to the second product in the value dtype), bitwise with neither.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, refuse_allocation_while_capturing
 
-__all__ = ["SPLIT_TOKENS", "paged_attention", "paged_attention_reference", "split_plan", "tile_counters"]
+__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
+           "paged_attention_reference", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
-BLOCK_N = 64  # keys per inner iteration
 MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
 _LOG2E = 1.4426950408889634
 
@@ -169,6 +171,43 @@ def _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch settings of the split (decode / verify) tiles: keys per inner iteration (dividing the piece),
+    warps, software-pipeline stages. Prefill tiles keep 64 keys and 4 warps."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
+            raise ValueError(f"AttentionConfig.block_n must be 16, 32, 64 or 128 (dividing {SPLIT_TOKENS}), got "
+                             f"{self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8) or not 1 <= self.num_stages <= 5:
+            raise ValueError(f"AttentionConfig: num_warps in 1/2/4/8 and num_stages in 1..5, got {self.num_warps}, "
+                             f"{self.num_stages}")
+
+    def describe(self) -> str:
+        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch).
+# The first H200 run measured the first row (64 keys, 4 warps, 3 stages) at 1.7-1.9x the K/V floor at 8k;
+# `bench target` times CONFIG_CANDIDATES at every (B, C) so the table can be set from measurements.
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(), 128: AttentionConfig()}
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 3), AttentionConfig(128, 4, 3), AttentionConfig(128, 8, 3),
+                     AttentionConfig(64, 4, 2), AttentionConfig(32, 2, 3))
+
+
+PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
+
+
+def decode_config(head_dim: int) -> AttentionConfig:
+    """The table's settings for ``head_dim`` (the default settings for a head dim it does not list)."""
+    return DECODE_CONFIGS.get(head_dim, AttentionConfig())
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 MIN_COUNTERS = 1 << 16  # (request, KV head) tiles of a split launch: B * KVH up to 65536 without growing
 
@@ -216,7 +255,7 @@ def _check(q, k_pool, v_pool, page_table, slot_ids, positions):
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     slot_ids: torch.Tensor, positions: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache (see the module doc).
 
     Args:
@@ -227,6 +266,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         slot_ids: ``[B]`` int slot of each row; positions: ``[B, T]`` int absolute query positions.
         scale: the softmax scale (``1 / sqrt(D)``).
         out: optional ``[B, T, H, D]`` of ``q``'s dtype.
+        config: the split tiles' launch settings (default: :func:`decode_config` of ``D``; the benchmark's
+            comparison passes others).
 
     Returns ``out``. CUDA-graph safe (the split partials come from the capture's pool like any torch op).
 
@@ -245,6 +286,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if b == 0 or t == 0:
         return out
     block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1])
+    cfg = (config or decode_config(d)) if splits > 1 else PREFILL_CONFIG
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go
@@ -267,8 +309,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
-        PRECISION=precision, MERGE_UNROLL=MERGE_UNROLL, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
+        PRECISION=precision, MERGE_UNROLL=MERGE_UNROLL, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -247,6 +247,19 @@ def _paged_attention():
                 kv = torch.zeros(b, t, kv_heads, d, dtype=dtype)
                 cos = torch.zeros(b, t, d // 2)
                 paged_kv_write(q, kv, kv, cos, cos, pos, slots, table, pool, pool)
+    # The split tiles' launch settings the benchmark compares (16-bit models: the GPU's dtypes).
+    from tensorrt_llm_ext.kernels.paged_attention import CONFIG_CANDIDATES
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for heads, kv_heads, d in ((9, 3, 64), (32, 8, 128)):
+            page, max_pages, b = 16, 64, 4
+            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+            pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+            for t in (1, DRAFT_LENS[-1] + 1):
+                for cfg in CONFIG_CANDIDATES:
+                    paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
+                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
+                                    config=cfg)
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:

@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.paged_attention import (SPLIT_TOKENS, paged_attention, paged_attention_reference,
-                                                      split_plan, tile_counters)
+from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, AttentionConfig,
+                                                      paged_attention, paged_attention_reference, split_plan,
+                                                      tile_counters)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
@@ -86,6 +87,19 @@ def test_long_context_multi_split_and_prefill_tiles():
     assert split_plan(30 * 3, 4, page)[1:] == (2, 1)
     out, ref = _run(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_every_launch_config_candidate_matches_the_twin():
+    """The split tiles' settings the benchmark compares (keys per iteration 32 / 64 / 128) over several pieces."""
+    page, max_pages = 16, 2 * SPLIT_TOKENS // 16 + 2
+    case = make_case(b=2, t=2, group=3, d=16, page_size=page, max_pages=max_pages, lens=[2 * SPLIT_TOKENS + 20, 70])
+    q, kp, vp, table, slots, pos = case
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, 0.25)
+    for cfg in sorted(set(CONFIG_CANDIDATES), key=lambda c: c.describe()):
+        out = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=cfg)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="block_n"):
+        AttentionConfig(block_n=256)
 
 
 def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
