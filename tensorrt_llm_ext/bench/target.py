@@ -14,8 +14,9 @@ cache holds C tokens), each a CUDA graph replayed (median):
   saying why the column is absent);
 * ``floor``: the bytes a decode step must read (every weight but the embedding once, plus ``B * C`` tokens of
   K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward;
-* ``decode unfused`` / ``verify unfused``: the same forwards with ``layer_kernels = "unfused"`` (cuBLAS GEMMs and
-  separate norm / RoPE / SiLU-mul launches) next to the layer the model picks (the fused five-launch layer up to
+* ``decode fused`` / ``decode unfused`` / ``verify fused`` / ``verify unfused``: both forwards with each layer
+  (``layer_kernels = "fused"``: five launches per layer; ``"unfused"``: cuBLAS GEMMs and separate norm / RoPE /
+  SiLU-mul launches); ``decode fwd`` / ``verify fwd`` repeat the one the model picks (fused up to
   ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver``: kernels of one
   eager ``[B, 1]`` / ``[B, K+1]`` forward;
 * a second table: the decode attention with each of ``CONFIG_CANDIDATES`` (the split tiles' launch settings),
@@ -203,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         one = torch.zeros(1, 1, dtype=torch.int64, device=dev)
         launches = _launches(lambda: target(one, one, torch.zeros(1, dtype=torch.int32, device=dev), kv))
         rows, spec_rows, cfg_rows = [], [], []
+        # The fused layer runs at TP 1 where Triton runs (the CPU smoke run: the interpreter would take minutes).
+        fusable = cuda and eng.mapping.tp_size == 1
         max_b = max(sizes)
         for slot in range(max_b):
             eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
@@ -224,22 +227,23 @@ def run(args: argparse.Namespace) -> int:
                     st.ref_lens.copy_(ctx0)
                     return ref.step(b)
 
-                t = {
-                    "decode": timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4),
-                    "verify": timer.time_graph([lambda: target(tokk, posk, slots, kv)], min_calls_per_graph=4),
-                    "target_only": timer.time_graph([target_only], min_calls_per_graph=4),
-                }
+                t = {"target_only": timer.time_graph([target_only], min_calls_per_graph=4)}
                 if ctx == contexts[0]:  # launches do not depend on the context
                     step_launches = "/".join(str(_launches(lambda tok=tok, pos=pos: target(tok, pos, slots, kv)) or "-")
                                              for tok, pos in ((tok1, pos1), (tokk, posk)))
-                # The same forwards with the unfused layer (cuBLAS GEMMs, separate norm / RoPE / SiLU launches):
-                # where the fused small-step layer stops paying (FUSED_MAX_ROWS).
-                target.layer_kernels = "unfused"
-                try:
-                    t["decode_unfused"] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4)
-                    t["verify_unfused"] = timer.time_graph([lambda: target(tokk, posk, slots, kv)], min_calls_per_graph=4)
-                finally:
-                    target.layer_kernels = "auto"
+                # Both layers at both shapes (fused five-launch layer / unfused cuBLAS layer): the comparison that
+                # sets FUSED_MAX_ROWS; "decode fwd" / "verify fwd" are the ones the model picks at this shape.
+                for kernels in (("fused", "unfused") if fusable else ("unfused",)):
+                    target.layer_kernels = kernels
+                    try:
+                        t["decode_" + kernels] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)],
+                                                                  min_calls_per_graph=4)
+                        t["verify_" + kernels] = timer.time_graph([lambda: target(tokk, posk, slots, kv)],
+                                                                  min_calls_per_graph=4)
+                    finally:
+                        target.layer_kernels = "auto"
+                for name, rows_n in (("decode", b), ("verify", b * (k + 1))):
+                    t[name] = t[name + ("_fused" if target._fused_layers(rows_n, tok1) else "_unfused")]
                 q = torch.randn(b, 1, tcfg.num_heads // eng.mapping.tp_size, tcfg.head_dim, generator=g, device=dev
                                 ).to(target.dtype)
                 layers = range(min(tcfg.num_layers, 8))
@@ -260,8 +264,9 @@ def run(args: argparse.Namespace) -> int:
                 floor = floor_us(weight_bytes + kv_bytes, bw)
                 attn_floor = floor_us(kv_bytes // tcfg.num_layers, bw)
                 rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
-                             fmt(t["decode"] / floor, 2), fmt(t["decode_unfused"]), fmt(t["verify_unfused"]),
-                             step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                             fmt(t["decode"] / floor, 2), fmt(t.get("decode_fused", float("nan"))),
+                             fmt(t["decode_unfused"]), fmt(t.get("verify_fused", float("nan"))),
+                             fmt(t["verify_unfused"]), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
                 best = min(range(len(cfg_t)), key=lambda j: cfg_t[j] if cfg_t[j] == cfg_t[j] else float("inf"))
                 timed = cfg_t[best] == cfg_t[best]  # nan: a CPU smoke run
                 cfg_rows.append([b, ctx, *[fmt(x) for x in cfg_t], fmt(attn_floor),
@@ -287,13 +292,15 @@ def run(args: argparse.Namespace) -> int:
                  "K/V) at the copy bandwidth; attn = one layer's paged decode attention (T=1), attn floor = its "
                  "K/V bytes at the copy bandwidth",
                  f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
-                 "rows B*T at TP 1, else unfused); decode / verify unfused: the same forwards with the unfused layer "
-                 "(cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
+                 "rows B*T at TP 1, else unfused); decode / verify fused / unfused: the same forwards with each "
+                 "layer forced (fused: Triton small-M GEMMs with norm / RoPE / SiLU / residual fused; unfused: cuBLAS "
+                 "GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         text.append(print_table(f"bench target: {name} decode step vs floor",
                                 ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
-                                 "decode unfused", "verify unfused", "launches dec/ver", "attn", "attn floor",
+                                 "decode fused", "decode unfused", "verify fused", "verify unfused",
+                                 "launches dec/ver", "attn", "attn floor",
                                  "attn/floor", "flashinfer attn"], rows, notes))
         text.append(print_table(
             f"bench target: {name} paged decode attention by launch config",
