@@ -303,10 +303,24 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
 @torch.no_grad()
 def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.Tensor], draft_len: int,
                            device, target, batch_seqs: int = 16) -> float:
-    """Mean acceptance length at T = 0 of the drafter on greedy sequences, walked as the engine walks them:
-    the anchor starts at the first generated token; the block's K drafts go through the Markov chain (each
-    draft biased by the previous draft); the matching prefix and the bonus token are accepted."""
-    total, steps = 0, 0
+    """Mean acceptance length at T = 0 of the drafter on greedy sequences, walked as the engine walks them
+    (:func:`walk_accepted_lens`)."""
+    lens = [n for row in walk_accepted_lens(params, dcfg, lm_head_weight, data, draft_len, device, target, batch_seqs)
+            for n in row]
+    return sum(lens) / len(lens) if lens else float("nan")
+
+
+@torch.no_grad()
+def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tensor], draft_len: int, device, target,
+                       batch_seqs: int = 16) -> list[list[int]]:
+    """Per sequence, the tokens gained at each generation step when the engine decodes it greedily with this
+    drafter: the anchor starts at the first generated token (``prompt_len``, the token prefill emits); the
+    block's K drafts go through the Markov chain (``prev_0`` = the anchor, then each draft biases the next);
+    the drafts matching the sequence and the bonus token are accepted, and the next anchor is the bonus token.
+    On the target's own greedy continuation this is exactly what ``generate`` measures step by step
+    (``tests/integration/test_drafter_train_serve_agreement.py``); a step at the sequence's end counts only the
+    tokens the sequence still has."""
+    out: list[list[int]] = []
     for start in range(0, data["tokens"].shape[0], batch_seqs):
         idx = torch.arange(start, min(start + batch_seqs, data["tokens"].shape[0]))
         b = _batch(data, idx, device, target)
@@ -314,6 +328,7 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
         tokens, lens = b["tokens"], b["lens"]
         a = b["prompt_lens"].clone()
         rows = torch.arange(len(idx), device=device)
+        steps: list[list[int]] = [[] for _ in idx]
         while True:
             live = a <= lens - 2
             if not bool(live.any()):
@@ -333,10 +348,11 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
             n_acc = torch.cumprod(match.long(), 1).sum(1)
             # the bonus token exists while the sequence continues; the walk ends at the sequence's end
             step = torch.minimum(n_acc + 1, lens - 1 - ac)
-            total += int(step[live].sum())
-            steps += int(live.sum())
+            for i in torch.nonzero(live).flatten().tolist():
+                steps[i].append(int(step[i]))
             a = torch.where(live, a + step, a)
-    return total / steps if steps else float("nan")
+        out.extend(steps)
+    return out
 
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
@@ -444,10 +460,14 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps:
             _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
     final = {n: p.detach() for n, p in params.items()}
-    final_eval = calibration = None
+    final_eval = calibration = final_by_position = None
     if eval_data is not None:
-        final_eval = greedy_walk_acceptance({n: final[n] for n in backbone}, dcfg, lm_head.float(), eval_data,
-                                            tc.draft_len, device, target)
+        walked = [n for row in walk_accepted_lens({n: final[n] for n in backbone}, dcfg, lm_head.float(), eval_data,
+                                                  tc.draft_len, device, target) for n in row]
+        final_eval = sum(walked) / len(walked) if walked else float("nan")
+        # bench acceptance's "acceptance by position" of the same walk: the serving number's training-side twin
+        final_by_position = [round(sum(1 for n in walked if n - 1 >= j) / max(len(walked), 1), 4)
+                             for j in range(1, tc.draft_len + 1)]
         calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target)
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
@@ -460,21 +480,23 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
-               "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval,
+               "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,
                                               "draft_len": tc.draft_len, "prompts": tc.eval_prompts},
                "held_out_confidence": calibration}
     write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
-                    f"{tc.init}) -> {final_eval:.3f} (trained)")
+                    f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "
+                    f"top-1 on held-out {calibration['teacher_forced_top1']}")
     return summary
 
 
 @torch.no_grad()
 def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target) -> dict:
-    """Mean confidence and mean label ``1 - TV`` per block position on the held-out sequences (every generated
-    position an anchor): a calibrated head has them equal."""
-    conf, lab = torch.zeros(tc.draft_len), torch.zeros(tc.draft_len)
+    """Mean confidence and mean label ``1 - TV`` per block position on the held-out sequences (32 random anchors
+    per sequence): a calibrated head has them equal; and the teacher-forced top-1 agreement per position there
+    (the training log's top-1 is on training batches; this one is on sequences training never saw)."""
+    conf, lab, top1 = torch.zeros(tc.draft_len), torch.zeros(tc.draft_len), torch.zeros(tc.draft_len)
     n = 0
     for start in range(0, eval_data["tokens"].shape[0], 4):
         idx = torch.arange(start, min(start + 4, eval_data["tokens"].shape[0]))
@@ -485,9 +507,11 @@ def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, devi
             _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc)
         conf += torch.tensor(m["confidence"])
         lab += torch.tensor(m["label"])
+        top1 += torch.tensor(m["top1"])
         n += 1
     return {"mean_confidence": [round(x, 4) for x in (conf / max(n, 1)).tolist()],
-            "mean_label": [round(x, 4) for x in (lab / max(n, 1)).tolist()]}
+            "mean_label": [round(x, 4) for x in (lab / max(n, 1)).tolist()],
+            "teacher_forced_top1": [round(x, 4) for x in (top1 / max(n, 1)).tolist()]}
 
 
 def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bool, device, progress,
