@@ -91,7 +91,7 @@ def test_teacher_forced_first_draft_is_accepted_where_serving_accepts_it(served)
     dcfg, params, target, results = served
     head = target.lm_head.weight.detach().float()
     data = _sequences(results)
-    served_first, trained_first = [], []
+    served_first, trained_first, margins = [], [], []
     for i, r in enumerate(results):
         n = int(data["lens"][i])
         tokens = data["tokens"][i:i + 1, :n].long()
@@ -106,11 +106,18 @@ def test_teacher_forced_first_draft_is_accepted_where_serving_accepts_it(served)
         first = logits[0, :, 0].argmax(-1)  # [M] the teacher-forced first draft of each block
         trained_first += (first == tokens[0, torch.tensor(anchors) + 1]).tolist()
         served_first += [gained >= 2 for gained in r.accepted_lens[:len(anchors)]]
-    assert served_first == trained_first
+        top2 = logits[0, :, 0].topk(2, dim=-1).values
+        margins += (top2[:, 0] - top2[:, 1]).tolist()
+    # Exactly equal; the one allowance is a near-tie of the first draft's two best logits, which a GPU's
+    # other summation order (the H200 list runs this too) may break the other way.
+    differ = [i for i, (s, t) in enumerate(zip(served_first, trained_first)) if s != t]
+    assert all(margins[i] < 1e-3 for i in differ) and len(differ) <= 1, (served_first, trained_first)
     assert 0 < sum(served_first) < len(served_first)  # the drafter is neither always right nor always wrong
 
 
 def test_training_walk_gains_what_serving_gains_at_every_step(served):
+    """CPU (fp32, one summation order for both): bit-for-bit the same walk. Not in the GPU list, where a near-tie
+    anywhere in a block may break differently and the walks then part."""
     dcfg, params, target, results = served
     walked = walk_accepted_lens(params, dcfg, target.lm_head.weight.detach().float(), _sequences(results), K,
                                 torch.device("cpu"), target)
