@@ -383,7 +383,8 @@ class LlamaTarget(nn.Module):
     """The target model. ``forward`` runs one fixed-shape step; ``logits`` applies the head.
 
     Attributes: ``lm_head`` (:class:`LMHead`, COLUMN with ``gather_output`` -- a replicated head at tp 1),
-    ``logits_processor`` (the plain :class:`LogitsProcessor`), ``config``, ``mapping``.
+    ``logits_processor`` (the plain :class:`LogitsProcessor`), ``config``, ``mapping``, ``layer_kernels``
+    (``"auto"`` / ``"fused"`` / ``"unfused"``: which layer a step runs, see :meth:`_fused_layers`).
     """
 
     def __init__(self, config: LlamaTargetConfig, mapping: Mapping | None = None,
