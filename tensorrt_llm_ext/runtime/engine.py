@@ -109,7 +109,7 @@ class Engine:
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
-                 use_cuda_graph: bool = False, weights=None):
+                 use_cuda_graph: bool = False, weights=None, torch_ops: bool = False):
         log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
@@ -141,6 +141,9 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
         self.use_cuda_graph = use_cuda_graph
+        # Every path on the stock torch op table, even where Triton runs: for a caller whose output is data, not
+        # a kernel exercise (train-drafter's answers on a CPU under TRITON_INTERPRET=1; the same tokens).
+        self.torch_ops = torch_ops
         self._workers: dict[str, DSparkWorker] = {}
         self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
@@ -165,7 +168,8 @@ class Engine:
             if path not in ("speculative", "gathered", "stock"):
                 raise ValueError(f"Engine.worker: unknown path {path!r}")
             spec = self.config.speculative_config
-            ops = step_ops_for(path, self.device)  # fused where Triton runs, stock torch ops on a plain CPU
+            # fused where Triton runs, stock torch ops on a plain CPU (or when asked: torch_ops)
+            ops = step_ops_for("stock" if self.torch_ops else path, self.device)
             sharded = path == "speculative" and ops.vocab_parallel
             if path == "speculative" and not sharded and "on" in (spec.vocab_parallel_selection,
                                                                    spec.vocab_sharded_verification):

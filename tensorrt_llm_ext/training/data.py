@@ -102,7 +102,12 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
         view = target_only_view(Path(model_dir), Path(tmp))
         cfg = load_config(model_dir=str(view), log_no_effect=False, max_batch_size=batch_size,
                           max_seq_len=longest + 16)
-        engine = Engine(cfg, device=device, use_cuda_graph=cuda_graph and device.type == "cuda")
+        # On a CPU the answers are data, not a kernel exercise: torch ops even under TRITON_INTERPRET=1 (the
+        # same tokens as the fused kernels; the interpreter spent most of a small run in its top-p kernels).
+        cpu = device.type == "cpu"
+        engine = Engine(cfg, device=device, use_cuda_graph=cuda_graph and device.type == "cuda", torch_ops=cpu)
+        if cpu:
+            logger.info("train-drafter: answers decoded with torch ops (the stock op table) on the CPU")
         eos = tuple(sorted(engine.eos_token_ids))
         outs: list[list[int]] = []
         t0 = last = time.time()

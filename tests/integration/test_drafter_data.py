@@ -89,3 +89,21 @@ def test_confidence_head_serving_twin_equals_training():
     torch.testing.assert_close(block_confidences(hidden, prev, params["markov_w1"], params["confidence.weight"],
                                                  params["confidence.bias"]),
                                torch.sigmoid(confidence_logits(params, hidden, prev)))
+
+
+def test_answers_on_a_cpu_are_decoded_with_torch_ops_and_equal_the_kernels(tmp_path):
+    """train-drafter's answers on a CPU: the stock torch op table even under TRITON_INTERPRET=1 (its kernels
+    were most of a small run's time); the same tokens as the fused kernels, greedy and sampled rows."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.contract import SamplingParams
+
+    cfg = load_config(**tiny_model(**{"max_batch_size": 2, "max_seq_len": 32}))
+    reqs = [Request([5, 6, 7], 5), Request([9, 3], 5, sampling=SamplingParams(temperature=0.9, top_p=0.8, seed=4))]
+    torch_ops, fused = Engine(cfg, torch_ops=True), Engine(cfg)
+    assert torch_ops.worker().ops is STOCK_OPS and fused.worker().ops is FUSED_OPS  # the suite runs the interpreter
+    got = [r.output_ids for r in torch_ops.generate(reqs, "target_only")[0]]
+    assert got == [r.output_ids for r in fused.generate(reqs, "target_only")[0]] and all(len(t) == 5 for t in got)
