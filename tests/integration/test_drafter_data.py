@@ -107,3 +107,25 @@ def test_answers_on_a_cpu_are_decoded_with_torch_ops_and_equal_the_kernels(tmp_p
     assert torch_ops.worker().ops is STOCK_OPS and fused.worker().ops is FUSED_OPS  # the suite runs the interpreter
     got = [r.output_ids for r in torch_ops.generate(reqs, "target_only")[0]]
     assert got == [r.output_ids for r in fused.generate(reqs, "target_only")[0]] and all(len(t) == 5 for t in got)
+
+
+def test_answer_generation_logs_within_a_chunk_without_a_progress_bar(tmp_path, caplog):
+    """--no-progress: the answers' decode still logs every log_every_s, inside one chunk's decode too (was: one
+    line per chunk of 4 x gen_batch prompts, nothing for minutes on a CPU)."""
+    import logging
+    import shutil
+
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.training.data import regenerate
+
+    d = tmp_path / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        data = regenerate(d, [[5, 6, 7], [9, 3]], max_new_tokens=4, temperatures=[0.0, 0.0], top_p=1.0, seed=0,
+                          batch_size=4, device=torch.device("cpu"), cuda_graph=False, log_every_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if "train-drafter: generating:" in r.getMessage()]
+    assert len(lines) >= 3 and lines[0].startswith("train-drafter: generating: 0/2 answers done"), lines
+    assert data["lens"].tolist() == [7, 6]
