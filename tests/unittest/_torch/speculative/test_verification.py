@@ -472,6 +472,50 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype):
         assert call_shape("top_p_keep", True, dtype) == (5, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_last_radix_round_counts_equal_weighted_twin(dtype):
+    """The dtype's last radix round histograms counts times each bucket's one weight (no atomics): the same
+    int64 buckets as the twin's weighted adds on adversarial values (+-0, fp32 subnormals, NaN, +-inf, ties across
+    chunk boundaries, the boundary inside a big tie group), at an odd width with padded columns."""
+    from tensorrt_llm_ext.kernels import top_p as tpk
+    rows, width, vocab, block, splits = 6, 301, 297, 64, 3  # 4 padded columns, 3 chunks of 128
+    x = adversarial_rows(rows, width, seed=3)
+    x[3, :40] = 0.0
+    x[3, 40:80] = -0.0
+    if dtype == torch.float32:  # the interpreter flushes bf16 subnormals to zero on conversion (torch does not)
+        x[3, 80:90] = 1e-40
+        x[3, 90:95] = -1e-40
+    x[5, 100:260] = 2.0  # ties across both chunk boundaries, holding the boundary
+    x[:, vocab:] = NAN  # padding, never read
+    x = x.to(dtype).to(DEV)
+    temps = torch.tensor([1.0, 0.7, 1.0, 2.0, 1.0, 0.5], device=DEV)
+    top_p = torch.tensor([0.9, 0.5, 0.3, 0.8, 0.99, 0.6], device=DEV)
+    n = tpk.radix_rounds(dtype)
+    kw = dict(block_size=block, num_splits=splits)
+    keys = fps.verify_keys_reference(x, None, 0, vocab, out=torch.empty(rows, splits, 2, dtype=torch.int64,
+                                                                         device=DEV), **kw)
+    cols_t, size = fps.sums_layout(rows, 0, splits, True)
+    sums = fps.verify_sums_reference(x, None, keys, temps, 0, vocab, hist=True,
+                                     out=torch.empty(size, dtype=torch.int64, device=DEV), **kw)
+    sums = sums.view(rows, splits, cols_t)
+    prev, state = sums[:, :, fps.SUMS_COLS:], torch.zeros(rows, 2, dtype=torch.int64, device=DEV)
+    for rnd in range(1, n + 1):
+        outs = []
+        for fn in (tpk.top_p_round, tpk.top_p_round_reference):
+            st = torch.full((rows, 2), -7, dtype=torch.int64, device=DEV)
+            h = torch.full((rows, splits, 256), -7, dtype=torch.int64, device=DEV)
+            fn(x, keys, temps, top_p, sums, prev, state, st, h, 0, vocab, rnd, **kw)
+            outs.append((st, h))
+        (st, h), (st_r, h_r) = outs
+        assert torch.equal(st.cpu(), st_r.cpu()), rnd
+        if DEV == "cpu":
+            assert torch.equal(h.cpu(), h_r.cpu()), rnd
+        else:  # weights within the SFU tolerance of the twin's
+            assert bool(((h - h_r).abs() <= h_r.abs() * 2.0**-20 + 256).all()), rnd
+        assert bool((h >= 0).all()) and h.sum() > 0
+        prev, state = h_r, st_r
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_narrow_dtypes_skip_radix_rounds_exactly(dtype):
     """bf16 / fp16 logits run 1 / 2 radix rounds instead of 3: the same kept sets and tokens as the same
