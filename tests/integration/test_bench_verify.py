@@ -30,3 +30,19 @@ def test_bench_verify_hist_window_is_checked_and_applied(capsys, monkeypatch):
     assert rc == 2 and "--hist-window" in capsys.readouterr().err
     assert main(["bench", "verify", "--profile", "--batch-sizes", "1", "--hist-window", "0"]) == 0
     assert fps.HIST_WINDOW == 0
+
+
+def test_flashinfer_peer_reports_why_it_is_absent():
+    """The measured FlashInfer column: a callable where flashinfer imports on CUDA, else a reason (printed in the
+    table's notes); here (no flashinfer or no CUDA) the reason names what is missing."""
+    from tensorrt_llm_ext.bench.verify import flashinfer_verify
+
+    make, why = flashinfer_verify()
+    try:
+        import flashinfer  # noqa: F401
+        has_fi = torch.cuda.is_available()
+    except Exception:
+        has_fi = False
+    assert (make is not None) == has_fi and (why is None) == has_fi
+    if not has_fi:
+        assert "CUDA" in why or "does not import" in why
