@@ -10,7 +10,8 @@ The boundary is the radix key ``u`` (the fp32 ordered key made unsigned: larger 
 the token where the prefix mass crosses ``tau``. Four rounds find it a byte at a time, most significant
 first: round ``r`` adds, per row and column chunk, the mass of every token whose top ``8r`` bits equal the
 prefix found so far into 256 buckets of the next byte. Each program owns its 256 buckets (no global
-atomics shared between programs, no memset: the program zeroes its own slot); after one int64 SUM across
+atomics shared between programs, no memset: the program writes its own slot; the logits' last round counts in
+registers and multiplies by each bucket's one weight, earlier rounds add atomically); after one int64 SUM across
 ranks every rank sums the chunks' buckets and scans them from the top for the first whose cumulative
 mass (plus the mass above the prefix) reaches ``tau``. Round 0 is fused into ``verify_sums``; the resolve
 of round ``r`` runs at the start of the kernel of round ``r + 1`` (every program of a row resolves the
