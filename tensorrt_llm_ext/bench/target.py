@@ -13,7 +13,14 @@ cache holds C tokens), each a CUDA graph replayed (median):
   KV-bytes floor, and FlashInfer's paged decode at the same shape when ``flashinfer`` imports (else a line
   saying why the column is absent);
 * ``floor``: the bytes a decode step must read (every weight but the embedding once, plus ``B * C`` tokens of
-  K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward.
+  K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward;
+* ``decode fused`` / ``decode unfused`` / ``verify fused`` / ``verify unfused``: both forwards with each layer
+  (``layer_kernels = "fused"``: five launches per layer; ``"unfused"``: cuBLAS GEMMs and separate norm / RoPE /
+  SiLU-mul launches); ``decode fwd`` / ``verify fwd`` repeat the one the model picks (fused up to
+  ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver``: kernels of one
+  eager ``[B, 1]`` / ``[B, K+1]`` forward;
+* a second table: the decode attention with each of ``CONFIG_CANDIDATES`` (the split tiles' launch settings),
+  the best against the K/V floor: what sets ``DECODE_CONFIGS``.
 
 ``--spec-shapes`` (default ``llama-8b``): the speculative step (:meth:`DSparkWorker.forward`: verify forward,
 selection, acceptance, drafter block decode and Markov chain) next to the target-only step and the verify
@@ -152,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import paged_attention
+    from tensorrt_llm_ext.kernels.paged_attention import CONFIG_CANDIDATES, decode_config, paged_attention
+    from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
 
@@ -195,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         tcfg = target.config
         one = torch.zeros(1, 1, dtype=torch.int64, device=dev)
         launches = _launches(lambda: target(one, one, torch.zeros(1, dtype=torch.int32, device=dev), kv))
-        rows, spec_rows = [], []
+        rows, spec_rows, cfg_rows = [], [], []
+        # The fused layer runs at TP 1 where Triton runs (the CPU smoke run: the interpreter would take minutes).
+        fusable = cuda and eng.mapping.tp_size == 1
         max_b = max(sizes)
         for slot in range(max_b):
             eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
@@ -217,17 +227,32 @@ def run(args: argparse.Namespace) -> int:
                     st.ref_lens.copy_(ctx0)
                     return ref.step(b)
 
-                t = {
-                    "decode": timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4),
-                    "verify": timer.time_graph([lambda: target(tokk, posk, slots, kv)], min_calls_per_graph=4),
-                    "target_only": timer.time_graph([target_only], min_calls_per_graph=4),
-                }
+                t = {"target_only": timer.time_graph([target_only], min_calls_per_graph=4)}
+                if ctx == contexts[0]:  # launches do not depend on the context
+                    step_launches = "/".join(str(_launches(lambda tok=tok, pos=pos: target(tok, pos, slots, kv)) or "-")
+                                             for tok, pos in ((tok1, pos1), (tokk, posk)))
+                # Both layers at both shapes (fused five-launch layer / unfused cuBLAS layer): the comparison that
+                # sets FUSED_MAX_ROWS; "decode fwd" / "verify fwd" are the ones the model picks at this shape.
+                for kernels in (("fused", "unfused") if fusable else ("unfused",)):
+                    target.layer_kernels = kernels
+                    try:
+                        t["decode_" + kernels] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)],
+                                                                  min_calls_per_graph=4)
+                        t["verify_" + kernels] = timer.time_graph([lambda: target(tokk, posk, slots, kv)],
+                                                                  min_calls_per_graph=4)
+                    finally:
+                        target.layer_kernels = "auto"
+                for name, rows_n in (("decode", b), ("verify", b * (k + 1))):
+                    t[name] = t[name + ("_fused" if target._fused_layers(rows_n, tok1) else "_unfused")]
                 q = torch.randn(b, 1, tcfg.num_heads // eng.mapping.tp_size, tcfg.head_dim, generator=g, device=dev
                                 ).to(target.dtype)
                 layers = range(min(tcfg.num_layers, 8))
                 scale = tcfg.head_dim ** -0.5
                 t["attn"] = timer.time_graph([lambda i=i: paged_attention(q, kv.k[i], kv.v[i], kv.page_table, slots,
                                                                           pos1, scale) for i in layers])
+                cfg_t = [timer.time_graph([lambda i=i, c=c: paged_attention(q, kv.k[i], kv.v[i], kv.page_table, slots,
+                                                                            pos1, scale, config=c) for i in layers])
+                         for c in CONFIG_CANDIDATES]
                 fi_t = float("nan")
                 if fi is not None:
                     try:
@@ -239,8 +264,13 @@ def run(args: argparse.Namespace) -> int:
                 floor = floor_us(weight_bytes + kv_bytes, bw)
                 attn_floor = floor_us(kv_bytes // tcfg.num_layers, bw)
                 rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
-                             fmt(t["decode"] / floor, 2), fmt(t["attn"]), fmt(attn_floor),
-                             fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                             fmt(t["decode"] / floor, 2), fmt(t.get("decode_fused", float("nan"))),
+                             fmt(t["decode_unfused"]), fmt(t.get("verify_fused", float("nan"))),
+                             fmt(t["verify_unfused"]), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                best = min(range(len(cfg_t)), key=lambda j: cfg_t[j] if cfg_t[j] == cfg_t[j] else float("inf"))
+                timed = cfg_t[best] == cfg_t[best]  # nan: a CPU smoke run
+                cfg_rows.append([b, ctx, *[fmt(x) for x in cfg_t], fmt(attn_floor),
+                                 CONFIG_CANDIDATES[best].describe() if timed else "-", fmt(cfg_t[best] / attn_floor, 2)])
                 if shape in spec:
                     def spec_step(b=b, ctx0=ctx0):
                         st.ctx_lens.copy_(ctx0)
@@ -261,11 +291,23 @@ def run(args: argparse.Namespace) -> int:
                  "times in us, median of CUDA-graph replays; floor = (weights but the embedding + B*(C+1) tokens of "
                  "K/V) at the copy bandwidth; attn = one layer's paged decode attention (T=1), attn floor = its "
                  "K/V bytes at the copy bandwidth",
+                 f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
+                 "rows B*T at TP 1, else unfused); decode / verify fused / unfused: the same forwards with each "
+                 "layer forced (fused: Triton small-M GEMMs with norm / RoPE / SiLU / residual fused; unfused: cuBLAS "
+                 "GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         text.append(print_table(f"bench target: {name} decode step vs floor",
                                 ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
-                                 "attn", "attn floor", "attn/floor", "flashinfer attn"], rows, notes))
+                                 "decode fused", "decode unfused", "verify fused", "verify unfused",
+                                 "launches dec/ver", "attn", "attn floor",
+                                 "attn/floor", "flashinfer attn"], rows, notes))
+        text.append(print_table(
+            f"bench target: {name} paged decode attention by launch config",
+            ["B", "C", *[c.describe() for c in CONFIG_CANDIDATES], "attn floor", "best", "best/floor"], cfg_rows,
+            [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
+             f"(nN = keys per iteration, wW = warps, sS = pipeline stages); the model runs DECODE_CONFIGS[{tcfg.head_dim}]"
+             f" = {decode_config(tcfg.head_dim).describe()}"]))
         if spec_rows:
             text.append(print_table(
                 f"bench target: {name} speculative step vs target-only step",

@@ -14,21 +14,26 @@ pages below the tile's last position are read (the loop bound is the largest que
 read on the device: no host sync, CUDA-graph capturable per ``[B, T]``).
 
 Split along the sequence (decode / verify tiles, ``T * G <= 64`` rows): the key range is cut into fixed
-``SPLIT_TOKENS`` pieces, one program each, then a combine kernel merges the partial ``(o, lse)`` of the
-pieces a row uses. The number of pieces is fixed by the table width (``max_pages * page_size``), never by
-the batch: programs past a tile's length exit at once. Prefill tiles (``T * G > 64``) take the whole key
-range in one program (flash-attention style) and write the output directly.
+``SPLIT_TOKENS`` pieces, one program each, and the same launch merges them: each live piece stores its
+partial ``(o, lse)``, then counts its arrival on the tile's int32 counter (:func:`tile_counters`: a barrier,
+then an acq_rel atomic at GPU scope); the last to arrive merges the pieces each row uses and resets the
+counter to zero for the next launch. A tile whose keys fit one piece (a short context) writes its output
+directly, with neither partials nor atomics. The number of pieces is fixed by the table width (``max_pages *
+page_size``), never by the batch: programs past a tile's length exit at once. Prefill tiles (``T * G > 64``)
+take the whole key range in one program (flash-attention style) and write the output directly.
 
 Per-row determinism (what makes speculative output equal the target's own decode): a row's result depends
 only on its own position, its keys and the step shape. Key blocks are aligned to absolute positions; a block
 a row does not see (beyond its position, iterated because another row of its tile reaches further) adds an
-exact zero to the row's sums and leaves its running max unchanged (``alpha = exp2(0) = 1``); the combine reads
-exactly the ``ceil((p + 1) / SPLIT_TOKENS)`` pieces of the row's own keys, in order. Fully masked rows never
+exact zero to the row's sums and leaves its running max unchanged (``alpha = exp2(0) = 1``); the merge reads
+exactly the ``ceil((p + 1) / SPLIT_TOKENS)`` pieces of the row's own keys, in order, whichever program merges
+(and the merge of one piece is the identity, bit for bit, so a row whose keys fit one piece gets the same bits
+in a tile that merges and in one that writes directly). Fully masked rows never
 produce NaN (the running max is replaced by 0 while it is ``-inf``).
 
 Cost (decode, per layer, SmolLM2-135M shape: 3 KV heads x 64 dims, bf16): each KV token is 768 B (K and
 V), read once; at context 1k and B = 1 that is 0.77 MB, 0.18 us at 4.3 TB/s, so a B = 1 step is launch and
-latency bound: 3 heads x 8 pieces = 24 programs of 128 keys (2 blocks of 64) plus one combine launch. At
+latency bound: 3 heads x 8 pieces = 24 programs of 128 keys (2 blocks of 64), one launch. At
 B = 32 / context 4k it is 100 MB per layer (23 us floor) over 3 x 32 x 32 = 3072 programs: bandwidth bound.
 The partials cost ``B * T * H * pieces * (D + 1) * 4`` bytes written and read once (under 6% of the KV
 bytes at D = 64 and G = 3).
@@ -40,29 +45,32 @@ feeds ``p`` to the second product in the value dtype), bitwise with neither.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor
+from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, refuse_allocation_while_capturing
 
-__all__ = ["SPLIT_TOKENS", "paged_attention", "paged_attention_reference", "split_plan"]
+__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
+           "paged_attention_reference", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
-BLOCK_N = 64  # keys per inner iteration
+MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_pool_ptr, v_pool_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_pool_ptr, v_pool_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     t_len, group, num_heads, head_dim, num_m_tiles, max_pages, page_size, scratch_page, split_len, num_splits,
     scale_log2,
     stride_qb, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,49 +118,113 @@ def _paged_attention_kernel(
             m_i = m_new
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        if SPLIT:
+        out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        out_mask = row_ok[:, None] & d_ok[None, :]
+        # Pieces holding some key of this tile (1 for a prefill tile, which takes the whole range).
+        live = (kv_len + split_len - 1) // split_len if SPLIT else 1
+        if live > 1:
             lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits + piece
-            tl.store(part_lse_ptr + prow, lse, mask=row_ok)
-            tl.store(part_o_ptr + prow[:, None] * head_dim + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+            prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits
+            tl.store(part_lse_ptr + prow + piece, lse, mask=row_ok)
+            tl.store(part_o_ptr + (prow + piece)[:, None] * head_dim + d[None, :], o, mask=out_mask)
+            # The last live piece of the tile to finish merges the tile's pieces (no second launch). The
+            # barrier orders every thread's partial stores before the release; the acquire orders the reads.
+            tl.debug_barrier()
+            counter = counter_ptr + pid * tl.num_programs(1) + kvh
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == live - 1:
+                tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
+                _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim,
+                              split_len, live, BLOCK_M, BLOCK_D, MERGE_UNROLL)
         else:
-            tl.store(out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh
-                     + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
+            # and 0 + 1 * o), so the output is written directly.
+            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _paged_attention_combine_kernel(
-    part_o_ptr, part_lse_ptr, pos_ptr, out_ptr, t_len, num_heads, head_dim, split_len, num_splits,
-    stride_pb, stride_ob, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # (b * T + t) * H + h
-    head = row % num_heads
-    bt = row // num_heads
-    b = bt // t_len
-    t = bt % t_len
-    pos = tl.load(pos_ptr + b * stride_pb + t).to(tl.int32)
-    used = (pos + split_len) // split_len  # the pieces holding this row's keys 0 .. pos
-    s_off = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    m = float("-inf")
-    for s0 in range(0, used, BLOCK_S):
-        lse = tl.load(part_lse_ptr + row * num_splits + s0 + s_off, mask=s0 + s_off < used, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, axis=0))
-    den = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, used, BLOCK_S):
-        s_ok = s0 + s_off < used
-        lse = tl.load(part_lse_ptr + row * num_splits + s0 + s_off, mask=s_ok, other=float("-inf"))
-        w = tl.where(s_ok, tl.math.exp2(lse - m), 0.0)
-        o = tl.load(part_o_ptr + (row * num_splits + s0 + s_off)[:, None] * head_dim + d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        den += tl.sum(w, axis=0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    out = acc / den
-    tl.store(out_ptr + b * stride_ob + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+def _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim, split_len,
+                  live, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """Merge each row's own ``ceil((pos + 1) / split_len)`` pieces in piece order, one pass with a running max
+    (UNROLL pieces' loads in flight at once). A piece past a row's own is an exact identity step (weight 0,
+    rescale exp2(0) = 1), so a row's bits never depend on the pieces its tile's other rows use; a row of one
+    piece gets exactly that piece's ``o`` (weight exp2(0) = 1 on zero sums)."""
+    used = (pos + split_len) // split_len
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s0 in range(0, live, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            ok = row_ok & (s < used)
+            lse = tl.load(part_lse_ptr + prow + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_o_ptr + (prow + s)[:, None] * head_dim + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_use)
+            w = tl.math.exp2(lse - m_use)
+            den = den * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o
+            m = m_new
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch settings of the split (decode / verify) tiles: keys per inner iteration (dividing the piece),
+    warps, software-pipeline stages. Prefill tiles keep 64 keys and 4 warps."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
+            raise ValueError(f"AttentionConfig.block_n must be 16, 32, 64 or 128 (dividing {SPLIT_TOKENS}), got "
+                             f"{self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8) or not 1 <= self.num_stages <= 5:
+            raise ValueError(f"AttentionConfig: num_warps in 1/2/4/8 and num_stages in 1..5, got {self.num_warps}, "
+                             f"{self.num_stages}")
+
+    def describe(self) -> str:
+        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch).
+# The first H200 run measured the first row (64 keys, 4 warps, 3 stages) at 1.7-1.9x the K/V floor at 8k;
+# `bench target` times CONFIG_CANDIDATES at every (B, C) so the table can be set from measurements.
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(), 128: AttentionConfig()}
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 3), AttentionConfig(128, 4, 3), AttentionConfig(128, 8, 3),
+                     AttentionConfig(64, 4, 2))
+
+
+PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
+
+
+def decode_config(head_dim: int) -> AttentionConfig:
+    """The table's settings for ``head_dim`` (the default settings for a head dim it does not list)."""
+    return DECODE_CONFIGS.get(head_dim, AttentionConfig())
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MIN_COUNTERS = 1 << 16  # (request, KV head) tiles of a split launch: B * KVH up to 65536 without growing
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The per-device int32 arrival counters of split tiles (zero between launches: each tile's merging
+    program resets its own). Allocated zeroed once, outside any capture, and grown only outside one (a graph
+    keeps their address); a launch inside a capture that needs more raises :class:`CaptureAllocationError`.
+    Launches on one device must not run concurrently on two streams (they share the counters)."""
+    device = torch.device(device)
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        refuse_allocation_while_capturing(f"paged_attention tile counters ({n} tiles)", device)
+        have = torch.zeros(max(n, MIN_COUNTERS, 0 if have is None else 2 * have.numel()), dtype=torch.int32,
+                           device=device)
+        _COUNTERS[device] = have
+    return have
 
 
 def split_plan(num_rows: int, max_pages: int, page_size: int) -> tuple[int, int, int]:
@@ -183,7 +255,7 @@ def _check(q, k_pool, v_pool, page_table, slot_ids, positions):
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     slot_ids: torch.Tensor, positions: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache (see the module doc).
 
     Args:
@@ -194,6 +266,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         slot_ids: ``[B]`` int slot of each row; positions: ``[B, T]`` int absolute query positions.
         scale: the softmax scale (``1 / sqrt(D)``).
         out: optional ``[B, T, H, D]`` of ``q``'s dtype.
+        config: the split tiles' launch settings (default: :func:`decode_config` of ``D``; the benchmark's
+            comparison passes others).
 
     Returns ``out``. CUDA-graph safe (the split partials come from the capture's pool like any torch op).
 
@@ -212,6 +286,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if b == 0 or t == 0:
         return out
     block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1])
+    cfg = (config or decode_config(d)) if splits > 1 else PREFILL_CONFIG
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go
@@ -223,24 +298,20 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
+        counters = tile_counters(q.device, b * m_tiles * kvh)
     else:
         part_o = part_lse = out
+        counters = page_table
     _paged_attention_kernel[(b * m_tiles, kvh, splits)](
-        q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse,
+        q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
-        PRECISION=precision, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
+        PRECISION=precision, MERGE_UNROLL=MERGE_UNROLL, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _paged_attention_combine_kernel[(b * t * h,)](
-            part_o, part_lse, positions, out, t, h, d, SPLIT_TOKENS, splits, positions.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_S=16, BLOCK_D=block_d, num_warps=1,
-        )
     return out
 
 

@@ -223,12 +223,30 @@ def confidence_head_shapes(cfg: DSparkDrafterConfig) -> dict[str, tuple[int, ...
     return {"confidence.weight": (cfg.hidden_size + cfg.markov_rank,), "confidence.bias": (1,)}
 
 
+# Optional entry of the confidence head file: a per-position calibration fitted on held-out data by train-drafter,
+# ``[2, K_cal]`` fp32 (row 0 the scale a_k, row 1 the shift b_k): c_k = sigmoid(a_k * z_k + b_k) where z_k is the
+# head's logit; block positions past K_cal use the last column. A head without it serves its raw sigmoid.
+CONFIDENCE_CALIBRATION = "confidence.calibration"
+
+
 def block_confidences(hidden: torch.Tensor, prev_tokens: torch.Tensor, markov_w1: torch.Tensor,
-                      weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                      weight: torch.Tensor, bias: torch.Tensor, calibration: torch.Tensor | None = None) -> torch.Tensor:
     """Per-position confidences ``[B, K]`` (fp32) of a block: ``hidden [B, K, H]`` (final-normed),
-    ``prev_tokens [B, K]`` (the anchor, then each draft but the last)."""
+    ``prev_tokens [B, K]`` (the anchor, then each draft but the last); ``calibration`` (optional
+    ``[2, K_cal]``, :data:`CONFIDENCE_CALIBRATION`) applied per position in logit space."""
     x = torch.cat((hidden.float(), markov_w1[prev_tokens].float()), dim=-1)
-    return torch.sigmoid(x @ weight.float() + bias.float())
+    z = x @ weight.float() + bias.float()
+    if calibration is not None:
+        z = apply_confidence_calibration(z, calibration)
+    return torch.sigmoid(z)
+
+
+def apply_confidence_calibration(logits: torch.Tensor, calibration: torch.Tensor) -> torch.Tensor:
+    """``a_k * z_k + b_k`` over the last axis (block position ``k``; past ``K_cal`` the last column's)."""
+    k = logits.shape[-1]
+    idx = torch.arange(k, device=logits.device).clamp(max=calibration.shape[1] - 1)
+    cal = calibration.float().to(logits.device)
+    return logits * cal[0, idx] + cal[1, idx]
 
 
 def generate_full_state_dict(cfg: DSparkDrafterConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
@@ -331,6 +349,7 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         # The optional confidence head (confidence_head_shapes); None until a checkpoint provides one.
         self.confidence_weight: torch.Tensor | None = None
         self.confidence_bias: torch.Tensor | None = None
+        self.confidence_calibration: torch.Tensor | None = None  # [2, K_cal] when the head file has one
         self._lm_head: nn.Module | None = None
         self.attention_backend, self._block_attention = resolve_block_attention(
             attention_backend, self.kv_a_proj.weight.device, type(self).__name__)
@@ -358,7 +377,9 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
 
     def load_confidence_head(self, head: dict[str, torch.Tensor]) -> None:
         """Load the confidence head (names and shapes of :func:`confidence_head_shapes`, fp32, replicated on
-        every rank). Raises ValueError on a missing, mis-shaped or non-finite entry."""
+        every rank), with its per-position calibration when the file has one (:data:`CONFIDENCE_CALIBRATION`,
+        applied to every step's confidences from then on). Raises ValueError on a missing, mis-shaped or
+        non-finite entry."""
         shapes = confidence_head_shapes(self.config)
         for name, shape in shapes.items():
             t = head.get(name)
@@ -367,9 +388,16 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
                                  f"{None if t is None else tuple(t.shape)}")
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"DSparkDrafter confidence head: {name} holds non-finite values")
+        cal = head.get(CONFIDENCE_CALIBRATION)
+        if cal is not None and (cal.dim() != 2 or cal.shape[0] != 2 or cal.shape[1] < 1 or
+                                not bool(torch.isfinite(cal).all()) or not bool((cal[0] > 0).all())):
+            raise ValueError(f"DSparkDrafter confidence head: {CONFIDENCE_CALIBRATION} must be a finite [2, K] "
+                             f"(positive scales), got {tuple(cal.shape)}")
         dev = self.markov_w1.device
         self.confidence_weight = head["confidence.weight"].to(device=dev, dtype=torch.float32).contiguous()
         self.confidence_bias = head["confidence.bias"].to(device=dev, dtype=torch.float32).contiguous()
+        self.confidence_calibration = (None if cal is None else
+                                       cal.to(device=dev, dtype=torch.float32).contiguous())
 
     @property
     def has_confidence_head(self) -> bool:
@@ -381,7 +409,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         but the last. Fixed shapes, no host sync (graph-capturable)."""
         if self.confidence_weight is None:
             raise RuntimeError("DSparkDrafter: no confidence head loaded")
-        return block_confidences(hidden, prev_tokens, self.markov_w1, self.confidence_weight, self.confidence_bias)
+        return block_confidences(hidden, prev_tokens, self.markov_w1, self.confidence_weight, self.confidence_bias,
+                                 self.confidence_calibration)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init: the same FULL weights on every rank and TP size, then sliced."""

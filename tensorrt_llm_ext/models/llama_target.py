@@ -26,7 +26,10 @@ CUDA-graph capturable per ``[B, T]``. On CUDA the layer runs the fused kernels
 (:mod:`~tensorrt_llm_ext.kernels.paged_kv_write`, :mod:`~tensorrt_llm_ext.kernels.paged_attention`,
 :mod:`~tensorrt_llm_ext.kernels.rms_norm` with the residual add) and one QKV / one gate-up GEMM (the
 checkpoint's separate q / k / v and gate / up weights are views into the fused ones, so loading is
-unchanged); on a CPU their eager twins.
+unchanged); on a CPU their eager twins. Steps of at most ``FUSED_MAX_ROWS`` rows (decode, verify) at TP 1 run
+each layer in five launches instead (:meth:`LlamaDecoderLayer.forward_fused`: the norms folded into the GEMM
+prologues, RoPE + K/V store, SiLU-mul and the residual adds into their epilogues;
+:mod:`~tensorrt_llm_ext.kernels.fused_qkv`, :mod:`~tensorrt_llm_ext.kernels.fused_linear`).
 
 Per token the computation only depends on that token's row (and the cache), so the same token computed
 at a different row of a same-shaped step gives the same bits -- the property that makes speculative
@@ -52,6 +55,9 @@ from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.logits_processor import LogitsProcessor
+from tensorrt_llm_ext.kernels.common import triton_runs_on
+from tensorrt_llm_ext.kernels.fused_linear import EPI_RESIDUAL, EPI_SILU_MUL, fused_linear
+from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope
 from tensorrt_llm_ext.kernels.paged_attention import paged_attention, paged_attention_reference
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
@@ -59,6 +65,12 @@ from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
 from tensorrt_llm_ext.modules.rms_norm import RMSNorm
 from tensorrt_llm_ext.modules.rope import RopeScaling, RotaryEmbedding
 from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_modules
+
+
+# Steps of at most this many rows (B * T) run the fused five-launch layer (LlamaDecoderLayer.forward_fused): a
+# decode / verify step at B <= 8 with K = 7. Larger steps are GEMM-shaped and go to cuBLAS. `bench target`'s
+# "verify fwd, unfused" column is the comparison that sets it.
+FUSED_MAX_ROWS = 64
 
 
 def _add_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,12 +353,38 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, mapping, dtype, device)
 
+    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                      page_table: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        """The whole layer in five launches for the few rows of a decode / verify step (TP 1): ``hidden [B, T,
+        H]`` (the residual stream, every earlier add done) -> the next residual stream ``[B, T, H]``.
+
+        input norm + QKV + (q / k norms) + RoPE + K/V store; paged attention; o_proj + residual add;
+        post-attention norm + gate-up + SiLU-mul; down_proj + residual add. The numerics of the unfused path
+        (the same roundings, another summation order in the products)."""
+        b, t, width = hidden.shape
+        attn, mlp = self.self_attn, self.mlp
+        qn = attn.q_norm.weight if attn.q_norm is not None else None
+        kn = attn.k_norm.weight if attn.k_norm is not None else None
+        qk_eps = attn.q_norm.eps if attn.q_norm is not None else 1e-6
+        q = fused_qkv_rope(hidden, attn.qkv_weight, attn.qkv_bias, self.input_layernorm.weight,
+                           self.input_layernorm.eps, cos, sin, positions, slot_ids, page_table, k_pool, v_pool,
+                           attn.num_heads, qn, kn, qk_eps)
+        o = paged_attention(q, k_pool, v_pool, page_table, slot_ids, positions, attn.scale)
+        h = fused_linear(o.view(b * t, -1), attn.o_proj.weight, attn.o_proj.bias, epilogue=EPI_RESIDUAL,
+                         residual=hidden.view(b * t, width))
+        act = fused_linear(h, mlp.gate_up_weight, mlp.gate_up_bias, norm_weight=self.post_attention_layernorm.weight,
+                           eps=self.post_attention_layernorm.eps, epilogue=EPI_SILU_MUL)
+        h = fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, epilogue=EPI_RESIDUAL, residual=h, out=h)
+        return h.view(b, t, width)
+
 
 class LlamaTarget(nn.Module):
     """The target model. ``forward`` runs one fixed-shape step; ``logits`` applies the head.
 
     Attributes: ``lm_head`` (:class:`LMHead`, COLUMN with ``gather_output`` -- a replicated head at tp 1),
-    ``logits_processor`` (the plain :class:`LogitsProcessor`), ``config``, ``mapping``.
+    ``logits_processor`` (the plain :class:`LogitsProcessor`), ``config``, ``mapping``, ``layer_kernels``
+    (``"auto"`` / ``"fused"`` / ``"unfused"``: which layer a step runs, see :meth:`_fused_layers`).
     """
 
     def __init__(self, config: LlamaTargetConfig, mapping: Mapping | None = None,
@@ -365,6 +403,10 @@ class LlamaTarget(nn.Module):
                               tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True)
         self.logits_processor = LogitsProcessor()
         self._capture_index = {layer: i for i, layer in enumerate(cfg.capture_layers)}
+        # "auto": the fused five-launch layer on CUDA at TP 1 for steps of at most FUSED_MAX_ROWS rows, the
+        # unfused layer (cuBLAS GEMMs) otherwise; "fused": wherever Triton runs (the CPU interpreter too: tests);
+        # "unfused": never (the benchmark's comparison). Set before any capture: it picks the captured kernels.
+        self.layer_kernels = "auto"
 
     # -- weights -------------------------------------------------------------------------------
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -417,7 +459,8 @@ class LlamaTarget(nn.Module):
 
         Each layer: fused residual add + RMSNorm, one QKV GEMM, RoPE + KV write, paged attention, o_proj,
         fused residual add + RMSNorm, one gate-up GEMM, one SiLU-mul, down_proj; the residual add of the MLP
-        output is fused into the next layer's norm (made explicit after a captured layer).
+        output is fused into the next layer's norm (made explicit after a captured layer). Small steps on
+        CUDA (``layer_kernels``, ``FUSED_MAX_ROWS``): :meth:`LlamaDecoderLayer.forward_fused`, five launches.
 
         Returns :class:`TargetOutput` (rows flattened ``b * T + t``). CUDA-graph safe.
         """
@@ -431,7 +474,13 @@ class LlamaTarget(nn.Module):
         captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
         pending = None  # the last MLP output, not yet added to `hidden`
         table = kv_cache.page_table
+        fused = self._fused_layers(b * t, hidden)
         for i, layer in enumerate(self.layers):
+            if fused:
+                hidden = layer.forward_fused(hidden, positions, slot_ids, table, kv_cache.k[i], kv_cache.v[i], cos, sin)
+                if i in self._capture_index:
+                    captured[self._capture_index[i]] = hidden
+                continue
             normed, hidden = _add_norm(layer.input_layernorm, pending, hidden)
             attn = layer.self_attn(normed, positions, slot_ids, table, kv_cache.k[i], kv_cache.v[i], cos, sin)
             normed, hidden = _add_norm(layer.post_attention_layernorm, attn, hidden)
@@ -442,6 +491,18 @@ class LlamaTarget(nn.Module):
         final, _ = _add_norm(self.norm, pending, hidden)
         return TargetOutput(hidden_states=final.reshape(b * t, cfg.hidden_size),
                             captured=torch.cat(captured, dim=-1).reshape(b * t, cfg.capture_width))
+
+    def _fused_layers(self, rows: int, x: torch.Tensor) -> bool:
+        """Whether this step's layers run :meth:`LlamaDecoderLayer.forward_fused` (see ``layer_kernels``)."""
+        if self.layer_kernels == "fused":
+            if self.mapping.tp_size > 1 or not triton_runs_on(x):
+                raise ValueError(f"LlamaTarget: layer_kernels='fused' needs TP 1 and Triton (CUDA or "
+                                 f"TRITON_INTERPRET=1), got tp_size={self.mapping.tp_size} on {x.device}")
+            return True
+        if self.layer_kernels not in ("auto", "unfused"):
+            raise ValueError(f"LlamaTarget: layer_kernels must be 'auto', 'fused' or 'unfused', got "
+                             f"{self.layer_kernels!r}")
+        return self.layer_kernels == "auto" and self.mapping.tp_size == 1 and x.is_cuda and rows <= FUSED_MAX_ROWS
 
     @property
     def vocab_size(self) -> int:

@@ -270,8 +270,8 @@ class RuntimeConfig(_Strict):
     log_level: Literal["trace", "debug", "verbose", "info", "warning", "error", "internal_error"] | None = None
     # -- accepted, no effect here ----------------------------------------------------------------------
     backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
-    # With enable_chunked_prefill: the tokens of one prefill forward (default 8192, TensorRT-LLM's); without it
-    # the requests admitted together are prefilled in one forward.
+    # The padded tokens of one batched prefill (default 8192, TensorRT-LLM's); with enable_chunked_prefill, of all
+    # the prefill one step carries (a long prompt runs as chunks between steps).
     max_num_tokens: StrictInt | None = Field(None, ge=1)
     max_input_len: StrictInt | None = no_effect(None, "prompt + max_tokens is bounded by max_seq_len")
     moe_expert_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
@@ -283,8 +283,8 @@ class RuntimeConfig(_Strict):
     trust_remote_code: StrictBool = no_effect(False, "no remote code is ever run")
     # True: serve runs each step's host work between steps (the serial loop; --disable-overlap-scheduler too).
     disable_overlap_scheduler: StrictBool = False
-    # A prefill runs as consecutive forwards of at most max_num_tokens tokens (each chunk's K/V written before
-    # the next attends it); chunks are not yet interleaved with decode steps.
+    # A long prompt's prefill runs as chunks of at most max_num_tokens tokens interleaved with the decode steps of
+    # the running requests (each chunk's K/V written before the next attends it).
     enable_chunked_prefill: StrictBool = False
     print_iter_log: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     enable_iter_perf_stats: StrictBool = no_effect(False, "per-step numbers are on /metrics")

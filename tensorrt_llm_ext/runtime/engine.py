@@ -8,9 +8,12 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 * ``"gathered"``: the same, with vocab-parallel selection forced off (gathered logits everywhere);
 * ``"target_only"``: the target's own non-speculative decode, the lossless reference.
 
-Requests are admitted in order while a slot and their cache pages are free (else they wait for a finish), and every request admitted in one loop iteration is
-prefilled in one batched call (:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context
-store); a request that fails validation gets an error result and never reaches a slot.
+:meth:`Engine.generate` runs the one batching loop of the project, the :class:`~tensorrt_llm_ext.runtime.scheduler.Scheduler`
+that ``serve`` drives too: requests are admitted in order while a slot and their cache pages are free (else
+they wait for a finish), the requests admitted together are prefilled in batched calls
+(:meth:`DSparkWorker.prefill_batch`: one target forward, one drafter context store, at most ``max_num_tokens``
+padded tokens each; with chunked prefill interleaved with the steps), then every active request steps; a
+request that fails validation gets an error result and never reaches a slot.
 
 Every step -- of :meth:`Engine.generate` and of :meth:`Engine.run_step` (what ``serve``'s scheduler calls) --
 goes through :meth:`Engine.run_step` and the mode's :class:`CudaGraphRunner` (:meth:`Engine.runner`), which
@@ -37,6 +40,7 @@ from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.model_loader import build_models
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.logprobs import token_logprobs
 from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
@@ -58,13 +62,6 @@ def checkpoint_eos_ids(config: RuntimeConfig) -> tuple[int, ...]:
     tokenizer's); none for the embedded model."""
     facts = config.checkpoint_facts
     return () if facts is None else tuple(facts.eos_token_ids)
-
-
-@dataclass
-class _Active:
-    request: Request
-    result: RequestResult
-    slot: int
 
 
 @dataclass
@@ -148,9 +145,12 @@ class Engine:
         # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
         self._graph_pool = torch.cuda.graph_pool_handle() if use_cuda_graph else None
         self.enable_padding = config.cuda_graph_config.enable_padding if config.cuda_graph_config else True
+        # The tokens of one batched prefill forward (the scheduler groups admissions by it) and, with chunked
+        # prefill, of all the prefill a plan carries next to its decode step.
+        self.max_num_tokens = config.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
+        self.chunked_prefill = config.enable_chunked_prefill
         # Chunked prefill: the tokens of one prefill forward (None: a prefill is one forward).
-        self.prefill_chunk_tokens = ((config.max_num_tokens or DEFAULT_MAX_NUM_TOKENS)
-                                     if config.enable_chunked_prefill else None)
+        self.prefill_chunk_tokens = self.max_num_tokens if config.enable_chunked_prefill else None
 
     # -- workers -------------------------------------------------------------------------------------
     def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
@@ -233,16 +233,13 @@ class Engine:
     def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
             raise ValueError(f"generate: mode must be one of {MODES}, got {mode!r}")
-        path = _path(mode)
-        worker = self.worker(path)
-        self.runner(mode)  # built (and captured) before the clock starts
-        speculative = mode != "target_only"
+        self.runner(mode)  # its worker built (and graphs captured) before the clock starts
         stats = GenerationStats(mode=mode)
         t0 = time.perf_counter()
         if self.mapping.tp_size > 1:
             self._check_same_batch(requests, mode)
         results: list[RequestResult] = []
-        pending: deque[_Active] = deque()
+        queue: deque[tuple[int, Request]] = deque()  # (handle = index into results, request)
         for i, req in enumerate(requests):
             is_request = isinstance(req, Request)  # a caller may pass anything: then that item's error
             rid = req.request_id if is_request else None
@@ -261,43 +258,29 @@ class Engine:
                 res.finish_reason, res.error = "error", str(e)
                 logger.warning(f"rejected: {e}")
                 continue
-            pending.append(_Active(req, res, -1))
-        active: dict[int, _Active] = {}
-        while pending or active:
-            admitted: list[_Active] = []
-            # Admission in order while a slot and the request's pages are free; otherwise it waits for a finish.
-            while pending and self.slots.num_free and self.pages.can_allocate(self.pages_for(pending[0].request)):
-                a = pending.popleft()
-                a.slot = self.slots.acquire()
-                self.pages.allocate(a.slot, self.pages_for(a.request))
-                admitted.append(a)
-            if admitted:  # every request admitted this iteration: one batched prefill
-                prefill = worker.prefill_batch if speculative else self.reference(path).prefill_batch
-                toks = prefill([a.slot for a in admitted], [list(a.request.prompt_ids) for a in admitted],
-                               [a.request.sampling for a in admitted])
-                for a, tok in zip(admitted, toks):
-                    active[a.slot] = a
-                    if self._append(a, [tok]):
-                        self._finish(active, a)
-                    if progress is not None:
-                        progress(1)
-            if not active:
-                continue
-            order = sorted(active)
-            new, lens = self.run_step(order, mode)  # the one step loop, as serve's
-            stats.num_steps += 1
+            queue.append((i, req))
+        # The one batching loop, as serve's: admission while a slot and the request's pages are free (else it
+        # waits for a finish), batched (and with chunked prefill, interleaved) prefill, then a step.
+        scheduler = Scheduler(self, mode=mode)
+        while queue or scheduler.num_active:
+            admit = [queue.popleft() for _ in range(scheduler.admissible(r for _, r in queue))]
+            if not admit and not scheduler.num_active:  # an idle engine always has room for one request
+                raise RuntimeError(f"generate: request {queue[0][0]} fits no idle engine (a broken invariant)")
+            events, st = scheduler.apply(StepPlan(admit=admit))
+            if st.num_rows:
+                stats.num_steps += 1
+                stats.accepted_lens.extend(st.accepted_lens)
             produced = 0
-            for row, slot in enumerate(order):
-                a = active[slot]
-                a.result.num_steps += 1
-                a.result.accepted_lens.append(lens[row])
-                stats.accepted_lens.append(lens[row])
-                before = len(a.result.output_ids)
-                done = self._append(a, new[row][:lens[row]])
-                produced += len(a.result.output_ids) - before
-                if done:
-                    self._finish(active, a)
-            if progress is not None:
+            for e in events:
+                res = results[e.handle]
+                res.output_ids.extend(e.tokens)
+                produced += len(e.tokens)
+                if e.accepted_len is not None:
+                    res.num_steps += 1
+                    res.accepted_lens.append(e.accepted_len)
+                if e.finish_reason is not None:
+                    res.finish_reason, res.error = e.finish_reason, e.error
+            if progress is not None and produced:
                 progress(produced)
         stats.wall_s = time.perf_counter() - t0
         stats.num_tokens = sum(len(r.output_ids) for r in results)
@@ -309,23 +292,36 @@ class Engine:
         return pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len, self.state.page_size)
 
     # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
-    def prefill_slot(self, slot: int, request: Request, mode: str = "speculative") -> int:
-        """Allocate ``slot``'s pages for ``request`` (already validated) and prefill it; returns the first
-        generated token."""
-        path = _path(mode)
+    def reserve(self, slot: int, request: Request) -> None:
+        """Take the cache pages ``request`` (validated) holds on ``slot`` until it finishes (:meth:`pages_for`)."""
         self.pages.allocate(slot, self.pages_for(request))
-        if mode == "target_only":
-            return self.reference(path).prefill_batch([slot], [list(request.prompt_ids)], [request.sampling])[0]
-        return self.worker(path).prefill(slot, list(request.prompt_ids), request.sampling)
 
-    def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative"):
-        """The first token's ``(logprob, top k)`` after :meth:`prefill_slot` of ``request`` (on every rank)."""
+    def prefill_slots(self, slots: list[int], requests: list[Request], mode: str = "speculative",
+                      starts: list[int] | None = None) -> list[int]:
+        """Prefill ``requests`` (validated, pages reserved) on ``slots`` in ONE batched prefill
+        (:meth:`DSparkWorker.prefill_batch`); ``starts``: each prompt's positions already written by
+        :meth:`prefill_chunk`. Returns the first generated tokens."""
+        path = _path(mode)
+        prompts = [list(r.prompt_ids) for r in requests]
+        params = [r.sampling for r in requests]
+        if mode == "target_only":
+            return self.reference(path).prefill_batch(list(slots), prompts, params, starts=starts)
+        return self.worker(path).prefill_batch(list(slots), prompts, params, starts=starts)
+
+    def prefill_chunk(self, slot: int, request: Request, start: int, end: int, mode: str = "speculative") -> None:
+        """Prompt positions ``start .. end-1`` of ``request`` on ``slot`` (chunked prefill between decode steps;
+        :meth:`DSparkWorker.prefill_chunk`); its last chunk goes through :meth:`prefill_slots`."""
+        self.worker(_path(mode)).prefill_chunk(slot, list(request.prompt_ids), start, end,
+                                               speculative=mode != "target_only")
+
+    def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative", row: int = 0):
+        """The first token's ``(logprob, top k)`` of row ``row`` of the last :meth:`prefill_slots` (on every rank)."""
         if mode == "target_only":
             raise ValueError("prefill_logprobs: the target-only decode keeps no prefill logits")
         path = _path(mode)
         logits = self.worker(path).prefill_logits
         logits = logits.logits if isinstance(logits, VocabShardedLogits) else logits
-        return self._logprobs(path, logits, [0], [token], [request])[0]
+        return self._logprobs(path, logits, [row], [token], [request])[0]
 
     def step_logprobs(self, requests: list[Request | None], new: list[list[int]], lens: list[int],
                       mode: str = "speculative") -> list[list | None]:
@@ -452,19 +448,6 @@ class Engine:
             if n >= request.max_new_tokens:
                 return i + 1, "length"
         return len(tokens), None
-
-    def _append(self, a: _Active, tokens: list[int]) -> bool:
-        """Append accepted tokens up to the stop token / the length limit; True when the request is done."""
-        res = a.result
-        kept, reason = self.finish_tokens(a.request, len(res.output_ids), tokens)
-        res.output_ids.extend(int(t) for t in tokens[:kept])
-        res.finish_reason = reason
-        return reason is not None
-
-    def _finish(self, active: dict[int, _Active], a: _Active) -> None:
-        active.pop(a.slot, None)
-        self.pages.free(a.slot)
-        self.slots.release(a.slot)
 
     def _check_same_batch(self, requests: list[Request], mode: str) -> None:
         """Every TP rank must serve the same batch: its host decisions (admission, rows per step, stops)

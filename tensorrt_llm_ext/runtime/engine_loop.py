@@ -2,7 +2,9 @@
 other TP ranks, and what it reports to the server's Prometheus metrics (:mod:`~tensorrt_llm_ext.runtime.serve_metrics`).
 
 Handlers (on the HTTP event loop) :meth:`EngineLoop.submit` requests and :meth:`EngineLoop.cancel` them; the
-loop admits waiting requests between engine steps while slots are free (continuous batching). Every plan
+loop admits waiting requests between engine steps while slots and cache pages are free (continuous batching;
+the scheduler prefills a plan's admissions in batched prefills, chunked between steps with
+``enable_chunked_prefill``). Every plan
 (cancel / admit / step) goes through a :class:`PlanChannel` first: at TP N it is broadcast to every rank over
 the TP group's gloo group, so all ranks run the same steps (an idle loop sends an empty plan every
 ``HEARTBEAT_S``, so a rank blocked waiting for work never reaches the collective timeout, and a dead peer is
@@ -216,15 +218,10 @@ class EngineLoop:
             # How this plan's cancellations are counted; a cancel of a handle that already finished is dropped.
             self._plan_reasons = {h: self._cancel[h] for h in cancel}
             self._cancel = {}
-            free = self.scheduler.num_free_slots + len(cancel)
-            pages = self.scheduler.free_pages_after(cancel)
+            # First come, first served while a slot and the request's pages are free (the next one waits).
             admit = []
             now = time.perf_counter()
-            while self._pending and len(admit) < free:
-                need = self.scheduler.pages_for(self._pending[0][1])
-                if need > pages:  # the next request waits for pages (first come, first served)
-                    break
-                pages -= need
+            for _ in range(self.scheduler.admissible((request for _, request, _ in self._pending), cancel)):
                 handle, request, sink = self._pending.popleft()
                 self._sinks[handle] = sink
                 admit.append((handle, request))
@@ -257,7 +254,7 @@ class EngineLoop:
 
     def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
         m = self.metrics
-        prefilled = sum(len(request.prompt_ids) for _, request in plan.admit)
+        prefilled = stats.prefill_tokens  # this plan's prefill (a long prompt's chunks spread over plans)
         m.prompt_tokens.inc(prefilled)
         if stats.num_rows:
             self._steps += 1

@@ -1,5 +1,6 @@
 """Continuous batching over an :class:`~tensorrt_llm_ext.runtime.engine.Engine`: requests join and leave
-between engine steps.
+between engine steps. The one batching loop of the project: ``serve``'s engine loop, :meth:`Engine.generate`
+(and so ``bench``) admit, prefill and step through it.
 
 The scheduler is driven by :class:`StepPlan` s -- plain data (admit these requests, cancel those, run one
 step) -- so that at TP N the plan rank 0 decides can be broadcast and applied identically on every rank:
@@ -7,13 +8,24 @@ slot assignment (lowest free slot first), page allocation and every token depend
 of plans, never on timing. :meth:`Scheduler.apply` returns the :class:`Event` s of the plan (each
 request's new tokens and whether it finished).
 
-Per request the tokens are exactly what :meth:`Engine.generate` produces for it: prefill gives the first
+Per request the tokens are exactly what it gets alone: prefill gives the first
 token, each step appends the accepted tokens up to a stop token (its ``stop_token_ids`` or, unless
 ``ignore_eos``, the checkpoint's EOS, honoured after ``min_tokens``) or ``max_new_tokens``; a request's
 tokens depend only on its own prompt, seed and temperature, not on which requests share its steps.
 
+Admission and prefill: a plan's admitted requests take a slot and their pages at once, then are prefilled in
+batched prefills (:meth:`Engine.prefill_slots`: one target forward for several prompts), each of at most
+``max_num_tokens`` padded tokens (rows x the longest prompt; a longer prompt alone is one prefill). With
+``enable_chunked_prefill`` a plan carries at most ``max_num_tokens`` prefill tokens in all: the prompts that fit
+are prefilled, the next one runs a chunk of what is left (:meth:`Engine.prefill_chunk`) and goes on in the
+next plans, while the running requests take their decode step in every plan -- a long prompt never stalls
+the streams. A request in prefill holds its slot and pages (it counts in :attr:`Scheduler.num_active`) and
+gets its first token with its last chunk. Tokens are those of one prefill per request: a prefill row (and a
+chunk) computes only its own prompt's positions.
+
 A request-level error inside a plan -- a layer below refusing a value that validation let through
-(:data:`REQUEST_FAULTS`) -- fails requests, never the engine: in a prefill that request alone; in a step
+(:data:`REQUEST_FAULTS`) -- fails requests, never the engine: in a prefill that request alone (a batched
+prefill that raises is retried one request at a time to find it); in a step
 every request of the step (a step aborted part way cannot be resumed row by row), the ones that fail validation named as the cause.
 Their slots are freed, the workers' step state reset, and later plans are served. Any other exception (a
 collective timeout, a device fault, out of memory, a broken invariant, a bug) propagates: the engine has failed.
@@ -34,6 +46,7 @@ tokens, so every TP rank pipelines the same way.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.logger import logger
@@ -79,7 +92,8 @@ class StepStats:
     accepted_lens: list[int] = field(default_factory=list)
     step_s: float = 0.0
     prefill_s: float = 0.0
-    num_prefills: int = 0
+    num_prefills: int = 0  # requests whose prefill completed (their first token is out)
+    prefill_tokens: int = 0  # prompt tokens prefilled (chunks included, padding not)
 
 
 @dataclass
@@ -97,6 +111,19 @@ class _Live:
     num_out: int = 0
 
 
+@dataclass
+class _Prefilling:
+    """An admitted request whose prompt is not all in the cache yet (chunked prefill spreads it over plans)."""
+
+    request: Request
+    slot: int
+    done: int = 0  # prompt positions in the cache (chunks run so far)
+
+    @property
+    def left(self) -> int:
+        return len(self.request.prompt_ids) - self.done
+
+
 class Scheduler:
     """Requests in flight on one rank's engine, keyed by caller-chosen integer handles."""
 
@@ -105,9 +132,10 @@ class Scheduler:
         self.mode = mode
         self.overlap = overlap
         self._live: dict[int, _Live] = {}
+        self._prefilling: dict[int, _Prefilling] = {}  # admitted, first token not yet out (admission order)
         self._in_flight: _InFlight | None = None  # overlap: the launched step whose tokens are not collected
         # Tokens one step can append to a request (the speculative block, or the target-only decode's one).
-        self._step_tokens = engine.draft_len + 1 if mode == "speculative" else 1
+        self._step_tokens = 1 if mode == "target_only" else engine.draft_len + 1
 
     @property
     def in_flight(self) -> bool:
@@ -120,7 +148,8 @@ class Scheduler:
 
     @property
     def num_active(self) -> int:
-        return len(self._live)
+        """Requests holding a slot: decoding, or in their (chunked) prefill."""
+        return len(self._live) + len(self._prefilling)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -133,7 +162,26 @@ class Scheduler:
     def free_pages_after(self, cancel: list[int]) -> int:
         """Cache pages free once the requests of ``cancel`` (handles) have left (what a plan may admit into)."""
         pages = self.engine.pages
-        return pages.num_free + sum(pages.num_held(self._live[h].slot) for h in cancel if h in self._live)
+        return pages.num_free + sum(pages.num_held(held.slot) for held in self._held(cancel))
+
+    def _held(self, handles) -> list[_Live | _Prefilling]:
+        return [x for h in handles for x in (self._live.get(h) or self._prefilling.get(h),) if x is not None]
+
+    def admissible(self, queue: Iterable[Request], cancel: list[int] = ()) -> int:
+        """How many requests at the head of ``queue`` a plan that cancels ``cancel`` may admit, first come first
+        served: while a slot and the request's pages (:meth:`pages_for`) are free; the next one waits."""
+        slots = self.num_free_slots + len(self._held(cancel))
+        pages = self.free_pages_after(cancel)
+        n = 0
+        for request in queue:
+            if n >= slots:
+                break
+            need = self.pages_for(request)
+            if need > pages:
+                break
+            pages -= need
+            n += 1
+        return n
 
     def pages_for(self, request: Request) -> int:
         """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the
@@ -152,12 +200,16 @@ class Scheduler:
         events: list[Event] = []
         stats = StepStats()
         for handle in plan.cancel:
-            live = self._live.pop(handle, None)
-            if live is not None:
-                self.engine.release_slot(live.slot)
+            held = self._live.pop(handle, None) or self._prefilling.pop(handle, None)
+            if held is not None:
+                self.engine.release_slot(held.slot)
                 events.append(Event(handle, [], "cancelled"))
         for handle, request in plan.admit:
-            events.append(self._admit(handle, request, stats))
+            refused = self._admit(handle, request)
+            if refused is not None:
+                events.append(refused)
+        if self._prefilling:
+            events.extend(self._prefill(stats))
         if plan.run and self._live:
             events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
         if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
@@ -221,29 +273,101 @@ class Scheduler:
                 events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row]))
         return events
 
-    def _admit(self, handle: int, request: Request, stats: StepStats) -> Event:
+    def _admit(self, handle: int, request: Request) -> Event | None:
+        """Give ``request`` a slot and its pages (it is prefilled by :meth:`_prefill`); an error event if it
+        cannot be served."""
         try:
             self.validate(request)
         except RequestError as e:
             return Event(handle, [], "error", str(e))
-        if handle in self._live or not self.num_free_slots:
+        if handle in self._live or handle in self._prefilling or not self.num_free_slots:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
-        t0 = time.perf_counter()
         slot = self.engine.slots.acquire()
         try:
-            first = self.engine.prefill_slot(slot, request, self.mode)
-            lps = [self.engine.prefill_logprobs(request, first, self.mode)] if request.logprobs is not None else None
-        except REQUEST_FAULTS as e:  # a layer below refused a value of this request: it fails, the engine serves on
-            self.engine.release_slot(slot)
-            self.engine.reset_step_state()
-            msg = f"request {handle}: refused in its prefill: {type(e).__name__}: {e}"
-            logger.warning(f"scheduler: {msg}")
-            return Event(handle, [], "error", msg)
+            self.engine.reserve(slot, request)
+        except BaseException:
+            self.engine.slots.release(slot)
+            raise
+        self._prefilling[handle] = _Prefilling(request, slot)
+        return None
+
+    def _prefill(self, stats: StepStats) -> list[Event]:
+        """This plan's prefill: every request in prefill, in batched prefills of at most ``max_num_tokens``
+        padded tokens; with chunked prefill at most ``max_num_tokens`` tokens in all, the request that does not
+        fit running a chunk of its prompt."""
+        budget = self.engine.max_num_tokens
+        chunked = self.engine.chunked_prefill
+        events: list[Event] = []
+        while self._prefilling:
+            group, width = self._prefill_group(budget, chunked)
+            if group:
+                events.extend(self._prefill_rows(group, stats))
+            if not chunked:
+                continue
+            budget -= len(group) * width
+            if self._prefilling:  # the next prompt does not fit what is left: a chunk of it (its last token stays)
+                handle, p = next(iter(self._prefilling.items()))
+                n = min(budget, p.left - 1)
+                if n > 0:
+                    self._prefill_chunk(handle, p, n, stats, events)
+            break
+        return events
+
+    def _prefill_group(self, budget: int, chunked: bool) -> tuple[list[int], int]:
+        """The requests at the head of the prefill queue whose rest fits one batched prefill of ``budget``
+        padded tokens (rows x the longest rest), and that width; unchunked, the head always goes."""
+        group, width = [], 0
+        for handle, p in self._prefilling.items():
+            w = max(width, p.left)
+            if (len(group) + 1) * w > budget and (group or chunked):
+                break
+            group.append(handle)
+            width = w
+        return group, width
+
+    def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, self.mode)
+        except REQUEST_FAULTS as e:
+            events.append(self._refuse_prefill(handle, e))
+            return
+        p.done += n
         stats.prefill_s += time.perf_counter() - t0
-        stats.num_prefills += 1
-        live = _Live(request, slot)
-        self._live[handle] = live
-        return self._append(handle, live, [first], None, lps)
+        stats.prefill_tokens += n
+
+    def _prefill_rows(self, group: list[int], stats: StepStats) -> list[Event]:
+        """One batched prefill of the rest of ``group``'s prompts: their first tokens. A request-level error
+        retries the rows one at a time, so that only the request that causes it fails."""
+        held = [self._prefilling[h] for h in group]
+        reqs = [p.request for p in held]
+        t0 = time.perf_counter()
+        try:
+            firsts = self.engine.prefill_slots([p.slot for p in held], reqs, self.mode, starts=[p.done for p in held])
+            lps = [[self.engine.prefill_logprobs(r, tok, self.mode, row)] if r.logprobs is not None else None
+                   for row, (r, tok) in enumerate(zip(reqs, firsts))]
+        except REQUEST_FAULTS as e:  # a layer below refused a value of a request: it fails, the engine serves on
+            self.engine.reset_step_state()
+            if len(group) == 1:
+                return [self._refuse_prefill(group[0], e)]
+            return [ev for h in group for ev in self._prefill_rows([h], stats)]
+        stats.prefill_s += time.perf_counter() - t0
+        stats.num_prefills += len(group)
+        stats.prefill_tokens += sum(p.left for p in held)
+        events = []
+        for h, p, first, lp in zip(group, held, firsts, lps):
+            del self._prefilling[h]
+            live = self._live[h] = _Live(p.request, p.slot)
+            events.append(self._append(h, live, [first], None, lp))
+        return events
+
+    def _refuse_prefill(self, handle: int, error: Exception) -> Event:
+        p = self._prefilling.pop(handle)
+        self.engine.release_slot(p.slot)
+        self.engine.reset_step_state()
+        msg = f"request {handle}: refused in its prefill: {type(error).__name__}: {error}"
+        logger.warning(f"scheduler: {msg}")
+        return Event(handle, [], "error", msg)
 
     def _step(self, stats: StepStats) -> list[Event]:
         by_slot = {live.slot: handle for handle, live in self._live.items()}

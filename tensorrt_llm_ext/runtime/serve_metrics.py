@@ -88,7 +88,7 @@ class ServerMetrics:
         one(counter("num_preemptions", "Preempted requests (always 0: a request waits for its pages before "
                     "admission, and is never preempted)"))
         # -- vLLM's counters ---------------------------------------------------------------------------------
-        self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens admitted (prefilled)"))
+        self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens prefilled"))
         self.generated_tokens = one(counter("generation_tokens", "Tokens generated"))
         self._success = counter("request_success", "Finished requests by finished_reason", ["finished_reason"])
         for reason in sorted(set(FINISHED_REASONS.values())):
@@ -126,6 +126,14 @@ class ServerMetrics:
         per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position "
                           "(0 = the first drafted token)", ["position"])
         self.accepted_per_pos = [per_pos.labels(*self._values, str(i)) for i in range(draft_len)]
+        # The drafter's confidence beside the acceptance, per draft position (a drafter with a confidence head):
+        # mean confidence at position p = confidence_sum_per_pos / num_confidence_drafts, to read against
+        # num_accepted_tokens_per_pos / num_drafts.
+        self.num_confidence_drafts = one(counter("spec_decode_num_confidence_drafts", "Speculative steps over "
+                                                 "requests whose drafts carried the drafter's confidences"))
+        conf_pos = counter("spec_decode_draft_confidence_sum_per_pos", "Sum of the drafter's confidence c_k of the "
+                           "drafts verified at each draft position (0 = the first drafted token)", ["position"])
+        self.confidence_per_pos = [conf_pos.labels(*self._values, str(i)) for i in range(draft_len)]
         # -- this server's own ---------------------------------------------------------------------------------
         self._rejected = counter("requests_rejected", "Requests to a served endpoint answered 4xx/5xx before "
                                  "reaching the engine", ["status"])
@@ -189,8 +197,14 @@ class ServerMetrics:
     def rejected(self, status: int) -> None:
         self._rejected.labels(*self._values, str(status)).inc()
 
-    def speculative_step(self, accepted_len: int) -> None:
-        """One request's speculative step that emitted ``accepted_len`` tokens (``accepted_len - 1`` drafts)."""
+    def speculative_step(self, accepted_len: int, confidences=None) -> None:
+        """One request's speculative step that emitted ``accepted_len`` tokens (``accepted_len - 1`` drafts);
+        ``confidences``: the drafter's ``c_k`` of the K drafts this step verified (the previous step's
+        ``draft_confidences`` row of the request), when its drafter has a confidence head."""
+        if confidences is not None:
+            self.num_confidence_drafts.inc()
+            for pos, c in enumerate(list(confidences)[:self.draft_len]):
+                self.confidence_per_pos[pos].inc(min(1.0, max(0.0, float(c))))
         self.acceptance.observe(accepted_len)
         self.num_drafts.inc()
         self.num_draft_tokens.inc(self.draft_len)

@@ -360,11 +360,13 @@ class DSparkWorker(SpecWorkerBase):
             raise ValueError(f"prefill_batch: empty prompt on slots {empty}")
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
-                      speculative: bool = True) -> list[int]:
+                      speculative: bool = True, starts: list[int] | None = None) -> list[int]:
         """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
 
-        The ragged prompts are padded to ``[R, T]`` (``T`` = the longest prompt; row ``r`` holds prompt ``r``
-        at positions ``0 .. n_r-1`` and padding tokens at ``n_r .. T-1``). Each row writes only its own
+        ``starts[r]``: prompt ``r``'s positions already in the cache (written by :meth:`prefill_chunk`; default
+        none), so row ``r`` runs positions ``s_r .. n_r-1``. The ragged rows are padded to ``[R, T]`` (``T`` =
+        the longest ``n_r - s_r``; row ``r`` holds its tokens at positions ``s_r .. n_r-1`` and padding tokens
+        at ``n_r .. s_r+T-1``). Each row writes only its own
         slot's KV cache: the padding positions lie past the prompt, stale like rejected drafts, and every
         later step rewrites a position before any query attends it. Speculative: ONE store of every
         prompt's drafter context latents (positions ``0 .. n_r-2``; padding rows masked out), the
@@ -384,7 +386,12 @@ class DSparkWorker(SpecWorkerBase):
         k = self.draft_len
         r = len(slots)
         lens = [len(p) for p in prompts]
-        t = max(lens)
+        starts = [0] * r if starts is None else list(starts)
+        bad = [(s, n) for s, n in zip(starts, lens) if not 0 <= s < n]
+        if len(starts) != r or bad:
+            raise ValueError(f"prefill_batch: expected one start per prompt in [0, its length), got {starts} for "
+                             f"lengths {lens}")
+        t = max(n - s for s, n in zip(starts, lens))
         slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
         slots_l = slots_t.long()
         lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
@@ -398,12 +405,13 @@ class DSparkWorker(SpecWorkerBase):
                 return self.processed(logits, slots, slots_l, temps)
         with nvtx_range("prefill"):
             ids = torch.zeros(r, t, dtype=torch.int64)
-            for row, p in enumerate(prompts):
-                ids[row, :len(p)] = torch.tensor(list(p), dtype=torch.int64)
+            for row, (p, s) in enumerate(zip(prompts, starts)):
+                ids[row, :len(p) - s] = torch.tensor(list(p[s:]), dtype=torch.int64)
             ids = ids.to(dev)
-            positions = torch.arange(t, dtype=torch.int64, device=dev).expand(r, t)
+            starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
+            positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
             out = self._prefill_forward(ids, positions, slots_t)
-            last = torch.arange(r, device=dev) * t + lens_t - 1  # row of each prompt's last token
+            last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
                                                   st.slot_seeds[slots_l], lens_t, tok,
@@ -412,15 +420,9 @@ class DSparkWorker(SpecWorkerBase):
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
-            self.decode_pages()
-            latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
-            # Positions 0 .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
+            # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
             # treats each prompt as a generation row that accepted exactly one token (its first generated one).
-            pos = positions.reshape(-1)
-            pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
-            pages = st.block_table[slots_l.repeat_interleave(t), pidx]
-            keep = (positions < (lens_t - 1)[:, None]).reshape(-1)
-            self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), keep, st.latent_pool)
+            latents = self._store_prompt_latents(out, slots_l, positions, lens_t)
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
             accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
             accepted[:, 0] = tok
@@ -439,6 +441,42 @@ class DSparkWorker(SpecWorkerBase):
             st.slot_tokens[slots_l, 0] = tok
             st.slot_tokens[slots_l, 1:] = drafts
         return tok.tolist()
+
+    def prefill_chunk(self, slot: int, prompt_ids: list[int], start: int, end: int, speculative: bool = True) -> None:
+        """Prompt positions ``start .. end-1`` of ``slot`` (``end`` below the prompt's length): one target forward
+        writing their K/V and, speculative, their drafter context latents; no token. A long prompt runs as such
+        chunks between decode steps, then :meth:`prefill_batch` with ``starts=[end]`` runs its rest and picks
+        its first token: the same tokens as one prefill (each chunk's K/V is written before a later one
+        attends it). Eager."""
+        n = len(prompt_ids)
+        if not 0 <= start < end < n:
+            raise ValueError(f"prefill_chunk: expected 0 <= start < end < {n} (the prompt's length), got {start}, {end}")
+        self.check_slots("prefill_chunk", [slot])
+        dev = self.device
+        with nvtx_range("prefill_chunk"):
+            ids = torch.tensor(list(prompt_ids[start:end]), dtype=torch.int64).to(dev)[None]
+            positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
+            slots_t = torch.tensor([slot], dtype=torch.int32, device=dev)
+            out = self._prefill_forward(ids, positions, slots_t)
+            if speculative:
+                self._store_prompt_latents(out, slots_t.long(), positions,
+                                           torch.tensor([n], dtype=torch.int64, device=dev))
+
+    def _store_prompt_latents(self, out: TargetOutput, slots_l: torch.Tensor, positions: torch.Tensor,
+                              lens_t: torch.Tensor) -> torch.Tensor:
+        """Store the drafter context latents of a prefill block's prompt positions below ``n - 1`` (``positions``
+        ``[R, T]`` absolute, ``lens_t`` ``[R]`` the prompts' lengths); returns every row's latents
+        ``[R*T, L, d_c]``."""
+        st = self.state
+        t = positions.shape[1]
+        self.decode_pages()
+        latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
+        pos = positions.reshape(-1)
+        pidx = (pos // st.page_size).clamp(max=st.block_table.shape[1] - 1)
+        pages = st.block_table[slots_l.repeat_interleave(t), pidx]
+        keep = (positions < (lens_t - 1)[:, None]).reshape(-1)
+        self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), keep, st.latent_pool)
+        return latents
 
     def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TargetOutput:
         """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive

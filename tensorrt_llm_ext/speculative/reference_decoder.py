@@ -39,10 +39,12 @@ class ReferenceDecoder:
         self.processors = wp if wp.mapping is None else SlotLogitsProcessors(
             wp.num_slots, 0, worker.vocab_size, worker.vocab_size, worker.device)
 
-    def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
-        """The context phase of several requests (the worker's, nothing drafted): their first tokens."""
+    def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                      starts: list[int] | None = None) -> list[int]:
+        """The context phase of several requests (the worker's, nothing drafted): their first tokens.
+        ``starts``: as :meth:`DSparkWorker.prefill_batch` (positions already written by ``prefill_chunk``)."""
         w, st = self.worker, self.worker.state
-        toks = w.prefill_batch(slots, prompts, params, speculative=False)
+        toks = w.prefill_batch(slots, prompts, params, speculative=False, starts=starts)
         slots_l = torch.tensor(slots, dtype=torch.int64, device=w.device)
         if self.processors is not w.processors:
             self.processors.assign(slots, list(params), prompts)

@@ -39,11 +39,8 @@ class _SerialScheduler:
     def kv_cache_usage(self) -> float:
         return self._scheduler.kv_cache_usage
 
-    def free_pages_after(self, cancel: list[int]) -> int:
-        return self._scheduler.free_pages_after(cancel)
-
-    def pages_for(self, request) -> int:
-        return self._scheduler.pages_for(request)
+    def admissible(self, queue, cancel=()) -> int:
+        return self._scheduler.admissible(queue, cancel)
 
     def apply(self, plan):
         with KERNEL_LOCK:

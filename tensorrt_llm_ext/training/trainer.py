@@ -41,7 +41,8 @@ from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_t
                                                 save_drafter_checkpoint)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
-from tensorrt_llm_ext.models.dspark_drafter import CONFIDENCE_HEAD_FILE, confidence_head_shapes
+from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
+                                                   apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
 from tensorrt_llm_ext.training.drafter_forward import block_forward, block_hidden, context_latents, markov_bias
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
@@ -228,7 +229,7 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
 
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                      draft_len: int, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
+                      draft_len: int, tc: TrainConfig, confidence_samples: bool = False) -> tuple[torch.Tensor, dict]:
     """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
     over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1
     agreement, the teacher-forced greedy acceptance length, mean confidence and label per position).
@@ -271,8 +272,12 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
         lab = ((label * v).sum((0, 1)) / n_k).tolist()
         tv_mean = ((tv * v).sum() / v.sum().clamp_min(1)).item()
         ce_mean = ((ce * v).sum() / v.sum().clamp_min(1)).item()
-    return total, {"loss": total.item(), "tv": tv_mean, "ce": ce_mean, "bce": bce.item(), "accept_est": est,
-                   "top1": top1, "confidence": conf, "label": lab}
+    metrics = {"loss": total.item(), "tv": tv_mean, "ce": ce_mean, "bce": bce.item(), "accept_est": est,
+               "top1": top1, "confidence": conf, "label": lab}
+    if confidence_samples:  # the head's logits, labels and validity per block position, [S*M, K] each (detached)
+        metrics["confidence_samples"] = (conf_logit.detach().float().flatten(0, 1).cpu(),
+                                         label.float().flatten(0, 1).cpu(), valid.flatten(0, 1).cpu())
+    return total, metrics
 
 
 def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -303,10 +308,24 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
 @torch.no_grad()
 def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.Tensor], draft_len: int,
                            device, target, batch_seqs: int = 16) -> float:
-    """Mean acceptance length at T = 0 of the drafter on greedy sequences, walked as the engine walks them:
-    the anchor starts at the first generated token; the block's K drafts go through the Markov chain (each
-    draft biased by the previous draft); the matching prefix and the bonus token are accepted."""
-    total, steps = 0, 0
+    """Mean acceptance length at T = 0 of the drafter on greedy sequences, walked as the engine walks them
+    (:func:`walk_accepted_lens`)."""
+    lens = [n for row in walk_accepted_lens(params, dcfg, lm_head_weight, data, draft_len, device, target, batch_seqs)
+            for n in row]
+    return sum(lens) / len(lens) if lens else float("nan")
+
+
+@torch.no_grad()
+def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tensor], draft_len: int, device, target,
+                       batch_seqs: int = 16) -> list[list[int]]:
+    """Per sequence, the tokens gained at each generation step when the engine decodes it greedily with this
+    drafter: the anchor starts at the first generated token (``prompt_len``, the token prefill emits); the
+    block's K drafts go through the Markov chain (``prev_0`` = the anchor, then each draft biases the next);
+    the drafts matching the sequence and the bonus token are accepted, and the next anchor is the bonus token.
+    On the target's own greedy continuation this is exactly what ``generate`` measures step by step
+    (``tests/integration/test_drafter_train_serve_agreement.py``); a step at the sequence's end counts only the
+    tokens the sequence still has."""
+    out: list[list[int]] = []
     for start in range(0, data["tokens"].shape[0], batch_seqs):
         idx = torch.arange(start, min(start + batch_seqs, data["tokens"].shape[0]))
         b = _batch(data, idx, device, target)
@@ -314,6 +333,7 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
         tokens, lens = b["tokens"], b["lens"]
         a = b["prompt_lens"].clone()
         rows = torch.arange(len(idx), device=device)
+        steps: list[list[int]] = [[] for _ in idx]
         while True:
             live = a <= lens - 2
             if not bool(live.any()):
@@ -333,10 +353,11 @@ def greedy_walk_acceptance(params, dcfg, lm_head_weight, data: dict[str, torch.T
             n_acc = torch.cumprod(match.long(), 1).sum(1)
             # the bonus token exists while the sequence continues; the walk ends at the sequence's end
             step = torch.minimum(n_acc + 1, lens - 1 - ac)
-            total += int(step[live].sum())
-            steps += int(live.sum())
+            for i in torch.nonzero(live).flatten().tolist():
+                steps[i].append(int(step[i]))
             a = torch.where(live, a + step, a)
-    return total / steps if steps else float("nan")
+        out.extend(steps)
+    return out
 
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
@@ -444,10 +465,14 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps:
             _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
     final = {n: p.detach() for n, p in params.items()}
-    final_eval = calibration = None
+    final_eval = calibration = final_by_position = None
     if eval_data is not None:
-        final_eval = greedy_walk_acceptance({n: final[n] for n in backbone}, dcfg, lm_head.float(), eval_data,
-                                            tc.draft_len, device, target)
+        walked = [n for row in walk_accepted_lens({n: final[n] for n in backbone}, dcfg, lm_head.float(), eval_data,
+                                                  tc.draft_len, device, target) for n in row]
+        final_eval = sum(walked) / len(walked) if walked else float("nan")
+        # bench acceptance's "acceptance by position" of the same walk: the serving number's training-side twin
+        final_by_position = [round(sum(1 for n in walked if n - 1 >= j) / max(len(walked), 1), 4)
+                             for j in range(1, tc.draft_len + 1)]
         calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target)
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
@@ -460,34 +485,94 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
-               "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval,
+               "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,
                                               "draft_len": tc.draft_len, "prompts": tc.eval_prompts},
                "held_out_confidence": calibration}
     write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
-                    f"{tc.init}) -> {final_eval:.3f} (trained)")
+                    f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "
+                    f"top-1 on held-out {calibration['teacher_forced_top1']}")
     return summary
 
 
 @torch.no_grad()
 def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target) -> dict:
-    """Mean confidence and mean label ``1 - TV`` per block position on the held-out sequences (every generated
-    position an anchor): a calibrated head has them equal."""
-    conf, lab = torch.zeros(tc.draft_len), torch.zeros(tc.draft_len)
+    """The confidence head on the held-out sequences (32 random anchors per sequence): mean confidence and mean
+    label ``1 - TV`` per block position (a calibrated head has them equal), the teacher-forced top-1 agreement per
+    position (the training log's top-1 is on training batches; this one is on sequences training never saw), and
+    a per-position calibration (:func:`fit_confidence_calibration`, ``"calibration"``: ``[2, K]``) fitted on the
+    first half of the held-out batches and reported on the other half (raw and calibrated mean confidence against
+    the mean label there)."""
+    conf, lab, top1 = torch.zeros(tc.draft_len), torch.zeros(tc.draft_len), torch.zeros(tc.draft_len)
+    samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     n = 0
-    for start in range(0, eval_data["tokens"].shape[0], 4):
-        idx = torch.arange(start, min(start + 4, eval_data["tokens"].shape[0]))
+    for start in range(0, eval_data["tokens"].shape[0], 2):
+        idx = torch.arange(start, min(start + 2, eval_data["tokens"].shape[0]))
         b = _batch(eval_data, idx, device, target)
         g = torch.Generator(device=device).manual_seed(start)
         anchors = sample_anchors(b, 32, g)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc)
+            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True)
         conf += torch.tensor(m["confidence"])
         lab += torch.tensor(m["label"])
+        top1 += torch.tensor(m["top1"])
+        samples.append(m["confidence_samples"])
         n += 1
-    return {"mean_confidence": [round(x, 4) for x in (conf / max(n, 1)).tolist()],
-            "mean_label": [round(x, 4) for x in (lab / max(n, 1)).tolist()]}
+    out = {"mean_confidence": [round(x, 4) for x in (conf / max(n, 1)).tolist()],
+           "mean_label": [round(x, 4) for x in (lab / max(n, 1)).tolist()],
+           "teacher_forced_top1": [round(x, 4) for x in (top1 / max(n, 1)).tolist()]}
+    if len(samples) < 2:
+        return out
+    half = len(samples) // 2
+
+    def cat(part):
+        return [torch.cat([s[i] for s in part]) for i in range(3)]
+
+    cal = fit_confidence_calibration(*cat(samples[:half]))
+    cal = torch.tensor([[round(x, 5) for x in row] for row in cal.tolist()])  # what training.json and the head file hold
+    z, y, v = cat(samples[half:])
+    vf = v.float()
+    n_k = vf.sum(0).clamp_min(1)
+
+    def mean(x):
+        return [round(t, 4) for t in ((x * vf).sum(0) / n_k).tolist()]
+
+    out.update({"calibration": cal.tolist(), "report_mean_label": mean(y),
+                "report_mean_confidence_raw": mean(torch.sigmoid(z)),
+                "report_mean_confidence_calibrated": mean(torch.sigmoid(apply_confidence_calibration(z, cal)))})
+    return out
+
+
+def fit_confidence_calibration(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                               min_samples: int = 16) -> torch.Tensor:
+    """Per block position ``k``, Platt scaling of the confidence head: ``(a_k, b_k)`` minimising the BCE of
+    ``sigmoid(a_k z + b_k)`` against the soft label ``1 - TV`` over the valid samples (``logits``, ``labels``,
+    ``valid``: ``[N, K]``); ``a_k > 0`` (the order of confidences is kept). A position with fewer than
+    ``min_samples`` samples keeps the identity ``(1, 0)``. Returns ``[2, K]`` fp32 (CPU)."""
+    z, y, v = logits.float().cpu(), labels.float().cpu(), valid.bool().cpu()
+    k = z.shape[1]
+    cal = torch.tensor([[1.0] * k, [0.0] * k])
+    for j in range(k):
+        zj, yj = z[v[:, j], j], y[v[:, j], j]
+        if zj.numel() < min_samples:
+            continue
+        log_a = torch.zeros((), requires_grad=True)
+        shift = torch.zeros((), requires_grad=True)
+        opt = torch.optim.LBFGS([log_a, shift], lr=0.5, max_iter=100, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(log_a.exp() * zj + shift, yj)
+            loss.backward()
+            return loss
+
+        with torch.enable_grad():
+            opt.step(closure)
+        a, b = float(log_a.detach().exp()), float(shift.detach())
+        if math.isfinite(a) and math.isfinite(b) and a > 0:
+            cal[0, j], cal[1, j] = a, b
+    return cal
 
 
 def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bool, device, progress,
@@ -557,6 +642,9 @@ def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict
         backbone = {n: t for n, t in weights.items() if n not in confidence_head_shapes(dcfg)}
         save_drafter_checkpoint(tmp, dcfg, layers, backbone)
         head = {n: weights[n].float().contiguous() for n in confidence_head_shapes(dcfg) if n in weights}
+        cal = (summary.get("held_out_confidence") or {}).get("calibration")
+        if head and cal is not None:  # applied by the serving drafter at load
+            head[CONFIDENCE_CALIBRATION] = torch.tensor(cal, dtype=torch.float32)
         if head:
             save_file(head, str(tmp / CONFIDENCE_HEAD_FILE), {"format": "pt"})
         (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,6 +1,7 @@
-"""Chunked prefill (``enable_chunked_prefill`` + ``max_num_tokens``): the prefill forward in column chunks over
-the paged cache gives the tokens of the unchunked prefill, speculative and target-only, and the same K/V
-(up to GEMM rounding of another row count: asserted at 1e-5 on O(1) fp32 values)."""
+"""Chunked prefill (``enable_chunked_prefill`` + ``max_num_tokens``): the prefill in chunks over the paged cache
+(the scheduler's chunks between steps in ``generate``, the worker's column chunks in one prefill call) gives the
+tokens of the unchunked prefill, speculative and target-only, and the same K/V (up to GEMM rounding of another
+row count: asserted at 1e-5 on O(1) fp32 values)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ def test_chunked_prefill_equals_unchunked():
     whole = Engine(load_config(**tiny_model(**TINY)))
     chunked = Engine(load_config(**tiny_model(**TINY, enable_chunked_prefill=True, max_num_tokens=9)))
     assert whole.prefill_chunk_tokens is None and chunked.prefill_chunk_tokens == 9
-    calls = []
-    orig = chunked.target.forward
+    calls = []  # per prefill call: its tokens (rows x columns, padding included)
+    orig_rows, orig_chunk = chunked.prefill_slots, chunked.prefill_chunk
 
-    def counting(ids, *args, _orig=orig):
-        calls.append(ids.numel())
-        return _orig(ids, *args)
+    def rows(slots, requests, mode="speculative", starts=None):
+        calls.append(len(slots) * max(len(r.prompt_ids) - s for r, s in zip(requests, starts or [0] * len(slots))))
+        return orig_rows(slots, requests, mode, starts)
 
-    chunked.target.forward = counting
+    def chunk(slot, request, start, end, mode="speculative"):
+        calls.append(end - start)
+        return orig_chunk(slot, request, start, end, mode)
+
+    chunked.prefill_slots, chunked.prefill_chunk = rows, chunk
     reqs = [Request(list(p), max_new_tokens=6, sampling=SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i))
             for i, p in enumerate(PROMPTS)]
     for mode in ("speculative", "target_only"):
@@ -35,8 +40,10 @@ def test_chunked_prefill_equals_unchunked():
         want, _ = whole.generate(reqs, mode)
         got, _ = chunked.generate(reqs, mode)
         assert [r.output_ids for r in got] == [r.output_ids for r in want]
-        # 4 prompts padded to 19 columns, 2 columns (8 tokens) per forward: 10 prefill forwards, then the steps.
-        assert calls[:10] == [8] * 9 + [4] and max(calls[:10]) <= 9
+        # The generate loop's plans carry at most 9 prefill tokens each: prompts 4 and 1 in one batched prefill
+        # (2 x 4), the 19- and 11-token prompts as chunks and rests between the steps.
+        assert calls[0] == 8 and max(calls) <= 9 and sum(calls) >= sum(len(p) for p in PROMPTS), calls
+    del chunked.prefill_slots, chunked.prefill_chunk
     # The prompts' K/V, chunked vs whole, at the same pages (both engines handed out the same ones).
     eng = {}
     for name, e in (("whole", whole), ("chunked", chunked)):

@@ -1,5 +1,6 @@
 """Prompt data and objective pieces of `train-drafter`: the tolerant ShareGPT reader, sources mixed by weight,
-a held-out split that never meets training, the confidence label and the confidence head's serving twin."""
+a held-out split that never meets training, the confidence label, the confidence head's serving twin and its
+per-position calibration."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.cli import main
-from tensorrt_llm_ext.models.dspark_drafter import block_confidences
+from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, DSparkDrafter, DSparkDrafterConfig,
+                                                   block_confidences)
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, read_jsonl, read_sharegpt, turn_samples
-from tensorrt_llm_ext.training.trainer import confidence_label, confidence_logits, position_weights
+from tensorrt_llm_ext.training.trainer import (confidence_label, confidence_logits, fit_confidence_calibration,
+                                              position_weights)
 
 
 def _conv(i: int, turns: int = 2) -> dict:
@@ -89,3 +92,36 @@ def test_confidence_head_serving_twin_equals_training():
     torch.testing.assert_close(block_confidences(hidden, prev, params["markov_w1"], params["confidence.weight"],
                                                  params["confidence.bias"]),
                                torch.sigmoid(confidence_logits(params, hidden, prev)))
+
+
+def test_confidence_calibration_is_fitted_per_position_and_applied_at_load():
+    """Platt scaling per block position recovers a known map from held-out-like samples; the serving drafter loads
+    it with the head and applies it (positions past the fitted ones use the last); a bad calibration is refused."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 4000, 3
+    z = 2 * torch.randn(n, k, generator=g)
+    truth = torch.tensor([[2.0, 0.5, 1.0], [-1.0, 0.3, 0.0]])
+    labels = torch.sigmoid(z * truth[0] + truth[1])
+    valid = torch.ones(n, k, dtype=torch.bool)
+    valid[10:, 2] = False  # position 2: too few samples -> the identity
+    cal = fit_confidence_calibration(z, labels, valid)
+    torch.testing.assert_close(cal[:, :2], truth[:, :2], atol=2e-3, rtol=2e-3)
+    assert cal[:, 2].tolist() == [1.0, 0.0]
+
+    cfg = DSparkDrafterConfig()
+    drafter = DSparkDrafter(cfg, dtype=torch.float32)
+    drafter.init_weights(3)
+    head = {"confidence.weight": torch.randn(cfg.hidden_size + cfg.markov_rank, generator=g),
+            "confidence.bias": torch.randn(1, generator=g)}
+    hidden = torch.randn(2, 4, cfg.hidden_size, generator=g)
+    prev = torch.randint(0, cfg.vocab_size, (2, 4), generator=g)
+    drafter.load_confidence_head(head)
+    raw = drafter.block_confidences(hidden, prev)
+    drafter.load_confidence_head({**head, CONFIDENCE_CALIBRATION: cal})
+    logit = torch.logit(raw.double()).float()
+    cols = torch.tensor([0, 1, 2, 2])  # K = 4 served, 3 fitted: the last column again
+    torch.testing.assert_close(drafter.block_confidences(hidden, prev), torch.sigmoid(logit * cal[0, cols] + cal[1, cols]),
+                               atol=1e-5, rtol=1e-5)
+    for bad in (torch.ones(3, 2), torch.tensor([[-1.0], [0.0]]), torch.tensor([[float("nan")], [0.0]])):
+        with pytest.raises(ValueError, match="confidence.calibration"):
+            drafter.load_confidence_head({**head, CONFIDENCE_CALIBRATION: bad})

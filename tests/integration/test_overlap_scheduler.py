@@ -116,7 +116,12 @@ def test_overlap_gives_the_serial_tokens_under_load(engine, greedy_ids, mode):
     if mode == "speculative":
         lp = [x for e in overlap[7] for x in e.logprobs]
         want = [x for e in serial[7] for x in e.logprobs]
-        assert len(lp) == len(_tokens(overlap[7])) == 5 and lp == want
+        # Request 7 may share its batched prefill with other requests in one run and not in the other: its
+        # K/V (and so its logprobs) round like another GEMM shape's (<= 1e-5 here); the top-k ids are the same.
+        assert len(lp) == len(_tokens(overlap[7])) == 5 and len(want) == 5
+        for (v, top), (v_want, top_want) in zip(lp, want):
+            assert v == pytest.approx(v_want, abs=1e-5) and [i for i, _ in top] == [i for i, _ in top_want]
+            assert [x for _, x in top] == pytest.approx([x for _, x in top_want], abs=1e-5)
     assert engine.slots.num_free == SMALL["max_batch_size"]
     assert engine.pages.num_free == engine.pages.num_pages
 

@@ -92,6 +92,14 @@ def test_train_drafter_lowers_the_loss_and_serves_losslessly(trained, capsys):
     assert sum(f.stat().st_size for f in work.iterdir()) < 2_000_000
     acc = summary["held_out_greedy_acceptance"]
     assert 1.0 <= acc["init"] <= 4.0 and 1.0 <= acc["trained"] <= 4.0
+    by_pos = acc["by_position"]  # the walk's acceptance by position: E[accepted drafts] = their sum
+    assert len(by_pos) == 3 and by_pos == sorted(by_pos, reverse=True) and abs(sum(by_pos) - (acc["trained"] - 1)) < 1e-3
+    assert len(calib["teacher_forced_top1"]) == 3 and all(0 <= x <= 1 for x in calib["teacher_forced_top1"])
+    # the per-position calibration (fitted on half the held-out batches) is in the head file the server loads
+    from safetensors.torch import load_file
+    head = load_file(str(d / "dspark_drafter" / "confidence_head.safetensors"))
+    assert head["confidence.calibration"].tolist() == calib["calibration"] and len(calib["calibration"][0]) == 3
+    assert len(calib["report_mean_confidence_calibrated"]) == 3
     meta = read_drafter_config(d / "dspark_drafter")  # the drafter loader's header checks
     assert meta["target_layer_ids"] == [0, 1] and meta["drafter"]["num_layers"] == 1
     assert meta["markov_rank"] == 8  # a rank-r head (r != hidden 32): loads and serves losslessly below

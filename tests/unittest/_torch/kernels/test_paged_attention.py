@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.paged_attention import (SPLIT_TOKENS, paged_attention, paged_attention_reference,
-                                                      split_plan)
+from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, AttentionConfig,
+                                                      paged_attention, paged_attention_reference, split_plan,
+                                                      tile_counters)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
@@ -78,11 +79,27 @@ def test_long_context_multi_split_and_prefill_tiles():
     case = make_case(b=2, t=4, group=3, d=16, page_size=page, max_pages=max_pages, lens=[n, SPLIT_TOKENS + 1])
     out, ref = _run(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    # The merging program of each tile reset its arrival counter: a second launch merges again, to the same bits.
+    assert tile_counters(out.device, 1).count_nonzero() == 0
+    assert torch.equal(_run(case)[0], out)
     # A prefill block (T * G > 64 rows: several query tiles, one piece) over the same cache.
     case = make_case(b=2, t=30, group=3, d=16, page_size=page, max_pages=4, lens=[64, 40])
     assert split_plan(30 * 3, 4, page)[1:] == (2, 1)
     out, ref = _run(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_every_launch_config_candidate_matches_the_twin():
+    """The split tiles' settings the benchmark compares (keys per iteration 32 / 64 / 128) over several pieces."""
+    page, max_pages = 16, 2 * SPLIT_TOKENS // 16 + 2
+    case = make_case(b=2, t=2, group=3, d=16, page_size=page, max_pages=max_pages, lens=[2 * SPLIT_TOKENS + 20, 70])
+    q, kp, vp, table, slots, pos = case
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, 0.25)
+    for cfg in sorted(set(CONFIG_CANDIDATES), key=lambda c: c.describe()):
+        out = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=cfg)
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="block_n"):
+        AttentionConfig(block_n=256)
 
 
 def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
@@ -101,6 +118,18 @@ def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
     out2 = paged_attention(q2, kp, vp, table, slots2, pos2, 0.25)
     assert torch.equal(out2[2, 0], out[0, 1])
     assert torch.equal(out2[0], out[0])
+    # A row whose keys fit one piece, in a tile that merges (its block crosses the piece edge) and in one that
+    # writes directly (no row of its block does): the merge of one piece is the identity, bit for bit. (Same
+    # row index t: the interpreter's fp32 matmul may round a row differently at another index of its tile.)
+    edge = SPLIT_TOKENS - 3
+    pos3, slots3 = pos.clone(), slots.clone()
+    pos3[0] = torch.arange(edge, edge + 4)  # keys 0 .. 128: two live pieces, merged
+    pos3[1] = torch.tensor([edge, 1, 2, 3])  # keys 0 .. 125: one piece, written directly
+    slots3[1] = slots[0]
+    q3 = q.clone()
+    q3[1, 0] = q3[0, 0]
+    out3 = paged_attention(q3, kp, vp, table, slots3, pos3, 0.25)
+    assert torch.equal(out3[1, 0], out3[0, 0])
 
 
 def test_padded_rows_and_masked_queries_are_finite():

@@ -1,0 +1,230 @@
+"""A small-M linear with the layer's neighbours fused in: RMSNorm prologue, bias, SiLU-mul or residual epilogue.
+
+``y = epilogue(norm(x) @ W^T + b)`` for the few rows of a decode / verify step (``M = B * T`` up to a few
+dozen), where a layer of separate launches (norm, GEMM, SiLU-mul, residual add) is bound by launch latency,
+not bytes: one program per ``BLOCK_N`` output columns (and ``BLOCK_M`` rows), streaming its weight rows once.
+
+* **Prologue** (``norm_weight`` given): RMSNorm of each input row, the numerics of
+  :mod:`~tensorrt_llm_ext.kernels.rms_norm` -- ``x * rsqrt(mean(x^2) + eps)`` in fp32 rounded to the input
+  dtype, times the weight, rounded again -- applied to each ``[BLOCK_M, BLOCK_K]`` tile before the product.
+  Every program first sums the squares of its rows over all of ``K`` (``M x K`` elements, read from L2 by
+  every program: cheap next to its ``BLOCK_N x K`` weight rows at ``K`` = 576 .. 14336).
+* **Epilogues**: ``EPI_NONE``; ``EPI_SILU_MUL`` (the weight is a fused gate-up ``[2N, K]``: each program
+  keeps the gate and the up accumulators of the same ``N`` columns and writes ``silu(gate) * up``, the
+  numerics of :mod:`~tensorrt_llm_ext.kernels.silu_mul`); ``EPI_RESIDUAL`` (``y + residual`` formed in fp32
+  from the rounded ``y``, rounded once: the residual stream's next value, as the fused add + norm forms it).
+  The bias is added to the fp32 accumulator before the output rounding.
+
+Determinism: each output row is a function of that row only (tiles never mix rows; the reduction order over
+``K`` is fixed by the settings), so a row's bits do not depend on its neighbours; the settings
+(:func:`fused_linear_settings`) depend on the shape and dtype only (``M`` through ``BLOCK_M``).
+
+Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes the same roundings with
+``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
+rounding, a unit in the last place, more where a rounding of the prologue flips).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tensorrt_llm_ext.kernels.common import check_tensor
+from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
+from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
+
+__all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "dot_settings", "fused_linear", "fused_linear_reference",
+           "fused_linear_settings", "stage_block_k"]
+
+EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
+MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
+
+
+@triton.jit
+def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of each row (fp32), summed over ``K`` in ``BLOCK_K`` chunks."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.math.rsqrt(ss / k + eps)
+
+
+@triton.jit
+def _normed_tile(x, rstd, norm_w_ptr, kk, k_ok):
+    """The RMSNorm of a ``[BLOCK_M, BLOCK_K]`` tile in the input dtype (rms_norm's two roundings)."""
+    dt = x.dtype
+    normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+    w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    return (normed * w[None, :]).to(dt)
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr,
+    m, n, k, stride_xm, stride_wn, stride_rm, stride_om, eps,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_rows = cols.to(tl.int64) * stride_wn
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+        a = a.to(DOT_DTYPE)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, w.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        if EPILOGUE == 1:  # the up rows sit N rows below the gate rows
+            w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w2.to(DOT_DTYPE), acc_up, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE == 1:
+            acc_up += tl.load(bias_ptr + n + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    y = acc.to(out_ty)
+    if EPILOGUE == 1:
+        g = y.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        y = (s * acc_up.to(out_ty).to(tl.float32)).to(out_ty)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if EPILOGUE == 2:
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(out_ty)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=mask)
+
+
+def dot_settings(x: torch.Tensor, w: torch.Tensor):
+    """``(DOT_DTYPE, PRECISION)`` for ``tl.dot`` of ``x`` by ``w``: 16-bit operands on the GPU's tensor cores
+    (fp32 accumulate), IEEE fp32 products for fp32 models, and fp32 under the interpreter (its ``tl.dot`` on
+    16-bit operands is wrong)."""
+    fp32 = x.dtype == torch.float32 or w.dtype == torch.float32
+    if not x.is_cuda or fp32:
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if w.dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def stage_block_k(k: int, block_m: int, w_cols: int, elem_bytes: int) -> int:
+    """``BLOCK_K``: up to 256 inputs per iteration (wide weight loads), halved while one pipeline stage (the
+    ``[BLOCK_M, BLOCK_K]`` input tile and the ``[BLOCK_K, w_cols]`` weight tiles) passes 40 KB of shared memory
+    or the input tile 8192 elements (registers: the prologue holds it in fp32)."""
+    bk = min(256, max(16, triton.next_power_of_2(k)))
+    while bk > 16 and ((block_m + w_cols) * bk * elem_bytes > 40960 or block_m * bk > 8192):
+        bk //= 2
+    return bk
+
+
+def fused_linear_settings(m: int, n: int, k: int, elem_bytes: int = 2, gate_up: bool = False,
+                          sms: int = 132) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for ``M`` rows, ``N`` output columns, ``K`` inputs.
+
+    ``BLOCK_N`` is the widest of 64 / 32 / 16 that still gives two programs per SM (``sms``, the H200's 132
+    by default): a small-M product reads its weight once, so its speed is the number of weight streams in
+    flight. ``BLOCK_K`` from :func:`stage_block_k` (``gate_up``: two weight tiles per stage). 8 warps for
+    64-row tiles. Fixed per shape and dtype: never from lengths or data."""
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_n = 16
+    for cand in (64, 32):
+        if triton.cdiv(n, cand) >= 2 * sms:
+            block_n = cand
+            break
+    block_k = stage_block_k(k, block_m, block_n * (2 if gate_up else 1), elem_bytes)
+    return block_m, block_n, block_k, 8 if block_m >= 64 else 4
+
+
+def _check(x, weight, bias, norm_weight, residual, epilogue):
+    check_tensor("fused_linear x [M, K]", x, shape=(None, None), unit_last_stride=True,
+                 dtype=(torch.bfloat16, torch.float16, torch.float32))
+    m, k = x.shape
+    check_tensor("fused_linear weight [N, K]", weight, shape=(None, k), unit_last_stride=True, device=x.device)
+    if epilogue not in (EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL):
+        raise ValueError(f"fused_linear: epilogue must be EPI_NONE, EPI_SILU_MUL or EPI_RESIDUAL, got {epilogue!r}")
+    if epilogue == EPI_SILU_MUL and weight.shape[0] % 2:
+        raise ValueError(f"fused_linear: the SiLU-mul epilogue needs a gate-up weight of 2N rows, got "
+                         f"{weight.shape[0]}")
+    if bias is not None:
+        check_tensor("fused_linear bias [N]", bias, shape=(weight.shape[0],), contiguous=True, device=x.device)
+    if norm_weight is not None:
+        check_tensor("fused_linear norm_weight [K]", norm_weight, shape=(k,), contiguous=True, device=x.device)
+    n_out = weight.shape[0] // (2 if epilogue == EPI_SILU_MUL else 1)
+    if (residual is not None) != (epilogue == EPI_RESIDUAL):
+        raise ValueError("fused_linear: residual= goes with (and only with) the EPI_RESIDUAL epilogue")
+    if residual is not None:
+        check_tensor("fused_linear residual [M, N]", residual, shape=(m, n_out), dtype=x.dtype,
+                     unit_last_stride=True, device=x.device)
+    return m, n_out, k
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, epilogue: int = EPI_NONE,
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``epilogue(rms_norm(x) @ weight^T + bias)`` in one launch (see the module doc).
+
+    Args:
+        x: ``[M, K]`` bf16 / fp16 / fp32, unit last stride (rows may be strided); the norm's input when
+            ``norm_weight`` is given, else the product's.
+        weight: ``[N, K]`` (``[2N, K]`` gate rows then up rows for ``EPI_SILU_MUL``); bias: ``[N]`` / ``[2N]``.
+        norm_weight: ``[K]`` RMSNorm weight (None: no prologue); eps: its epsilon.
+        epilogue: ``EPI_NONE``, ``EPI_SILU_MUL`` or ``EPI_RESIDUAL`` (then ``residual [M, N]``).
+        out: optional ``[M, N]`` of ``x``'s dtype (may alias ``residual``: each element is read before it is
+            written, by the same program).
+
+    Returns ``out [M, N]``. CUDA-graph safe (allocates only its output, from the capture's pool).
+
+    Example::
+
+        act = fused_linear(h, gate_up_w, norm_weight=ln_w, eps=1e-5, epilogue=EPI_SILU_MUL)
+        h = fused_linear(act, down_w, epilogue=EPI_RESIDUAL, residual=h)
+    """
+    m, n, k = _check(x, weight, bias, norm_weight, residual, epilogue)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    check_tensor("fused_linear out [M, N]", out, shape=(m, n), dtype=x.dtype, device=x.device, unit_last_stride=True)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps = fused_linear_settings(m, n, k, max(x.element_size(), weight.element_size()),
+                                                             epilogue == EPI_SILU_MUL)
+    dot_dtype, precision = dot_settings(x, weight)
+    res = residual if residual is not None else out
+    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
+        m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        num_warps=warps,
+    )
+    return out
+
+
+def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, epilogue: int = EPI_NONE,
+                           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager twin of :func:`fused_linear`: ``rms_norm_reference``, ``F.linear``, ``silu_mul_reference`` / the
+    fp32 residual add, each rounding where the kernel rounds."""
+    m, n, k = _check(x, weight, bias, norm_weight, residual, epilogue)
+    if norm_weight is not None:
+        x, _ = rms_norm_reference(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if epilogue == EPI_SILU_MUL:
+        y = silu_mul_reference(y)
+    elif epilogue == EPI_RESIDUAL:
+        y = (y.float() + residual.float()).to(x.dtype)
+    return y

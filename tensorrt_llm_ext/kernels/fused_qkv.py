@@ -1,0 +1,239 @@
+"""The attention block's entry in one launch: RMSNorm, the QKV product, q / k norms, RoPE and the paged K/V store.
+
+For the few rows of a decode / verify step this replaces three launches (input norm, QKV GEMM, RoPE + KV
+write; five with Qwen3's q / k norms) with one. One program per (head of the fused ``[q | k | v]`` output, column
+chunk, ``BLOCK_M`` rows): it computes the same columns of the head's two halves (``i`` and ``D/2 + i``) as two
+accumulators over ``K`` -- so the rotate-half pairs meet in registers -- with the input rows normalized in the
+prologue (:func:`~tensorrt_llm_ext.kernels.fused_linear._row_rstd`, the numerics of
+:mod:`~tensorrt_llm_ext.kernels.rms_norm`), then:
+
+* adds the bias and rounds to the model dtype (the bits a QKV GEMM would hand on);
+* q / k heads with ``qk_norm``: the per-head RMSNorm over ``D`` (Qwen3), rounded as the norm kernel rounds;
+* q / k heads: NeoX RoPE in fp32 from fp32 ``cos`` / ``sin`` (the numerics of
+  :mod:`~tensorrt_llm_ext.kernels.paged_kv_write`);
+* q heads stored to ``q_out [M, H, D]``; k / v heads stored at ``pool[page_table[slot, pos // page_size],
+  pos % page_size]`` (the scratch page, the pool's last, past the table).
+
+Each output row depends on its own input row only (the rows of a tile never mix), as in
+:mod:`~tensorrt_llm_ext.kernels.fused_linear`. The eager twin (:func:`fused_qkv_rope_reference`) composes
+``rms_norm_reference``, ``F.linear``, the q / k norms and ``paged_kv_write_reference``; agreement is that of
+its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor
+from tensorrt_llm_ext.kernels.fused_linear import MAX_BLOCK_M, _normed_tile, _row_rstd, dot_settings, stage_block_k
+from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
+from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
+
+__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks"]
+
+
+@triton.jit
+def _head_norm(y1, y2, w_ptr, i, i_ok, head_dim, eps):
+    """Per-row RMSNorm over one head's two halves (fp32 in, the model dtype's two roundings, fp32 out)."""
+    dt = w_ptr.dtype.element_ty
+    rstd = tl.math.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / head_dim + eps)
+    w1 = tl.load(w_ptr + i, mask=i_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + head_dim // 2 + i, mask=i_ok, other=0.0).to(tl.float32)
+    n1 = (y1 * rstd[:, None]).to(dt).to(tl.float32)
+    n2 = (y2 * rstd[:, None]).to(dt).to(tl.float32)
+    return (n1 * w1[None, :]).to(dt).to(tl.float32), (n2 * w2[None, :]).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _fused_qkv_rope_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
+    k_pool_ptr, v_pool_ptr, q_out_ptr,
+    m, k, t_len, num_heads, num_kv_heads, chunks, max_pages, page_size, scratch_page, eps, qk_eps,
+    stride_xm, stride_wn, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
+    HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
+    chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    rows = rows.to(tl.int64)
+    i = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    w1_rows = c1.to(tl.int64) * stride_wn
+    w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+        a = a.to(DOT_DTYPE)
+        w_mask = k_ok[:, None] & i_ok[None, :]
+        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+        w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+        acc1 = tl.dot(a, w1.to(DOT_DTYPE), acc1, input_precision=PRECISION)
+        acc2 = tl.dot(a, w2.to(DOT_DTYPE), acc2, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + c1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + c1 + HALF, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    dt = q_out_ptr.dtype.element_ty
+    y1 = acc1.to(dt).to(tl.float32)
+    y2 = acc2.to(dt).to(tl.float32)
+    mask = row_ok[:, None] & i_ok[None, :]
+    b = rows // t_len
+    pos = tl.load(pos_ptr + b * stride_pb + rows % t_len, mask=row_ok, other=0).to(tl.int64)
+    if head < num_heads + num_kv_heads:  # q or k: (norm and) rotate
+        if QK_NORM:
+            if head < num_heads:
+                y1, y2 = _head_norm(y1, y2, qn_w_ptr, i, i_ok, 2 * HALF, qk_eps)
+            else:
+                y1, y2 = _head_norm(y1, y2, kn_w_ptr, i, i_ok, 2 * HALF, qk_eps)
+        cos = tl.load(cos_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask, other=0.0)
+        r1 = y1 * cos - y2 * sin
+        r2 = y2 * cos + y1 * sin
+        y1, y2 = r1, r2
+    if head < num_heads:
+        qo = q_out_ptr + rows[:, None] * stride_om + head * stride_oh + i[None, :]
+        tl.store(qo, y1.to(dt), mask=mask)
+        tl.store(qo + HALF, y2.to(dt), mask=mask)
+    else:
+        slot = tl.load(slot_ptr + b, mask=row_ok, other=0).to(tl.int64)
+        pidx = pos // page_size
+        page = tl.load(table_ptr + slot * stride_tab + tl.minimum(pidx, max_pages - 1), mask=row_ok,
+                       other=scratch_page).to(tl.int64)
+        page = tl.where(pidx < max_pages, page, scratch_page)
+        off = pos % page_size
+        if head < num_heads + num_kv_heads:
+            dst = k_pool_ptr + page * stride_kp + off * stride_kt + (head - num_heads) * stride_kh
+        else:
+            dst = v_pool_ptr + page * stride_vp + off * stride_vt + (head - num_heads - num_kv_heads) * stride_vh
+        tl.store(dst[:, None] + i[None, :], y1.to(dt), mask=mask)  # the pools hold the model dtype
+        tl.store(dst[:, None] + HALF + i[None, :], y2.to(dt), mask=mask)
+
+
+def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132) -> tuple[int, int]:
+    """``(BLOCK_HALF, chunks)``: each head's halves cut into ``chunks`` column blocks of ``BLOCK_HALF`` (>= 16, the
+    dot's minimum), halved while there are fewer than two programs per SM (an 8B layer's 48 heads of 128 would
+    stream 50 MB through 48 programs). ``whole_heads`` (per-head q / k norms): one chunk, the whole head."""
+    block = max(16, triton.next_power_of_2(half))
+    if not whole_heads:
+        while block > 16 and heads * triton.cdiv(half, block) < 2 * sms:
+            block //= 2
+    return block, triton.cdiv(half, block)
+
+
+def _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin, positions, slot_ids,
+           page_table, k_pool, v_pool, num_heads):
+    check_tensor("fused_qkv_rope x [B, T, K]", x, shape=(None, None, None), contiguous=True,
+                 dtype=(torch.bfloat16, torch.float16, torch.float32))
+    b, t, k = x.shape
+    kvh, d = (k_pool.shape[2], k_pool.shape[3]) if k_pool.dim() == 4 else (None, None)
+    check_tensor("fused_qkv_rope k_pool [pages + 1, page_size, KVH, D]", k_pool, shape=(None, None, None, None),
+                 contiguous=True, dtype=x.dtype, device=x.device)
+    check_tensor("fused_qkv_rope v_pool", v_pool, shape=tuple(k_pool.shape), contiguous=True, dtype=x.dtype,
+                 device=x.device)
+    check_tensor("fused_qkv_rope qkv_weight [(H + 2 KVH) * D, K]", qkv_weight, shape=((num_heads + 2 * kvh) * d, k),
+                 unit_last_stride=True, dtype=x.dtype, device=x.device)
+    if d % 2:
+        raise ValueError(f"fused_qkv_rope: head_dim must be even (RoPE), got {d}")
+    if qkv_bias is not None:
+        check_tensor("fused_qkv_rope qkv_bias", qkv_bias, shape=(qkv_weight.shape[0],), contiguous=True,
+                     dtype=x.dtype, device=x.device)
+    if norm_weight is not None:
+        check_tensor("fused_qkv_rope norm_weight [K]", norm_weight, shape=(k,), contiguous=True, dtype=x.dtype,
+                     device=x.device)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("fused_qkv_rope: q_norm_weight and k_norm_weight go together")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            check_tensor(f"fused_qkv_rope {name} [D]", w, shape=(d,), contiguous=True, dtype=x.dtype, device=x.device)
+    check_tensor("fused_qkv_rope cos [B, T, D/2]", cos, shape=(b, t, d // 2), dtype=torch.float32, contiguous=True)
+    check_tensor("fused_qkv_rope sin [B, T, D/2]", sin, shape=(b, t, d // 2), dtype=torch.float32, contiguous=True)
+    check_tensor("fused_qkv_rope positions [B, T]", positions, shape=(b, t), dtype=INT_DTYPES, unit_last_stride=True)
+    check_tensor("fused_qkv_rope slot_ids [B]", slot_ids, shape=(b,), dtype=INT_DTYPES, contiguous=True)
+    check_tensor("fused_qkv_rope page_table [slots, max_pages]", page_table, shape=(None, None), dtype=torch.int32,
+                 unit_last_stride=True)
+    if num_heads % kvh:
+        raise ValueError(f"fused_qkv_rope: num_heads={num_heads} must be a multiple of kv_heads={kvh}")
+    return b, t, k, kvh, d
+
+
+def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+                   norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slot_ids: torch.Tensor, page_table: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor | None = None,
+                   k_norm_weight: torch.Tensor | None = None, qk_eps: float = 1e-6,
+                   q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Norm, QKV product, (q / k norms,) RoPE, K/V store: returns the rotated ``q [B, T, H, D]``.
+
+    Args:
+        x: ``[B, T, K]`` the layer's input (the residual stream when ``norm_weight`` is given), contiguous.
+        qkv_weight: ``[(H + 2 KVH) * D, K]`` the q rows, the k rows, the v rows; qkv_bias: ``[(H + 2 KVH) * D]``.
+        norm_weight: ``[K]`` input RMSNorm weight (None: ``x`` is already normalized); eps: its epsilon.
+        cos, sin: ``[B, T, D/2]`` fp32; positions: ``[B, T]`` int; slot_ids: ``[B]`` int;
+        page_table: ``[num_slots, max_pages]`` int32.
+        k_pool, v_pool: ``[num_pages + 1, page_size, KVH, D]`` one layer's pools, written in place.
+        q_norm_weight, k_norm_weight: ``[D]`` per-head norms (Qwen3), both or neither; qk_eps: their epsilon.
+        q_out: optional ``[B, T, H, D]`` of ``x``'s dtype.
+
+    CUDA-graph safe (allocates only ``q_out``, from the capture's pool).
+    """
+    b, t, k, kvh, d = _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin,
+                             positions, slot_ids, page_table, k_pool, v_pool, num_heads)
+    if q_out is None:
+        q_out = torch.empty(b, t, num_heads, d, dtype=x.dtype, device=x.device)
+    check_tensor("fused_qkv_rope q_out", q_out, shape=(b, t, num_heads, d), dtype=x.dtype, device=x.device,
+                 contiguous=True)
+    m = b * t
+    if m == 0:
+        return q_out
+    half = d // 2
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_half, chunks = qkv_chunks(num_heads + 2 * kvh, half, q_norm_weight is not None)
+    block_k = stage_block_k(k, block_m, 2 * block_half, x.element_size())
+    dot_dtype, precision = dot_settings(x, qkv_weight)
+    dummy = qkv_weight
+    _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
+        x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
+        q_norm_weight if q_norm_weight is not None else dummy, k_norm_weight if k_norm_weight is not None else dummy,
+        cos, sin, positions, slot_ids, page_table, k_pool, v_pool, q_out,
+        m, k, t, num_heads, kvh, chunks, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, float(eps), float(qk_eps),
+        k, qkv_weight.stride(0), half, positions.stride(0), page_table.stride(0),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        num_heads * d, d,
+        HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
+        BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=8 if block_m >= 64 else 4,
+    )
+    return q_out
+
+
+def fused_qkv_rope_reference(x, qkv_weight, qkv_bias, norm_weight, eps, cos, sin, positions, slot_ids, page_table,
+                             k_pool, v_pool, num_heads, q_norm_weight=None, k_norm_weight=None, qk_eps=1e-6):
+    """Eager twin of :func:`fused_qkv_rope` (writes the pools in place; returns ``q`` in ``x``'s dtype)."""
+    b, t, k, kvh, d = _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin,
+                             positions, slot_ids, page_table, k_pool, v_pool, num_heads)
+    h = x
+    if norm_weight is not None:
+        h, _ = rms_norm_reference(x.reshape(b * t, k), norm_weight, eps)
+    qkv = F.linear(h.reshape(b, t, k), qkv_weight, qkv_bias)
+    q = qkv[..., :num_heads * d].reshape(b, t, num_heads, d)
+    kk = qkv[..., num_heads * d:(num_heads + kvh) * d].reshape(b, t, kvh, d)
+    v = qkv[..., (num_heads + kvh) * d:].reshape(b, t, kvh, d)
+    if q_norm_weight is not None:
+        q = rms_norm_reference(q.reshape(-1, d), q_norm_weight, qk_eps)[0].view(b, t, num_heads, d)
+        kk = rms_norm_reference(kk.reshape(-1, d), k_norm_weight, qk_eps)[0].view(b, t, kvh, d)
+    q = paged_kv_write_reference(q, kk, v, cos, sin, positions, slot_ids, page_table, k_pool, v_pool)
+    return q.to(x.dtype)

@@ -1,0 +1,91 @@
+"""The small-M fused linear (RMSNorm prologue, bias, SiLU-mul / residual epilogue) vs its eager twin.
+
+Tolerances: fp32 ``1e-5`` (another summation order); 16-bit ``atol = rtol = 4e-2`` (the output rounding, and a
+prologue rounding that flips under another order -- the interpreter also truncates its 16-bit casts). Bitwise:
+a row's output does not depend on the other rows of the call (same M).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, fused_linear,
+                                                   fused_linear_reference, fused_linear_settings)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+       torch.float16: dict(atol=4e-2, rtol=4e-2)}
+
+
+def _case(m, k, n, dtype, seed=0, gate_up=False):
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * n if gate_up else n
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(rows, k, generator=g) / k ** 0.5
+    b = 0.1 * torch.randn(rows, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, generator=g)
+    r = torch.randn(m, n, generator=g)
+    return [t.to(dtype).to(DEVICE) for t in (x, w, b, nw, r)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", [EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL])
+@pytest.mark.parametrize("norm", [False, True])
+def test_matches_twin_odd_sizes(dtype, epilogue, norm):
+    """Odd K / N (masks on every edge), M = 1 and M = 5 rows, with and without bias."""
+    for m, k, n, bias in ((1, 37, 21, True), (5, 72, 40, False)):
+        x, w, b, nw, r = _case(m, k, n, dtype, gate_up=epilogue == EPI_SILU_MUL)
+        kw = dict(norm_weight=nw if norm else None, eps=1e-5, epilogue=epilogue,
+                  residual=r if epilogue == EPI_RESIDUAL else None)
+        out = fused_linear(x, w, b if bias else None, **kw)
+        ref = fused_linear_reference(x, w, b if bias else None, **kw)
+        assert out.shape == (m, n) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_several_row_tiles_and_row_independence():
+    """M past one row tile (70 rows: two tiles of 64); a row's bits equal across calls with other neighbours."""
+    x, w, b, nw, r = _case(70, 48, 24, torch.float32, seed=2)
+    out = fused_linear(x, w, b, norm_weight=nw, eps=1e-6)
+    torch.testing.assert_close(out, fused_linear_reference(x, w, b, norm_weight=nw, eps=1e-6), **TOL[torch.float32])
+    x2 = torch.randn_like(x)
+    x2[3] = x[3]
+    x2[69] = x[69]
+    out2 = fused_linear(x2, w, b, norm_weight=nw, eps=1e-6)
+    assert torch.equal(out2[3], out[3]) and torch.equal(out2[69], out[69])
+
+
+def test_residual_output_may_alias_the_residual():
+    x, w, b, nw, r = _case(3, 40, 40, torch.float32, seed=4)
+    ref = fused_linear_reference(x, w, epilogue=EPI_RESIDUAL, residual=r)
+    out = fused_linear(x, w, epilogue=EPI_RESIDUAL, residual=r, out=r)
+    assert out.data_ptr() == r.data_ptr()
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_settings_depend_on_shape_only_and_spread_wide_weights():
+    assert fused_linear_settings(1, 576, 576)[:3] == (16, 16, 256)
+    assert fused_linear_settings(64, 576, 576)[0] == 64
+    assert fused_linear_settings(200, 576, 576)[0] == 64
+    bm, bn, bk, _ = fused_linear_settings(1, 14336, 4096, gate_up=True)  # an 8B gate-up: >= 2 programs per SM
+    assert bn == 32 and -(-14336 // bn) >= 264 and bk == 256
+    # One pipeline stage stays within 40 KB of shared memory and the input tile within 8192 elements.
+    for m in (1, 8, 64):
+        for elem in (2, 4):
+            for gate_up in (False, True):
+                bm, bn, bk, warps = fused_linear_settings(m, 14336, 4096, elem, gate_up)
+                assert (bm + bn * (1 + gate_up)) * bk * elem <= 40960 and bm * bk <= 8192 and bk >= 16
+                assert warps == (8 if bm == 64 else 4)
+
+
+def test_validation_names_the_argument():
+    x, w, b, nw, r = _case(2, 8, 6, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear(x, w[:, :5])
+    with pytest.raises(ValueError, match="residual"):
+        fused_linear(x, w, epilogue=EPI_RESIDUAL)
+    with pytest.raises(ValueError, match="2N rows"):
+        fused_linear(x, w[:5], epilogue=EPI_SILU_MUL)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_linear(x, w, norm_weight=nw[:3])

@@ -1,0 +1,67 @@
+"""The target's fused five-launch layer (``layer_kernels="fused"``) vs its unfused layer, end to end.
+
+Runs the Triton kernels (the interpreter on a CPU): a prefill block, then decode and verify steps over the
+cache it wrote, for a plain GQA Llama, a Qwen3-like target (q / k norms, q/k/v biases) and one with o_proj and
+MLP biases. fp32 within ``2e-5`` (other summation orders in the products); the K/V pools likewise; the greedy
+token of every row equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS, LlamaTarget, LlamaTargetConfig
+
+FAMILIES = {
+    "llama": dict(num_heads=6, num_kv_heads=2, head_dim=8),
+    "qwen3": dict(num_heads=4, num_kv_heads=4, head_dim=10, qkv_bias=True, qk_norm=True),
+    "biases": dict(num_heads=8, num_kv_heads=1, head_dim=8, o_proj_bias=True, mlp_bias=True),
+}
+
+
+def _steps(m: LlamaTarget, kernels: str):
+    m.layer_kernels = kernels
+    g = torch.Generator().manual_seed(7)
+    kv = m.make_kv_cache(3, 32, page_size=4)
+    slots = torch.tensor([0, 2], dtype=torch.int32)
+    outs = []
+    prompt = torch.randint(0, m.vocab_size, (2, 9), generator=g)
+    outs.append(m(prompt, torch.arange(9).expand(2, 9).contiguous(), slots, kv))
+    for t in (1, 4):  # a decode step, then a verify block
+        ids = torch.randint(0, m.vocab_size, (2, t), generator=g)
+        pos = (9 + torch.arange(t)).expand(2, t).contiguous()
+        outs.append(m(ids, pos, slots, kv))
+    return outs, kv
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_layers_equal_unfused(family):
+    cfg = LlamaTargetConfig(vocab_size=97, hidden_size=24, num_layers=2, intermediate_size=40, capture_layers=(0, 1),
+                            **FAMILIES[family])
+    m = LlamaTarget(cfg)
+    m.init_weights(3)
+    got, kv = _steps(m, "fused")
+    want, kv_ref = _steps(m, "unfused")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(a.captured, b.captured, atol=2e-5, rtol=2e-5)
+        assert torch.equal(m.logits(a.hidden_states).argmax(-1), m.logits(b.hidden_states).argmax(-1))
+    torch.testing.assert_close(kv.k, kv_ref.k, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kv.v, kv_ref.v, atol=2e-5, rtol=2e-5)
+
+
+def test_layer_kernel_choice():
+    """auto: fused on CUDA at TP 1 up to FUSED_MAX_ROWS rows only; never on a CPU tensor unless forced."""
+    m = LlamaTarget(LlamaTargetConfig())
+    x = torch.zeros(1)
+    assert m.layer_kernels == "auto" and not m._fused_layers(1, x)
+    m.layer_kernels = "unfused"
+    assert not m._fused_layers(1, x)
+    m.layer_kernels = "fast"
+    with pytest.raises(ValueError, match="layer_kernels"):
+        m._fused_layers(1, x)
+    if torch.cuda.is_available():
+        m.layer_kernels = "auto"
+        xc = x.cuda()
+        assert m._fused_layers(FUSED_MAX_ROWS, xc) and not m._fused_layers(FUSED_MAX_ROWS + 1, xc)
