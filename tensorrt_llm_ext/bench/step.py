@@ -316,6 +316,16 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
             return greedy.forward(b)
 
         t["greedy"] = timer.time_graph([greedy_step], min_calls_per_graph=4)
+        if args.profile:  # the greedy step by stage, beside the sampled one: which stage makes the gap
+            gs = StepStages(eng, greedy, b, ctx_g)
+            snapshot = [x.clone() for x in eng.state.mutable_tensors()]
+            g = {}
+            for name in STAGES:
+                g[name] = timer.time_graph([getattr(gs, name)], min_calls_per_graph=4)
+                for dst, src in zip(eng.state.mutable_tensors(), snapshot):
+                    dst.copy_(src)
+            greedy_row = [b, "greedy", fmt(g["target_fwd"]), "-", fmt(g["select"]), fmt(g["tail"]),
+                          fmt(g["draft_fwd"] + g["chain"]), fmt(g["step"]), "-", "-"]
         for slot in range(b):
             eng.pages.free(slot)
         for table, worker in workers.items():
@@ -339,9 +349,9 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
                     st[name] = timer.time_graph([getattr(stages, name)], min_calls_per_graph=4)
                     for dst, src in zip(eng.state.mutable_tensors(), snapshot):
                         dst.copy_(src)
-                stage_rows.append([b] + [fmt(st[n]) for n in SampledStages.NAMES] + [
-                    fmt(st["decision"] - st["head"]), fmt(t["greedy"]),
-                    fmt(st["step"] / t["greedy"], 2) if not timer.smoke else "-"])
+                stage_rows.append([b, "sampled"] + [fmt(st[n]) for n in SampledStages.NAMES] + [
+                    fmt(st["decision"] - st["head"]), fmt(st["step"] / g["step"], 2) if not timer.smoke else "-"])
+                stage_rows.append(greedy_row)
             if args.profile and not timer.smoke:
                 profiles += [f"profile of one captured sampled step ({table}) at B={b}:"] + _profile(step)
             for slot in range(b):
@@ -365,13 +375,16 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
                         "variant (ours / stock)"], rows, notes)
     if stage_rows:
         text += "\n" + print_table(
-            "bench step --temperature --profile: the fused sampled step by stage (each stage captured alone)",
-            ["B", "target fwd", "head", "decision", "tail", "draft", "whole step", "decision - head",
-             "greedy step", "sampled / greedy"], stage_rows,
-            ["us, median of CUDA-graph replays; head = the target's LM head on the B*(K+1) verified rows; decision "
-             "= head + exact top-p + verification (decision - head: the verification alone); tail = bookkeeping + "
-             "latent store; draft = drafter block decode + sampled Markov chain + stored draft logits; the stages "
-             "sum to about the whole step (the block-table decode is in the step only)."])
+            "bench step --temperature --profile: the fused step by stage, sampled and greedy rows",
+            ["B", "rows", "target fwd", "head", "decision", "tail", "draft", "whole step", "decision - head",
+             "sampled / greedy"], stage_rows,
+            ["us, median of CUDA-graph replays, each stage captured alone from the same engine state. Sampled rows "
+             "(ours): head = the target's LM head on the B*(K+1) verified rows; decision = head + exact top-p + "
+             "verification (decision - head: the verification alone); tail = bookkeeping + latent store; draft = "
+             "drafter block decode + sampled Markov chain + stored draft logits. Greedy rows (the same fused worker, "
+             "greedy requests): decision = select (head + argmax), tail = strict acceptance + bookkeeping + store, "
+             "draft = drafter block decode + argmax chain. The stages sum to about the whole step (the block-table "
+             "decode is in the step only)."])
     for line in profiles:
         print(line)
     if getattr(args, "out", None):
