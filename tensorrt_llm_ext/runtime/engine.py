@@ -224,6 +224,10 @@ class Engine:
 
         ``progress``: optional callable ``progress(num_new_tokens)`` called after each step (a tqdm update).
 
+        A request-level error inside the loop (a layer below refusing a value: the scheduler's ``REQUEST_FAULTS``)
+        ends the requests it concerns with ``finish_reason`` ``error`` and the message, as ``serve`` answers them;
+        the others are served on.
+
         Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
         every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
         next call serves its requests as a fresh engine would.

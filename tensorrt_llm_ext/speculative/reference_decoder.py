@@ -72,7 +72,7 @@ class ReferenceDecoder:
         """
         w = self.worker
         w.check_rows(batch_size)
-        st = w.state
+        st, ss = w.state, w.slot_sampling
         b = batch_size
         slots = w.slot_ids[:b]
         slots_l = slots.long()
@@ -83,7 +83,7 @@ class ReferenceDecoder:
             out = w.target(tokens, positions, slots, st.kv_cache)
             hidden = out.hidden_states.view(b, w.draft_len + 1, -1)[:, 0]
             logits = w.target.logits(hidden)
-            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
+            temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
             processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
 
@@ -91,7 +91,7 @@ class ReferenceDecoder:
                 return self.processors.apply(x, w.step_slots, slots_l, t)
             ids = w.distribution.select(logits, temps, seeds, offsets, TARGET_SALT, self.next_tokens[:b],
                                         process=process if processed else None,
-                                        top_p=st.slot_top_p[slots_l] if w.sampling and w.step_top_p else None)
+                                        top_p=ss.top_p[slots_l] if w.sampling and w.step_top_p else None)
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
             st.ref_lens[slots_l] += live
