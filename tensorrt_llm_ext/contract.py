@@ -346,9 +346,6 @@ class DSparkState:
     ctx_lens: torch.Tensor  # [num_slots] int32, drafter context length = position of the anchor
     ref_lens: torch.Tensor  # [num_slots] int32, sequence length minus one for the target-only decode
     slot_tokens: torch.Tensor  # [num_slots, K+1] int64, next step's [anchor, drafts] (target-only: [last, pad])
-    slot_temps: torch.Tensor  # [num_slots] fp32, 0 = greedy
-    slot_seeds: torch.Tensor  # [num_slots] int64
-    slot_top_p: torch.Tensor  # [num_slots] fp32, 1 = no top-p set (the slot's SamplingParams, with the two above)
     page_size: int
     page_divisor: int
     dummy_slot: int

@@ -46,12 +46,24 @@ def mpi_pool_executor(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``), every multi-rank test joins one group, so ``--dist loadgroup`` runs them
-    one after another on one worker (one MPI pool at a time, as without xdist) while the other workers
-    take the single-process tests."""
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the test-list runner's): every multi-rank test joins one
+    group, so they run one after another on one worker (one MPI pool at a time, as without xdist) while the
+    other workers take the single-process tests; and the tests of a module that share one of its module-scoped
+    fixtures (a trained drafter, a running server, a built engine) join that module's group, so the fixture is
+    built once, not once per worker that happens to draw one of them."""
     for item in items:
         if "mpi_pool_executor" in item.fixturenames or "multi_gpu" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("mpi"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the fixtures an item resolves
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in ("module", "package", "class")
+               for defs in info.name2fixturedefs.values())
 
 
 def pytest_sessionfinish(session, exitstatus):

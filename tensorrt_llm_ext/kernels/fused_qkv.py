@@ -1,8 +1,8 @@
 """The attention block's entry in one launch: RMSNorm, the QKV product, q / k norms, RoPE and the paged K/V store.
 
 For the few rows of a decode / verify step this replaces three launches (input norm, QKV GEMM, RoPE + KV
-write; five with Qwen3's q / k norms) with one. One program per (head of the fused ``[q | k | v]`` output,
-``BLOCK_M`` rows): it computes the head's two halves (columns ``0 .. D/2`` and ``D/2 .. D``) as two
+write; five with Qwen3's q / k norms) with one. One program per (head of the fused ``[q | k | v]`` output, column
+chunk, ``BLOCK_M`` rows): it computes the same columns of the head's two halves (``i`` and ``D/2 + i``) as two
 accumulators over ``K`` -- so the rotate-half pairs meet in registers -- with the input rows normalized in the
 prologue (:func:`~tensorrt_llm_ext.kernels.fused_linear._row_rstd`, the numerics of
 :mod:`~tensorrt_llm_ext.kernels.rms_norm`), then:
@@ -32,7 +32,7 @@ from tensorrt_llm_ext.kernels.fused_linear import MAX_BLOCK_M, _normed_tile, _ro
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
-__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference"]
+__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks"]
 
 
 @triton.jit
@@ -51,18 +51,19 @@ def _head_norm(y1, y2, w_ptr, i, i_ok, head_dim, eps):
 def _fused_qkv_rope_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
     k_pool_ptr, v_pool_ptr, q_out_ptr,
-    m, k, t_len, num_heads, num_kv_heads, max_pages, page_size, scratch_page, eps, qk_eps,
+    m, k, t_len, num_heads, num_kv_heads, chunks, max_pages, page_size, scratch_page, eps, qk_eps,
     stride_xm, stride_wn, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    head = tl.program_id(0)  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
+    head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
+    chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < m
     rows = rows.to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
+    i = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
     c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
     if NORM:
@@ -120,6 +121,17 @@ def _fused_qkv_rope_kernel(
             dst = v_pool_ptr + page * stride_vp + off * stride_vt + (head - num_heads - num_kv_heads) * stride_vh
         tl.store(dst[:, None] + i[None, :], y1.to(dt), mask=mask)  # the pools hold the model dtype
         tl.store(dst[:, None] + HALF + i[None, :], y2.to(dt), mask=mask)
+
+
+def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132) -> tuple[int, int]:
+    """``(BLOCK_HALF, chunks)``: each head's halves cut into ``chunks`` column blocks of ``BLOCK_HALF`` (>= 16, the
+    dot's minimum), halved while there are fewer than two programs per SM (an 8B layer's 48 heads of 128 would
+    stream 50 MB through 48 programs). ``whole_heads`` (per-head q / k norms): one chunk, the whole head."""
+    block = max(16, triton.next_power_of_2(half))
+    if not whole_heads:
+        while block > 16 and heads * triton.cdiv(half, block) < 2 * sms:
+            block //= 2
+    return block, triton.cdiv(half, block)
 
 
 def _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin, positions, slot_ids,
@@ -189,15 +201,15 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         return q_out
     half = d // 2
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    block_half = max(16, triton.next_power_of_2(half))
+    block_half, chunks = qkv_chunks(num_heads + 2 * kvh, half, q_norm_weight is not None)
     block_k = stage_block_k(k, block_m, 2 * block_half, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     dummy = qkv_weight
-    _fused_qkv_rope_kernel[(num_heads + 2 * kvh, triton.cdiv(m, block_m))](
+    _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
         q_norm_weight if q_norm_weight is not None else dummy, k_norm_weight if k_norm_weight is not None else dummy,
         cos, sin, positions, slot_ids, page_table, k_pool, v_pool, q_out,
-        m, k, t, num_heads, kvh, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, float(eps), float(qk_eps),
+        m, k, t, num_heads, kvh, chunks, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, float(eps), float(qk_eps),
         k, qkv_weight.stride(0), half, positions.stride(0), page_table.stride(0),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         num_heads * d, d,

@@ -197,7 +197,7 @@ class AttentionConfig:
 # `bench target` times CONFIG_CANDIDATES at every (B, C) so the table can be set from measurements.
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(), 128: AttentionConfig()}
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 3), AttentionConfig(128, 4, 3), AttentionConfig(128, 8, 3),
-                     AttentionConfig(64, 4, 2), AttentionConfig(32, 2, 3))
+                     AttentionConfig(64, 4, 2))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys

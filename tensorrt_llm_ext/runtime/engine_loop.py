@@ -254,7 +254,7 @@ class EngineLoop:
 
     def _record(self, plan: StepPlan, events: list[Event], stats) -> None:
         m = self.metrics
-        prefilled = sum(len(request.prompt_ids) for _, request in plan.admit)
+        prefilled = stats.prefill_tokens  # this plan's prefill (a long prompt's chunks spread over plans)
         m.prompt_tokens.inc(prefilled)
         if stats.num_rows:
             self._steps += 1

@@ -92,7 +92,8 @@ class StepStats:
     accepted_lens: list[int] = field(default_factory=list)
     step_s: float = 0.0
     prefill_s: float = 0.0
-    num_prefills: int = 0
+    num_prefills: int = 0  # requests whose prefill completed (their first token is out)
+    prefill_tokens: int = 0  # prompt tokens prefilled (chunks included, padding not)
 
 
 @dataclass
@@ -173,8 +174,10 @@ class Scheduler:
         pages = self.free_pages_after(cancel)
         n = 0
         for request in queue:
+            if n >= slots:
+                break
             need = self.pages_for(request)
-            if n >= slots or need > pages:
+            if need > pages:
                 break
             pages -= need
             n += 1
@@ -323,6 +326,7 @@ class Scheduler:
         return group, width
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
+        """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
         t0 = time.perf_counter()
         try:
             self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, self.mode)
@@ -331,6 +335,7 @@ class Scheduler:
             return
         p.done += n
         stats.prefill_s += time.perf_counter() - t0
+        stats.prefill_tokens += n
 
     def _prefill_rows(self, group: list[int], stats: StepStats) -> list[Event]:
         """One batched prefill of the rest of ``group``'s prompts: their first tokens. A request-level error
@@ -349,6 +354,7 @@ class Scheduler:
             return [ev for h in group for ev in self._prefill_rows([h], stats)]
         stats.prefill_s += time.perf_counter() - t0
         stats.num_prefills += len(group)
+        stats.prefill_tokens += sum(p.left for p in held)
         events = []
         for h, p, first, lp in zip(group, held, firsts, lps):
             del self._prefilling[h]

@@ -88,7 +88,7 @@ class ServerMetrics:
         one(counter("num_preemptions", "Preempted requests (always 0: a request waits for its pages before "
                     "admission, and is never preempted)"))
         # -- vLLM's counters ---------------------------------------------------------------------------------
-        self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens admitted (prefilled)"))
+        self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens prefilled"))
         self.generated_tokens = one(counter("generation_tokens", "Tokens generated"))
         self._success = counter("request_success", "Finished requests by finished_reason", ["finished_reason"])
         for reason in sorted(set(FINISHED_REASONS.values())):

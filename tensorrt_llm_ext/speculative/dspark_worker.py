@@ -332,10 +332,9 @@ class DSparkWorker(SpecWorkerBase):
                 # Sampled drafts: keyed Gumbel-max at the row's temperature, Philox offset = the absolute
                 # position of the drafted token (the anchor sits at ctx_len, already advanced; draft k at
                 # ctx_len + 1 + k); the biased logits are the draft distribution q of the next verification.
-                st, slots_l = self.state, slots.long()
+                st, ss, slots_l = self.state, self.slot_sampling, slots.long()
                 offsets = st.ctx_lens[slots_l].long() + 1
-                biased, drafts = self.markov(base, tail.bonus_tokens, st.slot_temps[slots_l], st.slot_seeds[slots_l],
-                                             offsets)
+                biased, drafts = self.markov(base, tail.bonus_tokens, ss.temps[slots_l], ss.seeds[slots_l], offsets)
                 self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
         if getattr(self.drafter, "has_confidence_head", False):
@@ -413,9 +412,10 @@ class DSparkWorker(SpecWorkerBase):
             out = self._prefill_forward(ids, positions, slots_t)
             last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
-            _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), st.slot_temps[slots_l],
-                                                  st.slot_seeds[slots_l], lens_t, tok,
-                                                  st.slot_top_p[slots_l] if self.slot_sampling.restricts_top_p(slots)
+            ss = self.slot_sampling
+            _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), ss.temps[slots_l],
+                                                  ss.seeds[slots_l], lens_t, tok,
+                                                  ss.top_p[slots_l] if ss.restricts_top_p(slots)
                                                   else None, process)
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
@@ -510,14 +510,14 @@ class DSparkWorker(SpecWorkerBase):
 
     def select_targets(self, batch_size: int, hidden: torch.Tensor, positions: torch.Tensor):
         """The target's token at every verified position: ``([B*(K+1)] int64, logits)``."""
-        st = self.state
+        ss = self.slot_sampling
         b, k = batch_size, self.draft_len
         slots_l = self.slot_ids[:b].long()
         # contiguous(): at B = 1 a reshape of the expanded row would be a stride-0 view, and the
         # selection kernel indexes these per-row tensors as dense arrays.
-        temps = st.slot_temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        seeds = st.slot_seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
-        top_p = st.slot_top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
+        temps = ss.temps[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        seeds = ss.seeds[slots_l][:, None].expand(b, k + 1).contiguous().view(-1)
+        top_p = ss.top_p[slots_l][:, None].expand(b, k + 1).contiguous().view(-1) if self.step_top_p else None
         return self._select(hidden, temps, seeds, (positions + 1).reshape(-1), self.target_tokens[:b * (k + 1)],
                             top_p, self._block_process(b) if self.step_processed else None)
 
@@ -563,20 +563,20 @@ class DSparkWorker(SpecWorkerBase):
                          hidden: torch.Tensor):
         """Rejection-sampling verification of the step's rows against the stored draft logits:
         ``(accepted [B, K+1], num_accepted [B], logits)`` (greedy rows: strict acceptance, bitwise)."""
-        st = self.state
+        ss = self.slot_sampling
         b = batch_size
         slots_l = self.slot_ids[:b].long()
         logits = self.token_selector.target_logits(hidden)
         verified = logits
         if self.step_processed:  # the processed distribution is the one verification preserves
-            temps_rows = st.slot_temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
+            temps_rows = ss.temps[slots_l][:, None].expand(b, self.draft_len + 1).reshape(-1)
             # top-p: the verifier's own kernel restricts to the same exact kept set (TargetDistribution's doc)
             verified = self.distribution.logits(logits, temps_rows, process=self._block_process(b))
         x = verified.logits if isinstance(verified, VocabShardedLogits) else verified
-        top_p = st.slot_top_p[slots_l] if self.step_top_p else None
+        top_p = ss.top_p[slots_l] if self.step_top_p else None
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
-            temperatures=st.slot_temps[slots_l], seeds=st.slot_seeds[slots_l], offsets=positions[:, 0] + 1,
+            temperatures=ss.temps[slots_l], seeds=ss.seeds[slots_l], offsets=positions[:, 0] + 1,
             top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]))
         return accepted, num_acc, logits
 

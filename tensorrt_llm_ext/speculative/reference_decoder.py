@@ -55,7 +55,14 @@ class ReferenceDecoder:
         return toks
 
     def step(self, batch_size: int) -> torch.Tensor:
-        """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens.
+        """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens
+        (:meth:`step_outputs`' ``new_tokens``)."""
+        return self.step_outputs(batch_size)["new_tokens"]
+
+    def step_outputs(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """One non-speculative decode step over the worker's rows ``[0, B)``: ``new_tokens [B]`` int64 and
+        ``logits [B, V]``, the target's raw full-vocabulary logits of the step (before any logits processing;
+        what ``logprobs`` report), as the speculative step's outputs carry theirs.
 
         Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
         positions, overwritten by the next step before anyone attends them), so every kernel with a
@@ -65,7 +72,7 @@ class ReferenceDecoder:
         """
         w = self.worker
         w.check_rows(batch_size)
-        st = w.state
+        st, ss = w.state, w.slot_sampling
         b = batch_size
         slots = w.slot_ids[:b]
         slots_l = slots.long()
@@ -76,7 +83,7 @@ class ReferenceDecoder:
             out = w.target(tokens, positions, slots, st.kv_cache)
             hidden = out.hidden_states.view(b, w.draft_len + 1, -1)[:, 0]
             logits = w.target.logits(hidden)
-            temps, seeds = (st.slot_temps[slots_l], st.slot_seeds[slots_l]) if w.sampling else (None, None)
+            temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
             processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
 
@@ -84,13 +91,13 @@ class ReferenceDecoder:
                 return self.processors.apply(x, w.step_slots, slots_l, t)
             ids = w.distribution.select(logits, temps, seeds, offsets, TARGET_SALT, self.next_tokens[:b],
                                         process=process if processed else None,
-                                        top_p=st.slot_top_p[slots_l] if w.sampling and w.step_top_p else None)
+                                        top_p=ss.top_p[slots_l] if w.sampling and w.step_top_p else None)
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
             st.ref_lens[slots_l] += live
             tokens[:, 0] = ids
             st.slot_tokens[slots_l] = tokens
-        return ids
+        return {"new_tokens": ids, "logits": logits}
 
     def top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
                          top_p: float) -> list[bool]:

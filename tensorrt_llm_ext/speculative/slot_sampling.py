@@ -3,8 +3,8 @@
 needs, answered from those params alone.
 
 :meth:`SlotSampling.assign` is the one place a request's params become slot state: the temperature, seed and
-top-p the kernels read per slot (:class:`~tensorrt_llm_ext.contract.DSparkState`'s ``slot_temps`` /
-``slot_seeds`` / ``slot_top_p``, fp32 / int64 / fp32), the logits-processing tables
+top-p the kernels read per slot (:attr:`SlotSampling.temps` / ``seeds`` / ``top_p`` ``[num_slots]``, fp32 / int64 /
+fp32, owned here as vLLM's ``SamplingStates`` owns its tensors), the logits-processing tables
 (:class:`~tensorrt_llm_ext.speculative.logits_processing.SlotLogitsProcessors`) and a host copy of each slot's
 params. Nothing in between re-checks or re-derives them: the params were checked once where the request entered
 (``SamplingParams.check``), and the effective values (greedy below ``MIN_TEMPERATURE``, top-p raised to
@@ -25,16 +25,20 @@ __all__ = ["SlotSampling"]
 class SlotSampling:
     """The sampling state of every slot of one worker.
 
-    ``state``: the slot tensors the step reads; ``sampling``: False for a greedy-only worker (it refuses
-    sampled params). The logits processors are bound after load (:meth:`bind_processors`: their columns are
+    ``state``: the step state (its slot count and device); ``sampling``: False for a greedy-only worker (it
+    refuses sampled params). ``temps`` / ``seeds`` / ``top_p`` ``[num_slots]`` (fp32, 0 = greedy / int64 / fp32,
+    1 = no top-p set) are the per-slot values the step reads, allocated once here (before any capture). The logits processors are bound after load (:meth:`bind_processors`: their columns are
     the target head's shard).
     """
 
     def __init__(self, state: DSparkState, sampling: bool):
-        self.state = state
+        num_slots, dev = state.ctx_lens.shape[0], state.ctx_lens.device
         self.sampling = sampling
+        self.temps = torch.zeros(num_slots, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
         self.processors: SlotLogitsProcessors | None = None
-        self.params: list[SamplingParams] = [SamplingParams()] * state.ctx_lens.shape[0]  # host copy, per slot
+        self.params: list[SamplingParams] = [SamplingParams()] * num_slots  # host copy, per slot
 
     def bind_processors(self, processors: SlotLogitsProcessors) -> None:
         self.processors = processors
@@ -48,13 +52,11 @@ class SlotSampling:
         if not self.sampling and any(not p.is_greedy for p in params):
             raise ValueError(f"this worker is greedy-only (sampling=False); got temperatures "
                              f"{[p.temperature for p in params]}")
-        st = self.state
-        dev = st.slot_temps.device
+        dev = self.temps.device
         idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        st.slot_temps[idx] = torch.tensor([p.effective_temperature for p in params], dtype=st.slot_temps.dtype,
-                                          device=dev)
-        st.slot_seeds[idx] = torch.tensor([p.seed for p in params], dtype=st.slot_seeds.dtype, device=dev)
-        st.slot_top_p[idx] = torch.tensor([p.effective_top_p for p in params], dtype=st.slot_top_p.dtype, device=dev)
+        self.temps[idx] = torch.tensor([p.effective_temperature for p in params], dtype=self.temps.dtype, device=dev)
+        self.seeds[idx] = torch.tensor([p.seed for p in params], dtype=self.seeds.dtype, device=dev)
+        self.top_p[idx] = torch.tensor([p.effective_top_p for p in params], dtype=self.top_p.dtype, device=dev)
         for slot, p in zip(slots, params):
             self.params[slot] = p
         self.processors.assign(slots, params, prompts)

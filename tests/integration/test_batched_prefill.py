@@ -71,7 +71,8 @@ def test_batched_prefill_equals_one_at_a_time(temperature, speculative):
     assert torch.equal(s1.ctx_lens, s2.ctx_lens)
     assert torch.equal(s1.ref_lens, s2.ref_lens)
     assert torch.equal(s1.slot_tokens, s2.slot_tokens)  # first tokens + first drafts (speculative)
-    assert torch.equal(s1.slot_temps, s2.slot_temps) and torch.equal(s1.slot_seeds, s2.slot_seeds)
+    ss1, ss2 = w1.slot_sampling, w2.slot_sampling
+    assert torch.equal(ss1.temps, ss2.temps) and torch.equal(ss1.seeds, ss2.seeds) and torch.equal(ss1.top_p, ss2.top_p)
     if speculative:
         assert [int(s2.ctx_lens[s]) for s in SLOTS] == [len(p) for p in PROMPTS]
         assert s2.latent_pool.any()

@@ -303,7 +303,8 @@ def test_a_wide_top_k_row_runs_its_steps_eagerly_and_logs_once(monkeypatch, capl
 
 def test_the_old_rule_is_refused_not_replayed(monkeypatch):
     """Replaying a default graph whenever one exists (what ``run_step`` did) is refused by the worker for a step
-    with a top-p row: a wrong distribution becomes an error, never tokens."""
+    with a top-p row: a wrong distribution becomes an error, never tokens (each request of the refused step ends
+    with the error, after its prefill's first token)."""
     _fast_eager_kernels(monkeypatch)
 
     class OldRule(SimulatedGraphRunner):
@@ -312,9 +313,11 @@ def test_the_old_rule_is_refused_not_replayed(monkeypatch):
 
     eng = _engine(monkeypatch, graphs=True)
     monkeypatch.setattr(engine_module, "CudaGraphRunner", OldRule)
-    with pytest.raises(ValueError, match="default step variant does not serve these rows"):
-        eng.generate(_batch("top_p", 2), "stock")
-    assert eng.slots.num_free == eng.max_batch_size  # the failed call released its slots
+    results, _ = eng.generate(_batch("top_p", 2), "stock")
+    assert all(r.finish_reason == "error" and "default step variant does not serve these rows" in r.error
+               for r in results), [r.error for r in results]
+    assert all(len(r.output_ids) == 1 for r in results)  # the prefill's token, nothing from the refused step
+    assert eng.slots.num_free == eng.max_batch_size  # the failed step released its slots
 
 
 def test_set_rows_refuses_a_variant_that_does_not_cover_the_rows(monkeypatch):

@@ -225,3 +225,24 @@ def test_admissible_is_first_come_first_served_over_slots_and_pages(engine):
     assert sch.free_pages_after([0, 1]) == free
     sch.apply(StepPlan(cancel=[0, 1], run=False))
     assert engine.pages.num_free == free and engine.slots.num_free == SMALL["max_batch_size"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_request_cancelled_in_its_chunked_prefill_frees_everything(engine, overlap):
+    """Cancelled between two chunks of its prompt: no token reaches it, its slot and pages come back, a stream
+    running beside it is unaffected, and the slot then serves a new request with the tokens it gets alone."""
+    short = dict(prompt_ids=_prompt(5, 4), max_new_tokens=12, ignore_eos=True)
+    again = dict(prompt_ids=_prompt(6, 7), max_new_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    want, _ = _drive(engine, "speculative", overlap, {0: [(0, short), (2, again)]})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "chunked_prefill", True)
+        mp.setattr(engine, "max_num_tokens", 8)
+        rec = _Recorder(engine, mp)
+        got, plans = _drive(engine, "speculative", overlap,
+                            {0: [(0, short)], 1: [(1, dict(prompt_ids=_prompt(7, 45), max_new_tokens=4))]},
+                            rec, cancel_at={1: 3})
+        assert [e.finish_reason for e in got[1]] == ["cancelled"] and not _tokens(got[1])
+        assert [c[0] for c in plans[1][0] + plans[2][0]] == ["chunk", "chunk"]
+        assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
+        after, _ = _drive(engine, "speculative", overlap, {0: [(2, again)]})
+    assert _tokens(got[0]) == _tokens(want[0]) and _tokens(after[2]) == _tokens(want[2])

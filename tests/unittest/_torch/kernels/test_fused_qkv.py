@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope, fused_qkv_rope_reference
+from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope, fused_qkv_rope_reference, qkv_chunks
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,10 +40,11 @@ def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d,bias,qk_norm", [(3, 1, 16, False, False), (4, 4, 10, True, False),
-                                                      (8, 1, 64, False, True), (6, 2, 128, True, True)])
+                                                      (8, 1, 64, False, True), (6, 2, 128, True, True),
+                                                      (6, 2, 64, True, False), (2, 2, 128, False, False)])
 def test_matches_twin_gqa_head_dims_bias_and_qk_norm(dtype, heads, kvh, d, bias, qk_norm):
     """GQA 3 / 1 / 8 / 3, head dims 16 / 10 (odd half) / 64 / 128, an odd hidden size, T = 2 verify rows across a
-    page edge, a row past its table."""
+    page edge, a row past its table; heads cut into 2 and 4 column chunks (the last two)."""
     (x, w, bb, nw, qn, kn), (cos, sin, pos, slots, table), pools = _case(3, 2, 37, heads, kvh, d, dtype, bias=bias,
                                                                          qk_norm=qk_norm)
     args = (cos, sin, pos, slots, table)
@@ -69,6 +70,14 @@ def test_decode_rows_without_prologue_and_row_independence():
     x2[1] = x[1]
     q2 = fused_qkv_rope(x2, w, None, None, 1e-6, cos, sin, pos, slots, table, pools[0], pools[1], 3)
     assert torch.equal(q2[1], q[1])
+
+
+def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
+    assert qkv_chunks(15, 32, False) == (16, 2)  # SmolLM2-135M: 9 + 2 x 3 heads of 64
+    assert qkv_chunks(48, 64, False) == (16, 4)  # an 8B Llama: 32 + 2 x 8 heads of 128
+    assert qkv_chunks(400, 64, False) == (64, 1)  # enough heads: whole halves
+    assert qkv_chunks(48, 64, True) == (64, 1)  # per-head norms need the whole head in one program
+    assert qkv_chunks(15, 5, False) == (16, 1)  # the dot's 16-column minimum
 
 
 def test_validation_names_the_argument():
