@@ -26,7 +26,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $out/NAME.log, one summary line
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
 }
-run test_verification 50 bash -c "cd tests && python3 -m pytest -q -p no:cacheprovider -rfE --timeout 45 \
+run test_verification 45 bash -c "cd tests && python3 -m pytest -q -p no:cacheprovider -rfE --timeout 40 \
   unittest/_torch/speculative/test_verification.py -k 'gpu_ or last_radix or round0 or tp_invariant or equals_twin \
   or extreme or narrow or distributed'"
 grep -E "passed|failed" "$out/test_verification.log" | tail -1
@@ -37,7 +37,7 @@ run verify_profile_atomic 15 python3 -m tensorrt_llm_ext.cli bench verify --prof
 # tiles (16 elements per thread) against the default 1024
 run verify_profile_block4096 15 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 32 \
   --block-size 4096
-run verify 40 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
-run step_sampled 50 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling \
+run verify 35 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
+run step_sampled 60 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling \
   --profile --batch-sizes 1,8,32
 cat "$out/summary.txt"
