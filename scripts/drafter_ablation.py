@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter  # noqa: E402
 
-DATA_KNOBS = ("prompts", "num_prompts", "max_turns", "max_prompt_tokens", "held_out_percent", "max_new_tokens",
-              "greedy_fraction", "gen_temperature", "gen_top_p", "eval_prompts", "seed")
+# Knobs that shape the held-out sequences (held_out.pt) and, with the training-only ones, the training data (data.pt).
+HELD_OUT_KNOBS = ("prompts", "max_prompt_tokens", "held_out_percent", "max_new_tokens", "eval_prompts", "seed")
+DATA_KNOBS = HELD_OUT_KNOBS + ("num_prompts", "max_turns", "greedy_fraction", "gen_temperature", "gen_top_p")
 BUILT_IN = {
     "base (0.9 TV + 0.1 CE)": {},
     "KL only": {"tv_weight": 0.0, "ce_weight": 0.0, "kl_weight": 1.0},
@@ -56,24 +57,25 @@ def _pairs(items: list[str]) -> dict:
     return out
 
 
-def run(model: Path, out: Path, base: dict, variants: dict[str, dict]) -> list[list]:
+def run(model: Path, out: Path, base: dict, variants: dict[str, dict], data_from: Path | None = None) -> list[list]:
+    """``data_from``: a work directory of an earlier run with the base's knobs whose sequences are reused."""
     rows = []
-    base_work = None
+    base_work = data_from
     for name, change in variants.items():
         knobs = {**base, **change}
         d = out / f"v{len(rows)}"
         shutil.rmtree(d, ignore_errors=True)
         work = d / "work"
         work.mkdir(parents=True)
-        same_data = all(knobs.get(k) == base.get(k) for k in DATA_KNOBS)
-        if same_data and base_work is not None:
-            for f in ("data.pt", "held_out.pt"):
-                if (base_work / f).is_file():
-                    shutil.copy(base_work / f, work / f)
+        reuse = [f for f, keys in (("data.pt", DATA_KNOBS), ("held_out.pt", HELD_OUT_KNOBS))
+                 if base_work is not None and (base_work / f).is_file() and
+                 all(knobs.get(k) == base.get(k) for k in keys)]
+        for f in reuse:
+            shutil.copy(base_work / f, work / f)
         t0 = time.time()
-        s = train_drafter(model, d / "drafter", TrainConfig(**knobs), work_dir=work, resume=same_data and
-                          base_work is not None, progress=False)
-        if same_data and base_work is None:
+        s = train_drafter(model, d / "drafter", TrainConfig(**knobs), work_dir=work, resume=bool(reuse),
+                          progress=False)
+        if base_work is None and all(knobs.get(k) == base.get(k) for k in DATA_KNOBS):
             base_work = work
         acc, conf = s["held_out_greedy_acceptance"], s["held_out_confidence"] or {}
         rows.append([name, f"{acc['trained']:.3f}", f"{acc['by_position'][0]:.3f}",
@@ -90,6 +92,8 @@ def main() -> int:
     p.add_argument("--base", nargs="*", default=[], metavar="KNOB=VALUE", help="TrainConfig fields of the base")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME [KNOB=VALUE ...]")
     p.add_argument("--out-md", default=None, help="append the table to this markdown file")
+    p.add_argument("--data-from", default=None, help="reuse data.pt / held_out.pt of this earlier work directory "
+                                                     "(generated with the same --base)")
     args = p.parse_args()
     base = _pairs(args.base)
     if args.variant:
@@ -99,7 +103,7 @@ def main() -> int:
         tc = TrainConfig(**base)
         variants["1/4 of the prompts"] = {"num_prompts": max(1, tc.num_prompts // 4)}
         variants["1/4 of the anchors"] = {"anchors": max(1, tc.anchors // 4)}
-    rows = run(Path(args.model), Path(args.out), base, variants)
+    rows = run(Path(args.model), Path(args.out), base, variants, Path(args.data_from) if args.data_from else None)
     head = ["variant", "held-out acceptance length", "first position (walk)", "teacher-forced top-1 pos 0",
             "last TV", "wall s"]
     table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +

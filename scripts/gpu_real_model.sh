@@ -80,8 +80,8 @@ train() {
     echo "train: $MODEL/dspark_drafter is complete ($TRAIN_STEPS steps); skipped" | tee -a "$OUT/train.log"
     return 0
   fi
-  run timeout $(( ${TRAIN_SECONDS:-360} + 60 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
-    --no-progress --max-seconds ${TRAIN_SECONDS:-360} "${TRAIN_FLAGS[@]}" 2>&1 | tee -a "$OUT/train.log"
+  run timeout $(( ${TRAIN_SECONDS:-390} + 60 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
+    --no-progress --max-seconds ${TRAIN_SECONDS:-390} "${TRAIN_FLAGS[@]}" 2>&1 | tee -a "$OUT/train.log"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
   return 0
 }

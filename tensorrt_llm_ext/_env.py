@@ -61,7 +61,7 @@ def _read() -> _Env:
         log_level=level,
         serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
         check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
-        api_key=os.environ.get("TLLM_EXT_API_KEY") or None,
+        api_key=os.environ.get("TLLM_EXT_API_KEY"),  # "" kept: serve refuses an empty key (unset the variable instead)
         errors=tuple(errors),
     )
 

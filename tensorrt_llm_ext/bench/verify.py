@@ -29,6 +29,7 @@ import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
+from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, column_plan,
                                                         draw_plan, rejection_sample)
@@ -55,6 +56,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=4, help="seeds per prompt of --acceptance")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel time of one call (GPU: torch.profiler; CPU: the launch list with counts)")
+    p.add_argument("--hist-window", type=int, default=None,
+                   help="top-p round 0: buckets per side summed in registers (0 = every add an atomic, else a "
+                        "power of two <= 16; default "
+                        f"{fps.HIST_WINDOW}); the same values either way, for timing the two")
 
 
 # Reference columns (issue 28, H200, 2026-12-02, torch 2.11, triton 3.6, bf16, K = 7, T = 1, CUDA graph, medians;
@@ -105,6 +110,31 @@ def stock_verify(target, draft, tokens, temps, top_p, u_accept):
     emitted = torch.argmax(torch.log(dist) + g, dim=-1)
     out = torch.cat([tokens, emitted[:, None]], 1)
     return out, n_acc + 1
+
+
+def flashinfer_verify():
+    """FlashInfer's verification at our inputs, when ``flashinfer`` imports on a CUDA machine: ``(make, None)``
+    with ``make(target, draft, tokens, temperature, top_p) -> callable`` (temperature softmax of target and draft,
+    ``top_p_renorm_probs`` of the target when ``top_p`` is set, ``chain_speculative_sampling``: the peer's
+    own pipeline from logits), else ``(None, why)``."""
+    if not torch.cuda.is_available():
+        return None, "FlashInfer needs CUDA"
+    try:
+        import flashinfer.sampling as fis
+    except Exception as e:  # not installed, or built for another torch / CUDA
+        return None, f"flashinfer does not import here ({type(e).__name__}: {str(e)[:120]})"
+
+    def make(target, draft, tokens, temperature: float, top_p: float | None):
+        ids = tokens.to(torch.int32)
+
+        def call():
+            p = torch.softmax(target.float() / temperature, dim=-1)
+            if top_p is not None:
+                p = fis.top_p_renorm_probs(p.view(-1, p.shape[-1]), top_p).view_as(p)
+            q = torch.softmax(draft.float() / temperature, dim=-1)
+            return fis.chain_speculative_sampling(q, ids, p)
+        return call
+    return make, None
 
 
 def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1,
@@ -249,6 +279,12 @@ def run(args: argparse.Namespace) -> None:
     stock_timer = BenchTimer(reps=3, calls_per_rep=2)
     device = timer.device
     dtype = _DTYPES[args.dtype]
+    if args.hist_window is not None:
+        if args.hist_window not in (0, 1, 2, 4, 8, 16):
+            print(f"bench verify: --hist-window: expected 0, 1, 2, 4, 8 or 16, got {args.hist_window}",
+                  file=sys.stderr)
+            sys.exit(2)
+        fps.HIST_WINDOW = args.hist_window
     if args.profile:
         _profile(args, device, dtype)
         return
@@ -262,6 +298,8 @@ def run(args: argparse.Namespace) -> None:
     elt = torch.tensor([], dtype=dtype).element_size()
     rows = []
     stock_cache: dict[tuple[int, bool], float] = {}
+    fi_make, fi_why = flashinfer_verify()
+    fi_errors: list[str] = []
     for tp in tps:
         width = -(-vocab // tp)
         for b in batches:
@@ -281,12 +319,20 @@ def run(args: argparse.Namespace) -> None:
             ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits)
             out = (torch.empty(b, k + 1, dtype=torch.int64, device=device),
                    torch.empty(b, dtype=torch.int32, device=device))
-            res = {}
+            res, fi = {}, {}
             for name, tp_arg in (("none", None), ("top_p", top_p)):
                 fns = [lambda s=s, a=tp_arg: rejection_sample(
                     s[0], s[1], tokens, temperatures=temps, seeds=seeds, offsets=offsets, top_p=a,
                     vocab_size=width, out=out, workspace=ws) for s in sets]
                 res[name] = timer.time_graph(fns)
+                if fi_make is not None:  # the peer on the same inputs, in the same run
+                    try:
+                        fi[name] = timer.time_graph([fi_make(s[0], s[1], tokens, args.temperature,
+                                                             args.top_p if tp_arg is not None else None)
+                                                     for s in sets])
+                    except Exception as e:  # an API or capture failure is reported, not fatal
+                        fi[name] = float("nan")
+                        fi_errors.append(f"tp {tp} B={b} {name}: {type(e).__name__}: {str(e)[:160]}")
             del sets
             fl = floor_us(shard_bytes, bw)
             for name in ("none", "top_p"):
@@ -314,13 +360,14 @@ def run(args: argparse.Namespace) -> None:
                              fmt(goal, 1) if goal else "-",
                              fmt(peers["vLLM MRv2"], 0) if peers else "-",
                              fmt(peers["FlashInfer"], 0) if peers else "-",
+                             fmt(fi[name], 1) if name in fi else "-",
                              fmt(stock, 1), fmt(stock / ours, 1), f"{calls} / {nbytes}"])
             print(f"bench verify: tp {tp} B={b} done", file=sys.stderr, flush=True)
     print_table(
         f"bench verify: rejection_sample per rank, {args.dtype}, V={vocab}, K={k}, T={args.temperature}, "
-        f"top-p {args.top_p}, block {block}, splits {splits}",
+        f"top-p {args.top_p}, block {block}, splits {splits}, top-p round-0 register window {fps.HIST_WINDOW}",
         ["tp", "shard width", "B", "top-p", "floor us", "ours us", "ours/floor", "goal us", "vLLM MRv2 us (issue)",
-         "FlashInfer us (issue)", "stock(V) us", "stock/ours", "exchanges (rounds / bytes per rank)"],
+         "FlashInfer us (issue)", "FlashInfer us (this run)", "stock(V) us", "stock/ours", "exchanges (rounds / bytes per rank)"],
         rows,
         notes=[
             f"copy bandwidth (read+write) {fmt(bw / 1e12, 2)} TB/s; floor = target + draft logits of the owned "
@@ -330,5 +377,9 @@ def run(args: argparse.Namespace) -> None:
             "goal, vLLM MRv2, FlashInfer: issue 28's goals and the peers' numbers measured on the H200 on "
             "2026-12-02 (same settings: V = 200064, K = 7, bf16, T = 1, top-p 0.95); reference columns, not "
             "measured by this run. Exchange rounds <= 3 without top-p and <= 5 with it.",
+            "FlashInfer us (this run): its softmax + top_p_renorm_probs + chain_speculative_sampling on the same "
+            "inputs, timed in this run " + (f"({'; '.join(fi_errors)})" if fi_errors else "")
+            + (f"-- not measured: {fi_why}" if fi_why else "")
+            + "; vLLM's rejection sampler is not timed here (its reference column only).",
         ],
     )

@@ -45,7 +45,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCA
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
-    "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
+    "HIST_BUCKETS", "HIST_WINDOW", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
@@ -57,6 +57,10 @@ __all__ = [
 ONE_Q30 = 1 << 30
 HIST_BUCKETS = 256
 SUMS_COLS = 3  # verify_sums columns before the histogram: Z, F(token), radix key(token)
+# Top-p round 0 in verify_sums: buckets per side of the weighted range summed in registers (the rest are atomic
+# adds; 0 = every add an atomic, else a power of two). The same values either way; `bench verify --hist-window`
+# times them.
+HIST_WINDOW = 4
 # fp32 value of log2(e) (the constant both Triton and torch multiply by, exactly representable).
 LOG2E_F32 = float(torch.tensor(math.log2(math.e), dtype=torch.float32).item())
 
@@ -247,6 +251,7 @@ def _verify_sums_kernel(
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # HIST: buckets per side summed in registers (0 = every add an atomic)
 ):
     # programs walk the rows and chunks backwards: the first ones read what verify_keys read last (still in L2)
     row = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -270,6 +275,15 @@ def _verify_sums_kernel(
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
     acc = tl.zeros([BLOCK], tl.int64)
+    if WINDOW > 0:
+        # Round 0's weighted tokens lie in [m - 30 / c, m] (lower ones weigh 0): the WINDOW buckets below the
+        # max's and the WINDOW above the lowest weighted logit's hold nearly all of them (a bucket is a factor
+        # of 4 in |x|). Those are summed in registers; any other token is an atomic add, so every value is exact
+        # and the windows are only a matter of speed.
+        top_a = (radix_key(m) >> 24).to(tl.int32)
+        bot_b = (radix_key(m - 30.0 / c) >> 24).to(tl.int32)
+        hs = tl.arange(0, 2 * WINDOW)
+        win_acc = tl.zeros([2 * WINDOW], tl.int64)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
@@ -278,7 +292,21 @@ def _verify_sums_kernel(
         acc += w
         if HIST:
             if is_t:
-                hist_add(out + 3, (radix_key(x) >> 24).to(tl.int32), w)
+                bk = (radix_key(x) >> 24).to(tl.int32)
+                if WINDOW > 0:
+                    ja = top_a - bk
+                    jb = bk - bot_b
+                    in_a = (ja >= 0) & (ja < WINDOW)
+                    in_b = (jb >= 0) & (jb < WINDOW) & ~in_a
+                    slot = tl.where(in_a, ja, tl.where(in_b, WINDOW + jb, -1))
+                    win_acc += tl.sum(tl.where(slot[:, None] == hs[None, :], w[:, None], 0), 0)
+                    hist_add(out + 3, bk, tl.where(slot < 0, w, 0))
+                else:
+                    hist_add(out + 3, bk, w)
+    if WINDOW > 0:
+        if is_t:
+            wb = tl.where(hs < WINDOW, top_a - hs, bot_b + hs - WINDOW)
+            tl.atomic_add(out + 3 + wb, win_acc, mask=(win_acc > 0) & (wb >= 0) & (wb < 256))
     ftok = tl.sum(acc, 0) * 0
     utok = ftok
     if HAS_TOK:
@@ -502,7 +530,7 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
         target, q, keys, temperatures, tokens if tokens is not None else keys, out,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
-        SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), WINDOW=HIST_WINDOW if hist else 0, num_warps=num_warps_for(block_size))
     return out
 
 

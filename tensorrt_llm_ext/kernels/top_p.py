@@ -10,7 +10,8 @@ The boundary is the radix key ``u`` (the fp32 ordered key made unsigned: larger 
 the token where the prefix mass crosses ``tau``. Four rounds find it a byte at a time, most significant
 first: round ``r`` adds, per row and column chunk, the mass of every token whose top ``8r`` bits equal the
 prefix found so far into 256 buckets of the next byte. Each program owns its 256 buckets (no global
-atomics shared between programs, no memset: the program zeroes its own slot); after one int64 SUM across
+atomics shared between programs, no memset: the program writes its own slot; the logits' last round counts in
+registers and multiplies by each bucket's one weight, earlier rounds add atomically); after one int64 SUM across
 ranks every rank sums the chunks' buckets and scans them from the top for the first whose cumulative
 mass (plus the mass above the prefix) reaches ``tau``. Round 0 is fused into ``verify_sums``; the resolve
 of round ``r`` runs at the start of the kernel of round ``r + 1`` (every program of a row resolves the
@@ -47,7 +48,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_lo
                                                           weight_scale_torch)
 
 __all__ = [
-    "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
+    "bucket_key", "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
     "top_p_mask_reference",
     "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
@@ -93,6 +94,16 @@ def kept_in_tile(u, fin, bstar, n_keep, run):
     rank = run + tl.cumsum(ti, 0) - 1
     kept = fin & ((u > bstar) | (tie & (rank < n_keep)))
     return kept, run + tl.sum(ti, 0)
+
+
+@triton.jit
+def bucket_key(prefix, digit, low_bits):
+    """The full radix key of bucket ``digit`` under ``prefix`` when the ``low_bits`` below it are constant given
+    the sign (the dtype's last round, :func:`radix_rounds`): 0 for a positive logit, all ones for a negative one
+    (the ordered key of a negative float inverts its bits). int64 in, int64 out."""
+    key = ((prefix << 8) | digit) << low_bits
+    low = ((digit * 0 + 1) << low_bits) - 1
+    return tl.where(key < 2147483648, key | low, key)
 
 
 @triton.jit
@@ -170,6 +181,7 @@ def _top_p_round_kernel(
     stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok, n_sub, sub,
     rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr, SPLITS: tl.constexpr,
+    COUNT: tl.constexpr = False,  # the dtype's last round: every bucket is one logit value (counts x its weight)
 ):
     # the order of the rows alternates between consecutive passes (sums backwards, rounds forwards, the tie
     # count backwards), so each pass starts on the rows the previous one read last (still in L2)
@@ -224,6 +236,25 @@ def _top_p_round_kernel(
             out = out_ptr + ((r64 * num_splits + split) * n_sub + si) * 2
             tl.store(out, tl.sum(cnt, 0))
             tl.store(out + 1, tl.sum(before, 0))
+    elif COUNT:
+        # The last round of the logits' dtype: the key bits below this digit are constant given the sign
+        # (radix_rounds), so every token of a bucket has the same fp32 value and the same weight. The bucket's
+        # mass is its count times that weight: a register histogram of counts (tl.histogram), no atomics.
+        sh_match = 32 - 8 * rnd
+        sh_digit = 24 - 8 * rnd
+        cnt = tl.zeros([256], tl.int32)
+        if tau >= 0:
+            for start in range(col_begin, col_end, BLOCK):
+                cols = start + lanes
+                valid = cols < col_end
+                x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+                u = radix_key(x)
+                hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
+                cnt += tl.histogram(((u >> sh_digit) & 255).to(tl.int32), 256, mask=hit)
+        j = tl.arange(0, 256)
+        value = radix_to_f32(bucket_key(prefix, j.to(tl.int64), sh_digit))
+        w = fixed_point_weight(value, m, c, cnt > 0)
+        tl.store(out_ptr + (r64 * num_splits + split) * 256 + j, cnt.to(tl.int64) * w)
     else:
         out = out_ptr + (r64 * num_splits + split) * 256
         tl.store(out + tl.arange(0, 256), tl.zeros([256], tl.int64))  # this program's own buckets
@@ -380,6 +411,8 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
     exchanged previous histogram: ``sums[:, :, 3:]`` for round 1), ``state_prev``/``state_out`` ``[R, 2]``
     (prefix, mass above; round 1 starts from the empty prefix and ignores ``state_prev``),
     ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged next). One launch; CUDA-graph safe.
+    The logits' last round (:func:`radix_rounds`) histograms counts in registers and multiplies each bucket's
+    count by its one value's weight (no atomics; the same int64 masses as the weighted adds).
     """
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
@@ -393,7 +426,8 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
         logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
         logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
         n_valid, vocab_start, chunk, splits, row_div, 0, 1, chunk, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
-        SPLITS=triton.next_power_of_2(splits), num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), COUNT=rnd == radix_rounds(logits.dtype),
+        num_warps=num_warps_for(block_size))
 
 
 def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,

@@ -360,8 +360,10 @@ class LlamaDecoderLayer(nn.Module):
         H]`` (the residual stream, every earlier add done) -> the next residual stream ``[B, T, H]``.
 
         input norm + QKV + (q / k norms) + RoPE + K/V store; paged attention; o_proj + residual add;
-        post-attention norm + gate-up + SiLU-mul; down_proj + residual add. The numerics of the unfused path
-        (the same roundings, another summation order in the products)."""
+        post-attention norm + gate-up + SiLU-mul; down_proj + residual add. The roundings of the unfused path
+        (another summation order in the products), except that a norm reads the residual stream as stored (the
+        sum rounded to the model dtype, as Hugging Face's layer does), not the fp32 sum the fused add + norm
+        kernel keeps: equal in fp32, within a rounding of the sum in 16 bits."""
         b, t, width = hidden.shape
         attn, mlp = self.self_attn, self.mlp
         qn = attn.q_norm.weight if attn.q_norm is not None else None

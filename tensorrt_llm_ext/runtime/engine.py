@@ -106,7 +106,7 @@ class Engine:
     """
 
     def __init__(self, config: RuntimeConfig, mapping: Mapping | None = None, device=None,
-                 use_cuda_graph: bool = False, weights=None):
+                 use_cuda_graph: bool = False, weights=None, torch_ops: bool = False):
         log_environment()
         mapping = mapping or Mapping(enable_attention_dp=config.enable_attention_dp)
         if mapping.tp_size != config.tensor_parallel_size:
@@ -138,6 +138,9 @@ class Engine:
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
         self.use_cuda_graph = use_cuda_graph
+        # Every path on the stock torch op table, even where Triton runs: for a caller whose output is data, not
+        # a kernel exercise (train-drafter's answers on a CPU under TRITON_INTERPRET=1; the same tokens).
+        self.torch_ops = torch_ops
         self._workers: dict[str, DSparkWorker] = {}
         self._references: dict[str, ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
@@ -165,7 +168,8 @@ class Engine:
             if path not in ("speculative", "gathered", "stock"):
                 raise ValueError(f"Engine.worker: unknown path {path!r}")
             spec = self.config.speculative_config
-            ops = step_ops_for(path, self.device)  # fused where Triton runs, stock torch ops on a plain CPU
+            # fused where Triton runs, stock torch ops on a plain CPU (or when asked: torch_ops)
+            ops = step_ops_for("stock" if self.torch_ops else path, self.device)
             sharded = path == "speculative" and ops.vocab_parallel
             if path == "speculative" and not sharded and "on" in (spec.vocab_parallel_selection,
                                                                    spec.vocab_sharded_verification):
@@ -200,7 +204,7 @@ class Engine:
         if runner is None:
             worker = self.worker(_path(mode))
             if mode == "target_only":
-                forward, name = self.reference(_path(mode)).step, "the target-only decode"
+                forward, name = self.reference(_path(mode)).step_outputs, "the target-only decode"
             else:
                 forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
@@ -319,23 +323,20 @@ class Engine:
                                                speculative=mode != "target_only")
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative", row: int = 0):
-        """The first token's ``(logprob, top k)`` of row ``row`` of the last :meth:`prefill_slots` (on every rank)."""
-        if mode == "target_only":
-            raise ValueError("prefill_logprobs: the target-only decode keeps no prefill logits")
+        """The first token's ``(logprob, top k)`` of row ``row`` of the last :meth:`prefill_slots` (on every rank);
+        the target-only decode's prefill is the worker's context phase, which keeps the same logits."""
         path = _path(mode)
         logits = self.worker(path).prefill_logits
-        logits = logits.logits if isinstance(logits, VocabShardedLogits) else logits
-        return self._logprobs(path, logits, [row], [token], [request])[0]
+        sharded = isinstance(logits, VocabShardedLogits)
+        return self._logprobs(path, logits.logits if sharded else logits, [row], [token], [request], sharded)[0]
 
     def step_logprobs(self, requests: list[Request | None], new: list[list[int]], lens: list[int],
                       mode: str = "speculative") -> list[list | None]:
         """Per row of the last :meth:`run_step`: the accepted tokens' ``(logprob, top k)`` for rows whose
         request asks for logprobs (``None`` elsewhere). One batched computation (and, on a vocab-parallel
         head, its few ``[rows]`` / ``[rows, k]`` collectives) per step; call on every rank."""
-        if mode == "target_only":
-            raise ValueError("step_logprobs: the target-only decode keeps no step logits")
         path = _path(mode)
-        k1 = self.draft_len + 1
+        k1 = 1 if mode == "target_only" else self.draft_len + 1  # logits rows per request
         rows, toks, reqs, where = [], [], [], []
         for r, req in enumerate(requests):
             if req is None or req.logprobs is None:
@@ -347,21 +348,27 @@ class Engine:
                 where.append(r)
         out: list[list | None] = [None if req is None or req.logprobs is None else [] for req in requests]
         if rows:
-            for r, lp in zip(where, self._logprobs(path, self._step_logits, rows, toks, reqs)):
+            # the target-only decode selects from gathered (full) rows; the speculative step's may be a shard
+            sharded = mode != "target_only"
+            for r, lp in zip(where, self._logprobs(path, self._step_logits, rows, toks, reqs, sharded)):
                 out[r].append(lp)
         return out
 
     def _logprobs(self, path: str, logits: torch.Tensor, rows: list[int], tokens: list[int],
-                  requests: list[Request]) -> list[tuple[float, list[tuple[int, float]]]]:
+                  requests: list[Request], sharded: bool = True) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The raw model distribution's log-probabilities (vLLM's default ``logprobs_mode``,
+        ``raw_logprobs``): ``log_softmax`` of the target's logits before temperature, top-p and every logits
+        processing field, whatever the request samples with. ``sharded``: ``logits`` may be this rank's
+        vocabulary shard (the worker's head decides); else they are full rows."""
         worker = self.worker(path)
         dev = logits.device
         x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        n = len(rows)
+        head = worker.token_selector.target_head if sharded else None
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
-                            torch.tensor([r.sampling.effective_temperature for r in requests], dtype=torch.float32,
-                                         device=dev),
-                            torch.tensor([r.sampling.effective_top_p for r in requests], dtype=torch.float32, device=dev),
-                            max(r.logprobs for r in requests), head=worker.token_selector.target_head,
-                            top_p_keep=worker.ops.top_p_keep)
+                            torch.zeros(n, dtype=torch.float32, device=dev),  # raw: temperature 1, no top-p
+                            torch.ones(n, dtype=torch.float32, device=dev),
+                            max(r.logprobs for r in requests), head=head)
         return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
@@ -387,10 +394,10 @@ class Engine:
         cuda = self.device.type == "cuda"
         with nvtx_range(f"engine.launch.{mode}"):
             outs = runner.step(list(slots))
+            self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
             if mode == "target_only":
-                new_dev, lens_dev = outs[:n], None
+                new_dev, lens_dev = outs["new_tokens"][:n], None
             else:
-                self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
                 new_dev, lens_dev = outs["new_tokens"][:n], outs["new_tokens_lens"][:n]
             # Host buffers of their own per step (pinned on CUDA: an asynchronous copy; the caching host
             # allocator keeps a pinned block until its copy is done). On a CPU the copy is a plain clone.

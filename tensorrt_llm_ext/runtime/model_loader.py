@@ -82,10 +82,29 @@ def build_models(config: RuntimeConfig, mapping: Mapping, device: torch.device,
     target_sd, drafter_sd = weights if weights is not None else full_state_dicts(config)
     target.load_full_state_dict(target_sd)
     drafter.load_full_state_dict(drafter_sd)
-    head = load_confidence_head_file(config.model.drafter_path)
-    if head is not None:
-        drafter.load_confidence_head(head)
+    attach_confidence_head(drafter, config.model.drafter_path)
     return target, drafter
+
+
+def attach_confidence_head(drafter, drafter_path) -> bool:
+    """Load ``DRAFTER/confidence_head.safetensors`` into ``drafter`` when there is one; a file that cannot be
+    read, or whose tensors do not fit this drafter, leaves it without confidences (one warning line; the
+    drafts themselves do not depend on the head). Returns whether a head was attached."""
+    head = load_confidence_head_file(drafter_path)
+    if head is None:
+        return False
+    try:
+        drafter.load_confidence_head(head)
+    except ValueError as e:
+        logger.warning(f"drafter: {drafter_path}/confidence_head.safetensors does not fit this drafter "
+                       f"({_first_line(e)}); serving without confidences")
+        return False
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:120] if lines else type(e).__name__
 
 
 def load_confidence_head_file(drafter_path) -> dict[str, torch.Tensor] | None:
@@ -104,5 +123,5 @@ def load_confidence_head_file(drafter_path) -> dict[str, torch.Tensor] | None:
     try:
         return load_file(str(path))
     except Exception as e:  # a damaged file: the drafter serves without confidences, said once
-        logger.warning(f"drafter: {path} unreadable ({str(e).splitlines()[0][:120]}); serving without confidences")
+        logger.warning(f"drafter: {path} unreadable ({_first_line(e)}); serving without confidences")
         return None

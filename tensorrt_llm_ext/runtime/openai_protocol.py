@@ -27,6 +27,9 @@ MAX_JSON_DEPTH = 64  # deeper bodies (and tool-call arguments) are refused befor
 # work (OpenAI allows 4; vLLM sets no bound, which one request with 200k strings turns into a stalled server).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+# Stop token ids (in `stop` or `stop_token_ids`): each finished-check reads them, so a request's list is bounded
+# too (a vocabulary's worth would make every step of every request pay for one body).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class ApiError(Exception):
@@ -50,6 +53,12 @@ class ServeLimits:
 
 def _limits(info: ValidationInfo) -> ServeLimits | None:
     return info.context.get("limits") if isinstance(info.context, dict) else None
+
+
+def _check_stop_ids(ids: list[int], info: ValidationInfo) -> None:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")
+    _check_ids(ids, "token ids", info)
 
 
 def _check_ids(ids: list[int], what: str, info: ValidationInfo) -> None:
@@ -156,7 +165,7 @@ class _Sampling(BaseModel):
     @classmethod
     def _stop(cls, v, info: ValidationInfo):
         if isinstance(v, list) and v and isinstance(v[0], int):
-            _check_ids(v, "token ids", info)
+            _check_stop_ids(v, info)
         if isinstance(v, str) and v == "" or isinstance(v, list) and any(s == "" for s in v):
             raise ValueError("an empty stop string would stop at once")
         strings = [v] if isinstance(v, str) else v if isinstance(v, list) and v and isinstance(v[0], str) else []
@@ -172,7 +181,7 @@ class _Sampling(BaseModel):
     @classmethod
     def _stop_token_ids(cls, v, info: ValidationInfo):
         if v:
-            _check_ids(v, "token ids", info)
+            _check_stop_ids(v, info)
         return v
 
     @field_validator("logit_bias")

@@ -42,6 +42,14 @@ class Request:
     min_tokens: int = 0
     logprobs: int | None = None
 
+    def __getitem__(self, name: str):
+        """Read-only access by field name (``request["max_new_tokens"]``): the engine loop's ``submit`` once
+        carried plain dicts of these fields, and code written against that form (a stand-in loop, a metrics
+        hook) keeps reading them. Only the fields; an unknown name is a ``KeyError``, assignment is refused."""
+        if not isinstance(name, str) or name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise :class:`RequestError` if this request cannot run under these limits.
 

@@ -326,6 +326,7 @@ class Scheduler:
         return group, width
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
+        """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
         t0 = time.perf_counter()
         try:
             self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, self.mode)

@@ -155,16 +155,18 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else ``TLLM_EXT_API_KEY``, else None (no key)."""
+    """``--api-key``, else ``TLLM_EXT_API_KEY``, else None (no key; an empty one is refused first:
+    :func:`api_key_error`)."""
     from tensorrt_llm_ext._env import ENV
 
-    return args.api_key or ENV.api_key
+    return args.api_key or ENV.api_key or None
 
 
 def api_key_error(args: argparse.Namespace) -> str | None:
     """A key no HTTP client could send back (``Authorization`` carries printable ASCII, and clients strip the
-    value's ends), or an empty ``--api-key`` (which would silently mean no key): one line that never shows the
-    key, else None."""
+    value's ends), or an empty ``--api-key`` or ``TLLM_EXT_API_KEY`` (which would silently mean no key: a
+    ``TLLM_EXT_API_KEY=$SECRET`` with ``SECRET`` unset must not start an open server): one line that never
+    shows the key, else None."""
     from tensorrt_llm_ext._env import ENV
 
     where = "--api-key" if args.api_key is not None else "TLLM_EXT_API_KEY"
@@ -172,7 +174,8 @@ def api_key_error(args: argparse.Namespace) -> str | None:
     if key is None:
         return None
     if key == "":
-        return f"{where}: empty (an empty key would mean no key: leave the flag out to serve without one)"
+        fix = "leave the flag out" if args.api_key is not None else "unset the variable"
+        return f"{where}: empty (an empty key would mean no key: {fix} to serve without one)"
     if key != key.strip():
         return f"{where}: the key starts or ends with whitespace, which HTTP clients strip: no client could send it"
     bad = next((c for c in key if not 0x20 <= ord(c) <= 0x7E), None)

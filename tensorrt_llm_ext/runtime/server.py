@@ -188,12 +188,6 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
     needs the tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
     check_model(ctx, body.model)
     params = body.to_sampling_params()
-    if logprobs is not None and not ctx.speculative:
-        raise ApiError(400, "logprobs: not served with --no-speculation (the target-only decode keeps no logits)",
-                       "logprobs")
-    if logprobs is not None and params.processes_logits:
-        raise ApiError(400, "logprobs: not served with top_k, min_p, penalties or logit_bias (log-probabilities are "
-                            "computed from the unprocessed logits); send one or the other", "logprobs")
     stop_ids, _ = _stop_fields(ctx, body)
     out = []
     for i, ids in enumerate(prompts):

@@ -1,9 +1,10 @@
 """Log-probabilities of emitted tokens (the OpenAI ``logprobs`` / ``top_logprobs`` fields), on shards or full rows.
 
-The distribution reported is the one the token was drawn from: ``softmax(logits / T)`` restricted to the
-request's exact top-p set (the same :func:`~tensorrt_llm_ext.speculative.verification.top_p_keep` the
-selection uses) and renormalised over it. A greedy row (``T = 0``) reports the model's own distribution,
-``log_softmax(logits)`` (temperature 1, no top-p): the argmax's point mass would say nothing.
+A row with ``T <= 0`` reports the model's own distribution, ``log_softmax(logits)`` (temperature 1, no
+top-p): what serving reports for every request (vLLM's default ``logprobs_mode``, ``raw_logprobs``; the engine
+passes ``T = 0`` rows). A row with ``T > 0`` reports ``softmax(logits / T)`` restricted to its exact top-p set
+(the same :func:`~tensorrt_llm_ext.speculative.verification.top_p_keep` the selection uses) and renormalised
+over it: the sampling distribution before any other processing field.
 
 With a vocab-parallel head each rank holds ``[R, V_shard]``: the log-sum-exp is one all-reduce MAX and one
 all-reduce SUM of ``[R]`` fp32, the emitted token's value one all-reduce SUM of ``[R]`` (only its owner

@@ -55,7 +55,14 @@ class ReferenceDecoder:
         return toks
 
     def step(self, batch_size: int) -> torch.Tensor:
-        """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens.
+        """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens
+        (:meth:`step_outputs`' ``new_tokens``)."""
+        return self.step_outputs(batch_size)["new_tokens"]
+
+    def step_outputs(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """One non-speculative decode step over the worker's rows ``[0, B)``: ``new_tokens [B]`` int64 and
+        ``logits [B, V]``, the target's raw full-vocabulary logits of the step (before any logits processing;
+        what ``logprobs`` report), as the speculative step's outputs carry theirs.
 
         Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
         positions, overwritten by the next step before anyone attends them), so every kernel with a
@@ -90,7 +97,7 @@ class ReferenceDecoder:
             st.ref_lens[slots_l] += live
             tokens[:, 0] = ids
             st.slot_tokens[slots_l] = tokens
-        return ids
+        return {"new_tokens": ids, "logits": logits}
 
     def top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
                          top_p: float) -> list[bool]:

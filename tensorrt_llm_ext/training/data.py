@@ -91,7 +91,7 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
     """The target's answers to ``prompts`` (``temperatures[i]`` for prompt ``i``; request ``i`` samples with
     ``seed + i``), decoded by the serving engine without speculation. Returns ``tokens [N, T]`` (int32,
     0-padded past ``lens``), ``lens [N]`` and ``prompt_lens [N]``. Logs progress every ``log_every_s``
-    seconds (also without a progress bar)."""
+    seconds, also within a chunk's decode and without a progress bar (``--no-progress``)."""
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.contract import SamplingParams
@@ -102,18 +102,34 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
         view = target_only_view(Path(model_dir), Path(tmp))
         cfg = load_config(model_dir=str(view), log_no_effect=False, max_batch_size=batch_size,
                           max_seq_len=longest + 16)
-        engine = Engine(cfg, device=device, use_cuda_graph=cuda_graph and device.type == "cuda")
+        # On a CPU the answers are data, not a kernel exercise: torch ops even under TRITON_INTERPRET=1 (the
+        # same tokens as the fused kernels; the interpreter spent most of a small run in its top-p kernels).
+        cpu = device.type == "cpu"
+        engine = Engine(cfg, device=device, use_cuda_graph=cuda_graph and device.type == "cuda", torch_ops=cpu)
+        if cpu:
+            logger.info("train-drafter: answers decoded with torch ops (the stock op table) on the CPU")
         eos = tuple(sorted(engine.eos_token_ids))
         outs: list[list[int]] = []
         t0 = last = time.time()
         chunk = batch_size * 4
+        made_now = [0]  # tokens of the chunk being decoded
+
+        def step_log(n: int) -> None:  # per engine step: a line every log_every_s, bar or not
+            nonlocal last
+            made_now[0] += n
+            if time.time() - last >= log_every_s:
+                last = time.time()
+                made = sum(map(len, outs)) + made_now[0]
+                logger.info(f"train-drafter: generating: {len(outs)}/{len(prompts)} answers done, {made} tokens "
+                            f"({made / max(last - t0, 1e-9):.1f} tokens/s)")
         for start in range(0, len(prompts), chunk):
             reqs = [Request(prompt_ids=p, max_new_tokens=max_new_tokens, stop_token_ids=eos,
                             sampling=SamplingParams(temperature=temperatures[start + j],
                                                     top_p=top_p if temperatures[start + j] > 0 else 1.0,
                                                     seed=seed + start + j))
                     for j, p in enumerate(prompts[start:start + chunk])]
-            results, _ = engine.generate(reqs, mode="target_only")
+            made_now[0] = 0
+            results, _ = engine.generate(reqs, mode="target_only", progress=step_log)
             for r in results:
                 if r.error:
                     raise ValueError(f"train-drafter: the target could not answer a prompt: {r.error}")

@@ -9,6 +9,7 @@ without a tokenizer (the tiny test models) gets seeded random token ids instead.
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def prompt_token_ids(model_dir: str | Path | None, split: str, n: int, vocab_siz
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(*random_len))] for _ in range(n)]
 
 
+@functools.lru_cache(maxsize=4)  # one load per run: the train and held-out splits share it
 def _chat_tokenizer(model_dir):
     if model_dir is None:
         return None

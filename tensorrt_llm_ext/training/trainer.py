@@ -361,12 +361,17 @@ def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tenso
 
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
-                  resume: bool = False, progress: bool = True, max_seconds: float | None = None) -> dict:
+                  resume: bool = False, progress: bool = True, max_seconds: float | None = None,
+                  keep_state: bool = True) -> dict:
     """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
 
     ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
     time limit), checkpoint, and write the drafter as it stands (``"complete": false`` in the summary);
-    ``--resume`` continues to ``steps``. Not a knob: a resumed run may use another budget."""
+    ``--resume`` continues to ``steps``. Not a knob: a resumed run may use another budget.
+
+    ``keep_state=False`` (the CLI's default): once a complete run's drafter is written, remove
+    ``trainer_state.pt`` (weights and AdamW moments, the bulk of the work folder; only an unfinished run
+    resumes from it, and ``steps`` is a knob), keeping the token data."""
     t_call = time.time()
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -489,6 +494,11 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                                               "draft_len": tc.draft_len, "prompts": tc.eval_prompts},
                "held_out_confidence": calibration}
     write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
+    if stopped_at is None and not keep_state and state_path.is_file():
+        size = state_path.stat().st_size
+        state_path.unlink()
+        logger.info(f"train-drafter: removed {state_path} ({size / 2**20:.0f} MiB; the run is complete, "
+                    f"--keep-state keeps it); {work_dir} keeps the token data")
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
                     f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "

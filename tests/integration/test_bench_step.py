@@ -33,6 +33,9 @@ def test_bench_step_sampled_mode_smoke(capsys):
     text = capsys.readouterr().out
     assert "sampled traffic" in text and "rejection sampling (sampled drafts)" in text and "| 1 " in text
     assert "| top-p / top-p " in text
+    assert "sampled / greedy" in text  # the goal's ratio, greedy measured in the same run
+    assert "the fused step by stage, sampled and greedy rows" in text  # --profile: which stage holds it
+    assert "| 1 | sampled " in text and "| 1 | greedy " in text
     if torch.cuda.is_available():
         assert "profile of one captured sampled step (ours) at B=1:" in text
         assert "profile of one captured sampled step (stock) at B=1:" in text

@@ -125,3 +125,43 @@ def test_confidence_calibration_is_fitted_per_position_and_applied_at_load():
     for bad in (torch.ones(3, 2), torch.tensor([[-1.0], [0.0]]), torch.tensor([[float("nan")], [0.0]])):
         with pytest.raises(ValueError, match="confidence.calibration"):
             drafter.load_confidence_head({**head, CONFIDENCE_CALIBRATION: bad})
+
+
+def test_answers_on_a_cpu_are_decoded_with_torch_ops_and_equal_the_kernels(tmp_path):
+    """train-drafter's answers on a CPU: the stock torch op table even under TRITON_INTERPRET=1 (its kernels
+    were most of a small run's time); the same tokens as the fused kernels, greedy and sampled rows."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, STOCK_OPS
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.contract import SamplingParams
+
+    cfg = load_config(**tiny_model(**{"max_batch_size": 2, "max_seq_len": 32}))
+    reqs = [Request([5, 6, 7], 5), Request([9, 3], 5, sampling=SamplingParams(temperature=0.9, top_p=0.8, seed=4))]
+    torch_ops, fused = Engine(cfg, torch_ops=True), Engine(cfg)
+    assert torch_ops.worker().ops is STOCK_OPS and fused.worker().ops is FUSED_OPS  # the suite runs the interpreter
+    got = [r.output_ids for r in torch_ops.generate(reqs, "target_only")[0]]
+    assert got == [r.output_ids for r in fused.generate(reqs, "target_only")[0]] and all(len(t) == 5 for t in got)
+
+
+def test_answer_generation_logs_within_a_chunk_without_a_progress_bar(tmp_path, caplog):
+    """--no-progress: the answers' decode still logs every log_every_s, inside one chunk's decode too (was: one
+    line per chunk of 4 x gen_batch prompts, nothing for minutes on a CPU)."""
+    import logging
+    import shutil
+
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.training.data import regenerate
+
+    d = tmp_path / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        data = regenerate(d, [[5, 6, 7], [9, 3]], max_new_tokens=4, temperatures=[0.0, 0.0], top_p=1.0, seed=0,
+                          batch_size=4, device=torch.device("cpu"), cuda_graph=False, log_every_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if "train-drafter: generating:" in r.getMessage()]
+    assert len(lines) >= 3 and lines[0].startswith("train-drafter: generating: 0/2 answers done"), lines
+    assert data["lens"].tolist() == [7, 6]

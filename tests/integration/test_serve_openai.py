@@ -23,7 +23,6 @@ from tensorrt_llm_ext.runtime.engine import Engine  # noqa: E402
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan  # noqa: E402
-from tensorrt_llm_ext.speculative.verification import top_p_keep_reference  # noqa: E402
 from tensorrt_llm_ext.testing.server import (KERNEL_LOCK, SMALL_SERVE_CONFIG, requests_in_flight_then,  # noqa: E402
                                               start_in_process)
 from tensorrt_llm_ext.testing.requests import make_request
@@ -52,18 +51,19 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def _events(engine: Engine, fields: dict) -> list:
+def _events(engine: Engine, fields: dict, mode: str = "speculative") -> list:
     """The scheduler's events for one request alone (prefill, then one event per step)."""
     with KERNEL_LOCK:
-        sch = Scheduler(engine)
+        sch = Scheduler(engine, mode=mode)
         events, _ = sch.apply(StepPlan(admit=[(0, make_request(**fields))], run=False))
         while sch.num_active:
             events += sch.apply(StepPlan())[0]
     return events
 
 
-def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], temperature: float, top_p: float):
-    """Teacher-forced target logits -> log_softmax at the request's temperature and top-p: ``[n, V]``."""
+def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int]):
+    """Teacher-forced raw target logits -> ``torch.log_softmax``: ``[n, V]`` (vLLM's default ``logprobs_mode``,
+    ``raw_logprobs``: the model's distribution before temperature, top-p and every processing field)."""
     seq = prompt + out[:-1]
     with KERNEL_LOCK:
         engine.pages.allocate(0, engine.pages.max_pages_per_slot)  # slot 0's cache pages, for this forward only
@@ -73,13 +73,17 @@ def _reference_logprobs(engine: Engine, prompt: list[int], out: list[int], tempe
         finally:
             engine.pages.free(0)
         logits = engine.target.logits(hidden)[len(prompt) - 1:].float()
-    x = logits / (temperature if temperature > 0 else 1.0)
-    if temperature > 0 and top_p < 1:
-        n = len(out)
-        keep = top_p_keep_reference(logits.contiguous(), torch.full((n,), top_p),
-                                    temperatures=torch.full((n,), temperature))
-        x = x.masked_fill(~keep, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check_against_reference(lp: torch.Tensor, tokens: list[int], chosen: list[float], tops: list[list], k: int):
+    """``chosen[i]`` and the top ``k`` of ``tops[i]`` (``[(id, value)]``, ties to the lowest id) against ``lp``."""
+    torch.testing.assert_close(torch.tensor(chosen), lp[torch.arange(len(tokens)), torch.tensor(tokens)],
+                               atol=1e-4, rtol=0)
+    for row, top in enumerate(tops):
+        vals, ids = torch.topk(lp[row], k)
+        assert [i for i, _ in top] == ids.tolist(), (row, top, ids)
+        torch.testing.assert_close(torch.tensor([v for _, v in top]), vals, atol=1e-4, rtol=0)
 
 
 def _ids(tokens: list[str]) -> list[int]:
@@ -89,7 +93,8 @@ def _ids(tokens: list[str]) -> list[int]:
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
 def test_logprobs_and_n_match_log_softmax_reference(client, ref_engine, temperature, top_p):
     """Two choices (``SamplingParams.for_choice`` 0 and 1) with logprobs=3: tokens equal the engine's for those
-    seeds, each token's logprob and the top 3 equal ``torch.log_softmax`` of the teacher-forced logits (1e-4)."""
+    seeds; each token's logprob and the top 3 equal ``torch.log_softmax`` of the teacher-forced raw logits
+    (1e-4) at every temperature and top-p (vLLM's ``raw_logprobs``)."""
     out = client.completions.create(model="dspark-embedded", prompt=PROMPT, max_tokens=6, n=2, seed=40,
                                     temperature=temperature, top_p=top_p, logprobs=3)
     assert len(out.choices) == 2 and sorted(c.index for c in out.choices) == [0, 1]
@@ -99,18 +104,49 @@ def test_logprobs_and_n_match_log_softmax_reference(client, ref_engine, temperat
             ref = ref_engine.generate([Request(PROMPT, 6, sampling=drawn)])[0][0]
         tokens = c.to_dict()["token_ids"]
         assert tokens == ref.output_ids and _ids(c.logprobs.tokens) == tokens
-        lp = _reference_logprobs(ref_engine, PROMPT, tokens, temperature, top_p)
-        got = torch.tensor(c.logprobs.token_logprobs)
-        torch.testing.assert_close(got, lp[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-4, rtol=0)
-        for row, top in enumerate(c.logprobs.top_logprobs):
-            vals, ids = torch.topk(lp[row], 3)
-            finite = torch.isfinite(vals)  # past the top-p set: -inf, reported as -9999, ties to the lowest id
-            assert [int(k.removeprefix("token_id:")) for k in top][:int(finite.sum())] == ids[finite].tolist()
-            torch.testing.assert_close(torch.tensor(list(top.values())), vals.clamp(min=-9999.0), atol=1e-4, rtol=0)
+        tops = [[(int(k.removeprefix("token_id:")), v) for k, v in top.items()] for top in c.logprobs.top_logprobs]
+        _check_against_reference(_reference_logprobs(ref_engine, PROMPT, tokens), tokens,
+                                 c.logprobs.token_logprobs, tops, 3)
     assert out.usage.prompt_tokens == len(PROMPT)
     assert out.usage.completion_tokens == sum(len(c.to_dict()["token_ids"]) for c in out.choices)
     if temperature > 0:
         assert out.choices[0].to_dict()["token_ids"] != out.choices[1].to_dict()["token_ids"]
+
+
+PROCESSED = {"top_k": dict(temperature=0.9, top_k=5), "min_p": dict(temperature=0.9, min_p=0.2),
+             "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+             "logit_bias": dict(logit_bias=((7, 5.0), (42, -100.0)))}
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+@pytest.mark.parametrize("field", list(PROCESSED))
+def test_logprobs_with_every_processing_field_and_without_speculation(ref_engine, field, mode):
+    """logprobs with top_k / min_p / penalties / logit_bias, speculative and target-only (``--no-speculation``):
+    the raw model distribution, equal to ``torch.log_softmax`` of the teacher-forced raw logits (1e-4); the
+    tokens are those of the processed request (the same in both modes)."""
+    fields = dict(prompt_ids=PROMPT, max_new_tokens=4, seed=11, logprobs=4, **PROCESSED[field])
+    events = _events(ref_engine, fields, mode)
+    assert events[-1].finish_reason == "length" and all(e.error is None for e in events)
+    tokens = [t for e in events for t in e.tokens]
+    lps = [lp for e in events for lp in e.logprobs]
+    assert len(tokens) == len(lps) == 4
+    _check_against_reference(_reference_logprobs(ref_engine, PROMPT, tokens), tokens, [c for c, _ in lps],
+                             [top for _, top in lps], 4)
+    with KERNEL_LOCK:
+        fields.pop("logprobs")
+        alone = ref_engine.generate([make_request(**fields)], mode)[0][0]
+    assert alone.output_ids == tokens
+
+
+def test_logprobs_with_a_processing_field_over_http(client, ref_engine):
+    """The server serves logprobs beside a processing field (was: a 400 naming logprobs)."""
+    out = client.completions.create(model="dspark-embedded", prompt=PROMPT, max_tokens=4, seed=3, temperature=0.7,
+                                    logprobs=2, extra_body={"top_k": 4, "repetition_penalty": 1.2})
+    c = out.choices[0]
+    tokens = c.to_dict()["token_ids"]
+    tops = [[(int(k.removeprefix("token_id:")), v) for k, v in top.items()] for top in c.logprobs.top_logprobs]
+    _check_against_reference(_reference_logprobs(ref_engine, PROMPT, tokens), tokens, c.logprobs.token_logprobs,
+                             tops, 2)
 
 
 def test_max_completion_tokens_and_streamed_usage(server):

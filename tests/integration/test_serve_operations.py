@@ -111,7 +111,6 @@ def test_chat_accepts_tools_with_tool_choice_none_history_tool_calls_and_templat
 
 @pytest.mark.parametrize("body,param,words", [
     ({"prompt": [1], "top_k": -2}, "top_k", "-1 or 0"),
-    ({"prompt": [1], "logit_bias": {"7": 3.0}, "logprobs": 1}, "logprobs", "unprocessed"),
     ({"prompt": [1], "logit_bias": {"7": 300.0}}, "logit_bias", "[-100, 100]"),
     ({"prompt": [1], "logit_bias": {"x": 3.0}}, "logit_bias", "token ids"),
     ({"prompt": [1], "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),

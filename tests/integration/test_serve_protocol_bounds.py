@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pydantic")
 
 from tensorrt_llm_ext.runtime.openai_protocol import (MAX_JSON_DEPTH, MAX_STOP_STRING_CHARS,  # noqa: E402
-                                                      MAX_STOP_STRINGS, ApiError, ChatCompletionRequest,
+                                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, ChatCompletionRequest,
                                                       CompletionRequest, ServeLimits, TokenizeRequest, parse_body)
 from tensorrt_llm_ext.speculative.logits_processing import MAX_LOGIT_BIAS  # noqa: E402
 
@@ -87,6 +87,17 @@ def test_stop_strings_are_bounded_in_number_and_length():
         with pytest.raises(ApiError) as e:
             parse_body(json.dumps({"prompt": [1], "stop": stop}).encode(), CompletionRequest, LIMITS)
         assert e.value.status == 400 and e.value.param == "stop" and words in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "stop"])
+def test_stop_token_ids_are_bounded_in_number_400_naming_the_field(field):
+    ok = [i % 512 for i in range(MAX_STOP_TOKEN_IDS)]
+    assert getattr(parse_body(json.dumps({"prompt": [1], field: ok}).encode(), CompletionRequest, LIMITS), field) == ok
+    for limits in (LIMITS, None):
+        with pytest.raises(ApiError) as e:
+            parse_body(json.dumps({"prompt": [1], field: ok + [7]}).encode(), CompletionRequest, limits)
+        assert e.value.status == 400 and e.value.param == field, (e.value.param, e.value.message)
+        assert f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {MAX_STOP_TOKEN_IDS + 1}" in e.value.message
 
 
 def test_logit_bias_past_its_bound_or_with_a_duplicate_id_is_a_400_naming_it_at_parse_time():

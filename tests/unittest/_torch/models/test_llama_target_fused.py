@@ -13,6 +13,8 @@ import torch
 
 from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS, LlamaTarget, LlamaTargetConfig
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
+
 FAMILIES = {
     "llama": dict(num_heads=6, num_kv_heads=2, head_dim=8),
     "qwen3": dict(num_heads=4, num_kv_heads=4, head_dim=10, qkv_bias=True, qk_norm=True),
@@ -24,13 +26,13 @@ def _steps(m: LlamaTarget, kernels: str):
     m.layer_kernels = kernels
     g = torch.Generator().manual_seed(7)
     kv = m.make_kv_cache(3, 32, page_size=4)
-    slots = torch.tensor([0, 2], dtype=torch.int32)
+    slots = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
     outs = []
-    prompt = torch.randint(0, m.vocab_size, (2, 9), generator=g)
-    outs.append(m(prompt, torch.arange(9).expand(2, 9).contiguous(), slots, kv))
+    prompt = torch.randint(0, m.vocab_size, (2, 9), generator=g).to(DEVICE)
+    outs.append(m(prompt, torch.arange(9, device=DEVICE).expand(2, 9).contiguous(), slots, kv))
     for t in (1, 4):  # a decode step, then a verify block
-        ids = torch.randint(0, m.vocab_size, (2, t), generator=g)
-        pos = (9 + torch.arange(t)).expand(2, t).contiguous()
+        ids = torch.randint(0, m.vocab_size, (2, t), generator=g).to(DEVICE)
+        pos = (9 + torch.arange(t, device=DEVICE)).expand(2, t).contiguous()
         outs.append(m(ids, pos, slots, kv))
     return outs, kv
 
@@ -39,7 +41,7 @@ def _steps(m: LlamaTarget, kernels: str):
 def test_fused_layers_equal_unfused(family):
     cfg = LlamaTargetConfig(vocab_size=97, hidden_size=24, num_layers=2, intermediate_size=40, capture_layers=(0, 1),
                             **FAMILIES[family])
-    m = LlamaTarget(cfg)
+    m = LlamaTarget(cfg, device=DEVICE)
     m.init_weights(3)
     got, kv = _steps(m, "fused")
     want, kv_ref = _steps(m, "unfused")

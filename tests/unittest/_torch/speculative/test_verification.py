@@ -472,6 +472,81 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype):
         assert call_shape("top_p_keep", True, dtype) == (5, 4)
 
 
+@pytest.mark.parametrize("window", [0, 1, 4])
+def test_round0_register_windows_equal_twin(monkeypatch, window):
+    """Top-p round 0 in verify_sums sums the buckets near the row's max and near its lowest weighted logit in
+    registers and adds the others atomically: the same buckets as the twin for every window size, on rows whose
+    weighted tokens span many buckets (logits over 2^-20..2^5 of both signs, a high temperature) and on the
+    adversarial rows (NaN, -inf rows, ties across chunks), target and draft rows in one launch."""
+    monkeypatch.setattr(fps, "HIST_WINDOW", window)
+    rows_t, rows_q, width, vocab, block, splits = 6, 2, 260, 257, 64, 2
+    g = torch.Generator().manual_seed(11)
+    x = adversarial_rows(rows_t, width, seed=4)
+    mag = torch.exp2(torch.rand(2, width, generator=g) * 25 - 20)
+    x[3:5] = mag * torch.where(torch.rand(2, width, generator=g) < 0.5, -1.0, 1.0)
+    x[:, vocab:] = NAN  # padding, never read
+    q = torch.randn(rows_q, width, generator=g).to(DEV)
+    x = x.to(DEV)
+    temps = torch.tensor([1.0, 0.7, 4.0, 3.0, 1.0, 0.0], device=DEV)
+    tokens = torch.tensor([[5], [200], [0], [256], [17], [130]], device=DEV)
+    kw = dict(block_size=block, num_splits=splits)
+    keys = fps.verify_keys_reference(x, q, 0, vocab, out=torch.empty(rows_t + rows_q, splits, 2, dtype=torch.int64,
+                                                                      device=DEV), **kw)
+    _, size = fps.sums_layout(rows_t, rows_q, splits, True)
+    got, ref = (fn(x, q, keys, temps, 0, vocab, tokens=tokens, row_div=1, row_div_q=1, hist=True, out=torch.full((size,), -7, dtype=torch.int64, device=DEV), **kw).cpu()
+                for fn in (fps.verify_sums, fps.verify_sums_reference))
+    if DEV == "cpu":
+        assert torch.equal(got, ref)
+    else:  # weights within the SFU tolerance of the twin's
+        assert bool(((got - ref).abs() <= ref.abs() * 2.0**-20 + 256).all())
+    hist = ref[: rows_t * splits * (fps.SUMS_COLS + 256)].view(rows_t, splits, -1)[:, :, fps.SUMS_COLS:]
+    assert int((hist[3:5].sum(1) > 0).sum()) > 4 * 2 * 2  # more buckets than the windows hold
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_last_radix_round_counts_equal_weighted_twin(dtype):
+    """The dtype's last radix round histograms counts times each bucket's one weight (no atomics): the same
+    int64 buckets as the twin's weighted adds on adversarial values (+-0, fp32 subnormals, NaN, +-inf, ties across
+    chunk boundaries, the boundary inside a big tie group), at an odd width with padded columns."""
+    from tensorrt_llm_ext.kernels import top_p as tpk
+    rows, width, vocab, block, splits = 6, 301, 297, 64, 3  # 4 padded columns, 3 chunks of 128
+    x = adversarial_rows(rows, width, seed=3)
+    x[3, :40] = 0.0
+    x[3, 40:80] = -0.0
+    if dtype == torch.float32:  # the interpreter flushes bf16 subnormals to zero on conversion (torch does not)
+        x[3, 80:90] = 1e-40
+        x[3, 90:95] = -1e-40
+    x[5, 100:260] = 2.0  # ties across both chunk boundaries, holding the boundary
+    x[:, vocab:] = NAN  # padding, never read
+    x = x.to(dtype).to(DEV)
+    temps = torch.tensor([1.0, 0.7, 1.0, 2.0, 1.0, 0.5], device=DEV)
+    top_p = torch.tensor([0.9, 0.5, 0.3, 0.8, 0.99, 0.6], device=DEV)
+    n = tpk.radix_rounds(dtype)
+    kw = dict(block_size=block, num_splits=splits)
+    keys = fps.verify_keys_reference(x, None, 0, vocab, out=torch.empty(rows, splits, 2, dtype=torch.int64,
+                                                                         device=DEV), **kw)
+    cols_t, size = fps.sums_layout(rows, 0, splits, True)
+    sums = fps.verify_sums_reference(x, None, keys, temps, 0, vocab, hist=True,
+                                     out=torch.empty(size, dtype=torch.int64, device=DEV), **kw)
+    sums = sums.view(rows, splits, cols_t)
+    prev, state = sums[:, :, fps.SUMS_COLS:], torch.zeros(rows, 2, dtype=torch.int64, device=DEV)
+    for rnd in range(1, n + 1):
+        outs = []
+        for fn in (tpk.top_p_round, tpk.top_p_round_reference):
+            st = torch.full((rows, 2), -7, dtype=torch.int64, device=DEV)
+            h = torch.full((rows, splits, 256), -7, dtype=torch.int64, device=DEV)
+            fn(x, keys, temps, top_p, sums, prev, state, st, h, 0, vocab, rnd, **kw)
+            outs.append((st, h))
+        (st, h), (st_r, h_r) = outs
+        assert torch.equal(st.cpu(), st_r.cpu()), rnd
+        if DEV == "cpu":
+            assert torch.equal(h.cpu(), h_r.cpu()), rnd
+        else:  # weights within the SFU tolerance of the twin's
+            assert bool(((h - h_r).abs() <= h_r.abs() * 2.0**-20 + 256).all()), rnd
+        assert bool((h >= 0).all()) and h.sum() > 0
+        prev, state = h_r, st_r
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_narrow_dtypes_skip_radix_rounds_exactly(dtype):
     """bf16 / fp16 logits run 1 / 2 radix rounds instead of 3: the same kept sets and tokens as the same
