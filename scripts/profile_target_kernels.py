@@ -45,6 +45,7 @@ def main() -> None:
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
     from tensorrt_llm_ext.kernels import fused_linear as fused_linear_mod
+    from tensorrt_llm_ext.kernels import fused_qkv as fused_qkv_mod
     from tensorrt_llm_ext.runtime.engine import Engine
 
     gemv_rows = fused_linear_mod.GEMV_MAX_ROWS
@@ -65,7 +66,7 @@ def main() -> None:
         tok = torch.randint(0, target.config.vocab_size, (b, 1), device=dev)
         pos = torch.full((b, 1), a.context, dtype=torch.int64, device=dev)
         for kern in a.kernels.split(","):
-            fused_linear_mod.GEMV_MAX_ROWS = 0 if kern == "fused-dot" else gemv_rows
+            fused_linear_mod.GEMV_MAX_ROWS = fused_qkv_mod.GEMV_MAX_ROWS = 0 if kern == "fused-dot" else gemv_rows
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
             _table(f"B={b} C={a.context} {kern} eager", _kernels(fwd, 3), 3)
