@@ -42,7 +42,7 @@ __all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_set
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
-GEMV_MAX_ROWS = 4  # steps of at most this many rows take the dot-free few-row form (_mac)
+GEMV_MAX_ROWS = 8  # steps of at most this many rows take the dot-free few-row form (_mac)
 GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2 for gate-up) times BLOCK_M
 
 

@@ -34,8 +34,9 @@ def _case(m, k, n, dtype, seed=0, gate_up=False):
 @pytest.mark.parametrize("epilogue", [EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL])
 @pytest.mark.parametrize("norm", [False, True])
 def test_matches_twin_odd_sizes(dtype, epilogue, norm):
-    """Odd K / N (masks on every edge), M = 1 and M = 5 rows, with and without bias."""
-    for m, k, n, bias in ((1, 37, 21, True), (5, 72, 40, False)):
+    """Odd K / N (masks on every edge), M = 1 (the few-row form) and M = 11 rows (dot tiles), with and without
+    bias."""
+    for m, k, n, bias in ((1, 37, 21, True), (11, 72, 40, False)):
         x, w, b, nw, r = _case(m, k, n, dtype, gate_up=epilogue == EPI_SILU_MUL)
         kw = dict(norm_weight=nw if norm else None, eps=1e-5, epilogue=epilogue,
                   residual=r if epilogue == EPI_RESIDUAL else None)
@@ -84,7 +85,7 @@ def test_settings_depend_on_shape_only_and_spread_wide_weights():
 def test_few_row_form_over_several_k_chunks_and_row_independence(epilogue):
     """M <= GEMV_MAX_ROWS takes the dot-free form: K = 2500 needs two 2048-wide chunks; a row's bits do not
     depend on the other rows of the call."""
-    m, k, n = GEMV_MAX_ROWS, 2500, 21
+    m, k, n = 3, 2500, 21
     assert fused_gemv_settings(m, n, k, epilogue == EPI_SILU_MUL)[2] < k
     x, w, b, nw, r = _case(m, k, n, torch.float32, seed=5, gate_up=epilogue == EPI_SILU_MUL)
     kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue, residual=r if epilogue == EPI_RESIDUAL else None)

@@ -38,14 +38,14 @@ def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page
     return cast, [t.to(DEVICE) for t in (cos, sin, positions, slots, table)], [p.to(dtype).to(DEVICE) for p in pools]
 
 
-@pytest.mark.parametrize("t", [2, 1])
+@pytest.mark.parametrize("t", [4, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d,bias,qk_norm", [(3, 1, 16, False, False), (4, 4, 10, True, False),
                                                       (8, 1, 64, False, True), (6, 2, 128, True, True),
                                                       (6, 2, 64, True, False), (2, 2, 128, False, False)])
 def test_matches_twin_gqa_head_dims_bias_and_qk_norm(t, dtype, heads, kvh, d, bias, qk_norm):
-    """GQA 3 / 1 / 8 / 3, head dims 16 / 10 (odd half) / 64 / 128, an odd hidden size, T = 2 verify rows across a
-    page edge (6 rows: the dot tiles) or T = 1 (3 rows: the few-row form), a row past its table; heads cut into
+    """GQA 3 / 1 / 8 / 3, head dims 16 / 10 (odd half) / 64 / 128, an odd hidden size, T = 4 verify rows across a
+    page edge (12 rows: the dot tiles) or T = 1 (3 rows: the few-row form), a row past its table; heads cut into
     column chunks."""
     (x, w, bb, nw, qn, kn), (cos, sin, pos, slots, table), pools = _case(3, t, 37, heads, kvh, d, dtype, bias=bias,
                                                                          qk_norm=qk_norm)
@@ -81,9 +81,9 @@ def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
     assert qkv_chunks(48, 64, True) == (64, 1)  # per-head norms need the whole head in one program
     assert qkv_chunks(15, 5, False) == (16, 1)  # the dot's 16-column minimum
     assert qkv_chunks(15, 32, False, gemv=True) == (2, 16)  # the few-row form: 240 programs
-    # Few-row steps: one load round trip over SmolLM2's K = 576; 8 rows and up: 16-row dot tiles.
+    # Few-row steps: one load round trip over SmolLM2's K = 576; past GEMV_MAX_ROWS: 16-row dot tiles.
     assert qkv_settings(1, 15, 32, 576, False) == (1, 2, 16, 1024, True)
-    assert qkv_settings(8, 15, 32, 576, False)[0::4] == (16, False)
+    assert qkv_settings(16, 15, 32, 576, False)[0::4] == (16, False)
 
 
 def test_validation_names_the_argument():
