@@ -10,13 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_ROWS,
-                                                   GEMV_MAX_TILE, fused_gemv_settings, fused_linear,
-                                                   fused_linear_reference, fused_linear_settings)
+from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_TILE,
+                                                   fused_gemv_settings, fused_linear, fused_linear_reference,
+                                                   fused_linear_settings)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
        torch.float16: dict(atol=4e-2, rtol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _few_row_form_up_to_4_rows(monkeypatch):
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
 
 
 def _case(m, k, n, dtype, seed=0, gate_up=False):
@@ -83,7 +92,7 @@ def test_settings_depend_on_shape_only_and_spread_wide_weights():
 
 @pytest.mark.parametrize("epilogue", [EPI_SILU_MUL, EPI_RESIDUAL])
 def test_few_row_form_over_several_k_chunks_and_row_independence(epilogue):
-    """M <= GEMV_MAX_ROWS takes the dot-free form: K = 2500 needs two 2048-wide chunks; a row's bits do not
+    """3 rows in the dot-free form (the fixture's 4-row limit): K = 2500 needs two 2048-wide chunks; a row's bits do not
     depend on the other rows of the call."""
     m, k, n = 3, 2500, 21
     assert fused_gemv_settings(m, n, k, epilogue == EPI_SILU_MUL)[2] < k
@@ -101,7 +110,7 @@ def test_few_row_settings_spread_the_columns():
     for n, k, gate_up in ((576, 576, False), (1536, 576, True), (576, 1536, False)):
         bm, bn, bk, _ = fused_gemv_settings(1, n, k, gate_up)
         assert bm == 1 and bk >= k and -(-n // bn) >= 132 and bn * bk * (1 + gate_up) <= GEMV_MAX_TILE
-    for m in range(1, GEMV_MAX_ROWS + 1):
+    for m in range(1, 9):
         bm, bn, bk, _ = fused_gemv_settings(m, 14336, 4096, True)
         assert bm >= m and bm * bn * bk * 2 <= GEMV_MAX_TILE and bn >= 1
 

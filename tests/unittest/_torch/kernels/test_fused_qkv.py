@@ -18,6 +18,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
 
 
+@pytest.fixture(autouse=True)
+def _few_row_form_up_to_4_rows(monkeypatch):
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
+
+
 def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = (heads + 2 * kvh) * d
@@ -81,9 +90,9 @@ def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
     assert qkv_chunks(48, 64, True) == (64, 1)  # per-head norms need the whole head in one program
     assert qkv_chunks(15, 5, False) == (16, 1)  # the dot's 16-column minimum
     assert qkv_chunks(15, 32, False, gemv=True) == (2, 16)  # the few-row form: 240 programs
-    # Few-row steps: one load round trip over SmolLM2's K = 576; past GEMV_MAX_ROWS: 16-row dot tiles.
+    # Few-row steps: one load round trip over SmolLM2's K = 576; past GEMV_MAX_ROWS (4 here): 16-row dot tiles.
     assert qkv_settings(1, 15, 32, 576, False) == (1, 2, 16, 1024, True)
-    assert qkv_settings(16, 15, 32, 576, False)[0::4] == (16, False)
+    assert qkv_settings(5, 15, 32, 576, False)[0::4] == (16, False)
 
 
 def test_validation_names_the_argument():
