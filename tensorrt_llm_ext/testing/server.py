@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tensorrt_llm_ext.bench.server_process import (SMALL_SERVE_CONFIG, ServerProcess, free_port, sample_bodies,
                                                    start_server)
+from tensorrt_llm_ext.runtime.scheduler import Scheduler
 
 __all__ = ["KERNEL_LOCK", "SMALL_SERVE_CONFIG", "InProcessServer", "ServerProcess", "free_port", "reference_outputs",
            "requests_in_flight_then", "sample_bodies", "start_in_process", "start_server"]
@@ -21,30 +22,13 @@ __all__ = ["KERNEL_LOCK", "SMALL_SERVE_CONFIG", "InProcessServer", "ServerProces
 KERNEL_LOCK = threading.RLock()
 
 
-class _SerialScheduler:
-    """A :class:`Scheduler` whose plans run under :data:`KERNEL_LOCK` (what the engine loop calls of it)."""
-
-    def __init__(self, scheduler):
-        self._scheduler = scheduler
-
-    @property
-    def num_free_slots(self) -> int:
-        return self._scheduler.num_free_slots
-
-    @property
-    def num_active(self) -> int:
-        return self._scheduler.num_active
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self._scheduler.kv_cache_usage
-
-    def admissible(self, queue, cancel=()) -> int:
-        return self._scheduler.admissible(queue, cancel)
+class _SerialScheduler(Scheduler):
+    """A :class:`Scheduler` whose plans run under :data:`KERNEL_LOCK` (the one call the engine loop makes that
+    steps the engine)."""
 
     def apply(self, plan):
         with KERNEL_LOCK:
-            return self._scheduler.apply(plan)
+            return super().apply(plan)
 
 
 @dataclass
@@ -76,7 +60,6 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
 
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.runtime.scheduler import Scheduler
     from tensorrt_llm_ext.runtime.server import (EngineLoop, PlanChannel, ServeContext, ServerMetrics, create_app,
                                                  load_tokenizer, served_model_name)
 
@@ -86,8 +69,8 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     name = served_model_name(cfg, None)
     metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     # The served loop: the overlap scheduler unless the config disables it (as `serve`).
-    scheduler = Scheduler(engine, overlap=not cfg.disable_overlap_scheduler)
-    loop = EngineLoop(_SerialScheduler(scheduler), PlanChannel(None), metrics, max_queue=max_queue)
+    scheduler = _SerialScheduler(engine, overlap=not cfg.disable_overlap_scheduler)
+    loop = EngineLoop(scheduler, PlanChannel(None), metrics, max_queue=max_queue)
     context.setdefault("tokenizer", load_tokenizer(cfg.tokenizer or cfg.model.path))
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        api_key=api_key, chat_template=chat_template, **context)
