@@ -131,7 +131,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
             raise ValueError(f"train-drafter: --max-seconds must be a finite number > 0, got {args.max_seconds}")
         summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
                                 progress=not args.no_progress, max_seconds=args.max_seconds,
-                                keep_state=args.keep_state)
+                                keep_state=not args.drop_state)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -160,10 +160,10 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
                                                 "where serve DIR finds it)")
     t.add_argument("--work-dir", default=None, help="data cache and trainer checkpoints (default OUT_work beside OUT)")
     t.add_argument("--resume", action="store_true", help="continue from WORK_DIR/trainer_state.pt and its data")
-    t.add_argument("--keep-state", action="store_true",
-                   help="keep WORK_DIR/trainer_state.pt (weights and AdamW moments: hundreds of MB on a real "
-                        "model) after a complete run; by default it is removed once the drafter is written (only "
-                        "an unfinished run resumes from it; the token data stays)")
+    t.add_argument("--drop-state", action="store_true",
+                   help="remove WORK_DIR/trainer_state.pt (weights and AdamW moments: hundreds of MB on a real "
+                        "model) once a complete run's drafter is written (only an unfinished run resumes from it; "
+                        "the token data stays)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     t.add_argument("--max-seconds", type=float, default=None,
                    help="wall-time budget of this call: checkpoint and write the drafter when it is spent "

@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor
-from tensorrt_llm_ext.kernels.fused_linear import MAX_BLOCK_M, _normed_tile, _row_rstd, dot_settings, stage_block_k
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
+                                                   _row_rstd, dot_settings, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
-__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks"]
+__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks", "qkv_settings"]
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _fused_qkv_rope_kernel(
     stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -78,12 +79,11 @@ def _fused_qkv_rope_kernel(
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
-        a = a.to(DOT_DTYPE)
         w_mask = k_ok[:, None] & i_ok[None, :]
         w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
         w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        acc1 = tl.dot(a, w1.to(DOT_DTYPE), acc1, input_precision=PRECISION)
-        acc2 = tl.dot(a, w2.to(DOT_DTYPE), acc2, input_precision=PRECISION)
+        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + c1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + c1 + HALF, mask=i_ok, other=0.0).to(tl.float32)[None, :]
@@ -123,15 +123,33 @@ def _fused_qkv_rope_kernel(
         tl.store(dst[:, None] + HALF + i[None, :], y2.to(dt), mask=mask)
 
 
-def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132) -> tuple[int, int]:
+def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132, gemv: bool = False) -> tuple[int, int]:
     """``(BLOCK_HALF, chunks)``: each head's halves cut into ``chunks`` column blocks of ``BLOCK_HALF`` (>= 16, the
-    dot's minimum), halved while there are fewer than two programs per SM (an 8B layer's 48 heads of 128 would
-    stream 50 MB through 48 programs). ``whole_heads`` (per-head q / k norms): one chunk, the whole head."""
+    dot's minimum; >= 2 in the few-row form, ``gemv``), halved while there are fewer than two programs per SM (an
+    8B layer's 48 heads of 128 would stream 50 MB through 48 programs; SmolLM2's 15 heads of 64, 30 programs at
+    16). ``whole_heads`` (per-head q / k norms): one chunk, the whole head."""
     block = max(16, triton.next_power_of_2(half))
     if not whole_heads:
-        while block > 16 and heads * triton.cdiv(half, block) < 2 * sms:
+        while block > (2 if gemv else 16) and heads * triton.cdiv(half, block) < 2 * sms:
             block //= 2
     return block, triton.cdiv(half, block)
+
+
+def qkv_settings(m: int, heads: int, half: int, k: int, whole_heads: bool, elem_bytes: int = 2,
+                 sms: int = 132) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_HALF, chunks, BLOCK_K, gemv)``: the few-row form (``m <= GEMV_MAX_ROWS``) takes a
+    ``BLOCK_K`` covering ``K`` where the two ``[BLOCK_M, BLOCK_HALF, BLOCK_K]`` products fit ``GEMV_MAX_TILE``;
+    larger steps the 16-row dot tiles. Shape-only."""
+    gemv = m <= GEMV_MAX_ROWS
+    block_m = triton.next_power_of_2(max(1, m)) if gemv else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_half, chunks = qkv_chunks(heads, half, whole_heads, sms, gemv)
+    if gemv:
+        block_k = min(triton.next_power_of_2(k), 2048)
+        while block_k > 16 and 2 * block_m * block_half * block_k > GEMV_MAX_TILE:
+            block_k //= 2
+    else:
+        block_k = stage_block_k(k, block_m, 2 * block_half, elem_bytes)
+    return block_m, block_half, chunks, block_k, gemv
 
 
 def _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin, positions, slot_ids,
@@ -200,9 +218,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
     if m == 0:
         return q_out
     half = d // 2
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    block_half, chunks = qkv_chunks(num_heads + 2 * kvh, half, q_norm_weight is not None)
-    block_k = stage_block_k(k, block_m, 2 * block_half, x.element_size())
+    block_m, block_half, chunks, block_k, gemv = qkv_settings(m, num_heads + 2 * kvh, half, k,
+                                                              q_norm_weight is not None, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     dummy = qkv_weight
     _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
@@ -215,7 +232,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         num_heads * d, d,
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=8 if block_m >= 64 else 4,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, num_warps=8 if block_m >= 64 or gemv else 4,
     )
     return q_out
 

@@ -195,7 +195,9 @@ class AttentionConfig:
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch).
 # The first H200 run measured the first row (64 keys, 4 warps, 3 stages) at 1.7-1.9x the K/V floor at 8k;
 # `bench target` times CONFIG_CANDIDATES at every (B, C) so the table can be set from measurements.
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(), 128: AttentionConfig()}
+# Head dim 64: 64 keys, 4 warps, 2 stages, the fastest candidate at B <= 32 (all contexts but B = 32 C = 512,
+# within 4 % there) on the H200 (2026-12-04 notes in docs/target_forward.md).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2), 128: AttentionConfig()}
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 3), AttentionConfig(128, 4, 3), AttentionConfig(128, 8, 3),
                      AttentionConfig(64, 4, 2))
 

@@ -70,7 +70,9 @@ from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_
 # Steps of at most this many rows (B * T) run the fused five-launch layer (LlamaDecoderLayer.forward_fused): a
 # decode / verify step at B <= 8 with K = 7. Larger steps are GEMM-shaped and go to cuBLAS. `bench target`'s
 # "verify fwd, unfused" column is the comparison that sets it.
-FUSED_MAX_ROWS = 64
+# The fused layer wins up to 32 rows on the H200 (SmolLM2 shape, 2026-12-04: 686 vs 996 us at 1 row, 930 vs 990 at
+# 8, 1107 vs 1141 at 32) and loses at 64 (1319 vs 1155): cuBLAS takes the larger steps.
+FUSED_MAX_ROWS = 32
 
 
 def _add_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

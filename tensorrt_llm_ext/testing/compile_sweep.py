@@ -276,8 +276,8 @@ def _fused_layer():
     from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope
 
     # SmolLM2-135M (hidden 576, 9 / 3 heads x 64, MLP 1536), an 8B Llama (4096, 32 / 8 x 128, 14336) and a
-    # Qwen3-like target (q / k norms, q/k/v biases); M = 1 (decode at B = 1), 8 and 64 (FUSED_MAX_ROWS: B = 8
-    # verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be touched on the host.
+    # Qwen3-like target (q / k norms, q/k/v biases); M = 1 and 4 (the few-row dot-free form), 8 and 64
+    # (FUSED_MAX_ROWS: B = 8 verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
     for dtype in FLOATS:
         for hidden, heads, kv_heads, d, inter, qwen in shapes:
@@ -290,7 +290,7 @@ def _fused_layer():
             norm = torch.empty(hidden, dtype=dtype)
             w_gate_up, w_down = torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype)
             w_o = torch.empty(hidden, heads * d, dtype=dtype)
-            for m in (1, 8, 64):
+            for m in (1, 4, 8, 64):
                 t = 8 if m == 64 else 1
                 x = torch.empty(m // t, t, hidden, dtype=dtype)
                 pos = torch.zeros(m // t, t, dtype=torch.int64)

@@ -369,7 +369,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     time limit), checkpoint, and write the drafter as it stands (``"complete": false`` in the summary);
     ``--resume`` continues to ``steps``. Not a knob: a resumed run may use another budget.
 
-    ``keep_state=False`` (the CLI's default): once a complete run's drafter is written, remove
+    ``keep_state=False`` (the CLI's ``--drop-state``): once a complete run's drafter is written, remove
     ``trainer_state.pt`` (weights and AdamW moments, the bulk of the work folder; only an unfinished run
     resumes from it, and ``steps`` is a knob), keeping the token data."""
     t_call = time.time()
@@ -498,7 +498,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         size = state_path.stat().st_size
         state_path.unlink()
         logger.info(f"train-drafter: removed {state_path} ({size / 2**20:.0f} MiB; the run is complete, "
-                    f"--keep-state keeps it); {work_dir} keeps the token data")
+                    f"--drop-state); {work_dir} keeps the token data")
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
                     f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "

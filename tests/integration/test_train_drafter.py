@@ -76,7 +76,7 @@ def tiny_target(tmp_path_factory):
 def trained(tiny_target, tmp_path_factory):
     d = tmp_path_factory.mktemp("trained") / "tiny"
     shutil.copytree(tiny_target, d)
-    assert main(["train-drafter", str(d), "--steps", "40", "--save-every", "20", "--keep-state", *TINY_TRAIN]) == 0
+    assert main(["train-drafter", str(d), "--steps", "40", "--save-every", "20", *TINY_TRAIN]) == 0
     return d
 
 

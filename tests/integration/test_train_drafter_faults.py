@@ -97,7 +97,7 @@ def test_atomic_save_keeps_the_previous_file_when_the_write_fails(tmp_path, monk
 def work(target, tmp_path_factory):
     d = tmp_path_factory.mktemp("work")
     assert main(["train-drafter", str(target), "--out", str(d / "drafter"), "--steps", "2", "--save-every", "1",
-                 "--keep-state", *TINY]) == 0
+                 *TINY]) == 0
     return d / "drafter_work"
 
 
@@ -135,17 +135,17 @@ def test_resume_never_runs_code_from_the_state_file(target, work, tmp_path, caps
     assert "trainer_state.pt is damaged or not a train-drafter file" in capsys.readouterr().err
 
 
-def test_a_complete_run_leaves_a_small_work_folder_and_an_unfinished_one_its_state(target, tmp_path, caplog):
-    """The CLI removes trainer_state.pt (weights and AdamW moments) once a complete run's drafter is written,
+def test_drop_state_leaves_a_small_work_folder_and_an_unfinished_run_its_state(target, tmp_path, caplog):
+    """--drop-state removes trainer_state.pt (weights and AdamW moments) once a complete run's drafter is written,
     saying so; the token data stays. A run stopped by --max-seconds keeps it (--resume continues from it)."""
     import logging
 
     with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
-        assert main(["train-drafter", str(target), "--out", str(tmp_path / "a"), "--steps", "2", *TINY]) == 0
+        assert main(["train-drafter", str(target), "--out", str(tmp_path / "a"), "--steps", "2", "--drop-state",
+                     *TINY]) == 0
     assert sorted(p.name for p in (tmp_path / "a_work").iterdir()) == ["data.pt"]
     assert (tmp_path / "a" / "model.safetensors").is_file()
-    assert any("trainer_state.pt" in r.getMessage() and "--keep-state keeps it" in r.getMessage()
-               for r in caplog.records)
+    assert any("trainer_state.pt" in r.getMessage() and "--drop-state" in r.getMessage() for r in caplog.records)
     assert main(["train-drafter", str(target), "--out", str(tmp_path / "b"), "--steps", "2", "--max-seconds",
-                 "1e-9", *TINY]) == 0
+                 "1e-9", "--drop-state", *TINY]) == 0
     assert (tmp_path / "b_work" / "trainer_state.pt").is_file()

@@ -10,12 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, fused_linear,
-                                                   fused_linear_reference, fused_linear_settings)
+from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_TILE,
+                                                   fused_gemv_settings, fused_linear, fused_linear_reference,
+                                                   fused_linear_settings)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
        torch.float16: dict(atol=4e-2, rtol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _few_row_form_up_to_4_rows(monkeypatch):
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
 
 
 def _case(m, k, n, dtype, seed=0, gate_up=False):
@@ -33,8 +43,9 @@ def _case(m, k, n, dtype, seed=0, gate_up=False):
 @pytest.mark.parametrize("epilogue", [EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL])
 @pytest.mark.parametrize("norm", [False, True])
 def test_matches_twin_odd_sizes(dtype, epilogue, norm):
-    """Odd K / N (masks on every edge), M = 1 and M = 5 rows, with and without bias."""
-    for m, k, n, bias in ((1, 37, 21, True), (5, 72, 40, False)):
+    """Odd K / N (masks on every edge), M = 1 (the few-row form) and M = 11 rows (dot tiles), with and without
+    bias."""
+    for m, k, n, bias in ((1, 37, 21, True), (11, 72, 40, False)):
         x, w, b, nw, r = _case(m, k, n, dtype, gate_up=epilogue == EPI_SILU_MUL)
         kw = dict(norm_weight=nw if norm else None, eps=1e-5, epilogue=epilogue,
                   residual=r if epilogue == EPI_RESIDUAL else None)
@@ -77,6 +88,31 @@ def test_settings_depend_on_shape_only_and_spread_wide_weights():
                 bm, bn, bk, warps = fused_linear_settings(m, 14336, 4096, elem, gate_up)
                 assert (bm + bn * (1 + gate_up)) * bk * elem <= 40960 and bm * bk <= 8192 and bk >= 16
                 assert warps == (8 if bm == 64 else 4)
+
+
+@pytest.mark.parametrize("epilogue", [EPI_SILU_MUL, EPI_RESIDUAL])
+def test_few_row_form_over_several_k_chunks_and_row_independence(epilogue):
+    """3 rows in the dot-free form (the fixture's 4-row limit): K = 2500 needs two 2048-wide chunks; a row's bits do not
+    depend on the other rows of the call."""
+    m, k, n = 3, 2500, 21
+    assert fused_gemv_settings(m, n, k, epilogue == EPI_SILU_MUL)[2] < k
+    x, w, b, nw, r = _case(m, k, n, torch.float32, seed=5, gate_up=epilogue == EPI_SILU_MUL)
+    kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue, residual=r if epilogue == EPI_RESIDUAL else None)
+    out = fused_linear(x, w, b, **kw)
+    torch.testing.assert_close(out, fused_linear_reference(x, w, b, **kw), **TOL[torch.float32])
+    x2 = torch.randn_like(x)
+    x2[1] = x[1]
+    assert torch.equal(fused_linear(x2, w, b, **kw)[1], out[1])
+
+
+def test_few_row_settings_spread_the_columns():
+    """SmolLM2's o_proj / gate-up / down at one row: one load round trip (BLOCK_K >= K) and a program per SM."""
+    for n, k, gate_up in ((576, 576, False), (1536, 576, True), (576, 1536, False)):
+        bm, bn, bk, _ = fused_gemv_settings(1, n, k, gate_up)
+        assert bm == 1 and bk >= k and -(-n // bn) >= 132 and bn * bk * (1 + gate_up) <= GEMV_MAX_TILE
+    for m in range(1, 9):
+        bm, bn, bk, _ = fused_gemv_settings(m, 14336, 4096, True)
+        assert bm >= m and bm * bn * bk * 2 <= GEMV_MAX_TILE and bn >= 1
 
 
 def test_validation_names_the_argument():

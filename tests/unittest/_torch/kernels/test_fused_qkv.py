@@ -11,11 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope, fused_qkv_rope_reference, qkv_chunks
+from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope, fused_qkv_rope_reference, qkv_chunks, qkv_settings
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _few_row_form_up_to_4_rows(monkeypatch):
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
 
 
 def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page=4, seed=0):
@@ -38,19 +47,21 @@ def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page
     return cast, [t.to(DEVICE) for t in (cos, sin, positions, slots, table)], [p.to(dtype).to(DEVICE) for p in pools]
 
 
+@pytest.mark.parametrize("t", [4, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d,bias,qk_norm", [(3, 1, 16, False, False), (4, 4, 10, True, False),
                                                       (8, 1, 64, False, True), (6, 2, 128, True, True),
                                                       (6, 2, 64, True, False), (2, 2, 128, False, False)])
-def test_matches_twin_gqa_head_dims_bias_and_qk_norm(dtype, heads, kvh, d, bias, qk_norm):
-    """GQA 3 / 1 / 8 / 3, head dims 16 / 10 (odd half) / 64 / 128, an odd hidden size, T = 2 verify rows across a
-    page edge, a row past its table; heads cut into 2 and 4 column chunks (the last two)."""
-    (x, w, bb, nw, qn, kn), (cos, sin, pos, slots, table), pools = _case(3, 2, 37, heads, kvh, d, dtype, bias=bias,
+def test_matches_twin_gqa_head_dims_bias_and_qk_norm(t, dtype, heads, kvh, d, bias, qk_norm):
+    """GQA 3 / 1 / 8 / 3, head dims 16 / 10 (odd half) / 64 / 128, an odd hidden size, T = 4 verify rows across a
+    page edge (12 rows: the dot tiles) or T = 1 (3 rows: the few-row form), a row past its table; heads cut into
+    column chunks."""
+    (x, w, bb, nw, qn, kn), (cos, sin, pos, slots, table), pools = _case(3, t, 37, heads, kvh, d, dtype, bias=bias,
                                                                          qk_norm=qk_norm)
     args = (cos, sin, pos, slots, table)
     q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], heads, qn, kn, 1e-6)
     q_ref = fused_qkv_rope_reference(x, w, bb, nw, 1e-5, *args, pools[2], pools[3], heads, qn, kn, 1e-6)
-    assert q.dtype == dtype and q.shape == (3, 2, heads, d)
+    assert q.dtype == dtype and q.shape == (3, t, heads, d)
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
     torch.testing.assert_close(pools[0].float(), pools[2].float(), **TOL[dtype])
     torch.testing.assert_close(pools[1].float(), pools[3].float(), **TOL[dtype])
@@ -78,6 +89,10 @@ def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
     assert qkv_chunks(400, 64, False) == (64, 1)  # enough heads: whole halves
     assert qkv_chunks(48, 64, True) == (64, 1)  # per-head norms need the whole head in one program
     assert qkv_chunks(15, 5, False) == (16, 1)  # the dot's 16-column minimum
+    assert qkv_chunks(15, 32, False, gemv=True) == (2, 16)  # the few-row form: 240 programs
+    # Few-row steps: one load round trip over SmolLM2's K = 576; past GEMV_MAX_ROWS (4 here): 16-row dot tiles.
+    assert qkv_settings(1, 15, 32, 576, False) == (1, 2, 16, 1024, True)
+    assert qkv_settings(5, 15, 32, 576, False)[0::4] == (16, False)
 
 
 def test_validation_names_the_argument():
