@@ -44,6 +44,7 @@ def main() -> None:
                    help="layer_kernels values; fused-dot: the fused layer without the few-row GEMV form")
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
+    from tensorrt_llm_ext.bench.verify import capture_graph
     from tensorrt_llm_ext.kernels import fused_linear as fused_linear_mod
     from tensorrt_llm_ext.kernels import fused_qkv as fused_qkv_mod
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -70,14 +71,7 @@ def main() -> None:
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
             _table(f"B={b} C={a.context} {kern} eager", _kernels(fwd, 3), 3)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fwd()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fwd()
+            g = capture_graph(fwd)
             _table(f"B={b} C={a.context} {kern} graph", _kernels(g.replay, 5), 5)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             g.replay()
