@@ -2,9 +2,9 @@
 # SmolLM2-135M-Instruct end to end on one GPU (docs/real_model.md): import the GGUF, check serving against
 # transformers, train the DSpark drafter on real prompts, measure acceptance and serving speed. Run from the repo
 # root after `source scripts/gpu_env.sh`. Logs and tables go to a per-call folder $LOGS (out/real_model/logs/TIME);
-# after every stage they are packed into $OUT/real_model_logs.tar.gz, beside copies of timing.txt, training.json
-# and acceptance.md (every acceptance table of the call) -- four files, whatever the stages (a device call
-# returns a few files only; a call cut by its time limit still returns what the stages before the cut packed).
+# after every stage they are packed into $OUT/real_model_logs.tar.gz, beside copies of timing.txt, training.json,
+# acceptance.md (every acceptance table of the call) and serve.md -- at most five files, whatever the stages (a
+# device call returns a few files only; a call cut by its time limit still returns what the stages before packed).
 #
 #   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | check | bench | serve | all (in the order given)
 #
@@ -36,7 +36,7 @@
 set -uo pipefail
 STAGES=${*:-all}
 WORK=${REAL_MODEL_WORK:-out/real_model}   # git-ignored: stays on a warm machine between calls
-RESULT=${OUT:-$WORK/result}               # what comes back from a device call: four files (above)
+RESULT=${OUT:-$WORK/result}               # what comes back from a device call: at most five files (above)
 LOGS=${REAL_MODEL_LOGS:-$WORK/logs/$(date -u +%Y%m%dT%H%M%SZ)}
 OUT=$LOGS                                 # every stage below writes its logs and tables here
 MODEL=$WORK/SmolLM2-135M-Instruct
@@ -140,6 +140,7 @@ pack() {  # the call's logs as one archive plus the three files read first (a de
   tar -czf "$RESULT/real_model_logs.tar.gz.part" -C "$OUT" . && mv "$RESULT/real_model_logs.tar.gz.part" "$RESULT/real_model_logs.tar.gz"
   cp "$OUT/timing.txt" "$RESULT/timing.txt" 2>/dev/null
   [ -f "$OUT/training.json" ] && cp "$OUT/training.json" "$RESULT/training.json"
+  [ -f "$OUT/serve.md" ] && cp "$OUT/serve.md" "$RESULT/serve.md"
   ls "$OUT"/acceptance_*.md >/dev/null 2>&1 && for f in "$OUT"/acceptance_*.md; do echo "## $(basename "$f" .md)"; cat "$f"; echo; done > "$RESULT/acceptance.md"
   return 0
 }
