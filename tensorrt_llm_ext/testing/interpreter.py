@@ -175,7 +175,7 @@ def cache_tensor_shapes() -> None:
     """Memoize what ``tl.tensor(handle, type)`` derives from a block type's shape: its numel and its shape as a
     ``tl.tuple`` of constexprs (built element by element, with the tuple's type, for every interpreted op's
     result). Keyed by the identity of a shape :func:`cache_block_types` handed out (those shapes live for the
-    process); any other type takes Triton's own ``__init__``."""
+    process), or a scalar's (empty) shape; any other type takes Triton's own ``__init__``."""
     if _SHAPES_CACHED:
         return
     import triton.language as tl
@@ -184,11 +184,11 @@ def cache_tensor_shapes() -> None:
     fields: dict[int, tuple] = {}  # id of a handed-out block shape -> (numel, shape of constexprs)
 
     def init(self, handle, type):
-        shape = type.shape if type.is_block() else None
-        got = fields.get(id(shape)) if shape is not None else None
+        shape = type.shape if type.is_block() else None  # a scalar: every scalar has shape () and numel 1
+        got = fields.get(id(shape))
         if got is None:
             original(self, handle, type)
-            if shape is not None and _BLOCK_SHAPES.get(id(shape)) is shape:
+            if shape is None or _BLOCK_SHAPES.get(id(shape)) is shape:
                 fields[id(shape)] = (self.numel, self.shape)
             return
         self.handle = handle
