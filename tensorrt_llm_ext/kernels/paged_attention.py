@@ -207,12 +207,13 @@ class AttentionConfig:
         return f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
 
 
-# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch).
-# The first H200 run measured 64 keys, 4 warps, 3 stages at 1.7-1.9x the K/V floor at 8k; `bench target` times
-# CONFIG_CANDIDATES at every (B, C) so the table is set from measurements. Head dim 64: 64 keys, 4 warps, 2
-# stages, the fastest of the fixed-piece candidates at B <= 32 on the H200 (2026-12-04, docs/target_forward.md);
-# decode tiles cut the row's keys in 16 pieces (the "p16" candidates).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 16), 128: AttentionConfig(64, 4, 3, 16)}
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
+# `bench target` times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200,
+# 2026-12-04): 64 keys, 4 warps, 2 stages; a decode row's keys in 32 pieces ("p32"): within 10 % of the best
+# candidate at B = 1 / 32 and C = 512 / 1k / 8k but B = 1 C = 8k (16.8 us vs 15.2 for fixed 128-key pieces) and
+# B = 32 C = 1k (22.2 vs 15.5 for p8), and the best at B = 32 C = 8k (75.6 us vs 102 for fixed pieces). Head dim
+# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32), 128: AttentionConfig(64, 4, 3, 16)}
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 16),
                      AttentionConfig(64, 4, 2, 32), AttentionConfig(64, 4, 3, 16), AttentionConfig(128, 8, 3, 16))
 
