@@ -92,6 +92,9 @@ class LaunchedStep:
     lens: torch.Tensor | None
     done: object
     runner: CudaGraphRunner
+    # The drafter's per-position confidences of the drafts this step made (host buffer, copied behind the
+    # step like the tokens); None without a confidence head or in the target-only decode.
+    confidences: torch.Tensor | None = None
 
 
 class Engine:
@@ -158,6 +161,11 @@ class Engine:
         self.chunked_prefill = config.enable_chunked_prefill
         # Chunked prefill: the tokens of one prefill forward (None: a prefill is one forward).
         self.prefill_chunk_tokens = self.max_num_tokens if config.enable_chunked_prefill else None
+        # The drafter's confidence head (when it has one) per step: ``_pending_confidences[slot]`` are the
+        # confidences of the drafts the slot's next step verifies (from its prefill or its last step);
+        # ``step_confidences[row]`` those the last collected step verified (None: no head, or a row without).
+        self._pending_confidences: dict[int, list[float]] = {}
+        self.step_confidences: list[list[float] | None] | None = None
 
     # -- workers -------------------------------------------------------------------------------------
     def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
@@ -325,7 +333,17 @@ class Engine:
         params = [r.sampling for r in requests]
         if mode in NON_SPECULATIVE:
             return self._decoder(mode).prefill_batch(list(slots), prompts, params, starts=starts)
-        return self.worker(path).prefill_batch(list(slots), prompts, params, starts=starts)
+        worker = self.worker(path)
+        firsts = worker.prefill_batch(list(slots), prompts, params, starts=starts)
+        if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
+            for slot, row in zip(slots, worker.draft_confidences[:len(slots)].tolist()):
+                self._pending_confidences[slot] = row
+        return firsts
+
+    @property
+    def has_confidence_head(self) -> bool:
+        """The drafter has a confidence head: every speculative step reports its drafts' confidences."""
+        return bool(getattr(self.drafter, "has_confidence_head", False))
 
     def prefill_chunk(self, slot: int, request: Request, start: int, end: int, mode: str = "speculative") -> None:
         """Prompt positions ``start .. end-1`` of ``request`` on ``slot`` (chunked prefill between decode steps;
@@ -418,11 +436,16 @@ class Engine:
             if lens_dev is not None:
                 lens = torch.empty(lens_dev.shape, dtype=lens_dev.dtype, pin_memory=cuda)
                 lens.copy_(lens_dev, non_blocking=cuda)
+            conf = None
+            if mode not in NON_SPECULATIVE and self.has_confidence_head and "draft_confidences" in outs:
+                conf_dev = outs["draft_confidences"][:n]
+                conf = torch.empty(conf_dev.shape, dtype=conf_dev.dtype, pin_memory=cuda)
+                conf.copy_(conf_dev, non_blocking=cuda)
             done = None
             if cuda:
                 done = torch.cuda.Event()
                 done.record()
-        return LaunchedStep(list(slots), mode, new, lens, done, runner)
+        return LaunchedStep(list(slots), mode, new, lens, done, runner, conf)
 
     def collect_step(self, launched: LaunchedStep) -> tuple[list[list[int]], list[int]]:
         """Wait for ``launched``'s tokens (its copy's event) and return them as :meth:`run_step` does."""
@@ -434,10 +457,22 @@ class Engine:
                 new, lens = [[t] for t in launched.new.tolist()], [1] * n
             else:
                 new, lens = launched.new.tolist(), launched.lens.tolist()
+            self._collect_confidences(launched)
             # The step is done: a low-latency exchange of it that timed out has set its flag by now, and its
             # rows must not become tokens.
             launched.runner.worker.token_selector.check_exchange()
         return new, lens
+
+    def _collect_confidences(self, launched: LaunchedStep) -> None:
+        """``step_confidences``: per row, the confidences of the drafts ``launched`` verified (made by the
+        slot's prefill or previous step); then the slot's pending ones become those ``launched`` drafted."""
+        if launched.confidences is None:
+            self.step_confidences = None
+            return
+        rows = launched.confidences.tolist()
+        self.step_confidences = [self._pending_confidences.get(slot) for slot in launched.slots]
+        for slot, row in zip(launched.slots, rows):
+            self._pending_confidences[slot] = row
 
     def reset_step_state(self) -> None:
         """Reset every worker's step state (prepared rows, Markov key ring) after a prefill or step that was
@@ -449,6 +484,7 @@ class Engine:
         """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
         self.pages.free(slot)
         self.slots.release(slot)
+        self._pending_confidences.pop(slot, None)
 
     def stop_ids(self, request: Request) -> frozenset[int]:
         """The ids that end ``request``: its ``stop_token_ids`` plus, unless ``ignore_eos``, the EOS ids."""

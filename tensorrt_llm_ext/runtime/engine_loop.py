@@ -265,7 +265,7 @@ class EngineLoop:
         generated = 0
         for e in events:
             if e.accepted_len is not None and self.speculative:
-                m.speculative_step(e.accepted_len)
+                m.speculative_step(e.accepted_len, e.confidences)
             m.delivered(e.handle, len(e.tokens), now, self._arrived.get(e.handle))
             generated += len(e.tokens)
             if e.finish_reason is not None:

@@ -87,6 +87,8 @@ class Event:
     # With finish_reason "error": True when the request's own values are the cause (HTTP 400), False when it
     # ended because its step was aborted by another request's error (HTTP 500).
     request_fault: bool = True
+    # The drafter's confidences c_k of the K drafts this step verified (a drafter with a confidence head).
+    confidences: list[float] | None = None
 
 
 @dataclass
@@ -270,10 +272,12 @@ class Scheduler:
         stats.num_rows = len(fl.handles)
         stats.accepted_lens = list(lens)
         events = []
+        confs = getattr(self.engine, "step_confidences", None)
         for row, h in enumerate(fl.handles):
             live = self._live.get(h)
             if live is not None:
                 events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row]))
+                events[-1].confidences = confs[row] if confs else None
         return events
 
     def _admit(self, handle: int, request: Request) -> Event | None:
@@ -388,9 +392,11 @@ class Scheduler:
         stats.num_rows = len(order)
         stats.accepted_lens = list(lens)
         events = []
+        confs = getattr(self.engine, "step_confidences", None)
         for row, slot in enumerate(order):
             handle = by_slot[slot]
             events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row]))
+            events[-1].confidences = confs[row] if confs else None
         return events
 
     def _fail_step(self, handles: list[int], error: Exception) -> list[Event]:
