@@ -12,6 +12,8 @@ cache holds C tokens), each a CUDA graph replayed (median):
 * ``attn``: the paged decode attention of one layer (``T = 1``), rotated over the layers' pools, against its
   KV-bytes floor, and FlashInfer's paged decode at the same shape when ``flashinfer`` imports (else a line
   saying why the column is absent);
+* ``decode no-PDL``: ``decode fwd`` with programmatic dependent launch off (``TLLM_EXT_PDL=0``; on by default
+  on Hopper: the fused layer's kernels and the attention start while the previous kernel finishes);
 * ``floor``: the bytes a decode step must read (every weight but the embedding once, plus ``B * C`` tokens of
   K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward;
 * ``decode fused`` / ``decode unfused`` / ``verify fused`` / ``verify unfused``: both forwards with each layer
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     ensure_triton_interpreter()
     from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, decode_config,
                                                           paged_attention)
+    from tensorrt_llm_ext.kernels.common import set_programmatic_launch
     from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
@@ -252,6 +255,12 @@ def run(args: argparse.Namespace) -> int:
                         target.layer_kernels = "auto"
                 for name in ("decode", "verify"):
                     t[name] = t[name + "_" + picks[name]]
+                # The same [B, 1] forward with programmatic dependent launch off (what PDL saves per step).
+                prev = set_programmatic_launch(False)
+                try:
+                    t["decode_nopdl"] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4)
+                finally:
+                    set_programmatic_launch(prev)
                 q = torch.randn(b, 1, tcfg.num_heads // eng.mapping.tp_size, tcfg.head_dim, generator=g, device=dev
                                 ).to(target.dtype)
                 layers = range(min(tcfg.num_layers, 8))
@@ -271,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                 kv_bytes = b * (ctx + 1) * kv_tok
                 floor = floor_us(weight_bytes + kv_bytes, bw)
                 attn_floor = floor_us(kv_bytes // tcfg.num_layers, bw)
-                rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
+                rows.append([b, ctx, fmt(t["decode"]), fmt(t["decode_nopdl"]), fmt(t["verify"]), fmt(t["target_only"]),
+                             fmt(floor),
                              fmt(t["decode"] / floor, 2), fmt(t.get("decode_fused", float("nan"))),
                              fmt(t.get("decode_unfused", float("nan"))), fmt(t.get("verify_fused", float("nan"))),
                              fmt(t.get("verify_unfused", float("nan"))), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
@@ -306,7 +316,8 @@ def run(args: argparse.Namespace) -> int:
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         text.append(print_table(f"bench target: {name} decode step vs floor",
-                                ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
+                                ["B", "C", "decode fwd", "decode no-PDL", "verify fwd", "target-only step", "floor",
+                                 "decode/floor",
                                  "decode fused", "decode unfused", "verify fused", "verify unfused",
                                  "launches dec/ver", "attn", "attn floor",
                                  "attn/floor", "flashinfer attn"], rows, notes))

@@ -51,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programmatic_launch,
+                                             refuse_allocation_while_capturing)
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
            "paged_attention_reference", "split_plan", "tile_counters"]
@@ -71,6 +72,7 @@ def _paged_attention_kernel(
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -84,6 +86,11 @@ def _paged_attention_kernel(
     # The row's position, its slot and its queries are independent loads: all in flight at once.
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
     slot = tl.load(slot_ptr + b).to(tl.int64)
+    if PDL:
+        # Programmatic dependent launch: positions and slots are written before the step's forward, q and this
+        # step's K / V by the previous kernel: read after the wait.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
@@ -321,6 +328,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                                          else tl.float16)
     precision = "ieee" if fp32 else "tf32"
     block_d = max(16, triton.next_power_of_2(d))
+    pdl = programmatic_launch(q)
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -339,7 +347,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 2048 else MERGE_UNROLL,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
 
