@@ -129,9 +129,11 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         out = args.out or str(Path(args.dir) / "dspark_drafter")
         if args.max_seconds is not None and not (args.max_seconds > 0 and args.max_seconds < float("inf")):
             raise ValueError(f"train-drafter: --max-seconds must be a finite number > 0, got {args.max_seconds}")
+        if args.fit_schedule and args.max_seconds is None:
+            raise ValueError("train-drafter: --fit-schedule needs --max-seconds (the budget the schedule ends at)")
         summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
                                 progress=not args.no_progress, max_seconds=args.max_seconds,
-                                keep_state=not args.drop_state)
+                                keep_state=not args.drop_state, fit_schedule=args.fit_schedule)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -168,6 +170,9 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--max-seconds", type=float, default=None,
                    help="wall-time budget of this call: checkpoint and write the drafter when it is spent "
                         "(--resume continues to --steps)")
+    t.add_argument("--fit-schedule", action="store_true",
+                   help="with --max-seconds: end the cosine decay at the time budget (the run is complete when it "
+                        "is spent, learning rate 0) instead of at --steps")
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
         extra = {}

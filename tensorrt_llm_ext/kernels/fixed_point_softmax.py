@@ -387,16 +387,18 @@ def check_logits(name: str, logits, vocab_start: int, vocab_size: int) -> int:
     return max(0, min(logits.shape[1], vocab_size - vocab_start))
 
 
-def plan_chunks(n_valid: int, block: int, num_splits: int) -> tuple[int, int]:
-    """``(splits, chunk)``: ``chunk`` a multiple of ``block`` with ``splits * chunk >= n_valid``.
+def plan_chunks(width: int, block: int, num_splits: int) -> tuple[int, int]:
+    """``(splits, chunk)``: ``chunk`` a multiple of ``block`` with ``splits * chunk >= width``.
 
-    Depends on the shard width and the requested split count only (never on data), so every pass of a
-    call and a captured graph's warm-up agree on it.
+    Launchers pass the shard's width (not its count of real ids), so every rank of a TP group, whose last
+    shard holds the padding, plans the same chunks and exchanges buffers of the same shape; chunks past the
+    real ids are empty. Depends on the width and the requested split count only (never on data), so every
+    pass of a call and a captured graph's warm-up agree on it.
     """
-    tiles = max(1, triton.cdiv(max(n_valid, 1), block))
+    tiles = max(1, triton.cdiv(max(width, 1), block))
     splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, splits) * block
-    return max(1, triton.cdiv(max(n_valid, 1), chunk)), chunk
+    return max(1, triton.cdiv(max(width, 1), chunk)), chunk
 
 
 def subchunk_width(chunk: int, block: int, n_sub: int) -> int:
@@ -433,7 +435,7 @@ def verify_keys(target: torch.Tensor, draft: torch.Tensor | None, vocab_start: i
     S. CUDA-graph safe.
     """
     n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    splits, chunk = plan_chunks(target.shape[1], block_size, num_splits)
     check_tensor("out", out, shape=(rt + rq, splits, 2), dtype=torch.int64, device=target.device, contiguous=True)
     if rt + rq == 0:
         return out
@@ -464,7 +466,7 @@ def verify_keys_reference(target: torch.Tensor, draft: torch.Tensor | None, voca
                           out: torch.Tensor, block_size: int = _DEFAULT_BLOCK, num_splits: int = 1) -> torch.Tensor:
     """Eager twin of :func:`verify_keys` (the same per-split slots)."""
     n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    splits, chunk = plan_chunks(target.shape[1], block_size, num_splits)
     check_tensor("out", out, shape=(rt + rq, splits, 2), dtype=torch.int64, device=target.device, contiguous=True)
     x = _rows_f32(target, draft, n_valid)
     o = _chunked(ordered_i32_torch(x), n_valid, splits, chunk, INT32_MIN)
@@ -489,7 +491,7 @@ def sums_layout(rows_t: int, rows_q: int, splits: int, hist: bool) -> tuple[int,
 def _check_sums(target, draft, keys, temperatures, tokens, div_t, div_q, hist, out, block_size, num_splits,
                 vocab_start, vocab_size):
     n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    splits, chunk = plan_chunks(target.shape[1], block_size, num_splits)
     dev = target.device
     check_int("row_div", div_t, lo=1)
     check_int("row_div_q", div_q, lo=1)

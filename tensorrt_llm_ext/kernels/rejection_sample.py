@@ -314,7 +314,7 @@ def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys
                 vocab_start, vocab_size, block_size, num_splits, n_sub):
     n_valid = check_logits("target_logits", target, vocab_start, vocab_size)
     check_logits("draft_logits", draft, vocab_start, vocab_size)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    splits, chunk = plan_chunks(target.shape[1], block_size, num_splits)
     sub = check_sub(chunk, block_size, n_sub)
     check_tensor("draft_tokens", tokens, shape=(None, None), dtype=torch.int64, contiguous=True)
     b, k = tokens.shape

@@ -291,8 +291,8 @@ def _top_p_mask_kernel(
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
-    # the last chunk also clears the padded columns [n_valid, width)
-    col_stop = tl.where(split == num_splits - 1, tl.maximum(width, col_end), col_end)
+    # every chunk also clears its padded columns (>= n_valid): the chunks cover the whole width
+    col_stop = tl.minimum(col_begin + chunk, width)
     for start in range(col_begin, col_stop, BLOCK):
         cols = start + lanes
         valid = cols < col_end
@@ -382,7 +382,7 @@ def _chunk_index(n_valid: int, chunk: int, device) -> torch.Tensor:
 def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, row_div, block_size,
                  num_splits, vocab_start, vocab_size):
     n_valid = check_logits("logits", logits, vocab_start, vocab_size)
-    splits, chunk = plan_chunks(n_valid, block_size, num_splits)
+    splits, chunk = plan_chunks(logits.shape[1], block_size, num_splits)
     rows = logits.shape[0]
     dev = logits.device
     check_int("row_div", row_div, lo=1)

@@ -109,11 +109,14 @@ _DEFAULT_BLOCK = 1024
 _TARGET_PROGRAMS = 512
 
 
-def column_plan(rows: int, n_valid: int, block_size: int, num_splits: int) -> tuple[int, int]:
-    """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``n_valid`` owned columns: at
-    most ``num_splits`` chunks per row and no more than ``ceil(512 / rows)``. Depends on shapes only."""
+def column_plan(rows: int, width: int, block_size: int, num_splits: int) -> tuple[int, int]:
+    """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``width``-column shards: at most
+    ``num_splits`` chunks per row and no more than ``ceil(512 / rows)``. Depends on shapes only, and on the
+    shard's width, not on how many of its columns are real ids: every rank of a TP group must exchange
+    buffers of the same shape, and the last rank's shard holds the padding (chunks past the real ids are
+    empty: their slots are written as empty)."""
     want = max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(rows, 1))))
-    return fps.plan_chunks(n_valid, block_size, want)
+    return fps.plan_chunks(width, block_size, want)
 
 
 def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int) -> int:
@@ -343,7 +346,7 @@ def _top_p_keep_steps(ops, logits, top_p, temperatures, vocab_start, vocab_size,
         out = torch.empty((rows, width), dtype=torch.bool, device=dev)
     check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    splits, chunk = column_plan(rows, max(0, min(width, vocab_size - vocab_start)), bs, ns)
+    splits, chunk = column_plan(rows, width, bs, ns)
     plan = VerificationPlan(rows, 0, 0, splits, tp, True)
     ws = _call_buffers(workspace, plan, dev, "top_p_keep")
     if rows == 0:
@@ -418,8 +421,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     check_tensor("accepted_tokens (out)", accepted, shape=(b, k1), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
     bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    n_valid = max(0, min(width, vocab_size - vocab_start))
-    splits, chunk = column_plan(b * (2 * k + 1), n_valid, bs, ns)
+    splits, chunk = column_plan(b * (2 * k + 1), width, bs, ns)
     sub = draw_plan(b, splits, chunk, bs, ns)
     has_p = top_p is not None
     plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub)

@@ -16,10 +16,14 @@ from tensorrt_llm_ext.speculative import verification as vf
 __all__ = ["shard", "simulated_rejection_sample", "simulated_top_p_keep"]
 
 
-def shard(x: torch.Tensor, tp: int, rank: int, vocab: int, pad_value: float = float("nan")) -> tuple[torch.Tensor, int]:
-    """Rank ``rank``'s shard of ``x [..., V]`` at TP ``tp`` (``ceil(V / tp)`` columns, as the LM head shards),
+def shard(x: torch.Tensor, tp: int, rank: int, vocab: int, pad_value: float = float("nan"),
+          width: int | None = None) -> tuple[torch.Tensor, int]:
+    """Rank ``rank``'s shard of ``x [..., V]`` at TP ``tp``: ``width`` columns (default ``ceil(V / tp)``, as the
+    LM head shards; a wider one for block-aligned shards), rank ``r`` owning ids ``[r width, (r + 1) width)``,
     padded past ``V`` with ``pad_value`` (never read as a token); returns ``(shard, vocab_start)``."""
-    width = -(-vocab // tp)
+    width = -(-vocab // tp) if width is None else width
+    if width * tp < vocab:
+        raise ValueError(f"width: expected >= ceil({vocab} / {tp}), got {width}")
     start = rank * width
     out = torch.full((*x.shape[:-1], width), pad_value, dtype=x.dtype, device=x.device)
     n = max(0, min(width, vocab - start))
@@ -78,15 +82,16 @@ def _finish(gens: list) -> list:
 
 
 def simulated_rejection_sample(target, draft, tokens, *, tp: int, vocab: int, fused: bool = True,
-                               block_size: int = 256, num_splits: int = 2, **kw):
-    """``rejection_sample`` of full-vocabulary inputs run as ``tp`` simulated ranks; returns every rank's
-    ``(accepted, num_accepted)``. ``kw``: temperatures, seeds, offsets, top_p."""
+                               block_size: int = 256, num_splits: int = 2, width: int | None = None,
+                               pad_value: float = float("nan"), **kw):
+    """``rejection_sample`` of full-vocabulary inputs run as ``tp`` simulated ranks (shards as :func:`shard`);
+    returns every rank's ``(accepted, num_accepted)``. ``kw``: temperatures, seeds, offsets, top_p."""
     ops = vf._FUSED_KERNELS if fused else vf._EAGER_KERNELS
     b, k1, _ = target.shape
     gens = []
     for rank in range(tp):
-        t, start = shard(target, tp, rank, vocab)
-        d, _ = shard(draft, tp, rank, vocab)
+        t, start = shard(target, tp, rank, vocab, pad_value, width)
+        d, _ = shard(draft, tp, rank, vocab, pad_value, width)
         ws = vf.VerificationWorkspace.for_verification(b, k1 - 1, t.shape[-1], tp=tp, device=target.device,
                                                        block_size=block_size, num_splits=num_splits)
         gens.append(vf._rejection_sample_steps(ops, t, d, tokens, kw["temperatures"], kw["seeds"], kw["offsets"],
@@ -95,13 +100,14 @@ def simulated_rejection_sample(target, draft, tokens, *, tp: int, vocab: int, fu
 
 
 def simulated_top_p_keep(logits, top_p, *, temperatures, tp: int, vocab: int, fused: bool = True,
-                         block_size: int = 256, num_splits: int = 2) -> torch.Tensor:
+                         block_size: int = 256, num_splits: int = 2, width: int | None = None,
+                         pad_value: float = float("nan")) -> torch.Tensor:
     """``top_p_keep`` of full-vocabulary ``logits [R, V]`` run as ``tp`` simulated ranks; returns the kept set
     ``[R, V]`` assembled from the ranks' shards."""
     ops = vf._FUSED_KERNELS if fused else vf._EAGER_KERNELS
     gens = []
     for rank in range(tp):
-        x, start = shard(logits, tp, rank, vocab)
+        x, start = shard(logits, tp, rank, vocab, pad_value, width)
         ws = vf.VerificationWorkspace(x.shape[0], 0, 0, x.shape[1], tp=tp, device=logits.device,
                                       block_size=block_size, num_splits=num_splits)
         gens.append(vf._top_p_keep_steps(ops, x, top_p, temperatures, start, vocab, tp, rank, None, ws))

@@ -299,10 +299,17 @@ def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target) -> 
 
 def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torch.Generator) -> torch.Tensor:
     """``[S, anchors]`` positions in ``[prompt_len, len - 2]`` (the generated part; the first anchor of serving
-    is the first generated token, at ``prompt_len``)."""
+    is the first generated token, at ``prompt_len``), drawn WITHOUT replacement (as the paper's sampler): a
+    sequence's anchors are distinct while it has that many positions, so a step trains on ``anchors`` different
+    blocks of it, not on repeats; a shorter sequence repeats its positions in the draw's order."""
     lo, hi = batch["prompt_lens"], (batch["lens"] - 2).clamp_min(batch["prompt_lens"])
-    u = torch.rand(lo.shape[0], anchors, generator=generator, device=generator.device).to(lo.device)
-    return (lo[:, None] + (u * (hi - lo + 1)[:, None].float()).long()).clamp(max=hi[:, None])
+    n = hi - lo + 1  # candidate positions per sequence (>= 1)
+    width = int(n.max())
+    u = torch.rand(lo.shape[0], width, generator=generator, device=generator.device).to(lo.device)
+    u = u.masked_fill(torch.arange(width, device=lo.device)[None, :] >= n[:, None], 2.0)  # past the end: last
+    order = u.argsort(dim=1)  # a random permutation of each sequence's candidates first
+    j = torch.arange(anchors, device=lo.device)[None, :] % n[:, None]  # wrap when fewer candidates than anchors
+    return lo[:, None] + order.gather(1, j.clamp(max=width - 1))
 
 
 @torch.no_grad()
@@ -362,7 +369,7 @@ def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tenso
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
                   resume: bool = False, progress: bool = True, max_seconds: float | None = None,
-                  keep_state: bool = True) -> dict:
+                  keep_state: bool = True, fit_schedule: bool = False) -> dict:
     """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
 
     ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
@@ -371,7 +378,14 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
 
     ``keep_state=False`` (the CLI's ``--drop-state``): once a complete run's drafter is written, remove
     ``trainer_state.pt`` (weights and AdamW moments, the bulk of the work folder; only an unfinished run
-    resumes from it, and ``steps`` is a knob), keeping the token data."""
+    resumes from it, and ``steps`` is a knob), keeping the token data.
+
+    ``fit_schedule`` (the CLI's ``--fit-schedule``, with ``max_seconds``): the cosine decay ends at the time
+    budget instead of at ``steps``: each step's schedule progress is the larger of ``step / steps`` and the
+    fraction of the time left at the first step that has passed, and the run is complete (learning rate at 0)
+    when that reaches 1. Without it a budget that ends before ``steps`` leaves the weights of a high learning
+    rate mid-schedule. Not a knob (wall time is not reproducible: the weights are not bitwise those of another
+    run)."""
     t_call = time.time()
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -432,15 +446,30 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     t0 = last_log = time.time()
     trained_positions = 0
     stopped_at = None
+    fit = fit_schedule and max_seconds is not None
+    fit_start = fit_span = None  # wall time of the first step and the budget left then (fit_schedule)
+    fitted_end = None  # the step at which the fitted schedule ended the run
     for step in bar:
-        if max_seconds is not None and time.time() - t_call > max_seconds:
+        time_frac = 0.0
+        if fit:
+            now = time.time()
+            if fit_start is None:
+                fit_start, fit_span = now, max(1.0, max_seconds - (now - t_call))
+            time_frac = (now - fit_start) / fit_span
+            if time_frac >= 1.0:
+                fitted_end = step
+                _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
+                logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
+                            f"{step}/{tc.steps} (learning rate 0); the run is complete")
+                break
+        if not fit and max_seconds is not None and time.time() - t_call > max_seconds:
             stopped_at = step
             _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
             logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
                         "checkpointed (--resume continues), writing the drafter as it stands")
             break
         for g in opt.param_groups:
-            g["lr"] = tc.lr * sched(step)
+            g["lr"] = tc.lr * (sched(step) if not fit else fitted_lr(step, tc, time_frac))
         idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
         batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
@@ -486,7 +515,9 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         raise TrainingDiverged(f"train-drafter: a drafter weight is non-finite after step {tc.steps}; not written")
     summary = {"target": str(model_dir), "drafter": str(out_dir), "knobs": knobs, "target_layer_ids": layers,
                "sequences": n_seq, "tokens": int(data["lens"].sum()), "steps": tc.steps,
-               "steps_done": stopped_at if stopped_at is not None else tc.steps, "complete": stopped_at is None,
+               "steps_done": (stopped_at if stopped_at is not None else fitted_end if fitted_end is not None
+                              else tc.steps), "complete": stopped_at is None,
+               "schedule": "cosine fitted to --max-seconds" if fit else "cosine over --steps",
                "train_seconds_this_run": round(time.time() - t0, 1),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
@@ -504,6 +535,13 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                     f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "
                     f"top-1 on held-out {calibration['teacher_forced_top1']}")
     return summary
+
+
+def fitted_lr(step: int, tc: TrainConfig, time_frac: float) -> float:
+    """The learning-rate factor of ``--fit-schedule``: warm-up over ``warmup`` steps, then a cosine whose
+    progress is the larger of ``step / steps`` and ``time_frac`` (the fraction of the time budget spent)."""
+    progress = min(1.0, max(step / tc.steps, time_frac))
+    return min(1.0, (step + 1) / max(1, tc.warmup)) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @torch.no_grad()

@@ -313,6 +313,60 @@ def test_kernel_tp_invariant_simulated_shards(use_top_p, dtype):
         assert torch.equal(sim, ref)
 
 
+def _aligned_width(vocab: int, tp: int, align: int) -> int:
+    """A shard of whole ``align``-column blocks: ``align * ceil(ceil(V / tp) / align)`` (docs/rejection_sampling.md,
+    "One pass over block-aligned shards"; 1024 there, a small block here)."""
+    return align * -(-(-(-vocab // tp)) // align)
+
+
+@pytest.mark.parametrize("use_top_p,pad", [(False, NAN), (True, 6.0)])
+def test_kernel_tp_invariant_block_aligned_shards(use_top_p, pad):
+    """Shards padded to whole blocks (rank r owns ids [r W, (r + 1) W), W a multiple of the block; every id >= V
+    is padding on the last rank) give the TP 1 tokens at TP 2 / 3 / 4 and across tilings, fused and eager.
+    V = 199 with 16-column blocks: the last shard holds 7 real ids of 64 at TP 4 and 39 of 80 at TP 3.
+    Adversarial: a tie group at the row max straddling every aligned shard boundary, a tie group at the max on
+    the last real ids with the padding equal to it (pad 6.0: reading a padded column would add mass to the tie
+    group and change top-p) or NaN (a padded NaN would win the argmax), drafted tokens on the last real id and
+    on a boundary, NaN on a boundary, rows without a finite logit (``_verify_inputs``)."""
+    b, k, vocab, align = 3, 2, 199, 16
+    target, draft, tokens, temps, seeds, offsets, top_p = _verify_inputs(b, k, vocab, seed=5)
+    widths = {tp: _aligned_width(vocab, tp, align) for tp in (2, 3, 4)}
+    assert all((tp - 1) * w < vocab for tp, w in widths.items())  # every rank owns real ids
+    bounds = sorted({r * w for tp, w in widths.items() for r in range(1, tp)})
+    for col in bounds:
+        target[0, 0, col - 1: col + 1] = 6.0
+        draft[0, 0, col - 1: col + 1] = 5.0
+    target[0, 0, vocab - 2:] = 6.0  # the tie group reaches the padding boundary
+    target[2, 1, vocab - 3:] = 7.0
+    draft[0, 1, vocab - 1] = 8.0  # a draft row's max on the last real id
+    target[2, 0, bounds[0]] = NAN
+    tokens[0, 0], tokens[0, 1], tokens[2, 1] = vocab - 1, bounds[-1], vocab - 2
+    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    target, draft, tokens, temps, seeds, offsets, top_p = (
+        t.to(DEV) for t in (target, draft, tokens, temps, seeds, offsets, top_p))
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p if use_top_p else None)
+    ref_acc, ref_n = rejection_sample(target, draft, tokens, **kw)
+    # (tp, tile, chunks, fused); with top-p fewer kernel runs (the interpreter's time), the eager twin at TP 2 / 3
+    configs = ((3, 32, 1, True), (4, 16, 3, True), (2, 16, 2, False), (3, 16, 2, False))
+    if not use_top_p:
+        configs += ((2, 16, 2, True),)
+    for tp, block, splits, fused in configs:
+        for acc, n in simulated_rejection_sample(target, draft, tokens, tp=tp, vocab=vocab, block_size=block,
+                                                 num_splits=splits, width=widths[tp], pad_value=pad, fused=fused,
+                                                 **kw):
+            if fused:  # kernel vs kernel: bitwise on every backend
+                assert torch.equal(acc, ref_acc) and torch.equal(n, ref_n), (tp, block, splits)
+            else:  # the eager twin's pipeline on the same shards against the kernel at TP 1
+                assert_tokens_match_twin((acc, n), (ref_acc, ref_n))
+    if use_top_p:
+        rows = target.view(-1, vocab)
+        p_rows, t_rows = top_p.repeat_interleave(k + 1), temps.repeat_interleave(k + 1)
+        ref = top_p_keep(rows, p_rows, temperatures=t_rows)
+        sim = simulated_top_p_keep(rows, p_rows, temperatures=t_rows, tp=4, vocab=vocab, block_size=16,
+                                   width=widths[4], pad_value=pad)
+        assert torch.equal(sim, ref)
+
+
 @pytest.mark.parametrize("use_top_p", [False, True])
 def test_emitted_token_is_distributed_as_p(use_top_p):
     """Drafts sampled from q (known seeds); the first emitted token must follow p (top-p restricted)."""

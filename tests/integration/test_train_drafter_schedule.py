@@ -1,0 +1,85 @@
+"""How train-drafter spends a step and a time budget: a step's anchors are distinct positions of each sequence (drawn
+without replacement, as the paper's sampler), and ``--fit-schedule`` ends the cosine decay at the ``--max-seconds``
+budget (a complete run whose last learning rate is ~0) instead of leaving a cut run at a high learning rate."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.export import export_model
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.training.trainer import TrainConfig, fitted_lr, sample_anchors
+
+
+def test_anchors_are_distinct_positions_of_the_generated_part():
+    prompt_lens = torch.tensor([5, 3, 10, 2])
+    lens = torch.tensor([30, 12, 13, 40])  # candidates [prompt_len, len - 2]: 24, 8, 2, 37 positions
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = sample_anchors({"prompt_lens": prompt_lens, "lens": lens}, 8, g)
+        assert a.shape == (4, 8)
+        assert bool(((a >= prompt_lens[:, None]) & (a <= (lens - 2)[:, None])).all())
+        for row, n in zip(a.tolist(), [24, 8, 2, 37]):
+            # every candidate at most ceil(8 / n) times: distinct when the sequence has 8 positions or more
+            assert max(row.count(x) for x in row) == math.ceil(8 / n), (row, n)
+    # and every candidate is drawn (uniform over the generated part, not the first ones only)
+    seen = set()
+    for _ in range(50):
+        seen.update(sample_anchors({"prompt_lens": prompt_lens[:1], "lens": lens[:1]}, 8, g)[0].tolist())
+    assert seen == set(range(5, 29))
+
+
+def test_fitted_schedule_follows_the_larger_progress_and_ends_at_zero():
+    tc = TrainConfig(steps=1000, warmup=10)
+    plain = [min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / 1000)) for s in (0, 5, 100, 600)]
+    assert [fitted_lr(s, tc, 0.0) for s in (0, 5, 100, 600)] == pytest.approx(plain)  # no time spent: --steps'
+    assert fitted_lr(100, tc, 0.5) == pytest.approx(0.5)  # half the budget spent: half-way down the cosine
+    assert fitted_lr(100, tc, 1.0) == pytest.approx(0.0, abs=1e-12)
+    assert fitted_lr(900, tc, 0.1) == pytest.approx(fitted_lr(900, tc, 0.0))  # steps ahead of the clock
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("target") / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    return d
+
+
+class _Clock:
+    """A wall clock of the trainer that advances 0.25 s per reading (the run's length does not hang on the
+    machine's load)."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def time(self):
+        self.t += 0.25
+        return self.t
+
+
+def test_fit_schedule_completes_at_the_budget_with_the_learning_rate_decayed(tiny_target, tmp_path, monkeypatch):
+    import tensorrt_llm_ext.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "time", _Clock())
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny_target, d)
+    args = ["train-drafter", str(d), "--num-prompts", "8", "--max-new-tokens", "12", "--gen-batch", "8",
+            "--eval-prompts", "2", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "8",
+            "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2", "--anchors", "4", "--lr", "3e-3",
+            "--warmup", "2", "--markov-rank", "4", "--no-progress", "--steps", "1000000", "--save-every", "1000000",
+            "--max-seconds", "30"]
+    assert main(args + ["--fit-schedule"]) == 0
+    s = json.loads((d / "dspark_drafter" / "training.json").read_text())
+    assert s["complete"] and 2 <= s["steps_done"] < 1000000 and s["schedule"] == "cosine fitted to --max-seconds"
+    state = torch.load(d / "dspark_drafter_work" / "trainer_state.pt", weights_only=True)
+    last_lr = state["optimizer"]["param_groups"][0]["lr"]  # the learning rate of the last step taken
+    assert last_lr < 0.05 * 3e-3, last_lr
+    assert main(args[:1] + ["--fit-schedule", str(d)]) == 2  # it needs the budget it ends at
