@@ -57,7 +57,7 @@ tests() {  # tests NAME IDS...: one pytest process, verbose (a run cut short sti
   echo "$name rc=$? $(grep -cE ' PASSED' "$logs/$name.log") passed, $(grep -cE ' (FAILED|ERROR)' "$logs/$name.log") failed: $(tail -1 "$logs/$name.log")" \
     >> "$summary"
 }
-T_TESTS=$(( $(left) < ${T_TESTS:-170} ? $(left) : ${T_TESTS:-170} ))
+T_TESTS=$(( $(left) < ${T_TESTS:-150} ? $(left) : ${T_TESTS:-150} ))
 t0=$SECONDS
 tests tests_verification $verification_ids &
 tests tests_selection $selection_ids &
@@ -67,7 +67,7 @@ echo "tests (three processes at once) $((SECONDS - t0))s (limit ${T_TESTS}s)" >>
 pack
 run verify_profile 50 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 1,32
 run verify 85 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
-run step_sampled 115 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling --profile --batch-sizes 1,8,32
+run step_sampled 140 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling --profile --batch-sizes 1,8,32
 run verify_one_pass 35 python3 -m tensorrt_llm_ext.cli bench verify --one-pass-stats --tp-sizes 1,4 --batch-sizes 1,8,32,128
 run select 40 python3 -m tensorrt_llm_ext.cli bench select --tables main --rows 64,256 --tp-sizes 1,4
 run markov 80 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 --tp-sizes 4 --tp-batch 1,32,128
