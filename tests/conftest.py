@@ -26,11 +26,11 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 _bindir = os.path.dirname(sys.executable)
 os.environ["PATH"] = _bindir + os.pathsep + os.environ.get("PATH", "")
 
-from tensorrt_llm_ext.testing.interpreter import skip_nested_repatching  # noqa: E402
+from tensorrt_llm_ext.testing.interpreter import speed_up_interpreter  # noqa: E402
 from tensorrt_llm_ext.testing.mpi import MpiPool  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    skip_nested_repatching()
+    speed_up_interpreter()
     # ... and in every process the tests start (servers, CLI runs, MPI ranks): interpreter_site/sitecustomize.py
     _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interpreter_site")
     os.environ["PYTHONPATH"] = os.pathsep.join([_site, *filter(None, [os.environ.get("PYTHONPATH")])])
