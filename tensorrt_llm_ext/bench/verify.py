@@ -14,6 +14,9 @@ On CPU: a smoke run at tiny sizes (timings meaningless).
 ``--profile`` prints the per-kernel time of one call instead (CUDA-graph replays under ``torch.profiler``;
 on CPU the interpreter's launch list with counts, untimed), without and with top-p.
 
+``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``, not wired into the call yet)
+against the two passes they would replace, on block-aligned shards.
+
 ``--acceptance`` instead prints the mean acceptance length on the embedded model (the default runtime
 config) at T = 0.7 and 1.0: strict acceptance with greedy drafts vs rejection sampling with sampled drafts.
 Acceptance lengths are not timings, so the CPU numbers are meaningful; the engine runs its ``stock`` op
@@ -56,6 +59,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=4, help="seeds per prompt of --acceptance")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel time of one call (GPU: torch.profiler; CPU: the launch list with counts)")
+    p.add_argument("--one-pass-stats", action="store_true",
+                   help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
+                        "on block-aligned shards instead")
     p.add_argument("--hist-window", type=int, default=None,
                    help="top-p round 0: buckets per side summed in registers (0 = every add an atomic, else a "
                         "power of two <= 16; default "
@@ -187,6 +193,61 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
             print_table(title, headers, rows, notes=notes)
 
 
+def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.device, dtype: torch.dtype) -> None:
+    """``--one-pass-stats``: one read of the logits (``block_stats``: keys, block maxima and mass bins) against
+    today's two (``verify_keys`` + ``verify_sums`` without top-p), on the same rows of the last block-aligned shard
+    (``1024 ceil(ceil(V / tp) / 1024)`` columns), each launch planned as a call at that B would plan it."""
+    from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats
+
+    vocab, k = args.vocab, args.draft_len
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    tps = [int(x) for x in args.tp_sizes.split(",")]
+    block, splits = args.block_size, args.num_splits
+    if timer.smoke:
+        vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
+    bw = measure_copy_bandwidth(device)
+    elt = torch.tensor([], dtype=dtype).element_size()
+    table = []
+    for tp in tps:
+        width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)
+        start = (tp - 1) * width
+        for b in batches:
+            rt, rq = b * (k + 1), b * k
+            s2, _ = column_plan(rt + rq, width, block, splits)
+            s1, _ = column_plan(rt + rq, width, STAT_BLOCK, splits)
+            g = torch.Generator(device=device).manual_seed(b * 11 + tp)
+            n_sets = rotation_count((rt + rq) * width * elt, max_sets=16) if not timer.smoke else 1
+            sets = [(torch.randn(rt, width, generator=g, device=device).to(dtype),
+                     torch.randn(rq, width, generator=g, device=device).to(dtype)) for _ in range(n_sets)]
+            tokens = torch.randint(start, vocab, (b, k), generator=g, device=device)
+            temps = torch.full((b,), args.temperature, device=device)
+            keys2 = torch.empty(rt + rq, s2, 2, dtype=torch.int64, device=device)
+            sums = torch.empty(fps.sums_layout(rt, rq, s2, False)[1], dtype=torch.int64, device=device)
+            keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
+            stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
+
+            def two(t, d):
+                fps.verify_keys(t, d, start, vocab, out=keys2, block_size=block, num_splits=s2)
+                fps.verify_sums(t, d, keys2, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k,
+                                out=sums, block_size=block, num_splits=s2)
+
+            def one(t, d):
+                block_stats(t, d, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys1,
+                            stats_out=stats, num_splits=s1)
+
+            t2 = timer.time_graph([lambda s=s: two(*s) for s in sets])
+            t1 = timer.time_graph([lambda s=s: one(*s) for s in sets])
+            fl = floor_us((rt + rq) * width * elt, bw)
+            table.append([tp, width, b, s2, s1, fmt(fl, 2), fmt(t2, 2), fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
+    print_table(
+        f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, {args.dtype}, V={vocab}, K={k}",
+        ["tp", "aligned width", "B", "chunks (two-pass)", "chunks (one pass)", "floor us", "keys + sums us",
+         "one pass us", "two / one", "one / floor"],
+        table,
+        notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
+               "top-p; the one-pass statistics are not in rejection_sample yet (docs/rejection_sampling.md)."])
+
+
 def capture_graph(call) -> "torch.cuda.CUDAGraph":
     """``call`` warmed up on a side stream, then captured in a CUDA graph (returned, not replayed)."""
     stream = torch.cuda.Stream()
@@ -287,6 +348,9 @@ def run(args: argparse.Namespace) -> None:
         fps.HIST_WINDOW = args.hist_window
     if args.profile:
         _profile(args, device, dtype)
+        return
+    if args.one_pass_stats:
+        _one_pass_stats(args, timer, device, dtype)
         return
     vocab, k = args.vocab, args.draft_len
     batches = [int(x) for x in args.batch_sizes.split(",")]

@@ -166,6 +166,24 @@ def _rejection():
                                                      top_p, start, size, tp, tp - 1, None, ws))
 
 
+def _block_stats():
+    """The one-pass statistics (not in the step yet: bench verify --one-pass-stats times it): bf16 on Llama 3's
+    block-aligned last TP-4 shard, at one row group's chunks (2 blocks each) and at 480 rows (whole-shard chunks)."""
+    from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats
+    from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks
+
+    width = STAT_BLOCK * -(-(-(-VOCAB // 4)) // STAT_BLOCK)
+    k = 7
+    for b, splits in ((1, 32), (32, 2)):
+        rt, rq = b * (k + 1), b * k
+        s, _ = plan_chunks(width, STAT_BLOCK, splits)
+        temps, _, _ = _rows(b)
+        block_stats(torch.zeros(rt, width, dtype=torch.bfloat16), torch.zeros(rq, width, dtype=torch.bfloat16), temps,
+                    3 * width, VOCAB, tokens=torch.zeros(b, k, dtype=torch.int64), row_div=k + 1, row_div_q=k,
+                    keys_out=torch.zeros(rt + rq, s, 2, dtype=torch.int64),
+                    stats_out=torch.zeros(rt + rq, s, STATS_COLS, dtype=torch.int64), num_splits=splits)
+
+
 # -- the step's small kernels ---------------------------------------------------------------------------------
 def _step_bookkeeping():
     from tensorrt_llm_ext.kernels.block_table import decode_block_table
@@ -374,6 +392,7 @@ SWEEP: tuple[SweepCase, ...] = (
                                 _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=15),
     SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
                                         _K + "rejection_sample:_rejection_assemble_kernel"), cost=53),
+    SweepCase("block_stats", _block_stats, (_K + "block_stats:_block_stats_kernel",), captured=False, cost=4),
     SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
                                                       _K + "strict_accept:_strict_accept_kernel",
                                                       _K + "paged_latent:_paged_latent_step_kernel",

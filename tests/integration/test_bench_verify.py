@@ -46,3 +46,19 @@ def test_flashinfer_peer_reports_why_it_is_absent():
     assert (make is not None) == has_fi and (why is None) == has_fi
     if not has_fi:
         assert "CUDA" in why or "does not import" in why
+
+
+def test_bench_verify_one_pass_stats_times_both_forms(capsys, monkeypatch):
+    """``--one-pass-stats``: one row per (tp, B) on the last block-aligned shard, both forms launched (CPU: once
+    each under the interpreter, untimed)."""
+    from tensorrt_llm_ext.kernels import block_stats, fixed_point_softmax
+
+    launched = []
+    for mod, name in ((block_stats, "block_stats"), (fixed_point_softmax, "verify_sums")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: (launched.append(_n), _fn(*a, **kw))[1])
+    assert main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1"]) == 0
+    text = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) +\| (\d+) +\| 1 ", text, flags=re.M)
+    assert rows == [("1", "4096"), ("2", "2048")]  # smoke: V = 3079, widths 1024 ceil(ceil(V / tp) / 1024)
+    assert launched.count("block_stats") >= 2 and launched.count("verify_sums") >= 2

@@ -1,0 +1,134 @@
+"""The one-pass statistics over 1024-id blocks (kernels/block_stats.py): kernel vs eager twin (bit for bit under the
+interpreter, within the SFU's tolerance on a GPU), the combined row bins bitwise the same at TP 1 / 2 / 3 / 4 on
+block-aligned shards and across column chunks, the masses against float64, and the alignment check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.block_stats import (STAT_BINS, STAT_BLOCK, STATS_COLS, block_stats,
+                                                  block_stats_reference, row_bins_reference, row_mass_reference)
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
+from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks, weight_scale_torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAN, INF = float("nan"), float("inf")
+VOCAB = 6 * STAT_BLOCK + 7  # aligned shards of 4096 / 3072 / 2048 ids at TP 2 / 3 / 4: the last holds 7 real ids at TP 3, 4
+
+
+def _inputs(b: int = 4, k: int = 2, vocab: int = VOCAB, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(b * (k + 1), vocab, generator=g) * 2.0
+    draft = torch.randn(b * k, vocab, generator=g) * 2.0
+    target[0, 3] = NAN
+    target[1] = -INF  # no finite logit
+    target[2, STAT_BLOCK - 1: STAT_BLOCK + 1] = 9.0  # a tie on a block (and shard) boundary
+    target[3, : vocab // 2] = -INF  # whole blocks empty
+    target[3, vocab - 3:] = 12.0  # the max on the last real ids
+    target[4] = target[4] * 0.01 - 40.0  # blocks far below ...
+    target[4, 5] = 30.0  # ... one heavy token: most blocks fall out of the bins
+    draft[0, 2 * STAT_BLOCK] = 25.0
+    draft[1, :] = 0.0  # flat
+    tokens = torch.randint(0, vocab, (b, k), generator=g)
+    tokens[0, 0], tokens[0, 1], tokens[1, 0] = vocab - 1, 3, STAT_BLOCK
+    temps = torch.tensor([1.0, 0.0, 2.0, 1e-5][:b])
+    return target.to(torch.bfloat16), draft.to(torch.bfloat16), tokens, temps, k
+
+
+def _run(fn, target, draft, temps, tokens, k, start, vocab, splits):
+    rt, rq = target.shape[0], draft.shape[0]
+    s, _ = plan_chunks(target.shape[1], STAT_BLOCK, splits)
+    keys = torch.full((rt + rq, s, 2), 7, dtype=torch.int64, device=target.device)
+    stats = torch.full((rt + rq, s, STATS_COLS), 7, dtype=torch.int64, device=target.device)
+    fn(target, draft, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys, stats_out=stats,
+       num_splits=splits)
+    return keys.cpu(), stats.cpu()
+
+
+def _aligned(x: torch.Tensor, tp: int, rank: int, pad: float):
+    """Rank ``rank``'s block-aligned shard of ``x [R, V]`` (width a multiple of STAT_BLOCK), padded with ``pad``."""
+    vocab = x.shape[1]
+    width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)
+    start = rank * width
+    out = torch.full((x.shape[0], width), pad, dtype=x.dtype)
+    n = max(0, min(width, vocab - start))
+    out[:, :n] = x[:, start:start + n]
+    return out, start
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_kernel_equals_twin(splits):
+    target, draft, tokens, temps, k = _inputs()
+    args = [t.to(DEV) for t in (target, draft, temps, tokens)]
+    keys, stats = _run(block_stats, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
+    keys_r, stats_r = _run(block_stats_reference, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
+    assert torch.equal(keys, keys_r)
+    if DEV == "cpu":  # both take numpy's exp2
+        assert torch.equal(stats, stats_r)
+    else:  # grid points exact; masses within the SFU exp2's 2^-22 per token and one truncated unit per token
+        assert torch.equal(stats[:, :, 0], stats_r[:, :, 0]) and torch.equal(stats[:, :, -1], stats_r[:, :, -1])
+        torch.testing.assert_close(stats[:, :, 1:-1].double(), stats_r[:, :, 1:-1].double(), rtol=2.0**-20,
+                                   atol=VOCAB)
+
+
+def test_row_bins_tp_and_chunk_invariant():
+    """Kernel vs kernel: the row's grid point, bins and the drafted tokens' (F_b, R_b) from the slots of TP 2 / 3 / 4
+    block-aligned shards (the last rank's padding NaN or a value above every logit: never read) equal TP 1's,
+    whatever the column chunks. Bitwise on every backend."""
+    target, draft, tokens, temps, k = _inputs()
+    t, d, tk, tm = (x.to(DEV) for x in (target, draft, tokens, temps))
+    _, ref_stats = _run(block_stats, t, d, tm, tk, k, 0, VOCAB, 4)
+    ref_r, ref_bins = row_bins_reference(ref_stats)
+    ref_tok = ref_stats[:, :, STAT_BINS + 1:].amax(1)  # the one slot that owns the token (others 0 / EMPTY_KEY)
+    assert bool((ref_r[[0, 2, 3, 4]] != EMPTY_KEY).all()) and ref_r[1] == EMPTY_KEY and not ref_bins[1].any()
+    for tp, splits, pad in ((2, 3, NAN), (3, 1, 1e4), (4, 2, NAN), (4, 8, 1e4)):
+        slots = []
+        for rank in range(tp):
+            ts, start = _aligned(target, tp, rank, pad)
+            ds, _ = _aligned(draft, tp, rank, pad)
+            slots.append(_run(block_stats, ts.to(DEV), ds.to(DEV), tm, tk, k, start, VOCAB, splits)[1])
+        stats = torch.cat(slots, 1)
+        r, bins = row_bins_reference(stats)
+        assert torch.equal(r, ref_r) and torch.equal(bins, ref_bins), (tp, splits)
+        assert torch.equal(stats[:, :, STAT_BINS + 1:].amax(1), ref_tok), (tp, splits)
+
+
+def test_masses_match_float64():
+    """``Z 2^-30 = sum_i bin_i 2^-(i + 30)`` is the float64 ``sum 2^(x c - R)`` over the tokens that weigh (within
+    2^-20), and a token's probability ``F_b 2^-(R - R_b) / Z`` is its float64 softmax (within 2^-20 and one unit of
+    ``F_b``)."""
+    target, draft, tokens, temps, k = _inputs()
+    t, d, tk, tm = (x.to(DEV) for x in (target, draft, tokens, temps))
+    _, stats = _run(block_stats, t, d, tm, tk, k, 0, VOCAB, 3)
+    r, bins = row_bins_reference(stats)
+    z = row_mass_reference(bins)
+    x = torch.cat([target, draft]).double()
+    # the kernels' fp32 c = div_rn(log2 e, T) is part of the definition (at T = 1e-5 its rounding moves x c by a
+    # fraction of a binade, the same for every token of the row)
+    c = weight_scale_torch(torch.cat([temps.repeat_interleave(k + 1), temps.repeat_interleave(k)])).double()
+    b = tokens.shape[0]
+    # each row's drafted token (target row K of a request has none: -1)
+    tok = torch.cat([torch.cat([tokens, torch.full((b, 1), -1)], 1).reshape(-1), tokens.reshape(-1)])
+    for row in [r for r in range(x.shape[0]) if r != 1]:  # row 1 has no finite logit; T = 1, 0 (as 1), 2, 1e-5
+        fin = torch.isfinite(x[row])
+        e = torch.exp2(torch.where(fin, x[row] * c[row] - float(r[row]), torch.full_like(x[row], -INF)))
+        assert abs(float(z[row]) * 2.0**-30 / float(e.sum()) - 1) < 2.0**-20, row
+        f_tok, r_tok = stats[row, :, STAT_BINS + 1].amax(), stats[row, :, STAT_BINS + 2].amax()
+        if tok[row] >= 0 and bool(fin[tok[row]]):
+            assert r_tok != EMPTY_KEY, row
+            p = float(f_tok) * 2.0 ** -(float(r[row]) - float(r_tok)) / float(z[row])
+            soft = torch.softmax(torch.where(fin, x[row] * c[row], torch.full_like(x[row], -INF)) * 0.6931471805599453, 0)
+            want = float(soft[tok[row]])
+            assert abs(p - want) <= 2.0**-20 * want + 2.0**-28, (row, p, want)  # + one truncated unit of F
+
+
+def test_unaligned_shard_and_bad_outputs_refused():
+    target, draft, tokens, temps, k = _inputs()
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        _run(block_stats, target[:, :100].contiguous(), draft[:, :100].contiguous(), temps, tokens, k, 5, VOCAB, 1)
+    rows = target.shape[0] + draft.shape[0]
+    keys = torch.zeros(rows, 1, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="stats_out"):
+        block_stats(target, draft, temps, 0, VOCAB, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys,
+                    stats_out=torch.zeros(rows, 1, STATS_COLS - 1, dtype=torch.int64))
