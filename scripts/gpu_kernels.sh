@@ -15,7 +15,9 @@
 #   5. bench verify --one-pass-stats: the one-pass block statistics against verify_keys + verify_sums (TP 1 / 4
 #      aligned shards, B = 1 / 8 / 32 / 128): whether the one-pass design is worth wiring in;
 #   6. bench select: the main table (greedy % of floor, gumbel / greedy) at 64 and 256 rows;
-#   7. bench markov: the chain per B on the full vocabulary (no schedule variants) and on the TP-4 shard.
+#   7. bench markov: the chain per B on the full vocabulary (no schedule variants) and on the TP-4 shard;
+#   8. with the time left: bench verify --profile at B = 32 with round 0 all-atomic (--hist-window 0) and with
+#      4096-column tiles, against stage 2's rows.
 # Every stage has its own limit and the whole run stays under T_TOTAL (default 560 s): a later stage gets what
 # is left. The benches run one after another, after the tests, so their timings do not share the GPU.
 set -u
@@ -57,7 +59,7 @@ tests() {  # tests NAME IDS...: one pytest process, verbose (a run cut short sti
   echo "$name rc=$? $(grep -cE ' PASSED' "$logs/$name.log") passed, $(grep -cE ' (FAILED|ERROR)' "$logs/$name.log") failed: $(tail -1 "$logs/$name.log")" \
     >> "$summary"
 }
-T_TESTS=$(( $(left) < ${T_TESTS:-170} ? $(left) : ${T_TESTS:-170} ))
+T_TESTS=$(( $(left) < ${T_TESTS:-150} ? $(left) : ${T_TESTS:-150} ))
 t0=$SECONDS
 tests tests_verification $verification_ids &
 tests tests_selection $selection_ids &
@@ -67,11 +69,17 @@ echo "tests (three processes at once) $((SECONDS - t0))s (limit ${T_TESTS}s)" >>
 pack
 run verify_profile 50 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 1,32
 run verify 85 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
-run step_sampled 115 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling --profile --batch-sizes 1,8,32
+run step_sampled 140 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling --profile --batch-sizes 1,8,32
 run verify_one_pass 35 python3 -m tensorrt_llm_ext.cli bench verify --one-pass-stats --tp-sizes 1,4 --batch-sizes 1,8,32,128
 run select 40 python3 -m tensorrt_llm_ext.cli bench select --tables main --rows 64,256 --tp-sizes 1,4
-run markov 80 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 --tp-sizes 4 --tp-batch 1,32,128
-for name in verify_profile verify step_sampled verify_one_pass select markov; do  # the tables themselves (titles and rows)
+run markov 60 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 --tp-sizes 4 --tp-batch 1,32,128
+# what is left: round 0 all-atomic (--hist-window 0) and 4096-column tiles, B = 32, against verify_profile's rows
+run verify_profile_atomic 25 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 32 \
+  --hist-window 0
+run verify_profile_block4096 25 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 32 \
+  --block-size 4096
+for name in verify_profile verify step_sampled verify_one_pass select markov verify_profile_atomic \
+  verify_profile_block4096; do  # the tables themselves (titles and rows)
   echo "--- $name" >> "$summary"
   grep -hE "^(### |\| )" "$logs/$name.log" 2>/dev/null | head -80 >> "$summary"
 done

@@ -77,6 +77,15 @@ def acceptance_per_position(lens: list[int], k: int) -> list[float]:
     return [sum(1 for n in lens if n - 1 >= j) / len(lens) for j in range(1, k + 1)]
 
 
+def conditional_acceptance(lens: list[int], k: int) -> list[float]:
+    """Per position ``j = 1 .. k``, the fraction of the steps that accepted the first ``j - 1`` drafts which also
+    accepted draft ``j`` (acceptance by position divided by the one before it; nan where no step got that far).
+    A drafter whose positions all accept ``p`` reads ``p`` everywhere, where the cumulative column decays as
+    ``p^j``: this column tells a later position that is worse than the first from a uniformly low one."""
+    reached = [len(lens)] + [sum(1 for n in lens if n - 1 >= j) for j in range(1, k + 1)]
+    return [reached[j] / reached[j - 1] if reached[j - 1] else float("nan") for j in range(1, k + 1)]
+
+
 def _progress_logger(label: str, budget: int, every_s: float = 30.0):
     """A ``progress(num_new_tokens)`` callback that logs the tokens made so far every ``every_s`` seconds."""
     state = {"tokens": 0, "t0": time.perf_counter(), "last": time.perf_counter()}
@@ -150,19 +159,22 @@ def run(args: argparse.Namespace) -> int:
                         print(f"error: {len(errors)} request(s) failed: {errors[0]}")
                         return 1
                     per_pos = " ".join(fmt(x, 2) for x in acceptance_per_position(lens, k))
+                    given = " ".join(fmt(x, 2) for x in conditional_acceptance(lens, k))
                     logger.info(f"bench acceptance: {label}: {sum(lens) / max(len(lens), 1):.3f} ({wall:.0f} s)")
                     rows.append([variant, k, name, len(results), len(lens), sum(lens),
-                                 fmt(sum(lens) / len(lens) if lens else float("nan"), 3), per_pos, fmt(wall, 1)])
+                                 fmt(sum(lens) / len(lens) if lens else float("nan"), 3), per_pos, given,
+                                 fmt(wall, 1)])
                 del engine
     notes = [f"model {model.name}; drafter {drafter if 'trained' in args.variants else '-'}; {len(prompts)} "
              f"{args.prompt_set} prompts (first turns, chat template), max_new_tokens {args.max_new_tokens}, max_batch_size {args.batch_size}, "
              f"cuda_graph {'on' if args.cuda_graph and torch.cuda.is_available() else 'off'}. acceptance length = "
              "tokens gained per generation step (accepted drafts + bonus), over every step of every request; "
              "bigram = the engine's seeded drafter with the target's bigram Markov head (no drafter checkpoint); "
-             "T=1 rows verify by rejection sampling."]
+             "T=1 rows verify by rejection sampling. acceptance by position k = the fraction of steps whose first k "
+             "drafts were all accepted; given the previous = that fraction over the one at k - 1."]
     text = print_table(f"bench acceptance: mean acceptance length on {args.prompt_set}",
                        ["drafter", "K", "sampling", "requests", "steps", "tokens", "mean acceptance length",
-                        "acceptance by position", "wall s"], rows, notes)
+                        "acceptance by position", "given the previous", "wall s"], rows, notes)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")

@@ -449,6 +449,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     fit = fit_schedule and max_seconds is not None
     fit_start = fit_span = None  # wall time of the first step and the budget left then (fit_schedule)
     fitted_end = None  # the step at which the fitted schedule ended the run
+    recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
     for step in bar:
         time_frac = 0.0
         if fit:
@@ -487,6 +488,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         rate = trained_positions / max(time.time() - t0, 1e-9)
         history.append({"step": step + 1, "loss": metrics["loss"], "tv": metrics["tv"], "ce": metrics["ce"],
                         "bce": metrics["bce"], "accept_est": metrics["accept_est"]})
+        recent_top1 = (recent_top1 + [metrics["top1"]])[-TRAIN_TOP1_STEPS:]
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
                             accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
@@ -523,7 +525,11 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,
                                               "draft_len": tc.draft_len, "prompts": tc.eval_prompts},
-               "held_out_confidence": calibration}
+               "held_out_confidence": calibration,
+               # beside held_out_confidence.teacher_forced_top1: the same measure on the batches the drafter trains
+               # on (the last TRAIN_TOP1_STEPS steps of this call); their gap per position is the generalisation gap
+               "train_top1_by_position": ([round(sum(col) / len(col), 4) for col in zip(*recent_top1)]
+                                          if recent_top1 else None)}
     write_drafter_atomically(out_dir, dcfg, layers, weights, summary)
     if stopped_at is None and not keep_state and state_path.is_file():
         size = state_path.stat().st_size
@@ -533,7 +539,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     if final_eval is not None:
         logger.info(f"train-drafter: held-out greedy acceptance length K={tc.draft_len}: {init_eval} (init "
                     f"{tc.init}) -> {final_eval:.3f} (trained); by position {final_by_position}; teacher-forced "
-                    f"top-1 on held-out {calibration['teacher_forced_top1']}")
+                    f"top-1 on held-out {calibration['teacher_forced_top1']} (on the last training batches "
+                    f"{summary['train_top1_by_position']})")
     return summary
 
 
@@ -664,6 +671,7 @@ def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -
                        "init_eval": init_eval}, path)
 
 
+TRAIN_TOP1_STEPS = 50  # training.json's train_top1_by_position averages this many last steps
 FROZEN = ("embed_tokens.weight",)  # copied from the target, never trained
 STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
 DATA_KEYS = ("tokens", "lens", "prompt_lens")

@@ -79,6 +79,9 @@ def test_fit_schedule_completes_at_the_budget_with_the_learning_rate_decayed(tin
     assert main(args + ["--fit-schedule"]) == 0
     s = json.loads((d / "dspark_drafter" / "training.json").read_text())
     assert s["complete"] and 2 <= s["steps_done"] < 1000000 and s["schedule"] == "cosine fitted to --max-seconds"
+    top1 = s["train_top1_by_position"]  # the training batches' per-position top-1, beside the held-out one
+    assert len(top1) == 3 and all(0.0 <= x <= 1.0 for x in top1)
+    assert len(s["held_out_confidence"]["teacher_forced_top1"]) == 3
     state = torch.load(d / "dspark_drafter_work" / "trainer_state.pt", weights_only=True)
     last_lr = state["optimizer"]["param_groups"][0]["lr"]  # the learning rate of the last step taken
     assert last_lr < 0.05 * 3e-3, last_lr

@@ -66,9 +66,10 @@ def test_kernel_equals_twin(splits):
     assert torch.equal(keys, keys_r)
     if DEV == "cpu":  # both take numpy's exp2
         assert torch.equal(stats, stats_r)
-    else:  # grid points exact; masses within the SFU exp2's 2^-22 per token
+    else:  # grid points exact; masses within the SFU exp2's 2^-22 per token and one truncated unit per token
         assert torch.equal(stats[:, :, 0], stats_r[:, :, 0]) and torch.equal(stats[:, :, -1], stats_r[:, :, -1])
-        torch.testing.assert_close(stats[:, :, 1:-1].double(), stats_r[:, :, 1:-1].double(), rtol=2.0**-20, atol=4)
+        torch.testing.assert_close(stats[:, :, 1:-1].double(), stats_r[:, :, 1:-1].double(), rtol=2.0**-20,
+                                   atol=VOCAB)
 
 
 def test_row_bins_tp_and_chunk_invariant():
