@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import triton.language as tl
 from triton.runtime import interpreter as ti
 
-from tensorrt_llm_ext.testing.interpreter import cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes
+from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes,
+                                                  compare_int_tuples_directly)
 
 _SCALARS = (tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv)
@@ -34,7 +37,7 @@ def _triton_own(method):
     """Triton's own method behind an installed shortcut (the tests' conftest installs them at start)."""
     for cell in method.__closure__ or ():
         fn = cell.cell_contents
-        if callable(fn) and getattr(fn, "__module__", "") == "triton.language.core":
+        if inspect.isfunction(fn) and fn.__module__ == "triton.language.core":
             return fn
     assert method.__module__ == "triton.language.core", method
     return method
@@ -70,3 +73,16 @@ def test_cached_block_types_and_tensor_shapes_equal_tritons_own():
     for bad, err in (([3], ValueError), ([1 << 21], ValueError), ([], TypeError)):  # refused as before
         with pytest.raises(err):
             tl.block_type(tl.float32, bad)
+
+
+def test_int_tuple_comparison_answers_as_tritons_own():
+    compare_int_tuples_directly()
+    own = _triton_own(tl.tuple.__eq__)
+    assert own is not tl.tuple.__eq__
+    shapes = (tl.tuple([4, 8]), tl.tuple([tl.constexpr(4), tl.constexpr(8)]), tl.tuple([16]))
+    others = ([4, 8], [4, 9], [4], [], tl.tuple([4, 8]), [tl.constexpr(4), 8], (4, 8), tl.constexpr([4, 8]))
+    for shape in shapes:
+        for other in others:
+            got, want = shape == other, own(shape, other)
+            assert type(got) is type(want) and bool(got) == bool(want), (shape, other)
+            assert (shape != other) == (not want)
