@@ -31,6 +31,8 @@ class _Env:
     # bad ones (FlashInfer's opt-in checks); off in serving, where SamplingParams.check already ran. Tests turn
     # it on (tests/conftest.py).
     check_values: bool = False
+    # TLLM_EXT_PDL=0: the target's small-step kernels launch without programmatic dependent launch (Hopper+).
+    pdl: bool = True
     # `trtllm-ext serve`'s API key when --api-key is not given (vLLM's VLLM_API_KEY); never logged.
     api_key: str | None = field(default=None, repr=False)
     errors: tuple[str, ...] = field(default=())
@@ -38,7 +40,7 @@ class _Env:
     def describe(self) -> str:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
                 f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
-                f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}")
+                f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}")
 
 
 def _read() -> _Env:
@@ -61,6 +63,7 @@ def _read() -> _Env:
         log_level=level,
         serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
         check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
+        pdl=os.environ.get("TLLM_EXT_PDL", "1") != "0",
         api_key=os.environ.get("TLLM_EXT_API_KEY"),  # "" kept: serve refuses an empty key (unset the variable instead)
         errors=tuple(errors),
     )

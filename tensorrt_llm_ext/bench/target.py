@@ -6,12 +6,14 @@ cache holds C tokens), each a CUDA graph replayed (median):
 
 * ``decode fwd``: the target forward of one token per row (``[B, 1]``);
 * ``verify fwd``: the forward of a K+1 block per row (``[B, K+1]``, the speculative step's verification and the
-  shape of this runtime's target-only decode);
-* ``target-only step``: the engine's non-speculative decode step (the verify-shaped forward, the head, greedy
-  selection; what ``generate --mode target_only`` and ``serve --no-speculation`` replay);
+  shape of the lossless reference decode, mode ``reference``);
+* ``target-only step``: the engine's non-speculative decode step (the ``[B, 1]`` forward, the head, greedy
+  selection; what ``Engine.generate(mode="target_only")`` and ``serve --no-speculation`` replay);
 * ``attn``: the paged decode attention of one layer (``T = 1``), rotated over the layers' pools, against its
   KV-bytes floor, and FlashInfer's paged decode at the same shape when ``flashinfer`` imports (else a line
   saying why the column is absent);
+* ``decode no-PDL``: ``decode fwd`` with programmatic dependent launch off (``TLLM_EXT_PDL=0``; on by default
+  on Hopper: the fused layer's kernels and the attention start while the previous kernel finishes);
 * ``floor``: the bytes a decode step must read (every weight but the embedding once, plus ``B * C`` tokens of
   K/V) at the measured copy bandwidth; ``launches``: kernels of one eager ``[1, 1]`` decode forward;
 * ``decode fused`` / ``decode unfused`` / ``verify fused`` / ``verify unfused``: both forwards with each layer
@@ -67,7 +69,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-shapes", default="llama-8b" if cuda else "tiny",
                    help="shapes that also time the speculative step ('' for none)")
     p.add_argument("--batch-sizes", default="1,8,32,64" if cuda else "1,2")
-    p.add_argument("--contexts", default="512,2048,8192" if cuda else "16,40")
+    p.add_argument("--contexts", default="512,1024,2048,8192" if cuda else "16,40")
+    p.add_argument("--no-layer-compare", action="store_true",
+                   help="time only the layer the model picks (skip the forced fused / unfused columns)")
+    p.add_argument("--no-attn-configs", action="store_true",
+                   help="skip the table timing every CONFIG_CANDIDATES entry")
     p.add_argument("--draft-len", type=int, default=7 if cuda else 3)
     p.add_argument("--page-size", type=int, default=32 if cuda else 8)
 
@@ -159,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import CONFIG_CANDIDATES, decode_config, paged_attention
+    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, decode_config,
+                                                          paged_attention)
+    from tensorrt_llm_ext.kernels.common import set_programmatic_launch
     from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
@@ -194,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         del weights
         target, st, k = eng.target, eng.state, eng.draft_len
         worker = eng.worker("speculative", sampling=False)
-        ref = ReferenceDecoder(worker)
+        ref = ReferenceDecoder(worker, verify_shaped=False)  # the serving decode: [B, 1] rows
         kv = st.kv_cache
         elem = target.dtype.itemsize
         weight_bytes = sum(p.numel() for n, p in target.named_parameters() if not n.startswith("embed_tokens")) * elem
@@ -233,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
                                              for tok, pos in ((tok1, pos1), (tokk, posk)))
                 # Both layers at both shapes (fused five-launch layer / unfused cuBLAS layer): the comparison that
                 # sets FUSED_MAX_ROWS; "decode fwd" / "verify fwd" are the ones the model picks at this shape.
-                for kernels in (("fused", "unfused") if fusable else ("unfused",)):
+                picks = {n: "fused" if target._fused_layers(r, tok1) else "unfused" for n, r in
+                         (("decode", b), ("verify", b * (k + 1)))}
+                compare = ("fused", "unfused") if fusable else ("unfused",)
+                for kernels in compare if not args.no_layer_compare else sorted(set(picks.values())):
                     target.layer_kernels = kernels
                     try:
                         t["decode_" + kernels] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)],
@@ -242,8 +253,14 @@ def run(args: argparse.Namespace) -> int:
                                                                   min_calls_per_graph=4)
                     finally:
                         target.layer_kernels = "auto"
-                for name, rows_n in (("decode", b), ("verify", b * (k + 1))):
-                    t[name] = t[name + ("_fused" if target._fused_layers(rows_n, tok1) else "_unfused")]
+                for name in ("decode", "verify"):
+                    t[name] = t[name + "_" + picks[name]]
+                # The same [B, 1] forward with programmatic dependent launch off (what PDL saves per step).
+                prev = set_programmatic_launch(False)
+                try:
+                    t["decode_nopdl"] = timer.time_graph([lambda: target(tok1, pos1, slots, kv)], min_calls_per_graph=4)
+                finally:
+                    set_programmatic_launch(prev)
                 q = torch.randn(b, 1, tcfg.num_heads // eng.mapping.tp_size, tcfg.head_dim, generator=g, device=dev
                                 ).to(target.dtype)
                 layers = range(min(tcfg.num_layers, 8))
@@ -252,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
                                                                           pos1, scale) for i in layers])
                 cfg_t = [timer.time_graph([lambda i=i, c=c: paged_attention(q, kv.k[i], kv.v[i], kv.page_table, slots,
                                                                             pos1, scale, config=c) for i in layers])
-                         for c in CONFIG_CANDIDATES]
+                         if not args.no_attn_configs else float("nan") for c in CONFIG_CANDIDATES]
                 fi_t = float("nan")
                 if fi is not None:
                     try:
@@ -263,10 +280,11 @@ def run(args: argparse.Namespace) -> int:
                 kv_bytes = b * (ctx + 1) * kv_tok
                 floor = floor_us(weight_bytes + kv_bytes, bw)
                 attn_floor = floor_us(kv_bytes // tcfg.num_layers, bw)
-                rows.append([b, ctx, fmt(t["decode"]), fmt(t["verify"]), fmt(t["target_only"]), fmt(floor),
+                rows.append([b, ctx, fmt(t["decode"]), fmt(t["decode_nopdl"]), fmt(t["verify"]), fmt(t["target_only"]),
+                             fmt(floor),
                              fmt(t["decode"] / floor, 2), fmt(t.get("decode_fused", float("nan"))),
-                             fmt(t["decode_unfused"]), fmt(t.get("verify_fused", float("nan"))),
-                             fmt(t["verify_unfused"]), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                             fmt(t.get("decode_unfused", float("nan"))), fmt(t.get("verify_fused", float("nan"))),
+                             fmt(t.get("verify_unfused", float("nan"))), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
                 best = min(range(len(cfg_t)), key=lambda j: cfg_t[j] if cfg_t[j] == cfg_t[j] else float("inf"))
                 timed = cfg_t[best] == cfg_t[best]  # nan: a CPU smoke run
                 cfg_rows.append([b, ctx, *[fmt(x) for x in cfg_t], fmt(attn_floor),
@@ -298,16 +316,19 @@ def run(args: argparse.Namespace) -> int:
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         text.append(print_table(f"bench target: {name} decode step vs floor",
-                                ["B", "C", "decode fwd", "verify fwd", "target-only step", "floor", "decode/floor",
+                                ["B", "C", "decode fwd", "decode no-PDL", "verify fwd", "target-only step", "floor",
+                                 "decode/floor",
                                  "decode fused", "decode unfused", "verify fused", "verify unfused",
                                  "launches dec/ver", "attn", "attn floor",
                                  "attn/floor", "flashinfer attn"], rows, notes))
-        text.append(print_table(
-            f"bench target: {name} paged decode attention by launch config",
-            ["B", "C", *[c.describe() for c in CONFIG_CANDIDATES], "attn floor", "best", "best/floor"], cfg_rows,
-            [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
-             f"(nN = keys per iteration, wW = warps, sS = pipeline stages); the model runs DECODE_CONFIGS[{tcfg.head_dim}]"
-             f" = {decode_config(tcfg.head_dim).describe()}"]))
+        if not args.no_attn_configs:
+            text.append(print_table(
+                f"bench target: {name} paged decode attention by launch config",
+                ["B", "C", *[c.describe() for c in CONFIG_CANDIDATES], "attn floor", "best", "best/floor"], cfg_rows,
+                [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
+                 f"(nN = keys per iteration, wW = warps, sS = pipeline stages, pP = a decode row's keys in P pieces "
+                 f"sized from its length, f = fixed {SPLIT_TOKENS}-key pieces); the model runs "
+                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()}"]))
         if spec_rows:
             text.append(print_table(
                 f"bench target: {name} speculative step vs target-only step",

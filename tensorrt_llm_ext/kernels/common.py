@@ -21,8 +21,8 @@ from tensorrt_llm_ext._env import ENV
 
 __all__ = [
     "INT_DTYPES", "CaptureAllocationError", "check_contiguous", "check_devices", "check_int", "check_tensor",
-    "is_capturing", "num_warps_for",
-    "refuse_allocation_while_capturing", "triton_runs_on",
+    "is_capturing", "num_warps_for", "programmatic_launch",
+    "refuse_allocation_while_capturing", "set_programmatic_launch", "triton_runs_on",
 ]
 
 
@@ -32,6 +32,28 @@ INT_DTYPES = (torch.int32, torch.int64)
 def triton_runs_on(t: torch.Tensor) -> bool:
     """True when a Triton kernel can take ``t`` (CUDA, or CPU with TRITON_INTERPRET=1)."""
     return t.is_cuda or ENV.triton_interpret
+
+
+_PDL = {"on": ENV.pdl}
+
+
+def set_programmatic_launch(on: bool) -> bool:
+    """Turn programmatic dependent launch on / off for later launches (graphs keep what they captured); returns
+    the previous setting. ``TLLM_EXT_PDL=0`` starts a process with it off. The benchmark's comparison."""
+    prev, _PDL["on"] = _PDL["on"], bool(on)
+    return prev
+
+
+def programmatic_launch(t: torch.Tensor) -> bool:
+    """Whether a launch over ``t`` uses programmatic dependent launch (PDL): on CUDA at compute capability 9.0+,
+    never under the interpreter (it does not run ``griddepcontrol``), unless switched off.
+
+    A kernel launched so may start while the previous kernel of the stream still runs: before its
+    ``gdc_wait()`` it reads only what no kernel of the step writes (weights, norm weights, biases) and writes
+    nothing; it calls ``gdc_launch_dependents()`` right after the wait, so at most one kernel runs ahead."""
+    if not _PDL["on"] or not t.is_cuda or ENV.triton_interpret:
+        return False
+    return torch.cuda.get_device_properties(t.device).major >= 9
 
 
 def is_capturing(device: torch.device | str | None = None) -> bool:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_tensor
+from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
@@ -86,7 +86,7 @@ def _fused_linear_kernel(
     m, n, k, stride_xm, stride_wn, stride_rm, stride_om, eps,
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,12 +94,34 @@ def _fused_linear_kernel(
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
+    w_rows = cols.to(tl.int64) * stride_wn
+    k_begin = 0
+    if PDL:
+        # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
+        # the previous kernel finishes; x and the residual are read after the wait.
+        kk0 = tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
+        w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if EPILOGUE == 1:
+            w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        k_begin = BLOCK_K
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    w_rows = cols.to(tl.int64) * stride_wn
-    for k0 in range(0, k, BLOCK_K):
+    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+        acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
+        if EPILOGUE == 1:
+            acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -245,12 +267,13 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         block_m, block_n, block_k, warps = fused_linear_settings(
             m, n, k, max(x.element_size(), weight.element_size()), epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
+    pdl = programmatic_launch(x)
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        num_warps=warps,
+        PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )
     return out
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor
+from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
                                                    _row_rstd, dot_settings, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
@@ -57,7 +57,7 @@ def _fused_qkv_rope_kernel(
     stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -67,13 +67,33 @@ def _fused_qkv_rope_kernel(
     i = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
     c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
+    w1_rows = c1.to(tl.int64) * stride_wn
+    w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
+    k_begin = 0
+    if PDL:
+        # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
+        # finishes; x, positions, cos / sin and the table are read after the wait.
+        kk0 = tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
+        w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        k_begin = BLOCK_K
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    w1_rows = c1.to(tl.int64) * stride_wn
-    w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
-    for k0 in range(0, k, BLOCK_K):
+    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -221,6 +241,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
     block_m, block_half, chunks, block_k, gemv = qkv_settings(m, num_heads + 2 * kvh, half, k,
                                                               q_norm_weight is not None, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
+    pdl = programmatic_launch(x)
     dummy = qkv_weight
     _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -232,7 +253,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         num_heads * d, d,
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, num_warps=8 if block_m >= 64 or gemv else 4,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
+        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
     )
     return q_out
 

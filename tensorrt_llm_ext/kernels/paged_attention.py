@@ -51,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programmatic_launch,
+                                             refuse_allocation_while_capturing)
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
            "paged_attention_reference", "split_plan", "tile_counters"]
@@ -70,7 +71,8 @@ def _paged_attention_kernel(
     stride_qb, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,16 +83,29 @@ def _paged_attention_kernel(
     row_ok = rows < t_len * group
     t = rows // group
     head = kvh * group + rows % group
+    # The row's position, its slot and its queries are independent loads: all in flight at once.
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if PDL:
+        # Programmatic dependent launch: positions and slots are written before the step's forward, q and this
+        # step's K / V by the previous kernel: read after the wait.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     kv_len = tl.max(pos, axis=0) + 1
+    if ROW_PIECES:
+        # Decode tiles (one query position): the pieces cut the row's own keys in num_splits equal runs of
+        # whole BLOCK_N blocks (a function of the row's length only), so a short context runs as many short
+        # pieces and a long one as few long ones.
+        split_len = tl.cdiv(kv_len, num_splits * BLOCK_N) * BLOCK_N
     start = piece * split_len
-    if start < kv_len:
+    end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
+    if SPLIT:
         end = tl.minimum(start + split_len, kv_len)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
-                    + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if start < kv_len:
         q = q.to(DOT_DTYPE)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -104,6 +119,9 @@ def _paged_attention_kernel(
             off = (j % page_size).to(tl.int64)
             k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh
                         + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            # V is issued with K (both wait on the page ids only), not after the scores.
+            v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh
+                        + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
             visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -112,8 +130,6 @@ def _paged_attention_kernel(
             alpha = tl.math.exp2(m_i - m_use)
             p = tl.math.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh
-                        + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
             m_i = m_new
         seen = l_i > 0
@@ -174,11 +190,14 @@ def _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows
 @dataclass(frozen=True)
 class AttentionConfig:
     """Launch settings of the split (decode / verify) tiles: keys per inner iteration (dividing the piece),
-    warps, software-pipeline stages. Prefill tiles keep 64 keys and 4 warps."""
+    warps, software-pipeline stages, and ``pieces``: how a decode tile (``T = 1``) cuts its keys -- ``pieces``
+    equal runs of whole ``block_n`` blocks sized from the row's own length (``0``: fixed ``SPLIT_TOKENS`` pieces,
+    the verify tiles' rule). Prefill tiles keep 64 keys and 4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    pieces: int = 16
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -187,19 +206,23 @@ class AttentionConfig:
         if self.num_warps not in (1, 2, 4, 8) or not 1 <= self.num_stages <= 5:
             raise ValueError(f"AttentionConfig: num_warps in 1/2/4/8 and num_stages in 1..5, got {self.num_warps}, "
                              f"{self.num_stages}")
+        if not 0 <= self.pieces <= 256:
+            raise ValueError(f"AttentionConfig.pieces must be in 0..256 (0: fixed {SPLIT_TOKENS}-key pieces), got "
+                             f"{self.pieces}")
 
     def describe(self) -> str:
-        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
 
 
-# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch).
-# The first H200 run measured the first row (64 keys, 4 warps, 3 stages) at 1.7-1.9x the K/V floor at 8k;
-# `bench target` times CONFIG_CANDIDATES at every (B, C) so the table can be set from measurements.
-# Head dim 64: 64 keys, 4 warps, 2 stages, the fastest candidate at B <= 32 (all contexts but B = 32 C = 512,
-# within 4 % there) on the H200 (2026-12-04 notes in docs/target_forward.md).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2), 128: AttentionConfig()}
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 3), AttentionConfig(128, 4, 3), AttentionConfig(128, 8, 3),
-                     AttentionConfig(64, 4, 2))
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
+# `bench target` times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200,
+# 2026-12-04): 64 keys, 4 warps, 2 stages; a decode row's keys in 32 pieces ("p32"): within 10 % of the best
+# candidate at B = 1 / 32 and C = 512 / 1k / 8k but B = 1 C = 8k (16.8 us vs 15.2 for fixed 128-key pieces) and
+# B = 32 C = 1k (22.2 vs 15.5 for p8), and the best at B = 32 C = 8k (75.6 us vs 102 for fixed pieces). Head dim
+# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32), 128: AttentionConfig(64, 4, 3, 16)}
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 16),
+                     AttentionConfig(64, 4, 2, 32), AttentionConfig(64, 4, 3, 16), AttentionConfig(128, 8, 3, 16))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -229,12 +252,17 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
-def split_plan(num_rows: int, max_pages: int, page_size: int) -> tuple[int, int, int]:
+def split_plan(num_rows: int, max_pages: int, page_size: int, row_pieces: int = 0,
+               block_n: int = 64) -> tuple[int, int, int]:
     """``(BLOCK_M, num_m_tiles, num_splits)`` of a step with ``num_rows = T * G`` rows per (request, KV head),
-    from fixed parameters only (the step shape and the table width), never from the lengths in use."""
+    from fixed parameters only (the step shape, the table width and the config), never from the lengths in use.
+    ``row_pieces`` (decode tiles, ``T = 1``): the keys are cut in that many runs of whole ``block_n`` blocks
+    (fewer where the table is narrower); ``0``: fixed ``SPLIT_TOKENS`` pieces."""
     if num_rows <= MAX_SPLIT_ROWS:
         block_m = max(16, triton.next_power_of_2(num_rows))
-        return block_m, 1, max(1, triton.cdiv(max_pages * page_size, SPLIT_TOKENS))
+        width = max_pages * page_size
+        pieces = min(row_pieces, triton.cdiv(width, block_n)) if row_pieces else triton.cdiv(width, SPLIT_TOKENS)
+        return block_m, 1, max(1, pieces)
     return MAX_SPLIT_ROWS, triton.cdiv(num_rows, MAX_SPLIT_ROWS), 1
 
 
@@ -257,7 +285,8 @@ def _check(q, k_pool, v_pool, page_table, slot_ids, positions):
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     slot_ids: torch.Tensor, positions: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, config: AttentionConfig | None = None,
+                    programmatic: bool | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over the paged cache (see the module doc).
 
     Args:
@@ -270,6 +299,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         out: optional ``[B, T, H, D]`` of ``q``'s dtype.
         config: the split tiles' launch settings (default: :func:`decode_config` of ``D``; the benchmark's
             comparison passes others).
+        programmatic: launch with programmatic dependent launch (None: where
+            :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch` allows it). The fused layer's chain
+            gains from it; between cuBLAS launches (the unfused layer) it cost ~1.5 us per layer on the H200.
 
     Returns ``out``. CUDA-graph safe (the split partials come from the capture's pool like any torch op).
 
@@ -287,8 +319,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  unit_last_stride=True)
     if b == 0 or t == 0:
         return out
-    block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1])
-    cfg = (config or decode_config(d)) if splits > 1 else PREFILL_CONFIG
+    cfg = config or decode_config(d)
+    row_pieces = cfg.pieces if t == 1 else 0  # decode tiles: pieces sized from the row's own length
+    block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1], row_pieces, cfg.block_n)
+    if splits == 1:
+        cfg = PREFILL_CONFIG
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go
@@ -297,6 +332,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                                          else tl.float16)
     precision = "ieee" if fp32 else "tf32"
     block_d = max(16, triton.next_power_of_2(d))
+    pdl = programmatic_launch(q) and programmatic is not False
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -311,8 +347,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, DOT_DTYPE=dot_dtype,
-        PRECISION=precision, MERGE_UNROLL=MERGE_UNROLL, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, ROW_PIECES=splits > 1 and row_pieces > 0,
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
+        # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
+        MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 2048 else MERGE_UNROLL,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
 

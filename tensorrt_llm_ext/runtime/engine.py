@@ -6,7 +6,11 @@ host-side decisions depend only on tokens, which are identical on every rank). M
 
 * ``"speculative"``: one-model DSpark with the configured selection (vocab-parallel where eligible);
 * ``"gathered"``: the same, with vocab-parallel selection forced off (gathered logits everywhere);
-* ``"target_only"``: the target's own non-speculative decode, the lossless reference.
+* ``"target_only"``: the target's own non-speculative decode, one ``[B, 1]`` row per request (what
+  ``serve --no-speculation`` serves);
+* ``"reference"``: the same decode in the speculative step's ``[B, K+1]`` shape, the lossless reference
+  (``generate --check``): strict acceptance equals it bit for bit
+  (:class:`~tensorrt_llm_ext.speculative.reference_decoder.ReferenceDecoder`).
 
 :meth:`Engine.generate` runs the one batching loop of the project, the :class:`~tensorrt_llm_ext.runtime.scheduler.Scheduler`
 that ``serve`` drives too: requests are admitted in order while a slot and their cache pages are free (else
@@ -40,7 +44,7 @@ from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.model_loader import build_models
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
-from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE, Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.logprobs import token_logprobs
 from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
@@ -48,7 +52,7 @@ from tensorrt_llm_ext.speculative.step_ops import step_ops_for
 from tensorrt_llm_ext.speculative.vocab_parallel import VocabShardedLogits
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
-MODES = ("speculative", "gathered", "target_only", "stock")
+MODES = ("speculative", "gathered", "target_only", "reference", "stock")
 DEFAULT_MAX_NUM_TOKENS = 8192  # TensorRT-LLM's max_num_tokens default
 
 
@@ -145,7 +149,7 @@ class Engine:
         # a kernel exercise (train-drafter's answers on a CPU under TRITON_INTERPRET=1; the same tokens).
         self.torch_ops = torch_ops
         self._workers: dict[str, DSparkWorker] = {}
-        self._references: dict[str, ReferenceDecoder] = {}
+        self._references: dict[tuple[str, bool], ReferenceDecoder] = {}
         self._runners: dict[str, CudaGraphRunner] = {}
         self.batch_sizes = config.graph_batch_sizes() if use_cuda_graph else None  # None: every step eager
         # One memory pool for every runner's graphs: steps of different decodes never run concurrently.
@@ -195,12 +199,18 @@ class Engine:
             self._workers[key] = w
         return self._workers[key]
 
-    def reference(self, path: str = "speculative") -> ReferenceDecoder:
-        """The target-only decode (the lossless reference) over the worker of ``path``."""
-        ref = self._references.get(path)
+    def reference(self, path: str = "speculative", *, verify_shaped: bool = True) -> ReferenceDecoder:
+        """The target-only decode over the worker of ``path``: verify-shaped (the lossless reference, mode
+        ``reference``) or ``[B, 1]`` (the serving decode, mode ``target_only``)."""
+        key = (path, verify_shaped)
+        ref = self._references.get(key)
         if ref is None:
-            ref = self._references[path] = ReferenceDecoder(self.worker(path))
+            ref = self._references[key] = ReferenceDecoder(self.worker(path), verify_shaped=verify_shaped)
         return ref
+
+    def _decoder(self, mode: str) -> ReferenceDecoder:
+        """The target-only decoder of a non-speculative ``mode``."""
+        return self.reference(_path(mode), verify_shaped=mode == "reference")
 
     def runner(self, mode: str = "speculative") -> CudaGraphRunner:
         """The step runner of ``mode`` (one per decode: the speculative step of ``speculative`` / ``gathered`` /
@@ -211,8 +221,9 @@ class Engine:
         runner = self._runners.get(mode)
         if runner is None:
             worker = self.worker(_path(mode))
-            if mode == "target_only":
-                forward, name = self.reference(_path(mode)).step_outputs, "the target-only decode"
+            if mode in NON_SPECULATIVE:
+                forward = self._decoder(mode).step_outputs
+                name = "the target-only decode" if mode == "target_only" else "the lossless reference decode"
             else:
                 forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
@@ -320,8 +331,8 @@ class Engine:
         path = _path(mode)
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
-        if mode == "target_only":
-            return self.reference(path).prefill_batch(list(slots), prompts, params, starts=starts)
+        if mode in NON_SPECULATIVE:
+            return self._decoder(mode).prefill_batch(list(slots), prompts, params, starts=starts)
         worker = self.worker(path)
         firsts = worker.prefill_batch(list(slots), prompts, params, starts=starts)
         if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
@@ -338,7 +349,7 @@ class Engine:
         """Prompt positions ``start .. end-1`` of ``request`` on ``slot`` (chunked prefill between decode steps;
         :meth:`DSparkWorker.prefill_chunk`); its last chunk goes through :meth:`prefill_slots`."""
         self.worker(_path(mode)).prefill_chunk(slot, list(request.prompt_ids), start, end,
-                                               speculative=mode != "target_only")
+                                               speculative=mode not in NON_SPECULATIVE)
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative", row: int = 0):
         """The first token's ``(logprob, top k)`` of row ``row`` of the last :meth:`prefill_slots` (on every rank);
@@ -354,7 +365,7 @@ class Engine:
         request asks for logprobs (``None`` elsewhere). One batched computation (and, on a vocab-parallel
         head, its few ``[rows]`` / ``[rows, k]`` collectives) per step; call on every rank."""
         path = _path(mode)
-        k1 = 1 if mode == "target_only" else self.draft_len + 1  # logits rows per request
+        k1 = 1 if mode in NON_SPECULATIVE else self.draft_len + 1  # logits rows per request
         rows, toks, reqs, where = [], [], [], []
         for r, req in enumerate(requests):
             if req is None or req.logprobs is None:
@@ -367,7 +378,7 @@ class Engine:
         out: list[list | None] = [None if req is None or req.logprobs is None else [] for req in requests]
         if rows:
             # the target-only decode selects from gathered (full) rows; the speculative step's may be a shard
-            sharded = mode != "target_only"
+            sharded = mode not in NON_SPECULATIVE
             for r, lp in zip(where, self._logprobs(path, self._step_logits, rows, toks, reqs, sharded)):
                 out[r].append(lp)
         return out
@@ -413,7 +424,7 @@ class Engine:
         with nvtx_range(f"engine.launch.{mode}"):
             outs = runner.step(list(slots))
             self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
-            if mode == "target_only":
+            if mode in NON_SPECULATIVE:
                 new_dev, lens_dev = outs["new_tokens"][:n], None
             else:
                 new_dev, lens_dev = outs["new_tokens"][:n], outs["new_tokens_lens"][:n]
@@ -426,7 +437,7 @@ class Engine:
                 lens = torch.empty(lens_dev.shape, dtype=lens_dev.dtype, pin_memory=cuda)
                 lens.copy_(lens_dev, non_blocking=cuda)
             conf = None
-            if mode != "target_only" and self.has_confidence_head and "draft_confidences" in outs:
+            if mode not in NON_SPECULATIVE and self.has_confidence_head and "draft_confidences" in outs:
                 conf_dev = outs["draft_confidences"][:n]
                 conf = torch.empty(conf_dev.shape, dtype=conf_dev.dtype, pin_memory=cuda)
                 conf.copy_(conf_dev, non_blocking=cuda)

@@ -161,7 +161,8 @@ def main_generate(args: argparse.Namespace) -> int:
     # path is then the speculative path itself, so it is not compared.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sharded = tp > 1 and fused_ops_run_on(device)
-    modes = ["speculative"] + (["target_only"] + (["gathered"] if sharded else []) if args.check else [])
+    # --check: the lossless reference is the target-only decode in the verification's shape ("reference")
+    modes = ["speculative"] + (["reference"] + (["gathered"] if sharded else []) if args.check else [])
     job = GenerateJob(config=cfg.model_dump(mode="json"), requests=requests, modes=modes, cuda_graph=cuda_graph,
                       show_progress=not args.no_progress, progress_terminal=sys.stderr.isatty(), check_top_p=args.check and rejection)
     device += "" if device == "cuda" else (" (Triton interpreter)" if fused_ops_run_on(device) else " (torch ops)")

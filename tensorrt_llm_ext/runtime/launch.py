@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE
 
 # A tiny embedded prompt set (token ids, so the check is about ids): lengths 1 .. 37, one
 # longer than a latent page, ids spread over the vocabulary.
@@ -213,7 +214,7 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
             mode=mode, outputs=[r.output_ids for r in results], finish_reasons=[r.finish_reason for r in results],
             errors=[r.error for r in results], accepted_lens=[r.accepted_lens for r in results],
             num_steps=stats.num_steps, mean_acceptance_length=stats.mean_acceptance_length, wall_s=stats.wall_s,
-            selection=_describe(worker) if mode != "target_only" else "gathered (target-only decode)")
+            selection=_describe(worker) if mode not in NON_SPECULATIVE else "gathered (target-only decode)")
         if job.check_top_p and mode == "speculative":
             report.results[mode].outside_top_p = _outside_top_p(engine, worker, requests, results)
     return report
@@ -340,7 +341,8 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
         same = (res.outputs == spec.outputs and res.finish_reasons == spec.finish_reasons
                 and res.errors == spec.errors)
         bad = [i for i, (a, b) in enumerate(zip(res.outputs, spec.outputs)) if a != b]
-        label = {"target_only": "target-only decode (non-speculative)", "gathered": "gathered-logits path"}[mode]
+        label = {"target_only": "target-only decode (non-speculative)", "gathered": "gathered-logits path",
+                 "reference": "target-only decode in the verify shape (non-speculative)"}[mode]
         lines.append(f"  speculative vs {label}: {'agree' if same else f'DIFFER on requests {bad}'}")
         differs |= not same
     if len(reports) > 1:
@@ -353,7 +355,7 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
 
 def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
     ref = reports[0].results
-    spec, gathered, target = ref["speculative"], ref.get("gathered"), ref["target_only"]
+    spec, gathered, target = ref["speculative"], ref.get("gathered"), ref["reference"]
     lines, differs = [], False
     rejected = [i for i, e in enumerate(spec.errors) if e]
     compared = len(spec.outputs) - len(rejected)

@@ -59,6 +59,9 @@ from tensorrt_llm_ext.runtime.requests import Request, RequestError
 # MemoryError, AssertionError, TypeError / KeyError / IndexError (bugs) -- may leave the engine inconsistent:
 # it fails closed.
 REQUEST_FAULTS = (ValueError, ArithmeticError)
+# The engine's modes that decode with the target alone, one token per request per step: the serving decode
+# (``[B, 1]`` rows) and the lossless reference (the same decode in the verification's ``[B, K+1]`` shape).
+NON_SPECULATIVE = ("target_only", "reference")
 
 
 @dataclass
@@ -137,7 +140,7 @@ class Scheduler:
         self._prefilling: dict[int, _Prefilling] = {}  # admitted, first token not yet out (admission order)
         self._in_flight: _InFlight | None = None  # overlap: the launched step whose tokens are not collected
         # Tokens one step can append to a request (the speculative block, or the target-only decode's one).
-        self._step_tokens = 1 if mode == "target_only" else engine.draft_len + 1
+        self._step_tokens = 1 if mode in NON_SPECULATIVE else engine.draft_len + 1
 
     @property
     def in_flight(self) -> bool:

@@ -1,10 +1,20 @@
-"""The lossless reference beside the worker: the target's own non-speculative decode, and the top-p check.
+"""The target's own non-speculative decode beside the worker: the serving decode, the lossless reference, and
+the top-p check.
 
-The worker's speculative output is checked against what this decoder produces with the same target,
-state and selection (:meth:`ReferenceDecoder.step`): strict acceptance keeps exactly the target's
-tokens, so the two are equal bit for bit; rejection sampling keeps the target's distribution instead,
-and :meth:`ReferenceDecoder.top_p_membership` checks that every sampled token lies in the target's exact
-top-p set. The decoder reads the worker's models, state and op table but adds nothing to its step.
+One decoder, two step shapes (``verify_shaped``):
+
+* ``False``: the serving decode (``serve --no-speculation``, ``Engine.generate(mode="target_only")``): one
+  ``[B, 1]`` row per request, what a non-speculative server runs.
+* ``True``: the lossless reference (``generate --check``, ``Engine.generate(mode="reference")``): the same decode
+  in the speculative step's ``[B, K+1]`` shape (the last token, then K padding columns), so every kernel whose
+  reduction order depends on the step shape sees the shape the speculative step's verification sees. Strict
+  acceptance keeps exactly the target's tokens of that forward, so the speculative output equals this decode's
+  bit for bit; rejection sampling keeps the target's distribution instead, and
+  :meth:`ReferenceDecoder.top_p_membership` checks that every sampled token lies in the target's exact top-p set.
+
+The two shapes give the same tokens up to rounding (a ``[B, 1]`` product may sum in another order than a
+``[B, K+1]`` one), never bit for bit by construction: only the verify-shaped decode is the bitwise reference.
+The decoder reads the worker's models, state and op table but adds nothing to its step.
 """
 
 from __future__ import annotations
@@ -23,15 +33,20 @@ __all__ = ["ReferenceDecoder"]
 class ReferenceDecoder:
     """The target-only decode of a bound :class:`DSparkWorker` (its target, slot state and op table).
 
+    ``verify_shaped``: ``True`` (the lossless reference) steps ``[B, K+1]`` blocks, ``False`` (the serving
+    decode) ``[B, 1]`` rows (module doc).
+
     Usage: ``ref = ReferenceDecoder(worker)``; per admission ``ref.prefill_batch(slots, prompts, ...)``;
     per step ``worker.set_rows(slots, B)`` then ``ref.step(B)``. A slot decoded here holds the reference's
     own state (``ref_lens``, ``slot_tokens[:, 0]``): do not run speculative steps on it in between.
     """
 
-    def __init__(self, worker: DSparkWorker):
+    def __init__(self, worker: DSparkWorker, *, verify_shaped: bool = True):
         if worker.token_selector is None:
             raise RuntimeError("ReferenceDecoder: bind the worker (post_load) first")
         self.worker = worker
+        self.verify_shaped = verify_shaped
+        self.step_columns = worker.draft_len + 1 if verify_shaped else 1  # query rows per request of a step
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
         # The steps select from full rows: with a sharded worker they need logits processing over the whole
         # vocabulary (the worker's holds its shard's columns only).
@@ -64,11 +79,11 @@ class ReferenceDecoder:
         ``logits [B, V]``, the target's raw full-vocabulary logits of the step (before any logits processing;
         what ``logprobs`` report), as the speculative step's outputs carry theirs.
 
-        Same step shape as verification (``[B, K+1]``: the last token then K padding columns at the next
-        positions, overwritten by the next step before anyone attends them), so every kernel with a
-        shape-dependent reduction order sees the shape it sees in the speculative step. Selection is the
-        gathered path (the target's full-vocabulary logits) through the worker's one selection dispatch.
-        CUDA-graph safe.
+        The forward is ``[B, step_columns]``: ``[B, 1]`` for the serving decode; for the lossless reference the
+        verification's shape (``[B, K+1]``: the last token then K padding columns at the next positions,
+        overwritten by the next step before anyone attends them), so every kernel with a shape-dependent
+        reduction order sees the shape it sees in the speculative step. Selection is the gathered path (the
+        target's full-vocabulary logits) through the worker's one selection dispatch. CUDA-graph safe.
         """
         w = self.worker
         w.check_rows(batch_size)
@@ -77,11 +92,12 @@ class ReferenceDecoder:
         slots = w.slot_ids[:b]
         slots_l = slots.long()
         live = (~w.is_dummy[:b]).to(torch.int32)
+        c = self.step_columns
         with nvtx_range("target_only"):
             tokens = st.slot_tokens[slots_l]
-            positions = st.ref_lens[slots_l].long()[:, None] + w.cols
-            out = w.target(tokens, positions, slots, st.kv_cache)
-            hidden = out.hidden_states.view(b, w.draft_len + 1, -1)[:, 0]
+            positions = st.ref_lens[slots_l].long()[:, None] + w.cols[:c]
+            out = w.target(tokens[:, :c].contiguous(), positions, slots, st.kv_cache)
+            hidden = out.hidden_states.view(b, c, -1)[:, 0]
             logits = w.target.logits(hidden)
             temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None

@@ -88,8 +88,8 @@ def test_engine_prefills_each_admission_in_one_call_and_stays_lossless():
     reqs = [Request(list(p), max_new_tokens=4, sampling=SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i))
             for i, p in enumerate(prompts)]
     results = {}
-    for mode in ("speculative", "target_only"):
-        w = eng.worker("speculative")  # target_only runs on the speculative path's worker too
+    for mode in ("speculative", "reference"):
+        w = eng.worker("speculative")  # the target-only decodes run on the speculative path's worker too
         orig, calls = w.prefill_batch, []
 
         def counting(slots, *args, _orig=orig, _calls=calls, **kwargs):
@@ -104,7 +104,7 @@ def test_engine_prefills_each_admission_in_one_call_and_stays_lossless():
         assert calls == [4, 1], calls
         assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in out)
         results[mode] = [r.output_ids for r in out]
-    assert results["speculative"] == results["target_only"]
+    assert results["speculative"] == results["reference"]
 
 
 def test_prefill_batch_validation():

@@ -49,7 +49,7 @@ def _reference(reqs) -> list:
     if key not in _REFERENCES:
         if "engine" not in _REFERENCES:
             _REFERENCES["engine"] = _engine()
-        _REFERENCES[key] = _outputs(_REFERENCES["engine"].generate(reqs, "target_only")[0])
+        _REFERENCES[key] = _outputs(_REFERENCES["engine"].generate(reqs, "reference")[0])
     return _REFERENCES[key]
 
 
@@ -230,7 +230,7 @@ def test_cuda_graph_lossless_fixed_batch_bf16(temperature):
     eng = _graph_engine("bfloat16", [8])
     reqs = _requests(max_new=16, temperature=temperature, seed=3, prompts=GPU_PROMPTS)
     spec, stats = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
+    ref, _ = eng.generate(reqs, "reference")
     gathered, _ = eng.generate(reqs, "gathered")
     assert _outputs(spec) == _outputs(ref) == _outputs(gathered)
     assert stats.num_steps > 0
@@ -244,7 +244,7 @@ def test_cuda_graph_lossless_across_batch_sizes_with_padding():
     reqs = [Request(p, max_new_tokens=4 + 5 * i, sampling=SamplingParams(temperature=0.7 if i % 2 else 0.0, seed=i))
             for i, p in enumerate(GPU_PROMPTS)]
     spec, _ = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
+    ref, _ = eng.generate(reqs, "reference")
     assert _outputs(spec) == _outputs(ref)
     runner = eng.runner("speculative")
     assert runner.captured(DEFAULT_VARIANT) == runner.captured(TOP_P_VARIANT) == [1, 2, 4, 8]
@@ -259,7 +259,7 @@ def test_cuda_graph_capture_restores_state():
     eng = _graph_engine("bfloat16", [1, 4])
     before = [t.clone() for t in eng.state.mutable_tensors()]
     eng.runner("speculative")  # captures (every variant)
-    eng.runner("target_only")
+    eng.runner("reference")
     after = eng.state.mutable_tensors()
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -270,7 +270,7 @@ def test_cuda_graph_large_vocab_bf16_lossless():
     eng = _graph_engine("bfloat16", [4], **{"model.target.vocab_size": 128256, "max_batch_size": 4})
     reqs = _requests(max_new=12, prompts=[[1, 2, 3], [99999, 5], [70000] * 9, [128000]])
     spec, _ = eng.generate(reqs, "speculative")
-    ref, _ = eng.generate(reqs, "target_only")
+    ref, _ = eng.generate(reqs, "reference")
     assert _outputs(spec) == _outputs(ref)
 
 

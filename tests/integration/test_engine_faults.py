@@ -165,7 +165,7 @@ def test_tiny_temperature_is_served_greedy_on_every_path(rejection):
     engine = Engine(load_config(**SMALL, **{"speculative_config.use_rejection_sampling": rejection}))
     prompts = [[3, 4, 5], [7] * 9]
     greedy = [r.output_ids for r in engine.generate([Request(p, 4) for p in prompts])[0]]
-    for t, mode in ((1e-45, "speculative"), (2e-38, "gathered"), (2e-38, "target_only")):
+    for t, mode in ((1e-45, "speculative"), (2e-38, "gathered"), (2e-38, "reference")):
         reqs = [Request(p, 4, sampling=SamplingParams(temperature=t, seed=s, top_p=0.9)) for s, p in enumerate(prompts, start=11)]
         results, _ = engine.generate(reqs, mode=mode)
         assert [r.output_ids for r in results] == greedy, (t, mode)

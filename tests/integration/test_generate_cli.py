@@ -30,7 +30,7 @@ def test_generate_check_tp1(small_yaml, tmp_path, capsys):
     assert "check passed" in text and "mean acceptance length" in text
     data = json.loads(out_json.read_text())
     res = data["ranks"][0]["results"]  # --json: versions, config, requests, check, ranks
-    assert res["speculative"]["outputs"] == res["target_only"]["outputs"]
+    assert res["speculative"]["outputs"] == res["reference"]["outputs"]
     assert all(len(o) == 6 for o in res["speculative"]["outputs"])
     # At tp 1 the gathered path is the speculative path itself: not run, not claimed.
     assert "gathered" not in res and "not compared" in text and "speculative vs gathered" not in text

@@ -62,7 +62,7 @@ def target_decode():
     saved, rms.triton_runs_on = rms.triton_runs_on, lambda t: False
     try:
         eng = Engine(load_config(**SMALL))
-        return eng, eng.generate(_requests(), "target_only")[0]
+        return eng, eng.generate(_requests(), "reference")[0]
     finally:
         rms.triton_runs_on = saved
 
@@ -129,9 +129,9 @@ def test_cuda_processed_rows_beside_captured_steps(rejection):
                          "max_batch_size": 8, "cuda_graph_config.batch_sizes": [1, 2, 4, 8]})
     eng = Engine(cfg, use_cuda_graph=True)
     spec, _ = eng.generate(_requests(), "speculative")
-    ref, _ = eng.generate(_requests(), "target_only")
+    ref, _ = eng.generate(_requests(), "reference")
     assert eng._runners, "no graphs captured"
-    assert eng.runner("speculative").eager_steps == 0 and eng.runner("target_only").eager_steps == 0
+    assert eng.runner("speculative").eager_steps == 0 and eng.runner("reference").eager_steps == 0
     rows = (0, 2, 4) if rejection else range(len(ROWS))
     assert [spec[i].output_ids for i in rows] == [ref[i].output_ids for i in rows]
     assert spec[4].output_ids == [13] * MAX_NEW

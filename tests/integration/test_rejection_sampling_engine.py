@@ -106,7 +106,7 @@ def test_greedy_rows_bitwise_and_fused_equals_stock(monkeypatch):
     fused, _ = rs.generate(reqs, "speculative")
     stock, _ = rs.generate(reqs, "stock")
     today, _ = strict.generate(reqs, "speculative")
-    ref, _ = rs.generate(reqs, "target_only")
+    ref, _ = rs.generate(reqs, "reference")
     assert rs.worker().verifier is not None and strict.worker().verifier is None
     for i in (0, 2):  # greedy rows: today's strict acceptance, bit for bit (tokens and acceptance)
         assert fused[i].output_ids == today[i].output_ids == ref[i].output_ids
@@ -133,11 +133,11 @@ def test_top_p_strict_speculative_equals_target_decode(monkeypatch):
     reqs = _mixed_requests()
     reqs[1].sampling = SamplingParams(3.0, top_p=0.3, seed=reqs[1].sampling.seed)
     spec, _ = eng.generate(reqs, "stock")
-    ref, _ = eng.generate(reqs, "target_only")
+    ref, _ = eng.generate(reqs, "reference")
     assert [r.output_ids for r in spec] == [r.output_ids for r in ref]
     wide = [Request(list(r.prompt_ids), max_new_tokens=5,
                     sampling=SamplingParams(seed=r.sampling.seed, temperature=r.sampling.temperature)) for r in reqs]
-    unrestricted, _ = eng.generate(wide, "target_only")
+    unrestricted, _ = eng.generate(wide, "reference")
     assert unrestricted[1].output_ids != ref[1].output_ids  # top-p changed the draw
 
 

@@ -52,7 +52,7 @@ def test_slot_reuse_over_many_requests(engine):
     every request still equals the target's own decode, and runs the same alone."""
     reqs = [Request([(13 * i + 1) % 301, (7 * i) % 301, 42], max_new_tokens=3 + (i % 4), sampling=SamplingParams(seed=i, temperature=0.6 if i % 3 == 0 else 0.0)) for i in range(9)]
     spec, stats = engine.generate(reqs, "speculative")
-    ref, _ = engine.generate(reqs, "target_only")
+    ref, _ = engine.generate(reqs, "reference")
     assert [r.output_ids for r in spec] == [r.output_ids for r in ref]
     assert all(len(r.output_ids) == q.max_new_tokens for r, q in zip(spec, reqs))
     assert engine.slots.num_free == 2 and engine.pages.num_free == engine.pages.num_pages

@@ -51,10 +51,10 @@ def _check(results, tp):
     first = results[0]
     for r in results[1:]:
         assert r == first, "ranks disagree"
-    assert first["speculative"] == first["target_only"], first
+    assert first["speculative"] == first["reference"], first
     for mode in ("gathered", "stock"):
         if mode in first:
-            assert first[mode] == first["target_only"], mode
+            assert first[mode] == first["reference"], mode
     assert all(len(o) > 0 for o in first["speculative"])
     return first
 
@@ -62,18 +62,18 @@ def _check(results, tp):
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_lossless_tp2_vocab_parallel(mpi_pool_executor):
     res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 516, 10,
-                              ("speculative", "target_only", "gathered", "stock")), 2)
+                              ("speculative", "reference", "gathered", "stock")), 2)
     assert res["target_vp"] and res["draft_vp"], res["selection"]
     assert res["speculative_acc"] > 1.0
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [4], indirect=True)
 def test_lossless_tp4_vocab_parallel(mpi_pool_executor):
-    res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 4, 516, 6, ("speculative", "target_only")), 4)
+    res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 4, 516, 6, ("speculative", "reference")), 4)
     assert res["target_vp"] and res["draft_vp"], res["selection"]
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_lossless_tp2_uneven_vocab_falls_back_to_gathered(mpi_pool_executor):
-    res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 517, 6, ("speculative", "target_only")), 2)
+    res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 517, 6, ("speculative", "reference")), 2)
     assert not res["target_vp"] and "unevenly sharded" in res["selection"]

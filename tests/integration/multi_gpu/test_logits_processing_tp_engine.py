@@ -36,15 +36,15 @@ def _rank_generate(tp: int, max_new: int, graphs: bool = False):
     cfg = load_config(**{**SMALL, "tensor_parallel_size": tp})
     eng = Engine(cfg, mapping, device=device, use_cuda_graph=graphs)
     reqs = [make_request(max_new_tokens=max_new, **r) for r in ROWS]
-    out = {mode: [r.output_ids for r in eng.generate(reqs, mode)[0]] for mode in ("speculative", "target_only")}
+    out = {mode: [r.output_ids for r in eng.generate(reqs, mode)[0]] for mode in ("speculative", "reference")}
     out["target_vp"] = eng.worker().selection.target_enabled
     if graphs:  # the same requests eagerly, and what the graphed runners did
         eager = Engine(cfg, mapping, device=device)
         out["eager"] = {mode: [r.output_ids for r in eager.generate(reqs, mode)[0]]
-                        for mode in ("speculative", "target_only")}
-        out["eager_steps"] = {mode: eng.runner(mode).eager_steps for mode in ("speculative", "target_only")}
+                        for mode in ("speculative", "reference")}
+        out["eager_steps"] = {mode: eng.runner(mode).eager_steps for mode in ("speculative", "reference")}
         out["replayed"] = {mode: sorted(str(v) for (_, v), n in eng.runner(mode).replays.items() if n)
-                           for mode in ("speculative", "target_only")}
+                           for mode in ("speculative", "reference")}
     return out
 
 
@@ -54,7 +54,7 @@ def test_tp2_processed_shards_equal_the_gathered_target_decode(mpi_pool_executor
     first = results[0]
     assert all(r == first for r in results[1:]), "ranks disagree"
     assert first["target_vp"]
-    assert first["speculative"] == first["target_only"], first
+    assert first["speculative"] == first["reference"], first
     assert first["speculative"][3] == [515] * 6
 
 
@@ -66,7 +66,7 @@ def test_tp2_gpu_processed_steps_replay_the_processed_graph(mpi_pool_executor):
     results = run_on_ranks(mpi_pool_executor, _rank_generate, 2, 6, True)
     first = results[0]
     assert all(r == first for r in results[1:]), "ranks disagree"
-    assert first["speculative"] == first["eager"]["speculative"] == first["target_only"], first
-    assert first["target_only"] == first["eager"]["target_only"]
-    assert first["eager_steps"] == {"speculative": 0, "target_only": 0}, first["eager_steps"]
+    assert first["speculative"] == first["eager"]["speculative"] == first["reference"], first
+    assert first["reference"] == first["eager"]["reference"]
+    assert first["eager_steps"] == {"speculative": 0, "reference": 0}, first["eager_steps"]
     assert all("top-p+processed" in v for v in first["replayed"].values()), first["replayed"]

@@ -75,7 +75,7 @@ def _sharded_vs_gathered(eng, max_new: int):
     reqs = [Request(list(p), max_new_tokens=max_new, sampling=SamplingParams(seed=3 + i, **drawn.get(i, {})))
             for i, p in enumerate(PROMPTS)]
     out = {}
-    for mode in ("speculative", "gathered", "target_only"):
+    for mode in ("speculative", "gathered", "reference"):
         results, _ = eng.generate(reqs, mode)
         out[mode] = [r.output_ids for r in results]
         out[mode + "_acc"] = [r.accepted_lens for r in results]
@@ -94,7 +94,7 @@ def test_tp2_sharded_verification_equals_gathered(mpi_pool_executor):
     assert first["speculative"] == first["gathered"]
     assert first["speculative_acc"] == first["gathered_acc"]
     for i in (0, 2):  # greedy rows
-        assert first["speculative"][i] == first["target_only"][i]
+        assert first["speculative"][i] == first["reference"][i]
     assert all(len(o) == 5 for o in first["speculative"])
 
 

@@ -87,6 +87,10 @@ def test_long_context_multi_split_and_prefill_tiles():
     assert split_plan(30 * 3, 4, page)[1:] == (2, 1)
     out, ref = _run(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    # ... and over more keys than a split piece holds (its one program takes every key: once cut at 128).
+    case = make_case(b=1, t=30, group=3, d=16, page_size=page, max_pages=12, lens=[SPLIT_TOKENS + 52])
+    out, ref = _run(case)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
 def test_every_launch_config_candidate_matches_the_twin():
@@ -130,6 +134,37 @@ def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
     q3[1, 0] = q3[0, 0]
     out3 = paged_attention(q3, kp, vp, table, slots3, pos3, 0.25)
     assert torch.equal(out3[1, 0], out3[0, 0])
+
+
+@pytest.mark.parametrize("group,d", [(1, 64), (3, 64), (8, 128)])
+def test_decode_tiles_cut_each_rows_keys_in_pieces(group, d):
+    """Decode tiles (T = 1) cut a row's keys in runs of whole blocks sized from the row's own length: lengths
+    1, on / across block and page edges, short and table-wide, a padded row, against the twin; every candidate
+    (fixed pieces "f", 8 / 16 / 32 pieces) agrees (GQA 3; the model's settings elsewhere)."""
+    page, max_pages = 16, 40  # 640 keys: up to 10 pieces of 64
+    lens = [1, 63, 64, 65, 300, 640]
+    case = make_case(b=len(lens), t=1, kvh=1, group=group, d=d, page_size=page, max_pages=max_pages, lens=lens,
+                     dummy=(1,))
+    q, kp, vp, table, slots, pos = case
+    assert split_plan(group, max_pages, page, 16, 64)[2] == 10 and split_plan(group, max_pages, page, 8, 64)[2] == 8
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, d ** -0.5)
+    live = [0, 2, 3, 4, 5]
+    for cfg in sorted(set(CONFIG_CANDIDATES), key=lambda c: c.describe()) if group == 3 else [None]:
+        out = paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, config=cfg)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out[live], ref[live], **TOL[torch.float32])
+    assert tile_counters(out.device, 1).count_nonzero() == 0
+
+
+def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
+    """A decode row's pieces follow from its own length: the same query at the same position over the same keys
+    gives the same bits at another row, in a batch of another size, next to rows of other lengths."""
+    page, max_pages = 8, 48
+    q, kp, vp, table, slots, pos = make_case(b=3, t=1, page_size=page, max_pages=max_pages, lens=[333, 20, 129])
+    out = paged_attention(q, kp, vp, table, slots, pos, 0.25)
+    q2, slots2, pos2 = q[[2, 0]], slots[[2, 0]], pos[[2, 0]]  # rows 2 and 0, in a batch of two
+    out2 = paged_attention(q2, kp, vp, table, slots2, pos2, 0.25)
+    assert torch.equal(out2[0], out[2]) and torch.equal(out2[1], out[0])
 
 
 def test_padded_rows_and_masked_queries_are_finite():

@@ -67,3 +67,48 @@ def test_layer_kernel_choice():
         m.layer_kernels = "auto"
         xc = x.cuda()
         assert m._fused_layers(FUSED_MAX_ROWS, xc) and not m._fused_layers(FUSED_MAX_ROWS + 1, xc)
+
+
+def test_programmatic_launch_switch_and_bits():
+    """Programmatic dependent launch (PDL) is off on a CPU tensor (the interpreter has no griddepcontrol) and
+    follows its switch; on a Hopper GPU the fused forward under CUDA-graph replay (replayed three times: a read
+    of a value the previous kernel has not written yet would show) gives the same hidden states and K/V with it
+    on and off, within a bf16 rounding."""
+    from tensorrt_llm_ext.kernels.common import programmatic_launch, set_programmatic_launch
+
+    assert not programmatic_launch(torch.zeros(1))
+    prev = set_programmatic_launch(False)
+    try:
+        assert set_programmatic_launch(True) is False
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+            return
+        assert programmatic_launch(torch.zeros(1, device="cuda"))
+        cfg = LlamaTargetConfig(vocab_size=97, hidden_size=64, num_layers=3, intermediate_size=96,
+                                capture_layers=(0, 2), num_heads=6, num_kv_heads=2, head_dim=16)
+        m = LlamaTarget(cfg, device=DEVICE, dtype=torch.bfloat16)
+        m.init_weights(5)
+        kv = m.make_kv_cache(3, 256, page_size=16)
+        slots = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, 97, (2, 150), generator=g).to(DEVICE)
+        m(prompt, torch.arange(150, device=DEVICE).expand(2, 150).contiguous(), slots, kv)
+        ids = torch.randint(0, 97, (2, 1), generator=g).to(DEVICE)
+        pos = torch.full((2, 1), 150, device=DEVICE)
+        outs = {}
+        for on in (False, True):
+            set_programmatic_launch(on)
+            m(ids, pos, slots, kv)  # warm-up (compile) outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = m(ids, pos, slots, kv)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            outs[on] = (out.hidden_states.clone(), kv.k.clone())
+        # The same products in the same order either way (the first K block is peeled, not reordered): equal up to
+        # at most a bf16 rounding of a value.
+        for got, want in zip(outs[True], outs[False]):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        set_programmatic_launch(prev)
