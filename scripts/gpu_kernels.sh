@@ -70,9 +70,9 @@ pack
 run verify_profile 50 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 1,32
 run verify 85 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
 run step_sampled 140 python3 -m tensorrt_llm_ext.cli bench step --temperature 1 --top-p 0.95 --rejection-sampling --profile --batch-sizes 1,8,32
-run verify_one_pass 35 python3 -m tensorrt_llm_ext.cli bench verify --one-pass-stats --tp-sizes 1,4 --batch-sizes 1,8,32,128
+run verify_one_pass 40 python3 -m tensorrt_llm_ext.cli bench verify --one-pass-stats --tp-sizes 4,1 --batch-sizes 1,8,32,128
 run select 40 python3 -m tensorrt_llm_ext.cli bench select --tables main --rows 64,256 --tp-sizes 1,4
-run markov 60 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 --tp-sizes 4 --tp-batch 1,32,128
+run markov 55 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 --tp-sizes 4 --tp-batch 1,32,128
 # what is left: round 0 all-atomic (--hist-window 0) and 4096-column tiles, B = 32, against verify_profile's rows
 run verify_profile_atomic 25 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 4 --batch-sizes 32 \
   --hist-window 0

@@ -207,8 +207,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
         vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
     bw = measure_copy_bandwidth(device)
     elt = torch.tensor([], dtype=dtype).element_size()
-    table = []
-    for tp in tps:
+    for tp in tps:  # a table per TP width, so a run cut short keeps the widths it finished
+        table = []
         width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)
         start = (tp - 1) * width
         for b in batches:
@@ -239,13 +239,14 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
             t1 = timer.time_graph([lambda s=s: one(*s) for s in sets])
             fl = floor_us((rt + rq) * width * elt, bw)
             table.append([tp, width, b, s2, s1, fmt(fl, 2), fmt(t2, 2), fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
-    print_table(
-        f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, {args.dtype}, V={vocab}, K={k}",
-        ["tp", "aligned width", "B", "chunks (two-pass)", "chunks (one pass)", "floor us", "keys + sums us",
-         "one pass us", "two / one", "one / floor"],
-        table,
-        notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
-               "top-p; the one-pass statistics are not in rejection_sample yet (docs/rejection_sampling.md)."])
+        print_table(
+            f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, tp {tp}, {args.dtype}, "
+            f"V={vocab}, K={k}",
+            ["tp", "aligned width", "B", "chunks (two-pass)", "chunks (one pass)", "floor us", "keys + sums us",
+             "one pass us", "two / one", "one / floor"],
+            table,
+            notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
+                   "top-p; the one-pass statistics are not in rejection_sample yet (docs/rejection_sampling.md)."])
 
 
 def capture_graph(call) -> "torch.cuda.CUDAGraph":

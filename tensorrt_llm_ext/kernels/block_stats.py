@@ -39,7 +39,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, deco
                                                           is_finite, load_pair_tile, plan_chunks, sfu_exp2,
                                                           sfu_exp2_torch, verify_keys_reference, weight_scale,
                                                           weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, INT32_MIN, block_best, ordered_i32, ordered_i32_torch, pack_key
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, block_best, ordered_i32, ordered_i32_torch,
+                                                  pack_key)
 
 __all__ = ["STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_stats", "block_stats_reference", "row_bins_reference",
            "row_mass_reference"]

@@ -14,7 +14,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks, weight_sca
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
-VOCAB = 6 * STAT_BLOCK + 7  # aligned shards of 4096 / 3072 / 2048 ids at TP 2 / 3 / 4: the last holds 7 real ids at TP 3, 4
+# aligned shards of 4096 / 3072 / 2048 ids at TP 2 / 3 / 4: the last holds 7 real ids at TP 3 and 4
+VOCAB = 6 * STAT_BLOCK + 7
 
 
 def _inputs(b: int = 4, k: int = 2, vocab: int = VOCAB, seed: int = 3):
@@ -118,7 +119,8 @@ def test_masses_match_float64():
         if tok[row] >= 0 and bool(fin[tok[row]]):
             assert r_tok != EMPTY_KEY, row
             p = float(f_tok) * 2.0 ** -(float(r[row]) - float(r_tok)) / float(z[row])
-            soft = torch.softmax(torch.where(fin, x[row] * c[row], torch.full_like(x[row], -INF)) * 0.6931471805599453, 0)
+            scores = torch.where(fin, x[row] * c[row], torch.full_like(x[row], -INF))
+            soft = torch.softmax(scores * 0.6931471805599453, 0)  # softmax of x c ln 2: base-2 weights
             want = float(soft[tok[row]])
             assert abs(p - want) <= 2.0**-20 * want + 2.0**-28, (row, p, want)  # + one truncated unit of F
 
