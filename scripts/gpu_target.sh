@@ -7,6 +7,7 @@
 # time is left. Logs and tables under $1, packed into $1/gpu_target_logs.tgz.
 # Usage on the GPU machine, from the repo root (carry ".whl" and ".peer"):  bash scripts/gpu_target.sh "$OUT"
 # FlashInfer's column needs the .peer bundle (docs/target_forward.md); without it the column says why it is absent.
+# BENCH_ARGS (default --no-attn-configs; BENCH_ARGS="" adds the attention launch-candidates table, ~60 s more).
 # Stage timeouts in seconds (override with T_KERNEL, T_GENERATE, T_BENCH, T_PDL, T_GRAPH, T_BENCH8B); the whole
 # run stays under T_TOTAL (default 570) -- a stage gets at most what is left.
 set -u
@@ -20,15 +21,16 @@ budget() { local left=$((total - SECONDS)); (( left < 1 )) && left=1; (( $1 < le
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-(cd tests && timeout "$(budget "${T_KERNEL:-110}")" python3 -m pytest unittest/_torch/kernels/test_paged_attention.py \
-  unittest/_torch/kernels/test_fused_linear.py unittest/_torch/kernels/test_fused_qkv.py \
-  unittest/_torch/models/test_llama_target_fused.py -q -x -p no:cacheprovider -rfE) > "$out/kernel_tests.log" 2>&1
+# the whole fused forward first (programmatic launch on vs off under graphs), then the kernels one by one
+(cd tests && timeout "$(budget "${T_KERNEL:-110}")" python3 -m pytest unittest/_torch/models/test_llama_target_fused.py \
+  unittest/_torch/kernels/test_paged_attention.py unittest/_torch/kernels/test_fused_linear.py \
+  unittest/_torch/kernels/test_fused_qkv.py -q -p no:cacheprovider -rfE) > "$out/kernel_tests.log" 2>&1
 echo "kernel tests rc=$?" | tee -a "$out/kernel_tests.log"; tail -3 "$out/kernel_tests.log"
 timeout "$(budget "${T_GENERATE:-80}")" python3 -m tensorrt_llm_ext.cli generate --check --cuda-graph --no-progress \
   > "$out/generate_check.log" 2>&1
 echo "generate --check rc=$?" | tee -a "$out/generate_check.log"; grep -E "check|agree|DIFFER" "$out/generate_check.log" | tail -3
 timeout "$(budget "${T_BENCH:-170}")" python3 -m tensorrt_llm_ext.cli bench target --shapes smollm2-135m \
-  --spec-shapes '' --batch-sizes 1,8,32,64 --contexts 512,1024,2048,8192 --no-layer-compare ${BENCH_ARGS:-} \
+  --spec-shapes '' --batch-sizes 1,8,32,64 --contexts 512,1024,2048,8192 --no-layer-compare ${BENCH_ARGS---no-attn-configs} \
   > "$out/bench_target.log" 2>&1
 echo "bench target rc=$?" | tee -a "$out/bench_target.log"; grep -E "^\||launches|flashinfer" "$out/bench_target.log" | head -50
 timeout "$(budget "${T_PDL:-20}")" python3 scripts/probe_pdl.py > "$out/probe_pdl.log" 2>&1

@@ -24,6 +24,10 @@ Determinism: each output row is a function of that row only (tiles never mix row
 Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes the same roundings with
 ``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
 rounding, a unit in the last place, more where a rounding of the prologue flips).
+
+Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): the
+first ``BLOCK_K`` block of the weights is loaded before ``gdc_wait()`` (it streams in while the previous kernel
+finishes), ``x`` and the residual after it; that block's products are the loop's first, peeled, in the same order.
 """
 
 from __future__ import annotations

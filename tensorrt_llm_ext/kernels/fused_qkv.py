@@ -18,6 +18,9 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 :mod:`~tensorrt_llm_ext.kernels.fused_linear`. The eager twin (:func:`fused_qkv_rope_reference`) composes
 ``rms_norm_reference``, ``F.linear``, the q / k norms and ``paged_kv_write_reference``; agreement is that of
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
+
+Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
+weights before ``gdc_wait()``; ``x``, positions, cos / sin, slots and the table after it.
 """
 
 from __future__ import annotations

@@ -13,14 +13,19 @@ per KV head. bf16 / fp16 operands into ``tl.dot``, fp32 accumulation, online sof
 pages below the tile's last position are read (the loop bound is the largest query position of the tile,
 read on the device: no host sync, CUDA-graph capturable per ``[B, T]``).
 
-Split along the sequence (decode / verify tiles, ``T * G <= 64`` rows): the key range is cut into fixed
-``SPLIT_TOKENS`` pieces, one program each, and the same launch merges them: each live piece stores its
+Split along the sequence (decode / verify tiles, ``T * G <= 64`` rows): the key range is cut into pieces, one
+program each -- verify tiles in fixed ``SPLIT_TOKENS`` pieces, decode tiles (``T = 1``) in
+``AttentionConfig.pieces`` equal runs of whole ``BLOCK_N`` blocks sized from the row's own length (many short
+pieces for a short context, few long ones for a long one) -- and the same launch merges them: each live piece stores its
 partial ``(o, lse)``, then counts its arrival on the tile's int32 counter (:func:`tile_counters`: a barrier,
 then an acq_rel atomic at GPU scope); the last to arrive merges the pieces each row uses and resets the
 counter to zero for the next launch. A tile whose keys fit one piece (a short context) writes its output
 directly, with neither partials nor atomics. The number of pieces is fixed by the table width (``max_pages *
-page_size``), never by the batch: programs past a tile's length exit at once. Prefill tiles (``T * G > 64``)
-take the whole key range in one program (flash-attention style) and write the output directly.
+page_size``) and the settings, never by the batch: programs past a tile's length exit at once. Prefill tiles
+(``T * G > 64``) take the whole key range in one program (flash-attention style) and write the output directly.
+
+Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions
+and slots are read before ``gdc_wait()``; q and the step's K / V (written by the previous kernel) after it.
 
 Per-row determinism (what makes speculative output equal the target's own decode): a row's result depends
 only on its own position, its keys and the step shape. Key blocks are aligned to absolute positions; a block

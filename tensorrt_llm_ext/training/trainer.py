@@ -72,7 +72,7 @@ class TrainConfig:
     intermediate_size: int = 1536
     markov_rank: int = 256
     target_layers: str = ""  # comma-separated target layer ids the drafter reads; "" = the default spread
-    init: str = "scratch"  # scratch | bigram (initial_weights)
+    init: str = "scratch"  # scratch | bigram | embedding (initial_weights)
     # objective (the DSpark paper's: 0.1 CE + 0.9 total variation, position weights exp(-k/K), k = 0..K-1)
     tv_weight: float = 0.9
     ce_weight: float = 0.1
@@ -145,8 +145,8 @@ class TrainConfig:
                 bad(name, f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}", v)
         if self.tv_weight + self.ce_weight + self.kl_weight <= 0:
             bad("tv_weight", "> 0 when --ce-weight and --kl-weight are 0 (nothing to train)", self.tv_weight)
-        if self.init not in ("scratch", "bigram"):
-            bad("init", "'scratch' or 'bigram'", self.init)
+        if self.init not in INITS:
+            bad("init", "'scratch', 'bigram' or 'embedding'", self.init)
         if self.save_dtype not in SAVE_DTYPES:
             bad("save_dtype", " / ".join(SAVE_DTYPES), self.save_dtype)
         _device(self.device)  # raises the one-line error for an unknown or absent device
@@ -198,10 +198,15 @@ def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor
     bigram; rank = hidden size). On a tied real model that bigram puts most mass on repeating the previous
     token (SmolLM2: KL to the target ~100 nats), which training must first unlearn. ``"scratch"`` (default):
     the seeded backbone at full scale and a Markov head that starts at zero (``markov_w1 = 0``; ``markov_w2``
-    seeded, so the gradient reaches ``w1``): the first drafts are the backbone's alone.
+    seeded, so the gradient reaches ``w1``): the first drafts are the backbone's alone. ``"embedding"``: the
+    same backbone, ``markov_w1`` the target's embedding through a seeded random projection to the rank (rows at
+    unit RMS) and ``markov_w2 = 0``: the Markov bias starts at zero too, but as a linear map of the previous
+    token's embedding, so what it learns for one token pair carries to tokens embedded nearby, where a table
+    learned from zero knows only the pairs it has seen (the later block positions' only view of the drafts
+    before them).
     """
-    if init not in ("scratch", "bigram"):
-        raise ValueError(f"train-drafter: init must be 'scratch' or 'bigram', got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"train-drafter: init must be 'scratch', 'bigram' or 'embedding', got {init!r}")
     sd = generate_drafter_state_dict(dcfg, seed, torch.float32)
     if init == "bigram":
         if dcfg.markov_rank != dcfg.hidden_size:
@@ -209,11 +214,20 @@ def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor
                              f"got {dcfg.markov_rank}")
         sd.update(bigram_markov_head(target_sd, dcfg.rms_norm_eps))
         sd["norm.weight"] = sd["norm.weight"] * 0.05  # quiet backbone, as the engine's seeded drafter
+    elif init == "embedding":
+        emb = target_sd["embed_tokens.weight"].float()
+        g = torch.Generator().manual_seed(seed + 11)
+        w1 = emb @ (torch.randn(emb.shape[1], dcfg.markov_rank, generator=g) / math.sqrt(emb.shape[1]))
+        sd["markov_w1"] = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-12)
+        sd["markov_w2"] = torch.zeros_like(sd["markov_w2"])
     else:
         sd["markov_w1"] = torch.zeros_like(sd["markov_w1"])
     sd["embed_tokens.weight"] = target_sd["embed_tokens.weight"].float().clone()
     sd.update({n: torch.zeros(shape) for n, shape in confidence_head_shapes(dcfg).items()})
     return sd
+
+
+INITS = ("scratch", "bigram", "embedding")
 
 
 def confidence_label(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:

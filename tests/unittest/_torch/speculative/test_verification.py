@@ -196,6 +196,13 @@ def test_top_p_greedy_rows_and_padding():
     assert m.shape == (6, vocab)
     assert m[0].sum() == 1 and m[3].sum() == 1  # T = 0 keeps the first maximum
     assert torch.equal(m, top_p_keep(x, p, temperatures=t).cpu())
+    # a shard mostly padding (7 real ids of 64; the second column chunk is all padding): every padded column of
+    # the mask is written False, whatever the out buffer held
+    xs = torch.where(torch.arange(64, device=DEV) < 7, x[:, :64], torch.full_like(x[:, :64], 100.0))
+    ws = VerificationWorkspace(6, 0, 0, 64, block_size=16, num_splits=3, device=DEV)
+    out = torch.ones(6, 64, dtype=torch.bool, device=DEV)
+    m = top_p_keep(xs, p, temperatures=t, vocab_size=7, workspace=ws, out=out).cpu()
+    assert not m[:, 7:].any() and torch.equal(m[:, :7], top_p_keep(xs[:, :7].contiguous(), p, temperatures=t).cpu())
 
 
 def test_shard_without_exchange_is_refused():

@@ -1,0 +1,61 @@
+"""train-drafter --init embedding: the Markov head starts as a linear map of the previous token's target embedding
+(w1 = the embedding through a seeded projection, rows at unit RMS; w2 = 0, so the first drafts are the backbone's
+alone), and it trains from there."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tensorrt_llm_ext.cli import main
+from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.export import export_model
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.training.trainer import TrainConfig, initial_weights
+
+
+def test_embedding_init_maps_the_previous_tokens_embedding():
+    cfg = DSparkDrafterConfig(hidden_size=16, target_hidden_size=16, num_capture_layers=1, num_layers=1, num_heads=2,
+                              head_dim=8, latent_dim=8, intermediate_size=32, vocab_size=40, markov_rank=24,
+                              mask_token_id=39)
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(40, 16, generator=g)
+    emb[5] = emb[3] * 7.0  # the same direction, another scale
+    emb[6] = -emb[3]
+    emb[7] = 0.0
+    sd = initial_weights(cfg, {"embed_tokens.weight": emb}, seed=1, init="embedding")
+    w1, w2 = sd["markov_w1"], sd["markov_w2"]
+    assert w1.shape == (40, 24) and bool((w2 == 0).all())  # the Markov bias starts at zero
+    rms = w1.pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms[torch.arange(40) != 7], torch.ones(39), atol=1e-5) and bool((w1[7] == 0).all())
+    torch.testing.assert_close(w1[5], w1[3])  # a row depends on the embedding's direction only
+    torch.testing.assert_close(w1[6], -w1[3])
+    cos = torch.nn.functional.cosine_similarity(w1[None], w1[:, None], dim=-1)
+    emb_cos = torch.nn.functional.cosine_similarity(emb[None], emb[:, None], dim=-1)
+    keep = ~torch.eye(40, dtype=torch.bool) & (rms[None] > 0) & (rms[:, None] > 0)
+    assert torch.corrcoef(torch.stack((cos[keep], emb_cos[keep])))[0, 1] > 0.8  # nearby embeddings, nearby rows
+    scratch = initial_weights(cfg, {"embed_tokens.weight": emb}, seed=1, init="scratch")
+    assert bool((scratch["markov_w1"] == 0).all())
+    assert TrainConfig(init="embedding").init == "embedding"
+    with pytest.raises(ValueError, match="'scratch', 'bigram' or 'embedding'"):
+        TrainConfig(init="table")
+
+
+def test_training_from_the_embedding_init_learns_the_markov_map(tmp_path):
+    d = tmp_path / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    assert main(["train-drafter", str(d), "--init", "embedding", "--num-prompts", "8", "--max-new-tokens", "12",
+                 "--gen-batch", "8", "--eval-prompts", "2", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8",
+                 "--latent-dim", "8", "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2",
+                 "--anchors", "4", "--lr", "3e-3", "--warmup", "2", "--markov-rank", "4", "--steps", "6",
+                 "--save-every", "6", "--no-progress"]) == 0
+    s = json.loads((d / "dspark_drafter" / "training.json").read_text())
+    assert s["complete"] and s["knobs"]["init"] == "embedding"
+    w2 = load_file(str(d / "dspark_drafter" / "model.safetensors"))["markov_w2"]
+    assert float(w2.abs().max()) > 0  # learned from zero
