@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import triton.language as tl
 from triton.runtime import interpreter as ti
 
-from tensorrt_llm_ext.testing.interpreter import cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes
+from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes,
+                                                  compare_int_tuples_directly, pass_same_typed_operands_through)
 
 _SCALARS = (tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv)
@@ -34,7 +37,7 @@ def _triton_own(method):
     """Triton's own method behind an installed shortcut (the tests' conftest installs them at start)."""
     for cell in method.__closure__ or ():
         fn = cell.cell_contents
-        if callable(fn) and getattr(fn, "__module__", "") == "triton.language.core":
+        if inspect.isfunction(fn) and fn.__module__ == "triton.language.core":
             return fn
     assert method.__module__ == "triton.language.core", method
     return method
@@ -70,3 +73,48 @@ def test_cached_block_types_and_tensor_shapes_equal_tritons_own():
     for bad, err in (([3], ValueError), ([1 << 21], ValueError), ([], TypeError)):  # refused as before
         with pytest.raises(err):
             tl.block_type(tl.float32, bad)
+
+
+def test_int_tuple_comparison_answers_as_tritons_own():
+    compare_int_tuples_directly()
+    own = _triton_own(tl.tuple.__eq__)
+    assert own is not tl.tuple.__eq__
+    shapes = (tl.tuple([4, 8]), tl.tuple([tl.constexpr(4), tl.constexpr(8)]), tl.tuple([16]))
+    others = ([4, 8], [4, 9], [4], [], tl.tuple([4, 8]), [tl.constexpr(4), 8], (4, 8), tl.constexpr([4, 8]))
+    for shape in shapes:
+        for other in others:
+            got, want = shape == other, own(shape, other)
+            assert type(got) is type(want) and bool(got) == bool(want), (shape, other)
+            assert (shape != other) == (not want)
+
+
+def _operand(name, shape):
+    dtype = getattr(tl, {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(name, name))
+    ty = tl.block_type(dtype, list(shape)) if shape else dtype
+    data = np.zeros(shape or (1,), dtype=ti._get_np_dtype(dtype))
+    return tl.tensor(ti.TensorHandle(data, dtype), ty)
+
+
+def test_same_typed_operands_come_back_as_tritons_own_checks_return_them():
+    pass_same_typed_operands_through()
+    semantic = ti.interpreter_semantic
+    checked = semantic.binary_op_type_checking_impl
+    own = next(c.cell_contents for c in checked.__closure__ if getattr(c.cell_contents, "__self__", None) is semantic)
+    names = ("fp64", "fp32", "fp16", "bf16", "int1", "int8", "int32", "int64", "uint8", "uint32")
+    for name in names:
+        for shape in ((), (4, 16)):
+            for div_or_mod in (False, True):
+                lhs, rhs = _operand(name, shape), _operand(name, shape)
+                got, want = checked(lhs, rhs, div_or_mod=div_or_mod), own(lhs, rhs, div_or_mod=div_or_mod)
+                assert [t.type for t in got] == [t.type for t in want], (name, shape, div_or_mod)
+                if name in ("fp16", "bf16") and div_or_mod:
+                    assert got[0].dtype == tl.float32  # promoted by Triton's own path, as before
+                else:
+                    assert got[0] is lhs and got[1] is rhs and want[0] is lhs and want[1] is rhs
+    # two types or two shapes: Triton's promotion and broadcast
+    lhs, rhs = _operand("fp32", (4, 16)), _operand("bf16", (4, 16))
+    assert [t.dtype for t in checked(lhs, rhs)] == [tl.float32, tl.float32]
+    lhs, rhs = _operand("fp32", (4, 16)), _operand("fp32", (1, 16))
+    assert [list(t.shape) for t in checked(lhs, rhs)] == [[4, 16], [4, 16]]
+    lhs = _operand("int32", (4,))
+    assert checked(lhs, 3)[1].dtype == tl.int32  # a Python number: Triton's path
