@@ -355,7 +355,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, ROW_PIECES=splits > 1 and row_pieces > 0,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
-        MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 2048 else MERGE_UNROLL,
+        # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
+        MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
         PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
