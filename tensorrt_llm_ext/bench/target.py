@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
                  "K/V) at the copy bandwidth; attn = one layer's paged decode attention (T=1), attn floor = its "
                  "K/V bytes at the copy bandwidth",
                  f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
-                 "rows B*T at TP 1, else unfused); decode / verify fused / unfused: the same forwards with each "
+                 "rows B*T at TP 1 for layers of <= 32 MiB of weights, else unfused); decode / verify fused / unfused: the same forwards with each "
                  "layer forced (fused: Triton small-M GEMMs with norm / RoPE / SiLU / residual fused; unfused: cuBLAS "
                  "GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None

@@ -73,6 +73,24 @@ from tensorrt_llm_ext.models.weights import check_full_state_dict, load_sharded_
 # The fused layer wins up to 32 rows on the H200 (SmolLM2 shape, 2026-12-04: 686 vs 996 us at 1 row, 930 vs 990 at
 # 8, 1107 vs 1141 at 32) and loses at 64 (1319 vs 1155): cuBLAS takes the larger steps.
 FUSED_MAX_ROWS = 32
+# ... and only for layers whose weights stream in a few microseconds, where the five launches' saved latency is
+# the step's cost. A large layer is bandwidth bound and cuBLAS streams it faster at every row count: the 8B
+# Llama shape (436 MB a layer, H200, 2026-12-04) took 5449 vs 4605 us unfused at 1 row, 7706 vs 4864 at 8 and
+# 11689 vs 7473 at 32, while SmolLM2's layers (7 MB) win fused up to 32 rows. Between the two nothing is
+# measured; the bound sits at 32 MiB (~8 us of reading at 4.2 TB/s).
+FUSED_MAX_LAYER_BYTES = 32 << 20
+
+
+def layer_weight_bytes(cfg: "LlamaTargetConfig", dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one decoder layer's weights on one rank (from :func:`full_weight_shapes`, split over ``tp_size``)."""
+    prefix = "layers.0."
+    numel = sum(math.prod(shape) for name, shape in full_weight_shapes(cfg).items() if name.startswith(prefix))
+    return numel * torch.empty((), dtype=dtype).element_size() // tp_size
+
+
+def picks_fused_layer(rows: int, layer_bytes: int, tp_size: int) -> bool:
+    """The ``layer_kernels = "auto"`` rule on CUDA: the fused five-launch layer for a step of ``rows`` rows."""
+    return tp_size == 1 and rows <= FUSED_MAX_ROWS and layer_bytes <= FUSED_MAX_LAYER_BYTES
 
 
 def _add_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,10 +426,12 @@ class LlamaTarget(nn.Module):
                               tensor_parallel_mode=TensorParallelMode.COLUMN, gather_output=True)
         self.logits_processor = LogitsProcessor()
         self._capture_index = {layer: i for i, layer in enumerate(cfg.capture_layers)}
-        # "auto": the fused five-launch layer on CUDA at TP 1 for steps of at most FUSED_MAX_ROWS rows, the
-        # unfused layer (cuBLAS GEMMs) otherwise; "fused": wherever Triton runs (the CPU interpreter too: tests);
-        # "unfused": never (the benchmark's comparison). Set before any capture: it picks the captured kernels.
+        # "auto": the fused five-launch layer on CUDA at TP 1 for steps of at most FUSED_MAX_ROWS rows of layers
+        # of at most FUSED_MAX_LAYER_BYTES (picks_fused_layer), the unfused layer (cuBLAS GEMMs) otherwise;
+        # "fused": wherever Triton runs (the CPU interpreter too: tests); "unfused": never (the benchmark's
+        # comparison). Set before any capture: it picks the captured kernels.
         self.layer_kernels = "auto"
+        self._layer_bytes = layer_weight_bytes(cfg, dtype, mapping.tp_size)
 
     # -- weights -------------------------------------------------------------------------------
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -507,7 +527,8 @@ class LlamaTarget(nn.Module):
         if self.layer_kernels not in ("auto", "unfused"):
             raise ValueError(f"LlamaTarget: layer_kernels must be 'auto', 'fused' or 'unfused', got "
                              f"{self.layer_kernels!r}")
-        return self.layer_kernels == "auto" and self.mapping.tp_size == 1 and x.is_cuda and rows <= FUSED_MAX_ROWS
+        return (self.layer_kernels == "auto" and x.is_cuda
+                and picks_fused_layer(rows, self._layer_bytes, self.mapping.tp_size))
 
     @property
     def vocab_size(self) -> int:

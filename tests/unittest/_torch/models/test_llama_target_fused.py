@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS, LlamaTarget, LlamaTargetConfig
+from tensorrt_llm_ext.models.llama_target import (FUSED_MAX_LAYER_BYTES, FUSED_MAX_ROWS, LlamaTarget,
+                                                  LlamaTargetConfig, layer_weight_bytes, picks_fused_layer)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 
@@ -67,6 +68,25 @@ def test_layer_kernel_choice():
         m.layer_kernels = "auto"
         xc = x.cuda()
         assert m._fused_layers(FUSED_MAX_ROWS, xc) and not m._fused_layers(FUSED_MAX_ROWS + 1, xc)
+
+
+def test_fused_layer_only_for_small_layers():
+    """The auto rule takes the fused layer only for layers whose weights stream in microseconds: SmolLM2's
+    (7 MB a layer) up to FUSED_MAX_ROWS rows at TP 1, never the 8B Llama shape's (436 MB, where cuBLAS measured
+    faster at 1, 8 and 32 rows); the bytes are a layer's own parameters on one rank."""
+    tiny = LlamaTarget(LlamaTargetConfig(), dtype=torch.bfloat16)
+    own = sum(p.numel() * p.element_size() for p in tiny.layers[0].parameters())
+    assert layer_weight_bytes(tiny.config, torch.bfloat16) == own
+    smollm2 = LlamaTargetConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                                head_dim=64, intermediate_size=1536)
+    llama8b = LlamaTargetConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                head_dim=128, intermediate_size=14336)
+    small, large = layer_weight_bytes(smollm2, torch.bfloat16), layer_weight_bytes(llama8b, torch.bfloat16)
+    assert small < FUSED_MAX_LAYER_BYTES < large
+    assert layer_weight_bytes(llama8b, torch.bfloat16, tp_size=4) == large // 4
+    assert picks_fused_layer(1, small, 1) and picks_fused_layer(FUSED_MAX_ROWS, small, 1)
+    assert not picks_fused_layer(FUSED_MAX_ROWS + 1, small, 1) and not picks_fused_layer(1, small, 2)
+    assert not any(picks_fused_layer(rows, large, 1) for rows in (1, 8, FUSED_MAX_ROWS))
 
 
 def test_programmatic_launch_switch_and_bits():
