@@ -272,12 +272,12 @@ class Scheduler:
         stats.num_rows = len(fl.handles)
         stats.accepted_lens = list(lens)
         events = []
-        confs = getattr(self.engine, "step_confidences", None)
+        confs = self.engine.step_confidences
         for row, h in enumerate(fl.handles):
             live = self._live.get(h)
             if live is not None:
-                events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row]))
-                events[-1].confidences = confs[row] if confs else None
+                events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row],
+                                           confs[row] if confs else None))
         return events
 
     def _admit(self, handle: int, request: Request) -> Event | None:
@@ -392,11 +392,11 @@ class Scheduler:
         stats.num_rows = len(order)
         stats.accepted_lens = list(lens)
         events = []
-        confs = getattr(self.engine, "step_confidences", None)
+        confs = self.engine.step_confidences
         for row, slot in enumerate(order):
             handle = by_slot[slot]
-            events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row]))
-            events[-1].confidences = confs[row] if confs else None
+            events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row],
+                                       confs[row] if confs else None))
         return events
 
     def _fail_step(self, handles: list[int], error: Exception) -> list[Event]:
@@ -423,13 +423,15 @@ class Scheduler:
         logger.warning(f"scheduler: a step refused {cause}; ended its {len(handles)} request(s), engine serving on")
         return events
 
-    def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None, logprobs=None) -> Event:
+    def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None, logprobs=None,
+                confidences: list[float] | None = None) -> Event:
         """Tokens up to a stop token / ``max_new_tokens`` (:meth:`Engine.finish_tokens`); a finished request
-        leaves its slot (its KV and latent pages are freed)."""
+        leaves its slot (its KV and latent pages are freed). ``confidences``: those of the drafts the step
+        verified (:attr:`Event.confidences`)."""
         n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens)
         live.num_out += n
         if reason is not None:
             del self._live[handle]
             self.engine.release_slot(live.slot)
         return Event(handle, [int(t) for t in tokens[:n]], reason, None, accepted,
-                     logprobs[:n] if logprobs is not None else None)
+                     logprobs[:n] if logprobs is not None else None, confidences=confidences)

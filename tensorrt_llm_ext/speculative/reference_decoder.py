@@ -45,7 +45,6 @@ class ReferenceDecoder:
         if worker.token_selector is None:
             raise RuntimeError("ReferenceDecoder: bind the worker (post_load) first")
         self.worker = worker
-        self.verify_shaped = verify_shaped
         self.step_columns = worker.draft_len + 1 if verify_shaped else 1  # query rows per request of a step
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
         # The steps select from full rows: with a sharded worker they need logits processing over the whole

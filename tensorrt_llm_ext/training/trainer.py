@@ -445,7 +445,6 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     gen = torch.Generator(device=device).manual_seed(tc.seed + 7)
     if state:
         gen.set_state(state["generator"])  # the anchor and batch draws continue where the run stopped
-    sched = lambda s: min(1.0, (s + 1) / max(1, tc.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / tc.steps)))
     backbone = {n: p for n, p in params.items() if not n.startswith("confidence.")}
 
     init_eval = None
@@ -484,7 +483,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                         "checkpointed (--resume continues), writing the drafter as it stands")
             break
         for g in opt.param_groups:
-            g["lr"] = tc.lr * (sched(step) if not fit else fitted_lr(step, tc, time_frac))
+            g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
         idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
         batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
@@ -559,8 +558,9 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
 
 
 def fitted_lr(step: int, tc: TrainConfig, time_frac: float) -> float:
-    """The learning-rate factor of ``--fit-schedule``: warm-up over ``warmup`` steps, then a cosine whose
-    progress is the larger of ``step / steps`` and ``time_frac`` (the fraction of the time budget spent)."""
+    """The learning-rate factor: warm-up over ``warmup`` steps, then a cosine whose progress is the larger of
+    ``step / steps`` and ``time_frac`` (``--fit-schedule``: the fraction of the time budget spent; 0 without it,
+    the plain cosine over ``--steps``)."""
     progress = min(1.0, max(step / tc.steps, time_frac))
     return min(1.0, (step + 1) / max(1, tc.warmup)) * 0.5 * (1 + math.cos(math.pi * progress))
 
