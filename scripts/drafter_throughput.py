@@ -189,7 +189,7 @@ def main() -> int:
     width = max(lens_p) + 256
     tokens = torch.randint(0, vocab - 1, (len(lens_p), width), generator=g, dtype=torch.int32)
     prompt_lens = torch.tensor(lens_p)
-    lens = prompt_lens + torch.randint(64, 257, (len(lens_p),), generator=g)
+    lens = prompt_lens + torch.randint(128, 257, (len(lens_p),), generator=g)
     data = {"tokens": tokens, "lens": lens, "prompt_lens": prompt_lens}
     log(out, results, "train_data", {"seqs": len(lens_p), "mean_len": round(float(lens.float().mean()), 1),
                                      "mean_prompt": round(float(prompt_lens.float().mean()), 1)})
