@@ -23,6 +23,7 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -245,7 +246,7 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
                       draft_len: int, tc: TrainConfig, confidence_samples: bool = False, fused: bool = True,
-                      attention: str = "sdpa") -> tuple[torch.Tensor, dict]:
+                      attention: str = "sdpa", kernel: bool | None = None) -> tuple[torch.Tensor, dict]:
     """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
     over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1
     agreement, the teacher-forced greedy acceptance length, mean confidence and label per position).
@@ -254,8 +255,8 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     confidence head reads detached inputs and a detached label: it learns to predict the drafter, never
     steers it.
 
-    ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`); else the eager
-    twin. ``attention``: :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
+    ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`; ``kernel``:
+    its per-row passes in the Triton kernel, default on CUDA); else the eager twin. ``attention``: :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
     hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
     k = torch.arange(draft_len, device=anchors.device)
@@ -268,7 +269,7 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     h = hidden.shape[-1]
     # loss = sum over positions of wn * (tv_weight TV + ce_weight CE + kl_weight KL); the vocabulary-wide part in
     # chunks (fused_loss: the eager twin materialised [S*M*K, V] fp32 tensors for autograd)
-    loss_fn = fused_block_loss if fused else eager_block_loss
+    loss_fn = functools.partial(fused_block_loss, kernel=kernel) if fused else eager_block_loss
     loss, tv, ce, agree = loss_fn(hidden.reshape(-1, h), F.embedding(prev.flatten(), params["markov_w1"]),
                                   params["markov_w2"], lm_head_weight, teacher_h.reshape(-1, h), nxt.flatten(),
                                   tc.tv_weight * wn, tc.ce_weight * wn, tc.kl_weight * wn if tc.kl_weight else None)
@@ -295,6 +296,40 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
         metrics["confidence_samples"] = (conf_logit.detach().float().flatten(0, 1).cpu(),
                                          label.float().flatten(0, 1).cpu(), valid.flatten(0, 1).cpu())
     return total, metrics
+
+
+def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3) -> dict:
+    """On CUDA, the first batch's loss and gradients both ways -- the per-row passes in the Triton kernel and in
+    torch ops -- timed (the best of ``reps``, the kernel's compile in its first); the kernel is used when it
+    agrees with the torch twin (loss within 1e-3 relative) and is faster. Returns what ``training.json`` records
+    (``"kernel"``: the choice; the milliseconds of each)."""
+    trainable = [p for n, p in params.items() if p.requires_grad]
+    out: dict = {}
+    for kernel in (True, False):
+        try:
+            best = float("inf")
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss, _ = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc, kernel=kernel)
+                torch.autograd.grad(loss, trainable)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t)
+            out["kernel_ms" if kernel else "torch_ms"] = round(best * 1e3, 1)
+            out["kernel_loss" if kernel else "torch_loss"] = float(loss)
+        except Exception as e:  # a kernel that does not build or run here: the torch ops
+            out["kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            logger.warning(f"train-drafter: the loss kernel failed ({out['kernel_error']}); torch ops instead")
+    agree = "kernel_loss" in out and abs(out["kernel_loss"] - out["torch_loss"]) <= 1e-3 * abs(out["torch_loss"]) + 1e-4
+    out["kernel"] = bool(agree and out["kernel_ms"] < out["torch_ms"])
+    if "kernel_loss" in out and not agree:
+        logger.warning(f"train-drafter: the loss kernel disagrees with its torch twin ({out['kernel_loss']} vs "
+                       f"{out['torch_loss']}); torch ops instead")
+    logger.info(f"train-drafter: vocabulary-wide loss per step: Triton row kernel {out.get('kernel_ms')} ms, torch "
+                f"ops {out.get('torch_ms')} ms (forward + backward, first batch); using the "
+                f"{'kernel' if out['kernel'] else 'torch ops'}")
+    return out
 
 
 SCALAR_METRICS = ("loss", "tv", "ce", "bce", "accept_est")
@@ -483,7 +518,9 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     fitted_end = None  # the step at which the fitted schedule ended the run
     recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
     pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector) not yet read to the host
+    loss_path = None  # pick_loss_kernel's choice, at the first step
     step_start = step0
+    hist0 = len(history)
 
     def flush() -> None:
         """Read the pending steps' metrics (one copy) into ``history``; a non-finite loss stops the run naming
@@ -532,8 +569,12 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             tc.seed * 1_000_003 + step))
         batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
+        if loss_path is None:
+            loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc) if device.type == "cuda" else {
+                "kernel": False}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc)
+            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
+                                              kernel=loss_path["kernel"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
@@ -562,6 +603,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         if save_due:
             _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
     flush()
+    steps_wall = time.time() - t0
     final = {n: p.detach() for n, p in params.items()}
     final_eval = calibration = final_by_position = None
     if eval_data is not None:
@@ -583,6 +625,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                               else tc.steps), "complete": stopped_at is None,
                "schedule": "cosine fitted to --max-seconds" if fit else "cosine over --steps",
                "train_seconds_this_run": round(time.time() - t0, 1),
+               # this call's step rate (the held-out estimates after the steps excluded); the loss path chosen
+               "steps_this_run": len(history) - hist0, "steps_seconds_this_run": round(steps_wall, 1),
+               "steps_per_s": round((len(history) - hist0) / max(steps_wall, 1e-9), 3),
+               "block_positions_per_s": round(trained_positions / max(steps_wall, 1e-9)), "loss_path": loss_path,
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,

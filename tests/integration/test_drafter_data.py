@@ -165,3 +165,38 @@ def test_answer_generation_logs_within_a_chunk_without_a_progress_bar(tmp_path, 
     lines = [r.getMessage() for r in caplog.records if "train-drafter: generating:" in r.getMessage()]
     assert len(lines) >= 3 and lines[0].startswith("train-drafter: generating: 0/2 answers done"), lines
     assert data["lens"].tolist() == [7, 6]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_fused_loss_equals_the_eager_objective(kernel):
+    """The chunked distillation loss (the Triton row kernel under the interpreter, or its torch twin) gives the
+    eager objective's loss, per-row TV / CE / top-1 agreement and gradients (hidden, W1 rows, W2), KL included."""
+    from tensorrt_llm_ext.kernels.common import triton_runs_on
+    from tensorrt_llm_ext.training.fused_loss import (_rows_torch, block_loss_rows, eager_block_loss,
+                                                      fused_block_loss)
+
+    if kernel and not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    n, h, v, r = 13, 16, 300, 4
+    hid, rows_m = torch.randn(n, h, generator=g), torch.randn(n, r, generator=g)
+    w2, head = torch.randn(v, r, generator=g) / 2, torch.randn(v, h, generator=g) / 2
+    teacher, y = torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    c_tv, c_ce, c_kl = (torch.rand(n, generator=g) for _ in range(3))
+    c_tv[2] = c_ce[2] = c_kl[2] = 0.0  # a row that does not count still reports its TV
+    outs = []
+    for fn, kw in ((eager_block_loss, {}), (fused_block_loss, {"rows": 5, "kernel": kernel})):
+        x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
+        loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
+        loss.backward()
+        outs.append([loss.detach(), tv, ce, agree.float()] + [t.grad for t in x])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if kernel:  # the kernel alone, several column blocks with a ragged last one
+        z, t = torch.randn(6, 300, generator=g) * 3, torch.randn(6, 300, generator=g) * 3
+        z[1, 7] = z[1, 200] = 50.0  # a tie: the first maximum, as torch.argmax
+        want = _rows_torch(z.clone(), t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True)
+        zk = z.clone()
+        got = block_loss_rows(zk, t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True, block=128)
+        for a, b in zip(want, (*got, zk)):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2e-5)
