@@ -9,8 +9,10 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
    target's.
 3. **Steps**: ``batch_seqs`` sequences, ``anchors`` random anchor positions each (in the generated part),
    ``draft_len`` block positions per anchor drafted in one teacher-forced pass (:mod:`.drafter_forward`);
-   loss = KL(target || draft) per block position, weighted ``position_decay ** k`` (early positions decide
-   the acceptance length); AdamW, linear warm-up, cosine decay, gradient clipping; bfloat16 autocast on CUDA.
+   loss = TV + CE (+ KL) per block position (:func:`distillation_loss`; the vocabulary-wide part chunked with
+   its gradient, :mod:`.fused_loss`), weighted ``position_decay ** k`` (early positions decide the acceptance
+   length); AdamW, linear warm-up, cosine decay, gradient clipping; bfloat16 autocast on CUDA. The step's
+   metrics stay on the device until a log line or a checkpoint reads them (one copy for many steps).
 4. **Checkpoints** every ``save_every`` steps in ``work_dir/trainer_state.pt`` (weights, optimizer, step,
    RNG); ``--resume`` continues from it (and from the cached data). The drafter directory is written at the
    end in the format ``serve`` loads (``models/checkpoint.py``), with ``training.json`` (knobs, losses,
@@ -613,7 +615,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         # bench acceptance's "acceptance by position" of the same walk: the serving number's training-side twin
         final_by_position = [round(sum(1 for n in walked if n - 1 >= j) / max(len(walked), 1), 4)
                              for j in range(1, tc.draft_len + 1)]
-        calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target)
+        calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target,
+                                           kernel=bool(loss_path and loss_path["kernel"]))
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
     weights = {n: t.to(save_dtype).cpu() for n, t in final.items()}
@@ -661,7 +664,8 @@ def fitted_lr(step: int, tc: TrainConfig, time_frac: float) -> float:
 
 
 @torch.no_grad()
-def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target) -> dict:
+def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target,
+                         kernel: bool = False) -> dict:
     """The confidence head on the held-out sequences (32 random anchors per sequence): mean confidence and mean
     label ``1 - TV`` per block position (a calibrated head has them equal), the teacher-forced top-1 agreement per
     position (the training log's top-1 is on training batches; this one is on sequences training never saw), and
@@ -677,7 +681,8 @@ def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, devi
         g = torch.Generator(device=device).manual_seed(start)
         anchors = sample_anchors(b, 32, g)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True)
+            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True,
+                                     kernel=kernel)
         conf += m["confidence"].float().cpu()
         lab += m["label"].float().cpu()
         top1 += m["top1"].float().cpu()

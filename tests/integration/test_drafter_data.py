@@ -200,3 +200,36 @@ def test_fused_loss_equals_the_eager_objective(kernel):
         got = block_loss_rows(zk, t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True, block=128)
         for a, b in zip(want, (*got, zk)):
             torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forward(tmp_path):
+    """regenerate's loop (one queue, shortest first, overlap scheduler, grouped admission at batch 2) gives every
+    request the tokens Engine.generate gives it; teacher_pass_dense (SDPA attention, no cache) equals the target's
+    paged forward on those sequences."""
+    import shutil
+
+    from tensorrt_llm_ext.contract import SamplingParams
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.training.data import load_target, regenerate, teacher_pass
+
+    d = tmp_path / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    prompts = [[5, 6, 7, 8, 9], [9, 3], [4, 4, 4], [100, 200, 300, 400], [17]]
+    temps = [0.0, 0.8, 0.0, 1.0, 0.0]
+    data = regenerate(d, prompts, max_new_tokens=6, temperatures=temps, top_p=0.9, seed=3, batch_size=2,
+                      device=torch.device("cpu"), cuda_graph=False)
+    engine = Engine(load_config(model_dir=str(d), max_batch_size=8, max_seq_len=32), torch_ops=True)
+    reqs = [Request(p, 6, sampling=SamplingParams(temperature=t, top_p=0.9 if t > 0 else 1.0, seed=3 + i))
+            for i, (p, t) in enumerate(zip(prompts, temps))]
+    want = [p + r.output_ids for p, r in zip(prompts, engine.generate(reqs, "target_only")[0])]
+    got = [data["tokens"][i, :int(data["lens"][i])].tolist() for i in range(len(prompts))]
+    assert got == want and data["prompt_lens"].tolist() == [len(p) for p in prompts]
+    target = load_target(d, [0, 1], torch.device("cpu"), torch.float32)
+    seq = data["tokens"].long()
+    for a, b in zip(teacher_pass(target, seq, dense=False), teacher_pass(target, seq, dense=True)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
