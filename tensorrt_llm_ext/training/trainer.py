@@ -301,31 +301,37 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
 
 
 def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3) -> dict:
-    """On CUDA, the first batch's loss and gradients both ways -- the per-row passes in the Triton kernel and in
+    """The first batch's loss and gradients both ways (the trainer asks on CUDA; a CPU under TRITON_INTERPRET=1
+    runs it too: tests) -- the per-row passes in the Triton kernel and in
     torch ops -- timed (the best of ``reps``, the kernel's compile in its first); the kernel is used when it
     agrees with the torch twin (loss within 1e-3 relative) and is faster. Returns what ``training.json`` records
     (``"kernel"``: the choice; the milliseconds of each)."""
     trainable = [p for n, p in params.items() if p.requires_grad]
+    cuda = lm_head.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out: dict = {}
     for kernel in (True, False):
         try:
             best = float("inf")
             for _ in range(reps):
-                torch.cuda.synchronize()
+                sync()
                 t = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(lm_head.device.type, dtype=torch.bfloat16, enabled=cuda):
                     loss, _ = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc, kernel=kernel)
-                torch.autograd.grad(loss, trainable)
-                torch.cuda.synchronize()
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+                sync()
                 best = min(best, time.perf_counter() - t)
             out["kernel_ms" if kernel else "torch_ms"] = round(best * 1e3, 1)
             out["kernel_loss" if kernel else "torch_loss"] = float(loss)
         except Exception as e:  # a kernel that does not build or run here: the torch ops
+            if not kernel:
+                raise
             out["kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             logger.warning(f"train-drafter: the loss kernel failed ({out['kernel_error']}); torch ops instead")
-    agree = "kernel_loss" in out and abs(out["kernel_loss"] - out["torch_loss"]) <= 1e-3 * abs(out["torch_loss"]) + 1e-4
+    both = "kernel_loss" in out and "torch_loss" in out
+    agree = both and abs(out["kernel_loss"] - out["torch_loss"]) <= 1e-3 * abs(out["torch_loss"]) + 1e-4
     out["kernel"] = bool(agree and out["kernel_ms"] < out["torch_ms"])
-    if "kernel_loss" in out and not agree:
+    if both and not agree:
         logger.warning(f"train-drafter: the loss kernel disagrees with its torch twin ({out['kernel_loss']} vs "
                        f"{out['torch_loss']}); torch ops instead")
     logger.info(f"train-drafter: vocabulary-wide loss per step: Triton row kernel {out.get('kernel_ms')} ms, torch "
