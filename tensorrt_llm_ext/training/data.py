@@ -116,15 +116,19 @@ def render_prompts(model_dir, conversations: list[list[dict]], vocab_size: int, 
                     f"stand in for the conversations (seed {seed})")
         rng = random.Random(f"render-{seed}")
         return [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 12))] for _ in conversations]
+    # The templates rendered one by one (cheap), the token ids in one batched call (the fast tokenizer's threads;
+    # encoding was ~all of the time per prompt), the same ids as apply_chat_template(tokenize=True), which encodes
+    # its text without special tokens; a conversation too long goes through the drop-the-oldest loop.
+    texts = [tok.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False) for conv in conversations]
+    encoded = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
     out, shortened, skipped = [], 0, 0
-    for conv in conversations:
+    for conv, first in zip(conversations, encoded):
         msgs = list(conv)
-        while True:
+        ids = list(first)
+        while len(ids) > max_prompt_tokens and len(msgs) > 1:
+            msgs = msgs[1:] if msgs[0]["role"] != "system" or len(msgs) == 2 else [msgs[0]] + msgs[2:]
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            if len(ids) <= max_prompt_tokens or len(msgs) == 1:
-                break
-            msgs = msgs[1:] if msgs[0]["role"] != "system" or len(msgs) == 2 else [msgs[0]] + msgs[2:]
         shortened += len(msgs) < len(conv)
         if len(ids) > max_prompt_tokens:
             skipped += 1
