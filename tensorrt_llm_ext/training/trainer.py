@@ -578,8 +578,13 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
         if loss_path is None:
-            loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc) if device.type == "cuda" else {
-                "kernel": False}
+            # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
+            choice = os.environ.get("TLLM_EXT_LOSS_KERNEL", "auto")
+            if device.type != "cuda" or choice in ("off", "on"):
+                loss_path = {"kernel": device.type == "cuda" and choice == "on",
+                             "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
+            else:
+                loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
                                               kernel=loss_path["kernel"])
