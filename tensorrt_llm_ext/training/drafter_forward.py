@@ -113,11 +113,12 @@ def markov_bias(params: dict[str, torch.Tensor], prev_tokens: torch.Tensor) -> t
 
 
 def block_logits(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor,
-                 features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int) -> torch.Tensor:
+                 features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int,
+                 attention: str = "sdpa") -> torch.Tensor:
     """Teacher-forced draft logits ``[S, M, K, V]`` of the blocks anchored at ``anchors [S, M]`` of the
     sequences ``tokens [S, T]`` with captured target features ``features [S, T, F]``; ``prev_k`` is the
     sequence's token at ``a + k`` (positions past ``T - 1`` read the last token; callers mask them)."""
-    return block_forward(params, cfg, lm_head_weight, features, tokens, anchors, draft_len)[0]
+    return block_forward(params, cfg, lm_head_weight, features, tokens, anchors, draft_len, attention)[0]
 
 
 def block_forward(params, cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor, features: torch.Tensor,

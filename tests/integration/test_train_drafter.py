@@ -43,6 +43,9 @@ def test_training_forward_equals_the_serving_drafter(backend):
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) / 5
     anchors = torch.tensor([[1, 7, 12, 15]])
     ours = block_logits(sd, cfg, head, feats, tokens, anchors, k)[0]  # [M, K, V]
+    # the SDPA block attention (default) and its eager twin
+    torch.testing.assert_close(ours, block_logits(sd, cfg, head, feats, tokens, anchors, k, attention="eager")[0],
+                               atol=2e-5, rtol=2e-5)
     drafter = DSparkDrafter(cfg, dtype=torch.float32, attention_backend=backend)
     drafter.load_full_state_dict(sd)
     for m, a in enumerate(anchors[0].tolist()):
