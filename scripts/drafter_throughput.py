@@ -6,6 +6,10 @@ shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short dev
     python3 scripts/drafter_throughput.py OUT_DIR [--prompt-file .gpu_data/prompts.jsonl.gz] [--old-data PATH]
         [--train "bs=16,anchors=128,loss=eager,attention=eager,teacher=paged" ...] [--gen-batches 256 1024]
 
+``--train`` keys: bs, anchors, layers, steps; loss = eager (autograd over [N, V]) | fused (chunked; the Triton row
+kernel on CUDA) | kernel | torch (chunked, the per-row passes in torch ops); attention = sdpa | eager; teacher =
+dense | paged.
+
 Prompt lengths come from the prompt file's first user turns (~3.6 characters per token, + 12 tokens of chat
 template); the ids are seeded random tokens (a random-weight target reads any ids alike). Each answer's length is
 drawn uniformly from [max_new_tokens / 4, max_new_tokens] (the real answers stop at EOS at varied lengths).
@@ -115,8 +119,9 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
         b = batch_of(i)
         anchors = trainer.sample_anchors(b, cfg["anchors"], gen)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not tiny):
-            loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=cfg["loss"] == "fused",
-                                                attention=cfg["attention"])
+            loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=cfg["loss"] != "eager",
+                                                attention=cfg["attention"],
+                                                kernel=None if cfg["loss"] == "fused" else cfg["loss"] == "kernel")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in trainer.FROZEN], 1.0)
