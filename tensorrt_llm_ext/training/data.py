@@ -42,7 +42,8 @@ def load_target(model_dir: str | Path, capture_layers: list[int], device, dtype:
 
 
 @torch.no_grad()
-def teacher_pass(target: LlamaTarget, seq: torch.Tensor, dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_pass(target: LlamaTarget, seq: torch.Tensor,
+                 dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``seq [S, T]`` (right-padded; causal, so padding never reaches a real position) -> ``features [S, T, F]``
     and ``final [S, T, H]``.
 

@@ -12,7 +12,8 @@ before), so a step holds one chunk's ``[rows, V]`` temporaries instead of the wh
 Per row (block position) with draft logits ``z = h Wᵀ + W2 W1[prev]`` and teacher logits ``t = h_t Wᵀ``,
 ``q = softmax(z)``, ``p = softmax(t)``:
 
-* TV = ½‖q - p‖₁, ∂TV/∂z = ½ q ⊙ (s - ⟨s, q⟩), ``s = sign(q - p)`` (``sign(0) = 0``, as autograd's ``abs``);
+* TV = ½‖q - p‖₁, ∂TV/∂z = ½ q ⊙ (s - ⟨s, q⟩), ``s = sign(q - p)`` (``sign(0) = 0``, as autograd's
+  ``abs``);
 * CE = -log q_y, ∂CE/∂z = q - onehot(y);
 * KL(p ‖ q) = Σ p (log p - log q), ∂KL/∂z = q - p.
 

@@ -258,7 +258,8 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     steers it.
 
     ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`; ``kernel``:
-    its per-row passes in the Triton kernel, default on CUDA); else the eager twin. ``attention``: :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
+    its per-row passes in the Triton kernel, default on CUDA); else the eager twin. ``attention``:
+    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
     hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
     k = torch.arange(draft_len, device=anchors.device)
