@@ -126,7 +126,12 @@ def block_loss_rows(z: torch.Tensor, t: torch.Tensor, y: torch.Tensor, a_tv: tor
     stride): ``(tv, ce, kl or None, agree)`` (``[c]`` fp32 / bool) and, with ``write_grad``, the gradient of
     ``a_tv TV + a_ce CE + a_kl KL`` with respect to ``z`` written over ``z``. The Triton twin of the torch chunk
     in :meth:`FusedBlockLoss.forward` (tested equal)."""
+    if z.dim() != 2 or t.shape != z.shape or z.stride(1) != 1 or t.stride(1) != 1:
+        raise ValueError(f"block_loss_rows: z and t must be [c, V] with unit column stride, got {tuple(z.shape)} "
+                         f"{tuple(z.stride())} and {tuple(t.shape)} {tuple(t.stride())}")
     c, v = z.shape
+    if any(x is not None and (x.shape != (c,) or x.device != z.device) for x in (y, a_tv, a_ce, a_kl)):
+        raise ValueError(f"block_loss_rows: y and the coefficients must be [{c}] on {z.device}")
     dev = z.device
     tv = torch.empty(c, dtype=torch.float32, device=dev)
     ce = torch.empty(c, dtype=torch.float32, device=dev)
@@ -184,7 +189,8 @@ class FusedBlockLoss(torch.autograd.Function):
                 tv_c, ce_c, kl_c, agree[lo:hi] = block_loss_rows(z, t, y, a_tv, a_ce, a_kl, need_grad)
                 g_c = z
             else:
-                tv_c, ce_c, kl_c, agree[lo:hi], g_c = _rows_torch(z, t, y, a_tv, a_ce, a_kl, need_grad)
+                tv_c, ce_c, kl_c, agree[lo:hi], g_c = block_loss_rows_reference(z, t, y, a_tv, a_ce, a_kl,
+                                                                                 need_grad)
             del t
             tv[lo:hi], ce[lo:hi] = tv_c, ce_c
             part = (a_tv * tv_c).sum() + (a_ce * ce_c).sum()
@@ -213,7 +219,7 @@ class FusedBlockLoss(torch.autograd.Function):
         return out_h, out_m, out_w, None, None, None, None, None, None, None, None, None
 
 
-def _rows_torch(z, t, y, a_tv, a_ce, a_kl, need_grad):
+def block_loss_rows_reference(z, t, y, a_tv, a_ce, a_kl, need_grad):
     """The torch twin of :func:`block_loss_rows` (fp32 over ``[c, V]``): ``(tv, ce, kl, agree, g)``."""
     z, t = z.float(), t.float()
     agree = z.argmax(-1) == t.argmax(-1)

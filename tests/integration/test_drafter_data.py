@@ -172,8 +172,8 @@ def test_fused_loss_equals_the_eager_objective(kernel):
     """The chunked distillation loss (the Triton row kernel under the interpreter, or its torch twin) gives the
     eager objective's loss, per-row TV / CE / top-1 agreement and gradients (hidden, W1 rows, W2), KL included."""
     from tensorrt_llm_ext.kernels.common import triton_runs_on
-    from tensorrt_llm_ext.training.fused_loss import (_rows_torch, block_loss_rows, eager_block_loss,
-                                                      fused_block_loss)
+    from tensorrt_llm_ext.training.fused_loss import (block_loss_rows, block_loss_rows_reference,
+                                                      eager_block_loss, fused_block_loss)
 
     if kernel and not triton_runs_on(torch.zeros(1)):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
@@ -195,7 +195,7 @@ def test_fused_loss_equals_the_eager_objective(kernel):
     if kernel:  # the kernel alone, several column blocks with a ragged last one
         z, t = torch.randn(6, 300, generator=g) * 3, torch.randn(6, 300, generator=g) * 3
         z[1, 7] = z[1, 200] = 50.0  # a tie: the first maximum, as torch.argmax
-        want = _rows_torch(z.clone(), t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True)
+        want = block_loss_rows_reference(z.clone(), t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True)
         zk = z.clone()
         got = block_loss_rows(zk, t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True, block=128)
         for a, b in zip(want, (*got, zk)):
