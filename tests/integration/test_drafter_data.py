@@ -172,8 +172,8 @@ def test_fused_loss_equals_the_eager_objective(kernel):
     """The chunked distillation loss (the Triton row kernel under the interpreter, or its torch twin) gives the
     eager objective's loss, per-row TV / CE / top-1 agreement and gradients (hidden, W1 rows, W2), KL included."""
     from tensorrt_llm_ext.kernels.common import triton_runs_on
-    from tensorrt_llm_ext.training.fused_loss import (block_loss_rows, block_loss_rows_reference,
-                                                      eager_block_loss, fused_block_loss)
+    from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, block_loss_rows_reference
+    from tensorrt_llm_ext.training.fused_loss import eager_block_loss, fused_block_loss
 
     if kernel and not triton_runs_on(torch.zeros(1)):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
