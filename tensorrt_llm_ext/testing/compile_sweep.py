@@ -226,6 +226,17 @@ def _rms_norm():
             rms_norm(x, w, 1e-5, residual=torch.zeros_like(x))
 
 
+def _block_loss():  # train-drafter's loss rows (not in the captured step)
+    from tensorrt_llm_ext.kernels.block_loss import block_loss_rows
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for vocab, kl in ((49152, True), (49152, False), (1000, False)):
+            z, t = torch.zeros(4, vocab, dtype=dtype), torch.zeros(4, vocab, dtype=dtype)
+            a = torch.ones(4)
+            block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, a if kl else None, write_grad=True)
+    block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, None, write_grad=False)
+
+
 # -- drafter block attention -----------------------------------------------------------------------------------
 def _attention():
     from tensorrt_llm_ext.contract import DraftBlockPlacement
@@ -397,6 +408,7 @@ SWEEP: tuple[SweepCase, ...] = (
                                                       _K + "paged_latent:_paged_latent_step_kernel",
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
+    SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",), captured=False, cost=4),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
                                         _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=40),
     SweepCase("paged_attention", _paged_attention, (_K + "paged_attention:_paged_attention_kernel",

@@ -20,14 +20,17 @@ import dataclasses
 import random
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from tensorrt_llm_ext.kernels.rope import apply_rope
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import (load_llama_state_dict, read_checkpoint_facts, read_target_config,
                                                target_only_view)
-from tensorrt_llm_ext.models.llama_target import LlamaTarget
+from tensorrt_llm_ext.models.llama_target import LlamaTarget, _add_norm, _norm
 
 
 def load_target(model_dir: str | Path, capture_layers: list[int], device, dtype: torch.dtype) -> LlamaTarget:
@@ -39,14 +42,63 @@ def load_target(model_dir: str | Path, capture_layers: list[int], device, dtype:
 
 
 @torch.no_grad()
-def teacher_pass(target: LlamaTarget, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_pass(target: LlamaTarget, seq: torch.Tensor,
+                 dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``seq [S, T]`` (right-padded; causal, so padding never reaches a real position) -> ``features [S, T, F]``
-    and ``final [S, T, H]``."""
+    and ``final [S, T, H]``.
+
+    ``dense`` (default: on CUDA): :func:`teacher_pass_dense`, the same layers with the attention of a whole
+    sequence as one causal ``scaled_dot_product_attention`` (flash) instead of the serving forward's paged
+    cache write + paged attention; else the serving forward itself (its eager twins on a CPU)."""
+    if dense is None:
+        dense = seq.is_cuda
+    if dense:
+        return teacher_pass_dense(target, seq)
     b, t = seq.shape
     dev = seq.device
     cache = target.make_kv_cache(b, t)
     out = target(seq, torch.arange(t, device=dev).expand(b, t), torch.arange(b, dtype=torch.int32, device=dev), cache)
     return out.captured.view(b, t, -1), out.hidden_states.view(b, t, -1)
+
+
+@torch.no_grad()
+def teacher_pass_dense(target: LlamaTarget, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`teacher_pass` without a KV cache: :meth:`LlamaTarget.forward`'s unfused layers (the same norms,
+    GEMMs and residual adds) with each layer's attention one causal ``F.scaled_dot_product_attention`` over the
+    sequence (q and k rotated and rounded to the model dtype, as the paged cache stores k). A training batch is
+    whole sequences from position 0, so nothing needs the cache; tested equal to the forward on the tiny target."""
+    b, t = seq.shape
+    cfg = target.config
+    if target.mapping.tp_size != 1:
+        raise ValueError("teacher_pass_dense: a single-rank target only")
+    cos, sin = target.rotary_emb.cos_sin(torch.arange(t, device=seq.device).expand(b, t))
+    hidden = target.embed_tokens(seq)
+    captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
+    index = {layer: i for i, layer in enumerate(cfg.capture_layers)}
+    pending = None
+    for i, layer in enumerate(target.layers):
+        normed, hidden = _add_norm(layer.input_layernorm, pending, hidden)
+        at = layer.self_attn
+        d, nq, nk = at.head_dim, at.num_heads, at.num_kv_heads
+        qkv = F.linear(normed, at.qkv_weight, at.qkv_bias)
+        q = qkv[..., :nq * d].view(b, t, nq, d)
+        k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
+        v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
+        if at.q_norm is not None:
+            q, k = _norm(at.q_norm, q), _norm(at.k_norm, k)
+        dt = normed.dtype
+        q = apply_rope(q, cos, sin).to(dt).transpose(1, 2)
+        k = apply_rope(k, cos, sin).to(dt).transpose(1, 2).repeat_interleave(nq // nk, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(nq // nk, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=at.scale)
+        attn = at.o_proj(o.transpose(1, 2).reshape(b, t, nq * d))
+        normed, hidden = _add_norm(layer.post_attention_layernorm, attn, hidden)
+        pending = layer.mlp(normed)
+        if i in index:
+            hidden, pending = hidden + pending, None
+            captured[index[i]] = hidden
+    final, _ = _add_norm(target.norm, pending, hidden)
+    return torch.cat(captured, dim=-1), final
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
@@ -65,15 +117,19 @@ def render_prompts(model_dir, conversations: list[list[dict]], vocab_size: int, 
                     f"stand in for the conversations (seed {seed})")
         rng = random.Random(f"render-{seed}")
         return [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 12))] for _ in conversations]
+    # The templates rendered one by one (cheap), the token ids in one batched call (the fast tokenizer's threads;
+    # encoding was ~all of the time per prompt), the same ids as apply_chat_template(tokenize=True), which encodes
+    # its text without special tokens; a conversation too long goes through the drop-the-oldest loop.
+    texts = [tok.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False) for conv in conversations]
+    encoded = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
     out, shortened, skipped = [], 0, 0
-    for conv in conversations:
+    for conv, first in zip(conversations, encoded):
         msgs = list(conv)
-        while True:
+        ids = list(first)
+        while len(ids) > max_prompt_tokens and len(msgs) > 1:
+            msgs = msgs[1:] if msgs[0]["role"] != "system" or len(msgs) == 2 else [msgs[0]] + msgs[2:]
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            if len(ids) <= max_prompt_tokens or len(msgs) == 1:
-                break
-            msgs = msgs[1:] if msgs[0]["role"] != "system" or len(msgs) == 2 else [msgs[0]] + msgs[2:]
         shortened += len(msgs) < len(conv)
         if len(ids) > max_prompt_tokens:
             skipped += 1
@@ -87,21 +143,32 @@ def render_prompts(model_dir, conversations: list[list[dict]], vocab_size: int, 
 
 def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temperatures: list[float],
                top_p: float, seed: int, batch_size: int, device: torch.device, cuda_graph: bool,
-               log_every_s: float = 30.0, progress=None) -> dict[str, torch.Tensor]:
+               log_every_s: float = 30.0, progress=None, max_num_tokens: int = 16384,
+               admit_fraction: float = 1 / 16) -> dict[str, torch.Tensor]:
     """The target's answers to ``prompts`` (``temperatures[i]`` for prompt ``i``; request ``i`` samples with
     ``seed + i``), decoded by the serving engine without speculation. Returns ``tokens [N, T]`` (int32,
     0-padded past ``lens``), ``lens [N]`` and ``prompt_lens [N]``. Logs progress every ``log_every_s``
-    seconds, also within a chunk's decode and without a progress bar (``--no-progress``)."""
+    seconds, also without a progress bar (``--no-progress``); ``progress(n)`` is called as answers finish.
+
+    Throughput (a request's tokens depend only on its prompt, seed and temperature, never on the batch it
+    shares -- the scheduler's guarantee -- so none of this changes an answer): every prompt is queued at once
+    (no chunk whose last requests decode at a small batch), shortest first (a batched prefill pads its rows to
+    the longest: similar lengths pad little), the serving scheduler's overlap mode (the host work of a step's
+    tokens runs while the device runs the next step), batched prefills of up to ``max_num_tokens`` tokens, and
+    admission once ``admit_fraction`` of the slots are free (or the queue fits) so that finishing requests are
+    refilled by a few large prefills, not one small eager prefill per step."""
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 
     longest = max(map(len, prompts)) + max_new_tokens
+    outs: list[list[int]] = [[] for _ in prompts]
     with tempfile.TemporaryDirectory(prefix="train_drafter_target_") as tmp:
         view = target_only_view(Path(model_dir), Path(tmp))
         cfg = load_config(model_dir=str(view), log_no_effect=False, max_batch_size=batch_size,
-                          max_seq_len=longest + 16)
+                          max_seq_len=longest + 16, max_num_tokens=max(max_num_tokens, longest + 16))
         # On a CPU the answers are data, not a kernel exercise: torch ops even under TRITON_INTERPRET=1 (the
         # same tokens as the fused kernels; the interpreter spent most of a small run in its top-p kernels).
         cpu = device.type == "cpu"
@@ -109,39 +176,43 @@ def regenerate(model_dir, prompts: list[list[int]], *, max_new_tokens: int, temp
         if cpu:
             logger.info("train-drafter: answers decoded with torch ops (the stock op table) on the CPU")
         eos = tuple(sorted(engine.eos_token_ids))
-        outs: list[list[int]] = []
+        engine.runner("target_only")  # graphs captured before the clock starts
+        sched = Scheduler(engine, mode="target_only", overlap=True)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        queue = deque((i, Request(prompt_ids=prompts[i], max_new_tokens=max_new_tokens, stop_token_ids=eos,
+                                  sampling=SamplingParams(temperature=temperatures[i],
+                                                          top_p=top_p if temperatures[i] > 0 else 1.0,
+                                                          seed=seed + i)))
+                      for i in order)
+        min_admit = max(1, int(batch_size * admit_fraction))
         t0 = last = time.time()
-        chunk = batch_size * 4
-        made_now = [0]  # tokens of the chunk being decoded
-
-        def step_log(n: int) -> None:  # per engine step: a line every log_every_s, bar or not
-            nonlocal last
-            made_now[0] += n
+        made = done = steps = 0
+        while queue or sched.num_active:
+            admit = []
+            if sched.num_free_slots >= min(min_admit, len(queue)) or not sched.num_active:
+                admit = [queue.popleft() for _ in range(sched.admissible(r for _, r in queue))]
+                if not admit and not sched.num_active:  # an idle engine always has room for one request
+                    raise RuntimeError(f"train-drafter: prompt {queue[0][0]} fits no idle engine")
+            events, st = sched.apply(StepPlan(admit=admit))
+            steps += st.num_rows > 0
+            finished = 0
+            for e in events:
+                outs[e.handle].extend(e.tokens)
+                made += len(e.tokens)
+                if e.finish_reason == "error":
+                    raise ValueError(f"train-drafter: the target could not answer a prompt: {e.error}")
+                finished += e.finish_reason is not None
+            done += finished
+            if progress is not None and finished:
+                progress(finished)
             if time.time() - last >= log_every_s:
                 last = time.time()
-                made = sum(map(len, outs)) + made_now[0]
-                logger.info(f"train-drafter: generating: {len(outs)}/{len(prompts)} answers done, {made} tokens "
+                logger.info(f"train-drafter: generating: {done}/{len(prompts)} answers done, {made} tokens "
                             f"({made / max(last - t0, 1e-9):.1f} tokens/s)")
-        for start in range(0, len(prompts), chunk):
-            reqs = [Request(prompt_ids=p, max_new_tokens=max_new_tokens, stop_token_ids=eos,
-                            sampling=SamplingParams(temperature=temperatures[start + j],
-                                                    top_p=top_p if temperatures[start + j] > 0 else 1.0,
-                                                    seed=seed + start + j))
-                    for j, p in enumerate(prompts[start:start + chunk])]
-            made_now[0] = 0
-            results, _ = engine.generate(reqs, mode="target_only", progress=step_log)
-            for r in results:
-                if r.error:
-                    raise ValueError(f"train-drafter: the target could not answer a prompt: {r.error}")
-                outs.append(r.output_ids)
-            if progress is not None:
-                progress(len(reqs))
-            if time.time() - last >= log_every_s or start + chunk >= len(prompts):
-                last = time.time()
-                made = sum(map(len, outs))
-                logger.info(f"train-drafter: generated {len(outs)}/{len(prompts)} answers, {made} tokens "
-                            f"({made / max(last - t0, 1e-9):.1f} tokens/s)")
-        del engine
+        wall = time.time() - t0
+        logger.info(f"train-drafter: generated {done}/{len(prompts)} answers, {made} tokens in {wall:.1f} s "
+                    f"({made / max(wall, 1e-9):.1f} tokens/s, {steps} steps at batch <= {batch_size})")
+        del sched, engine
     width = max(len(p) + len(o) for p, o in zip(prompts, outs))
     tokens = torch.zeros(len(prompts), width, dtype=torch.int32)
     for i, (p, o) in enumerate(zip(prompts, outs)):

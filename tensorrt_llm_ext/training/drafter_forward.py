@@ -43,15 +43,24 @@ def context_latents(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, f
     return F.linear(ctx, params["kv_a_proj.weight"]).view(s, t, cfg.num_layers, cfg.latent_dim)
 
 
+ATTENTION = ("sdpa", "eager")
+
+
 def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_latents: torch.Tensor,
-                 anchor_tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int) -> torch.Tensor:
+                 anchor_tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int,
+                 attention: str = "sdpa") -> torch.Tensor:
     """Final-normed block hidden states ``[S, M, K, H]``.
 
     Args:
         ctx_latents: ``[S, T, L, d_c]`` (:func:`context_latents`); position ``p`` of sequence ``s``.
         anchor_tokens: ``[S, M]`` the anchor (bonus) token of each block.
         anchors: ``[S, M]`` int64 absolute anchor positions ``a`` (context attended: positions ``< a``).
+        attention: ``"sdpa"`` (``F.scaled_dot_product_attention`` with the boolean mask: a fused kernel that keeps
+            no ``[S, heads, MK, T + MK]`` probabilities for the backward) or ``"eager"`` (its twin: scores,
+            masked softmax in fp32 and the weighted sum as separate ops).
     """
+    if attention not in ATTENTION:
+        raise ValueError(f"block_hidden: attention must be one of {ATTENTION}, got {attention!r}")
     s, t = ctx_latents.shape[:2]
     m, k = anchors.shape[1], draft_len
     nh, d, d_c = cfg.num_heads, cfg.head_dim, cfg.latent_dim
@@ -77,11 +86,17 @@ def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_
         blat = F.linear(x, params["kv_a_proj.weight"][i * d_c:(i + 1) * d_c])  # [S, MK, d_c]
         lat = torch.cat((ctx_latents[:, :, i].to(x.dtype), blat), dim=1)  # [S, T+MK, d_c]
         keys = apply_rope(F.linear(lat, params[p + "self_attn.k_up_proj.weight"]).view(s, -1, nh, d), cos_k, sin_k)
-        vals = F.linear(lat, params[p + "self_attn.v_up_proj.weight"]).view(s, -1, nh, d).float()
+        vals = F.linear(lat, params[p + "self_attn.v_up_proj.weight"]).view(s, -1, nh, d)
         qr = apply_rope(q, cos_q, sin_q)
-        scores = torch.einsum("sqhd,skhd->shqk", qr, keys) * scale
-        probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
-        o = torch.einsum("shqk,skhd->sqhd", probs, vals).to(x.dtype).reshape(s, m * k, nh * d)
+        if attention == "sdpa":
+            dt = vals.dtype  # the projections' dtype (bfloat16 under autocast); RoPE returns fp32
+            o = F.scaled_dot_product_attention(qr.to(dt).transpose(1, 2), keys.to(dt).transpose(1, 2),
+                                               vals.transpose(1, 2), attn_mask=valid[:, None], scale=scale)
+            o = o.transpose(1, 2).to(x.dtype).reshape(s, m * k, nh * d)
+        else:
+            scores = torch.einsum("sqhd,skhd->shqk", qr, keys) * scale
+            probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+            o = torch.einsum("shqk,skhd->sqhd", probs, vals.float()).to(x.dtype).reshape(s, m * k, nh * d)
         residual = F.linear(o, params[p + "self_attn.o_proj.weight"]) + residual
         x = rms_norm(residual, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         gate = F.silu(F.linear(x, params[p + "mlp.gate_proj.weight"]))
@@ -98,20 +113,30 @@ def markov_bias(params: dict[str, torch.Tensor], prev_tokens: torch.Tensor) -> t
 
 
 def block_logits(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor,
-                 features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int) -> torch.Tensor:
+                 features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int,
+                 attention: str = "sdpa") -> torch.Tensor:
     """Teacher-forced draft logits ``[S, M, K, V]`` of the blocks anchored at ``anchors [S, M]`` of the
     sequences ``tokens [S, T]`` with captured target features ``features [S, T, F]``; ``prev_k`` is the
     sequence's token at ``a + k`` (positions past ``T - 1`` read the last token; callers mask them)."""
-    return block_forward(params, cfg, lm_head_weight, features, tokens, anchors, draft_len)[0]
+    return block_forward(params, cfg, lm_head_weight, features, tokens, anchors, draft_len, attention)[0]
 
 
 def block_forward(params, cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor, features: torch.Tensor,
-                  tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int):
+                  tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int, attention: str = "sdpa"):
     """:func:`block_logits` and what the confidence head reads: ``(logits [S, M, K, V], hidden [S, M, K, H],
     prev [S, M, K])``."""
+    hidden, prev = block_hidden_prev(params, cfg, features, tokens, anchors, draft_len, attention)
+    return F.linear(hidden, lm_head_weight) + markov_bias(params, prev), hidden, prev
+
+
+def block_hidden_prev(params, cfg: DSparkDrafterConfig, features: torch.Tensor, tokens: torch.Tensor,
+                      anchors: torch.Tensor, draft_len: int, attention: str = "sdpa"):
+    """:func:`block_forward` without the vocabulary-wide logits (the fused loss forms them chunk by chunk):
+    ``(hidden [S, M, K, H], prev [S, M, K])``."""
     t = tokens.shape[1]
     anchor_tokens = tokens.gather(1, anchors)
-    hidden = block_hidden(params, cfg, context_latents(params, cfg, features), anchor_tokens, anchors, draft_len)
+    hidden = block_hidden(params, cfg, context_latents(params, cfg, features), anchor_tokens, anchors, draft_len,
+                          attention)
     prev_pos = (anchors[:, :, None] + torch.arange(draft_len, device=anchors.device)).clamp(max=t - 1)
     prev = tokens.gather(1, prev_pos.flatten(1)).view_as(prev_pos)
-    return F.linear(hidden, lm_head_weight) + markov_bias(params, prev), hidden, prev
+    return hidden, prev

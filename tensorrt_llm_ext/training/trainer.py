@@ -9,8 +9,10 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
    target's.
 3. **Steps**: ``batch_seqs`` sequences, ``anchors`` random anchor positions each (in the generated part),
    ``draft_len`` block positions per anchor drafted in one teacher-forced pass (:mod:`.drafter_forward`);
-   loss = KL(target || draft) per block position, weighted ``position_decay ** k`` (early positions decide
-   the acceptance length); AdamW, linear warm-up, cosine decay, gradient clipping; bfloat16 autocast on CUDA.
+   loss = TV + CE (+ KL) per block position (:func:`distillation_loss`; the vocabulary-wide part chunked with
+   its gradient, :mod:`.fused_loss`), weighted ``position_decay ** k`` (early positions decide the acceptance
+   length); AdamW, linear warm-up, cosine decay, gradient clipping; bfloat16 autocast on CUDA. The step's
+   metrics stay on the device until a log line or a checkpoint reads them (one copy for many steps).
 4. **Checkpoints** every ``save_every`` steps in ``work_dir/trainer_state.pt`` (weights, optimizer, step,
    RNG); ``--resume`` continues from it (and from the cached data). The drafter directory is written at the
    end in the format ``serve`` loads (``models/checkpoint.py``), with ``training.json`` (knobs, losses,
@@ -23,6 +25,7 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,7 +47,8 @@ from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as g
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
                                                    apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
-from tensorrt_llm_ext.training.drafter_forward import block_forward, block_hidden, context_latents, markov_bias
+from tensorrt_llm_ext.training.drafter_forward import block_hidden, block_hidden_prev, context_latents, markov_bias
+from tensorrt_llm_ext.training.fused_loss import eager_block_loss, fused_block_loss
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
 
 
@@ -243,55 +247,110 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
 
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
-                      draft_len: int, tc: TrainConfig, confidence_samples: bool = False) -> tuple[torch.Tensor, dict]:
+                      draft_len: int, tc: TrainConfig, confidence_samples: bool = False, fused: bool = True,
+                      attention: str = "sdpa", kernel: bool | None = None) -> tuple[torch.Tensor, dict]:
     """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
     over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1
     agreement, the teacher-forced greedy acceptance length, mean confidence and label per position).
 
     TV = ½‖p_draft - p_target‖₁; CE = -log p_draft(the sequence's next token); KL = KL(target || draft). The
     confidence head reads detached inputs and a detached label: it learns to predict the drafter, never
-    steers it."""
+    steers it.
+
+    ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`; ``kernel``:
+    its per-row passes in the Triton kernel, default on CUDA); else the eager twin. ``attention``:
+    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
-    logits, hidden, prev = block_forward(params, dcfg, lm_head_weight, feats, tokens, anchors, draft_len)
-    logits = logits.float()
+    hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
     k = torch.arange(draft_len, device=anchors.device)
     pos = anchors[:, :, None] + k  # teacher position of block position k
     valid = pos <= (lens[:, None, None] - 2)  # the teacher's next token exists
     teacher_h = final.gather(1, pos.clamp(max=final.shape[1] - 1).flatten(1)[..., None].expand(-1, -1, final.shape[2]))
-    teacher = F.linear(teacher_h.to(lm_head_weight.dtype), lm_head_weight).float().view_as(logits)
-    p_log = torch.log_softmax(teacher, -1)
-    q_log = torch.log_softmax(logits, -1)
-    p, q = p_log.exp(), q_log.exp()
-    tv = 0.5 * (q - p).abs().sum(-1)  # [S, M, K]
     nxt = tokens.gather(1, (pos + 1).clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos).long()
-    ce = -q_log.gather(-1, nxt[..., None]).squeeze(-1)
-    per_pos = tc.tv_weight * tv + tc.ce_weight * ce
-    if tc.kl_weight:
-        per_pos = per_pos + tc.kl_weight * (p * (p_log - q_log)).sum(-1)
     w = position_weights(draft_len, tc.position_decay, anchors.device)[None, None] * valid
-    loss = (per_pos * w).sum() / w.sum().clamp_min(1e-6)
+    wn = (w / w.sum().clamp_min(1e-6)).flatten()
+    h = hidden.shape[-1]
+    # loss = sum over positions of wn * (tv_weight TV + ce_weight CE + kl_weight KL); the vocabulary-wide part in
+    # chunks (fused_loss: the eager twin materialised [S*M*K, V] fp32 tensors for autograd)
+    loss_fn = functools.partial(fused_block_loss, kernel=kernel) if fused else eager_block_loss
+    loss, tv, ce, agree = loss_fn(hidden.reshape(-1, h), F.embedding(prev.flatten(), params["markov_w1"]),
+                                  params["markov_w2"], lm_head_weight, teacher_h.reshape(-1, h), nxt.flatten(),
+                                  tc.tv_weight * wn, tc.ce_weight * wn, tc.kl_weight * wn if tc.kl_weight else None)
+    tv, ce, agree = tv.view_as(pos), ce.view_as(pos), agree.view_as(pos)
     label = (1.0 - tv).detach().clamp(0.0, 1.0)
     conf_logit = confidence_logits(params, hidden.detach().float(), prev)
     v = valid.float()
     bce = (F.binary_cross_entropy_with_logits(conf_logit, label, reduction="none") * v).sum() / v.sum().clamp_min(1)
     total = loss + tc.confidence_weight * bce
-    with torch.no_grad():
-        agree = (logits.argmax(-1) == teacher.argmax(-1)) & valid
+    with torch.no_grad():  # device tensors: the trainer reads them at its log / checkpoint points (no sync per step)
+        agree = agree & valid
         run = torch.cumprod(agree.long(), dim=-1)  # accepted prefix of each block (teacher forced)
-        full = valid[..., 0]
-        est = (1 + run.sum(-1)).float()[full].mean().item() if bool(full.any()) else float("nan")
+        full = valid[..., 0].float()
+        est = ((1 + run.sum(-1)).float() * full).sum() / full.sum()  # NaN when no block is valid
         n_k = valid.sum((0, 1)).clamp_min(1)
-        top1 = (agree.sum((0, 1)) / n_k).tolist()
-        conf = ((torch.sigmoid(conf_logit) * v).sum((0, 1)) / n_k).tolist()
-        lab = ((label * v).sum((0, 1)) / n_k).tolist()
-        tv_mean = ((tv * v).sum() / v.sum().clamp_min(1)).item()
-        ce_mean = ((ce * v).sum() / v.sum().clamp_min(1)).item()
-    metrics = {"loss": total.item(), "tv": tv_mean, "ce": ce_mean, "bce": bce.item(), "accept_est": est,
+        top1 = agree.sum((0, 1)) / n_k
+        conf = (torch.sigmoid(conf_logit) * v).sum((0, 1)) / n_k
+        lab = (label * v).sum((0, 1)) / n_k
+        tv_mean = (tv * v).sum() / v.sum().clamp_min(1)
+        ce_mean = (ce * v).sum() / v.sum().clamp_min(1)
+    metrics = {"loss": total.detach(), "tv": tv_mean, "ce": ce_mean, "bce": bce.detach(), "accept_est": est,
                "top1": top1, "confidence": conf, "label": lab}
     if confidence_samples:  # the head's logits, labels and validity per block position, [S*M, K] each (detached)
         metrics["confidence_samples"] = (conf_logit.detach().float().flatten(0, 1).cpu(),
                                          label.float().flatten(0, 1).cpu(), valid.flatten(0, 1).cpu())
     return total, metrics
+
+
+def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3) -> dict:
+    """The first batch's loss and gradients both ways (the trainer asks on CUDA; a CPU under TRITON_INTERPRET=1
+    runs it too: tests) -- the per-row passes in the Triton kernel and in
+    torch ops -- timed (the best of ``reps``, the kernel's compile in its first); the kernel is used when it
+    agrees with the torch twin (loss within 1e-3 relative) and is faster. Returns what ``training.json`` records
+    (``"kernel"``: the choice; the milliseconds of each)."""
+    trainable = [p for n, p in params.items() if p.requires_grad]
+    cuda = lm_head.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict = {}
+    for kernel in (True, False):
+        try:
+            best = float("inf")
+            for _ in range(reps):
+                sync()
+                t = time.perf_counter()
+                with torch.autocast(lm_head.device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss, _ = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc, kernel=kernel)
+                torch.autograd.grad(loss, trainable, allow_unused=True)
+                sync()
+                best = min(best, time.perf_counter() - t)
+            out["kernel_ms" if kernel else "torch_ms"] = round(best * 1e3, 1)
+            out["kernel_loss" if kernel else "torch_loss"] = float(loss)
+        except Exception as e:  # a kernel that does not build or run here: the torch ops
+            if not kernel:
+                raise
+            out["kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            logger.warning(f"train-drafter: the loss kernel failed ({out['kernel_error']}); torch ops instead")
+    both = "kernel_loss" in out and "torch_loss" in out
+    agree = both and abs(out["kernel_loss"] - out["torch_loss"]) <= 1e-3 * abs(out["torch_loss"]) + 1e-4
+    out["kernel"] = bool(agree and out["kernel_ms"] < out["torch_ms"])
+    if both and not agree:
+        logger.warning(f"train-drafter: the loss kernel disagrees with its torch twin ({out['kernel_loss']} vs "
+                       f"{out['torch_loss']}); torch ops instead")
+    logger.info(f"train-drafter: vocabulary-wide loss per step: Triton row kernel {out.get('kernel_ms')} ms, torch "
+                f"ops {out.get('torch_ms')} ms (forward + backward, first batch); using the "
+                f"{'kernel' if out['kernel'] else 'torch ops'}")
+    return out
+
+
+SCALAR_METRICS = ("loss", "tv", "ce", "bce", "accept_est")
+
+
+def metrics_vector(metrics: dict) -> torch.Tensor:
+    """A step's metrics as one fp32 device vector ``[loss, tv, ce, bce, accept_est, top1 x K]`` (floats accepted
+    too): the trainer stacks the steps' vectors and reads them in one copy at its log and checkpoint points."""
+    dev = metrics["top1"].device if isinstance(metrics["top1"], torch.Tensor) else None
+    parts = [torch.as_tensor(metrics[n], dtype=torch.float32, device=dev).reshape(-1)
+             for n in SCALAR_METRICS + ("top1",)]
+    return torch.cat(parts)
 
 
 def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -304,11 +363,14 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target) -> dict[str, torch.Tensor]:
     """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
     recomputed now (online)."""
-    t = int(data["lens"][idx].max())
+    lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
+    t = int(lens.max())
     tokens = data["tokens"][idx, :t].to(device).long()
     feats, final = teacher_pass(target, tokens)
-    return {"tokens": tokens, "lens": data["lens"][idx].to(device), "prompt_lens": data["prompt_lens"][idx].to(device),
-            "features": feats, "final": final}
+    return {"tokens": tokens, "lens": lens.to(device), "prompt_lens": prompt_lens.to(device),
+            "features": feats, "final": final,
+            # sample_anchors' width, known on the host (no device read)
+            "max_candidates": int(((lens - 2).clamp_min(prompt_lens) - prompt_lens + 1).max())}
 
 
 def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -318,7 +380,7 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
     blocks of it, not on repeats; a shorter sequence repeats its positions in the draw's order."""
     lo, hi = batch["prompt_lens"], (batch["lens"] - 2).clamp_min(batch["prompt_lens"])
     n = hi - lo + 1  # candidate positions per sequence (>= 1)
-    width = int(n.max())
+    width = batch["max_candidates"] if "max_candidates" in batch else int(n.max())
     u = torch.rand(lo.shape[0], width, generator=generator, device=generator.device).to(lo.device)
     u = u.masked_fill(torch.arange(width, device=lo.device)[None, :] >= n[:, None], 2.0)  # past the end: last
     order = u.argsort(dim=1)  # a random permutation of each sequence's candidates first
@@ -435,7 +497,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     params = {n: (state["params"][n] if state and n not in FROZEN else init[n]).to(device).float()
               .requires_grad_(n not in FROZEN) for n in init}
     opt = torch.optim.AdamW([p for n, p in params.items() if n not in FROZEN], lr=tc.lr,
-                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+                            weight_decay=tc.weight_decay, betas=(0.9, 0.95),
+                            fused=device.type == "cuda" or None)  # one kernel for every tensor on CUDA
     step0 = 0
     history: list[dict] = []
     if state:
@@ -463,6 +526,29 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     fit_start = fit_span = None  # wall time of the first step and the budget left then (fit_schedule)
     fitted_end = None  # the step at which the fitted schedule ended the run
     recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector) not yet read to the host
+    loss_path = None  # pick_loss_kernel's choice, at the first step
+    step_start = step0
+    hist0 = len(history)
+
+    def flush() -> None:
+        """Read the pending steps' metrics (one copy) into ``history``; a non-finite loss stops the run naming
+        the first such step, before any checkpoint of its weights is written."""
+        nonlocal recent_top1
+        if not pending:
+            return
+        rows = torch.stack([v for _, v in pending]).cpu().tolist()
+        steps = [st for st, _ in pending]
+        pending.clear()
+        for st, row in zip(steps, rows):
+            if not math.isfinite(row[0]):
+                last = (st // tc.save_every) * tc.save_every
+                raise TrainingDiverged(f"train-drafter: the loss is {row[0]} at step {st + 1}; stopped, no drafter "
+                                       f"written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
+            history.append({"step": st + 1, **dict(zip(SCALAR_METRICS, row[:len(SCALAR_METRICS)]))})
+            recent_top1.append(row[len(SCALAR_METRICS):])
+        recent_top1 = recent_top1[-TRAIN_TOP1_STEPS:]
+
     for step in bar:
         time_frac = 0.0
         if fit:
@@ -472,47 +558,66 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             time_frac = (now - fit_start) / fit_span
             if time_frac >= 1.0:
                 fitted_end = step
+                flush()
                 _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
                 logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
                             f"{step}/{tc.steps} (learning rate 0); the run is complete")
                 break
         if not fit and max_seconds is not None and time.time() - t_call > max_seconds:
             stopped_at = step
+            flush()
             _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
             logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
                         "checkpointed (--resume continues), writing the drafter as it stands")
             break
         for g in opt.param_groups:
             g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
-        idx = torch.randint(n_seq, (tc.batch_seqs,), generator=gen, device=gen.device).cpu()
+        # the step's sequences from a host generator seeded by the step (resumable without state, and no device
+        # round trip: the host slices the batch while the device still runs the previous step)
+        idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
+            tc.seed * 1_000_003 + step))
         batch = _batch(data, idx, device, target)
         anchors = sample_anchors(batch, tc.anchors, gen)
+        if loss_path is None:
+            # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
+            choice = os.environ.get("TLLM_EXT_LOSS_KERNEL", "auto")
+            if device.type != "cuda" or choice in ("off", "on"):
+                loss_path = {"kernel": device.type == "cuda" and choice == "on",
+                             "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
+            else:
+                loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc)
-        if not math.isfinite(metrics["loss"]):
-            last = (step // tc.save_every) * tc.save_every
-            raise TrainingDiverged(f"train-drafter: the loss is {metrics['loss']} at step {step + 1}; stopped, no "
-                                   f"drafter written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
+            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
+                                              kernel=loss_path["kernel"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
         opt.step()
         trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
-        rate = trained_positions / max(time.time() - t0, 1e-9)
-        history.append({"step": step + 1, "loss": metrics["loss"], "tv": metrics["tv"], "ce": metrics["ce"],
-                        "bce": metrics["bce"], "accept_est": metrics["accept_est"]})
-        recent_top1 = (recent_top1 + [metrics["top1"]])[-TRAIN_TOP1_STEPS:]
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
-                            accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
-        elif (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps:
-            last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
-            logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV {metrics['tv']:.4f}"
-                        f", CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) teacher-forced acceptance "
-                        f"{metrics['accept_est']:.2f} top-1 by position {[round(x, 2) for x in metrics['top1']]} "
-                        f"{rate:.0f} tokens/s ({time.time() - t0:.0f} s)")
-        if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps:
+        pending.append((step, metrics_vector(metrics)))
+        # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
+        # (a .item() per step made the host wait for every step before launching the next).
+        log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
+        save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
+        if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
+            flush()
+            metrics = history[-1]
+            rate = trained_positions / max(time.time() - t0, 1e-9)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
+                                accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
+            elif log_due:
+                last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
+                logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
+                            f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
+                            f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
+                            f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
+                            f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
+                            f"{time.time() - t0:.0f} s)")
+        if save_due:
             _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
+    flush()
+    steps_wall = time.time() - t0
     final = {n: p.detach() for n, p in params.items()}
     final_eval = calibration = final_by_position = None
     if eval_data is not None:
@@ -522,7 +627,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         # bench acceptance's "acceptance by position" of the same walk: the serving number's training-side twin
         final_by_position = [round(sum(1 for n in walked if n - 1 >= j) / max(len(walked), 1), 4)
                              for j in range(1, tc.draft_len + 1)]
-        calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target)
+        calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target,
+                                           kernel=bool(loss_path and loss_path["kernel"]))
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
     weights = {n: t.to(save_dtype).cpu() for n, t in final.items()}
@@ -534,6 +640,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                               else tc.steps), "complete": stopped_at is None,
                "schedule": "cosine fitted to --max-seconds" if fit else "cosine over --steps",
                "train_seconds_this_run": round(time.time() - t0, 1),
+               # this call's step rate (the held-out estimates after the steps excluded); the loss path chosen
+               "steps_this_run": len(history) - hist0, "steps_seconds_this_run": round(steps_wall, 1),
+               "steps_per_s": round((len(history) - hist0) / max(steps_wall, 1e-9), 3),
+               "block_positions_per_s": round(trained_positions / max(steps_wall, 1e-9)), "loss_path": loss_path,
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,
@@ -566,7 +676,8 @@ def fitted_lr(step: int, tc: TrainConfig, time_frac: float) -> float:
 
 
 @torch.no_grad()
-def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target) -> dict:
+def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target,
+                         kernel: bool = False) -> dict:
     """The confidence head on the held-out sequences (32 random anchors per sequence): mean confidence and mean
     label ``1 - TV`` per block position (a calibrated head has them equal), the teacher-forced top-1 agreement per
     position (the training log's top-1 is on training batches; this one is on sequences training never saw), and
@@ -582,10 +693,11 @@ def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, devi
         g = torch.Generator(device=device).manual_seed(start)
         anchors = sample_anchors(b, 32, g)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True)
-        conf += torch.tensor(m["confidence"])
-        lab += torch.tensor(m["label"])
-        top1 += torch.tensor(m["top1"])
+            _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True,
+                                     kernel=kernel)
+        conf += m["confidence"].float().cpu()
+        lab += m["label"].float().cpu()
+        top1 += m["top1"].float().cpu()
         samples.append(m["confidence_samples"])
         n += 1
     out = {"mean_confidence": [round(x, 4) for x in (conf / max(n, 1)).tolist()],
@@ -686,6 +798,7 @@ def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -
 
 
 TRAIN_TOP1_STEPS = 50  # training.json's train_top1_by_position averages this many last steps
+METRICS_EVERY = 25  # steps whose metrics may wait on the device before one copy reads them
 FROZEN = ("embed_tokens.weight",)  # copied from the target, never trained
 STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
 DATA_KEYS = ("tokens", "lens", "prompt_lens")

@@ -165,3 +165,71 @@ def test_answer_generation_logs_within_a_chunk_without_a_progress_bar(tmp_path, 
     lines = [r.getMessage() for r in caplog.records if "train-drafter: generating:" in r.getMessage()]
     assert len(lines) >= 3 and lines[0].startswith("train-drafter: generating: 0/2 answers done"), lines
     assert data["lens"].tolist() == [7, 6]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_fused_loss_equals_the_eager_objective(kernel):
+    """The chunked distillation loss (the Triton row kernel under the interpreter, or its torch twin) gives the
+    eager objective's loss, per-row TV / CE / top-1 agreement and gradients (hidden, W1 rows, W2), KL included."""
+    from tensorrt_llm_ext.kernels.common import triton_runs_on
+    from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, block_loss_rows_reference
+    from tensorrt_llm_ext.training.fused_loss import eager_block_loss, fused_block_loss
+
+    if kernel and not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    n, h, v, r = 13, 16, 300, 4
+    hid, rows_m = torch.randn(n, h, generator=g), torch.randn(n, r, generator=g)
+    w2, head = torch.randn(v, r, generator=g) / 2, torch.randn(v, h, generator=g) / 2
+    teacher, y = torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    c_tv, c_ce, c_kl = (torch.rand(n, generator=g) for _ in range(3))
+    c_tv[2] = c_ce[2] = c_kl[2] = 0.0  # a row that does not count still reports its TV
+    outs = []
+    for fn, kw in ((eager_block_loss, {}), (fused_block_loss, {"rows": 5, "kernel": kernel})):
+        x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
+        loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
+        loss.backward()
+        outs.append([loss.detach(), tv, ce, agree.float()] + [t.grad for t in x])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if kernel:  # the kernel alone, several column blocks with a ragged last one
+        z, t = torch.randn(6, 300, generator=g) * 3, torch.randn(6, 300, generator=g) * 3
+        z[1, 7] = z[1, 200] = 50.0  # a tie: the first maximum, as torch.argmax
+        want = block_loss_rows_reference(z.clone(), t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True)
+        zk = z.clone()
+        got = block_loss_rows(zk, t, y[:6], c_tv[:6], c_ce[:6], c_kl[:6], True, block=128)
+        for a, b in zip(want, (*got, zk)):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forward(tmp_path):
+    """regenerate's loop (one queue, shortest first, overlap scheduler, grouped admission at batch 2) gives every
+    request the tokens Engine.generate gives it; teacher_pass_dense (SDPA attention, no cache) equals the target's
+    paged forward on those sequences."""
+    import shutil
+
+    from tensorrt_llm_ext.contract import SamplingParams
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.training.data import load_target, regenerate, teacher_pass
+
+    d = tmp_path / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    prompts = [[5, 6, 7, 8, 9], [9, 3], [4, 4, 4], [100, 200, 300, 400], [17]]
+    temps = [0.0, 0.8, 0.0, 1.0, 0.0]
+    data = regenerate(d, prompts, max_new_tokens=6, temperatures=temps, top_p=0.9, seed=3, batch_size=2,
+                      device=torch.device("cpu"), cuda_graph=False)
+    engine = Engine(load_config(model_dir=str(d), max_batch_size=8, max_seq_len=32), torch_ops=True)
+    reqs = [Request(p, 6, sampling=SamplingParams(temperature=t, top_p=0.9 if t > 0 else 1.0, seed=3 + i))
+            for i, (p, t) in enumerate(zip(prompts, temps))]
+    want = [p + r.output_ids for p, r in zip(prompts, engine.generate(reqs, "target_only")[0])]
+    got = [data["tokens"][i, :int(data["lens"][i])].tolist() for i in range(len(prompts))]
+    assert got == want and data["prompt_lens"].tolist() == [len(p) for p in prompts]
+    target = load_target(d, [0, 1], torch.device("cpu"), torch.float32)
+    seq = data["tokens"].long()
+    for a, b in zip(teacher_pass(target, seq, dense=False), teacher_pass(target, seq, dense=True)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -43,6 +43,9 @@ def test_training_forward_equals_the_serving_drafter(backend):
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) / 5
     anchors = torch.tensor([[1, 7, 12, 15]])
     ours = block_logits(sd, cfg, head, feats, tokens, anchors, k)[0]  # [M, K, V]
+    # the SDPA block attention (default) and its eager twin
+    torch.testing.assert_close(ours, block_logits(sd, cfg, head, feats, tokens, anchors, k, attention="eager")[0],
+                               atol=2e-5, rtol=2e-5)
     drafter = DSparkDrafter(cfg, dtype=torch.float32, attention_backend=backend)
     drafter.load_full_state_dict(sd)
     for m, a in enumerate(anchors[0].tolist()):
@@ -176,3 +179,38 @@ def test_served_drafter_exposes_per_position_confidences(trained):
     assert results[0].error is None and results[0].num_steps >= 1
     conf = engine.worker().draft_confidences[:1]
     assert conf.shape == (1, 3) and bool(((conf > 0) & (conf < 1)).all()), conf
+
+
+def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
+    """pick_loss_kernel: both loss paths run on the first batch (the Triton kernel under the interpreter here),
+    agree, are timed, and one is chosen; a kernel that fails falls back to the torch ops."""
+    from tensorrt_llm_ext.kernels.common import triton_runs_on
+    from tensorrt_llm_ext.training import fused_loss, trainer
+
+    if not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    tc = TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
+                     draft_len=3, batch_seqs=2, anchors=3)
+    dcfg, layers = trainer.drafter_config(tiny_target, tc)
+    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
+    head = target.lm_head.weight.detach()
+    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1)
+    params = {n: t.requires_grad_(n not in trainer.FROZEN) for n, t in init.items()}
+    data = {"tokens": torch.randint(0, 500, (2, 12), dtype=torch.int32), "lens": torch.tensor([12, 10]),
+            "prompt_lens": torch.tensor([3, 4])}
+    batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
+    anchors = trainer.sample_anchors(batch, 3, torch.Generator().manual_seed(0))
+    got = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1)
+    assert abs(got["kernel_loss"] - got["torch_loss"]) < 1e-4 and got["kernel_ms"] > 0 and got["torch_ms"] > 0
+    assert got["kernel"] == (got["kernel_ms"] < got["torch_ms"])
+    real = fused_loss.block_loss_rows
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel here")
+
+    fused_loss.block_loss_rows = broken
+    try:
+        got = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1)
+    finally:
+        fused_loss.block_loss_rows = real
+    assert got["kernel"] is False and "no such kernel" in got["kernel_error"] and got["torch_ms"] > 0

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Where train-drafter's GPU time goes: the training step (per configuration: steps/s, block positions/s, peak
+memory, and the teacher pass alone) and the answer generation (tokens/s), on a random-weight target of a given
+shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short device call.
+
+    python3 scripts/drafter_throughput.py OUT_DIR [--prompt-file .gpu_data/prompts.jsonl.gz] [--old-data PATH]
+        [--train "bs=16,anchors=128,loss=eager,attention=eager,teacher=paged" ...] [--gen-batches 256 1024]
+
+``--train`` keys: bs, anchors, layers, steps; loss = eager (autograd over [N, V]) | fused (chunked; the Triton row
+kernel on CUDA) | kernel | torch (chunked, the per-row passes in torch ops); attention = sdpa | eager; teacher =
+dense | paged.
+
+Prompt lengths come from the prompt file's first user turns (~3.6 characters per token, + 12 tokens of chat
+template); the ids are seeded random tokens (a random-weight target reads any ids alike). Each answer's length is
+drawn uniformly from [max_new_tokens / 4, max_new_tokens] (the real answers stop at EOS at varied lengths).
+``--old-data``: a data.py of an earlier version whose ``regenerate`` is measured beside this one's.
+Results: OUT_DIR/throughput.json and a log line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = {"model.target.vocab_size": 49152, "model.target.hidden_size": 576, "model.target.num_layers": 30,
+           "model.target.num_heads": 9, "model.target.num_kv_heads": 3, "model.target.head_dim": 64,
+           "model.target.intermediate_size": 1536, "model.target.capture_layers": [1, 15, 28],
+           "model.drafter_init": "random", "model.drafter.num_layers": 1, "model.drafter.latent_dim": 64,
+           "max_seq_len": 2048}
+
+
+def log(out: Path, results: dict, key: str, value) -> None:
+    results[key] = value
+    print(f"[throughput] {key}: {json.dumps(value)}", flush=True)
+    (out / "throughput.json").write_text(json.dumps(results, indent=1))
+
+
+def prompt_lengths(path: str | None, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    if path and Path(path).is_file():
+        out = []
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("set", "train") != "train":
+                    continue
+                user = [m for m in r.get("messages", []) if m.get("role") == "user"]
+                if user:
+                    out.append(min(768, 12 + max(1, int(len(user[0]["content"]) / 3.6))))
+                if len(out) >= n:
+                    break
+        if out:
+            return out
+    return [rng.randint(16, 400) for _ in range(n)]
+
+
+def build_model(d: Path, tiny: bool) -> None:
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+    export_model(load_config(**(tiny_model(**{"max_seq_len": 2048}) if tiny else SMOLLM2)), d,
+                 dtype="float32" if tiny else "bfloat16")
+    shutil.rmtree(d / "dspark_drafter")
+
+
+def train_configs(specs: list[str]) -> list[dict]:
+    out = []
+    for spec in specs:
+        c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": "sdpa", "teacher": "dense", "layers": 3,
+             "steps": 6}
+        for kv in spec.split(","):
+            k, v = kv.split("=")
+            c[k] = v if k in ("loss", "attention", "teacher") else int(v)
+        out.append(c)
+    return out
+
+
+def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
+    from tensorrt_llm_ext.training import data as data_mod
+    from tensorrt_llm_ext.training import trainer
+
+    tiny = device.type == "cpu"
+    tc = trainer.TrainConfig(num_layers=cfg["layers"], latent_dim=256, markov_rank=16 if tiny else 256,
+                             target_layers="0,1" if tiny else "1,7,14,21,27",
+                             tv_weight=1.8, ce_weight=0.1, position_decay=0.7788, batch_seqs=cfg["bs"],
+                             anchors=cfg["anchors"], draft_len=7, lr=1e-3, steps=100000)
+    dcfg, layers = trainer.drafter_config(model_dir, tc)
+    target = data_mod.load_target(model_dir, layers, device, torch.float32 if tiny else torch.bfloat16)
+    lm_head = target.lm_head.weight.detach()
+    sd = {"embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu()}
+    init = trainer.initial_weights(dcfg, sd, 1, "scratch")
+    params = {n: t.to(device).float().requires_grad_(n not in trainer.FROZEN) for n, t in init.items()}
+    opt = torch.optim.AdamW([p for n, p in params.items() if n not in trainer.FROZEN], lr=1e-4, betas=(0.9, 0.95),
+                            fused=not tiny)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dense = cfg["teacher"] == "dense"
+    real_tp = data_mod.teacher_pass
+    n_seq = data["tokens"].shape[0]
+
+    def batch_of(step):
+        idx = torch.randint(n_seq, (cfg["bs"],), generator=torch.Generator().manual_seed(step))
+        trainer.teacher_pass = lambda tg, seq: real_tp(tg, seq, dense=dense)
+        try:
+            return trainer._batch(data, idx, device, target)
+        finally:
+            trainer.teacher_pass = real_tp
+
+    def step(i):
+        b = batch_of(i)
+        anchors = trainer.sample_anchors(b, cfg["anchors"], gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not tiny):
+            loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=cfg["loss"] != "eager",
+                                                attention=cfg["attention"],
+                                                kernel=None if cfg["loss"] == "fused" else cfg["loss"] == "kernel")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in trainer.FROZEN], 1.0)
+        opt.step()
+        return trainer.metrics_vector(m)
+
+    sync = torch.cuda.synchronize if not tiny else (lambda: None)
+    if not tiny:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(2):
+        step(i)
+    sync()
+    t0 = time.perf_counter()
+    vecs = [step(100 + i) for i in range(cfg["steps"])]
+    torch.stack(vecs).cpu()
+    dt = (time.perf_counter() - t0) / cfg["steps"]
+    # the teacher pass alone (the same batches)
+    b = None
+    sync()
+    t1 = time.perf_counter()
+    for i in range(3):
+        b = batch_of(200 + i)
+    sync()
+    tp = (time.perf_counter() - t1) / 3
+    pos = cfg["bs"] * cfg["anchors"] * 7
+    out = {**cfg, "step_ms": round(dt * 1e3, 1), "steps_per_s": round(1 / dt, 2),
+           "block_positions_per_s": round(pos / dt), "teacher_pass_ms": round(tp * 1e3, 1),
+           "batch_tokens": int(b["tokens"].numel()), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not tiny else 0,
+           "loss_last": round(float(vecs[-1][0]), 4)}
+    del params, opt, target
+    if not tiny:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--prompt-file", default=".gpu_data/prompts.jsonl.gz")
+    ap.add_argument("--old-data", default=None)
+    ap.add_argument("--train", nargs="*", default=[])
+    ap.add_argument("--train-seqs", type=int, default=2048)
+    ap.add_argument("--gen-prompts", type=int, default=1024)
+    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--gen-batches", type=int, nargs="*", default=[])
+    ap.add_argument("--old-gen-batch", type=int, default=0)
+    ap.add_argument("--model-dir", default=None, help="where the random-weight checkpoint goes (OUT/model)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks this script)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    import tensorrt_llm_ext
+
+    log(out, results, "env", {"module": tensorrt_llm_ext.__file__, "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})
+    device = torch.device("cpu" if a.tiny else "cuda")
+    vocab = 517 if a.tiny else 49152
+    model_dir = Path(a.model_dir) if a.model_dir else out / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    t0 = time.time()
+    build_model(model_dir, a.tiny)
+    log(out, results, "build_s", round(time.time() - t0, 1))
+
+    # training: synthetic sequences of the prompt file's prompt lengths + 256 answer tokens
+    lens_p = prompt_lengths(a.prompt_file, a.train_seqs, 0)
+    if a.tiny:
+        lens_p = [min(n, 40) for n in lens_p]
+    g = torch.Generator().manual_seed(0)
+    width = max(lens_p) + 256
+    tokens = torch.randint(0, vocab - 1, (len(lens_p), width), generator=g, dtype=torch.int32)
+    prompt_lens = torch.tensor(lens_p)
+    lens = prompt_lens + torch.randint(128, 257, (len(lens_p),), generator=g)
+    data = {"tokens": tokens, "lens": lens, "prompt_lens": prompt_lens}
+    log(out, results, "train_data", {"seqs": len(lens_p), "mean_len": round(float(lens.float().mean()), 1),
+                                     "mean_prompt": round(float(prompt_lens.float().mean()), 1)})
+    for i, cfg in enumerate(train_configs(a.train)):
+        try:
+            log(out, results, f"train_{i}", measure_training(model_dir, data, cfg, device))
+        except Exception as e:  # an out-of-memory configuration is a result too
+            log(out, results, f"train_{i}", {**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            torch.cuda.empty_cache()
+
+    # generation: the prompt file's lengths, answers of varied length
+    if a.gen_batches or a.old_gen_batch:
+        from tensorrt_llm_ext.runtime import requests as req_mod
+        from tensorrt_llm_ext.training import data as data_mod
+
+        lens_g = prompt_lengths(a.prompt_file, a.gen_prompts, 1)
+        if a.tiny:
+            lens_g = [min(n, 20) for n in lens_g]
+        rng = random.Random(1)
+        prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in lens_g]
+        temps = [0.0 if i % 2 else 1.0 for i in range(len(prompts))]
+        real = req_mod.Request
+        draw = random.Random(2)
+
+        class Varied(real):  # an EOS at a varied length, as real answers
+            def __init__(self, *args, **kw):
+                n = kw["max_new_tokens"]
+                kw["max_new_tokens"] = draw.randint(n // 4, n)
+                super().__init__(*args, **kw)
+
+        runs = [("new", b) for b in a.gen_batches]
+        if a.old_gen_batch and a.old_data:  # after the first new run (its kernels compiled: a fairer clock)
+            runs.insert(min(1, len(runs)), ("old", a.old_gen_batch))
+        for name, bsz in runs:
+            if name == "old":
+                spec = importlib.util.spec_from_file_location("old_data", a.old_data)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            else:
+                mod = data_mod
+            req_mod.Request = Varied
+            draw.seed(2)
+            try:
+                t = time.time()
+                res = mod.regenerate(model_dir, prompts, max_new_tokens=a.gen_tokens, temperatures=temps, top_p=0.95,
+                                     seed=0, batch_size=bsz, device=device, cuda_graph=not a.tiny, log_every_s=10.0)
+                wall = time.time() - t
+                made = int((res["lens"] - res["prompt_lens"]).sum())
+                log(out, results, f"gen_{name}_{bsz}", {"prompts": len(prompts), "tokens": made,
+                                                         "wall_s_with_build_and_capture": round(wall, 1),
+                                                         "tokens_per_s_with_build": round(made / wall)})
+            except Exception as e:
+                log(out, results, f"gen_{name}_{bsz}", {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+            finally:
+                req_mod.Request = real
+            if not a.tiny:
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

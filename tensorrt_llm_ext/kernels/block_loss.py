@@ -1,0 +1,150 @@
+"""The distillation loss's per-row passes over the vocabulary (train-drafter): TV, CE, KL, top-1 agreement and the
+gradient of their weighted sum with respect to the draft logits, one row (block position) per program.
+
+Cost (SmolLM2, V = 49,152): three streaming passes per row over bf16 draft and teacher logits and one gradient
+write, ~14 bytes per element against ~160 for the torch ops of :func:`block_loss_rows_reference` (its eager twin,
+fp32 over ``[c, V]``). Tolerance, not bitwise: both compute in fp32, the kernel's sums run in another order
+(tests/integration/test_drafter_data.py). The trainer times it against the torch ops at its first step and keeps
+the faster (``training.fused_loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _block_loss_rows_kernel(z_ptr, t_ptr, y_ptr, atv_ptr, ace_ptr, akl_ptr, tv_ptr, ce_ptr, kl_ptr, agree_ptr,
+                            V, stride_z, stride_t, HAS_KL: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """One row (block position) per program, three streaming passes over the vocabulary: (1) max, sum-exp and
+    argmax of the draft logits z and the teacher logits t; (2) TV, <sign(q - p), q> and KL; (3) the gradient of
+    the row's weighted loss with respect to z, written over z (bfloat16 reads, fp32 math)."""
+    row = tl.program_id(0).to(tl.int64)
+    zr = z_ptr + row * stride_z
+    tr = t_ptr + row * stride_t
+    offs = tl.arange(0, BLOCK)
+    ninf = float("-inf")
+    mz = tl.full([BLOCK], ninf, tl.float32)
+    mt = tl.full([BLOCK], ninf, tl.float32)
+    sz = tl.zeros([BLOCK], tl.float32)
+    st = tl.zeros([BLOCK], tl.float32)
+    iz = tl.zeros([BLOCK], tl.int32)
+    it = tl.zeros([BLOCK], tl.int32)
+    for off in range(0, V, BLOCK):
+        cols = off + offs
+        mask = cols < V
+        z = tl.load(zr + cols, mask=mask, other=ninf).to(tl.float32)
+        t = tl.load(tr + cols, mask=mask, other=ninf).to(tl.float32)
+        nz = tl.maximum(mz, z)
+        nt = tl.maximum(mt, t)
+        # lanes still at -inf (past V) keep a zero sum (exp(-inf - -inf) would be NaN)
+        sz = tl.where(nz > ninf, sz * tl.exp(mz - nz) + tl.exp(z - nz), 0.0)
+        st = tl.where(nt > ninf, st * tl.exp(mt - nt) + tl.exp(t - nt), 0.0)
+        iz = tl.where(z > mz, cols, iz)  # strictly greater: a lane keeps its first maximum
+        it = tl.where(t > mt, cols, it)
+        mz = nz
+        mt = nt
+    m_z = tl.max(mz, 0)
+    m_t = tl.max(mt, 0)
+    lse_z = m_z + tl.log(tl.sum(tl.where(mz > ninf, sz * tl.exp(mz - m_z), 0.0), 0))
+    lse_t = m_t + tl.log(tl.sum(tl.where(mt > ninf, st * tl.exp(mt - m_t), 0.0), 0))
+    arg_z = tl.min(tl.where(mz == m_z, iz, V), 0)  # the first maximum of the row, as torch.argmax
+    arg_t = tl.min(tl.where(mt == m_t, it, V), 0)
+    tv = tl.zeros([BLOCK], tl.float32)
+    sq = tl.zeros([BLOCK], tl.float32)
+    kl = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, V, BLOCK):
+        cols = off + offs
+        mask = cols < V
+        zl = tl.load(zr + cols, mask=mask, other=ninf).to(tl.float32) - lse_z
+        tlg = tl.load(tr + cols, mask=mask, other=ninf).to(tl.float32) - lse_t
+        q = tl.exp(zl)
+        p = tl.exp(tlg)
+        d = q - p
+        tv += tl.abs(d)
+        sq += tl.where(d > 0, q, tl.where(d < 0, -q, 0.0))
+        if HAS_KL:
+            kl += tl.where(mask & (p > 0), p * (tlg - zl), 0.0)
+    tv_r = 0.5 * tl.sum(tv, 0)
+    sq_r = tl.sum(sq, 0)
+    y = tl.load(y_ptr + row)
+    ce_r = lse_z - tl.load(zr + y).to(tl.float32)
+    tl.store(tv_ptr + row, tv_r)
+    tl.store(ce_ptr + row, ce_r)
+    tl.store(agree_ptr + row, (arg_z == arg_t).to(tl.int8))
+    if HAS_KL:
+        tl.store(kl_ptr + row, tl.sum(kl, 0))
+    if WRITE_GRAD:
+        a_tv = 0.5 * tl.load(atv_ptr + row)
+        a_ce = tl.load(ace_ptr + row)
+        a_kl = tl.load(akl_ptr + row)  # a stand-in pointer without KL (never used then)
+        for off in range(0, V, BLOCK):
+            cols = off + offs
+            mask = cols < V
+            q = tl.exp(tl.load(zr + cols, mask=mask, other=ninf).to(tl.float32) - lse_z)
+            p = tl.exp(tl.load(tr + cols, mask=mask, other=ninf).to(tl.float32) - lse_t)
+            d = q - p
+            s = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+            g = a_tv * q * (s - sq_r) + a_ce * (q - tl.where(cols == y, 1.0, 0.0))
+            if HAS_KL:
+                g += a_kl * d
+            tl.store(zr + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+ROWS_BLOCK = 2048  # columns per iteration of the row kernel (49,152 = 24); 8 warps: ~8 per thread, no spill
+
+
+def block_loss_rows(z: torch.Tensor, t: torch.Tensor, y: torch.Tensor, a_tv: torch.Tensor, a_ce: torch.Tensor,
+                    a_kl: torch.Tensor | None, write_grad: bool, block: int = ROWS_BLOCK):
+    """Per row of draft logits ``z [c, V]`` and teacher logits ``t [c, V]`` (any float dtype, unit column
+    stride): ``(tv, ce, kl or None, agree)`` (``[c]`` fp32 / bool) and, with ``write_grad``, the gradient of
+    ``a_tv TV + a_ce CE + a_kl KL`` with respect to ``z`` written over ``z``. The Triton twin of the torch chunk
+    in :meth:`FusedBlockLoss.forward` (tested equal)."""
+    if z.dim() != 2 or t.shape != z.shape or z.stride(1) != 1 or t.stride(1) != 1:
+        raise ValueError(f"block_loss_rows: z and t must be [c, V] with unit column stride, got {tuple(z.shape)} "
+                         f"{tuple(z.stride())} and {tuple(t.shape)} {tuple(t.stride())}")
+    c, v = z.shape
+    if any(x is not None and (x.shape != (c,) or x.device != z.device) for x in (y, a_tv, a_ce, a_kl)):
+        raise ValueError(f"block_loss_rows: y and the coefficients must be [{c}] on {z.device}")
+    dev = z.device
+    tv = torch.empty(c, dtype=torch.float32, device=dev)
+    ce = torch.empty(c, dtype=torch.float32, device=dev)
+    kl = torch.empty(c, dtype=torch.float32, device=dev) if a_kl is not None else None
+    agree = torch.empty(c, dtype=torch.int8, device=dev)
+    if c:
+        _block_loss_rows_kernel[(c,)](z, t, y, a_tv, a_ce, a_kl if a_kl is not None else a_ce, tv, ce,
+                                      kl if kl is not None else tv, agree, v, z.stride(0), t.stride(0),
+                                      HAS_KL=a_kl is not None, WRITE_GRAD=write_grad,
+                                      BLOCK=min(block, triton.next_power_of_2(v)), num_warps=8)
+    return tv, ce, kl, agree.bool()
+
+
+def block_loss_rows_reference(z, t, y, a_tv, a_ce, a_kl, need_grad):
+    """The torch twin of :func:`block_loss_rows` (fp32 over ``[c, V]``): ``(tv, ce, kl, agree, g)``."""
+    z, t = z.float(), t.float()
+    agree = z.argmax(-1) == t.argmax(-1)
+    q_log = torch.log_softmax(z, -1)
+    del z
+    p_log = torch.log_softmax(t, -1)
+    del t
+    q, p = q_log.exp(), p_log.exp()
+    ce = -q_log.gather(-1, y[:, None]).squeeze(-1)
+    kl = (p * (p_log - q_log)).sum(-1) if a_kl is not None else None
+    del q_log, p_log
+    d = q - p
+    tv = 0.5 * d.abs().sum(-1)
+    if not need_grad:
+        return tv, ce, kl, agree, None
+    # g = a_tv ½ q (s - <s, q>) + a_ce (q - onehot) + a_kl (q - p), in place over d's storage
+    g_kl = (q - p).mul_(a_kl[:, None]) if a_kl is not None else None
+    s = d.sign_()
+    sq = (s * q).sum(-1, keepdim=True)
+    g = s.sub_(sq).mul_(q).mul_((0.5 * a_tv)[:, None])
+    g.add_(q * a_ce[:, None])
+    g.scatter_add_(-1, y[:, None], -a_ce[:, None])
+    if g_kl is not None:
+        g.add_(g_kl)
+    return tv, ce, kl, agree, g
