@@ -24,8 +24,11 @@ directly, with neither partials nor atomics. The number of pieces is fixed by th
 page_size``) and the settings, never by the batch: programs past a tile's length exit at once. Prefill tiles
 (``T * G > 64``) take the whole key range in one program (flash-attention style) and write the output directly.
 
-Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions
-and slots are read before ``gdc_wait()``; q and the step's K / V (written by the previous kernel) after it.
+Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions,
+slots and, for a split tile, the piece's first block (page ids, and K / V of the keys below the request's first
+query position: written by earlier steps) are read before ``gdc_wait()``; q and the step's own K / V (written by
+the previous kernel) after it. A decode piece of one block thus waits on no memory round trip but q's and the
+new key's.
 
 Per-row determinism (what makes speculative output equal the target's own decode): a row's result depends
 only on its own position, its keys and the step shape. Key blocks are aligned to absolute positions; a block
@@ -72,7 +75,7 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     t_len, group, num_heads, head_dim, num_m_tiles, max_pages, page_size, scratch_page, split_len, num_splits,
-    scale_log2,
+    min_blocks, scale_log2,
     stride_qb, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
@@ -88,55 +91,64 @@ def _paged_attention_kernel(
     row_ok = rows < t_len * group
     t = rows // group
     head = kvh * group + rows % group
-    # The row's position, its slot and its queries are independent loads: all in flight at once.
+    # The row's position and its slot: independent loads, both in flight at once.
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    if PDL:
-        # Programmatic dependent launch: positions and slots are written before the step's forward, q and this
-        # step's K / V by the previous kernel: read after the wait.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     kv_len = tl.max(pos, axis=0) + 1
     if ROW_PIECES:
-        # Decode tiles (one query position): the pieces cut the row's own keys in num_splits equal runs of
-        # whole BLOCK_N blocks (a function of the row's length only), so a short context runs as many short
-        # pieces and a long one as few long ones.
-        split_len = tl.cdiv(kv_len, num_splits * BLOCK_N) * BLOCK_N
+        # Decode tiles (one query position): the pieces cut the row's own keys in num_splits equal runs of whole
+        # BLOCK_N blocks (a function of the row's length only), so a short context runs as many short pieces and
+        # a long one as few long ones; a piece holds at least min_blocks blocks (fewer, longer pieces where
+        # short ones would only add partials and merges).
+        split_len = tl.maximum(tl.cdiv(kv_len, num_splits * BLOCK_N), min_blocks) * BLOCK_N
     start = piece * split_len
     end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
     if SPLIT:
         end = tl.minimum(start + split_len, kv_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    if SPLIT:
+        # A split tile's first block is loaded before the programmatic wait (its page ids and K / V stream in while
+        # the previous kernel runs): keys below the request's first query position were written by earlier steps
+        # and the page table before the forward; only this step's keys (at or past it) are read after the wait.
+        # (A split tile holds all of its request's rows. Unsplit tiles load after the wait: a prefill tile sees
+        # only some of the step's positions, and its wide tiles would not fit registers twice.)
+        fresh = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        old = j < fresh
+        page, off = _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page)
+        k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & old, d_ok, stride_kp, stride_kt,
+                         stride_kh, stride_vp, stride_vt, stride_vh)
+    if PDL:
+        # Programmatic dependent launch: q and this step's K / V are written by the previous kernel: read after
+        # the wait.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if start < kv_len:
         q = q.to(DOT_DTYPE)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        first = start
+        if SPLIT:
+            if start + BLOCK_N > fresh:  # the first block holds keys of this step: those now
+                k_new, v_new = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & ~old, d_ok, stride_kp,
+                                         stride_kt, stride_kh, stride_vp, stride_vt, stride_vh)
+                k = tl.where(old[None, :], k, k_new)
+                v = tl.where(old[:, None], v, v_new)
+            m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
+            first = start + BLOCK_N
+        for n0 in range(first, end, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
             j_ok = j < end
-            pidx = j // page_size
-            page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages),
-                           other=scratch_page).to(tl.int64)
-            off = (j % page_size).to(tl.int64)
-            k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh
-                        + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            page, off = _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page)
             # V is issued with K (both wait on the page ids only), not after the scores.
-            v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh
-                        + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
-            visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no NaN
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-            m_i = m_new
+            k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok, d_ok, stride_kp, stride_kt, stride_kh,
+                             stride_vp, stride_vt, stride_vh)
+            m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -161,6 +173,42 @@ def _paged_attention_kernel(
             # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
             # and 0 + 1 * o), so the output is written directly.
             tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page):
+    """Page ids and in-page offsets of keys ``j`` of the slot (the scratch page past the table)."""
+    pidx = j // page_size
+    page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
+    return page.to(tl.int64), (j % page_size).to(tl.int64)
+
+
+@triton.jit
+def _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_mask, d_ok, stride_kp, stride_kt, stride_kh, stride_vp,
+              stride_vt, stride_vh):
+    """One block's K ``[BLOCK_D, BLOCK_N]`` (transposed for the product) and V ``[BLOCK_N, BLOCK_D]``; keys
+    outside ``j_mask`` read as zeros."""
+    k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh + d[:, None],
+                mask=j_mask[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=j_mask[:, None] & d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One key block of the online softmax (base 2): keys past a row's position add exact zeros."""
+    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
+    visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no NaN
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -197,12 +245,15 @@ class AttentionConfig:
     """Launch settings of the split (decode / verify) tiles: keys per inner iteration (dividing the piece),
     warps, software-pipeline stages, and ``pieces``: how a decode tile (``T = 1``) cuts its keys -- ``pieces``
     equal runs of whole ``block_n`` blocks sized from the row's own length (``0``: fixed ``SPLIT_TOKENS`` pieces,
-    the verify tiles' rule). Prefill tiles keep 64 keys and 4 warps."""
+    the verify tiles' rule), each at least ``min_blocks`` blocks long (so a short context runs fewer pieces,
+    each with more than one block to pipeline, and fewer partials to merge). Prefill tiles keep 64 keys and 4
+    warps."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     pieces: int = 16
+    min_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -214,9 +265,23 @@ class AttentionConfig:
         if not 0 <= self.pieces <= 256:
             raise ValueError(f"AttentionConfig.pieces must be in 0..256 (0: fixed {SPLIT_TOKENS}-key pieces), got "
                              f"{self.pieces}")
+        if not 1 <= self.min_blocks <= 64:
+            raise ValueError(f"AttentionConfig.min_blocks must be in 1..64, got {self.min_blocks}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AttentionConfig":
+        """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
+        import re
+
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)", text.strip())
+        if hit is None:
+            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3 / n64w4s2f")
+        n, w, st, p, mb = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1))
 
     def describe(self) -> str:
-        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
+        return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
+                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else ""))
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
@@ -226,8 +291,9 @@ class AttentionConfig:
 # B = 32 C = 1k (22.2 vs 15.5 for p8), and the best at B = 32 C = 8k (75.6 us vs 102 for fixed pieces). Head dim
 # 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32), 128: AttentionConfig(64, 4, 3, 16)}
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 16),
-                     AttentionConfig(64, 4, 2, 32), AttentionConfig(64, 4, 3, 16), AttentionConfig(128, 8, 3, 16))
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
+                     AttentionConfig(64, 4, 2, 32, 2), AttentionConfig(64, 4, 2, 32, 3), AttentionConfig(64, 4, 2, 32, 4),
+                     AttentionConfig(64, 4, 2, 64, 2))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -348,7 +414,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     _paged_attention_kernel[(b * m_tiles, kvh, splits)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
-        float(scale) * _LOG2E,
+        cfg.min_blocks, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),

@@ -104,6 +104,13 @@ def test_every_launch_config_candidate_matches_the_twin():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
     with pytest.raises(ValueError, match="block_n"):
         AttentionConfig(block_n=256)
+    with pytest.raises(ValueError, match="min_blocks"):
+        AttentionConfig(min_blocks=0)
+    for cfg in CONFIG_CANDIDATES:  # the benchmark's --decode-config form round-trips
+        assert AttentionConfig.parse(cfg.describe()) == cfg
+    assert AttentionConfig.parse("n64w4s2p32m3") == AttentionConfig(64, 4, 2, 32, 3)
+    with pytest.raises(ValueError, match="form"):
+        AttentionConfig.parse("n64w4")
 
 
 def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
