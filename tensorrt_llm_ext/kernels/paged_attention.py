@@ -68,6 +68,7 @@ __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConf
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
 MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
+PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
 _LOG2E = 1.4426950408889634
 
 
@@ -80,7 +81,7 @@ def _paged_attention_kernel(
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,12 +108,12 @@ def _paged_attention_kernel(
         end = tl.minimum(start + split_len, kv_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    if SPLIT:
-        # A split tile's first block is loaded before the programmatic wait (its page ids and K / V stream in while
-        # the previous kernel runs): keys below the request's first query position were written by earlier steps
-        # and the page table before the forward; only this step's keys (at or past it) are read after the wait.
-        # (A split tile holds all of its request's rows. Unsplit tiles load after the wait: a prefill tile sees
-        # only some of the step's positions, and its wide tiles would not fit registers twice.)
+    if PREFETCH == 1:
+        # Before the programmatic wait, a split tile's first block in registers (its page ids and K / V stream in
+        # while the previous kernel runs): keys below the request's first query position were written by earlier
+        # steps and the page table before the forward; only this step's keys (at or past it) are read after the
+        # wait. (A split tile holds all of its request's rows; a prefill tile, which sees only some of the step's
+        # positions, never prefetches.)
         fresh = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < end
@@ -120,6 +121,16 @@ def _paged_attention_kernel(
         page, off = _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page)
         k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & old, d_ok, stride_kp, stride_kt,
                          stride_kh, stride_vp, stride_vt, stride_vh)
+    if PREFETCH == 2:
+        # Before the wait, the piece's first PREFETCH_BLOCKS blocks brought to L2 (no registers held: the pipelined
+        # loop below reads them after the wait; L2 is where this step's K / V writes land, so any key may be
+        # prefetched).
+        for i in tl.static_range(PREFETCH_BLOCKS):
+            jp = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            jp_ok = jp < end
+            pg, po = _block_pages(table_ptr, slot, stride_tab, jp, jp_ok, max_pages, page_size, scratch_page)
+            _prefetch_l2(k_pool_ptr + pg * stride_kp + po * stride_kt + kvh * stride_kh, jp_ok)
+            _prefetch_l2(v_pool_ptr + pg * stride_vp + po * stride_vt + kvh * stride_vh, jp_ok)
     if PDL:
         # Programmatic dependent launch: q and this step's K / V are written by the previous kernel: read after
         # the wait.
@@ -133,12 +144,10 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         first = start
-        if SPLIT:
-            if start + BLOCK_N > fresh:  # the first block holds keys of this step: those now
-                k_new, v_new = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & ~old, d_ok, stride_kp,
-                                         stride_kt, stride_kh, stride_vp, stride_vt, stride_vh)
-                k = tl.where(old[None, :], k, k_new)
-                v = tl.where(old[:, None], v, v_new)
+        if PREFETCH == 1:
+            if start + BLOCK_N > fresh:  # the first block holds keys of this step: those now, over the others
+                k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & ~old, d_ok, stride_kp, stride_kt,
+                                 stride_kh, stride_vp, stride_vt, stride_vh, k, v)
             m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
             first = start + BLOCK_N
         for n0 in range(first, end, BLOCK_N):
@@ -176,6 +185,13 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address under ``mask`` (the line holding it; nothing is returned or held)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page):
     """Page ids and in-page offsets of keys ``j`` of the slot (the scratch page past the table)."""
     pidx = j // page_size
@@ -185,13 +201,14 @@ def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scr
 
 @triton.jit
 def _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_mask, d_ok, stride_kp, stride_kt, stride_kh, stride_vp,
-              stride_vt, stride_vh):
+              stride_vt, stride_vh, k_other=0.0, v_other=0.0):
     """One block's K ``[BLOCK_D, BLOCK_N]`` (transposed for the product) and V ``[BLOCK_N, BLOCK_D]``; keys
-    outside ``j_mask`` read as zeros."""
+    outside ``j_mask`` read as ``k_other`` / ``v_other`` (zeros, or the tiles already loaded: a predicated load
+    into the same registers)."""
     k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh + d[:, None],
-                mask=j_mask[None, :] & d_ok[:, None], other=0.0)
+                mask=j_mask[None, :] & d_ok[:, None], other=k_other)
     v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=j_mask[:, None] & d_ok[None, :], other=0.0)
+                mask=j_mask[:, None] & d_ok[None, :], other=v_other)
     return k, v
 
 
@@ -254,6 +271,7 @@ class AttentionConfig:
     num_stages: int = 3
     pieces: int = 16
     min_blocks: int = 1
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -267,33 +285,36 @@ class AttentionConfig:
                              f"{self.pieces}")
         if not 1 <= self.min_blocks <= 64:
             raise ValueError(f"AttentionConfig.min_blocks must be in 1..64, got {self.min_blocks}")
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"AttentionConfig.prefetch must be 0 (none), 1 (registers) or 2 (L2), got {self.prefetch}")
 
     @classmethod
     def parse(cls, text: str) -> "AttentionConfig":
         """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
         import re
 
-        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)", text.strip())
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rl]?)", text.strip())
         if hit is None:
-            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3 / n64w4s2f")
-        n, w, st, p, mb = hit.groups()
-        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1))
+            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
+        n, w, st, p, mb, pf = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".index(pf or " "))
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
-                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else ""))
+                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "") + " rl"[self.prefetch].strip())
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
 # `bench target` times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200,
-# 2026-12-04): 64 keys, 4 warps, 2 stages; a decode row's keys in 32 pieces ("p32"): within 10 % of the best
-# candidate at B = 1 / 32 and C = 512 / 1k / 8k but B = 1 C = 8k (16.8 us vs 15.2 for fixed 128-key pieces) and
-# B = 32 C = 1k (22.2 vs 15.5 for p8), and the best at B = 32 C = 8k (75.6 us vs 102 for fixed pieces). Head dim
-# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32), 128: AttentionConfig(64, 4, 3, 16)}
+# 2026-12-04): 64 keys, 4 warps, 2 stages, a decode row's keys in 32 pieces, the first block in registers before
+# the programmatic wait ("p32r": 5.7 us at B = 1 C = 1k vs 7.4 without). Head dim 128: 3 stages, 16 pieces (8 KV
+# heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the unfused layer, no PDL).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=1),
+                                              128: AttentionConfig(64, 4, 3, 16)}
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
-                     AttentionConfig(64, 4, 2, 32, 2), AttentionConfig(64, 4, 2, 32, 3), AttentionConfig(64, 4, 2, 32, 4),
-                     AttentionConfig(64, 4, 2, 64, 2))
+                     AttentionConfig(64, 4, 2, 32, prefetch=1), AttentionConfig(64, 4, 2, 32, prefetch=2),
+                     AttentionConfig(64, 4, 2, 8, prefetch=1), AttentionConfig(64, 4, 2, 8, prefetch=2),
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -404,6 +425,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     precision = "ieee" if fp32 else "tf32"
     block_d = max(16, triton.next_power_of_2(d))
     pdl = programmatic_launch(q) and programmatic is not False
+    # The first block's prefetch overlaps the previous kernel only under programmatic launch (without it the
+    # extra registers cost occupancy for nothing); the interpreter runs the register form so the CPU tests cover
+    # its reads. Split tiles only (a prefill tile sees only some of the step's positions).
+    prefetch = cfg.prefetch if splits > 1 and (pdl or (interpret and cfg.prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -423,7 +448,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
 
