@@ -68,6 +68,9 @@ __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConf
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
 MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
+# Programs per SM of the register prefetch at head dim 64 (128 registers x 128 threads: 4 of 65536 registers;
+# 96 registers, 5 per SM, without it): AttentionConfig.prefetch -1 takes registers up to this many programs per SM.
+REGISTER_PREFETCH_PER_SM = 4
 PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
 _LOG2E = 1.4426950408889634
 
@@ -263,8 +266,11 @@ class AttentionConfig:
     warps, software-pipeline stages, and ``pieces``: how a decode tile (``T = 1``) cuts its keys -- ``pieces``
     equal runs of whole ``block_n`` blocks sized from the row's own length (``0``: fixed ``SPLIT_TOKENS`` pieces,
     the verify tiles' rule), each at least ``min_blocks`` blocks long (so a short context runs fewer pieces,
-    each with more than one block to pipeline, and fewer partials to merge). Prefill tiles keep 64 keys and 4
-    warps."""
+    each with more than one block to pipeline, and fewer partials to merge); ``prefetch``: what a split tile
+    reads before the programmatic wait (no bit of the result changes) -- 0 nothing, 1 its first block's page ids
+    and K / V in registers (the keys of earlier steps; 32 more registers at head dim 64), 2 its first
+    ``PREFETCH_BLOCKS`` blocks brought to L2, -1 by the grid (1 while it fits at the register form's occupancy,
+    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. Prefill tiles keep 64 keys and 4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -285,35 +291,38 @@ class AttentionConfig:
                              f"{self.pieces}")
         if not 1 <= self.min_blocks <= 64:
             raise ValueError(f"AttentionConfig.min_blocks must be in 1..64, got {self.min_blocks}")
-        if self.prefetch not in (0, 1, 2):
-            raise ValueError(f"AttentionConfig.prefetch must be 0 (none), 1 (registers) or 2 (L2), got {self.prefetch}")
+        if self.prefetch not in (-1, 0, 1, 2):
+            raise ValueError(f"AttentionConfig.prefetch must be -1 (auto), 0 (none), 1 (registers) or 2 (L2), got "
+                             f"{self.prefetch}")
 
     @classmethod
     def parse(cls, text: str) -> "AttentionConfig":
         """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
         import re
 
-        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rl]?)", text.strip())
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)", text.strip())
         if hit is None:
             raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
         n, w, st, p, mb, pf = hit.groups()
-        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".index(pf or " "))
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "))
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
-                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "") + " rl"[self.prefetch].strip())
+                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "") + " rla"[self.prefetch].strip())
 
 
-# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
-# `bench target` times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200,
-# 2026-12-04): 64 keys, 4 warps, 2 stages, a decode row's keys in 32 pieces, the first block in registers before
-# the programmatic wait ("p32r": 5.7 us at B = 1 C = 1k vs 7.4 without). Head dim 128: 3 stages, 16 pieces (8 KV
-# heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the unfused layer, no PDL).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=1),
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
+# prefetch, which changes no bit, may follow the grid); `bench target` times CONFIG_CANDIDATES at every (B, C)
+# (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04): 64 keys, 4 warps, 2 stages, a decode row's
+# keys in 32 pieces, the prefetch by the grid ("p32a": the first block in registers at B = 1, 5.8 us at C = 1k vs
+# 7.0 without and 7.3 through L2; through L2 at B = 32, 22.7 us vs 25.0 in registers, where the register form's
+# occupancy costs). Head dim 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet
+# timed; the 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=-1),
                                               128: AttentionConfig(64, 4, 3, 16)}
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
-                     AttentionConfig(64, 4, 2, 32, prefetch=1), AttentionConfig(64, 4, 2, 32, prefetch=2),
-                     AttentionConfig(64, 4, 2, 8, prefetch=1), AttentionConfig(64, 4, 2, 8, prefetch=2),
+                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, prefetch=1),
+                     AttentionConfig(64, 4, 2, 32, prefetch=2), AttentionConfig(64, 4, 2, 8, prefetch=2),
                      AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1))
 
 
@@ -428,7 +437,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # The first block's prefetch overlaps the previous kernel only under programmatic launch (without it the
     # extra registers cost occupancy for nothing); the interpreter runs the register form so the CPU tests cover
     # its reads. Split tiles only (a prefill tile sees only some of the step's positions).
-    prefetch = cfg.prefetch if splits > 1 and (pdl or (interpret and cfg.prefetch == 1)) else 0
+    prefetch = cfg.prefetch
+    if prefetch < 0:
+        # Auto: the prefetch changes when keys are read, never a bit of the result, so it may follow the grid: in
+        # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        prefetch = 1 if b * m_tiles * kvh * splits <= REGISTER_PREFETCH_PER_SM * sms else 2
+    prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
