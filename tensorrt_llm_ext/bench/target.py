@@ -76,7 +76,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="skip the table timing every CONFIG_CANDIDATES entry")
     p.add_argument("--decode-config", default=None,
                    help="run the model's decode attention with this launch setting (AttentionConfig.describe() form, "
-                        "e.g. n64w4s2p32m3) instead of DECODE_CONFIGS")
+                        "e.g. n64w4s2p32l) instead of DECODE_CONFIGS (head dims 64 and 128)")
     p.add_argument("--draft-len", type=int, default=7 if cuda else 3)
     p.add_argument("--page-size", type=int, default=32 if cuda else 8)
 
@@ -274,8 +274,8 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                                                                   min_calls_per_graph=4)
                     finally:
                         target.layer_kernels = "auto"
-                for name in ("decode", "verify"):
-                    t[name] = t[name + "_" + picks[name]]
+                for step in ("decode", "verify"):
+                    t[step] = t[step + "_" + picks[step]]
                 # The same [B, 1] forward with programmatic dependent launch off (what PDL saves per step).
                 prev = set_programmatic_launch(False)
                 try:

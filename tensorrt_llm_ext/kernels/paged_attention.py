@@ -308,7 +308,8 @@ class AttentionConfig:
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
-                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "") + " rla"[self.prefetch].strip())
+                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "")
+                + " rla"[self.prefetch].strip())
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
@@ -463,7 +464,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return out
 
