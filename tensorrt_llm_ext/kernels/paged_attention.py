@@ -6,7 +6,8 @@ SCRATCH page: never handed out, it absorbs writes of padding rows and of positio
 at absolute position ``p`` of the request on slot ``s`` attends the keys at positions ``0 .. p`` of that slot
 (causal by absolute position, so the rule inside a verified block of K+1 rows is the same rule).
 
-The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split).
+The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split) (or, with
+``AttentionConfig.programs``, fewer programs along the sequence, each taking several splits in turn).
 GQA: the ``G = num_heads / kv_heads`` query heads of one KV head and the ``T`` query rows of the request
 form the ``T * G`` rows of one tile (decode T = 1, verify T = K + 1), so every key/value page is read once
 per KV head. bf16 / fp16 operands into ``tl.dot``, fp32 accumulation, online softmax in base 2. Only the
