@@ -72,6 +72,9 @@ MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
 # Programs per SM of the register prefetch at head dim 64 (128 registers x 128 threads: 4 of 65536 registers;
 # 96 registers, 5 per SM, without it): AttentionConfig.prefetch -1 takes registers up to this many programs per SM.
 REGISTER_PREFETCH_PER_SM = 4
+# Query-tile elements (BLOCK_M x BLOCK_D) up to which the register prefetch fits beside q and the accumulator (a 32 x
+# 128 verify tile spilled 48 B at 255 registers under Triton 3.6; 16 x 128 and 32 x 64 do not spill); larger: L2.
+REGISTER_PREFETCH_MAX_TILE = 2048
 PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
 _LOG2E = 1.4426950408889634
 
@@ -493,8 +496,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         prefetch = 1 if b * m_tiles * kvh * grid_z <= REGISTER_PREFETCH_PER_SM * sms else 2
-    if prefetch == 1 and grid_z < splits:
-        prefetch = 2  # the register form holds one piece's first block: one piece per program
+    if prefetch == 1 and (grid_z < splits or block_m * block_d > REGISTER_PREFETCH_MAX_TILE):
+        prefetch = 2  # the register form: one piece per program, and a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
