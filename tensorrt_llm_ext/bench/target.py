@@ -74,6 +74,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="time only the layer the model picks (skip the forced fused / unfused columns)")
     p.add_argument("--no-attn-configs", action="store_true",
                    help="skip the table timing every CONFIG_CANDIDATES entry")
+    p.add_argument("--decode-config", default=None,
+                   help="run the model's decode attention with this launch setting (AttentionConfig.describe() form, "
+                        "e.g. n64w4s2p32l) instead of DECODE_CONFIGS (head dims 64 and 128)")
     p.add_argument("--draft-len", type=int, default=7 if cuda else 3)
     p.add_argument("--page-size", type=int, default=32 if cuda else 8)
 
@@ -165,12 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, decode_config,
-                                                          paged_attention)
-    from tensorrt_llm_ext.kernels.common import set_programmatic_launch
-    from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
-    from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
+    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, AttentionConfig
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -190,6 +188,29 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: bench target: unknown shapes {bad}; known: {', '.join(SHAPES)}, tiny", file=sys.stderr)
         return 2
+    try:
+        forced = AttentionConfig.parse(args.decode_config) if getattr(args, "decode_config", None) else None
+    except ValueError as e:
+        print(f"error: bench target: --decode-config: {e}", file=sys.stderr)
+        return 2
+    saved = dict(DECODE_CONFIGS)
+    try:
+        if forced is not None:
+            DECODE_CONFIGS.update({d: forced for d in (*DECODE_CONFIGS, 64, 128)})
+        return _run(args, sizes, contexts, shapes, spec, cuda)
+    finally:
+        DECODE_CONFIGS.clear()
+        DECODE_CONFIGS.update(saved)
+
+
+def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
+    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, decode_config,
+                                                          paged_attention)
+    from tensorrt_llm_ext.kernels.common import set_programmatic_launch
+    from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
+
     timer = BenchTimer(reps=5, calls_per_rep=3)
     bw = measure_copy_bandwidth()
     fi, fi_why = _flashinfer()
@@ -253,8 +274,8 @@ def run(args: argparse.Namespace) -> int:
                                                                   min_calls_per_graph=4)
                     finally:
                         target.layer_kernels = "auto"
-                for name in ("decode", "verify"):
-                    t[name] = t[name + "_" + picks[name]]
+                for step in ("decode", "verify"):
+                    t[step] = t[step + "_" + picks[step]]
                 # The same [B, 1] forward with programmatic dependent launch off (what PDL saves per step).
                 prev = set_programmatic_launch(False)
                 try:

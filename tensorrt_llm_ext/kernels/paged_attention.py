@@ -6,7 +6,8 @@ SCRATCH page: never handed out, it absorbs writes of padding rows and of positio
 at absolute position ``p`` of the request on slot ``s`` attends the keys at positions ``0 .. p`` of that slot
 (causal by absolute position, so the rule inside a verified block of K+1 rows is the same rule).
 
-The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split).
+The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split) (or, with
+``AttentionConfig.programs``, fewer programs along the sequence, each taking several splits in turn).
 GQA: the ``G = num_heads / kv_heads`` query heads of one KV head and the ``T`` query rows of the request
 form the ``T * G`` rows of one tile (decode T = 1, verify T = K + 1), so every key/value page is read once
 per KV head. bf16 / fp16 operands into ``tl.dot``, fp32 accumulation, online softmax in base 2. Only the
@@ -24,8 +25,11 @@ directly, with neither partials nor atomics. The number of pieces is fixed by th
 page_size``) and the settings, never by the batch: programs past a tile's length exit at once. Prefill tiles
 (``T * G > 64``) take the whole key range in one program (flash-attention style) and write the output directly.
 
-Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions
-and slots are read before ``gdc_wait()``; q and the step's K / V (written by the previous kernel) after it.
+Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions,
+slots and, for a split tile, the piece's first block (page ids, and K / V of the keys below the request's first
+query position: written by earlier steps) are read before ``gdc_wait()``; q and the step's own K / V (written by
+the previous kernel) after it. A decode piece of one block thus waits on no memory round trip but q's and the
+new key's.
 
 Per-row determinism (what makes speculative output equal the target's own decode): a row's result depends
 only on its own position, its keys and the step shape. Key blocks are aligned to absolute positions; a block
@@ -65,6 +69,13 @@ __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConf
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
 MERGE_UNROLL = 4  # pieces whose partials the merging program loads at once
+# Programs per SM of the register prefetch at head dim 64 (128 registers x 128 threads: 4 of 65536 registers;
+# 96 registers, 5 per SM, without it): AttentionConfig.prefetch -1 takes registers up to this many programs per SM.
+REGISTER_PREFETCH_PER_SM = 4
+# Query-tile elements (BLOCK_M x BLOCK_D) up to which the register prefetch fits beside q and the accumulator (a 32 x
+# 128 verify tile spilled 48 B at 255 registers under Triton 3.6; 16 x 128 and 32 x 64 do not spill); larger: L2.
+REGISTER_PREFETCH_MAX_TILE = 2048
+PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
 _LOG2E = 1.4426950408889634
 
 
@@ -72,95 +83,196 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, table_ptr, slot_ptr, pos_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     t_len, group, num_heads, head_dim, num_m_tiles, max_pages, page_size, scratch_page, split_len, num_splits,
-    scale_log2,
+    min_blocks, scale_log2,
     stride_qb, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    piece = tl.program_id(2)
+    piece0 = tl.program_id(2)  # this program's first piece
     b = pid // num_m_tiles
     m_tile = pid % num_m_tiles
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < t_len * group
     t = rows // group
     head = kvh * group + rows % group
-    # The row's position, its slot and its queries are independent loads: all in flight at once.
+    # The row's position and its slot: independent loads, both in flight at once.
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + t, mask=row_ok, other=-1).to(tl.int32)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    if PDL:
-        # Programmatic dependent launch: positions and slots are written before the step's forward, q and this
-        # step's K / V by the previous kernel: read after the wait.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     kv_len = tl.max(pos, axis=0) + 1
     if ROW_PIECES:
-        # Decode tiles (one query position): the pieces cut the row's own keys in num_splits equal runs of
-        # whole BLOCK_N blocks (a function of the row's length only), so a short context runs as many short
-        # pieces and a long one as few long ones.
-        split_len = tl.cdiv(kv_len, num_splits * BLOCK_N) * BLOCK_N
-    start = piece * split_len
+        # Decode tiles (one query position): the pieces cut the row's own keys in num_splits equal runs of whole
+        # BLOCK_N blocks (a function of the row's length only), so a short context runs as many short pieces and
+        # a long one as few long ones; a piece holds at least min_blocks blocks (fewer, longer pieces where
+        # short ones would only add partials and merges).
+        split_len = tl.maximum(tl.cdiv(kv_len, num_splits * BLOCK_N), min_blocks) * BLOCK_N
+    start = piece0 * split_len
     end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
     if SPLIT:
         end = tl.minimum(start + split_len, kv_len)
-    if start < kv_len:
-        q = q.to(DOT_DTYPE)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            j = n0 + tl.arange(0, BLOCK_N)
-            j_ok = j < end
-            pidx = j // page_size
-            page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages),
-                           other=scratch_page).to(tl.int64)
-            off = (j % page_size).to(tl.int64)
-            k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh
-                        + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            # V is issued with K (both wait on the page ids only), not after the scores.
-            v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh
-                        + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
-            visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no NaN
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-            m_i = m_new
-        seen = l_i > 0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        out_mask = row_ok[:, None] & d_ok[None, :]
-        # Pieces holding some key of this tile (1 for a prefill tile, which takes the whole range).
-        live = (kv_len + split_len - 1) // split_len if SPLIT else 1
-        if live > 1:
-            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits
-            tl.store(part_lse_ptr + prow + piece, lse, mask=row_ok)
-            tl.store(part_o_ptr + (prow + piece)[:, None] * head_dim + d[None, :], o, mask=out_mask)
-            # The last live piece of the tile to finish merges the tile's pieces (no second launch). The
-            # barrier orders every thread's partial stores before the release; the acquire orders the reads.
-            tl.debug_barrier()
-            counter = counter_ptr + pid * tl.num_programs(1) + kvh
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == live - 1:
-                tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
-                _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim,
-                              split_len, live, BLOCK_M, BLOCK_D, MERGE_UNROLL)
-        else:
-            # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
-            # and 0 + 1 * o), so the output is written directly.
-            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    if PREFETCH == 1:
+        # Before the programmatic wait, a split tile's first block in registers (its page ids and K / V stream in
+        # while the previous kernel runs): keys below the request's first query position were written by earlier
+        # steps and the page table before the forward; only this step's keys (at or past it) are read after the
+        # wait. (A split tile holds all of its request's rows; a prefill tile, which sees only some of the step's
+        # positions, never prefetches.)
+        fresh = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        old = j < fresh
+        page, off = _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page)
+        k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & old, d_ok, stride_kp, stride_kt,
+                         stride_kh, stride_vp, stride_vt, stride_vh)
+    else:  # placeholders: read only under PREFETCH == 1
+        fresh, j, j_ok, old, page, off, k, v = 0, 0, 0, 0, 0, 0, 0, 0
+    if PREFETCH == 2:
+        # Before the wait, the piece's first PREFETCH_BLOCKS blocks brought to L2 (no registers held: the pipelined
+        # loop below reads them after the wait; L2 is where this step's K / V writes land, so any key may be
+        # prefetched).
+        for i in tl.static_range(PREFETCH_BLOCKS):
+            jp = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            jp_ok = jp < end
+            pg, po = _block_pages(table_ptr, slot, stride_tab, jp, jp_ok, max_pages, page_size, scratch_page)
+            _prefetch_l2(k_pool_ptr + pg * stride_kp + po * stride_kt + kvh * stride_kh, jp_ok)
+            _prefetch_l2(v_pool_ptr + pg * stride_vp + po * stride_vt + kvh * stride_vh, jp_ok)
+    if PDL:
+        # Programmatic dependent launch: q and this step's K / V are written by the previous kernel: read after
+        # the wait.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)
+    if LOOP:
+        # Fewer programs than pieces (AttentionConfig.programs): this program takes the pieces piece0, piece0 + Z,
+        # ... in turn, each computed and merged as if it had its own program (the same bits). A separate path:
+        # the loop around the piece costs registers (96 -> 124 at head dim 64) where it is not needed.
+        for piece in range(piece0, num_splits, tl.num_programs(2)):
+            start = piece * split_len
+            end = tl.minimum(start + split_len, kv_len)
+            if start < kv_len:
+                _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len,
+                              split_len, fresh, j, j_ok, old, page, off, k, v,
+                              k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                              t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
+                              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
+                              stride_ob, stride_ot, stride_oh,
+                              BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, 0)
+    else:
+        if start < kv_len:
+            _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece0, start, end, kv_len, split_len,
+                          fresh, j, j_ok, old, page, off, k, v,
+                          k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                          t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
+                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
+                          stride_ob, stride_ot, stride_oh,
+                          BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+
+
+@triton.jit
+def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
+                  fresh, j, j_ok, old, page, off, k, v,
+                  k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                  t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
+                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
+                  stride_ob, stride_ot, stride_oh,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """One piece of keys ``start .. end`` of a tile: the online softmax over its blocks, then its output (one
+    live piece) or its partials and, for the last piece of the tile to arrive, the merge. ``PREFETCH == 1``: the
+    first block's ``page, off, k, v`` were read before the wait (one piece per program then)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first = start
+    if PREFETCH == 1:
+        if start + BLOCK_N > fresh:  # the first block holds keys of this step: those now, over the others
+            k, v = _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_ok & ~old, d_ok, stride_kp, stride_kt,
+                             stride_kh, stride_vp, stride_vt, stride_vh, k, v)
+        m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
+        jb = n0 + tl.arange(0, BLOCK_N)
+        jb_ok = jb < end
+        pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
+        # V is issued with K (both wait on the page ids only), not after the scores.
+        kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
+                           stride_vp, stride_vt, stride_vh)
+        m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    # Pieces holding some key of this tile (1 for a prefill tile, which takes the whole range).
+    live = (kv_len + split_len - 1) // split_len if SPLIT else 1
+    if live > 1:
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits
+        tl.store(part_lse_ptr + prow + piece, lse, mask=row_ok)
+        tl.store(part_o_ptr + (prow + piece)[:, None] * head_dim + d[None, :], o, mask=out_mask)
+        # The last live piece of the tile to finish merges the tile's pieces (no second launch). The
+        # barrier orders every thread's partial stores before the release; the acquire orders the reads.
+        tl.debug_barrier()
+        counter = counter_ptr + pid * tl.num_programs(1) + kvh
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == live - 1:
+            tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
+            _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim,
+                          split_len, live, BLOCK_M, BLOCK_D, MERGE_UNROLL)
+    else:
+        # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
+        # and 0 + 1 * o), so the output is written directly.
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address under ``mask`` (the line holding it; nothing is returned or held)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page):
+    """Page ids and in-page offsets of keys ``j`` of the slot (the scratch page past the table)."""
+    pidx = j // page_size
+    page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
+    return page.to(tl.int64), (j % page_size).to(tl.int64)
+
+
+@triton.jit
+def _block_kv(k_pool_ptr, v_pool_ptr, page, off, kvh, d, j_mask, d_ok, stride_kp, stride_kt, stride_kh, stride_vp,
+              stride_vt, stride_vh, k_other=0.0, v_other=0.0):
+    """One block's K ``[BLOCK_D, BLOCK_N]`` (transposed for the product) and V ``[BLOCK_N, BLOCK_D]``; keys
+    outside ``j_mask`` read as ``k_other`` / ``v_other`` (zeros, or the tiles already loaded: a predicated load
+    into the same registers)."""
+    k = tl.load(k_pool_ptr + page[None, :] * stride_kp + off[None, :] * stride_kt + kvh * stride_kh + d[:, None],
+                mask=j_mask[None, :] & d_ok[:, None], other=k_other)
+    v = tl.load(v_pool_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=j_mask[:, None] & d_ok[None, :], other=v_other)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One key block of the online softmax (base 2): keys past a row's position add exact zeros."""
+    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
+    visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no NaN
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -197,12 +309,23 @@ class AttentionConfig:
     """Launch settings of the split (decode / verify) tiles: keys per inner iteration (dividing the piece),
     warps, software-pipeline stages, and ``pieces``: how a decode tile (``T = 1``) cuts its keys -- ``pieces``
     equal runs of whole ``block_n`` blocks sized from the row's own length (``0``: fixed ``SPLIT_TOKENS`` pieces,
-    the verify tiles' rule). Prefill tiles keep 64 keys and 4 warps."""
+    the verify tiles' rule), each at least ``min_blocks`` blocks long (so a short context runs fewer pieces,
+    each with more than one block to pipeline, and fewer partials to merge); ``prefetch``: what a split tile
+    reads before the programmatic wait (no bit of the result changes) -- 0 nothing, 1 its first block's page ids
+    and K / V in registers (the keys of earlier steps; 32 more registers at head dim 64), 2 its first
+    ``PREFETCH_BLOCKS`` blocks brought to L2, -1 by the grid (1 while it fits at the register form's occupancy,
+    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. ``programs`` (``gN``, decode tiles): at most that
+    many programs per tile along the sequence, each taking the pieces ``z, z + N, ...`` in turn (the same pieces,
+    so the same bits; fewer programs exiting at once past a short row's pieces). Prefill tiles keep 64 keys and
+    4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     pieces: int = 16
+    min_blocks: int = 1
+    prefetch: int = 0
+    programs: int = 0
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -214,20 +337,45 @@ class AttentionConfig:
         if not 0 <= self.pieces <= 256:
             raise ValueError(f"AttentionConfig.pieces must be in 0..256 (0: fixed {SPLIT_TOKENS}-key pieces), got "
                              f"{self.pieces}")
+        if not 1 <= self.min_blocks <= 64:
+            raise ValueError(f"AttentionConfig.min_blocks must be in 1..64, got {self.min_blocks}")
+        if not 0 <= self.programs <= 256:
+            raise ValueError(f"AttentionConfig.programs must be in 0..256 (0: one per piece), got {self.programs}")
+        if self.prefetch not in (-1, 0, 1, 2):
+            raise ValueError(f"AttentionConfig.prefetch must be -1 (auto), 0 (none), 1 (registers) or 2 (L2), got "
+                             f"{self.prefetch}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AttentionConfig":
+        """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
+        import re
+
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?(?:g(\d+))?)([rla]?)", text.strip())
+        if hit is None:
+            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
+        n, w, st, p, mb, g, pf = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "), int(g or 0))
 
     def describe(self) -> str:
-        return f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
+        return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
+                + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "")
+                + (f"g{self.programs}" if self.pieces and self.programs else "") + " rla"[self.prefetch].strip())
 
 
-# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch);
-# `bench target` times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200,
-# 2026-12-04): 64 keys, 4 warps, 2 stages; a decode row's keys in 32 pieces ("p32"): within 10 % of the best
-# candidate at B = 1 / 32 and C = 512 / 1k / 8k but B = 1 C = 8k (16.8 us vs 15.2 for fixed 128-key pieces) and
-# B = 32 C = 1k (22.2 vs 15.5 for p8), and the best at B = 32 C = 8k (75.6 us vs 102 for fixed pieces). Head dim
-# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32), 128: AttentionConfig(64, 4, 3, 16)}
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 16),
-                     AttentionConfig(64, 4, 2, 32), AttentionConfig(64, 4, 3, 16), AttentionConfig(128, 8, 3, 16))
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
+# prefetch, which changes no bit, may follow the grid); `bench target` times CONFIG_CANDIDATES at every (B, C)
+# (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04): 64 keys, 4 warps, 2 stages, a decode row's
+# keys in 32 pieces, the prefetch by the grid ("p32a": the first block in registers at B = 1, 5.8 us at C = 1k vs
+# 7.0 without and 7.3 through L2; through L2 at B = 32, 22.7 us vs 25.0 in registers, where the register form's
+# occupancy costs). Head dim 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet
+# timed; the 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=-1),
+                                              128: AttentionConfig(64, 4, 3, 16)}
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
+                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, prefetch=1),
+                     AttentionConfig(64, 4, 2, 32, prefetch=2), AttentionConfig(64, 4, 2, 8, prefetch=2),
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1),
+                     AttentionConfig(64, 4, 2, 32, prefetch=2, programs=8))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -338,6 +486,19 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     precision = "ieee" if fp32 else "tf32"
     block_d = max(16, triton.next_power_of_2(d))
     pdl = programmatic_launch(q) and programmatic is not False
+    # The first block's prefetch overlaps the previous kernel only under programmatic launch (without it the
+    # extra registers cost occupancy for nothing); the interpreter runs the register form so the CPU tests cover
+    # its reads. Split tiles only (a prefill tile sees only some of the step's positions).
+    grid_z = min(splits, cfg.programs) if row_pieces and splits > 1 and cfg.programs else splits
+    prefetch = cfg.prefetch
+    if prefetch < 0:
+        # Auto: the prefetch changes when keys are read, never a bit of the result, so it may follow the grid: in
+        # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        prefetch = 1 if b * m_tiles * kvh * grid_z <= REGISTER_PREFETCH_PER_SM * sms else 2
+    if prefetch == 1 and (grid_z < splits or block_m * block_d > REGISTER_PREFETCH_MAX_TILE):
+        prefetch = 2  # the register form: one piece per program, and a query tile small enough to hold a block too
+    prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -345,10 +506,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         part_o = part_lse = out
         counters = page_table
-    _paged_attention_kernel[(b * m_tiles, kvh, splits)](
+    _paged_attention_kernel[(b * m_tiles, kvh, grid_z)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
-        float(scale) * _LOG2E,
+        cfg.min_blocks, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
@@ -357,7 +518,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, LOOP=grid_z < splits,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     return out
 

@@ -8,6 +8,7 @@ exactly the twin's values at exactly the twin's page slots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -46,6 +47,13 @@ def make_case(*, b=3, t=1, kvh=2, group=3, d=16, page_size=4, max_pages=6, lens=
     q = torch.randn(b, t, kvh * group, d, generator=g).to(dtype)
     dev = DEVICE
     return [x.to(dev) for x in (q, k_pool, v_pool, table, slots, positions)]
+
+
+def _candidates():
+    """CONFIG_CANDIDATES as they run here: the L2 prefetch (2) is a GPU-only hint, the same kernel as none (0)
+    elsewhere, so each setting runs once (the register prefetch (1) runs under the interpreter too)."""
+    return sorted({dataclasses.replace(c, prefetch=c.prefetch % 2) if not torch.cuda.is_available() else c
+                   for c in CONFIG_CANDIDATES}, key=lambda c: c.describe())
 
 
 def _run(case, scale=None):
@@ -99,11 +107,18 @@ def test_every_launch_config_candidate_matches_the_twin():
     case = make_case(b=2, t=2, group=3, d=16, page_size=page, max_pages=max_pages, lens=[2 * SPLIT_TOKENS + 20, 70])
     q, kp, vp, table, slots, pos = case
     ref = paged_attention_reference(q, kp, vp, table, slots, pos, 0.25)
-    for cfg in sorted(set(CONFIG_CANDIDATES), key=lambda c: c.describe()):
+    for cfg in _candidates():
         out = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=cfg)
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
     with pytest.raises(ValueError, match="block_n"):
         AttentionConfig(block_n=256)
+    with pytest.raises(ValueError, match="min_blocks"):
+        AttentionConfig(min_blocks=0)
+    for cfg in CONFIG_CANDIDATES:  # the benchmark's --decode-config form round-trips
+        assert AttentionConfig.parse(cfg.describe()) == cfg
+    assert AttentionConfig.parse("n64w4s2p32m3") == AttentionConfig(64, 4, 2, 32, 3)
+    with pytest.raises(ValueError, match="form"):
+        AttentionConfig.parse("n64w4")
 
 
 def test_row_bits_do_not_depend_on_neighbours_or_on_blocks_past_the_row():
@@ -149,7 +164,7 @@ def test_decode_tiles_cut_each_rows_keys_in_pieces(group, d):
     assert split_plan(group, max_pages, page, 16, 64)[2] == 10 and split_plan(group, max_pages, page, 8, 64)[2] == 8
     ref = paged_attention_reference(q, kp, vp, table, slots, pos, d ** -0.5)
     live = [0, 2, 3, 4, 5]
-    for cfg in sorted(set(CONFIG_CANDIDATES), key=lambda c: c.describe()) if group == 3 else [None]:
+    for cfg in _candidates() if group == 3 else [None]:
         out = paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, config=cfg)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out[live], ref[live], **TOL[torch.float32])
@@ -165,6 +180,23 @@ def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     q2, slots2, pos2 = q[[2, 0]], slots[[2, 0]], pos[[2, 0]]  # rows 2 and 0, in a batch of two
     out2 = paged_attention(q2, kp, vp, table, slots2, pos2, 0.25)
     assert torch.equal(out2[0], out[2]) and torch.equal(out2[1], out[0])
+
+
+def test_prefetch_and_fewer_programs_change_no_bit():
+    """The first block read early (AttentionConfig.prefetch): keys of earlier steps before the wait, the step's own
+    keys (at or past the first query position) after it; and fewer programs per tile, each taking several pieces
+    in turn (AttentionConfig.programs) -- the same bits as one program per piece reading every key in its loop,
+    for decode and verify tiles whose first block holds the step's keys or not."""
+    page, max_pages = 8, 24
+    for t in (1, 3):
+        q, kp, vp, table, slots, pos = make_case(b=3, t=t, page_size=page, max_pages=max_pages, lens=[190, 64, 2])
+        cfgs = [AttentionConfig(32, 4, 2, 6, prefetch=p, programs=g) for p, g in ((0, 0), (1, 0), (-1, 0), (0, 2))]
+        outs = [paged_attention(q, kp, vp, table, slots, pos, 0.25, config=c) for c in cfgs]
+        for o in outs[1:]:
+            assert torch.equal(outs[0], o)
+    assert tile_counters(q.device, 1).count_nonzero() == 0
+    assert AttentionConfig.parse("n64w4s2p32a").prefetch == -1
+    assert AttentionConfig.parse("n64w4s2p32g8l") == AttentionConfig(64, 4, 2, 32, prefetch=2, programs=8)
 
 
 def test_padded_rows_and_masked_queries_are_finite():
