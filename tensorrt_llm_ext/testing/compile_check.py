@@ -94,9 +94,6 @@ def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool)
     os.close(fd)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
-    # No source-line tables (LLVM debug scopes, ptxas -lineinfo): debug data only, the same registers, spills
-    # and shared memory (all 115 specializations of the top_p and rejection cases, 2026-12-04), ~10 % less CPU.
-    env.setdefault("TRITON_DISABLE_LINE_INFO", "1")
     cmd = [sys.executable, "-m", "tensorrt_llm_ext.testing.compile_check", "--worker", "--arch", str(arch),
            "--sweep-module", sweep_module, "--cases", ",".join(cases), "--out", path] + (["--sass"] if with_sass else [])
     try:
