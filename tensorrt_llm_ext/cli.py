@@ -249,9 +249,10 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="a checkpoint directory (Hugging Face Llama; see `trtllm-ext export`); default: embedded")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``command``, the options of that subcommand only (the others' option sets import
+    torch-heavy modules: ``--version``, ``--help`` and ``test-list`` start without them)."""
     from tensorrt_llm_ext import __version__
-    from tensorrt_llm_ext.runtime.serve_cli import add_serve_args
 
     p = argparse.ArgumentParser(prog="trtllm-ext", description=__doc__)
     p.add_argument("--version", action="version", version=f"trtllm-ext {__version__}")
@@ -272,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="speculative generation (DSpark) on the embedded model (the default command)")
     _add_generate_args(g)
     s = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions) over the engine")
-    add_serve_args(s)
+    if command in (None, "serve"):
+        from tensorrt_llm_ext.runtime.serve_cli import add_serve_args
+
+        add_serve_args(s)
     sub.add_parser("compile-check", add_help=False,
                    help="compile every Triton kernel for a GPU target without a GPU (sm_90 by default; --help)")
     e = sub.add_parser("export", help="write the configured model as checkpoint directories (HF Llama + drafter)")
@@ -289,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files (needs no transformers)")
     tr = sub.add_parser("train-drafter", help="train a DSpark drafter on a target by self-distillation "
                         "(docs/real_model.md)")
-    _add_train_drafter_args(tr)
+    if command in (None, "train-drafter"):
+        _add_train_drafter_args(tr)
     return p
 
 
@@ -333,7 +338,7 @@ def _runs_kernels(argv: list[str]) -> bool:
 
 def _quick(argv: list[str]) -> int:
     try:
-        build_parser().parse_args(argv)
+        build_parser(command="").parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     return 0
@@ -362,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         for err in ENV.errors:
             print(f"error: environment: {err}", file=sys.stderr)
         return 2
-    parser = build_parser()
     if argv and argv[0] == "bench":
         if len(argv) < 2 or argv[1].startswith("-"):
             print(bench_usage())
@@ -374,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "test-list":
         head, pytest_args = _split_test_list_args(argv[1:])
         argv = ["test-list", *head]
+    # Only the named subcommand's options are built (an unknown name: every one, for argparse's error).
+    known = argv[0] in ("generate", "serve", "export", "import-gguf", "train-drafter", "info", "test-list")
+    parser = build_parser(argv[0] if known else None)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)

@@ -28,9 +28,10 @@ _FRESH: dict[str, list[list[int]]] = {}
 
 
 def _fresh_outputs(markov_mode: str) -> list[list[int]]:
-    """A fresh engine's tokens for ``_requests()`` (computed once per Markov mode)."""
+    """A fresh engine's tokens for ``_requests()`` (computed once per Markov mode): its target's own decode, which
+    the speculative tokens equal (lossless under strict acceptance), at a fraction of the interpreter's time."""
     if markov_mode not in _FRESH:
-        results, _ = _engine(markov_mode).generate(_requests())
+        results, _ = _engine(markov_mode).generate(_requests(), "reference")
         assert all(r.finish_reason == "length" for r in results)
         _FRESH[markov_mode] = [r.output_ids for r in results]
     return _FRESH[markov_mode]
@@ -145,7 +146,7 @@ def test_badly_typed_fields_are_their_requests_errors():
     served exactly as alone."""
     engine = _engine("exact")
     good = [Request([3, 4, 5], 4), Request([7] * 9, 4)]
-    alone, _ = engine.generate(good)
+    alone, _ = engine.generate(good, "reference")  # what the speculative tokens equal, served alone
     batch = [good[0]] + [bad for bad, _ in BAD_FIELDS] + [good[1]]
     results, _ = engine.generate(batch)
     assert [r.finish_reason for r in results] == ["length"] + ["error"] * len(BAD_FIELDS) + ["length"]
@@ -164,7 +165,7 @@ def test_tiny_temperature_is_served_greedy_on_every_path(rejection):
     assert Request([1], sampling=SamplingParams(temperature=MIN_TEMPERATURE * 0.99)).sampling.effective_temperature == 0.0
     engine = Engine(load_config(**SMALL, **{"speculative_config.use_rejection_sampling": rejection}))
     prompts = [[3, 4, 5], [7] * 9]
-    greedy = [r.output_ids for r in engine.generate([Request(p, 4) for p in prompts])[0]]
+    greedy = [r.output_ids for r in engine.generate([Request(p, 4) for p in prompts], "reference")[0]]
     for t, mode in ((1e-45, "speculative"), (2e-38, "gathered"), (2e-38, "reference")):
         reqs = [Request(p, 4, sampling=SamplingParams(temperature=t, seed=s, top_p=0.9)) for s, p in enumerate(prompts, start=11)]
         results, _ = engine.generate(reqs, mode=mode)

@@ -75,8 +75,9 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def greedy_ids(engine) -> list[int]:
-    """The greedy tokens of ``_prompt(2)`` alone (serial): stop tokens met mid-stream are picked from them."""
-    return _tokens(_serve(engine, "speculative", False, {0: {"prompt_ids": _prompt(2), "max_new_tokens": 10,
+    """The greedy tokens of ``_prompt(2)`` alone (serial; the target's decode, which speculative equals): stop
+    tokens met mid-stream are picked from them."""
+    return _tokens(_serve(engine, "reference", False, {0: {"prompt_ids": _prompt(2), "max_new_tokens": 10,
                                                              "ignore_eos": True}}, {}, {})[0])
 
 

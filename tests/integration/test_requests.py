@@ -37,7 +37,7 @@ def test_validation_messages(engine, request_, match):
 
 def test_bad_requests_do_not_disturb_the_batch(engine):
     good = [Request([3, 4, 5], 6), Request([250, 1], 6, sampling=SamplingParams(temperature=0.8, seed=4)), Request([7] * 9, 6)]
-    alone, _ = engine.generate(good, "speculative")
+    alone, _ = engine.generate(good, "reference")  # served alone: the target's decode, which speculative equals
     mixed = [Request([], 6), good[0], Request([1, 500], 6), good[1], Request(list(range(30)), 6), good[2]]
     results, _ = engine.generate(mixed, "speculative")
     assert [r.finish_reason for r in results] == ["error", "length", "error", "length", "error", "length"]

@@ -111,7 +111,7 @@ def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     messages = [{"role": "user", "content": "w17 w42"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     with KERNEL_LOCK:
-        ref = engine.generate([Request(prompt, 8)])[0][0]
+        ref = engine.generate([Request(prompt, 8)], "reference")[0][0]  # what the server's speculative tokens equal
     out = client.chat.completions.create(model="tiny-llama", messages=messages, logprobs=True, top_logprobs=2,
                                          max_completion_tokens=len(ref.output_ids))
     ch = out.choices[0]

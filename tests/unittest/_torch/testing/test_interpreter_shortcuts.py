@@ -118,3 +118,22 @@ def test_same_typed_operands_come_back_as_tritons_own_checks_return_them():
     assert [list(t.shape) for t in checked(lhs, rhs)] == [[4, 16], [4, 16]]
     lhs = _operand("int32", (4,))
     assert checked(lhs, 3)[1].dtype == tl.int32  # a Python number: Triton's path
+
+
+def test_child_processes_get_the_shortcuts_when_they_import_triton_and_only_then():
+    """``tests/interpreter_site/sitecustomize.py`` (on every child's PYTHONPATH): a child that never imports Triton
+    (a rank supervisor) does not import it; one that does has the shortcuts installed once the import is done."""
+    import os
+    import subprocess
+    import sys
+
+    site = os.path.join(os.path.dirname(__file__), "..", "..", "..", "interpreter_site")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.abspath(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    code = ("import sys, tensorrt_llm_ext.runtime.rank_supervisor; print('triton' in sys.modules)\n"
+            "import triton.language\n"
+            "from triton.runtime import interpreter as ti\n"
+            "print(ti.GridExecutor.__call__.__qualname__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "skip_nested_repatching.<locals>.launch"], out.stdout
