@@ -323,7 +323,7 @@ def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, rep
                 sync()
                 best = min(best, time.perf_counter() - t)
             out["kernel_ms" if kernel else "torch_ms"] = round(best * 1e3, 1)
-            out["kernel_loss" if kernel else "torch_loss"] = float(loss)
+            out["kernel_loss" if kernel else "torch_loss"] = float(loss.detach())
         except Exception as e:  # a kernel that does not build or run here: the torch ops
             if not kernel:
                 raise
