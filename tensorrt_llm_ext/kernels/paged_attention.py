@@ -6,8 +6,7 @@ SCRATCH page: never handed out, it absorbs writes of padding rows and of positio
 at absolute position ``p`` of the request on slot ``s`` attends the keys at positions ``0 .. p`` of that slot
 (causal by absolute position, so the rule inside a verified block of K+1 rows is the same rule).
 
-The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split) (or, with
-``AttentionConfig.programs``, fewer programs along the sequence, each taking several splits in turn).
+The kernel (:func:`paged_attention`): one program per (request, KV head, query tile, sequence split).
 GQA: the ``G = num_heads / kv_heads`` query heads of one KV head and the ``T`` query rows of the request
 form the ``T * G`` rows of one tile (decode T = 1, verify T = K + 1), so every key/value page is read once
 per KV head. bf16 / fp16 operands into ``tl.dot``, fp32 accumulation, online softmax in base 2. Only the
@@ -88,11 +87,11 @@ def _paged_attention_kernel(
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LOOP: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    piece0 = tl.program_id(2)  # this program's first piece
+    piece = tl.program_id(2)
     b = pid // num_m_tiles
     m_tile = pid % num_m_tiles
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,7 +108,7 @@ def _paged_attention_kernel(
         # a long one as few long ones; a piece holds at least min_blocks blocks (fewer, longer pieces where
         # short ones would only add partials and merges).
         split_len = tl.maximum(tl.cdiv(kv_len, num_splits * BLOCK_N), min_blocks) * BLOCK_N
-    start = piece0 * split_len
+    start = piece * split_len
     end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
     if SPLIT:
         end = tl.minimum(start + split_len, kv_len)
@@ -148,30 +147,14 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q = q.to(DOT_DTYPE)
-    if LOOP:
-        # Fewer programs than pieces (AttentionConfig.programs): this program takes the pieces piece0, piece0 + Z,
-        # ... in turn, each computed and merged as if it had its own program (the same bits). A separate path:
-        # the loop around the piece costs registers (96 -> 124 at head dim 64) where it is not needed.
-        for piece in range(piece0, num_splits, tl.num_programs(2)):
-            start = piece * split_len
-            end = tl.minimum(start + split_len, kv_len)
-            if start < kv_len:
-                _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len,
-                              split_len, fresh, j, j_ok, old, page, off, k, v,
-                              k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                              t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
-                              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
-                              stride_ob, stride_ot, stride_oh,
-                              BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, 0)
-    else:
-        if start < kv_len:
-            _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece0, start, end, kv_len, split_len,
-                          fresh, j, j_ok, old, page, off, k, v,
-                          k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                          t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
-                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
-                          stride_ob, stride_ot, stride_oh,
-                          BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+    if start < kv_len:
+        _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
+                      fresh, j, j_ok, old, page, off, k, v,
+                      k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                      t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
+                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
+                      stride_ob, stride_ot, stride_oh,
+                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
 
 
 @triton.jit
@@ -186,7 +169,7 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                   PREFETCH: tl.constexpr):
     """One piece of keys ``start .. end`` of a tile: the online softmax over its blocks, then its output (one
     live piece) or its partials and, for the last piece of the tile to arrive, the merge. ``PREFETCH == 1``: the
-    first block's ``page, off, k, v`` were read before the wait (one piece per program then)."""
+    first block's ``page, off, k, v`` were read before the wait."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -314,10 +297,7 @@ class AttentionConfig:
     reads before the programmatic wait (no bit of the result changes) -- 0 nothing, 1 its first block's page ids
     and K / V in registers (the keys of earlier steps; 32 more registers at head dim 64), 2 its first
     ``PREFETCH_BLOCKS`` blocks brought to L2, -1 by the grid (1 while it fits at the register form's occupancy,
-    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. ``programs`` (``gN``, decode tiles): at most that
-    many programs per tile along the sequence, each taking the pieces ``z, z + N, ...`` in turn (the same pieces,
-    so the same bits; fewer programs exiting at once past a short row's pieces). Prefill tiles keep 64 keys and
-    4 warps."""
+    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. Prefill tiles keep 64 keys and 4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -325,7 +305,6 @@ class AttentionConfig:
     pieces: int = 16
     min_blocks: int = 1
     prefetch: int = 0
-    programs: int = 0
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -339,8 +318,6 @@ class AttentionConfig:
                              f"{self.pieces}")
         if not 1 <= self.min_blocks <= 64:
             raise ValueError(f"AttentionConfig.min_blocks must be in 1..64, got {self.min_blocks}")
-        if not 0 <= self.programs <= 256:
-            raise ValueError(f"AttentionConfig.programs must be in 0..256 (0: one per piece), got {self.programs}")
         if self.prefetch not in (-1, 0, 1, 2):
             raise ValueError(f"AttentionConfig.prefetch must be -1 (auto), 0 (none), 1 (registers) or 2 (L2), got "
                              f"{self.prefetch}")
@@ -350,16 +327,16 @@ class AttentionConfig:
         """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
         import re
 
-        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?(?:g(\d+))?)([rla]?)", text.strip())
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)", text.strip())
         if hit is None:
             raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
-        n, w, st, p, mb, g, pf = hit.groups()
-        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "), int(g or 0))
+        n, w, st, p, mb, pf = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "))
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
                 + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "")
-                + (f"g{self.programs}" if self.pieces and self.programs else "") + " rla"[self.prefetch].strip())
+                + " rla"[self.prefetch].strip())
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
@@ -374,8 +351,7 @@ DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, 
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
                      AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, prefetch=1),
                      AttentionConfig(64, 4, 2, 32, prefetch=2), AttentionConfig(64, 4, 2, 8, prefetch=2),
-                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1),
-                     AttentionConfig(64, 4, 2, 32, prefetch=2, programs=8))
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -489,15 +465,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # The first block's prefetch overlaps the previous kernel only under programmatic launch (without it the
     # extra registers cost occupancy for nothing); the interpreter runs the register form so the CPU tests cover
     # its reads. Split tiles only (a prefill tile sees only some of the step's positions).
-    grid_z = min(splits, cfg.programs) if row_pieces and splits > 1 and cfg.programs else splits
     prefetch = cfg.prefetch
     if prefetch < 0:
         # Auto: the prefetch changes when keys are read, never a bit of the result, so it may follow the grid: in
         # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        prefetch = 1 if b * m_tiles * kvh * grid_z <= REGISTER_PREFETCH_PER_SM * sms else 2
-    if prefetch == 1 and (grid_z < splits or block_m * block_d > REGISTER_PREFETCH_MAX_TILE):
-        prefetch = 2  # the register form: one piece per program, and a query tile small enough to hold a block too
+        prefetch = 1 if b * m_tiles * kvh * splits <= REGISTER_PREFETCH_PER_SM * sms else 2
+    if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
+        prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
@@ -506,7 +481,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         part_o = part_lse = out
         counters = page_table
-    _paged_attention_kernel[(b * m_tiles, kvh, grid_z)](
+    _paged_attention_kernel[(b * m_tiles, kvh, splits)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
         cfg.min_blocks, float(scale) * _LOG2E,
@@ -518,7 +493,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, LOOP=grid_z < splits,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

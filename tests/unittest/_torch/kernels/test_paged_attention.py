@@ -182,21 +182,20 @@ def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     assert torch.equal(out2[0], out[2]) and torch.equal(out2[1], out[0])
 
 
-def test_prefetch_and_fewer_programs_change_no_bit():
+def test_prefetch_changes_no_bit():
     """The first block read early (AttentionConfig.prefetch): keys of earlier steps before the wait, the step's own
-    keys (at or past the first query position) after it; and fewer programs per tile, each taking several pieces
-    in turn (AttentionConfig.programs) -- the same bits as one program per piece reading every key in its loop,
-    for decode and verify tiles whose first block holds the step's keys or not."""
+    keys (at or past the first query position) after it -- the same bits as reading every key in the loop, for
+    decode and verify tiles whose first block holds the step's keys or not."""
     page, max_pages = 8, 24
     for t in (1, 3):
         q, kp, vp, table, slots, pos = make_case(b=3, t=t, page_size=page, max_pages=max_pages, lens=[190, 64, 2])
-        cfgs = [AttentionConfig(32, 4, 2, 6, prefetch=p, programs=g) for p, g in ((0, 0), (1, 0), (-1, 0), (0, 2))]
+        cfgs = [AttentionConfig(32, 4, 2, 6, prefetch=p) for p in (0, 1, -1)]
         outs = [paged_attention(q, kp, vp, table, slots, pos, 0.25, config=c) for c in cfgs]
         for o in outs[1:]:
             assert torch.equal(outs[0], o)
     assert tile_counters(q.device, 1).count_nonzero() == 0
     assert AttentionConfig.parse("n64w4s2p32a").prefetch == -1
-    assert AttentionConfig.parse("n64w4s2p32g8l") == AttentionConfig(64, 4, 2, 32, prefetch=2, programs=8)
+    assert AttentionConfig.parse("n64w4s2p32m2l") == AttentionConfig(64, 4, 2, 32, 2, prefetch=2)
 
 
 def test_padded_rows_and_masked_queries_are_finite():
