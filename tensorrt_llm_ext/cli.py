@@ -378,9 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "test-list":
         head, pytest_args = _split_test_list_args(argv[1:])
         argv = ["test-list", *head]
-    # Only the named subcommand's options are built (an unknown name: every one, for argparse's error).
-    known = argv[0] in ("generate", "serve", "export", "import-gguf", "train-drafter", "info", "test-list")
-    parser = build_parser(argv[0] if known else None)
+    # Only the named subcommand's options are built (another name is argparse's error either way).
+    parser = build_parser(argv[0])
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     saved = dict(DECODE_CONFIGS)
     try:
         if forced is not None:
-            DECODE_CONFIGS.update({d: forced for d in (*DECODE_CONFIGS, 64, 128)})
+            DECODE_CONFIGS.update(dict.fromkeys(DECODE_CONFIGS, forced))
         return _run(args, sizes, contexts, shapes, spec, cuda)
     finally:
         DECODE_CONFIGS.clear()
