@@ -5,14 +5,23 @@ shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short dev
 
     python3 scripts/drafter_throughput.py OUT_DIR [--prompt-file .gpu_data/prompts.jsonl.gz] [--old-data PATH]
         [--train "bs=16,anchors=128,loss=eager,attention=eager,teacher=paged" ...] [--gen-batches 256 1024]
+        [--serve "layers=5,latent=512,targets=1/7/14/21/27/29" ...] [--max-turns 3]
 
-``--train`` keys: bs, anchors, layers, steps; loss = eager (autograd over [N, V]) | fused (chunked; the Triton row
-kernel on CUDA) | kernel | torch (chunked, the per-row passes in torch ops); attention = sdpa | eager; teacher =
-dense | paged.
+``--train`` keys: bs, anchors, layers, latent (the context latent width d_c), targets (captured target layers,
+``/``-separated), steps; loss = eager (autograd over [N, V]) | fused (chunked; the Triton row kernel on CUDA) | kernel
+| torch (chunked, the per-row passes in torch ops); attention = sdpa | eager; teacher = dense | paged.
 
-Prompt lengths come from the prompt file's first user turns (~3.6 characters per token, + 12 tokens of chat
-template); the ids are seeded random tokens (a random-weight target reads any ids alike). Each answer's length is
-drawn uniformly from [max_new_tokens / 4, max_new_tokens] (the real answers stop at EOS at varied lengths).
+``--serve`` (CUDA): what a drafter of that shape costs per decode step when served -- the context projection of the
+step's accepted positions (B x (K + 1) rows: fc, hidden_norm, every layer's latent), the block decode
+(``DSparkDrafter.forward_block``, the fused block attention) and the LM head over the block, timed under CUDA-graph
+replay at each ``--serve-batches`` B with ``--serve-ctx`` context positions per request (the Markov chain does not
+depend on these shapes).
+
+Prompt lengths come from the prompt file's conversations (~3.6 characters per token, + 12 tokens of chat template per
+message): the prompt of the i-th conversation is its first user turn, or with ``--max-turns N`` a user turn drawn
+among its first N with the messages before it (as ``train-drafter --max-turns`` renders them; capped at 768 tokens);
+the ids are seeded random tokens (a random-weight target reads any ids alike). Each answer's length is drawn
+uniformly from [max_new_tokens / 4, max_new_tokens] (the real answers stop at EOS at varied lengths).
 ``--old-data``: a data.py of an earlier version whose ``regenerate`` is measured beside this one's.
 Results: OUT_DIR/throughput.json and a log line per measurement.
 """
@@ -44,7 +53,9 @@ def log(out: Path, results: dict, key: str, value) -> None:
     (out / "throughput.json").write_text(json.dumps(results, indent=1))
 
 
-def prompt_lengths(path: str | None, n: int, seed: int) -> list[int]:
+def prompt_lengths(path: str | None, n: int, seed: int, max_turns: int = 1) -> list[int]:
+    """Estimated prompt lengths in tokens (module docstring): the first user turn of each training conversation, or
+    a user turn drawn among its first ``max_turns`` with the messages before it."""
     rng = random.Random(seed)
     if path and Path(path).is_file():
         out = []
@@ -53,9 +64,11 @@ def prompt_lengths(path: str | None, n: int, seed: int) -> list[int]:
                 r = json.loads(line)
                 if r.get("set", "train") != "train":
                     continue
-                user = [m for m in r.get("messages", []) if m.get("role") == "user"]
-                if user:
-                    out.append(min(768, 12 + max(1, int(len(user[0]["content"]) / 3.6))))
+                msgs = r.get("messages", [])
+                turns = [i for i, m in enumerate(msgs) if m.get("role") == "user"][:max_turns]
+                if turns:
+                    end = turns[rng.randrange(len(turns))]
+                    out.append(min(768, sum(12 + max(1, int(len(m["content"]) / 3.6)) for m in msgs[:end + 1])))
                 if len(out) >= n:
                     break
         if out:
@@ -77,12 +90,18 @@ def train_configs(specs: list[str]) -> list[dict]:
     out = []
     for spec in specs:
         c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": "sdpa", "teacher": "dense", "layers": 3,
-             "steps": 6}
+             "latent": 256, "targets": "1/7/14/21/27", "steps": 6}
         for kv in spec.split(","):
             k, v = kv.split("=")
-            c[k] = v if k in ("loss", "attention", "teacher") else int(v)
+            if k not in c:
+                raise ValueError(f"--train/--serve: unknown key {k!r} in {spec!r}; expected one of {sorted(c)}")
+            c[k] = v if k in ("loss", "attention", "teacher", "targets") else int(v)
         out.append(c)
     return out
+
+
+def _targets(cfg: dict, tiny: bool) -> str:
+    return "0,1" if tiny else cfg["targets"].replace("/", ",")
 
 
 def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
@@ -90,8 +109,8 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
     from tensorrt_llm_ext.training import trainer
 
     tiny = device.type == "cpu"
-    tc = trainer.TrainConfig(num_layers=cfg["layers"], latent_dim=256, markov_rank=16 if tiny else 256,
-                             target_layers="0,1" if tiny else "1,7,14,21,27",
+    tc = trainer.TrainConfig(num_layers=cfg["layers"], latent_dim=cfg["latent"], markov_rank=16 if tiny else 256,
+                             target_layers=_targets(cfg, tiny),
                              tv_weight=1.8, ce_weight=0.1, position_decay=0.7788, batch_seqs=cfg["bs"],
                              anchors=cfg["anchors"], draft_len=7, lr=1e-3, steps=100000)
     dcfg, layers = trainer.drafter_config(model_dir, tc)
@@ -157,6 +176,57 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
     return out
 
 
+def measure_serving(model_dir: Path, cfg: dict, batches: list[int], ctx: int, device) -> dict:
+    """Microseconds per decode step of a drafter of ``cfg``'s shape (module docstring), random weights, K = 7."""
+    import torch.nn.functional as F
+
+    from tensorrt_llm_ext.bench.harness import BenchTimer
+    from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
+    from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, generate_full_state_dict
+    from tensorrt_llm_ext.training import trainer
+
+    tiny = device.type == "cpu"
+    tc = trainer.TrainConfig(num_layers=cfg["layers"], latent_dim=cfg["latent"], markov_rank=16 if tiny else 256,
+                             target_layers=_targets(cfg, tiny))
+    dcfg, _ = trainer.drafter_config(model_dir, tc)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    drafter = DSparkDrafter(dcfg, dtype=dtype, device=device)
+    drafter.load_full_state_dict(generate_full_state_dict(dcfg, 0, dtype, device=device))
+    g = torch.Generator(device=device).manual_seed(0)
+    lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, generator=g, device=device, dtype=dtype) * 0.02
+    timer = BenchTimer(device)
+    k, page = 7, 64
+    out = {**{key: cfg[key] for key in ("layers", "latent", "targets")}, "ctx": ctx}
+    for b in batches:
+        pages_per_row = -(-(ctx + k) // page)
+        table = torch.arange(b * pages_per_row, dtype=torch.int32, device=device).view(b, pages_per_row)
+        pool = torch.randn(dcfg.num_layers, b * pages_per_row + 1, page, dcfg.latent_dim, generator=g,
+                           device=device).to(dtype)
+        pos = (ctx + torch.arange(k, device=device)).expand(b, k).to(torch.int32)
+        placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
+                                        torch.full((b,), ctx, dtype=torch.int32, device=device),
+                                        torch.full((b,), ctx + k, dtype=torch.int32, device=device))
+        ids = torch.full((b, k), dcfg.mask_token_id, dtype=torch.long, device=device)
+        inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=device), placement,
+                                    PagedLatentCache(pool, table))
+        feats = torch.randn(b * (k + 1), dcfg.fc_in_features, generator=g, device=device).to(dtype)
+
+        def block():
+            return F.linear(drafter.forward_block(inputs), lm_head)
+
+        def step():
+            drafter.compute_context_latents(feats)
+            return block()
+
+        with torch.no_grad():
+            out[f"B{b}_step_us"] = round(timer.time_graph([step]), 1)
+            out[f"B{b}_block_us"] = round(timer.time_graph([block]), 1)
+    del drafter, pool
+    if not tiny:
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -164,6 +234,10 @@ def main() -> int:
     ap.add_argument("--old-data", default=None)
     ap.add_argument("--train", nargs="*", default=[])
     ap.add_argument("--train-seqs", type=int, default=2048)
+    ap.add_argument("--max-turns", type=int, default=1, help="prompt lengths of up to N user turns (docstring)")
+    ap.add_argument("--serve", nargs="*", default=[], help="drafter shapes timed as served (docstring)")
+    ap.add_argument("--serve-batches", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--serve-ctx", type=int, default=512)
     ap.add_argument("--gen-prompts", type=int, default=1024)
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--gen-batches", type=int, nargs="*", default=[])
@@ -187,7 +261,7 @@ def main() -> int:
     log(out, results, "build_s", round(time.time() - t0, 1))
 
     # training: synthetic sequences of the prompt file's prompt lengths + 256 answer tokens
-    lens_p = prompt_lengths(a.prompt_file, a.train_seqs, 0)
+    lens_p = prompt_lengths(a.prompt_file, a.train_seqs, 0, a.max_turns)
     if a.tiny:
         lens_p = [min(n, 40) for n in lens_p]
     g = torch.Generator().manual_seed(0)
@@ -204,6 +278,11 @@ def main() -> int:
         except Exception as e:  # an out-of-memory configuration is a result too
             log(out, results, f"train_{i}", {**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             torch.cuda.empty_cache()
+    for i, cfg in enumerate(train_configs(a.serve)):
+        try:
+            log(out, results, f"serve_{i}", measure_serving(model_dir, cfg, a.serve_batches, a.serve_ctx, device))
+        except Exception as e:
+            log(out, results, f"serve_{i}", {**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
 
     # generation: the prompt file's lengths, answers of varied length
     if a.gen_batches or a.old_gen_batch:

@@ -28,12 +28,14 @@ TINY_TRAIN = ["--num-prompts", "16", "--max-new-tokens", "20", "--gen-batch", "8
               "--lr", "3e-3", "--warmup", "2", "--markov-rank", "8", "--no-progress"]
 
 
-@pytest.mark.parametrize("backend", ["eager", "fused"])
-def test_training_forward_equals_the_serving_drafter(backend):
+@pytest.mark.parametrize("backend,latent", [("eager", 12), ("fused", 12), ("fused", 512)],
+                         ids=["eager", "fused", "fused_wide"])
+def test_training_forward_equals_the_serving_drafter(backend, latent):
     """block_logits (many anchors in one pass, teacher-forced Markov chain) == for each anchor the serving
-    drafter's forward_block over a paged context of the positions before it + LM head + Markov bias."""
+    drafter's forward_block over a paged context of the positions before it + LM head + Markov bias.
+    ``fused_wide``: recipe 6's 512-wide context latent (the fused kernel's latent tile at 512, as served)."""
     cfg = DSparkDrafterConfig(hidden_size=24, target_hidden_size=24, num_capture_layers=2, num_layers=2,
-                              num_heads=3, head_dim=8, latent_dim=12, intermediate_size=40, vocab_size=53,
+                              num_heads=3, head_dim=8, latent_dim=latent, intermediate_size=40, vocab_size=53,
                               markov_rank=6, mask_token_id=52)
     sd = generate_full_state_dict(cfg, 5, torch.float32)
     g = torch.Generator().manual_seed(0)
