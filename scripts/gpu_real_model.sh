@@ -143,11 +143,12 @@ train() {
     echo "train: $MODEL/dspark_drafter is recipe $RECIPE's, complete ($TRAIN_STEPS steps); skipped" | tee -a "$OUT/train.log"
     return 0
   fi
-  # a work folder per recipe: another recipe's checkpoint (other knobs) on a warm machine is never resumed
+  # a work folder per recipe: another recipe's checkpoint (other knobs) on a warm machine is never resumed; the
+  # recipe's mark is written only by a run that succeeded (a failed one leaves no mark beside an older drafter)
+  rm -f "$MODEL/dspark_drafter/recipe.txt"
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
     --work-dir "$WORK/drafter_work_recipe$RECIPE" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
-    2>&1 | tee -a "$OUT/train.log"
-  echo "$sig" > "$MODEL/dspark_drafter/recipe.txt" 2>/dev/null
+    2>&1 | tee -a "$OUT/train.log" && echo "$sig" > "$MODEL/dspark_drafter/recipe.txt"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
   return 0
 }

@@ -107,6 +107,9 @@ def test_train_drafter_lowers_the_loss_and_serves_losslessly(trained, capsys):
     assert len(calib["report_mean_confidence_calibrated"]) == 3
     meta = read_drafter_config(d / "dspark_drafter")  # the drafter loader's header checks
     assert meta["target_layer_ids"] == [0, 1] and meta["drafter"]["num_layers"] == 1
+    # recipe 6's inputs in miniature: the target's last layer (1 of 0..1) captured, the latent the full query width
+    dr = meta["drafter"]
+    assert dr["latent_dim"] == dr["num_heads"] * dr["head_dim"] == 16
     assert meta["markov_rank"] == 8  # a rank-r head (r != hidden 32): loads and serves losslessly below
     assert (d / "dspark_drafter_work" / "trainer_state.pt").is_file()
     # serve DIR finds DIR/dspark_drafter; the output equals the target's own decode
