@@ -120,8 +120,9 @@ elif [ "$RECIPE" = 6 ]; then
 # inputs raised, because recipe 5's drafter did not fit its own training batches (teacher-forced top-1 0.56 ... 0.39):
 # the paper's 5 drafter layers (recipe 5: 3), a 512-wide context latent per layer (= the 8 x 64 query width; recipe
 # 5: 256), and the target's last layer (29) captured beside 1, 7, 14, 21, 27 (the raw layer output, as the
-# serving forward captures it). Measured on the H200 with random weights at SmolLM2's shape: ~1.25x recipe 5's step
-# time, 27 GiB peak. TRAIN_SECONDS 450: prepare + train + the held-out estimate fit one 600-s call.
+# serving forward captures it). Measured on the H200 with random weights at SmolLM2's shape: 330 ms per step of 64 x
+# 256 blocks, ~1.28x recipe 5's (estimated), 27 GiB peak. TRAIN_SECONDS 450: prepare + train + the held-out estimate
+# fit one 600-s call (~510 s).
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
