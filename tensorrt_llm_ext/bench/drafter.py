@@ -43,7 +43,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=1e-6)
     p.add_argument("--attn-batch", default="1,8,32", help="block attention sweep: batch sizes")
     p.add_argument("--attn-ctx", type=int, default=1024, help="block attention sweep: context length per row")
-    p.add_argument("--attn-shape", default="8,64,256,7", help="heads,head_dim,latent_dim,K of the sweep")
+    p.add_argument("--attn-shape", nargs="+", default=["8,64,256,7"],
+                   help="heads,head_dim,latent_dim,K of the sweep (several: one table each, and the rows to paste "
+                        "keyed by latent width)")
+    p.add_argument("--attn-splits", default="1,2,4,8,16", help="block attention sweep: context split-K values")
+    p.add_argument("--attn-tiles", default="16,32,64", help="block attention sweep: block_n values")
+    p.add_argument("--attn-warps", default="4,8", help="block attention sweep: num_warps values")
     p.add_argument("--tables", default=",".join(_TABLES),
                    help=f"comma-separated subset of {','.join(_TABLES)} (attention alone: the schedule sweep)")
 
@@ -136,12 +141,13 @@ def _launch_table() -> None:
                  "for reading 1/tp of the fc weight."])
 
 
-def attention_sweep_schedules(smoke: bool) -> list[AttentionSchedule]:
+def attention_sweep_schedules(smoke: bool, tiles=(16, 32, 64), warps=(4, 8), splits=(1, 2, 4, 8, 16)
+                              ) -> list[AttentionSchedule]:
     """The block attention schedules the sweep times (every B): tile x warps x split-K (stages: Triton's)."""
     if smoke:
         return [AttentionSchedule(None, block_n=16), AttentionSchedule(None, block_n=16, split_k=2)]
     return [AttentionSchedule(None, block_n=bn, num_warps=w, split_k=sk)
-            for bn in (16, 32, 64) for w in (4, 8) for sk in (1, 2, 4, 8, 16)]
+            for bn in tiles for w in warps for sk in splits]
 
 
 def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtype, device, seed: int):
@@ -168,9 +174,7 @@ def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtyp
                 rope_theta=10000.0, scale=d ** -0.5)
 
 
-def attention_table_source(best: dict[int, AttentionSchedule]) -> str:
-    """``ATTENTION_SCHEDULES`` source from the fastest schedule per measured B: consecutive B with the same
-    winner share a row whose ``max_batch`` is the largest of them; the last row covers every larger B."""
+def _table_rows(best: dict[int, AttentionSchedule], max_latent: int | None) -> list[str]:
     rows: list[list] = []
     for b in sorted(best):
         s = best[b]
@@ -180,42 +184,66 @@ def attention_table_source(best: dict[int, AttentionSchedule]) -> str:
         else:
             rows.append([b, key])
     parts = []
+    lat = "" if max_latent is None else f", max_latent={max_latent}"
     for i, (b, (n, w, st, k)) in enumerate(rows):
         bound = "None" if i == len(rows) - 1 else str(b)
-        parts.append(f"AttentionSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, split_k={k})")
+        parts.append(f"AttentionSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, split_k={k}{lat})")
+    return parts
+
+
+def attention_table_source(best: dict) -> str:
+    """``ATTENTION_SCHEDULES`` source from the fastest schedule per measured B (``{B: schedule}``), or per latent
+    width and B (``{d_c: {B: schedule}}``): consecutive B with the same winner share a row whose ``max_batch`` is
+    the largest of them; per latent width the last row covers every larger B (``max_latent`` = that width; the
+    widest width's rows have none, so they cover every wider latent too)."""
+    groups = best if best and isinstance(next(iter(best.values())), dict) else {None: best}
+    widths = sorted(groups, key=lambda w: -1 if w is None else w)
+    parts: list[str] = []
+    for i, w in enumerate(widths):
+        last = i == len(widths) - 1
+        parts += _table_rows(groups[w], None if last else w)
     return f"ATTENTION_SCHEDULES = ({', '.join(parts)}{',' if len(parts) == 1 else ''})"
 
 
 def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: float) -> None:
-    heads, d, d_c, k = (int(x) for x in args.attn_shape.split(","))
-    batches = [int(x) for x in args.attn_batch.split(",")]
-    ctx = args.attn_ctx
-    if timer.smoke:
-        heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
-    dtype = torch.bfloat16
-    rows, best = [], {}
-    for b in batches:
-        case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
-        out = torch.empty_like(case["q"])
-        # Floor: the live context latents and both up-projections read once, the output written once.
-        nbytes = (b * ctx * d_c + 2 * heads * d * d_c + b * k * heads * d) * 2
-        fl = floor_us(nbytes, bandwidth)
-        t_eager = timer.time_graph([lambda: latent_block_attention_reference(**case, out=out)])
-        table_sched = attention_schedule(b)
-        for sched in [table_sched] + [x for x in attention_sweep_schedules(timer.smoke) if x != table_sched]:
-            latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
-            t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
-            if b not in best or t < best[b][1]:
-                best[b] = (sched, t)
-            rows.append([b, ctx, sched.describe(), "*" if sched == table_sched else "", fmt(t, 2), fmt(t_eager, 1),
-                         fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2), fmt(t / fl, 1) if t == t else "-"])
-    print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per layer)",
-                ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us", "fused/floor"],
-                rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine launch). "
-                       "* = the row of ATTENTION_SCHEDULES for B; fill it from the fastest per B. Goal: <= 10 us at "
-                       "B <= 8. Split-K changes the softmax sum order (within the twin's tolerance, not bitwise).",
-                       "to paste (kernels/latent_block_attention.py): "
-                       + attention_table_source({b: v[0] for b, v in best.items()})])
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    sweep = attention_sweep_schedules(timer.smoke, ints(args.attn_tiles), ints(args.attn_warps), ints(args.attn_splits))
+    best_by_latent: dict[int, dict[int, AttentionSchedule]] = {}
+    for shape in args.attn_shape:
+        heads, d, d_c, k = ints(shape)
+        batches = [int(x) for x in args.attn_batch.split(",")]
+        ctx = args.attn_ctx
+        if timer.smoke:
+            heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
+        dtype = torch.bfloat16
+        rows, best = [], {}
+        for b in batches:
+            case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
+            out = torch.empty_like(case["q"])
+            # Floor: the live context latents and both up-projections read once, the output written once.
+            nbytes = (b * ctx * d_c + 2 * heads * d * d_c + b * k * heads * d) * 2
+            fl = floor_us(nbytes, bandwidth)
+            t_eager = timer.time_graph([lambda: latent_block_attention_reference(**case, out=out)])
+            table_sched = attention_schedule(b, latent_dim=d_c)
+            same = lambda x, y: (x.block_n, x.num_warps, x.num_stages, x.split_k) == (  # noqa: E731
+                y.block_n, y.num_warps, y.num_stages, y.split_k)
+            for sched in [table_sched] + [x for x in sweep if not same(x, table_sched)]:
+                latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
+                t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
+                if b not in best or t < best[b][1]:
+                    best[b] = (sched, t)
+                rows.append([b, ctx, sched.describe(), "*" if same(sched, table_sched) else "", fmt(t, 2),
+                             fmt(t_eager, 1), fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2),
+                             fmt(t / fl, 1) if t == t else "-"])
+        best_by_latent.setdefault(d_c, {}).update({b: v[0] for b, v in best.items()})
+        print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per "
+                    "layer)", ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us",
+                               "fused/floor"],
+                    rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine "
+                           "launch). * = the row of ATTENTION_SCHEDULES for (B, latent); fill it from the fastest per "
+                           "B. Goal: <= 10 us at B <= 8. Split-K changes the softmax sum order (within the twin's "
+                           "tolerance, not bitwise)."])
+    print("to paste (kernels/latent_block_attention.py): " + attention_table_source(best_by_latent), flush=True)
 
 
 @register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",

@@ -276,12 +276,15 @@ class AttentionSchedule:
     num_warps: int | None = None
     num_stages: int | None = None
     split_k: int = 1
+    max_latent: int | None = None  # inclusive upper bound of the latent widths d_c this row covers; None: any
 
     def __post_init__(self):
         check_int("AttentionSchedule.block_n", self.block_n, lo=16, hi=1025)
         if self.block_n & (self.block_n - 1):
             raise ValueError(f"AttentionSchedule.block_n: expected a power of two, got {self.block_n}")
         check_int("AttentionSchedule.split_k", self.split_k, lo=1, hi=257)
+        if self.max_latent is not None:
+            check_int("AttentionSchedule.max_latent", self.max_latent, lo=1)
         for name in ("num_warps", "num_stages"):
             if getattr(self, name) is not None:
                 check_int(f"AttentionSchedule.{name}", getattr(self, name), lo=1, hi=17)
@@ -290,17 +293,22 @@ class AttentionSchedule:
         return (f"n{self.block_n}/w{self.num_warps or 'auto'}/s{self.num_stages or 'auto'}/k{self.split_k}")
 
 
-# Per-B schedule (the first row whose max_batch >= B). Not measured yet: the H200 sweep (`trtllm-ext bench
-# drafter --tables attention`, which prints the rows to paste) has not been run since split-K exists, so the one row is the schedule the kernel always had
-# (32-position tiles, default warps/stages, no split) until the sweep's rows say otherwise.
+# Per-(B, d_c) schedule: the first row whose max_batch >= B and max_latent >= d_c. Not measured yet: the H200
+# sweep (`trtllm-ext bench drafter --tables attention`, which prints the rows to paste) has not been run since
+# split-K exists, so the one row is the schedule the kernel always had (32-position tiles, default warps/stages,
+# no split) until the sweep's rows say otherwise.
 ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (AttentionSchedule(None),)
 
 
-def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...] = ATTENTION_SCHEDULES
-                       ) -> AttentionSchedule:
-    """The row of ``schedules`` that covers ``batch_size`` (the last row covers every larger B)."""
+def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...] | None = None,
+                       latent_dim: int | None = None) -> AttentionSchedule:
+    """The row of ``schedules`` (default :data:`ATTENTION_SCHEDULES`, read at call time) that covers
+    ``batch_size`` and ``latent_dim`` (None: any row's latent bound); the last row covers everything else."""
+    if schedules is None:
+        schedules = ATTENTION_SCHEDULES
     for sch in schedules:
-        if sch.max_batch is None or batch_size <= sch.max_batch:
+        if ((sch.max_batch is None or batch_size <= sch.max_batch) and
+                (latent_dim is None or sch.max_latent is None or latent_dim <= sch.max_latent)):
             return sch
     return schedules[-1]
 
@@ -357,7 +365,7 @@ def latent_block_attention(
         rope_theta, scale: RoPE base; softmax scale.
         out: optional ``[B, K, h, D]`` output in ``q``'s dtype (required inside a CUDA-graph capture).
         schedule: tile width, warps, stages and context split (default: the row of
-            :data:`ATTENTION_SCHEDULES` for B). Results depend on it only by rounding (the online softmax
+            :data:`ATTENTION_SCHEDULES` for B and d_c). Results depend on it only by rounding (the online softmax
             sums in tile and split order); the block-latent store never does.
 
     Returns ``out``. One launch (two with ``split_k > 1``: the splits, then their combine). CUDA-graph safe
@@ -366,7 +374,7 @@ def latent_block_attention(
     _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out)
     b, k, h, d = q.shape
     if schedule is None:
-        schedule = attention_schedule(b)
+        schedule = attention_schedule(b, latent_dim=pool_layer.shape[2])
     elif not isinstance(schedule, AttentionSchedule):
         raise ValueError(f"schedule: expected an AttentionSchedule, got {type(schedule).__name__}")
     block_n = schedule.block_n
