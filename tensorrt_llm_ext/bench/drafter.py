@@ -243,7 +243,8 @@ def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: flo
                            "launch). * = the row of ATTENTION_SCHEDULES for (B, latent); fill it from the fastest per "
                            "B. Goal: <= 10 us at B <= 8. Split-K changes the softmax sum order (within the twin's "
                            "tolerance, not bitwise)."])
-    print("to paste (kernels/latent_block_attention.py): " + attention_table_source(best_by_latent), flush=True)
+        # After every shape (the widths so far): a run cut short still leaves the rows it measured.
+        print("to paste (kernels/latent_block_attention.py): " + attention_table_source(best_by_latent), flush=True)
 
 
 @register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",
