@@ -11,6 +11,11 @@
    warps, stages, context split-K), against the eager twin and the HBM floor (the live context latents
    read once), so :data:`~tensorrt_llm_ext.kernels.latent_block_attention.ATTENTION_SCHEDULES` can be
    filled from one H200 run.
+5. The served drafter step (``--tables serve``): per drafter shape and B, the context projection of the step's
+   ``B x (K + 1)`` accepted rows plus the block decode (:meth:`DSparkDrafter.compute_context_latents` +
+   :meth:`DSparkDrafter.forward_block`, the LM head excluded), under CUDA-graph replay, three ways: the unfused
+   layers with the unsplit attention (the path before the fused layers and the swept table), the unfused
+   layers with :data:`ATTENTION_SCHEDULES`, and the fused layers with it (the served default on CUDA).
 
 On CPU it runs a smoke pass (tiny sizes, timings meaningless).
 """
@@ -18,22 +23,25 @@ On CPU it runs a smoke pass (tiny sizes, timings meaningless).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
-from tensorrt_llm_ext.contract import DraftBlockPlacement
+import tensorrt_llm_ext.kernels.latent_block_attention as lba
+from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 from tensorrt_llm_ext.kernels.common import triton_runs_on
 from tensorrt_llm_ext.kernels.latent_block_attention import (AttentionSchedule, attention_schedule,
                                                              latent_block_attention, latent_block_attention_reference)
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterNoFusion, resolve_drafter_tp_plan
+from tensorrt_llm_ext.models.dspark_drafter import (DSparkDrafter, DSparkDrafterConfig, DSparkDrafterNoFusion,
+                                                    generate_full_state_dict, resolve_drafter_tp_plan)
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 
 KIMI_K3_FC = (7168, 35840)  # [H, n_cap * H_t]
-_TABLES = ("fc", "norm", "launches", "attention")
+_TABLES = ("fc", "norm", "launches", "attention", "serve")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -49,8 +57,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-splits", default="1,2,4,8,16", help="block attention sweep: context split-K values")
     p.add_argument("--attn-tiles", default="16,32,64", help="block attention sweep: block_n values")
     p.add_argument("--attn-warps", default="4,8", help="block attention sweep: num_warps values")
-    p.add_argument("--tables", default=",".join(_TABLES),
-                   help=f"comma-separated subset of {','.join(_TABLES)} (attention alone: the schedule sweep)")
+    p.add_argument("--serve-shape", nargs="+", default=["5,256", "5,512"],
+                   help="served step: drafter layers,latent_dim (SmolLM2-135M's target: hidden 576, 8 heads x 64, "
+                        "MLP 1536, 6 captured layers, vocabulary 49152)")
+    p.add_argument("--serve-batch", default="1,8,32", help="served step: batch sizes")
+    p.add_argument("--serve-ctx", type=int, default=512, help="served step: context positions per request")
+    p.add_argument("--tables", default=",".join(_TABLES[:-1]),
+                   help=f"comma-separated subset of {','.join(_TABLES)} (default: all but serve; attention alone: "
+                        "the schedule sweep)")
 
 
 def fc_bytes_per_rank(cls, tp: int, hidden: int = KIMI_K3_FC[0], in_features: int = KIMI_K3_FC[1],
@@ -247,11 +261,79 @@ def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: flo
         print("to paste (kernels/latent_block_attention.py): " + attention_table_source(best_by_latent), flush=True)
 
 
+@contextlib.contextmanager
+def _attention_schedules(table):
+    """Swap :data:`ATTENTION_SCHEDULES` (read at each call) for one column of the served-step table."""
+    saved = lba.ATTENTION_SCHEDULES
+    lba.ATTENTION_SCHEDULES = table
+    try:
+        yield
+    finally:
+        lba.ATTENTION_SCHEDULES = saved
+
+
+def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
+    dev, k, page = timer.device, 7, 64
+    dtype = torch.float32 if timer.smoke else torch.bfloat16
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.serve_shape]
+    batches, ctx = [int(x) for x in args.serve_batch.split(",")], args.serve_ctx
+    if timer.smoke:
+        shapes, batches, ctx = shapes[:1], batches[:1], 8
+    fast = BenchTimer(dev, reps=7, calls_per_rep=8)  # 36 graphs of up to ~1 ms calls: keep the run short
+    columns = [("eager layers, unsplit attention", "eager", (AttentionSchedule(None),)),
+               ("eager layers, table", "eager", None), ("fused layers, table", "fused", None)]
+    if not triton_runs_on(torch.empty(0, device=dev)):
+        columns = columns[:2]
+    if timer.smoke:  # one column (the served path) keeps the CPU smoke run cheap
+        columns = columns[-1:]
+    rows = []
+    for layers, d_c in shapes:
+        cfg = (DSparkDrafterConfig(num_layers=1) if timer.smoke else DSparkDrafterConfig(
+            hidden_size=576, target_hidden_size=576, num_capture_layers=6, num_layers=layers, num_heads=8,
+            head_dim=64, latent_dim=d_c, intermediate_size=1536, vocab_size=49152, markov_rank=256,
+            mask_token_id=49151, rms_norm_eps=1e-5))
+        drafter = DSparkDrafter(cfg, dtype=dtype, device=dev, layer_backend="eager")
+        drafter.load_full_state_dict(generate_full_state_dict(cfg, 0, dtype, device=dev))
+        g = torch.Generator(device=dev).manual_seed(0)
+        for b in batches:
+            pages_per_row = -(-(ctx + k) // page)
+            table = torch.arange(b * pages_per_row, dtype=torch.int32, device=dev).view(b, pages_per_row)
+            pool = torch.randn(*drafter.latent_pool_shape(b * pages_per_row + 1, page), generator=g, device=dev).to(dtype)
+            pos = (ctx + torch.arange(k, device=dev)).expand(b, k).to(torch.int32)
+            placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
+                                            torch.full((b,), ctx, dtype=torch.int32, device=dev),
+                                            torch.full((b,), ctx + k, dtype=torch.int32, device=dev))
+            ids = torch.full((b, k), cfg.mask_token_id, dtype=torch.long, device=dev)
+            inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=dev), placement,
+                                        PagedLatentCache(pool, table))
+            feats = torch.randn(b * (k + 1), cfg.fc_in_features, generator=g, device=dev).to(dtype)
+            times = []
+            for _, backend, sched in columns:
+                drafter.set_layer_backend(backend)
+                with _attention_schedules(sched or lba.ATTENTION_SCHEDULES), torch.no_grad():
+                    t_block = float("nan") if timer.smoke else fast.time_graph([lambda: drafter.forward_block(inputs)])
+                    t_step = fast.time_graph([lambda: (drafter.compute_context_latents(feats),
+                                                       drafter.forward_block(inputs))])
+                times.append((t_step, t_block))
+            row = [cfg.num_layers, cfg.latent_dim, b, ctx]
+            for t_step, t_block in times:
+                row += [fmt(t_step, 1), fmt(t_block / cfg.num_layers, 1)]
+            rows.append(row + [fmt(times[0][0] / times[-1][0], 2) if times[-1][0] == times[-1][0] else "-"])
+        del drafter, pool
+    heads = []
+    for name, _, _ in columns:
+        heads += [f"{name}: step us", "block us/layer"]
+    print_table("Served drafter step (context projection of B x (K + 1) rows + block decode, K 7, LM head excluded; "
+                "SmolLM2-135M target shape, random weights)", ["layers", "latent", "B", "ctx"] + heads + ["speed-up"],
+                rows, ["block us/layer: forward_block over the layer count (its embedding and final norm included). "
+                       "speed-up: the first column's step over the last's."])
+
+
 @register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> None:
     timer = BenchTimer()
-    tables = set(getattr(args, "tables", ",".join(_TABLES)).split(","))
+    tables = set(getattr(args, "tables", ",".join(_TABLES[:-1])).split(","))
     if not tables <= set(_TABLES):
         raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
     bandwidth = measure_copy_bandwidth(timer.device)
@@ -263,6 +345,8 @@ def run(args: argparse.Namespace) -> None:
         _launch_table()
     if "attention" in tables:
         _attention_table(args, timer, bandwidth)
+    if "serve" in tables:
+        _serve_table(args, timer)
 
 
 def main(argv: list[str] | None = None) -> None:

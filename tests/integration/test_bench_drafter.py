@@ -22,6 +22,9 @@ def test_bench_fc_bytes_per_rank_and_smoke(capsys):
         main(["--tables", "attention"])  # the sweep alone
         out = capsys.readouterr().out
         assert "Drafter block attention schedules" in out and "fc weight" not in out
+        main(["--tables", "serve"])  # the served step, its fused column only in the smoke run
+        out = capsys.readouterr().out
+        assert "Served drafter step" in out and "fused layers, table: step us" in out
 
 
 def test_bench_drafter_attention_rows_to_paste():
