@@ -298,7 +298,8 @@ def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
         for b in batches:
             pages_per_row = -(-(ctx + k) // page)
             table = torch.arange(b * pages_per_row, dtype=torch.int32, device=dev).view(b, pages_per_row)
-            pool = torch.randn(*drafter.latent_pool_shape(b * pages_per_row + 1, page), generator=g, device=dev).to(dtype)
+            pool_shape = drafter.latent_pool_shape(b * pages_per_row + 1, page)
+            pool = torch.randn(*pool_shape, generator=g, device=dev).to(dtype)
             pos = (ctx + torch.arange(k, device=dev)).expand(b, k).to(torch.int32)
             placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
                                             torch.full((b,), ctx, dtype=torch.int32, device=dev),

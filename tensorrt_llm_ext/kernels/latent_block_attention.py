@@ -122,9 +122,10 @@ def _latent_block_attention_kernel(
     SPLIT: tl.constexpr,
 ):
     # Grid (B, heads, splits). Split s attends context positions [s * split_len, (s + 1) * split_len) of
-    # the live context (split_len: the row's live tiles over the splits, whole tiles); the last split also attends the block's own latents (and stores them). Without
-    # SPLIT (one split) the program finishes the row itself; with it, each split writes its online-softmax
-    # state (m, l, acc) to part_ptr and _latent_block_attention_combine_kernel merges them.
+    # the live context (split_len: the row's live tiles over the splits, whole tiles); the last split also
+    # attends the block's own latents (and stores them). Without SPLIT (one split) the program finishes the
+    # row itself; with it, each split writes its online-softmax state (m, l, acc) to part_ptr and
+    # _latent_block_attention_combine_kernel merges them.
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
     sp = tl.program_id(2)
