@@ -430,6 +430,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             self.markov_w1.copy_(state_dict["markov_w1"])
             self.markov_w2.zero_()
             self.markov_w2[: self.config.vocab_size].copy_(state_dict["markov_w2"])
+        if self._fused_weights is not None:  # graphs captured earlier read the concatenated copies: refresh now
+            self._layer_weights()
 
     def load_confidence_head(self, head: dict[str, torch.Tensor]) -> None:
         """Load the confidence head (names and shapes of :func:`confidence_head_shapes`, fp32, replicated on
@@ -595,22 +597,34 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
 
 
     def _layer_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(w_qc [h*D + d_c, H], w_gate_up [2I, H])``: cached, rebuilt (outside capture) when a source
-        weight's storage or version counter changed (a reload, an in-place update)."""
+        """Per layer ``(w_qc [h*D + d_c, H], w_gate_up [2I, H])``, cached. When a source weight's storage or version
+        counter changed (a reload, an in-place update) they are refreshed IN PLACE, so a captured graph that reads
+        them sees the new weights; allocated (outside capture) only the first time or when a shape changes."""
         d_c = self.config.latent_dim
         srcs = [self.kv_a_proj.weight]
         for layer in self.layers:
             srcs += [layer.self_attn.q_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
         key = tuple((w.data_ptr(), w._version) for w in srcs)
-        if self._fused_weights is None or self._fused_weights[0] != key:
-            refuse_allocation_while_capturing("DSparkDrafter fused layers (weight concatenation; run one step "
-                                              "before capture)", self.kv_a_proj.weight.device)
-            with torch.no_grad():
-                ws = [(torch.cat((layer.self_attn.q_proj.weight, self.kv_a_proj.weight[i * d_c:(i + 1) * d_c])),
-                       torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)))
-                      for i, layer in enumerate(self.layers)]
-            self._fused_weights = (key, ws)
-        return self._fused_weights[1]
+        if self._fused_weights is not None and self._fused_weights[0] == key:
+            return self._fused_weights[1]
+        parts = [((layer.self_attn.q_proj.weight, self.kv_a_proj.weight[i * d_c:(i + 1) * d_c]),
+                  (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)) for i, layer in enumerate(self.layers)]
+        with torch.no_grad():
+            old = self._fused_weights[1] if self._fused_weights is not None else None
+            if old is not None and all(w.shape[0] == a.shape[0] + b.shape[0] and w.shape[1:] == a.shape[1:]
+                                       and w.device == a.device and w.dtype == a.dtype
+                                       for pair, ws in zip(parts, old) for w, (a, b) in zip(ws, pair)):
+                for pair, ws in zip(parts, old):
+                    for w, (a, b) in zip(ws, pair):
+                        torch.cat((a, b), out=w)
+                ws_all = old
+            else:
+                refuse_allocation_while_capturing("DSparkDrafter fused layers (weight concatenation; run one step "
+                                                  "before capture)", self.kv_a_proj.weight.device)
+                ws_all = [tuple(torch.cat(pair) for pair in layer_parts) for layer_parts in parts]
+        # The key after the refresh (torch.cat(out=) bumps no source version).
+        self._fused_weights = (tuple((w.data_ptr(), w._version) for w in srcs), ws_all)
+        return ws_all
 
     def _forward_block_fused(self, inputs: DrafterBlockInputs) -> torch.Tensor:
         """:meth:`forward_block` in five launches per layer plus the attention (module docstring); one TP rank.
