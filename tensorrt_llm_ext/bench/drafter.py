@@ -11,6 +11,11 @@
    warps, stages, context split-K), against the eager twin and the HBM floor (the live context latents
    read once), so :data:`~tensorrt_llm_ext.kernels.latent_block_attention.ATTENTION_SCHEDULES` can be
    filled from one H200 run.
+5. The served drafter step (``--tables serve``): per drafter shape and B, the context projection of the step's
+   ``B x (K + 1)`` accepted rows plus the block decode (:meth:`DSparkDrafter.compute_context_latents` +
+   :meth:`DSparkDrafter.forward_block`, the LM head excluded), under CUDA-graph replay, three ways: the unfused
+   layers with the unsplit attention (the path before the fused layers and the swept table), the unfused
+   layers with :data:`ATTENTION_SCHEDULES`, and the fused layers with it (the served default on CUDA).
 
 On CPU it runs a smoke pass (tiny sizes, timings meaningless).
 """
@@ -18,22 +23,25 @@ On CPU it runs a smoke pass (tiny sizes, timings meaningless).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
-from tensorrt_llm_ext.contract import DraftBlockPlacement
+import tensorrt_llm_ext.kernels.latent_block_attention as lba
+from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 from tensorrt_llm_ext.kernels.common import triton_runs_on
 from tensorrt_llm_ext.kernels.latent_block_attention import (AttentionSchedule, attention_schedule,
                                                              latent_block_attention, latent_block_attention_reference)
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm, rms_norm_reference
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterNoFusion, resolve_drafter_tp_plan
+from tensorrt_llm_ext.models.dspark_drafter import (DSparkDrafter, DSparkDrafterConfig, DSparkDrafterNoFusion,
+                                                    generate_full_state_dict, resolve_drafter_tp_plan)
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode
 
 KIMI_K3_FC = (7168, 35840)  # [H, n_cap * H_t]
-_TABLES = ("fc", "norm", "launches", "attention")
+_TABLES = ("fc", "norm", "launches", "attention", "serve")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -43,9 +51,20 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=1e-6)
     p.add_argument("--attn-batch", default="1,8,32", help="block attention sweep: batch sizes")
     p.add_argument("--attn-ctx", type=int, default=1024, help="block attention sweep: context length per row")
-    p.add_argument("--attn-shape", default="8,64,256,7", help="heads,head_dim,latent_dim,K of the sweep")
-    p.add_argument("--tables", default=",".join(_TABLES),
-                   help=f"comma-separated subset of {','.join(_TABLES)} (attention alone: the schedule sweep)")
+    p.add_argument("--attn-shape", nargs="+", default=["8,64,256,7"],
+                   help="heads,head_dim,latent_dim,K of the sweep (several: one table each, and the rows to paste "
+                        "keyed by latent width)")
+    p.add_argument("--attn-splits", default="1,2,4,8,16", help="block attention sweep: context split-K values")
+    p.add_argument("--attn-tiles", default="16,32,64", help="block attention sweep: block_n values")
+    p.add_argument("--attn-warps", default="4,8", help="block attention sweep: num_warps values")
+    p.add_argument("--serve-shape", nargs="+", default=["5,256", "5,512"],
+                   help="served step: drafter layers,latent_dim (SmolLM2-135M's target: hidden 576, 8 heads x 64, "
+                        "MLP 1536, 6 captured layers, vocabulary 49152)")
+    p.add_argument("--serve-batch", default="1,8,32", help="served step: batch sizes")
+    p.add_argument("--serve-ctx", type=int, default=512, help="served step: context positions per request")
+    p.add_argument("--tables", default=",".join(_TABLES[:-1]),
+                   help=f"comma-separated subset of {','.join(_TABLES)} (default: all but serve; attention alone: "
+                        "the schedule sweep)")
 
 
 def fc_bytes_per_rank(cls, tp: int, hidden: int = KIMI_K3_FC[0], in_features: int = KIMI_K3_FC[1],
@@ -136,12 +155,13 @@ def _launch_table() -> None:
                  "for reading 1/tp of the fc weight."])
 
 
-def attention_sweep_schedules(smoke: bool) -> list[AttentionSchedule]:
+def attention_sweep_schedules(smoke: bool, tiles=(16, 32, 64), warps=(4, 8), splits=(1, 2, 4, 8, 16)
+                              ) -> list[AttentionSchedule]:
     """The block attention schedules the sweep times (every B): tile x warps x split-K (stages: Triton's)."""
     if smoke:
         return [AttentionSchedule(None, block_n=16), AttentionSchedule(None, block_n=16, split_k=2)]
     return [AttentionSchedule(None, block_n=bn, num_warps=w, split_k=sk)
-            for bn in (16, 32, 64) for w in (4, 8) for sk in (1, 2, 4, 8, 16)]
+            for bn in tiles for w in warps for sk in splits]
 
 
 def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtype, device, seed: int):
@@ -168,9 +188,7 @@ def _attention_case(b: int, ctx: int, heads: int, d: int, d_c: int, k: int, dtyp
                 rope_theta=10000.0, scale=d ** -0.5)
 
 
-def attention_table_source(best: dict[int, AttentionSchedule]) -> str:
-    """``ATTENTION_SCHEDULES`` source from the fastest schedule per measured B: consecutive B with the same
-    winner share a row whose ``max_batch`` is the largest of them; the last row covers every larger B."""
+def _table_rows(best: dict[int, AttentionSchedule], max_latent: int | None) -> list[str]:
     rows: list[list] = []
     for b in sorted(best):
         s = best[b]
@@ -180,49 +198,143 @@ def attention_table_source(best: dict[int, AttentionSchedule]) -> str:
         else:
             rows.append([b, key])
     parts = []
+    lat = "" if max_latent is None else f", max_latent={max_latent}"
     for i, (b, (n, w, st, k)) in enumerate(rows):
         bound = "None" if i == len(rows) - 1 else str(b)
-        parts.append(f"AttentionSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, split_k={k})")
+        parts.append(f"AttentionSchedule({bound}, block_n={n}, num_warps={w}, num_stages={st}, split_k={k}{lat})")
+    return parts
+
+
+def attention_table_source(best: dict) -> str:
+    """``ATTENTION_SCHEDULES`` source from the fastest schedule per measured B (``{B: schedule}``), or per latent
+    width and B (``{d_c: {B: schedule}}``): consecutive B with the same winner share a row whose ``max_batch`` is
+    the largest of them; per latent width the last row covers every larger B (``max_latent`` = that width; the
+    widest width's rows have none, so they cover every wider latent too)."""
+    groups = best if best and isinstance(next(iter(best.values())), dict) else {None: best}
+    widths = sorted(groups, key=lambda w: -1 if w is None else w)
+    parts: list[str] = []
+    for i, w in enumerate(widths):
+        last = i == len(widths) - 1
+        parts += _table_rows(groups[w], None if last else w)
     return f"ATTENTION_SCHEDULES = ({', '.join(parts)}{',' if len(parts) == 1 else ''})"
 
 
 def _attention_table(args: argparse.Namespace, timer: BenchTimer, bandwidth: float) -> None:
-    heads, d, d_c, k = (int(x) for x in args.attn_shape.split(","))
-    batches = [int(x) for x in args.attn_batch.split(",")]
-    ctx = args.attn_ctx
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    sweep = attention_sweep_schedules(timer.smoke, ints(args.attn_tiles), ints(args.attn_warps), ints(args.attn_splits))
+    best_by_latent: dict[int, dict[int, AttentionSchedule]] = {}
+    for shape in args.attn_shape:
+        heads, d, d_c, k = ints(shape)
+        batches = [int(x) for x in args.attn_batch.split(",")]
+        ctx = args.attn_ctx
+        if timer.smoke:
+            heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
+        dtype = torch.bfloat16
+        rows, best = [], {}
+        for b in batches:
+            case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
+            out = torch.empty_like(case["q"])
+            # Floor: the live context latents and both up-projections read once, the output written once.
+            nbytes = (b * ctx * d_c + 2 * heads * d * d_c + b * k * heads * d) * 2
+            fl = floor_us(nbytes, bandwidth)
+            t_eager = timer.time_graph([lambda: latent_block_attention_reference(**case, out=out)])
+            table_sched = attention_schedule(b, latent_dim=d_c)
+            same = lambda x, y: (x.block_n, x.num_warps, x.num_stages, x.split_k) == (  # noqa: E731
+                y.block_n, y.num_warps, y.num_stages, y.split_k)
+            for sched in [table_sched] + [x for x in sweep if not same(x, table_sched)]:
+                latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
+                t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
+                if b not in best or t < best[b][1]:
+                    best[b] = (sched, t)
+                rows.append([b, ctx, sched.describe(), "*" if same(sched, table_sched) else "", fmt(t, 2),
+                             fmt(t_eager, 1), fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2),
+                             fmt(t / fl, 1) if t == t else "-"])
+        best_by_latent.setdefault(d_c, {}).update({b: v[0] for b, v in best.items()})
+        print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per "
+                    "layer)", ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us",
+                               "fused/floor"],
+                    rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine "
+                           "launch). * = the row of ATTENTION_SCHEDULES for (B, latent); fill it from the fastest per "
+                           "B. Goal: <= 10 us at B <= 8. Split-K changes the softmax sum order (within the twin's "
+                           "tolerance, not bitwise)."])
+        # After every shape (the widths so far): a run cut short still leaves the rows it measured.
+        print("to paste (kernels/latent_block_attention.py): " + attention_table_source(best_by_latent), flush=True)
+
+
+@contextlib.contextmanager
+def _attention_schedules(table):
+    """Swap :data:`ATTENTION_SCHEDULES` (read at each call) for one column of the served-step table."""
+    saved = lba.ATTENTION_SCHEDULES
+    lba.ATTENTION_SCHEDULES = table
+    try:
+        yield
+    finally:
+        lba.ATTENTION_SCHEDULES = saved
+
+
+def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
+    dev, k, page = timer.device, 7, 64
+    dtype = torch.float32 if timer.smoke else torch.bfloat16
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.serve_shape]
+    batches, ctx = [int(x) for x in args.serve_batch.split(",")], args.serve_ctx
     if timer.smoke:
-        heads, d, d_c, k, batches, ctx = 2, 16, 32, 3, [1], 40
-    dtype = torch.bfloat16
-    rows, best = [], {}
-    for b in batches:
-        case = _attention_case(b, ctx, heads, d, d_c, k, dtype, timer.device, seed=b)
-        out = torch.empty_like(case["q"])
-        # Floor: the live context latents and both up-projections read once, the output written once.
-        nbytes = (b * ctx * d_c + 2 * heads * d * d_c + b * k * heads * d) * 2
-        fl = floor_us(nbytes, bandwidth)
-        t_eager = timer.time_graph([lambda: latent_block_attention_reference(**case, out=out)])
-        table_sched = attention_schedule(b)
-        for sched in [table_sched] + [x for x in attention_sweep_schedules(timer.smoke) if x != table_sched]:
-            latent_block_attention(**case, out=out, schedule=sched)  # compile + partials outside capture
-            t = timer.time_graph([lambda s=sched: latent_block_attention(**case, out=out, schedule=s)])
-            if b not in best or t < best[b][1]:
-                best[b] = (sched, t)
-            rows.append([b, ctx, sched.describe(), "*" if sched == table_sched else "", fmt(t, 2), fmt(t_eager, 1),
-                         fmt(t_eager / t, 2) if t == t else "-", fmt(fl, 2), fmt(t / fl, 1) if t == t else "-"])
-    print_table(f"Drafter block attention schedules, heads {heads} x {d}, latent {d_c}, K {k}, bf16 (us per layer)",
-                ["B", "ctx", "schedule", "table", "fused us", "eager us", "eager/fused", "floor us", "fused/floor"],
-                rows, ["schedule: n<block_n>/w<warps>/s<stages>/k<context splits> (split-K adds one combine launch). "
-                       "* = the row of ATTENTION_SCHEDULES for B; fill it from the fastest per B. Goal: <= 10 us at "
-                       "B <= 8. Split-K changes the softmax sum order (within the twin's tolerance, not bitwise).",
-                       "to paste (kernels/latent_block_attention.py): "
-                       + attention_table_source({b: v[0] for b, v in best.items()})])
+        shapes, batches, ctx = shapes[:1], batches[:1], 8
+    fast = BenchTimer(dev, reps=7, calls_per_rep=8)  # 36 graphs of up to ~1 ms calls: keep the run short
+    columns = [("eager layers, unsplit attention", "eager", (AttentionSchedule(None),)),
+               ("eager layers, table", "eager", None), ("fused layers, table", "fused", None)]
+    if not triton_runs_on(torch.empty(0, device=dev)):
+        columns = columns[:2]
+    if timer.smoke:  # one column (the served path) keeps the CPU smoke run cheap
+        columns = columns[-1:]
+    rows = []
+    for layers, d_c in shapes:
+        cfg = (DSparkDrafterConfig(num_layers=1) if timer.smoke else DSparkDrafterConfig(
+            hidden_size=576, target_hidden_size=576, num_capture_layers=6, num_layers=layers, num_heads=8,
+            head_dim=64, latent_dim=d_c, intermediate_size=1536, vocab_size=49152, markov_rank=256,
+            mask_token_id=49151, rms_norm_eps=1e-5))
+        drafter = DSparkDrafter(cfg, dtype=dtype, device=dev, layer_backend="eager")
+        drafter.load_full_state_dict(generate_full_state_dict(cfg, 0, dtype, device=dev))
+        g = torch.Generator(device=dev).manual_seed(0)
+        for b in batches:
+            pages_per_row = -(-(ctx + k) // page)
+            table = torch.arange(b * pages_per_row, dtype=torch.int32, device=dev).view(b, pages_per_row)
+            pool_shape = drafter.latent_pool_shape(b * pages_per_row + 1, page)
+            pool = torch.randn(*pool_shape, generator=g, device=dev).to(dtype)
+            pos = (ctx + torch.arange(k, device=dev)).expand(b, k).to(torch.int32)
+            placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
+                                            torch.full((b,), ctx, dtype=torch.int32, device=dev),
+                                            torch.full((b,), ctx + k, dtype=torch.int32, device=dev))
+            ids = torch.full((b, k), cfg.mask_token_id, dtype=torch.long, device=dev)
+            inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=dev), placement,
+                                        PagedLatentCache(pool, table))
+            feats = torch.randn(b * (k + 1), cfg.fc_in_features, generator=g, device=dev).to(dtype)
+            times = []
+            for _, backend, sched in columns:
+                drafter.set_layer_backend(backend)
+                with _attention_schedules(sched or lba.ATTENTION_SCHEDULES), torch.no_grad():
+                    t_block = float("nan") if timer.smoke else fast.time_graph([lambda: drafter.forward_block(inputs)])
+                    t_step = fast.time_graph([lambda: (drafter.compute_context_latents(feats),
+                                                       drafter.forward_block(inputs))])
+                times.append((t_step, t_block))
+            row = [cfg.num_layers, cfg.latent_dim, b, ctx]
+            for t_step, t_block in times:
+                row += [fmt(t_step, 1), fmt(t_block / cfg.num_layers, 1)]
+            rows.append(row + [fmt(times[0][0] / times[-1][0], 2) if times[-1][0] == times[-1][0] else "-"])
+        del drafter, pool
+    heads = []
+    for name, _, _ in columns:
+        heads += [f"{name}: step us", "block us/layer"]
+    print_table("Served drafter step (context projection of B x (K + 1) rows + block decode, K 7, LM head excluded; "
+                "SmolLM2-135M target shape, random weights)", ["layers", "latent", "B", "ctx"] + heads + ["speed-up"],
+                rows, ["block us/layer: forward_block over the layer count (its embedding and final norm included). "
+                       "speed-up: the first column's step over the last's."])
 
 
 @register_benchmark("drafter", "drafter TP fusion (fc bytes, fused residual+RMSNorm, launches), block attention sweep",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> None:
     timer = BenchTimer()
-    tables = set(getattr(args, "tables", ",".join(_TABLES)).split(","))
+    tables = set(getattr(args, "tables", ",".join(_TABLES[:-1])).split(","))
     if not tables <= set(_TABLES):
         raise ValueError(f"--tables: expected a subset of {','.join(_TABLES)}, got {','.join(sorted(tables))}")
     bandwidth = measure_copy_bandwidth(timer.device)
@@ -234,6 +346,8 @@ def run(args: argparse.Namespace) -> None:
         _launch_table()
     if "attention" in tables:
         _attention_table(args, timer, bandwidth)
+    if "serve" in tables:
+        _serve_table(args, timer)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -110,11 +110,11 @@ def _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_
     tl.store(o_row + HALF + f[None, :], o2.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-@triton.jit(do_not_specialize=["k_len", "page_size", "max_pages", "split_len", "n_splits"])
+@triton.jit(do_not_specialize=["k_len", "page_size", "max_pages", "n_splits"])
 def _latent_block_attention_kernel(
     q_ptr, blk_ptr, pool_ptr, bt_ptr, slot_ptr, ctx_lens_ptr, seq_lens_ptr, pos_ptr, page_ids_ptr, page_off_ptr,
     wk_ptr, wv_ptr, inv_freq_ptr, out_ptr, part_ptr,
-    k_len, d_c, page_size, max_pages, scale, split_len, n_splits,
+    k_len, d_c, page_size, max_pages, scale, n_splits,
     stride_qb, stride_qk, stride_qh, stride_bb, stride_bk, stride_pp, stride_po, stride_bt,
     stride_wk, stride_wv, stride_ob, stride_ok, stride_oh, stride_place,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -122,9 +122,10 @@ def _latent_block_attention_kernel(
     SPLIT: tl.constexpr,
 ):
     # Grid (B, heads, splits). Split s attends context positions [s * split_len, (s + 1) * split_len) of
-    # the live context; the last split also attends the block's own latents (and stores them). Without
-    # SPLIT (one split) the program finishes the row itself; with it, each split writes its online-softmax
-    # state (m, l, acc) to part_ptr and _latent_block_attention_combine_kernel merges them.
+    # the live context (split_len: the row's live tiles over the splits, whole tiles); the last split also
+    # attends the block's own latents (and stores them). Without SPLIT (one split) the program finishes the
+    # row itself; with it, each split writes its online-softmax state (m, l, acc) to part_ptr and
+    # _latent_block_attention_combine_kernel merges them.
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
     sp = tl.program_id(2)
@@ -158,6 +159,9 @@ def _latent_block_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     bt_row = bt_ptr + slot * stride_bt
     # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
+    # Splits share the row's LIVE context (whole tiles each, sized on the device): a table span far past the
+    # context (max_seq_len pages per slot) leaves no split idle, and a graph replays for any context.
+    split_len = tl.cdiv(tl.cdiv(n_ctx, BLOCK_N), n_splits) * BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(n_ctx, lo + split_len)
     for start in range(lo, hi, BLOCK_N):
@@ -276,12 +280,15 @@ class AttentionSchedule:
     num_warps: int | None = None
     num_stages: int | None = None
     split_k: int = 1
+    max_latent: int | None = None  # inclusive upper bound of the latent widths d_c this row covers; None: any
 
     def __post_init__(self):
         check_int("AttentionSchedule.block_n", self.block_n, lo=16, hi=1025)
         if self.block_n & (self.block_n - 1):
             raise ValueError(f"AttentionSchedule.block_n: expected a power of two, got {self.block_n}")
         check_int("AttentionSchedule.split_k", self.split_k, lo=1, hi=257)
+        if self.max_latent is not None:
+            check_int("AttentionSchedule.max_latent", self.max_latent, lo=1)
         for name in ("num_warps", "num_stages"):
             if getattr(self, name) is not None:
                 check_int(f"AttentionSchedule.{name}", getattr(self, name), lo=1, hi=17)
@@ -290,17 +297,30 @@ class AttentionSchedule:
         return (f"n{self.block_n}/w{self.num_warps or 'auto'}/s{self.num_stages or 'auto'}/k{self.split_k}")
 
 
-# Per-B schedule (the first row whose max_batch >= B). Not measured yet: the H200 sweep (`trtllm-ext bench
-# drafter --tables attention`, which prints the rows to paste) has not been run since split-K exists, so the one row is the schedule the kernel always had
-# (32-position tiles, default warps/stages, no split) until the sweep's rows say otherwise.
-ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (AttentionSchedule(None),)
+# Per-(B, d_c) schedule: the first row whose max_batch >= B and max_latent >= d_c. Latent <= 256: the fastest
+# per B of `trtllm-ext bench drafter --tables attention` on the H200 (2026-12-04, 8 heads x 64, K 7, context 512;
+# docs/drafter_block_attention.md): B = 1 split 16 ways (19.9 us vs 72.7 unsplit), B <= 8 split 4 (35.4 vs 72.9),
+# larger B unsplit (86.7 vs 87.1). Wider latents were not timed (the sweep's latent-512 pass was cut short): the
+# same splits at 8 warps, which spill 112-136 B where 4 warps spill 644-932 B at latent 512 (sm_90, Triton 3.6.0).
+ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (
+    AttentionSchedule(1, block_n=16, num_warps=4, split_k=16, max_latent=256),
+    AttentionSchedule(8, block_n=32, num_warps=4, split_k=4, max_latent=256),
+    AttentionSchedule(None, block_n=32, num_warps=4, split_k=1, max_latent=256),
+    AttentionSchedule(1, block_n=16, num_warps=8, split_k=16),
+    AttentionSchedule(8, block_n=32, num_warps=8, split_k=4),
+    AttentionSchedule(None, block_n=32, num_warps=8, split_k=1),
+)
 
 
-def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...] = ATTENTION_SCHEDULES
-                       ) -> AttentionSchedule:
-    """The row of ``schedules`` that covers ``batch_size`` (the last row covers every larger B)."""
+def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...] | None = None,
+                       latent_dim: int | None = None) -> AttentionSchedule:
+    """The row of ``schedules`` (default :data:`ATTENTION_SCHEDULES`, read at call time) that covers
+    ``batch_size`` and ``latent_dim`` (None: any row's latent bound); the last row covers everything else."""
+    if schedules is None:
+        schedules = ATTENTION_SCHEDULES
     for sch in schedules:
-        if sch.max_batch is None or batch_size <= sch.max_batch:
+        if ((sch.max_batch is None or batch_size <= sch.max_batch) and
+                (latent_dim is None or sch.max_latent is None or latent_dim <= sch.max_latent)):
             return sch
     return schedules[-1]
 
@@ -357,7 +377,7 @@ def latent_block_attention(
         rope_theta, scale: RoPE base; softmax scale.
         out: optional ``[B, K, h, D]`` output in ``q``'s dtype (required inside a CUDA-graph capture).
         schedule: tile width, warps, stages and context split (default: the row of
-            :data:`ATTENTION_SCHEDULES` for B). Results depend on it only by rounding (the online softmax
+            :data:`ATTENTION_SCHEDULES` for B and d_c). Results depend on it only by rounding (the online softmax
             sums in tile and split order); the block-latent store never does.
 
     Returns ``out``. One launch (two with ``split_k > 1``: the splits, then their combine). CUDA-graph safe
@@ -366,7 +386,7 @@ def latent_block_attention(
     _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out)
     b, k, h, d = q.shape
     if schedule is None:
-        schedule = attention_schedule(b)
+        schedule = attention_schedule(b, latent_dim=pool_layer.shape[2])
     elif not isinstance(schedule, AttentionSchedule):
         raise ValueError(f"schedule: expected an AttentionSchedule, got {type(schedule).__name__}")
     block_n = schedule.block_n
@@ -391,17 +411,16 @@ def latent_block_attention(
     launch = {"num_warps": num_warps}
     if schedule.num_stages is not None:
         launch["num_stages"] = schedule.num_stages
-    # Splits over the table span (the live context is on the device): whole tiles per split, shapes only.
+    # The split count is a shape (capped at the table span's tiles); each row's split boundaries are set on the
+    # device from its live context.
     max_ctx = block_table.shape[1] * page_size
     tiles = max(1, triton.cdiv(max_ctx, block_n))
     splits = max(1, min(schedule.split_k, tiles))
-    split_len = triton.cdiv(tiles, splits) * block_n
-    splits = max(1, triton.cdiv(max_ctx, split_len))
     part = _partials(q.device, b * h * splits * block_m * (block_c + 2)) if splits > 1 else out
     _latent_block_attention_kernel[(b, h, splits)](
         q, block_latents, pool_layer, block_table, slot_ids, placement.ctx_lens, placement.seq_lens,
         placement.positions, placement.page_ids, placement.page_offsets, k_up_weight, v_up_weight, inv_freq, out,
-        part, k, d_c, page_size, block_table.shape[1], float(scale), split_len, splits,
+        part, k, d_c, page_size, block_table.shape[1], float(scale), splits,
         q.stride(0), q.stride(1), q.stride(2), block_latents.stride(0), block_latents.stride(1),
         pool_layer.stride(0), pool_layer.stride(1), block_table.stride(0),
         k_up_weight.stride(0), v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2),

@@ -17,6 +17,16 @@ F = n_cap * H_t captured target features, L drafter layers, d_c latent width, V 
    its eager twin otherwise (chosen once at build, ``attention_backend``). It returns the final-normed hidden states ``[B, K, H]``; the worker applies the LM head it owns
    (vocab-parallel or gathered) and runs the Markov chain with :meth:`DSparkDrafter.markov_head_weights`.
 
+Fused layers (``layer_backend``, one TP rank only): a served step's few rows (``B * K`` block rows,
+``B * (K + 1)`` context rows) are bound by launch latency, not by the ~2 us of weight reads per layer, so each
+layer runs as five launches of the target's small-M kernels
+(:func:`~tensorrt_llm_ext.kernels.fused_linear.fused_linear`) around the block attention: input norm +
+``[q_proj | this layer's kv_a rows]``; attention; ``o_proj`` + residual add; post-attention norm + gate-up +
+SiLU-mul; ``down_proj`` + residual add (the next norm is the next launch's prologue), then the final norm. The
+context projection is ``fc``, then ``hidden_norm`` + ``kv_a_proj`` in one launch. The unfused path below is its
+eager twin: the same roundings (the residual stream rounded to the model dtype after each add, each norm reading
+it), only the products' summation order differs.
+
 TP layout (``Mapping.is_plain_tp``): heads split over ranks (column-parallel ``q_proj``/``k_up``/``v_up``,
 row-parallel ``o_proj``), MLP column-parallel gate/up, row-parallel down; ``fc``, ``kv_a_proj``, the
 norms and the embedding are replicated unless the plan splits ``fc``. Under attention DP every module is
@@ -44,7 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.distributed import AllReduce, AllReduceFusionOp, AllReduceParams
+from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.fused_linear import EPI_RESIDUAL, EPI_SILU_MUL, fused_linear
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.attention import resolve_block_attention
@@ -111,6 +124,36 @@ def resolve_drafter_tp_plan(declared: DrafterTPFusions, mapping: Mapping, fc_in_
         notes.append("o_proj/down_proj all-reduces fused with residual add + RMSNorm")
     return DrafterTPPlan(split, declared.residual_norm_fusion,
                          f"{owner} at tp_size={mapping.tp_size}: " + "; ".join(notes or ["no fusion declared"]))
+
+
+# Rows (``B * K`` block rows, ``B * (K + 1)`` context rows) up to which the fused layer path runs; a larger
+# call (a batched prefill's context, thousands of rows) takes the unfused path, where cuBLAS tiles pay.
+FUSED_LAYER_MAX_ROWS = 256
+LAYER_BACKENDS = ("fused", "eager")
+
+
+def resolve_layer_backend(requested: str, device, mapping: Mapping, owner: str = "drafter") -> str:
+    """``"fused"`` or ``"eager"`` for the drafter's layers (module docstring), resolved once at build.
+
+    ``"auto"``: fused on CUDA at one TP rank, eager otherwise (on CPU the unfused torch ops are faster than the
+    interpreter; under TP the all-reduce fusions own the epilogues). ``"fused"`` is refused where Triton cannot
+    run (CPU without ``TRITON_INTERPRET=1``) or under TP. Logged once per choice."""
+    dev = torch.device(device if device is not None else "cpu")
+    if requested not in ("auto", *LAYER_BACKENDS):
+        raise ValueError(f"{owner}: layer_backend must be 'auto', 'fused' or 'eager', got {requested!r}")
+    one_rank = mapping.tp_size == 1
+    triton_ok = dev.type == "cuda" or ENV.triton_interpret
+    if requested == "fused" and not (one_rank and triton_ok):
+        raise ValueError(f"{owner}: layer_backend='fused' needs one TP rank and CUDA or TRITON_INTERPRET=1 "
+                         f"(tp_size={mapping.tp_size}, parameters on {dev})")
+    if requested != "auto":
+        name, why = requested, "requested"
+    elif dev.type == "cuda" and one_rank:
+        name, why = "fused", "CUDA, one TP rank"
+    else:
+        name, why = "eager", (f"tp_size={mapping.tp_size}" if not one_rank else f"parameters on {dev.type}")
+    info_once(f"{owner} layers: {name} ({why})", key=f"drafter-layers-{owner}-{name}-{dev.type}-{requested}")
+    return name
 
 
 class SingleLatentAttention(nn.Module):
@@ -303,13 +346,15 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         attention_backend: the block attention, resolved once here and logged
             (:func:`~tensorrt_llm_ext.modules.attention.resolve_block_attention`): ``"auto"`` (the fused
             kernel where Triton runs, else the eager twin), ``"fused"`` or ``"eager"``.
+        layer_backend: the rest of each layer and the context projection (:func:`resolve_layer_backend`):
+            ``"auto"`` (fused on CUDA at one TP rank), ``"fused"`` or ``"eager"``.
     """
 
     tp_fusions = DrafterTPFusions(fc_input_split=True, residual_norm_fusion=True)
 
     def __init__(self, config: DSparkDrafterConfig, mapping: Mapping | None = None,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", layer_backend: str = "auto"):
         super().__init__()
         mapping = mapping or Mapping()
         cfg = config
@@ -353,6 +398,17 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         self._lm_head: nn.Module | None = None
         self.attention_backend, self._block_attention = resolve_block_attention(
             attention_backend, self.kv_a_proj.weight.device, type(self).__name__)
+        self.layer_backend = resolve_layer_backend(layer_backend, self.kv_a_proj.weight.device, mapping,
+                                                   type(self).__name__)
+        # The fused path's concatenated weights ([q_proj | kv_a rows], [gate | up] per layer), built outside
+        # capture and rebuilt when a source weight changes (its storage or version counter).
+        self._fused_weights: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def set_layer_backend(self, name: str) -> None:
+        """Re-resolve the layer path (``"auto"``, ``"fused"``, ``"eager"``), e.g. for a benchmark's unfused
+        column. Not inside a step: a captured graph keeps the kernels it was captured with."""
+        self.layer_backend = resolve_layer_backend(name, self.kv_a_proj.weight.device, self.mapping,
+                                                   type(self).__name__)
 
     def set_attention_backend(self, name: str) -> None:
         """Re-resolve the block attention (``"auto"``, ``"fused"``, ``"eager"``), e.g. for a benchmark's stock
@@ -374,6 +430,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             self.markov_w1.copy_(state_dict["markov_w1"])
             self.markov_w2.zero_()
             self.markov_w2[: self.config.vocab_size].copy_(state_dict["markov_w2"])
+        if self._fused_weights is not None:  # graphs captured earlier read the concatenated copies: refresh now
+            self._layer_weights()
 
     def load_confidence_head(self, head: dict[str, torch.Tensor]) -> None:
         """Load the confidence head (names and shapes of :func:`confidence_head_shapes`, fp32, replicated on
@@ -478,8 +536,17 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
     def compute_context_latents(self, features: torch.Tensor) -> torch.Tensor:
         """``features [N, F]`` (captured target layers concatenated) -> ``[N, L, d_c]`` latents.
 
-        All layers' latent projections in one GEMM; the caller stores them into the paged pool.
+        All layers' latent projections in one GEMM; the caller stores them into the paged pool. Fused layers
+        (up to :data:`FUSED_LAYER_MAX_ROWS` rows): ``fc``, then ``hidden_norm`` + ``kv_a_proj`` in one launch.
         """
+        cfg = self.config
+        if (self.layer_backend == "fused" and features.dim() == 2 and features.shape[1] == cfg.fc_in_features
+                and features.shape[0] <= FUSED_LAYER_MAX_ROWS and features.dtype == self.dtype
+                and features.stride(-1) == 1):
+            ctx = fused_linear(features, self.fc.weight)
+            lat = fused_linear(ctx, self.kv_a_proj.weight, norm_weight=self.hidden_norm.weight,
+                               eps=self.hidden_norm.eps)
+            return lat.view(features.shape[0], cfg.num_layers, cfg.latent_dim)
         ctx = self.project_context(features)
         return self.kv_a_proj(ctx).view(ctx.shape[0], self.config.num_layers, self.config.latent_dim)
 
@@ -513,6 +580,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         if inputs.placement.page_ids.shape != ids.shape:
             raise ValueError(f"forward_block: placement [B, K] must match block ids {tuple(ids.shape)}, "
                              f"got {tuple(inputs.placement.page_ids.shape)}")
+        if self.layer_backend == "fused" and ids.numel() <= FUSED_LAYER_MAX_ROWS:
+            return self._forward_block_fused(inputs)
         d_c = self.config.latent_dim
         hidden = self.embed_tokens(ids)
         residual = hidden
@@ -525,6 +594,61 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, residual = self._add_norm(mlp, residual, next_norm)
         return x
+
+
+    def _layer_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(w_qc [h*D + d_c, H], w_gate_up [2I, H])``, cached. When a source weight's storage or version
+        counter changed (a reload, an in-place update) they are refreshed IN PLACE, so a captured graph that reads
+        them sees the new weights; allocated (outside capture) only the first time or when a shape changes."""
+        d_c = self.config.latent_dim
+        srcs = [self.kv_a_proj.weight]
+        for layer in self.layers:
+            srcs += [layer.self_attn.q_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
+        key = tuple((w.data_ptr(), w._version) for w in srcs)
+        if self._fused_weights is not None and self._fused_weights[0] == key:
+            return self._fused_weights[1]
+        parts = [((layer.self_attn.q_proj.weight, self.kv_a_proj.weight[i * d_c:(i + 1) * d_c]),
+                  (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)) for i, layer in enumerate(self.layers)]
+        with torch.no_grad():
+            old = self._fused_weights[1] if self._fused_weights is not None else None
+            if old is not None and all(w.shape[0] == a.shape[0] + b.shape[0] and w.shape[1:] == a.shape[1:]
+                                       and w.device == a.device and w.dtype == a.dtype
+                                       for pair, ws in zip(parts, old) for w, (a, b) in zip(ws, pair)):
+                for pair, ws in zip(parts, old):
+                    for w, (a, b) in zip(ws, pair):
+                        torch.cat((a, b), out=w)
+                ws_all = old
+            else:
+                refuse_allocation_while_capturing("DSparkDrafter fused layers (weight concatenation; run one step "
+                                                  "before capture)", self.kv_a_proj.weight.device)
+                ws_all = [tuple(torch.cat(pair) for pair in layer_parts) for layer_parts in parts]
+        # The key after the refresh (torch.cat(out=) bumps no source version).
+        self._fused_weights = (tuple((w.data_ptr(), w._version) for w in srcs), ws_all)
+        return ws_all
+
+    def _forward_block_fused(self, inputs: DrafterBlockInputs) -> torch.Tensor:
+        """:meth:`forward_block` in five launches per layer plus the attention (module docstring); one TP rank.
+        The residual stream ``h [B*K, H]`` is rounded to the model dtype after each add, as in the unfused path."""
+        ids = inputs.block_input_ids
+        b, k = ids.shape
+        pool = inputs.cache.pool
+        qdim = self.layers[0].self_attn.num_local_heads * self.config.head_dim
+        h = self.embed_tokens(ids).reshape(b * k, -1)
+        for i, (layer, (w_qc, w_gu)) in enumerate(zip(self.layers, self._layer_weights())):
+            attn = layer.self_attn
+            ln = layer.input_layernorm
+            qc = fused_linear(h, w_qc, norm_weight=ln.weight, eps=ln.eps)  # [B*K, h*D + d_c]
+            q = qc[:, :qdim].view(b, k, attn.num_local_heads, attn.head_dim)
+            block_latents = qc[:, qdim:].view(b, k, -1)  # strided views: the kernel takes row strides
+            o = self._block_attention(q, block_latents, pool[i], inputs.cache.block_table, inputs.slot_ids,
+                                      inputs.placement, attn.k_up_proj.weight, attn.v_up_proj.weight, attn.rope_theta,
+                                      attn.scale, out=torch.empty(b, k, attn.num_local_heads, attn.head_dim,
+                                                                  dtype=h.dtype, device=h.device))
+            h = fused_linear(o.view(b * k, qdim), attn.o_proj.weight, epilogue=EPI_RESIDUAL, residual=h)
+            post = layer.post_attention_layernorm
+            act = fused_linear(h, w_gu, norm_weight=post.weight, eps=post.eps, epilogue=EPI_SILU_MUL)
+            h = fused_linear(act, layer.mlp.down_proj.weight, epilogue=EPI_RESIDUAL, residual=h, out=h)
+        return self.norm(h).view(b, k, -1)
 
 
 class DSparkDrafterNoFusion(DSparkDrafter):

@@ -79,6 +79,12 @@ ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
     AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_combine_kernel",
                   ("PRECISION='ieee'", "BLOCK_C=256"), 20_000,
                   "an fp32 drafter at latent 256 with split-K (~6 KB stored); the GPU default dtype is bf16"),
+    AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_kernel", ("BLOCK_C=512",), 1024,
+                  "a 512-wide latent in bf16 (2026-12-04, Triton 3.6.0): 112-136 B stored at 8 warps (the table's "
+                  "rows for latents past 256; 4 warps spill 580-856 B); the fp32 [K, d_c] state and the W_uk / W_uv "
+                  "tiles pass 255 registers; the H200 time at 512 is not measured yet"),
+    AcceptedSpill(_KM + "latent_block_attention:_latent_block_attention_combine_kernel", ("BLOCK_C=512",), 256,
+                  "a 512-wide latent's split-K merge in bf16: 76 B at 255 registers (the fp32 W_uv tiles of _finish)"),
 )
 
 
@@ -241,23 +247,27 @@ def _block_loss():  # train-drafter's loss rows (not in the captured step)
 def _attention():
     from tensorrt_llm_ext.contract import DraftBlockPlacement
     from tensorrt_llm_ext.kernels.latent_block_attention import (ATTENTION_SCHEDULES, AttentionSchedule,
-                                                                 latent_block_attention)
+                                                                 attention_schedule, latent_block_attention)
 
-    schedules = ATTENTION_SCHEDULES + (AttentionSchedule(None, split_k=4),)  # the split-K path and its combine
-    for dtype in FLOATS:
-        for heads, head_dim, d_c in ((4, 16, 32), (8, 64, 256)):  # the default drafter; `bench drafter`'s shape
-            for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
-                b, slots, max_pages, page = 8, 16, 16, 16
-                i32 = lambda *s: torch.zeros(s, dtype=torch.int32)  # noqa: E731
-                placement = DraftBlockPlacement(positions=i32(b, k), page_ids=i32(b, k), page_offsets=i32(b, k),
-                                                ctx_lens=i32(b), seq_lens=i32(b) + k)
-                for sch in schedules:
-                    latent_block_attention(
-                        torch.zeros(b, k, heads, head_dim, dtype=dtype), torch.zeros(b, k, d_c, dtype=dtype),
-                        torch.zeros(32, page, d_c, dtype=dtype), i32(slots, max_pages),
-                        torch.arange(b, dtype=torch.int64), placement,
-                        torch.zeros(heads * head_dim, d_c, dtype=dtype), torch.zeros(heads * head_dim, d_c, dtype=dtype),
-                        10000.0, head_dim ** -0.5, schedule=sch)
+    def schedules(d_c):  # the table's rows a drafter of latent d_c can launch, and the split-K path's default
+        rows = {attention_schedule(s.max_batch or 1 << 20, latent_dim=d_c) for s in ATTENTION_SCHEDULES}
+        return sorted(rows, key=lambda s: s.max_batch or 1 << 20) + [AttentionSchedule(None, split_k=4)]
+
+    shapes = [(dtype, shape) for dtype in FLOATS for shape in ((4, 16, 32), (8, 64, 256))]  # tiny; served default
+    shapes.append((torch.bfloat16, (8, 64, 512)))  # the 512-wide latent (recipe 6), bf16 as served
+    for dtype, (heads, head_dim, d_c) in shapes:
+        for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
+            b, slots, max_pages, page = 8, 16, 16, 16
+            i32 = lambda *s: torch.zeros(s, dtype=torch.int32)  # noqa: E731
+            placement = DraftBlockPlacement(positions=i32(b, k), page_ids=i32(b, k), page_offsets=i32(b, k),
+                                            ctx_lens=i32(b), seq_lens=i32(b) + k)
+            for sch in schedules(d_c):
+                latent_block_attention(
+                    torch.zeros(b, k, heads, head_dim, dtype=dtype), torch.zeros(b, k, d_c, dtype=dtype),
+                    torch.zeros(32, page, d_c, dtype=dtype), i32(slots, max_pages),
+                    torch.arange(b, dtype=torch.int64), placement,
+                    torch.zeros(heads * head_dim, d_c, dtype=dtype), torch.zeros(heads * head_dim, d_c, dtype=dtype),
+                    10000.0, head_dim ** -0.5, schedule=sch)
 
 
 # -- target paged attention -----------------------------------------------------------------------------------

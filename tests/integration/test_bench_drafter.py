@@ -22,6 +22,9 @@ def test_bench_fc_bytes_per_rank_and_smoke(capsys):
         main(["--tables", "attention"])  # the sweep alone
         out = capsys.readouterr().out
         assert "Drafter block attention schedules" in out and "fc weight" not in out
+        main(["--tables", "serve"])  # the served step, its fused column only in the smoke run
+        out = capsys.readouterr().out
+        assert "Served drafter step" in out and "fused layers, table: step us" in out
 
 
 def test_bench_drafter_attention_rows_to_paste():
@@ -38,3 +41,21 @@ def test_bench_drafter_attention_rows_to_paste():
     for bsz, sched in {**best, 4: a, 1000: b}.items():
         got = attention_schedule(bsz, table)
         assert (got.block_n, got.num_warps, got.split_k) == (sched.block_n, sched.num_warps, sched.split_k)
+
+
+def test_bench_drafter_attention_rows_per_latent():
+    """Rows swept at two latent widths paste back as one table: each (B, d_c) gets its fastest schedule, a wider
+    latent than any swept takes the widest width's rows."""
+    from tensorrt_llm_ext.bench.drafter import attention_table_source
+    from tensorrt_llm_ext.kernels.latent_block_attention import AttentionSchedule, attention_schedule
+
+    a = AttentionSchedule(None, block_n=16, num_warps=4, split_k=16)
+    b = AttentionSchedule(None, block_n=32, num_warps=8, split_k=1)
+    c = AttentionSchedule(None, block_n=16, num_warps=8, split_k=8)
+    best = {256: {1: a, 8: a, 32: b}, 512: {1: c, 8: b, 32: b}}
+    table = eval(attention_table_source(best).split(" = ", 1)[1], {"AttentionSchedule": AttentionSchedule})
+    assert [(s.max_batch, s.max_latent) for s in table] == [(8, 256), (None, 256), (1, None), (None, None)]
+    for d_c, per_b in {**best, 1024: best[512], 128: best[256]}.items():
+        for bsz, sched in per_b.items():
+            got = attention_schedule(bsz, table, latent_dim=d_c)
+            assert (got.block_n, got.num_warps, got.split_k) == (sched.block_n, sched.num_warps, sched.split_k)

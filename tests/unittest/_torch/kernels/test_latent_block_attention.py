@@ -168,8 +168,13 @@ def test_split_k_schedules_within_tolerance_and_store_bitwise():
 def test_attention_schedule_table():
     table = (AttentionSchedule(8, block_n=16, split_k=4), AttentionSchedule(None, block_n=64, num_warps=8))
     assert [attention_schedule(b, table).split_k for b in (1, 8, 9, 512)] == [4, 4, 1, 1]
-    assert attention_schedule(3, ATTENTION_SCHEDULES) == ATTENTION_SCHEDULES[-1]
-    assert ATTENTION_SCHEDULES[-1].max_batch is None  # the last row covers every larger B
+    last = ATTENTION_SCHEDULES[-1]
+    assert last.max_batch is None and last.max_latent is None  # the last row covers every larger B and d_c
+    assert attention_schedule(10 ** 6, ATTENTION_SCHEDULES, latent_dim=10 ** 4) == last
+    for b in (1, 3, 8, 64):  # every (B, d_c) finds a row of its own latent bound or wider
+        for d_c in (32, 256, 512):
+            got = attention_schedule(b, ATTENTION_SCHEDULES, latent_dim=d_c)
+            assert (got.max_batch is None or b <= got.max_batch) and (got.max_latent is None or d_c <= got.max_latent)
     assert table[1].describe() == "n64/w8/sauto/k1"
 
 

@@ -317,3 +317,51 @@ def test_block_attention_backend_resolution(caplog):
     assert d.attention_backend == "eager"
     d.set_attention_backend("auto")
     assert d.attention_backend == cpu_auto
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
+    not ENV.triton_interpret or torch.cuda.is_available(), reason="CPU Triton needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=CUDA)])
+def test_fused_layers_match_eager_twin(device):
+    """The fused layer path (five small-M launches per layer + the attention; fc then norm + kv_a) against the
+    unfused path of the same drafter: the same roundings, another product order -- fp32 within 1e-5, bf16 (CUDA)
+    within the bf16 tolerance; the pool writes likewise, nothing else written. On CUDA a graph replay of the fused
+    block decode equals its eager run bit for bit. A reload rebuilds the cached concatenated weights."""
+    cfg = DSparkDrafterConfig(num_layers=1) if device == "cpu" else CFG  # one layer: cheap under the interpreter
+    with pytest.raises(ValueError, match="layer_backend"):
+        DSparkDrafter(cfg, layer_backend="cublas")
+    with pytest.raises(ValueError, match="one TP rank"):
+        DSparkDrafter(cfg, Mapping(world_size=2, rank=0, tp_size=2), layer_backend="fused")
+    assert DSparkDrafter(cfg, Mapping(world_size=2, rank=0, tp_size=2), device=device).layer_backend == "eager"
+    for dtype in ([torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]):
+        fused = DSparkDrafter(cfg, dtype=dtype, device=device, layer_backend="fused")
+        eager = DSparkDrafter(cfg, dtype=dtype, device=device, layer_backend="eager")
+        fused.init_weights(6)
+        eager.init_weights(6)
+        a, b = _to_device(make_block_inputs(cfg, dtype), device), _to_device(make_block_inputs(cfg, dtype), device)
+        pool0 = a.cache.pool.clone()
+        out_f, out_e = fused.forward_block(a), eager.forward_block(b)
+        torch.testing.assert_close(out_f.float(), out_e.float(), **TOL[dtype])
+        torch.testing.assert_close(a.cache.pool.float(), b.cache.pool.float(), **TOL[dtype])
+        changed = (a.cache.pool != pool0).any(-1)
+        assert torch.equal(changed, (b.cache.pool != pool0).any(-1)) and changed.any()
+        feats = torch.randn(9, cfg.fc_in_features, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+        torch.testing.assert_close(fused.compute_context_latents(feats).float(),
+                                   eager.compute_context_latents(feats).float(), **TOL[dtype])
+        if device == "cuda":
+            a.cache.pool.copy_(pool0)
+            fused.forward_block(a)  # warm-up outside capture (compile, concatenated weights)
+            ref, ref_pool = fused.forward_block(a).clone(), a.cache.pool.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused.forward_block(a)
+            a.cache.pool.copy_(pool0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref) and torch.equal(a.cache.pool, ref_pool)
+    w_qc = fused._layer_weights()[0][0]
+    before = w_qc.clone()
+    fused.init_weights(7)  # a reload: the concatenation is refreshed in place (what a captured graph reads)
+    assert fused._layer_weights()[0][0] is w_qc and not torch.equal(w_qc, before)
+    assert torch.equal(w_qc[:w_qc.shape[0] - cfg.latent_dim], fused.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(w_qc[w_qc.shape[0] - cfg.latent_dim:], fused.kv_a_proj.weight[:cfg.latent_dim])
