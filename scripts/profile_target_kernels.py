@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--kernels", default="fused,fused-dot,unfused",
-                   help="layer_kernels values; fused-dot: the fused layer without the few-row GEMV form")
+                   help="layer_kernels values; fused-dot: the fused layer without the few-row GEMV form; "
+                        "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait")
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
     from tensorrt_llm_ext.bench.verify import capture_graph
@@ -68,6 +69,7 @@ def main() -> None:
         pos = torch.full((b, 1), a.context, dtype=torch.int64, device=dev)
         for kern in a.kernels.split(","):
             fused_linear_mod.GEMV_MAX_ROWS = fused_qkv_mod.GEMV_MAX_ROWS = 0 if kern == "fused-dot" else gemv_rows
+            fused_linear_mod.WEIGHT_PREFETCH = fused_qkv_mod.WEIGHT_PREFETCH = kern != "fused-noprefetch"
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
             _table(f"B={b} C={a.context} {kern} eager", _kernels(fwd, 3), 3)

@@ -27,7 +27,9 @@ rounding, a unit in the last place, more where a rounding of the prologue flips)
 
 Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): the
 first ``BLOCK_K`` block of the weights is loaded before ``gdc_wait()`` (it streams in while the previous kernel
-finishes), ``x`` and the residual after it; that block's products are the loop's first, peeled, in the same order.
+finishes) and the rest of the program's weight rows is brought to L2 (``prefetch.global.L2``, no registers held:
+:func:`prefetch_lines`), ``x`` and the residual after it; that block's products are the loop's first, peeled, in
+the same order.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
 __all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_settings", "fused_gemv_settings",
-           "fused_linear", "fused_linear_reference", "fused_linear_settings", "stage_block_k"]
+           "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines", "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
@@ -51,6 +53,12 @@ MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS i
 # 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2 for gate-up) times BLOCK_M
+# Lines of each weight row brought to L2 before the programmatic wait beyond the first BLOCK_K block (8 KB of a
+# bf16 row: all of SmolLM2's K = 576 / 1536; the 8B shape runs cuBLAS).
+MAX_PREFETCH_LINES = 64
+# Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
+# flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
+WEIGHT_PREFETCH = True
 
 
 @triton.jit
@@ -85,12 +93,33 @@ def _mac(acc, a, w, GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_from, k, LINE: tl.constexpr, LINES: tl.constexpr):
+    """``prefetch.global.L2`` of inputs ``k_from .. k-1`` of the weight rows ``w_rows`` (element offsets), one
+    address per ``LINE`` elements (a 128-byte line), at most ``LINES`` lines per row: no register is held, the
+    loop's loads after the programmatic wait then hit L2."""
+    kk = k_from + tl.arange(0, LINES) * LINE
+    ptrs = w_ptr + w_rows[None, :] + kk[:, None]
+    mask = ((kk < k)[:, None] & col_ok[None, :]).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(k: int, block_k: int, elem_bytes: int, pdl: bool) -> int:
+    """``PREFETCH_LINES`` of a weight-streaming kernel: the 128-byte lines of each weight row past its first
+    ``BLOCK_K`` block (loaded before the programmatic wait), as a power of two, at most ``MAX_PREFETCH_LINES``;
+    0 without programmatic launch (there is no earlier kernel to overlap) or when one block covers ``K``."""
+    lines = triton.cdiv(max(k - block_k, 0), 128 // elem_bytes)
+    return min(triton.next_power_of_2(lines), MAX_PREFETCH_LINES) if pdl and lines else 0
+
+
+@triton.jit
 def _fused_linear_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr,
     m, n, k, stride_xm, stride_wn, stride_rm, stride_om, eps,
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,6 +137,10 @@ def _fused_linear_kernel(
         w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
         if EPILOGUE == 1:
             w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
+            _prefetch_rows_l2(w_ptr, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+            if EPILOGUE == 1:
+                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
         k_begin = BLOCK_K
@@ -277,7 +310,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        PDL=pdl, num_warps=warps, launch_pdl=pdl,
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(k, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
+        WEIGHT_LINE=128 // weight.element_size(),
+        num_warps=warps, launch_pdl=pdl,
     )
     return out
 

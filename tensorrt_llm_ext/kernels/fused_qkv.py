@@ -20,7 +20,8 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
 
 Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
-weights before ``gdc_wait()``; ``x``, positions, cos / sin, slots and the table after it.
+weights before ``gdc_wait()`` and the rest of its weight rows brought to L2; ``x``, positions, cos / sin, slots and
+the table after it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
-                                                   _row_rstd, dot_settings, stage_block_k)
+                                                   WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd, dot_settings,
+                                                   prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -61,6 +63,7 @@ def _fused_qkv_rope_kernel(
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -80,6 +83,9 @@ def _fused_qkv_rope_kernel(
         w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
         w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
         w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
+            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
         k_begin = BLOCK_K
@@ -257,6 +263,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
+        WEIGHT_LINE=128 // qkv_weight.element_size(),
         num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
     )
     return q_out

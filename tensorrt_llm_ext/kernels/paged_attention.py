@@ -139,15 +139,15 @@ def _paged_attention_kernel(
             pg, po = _block_pages(table_ptr, slot, stride_tab, jp, jp_ok, max_pages, page_size, scratch_page)
             _prefetch_l2(k_pool_ptr + pg * stride_kp + po * stride_kt + kvh * stride_kh, jp_ok)
             _prefetch_l2(v_pool_ptr + pg * stride_vp + po * stride_vt + kvh * stride_vh, jp_ok)
-    if PDL:
-        # Programmatic dependent launch: q and this step's K / V are written by the previous kernel: read after
-        # the wait.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(DOT_DTYPE)
+    if PREFETCH == 1:
+        # The register form waits and loads q before the branch (inside it, a 32-row verify tile spills 8 B at 168
+        # registers under Triton 3.6); it runs where the grid is small, so its empty pieces cost little.
+        q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
+    # Otherwise a piece past the tile's keys (the grid covers the widest table; its prefetch above is all masked
+    # off) exits here, with no programmatic wait and no q: at B = 32 and 1k keys 15 of a tile's 32 decode programs.
     if start < kv_len:
+        if PREFETCH != 1:
+            q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
         _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
                       fresh, j, j_ok, old, page, off, k, v,
                       k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
@@ -155,6 +155,19 @@ def _paged_attention_kernel(
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
                       stride_ob, stride_ot, stride_oh,
                       BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+
+
+@triton.jit
+def _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE: tl.constexpr,
+                     PDL: tl.constexpr):
+    """The tile's queries, after the programmatic wait (q and this step's K / V are written by the previous
+    kernel)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return q.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -351,7 +364,7 @@ DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, 
 CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
                      AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, prefetch=1),
                      AttentionConfig(64, 4, 2, 32, prefetch=2), AttentionConfig(64, 4, 2, 8, prefetch=2),
-                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 64, 2, prefetch=1))
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=-1), AttentionConfig(64, 4, 2, 32, 3, prefetch=-1))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys

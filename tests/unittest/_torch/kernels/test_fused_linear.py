@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_TILE,
-                                                   fused_gemv_settings, fused_linear, fused_linear_reference,
-                                                   fused_linear_settings)
+                                                   MAX_PREFETCH_LINES, fused_gemv_settings, fused_linear,
+                                                   fused_linear_reference, fused_linear_settings, prefetch_lines)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
@@ -65,6 +65,28 @@ def test_several_row_tiles_and_row_independence():
     x2[69] = x[69]
     out2 = fused_linear(x2, w, b, norm_weight=nw, eps=1e-6)
     assert torch.equal(out2[3], out[3]) and torch.equal(out2[69], out[69])
+
+
+def test_weight_prefetch_changes_no_bit(monkeypatch):
+    """The L2 prefetch of the weight rows past the first block (before the programmatic wait): its lines per row
+    (128-byte lines past BLOCK_K, a power of two, capped; none without programmatic launch or when one block
+    covers K), and on a GPU (where the launch is programmatic) the same bits with it and without it."""
+    assert prefetch_lines(576, 256, 2, True) == 8 and prefetch_lines(1536, 256, 2, True) == 32
+    assert prefetch_lines(1536, 256, 2, False) == 0 and prefetch_lines(200, 256, 2, True) == 0
+    assert prefetch_lines(14336, 256, 2, True) == MAX_PREFETCH_LINES
+    if DEVICE != "cuda":  # the interpreter never launches programmatically: nothing is prefetched there
+        return
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    for epilogue in (EPI_SILU_MUL, EPI_RESIDUAL):
+        x, w, b, nw, r = _case(32, 1536 if epilogue == EPI_RESIDUAL else 576, 72, torch.bfloat16, seed=4,
+                               gate_up=epilogue == EPI_SILU_MUL)
+        kw = dict(norm_weight=nw if epilogue == EPI_SILU_MUL else None, eps=1e-5, epilogue=epilogue,
+                  residual=r if epilogue == EPI_RESIDUAL else None)
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(fl, "WEIGHT_PREFETCH", on)
+            outs.append(fused_linear(x, w, b, **kw))
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_residual_output_may_alias_the_residual():
