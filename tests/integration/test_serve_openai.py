@@ -271,6 +271,34 @@ def test_queue_bound_counts_waiting_requests_only():
         loop.submit([Request([1])], sink)
 
 
+def test_engine_loop_start_shortens_the_interpreter_switch_interval(caplog):
+    """The engine thread shares the interpreter lock with the event loop and output threads: starting the loop
+    lowers Python's switch interval (5 ms by default) to SERVE_SWITCH_INTERVAL_S and says so once."""
+    import sys
+
+    from tensorrt_llm_ext.runtime.engine_loop import (SERVE_SWITCH_INTERVAL_S, EngineLoop, PlanChannel,
+                                                      ServerMetrics)
+
+    class _Slots:
+        num_free_slots, num_active = 2, 0
+
+    class _NoThread:  # the loop's own thread is not what is tested here
+        def start(self):
+            pass
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(5e-3)
+        loop = EngineLoop(_Slots(), PlanChannel(None), ServerMetrics(3), max_queue=4)
+        loop._thread = _NoThread()
+        with caplog.at_level("INFO"):
+            loop.start()
+        assert sys.getswitchinterval() == pytest.approx(SERVE_SWITCH_INTERVAL_S)
+        assert sum("switch interval" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_requests_running_at_the_drain_deadline_end_with_503_and_free_their_slots(server):
     """What the drain deadline does (EngineLoop.abort_all): plain requests get a 503 error object, streams an
     error chunk then [DONE]; every slot comes back."""
