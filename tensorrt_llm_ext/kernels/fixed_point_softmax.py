@@ -266,7 +266,9 @@ def _verify_sums_kernel(
     # the max's minus j in units of 2^SHIFT). A count, not a mass: every token of a bin weighs the same, so the
     # consumer multiplies. Only the few tokens near the max add (an atomic into this program's own slot, spread
     # over up to 256 bins), instead of a weighted add of every token into a few hot buckets.
-    wtop = radix_key(m) >> SHIFT
+    # int32 keys: (radix_key(m) >> s) - (radix_key(x) >> s) == (om >> s) - (o >> s) (2^31 is a multiple of 2^s); a
+    # difference that wraps (s = 0 only: >= 2^31) turns negative and is out of the window either way
+    wtop = ordered_i32(m) >> SHIFT
     if HIST:
         if is_t:
             tl.store(out + 3 + tl.arange(0, 256), tl.zeros([256], tl.int64))
@@ -283,8 +285,8 @@ def _verify_sums_kernel(
         acc += fixed_point_weight(x, m, c, fin)
         if HIST:
             if is_t:
-                jw = wtop - (radix_key(x) >> SHIFT)
-                hist_add(out + 3, jw.to(tl.int32), (fin & (jw < 256)).to(tl.int64))
+                jw = wtop - (ordered_i32(x) >> SHIFT)
+                hist_add(out + 3, jw, (fin & (jw >= 0) & (jw < 256)).to(tl.int64))
     ftok = tl.sum(acc, 0) * 0
     utok = ftok
     if HAS_TOK:
