@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
+from tensorrt_llm_ext.kernels.ordered_key import ordered_i32
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COLS, check_logits, decode_max_key,
                                                           decode_max_key_torch, fixed_point_weight, hist_add,
                                                           fixed_point_weight_torch, is_finite, key_shift, plan_chunks,
@@ -278,19 +279,23 @@ def _top_p_round_kernel(
         for si in range(n_sub):
             sub_begin = col_begin + si * sub
             sub_end = tl.minimum(sub_begin + sub, col_end)
-            cnt = tl.zeros([BLOCK], tl.int64)
-            before = tl.zeros([BLOCK], tl.int64)
+            # int32 in the loop (counts of one sub-chunk, column ids of one shard): the radix key compared as its
+            # ordered int32 key, the token as a column of this shard (-1: none here or before)
+            cnt = tl.zeros([BLOCK], tl.int32)
+            before = tl.zeros([BLOCK], tl.int32)
             if tau >= 0:
+                okey = (prefix - 2147483648).to(tl.int32)
+                tok_col = tl.minimum(tl.maximum(tok - vocab_start, -1), 2147483647).to(tl.int32)
                 for start in range(sub_begin, sub_end, BLOCK):
                     cols = start + lanes
                     valid = cols < sub_end
                     x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-                    tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
+                    tie = (valid & is_finite(x) & (ordered_i32(x) == okey)).to(tl.int32)
                     cnt += tie
-                    before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
+                    before += tl.where(cols < tok_col, tie, 0)
             out = out_ptr + ((r64 * num_splits + split) * n_sub + si) * 2
-            tl.store(out, tl.sum(cnt, 0))
-            tl.store(out + 1, tl.sum(before, 0))
+            tl.store(out, tl.sum(cnt, 0).to(tl.int64))
+            tl.store(out + 1, tl.sum(before, 0).to(tl.int64))
     elif COUNT:
         # The last round of the logits' dtype: the key bits below this digit are constant given the sign
         # (radix_rounds), so every token of a bucket has the same fp32 value and the same weight. The bucket's
