@@ -46,7 +46,8 @@ from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCA
 
 __all__ = [
     "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
-    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "key_shift", "sfu_exp2",
+    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "key_shift",
+    "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
@@ -503,9 +504,9 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
     (sum of F over owned finite columns), ``F(tok)`` and ``radix_key(tok)`` of the row's token where the
     chunk owns it (0 elsewhere), and for target rows with ``hist`` the top-p window: the count of finite tokens
     at each of the 256 values of the target's dtype at and below the row max (bin ``j``: radix key
-    ``(radix_key(m) >> s) - j`` for ``s = key_shift(dtype)``; a per-program slot, no other program adds into it). Target row ``r`` belongs to
-    request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K), draft row ``r`` to
-    request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
+    ``(radix_key(m) >> s) - j`` for ``s = key_shift(dtype)``; a per-program slot, no other program adds into it).
+    Target row ``r`` belongs to request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K),
+    draft row ``r`` to request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
     MAX exchange. Exact under one int64 SUM across ranks. CUDA-graph safe.
     """
     n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
@@ -565,7 +566,8 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
         inw = fin[:rt] & (jw < HIST_BUCKETS)
         h = torch.zeros((rt, splits * HIST_BUCKETS), dtype=torch.int64, device=dev)
         scol = torch.arange(n_valid, device=dev) // chunk
-        h.scatter_add_(1, scol[None, :] * HIST_BUCKETS + torch.where(inw, jw, torch.zeros_like(jw)), inw.to(torch.int64))
+        bins = scol[None, :] * HIST_BUCKETS + torch.where(inw, jw, torch.zeros_like(jw))
+        h.scatter_add_(1, bins, inw.to(torch.int64))
         flat_t[:, :, SUMS_COLS:] = h.view(rt, splits, HIST_BUCKETS)
     out[rt * splits * cols_t:].view(rq, splits, SUMS_COLS).copy_(res[rt:])
     return out

@@ -29,8 +29,8 @@ interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md
 Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
 ``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds (0..n, skipped by
 the rows that ``verify_sums``' window resolves) and the tie count come in between: bf16 logits 7 launches and
-6 exchanges, fp16 8 / 7, fp32 9 / 8; ``top_p_keep`` bf16 6 / 5, fp32 8 / 7. Each launcher is one kernel launch and writes every slot of its output, so no call
-issues a memset or a copy.
+6 exchanges, fp16 8 / 7, fp32 9 / 8; ``top_p_keep`` bf16 6 / 5, fp32 8 / 7. Each launcher is one kernel launch
+and writes every slot of its output, so no call issues a memset or a copy.
 
 CUDA graphs: pass a :class:`VerificationWorkspace` (allocated once for the largest batch) and ``out=``;
 then no call allocates, syncs the host or branches on data. Input checks that need device values (draft
@@ -160,7 +160,8 @@ class VerificationPlan:
         rounds = [("max", sz["keys"]), ("sum", sz["sums"])]
         if self.top_p:
             per_round = self.rows_t * self.splits * _H
-            rounds += [("sum", per_round)] * (self.rounds + 1) + [("all_gather", self.rows_t * self.splits * self.sub * 2)]
+            rounds += [("sum", per_round)] * (self.rounds + 1)  # rounds 0..n
+            rounds.append(("all_gather", self.rows_t * self.splits * self.sub * 2))
         if self.batch:
             rounds.append(("all_gather", self.batch * self.splits * self.sub * rs.RACE_COLS))
         return rounds
