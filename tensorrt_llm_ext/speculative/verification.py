@@ -435,7 +435,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     # pass 1: row maxima of target and draft rows (and the target argmax), one launch
     ops.keys(tgt, drf, vocab_start, vocab_size, out=ws.keys, **kw)
     yield "max", ws.keys, None
-    # pass 2: masses Z, the drafted tokens' weights, and top-p round 0, one launch
+    # pass 2: masses Z, the drafted tokens' weights, and the top-p window (counts near the row max), one launch
     ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1, row_div_q=k,
              hist=has_p, out=ws.sums, **kw)
     yield "sum", ws.sums, None
