@@ -72,7 +72,7 @@ if [ "${FULL:-0}" = 1 ]; then
 fi
 for name in $names; do  # the tables and the profiles (every line but progress and warnings)
   echo "--- $name" >> "$summary"
-  grep -vE "(done$|Warning|warn\()" "$logs/$name.log" 2>/dev/null | head -300 >> "$summary"
+  grep -vE "(done$|Warning|warn\(|\] \[INFO\] )" "$logs/$name.log" 2>/dev/null | head -300 >> "$summary"
 done
 pack
 cat "$summary"
