@@ -62,10 +62,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-pass-stats", action="store_true",
                    help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
                         "on block-aligned shards instead")
-    p.add_argument("--hist-window", type=int, default=None,
-                   help="top-p round 0: buckets per side summed in registers (0 = every add an atomic, else a "
-                        "power of two <= 16; default "
-                        f"{fps.HIST_WINDOW}); the same values either way, for timing the two")
 
 
 # Reference columns (issue 28, H200, 2026-12-02, torch 2.11, triton 3.6, bf16, K = 7, T = 1, CUDA graph, medians;
@@ -341,12 +337,6 @@ def run(args: argparse.Namespace) -> None:
     stock_timer = BenchTimer(reps=3, calls_per_rep=2)
     device = timer.device
     dtype = _DTYPES[args.dtype]
-    if args.hist_window is not None:
-        if args.hist_window not in (0, 1, 2, 4, 8, 16):
-            print(f"bench verify: --hist-window: expected 0, 1, 2, 4, 8 or 16, got {args.hist_window}",
-                  file=sys.stderr)
-            sys.exit(2)
-        fps.HIST_WINDOW = args.hist_window
     if args.profile:
         _profile(args, device, dtype)
         return
@@ -430,7 +420,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"bench verify: tp {tp} B={b} done", file=sys.stderr, flush=True)
     print_table(
         f"bench verify: rejection_sample per rank, {args.dtype}, V={vocab}, K={k}, T={args.temperature}, "
-        f"top-p {args.top_p}, block {block}, splits {splits}, top-p round-0 register window {fps.HIST_WINDOW}",
+        f"top-p {args.top_p}, block {block}, splits {splits}",
         ["tp", "shard width", "B", "top-p", "floor us", "ours us", "ours/floor", "goal us", "vLLM MRv2 us (issue)",
          "FlashInfer us (issue)", "FlashInfer us (this run)", "stock(V) us", "stock/ours", "exchanges (rounds / bytes per rank)"],
         rows,

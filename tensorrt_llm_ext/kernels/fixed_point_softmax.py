@@ -27,8 +27,8 @@ column chunk: no memset, no global atomics shared between programs), so consumer
   (NaN first; as ``shard_select``) and the ordered int32 key of the largest finite logit (``EMPTY_KEY``
   when none). One int64 MAX exchange.
 * :func:`verify_sums` (pass 2): per (row, chunk) ``Z``, the weight and radix key of the row's drafted
-  token, and optionally the first exact top-p histogram (mass per top byte of the radix key, see
-  ``top_p``) in a per-program slot. One int64 SUM exchange.
+  token, and optionally the exact top-p window (the count of each of the 256 logit values of the row's dtype
+  at and below the row max, see ``top_p``) in a per-program slot. One int64 SUM exchange.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, MAX_VOCA
                                                   ordered_i32, ordered_i32_torch, pack_key, pack_key_torch)
 
 __all__ = [
-    "HIST_BUCKETS", "HIST_WINDOW", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
-    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "sfu_exp2",
+    "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
+    "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "key_shift",
+    "sfu_exp2",
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
@@ -57,11 +58,6 @@ __all__ = [
 ONE_Q30 = 1 << 30
 HIST_BUCKETS = 256
 SUMS_COLS = 3  # verify_sums columns before the histogram: Z, F(token), radix key(token)
-# Top-p round 0 in verify_sums: buckets per side of the weighted range summed in registers (the rest are atomic
-# adds; 0 = every add an atomic, else a power of two). The same values either way; `bench verify --hist-window`
-# times them. 0: on the H200 (2026-12-04, B = 32, TP-4 shard, top-p 0.95) verify_sums took 215 us all-atomic
-# and 310 us with windows of 4 (the [1024, 8] register select costs more than the atomics it saves).
-HIST_WINDOW = 0
 # fp32 value of log2(e) (the constant both Triton and torch multiply by, exactly representable).
 LOG2E_F32 = float(torch.tensor(math.log2(math.e), dtype=torch.float32).item())
 
@@ -252,7 +248,7 @@ def _verify_sums_kernel(
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr = 0,  # HIST: buckets per side summed in registers (0 = every add an atomic)
+    SHIFT: tl.constexpr = 0,  # HIST: the radix-key bits the target dtype leaves constant (key_shift)
 ):
     # programs walk the rows and chunks backwards: the first ones read what verify_keys read last (still in L2)
     row = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -267,47 +263,31 @@ def _verify_sums_kernel(
     c = weight_scale(tl.load(temp_ptr + b))
     out = sums_ptr + tl.where(is_t, (row.to(tl.int64) * num_splits + split) * cols_t,
                               sums_q_off + (rq.to(tl.int64) * num_splits + split) * 3)
+    # top-p window: bin j counts the tokens whose dtype value is the j-th below the row max (the value's key is
+    # the max's minus j in units of 2^SHIFT). A count, not a mass: every token of a bin weighs the same, so the
+    # consumer multiplies. Only the few tokens near the max add (an atomic into this program's own slot, spread
+    # over up to 256 bins), instead of a weighted add of every token into a few hot buckets.
+    # int32 keys: (radix_key(m) >> s) - (radix_key(x) >> s) == (om >> s) - (o >> s) (2^31 is a multiple of 2^s); a
+    # difference that wraps (s = 0 only: >= 2^31) turns negative and is out of the window either way
+    wtop = ordered_i32(m) >> SHIFT
     if HIST:
         if is_t:
-            # this program's own 256 buckets (no other program touches them): zero, then accumulate
             tl.store(out + 3 + tl.arange(0, 256), tl.zeros([256], tl.int64))
             tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
     acc = tl.zeros([BLOCK], tl.int64)
-    if WINDOW > 0:
-        # Round 0's weighted tokens lie in [m - 30 / c, m] (lower ones weigh 0): the WINDOW buckets below the
-        # max's and the WINDOW above the lowest weighted logit's hold nearly all of them (a bucket is a factor
-        # of 4 in |x|). Those are summed in registers; any other token is an atomic add, so every value is exact
-        # and the windows are only a matter of speed.
-        top_a = (radix_key(m) >> 24).to(tl.int32)
-        bot_b = (radix_key(m - 30.0 / c) >> 24).to(tl.int32)
-        hs = tl.arange(0, 2 * WINDOW)
-        win_acc = tl.zeros([2 * WINDOW], tl.int64)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
         valid = cols < col_end
         x = load_pair_tile(t_row, q_row, is_t, cols, valid)
-        w = fixed_point_weight(x, m, c, valid & is_finite(x))
-        acc += w
+        fin = valid & is_finite(x)
+        acc += fixed_point_weight(x, m, c, fin)
         if HIST:
             if is_t:
-                bk = (radix_key(x) >> 24).to(tl.int32)
-                if WINDOW > 0:
-                    ja = top_a - bk
-                    jb = bk - bot_b
-                    in_a = (ja >= 0) & (ja < WINDOW)
-                    in_b = (jb >= 0) & (jb < WINDOW) & ~in_a
-                    slot = tl.where(in_a, ja, tl.where(in_b, WINDOW + jb, -1))
-                    win_acc += tl.sum(tl.where(slot[:, None] == hs[None, :], w[:, None], 0), 0)
-                    hist_add(out + 3, bk, tl.where(slot < 0, w, 0))
-                else:
-                    hist_add(out + 3, bk, w)
-    if WINDOW > 0:
-        if is_t:
-            wb = tl.where(hs < WINDOW, top_a - hs, bot_b + hs - WINDOW)
-            tl.atomic_add(out + 3 + wb, win_acc, mask=(win_acc > 0) & (wb >= 0) & (wb < 256))
+                jw = wtop - (ordered_i32(x) >> SHIFT)
+                hist_add(out + 3, jw, (fin & (jw >= 0) & (jw < 256)).to(tl.int64))
     ftok = tl.sum(acc, 0) * 0
     utok = ftok
     if HAS_TOK:
@@ -373,6 +353,12 @@ def decode_max_key_torch(key: torch.Tensor) -> torch.Tensor:
     k = torch.where(key == EMPTY_KEY, torch.zeros_like(key), key).to(torch.int32)
     bits = torch.where(k < 0, k ^ 0x7FFFFFFF, k)
     return bits.view(torch.float32)
+
+
+def key_shift(dtype: torch.dtype) -> int:
+    """Low radix-key bits that a logit of ``dtype`` leaves constant given its sign (bf16 16, fp16 13, fp32 0):
+    ``key >> key_shift`` numbers the dtype's values in order, one apart. A static fact of the call."""
+    return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -516,10 +502,11 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
 
     ``out`` is the flat buffer of :func:`sums_layout`, every slot written: per (row, column chunk) ``Z``
     (sum of F over owned finite columns), ``F(tok)`` and ``radix_key(tok)`` of the row's token where the
-    chunk owns it (0 elsewhere), and for target rows with ``hist`` the mass per top byte of the radix key
-    (top-p round 0; a per-program histogram, no other program adds into it). Target row ``r`` belongs to
-    request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K), draft row ``r`` to
-    request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
+    chunk owns it (0 elsewhere), and for target rows with ``hist`` the top-p window: the count of finite tokens
+    at each of the 256 values of the target's dtype at and below the row max (bin ``j``: radix key
+    ``(radix_key(m) >> s) - j`` for ``s = key_shift(dtype)``; a per-program slot, no other program adds into it).
+    Target row ``r`` belongs to request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K),
+    draft row ``r`` to request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
     MAX exchange. Exact under one int64 SUM across ranks. CUDA-graph safe.
     """
     n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
@@ -533,7 +520,7 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
         target, q, keys, temperatures, tokens if tokens is not None else keys, out,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
-        SPLITS=triton.next_power_of_2(splits), WINDOW=HIST_WINDOW if hist else 0, num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), SHIFT=key_shift(target.dtype), num_warps=num_warps_for(block_size))
     return out
 
 
@@ -574,9 +561,13 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
     flat_t = out[: rt * splits * cols_t].view(rt, splits, cols_t)
     flat_t[:, :, :SUMS_COLS] = res[:rt]
     if hist:
+        shift = key_shift(target.dtype)
+        jw = (radix_key_torch(m[:rt]) >> shift) - (radix_key_torch(x[:rt]) >> shift)
+        inw = fin[:rt] & (jw < HIST_BUCKETS)
         h = torch.zeros((rt, splits * HIST_BUCKETS), dtype=torch.int64, device=dev)
         scol = torch.arange(n_valid, device=dev) // chunk
-        h.scatter_add_(1, scol[None, :] * HIST_BUCKETS + (radix_key_torch(x[:rt]) >> 24), w[:rt])
+        bins = scol[None, :] * HIST_BUCKETS + torch.where(inw, jw, torch.zeros_like(jw))
+        h.scatter_add_(1, bins, inw.to(torch.int64))
         flat_t[:, :, SUMS_COLS:] = h.view(rt, splits, HIST_BUCKETS)
     out[rt * splits * cols_t:].view(rq, splits, SUMS_COLS).copy_(res[rt:])
     return out

@@ -7,16 +7,26 @@ multiply and a ceil, the same on every rank). Rows with ``p >= 1`` (or NaN) keep
 with ``T <= 0`` keep exactly their first maximum (``tau = 1``); a row without a finite logit keeps nothing.
 
 The boundary is the radix key ``u`` (the fp32 ordered key made unsigned: larger logit, larger ``u``) of
-the token where the prefix mass crosses ``tau``. Four rounds find it a byte at a time, most significant
+the token where the prefix mass crosses ``tau``. **The window first**: ``verify_sums`` counts, per row and
+column chunk, the finite tokens at each of the 256 values of the logits' dtype at and below the row max (the
+values' keys are one apart after dropping the ``key_shift`` bits that the dtype leaves constant). Every token of
+such a bin has one value, so the bin's exact mass is its count times that value's weight; where the cumulative
+mass of the 256 bins reaches ``tau`` (:func:`window_resolve`: on bf16 rows of a real or a random-weight model at
+T = 1 the top-p 0.95 boundary lies ~100 values below the max), that bin is the boundary. Only the few tokens near
+the max add into the window, spread over up to 256 bins, where a radix round 0 adds every weighted token into
+the few buckets of a factor of 4 in ``|x|``: contended atomics were most of the top-p time on the H200.
+
+**The radix rounds** find the boundary of the other rows (below the window) a byte at a time, most significant
 first: round ``r`` adds, per row and column chunk, the mass of every token whose top ``8r`` bits equal the
 prefix found so far into 256 buckets of the next byte. Each program owns its 256 buckets (no global
 atomics shared between programs, no memset: the program writes its own slot; the logits' last round counts in
 registers and multiplies by each bucket's one weight, earlier rounds add atomically); after one int64 SUM across
 ranks every rank sums the chunks' buckets and scans them from the top for the first whose cumulative
-mass (plus the mass above the prefix) reaches ``tau``. Round 0 is fused into ``verify_sums``; the resolve
-of round ``r`` runs at the start of the kernel of round ``r + 1`` (every program of a row resolves the
-same, the program of chunk 0 stores it). After round 3 the boundary value ``b*`` and the mass strictly
-above it are exact.
+mass (plus the mass above the prefix) reaches ``tau``. The resolve of round ``r`` runs at the start of the kernel
+of round ``r + 1`` (every program of a row resolves the same, the program of chunk 0 stores it); rows the window
+resolved histogram nothing (their programs skip the pass). The logits' dtype decides how many rounds there are
+(:func:`radix_rounds`); after the last the boundary value ``b*`` and the mass strictly above it are exact, and
+the same as the window's where both apply (the same definition).
 
 Tokens with key ``b*`` all weigh the same ``F*``; the first ``n_keep = ceil((tau - mass_above) / F*)`` of
 them in global id order are kept. Each program counts its ties (and those with a global id below the
@@ -27,7 +37,8 @@ helper, used by the mask kernel and by the draw) derives all of it where it is n
 separate finalize launch.
 
 Launches of :func:`~tensorrt_llm_ext.speculative.verification.top_p_keep`: ``verify_keys``,
-``verify_sums`` (round 0), rounds 1..3, ties, mask: 7 launches, 6 exchanges (MAX, SUM, 3 x SUM, gather).
+``verify_sums`` (the window), rounds 0..n (n = 1 bf16, 2 fp16, 3 fp32), ties, mask: bf16 6 launches, 5 exchanges
+(MAX, SUM, 2 x SUM, gather).
 """
 
 from __future__ import annotations
@@ -37,9 +48,10 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_logits, decode_max_key,
+from tensorrt_llm_ext.kernels.ordered_key import ordered_i32
+from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COLS, check_logits, decode_max_key,
                                                           decode_max_key_torch, fixed_point_weight, hist_add,
-                                                          fixed_point_weight_torch, is_finite, plan_chunks,
+                                                          fixed_point_weight_torch, is_finite, key_shift, plan_chunks,
                                                           radix_key, radix_key_torch, radix_to_f32,
                                                           radix_to_f32_torch, row_max_from_keys, subchunk_index_torch,
                                                           subchunk_width,
@@ -49,7 +61,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, check_lo
 
 __all__ = [
     "bucket_key", "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
-    "top_p_mask_reference",
+    "top_p_mask_reference", "window_key", "window_resolve", "window_resolve_torch",
     "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
 ]
 
@@ -104,6 +116,36 @@ def bucket_key(prefix, digit, low_bits):
     key = ((prefix << 8) | digit) << low_bits
     low = ((digit * 0 + 1) << low_bits) - 1
     return tl.where(key < 2147483648, key | low, key)
+
+
+@triton.jit
+def window_key(wtop, j, SHIFT: tl.constexpr):
+    """The full radix key of top-p window bin ``j`` (int64): the dtype value ``j`` steps below the row max, whose
+    key is ``wtop = radix_key(m) >> SHIFT`` in units of ``2^SHIFT``; the ``SHIFT`` low bits follow from the sign
+    (0 for a positive logit, all ones for a negative one), as in :func:`bucket_key`."""
+    key = (wtop - j) << SHIFT
+    return tl.where(key < 2147483648, key | ((1 << SHIFT) - 1), key)
+
+
+@triton.jit
+def window_resolve(win_ptr, num_splits, stride, m, c, tau, SHIFT: tl.constexpr, SPLITS: tl.constexpr):
+    """``(resolved, b*, mass above b*)`` of a row from its exchanged window counts (``win_ptr [S, 256]`` at chunk
+    stride ``stride``, :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_sums`).
+
+    Every token of bin ``j`` has the one value of :func:`window_key`, so the bin's mass is its count times that
+    value's weight: the exact masses of the 256 largest values of the row. ``resolved``: ``tau >= 0`` and their
+    cumulative mass from the top reaches ``tau`` -- then ``b*`` is that bin's key and the mass above it the bins'
+    sum before it, the same boundary the radix rounds find (the first value, logit descending, where the prefix
+    mass reaches ``tau``). Otherwise the boundary lies below the window and the rounds find it."""
+    j = tl.arange(0, 256)
+    g = split_reduce_rows(win_ptr + j, num_splits, stride, j < 256, SPLITS, False)
+    key = window_key(radix_key(m) >> SHIFT, j.to(tl.int64), SHIFT)
+    mass = g * fixed_point_weight(radix_to_f32(key), m, c, g > 0)
+    hit = tl.cumsum(mass, 0) >= tau
+    jstar = tl.min(tl.where(hit, j, 256), 0)
+    above = tl.sum(tl.where(j < jstar, mass, 0), 0)
+    bstar = tl.sum(tl.where(j == jstar, key, 0), 0)
+    return (tau >= 0) & (jstar < 256), bstar, above
 
 
 @triton.jit
@@ -179,9 +221,10 @@ def _top_p_round_kernel(
     out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S * n_sub, 2] tie counts (TIES), every slot written
     tok_ptr,  # [R // row_div, k_tok] int64 (TIES and HAS_TOK)
     stride_row, cols_t, prev_rs, prev_ss, n_valid, vocab_start, chunk, num_splits, row_div, k_tok, n_sub, sub,
-    rnd,  # 1..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
+    rnd,  # 0..3: which digit this kernel histograms; with TIES: the low key bits no round resolved (0, 8, 16)
     BLOCK: tl.constexpr, TIES: tl.constexpr, HAS_TOK: tl.constexpr, SPLITS: tl.constexpr,
     COUNT: tl.constexpr = False,  # the dtype's last round: every bucket is one logit value (counts x its weight)
+    SHIFT: tl.constexpr = 0,  # key_shift of the logits' dtype (the window's unit)
 ):
     # the order of the rows alternates between consecutive passes (sums backwards, rounds forwards, the tie
     # count backwards), so each pass starts on the rows the previous one read last (still in L2)
@@ -195,17 +238,30 @@ def _top_p_round_kernel(
     temp = tl.load(temp_ptr + b)
     c = weight_scale(temp)
     m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits, SPLITS))
-    z = split_reduce(sums_ptr + r64 * num_splits * cols_t, num_splits, cols_t, row >= 0, SPLITS, False)
+    srow = sums_ptr + r64 * num_splits * cols_t
+    z = split_reduce(srow, num_splits, cols_t, row >= 0, SPLITS, False)
     tau = row_tau(tl.load(top_p_ptr + b), z, temp, True)
-    # round 1 starts from the empty prefix (no memset of a state buffer needed)
-    prefix = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2))
-    mass = tl.where(rnd == 1, 0, tl.load(state_prev_ptr + r64 * 2 + 1))
-    prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau, SPLITS)
+    # a row whose boundary lies among its 256 largest values is resolved by verify_sums' window: no round
+    # histograms it, and the tie count takes its boundary from the window
+    wres, wkey, wmass = window_resolve(srow + 3, num_splits, cols_t, m, c, tau, SHIFT, SPLITS)
+    pv = tl.load(state_prev_ptr + r64 * 2)
+    mv = tl.load(state_prev_ptr + r64 * 2 + 1)
     if TIES:
+        prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, pv, mv, tau, SPLITS)
         # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
         full = prefix << rnd
         low = ((prefix * 0 + 1) << rnd) - 1
         prefix = tl.where(tau < 0, prefix, tl.where(full < 2147483648, full | low, full))
+        prefix = tl.where(wres, wkey, prefix)
+        mass = tl.where(wres, wmass, mass)
+    else:
+        # rounds 0 and 1 start from the empty prefix (no memset of a state buffer needed); round 0 has no digit
+        # to resolve (its prev_ptr is any buffer of the right shape, read and ignored)
+        prefix = tl.where(rnd <= 1, 0, pv)
+        mass = tl.where(rnd <= 1, 0, mv)
+        rp, rm = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau, SPLITS)
+        prefix = tl.where(rnd > 0, rp, prefix)
+        mass = tl.where(rnd > 0, rm, mass)
     if split == 0:
         tl.store(state_out_ptr + r64 * 2, prefix)
         tl.store(state_out_ptr + r64 * 2 + 1, mass)
@@ -223,19 +279,23 @@ def _top_p_round_kernel(
         for si in range(n_sub):
             sub_begin = col_begin + si * sub
             sub_end = tl.minimum(sub_begin + sub, col_end)
-            cnt = tl.zeros([BLOCK], tl.int64)
-            before = tl.zeros([BLOCK], tl.int64)
+            # int32 in the loop (counts of one sub-chunk, column ids of one shard): the radix key compared as its
+            # ordered int32 key, the token as a column of this shard (-1: none here or before)
+            cnt = tl.zeros([BLOCK], tl.int32)
+            before = tl.zeros([BLOCK], tl.int32)
             if tau >= 0:
+                okey = (prefix - 2147483648).to(tl.int32)
+                tok_col = tl.minimum(tl.maximum(tok - vocab_start, -1), 2147483647).to(tl.int32)
                 for start in range(sub_begin, sub_end, BLOCK):
                     cols = start + lanes
                     valid = cols < sub_end
                     x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-                    tie = (valid & is_finite(x) & (radix_key(x) == prefix)).to(tl.int64)
+                    tie = (valid & is_finite(x) & (ordered_i32(x) == okey)).to(tl.int32)
                     cnt += tie
-                    before += tl.where(cols.to(tl.int64) + vocab_start < tok, tie, 0)
+                    before += tl.where(cols < tok_col, tie, 0)
             out = out_ptr + ((r64 * num_splits + split) * n_sub + si) * 2
-            tl.store(out, tl.sum(cnt, 0))
-            tl.store(out + 1, tl.sum(before, 0))
+            tl.store(out, tl.sum(cnt, 0).to(tl.int64))
+            tl.store(out + 1, tl.sum(before, 0).to(tl.int64))
     elif COUNT:
         # The last round of the logits' dtype: the key bits below this digit are constant given the sign
         # (radix_rounds), so every token of a bucket has the same fp32 value and the same weight. The bucket's
@@ -243,7 +303,7 @@ def _top_p_round_kernel(
         sh_match = 32 - 8 * rnd
         sh_digit = 24 - 8 * rnd
         cnt = tl.zeros([256], tl.int32)
-        if tau >= 0:
+        if (tau >= 0) & ~wres:
             for start in range(col_begin, col_end, BLOCK):
                 cols = start + lanes
                 valid = cols < col_end
@@ -259,7 +319,7 @@ def _top_p_round_kernel(
         out = out_ptr + (r64 * num_splits + split) * 256
         tl.store(out + tl.arange(0, 256), tl.zeros([256], tl.int64))  # this program's own buckets
         tl.debug_barrier()
-        if tau >= 0:
+        if (tau >= 0) & ~wres:
             sh_match = 32 - 8 * rnd
             sh_digit = 24 - 8 * rnd
             for start in range(col_begin, col_end, BLOCK):
@@ -329,6 +389,21 @@ def _resolve_torch(hist: torch.Tensor, prefix: torch.Tensor, mass: torch.Tensor,
     zero = torch.zeros_like(prefix)
     return (torch.where(keep_all, zero, (prefix << 8) | (255 - jstar)),
             torch.where(keep_all, zero, mass + before))
+
+
+def window_resolve_torch(win: torch.Tensor, m: torch.Tensor, c: torch.Tensor, tau: torch.Tensor, shift: int):
+    """Torch twin of :func:`window_resolve` for rows ``[R]`` (``win [R, S, 256]`` window counts)."""
+    g = win.sum(1)
+    j = torch.arange(HIST_BUCKETS, device=win.device)
+    key = (radix_key_torch(m)[:, None] >> shift) - j[None, :]
+    key = key << shift
+    key = torch.where(key < 2**31, key | ((1 << shift) - 1), key)
+    mass = g * fixed_point_weight_torch(radix_to_f32_torch(key), m[:, None], c[:, None], g > 0)
+    hit = torch.cumsum(mass, 1) >= tau[:, None]
+    jstar = torch.where(hit, j[None, :], torch.full_like(hit, HIST_BUCKETS, dtype=torch.int64)).min(1).values
+    above = torch.where(j[None, :] < jstar[:, None], mass, torch.zeros_like(mass)).sum(1)
+    bstar = key.gather(1, jstar.clamp(max=HIST_BUCKETS - 1)[:, None])[:, 0]
+    return (tau >= 0) & (jstar < HIST_BUCKETS), bstar, above
 
 
 def _row_setup_torch(keys, temperatures, top_p, sums, row_div):
@@ -405,28 +480,34 @@ def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
 def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
                 vocab_start: int, vocab_size: int, rnd: int, *, row_div: int = 1, block_size: int = 2048,
                 num_splits: int = 1) -> None:
-    """Radix round ``rnd`` (1..3): resolve the previous digit into ``state_out`` and histogram the next.
+    """Radix round ``rnd`` (0..3): resolve the previous digit into ``state_out`` and histogram the next.
 
-    ``sums [R, S, cols_t]`` (the exchanged target part of ``verify_sums``), ``prev_hist [R, S, 256]`` (the
-    exchanged previous histogram: ``sums[:, :, 3:]`` for round 1), ``state_prev``/``state_out`` ``[R, 2]``
-    (prefix, mass above; round 1 starts from the empty prefix and ignores ``state_prev``),
-    ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged next). One launch; CUDA-graph safe.
-    The logits' last round (:func:`radix_rounds`) histograms counts in registers and multiplies each bucket's
-    count by its one value's weight (no atomics; the same int64 masses as the weighted adds).
+    ``sums [R, S, cols_t]`` (the exchanged target part of ``verify_sums``, with its top-p window),
+    ``prev_hist [R, S, 256]`` (the exchanged histogram of round ``rnd - 1``; None for round 0),
+    ``state_prev``/``state_out`` ``[R, 2]`` (prefix, mass above; rounds 0 and 1 start from the empty prefix and
+    ignore ``state_prev``, which may be None), ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged
+    next). Rows that the window resolves (:func:`window_resolve`) histogram nothing (zeros). One launch; CUDA-graph
+    safe. The logits' last round (:func:`radix_rounds`) histograms counts in registers and multiplies each bucket's
+    count by its one value's weight (no atomics; the same int64 masses as the weighted adds); the others add each
+    token's weight atomically into the program's own buckets.
     """
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
-    check_int("rnd", rnd, lo=1, hi=4)
+    check_int("rnd", rnd, lo=0, hi=4)
     rows = logits.shape[0]
     check_tensor("hist_out", hist_out, shape=(rows, splits, HIST_BUCKETS), dtype=torch.int64, device=logits.device,
                  contiguous=True)
+    if rnd > 0 and prev_hist is None:
+        raise ValueError(f"prev_hist: round {rnd} needs the previous round's histogram, got None")
     if rows == 0:
         return
+    prev = hist_out if rnd == 0 else prev_hist  # round 0 reads no digit (any buffer of the shape)
+    st_prev = state_out if state_prev is None else state_prev
     _top_p_round_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out, keys,
-        logits.stride(0), sums.shape[2], prev_hist.stride(0), prev_hist.stride(1),
+        logits, keys, temperatures, top_p, sums, prev, st_prev, state_out, hist_out, keys,
+        logits.stride(0), sums.shape[2], prev.stride(0), prev.stride(1),
         n_valid, vocab_start, chunk, splits, row_div, 0, 1, chunk, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
-        SPLITS=triton.next_power_of_2(splits), COUNT=rnd == radix_rounds(logits.dtype),
+        SPLITS=triton.next_power_of_2(splits), COUNT=rnd == radix_rounds(logits.dtype), SHIFT=key_shift(logits.dtype),
         num_warps=num_warps_for(block_size))
 
 
@@ -438,13 +519,18 @@ def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, st
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
     rows = logits.shape[0]
     c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
-    start = torch.zeros_like(state_prev) if rnd == 1 else state_prev
-    prefix, mass = _resolve_torch(prev_hist, start[:, 0], start[:, 1], tau)
+    wres, _, _ = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
+    zero = torch.zeros_like(tau)
+    if rnd == 0:
+        prefix, mass = zero, zero
+    else:
+        start = torch.zeros_like(state_out) if rnd == 1 else state_prev
+        prefix, mass = _resolve_torch(prev_hist, start[:, 0], start[:, 1], tau)
     state_out[:, 0] = prefix
     state_out[:, 1] = mass
     x = logits[:, :n_valid].float()
     u = radix_key_torch(x)
-    hit = torch.isfinite(x) & ((u >> (32 - 8 * rnd)) == prefix[:, None]) & (tau >= 0)[:, None]
+    hit = torch.isfinite(x) & ((u >> (32 - 8 * rnd)) == prefix[:, None]) & ((tau >= 0) & ~wres)[:, None]
     w = fixed_point_weight_torch(x, m[:, None], c[:, None], hit)
     h = torch.zeros((rows, splits * HIST_BUCKETS), dtype=torch.int64, device=x.device)
     sc = _chunk_index(n_valid, chunk, x.device)[None, :] * HIST_BUCKETS
@@ -506,7 +592,7 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
         tokens if tokens is not None else keys, logits.stride(0), sums.shape[2],
         prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, n_sub, sub,
         skip_bits, BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, SPLITS=triton.next_power_of_2(splits),
-        num_warps=num_warps_for(block_size))
+        SHIFT=key_shift(logits.dtype), num_warps=num_warps_for(block_size))
 
 
 def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
@@ -518,10 +604,12 @@ def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, sta
                                               state_out, ties, row_div, block_size, num_splits, vocab_start,
                                               vocab_size, n_sub, skip_bits)
     rows = logits.shape[0]
-    _, _, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
+    c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     bstar, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)
     full = bstar << skip_bits
     bstar = torch.where(tau < 0, bstar, torch.where(full < 2**31, full | ((1 << skip_bits) - 1), full))
+    wres, wkey, wmass = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
+    bstar, mass = torch.where(wres, wkey, bstar), torch.where(wres, wmass, mass)
     state_out[:, 0] = bstar
     state_out[:, 1] = mass
     x = logits[:, :n_valid].float()

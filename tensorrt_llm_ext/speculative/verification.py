@@ -2,8 +2,8 @@
 
 Each rank holds its vocabulary shard of the target logits ``[B, K+1, V_local]`` and of the draft logits
 ``[B, K, V_local]`` (the logits the drafts were sampled from). Nothing proportional to the vocabulary
-crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, radix histograms
-``[R, S, 256]`` for top-p, tie counts ``[tp, R, S * sub, 2]``, and the draw's race ``[tp, B, S * sub, 2]``.
+crosses ranks: per (row, column chunk) two int64 keys and three int64 masses, the top-p window and radix
+histograms ``[R, S, 256]`` for top-p, tie counts ``[tp, R, S * sub, 2]``, and the draw's race ``[tp, B, S * sub, 2]``.
 
 Semantics (docs/rejection_sampling.md has the full statement):
 
@@ -27,10 +27,10 @@ call equals the TP-1 call). The weights use the SFU ``exp2``: the eager twins ag
 interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md, "What is bitwise where").
 
 Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
-``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds and the tie
-count come in between: bf16 logits 6 launches and 5 exchanges, fp16 7 / 6, fp32 8 / 7; ``top_p_keep``
-bf16 5 / 4, fp32 7 / 6. Each launcher is one kernel launch and writes every slot of its output, so no call
-issues a memset or a copy.
+``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds (0..n, skipped by
+the rows that ``verify_sums``' window resolves) and the tie count come in between: bf16 logits 7 launches and
+6 exchanges, fp16 8 / 7, fp32 9 / 8; ``top_p_keep`` bf16 6 / 5, fp32 8 / 7. Each launcher is one kernel launch
+and writes every slot of its output, so no call issues a memset or a copy.
 
 CUDA graphs: pass a :class:`VerificationWorkspace` (allocated once for the largest batch) and ``out=``;
 then no call allocates, syncs the host or branches on data. Input checks that need device values (draft
@@ -90,16 +90,16 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
     """``(launches, exchange rounds)`` of one call of ``entry`` (``"rejection_sample"`` / ``"top_p_keep"``).
 
     The pipeline below, written down once (tests count both on CPU and hold them to it;
-    docs/rejection_sampling.md has the before/after table). With top-p the radix rounds depend on the
-    logits' dtype (:func:`~tensorrt_llm_ext.kernels.top_p.radix_rounds`): bf16 1, fp16 2, fp32 3.
+    docs/rejection_sampling.md has the before/after table). With top-p the radix rounds after round 0 depend on
+    the logits' dtype (:func:`~tensorrt_llm_ext.kernels.top_p.radix_rounds`): bf16 1, fp16 2, fp32 3.
     """
     if entry not in ("rejection_sample", "top_p_keep") or (entry == "top_p_keep" and not top_p):
         raise ValueError(f"call_shape: expected ('rejection_sample', bool) or ('top_p_keep', True), got "
                          f"{(entry, top_p)!r}")
     n = tpk.radix_rounds(dtype) if top_p else 0
     if entry == "top_p_keep":
-        return 4 + n, 3 + n  # keys, sums, n rounds, ties, mask / MAX, SUM, n SUMs, gather
-    return (5 + n, 4 + n) if top_p else (4, 3)  # + draw, assemble / + the race's gather
+        return 5 + n, 4 + n  # keys, sums, rounds 0..n, ties, mask / MAX, SUM, n + 1 SUMs, gather
+    return (6 + n, 5 + n) if top_p else (4, 3)  # + draw, assemble / + the race's gather
 
 
 _H = fps.HIST_BUCKETS
@@ -138,7 +138,7 @@ class VerificationPlan:
     splits: int
     tp: int
     top_p: bool
-    rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype)
+    rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype; round 0 exchanges too)
     sub: int = 1  # sub-chunks per chunk of the draw (draw_plan) and of the tie counts
 
     def sizes(self) -> dict[str, int]:
@@ -147,7 +147,7 @@ class VerificationPlan:
         gathered = tp > 1  # at tp 1 the "gathered" buffers are views of the local ones
         return {
             "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
-            "hist": 3 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
+            "hist": 4 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
             "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
             "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
             "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
@@ -160,7 +160,8 @@ class VerificationPlan:
         rounds = [("max", sz["keys"]), ("sum", sz["sums"])]
         if self.top_p:
             per_round = self.rows_t * self.splits * _H
-            rounds += [("sum", per_round)] * self.rounds + [("all_gather", self.rows_t * self.splits * self.sub * 2)]
+            rounds += [("sum", per_round)] * (self.rounds + 1)  # rounds 0..n
+            rounds.append(("all_gather", self.rows_t * self.splits * self.sub * 2))
         if self.batch:
             rounds.append(("all_gather", self.batch * self.splits * self.sub * rs.RACE_COLS))
         return rounds
@@ -238,7 +239,7 @@ def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNames
     ns.sums_t = ns.sums[: rt * s * cols_t].view(rt, s, cols_t)
     ns.sums_q = ns.sums[rt * s * cols_t:].view(rq, s, fps.SUMS_COLS)
     if plan.top_p:
-        ns.hist = bufs["hist"][: sizes["hist"]].view(3, rt, s, _H)
+        ns.hist = bufs["hist"][: sizes["hist"]].view(4, rt, s, _H)
         ns.state = bufs["state"][: sizes["state"]].view(4, rt, 2)
         ns.ties = bufs["ties"][: sizes["ties"]].view(rt, s * f, 2)
         ns.ties_all = (bufs["ties_all"][: sizes["ties_all"]].view(tp, rt, s * f, 2) if tp > 1
@@ -289,15 +290,15 @@ def _vocab(vocab_start, vocab_size, width, tp) -> int:
 # The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
 def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *, tokens=None, row_div=1, n_sub=1):
-    """Radix rounds 1..n (n by dtype: bf16 1, fp16 2, fp32 3) and the tie count (``ws.state[3]`` = (b*, mass
-    above), ``ws.ties_all``)."""
+    """Radix rounds 0..n (n by dtype: bf16 1, fp16 2, fp32 3; every program of a row that ``verify_sums``' window
+    resolved skips its pass) and the tie count (``ws.state[3]`` = (b*, mass above), ``ws.ties_all``)."""
     n = tpk.radix_rounds(logits.dtype)
-    prev = ws.sums_t[:, :, fps.SUMS_COLS:]
-    for rnd in range(1, n + 1):
-        ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)], ws.state[rnd - 1],
-                        ws.hist[rnd - 1], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
-        yield "sum", ws.hist[rnd - 1], None
-        prev = ws.hist[rnd - 1]
+    prev = None
+    for rnd in range(n + 1):
+        ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)],
+                        ws.state[max(rnd - 1, 0)], ws.hist[rnd], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
+        yield "sum", ws.hist[rnd], None
+        prev = ws.hist[rnd]
     ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
                    vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), n_sub=n_sub, **kw)
     yield "gather", ws.ties, ws.ties_all
@@ -434,7 +435,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     # pass 1: row maxima of target and draft rows (and the target argmax), one launch
     ops.keys(tgt, drf, vocab_start, vocab_size, out=ws.keys, **kw)
     yield "max", ws.keys, None
-    # pass 2: masses Z, the drafted tokens' weights, and top-p round 0, one launch
+    # pass 2: masses Z, the drafted tokens' weights, and the top-p window (counts near the row max), one launch
     ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1, row_div_q=k,
              hist=has_p, out=ws.sums, **kw)
     yield "sum", ws.sums, None

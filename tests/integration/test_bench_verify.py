@@ -19,19 +19,6 @@ def test_bench_verify_profile_lists_the_launches_of_one_call(capsys):
     assert "_rejection_draw_kernel" in text and "_verify_keys_kernel" in text
 
 
-def test_bench_verify_hist_window_is_checked_and_applied(capsys, monkeypatch):
-    from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
-
-    monkeypatch.setattr(fps, "HIST_WINDOW", fps.HIST_WINDOW)  # restored after the test
-    try:
-        rc = main(["bench", "verify", "--profile", "--batch-sizes", "1", "--hist-window", "3"])
-    except SystemExit as e:
-        rc = e.code
-    assert rc == 2 and "--hist-window" in capsys.readouterr().err
-    assert main(["bench", "verify", "--profile", "--batch-sizes", "1", "--hist-window", "0"]) == 0
-    assert fps.HIST_WINDOW == 0
-
-
 def test_flashinfer_peer_reports_why_it_is_absent():
     """The measured FlashInfer column: a callable where flashinfer imports on CUDA, else a reason (printed in the
     table's notes); here (no flashinfer or no CUDA) the reason names what is missing."""
