@@ -14,9 +14,10 @@ graph and replayed (median):
 * ``select``: the LM head + the target's tokens (vocab-parallel kernel / ``torch.argmax`` on the gathered
   logits);
 * ``tail``: strict acceptance + paged-latent bookkeeping + context-latent store;
-* ``draft fwd``: the drafter's block decode + its LM head: ours with the fused block-attention kernel, stock
-  with its eager twin (the upstream path; same drafter object, :meth:`DSparkDrafter.set_attention_backend`
-  switched before the stock column's graphs are captured);
+* ``draft fwd``: the drafter's block decode + its LM head: ours with the fused block-attention kernel and fused
+  layers, stock with their eager twins (the upstream path; same drafter object,
+  :meth:`DSparkDrafter.set_attention_backend` / ``set_layer_backend`` switched before the stock column's graphs
+  are captured);
 * ``chain``: the Markov draft chain;
 * ``outside target`` = select + tail + draft fwd + chain, and the whole step ``worker.forward(B)``.
 
@@ -243,8 +244,10 @@ def run(args: argparse.Namespace) -> int:
     timer = BenchTimer(reps=7, calls_per_rep=4)
     eng = Engine(cfg)
     fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
-    # The drafter's block attention: the fused kernel for ours (where Triton runs), the eager twin for stock.
+    # The drafter's block attention and layers: the fused kernels for ours (where Triton runs), the eager twins
+    # (upstream's torch ops) for stock.
     attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
+    layers = {"ours": eng.drafter.layer_backend, "stock": "eager"}
     rows, profiles = [], []
     for b in sizes:
         ctx0 = setup_rows(eng, b, args.prompt_len)
@@ -252,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         t: dict[tuple[str, str], float] = {}
         for table, worker in (("ours", fused), ("stock", stock)):
             eng.drafter.set_attention_backend(attention[table])
+            eng.drafter.set_layer_backend(layers[table])
             stages = StepStages(eng, worker, b, ctx0)
             for name in STAGES:
                 if name == "target_fwd" and table == "stock":
