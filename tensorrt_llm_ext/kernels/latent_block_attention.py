@@ -300,15 +300,17 @@ class AttentionSchedule:
 # Per-(B, d_c) schedule: the first row whose max_batch >= B and max_latent >= d_c. Latent <= 256: the fastest
 # per B of `trtllm-ext bench drafter --tables attention` on the H200 (2026-12-04, 8 heads x 64, K 7, context 512;
 # docs/drafter_block_attention.md): B = 1 split 16 ways (19.9 us vs 72.7 unsplit), B <= 8 split 4 (35.4 vs 72.9),
-# larger B unsplit (86.7 vs 87.1). Wider latents were not timed (the sweep's latent-512 pass was cut short): the
-# same splits at 8 warps, which spill 112-136 B where 4 warps spill 644-932 B at latent 512 (sm_90, Triton 3.6.0).
+# larger B unsplit (86.7 vs 87.1). Latent 512, the same sweep's second call: B = 1 split 16 at 8 warps (35.7 us vs
+# 116-130 unsplit), B <= 8 split 4 at 4 warps (55.6 vs 70.8 at 8 warps), larger B unsplit at 4 warps (162.5 vs
+# 226.1 at 8 warps at B = 32) -- faster although 4 warps spill 644-932 B there where 8 warps spill 112-136 B
+# (sm_90, Triton 3.6.0).
 ATTENTION_SCHEDULES: tuple[AttentionSchedule, ...] = (
     AttentionSchedule(1, block_n=16, num_warps=4, split_k=16, max_latent=256),
     AttentionSchedule(8, block_n=32, num_warps=4, split_k=4, max_latent=256),
     AttentionSchedule(None, block_n=32, num_warps=4, split_k=1, max_latent=256),
     AttentionSchedule(1, block_n=16, num_warps=8, split_k=16),
-    AttentionSchedule(8, block_n=32, num_warps=8, split_k=4),
-    AttentionSchedule(None, block_n=32, num_warps=8, split_k=1),
+    AttentionSchedule(8, block_n=16, num_warps=4, split_k=4),
+    AttentionSchedule(None, block_n=16, num_warps=4, split_k=1),
 )
 
 

@@ -127,8 +127,10 @@ def resolve_drafter_tp_plan(declared: DrafterTPFusions, mapping: Mapping, fc_in_
 
 
 # Rows (``B * K`` block rows, ``B * (K + 1)`` context rows) up to which the fused layer path runs; a larger
-# call (a batched prefill's context, thousands of rows) takes the unfused path, where cuBLAS tiles pay.
-FUSED_LAYER_MAX_ROWS = 256
+# call takes the unfused path, where cuBLAS tiles pay. Measured on the H200 (2026-12-04, `bench drafter --tables
+# serve`, 5 layers, K 7): the fused layers win at B = 8 (56 / 64 rows: 323.9 vs 358.1 us per served step at
+# latent 256) and lose at B = 32 (224 / 256 rows: 730.8 vs 647.1), hence 64.
+FUSED_LAYER_MAX_ROWS = 64
 LAYER_BACKENDS = ("fused", "eager")
 
 
