@@ -2,7 +2,7 @@
 
 The interpreter runs a kernel op by op through Triton's front-end semantics on numpy data, and most of its
 time goes to bookkeeping that repeats the same answer: per-op costs, not per-element ones, which is why tiny
-test shapes are still slow. :func:`speed_up_interpreter` installs four shortcuts, each once per process:
+test shapes are still slow. :func:`speed_up_interpreter` installs these shortcuts, each once per process:
 
 * :func:`skip_nested_repatching`: a launch (``GridExecutor.__call__``) patches the language modules its
   function's globals name (``tl.add`` and friends become numpy-backed), runs every program, and restores them;
@@ -17,6 +17,9 @@ test shapes are still slow. :func:`speed_up_interpreter` installs four shortcuts
   of a binary op -- without first wrapping the list in a new ``tl.tuple`` and its type.
 * :func:`pass_same_typed_operands_through`: a binary op whose two tensors already have the same type (the
   common case) skips the promotion, cast and broadcast steps that would hand both back unchanged.
+* :func:`compare_scalar_types_directly`: two scalar types compared by name at once (every cast asks).
+* :func:`call_language_builtins_directly`: a launch's stand-in for each language builtin calls the function
+  itself, not the wrapper that checks for a semantic the stand-in always passes.
 
 Measured on 2026-12-04 (CPU seconds, back to back): ``test_vocab_parallel.py`` 40.0 -> 29.3 s from the last
 two, an interpreted Philox test 22.5 -> 18.6 s from the dtype table alone.
@@ -33,8 +36,9 @@ import inspect
 
 from tensorrt_llm_ext.logger import logger
 
-__all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", "compare_int_tuples_directly",
-           "pass_same_typed_operands_through", "skip_nested_repatching", "speed_up_interpreter"]
+__all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", "call_language_builtins_directly",
+           "compare_int_tuples_directly", "compare_scalar_types_directly", "pass_same_typed_operands_through",
+           "skip_nested_repatching", "speed_up_interpreter"]
 
 _INSTALLED: list[bool] = []
 _DTYPES_CACHED: list[bool] = []
@@ -42,6 +46,8 @@ _BLOCKS_CACHED: list[bool] = []
 _SHAPES_CACHED: list[bool] = []
 _TUPLES_COMPARED: list[bool] = []
 _OPERANDS_PASSED: list[bool] = []
+_DTYPES_COMPARED: list[bool] = []
+_BUILTINS_DIRECT: list[bool] = []
 _BLOCK_SHAPES: dict[int, object] = {}  # id -> a shape cache_block_types hands out (kept alive: ids stay unique)
 
 
@@ -53,6 +59,8 @@ def speed_up_interpreter() -> None:
     cache_tensor_shapes()
     compare_int_tuples_directly()
     pass_same_typed_operands_through()
+    compare_scalar_types_directly()
+    call_language_builtins_directly()
 
 
 def cache_np_dtype_lookup() -> None:
@@ -264,3 +272,52 @@ def pass_same_typed_operands_through() -> None:
 
     semantic.binary_op_type_checking_impl = checked
     _OPERANDS_PASSED.append(True)
+
+
+def compare_scalar_types_directly() -> None:
+    """``tl.dtype == other`` for ``other`` a ``tl.dtype`` itself (not a subclass): Triton unwraps ``other`` from a
+    constexpr and checks its class before comparing the two names; the shortcut compares the names at once (the
+    same answer). Every cast and every type check of an interpreted op asks it. Anything else -- a constexpr,
+    a pointer or block type, another object -- takes Triton's own ``__eq__``."""
+    if _DTYPES_COMPARED:
+        return
+    import triton.language as tl
+
+    original, scalar = tl.dtype.__eq__, tl.dtype
+
+    def eq(self, other):
+        if type(other) is scalar:
+            return self.name == other.name
+        return original(self, other)
+
+    tl.dtype.__eq__ = eq
+    _DTYPES_COMPARED.append(True)
+
+
+def call_language_builtins_directly() -> None:
+    """The interpreter's stand-in for a language builtin (``tl.load``, ``tl.where``, a tensor's ``__add__``...,
+    made by ``_patch_attr`` for every launch): a lambda that copies the keyword arguments without ``_semantic``
+    and calls the builtin's wrapper with the interpreter's semantic, which checks that a ``_semantic`` was given
+    and calls the function. The shortcut's stand-in calls the wrapped function with that semantic at once (the
+    wrapper's check always passes there). A member that is not a builtin wrapper takes Triton's own path."""
+    if _BUILTINS_DIRECT:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti._patch_attr
+    semantic, is_builtin = ti.interpreter_semantic, tl.core.is_builtin
+
+    def patch_attr(obj, name, member, builder, scope):
+        fn = getattr(member, "__wrapped__", None)
+        if fn is None or not is_builtin(member):
+            return original(obj, name, member, builder, scope)
+
+        def direct(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return fn(*args, **kwargs)
+
+        scope.set_attr(obj, name, direct)
+
+    ti._patch_attr = patch_attr
+    _BUILTINS_DIRECT.append(True)

@@ -10,7 +10,8 @@ import triton.language as tl
 from triton.runtime import interpreter as ti
 
 from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes,
-                                                  compare_int_tuples_directly, pass_same_typed_operands_through)
+                                                  call_language_builtins_directly, compare_int_tuples_directly,
+                                                  compare_scalar_types_directly, pass_same_typed_operands_through)
 
 _SCALARS = (tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv)
@@ -118,6 +119,39 @@ def test_same_typed_operands_come_back_as_tritons_own_checks_return_them():
     assert [list(t.shape) for t in checked(lhs, rhs)] == [[4, 16], [4, 16]]
     lhs = _operand("int32", (4,))
     assert checked(lhs, 3)[1].dtype == tl.int32  # a Python number: Triton's path
+
+
+def test_scalar_type_comparison_answers_as_tritons_own():
+    compare_scalar_types_directly()
+    own = _triton_own(tl.dtype.__eq__)
+    assert own is not tl.dtype.__eq__
+    others = (*_SCALARS, tl.pointer_type(tl.float32), tl.block_type(tl.float32, [4]), tl.constexpr(tl.float32),
+              "fp32", None, 3)
+    for t in _SCALARS:
+        for other in others:
+            got, want = t == other, own(t, other)
+            assert type(got) is type(want) and got == want, (t, other)
+            assert (t != other) == (not want)
+    assert len({tl.float32, tl.float32, tl.int32}) == 2  # still hashable as before
+
+
+def test_builtins_called_directly_answer_as_through_their_wrappers():
+    call_language_builtins_directly()
+    x, y = _operand("fp32", (4, 16)), _operand("int32", (4, 16))
+    scope = ti._LangPatchScope()
+    ti._patch_builtin(tl.math, ti.interpreter_builder, scope)
+    ti._patch_builtin(tl.tensor, ti.interpreter_builder, scope)
+    try:
+        assert tl.math.exp.__qualname__.startswith("call_language_builtins_directly")
+        got = (tl.math.exp(x), x + y, x.to(tl.bfloat16))
+    finally:
+        scope.restore()
+    want = (tl.math.exp(x, _semantic=ti.interpreter_semantic), x.__add__(y, _semantic=ti.interpreter_semantic),
+            x.to(tl.bfloat16, _semantic=ti.interpreter_semantic))
+    for g, w in zip(got, want):
+        assert g.type == w.type and np.array_equal(g.handle.data, w.handle.data)
+    with pytest.raises(ValueError, match="_semantic"):
+        tl.math.exp(x)  # restored: the wrapper's check is back outside a launch
 
 
 def test_child_processes_get_the_shortcuts_when_they_import_triton_and_only_then():
