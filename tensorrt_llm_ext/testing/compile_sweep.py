@@ -3,8 +3,9 @@
 Each :class:`SweepCase` calls one public launcher (or the speculative entry point that composes several)
 with CPU tensors of the runtime's shapes and dtypes; run under
 :class:`~tensorrt_llm_ext.testing.compile_only.CompileOnly`, each launch compiles its specialization
-for the target and runs nothing. The variants: logits dtypes bf16 / fp16 / fp32, greedy / sampled /
-top-p rows, every row of the schedule tables (``FUSED_SCHEDULES`` and the built 64-row tile,
+for the target and runs nothing. The variants: the model's dtypes bf16 / fp32 at every variant and fp16
+at the first of each loop (:func:`_variants`), greedy / sampled / top-p rows, every row of the schedule
+tables (``FUSED_SCHEDULES`` and the built 64-row tile,
 ``ATTENTION_SCHEDULES``), the vocabulary shards of TP 1 / 2 / 8 of a 128256 vocabulary and an odd one
 (50257: lengths not divisible by 16 give other integer specializations), and the draft lengths of the
 default config and the benchmarks (K = 4, 7).
@@ -23,9 +24,21 @@ import torch
 __all__ = ["ACCEPTED_SPILLS", "AcceptedSpill", "SWEEP", "SweepCase", "captured_kernels"]
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+# What the model launches: ``model.dtype`` is bfloat16 (the GPU default) or float32, and a checkpoint stored in
+# fp16 is loaded into parameters of that dtype, so no model, benchmark or runtime path hands a kernel fp16.
+MODEL_FLOATS = (torch.bfloat16, torch.float32)
 VOCAB = 128256  # Llama 3: shards of 128256 / 64128 / 16032 columns at TP 1 / 2 / 8
 ODD_VOCAB = 50257  # a length with no power-of-two factor: the other integer specializations
 DRAFT_LENS = (4, 7)  # the default config's max_draft_len, and the benchmarks' K
+
+
+def _variants(dtype: torch.dtype, variants) -> tuple:
+    """Every variant (shape, shard, head layout) of a loop for the model's dtypes; for fp16, which the launchers
+    accept but nothing launches (:data:`MODEL_FLOATS`), the first only: its code path (fp16 loads, converts,
+    dots) compiles for every kernel and every setting the loop varies besides the shape, not once per shape
+    (96 specializations and 74 CPU s of the 354 / 327 of 2026-12-04, Triton 3.6.0, before)."""
+    variants = tuple(variants)
+    return variants if dtype in MODEL_FLOATS else variants[:1]
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,8 @@ def _select():
     from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample, vocab_parallel_argmax
 
     for dtype in FLOATS:
-        for (start, width, size), batches in ((_shards()[2], (1, 40)), (_shards(ODD_VOCAB)[0], (40,))):
+        shards = ((_shards()[2], (1, 40)), (_shards(ODD_VOCAB)[0], (40,)))
+        for (start, width, size), batches in _variants(dtype, shards):
             for b in batches:  # one row; 8 requests x (K + 1)
                 logits = torch.zeros(b, width, dtype=dtype)
                 vocab_parallel_argmax(logits, start, size)
@@ -146,7 +160,7 @@ def _top_p():
     from tensorrt_llm_ext.speculative import verification as vf
 
     for dtype in FLOATS:
-        for tp, start, width, size in _verification_shards():
+        for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 8, 7
             rows = b * (k + 1)
             ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_TOP_P_SPLITS)
@@ -160,7 +174,7 @@ def _rejection():
     from tensorrt_llm_ext.speculative import verification as vf
 
     for dtype in FLOATS:
-        for tp, start, width, size in _verification_shards():
+        for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 4, 7
             ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_REJECTION_SPLITS)
             temps, seeds, offsets = _rows(b)  # sampled rows and a greedy one: greedy is per row, not per launch
@@ -214,19 +228,18 @@ def _step_bookkeeping():
                                   torch.zeros(slots, dtype=torch.int32), block_table, num_contexts=0, page_size=16,
                                   draft_len=k, max_ctx_len=max_pages * 16, mask_token_id=3)
     for dtype in FLOATS:
-        for d_c in (32, 512):
-            for layers in (1, 2):
-                n = 8 * 5
-                pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
-                store_context_latents(torch.zeros(n, layers, d_c, dtype=dtype), torch.zeros(n, dtype=torch.int32),
-                                      torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool), pool)
+        for d_c, layers in _variants(dtype, ((d_c, layers) for d_c in (32, 512) for layers in (1, 2))):
+            n = 8 * 5
+            pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
+            store_context_latents(torch.zeros(n, layers, d_c, dtype=dtype), torch.zeros(n, dtype=torch.int32),
+                                  torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool), pool)
 
 
 def _rms_norm():
     from tensorrt_llm_ext.kernels.rms_norm import rms_norm
 
     for dtype in FLOATS:
-        for hidden in (48, 4096, 8192):
+        for hidden in _variants(dtype, (48, 4096, 8192)):
             x = torch.zeros(40, hidden, dtype=dtype)
             w = torch.ones(hidden, dtype=dtype)
             rms_norm(x, w, 1e-5)
@@ -254,7 +267,8 @@ def _attention():
         rows = {attention_schedule(s.max_batch or 1 << 20, latent_dim=d_c) for s in ATTENTION_SCHEDULES}
         return sorted(rows, key=lambda s: s.max_batch or 1 << 20) + [AttentionSchedule(None, split_k=4)]
 
-    shapes = [(dtype, shape) for dtype in FLOATS for shape in ((4, 16, 32), (8, 64, 256))]  # tiny; served default
+    # tiny; the served default (fp16 at the first only, _variants)
+    shapes = [(dtype, shape) for dtype in FLOATS for shape in _variants(dtype, ((4, 16, 32), (8, 64, 256)))]
     shapes.append((torch.bfloat16, (8, 64, 512)))  # the 512-wide latent (recipe 6), bf16 as served
     for dtype, (heads, head_dim, d_c) in shapes:
         for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
@@ -279,7 +293,7 @@ def _paged_attention():
     # SmolLM2-135M (9 / 3 heads x 64), an 8B Llama (32 / 8 x 128), a Qwen3-like GQA 2 at head_dim 128; decode
     # (T = 1), verify (T = K + 1 = 8) and a prefill block (several query tiles, no split).
     for dtype in FLOATS:
-        for heads, kv_heads, d in ((9, 3, 64), (32, 8, 128), (16, 8, 128)):
+        for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128), (16, 8, 128))):
             page, max_pages, b = 16, 64, 4
             table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
             pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
@@ -299,7 +313,7 @@ def _paged_attention():
     from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS
 
     for dtype in (torch.bfloat16, torch.float16):
-        for heads, kv_heads, d in ((9, 3, 64), (32, 8, 128)):
+        for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128))):
             cfg = DECODE_CONFIGS[d]
             page, max_pages, b = 16, 64, 4
             table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
@@ -312,7 +326,7 @@ def _paged_attention():
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:
-        for inter in (1536, 14336):  # SmolLM2-135M, an 8B Llama (per rank at TP 1)
+        for inter in _variants(dtype, (1536, 14336)):  # SmolLM2-135M, an 8B Llama (per rank at TP 1)
             silu_mul(torch.zeros(8, 2 * inter, dtype=dtype))
 
 
@@ -326,7 +340,7 @@ def _fused_layer():
     # (FUSED_MAX_ROWS: B = 8 verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
     for dtype in FLOATS:
-        for hidden, heads, kv_heads, d, inter, qwen in shapes:
+        for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
             page, max_pages, b = 16, 8, 64
             table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
             pool = torch.empty(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
@@ -413,29 +427,29 @@ def _exchange():
 
 _K = "tensorrt_llm_ext.kernels."
 SWEEP: tuple[SweepCase, ...] = (
-    SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",), cost=12),
+    SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",), cost=13),
     SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel", _K + "fixed_point_softmax:_verify_sums_kernel",
-                                _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=15),
+                                _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=13),
     SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
-                                        _K + "rejection_sample:_rejection_assemble_kernel"), cost=53),
-    SweepCase("block_stats", _block_stats, (_K + "block_stats:_block_stats_kernel",), captured=False, cost=4),
+                                        _K + "rejection_sample:_rejection_assemble_kernel"), cost=45),
+    SweepCase("block_stats", _block_stats, (_K + "block_stats:_block_stats_kernel",), captured=False, cost=1),
     SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
                                                       _K + "strict_accept:_strict_accept_kernel",
                                                       _K + "paged_latent:_paged_latent_step_kernel",
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
-    SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",), captured=False, cost=4),
+    SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",), captured=False, cost=3),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
-                                        _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=40),
+                                        _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=42),
     SweepCase("paged_attention", _paged_attention, (_K + "paged_attention:_paged_attention_kernel",
                                                     _K + "paged_kv_write:_paged_kv_write_kernel",
-                                                    _K + "silu_mul:_silu_mul_kernel"), cost=61),
+                                                    _K + "silu_mul:_silu_mul_kernel"), cost=60),
     SweepCase("fused_layer", _fused_layer, (_K + "fused_linear:_fused_linear_kernel",
-                                            _K + "fused_qkv:_fused_qkv_rope_kernel"), cost=40),
+                                            _K + "fused_qkv:_fused_qkv_rope_kernel"), cost=53),
     SweepCase("markov", _markov, (_K + "markov_exact_step:_markov_resolve_kernel",
                                   _K + "markov_exact_step:_markov_select_kernel",
-                                  _K + "markov_fused_step:_markov_fused_step_kernel"), cost=60),
-    SweepCase("exchange", _exchange, (_K + "ll_exchange:_ll_exchange_kernel",), cost=2),
+                                  _K + "markov_fused_step:_markov_fused_step_kernel"), cost=57),
+    SweepCase("exchange", _exchange, (_K + "ll_exchange:_ll_exchange_kernel",), cost=1),
 )
 
 

@@ -2,7 +2,7 @@
 
 The interpreter runs a kernel op by op through Triton's front-end semantics on numpy data, and most of its
 time goes to bookkeeping that repeats the same answer: per-op costs, not per-element ones, which is why tiny
-test shapes are still slow. :func:`speed_up_interpreter` installs four shortcuts, each once per process:
+test shapes are still slow. :func:`speed_up_interpreter` installs these shortcuts, each once per process:
 
 * :func:`skip_nested_repatching`: a launch (``GridExecutor.__call__``) patches the language modules its
   function's globals name (``tl.add`` and friends become numpy-backed), runs every program, and restores them;
@@ -16,10 +16,18 @@ test shapes are still slow. :func:`speed_up_interpreter` installs four shortcuts
 * :func:`compare_int_tuples_directly`: a shape (``tl.tuple``) compared with a list of ints -- every broadcast
   of a binary op -- without first wrapping the list in a new ``tl.tuple`` and its type.
 * :func:`pass_same_typed_operands_through`: a binary op whose two tensors already have the same type (the
-  common case) skips the promotion, cast and broadcast steps that would hand both back unchanged.
+  common case) skips the promotion, cast and broadcast steps that would hand both back unchanged; one element
+  type in two shapes is only broadcast.
+* :func:`compare_scalar_types_directly`: two scalar types compared by name at once (every cast asks).
+* :func:`call_language_builtins_directly`: a launch's stand-in for each language builtin calls the function
+  itself, not the wrapper that checks for a semantic the stand-in always passes.
+* :func:`skip_discarded_overflow_checks`: the overflow check of every 8- to 32-bit integer add, sub and mul,
+  whose result the interpreter computes and then drops unless the kernel runs in debug mode.
 
-Measured on 2026-12-04 (CPU seconds, back to back): ``test_vocab_parallel.py`` 40.0 -> 29.3 s from the last
-two, an interpreted Philox test 22.5 -> 18.6 s from the dtype table alone.
+Measured on 2026-12-04 (CPU seconds, back to back): ``test_vocab_parallel.py`` 40.0 -> 29.3 s from the shape
+caches, an interpreted Philox test 22.5 -> 18.6 s from the dtype table alone; later the same day the last four
+(scalar types, builtins, overflow checks, the broadcast-only case) took ``test_verification.py``,
+``test_vocab_parallel.py`` and ``test_markov_chain.py`` together from 104.1 to 78.5 s.
 
 Test support only: the tests install them (``tests/conftest.py``, and through
 ``tests/interpreter_site/sitecustomize.py`` in every process they start: servers, CLI runs, MPI ranks). The
@@ -33,8 +41,9 @@ import inspect
 
 from tensorrt_llm_ext.logger import logger
 
-__all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", "compare_int_tuples_directly",
-           "pass_same_typed_operands_through", "skip_nested_repatching", "speed_up_interpreter"]
+__all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", "call_language_builtins_directly",
+           "compare_int_tuples_directly", "compare_scalar_types_directly", "pass_same_typed_operands_through",
+           "skip_discarded_overflow_checks", "skip_nested_repatching", "speed_up_interpreter"]
 
 _INSTALLED: list[bool] = []
 _DTYPES_CACHED: list[bool] = []
@@ -42,6 +51,9 @@ _BLOCKS_CACHED: list[bool] = []
 _SHAPES_CACHED: list[bool] = []
 _TUPLES_COMPARED: list[bool] = []
 _OPERANDS_PASSED: list[bool] = []
+_DTYPES_COMPARED: list[bool] = []
+_BUILTINS_DIRECT: list[bool] = []
+_OVERFLOW_SKIPPED: list[bool] = []
 _BLOCK_SHAPES: dict[int, object] = {}  # id -> a shape cache_block_types hands out (kept alive: ids stay unique)
 
 
@@ -53,6 +65,9 @@ def speed_up_interpreter() -> None:
     cache_tensor_shapes()
     compare_int_tuples_directly()
     pass_same_typed_operands_through()
+    compare_scalar_types_directly()
+    call_language_builtins_directly()
+    skip_discarded_overflow_checks()
 
 
 def cache_np_dtype_lookup() -> None:
@@ -241,8 +256,10 @@ def pass_same_typed_operands_through() -> None:
     the same block type: one element type and the very shape object :func:`cache_block_types` hands out): Triton
     checks pointer use (none: not pointers), promotes the two types (to that same type, see
     ``_SELF_PROMOTING``), casts each operand to it (a no-op that returns the operand) and broadcasts them (equal
-    shapes: both returned as they are) -- so the shortcut returns ``(lhs, rhs)`` at once. Anything else (a
-    Python number, pointers, two types, two shapes, fp8, / or % on 16-bit floats) takes Triton's own path."""
+    shapes: both returned as they are) -- so the shortcut returns ``(lhs, rhs)`` at once. One element type in two
+    shapes (a scalar beside a block: a loop counter times a tile) goes straight to Triton's broadcast, the one
+    step of the four that does anything there. Anything else (a Python number, pointers, two element types,
+    fp8, / or % on 16-bit floats) takes Triton's own path."""
     if _OPERANDS_PASSED:
         return
     import triton.language as tl
@@ -252,15 +269,91 @@ def pass_same_typed_operands_through() -> None:
     original = semantic.binary_op_type_checking_impl
     tensor, scalar, block = tl.tensor, tl.dtype, tl.block_type
 
+    broadcast = semantic.broadcast_impl_value
+
     def checked(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
         if type(lhs) is tensor and type(rhs) is tensor:
             a, b = lhs.type, rhs.type
-            if type(a) is block and type(b) is block and a.shape is b.shape:
-                a, b = a.element_ty, b.element_ty
-            if (type(a) is scalar and type(b) is scalar and a.name == b.name and a.name in _SELF_PROMOTING
-                    and not (div_or_mod and a.name in _HALF)):
-                return lhs, rhs
+            ea = a.element_ty if type(a) is block else a
+            eb = b.element_ty if type(b) is block else b
+            if (type(ea) is scalar and type(eb) is scalar and ea.name == eb.name and ea.name in _SELF_PROMOTING
+                    and not (div_or_mod and ea.name in _HALF)):
+                if a is ea and b is eb or type(a) is block and type(b) is block and a.shape is b.shape:
+                    return lhs, rhs
+                return broadcast(lhs, rhs)  # a scalar beside a block, or two shapes: Triton's own broadcast
         return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
     semantic.binary_op_type_checking_impl = checked
     _OPERANDS_PASSED.append(True)
+
+
+def compare_scalar_types_directly() -> None:
+    """``tl.dtype == other`` for ``other`` a ``tl.dtype`` itself (not a subclass): Triton unwraps ``other`` from a
+    constexpr and checks its class before comparing the two names; the shortcut compares the names at once (the
+    same answer). Every cast and every type check of an interpreted op asks it. Anything else -- a constexpr,
+    a pointer or block type, another object -- takes Triton's own ``__eq__``."""
+    if _DTYPES_COMPARED:
+        return
+    import triton.language as tl
+
+    original, scalar = tl.dtype.__eq__, tl.dtype
+
+    def eq(self, other):
+        if type(other) is scalar:
+            return self.name == other.name
+        return original(self, other)
+
+    tl.dtype.__eq__ = eq
+    _DTYPES_COMPARED.append(True)
+
+
+def call_language_builtins_directly() -> None:
+    """The interpreter's stand-in for a language builtin (``tl.load``, ``tl.where``, a tensor's ``__add__``...,
+    made by ``_patch_attr`` for every launch): a lambda that copies the keyword arguments without ``_semantic``
+    and calls the builtin's wrapper with the interpreter's semantic, which checks that a ``_semantic`` was given
+    and calls the function. The shortcut's stand-in calls the wrapped function with that semantic at once (the
+    wrapper's check always passes there). A member that is not a builtin wrapper takes Triton's own path."""
+    if _BUILTINS_DIRECT:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti._patch_attr
+    semantic, is_builtin = ti.interpreter_semantic, tl.core.is_builtin
+
+    def patch_attr(obj, name, member, builder, scope):
+        fn = getattr(member, "__wrapped__", None)
+        if fn is None or not is_builtin(member):
+            return original(obj, name, member, builder, scope)
+
+        def direct(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return fn(*args, **kwargs)
+
+        scope.set_attr(obj, name, direct)
+
+    ti._patch_attr = patch_attr
+    _BUILTINS_DIRECT.append(True)
+
+
+def skip_discarded_overflow_checks() -> None:
+    """The interpreter's ``binary_op_sanitize_overflow_impl`` outside debug mode: for every add, sub and mul of
+    8- to 32-bit integers (the interpreter's ``sanitize_overflow`` is on) Triton recomputes the op in int64,
+    builds the type's bounds, compares, and hands the condition to ``device_assert`` -- which returns at once
+    unless the launch's ``debug`` option is set, so the whole check is computed and dropped (a quarter of an
+    interpreted Philox kernel's CPU time). The shortcut returns before computing it when ``debug`` is off, as
+    ``device_assert`` would have; with ``debug`` on it runs Triton's own check."""
+    if _OVERFLOW_SKIPPED:
+        return
+    from triton.runtime import interpreter as ti
+
+    semantic = ti.interpreter_semantic
+    original = semantic.binary_op_sanitize_overflow_impl
+
+    def sanitize(lhs, rhs, binary_op):
+        if not semantic.builder.options.debug:
+            return None
+        return original(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = sanitize
+    _OVERFLOW_SKIPPED.append(True)

@@ -10,7 +10,9 @@ import triton.language as tl
 from triton.runtime import interpreter as ti
 
 from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes,
-                                                  compare_int_tuples_directly, pass_same_typed_operands_through)
+                                                  call_language_builtins_directly, compare_int_tuples_directly,
+                                                  compare_scalar_types_directly, pass_same_typed_operands_through,
+                                                  skip_discarded_overflow_checks)
 
 _SCALARS = (tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
             tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv)
@@ -99,7 +101,8 @@ def test_same_typed_operands_come_back_as_tritons_own_checks_return_them():
     pass_same_typed_operands_through()
     semantic = ti.interpreter_semantic
     checked = semantic.binary_op_type_checking_impl
-    own = next(c.cell_contents for c in checked.__closure__ if getattr(c.cell_contents, "__self__", None) is semantic)
+    own = next(c.cell_contents for c in checked.__closure__ if getattr(c.cell_contents, "__self__", None) is semantic
+               and c.cell_contents.__name__ == "binary_op_type_checking_impl")
     names = ("fp64", "fp32", "fp16", "bf16", "int1", "int8", "int32", "int64", "uint8", "uint32")
     for name in names:
         for shape in ((), (4, 16)):
@@ -118,6 +121,69 @@ def test_same_typed_operands_come_back_as_tritons_own_checks_return_them():
     assert [list(t.shape) for t in checked(lhs, rhs)] == [[4, 16], [4, 16]]
     lhs = _operand("int32", (4,))
     assert checked(lhs, 3)[1].dtype == tl.int32  # a Python number: Triton's path
+    # one element type in two shapes (a scalar beside a block, or broadcastable blocks): Triton's broadcast only
+    for name in names:
+        for ls, rs in (((4, 16), ()), ((), (4, 16)), ((4, 16), (1, 16)), ((1, 16), (4, 1))):
+            for div_or_mod in (False, True):
+                lhs, rhs = _operand(name, ls), _operand(name, rs)
+                got, want = checked(lhs, rhs, div_or_mod=div_or_mod), own(lhs, rhs, div_or_mod=div_or_mod)
+                assert [t.type for t in got] == [t.type for t in want], (name, ls, rs, div_or_mod)
+                assert all(np.array_equal(g.handle.data, w.handle.data) for g, w in zip(got, want))
+
+
+def test_scalar_type_comparison_answers_as_tritons_own():
+    compare_scalar_types_directly()
+    own = _triton_own(tl.dtype.__eq__)
+    assert own is not tl.dtype.__eq__
+    others = (*_SCALARS, tl.pointer_type(tl.float32), tl.block_type(tl.float32, [4]), tl.constexpr(tl.float32),
+              "fp32", None, 3)
+    for t in _SCALARS:
+        for other in others:
+            got, want = t == other, own(t, other)
+            assert type(got) is type(want) and got == want, (t, other)
+            assert (t != other) == (not want)
+    assert len({tl.float32, tl.float32, tl.int32}) == 2  # still hashable as before
+
+
+def test_builtins_called_directly_answer_as_through_their_wrappers():
+    call_language_builtins_directly()
+    x, y = _operand("fp32", (4, 16)), _operand("int32", (4, 16))
+    scope = ti._LangPatchScope()
+    ti._patch_builtin(tl.math, ti.interpreter_builder, scope)
+    ti._patch_builtin(tl.tensor, ti.interpreter_builder, scope)
+    try:
+        assert tl.math.exp.__qualname__.startswith("call_language_builtins_directly")
+        got = (tl.math.exp(x), x + y, x.to(tl.bfloat16))
+    finally:
+        scope.restore()
+    want = (tl.math.exp(x, _semantic=ti.interpreter_semantic), x.__add__(y, _semantic=ti.interpreter_semantic),
+            x.to(tl.bfloat16, _semantic=ti.interpreter_semantic))
+    for g, w in zip(got, want):
+        assert g.type == w.type and np.array_equal(g.handle.data, w.handle.data)
+    with pytest.raises(ValueError, match="_semantic"):
+        tl.math.exp(x)  # restored: the wrapper's check is back outside a launch
+
+
+def test_overflow_checks_are_skipped_only_where_triton_drops_them():
+    import dataclasses
+
+    skip_discarded_overflow_checks()
+    semantic = ti.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+    own = next(c.cell_contents for c in sanitize.__closure__ if getattr(c.cell_contents, "__self__", None) is semantic)
+    assert own.__name__ == "binary_op_sanitize_overflow_impl" and own is not sanitize
+    big, one = _operand("int32", (4,)), _operand("int32", (4,))
+    big.handle.data[:], one.handle.data[:] = 2**31 - 1, 1
+    assert not semantic.builder.options.debug  # the interpreter's default
+    assert own(big, one, semantic.add) is None and sanitize(big, one, semantic.add) is None  # computed and dropped
+    saved = semantic.builder.options
+    semantic.builder.options = dataclasses.replace(saved, debug=True)
+    try:
+        for check in (own, sanitize):  # in debug mode the shortcut runs Triton's check, which catches it
+            with pytest.raises(AssertionError, match="int32 overflow detected for operation add"):
+                check(big, one, semantic.add)
+    finally:
+        semantic.builder.options = saved
 
 
 def test_child_processes_get_the_shortcuts_when_they_import_triton_and_only_then():
