@@ -180,8 +180,8 @@ def measure_serving(model_dir: Path, cfg: dict, batches: list[int], ctx: int, de
     """Microseconds per decode step of a drafter of ``cfg``'s shape (module docstring), random weights, K = 7."""
     import torch.nn.functional as F
 
+    from tensorrt_llm_ext.bench.drafter import served_step_inputs
     from tensorrt_llm_ext.bench.harness import BenchTimer
-    from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
     from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, generate_full_state_dict
     from tensorrt_llm_ext.training import trainer
 
@@ -198,18 +198,7 @@ def measure_serving(model_dir: Path, cfg: dict, batches: list[int], ctx: int, de
     k, page = 7, 64
     out = {**{key: cfg[key] for key in ("layers", "latent", "targets")}, "ctx": ctx}
     for b in batches:
-        pages_per_row = -(-(ctx + k) // page)
-        table = torch.arange(b * pages_per_row, dtype=torch.int32, device=device).view(b, pages_per_row)
-        pool = torch.randn(dcfg.num_layers, b * pages_per_row + 1, page, dcfg.latent_dim, generator=g,
-                           device=device).to(dtype)
-        pos = (ctx + torch.arange(k, device=device)).expand(b, k).to(torch.int32)
-        placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
-                                        torch.full((b,), ctx, dtype=torch.int32, device=device),
-                                        torch.full((b,), ctx + k, dtype=torch.int32, device=device))
-        ids = torch.full((b, k), dcfg.mask_token_id, dtype=torch.long, device=device)
-        inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=device), placement,
-                                    PagedLatentCache(pool, table))
-        feats = torch.randn(b * (k + 1), dcfg.fc_in_features, generator=g, device=device).to(dtype)
+        inputs, feats = served_step_inputs(drafter, b, ctx, k, page, g)
 
         def block():
             return F.linear(drafter.forward_block(inputs), lm_head)

@@ -272,6 +272,27 @@ def _attention_schedules(table):
         lba.ATTENTION_SCHEDULES = saved
 
 
+
+def served_step_inputs(drafter: DSparkDrafter, b: int, ctx: int, k: int, page: int, generator: torch.Generator
+                       ) -> tuple[DrafterBlockInputs, torch.Tensor]:
+    """One served step's drafter inputs at batch ``b``: ``ctx`` context positions per row in pages of ``page``
+    (random latents, each row its own pages), the block of ``k`` mask tokens right after them, and random
+    captured features for the ``b * (k + 1)`` accepted positions the step projects."""
+    cfg, dev, dtype = drafter.config, drafter.kv_a_proj.weight.device, drafter.dtype
+    pages_per_row = -(-(ctx + k) // page)
+    table = torch.arange(b * pages_per_row, dtype=torch.int32, device=dev).view(b, pages_per_row)
+    pool = torch.randn(*drafter.latent_pool_shape(b * pages_per_row + 1, page), generator=generator,
+                       device=dev).to(dtype)
+    pos = (ctx + torch.arange(k, device=dev)).expand(b, k).to(torch.int32)
+    placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
+                                    torch.full((b,), ctx, dtype=torch.int32, device=dev),
+                                    torch.full((b,), ctx + k, dtype=torch.int32, device=dev))
+    ids = torch.full((b, k), cfg.mask_token_id, dtype=torch.long, device=dev)
+    inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=dev), placement,
+                                PagedLatentCache(pool, table))
+    feats = torch.randn(b * (k + 1), cfg.fc_in_features, generator=generator, device=dev).to(dtype)
+    return inputs, feats
+
 def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
     dev, k, page = timer.device, 7, 64
     dtype = torch.float32 if timer.smoke else torch.bfloat16
@@ -296,18 +317,7 @@ def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
         drafter.load_full_state_dict(generate_full_state_dict(cfg, 0, dtype, device=dev))
         g = torch.Generator(device=dev).manual_seed(0)
         for b in batches:
-            pages_per_row = -(-(ctx + k) // page)
-            table = torch.arange(b * pages_per_row, dtype=torch.int32, device=dev).view(b, pages_per_row)
-            pool_shape = drafter.latent_pool_shape(b * pages_per_row + 1, page)
-            pool = torch.randn(*pool_shape, generator=g, device=dev).to(dtype)
-            pos = (ctx + torch.arange(k, device=dev)).expand(b, k).to(torch.int32)
-            placement = DraftBlockPlacement(pos, table.gather(1, (pos // page).long()), pos % page,
-                                            torch.full((b,), ctx, dtype=torch.int32, device=dev),
-                                            torch.full((b,), ctx + k, dtype=torch.int32, device=dev))
-            ids = torch.full((b, k), cfg.mask_token_id, dtype=torch.long, device=dev)
-            inputs = DrafterBlockInputs(ids, torch.arange(b, dtype=torch.int32, device=dev), placement,
-                                        PagedLatentCache(pool, table))
-            feats = torch.randn(b * (k + 1), cfg.fc_in_features, generator=g, device=dev).to(dtype)
+            inputs, feats = served_step_inputs(drafter, b, ctx, k, page, g)
             times = []
             for _, backend, sched in columns:
                 drafter.set_layer_backend(backend)
@@ -320,7 +330,7 @@ def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
             for t_step, t_block in times:
                 row += [fmt(t_step, 1), fmt(t_block / cfg.num_layers, 1)]
             rows.append(row + [fmt(times[0][0] / times[-1][0], 2) if times[-1][0] == times[-1][0] else "-"])
-        del drafter, pool
+        del drafter, inputs, feats
     heads = []
     for name, _, _ in columns:
         heads += [f"{name}: step us", "block us/layer"]
