@@ -93,15 +93,19 @@ def _mac(acc, a, w, GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address under ``mask`` (the line holding it; nothing is returned or held)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_from, k, LINE: tl.constexpr, LINES: tl.constexpr):
     """``prefetch.global.L2`` of inputs ``k_from .. k-1`` of the weight rows ``w_rows`` (element offsets), one
     address per ``LINE`` elements (a 128-byte line), at most ``LINES`` lines per row: no register is held, the
     loop's loads after the programmatic wait then hit L2."""
     kk = k_from + tl.arange(0, LINES) * LINE
-    ptrs = w_ptr + w_rows[None, :] + kk[:, None]
-    mask = ((kk < k)[:, None] & col_ok[None, :]).to(tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+    _prefetch_l2(w_ptr + w_rows[None, :] + kk[:, None], (kk < k)[:, None] & col_ok[None, :])
 
 
 def prefetch_lines(k: int, block_k: int, elem_bytes: int, pdl: bool) -> int:

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programmatic_launch,
                                              refuse_allocation_while_capturing)
+from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
            "paged_attention_reference", "split_plan", "tile_counters"]
@@ -225,13 +226,6 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
         # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
         # and 0 + 1 * o), so the output is written directly.
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """``prefetch.global.L2`` of each address under ``mask`` (the line holding it; nothing is returned or held)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

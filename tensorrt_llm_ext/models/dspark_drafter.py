@@ -597,7 +597,6 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             x, residual = self._add_norm(mlp, residual, next_norm)
         return x
 
-
     def _layer_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(w_qc [h*D + d_c, H], w_gate_up [2I, H])``, cached. When a source weight's storage or version
         counter changed (a reload, an in-place update) they are refreshed IN PLACE, so a captured graph that reads
