@@ -1,7 +1,13 @@
 """Per-kernel time of one target decode forward on the GPU (issue 36): torch.profiler over an eager call and
 over a CUDA-graph replay, kernels grouped by name with their total / mean microseconds, sorted.
 
+``--steps BxT,...`` (e.g. ``1x8,4x8``): verify-shaped forwards instead of ``[B, 1]``. ``--variants`` (names of
+``VARIANTS``): only the graph replay of each step under each setting of the small-step GEMMs' forms (module
+constants of ``fused_linear`` / ``fused_qkv``; no bit of the default path changes), one line each; a variant
+name ending in ``+profile`` also prints its per-kernel table.
+
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
+  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants dot,rows16
 """
 
 from __future__ import annotations
@@ -35,13 +41,45 @@ def _table(title, ker, reps):
         print(f"{sum(v) / reps:9.1f} us  {len(v) / reps:5.0f} x {sum(v) / len(v):7.2f} us  {name[:110]}")
 
 
+# Settings of the small-step GEMMs' forms the --variants mode times (set on fused_linear and fused_qkv alike).
+VARIANTS = {
+    "dot": dict(FEW_ROWS_MAX=0),  # 16-row dot tiles past GEMV_MAX_ROWS (before the row-loop form)
+    "rows16": dict(FEW_ROWS_MAX=16),  # the row-loop form for 2 .. 16 rows
+    "rows32": dict(FEW_ROWS_MAX=32),  # ... and for 17 .. 32 rows (two 16-row programs per column block)
+    "rows16-gemv0": dict(FEW_ROWS_MAX=16, GEMV_MAX_ROWS=0),  # the row loop at 1 row too
+    "rows16-bm4": dict(FEW_ROWS_MAX=16, FEW_ROWS_BLOCK_M=4),  # 4 rows per program (more programs)
+    "rows16-bm8": dict(FEW_ROWS_MAX=16, FEW_ROWS_BLOCK_M=8),
+    "rows16-t4k": dict(FEW_ROWS_MAX=16, FEW_ROWS_MAX_TILE=4096),  # narrower tiles, fewer warps
+    "rows16-t16k": dict(FEW_ROWS_MAX=16, FEW_ROWS_MAX_TILE=16384),
+    "rows16-vs64": dict(FEW_ROWS_MAX=16, **{"attn.SPLIT_TOKENS": 64}),  # verify tiles in 64-key pieces
+}
+
+
+def _graph_us(fn, reps: int = 40) -> float:
+    from tensorrt_llm_ext.bench.verify import capture_graph
+    g = capture_graph(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        g.replay()
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", default=None, help="BxT,... forwards (default: [B, 1] for --batch-sizes)")
+    p.add_argument("--variants", default=None, help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
     p.add_argument("--kernels", default="fused,fused-dot,unfused",
-                   help="layer_kernels values; fused-dot: the fused layer without the few-row GEMV form; "
+                   help="layer_kernels values; fused-dot: the fused layer in dot tiles only (no few-row forms); "
                         "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait")
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
@@ -50,8 +88,9 @@ def main() -> None:
     from tensorrt_llm_ext.kernels import fused_qkv as fused_qkv_mod
     from tensorrt_llm_ext.runtime.engine import Engine
 
-    gemv_rows = fused_linear_mod.GEMV_MAX_ROWS
-    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    steps = ([tuple(int(v) for v in st.split("x")) for st in a.steps.split(",")] if a.steps
+             else [(int(x), 1) for x in a.batch_sizes.split(",")])
+    sizes = [b for b, _ in steps]
     args = argparse.Namespace(draft_len=7, page_size=32)
     cfg = _config(a.shape, None, args, max(sizes), a.context)
     dev = torch.device("cuda")
@@ -60,21 +99,43 @@ def main() -> None:
     for slot in range(max(sizes)):
         eng.pages.allocate(slot, eng.pages.max_pages_per_slot)
     worker = eng.worker("speculative", sampling=False)
-    for b in sizes:
+    from tensorrt_llm_ext.kernels import paged_attention as attn_mod
+
+    def module_of(key):
+        return (attn_mod, key[5:]) if key.startswith("attn.") else (fused_linear_mod, key)
+
+    def apply(settings):
+        for key, val in settings.items():
+            mod, attr = module_of(key)
+            for m in ((mod,) if mod is attn_mod else (fused_linear_mod, fused_qkv_mod)):
+                setattr(m, attr, val)
+
+    defaults = {key: getattr(*module_of(key)) for key in {"GEMV_MAX_ROWS"} | {n for v in VARIANTS.values() for n in v}}
+    for b, t in steps:
         worker.set_rows(list(range(b)), b)
         worker.decode_pages()
         st.ctx_lens.fill_(a.context)
         slots = torch.arange(b, dtype=torch.int32, device=dev)
-        tok = torch.randint(0, target.config.vocab_size, (b, 1), device=dev)
-        pos = torch.full((b, 1), a.context, dtype=torch.int64, device=dev)
+        tok = torch.randint(0, target.config.vocab_size, (b, t), device=dev)
+        pos = (a.context + torch.arange(t, device=dev))[None].expand(b, t).contiguous()
+        if a.variants:
+            for var in a.variants.split(","):
+                name = var.removesuffix("+profile")
+                apply({**defaults, **VARIANTS[name]})
+                fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
+                if var.endswith("+profile"):
+                    _table(f"[{b}, {t}] C={a.context} {name} eager", _kernels(fwd, 3), 3)
+                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {_graph_us(fwd):.1f} us per forward", flush=True)
+            apply(defaults)
+            continue
         for kern in a.kernels.split(","):
-            fused_linear_mod.GEMV_MAX_ROWS = fused_qkv_mod.GEMV_MAX_ROWS = 0 if kern == "fused-dot" else gemv_rows
+            apply({**defaults, **({"GEMV_MAX_ROWS": 0, "FEW_ROWS_MAX": 0} if kern == "fused-dot" else {})})
             fused_linear_mod.WEIGHT_PREFETCH = fused_qkv_mod.WEIGHT_PREFETCH = kern != "fused-noprefetch"
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
-            _table(f"B={b} C={a.context} {kern} eager", _kernels(fwd, 3), 3)
+            _table(f"[{b}, {t}] C={a.context} {kern} eager", _kernels(fwd, 3), 3)
             g = capture_graph(fwd)
-            _table(f"B={b} C={a.context} {kern} graph", _kernels(g.replay, 5), 5)
+            _table(f"[{b}, {t}] C={a.context} {kern} graph", _kernels(g.replay, 5), 5)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             g.replay()
             start.record()
@@ -82,7 +143,7 @@ def main() -> None:
                 g.replay()
             end.record()
             torch.cuda.synchronize()
-            print(f"-- B={b} {kern}: graph replay {start.elapsed_time(end) * 1000 / 50:.1f} us per forward")
+            print(f"-- [{b}, {t}] {kern}: graph replay {start.elapsed_time(end) * 1000 / 50:.1f} us per forward")
             target.layer_kernels = "auto"
 
 
