@@ -2,12 +2,12 @@
 over a CUDA-graph replay, kernels grouped by name with their total / mean microseconds, sorted.
 
 ``--steps BxT,...`` (e.g. ``1x8,4x8``): verify-shaped forwards instead of ``[B, 1]``. ``--variants`` (names of
-``VARIANTS``): only the graph replay of each step under each setting of the small-step GEMMs' forms (module
-constants of ``fused_linear`` / ``fused_qkv``; no bit of the default path changes), one line each; a variant
+``VARIANTS``): only the graph replay of each step under each setting of the small-step GEMMs (module constants of
+``fused_linear``), one line each, with the largest difference of its output from the first variant's; a variant
 name ending in ``+profile`` also prints its per-kernel table.
 
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
-  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants dot,rows16
+  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants splitk,nosplit
 """
 
 from __future__ import annotations
@@ -41,17 +41,14 @@ def _table(title, ker, reps):
         print(f"{sum(v) / reps:9.1f} us  {len(v) / reps:5.0f} x {sum(v) / len(v):7.2f} us  {name[:110]}")
 
 
-# Settings of the small-step GEMMs' forms the --variants mode times (set on fused_linear and fused_qkv alike).
+# Settings of the small-step GEMMs the --variants mode times (module constants of fused_linear, also read by
+# fused_qkv; "attn.X": paged_attention's X).
 VARIANTS = {
-    "dot": dict(FEW_ROWS_MAX=0),  # 16-row dot tiles past GEMV_MAX_ROWS (before the row-loop form)
-    "rows16": dict(FEW_ROWS_MAX=16),  # the row-loop form for 2 .. 16 rows
-    "rows32": dict(FEW_ROWS_MAX=32),  # ... and for 17 .. 32 rows (two 16-row programs per column block)
-    "rows16-gemv0": dict(FEW_ROWS_MAX=16, GEMV_MAX_ROWS=0),  # the row loop at 1 row too
-    "rows16-bm4": dict(FEW_ROWS_MAX=16, FEW_ROWS_BLOCK_M=4),  # 4 rows per program (more programs)
-    "rows16-bm8": dict(FEW_ROWS_MAX=16, FEW_ROWS_BLOCK_M=8),
-    "rows16-t4k": dict(FEW_ROWS_MAX=16, FEW_ROWS_MAX_TILE=4096),  # narrower tiles, fewer warps
-    "rows16-t16k": dict(FEW_ROWS_MAX=16, FEW_ROWS_MAX_TILE=16384),
-    "rows16-vs64": dict(FEW_ROWS_MAX=16, **{"attn.SPLIT_TOKENS": 64}),  # verify tiles in 64-key pieces
+    "splitk": dict(SPLIT_K_PROGRAMS_PER_SM=2),  # the dot tiles split along K to ~2 programs per SM (the default)
+    "splitk1": dict(SPLIT_K_PROGRAMS_PER_SM=1),  # ... to ~1 program per SM
+    "nosplit": dict(SPLIT_K_PROGRAMS_PER_SM=0),  # one program per column block (before split-K)
+    "gemv8": dict(SPLIT_K_PROGRAMS_PER_SM=2, GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
+    "vs64": dict(SPLIT_K_PROGRAMS_PER_SM=2, **{"attn.SPLIT_TOKENS": 64}),  # verify tiles in 64-key pieces
 }
 
 
@@ -80,7 +77,8 @@ def main() -> None:
     p.add_argument("--variants", default=None, help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
     p.add_argument("--kernels", default="fused,fused-dot,unfused",
                    help="layer_kernels values; fused-dot: the fused layer in dot tiles only (no few-row forms); "
-                        "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait")
+                        "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait; "
+                        "fused-nosplit: dot tiles without split-K")
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
     from tensorrt_llm_ext.bench.verify import capture_graph
@@ -110,7 +108,8 @@ def main() -> None:
             for m in ((mod,) if mod is attn_mod else (fused_linear_mod, fused_qkv_mod)):
                 setattr(m, attr, val)
 
-    defaults = {key: getattr(*module_of(key)) for key in {"GEMV_MAX_ROWS"} | {n for v in VARIANTS.values() for n in v}}
+    defaults = {key: getattr(*module_of(key)) for key in {n for v in VARIANTS.values() for n in v}}
+    first = None
     for b, t in steps:
         worker.set_rows(list(range(b)), b)
         worker.decode_pages()
@@ -125,11 +124,17 @@ def main() -> None:
                 fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
                 if var.endswith("+profile"):
                     _table(f"[{b}, {t}] C={a.context} {name} eager", _kernels(fwd, 3), 3)
-                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {_graph_us(fwd):.1f} us per forward", flush=True)
+                us = _graph_us(fwd)
+                out = fwd().float()  # the forward's last hidden rows: every variant against the first one
+                first = out if var == a.variants.split(",")[0] else first
+                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {us:.1f} us per forward; max |out - "
+                      f"first variant's| {(out - first).abs().max().item():.3g} (|out| max {out.abs().max().item():.3g})",
+                      flush=True)
             apply(defaults)
             continue
         for kern in a.kernels.split(","):
-            apply({**defaults, **({"GEMV_MAX_ROWS": 0, "FEW_ROWS_MAX": 0} if kern == "fused-dot" else {})})
+            apply({**defaults, **({"GEMV_MAX_ROWS": 0} if kern == "fused-dot" else {}),
+                   **({"SPLIT_K_PROGRAMS_PER_SM": 0} if kern == "fused-nosplit" else {})})
             fused_linear_mod.WEIGHT_PREFETCH = fused_qkv_mod.WEIGHT_PREFETCH = kern != "fused-noprefetch"
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731

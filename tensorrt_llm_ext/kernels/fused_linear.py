@@ -39,13 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch
+from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
-__all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "FEW_ROWS_MAX", "GEMV_MAX_ROWS", "dot_settings",
-           "few_row_settings", "fused_gemv_settings", "fused_linear", "fused_linear_reference", "fused_linear_settings",
-           "prefetch_lines", "stage_block_k"]
+__all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_settings", "fused_gemv_settings",
+           "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines", "split_k_counters",
+           "split_k_settings", "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
@@ -54,16 +54,16 @@ MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS i
 # 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2 for gate-up) times BLOCK_M
-# Steps of 2 .. FEW_ROWS_MAX rows (a verify block of K + 1 = 8 rows at B = 1 / 2, a decode step at B <= 16) take
-# the row-loop form (ROWS, :func:`few_row_settings`) where one weight tile covers K: each program holds its
-# weight columns over all of K in registers and runs its rows against them one at a time, each row's product a
-# 2-D multiply and a sum over K in the weight tile's own layout (no tl.dot, no [M, K, N] broadcast).
-FEW_ROWS_MAX = 16
-FEW_ROWS_MAX_TILE = 8192  # weight elements a row-loop program holds (BLOCK_N x BLOCK_K, x2 for gate-up)
-FEW_ROWS_BLOCK_M = 16  # rows per row-loop program (unrolled); more rows take more programs, never another order
 # Lines of each weight row brought to L2 before the programmatic wait beyond the first BLOCK_K block (8 KB of a
 # bf16 row: all of SmolLM2's K = 576 / 1536; the 8B shape runs cuBLAS).
 MAX_PREFETCH_LINES = 64
+# Split-K of the dot tiles (steps of 2 .. FUSED_MAX_ROWS rows): a product of few column blocks (SmolLM2's 576-wide
+# o_proj / down: 36 programs of 16 columns on 132 SMs) runs its K range in SPLIT_K chunks of whole BLOCK_K blocks,
+# one program each, up to SPLIT_K_PROGRAMS_PER_SM programs per SM; the last chunk of a tile to arrive sums the
+# chunks' fp32 partials in chunk order and runs the epilogue (no second launch). The chunks follow N, K and BLOCK_K,
+# never M, so a row's summation order is the same at any step size. 0 turns it off (scripts/profile_target_kernels.py
+# flips it to time both).
+SPLIT_K_PROGRAMS_PER_SM = 2
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
 WEIGHT_PREFETCH = True
@@ -125,10 +125,115 @@ def prefetch_lines(k: int, block_k: int, elem_bytes: int, pdl: bool) -> int:
 
 
 @triton.jit
+def _fused_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr,
+    m, n, k, stride_xm, stride_wn, stride_rm, stride_om, eps,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
+    part_ptr=None, counter_ptr=None, k_chunk=0, SPLIT_K: tl.constexpr = 1,
+):
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_rows = cols.to(tl.int64) * stride_wn
+    # This program's K range: all of K, or (split-K) chunk program_id(2) of whole BLOCK_K blocks.
+    k_lo = 0
+    k_hi = k
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, k)
+    k_begin = k_lo
+    if PDL:
+        # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
+        # the previous kernel finishes; x and the residual are read after the wait.
+        kk0 = k_lo + tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k_hi)[:, None] & col_ok[None, :]
+        w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if EPILOGUE == 1:
+            w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
+            _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
+            if EPILOGUE == 1:
+                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE,
+                                  PREFETCH_LINES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        k_begin = k_lo + BLOCK_K
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = k_lo + tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k_hi
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+        acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
+        if EPILOGUE == 1:
+            acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = _mac(acc, a, w, GEMV, DOT_DTYPE, PRECISION)
+        if EPILOGUE == 1:  # the up rows sit N rows below the gate rows
+            w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+            acc_up = _mac(acc_up, a, w2, GEMV, DOT_DTYPE, PRECISION)
+    if SPLIT_K > 1:
+        acc, acc_up, last = _split_k_combine(acc, acc_up, part_ptr, counter_ptr,
+                                             tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2),
+                                             BLOCK_M, BLOCK_N, SPLIT_K, EPILOGUE == 1)
+        if last:
+            _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
+                             stride_om, HAS_BIAS, EPILOGUE)
+    else:
+        _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
+                         stride_om, HAS_BIAS, EPILOGUE)
+
+
+@triton.jit
+def _split_k_combine(acc, acc2, part_ptr, counter_ptr, tile, chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_K: tl.constexpr, TWO: tl.constexpr):
+    """Split-K: store this chunk's fp32 partials ``acc`` (and ``acc2``) of ``tile``, count its arrival on the tile's
+    counter (a barrier, then an acq_rel atomic at GPU scope: the attention's merge protocol), and for the last
+    chunk to arrive return the sums of every chunk's partials in chunk order -- read back from memory, its own
+    included, so the order and the bits do not depend on which chunk arrives last -- with ``last`` true (the
+    counter reset to zero for the next launch)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_part = part_ptr + tile.to(tl.int64) * (SPLIT_K * (1 + TWO) * BLOCK_M * BLOCK_N)
+    tl.store(tile_part + chunk * BLOCK_M * BLOCK_N + offs, acc)
+    if TWO:
+        tl.store(tile_part + (SPLIT_K + chunk) * BLOCK_M * BLOCK_N + offs, acc2)
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = done == SPLIT_K - 1
+    if last:
+        tl.store(counter_ptr + tile, 0)  # ready for the next launch (graph replays reuse the counters)
+        acc = tl.load(tile_part + offs, cache_modifier=".cg")
+        for c in tl.static_range(1, SPLIT_K):
+            acc += tl.load(tile_part + c * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+        if TWO:
+            acc2 = tl.load(tile_part + SPLIT_K * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+            for c in tl.static_range(1, SPLIT_K):
+                acc2 += tl.load(tile_part + (SPLIT_K + c) * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+    return acc, acc2, last
+
+
+@triton.jit
 def _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm, stride_om,
                      HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr):
-    """Bias, the output rounding, SiLU-mul or the residual add, and the store of ``acc [R, BLOCK_N]`` (rows
-    ``rows [R]``)."""
+    """Bias, the output rounding, SiLU-mul or the residual add, and the store of ``acc [BLOCK_M, BLOCK_N]``."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == 1:
@@ -144,113 +249,6 @@ def _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr,
         r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(out_ty)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=mask)
-
-
-@triton.jit
-def _row_product(x_ptr, row, row_ok, stride_xm, kk, k_ok, k, eps, nw, w, w2, NORM: tl.constexpr,
-                 TWO: tl.constexpr):
-    """The row-loop form's product of one row against weight tiles ``w`` (``w2``) ``[BLOCK_K >= K, BLOCK_N]``:
-    ``[1, BLOCK_N]`` fp32 sums over K. The row is loaded broadcast to the weight tile's shape (its columns hit
-    L1), so the norm's sum of squares, the normalized row and the product all live in the weight tile's layout;
-    the reduction order over K follows that layout, fixed by the tile's shape, never by the rows."""
-    a = tl.load(x_ptr + row.to(tl.int64)[None, :] * stride_xm + kk[:, None] + tl.zeros_like(w).to(tl.int64),
-                mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-    af = a.to(tl.float32)
-    if NORM:  # rms_norm's two roundings (every column of the tile holds the same row: the same sum)
-        rstd = tl.math.rsqrt(tl.sum(af * af, axis=0, keep_dims=True) / k + eps)
-        af = ((af * rstd).to(a.dtype).to(tl.float32) * nw[:, None]).to(a.dtype).to(tl.float32)
-    y = tl.sum(af * w.to(tl.float32), axis=0, keep_dims=True)
-    y2 = y
-    if TWO:
-        y2 = tl.sum(af * w2.to(tl.float32), axis=0, keep_dims=True)
-    return y, y2
-
-
-@triton.jit
-def _fused_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, out_ptr,
-    m, n, k, stride_xm, stride_wn, stride_rm, stride_om, eps,
-    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, ROWS: tl.constexpr = False,
-):
-    pid_n = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < m
-    rows = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    w_rows = cols.to(tl.int64) * stride_wn
-    if ROWS:
-        # The row-loop form: the program's weight columns over all of K (BLOCK_K >= K) in registers, loaded
-        # before the programmatic wait; then its rows one at a time, each with its own epilogue.
-        kk = tl.arange(0, BLOCK_K)
-        k_ok = kk < k
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        w2 = w
-        if EPILOGUE == 1:
-            w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        nw = tl.zeros([BLOCK_K], tl.float32)
-        if NORM:
-            nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            row = tl.program_id(1) * BLOCK_M + r + tl.zeros([1], tl.int32)
-            ok = row < m
-            y, y_up = _row_product(x_ptr, row, ok, stride_xm, kk, k_ok, k, eps, nw, w, w2, NORM, EPILOGUE == 1)
-            _linear_epilogue(y, y_up, row.to(tl.int64), ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
-                             stride_om, HAS_BIAS, EPILOGUE)
-    else:
-        k_begin = 0
-        if PDL:
-            # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in
-            # while the previous kernel finishes; x and the residual are read after the wait.
-            kk0 = tl.arange(0, BLOCK_K)
-            w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
-            w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-            if EPILOGUE == 1:
-                w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-            if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
-                _prefetch_rows_l2(w_ptr, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
-                if EPILOGUE == 1:
-                    _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE,
-                                      PREFETCH_LINES)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-            k_begin = BLOCK_K
-        if NORM:
-            rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
-            kk0 = tl.arange(0, BLOCK_K)
-            k_ok0 = kk0 < k
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
-                        other=0.0)
-            if NORM:
-                a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
-            acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
-            if EPILOGUE == 1:
-                acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-        for k0 in range(k_begin, k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < k
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            if NORM:
-                a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc = _mac(acc, a, w, GEMV, DOT_DTYPE, PRECISION)
-            if EPILOGUE == 1:  # the up rows sit N rows below the gate rows
-                w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-                acc_up = _mac(acc_up, a, w2, GEMV, DOT_DTYPE, PRECISION)
-        _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
-                         stride_om, HAS_BIAS, EPILOGUE)
 
 
 def dot_settings(x: torch.Tensor, w: torch.Tensor):
@@ -312,27 +310,36 @@ def fused_gemv_settings(m: int, n: int, k: int, gate_up: bool = False, sms: int 
     return block_m, block_n, block_k, 8
 
 
-def few_row_settings(m: int, n: int, k: int, gate_up: bool = False, sms: int = 132):
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` of the row-loop form, or None where it does not apply (more
-    than ``FEW_ROWS_MAX`` rows, or a ``[next_pow2(K), 2]`` weight tile past ``FEW_ROWS_MAX_TILE``).
+def split_k_settings(column_programs: int, k: int, block_k: int, sms: int = 132) -> tuple[int, int]:
+    """``(SPLIT_K, k_chunk)`` of a dot-tile product with ``column_programs`` programs per row tile: the K range
+    cut into ``SPLIT_K`` chunks of ``k_chunk`` inputs (whole ``block_k`` blocks, none empty) so that there are
+    about ``SPLIT_K_PROGRAMS_PER_SM`` programs per SM (``sms``); ``(1, k)`` where the columns alone fill them.
+    From the shape's column blocks, ``K`` and ``BLOCK_K`` only -- never ``M`` -- so the order in which a row is
+    summed is the same at every step size."""
+    blocks = triton.cdiv(k, block_k)
+    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * sms, column_programs)
+    if want <= 1 or blocks <= 1:
+        return 1, k
+    per_chunk = triton.cdiv(blocks, min(want, blocks))
+    split = triton.cdiv(blocks, per_chunk)
+    return split, per_chunk * block_k
 
-    ``BLOCK_K`` covers ``K``; ``BLOCK_N`` the widest of 16 .. 2 that gives a program per SM (``sms``) and fits
-    the tile; a warp per 1024 weight elements (1 .. 8). These three set the layout, hence each row's summation
-    order: they depend on ``N``, ``K`` and ``gate_up`` only, so a row's bits are the same at any ``M`` of the
-    form. ``BLOCK_M`` (rows per program, up to ``FEW_ROWS_BLOCK_M``) follows ``M``."""
-    if not 1 <= m <= FEW_ROWS_MAX:
-        return None
-    tiles = 2 if gate_up else 1
-    block_k = max(16, triton.next_power_of_2(k))
-    if 2 * block_k * tiles > FEW_ROWS_MAX_TILE:
-        return None
-    block_n = 2
-    for cand in (16, 8, 4):
-        if triton.cdiv(n, cand) >= sms and cand * block_k * tiles <= FEW_ROWS_MAX_TILE:
-            block_n = cand
-            break
-    warps = min(8, max(1, block_n * block_k * tiles // 1024))
-    return min(FEW_ROWS_BLOCK_M, triton.next_power_of_2(m)), block_n, block_k, warps
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The per-device int32 arrival counters of split-K tiles (zero between launches: each tile's last chunk resets
+    its own), allocated zeroed once outside any capture (a graph keeps their address). Launches that use them do
+    so only after their programmatic wait, so consecutive launches on one stream never share them at once; two
+    streams must not run these launches concurrently."""
+    device = torch.device(device)
+    have = _SPLIT_COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        refuse_allocation_while_capturing(f"split-K counters ({n} tiles)", device)
+        have = torch.zeros(max(n, 1 << 14, 0 if have is None else 2 * have.numel()), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = have
+    return have
 
 
 def _check(x, weight, bias, norm_weight, residual, epilogue):
@@ -360,8 +367,7 @@ def _check(x, weight, bias, norm_weight, residual, epilogue):
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, epilogue: int = EPI_NONE,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 row_loop: bool = False) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``epilogue(rms_norm(x) @ weight^T + bias)`` in one launch (see the module doc).
 
     Args:
@@ -372,9 +378,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         epilogue: ``EPI_NONE``, ``EPI_SILU_MUL`` or ``EPI_RESIDUAL`` (then ``residual [M, N]``).
         out: optional ``[M, N]`` of ``x``'s dtype (may alias ``residual``: each element is read before it is
             written, by the same program).
-        row_loop: steps of 2 .. ``FEW_ROWS_MAX`` rows take the row-loop form where it applies
-            (:func:`few_row_settings`); the target's small-step layer sets it (measured there), other callers keep
-            the dot tiles.
 
     Returns ``out [M, N]``. CUDA-graph safe (allocates only its output, from the capture's pool).
 
@@ -391,23 +394,28 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return out
     res = residual if residual is not None else out
     gemv = m <= GEMV_MAX_ROWS
-    rows_form = few_row_settings(m, n, k, epilogue == EPI_SILU_MUL) if row_loop and not gemv else None
-    if rows_form is not None:
-        block_m, block_n, block_k, warps = rows_form
-    elif gemv:
+    if gemv:
         block_m, block_n, block_k, warps = fused_gemv_settings(m, n, k, epilogue == EPI_SILU_MUL)
     else:
         block_m, block_n, block_k, warps = fused_linear_settings(
             m, n, k, max(x.element_size(), weight.element_size()), epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
     pdl = programmatic_launch(x)
-    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    split, k_chunk = (1, k) if gemv or not SPLIT_K_PROGRAMS_PER_SM else split_k_settings(grid_n, k, block_k)
+    part = counters = None
+    if split > 1:
+        part = torch.empty(grid_n * grid_m * split * (2 if epilogue == EPI_SILU_MUL else 1) * block_m * block_n,
+                           dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, grid_n * grid_m)
+    _fused_linear_kernel[(grid_n, grid_m, split)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines(k, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
-        WEIGHT_LINE=128 // weight.element_size(), ROWS=rows_form is not None,
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(k_chunk, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
+        WEIGHT_LINE=128 // weight.element_size(),
+        part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
         num_warps=warps, launch_pdl=pdl,
     )
     return out

@@ -32,15 +32,15 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
-from tensorrt_llm_ext.kernels.fused_linear import (FEW_ROWS_BLOCK_M, FEW_ROWS_MAX, FEW_ROWS_MAX_TILE, GEMV_MAX_ROWS,
-                                                   GEMV_MAX_TILE, MAX_BLOCK_M, WEIGHT_PREFETCH, _mac, _normed_tile,
-                                                   _prefetch_rows_l2, _row_product, _row_rstd, dot_settings,
-                                                   prefetch_lines, stage_block_k)
+from tensorrt_llm_ext.kernels import fused_linear as _fused_linear
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
+                                                   WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd, _split_k_combine,
+                                                   dot_settings, prefetch_lines, split_k_counters, split_k_settings,
+                                                   stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
-__all__ = ["FORM_DOT", "FORM_GEMV", "FORM_ROWS", "fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks",
-           "qkv_settings"]
+__all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks", "qkv_settings"]
 
 
 @triton.jit
@@ -61,8 +61,7 @@ def _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_pt
                   max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt,
                   stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
                   HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    """Bias, rounding, (q / k norms,) RoPE and the stores of one head's two half accumulators ``[R, BLOCK_HALF]``
-    (rows ``rows [R]``, int64)."""
+    """Bias, rounding, (q / k norms,) RoPE and the stores of one head's two half accumulators."""
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + c1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + c1 + HALF, mask=i_ok, other=0.0).to(tl.float32)[None, :]
@@ -112,7 +111,8 @@ def _fused_qkv_rope_kernel(
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, ROWS: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
+    part_ptr=None, counter_ptr=None, k_chunk=0, SPLIT_K: tl.constexpr = 1,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -124,72 +124,66 @@ def _fused_qkv_rope_kernel(
     c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
     w1_rows = c1.to(tl.int64) * stride_wn
     w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
-    if ROWS:
-        # The row-loop form (fused_linear's ROWS): both halves' weight columns over all of K in registers, loaded
-        # before the programmatic wait, then the program's rows one at a time, each with its own epilogue.
-        kk = tl.arange(0, BLOCK_K)
-        k_ok = kk < k
+    # This program's K range: all of K, or (split-K, as in fused_linear) chunk program_id(2).
+    k_lo = 0
+    k_hi = k
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, k)
+    k_begin = k_lo
+    if PDL:
+        # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
+        # finishes; x, positions, cos / sin and the table are read after the wait.
+        kk0 = k_lo + tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k_hi)[:, None] & i_ok[None, :]
+        w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
+            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        k_begin = k_lo + BLOCK_K
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = k_lo + tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k_hi
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
         w_mask = k_ok[:, None] & i_ok[None, :]
-        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_HALF]
+        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
         w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        nw = tl.zeros([BLOCK_K], tl.float32)
-        if NORM:
-            nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            row = tl.program_id(1) * BLOCK_M + r + tl.zeros([1], tl.int32)
-            ok = row < m
-            y1, y2 = _row_product(x_ptr, row, ok, stride_xm, kk, k_ok, k, eps, nw, w1, w2, NORM, True)
-            _qkv_epilogue(y1, y2, row.to(tl.int64), ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr,
+        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
+    if SPLIT_K > 1:
+        acc1, acc2, last = _split_k_combine(acc1, acc2, part_ptr, counter_ptr,
+                                            tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2),
+                                            BLOCK_M, BLOCK_HALF, SPLIT_K, True)
+        if last:
+            _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr,
                           sin_ptr, pos_ptr, slot_ptr, table_ptr, k_pool_ptr, v_pool_ptr, q_out_ptr, t_len, num_heads,
-                          num_kv_heads, max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab,
-                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
-                          HALF, HAS_BIAS, QK_NORM)
+                          num_kv_heads, max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp,
+                          stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh, HALF, HAS_BIAS,
+                          QK_NORM)
     else:
-        k_begin = 0
-        if PDL:
-            # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
-            # finishes; x, positions, cos / sin and the table are read after the wait.
-            kk0 = tl.arange(0, BLOCK_K)
-            w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
-            w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-            w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-            if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
-                _prefetch_rows_l2(w_ptr, w1_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
-                _prefetch_rows_l2(w_ptr, w2_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-            k_begin = BLOCK_K
-        if NORM:
-            rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-        if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
-            kk0 = tl.arange(0, BLOCK_K)
-            k_ok0 = kk0 < k
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
-                        other=0.0)
-            if NORM:
-                a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
-            acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
-            acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-        for k0 in range(k_begin, k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < k
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM:
-                a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
-            w_mask = k_ok[:, None] & i_ok[None, :]
-            w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-            w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-            acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
-            acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
         _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,
                       pos_ptr, slot_ptr, table_ptr, k_pool_ptr, v_pool_ptr, q_out_ptr, t_len, num_heads, num_kv_heads,
-                      max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt,
-                      stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh, HALF, HAS_BIAS, QK_NORM)
+                      max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp,
+                      stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh, HALF, HAS_BIAS,
+                      QK_NORM)
 
 
 def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132, gemv: bool = False) -> tuple[int, int]:
@@ -204,25 +198,12 @@ def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132, gemv: b
     return block, triton.cdiv(half, block)
 
 
-FORM_DOT, FORM_GEMV, FORM_ROWS = 0, 1, 2  # the product's form: 16-row dot tiles, broadcast few-row, row loop
-
-
 def qkv_settings(m: int, heads: int, half: int, k: int, whole_heads: bool, elem_bytes: int = 2,
-                 sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_HALF, chunks, BLOCK_K, form, num_warps)``: up to ``GEMV_MAX_ROWS`` rows the broadcast
-    few-row form (``BLOCK_K`` covering ``K`` where the two ``[BLOCK_M, BLOCK_HALF, BLOCK_K]`` products fit
-    ``GEMV_MAX_TILE``); up to ``FEW_ROWS_MAX`` rows the row-loop form where both halves' ``[next_pow2(K),
-    BLOCK_HALF]`` weight tiles fit ``FEW_ROWS_MAX_TILE`` (a warp per 1024 weight elements; ``BLOCK_HALF``,
-    ``BLOCK_K`` and the warps -- each row's summation order -- from the shape only, ``BLOCK_M`` from ``m``);
+                 sms: int = 132) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_HALF, chunks, BLOCK_K, gemv)``: the few-row form (``m <= GEMV_MAX_ROWS``) takes a
+    ``BLOCK_K`` covering ``K`` where the two ``[BLOCK_M, BLOCK_HALF, BLOCK_K]`` products fit ``GEMV_MAX_TILE``;
     larger steps the 16-row dot tiles. Shape-only."""
     gemv = m <= GEMV_MAX_ROWS
-    if not gemv and m <= FEW_ROWS_MAX:
-        block_half, chunks = qkv_chunks(heads, half, whole_heads, sms, True)
-        block_k = max(16, triton.next_power_of_2(k))
-        tile = 2 * block_half * block_k
-        if tile <= FEW_ROWS_MAX_TILE:
-            return (min(FEW_ROWS_BLOCK_M, triton.next_power_of_2(m)), block_half, chunks, block_k, FORM_ROWS,
-                    min(8, max(1, tile // 1024)))
     block_m = triton.next_power_of_2(max(1, m)) if gemv else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     block_half, chunks = qkv_chunks(heads, half, whole_heads, sms, gemv)
     if gemv:
@@ -231,7 +212,7 @@ def qkv_settings(m: int, heads: int, half: int, k: int, whole_heads: bool, elem_
             block_k //= 2
     else:
         block_k = stage_block_k(k, block_m, 2 * block_half, elem_bytes)
-    return block_m, block_half, chunks, block_k, FORM_GEMV if gemv else FORM_DOT, 8 if block_m >= 64 or gemv else 4
+    return block_m, block_half, chunks, block_k, gemv
 
 
 def _check(x, qkv_weight, qkv_bias, norm_weight, q_norm_weight, k_norm_weight, cos, sin, positions, slot_ids,
@@ -300,12 +281,20 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
     if m == 0:
         return q_out
     half = d // 2
-    block_m, block_half, chunks, block_k, form, warps = qkv_settings(m, num_heads + 2 * kvh, half, k,
-                                                                     q_norm_weight is not None, x.element_size())
+    block_m, block_half, chunks, block_k, gemv = qkv_settings(m, num_heads + 2 * kvh, half, k,
+                                                              q_norm_weight is not None, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     pdl = programmatic_launch(x)
     dummy = qkv_weight
-    _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
+    grid_n, grid_m = (num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m)
+    # Split-K of the dot tiles (fused_linear's rule and switch): from the column programs, K and BLOCK_K only.
+    split, k_chunk = (1, k) if gemv or not _fused_linear.SPLIT_K_PROGRAMS_PER_SM else split_k_settings(grid_n, k,
+                                                                                                      block_k)
+    part = counters = None
+    if split > 1:
+        part = torch.empty(grid_n * grid_m * split * 2 * block_m * block_half, dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, grid_n * grid_m)
+    _fused_qkv_rope_kernel[(grid_n, grid_m, split)](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
         q_norm_weight if q_norm_weight is not None else dummy, k_norm_weight if k_norm_weight is not None else dummy,
         cos, sin, positions, slot_ids, page_table, k_pool, v_pool, q_out,
@@ -315,10 +304,11 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         num_heads * d, d,
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=form == FORM_GEMV, PDL=pdl,
-        PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
-        WEIGHT_LINE=128 // qkv_weight.element_size(), ROWS=form == FORM_ROWS,
-        num_warps=warps, launch_pdl=pdl,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(k_chunk, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
+        WEIGHT_LINE=128 // qkv_weight.element_size(),
+        part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
+        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
     )
     return q_out
 

@@ -395,11 +395,10 @@ class LlamaDecoderLayer(nn.Module):
                            attn.num_heads, qn, kn, qk_eps)
         o = paged_attention(q, k_pool, v_pool, page_table, slot_ids, positions, attn.scale)
         h = fused_linear(o.view(b * t, -1), attn.o_proj.weight, attn.o_proj.bias, epilogue=EPI_RESIDUAL,
-                         residual=hidden.view(b * t, width), row_loop=True)
+                         residual=hidden.view(b * t, width))
         act = fused_linear(h, mlp.gate_up_weight, mlp.gate_up_bias, norm_weight=self.post_attention_layernorm.weight,
-                           eps=self.post_attention_layernorm.eps, epilogue=EPI_SILU_MUL, row_loop=True)
-        h = fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, epilogue=EPI_RESIDUAL, residual=h, out=h,
-                         row_loop=True)
+                           eps=self.post_attention_layernorm.eps, epilogue=EPI_SILU_MUL)
+        h = fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, epilogue=EPI_RESIDUAL, residual=h, out=h)
         return h.view(b, t, width)
 
 

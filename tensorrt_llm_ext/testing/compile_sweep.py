@@ -350,19 +350,17 @@ def _fused_layer():
             norm = torch.empty(hidden, dtype=dtype)
             w_gate_up, w_down = torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype)
             w_o = torch.empty(hidden, heads * d, dtype=dtype)
-            for m in (1, 4, 8, 16, 64):  # 4 / 8 / 16: the row-loop form where the weight tile fits
-                t = 8 if m >= 16 else 1
+            for m in (1, 4, 8, 64):
+                t = 8 if m == 64 else 1
                 x = torch.empty(m // t, t, hidden, dtype=dtype)
                 pos = torch.zeros(m // t, t, dtype=torch.int64)
                 cos = torch.empty(m // t, t, d // 2)
                 slots = torch.zeros(m // t, dtype=torch.int32)
                 fused_qkv_rope(x, wqkv, bias, norm, 1e-6, cos, cos, pos, slots, table, pool, pool, heads, qk, qk)
                 h = x.view(m, hidden)
-                fused_linear(torch.empty(m, heads * d, dtype=dtype), w_o, epilogue=EPI_RESIDUAL, residual=h,
-                             row_loop=True)
-                fused_linear(h, w_gate_up, norm_weight=norm, epilogue=EPI_SILU_MUL, row_loop=True)
-                fused_linear(torch.empty(m, inter, dtype=dtype), w_down, epilogue=EPI_RESIDUAL, residual=h,
-                             row_loop=True)
+                fused_linear(torch.empty(m, heads * d, dtype=dtype), w_o, epilogue=EPI_RESIDUAL, residual=h)
+                fused_linear(h, w_gate_up, norm_weight=norm, epilogue=EPI_SILU_MUL)
+                fused_linear(torch.empty(m, inter, dtype=dtype), w_down, epilogue=EPI_RESIDUAL, residual=h)
 
 
 # -- Markov draft chain ---------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, FEW_ROWS_MAX_TILE,
-                                                   GEMV_MAX_TILE, MAX_PREFETCH_LINES, few_row_settings,
-                                                   fused_gemv_settings, fused_linear, fused_linear_reference,
-                                                   fused_linear_settings, prefetch_lines)
+from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_TILE,
+                                                   MAX_PREFETCH_LINES, fused_gemv_settings, fused_linear,
+                                                   fused_linear_reference, fused_linear_settings, prefetch_lines,
+                                                   split_k_counters, split_k_settings)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
@@ -22,12 +22,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2
 
 @pytest.fixture(autouse=True)
 def _few_row_form_up_to_4_rows(monkeypatch):
-    """The broadcast few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its
-    tiles of 2 and 4 rows are tested too; the row-loop form from 5 to 8 rows, the dot tiles past 8."""
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
     from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
-    for mod in (fl, fq):
-        monkeypatch.setattr(mod, "GEMV_MAX_ROWS", 4)
-        monkeypatch.setattr(mod, "FEW_ROWS_MAX", 8)
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
 
 
 def _case(m, k, n, dtype, seed=0, gate_up=False):
@@ -140,32 +139,39 @@ def test_few_row_settings_spread_the_columns():
 
 
 @pytest.mark.parametrize("epilogue", [EPI_SILU_MUL, EPI_RESIDUAL])
-def test_row_loop_form_matches_twin_and_rows_per_program_change_no_bit(monkeypatch, epilogue):
-    """5 rows in the row-loop form (the fixture's 5 .. 8), bf16, norm prologue and bias: the twin's values; the
-    same rows in programs of 2 rows (3 row tiles) give the same bits (rows per program follow M, the summation
-    order does not)."""
-    from tensorrt_llm_ext.kernels import fused_linear as fl
-    m, k, n = 5, 37, 21
-    assert few_row_settings(m, n, k, epilogue == EPI_SILU_MUL)[0] == 8
-    x, w, b, nw, r = _case(m, k, n, torch.bfloat16, seed=6, gate_up=epilogue == EPI_SILU_MUL)
-    kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue, residual=r if epilogue == EPI_RESIDUAL else None)
-    out = fused_linear(x, w, b, **kw, row_loop=True)
-    torch.testing.assert_close(out.float(), fused_linear_reference(x, w, b, **kw).float(), **TOL[torch.bfloat16])
-    monkeypatch.setattr(fl, "FEW_ROWS_BLOCK_M", 2)
-    assert torch.equal(fused_linear(x, w, b, **kw, row_loop=True), out)
+def test_split_k_matches_twin_and_a_row_keeps_its_bits(epilogue):
+    """Dot tiles over K = 600 on 2 column programs: 3 chunks of 256 / 256 / 88 inputs (split-K), bf16, norm
+    prologue and bias: the twin's values, the counters back at zero; a row's bits the same next to other rows and
+    (on a GPU, where 8 and 32 rows are one and two 16-row MMA tiles) at another step size."""
+    m, k, n = 11, 600, 21
+    assert split_k_settings(-(-n // 16), k, 256) == (3, 256)
+    x, w, b, nw, r = _case(32, k, n, torch.bfloat16, seed=7, gate_up=epilogue == EPI_SILU_MUL)
+    kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue)
+    res = dict(residual=r[:m]) if epilogue == EPI_RESIDUAL else {}
+    out = fused_linear(x[:m], w, b, **kw, **res)
+    torch.testing.assert_close(out.float(), fused_linear_reference(x[:m], w, b, **kw, **res).float(),
+                               **TOL[torch.bfloat16])
+    assert int(split_k_counters(x.device, 1).abs().sum()) == 0
+    x2 = torch.randn_like(x[:m])
+    x2[4] = x[4]
+    assert torch.equal(fused_linear(x2, w, b, **kw, **res)[4], out[4])
+    if DEVICE == "cuda":
+        res = dict(residual=r) if epilogue == EPI_RESIDUAL else {}
+        assert torch.equal(fused_linear(x, w, b, **kw, **res)[:8], fused_linear(x[:8], w, b, **kw, **{
+            key: v[:8] for key, v in res.items()}))
 
 
-def test_row_loop_settings_depend_on_n_and_k_only():
-    """SmolLM2's o_proj / gate-up / down: a program per SM, the tile within FEW_ROWS_MAX_TILE, BLOCK_K >= K; the
-    same BLOCK_N / BLOCK_K / warps (the layout, so each row's summation order) at every M of the form."""
-    for n, k, gate_up in ((576, 576, False), (1536, 576, True), (576, 1536, False)):
-        settings = {few_row_settings(m, n, k, gate_up)[1:] for m in range(2, 9)}
-        assert len(settings) == 1
-        bn, bk, warps = settings.pop()
-        assert bk >= k and -(-n // bn) >= 132 and bn * bk * (1 + gate_up) <= FEW_ROWS_MAX_TILE
-    assert [few_row_settings(m, 576, 576)[0] for m in (2, 3, 8)] == [2, 4, 8]
-    assert few_row_settings(9, 576, 576) is None  # past the fixture's FEW_ROWS_MAX: dot tiles
-    assert few_row_settings(4, 14336, 4096, True) is None  # a weight tile past FEW_ROWS_MAX_TILE
+def test_split_k_settings_follow_the_columns_not_the_rows():
+    """SmolLM2's o_proj / down (36 column programs), gate-up (96): about two programs per SM in whole 256-input
+    chunks, none empty; wide products (an 8B gate-up's 448 column programs) are not split."""
+    assert split_k_settings(36, 576, 256) == (3, 256)  # 108 programs
+    assert split_k_settings(36, 1536, 256) == (6, 256)  # 216
+    assert split_k_settings(96, 576, 256) == (3, 256)  # 288
+    assert split_k_settings(448, 4096, 256) == (1, 4096)
+    assert split_k_settings(36, 1536, 256, sms=40) == (3, 512)  # 3 programs per column block: 2 blocks each
+    for cols, k in ((36, 576), (36, 1536), (5, 3000), (1, 300)):
+        split, chunk = split_k_settings(cols, k, 256)
+        assert chunk % 256 == 0 and (split - 1) * chunk < k <= split * chunk
 
 
 def test_validation_names_the_argument():

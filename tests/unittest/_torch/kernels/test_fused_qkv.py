@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.fused_qkv import (FORM_DOT, FORM_GEMV, FORM_ROWS, fused_qkv_rope, fused_qkv_rope_reference,
-                                                qkv_chunks, qkv_settings)
+from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope, fused_qkv_rope_reference, qkv_chunks, qkv_settings
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,12 +20,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2
 
 @pytest.fixture(autouse=True)
 def _few_row_form_up_to_4_rows(monkeypatch):
-    """The broadcast few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its
-    tiles of 2 and 4 rows are tested too; the row-loop form from 5 to 8 rows, the dot tiles past 8."""
+    """The few-row form at up to 4 rows (the model takes it at GEMV_MAX_ROWS, 1 by measurement): its tiles of
+    2 and 4 rows are tested too."""
     from tensorrt_llm_ext.kernels import fused_linear as fl, fused_qkv as fq
-    for mod in (fl, fq):
-        monkeypatch.setattr(mod, "GEMV_MAX_ROWS", 4)
-        monkeypatch.setattr(mod, "FEW_ROWS_MAX", 8)
+    monkeypatch.setattr(fl, "GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(fq, "GEMV_MAX_ROWS", 4)
 
 
 def _case(b, t, hidden, heads, kvh, d, dtype, *, bias=False, qk_norm=False, page=4, seed=0):
@@ -85,22 +83,18 @@ def test_decode_rows_without_prologue_and_row_independence():
     assert torch.equal(q2[1], q[1])
 
 
-def test_row_loop_form_matches_twin_and_rows_per_program_change_no_bit(monkeypatch):
-    """6 verify rows (T = 2, the row-loop form) across a page edge and past a table, with bias: the twin's q and
-    pools; the same rows in programs of 2 rows give the same bits (rows per program follow M, the order does not)."""
-    from tensorrt_llm_ext.kernels import fused_qkv as fq
-    (x, w, bb, nw, _, _), (cos, sin, pos, slots, table), pools = _case(3, 2, 24, 2, 1, 8, torch.bfloat16, bias=True)
+def test_split_k_matches_twin():
+    """12 verify rows in dot tiles over K = 300 on 5 column programs: 2 chunks (split-K), bf16 with bias; the q
+    rows and the pools as the twin's, the counters back at zero."""
+    from tensorrt_llm_ext.kernels.fused_linear import split_k_counters
+    (x, w, bb, nw, _, _), (cos, sin, pos, slots, table), pools = _case(3, 4, 300, 3, 1, 16, torch.bfloat16, bias=True)
     args = (cos, sin, pos, slots, table)
-    assert qkv_settings(6, 4, 4, 24, False)[4] == FORM_ROWS
-    q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 2)
-    q_ref = fused_qkv_rope_reference(x, w, bb, nw, 1e-5, *args, pools[2], pools[3], 2)
+    q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 3)
+    q_ref = fused_qkv_rope_reference(x, w, bb, nw, 1e-5, *args, pools[2], pools[3], 3)
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(pools[0].float(), pools[2].float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(pools[1].float(), pools[3].float(), **TOL[torch.bfloat16])
-    monkeypatch.setattr(fq, "FEW_ROWS_BLOCK_M", 2)
-    k_pool, v_pool = pools[0].clone(), pools[1].clone()
-    assert torch.equal(fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 2), q)
-    assert torch.equal(pools[0], k_pool) and torch.equal(pools[1], v_pool)
+    assert int(split_k_counters(x.device, 1).abs().sum()) == 0
 
 
 def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
@@ -111,10 +105,8 @@ def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
     assert qkv_chunks(15, 5, False) == (16, 1)  # the dot's 16-column minimum
     assert qkv_chunks(15, 32, False, gemv=True) == (2, 16)  # the few-row form: 240 programs
     # Few-row steps: one load round trip over SmolLM2's K = 576; past GEMV_MAX_ROWS (4 here): 16-row dot tiles.
-    assert qkv_settings(1, 15, 32, 576, False) == (1, 2, 16, 1024, FORM_GEMV, 8)
-    # 5 .. 8 rows (the fixture): the row-loop form, BLOCK_HALF / BLOCK_K / warps from the shape only; past 8: dot tiles.
-    assert {qkv_settings(m, 15, 32, 576, False)[1:] for m in (5, 8)} == {(2, 16, 1024, FORM_ROWS, 4)}
-    assert qkv_settings(9, 15, 32, 576, False)[0::4] == (16, FORM_DOT)
+    assert qkv_settings(1, 15, 32, 576, False) == (1, 2, 16, 1024, True)
+    assert qkv_settings(5, 15, 32, 576, False)[0::4] == (16, False)
 
 
 def test_validation_names_the_argument():
