@@ -7,7 +7,7 @@ over a CUDA-graph replay, kernels grouped by name with their total / mean micros
 name ending in ``+profile`` also prints its per-kernel table.
 
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
-  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants splitk,nosplit
+  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants nosplit,splitk
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def _table(title, ker, reps):
 # Settings of the small-step GEMMs the --variants mode times (module constants of fused_linear, also read by
 # fused_qkv; "attn.X": paged_attention's X).
 VARIANTS = {
-    "splitk": dict(SPLIT_K_PROGRAMS_PER_SM=2),  # the dot tiles split along K to ~2 programs per SM (the default)
+    "nosplit": dict(SPLIT_K_PROGRAMS_PER_SM=0),  # one program per column block (the default until split-K is timed)
+    "splitk": dict(SPLIT_K_PROGRAMS_PER_SM=2),  # the dot tiles split along K to ~2 programs per SM
     "splitk1": dict(SPLIT_K_PROGRAMS_PER_SM=1),  # ... to ~1 program per SM
-    "nosplit": dict(SPLIT_K_PROGRAMS_PER_SM=0),  # one program per column block (before split-K)
-    "gemv8": dict(SPLIT_K_PROGRAMS_PER_SM=2, GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
-    "vs64": dict(SPLIT_K_PROGRAMS_PER_SM=2, **{"attn.SPLIT_TOKENS": 64}),  # verify tiles in 64-key pieces
+    "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
+    "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
 }
 
 
@@ -124,12 +124,11 @@ def main() -> None:
                 fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
                 if var.endswith("+profile"):
                     _table(f"[{b}, {t}] C={a.context} {name} eager", _kernels(fwd, 3), 3)
-                us = _graph_us(fwd)
-                out = fwd().float()  # the forward's last hidden rows: every variant against the first one
+                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {_graph_us(fwd):.1f} us per forward", flush=True)
+                out = fwd().hidden_states.float()  # the final hidden rows: every variant against the first one
                 first = out if var == a.variants.split(",")[0] else first
-                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {us:.1f} us per forward; max |out - "
-                      f"first variant's| {(out - first).abs().max().item():.3g} (|out| max {out.abs().max().item():.3g})",
-                      flush=True)
+                print(f"   max |hidden - first variant's| {(out - first).abs().max().item():.3g} "
+                      f"(|hidden| max {out.abs().max().item():.3g})", flush=True)
             apply(defaults)
             continue
         for kern in a.kernels.split(","):

@@ -21,6 +21,12 @@ Determinism: each output row is a function of that row only (tiles never mix row
 ``K`` is fixed by the settings), so a row's bits do not depend on its neighbours; the settings
 (:func:`fused_linear_settings`) depend on the shape and dtype only (``M`` through ``BLOCK_M``).
 
+Split-K (``SPLIT_K_PROGRAMS_PER_SM``, off until timed; :func:`split_k_settings`): a dot-tile product of few column
+blocks runs its ``K`` range in chunks of whole ``BLOCK_K`` blocks, one program each; each chunk stores its fp32
+partials, counts its arrival on the tile's counter (:func:`split_k_counters`), and the last to arrive sums the
+partials in chunk order -- read back from memory, its own included, so the bits do not depend on which arrives
+last -- and runs the epilogue. The chunks follow ``N``, ``K`` and ``BLOCK_K``, never ``M``.
+
 Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes the same roundings with
 ``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
 rounding, a unit in the last place, more where a rounding of the prologue flips).
@@ -61,9 +67,10 @@ MAX_PREFETCH_LINES = 64
 # o_proj / down: 36 programs of 16 columns on 132 SMs) runs its K range in SPLIT_K chunks of whole BLOCK_K blocks,
 # one program each, up to SPLIT_K_PROGRAMS_PER_SM programs per SM; the last chunk of a tile to arrive sums the
 # chunks' fp32 partials in chunk order and runs the epilogue (no second launch). The chunks follow N, K and BLOCK_K,
-# never M, so a row's summation order is the same at any step size. 0 turns it off (scripts/profile_target_kernels.py
-# flips it to time both).
-SPLIT_K_PROGRAMS_PER_SM = 2
+# never M, so a row's summation order is the same at any step size. 0: off, the model's setting until it is timed
+# (built and tested on the H200 on 2026-12-04 but not yet timed: `scripts/profile_target_kernels.py --variants
+# nosplit,splitk,splitk1` times the forwards with each; docs/target_forward.md).
+SPLIT_K_PROGRAMS_PER_SM = 0
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
 WEIGHT_PREFETCH = True

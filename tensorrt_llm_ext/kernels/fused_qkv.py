@@ -19,6 +19,9 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 ``rms_norm_reference``, ``F.linear``, the q / k norms and ``paged_kv_write_reference``; agreement is that of
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
 
+Split-K of the dot tiles as in :mod:`~tensorrt_llm_ext.kernels.fused_linear` (same switch, same rule: chunks from
+the column programs, ``K`` and ``BLOCK_K``; the last chunk of a tile sums the partials and runs the epilogue).
+
 Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
 weights before ``gdc_wait()`` and the rest of its weight rows brought to L2; ``x``, positions, cos / sin, slots and
 the table after it.

@@ -138,8 +138,15 @@ def test_few_row_settings_spread_the_columns():
         assert bm >= m and bm * bn * bk * 2 <= GEMV_MAX_TILE and bn >= 1
 
 
+@pytest.fixture
+def split_k_on(monkeypatch):
+    """Split-K at about two programs per SM (off in the model until timed: fused_linear.SPLIT_K_PROGRAMS_PER_SM)."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    monkeypatch.setattr(fl, "SPLIT_K_PROGRAMS_PER_SM", 2)
+
+
 @pytest.mark.parametrize("epilogue", [EPI_SILU_MUL, EPI_RESIDUAL])
-def test_split_k_matches_twin_and_a_row_keeps_its_bits(epilogue):
+def test_split_k_matches_twin_and_a_row_keeps_its_bits(split_k_on, epilogue):
     """Dot tiles over K = 600 on 2 column programs: 3 chunks of 256 / 256 / 88 inputs (split-K), bf16, norm
     prologue and bias: the twin's values, the counters back at zero; a row's bits the same next to other rows and
     (on a GPU, where 8 and 32 rows are one and two 16-row MMA tiles) at another step size."""
@@ -161,7 +168,7 @@ def test_split_k_matches_twin_and_a_row_keeps_its_bits(epilogue):
             key: v[:8] for key, v in res.items()}))
 
 
-def test_split_k_settings_follow_the_columns_not_the_rows():
+def test_split_k_settings_follow_the_columns_not_the_rows(split_k_on):
     """SmolLM2's o_proj / down (36 column programs), gate-up (96): about two programs per SM in whole 256-input
     chunks, none empty; wide products (an 8B gate-up's 448 column programs) are not split."""
     assert split_k_settings(36, 576, 256) == (3, 256)  # 108 programs

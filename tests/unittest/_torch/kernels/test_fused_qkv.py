@@ -83,10 +83,12 @@ def test_decode_rows_without_prologue_and_row_independence():
     assert torch.equal(q2[1], q[1])
 
 
-def test_split_k_matches_twin():
-    """12 verify rows in dot tiles over K = 300 on 5 column programs: 2 chunks (split-K), bf16 with bias; the q
-    rows and the pools as the twin's, the counters back at zero."""
+def test_split_k_matches_twin(monkeypatch):
+    """12 verify rows in dot tiles over K = 300 on 5 column programs: 2 chunks (split-K, switched on here: off in
+    the model until timed), bf16 with bias; the q rows and the pools as the twin's, the counters back at zero."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
     from tensorrt_llm_ext.kernels.fused_linear import split_k_counters
+    monkeypatch.setattr(fl, "SPLIT_K_PROGRAMS_PER_SM", 2)
     (x, w, bb, nw, _, _), (cos, sin, pos, slots, table), pools = _case(3, 4, 300, 3, 1, 16, torch.bfloat16, bias=True)
     args = (cos, sin, pos, slots, table)
     q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 3)
