@@ -69,7 +69,8 @@ MAX_PREFETCH_LINES = 64
 # chunks' fp32 partials in chunk order and runs the epilogue (no second launch). The chunks follow N, K and BLOCK_K,
 # never M, so a row's summation order is the same at any step size. 0: off, the model's setting until it is timed
 # (built and tested on the H200 on 2026-12-04 but not yet timed: `scripts/profile_target_kernels.py --variants
-# nosplit,splitk,splitk1` times the forwards with each; docs/target_forward.md).
+# nosplit,splitk,splitk1` times the forwards with each; docs/target_forward.md). Every dot-tile caller splits under
+# it, the drafter's fused layers included.
 SPLIT_K_PROGRAMS_PER_SM = 0
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
