@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request
@@ -71,16 +72,41 @@ def follower_loop(scheduler: Scheduler, channel: PlanChannel) -> None:
 
 @dataclass
 class Sink:
-    """Where the engine thread delivers one HTTP request's events (an asyncio queue of the handler's loop)."""
+    """Where the engine thread delivers one HTTP request's events: an asyncio queue of the handler's loop, through
+    ``output`` (the server's :class:`~tensorrt_llm_ext.runtime.openai_responses.OutputWorker`: ``handler(item)``
+    runs there and what it returns reaches ``queue``) or, without one, as they are."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    handler: Callable | None = None
+    output: object | None = None
 
     def put(self, item) -> None:
+        deliver([(self, item)])
+
+
+def deliver(pairs: list[tuple[Sink, object]]) -> None:
+    """Hand ``(sink, item)`` pairs over, in order: one hand-off per output worker (or event loop) for the whole
+    list, not one per item."""
+    groups: dict = {}
+    for pair in pairs:
+        sink = pair[0]
+        groups.setdefault(sink.output if sink.output is not None else sink.loop, []).append(pair)
+    for to, group in groups.items():
+        if to is None:
+            continue
+        if group[0][0].output is not None:
+            to.put(group)
+            continue
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            to.call_soon_threadsafe(_put_all, group)
         except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
             pass
+
+
+def _put_all(pairs: list[tuple[Sink, object]]) -> None:
+    for sink, item in pairs:
+        sink.queue.put_nowait(item)
 
 
 @dataclass
@@ -284,16 +310,20 @@ class EngineLoop:
                     else e.finish_reason
                 m.finished(e.handle, reason, now)
                 self._arrived.pop(e.handle, None)
-            with self._cond:
-                sink = self._sinks.get(e.handle)
-                if sink is not None and e.finish_reason is not None:
-                    del self._sinks[e.handle]
-            if sink is not None:
-                sink.put(e)
         if prefilled or generated:
             m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
+        # The step's events, in one hand-off (after the metrics: a client that has its answer finds it counted).
+        pairs = []
+        with self._cond:
+            for e in events:
+                sink = self._sinks.get(e.handle)
+                if sink is not None:
+                    if e.finish_reason is not None:
+                        del self._sinks[e.handle]
+                    pairs.append((sink, e))
+        deliver(pairs)
 
     def _fail(self, message: str) -> None:
         logger.error(f"serve: engine failed, answering 503 and shutting down: {message}")
