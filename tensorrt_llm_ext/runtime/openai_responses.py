@@ -321,6 +321,9 @@ _FINISHED = object()  # a non-streaming request's choices have all finished
 DONE_SSE = b"data: [DONE]\n\n"
 
 
+_json_str = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it (ensure_ascii)
+
+
 def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
@@ -397,7 +400,7 @@ class ChoicesResponse:
         if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
             self._closed = True
             return _Last(_sse(ch.error.body()) + DONE_SSE)
-        chunk = f"data: {self._chunk_head}{json.dumps(self._delta(ch, item.handle in self._first))}]}}\n\n".encode()
+        chunk = f"data: {self._chunk_head}{self._delta_json(ch, item.handle in self._first)}]}}\n\n".encode()
         self._first.discard(item.handle)
         if self.running():
             return chunk
@@ -499,6 +502,25 @@ class ChoicesResponse:
         if self.want_logprobs:
             c["logprobs"] = completion_logprobs(self.ctx, new_lps, new_tokens)
         return c
+
+    def _delta_json(self, ch: Choice, first: bool) -> str:
+        """``json.dumps(self._delta(ch, first))``, written directly for the chunks of every token (no logprobs,
+        no echoed prompt): the same characters, a third of the cost."""
+        if self.want_logprobs or (not self.chat and first and self.body.echo):
+            return json.dumps(self._delta(ch, first))
+        ids = ", ".join(map(str, ch.tokens[ch.tokens_sent:]))
+        ch.tokens_sent = ch.logprobs_sent = len(ch.tokens)
+        text = ch.stream_text()
+        delta_text = None
+        if text is not None:
+            delta_text, ch.text_sent = text[ch.text_sent:], max(ch.text_sent, len(text))
+        finish = "null" if ch.finish_reason is None else _json_str(ch.finish_reason)
+        if self.chat:
+            role = '"role": "assistant", ' if first else ""
+            return (f'{{"index": {ch.index}, "delta": {{{role}"content": {_json_str(delta_text or "")}}}, '
+                    f'"logprobs": null, "finish_reason": {finish}, "token_ids": [{ids}]}}')
+        text_field = "" if delta_text is None else f', "text": {_json_str(delta_text)}'
+        return f'{{"index": {ch.index}, "token_ids": [{ids}], "finish_reason": {finish}, "logprobs": null{text_field}}}'
 
     async def stream(self):
         """SSE: one chunk per engine event with the new tokens, a final chunk per choice, the usage chunk

@@ -93,6 +93,7 @@ def test_stream_chunks_are_the_json_of_the_chunk_object(tok, chat):
     kind = "chat.completion" if chat else "text_completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     ctx = _ctx(tok)
+    STEPS = ([300], [3 + ord('"'), 3 + ord("\\"), 3 + ord("\n")], [3 + 0xC3, 3 + 0xA9])  # quote, backslash, newline, é
 
     class Worker:
         def call(self, fn):
@@ -102,7 +103,7 @@ def test_stream_chunks_are_the_json_of_the_chunk_object(tok, chat):
         out = ChoicesResponse(ctx, "id-1", kind, body, Worker())
         out.start({h: Choice(ctx, h, [1], [], False, body) for h in (0, 1)})
         got = []
-        for step, ids in enumerate(([300], [301], [302])):
+        for step, ids in enumerate(STEPS):
             for h in (0, 1):
                 got.append(out.on_item(Event(h, list(ids), "length" if step == 2 else None, accepted_len=1)))
         return out, got
@@ -113,14 +114,18 @@ def test_stream_chunks_are_the_json_of_the_chunk_object(tok, chat):
     for i, payload in enumerate(got):
         h, step = i % 2, i // 2
         data = payload.data if isinstance(payload, _Last) else payload
-        first = json.loads(data.split(b"\n\n")[0][len(b"data: "):])
-        assert data.startswith(f"data: {json.dumps({**head, 'choices': first['choices']})}\n\n".encode())
-        c = first["choices"][0]
-        assert c["index"] == h and c["token_ids"] == [300 + step]
-        assert c["finish_reason"] == ("length" if step == 2 else None)
-        texts[h] += c["delta"]["content"] if chat else c["text"]
-        assert (chat and step == 0) == ("role" in c.get("delta", {}))
-    assert texts == [tok.decode([300, 301, 302])] * 2
+        c = json.loads(data.split(b"\n\n")[0][len(b"data: "):])["choices"][0]
+        piece = c["delta"]["content"] if chat else c["text"]
+        texts[h] += piece
+        finish = "length" if step == 2 else None
+        # The chunk object field by field, in the order the server has always written it.
+        if chat:
+            delta = {"role": "assistant", "content": piece} if step == 0 else {"content": piece}
+            want = {"index": h, "delta": delta, "logprobs": None, "finish_reason": finish, "token_ids": STEPS[step]}
+        else:
+            want = {"index": h, "token_ids": STEPS[step], "finish_reason": finish, "logprobs": None, "text": piece}
+        assert data.startswith(f"data: {json.dumps({**head, 'choices': [want]})}\n\n".encode()), data
+    assert texts == [tok.decode(sum(STEPS, []))] * 2 and texts[0].endswith('"\\\né')
     assert not isinstance(got[-2], _Last) and isinstance(got[-1], _Last)
     usage = json.dumps({**head, "choices": [], "usage": out.usage()})
     assert got[-1].data.endswith(f"data: {usage}\n\ndata: [DONE]\n\n".encode())
