@@ -26,7 +26,8 @@ from tensorrt_llm_ext.runtime.openai_protocol import ApiError
 from tensorrt_llm_ext.runtime.scheduler import Event
 from tensorrt_llm_ext.runtime.tokenizer import byte_table
 
-__all__ = ["Choice", "ChoicesResponse", "LOGPROB_FLOOR", "OutputWorker", "chat_logprobs", "completion_logprobs", "decode_text"]
+__all__ = ["Choice", "ChoicesResponse", "LOGPROB_FLOOR", "Mailbox", "OutputWorker", "chat_logprobs",
+           "completion_logprobs", "decode_text"]
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there

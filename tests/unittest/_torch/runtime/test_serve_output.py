@@ -158,3 +158,37 @@ def test_the_engine_loop_hands_a_step_over_once():
     token = [10, 11, 12]
     assert worker.batches[-1] == [(f"r{h}", h, [token[(h * 7 + 2) % 3]], "length") for h in range(8)]
     assert not loop._sinks
+
+
+def test_a_new_request_waits_one_plan_while_others_decode_and_a_cancel_there_ends_it():
+    """While requests decode, the plan that takes a new request runs their step alone; the next one prefills it.
+    A request cancelled in between is answered "cancelled" and never reaches the engine."""
+    from tensorrt_llm_ext.bench.server_process import StubScheduler
+    from tensorrt_llm_ext.runtime.engine_loop import EngineLoop, PlanChannel, Sink
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+
+    events = []
+
+    class Worker:
+        def put(self, pairs):
+            events.extend((e.handle, e.finish_reason) for _, e in pairs)
+
+    loop = EngineLoop(StubScheduler(4, [10]), PlanChannel(None), ServerMetrics(1), 16, speculative=False)
+    sink = Sink(None, None, None, Worker())
+
+    def plan():
+        p = loop._next_plan()
+        loop._record(p, *loop.scheduler.apply(p))
+        return [h for h, _ in p.admit], p.run
+
+    loop.submit([Request([1], max_new_tokens=8)], sink)
+    assert plan() == ([0], True)  # nothing decodes yet: admitted at once
+    loop.submit([Request([1], max_new_tokens=8)] * 2, sink)
+    assert plan() == ([], True) and loop.state().queued == 2  # handle 0's step first
+    assert plan() == ([1, 2], True)
+    loop.submit([Request([1], max_new_tokens=8)], sink)
+    assert plan() == ([], True)
+    loop.cancel(3)
+    assert plan() == ([], True) and (3, "cancelled") in events and loop.state().queued == 0
+    assert 3 not in loop._sinks and loop.scheduler.num_active == 3
