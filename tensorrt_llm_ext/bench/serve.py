@@ -9,6 +9,10 @@ sent to the first chunk with a token, TPOT = (last token - first token) / (token
 tokens / wall time of the cell; acceptance = the server's acceptance histogram over the cell. Servers are
 stopped with SIGTERM (their exit code is printed). Everything is bounded by ``--max-seconds`` per cell.
 
+``--stub-engine``: the server's own host path per output token, on any machine -- the real server process over
+a stub engine that costs no model time (:class:`~tensorrt_llm_ext.bench.server_process.StubScheduler`), one
+server per ``--tokenizer``; it reports the server process's CPU time per output token.
+
 On a CUDA device both servers capture every decode step in CUDA graphs (the serve default: the speculative
 step and the ``--no-speculation`` target-only decode alike), so the speculative gain compares a captured step
 with a captured step; ``--no-cuda-graph`` runs both eagerly. On a CPU the model is the small test config (Triton

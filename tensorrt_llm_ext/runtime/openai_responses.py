@@ -36,7 +36,8 @@ DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether it
 class Choice:
     """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
 
-    Stop strings are searched for incrementally: each event decodes the output once and searches only the text
+    Stop strings are searched for incrementally: each event reads the output's text once (from the tokenizer's
+    byte table, :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`, else one decode) and searches only the text
     that is new since the last event (plus the longest stop string's length back, for one that spans events),
     with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
     than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
