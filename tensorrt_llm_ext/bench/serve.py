@@ -9,6 +9,10 @@ sent to the first chunk with a token, TPOT = (last token - first token) / (token
 tokens / wall time of the cell; acceptance = the server's acceptance histogram over the cell. Servers are
 stopped with SIGTERM (their exit code is printed). Everything is bounded by ``--max-seconds`` per cell.
 
+``--stub-engine``: the server's own host path per output token, on any machine -- the real server process over
+a stub engine that costs no model time (:class:`~tensorrt_llm_ext.bench.server_process.StubScheduler`), one
+server per ``--tokenizer``; it reports the server process's CPU time per output token.
+
 On a CUDA device both servers capture every decode step in CUDA graphs (the serve default: the speculative
 step and the ``--no-speculation`` target-only decode alike), so the speculative gain compares a captured step
 with a captured step; ``--no-cuda-graph`` runs both eagerly. On a CPU the model is the small test config (Triton
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,10 +39,10 @@ SAMPLINGS = {"greedy": {"temperature": 0.0}, "T=1 top-p 0.95": {"temperature": 1
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    cpu = not torch.cuda.is_available()
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2] if cpu else [1, 8, 32])
-    p.add_argument("--requests-per-client", type=int, default=2 if cpu else 8)
-    p.add_argument("--max-tokens", type=int, default=4 if cpu else 128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="default: 1 2 on a CPU, 1 8 32 on a GPU; 32 with --stub-engine")
+    p.add_argument("--requests-per-client", type=int, default=None, help="default: 2 on a CPU or the stub, else 8")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: 4 on a CPU, else 128 (the stub too)")
     p.add_argument("--config", default=None, help="server YAML (default: the small CPU config / the embedded one)")
     p.add_argument("--model", default=None, help="checkpoint directory to serve")
     p.add_argument("--tp", type=int, default=1)
@@ -51,6 +56,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
     p.add_argument("--disable-overlap-scheduler", action="store_true",
                    help="serve both decodes with the serial step loop (default: the overlap scheduler)")
+    p.add_argument("--stub-engine", action="store_true",
+                   help="the server's host path only: the real app (uvicorn, engine loop, output threads, SSE, "
+                        "detokenizer) over a stub engine that costs no model time; reports the server process's CPU "
+                        "time per output token (runs on a CPU; no model)")
+    p.add_argument("--stub-step-ms", type=float, default=0.0,
+                   help="--stub-engine: the stub step's period (0: as fast as the server takes tokens)")
+    p.add_argument("--tokenizer", nargs="+", default=["embedded"],
+                   help="--stub-engine: tokenizers to serve with, one server each: 'embedded' (the embedded "
+                        "model's byte-level BPE) or a tokenizer directory (e.g. an imported checkpoint's)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -129,9 +143,77 @@ def _mean_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> flo
     return (after[name + "_sum"] - before[name + "_sum"]) / n * scale if n else float("nan")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (all its threads; Linux ``/proc``)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stub_run(args: argparse.Namespace) -> None:
+    """``--stub-engine``: per tokenizer, one stub server; per concurrency, streamed completions; the server
+    process's CPU seconds over the cell / the tokens it streamed."""
+    from tensorrt_llm_ext.bench.server_process import STUB_SERVE_COMMAND, sample_bodies, start_server
+
+    work = Path(tempfile.mkdtemp(prefix="bench_serve_host_"))
+    concurrency = args.concurrency or [32]
+    max_tokens = args.max_tokens or 128
+    per_client = args.requests_per_client or 2
+    rows = []
+    for tok in args.tokenizer:
+        srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms)] + \
+            ([] if tok == "embedded" else ["--tokenizer", tok])
+        server = start_server(srv_args, str(work / "server.log"), command=STUB_SERVE_COMMAND)
+        try:
+            for conc in concurrency:
+                bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
+                cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
+                res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
+                wall, cpu = time.perf_counter() - t0, _cpu_seconds(server.proc.pid) - cpu0
+                tokens = sum(r[2] for r in res)
+                tpot = [r[1] for r in res if r[1] == r[1]]
+                us = cpu / tokens * 1e6 if tokens else float("nan")
+                rows.append([tok, conc, len(bodies), len(res), errors,
+                             fmt(statistics.median(r[0] for r in res) * 1e3 if res else float("nan"), 1),
+                             fmt(statistics.median(tpot) * 1e3 if tpot else float("nan"), 2),
+                             fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1), fmt(1e6 / us, 0)])
+        finally:
+            rc = server.stop(60)
+        rows[-1].append(rc)
+    for r in rows:
+        if len(r) == 11:
+            r.append("")
+    import platform
+
+    notes = [f"stub engine: one token per live request per step, step period {args.stub_step_ms:g} ms "
+             f"(0: back to back); {per_client} requests per client of {max_tokens} tokens, random token-id "
+             f"prompts, streamed completions (the stub's tokens spell English text); client (httpx) in the bench "
+             f"process, server in its own.",
+             "server CPU = user + system time of the server process over the cell (all threads); us/token = that "
+             "/ output tokens; CPU-bound tok/s = 1e6 / us/token (the server's threads share one interpreter lock, "
+             "so about one core is what it gets).",
+             f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()} "
+             f"{os.cpu_count()} CPUs"]
+    text = print_table("bench serve --stub-engine: the server's host path per output token",
+                       ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
+                        "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
+                       notes)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
 @register_benchmark("serve", "TTFT / TPOT / throughput of trtllm-ext serve on loopback, speculative vs target-only",
                     _add_args)
 def run(args: argparse.Namespace) -> None:
+    if args.stub_engine:
+        return _stub_run(args)
+    cpu = not torch.cuda.is_available()
+    args.concurrency = args.concurrency or ([1, 2] if cpu else [1, 8, 32])
+    args.requests_per_client = args.requests_per_client or (2 if cpu else 8)
+    args.max_tokens = args.max_tokens or (4 if cpu else 128)
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.bench.server_process import SMALL_SERVE_CONFIG, sample_bodies, start_server
 

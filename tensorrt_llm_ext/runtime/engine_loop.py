@@ -4,7 +4,10 @@ other TP ranks, and what it reports to the server's Prometheus metrics (:mod:`~t
 Handlers (on the HTTP event loop) :meth:`EngineLoop.submit` requests and :meth:`EngineLoop.cancel` them; the
 loop admits waiting requests between engine steps while slots and cache pages are free (continuous batching;
 the scheduler prefills a plan's admissions in batched prefills, chunked between steps with
-``enable_chunked_prefill``). Every plan
+``enable_chunked_prefill``). While requests decode, the plan that takes new requests from the queue runs the
+running requests' step alone and the next plan prefills them: the streams never wait for an admission's prefill
+to get the step's tokens, and with the overlap scheduler the device runs that step while the host launches the
+prefill. Every plan
 (cancel / admit / step) goes through a :class:`PlanChannel` first: at TP N it is broadcast to every rank over
 the TP group's gloo group, so all ranks run the same steps (an idle loop sends an empty plan every
 ``HEARTBEAT_S``, so a rank blocked waiting for work never reaches the collective timeout, and a dead peer is
@@ -22,7 +25,9 @@ import sys
 import threading
 import time
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request
@@ -71,16 +76,41 @@ def follower_loop(scheduler: Scheduler, channel: PlanChannel) -> None:
 
 @dataclass
 class Sink:
-    """Where the engine thread delivers one HTTP request's events (an asyncio queue of the handler's loop)."""
+    """Where the engine thread delivers one HTTP request's events: an asyncio queue of the handler's loop, through
+    ``output`` (the server's :class:`~tensorrt_llm_ext.runtime.openai_responses.OutputWorker`: ``handler(item)``
+    runs there and what it returns reaches ``queue``) or, without one, as they are."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    handler: Callable | None = None
+    output: object | None = None
 
     def put(self, item) -> None:
+        deliver([(self, item)])
+
+
+def deliver(pairs: list[tuple[Sink, object]]) -> None:
+    """Hand ``(sink, item)`` pairs over, in order: one hand-off per output worker (or event loop) for the whole
+    list, not one per item."""
+    groups: dict = {}
+    for pair in pairs:
+        sink = pair[0]
+        groups.setdefault(sink.output if sink.output is not None else sink.loop, []).append(pair)
+    for to, group in groups.items():
+        if to is None:
+            continue
+        if group[0][0].output is not None:
+            to.put(group)
+            continue
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            to.call_soon_threadsafe(_put_all, group)
         except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
             pass
+
+
+def _put_all(pairs: list[tuple[Sink, object]]) -> None:
+    for sink, item in pairs:
+        sink.queue.put_nowait(item)
 
 
 @dataclass
@@ -128,6 +158,7 @@ class EngineLoop:
         self.ranks = ranks or []
         self._cond = threading.Condition()
         self._pending: deque[tuple[int, Request, Sink]] = deque()
+        self._deferred: list[tuple[int, Request]] = []  # taken from the queue, prefilled by the next plan
         self._arrived: dict[int, float] = {}  # handle -> submit time (perf_counter), until it finishes
         self._sinks: dict[int, Sink] = {}  # admitted handles (each holds a slot, or will after this plan)
         self._cancel: dict[int, str] = {}  # handle -> the finish reason its cancellation is counted as
@@ -196,8 +227,9 @@ class EngineLoop:
 
     def state(self) -> LoopState:
         with self._cond:
-            return LoopState(self.failure is None, self.scheduler.num_active, len(self._pending),
-                             self.scheduler.num_free_slots, self._steps, self.failure, self.ranks)
+            queued = len(self._pending) + len(self._deferred)
+            return LoopState(self.failure is None, self.scheduler.num_active, queued, self.scheduler.num_free_slots,
+                             self._steps, self.failure, self.ranks)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop (and the other ranks) once the queue is empty; bounded wait."""
@@ -210,7 +242,7 @@ class EngineLoop:
     # -- the loop -----------------------------------------------------------------------------------------
     def _next_plan(self) -> StepPlan | None:
         with self._cond:
-            idle = not (self._pending or self._cancel or self.scheduler.num_active or self._stop)
+            idle = not (self._pending or self._deferred or self._cancel or self.scheduler.num_active or self._stop)
             if idle:
                 self._cond.wait(HEARTBEAT_S)
             # Cancelled requests still in the queue never reach the engine.
@@ -225,20 +257,43 @@ class EngineLoop:
                     else:
                         kept.append(item)
                 self._pending = kept
+            # Deferred admissions cancelled before their plan: answered here, never prefilled.
+            if self._cancel and self._deferred:
+                now = time.perf_counter()
+                kept = []
+                for handle, request in self._deferred:
+                    if handle in self._cancel:
+                        self.metrics.finished(handle, self._cancel.pop(handle), now)
+                        self._arrived.pop(handle, None)
+                        self._sinks.pop(handle).put(Event(handle, [], "cancelled"))
+                    else:
+                        kept.append((handle, request))
+                self._deferred = kept
             cancel = sorted(h for h in self._cancel if h in self._sinks)
             # How this plan's cancellations are counted; a cancel of a handle that already finished is dropped.
             self._plan_reasons = {h: self._cancel[h] for h in cancel}
             self._cancel = {}
-            # First come, first served while a slot and the request's pages are free (the next one waits).
-            admit = []
+            # First come, first served while a slot and the request's pages are free (the next one waits); the
+            # admissions a previous plan deferred go first.
+            admit, self._deferred = self._deferred, []
+            fresh = []
             now = time.perf_counter()
-            for _ in range(self.scheduler.admissible((request for _, request, _ in self._pending), cancel)):
+            queue = chain((request for _, request in admit), (request for _, request, _ in self._pending))
+            for _ in range(self.scheduler.admissible(queue, cancel) - len(admit)):
                 handle, request, sink = self._pending.popleft()
                 self._sinks[handle] = sink
-                admit.append((handle, request))
+                fresh.append((handle, request))
                 self.metrics.admitted(handle, self._arrived.get(handle, now), now, request)
-            self.metrics.queue_depth.set(len(self._pending))
-            stop = self._stop and not self._pending and not self.scheduler.num_active and not admit
+            if fresh and not admit and self.scheduler.num_active:
+                # Requests are decoding: this plan runs their step alone and the next one prefills the new
+                # requests, so the running streams get this step's tokens without waiting for the prefill, and
+                # (overlap scheduler) the device runs the step launched here while the host launches the prefill.
+                self._deferred = fresh
+            else:
+                admit += fresh
+            self.metrics.queue_depth.set(len(self._pending) + len(self._deferred))
+            stop = self._stop and not self._pending and not self._deferred and not self.scheduler.num_active \
+                and not admit
             if not (cancel or admit or self.scheduler.num_active or stop):
                 return StepPlan(run=False) if self.channel.distributed else None  # heartbeat
             return StepPlan(cancel=cancel, admit=admit, run=True, stop=stop)
@@ -284,16 +339,20 @@ class EngineLoop:
                     else e.finish_reason
                 m.finished(e.handle, reason, now)
                 self._arrived.pop(e.handle, None)
-            with self._cond:
-                sink = self._sinks.get(e.handle)
-                if sink is not None and e.finish_reason is not None:
-                    del self._sinks[e.handle]
-            if sink is not None:
-                sink.put(e)
         if prefilled or generated:
             m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
+        # The step's events, in one hand-off (after the metrics: a client that has its answer finds it counted).
+        pairs = []
+        with self._cond:
+            for e in events:
+                sink = self._sinks.get(e.handle)
+                if sink is not None:
+                    if e.finish_reason is not None:
+                        del self._sinks[e.handle]
+                    pairs.append((sink, e))
+        deliver(pairs)
 
     def _fail(self, message: str) -> None:
         logger.error(f"serve: engine failed, answering 503 and shutting down: {message}")
@@ -302,6 +361,7 @@ class EngineLoop:
             sinks = list(self._sinks.values()) + [s for _, _, s in self._pending]
             self._sinks.clear()
             self._pending.clear()
+            self._deferred.clear()
         for sink in sinks:
             sink.put(EngineFailure(message))
         if self.on_failure is not None:

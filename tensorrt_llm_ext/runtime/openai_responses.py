@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.engine_loop import Aborted, EngineFailure, EngineLoop, Sink
 from tensorrt_llm_ext.runtime.openai_protocol import ApiError
 from tensorrt_llm_ext.runtime.scheduler import Event
+from tensorrt_llm_ext.runtime.tokenizer import byte_table
 
-__all__ = ["Choice", "ChoicesResponse", "LOGPROB_FLOOR", "chat_logprobs", "completion_logprobs", "decode_text"]
+__all__ = ["Choice", "ChoicesResponse", "LOGPROB_FLOOR", "Mailbox", "OutputWorker", "chat_logprobs",
+           "completion_logprobs", "decode_text"]
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token outside the top-p set reports this (vLLM's convention)
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
@@ -29,7 +36,8 @@ DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether it
 class Choice:
     """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
 
-    Stop strings are searched for incrementally: each event decodes the output once and searches only the text
+    Stop strings are searched for incrementally: each event reads the output's text once (from the tokenizer's
+    byte table, :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`, else one decode) and searches only the text
     that is new since the last event (plus the longest stop string's length back, for one that spans events),
     with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
     than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
@@ -56,13 +64,43 @@ class Choice:
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprobs_sent = 0
+        # A byte-level tokenizer's bytes per id: the text of any prefix of the output is its bytes decoded (see
+        # prefix_text), so no event decodes the whole output again. None: every text is tok.decode's.
+        self.table = byte_table(ctx.tokenizer) if ctx.tokenizer is not None and self.skip_special else None
+        self._bytes = bytearray()  # with a table: the output's bytes ...
+        self._ends: list[int] = []  # ... and where each token's end
 
     def decode(self, tokens: list[int]) -> str | None:
         return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
 
+    def prefix_text(self, k: int) -> str | None:
+        """The text of the output's first ``k`` tokens (``decode(tokens[:k])``)."""
+        if self.table is None:
+            return self.decode(self.tokens[:k])
+        return self._bytes[:self._ends[k - 1]].decode("utf-8", "replace") if k else ""
+
+    def _extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.table is None:
+            return
+        table, buf, ends = self.table, self._bytes, self._ends
+        for t in tokens:
+            if not 0 <= t < len(table):  # an id the tokenizer lacks: its own decode says what it is
+                self.table = None
+                return
+            buf += table[t]
+            ends.append(len(buf))
+
+    def _truncate(self, m: int) -> None:
+        del self.tokens[m:]
+        del self.logprobs[m:]
+        if self.table is not None:
+            del self._ends[m:]
+            del self._bytes[self._ends[-1] if self._ends else 0:]
+
     def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
         prev = len(self.tokens)
-        self.tokens.extend(e.tokens)
+        self._extend(e.tokens)
         if e.logprobs is not None:
             self.logprobs.extend(e.logprobs)
         if e.finish_reason is not None:
@@ -88,8 +126,8 @@ class Choice:
 
     def _check_stop_strings(self, prev: int, loop: EngineLoop, handle: int) -> None:
         if self.floor is None and self.min_tokens > 0:
-            self.floor = len(self.decode(self.tokens[:self.min_tokens]))
-        full = self.decode(self.tokens)
+            self.floor = len(self.prefix_text(self.min_tokens))
+        full = self.prefix_text(len(self.tokens))
         hit = self._find_stop(full)
         if hit is None:
             self.checked = max(self.checked, len(full) - self.DECODE_GUARD)
@@ -98,12 +136,11 @@ class Choice:
         # the accepted block, so a handful of decodes).
         m = len(self.tokens)
         for k in range(max(prev, self.min_tokens) + 1, len(self.tokens)):
-            earlier = self._find_stop(self.decode(self.tokens[:k]))
+            earlier = self._find_stop(self.prefix_text(k))
             if earlier is not None:
                 m, hit = k, earlier
                 break
-        del self.tokens[m:]
-        del self.logprobs[m:]
+        self._truncate(m)
         self.stop_span = hit.span()
         was_running = self.finish_reason is None
         self.finish_reason, self.stop_token = "stop", False
@@ -112,8 +149,7 @@ class Choice:
 
     def text(self) -> str | None:
         """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
-        toks = self.tokens[:-1] if self.stop_token else self.tokens
-        text = self.decode(toks)
+        text = self.prefix_text(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if text is None or self.stop_span is None:
             return text
         start, end = self.stop_span
@@ -181,18 +217,159 @@ def chat_logprobs(ctx, lps: list, tokens: list[int]) -> dict:
                         for t, (lp, top) in zip(tokens, lps)]}
 
 
-class ChoicesResponse:
-    """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream."""
+class OutputWorker:
+    """The one thread that turns the engine's events into answers: it applies each event to its choice (tokens,
+    stop strings, text) and renders the SSE bytes, for all streams of an engine step in one pass, then hands the
+    results to the event loop in one callback per step (not one per token: each hand-off wakes the loop, and the
+    engine thread, the loop and this thread share one interpreter lock). Decoding never runs on the event loop.
 
-    def __init__(self, ctx, rid: str, kind: str, body, choices: dict[int, Choice], sink: Sink,
-                 off_loop=None):
-        self.ctx, self.rid, self.kind, self.body, self.choices, self.sink = ctx, rid, kind, body, choices, sink
-        # Decoding and stop-string search run here (a worker thread) when there is text to decode, never on
-        # the event loop: their cost grows with the output, and every client shares that loop.
-        self.off_loop = off_loop if ctx.tokenizer is not None else None
+    Fed by :func:`~tensorrt_llm_ext.runtime.engine_loop.deliver` (lists of ``(sink, item)``) and by
+    :meth:`call` (a function returning such a list, run in order with the events)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="serve-output", daemon=True)
+        self._thread.start()
+
+    def put(self, pairs: list) -> None:
+        """``[(sink, item)]``: each ``sink.handler(item)`` runs here; what it returns goes to ``sink.queue``."""
+        self._queue.put(pairs)
+
+    def call(self, fn) -> None:
+        """Run ``fn()`` here, after every item put before; it returns ``[(sink, payload)]`` to hand over."""
+        self._queue.put(fn)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            work = [self._queue.get()]
+            while not self._queue.empty():  # whatever else is waiting goes out with the same hand-off
+                work.append(self._queue.get_nowait())
+            out: dict = {}  # event loop -> [(asyncio queue, payload)]
+            for w in work:
+                if w is None:
+                    _hand_over(out)
+                    return
+                if callable(w):
+                    for sink, payload in self._safely(w, None):
+                        out.setdefault(sink.loop, []).append((sink.queue, payload))
+                    continue
+                for sink, item in w:
+                    payload = self._safely(sink.handler, item)
+                    if payload is not None:
+                        out.setdefault(sink.loop, []).append((sink.queue, payload))
+            _hand_over(out)
+
+    @staticmethod
+    def _safely(fn, item):
+        try:
+            return fn() if item is None else fn(item)
+        except Exception as e:  # the request's handler raises it on the event loop (the worker serves on)
+            logger.exception("serve: building an answer failed")
+            return [] if item is None else e
+
+
+def _hand_over(out: dict) -> None:
+    for loop, items in out.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
+            pass
+
+
+def _put_all(items: list) -> None:
+    for q, payload in items:
+        q.put_nowait(payload)
+
+
+class Mailbox:
+    """A response's queue on the event loop: what :class:`asyncio.Queue` does for one reader and no bound, at a
+    fraction of its cost per item (every stream takes one item per engine step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.waiter = loop, deque(), None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self):
+        return self.items.popleft()
+
+    async def get(self):
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
+@dataclass
+class _Last:
+    """A stream's last bytes (its final chunk, the usage chunk, ``[DONE]``; or an error chunk, ``[DONE]``)."""
+
+    data: bytes
+
+
+_FINISHED = object()  # a non-streaming request's choices have all finished
+DONE_SSE = b"data: [DONE]\n\n"
+
+
+_json_str = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it (ensure_ascii)
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class ChoicesResponse:
+    """One HTTP request's choices while the engine produces them: the JSON body or the SSE stream.
+
+    Its events are handled on the :class:`OutputWorker` (:meth:`on_item`), which owns the choices' state once
+    :meth:`attach` ran there; the event loop reads what the worker hands it (SSE bytes, or "finished")."""
+
+    def __init__(self, ctx, rid: str, kind: str, body, output: OutputWorker):
+        self.ctx, self.rid, self.kind, self.body, self.output = ctx, rid, kind, body, output
         self.chat = kind == "chat.completion"
         self.want_logprobs = (body.logprobs if not self.chat else body.logprobs_k()) is not None
         self.created = int(time.time())
+        loop = asyncio.get_running_loop()
+        self.queue = Mailbox(loop)
+        self.sink = Sink(loop, self.queue, self.on_item, output)
+        self.choices: dict[int, Choice] = {}
+        self._attached = False  # worker: attach ran (events before it wait in _early)
+        self._early: list = []
+        self._closed = False  # worker: the answer's end was handed over; later events are dropped
+        self._first: set[int] = set()  # worker: handles whose first chunk is still to come
+        self.obj = "chat.completion.chunk" if self.chat else "text_completion"
+        # Every chunk is this head, one choice, and "]}": json.dumps of the whole object, written once.
+        self._chunk_head = json.dumps(self._head(self.obj))[:-1] + ', "choices": ['
+
+    def start(self, choices: dict[int, Choice]) -> None:
+        """The choices of the submitted handles; the worker takes them over after the events already put."""
+        self.choices = choices
+        self.output.call(self.attach)
+
+    def attach(self) -> list:
+        self._attached = True
+        self._first = set(self.choices)
+        early, self._early = self._early, []
+        return [(self.sink, p) for p in (self._safe_item(item) for item in early) if p is not None]
+
+    def _safe_item(self, item):
+        try:
+            return self.on_item(item)
+        except Exception as e:
+            logger.exception("serve: building an answer failed")
+            return e
 
     def running(self) -> bool:
         return any(ch.finish_reason is None for ch in self.choices.values())
@@ -203,6 +380,37 @@ class ChoicesResponse:
             return None
         ch.apply(item, self.ctx.loop, item.handle)
         return ch
+
+    def on_item(self, item):
+        """On the worker: one engine item -> what the event loop gets (None: nothing yet)."""
+        if self._closed:
+            return None
+        if isinstance(item, (EngineFailure, Aborted)):
+            self._closed = True
+            return item
+        if not self._attached:
+            self._early.append(item)
+            return None
+        ch = self._apply(item)
+        if not self.body.stream:
+            if ch is not None and not self.running():
+                self._closed = True
+                return _FINISHED
+            return None
+        if ch is None:
+            return None
+        if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
+            self._closed = True
+            return _Last(_sse(ch.error.body()) + DONE_SSE)
+        chunk = f"data: {self._chunk_head}{self._delta_json(ch, item.handle in self._first)}]}}\n\n".encode()
+        self._first.discard(item.handle)
+        if self.running():
+            return chunk
+        self._closed = True
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            chunk += _sse({**self._head(self.obj), "choices": [], "usage": self.usage()})
+        return _Last(chunk + DONE_SSE)
 
     def usage(self) -> dict:
         # Each prompt once, however many choices it has (OpenAI and vLLM count it so).
@@ -246,15 +454,12 @@ class ChoicesResponse:
             c["logprobs"] = chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
         return c
 
-    async def _run(self, fn, *args):
-        return fn(*args) if self.off_loop is None else await self.off_loop(fn, *args)
-
     async def collect(self, http: HttpRequest):
         from fastapi.responses import JSONResponse
 
         try:
             next_check = time.monotonic() + DISCONNECT_POLL_S
-            while self.running():
+            while True:
                 # Polled by the clock, not only when no token came: steps faster than the poll would
                 # otherwise hide a client that left until max_tokens.
                 if time.monotonic() >= next_check:
@@ -262,12 +467,14 @@ class ChoicesResponse:
                         return JSONResponse({}, status_code=499)
                     next_check = time.monotonic() + DISCONNECT_POLL_S
                 try:
-                    item = await asyncio.wait_for(self.sink.queue.get(), DISCONNECT_POLL_S)
+                    item = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     continue
+                if item is _FINISHED:
+                    break
                 if isinstance(item, (EngineFailure, Aborted)):
                     raise self._error(item)
-                await self._run(self._apply, item)
+                raise item  # the worker failed on this request
             choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
             return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
         finally:
@@ -298,40 +505,49 @@ class ChoicesResponse:
             c["logprobs"] = completion_logprobs(self.ctx, new_lps, new_tokens)
         return c
 
-    def _chunk(self, item, first: bool, obj: str) -> tuple[Choice | None, str | None]:
-        """One event applied to its choice, and the SSE chunk it makes (None when the choice ended or failed)."""
-        ch = self._apply(item)
-        if ch is None or ch.error is not None:
-            return ch, None
-        return ch, self._sse({**self._head(obj), "choices": [self._delta(ch, first)]})
-
-    def _sse(self, obj: dict) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+    def _delta_json(self, ch: Choice, first: bool) -> str:
+        """``json.dumps(self._delta(ch, first))``, written directly for the chunks of every token (no logprobs,
+        no echoed prompt): the same characters, a third of the cost."""
+        if self.want_logprobs or (not self.chat and first and self.body.echo):
+            return json.dumps(self._delta(ch, first))
+        ids = ", ".join(map(str, ch.tokens[ch.tokens_sent:]))
+        ch.tokens_sent = ch.logprobs_sent = len(ch.tokens)
+        text = ch.stream_text()
+        delta_text = None
+        if text is not None:
+            delta_text, ch.text_sent = text[ch.text_sent:], max(ch.text_sent, len(text))
+        finish = "null" if ch.finish_reason is None else _json_str(ch.finish_reason)
+        if self.chat:
+            role = '"role": "assistant", ' if first else ""
+            return (f'{{"index": {ch.index}, "delta": {{{role}"content": {_json_str(delta_text or "")}}}, '
+                    f'"logprobs": null, "finish_reason": {finish}, "token_ids": [{ids}]}}')
+        text_field = "" if delta_text is None else f', "text": {_json_str(delta_text)}'
+        return f'{{"index": {ch.index}, "token_ids": [{ids}], "finish_reason": {finish}, "logprobs": null{text_field}}}'
 
     async def stream(self):
         """SSE: one chunk per engine event with the new tokens, a final chunk per choice, the usage chunk
-        (``stream_options.include_usage``), then ``[DONE]``; an error ends with an error chunk then ``[DONE]``."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        first = set(self.choices)
+        (``stream_options.include_usage``), then ``[DONE]``; an error ends with an error chunk then ``[DONE]``.
+        Chunks already waiting when the stream wakes go out in one write (the same bytes)."""
         try:
-            while self.running():
-                item = await self.sink.queue.get()
-                if isinstance(item, (EngineFailure, Aborted)):
-                    yield self._sse(self._error(item).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                ch, chunk = await self._run(self._chunk, item, item.handle in first, obj)
-                if ch is None:
-                    continue
-                if ch.error is not None:  # the request failed in the engine: its message, then [DONE]
-                    yield self._sse(ch.error.body())
-                    yield "data: [DONE]\n\n"
-                    return
-                first.discard(item.handle)
-                yield chunk
-            opts = self.body.stream_options
-            if opts is not None and opts.include_usage:
-                yield self._sse({**self._head(obj), "choices": [], "usage": self.usage()})
-            yield "data: [DONE]\n\n"
+            while True:
+                item = await self.queue.get()
+                parts = []
+                while True:
+                    if isinstance(item, bytes):
+                        parts.append(item)
+                    elif isinstance(item, _Last):
+                        yield b"".join(parts) + item.data
+                        return
+                    elif isinstance(item, (EngineFailure, Aborted)):
+                        yield b"".join(parts) + _sse(self._error(item).body()) + DONE_SSE
+                        return
+                    else:  # the worker failed on this request
+                        if parts:
+                            yield b"".join(parts)
+                        raise item
+                    if self.queue.empty():
+                        break
+                    item = self.queue.get_nowait()
+                yield b"".join(parts)
         finally:  # a client that disconnects cancels the stream: free its slots
             self._release()

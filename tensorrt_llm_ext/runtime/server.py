@@ -52,9 +52,9 @@ from tensorrt_llm_ext.runtime.engine_loop import (EngineFailure, EngineLoop, Pla
                                                   Sink, follower_loop)
 from tensorrt_llm_ext.runtime.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                       DetokenizeRequest, ServeLimits, TokenizeRequest, parse_body)
-from tensorrt_llm_ext.runtime.openai_responses import Choice, ChoicesResponse
+from tensorrt_llm_ext.runtime.openai_responses import Choice, ChoicesResponse, OutputWorker
 from tensorrt_llm_ext.runtime.requests import Request
-from tensorrt_llm_ext.runtime.tokenizer import load_tokenizer, tokenizer_vocab_error  # noqa: F401 (re-exported)
+from tensorrt_llm_ext.runtime.tokenizer import byte_table, load_tokenizer, tokenizer_vocab_error  # noqa: F401
 
 __all__ = ["EXIT_ENGINE_FAILED", "EngineLoop", "OpenAIServer", "PlanChannel", "ServeContext", "ServerMetrics",
            "create_app",
@@ -67,7 +67,6 @@ FORCED_GRACE_S = 2.0  # after a second SIGTERM/SIGINT: time for the error chunks
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # serve --max-body-bytes: a larger body answers 413, never parsed
 BODY_DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read and dropped up to this, so its client gets the 413
 PREP_THREADS = 4  # parsing, tokenizing and request building run on these threads, never on the event loop
-OUTPUT_THREADS = 2  # decoding outputs and searching them for stop strings: these threads, never the event loop
 # With --api-key, /tokenize and /detokenize stay open (vLLM's choice: tools count tokens without the key), but a
 # request without the key is bounded: this body size, one at a time on its own thread, a few waiting, the rest 429.
 OPEN_MAX_BODY_BYTES = 1024 * 1024
@@ -254,8 +253,9 @@ class OpenAIServer:
 
     Parsing, tokenizing and request building run on :data:`PREP_THREADS` threads (a 20 MB body took 15-32 s to
     parse and tokenize: on the event loop that froze every client; here it delays only its own answer), output
-    processing (decoding, stop strings) on :data:`OUTPUT_THREADS` of its own (a slow prompt never delays a
-    stream), and the routes left open without the API key on one more.
+    processing (decoding, stop strings, the SSE bytes of every stream of a step) on one
+    :class:`~tensorrt_llm_ext.runtime.openai_responses.OutputWorker` thread of its own (a slow prompt never
+    delays a stream), and the routes left open without the API key on one more.
     """
 
     def __init__(self, ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
@@ -266,7 +266,9 @@ class OpenAIServer:
 
         self.ctx, self.metrics, self.on_ready = ctx, metrics, on_ready
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
-        self.output = ThreadPoolExecutor(OUTPUT_THREADS, thread_name_prefix="serve-output")
+        self.output = OutputWorker()
+        if ctx.tokenizer is not None:
+            byte_table(ctx.tokenizer)  # built once here, not on the event loop by the first request
         self.open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
         self.open_running = asyncio.Semaphore(1)  # requests without the key on an open route: one at a time
         self.open_admitted = 0  # ... running or waiting (at most OPEN_MAX_WAITING + 1)
@@ -303,8 +305,9 @@ class OpenAIServer:
         try:
             yield
         finally:
-            for pool in (self.prep, self.output, self.open_pool):
+            for pool in (self.prep, self.open_pool):
                 pool.shutdown(wait=False, cancel_futures=True)
+            self.output.stop()
 
     # -- errors ------------------------------------------------------------------------------------------
     def error_response(self, e: ApiError, count: bool = True):
@@ -400,9 +403,6 @@ class OpenAIServer:
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
 
-    async def off_loop_output(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.output, fn, *args)
-
     def check_available(self) -> None:
         if self.ctx.loop.failure is not None:
             raise ApiError(503, f"engine failed: {self.ctx.loop.failure}", None, "service_unavailable")
@@ -464,12 +464,10 @@ class OpenAIServer:
 
         ctx = self.ctx
         _, stops = _stop_fields(ctx, body)
-        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        handles = self.submit(reqs, sink, param)
-        choices = {h: Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
-                   for k, (h, p) in enumerate(zip(handles, prompts))}
-        out = ChoicesResponse(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, choices, sink,
-                              self.off_loop_output)
+        out = ChoicesResponse(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, self.output)
+        handles = self.submit(reqs, out.sink, param)
+        out.start({h: Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
+                   for k, (h, p) in enumerate(zip(handles, prompts))})
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
         return await out.collect(http)

@@ -13,7 +13,7 @@ from tensorrt_llm_ext.logger import info_once, logger
 if TYPE_CHECKING:
     from tensorrt_llm_ext.runtime.config import RuntimeConfig
 
-__all__ = ["load_tokenizer", "resolve_tokenizer", "tokenizer_vocab_error"]
+__all__ = ["byte_table", "load_tokenizer", "resolve_tokenizer", "tokenizer_vocab_error"]
 
 
 def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
@@ -28,6 +28,78 @@ def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
     return (f"the tokenizer has {over} token(s) outside the model's vocabulary of {vocab_size} ids (the highest: "
             f"{name!r}, id {top}); serve the tokenizer that belongs to the model")
 
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's map): character -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, moved = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + moved)] = b
+            moved += 1
+    return chars
+
+
+_BYTE_TABLES: dict[int, tuple[object, list[bytes] | None]] = {}  # id(tokenizer) -> (tokenizer, its table)
+BYTE_TABLE_CHECKS = 24  # random sequences a table is checked on against the tokenizer's own decode
+
+
+def byte_table(tok) -> list[bytes] | None:
+    """For a byte-level BPE ``transformers`` fast tokenizer (GPT-2's decoder: SmolLM2, Llama 3, Qwen, the embedded
+    model's), the bytes each id decodes to with ``skip_special_tokens=True`` (``b""`` for a skipped special token),
+    so that ``table`` joined over a prefix of the output, decoded as UTF-8 with ``errors="replace"``, is
+    ``tok.decode(prefix, skip_special_tokens=True)`` -- without decoding the whole output again per token. None
+    for any other tokenizer (the caller decodes), and when the table disagrees with ``tok.decode`` on a few random
+    sequences (specials and byte tokens included). Built once per tokenizer object.
+
+    >>> table = byte_table(tok)
+    >>> b"".join(table[t] for t in ids).decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=True)
+    True
+    """
+    hit = _BYTE_TABLES.get(id(tok))
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    table = _build_byte_table(tok)
+    _BYTE_TABLES[id(tok)] = (tok, table)
+    return table
+
+
+def _build_byte_table(tok) -> list[bytes] | None:
+    import random
+
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    # Only the tokenizer objects themselves (a wrapper may decode differently), whose decode is the backend's
+    # byte-level decoder and no text clean-up afterwards.
+    backend = getattr(tok, "backend_tokenizer", None) if isinstance(tok, PreTrainedTokenizerBase) else None
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel" or tok.clean_up_tokenization_spaces:
+        return None
+    chars = _bytes_to_unicode()
+    added = backend.get_added_tokens_decoder()
+    table = []
+    for i, piece in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))):
+        if i in added and added[i].special:
+            table.append(b"")
+        elif piece is None:
+            return None
+        elif all(c in chars for c in piece):
+            table.append(bytes(chars[c] for c in piece))
+        else:  # the decoder keeps a piece it cannot map (an added token's text) as its UTF-8
+            table.append(piece.encode("utf-8"))
+    rng = random.Random(0)
+    extra = sorted(added)
+    for _ in range(BYTE_TABLE_CHECKS):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randint(1, 24))] + rng.sample(extra, min(2, len(extra)))
+        rng.shuffle(ids)
+        if b"".join(table[t] for t in ids).decode("utf-8", "replace") != tok.decode(ids, skip_special_tokens=True):
+            logger.info("tokenizer: its decode is not plain byte-level BPE; outputs are decoded whole per event")
+            return None
+    return table
 
 
 def load_tokenizer(directory: str | None):

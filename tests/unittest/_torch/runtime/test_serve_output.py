@@ -1,0 +1,194 @@
+"""The server's output path without HTTP: the byte table's text equals the tokenizer's decode, a choice decoded
+from it equals one decoded whole (stop strings, min_tokens, the stop token), the SSE bytes equal ``json.dumps`` of
+the chunk object, and the engine loop hands a whole step's events over once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+
+from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer  # noqa: E402
+from tensorrt_llm_ext.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from tensorrt_llm_ext.runtime.openai_responses import Choice, ChoicesResponse, _Last  # noqa: E402
+from tensorrt_llm_ext.runtime.scheduler import Event  # noqa: E402
+from tensorrt_llm_ext.runtime.tokenizer import byte_table  # noqa: E402
+
+VOCAB = 600
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_embedded_tokenizer(VOCAB)
+
+
+class _Loop:
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, handle, reason="cancelled"):
+        self.cancelled.append((handle, reason))
+
+
+def _ctx(tok):
+    return SimpleNamespace(tokenizer=tok, model_name="m", loop=_Loop())
+
+
+def test_byte_table_text_is_the_tokenizers_decode(tok):
+    table = byte_table(tok)
+    assert table is not None and byte_table(tok) is table  # built once per tokenizer
+    rng = random.Random(3)
+    for _ in range(200):  # byte tokens (3..258) split UTF-8 characters; ids 0..2 are specials
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        assert b"".join(table[t] for t in ids).decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=True)
+
+    class Wrapped:  # not a tokenizer object: its decode is its own
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    assert byte_table(Wrapped()) is None
+
+
+@pytest.mark.parametrize("case", ["stop_strings", "min_tokens", "stop_token", "include_stop"])
+def test_a_choice_read_from_the_byte_table_equals_one_decoded_whole(tok, case):
+    """Event by event, text / stream_text / tokens / finish of a choice on the byte table equal those of the same
+    choice decoding its whole output (the path of any other tokenizer)."""
+    rng = random.Random(case)
+    text_ids = tok.encode("ab cd é€ 😀 stop here, and STOP again. " * 3, add_special_tokens=False)
+    stops = {"stop_strings": ["STOP", "é€"], "min_tokens": ["ab"], "stop_token": [], "include_stop": ["here"]}[case]
+    for trial in range(6):
+        body = CompletionRequest(prompt=[1], max_tokens=64, min_tokens=4 if case == "min_tokens" else 0,
+                                 include_stop_str_in_output=case == "include_stop")
+        a, b = (Choice(_ctx(tok), 0, [1], stops, body.include_stop_str_in_output, body) for _ in range(2))
+        b.table = None
+        assert a.table is not None
+        ids = text_ids[trial:] + [rng.randrange(3, 259) for _ in range(4)]  # a few raw bytes too
+        k = 0
+        while k < len(ids) and a.finish_reason is None:
+            n = rng.randint(1, 4)  # speculative blocks of several tokens
+            last = case == "stop_token" and k + n >= 20
+            e = Event(0, ids[k:k + n] + ([2] if last else []), "stop" if last else None, accepted_len=n)
+            a.apply(e, a.ctx.loop, 0)
+            b.apply(e, b.ctx.loop, 0)
+            assert (a.tokens, a.finish_reason, a.stop_span) == (b.tokens, b.finish_reason, b.stop_span)
+            assert a.text() == b.text() and a.stream_text() == b.stream_text()
+            k += n
+        assert a.ctx.loop.cancelled == b.ctx.loop.cancelled
+        if case != "stop_token":
+            assert a.finish_reason == "stop", (case, trial, a.text())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_chunks_are_the_json_of_the_chunk_object(tok, chat):
+    """The SSE bytes of each event: ``data: json.dumps(chunk)``, the last one followed by usage and [DONE]."""
+    fields = {"max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+    body = (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields) if chat
+            else CompletionRequest(prompt=[1], **fields))
+    kind = "chat.completion" if chat else "text_completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    ctx = _ctx(tok)
+    STEPS = ([300], [3 + ord('"'), 3 + ord("\\"), 3 + ord("\n")], [3 + 0xC3, 3 + 0xA9])  # quote, backslash, newline, é
+
+    class Worker:
+        def call(self, fn):
+            assert fn() == []
+
+    async def run():
+        out = ChoicesResponse(ctx, "id-1", kind, body, Worker())
+        out.start({h: Choice(ctx, h, [1], [], False, body) for h in (0, 1)})
+        got = []
+        for step, ids in enumerate(STEPS):
+            for h in (0, 1):
+                got.append(out.on_item(Event(h, list(ids), "length" if step == 2 else None, accepted_len=1)))
+        return out, got
+
+    out, got = asyncio.run(run())
+    head = {"id": "id-1", "object": obj, "created": out.created, "model": "m"}
+    texts = ["", ""]
+    for i, payload in enumerate(got):
+        h, step = i % 2, i // 2
+        data = payload.data if isinstance(payload, _Last) else payload
+        c = json.loads(data.split(b"\n\n")[0][len(b"data: "):])["choices"][0]
+        piece = c["delta"]["content"] if chat else c["text"]
+        texts[h] += piece
+        finish = "length" if step == 2 else None
+        # The chunk object field by field, in the order the server has always written it.
+        if chat:
+            delta = {"role": "assistant", "content": piece} if step == 0 else {"content": piece}
+            want = {"index": h, "delta": delta, "logprobs": None, "finish_reason": finish, "token_ids": STEPS[step]}
+        else:
+            want = {"index": h, "token_ids": STEPS[step], "finish_reason": finish, "logprobs": None, "text": piece}
+        assert data.startswith(f"data: {json.dumps({**head, 'choices': [want]})}\n\n".encode()), data
+    assert texts == [tok.decode(sum(STEPS, []))] * 2 and texts[0].endswith('"\\\né')
+    assert not isinstance(got[-2], _Last) and isinstance(got[-1], _Last)
+    usage = json.dumps({**head, "choices": [], "usage": out.usage()})
+    assert got[-1].data.endswith(f"data: {usage}\n\ndata: [DONE]\n\n".encode())
+
+
+def test_the_engine_loop_hands_a_step_over_once():
+    """A step's events for 8 requests reach the output worker in one list, in order (was: one hand-off each)."""
+    from tensorrt_llm_ext.bench.server_process import StubScheduler
+    from tensorrt_llm_ext.runtime.engine_loop import EngineLoop, PlanChannel, Sink
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+
+    class Worker:
+        def __init__(self):
+            self.batches = []
+
+        def put(self, pairs):
+            self.batches.append([(s.handler, e.handle, e.tokens, e.finish_reason) for s, e in pairs])
+
+    worker = Worker()
+    loop = EngineLoop(StubScheduler(8, [10, 11, 12]), PlanChannel(None), ServerMetrics(1), 16, speculative=False)
+    sinks = [Sink(None, None, f"r{i}", worker) for i in range(8)]
+    for s in sinks:
+        loop.submit([Request([1, 2], max_new_tokens=3)], s)
+    while loop.scheduler.num_active or not worker.batches:
+        plan = loop._next_plan()
+        loop._record(plan, *loop.scheduler.apply(plan))
+    # The first plan: the 8 prefills' first tokens and a step; the second: the last step.
+    assert [len(b) for b in worker.batches] == [16, 8]
+    token = [10, 11, 12]
+    assert worker.batches[-1] == [(f"r{h}", h, [token[(h * 7 + 2) % 3]], "length") for h in range(8)]
+    assert not loop._sinks
+
+
+def test_a_new_request_waits_one_plan_while_others_decode_and_a_cancel_there_ends_it():
+    """While requests decode, the plan that takes a new request runs their step alone; the next one prefills it.
+    A request cancelled in between is answered "cancelled" and never reaches the engine."""
+    from tensorrt_llm_ext.bench.server_process import StubScheduler
+    from tensorrt_llm_ext.runtime.engine_loop import EngineLoop, PlanChannel, Sink
+    from tensorrt_llm_ext.runtime.requests import Request
+    from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+
+    events = []
+
+    class Worker:
+        def put(self, pairs):
+            events.extend((e.handle, e.finish_reason) for _, e in pairs)
+
+    loop = EngineLoop(StubScheduler(4, [10]), PlanChannel(None), ServerMetrics(1), 16, speculative=False)
+    sink = Sink(None, None, None, Worker())
+
+    def plan():
+        p = loop._next_plan()
+        loop._record(p, *loop.scheduler.apply(p))
+        return [h for h, _ in p.admit], p.run
+
+    loop.submit([Request([1], max_new_tokens=8)], sink)
+    assert plan() == ([0], True)  # nothing decodes yet: admitted at once
+    loop.submit([Request([1], max_new_tokens=8)] * 2, sink)
+    assert plan() == ([], True) and loop.state().queued == 2  # handle 0's step first
+    assert plan() == ([1, 2], True)
+    loop.submit([Request([1], max_new_tokens=8)], sink)
+    assert plan() == ([], True)
+    loop.cancel(3)
+    assert plan() == ([], True) and (3, "cancelled") in events and loop.state().queued == 0
+    assert 3 not in loop._sinks and loop.scheduler.num_active == 3
