@@ -175,24 +175,27 @@ def cache_block_types() -> None:
 
     Every interpreted op builds the block type of its result: the shape unwrapped into a ``tl.tuple``, checked
     (powers of two, at most Triton's numel), its numel and its name -- a fifth of an interpreted kernel's CPU
-    time, for a few hundred distinct (element type, shape) pairs. For a scalar element type (compared by
-    name) and a shape of plain ints (a list or a ``tl.tuple``), the first construction computes them with
-    Triton's own ``__init__``; later ones reuse its shape, numel and name (the shape object is shared: nothing
-    in the interpreter writes to a block type's shape). Anything else -- pointer elements, constexpr shapes, a
-    shape Triton refuses -- takes the original path, which raises as before.
+    time, for a few hundred distinct (element type, shape) pairs. For a scalar or pointer element type (what
+    the three depend on is its name) and a shape of plain ints (a list or a ``tl.tuple``), the first
+    construction computes them with Triton's own ``__init__``; later ones reuse its shape, numel and name (the
+    shape object is shared, by every element type's block of those dims too: nothing in the interpreter writes
+    to a block type's shape). Anything else -- constexpr shapes, a shape Triton refuses -- takes the original
+    path, which raises as before.
     """
     if _BLOCKS_CACHED:
         return
     import triton.language as tl
 
     original = tl.block_type.__init__
-    scalar, triton_tuple = tl.dtype, tl.tuple
+    scalar, pointer, triton_tuple = tl.dtype, tl.pointer_type, tl.tuple
     derived: dict[tuple, tuple] = {}
+    shapes: dict[tuple, object] = {}  # dims -> the one shape object every element type's block of them shares
 
     def init(self, element_ty, shape):
         key = None
         dims = shape.values if type(shape) is triton_tuple else shape if type(shape) is list else None
-        if type(element_ty) is scalar and dims is not None and all(type(d) is int for d in dims):
+        te = type(element_ty)
+        if (te is scalar or te is pointer) and dims is not None and all(type(d) is int for d in dims):
             key = (element_ty.name, *dims)
             got = derived.get(key)
             if got is not None:
@@ -201,6 +204,7 @@ def cache_block_types() -> None:
                 return
         original(self, element_ty, shape)
         if key is not None:
+            self.shape = shapes.setdefault(key[1:], self.shape)  # equal values: one object, so `is` finds them equal
             derived[key] = (self.shape, self.numel, self.name)
             _BLOCK_SHAPES[id(self.shape)] = self.shape
 

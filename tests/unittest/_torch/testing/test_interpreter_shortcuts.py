@@ -53,7 +53,8 @@ def _fields(b):
 def test_cached_block_types_and_tensor_shapes_equal_tritons_own():
     block_init, tensor_init = _triton_own(tl.block_type.__init__), _triton_own(tl.tensor.__init__)
     plain = []
-    for elem, shape in ((tl.float32, [4, 16]), (tl.int1, [8]), (tl.bfloat16, [2, 2, 32])):
+    for elem, shape in ((tl.float32, [4, 16]), (tl.int1, [8]), (tl.bfloat16, [2, 2, 32]),
+                        (tl.pointer_type(tl.float32), [4, 16]), (tl.pointer_type(tl.int64, 1, True), [8])):
         b = tl.block_type.__new__(tl.block_type)
         block_init(b, elem, shape)
         t = tl.tensor.__new__(tl.tensor)
@@ -70,8 +71,9 @@ def test_cached_block_types_and_tensor_shapes_equal_tritons_own():
                 t = tl.tensor(None, b)
                 assert t.numel == ref_t.numel and [s.value for s in t.shape] == [s.value for s in ref_t.shape] == shape
                 assert t.type is b and t.dtype == elem
-    ptr = tl.block_type(tl.pointer_type(tl.float32), [16])  # not cached: Triton's path
-    assert ptr.numel == 16 and ptr.element_ty == tl.pointer_type(tl.float32)
+    # one shape object for one set of dims, whatever the element type (a tile of pointers and its mask)
+    assert tl.block_type(tl.pointer_type(tl.float32), [4, 16]).shape is tl.block_type(tl.int1, [4, 16]).shape
+    assert tl.block_type(tl.pointer_type(tl.int64, 1, True), [8]).name == "<['8'], const_pointer<int64>>"
     assert tl.tensor(None, tl.float32).shape == tl.tuple([]) and tl.tensor(None, tl.float32).numel == 1
     for bad, err in (([3], ValueError), ([1 << 21], ValueError), ([], TypeError)):  # refused as before
         with pytest.raises(err):
