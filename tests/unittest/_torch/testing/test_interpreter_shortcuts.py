@@ -9,7 +9,7 @@ import pytest
 import triton.language as tl
 from triton.runtime import interpreter as ti
 
-from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_np_dtype_lookup, cache_tensor_shapes,
+from tensorrt_llm_ext.testing.interpreter import (cache_block_types, cache_language_builtins, cache_np_dtype_lookup, cache_tensor_shapes,
                                                   call_language_builtins_directly, compare_int_tuples_directly,
                                                   compare_scalar_types_directly, pass_pointer_offsets_through,
                                                   pass_python_numbers_through, pass_same_typed_operands_through,
@@ -225,6 +225,29 @@ def test_pointer_offsets_answer_as_tritons_own():
                 seen.add(_same_answer(lambda: checked(ptr, offs, **kw), lambda: own(ptr, offs, **kw)))
                 seen.add(_same_answer(lambda: checked(offs, ptr, **kw), lambda: own(offs, ptr, **kw)))
     assert seen == {"returned", "raised"}  # a float or a pointer where none is allowed still raises
+
+
+def test_listed_builtins_patch_what_tritons_getmembers_patches():
+    cache_language_builtins()
+    cached = ti._patch_builtin
+    own = cached.original
+    assert own.__module__ == "triton.runtime.interpreter" and own is not cached
+    pkgs = (tl, tl.tensor, tl.math, tl.core, tl.core.tensor, tl.core.tensor_descriptor_base)
+
+    def state():
+        return [{n: getattr(p, n) for n in dir(p)} for p in pkgs]
+
+    before = state()
+    for _ in range(2):  # the first lists, the second reuses the list
+        changes = []
+        for patch in (own, cached):
+            scope = ti._LangPatchScope()
+            for pkg in pkgs:  # tl.tensor and tl.core.tensor are one class: patched once, as in a launch
+                patch(pkg, ti.interpreter_builder, scope)
+            changes.append([(id(obj), name, orig) for obj, name, orig in scope._changes])
+            scope.restore()
+            assert state() == before  # everything back
+        assert changes[0] == changes[1] and len(changes[0]) > 100
 
 
 def test_scalar_type_comparison_answers_as_tritons_own():
