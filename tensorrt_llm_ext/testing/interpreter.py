@@ -23,11 +23,20 @@ test shapes are still slow. :func:`speed_up_interpreter` installs these shortcut
   itself, not the wrapper that checks for a semantic the stand-in always passes.
 * :func:`skip_discarded_overflow_checks`: the overflow check of every 8- to 32-bit integer add, sub and mul,
   whose result the interpreter computes and then drops unless the kernel runs in debug mode.
+* :func:`splat_scalars_directly`: a scalar beside a block splat without the two extra block types Triton builds;
+  two blocks of one shape (a tile of pointers and its mask) passed without comparing them dimension by dimension.
+* :func:`pass_python_numbers_through`: a tensor beside a Python number of no higher kind (``i + 1``, ``x * 0.5``)
+  gets the one constant Triton keeps, without the promotion, the discarded first constant and the no-op cast.
+* :func:`pass_pointer_offsets_through`: a pointer beside integer offsets goes straight to the broadcast.
+* :func:`cache_language_builtins`: the builtins of each language module and class a launch patches, listed once
+  at install (not by ``inspect.getmembers`` at every launch).
 
 Measured on 2026-12-04 (CPU seconds, back to back): ``test_vocab_parallel.py`` 40.0 -> 29.3 s from the shape
 caches, an interpreted Philox test 22.5 -> 18.6 s from the dtype table alone; later the same day the last four
 (scalar types, builtins, overflow checks, the broadcast-only case) took ``test_verification.py``,
-``test_vocab_parallel.py`` and ``test_markov_chain.py`` together from 104.1 to 78.5 s.
+``test_vocab_parallel.py`` and ``test_markov_chain.py`` together from 104.1 to 78.5 s; the last three
+(splats, Python numbers, pointer offsets) took a kernel / engine sample (a Gumbel test, a lossless engine test,
+``test_block_stats.py``) from 15.8-16.3 to 13.7-14.3 CPU s, back to back, the same day.
 
 Test support only: the tests install them (``tests/conftest.py``, and through
 ``tests/interpreter_site/sitecustomize.py`` in every process they start: servers, CLI runs, MPI ranks). The
@@ -43,7 +52,8 @@ from tensorrt_llm_ext.logger import logger
 
 __all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", "call_language_builtins_directly",
            "compare_int_tuples_directly", "compare_scalar_types_directly", "pass_same_typed_operands_through",
-           "skip_discarded_overflow_checks", "skip_nested_repatching", "speed_up_interpreter"]
+           "pass_python_numbers_through", "skip_discarded_overflow_checks", "skip_nested_repatching",
+           "speed_up_interpreter", "splat_scalars_directly"]
 
 _INSTALLED: list[bool] = []
 _DTYPES_CACHED: list[bool] = []
@@ -54,6 +64,10 @@ _OPERANDS_PASSED: list[bool] = []
 _DTYPES_COMPARED: list[bool] = []
 _BUILTINS_DIRECT: list[bool] = []
 _OVERFLOW_SKIPPED: list[bool] = []
+_SPLATS_DIRECT: list[bool] = []
+_NUMBERS_PASSED: list[bool] = []
+_POINTERS_PASSED: list[bool] = []
+_BUILTINS_LISTED: list[bool] = []
 _BLOCK_SHAPES: dict[int, object] = {}  # id -> a shape cache_block_types hands out (kept alive: ids stay unique)
 
 
@@ -68,6 +82,10 @@ def speed_up_interpreter() -> None:
     compare_scalar_types_directly()
     call_language_builtins_directly()
     skip_discarded_overflow_checks()
+    splat_scalars_directly()
+    pass_python_numbers_through()
+    pass_pointer_offsets_through()
+    cache_language_builtins()
 
 
 def cache_np_dtype_lookup() -> None:
@@ -161,24 +179,27 @@ def cache_block_types() -> None:
 
     Every interpreted op builds the block type of its result: the shape unwrapped into a ``tl.tuple``, checked
     (powers of two, at most Triton's numel), its numel and its name -- a fifth of an interpreted kernel's CPU
-    time, for a few hundred distinct (element type, shape) pairs. For a scalar element type (compared by
-    name) and a shape of plain ints (a list or a ``tl.tuple``), the first construction computes them with
-    Triton's own ``__init__``; later ones reuse its shape, numel and name (the shape object is shared: nothing
-    in the interpreter writes to a block type's shape). Anything else -- pointer elements, constexpr shapes, a
-    shape Triton refuses -- takes the original path, which raises as before.
+    time, for a few hundred distinct (element type, shape) pairs. For a scalar or pointer element type (what
+    the three depend on is its name) and a shape of plain ints (a list or a ``tl.tuple``), the first
+    construction computes them with Triton's own ``__init__``; later ones reuse its shape, numel and name (the
+    shape object is shared, by every element type's block of those dims too: nothing in the interpreter writes
+    to a block type's shape). Anything else -- constexpr shapes, a shape Triton refuses -- takes the original
+    path, which raises as before.
     """
     if _BLOCKS_CACHED:
         return
     import triton.language as tl
 
     original = tl.block_type.__init__
-    scalar, triton_tuple = tl.dtype, tl.tuple
+    scalar, pointer, triton_tuple = tl.dtype, tl.pointer_type, tl.tuple
     derived: dict[tuple, tuple] = {}
+    shapes: dict[tuple, object] = {}  # dims -> the one shape object every element type's block of them shares
 
     def init(self, element_ty, shape):
         key = None
         dims = shape.values if type(shape) is triton_tuple else shape if type(shape) is list else None
-        if type(element_ty) is scalar and dims is not None and all(type(d) is int for d in dims):
+        te = type(element_ty)
+        if (te is scalar or te is pointer) and dims is not None and all(type(d) is int for d in dims):
             key = (element_ty.name, *dims)
             got = derived.get(key)
             if got is not None:
@@ -187,6 +208,7 @@ def cache_block_types() -> None:
                 return
         original(self, element_ty, shape)
         if key is not None:
+            self.shape = shapes.setdefault(key[1:], self.shape)  # equal values: one object, so `is` finds them equal
             derived[key] = (self.shape, self.numel, self.name)
             _BLOCK_SHAPES[id(self.shape)] = self.shape
 
@@ -357,3 +379,175 @@ def skip_discarded_overflow_checks() -> None:
 
     semantic.binary_op_sanitize_overflow_impl = sanitize
     _OVERFLOW_SKIPPED.append(True)
+
+
+def splat_scalars_directly() -> None:
+    """The interpreter's ``broadcast_impl_value`` for a block beside a scalar (a loop counter times a tile, a base
+    pointer plus a tile of offsets, a ``tl.where`` on a scalar): Triton builds the scalar's block type, converts it
+    ``to_ir`` (another block type, of which the splat reads only the shape) and splats; the shortcut builds the
+    block type once (through :func:`cache_block_types`) and hands it to the same ``create_splat``. Two scalars
+    come back as they are, as in Triton; two blocks of one shape too (a tile of pointers and its mask: Triton
+    compares the shapes, finds them equal and returns both). Anything else -- two blocks of two shapes -- takes Triton's own
+    path."""
+    if _SPLATS_DIRECT:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    semantic = ti.interpreter_semantic
+    original = semantic.broadcast_impl_value
+    tensor, block, scalar, pointer, triple = tl.tensor, tl.block_type, tl.dtype, tl.pointer_type, tl.tuple
+    splat = semantic.builder.create_splat
+
+    def broadcast(lhs, rhs):
+        a, b = lhs.type, rhs.type
+        ta, tb = type(a), type(b)
+        if ta is block:
+            if tb is scalar or tb is pointer:
+                ty = block(b, a.shape)
+                return lhs, tensor(splat(ty, rhs.handle), ty)
+            if tb is block and (a.shape is b.shape or type(a.shape) is triple and type(b.shape) is triple
+                                and a.shape.values == b.shape.values):
+                return lhs, rhs
+        elif tb is block:
+            if ta is scalar or ta is pointer:
+                ty = block(a, b.shape)
+                return tensor(splat(ty, lhs.handle), ty), rhs
+        elif (ta is scalar or ta is pointer) and (tb is scalar or tb is pointer):
+            return lhs, rhs
+        return original(lhs, rhs)
+
+    semantic.broadcast_impl_value = broadcast
+    _SPLATS_DIRECT.append(True)
+
+
+def pass_python_numbers_through() -> None:
+    """The interpreter's ``binary_op_type_checking_impl`` for a tensor and a Python ``int`` or ``float`` (``i + 1``,
+    ``x * 0.5``: every constant of a kernel's arithmetic): Triton makes a constant of the number's own type (to
+    read its kind), promotes, finds the tensor's type (a number of a kind no higher than the tensor's joins it,
+    PyTorch-like), checks sign and range, makes the constant again in that type, casts the tensor to its own type
+    (a no-op) and broadcasts. Where the number's kind is no higher than the tensor's (an int beside an integer or
+    float tensor, a float beside a float tensor), the tensor is not a pointer or fp8, and the range checks pass,
+    the shortcut makes the one constant Triton keeps (``scalar_constant`` in the tensor's type) and broadcasts it
+    (:func:`splat_scalars_directly`). Anything else -- a negative number beside an unsigned tensor, a number
+    out of the type's range, a float beside an integer tensor, ``/`` or ``%`` on 16-bit floats, ``bool``, a
+    constexpr, ``arithmetic_check`` off -- takes Triton's own path, which raises or promotes as before."""
+    if _NUMBERS_PASSED:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    semantic = ti.interpreter_semantic
+    original = semantic.binary_op_type_checking_impl
+    tensor, block, scalar = tl.tensor, tl.block_type, tl.dtype
+    constant = semantic.scalar_constant
+    int_min, int_max = -2**63, 2**64  # what Triton makes a constant of (int32, uint32, int64 or uint64)
+    float_kind = tl.float32.kind()
+
+    def joins(ty, number) -> bool:
+        # The number's type (Triton's to_tensor_type) is of a kind no higher than the tensor's element type's.
+        name = ty.name
+        if name not in _SELF_PROMOTING or name == "int1":
+            return False
+        if type(number) is int:
+            if not int_min <= number < int_max:  # not representable: Triton's to_tensor_type raises
+                return False
+            if ty.is_int():
+                return (not (number < 0 and ty.is_int_unsigned())
+                        and ty.get_int_min_value() <= number <= ty.get_int_max_value())
+            return True  # an int beside a float tensor
+        return ty.kind() == float_kind  # a float beside a float tensor
+
+    def checked(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        if arithmetic_check:
+            tl_, tr = type(lhs), type(rhs)
+            if tl_ is tensor and (tr is int or tr is float):
+                ty = lhs.type
+                elem = ty.element_ty if type(ty) is block else ty
+                if (type(elem) is scalar and joins(elem, rhs)
+                        and not (div_or_mod and elem.name in _HALF)):
+                    return semantic.broadcast_impl_value(lhs, constant(rhs, dtype=elem))
+            elif tr is tensor and (tl_ is int or tl_ is float):
+                ty = rhs.type
+                elem = ty.element_ty if type(ty) is block else ty
+                if (type(elem) is scalar and joins(elem, lhs)
+                        and not (div_or_mod and elem.name in _HALF)):
+                    return semantic.broadcast_impl_value(constant(lhs, dtype=elem), rhs)
+        return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    semantic.binary_op_type_checking_impl = checked
+    _NUMBERS_PASSED.append(True)
+
+
+def pass_pointer_offsets_through() -> None:
+    """The interpreter's ``binary_op_type_checking_impl`` for a pointer (a scalar or a block of them) beside integer
+    offsets (a tensor of integers or a Python ``int``) where the op allows a pointer on that side (``ptr + offs``):
+    Triton checks the pointer use (an integer beside a pointer passes), skips the promotion (a pointer takes
+    none), and broadcasts the two; the shortcut goes straight to the broadcast (a Python ``int`` made a constant
+    first, by Triton's own ``to_tensor``). A float or a pointer beside a pointer, or a pointer where the op allows
+    none, takes Triton's own path, which raises as before."""
+    if _POINTERS_PASSED:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    semantic = ti.interpreter_semantic
+    original = semantic.binary_op_type_checking_impl
+    tensor, block, scalar, pointer = tl.tensor, tl.block_type, tl.dtype, tl.pointer_type
+    to_tensor = semantic.to_tensor
+
+    def kind(x):
+        # "p": a tensor of pointers, "i": a tensor of integers or a Python int, None: anything else
+        t = type(x)
+        if t is tensor:
+            ty = x.type
+            elem = ty.element_ty if type(ty) is block else ty
+            te = type(elem)
+            if te is pointer:
+                return "p"
+            if te is scalar and elem.is_int():
+                return "i"
+            return None
+        return "i" if t is int else None
+
+    def checked(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        if allow_lhs_ptr or allow_rhs_ptr:
+            kl, kr = kind(lhs), kind(rhs)
+            if kl == "p" and kr == "i" and allow_lhs_ptr or kl == "i" and kr == "p" and allow_rhs_ptr:
+                return semantic.broadcast_impl_value(to_tensor(lhs), to_tensor(rhs))
+        return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    semantic.binary_op_type_checking_impl = checked
+    _POINTERS_PASSED.append(True)
+
+
+def cache_language_builtins() -> None:
+    """The interpreter's ``_patch_builtin`` (each launch, for ``triton.language``, ``triton.language.core``, their
+    ``tensor`` class, ``math`` and the descriptor base): ``inspect.getmembers`` of the module or class -- every
+    attribute fetched, sorted -- to find its builtins and patch each. The shortcut lists their builtins once, when
+    it is installed (outside any launch: all of them in place), and at each patch takes those still in place, as
+    Triton would find them (a member that a running launch already replaced is no builtin to Triton either). Any
+    other module or class takes Triton's own path; what a language module gained after the install would not be
+    listed (they are complete once imported)."""
+    if _BUILTINS_LISTED:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti._patch_builtin
+    is_builtin = tl.core.is_builtin
+    listed = {id(pkg): (pkg, [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)])
+              for pkg in (tl, tl.core, tl.math, tl.tensor, tl.core.tensor, tl.core.tensor_descriptor_base)}
+
+    def patch_builtin(pkg, builder, scope):
+        entry = listed.get(id(pkg))
+        if entry is None or entry[0] is not pkg:
+            return original(pkg, builder, scope)
+        patch = ti._patch_attr
+        for name, member in entry[1]:
+            if getattr(pkg, name, None) is member:
+                patch(pkg, name, member, builder, scope)
+
+    patch_builtin.original = original
+    ti._patch_builtin = patch_builtin
+    _BUILTINS_LISTED.append(True)
