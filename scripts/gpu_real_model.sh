@@ -124,7 +124,8 @@ elif [ "$RECIPE" = 6 ]; then
 # serving forward captures it). Measured on the H200 with random weights at SmolLM2's shape: 330 ms per step of 64 x
 # 256 blocks, ~1.28x recipe 5's (estimated), 27 GiB peak. TRAIN_SECONDS 450: prepare + train + the held-out estimate
 # fit one 600-s call (~510 s). Trained once (2026-12-04, TRAIN_SECONDS=330: 528 steps at 2.66 steps/s, half of recipe
-# 5's 1,194): MT-Bench 1.624 greedy against recipe 5's 1.852 -- not the default until an equal-budget run says so.
+# 5's 1,194): MT-Bench 1.624 greedy against recipe 5's 1.852. At the equal 450-s budget (2026-12-04, sixth session: 936
+# steps) MT-Bench 1.735 / HumanEval 1.670 / held-out 1.965 greedy, below recipe 5 on every set: not the default.
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
