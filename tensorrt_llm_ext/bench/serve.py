@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -143,6 +144,29 @@ def _mean_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> flo
     return (after[name + "_sum"] - before[name + "_sum"]) / n * scale if n else float("nan")
 
 
+def _median_ms(seconds: list[float], digits: int) -> str:
+    """The median of ``seconds`` in ms, formatted (NaN when empty)."""
+    return fmt(statistics.median(seconds) * 1e3 if seconds else float("nan"), digits)
+
+
+@contextlib.contextmanager
+def _exit_code_on_last_row(server, rows: list[list]):
+    """Stops ``server`` (SIGTERM, 60 s) when the block ends; when it ends without an error, the exit code goes on
+    the last row the server produced."""
+    try:
+        yield
+    finally:
+        rc = server.stop(60)
+    rows[-1].append(rc)
+
+
+def _blank_exit_codes(rows: list[list], width: int) -> None:
+    """The rows before each server's last carry no exit code: a blank cell keeps the table rectangular."""
+    for r in rows:
+        if len(r) == width:
+            r.append("")
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far (all its threads; Linux ``/proc``)."""
     import os
@@ -166,7 +190,7 @@ def _stub_run(args: argparse.Namespace) -> None:
         srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms)] + \
             ([] if tok == "embedded" else ["--tokenizer", tok])
         server = start_server(srv_args, str(work / "server.log"), command=STUB_SERVE_COMMAND)
-        try:
+        with _exit_code_on_last_row(server, rows):
             for conc in concurrency:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
                 cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
@@ -176,15 +200,10 @@ def _stub_run(args: argparse.Namespace) -> None:
                 tpot = [r[1] for r in res if r[1] == r[1]]
                 us = cpu / tokens * 1e6 if tokens else float("nan")
                 rows.append([tok, conc, len(bodies), len(res), errors,
-                             fmt(statistics.median(r[0] for r in res) * 1e3 if res else float("nan"), 1),
-                             fmt(statistics.median(tpot) * 1e3 if tpot else float("nan"), 2),
+                             _median_ms([r[0] for r in res], 1),
+                             _median_ms(tpot, 2),
                              fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1), fmt(1e6 / us, 0)])
-        finally:
-            rc = server.stop(60)
-        rows[-1].append(rc)
-    for r in rows:
-        if len(r) == 11:
-            r.append("")
+    _blank_exit_codes(rows, 11)
     import platform
 
     notes = [f"stub engine: one token per live request per step, step period {args.stub_step_ms:g} ms "
@@ -240,7 +259,7 @@ def run(args: argparse.Namespace) -> None:
     for decode in args.decodes:
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
                               str(work / f"server_{decode}.log"))
-        try:
+        with _exit_code_on_last_row(server, rows):
             for name, sampling in SAMPLINGS.items():
                 for conc in args.concurrency:
                     n = conc * args.requests_per_client
@@ -259,19 +278,14 @@ def run(args: argparse.Namespace) -> None:
                     ttft = [r[0] for r in res]
                     tpot = [r[1] for r in res if r[1] == r[1]]
                     rows.append([decode, name, conc, n, len(res), errors,
-                                 fmt(statistics.median(ttft) * 1e3 if ttft else float("nan"), 1),
+                                 _median_ms(ttft, 1),
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
-                                 fmt(statistics.median(tpot) * 1e3 if tpot else float("nan"), 2),
+                                 _median_ms(tpot, 2),
                                  fmt(tokens / wall, 1), fmt(len(res) / wall, 2),
                                  fmt(_mean_delta(m0, m1, "acceptance_length"), 2),
                                  fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
                                  fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3)])
-        finally:
-            rc = server.stop(60)
-        rows[-1].append(rc)
-    for r in rows:
-        if len(r) == 14:
-            r.append("")
+    _blank_exit_codes(rows, 14)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts; streamed completions; "
              f"TTFT = request sent to its "
