@@ -358,10 +358,8 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  attention_backend: str = "auto", layer_backend: str = "auto"):
         super().__init__()
-        mapping = mapping or Mapping()
-        cfg = config
-        self.config = cfg
-        self.mapping = mapping
+        self.config = cfg = config
+        self.mapping = mapping = mapping or Mapping()
         self.dtype = dtype
         self.tp_plan: DrafterTPPlan = resolve_drafter_tp_plan(type(self).tp_fusions, mapping,
                                                               cfg.fc_in_features, type(self).__name__)

@@ -413,10 +413,8 @@ class LlamaTarget(nn.Module):
     def __init__(self, config: LlamaTargetConfig, mapping: Mapping | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
-        mapping = mapping or Mapping()
-        cfg = config
-        self.config = cfg
-        self.mapping = mapping
+        self.config = cfg = config
+        self.mapping = mapping = mapping or Mapping()
         self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device, mapping)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, mapping, dtype, device) for _ in range(cfg.num_layers))

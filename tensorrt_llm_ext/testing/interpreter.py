@@ -55,19 +55,8 @@ __all__ = ["cache_block_types", "cache_np_dtype_lookup", "cache_tensor_shapes", 
            "pass_python_numbers_through", "skip_discarded_overflow_checks", "skip_nested_repatching",
            "speed_up_interpreter", "splat_scalars_directly"]
 
-_INSTALLED: list[bool] = []
-_DTYPES_CACHED: list[bool] = []
-_BLOCKS_CACHED: list[bool] = []
-_SHAPES_CACHED: list[bool] = []
-_TUPLES_COMPARED: list[bool] = []
-_OPERANDS_PASSED: list[bool] = []
-_DTYPES_COMPARED: list[bool] = []
-_BUILTINS_DIRECT: list[bool] = []
-_OVERFLOW_SKIPPED: list[bool] = []
-_SPLATS_DIRECT: list[bool] = []
-_NUMBERS_PASSED: list[bool] = []
-_POINTERS_PASSED: list[bool] = []
-_BUILTINS_LISTED: list[bool] = []
+_DONE: set[str] = set()  # the shortcuts installed in this process (each installs once)
+_REPATCHING_SKIPPED: list[bool] = []  # skip_nested_repatching's answer, once it has decided
 _BLOCK_SHAPES: dict[int, object] = {}  # id -> a shape cache_block_types hands out (kept alive: ids stay unique)
 
 
@@ -96,7 +85,7 @@ def cache_np_dtype_lookup() -> None:
     only (``tl.dtype`` compares by name); a block answers for its element type and every pointer is
     ``uint64``, as in the original, which computes each first answer.
     """
-    if _DTYPES_CACHED:
+    if "dtypes_cached" in _DONE:
         return
     import numpy as np
     import triton.language as tl
@@ -117,13 +106,13 @@ def cache_np_dtype_lookup() -> None:
         return got
 
     ti._get_np_dtype = get_np_dtype
-    _DTYPES_CACHED.append(True)
+    _DONE.add("dtypes_cached")
 
 
 def skip_nested_repatching() -> bool:
     """Install the shortcut once per process; True when installed (now or before)."""
-    if _INSTALLED:
-        return _INSTALLED[0]
+    if _REPATCHING_SKIPPED:
+        return _REPATCHING_SKIPPED[0]
     import triton.language as tl
     from triton.runtime import interpreter as ti
 
@@ -137,7 +126,7 @@ def skip_nested_repatching() -> bool:
     if not known:
         logger.info("Triton interpreter: launch / nested-call patching is not the one the test shortcut knows; "
                     "running the interpreter unchanged")
-        _INSTALLED.append(False)
+        _REPATCHING_SKIPPED.append(False)
         return False
 
     languages: dict = {}  # jit function -> ids of the language modules its globals name
@@ -170,7 +159,7 @@ def skip_nested_repatching() -> bool:
 
     ti.GridExecutor.__call__ = launch
     ti.InterpretedFunction.__call__ = nested
-    _INSTALLED.append(True)
+    _REPATCHING_SKIPPED.append(True)
     return True
 
 
@@ -186,7 +175,7 @@ def cache_block_types() -> None:
     to a block type's shape). Anything else -- constexpr shapes, a shape Triton refuses -- takes the original
     path, which raises as before.
     """
-    if _BLOCKS_CACHED:
+    if "blocks_cached" in _DONE:
         return
     import triton.language as tl
 
@@ -213,7 +202,7 @@ def cache_block_types() -> None:
             _BLOCK_SHAPES[id(self.shape)] = self.shape
 
     tl.block_type.__init__ = init
-    _BLOCKS_CACHED.append(True)
+    _DONE.add("blocks_cached")
 
 
 def cache_tensor_shapes() -> None:
@@ -221,7 +210,7 @@ def cache_tensor_shapes() -> None:
     ``tl.tuple`` of constexprs (built element by element, with the tuple's type, for every interpreted op's
     result). Keyed by the identity of a shape :func:`cache_block_types` handed out (those shapes live for the
     process), or a scalar's (empty) shape; any other type takes Triton's own ``__init__``."""
-    if _SHAPES_CACHED:
+    if "shapes_cached" in _DONE:
         return
     import triton.language as tl
 
@@ -242,7 +231,7 @@ def cache_tensor_shapes() -> None:
         self.numel, self.shape = got
 
     tl.tensor.__init__ = init
-    _SHAPES_CACHED.append(True)
+    _DONE.add("shapes_cached")
 
 
 def compare_int_tuples_directly() -> None:
@@ -250,7 +239,7 @@ def compare_int_tuples_directly() -> None:
     a fresh ``tl.tuple`` (unwrapping constexprs, which plain ints are not, and typing every element) and then
     compares the two value lists; the shortcut compares the value lists at once, with the same result (a
     ``constexpr`` of the list comparison). Anything else takes Triton's own ``__eq__``."""
-    if _TUPLES_COMPARED:
+    if "tuples_compared" in _DONE:
         return
     import triton.language as tl
 
@@ -263,7 +252,7 @@ def compare_int_tuples_directly() -> None:
         return original(self, other)
 
     tl.tuple.__eq__ = eq
-    _TUPLES_COMPARED.append(True)
+    _DONE.add("tuples_compared")
 
 
 # Scalar types whose promotion with themselves is themselves (Triton's computation_type_impl: fp64, fp32,
@@ -271,6 +260,20 @@ def compare_int_tuples_directly() -> None:
 _SELF_PROMOTING = frozenset(("fp64", "fp32", "fp16", "bf16", "int1", "int8", "int16", "int32", "int64", "uint8",
                              "uint16", "uint32", "uint64"))
 _HALF = frozenset(("fp16", "bf16"))
+
+
+def _install_type_check(name: str, make) -> None:
+    """Installs ``make(tl, semantic, original)`` -- a ``checked`` that answers its cases at once and hands the rest
+    to ``original``, the interpreter's ``binary_op_type_checking_impl`` as it stands (Triton's own, or the shortcut
+    installed before) -- in its place, once per process (``name`` in ``_DONE`` marks it)."""
+    if name in _DONE:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    semantic = ti.interpreter_semantic
+    semantic.binary_op_type_checking_impl = make(tl, semantic, semantic.binary_op_type_checking_impl)
+    _DONE.add(name)
 
 
 def pass_same_typed_operands_through() -> None:
@@ -282,13 +285,10 @@ def pass_same_typed_operands_through() -> None:
     shapes (a scalar beside a block: a loop counter times a tile) goes straight to Triton's broadcast, the one
     step of the four that does anything there. Anything else (a Python number, pointers, two element types,
     fp8, / or % on 16-bit floats) takes Triton's own path."""
-    if _OPERANDS_PASSED:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
+    _install_type_check("operands_passed", _same_typed_operands)
 
-    semantic = ti.interpreter_semantic
-    original = semantic.binary_op_type_checking_impl
+
+def _same_typed_operands(tl, semantic, original):
     tensor, scalar, block = tl.tensor, tl.dtype, tl.block_type
 
     broadcast = semantic.broadcast_impl_value
@@ -305,8 +305,7 @@ def pass_same_typed_operands_through() -> None:
                 return broadcast(lhs, rhs)  # a scalar beside a block, or two shapes: Triton's own broadcast
         return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
-    semantic.binary_op_type_checking_impl = checked
-    _OPERANDS_PASSED.append(True)
+    return checked
 
 
 def compare_scalar_types_directly() -> None:
@@ -314,7 +313,7 @@ def compare_scalar_types_directly() -> None:
     constexpr and checks its class before comparing the two names; the shortcut compares the names at once (the
     same answer). Every cast and every type check of an interpreted op asks it. Anything else -- a constexpr,
     a pointer or block type, another object -- takes Triton's own ``__eq__``."""
-    if _DTYPES_COMPARED:
+    if "dtypes_compared" in _DONE:
         return
     import triton.language as tl
 
@@ -326,7 +325,7 @@ def compare_scalar_types_directly() -> None:
         return original(self, other)
 
     tl.dtype.__eq__ = eq
-    _DTYPES_COMPARED.append(True)
+    _DONE.add("dtypes_compared")
 
 
 def call_language_builtins_directly() -> None:
@@ -335,7 +334,7 @@ def call_language_builtins_directly() -> None:
     and calls the builtin's wrapper with the interpreter's semantic, which checks that a ``_semantic`` was given
     and calls the function. The shortcut's stand-in calls the wrapped function with that semantic at once (the
     wrapper's check always passes there). A member that is not a builtin wrapper takes Triton's own path."""
-    if _BUILTINS_DIRECT:
+    if "builtins_direct" in _DONE:
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
@@ -355,7 +354,7 @@ def call_language_builtins_directly() -> None:
         scope.set_attr(obj, name, direct)
 
     ti._patch_attr = patch_attr
-    _BUILTINS_DIRECT.append(True)
+    _DONE.add("builtins_direct")
 
 
 def skip_discarded_overflow_checks() -> None:
@@ -365,7 +364,7 @@ def skip_discarded_overflow_checks() -> None:
     unless the launch's ``debug`` option is set, so the whole check is computed and dropped (a quarter of an
     interpreted Philox kernel's CPU time). The shortcut returns before computing it when ``debug`` is off, as
     ``device_assert`` would have; with ``debug`` on it runs Triton's own check."""
-    if _OVERFLOW_SKIPPED:
+    if "overflow_skipped" in _DONE:
         return
     from triton.runtime import interpreter as ti
 
@@ -378,7 +377,7 @@ def skip_discarded_overflow_checks() -> None:
         return original(lhs, rhs, binary_op)
 
     semantic.binary_op_sanitize_overflow_impl = sanitize
-    _OVERFLOW_SKIPPED.append(True)
+    _DONE.add("overflow_skipped")
 
 
 def splat_scalars_directly() -> None:
@@ -389,7 +388,7 @@ def splat_scalars_directly() -> None:
     come back as they are, as in Triton; two blocks of one shape too (a tile of pointers and its mask: Triton
     compares the shapes, finds them equal and returns both). Anything else -- two blocks of two shapes -- takes Triton's own
     path."""
-    if _SPLATS_DIRECT:
+    if "splats_direct" in _DONE:
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
@@ -418,7 +417,7 @@ def splat_scalars_directly() -> None:
         return original(lhs, rhs)
 
     semantic.broadcast_impl_value = broadcast
-    _SPLATS_DIRECT.append(True)
+    _DONE.add("splats_direct")
 
 
 def pass_python_numbers_through() -> None:
@@ -432,13 +431,10 @@ def pass_python_numbers_through() -> None:
     (:func:`splat_scalars_directly`). Anything else -- a negative number beside an unsigned tensor, a number
     out of the type's range, a float beside an integer tensor, ``/`` or ``%`` on 16-bit floats, ``bool``, a
     constexpr, ``arithmetic_check`` off -- takes Triton's own path, which raises or promotes as before."""
-    if _NUMBERS_PASSED:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
+    _install_type_check("numbers_passed", _python_numbers)
 
-    semantic = ti.interpreter_semantic
-    original = semantic.binary_op_type_checking_impl
+
+def _python_numbers(tl, semantic, original):
     tensor, block, scalar = tl.tensor, tl.block_type, tl.dtype
     constant = semantic.scalar_constant
     int_min, int_max = -2**63, 2**64  # what Triton makes a constant of (int32, uint32, int64 or uint64)
@@ -475,8 +471,7 @@ def pass_python_numbers_through() -> None:
                     return semantic.broadcast_impl_value(constant(lhs, dtype=elem), rhs)
         return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
-    semantic.binary_op_type_checking_impl = checked
-    _NUMBERS_PASSED.append(True)
+    return checked
 
 
 def pass_pointer_offsets_through() -> None:
@@ -486,13 +481,10 @@ def pass_pointer_offsets_through() -> None:
     none), and broadcasts the two; the shortcut goes straight to the broadcast (a Python ``int`` made a constant
     first, by Triton's own ``to_tensor``). A float or a pointer beside a pointer, or a pointer where the op allows
     none, takes Triton's own path, which raises as before."""
-    if _POINTERS_PASSED:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
+    _install_type_check("pointers_passed", _pointer_offsets)
 
-    semantic = ti.interpreter_semantic
-    original = semantic.binary_op_type_checking_impl
+
+def _pointer_offsets(tl, semantic, original):
     tensor, block, scalar, pointer = tl.tensor, tl.block_type, tl.dtype, tl.pointer_type
     to_tensor = semantic.to_tensor
 
@@ -517,8 +509,7 @@ def pass_pointer_offsets_through() -> None:
                 return semantic.broadcast_impl_value(to_tensor(lhs), to_tensor(rhs))
         return original(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
-    semantic.binary_op_type_checking_impl = checked
-    _POINTERS_PASSED.append(True)
+    return checked
 
 
 def cache_language_builtins() -> None:
@@ -529,7 +520,7 @@ def cache_language_builtins() -> None:
     Triton would find them (a member that a running launch already replaced is no builtin to Triton either). Any
     other module or class takes Triton's own path; what a language module gained after the install would not be
     listed (they are complete once imported)."""
-    if _BUILTINS_LISTED:
+    if "builtins_listed" in _DONE:
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
@@ -550,4 +541,4 @@ def cache_language_builtins() -> None:
 
     patch_builtin.original = original
     ti._patch_builtin = patch_builtin
-    _BUILTINS_LISTED.append(True)
+    _DONE.add("builtins_listed")
