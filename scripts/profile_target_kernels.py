@@ -49,6 +49,9 @@ VARIANTS = {
     "splitk1": dict(SPLIT_K_PROGRAMS_PER_SM=1),  # ... to ~1 program per SM
     "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
     "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
+    "st1": dict(DOT_NUM_STAGES=1),  # the dot tiles' K loop unpipelined (default: Triton's 3 stages)
+    "st2": dict(DOT_NUM_STAGES=2),
+    "st4": dict(DOT_NUM_STAGES=4),
 }
 
 

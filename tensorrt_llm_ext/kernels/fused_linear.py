@@ -72,6 +72,10 @@ MAX_PREFETCH_LINES = 64
 # nosplit,splitk,splitk1` times the forwards with each; docs/target_forward.md). Every dot-tile caller splits under
 # it, the drafter's fused layers included.
 SPLIT_K_PROGRAMS_PER_SM = 0
+# Pipeline stages of the dot tiles' K loop (None: Triton's default, 3). A short loop (SmolLM2's K = 576 is 3 blocks
+# of 256, the first peeled before the programmatic wait) may pay for stages it cannot fill; the stages change when
+# loads are issued, never a product's order. scripts/profile_target_kernels.py times 1 / 2 / 4 ("st1" ...).
+DOT_NUM_STAGES: int | None = None
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
 WEIGHT_PREFETCH = True
@@ -424,9 +428,15 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         PDL=pdl, PREFETCH_LINES=prefetch_lines(k_chunk, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // weight.element_size(),
         part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
-        num_warps=warps, launch_pdl=pdl,
+        num_warps=warps, launch_pdl=pdl, **dot_stages(gemv),
     )
     return out
+
+
+def dot_stages(gemv: bool) -> dict:
+    """The launch's ``num_stages`` keyword: :data:`DOT_NUM_STAGES` for the dot tiles when set, else none (Triton's
+    default)."""
+    return {} if gemv or DOT_NUM_STAGES is None else {"num_stages": DOT_NUM_STAGES}
 
 
 def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

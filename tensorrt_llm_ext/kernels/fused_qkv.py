@@ -311,7 +311,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         PREFETCH_LINES=prefetch_lines(k_chunk, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
         part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
-        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
+        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl, **_fused_linear.dot_stages(gemv),
     )
     return q_out
 
