@@ -73,8 +73,9 @@ MAX_PREFETCH_LINES = 64
 # it, the drafter's fused layers included.
 SPLIT_K_PROGRAMS_PER_SM = 0
 # Pipeline stages of the dot tiles' K loop (None: Triton's default, 3). A short loop (SmolLM2's K = 576 is 3 blocks
-# of 256, the first peeled before the programmatic wait) may pay for stages it cannot fill; the stages change when
-# loads are issued, never a product's order. scripts/profile_target_kernels.py times 1 / 2 / 4 ("st1" ...).
+# of 256, the first peeled before the programmatic wait) might pay for stages it cannot fill; the stages change when
+# loads are issued, never a product's order. Timed on the H200 (2026-12-04, scripts/profile_target_kernels.py
+# variants "st1" / "st2" / "st4"): 1 and 2 stages 60-280 us slower per forward, 4 no faster; the default stays.
 DOT_NUM_STAGES: int | None = None
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
