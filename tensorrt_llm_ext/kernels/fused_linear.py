@@ -121,6 +121,17 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
+def _k_range(k, k_chunk, SPLIT_K: tl.constexpr):
+    # A program's K range: all of K, or (split-K) chunk program_id(2) of whole BLOCK_K blocks.
+    k_lo = 0
+    k_hi = k
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, k)
+    return k_lo, k_hi
+
+
+@triton.jit
 def _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_from, k, LINE: tl.constexpr, LINES: tl.constexpr):
     """``prefetch.global.L2`` of inputs ``k_from .. k-1`` of the weight rows ``w_rows`` (element offsets), one
     address per ``LINE`` elements (a 128-byte line), at most ``LINES`` lines per row: no register is held, the
@@ -154,12 +165,7 @@ def _fused_linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     w_rows = cols.to(tl.int64) * stride_wn
-    # This program's K range: all of K, or (split-K) chunk program_id(2) of whole BLOCK_K blocks.
-    k_lo = 0
-    k_hi = k
-    if SPLIT_K > 1:
-        k_lo = tl.program_id(2) * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, k)
+    k_lo, k_hi = _k_range(k, k_chunk, SPLIT_K)
     k_begin = k_lo
     if PDL:
         # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while

@@ -36,10 +36,10 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels import fused_linear as _fused_linear
-from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
-                                                   WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd, _split_k_combine,
-                                                   dot_settings, prefetch_lines, split_k_counters, split_k_settings,
-                                                   stage_block_k)
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _k_range, _mac,
+                                                   _normed_tile, WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd,
+                                                   _split_k_combine, dot_settings, prefetch_lines, split_k_counters,
+                                                   split_k_settings, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -127,12 +127,7 @@ def _fused_qkv_rope_kernel(
     c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
     w1_rows = c1.to(tl.int64) * stride_wn
     w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
-    # This program's K range: all of K, or (split-K, as in fused_linear) chunk program_id(2).
-    k_lo = 0
-    k_hi = k
-    if SPLIT_K > 1:
-        k_lo = tl.program_id(2) * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, k)
+    k_lo, k_hi = _k_range(k, k_chunk, SPLIT_K)  # all of K, or (split-K) chunk program_id(2)
     k_begin = k_lo
     if PDL:
         # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
