@@ -3,14 +3,13 @@
 # programmatic dependent launch on vs off), generate --check under CUDA graphs (the speculative step vs the
 # verify-shaped lossless reference), `bench target` on the SmolLM2-135M shape (B 1/8/32/64 x C 512/1k/2k/8k:
 # the [B, 1] target-only step, decode with and without PDL, attention vs its floor and FlashInfer, the attention
-# launch candidates), the small-step GEMMs with and without split-K (scripts/profile_target_kernels.py --variants),
-# the PDL probe, the graph-replay / lossless GPU tests, then the 8B shape's rows with what time is left. Logs and
-# tables under $1, packed into $1/gpu_target_logs.tgz.
+# launch candidates), the PDL probe, the graph-replay / lossless GPU tests, then the 8B shape's rows with what
+# time is left. Logs and tables under $1, packed into $1/gpu_target_logs.tgz.
 # Usage on the GPU machine, from the repo root (carry ".whl" and ".peer"):  bash scripts/gpu_target.sh "$OUT"
 # FlashInfer's column needs the .peer bundle (docs/target_forward.md); without it the column says why it is absent.
 # BENCH_ARGS (default --no-attn-configs; BENCH_ARGS="" adds the attention launch-candidates table, ~60 s more).
-# Stage timeouts in seconds (override with T_KERNEL, T_GENERATE, T_BENCH, T_VARIANTS, T_PDL, T_GRAPH, T_BENCH8B); the
-# whole run stays under T_TOTAL (default 570) -- a stage gets at most what is left.
+# Stage timeouts in seconds (override with T_KERNEL, T_GENERATE, T_BENCH, T_PDL, T_GRAPH, T_BENCH8B); the whole
+# run stays under T_TOTAL (default 570) -- a stage gets at most what is left.
 set -u
 out=${1:-out}
 mkdir -p "$out"
@@ -34,10 +33,6 @@ timeout "$(budget "${T_BENCH:-170}")" python3 -m tensorrt_llm_ext.cli bench targ
   --spec-shapes '' --batch-sizes 1,8,32,64 --contexts 512,1024,2048,8192 --no-layer-compare ${BENCH_ARGS---no-attn-configs} \
   > "$out/bench_target.log" 2>&1
 echo "bench target rc=$?" | tee -a "$out/bench_target.log"; grep -E "^\||launches|flashinfer" "$out/bench_target.log" | head -50
-# the small-step GEMMs' split-K (off in the model until timed) against one program per column block, whole forwards
-timeout "$(budget "${T_VARIANTS:-70}")" python3 scripts/profile_target_kernels.py --steps 1x8,4x8,32x1,16x1 \
-  --context 1024 --variants nosplit,splitk,splitk1 > "$out/gemm_variants.log" 2>&1
-echo "gemm variants rc=$?" | tee -a "$out/gemm_variants.log"; grep -E "^--|max" "$out/gemm_variants.log"
 timeout "$(budget "${T_PDL:-20}")" python3 scripts/probe_pdl.py > "$out/probe_pdl.log" 2>&1
 echo "probe_pdl rc=$?" | tee -a "$out/probe_pdl.log"; grep "^|" "$out/probe_pdl.log"
 (cd tests && timeout "$(budget "${T_GRAPH:-120}")" python3 -m pytest integration/test_dspark_lossless.py \

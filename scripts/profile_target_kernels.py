@@ -7,7 +7,7 @@ over a CUDA-graph replay, kernels grouped by name with their total / mean micros
 name ending in ``+profile`` also prints its per-kernel table.
 
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
-  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants nosplit,splitk
+  python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants default,gemv8
 """
 
 from __future__ import annotations
@@ -44,14 +44,9 @@ def _table(title, ker, reps):
 # Settings of the small-step GEMMs the --variants mode times (module constants of fused_linear, also read by
 # fused_qkv; "attn.X": paged_attention's X).
 VARIANTS = {
-    "nosplit": dict(SPLIT_K_PROGRAMS_PER_SM=0),  # one program per column block (the default until split-K is timed)
-    "splitk": dict(SPLIT_K_PROGRAMS_PER_SM=2),  # the dot tiles split along K to ~2 programs per SM
-    "splitk1": dict(SPLIT_K_PROGRAMS_PER_SM=1),  # ... to ~1 program per SM
+    "default": {},  # the model's settings
     "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
     "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
-    "st1": dict(DOT_NUM_STAGES=1),  # the dot tiles' K loop unpipelined (default: Triton's 3 stages)
-    "st2": dict(DOT_NUM_STAGES=2),
-    "st4": dict(DOT_NUM_STAGES=4),
 }
 
 
@@ -80,8 +75,7 @@ def main() -> None:
     p.add_argument("--variants", default=None, help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
     p.add_argument("--kernels", default="fused,fused-dot,unfused",
                    help="layer_kernels values; fused-dot: the fused layer in dot tiles only (no few-row forms); "
-                        "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait; "
-                        "fused-nosplit: dot tiles without split-K")
+                        "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait")
     a = p.parse_args()
     from tensorrt_llm_ext.bench.target import _config, device_random_weights
     from tensorrt_llm_ext.bench.verify import capture_graph
@@ -135,8 +129,7 @@ def main() -> None:
             apply(defaults)
             continue
         for kern in a.kernels.split(","):
-            apply({**defaults, **({"GEMV_MAX_ROWS": 0} if kern == "fused-dot" else {}),
-                   **({"SPLIT_K_PROGRAMS_PER_SM": 0} if kern == "fused-nosplit" else {})})
+            apply({**defaults, **({"GEMV_MAX_ROWS": 0} if kern == "fused-dot" else {})})
             fused_linear_mod.WEIGHT_PREFETCH = fused_qkv_mod.WEIGHT_PREFETCH = kern != "fused-noprefetch"
             target.layer_kernels = kern.split("-")[0]
             fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731

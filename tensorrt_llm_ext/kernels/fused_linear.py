@@ -21,12 +21,6 @@ Determinism: each output row is a function of that row only (tiles never mix row
 ``K`` is fixed by the settings), so a row's bits do not depend on its neighbours; the settings
 (:func:`fused_linear_settings`) depend on the shape and dtype only (``M`` through ``BLOCK_M``).
 
-Split-K (``SPLIT_K_PROGRAMS_PER_SM``, off until timed; :func:`split_k_settings`): a dot-tile product of few column
-blocks runs its ``K`` range in chunks of whole ``BLOCK_K`` blocks, one program each; each chunk stores its fp32
-partials, counts its arrival on the tile's counter (:func:`split_k_counters`), and the last to arrive sums the
-partials in chunk order -- read back from memory, its own included, so the bits do not depend on which arrives
-last -- and runs the epilogue. The chunks follow ``N``, ``K`` and ``BLOCK_K``, never ``M``.
-
 Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes the same roundings with
 ``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
 rounding, a unit in the last place, more where a rounding of the prologue flips).
@@ -45,13 +39,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch, refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
 __all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_settings", "fused_gemv_settings",
-           "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines", "split_k_counters",
-           "split_k_settings", "stage_block_k"]
+           "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines", "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
@@ -63,20 +56,6 @@ GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2
 # Lines of each weight row brought to L2 before the programmatic wait beyond the first BLOCK_K block (8 KB of a
 # bf16 row: all of SmolLM2's K = 576 / 1536; the 8B shape runs cuBLAS).
 MAX_PREFETCH_LINES = 64
-# Split-K of the dot tiles (steps of 2 .. FUSED_MAX_ROWS rows): a product of few column blocks (SmolLM2's 576-wide
-# o_proj / down: 36 programs of 16 columns on 132 SMs) runs its K range in SPLIT_K chunks of whole BLOCK_K blocks,
-# one program each, up to SPLIT_K_PROGRAMS_PER_SM programs per SM; the last chunk of a tile to arrive sums the
-# chunks' fp32 partials in chunk order and runs the epilogue (no second launch). The chunks follow N, K and BLOCK_K,
-# never M, so a row's summation order is the same at any step size. 0: off, the model's setting until it is timed
-# (built and tested on the H200 on 2026-12-04 but not yet timed: `scripts/profile_target_kernels.py --variants
-# nosplit,splitk,splitk1` times the forwards with each; docs/target_forward.md). Every dot-tile caller splits under
-# it, the drafter's fused layers included.
-SPLIT_K_PROGRAMS_PER_SM = 0
-# Pipeline stages of the dot tiles' K loop (None: Triton's default, 3). A short loop (SmolLM2's K = 576 is 3 blocks
-# of 256, the first peeled before the programmatic wait) might pay for stages it cannot fill; the stages change when
-# loads are issued, never a product's order. Timed on the H200 (2026-12-04, scripts/profile_target_kernels.py
-# variants "st1" / "st2" / "st4"): 1 and 2 stages 60-280 us slower per forward, 4 no faster; the default stays.
-DOT_NUM_STAGES: int | None = None
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
 WEIGHT_PREFETCH = True
@@ -121,17 +100,6 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _k_range(k, k_chunk, SPLIT_K: tl.constexpr):
-    # A program's K range: all of K, or (split-K) chunk program_id(2) of whole BLOCK_K blocks.
-    k_lo = 0
-    k_hi = k
-    if SPLIT_K > 1:
-        k_lo = tl.program_id(2) * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, k)
-    return k_lo, k_hi
-
-
-@triton.jit
 def _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_from, k, LINE: tl.constexpr, LINES: tl.constexpr):
     """``prefetch.global.L2`` of inputs ``k_from .. k-1`` of the weight rows ``w_rows`` (element offsets), one
     address per ``LINE`` elements (a 128-byte line), at most ``LINES`` lines per row: no register is held, the
@@ -156,7 +124,6 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
-    part_ptr=None, counter_ptr=None, k_chunk=0, SPLIT_K: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,31 +132,29 @@ def _fused_linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     w_rows = cols.to(tl.int64) * stride_wn
-    k_lo, k_hi = _k_range(k, k_chunk, SPLIT_K)
-    k_begin = k_lo
+    k_begin = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
         # the previous kernel finishes; x and the residual are read after the wait.
-        kk0 = k_lo + tl.arange(0, BLOCK_K)
-        w_mask0 = (kk0 < k_hi)[:, None] & col_ok[None, :]
+        kk0 = tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
         w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
         if EPILOGUE == 1:
             w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
         if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
-            _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
             if EPILOGUE == 1:
-                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE,
-                                  PREFETCH_LINES)
+                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        k_begin = k_lo + BLOCK_K
+        k_begin = BLOCK_K
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
-        kk0 = k_lo + tl.arange(0, BLOCK_K)
-        k_ok0 = kk0 < k_hi
+        kk0 = tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
                     other=0.0)
         if NORM:
@@ -197,9 +162,9 @@ def _fused_linear_kernel(
         acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
         if EPILOGUE == 1:
             acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-    for k0 in range(k_begin, k_hi, BLOCK_K):
+    for k0 in range(k_begin, k, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_hi
+        k_ok = kk < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
@@ -209,50 +174,6 @@ def _fused_linear_kernel(
         if EPILOGUE == 1:  # the up rows sit N rows below the gate rows
             w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
             acc_up = _mac(acc_up, a, w2, GEMV, DOT_DTYPE, PRECISION)
-    if SPLIT_K > 1:
-        acc, acc_up, last = _split_k_combine(acc, acc_up, part_ptr, counter_ptr,
-                                             tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2),
-                                             BLOCK_M, BLOCK_N, SPLIT_K, EPILOGUE == 1)
-        if last:
-            _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
-                             stride_om, HAS_BIAS, EPILOGUE)
-    else:
-        _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm,
-                         stride_om, HAS_BIAS, EPILOGUE)
-
-
-@triton.jit
-def _split_k_combine(acc, acc2, part_ptr, counter_ptr, tile, chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT_K: tl.constexpr, TWO: tl.constexpr):
-    """Split-K: store this chunk's fp32 partials ``acc`` (and ``acc2``) of ``tile``, count its arrival on the tile's
-    counter (a barrier, then an acq_rel atomic at GPU scope: the attention's merge protocol), and for the last
-    chunk to arrive return the sums of every chunk's partials in chunk order -- read back from memory, its own
-    included, so the order and the bits do not depend on which chunk arrives last -- with ``last`` true (the
-    counter reset to zero for the next launch)."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tile_part = part_ptr + tile.to(tl.int64) * (SPLIT_K * (1 + TWO) * BLOCK_M * BLOCK_N)
-    tl.store(tile_part + chunk * BLOCK_M * BLOCK_N + offs, acc)
-    if TWO:
-        tl.store(tile_part + (SPLIT_K + chunk) * BLOCK_M * BLOCK_N + offs, acc2)
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = done == SPLIT_K - 1
-    if last:
-        tl.store(counter_ptr + tile, 0)  # ready for the next launch (graph replays reuse the counters)
-        acc = tl.load(tile_part + offs, cache_modifier=".cg")
-        for c in tl.static_range(1, SPLIT_K):
-            acc += tl.load(tile_part + c * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
-        if TWO:
-            acc2 = tl.load(tile_part + SPLIT_K * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
-            for c in tl.static_range(1, SPLIT_K):
-                acc2 += tl.load(tile_part + (SPLIT_K + c) * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
-    return acc, acc2, last
-
-
-@triton.jit
-def _linear_epilogue(acc, acc_up, rows, row_ok, cols, col_ok, bias_ptr, res_ptr, out_ptr, n, stride_rm, stride_om,
-                     HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr):
-    """Bias, the output rounding, SiLU-mul or the residual add, and the store of ``acc [BLOCK_M, BLOCK_N]``."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == 1:
@@ -329,38 +250,6 @@ def fused_gemv_settings(m: int, n: int, k: int, gate_up: bool = False, sms: int 
     return block_m, block_n, block_k, 8
 
 
-def split_k_settings(column_programs: int, k: int, block_k: int, sms: int = 132) -> tuple[int, int]:
-    """``(SPLIT_K, k_chunk)`` of a dot-tile product with ``column_programs`` programs per row tile: the K range
-    cut into ``SPLIT_K`` chunks of ``k_chunk`` inputs (whole ``block_k`` blocks, none empty) so that there are
-    about ``SPLIT_K_PROGRAMS_PER_SM`` programs per SM (``sms``); ``(1, k)`` where the columns alone fill them.
-    From the shape's column blocks, ``K`` and ``BLOCK_K`` only -- never ``M`` -- so the order in which a row is
-    summed is the same at every step size."""
-    blocks = triton.cdiv(k, block_k)
-    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * sms, column_programs)
-    if want <= 1 or blocks <= 1:
-        return 1, k
-    per_chunk = triton.cdiv(blocks, min(want, blocks))
-    split = triton.cdiv(blocks, per_chunk)
-    return split, per_chunk * block_k
-
-
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The per-device int32 arrival counters of split-K tiles (zero between launches: each tile's last chunk resets
-    its own), allocated zeroed once outside any capture (a graph keeps their address). Launches that use them do
-    so only after their programmatic wait, so consecutive launches on one stream never share them at once; two
-    streams must not run these launches concurrently."""
-    device = torch.device(device)
-    have = _SPLIT_COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        refuse_allocation_while_capturing(f"split-K counters ({n} tiles)", device)
-        have = torch.zeros(max(n, 1 << 14, 0 if have is None else 2 * have.numel()), dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[device] = have
-    return have
-
-
 def _check(x, weight, bias, norm_weight, residual, epilogue):
     check_tensor("fused_linear x [M, K]", x, shape=(None, None), unit_last_stride=True,
                  dtype=(torch.bfloat16, torch.float16, torch.float32))
@@ -420,30 +309,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             m, n, k, max(x.element_size(), weight.element_size()), epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
     pdl = programmatic_launch(x)
-    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
-    split, k_chunk = (1, k) if gemv or not SPLIT_K_PROGRAMS_PER_SM else split_k_settings(grid_n, k, block_k)
-    part = counters = None
-    if split > 1:
-        part = torch.empty(grid_n * grid_m * split * (2 if epilogue == EPI_SILU_MUL else 1) * block_m * block_n,
-                           dtype=torch.float32, device=x.device)
-        counters = split_k_counters(x.device, grid_n * grid_m)
-    _fused_linear_kernel[(grid_n, grid_m, split)](
+    _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines(k_chunk, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(k, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // weight.element_size(),
-        part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
-        num_warps=warps, launch_pdl=pdl, **dot_stages(gemv),
+        num_warps=warps, launch_pdl=pdl,
     )
     return out
-
-
-def dot_stages(gemv: bool) -> dict:
-    """The launch's ``num_stages`` keyword: :data:`DOT_NUM_STAGES` for the dot tiles when set, else none (Triton's
-    default)."""
-    return {} if gemv or DOT_NUM_STAGES is None else {"num_stages": DOT_NUM_STAGES}
 
 
 def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

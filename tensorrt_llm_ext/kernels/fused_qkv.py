@@ -19,9 +19,6 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 ``rms_norm_reference``, ``F.linear``, the q / k norms and ``paged_kv_write_reference``; agreement is that of
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
 
-Split-K of the dot tiles as in :mod:`~tensorrt_llm_ext.kernels.fused_linear` (same switch, same rule: chunks from
-the column programs, ``K`` and ``BLOCK_K``; the last chunk of a tile sums the partials and runs the epilogue).
-
 Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
 weights before ``gdc_wait()`` and the rest of its weight rows brought to L2; ``x``, positions, cos / sin, slots and
 the table after it.
@@ -35,11 +32,9 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
-from tensorrt_llm_ext.kernels import fused_linear as _fused_linear
-from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _k_range, _mac,
-                                                   _normed_tile, WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd,
-                                                   _split_k_combine, dot_settings, prefetch_lines, split_k_counters,
-                                                   split_k_settings, stage_block_k)
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
+                                                   WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd, dot_settings,
+                                                   prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -59,12 +54,65 @@ def _head_norm(y1, y2, w_ptr, i, i_ok, head_dim, eps):
 
 
 @triton.jit
-def _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,
-                  pos_ptr, slot_ptr, table_ptr, k_pool_ptr, v_pool_ptr, q_out_ptr, t_len, num_heads, num_kv_heads,
-                  max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt,
-                  stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
-                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    """Bias, rounding, (q / k norms,) RoPE and the stores of one head's two half accumulators."""
+def _fused_qkv_rope_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
+    k_pool_ptr, v_pool_ptr, q_out_ptr,
+    m, k, t_len, num_heads, num_kv_heads, chunks, max_pages, page_size, scratch_page, eps, qk_eps,
+    stride_xm, stride_wn, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
+    HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
+):
+    head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
+    chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    rows = rows.to(tl.int64)
+    i = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
+    w1_rows = c1.to(tl.int64) * stride_wn
+    w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
+    k_begin = 0
+    if PDL:
+        # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
+        # finishes; x, positions, cos / sin and the table are read after the wait.
+        kk0 = tl.arange(0, BLOCK_K)
+        w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
+        w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
+            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        k_begin = BLOCK_K
+    if NORM:
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+        w_mask = k_ok[:, None] & i_ok[None, :]
+        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+        w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
+        acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + c1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + c1 + HALF, mask=i_ok, other=0.0).to(tl.float32)[None, :]
@@ -102,86 +150,6 @@ def _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_pt
             dst = v_pool_ptr + page * stride_vp + off * stride_vt + (head - num_heads - num_kv_heads) * stride_vh
         tl.store(dst[:, None] + i[None, :], y1.to(dt), mask=mask)  # the pools hold the model dtype
         tl.store(dst[:, None] + HALF + i[None, :], y2.to(dt), mask=mask)
-
-
-@triton.jit
-def _fused_qkv_rope_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
-    k_pool_ptr, v_pool_ptr, q_out_ptr,
-    m, k, t_len, num_heads, num_kv_heads, chunks, max_pages, page_size, scratch_page, eps, qk_eps,
-    stride_xm, stride_wn, stride_cm, stride_pb, stride_tab, stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh, stride_om, stride_oh,
-    HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
-    part_ptr=None, counter_ptr=None, k_chunk=0, SPLIT_K: tl.constexpr = 1,
-):
-    head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
-    chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < m
-    rows = rows.to(tl.int64)
-    i = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
-    i_ok = i < HALF
-    c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
-    w1_rows = c1.to(tl.int64) * stride_wn
-    w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
-    k_lo, k_hi = _k_range(k, k_chunk, SPLIT_K)  # all of K, or (split-K) chunk program_id(2)
-    k_begin = k_lo
-    if PDL:
-        # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
-        # finishes; x, positions, cos / sin and the table are read after the wait.
-        kk0 = k_lo + tl.arange(0, BLOCK_K)
-        w_mask0 = (kk0 < k_hi)[:, None] & i_ok[None, :]
-        w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-        w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-        if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
-            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
-            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, k_lo + BLOCK_K, k_hi, WEIGHT_LINE, PREFETCH_LINES)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        k_begin = k_lo + BLOCK_K
-    if NORM:
-        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
-        kk0 = k_lo + tl.arange(0, BLOCK_K)
-        k_ok0 = kk0 < k_hi
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
-                    other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
-        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
-        acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-    for k0 in range(k_begin, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_hi
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
-        w_mask = k_ok[:, None] & i_ok[None, :]
-        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
-        acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
-    if SPLIT_K > 1:
-        acc1, acc2, last = _split_k_combine(acc1, acc2, part_ptr, counter_ptr,
-                                            tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2),
-                                            BLOCK_M, BLOCK_HALF, SPLIT_K, True)
-        if last:
-            _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr,
-                          sin_ptr, pos_ptr, slot_ptr, table_ptr, k_pool_ptr, v_pool_ptr, q_out_ptr, t_len, num_heads,
-                          num_kv_heads, max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp,
-                          stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh, HALF, HAS_BIAS,
-                          QK_NORM)
-    else:
-        _qkv_epilogue(acc1, acc2, rows, row_ok, i, i_ok, head, c1, bias_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,
-                      pos_ptr, slot_ptr, table_ptr, k_pool_ptr, v_pool_ptr, q_out_ptr, t_len, num_heads, num_kv_heads,
-                      max_pages, page_size, scratch_page, qk_eps, stride_cm, stride_pb, stride_tab, stride_kp,
-                      stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_om, stride_oh, HALF, HAS_BIAS,
-                      QK_NORM)
 
 
 def qkv_chunks(heads: int, half: int, whole_heads: bool, sms: int = 132, gemv: bool = False) -> tuple[int, int]:
@@ -284,15 +252,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
     dot_dtype, precision = dot_settings(x, qkv_weight)
     pdl = programmatic_launch(x)
     dummy = qkv_weight
-    grid_n, grid_m = (num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m)
-    # Split-K of the dot tiles (fused_linear's rule and switch): from the column programs, K and BLOCK_K only.
-    split, k_chunk = (1, k) if gemv or not _fused_linear.SPLIT_K_PROGRAMS_PER_SM else split_k_settings(grid_n, k,
-                                                                                                      block_k)
-    part = counters = None
-    if split > 1:
-        part = torch.empty(grid_n * grid_m * split * 2 * block_m * block_half, dtype=torch.float32, device=x.device)
-        counters = split_k_counters(x.device, grid_n * grid_m)
-    _fused_qkv_rope_kernel[(grid_n, grid_m, split)](
+    _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
         q_norm_weight if q_norm_weight is not None else dummy, k_norm_weight if k_norm_weight is not None else dummy,
         cos, sin, positions, slot_ids, page_table, k_pool, v_pool, q_out,
@@ -303,10 +263,9 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
-        PREFETCH_LINES=prefetch_lines(k_chunk, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
+        PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
-        part_ptr=part, counter_ptr=counters, k_chunk=k_chunk, SPLIT_K=split,
-        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl, **_fused_linear.dot_stages(gemv),
+        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
     )
     return q_out
 

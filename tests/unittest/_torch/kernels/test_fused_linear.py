@@ -12,8 +12,7 @@ import torch
 
 from tensorrt_llm_ext.kernels.fused_linear import (EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL, GEMV_MAX_TILE,
                                                    MAX_PREFETCH_LINES, fused_gemv_settings, fused_linear,
-                                                   fused_linear_reference, fused_linear_settings, prefetch_lines,
-                                                   split_k_counters, split_k_settings)
+                                                   fused_linear_reference, fused_linear_settings, prefetch_lines)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
@@ -136,49 +135,6 @@ def test_few_row_settings_spread_the_columns():
     for m in range(1, 9):
         bm, bn, bk, _ = fused_gemv_settings(m, 14336, 4096, True)
         assert bm >= m and bm * bn * bk * 2 <= GEMV_MAX_TILE and bn >= 1
-
-
-@pytest.fixture
-def split_k_on(monkeypatch):
-    """Split-K at about two programs per SM (off in the model until timed: fused_linear.SPLIT_K_PROGRAMS_PER_SM)."""
-    from tensorrt_llm_ext.kernels import fused_linear as fl
-    monkeypatch.setattr(fl, "SPLIT_K_PROGRAMS_PER_SM", 2)
-
-
-@pytest.mark.parametrize("epilogue", [EPI_SILU_MUL, EPI_RESIDUAL])
-def test_split_k_matches_twin_and_a_row_keeps_its_bits(split_k_on, epilogue):
-    """Dot tiles over K = 600 on 2 column programs: 3 chunks of 256 / 256 / 88 inputs (split-K), bf16, norm
-    prologue and bias: the twin's values, the counters back at zero; a row's bits the same next to other rows and
-    (on a GPU, where 8 and 32 rows are one and two 16-row MMA tiles) at another step size."""
-    m, k, n = 11, 600, 21
-    assert split_k_settings(-(-n // 16), k, 256) == (3, 256)
-    x, w, b, nw, r = _case(32, k, n, torch.bfloat16, seed=7, gate_up=epilogue == EPI_SILU_MUL)
-    kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue)
-    res = dict(residual=r[:m]) if epilogue == EPI_RESIDUAL else {}
-    out = fused_linear(x[:m], w, b, **kw, **res)
-    torch.testing.assert_close(out.float(), fused_linear_reference(x[:m], w, b, **kw, **res).float(),
-                               **TOL[torch.bfloat16])
-    assert int(split_k_counters(x.device, 1).abs().sum()) == 0
-    x2 = torch.randn_like(x[:m])
-    x2[4] = x[4]
-    assert torch.equal(fused_linear(x2, w, b, **kw, **res)[4], out[4])
-    if DEVICE == "cuda":
-        res = dict(residual=r) if epilogue == EPI_RESIDUAL else {}
-        assert torch.equal(fused_linear(x, w, b, **kw, **res)[:8], fused_linear(x[:8], w, b, **kw, **{
-            key: v[:8] for key, v in res.items()}))
-
-
-def test_split_k_settings_follow_the_columns_not_the_rows(split_k_on):
-    """SmolLM2's o_proj / down (36 column programs), gate-up (96): about two programs per SM in whole 256-input
-    chunks, none empty; wide products (an 8B gate-up's 448 column programs) are not split."""
-    assert split_k_settings(36, 576, 256) == (3, 256)  # 108 programs
-    assert split_k_settings(36, 1536, 256) == (6, 256)  # 216
-    assert split_k_settings(96, 576, 256) == (3, 256)  # 288
-    assert split_k_settings(448, 4096, 256) == (1, 4096)
-    assert split_k_settings(36, 1536, 256, sms=40) == (3, 512)  # 3 programs per column block: 2 blocks each
-    for cols, k in ((36, 576), (36, 1536), (5, 3000), (1, 300)):
-        split, chunk = split_k_settings(cols, k, 256)
-        assert chunk % 256 == 0 and (split - 1) * chunk < k <= split * chunk
 
 
 def test_validation_names_the_argument():

@@ -83,22 +83,6 @@ def test_decode_rows_without_prologue_and_row_independence():
     assert torch.equal(q2[1], q[1])
 
 
-def test_split_k_matches_twin(monkeypatch):
-    """12 verify rows in dot tiles over K = 300 on 5 column programs: 2 chunks (split-K, switched on here: off in
-    the model until timed), bf16 with bias; the q rows and the pools as the twin's, the counters back at zero."""
-    from tensorrt_llm_ext.kernels import fused_linear as fl
-    from tensorrt_llm_ext.kernels.fused_linear import split_k_counters
-    monkeypatch.setattr(fl, "SPLIT_K_PROGRAMS_PER_SM", 2)
-    (x, w, bb, nw, _, _), (cos, sin, pos, slots, table), pools = _case(3, 4, 300, 3, 1, 16, torch.bfloat16, bias=True)
-    args = (cos, sin, pos, slots, table)
-    q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 3)
-    q_ref = fused_qkv_rope_reference(x, w, bb, nw, 1e-5, *args, pools[2], pools[3], 3)
-    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(pools[0].float(), pools[2].float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(pools[1].float(), pools[3].float(), **TOL[torch.bfloat16])
-    assert int(split_k_counters(x.device, 1).abs().sum()) == 0
-
-
 def test_column_chunks_spread_wide_layers_and_keep_whole_heads_for_qk_norm():
     assert qkv_chunks(15, 32, False) == (16, 2)  # SmolLM2-135M: 9 + 2 x 3 heads of 64
     assert qkv_chunks(48, 64, False) == (16, 4)  # an 8B Llama: 32 + 2 x 8 heads of 128
