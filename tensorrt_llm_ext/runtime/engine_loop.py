@@ -101,16 +101,22 @@ def deliver(pairs: list[tuple[Sink, object]]) -> None:
             continue
         if group[0][0].output is not None:
             to.put(group)
-            continue
-        try:
-            to.call_soon_threadsafe(_put_all, group)
-        except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
-            pass
+        else:
+            hand_over(to, [(sink.queue, item) for sink, item in group])
 
 
-def _put_all(pairs: list[tuple[Sink, object]]) -> None:
-    for sink, item in pairs:
-        sink.queue.put_nowait(item)
+def hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[object, object]]) -> None:
+    """Put each ``(queue, item)`` on its queue, in order, from another thread: one callback on ``loop`` for the
+    whole list (each hand-off wakes the loop)."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
+        pass
+
+
+def _put_all(items: list[tuple[object, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fastapi import Request as HttpRequest
 
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.runtime.engine_loop import Aborted, EngineFailure, EngineLoop, Sink
+from tensorrt_llm_ext.runtime.engine_loop import Aborted, EngineFailure, EngineLoop, Sink, hand_over
 from tensorrt_llm_ext.runtime.openai_protocol import ApiError
 from tensorrt_llm_ext.runtime.scheduler import Event
 from tensorrt_llm_ext.runtime.tokenizer import byte_table
@@ -273,15 +273,7 @@ class OutputWorker:
 
 def _hand_over(out: dict) -> None:
     for loop, items in out.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the HTTP loop has closed (shutdown): nobody is listening any more
-            pass
-
-
-def _put_all(items: list) -> None:
-    for q, payload in items:
-        q.put_nowait(payload)
+        hand_over(loop, items)
 
 
 class Mailbox:
@@ -362,14 +354,7 @@ class ChoicesResponse:
         self._attached = True
         self._first = set(self.choices)
         early, self._early = self._early, []
-        return [(self.sink, p) for p in (self._safe_item(item) for item in early) if p is not None]
-
-    def _safe_item(self, item):
-        try:
-            return self.on_item(item)
-        except Exception as e:
-            logger.exception("serve: building an answer failed")
-            return e
+        return [(self.sink, p) for p in (OutputWorker._safely(self.on_item, item) for item in early) if p is not None]
 
     def running(self) -> bool:
         return any(ch.finish_reason is None for ch in self.choices.values())
