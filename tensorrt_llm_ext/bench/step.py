@@ -89,6 +89,18 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "a run's time at large B)")
 
 
+def _drafter_paths(eng) -> dict[str, tuple[str, str]]:
+    """The drafter's (block attention, layers) per table: ours as resolved at build (the fused kernels where Triton
+    runs), stock the eager twins (upstream's torch ops)."""
+    return {"ours": (eng.drafter.attention_backend, eng.drafter.layer_backend), "stock": ("eager", "eager")}
+
+
+def _use_drafter_paths(eng, paths: tuple[str, str]) -> None:
+    """Switch the drafter to ``(block attention, layers)`` (before a table's graphs are captured)."""
+    eng.drafter.set_attention_backend(paths[0])
+    eng.drafter.set_layer_backend(paths[1])
+
+
 class StepStages:
     """The stage callables of one worker at batch size ``b`` over the live rows set up by :func:`setup_rows`."""
 
@@ -244,18 +256,14 @@ def run(args: argparse.Namespace) -> int:
     timer = BenchTimer(reps=7, calls_per_rep=4)
     eng = Engine(cfg)
     fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
-    # The drafter's block attention and layers: the fused kernels for ours (where Triton runs), the eager twins
-    # (upstream's torch ops) for stock.
-    attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
-    layers = {"ours": eng.drafter.layer_backend, "stock": "eager"}
+    paths = _drafter_paths(eng)
     rows, profiles = [], []
     for b in sizes:
         ctx0 = setup_rows(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
         t: dict[tuple[str, str], float] = {}
         for table, worker in (("ours", fused), ("stock", stock)):
-            eng.drafter.set_attention_backend(attention[table])
-            eng.drafter.set_layer_backend(layers[table])
+            _use_drafter_paths(eng, paths[table])
             stages = StepStages(eng, worker, b, ctx0)
             for name in STAGES:
                 if name == "target_fwd" and table == "stock":
@@ -275,14 +283,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench step: B={b} done", file=sys.stderr, flush=True)
         for slot in range(b):
             eng.pages.free(slot)
-    eng.drafter.set_attention_backend(attention["ours"])
+    _use_drafter_paths(eng, paths["ours"])
     notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, "
              f"K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, markov mode "
              f"{cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; {fused.selection.describe()}",
              "times in us, median of CUDA-graph replays; 'ours / stock' = the same worker with the fused / the stock "
              "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, the drafter's eager "
              "block attention, F.linear + add + torch.argmax Markov chain); outside target = select + tail + draft "
-             f"fwd + chain; drafter block attention ours: {attention['ours']}"]
+             f"fwd + chain; drafter block attention / layers ours: {' / '.join(paths['ours'])}"]
     text = print_table("bench step: DSpark decode step by stage, fused / stock op table",
                        ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x",
                         "whole step", "step gain x"], rows, notes)
@@ -310,13 +318,13 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
     workers = {"ours": eng.worker("speculative", sampling=True)}
     if not args.no_stock:
         workers["stock"] = eng.worker("stock", sampling=True)
-    attention = {"ours": eng.drafter.attention_backend, "stock": "eager"}
+    paths = _drafter_paths(eng)
     greedy = eng.worker("speculative", sampling=False)
     rows, profiles, stage_rows = [], [], []
     for b in sizes:
         t, how = {}, {}
         # the greedy step of the same fused worker code at this B: the 1.3x goal's denominator, in the same run
-        eng.drafter.set_attention_backend(attention["ours"])
+        _use_drafter_paths(eng, paths["ours"])
         ctx_g = setup_rows(eng, b, args.prompt_len, greedy)
         greedy.set_rows(list(range(b)), b)
 
@@ -338,7 +346,7 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
         for slot in range(b):
             eng.pages.free(slot)
         for table, worker in workers.items():
-            eng.drafter.set_attention_backend(attention[table])
+            _use_drafter_paths(eng, paths[table])
             ctx0 = setup_rows(eng, b, args.prompt_len, worker, args.temperature, args.top_p)
             worker.set_rows(list(range(b)), b)  # the variant these rows need: the one the engine replays
             how[table] = str(worker.step_variant)
@@ -371,7 +379,7 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
                      fmt(t["greedy"]), fmt(t["ours"] / t["greedy"], 2) if not timer.smoke else "-",
                      f"{how['ours']} / {how.get('stock', '-')}"])
         print(f"bench step (sampled): B={b} done", file=sys.stderr, flush=True)
-    eng.drafter.set_attention_backend(attention["ours"])
+    _use_drafter_paths(eng, paths["ours"])
     verify = "rejection sampling (sampled drafts)" if args.rejection_sampling else "strict acceptance"
     notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, K={cfg.draft_len}, "
              f"dtype {eng.target.dtype}; every row T={args.temperature}, top-p {args.top_p}; verification: {verify}; "
