@@ -272,7 +272,6 @@ def _attention_schedules(table):
         lba.ATTENTION_SCHEDULES = saved
 
 
-
 def served_step_inputs(drafter: DSparkDrafter, b: int, ctx: int, k: int, page: int, generator: torch.Generator
                        ) -> tuple[DrafterBlockInputs, torch.Tensor]:
     """One served step's drafter inputs at batch ``b``: ``ctx`` context positions per row in pages of ``page``
@@ -292,6 +291,7 @@ def served_step_inputs(drafter: DSparkDrafter, b: int, ctx: int, k: int, page: i
                                 PagedLatentCache(pool, table))
     feats = torch.randn(b * (k + 1), cfg.fc_in_features, generator=generator, device=dev).to(dtype)
     return inputs, feats
+
 
 def _serve_table(args: argparse.Namespace, timer: BenchTimer) -> None:
     dev, k, page = timer.device, 7, 64
