@@ -144,5 +144,5 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone (reaped between the open and the read: ESRCH)
         return False
