@@ -75,7 +75,6 @@ REGISTER_PREFETCH_PER_SM = 4
 # Query-tile elements (BLOCK_M x BLOCK_D) up to which the register prefetch fits beside q and the accumulator (a 32 x
 # 128 verify tile spilled 48 B at 255 registers under Triton 3.6; 16 x 128 and 32 x 64 do not spill); larger: L2.
 REGISTER_PREFETCH_MAX_TILE = 2048
-INTERPRETER_SMS = 132  # the SM count the grid rules assume off the GPU (an H200's; tests lower it to run FLAT small)
 PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
 _LOG2E = 1.4426950408889634
 
@@ -89,7 +88,7 @@ def _paged_attention_kernel(
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, FLAT: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,17 +109,10 @@ def _paged_attention_kernel(
         # a long one as few long ones; a piece holds at least min_blocks blocks (fewer, longer pieces where
         # short ones would only add partials and merges).
         split_len = tl.maximum(tl.cdiv(kv_len, num_splits * BLOCK_N), min_blocks) * BLOCK_N
-    if FLAT:
-        # Fewer programs than pieces (a large grid): program z takes a run of whole pieces, the same pieces --
-        # so the same bits -- as one program per piece, in one pipelined block loop (_attend_pieces).
-        per_program = tl.cdiv(tl.cdiv(kv_len, split_len), tl.num_programs(2))
-        start = piece * per_program * split_len
-        end = tl.minimum(start + per_program * split_len, kv_len)
-    else:
-        start = piece * split_len
-        end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
-        if SPLIT:
-            end = tl.minimum(start + split_len, kv_len)
+    start = piece * split_len
+    end = kv_len  # an unsplit (prefill) tile: every key of the tile, in its one program
+    if SPLIT:
+        end = tl.minimum(start + split_len, kv_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     if PREFETCH == 1:
@@ -157,21 +149,13 @@ def _paged_attention_kernel(
     if start < kv_len:
         if PREFETCH != 1:
             q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
-        if FLAT:
-            _attend_pieces(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, start, end, kv_len, split_len,
-                           per_program, k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                           counter_ptr, t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits,
-                           scale_log2, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
-                           stride_ob, stride_ot, stride_oh,
-                           BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, MERGE_UNROLL)
-        else:
-            _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
-                          fresh, j, j_ok, old, page, off, k, v,
-                          k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                          t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
-                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
-                          stride_ob, stride_ot, stride_oh,
-                          BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+        _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
+                      fresh, j, j_ok, old, page, off, k, v,
+                      k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                      t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
+                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
+                      stride_ob, stride_ot, stride_oh,
+                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
 
 
 @triton.jit
@@ -241,61 +225,6 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
     else:
         # One piece: the merge of one piece is the identity, bit for bit (weight exp2(0) = 1, sums 0 + 1
         # and 0 + 1 * o), so the output is written directly.
-        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-
-@triton.jit
-def _attend_pieces(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, start, end, kv_len, split_len, per_program,
-                   k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                   t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
-                   stride_ob, stride_ot, stride_oh,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr):
-    """The whole pieces of keys ``start .. end`` of a tile in one block loop (``FLAT``: fewer programs than
-    pieces). Each piece's state starts from the same zeros and takes the same blocks in the same order as in its
-    own program (:func:`_attend_piece`), and its partial is stored at its last block, so every piece's partial --
-    and the merge -- has the bits of one program per piece. The resets and the stores are selects and masked
-    stores, not branches, so the loop stays one software-pipelined body whose loads cross piece edges."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    live = (kv_len + split_len - 1) // split_len
-    prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits
-    out_mask = row_ok[:, None] & d_ok[None, :]
-    for n0 in range(start, end, BLOCK_N):
-        first = (n0 % split_len) == 0  # a piece starts: the state of a fresh program
-        m_i = tl.where(first, float("-inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        jb = n0 + tl.arange(0, BLOCK_N)
-        jb_ok = jb < end
-        pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
-        kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
-                           stride_vp, stride_vt, stride_vh)
-        m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
-        # The piece's last block (a piece ends at a multiple of split_len or at the tile's last key): its partial.
-        last = (((n0 + BLOCK_N) % split_len) == 0) | (n0 + BLOCK_N >= end)
-        seen = l_i > 0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        piece = n0 // split_len
-        keep = last & (live > 1)
-        tl.store(part_lse_ptr + prow + piece, lse, mask=row_ok & keep)
-        tl.store(part_o_ptr + (prow + piece)[:, None] * head_dim + d[None, :], o, mask=out_mask & keep)
-    out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    if live > 1:
-        # As in _attend_piece, with arrivals counted per program: the last of the tile's working programs merges.
-        tl.debug_barrier()
-        counter = counter_ptr + pid * tl.num_programs(1) + kvh
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == (live + per_program - 1) // per_program - 1:
-            tl.store(counter, 0)
-            _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows, out_mask, head_dim,
-                          split_len, live, BLOCK_M, BLOCK_D, MERGE_UNROLL)
-    else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -375,12 +304,7 @@ class AttentionConfig:
     reads before the programmatic wait (no bit of the result changes) -- 0 nothing, 1 its first block's page ids
     and K / V in registers (the keys of earlier steps; 32 more registers at head dim 64), 2 its first
     ``PREFETCH_BLOCKS`` blocks brought to L2, -1 by the grid (1 while it fits at the register form's occupancy,
-    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. ``programs_per_sm`` (suffix ``cN``; 0: one program
-    per piece): where one program per piece would launch more than this many programs per SM, each program takes a
-    run of whole pieces in one block loop (``FLAT``), with as few programs along the sequence as keep the grid within
-    it -- the same pieces, so the same bits: it may follow the grid, like the prefetch (a run of pieces is read in
-    registers' place through the loop, so a flat launch prefetches to L2, never to registers). Prefill tiles keep
-    64 keys and 4 warps."""
+    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. Prefill tiles keep 64 keys and 4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -388,7 +312,6 @@ class AttentionConfig:
     pieces: int = 16
     min_blocks: int = 1
     prefetch: int = 0
-    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -405,25 +328,22 @@ class AttentionConfig:
         if self.prefetch not in (-1, 0, 1, 2):
             raise ValueError(f"AttentionConfig.prefetch must be -1 (auto), 0 (none), 1 (registers) or 2 (L2), got "
                              f"{self.prefetch}")
-        if not 0 <= self.programs_per_sm <= 64:
-            raise ValueError(f"AttentionConfig.programs_per_sm must be in 0..64 (0: one program per piece), got "
-                             f"{self.programs_per_sm}")
 
     @classmethod
     def parse(cls, text: str) -> "AttentionConfig":
-        """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``, ``n64w4s2p32ac4``)."""
+        """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
         import re
 
-        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)(?:c(\d+))?", text.strip())
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)", text.strip())
         if hit is None:
-            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f / n64w4s2p32ac4")
-        n, w, st, p, mb, pf, c = hit.groups()
-        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "), int(c or 0))
+            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
+        n, w, st, p, mb, pf = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "))
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
                 + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "")
-                + " rla"[self.prefetch].strip() + (f"c{self.programs_per_sm}" if self.programs_per_sm else ""))
+                + " rla"[self.prefetch].strip())
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
@@ -435,11 +355,11 @@ class AttentionConfig:
 # timed; the 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=-1),
                                               128: AttentionConfig(64, 4, 3, 16)}
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32),
-                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, prefetch=2),
-                     AttentionConfig(64, 4, 2, 32, 3, prefetch=-1),
-                     *(AttentionConfig(64, 4, 2, 32, prefetch=-1, programs_per_sm=c) for c in (1, 2, 4, 8)),
-                     AttentionConfig(64, 4, 3, 32, prefetch=-1, programs_per_sm=2))
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32, prefetch=-1),
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=-1), AttentionConfig(64, 4, 2, 32, 3, prefetch=-1),
+                     AttentionConfig(64, 4, 2, 16, prefetch=-1), AttentionConfig(64, 4, 2, 64, prefetch=-1),
+                     AttentionConfig(32, 4, 2, 32, prefetch=-1), AttentionConfig(128, 4, 2, 32, prefetch=2),
+                     AttentionConfig(64, 8, 2, 32, prefetch=-1), AttentionConfig(64, 4, 3, 32, prefetch=-1))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -554,19 +474,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # extra registers cost occupancy for nothing); the interpreter runs the register form so the CPU tests cover
     # its reads. Split tiles only (a prefill tile sees only some of the step's positions).
     prefetch = cfg.prefetch
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else INTERPRETER_SMS
-    # Programs along the sequence: one per piece, or -- where that grid passes programs_per_sm per SM -- as few
-    # as keep it within (each a run of whole pieces: the same bits, so it may follow the grid).
-    programs = splits
-    if splits > 1 and cfg.programs_per_sm and b * m_tiles * kvh * splits > cfg.programs_per_sm * sms:
-        programs = max(1, cfg.programs_per_sm * sms // (b * m_tiles * kvh))
-    flat = programs < splits
     if prefetch < 0:
         # Auto: the prefetch changes when keys are read, never a bit of the result, so it may follow the grid: in
         # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
-        prefetch = 1 if b * m_tiles * kvh * programs <= REGISTER_PREFETCH_PER_SM * sms and not flat else 2
-    if prefetch == 1 and (flat or block_m * block_d > REGISTER_PREFETCH_MAX_TILE):
-        prefetch = 2  # the register form holds one piece's first block (and needs a query tile small enough)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        prefetch = 1 if b * m_tiles * kvh * splits <= REGISTER_PREFETCH_PER_SM * sms else 2
+    if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
+        prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
@@ -575,7 +489,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         part_o = part_lse = out
         counters = page_table
-    _paged_attention_kernel[(b * m_tiles, kvh, programs)](
+    _paged_attention_kernel[(b * m_tiles, kvh, splits)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
         cfg.min_blocks, float(scale) * _LOG2E,
@@ -587,7 +501,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, FLAT=flat,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

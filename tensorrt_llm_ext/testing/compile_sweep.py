@@ -312,19 +312,17 @@ def _paged_attention():
 
     from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS
 
-    # With programs_per_sm, a batch of 128 runs the FLAT form (fewer programs than pieces) as a large grid does.
     for dtype in (torch.bfloat16, torch.float16):
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128))):
             cfg = DECODE_CONFIGS[d]
-            page, max_pages = 16, 64
-            for b in (4, 128) if cfg.programs_per_sm else (4,):
-                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-                pool = torch.zeros(4 * max_pages + 1, page, kv_heads, d, dtype=dtype)
-                for form in ((1, 2) if cfg.prefetch == -1 else (cfg.prefetch,)):
-                    for t in (1, DRAFT_LENS[-1] + 1):
-                        paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
-                                        torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64),
-                                        d ** -0.5, config=replace(cfg, prefetch=form))
+            page, max_pages, b = 16, 64, 4
+            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+            pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+            for form in ((1, 2) if cfg.prefetch == -1 else (cfg.prefetch,)):
+                for t in (1, DRAFT_LENS[-1] + 1):
+                    paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
+                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
+                                    config=replace(cfg, prefetch=form))
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:

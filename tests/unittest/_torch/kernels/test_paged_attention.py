@@ -198,46 +198,6 @@ def test_prefetch_changes_no_bit():
     assert AttentionConfig.parse("n64w4s2p32m2l") == AttentionConfig(64, 4, 2, 32, 2, prefetch=2)
 
 
-
-@pytest.mark.parametrize("t,pieces,block_n", [(1, 32, 16), (1, 4, 16), (3, 0, 32)])
-def test_fewer_programs_than_pieces_change_no_bit(monkeypatch, t, pieces, block_n):
-    """``programs_per_sm`` (a large grid): each program takes a run of whole pieces in one block loop -- the same
-    pieces as one program per piece, so the same bits, for every count of programs along the sequence (runs of
-    1 .. all pieces, runs that end past a row's keys, rows of one piece written directly, a padded row), for
-    decode tiles (pieces from the row's length, one or several blocks each) and verify tiles (fixed pieces)."""
-    import tensorrt_llm_ext.kernels.paged_attention as pa
-
-    page, max_pages = 8, 80  # 640 keys: up to 20 decode pieces of 32, 5 verify pieces of 128
-    # the first row: one key per query row; on the GPU (its real SM count) 8x the rows, so the grid goes FLAT
-    lens = [t, 17, 64, 65, 290, 640] * (8 if DEVICE == "cuda" else 1)
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the model's dtype where the dot takes it
-    case = make_case(b=len(lens), t=t, kvh=2, group=3, page_size=page, max_pages=max_pages, lens=lens, dummy=(1,),
-                     seed=5, dtype=dtype)
-    q, kp, vp, table, slots, pos = case
-    one_per_piece = AttentionConfig(block_n, 4, 2, pieces)
-    base = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=one_per_piece)
-    splits = split_plan(t * 3, max_pages, page, pieces if t == 1 else 0, block_n)[2]
-    tiles = len(lens) * 2
-    assert splits >= 4
-    seen = set()
-    real_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else None
-    for per_sm in (1, 2, 3, 5):
-        for sms in (real_sms,) if real_sms else (1, 2):
-            monkeypatch.setattr(pa, "INTERPRETER_SMS", sms)
-            programs = max(1, per_sm * sms // tiles) if tiles * splits > per_sm * sms else splits
-            seen.add(programs)
-            out = paged_attention(q, kp, vp, table, slots, pos, 0.25,
-                                  config=AttentionConfig(block_n, 4, 2, pieces, programs_per_sm=per_sm))
-            assert torch.equal(out, base), (per_sm, sms, programs)
-    assert tile_counters(q.device, 1).count_nonzero() == 0
-    # FLAT launches ran (fewer programs than pieces; here, from one program per tile up)
-    assert min(seen) < splits and (real_sms or 1 in seen)
-    assert AttentionConfig.parse("n64w4s2p32ac4") == AttentionConfig(64, 4, 2, 32, prefetch=-1, programs_per_sm=4)
-    ref = paged_attention_reference(q, kp, vp, table, slots, pos, 0.25)
-    live = [0, 2, 3, 4, 5]
-    torch.testing.assert_close(base[live].float(), ref[live].float(), **TOL[dtype])
-
-
 def test_padded_rows_and_masked_queries_are_finite():
     """A dummy row (all-scratch table) and queries whose pieces are empty for some rows of their tile: no NaN."""
     case = make_case(b=3, t=2, lens=[2, 20, 7], dummy=(1,))
