@@ -35,6 +35,9 @@
 #                      (the answers and the drafter stay on the warm machine's disk between the calls)
 #   then, if wanted:   carry [".whl", ".gpu_data"]   source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh check serve
 #   (RECIPE=4 TRAIN_SECONDS=330 with "prepare train bench" in call 2 is recipe 4's one-call run)
+#   (a budget longer than one call: TRAIN_TOTAL_SECONDS=S (e.g. 900) fits the cosine to S seconds of steps over
+#    several calls -- `--schedule-seconds`: each call stops at TRAIN_SECONDS, checkpointed, and the next
+#    `... train` call with the same S resumes the same schedule until the total is spent)
 #   (a call-2 training.json with "complete": false: carry [".whl", ".gpu_data"] and
 #    source scripts/gpu_env.sh; TRAIN_SECONDS=420 bash scripts/gpu_real_model.sh train bench  -- it resumes)
 set -uo pipefail
@@ -155,7 +158,7 @@ train() {
   [ -f "$MODEL/model.safetensors" ] || { echo "train: no $MODEL yet (run prepare)" | tee -a "$OUT/train.log"; return 3; }
   # skipped only when the drafter there is this recipe's, with these flags, and complete (another recipe's drafter
   # on a warm machine is trained over, never taken for this one's)
-  local sig="recipe $RECIPE: ${TRAIN_FLAGS[*]}"
+  local sig="recipe $RECIPE: ${TRAIN_FLAGS[*]}${TRAIN_TOTAL_SECONDS:+ --schedule-seconds $TRAIN_TOTAL_SECONDS}"
   if [ "$(cat "$MODEL/dspark_drafter/recipe.txt" 2>/dev/null)" = "$sig" ] && python3 -c "import json,sys; s=json.load(open('$MODEL/dspark_drafter/training.json')); sys.exit(0 if s.get('complete') and s['steps'] == $TRAIN_STEPS else 1)" 2>/dev/null; then
     echo "train: $MODEL/dspark_drafter is recipe $RECIPE's, complete ($TRAIN_STEPS steps); skipped" | tee -a "$OUT/train.log"
     return 0
@@ -165,6 +168,7 @@ train() {
   rm -f "$MODEL/dspark_drafter/recipe.txt"
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
     --work-dir "$WORK/drafter_work_recipe$RECIPE" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
+    ${TRAIN_TOTAL_SECONDS:+--schedule-seconds $TRAIN_TOTAL_SECONDS} \
     2>&1 | tee -a "$OUT/train.log" && echo "$sig" > "$MODEL/dspark_drafter/recipe.txt"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
   return 0

@@ -131,9 +131,13 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
             raise ValueError(f"train-drafter: --max-seconds must be a finite number > 0, got {args.max_seconds}")
         if args.fit_schedule and args.max_seconds is None:
             raise ValueError("train-drafter: --fit-schedule needs --max-seconds (the budget the schedule ends at)")
+        if args.schedule_seconds is not None and not (args.fit_schedule and 0 < args.schedule_seconds < float("inf")):
+            raise ValueError(f"train-drafter: --schedule-seconds must be a finite number > 0 with --fit-schedule, got "
+                             f"{args.schedule_seconds}{'' if args.fit_schedule else ' without --fit-schedule'}")
         summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
                                 progress=not args.no_progress, max_seconds=args.max_seconds,
-                                keep_state=not args.drop_state, fit_schedule=args.fit_schedule)
+                                keep_state=not args.drop_state, fit_schedule=args.fit_schedule,
+                                schedule_seconds=args.schedule_seconds)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -173,6 +177,10 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--fit-schedule", action="store_true",
                    help="with --max-seconds: end the cosine decay at the time budget (the run is complete when it "
                         "is spent, learning rate 0) instead of at --steps")
+    t.add_argument("--schedule-seconds", type=float, default=None,
+                   help="with --fit-schedule: the cosine spans this many seconds of steps over several calls (each "
+                        "stops at --max-seconds, checkpointed; --resume continues the same schedule until the total "
+                        "is spent)")
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
         extra = {}

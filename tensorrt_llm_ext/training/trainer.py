@@ -445,7 +445,8 @@ def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tenso
 
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
                   resume: bool = False, progress: bool = True, max_seconds: float | None = None,
-                  keep_state: bool = True, fit_schedule: bool = False) -> dict:
+                  keep_state: bool = True, fit_schedule: bool = False,
+                  schedule_seconds: float | None = None) -> dict:
     """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
 
     ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
@@ -461,7 +462,13 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     fraction of the time left at the first step that has passed, and the run is complete (learning rate at 0)
     when that reaches 1. Without it a budget that ends before ``steps`` leaves the weights of a high learning
     rate mid-schedule. Not a knob (wall time is not reproducible: the weights are not bitwise those of another
-    run)."""
+    run).
+
+    ``schedule_seconds`` (``--schedule-seconds``, with ``fit_schedule``): the fitted cosine spans this many seconds
+    of steps in all, over as many calls as it takes (the seconds already stepped are kept in ``trainer_state.pt``):
+    each call still stops at ``max_seconds`` (checkpointed, ``"complete": false``) and ``--resume`` continues the
+    same schedule, until the steps' total reaches it (learning rate 0, complete). A training budget longer than one
+    device call. Fixed for a run: a resume with another value is refused."""
     t_call = time.time()
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -482,6 +489,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             changed = sorted(k for k in knobs if state["knobs"].get(k) != knobs[k])
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
+        if state.get("schedule_seconds") != schedule_seconds:
+            raise ValueError(f"train-drafter --resume: {state_path} was written with --schedule-seconds "
+                             f"{state.get('schedule_seconds')}, this call asks {schedule_seconds}: the schedule "
+                             "of a run is fixed; use the same value or another --work-dir")
     data = _data(model_dir, tc, "train", tc.num_prompts, data_path, resume, device, progress, dcfg.vocab_size)
     eval_data = (_data(model_dir, tc, "held_out", tc.eval_prompts, eval_path, resume, device, progress,
                        dcfg.vocab_size) if tc.eval_prompts else None)
@@ -524,6 +535,16 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     stopped_at = None
     fit = fit_schedule and max_seconds is not None
     fit_start = fit_span = None  # wall time of the first step and the budget left then (fit_schedule)
+    # seconds of steps of the earlier calls of this run (schedule_seconds: the fitted cosine spans the calls)
+    seconds_before = float(state.get("step_seconds", 0.0)) if state else 0.0
+
+    def step_seconds() -> float:
+        """Seconds of steps of this run so far, every call's (what ``schedule_seconds`` counts)."""
+        return seconds_before + (time.time() - fit_start if fit_start is not None else 0.0)
+
+    def save(step_done: int) -> None:
+        _save_state(state_path, params, opt, step_done, history, knobs, gen, init_eval, step_seconds(),
+                    schedule_seconds)
     fitted_end = None  # the step at which the fitted schedule ended the run
     recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
     pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector) not yet read to the host
@@ -554,19 +575,21 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         if fit:
             now = time.time()
             if fit_start is None:
-                fit_start, fit_span = now, max(1.0, max_seconds - (now - t_call))
-            time_frac = (now - fit_start) / fit_span
+                fit_start = now
+                fit_span = schedule_seconds or max(1.0, max_seconds - (now - t_call))
+            time_frac = (seconds_before + now - fit_start) / fit_span
             if time_frac >= 1.0:
                 fitted_end = step
                 flush()
-                _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
+                save(step)
                 logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
-                            f"{step}/{tc.steps} (learning rate 0); the run is complete")
+                            f"{step}/{tc.steps} (learning rate 0, {step_seconds():.0f} s of steps); the run is "
+                            "complete")
                 break
-        if not fit and max_seconds is not None and time.time() - t_call > max_seconds:
+        if (not fit or schedule_seconds) and max_seconds is not None and time.time() - t_call > max_seconds:
             stopped_at = step
             flush()
-            _save_state(state_path, params, opt, step, history, knobs, gen, init_eval)
+            save(step)
             logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
                         "checkpointed (--resume continues), writing the drafter as it stands")
             break
@@ -615,7 +638,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                             f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
                             f"{time.time() - t0:.0f} s)")
         if save_due:
-            _save_state(state_path, params, opt, step + 1, history, knobs, gen, init_eval)
+            save(step + 1)
     flush()
     steps_wall = time.time() - t0
     final = {n: p.detach() for n, p in params.items()}
@@ -638,7 +661,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                "sequences": n_seq, "tokens": int(data["lens"].sum()), "steps": tc.steps,
                "steps_done": (stopped_at if stopped_at is not None else fitted_end if fitted_end is not None
                               else tc.steps), "complete": stopped_at is None,
-               "schedule": "cosine fitted to --max-seconds" if fit else "cosine over --steps",
+               "schedule": (f"cosine fitted to --schedule-seconds {schedule_seconds:g} (over the calls)"
+                            if fit and schedule_seconds else "cosine fitted to --max-seconds" if fit
+                            else "cosine over --steps"),
+               "step_seconds_total": round(step_seconds(), 1),
                "train_seconds_this_run": round(time.time() - t0, 1),
                # this call's step rate (the held-out estimates after the steps excluded); the loss path chosen
                "steps_this_run": len(history) - hist0, "steps_seconds_this_run": round(steps_wall, 1),
@@ -790,11 +816,13 @@ def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bo
     return data
 
 
-def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval) -> None:
+def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float = 0.0,
+                schedule_seconds: float | None = None) -> None:
     atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
                        "optimizer": opt.state_dict(),
                        "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
-                       "init_eval": init_eval}, path)
+                       "init_eval": init_eval, "step_seconds": step_seconds, "schedule_seconds": schedule_seconds},
+                      path)
 
 
 TRAIN_TOP1_STEPS = 50  # training.json's train_top1_by_position averages this many last steps

@@ -86,3 +86,38 @@ def test_fit_schedule_completes_at_the_budget_with_the_learning_rate_decayed(tin
     last_lr = state["optimizer"]["param_groups"][0]["lr"]  # the learning rate of the last step taken
     assert last_lr < 0.05 * 3e-3, last_lr
     assert main(args[:1] + ["--fit-schedule", str(d)]) == 2  # it needs the budget it ends at
+
+
+def test_schedule_seconds_spans_resumed_calls(tiny_target, tmp_path, monkeypatch):
+    """``--schedule-seconds``: one fitted cosine over several calls, each cut at ``--max-seconds`` (checkpointed,
+    incomplete), resumed until the steps' seconds reach the total (complete, learning rate ~0); a resume with
+    another total is refused."""
+    import tensorrt_llm_ext.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "time", _Clock())
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny_target, d)
+    args = ["train-drafter", str(d), "--num-prompts", "8", "--max-new-tokens", "12", "--gen-batch", "8",
+            "--eval-prompts", "0", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "8",
+            "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2", "--anchors", "4", "--lr", "3e-3",
+            "--warmup", "2", "--markov-rank", "4", "--no-progress", "--steps", "1000000", "--save-every", "1000000",
+            "--max-seconds", "20", "--fit-schedule", "--resume"]
+    state_path = d / "dspark_drafter_work" / "trainer_state.pt"
+    assert main(args + ["--schedule-seconds", "50"]) == 0
+    first = json.loads((d / "dspark_drafter" / "training.json").read_text())
+    state = torch.load(state_path, weights_only=True)
+    assert not first["complete"] and first["schedule"].startswith("cosine fitted to --schedule-seconds 50")
+    assert 0 < state["step_seconds"] < 50 and state["schedule_seconds"] == 50
+    mid_lr = state["optimizer"]["param_groups"][0]["lr"]
+    assert mid_lr > 0.05 * 3e-3, mid_lr  # cut mid-schedule, not decayed to 0
+    assert main(args + ["--schedule-seconds", "60"]) == 2  # the run's schedule is fixed
+    for _ in range(4):  # ~15 s of steps per call of 20 s: the total is spent in the third
+        assert main(args + ["--schedule-seconds", "50"]) == 0
+        last = json.loads((d / "dspark_drafter" / "training.json").read_text())
+        if last["complete"]:
+            break
+    assert last["complete"] and last["step_seconds_total"] >= 50
+    state = torch.load(state_path, weights_only=True)
+    assert state["step"] > first["steps_done"] > 0
+    assert state["optimizer"]["param_groups"][0]["lr"] < 0.05 * 3e-3
+    assert main(args[:-2] + ["--schedule-seconds", "50"]) == 2  # without --fit-schedule: refused
