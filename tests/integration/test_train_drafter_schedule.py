@@ -53,6 +53,15 @@ def tiny_target(tmp_path_factory):
     return d
 
 
+def _tiny_run_args(d, eval_prompts: int, max_seconds: int) -> list[str]:
+    """A train-drafter run of the tiny target bounded by the clock, not by --steps (a 1-layer drafter, K = 3)."""
+    return ["train-drafter", str(d), "--num-prompts", "8", "--max-new-tokens", "12", "--gen-batch", "8",
+            "--eval-prompts", str(eval_prompts), "--num-layers", "1", "--num-heads", "2", "--head-dim", "8",
+            "--latent-dim", "8", "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2", "--anchors",
+            "4", "--lr", "3e-3", "--warmup", "2", "--markov-rank", "4", "--no-progress", "--steps", "1000000",
+            "--save-every", "1000000", "--max-seconds", str(max_seconds)]
+
+
 class _Clock:
     """A wall clock of the trainer that advances 0.25 s per reading (the run's length does not hang on the
     machine's load)."""
@@ -71,11 +80,7 @@ def test_fit_schedule_completes_at_the_budget_with_the_learning_rate_decayed(tin
     monkeypatch.setattr(trainer, "time", _Clock())
     d = tmp_path / "tiny"
     shutil.copytree(tiny_target, d)
-    args = ["train-drafter", str(d), "--num-prompts", "8", "--max-new-tokens", "12", "--gen-batch", "8",
-            "--eval-prompts", "2", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "8",
-            "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2", "--anchors", "4", "--lr", "3e-3",
-            "--warmup", "2", "--markov-rank", "4", "--no-progress", "--steps", "1000000", "--save-every", "1000000",
-            "--max-seconds", "30"]
+    args = _tiny_run_args(d, eval_prompts=2, max_seconds=30)
     assert main(args + ["--fit-schedule"]) == 0
     s = json.loads((d / "dspark_drafter" / "training.json").read_text())
     assert s["complete"] and 2 <= s["steps_done"] < 1000000 and s["schedule"] == "cosine fitted to --max-seconds"
@@ -97,11 +102,7 @@ def test_schedule_seconds_spans_resumed_calls(tiny_target, tmp_path, monkeypatch
     monkeypatch.setattr(trainer, "time", _Clock())
     d = tmp_path / "tiny"
     shutil.copytree(tiny_target, d)
-    args = ["train-drafter", str(d), "--num-prompts", "8", "--max-new-tokens", "12", "--gen-batch", "8",
-            "--eval-prompts", "0", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8", "--latent-dim", "8",
-            "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2", "--anchors", "4", "--lr", "3e-3",
-            "--warmup", "2", "--markov-rank", "4", "--no-progress", "--steps", "1000000", "--save-every", "1000000",
-            "--max-seconds", "20", "--fit-schedule", "--resume"]
+    args = _tiny_run_args(d, eval_prompts=0, max_seconds=20) + ["--fit-schedule", "--resume"]
     state_path = d / "dspark_drafter_work" / "trainer_state.pt"
     assert main(args + ["--schedule-seconds", "50"]) == 0
     first = json.loads((d / "dspark_drafter" / "training.json").read_text())
