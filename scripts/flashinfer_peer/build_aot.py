@@ -34,6 +34,7 @@ ap.add_argument("--site", default=".peer_src/cpu_site")
 ap.add_argument("--head-dims", default="64,128")
 ap.add_argument("--out", default=".peer/flashinfer_aot_sm90a.tar.gz")
 a = ap.parse_args()
+a.tar, a.cuda_home, a.site, a.out = (str(Path(x).resolve()) for x in (a.tar, a.cuda_home, a.site, a.out))
 
 ws = a.dest + "_ws"
 if os.environ.get("_FI_CHILD") != "1":

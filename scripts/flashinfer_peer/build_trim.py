@@ -58,8 +58,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEF_WHEEL = Path(".peer_src/flashinfer_python-0.7.4-py3-none-any.whl")
 DEF_TVM = Path(".peer_src/apache_tvm_ffi-0.1.15.post2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")
-PROBE_DEPS = ["nvidia-ml-py", "einops", "tabulate", "ninja", "cuda-bindings>=13,<14", "cuda-core",
-              "cuda-pathfinder", "apache-tvm-ffi==0.1.15.post2"]
+# pinned (installed --no-deps: only these, never a newer torch or CUDA wheel pulled in); the versions of the
+# 2026-12-04 rebuild
+PROBE_DEPS = ["nvidia-ml-py==13.615.71", "einops==0.8.2", "tabulate==0.10.0", "ninja==1.13.2",
+              "cuda-bindings==13.5.0", "cuda-core==1.2.2", "cuda-pathfinder==1.9.0", "apache-tvm-ffi==0.1.15.post2"]
 # Include dirs, in the order flashinfer.jit.cpp_ext puts them on the nvcc line
 # (vendored CCCL with -I first, then -isystem ...).  Relative to flashinfer/data.
 SEARCH = ["cccl/cub", "cccl/libcudacxx/include", "cccl/thrust", "include", "csrc",
@@ -250,9 +252,11 @@ def main() -> int:
     ap.add_argument("--setup-probe-site", action="store_true",
                     help="pip install the probe-only deps into --probe-site first")
     args = ap.parse_args()
+    # the probe runs in --work: paths given relative to the caller's folder must not be read from there
+    args.probe_site, args.wheel, args.tvm_wheel = (p.resolve() for p in (args.probe_site, args.wheel, args.tvm_wheel))
 
     if args.setup_probe_site:
-        subprocess.run([args.probe_python, "-m", "pip", "install", "--upgrade", "--target",
+        subprocess.run([args.probe_python, "-m", "pip", "install", "--upgrade", "--no-deps", "--target",
                         str(args.probe_site), *PROBE_DEPS], check=True)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -365,14 +369,14 @@ def main() -> int:
     cmd = ("mkdir -p /tmp/fi /tmp/site && tar xzf .peer/flashinfer_trim.tar.gz -C /tmp/fi && "
            f"{{ python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/{tvm} || "
            f"python3 -m zipfile -e .peer/{tvm} /tmp/site; }} && "
-           ". .peer/fi_env.sh && python3 .peer/smoke.py --all")
+           ". scripts/flashinfer_peer/fi_env.sh && python3 scripts/flashinfer_peer/smoke.py --all")
     aot = cmd.replace("-C /tmp/fi && ", "-C /tmp/fi && tar xzf .peer/flashinfer_aot_sm90a.tar.gz -C /tmp/fi && ", 1)
     (args.out / "GPU_COMMAND.txt").write_text(
         "# optional, SM90 only: with out/flashinfer_aot_sm90a.tar.gz (build_aot.py) also carried,\n"
         "# this variant skips the nvcc JIT on the GPU (prebuilt bf16 decode modules, head_dim 64/128):\n# "
         + aot + "\n"
         "# default (JIT at first plan()):\n"
-        "# carry .peer/ = out/{flashinfer_trim.tar.gz, " + tvm + ", fi_env.sh, smoke.py}\n"
+        "# carry .peer/ (flashinfer_trim.tar.gz, " + tvm + "); fi_env.sh and smoke.py travel with the tree\n"
         "# (FI_ROOT=/tmp/fi FI_SITE=/tmp/site are fi_env.sh's defaults; the zipfile fallback equals pip --target for this wheel: no .data dir)\n" + cmd + "\n")
     shutil.copy2(args.tvm_wheel, args.out / args.tvm_wheel.name)
     n_files = sum(1 for p in trim.rglob("*") if p.is_file())
