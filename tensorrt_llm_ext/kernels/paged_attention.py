@@ -355,8 +355,10 @@ class AttentionConfig:
 # timed; the 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=-1),
                                               128: AttentionConfig(64, 4, 3, 16)}
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32, prefetch=-1),
-                     AttentionConfig(64, 4, 2, 32, 2, prefetch=-1), AttentionConfig(64, 4, 2, 32, 3, prefetch=-1),
+# The benchmark's sweep around it (2026-12-04, seventh session, docs/target_forward.md): piece counts, 3-block pieces,
+# 32- / 128-key blocks, 8 warps, 3 stages.
+CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8),
+                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, 2, prefetch=-1), AttentionConfig(64, 4, 2, 32, 3, prefetch=-1),
                      AttentionConfig(64, 4, 2, 16, prefetch=-1), AttentionConfig(64, 4, 2, 64, prefetch=-1),
                      AttentionConfig(32, 4, 2, 32, prefetch=-1), AttentionConfig(128, 4, 2, 32, prefetch=2),
                      AttentionConfig(64, 8, 2, 32, prefetch=-1), AttentionConfig(64, 4, 3, 32, prefetch=-1))
