@@ -35,9 +35,12 @@
 #                      (the answers and the drafter stay on the warm machine's disk between the calls)
 #   then, if wanted:   carry [".whl", ".gpu_data"]   source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh check serve
 #   (RECIPE=4 TRAIN_SECONDS=330 with "prepare train bench" in call 2 is recipe 4's one-call run)
-#   (a budget longer than one call: TRAIN_TOTAL_SECONDS=S (e.g. 900) fits the cosine to S seconds of steps over
-#    several calls -- `--schedule-seconds`: each call stops at TRAIN_SECONDS, checkpointed, and the next
-#    `... train` call with the same S resumes the same schedule until the total is spent)
+#   (a budget longer than one call: TRAIN_TOTAL_SECONDS=S fits the cosine to S seconds of steps over several calls
+#    -- `--schedule-seconds`: each call stops at TRAIN_SECONDS of its own wall time, checkpointed, and the next
+#    `... train` call with the same S resumes the same schedule until the total is spent. S counts steps only:
+#    call 2 `TRAIN_SECONDS=450 TRAIN_TOTAL_SECONDS=850 ... prepare train` steps ~360 s (the answers take ~90 s of
+#    it), a call `TRAIN_SECONDS=530 TRAIN_TOTAL_SECONDS=850 ... train` the other ~490 s and the held-out estimate,
+#    then call 3 as above)
 #   (a call-2 training.json with "complete": false: carry [".whl", ".gpu_data"] and
 #    source scripts/gpu_env.sh; TRAIN_SECONDS=420 bash scripts/gpu_real_model.sh train bench  -- it resumes)
 set -uo pipefail
