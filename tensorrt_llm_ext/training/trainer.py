@@ -816,8 +816,8 @@ def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bo
     return data
 
 
-def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float = 0.0,
-                schedule_seconds: float | None = None) -> None:
+def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float,
+                schedule_seconds: float | None) -> None:
     atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
                        "optimizer": opt.state_dict(),
                        "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
