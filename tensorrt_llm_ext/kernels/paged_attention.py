@@ -348,12 +348,13 @@ class AttentionConfig:
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
 # prefetch, which changes no bit, may follow the grid); `bench target` times CONFIG_CANDIDATES at every (B, C)
-# (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04): 64 keys, 4 warps, 2 stages, a decode row's
-# keys in 32 pieces, the prefetch by the grid ("p32a": the first block in registers at B = 1, 5.8 us at C = 1k vs
-# 7.0 without and 7.3 through L2; through L2 at B = 32, 22.7 us vs 25.0 in registers, where the register form's
-# occupancy costs). Head dim 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet
-# timed; the 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
-DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(64, 4, 2, 32, prefetch=-1),
+# (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's sweep with FlashInfer in the
+# run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole blocks, the first two blocks
+# brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's decode at 7 of 8 shapes,
+# where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C = 1k). Head dim 128: 3
+# stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the unfused
+# layer, without programmatic launch, so without prefetch).
+DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
                                               128: AttentionConfig(64, 4, 3, 16)}
 # The benchmark's sweep around it (2026-12-04, seventh session, docs/target_forward.md): piece counts, 3-block pieces,
 # 32- / 128-key blocks, 8 warps, 3 stages.
