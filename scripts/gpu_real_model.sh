@@ -19,8 +19,8 @@
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
 #          graphs); ~100 s.
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes.
-# timing.txt gets each stage's wall seconds. RECIPE=5 (default: the best measured), 7, 6, 4 or 3 picks train's flags
-# (below).
+# timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
+# 4 or 3 picks train's flags (below).
 #
 # The whole GGUF (98 MB) does not fit one call's 64 MiB carry, so two calls, back to back on one warm machine
 # (out/real_model/ and .gguf_parts/part1 persist there between calls):
@@ -35,12 +35,14 @@
 #                      (the answers and the drafter stay on the warm machine's disk between the calls)
 #   then, if wanted:   carry [".whl", ".gpu_data"]   source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh check serve
 #   (RECIPE=4 TRAIN_SECONDS=330 with "prepare train bench" in call 2 is recipe 4's one-call run)
-#   (a budget longer than one call: TRAIN_TOTAL_SECONDS=S fits the cosine to S seconds of steps over several calls
-#    -- `--schedule-seconds`: each call stops at TRAIN_SECONDS of its own wall time, checkpointed, and the next
-#    `... train` call with the same S resumes the same schedule until the total is spent. S counts steps only:
-#    call 2 `TRAIN_SECONDS=450 TRAIN_TOTAL_SECONDS=850 ... prepare train` steps ~360 s (the answers take ~90 s of
-#    it), a call `TRAIN_SECONDS=530 TRAIN_TOTAL_SECONDS=850 ... train` the other ~490 s and the held-out estimate,
-#    then call 3 as above)
+#   (a budget longer than one call -- the best measured drafter, 2026-12-04: recipe 5 over 780 s of steps, MT-Bench
+#    2.08 greedy against 1.85 in one call -- TRAIN_TOTAL_SECONDS=S fits the cosine to S seconds of steps over several
+#    calls (`--schedule-seconds`): each call stops at TRAIN_SECONDS of its own wall time, checkpointed, and the next
+#    `... train` call with the same S resumes the same schedule until the total is spent. S counts steps only.
+#    Measured: call 2 `TRAIN_SECONDS=450 TRAIN_TOTAL_SECONDS=780 ... prepare train` (~495 s of the call: prepare 31 s,
+#    answers 72 s, ~330 s of steps), call 2b `TRAIN_SECONDS=480 TRAIN_TOTAL_SECONDS=780 ... train` (~470 s: the other
+#    ~450 s of steps and the held-out estimate), then call 3 as above. Fuller calls (not yet run): 530 / 560 with
+#    TRAIN_TOTAL_SECONDS=940.)
 #   (a call-2 training.json with "complete": false: carry [".whl", ".gpu_data"] and
 #    source scripts/gpu_env.sh; TRAIN_SECONDS=420 bash scripts/gpu_real_model.sh train bench  -- it resumes)
 set -uo pipefail
