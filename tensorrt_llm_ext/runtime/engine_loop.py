@@ -6,8 +6,8 @@ loop admits waiting requests between engine steps while slots and cache pages ar
 the scheduler prefills a plan's admissions in batched prefills, chunked between steps with
 ``enable_chunked_prefill``). While requests decode, the plan that takes new requests from the queue runs the
 running requests' step alone and the next plan prefills them: the streams never wait for an admission's prefill
-to get the step's tokens, and with the overlap scheduler the device runs that step while the host launches the
-prefill. Every plan
+to get the step's tokens, and with the overlap scheduler the device runs that step -- and the next one, which
+the prefilling plan launches before its prefill -- while the host launches the prefill. Every plan
 (cancel / admit / step) goes through a :class:`PlanChannel` first: at TP N it is broadcast to every rank over
 the TP group's gloo group, so all ranks run the same steps (an idle loop sends an empty plan every
 ``HEARTBEAT_S``, so a rank blocked waiting for work never reaches the collective timeout, and a dead peer is

@@ -38,7 +38,9 @@ no longer live), so nothing past its stop is emitted, and its slot is released w
 device runs a later prefill into that slot after step n + 1, in stream order). Two rules keep the serial
 path's guarantees: a request that step n may end by ``max_new_tokens`` sits out step n + 1 (an extra step past
 its length could outrun the pages reserved for it; it rejoins at n + 2 if it runs on), and a step with a
-``logprobs`` row is collected at once (the next launch overwrites its logits). Tokens are the serial path's:
+``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
+requests decode launches their step n + 1 first and prefills after it (the device runs the step while the host
+launches the eager prefill; the prefilled requests join step n + 2). Tokens are the serial path's:
 a request's tokens never depend on which steps it shares, and the decisions depend only on the plans and the
 tokens, so every TP rank pipelines the same way.
 """
@@ -213,10 +215,15 @@ class Scheduler:
             refused = self._admit(handle, request)
             if refused is not None:
                 events.append(refused)
-        if self._prefilling:
-            events.extend(self._prefill(stats))
-        if plan.run and self._live:
-            events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
+        if self.overlap and plan.run and self._live and self._prefilling:
+            # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
+            # runs it while the host launches the (eager) prefill; the prefilled requests join the next step.
+            events.extend(self._overlap_step(stats, before_collect=lambda: self._prefill(stats)))
+        else:
+            if self._prefilling:
+                events.extend(self._prefill(stats))
+            if plan.run and self._live:
+                events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
         if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
             # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
             events.extend(self._collect(self._take_in_flight(), stats))
@@ -226,9 +233,10 @@ class Scheduler:
         fl, self._in_flight = self._in_flight, None
         return fl
 
-    def _overlap_step(self, stats: StepStats) -> list[Event]:
+    def _overlap_step(self, stats: StepStats, before_collect=None) -> list[Event]:
         """Launch the next step over the live requests, then collect the one in flight (its host work overlaps
-        the launched step on the device)."""
+        the launched step on the device). ``before_collect``: host work run after the launch and before the
+        collect (the plan's prefill), its events first."""
         prev = self._take_in_flight()
         pending = set(prev.handles) if prev is not None else set()
         # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring).
@@ -243,11 +251,15 @@ class Scheduler:
             try:
                 launched = self.engine.launch_step(order, self.mode)
             except REQUEST_FAULTS as e:
+                if before_collect is not None:
+                    events.extend(before_collect())
                 if prev is not None:
                     events.extend(self._collect(prev, stats))
                 return events + self._fail_step([h for h in handles if h in self._live], e)
             stats.step_s += time.perf_counter() - t0
             cur = _InFlight(launched, [by_slot[s] for s in order])
+        if before_collect is not None:
+            events.extend(before_collect())
         if prev is not None:
             events.extend(self._collect(prev, stats))
         if cur is not None:

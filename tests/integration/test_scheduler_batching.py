@@ -164,8 +164,12 @@ def test_long_prompt_chunks_interleave_with_running_streams(engine, mode, overla
     first = next(i for i, (_, got_h) in enumerate(plans) if 2 in got_h)
     chunks = [c for calls, _ in plans[2:first + 1] for c in calls if c[0] == "chunk"]
     assert len(chunks) >= 5 and all(c[2] <= 8 for c in chunks)
-    streaming = [got_h for _, got_h in plans[2:first]]
-    assert len(streaming) >= 5 and all({0, 1} <= g for g in streaming), streaming
+    # Overlapped, a plan that prefills while others decode launches their step first: a request prefilled in plan
+    # 1 (stream 1: 4 + 6 prompt tokens do not fit one plan's 8) joins the step launched in plan 2, collected in 3.
+    begin = 3 if overlap else 2
+    streaming = [got_h for _, got_h in plans[begin:first]]
+    assert len(streaming) >= 4 and all({0, 1} <= g for g in streaming), streaming
+    assert all(0 in g for _, g in plans[2:first])
     assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
 
 
