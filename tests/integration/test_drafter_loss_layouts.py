@@ -70,3 +70,59 @@ def test_row_kernel_reads_shared_teacher_rows_and_their_stats():
     got = block_loss_rows(zk, t, y, a_tv, a_ce, a_kl, True, block=128, t_index=idx, t_stats=(lse, arg))
     for a, b in zip(want, (*got, zk)):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    import shutil
+
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+    d = tmp_path_factory.mktemp("target") / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    return d
+
+
+def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
+    """distillation_loss on a batch whose anchors wrap (each teacher position read by several block rows): the
+    loss, the metrics and every trainable gradient agree between the eager objective and the chunked layouts
+    (rows, joint, dedup; dedup with the row kernel under the interpreter too); TLLM_EXT_LOSS_LAYOUT picks the
+    default and a bad one is refused."""
+    from tensorrt_llm_ext.training import trainer
+
+    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
+                             draft_len=3, batch_seqs=2, anchors=8, kl_weight=0.3)
+    dcfg, layers = trainer.drafter_config(tiny_target, tc)
+    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
+    head = target.lm_head.weight.detach()
+    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
+    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    params = {n: t.requires_grad_(n not in trainer.FROZEN) for n, t in init.items()}
+    trainable = [p for n, p in params.items() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    data = {"tokens": torch.randint(0, 500, (2, 14), generator=g, dtype=torch.int32), "lens": torch.tensor([14, 11]),
+            "prompt_lens": torch.tensor([4, 5])}
+    batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
+    anchors = trainer.sample_anchors(batch, tc.anchors, torch.Generator().manual_seed(0))
+    runs = [{"fused": False}, {"layout": "rows", "kernel": False}, {"layout": "joint", "kernel": False},
+            {"layout": "dedup", "kernel": False}]
+    if triton_runs_on(torch.zeros(1)):
+        runs.append({"layout": "dedup", "kernel": True})
+    outs = []
+    for kw in runs:
+        loss, m = trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc, **kw)
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+        outs.append([loss.detach(), m["tv"], m["ce"], m["top1"], m["accept_est"]]
+                    + [x if x is not None else torch.zeros(()) for x in grads])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert outs[0][0] > 0 and sum(float(x.abs().sum()) for x in outs[0][5:]) > 0
+    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "rows")
+    assert trainer.loss_layout() == "rows"
+    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "per-token")
+    with pytest.raises(ValueError, match="loss layout 'per-token'"):
+        trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc)
