@@ -157,7 +157,10 @@ class FusedBlockLoss(torch.autograd.Function):
                     first, last = bounds[i]
                     t = t_c[first:last + 1] @ head_c.T
                     t_local = t_rows[lo:hi] - first
-                    stats = teacher_stats(t) if kernel else None
+                    stats = None
+            if kernel and order is not None:
+                with _region("loss.teacher_stats"):
+                    stats = teacher_stats(t)
             with _region("loss.rows"):
                 if kernel:  # the three streaming passes of block_loss_rows; the gradient lands in z
                     tv_c, ce_c, kl_c, agree_c = block_loss_rows(z, t, y, a_tv, a_ce, a_kl, need_grad,
