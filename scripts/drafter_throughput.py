@@ -249,6 +249,8 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
                 sync()
             prof_out = profile_summary(prof, profile_steps, not tiny)
             prof_out["step_ms_unprofiled"] = round(dt * 1e3, 1)
+            if not tiny:  # one stream: what the kernels leave of the step is the GPU waiting (host, syncs)
+                prof_out["idle_ms"] = round(dt * 1e3 - prof_out["total_ms"], 1)
         except Exception as e:  # the timing above stands without the profile
             prof_out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     # the teacher pass alone (the same batches)

@@ -6,6 +6,11 @@ write, ~14 bytes per element against ~160 for the torch ops of :func:`block_loss
 fp32 over ``[c, V]``). Tolerance, not bitwise: both compute in fp32, the kernel's sums run in another order
 (tests/integration/test_drafter_data.py). The trainer times it against the torch ops at its first step and keeps
 the faster (``training.fused_loss``).
+
+With ``t_index`` (the loss's ``"dedup"`` layout) a row reads the teacher row of its position, shared with the
+other block rows of that position, and the teacher's log-sum-exp / argmax come from :func:`teacher_stats` (one
+pass per position): the first pass reads z alone, ~8 bytes per element plus the shared teacher row (sm_90: 40-48
+registers against 80, no spills).
 """
 
 from __future__ import annotations
