@@ -134,11 +134,8 @@ class FusedBlockLoss(torch.autograd.Function):
         agree = torch.empty(n, dtype=torch.bool, device=dev)
         loss = torch.zeros((), dtype=torch.float32, device=dev)
 
-        def put(dst, lo, hi, val):  # the caller's order
-            if order is None:
-                dst[lo:hi] = val
-            else:
-                dst.index_copy_(0, order[lo:hi], val.to(dst.dtype))
+        def put(dst, lo, hi, val):  # the caller's order (order's indices are distinct: a plain index_put)
+            dst[slice(lo, hi) if order is None else order[lo:hi]] = val
 
         for i, lo in enumerate(range(0, n, rows)):
             hi = min(n, lo + rows)
