@@ -4,12 +4,21 @@ memory, and the teacher pass alone) and the answer generation (tokens/s), on a r
 shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short device call.
 
     python3 scripts/drafter_throughput.py OUT_DIR [--prompt-file .gpu_data/prompts.jsonl.gz] [--old-data PATH]
-        [--train "bs=16,anchors=128,loss=eager,attention=eager,teacher=paged" ...] [--gen-batches 256 1024]
+        [--train "bs=16,anchors=128,loss=eager,attention=eager,teacher=paged" ...] [--profile] [--gen-batches 256 1024]
         [--serve "layers=5,latent=512,targets=1/7/14/21/27/29" ...] [--max-turns 3]
 
 ``--train`` keys: bs, anchors, layers, latent (the context latent width d_c), targets (captured target layers,
 ``/``-separated), steps; loss = eager (autograd over [N, V]) | fused (chunked; the Triton row kernel on CUDA) | kernel
-| torch (chunked, the per-row passes in torch ops); attention = sdpa | eager; teacher = dense | paged.
+| torch (chunked, the per-row passes in torch ops), each chunked one with an optional layout suffix (``fused_joint``,
+``kernel_dedup``, ...; training/fused_loss.py's layouts: none = ``rows``, the first layout; ``joint``: the draft
+logits and their gradient one GEMM each; ``dedup``: ``joint`` plus the teacher's logits once per position, the
+trainer's default); attention = sdpa | eager; teacher = dense | paged.
+
+``--profile``: after each ``--train`` configuration's timed steps, ``--profile-steps`` more steps under
+``torch.profiler`` (CUDA kernels on the GPU; CPU ops with ``--tiny``): the kernel time per step grouped by where
+it was launched (the teacher pass, the drafter forward and backward, the loss's GEMMs -- draft logits, teacher
+logits, gradients --, its row passes, its preparation, the optimizer, other) and the top kernels, in the
+configuration's ``profile``; ``profile_summary`` sets each configuration's groups beside the first's.
 
 ``--serve`` (CUDA): what a drafter of that shape costs per decode step when served -- the context projection of the
 step's accepted positions (B x (K + 1) rows: fc, hidden_norm, every layer's latent), the block decode
@@ -104,7 +113,70 @@ def _targets(cfg: dict, tiny: bool) -> str:
     return "0,1" if tiny else cfg["targets"].replace("/", ",")
 
 
-def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
+# profiler ranges (trainer / fused_loss / this script) -> the groups of --profile, innermost range first
+PROFILE_GROUPS = {"loss.gemm_draft": "loss_gemm_draft_logits", "loss.gemm_teacher": "loss_gemm_teacher_logits",
+                  "loss.gemm_grad": "loss_gemm_gradients", "loss.rows": "loss_row_passes",
+                  "loss.teacher_stats": "loss_row_passes", "loss.prepare": "loss_prepare",
+                  "drafter_forward": "drafter_forward", "teacher_pass": "teacher_pass", "optimizer": "optimizer",
+                  "backward": "drafter_backward"}
+
+
+def _group_of(evt) -> str:
+    e = evt
+    while e is not None:
+        if e.name in PROFILE_GROUPS:
+            return PROFILE_GROUPS[e.name]
+        if e.name.startswith("autograd::engine"):  # backward ops run on autograd's own thread on CUDA
+            return "drafter_backward"
+        e = e.cpu_parent
+    return "other"
+
+
+def profile_summary(prof, steps: int, cuda: bool, top: int = 25) -> dict:
+    """Milliseconds per step by group and the top kernels (CPU ops' self time without CUDA). A CUDA kernel is
+    charged to the innermost range around the op that launched it; kernels no op claims are ``unlinked``."""
+    from torch.autograd import DeviceType
+
+    groups: dict[str, float] = {}
+    names: dict[tuple[str, str], list] = {}
+
+    def add(group, name, us):
+        groups[group] = groups.get(group, 0.0) + us
+        slot = names.setdefault((group, name), [0.0, 0])
+        slot[0] += us
+        slot[1] += 1
+
+    device_total = 0.0
+    device_names: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            if evt.is_user_annotation or evt.name in PROFILE_GROUPS or evt.name.startswith("loss."):
+                continue  # a range's span on the GPU timeline, not a kernel
+            us = evt.time_range.end - evt.time_range.start
+            device_total += us
+            device_names[evt.name] = device_names.get(evt.name, 0.0) + us
+            continue
+        if cuda:
+            for k in evt.kernels:
+                add(_group_of(evt), k.name, k.duration)
+        elif not evt.is_async:
+            add(_group_of(evt), evt.name, evt.self_cpu_time_total)
+    linked = sum(groups.values())
+    if cuda and device_total > linked + 1.0:  # kernels the profiler did not tie to an op: still counted
+        groups["unlinked"] = device_total - linked
+    per = 1e-3 / steps
+    out = {"steps": steps, "clock": "cuda kernels" if cuda else "cpu ops (self time)",
+           "total_ms": round(max(linked, device_total) * per, 2),
+           "groups_ms": {g: round(v * per, 2) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
+           "top": [{"group": g, "name": n[:90], "ms": round(v[0] * per, 3), "calls": round(v[1] / steps, 1)}
+                   for (g, n), v in sorted(names.items(), key=lambda x: -x[1][0])[:top]]}
+    if "unlinked" in groups:
+        out["device_top"] = [{"name": n[:90], "ms": round(v * per, 3)}
+                             for n, v in sorted(device_names.items(), key=lambda x: -x[1])[:top]]
+    return out
+
+
+def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_steps: int = 0) -> dict:
     from tensorrt_llm_ext.training import data as data_mod
     from tensorrt_llm_ext.training import trainer
 
@@ -123,6 +195,10 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
                             fused=not tiny)
     gen = torch.Generator(device=device).manual_seed(0)
     dense = cfg["teacher"] == "dense"
+    base, _, layout = cfg["loss"].partition("_")
+    if base not in ("eager", "fused", "kernel", "torch") or layout not in ("", "rows", "joint", "dedup"):
+        raise ValueError(f"--train: loss={cfg['loss']!r}: eager, or fused / kernel / torch with an optional "
+                         "_rows / _joint / _dedup layout")
     real_tp = data_mod.teacher_pass
     n_seq = data["tokens"].shape[0]
 
@@ -135,16 +211,20 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
             trainer.teacher_pass = real_tp
 
     def step(i):
-        b = batch_of(i)
+        with torch.profiler.record_function("teacher_pass"):
+            b = batch_of(i)
         anchors = trainer.sample_anchors(b, cfg["anchors"], gen)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not tiny):
-            loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=cfg["loss"] != "eager",
+            loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=base != "eager",
                                                 attention=cfg["attention"],
-                                                kernel=None if cfg["loss"] == "fused" else cfg["loss"] == "kernel")
+                                                kernel=None if base == "fused" else base == "kernel",
+                                                layout=layout or "rows")
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in trainer.FROZEN], 1.0)
-        opt.step()
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        with torch.profiler.record_function("optimizer"):
+            torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in trainer.FROZEN], 1.0)
+            opt.step()
         return trainer.metrics_vector(m)
 
     sync = torch.cuda.synchronize if not tiny else (lambda: None)
@@ -157,6 +237,22 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
     vecs = [step(100 + i) for i in range(cfg["steps"])]
     torch.stack(vecs).cpu()
     dt = (time.perf_counter() - t0) / cfg["steps"]
+    prof_out = None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([] if tiny else [ProfilerActivity.CUDA])
+        try:
+            with profile(activities=acts) as prof:
+                for i in range(profile_steps):
+                    step(300 + i)
+                sync()
+            prof_out = profile_summary(prof, profile_steps, not tiny)
+            prof_out["step_ms_unprofiled"] = round(dt * 1e3, 1)
+            if not tiny:  # one stream: what the kernels leave of the step is the GPU waiting (host, syncs)
+                prof_out["idle_ms"] = round(dt * 1e3 - prof_out["total_ms"], 1)
+        except Exception as e:  # the timing above stands without the profile
+            prof_out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     # the teacher pass alone (the same batches)
     b = None
     sync()
@@ -170,6 +266,8 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device) -> dict:
            "block_positions_per_s": round(pos / dt), "teacher_pass_ms": round(tp * 1e3, 1),
            "batch_tokens": int(b["tokens"].numel()), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not tiny else 0,
            "loss_last": round(float(vecs[-1][0]), 4)}
+    if prof_out is not None:
+        out["profile"] = prof_out
     del params, opt, target
     if not tiny:
         torch.cuda.empty_cache()
@@ -233,6 +331,8 @@ def main() -> int:
     ap.add_argument("--old-gen-batch", type=int, default=0)
     ap.add_argument("--model-dir", default=None, help="where the random-weight checkpoint goes (OUT/model)")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks this script)")
+    ap.add_argument("--profile", action="store_true", help="kernel time per step by group (docstring)")
+    ap.add_argument("--profile-steps", type=int, default=3)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,12 +361,24 @@ def main() -> int:
     data = {"tokens": tokens, "lens": lens, "prompt_lens": prompt_lens}
     log(out, results, "train_data", {"seqs": len(lens_p), "mean_len": round(float(lens.float().mean()), 1),
                                      "mean_prompt": round(float(prompt_lens.float().mean()), 1)})
+    profiled = []
     for i, cfg in enumerate(train_configs(a.train)):
         try:
-            log(out, results, f"train_{i}", measure_training(model_dir, data, cfg, device))
+            r = measure_training(model_dir, data, cfg, device, a.profile_steps if a.profile else 0)
+            log(out, results, f"train_{i}", r)
+            if "groups_ms" in r.get("profile", {}):
+                profiled.append(r)
         except Exception as e:  # an out-of-memory configuration is a result too
             log(out, results, f"train_{i}", {**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if len(profiled) > 1:  # each configuration's groups beside the first's (ms per step; negative: saved)
+        first = profiled[0]["profile"]["groups_ms"]
+        log(out, results, "profile_summary", [
+            {"loss": r["loss"], "bs": r["bs"], "anchors": r["anchors"], "step_ms": r["step_ms"],
+             "kernel_ms": r["profile"]["total_ms"],
+             "vs_first_ms": {g: round(r["profile"]["groups_ms"].get(g, 0.0) - first.get(g, 0.0), 2)
+                             for g in sorted(set(first) | set(r["profile"]["groups_ms"]))}} for r in profiled])
     for i, cfg in enumerate(train_configs(a.serve)):
         try:
             log(out, results, f"serve_{i}", measure_serving(model_dir, cfg, a.serve_batches, a.serve_ctx, device))

@@ -48,7 +48,7 @@ from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONF
                                                    apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
 from tensorrt_llm_ext.training.drafter_forward import block_hidden, block_hidden_prev, context_latents, markov_bias
-from tensorrt_llm_ext.training.fused_loss import eager_block_loss, fused_block_loss
+from tensorrt_llm_ext.training.fused_loss import LAYOUTS, eager_block_loss, fused_block_loss
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
 
 
@@ -246,9 +246,18 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
     return decay ** torch.arange(draft_len, device=device, dtype=torch.float32)
 
 
+def loss_layout() -> str:
+    """The vocabulary-wide loss's layout (:data:`.fused_loss.LAYOUTS`): ``TLLM_EXT_LOSS_LAYOUT``, default
+    ``"dedup"`` (one GEMM each way for the draft logits, the teacher's logits once per position; tested equal to
+    the eager objective at 2e-5 in fp32: tests/integration/test_drafter_loss_layouts.py); ``"rows"``: the first
+    layout."""
+    return os.environ.get("TLLM_EXT_LOSS_LAYOUT", "dedup")
+
+
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
                       draft_len: int, tc: TrainConfig, confidence_samples: bool = False, fused: bool = True,
-                      attention: str = "sdpa", kernel: bool | None = None) -> tuple[torch.Tensor, dict]:
+                      attention: str = "sdpa", kernel: bool | None = None,
+                      layout: str | None = None) -> tuple[torch.Tensor, dict]:
     """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
     over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1
     agreement, the teacher-forced greedy acceptance length, mean confidence and label per position).
@@ -258,27 +267,44 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     steers it.
 
     ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`; ``kernel``:
-    its per-row passes in the Triton kernel, default on CUDA); else the eager twin. ``attention``:
-    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync)."""
+    its per-row passes in the Triton kernel, default on CUDA; ``layout``: one of :data:`.fused_loss.LAYOUTS`,
+    default :func:`loss_layout`); else the eager twin. ``attention``:
+    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync; the ``"dedup"`` layout
+    reads its number of teacher positions and its chunks' ranges on the host, two syncs mid-step)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
-    hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
+    layout = layout or loss_layout()
+    if layout not in LAYOUTS:
+        raise ValueError(f"train-drafter: loss layout {layout!r}: expected one of {LAYOUTS}")
+    with torch.profiler.record_function("drafter_forward"):
+        hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
     k = torch.arange(draft_len, device=anchors.device)
     pos = anchors[:, :, None] + k  # teacher position of block position k
     valid = pos <= (lens[:, None, None] - 2)  # the teacher's next token exists
-    teacher_h = final.gather(1, pos.clamp(max=final.shape[1] - 1).flatten(1)[..., None].expand(-1, -1, final.shape[2]))
-    nxt = tokens.gather(1, (pos + 1).clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos).long()
-    w = position_weights(draft_len, tc.position_decay, anchors.device)[None, None] * valid
-    wn = (w / w.sum().clamp_min(1e-6)).flatten()
-    h = hidden.shape[-1]
+    t_len, h = final.shape[1], hidden.shape[-1]
+    with torch.profiler.record_function("loss.prepare"):
+        if fused and layout == "dedup":  # one teacher row per (sequence, position) the step reads
+            key = (torch.arange(pos.shape[0], device=pos.device)[:, None, None] * t_len
+                   + pos.clamp(max=t_len - 1)).flatten()
+            positions, teacher_index = torch.unique(key, return_inverse=True)  # sorted; a host read of its size
+            teacher_h = final.reshape(-1, h)[positions]
+        else:
+            teacher_index = None
+            at = pos.clamp(max=t_len - 1).flatten(1)[..., None].expand(-1, -1, h)
+            teacher_h = final.gather(1, at).reshape(-1, h)
+        nxt = tokens.gather(1, (pos + 1).clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos).long()
+        w = position_weights(draft_len, tc.position_decay, anchors.device)[None, None] * valid
+        wn = (w / w.sum().clamp_min(1e-6)).flatten()
     # loss = sum over positions of wn * (tv_weight TV + ce_weight CE + kl_weight KL); the vocabulary-wide part in
     # chunks (fused_loss: the eager twin materialised [S*M*K, V] fp32 tensors for autograd)
-    loss_fn = functools.partial(fused_block_loss, kernel=kernel) if fused else eager_block_loss
+    loss_fn = (functools.partial(fused_block_loss, kernel=kernel, joint=layout != "rows", teacher_index=teacher_index)
+               if fused else eager_block_loss)
     loss, tv, ce, agree = loss_fn(hidden.reshape(-1, h), F.embedding(prev.flatten(), params["markov_w1"]),
-                                  params["markov_w2"], lm_head_weight, teacher_h.reshape(-1, h), nxt.flatten(),
+                                  params["markov_w2"], lm_head_weight, teacher_h, nxt.flatten(),
                                   tc.tv_weight * wn, tc.ce_weight * wn, tc.kl_weight * wn if tc.kl_weight else None)
     tv, ce, agree = tv.view_as(pos), ce.view_as(pos), agree.view_as(pos)
     label = (1.0 - tv).detach().clamp(0.0, 1.0)
-    conf_logit = confidence_logits(params, hidden.detach().float(), prev)
+    with torch.profiler.record_function("drafter_forward"):
+        conf_logit = confidence_logits(params, hidden.detach().float(), prev)
     v = valid.float()
     bce = (F.binary_cross_entropy_with_logits(conf_logit, label, reduction="none") * v).sum() / v.sum().clamp_min(1)
     total = loss + tc.confidence_weight * bce
@@ -335,7 +361,8 @@ def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, rep
     if both and not agree:
         logger.warning(f"train-drafter: the loss kernel disagrees with its torch twin ({out['kernel_loss']} vs "
                        f"{out['torch_loss']}); torch ops instead")
-    logger.info(f"train-drafter: vocabulary-wide loss per step: Triton row kernel {out.get('kernel_ms')} ms, torch "
+    logger.info(f"train-drafter: vocabulary-wide loss per step ({loss_layout()!r} layout): Triton row kernel "
+                f"{out.get('kernel_ms')} ms, torch "
                 f"ops {out.get('torch_ms')} ms (forward + backward, first batch); using the "
                 f"{'kernel' if out['kernel'] else 'torch ops'}")
     return out
@@ -609,6 +636,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                              "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
             else:
                 loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)
+            loss_path["layout"] = loss_layout()  # TLLM_EXT_LOSS_LAYOUT (training.json records it)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
                                               kernel=loss_path["kernel"])

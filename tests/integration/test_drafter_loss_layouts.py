@@ -1,0 +1,128 @@
+"""The distillation loss's layouts (training/fused_loss.py): the draft logits as one GEMM each way ("joint") and the
+teacher's logits once per teacher position ("dedup") give the eager objective, whatever the rows' order, the
+chunking and the vocabulary size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.kernels.common import triton_runs_on
+from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, block_loss_rows_reference, teacher_stats
+from tensorrt_llm_ext.training.fused_loss import eager_block_loss, fused_block_loss
+
+
+def _inputs(n=23, h=16, v=301, r=4, positions=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hid, rows_m = torch.randn(n, h, generator=g), torch.randn(n, r, generator=g)
+    w2, head = torch.randn(v, r, generator=g) / 2, torch.randn(v, h, generator=g) / 2
+    teacher_u = torch.randn(positions, h, generator=g)
+    # every position used, several rows per position, rows in random order
+    index = torch.cat([torch.arange(positions), torch.randint(0, positions, (n - positions,), generator=g)])
+    index = index[torch.randperm(n, generator=g)]
+    y = torch.randint(0, v, (n,), generator=g)
+    c_tv, c_ce, c_kl = (torch.rand(n, generator=g) for _ in range(3))
+    c_tv[3] = c_ce[3] = c_kl[3] = 0.0  # a row that does not count still reports its TV
+    return hid, rows_m, w2, head, teacher_u, index, y, c_tv, c_ce, c_kl
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("layout", ["joint", "dedup"])
+@pytest.mark.parametrize("v", [301, 257])
+def test_loss_layouts_equal_the_eager_objective(kernel, layout, v):
+    """Loss, per-row TV / CE / top-1 agreement (in the caller's row order) and the gradients w.r.t. the hidden
+    states, the W1 rows and W2: the eager objective's, with rows sharing teacher positions, several chunks of 5
+    rows, a row of coefficient 0, KL included, odd vocabularies (one and several column blocks of the kernel)."""
+    if kernel and not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    hid, rows_m, w2, head, teacher_u, index, y, c_tv, c_ce, c_kl = _inputs(v=v)
+    outs = []
+    runs = ((eager_block_loss, teacher_u[index], {}),
+            (fused_block_loss, teacher_u[index] if layout == "joint" else teacher_u,
+             {"rows": 5, "kernel": kernel, "joint": True, "teacher_index": None if layout == "joint" else index}))
+    for fn, teacher, kw in runs:
+        x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
+        loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
+        loss.backward()
+        outs.append([loss.detach(), tv, ce, agree.float()] + [t.grad for t in x])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert outs[0][2].std() > 0 and outs[0][4].abs().sum() > 0  # rows differ; gradients flow
+
+
+def test_row_kernel_reads_shared_teacher_rows_and_their_stats():
+    """block_loss_rows with t_index (one teacher row per position, its log-sum-exp / argmax precomputed by
+    teacher_stats) equals the torch twin over the gathered rows, ragged column blocks and an argmax tie included."""
+    if not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(1)
+    c, u, v = 9, 4, 300
+    z, t = torch.randn(c, v, generator=g) * 3, torch.randn(u, v, generator=g) * 3
+    t[2, 5] = t[2, 250] = 40.0  # a tie in the teacher: the first maximum, as torch.argmax
+    idx = torch.tensor([2, 0, 2, 3, 1, 2, 0, 3, 1])
+    y = torch.randint(0, v, (c,), generator=g)
+    a_tv, a_ce, a_kl = (torch.rand(c, generator=g) for _ in range(3))
+    lse, arg = teacher_stats(t, block=128)
+    torch.testing.assert_close(lse, torch.logsumexp(t, -1))
+    assert arg.tolist() == t.argmax(-1).tolist() and arg[2] == 5
+    want = block_loss_rows_reference(z.clone(), t[idx], y, a_tv, a_ce, a_kl, True)
+    zk = z.clone()
+    got = block_loss_rows(zk, t, y, a_tv, a_ce, a_kl, True, block=128, t_index=idx, t_stats=(lse, arg))
+    for a, b in zip(want, (*got, zk)):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    import shutil
+
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+    d = tmp_path_factory.mktemp("target") / "tiny"
+    export_model(load_config(**tiny_model()), d)
+    shutil.rmtree(d / "dspark_drafter")
+    return d
+
+
+def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
+    """distillation_loss on a batch whose anchors wrap (each teacher position read by several block rows): the
+    loss, the metrics and every trainable gradient agree between the eager objective and the chunked layouts
+    (rows, joint, dedup; dedup with the row kernel under the interpreter too); TLLM_EXT_LOSS_LAYOUT picks the
+    default and a bad one is refused."""
+    from tensorrt_llm_ext.training import trainer
+
+    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
+                             draft_len=3, batch_seqs=2, anchors=8, kl_weight=0.3)
+    dcfg, layers = trainer.drafter_config(tiny_target, tc)
+    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
+    head = target.lm_head.weight.detach()
+    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
+    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    params = {n: t.requires_grad_(n not in trainer.FROZEN) for n, t in init.items()}
+    trainable = [p for n, p in params.items() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    data = {"tokens": torch.randint(0, 500, (2, 14), generator=g, dtype=torch.int32), "lens": torch.tensor([14, 11]),
+            "prompt_lens": torch.tensor([4, 5])}
+    batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
+    anchors = trainer.sample_anchors(batch, tc.anchors, torch.Generator().manual_seed(0))
+    runs = [{"fused": False}, {"layout": "rows", "kernel": False}, {"layout": "joint", "kernel": False},
+            {"layout": "dedup", "kernel": False}]
+    if triton_runs_on(torch.zeros(1)):
+        runs.append({"layout": "dedup", "kernel": True})
+    outs = []
+    for kw in runs:
+        loss, m = trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc, **kw)
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+        outs.append([loss.detach(), m["tv"], m["ce"], m["top1"], m["accept_est"]]
+                    + [x if x is not None else torch.zeros(()) for x in grads])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert outs[0][0] > 0 and sum(float(x.abs().sum()) for x in outs[0][5:]) > 0
+    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "rows")
+    assert trainer.loss_layout() == "rows"
+    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "per-token")
+    with pytest.raises(ValueError, match="loss layout 'per-token'"):
+        trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc)
