@@ -247,7 +247,7 @@ def _rms_norm():
 
 
 def _block_loss():  # train-drafter's loss rows (not in the captured step)
-    from tensorrt_llm_ext.kernels.block_loss import block_loss_rows
+    from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, teacher_stats
 
     for dtype in (torch.bfloat16, torch.float32):
         for vocab, kl in ((49152, True), (49152, False), (1000, False)):
@@ -255,6 +255,12 @@ def _block_loss():  # train-drafter's loss rows (not in the captured step)
             a = torch.ones(4)
             block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, a if kl else None, write_grad=True)
     block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, None, write_grad=False)
+    # the "dedup" layout: teacher rows shared through an index, their statistics from teacher_stats
+    for dtype in (torch.bfloat16, torch.float32):
+        for vocab, kl in ((49152, True), (49152, False), (1000, False)):
+            z, t, idx = torch.zeros(4, vocab, dtype=dtype), torch.zeros(2, vocab, dtype=dtype), torch.zeros(4).long()
+            stats = teacher_stats(t)
+            block_loss_rows(z, t, idx, a, a, a if kl else None, write_grad=True, t_index=idx, t_stats=stats)
 
 
 # -- drafter block attention -----------------------------------------------------------------------------------
@@ -438,7 +444,8 @@ SWEEP: tuple[SweepCase, ...] = (
                                                       _K + "paged_latent:_paged_latent_step_kernel",
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
-    SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",), captured=False, cost=3),
+    SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",
+                                          _K + "block_loss:_teacher_stats_kernel"), captured=False, cost=5),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
                                         _K + "latent_block_attention:_latent_block_attention_combine_kernel"), cost=42),
     SweepCase("paged_attention", _paged_attention, (_K + "paged_attention:_paged_attention_kernel",

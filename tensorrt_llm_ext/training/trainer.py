@@ -248,10 +248,11 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
 
 def loss_layout() -> str:
     """The vocabulary-wide loss's layout (:data:`.fused_loss.LAYOUTS`): ``TLLM_EXT_LOSS_LAYOUT``, default
-    ``"dedup"`` (one GEMM each way for the draft logits, the teacher's logits once per position; tested equal to
-    the eager objective at 2e-5 in fp32: tests/integration/test_drafter_loss_layouts.py); ``"rows"``: the first
-    layout."""
-    return os.environ.get("TLLM_EXT_LOSS_LAYOUT", "dedup")
+    ``"rows"`` (the layout measured on the H200); ``"dedup"``: one GEMM each way for the draft logits, the
+    teacher's logits once per position (tested equal to the eager objective at 2e-5 in fp32:
+    tests/integration/test_drafter_loss_layouts.py; estimated ~25 ms less per SmolLM2 step, not yet measured: the
+    default once `scripts/drafter_throughput.py --profile` shows it faster on the GPU)."""
+    return os.environ.get("TLLM_EXT_LOSS_LAYOUT", "rows")
 
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
