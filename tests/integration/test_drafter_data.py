@@ -149,16 +149,10 @@ def test_answer_generation_logs_within_a_chunk_without_a_progress_bar(tmp_path, 
     """--no-progress: the answers' decode still logs every log_every_s, inside one chunk's decode too (was: one
     line per chunk of 4 x gen_batch prompts, nothing for minutes on a CPU)."""
     import logging
-    import shutil
-
-    from tensorrt_llm_ext.runtime.export import export_model
-    from tensorrt_llm_ext.runtime.config import load_config
-    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
     from tensorrt_llm_ext.training.data import regenerate
 
-    d = tmp_path / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path / "tiny")
     with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
         data = regenerate(d, [[5, 6, 7], [9, 3]], max_new_tokens=4, temperatures=[0.0, 0.0], top_p=1.0, seed=0,
                           batch_size=4, device=torch.device("cpu"), cuda_graph=False, log_every_s=0.0)
@@ -206,19 +200,14 @@ def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forwar
     """regenerate's loop (one queue, shortest first, overlap scheduler, grouped admission at batch 2) gives every
     request the tokens Engine.generate gives it; teacher_pass_dense (SDPA attention, no cache) equals the target's
     paged forward on those sequences."""
-    import shutil
-
     from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.runtime.export import export_model
     from tensorrt_llm_ext.runtime.requests import Request
-    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+    from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
     from tensorrt_llm_ext.training.data import load_target, regenerate, teacher_pass
 
-    d = tmp_path / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path / "tiny")
     prompts = [[5, 6, 7, 8, 9], [9, 3], [4, 4, 4], [100, 200, 300, 400], [17]]
     temps = [0.0, 0.8, 0.0, 1.0, 0.0]
     data = regenerate(d, prompts, max_new_tokens=6, temperatures=temps, top_p=0.9, seed=3, batch_size=2,

@@ -74,15 +74,9 @@ def test_row_kernel_reads_shared_teacher_rows_and_their_stats():
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    import shutil
+    from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 
-    from tensorrt_llm_ext.runtime.config import load_config
-    from tensorrt_llm_ext.runtime.export import export_model
-    from tensorrt_llm_ext.testing.tiny_models import tiny_model
-
-    d = tmp_path_factory.mktemp("target") / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path_factory.mktemp("target") / "tiny")
     return d
 
 

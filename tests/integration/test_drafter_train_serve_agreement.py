@@ -16,7 +16,6 @@ positions, the captured layers or the Markov chain's first token breaks these eq
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -24,9 +23,8 @@ import torch
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, read_drafter_config
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
-from tensorrt_llm_ext.runtime.export import export_model
 from tensorrt_llm_ext.runtime.requests import Request
-from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 from tensorrt_llm_ext.training.data import load_target, teacher_pass
 from tensorrt_llm_ext.training.drafter_forward import block_forward
 from tensorrt_llm_ext.training import trainer
@@ -60,9 +58,7 @@ def _greedy_by_teacher_passes(model_dir, prompts, *, max_new_tokens, **_):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = tmp_path_factory.mktemp("agree") / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path_factory.mktemp("agree") / "tiny")
     tc = TrainConfig(**KNOBS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "regenerate", _greedy_by_teacher_passes)

@@ -16,8 +16,7 @@ from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, P
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, read_drafter_config
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafter, DSparkDrafterConfig, generate_full_state_dict
 from tensorrt_llm_ext.runtime.config import load_config
-from tensorrt_llm_ext.runtime.export import export_model
-from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 from tensorrt_llm_ext.training.drafter_forward import block_logits
 from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
 
@@ -71,9 +70,7 @@ def test_training_forward_equals_the_serving_drafter(backend, latent):
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")  # the target alone, as an imported checkpoint is
+    d = export_tiny_target(tmp_path_factory.mktemp("target") / "tiny")
     return d
 
 

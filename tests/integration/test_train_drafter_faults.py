@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.cli import main
-from tensorrt_llm_ext.runtime.config import load_config
-from tensorrt_llm_ext.runtime.export import export_model
-from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 from tensorrt_llm_ext.training import trainer
 
 TINY = ["--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--eval-prompts", "0", "--num-layers",
@@ -22,9 +20,7 @@ TINY = ["--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--ev
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults") / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path_factory.mktemp("faults") / "tiny")
     return d
 
 

@@ -5,7 +5,6 @@ alone), and it trains from there."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,9 +12,7 @@ from safetensors.torch import load_file
 
 from tensorrt_llm_ext.cli import main
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
-from tensorrt_llm_ext.runtime.config import load_config
-from tensorrt_llm_ext.runtime.export import export_model
-from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 from tensorrt_llm_ext.training.trainer import TrainConfig, initial_weights
 
 
@@ -47,9 +44,7 @@ def test_embedding_init_maps_the_previous_tokens_embedding():
 
 
 def test_training_from_the_embedding_init_learns_the_markov_map(tmp_path):
-    d = tmp_path / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path / "tiny")
     assert main(["train-drafter", str(d), "--init", "embedding", "--num-prompts", "8", "--max-new-tokens", "12",
                  "--gen-batch", "8", "--eval-prompts", "2", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8",
                  "--latent-dim", "8", "--intermediate-size", "32", "--draft-len", "3", "--batch-seqs", "2",

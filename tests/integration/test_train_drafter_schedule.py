@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.cli import main
-from tensorrt_llm_ext.runtime.config import load_config
-from tensorrt_llm_ext.runtime.export import export_model
-from tensorrt_llm_ext.testing.tiny_models import tiny_model
+from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
 from tensorrt_llm_ext.training.trainer import TrainConfig, fitted_lr, sample_anchors
 
 
@@ -47,9 +45,7 @@ def test_fitted_schedule_follows_the_larger_progress_and_ends_at_zero():
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    d = tmp_path_factory.mktemp("target") / "tiny"
-    export_model(load_config(**tiny_model()), d)
-    shutil.rmtree(d / "dspark_drafter")
+    d = export_tiny_target(tmp_path_factory.mktemp("target") / "tiny")
     return d
 
 
