@@ -1,4 +1,5 @@
-"""The distillation loss's layouts (training/fused_loss.py): the draft logits as one GEMM each way ("joint") and the
+"""The distillation loss's layouts (training/fused_loss.py): a teacher row per block row ("rows"), the draft logits as
+one GEMM each way ("joint") and the
 teacher's logits once per teacher position ("dedup") give the eager objective, whatever the rows' order, the
 chunking and the vocabulary size."""
 
@@ -27,7 +28,7 @@ def _inputs(n=23, h=16, v=301, r=4, positions=7, seed=0):
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-@pytest.mark.parametrize("layout", ["joint", "dedup"])
+@pytest.mark.parametrize("layout", ["rows", "joint", "dedup"])
 @pytest.mark.parametrize("v", [301, 257])
 def test_loss_layouts_equal_the_eager_objective(kernel, layout, v):
     """Loss, per-row TV / CE / top-1 agreement (in the caller's row order) and the gradients w.r.t. the hidden
@@ -37,9 +38,10 @@ def test_loss_layouts_equal_the_eager_objective(kernel, layout, v):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
     hid, rows_m, w2, head, teacher_u, index, y, c_tv, c_ce, c_kl = _inputs(v=v)
     outs = []
+    shared = layout == "dedup"  # one teacher row per position, read through the index
     runs = ((eager_block_loss, teacher_u[index], {}),
-            (fused_block_loss, teacher_u[index] if layout == "joint" else teacher_u,
-             {"rows": 5, "kernel": kernel, "joint": True, "teacher_index": None if layout == "joint" else index}))
+            (fused_block_loss, teacher_u if shared else teacher_u[index],
+             {"rows": 5, "kernel": kernel, "joint": layout != "rows", "teacher_index": index if shared else None}))
     for fn, teacher, kw in runs:
         x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
         loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
