@@ -1,7 +1,6 @@
 """The distillation loss's layouts (training/fused_loss.py): a teacher row per block row ("rows"), the draft logits as
-one GEMM each way ("joint") and the
-teacher's logits once per teacher position ("dedup") give the eager objective, whatever the rows' order, the
-chunking and the vocabulary size."""
+one GEMM each way ("joint") and the teacher's logits once per teacher position ("dedup") give the eager objective,
+whatever the rows' order, the chunking and the vocabulary size."""
 
 from __future__ import annotations
 
