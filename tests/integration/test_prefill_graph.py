@@ -158,11 +158,10 @@ def test_gpu_captured_prefill_buckets_equal_eager():
     reqs = _requests(PROMPTS)
     for mode in ("speculative", "target_only"):
         want = [r.output_ids for r in eager.generate(reqs, mode)[0]]
-        assert [r.output_ids for r in graphed.generate(reqs, mode)[0]] == want
-        assert [r.output_ids for r in graphed.generate(_requests([PROMPTS[3]]), mode)[0]] == [want[3]]
+        assert [r.output_ids for r in graphed.generate(reqs, mode)[0]] == want  # the same admissions and steps
     runner = graphed.prefill_runner
     assert runner is not None and sorted(runner.graphs) == [16, 32, 64] and runner.eager_calls == 0
-    assert sum(runner.replays.values()) >= 2 * len(PROMPTS)
+    assert sum(runner.replays.values()) == 2 * len(PROMPTS)  # one piece per prompt and mode
     # a capture with a request's K/V in the cache: only the scratch page is written, and it is restored
     eng = graphed
     eng.pages.allocate(0, eng.pages_for(reqs[4]))
