@@ -110,7 +110,7 @@ class Engine:
             target-only decode), per batch size and step variant, on first use of each (CUDA only; the
             batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``); with
             ``cuda_graph_config.prefill_max_tokens``, also the prefill's target forward per token bucket
-            (:mod:`~tensorrt_llm_ext.runtime.prefill_graph`), captured after the first decode runner's graphs.
+            (:mod:`~tensorrt_llm_ext.runtime.prefill_graph`), captured after the decode runners' graphs.
         weights: optional FULL ``(target, drafter)`` state dicts in memory instead of the configured ones
             (:func:`~tensorrt_llm_ext.runtime.model_loader.build_models`).
     """
@@ -165,13 +165,12 @@ class Engine:
         # Chunked prefill: the tokens of one prefill forward (None: a prefill is one forward).
         self.prefill_chunk_tokens = self.max_num_tokens if config.enable_chunked_prefill else None
         # The prefill's target forward in captured token buckets (cuda_graph_config.prefill_max_tokens; captured
-        # once, after the first decode runner's graphs): none where graphs are off. A row of one call runs at
-        # most max_num_tokens and max_seq_len tokens: no bucket above.
+        # after the decode runners' graphs, _capture_prefill): none where graphs are off. A row of one call runs
+        # at most max_num_tokens and max_seq_len tokens: no bucket above.
         cg = config.cuda_graph_config
         self.prefill_buckets = (prefill_buckets(cg.prefill_max_tokens, min(self.max_num_tokens, config.max_seq_len))
                                 if use_cuda_graph and cg is not None and cg.prefill_max_tokens else ())
         self.prefill_runner: PrefillGraphRunner | None = None
-        self._prefill_captured = False
         # The drafter's confidence head (when it has one) per step: ``_pending_confidences[slot]`` are the
         # confidences of the drafts the slot's next step verifies (from its prefill or its last step);
         # ``step_confidences[row]`` those the last collected step verified (None: no head, or a row without).
@@ -247,11 +246,17 @@ class Engine:
         return runner
 
     def _capture_prefill(self) -> None:
-        """Capture the prefill's token buckets once, after the first decode runner's graphs, in the same pool
-        (every rank at the same point: capture agrees across ranks); a failure leaves the prefill eager."""
-        if self._prefill_captured or not self.prefill_buckets:
+        """Capture the prefill's token buckets after every decode runner's graphs, in the same pool (every rank at
+        the same point: capture agrees across ranks); a failure leaves the prefill eager.
+
+        Again after each new decode runner (an engine serving one decode captures them once): a decode graph
+        captured after the prefill graphs could place its outputs in their freed intermediates, and a prefill
+        launched between that step and the read of its logits (the scheduler prefills behind a launched step)
+        would overwrite them. Captured last, the prefill graphs never reuse a live output of another graph; a
+        later replay of another graph may overwrite theirs, which the runner copies out at once."""
+        if not self.prefill_buckets:
             return
-        self._prefill_captured = True
+        self.use_prefill_runner(None)  # the older graphs' memory back to the pool first
         runner = PrefillGraphRunner(self.target, self.state.kv_cache, self.state.dummy_slot, self.prefill_buckets,
                                     pool=self._graph_pool)
         self.use_prefill_runner(runner if runner.capture(self.mapping) else None)

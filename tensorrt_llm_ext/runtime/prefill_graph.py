@@ -21,8 +21,8 @@ query rows: the small buckets): a key range past the table would need more piece
 tile's arrival counter would be left non-zero for later launches. (The eager batched prefill has no such guard:
 a ragged block whose short rows start near ``max_seq_len`` can pad past the table; not changed here.)
 
-**Capture** (:meth:`PrefillGraphRunner.capture`): at engine start, right after the first decode runner's
-graphs, every bucket largest first (its warm-up sizes the lazily grown buffers), all in the engine's one graph
+**Capture** (:meth:`PrefillGraphRunner.capture`): at engine start, right after the decode runner's graphs (and
+again after any decode runner captured later: :meth:`Engine._capture_prefill` says why), every bucket largest first (its warm-up sizes the lazily grown buffers), all in the engine's one graph
 pool; agreed across the TP group like the decode graphs (a failure on any rank: every rank prefills eagerly).
 Warm-up and capture run on the dummy slot, whose page-table row is the scratch page everywhere, at positions
 ``0 .. T_b-1`` (below the table's width: the largest bucket is at most ``max_seq_len``): the only cache memory
@@ -48,7 +48,7 @@ launches, SmolLM2 prompt >32  ~282 (30 x 9 + ~12)                          per p
 host time, SmolLM2            ~4.7 ms (30 x (5 x 25 + 4 x 7) us + ~80 us)  ~50-60 us per piece + ~20 us per call
                                                                            (4-row admission: ~0.25 ms)
 host time, prompt <= 32       ~3.8 ms (150 fused-layer Triton launches)    the same ~60 us
-device time                   one ``[R, T]`` forward                       R pieces of ``T_b < 2 m`` tokens each
+device time                   one ``[R, T]`` forward                       R pieces of ``T_b <= max(16, 2m - 2)``
 ============================  ===========================================  ==========================================
 
 Device cost of the padding and of the per-row pieces: each piece streams the weights once. SmolLM2's weights
