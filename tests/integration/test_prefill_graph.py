@@ -18,6 +18,7 @@ from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.prefill_graph import PrefillGraphRunner, plan_prefill, prefill_buckets
 from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -85,6 +86,40 @@ def test_bucketed_generate_equals_eager(mode):
     # batched: the first four admitted together (4 slots), the 58-token one after a finish
     assert [r.output_ids for r in bucketed.generate(_requests(PROMPTS), mode)[0]] == want
     assert runner.eager_calls == 0 and sum(runner.replays.values()) == 10
+
+
+def _serve(eng: Engine, mode: str, arrivals: dict[int, list[Request]]) -> list[list[int]]:
+    """The serving loop's plans under the overlap scheduler: requests join at their plan and are admitted while
+    others decode (their prefill runs behind a launched step). Tokens per request, in arrival order."""
+    sch = Scheduler(eng, mode=mode, overlap=True)
+    order = [r for i in sorted(arrivals) for r in arrivals[i]]
+    queue, out, done = [], {}, set()
+    for i in range(300):
+        queue += [(order.index(r), r) for r in arrivals.get(i, [])]
+        n = sch.admissible(r for _, r in queue)
+        admit, queue = queue[:n], queue[n:]
+        for e in sch.apply(StepPlan(admit=admit))[0]:
+            out.setdefault(e.handle, []).extend(e.tokens)
+            if e.finish_reason is not None:
+                done.add(e.handle)
+        if len(done) == len(order):
+            return [out[h] for h in range(len(order))]
+    raise AssertionError("not finished")
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_bucketed_overlap_serving_equals_eager(mode):
+    """serve's loop (overlap scheduler, admissions between steps, greedy and seeded sampled rows): the tokens of
+    the eager prefill, every admission bucketed."""
+    def arrivals():
+        reqs = [Request(list(p), max_new_tokens=6, ignore_eos=True,
+                        sampling=SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i))
+                for i, p in enumerate(PROMPTS)]
+        return {0: reqs[:2], 2: reqs[2:3], 3: reqs[3:4], 5: reqs[4:]}
+    eager, bucketed = _engine(), _engine()
+    runner = _bucketed(bucketed, prefill_buckets(64, MAX_SEQ))
+    assert _serve(bucketed, mode, arrivals()) == _serve(eager, mode, arrivals())
+    assert sum(runner.replays.values()) == len(PROMPTS) and runner.eager_calls == 0
 
 
 def test_bucketed_kv_equals_eager():
