@@ -22,8 +22,9 @@ tile's arrival counter would be left non-zero for later launches. (The eager bat
 a ragged block whose short rows start near ``max_seq_len`` can pad past the table; not changed here.)
 
 **Capture** (:meth:`PrefillGraphRunner.capture`): at engine start, right after the decode runner's graphs (and
-again after any decode runner captured later: :meth:`Engine._capture_prefill` says why), every bucket largest first (its warm-up sizes the lazily grown buffers), all in the engine's one graph
-pool; agreed across the TP group like the decode graphs (a failure on any rank: every rank prefills eagerly).
+again after any decode runner captured later: :meth:`Engine._capture_prefill` says why), every bucket largest
+first (its warm-up sizes the lazily grown buffers), all in the engine's one graph pool; agreed across the TP
+group like the decode graphs (a failure on any rank: every rank prefills eagerly).
 Warm-up and capture run on the dummy slot, whose page-table row is the scratch page everywhere, at positions
 ``0 .. T_b-1`` (below the table's width: the largest bucket is at most ``max_seq_len``): the only cache memory
 written is the scratch page, snapshotted before and restored after, as the decode runner does -- so capture
@@ -60,8 +61,8 @@ Not captured here (host time left in a prefill): the drafter's context latents, 
 the first block decode and the sync for the first tokens.
 
 Memory (bf16, 3 captured layers: static outputs ``[T_b, H]`` + ``[T_b, 3H]`` = ``8 H`` bytes a token, kept
-per bucket; the static inputs are views of one ``[1, T_max]`` set; the largest bucket's transient workspace is
-reserved in the pool, shared by the buckets and the decode graphs):
+per bucket; the static inputs, 16 B a token, are views of one ``[1, T_max]`` set; the largest bucket's transient
+workspace is reserved in the pool, shared by the buckets and the decode graphs):
 
 * SmolLM2-135M (H 576, I 1536): 4.6 KB a token of outputs: buckets 16 .. 2048: ~19 MB, 16 .. 8192: ~75 MB;
   workspace of the largest bucket ~9 KB a token (gate-up and SiLU-mul outputs) + the hidden states: ~20 MB at

@@ -27,7 +27,8 @@ MAX_SEQ = 64
 TINY = {"model.target.num_layers": 1, "model.target.capture_layers": [0], "max_batch_size": 4, "max_seq_len": MAX_SEQ}
 MAX_NEW = 5
 # 1, 15, 16, 17 tokens (a bucket's edges) and one near max_seq_len (58 + 5 new of 64).
-PROMPTS = [[101], list(range(30, 45)), list(range(60, 76)), list(range(90, 107)), [(7 * i) % 500 + 3 for i in range(58)]]
+PROMPTS = [[101], list(range(30, 45)), list(range(60, 76)), list(range(90, 107)),
+           [(7 * i) % 500 + 3 for i in range(58)]]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -63,7 +64,8 @@ def test_plan_prefill_rule():
 
 def test_knob_validation():
     assert load_config(**tiny_model()).cuda_graph_config.prefill_max_tokens == 0  # off by default
-    assert load_config(**tiny_model(**{"cuda_graph_config.prefill_max_tokens": 16})).cuda_graph_config.prefill_max_tokens == 16
+    on = load_config(**tiny_model(**{"cuda_graph_config.prefill_max_tokens": 16}))
+    assert on.cuda_graph_config.prefill_max_tokens == 16
     for bad in (8, -1, 1):
         with pytest.raises(ConfigError, match="prefill_max_tokens must be 0 .off. or at least 16"):
             load_config(**tiny_model(**{"cuda_graph_config.prefill_max_tokens": bad}))
