@@ -33,6 +33,7 @@ Example::
     cuda_graph_config:                 # on a GPU (default on): capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]        # default: powers of two up to max_batch_size, and max_batch_size
       enable_padding: true
+      prefill_max_tokens: 0            # > 0: the prefill's target forward in token buckets up to it (not measured)
 """
 
 from __future__ import annotations
@@ -207,6 +208,10 @@ class SpeculativeConfig(_Strict):
         return self
 
 
+# The smallest prefill token bucket (cuda_graph_config.prefill_max_tokens; runtime/prefill_graph.py).
+MIN_PREFILL_BUCKET = 16
+
+
 class CudaGraphConfig(_Strict):
     """``cuda_graph_config``: on a CUDA device every decode step (speculative and target-only) is captured
     per batch size and step variant whenever this section is present -- it is by default; ``null`` turns
@@ -215,6 +220,17 @@ class CudaGraphConfig(_Strict):
     batch_sizes: tuple[StrictInt, ...] | None = None  # None: powers of two up to max_batch_size
     enable_padding: StrictBool = True
     max_batch_size: StrictInt | None = Field(None, ge=1)
+    # The prefill's target forward captured per token bucket [1, T_b] (powers of two from 16 up to this, capped at
+    # max_num_tokens and max_seq_len; runtime/prefill_graph.py); 0: eager prefill (the default until measured).
+    prefill_max_tokens: StrictInt = 0
+
+    @field_validator("prefill_max_tokens")
+    @classmethod
+    def _prefill_tokens(cls, v):
+        if v != 0 and v < MIN_PREFILL_BUCKET:
+            raise ValueError(f"prefill_max_tokens must be 0 (off) or at least {MIN_PREFILL_BUCKET} (the smallest "
+                             f"token bucket), got {v}")
+        return v
 
     @field_validator("batch_sizes")
     @classmethod

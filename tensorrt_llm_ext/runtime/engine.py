@@ -43,6 +43,7 @@ from tensorrt_llm_ext.runtime.config import RuntimeConfig
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.model_loader import build_models
+from tensorrt_llm_ext.runtime.prefill_graph import PrefillGraphRunner, prefill_buckets
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE, Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
@@ -107,7 +108,9 @@ class Engine:
         device: default CUDA when available, else CPU.
         use_cuda_graph: capture every decode step this engine runs (the speculative step and the
             target-only decode), per batch size and step variant, on first use of each (CUDA only; the
-            batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``).
+            batch sizes and padding from ``cuda_graph_config``, or derived from ``max_batch_size``); with
+            ``cuda_graph_config.prefill_max_tokens``, also the prefill's target forward per token bucket
+            (:mod:`~tensorrt_llm_ext.runtime.prefill_graph`), captured after the decode runners' graphs.
         weights: optional FULL ``(target, drafter)`` state dicts in memory instead of the configured ones
             (:func:`~tensorrt_llm_ext.runtime.model_loader.build_models`).
     """
@@ -161,6 +164,13 @@ class Engine:
         self.chunked_prefill = config.enable_chunked_prefill
         # Chunked prefill: the tokens of one prefill forward (None: a prefill is one forward).
         self.prefill_chunk_tokens = self.max_num_tokens if config.enable_chunked_prefill else None
+        # The prefill's target forward in captured token buckets (cuda_graph_config.prefill_max_tokens; captured
+        # after the decode runners' graphs, _capture_prefill): none where graphs are off. A row of one call runs
+        # at most max_num_tokens and max_seq_len tokens: no bucket above.
+        cg = config.cuda_graph_config
+        self.prefill_buckets = (prefill_buckets(cg.prefill_max_tokens, min(self.max_num_tokens, config.max_seq_len))
+                                if use_cuda_graph and cg is not None and cg.prefill_max_tokens else ())
+        self.prefill_runner: PrefillGraphRunner | None = None
         # The drafter's confidence head (when it has one) per step: ``_pending_confidences[slot]`` are the
         # confidences of the drafts the slot's next step verifies (from its prefill or its last step);
         # ``step_confidences[row]`` those the last collected step verified (None: no head, or a row without).
@@ -196,6 +206,7 @@ class Engine:
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
                              verification_mode=verification, prefill_chunk_tokens=self.prefill_chunk_tokens)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
+            w.prefill_runner = self.prefill_runner
             self._workers[key] = w
         return self._workers[key]
 
@@ -230,8 +241,32 @@ class Engine:
                                      enable_padding=self.enable_padding, pool=self._graph_pool)
             if runner.enabled:
                 runner.capture(self.mapping)
+                self._capture_prefill()
             self._runners[mode] = runner
         return runner
+
+    def _capture_prefill(self) -> None:
+        """Capture the prefill's token buckets after every decode runner's graphs, in the same pool (every rank at
+        the same point: capture agrees across ranks); a failure leaves the prefill eager.
+
+        Again after each new decode runner (an engine serving one decode captures them once): a decode graph
+        captured after the prefill graphs could place its outputs in their freed intermediates, and a prefill
+        launched between that step and the read of its logits (the scheduler prefills behind a launched step)
+        would overwrite them. Captured last, the prefill graphs never reuse a live output of another graph; a
+        later replay of another graph may overwrite theirs, which the runner copies out at once."""
+        if not self.prefill_buckets:
+            return
+        self.use_prefill_runner(None)  # the older graphs' memory back to the pool first
+        runner = PrefillGraphRunner(self.target, self.state.kv_cache, self.state.dummy_slot, self.prefill_buckets,
+                                    pool=self._graph_pool)
+        self.use_prefill_runner(runner if runner.capture(self.mapping) else None)
+
+    def use_prefill_runner(self, runner: PrefillGraphRunner | None) -> None:
+        """Run every worker's prefill target forward through ``runner`` (None: eagerly); the CPU tests pass an
+        uncaptured runner (its buckets run eagerly on the static buffers)."""
+        self.prefill_runner = runner
+        for w in self._workers.values():
+            w.prefill_runner = runner
 
     # -- generation ----------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:

@@ -83,6 +83,9 @@ class DSparkWorker(SpecWorkerBase):
         self.ops = ops
         # Chunked prefill: at most this many tokens per target forward of a prefill (None: one forward).
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # The prefill's target forward in captured token buckets (runtime/prefill_graph.py; set by the engine
+        # when cuda_graph_config.prefill_max_tokens is on); None: eager.
+        self.prefill_runner = None
         # A greedy-only worker passes no temperatures to selection (plain argmax, as a greedy-only
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
@@ -342,7 +345,7 @@ class DSparkWorker(SpecWorkerBase):
                 prev = torch.cat((tail.bonus_tokens.view(-1, 1).long(), drafts[:, :-1].long()), dim=1)
                 self.draft_confidences[:drafts.shape[0]].copy_(self.drafter.block_confidences(self._block_hidden, prev))
 
-    # -- prefill (eager, a batch of requests in one target forward) ------------------------------------
+    # -- prefill (a batch of requests in one target forward; eager but for its bucketed target forward) ----
     def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                 speculative: bool = True) -> int:
         """Context phase of one request on ``slot`` (:meth:`prefill_batch` of one): its first token."""
@@ -377,7 +380,8 @@ class DSparkWorker(SpecWorkerBase):
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
-        GEMM of another shape may round differently. Eager (not captured), synchronises once for the tokens.
+        GEMM of another shape may round differently. Eager but for the target forward, which replays captured
+        token buckets where the engine enabled them (:meth:`_prefill_forward`); synchronises once for the tokens.
         """
         self._check_prefill(slots, prompts, params)
         st = self.state
@@ -409,7 +413,7 @@ class DSparkWorker(SpecWorkerBase):
             ids = ids.to(dev)
             starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
             positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
-            out = self._prefill_forward(ids, positions, slots_t)
+            out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
             last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             ss = self.slot_sampling
@@ -447,7 +451,7 @@ class DSparkWorker(SpecWorkerBase):
         writing their K/V and, speculative, their drafter context latents; no token. A long prompt runs as such
         chunks between decode steps, then :meth:`prefill_batch` with ``starts=[end]`` runs its rest and picks
         its first token: the same tokens as one prefill (each chunk's K/V is written before a later one
-        attends it). Eager."""
+        attends it). Eager but for the target forward (:meth:`_prefill_forward`)."""
         n = len(prompt_ids)
         if not 0 <= start < end < n:
             raise ValueError(f"prefill_chunk: expected 0 <= start < end < {n} (the prompt's length), got {start}, {end}")
@@ -457,7 +461,7 @@ class DSparkWorker(SpecWorkerBase):
             ids = torch.tensor(list(prompt_ids[start:end]), dtype=torch.int64).to(dev)[None]
             positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
             slots_t = torch.tensor([slot], dtype=torch.int32, device=dev)
-            out = self._prefill_forward(ids, positions, slots_t)
+            out = self._prefill_forward(ids, positions, slots_t, [(start, end - start)])
             if speculative:
                 self._store_prompt_latents(out, slots_t.long(), positions,
                                            torch.tensor([n], dtype=torch.int64, device=dev))
@@ -478,12 +482,22 @@ class DSparkWorker(SpecWorkerBase):
         self.ops.store_context_latents(latents, pages, (pos % st.page_size).to(torch.int32), keep, st.latent_pool)
         return latents
 
-    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TargetOutput:
+    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         spans: list[tuple[int, int]]) -> TargetOutput:
         """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive
         column chunks of at most ``prefill_chunk_tokens`` tokens (``R`` rows x ``chunk`` columns), each writing
-        its K/V before the next attends it; the outputs are the same rows (``r * T + t``)."""
+        its K/V before the next attends it; the outputs are the same rows (``r * T + t``). ``spans[r]``: row
+        ``r``'s first position and real tokens (its positions are consecutive; the columns past them padding).
+
+        With a :attr:`prefill_runner` the rows (and chunks) replay its captured ``[1, T_b]`` buckets instead,
+        where its rule allows (:func:`~tensorrt_llm_ext.runtime.prefill_graph.plan_prefill`); a row's padding
+        columns then hold zeros (every caller masks them)."""
         r, t = ids.shape
         cols = t if self.prefill_chunk_tokens is None else max(1, self.prefill_chunk_tokens // r)
+        if self.prefill_runner is not None:
+            out = self.prefill_runner.run(ids, slots, spans, min(cols, t))
+            if out is not None:
+                return out
         if cols >= t:
             return self.target(ids, positions, slots, self.state.kv_cache)
         outs = [self.target(ids[:, s:s + cols], positions[:, s:s + cols], slots, self.state.kv_cache)
