@@ -206,8 +206,10 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     out_mask = row_ok[:, None] & d_ok[None, :]
-    # Pieces holding some key of this tile (1 for a prefill tile, which takes the whole range).
-    live = (kv_len + split_len - 1) // split_len if SPLIT else 1
+    # Pieces holding some key of this tile (1 for a prefill tile, which takes the whole range), at most the grid's:
+    # rows past the table (a ragged prefill block's padding) would count pieces no program runs, and the tile's
+    # counter would never come back to zero for the next launch.
+    live = tl.minimum((kv_len + split_len - 1) // split_len, num_splits) if SPLIT else 1
     if live > 1:
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         prow = ((b.to(tl.int64) * t_len + t) * num_heads + head) * num_splits
@@ -272,7 +274,7 @@ def _merge_pieces(part_o_ptr, part_lse_ptr, prow, pos, row_ok, d, d_ok, out_rows
     (UNROLL pieces' loads in flight at once). A piece past a row's own is an exact identity step (weight 0,
     rescale exp2(0) = 1), so a row's bits never depend on the pieces its tile's other rows use; a row of one
     piece gets exactly that piece's ``o`` (weight exp2(0) = 1 on zero sums)."""
-    used = (pos + split_len) // split_len
+    used = tl.minimum((pos + split_len) // split_len, live)  # a row past the table: the pieces that exist
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

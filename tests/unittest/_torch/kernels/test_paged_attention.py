@@ -290,3 +290,24 @@ def test_realistic_shapes_bf16_long_context_and_graph_replay(group, d, kvh):
     graph.replay()
     ref = paged_attention_reference(q, kp, vp, table, slots, pos, d ** -0.5)
     torch.testing.assert_close(o.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+def test_split_tile_past_its_table_leaves_no_counter_behind():
+    """A verify-shaped (split) tile whose padding rows reach past the slot's table -- a batched prefill's ragged
+    block can -- would need more fixed pieces than the launch has: the merge counts only the pieces that exist, so
+    the tile's counter is reset and the next call (the same counters) is exact; rows inside the table match the
+    twin in both calls."""
+    page_size, max_pages, t = 8, 2 * SPLIT_TOKENS // 8, 8
+    width = page_size * max_pages  # two fixed pieces in the grid
+    q, kp, vp, table, slots, pos = make_case(b=2, t=t, page_size=page_size, max_pages=max_pages, lens=[width, 150])
+    past = pos.clone()
+    past[0] = torch.arange(width - 4, width + 4)  # its last 4 rows: padding past the table (a third piece)
+    tile_counters(q.device, 1).zero_()
+    first = paged_attention(q, kp, vp, table, slots, past, 0.25)
+    assert tile_counters(q.device, 1).count_nonzero() == 0, "a tile's counter was left behind"
+    want = paged_attention_reference(q, kp, vp, table, slots, past, 0.25)
+    torch.testing.assert_close(first[0, :4], want[0, :4], **TOL[torch.float32])  # rows inside the table
+    torch.testing.assert_close(first[1], want[1], **TOL[torch.float32])
+    got = paged_attention(q, kp, vp, table, slots, pos, 0.25)
+    torch.testing.assert_close(got, paged_attention_reference(q, kp, vp, table, slots, pos, 0.25),
+                               **TOL[torch.float32])
