@@ -17,9 +17,10 @@ tokens than the largest bucket, or when its padding would reach a position at or
 land in the slot's own pages past the prompt (stale, like rejected drafts; every later step or chunk rewrites a
 position before any query attends it) or on the scratch page where the slot has no page; RoPE angles are
 computed from the positions (no table). The bound matters for paged attention's split tiles (``T * G <= 64``
-query rows: the small buckets): a key range past the table would need more pieces than the launch has, and the
-tile's arrival counter would be left non-zero for later launches. (The eager batched prefill has no such guard:
-a ragged block whose short rows start near ``max_seq_len`` can pad past the table; not changed here.)
+query rows: the small buckets): a key range past the table needs more pieces than the launch has. (Until
+2026-12-04 that left the tile's arrival counter non-zero for later launches -- reachable from the eager batched
+prefill, whose ragged block can pad short rows that start near ``max_seq_len`` past the table; the kernel now
+counts at most the grid's pieces. The bound stays here: a padding row past the table computes nothing useful.)
 
 **Capture** (:meth:`PrefillGraphRunner.capture`): at engine start, right after the decode runner's graphs (and
 again after any decode runner captured later: :meth:`Engine._capture_prefill` says why), every bucket largest
