@@ -40,6 +40,14 @@ from tensorrt_llm_ext.speculative.verification import (VerificationPlan, Verific
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def random_logits(b: int, k: int, width: int, scale: float, g: torch.Generator, device, dtype):
+    """Target rows ``[b, k + 1, width]`` of ``N(0, scale^2)`` and draft rows ``[b, k, width]``: the target's first
+    k rows plus ``N(0, (scale / 2)^2)`` noise (a draft close to its target, as a trained drafter is)."""
+    tgt = (scale * torch.randn(b, k + 1, width, generator=g, device=device)).to(dtype)
+    drf = (tgt[:, :k].float() + 0.5 * scale * torch.randn(b, k, width, generator=g, device=device)).to(dtype)
+    return tgt, drf
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=200064)
     p.add_argument("--draft-len", type=int, default=7)
@@ -48,6 +56,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="shard widths ceil(V / tp) to time on one GPU (1 = the full vocabulary, no exchange)")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--logit-scale", type=float, default=1.0,
+                   help="the random logits' standard deviation (1: standard normal rows, the table's default; 4: the "
+                        "scale of bench step's random-weight LM head, where top-p keeps a small part of a row); every "
+                        "column of the run, peers included, reads the same rows")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--block-size", type=int, default=1024, help="columns per tile of every verification kernel")
     p.add_argument("--num-splits", type=int, default=32, help="column chunks (programs) per row, at most")
@@ -160,8 +172,7 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
     width = -(-vocab // tp)
     for b in batches:
         g = torch.Generator(device=device).manual_seed(5)
-        tgt = torch.randn(b, k + 1, width, generator=g, device=device).to(dtype)
-        drf = (tgt[:, :k].float() + 0.5 * torch.randn(b, k, width, generator=g, device=device)).to(dtype)
+        tgt, drf = random_logits(b, k, width, args.logit_scale, g, device, dtype)
         tokens = torch.randint(0, width, (b, k), generator=g, device=device)
         temps = torch.full((b,), args.temperature, device=device)
         seeds = torch.arange(b, dtype=torch.int64, device=device)
@@ -213,8 +224,9 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
             s1, _ = column_plan(rt + rq, width, STAT_BLOCK, splits)
             g = torch.Generator(device=device).manual_seed(b * 11 + tp)
             n_sets = rotation_count((rt + rq) * width * elt, max_sets=16) if not timer.smoke else 1
-            sets = [(torch.randn(rt, width, generator=g, device=device).to(dtype),
-                     torch.randn(rq, width, generator=g, device=device).to(dtype)) for _ in range(n_sets)]
+            sets = [((args.logit_scale * torch.randn(rt, width, generator=g, device=device)).to(dtype),
+                     (args.logit_scale * torch.randn(rq, width, generator=g, device=device)).to(dtype))
+                    for _ in range(n_sets)]
             tokens = torch.randint(start, vocab, (b, k), generator=g, device=device)
             temps = torch.full((b,), args.temperature, device=device)
             keys2 = torch.empty(rt + rq, s2, 2, dtype=torch.int64, device=device)
@@ -363,9 +375,7 @@ def run(args: argparse.Namespace) -> None:
             g = torch.Generator(device=device).manual_seed(b * 7 + tp)
             sets = []
             for _ in range(n_sets):
-                tgt = torch.randn(b, k + 1, width, generator=g, device=device).to(dtype)
-                drf = (tgt[:, :k].float() + 0.5 * torch.randn(b, k, width, generator=g, device=device)).to(dtype)
-                sets.append((tgt, drf))
+                sets.append(random_logits(b, k, width, args.logit_scale, g, device, dtype))
             tokens = torch.randint(0, width, (b, k), generator=g, device=device)
             temps = torch.full((b,), args.temperature, device=device)
             seeds = torch.arange(b, dtype=torch.int64, device=device)
@@ -395,8 +405,7 @@ def run(args: argparse.Namespace) -> None:
                 if not args.no_stock and key not in stock_cache:
                     full_bytes = b * (2 * k + 1) * vocab * elt
                     n_full = rotation_count(full_bytes, max_sets=4) if not timer.smoke else 1
-                    fulls = [(torch.randn(b, k + 1, vocab, generator=g, device=device).to(dtype),
-                              torch.randn(b, k, vocab, generator=g, device=device).to(dtype)) for _ in range(n_full)]
+                    fulls = [random_logits(b, k, vocab, args.logit_scale, g, device, dtype) for _ in range(n_full)]
                     ftok = torch.randint(0, vocab, (b, k), generator=g, device=device)
                     u = torch.rand(b, k, generator=g, device=device)
                     stock_cache[key] = stock_timer.time_graph([
@@ -427,6 +436,8 @@ def run(args: argparse.Namespace) -> None:
         notes=[
             f"copy bandwidth (read+write) {fmt(bw / 1e12, 2)} TB/s; floor = target + draft logits of the owned "
             "columns read once at that rate.",
+            f"logits: target rows N(0, {args.logit_scale:g}^2), draft rows the target's plus N(0, "
+            f"{args.logit_scale / 2:g}^2) (--logit-scale); every column of this run reads the same rows.",
             "ours = one rank's kernels on shard-sized inputs, exchange latency not included (listed as calls and "
             "bytes); stock = gathered full-vocabulary softmax + torch.sort top-p + rejection test + Gumbel draw.",
             "goal, vLLM MRv2, FlashInfer: issue 28's goals and the peers' numbers measured on the H200 on "

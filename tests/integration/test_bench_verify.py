@@ -49,3 +49,15 @@ def test_bench_verify_one_pass_stats_times_both_forms(capsys, monkeypatch):
     rows = re.findall(r"^\| (\d+) +\| (\d+) +\| 1 ", text, flags=re.M)
     assert rows == [("1", "4096"), ("2", "2048")]  # smoke: V = 3079, widths 1024 ceil(ceil(V / tp) / 1024)
     assert launched.count("block_stats") >= 2 and launched.count("verify_sums") >= 2
+
+
+def test_random_logits_have_the_asked_scale_and_a_close_draft():
+    """--logit-scale: target rows of that standard deviation, draft rows the target's plus half of it as noise."""
+    from tensorrt_llm_ext.bench.verify import random_logits
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 4.0):
+        tgt, drf = random_logits(2, 3, 8192, scale, g, "cpu", torch.float32)
+        assert tgt.shape == (2, 4, 8192) and drf.shape == (2, 3, 8192)
+        assert abs(float(tgt.std()) / scale - 1) < 0.03
+        assert abs(float((drf - tgt[:, :3]).std()) / (scale / 2) - 1) < 0.03
