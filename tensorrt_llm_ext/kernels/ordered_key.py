@@ -236,6 +236,35 @@ def gumbel2_noise(seed, offset, gid, SALT: tl.constexpr):
     return gumbel2_from_word(pick_word((g & 3).to(tl.int32), r0, r1, r2, r3))
 
 
+@triton.jit
+def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+    """:func:`gumbel2_noise` of runs of four consecutive ids, from one Philox call per run.
+
+    ``first_gid`` ``[R, G]`` (or ``[1, G]``): the global id of each run's first column; ``seed`` / ``offset``
+    broadcast with it to ``[R, G]`` (per row ``[R, 1]``, or scalars). Returns ``[R, 4G]`` fp32 whose element
+    ``(r, 4 i + j)`` is, bit for bit, ``gumbel2_noise(seed[r], offset[r], first_gid[i] + j, SALT)`` (ids
+    below ``2^32 - 4``, which every vocabulary is). ``ALIGNED`` (every ``first_gid % 4 == 0``, e.g. a shard
+    whose first id is a multiple of 4): run ``i`` is exactly Philox block ``first_gid // 4``, one call per
+    four ids. Otherwise a run straddles two blocks and takes the tail words of one and the head words of
+    the next (two calls per four ids, still half the per-element form's). The runs' words are joined along
+    new minor axes and reshaped to ``[R, 4G]``: the Gumbel map after them runs once per element.
+    """
+    g = first_gid.to(tl.int64) & 4294967295
+    a0, a1, a2, a3 = gumbel_words4(seed, offset, g >> 2, SALT)
+    if ALIGNED:
+        w0, w1, w2, w3 = a0, a1, a2, a3
+    else:
+        b0, b1, b2, b3 = gumbel_words4(seed, offset, (g >> 2) + 1, SALT)
+        m = (g & 3).to(tl.int32)  # id first_gid + j is word m + j of block a (m + j < 4), else m + j - 4 of b
+        w0 = pick_word(m, a0, a1, a2, a3)
+        w1 = tl.where(m < 3, pick_word(m + 1, a0, a1, a2, a3), b0)
+        w2 = tl.where(m < 2, pick_word(m + 2, a0, a1, a2, a3), pick_word(m - 2, b0, b1, b2, b3))
+        w3 = tl.where(m < 1, a3, pick_word(m - 1, b0, b1, b2, b3))
+    # join(join(w0, w2), join(w1, w3))[r, i, p, q] = w_(2p + q): row-major reshape puts w_j at column 4 i + j.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [w0.shape[0], w0.shape[1] * 4])
+    return gumbel2_from_word(words)
+
+
 # ----------------------------------------------------------------------------------------------------
 # torch twins (host/eager; also what tests and the exchange use)
 # ----------------------------------------------------------------------------------------------------
