@@ -70,7 +70,7 @@ def _markov_select_kernel(
     counts_ptr, w1_ptr, h_ptr, tokens_ptr,
     k, v_local, vocab_start, vocab_size, cur_slot, next_slot, n_col_progs, r,
     stride_bb, stride_bk, stride_bias, stride_ob, stride_ok, stride_slot, stride_w1, stride_h, stride_tok,
-    SAMPLE: tl.constexpr, SALT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
+    SAMPLE: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
     FOLD: tl.constexpr, LAST_STEP: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Grid (B, column blocks): biased = base[:, k] + bias (logits dtype), store, MAX the block's key into
@@ -88,8 +88,9 @@ def _markov_select_kernel(
         temp = tl.load(temps_ptr + b)
         seed = tl.load(seeds_ptr + b)
         off = tl.load(offsets_ptr + b) + k
-        zeros = tl.zeros([BLOCK_V], dtype=tl.int64)
-        s = selection_score(s, gid, temp > 0, gumbel_scale(temp), seed + zeros, off + zeros, SAMPLE, SALT)
+        # Runs of four consecutive columns (BLOCK_V is a multiple of 4): one Philox block per run.
+        first_gid = (tl.program_id(1) * BLOCK_V + 4 * tl.arange(0, BLOCK_V // 4)).to(tl.int64)[None, :] + vocab_start
+        s = selection_score(s, first_gid, temp > 0, gumbel_scale(temp), seed, off, SAMPLE, ALIGNED, SALT)
     best, col = block_best(ordered_i32(s), cols, cmask & (gid < vocab_size), 0)
     key_ptr = keys_ptr + cur_slot * stride_slot + b
     tl.atomic_max(key_ptr, pack_key(best, col.to(tl.int64) + vocab_start))
@@ -169,7 +170,8 @@ def markov_select(base, bias, out, keys, temps, seeds, offsets, *, k: int, vocab
         k, v_local, vocab_start, vocab_size, cur_slot, (cur_slot + 1) % 3, n_col, r,
         base.stride(0), base.stride(1), bias.stride(0), out.stride(0), out.stride(1), keys.stride(0),
         stride_w1, stride_h, stride_tok,
-        SAMPLE=sample, SALT=salt, OUT_BF16=base.dtype == torch.bfloat16, BLOCK_V=SELECT_BLOCK,
+        SAMPLE=sample, ALIGNED=vocab_start % 4 == 0, SALT=salt, OUT_BF16=base.dtype == torch.bfloat16,
+        BLOCK_V=SELECT_BLOCK,
         FOLD=fold is not None, LAST_STEP=last_step, BLOCK_R=triton.next_power_of_2(r),
         num_warps=num_warps_for(SELECT_BLOCK, elements_per_warp=512),
     )

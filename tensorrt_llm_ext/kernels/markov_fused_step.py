@@ -82,15 +82,16 @@ def _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot, 
 
 
 @triton.jit
-def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, gid, k,
+def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, tile_gid0, k,
                 stride_bb, stride_bk, stride_ob, stride_ok, sampled, scale, seed, off,
-                SAMPLE: tl.constexpr, SALT: tl.constexpr, W_KIND: tl.constexpr, OUT_BF16: tl.constexpr,
-                DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BASE_EVICT: tl.constexpr):
+                SAMPLE: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr, W_KIND: tl.constexpr,
+                OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BASE_EVICT: tl.constexpr):
     """One ``BLOCK_B x BLOCK_N`` output tile: bias dot, roundings, add, store; returns the tile's best
     ``(ordered key, local column)`` per row.
 
     ``h [BLOCK_B, BLOCK_R]``, ``w [BLOCK_N, BLOCK_R]`` (both fp32 with ``DOT_FP32``): the same instruction
-    sequence for every tile of every batch, shard and program -- the bitwise contract.
+    sequence for every tile of every batch, shard and program -- the bitwise contract. ``tile_gid0``: the
+    global id of the tile's first column.
     """
     m2 = rmask[:, None] & cmask[None, :]
     base = tl.load(base_ptr + rows64[:, None] * stride_bb + k * stride_bk + cols64[None, :], mask=m2, other=0.0,
@@ -106,9 +107,10 @@ def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col
     tl.store(out_ptr + rows64[:, None] * stride_ob + k * stride_ok + cols64[None, :], s.to(out_ptr.dtype.element_ty),
              mask=m2)
     if SAMPLE:
-        zeros = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.int64)
-        s = selection_score(s, gid[None, :] + zeros, sampled[:, None], scale[:, None], seed[:, None] + zeros,
-                            off[:, None] + zeros, SAMPLE, SALT)
+        # Runs of four consecutive columns (the tile starts on a multiple of BLOCK_N): one Philox block per run.
+        first_gid = (tile_gid0 + 4 * tl.arange(0, BLOCK_N // 4).to(tl.int64))[None, :]
+        s = selection_score(s, first_gid, sampled[:, None], scale[:, None], seed[:, None], off[:, None], SAMPLE,
+                            ALIGNED, SALT)
     # Padded shard columns (gid >= V) never win.
     return block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
                       rmask[:, None] & col_ok[None, :], 1)
@@ -121,7 +123,7 @@ def _markov_fused_step_kernel(
     temps_ptr, seeds_ptr, offsets_ptr,
     B, v_local, vocab_start, vocab_size, k, prev_slot, cur_slot, next_slot, offset_k, n_tiles, n_progs, reverse,
     stride_bb, stride_bk, stride_ob, stride_ok, stride_w1, stride_w2, stride_slot, stride_tok,
-    R: tl.constexpr, IS_FIRST: tl.constexpr, SAMPLE: tl.constexpr, SALT: tl.constexpr,
+    R: tl.constexpr, IS_FIRST: tl.constexpr, SAMPLE: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr,
     W_KIND: tl.constexpr, OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     W_EVICT: tl.constexpr, BASE_EVICT: tl.constexpr,
@@ -168,9 +170,10 @@ def _markov_fused_step_kernel(
                     other=0.0, eviction_policy=W_EVICT)  # [BLOCK_N, BLOCK_R]
         if DOT_FP32:
             w = w.to(tl.float32)
-        tk, tc = _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, gid, k,
+        tk, tc = _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok,
+                             tt.to(tl.int64) * BLOCK_N + vocab_start, k,
                              stride_bb, stride_bk, stride_ob, stride_ok, sampled, scale, seed, off,
-                             SAMPLE, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N, BASE_EVICT)
+                             SAMPLE, ALIGNED, SALT, W_KIND, OUT_BF16, DOT_FP32, BLOCK_B, BLOCK_N, BASE_EVICT)
         best_k, best_c = combine_best(best_k, best_c, tk, tc)
     # One atomic MAX per (program, row): the step key is the max over programs (and, after the
     # exchange, over ranks), whatever order the programs finish in.
@@ -316,7 +319,7 @@ def markov_fused_step(
         B, v_local, vocab_start, vocab_size, k, (k - 1) % 3, k % 3, (k + 1) % 3, offset_k, n_tiles, n_progs, reverse,
         base.stride(0), base.stride(1), out.stride(0), out.stride(1), w1.stride(0), w2.stride(0),
         keys.stride(0), tokens.stride(0),
-        R=r, IS_FIRST=k == 0, SAMPLE=sample, SALT=salt, W_KIND=w_kind, OUT_BF16=out_bf16,
+        R=r, IS_FIRST=k == 0, SAMPLE=sample, ALIGNED=vocab_start % 4 == 0, SALT=salt, W_KIND=w_kind, OUT_BF16=out_bf16,
         DOT_FP32=interpret, BLOCK_B=config.block_b, BLOCK_N=config.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(r)),
         W_EVICT="evict_last" if config.cache_hints else "", BASE_EVICT="evict_first" if config.cache_hints else "",
