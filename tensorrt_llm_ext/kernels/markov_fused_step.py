@@ -85,7 +85,8 @@ def _resolve_rows(anchors_ptr, keys_ptr, rows64, rmask, prev_slot, stride_slot, 
 def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col_ok, tile_gid0, k,
                 stride_bb, stride_bk, stride_ob, stride_ok, sampled, scale, seed, off,
                 SAMPLE: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr, W_KIND: tl.constexpr,
-                OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BASE_EVICT: tl.constexpr):
+                OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                BASE_EVICT: tl.constexpr):
     """One ``BLOCK_B x BLOCK_N`` output tile: bias dot, roundings, add, store; returns the tile's best
     ``(ordered key, local column)`` per row.
 
@@ -109,8 +110,11 @@ def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col
     if SAMPLE:
         # Runs of four consecutive columns (the tile starts on a multiple of BLOCK_N): one Philox block per run.
         first_gid = (tile_gid0 + 4 * tl.arange(0, BLOCK_N // 4).to(tl.int64))[None, :]
+        # The 16-row tile shuffles each run's words to its two lanes (JOIN); the 64-row wgmma tile has no
+        # registers left for that and lets both lanes compute the run's block (sm_90: 255 registers and
+        # ~240 B of spill with JOIN, 235-239 and none without).
         s = selection_score(s, first_gid, sampled[:, None], scale[:, None], seed[:, None], off[:, None], SAMPLE,
-                            ALIGNED, SALT)
+                            ALIGNED, SALT, BLOCK_B == 16)
     # Padded shard columns (gid >= V) never win.
     return block_best(ordered_i32(s), cols[None, :] + tl.zeros([BLOCK_B, BLOCK_N], tl.int32),
                       rmask[:, None] & col_ok[None, :], 1)

@@ -71,31 +71,34 @@ def add_in_logits_dtype(base, bias, OUT_BF16: tl.constexpr):
 
 @triton.jit
 def selection_score(s, first_gid, sampled, scale, seed, offset, SAMPLE: tl.constexpr, ALIGNED: tl.constexpr,
-                    SALT: tl.constexpr):
+                    SALT: tl.constexpr, JOIN: tl.constexpr = True):
     """Greedy rows: the biased logit. Sampled rows (``sampled``, i.e. ``T > 0``): the keyed Gumbel-max
     score ``s * scale + G2(seed, offset, gid)``, ``scale = gumbel_scale(T)`` computed once per row.
 
     ``s`` holds ``R * 4G`` scores in column order (any shape: ``[4G]`` with ``R = 1`` or ``[R, 4G]``);
-    ``first_gid`` ``[R, G]`` (or ``[1, G]``) the global id of each run of four consecutive columns, ``seed`` /
-    ``offset`` broadcast to ``[R, G]`` (per row ``[R, 1]``, or scalars): :func:`~tensorrt_llm_ext.kernels.ordered_key.gumbel2_noise_grouped` computes
-    one Philox block per run (``ALIGNED``: the runs start on multiples of 4), the same noise, bit for bit,
-    as the per-element ``gumbel2_noise(seed, offset, gid, SALT)``.
+    ``first_gid`` ``[R, G]`` (or ``[1, G]``) the global id of each run of four consecutive columns,
+    ``seed`` / ``offset`` broadcast to ``[R, G]`` (per row ``[R, 1]``, or scalars).
+    :func:`~tensorrt_llm_ext.kernels.ordered_key.gumbel2_noise_grouped` computes one Philox block per run
+    (``ALIGNED``: the runs start on multiples of 4; ``JOIN``: its schedule choice), the same noise, bit for
+    bit, as the per-element ``gumbel2_noise(seed, offset, gid, SALT)``.
 
     Cost (2026-12-04; B = 32, K = 7, V = 128256: 28.7 M sampled elements per chain, 7.2 M per TP-4 rank).
     A Philox-4x32-10 block is 10 rounds of two 32x32 -> 64-bit products (4 IMAD-class: ``mul.hi`` +
-    ``mul.lo``, or 2 ``IMAD.WIDE``), two 3-input xors (2 LOP3) and the key schedule (2 IADD, hoisted where
-    the seed is uniform), about 70-80 integer instructions with the counter setup; the per-element form
-    ran one block per element and then a 3-way word select (~6 more). Per four ids it is now one block
-    (two on a shard whose first id is not a multiple of 4): ~20 integer instructions per element instead
-    of ~80. The Gumbel map stays per element: 2 ``MUFU.LG2`` (SFU, 16 / clk / SM), ~12 fp32 ALU, one fma.
-    At the H200's 64 int32 IMAD / LOP3 per clk per SM (132 SMs, ~1.98 GHz: ~16.7 T int ops / s) the
-    ~60 saved instructions per element are ~1.7 G per chain, ~100 us of issue if the sampled kernels are
-    ALU-bound (of the 223 us the sampled draft costs over the greedy one), ~25 us per step-chain on a
-    TP-4 rank; less if the kernels wait on memory. The join + reshape of the runs' words may add a layout
-    conversion (a shared-memory round trip of one fp32 per element) in the fused kernel's tile.
+    ``mul.lo``), two 3-input xors (2 LOP3) and the key schedule (2 IADD, per row), ~70-80 integer
+    instructions with the counter setup; the per-element form asked for one block per element plus a 3-way
+    word select (the compiler merged the blocks of columns one thread holds in the same run: two per run on
+    the MMA layouts, so it paid less than 4x). Now one block per run of four (two on a shard whose first id
+    is not a multiple of 4). The Gumbel map stays per element: 2 ``MUFU.LG2`` (SFU, 16 / clk / SM), ~12 fp32
+    ALU, one fma. Registers do not grow. Static counts, sm_90, Triton 3.6.0, bf16 (compile-check): exact
+    select 2016-2260 -> 1236-1486 SASS instructions for 16 columns per thread (~48 fewer per element),
+    122-125 -> 95-96 registers; fused 16-row tile's loop 1242 -> 910 per 8 elements per thread (~41 fewer
+    per element), 128 -> 128 registers. At ~45 instructions x 28.7 M elements = 40 M warp instructions
+    per chain, the H200 (132 SMs, 4 issues / clk, IMAD / LOP3 at half that, ~1.98 GHz) issues them in
+    ~40-80 us: the most it can save of the 223 us the sampled draft costs over the greedy one (B = 32), if
+    the kernels are issue-bound; ~10-20 us per chain on a TP-4 rank. Less where they wait on memory.
     """
     if SAMPLE:
-        g = tl.reshape(gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED, SALT), s.shape)
+        g = tl.reshape(gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED, SALT, JOIN), s.shape)
         s = tl.where(sampled, gumbel_score(s, scale, g), s)
     return s
 

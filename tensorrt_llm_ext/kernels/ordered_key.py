@@ -237,7 +237,8 @@ def gumbel2_noise(seed, offset, gid, SALT: tl.constexpr):
 
 
 @triton.jit
-def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: tl.constexpr):
+def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: tl.constexpr,
+                          JOIN: tl.constexpr = True):
     """:func:`gumbel2_noise` of runs of four consecutive ids, from one Philox call per run.
 
     ``first_gid`` ``[R, G]`` (or ``[1, G]``): the global id of each run's first column; ``seed`` / ``offset``
@@ -246,8 +247,14 @@ def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: 
     below ``2^32 - 4``, which every vocabulary is). ``ALIGNED`` (every ``first_gid % 4 == 0``, e.g. a shard
     whose first id is a multiple of 4): run ``i`` is exactly Philox block ``first_gid // 4``, one call per
     four ids. Otherwise a run straddles two blocks and takes the tail words of one and the head words of
-    the next (two calls per four ids, still half the per-element form's). The runs' words are joined along
-    new minor axes and reshaped to ``[R, 4G]``: the Gumbel map after them runs once per element.
+    the next (two calls per four ids, still half the per-element form's). The Gumbel map after them runs
+    once per element.
+
+    ``JOIN`` (a schedule choice, the same values): True interleaves the runs' words with ``tl.join`` and
+    reshapes to ``[R, 4G]``: each run's block is computed once, then moved to the lanes holding its columns
+    (on an MMA accumulator layout a run spans two lanes: a shuffle). False broadcasts the words over a
+    ``[R, G, 4]`` axis and picks each column's: no data movement, but where a run spans two lanes both
+    compute its block (the 64-row wgmma tile needs this to stay within 255 registers; sm_90, Triton 3.6.0).
     """
     g = first_gid.to(tl.int64) & 4294967295
     a0, a1, a2, a3 = gumbel_words4(seed, offset, g >> 2, SALT)
@@ -260,8 +267,13 @@ def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: 
         w1 = tl.where(m < 3, pick_word(m + 1, a0, a1, a2, a3), b0)
         w2 = tl.where(m < 2, pick_word(m + 2, a0, a1, a2, a3), pick_word(m - 2, b0, b1, b2, b3))
         w3 = tl.where(m < 1, a3, pick_word(m - 1, b0, b1, b2, b3))
-    # join(join(w0, w2), join(w1, w3))[r, i, p, q] = w_(2p + q): row-major reshape puts w_j at column 4 i + j.
-    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [w0.shape[0], w0.shape[1] * 4])
+    if JOIN:
+        # join(join(w0, w2), join(w1, w3))[r, i, p, q] = w_(2p + q): the row-major reshape puts w_j at 4 i + j.
+        words = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+    else:
+        words = pick_word(tl.arange(0, 4)[None, None, :], w0[:, :, None], w1[:, :, None], w2[:, :, None],
+                          w3[:, :, None])
+    words = tl.reshape(words, [w0.shape[0], w0.shape[1] * 4])
     return gumbel2_from_word(words)
 
 
