@@ -391,6 +391,15 @@ def _markov():
                     for cfg in _fused_configs(r, b, w1.element_size()):
                         markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=size,
                                             mode="fused", config=cfg, **rows)
+    # A shard whose first id is not a multiple of 4 (Qwen's V = 151936 at TP 3: rank 1 starts at 50646): the sampled
+    # noise's runs of four ids straddle two Philox blocks (ALIGNED=False); the runtime's fused tile for 8 rows.
+    r, k, width, start = 256, 7, 1031, 50646
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = dict(zip(("temperatures", "seeds", "offsets"), _rows(8)))
+        w1, w2 = torch.zeros(start + width, r, dtype=dtype), torch.zeros(width, r, dtype=dtype)
+        base, anchors = torch.zeros(8, k, width, dtype=dtype), torch.zeros(8, dtype=torch.int64)
+        markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=start + width, mode="exact", **rows)
+        markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=start + width, mode="fused", **rows)
     # A wide rank with fp32 weights (a 576-wide target's drafter: r pads to 1024): the table's pipeline is
     # fitted to shared memory (it asked 320 KiB of an SM's 227 KiB on the H200 before).
     for wdtype in (torch.bfloat16, torch.float32):
