@@ -40,9 +40,27 @@ from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.step_variant import StepVariant
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
-__all__ = ["CudaGraphRunner", "ReplayPlan", "agree_on_capture", "pad_batch_size", "plan_step"]
+__all__ = ["CudaGraphRunner", "ReplayPlan", "agree_on_capture", "pad_batch_size", "plan_step",
+           "warm_up_and_capture"]
 
 WARMUP_STEPS = 2
+
+
+def warm_up_and_capture(fn: Callable[[], object], pool, label: str):
+    """``WARMUP_STEPS`` calls of ``fn`` on a side stream (lazily sized buffers, autotuning and first launches out of
+    the graph), then one call captured into a new graph in ``pool`` (None: the graph's own, returned for the next
+    capture to share): ``(graph, fn's outputs, pool)``. The caller keeps the state ``fn`` writes restorable."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), nvtx_range(f"{label}.warmup"):
+        for _ in range(WARMUP_STEPS):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with nvtx_range(f"{label}.capture"), torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs, pool if pool is not None else graph.pool()
 
 
 def pad_batch_size(n: int, batch_sizes: tuple[int, ...], enable_padding: bool) -> int | None:
@@ -218,18 +236,8 @@ class CudaGraphRunner:
         try:
             for b in sorted(self.batch_sizes, reverse=True):
                 w.set_rows([], b, variant=variant)  # every row a dummy, the variant's code path
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream), nvtx_range(f"cuda_graph.warmup.{b}.{variant}"):
-                    for _ in range(WARMUP_STEPS):
-                        self.forward(b)
-                torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with nvtx_range(f"cuda_graph.capture.{b}.{variant}"), torch.cuda.graph(graph, pool=self.pool):
-                    outputs = self.forward(b)
-                if self.pool is None:
-                    self.pool = graph.pool()
+                graph, outputs, self.pool = warm_up_and_capture(lambda b=b: self.forward(b), self.pool,
+                                                                f"cuda_graph.{b}.{variant}")
                 self.graphs[(b, variant)] = (graph, outputs)
             torch.cuda.synchronize()
         finally:

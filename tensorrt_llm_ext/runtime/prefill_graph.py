@@ -84,7 +84,7 @@ from tensorrt_llm_ext.contract import TargetOutput
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.runtime.config import MIN_PREFILL_BUCKET  # the smallest bucket (16 tokens)
-from tensorrt_llm_ext.runtime.cuda_graph import WARMUP_STEPS, agree_on_capture
+from tensorrt_llm_ext.runtime.cuda_graph import agree_on_capture, warm_up_and_capture
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 __all__ = ["MIN_PREFILL_BUCKET", "PrefillGraphRunner", "PrefillPiece", "PrefillPlan", "plan_prefill",
@@ -267,19 +267,8 @@ class PrefillGraphRunner:
             self.positions.copy_(self._offsets)
             self.slot.fill_(self.dummy_slot)
             for b in sorted(self.buckets, reverse=True):
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream), nvtx_range(f"prefill_graph.warmup.{b}"):
-                    for _ in range(WARMUP_STEPS):
-                        self._forward(b)
-                torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with nvtx_range(f"prefill_graph.capture.{b}"), torch.cuda.graph(graph, pool=self.pool):
-                    out = self._forward(b)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[b], self.outputs[b] = graph, out
+                self.graphs[b], self.outputs[b], self.pool = warm_up_and_capture(lambda b=b: self._forward(b),
+                                                                                 self.pool, f"prefill_graph.{b}")
             torch.cuda.synchronize()
         finally:
             for t, s in zip(scratch, snapshot):
