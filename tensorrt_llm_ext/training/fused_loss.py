@@ -28,8 +28,8 @@ Layouts (``layout``; :data:`LAYOUTS`):
   (inner size H + r). One rounding of z in ``compute_dtype`` instead of two (``addmm`` rounds ``h Wᵀ`` first):
   in bf16 the logits differ in the last bit; in fp32 the tests hold both to the eager objective at 2e-5.
 * ``"dedup"`` (the trainer's default once the H200 measures it faster; ``"rows"`` until then): ``"joint"``
-  plus the teacher's logits once per teacher position, not once per block row. The caller passes the unique teacher hidden rows ``[U, H]`` and ``teacher_index [N]`` (row ->
-  unique row): it knows the rows' positions (sequence, anchor + k) and gathers U rows instead of N, where the
+  plus the teacher's logits once per teacher position, not once per block row. The caller passes the unique
+  teacher hidden rows ``[U, H]`` and ``teacher_index [N]`` (row -> unique row): it knows the rows' positions (sequence, anchor + k) and gathers U rows instead of N, where the
   loss would have to deduplicate hidden vectors. The loss sorts its rows by ``teacher_index`` so a chunk's
   rows need one contiguous range of unique rows, computes their logits and log-sum-exp / argmax
   (:func:`~tensorrt_llm_ext.kernels.block_loss.teacher_stats`) once, and writes the per-row outputs and
