@@ -27,14 +27,14 @@ Layouts (``layout``; :data:`LAYOUTS`):
 * ``"joint"``: ``z = [h | W1[prev]] [W | W2]ᵀ`` and ``[∂h | ∂W1[prev]] = g [W | W2]`` -- one GEMM each way
   (inner size H + r). One rounding of z in ``compute_dtype`` instead of two (``addmm`` rounds ``h Wᵀ`` first):
   in bf16 the logits differ in the last bit; in fp32 the tests hold both to the eager objective at 2e-5.
-* ``"dedup"`` (the trainer's default once the H200 measures it faster; ``"rows"`` until then): ``"joint"``
-  plus the teacher's logits once per teacher position, not once per block row. The caller passes the unique
-  teacher hidden rows ``[U, H]`` and ``teacher_index [N]`` (row -> unique row): it knows the rows' positions (sequence, anchor + k) and gathers U rows instead of N, where the
-  loss would have to deduplicate hidden vectors. The loss sorts its rows by ``teacher_index`` so a chunk's
-  rows need one contiguous range of unique rows, computes their logits and log-sum-exp / argmax
-  (:func:`~tensorrt_llm_ext.kernels.block_loss.teacher_stats`) once, and writes the per-row outputs and
-  gradients back in the caller's order (the loss is a sum: the order changes only its rounding). The range
-  bounds are read on the host once per call (one device sync).
+* ``"dedup"`` (the trainer's default once the H200 measures it faster; ``"rows"`` until then): ``"joint"`` plus the
+  teacher's logits once per teacher position, not once per block row. The caller passes the unique teacher hidden rows
+  ``[U, H]`` and ``teacher_index [N]`` (row -> unique row): it knows the rows' positions (sequence, anchor + k) and
+  gathers U rows instead of N, where the loss would have to deduplicate hidden vectors. The loss sorts its rows by
+  ``teacher_index`` so a chunk's rows need one contiguous range of unique rows, computes their logits and log-sum-exp
+  / argmax (:func:`~tensorrt_llm_ext.kernels.block_loss.teacher_stats`) once, and writes the per-row outputs and
+  gradients back in the caller's order (the loss is a sum: the order changes only its rounding). The range bounds are
+  read on the host once per call (one device sync).
 
 Cost of the vocabulary-wide part of one step at 64 sequences x 256 anchors x K = 7 (N = 114,688 block rows;
 V = 49,152, H = 576, Markov rank r = 256; U <= 64 x (256 + 6) = 16,768 teacher positions: the anchors of a
