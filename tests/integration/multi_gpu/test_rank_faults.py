@@ -33,13 +33,24 @@ C_HANG_BOUND_S = 4.0
 TERM_BOUND_S = 10.0  # 5 s for the ranks to end after the forwarded signal, then the kill, on 2 shared cores
 
 
-def _wait_for(pred, timeout: float, what: str):
+def _wait_for(pred, timeout: float, what: str, cli: subprocess.Popen | None = None, logs: Path | None = None):
+    """Poll ``pred`` until ``timeout``; a launch (``cli``, its rank ``logs``) that ends first or never gets there
+    fails with what it said: its exit status and output, and the tail of every rank log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
+        if cli is not None and cli.poll() is not None:
+            break
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    detail = ""
+    if cli is not None:
+        if cli.poll() is None:
+            cli.kill()
+        out, err = cli.communicate(timeout=30)
+        tails = {f.name: f.read_text(errors="replace")[-2000:] for f in sorted(logs.glob("*.log"))} if logs else {}
+        detail = f"; the CLI exited {cli.returncode}: stdout {out[-2000:]!r} stderr {err[-4000:]!r}; rank logs {tails}"
+    raise AssertionError(f"timed out waiting for {what}{detail}")
 
 
 def _start_generate_tp2(tmp_path) -> tuple[subprocess.Popen, Path]:
@@ -61,7 +72,7 @@ def test_cli_names_a_sigkilled_rank(tmp_path):
         log1 = logs / "rank1.log"
         # Mid-run: rank 1 has built its engine and bound its token selection.
         _wait_for(lambda: log1.exists() and "token selection" in log1.read_text(errors="replace"), 120,
-                  "rank 1 to start generating")
+                  "rank 1 to start generating", cli, logs)
         pid = json.loads((logs / "rank1.pid.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -99,10 +110,10 @@ def test_cli_passes_a_stop_signal_on_to_the_ranks(tmp_path, sig, when):
     try:
         log1 = logs / "rank1.log"
         if when == "start-up":
-            _wait_for(lambda: (logs / "rank1.pid.json").exists(), 120, "rank 1 to start")
+            _wait_for(lambda: (logs / "rank1.pid.json").exists(), 120, "rank 1 to start", cli, logs)
         else:
             _wait_for(lambda: log1.exists() and when in log1.read_text(errors="replace"), 120,
-                      "rank 1 to start generating")
+                      "rank 1 to start generating", cli, logs)
         assert _processes_naming(str(logs))  # mpiexec, supervisors and ranks are up
         cli.send_signal(sig)
         t0 = time.monotonic()
