@@ -21,6 +21,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _lse_update(m, s, i, x, cols):
+    """One block of an online log-sum-exp and first argmax: per-lane running max ``m``, sum ``s`` (relative to
+    ``m``) and argmax column ``i``, updated with the values ``x`` at columns ``cols`` (-inf past the row)."""
+    nm = tl.maximum(m, x)
+    # lanes still at -inf (past V) keep a zero sum (exp(-inf - -inf) would be NaN)
+    s = tl.where(nm > float("-inf"), s * tl.exp(m - nm) + tl.exp(x - nm), 0.0)
+    i = tl.where(x > m, cols, i)  # strictly greater: a lane keeps its first maximum
+    return nm, s, i
+
+
+@triton.jit
+def _lse_finish(m, s, i, V):
+    """The row's log-sum-exp and first argmax (as torch.argmax) from the lanes' running state."""
+    m_r = tl.max(m, 0)
+    lse = m_r + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_r), 0.0), 0))
+    return lse, tl.min(tl.where(m == m_r, i, V), 0)
+
+
+@triton.jit
 def _lse_argmax_pair(zr, tr, V, BLOCK: tl.constexpr):
     """:func:`_lse_argmax` of a draft row and a teacher row in one pass (both loads in one loop)."""
     offs = tl.arange(0, BLOCK)
@@ -34,23 +53,10 @@ def _lse_argmax_pair(zr, tr, V, BLOCK: tl.constexpr):
     for off in range(0, V, BLOCK):
         cols = off + offs
         mask = cols < V
-        z = tl.load(zr + cols, mask=mask, other=ninf).to(tl.float32)
-        t = tl.load(tr + cols, mask=mask, other=ninf).to(tl.float32)
-        nz = tl.maximum(mz, z)
-        nt = tl.maximum(mt, t)
-        # lanes still at -inf (past V) keep a zero sum (exp(-inf - -inf) would be NaN)
-        sz = tl.where(nz > ninf, sz * tl.exp(mz - nz) + tl.exp(z - nz), 0.0)
-        st = tl.where(nt > ninf, st * tl.exp(mt - nt) + tl.exp(t - nt), 0.0)
-        iz = tl.where(z > mz, cols, iz)  # strictly greater: a lane keeps its first maximum
-        it = tl.where(t > mt, cols, it)
-        mz = nz
-        mt = nt
-    m_z = tl.max(mz, 0)
-    m_t = tl.max(mt, 0)
-    lse_z = m_z + tl.log(tl.sum(tl.where(mz > ninf, sz * tl.exp(mz - m_z), 0.0), 0))
-    lse_t = m_t + tl.log(tl.sum(tl.where(mt > ninf, st * tl.exp(mt - m_t), 0.0), 0))
-    arg_z = tl.min(tl.where(mz == m_z, iz, V), 0)  # the first maximum of the row, as torch.argmax
-    arg_t = tl.min(tl.where(mt == m_t, it, V), 0)
+        mz, sz, iz = _lse_update(mz, sz, iz, tl.load(zr + cols, mask=mask, other=ninf).to(tl.float32), cols)
+        mt, st, it = _lse_update(mt, st, it, tl.load(tr + cols, mask=mask, other=ninf).to(tl.float32), cols)
+    lse_z, arg_z = _lse_finish(mz, sz, iz, V)
+    lse_t, arg_t = _lse_finish(mt, st, it, V)
     return lse_z, arg_z, lse_t, arg_t
 
 
@@ -58,20 +64,14 @@ def _lse_argmax_pair(zr, tr, V, BLOCK: tl.constexpr):
 def _lse_argmax(r_ptr, V, BLOCK: tl.constexpr):
     """One streaming pass over a row of logits: its log-sum-exp and first argmax (fp32 math)."""
     offs = tl.arange(0, BLOCK)
-    ninf = float("-inf")
-    m = tl.full([BLOCK], ninf, tl.float32)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     i = tl.zeros([BLOCK], tl.int32)
     for off in range(0, V, BLOCK):
         cols = off + offs
-        x = tl.load(r_ptr + cols, mask=cols < V, other=ninf).to(tl.float32)
-        nm = tl.maximum(m, x)
-        s = tl.where(nm > ninf, s * tl.exp(m - nm) + tl.exp(x - nm), 0.0)
-        i = tl.where(x > m, cols, i)
-        m = nm
-    m_r = tl.max(m, 0)
-    lse = m_r + tl.log(tl.sum(tl.where(m > ninf, s * tl.exp(m - m_r), 0.0), 0))
-    return lse, tl.min(tl.where(m == m_r, i, V), 0)
+        m, s, i = _lse_update(m, s, i, tl.load(r_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32),
+                              cols)
+    return _lse_finish(m, s, i, V)
 
 
 @triton.jit

@@ -221,6 +221,13 @@ def pick_word(w, r0, r1, r2, r3):
 
 
 @triton.jit
+def straddled_word(k, a0, a1, a2, a3, b0, b1, b2, b3):
+    """Word ``k`` (0..6) of two consecutive Philox blocks ``a`` then ``b``: a run of four ids that starts ``m``
+    words into block ``a`` takes words ``m .. m + 3`` of the pair."""
+    return tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
+
+
+@triton.jit
 def gumbel2_noise(seed, offset, gid, SALT: tl.constexpr):
     """Log2-space Gumbel noise ``G2`` keyed by (request seed, request offset, global vocab id, salt).
 
@@ -262,11 +269,11 @@ def gumbel2_noise_grouped(seed, offset, first_gid, ALIGNED: tl.constexpr, SALT: 
         w0, w1, w2, w3 = a0, a1, a2, a3
     else:
         b0, b1, b2, b3 = gumbel_words4(seed, offset, (g >> 2) + 1, SALT)
-        m = (g & 3).to(tl.int32)  # id first_gid + j is word m + j of block a (m + j < 4), else m + j - 4 of b
+        m = (g & 3).to(tl.int32)  # id first_gid + j is word m + j of the pair (a, b)
         w0 = pick_word(m, a0, a1, a2, a3)
-        w1 = tl.where(m < 3, pick_word(m + 1, a0, a1, a2, a3), b0)
-        w2 = tl.where(m < 2, pick_word(m + 2, a0, a1, a2, a3), pick_word(m - 2, b0, b1, b2, b3))
-        w3 = tl.where(m < 1, a3, pick_word(m - 1, b0, b1, b2, b3))
+        w1 = straddled_word(m + 1, a0, a1, a2, a3, b0, b1, b2, b3)
+        w2 = straddled_word(m + 2, a0, a1, a2, a3, b0, b1, b2, b3)
+        w3 = straddled_word(m + 3, a0, a1, a2, a3, b0, b1, b2, b3)
     if JOIN:
         # join(join(w0, w2), join(w1, w3))[r, i, p, q] = w_(2p + q): the row-major reshape puts w_j at 4 i + j.
         words = tl.join(tl.join(w0, w2), tl.join(w1, w3))

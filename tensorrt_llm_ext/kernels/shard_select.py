@@ -48,6 +48,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     pack_key,
     pack_key_torch,
     pick_word,
+    straddled_word,
 )
 
 # Philox counter word c3 of the Gumbel noise: separates the target sampler's draws from the drafter's
@@ -153,8 +154,7 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
         w = pick_word(j, a0, a1, a2, a3)
     else:
         b0, b1, b2, b3 = gumbel_words4(seed, offset, q + 1, SALT, WIDE_MUL)
-        k = j + (vocab_start & 3).to(tl.int32)
-        w = tl.where(k < 4, pick_word(k, a0, a1, a2, a3), pick_word(k - 4, b0, b1, b2, b3))
+        w = straddled_word(j + (vocab_start & 3).to(tl.int32), a0, a1, a2, a3, b0, b1, b2, b3)
     return w
 
 

@@ -91,7 +91,6 @@ __all__ = ["MIN_PREFILL_BUCKET", "PrefillGraphRunner", "PrefillPiece", "PrefillP
            "prefill_buckets"]
 
 
-
 def prefill_buckets(max_tokens: int, bound: int) -> tuple[int, ...]:
     """The buckets of ``cuda_graph_config.prefill_max_tokens = max_tokens`` (> 0) for calls of at most ``bound``
     tokens a row (``max_num_tokens``, ``max_seq_len``): powers of two from :data:`MIN_PREFILL_BUCKET` below the
@@ -185,9 +184,9 @@ class PrefillGraphRunner:
         top = self.buckets[-1]
         # Static inputs, outside the graph pool; bucket b reads the views [:, :b].
         self.ids = torch.zeros(1, top, dtype=torch.int64, device=dev)
-        self.positions = torch.arange(top, dtype=torch.int64, device=dev)[None].clone()
-        self.slot = torch.full((1,), dummy_slot, dtype=torch.int32, device=dev)
         self._offsets = torch.arange(top, dtype=torch.int64, device=dev)[None]
+        self.positions = self._offsets.clone()
+        self.slot = torch.full((1,), dummy_slot, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, TargetOutput] = {}
         self.replays: dict[int, int] = {}  # pieces run per bucket (graph or eager), read by tests and logs
