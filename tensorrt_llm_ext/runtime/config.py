@@ -33,7 +33,7 @@ Example::
     cuda_graph_config:                 # on a GPU (default on): capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]        # default: powers of two up to max_batch_size, and max_batch_size
       enable_padding: true
-      prefill_max_tokens: 0            # > 0: the prefill's target forward in token buckets up to it (not measured)
+      prefill_max_tokens: 0            # > 0: the prefill's target forward captured in token buckets up to it
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ the unfused one above, the same boundary as the eager block's). The CPU tests ru
 forward on the static buffers in place of the replay (:meth:`PrefillGraphRunner.run_bucket`).
 
 **Cost model** (per prefill forward; host costs as estimated for the H200 host: a Triton launch from Python
-~20-30 us, a torch op ~6-8 us; not yet measured):
+~20-30 us, a torch op ~6-8 us; estimates, to be timed on the H200):
 
 ============================  ===========================================  ==========================================
                               eager (today)                                bucketed graphs

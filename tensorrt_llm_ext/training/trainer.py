@@ -250,7 +250,7 @@ def loss_layout() -> str:
     """The vocabulary-wide loss's layout (:data:`.fused_loss.LAYOUTS`): ``TLLM_EXT_LOSS_LAYOUT``, default
     ``"rows"`` (the layout measured on the H200); ``"dedup"``: one GEMM each way for the draft logits, the
     teacher's logits once per position (tested equal to the eager objective at 2e-5 in fp32:
-    tests/integration/test_drafter_loss_layouts.py; estimated ~25 ms less per SmolLM2 step, not yet measured: the
+    tests/integration/test_drafter_loss_layouts.py; estimated ~25 ms less per SmolLM2 step from the cost model; the
     default once `scripts/drafter_throughput.py --profile` shows it faster on the GPU)."""
     return os.environ.get("TLLM_EXT_LOSS_LAYOUT", "rows")
 
