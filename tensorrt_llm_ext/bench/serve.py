@@ -63,6 +63,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "time per output token (runs on a CPU; no model)")
     p.add_argument("--stub-step-ms", type=float, default=0.0,
                    help="--stub-engine: the stub step's period (0: as fast as the server takes tokens)")
+    p.add_argument("--stub-host-ms", type=float, default=0.0,
+                   help="--stub-engine: Python work per step that holds the interpreter lock (a step's launches), "
+                        "inside the step's period")
     p.add_argument("--tokenizer", nargs="+", default=["embedded"],
                    help="--stub-engine: tokenizers to serve with, one server each: 'embedded' (the embedded "
                         "model's byte-level BPE) or a tokenizer directory (e.g. an imported checkpoint's)")
@@ -187,7 +190,8 @@ def _stub_run(args: argparse.Namespace) -> None:
     per_client = args.requests_per_client or 2
     rows = []
     for tok in args.tokenizer:
-        srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms)] + \
+        srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms),
+                    "--host-ms", str(args.stub_host_ms)] + \
             ([] if tok == "embedded" else ["--tokenizer", tok])
         server = start_server(srv_args, str(work / "server.log"), command=STUB_SERVE_COMMAND)
         with _exit_code_on_last_row(server, rows):

@@ -116,8 +116,8 @@ class StubScheduler:
     wait does). Tokens are ``text_ids`` read cyclically from an offset per request, so the detokenizer decodes
     text; requests end at ``max_new_tokens`` (``length``)."""
 
-    def __init__(self, slots: int, text_ids: list[int], step_s: float = 0.0):
-        self.slots, self.text_ids, self.step_s = slots, list(text_ids), step_s
+    def __init__(self, slots: int, text_ids: list[int], step_s: float = 0.0, host_s: float = 0.0):
+        self.slots, self.text_ids, self.step_s, self.host_s = slots, list(text_ids), step_s, host_s
         self._live: dict[int, list] = {}  # handle -> [request, tokens out]
         self._next_step = 0.0
 
@@ -162,6 +162,9 @@ class StubScheduler:
             stats.prefill_tokens += len(request.prompt_ids)
             events.append(self._emit(handle, self._live[handle], None))
         if plan.run and self._live:
+            spin_until = time.perf_counter() + self.host_s
+            while time.perf_counter() < spin_until:  # the step's launches: Python that holds the interpreter lock
+                pass
             wait = self._next_step - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
@@ -193,6 +196,8 @@ def stub_server_main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1536, help="the embedded tokenizer's vocabulary")
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--step-ms", type=float, default=0.0, help="the stub step's period (0: as fast as it goes)")
+    p.add_argument("--host-ms", type=float, default=0.0,
+                   help="interpreter-bound host work per step before its period's wait (the launches of a step)")
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -207,7 +212,8 @@ def stub_server_main(argv: list[str] | None = None) -> int:
         tok = build_embedded_tokenizer(args.vocab)
     vocab = max(len(tok), args.vocab if args.tokenizer is None else 0)
     metrics = ServerMetrics(1, model_name="stub", max_model_len=4096)
-    loop = EngineLoop(StubScheduler(args.slots, tok.encode(STUB_TEXT, add_special_tokens=False), args.step_ms / 1e3),
+    loop = EngineLoop(StubScheduler(args.slots, tok.encode(STUB_TEXT, add_special_tokens=False), args.step_ms / 1e3,
+                                   args.host_ms / 1e3),
                       PlanChannel(None), metrics, max_queue=args.max_queue, speculative=False)
     ctx = ServeContext(loop=loop, model_name="stub", vocab_size=vocab, max_seq_len=4096, tokenizer=tok,
                        speculative=False)

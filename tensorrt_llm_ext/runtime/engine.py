@@ -57,6 +57,12 @@ MODES = ("speculative", "gathered", "target_only", "reference", "stock")
 DEFAULT_MAX_NUM_TOKENS = 8192  # TensorRT-LLM's max_num_tokens default
 
 
+def _prefix_root(mode: str) -> str:
+    """Which cached prefixes a mode's prefill may reuse and registers: a target-only prefill stores no drafter
+    latents, so its pages serve only non-speculative requests."""
+    return "target" if mode in NON_SPECULATIVE else "target+drafter"
+
+
 def _path(mode: str) -> str:
     """The worker a mode runs on: ``gathered`` / ``stock`` their own, the rest the speculative worker."""
     return mode if mode in ("gathered", "stock") else "speculative"
@@ -143,7 +149,8 @@ class Engine:
             self.target, self.drafter, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
             draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device,
             max_tokens=config.kv_cache_config.max_tokens,
-            free_gpu_memory_fraction=config.kv_cache_config.free_gpu_memory_fraction)
+            free_gpu_memory_fraction=config.kv_cache_config.free_gpu_memory_fraction,
+            enable_block_reuse=config.kv_cache_config.enable_block_reuse)
         # The checkpoint's EOS ids end every request that does not set ignore_eos (the embedded model has none).
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
@@ -354,9 +361,18 @@ class Engine:
         return pages_needed(len(request.prompt_ids) + request.max_new_tokens, self.draft_len, self.state.page_size)
 
     # -- step-level API (continuous batching: runtime/scheduler.py) -----------------------------------
-    def reserve(self, slot: int, request: Request) -> None:
-        """Take the cache pages ``request`` (validated) holds on ``slot`` until it finishes (:meth:`pages_for`)."""
-        self.pages.allocate(slot, self.pages_for(request))
+    def reserve(self, slot: int, request: Request, mode: str = "speculative") -> int:
+        """Take the cache pages ``request`` (validated) holds on ``slot`` until it finishes (:meth:`pages_for`);
+        with block reuse its prompt's cached whole pages come first. Returns the prompt positions already in
+        the cache (its prefill starts there)."""
+        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode))
+        self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
+        return len(prefix) * self.state.page_size
+
+    def register_prefix(self, slot: int, request: Request, mode: str = "speculative") -> None:
+        """``request``'s prompt is in the cache on ``slot`` (its prefill is done): its whole pages serve later
+        prompts (block reuse; nothing without)."""
+        self.pages.register(slot, request.prompt_ids, _prefix_root(mode))
 
     def prefill_slots(self, slots: list[int], requests: list[Request], mode: str = "speculative",
                       starts: list[int] | None = None) -> list[int]:

@@ -59,14 +59,40 @@ class PageAllocator:
     """Pages of the caches, with two per-slot tables kept on the device (rewritten on change only):
     ``encoded_offsets`` (the drafter's encoded block offsets, ``-1`` = unallocated) and ``page_table``
     (the target's page ids, the scratch page id ``num_pages`` = unallocated). Pages are handed out lowest
-    first and may be freed in any order."""
+    first and may be freed in any order.
 
-    def __init__(self, num_pages: int, num_slots: int, max_pages_per_slot: int, divisor: int, device):
+    **Block reuse** (``enable_block_reuse``; ``kv_cache_config.enable_block_reuse``): a full page of a prompt,
+    once prefilled, is registered under its tokens and the chain of pages before it (:meth:`register`), and
+    a later request whose prompt starts with the same pages maps them read-only into its own table
+    (:meth:`match`, then :meth:`allocate` with ``prefix=``) and prefills the rest only. A page is counted
+    per holder; when its last holder leaves, a registered page stays cached (idle, LRU) and an unregistered
+    one is free. Idle cached pages count as free: :meth:`allocate` takes truly free pages first (lowest),
+    then evicts the least recently released cached pages (the deepest page of a chain first). Keys are exact
+    (the page's token ids and a chain id that is never reused), so a match is never a hash collision, and an
+    evicted page's descendants become unreachable. A page holds the target's K/V and the drafter's latents
+    of its positions; ``root`` separates prefixes whose pages hold different things (a target-only prefill
+    stores no latents)."""
+
+    def __init__(self, num_pages: int, num_slots: int, max_pages_per_slot: int, divisor: int, device,
+                 page_size: int = 0, enable_block_reuse: bool = False):
+        if enable_block_reuse and page_size < 1:
+            raise ValueError("PageAllocator: block reuse needs the page size")
         self.num_pages = num_pages
         self.max_pages_per_slot = max_pages_per_slot
         self.divisor = divisor
+        self.page_size = page_size
+        self.enable_block_reuse = enable_block_reuse
         self._free = list(range(num_pages))
         self._owned: dict[int, list[int]] = {}
+        self._holders: dict[int, int] = {}  # page -> slots holding it (pages of one slot: 1)
+        # Block reuse: (parent chain id, page tokens) -> (chain id, page); page -> its key; idle cached pages
+        # in release order (the front is evicted first).
+        self._cached: dict[tuple, tuple[int, int]] = {}
+        self._key_of: dict[int, tuple] = {}
+        self._idle: dict[int, None] = {}
+        self._next_chain = 1
+        self.prefix_queries = 0  # prompt tokens looked up (:meth:`match`)
+        self.prefix_hits = 0  # of those, tokens found cached
         # [num_slots, max_pages] int32 encoded offsets, -1 = unallocated (device; copied on change only).
         self.encoded_offsets = torch.full((num_slots, max_pages_per_slot), -1, dtype=torch.int32, device=device)
         # [num_slots, max_pages] int32 page ids, num_pages (the scratch page) = unallocated.
@@ -74,29 +100,116 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take now: the free ones and the idle cached ones."""
+        return len(self._free) + len(self._idle)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages held by slots (idle cached pages are not in use)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Registered pages (held or idle)."""
+        return len(self._key_of)
 
     def num_held(self, slot: int) -> int:
         """Pages ``slot`` holds now."""
         return len(self._owned.get(slot, ()))
 
+    def num_freed_by(self, slot: int) -> int:
+        """Pages that become free (or idle cached) when ``slot`` leaves: those no other slot holds."""
+        return sum(1 for p in self._owned.get(slot, ()) if self._holders[p] == 1)
+
     def can_allocate(self, num_pages: int) -> bool:
         """Whether ``num_pages`` are free now (admission waits otherwise)."""
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free
 
-    def allocate(self, slot: int, num_pages: int) -> list[int]:
+    # -- block reuse ---------------------------------------------------------------------------------
+    def _page_keys(self, tokens, num_pages: int, root):
+        parent = ("root", root)
+        p = self.page_size
+        for i in range(num_pages):
+            key = (parent, tuple(int(t) for t in tokens[i * p:(i + 1) * p]))
+            yield key
+            hit = self._cached.get(key)
+            if hit is None:
+                return
+            parent = hit[0]
+
+    def match(self, prompt_ids, root=None) -> list[int]:
+        """The cached pages that hold the start of ``prompt_ids`` (whole pages, in order), at most those before
+        its last token (a prefill computes at least that one: it gives the first token). Counted in
+        :attr:`prefix_queries` / :attr:`prefix_hits`. Nothing is taken: :meth:`allocate` pins them."""
+        if not self.enable_block_reuse:
+            return []
+        n = len(prompt_ids)
+        pages = []
+        for key in self._page_keys(prompt_ids, (n - 1) // self.page_size, root):
+            hit = self._cached.get(key)
+            if hit is None:
+                break
+            pages.append(hit[1])
+        self.prefix_queries += n
+        self.prefix_hits += len(pages) * self.page_size
+        return pages
+
+    def register(self, slot: int, prompt_ids, root=None) -> int:
+        """Register ``slot``'s whole prompt pages before its last token (their K/V and latents are final once
+        its prefill is done); a page whose key another page already holds stays private. Returns the pages
+        newly registered."""
+        if not self.enable_block_reuse:
+            return 0
+        pages = self._owned.get(slot, [])
+        n = min((len(prompt_ids) - 1) // self.page_size, len(pages))
+        added = 0
+        parent = ("root", root)
+        p = self.page_size
+        for i in range(n):
+            key = (parent, tuple(int(t) for t in prompt_ids[i * p:(i + 1) * p]))
+            hit = self._cached.get(key)
+            if hit is None:
+                if pages[i] in self._key_of:  # this page is cached under another key: the chain diverged
+                    break
+                hit = (self._next_chain, pages[i])
+                self._next_chain += 1
+                self._cached[key] = hit
+                self._key_of[pages[i]] = key
+                added += 1
+            parent = hit[0]
+        return added
+
+    def _take_fresh(self, num_pages: int) -> list[int]:
+        self._free.sort()
+        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        while len(pages) < num_pages:  # evict the idle cached page released longest ago
+            page = next(iter(self._idle))
+            del self._idle[page]
+            del self._cached[self._key_of.pop(page)]
+            pages.append(page)
+        return pages
+
+    # -- slots ---------------------------------------------------------------------------------------
+    def allocate(self, slot: int, num_pages: int, prefix: list[int] = ()) -> list[int]:
+        """``num_pages`` pages for ``slot``: the cached ``prefix`` pages (from :meth:`match`) first, then fresh
+        ones."""
         if slot in self._owned:
             raise RuntimeError(f"PageAllocator: slot {slot} already holds pages")
         if num_pages > self.max_pages_per_slot:
             raise RuntimeError(f"PageAllocator: {num_pages} pages exceed {self.max_pages_per_slot} per slot")
-        if num_pages > len(self._free):
-            raise RuntimeError(f"PageAllocator: {num_pages} pages requested, {len(self._free)} free")
-        self._free.sort()
-        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        prefix = list(prefix)
+        if len(prefix) > num_pages or any(page not in self._key_of for page in prefix):
+            raise RuntimeError(f"PageAllocator: prefix pages {prefix} are not cached pages within {num_pages}")
+        for page in prefix:  # pinned first: taking fresh pages below must not evict them
+            self._idle.pop(page, None)
+            self._holders[page] = self._holders.get(page, 0) + 1
+        fresh, free = num_pages - len(prefix), self.num_free
+        if fresh > free:
+            self._release(prefix)
+            raise RuntimeError(f"PageAllocator: {fresh} pages requested, {free} free")
+        pages = prefix + self._take_fresh(fresh)
+        for page in pages[len(prefix):]:
+            self._holders[page] = 1
         self._owned[slot] = pages
         row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
         ids = torch.tensor(pages, dtype=torch.int32)
@@ -107,15 +220,31 @@ class PageAllocator:
         self.page_table[slot].copy_(row)
         return pages
 
+    def _release(self, pages: list[int]) -> None:
+        # The deepest page of a chain is released last, so it is evicted first (its parent stays matchable).
+        for page in reversed(pages):
+            left = self._holders[page] - 1
+            if left:
+                self._holders[page] = left
+                continue
+            del self._holders[page]
+            if page in self._key_of:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+
     def free(self, slot: int) -> None:
-        pages = self._owned.pop(slot, [])
-        self._free.extend(pages)
+        self._release(self._owned.pop(slot, []))
         self.encoded_offsets[slot].fill_(-1)
         self.page_table[slot].fill_(self.num_pages)
 
     def free_all(self) -> None:
-        """Free the pages of every slot (the tables return to unallocated)."""
+        """Free the pages of every slot and forget every cached page (the tables return to unallocated)."""
         self._owned.clear()
+        self._holders.clear()
+        self._cached.clear()
+        self._key_of.clear()
+        self._idle.clear()
         self._free = list(range(self.num_pages))
         self.encoded_offsets.fill_(-1)
         self.page_table.fill_(self.num_pages)
@@ -162,8 +291,8 @@ def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: 
 
 
 def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft_len: int, page_size: int,
-                device, max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None
-                ) -> tuple[DSparkState, SlotPool, PageAllocator]:
+                device, max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None,
+                enable_block_reuse: bool = False) -> tuple[DSparkState, SlotPool, PageAllocator]:
     """Allocate every cache once: ``max_batch_size`` request slots plus the dummy slot, one page pool (its size
     from :func:`num_cache_pages`) shared by the target's KV cache and the drafter's latent pool."""
     num_slots = max_batch_size + 1
@@ -182,7 +311,8 @@ def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft
               f"{num_pages * bytes_per_page / 2**20:.1f} MiB with the drafter's latents): {why}",
               key=f"kv-cache-pages-{num_pages}-{page_size}")
     divisor = 2 * drafter.num_latent_layers  # offsets count per-layer K/V-style units, as a KV manager's do
-    pages = PageAllocator(num_pages, num_slots, max_pages, divisor, device)
+    pages = PageAllocator(num_pages, num_slots, max_pages, divisor, device, page_size=page_size,
+                          enable_block_reuse=enable_block_reuse)
     kv = target.make_paged_kv_cache(num_pages, page_size, pages.page_table, device=device)
     pool = torch.zeros(drafter.latent_pool_shape(num_pages + 1, page_size), dtype=drafter.dtype, device=device)
     state = DSparkState(

@@ -101,6 +101,8 @@ class StepStats:
     prefill_s: float = 0.0
     num_prefills: int = 0  # requests whose prefill completed (their first token is out)
     prefill_tokens: int = 0  # prompt tokens prefilled (chunks included, padding not)
+    prefix_cache_queries: int = 0  # prompt tokens of this plan's admissions looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens cached (not prefilled)
 
 
 @dataclass
@@ -169,7 +171,7 @@ class Scheduler:
     def free_pages_after(self, cancel: list[int]) -> int:
         """Cache pages free once the requests of ``cancel`` (handles) have left (what a plan may admit into)."""
         pages = self.engine.pages
-        return pages.num_free + sum(pages.num_held(held.slot) for held in self._held(cancel))
+        return pages.num_free + sum(pages.num_freed_by(held.slot) for held in self._held(cancel))
 
     def _held(self, handles) -> list[_Live | _Prefilling]:
         return [x for h in handles for x in (self._live.get(h) or self._prefilling.get(h),) if x is not None]
@@ -211,10 +213,13 @@ class Scheduler:
             if held is not None:
                 self.engine.release_slot(held.slot)
                 events.append(Event(handle, [], "cancelled"))
+        pages = self.engine.pages
+        queries, hits = pages.prefix_queries, pages.prefix_hits
         for handle, request in plan.admit:
             refused = self._admit(handle, request)
             if refused is not None:
                 events.append(refused)
+        stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         if self.overlap and plan.run and self._live and self._prefilling:
             # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
             # runs it while the host launches the (eager) prefill; the prefilled requests join the next step.
@@ -303,11 +308,11 @@ class Scheduler:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         slot = self.engine.slots.acquire()
         try:
-            self.engine.reserve(slot, request)
+            cached = self.engine.reserve(slot, request, self.mode)
         except BaseException:
             self.engine.slots.release(slot)
             raise
-        self._prefilling[handle] = _Prefilling(request, slot)
+        self._prefilling[handle] = _Prefilling(request, slot, done=cached)
         return None
 
     def _prefill(self, stats: StepStats) -> list[Event]:
@@ -376,6 +381,7 @@ class Scheduler:
         stats.prefill_tokens += sum(p.left for p in held)
         events = []
         for h, p, first, lp in zip(group, held, firsts, lps):
+            self.engine.register_prefix(p.slot, p.request, self.mode)
             del self._prefilling[h]
             live = self._live[h] = _Live(p.request, p.slot)
             events.append(self._append(h, live, [first], None, lp))

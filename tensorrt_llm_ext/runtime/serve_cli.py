@@ -366,7 +366,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    const=True, default=None, help="= trust_remote_code (accepted, no effect: no remote code is run)")
     p.add_argument("--enable-prefix-caching", "--enable_prefix_caching", dest="enable_prefix_caching",
                    action=argparse.BooleanOptionalAction, default=None,
-                   help="= kv_cache_config.enable_block_reuse (accepted, no effect: every request prefills its prompt)")
+                   help="= kv_cache_config.enable_block_reuse: a prompt's whole cache pages, once prefilled, serve "
+                        "later prompts that start with the same tokens (default off)")
     p.add_argument("--pp_size", "--pipeline-parallel-size", "-pp", dest="pp_size", type=int, default=None,
                    help="= pipeline_parallel_size (1 only: no pipeline parallelism)")
     p.add_argument("--ep_size", "--moe_expert_parallel_size", dest="ep_size", type=int, default=None,

@@ -89,6 +89,11 @@ class ServerMetrics:
                     "admission, and is never preempted)"))
         # -- vLLM's counters ---------------------------------------------------------------------------------
         self.prompt_tokens = one(counter("prompt_tokens", "Prompt tokens prefilled"))
+        # vLLM's prefix-cache counters (tokens; kv_cache_config.enable_block_reuse): the hit rate is hits / queries.
+        self.prefix_cache_queries = one(counter("prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                                "cache at admission"))
+        self.prefix_cache_hits = one(counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (whole "
+                                             "pages; not prefilled again)"))
         self.generated_tokens = one(counter("generation_tokens", "Tokens generated"))
         self._success = counter("request_success", "Finished requests by finished_reason", ["finished_reason"])
         for reason in sorted(set(FINISHED_REASONS.values())):

@@ -85,8 +85,8 @@ def test_engine_waits_for_pages_instead_of_failing_and_frees_them():
     peak = []
     orig = small.pages.allocate
 
-    def allocate(slot, n, _orig=orig):
-        out = _orig(slot, n)
+    def allocate(slot, n, _orig=orig, **kw):
+        out = _orig(slot, n, **kw)
         peak.append(small.pages.num_used)
         return out
 

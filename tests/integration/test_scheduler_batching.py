@@ -196,8 +196,8 @@ def test_admission_waits_for_pages_and_nothing_leaks(engine, small_pool, chunked
         peak = []
         real_allocate = pages.allocate
 
-        def allocate(slot, n):
-            out = real_allocate(slot, n)
+        def allocate(slot, n, **kw):
+            out = real_allocate(slot, n, **kw)
             peak.append(pages.num_used)
             return out
 

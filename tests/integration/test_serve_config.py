@@ -55,8 +55,9 @@ def test_recipe_loads_and_logs_fields_without_effect(tmp_path, caplog):
     assert cfg.graph_batch_sizes() == (1, 2, 4, 8)
     no_effect = {p for p, _, _ in cfg.no_effect_fields()}
     assert {"moe_expert_parallel_size", "max_input_len", "attn_backend", "allreduce_strategy",
-            "kv_cache_config.enable_block_reuse", "kv_cache_config.dtype",
-            "backend", "moe_config"} <= no_effect
+            "kv_cache_config.dtype", "backend", "moe_config"} <= no_effect
+    # honoured now (runtime/kv_cache.py, block reuse): the recipe's false is what runs
+    assert not cfg.kv_cache_config.enable_block_reuse and "kv_cache_config.enable_block_reuse" not in no_effect
     # honoured now (docs/rejection_sampling.md): a real field, not a no-effect one
     assert cfg.speculative_config.use_rejection_sampling and "speculative_config.use_rejection_sampling" not in no_effect
     assert "tensor_parallel_size" not in no_effect and "kv_cache_config.tokens_per_block" not in no_effect

@@ -77,3 +77,44 @@ def test_lossless_tp4_vocab_parallel(mpi_pool_executor):
 def test_lossless_tp2_uneven_vocab_falls_back_to_gathered(mpi_pool_executor):
     res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 517, 6, ("speculative", "reference")), 2)
     assert not res["target_vp"] and "unevenly sharded" in res["selection"]
+
+
+def _rank_generate_reuse(tp: int):
+    """Block reuse at TP N: every rank's allocator takes the same cached pages (the plans are the same), and the
+    outputs equal an engine without reuse on the same ranks."""
+    import torch
+
+    from tensorrt_llm_ext.contract import SamplingParams
+    from tensorrt_llm_ext.distributed import init_from_mpi
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    mapping = init_from_mpi(tp_size=tp)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    stem = [9, 250, 3, 97, 14, 400, 8, 61, 2, 330, 45]
+    prompts = [stem + [5], stem + [300, 42, 7], stem + [5], stem[:5] + [77]]
+    reqs = [Request(list(p), max_new_tokens=5, sampling=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=3 + i))
+            for i, p in enumerate(prompts)]
+    base = {**SMALL, "model.target.vocab_size": 516, "tensor_parallel_size": tp, "max_batch_size": 1,
+            "kv_cache_config.tokens_per_block": 4}
+    out = {}
+    for reuse in (False, True):
+        eng = Engine(load_config(**{**base, "kv_cache_config.enable_block_reuse": reuse}), mapping, device=device)
+        for mode in ("speculative", "target_only"):
+            out[(reuse, mode)] = [r.output_ids for r in eng.generate(reqs, mode)[0]]
+        out[(reuse, "hits")] = eng.pages.prefix_hits
+        out[(reuse, "pages")] = [eng.pages._owned, sorted(eng.pages._key_of), eng.pages.num_free]
+    return out
+
+
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_block_reuse_tp2_same_pages_and_tokens_on_every_rank(mpi_pool_executor):
+    results = run_on_ranks(mpi_pool_executor, _rank_generate_reuse, 2)
+    assert results[0] == results[1], "ranks disagree"
+    res = results[0]
+    for mode in ("speculative", "target_only"):
+        assert res[(True, mode)] == res[(False, mode)], mode
+    assert res[(False, "hits")] == 0 and res[(True, "hits")] >= 2 * 2 * 4  # the repeated prompt, twice per mode

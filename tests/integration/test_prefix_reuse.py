@@ -1,0 +1,235 @@
+"""Block reuse (``kv_cache_config.enable_block_reuse``): a prompt's whole cache pages, once prefilled, serve later
+prompts that start with the same tokens. The pages' bookkeeping (holders, idle cached pages, eviction, exact
+keys) never leaks or hands out a page twice, and requests that reuse a prefix get the tokens of an engine that
+prefills every prompt whole: the speculative decode equal to the target's own decode bit for bit, the target-only
+decode and the sampled rows equal to the same engine without reuse, chunked prefill included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.kv_cache import PageAllocator
+from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+PAGE = 4
+TINY = {"model.target.num_layers": 1, "model.target.capture_layers": [0], "max_batch_size": 2, "max_seq_len": 48,
+        "kv_cache_config.tokens_per_block": PAGE}
+SYSTEM = [11, 250, 3, 97, 97, 14, 400, 8, 61, 2, 330, 45, 19]  # 13 tokens: three whole pages and one more
+PROMPTS = [SYSTEM + [5, 17], SYSTEM + [300, 42, 7, 9, 31], SYSTEM + [5, 17],  # the same prompt twice
+           SYSTEM[:6] + [77, 78, 79, 80], [101, 102], SYSTEM + [5, 17, 6], list(SYSTEM)]
+
+
+def _check(pages: PageAllocator) -> None:
+    """Held pages are counted once per holder; held, idle cached and free pages partition the pool; every key
+    names one page; both tables show each slot's pages in order."""
+    held = [pg for row in pages._owned.values() for pg in row]
+    counts = {pg: held.count(pg) for pg in set(held)}
+    assert counts == pages._holders
+    idle, free = set(pages._idle), set(pages._free)
+    assert len(free) == len(pages._free) and not (idle & free) and not (set(counts) & (idle | free))
+    assert len(counts) + len(idle) + len(free) == pages.num_pages
+    assert idle <= set(pages._key_of) and not free & set(pages._key_of)
+    assert {pg for _, pg in pages._cached.values()} == set(pages._key_of)
+    assert all(pages._cached[key][1] == pg for pg, key in pages._key_of.items())
+    for slot, row in pages._owned.items():
+        assert pages.page_table[slot, :len(row)].tolist() == row
+        assert pages.encoded_offsets[slot, :len(row)].tolist() == [pg * pages.divisor for pg in row]
+
+
+def test_match_register_evict_and_exact_keys():
+    pages = PageAllocator(num_pages=8, num_slots=4, max_pages_per_slot=6, divisor=2, device="cpu", page_size=PAGE,
+                          enable_block_reuse=True)
+    prompt = list(range(1, 15))  # 14 tokens: 3 whole pages before its last token
+    assert pages.match(prompt) == []
+    pages.allocate(0, 5)
+    assert pages.register(0, prompt) == 3 and pages.num_cached == 3
+    first = pages._owned[0][:3]
+    assert pages.match(prompt) == first and pages.match(prompt[:13]) == first  # 13 tokens: still 3 pages
+    assert pages.match(prompt[:12]) == first[:2]  # the last token's page is always prefilled
+    assert pages.match(prompt[:5] + [99] * 9) == first[:1]  # diverges inside page 2
+    assert pages.match(prompt, root="other") == []  # another root: other contents
+    pages.allocate(1, 4, prefix=first[:2])
+    assert pages._holders[first[0]] == 2 and pages.num_freed_by(1) == 2 and pages.num_freed_by(0) == 3
+    pages.free(0)  # its registered pages stay cached: two still held by slot 1, one idle
+    _check(pages)
+    assert pages.num_free == 8 - 4 and list(pages._idle) == [first[2]]
+    pages.free(1)
+    _check(pages)
+    assert pages.num_free == 8 and pages.num_used == 0 and pages.num_cached == 3
+    # Idle cached pages are handed out last, the deepest of a chain first: its parents stay matchable.
+    pages.allocate(2, 6)
+    assert pages.match(prompt) == first[:2] and pages.num_cached == 2
+    taken = pages.allocate(3, 2)  # the last two: the chain's pages are evicted
+    assert pages.num_cached == 0 and pages.match(prompt) == [] and pages.num_free == 0
+    # A page that held the chain's first page now holds other tokens: the old keys cannot reach it.
+    other = [50 + t for t in prompt]
+    assert pages.register(3, other) == 2  # slot 3 holds two pages
+    pages.free(2)
+    pages.free(3)
+    assert pages.match(prompt) == [] and pages.match(other) == taken
+    assert set(taken) & set(first)  # a page of the old chain, now under the new key
+    uncached = next(pg for pg in range(8) if pg not in pages._key_of)
+    with pytest.raises(RuntimeError, match="not cached pages"):
+        pages.allocate(0, 2, prefix=[uncached])
+    assert pages.num_free == 8 and pages.num_cached == 2  # the refused allocation took nothing
+    assert pages.prefix_hits == PAGE * (3 + 3 + 2 + 1 + 2 + 2) and pages.prefix_queries > pages.prefix_hits
+    _check(pages)
+
+
+def test_no_leak_after_1000_requests_sharing_prefixes():
+    rng = random.Random(0)
+    pages = PageAllocator(num_pages=30, num_slots=6, max_pages_per_slot=10, divisor=2, device="cpu", page_size=PAGE,
+                          enable_block_reuse=True)
+    stems = [[rng.randrange(50) for _ in range(20)] for _ in range(4)]
+    live: dict[int, list[int]] = {}
+    for i in range(1000):
+        free_slots = [s for s in range(6) if s not in live]
+        if free_slots and rng.random() < 0.6:
+            stem = rng.choice(stems)
+            prompt = stem[:rng.randint(1, 20)] + [rng.randrange(50) for _ in range(rng.randint(0, 8))]
+            need = min(10, len(prompt) // PAGE + rng.randint(1, 3))
+            prefix = pages.match(prompt)[:need]
+            pinned_idle = sum(pg in pages._idle for pg in prefix)  # pinning takes them out of the free count
+            if need - len(prefix) <= pages.num_free - pinned_idle:
+                slot = rng.choice(free_slots)
+                got = pages.allocate(slot, need, prefix=prefix)
+                assert got[:len(prefix)] == prefix and len(got) == need
+                if rng.random() < 0.8:
+                    pages.register(slot, prompt)
+                live[slot] = prompt
+        elif live:
+            pages.free(rng.choice(list(live)))
+            live = {s: p for s, p in live.items() if s in pages._owned}
+        if i % 25 == 0:
+            _check(pages)
+    for slot in list(live):
+        pages.free(slot)
+    _check(pages)
+    assert pages.num_free == pages.num_pages and pages.num_used == 0 and pages.prefix_hits > 0
+    pages.free_all()
+    assert pages.num_cached == 0 and pages.match(stems[0]) == []
+
+
+def _requests(sampled: bool) -> list[Request]:
+    return [Request(list(p), max_new_tokens=6,
+                    sampling=SamplingParams(temperature=0.8 if sampled and i % 2 else 0.0, seed=i))
+            for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_reused_prefixes_give_the_tokens_of_whole_prefills(chunked):
+    """Two slots for seven requests: the later ones find earlier prompts' pages cached (the same prompt, a longer
+    one, a shorter one, a partial page) and prefill the rest only."""
+    extra = {"enable_chunked_prefill": True, "max_num_tokens": 7} if chunked else {}
+    whole = Engine(load_config(**tiny_model(**TINY, **extra)))
+    reuse = Engine(load_config(**tiny_model(**TINY, **extra, **{"kv_cache_config.enable_block_reuse": True})))
+    assert not whole.pages.enable_block_reuse and reuse.pages.enable_block_reuse
+    prefilled = []
+    orig = reuse.prefill_slots
+
+    def rows(slots, requests, mode="speculative", starts=None):
+        prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
+        return orig(slots, requests, mode, starts)
+
+    reuse.prefill_slots = rows
+    for mode, sampled in (("speculative", False), ("target_only", False), ("speculative", True),
+                          ("target_only", True)):
+        reqs = _requests(sampled)
+        hits = reuse.pages.prefix_hits
+        prefilled.clear()
+        # greedy speculative: the target's own decode without reuse, which it equals bit for bit
+        want, _ = whole.generate(reqs, "reference" if mode == "speculative" and not sampled else mode)
+        got, _ = reuse.generate(reqs, mode)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want], (mode, sampled)
+        assert all(r.finish_reason == "length" for r in got)
+        assert reuse.pages.prefix_hits - hits >= 3 * PAGE  # at least the repeated prompt's three pages
+        if not chunked:
+            assert sum(prefilled) == sum(len(p) for p in PROMPTS) - (reuse.pages.prefix_hits - hits)
+        assert reuse.pages.num_used == 0 and reuse.slots.num_free == TINY["max_batch_size"]
+        _check(reuse.pages)
+    assert reuse.pages.num_cached > 0
+
+
+def test_target_only_pages_do_not_serve_the_drafter():
+    """A target-only prefill stores no drafter latents: a speculative request never reuses its pages."""
+    eng = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
+    req = Request(PROMPTS[1], max_new_tokens=4)  # 18 tokens: 4 whole pages before its last token
+    eng.generate([req], "target_only")
+    assert eng.pages.num_cached == 4
+    hits = eng.pages.prefix_hits
+    eng.generate([req], "speculative")
+    assert eng.pages.prefix_hits == hits and eng.pages.num_cached == 8
+    eng.generate([req], "target_only")
+    assert eng.pages.prefix_hits == hits + 4 * PAGE
+
+
+def test_scheduler_reports_prefix_hits_and_frees_shared_pages_once():
+    eng = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
+    sched = Scheduler(eng, mode="target_only")
+    a, b = Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[5], max_new_tokens=20)
+    _, st = sched.apply(StepPlan(admit=[(0, a)], run=False))
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (len(a.prompt_ids), 0) and st.prefill_tokens == 15
+    _, st = sched.apply(StepPlan(admit=[(1, b)], run=False))
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (len(b.prompt_ids), 3 * PAGE)
+    assert st.prefill_tokens == len(b.prompt_ids) - 3 * PAGE
+    # Cancelling b frees only its own pages; the shared ones stay held by a.
+    assert sched.free_pages_after([1]) == eng.pages.num_free + eng.pages.num_held(1) - 3
+    sched.apply(StepPlan(cancel=[0, 1], run=False))
+    assert eng.pages.num_used == 0 and sched.kv_cache_usage == 0.0
+    _check(eng.pages)
+
+
+def test_serve_metrics_count_prefix_queries_and_hits():
+    """The engine loop of ``serve`` over a reuse engine: ``/metrics`` has vLLM's prefix-cache counters (tokens)."""
+    from tensorrt_llm_ext.runtime.engine_loop import EngineLoop, PlanChannel, Sink
+    from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+
+    eng = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
+    metrics = ServerMetrics(eng.draft_len)
+    loop = EngineLoop(Scheduler(eng, mode="speculative"), PlanChannel(None), metrics, 16, speculative=True)
+    done = []
+
+    class Worker:
+        def put(self, pairs):
+            done.extend(e.handle for _, e in pairs if e.finish_reason is not None)
+
+    sink = Sink(None, None, None, Worker())
+    for prompt in (PROMPTS[0], PROMPTS[5]):  # one after the other: the second finds the first's pages
+        loop.submit([Request(prompt, max_new_tokens=3)], sink)
+        while loop.scheduler.num_active or loop.state().queued:
+            plan = loop._next_plan()
+            loop._record(plan, *loop.scheduler.apply(plan))
+
+    def sample(name):
+        return metrics.registry.get_sample_value(f"trtllm_ext_{name}_total",
+                                                 {"model_name": "dspark-embedded", "engine": "0"})
+
+    assert done == [0, 1]
+    assert sample("prefix_cache_queries") == len(PROMPTS[0]) + len(PROMPTS[5])
+    assert sample("prefix_cache_hits") == 3 * PAGE
+    assert sample("prompt_tokens") == len(PROMPTS[0]) + len(PROMPTS[5]) - 3 * PAGE  # the tokens prefilled
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_reuse_under_graphs_gives_the_tokens_of_whole_prefills():
+    """On CUDA, decode steps and prefill buckets captured: reused prefixes give the tokens of whole prefills
+    (fp32: another prefill shape rounds far below any logit gap)."""
+    cfg = {**TINY, "cuda_graph_config.prefill_max_tokens": 32}
+    whole = Engine(load_config(**tiny_model(**cfg)), use_cuda_graph=True)
+    reuse = Engine(load_config(**tiny_model(**cfg, **{"kv_cache_config.enable_block_reuse": True})),
+                   use_cuda_graph=True)
+    for mode in ("speculative", "target_only"):
+        for sampled in (False, True):
+            reqs = _requests(sampled)
+            hits = reuse.pages.prefix_hits
+            want = [r.output_ids for r in whole.generate(reqs, mode)[0]]
+            assert [r.output_ids for r in reuse.generate(reqs, mode)[0]] == want, (mode, sampled)
+            assert reuse.pages.prefix_hits - hits >= 3 * PAGE and reuse.pages.num_used == 0
+    assert reuse.prefill_runner is not None and sum(reuse.prefill_runner.replays.values()) > 0
