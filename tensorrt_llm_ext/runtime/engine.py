@@ -369,10 +369,13 @@ class Engine:
         self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
         return len(prefix) * self.state.page_size
 
-    def register_prefix(self, slot: int, request: Request, mode: str = "speculative") -> None:
-        """``request``'s prompt is in the cache on ``slot`` (its prefill is done): its whole pages serve later
-        prompts (block reuse; nothing without)."""
-        self.pages.register(slot, request.prompt_ids, _prefix_root(mode))
+    def register_prefix(self, slot: int, request: Request, mode: str = "speculative",
+                        output_ids: list[int] = ()) -> None:
+        """``request``'s prompt (its prefill is done) and ``output_ids`` (at its finish: the tokens it emitted)
+        are in the cache on ``slot``: their whole pages before the last token serve later prompts (block reuse;
+        nothing without). Every position before the last emitted token holds its final K/V and latents (the
+        steps that emitted those tokens wrote them; any later write lands at or past the last one)."""
+        self.pages.register(slot, list(request.prompt_ids) + list(output_ids), _prefix_root(mode))
 
     def prefill_slots(self, slots: list[int], requests: list[Request], mode: str = "speculative",
                       starts: list[int] | None = None) -> list[int]:

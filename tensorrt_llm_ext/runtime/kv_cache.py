@@ -154,19 +154,20 @@ class PageAllocator:
         self.prefix_hits += len(pages) * self.page_size
         return pages
 
-    def register(self, slot: int, prompt_ids, root=None) -> int:
-        """Register ``slot``'s whole prompt pages before its last token (their K/V and latents are final once
-        its prefill is done); a page whose key another page already holds stays private. Returns the pages
-        newly registered."""
+    def register(self, slot: int, token_ids, root=None) -> int:
+        """Register ``slot``'s whole pages before the last of ``token_ids`` (its sequence from position 0: the
+        prompt once its prefill is done, prompt and output at its finish; the caller says their K/V and latents
+        are final); a page whose key another page already holds stays private. Returns the pages newly
+        registered."""
         if not self.enable_block_reuse:
             return 0
         pages = self._owned.get(slot, [])
-        n = min((len(prompt_ids) - 1) // self.page_size, len(pages))
+        n = min((len(token_ids) - 1) // self.page_size, len(pages))
         added = 0
         parent = ("root", root)
         p = self.page_size
         for i in range(n):
-            key = (parent, tuple(int(t) for t in prompt_ids[i * p:(i + 1) * p]))
+            key = (parent, tuple(int(t) for t in token_ids[i * p:(i + 1) * p]))
             hit = self._cached.get(key)
             if hit is None:
                 if pages[i] in self._key_of:  # this page is cached under another key: the chain diverged

@@ -118,6 +118,7 @@ class _Live:
     request: Request
     slot: int
     num_out: int = 0
+    out: list[int] | None = None  # the tokens out so far, kept for block reuse (its pages are registered at finish)
 
 
 @dataclass
@@ -383,7 +384,7 @@ class Scheduler:
         for h, p, first, lp in zip(group, held, firsts, lps):
             self.engine.register_prefix(p.slot, p.request, self.mode)
             del self._prefilling[h]
-            live = self._live[h] = _Live(p.request, p.slot)
+            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None)
             events.append(self._append(h, live, [first], None, lp))
         return events
 
@@ -448,8 +449,12 @@ class Scheduler:
         verified (:attr:`Event.confidences`)."""
         n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens)
         live.num_out += n
+        if live.out is not None:
+            live.out.extend(int(t) for t in tokens[:n])
         if reason is not None:
             del self._live[handle]
+            if live.out is not None:  # its answer's pages serve a next turn that repeats it
+                self.engine.register_prefix(live.slot, live.request, self.mode, live.out)
             self.engine.release_slot(live.slot)
         return Event(handle, [int(t) for t in tokens[:n]], reason, None, accepted,
                      logprobs[:n] if logprobs is not None else None, confidences=confidences)

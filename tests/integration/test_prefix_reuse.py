@@ -160,12 +160,12 @@ def test_reused_prefixes_give_the_tokens_of_whole_prefills(chunked):
 def test_target_only_pages_do_not_serve_the_drafter():
     """A target-only prefill stores no drafter latents: a speculative request never reuses its pages."""
     eng = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
-    req = Request(PROMPTS[1], max_new_tokens=4)  # 18 tokens: 4 whole pages before its last token
+    req = Request(PROMPTS[1], max_new_tokens=4)  # 18 + 4 tokens: 5 whole pages before the last token out
     eng.generate([req], "target_only")
-    assert eng.pages.num_cached == 4
+    assert eng.pages.num_cached == 5
     hits = eng.pages.prefix_hits
     eng.generate([req], "speculative")
-    assert eng.pages.prefix_hits == hits and eng.pages.num_cached == 8
+    assert eng.pages.prefix_hits == hits and eng.pages.num_cached == 10
     eng.generate([req], "target_only")
     assert eng.pages.prefix_hits == hits + 4 * PAGE
 
@@ -233,3 +233,45 @@ def test_gpu_reuse_under_graphs_gives_the_tokens_of_whole_prefills():
             assert [r.output_ids for r in reuse.generate(reqs, mode)[0]] == want, (mode, sampled)
             assert reuse.pages.prefix_hits - hits >= 3 * PAGE and reuse.pages.num_used == 0
     assert reuse.prefill_runner is not None and sum(reuse.prefill_runner.replays.values()) > 0
+
+
+def _serve_one_by_one(eng: Engine, mode: str, overlap: bool, reqs: list[Request]) -> list[list[int]]:
+    """``serve``'s scheduler, one request at a time (each admitted once the one before has finished)."""
+    sched = Scheduler(eng, mode=mode, overlap=overlap)
+    outs = []
+    for handle, req in enumerate(reqs):
+        out = []
+        plan = StepPlan(admit=[(handle, req)])
+        while True:
+            events, _ = sched.apply(plan)
+            for e in events:
+                assert e.error is None, e.error
+                out.extend(e.tokens)
+            if not sched.num_active and not sched.in_flight:
+                break
+            plan = StepPlan()
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_a_next_turn_reuses_the_pages_of_the_answer(mode, overlap):
+    """A finished request's answer pages are registered too: a next turn that repeats prompt and answer prefills
+    only what follows (the overlap scheduler's step in flight never writes below the last token out)."""
+    whole = Engine(load_config(**tiny_model(**TINY)))
+    reuse = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
+    first = Request(PROMPTS[0], max_new_tokens=9, sampling=SamplingParams(temperature=0.7, seed=5))
+    answer = _serve_one_by_one(reuse, mode, overlap, [first])[0]
+    assert len(answer) == 9
+    cached = (len(PROMPTS[0]) + len(answer) - 1) // PAGE  # whole pages before the last token out
+    assert reuse.pages.num_cached == cached
+    turn = Request(PROMPTS[0] + answer + [33, 34, 35], max_new_tokens=6,
+                   sampling=SamplingParams(temperature=0.0 if mode == "speculative" else 0.9, seed=2))
+    hits = reuse.pages.prefix_hits
+    got = _serve_one_by_one(reuse, mode, overlap, [turn])[0]
+    assert reuse.pages.prefix_hits - hits == cached * PAGE
+    want = [r.output_ids for r in whole.generate([turn], "reference" if mode == "speculative" else mode)[0]][0]
+    assert got == want
+    assert reuse.pages.num_used == 0
+    _check(reuse.pages)
