@@ -53,6 +53,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-set", choices=["random", "held_out"], default="random",
                    help="random token ids, or the held-out chat prompts of bench acceptance (a --model with a chat "
                         "tokenizer; docs/real_model.md)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every request's prompt starts with the same N token ids (seeded), as a shared system "
+                        "prompt does")
+    p.add_argument("--prefix-caching", choices=["off", "on", "both"], default="off",
+                   help="serve with kv_cache_config.enable_block_reuse off, on, or one server of each per decode "
+                        "(the prefix-cache hit rate from the server's counters)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
     p.add_argument("--disable-overlap-scheduler", action="store_true",
@@ -129,16 +135,21 @@ async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float)
 
 # The server's counters a cell reads before and after (sum / count pairs of its histograms).
 SCRAPED = ("acceptance_length", "step_seconds", "step_host_seconds")
+# Counters read the same way: the prefix-cache hits and lookups (tokens).
+SCRAPED_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries")
 
 
 def _scrape(url: str) -> dict[str, float]:
-    """``{name_sum, name_count}`` of :data:`SCRAPED` from the server's /metrics."""
+    """``{name_sum, name_count}`` of :data:`SCRAPED` and ``{name}`` of :data:`SCRAPED_COUNTERS` from the server's
+    /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     m = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
          for s in fam.samples}
-    return {f"{n}_{part}": m.get(f"trtllm_ext_{n}_{part}", 0.0) for n in SCRAPED for part in ("sum", "count")}
+    out = {f"{n}_{part}": m.get(f"trtllm_ext_{n}_{part}", 0.0) for n in SCRAPED for part in ("sum", "count")}
+    out.update({n: m.get(f"trtllm_ext_{n}_total", 0.0) for n in SCRAPED_COUNTERS})
+    return out
 
 
 def _mean_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> float:
@@ -260,9 +271,14 @@ def run(args: argparse.Namespace) -> None:
 
         held_out = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
     rows = []
-    for decode in args.decodes:
-        server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []),
-                              str(work / f"server_{decode}.log"))
+    caching = {"off": [False], "on": [True], "both": [False, True]}[args.prefix_caching]
+    import random
+
+    shared = [random.Random(11).randrange(cfg.model.target.vocab_size) for _ in range(args.shared_prefix)]
+    for decode, reuse in ((d, r) for d in args.decodes for r in caching):
+        server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []) +
+                              (["--enable-prefix-caching"] if reuse else []),
+                              str(work / f"server_{decode}_{'reuse' if reuse else 'whole'}.log"))
         with _exit_code_on_last_row(server, rows):
             for name, sampling in SAMPLINGS.items():
                 for conc in args.concurrency:
@@ -272,7 +288,7 @@ def run(args: argparse.Namespace) -> None:
                         for b, p in zip(bodies, held_out * (n // len(held_out) + 1)):
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
-                        b.update(prompt=b["prompt"][:max(1, limit)], seed=i, **sampling)
+                        b.update(prompt=(shared + b["prompt"])[:max(1, limit)], seed=i, **sampling)
                     m0 = _scrape(server.url)
                     t0 = time.perf_counter()
                     res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
@@ -281,7 +297,9 @@ def run(args: argparse.Namespace) -> None:
                     tokens = sum(r[2] for r in res)
                     ttft = [r[0] for r in res]
                     tpot = [r[1] for r in res if r[1] == r[1]]
-                    rows.append([decode, name, conc, n, len(res), errors,
+                    looked_up = m1["prefix_cache_queries"] - m0["prefix_cache_queries"]
+                    hit = (m1["prefix_cache_hits"] - m0["prefix_cache_hits"]) / looked_up if looked_up else 0.0
+                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res), errors,
                                  _median_ms(ttft, 1),
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
                                  _median_ms(tpot, 2),
@@ -289,9 +307,12 @@ def run(args: argparse.Namespace) -> None:
                                  fmt(_mean_delta(m0, m1, "acceptance_length"), 2),
                                  fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
                                  fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3)])
-    _blank_exit_codes(rows, 14)
+    _blank_exit_codes(rows, 15)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
-             f"{args.requests_per_client} requests per client, {args.prompt_set} prompts; streamed completions; "
+             f"{args.requests_per_client} requests per client, {args.prompt_set} prompts"
+             + (f" after one shared prefix of {args.shared_prefix} token ids" if args.shared_prefix else "") +
+             "; streamed completions; prefix cache = kv_cache_config.enable_block_reuse (hit = cached prompt tokens "
+             "over prompt tokens looked up, from the server's counters); "
              f"TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
              f"a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
@@ -305,7 +326,7 @@ def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
-                       ["decode", "sampling", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
+                       ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                         "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
                         "host ms/step", "exit"], rows, notes)
     if args.out:

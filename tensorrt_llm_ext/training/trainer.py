@@ -246,13 +246,13 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
     return decay ** torch.arange(draft_len, device=device, dtype=torch.float32)
 
 
-def loss_layout() -> str:
-    """The vocabulary-wide loss's layout (:data:`.fused_loss.LAYOUTS`): ``TLLM_EXT_LOSS_LAYOUT``, default
-    ``"rows"`` (the layout measured on the H200); ``"dedup"``: one GEMM each way for the draft logits, the
-    teacher's logits once per position (tested equal to the eager objective at 2e-5 in fp32:
-    tests/integration/test_drafter_loss_layouts.py; estimated ~25 ms less per SmolLM2 step from the cost model; the
-    default once `scripts/drafter_throughput.py --profile` shows it faster on the GPU)."""
-    return os.environ.get("TLLM_EXT_LOSS_LAYOUT", "rows")
+def loss_layout() -> str | None:
+    """The vocabulary-wide loss's layout forced by ``TLLM_EXT_LOSS_LAYOUT`` (one of :data:`.fused_loss.LAYOUTS`), or
+    None: the trainer times every layout at its first step and keeps the fastest (:func:`pick_loss_kernel`). The
+    layouts compute one objective (equal to the eager one at 2e-5 in fp32: tests/integration/test_drafter_loss_layouts.py):
+    ``"rows"`` a teacher row per block row, ``"joint"`` one GEMM each way for the draft logits, ``"dedup"`` that
+    and the teacher's logits once per position."""
+    return os.environ.get("TLLM_EXT_LOSS_LAYOUT") or None
 
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
@@ -273,7 +273,7 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync; the ``"dedup"`` layout
     reads its number of teacher positions and its chunks' ranges on the host, two syncs mid-step)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
-    layout = layout or loss_layout()
+    layout = layout or loss_layout() or "rows"
     if layout not in LAYOUTS:
         raise ValueError(f"train-drafter: loss layout {layout!r}: expected one of {LAYOUTS}")
     with torch.profiler.record_function("drafter_forward"):
@@ -328,44 +328,52 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     return total, metrics
 
 
-def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3) -> dict:
-    """The first batch's loss and gradients both ways (the trainer asks on CUDA; a CPU under TRITON_INTERPRET=1
-    runs it too: tests) -- the per-row passes in the Triton kernel and in
-    torch ops -- timed (the best of ``reps``, the kernel's compile in its first); the kernel is used when it
-    agrees with the torch twin (loss within 1e-3 relative) and is faster. Returns what ``training.json`` records
-    (``"kernel"``: the choice; the milliseconds of each)."""
+def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3,
+                     layouts: tuple[str, ...] | None = None) -> dict:
+    """The first batch's loss and gradients every way -- the per-row passes in the Triton kernel and in torch ops,
+    in each of ``layouts`` (default: the one ``TLLM_EXT_LOSS_LAYOUT`` forces, else all of :data:`.fused_loss.LAYOUTS`)
+    -- timed (the best of ``reps``, compiles in the first); the fastest of those whose loss agrees with the torch
+    ops' in the first layout (within 1e-3 relative) is used (the trainer asks on CUDA; a CPU under
+    TRITON_INTERPRET=1 runs it too: tests). Returns what ``training.json`` records: ``"kernel"`` and ``"layout"``
+    (the choice), ``"ms"`` (per way), ``"kernel_ms"`` / ``"torch_ms"`` (the chosen layout's)."""
+    layouts = layouts or ((loss_layout(),) if loss_layout() else LAYOUTS)
     trainable = [p for n, p in params.items() if p.requires_grad]
     cuda = lm_head.is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out: dict = {}
-    for kernel in (True, False):
+    out: dict = {"ms": {}, "loss": {}}
+    ways = [(layout, kernel) for layout in layouts for kernel in (False, True)]  # the reference (torch, first) first
+    for layout, kernel in ways:
+        way = f"{layout}/{'kernel' if kernel else 'torch'}"
         try:
             best = float("inf")
             for _ in range(reps):
                 sync()
                 t = time.perf_counter()
                 with torch.autocast(lm_head.device.type, dtype=torch.bfloat16, enabled=cuda):
-                    loss, _ = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc, kernel=kernel)
+                    loss, _ = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc, kernel=kernel,
+                                                layout=layout)
                 torch.autograd.grad(loss, trainable, allow_unused=True)
                 sync()
                 best = min(best, time.perf_counter() - t)
-            out["kernel_ms" if kernel else "torch_ms"] = round(best * 1e3, 1)
-            out["kernel_loss" if kernel else "torch_loss"] = float(loss.detach())
-        except Exception as e:  # a kernel that does not build or run here: the torch ops
-            if not kernel:
+            out["ms"][way] = round(best * 1e3, 1)
+            out["loss"][way] = float(loss.detach())
+        except Exception as e:  # a way that does not build or run here (the reference must)
+            if way == f"{layouts[0]}/torch":
                 raise
-            out["kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            logger.warning(f"train-drafter: the loss kernel failed ({out['kernel_error']}); torch ops instead")
-    both = "kernel_loss" in out and "torch_loss" in out
-    agree = both and abs(out["kernel_loss"] - out["torch_loss"]) <= 1e-3 * abs(out["torch_loss"]) + 1e-4
-    out["kernel"] = bool(agree and out["kernel_ms"] < out["torch_ms"])
-    if both and not agree:
-        logger.warning(f"train-drafter: the loss kernel disagrees with its torch twin ({out['kernel_loss']} vs "
-                       f"{out['torch_loss']}); torch ops instead")
-    logger.info(f"train-drafter: vocabulary-wide loss per step ({loss_layout()!r} layout): Triton row kernel "
-                f"{out.get('kernel_ms')} ms, torch "
-                f"ops {out.get('torch_ms')} ms (forward + backward, first batch); using the "
-                f"{'kernel' if out['kernel'] else 'torch ops'}")
+            out.setdefault("errors", {})[way] = f"{type(e).__name__}: {str(e)[:200]}"
+            logger.warning(f"train-drafter: the loss {way} failed ({out['errors'][way]}); not used")
+    ref = out["loss"][f"{layouts[0]}/torch"]
+    agreeing = {w: ms for w, ms in out["ms"].items() if abs(out["loss"][w] - ref) <= 1e-3 * abs(ref) + 1e-4}
+    for w in sorted(set(out["ms"]) - set(agreeing)):
+        logger.warning(f"train-drafter: the loss {w} disagrees with {layouts[0]}/torch ({out['loss'][w]} vs {ref}); "
+                       "not used")
+    way = min(agreeing, key=agreeing.get)
+    out["layout"], out["kernel"] = way.split("/")[0], way.endswith("/kernel")
+    out["kernel_ms"], out["torch_ms"] = out["ms"].get(f"{out['layout']}/kernel"), out["ms"][f"{out['layout']}/torch"]
+    if "errors" in out:
+        out["kernel_error"] = next(iter(out["errors"].values()))
+    logger.info("train-drafter: vocabulary-wide loss per step, forward + backward on the first batch: "
+                + ", ".join(f"{w} {ms} ms" for w, ms in out["ms"].items()) + f"; using {way}")
     return out
 
 
@@ -633,14 +641,13 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
             choice = os.environ.get("TLLM_EXT_LOSS_KERNEL", "auto")
             if device.type != "cuda" or choice in ("off", "on"):
-                loss_path = {"kernel": device.type == "cuda" and choice == "on",
+                loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
                              "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
             else:
-                loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)
-            loss_path["layout"] = loss_layout()  # TLLM_EXT_LOSS_LAYOUT (training.json records it)
+                loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
-                                              kernel=loss_path["kernel"])
+                                              kernel=loss_path["kernel"], layout=loss_path["layout"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
@@ -680,7 +687,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         final_by_position = [round(sum(1 for n in walked if n - 1 >= j) / max(len(walked), 1), 4)
                              for j in range(1, tc.draft_len + 1)]
         calibration = held_out_calibration(final, dcfg, lm_head, eval_data, tc, device, target,
-                                           kernel=bool(loss_path and loss_path["kernel"]))
+                                           kernel=bool(loss_path and loss_path["kernel"]),
+                                           layout=loss_path["layout"] if loss_path else None)
     save_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[tc.save_dtype]
     weights = {n: t.to(save_dtype).cpu() for n, t in final.items()}
@@ -732,7 +740,7 @@ def fitted_lr(step: int, tc: TrainConfig, time_frac: float) -> float:
 
 @torch.no_grad()
 def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, device, target,
-                         kernel: bool = False) -> dict:
+                         kernel: bool = False, layout: str | None = None) -> dict:
     """The confidence head on the held-out sequences (32 random anchors per sequence): mean confidence and mean
     label ``1 - TV`` per block position (a calibrated head has them equal), the teacher-forced top-1 agreement per
     position (the training log's top-1 is on training batches; this one is on sequences training never saw), and
@@ -749,7 +757,7 @@ def held_out_calibration(params, dcfg, lm_head, eval_data, tc: TrainConfig, devi
         anchors = sample_anchors(b, 32, g)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             _, m = distillation_loss(params, dcfg, lm_head, b, anchors, tc.draft_len, tc, confidence_samples=True,
-                                     kernel=kernel)
+                                     kernel=kernel, layout=layout)
         conf += m["confidence"].float().cpu()
         lab += m["label"].float().cpu()
         top1 += m["top1"].float().cpu()

@@ -203,8 +203,14 @@ def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
     batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
     anchors = trainer.sample_anchors(batch, 3, torch.Generator().manual_seed(0))
     got = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1)
-    assert abs(got["kernel_loss"] - got["torch_loss"]) < 1e-4 and got["kernel_ms"] > 0 and got["torch_ms"] > 0
-    assert got["kernel"] == (got["kernel_ms"] < got["torch_ms"])
+    # every layout both ways, all agreeing, the fastest chosen
+    assert sorted(got["ms"]) == sorted(f"{lay}/{w}" for lay in fused_loss.LAYOUTS for w in ("kernel", "torch"))
+    assert max(got["loss"].values()) - min(got["loss"].values()) < 1e-4 and min(got["ms"].values()) > 0
+    way = f"{got['layout']}/{'kernel' if got['kernel'] else 'torch'}"
+    assert got["ms"][way] == min(got["ms"].values())
+    assert got["torch_ms"] == got["ms"][f"{got['layout']}/torch"]
+    forced = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1, layouts=("dedup",))
+    assert forced["layout"] == "dedup" and sorted(forced["ms"]) == ["dedup/kernel", "dedup/torch"]
     real = fused_loss.block_loss_rows
 
     def broken(*args, **kwargs):
@@ -216,3 +222,4 @@ def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
     finally:
         fused_loss.block_loss_rows = real
     assert got["kernel"] is False and "no such kernel" in got["kernel_error"] and got["torch_ms"] > 0
+    assert all(w.endswith("/torch") for w in got["ms"]) and len(got["errors"]) == len(fused_loss.LAYOUTS)
