@@ -19,7 +19,8 @@
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
 #          graphs); ~100 s.
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes. K_SERVE (7) is the
-#          served draft length, PREFILL_MAX_TOKENS (0: eager) the prefill's captured token buckets (docs/serving.md).
+#          served draft length, PREFILL_MAX_TOKENS (0: eager) the prefill's captured token buckets (docs/serving.md);
+#          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
 # timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
 # 4 or 3 picks train's flags (below).
 #
@@ -203,6 +204,11 @@ EOF
   run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
     --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 \
     --out "$OUT/serve.md" --json "$OUT/serve.json" 2>&1 | tail -30 | tee "$OUT/serve.log"
+  if [ "${SERVE_PREFIX:-0}" -gt 0 ]; then  # prefix reuse A/B: one shared prefix of SERVE_PREFIX token ids (~70 s)
+    run timeout 200 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
+      --decodes target_only --shared-prefix "$SERVE_PREFIX" --prefix-caching both --concurrency 32 \
+      --requests-per-client 4 --max-tokens 128 --max-seconds 20 --out "$OUT/serve.md" 2>&1 | tail -14 | tee -a "$OUT/serve.log"
+  fi
 }
 
 pack() {  # the call's logs as one archive plus the three files read first (a device call returns a few files only)

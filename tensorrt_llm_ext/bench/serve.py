@@ -324,7 +324,9 @@ def run(args: argparse.Namespace) -> None:
                                       "on (host ms/step runs while the device runs the next step; step ms = the "
                                       "engine thread's wait on the device per step)")]
     if not torch.cuda.is_available():
-        notes.append("CPU smoke (Triton interpreter, small config): the numbers only show the path works.")
+        notes.append("On a CPU: " + ("the Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else
+                                     "the stock torch ops") + (f", {args.model}" if args.model else ", the small "
+                                     "config") + ": the numbers compare rows of this run, not a GPU's speed.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
                        ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                         "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",

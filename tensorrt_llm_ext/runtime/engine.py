@@ -369,6 +369,11 @@ class Engine:
         self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
         return len(prefix) * self.state.page_size
 
+    def admission_pages(self, request: Request, mode: str = "speculative", leaving=()) -> int:
+        """Free pages admitting ``request`` (validated) would take now, with the slots ``leaving`` gone first:
+        :meth:`pages_for`, less its cached prefix pages other requests hold (block reuse)."""
+        return self.pages.admission_cost(request.prompt_ids, self.pages_for(request), _prefix_root(mode), leaving)
+
     def register_prefix(self, slot: int, request: Request, mode: str = "speculative",
                         output_ids: list[int] = ()) -> None:
         """``request``'s prompt (its prefill is done) and ``output_ids`` (at its finish: the tokens it emitted)

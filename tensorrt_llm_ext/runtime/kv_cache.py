@@ -117,9 +117,14 @@ class PageAllocator:
         """Pages ``slot`` holds now."""
         return len(self._owned.get(slot, ()))
 
-    def num_freed_by(self, slot: int) -> int:
-        """Pages that become free (or idle cached) when ``slot`` leaves: those no other slot holds."""
-        return sum(1 for p in self._owned.get(slot, ()) if self._holders[p] == 1)
+    def num_free_after(self, leaving=()) -> int:
+        """:attr:`num_free` once the slots ``leaving`` have left: their pages that no other slot holds are free (or
+        idle cached) then."""
+        gone: dict[int, int] = {}
+        for slot in set(leaving):
+            for page in self._owned.get(slot, ()):
+                gone[page] = gone.get(page, 0) + 1
+        return self.num_free + sum(1 for page, n in gone.items() if self._holders[page] == n)
 
     def can_allocate(self, num_pages: int) -> bool:
         """Whether ``num_pages`` are free now (admission waits otherwise)."""
@@ -153,6 +158,28 @@ class PageAllocator:
         self.prefix_queries += n
         self.prefix_hits += len(pages) * self.page_size
         return pages
+
+    def admission_cost(self, prompt_ids, num_pages: int, root=None, leaving=()) -> int:
+        """The free pages that :meth:`allocate` of ``num_pages`` after :meth:`match` of ``prompt_ids`` would take
+        now, with the slots ``leaving`` gone first: its fresh pages plus the idle cached pages it pins (nothing is
+        counted or taken). Admissions in order may evict one another's matches; an evicted page was idle (a held
+        page's chain is held), so it moves from the pinned to the fresh count and the sum stays an upper bound."""
+        if not self.enable_block_reuse:
+            return num_pages
+        leaving = set(leaving)
+        gone: dict[int, int] = {}  # page -> holders among the leaving slots
+        for slot in leaving:
+            for page in self._owned.get(slot, ()):
+                gone[page] = gone.get(page, 0) + 1
+        n = len(prompt_ids)
+        matched = idle = 0
+        for key in self._page_keys(prompt_ids, min((n - 1) // self.page_size, num_pages), root):
+            hit = self._cached.get(key)
+            if hit is None:
+                break
+            matched += 1
+            idle += self._holders.get(hit[1], 0) == gone.get(hit[1], 0)
+        return num_pages - matched + idle
 
     def register(self, slot: int, token_ids, root=None) -> int:
         """Register ``slot``'s whole pages before the last of ``token_ids`` (its sequence from position 0: the

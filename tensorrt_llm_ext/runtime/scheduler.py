@@ -171,27 +171,36 @@ class Scheduler:
 
     def free_pages_after(self, cancel: list[int]) -> int:
         """Cache pages free once the requests of ``cancel`` (handles) have left (what a plan may admit into)."""
-        pages = self.engine.pages
-        return pages.num_free + sum(pages.num_freed_by(held.slot) for held in self._held(cancel))
+        return self.engine.pages.num_free_after([held.slot for held in self._held(cancel)])
 
     def _held(self, handles) -> list[_Live | _Prefilling]:
         return [x for h in handles for x in (self._live.get(h) or self._prefilling.get(h),) if x is not None]
 
     def admissible(self, queue: Iterable[Request], cancel: list[int] = ()) -> int:
         """How many requests at the head of ``queue`` a plan that cancels ``cancel`` may admit, first come first
-        served: while a slot and the request's pages (:meth:`pages_for`) are free; the next one waits."""
+        served: while a slot and the request's pages (:meth:`admission_pages`) are free; the next one waits."""
         slots = self.num_free_slots + len(self._held(cancel))
         pages = self.free_pages_after(cancel)
+        leaving = [held.slot for held in self._held(cancel)]
         n = 0
         for request in queue:
             if n >= slots:
                 break
-            need = self.pages_for(request)
+            need = self.admission_pages(request, leaving)
             if need > pages:
                 break
             pages -= need
             n += 1
         return n
+
+    def admission_pages(self, request: Request, leaving=()) -> int:
+        """Free pages ``request`` takes at admission now (its cached prefix pages that others hold are not taken:
+        block reuse), with the slots ``leaving`` gone first; 0 for one that fails validation."""
+        try:
+            self.validate(request)
+        except RequestError:
+            return 0
+        return self.engine.admission_pages(request, self.mode, leaving)
 
     def pages_for(self, request: Request) -> int:
         """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the

@@ -56,7 +56,9 @@ def test_match_register_evict_and_exact_keys():
     assert pages.match(prompt[:5] + [99] * 9) == first[:1]  # diverges inside page 2
     assert pages.match(prompt, root="other") == []  # another root: other contents
     pages.allocate(1, 4, prefix=first[:2])
-    assert pages._holders[first[0]] == 2 and pages.num_freed_by(1) == 2 and pages.num_freed_by(0) == 3
+    assert pages._holders[first[0]] == 2 and pages.num_free == 8 - 7
+    assert pages.num_free_after([1]) == 1 + 2 and pages.num_free_after([0]) == 1 + 3
+    assert pages.num_free_after([0, 1]) == 8
     pages.free(0)  # its registered pages stay cached: two still held by slot 1, one idle
     _check(pages)
     assert pages.num_free == 8 - 4 and list(pages._idle) == [first[2]]
@@ -275,3 +277,48 @@ def test_a_next_turn_reuses_the_pages_of_the_answer(mode, overlap):
     assert got == want
     assert reuse.pages.num_used == 0
     _check(reuse.pages)
+
+
+def test_admission_counts_shared_pages_once():
+    """A pool for two whole reservations: with reuse, requests that share a running request's prompt pages are
+    admitted beside it (they take only their fresh pages); without, the next one waits."""
+    stem = [rng for rng in range(300, 324)]  # 24 tokens: 5 whole pages before the last of a 25-token prompt
+    reqs = [Request(stem + [i], max_new_tokens=6) for i in range(4)]
+    need = Engine(load_config(**tiny_model(**TINY))).pages_for(reqs[0])
+    shared = (len(reqs[0].prompt_ids) - 1) // PAGE  # 6 pages of each later prompt are the first one's
+    for reuse, admitted in ((False, 1), (True, min(3, need // (need - shared)))):
+        eng = Engine(load_config(**tiny_model(**{**TINY, "max_batch_size": 4, "kv_cache_config.max_tokens":
+                                                 2 * need * PAGE, "kv_cache_config.enable_block_reuse": reuse})))
+        sched = Scheduler(eng, mode="target_only")
+        events, _ = sched.apply(StepPlan(admit=[(0, reqs[0])], run=False))  # prefilled: its pages registered
+        assert events[0].error is None and eng.pages.num_free == need
+        assert sched.admissible(reqs[1:]) == admitted and admitted >= (2 if reuse else 1)
+        events, _ = sched.apply(StepPlan(admit=[(i, r) for i, r in enumerate(reqs[1:1 + admitted], 1)], run=False))
+        assert all(e.error is None for e in events) and eng.pages.num_free >= 0
+        # cancelling the first frees only the pages nobody else holds
+        assert sched.free_pages_after([0]) == eng.pages.num_free_after([sched._live[0].slot])
+        sched.apply(StepPlan(cancel=list(range(1 + admitted)), run=False))
+        assert eng.pages.num_used == 0
+        _check(eng.pages)
+
+
+def test_tight_pool_with_reuse_never_over_admits():
+    """Many requests sharing prefixes through a pool of two reservations: every admission's pages are there (an
+    over-admission would raise in its allocation), and the tokens are those of an engine with pages for all."""
+    rng = random.Random(3)
+    stems = [[rng.randrange(500) for _ in range(18)] for _ in range(2)]
+    prompts = [rng.choice(stems)[:rng.randint(5, 18)] + [rng.randrange(500) for _ in range(rng.randint(1, 4))]
+               for _ in range(14)]
+    reqs = [Request(p, max_new_tokens=5, sampling=SamplingParams(temperature=0.9 if i % 3 == 0 else 0.0, seed=i))
+            for i, p in enumerate(prompts)]
+    big = Engine(load_config(**tiny_model(**{**TINY, "max_batch_size": 4})))
+    need = max(big.pages_for(r) for r in reqs)
+    small = Engine(load_config(**tiny_model(**{**TINY, "max_batch_size": 4, "kv_cache_config.max_tokens":
+                                               2 * need * PAGE, "kv_cache_config.enable_block_reuse": True})))
+    for mode in ("target_only", "speculative"):
+        want = [r.output_ids for r in big.generate(reqs, mode)[0]]
+        got, _ = small.generate(reqs, mode)
+        assert [r.output_ids for r in got] == want and all(r.error is None for r in got)
+        assert small.pages.num_used == 0
+        _check(small.pages)
+    assert small.pages.prefix_hits > 0
