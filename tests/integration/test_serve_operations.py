@@ -334,3 +334,25 @@ def test_generate_progress_without_a_terminal_is_log_lines(monkeypatch, caplog):
     assert lines[1].startswith("generate: speculative: 4/10 tokens") and lines[2].startswith("generate: speculative: 10/10")
     assert lines[3].startswith("generate: speculative: 10 tokens in")
     assert launch._progress_bar(10, "x", False) == (None, None)
+
+
+def test_prefix_caching_over_http_reuses_pages_and_counts_hits():
+    """``kv_cache_config.enable_block_reuse`` (``serve --enable-prefix-caching``) end to end: the same prompt
+    twice, the second prefilled from the first's cached pages, the same greedy tokens; vLLM's prefix-cache
+    counters on /metrics."""
+    srv = start_in_process({**SMALL, "kv_cache_config.enable_block_reuse": True, "kv_cache_config.tokens_per_block": 4})
+    try:
+        prompt = [(7 * i + 3) % VOCAB for i in range(21)]  # 5 whole pages before its last token
+        outs = []
+        for _ in range(2):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["choices"][0]["token_ids"])
+        m = _metrics(srv.url)
+        assert outs[0] == outs[1] and len(outs[0]) == 5
+        assert m["trtllm_ext_prefix_cache_queries_total" + _model_label()] == 2 * len(prompt)
+        assert m["trtllm_ext_prefix_cache_hits_total" + _model_label()] == 5 * 4
+        assert m["trtllm_ext_prompt_tokens_total" + _model_label()] == 2 * len(prompt) - 5 * 4
+    finally:
+        srv.stop(30)
