@@ -8,6 +8,7 @@ name ending in ``+profile`` also prints its per-kernel table.
 
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
   python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants default,gemv8
+  python3 scripts/profile_target_kernels.py --steps 1x1,1x2,1x4,1x8 --context 1024 --variants default,gemv4,gemv8
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _table(title, ker, reps):
 # fused_qkv; "attn.X": paged_attention's X).
 VARIANTS = {
     "default": {},  # the model's settings
+    "gemv4": dict(GEMV_MAX_ROWS=4),  # the broadcast few-row form up to 4 rows (a K = 3 verify at B = 1)
     "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
     "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
 }
