@@ -324,7 +324,9 @@ def run(args: argparse.Namespace) -> None:
                                       "on (host ms/step runs while the device runs the next step; step ms = the "
                                       "engine thread's wait on the device per step)")]
     if not torch.cuda.is_available():
-        notes.append("On a CPU: " + ("the Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else
+        from tensorrt_llm_ext._env import ENV
+
+        notes.append("On a CPU: " + ("the Triton interpreter" if ENV.triton_interpret else
                                      "the stock torch ops") + (f", {args.model}" if args.model else ", the small "
                                      "config") + ": the numbers compare rows of this run, not a GPU's speed.")
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
