@@ -117,14 +117,18 @@ class PageAllocator:
         """Pages ``slot`` holds now."""
         return len(self._owned.get(slot, ()))
 
+    def _holds_of(self, slots) -> dict[int, int]:
+        """Page -> how many of ``slots`` hold it."""
+        holds: dict[int, int] = {}
+        for slot in set(slots):
+            for page in self._owned.get(slot, ()):
+                holds[page] = holds.get(page, 0) + 1
+        return holds
+
     def num_free_after(self, leaving=()) -> int:
         """:attr:`num_free` once the slots ``leaving`` have left: their pages that no other slot holds are free (or
         idle cached) then."""
-        gone: dict[int, int] = {}
-        for slot in set(leaving):
-            for page in self._owned.get(slot, ()):
-                gone[page] = gone.get(page, 0) + 1
-        return self.num_free + sum(1 for page, n in gone.items() if self._holders[page] == n)
+        return self.num_free + sum(1 for page, n in self._holds_of(leaving).items() if self._holders[page] == n)
 
     def can_allocate(self, num_pages: int) -> bool:
         """Whether ``num_pages`` are free now (admission waits otherwise)."""
@@ -166,11 +170,7 @@ class PageAllocator:
         page's chain is held), so it moves from the pinned to the fresh count and the sum stays an upper bound."""
         if not self.enable_block_reuse:
             return num_pages
-        leaving = set(leaving)
-        gone: dict[int, int] = {}  # page -> holders among the leaving slots
-        for slot in leaving:
-            for page in self._owned.get(slot, ()):
-                gone[page] = gone.get(page, 0) + 1
+        gone = self._holds_of(leaving)
         n = len(prompt_ids)
         matched = idle = 0
         for key in self._page_keys(prompt_ids, min((n - 1) // self.page_size, num_pages), root):
