@@ -21,6 +21,7 @@
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes. K_SERVE (7) is the
 #          served draft length, PREFILL_MAX_TOKENS (0: eager) the prefill's captured token buckets (docs/serving.md);
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
+#          A short verify block at concurrency 1: K_SERVE=3 TLLM_EXT_GEMV_MAX_ROWS=4 SERVE_CONCURRENCY=1 ... serve.
 # timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
 # 4 or 3 picks train's flags (below).
 #

@@ -33,6 +33,9 @@ class _Env:
     check_values: bool = False
     # TLLM_EXT_PDL=0: the target's small-step kernels launch without programmatic dependent launch (Hopper+).
     pdl: bool = True
+    # TLLM_EXT_GEMV_MAX_ROWS=N: the target's small-step products up to N rows take the dot-free few-row form
+    # (kernels/fused_linear.py; default 1, the measured setting): for an A/B of a short verify block on the GPU.
+    gemv_max_rows: int = 1
     # `trtllm-ext serve`'s API key when --api-key is not given (vLLM's VLLM_API_KEY); never logged.
     api_key: str | None = field(default=None, repr=False)
     errors: tuple[str, ...] = field(default=())
@@ -40,7 +43,8 @@ class _Env:
     def describe(self) -> str:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
                 f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
-                f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}")
+                f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}, "
+                f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}")
 
 
 def _read() -> _Env:
@@ -57,6 +61,14 @@ def _read() -> _Env:
     if level not in _LOG_LEVELS:
         errors.append(f"TLLM_EXT_LOG_LEVEL={level!r}: expected one of {', '.join(_LOG_LEVELS)}")
         level = "INFO"
+    raw_rows = os.environ.get("TLLM_EXT_GEMV_MAX_ROWS", "1")
+    try:
+        gemv_rows = int(raw_rows)
+        if not 0 <= gemv_rows <= 16:
+            raise ValueError
+    except ValueError:
+        errors.append(f"TLLM_EXT_GEMV_MAX_ROWS={raw_rows!r}: expected an integer in [0, 16]")
+        gemv_rows = 1
     return _Env(
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         collective_timeout_s=timeout,
@@ -64,6 +76,7 @@ def _read() -> _Env:
         serve_rank=os.environ.get("TLLM_EXT_SERVE_RANK") == "1",
         check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
         pdl=os.environ.get("TLLM_EXT_PDL", "1") != "0",
+        gemv_max_rows=gemv_rows,
         api_key=os.environ.get("TLLM_EXT_API_KEY"),  # "" kept: serve refuses an empty key (unset the variable instead)
         errors=tuple(errors),
     )

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
@@ -50,8 +51,9 @@ EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
 # Steps of at most this many rows take the dot-free few-row form (_mac). Measured on the H200 (SmolLM2 shape):
 # at 1 row it cuts the fused GEMMs from 4.4 to 3.2 us and the QKV kernel from 6.0 to 3.9 us; at 8 rows it is
-# 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed.
-GEMV_MAX_ROWS = 1
+# 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed
+# (TLLM_EXT_GEMV_MAX_ROWS overrides it for such an A/B).
+GEMV_MAX_ROWS = ENV.gemv_max_rows
 GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2 for gate-up) times BLOCK_M
 # Lines of each weight row brought to L2 before the programmatic wait beyond the first BLOCK_K block (8 KB of a
 # bf16 row: all of SmolLM2's K = 576 / 1536; the 8B shape runs cuBLAS).
