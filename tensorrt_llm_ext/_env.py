@@ -36,6 +36,10 @@ class _Env:
     # TLLM_EXT_GEMV_MAX_ROWS=N: the target's small-step products up to N rows take the dot-free few-row form
     # (kernels/fused_linear.py; default 1, the measured setting): for an A/B of a short verify block on the GPU.
     gemv_max_rows: int = 1
+    # train-drafter's vocabulary-wide loss: TLLM_EXT_LOSS_LAYOUT forces a layout (rows / joint / dedup; unset: the
+    # first step times them all), TLLM_EXT_LOSS_KERNEL=on / off its Triton row kernel untimed (auto: timed).
+    loss_layout: str | None = None
+    loss_kernel: str = "auto"
     # `trtllm-ext serve`'s API key when --api-key is not given (vLLM's VLLM_API_KEY); never logged.
     api_key: str | None = field(default=None, repr=False)
     errors: tuple[str, ...] = field(default=())
@@ -44,7 +48,8 @@ class _Env:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
                 f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
                 f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}, "
-                f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}")
+                f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}, TLLM_EXT_LOSS_LAYOUT={self.loss_layout or ''}, "
+                f"TLLM_EXT_LOSS_KERNEL={self.loss_kernel}")
 
 
 def _read() -> _Env:
@@ -69,6 +74,14 @@ def _read() -> _Env:
     except ValueError:
         errors.append(f"TLLM_EXT_GEMV_MAX_ROWS={raw_rows!r}: expected an integer in [0, 16]")
         gemv_rows = 1
+    layout = os.environ.get("TLLM_EXT_LOSS_LAYOUT") or None
+    if layout not in (None, "rows", "joint", "dedup"):
+        errors.append(f"TLLM_EXT_LOSS_LAYOUT={layout!r}: expected rows, joint or dedup (unset: timed at the first step)")
+        layout = None
+    loss_kernel = os.environ.get("TLLM_EXT_LOSS_KERNEL", "auto")
+    if loss_kernel not in ("auto", "on", "off"):
+        errors.append(f"TLLM_EXT_LOSS_KERNEL={loss_kernel!r}: expected auto, on or off")
+        loss_kernel = "auto"
     return _Env(
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         collective_timeout_s=timeout,
@@ -77,6 +90,8 @@ def _read() -> _Env:
         check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
         pdl=os.environ.get("TLLM_EXT_PDL", "1") != "0",
         gemv_max_rows=gemv_rows,
+        loss_layout=layout,
+        loss_kernel=loss_kernel,
         api_key=os.environ.get("TLLM_EXT_API_KEY"),  # "" kept: serve refuses an empty key (unset the variable instead)
         errors=tuple(errors),
     )

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from tensorrt_llm_ext import _env
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_target_config,
                                                 save_drafter_checkpoint)
@@ -252,7 +253,7 @@ def loss_layout() -> str | None:
     layouts compute one objective (equal to the eager one at 2e-5 in fp32: tests/integration/test_drafter_loss_layouts.py):
     ``"rows"`` a teacher row per block row, ``"joint"`` one GEMM each way for the draft logits, ``"dedup"`` that
     and the teacher's logits once per position."""
-    return os.environ.get("TLLM_EXT_LOSS_LAYOUT") or None
+    return _env.ENV.loss_layout
 
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
@@ -639,7 +640,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
         anchors = sample_anchors(batch, tc.anchors, gen)
         if loss_path is None:
             # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
-            choice = os.environ.get("TLLM_EXT_LOSS_KERNEL", "auto")
+            choice = _env.ENV.loss_kernel
             if device.type != "cuda" or choice in ("off", "on"):
                 loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
                              "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}

@@ -116,10 +116,16 @@ def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
         for a, b in zip(outs[0], other):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     assert outs[0][0] > 0 and sum(float(x.abs().sum()) for x in outs[0][5:]) > 0
+    from tensorrt_llm_ext import _env
+
     monkeypatch.delenv("TLLM_EXT_LOSS_LAYOUT", raising=False)
-    assert trainer.loss_layout() is None  # none forced: the trainer times every layout at its first step
+    assert _env._read().loss_layout is None  # none forced: the trainer times every layout at its first step
     monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "dedup")
+    read = _env._read()
+    assert read.loss_layout == "dedup" and not read.errors
+    monkeypatch.setattr(_env, "ENV", read)
     assert trainer.loss_layout() == "dedup"
-    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "per-token")
+    monkeypatch.setenv("TLLM_EXT_LOSS_LAYOUT", "per-token")  # refused at start (the CLI prints it and exits 2)
+    assert any("TLLM_EXT_LOSS_LAYOUT='per-token'" in e for e in _env._read().errors)
     with pytest.raises(ValueError, match="loss layout 'per-token'"):
-        trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc)
+        trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc, layout="per-token")
