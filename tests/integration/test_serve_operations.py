@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -354,5 +355,55 @@ def test_prefix_caching_over_http_reuses_pages_and_counts_hits():
         assert m["trtllm_ext_prefix_cache_queries_total" + _model_label()] == 2 * len(prompt)
         assert m["trtllm_ext_prefix_cache_hits_total" + _model_label()] == 5 * 4
         assert m["trtllm_ext_prompt_tokens_total" + _model_label()] == 2 * len(prompt) - 5 * 4
+    finally:
+        srv.stop(30)
+
+
+def test_prefix_caching_under_load_with_clients_leaving_returns_every_page():
+    """Prefix reuse under load: a pool of 30 pages, requests sharing prompt starts (streamed or not, n 1 or 2,
+    greedy or sampled, some with logprobs), a tenth of the streams left mid-way: no 5xx, and once all have ended
+    the pool is back to no page in use and the server answers."""
+    import random
+
+    srv = start_in_process({**SMALL, "kv_cache_config.enable_block_reuse": True, "kv_cache_config.tokens_per_block": 4,
+                            "kv_cache_config.max_tokens": 120})
+    rng = random.Random(7)
+    stems = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
+    failures = []
+
+    async def one(client, i):
+        body = {"prompt": rng.choice(stems)[:rng.randint(1, 20)] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))],
+                "max_tokens": rng.randint(1, 10), "temperature": rng.choice([0.0, 0.8]), "seed": i,
+                "n": rng.choice([1, 1, 2]), "stream": rng.random() < 0.5,
+                **({"logprobs": 2} if rng.random() < 0.2 else {})}
+        leave = body["stream"] and rng.random() < 0.2
+        if body["stream"]:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    if leave:
+                        return
+                ok = r.status_code == 200
+        else:
+            r = await client.post("/v1/completions", json=body)
+            ok = r.status_code == 200
+        if not ok:
+            failures.append((r.status_code, body))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            for wave in range(2):
+                await asyncio.gather(*(one(client, wave * 100 + i) for i in range(16)))
+
+    try:
+        asyncio.run(main())
+        assert not failures, failures
+        deadline = time.monotonic() + 30
+        while _metrics(srv.url)["trtllm_ext_num_requests_running" + _model_label()] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the streams that left are noticed at their next token
+        m = _metrics(srv.url)
+        assert m["trtllm_ext_num_requests_running" + _model_label()] == 0
+        assert m["trtllm_ext_kv_cache_usage_perc" + _model_label()] == 0.0
+        assert m["trtllm_ext_prefix_cache_hits_total" + _model_label()] > 0
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
     finally:
         srv.stop(30)
