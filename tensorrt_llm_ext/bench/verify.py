@@ -476,7 +476,7 @@ def run(args: argparse.Namespace) -> None:
             "shards, --shard-width); two-pass us = the same call forced onto the two-pass path (--two-pass); stock = gathered full-vocabulary softmax + torch.sort top-p + rejection test + Gumbel draw.",
             "goal, vLLM MRv2, FlashInfer: issue 28's goals and the peers' numbers measured on the H200 on "
             "2026-12-02 (same settings: V = 200064, K = 7, bf16, T = 1, top-p 0.95); reference columns, not "
-            "measured by this run. Exchange rounds <= 3 without top-p and <= 5 with it.",
+            "measured by this run. Exchange rounds: 3 without top-p, 6 with it (bf16 logits).",
             "FlashInfer us (this run): its softmax + top_p_renorm_probs + chain_speculative_sampling on the same "
             "inputs, timed in this run " + (f"({'; '.join(fi_errors)})" if fi_errors else "")
             + (f"-- not measured: {fi_why}" if fi_why else "")

@@ -852,11 +852,13 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
     acc_r, n_r = rejection_sample_reference(target, draft, tokens, temperatures=temps, seeds=seeds,
                                             offsets=offsets, top_p=top_p)
     assert_tokens_match_twin((acc, n), (acc_r, n_r))
-    # kernel vs kernel at TP 4 (simulated shards of 50016 columns, the production tiling): bitwise
-    for acc4, n4 in simulated_rejection_sample(target, draft, tokens, tp=4, vocab=vocab, block_size=1024,
-                                               num_splits=32, temperatures=temps, seeds=seeds, offsets=offsets,
-                                               top_p=top_p):
-        assert torch.equal(acc4, acc) and torch.equal(n4, n)
+    # kernel vs kernel at TP 4 (simulated shards of 50016 columns, the production tiling: the two-pass fallback;
+    # and block-aligned shards of 50176: one read of the logits): bitwise
+    for width in (None, 50176):
+        for acc4, n4 in simulated_rejection_sample(target, draft, tokens, tp=4, vocab=vocab, block_size=1024,
+                                                   num_splits=32, width=width, temperatures=temps, seeds=seeds,
+                                                   offsets=offsets, top_p=top_p):
+            assert torch.equal(acc4, acc) and torch.equal(n4, n), width
     t_rows = temps.repeat_interleave(k + 1).clamp_min(0.5)
     mask = top_p_keep(target.view(-1, vocab), top_p.repeat_interleave(k + 1), temperatures=t_rows)
     mask_r = top_p_keep_reference(target.view(-1, vocab), top_p.repeat_interleave(k + 1), temperatures=t_rows)
@@ -878,7 +880,8 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_launch_count_and_graph_capture(dtype):
     """One captured call replays exactly call_shape() device launches (kernels, and no memset or copy), and
-    the replay equals the eager call, without and with top-p, at V_local = 50016 and 8 column chunks."""
+    the replay equals the eager call, without and with top-p, at V_local = 50016 and 8 column chunks, on the one-pass
+    path (TP 1) and the forced two-pass path."""
     from torch.profiler import ProfilerActivity, profile
 
     b, k, vocab = 8, 7, 50016
@@ -886,10 +889,10 @@ def test_gpu_launch_count_and_graph_capture(dtype):
     target, draft = target.to("cuda", dtype), draft.to("cuda", dtype)
     tokens, temps, seeds, offsets, top_p = (t.cuda() for t in (tokens, temps, seeds, offsets, top_p))
     ws = VerificationWorkspace.for_verification(b, k, vocab, device="cuda", num_splits=8)
-    for tp_arg in (None, top_p):
+    for tp_arg, passes in ((None, "auto"), (top_p, "auto"), (None, "two"), (top_p, "two")):
         out = (torch.empty(b, k + 1, dtype=torch.int64, device="cuda"),
                torch.empty(b, dtype=torch.int32, device="cuda"))
-        kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp_arg, workspace=ws)
+        kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=tp_arg, workspace=ws, passes=passes)
         graph = capture_graph(lambda: rejection_sample(target, draft, tokens, **kw, out=out))
         graph.replay()
         torch.cuda.synchronize()
