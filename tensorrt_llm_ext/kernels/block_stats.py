@@ -262,23 +262,17 @@ def pow2_neg_f32(d):
 @triton.jit
 def block_row_mass(bins_ptr, row, bin_slots, NB: tl.constexpr, SB: tl.constexpr):
     """``(Z, F_b(tok), R - R_b(tok))`` of a row (a scalar) from the exchanged bins ``[R, bin_slots, NB + 2]``:
-    ``Z = sum_i bin_i 2^-i`` in float64 in a fixed order (exact int64 bins in, the same bits at every TP size).
-    The slots are summed in a loop (one vector load each), so no load is unrolled per bin."""
+    ``Z = sum_i bin_i 2^-i`` in float64 in a fixed order (exact int64 bins in, the same bits at every TP size). A
+    runtime loop over the bins (one vector load of the slots each): an unrolled one kept every load live and
+    spilled the draw."""
     base = bins_ptr + row.to(tl.int64) * bin_slots * (NB + 2)
-    nb = tl.arange(0, NB)
-    acc = tl.zeros([NB], tl.int64)
-    ftok = tl.full([], 0, tl.int64)
-    stok = ftok
-    for s in range(0, bin_slots):
-        slot = base + s * (NB + 2)
-        acc += tl.load(slot + nb)
-        ftok += tl.load(slot + NB)
-        stok += tl.load(slot + NB + 1)
-    z = tl.sum(tl.where(nb == 0, acc, 0), 0).to(tl.float64)
-    scale = 1.0
-    for i in tl.static_range(1, NB):
+    z = split_reduce(base, bin_slots, NB + 2, row >= 0, SB, False).to(tl.float64)
+    scale = tl.full([], 1.0, tl.float64)
+    for i in range(1, NB):
         scale = scale * 0.5
-        z = z + tl.sum(tl.where(nb == i, acc, 0), 0).to(tl.float64) * scale
+        z = z + split_reduce(base + i, bin_slots, NB + 2, row >= 0, SB, False).to(tl.float64) * scale
+    ftok = split_reduce(base + NB, bin_slots, NB + 2, row >= 0, SB, False)
+    stok = split_reduce(base + NB + 1, bin_slots, NB + 2, row >= 0, SB, False)
     return z, ftok, stok
 
 
@@ -286,20 +280,13 @@ def block_row_mass(bins_ptr, row, bin_slots, NB: tl.constexpr, SB: tl.constexpr)
 def block_row_mass_rows(bins_ptr, rows, ok, bin_slots, NB: tl.constexpr, SB: tl.constexpr):
     """:func:`block_row_mass` of a block of rows ``rows [X]`` (mask ``ok``)."""
     base = bins_ptr + rows.to(tl.int64) * bin_slots * (NB + 2)
-    nb = tl.arange(0, NB)
-    acc = tl.zeros([rows.shape[0], NB], tl.int64)
-    ftok = rows.to(tl.int64) * 0
-    stok = ftok
-    for s in range(0, bin_slots):
-        slot = base + s * (NB + 2)
-        acc += tl.load(slot[:, None] + nb[None, :], mask=ok[:, None], other=0)
-        ftok += tl.load(slot + NB, mask=ok, other=0)
-        stok += tl.load(slot + NB + 1, mask=ok, other=0)
-    z = tl.sum(tl.where(nb[None, :] == 0, acc, 0), 1).to(tl.float64)
-    scale = 1.0
-    for i in tl.static_range(1, NB):
+    z = split_reduce_rows(base, bin_slots, NB + 2, ok, SB, False).to(tl.float64)
+    scale = tl.full([], 1.0, tl.float64)
+    for i in range(1, NB):
         scale = scale * 0.5
-        z = z + tl.sum(tl.where(nb[None, :] == i, acc, 0), 1).to(tl.float64) * scale
+        z = z + split_reduce_rows(base + i, bin_slots, NB + 2, ok, SB, False).to(tl.float64) * scale
+    ftok = split_reduce_rows(base + NB, bin_slots, NB + 2, ok, SB, False)
+    stok = split_reduce_rows(base + NB + 1, bin_slots, NB + 2, ok, SB, False)
     return z, ftok, stok
 
 
