@@ -684,7 +684,7 @@ def _row_meta(rt, rq, row_div, row_div_q, dev):
 def block_combine_reference(stats: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor, *, rows_t: int,
                             row_div: int = 1, row_div_q: int = 1, out: torch.Tensor) -> torch.Tensor:
     """Eager twin of :func:`block_combine`."""
-    rows, splits = stats.shape[0], stats.shape[1]
+    rows = stats.shape[0]
     check_tensor("out", out, shape=(rows, 1, BINS_COLS), dtype=torch.int64, device=stats.device, contiguous=True)
     if rows == 0:
         return out

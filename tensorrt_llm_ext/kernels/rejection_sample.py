@@ -40,17 +40,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLOCK, _block_scale, _block_weight,
+                                                  _neg_pow2_f32_torch, _neg_pow2_f64_torch, block_row_mass,
+                                                  block_row_mass_rows, block_row_mass_torch, pow2_neg_f32, pow2_neg_f64,
+                                                  row_edges, row_grid, row_grid_torch, shard_block_weights_torch,
+                                                  tile_block_max)
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
-                                                          fixed_point_weight, fixed_point_weight_torch, is_finite,
-                                                          plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
-                                                          split_reduce, split_reduce_rows, subchunk_index_torch,
-                                                          sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLOCK, _block_scale, _block_scale_torch,
-                                                  _block_weight, _block_weight_torch, _neg_pow2_f32_torch,
-                                                  _neg_pow2_f64_torch, block_row_mass, block_row_mass_rows,
-                                                  block_row_mass_torch, pow2_neg_f32, pow2_neg_f64, row_edges,
-                                                  row_grid, row_grid_torch, shard_block_weights_torch, tile_block_max)
+from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, fixed_point_weight_torch, is_finite, plan_chunks,
+                                                          radix_key, radix_key_torch, split_reduce, split_reduce_rows,
+                                                          subchunk_index_torch, sfu_log2, sfu_log2_torch, weight_scale,
+                                                          weight_scale_torch)
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch, uniform_from_word
 from tensorrt_llm_ext.kernels.top_p import check_sub, final_rows, final_rows_torch, kept_in_tile
 
