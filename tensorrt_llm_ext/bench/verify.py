@@ -14,8 +14,14 @@ On CPU: a smoke run at tiny sizes (timings meaningless).
 ``--profile`` prints the per-kernel time of one call instead (CUDA-graph replays under ``torch.profiler``;
 on CPU the interpreter's launch list with counts, untimed), without and with top-p.
 
-``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``, not wired into the call yet)
-against the two passes they would replace, on block-aligned shards.
+Shards are block-aligned by default (``--shard-width aligned``: ``1024 ceil(ceil(V / tp) / 1024)`` columns at TP > 1,
+the LM head's width once it pads to whole blocks), where ``rejection_sample`` reads the logits once (block
+statistics, combine, draw); ``--shard-width ceil`` times today's head width ``ceil(V / tp)``, where it takes the
+two-pass path. ``--two-pass`` also times the forced two-pass path on the same rows (the same bits), in its own
+column, so one run measures both.
+
+``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``) alone against the two passes
+of the previous definition (``verify_keys`` + ``verify_sums``), on block-aligned shards.
 
 ``--acceptance`` instead prints the mean acceptance length on the embedded model (the default runtime
 config) at T = 0.7 and 1.0: strict acceptance with greedy drafts vs rejection sampling with sampled drafts.
@@ -34,8 +40,9 @@ from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_c
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
-from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, column_plan,
-                                                        draw_plan, rejection_sample)
+from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK
+from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, choose_passes,
+                                                        column_plan, draw_plan, rejection_sample)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,7 +60,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=7)
     p.add_argument("--batch-sizes", default="1,8,32,128")
     p.add_argument("--tp-sizes", default="1,4",
-                   help="shard widths ceil(V / tp) to time on one GPU (1 = the full vocabulary, no exchange)")
+                   help="TP sizes whose shard width to time on one GPU (1 = the full vocabulary, no exchange)")
+    p.add_argument("--shard-width", default="aligned", choices=("aligned", "ceil"),
+                   help="aligned: 1024 ceil(ceil(V / tp) / 1024) columns at TP > 1 (one read of the logits); ceil: "
+                        "ceil(V / tp), today's LM head width (the two-pass path)")
+    p.add_argument("--two-pass", action="store_true",
+                   help="also time the forced two-pass path on the same rows (column 'two-pass us')")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--logit-scale", type=float, default=1.0,
@@ -151,11 +163,20 @@ def flashinfer_verify():
     return make, None
 
 
+def shard_width(vocab: int, tp: int, aligned: bool = True) -> int:
+    """The shard width timed at TP ``tp``: ``ceil(V / tp)``, or at TP > 1 with ``aligned`` the block-aligned
+    ``STAT_BLOCK ceil(ceil(V / tp) / STAT_BLOCK)`` (TP 1 owns every id from 0: aligned as it is)."""
+    w = -(-vocab // tp)
+    return STAT_BLOCK * -(-w // STAT_BLOCK) if aligned and tp > 1 else w
+
+
 def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1,
-                    dtype: torch.dtype = torch.bfloat16, sub: int = 1) -> tuple[int, int]:
+                    dtype: torch.dtype = torch.bfloat16, sub: int = 1, passes: str = "one") -> tuple[int, int]:
     """(exchange rounds, bytes this rank sends) of one sharded rejection_sample call at TP ``tp`` with ``splits``
-    column chunks per row and ``sub`` draw sub-chunks per chunk (``verification.draw_plan``)."""
-    plan = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p, radix_rounds(dtype), sub=sub)
+    column chunks per row and ``sub`` draw sub-chunks per chunk (``verification.draw_plan``), on the one-pass or
+    the two-pass path."""
+    plan = VerificationPlan(batch * (k + 1), batch * k, batch, splits, tp, top_p, radix_rounds(dtype), sub=sub,
+                            passes=passes)
     rounds = plan.exchanges()
     return len(rounds), 8 * sum(words for _, words in rounds)
 
@@ -168,8 +189,9 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
     tp = int(args.tp_sizes.split(",")[-1])
     block, splits = args.block_size, args.num_splits
     if device.type != "cuda":
-        vocab, k, batches, tp, block, splits = 1031, 2, batches[:1], 2, 256, 2
-    width = -(-vocab // tp)
+        vocab, k, batches, tp, block, splits = 1031, 2, batches[:1], 2, 1024, 2  # the aligned shard: 1024 ids
+    width = shard_width(vocab, tp, args.shard_width == "aligned")
+    passes = choose_passes(None, width, tp, 0 if tp == 1 else width, block)
     for b in batches:
         g = torch.Generator(device=device).manual_seed(5)
         tgt, drf = random_logits(b, k, width, args.logit_scale, g, device, dtype)
@@ -187,7 +209,7 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
 
             s_eff, _ = column_plan(b * (2 * k + 1), width, block, splits)
             title = (f"bench verify --profile: one rejection_sample call, {name}, B={b}, V_local={width}, K={k}, "
-                     f"block {block}, {s_eff} column chunks per row")
+                     f"block {block}, {s_eff} column chunks per row, {passes} pass(es)")
             if device.type == "cuda":
                 rows = _profile_cuda(call)
                 headers = ["kernel", "launches per call", "us per call"]
@@ -254,7 +276,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
              "one pass us", "two / one", "one / floor"],
             table,
             notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
-                   "top-p; the one-pass statistics are not in rejection_sample yet (docs/rejection_sampling.md)."])
+                   "top-p; keys + sums = the two passes of the previous definition (the whole call on aligned shards: "
+                   "bench verify, docs/rejection_sampling.md)."])
 
 
 def capture_graph(call) -> "torch.cuda.CUDAGraph":
@@ -360,7 +383,7 @@ def run(args: argparse.Namespace) -> None:
     tps = [int(x) for x in args.tp_sizes.split(",")]
     block, splits = args.block_size, args.num_splits
     if timer.smoke:
-        vocab, k, batches, tps, block, splits = 1031, 2, [1, 2], [1, 2], 256, 2
+        vocab, k, batches, tps, block, splits = 1031, 2, [1, 2], [1, 2], 1024, 2
     bw = measure_copy_bandwidth(device)
     elt = torch.tensor([], dtype=dtype).element_size()
     rows = []
@@ -368,7 +391,9 @@ def run(args: argparse.Namespace) -> None:
     fi_make, fi_why = flashinfer_verify()
     fi_errors: list[str] = []
     for tp in tps:
-        width = -(-vocab // tp)
+        width = shard_width(vocab, tp, args.shard_width == "aligned")
+        # the path of a rank of this TP size (rank 1 where there is one: its vocab_start is the shard width)
+        passes = choose_passes(None, width, tp, 0 if tp == 1 else width, block)
         for b in batches:
             shard_bytes = b * (2 * k + 1) * width * elt
             n_sets = rotation_count(shard_bytes, max_sets=16) if not timer.smoke else 1
@@ -384,12 +409,18 @@ def run(args: argparse.Namespace) -> None:
             ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits)
             out = (torch.empty(b, k + 1, dtype=torch.int64, device=device),
                    torch.empty(b, dtype=torch.int32, device=device))
-            res, fi = {}, {}
+            res, fi, two = {}, {}, {}
             for name, tp_arg in (("none", None), ("top_p", top_p)):
+                # the call at tp 1 on the shard's columns: the path is the one a rank of this TP size takes
                 fns = [lambda s=s, a=tp_arg: rejection_sample(
                     s[0], s[1], tokens, temperatures=temps, seeds=seeds, offsets=offsets, top_p=a,
-                    vocab_size=width, out=out, workspace=ws) for s in sets]
+                    vocab_size=width, out=out, workspace=ws, passes=passes) for s in sets]
                 res[name] = timer.time_graph(fns)
+                if args.two_pass:  # the forced two-pass path on the same rows
+                    res2 = [lambda s=s, a=tp_arg: rejection_sample(
+                        s[0], s[1], tokens, temperatures=temps, seeds=seeds, offsets=offsets, top_p=a,
+                        vocab_size=width, out=out, workspace=ws, passes="two") for s in sets]
+                    two[name] = timer.time_graph(res2)
                 if fi_make is not None:  # the peer on the same inputs, in the same run
                     try:
                         fi[name] = timer.time_graph([fi_make(s[0], s[1], tokens, args.temperature,
@@ -416,11 +447,12 @@ def run(args: argparse.Namespace) -> None:
                 ours = res[name]
                 s_eff, chunk = column_plan(b * (2 * k + 1), width, block, splits)
                 sub = draw_plan(b, s_eff, chunk, block, splits)
-                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype, sub) if tp > 1
+                calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype, sub, passes) if tp > 1
                                  else (0, 0))
                 peers = reference_us(PEERS, tp, name, b, vocab, k, args.dtype)
                 goal = reference_us(GOALS, tp, name, b, vocab, k, args.dtype).get("goal")
-                rows.append([tp, width, b, name, fmt(fl, 2), fmt(ours, 2), fmt(ours / fl, 2),
+                rows.append([tp, width, passes, b, name, fmt(fl, 2), fmt(ours, 2),
+                             fmt(two[name], 2) if name in two else "-", fmt(ours / fl, 2),
                              fmt(goal, 1) if goal else "-",
                              fmt(peers["vLLM MRv2"], 0) if peers else "-",
                              fmt(peers["FlashInfer"], 0) if peers else "-",
@@ -430,7 +462,8 @@ def run(args: argparse.Namespace) -> None:
     print_table(
         f"bench verify: rejection_sample per rank, {args.dtype}, V={vocab}, K={k}, T={args.temperature}, "
         f"top-p {args.top_p}, block {block}, splits {splits}",
-        ["tp", "shard width", "B", "top-p", "floor us", "ours us", "ours/floor", "goal us", "vLLM MRv2 us (issue)",
+        ["tp", "shard width", "passes", "B", "top-p", "floor us", "ours us", "two-pass us", "ours/floor", "goal us",
+         "vLLM MRv2 us (issue)",
          "FlashInfer us (issue)", "FlashInfer us (this run)", "stock(V) us", "stock/ours", "exchanges (rounds / bytes per rank)"],
         rows,
         notes=[
@@ -439,10 +472,11 @@ def run(args: argparse.Namespace) -> None:
             f"logits: target rows N(0, {args.logit_scale:g}^2), draft rows the target's plus N(0, "
             f"{args.logit_scale / 2:g}^2) (--logit-scale); every column of this run reads the same rows.",
             "ours = one rank's kernels on shard-sized inputs, exchange latency not included (listed as calls and "
-            "bytes); stock = gathered full-vocabulary softmax + torch.sort top-p + rejection test + Gumbel draw.",
+            "bytes), on the path a rank of that TP size takes ('passes': one read of the logits on block-aligned "
+            "shards, --shard-width); two-pass us = the same call forced onto the two-pass path (--two-pass); stock = gathered full-vocabulary softmax + torch.sort top-p + rejection test + Gumbel draw.",
             "goal, vLLM MRv2, FlashInfer: issue 28's goals and the peers' numbers measured on the H200 on "
             "2026-12-02 (same settings: V = 200064, K = 7, bf16, T = 1, top-p 0.95); reference columns, not "
-            "measured by this run. Exchange rounds <= 3 without top-p and <= 5 with it.",
+            "measured by this run. Exchange rounds: 3 without top-p, 6 with it (bf16 logits).",
             "FlashInfer us (this run): its softmax + top_p_renorm_probs + chain_speculative_sampling on the same "
             "inputs, timed in this run " + (f"({'; '.join(fi_errors)})" if fi_errors else "")
             + (f"-- not measured: {fi_why}" if fi_why else "")

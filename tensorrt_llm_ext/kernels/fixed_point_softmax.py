@@ -246,9 +246,11 @@ def _verify_sums_kernel(
     temp_ptr,  # [B] fp32
     tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
     sums_ptr,  # flat int64 out: [rows_t, S, cols_t] then (at sums_q_off) [rows_q, S, 3]
+    p_ptr,  # [B] fp32 top-p (read only if TOP_P_ONLY)
     stride_t, stride_q, rows_t, cols_t, sums_q_off, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     BLOCK: tl.constexpr, HAS_TOK: tl.constexpr, HIST: tl.constexpr, SPLITS: tl.constexpr,
     SHIFT: tl.constexpr = 0,  # HIST: the radix-key bits the target dtype leaves constant (key_shift)
+    TOP_P_ONLY: tl.constexpr = False,  # only the rows of requests with top-p in force (T > 0, p < 1) read their columns
 ):
     # programs walk the rows and chunks backwards: the first ones read what verify_keys read last (still in L2)
     row = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -277,6 +279,8 @@ def _verify_sums_kernel(
     lanes = tl.arange(0, BLOCK)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
+    if TOP_P_ONLY:  # the other rows use block weights (kernels/block_stats.py): their slots are written as empty
+        col_end = tl.where((tl.load(temp_ptr + b) > 0.0) & (tl.load(p_ptr + b) < 1.0), col_end, col_begin)
     acc = tl.zeros([BLOCK], tl.int64)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
@@ -497,7 +501,7 @@ def _check_sums(target, draft, keys, temperatures, tokens, div_t, div_q, hist, o
 def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Tensor, temperatures: torch.Tensor,
                 vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
                 row_div_q: int = 1, hist: bool = False, out: torch.Tensor, block_size: int = _DEFAULT_BLOCK,
-                num_splits: int = 1) -> torch.Tensor:
+                num_splits: int = 1, top_p_only: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 2 of verification, one launch over the target rows and the draft rows: this shard's masses.
 
     ``out`` is the flat buffer of :func:`sums_layout`, every slot written: per (row, column chunk) ``Z``
@@ -507,7 +511,9 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
     ``(radix_key(m) >> s) - j`` for ``s = key_shift(dtype)``; a per-program slot, no other program adds into it).
     Target row ``r`` belongs to request ``r // row_div`` (token ``tokens[b, r % row_div]`` if that index < K),
     draft row ``r`` to request ``r // row_div_q``; ``T <= 0`` rows use ``T = 1``. ``keys`` are :func:`verify_keys` after the
-    MAX exchange. Exact under one int64 SUM across ranks. CUDA-graph safe.
+    MAX exchange. Exact under one int64 SUM across ranks. With ``top_p_only`` (``[B]`` fp32 top-p) only the rows of
+    requests with top-p in force (``T > 0``, ``p < 1``) read their columns; the others' slots are written as 0 (they
+    use block weights). CUDA-graph safe.
     """
     n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
                                                           row_div_q, hist, out, block_size, num_splits,
@@ -516,11 +522,16 @@ def verify_sums(target: torch.Tensor, draft: torch.Tensor | None, keys: torch.Te
         return out
     q = draft if draft is not None and rq else target
     k_tok = tokens.shape[1] if tokens is not None else 0
+    if top_p_only is not None:
+        check_tensor("top_p_only", top_p_only, shape=(rt // row_div,), dtype=torch.float32, device=target.device,
+                     contiguous=True)
     _verify_sums_kernel[(rt + rq, splits)](
         target, q, keys, temperatures, tokens if tokens is not None else keys, out,
+        top_p_only if top_p_only is not None else temperatures,
         target.stride(0), q.stride(0), rt, cols_t, rt * splits * cols_t, n_valid, vocab_start, chunk, splits,
         row_div, row_div_q, k_tok, BLOCK=block_size, HAS_TOK=k_tok > 0, HIST=hist,
-        SPLITS=triton.next_power_of_2(splits), SHIFT=key_shift(target.dtype), num_warps=num_warps_for(block_size))
+        SPLITS=triton.next_power_of_2(splits), SHIFT=key_shift(target.dtype), TOP_P_ONLY=top_p_only is not None,
+        num_warps=num_warps_for(block_size))
     return out
 
 
@@ -528,7 +539,7 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
                           temperatures: torch.Tensor, vocab_start: int, vocab_size: int, *,
                           tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                           hist: bool = False, out: torch.Tensor, block_size: int = _DEFAULT_BLOCK,
-                          num_splits: int = 1) -> torch.Tensor:
+                          num_splits: int = 1, top_p_only: torch.Tensor | None = None) -> torch.Tensor:
     """Eager twin of :func:`verify_sums` (the same per-split slots)."""
     n_valid, rt, rq, splits, chunk, cols_t = _check_sums(target, draft, keys, temperatures, tokens, row_div,
                                                           row_div_q, hist, out, block_size, num_splits,
@@ -542,6 +553,8 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
     bi = torch.cat([torch.arange(rt, device=dev) // row_div, torch.arange(rq, device=dev) // row_div_q])
     kk = torch.cat([torch.arange(rt, device=dev) % row_div, torch.arange(rq, device=dev) % row_div_q])
     c = weight_scale_torch(temperatures[bi])[:, None]
+    if top_p_only is not None:  # the other rows read nothing: every slot 0
+        fin = fin & ((temperatures[bi] > 0) & (top_p_only[bi] < 1))[:, None]
     w = fixed_point_weight_torch(x, m, c, fin)
     res = torch.zeros((rows, splits, SUMS_COLS), dtype=torch.int64, device=dev)
     res[:, :, 0] = _chunked(w, n_valid, splits, chunk, 0).sum(-1)
@@ -555,7 +568,7 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
         ri = torch.arange(rows, device=dev)
         ft = torch.where(own, w[ri, colc], torch.zeros_like(col))
         xt = x[ri, colc]
-        ut = torch.where(own & torch.isfinite(xt), radix_key_torch(xt), torch.zeros_like(col))
+        ut = torch.where(own & fin[ri, colc], radix_key_torch(xt), torch.zeros_like(col))
         res[ri, s_own, 1] = ft
         res[ri, s_own, 2] = ut
     flat_t = out[: rt * splits * cols_t].view(rt, splits, cols_t)

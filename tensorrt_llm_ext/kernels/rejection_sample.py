@@ -1,14 +1,20 @@
 """Rejection-sampling decisions and the residual / bonus draw on vocabulary shards: two launches.
 
-Per request ``b`` with drafts ``d_0..d_{K-1}``, target rows ``k = 0..K`` and draft rows ``k = 0..K-1``, given
-the exchanged per-chunk integer masses of ``verify_sums`` (``Z``, ``F(d_k)``; with top-p the exact kept
-mass ``Z_p`` and ``F_p(d_k)`` from :func:`~tensorrt_llm_ext.kernels.top_p.final_rows`):
+Per request ``b`` with drafts ``d_0..d_{K-1}``, target rows ``k = 0..K`` and draft rows ``k = 0..K-1``. A request
+with top-p in force (``T > 0``, ``p < 1``) uses the exchanged per-chunk integer masses of ``verify_sums`` (``Z``,
+``F(d_k)``, the exact kept mass ``Z_p`` and ``F_p(d_k)`` from :func:`~tensorrt_llm_ext.kernels.top_p.final_rows`);
+every other request uses block weights (``kernels/block_stats.py``): ``Z = sum_i bin_i 2^-i`` (float64) from the
+exchanged bins, ``F(d) = F_b(d) 2^-(R - R_b(d))``, and in the draw a token's weight ``F_b(x) 2^-(R - R_b)`` with
+``m_b`` from the tile that holds its block (tiles are global blocks; on a shard that is not block-aligned the
+exchanged edge maxima complete the blocks split between ranks). With those:
 
-* accept ``d_k`` iff ``u_k * (F_q(d_k) / Z_q) < F_p(d_k) / Z_p`` in float64 (``F_q / Z_q := 0`` when
+* accept ``d_k`` iff ``u_k * (F_q(d_k) / Z_q) < F_p(d_k) / Z_p`` in float64 (block weights: the per-token powers
+  of two applied first) (``F_q / Z_q := 0`` when
   ``Z_q = 0``); ``u_k`` is a 52-bit uniform from Philox keyed by (seed, offset + k, ``ACCEPT_SALT``). A target
   row without a finite logit (``Z_p = 0``) is the point mass on its argmax: accept iff ``d_k`` equals it.
 * ``k*`` = the first rejection (``K`` if none). Emit, at row ``k*``: a sample of ``norm(max(p - q, 0))``
-  (residual; fp32 weights ``max(F_p * (1 / Z_p) - F_q * (1 / Z_q), 0)``) or, when all were accepted, of
+  (residual; fp32 weights ``max(F_p * (1 / Z_p) - F_q * (1 / Z_q), 0)``, with block weights per block
+  ``F_b * fp32(2^-(R - R_b) / Z)``) or, when all were accepted, of
   ``p_K`` (bonus; weights ``F_p``); the argmax when ``Z_p = 0`` at ``k*``; if every residual weight is 0
   (p and q equal up to rounding) the draw falls back to ``p_{k*}``.
 * The draw is an exponential race, so it needs no totals and no prefix across ranks: token ``j`` with
@@ -34,12 +40,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLOCK, _block_scale, _block_weight,
+                                                  _neg_pow2_f32_torch, _neg_pow2_f64_torch, block_row_mass,
+                                                  block_row_mass_rows, block_row_mass_torch, pow2_neg_f32, pow2_neg_f64,
+                                                  row_edges, row_grid, row_grid_torch, shard_block_weights_torch,
+                                                  tile_block_max)
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
-from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, decode_max_key, decode_max_key_torch,
-                                                          fixed_point_weight, fixed_point_weight_torch, is_finite,
-                                                          plan_chunks, radix_key, radix_key_torch, row_max_from_keys,
-                                                          split_reduce, split_reduce_rows, subchunk_index_torch,
-                                                          sfu_log2, sfu_log2_torch, weight_scale, weight_scale_torch)
+from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, fixed_point_weight_torch, is_finite, plan_chunks,
+                                                          radix_key, radix_key_torch, split_reduce, split_reduce_rows,
+                                                          subchunk_index_torch, sfu_log2, sfu_log2_torch, weight_scale,
+                                                          weight_scale_torch)
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch, uniform_from_word
 from tensorrt_llm_ext.kernels.top_p import check_sub, final_rows, final_rows_torch, kept_in_tile
 
@@ -147,117 +157,167 @@ def _race_tile(w, e, gids, best):
 
 
 @triton.jit
-def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,
-            b, K, cols_t, num_splits, n_sub, rows_t, rank, tp, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr,
-            SPLITS: tl.constexpr, TPS: tl.constexpr):
-    """(k*, mode, target argmax ids [BLOCK_K]) of request b (identical in every program and on every rank)."""
+def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, bins_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr,
+            p_ptr, b, K, cols_t, num_splits, n_sub, rows_t, rank, tp, bin_slots, BLOCK_K: tl.constexpr,
+            HAS_P: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr):
+    """(k*, mode, legacy, ...) of request b (identical in every program and on every rank). ``legacy``: top-p in
+    force (``T > 0``, ``p < 1``): the request's rows use today's weights (``sums``); every other request's rows use
+    block weights (the exchanged ``bins``)."""
     temp = tl.load(temp_ptr + b)
     seed = tl.load(seed_ptr + b).to(tl.int64)
     off = tl.load(off_ptr + b)
-    p = 1.0
+    p = temp * 0.0 + 1.0
     if HAS_P:
         p = tl.load(p_ptr + b)
+    legacy = (temp > 0.0) & (p < 1.0)
     ks = tl.arange(0, BLOCK_K)
     kv = ks < K
     kv1 = ks < K + 1
     b64 = b.to(tl.int64)
     row_t = b64 * (K + 1) + tl.where(kv1, ks, 0)
     row_q = b64 * K + tl.where(kv, ks, 0)
-    zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, cols_t,
-                                 num_splits, rows_t, rank, tp, 0, num_splits * n_sub, HAS_P, True, SPLITS, TPS)
-    zp = tl.where(kv1, zp, 1)
     # target argmax ids (the per-chunk selection keys reduced)
     targ = key_to_id(tl.where(kv1, split_reduce_rows(t_keys_ptr + row_t * num_splits * 2, num_splits, 2, kv1,
                                                      SPLITS, True), 0))
     d = tl.load(tok_ptr + row_q, mask=kv, other=-1)
-    qrow = q_sums_ptr + row_q * num_splits * 3
-    zq = split_reduce_rows(qrow, num_splits, 3, kv, SPLITS, False)
-    fq = split_reduce_rows(qrow + 1, num_splits, 3, kv, SPLITS, False)
+    # block weights: p(d) = F_b(d) 2^-(R - R_b(d)) / Z in float64
+    zt, ft, st = block_row_mass_rows(bins_ptr, row_t, kv1, bin_slots, NB, SB)
+    zqb, fqb, sqb = block_row_mass_rows(bins_ptr, rows_t + row_q, kv, bin_slots, NB, SB)
+    pv = ft.to(tl.float64) * pow2_neg_f64(tl.minimum(st, NB)) / tl.where(zt > 0.0, zt, 1.0)
+    qv = tl.where(zqb > 0.0, fqb.to(tl.float64) * pow2_neg_f64(tl.minimum(sqb, NB)) / tl.where(zqb > 0.0, zqb, 1.0),
+                  0.0)
+    empty = zt == 0.0
+    if HAS_P:  # today's weights for the requests with top-p in force
+        zp, fp, _, _, _ = final_rows(t_keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_t, kv1, cols_t,
+                                     num_splits, rows_t, rank, tp, 0, num_splits * n_sub, HAS_P, True, SPLITS, TPS)
+        qrow = q_sums_ptr + row_q * num_splits * 3
+        zq = split_reduce_rows(qrow, num_splits, 3, kv, SPLITS, False)
+        fq = split_reduce_rows(qrow + 1, num_splits, 3, kv, SPLITS, False)
+        pv = tl.where(legacy, fp.to(tl.float64) / tl.maximum(zp, 1).to(tl.float64), pv)
+        qv = tl.where(legacy, tl.where(zq > 0, fq.to(tl.float64) / tl.maximum(zq, 1).to(tl.float64), 0.0), qv)
+        empty = tl.where(legacy, zp == 0, empty)
+    empty = empty & kv1
     u = uniform52(seed, off + ks, (ks * 0 + _ACCEPT).to(tl.uint32))
-    pv = fp.to(tl.float64) / tl.maximum(zp, 1).to(tl.float64)
-    qv = tl.where(zq > 0, fq.to(tl.float64) / tl.maximum(zq, 1).to(tl.float64), 0.0)
-    acc = tl.where(zp == 0, d == targ, u * qv < pv)
+    acc = tl.where(empty, d == targ, u * qv < pv)
     kstar = tl.min(tl.where(kv & ~acc, ks, K), 0)
-    zps = tl.sum(tl.where(ks == kstar, zp, 0), 0)
+    empty_s = tl.sum(tl.where((ks == kstar) & empty, 1, 0), 0) > 0
     sampled = temp > 0.0
-    mode = tl.where(sampled, tl.where(zps == 0, 3, tl.where(kstar == K, 2, 1)), 0)
-    return kstar, mode, targ, temp, seed, off, p
+    mode = tl.where(sampled, tl.where(empty_s, 3, tl.where(kstar == K, 2, 1)), 0)
+    return kstar, mode, targ, temp, seed, off, p, legacy
 
 
 @triton.jit
 def _rejection_draw_kernel(
     t_ptr, q_ptr,  # [B*(K+1), V_local], [B*K, V_local] logits
     keys_ptr,  # [B*(K+1) + B*K, S, 2] int64 exchanged keys (target rows first)
-    sums_ptr,  # [B*(K+1), S, cols_t] int64 exchanged target sums
-    q_sums_ptr,  # [B*K, S, 3] int64 exchanged draft sums
+    sums_ptr,  # [B*(K+1), S, cols_t] int64 exchanged target sums (HAS_P: the top-p requests' rows)
+    q_sums_ptr,  # [B*K, S, 3] int64 exchanged draft sums (HAS_P)
     state_ptr, ties_all_ptr,  # top-p: [B*(K+1), 2] (b*, mass above), [tp, B*(K+1), S, 2] (HAS_P)
+    bins_ptr,  # [B*(K+1) + B*K, bin_slots, NB + 2] int64 exchanged block bins
+    edges_ptr,  # [B*(K+1) + B*K, S, tp + 1] int64 exchanged edge maxima (EDGES)
     tok_ptr, temp_ptr, seed_ptr, off_ptr, p_ptr,  # [B, K] int64, [B] fp32, [B] int64, [B] int64, [B] fp32
     dec_ptr,  # [B, 2] int64 out: (k*, mode), written by the program of chunk 0
     race_ptr,  # [B, S, 2] int64 out, every slot written
-    stride_t, stride_q, cols_t, n_valid, vocab_start, chunk, num_splits, n_sub, sub, K, rank, tp,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_P: tl.constexpr, ALIGNED4: tl.constexpr,
-    SPLITS: tl.constexpr, TPS: tl.constexpr,
+    stride_t, stride_q, cols_t, n_valid, vocab_start, width, chunk, num_splits, n_sub, sub, K, rank, tp, bin_slots,
+    BLOCK_K: tl.constexpr, HAS_P: tl.constexpr, SPLITS: tl.constexpr, TPS: tl.constexpr, NB: tl.constexpr,
+    SB: tl.constexpr, G: tl.constexpr, EDGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     slot = tl.program_id(1)  # (column chunk, sub-chunk) = (slot // n_sub, slot % n_sub)
     nb = tl.num_programs(0)
     rows_t = nb * (K + 1)
-    kstar, mode, _targ, temp, seed, off, p = _decide(keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, tok_ptr,
-                                                 temp_ptr, seed_ptr, off_ptr, p_ptr, b, K, cols_t, num_splits, n_sub,
-                                                 rows_t,
-                                                 rank, tp, BLOCK_K, HAS_P, SPLITS, TPS)
+    kstar, mode, _targ, temp, seed, off, p, legacy = _decide(
+        keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, bins_ptr, tok_ptr, temp_ptr, seed_ptr, off_ptr,
+        p_ptr, b, K, cols_t, num_splits, n_sub, rows_t, rank, tp, bin_slots, BLOCK_K, HAS_P, SPLITS, TPS, NB, SB)
     if slot == 0:
         tl.store(dec_ptr + b * 2, kstar.to(tl.int64))
         tl.store(dec_ptr + b * 2 + 1, mode.to(tl.int64))
-    best_m = tl.full([BLOCK], _NONE, tl.int64)
+    best_m = tl.full([G], _NONE, tl.int64)
     best_a = best_m
     if (mode == 1) | (mode == 2):
         b64 = b.to(tl.int64)
         row_s = b64 * (K + 1) + kstar
         row_qs = b64 * K + tl.minimum(kstar, K - 1)
-        zp, _fp_tok, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
-                                               row_s >= 0, cols_t, num_splits, rows_t, rank, tp, slot,
-                                               num_splits * n_sub, HAS_P, False, SPLITS, TPS)
-        zq = split_reduce(q_sums_ptr + row_qs * num_splits * 3, num_splits, 3, row_qs >= 0, SPLITS, False)
-        m_p = decode_max_key(row_max_from_keys(keys_ptr, row_s, num_splits, SPLITS))
-        m_q = decode_max_key(row_max_from_keys(keys_ptr, rows_t + row_qs, num_splits, SPLITS))
         c = weight_scale(temp)
-        # fp32 reciprocals of the masses (float64 division, rounded once): residual weight F_p * a - F_q * b
-        inv_p = (1.0 / tl.maximum(zp, 1).to(tl.float64)).to(tl.float32)
-        inv_q = tl.where(zq > 0, 1.0 / tl.maximum(zq, 1).to(tl.float64), 0.0).to(tl.float32)
+        m_p, r_p, _ = row_grid(keys_ptr, row_s, num_splits, c, SPLITS)
+        m_q, r_q, _ = row_grid(keys_ptr, rows_t + row_qs, num_splits, c, SPLITS)
+        zpb, _, _ = block_row_mass(bins_ptr, row_s, bin_slots, NB, SB)
+        zqb, _, _ = block_row_mass(bins_ptr, rows_t + row_qs, bin_slots, NB, SB)
+        # block rows: per-block fp32 factors 2^-(R - R_b) / Z (1/Z a float64 division, the power of two exact)
+        inv_pb = 1.0 / tl.where(zpb > 0.0, zpb, 1.0)
+        inv_qb = tl.where(zqb > 0.0, 1.0 / tl.where(zqb > 0.0, zqb, 1.0), 0.0)
+        inv_p = 0.0
+        inv_q = 0.0
+        n_keep = tl.full([], 0, tl.int64)
+        run = n_keep
+        bstar = n_keep
+        if HAS_P:  # requests with top-p in force: today's weights against the row max, fp32 reciprocals of the masses
+            zp, _fp_tok, n_keep, run, bstar = final_rows(keys_ptr, sums_ptr, state_ptr, ties_all_ptr, temp, p, row_s,
+                                                         row_s >= 0, cols_t, num_splits, rows_t, rank, tp, slot,
+                                                         num_splits * n_sub, HAS_P, False, SPLITS, TPS)
+            zq = split_reduce(q_sums_ptr + row_qs * num_splits * 3, num_splits, 3, row_qs >= 0, SPLITS, False)
+            inv_p = (1.0 / tl.maximum(zp, 1).to(tl.float64)).to(tl.float32)
+            inv_q = tl.where(zq > 0, 1.0 / tl.maximum(zq, 1).to(tl.float64), 0.0).to(tl.float32)
+        ep_first = tl.full([], -9223372036854775808, tl.int64)
+        ep_end = ep_first
+        eq_first = ep_first
+        eq_end = ep_first
+        if EDGES:
+            ep_first, ep_end = row_edges(edges_ptr, row_s, num_splits, tp + 1, rank, SPLITS)
+            eq_first, eq_end = row_edges(edges_ptr, rows_t + row_qs, num_splits, tp + 1, rank, SPLITS)
+        first_blk = vocab_start // G
+        end_blk = (vocab_start + width) // G
         salt = tl.where(mode == 1, _RESIDUAL, _BONUS)
         pos = off + kstar
         t_row = t_ptr + row_s * stride_t
         q_row = q_ptr + row_qs * stride_q
-        lanes = tl.arange(0, BLOCK)
+        lanes = tl.arange(0, G)
         chunk_begin = (slot // n_sub) * chunk
         col_begin = chunk_begin + (slot % n_sub) * sub
         col_end = tl.minimum(tl.minimum(col_begin + sub, chunk_begin + chunk), n_valid)
-        # tiles start at a global id that is a multiple of 4 (one Philox call per four ids); when the shard
-        # starts at one (ALIGNED4: a static fact of the launch) the tiles are the chunk's own, so loads vectorize
-        lead = 0
-        if not ALIGNED4:
-            lead = (vocab_start + col_begin) & 3
-        for start in range(col_begin - lead, col_end, BLOCK):
-            cols = start + lanes
+        # tiles are global blocks (their ids start at a multiple of 4: one Philox call per four ids); a tile reads
+        # its whole block on this shard for the block max and races only the sub-chunk's columns
+        t0 = ((vocab_start + col_begin) // G) * G - vocab_start
+        for t in range(t0, col_end, G):
+            cols = t + lanes
+            in_shard = (cols >= 0) & (cols < n_valid)
             valid = (cols >= col_begin) & (cols < col_end)
-            xp = tl.load(t_row + cols, mask=valid, other=0.0).to(tl.float32)
+            blk = (vocab_start + t) // G
+            xp = tl.load(t_row + cols, mask=in_shard, other=0.0).to(tl.float32)
             fin = valid & is_finite(xp)
+            mpb, livep = tile_block_max(xp, in_shard & is_finite(xp), blk, first_blk, end_blk, ep_first, ep_end,
+                                        EDGES)
+            rpb, gpb = _block_scale(mpb, c)
+            dp = tl.minimum(tl.maximum(r_p - rpb.to(tl.int64), 0), NB)
+            okp = legacy | (livep & (dp < NB))
+            kept = fin
             if HAS_P:
-                kept, run = kept_in_tile(radix_key(xp), fin, bstar, n_keep, run)
-            else:
-                kept = fin
-            fpw = fixed_point_weight(xp, m_p, c, kept).to(tl.float32)
-            main = fpw
+                kept_l, run = kept_in_tile(radix_key(xp), fin, bstar, n_keep, run)
+                kept = tl.where(legacy, kept_l, fin)
+            # g = 1 and the row max for the top-p requests: exactly today's fixed_point_weight
+            fpw = _block_weight(xp, tl.where(legacy, m_p, mpb), c, tl.where(legacy, 1.0, gpb),
+                                tl.where(okp, kept, False))
+            fpw = fpw.to(tl.float32)
+            scale_p = tl.where(legacy, 1.0, pow2_neg_f32(dp))
+            alt = fpw * scale_p
+            main = alt
             if mode == 1:
-                xq = tl.load(q_row + cols, mask=valid, other=0.0).to(tl.float32)
-                fqw = fixed_point_weight(xq, m_q, c, valid & is_finite(xq)).to(tl.float32)
-                main = tl.maximum(fpw * inv_p - fqw * inv_q, 0.0)
-            gid0 = vocab_start + start
-            e = neg_log2_uniform(_race_words(seed, pos, gid0.to(tl.int64), salt, BLOCK))
+                xq = tl.load(q_row + cols, mask=in_shard, other=0.0).to(tl.float32)
+                mqb, liveq = tile_block_max(xq, in_shard & is_finite(xq), blk, first_blk, end_blk, eq_first, eq_end,
+                                            EDGES)
+                rqb, gqb = _block_scale(mqb, c)
+                dq = tl.minimum(tl.maximum(r_q - rqb.to(tl.int64), 0), NB)
+                okq = legacy | (liveq & (dq < NB))
+                fqw = _block_weight(xq, tl.where(legacy, m_q, mqb), c, tl.where(legacy, 1.0, gqb),
+                                    tl.where(okq, valid & is_finite(xq), False)).to(tl.float32)
+                f_p = tl.where(legacy, inv_p, (pow2_neg_f64(dp) * inv_pb).to(tl.float32))
+                f_q = tl.where(legacy, inv_q, (pow2_neg_f64(dq) * inv_qb).to(tl.float32))
+                main = tl.maximum(fpw * f_p - fqw * f_q, 0.0)
+            gid0 = vocab_start + t
+            e = neg_log2_uniform(_race_words(seed, pos, gid0.to(tl.int64), salt, G))
             gids = gid0.to(tl.int64) + lanes
             best_m = _race_tile(main, e, gids, best_m)
-            best_a = _race_tile(fpw, e, gids, best_a)
+            best_a = _race_tile(alt, e, gids, best_a)
     out = race_ptr + (b.to(tl.int64) * num_splits * n_sub + slot) * 2
     tl.store(out, tl.min(best_m, 0))
     tl.store(out + 1, tl.min(best_a, 0))
@@ -310,10 +370,12 @@ def _rejection_assemble_kernel(
 # ----------------------------------------------------------------------------------------------------
 # Launchers and eager twins
 # ----------------------------------------------------------------------------------------------------
-def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all,
-                vocab_start, vocab_size, block_size, num_splits, n_sub):
+def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, bins,
+                edges, vocab_start, vocab_size, block_size, num_splits, n_sub, rank, tp):
     n_valid = check_logits("target_logits", target, vocab_start, vocab_size)
     check_logits("draft_logits", draft, vocab_start, vocab_size)
+    check_int("tp", tp, lo=1)
+    check_int("rank", rank, lo=0, hi=tp)
     splits, chunk = plan_chunks(target.shape[1], block_size, num_splits)
     sub = check_sub(chunk, block_size, n_sub)
     check_tensor("draft_tokens", tokens, shape=(None, None), dtype=torch.int64, contiguous=True)
@@ -327,10 +389,20 @@ def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys
     check_tensor("seeds", seeds, shape=(b,), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("offsets", offsets, shape=(b,), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("keys", keys, shape=(rt + rq, splits, 2), dtype=torch.int64, device=dev, contiguous=True)
-    check_tensor("sums", sums, shape=(rt, splits, None), dtype=torch.int64, device=dev, contiguous=True)
-    check_tensor("q_sums", q_sums, shape=(rq, splits, 3), dtype=torch.int64, device=dev, contiguous=True)
+    check_tensor("bins", bins, shape=(rt + rq, None, BINS_COLS), dtype=torch.int64, device=dev, contiguous=True)
+    if bins.shape[1] not in (1, splits):
+        raise ValueError(f"bins: expected 1 or {splits} slots per row, got {bins.shape[1]}")
+    if edges is not None:
+        if vocab_start != rank * target.shape[1]:
+            raise ValueError(f"vocab_start: expected rank * width = {rank * target.shape[1]}, got {vocab_start}")
+        check_tensor("edges", edges, shape=(rt + rq, splits, tp + 1), dtype=torch.int64, device=dev, contiguous=True)
+    elif vocab_start % STAT_BLOCK or (tp > 1 and target.shape[1] % STAT_BLOCK):
+        raise ValueError(f"edges: required on a shard that is not block-aligned (vocab_start {vocab_start}, width "
+                         f"{target.shape[1]}, block {STAT_BLOCK})")
     if top_p is not None:
         check_tensor("top_p", top_p, shape=(b,), dtype=torch.float32, device=dev, contiguous=True)
+        check_tensor("sums", sums, shape=(rt, splits, None), dtype=torch.int64, device=dev, contiguous=True)
+        check_tensor("q_sums", q_sums, shape=(rq, splits, 3), dtype=torch.int64, device=dev, contiguous=True)
         check_tensor("state", state, shape=(rt, 2), dtype=torch.int64, device=dev, contiguous=True)
         check_tensor("ties_all", ties_all, shape=(None, rt, splits * n_sub, 2), dtype=torch.int64, device=dev,
                      contiguous=True)
@@ -338,21 +410,20 @@ def _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys
 
 
 def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all,
-                   dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0, tp: int = 1,
+                   bins, edges, dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0, tp: int = 1,
                    block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Decide every request (``dec [B, 2]`` = (k*, mode)) and race its draw over each sub-chunk of row k*.
 
-    ``keys`` / ``sums`` / ``q_sums`` exchanged (``verify_keys`` / ``verify_sums``); with ``top_p`` also
-    ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S * n_sub, 2]``. Each column chunk is split
-    into ``n_sub`` sub-chunks (``fixed_point_softmax.subchunk_width``: the draw reads two rows per request, so
-    it needs more programs than the passes over every row); ``race [B, S * n_sub, 2]`` int64, every slot
-    written (all-gathered next). One launch; CUDA-graph safe.
+    ``keys`` exchanged (``block_stats`` / ``block_keys``), ``bins [rows, 1 or S, BINS_COLS]`` the exchanged block
+    bins (``block_combine`` / ``block_bins``), ``edges`` the exchanged edge maxima of a shard that is not
+    block-aligned (None on an aligned one). With ``top_p`` also ``sums`` / ``q_sums`` (``verify_sums`` of the
+    requests with top-p in force), ``state`` (after ``top_p_ties``) and ``ties_all [tp, B*(K+1), S * n_sub, 2]``.
+    Each column chunk is split into ``n_sub`` sub-chunks; tiles are global blocks of ``STAT_BLOCK`` ids. ``race
+    [B, S * n_sub, 2]`` int64, every slot written (all-gathered next). One launch; CUDA-graph safe.
     """
     n_valid, b, k, splits, chunk, sub = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p,
-                                                    keys, sums, q_sums, state, ties_all, vocab_start, vocab_size,
-                                                    block_size, num_splits, n_sub)
-    check_int("tp", tp, lo=1)
-    check_int("rank", rank, lo=0, hi=tp)
+                                                    keys, sums, q_sums, state, ties_all, bins, edges, vocab_start,
+                                                    vocab_size, block_size, num_splits, n_sub, rank, tp)
     check_tensor("dec", dec, shape=(b, 2), dtype=torch.int64, device=target.device, contiguous=True)
     check_tensor("race", race, shape=(b, splits * n_sub, RACE_COLS), dtype=torch.int64, device=target.device,
                  contiguous=True)
@@ -360,36 +431,53 @@ def rejection_draw(target, draft, tokens, temperatures, seeds, offsets, top_p, k
         return
     has_p = top_p is not None
     _rejection_draw_kernel[(b, splits * n_sub)](
-        target, draft, keys, sums, q_sums, state if has_p else keys, ties_all if has_p else keys, tokens,
-        temperatures, seeds, offsets, top_p if has_p else temperatures, dec, race,
-        target.stride(0), draft.stride(0), sums.shape[2], n_valid, vocab_start, chunk,
-        splits, n_sub, sub, k, rank, tp, BLOCK=block_size, BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
-        ALIGNED4=vocab_start % 4 == 0, SPLITS=triton.next_power_of_2(splits),
-        TPS=triton.next_power_of_2(splits * n_sub * tp), num_warps=num_warps_for(block_size))
+        target, draft, keys, sums if has_p else keys, q_sums if has_p else keys, state if has_p else keys,
+        ties_all if has_p else keys, bins, edges if edges is not None else keys, tokens, temperatures, seeds, offsets,
+        top_p if has_p else temperatures, dec, race,
+        target.stride(0), draft.stride(0), sums.shape[2] if has_p else 0, n_valid, vocab_start, target.shape[1],
+        chunk, splits, n_sub, sub, k, rank, tp, bins.shape[1], BLOCK_K=triton.next_power_of_2(k + 1), HAS_P=has_p,
+        SPLITS=triton.next_power_of_2(splits), TPS=triton.next_power_of_2(splits * n_sub * tp), NB=STAT_BINS,
+        SB=triton.next_power_of_2(bins.shape[1]), G=STAT_BLOCK, EDGES=edges is not None,
+        num_warps=num_warps_for(STAT_BLOCK))
 
 
-def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, rank):
+def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, bins, rank):
     b, k = tokens.shape
     dev = tokens.device
     rt = b * (k + 1)
     ks = torch.arange(k, device=dev)
-    temp_r = temperatures.repeat_interleave(k + 1)
-    p_r = top_p.repeat_interleave(k + 1) if top_p is not None else None
-    zp, fp, n_keep, run, bstar = final_rows_torch(keys, sums, state, ties_all, temp_r, p_r, rank)
-    zp, fp = zp.view(b, k + 1), fp.view(b, k + 1)[:, :k]
     targ = key_to_id_torch(keys[:rt, :, 0].max(1).values).view(b, k + 1)
-    zq = q_sums[:, :, 0].sum(1).view(b, k)
-    fq = q_sums[:, :, 1].sum(1).view(b, k)
+    p_req = top_p if top_p is not None else torch.ones_like(temperatures)
+    legacy = (temperatures > 0) & (p_req < 1)
+    z, f, sh = block_row_mass_torch(bins)
+    zt, ft, st = z[:rt].view(b, k + 1), f[:rt].view(b, k + 1), sh[:rt].view(b, k + 1)
+    zqb, fqb, sqb = z[rt:].view(b, k), f[rt:].view(b, k), sh[rt:].view(b, k)
+    one = torch.ones_like(zt)
+    pv_all = ft.double() * _neg_pow2_f64_torch(st.clamp(max=STAT_BINS)) / torch.where(zt > 0, zt, one)
+    pv = pv_all[:, :k]
+    qv = torch.where(zqb > 0, fqb.double() * _neg_pow2_f64_torch(sqb.clamp(max=STAT_BINS))
+                     / torch.where(zqb > 0, zqb, torch.ones_like(zqb)), torch.zeros_like(zqb))
+    empty = zt == 0
+    n_keep = run = bstar = zp = None
+    if top_p is not None:
+        temp_r = temperatures.repeat_interleave(k + 1)
+        p_r = top_p.repeat_interleave(k + 1)
+        zp, fp, n_keep, run, bstar = final_rows_torch(keys, sums, state, ties_all, temp_r, p_r, rank)
+        zp, fp = zp.view(b, k + 1), fp.view(b, k + 1)[:, :k]
+        zq = q_sums[:, :, 0].sum(1).view(b, k)
+        fq = q_sums[:, :, 1].sum(1).view(b, k)
+        lg = legacy[:, None]
+        pv = torch.where(lg, fp.double() / zp[:, :k].clamp_min(1).double(), pv)
+        qv = torch.where(lg, torch.where(zq > 0, fq.double() / zq.clamp_min(1).double(), torch.zeros_like(pv)), qv)
+        empty = torch.where(lg, zp == 0, empty)
     u = uniform52_torch(seeds[:, None], offsets[:, None] + ks[None, :], ACCEPT_SALT)
-    pv = fp.double() / zp[:, :k].clamp_min(1).double()
-    qv = torch.where(zq > 0, fq.double() / zq.clamp_min(1).double(), torch.zeros_like(pv))
-    acc = torch.where(zp[:, :k] == 0, tokens == targ[:, :k], u * qv < pv)
+    acc = torch.where(empty[:, :k], tokens == targ[:, :k], u * qv < pv)
     kstar = torch.where(~acc, ks[None, :], torch.full_like(tokens, k)).min(dim=1).values
-    zps = zp.gather(1, kstar[:, None])[:, 0]
+    empty_s = empty.gather(1, kstar[:, None])[:, 0]
     sampled = temperatures > 0
-    mode = torch.where(sampled, torch.where(zps == 0, MODE_ARGMAX, torch.where(kstar == k, MODE_BONUS, MODE_RESIDUAL)),
+    mode = torch.where(sampled, torch.where(empty_s, MODE_ARGMAX, torch.where(kstar == k, MODE_BONUS, MODE_RESIDUAL)),
                        torch.full_like(kstar, MODE_GREEDY))
-    return kstar, mode, targ, (zp, n_keep, run, bstar)
+    return kstar, mode, targ, legacy, (zp, n_keep, run, bstar), (z, rt)
 
 
 def _race_torch(w: torch.Tensor, e: torch.Tensor, slot: torch.Tensor, n_slots: int, vocab_start: int):
@@ -405,48 +493,65 @@ def _race_torch(w: torch.Tensor, e: torch.Tensor, slot: torch.Tensor, n_slots: i
 
 
 def rejection_draw_reference(target, draft, tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state,
-                             ties_all, dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0, tp: int = 1,
-                             block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
+                             ties_all, bins, edges, dec, race, vocab_start: int, vocab_size: int, *, rank: int = 0,
+                             tp: int = 1, block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Eager twin of :func:`rejection_draw` (same buffers, same column plan)."""
     n_valid, b, k, splits, chunk, sub = _check_draw(target, draft, tokens, temperatures, seeds, offsets, top_p,
-                                                    keys, sums, q_sums, state, ties_all, vocab_start, vocab_size,
-                                                    block_size, num_splits, n_sub)
-    check_int("rank", rank, lo=0, hi=max(tp, 1))
-    kstar, mode, _, (zp_all, n_keep, run, bstar) = _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys,
-                                                                 sums, q_sums, state, ties_all, rank)
+                                                    keys, sums, q_sums, state, ties_all, bins, edges, vocab_start,
+                                                    vocab_size, block_size, num_splits, n_sub, rank, tp)
+    kstar, mode, _, legacy, (zp_all, n_keep, run, bstar), (z_all, rt) = _decide_torch(
+        tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sums, state, ties_all, bins, rank)
     dec[:, 0] = kstar
     dec[:, 1] = mode
     dev = target.device
     bi = torch.arange(b, device=dev)
-    rt = b * (k + 1)
     row_s = bi * (k + 1) + kstar
     row_qs = bi * k + kstar.clamp(max=k - 1)
+    width = target.shape[1]
+    c1 = weight_scale_torch(temperatures)
+    c = c1[:, None]
+    lg = legacy[:, None]
     xp = target[row_s, :n_valid].float()
+    xq = draft[row_qs, :n_valid].float()
     fin = torch.isfinite(xp)
-    if top_p is not None:
+    fin_q = torch.isfinite(xq)
+    e_p = edges[row_s] if edges is not None else None
+    e_q = edges[rt + row_qs] if edges is not None else None
+    m_p, r_p, _ = row_grid_torch(keys[row_s], c1)
+    m_q, r_q, _ = row_grid_torch(keys[rt + row_qs], c1)
+    # block weights of the two rows (the kernel's tiles: whole blocks, edges where a block crosses the shard)
+    wpb, dp, *_ = shard_block_weights_torch(xp, vocab_start, width, rank, e_p, c1, r_p)
+    wqb, dq, *_ = shard_block_weights_torch(xq, vocab_start, width, rank, e_q, c1, r_q)
+    zpb, zqb = z_all[row_s][:, None], z_all[rt + row_qs][:, None]
+    inv_pb = 1.0 / torch.where(zpb > 0, zpb, torch.ones_like(zpb))
+    inv_qb = torch.where(zqb > 0, 1.0 / torch.where(zqb > 0, zqb, torch.ones_like(zqb)), torch.zeros_like(zqb))
+    fpw = wpb.to(torch.float32)
+    fqw = wqb.to(torch.float32)
+    scale_p = _neg_pow2_f32_torch(dp)
+    f_p = (_neg_pow2_f64_torch(dp) * inv_pb).float()
+    f_q = (_neg_pow2_f64_torch(dq) * inv_qb).float()
+    if top_p is not None:  # the requests with top-p in force: today's weights against the row max
         u = radix_key_torch(xp)
         tie = (fin & (u == bstar[row_s][:, None])).to(torch.int64)
         # tie rank in global id order: the ties of the lower ranks (the base of this rank's first slot) plus
         # those before the column on this rank
         within = run[row_s][:, :1] + torch.cumsum(tie, 1) - 1
         kept = fin & ((u > bstar[row_s][:, None]) | ((tie > 0) & (within < n_keep[row_s][:, None])))
-    else:
-        kept = fin
-    c = weight_scale_torch(temperatures)[:, None]
-    m_p = decode_max_key_torch(keys[row_s, :, 1].max(1).values)[:, None]
-    fpw = fixed_point_weight_torch(xp, m_p, c, kept).to(torch.float32)
-    zp = zp_all.view(-1)[row_s][:, None]
-    xq = draft[row_qs, :n_valid].float()
-    m_q = decode_max_key_torch(keys[rt + row_qs, :, 1].max(1).values)[:, None]
-    fqw = fixed_point_weight_torch(xq, m_q, c, torch.isfinite(xq)).to(torch.float32)
-    zq = q_sums[row_qs, :, 0].sum(1)[:, None]
-    inv_p = (1.0 / zp.clamp_min(1).double()).float()
-    inv_q = torch.where(zq > 0, 1.0 / zq.clamp_min(1).double(), torch.zeros_like(zq, dtype=torch.float64)).float()
-    res = torch.clamp_min(fpw * inv_p - fqw * inv_q, 0.0)
-    main = torch.where((mode == MODE_RESIDUAL)[:, None], res, fpw)
+        fpw = torch.where(lg, fixed_point_weight_torch(xp, m_p[:, None], c, kept).to(torch.float32), fpw)
+        fqw = torch.where(lg, fixed_point_weight_torch(xq, m_q[:, None], c, fin_q).to(torch.float32), fqw)
+        zp = zp_all.view(-1)[row_s][:, None]
+        zq = q_sums[row_qs, :, 0].sum(1)[:, None]
+        inv_p = (1.0 / zp.clamp_min(1).double()).float()
+        inv_q = torch.where(zq > 0, 1.0 / zq.clamp_min(1).double(), torch.zeros_like(zq, dtype=torch.float64)).float()
+        scale_p = torch.where(lg, torch.ones_like(scale_p), scale_p)
+        f_p = torch.where(lg, inv_p, f_p)
+        f_q = torch.where(lg, inv_q, f_q)
+    alt = fpw * scale_p
+    res = torch.clamp_min(fpw * f_p - fqw * f_q, 0.0)
+    main = torch.where((mode == MODE_RESIDUAL)[:, None], res, alt)
     live = ((mode == MODE_RESIDUAL) | (mode == MODE_BONUS))[:, None]
     zero = torch.zeros_like(main)
-    main, alt = torch.where(live, main, zero), torch.where(live, fpw, zero)
+    main, alt = torch.where(live, main, zero), torch.where(live, alt, zero)
     gid = torch.arange(vocab_start, vocab_start + n_valid, device=dev)[None, :]
     salt = torch.where(mode == MODE_RESIDUAL, RESIDUAL_SALT, BONUS_SALT)[:, None]
     e = neg_log2_uniform_torch(race_words_torch(seeds[:, None], (offsets + kstar)[:, None], gid, salt))

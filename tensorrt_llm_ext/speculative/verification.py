@@ -21,16 +21,24 @@ Semantics (docs/rejection_sampling.md has the full statement):
   :func:`~tensorrt_llm_ext.kernels.strict_accept.strict_accept` returns on
   :func:`~tensorrt_llm_ext.speculative.vocab_parallel.vocab_parallel_argmax` tokens.
 
-Every mass is an exact int64 sum of per-token integer weights that are one fixed instruction sequence of the
-token's logit, the row max and T, so a kernel gives the same bits at every TP size and tiling (the sharded
+Every mass is an exact int64 sum (block weights: exact int64 bins by grid distance) of per-token integer weights
+that are one fixed instruction sequence of the token's logit, the row (or block) max and T, so a kernel gives the
+same bits at every TP size and tiling (the sharded
 call equals the TP-1 call). The weights use the SFU ``exp2``: the eager twins agree bit for bit under the
 interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md, "What is bitwise where").
 
-Per call (:func:`call_shape`): without top-p 4 launches (``verify_keys``, ``verify_sums``, ``rejection_draw``,
-``rejection_assemble``) and 3 exchanges (MAX, SUM, all-gather); with top-p the radix rounds (0..n, skipped by
-the rows that ``verify_sums``' window resolves) and the tie count come in between: bf16 logits 7 launches and
-6 exchanges, fp16 8 / 7, fp32 9 / 8; ``top_p_keep`` bf16 6 / 5, fp32 8 / 7. Each launcher is one kernel launch
-and writes every slot of its output, so no call issues a memset or a copy.
+Weights (docs/rejection_sampling.md, "Semantics"): a request with top-p in force (``T > 0``, ``p < 1``) weighs
+its target and draft rows against the row max (``fixed_point_softmax``) as before; every other request uses block
+weights (:mod:`~tensorrt_llm_ext.kernels.block_stats`: each 1024-id block against its own max, combined exactly),
+which one read of the logits can compute on a block-aligned shard.
+
+Per call (:func:`call_shape`): without top-p 4 launches and 3 exchanges (MAX, SUM, all-gather): on a block-aligned
+shard ``block_stats`` (one read), ``block_combine``, ``rejection_draw``, ``rejection_assemble``; on any other shard
+(:func:`choose_passes`: logged once per reason) ``block_keys`` and ``block_bins`` (two reads) instead of the first
+two. With top-p ``verify_sums`` over the top-p requests' rows, the radix rounds (0..n, skipped by the rows that its
+window resolves) and the tie count come in between: bf16 logits 8 launches and 6 exchanges, fp16 9 / 7, fp32
+10 / 8; ``top_p_keep`` bf16 6 / 5, fp32 8 / 7. Each launcher is one kernel launch and writes every slot of its
+output, so no call issues a memset or a copy.
 
 CUDA graphs: pass a :class:`VerificationWorkspace` (allocated once for the largest batch) and ``out=``;
 then no call allocates, syncs the host or branches on data. Input checks that need device values (draft
@@ -46,15 +54,17 @@ from typing import Callable
 import torch
 
 from tensorrt_llm_ext.distributed import PairExchange
+from tensorrt_llm_ext.kernels import block_stats as bsk
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels import rejection_sample as rs
 from tensorrt_llm_ext.kernels import top_p as tpk
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
+from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.value_checks import check_row_values
 
-__all__ = ["VerificationPlan", "VerificationWorkspace", "call_shape", "column_plan", "draw_plan", "rejection_sample",
-           "rejection_sample_reference", "top_p_keep", "top_p_keep_reference"]
+__all__ = ["DEFAULT_PASSES", "VerificationPlan", "VerificationWorkspace", "call_shape", "choose_passes", "column_plan",
+           "draw_plan", "rejection_sample", "rejection_sample_reference", "top_p_keep", "top_p_keep_reference"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +85,22 @@ class _VerificationKernels:
     top_p_mask: Callable  # top_p.top_p_mask
     draw: Callable  # rejection_sample.rejection_draw
     assemble: Callable  # rejection_sample.rejection_assemble
+    stats: Callable  # block_stats.block_stats (the one pass)
+    combine: Callable  # block_stats.block_combine
+    block_keys: Callable  # block_stats.block_keys (the two-pass fallback)
+    block_bins: Callable  # block_stats.block_bins
 
 
 _FUSED_KERNELS = _VerificationKernels(
     name="fused", keys=fps.verify_keys, sums=fps.verify_sums, top_p_round=tpk.top_p_round, top_p_ties=tpk.top_p_ties,
-    top_p_mask=tpk.top_p_mask, draw=rs.rejection_draw, assemble=rs.rejection_assemble)
+    top_p_mask=tpk.top_p_mask, draw=rs.rejection_draw, assemble=rs.rejection_assemble, stats=bsk.block_stats,
+    combine=bsk.block_combine, block_keys=bsk.block_keys, block_bins=bsk.block_bins)
 _EAGER_KERNELS = _VerificationKernels(
     name="eager", keys=fps.verify_keys_reference, sums=fps.verify_sums_reference,
     top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
-    top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference)
+    top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference,
+    stats=bsk.block_stats_reference, combine=bsk.block_combine_reference, block_keys=bsk.block_keys_reference,
+    block_bins=bsk.block_bins_reference)
 
 
 def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
@@ -99,7 +116,9 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
     n = tpk.radix_rounds(dtype) if top_p else 0
     if entry == "top_p_keep":
         return 5 + n, 4 + n  # keys, sums, rounds 0..n, ties, mask / MAX, SUM, n + 1 SUMs, gather
-    return (6 + n, 5 + n) if top_p else (4, 3)  # + draw, assemble / + the race's gather
+    # stats + combine (one pass) or block keys + block bins (two passes), draw, assemble / MAX, SUM, the race's
+    # gather; with top-p + the sums of the top-p requests, rounds 0..n, ties / + n + 1 SUMs, the ties' gather
+    return (7 + n, 5 + n) if top_p else (4, 3)
 
 
 _H = fps.HIST_BUCKETS
@@ -140,13 +159,19 @@ class VerificationPlan:
     top_p: bool
     rounds: int = 3  # radix rounds after round 0 (top_p.radix_rounds of the logits' dtype; round 0 exchanges too)
     sub: int = 1  # sub-chunks per chunk of the draw (draw_plan) and of the tie counts
+    passes: str | None = None  # rejection_sample: "one" (block-aligned) or "two" (any shard); None: top_p_keep
 
     def sizes(self) -> dict[str, int]:
         rt, rq, b, s, tp = self.rows_t, self.rows_q, self.batch, self.splits, self.tp
         p, f = self.top_p, self.sub
         gathered = tp > 1  # at tp 1 the "gathered" buffers are views of the local ones
+        ne = tp + 1 if self.passes == "two" else 0  # edge maxima, exchanged with the keys
+        # today's sums only for top-p (the requests with top-p in force); block bins per row (one pass) or chunk
+        sums = fps.sums_layout(rt, rq, s, p)[1] if p or self.passes is None else 0
+        bins = (rt + rq) * (1 if self.passes == "one" else s) * bsk.BINS_COLS if self.passes else 0
         return {
-            "keys": (rt + rq) * s * 2, "sums": fps.sums_layout(rt, rq, s, p)[1],
+            "keys": (rt + rq) * s * (2 + ne), "sums": sums + bins,
+            "stats": (rt + rq) * s * bsk.STATS_COLS if self.passes == "one" else 0,
             "hist": 4 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
             "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
             "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
@@ -217,8 +242,9 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
     def fit(rt: int, rq: int, b: int) -> None:
         s, chunk = column_plan(rt + rq, width, block_size, num_splits)
         f = draw_plan(b, s, chunk, block_size, num_splits) if b else 1
-        for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f).sizes().items():
-            cap[name] = max(cap.get(name, 0), n)
+        for passes in (("one", "two") if b else (None,)):
+            for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f, passes=passes).sizes().items():
+                cap[name] = max(cap.get(name, 0), n)
 
     k = max_rows_q // max_batch if max_batch else 0
     for bb in range(1, max_batch + 1):  # rejection_sample of bb requests
@@ -232,12 +258,21 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
 def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNamespace:
     rt, rq, b, s, tp, f = plan.rows_t, plan.rows_q, plan.batch, plan.splits, plan.tp, plan.sub
     sizes = plan.sizes()
-    cols_t, _ = fps.sums_layout(rt, rq, s, plan.top_p)
+    cols_t, n_sums = fps.sums_layout(rt, rq, s, plan.top_p)
+    if plan.passes and not plan.top_p:
+        n_sums = 0
     ns = SimpleNamespace()
-    ns.keys = bufs["keys"][: sizes["keys"]].view(rt + rq, s, 2)
-    ns.sums = bufs["sums"][: sizes["sums"]]
-    ns.sums_t = ns.sums[: rt * s * cols_t].view(rt, s, cols_t)
-    ns.sums_q = ns.sums[rt * s * cols_t:].view(rq, s, fps.SUMS_COLS)
+    n_keys = (rt + rq) * s * 2
+    ns.keys_x = bufs["keys"][: sizes["keys"]]  # the MAX exchange: keys (and the edge maxima of the two passes)
+    ns.keys = ns.keys_x[:n_keys].view(rt + rq, s, 2)
+    ns.edges = ns.keys_x[n_keys:].view(rt + rq, s, plan.tp + 1) if plan.passes == "two" else None
+    ns.stats = bufs["stats"][: sizes["stats"]].view(rt + rq, s, bsk.STATS_COLS) if plan.passes == "one" else None
+    ns.sums_x = bufs["sums"][: sizes["sums"]]  # the SUM exchange: today's sums (top-p) and the block bins
+    ns.sums = ns.sums_x[:n_sums]
+    ns.sums_t = ns.sums[: rt * s * cols_t].view(rt, s, cols_t) if n_sums else None
+    ns.sums_q = ns.sums[rt * s * cols_t:].view(rq, s, fps.SUMS_COLS) if n_sums else None
+    ns.bins = (ns.sums_x[n_sums:].view(rt + rq, 1 if plan.passes == "one" else s, bsk.BINS_COLS) if plan.passes
+               else None)
     if plan.top_p:
         ns.hist = bufs["hist"][: sizes["hist"]].view(4, rt, s, _H)
         ns.state = bufs["state"][: sizes["state"]].view(4, rt, 2)
@@ -393,8 +428,37 @@ def top_p_keep_reference(logits: torch.Tensor, top_p: torch.Tensor, *, temperatu
 # ----------------------------------------------------------------------------------------------------
 # rejection_sample
 # ----------------------------------------------------------------------------------------------------
+DEFAULT_PASSES = "auto"  # rejection_sample's ``passes`` when not given (tests and benchmarks may force "two")
+_PASSES = ("auto", "one", "two")
+
+
+def choose_passes(passes: str | None, width: int, tp: int, vocab_start: int, block_size: int) -> str:
+    """``"one"`` (one read of the logits: block statistics, combine, draw) where the shard is block-aligned --
+    ``vocab_start`` and, at TP > 1, the width multiples of ``STAT_BLOCK`` and tiles of whole blocks -- else
+    ``"two"`` (block keys, then block bins: the same weights on any shard). The same on every rank of a TP group
+    (shapes only). ``passes``: ``"auto"`` (None: :data:`DEFAULT_PASSES`), ``"one"`` (a ``ValueError`` where not
+    aligned) or ``"two"``."""
+    passes = DEFAULT_PASSES if passes is None else passes
+    if passes not in _PASSES:
+        raise ValueError(f"passes: expected one of {_PASSES}, got {passes!r}")
+    g = bsk.STAT_BLOCK
+    reasons = [why for bad, why in (
+        (block_size % g != 0, f"tiles of {block_size} columns, not whole {g}-id blocks"),
+        (vocab_start % g != 0 or (tp > 1 and width % g != 0),
+         f"shard width {width} at tp={tp} is not a multiple of {g}"),
+    ) if bad]
+    if passes == "one" and reasons:
+        raise ValueError(f"passes='one': the shard is not block-aligned ({'; '.join(reasons)})")
+    if passes == "two" or reasons:
+        reason = "; ".join(reasons) or "passes='two'"
+        info_once(f"rejection_sample: two passes over the logits ({reason}); logged once per reason",
+                  key=f"rejection_sample passes: {reason}")
+        return "two"
+    return "one"
+
+
 def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temperatures, seeds, offsets, top_p,
-                            vocab_start, vocab_size, tp, rank, out, workspace):
+                            vocab_start, vocab_size, tp, rank, out, workspace, passes=None):
     """``rejection_sample`` as a generator that yields its exchange points (``(op, buffer, out)``, see
     :func:`_drive`)."""
     for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
@@ -425,20 +489,34 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     splits, chunk = column_plan(b * (2 * k + 1), width, bs, ns)
     sub = draw_plan(b, splits, chunk, bs, ns)
     has_p = top_p is not None
-    plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub)
+    passes = choose_passes(passes, width, tp, vocab_start, bs)
+    plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub, passes=passes)
     ws = _call_buffers(workspace, plan, dev, "rejection_sample")
     if b == 0:
         return accepted, num_accepted
     kw = dict(block_size=bs, num_splits=splits)  # the launchers re-derive the same (splits, chunk)
     tgt = target_logits.view(b * k1, width)
     drf = draft_logits.view(b * k, width)
-    # pass 1: row maxima of target and draft rows (and the target argmax), one launch
-    ops.keys(tgt, drf, vocab_start, vocab_size, out=ws.keys, **kw)
-    yield "max", ws.keys, None
-    # pass 2: masses Z, the drafted tokens' weights, and the top-p window (counts near the row max), one launch
-    ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, row_div=k1, row_div_q=k,
-             hist=has_p, out=ws.sums, **kw)
-    yield "sum", ws.sums, None
+    rows = dict(row_div=k1, row_div_q=k)
+    if passes == "one":
+        # one read of every row: the keys, each block's grid point and mass in bins, the drafted tokens' weights
+        ops.stats(tgt, drf, temperatures, vocab_start, vocab_size, tokens=draft_tokens, keys_out=ws.keys,
+                  stats_out=ws.stats, **rows, **kw)
+        yield "max", ws.keys_x, None
+        # each chunk's bins shifted to the row's grid point R (known from the exchanged maxima)
+        ops.combine(ws.stats, ws.keys, temperatures, rows_t=b * k1, out=ws.bins, **rows)
+    else:
+        # any shard: the keys and the maxima of the blocks split between ranks, then the block bins against R
+        ops.block_keys(tgt, drf, vocab_start, vocab_size, keys_out=ws.keys, edges_out=ws.edges, rank=rank, tp=tp,
+                       **kw)
+        yield "max", ws.keys_x, None
+        ops.block_bins(tgt, drf, ws.keys, ws.edges, temperatures, vocab_start, vocab_size, tokens=draft_tokens,
+                       rank=rank, tp=tp, out=ws.bins, **rows, **kw)
+    if has_p:
+        # the requests with top-p in force keep today's weights: masses, tokens' weights and the top-p window
+        ops.sums(tgt, drf, ws.keys, temperatures, vocab_start, vocab_size, tokens=draft_tokens, hist=True,
+                 out=ws.sums, top_p_only=top_p, **rows, **kw)
+    yield "sum", ws.sums_x, None
     # exact top-p of the target rows: the boundary and its tie counts
     state = ties_all = None
     if has_p:
@@ -447,7 +525,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
         state, ties_all = ws.state[3], ws.ties_all
     # decisions and the residual / bonus race over the chunks of row k*, then the winner
     ops.draw(tgt, drf, draft_tokens, temperatures, seeds, offsets, top_p, ws.keys, ws.sums_t, ws.sums_q, state,
-             ties_all, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, n_sub=sub, **kw)
+             ties_all, ws.bins, ws.edges, ws.dec, ws.race, vocab_start, vocab_size, rank=rank, tp=tp, n_sub=sub, **kw)
     yield "gather", ws.race, ws.race_all
     ops.assemble(draft_tokens, ws.keys, ws.dec, ws.race_all, accepted, num_accepted)
     return accepted, num_accepted
@@ -458,7 +536,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
                      top_p: torch.Tensor | None = None, vocab_start: int = 0, vocab_size: int | None = None,
                      exchange: PairExchange | None = None,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     workspace: VerificationWorkspace | None = None,
+                     passes: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection-sampling verification of ``B`` requests on this rank's vocabulary shard.
 
     Args:
@@ -473,6 +552,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
         exchange: the TP group's :class:`PairExchange` (None on one rank).
         out: ``(accepted_tokens [B, K+1] int64, num_accepted [B] int32)`` written in place.
         workspace: a :class:`VerificationWorkspace` for at least this batch (required under capture).
+        passes: ``"auto"`` (default): one read of the logits on a block-aligned shard, two otherwise;
+            ``"two"`` forces the two-pass path (the same bits); see :func:`choose_passes`.
 
     Returns ``(accepted_tokens, num_accepted)``: the first ``num_accepted[b]`` (1..K+1) entries are the
     emitted tokens (accepted drafts, then the residual or bonus sample); the rest are -1 on sampled rows
@@ -481,7 +562,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     """
     exchange, tp, rank = _exchange_facts(exchange)
     steps = _rejection_sample_steps(_FUSED_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace, passes)
     return _drive(steps, exchange)
 
 
@@ -490,9 +571,10 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_logits: torch.
                                top_p: torch.Tensor | None = None, vocab_start: int = 0,
                                vocab_size: int | None = None, exchange: PairExchange | None = None,
                                out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               workspace: VerificationWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               workspace: VerificationWorkspace | None = None,
+                               passes: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`rejection_sample` (same signature, exchanges and results; torch ops)."""
     exchange, tp, rank = _exchange_facts(exchange)
     steps = _rejection_sample_steps(_EAGER_KERNELS, target_logits, draft_logits, draft_tokens, temperatures, seeds,
-                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace)
+                                    offsets, top_p, vocab_start, vocab_size, tp, rank, out, workspace, passes)
     return _drive(steps, exchange)

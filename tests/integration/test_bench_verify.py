@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from tensorrt_llm_ext.cli import main
@@ -16,7 +17,27 @@ def test_bench_verify_profile_lists_the_launches_of_one_call(capsys):
     text = capsys.readouterr().out
     totals = [int(n) for n in re.findall(r"(\d+) launches per call in all", text)]
     assert totals == [call_shape("rejection_sample", False)[0], call_shape("rejection_sample", True, torch.bfloat16)[0]]
-    assert "_rejection_draw_kernel" in text and "_verify_keys_kernel" in text
+    # the aligned shard of the smoke run (1024 ids at tp 2): one read of the logits
+    assert "_rejection_draw_kernel" in text and "_block_stats_kernel" in text and "_block_combine_kernel" in text
+    assert "_verify_keys_kernel" not in text and "1 pass(es)" not in text and "one pass(es)" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU smoke run's sizes")
+def test_bench_verify_times_the_one_pass_and_the_forced_two_passes(capsys, monkeypatch):
+    """The table times the path a rank takes on block-aligned shards (one pass) and, with --two-pass, the forced
+    two-pass path on the same rows, in one run (CPU: the smoke sizes, untimed)."""
+    from tensorrt_llm_ext.speculative import verification
+
+    seen = []
+    real = verification.choose_passes
+    monkeypatch.setattr(verification, "choose_passes", lambda p, *a: (seen.append(real(p, *a)), seen[-1])[1])
+    assert main(["bench", "verify", "--batch-sizes", "1", "--two-pass", "--no-stock"]) == 0
+    text = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) +\| (\d+) +\| (one|two) +\| \d+ +\| (none|top_p) +\| [^|]+\| ([^|]+)\| ([^|]+)\|", text,
+                      flags=re.M)
+    assert {(r[0], r[1], r[2]) for r in rows} == {("1", "1031", "one"), ("2", "1024", "one")}, text
+    assert len(rows) == 8 and "two-pass us" in text, rows  # (CPU: the times print as "-")
+    assert "one" in seen and "two" in seen  # both paths ran: the call's own and the forced one
 
 
 def test_flashinfer_peer_reports_why_it_is_absent():

@@ -1,16 +1,21 @@
 """The one-pass statistics over 1024-id blocks (kernels/block_stats.py): kernel vs eager twin (bit for bit under the
 interpreter, within the SFU's tolerance on a GPU), the combined row bins bitwise the same at TP 1 / 2 / 3 / 4 on
-block-aligned shards and across column chunks, the masses against float64, and the alignment check."""
+block-aligned shards and across column chunks, the masses against float64, and the alignment check; the combine
+launch and the two-pass fallback (block keys with the edge maxima, block bins) on unaligned shards give the TP 1
+row bins bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.block_stats import (STAT_BINS, STAT_BLOCK, STATS_COLS, block_stats,
-                                                  block_stats_reference, row_bins_reference, row_mass_reference)
+from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLOCK, STATS_COLS, block_bins,
+                                                  block_bins_reference, block_combine, block_combine_reference,
+                                                  block_keys, block_keys_reference, block_stats, block_stats_reference,
+                                                  row_bins_reference, row_mass_reference)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks, weight_scale_torch
+from tensorrt_llm_ext.testing.simulated_tp import shard
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
@@ -134,3 +139,90 @@ def test_unaligned_shard_and_bad_outputs_refused():
     with pytest.raises(ValueError, match="stats_out"):
         block_stats(target, draft, temps, 0, VOCAB, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys,
                     stats_out=torch.zeros(rows, 1, STATS_COLS - 1, dtype=torch.int64))
+
+
+
+def _one_pass_bins(fns, t, d, tm, tk, k, tp, splits, pad):
+    """The exchanged row bins ``[rows, BINS_COLS]`` of the one pass at TP ``tp`` on aligned shards: block_stats on
+    every rank, the keys' MAX, the combine on every rank, the SUM (simulated between the ranks' buffers)."""
+    stats_fn, combine_fn = fns
+    rt = t.shape[0]
+    per_rank = []
+    for rank in range(tp):
+        ts, start = _aligned(t.cpu(), tp, rank, pad)
+        ds, _ = _aligned(d.cpu(), tp, rank, pad)
+        per_rank.append(_run(stats_fn, ts.to(DEV), ds.to(DEV), tm, tk, k, start, VOCAB, splits))
+    keys = torch.stack([kk for kk, _ in per_rank]).amax(0).to(DEV)
+    total = torch.zeros(rt + d.shape[0], BINS_COLS, dtype=torch.int64)
+    for _, stats in per_rank:
+        out = torch.full((rt + d.shape[0], 1, BINS_COLS), 7, dtype=torch.int64, device=DEV)
+        combine_fn(stats.to(DEV), keys, tm, rows_t=rt, row_div=k + 1, row_div_q=k, out=out)
+        total += out[:, 0].cpu()
+    return total
+
+
+def _two_pass_bins(fns, t, d, tm, tk, k, tp, splits, block, vocab=VOCAB):
+    """The same with the two-pass fallback on today's ``ceil(V / tp)``-column shards: block_keys on every rank, the
+    MAX of keys and edges, block_bins on every rank, the SUM over ranks and chunks."""
+    keys_fn, bins_fn = fns
+    rows = t.shape[0] + d.shape[0]
+    ranks = []
+    for rank in range(tp):
+        ts, start = shard(t, tp, rank, vocab)
+        ds, _ = shard(d, tp, rank, vocab)
+        s, _ = plan_chunks(ts.shape[1], block, splits)
+        keys = torch.full((rows, s, 2), 7, dtype=torch.int64, device=DEV)
+        edges = torch.full((rows, s, tp + 1), 7, dtype=torch.int64, device=DEV)
+        keys_fn(ts, ds, start, vocab, keys_out=keys, edges_out=edges, rank=rank, tp=tp, block_size=block,
+                num_splits=splits)
+        ranks.append((ts, ds, start, keys, edges, s))
+    keys = torch.stack([r[3] for r in ranks]).amax(0)
+    edges = torch.stack([r[4] for r in ranks]).amax(0)
+    total = torch.zeros(rows, BINS_COLS, dtype=torch.int64)
+    for rank, (ts, ds, start, _, _, s) in enumerate(ranks):
+        out = torch.full((rows, s, BINS_COLS), 7, dtype=torch.int64, device=DEV)
+        bins_fn(ts, ds, keys, edges, tm, start, vocab, tokens=tk, row_div=k + 1, row_div_q=k, rank=rank, tp=tp,
+                out=out, block_size=block, num_splits=splits)
+        total += out.sum(1).cpu()
+    return total
+
+
+def test_combine_and_fallback_row_bins_equal_tp1():
+    """The row bins (bin i = the mass of the blocks i grid points below the row's R), the drafted token's F_b and
+    R - R_b that the draw reads, bitwise the same: the one pass (block_stats + combine) at TP 1 / 2 / 4 on aligned
+    shards (padding NaN or above every logit), and the two-pass fallback (block_keys + block_bins) at TP 1 / 3 / 4
+    on today's ceil(V / tp) shards (blocks split between ranks: edge maxima) and with tiles smaller than a block.
+    Every launch equals its eager twin under the interpreter."""
+    target, draft, tokens, temps, k = _inputs()
+    t, d, tk, tm = (x.to(DEV) for x in (target, draft, tokens, temps))
+    fused, eager = (block_stats, block_combine), (block_stats_reference, block_combine_reference)
+    ref = _one_pass_bins(fused, t, d, tm, tk, k, 1, 2, NAN)
+    assert ref[1].eq(0).all() and bool((ref[[0, 2, 3, 4], 0] > 0).all())  # row 1 has no finite logit
+    assert ref[4, 1:STAT_BINS].eq(0).all()  # one heavy token: every other block falls out of the bins
+    runs = {"one pass tp 2": _one_pass_bins(fused, t, d, tm, tk, k, 2, 3, 1e4),
+            "one pass tp 4": _one_pass_bins(fused, t, d, tm, tk, k, 4, 1, NAN),
+            "two passes tp 1": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 1, 3, 256),
+            "two passes tp 3": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 3, 2, 1024),
+            "two passes tp 4, tiles of 512": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 4, 2, 512)}
+    if DEV == "cpu":  # the eager twins: bit for bit under the interpreter (numpy's exp2 on both sides)
+        runs["one pass tp 2, eager"] = _one_pass_bins(eager, t, d, tm, tk, k, 2, 3, 1e4)
+        runs["two passes tp 3, eager"] = _two_pass_bins((block_keys_reference, block_bins_reference), t, d, tm, tk,
+                                                        k, 3, 2, 1024)
+    for name, got in runs.items():
+        assert torch.equal(got, ref), (name, (got - ref).abs().amax(0))
+
+
+def test_fallback_edges_on_shards_narrower_than_a_block():
+    """Shards of 100 ids (TP 4 over 397 ids): every block spans several ranks, each rank's edge slots carry its part
+    of every block at a shard boundary, and the fallback's bins equal TP 1's."""
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(3, 397, generator=g) * 3).to(torch.bfloat16)
+    d = (torch.randn(2, 397, generator=g) * 3).to(torch.bfloat16)
+    t[0, 99:101] = 20.0  # the row max tied across a shard boundary
+    t[0, 396] = 19.5  # the drafted token, near the max
+    tk = torch.tensor([[396, 100]])
+    tm = torch.tensor([0.9])
+    ref = _two_pass_bins((block_keys, block_bins), t, d, tm, tk, 2, 1, 1, 1024, vocab=397)
+    assert ref[0, 0] > 0 and ref[0, STAT_BINS] > 0  # the drafted token 396 weighs something
+    for tp in (2, 4):
+        assert torch.equal(_two_pass_bins((block_keys, block_bins), t, d, tm, tk, 2, tp, 1, 32, vocab=397), ref), tp
