@@ -63,7 +63,7 @@ pack
 run verify_profile 30 python3 -m tensorrt_llm_ext.cli bench verify --profile --tp-sizes 1 --batch-sizes 8,32
 names="step_sampled verify_profile"
 if [ "${FULL:-0}" = 1 ]; then
-  run verify 85 python3 -m tensorrt_llm_ext.cli bench verify --no-stock
+  run verify 85 python3 -m tensorrt_llm_ext.cli bench verify --no-stock --two-pass
   run verify_one_pass 40 python3 -m tensorrt_llm_ext.cli bench verify --one-pass-stats --tp-sizes 4,1 --batch-sizes 1,8,32,128
   run select 40 python3 -m tensorrt_llm_ext.cli bench select --tables main --rows 64,256 --tp-sizes 1,4
   run markov 55 python3 -m tensorrt_llm_ext.cli bench markov --tables main,tp --batch 1,8,32,64,128 --variants 0 \

@@ -187,8 +187,8 @@ def _rejection():
 
 
 def _block_stats():
-    """The one-pass statistics (not in the step yet: bench verify --one-pass-stats times it): bf16 on Llama 3's
-    block-aligned last TP-4 shard, at one row group's chunks (2 blocks each) and at 480 rows (whole-shard chunks)."""
+    """The one-pass statistics (the verification's first launch on block-aligned shards; also timed alone by bench
+    verify --one-pass-stats): bf16 on Llama 3's block-aligned last TP-4 shard, at one row group's chunks (2 blocks each) and at 480 rows (whole-shard chunks)."""
     from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats
     from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks
 
@@ -446,7 +446,10 @@ SWEEP: tuple[SweepCase, ...] = (
     SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel", _K + "fixed_point_softmax:_verify_sums_kernel",
                                 _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=13),
     SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
-                                        _K + "rejection_sample:_rejection_assemble_kernel"), cost=45),
+                                        _K + "rejection_sample:_rejection_assemble_kernel",
+                                        _K + "block_stats:_block_combine_kernel",
+                                        _K + "block_stats:_block_keys_kernel",
+                                        _K + "block_stats:_block_bins_kernel"), cost=45),
     SweepCase("block_stats", _block_stats, (_K + "block_stats:_block_stats_kernel",), captured=False, cost=1),
     SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
                                                       _K + "strict_accept:_strict_accept_kernel",
