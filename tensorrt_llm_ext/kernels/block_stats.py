@@ -44,9 +44,9 @@ from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_f
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, decode_max_key, decode_max_key_torch,
                                                           is_finite, load_pair_tile, plan_chunks, row_max_from_keys,
                                                           sfu_exp2, sfu_exp2_torch, split_reduce, split_reduce_rows,
-                                                          verify_keys_reference, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, block_best, ordered_i32, ordered_i32_torch,
-                                                  pack_key)
+                                                          store_split_keys, verify_keys_reference, weight_scale,
+                                                          weight_scale_torch)
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, INT32_MIN, ordered_i32, ordered_i32_torch
 
 __all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "block_bins_reference", "block_combine",
            "block_combine_reference", "block_keys", "block_keys_reference", "block_stats", "block_stats_reference",
@@ -140,11 +140,7 @@ def _block_stats_kernel(
                 ft = is_finite(xt)
                 ftok = _block_weight(xt, m, c, g, ft)
                 rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
-    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
-    fmax = tl.max(best_fin, 0)
-    kout = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
-    tl.store(kout, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
-    tl.store(kout + 1, tl.where(fmax == -2147483648, -9223372036854775808, fmax.to(tl.int64)))
+    store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
     # bins by grid distance below this program's top block (empty blocks never count)
     rc = tl.max(rb, 0)
     d = rc.to(tl.int64) - rb.to(tl.int64)
@@ -363,11 +359,7 @@ def _block_keys_kernel(
         take = valid & is_t & (o > lane_k)
         lane_k = tl.where(take, o, lane_k)
         lane_c = tl.where(take, cols, lane_c)
-    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
-    fmax = tl.max(best_fin, 0)
-    kout = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
-    tl.store(kout, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
-    tl.store(kout + 1, tl.where(fmax == -2147483648, -9223372036854775808, fmax.to(tl.int64)))
+    store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
     # the partial maxima of this shard's first and last block, at every boundary slot whose block they are (a
     # block can span several ranks when the shard is narrower than a block)
     pf = tl.max(lane_f, 0)

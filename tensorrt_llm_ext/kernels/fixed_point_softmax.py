@@ -51,6 +51,7 @@ __all__ = [
     "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
+    "store_split_keys",
     "split_reduce_rows", "sums_layout", "verify_keys", "verify_keys_reference", "verify_sums",
     "verify_sums_reference",
 ]
@@ -168,6 +169,17 @@ def load_pair_tile(t_row, q_row, is_t, cols, valid):
 
 
 @triton.jit
+def store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start):
+    """A (row, column chunk) program's two keys from its per-lane running maxima: the argmax key (the first column
+    of the largest ordered key) and the finite-max key (``EMPTY_KEY`` when the chunk holds no finite value)."""
+    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
+    fin = tl.max(best_fin, 0)
+    out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
+    tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
+    tl.store(out + 1, tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64)))
+
+
+@triton.jit
 def split_reduce(ptr, num_splits, stride, mask, SPLITS: tl.constexpr, MAX: tl.constexpr):
     """Sum (or max, ``MAX``) of ``ptr[s * stride]`` over the column chunks ``s < num_splits`` in one vector load
     (``SPLITS`` = next power of two >= num_splits); ``ptr`` / ``mask`` a scalar (-> scalar)."""
@@ -232,11 +244,7 @@ def _verify_keys_kernel(
         take = valid & is_t & (o > lane_k)  # draft rows need no argmax: EMPTY_KEY
         lane_k = tl.where(take, o, lane_k)
         lane_c = tl.where(take, cols, lane_c)
-    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
-    fin = tl.max(best_fin, 0)
-    out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
-    tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
-    tl.store(out + 1, tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64)))
+    store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
 
 
 @triton.jit
