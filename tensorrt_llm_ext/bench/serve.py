@@ -239,9 +239,32 @@ def _stub_run(args: argparse.Namespace) -> None:
             f.write(text + "\n")
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sizes and times asked for (None: nothing), before any server starts."""
+    import math
+
+    for name, lo, hi in (("concurrency", 1, 4096), ("requests_per_client", 1, 1 << 20), ("max_tokens", 1, 1 << 20),
+                         ("shared_prefix", 0, 1 << 20), ("tp", 1, 1024)):
+        values = getattr(args, name)
+        for v in values if isinstance(values, list) else [values]:
+            if v is not None and not lo <= v <= hi:
+                return f"--{name.replace('_', '-')} {v}: expected an integer in [{lo}, {hi}]"
+    for name in ("stub_step_ms", "stub_host_ms", "max_seconds"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and 0 <= v <= 1e6):
+            return f"--{name.replace('_', '-')} {v}: expected a finite number in [0, 1e6]"
+    return None
+
+
 @register_benchmark("serve", "TTFT / TPOT / throughput of trtllm-ext serve on loopback, speculative vs target-only",
                     _add_args)
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
+    bad = _check_args(args)
+    if bad:
+        import sys
+
+        print(f"error: bench serve: {bad}", file=sys.stderr)
+        return 2
     if args.stub_engine:
         return _stub_run(args)
     cpu = not torch.cuda.is_available()

@@ -193,11 +193,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: bench target: --decode-config: {e}", file=sys.stderr)
         return 2
+    from tensorrt_llm_ext.runtime.config import ConfigError
+
     saved = dict(DECODE_CONFIGS)
     try:
         if forced is not None:
             DECODE_CONFIGS.update(dict.fromkeys(DECODE_CONFIGS, forced))
         return _run(args, sizes, contexts, shapes, spec, cuda)
+    except ConfigError as e:  # --batch-sizes / --contexts / --draft-len / --page-size outside the config's bounds
+        print(f"error: bench target: {e}", file=sys.stderr)
+        return 2
     finally:
         DECODE_CONFIGS.clear()
         DECODE_CONFIGS.update(saved)

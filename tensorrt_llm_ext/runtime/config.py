@@ -57,6 +57,12 @@ DRAFTER_SUBDIR = "dspark_drafter"
 DEFAULT_MAX_MODEL_LEN = 4096  # where `trtllm-ext export DIR` puts the drafter, and where `DIR` looks for it
 
 
+# Bounds that keep every size a tensor can hold (a value past them was an OverflowError deep in the engine's
+# allocation; now one config error naming the field): requests in one step, and tokens of a sequence / a pool.
+MAX_BATCH_SIZE = 1 << 16
+MAX_TOKENS = 1 << 31
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names every offending field."""
 
@@ -219,7 +225,7 @@ class CudaGraphConfig(_Strict):
 
     batch_sizes: tuple[StrictInt, ...] | None = None  # None: powers of two up to max_batch_size
     enable_padding: StrictBool = True
-    max_batch_size: StrictInt | None = Field(None, ge=1)
+    max_batch_size: StrictInt | None = Field(None, ge=1, le=MAX_BATCH_SIZE)
     # The prefill's target forward captured per token bucket [1, T_b] (powers of two from 16 up to this, capped at
     # max_num_tokens and max_seq_len; runtime/prefill_graph.py); 0: eager prefill (the default until measured).
     prefill_max_tokens: StrictInt = 0
@@ -245,7 +251,7 @@ class CudaGraphConfig(_Strict):
 class KvCacheConfig(_Strict):
     """``kv_cache_config``. One page pool sized once at start (``max_tokens`` / ``free_gpu_memory_fraction``)."""
 
-    tokens_per_block: StrictInt = Field(16, ge=1)  # the drafter's latent page size
+    tokens_per_block: StrictInt = Field(16, ge=1, le=4096)  # the drafter's latent page size
     dtype: StrictStr = no_effect("auto", "caches are kept in the model dtype")
     # Prefix reuse (runtime/kv_cache.py, PageAllocator): a prompt's whole pages, once prefilled, serve later prompts
     # that start with the same tokens. Off by default until measured on the H200 (TensorRT-LLM's default: on).
@@ -255,7 +261,7 @@ class KvCacheConfig(_Strict):
     # after the weights and/or max_tokens (the smaller); neither: every slot at max_seq_len.
     free_gpu_memory_fraction: Float | None = Field(None, gt=0, le=1)
     # With a checkpoint directory and no max_seq_len: max_model_len <= max_tokens // max_batch_size.
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
     max_attention_window: tuple[StrictInt, ...] | None = no_effect(None, "full attention over max_seq_len")
     host_cache_size: StrictInt | None = no_effect(None, "no host offload")
     event_buffer_max_size: StrictInt = no_effect(0, "no KV cache events")
@@ -276,8 +282,8 @@ class RuntimeConfig(_Strict):
     context_parallel_size: Literal[1] = 1
     max_beam_width: Literal[1] = 1
     enable_attention_dp: StrictBool = False
-    max_batch_size: StrictInt = Field(8, ge=1)
-    max_seq_len: StrictInt = Field(256, ge=8)  # prompt + generated tokens of one request
+    max_batch_size: StrictInt = Field(8, ge=1, le=MAX_BATCH_SIZE)
+    max_seq_len: StrictInt = Field(256, ge=8, le=MAX_TOKENS)  # prompt + generated tokens of one request
     # TensorRT-LLM's top-level dtype; moved into model.dtype (one place decides).
     dtype: Literal["auto", "float32", "bfloat16"] | None = None
     tokenizer: StrictStr | None = None  # a tokenizer directory for text prompts (default: the model directory)
@@ -290,7 +296,7 @@ class RuntimeConfig(_Strict):
     backend: StrictStr | None = no_effect(None, "this runtime is its own PyTorch-style backend")
     # The padded tokens of one batched prefill (default 8192, TensorRT-LLM's); with enable_chunked_prefill, of all
     # the prefill one step carries (a long prompt runs as chunks between steps).
-    max_num_tokens: StrictInt | None = Field(None, ge=1)
+    max_num_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
     max_input_len: StrictInt | None = no_effect(None, "prompt + max_tokens is bounded by max_seq_len")
     moe_expert_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")
     moe_tensor_parallel_size: StrictInt | None = no_effect(None, "dense target, no experts")

@@ -137,3 +137,25 @@ def test_models_written_by_the_readme_are_git_ignored():
     r = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", "models/SmolLM2-135M-Instruct/model.safetensors"],
                        capture_output=True, timeout=30)
     assert r.returncode == 0, "models/ is not git-ignored"
+
+
+HUGE = "99999999999999999999"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("serve", "--max_batch_size", HUGE), "max_batch_size: Input should be less than or equal to 65536"),
+    (("serve", "--max_seq_len", HUGE), "max_seq_len: Input should be less than or equal to 2147483648"),
+    (("bench", "target", "--batch-sizes", HUGE), "max_batch_size: Input should be less than or equal to 65536"),
+    (("bench", "target", "--page-size", HUGE), "tokens_per_block: Input should be less than or equal to 4096"),
+    (("bench", "target", "--draft-len", "0"), "max_draft_len: Input should be greater than or equal to 1"),
+    (("bench", "serve", "--concurrency", HUGE), f"--concurrency {HUGE}: expected an integer in [1, 4096]"),
+    (("bench", "serve", "--stub-engine", "--stub-host-ms", "inf"), "--stub-host-ms inf: expected a finite number"),
+    (("bench", "serve", "--max-seconds", "nan"), "--max-seconds nan: expected a finite number"),
+], ids=["serve-batch", "serve-seq-len", "bench-target-batch", "bench-target-page", "bench-target-draft-len",
+        "bench-serve-concurrency", "bench-serve-host-ms", "bench-serve-max-seconds"])
+def test_sizes_past_their_bounds_are_one_line_and_exit_2(argv, message):
+    """A size no tensor can hold, or a time that never ends, is refused by name before any work (was: an
+    OverflowError traceback from the engine's allocation, a config traceback, or a run that never ended)."""
+    r = _cli(*argv, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert message in r.stderr.strip().splitlines()[-1]
