@@ -135,16 +135,21 @@ class PageAllocator:
         return num_pages <= self.num_free
 
     # -- block reuse ---------------------------------------------------------------------------------
-    def _page_keys(self, tokens, num_pages: int, root):
-        parent = ("root", root)
+    def _page_key(self, parent, token_ids, i: int) -> tuple:
+        """The key of page ``i`` of a sequence: its parent's chain id (or the root) and its token ids."""
         p = self.page_size
-        for i in range(num_pages):
-            key = (parent, tuple(int(t) for t in tokens[i * p:(i + 1) * p]))
-            yield key
-            hit = self._cached.get(key)
+        return parent, tuple(int(t) for t in token_ids[i * p:(i + 1) * p])
+
+    def _cached_prefix(self, token_ids, max_pages: int, root) -> list[int]:
+        """The cached pages that hold the first (at most ``max_pages``) whole pages of ``token_ids``, in order."""
+        parent, pages = ("root", root), []
+        for i in range(max_pages):
+            hit = self._cached.get(self._page_key(parent, token_ids, i))
             if hit is None:
-                return
+                break
             parent = hit[0]
+            pages.append(hit[1])
+        return pages
 
     def match(self, prompt_ids, root=None) -> list[int]:
         """The cached pages that hold the start of ``prompt_ids`` (whole pages, in order), at most those before
@@ -153,12 +158,7 @@ class PageAllocator:
         if not self.enable_block_reuse:
             return []
         n = len(prompt_ids)
-        pages = []
-        for key in self._page_keys(prompt_ids, (n - 1) // self.page_size, root):
-            hit = self._cached.get(key)
-            if hit is None:
-                break
-            pages.append(hit[1])
+        pages = self._cached_prefix(prompt_ids, (n - 1) // self.page_size, root)
         self.prefix_queries += n
         self.prefix_hits += len(pages) * self.page_size
         return pages
@@ -171,15 +171,9 @@ class PageAllocator:
         if not self.enable_block_reuse:
             return num_pages
         gone = self._holds_of(leaving)
-        n = len(prompt_ids)
-        matched = idle = 0
-        for key in self._page_keys(prompt_ids, min((n - 1) // self.page_size, num_pages), root):
-            hit = self._cached.get(key)
-            if hit is None:
-                break
-            matched += 1
-            idle += self._holders.get(hit[1], 0) == gone.get(hit[1], 0)
-        return num_pages - matched + idle
+        pages = self._cached_prefix(prompt_ids, min((len(prompt_ids) - 1) // self.page_size, num_pages), root)
+        idle = sum(1 for page in pages if self._holders.get(page, 0) == gone.get(page, 0))
+        return num_pages - len(pages) + idle
 
     def register(self, slot: int, token_ids, root=None) -> int:
         """Register ``slot``'s whole pages before the last of ``token_ids`` (its sequence from position 0: the
@@ -189,12 +183,10 @@ class PageAllocator:
         if not self.enable_block_reuse:
             return 0
         pages = self._owned.get(slot, [])
-        n = min((len(token_ids) - 1) // self.page_size, len(pages))
         added = 0
         parent = ("root", root)
-        p = self.page_size
-        for i in range(n):
-            key = (parent, tuple(int(t) for t in token_ids[i * p:(i + 1) * p]))
+        for i in range(min((len(token_ids) - 1) // self.page_size, len(pages))):
+            key = self._page_key(parent, token_ids, i)
             hit = self._cached.get(key)
             if hit is None:
                 if pages[i] in self._key_of:  # this page is cached under another key: the chain diverged

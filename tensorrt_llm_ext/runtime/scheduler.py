@@ -179,9 +179,9 @@ class Scheduler:
     def admissible(self, queue: Iterable[Request], cancel: list[int] = ()) -> int:
         """How many requests at the head of ``queue`` a plan that cancels ``cancel`` may admit, first come first
         served: while a slot and the request's pages (:meth:`admission_pages`) are free; the next one waits."""
-        slots = self.num_free_slots + len(self._held(cancel))
-        pages = self.free_pages_after(cancel)
         leaving = [held.slot for held in self._held(cancel)]
+        slots = self.num_free_slots + len(leaving)
+        pages = self.engine.pages.num_free_after(leaving)
         n = 0
         for request in queue:
             if n >= slots:
