@@ -249,7 +249,7 @@ def position_weights(draft_len: int, decay: float, device=None) -> torch.Tensor:
 
 def loss_layout() -> str | None:
     """The vocabulary-wide loss's layout forced by ``TLLM_EXT_LOSS_LAYOUT`` (one of :data:`.fused_loss.LAYOUTS`), or
-    None: the trainer times every layout at its first step and keeps the fastest (:func:`pick_loss_kernel`). The
+    None: the trainer times every layout at its first step and keeps the fastest (:func:`pick_loss_path`). The
     layouts compute one objective (equal to the eager one at 2e-5 in fp32: tests/integration/test_drafter_loss_layouts.py):
     ``"rows"`` a teacher row per block row, ``"joint"`` one GEMM each way for the draft logits, ``"dedup"`` that
     and the teacher's logits once per position."""
@@ -329,7 +329,7 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     return total, metrics
 
 
-def pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3,
+def pick_loss_path(params, dcfg, lm_head, batch, anchors, tc: TrainConfig, reps: int = 3,
                      layouts: tuple[str, ...] | None = None) -> dict:
     """The first batch's loss and gradients every way -- the per-row passes in the Triton kernel and in torch ops,
     in each of ``layouts`` (default: the one ``TLLM_EXT_LOSS_LAYOUT`` forces, else all of :data:`.fused_loss.LAYOUTS`)
@@ -585,7 +585,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     fitted_end = None  # the step at which the fitted schedule ended the run
     recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
     pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector) not yet read to the host
-    loss_path = None  # pick_loss_kernel's choice, at the first step
+    loss_path = None  # pick_loss_path's choice, at the first step
     step_start = step0
     hist0 = len(history)
 
@@ -645,7 +645,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
                 loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
                              "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
             else:
-                loss_path = pick_loss_kernel(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
+                loss_path = pick_loss_path(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
                                               kernel=loss_path["kernel"], layout=loss_path["layout"])

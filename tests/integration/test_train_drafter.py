@@ -184,7 +184,7 @@ def test_served_drafter_exposes_per_position_confidences(trained):
 
 
 def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
-    """pick_loss_kernel: both loss paths run on the first batch (the Triton kernel under the interpreter here),
+    """pick_loss_path: both loss paths run on the first batch (the Triton kernel under the interpreter here),
     agree, are timed, and one is chosen; a kernel that fails falls back to the torch ops."""
     from tensorrt_llm_ext.kernels.common import triton_runs_on
     from tensorrt_llm_ext.training import fused_loss, trainer
@@ -202,14 +202,14 @@ def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
             "prompt_lens": torch.tensor([3, 4])}
     batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
     anchors = trainer.sample_anchors(batch, 3, torch.Generator().manual_seed(0))
-    got = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1)
+    got = trainer.pick_loss_path(params, dcfg, head, batch, anchors, tc, reps=1)
     # every layout both ways, all agreeing, the fastest chosen
     assert sorted(got["ms"]) == sorted(f"{lay}/{w}" for lay in fused_loss.LAYOUTS for w in ("kernel", "torch"))
     assert max(got["loss"].values()) - min(got["loss"].values()) < 1e-4 and min(got["ms"].values()) > 0
     way = f"{got['layout']}/{'kernel' if got['kernel'] else 'torch'}"
     assert got["ms"][way] == min(got["ms"].values())
     assert got["torch_ms"] == got["ms"][f"{got['layout']}/torch"]
-    forced = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1, layouts=("dedup",))
+    forced = trainer.pick_loss_path(params, dcfg, head, batch, anchors, tc, reps=1, layouts=("dedup",))
     assert forced["layout"] == "dedup" and sorted(forced["ms"]) == ["dedup/kernel", "dedup/torch"]
     real = fused_loss.block_loss_rows
 
@@ -218,7 +218,7 @@ def test_the_first_step_times_the_loss_kernel_against_its_twin(tiny_target):
 
     fused_loss.block_loss_rows = broken
     try:
-        got = trainer.pick_loss_kernel(params, dcfg, head, batch, anchors, tc, reps=1)
+        got = trainer.pick_loss_path(params, dcfg, head, batch, anchors, tc, reps=1)
     finally:
         fused_loss.block_loss_rows = real
     assert got["kernel"] is False and "no such kernel" in got["kernel_error"] and got["torch_ms"] > 0
