@@ -369,6 +369,12 @@ class Engine:
         self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
         return len(prefix) * self.state.page_size
 
+    def rematch_prefix(self, slot: int, request: Request, mode: str = "speculative") -> int:
+        """``request`` on ``slot`` has not begun its prefill: map the cached pages that now hold its prompt's
+        start (registered since its :meth:`reserve`) in place of its fresh ones. Returns the prompt positions in
+        the cache (its prefill starts there)."""
+        return self.pages.rematch(slot, request.prompt_ids, _prefix_root(mode)) * self.state.page_size
+
     def admission_pages(self, request: Request, mode: str = "speculative", leaving=()) -> int:
         """Free pages admitting ``request`` (validated) would take now, with the slots ``leaving`` gone first:
         :meth:`pages_for`, less its cached prefix pages other requests hold (block reuse)."""

@@ -199,6 +199,36 @@ class PageAllocator:
             parent = hit[0]
         return added
 
+    def rematch(self, slot: int, prompt_ids, root=None) -> int:
+        """Map the cached pages that now hold the start of ``prompt_ids`` into ``slot``'s table in place of its
+        fresh pages (a request admitted before another one's prefill registered the pages they share); the
+        fresh pages it gives back are free. The caller says ``slot`` has written none of its pages past its
+        cached prefix. Returns the slot's cached prefix in pages; the new hits count in :attr:`prefix_hits`."""
+        pages = self._owned[slot]
+        if not self.enable_block_reuse:
+            return 0
+        n = len(prompt_ids)
+        cached = self._cached_prefix(prompt_ids, min((n - 1) // self.page_size, len(pages)), root)
+        same = 0
+        while same < len(cached) and pages[same] == cached[same]:
+            same += 1
+        new = 0
+        for i in range(same, len(cached)):
+            if pages[i] in self._key_of or self._holders[pages[i]] != 1:  # not a fresh page of this slot alone
+                break
+            page = cached[i]
+            self._idle.pop(page, None)
+            self._holders[page] = self._holders.get(page, 0) + 1
+            self._release([pages[i]])
+            pages[i] = page
+            new += 1
+        if new:
+            ids = torch.tensor(pages[same:same + new], dtype=torch.int32)
+            self.encoded_offsets[slot, same:same + new].copy_(ids * self.divisor)
+            self.page_table[slot, same:same + new].copy_(ids)
+            self.prefix_hits += new * self.page_size
+        return same + new
+
     def _take_fresh(self, num_pages: int) -> list[int]:
         self._free.sort()
         pages, self._free = self._free[:num_pages], self._free[num_pages:]

@@ -23,6 +23,10 @@ the streams. A request in prefill holds its slot and pages (it counts in :attr:`
 gets its first token with its last chunk. Tokens are those of one prefill per request: a prefill row (and a
 chunk) computes only its own prompt's positions.
 
+With block reuse a request's prefill starts past the cached pages of its prompt; requests admitted together that
+share a prompt's start wait (one group of the plan) for the first one's pages instead of computing them again
+(:meth:`Scheduler._prefill_group`, :meth:`Scheduler._rematch_waiting`).
+
 A request-level error inside a plan -- a layer below refusing a value that validation let through
 (:data:`REQUEST_FAULTS`) -- fails requests, never the engine: in a prefill that request alone (a batched
 prefill that raises is retried one request at a time to find it); in a step
@@ -128,6 +132,7 @@ class _Prefilling:
     request: Request
     slot: int
     done: int = 0  # prompt positions in the cache (chunks run so far)
+    cached: int = 0  # of those, mapped from the prefix cache (done == cached: its prefill has not begun)
 
     @property
     def left(self) -> int:
@@ -229,7 +234,6 @@ class Scheduler:
             refused = self._admit(handle, request)
             if refused is not None:
                 events.append(refused)
-        stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         if self.overlap and plan.run and self._live and self._prefilling:
             # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
             # runs it while the host launches the (eager) prefill; the prefilled requests join the next step.
@@ -242,6 +246,8 @@ class Scheduler:
         if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
             # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
             events.extend(self._collect(self._take_in_flight(), stats))
+        # Admissions' lookups, and the hits of prefills that waited for a sibling's pages (:meth:`_rematch_waiting`).
+        stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
 
     def _take_in_flight(self) -> _InFlight:
@@ -322,7 +328,7 @@ class Scheduler:
         except BaseException:
             self.engine.slots.release(slot)
             raise
-        self._prefilling[handle] = _Prefilling(request, slot, done=cached)
+        self._prefilling[handle] = _Prefilling(request, slot, done=cached, cached=cached)
         return None
 
     def _prefill(self, stats: StepStats) -> list[Event]:
@@ -333,6 +339,7 @@ class Scheduler:
         chunked = self.engine.chunked_prefill
         events: list[Event] = []
         while self._prefilling:
+            self._rematch_waiting()
             group, width = self._prefill_group(budget, chunked)
             if group:
                 events.extend(self._prefill_rows(group, stats))
@@ -340,6 +347,7 @@ class Scheduler:
                 continue
             budget -= len(group) * width
             if self._prefilling:  # the next prompt does not fit what is left: a chunk of it (its last token stays)
+                self._rematch_waiting()
                 handle, p = next(iter(self._prefilling.items()))
                 n = min(budget, p.left - 1)
                 if n > 0:
@@ -349,15 +357,40 @@ class Scheduler:
 
     def _prefill_group(self, budget: int, chunked: bool) -> tuple[list[int], int]:
         """The requests at the head of the prefill queue whose rest fits one batched prefill of ``budget``
-        padded tokens (rows x the longest rest), and that width; unchunked, the head always goes."""
+        padded tokens (rows x the longest rest), and that width; unchunked, the head always goes. With block
+        reuse the group ends before a request whose next page an earlier one in it computes (the same tokens
+        from position 0): that one waits for the pages (:meth:`_rematch_waiting`) instead of computing them
+        again -- ``n`` > 1 and simultaneous requests with one prompt prefill its shared pages once."""
         group, width = [], 0
         for handle, p in self._prefilling.items():
             w = max(width, p.left)
             if (len(group) + 1) * w > budget and (group or chunked):
                 break
+            if any(self._computes_next_page_of(self._prefilling[h], p) for h in group):
+                break
             group.append(handle)
             width = w
         return group, width
+
+    def _computes_next_page_of(self, owner: _Prefilling, waiting: _Prefilling) -> bool:
+        """Whether ``owner``'s prefill registers the first page ``waiting`` would compute: a whole page of
+        both prompts before their last tokens, the same tokens up to its end."""
+        pages = self.engine.pages
+        if not pages.enable_block_reuse or waiting.done != waiting.cached:
+            return False
+        size = pages.page_size
+        end = (waiting.done // size + 1) * size
+        a, b = owner.request.prompt_ids, waiting.request.prompt_ids
+        return end < min(len(a), len(b)) and list(a[:end]) == list(b[:end])
+
+    def _rematch_waiting(self) -> None:
+        """Requests whose prefill has not begun take the cached pages registered since their admission (by
+        the prefills before them): they start at the longer cached prefix."""
+        if not self.engine.pages.enable_block_reuse:
+            return
+        for p in self._prefilling.values():
+            if p.done == p.cached and p.left > 1:
+                p.done = p.cached = self.engine.rematch_prefix(p.slot, p.request, self.mode)
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""

@@ -322,3 +322,82 @@ def test_tight_pool_with_reuse_never_over_admits():
         assert small.pages.num_used == 0
         _check(small.pages)
     assert small.pages.prefix_hits > 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_one_prompt_admitted_together_prefills_its_shared_pages_once(chunked):
+    """``n`` > 1 (and simultaneous requests with one prompt) are admitted in one plan, before any of them has
+    registered a page: the first prefills the prompt, the others wait for its pages within the plan (the next
+    group; with chunked prefill the next plan at most) and prefill only the rest, with the tokens of an engine
+    without reuse and the pages they gave back free."""
+    extra = {"enable_chunked_prefill": True, "max_num_tokens": 16} if chunked else {}
+    cfg = {**TINY, "max_batch_size": 4, **extra}
+    whole = Engine(load_config(**tiny_model(**cfg)))
+    reuse = Engine(load_config(**tiny_model(**cfg, **{"kv_cache_config.enable_block_reuse": True})))
+    prompt = SYSTEM + [5, 17, 6]  # 16 tokens: three whole pages before its last token
+    shared = (len(prompt) - 1) // PAGE
+    prefilled = []
+    orig_rows, orig_chunk = reuse.prefill_slots, reuse.prefill_chunk
+
+    def rows(slots, requests, mode="speculative", starts=None):
+        prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
+        return orig_rows(slots, requests, mode, starts)
+
+    def chunk(slot, request, start, end, mode="speculative"):
+        prefilled.append(end - start)
+        return orig_chunk(slot, request, start, end, mode)
+
+    reuse.prefill_slots, reuse.prefill_chunk = rows, chunk
+    for mode, temperature in (("speculative", 0.0), ("target_only", 0.0), ("speculative", 0.9),
+                              ("target_only", 0.9)):
+        reqs = [Request(list(prompt), max_new_tokens=5, sampling=SamplingParams(temperature=temperature, seed=i))
+                for i in range(4)]
+        reuse.pages.free_all()  # nothing cached from the round before
+        prefilled.clear()
+        hits = reuse.pages.prefix_hits
+        sched = Scheduler(reuse, mode=mode)
+        events, st = sched.apply(StepPlan(admit=list(enumerate(reqs)), run=False))
+        if not chunked:  # one plan: the first prompt whole, the other three their last page
+            assert all(e.error is None and len(e.tokens) == 1 for e in events) and len(events) == 4
+            assert sorted(prefilled) == [len(prompt) - shared * PAGE] * 3 + [len(prompt)]
+            assert st.prefix_cache_hits == 3 * shared * PAGE
+        # the three others took the first one's pages: only the first holds fresh prompt pages
+        assert reuse.pages.num_used == 4 * reuse.pages_for(reqs[0]) - 3 * shared
+        _check(reuse.pages)
+        sched.apply(StepPlan(cancel=list(range(4)), run=False))
+        reuse.pages.free_all()
+        prefilled.clear()
+        got, _ = reuse.generate(reqs, mode)
+        want = [r.output_ids for r in whole.generate(reqs, "reference" if mode == "speculative" and not temperature
+                                                      else mode)[0]]
+        assert [r.output_ids for r in got] == want, (mode, temperature)
+        assert sum(prefilled) == len(prompt) + 3 * (len(prompt) - shared * PAGE)
+        assert reuse.pages.prefix_hits - hits >= 2 * 3 * shared * PAGE
+        assert reuse.pages.num_used == 0
+        _check(reuse.pages)
+
+
+def test_rematch_maps_cached_pages_in_place_of_fresh_ones():
+    """The allocator's side: a slot admitted before the pages were registered swaps its fresh pages for them;
+    the fresh ones are free again, a slot holding other tokens keeps its own, and the tables follow."""
+    pages = PageAllocator(num_pages=12, num_slots=3, max_pages_per_slot=5, divisor=2, device="cpu", page_size=PAGE,
+                          enable_block_reuse=True)
+    prompt = list(range(1, 15))  # 3 whole pages before its last token
+    pages.allocate(0, 4)
+    pages.allocate(1, 4)
+    pages.allocate(2, 4)
+    assert pages.num_free == 0
+    assert pages.rematch(1, prompt) == 0  # nothing registered yet: nothing moves
+    pages.register(0, prompt)
+    hits = pages.prefix_hits
+    assert pages.rematch(1, prompt) == 3 and pages._owned[1][:3] == pages._owned[0][:3]
+    assert pages.prefix_hits - hits == 3 * PAGE and pages.num_free == 3
+    assert pages.rematch(1, prompt) == 3 and pages.num_free == 3  # idempotent
+    other = prompt[:5] + [99] * 9  # shares page 0 only
+    assert pages.rematch(2, other) == 1 and pages._owned[2][0] == pages._owned[0][0] and pages.num_free == 4
+    _check(pages)
+    pages.free(0)
+    pages.free(1)
+    pages.free(2)
+    assert pages.num_used == 0
+    _check(pages)

@@ -81,7 +81,8 @@ def test_lossless_tp2_uneven_vocab_falls_back_to_gathered(mpi_pool_executor):
 
 def _rank_generate_reuse(tp: int):
     """Block reuse at TP N: every rank's allocator takes the same cached pages (the plans are the same), and the
-    outputs equal an engine without reuse on the same ranks."""
+    outputs equal an engine without reuse on the same ranks. Two slots: the first two prompts are admitted
+    together, so the second waits for the first one's pages (the same decision on every rank)."""
     import torch
 
     from tensorrt_llm_ext.contract import SamplingParams
@@ -98,7 +99,7 @@ def _rank_generate_reuse(tp: int):
     prompts = [stem + [5], stem + [300, 42, 7], stem + [5], stem[:5] + [77]]
     reqs = [Request(list(p), max_new_tokens=5, sampling=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=3 + i))
             for i, p in enumerate(prompts)]
-    base = {**SMALL, "model.target.vocab_size": 516, "tensor_parallel_size": tp, "max_batch_size": 1,
+    base = {**SMALL, "model.target.vocab_size": 516, "tensor_parallel_size": tp, "max_batch_size": 2,
             "kv_cache_config.tokens_per_block": 4}
     out = {}
     for reuse in (False, True):
