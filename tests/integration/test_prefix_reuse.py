@@ -401,3 +401,43 @@ def test_rematch_maps_cached_pages_in_place_of_fresh_ones():
     pages.free(2)
     assert pages.num_used == 0
     _check(pages)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_random_plans_with_cancels_keep_the_pages_and_the_tokens(chunked):
+    """The scheduler under random plans: several admissions at once from a few shared stems (so requests wait
+    for one another's pages), cancels of requests in prefill and in decode, the overlap scheduler. After every
+    plan the pages partition the pool; at the end every page is back, and every request that ran to its length
+    has the tokens of an engine without reuse."""
+    rng = random.Random(11)
+    extra = {"enable_chunked_prefill": True, "max_num_tokens": 12} if chunked else {}
+    cfg = {**TINY, "max_batch_size": 4, **extra}
+    whole = Engine(load_config(**tiny_model(**cfg)))
+    reuse = Engine(load_config(**tiny_model(**cfg, **{"kv_cache_config.enable_block_reuse": True})))
+    stems = [[rng.randrange(500) for _ in range(14)] for _ in range(2)]
+    reqs = [Request(rng.choice(stems)[:rng.choice((9, 13, 14))] + [rng.randrange(500) for _ in range(rng.randint(1, 3))],
+                    max_new_tokens=rng.randint(2, 6), sampling=SamplingParams(temperature=0.8 if i % 3 else 0.0, seed=i))
+            for i in range(24)]
+    sched = Scheduler(reuse, mode="target_only", overlap=True)
+    queue, out, ended, cancelled = list(range(len(reqs))), {}, {}, set()
+    while queue or sched.num_active or sched.in_flight:
+        n = min(sched.admissible([reqs[h] for h in queue]), rng.randint(0, 3))
+        admit, queue = queue[:n], queue[n:]
+        live = [h for h in out if h not in ended]
+        cancel = [h for h in live if rng.random() < 0.08]
+        cancelled.update(cancel)
+        events, _ = sched.apply(StepPlan(admit=[(h, reqs[h]) for h in admit], cancel=cancel))
+        for h in admit:
+            out.setdefault(h, [])
+        for e in events:
+            assert e.error is None, e.error
+            out[e.handle].extend(e.tokens)
+            if e.finish_reason is not None:
+                ended[e.handle] = e.finish_reason
+        _check(reuse.pages)
+    assert reuse.pages.num_used == 0 and reuse.slots.num_free == 4 and reuse.pages.prefix_hits > 0
+    _check(reuse.pages)
+    ran = [h for h, why in ended.items() if why == "length"]
+    assert len(ran) >= len(reqs) // 2
+    want = whole.generate([reqs[h] for h in ran], "target_only")[0]
+    assert [out[h] for h in ran] == [r.output_ids for r in want]
