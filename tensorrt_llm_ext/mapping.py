@@ -70,8 +70,11 @@ def vocab_shards(vocab_size: int, tp_size: int, rule: str = "aligned") -> VocabS
         return VocabShards(vocab_size, tp_size, ceil_w, "ceil",
                            f"whole {VOCAB_SHARD_ALIGN}-id blocks ({aligned_w} per rank) would leave the last "
                            f"rank no real id")
-    why = ("ceil(V / tp) is whole blocks already" if aligned_w == ceil_w else
-           f"{aligned_w - ceil_w} zero rows per rank over ceil(V / tp) = {ceil_w}")
+    pad = tp_size * aligned_w - vocab_size
+    why = (f"whole {VOCAB_SHARD_ALIGN}-id blocks: " +
+           ("ceil(V / tp) is whole blocks already" if aligned_w == ceil_w else
+            f"{aligned_w - ceil_w} rows per rank over ceil(V / tp) = {ceil_w}") +
+           f"; {pad} zero rows on the last rank")
     return VocabShards(vocab_size, tp_size, aligned_w, "aligned", why)
 
 
