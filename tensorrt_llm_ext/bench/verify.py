@@ -238,7 +238,7 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     elt = torch.tensor([], dtype=dtype).element_size()
     for tp in tps:  # a table per TP width, so a run cut short keeps the widths it finished
         table = []
-        width = shard_width(vocab, tp)
+        width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)  # whole blocks at TP 1 too: the kernel's own form
         start = (tp - 1) * width
         for b in batches:
             rt, rq = b * (k + 1), b * k
