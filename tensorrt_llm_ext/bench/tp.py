@@ -7,8 +7,9 @@ waits for its slowest rank). Sections:
 
 1. selection (bf16): vocab-parallel (shard kernel + :class:`PairExchange`, one ``[R]`` int64 all-reduce
    MAX) vs the gathered path (all-gather of the shard logits, then the same kernel over the full row),
-   greedy and keyed Gumbel sampling, rows 1..256, V = 200064, 129280 and 129281 (a padded last shard
-   at any tp > 1: 129280 splits evenly over 2/4/8);
+   greedy and keyed Gumbel sampling, rows 1..256, V = 200064, 129280 and 129281 on the LM head's shards
+   (:func:`~tensorrt_llm_ext.mapping.vocab_shards`: whole 1024-id blocks, the last shard padded; 129280 divides
+   by 2/4/8, 129281 does not);
 2. the Markov chain on a vocabulary shard with the exchange (exact and fused modes) vs the replicated
    full-vocabulary chain (the exact mode, and the eager reference chain) that every rank would run;
 3. the drafter with TP fusion (:class:`DSparkDrafter`) vs without (:class:`DSparkDrafterNoFusion`):
