@@ -17,8 +17,8 @@ on CPU the interpreter's launch list with counts, untimed), without and with top
 Shards are the LM head's by default (``--shard-width aligned``: ``1024 ceil(ceil(V / tp) / 1024)`` columns at TP > 1
 where every rank keeps a real id, :func:`~tensorrt_llm_ext.mapping.vocab_shards`), where ``rejection_sample`` reads
 the logits once (block statistics, combine, draw); ``--shard-width ceil`` times the head's ``shard_rule="ceil"``
-width ``ceil(V / tp)``, where it takes the two-pass path. ``--two-pass`` also times the forced two-pass path on the same rows (the same bits), in its own
-column, so one run measures both.
+width ``ceil(V / tp)``, where it takes the two-pass path. ``--two-pass`` also times the forced two-pass path on the
+same rows (the same bits), in its own column, so one run measures both.
 
 ``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``) alone against the two passes
 of the previous definition (``verify_keys`` + ``verify_sums``), on block-aligned shards.

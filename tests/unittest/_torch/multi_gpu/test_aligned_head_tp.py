@@ -62,7 +62,8 @@ def _rank(fused: bool):
     seeds = torch.arange(ROWS, dtype=torch.int64, device=dev) * 7919 + 5
     offsets = torch.arange(ROWS, dtype=torch.int64, device=dev) + 40
     top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95, 0.3], device=dev)
-    out["greedy"] = (vocab_parallel_argmax(sel_x, start, V, exchange).cpu(), vocab_parallel_argmax(sel_full, 0, V).cpu())
+    out["greedy"] = (vocab_parallel_argmax(sel_x, start, V, exchange).cpu(),
+                     vocab_parallel_argmax(sel_full, 0, V).cpu())
     out["sample"] = (gumbel_sample(sel_x, temps, seeds, offsets, start, V, exchange).cpu(),
                      gumbel_sample(sel_full, temps, seeds, offsets, 0, V).cpu())
     keep = vf.top_p_keep if fused else vf.top_p_keep_reference
