@@ -60,6 +60,7 @@ def _rank_check(vocab: int):
                                               comm_device, init_from_mpi)
     from tensorrt_llm_ext.kernels.ordered_key import shard_argmax_key_reference
     from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
+    from tensorrt_llm_ext.mapping import vocab_shards
 
     mapping = init_from_mpi()
     dev = comm_device()
@@ -67,10 +68,9 @@ def _rank_check(vocab: int):
     rows = torch.randn(8, vocab, generator=g)
     rows[1, vocab // 2:] = float("nan")
     rows[2] = 1.0
-    shard = -(-vocab // mapping.tp_size)
-    start = mapping.tp_rank * shard
+    split = vocab_shards(vocab, mapping.tp_size)  # the LM head's split (zero padding on the last rank)
+    shard, start, width = split.width, split.start(mapping.tp_rank), split.num_valid(mapping.tp_rank)
     local = torch.zeros(8, shard)
-    width = max(0, min(shard, vocab - start))
     local[:, :width] = rows[:, start:start + width]
     ids = PairExchange(mapping).winner_ids(shard_argmax_key_reference(local, start, vocab).to(dev)).cpu()
     exchange_ok = torch.equal(ids, rows.argmax(-1))

@@ -7,8 +7,9 @@ waits for its slowest rank). Sections:
 
 1. selection (bf16): vocab-parallel (shard kernel + :class:`PairExchange`, one ``[R]`` int64 all-reduce
    MAX) vs the gathered path (all-gather of the shard logits, then the same kernel over the full row),
-   greedy and keyed Gumbel sampling, rows 1..256, V = 200064, 129280 and 129281 (a padded last shard
-   at any tp > 1: 129280 splits evenly over 2/4/8);
+   greedy and keyed Gumbel sampling, rows 1..256, V = 200064, 129280 and 129281 on the LM head's shards
+   (:func:`~tensorrt_llm_ext.mapping.vocab_shards`: whole 1024-id blocks, the last shard padded; 129280 divides
+   by 2/4/8, 129281 does not);
 2. the Markov chain on a vocabulary shard with the exchange (exact and fused modes) vs the replicated
    full-vocabulary chain (the exact mode, and the eager reference chain) that every rank would run;
 3. the drafter with TP fusion (:class:`DSparkDrafter`) vs without (:class:`DSparkDrafterNoFusion`):
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
+from tensorrt_llm_ext.mapping import vocab_shards
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
 # fc), 2 layers, weights drawn on the device (initialises in well under a second).
@@ -147,8 +149,8 @@ def _select_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict
     tp, rank = mapping.tp_size, mapping.tp_rank
     ex = PairExchange(mapping)
     for vocab in sizes.select_vocabs:
-        width = -(-vocab // tp)
-        start = rank * width  # the LM head's padded sharding: the last shard holds tp*width - V pad columns
+        split = vocab_shards(vocab, tp)  # the LM head's split: the last shard holds tp*width - V pad columns
+        width, start = split.width, split.start(rank)
         for rows in sizes.select_rows:
             n = 1 if timer.smoke else rotation_count(rows * width * 2)
             g = _gen(dev, vocab * 1009 + rows * 31 + rank)
@@ -190,9 +192,8 @@ def _markov_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict
     g = _gen(dev, 7)  # same seed on every rank: the same full weights and inputs everywhere
     w1 = (torch.randn(V, r, generator=g, device=dev) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(V, r, generator=g, device=dev) * 0.05).to(torch.bfloat16)
-    width = -(-V // tp)
-    start = rank * width
-    valid = max(0, min(width, V - start))
+    split = vocab_shards(V, tp)  # the LM head's split, as the drafter's Markov rows follow it
+    width, start, valid = split.width, split.start(rank), split.num_valid(rank)
     w2_shard = torch.zeros(width, r, dtype=w2.dtype, device=dev)  # padded rows are zero, as in the drafter
     w2_shard[:valid].copy_(w2[start:start + valid])
     for B in sizes.markov_batches:
@@ -433,10 +434,12 @@ def _tables(args, tp: int, sizes: TpSizes, results: list[dict]) -> list[str]:
                  "pad = padded columns of the last shard (tp * width - V). sample: T=1, keyed Gumbel-max. "
                  "ids equal: vp ids == gathered ids (argmax and sample) on every rank. Shard inputs rotated "
                  "past the L2.",
-                 "Padded last shard at this TP: " + (", ".join(
-                     f"V={v} ({tp * -(-v // tp) - v} pad columns)" for v in sizes.select_vocabs if v % tp) or "none")
-                 + "; even split: " + (", ".join(f"V={v}" for v in sizes.select_vocabs if v % tp == 0) or "none")
-                 + " (129280, DeepSeek-V3's vocabulary, splits evenly over tp 2/4/8; 129281 stands in for it)."]
+                 "Shards are the LM head's (whole 1024-id blocks where every rank keeps a real id, so the last "
+                 "shard is padded even where V % tp == 0). Vocabularies that divide by this TP (vocab-parallel "
+                 "selection is eligible): " + (", ".join(f"V={v}" for v in sizes.select_vocabs if v % tp == 0)
+                                               or "none")
+                 + "; that do not: " + (", ".join(f"V={v}" for v in sizes.select_vocabs if v % tp) or "none")
+                 + " (129280, DeepSeek-V3's vocabulary, divides by tp 2/4/8; 129281 stands in for one that does not)."]
         if how("select"):
             notes.append(how("select"))
         texts.append(print_table(f"bench tp: vocab-parallel vs gathered selection, bf16, TP {tp}",

@@ -1,6 +1,6 @@
 """``trtllm-ext bench verify``: sharded rejection-sampling verification vs the gathered stock path.
 
-Per TP width (shard ``ceil(V / tp)`` columns, one GPU, shard-sized inputs) and batch B (K drafts): our
+Per TP width (the LM head's shard width, one GPU, shard-sized inputs) and batch B (K drafts): our
 :func:`~tensorrt_llm_ext.speculative.verification.rejection_sample` on the shard (no exchange: the
 collectives it would issue are listed separately as a count and bytes per rank), without and with exact
 top-p; the HBM floor (target + draft logits of the owned columns read once at the measured copy
@@ -14,11 +14,11 @@ On CPU: a smoke run at tiny sizes (timings meaningless).
 ``--profile`` prints the per-kernel time of one call instead (CUDA-graph replays under ``torch.profiler``;
 on CPU the interpreter's launch list with counts, untimed), without and with top-p.
 
-Shards are block-aligned by default (``--shard-width aligned``: ``1024 ceil(ceil(V / tp) / 1024)`` columns at TP > 1,
-the LM head's width once it pads to whole blocks), where ``rejection_sample`` reads the logits once (block
-statistics, combine, draw); ``--shard-width ceil`` times today's head width ``ceil(V / tp)``, where it takes the
-two-pass path. ``--two-pass`` also times the forced two-pass path on the same rows (the same bits), in its own
-column, so one run measures both.
+Shards are the LM head's by default (``--shard-width aligned``: ``1024 ceil(ceil(V / tp) / 1024)`` columns at TP > 1
+where every rank keeps a real id, :func:`~tensorrt_llm_ext.mapping.vocab_shards`), where ``rejection_sample`` reads
+the logits once (block statistics, combine, draw); ``--shard-width ceil`` times the head's ``shard_rule="ceil"``
+width ``ceil(V / tp)``, where it takes the two-pass path. ``--two-pass`` also times the forced two-pass path on the
+same rows (the same bits), in its own column, so one run measures both.
 
 ``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``) alone against the two passes
 of the previous definition (``verify_keys`` + ``verify_sums``), on block-aligned shards.
@@ -40,7 +40,7 @@ from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_c
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
-from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK
+from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, choose_passes,
                                                         column_plan, draw_plan, rejection_sample)
 
@@ -62,8 +62,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-sizes", default="1,4",
                    help="TP sizes whose shard width to time on one GPU (1 = the full vocabulary, no exchange)")
     p.add_argument("--shard-width", default="aligned", choices=("aligned", "ceil"),
-                   help="aligned: 1024 ceil(ceil(V / tp) / 1024) columns at TP > 1 (one read of the logits); ceil: "
-                        "ceil(V / tp), today's LM head width (the two-pass path)")
+                   help="the LM head's shard rule: aligned (default): 1024 ceil(ceil(V / tp) / 1024) columns at TP > 1 "
+                        "where every rank keeps a real id (one read of the logits); ceil: ceil(V / tp) (the two-pass "
+                        "path)")
     p.add_argument("--two-pass", action="store_true",
                    help="also time the forced two-pass path on the same rows (column 'two-pass us')")
     p.add_argument("--top-p", type=float, default=0.95)
@@ -163,11 +164,10 @@ def flashinfer_verify():
     return make, None
 
 
-def shard_width(vocab: int, tp: int, aligned: bool = True) -> int:
-    """The shard width timed at TP ``tp``: ``ceil(V / tp)``, or at TP > 1 with ``aligned`` the block-aligned
-    ``STAT_BLOCK ceil(ceil(V / tp) / STAT_BLOCK)`` (TP 1 owns every id from 0: aligned as it is)."""
-    w = -(-vocab // tp)
-    return STAT_BLOCK * -(-w // STAT_BLOCK) if aligned and tp > 1 else w
+def shard_width(vocab: int, tp: int, rule: str = "aligned") -> int:
+    """The shard width timed at TP ``tp``: the LM head's under ``rule`` (:func:`~tensorrt_llm_ext.mapping.vocab_shards`;
+    TP 1 owns every id from 0: aligned as it is)."""
+    return vocab_shards(vocab, tp, rule).width
 
 
 def exchange_volume(batch: int, k: int, tp: int, top_p: bool, splits: int = 1,
@@ -190,7 +190,7 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
     block, splits = args.block_size, args.num_splits
     if device.type != "cuda":
         vocab, k, batches, tp, block, splits = 1031, 2, batches[:1], 2, 1024, 2  # the aligned shard: 1024 ids
-    width = shard_width(vocab, tp, args.shard_width == "aligned")
+    width = shard_width(vocab, tp, args.shard_width)
     passes = choose_passes(None, width, tp, 0 if tp == 1 else width, block)
     for b in batches:
         g = torch.Generator(device=device).manual_seed(5)
@@ -238,7 +238,7 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     elt = torch.tensor([], dtype=dtype).element_size()
     for tp in tps:  # a table per TP width, so a run cut short keeps the widths it finished
         table = []
-        width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)
+        width = STAT_BLOCK * -(-(-(-vocab // tp)) // STAT_BLOCK)  # whole blocks at TP 1 too: the kernel's own form
         start = (tp - 1) * width
         for b in batches:
             rt, rq = b * (k + 1), b * k
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> None:
     fi_make, fi_why = flashinfer_verify()
     fi_errors: list[str] = []
     for tp in tps:
-        width = shard_width(vocab, tp, args.shard_width == "aligned")
+        width = shard_width(vocab, tp, args.shard_width)
         # the path of a rank of this TP size (rank 1 where there is one: its vocab_start is the shard width)
         passes = choose_passes(None, width, tp, 0 if tp == 1 else width, block)
         for b in batches:

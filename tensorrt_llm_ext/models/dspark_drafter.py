@@ -59,7 +59,7 @@ from tensorrt_llm_ext.distributed import AllReduce, AllReduceFusionOp, AllReduce
 from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
 from tensorrt_llm_ext.kernels.fused_linear import EPI_RESIDUAL, EPI_SILU_MUL, fused_linear
 from tensorrt_llm_ext.logger import info_once
-from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.mapping import Mapping, vocab_shards
 from tensorrt_llm_ext.modules.attention import resolve_block_attention
 from tensorrt_llm_ext.modules.embedding import Embedding
 from tensorrt_llm_ext.modules.linear import Linear, TensorParallelMode, shard_range
@@ -383,9 +383,14 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         self.layers = nn.ModuleList(
             DSparkDecoderLayer(cfg, mapping, tp_mode_ok, fused, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        # Markov factors: w1 whole (indexed by the previous global token id); w2 padded to a multiple
-        # of tp_size rows (zero rows past V), the same sharding as a column-parallel LM head.
-        self.padded_vocab_size = -(-cfg.vocab_size // mapping.tp_size) * mapping.tp_size
+        # Markov factors: w1 whole (indexed by the previous global token id); w2 padded with zero rows past V to
+        # the vocabulary split of a column-parallel LM head at this TP (mapping.vocab_shards, default rule: the
+        # widest, so a head of either rule slices within it). A vocabulary too small for this TP has no COLUMN
+        # head (it raises there): w2 stays [V, r], used whole (attention DP, replicated head).
+        try:
+            self.padded_vocab_size = vocab_shards(cfg.vocab_size, mapping.tp_size).padded_vocab_size
+        except ValueError:
+            self.padded_vocab_size = cfg.vocab_size
         self.markov_w1 = nn.Parameter(torch.empty(cfg.vocab_size, cfg.markov_rank, dtype=dtype, device=device),
                                       requires_grad=False)
         self.markov_w2 = nn.Parameter(torch.zeros(self.padded_vocab_size, cfg.markov_rank, dtype=dtype,
@@ -488,16 +493,26 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
         """The Markov factors for the worker's chain (views, no copy).
 
         ``vocab_parallel`` (default ``mapping.is_plain_tp``): ``markov_w2`` is this rank's rows of the
-        padded vocabulary, ``[V_pad/tp, r]`` from ``vocab_start = tp_rank * V_pad/tp`` (zero rows past
-        V); otherwise the whole ``[V, r]``.
+        padded vocabulary, ``[W, r]`` from ``vocab_start`` (zero rows past V), the very columns of the LM head
+        the drafter took over (its ``vocab_start`` and ``shard_width``; before that, the default split of
+        :func:`~tensorrt_llm_ext.mapping.vocab_shards`); otherwise the whole ``[V, r]``.
         """
         if vocab_parallel is None:
             vocab_parallel = self.mapping.is_plain_tp
         w2 = self.markov_w2[: self.config.vocab_size]
         start = 0
-        if vocab_parallel and self.mapping.tp_size > 1:
-            start, end = shard_range(self.padded_vocab_size, self.mapping.tp_size, self.mapping.tp_rank)
-            w2 = self.markov_w2[start:end]
+        tp = self.mapping.tp_size
+        if vocab_parallel and tp > 1:
+            head = self._lm_head
+            if getattr(head, "tp_size", None) == tp and hasattr(head, "shard_width"):
+                start, width = head.vocab_start, head.shard_width  # the biased logits are this head's columns
+            else:
+                shards = vocab_shards(self.config.vocab_size, tp)
+                start, width = shards.start(self.mapping.tp_rank), shards.width
+            if start + width > self.markov_w2.shape[0]:
+                raise ValueError(f"DSparkDrafter: the LM head's shard [{start}, {start + width}) lies past the "
+                                 f"Markov rows ({self.markov_w2.shape[0]})")
+            w2 = self.markov_w2[start:start + width]
         return MarkovHeadWeights(markov_w1=self.markov_w1, markov_w2=w2, vocab_start=start,
                                  vocab_size=self.config.vocab_size)
 

@@ -1,11 +1,14 @@
 """TensorRT-LLM-style ``LMHead``: the output projection ``hidden [..., H] -> logits [..., V]``.
 
-``TensorParallelMode.COLUMN`` splits the vocabulary: every rank holds ``ceil(V / tp)`` rows of the
-``[V, H]`` weight. When ``V % tp != 0`` the last rank's shard is padded with zero weight rows (as
-TensorRT-LLM's LMHead does), so every rank's shard has the same width and the padded columns compute
-logit 0 -- not -inf. ``gather_output=True`` all-gathers the shards and slices the padding off; without it
-``forward`` returns this rank's padded shard ``[..., V_padded / tp]`` (column ``j`` is global id
-``vocab_start + j``).
+``TensorParallelMode.COLUMN`` splits the vocabulary by :func:`~tensorrt_llm_ext.mapping.vocab_shards`: at
+tp > 1 every rank holds ``W = 1024 ceil(ceil(V / tp) / 1024)`` rows of the ``[V, H]`` weight (whole
+1024-id blocks, so verification reads the logits once: docs/rejection_sampling.md, "Block-aligned LM head
+shards") when the last rank still holds a real id, else ``W = ceil(V / tp)`` (small vocabularies; logged once
+with the reason). ``shard_rule="ceil"`` keeps ``ceil(V / tp)`` for comparisons. The ids past ``V`` are zero
+weight rows, all on the last rank (up to ``W - 1`` of them), so every shard has the same width and the padded
+columns compute logit 0 -- not -inf: every consumer masks them by ``vocab_size`` (ids ``>= V``).
+``gather_output=True`` all-gathers the shards and slices the padding off; without it ``forward`` returns this
+rank's padded shard ``[..., W]`` (column ``j`` is global id ``vocab_start + j``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorrt_llm_ext.distributed import allgather
-from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.logger import info_once
+from tensorrt_llm_ext.mapping import Mapping, vocab_shards
 from tensorrt_llm_ext.modules.linear import TensorParallelMode
 
 
@@ -29,9 +33,12 @@ class LMHead(nn.Module):
         mapping: the rank layout (attention DP makes the head replicated, as in TensorRT-LLM).
         tensor_parallel_mode: ``COLUMN`` or ``None`` (ROW is not used for LM heads here).
         gather_output: COLUMN only: return the full ``[..., V]`` logits (all-gather + unpad).
+        shard_rule: COLUMN only: ``"aligned"`` (default: whole 1024-id blocks per rank where possible) or
+            ``"ceil"`` (``ceil(V / tp)``); see :func:`~tensorrt_llm_ext.mapping.vocab_shards`.
 
     Attributes: ``vocab_size`` (V), ``padded_vocab_size`` (``tp * shard_width``), ``shard_width``,
-    ``vocab_start`` (this rank's first global id), ``padding_size``, ``quantized`` (always False here).
+    ``vocab_start`` (this rank's first global id), ``num_valid_rows`` (its real rows), ``padding_size``,
+    ``shards`` (the :class:`~tensorrt_llm_ext.mapping.VocabShards`), ``quantized`` (always False here).
     The forward is one ``F.linear`` plus, with ``gather_output``, one all-gather: CUDA-graph safe.
     """
 
@@ -46,6 +53,7 @@ class LMHead(nn.Module):
         mapping: Mapping | None = None,
         tensor_parallel_mode: TensorParallelMode | None = None,
         gather_output: bool = False,
+        shard_rule: str = "aligned",
     ):
         super().__init__()
         if num_embeddings < 1 or embedding_dim < 1:
@@ -66,15 +74,20 @@ class LMHead(nn.Module):
         self.gather_output = gather_output
         self.vocab_size = num_embeddings
         self.embedding_dim = embedding_dim
-        self.shard_width = -(-num_embeddings // self.tp_size)
-        self.padded_vocab_size = self.shard_width * self.tp_size
+        try:
+            self.shards = vocab_shards(num_embeddings, self.tp_size, shard_rule)
+        except ValueError as e:
+            raise ValueError(f"LMHead: {e}") from None
+        if self.tp_size > 1:
+            info_once(f"LMHead: V={num_embeddings} over tp={self.tp_size}: {self.shards.width} rows per rank "
+                      f"({self.shards.rule}: {self.shards.reason})",
+                      key=f"lm-head-shards-{num_embeddings}-{self.tp_size}-{shard_rule}")
+        self.shard_width = self.shards.width
+        self.padded_vocab_size = self.shards.padded_vocab_size
         self.padding_size = self.padded_vocab_size - num_embeddings
-        self.vocab_start = self.tp_rank * self.shard_width
-        if (self.tp_size - 1) * self.shard_width >= num_embeddings:
-            raise ValueError(f"LMHead: V={num_embeddings} is too small for tp_size={self.tp_size}: the last "
-                             f"rank's shard would hold no real vocabulary row")
-        # Rows of this shard that are real vocabulary (the rest: zero padding on the last rank).
-        self.num_valid_rows = min(self.shard_width, num_embeddings - self.vocab_start)
+        self.vocab_start = self.shards.start(self.tp_rank)
+        # Rows of this shard that are real vocabulary (the rest: zero padding, on the last rank only).
+        self.num_valid_rows = self.shards.num_valid(self.tp_rank)
         self.weight = nn.Parameter(torch.zeros(self.shard_width, embedding_dim, dtype=dtype, device=device),
                                    requires_grad=False)
 
@@ -85,6 +98,7 @@ class LMHead(nn.Module):
 
     @property
     def is_evenly_sharded(self) -> bool:
+        """No padding row on any rank (an aligned layout pads even where ``V % tp == 0``)."""
         return self.padding_size == 0
 
     def load_weights(self, full_weight: torch.Tensor) -> None:
@@ -120,4 +134,4 @@ class LMHead(nn.Module):
         mode = self.tp_mode.value if self.tp_mode is not None else "replicated"
         return (f"V={self.vocab_size}, H={self.embedding_dim}, {mode}, tp={self.tp_size}, "
                 f"shard=[{self.vocab_start}, {self.vocab_start + self.shard_width}), "
-                f"padding={self.padding_size}, gather_output={self.gather_output}")
+                f"padding={self.padding_size}, rule={self.shards.rule}, gather_output={self.gather_output}")

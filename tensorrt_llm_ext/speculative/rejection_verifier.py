@@ -31,7 +31,7 @@ import torch
 from tensorrt_llm_ext.distributed import PairExchange, allgather
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
-from tensorrt_llm_ext.speculative.verification import VerificationWorkspace
+from tensorrt_llm_ext.speculative.verification import VerificationWorkspace, choose_passes
 from tensorrt_llm_ext.speculative.token_selector import VocabParallelSelector
 
 __all__ = ["RejectionVerification", "RejectionVerifier", "VERIFICATION_MODES"]
@@ -119,6 +119,11 @@ class RejectionVerifier:
         # Full-vocabulary verification (every gathered step, and steps routed to the gathered path).
         self.full_workspace = VerificationWorkspace.for_verification(r, k, vocab_size, tp=1, device=device,
                                                                      num_splits=splits)
+        # The path every sharded call takes (shapes only, the same on every rank): one read of the logits on a
+        # block-aligned LM head shard, else the two-pass fallback (logged once with the reason, here at bind).
+        ws = self.sharded_workspace or self.full_workspace
+        self.passes = choose_passes(None, self.width, mapping.tp_size if decision.sharded else 1, self.vocab_start,
+                                    ws.block_size)
         self.draft_rows = torch.zeros((r, k, self.width), dtype=logits_dtype, device=device)  # [R, K, W]
         self.draft_tokens = torch.zeros((r, k), dtype=torch.int64, device=device)  # [R, K]
         logger.info(decision.describe())

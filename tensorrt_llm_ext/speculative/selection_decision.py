@@ -35,7 +35,9 @@ class _Check(enum.Enum):
     ATTENTION_DP = "attention DP: the head is not vocab-sharded over a plain TP group"
     HEAD_NOT_COLUMN = "the LM head is not a COLUMN-parallel LMHead with gather_output"
     HEAD_QUANTIZED = "the LM head is quantized"
-    HEAD_UNEVEN = "the LM head is unevenly sharded (vocab % tp != 0, padded last shard)"
+    # The policy reads the vocabulary, not the head's padding: a block-aligned head pads its last shard even
+    # where vocab % tp == 0, and the kernels mask every padded column by vocab_size.
+    HEAD_UNEVEN = "the vocabulary is unevenly sharded (vocab % tp != 0)"
     VOCAB_TOO_LARGE = "vocab >= 2^32 does not fit the int64 selection key"
     CUSTOM_LOGITS_PROCESSOR = "the model has its own logits processor (not the plain LogitsProcessor)"
     DRAFTER_OWN_HEAD = "the drafter does not draft through the target's LM head"
@@ -51,7 +53,7 @@ def _head_failures(lm_head) -> dict[_Check, bool]:
     return {
         _Check.HEAD_NOT_COLUMN: lm_head.tp_mode != TensorParallelMode.COLUMN or not lm_head.gather_output,
         _Check.HEAD_QUANTIZED: bool(lm_head.quantized),
-        _Check.HEAD_UNEVEN: not lm_head.is_evenly_sharded,
+        _Check.HEAD_UNEVEN: lm_head.vocab_size % lm_head.tp_size != 0,
         _Check.VOCAB_TOO_LARGE: lm_head.padded_vocab_size > MAX_VOCAB,
     }
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative import verification as vf
 
 __all__ = ["shard", "simulated_rejection_sample", "simulated_top_p_keep"]
 
 
 def shard(x: torch.Tensor, tp: int, rank: int, vocab: int, pad_value: float = float("nan"),
-          width: int | None = None) -> tuple[torch.Tensor, int]:
-    """Rank ``rank``'s shard of ``x [..., V]`` at TP ``tp``: ``width`` columns (default ``ceil(V / tp)``, as the
-    LM head shards; a wider one for block-aligned shards), rank ``r`` owning ids ``[r width, (r + 1) width)``,
-    padded past ``V`` with ``pad_value`` (never read as a token); returns ``(shard, vocab_start)``."""
-    width = -(-vocab // tp) if width is None else width
+          width: int | None = None, rule: str = "aligned") -> tuple[torch.Tensor, int]:
+    """Rank ``rank``'s shard of ``x [..., V]`` at TP ``tp``: ``width`` columns (default: the LM head's split,
+    :func:`~tensorrt_llm_ext.mapping.vocab_shards` under ``rule``: ``"aligned"`` or ``"ceil"``), rank ``r``
+    owning ids ``[r width, (r + 1) width)``, padded past ``V`` with ``pad_value`` (never read as a token); returns
+    ``(shard, vocab_start)``."""
+    width = vocab_shards(vocab, tp, rule).width if width is None else width
     if width * tp < vocab:
         raise ValueError(f"width: expected >= ceil({vocab} / {tp}), got {width}")
     start = rank * width

@@ -74,6 +74,15 @@ def test_lossless_tp4_vocab_parallel(mpi_pool_executor):
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_lossless_tp2_vocab_parallel_block_aligned_head(mpi_pool_executor):
+    """V = 1030: the head's shards are whole 1024-id blocks (the last rank 6 real ids and 1018 zero rows, logit 0):
+    vocab-parallel selection and the Markov chain on them stay lossless."""
+    res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 1030, 6, ("speculative", "reference")), 2)
+    assert res["target_vp"] and res["draft_vp"], res["selection"]
+    assert all(t < 1030 for o in res["speculative"] for t in o)
+
+
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
 def test_lossless_tp2_uneven_vocab_falls_back_to_gathered(mpi_pool_executor):
     res = _check(run_on_ranks(mpi_pool_executor, _rank_generate, 2, 517, 6, ("speculative", "reference")), 2)
     assert not res["target_vp"] and "unevenly sharded" in res["selection"]

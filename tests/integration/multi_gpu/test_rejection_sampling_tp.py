@@ -59,12 +59,13 @@ def _rank_env(tp: int, eager_twins: bool):
         torch.set_num_threads(saved[2])
 
 
-def _rank_sharded_vs_gathered(max_new: int):
+def _rank_sharded_vs_gathered(max_new: int, vocab: int | None = None):
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
 
+    cfg = SMALL if vocab is None else {**SMALL, "model.target.vocab_size": vocab}
     with _rank_env(2, eager_twins=False) as (mapping, device):
-        return _sharded_vs_gathered(Engine(load_config(**SMALL), mapping, device=device), max_new)
+        return _sharded_vs_gathered(Engine(load_config(**cfg), mapping, device=device), max_new)
 
 
 def _sharded_vs_gathered(eng, max_new: int):
@@ -81,6 +82,8 @@ def _sharded_vs_gathered(eng, max_new: int):
         out[mode + "_acc"] = [r.accepted_lens for r in results]
     out["decision"] = eng.worker().verifier.decision.describe()
     out["gathered_decision"] = eng.worker("gathered").verifier.decision.describe()
+    out["passes"] = eng.worker().verifier.passes
+    out["shard_width"] = eng.worker().verifier.width
     return out
 
 
@@ -91,11 +94,29 @@ def test_tp2_sharded_verification_equals_gathered(mpi_pool_executor):
     assert all(r == first for r in results[1:]), "ranks disagree"
     assert "rejection sampling, vocab-sharded" in first["decision"], first["decision"]
     assert "gathered" in first["gathered_decision"]
+    assert first["passes"] == "two"  # V = 66 is less than a block: the head keeps ceil(V / tp) = 33 columns
     assert first["speculative"] == first["gathered"]
     assert first["speculative_acc"] == first["gathered_acc"]
     for i in (0, 2):  # greedy rows
         assert first["speculative"][i] == first["reference"][i]
     assert all(len(o) == 5 for o in first["speculative"])
+
+
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_tp2_block_aligned_head_verifies_in_one_pass(mpi_pool_executor):
+    """V = 1030 at TP 2: the head splits into whole 1024-id blocks (the last rank: 6 real ids, 1018 zero rows;
+    ceil(V / tp) would be 515), vocab-parallel selection stays eligible (1030 % 2 == 0), and the sharded verifier
+    reads the logits once per call with the gathered path's tokens; greedy rows equal the target-only decode."""
+    results = run_on_ranks(mpi_pool_executor, _rank_sharded_vs_gathered, 5, 1030)
+    first = results[0]
+    assert all(r == first for r in results[1:]), "ranks disagree"
+    assert "rejection sampling, vocab-sharded" in first["decision"], first["decision"]
+    assert first["shard_width"] == 1024 and first["passes"] == "one", (first["shard_width"], first["passes"])
+    assert first["speculative"] == first["gathered"]
+    assert first["speculative_acc"] == first["gathered_acc"]
+    for i in (0, 2):
+        assert first["speculative"][i] == first["reference"][i]
+    assert all(len(o) == 5 and all(t < 1030 for t in o) for o in first["speculative"])
 
 
 def _rank_distribution(n: int, temp: float):

@@ -168,8 +168,8 @@ def _two_pass_bins(fns, t, d, tm, tk, k, tp, splits, block, vocab=VOCAB):
     rows = t.shape[0] + d.shape[0]
     ranks = []
     for rank in range(tp):
-        ts, start = shard(t, tp, rank, vocab)
-        ds, _ = shard(d, tp, rank, vocab)
+        ts, start = shard(t, tp, rank, vocab, rule="ceil")
+        ds, _ = shard(d, tp, rank, vocab, rule="ceil")
         s, _ = plan_chunks(ts.shape[1], block, splits)
         keys = torch.full((rows, s, 2), 7, dtype=torch.int64, device=DEV)
         edges = torch.full((rows, s, tp + 1), 7, dtype=torch.int64, device=DEV)

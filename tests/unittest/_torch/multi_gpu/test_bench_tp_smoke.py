@@ -41,13 +41,14 @@ def test_bench_tp_smoke_two_ranks(tmp_path):
     assert f"TP 2, backend {backend}" in text
 
     sel = _table(text, "bench tp: vocab-parallel vs gathered selection, bf16, TP 2")
-    # V, shard width, pad, rows: an even vocabulary and one with a padded last shard, rows 1 and 3.
+    # V, shard width, pad, rows: the LM head's split (whole 1024-id blocks) of an even vocabulary and of one whose
+    # last shard is padded, rows 1 and 3.
     assert [r[:4] for r in sel] == [["2048", "1024", "0", "1"], ["2048", "1024", "0", "3"],
-                                    ["2003", "1002", "1", "1"], ["2003", "1002", "1", "3"]]
+                                    ["2003", "1024", "45", "1"], ["2003", "1024", "45", "3"]]
     assert all(r[-1] == "yes" for r in sel), "vocab-parallel ids differ from the gathered path"
 
     markov = _table(text, "bench tp: vocab-shard Markov chain vs replicated chain, TP 2")
-    assert [r[:2] for r in markov] == [["1", "1002"], ["2", "1002"]]
+    assert [r[:2] for r in markov] == [["1", "1024"], ["2", "1024"]]
     # The exact shard chain with the exchange drafts the replicated chain's tokens.
     assert all(r[-1].startswith("100.0% /") for r in markov)
 

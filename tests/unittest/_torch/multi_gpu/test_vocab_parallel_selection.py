@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
 
 WORLDS = [2, 3, 4]
@@ -129,12 +130,14 @@ def _rank_head_and_selector():
         selector = worker.token_selector
         logits = selector.target_logits(h)
         entry = {"decision": (sel.target_enabled, sel.draft_enabled, sel.target_reason, sel.draft_reason),
-                 "gathered_head": head(h).cpu(), "single_head": single(h).cpu()}
+                 "gathered_head": head(h).cpu(), "single_head": single(h).cpu(), "shard_width": head.shard_width}
         if sel.target_enabled:
             assert isinstance(logits, VocabShardedLogits)
             shard = logits.logits
-            entry["shard_vs_single"] = (shard.cpu(), single(h)[:, head.vocab_start:head.vocab_start + shard.shape[1]]
-                                        .cpu())
+            # the head's real columns (at TP 2 whole 1024-id blocks: the last rank's 848 padded columns are 0)
+            n = head.num_valid_rows
+            entry["shard_vs_single"] = (shard[:, :n].cpu(), single(h)[:, head.vocab_start:head.vocab_start + n].cpu())
+            entry["padded_columns"] = shard[:, n:].cpu()
             temps = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5, 1.0], device=device)
             seeds = torch.arange(rows, dtype=torch.int64, device=device)
             offsets = torch.arange(rows, dtype=torch.int64, device=device) * 5
@@ -183,10 +186,12 @@ def test_lm_head_and_selection_decision(mpi_pool_executor):
         even, uneven = res[1200], res[1201]
         assert even["decision"][:2] == (True, True)
         assert uneven["decision"][:2] == (False, False) and "unevenly sharded" in uneven["decision"][2]
+        assert even["shard_width"] == vocab_shards(1200, len(results)).width  # 1024 at TP 2: padded, eligible
         for entry in (even, uneven):
             torch.testing.assert_close(entry["gathered_head"], entry["single_head"], rtol=1e-5, atol=1e-5)
         shard, single = even["shard_vs_single"]
         torch.testing.assert_close(shard, single, rtol=1e-5, atol=1e-5)
+        assert not even["padded_columns"].any()
         for key in ("argmax", "sample", "draft"):
             assert torch.equal(*even[key]), key
         enabled_t, enabled_d, reason_t, reason_d = res["custom_on_last_rank"]

@@ -22,6 +22,7 @@ from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.fixed_point_softmax import fixed_point_weight_torch, weight_scale_torch
 from tensorrt_llm_ext.kernels.rejection_sample import neg_log2_uniform_torch
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept
+from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative import value_checks, verification
 from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, call_shape, rejection_sample,
                                                         rejection_sample_reference, top_p_keep, top_p_keep_reference)
@@ -434,7 +435,8 @@ def test_one_pass_tp_invariant_aligned_shards(use_top_p, pad):
     kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=top_p if use_top_p else None)
     ref_acc, ref_n = rejection_sample(target, draft, tokens, **kw)
     for tp, splits, fused in ((2, 2, True), (3, 1, False), (4, 3, True)):
-        width = G * -(-(-(-vocab // tp)) // G)
+        width = vocab_shards(vocab, tp).width  # the LM head's split: whole blocks
+        assert width % G == 0
         for acc, n in simulated_rejection_sample(target, draft, tokens, tp=tp, vocab=vocab, block_size=G,
                                                  num_splits=splits, width=width, pad_value=pad, fused=fused, **kw):
             if fused:
@@ -451,9 +453,10 @@ def test_one_pass_and_fallback_exchange_the_same_bins(monkeypatch):
         t.to(DEV) for t in _block_adversarial(b, k, vocab, seed=7))
     kw = dict(temperatures=temps, seeds=seeds, offsets=offsets, top_p=None)
     ref = rejection_sample(target, draft, tokens, **kw)
-    width = G * -(-(-(-vocab // 2)) // G)
+    width = vocab_shards(vocab, 2).width
+    assert width % G == 0
     monkeypatch.setattr(verification, "DEFAULT_PASSES", "two")
-    for w in (width, None):  # aligned but forced onto two passes; today's unaligned shards
+    for w in (width, vocab_shards(vocab, 2, "ceil").width):  # aligned but forced onto two passes; ceil(V / tp)
         for acc, n in simulated_rejection_sample(target, draft, tokens, tp=2, vocab=vocab, block_size=G,
                                                  num_splits=2, width=w, **kw):
             assert torch.equal(acc, ref[0]) and torch.equal(n, ref[1]), w
