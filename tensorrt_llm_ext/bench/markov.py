@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels.markov_fused_step import FusedConfig, fused_config, fused_grid
+from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative.markov_chain import (AUTO_MODE_TABLE, MarkovWorkspace, auto_mode_for,
                                                        markov_chain_logits)
 
@@ -285,7 +286,7 @@ def _sweep(timer, bw, V, r, K, batches, w1, w2, interpret):
     if totals:
         per_b = ", ".join(f"B={B}: b16/b64 {_ratio(best[16][B][2], best[64][B][2])}" for B in batches
                           if B in best[16] and B in best[64])
-        notes.append(f"summed over B (fastest of each): " + ", ".join(f"b{b} {fmt(t)} us" for b, t in totals.items())
+        notes.append("summed over B (fastest of each): " + ", ".join(f"b{b} {fmt(t)} us" for b, t in totals.items())
                      + (f"; {per_b}" if per_b else ""))
     for b in (16, 64):
         if best[b]:
@@ -299,7 +300,7 @@ def _sweep(timer, bw, V, r, K, batches, w1, w2, interpret):
 def _tp(timer, bw, V, r, K, tps, tp_batches, w1, w2):
     rows = []
     for tp in tps:
-        width = -(-V // tp)
+        width = vocab_shards(V, tp).width  # the LM head's split (block-aligned where it can be)
         w2s = w2[:width].contiguous()  # shard-sized weight (values irrelevant to time)
         for B in tp_batches:
             case = _Case(B, K, width, w1, w2s, seed=B * 7 + width)

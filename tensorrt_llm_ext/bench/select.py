@@ -23,6 +23,7 @@ from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_c
                                             register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import shard_select as ss
 from tensorrt_llm_ext.kernels.shard_select import shard_select_keys
+from tensorrt_llm_ext.mapping import vocab_shards
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (tp, rows) of the greedy sweep: latency-bound, the 70% goal's shape, the 50% goal's shape.
@@ -102,7 +103,7 @@ def _main_table(timer, bw, dtype, dtype_name, vocab, elt, tp_list, rows_list) ->
     table = []
     full_cache: dict[int, tuple[float, float]] = {}
     for tp in tp_list:
-        width = -(-vocab // tp)
+        width = vocab_shards(vocab, tp).width  # the LM head's split (block-aligned where it can be)
         start = (tp - 1) * width  # the last shard: padded when V % tp != 0
         for rows in rows_list:
             shard_bytes = rows * width * elt
@@ -160,7 +161,7 @@ def _sweep(timer, bw, dtype, vocab, elt, *, sampled, shapes, blocks, warps, prog
     kind = "sampled" if sampled else "greedy"
     rows_out, totals = [], {}
     for tp, rows in shapes:
-        width = -(-vocab // tp)
+        width = vocab_shards(vocab, tp).width  # the LM head's split (block-aligned where it can be)
         start = (tp - 1) * width
         n_valid = min(width, vocab - start)
         shard_bytes = rows * width * elt

@@ -218,7 +218,7 @@ def _markov_section(mapping, dev, sizes: TpSizes, timer: _AgreedTimer, out: dict
             del outs, ws
         ws = MarkovWorkspace.allocate(B, K, w2, "exact")
         outs = [torch.empty_like(f) for f in fulls]
-        run = [lambda f=f, o=o: markov_chain_logits(f, anchors, w1, w2, mode="exact", out=o, workspace=ws)
+        run = [lambda f=f, o=o, ws=ws: markov_chain_logits(f, anchors, w1, w2, mode="exact", out=o, workspace=ws)
                for f, o in zip(fulls, outs)]
         t["repl_exact"] = timer.time("markov: replicated exact", run)
         ref = run[0]()[1].clone()
