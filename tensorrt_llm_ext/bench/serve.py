@@ -134,7 +134,7 @@ async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float)
 
 
 # The server's counters a cell reads before and after (sum / count pairs of its histograms).
-SCRAPED = ("acceptance_length", "step_seconds", "step_host_seconds")
+SCRAPED = ("acceptance_length", "step_seconds", "step_host_seconds", "prefill_seconds")
 # Counters read the same way: the prefix-cache hits and lookups (tokens).
 SCRAPED_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries")
 
@@ -156,6 +156,12 @@ def _mean_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> flo
     """The mean of histogram ``name`` over the observations between two scrapes (NaN without any)."""
     n = after[name + "_count"] - before[name + "_count"]
     return (after[name + "_sum"] - before[name + "_sum"]) / n * scale if n else float("nan")
+
+
+def _per_step_delta(before: dict, after: dict, name: str, scale: float = 1.0) -> float:
+    """Histogram ``name``'s total between two scrapes per engine step in that time (NaN without a step)."""
+    steps = after["step_seconds_count"] - before["step_seconds_count"]
+    return (after[name + "_sum"] - before[name + "_sum"]) / steps * scale if steps else float("nan")
 
 
 def _median_ms(seconds: list[float], digits: int) -> str:
@@ -329,8 +335,9 @@ def run(args: argparse.Namespace) -> int | None:
                                  fmt(tokens / wall, 1), fmt(len(res) / wall, 2),
                                  fmt(_mean_delta(m0, m1, "acceptance_length"), 2),
                                  fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
-                                 fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3)])
-    _blank_exit_codes(rows, 15)
+                                 fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3),
+                                 fmt(_per_step_delta(m0, m1, "prefill_seconds", 1e3), 3)])
+    _blank_exit_codes(rows, 16)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts"
              + (f" after one shared prefix of {args.shared_prefix} token ids" if args.shared_prefix else "") +
@@ -339,7 +346,8 @@ def run(args: argparse.Namespace) -> int | None:
              f"TTFT = request sent to its "
              f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
              f"a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
-             f"on the host), host ms/step = the mean host time between back-to-back steps (server metrics).",
+             f"on the host), host ms/step = the mean host time between back-to-back steps, prefill ms/step = the "
+             f"admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
                                 else "off (every step eager)"),
              "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
@@ -355,7 +363,7 @@ def run(args: argparse.Namespace) -> int | None:
     text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
                        ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                         "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
-                        "host ms/step", "exit"], rows, notes)
+                        "host ms/step", "prefill ms/step", "exit"], rows, notes)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")

@@ -328,6 +328,8 @@ class EngineLoop:
         m = self.metrics
         prefilled = stats.prefill_tokens  # this plan's prefill (a long prompt's chunks spread over plans)
         m.prompt_tokens.inc(prefilled)
+        if prefilled:
+            m.prefill_plan_time.observe(stats.prefill_s)
         m.prefix_cache_queries.inc(stats.prefix_cache_queries)
         m.prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.num_rows:

@@ -153,6 +153,10 @@ class ServerMetrics:
                                    "bookkeeping, token delivery; prefills excluded): the device waits this long per "
                                    "step in the serial loop",
                                    (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
+        self.prefill_plan_time = histogram("prefill_seconds", "Wall time of one plan's prefill (its batched "
+                                           "prefills and chunk; host launch to the first tokens), plans with one only",
+                                           (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                            5, 10))
         self.batch = histogram("step_batch_size", "Requests per engine step", (1, 2, 4, 8, 16, 32, 64, 128, 256))
 
     # -- what the engine loop reports ------------------------------------------------------------------------

@@ -261,6 +261,8 @@ def test_request_metrics_vllm_names_with_model_name(server):
     assert 0.0 <= m["trtllm_ext_kv_cache_usage_perc" + lbl] <= 1.0
     assert m["trtllm_ext_spec_decode_num_drafts_total" + lbl] > 0
     assert m["trtllm_ext_step_host_seconds_count" + lbl] > 0  # back-to-back steps of 5-token requests
+    # every prefill is in some plan's prefill time: at least one plan prefilled, at most one per request
+    assert 1 <= grew("prefill_seconds_count") <= 4 and grew("prefill_seconds_sum") > 0
     assert not any(k.startswith("trtllm_ext_requests_rejected_total") and '"404"' in k for k in m)
     assert all("model_name" in k for k in m if k.startswith("trtllm_ext_") and not k.endswith("_created"))
 
