@@ -34,7 +34,10 @@ Layouts (``layout``; :data:`LAYOUTS`):
   ``teacher_index`` so a chunk's rows need one contiguous range of unique rows, computes their logits and log-sum-exp
   / argmax (:func:`~tensorrt_llm_ext.kernels.block_loss.teacher_stats`) once, and writes the per-row outputs and
   gradients back in the caller's order (the loss is a sum: the order changes only its rounding). The range bounds are
-  read on the host once per call (one device sync).
+  read on the host once per call (one device sync). With ``teacher_groups`` (the trainer's form) nothing is sorted
+  or read: each sequence's rows read a grid of its own ``W`` answer positions (``max_candidates + K - 1``, known on
+  the host), chunks are whole sequences, and their teacher ranges follow from the shapes; the grid computes the
+  teacher logits of answer positions no anchor reached too (``W`` per sequence instead of the distinct positions).
 
 Cost of the vocabulary-wide part of one step at 64 sequences x 256 anchors x K = 7 (N = 114,688 block rows;
 V = 49,152, H = 576, Markov rank r = 256; U <= 64 x (256 + 6) = 16,768 teacher positions: the anchors of a
@@ -99,11 +102,14 @@ class FusedBlockLoss(torch.autograd.Function):
         kernel: the per-row passes in the Triton kernel (else torch ops).
         teacher_index: ``[N]`` int64 row -> row of ``teacher_hidden``, or None (row r reads row r).
         joint: the draft logits and their gradient as one GEMM each (module docstring).
+        teacher_groups: ``(G, W)`` or None: with ``teacher_index``, the rows come in groups of ``G`` whose
+            teacher rows lie in the group's own ``W`` (rows ``[g G, (g+1) G)`` read ``[g W, (g+1) W)``): chunks
+            are whole groups, so their ranges are known without sorting or reading the index on the host.
     """
 
     @staticmethod
     def forward(ctx, hidden, markov_rows, markov_w2, head, teacher_hidden, next_tokens, coef_tv, coef_ce, coef_kl,
-                compute_dtype, rows, kernel, teacher_index, joint):
+                compute_dtype, rows, kernel, teacher_index, joint, teacher_groups):
         n, h_dim = hidden.shape
         dev = hidden.device
         cd = compute_dtype
@@ -113,7 +119,13 @@ class FusedBlockLoss(torch.autograd.Function):
             head_c, w2_c = head.detach().to(cd), markov_w2.detach().to(cd)
             h_c, m_c, t_c = hidden.detach().to(cd), markov_rows.detach().to(cd), teacher_hidden.detach().to(cd)
             order = t_rows = bounds = None
-            if teacher_index is not None:
+            if teacher_groups is not None:  # whole groups per chunk: the ranges follow from the shapes
+                group, width = teacher_groups
+                rows = max(1, rows // group) * group
+                t_rows = teacher_index
+                bounds = [((lo // group) * width, -(-min(n, lo + rows) // group) * width - 1)
+                          for lo in range(0, n, rows)]
+            elif teacher_index is not None:
                 # a chunk's rows share teacher positions: sort the rows by position, scatter the results back
                 order = torch.argsort(teacher_index, stable=True)
                 t_rows = teacher_index[order]
@@ -148,14 +160,14 @@ class FusedBlockLoss(torch.autograd.Function):
                 else:
                     z = torch.addmm(h_c[lo:hi] @ head_c.T, m_c[lo:hi], w2_c.T)
             with _region("loss.gemm_teacher"):
-                if order is None:
+                if t_rows is None:
                     t, t_local, stats = t_c[lo:hi] @ head_c.T, None, None
                 else:  # the chunk's teacher positions, once each
                     first, last = bounds[i]
                     t = t_c[first:last + 1] @ head_c.T
                     t_local = t_rows[lo:hi] - first
                     stats = None
-            if kernel and order is not None:
+            if kernel and t_rows is not None:
                 with _region("loss.teacher_stats"):
                     stats = teacher_stats(t)
             with _region("loss.rows"):
@@ -200,17 +212,18 @@ class FusedBlockLoss(torch.autograd.Function):
         out_h = (grad_h * g_loss).to(dh) if ctx.needs_input_grad[0] else None
         out_m = (grad_m * g_loss).to(dm) if ctx.needs_input_grad[1] else None
         out_w = (grad_w2 * g_loss).to(dw) if ctx.needs_input_grad[2] else None
-        return out_h, out_m, out_w, None, None, None, None, None, None, None, None, None, None, None
+        return out_h, out_m, out_w, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_block_loss(hidden, markov_rows, markov_w2, head, teacher_hidden, next_tokens, coef_tv, coef_ce,
-                     coef_kl=None, compute_dtype=None, rows=None, kernel=None, teacher_index=None, joint=None):
+                     coef_kl=None, compute_dtype=None, rows=None, kernel=None, teacher_index=None, joint=None,
+                     teacher_groups=None):
     """:class:`FusedBlockLoss` (``compute_dtype`` default: the autocast dtype where autocast is on for the
     device, else the head's dtype; ``rows`` default: :func:`chunk_rows`; ``kernel``: the per-row passes in the
     Triton kernel :func:`block_loss_rows` or in torch ops -- default: the kernel on CUDA; ``teacher_index``:
     ``teacher_hidden`` holds one row per teacher position and row r reads row ``teacher_index[r]``; ``joint``:
     one GEMM each way for the draft logits, default: with ``teacher_index`` -- the module docstring's
-    layouts)."""
+    layouts; ``teacher_groups``: :class:`FusedBlockLoss`'s)."""
     if kernel is None:
         kernel = hidden.is_cuda
     if kernel and not triton_runs_on(hidden):
@@ -218,6 +231,12 @@ def fused_block_loss(hidden, markov_rows, markov_w2, head, teacher_hidden, next_
     if teacher_index is not None and teacher_index.shape != (hidden.shape[0],):
         raise ValueError(f"fused_block_loss: teacher_index must be [{hidden.shape[0]}], got "
                          f"{tuple(teacher_index.shape)}")
+    if teacher_groups is not None:
+        if teacher_index is None or len(teacher_groups) != 2 or min(teacher_groups) < 1 \
+                or hidden.shape[0] % teacher_groups[0]:
+            raise ValueError(f"fused_block_loss: teacher_groups (G, W) needs teacher_index and rows in whole groups "
+                             f"of G, got {teacher_groups} for {hidden.shape[0]} rows")
+        teacher_groups = (int(teacher_groups[0]), int(teacher_groups[1]))
     if teacher_index is None and teacher_hidden.shape[0] != hidden.shape[0]:
         raise ValueError("fused_block_loss: teacher_hidden has a row per block row unless teacher_index is given")
     if joint is None:
@@ -231,7 +250,7 @@ def fused_block_loss(hidden, markov_rows, markov_w2, head, teacher_hidden, next_
                                     coef_tv.float(), coef_ce.float(),
                                     None if coef_kl is None else coef_kl.float(), compute_dtype, rows,
                                     bool(kernel), None if teacher_index is None else teacher_index.long(),
-                                    bool(joint))
+                                    bool(joint), teacher_groups)
 
 
 def eager_block_loss(hidden, markov_rows, markov_w2, head, teacher_hidden, next_tokens, coef_tv, coef_ce,

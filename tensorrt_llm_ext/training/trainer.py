@@ -271,12 +271,15 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     ``fused`` (default): the vocabulary-wide terms chunked with their gradients (:mod:`.fused_loss`; ``kernel``:
     its per-row passes in the Triton kernel, default on CUDA; ``layout``: one of :data:`.fused_loss.LAYOUTS`,
     default :func:`loss_layout`); else the eager twin. ``attention``:
-    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync; the ``"dedup"`` layout
-    reads its number of teacher positions and its chunks' ranges on the host, two syncs mid-step)."""
+    :func:`~.drafter_forward.block_hidden`'s. The metrics are device tensors (no host sync in any layout: ``"dedup"``
+    reads each sequence's answer positions as a fixed grid of ``max_candidates + K - 1`` teacher rows)."""
     tokens, feats, final, lens = batch["tokens"], batch["features"], batch["final"], batch["lens"]
     layout = layout or loss_layout() or "rows"
     if layout not in LAYOUTS:
         raise ValueError(f"train-drafter: loss layout {layout!r}: expected one of {LAYOUTS}")
+    grid = fused and layout == "dedup"
+    if grid:  # anchors in order: a row's teacher rows are its neighbours' (read from L2); the loss is a sum
+        anchors = anchors.sort(dim=1).values
     with torch.profiler.record_function("drafter_forward"):
         hidden, prev = block_hidden_prev(params, dcfg, feats, tokens, anchors, draft_len, attention)
     k = torch.arange(draft_len, device=anchors.device)
@@ -284,13 +287,17 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
     valid = pos <= (lens[:, None, None] - 2)  # the teacher's next token exists
     t_len, h = final.shape[1], hidden.shape[-1]
     with torch.profiler.record_function("loss.prepare"):
-        if fused and layout == "dedup":  # one teacher row per (sequence, position) the step reads
-            key = (torch.arange(pos.shape[0], device=pos.device)[:, None, None] * t_len
-                   + pos.clamp(max=t_len - 1)).flatten()
-            positions, teacher_index = torch.unique(key, return_inverse=True)  # sorted; a host read of its size
-            teacher_h = final.reshape(-1, h)[positions]
+        teacher_index = groups = None
+        if grid:  # one teacher row per answer position: a [S, W] grid from each prompt's end, no host read
+            prompt_lens = batch["prompt_lens"]
+            width = (batch["max_candidates"] if "max_candidates" in batch
+                     else int(((lens - 2).clamp_min(prompt_lens) - prompt_lens + 1).max())) + draft_len - 1
+            cols = (prompt_lens[:, None] + torch.arange(width, device=pos.device)).clamp(max=t_len - 1)
+            teacher_h = final.gather(1, cols[..., None].expand(-1, -1, h)).reshape(-1, h)
+            j = (pos.clamp(max=t_len - 1) - prompt_lens[:, None, None]).clamp(0, width - 1)
+            teacher_index = (torch.arange(pos.shape[0], device=pos.device)[:, None, None] * width + j).flatten()
+            groups = (pos.shape[1] * draft_len, width)  # a sequence's rows read its own W teacher rows
         else:
-            teacher_index = None
             at = pos.clamp(max=t_len - 1).flatten(1)[..., None].expand(-1, -1, h)
             teacher_h = final.gather(1, at).reshape(-1, h)
         nxt = tokens.gather(1, (pos + 1).clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos).long()
@@ -298,8 +305,8 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
         wn = (w / w.sum().clamp_min(1e-6)).flatten()
     # loss = sum over positions of wn * (tv_weight TV + ce_weight CE + kl_weight KL); the vocabulary-wide part in
     # chunks (fused_loss: the eager twin materialised [S*M*K, V] fp32 tensors for autograd)
-    loss_fn = (functools.partial(fused_block_loss, kernel=kernel, joint=layout != "rows", teacher_index=teacher_index)
-               if fused else eager_block_loss)
+    loss_fn = (functools.partial(fused_block_loss, kernel=kernel, joint=layout != "rows", teacher_index=teacher_index,
+                                 teacher_groups=groups) if fused else eager_block_loss)
     loss, tv, ce, agree = loss_fn(hidden.reshape(-1, h), F.embedding(prev.flatten(), params["markov_w1"]),
                                   params["markov_w2"], lm_head_weight, teacher_h, nxt.flatten(),
                                   tc.tv_weight * wn, tc.ce_weight * wn, tc.kl_weight * wn if tc.kl_weight else None)

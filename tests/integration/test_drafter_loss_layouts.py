@@ -51,6 +51,36 @@ def test_loss_layouts_equal_the_eager_objective(kernel, layout, v):
     assert outs[0][2].std() > 0 and outs[0][4].abs().sum() > 0  # rows differ; gradients flow
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("rows", [4, 9, 100])
+def test_grouped_teacher_rows_equal_the_eager_objective(kernel, rows):
+    """``teacher_groups``: rows in groups of G reading their own W teacher rows (the trainer's grid), chunked in
+    whole groups whatever ``rows`` asks (fewer than a group, two groups and a part, all of them): the eager
+    objective's loss, per-row values and gradients, with no sort of the rows."""
+    if kernel and not triton_runs_on(torch.zeros(1)):
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    groups, per_group, width = 5, 6, 4
+    hid, rows_m, w2, head, _, _, y, c_tv, c_ce, c_kl = _inputs(n=groups * per_group, v=257)
+    g = torch.Generator().manual_seed(5)
+    teacher = torch.randn(groups * width, hid.shape[1], generator=g)
+    local = torch.randint(0, width, (groups * per_group,), generator=g)
+    index = torch.arange(groups).repeat_interleave(per_group) * width + local
+    outs = []
+    runs = ((eager_block_loss, teacher[index], {}),
+            (fused_block_loss, teacher, {"rows": rows, "kernel": kernel, "joint": True, "teacher_index": index,
+                                         "teacher_groups": (per_group, width)}))
+    for fn, t, kw in runs:
+        x = [v.clone().requires_grad_() for v in (hid, rows_m, w2)]
+        loss, tv, ce, agree = fn(*x, head, t, y, c_tv, c_ce, c_kl, **kw)
+        loss.backward()
+        outs.append([loss.detach(), tv, ce, agree.float()] + [v.grad for v in x])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="whole groups"):
+        fused_block_loss(hid[:-1], rows_m[:-1], w2, head, teacher, y[:-1], c_tv[:-1], c_ce[:-1],
+                         teacher_index=index[:-1], teacher_groups=(per_group, width))
+
+
 def test_row_kernel_reads_shared_teacher_rows_and_their_stats():
     """block_loss_rows with t_index (one teacher row per position, its log-sum-exp / argmax precomputed by
     teacher_stats) equals the torch twin over the gathered rows, ragged column blocks and an argmax tie included."""
@@ -116,6 +146,17 @@ def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
         for a, b in zip(outs[0], other):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     assert outs[0][0] > 0 and sum(float(x.abs().sum()) for x in outs[0][5:]) > 0
+    # dedup reads nothing on the host mid-step: its teacher rows are a grid of the batch's known width
+    with monkeypatch.context() as mp:
+        def no_host_read(*_a, **_k):
+            raise AssertionError("a host read in the dedup layout")
+
+        mp.setattr(torch, "unique", no_host_read)
+        mp.setattr(torch.Tensor, "tolist", no_host_read)
+        mp.setattr(torch.Tensor, "item", no_host_read)
+        loss, _ = trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc, layout="dedup",
+                                            kernel=False)
+    torch.testing.assert_close(loss.detach(), outs[0][0], atol=2e-5, rtol=2e-5)
     from tensorrt_llm_ext import _env
 
     monkeypatch.delenv("TLLM_EXT_LOSS_LAYOUT", raising=False)
