@@ -55,6 +55,7 @@ from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
 MODES = ("speculative", "gathered", "target_only", "reference", "stock")
 DEFAULT_MAX_NUM_TOKENS = 8192  # TensorRT-LLM's max_num_tokens default
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions per batch of logits (Engine.prompt_logprobs)
 
 
 def _prefix_root(mode: str) -> str:
@@ -364,8 +365,9 @@ class Engine:
     def reserve(self, slot: int, request: Request, mode: str = "speculative") -> int:
         """Take the cache pages ``request`` (validated) holds on ``slot`` until it finishes (:meth:`pages_for`);
         with block reuse its prompt's cached whole pages come first. Returns the prompt positions already in
-        the cache (its prefill starts there)."""
-        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode))
+        the cache (its prefill starts there). A request with ``prompt_logprobs`` prefills every position (the
+        log-probabilities come from its own forward)."""
+        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode)) if request.prompt_logprobs is None else []
         self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
         return len(prefix) * self.state.page_size
 
@@ -378,6 +380,8 @@ class Engine:
     def admission_pages(self, request: Request, mode: str = "speculative", leaving=()) -> int:
         """Free pages admitting ``request`` (validated) would take now, with the slots ``leaving`` gone first:
         :meth:`pages_for`, less its cached prefix pages other requests hold (block reuse)."""
+        if request.prompt_logprobs is not None:
+            return self.pages_for(request)
         return self.pages.admission_cost(request.prompt_ids, self.pages_for(request), _prefix_root(mode), leaving)
 
     def register_prefix(self, slot: int, request: Request, mode: str = "speculative",
@@ -424,6 +428,27 @@ class Engine:
         sharded = isinstance(logits, VocabShardedLogits)
         return self._logprobs(path, logits.logits if sharded else logits, [row], [token], [request], sharded)[0]
 
+    def prompt_logprobs(self, request: Request, row: int, start: int, end: int, mode: str = "speculative") -> list:
+        """``(logprob, top k)`` of ``request``'s prompt tokens ``start + 1 .. end`` (``prompt_logprobs`` ``k``),
+        from row ``row`` of the last :meth:`prefill_slots` or :meth:`prefill_chunk` (which ran positions
+        ``start ..``): the raw model distribution at positions ``start .. end - 1``, as for generated tokens. A
+        few hundred positions per batch of logits (a long prompt's ``[T, V]`` rows are never all held). Call on
+        every rank (a vocab-parallel head exchanges per batch)."""
+        path = _path(mode)
+        worker = self.worker(path)
+        hidden, cols = worker.prefill_hidden, worker.prefill_cols
+        out: list = []
+        tokens = request.prompt_ids
+        for lo in range(start, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(end, lo + PROMPT_LOGPROBS_ROWS)
+            idx = torch.arange(row * cols + lo - start, row * cols + hi - start, device=hidden.device)
+            raw = worker.token_selector.target_logits(hidden.index_select(0, idx))
+            sharded = isinstance(raw, VocabShardedLogits)
+            out += self._logprobs(path, raw.logits if sharded else raw, list(range(hi - lo)),
+                                  [int(t) for t in tokens[lo + 1:hi + 1]], [request] * (hi - lo), sharded,
+                                  k=request.prompt_logprobs)
+        return out
+
     def step_logprobs(self, requests: list[Request | None], new: list[list[int]], lens: list[int],
                       mode: str = "speculative") -> list[list | None]:
         """Per row of the last :meth:`run_step`: the accepted tokens' ``(logprob, top k)`` for rows whose
@@ -449,11 +474,13 @@ class Engine:
         return out
 
     def _logprobs(self, path: str, logits: torch.Tensor, rows: list[int], tokens: list[int],
-                  requests: list[Request], sharded: bool = True) -> list[tuple[float, list[tuple[int, float]]]]:
+                  requests: list[Request], sharded: bool = True, k: int | None = None
+                  ) -> list[tuple[float, list[tuple[int, float]]]]:
         """The raw model distribution's log-probabilities (vLLM's default ``logprobs_mode``,
         ``raw_logprobs``): ``log_softmax`` of the target's logits before temperature, top-p and every logits
         processing field, whatever the request samples with. ``sharded``: ``logits`` may be this rank's
-        vocabulary shard (the worker's head decides); else they are full rows."""
+        vocabulary shard (the worker's head decides); else they are full rows. ``k``: the top ``k`` of every
+        row (default: each request's ``logprobs``)."""
         worker = self.worker(path)
         dev = logits.device
         x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
@@ -462,8 +489,8 @@ class Engine:
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.zeros(n, dtype=torch.float32, device=dev),  # raw: temperature 1, no top-p
                             torch.ones(n, dtype=torch.float32, device=dev),
-                            max(r.logprobs for r in requests), head=head)
-        return [lp.row(i, r.logprobs) for i, r in enumerate(requests)]
+                            max(r.logprobs for r in requests) if k is None else k, head=head)
+        return [lp.row(i, r.logprobs if k is None else k) for i, r in enumerate(requests)]
 
     def run_step(self, slots: list[int], mode: str = "speculative") -> tuple[list[list[int]], list[int]]:
         """One engine step over the requests on ``slots`` (sorted, distinct): per slot the step's new

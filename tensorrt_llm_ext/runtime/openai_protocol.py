@@ -297,13 +297,6 @@ class CompletionRequest(_Sampling):
     def _logprobs(cls, v):
         return _top_logprobs_count(v)
 
-    @model_validator(mode="after")
-    def _echo(self):
-        if self.echo and self.logprobs is not None:
-            raise _FieldError("echo", "echo with logprobs would need prompt logprobs, which are not served; "
-                                      "send echo or logprobs")
-        return self
-
     def prompts_count(self) -> int:
         p = self.prompt
         return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1

@@ -58,6 +58,7 @@ class Choice:
         self.spaces_between = body.spaces_between_special_tokens if body is not None else True
         self.tokens: list[int] = []
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None  # echo with logprobs: prompt tokens 1 .. n-1 (the prefill's event)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
         self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
@@ -103,6 +104,8 @@ class Choice:
         self._extend(e.tokens)
         if e.logprobs is not None:
             self.logprobs.extend(e.logprobs)
+        if e.prompt_logprobs is not None:
+            self.prompt_logprobs = e.prompt_logprobs
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
             self.stop_token = e.finish_reason == "stop"
@@ -199,13 +202,22 @@ def _lp(v: float) -> float:
 
 
 def completion_logprobs(ctx, lps: list, tokens: list[int], text_offset0: int = 0) -> dict:
+    """The completions API's ``logprobs`` object; an entry of ``lps`` that is None (an echoed prompt's first
+    token, which nothing predicts) is null in ``token_logprobs`` and ``top_logprobs``, as OpenAI writes it."""
     strs = [_token_str(ctx, t) for t in tokens]
     offsets, at = [], text_offset0
     for s in strs:
         offsets.append(at)
         at += len(s)
-    return {"tokens": strs, "token_logprobs": [_lp(lp) for lp, _ in lps],
-            "top_logprobs": [{_token_str(ctx, i): _lp(v) for i, v in top} for _, top in lps], "text_offset": offsets}
+    return {"tokens": strs, "token_logprobs": [None if e is None else _lp(e[0]) for e in lps],
+            "top_logprobs": [None if e is None else {_token_str(ctx, i): _lp(v) for i, v in e[1]} for e in lps],
+            "text_offset": offsets}
+
+
+def echoed_logprobs(ch) -> tuple[list, list[int]]:
+    """The log-probabilities and ids of an echoed prompt (``echo`` with ``logprobs``): the prompt's first token
+    without one, then each prompt token's."""
+    return [None] + list(ch.prompt_logprobs or ()), list(ch.prompt_ids)
 
 
 def chat_logprobs(ctx, lps: list, tokens: list[int]) -> dict:
@@ -431,7 +443,9 @@ class ChoicesResponse:
             if text is not None:
                 c["text"] = prefix + text
             if self.want_logprobs:
-                c["logprobs"] = completion_logprobs(self.ctx, ch.logprobs, ch.tokens, len(prefix))
+                lps, toks = echoed_logprobs(ch) if self.body.echo else ([], [])
+                c["logprobs"] = completion_logprobs(self.ctx, lps + ch.logprobs, toks + ch.tokens,
+                                                    0 if self.body.echo else len(prefix))
             return c
         c = {"index": ch.index, "message": {"role": "assistant", "content": text or ""},
              "finish_reason": ch.finish_reason, "logprobs": None, "token_ids": list(ch.tokens)}
@@ -487,7 +501,8 @@ class ChoicesResponse:
         if delta_text is not None:
             c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
         if self.want_logprobs:
-            c["logprobs"] = completion_logprobs(self.ctx, new_lps, new_tokens)
+            lps, toks = echoed_logprobs(ch) if first and self.body.echo else ([], [])
+            c["logprobs"] = completion_logprobs(self.ctx, lps + new_lps, toks + new_tokens)
         return c
 
     def _delta_json(self, ch: Choice, first: bool) -> str:

@@ -31,6 +31,8 @@ class Request:
     token and the tokens after it in an accepted speculative block are discarded. Before ``min_tokens``
     tokens no stop token ends the request (it is kept as an ordinary token; nothing is masked).
     ``logprobs`` ``k`` (0..20): also report each emitted token's log-probability and its top ``k``.
+    ``prompt_logprobs`` ``k`` (0..20): also report each prompt token's after the first (the completions API's
+    ``echo`` with ``logprobs``); such a request prefills its whole prompt (no prefix reuse).
     """
 
     prompt_ids: list[int]
@@ -41,6 +43,7 @@ class Request:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __getitem__(self, name: str):
         """Read-only access by field name (``request["max_new_tokens"]``): the engine loop's ``submit`` once
@@ -101,8 +104,10 @@ class Request:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise RequestError(f"{rid}: min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
                                f"got {self.min_tokens!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
-            raise RequestError(f"{rid}: logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (_is_int(k) and 0 <= k <= 20):
+                raise RequestError(f"{rid}: {name} must be None or an int in [0, 20], got {k!r}")
 
 
 def _is_int(v) -> bool:

@@ -95,6 +95,8 @@ class Event:
     request_fault: bool = True
     # The drafter's confidences c_k of the K drafts this step verified (a drafter with a confidence head).
     confidences: list[float] | None = None
+    # With Request.prompt_logprobs, on the prefill's event: (logprob, top k) of prompt tokens 1 .. n-1.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -133,6 +135,7 @@ class _Prefilling:
     slot: int
     done: int = 0  # prompt positions in the cache (chunks run so far)
     cached: int = 0  # of those, mapped from the prefix cache (done == cached: its prefill has not begun)
+    prompt_lps: list | None = None  # with Request.prompt_logprobs: those of the chunks run so far
 
     @property
     def left(self) -> int:
@@ -328,7 +331,8 @@ class Scheduler:
         except BaseException:
             self.engine.slots.release(slot)
             raise
-        self._prefilling[handle] = _Prefilling(request, slot, done=cached, cached=cached)
+        self._prefilling[handle] = _Prefilling(request, slot, done=cached, cached=cached,
+                                               prompt_lps=[] if request.prompt_logprobs is not None else None)
         return None
 
     def _prefill(self, stats: StepStats) -> list[Event]:
@@ -376,7 +380,7 @@ class Scheduler:
         """Whether ``owner``'s prefill registers the first page ``waiting`` would compute: a whole page of
         both prompts before their last tokens, the same tokens up to its end."""
         pages = self.engine.pages
-        if not pages.enable_block_reuse or waiting.done != waiting.cached:
+        if not pages.enable_block_reuse or waiting.done != waiting.cached or waiting.prompt_lps is not None:
             return False
         size = pages.page_size
         end = (waiting.done // size + 1) * size
@@ -389,7 +393,7 @@ class Scheduler:
         if not self.engine.pages.enable_block_reuse:
             return
         for p in self._prefilling.values():
-            if p.done == p.cached and p.left > 1:
+            if p.done == p.cached and p.left > 1 and p.prompt_lps is None:
                 p.done = p.cached = self.engine.rematch_prefix(p.slot, p.request, self.mode)
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
@@ -397,6 +401,8 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, self.mode)
+            if p.prompt_lps is not None:
+                p.prompt_lps.extend(self.engine.prompt_logprobs(p.request, 0, p.done, p.done + n, self.mode))
         except REQUEST_FAULTS as e:
             events.append(self._refuse_prefill(handle, e))
             return
@@ -414,6 +420,9 @@ class Scheduler:
             firsts = self.engine.prefill_slots([p.slot for p in held], reqs, self.mode, starts=[p.done for p in held])
             lps = [[self.engine.prefill_logprobs(r, tok, self.mode, row)] if r.logprobs is not None else None
                    for row, (r, tok) in enumerate(zip(reqs, firsts))]
+            prompt_lps = [p.prompt_lps + self.engine.prompt_logprobs(p.request, row, p.done,
+                                                                     len(p.request.prompt_ids) - 1, self.mode)
+                          if p.prompt_lps is not None else None for row, p in enumerate(held)]
         except REQUEST_FAULTS as e:  # a layer below refused a value of a request: it fails, the engine serves on
             self.engine.reset_step_state()
             if len(group) == 1:
@@ -423,11 +432,12 @@ class Scheduler:
         stats.num_prefills += len(group)
         stats.prefill_tokens += sum(p.left for p in held)
         events = []
-        for h, p, first, lp in zip(group, held, firsts, lps):
+        for h, p, first, lp, plp in zip(group, held, firsts, lps, prompt_lps):
             self.engine.register_prefix(p.slot, p.request, self.mode)
             del self._prefilling[h]
             live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None)
             events.append(self._append(h, live, [first], None, lp))
+            events[-1].prompt_logprobs = plp
         return events
 
     def _refuse_prefill(self, handle: int, error: Exception) -> Event:

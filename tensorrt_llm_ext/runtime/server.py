@@ -181,7 +181,7 @@ def _stop_fields(ctx: ServeContext, body) -> tuple[tuple[int, ...], list[str]]:
 
 
 def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: int | None,
-                   default_max_tokens: int | None) -> list[Request]:
+                   default_max_tokens: int | None, prompt_logprobs: int | None = None) -> list[Request]:
     """Engine requests, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``, drawn
     with ``SamplingParams.for_choice(index)``). The body is validated already; what is checked here is what
     needs the tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
@@ -204,7 +204,8 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
         for j in range(body.n):
             out.append(Request(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
                                sampling=params.for_choice(i * body.n + j), ignore_eos=body.ignore_eos,
-                               min_tokens=min(body.min_tokens, limit), logprobs=logprobs))
+                               min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs))
     return out
 
 
@@ -363,7 +364,9 @@ class OpenAIServer:
         body = await self.read_request(http, CompletionRequest)
         if body is None:
             return Response(status_code=499)
-        reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16))
+        # echo with logprobs: the prompt's tokens carry theirs too (the first one none), as OpenAI's legacy API
+        reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16,
+                                                          body.logprobs if body.echo else None))
         return await self.serve_choices(http, body, reqs, [r.prompt_ids for r in reqs],
                                         "n" if body.n > 1 else "prompt", "text_completion", "cmpl")
 

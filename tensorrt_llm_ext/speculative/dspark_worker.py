@@ -129,6 +129,10 @@ class DSparkWorker(SpecWorkerBase):
         self._step_slots: list[int] = []  # host slot ids of the last set_rows
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
+        # The last prefill's (or chunk's) final hidden states [R * cols, H], row r's position s_r + j at r * cols + j:
+        # the engine's prompt log-probabilities read them (kept until the next prefill).
+        self.prefill_hidden: torch.Tensor | None = None
+        self.prefill_cols = 0
 
     # -- binding -------------------------------------------------------------------------------------
     def _on_bound(self) -> None:
@@ -414,6 +418,7 @@ class DSparkWorker(SpecWorkerBase):
             starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
             positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
             out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
+            self.prefill_hidden, self.prefill_cols = out.hidden_states, t  # prompt logprobs read them
             last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             ss = self.slot_sampling
@@ -462,6 +467,7 @@ class DSparkWorker(SpecWorkerBase):
             positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
             slots_t = torch.tensor([slot], dtype=torch.int32, device=dev)
             out = self._prefill_forward(ids, positions, slots_t, [(start, end - start)])
+            self.prefill_hidden, self.prefill_cols = out.hidden_states, end - start
             if speculative:
                 self._store_prompt_latents(out, slots_t.long(), positions,
                                            torch.tensor([n], dtype=torch.int64, device=dev))

@@ -915,7 +915,7 @@ def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict
 def _load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
     """A work-dir file loaded with ``weights_only=True`` (no code runs from a crafted pickle); a damaged one
     is named in one line."""
-    hint = f"delete it (or use another --work-dir) to start that part over"
+    hint = "delete it (or use another --work-dir) to start that part over"
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, empty, not a torch file, or a pickle weights_only refuses

@@ -201,6 +201,73 @@ def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     assert httpx.get(server.url + "/health", timeout=10).json()["free_slots"] == SLOTS
 
 
+def _all_reference_logprobs(engine: Engine, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log_softmax rows predicting ``prompt[1:] + out`` (teacher forced from position 0)."""
+    return _reference_logprobs(engine, prompt[:1], prompt[1:] + out)
+
+
+def _tops(top_logprobs: list) -> list[list]:
+    return [[(int(k.removeprefix("token_id:")), v) for k, v in top.items()] for top in top_logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_gives_every_prompt_token_its_logprob(server, ref_engine, stream):
+    """The legacy completions API's scoring call (lm-eval's loglikelihood): ``echo`` with ``logprobs`` returns the
+    prompt's tokens and then the output's, the first prompt token without a logprob (null), every other one's
+    logprob and top 2 equal to ``torch.log_softmax`` of the teacher-forced logits, streamed or not."""
+    prompt = PROMPT + [5, 77 % VOCAB, 3, 250 % VOCAB]
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0.0, "stream": stream}
+    if stream:
+        tokens, lps, tops, ids = [], [], [], []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                c = json.loads(line[6:])["choices"][0]
+                ids += c.get("prompt_token_ids", []) + c["token_ids"]
+                tokens += c["logprobs"]["tokens"]
+                lps += c["logprobs"]["token_logprobs"]
+                tops += c["logprobs"]["top_logprobs"]
+        out = ids[len(prompt):]
+    else:
+        c = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        out = c["token_ids"]
+        assert c["prompt_token_ids"] == prompt
+        tokens, lps, tops = c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
+        assert c["logprobs"]["text_offset"][0] == 0
+    assert len(out) == 3 and _ids(tokens) == prompt + out
+    assert lps[0] is None and tops[0] is None
+    _check_against_reference(_all_reference_logprobs(ref_engine, prompt, out), prompt[1:] + out, lps[1:],
+                             _tops(tops[1:]), 2)
+
+
+@pytest.mark.parametrize("extra", [{}, {"enable_chunked_prefill": True, "max_num_tokens": 5},
+                                   {"kv_cache_config.enable_block_reuse": True, "kv_cache_config.tokens_per_block": 4}])
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_prompt_logprobs_in_the_engine_chunked_and_with_prefix_reuse(ref_engine, extra, mode):
+    """Request.prompt_logprobs through the scheduler: one prefill, a prompt in chunks (each chunk's positions
+    computed as it runs) and an engine with prefix reuse whose cache already holds the prompt (the request
+    prefills it whole all the same): the prompt tokens' logprobs and top 3 equal ``torch.log_softmax`` of the
+    teacher-forced logits, the generated tokens those of a plain request."""
+    with KERNEL_LOCK:
+        eng = Engine(load_config(**{**SMALL, **extra}))
+    prompt = [(7 * i + 3) % VOCAB for i in range(13)]
+    if extra.get("kv_cache_config.enable_block_reuse"):
+        _events(eng, dict(prompt_ids=prompt, max_new_tokens=2), mode)  # the prompt's pages are cached now
+        assert eng.pages.num_cached > 0
+    hits = eng.pages.prefix_hits
+    events = _events(eng, dict(prompt_ids=prompt, max_new_tokens=3, prompt_logprobs=3), mode)
+    assert eng.pages.prefix_hits == hits  # looked up nothing: its positions are its own forward's
+    assert [e.prompt_logprobs is not None for e in events] == [True] + [False] * (len(events) - 1)
+    out = [t for e in events for t in e.tokens]
+    plain = [t for e in _events(eng, dict(prompt_ids=prompt, max_new_tokens=3), mode) for t in e.tokens]
+    assert out == plain
+    lps = events[0].prompt_logprobs
+    assert len(lps) == len(prompt) - 1
+    ref = _all_reference_logprobs(ref_engine, prompt, out)[:len(prompt) - 1]
+    _check_against_reference(ref, prompt[1:], [lp for lp, _ in lps], [top for _, top in lps], 3)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": [1], "logprobs": 21}, "logprobs"),
     ({"prompt": [1], "n": 0}, "n"),
@@ -208,7 +275,6 @@ def test_stop_id_inside_an_accepted_block_cuts_the_block(server, ref_engine):
     ({"prompt": [1], "top_p": 1.5}, "top_p"),
     ({"prompt": [1], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"prompt": [1], "min_tokens": -1}, "min_tokens"),
-    ({"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [1], "stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"prompt": [1], "frequency_penalty": 2.5}, "frequency_penalty"),
