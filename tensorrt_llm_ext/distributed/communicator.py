@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -39,10 +38,7 @@ _AT_EXIT = False  # shutdown() registered with atexit
 SHUTDOWN_BARRIER_S = 10.0  # how long shutdown() waits for the other ranks before tearing down anyway
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STORE_HOST = "127.0.0.1"  # the ranks of a job share one host (multi-node is not served)
 
 
 def _mpi_comm():
@@ -88,11 +84,16 @@ def init_from_mpi(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    addr = comm.bcast(f"tcp://127.0.0.1:{_free_port()}" if rank == 0 else None, root=0)
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else ENV.collective_timeout_s)
+    # Rank 0's store listens on a port the OS picks as it binds (port 0), then MPI tells the others: a port found
+    # free and bound later could be taken in between (EADDRINUSE under parallel jobs).
+    store = dist.TCPStore(STORE_HOST, 0, world, True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
+    port = comm.bcast(store.port if rank == 0 else None, root=0)
+    if rank != 0:
+        store = dist.TCPStore(STORE_HOST, port, world, False, timeout=timeout)
+    addr = f"tcp://{STORE_HOST}:{port}"
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, init_method=addr, world_size=world, rank=rank,
-                            timeout=timeout, **kwargs)
+    dist.init_process_group(backend=backend, store=store, world_size=world, rank=rank, timeout=timeout, **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     _STATE = _State(world_size=world, rank=rank, backend=backend, device=device, cpu_group=cpu_group)
     global _AT_EXIT
