@@ -376,6 +376,9 @@ def decode_config(head_dim: int) -> AttentionConfig:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Outgrown counters are kept, never freed: a graph captured while one was current still counts on it at replay
+# (each launch leaves it zeroed, so it stays valid), as shard_select's scratch and latent attention's partials.
+_RETIRED_COUNTERS: list[torch.Tensor] = []
 MIN_COUNTERS = 1 << 16  # (request, KV head) tiles of a split launch: B * KVH up to 65536 without growing
 
 
@@ -388,6 +391,8 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
         refuse_allocation_while_capturing(f"paged_attention tile counters ({n} tiles)", device)
+        if have is not None:
+            _RETIRED_COUNTERS.append(have)
         have = torch.zeros(max(n, MIN_COUNTERS, 0 if have is None else 2 * have.numel()), dtype=torch.int32,
                            device=device)
         _COUNTERS[device] = have

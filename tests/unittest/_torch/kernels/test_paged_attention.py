@@ -311,3 +311,20 @@ def test_split_tile_past_its_table_leaves_no_counter_behind():
     got = paged_attention(q, kp, vp, table, slots, pos, 0.25)
     torch.testing.assert_close(got, paged_attention_reference(q, kp, vp, table, slots, pos, 0.25),
                                **TOL[torch.float32])
+
+
+def test_outgrown_tile_counters_stay_allocated(monkeypatch):
+    """A graph captured while a counter buffer was current keeps its address: growing the counters for a larger
+    eager launch keeps the old buffer allocated (and zeroed) instead of freeing memory a replay still counts on."""
+    import tensorrt_llm_ext.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "_COUNTERS", {})
+    monkeypatch.setattr(pa, "_RETIRED_COUNTERS", [])
+    first = tile_counters(DEVICE, 1)
+    address = first.data_ptr()
+    del first
+    grown = tile_counters(DEVICE, pa.MIN_COUNTERS + 1)
+    assert grown.numel() > pa.MIN_COUNTERS and grown.count_nonzero() == 0
+    assert [t.data_ptr() for t in pa._RETIRED_COUNTERS] == [address]
+    assert pa._RETIRED_COUNTERS[0].count_nonzero() == 0
+    assert tile_counters(DEVICE, 1) is grown  # later launches use the grown buffer
