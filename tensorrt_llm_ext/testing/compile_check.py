@@ -233,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pack(args, arches: list[int], reports: list[dict], cache_dir: str, key: str | None) -> None:
     import triton
-    from triton.runtime.cache import triton_key
 
-    from tensorrt_llm_ext.testing.triton_cache import key_digest, pack
+    from tensorrt_llm_ext.testing.triton_cache import key_digest, pack, triton_key_parts
 
+    # the files of the key, so that the GPU can re-key the cache for another build of the same release
+    version, parts = triton_key_parts(args.triton_key_from or os.path.dirname(triton.__file__))
+    assert key is None or key == version + "-".join(h for _, h in parts)
     manifest = {"arches": arches, "backend_hashes": {str(r["arch"]): r["backend_hash"] for r in reports},
-                "triton_key": key_digest(key or triton_key()), "triton_key_from": args.triton_key_from or "running",
+                "triton_key": key_digest(version + "-".join(h for _, h in parts)),
+                "key_parts": {"version": version, "files": parts}, "triton_key_from": args.triton_key_from or "running",
                 "built_under": f"triton {triton.__version__}, python {sys.version.split()[0]}",
                 "specializations": sum(len(r["variants"]) for r in reports), "ir": args.keep_ir}
     facts = pack(cache_dir, args.pack, keep_ir=args.keep_ir, manifest=manifest)

@@ -24,6 +24,7 @@ Never run kernels with it: outputs are garbage. Production code never imports th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import re
 import resource
@@ -34,6 +35,7 @@ from types import SimpleNamespace
 import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
+from triton.compiler import compiler as triton_compiler_module
 from triton.runtime import cache as triton_cache_module
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -153,6 +155,7 @@ class CompileOnly(contextlib.AbstractContextManager):
         self.cache_dir = cache_dir
         self.triton_key = triton_key
         self._hit = False
+        self._last_key: tuple[str, str] | None = None  # (sha256 of the cache key, the key after triton_key())
         self.target = target_for(arch)
         self.facts = ARCHES[arch]
         self.variants: list[CompiledVariant] = []
@@ -192,6 +195,9 @@ class CompileOnly(contextlib.AbstractContextManager):
         knobs.compilation.listener = self._after_compile
         if self.triton_key is not None:  # the key another Triton build computes (get_cache_key calls this global)
             self._patch(triton_cache_module, "triton_key", lambda: self.triton_key)
+        if self.cache_dir is not None:  # a kept cache: note each entry's key past triton_key() (re-keying on unpack)
+            self._patch(triton_compiler_module, "get_cache_key",
+                        self._key_recorder(triton_compiler_module.get_cache_key))
         self._patch(JITFunction, "run", self._run_factory(JITFunction.run))
         self._patch(torch.Tensor, "is_cuda", property(lambda t: True))
         facts = self.facts
@@ -220,9 +226,23 @@ class CompileOnly(contextlib.AbstractContextManager):
                                                 compile.get("configs"))}
         return None
 
-    def _after_compile(self, *, cache_hit, **_) -> None:
+    def _after_compile(self, *, cache_hit, metadata, **_) -> None:
         # Triton's listener after each compile() that returned: whether the cache directory served it.
         self._hit = bool(cache_hit)
+        if self._last_key is not None and metadata.get("hash") == self._last_key[0]:
+            from tensorrt_llm_ext.testing.triton_cache import write_key_rest
+
+            write_key_rest(self.cache_dir, *self._last_key)
+
+    def _key_recorder(self, original):
+        def get_cache_key(src, backend, backend_options, env_vars):
+            key = original(src, backend, backend_options, env_vars)
+            prefix = triton_cache_module.triton_key() + "-"
+            if key.startswith(prefix):
+                self._last_key = (hashlib.sha256(key.encode()).hexdigest(), key[len(prefix):])
+            return key
+
+        return get_cache_key
 
     def _run_factory(self, original):
         ctx = self

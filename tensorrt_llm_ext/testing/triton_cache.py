@@ -20,21 +20,24 @@ the entry; :func:`unpack` writes them back as absolute paths under the directory
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import io
 import json
 import lzma
 import os
 import re
+import shutil
 import sys
 import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["MANIFEST", "count_entries", "key_digest", "pack", "read_manifest", "triton_key_from", "triton_key_parts",
-           "unpack"]
+__all__ = ["KEY_REST", "MANIFEST", "count_entries", "installed_triton_dir", "key_digest", "pack", "read_manifest", "rekey",
+           "triton_key_from", "triton_key_parts", "unpack", "write_key_rest"]
 
 MANIFEST = "triton_cache_manifest.json"  # what the cache was built for (read by scripts/triton_cache_report.py)
+KEY_REST = "__key_rest__"  # beside an entry built here: its cache key past triton_key() (re-keying)
 _KEPT_SUFFIXES = (".json", ".cubin", ".hsaco")  # what CompiledKernel needs: metadata and the binary
 
 
@@ -167,8 +170,27 @@ def key_digest(key: str) -> str:
 
 
 # -- pack / unpack -----------------------------------------------------------------------------------------------
+def _base32(hex_digest: str) -> str:
+    """An entry's folder name, as Triton's cache manager names it from the key's SHA-256."""
+    return base64.b32encode(bytes.fromhex(hex_digest)).decode().rstrip("=")
+
+
+def write_key_rest(cache_dir: str | os.PathLike, key_sha256: str, rest: str) -> None:
+    """Note beside an entry its cache key past ``triton_key()`` (source, backend, options and environment hashes):
+    with it, :func:`rekey` can file the entry under another ``triton_key()``."""
+    entry = Path(cache_dir) / _base32(key_sha256)
+    if entry.is_dir() and not (entry / KEY_REST).exists():
+        (entry / KEY_REST).write_text(rest)
+
+
 def _groups(cache_dir: Path):
     return sorted(cache_dir.glob("*/__grp__*.json"))
+
+
+def _point_group_at(grp: Path) -> None:
+    """Rewrite a group file's children as absolute paths in its own folder (their file names are what counts)."""
+    children = json.loads(grp.read_text()).get("child_paths") or {}
+    grp.write_text(json.dumps({"child_paths": {c: str(grp.parent / os.path.basename(p)) for c, p in children.items()}}))
 
 
 def count_entries(cache_dir: str | os.PathLike) -> int:
@@ -198,6 +220,7 @@ def pack(cache_dir: str | os.PathLike, tarball: str | os.PathLike, keep_ir: bool
         opened = tarfile.open(tarball, "w:gz", compresslevel=9)
     else:
         raise ValueError(f"{tarball}: expected a .tar.xz or .tar.gz name")
+    rests = {}
     with opened as tar:
         for grp in _groups(cache_dir):
             entry = grp.parent
@@ -215,8 +238,10 @@ def pack(cache_dir: str | os.PathLike, tarball: str | os.PathLike, keep_ir: bool
             tar.addfile(info, io.BytesIO(data))
             entries += 1
             files += len(kept)
+            if (entry / KEY_REST).is_file():
+                rests[entry.name] = (entry / KEY_REST).read_text()
         if manifest is not None:
-            data = json.dumps(dict(manifest, entries=entries), indent=1).encode()
+            data = json.dumps(dict(manifest, entries=entries, key_rests=rests), indent=1).encode()
             info = tarfile.TarInfo(MANIFEST)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -236,12 +261,60 @@ def unpack(tarball: str | os.PathLike, cache_dir: str | os.PathLike) -> int:
             tar.extractall(cache_dir, filter="data")
         else:  # members checked above: plain files and folders inside cache_dir
             tar.extractall(cache_dir)
-    for grp in _groups(cache_dir):
-        children = json.loads(grp.read_text()).get("child_paths") or {}
-        # A child path may be relative (pack) or absolute from another machine: its file name is what counts.
-        fixed = {c: str(grp.parent / os.path.basename(p)) for c, p in children.items()}
-        grp.write_text(json.dumps({"child_paths": fixed}))
+    for grp in _groups(cache_dir):  # relative (pack) or absolute paths of another machine
+        _point_group_at(grp)
     return count_entries(cache_dir)
+
+
+def installed_triton_dir() -> str | None:
+    """The ``triton`` package the running Python would import, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+
+
+def rekey(cache_dir: str | os.PathLike, triton_path: str | os.PathLike) -> str:
+    """File an unpacked cache's entries under the ``triton_key()`` of the Triton in ``triton_path`` when that Triton
+    differs from the one the cache was keyed for in ``_C/libtriton.so`` alone (another build of the same release:
+    the same version and Python sources, so the same compiler); otherwise leave it. Returns what it did."""
+    cache_dir = Path(cache_dir)
+    manifest = read_manifest(cache_dir)
+    if not manifest or "key_parts" not in manifest:
+        return "no key facts in the manifest: not re-keyed"
+    version, parts = triton_key_parts(triton_path)
+    key = version + "-".join(h for _, h in parts)
+    if key_digest(key) == manifest.get("triton_key"):
+        return f"keyed for this Triton (triton_key {key_digest(key)})"
+    built, here = dict(manifest["key_parts"]["files"]), dict(parts)
+    differ = sorted(f for f in set(built) | set(here) if built.get(f) != here.get(f))
+    if version != manifest["key_parts"]["version"] or differ != ["_C/libtriton.so"]:
+        return (f"built for another Triton ({manifest['key_parts']['version']} against {version}; files that differ: "
+                f"{', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}): not re-keyed, its entries will miss")
+    moved, rests = 0, {}
+    for name, rest in manifest.get("key_rests", {}).items():
+        entry = cache_dir / name
+        if not entry.is_dir():
+            continue
+        new_hash = hashlib.sha256(f"{key}-{rest}".encode()).hexdigest()
+        target = cache_dir / _base32(new_hash)
+        if target.exists():  # this Triton compiled it already: keep its own
+            shutil.rmtree(entry)
+        else:
+            entry.rename(target)
+            for meta in target.glob("*.json"):
+                if not meta.name.startswith("__grp__"):  # the metadata names its key's hash
+                    data = json.loads(meta.read_text())
+                    data["hash"] = new_hash
+                    meta.write_text(json.dumps(data))
+            for grp in target.glob("__grp__*.json"):
+                _point_group_at(grp)
+            moved += 1
+        rests[target.name] = rest
+    (cache_dir / MANIFEST).write_text(json.dumps(dict(manifest, triton_key=key_digest(key), key_rests=rests,
+                                                     rekeyed_from=manifest.get("triton_key")), indent=1))
+    return (f"re-keyed {moved} entries for this Triton (triton_key {key_digest(key)}: only _C/libtriton.so differs "
+            f"from the build the cache was keyed for, {manifest.get('triton_key')})")
 
 
 def read_manifest(cache_dir: str | os.PathLike) -> dict | None:
@@ -267,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("unpack", help="unpack a packed cache, child paths rewritten to DIR")
     u.add_argument("tarball")
     u.add_argument("cache_dir")
+    u.add_argument("--rekey-for", default=None, metavar="TRITON_DIR",
+                   help="file the entries under this Triton's triton_key() when only its libtriton.so differs from "
+                        "the build the cache was keyed for ('auto': the triton this Python would import)")
     args = p.parse_args(argv)
     if args.command == "key":
         key = triton_key_from(args.path)
@@ -282,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(pack(args.cache_dir, args.tarball, keep_ir=args.keep_ir)))
         return 0
     n = unpack(args.tarball, args.cache_dir)
-    print(f"triton cache: {n} kernel entries unpacked into {args.cache_dir}")
+    note = ""
+    if args.rekey_for:
+        where = installed_triton_dir() if args.rekey_for == "auto" else args.rekey_for
+        note = "; " + (rekey(args.cache_dir, where) if where else "no triton installed: not re-keyed")
+    print(f"triton cache: {n} kernel entries unpacked into {args.cache_dir}{note}")
     return 0
 
 

@@ -17,7 +17,7 @@ import triton
 from triton.runtime.cache import triton_key
 
 import tensorrt_llm_ext
-from tensorrt_llm_ext.testing.triton_cache import MANIFEST, triton_key_from, triton_key_parts
+from tensorrt_llm_ext.testing.triton_cache import MANIFEST, rekey, triton_key_from, triton_key_parts
 
 PKG = Path(tensorrt_llm_ext.__file__).parent
 
@@ -78,6 +78,23 @@ def test_triton_key_from_a_wheel_equals_the_unpacked_tree_and_hashes_what_triton
     assert triton_key_from(tree) != triton_key_from(wheel)
 
 
+def test_rekey_leaves_a_cache_built_for_other_triton_sources(tmp_path):
+    """Re-keying is for another build of the same sources only: a changed Python file of the compiler means
+    another compiler, whose binaries must not be served."""
+    package = Path(triton.__file__).parent
+    version, parts = triton_key_parts(package)
+    changed = [(f, h if f != "compiler/compiler.py" else "0" * 64) for f, h in parts]
+    entry = tmp_path / "cache" / "SOMEENTRY"
+    entry.mkdir(parents=True)
+    (entry / "k.json").write_text("{}")
+    (entry / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": "k.json"}}))
+    (tmp_path / "cache" / MANIFEST).write_text(json.dumps({"triton_key": "x", "key_parts": {
+        "version": version, "files": changed}, "key_rests": {"SOMEENTRY": "rest"}}))
+    note = rekey(tmp_path / "cache", package)
+    assert "not re-keyed" in note and "compiler/compiler.py" in note and "_C/libtriton.so" not in note, note
+    assert entry.is_dir() and sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["SOMEENTRY", MANIFEST]
+
+
 def _compile_check(tmp_path, *args):
     (tmp_path / "tiny_sweep.py").write_text(TINY_SWEEP)
     # the Triton of this process (a PYTHONPATH one too): the key it computes is the one the cache was built for
@@ -93,17 +110,37 @@ def _entries(cache: Path) -> set[str]:
     return {p.parent.name for p in cache.glob("*/__grp__*.json")}
 
 
+def _another_build(tmp_path) -> Path:
+    """The running Triton's sources with another libtriton.so: another build of the same release (as the cp311
+    wheel here and the cp312 one on the GPU)."""
+    other = tmp_path / "other_build" / "triton"
+    shutil.copytree(Path(triton.__file__).parent, other, ignore=shutil.ignore_patterns("_C", "backends", "*.so*"))
+    shutil.copytree(Path(triton.__file__).parent / "backends", other / "backends",
+                    ignore=shutil.ignore_patterns("bin", "lib", "include", "*.so*"))
+    (other / "_C").mkdir()
+    (other / "_C" / "libtriton.so").write_bytes(b"another build")
+    return other
+
+
+def _unpack(tarball: Path, dest: Path, *args) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tensorrt_llm_ext.testing.triton_cache", "unpack", str(tarball),
+                           str(dest), *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(PKG.parent)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_prebuilt_cache_moved_and_stripped_serves_every_specialization(tmp_path):
+    """Built keyed for another build of this Triton (as the GPU's), packed without IR, unpacked elsewhere with the
+    build directory gone: that build's key finds every specialization; re-keyed on unpack for the running Triton
+    (only libtriton.so differs), the running Triton's own key finds them all too."""
     built, moved, tarball = tmp_path / "built", tmp_path / "moved", tmp_path / "cache.tar.xz"
-    out = _compile_check(tmp_path, "--cache-dir", str(built), "--pack", str(tarball),
-                         "--triton-key-from", str(Path(triton.__file__).parent))
+    other = _another_build(tmp_path)
+    out = _compile_check(tmp_path, "--cache-dir", str(built), "--pack", str(tarball), "--triton-key-from", str(other))
     assert "2 specializations of 1 kernels compiled" in out and "served from the cache" not in out, out
     assert "triton cache: 2 kernels" in out and "(IR dropped)" in out, out
 
-    unpacked = subprocess.run([sys.executable, "-m", "tensorrt_llm_ext.testing.triton_cache", "unpack", str(tarball),
-                               str(moved)], capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(PKG.parent)))
-    assert unpacked.returncode == 0 and "2 kernel entries unpacked" in unpacked.stdout, unpacked.stdout + unpacked.stderr
+    assert "2 kernel entries unpacked" in _unpack(tarball, moved)
     shutil.rmtree(built)  # a child path still pointing at the build directory would now be missing
     files = sorted(p.name for p in moved.rglob("*") if p.is_file())
     assert MANIFEST in files and all(f == MANIFEST or f.endswith((".json", ".cubin")) for f in files), files
@@ -112,20 +149,17 @@ def test_prebuilt_cache_moved_and_stripped_serves_every_specialization(tmp_path)
         assert sorted(os.path.splitext(c)[1] for c in children) == [".cubin", ".json"], children
         assert all(os.path.isabs(p) and Path(p).parent == grp.parent and Path(p).is_file() for p in children.values())
     manifest = json.loads((moved / MANIFEST).read_text())
-    assert manifest["entries"] == 2 and manifest["specializations"] == 2, manifest
+    assert manifest["entries"] == 2 and manifest["specializations"] == 2 and len(manifest["key_rests"]) == 2
 
     before = _entries(moved)
-    out = _compile_check(tmp_path, "--cache-dir", str(moved))
+    out = _compile_check(tmp_path, "--cache-dir", str(moved), "--triton-key-from", str(other))
     assert "2 specializations of 1 kernels compiled" in out and "2 served from the cache" in out, out
     assert _entries(moved) == before  # no new entry: nothing compiled
 
-    # Keyed as another build of Triton (its libtriton.so differs), the same kernels miss: the key reaches the lookup.
-    other = tmp_path / "other_build" / "triton"
-    shutil.copytree(Path(triton.__file__).parent, other, ignore=shutil.ignore_patterns("_C", "backends", "*.so*"))
-    shutil.copytree(Path(triton.__file__).parent / "backends", other / "backends",
-                    ignore=shutil.ignore_patterns("bin", "lib", "include", "*.so*"))
-    (other / "_C").mkdir()
-    (other / "_C" / "libtriton.so").write_bytes(b"another build")
-    out = _compile_check(tmp_path, "--cache-dir", str(moved), "--triton-key-from", str(other))
-    assert "2 specializations of 1 kernels compiled" in out and "served from the cache" not in out, out
-    assert len(_entries(moved)) == len(before) + 2
+    rekeyed = tmp_path / "rekeyed"
+    note = _unpack(tarball, rekeyed, "--rekey-for", str(Path(triton.__file__).parent))
+    assert "2 kernel entries unpacked" in note and "re-keyed 2 entries" in note, note
+    assert not _entries(rekeyed) & before  # filed under other names: the key is in the lookup
+    out = _compile_check(tmp_path, "--cache-dir", str(rekeyed))
+    assert "2 specializations of 1 kernels compiled" in out and "2 served from the cache" in out, out
+    assert len(_entries(rekeyed)) == 2
