@@ -33,8 +33,8 @@ import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["KEY_REST", "MANIFEST", "count_entries", "installed_triton_dir", "key_digest", "pack", "read_manifest", "rekey",
-           "triton_key_from", "triton_key_parts", "unpack", "write_key_rest"]
+__all__ = ["KEY_REST", "MANIFEST", "count_entries", "installed_triton_dir", "key_digest", "pack", "read_manifest",
+           "rekey", "triton_key_from", "triton_key_parts", "unpack", "write_key_rest"]
 
 MANIFEST = "triton_cache_manifest.json"  # what the cache was built for (read by scripts/triton_cache_report.py)
 KEY_REST = "__key_rest__"  # beside an entry built here: its cache key past triton_key() (re-keying)
