@@ -14,7 +14,9 @@ worker process per arch (the kernels must be ``JITFunction``\\ s, so the worker 
   :data:`~tensorrt_llm_ext.testing.compile_sweep.ACCEPTED_SPILLS` names it with the reason.
 
 ``--table PATH`` writes the per-kernel resource table (registers, spills, shared memory, SASS instruction
-counts from the wheel's ``cuobjdump``) as Markdown. Test support: production code never imports it.
+counts from the wheel's ``cuobjdump``) as Markdown. ``--cache-dir DIR`` compiles into (and serves from) a kept
+Triton cache, ``--pack TARBALL`` packs it for the GPU machine (:mod:`~tensorrt_llm_ext.testing.triton_cache`),
+keyed as the Triton of ``--triton-key-from WHEEL_OR_DIR`` keys it. Test support: production code never imports it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ DEFAULT_SWEEP = "tensorrt_llm_ext.testing.compile_sweep"
 
 
 # -- worker: one arch, in this process ------------------------------------------------------------------------
-def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bool, out_path: str) -> int:
+def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bool, out_path: str,
+            cache_dir: str | None = None, key_file: str | None = None) -> int:
     import triton
 
     if triton.knobs.runtime.interpret:
@@ -48,7 +51,12 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
     sweep = importlib.import_module(sweep_module)
     started = time.perf_counter()
     case_times = {}
-    with CompileOnly(arch) as cc:
+    triton_key = None
+    if key_file:
+        with open(key_file) as f:
+            triton_key = f.read()
+    with CompileOnly(arch, cache_dir=cache_dir, triton_key=triton_key) as cc:
+        backend_hash = triton.compiler.make_backend(cc.target).hash()  # ptxas version and arch: part of the key
         for case in sweep.SWEEP:
             if cases is not None and case.name not in cases:
                 continue
@@ -73,12 +81,14 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
     for v in cc.variants:
         row = {"kernel": v.kernel, "spec": v.specialization, "case": v.case, "registers": v.ptxas.registers,
                "spill_stores": v.ptxas.spill_stores, "spill_loads": v.ptxas.spill_loads, "stack": v.ptxas.stack,
-               "shared": v.shared, "num_warps": v.num_warps, "seconds": v.seconds, "captured": v.kernel in captured}
+               "shared": v.shared, "num_warps": v.num_warps, "seconds": v.seconds, "captured": v.kernel in captured,
+               "cache_hit": v.cache_hit}
         if with_sass:
             row.update(sass_counts(v.compiled.asm["cubin"], arch))
         variants.append(row)
     report = {
-        "arch": arch, "triton": triton.__version__, "seconds": round(elapsed, 1), "case_seconds": case_times,
+        "arch": arch, "triton": triton.__version__, "backend_hash": backend_hash, "seconds": round(elapsed, 1),
+        "case_seconds": case_times,
         "variants": variants,
         "failures": [vars(f) for f in cc.failures],
         "accepted_spills": accepted,
@@ -89,13 +99,14 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
 
 
 # -- driver ----------------------------------------------------------------------------------------------------
-def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool) -> dict:
+def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool, cache_args: list[str]) -> dict:
     fd, path = tempfile.mkstemp(prefix=f"compile_check_sm{arch}_", suffix=".json")
     os.close(fd)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
     cmd = [sys.executable, "-m", "tensorrt_llm_ext.testing.compile_check", "--worker", "--arch", str(arch),
            "--sweep-module", sweep_module, "--cases", ",".join(cases), "--out", path] + (["--sass"] if with_sass else [])
+    cmd += cache_args
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -121,7 +132,8 @@ def _merge(arch: int, parts: list[dict]) -> dict:
     if crashed:
         return {"arch": arch, "crashed": True, "error": "\n".join(p["error"] for p in crashed)}
     first = parts[0]
-    return {"arch": arch, "triton": first["triton"], "seconds": max(p["seconds"] for p in parts),
+    return {"arch": arch, "triton": first["triton"], "backend_hash": first.get("backend_hash"),
+            "seconds": max(p["seconds"] for p in parts),
             "case_seconds": {k: v for p in parts for k, v in p["case_seconds"].items()},
             "variants": [v for p in parts for v in p["variants"]],
             "failures": [f for p in parts for f in p["failures"]], "accepted_spills": first["accepted_spills"]}
@@ -149,9 +161,11 @@ def _summarize(report: dict) -> tuple[bool, list[str]]:
                        if v["spill_stores"] > 0 or v["spill_loads"] > 0})
     ok = not failures and not spills
     cpu = sum(t["cpu"] for t in report["case_seconds"].values())
+    hits = sum(bool(v.get("cache_hit")) for v in report["variants"])
     lines.append(f"sm_{report['arch']} (triton {report['triton']}): {len(report['variants'])} specializations of "
                  f"{len(kernels)} kernels compiled in {report['seconds']} s ({cpu:.0f} CPU s); {len(failures)} failed; "
-                 f"spilling: {', '.join(spilling) or 'none'}")
+                 f"spilling: {', '.join(spilling) or 'none'}" + (f"; {hits} served from the cache (no ptxas log)"
+                                                                 if hits else ""))
     for f in failures:
         lines.append(f"FAILED {f['kernel']} for sm_{f['arch']} (case {f['case']})\n  specialization: "
                      f"{f['specialization']}\n  error: {f['error']}")
@@ -167,6 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", default=None, help="write the per-kernel resource table (Markdown) to this path")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes compiling at once, split over arches and sweep cases (default: one per core)")
+    p.add_argument("--cache-dir", default=None,
+                   help="compile into this Triton cache directory and keep it (an entry already there is served "
+                        "from it: no ptxas log, so no spill facts for it); default: a fresh temporary one per worker")
+    p.add_argument("--pack", default=None, metavar="TARBALL",
+                   help="pack the compiled kernels (metadata and cubin) as a tar.gz for the GPU machine "
+                        "(scripts/gpu_env.sh unpacks it; docs/compile_check.md)")
+    p.add_argument("--keep-ir", action="store_true", help="with --pack: keep the IR files (source, ttir, ttgir, "
+                   "llir, ptx), which loading a kernel from the cache never reads")
+    p.add_argument("--triton-key-from", default=None, metavar="WHEEL_OR_DIR",
+                   help="key the cache as the Triton in this wheel or directory would (the GPU's: its libtriton.so "
+                        "differs from this machine's build); the running Triton's key by default")
+    p.add_argument("--triton-key-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sass", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -183,14 +209,55 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--arch: expected one of {sorted(ARCHES)}, got {a}")
     if args.worker:
         cases = args.cases.split(",") if args.cases else None
-        return _worker(arches[0], args.sweep_module, cases, args.sass, args.out)
+        return _worker(arches[0], args.sweep_module, cases, args.sass, args.out, args.cache_dir, args.triton_key_file)
     started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="compile_check_") as scratch:
+        cache_dir = args.cache_dir or (os.path.join(scratch, "cache") if args.pack else None)
+        cache_args, key = [], None
+        if cache_dir:
+            cache_args = ["--cache-dir", os.path.abspath(cache_dir)]
+        if args.triton_key_from:
+            from tensorrt_llm_ext.testing.triton_cache import triton_key_from
+
+            key = triton_key_from(args.triton_key_from)
+            key_file = os.path.join(scratch, "triton_key")
+            with open(key_file, "w") as f:
+                f.write(key)
+            cache_args += ["--triton-key-file", key_file]
+        ok, reports = _check(args, arches, cache_args)
+        if args.pack and all(not r.get("crashed") for r in reports):
+            _pack(args, arches, reports, cache_dir, key)
+    print(f"compile-check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
+    return 0 if ok else 1
+
+
+def _pack(args, arches: list[int], reports: list[dict], cache_dir: str, key: str | None) -> None:
+    import triton
+
+    from tensorrt_llm_ext.testing.triton_cache import key_digest, pack, triton_key_parts
+
+    # the files of the key, so that the GPU can re-key the cache for another build of the same release
+    version, parts = triton_key_parts(args.triton_key_from or os.path.dirname(triton.__file__))
+    assert key is None or key == version + "-".join(h for _, h in parts)
+    manifest = {"arches": arches, "backend_hashes": {str(r["arch"]): r["backend_hash"] for r in reports},
+                "triton_key": key_digest(version + "-".join(h for _, h in parts)),
+                "key_parts": {"version": version, "files": parts}, "triton_key_from": args.triton_key_from or "running",
+                "built_under": f"triton {triton.__version__}, python {sys.version.split()[0]}",
+                "specializations": sum(len(r["variants"]) for r in reports), "ir": args.keep_ir}
+    facts = pack(cache_dir, args.pack, keep_ir=args.keep_ir, manifest=manifest)
+    print(f"triton cache: {facts['entries']} kernels, {facts['files']} files ({facts['raw_bytes'] / 2**20:.1f} MiB) "
+          f"packed into {args.pack}: {facts['bytes'] / 2**20:.2f} MiB{'' if args.keep_ir else ' (IR dropped)'}; "
+          f"keyed for triton_key {manifest['triton_key']}")
+
+
+def _check(args, arches: list[int], cache_args: list[str]) -> tuple[bool, list[dict]]:
     jobs = args.jobs or os.cpu_count() or 1
     # One worker process per (arch, group of cases): `jobs` processes compile at once.
     groups = _partition(importlib.import_module(args.sweep_module), max(1, jobs // len(arches)))
     tasks = [(a, g) for a in arches for g in groups]
     with ThreadPoolExecutor(jobs) as pool:
-        parts = list(pool.map(lambda t: _run_worker(t[0], args.sweep_module, t[1], args.table is not None), tasks))
+        parts = list(pool.map(lambda t: _run_worker(t[0], args.sweep_module, t[1], args.table is not None,
+                                                    cache_args), tasks))
     reports = [_merge(a, [p for (arch, _), p in zip(tasks, parts) if arch == a]) for a in arches]
     ok = True
     for report in reports:
@@ -200,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table and all(not r.get("crashed") for r in reports):
         write_table(args.table, reports)
         print(f"resource table written to {args.table}")
-    print(f"compile-check {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
-    return 0 if ok else 1
+    return ok, reports
 
 
 if __name__ == "__main__":

@@ -13,13 +13,18 @@ Inside :class:`CompileOnly`:
   ``torch.cuda.get_device_properties`` answers with the target's SM count.
 
 Each :class:`CompileOnly` compiles into its own empty Triton cache directory, so every specialization
-goes through the whole pipeline (no earlier run's binaries are reused) and its ``ptxas`` log is read.
+goes through the whole pipeline (no earlier run's binaries are reused) and its ``ptxas`` log is read; or, given
+``cache_dir``, into that directory (kept: a prebuilt cache for the GPU, ``testing/triton_cache.py``), where an
+entry already there is served from it (``CompiledVariant.cache_hit``, no ``ptxas`` log). ``triton_key`` keys
+the cache as another build of Triton would (the GPU's wheel: ``triton_cache.triton_key_from``); Triton's
+``triton_key`` is replaced inside the context only.
 Never run kernels with it: outputs are garbage. Production code never imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import re
 import resource
@@ -30,6 +35,8 @@ from types import SimpleNamespace
 import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
+from triton.compiler import compiler as triton_compiler_module
+from triton.runtime import cache as triton_cache_module
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
@@ -88,6 +95,7 @@ class CompiledVariant:
     ptxas: PtxasInfo
     case: str  # the sweep case whose launch compiled it
     seconds: float  # CPU time of the compile (this process and its ptxas)
+    cache_hit: bool = False  # served from the cache directory (no compile, no ptxas log)
 
     @property
     def shared(self) -> int:
@@ -142,8 +150,12 @@ class CompileOnly(contextlib.AbstractContextManager):
 
     _device_ids = iter(range(1_000_000, 2_000_000))  # a fresh per-kernel binder cache per context
 
-    def __init__(self, arch: int = 90):
+    def __init__(self, arch: int = 90, cache_dir: str | None = None, triton_key: str | None = None):
         self.arch = arch
+        self.cache_dir = cache_dir
+        self.triton_key = triton_key
+        self._hit = False
+        self._last_key: tuple[str, str] | None = None  # (sha256 of the cache key, the key after triton_key())
         self.target = target_for(arch)
         self.facts = ARCHES[arch]
         self.variants: list[CompiledVariant] = []
@@ -169,7 +181,7 @@ class CompileOnly(contextlib.AbstractContextManager):
     # -- context -----------------------------------------------------------------------------------------
     def __enter__(self) -> "CompileOnly":
         stack = self._stack
-        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"compile_only_sm{self.arch}_"))
+        cache = self.cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix=f"compile_only_sm{self.arch}_"))
         prev_active = driver._active
         driver.set_active(self)
         stack.callback(setattr, driver, "_active", prev_active)
@@ -179,6 +191,13 @@ class CompileOnly(contextlib.AbstractContextManager):
         knobs.nvidia.dump_ptxas_log = True  # ptxas already runs with -v; this prints its log, which we read
         stack.enter_context(knobs.runtime.scope())
         knobs.runtime.jit_cache_hook = self._before_compile
+        stack.enter_context(knobs.compilation.scope())
+        knobs.compilation.listener = self._after_compile
+        if self.triton_key is not None:  # the key another Triton build computes (get_cache_key calls this global)
+            self._patch(triton_cache_module, "triton_key", lambda: self.triton_key)
+        if self.cache_dir is not None:  # a kept cache: note each entry's key past triton_key() (re-keying on unpack)
+            self._patch(triton_compiler_module, "get_cache_key",
+                        self._key_recorder(triton_compiler_module.get_cache_key))
         self._patch(JITFunction, "run", self._run_factory(JITFunction.run))
         self._patch(torch.Tensor, "is_cuda", property(lambda t: True))
         facts = self.facts
@@ -207,6 +226,24 @@ class CompileOnly(contextlib.AbstractContextManager):
                                                 compile.get("configs"))}
         return None
 
+    def _after_compile(self, *, cache_hit, metadata, **_) -> None:
+        # Triton's listener after each compile() that returned: whether the cache directory served it.
+        self._hit = bool(cache_hit)
+        if self._last_key is not None and metadata.get("hash") == self._last_key[0]:
+            from tensorrt_llm_ext.testing.triton_cache import write_key_rest
+
+            write_key_rest(self.cache_dir, *self._last_key)
+
+    def _key_recorder(self, original):
+        def get_cache_key(src, backend, backend_options, env_vars):
+            key = original(src, backend, backend_options, env_vars)
+            prefix = triton_cache_module.triton_key() + "-"
+            if key.startswith(prefix):
+                self._last_key = (hashlib.sha256(key.encode()).hexdigest(), key[len(prefix):])
+            return key
+
+        return get_cache_key
+
     def _run_factory(self, original):
         ctx = self
 
@@ -219,6 +256,7 @@ class CompileOnly(contextlib.AbstractContextManager):
 
     def _compile(self, original, fn: JITFunction, args, kwargs, grid):
         self._pending = None
+        self._hit = False
         log = io.StringIO()
         t0 = _cpu_seconds()
         try:
@@ -236,7 +274,7 @@ class CompileOnly(contextlib.AbstractContextManager):
             return compiled
         variant = CompiledVariant(self._pending["kernel"], self._pending["spec"], self.arch, compiled,
                                   PtxasInfo.parse(log.getvalue()), self.case,
-                                  round(_cpu_seconds() - t0, 2))
+                                  round(_cpu_seconds() - t0, 2), cache_hit=self._hit)
         self.variants.append(variant)
         self._check_launchable(variant)
         return compiled
