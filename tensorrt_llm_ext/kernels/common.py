@@ -74,6 +74,26 @@ def refuse_allocation_while_capturing(name: str, device: torch.device | str | No
             f"{name}: would allocate while a CUDA graph is capturing; pass preallocated out= buffers")
 
 
+def host_to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a ``dtype`` tensor on ``device``. On CUDA from pinned memory,
+    asynchronously: a copy from pageable memory first waits for everything queued on the stream (the step in
+    flight, whose host work the overlap scheduler means to hide), one from pinned memory is only ordered behind
+    it. The caching host allocator keeps the pinned block until its copy is done."""
+    device = torch.device(device)
+    host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for a host ``src``: pinned and asynchronous where ``dst`` is on CUDA
+    (:func:`host_to_device`'s reason)."""
+    if dst.is_cuda:
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 

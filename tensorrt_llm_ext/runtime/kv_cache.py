@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tensorrt_llm_ext.contract import DSparkState
+from tensorrt_llm_ext.kernels.common import copy_from_host_
 from tensorrt_llm_ext.logger import info_once
 
 
@@ -224,8 +225,8 @@ class PageAllocator:
             new += 1
         if new:
             ids = torch.tensor(pages[same:same + new], dtype=torch.int32)
-            self.encoded_offsets[slot, same:same + new].copy_(ids * self.divisor)
-            self.page_table[slot, same:same + new].copy_(ids)
+            copy_from_host_(self.encoded_offsets[slot, same:same + new], ids * self.divisor)
+            copy_from_host_(self.page_table[slot, same:same + new], ids)
             self.prefix_hits += new * self.page_size
         return same + new
 
@@ -264,10 +265,10 @@ class PageAllocator:
         row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
         ids = torch.tensor(pages, dtype=torch.int32)
         row[:num_pages] = ids * self.divisor
-        self.encoded_offsets[slot].copy_(row)
+        copy_from_host_(self.encoded_offsets[slot], row)
         row.fill_(self.num_pages)
         row[:num_pages] = ids
-        self.page_table[slot].copy_(row)
+        copy_from_host_(self.page_table[slot], row)
         return pages
 
     def _release(self, pages: list[int]) -> None:

@@ -58,6 +58,7 @@ from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
+from tensorrt_llm_ext.kernels.common import host_to_device
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
@@ -399,9 +400,9 @@ class DSparkWorker(SpecWorkerBase):
             raise ValueError(f"prefill_batch: expected one start per prompt in [0, its length), got {starts} for "
                              f"lengths {lens}")
         t = max(n - s for s, n in zip(starts, lens))
-        slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+        slots_t = host_to_device(slots, torch.int32, dev)
         slots_l = slots_t.long()
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        lens_t = host_to_device(lens, torch.int64, dev)
         try:
             self.slot_sampling.assign(slots, list(params), prompts)
         except ValueError as e:
@@ -414,8 +415,8 @@ class DSparkWorker(SpecWorkerBase):
             ids = torch.zeros(r, t, dtype=torch.int64)
             for row, (p, s) in enumerate(zip(prompts, starts)):
                 ids[row, :len(p) - s] = torch.tensor(list(p[s:]), dtype=torch.int64)
-            ids = ids.to(dev)
-            starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
+            ids = host_to_device(ids, torch.int64, dev)
+            starts_t = host_to_device(starts, torch.int64, dev)
             positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
             out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
             self.prefill_hidden, self.prefill_cols = out.hidden_states, t  # prompt logprobs read them
@@ -463,14 +464,14 @@ class DSparkWorker(SpecWorkerBase):
         self.check_slots("prefill_chunk", [slot])
         dev = self.device
         with nvtx_range("prefill_chunk"):
-            ids = torch.tensor(list(prompt_ids[start:end]), dtype=torch.int64).to(dev)[None]
+            ids = host_to_device(list(prompt_ids[start:end]), torch.int64, dev)[None]
             positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
-            slots_t = torch.tensor([slot], dtype=torch.int32, device=dev)
+            slots_t = host_to_device([slot], torch.int32, dev)
             out = self._prefill_forward(ids, positions, slots_t, [(start, end - start)])
             self.prefill_hidden, self.prefill_cols = out.hidden_states, end - start
             if speculative:
                 self._store_prompt_latents(out, slots_t.long(), positions,
-                                           torch.tensor([n], dtype=torch.int64, device=dev))
+                                           host_to_device([n], torch.int64, dev))
 
     def _store_prompt_latents(self, out: TargetOutput, slots_l: torch.Tensor, positions: torch.Tensor,
                               lens_t: torch.Tensor) -> torch.Tensor:

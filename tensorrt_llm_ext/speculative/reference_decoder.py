@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.kernels.common import host_to_device
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT
@@ -59,13 +60,13 @@ class ReferenceDecoder:
         ``starts``: as :meth:`DSparkWorker.prefill_batch` (positions already written by ``prefill_chunk``)."""
         w, st = self.worker, self.worker.state
         toks = w.prefill_batch(slots, prompts, params, speculative=False, starts=starts)
-        slots_l = torch.tensor(slots, dtype=torch.int64, device=w.device)
+        slots_l = host_to_device(slots, torch.int64, w.device)
         if self.processors is not w.processors:
             self.processors.assign(slots, list(params), prompts)
             self.processors.record(slots, slots_l, torch.tensor(toks, device=w.device)[:, None],
                                    torch.ones(len(slots), dtype=torch.int32, device=w.device))
-        st.ref_lens[slots_l] = torch.tensor([len(p) for p in prompts], dtype=st.ref_lens.dtype, device=w.device)
-        st.slot_tokens[slots_l, 0] = torch.tensor(toks, dtype=st.slot_tokens.dtype, device=w.device)
+        st.ref_lens[slots_l] = host_to_device([len(p) for p in prompts], st.ref_lens.dtype, w.device)
+        st.slot_tokens[slots_l, 0] = host_to_device(toks, st.slot_tokens.dtype, w.device)
         return toks
 
     def step(self, batch_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tensorrt_llm_ext.contract import DSparkState, SamplingParams
+from tensorrt_llm_ext.kernels.common import host_to_device
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.step_variant import StepVariant
 
@@ -53,10 +54,10 @@ class SlotSampling:
             raise ValueError(f"this worker is greedy-only (sampling=False); got temperatures "
                              f"{[p.temperature for p in params]}")
         dev = self.temps.device
-        idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        self.temps[idx] = torch.tensor([p.effective_temperature for p in params], dtype=self.temps.dtype, device=dev)
-        self.seeds[idx] = torch.tensor([p.seed for p in params], dtype=self.seeds.dtype, device=dev)
-        self.top_p[idx] = torch.tensor([p.effective_top_p for p in params], dtype=self.top_p.dtype, device=dev)
+        idx = host_to_device(slots, torch.int64, dev)
+        self.temps[idx] = host_to_device([p.effective_temperature for p in params], self.temps.dtype, dev)
+        self.seeds[idx] = host_to_device([p.seed for p in params], self.seeds.dtype, dev)
+        self.top_p[idx] = host_to_device([p.effective_top_p for p in params], self.top_p.dtype, dev)
         for slot, p in zip(slots, params):
             self.params[slot] = p
         self.processors.assign(slots, params, prompts)
