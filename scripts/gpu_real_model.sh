@@ -29,9 +29,9 @@
 # (out/real_model/ and .gguf_parts/part1 persist there between calls):
 #   here, once:  python3 scripts/gguf_parts.py split SmolLM2-135M-Instruct.Q4_1.gguf   # -> .gguf_parts/part1, part2
 #                python3 scripts/build_prompt_file.py .gpu_data/prompts.jsonl.gz       # needs the prompt packages
-#   call 1 (seconds):  carry [".whl", ".gguf_parts/part1"] (56 MiB)
+#   call 1 (seconds):  carry [".whl", ".gguf_parts/part1", ".triton_cache.tar.xz"] (61 MiB with the tree)
 #                      source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh prepare
-#   call 2 (~9 min):   carry [".whl", ".gguf_parts/part2", ".gpu_data"] (55 MiB)
+#   call 2 (~9 min):   carry [".whl", ".gguf_parts/part2", ".gpu_data"] (62 MiB; the Triton cache stays from call 1)
 #                      source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh prepare train
 #                      (recipe 6: prepare ~30 s + train TRAIN_SECONDS 450 s + ~25 s held-out estimate)
 #   call 3 (~1.5 min): carry [".whl", ".gpu_data"]   source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh bench
