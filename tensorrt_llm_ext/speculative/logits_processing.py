@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tensorrt_llm_ext.contract import MAX_LOGIT_BIAS, SamplingParams
 from tensorrt_llm_ext.distributed import allgather, tp_group
-from tensorrt_llm_ext.kernels.common import refuse_allocation_while_capturing
+from tensorrt_llm_ext.kernels.common import host_to_device, refuse_allocation_while_capturing
 
 # The top-k exchange width of a captured step: rows with top_k up to it replay; a larger top_k (rare: clients
 # send 20..100) sizes the exchange by the rows and runs its step eagerly.
@@ -101,15 +101,16 @@ class SlotLogitsProcessors:
             self.bias_vals[slot] = 0.0
             own = [(t - self.vocab_start, b) for t, b in f.logit_bias if 0 <= t - self.vocab_start < self.width]
             if own:
-                self.bias_cols[slot, :len(own)] = torch.tensor([c for c, _ in own], dtype=torch.int64, device=dev)
-                self.bias_vals[slot, :len(own)] = torch.tensor([b for _, b in own], dtype=torch.float32, device=dev)
+                self.bias_cols[slot, :len(own)] = host_to_device([c for c, _ in own], torch.int64, dev)
+                self.bias_vals[slot, :len(own)] = host_to_device([b for _, b in own], torch.float32, dev)
             if f.uses_counts or self.counts is not None:
                 counts, in_prompt = self._tables()
                 counts[slot] = 0
                 in_prompt[slot] = False
-                cols = torch.tensor(list(prompt), dtype=torch.int64, device=dev) - self.vocab_start
-                cols = cols[(cols >= 0) & (cols < self.width)]
-                in_prompt[slot, cols] = True
+                # this shard's columns, chosen on the host (a boolean mask on the device would read its count back)
+                cols = [t - self.vocab_start for t in prompt if 0 <= t - self.vocab_start < self.width]
+                if cols:
+                    in_prompt[slot, host_to_device(cols, torch.int64, dev)] = True
 
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
