@@ -400,6 +400,7 @@ class Engine:
         path = _path(mode)
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
+        self.worker(path).keep_prefill_hidden = any(r.prompt_logprobs is not None for r in requests)
         if mode in NON_SPECULATIVE:
             return self._decoder(mode).prefill_batch(list(slots), prompts, params, starts=starts)
         worker = self.worker(path)
@@ -417,8 +418,9 @@ class Engine:
     def prefill_chunk(self, slot: int, request: Request, start: int, end: int, mode: str = "speculative") -> None:
         """Prompt positions ``start .. end-1`` of ``request`` on ``slot`` (chunked prefill between decode steps;
         :meth:`DSparkWorker.prefill_chunk`); its last chunk goes through :meth:`prefill_slots`."""
-        self.worker(_path(mode)).prefill_chunk(slot, list(request.prompt_ids), start, end,
-                                               speculative=mode not in NON_SPECULATIVE)
+        worker = self.worker(_path(mode))
+        worker.keep_prefill_hidden = request.prompt_logprobs is not None
+        worker.prefill_chunk(slot, list(request.prompt_ids), start, end, speculative=mode not in NON_SPECULATIVE)
 
     def prefill_logprobs(self, request: Request, token: int, mode: str = "speculative", row: int = 0):
         """The first token's ``(logprob, top k)`` of row ``row`` of the last :meth:`prefill_slots` (on every rank);

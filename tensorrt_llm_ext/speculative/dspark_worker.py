@@ -130,8 +130,9 @@ class DSparkWorker(SpecWorkerBase):
         self._step_slots: list[int] = []  # host slot ids of the last set_rows
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
-        # The last prefill's (or chunk's) final hidden states [R * cols, H], row r's position s_r + j at r * cols + j:
-        # the engine's prompt log-probabilities read them (kept until the next prefill).
+        # The last prefill's (or chunk's) final hidden states [R * cols, H], row r's position s_r + j at r * cols + j,
+        # kept (until the next prefill) when keep_prefill_hidden says a request reads its prompt's log-probabilities.
+        self.keep_prefill_hidden = False
         self.prefill_hidden: torch.Tensor | None = None
         self.prefill_cols = 0
 
@@ -419,7 +420,7 @@ class DSparkWorker(SpecWorkerBase):
             starts_t = host_to_device(starts, torch.int64, dev)
             positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
             out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
-            self.prefill_hidden, self.prefill_cols = out.hidden_states, t  # prompt logprobs read them
+            self._keep_hidden(out, t)
             last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             ss = self.slot_sampling
@@ -468,10 +469,15 @@ class DSparkWorker(SpecWorkerBase):
             positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
             slots_t = host_to_device([slot], torch.int32, dev)
             out = self._prefill_forward(ids, positions, slots_t, [(start, end - start)])
-            self.prefill_hidden, self.prefill_cols = out.hidden_states, end - start
+            self._keep_hidden(out, end - start)
             if speculative:
                 self._store_prompt_latents(out, slots_t.long(), positions,
                                            host_to_device([n], torch.int64, dev))
+
+    def _keep_hidden(self, out: TargetOutput, cols: int) -> None:
+        """The prefill's hidden states for the prompt log-probabilities, only when asked (they hold a prefill's
+        ``[R * T, H]`` activations past its end)."""
+        self.prefill_hidden, self.prefill_cols = (out.hidden_states, cols) if self.keep_prefill_hidden else (None, 0)
 
     def _store_prompt_latents(self, out: TargetOutput, slots_l: torch.Tensor, positions: torch.Tensor,
                               lens_t: torch.Tensor) -> torch.Tensor:
