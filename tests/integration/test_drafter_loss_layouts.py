@@ -26,6 +26,21 @@ def _inputs(n=23, h=16, v=301, r=4, positions=7, seed=0):
     return hid, rows_m, w2, head, teacher_u, index, y, c_tv, c_ce, c_kl
 
 
+def _eager_and_fused_agree(inputs, eager_teacher, fused_teacher, fused_kw: dict) -> list:
+    """The loss, per-row TV / CE / agreement and the three gradients of the eager objective and of
+    fused_block_loss (``fused_kw``) on the same rows, equal within 2e-5; returns the eager run's."""
+    hid, rows_m, w2, head, y, c_tv, c_ce, c_kl = inputs
+    outs = []
+    for fn, teacher, kw in ((eager_block_loss, eager_teacher, {}), (fused_block_loss, fused_teacher, fused_kw)):
+        x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
+        loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
+        loss.backward()
+        outs.append([loss.detach(), tv, ce, agree.float()] + [t.grad for t in x])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    return outs[0]
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("layout", ["rows", "joint", "dedup"])
 @pytest.mark.parametrize("v", [301, 257])
@@ -36,19 +51,12 @@ def test_loss_layouts_equal_the_eager_objective(kernel, layout, v):
     if kernel and not triton_runs_on(torch.zeros(1)):
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
     hid, rows_m, w2, head, teacher_u, index, y, c_tv, c_ce, c_kl = _inputs(v=v)
-    outs = []
     shared = layout == "dedup"  # one teacher row per position, read through the index
-    runs = ((eager_block_loss, teacher_u[index], {}),
-            (fused_block_loss, teacher_u if shared else teacher_u[index],
-             {"rows": 5, "kernel": kernel, "joint": layout != "rows", "teacher_index": index if shared else None}))
-    for fn, teacher, kw in runs:
-        x = [t.clone().requires_grad_() for t in (hid, rows_m, w2)]
-        loss, tv, ce, agree = fn(*x, head, teacher, y, c_tv, c_ce, c_kl, **kw)
-        loss.backward()
-        outs.append([loss.detach(), tv, ce, agree.float()] + [t.grad for t in x])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-    assert outs[0][2].std() > 0 and outs[0][4].abs().sum() > 0  # rows differ; gradients flow
+    eager = _eager_and_fused_agree((hid, rows_m, w2, head, y, c_tv, c_ce, c_kl), teacher_u[index],
+                                   teacher_u if shared else teacher_u[index],
+                                   {"rows": 5, "kernel": kernel, "joint": layout != "rows",
+                                    "teacher_index": index if shared else None})
+    assert eager[2].std() > 0 and eager[4].abs().sum() > 0  # rows differ; gradients flow
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -65,17 +73,9 @@ def test_grouped_teacher_rows_equal_the_eager_objective(kernel, rows):
     teacher = torch.randn(groups * width, hid.shape[1], generator=g)
     local = torch.randint(0, width, (groups * per_group,), generator=g)
     index = torch.arange(groups).repeat_interleave(per_group) * width + local
-    outs = []
-    runs = ((eager_block_loss, teacher[index], {}),
-            (fused_block_loss, teacher, {"rows": rows, "kernel": kernel, "joint": True, "teacher_index": index,
-                                         "teacher_groups": (per_group, width)}))
-    for fn, t, kw in runs:
-        x = [v.clone().requires_grad_() for v in (hid, rows_m, w2)]
-        loss, tv, ce, agree = fn(*x, head, t, y, c_tv, c_ce, c_kl, **kw)
-        loss.backward()
-        outs.append([loss.detach(), tv, ce, agree.float()] + [v.grad for v in x])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    _eager_and_fused_agree((hid, rows_m, w2, head, y, c_tv, c_ce, c_kl), teacher[index], teacher,
+                           {"rows": rows, "kernel": kernel, "joint": True, "teacher_index": index,
+                            "teacher_groups": (per_group, width)})
     with pytest.raises(ValueError, match="whole groups"):
         fused_block_loss(hid[:-1], rows_m[:-1], w2, head, teacher, y[:-1], c_tv[:-1], c_ce[:-1],
                          teacher_index=index[:-1], teacher_groups=(per_group, width))
