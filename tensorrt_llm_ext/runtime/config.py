@@ -256,7 +256,8 @@ class KvCacheConfig(_Strict):
     # Prefix reuse (runtime/kv_cache.py, PageAllocator): a prompt's whole pages, once prefilled, serve later prompts
     # that start with the same tokens. Off by default until measured on the H200 (TensorRT-LLM's default: on).
     enable_block_reuse: StrictBool = False
-    enable_partial_reuse: StrictBool = no_effect(True, "whole pages only: a partly matching page is prefilled")
+    # With block reuse: a cached page whose first tokens match where the whole pages stop is copied, not prefilled.
+    enable_partial_reuse: StrictBool = True
     # The page pool (target KV + drafter latents, runtime/kv_cache.py): this fraction of the free device memory
     # after the weights and/or max_tokens (the smaller); neither: every slot at max_seq_len.
     free_gpu_memory_fraction: Float | None = Field(None, gt=0, le=1)

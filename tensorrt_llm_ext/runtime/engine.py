@@ -151,7 +151,8 @@ class Engine:
             draft_len=self.draft_len, page_size=config.kv_cache_config.tokens_per_block, device=self.device,
             max_tokens=config.kv_cache_config.max_tokens,
             free_gpu_memory_fraction=config.kv_cache_config.free_gpu_memory_fraction,
-            enable_block_reuse=config.kv_cache_config.enable_block_reuse)
+            enable_block_reuse=config.kv_cache_config.enable_block_reuse,
+            enable_partial_reuse=config.kv_cache_config.enable_partial_reuse)
         # The checkpoint's EOS ids end every request that does not set ignore_eos (the embedded model has none).
         self.eos_token_ids: frozenset[int] = frozenset(checkpoint_eos_ids(config))
         self._step_logits: torch.Tensor | None = None  # the last run_step's target logits (step_logprobs)
@@ -367,9 +368,23 @@ class Engine:
         with block reuse its prompt's cached whole pages come first. Returns the prompt positions already in
         the cache (its prefill starts there). A request with ``prompt_logprobs`` prefills every position (the
         log-probabilities come from its own forward)."""
-        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode)) if request.prompt_logprobs is None else []
-        self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
-        return len(prefix) * self.state.page_size
+        if request.prompt_logprobs is not None:
+            self.pages.allocate(slot, self.pages_for(request))
+            return 0
+        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode))
+        partial = self.pages.match_partial(request.prompt_ids, _prefix_root(mode))
+        pages = self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
+        if partial is None:
+            return len(prefix) * self.state.page_size
+        self.copy_page(partial[0], pages[len(prefix)])  # stream-ordered before any write to either page
+        return len(prefix) * self.state.page_size + partial[1]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``src``'s contents into page ``dst``: the target's K and V of every layer and the drafter's
+        latents (partial reuse)."""
+        kv = self.state.kv_cache
+        for pool in (kv.k, kv.v, self.state.latent_pool):
+            pool[:, dst].copy_(pool[:, src])
 
     def rematch_prefix(self, slot: int, request: Request, mode: str = "speculative") -> int:
         """``request`` on ``slot`` has not begun its prefill: map the cached pages that now hold its prompt's

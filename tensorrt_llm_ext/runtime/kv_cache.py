@@ -72,10 +72,14 @@ class PageAllocator:
     (the page's token ids and a chain id that is never reused), so a match is never a hash collision, and an
     evicted page's descendants become unreachable. A page holds the target's K/V and the drafter's latents
     of its positions; ``root`` separates prefixes whose pages hold different things (a target-only prefill
-    stores no latents)."""
+    stores no latents).
+
+    **Partial reuse** (``enable_partial_reuse``, with block reuse): where the whole pages stop, a cached page whose
+    first tokens equal the prompt's next ones (:meth:`match_partial`) is copied into the request's first fresh
+    page by the caller, whose prefill then starts after those tokens."""
 
     def __init__(self, num_pages: int, num_slots: int, max_pages_per_slot: int, divisor: int, device,
-                 page_size: int = 0, enable_block_reuse: bool = False):
+                 page_size: int = 0, enable_block_reuse: bool = False, enable_partial_reuse: bool = False):
         if enable_block_reuse and page_size < 1:
             raise ValueError("PageAllocator: block reuse needs the page size")
         self.num_pages = num_pages
@@ -83,12 +87,14 @@ class PageAllocator:
         self.divisor = divisor
         self.page_size = page_size
         self.enable_block_reuse = enable_block_reuse
+        self.enable_partial_reuse = enable_block_reuse and enable_partial_reuse
         self._free = list(range(num_pages))
         self._owned: dict[int, list[int]] = {}
         self._holders: dict[int, int] = {}  # page -> slots holding it (pages of one slot: 1)
         # Block reuse: (parent chain id, page tokens) -> (chain id, page); page -> its key; idle cached pages
         # in release order (the front is evicted first).
         self._cached: dict[tuple, tuple[int, int]] = {}
+        self._children: dict[object, set[tuple]] = {}  # parent chain id -> the keys of its cached pages
         self._key_of: dict[int, tuple] = {}
         self._idle: dict[int, None] = {}
         self._next_chain = 1
@@ -141,8 +147,9 @@ class PageAllocator:
         p = self.page_size
         return parent, tuple(int(t) for t in token_ids[i * p:(i + 1) * p])
 
-    def _cached_prefix(self, token_ids, max_pages: int, root) -> list[int]:
-        """The cached pages that hold the first (at most ``max_pages``) whole pages of ``token_ids``, in order."""
+    def _cached_prefix(self, token_ids, max_pages: int, root, with_parent: bool = False):
+        """The cached pages that hold the first (at most ``max_pages``) whole pages of ``token_ids``, in order
+        (``with_parent``: and the chain id after them)."""
         parent, pages = ("root", root), []
         for i in range(max_pages):
             hit = self._cached.get(self._page_key(parent, token_ids, i))
@@ -150,7 +157,31 @@ class PageAllocator:
                 break
             parent = hit[0]
             pages.append(hit[1])
-        return pages
+        return (pages, parent) if with_parent else pages
+
+    def match_partial(self, prompt_ids, root=None) -> tuple[int, int] | None:
+        """Where :meth:`match`'s whole pages stop: ``(page, m)`` for the cached page under the same chain whose
+        first ``m`` tokens (the most of any, at least one, none past the prompt's second-to-last token) equal the
+        prompt's next ones; None without one. Counted in :attr:`prefix_hits`; nothing is taken: the caller copies
+        the page's first ``m`` positions into its own fresh page before anything else writes either."""
+        if not self.enable_partial_reuse:
+            return None
+        p, n = self.page_size, len(prompt_ids)
+        pages, parent = self._cached_prefix(prompt_ids, (n - 1) // p, root, with_parent=True)
+        start = len(pages) * p
+        want = tuple(int(t) for t in prompt_ids[start:min(start + p, n - 1)])
+        best = None
+        for key in self._children.get(parent, ()):
+            m = 0
+            for a, b in zip(key[1], want):
+                if a != b:
+                    break
+                m += 1
+            if m and (best is None or m > best[1]):
+                best = (self._cached[key][1], m)
+        if best is not None:
+            self.prefix_hits += best[1]
+        return best
 
     def match(self, prompt_ids, root=None) -> list[int]:
         """The cached pages that hold the start of ``prompt_ids`` (whole pages, in order), at most those before
@@ -196,6 +227,7 @@ class PageAllocator:
                 self._next_chain += 1
                 self._cached[key] = hit
                 self._key_of[pages[i]] = key
+                self._children.setdefault(key[0], set()).add(key)
                 added += 1
             parent = hit[0]
         return added
@@ -236,7 +268,12 @@ class PageAllocator:
         while len(pages) < num_pages:  # evict the idle cached page released longest ago
             page = next(iter(self._idle))
             del self._idle[page]
-            del self._cached[self._key_of.pop(page)]
+            key = self._key_of.pop(page)
+            del self._cached[key]
+            siblings = self._children[key[0]]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[key[0]]
             pages.append(page)
         return pages
 
@@ -294,6 +331,7 @@ class PageAllocator:
         self._owned.clear()
         self._holders.clear()
         self._cached.clear()
+        self._children.clear()
         self._key_of.clear()
         self._idle.clear()
         self._free = list(range(self.num_pages))
@@ -343,7 +381,8 @@ def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: 
 
 def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft_len: int, page_size: int,
                 device, max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None,
-                enable_block_reuse: bool = False) -> tuple[DSparkState, SlotPool, PageAllocator]:
+                enable_block_reuse: bool = False, enable_partial_reuse: bool = False
+                ) -> tuple[DSparkState, SlotPool, PageAllocator]:
     """Allocate every cache once: ``max_batch_size`` request slots plus the dummy slot, one page pool (its size
     from :func:`num_cache_pages`) shared by the target's KV cache and the drafter's latent pool."""
     num_slots = max_batch_size + 1
@@ -365,7 +404,7 @@ def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft
               key=f"kv-cache-pages-{num_pages}-{page_size}-{enable_block_reuse}")
     divisor = 2 * drafter.num_latent_layers  # offsets count per-layer K/V-style units, as a KV manager's do
     pages = PageAllocator(num_pages, num_slots, max_pages, divisor, device, page_size=page_size,
-                          enable_block_reuse=enable_block_reuse)
+                          enable_block_reuse=enable_block_reuse, enable_partial_reuse=enable_partial_reuse)
     kv = target.make_paged_kv_cache(num_pages, page_size, pages.page_table, device=device)
     pool = torch.zeros(drafter.latent_pool_shape(num_pages + 1, page_size), dtype=drafter.dtype, device=device)
     state = DSparkState(

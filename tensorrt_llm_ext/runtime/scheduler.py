@@ -394,7 +394,8 @@ class Scheduler:
             return
         for p in self._prefilling.values():
             if p.done == p.cached and p.left > 1 and p.prompt_lps is None:
-                p.done = p.cached = self.engine.rematch_prefix(p.slot, p.request, self.mode)
+                # never below its start: a partly reused page (partial reuse) is not a whole cached one
+                p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.mode))
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""

@@ -37,6 +37,10 @@ def _check(pages: PageAllocator) -> None:
     assert len(counts) + len(idle) + len(free) == pages.num_pages
     assert idle <= set(pages._key_of) and not free & set(pages._key_of)
     assert {pg for _, pg in pages._cached.values()} == set(pages._key_of)
+    children: dict = {}
+    for key in pages._cached:
+        children.setdefault(key[0], set()).add(key)
+    assert children == pages._children  # partial reuse's index: the cached keys under each parent, no stale one
     assert all(pages._cached[key][1] == pg for pg, key in pages._key_of.items())
     for slot, row in pages._owned.items():
         assert pages.page_table[slot, :len(row)].tolist() == row
@@ -169,7 +173,7 @@ def test_target_only_pages_do_not_serve_the_drafter():
     eng.generate([req], "speculative")
     assert eng.pages.prefix_hits == hits and eng.pages.num_cached == 10
     eng.generate([req], "target_only")
-    assert eng.pages.prefix_hits == hits + 4 * PAGE
+    assert eng.pages.prefix_hits == hits + 4 * PAGE + 1  # + partial reuse: the 5th page's first token (of 2 left)
 
 
 def test_scheduler_reports_prefix_hits_and_frees_shared_pages_once():
@@ -215,8 +219,11 @@ def test_serve_metrics_count_prefix_queries_and_hits():
 
     assert done == [0, 1]
     assert sample("prefix_cache_queries") == len(PROMPTS[0]) + len(PROMPTS[5])
-    assert sample("prefix_cache_hits") == 3 * PAGE
-    assert sample("prompt_tokens") == len(PROMPTS[0]) + len(PROMPTS[5]) - 3 * PAGE  # the tokens prefilled
+    # three whole pages, and (partial reuse) the rest of the second prompt before its last token, which the first
+    # request's fourth page (its prompt's end and its answer) holds
+    hits = 3 * PAGE + len(PROMPTS[5]) - 1 - 3 * PAGE
+    assert sample("prefix_cache_hits") == hits
+    assert sample("prompt_tokens") == len(PROMPTS[0]) + len(PROMPTS[5]) - hits  # the tokens prefilled
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
@@ -441,3 +448,98 @@ def test_random_plans_with_cancels_keep_the_pages_and_the_tokens(chunked):
     assert len(ran) >= len(reqs) // 2
     want = whole.generate([reqs[h] for h in ran], "target_only")[0]
     assert [out[h] for h in ran] == [r.output_ids for r in want]
+
+
+def test_partial_reuse_matches_the_longest_cached_page_start():
+    """``match_partial``: where the whole pages stop, the cached page under the same chain whose first tokens match
+    the most of the prompt's next ones (never its last token); none without a common first token, under another
+    chain or root, with partial reuse off, or once the page is evicted (its index entry goes with it)."""
+    pages = PageAllocator(num_pages=6, num_slots=3, max_pages_per_slot=5, divisor=2, device="cpu", page_size=PAGE,
+                          enable_block_reuse=True, enable_partial_reuse=True)
+    a = list(range(1, 14))  # 13 tokens: 3 whole pages registered
+    pages.allocate(0, 4)
+    pages.register(0, a)
+    b = a[:4] + [50, 51, 52, 53, 60]  # page 1 differs: a[4:8] = 5..8
+    pages.allocate(1, 3, prefix=pages.match(b))
+    pages.register(1, b)  # page 1 of b under page 0's chain too
+    hits = pages.prefix_hits
+    assert pages.match_partial(a[:4] + [5, 6, 99, 99, 99]) == (pages._owned[0][1], 2)  # 5, 6 of page 1
+    assert pages.match_partial(a[:4] + [50, 51, 52, 7, 9]) == (pages._owned[1][1], 3)
+    assert pages.prefix_hits - hits == 5
+    assert pages.match_partial(a[:4] + [5, 6]) == (pages._owned[0][1], 1)  # never the prompt's last token
+    assert pages.match_partial(a[:4] + [77, 6, 7, 8, 9]) is None  # no common first token
+    assert pages.match_partial([9] + a[1:]) is None and pages.match_partial(a[:6], root="other") is None
+    assert pages.match_partial(a[:8] + [9, 10, 0, 0]) == (pages._owned[0][2], 2)  # after two whole pages
+    off = PageAllocator(num_pages=6, num_slots=3, max_pages_per_slot=5, divisor=2, device="cpu", page_size=PAGE,
+                        enable_block_reuse=True, enable_partial_reuse=False)
+    off.allocate(0, 4)
+    off.register(0, a)
+    assert off.match_partial(a[:4] + [5, 6, 99, 99]) is None
+    pages.free(0)
+    pages.free(1)
+    pages.allocate(2, 5)  # evicts 5 of the 5 idle cached pages (one was free)
+    assert pages.match_partial(a[:4] + [5, 6, 99, 99, 99]) is None
+    _check(pages)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_partial_reuse_gives_the_tokens_of_whole_prefills_and_prefills_less(mode):
+    """Prompts that share a page's first tokens only (a system prompt that ends inside a page): with partial reuse
+    the later ones copy those positions and prefill the rest; the tokens equal the target's own decode without
+    reuse, greedy and sampled, and more prompt tokens come from the cache."""
+    prompts = [SYSTEM + [5, 17, 6, 2, 9], SYSTEM + [5, 17, 40, 41], SYSTEM + [5, 33, 34], SYSTEM[:14] + [9]]
+    reqs = [Request(list(p), max_new_tokens=4, sampling=SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i))
+            for i, p in enumerate(prompts)]
+    whole = Engine(load_config(**tiny_model(**TINY)))
+    want = [r.output_ids for r in whole.generate(reqs, "reference" if mode == "speculative" else mode)[0]]
+    counts = {}
+    for partial in (False, True):
+        eng = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True,
+                                                         "kv_cache_config.enable_partial_reuse": partial})))
+        got = []
+        for r in reqs:  # one at a time: each finds the pages of the ones before
+            got.append(eng.generate([r], mode)[0][0].output_ids)
+        assert got == want, partial  # strict acceptance: the sampled rows too are the target decode's
+        counts[partial] = eng.pages.prefix_hits
+        assert eng.pages.num_used == 0
+        _check(eng.pages)
+    # the 13-token system prompt ends inside the 4th page: each later prompt copies its first token or more
+    assert counts[True] >= counts[False] + 3
+
+
+def _slot_cache(eng: Engine, slot: int, n: int):
+    """The K, V and drafter latents of ``slot``'s positions ``0 .. n-1``, read through its page table."""
+    pos = __import__("torch").arange(n)
+    pages = eng.pages.page_table[slot, pos // PAGE].long()
+    kv = eng.state.kv_cache
+    return kv.k[:, pages, pos % PAGE], kv.v[:, pages, pos % PAGE], eng.state.latent_pool[:, pages, pos % PAGE]
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_partial_reuse_copies_the_page_start(mode):
+    """After a prefill that reused whole pages and a page's start, the slot's cache holds what a prefill of the
+    whole prompt writes: K and V at every prompt position (and the drafter's latents below the last one,
+    speculative) equal an engine without reuse's (fp32, up to another GEMM shape's rounding)."""
+    import torch
+
+    first, later = SYSTEM + [5, 17, 6, 2, 9], SYSTEM + [5, 17, 40, 41]
+    whole = Engine(load_config(**tiny_model(**TINY)))
+    reuse = Engine(load_config(**tiny_model(**TINY, **{"kv_cache_config.enable_block_reuse": True})))
+    reuse.generate([Request(list(first), max_new_tokens=2)], mode)  # its pages are cached now
+    hits = reuse.pages.prefix_hits
+    caches = []
+    for eng in (whole, reuse):
+        sched = Scheduler(eng, mode=mode)
+        events, _ = sched.apply(StepPlan(admit=[(0, Request(list(later), max_new_tokens=4))], run=False))
+        assert events[0].error is None
+        caches.append(_slot_cache(eng, sched._live[0].slot, len(later)))
+        sched.apply(StepPlan(cancel=[0], run=False))
+    assert reuse.pages.prefix_hits - hits == len(SYSTEM) + 2  # 3 whole pages and 3 positions of the 4th
+    (k0, v0, l0), (k1, v1, l1) = caches
+    # equal up to the rounding of a GEMM of another row count (the cached positions came from the first prompt's
+    # prefill, the rest from a 2-row one; the engine without reuse ran one of 17 rows)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k1, k0, **tol)
+    torch.testing.assert_close(v1, v0, **tol)
+    if mode == "speculative":
+        torch.testing.assert_close(l1[:, :len(later) - 1], l0[:, :len(later) - 1], **tol)
