@@ -343,11 +343,11 @@ def run(args: argparse.Namespace) -> int | None:
              + (f" after one shared prefix of {args.shared_prefix} token ids" if args.shared_prefix else "") +
              "; streamed completions; prefix cache = kv_cache_config.enable_block_reuse (hit = cached prompt tokens "
              "over prompt tokens looked up, from the server's counters); "
-             f"TTFT = request sent to its "
-             f"first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
-             f"a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
-             f"on the host), host ms/step = the mean host time between back-to-back steps, prefill ms/step = the "
-             f"admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics).",
+             "TTFT = request sent to its "
+             "first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
+             "a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
+             "on the host), host ms/step = the mean host time between back-to-back steps, prefill ms/step = the "
+             "admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
                                 else "off (every step eager)"),
              "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
