@@ -399,9 +399,10 @@ def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft
                                      free_gpu_memory_fraction=free_gpu_memory_fraction, device=device)
     info_once(f"kv cache: {num_pages} pages of {page_size} tokens ({num_pages * page_size} tokens, "
               f"{num_pages * bytes_per_page / 2**20:.1f} MiB with the drafter's latents): {why}; prefix reuse "
-              + ("on (kv_cache_config.enable_block_reuse: a prompt's whole pages serve later prompts)"
+              + ("on (kv_cache_config.enable_block_reuse: a prompt's whole pages serve later prompts; partial reuse "
+                 + ("on: a page's matching start is copied)" if enable_partial_reuse else "off)")
                  if enable_block_reuse else "off"),
-              key=f"kv-cache-pages-{num_pages}-{page_size}-{enable_block_reuse}")
+              key=f"kv-cache-pages-{num_pages}-{page_size}-{enable_block_reuse}-{enable_partial_reuse}")
     divisor = 2 * drafter.num_latent_layers  # offsets count per-layer K/V-style units, as a KV manager's do
     pages = PageAllocator(num_pages, num_slots, max_pages, divisor, device, page_size=page_size,
                           enable_block_reuse=enable_block_reuse, enable_partial_reuse=enable_partial_reuse)
