@@ -222,6 +222,7 @@ def test_fallback_edges_on_shards_narrower_than_a_block():
     t[0, 396] = 19.5  # the drafted token, near the max
     tk = torch.tensor([[396, 100]])
     tm = torch.tensor([0.9])
+    t, d, tm, tk = (x.to(DEV) for x in (t, d, tm, tk))  # the launchers' device (the GPU in l0_h200)
     ref = _two_pass_bins((block_keys, block_bins), t, d, tm, tk, 2, 1, 1, 1024, vocab=397)
     assert ref[0, 0] > 0 and ref[0, STAT_BINS] > 0  # the drafted token 396 weighs something
     for tp in (2, 4):
