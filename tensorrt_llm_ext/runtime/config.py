@@ -254,7 +254,7 @@ class KvCacheConfig(_Strict):
     tokens_per_block: StrictInt = Field(16, ge=1, le=4096)  # the drafter's latent page size
     dtype: StrictStr = no_effect("auto", "caches are kept in the model dtype")
     # Prefix reuse (runtime/kv_cache.py, PageAllocator): a prompt's whole pages, once prefilled, serve later prompts
-    # that start with the same tokens. Off by default until measured on the H200 (TensorRT-LLM's default: on).
+    # that start with the same tokens. Off by default until l0_h200 passes whole (TensorRT-LLM's default: on).
     enable_block_reuse: StrictBool = False
     # With block reuse: a cached page whose first tokens match where the whole pages stop is copied, not prefilled.
     enable_partial_reuse: StrictBool = True
