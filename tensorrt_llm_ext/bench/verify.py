@@ -76,6 +76,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--block-size", type=int, default=1024, help="columns per tile of every verification kernel")
     p.add_argument("--num-splits", type=int, default=32, help="column chunks (programs) per row, at most")
+    p.add_argument("--target-programs", type=int, default=None,
+                   help="programs per call the column plan aims at (default: the library's)")
     p.add_argument("--no-stock", action="store_true", help="skip the gathered stock baseline")
     p.add_argument("--acceptance", action="store_true",
                    help="mean acceptance length on the embedded model: strict vs rejection sampling (no timing)")
@@ -87,6 +89,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-pass-stats", action="store_true",
                    help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
                         "on block-aligned shards instead")
+    p.add_argument("--stats-warps", default="4",
+                   help="--one-pass-stats: warps per block_stats program, comma-separated (a row each)")
+    p.add_argument("--stats-programs", default="512",
+                   help="--one-pass-stats: programs per call the one pass's chunks aim at (column_plan's "
+                        "target_programs), comma-separated (a row each)")
 
 
 # Reference columns (issue 28, H200, 2026-12-02, torch 2.11, triton 3.6, bf16, K = 7, T = 1, CUDA graph, medians;
@@ -199,7 +206,8 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
         temps = torch.full((b,), args.temperature, device=device)
         seeds = torch.arange(b, dtype=torch.int64, device=device)
         offsets = torch.zeros(b, dtype=torch.int64, device=device)
-        ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits)
+        ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits,
+                                                  **_plan_kw(args))
         out = (torch.empty(b, k + 1, dtype=torch.int64, device=device),
                torch.empty(b, dtype=torch.int32, device=device))
         for name, top_p in (("no top-p", None), (f"top-p {args.top_p}", torch.full((b,), args.top_p, device=device))):
@@ -207,7 +215,7 @@ def _profile(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
                 return rejection_sample(tgt, drf, tokens, temperatures=temps, seeds=seeds, offsets=offsets,
                                         top_p=top_p, vocab_size=width, out=out, workspace=ws)
 
-            s_eff, _ = column_plan(b * (2 * k + 1), width, block, splits)
+            s_eff, _ = column_plan(b * (2 * k + 1), width, block, splits, **_plan_kw(args))
             title = (f"bench verify --profile: one rejection_sample call, {name}, B={b}, V_local={width}, K={k}, "
                      f"block {block}, {s_eff} column chunks per row, {passes} pass(es)")
             if device.type == "cuda":
@@ -232,6 +240,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     batches = [int(x) for x in args.batch_sizes.split(",")]
     tps = [int(x) for x in args.tp_sizes.split(",")]
     block, splits = args.block_size, args.num_splits
+    warps = [int(x) for x in args.stats_warps.split(",")]
+    programs = [int(x) for x in args.stats_programs.split(",")]
     if timer.smoke:
         vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
     bw = measure_copy_bandwidth(device)
@@ -243,7 +253,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
         for b in batches:
             rt, rq = b * (k + 1), b * k
             s2, _ = column_plan(rt + rq, width, block, splits)
-            s1, _ = column_plan(rt + rq, width, STAT_BLOCK, splits)
+            plans = {(w, n): column_plan(rt + rq, width, STAT_BLOCK, splits, target_programs=n)[0]
+                     for w in warps for n in programs}
             g = torch.Generator(device=device).manual_seed(b * 11 + tp)
             n_sets = rotation_count((rt + rq) * width * elt, max_sets=16) if not timer.smoke else 1
             sets = [((args.logit_scale * torch.randn(rt, width, generator=g, device=device)).to(dtype),
@@ -253,31 +264,39 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
             temps = torch.full((b,), args.temperature, device=device)
             keys2 = torch.empty(rt + rq, s2, 2, dtype=torch.int64, device=device)
             sums = torch.empty(fps.sums_layout(rt, rq, s2, False)[1], dtype=torch.int64, device=device)
-            keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
-            stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
 
             def two(t, d):
                 fps.verify_keys(t, d, start, vocab, out=keys2, block_size=block, num_splits=s2)
                 fps.verify_sums(t, d, keys2, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k,
                                 out=sums, block_size=block, num_splits=s2)
 
-            def one(t, d):
+            def one(t, d, w, s1, keys1, stats):
                 block_stats(t, d, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys1,
-                            stats_out=stats, num_splits=s1)
+                            stats_out=stats, num_splits=s1, num_warps=w)
 
             t2 = timer.time_graph([lambda s=s: two(*s) for s in sets])
-            t1 = timer.time_graph([lambda s=s: one(*s) for s in sets])
             fl = floor_us((rt + rq) * width * elt, bw)
-            table.append([tp, width, b, s2, s1, fmt(fl, 2), fmt(t2, 2), fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
+            for (w, _), s1 in plans.items():
+                keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
+                stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
+                t1 = timer.time_graph([lambda s=s: one(*s, w, s1, keys1, stats) for s in sets])
+                table.append([tp, width, b, s2, w, s1, fmt(fl, 2), fmt(t2, 2), fmt(t1, 2), fmt(t2 / t1, 2),
+                              fmt(t1 / fl, 2)])
         print_table(
             f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, tp {tp}, {args.dtype}, "
             f"V={vocab}, K={k}",
-            ["tp", "aligned width", "B", "chunks (two-pass)", "chunks (one pass)", "floor us", "keys + sums us",
+            ["tp", "aligned width", "B", "chunks (two-pass)", "warps (one pass)", "chunks (one pass)", "floor us",
+             "keys + sums us",
              "one pass us", "two / one", "one / floor"],
             table,
             notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
                    "top-p; keys + sums = the two passes of the previous definition (the whole call on aligned shards: "
                    "bench verify, docs/rejection_sampling.md)."])
+
+
+def _plan_kw(args: argparse.Namespace) -> dict[str, int]:
+    """The column plan's ``target_programs`` when ``--target-programs`` gives one (else the library's default)."""
+    return {} if args.target_programs is None else {"target_programs": args.target_programs}
 
 
 def capture_graph(call) -> "torch.cuda.CUDAGraph":
@@ -406,7 +425,8 @@ def run(args: argparse.Namespace) -> None:
             seeds = torch.arange(b, dtype=torch.int64, device=device)
             offsets = torch.zeros(b, dtype=torch.int64, device=device)
             top_p = torch.full((b,), args.top_p, device=device)
-            ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits)
+            ws = VerificationWorkspace.for_verification(b, k, width, device=device, block_size=block, num_splits=splits,
+                                                  **_plan_kw(args))
             out = (torch.empty(b, k + 1, dtype=torch.int64, device=device),
                    torch.empty(b, dtype=torch.int32, device=device))
             res, fi, two = {}, {}, {}
@@ -445,7 +465,7 @@ def run(args: argparse.Namespace) -> None:
                     del fulls
                 stock = stock_cache.get(key, float("nan"))
                 ours = res[name]
-                s_eff, chunk = column_plan(b * (2 * k + 1), width, block, splits)
+                s_eff, chunk = column_plan(b * (2 * k + 1), width, block, splits, **_plan_kw(args))
                 sub = draw_plan(b, s_eff, chunk, block, splits)
                 calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype, sub, passes) if tp > 1
                                  else (0, 0))

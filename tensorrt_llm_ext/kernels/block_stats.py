@@ -181,14 +181,16 @@ def _check(target, draft, temperatures, tokens, div_t, div_q, keys_out, stats_ou
 def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: torch.Tensor, vocab_start: int,
                 vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                 keys_out: torch.Tensor, stats_out: torch.Tensor, num_splits: int = 1,
-                block_size: int = STAT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                block_size: int = STAT_BLOCK, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the target rows and the draft rows of a block-aligned shard: every slot of ``keys_out
     [R_t + R_q, S, 2]`` (as :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_keys`) and of
     ``stats_out [R_t + R_q, S, STATS_COLS]`` int64 written: per (row, column chunk of whole blocks) ``R_c``
     (``EMPTY_KEY`` if the chunk has no finite logit), the ``STAT_BINS`` bins, and ``F_b`` and ``R_b`` of the
     row's token where the chunk owns it (0 and ``EMPTY_KEY`` elsewhere). Rows, ``row_div`` / ``row_div_q``,
     ``tokens`` and temperatures as ``verify_sums``. ``S`` = ``plan_chunks(V_local, block_size, num_splits)``
-    (``block_size`` a multiple of ``STAT_BLOCK``). CUDA-graph safe (no allocation, no sync).
+    (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None: one per 256 ids of a
+    block); a schedule choice only, every value gives the same bits (integer sums and maxima). CUDA-graph safe (no
+    allocation, no sync).
     """
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
                                             stats_out, num_splits, vocab_start, vocab_size, block_size)
@@ -202,7 +204,8 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
     _block_stats_kernel[(rt + rq, splits)](
         target, q, temperatures, tokens if tokens is not None else keys_out, keys_out, stats_out,
         target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits, row_div, row_div_q, k_tok,
-        G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0, num_warps=num_warps_for(STAT_BLOCK))
+        G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0,
+        num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
     return keys_out, stats_out
 
 

@@ -128,13 +128,14 @@ _DEFAULT_BLOCK = 1024
 _TARGET_PROGRAMS = 512
 
 
-def column_plan(rows: int, width: int, block_size: int, num_splits: int) -> tuple[int, int]:
+def column_plan(rows: int, width: int, block_size: int, num_splits: int,
+                target_programs: int = _TARGET_PROGRAMS) -> tuple[int, int]:
     """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``width``-column shards: at most
-    ``num_splits`` chunks per row and no more than ``ceil(512 / rows)``. Depends on shapes only, and on the
+    ``num_splits`` chunks per row and no more than ``ceil(target_programs / rows)``. Depends on shapes only, and on the
     shard's width, not on how many of its columns are real ids: every rank of a TP group must exchange
     buffers of the same shape, and the last rank's shard holds the padding (chunks past the real ids are
     empty: their slots are written as empty)."""
-    want = max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(rows, 1))))
+    want = max(1, min(num_splits, -(-target_programs // max(rows, 1))))
     return fps.plan_chunks(width, block_size, want)
 
 
@@ -202,20 +203,24 @@ class VerificationWorkspace:
     """
 
     def __init__(self, max_rows_t: int, max_rows_q: int, max_batch: int, shard_width: int, *, tp: int = 1,
-                 device: torch.device | str = "cpu", block_size: int = _DEFAULT_BLOCK, num_splits: int = 1):
+                 device: torch.device | str = "cpu", block_size: int = _DEFAULT_BLOCK, num_splits: int = 1,
+                 target_programs: int = _TARGET_PROGRAMS):
         for name, v in (("max_rows_t", max_rows_t), ("max_rows_q", max_rows_q), ("max_batch", max_batch),
                         ("shard_width", shard_width)):
             check_int(name, v, lo=0)
         check_int("tp", tp, lo=1)
         check_int("num_splits", num_splits, lo=1)
+        check_int("target_programs", target_programs, lo=1)
         if block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
         refuse_allocation_while_capturing("VerificationWorkspace", device)
         self.block_size = block_size
         self.num_splits = num_splits
+        self.target_programs = target_programs
         self.tp = tp
         self.splits, _ = fps.plan_chunks(shard_width, block_size, num_splits)
-        self._capacity = _capacity(max_rows_t, max_rows_q, max_batch, shard_width, block_size, num_splits, tp)
+        self._capacity = _capacity(max_rows_t, max_rows_q, max_batch, shard_width, block_size, num_splits, tp,
+                                   target_programs)
         self._bufs = {name: torch.empty(n, dtype=torch.int64, device=device) for name, n in self._capacity.items()}
         self.device = torch.device(device)
 
@@ -234,13 +239,13 @@ class VerificationWorkspace:
 
 
 def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, block_size: int, num_splits: int,
-              tp: int) -> dict[str, int]:
+              tp: int, target_programs: int) -> dict[str, int]:
     """Elements per buffer for every call a workspace serves: the max over its batch sizes (the column plan
     uses fewer chunks at more rows, so the largest batch times the most chunks would overallocate)."""
     cap: dict[str, int] = {}
 
     def fit(rt: int, rq: int, b: int) -> None:
-        s, chunk = column_plan(rt + rq, width, block_size, num_splits)
+        s, chunk = column_plan(rt + rq, width, block_size, num_splits, target_programs)
         f = draw_plan(b, s, chunk, block_size, num_splits) if b else 1
         for passes in (("one", "two") if b else (None,)):
             for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f, passes=passes).sizes().items():
@@ -299,6 +304,13 @@ def _call_buffers(workspace, plan, dev, name: str):
 # ----------------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------------
+def _plan_knobs(workspace) -> tuple[int, int, int]:
+    """``(block_size, num_splits, target_programs)`` of a call's column plan: the workspace's, else the defaults."""
+    if workspace is None:
+        return _DEFAULT_BLOCK, 1, _TARGET_PROGRAMS
+    return workspace.block_size, workspace.num_splits, workspace.target_programs
+
+
 def _exchange_facts(exchange: PairExchange | None) -> tuple[PairExchange | None, int, int]:
     if exchange is None:
         return None, 1, 0
@@ -381,8 +393,8 @@ def _top_p_keep_steps(ops, logits, top_p, temperatures, vocab_start, vocab_size,
         refuse_allocation_while_capturing("top_p_keep", dev)
         out = torch.empty((rows, width), dtype=torch.bool, device=dev)
     check_tensor("out", out, shape=(rows, width), dtype=torch.bool, device=dev, contiguous=True)
-    bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    splits, chunk = column_plan(rows, width, bs, ns)
+    bs, ns, tpg = _plan_knobs(workspace)
+    splits, chunk = column_plan(rows, width, bs, ns, tpg)
     plan = VerificationPlan(rows, 0, 0, splits, tp, True)
     ws = _call_buffers(workspace, plan, dev, "top_p_keep")
     if rows == 0:
@@ -485,8 +497,8 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     accepted, num_accepted = out
     check_tensor("accepted_tokens (out)", accepted, shape=(b, k1), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
-    bs, ns = (workspace.block_size, workspace.num_splits) if workspace is not None else (_DEFAULT_BLOCK, 1)
-    splits, chunk = column_plan(b * (2 * k + 1), width, bs, ns)
+    bs, ns, tpg = _plan_knobs(workspace)
+    splits, chunk = column_plan(b * (2 * k + 1), width, bs, ns, tpg)
     sub = draw_plan(b, splits, chunk, bs, ns)
     has_p = top_p is not None
     passes = choose_passes(passes, width, tp, vocab_start, bs)
