@@ -100,7 +100,9 @@ def _fused_tile(h, w, base_ptr, out_ptr, rows64, rmask, cols, cols64, cmask, col
     if DOT_FP32:
         acc = tl.sum(h[:, None, :] * w[None, :, :], axis=2)
     elif W_KIND == 0:
-        acc = tl.dot(h, tl.trans(w), input_precision="ieee")
+        # The select keeps the fp32 dot's result a value of its own: Triton's combine pass rewrites dot(a, b) + c
+        # into a dot accumulating onto c, rounding at every partial sum instead of once after F.linear.
+        acc = tl.where(m2, tl.dot(h, tl.trans(w), input_precision="ieee"), 0.0)
     else:
         acc = tl.dot(h, tl.trans(w))
     bias = bias_to_logits(acc, W_KIND, OUT_BF16)

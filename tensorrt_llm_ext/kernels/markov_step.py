@@ -28,7 +28,7 @@ import triton.language as tl
 from tensorrt_llm_ext.kernels.ordered_key import (gumbel2_noise_grouped, gumbel_score, keyed_gumbel_scores_torch,
                                                   shard_argmax_key_reference)
 
-__all__ = ["W_BF16", "W_FP16", "W_FP32", "add_in_logits_dtype", "bias_to_logits", "finished_dot", "markov_step_reference",
+__all__ = ["W_BF16", "W_FP16", "W_FP32", "add_in_logits_dtype", "bias_to_logits", "markov_step_reference",
            "round_bf16", "selection_score"]
 
 # Weights dtype codes (constexpr W_KIND): how the fp32 accumulator is rounded to F.linear's output dtype.
@@ -48,28 +48,9 @@ def round_bf16(x):
     return tl.where(x != x, float("nan"), y)
 
 
-# Compiled kernels pin a finished dot accumulator with an opaque move (below); the interpreter has no inline asm
-# and no such rewrite. Decided by what triton.jit made of this module's kernels, so it matches how they run.
-_COMPILED: tl.constexpr = tl.constexpr(type(round_bf16).__name__ != "InterpretedFunction")
-
-
-@triton.jit
-def finished_dot(acc):
-    """The dot's fp32 result as a value of its own. Triton's combine pass rewrites ``dot(a, b) + c`` into a dot
-    that accumulates onto ``c``, which rounds ``c + partial sums`` at every step instead of ``c + (a @ b)`` once
-    (F.linear, then the add): one opaque ``mov`` keeps the add a separate, once-rounded fp32 add."""
-    if _COMPILED:
-        return tl.inline_asm_elementwise("mov.f32 $0, $1;", "=f,f", [acc], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return acc
-
-
 @triton.jit
 def bias_to_logits(acc, W_KIND: tl.constexpr, OUT_BF16: tl.constexpr):
-    """fp32 accumulator -> F.linear's output dtype -> logits dtype, returned as fp32 (an fp32 dot's result pinned
-    by :func:`finished_dot`: the roundings of the other dtypes already keep the add out of the dot)."""
-    if W_KIND == 0 and not OUT_BF16:
-        acc = finished_dot(acc)
+    """fp32 accumulator -> F.linear's output dtype -> logits dtype, returned as fp32."""
     if W_KIND == 1:
         acc = round_bf16(acc)
     elif W_KIND == 2:
