@@ -89,11 +89,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-pass-stats", action="store_true",
                    help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
                         "on block-aligned shards instead")
-    p.add_argument("--stats-warps", default="4",
-                   help="--one-pass-stats: warps per block_stats program, comma-separated (a row each)")
-    p.add_argument("--stats-programs", default="512",
-                   help="--one-pass-stats: programs per call the one pass's chunks aim at (column_plan's "
-                        "target_programs), comma-separated (a row each)")
+    p.add_argument("--stats-configs", default="4/512/0",
+                   help="--one-pass-stats: block_stats schedules WARPS/PROGRAMS/PREFETCH, comma-separated (a row each): "
+                        "warps per program, programs per call the chunks aim at (column_plan's target_programs), "
+                        "1 to load the next tile before this one's reductions")
 
 
 # Reference columns (issue 28, H200, 2026-12-02, torch 2.11, triton 3.6, bf16, K = 7, T = 1, CUDA graph, medians;
@@ -240,8 +239,9 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     batches = [int(x) for x in args.batch_sizes.split(",")]
     tps = [int(x) for x in args.tp_sizes.split(",")]
     block, splits = args.block_size, args.num_splits
-    warps = [int(x) for x in args.stats_warps.split(",")]
-    programs = [int(x) for x in args.stats_programs.split(",")]
+    configs = [tuple(int(v) for v in c.split("/")) for c in args.stats_configs.split(",")]
+    if any(len(c) != 3 for c in configs):
+        raise SystemExit(f"--stats-configs: expected WARPS/PROGRAMS/PREFETCH items, got {args.stats_configs!r}")
     if timer.smoke:
         vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
     bw = measure_copy_bandwidth(device)
@@ -253,8 +253,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
         for b in batches:
             rt, rq = b * (k + 1), b * k
             s2, _ = column_plan(rt + rq, width, block, splits)
-            plans = {(w, n): column_plan(rt + rq, width, STAT_BLOCK, splits, target_programs=n)[0]
-                     for w in warps for n in programs}
+            plans = {(w, n, f): column_plan(rt + rq, width, STAT_BLOCK, splits, target_programs=n)[0]
+                     for w, n, f in configs}
             g = torch.Generator(device=device).manual_seed(b * 11 + tp)
             n_sets = rotation_count((rt + rq) * width * elt, max_sets=16) if not timer.smoke else 1
             sets = [((args.logit_scale * torch.randn(rt, width, generator=g, device=device)).to(dtype),
@@ -270,18 +270,18 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
                 fps.verify_sums(t, d, keys2, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k,
                                 out=sums, block_size=block, num_splits=s2)
 
-            def one(t, d, w, s1, keys1, stats):
+            def one(t, d, w, f, s1, keys1, stats):
                 block_stats(t, d, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys1,
-                            stats_out=stats, num_splits=s1, num_warps=w)
+                            stats_out=stats, num_splits=s1, num_warps=w, prefetch=f)
 
             t2 = timer.time_graph([lambda s=s: two(*s) for s in sets])
             fl = floor_us((rt + rq) * width * elt, bw)
-            for (w, _), s1 in plans.items():
+            for (w, _, f), s1 in plans.items():
                 keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
                 stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
-                t1 = timer.time_graph([lambda s=s: one(*s, w, s1, keys1, stats) for s in sets])
-                table.append([tp, width, b, s2, w, s1, fmt(fl, 2), fmt(t2, 2), fmt(t1, 2), fmt(t2 / t1, 2),
-                              fmt(t1 / fl, 2)])
+                t1 = timer.time_graph([lambda s=s: one(*s, w, f, s1, keys1, stats) for s in sets])
+                table.append([tp, width, b, s2, f"{w}{' prefetch' if f else ''}", s1, fmt(fl, 2), fmt(t2, 2),
+                              fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
         print_table(
             f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, tp {tp}, {args.dtype}, "
             f"V={vocab}, K={k}",

@@ -53,6 +53,7 @@ __all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "
            "row_bins_reference", "row_mass_reference", "shard_block_weights_torch"]
 
 STAT_BLOCK = 1024
+STATS_PREFETCH = False  # block_stats' default schedule (bench verify --one-pass-stats times both)
 STAT_BINS = 32
 STATS_COLS = STAT_BINS + 3  # R_c, bins[STAT_BINS], F_b(token), R_b(token)
 BINS_COLS = STAT_BINS + 2  # the exchanged row bins: bins[STAT_BINS] (bin i = grid distance i to R), F_b(token), R - R_b(token)
@@ -88,7 +89,7 @@ def _block_stats_kernel(
     keys_ptr,  # [rows_t + rows_q, S, 2] int64 out: as verify_keys
     stats_ptr,  # [rows_t + rows_q, S, STATS_COLS] int64 out
     stride_t, stride_q, rows_t, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
-    G: tl.constexpr, MAXB: tl.constexpr, NB: tl.constexpr, HAS_TOK: tl.constexpr,
+    G: tl.constexpr, MAXB: tl.constexpr, NB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,11 +115,18 @@ def _block_stats_kernel(
     zb = tl.zeros([MAXB], tl.int64)
     ftok = tl.full([], 0, tl.int64)
     rtok = tl.full([], -9223372036854775808, tl.int64)
+    # PREFETCH: the next tile's load is issued before this tile's two reductions, so its latency overlaps them (a
+    # program walks its chunk's tiles one after another; the values do not change)
+    x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
     for i in range(0, tl.cdiv(col_end - col_begin, G)):
         start = col_begin + i * G
         cols = start + lanes
         valid = cols < col_end
-        x = load_pair_tile(t_row, q_row, is_t, cols, valid)
+        if PREFETCH:
+            x = x_next
+            x_next = load_pair_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
+        else:
+            x = load_pair_tile(t_row, q_row, is_t, cols, valid)
         o = ordered_i32(x)
         fin = valid & is_finite(x)
         ofin = tl.where(fin, o, -2147483648)
@@ -181,7 +189,8 @@ def _check(target, draft, temperatures, tokens, div_t, div_q, keys_out, stats_ou
 def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: torch.Tensor, vocab_start: int,
                 vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                 keys_out: torch.Tensor, stats_out: torch.Tensor, num_splits: int = 1,
-                block_size: int = STAT_BLOCK, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                block_size: int = STAT_BLOCK, num_warps: int | None = None,
+                prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the target rows and the draft rows of a block-aligned shard: every slot of ``keys_out
     [R_t + R_q, S, 2]`` (as :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_keys`) and of
     ``stats_out [R_t + R_q, S, STATS_COLS]`` int64 written: per (row, column chunk of whole blocks) ``R_c``
@@ -189,8 +198,9 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
     row's token where the chunk owns it (0 and ``EMPTY_KEY`` elsewhere). Rows, ``row_div`` / ``row_div_q``,
     ``tokens`` and temperatures as ``verify_sums``. ``S`` = ``plan_chunks(V_local, block_size, num_splits)``
     (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None: one per 256 ids of a
-    block); a schedule choice only, every value gives the same bits (integer sums and maxima). CUDA-graph safe (no
-    allocation, no sync).
+    block) and ``prefetch`` (the next tile loaded before this one's reductions; None: :data:`STATS_PREFETCH`): schedule
+    choices only, every value gives the same bits (integer sums and maxima). CUDA-graph safe (no allocation, no
+    sync).
     """
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
                                             stats_out, num_splits, vocab_start, vocab_size, block_size)
@@ -205,6 +215,7 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
         target, q, temperatures, tokens if tokens is not None else keys_out, keys_out, stats_out,
         target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits, row_div, row_div_q, k_tok,
         G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0,
+        PREFETCH=STATS_PREFETCH if prefetch is None else bool(prefetch),
         num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
     return keys_out, stats_out
 

@@ -198,10 +198,12 @@ def _block_stats():
         rt, rq = b * (k + 1), b * k
         s, _ = plan_chunks(width, STAT_BLOCK, splits)
         temps, _, _ = _rows(b)
-        block_stats(torch.zeros(rt, width, dtype=torch.bfloat16), torch.zeros(rq, width, dtype=torch.bfloat16), temps,
-                    3 * width, VOCAB, tokens=torch.zeros(b, k, dtype=torch.int64), row_div=k + 1, row_div_q=k,
-                    keys_out=torch.zeros(rt + rq, s, 2, dtype=torch.int64),
-                    stats_out=torch.zeros(rt + rq, s, STATS_COLS, dtype=torch.int64), num_splits=splits)
+        for num_warps, prefetch in ((None, None), (4, True), (2, True)):  # the default and bench's schedules
+            block_stats(torch.zeros(rt, width, dtype=torch.bfloat16), torch.zeros(rq, width, dtype=torch.bfloat16),
+                        temps, 3 * width, VOCAB, tokens=torch.zeros(b, k, dtype=torch.int64), row_div=k + 1,
+                        row_div_q=k, keys_out=torch.zeros(rt + rq, s, 2, dtype=torch.int64),
+                        stats_out=torch.zeros(rt + rq, s, STATS_COLS, dtype=torch.int64), num_splits=splits,
+                        num_warps=num_warps, prefetch=prefetch)
 
 
 # -- the step's small kernels ---------------------------------------------------------------------------------

@@ -64,6 +64,20 @@ def _aligned(x: torch.Tensor, tp: int, rank: int, pad: float):
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
+def test_schedules_give_the_same_bits(splits):
+    """The schedule knobs (warps, the next tile's early load) change no bit of the keys or the statistics."""
+    target, draft, tokens, temps, k = _inputs()
+    args = [t.to(DEV) for t in (target, draft, temps, tokens)]
+    want = _run(block_stats, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
+    for num_warps, prefetch in ((4, True), (2, True), (8, False)):
+        def fn(*a, **kw):
+            return block_stats(*a, **kw, num_warps=num_warps, prefetch=prefetch)
+
+        got = _run(fn, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_warps, prefetch)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
 def test_kernel_equals_twin(splits):
     target, draft, tokens, temps, k = _inputs()
     args = [t.to(DEV) for t in (target, draft, temps, tokens)]
