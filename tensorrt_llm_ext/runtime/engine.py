@@ -461,7 +461,7 @@ class Engine:
             idx = torch.arange(row * cols + lo - start, row * cols + hi - start, device=hidden.device)
             raw = worker.token_selector.target_logits(hidden.index_select(0, idx))
             sharded = isinstance(raw, VocabShardedLogits)
-            out += self._logprobs(path, raw.logits if sharded else raw, list(range(hi - lo)),
+            out += self._logprobs(path, raw.logits if sharded else raw, None,
                                   [int(t) for t in tokens[lo + 1:hi + 1]], [request] * (hi - lo), sharded,
                                   k=request.prompt_logprobs)
         return out
@@ -490,18 +490,19 @@ class Engine:
                 out[r].append(lp)
         return out
 
-    def _logprobs(self, path: str, logits: torch.Tensor, rows: list[int], tokens: list[int],
+    def _logprobs(self, path: str, logits: torch.Tensor, rows: list[int] | None, tokens: list[int],
                   requests: list[Request], sharded: bool = True, k: int | None = None
                   ) -> list[tuple[float, list[tuple[int, float]]]]:
         """The raw model distribution's log-probabilities (vLLM's default ``logprobs_mode``,
         ``raw_logprobs``): ``log_softmax`` of the target's logits before temperature, top-p and every logits
         processing field, whatever the request samples with. ``sharded``: ``logits`` may be this rank's
         vocabulary shard (the worker's head decides); else they are full rows. ``k``: the top ``k`` of every
-        row (default: each request's ``logprobs``)."""
+        row (default: each request's ``logprobs``). ``rows``: the rows of ``logits`` to read (None: every row, no
+        copy)."""
         worker = self.worker(path)
         dev = logits.device
-        x = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
-        n = len(rows)
+        x = logits if rows is None else logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        n = x.shape[0]
         head = worker.token_selector.target_head if sharded else None
         lp = token_logprobs(x, torch.tensor(tokens, dtype=torch.int64, device=dev),
                             torch.zeros(n, dtype=torch.float32, device=dev),  # raw: temperature 1, no top-p
