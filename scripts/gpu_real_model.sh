@@ -19,7 +19,8 @@
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
 #          graphs); ~100 s.
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes. K_SERVE (7) is the
-#          served draft length, PREFILL_MAX_TOKENS (0: eager) the prefill's captured token buckets (docs/serving.md);
+#          served draft length, PREFILL_MAX_TOKENS (2048, the default; 0: eager) the prefill's captured token buckets
+#          (docs/serving.md);
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
 #          A short verify block at concurrency 1: K_SERVE=3 TLLM_EXT_GEMV_MAX_ROWS=4 SERVE_CONCURRENCY=1 ... serve.
 # timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
@@ -200,7 +201,7 @@ speculative_config:
   use_rejection_sampling: true
 cuda_graph_config:
   enable_padding: true
-  prefill_max_tokens: ${PREFILL_MAX_TOKENS:-0}
+  prefill_max_tokens: ${PREFILL_MAX_TOKENS:-2048}
 EOF
   run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
     --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 \

@@ -3,7 +3,8 @@
 Why: a prompt's target forward runs ~280 launches from Python (SmolLM2-135M: 30 layers of the unfused layer,
 each 2 add + norm, RoPE + K/V write, paged attention and SiLU-mul in Triton, 4 cuBLAS GEMMs; plus embedding,
 RoPE angles, the captured features' adds and concatenation, the final norm), while the running streams wait
-behind it. Off by default (``cuda_graph_config.prefill_max_tokens: 0``) until the H200 has measured it.
+behind it. On by default (``cuda_graph_config.prefill_max_tokens: 2048``; 0 turns it off): on the H200 it took
+SmolLM2 at 32 streams from 4,748 to 8,271 output tok/s (docs/target_forward.md).
 
 **The rule** (:func:`plan_prefill`, a pure function of host ints): a prefill block ``[R, T]`` runs as one
 piece per row -- with chunked prefill, per row and column chunk -- each piece of ``m`` real tokens at positions

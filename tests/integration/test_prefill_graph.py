@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
-from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+from tensorrt_llm_ext.runtime.config import DEFAULT_PREFILL_MAX_TOKENS, ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.prefill_graph import PrefillGraphRunner, plan_prefill, prefill_buckets
 from tensorrt_llm_ext.runtime.requests import Request
@@ -63,7 +63,7 @@ def test_plan_prefill_rule():
 
 
 def test_knob_validation():
-    assert load_config(**tiny_model()).cuda_graph_config.prefill_max_tokens == 0  # off by default
+    assert load_config(**tiny_model()).cuda_graph_config.prefill_max_tokens == DEFAULT_PREFILL_MAX_TOKENS == 2048
     on = load_config(**tiny_model(**{"cuda_graph_config.prefill_max_tokens": 16}))
     assert on.cuda_graph_config.prefill_max_tokens == 16
     for bad in (8, -1, 1):
@@ -191,7 +191,8 @@ def test_gpu_captured_prefill_buckets_equal_eager():
     cfg = {**TINY, "max_batch_size": 8}
     graphed = Engine(load_config(**tiny_model(**cfg, **{"cuda_graph_config.prefill_max_tokens": 64})),
                      use_cuda_graph=True)
-    eager = Engine(load_config(**tiny_model(**cfg)), use_cuda_graph=True)
+    eager = Engine(load_config(**tiny_model(**cfg, **{"cuda_graph_config.prefill_max_tokens": 0})),
+                   use_cuda_graph=True)
     reqs = _requests(PROMPTS)
     runners = []
     for mode in ("speculative", "target_only"):
