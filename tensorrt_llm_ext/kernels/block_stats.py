@@ -53,7 +53,7 @@ __all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "
            "row_bins_reference", "row_mass_reference", "shard_block_weights_torch"]
 
 STAT_BLOCK = 1024
-STATS_PREFETCH = False  # block_stats' default schedule (bench verify --one-pass-stats times both)
+STATS_PREFETCH = True  # block_stats loads the next tile before this one's reductions (bench verify --one-pass-stats)
 STAT_BINS = 32
 STATS_COLS = STAT_BINS + 3  # R_c, bins[STAT_BINS], F_b(token), R_b(token)
 BINS_COLS = STAT_BINS + 2  # the exchanged row bins: bins[STAT_BINS] (bin i = grid distance i to R), F_b(token), R - R_b(token)

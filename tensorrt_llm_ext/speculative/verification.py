@@ -123,9 +123,12 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
 
 _H = fps.HIST_BUCKETS
 _DEFAULT_BLOCK = 1024
-# Column chunks are for occupancy at small batches: enough (row, chunk) programs to fill the GPU, no more,
-# since every exchanged slot is per (row, chunk) and the volume grows with the chunk count.
-_TARGET_PROGRAMS = 512
+# Column chunks are for occupancy: enough (row, chunk) programs to fill the GPU, no more, since every exchanged slot
+# is per (row, chunk) and the volume grows with the chunk count. A program walks its chunk's tiles one after another
+# (latency-bound), so 2048: on the H200 (2026-12-05, bench verify --target-programs, V = 200064, K = 7, bf16) it took
+# the full vocabulary's call at B = 128 from 1762 to 1264 us (top-p at B = 8: 772 -> 580) against 512, within 5 % of
+# it on the TP-4 shard without top-p (docs/rejection_sampling.md).
+_TARGET_PROGRAMS = 2048
 
 
 def column_plan(rows: int, width: int, block_size: int, num_splits: int,
@@ -140,7 +143,7 @@ def column_plan(rows: int, width: int, block_size: int, num_splits: int,
 
 
 def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int) -> int:
-    """Sub-chunks per column chunk of the draw: about 512 programs over ``batch`` requests (it reads two rows per
+    """Sub-chunks per column chunk of the draw: about ``_TARGET_PROGRAMS`` programs over ``batch`` requests (it reads two rows per
     request, so it needs finer chunks than the passes over every row), at most ``num_splits`` (the workspace's
     cap; 1 without one, so a call without a workspace exchanges a volume independent of the vocabulary) and at
     most one per tile of the chunk. Depends on shapes only."""
