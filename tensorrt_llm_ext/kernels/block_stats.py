@@ -16,8 +16,8 @@ so a token weighs ``F_b(x) 2^-(R - R_b)`` with ``R = max_b R_b`` the row's grid 
 rank, chunk or launch reads its block. A program writes, per (row, column chunk), its own top ``R_c`` and
 ``STAT_BINS`` int64 bins, bin ``i`` the sum of ``Z_b`` of its blocks with ``R_c - R_b = i`` (``< V 2^30``): after
 ``R`` is known, shifting each slot's bins by ``R - R_c`` is an index shift, so the row's bins are exact int64 sums
-in any order (:func:`row_bins_reference`), and ``Z = sum_i bin_i 2^-i`` (float64, fixed order) is the same at
-every TP size and tiling. Blocks with ``R - R_b >= STAT_BINS`` weigh 0 (tokens ~30 binades below the row's grid
+in any order (:func:`row_bins_reference`), and ``Z = sum_i bin_i 2^-i`` (float64 from two exact int64 sums,
+:func:`mass_from_bins`) is the same at every TP size and tiling. Blocks with ``R - R_b >= STAT_BINS`` weigh 0 (tokens ~30 binades below the row's grid
 point, as today's weights drop them).
 
 The launch also writes the keys of ``verify_keys`` (argmax key of target rows, finite-max key), so it replaces
@@ -270,34 +270,44 @@ def pow2_neg_f32(d):
 
 
 @triton.jit
+def mass_from_bins(bins, NB: tl.constexpr):
+    """``Z = sum_i bin_i 2^-i`` (float64) of bins ``[..., NB]`` (int64, non-negative, summing to < 2^62), exact up to
+    one final rounding and independent of any summation order: ``Z 2^31 = H 2^31 + L`` with the integer sums
+    ``H = sum_i (bin_i >> i)`` (< 2^62) and ``L = sum_i (bin_i mod 2^i) 2^(31 - i)`` (< NB 2^31), so
+    ``Z = f64(H) + f64(L) 2^-31``. One vector of bins in, no loop over the bins (each iteration of one was a dependent
+    load in the draw)."""
+    i = tl.arange(0, NB).to(tl.int64)
+    hi = tl.sum(bins >> i, axis=-1)
+    lo = tl.sum((bins & ((tl.full([NB], 1, tl.int64) << i) - 1)) << (31 - i), axis=-1)
+    return hi.to(tl.float64) + lo.to(tl.float64) * 4.656612873077392578125e-10  # 2^-31
+
+
+@triton.jit
 def block_row_mass(bins_ptr, row, bin_slots, NB: tl.constexpr, SB: tl.constexpr):
-    """``(Z, F_b(tok), R - R_b(tok))`` of a row (a scalar) from the exchanged bins ``[R, bin_slots, NB + 2]``:
-    ``Z = sum_i bin_i 2^-i`` in float64 in a fixed order (exact int64 bins in, the same bits at every TP size). A
-    runtime loop over the bins (one vector load of the slots each): an unrolled one kept every load live and
-    spilled the draw."""
+    """``(Z, F_b(tok), R - R_b(tok))`` of a row (a scalar) from the exchanged bins ``[R, bin_slots, NB + 2]``: the
+    slots' bins summed (exact int64), then :func:`mass_from_bins` -- the same bits at every TP size. One 2-D load of
+    the row's ``[SB, NB]`` bins."""
     base = bins_ptr + row.to(tl.int64) * bin_slots * (NB + 2)
-    z = split_reduce(base, bin_slots, NB + 2, row >= 0, SB, False).to(tl.float64)
-    scale = tl.full([], 1.0, tl.float64)
-    for i in range(1, NB):
-        scale = scale * 0.5
-        z = z + split_reduce(base + i, bin_slots, NB + 2, row >= 0, SB, False).to(tl.float64) * scale
+    s = tl.arange(0, SB)
+    j = tl.arange(0, NB)
+    ok = (s < bin_slots) & (row >= 0)
+    bins = tl.sum(tl.load(base + s[:, None] * (NB + 2) + j[None, :], mask=ok[:, None], other=0), 0)
     ftok = split_reduce(base + NB, bin_slots, NB + 2, row >= 0, SB, False)
     stok = split_reduce(base + NB + 1, bin_slots, NB + 2, row >= 0, SB, False)
-    return z, ftok, stok
+    return mass_from_bins(bins, NB), ftok, stok
 
 
 @triton.jit
 def block_row_mass_rows(bins_ptr, rows, ok, bin_slots, NB: tl.constexpr, SB: tl.constexpr):
-    """:func:`block_row_mass` of a block of rows ``rows [X]`` (mask ``ok``)."""
+    """:func:`block_row_mass` of a block of rows ``rows [X]`` (mask ``ok``): one 3-D load of ``[X, SB, NB]`` bins."""
     base = bins_ptr + rows.to(tl.int64) * bin_slots * (NB + 2)
-    z = split_reduce_rows(base, bin_slots, NB + 2, ok, SB, False).to(tl.float64)
-    scale = tl.full([], 1.0, tl.float64)
-    for i in range(1, NB):
-        scale = scale * 0.5
-        z = z + split_reduce_rows(base + i, bin_slots, NB + 2, ok, SB, False).to(tl.float64) * scale
+    s = tl.arange(0, SB)
+    j = tl.arange(0, NB)
+    m = ok[:, None, None] & (s < bin_slots)[None, :, None]
+    bins = tl.sum(tl.load(base[:, None, None] + (s[None, :, None] * (NB + 2) + j[None, None, :]), mask=m, other=0), 1)
     ftok = split_reduce_rows(base + NB, bin_slots, NB + 2, ok, SB, False)
     stok = split_reduce_rows(base + NB + 1, bin_slots, NB + 2, ok, SB, False)
-    return z, ftok, stok
+    return mass_from_bins(bins, NB), ftok, stok
 
 
 @triton.jit
@@ -618,11 +628,12 @@ def row_bins_reference(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def row_mass_reference(bins: torch.Tensor) -> torch.Tensor:
-    """float64 ``Z = sum_i bins_i 2^-i`` in a fixed order (the same bits for the same bins)."""
-    z = torch.zeros(bins.shape[0], dtype=torch.float64, device=bins.device)
-    for i in range(STAT_BINS):
-        z = z + bins[:, i].double() * 2.0 ** -i
-    return z
+    """float64 ``Z = sum_i bins_i 2^-i`` of ``bins [R, STAT_BINS]`` as :func:`mass_from_bins` forms it: two exact
+    int64 sums, one rounding each to float64, one exact scaling, one add (the same bits for the same bins)."""
+    i = torch.arange(STAT_BINS, dtype=torch.int64, device=bins.device)
+    hi = (bins >> i).sum(-1)
+    lo = ((bins & ((1 << i) - 1)) << (31 - i)).sum(-1)
+    return hi.double() + lo.double() * 2.0 ** -31
 
 
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLOCK, STATS_COLS, block_bins,
                                                   block_bins_reference, block_combine, block_combine_reference,
-                                                  block_keys, block_keys_reference, block_stats, block_stats_reference,
+                                                  block_keys, block_keys_reference, block_row_mass, block_row_mass_rows,
+                                                  block_row_mass_torch, block_stats, block_stats_reference,
                                                   row_bins_reference, row_mass_reference)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY
 from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks, weight_scale_torch
@@ -112,6 +115,60 @@ def test_row_bins_tp_and_chunk_invariant():
         r, bins = row_bins_reference(stats)
         assert torch.equal(r, ref_r) and torch.equal(bins, ref_bins), (tp, splits)
         assert torch.equal(stats[:, :, STAT_BINS + 1:].amax(1), ref_tok), (tp, splits)
+
+
+@triton.jit
+def _row_mass_kernel(bins_ptr, z_ptr, f_ptr, s_ptr, rows_ptr, bin_slots, NB: tl.constexpr, SB: tl.constexpr,
+                     X: tl.constexpr):
+    """block_row_mass of row program_id and block_row_mass_rows of the X rows ``rows_ptr`` (negative: masked)."""
+    row = tl.program_id(0)
+    z, f, st = block_row_mass(bins_ptr, row, bin_slots, NB, SB)
+    tl.store(z_ptr + row, z)
+    tl.store(f_ptr + row, f)
+    tl.store(s_ptr + row, st)
+    xs = tl.arange(0, X)
+    rows = tl.load(rows_ptr + xs)
+    zr, fr, sr = block_row_mass_rows(bins_ptr, tl.maximum(rows, 0), rows >= 0, bin_slots, NB, SB)
+    n = tl.num_programs(0)
+    tl.store(z_ptr + n + xs, zr, mask=row == 0)
+    tl.store(f_ptr + n + xs, fr, mask=row == 0)
+    tl.store(s_ptr + n + xs, sr, mask=row == 0)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_row_mass_helpers_equal_twin_bitwise(slots):
+    """The draw's row masses (one vector load of the bins, two integer sums) are the twin's bits at the bins' edges:
+    all zero, the largest bins a 2^32-id vocabulary allows (sum < 2^62), one bin set, random bins; the row form masks
+    its padded rows to zero."""
+    g = torch.Generator().manual_seed(slots)
+    rows = 6
+    bins = torch.zeros(rows, slots, BINS_COLS, dtype=torch.int64)
+    bins[1, :, :STAT_BINS] = (2**62 - 1) // (STAT_BINS * slots)  # the bound: every bin of every slot near its top
+    bins[2, -1, 5] = 3
+    bins[3, :, :STAT_BINS] = torch.randint(0, 2**47, (slots, STAT_BINS), generator=g)
+    bins[4, :, :STAT_BINS] = torch.randint(0, 2**31, (slots, STAT_BINS), generator=g)
+    bins[5, 0, STAT_BINS - 1] = 2**40 + 12345  # only the last bin: its low 31 bits carry the value's tail
+    bins[:, :, STAT_BINS] = torch.randint(0, 2**30, (rows, slots), generator=g)
+    bins[:, :, STAT_BINS + 1] = torch.randint(0, 40, (rows, slots), generator=g)
+    want_z, want_f, want_s = block_row_mass_torch(bins)
+    n_rows = torch.tensor([3, 0, 5, -1, 1, -1, 2, 4], dtype=torch.int64)
+    d = bins.to(DEV)
+    z = torch.empty(rows + 8, dtype=torch.float64, device=DEV)
+    f = torch.empty(rows + 8, dtype=torch.int64, device=DEV)
+    st = torch.empty(rows + 8, dtype=torch.int64, device=DEV)
+    _row_mass_kernel[(rows,)](d, z, f, st, n_rows.to(DEV), slots, NB=STAT_BINS,
+                              SB=triton.next_power_of_2(slots), X=8)
+    z, f, st = z.cpu(), f.cpu(), st.cpu()
+    assert torch.equal(z[:rows].view(torch.int64), want_z.view(torch.int64))
+    assert torch.equal(f[:rows], want_f) and torch.equal(st[:rows], want_s)
+    live = n_rows >= 0
+    pick = n_rows.clamp(min=0)
+    assert torch.equal(z[rows:][live].view(torch.int64), want_z[pick][live].view(torch.int64))
+    assert (z[rows:][~live] == 0).all() and (f[rows:][~live] == 0).all()
+    # the value: the exact sum of bin_i 2^-i, within the one rounding of the high part
+    exact = [sum(int(v) * 2.0 ** -i for i, v in enumerate(r)) for r in bins[:, :, :STAT_BINS].sum(1).tolist()]
+    torch.testing.assert_close(want_z, torch.tensor(exact, dtype=torch.float64), rtol=2.0**-50, atol=0.0)
+    assert want_z[0] == 0.0
 
 
 def test_masses_match_float64():
