@@ -325,22 +325,22 @@ def _block_combine_kernel(
     c = weight_scale(tl.load(temp_ptr + b))
     _, r, _ = row_grid(keys_ptr, row, num_splits, c, SPLITS)
     nb = tl.arange(0, NB)
-    acc = tl.zeros([NB], tl.int64)
-    ftok = tl.full([], 0, tl.int64)
-    stok = tl.full([], 0, tl.int64)
-    for s in range(0, num_splits):
-        slot = stats_ptr + (row.to(tl.int64) * num_splits + s) * (NB + 3)
-        rc = tl.load(slot)
-        live = rc != -9223372036854775808
-        shift = r - tl.where(live, rc, r)  # >= 0: R is the max of every block's R_b
-        src = nb - shift  # global bin j holds the slot's bin j - shift (an index shift: nothing rounds)
-        acc += tl.load(slot + 1 + src, mask=live & (src >= 0), other=0)
-        rt = tl.load(slot + NB + 2)
-        own = rt != -9223372036854775808
-        d = r - tl.where(own, rt, r)
-        keep = own & (d < NB)
-        ftok += tl.where(keep, tl.load(slot + NB + 1), 0)
-        stok += tl.where(keep, d, 0)
+    # every chunk's slot at once (integer sums: any order gives the same bits): its R_c, then its bins gathered at
+    # the shifted index in one 2-D load -- no loop of dependent loads over the chunks
+    s = tl.arange(0, SPLITS)
+    sok = s < num_splits
+    slot = stats_ptr + (row.to(tl.int64) * num_splits + s) * (NB + 3)  # [SPLITS]
+    rc = tl.load(slot, mask=sok, other=-9223372036854775808)
+    live = rc != -9223372036854775808
+    shift = r - tl.where(live, rc, r)  # >= 0: R is the max of every block's R_b
+    src = nb[None, :] - shift[:, None]  # global bin j holds the slot's bin j - shift (an index shift: nothing rounds)
+    acc = tl.sum(tl.load(slot[:, None] + 1 + src, mask=live[:, None] & (src >= 0), other=0), 0)
+    rt = tl.load(slot + NB + 2, mask=sok, other=-9223372036854775808)
+    own = rt != -9223372036854775808
+    d = r - tl.where(own, rt, r)
+    keep = own & (d < NB)
+    ftok = tl.sum(tl.where(keep, tl.load(slot + NB + 1, mask=keep, other=0), 0), 0)
+    stok = tl.sum(tl.where(keep, d, 0), 0)
     out = out_ptr + row.to(tl.int64) * (NB + 2)
     tl.store(out + nb, acc)
     tl.store(out + NB, ftok)

@@ -272,6 +272,7 @@ def test_combine_and_fallback_row_bins_equal_tp1():
     assert ref[4, 1:STAT_BINS].eq(0).all()  # one heavy token: every other block falls out of the bins
     runs = {"one pass tp 2": _one_pass_bins(fused, t, d, tm, tk, k, 2, 3, 1e4),
             "one pass tp 4": _one_pass_bins(fused, t, d, tm, tk, k, 4, 1, NAN),
+            "one pass tp 1, 7 chunks": _one_pass_bins(fused, t, d, tm, tk, k, 1, 7, NAN),
             "two passes tp 1": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 1, 3, 256),
             "two passes tp 3": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 3, 2, 1024),
             "two passes tp 4, tiles of 512": _two_pass_bins((block_keys, block_bins), t, d, tm, tk, k, 4, 2, 512)}
