@@ -371,8 +371,7 @@ class Engine:
         if request.prompt_logprobs is not None:
             self.pages.allocate(slot, self.pages_for(request))
             return 0
-        prefix = self.pages.match(request.prompt_ids, _prefix_root(mode))
-        partial = self.pages.match_partial(request.prompt_ids, _prefix_root(mode))
+        prefix, partial = self.pages.match_with_partial(request.prompt_ids, _prefix_root(mode))
         pages = self.pages.allocate(slot, self.pages_for(request), prefix=prefix)
         if partial is None:
             return len(prefix) * self.state.page_size

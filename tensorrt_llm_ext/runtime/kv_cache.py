@@ -166,9 +166,14 @@ class PageAllocator:
         the page's first ``m`` positions into its own fresh page before anything else writes either."""
         if not self.enable_partial_reuse:
             return None
+        pages, parent = self._cached_prefix(prompt_ids, (len(prompt_ids) - 1) // self.page_size, root,
+                                            with_parent=True)
+        return self._best_partial(prompt_ids, len(pages), parent)
+
+    def _best_partial(self, prompt_ids, whole: int, parent) -> tuple[int, int] | None:
+        """:meth:`match_partial` after ``whole`` matched pages that end at chain id ``parent``."""
         p, n = self.page_size, len(prompt_ids)
-        pages, parent = self._cached_prefix(prompt_ids, (n - 1) // p, root, with_parent=True)
-        start = len(pages) * p
+        start = whole * p
         want = tuple(int(t) for t in prompt_ids[start:min(start + p, n - 1)])
         best = None
         for key in self._children.get(parent, ()):
@@ -182,6 +187,17 @@ class PageAllocator:
         if best is not None:
             self.prefix_hits += best[1]
         return best
+
+    def match_with_partial(self, prompt_ids, root=None) -> tuple[list[int], tuple[int, int] | None]:
+        """:meth:`match` and then :meth:`match_partial` from one walk of the prompt's chain: the same results and
+        the same counts."""
+        if not self.enable_block_reuse:  # nothing is registered without it: only the partial rule's own answer
+            return [], self.match_partial(prompt_ids, root)
+        n = len(prompt_ids)
+        pages, parent = self._cached_prefix(prompt_ids, (n - 1) // self.page_size, root, with_parent=True)
+        self.prefix_queries += n
+        self.prefix_hits += len(pages) * self.page_size
+        return pages, (self._best_partial(prompt_ids, len(pages), parent) if self.enable_partial_reuse else None)
 
     def match(self, prompt_ids, root=None) -> list[int]:
         """The cached pages that hold the start of ``prompt_ids`` (whole pages, in order), at most those before

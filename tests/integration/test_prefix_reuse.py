@@ -470,11 +470,18 @@ def test_partial_reuse_matches_the_longest_cached_page_start():
     assert pages.match_partial(a[:4] + [77, 6, 7, 8, 9]) is None  # no common first token
     assert pages.match_partial([9] + a[1:]) is None and pages.match_partial(a[:6], root="other") is None
     assert pages.match_partial(a[:8] + [9, 10, 0, 0]) == (pages._owned[0][2], 2)  # after two whole pages
+    for prompt in (a, a[:4] + [5, 6, 99, 99, 99], a[:8] + [9, 10, 0, 0], [9] + a[1:], a[:4] + [50, 51, 52, 7, 9]):
+        q, h = pages.prefix_queries, pages.prefix_hits
+        want = (pages.match(prompt), pages.match_partial(prompt))  # the engine's one walk equals the two calls
+        counts = (pages.prefix_queries - q, pages.prefix_hits - h)
+        assert pages.match_with_partial(prompt) == want, prompt
+        assert (pages.prefix_queries - q - counts[0], pages.prefix_hits - h - counts[1]) == counts, prompt
     off = PageAllocator(num_pages=6, num_slots=3, max_pages_per_slot=5, divisor=2, device="cpu", page_size=PAGE,
                         enable_block_reuse=True, enable_partial_reuse=False)
     off.allocate(0, 4)
     off.register(0, a)
     assert off.match_partial(a[:4] + [5, 6, 99, 99]) is None
+    assert off.match_with_partial(a[:4] + [5, 6, 99, 99]) == (off.match(a[:4] + [5, 6, 99, 99]), None) != ([], None)
     pages.free(0)
     pages.free(1)
     pages.allocate(2, 5)  # evicts 5 of the 5 idle cached pages (one was free)
