@@ -72,6 +72,24 @@ def test_bench_verify_one_pass_stats_times_both_forms(capsys, monkeypatch):
     assert launched.count("block_stats") >= 2 and launched.count("verify_sums") >= 2
 
 
+def test_bench_verify_one_pass_stats_sweeps_its_schedules(capsys, monkeypatch):
+    """``--stats-configs WARPS/PROGRAMS/PREFETCH``: a row per schedule, each launched with its warps and prefetch;
+    a malformed item is refused."""
+    from tensorrt_llm_ext.kernels import block_stats
+
+    seen = []
+    fn = block_stats.block_stats
+    monkeypatch.setattr(block_stats, "block_stats",
+                        lambda *a, **kw: (seen.append((kw["num_warps"], kw["prefetch"])), fn(*a, **kw))[1])
+    assert main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--tp-sizes", "2",
+                 "--stats-configs", "4/512/0,2/4096/1"]) == 0
+    text = capsys.readouterr().out
+    assert re.findall(r"^\| 2 +\| 2048 +\| 1 +\| \d+ +\| ([^|]+?) +\|", text, flags=re.M) == ["4", "2 prefetch"]
+    assert {(4, 0), (2, 1)} <= set(seen)
+    with pytest.raises(SystemExit, match="WARPS/PROGRAMS/PREFETCH"):
+        main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--stats-configs", "4/512"])
+
+
 def test_random_logits_have_the_asked_scale_and_a_close_draft():
     """--logit-scale: target rows of that standard deviation, draft rows the target's plus half of it as noise."""
     from tensorrt_llm_ext.bench.verify import random_logits
