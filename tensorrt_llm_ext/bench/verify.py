@@ -466,7 +466,7 @@ def run(args: argparse.Namespace) -> None:
                 stock = stock_cache.get(key, float("nan"))
                 ours = res[name]
                 s_eff, chunk = column_plan(b * (2 * k + 1), width, block, splits, **_plan_kw(args))
-                sub = draw_plan(b, s_eff, chunk, block, splits)
+                sub = draw_plan(b, s_eff, chunk, block, splits, **_plan_kw(args))
                 calls, nbytes = (exchange_volume(b, k, tp, name == "top_p", s_eff, dtype, sub, passes) if tp > 1
                                  else (0, 0))
                 peers = reference_us(PEERS, tp, name, b, vocab, k, args.dtype)

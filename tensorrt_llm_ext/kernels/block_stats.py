@@ -17,8 +17,8 @@ rank, chunk or launch reads its block. A program writes, per (row, column chunk)
 ``STAT_BINS`` int64 bins, bin ``i`` the sum of ``Z_b`` of its blocks with ``R_c - R_b = i`` (``< V 2^30``): after
 ``R`` is known, shifting each slot's bins by ``R - R_c`` is an index shift, so the row's bins are exact int64 sums
 in any order (:func:`row_bins_reference`), and ``Z = sum_i bin_i 2^-i`` (float64 from two exact int64 sums,
-:func:`mass_from_bins`) is the same at every TP size and tiling. Blocks with ``R - R_b >= STAT_BINS`` weigh 0 (tokens ~30 binades below the row's grid
-point, as today's weights drop them).
+:func:`mass_from_bins`) is the same at every TP size and tiling. Blocks with ``R - R_b >= STAT_BINS`` weigh 0
+(tokens ~30 binades below the row's grid point, as today's weights drop them).
 
 The launch also writes the keys of ``verify_keys`` (argmax key of target rows, finite-max key), so it replaces
 pass 1 and pass 2 of a call with one read of the logits. It needs block-aligned chunks: ``vocab_start`` a multiple
@@ -117,7 +117,8 @@ def _block_stats_kernel(
     rtok = tl.full([], -9223372036854775808, tl.int64)
     # PREFETCH: the next tile's load is issued before this tile's two reductions, so its latency overlaps them (a
     # program walks its chunk's tiles one after another; the values do not change)
-    x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
+    if PREFETCH:
+        x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
     for i in range(0, tl.cdiv(col_end - col_begin, G)):
         start = col_begin + i * G
         cols = start + lanes

@@ -191,8 +191,8 @@ class PageAllocator:
     def match_with_partial(self, prompt_ids, root=None) -> tuple[list[int], tuple[int, int] | None]:
         """:meth:`match` and then :meth:`match_partial` from one walk of the prompt's chain: the same results and
         the same counts."""
-        if not self.enable_block_reuse:  # nothing is registered without it: only the partial rule's own answer
-            return [], self.match_partial(prompt_ids, root)
+        if not self.enable_block_reuse:  # nothing is cached without it (and partial reuse is off with it)
+            return [], None
         n = len(prompt_ids)
         pages, parent = self._cached_prefix(prompt_ids, (n - 1) // self.page_size, root, with_parent=True)
         self.prefix_queries += n

@@ -134,20 +134,21 @@ _TARGET_PROGRAMS = 2048
 def column_plan(rows: int, width: int, block_size: int, num_splits: int,
                 target_programs: int = _TARGET_PROGRAMS) -> tuple[int, int]:
     """``(splits, chunk)`` of a call over ``rows`` rows (target + draft) of ``width``-column shards: at most
-    ``num_splits`` chunks per row and no more than ``ceil(target_programs / rows)``. Depends on shapes only, and on the
-    shard's width, not on how many of its columns are real ids: every rank of a TP group must exchange
+    ``num_splits`` chunks per row and no more than ``ceil(target_programs / rows)``. Depends on shapes only, and
+    on the shard's width, not on how many of its columns are real ids: every rank of a TP group must exchange
     buffers of the same shape, and the last rank's shard holds the padding (chunks past the real ids are
     empty: their slots are written as empty)."""
     want = max(1, min(num_splits, -(-target_programs // max(rows, 1))))
     return fps.plan_chunks(width, block_size, want)
 
 
-def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int) -> int:
-    """Sub-chunks per column chunk of the draw: about ``_TARGET_PROGRAMS`` programs over ``batch`` requests (it reads two rows per
-    request, so it needs finer chunks than the passes over every row), at most ``num_splits`` (the workspace's
-    cap; 1 without one, so a call without a workspace exchanges a volume independent of the vocabulary) and at
-    most one per tile of the chunk. Depends on shapes only."""
-    return max(1, min(num_splits, -(-_TARGET_PROGRAMS // max(batch * splits, 1)), chunk // block_size))
+def draw_plan(batch: int, splits: int, chunk: int, block_size: int, num_splits: int,
+              target_programs: int = _TARGET_PROGRAMS) -> int:
+    """Sub-chunks per column chunk of the draw: about ``target_programs`` programs over ``batch`` requests (it reads
+    two rows per request, so it needs finer chunks than the passes over every row), at most ``num_splits`` (the
+    workspace's cap; 1 without one, so a call without a workspace exchanges a volume independent of the vocabulary)
+    and at most one per tile of the chunk. Depends on shapes only."""
+    return max(1, min(num_splits, -(-target_programs // max(batch * splits, 1)), chunk // block_size))
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _capacity(max_rows_t: int, max_rows_q: int, max_batch: int, width: int, bloc
 
     def fit(rt: int, rq: int, b: int) -> None:
         s, chunk = column_plan(rt + rq, width, block_size, num_splits, target_programs)
-        f = draw_plan(b, s, chunk, block_size, num_splits) if b else 1
+        f = draw_plan(b, s, chunk, block_size, num_splits, target_programs) if b else 1
         for passes in (("one", "two") if b else (None,)):
             for name, n in VerificationPlan(rt, rq, b, s, tp, True, sub=f, passes=passes).sizes().items():
                 cap[name] = max(cap.get(name, 0), n)
@@ -502,7 +503,7 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     check_tensor("num_accepted (out)", num_accepted, shape=(b,), dtype=torch.int32, device=dev, contiguous=True)
     bs, ns, tpg = _plan_knobs(workspace)
     splits, chunk = column_plan(b * (2 * k + 1), width, bs, ns, tpg)
-    sub = draw_plan(b, splits, chunk, bs, ns)
+    sub = draw_plan(b, splits, chunk, bs, ns, tpg)
     has_p = top_p is not None
     passes = choose_passes(passes, width, tp, vocab_start, bs)
     plan = VerificationPlan(b * k1, b * k, b, splits, tp, has_p, sub=sub, passes=passes)
