@@ -292,6 +292,22 @@ def test_realistic_shapes_bf16_long_context_and_graph_replay(group, d, kvh):
     torch.testing.assert_close(o.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter ignores num_stages")
+@pytest.mark.parametrize("t", [1, 8])
+def test_pipeline_stages_change_no_bit(t):
+    """``num_stages`` schedules the loads, never the arithmetic: 1, 2 and 3 stages give the same bits on bf16
+    decode and verify tiles of one- and many-block pieces (what lets the stage count follow the grid, as the
+    prefetch does, if a sweep says so)."""
+    page, max_pages = 32, 300
+    q, kp, vp, table, slots, pos = make_case(b=4, t=t, kvh=3, group=3, d=64, page_size=page, max_pages=max_pages,
+                                             lens=[1024, 8190, 130, 9], dtype=torch.bfloat16)
+    outs = [paged_attention(q, kp, vp, table, slots, pos, 0.125, config=AttentionConfig(128, 4, st, 32, prefetch=2))
+            for st in (1, 2, 3)]
+    for o in outs[1:]:
+        assert torch.equal(outs[0], o)
+    assert tile_counters(q.device, 1).count_nonzero() == 0
+
+
 def test_split_tile_past_its_table_leaves_no_counter_behind():
     """A verify-shaped (split) tile whose padding rows reach past the slot's table -- a batched prefill's ragged
     block can -- would need more fixed pieces than the launch has: the merge counts only the pieces that exist, so
