@@ -723,6 +723,44 @@ def test_window_counts_equal_twin_and_resolve_as_the_rounds(dtype):
     assert torch.equal(states[0][wres], torch.stack([wkey, wmass], 1)[wres])
 
 
+def test_window_counts_a_model_scale_row_in_full():
+    """A language model's bf16 rows (N(0, 4^2), the max at 20: the window's 256 values reach down to ~5, about a
+    tenth of the row): the per-program count (tl.histogram) equals the twin's, and bin j holds exactly the finite
+    tokens whose bf16 bit pattern is the max's minus j (positive values: consecutive patterns are consecutive
+    values), across chunk boundaries, with NaN / -inf columns and an all -inf row (no bin counted)."""
+    rows_t, rows_q, width, vocab, block, splits = 3, 1, 1100, 1097, 128, 3
+    g = torch.Generator().manual_seed(5)
+    x = 4.0 * torch.randn(rows_t, width, generator=g)
+    x[:2, :4] = 20.0  # the max, tied across the first columns
+    x[1, 300:400] = float("-inf")
+    x[1, 500] = NAN
+    x[2] = float("-inf")
+    x[:, vocab:] = NAN  # padding, never read
+    x = x.to(torch.bfloat16).to(DEV)
+    q = torch.randn(rows_q, width, generator=g).to(torch.bfloat16).to(DEV)
+    temps = torch.tensor([1.0, 1.0, 1.0], device=DEV)
+    tokens = torch.tensor([[5], [200], [0]], device=DEV)
+    kw = dict(block_size=block, num_splits=splits)
+    keys = fps.verify_keys_reference(x, q, 0, vocab, out=torch.empty(rows_t + rows_q, splits, 2, dtype=torch.int64,
+                                                                      device=DEV), **kw)
+    cols_t, size = fps.sums_layout(rows_t, rows_q, splits, True)
+    got, ref = (fn(x, q, keys, temps, 0, vocab, tokens=tokens, row_div=1, row_div_q=1, hist=True,
+                   out=torch.full((size,), -7, dtype=torch.int64, device=DEV), **kw)
+                for fn in (fps.verify_sums, fps.verify_sums_reference))
+    win = lambda t: t[: rows_t * splits * cols_t].view(rows_t, splits, cols_t)[:, :, fps.SUMS_COLS:]  # noqa: E731
+    assert torch.equal(win(got).cpu(), win(ref).cpu())
+    bins = win(got).sum(dim=1).cpu()  # [rows, 256]: the chunks' counts added
+    assert bins[2].sum() == 0  # no finite token: no bin
+    bits = x[:, :vocab].cpu().view(torch.int16).long()
+    for r in (0, 1):
+        xr = x[r, :vocab].float().cpu()
+        fin = torch.isfinite(xr)
+        j = bits[r][fin].max() - bits[r]  # the max is positive: j counts bf16 values below it
+        hit = fin & (xr > 0) & (j < 256)
+        assert torch.equal(bins[r], torch.bincount(j[hit], minlength=256))
+        assert 0.05 * vocab < hit.sum() < 0.2 * vocab
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_last_radix_round_counts_equal_weighted_twin(dtype):
     """The dtype's last radix round histograms counts times each bucket's one weight (no atomics): the same
