@@ -227,10 +227,11 @@ class CudaGraphRunner:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaGraphRunner: capturing needs CUDA")
         w = self.worker
-        # Warm-up rows are all dummies: their K/V go to the scratch page only (the dummy slot's page table holds
-        # nothing else), so of the target's page pools only that page is kept -- a pool sized from free memory
-        # could not be cloned.
-        pools = w.state.kv_cache.tensors()
+        # Warm-up rows are all dummies: their K/V and their latents go to the scratch page only (the dummy slot's
+        # page table and block offsets hold nothing else; test_steps_over_dummy_rows_write_only_the_scratch_pages),
+        # so of the page pools -- the target's K/V and the drafter's latents -- only that page is kept: a pool sized
+        # from free memory could not be cloned (the latent pool was, whole, until 2026-12-05).
+        pools = [*w.state.kv_cache.tensors(), w.state.latent_pool]
         mutable = [t[:, -1] if any(t is p for p in pools) else t for t in w.state.mutable_tensors()]
         snapshot = [t.clone() for t in mutable]
         try:

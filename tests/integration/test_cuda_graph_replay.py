@@ -226,6 +226,30 @@ def test_replay_rule_through_generate_and_run_step(monkeypatch, mode):
     assert eager.runner(mode).graphs == {} and not eager.runner(mode).enabled
 
 
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_steps_over_dummy_rows_write_only_the_scratch_pages(monkeypatch, mode):
+    """What capture's snapshot relies on (``CudaGraphRunner._capture_variant`` keeps only the last page of every
+    page pool): the warm-up's steps over dummy rows, every variant and batch size, write no page of the target's
+    K/V pools or of the drafter's latent pool but the scratch page, while real requests' pages hold data."""
+    _fast_eager_kernels(monkeypatch)
+    eng = _engine(monkeypatch, graphs=False)
+    eng.generate(_batch("mixed"), mode)  # pages written by real requests (prefix reuse off: freed, not cleared)
+    runner = eng.runner(mode)
+    w = runner.worker
+    pools = [*w.state.kv_cache.tensors(), w.state.latent_pool]
+    assert all(bool(p[:, :-1].any()) for p in pools[:-1])
+    assert bool(w.state.latent_pool[:, :-1].any()) == (mode == "speculative")  # the target-only decode drafts none
+    kept = [p[:, :-1].clone() for p in pools]
+    scratch = [p[:, -1].clone() for p in pools]
+    for variant in w.step_variants:
+        for b in (4, 1):
+            w.set_rows([], b, variant=variant)
+            runner.forward(b)
+    for p, k in zip(pools, kept):
+        assert torch.equal(p[:, :-1], k)
+    assert any(not torch.equal(p[:, -1], s) for p, s in zip(pools, scratch))  # the dummies did write: there
+
+
 def test_a_missing_variant_runs_eagerly_and_logs_once(monkeypatch, caplog):
     """A variant whose capture failed is dropped; its steps run eagerly with the right distribution, logged once."""
     _fast_eager_kernels(monkeypatch)
