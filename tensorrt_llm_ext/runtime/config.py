@@ -516,9 +516,12 @@ def merge_layers(base: dict, top: dict) -> dict:
 
 def _read_user_file(path: str | Path) -> dict:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # YAML is text: a binary file or another encoding is the user's mistake
+        raise ConfigError(f"invalid runtime config: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start})") from None
     try:
         data = _load_yaml(text)
     except _YamlError as e:

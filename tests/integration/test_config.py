@@ -87,6 +87,15 @@ def test_yaml_errors_are_config_errors(tmp_path):
         load_config(top)
 
 
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    """A YAML saved as Latin-1 (or any binary file) is one error naming the file and the byte (was: a
+    UnicodeDecodeError traceback, exit 1)."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"max_batch_size: 4\n# r\xe9glages\n")
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 21\)"):
+        load_config(path)
+
+
 def test_attention_dp_flag_reaches_the_mapping():
     """``enable_attention_dp`` in the config was silently ignored (the rank's Mapping never carried it, so
     vocab-parallel selection and the drafter fusions stayed on); now it reaches the Mapping, and a config
