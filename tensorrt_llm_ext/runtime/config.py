@@ -543,12 +543,15 @@ def _resolve_checkpoints(data: dict, user: dict, user_len=None):
     model = data.get("model")
     if isinstance(model, str):
         model = {"path": model}
-    if not isinstance(model, dict):
-        return data, None
+    spec = data.get("speculative_config") or {}
+    paths = (model.get("path"), spec.get("speculative_model"), spec.get("speculative_model_dir")) if (
+        isinstance(model, dict) and isinstance(spec, dict)) else ()
+    if not paths or any(p is not None and not isinstance(p, str) for p in paths):
+        return data, None  # a section or a directory of the wrong type: parse_config names the field
     facts = None
     data = {**data, "model": dict(model)}
     model = data["model"]
-    spec = dict(data.get("speculative_config") or {})
+    spec = dict(spec)
     user_model = user.get("model") if isinstance(user.get("model"), dict) else {}
     user_spec = user.get("speculative_config") if isinstance(user.get("speculative_config"), dict) else {}
     try:

@@ -96,6 +96,23 @@ def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, field", [
+    ("speculative_config: 3\n", "speculative_config: Input should be a valid dictionary"),
+    ("speculative_config: [1]\n", "speculative_config: Input should be a valid dictionary"),
+    ("model: {path: 5}\n", "model.path: Input should be a valid string, got 5"),
+    ("speculative_config: {speculative_model: [a]}\n", "speculative_config.speculative_model: Input should be"),
+    ("speculative_config: {speculative_model_dir: 7}\n", "speculative_config.speculative_model_dir: Input should"),
+], ids=["spec-int", "spec-list", "model-path-int", "drafter-list", "drafter-dir-int"])
+def test_sections_and_directories_of_the_wrong_type_name_the_field(tmp_path, text, field):
+    """A section that is not a mapping, or a model / drafter directory that is not a string, is the field's
+    own error (was: a TypeError traceback while the checkpoint directories were resolved)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert field in str(err.value), str(err.value)
+
+
 def test_attention_dp_flag_reaches_the_mapping():
     """``enable_attention_dp`` in the config was silently ignored (the rank's Mapping never carried it, so
     vocab-parallel selection and the drafter fusions stayed on); now it reaches the Mapping, and a config
