@@ -168,7 +168,12 @@ def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "floa
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise ValueError(f"import-gguf: {gguf_file} not found")
-    reader = gguf.GGUFReader(str(gguf_file))
+    try:
+        reader = gguf.GGUFReader(str(gguf_file))
+    except Exception as e:  # the reader meets a damaged file with numpy / index / struct errors of its own
+        raise ValueError(f"import-gguf: {gguf_file} is not a readable GGUF file ({gguf_file.stat().st_size} bytes, "
+                         f"truncated or not GGUF: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         ) from None
     cfg = read_gguf_config(reader)
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
     directory = Path(directory)

@@ -170,3 +170,44 @@ def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, cap
     assert {p.name for p in (tmp_path / "old").iterdir()} == {"config.json", "model.safetensors",
                                                               "generation_config.json"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "tiny.gguf"]
+
+
+def _write_gguf(path, tensors, head_count=2):
+    """A small llama GGUF: the metadata sizes, ``tensors`` {name: (array, raw type or None)}."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    if isinstance(head_count, list):
+        w.add_array("llama.attention.head_count", head_count)
+    else:
+        w.add_head_count(head_count)
+    w.add_vocab_size(16)
+    for name, (arr, raw) in tensors.items():
+        if raw is None:
+            w.add_tensor(name, np.asarray(arr))
+        else:
+            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_damaged_file_is_one_line_naming_it(tmp_path, capsys):
+    """An empty, a 4-byte and a truncated GGUF (cut in the header, in the tensor infos, in the data) are one line
+    naming the file, exit 2, nothing written (was: an IndexError traceback for 4 bytes, else numpy's words only,
+    'cannot reshape array of size 3120 into shape (64,60)', naming neither the file nor what is wrong)."""
+    whole = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(whole, seed=3)
+    data = whole.read_bytes()
+    for cut in (0, 4, 100, 2000, len(data) - 800):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        assert main(["import-gguf", str(bad), str(tmp_path / "out"), "--no-tokenizer"]) == 2, cut
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cut{cut}.gguf is not a readable GGUF file ({cut} bytes" in err, (cut, err)
+        assert not (tmp_path / "out").exists()
