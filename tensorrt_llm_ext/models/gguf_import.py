@@ -137,9 +137,36 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _dequantizable(gguf, qtype) -> bool:
+    """Whether the installed ``gguf`` dequantizes ``qtype`` (tried on one zero block: no table to keep in step)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    except Exception:  # any other complaint about the zero block: the real data decides
+        pass
+    return True
+
+
+def check_tensor_types(reader) -> None:
+    """Refuse, before any tensor is dequantized, a file holding a type the installed ``gguf`` cannot dequantize
+    (``Q8_1``, ``Q8_K``, integer tensors ...): a ValueError naming the tensors and the type."""
+    gguf = _require_gguf()
+    verdict: dict = {}
+    bad = [t for t in reader.tensors
+           if not verdict.setdefault(t.tensor_type, _dequantizable(gguf, t.tensor_type))]
+    if bad:
+        types = sorted({t.tensor_type.name for t in bad})
+        raise ValueError(f"GGUF: {len(bad)} tensor(s) of type {', '.join(types)} cannot be dequantized by the "
+                         f"installed gguf package (first: {bad[0].name}); re-quantize the model to a supported type "
+                         f"(F32, F16, BF16, Q4_0, Q8_0, the K-quants ...)")
+
+
 def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of the file dequantized, under Hugging Face names, q/k rows in Hugging Face order."""
     gguf = _require_gguf()
+    check_tensor_types(reader)
     expected = _expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

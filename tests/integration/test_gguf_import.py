@@ -211,3 +211,27 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"cut{cut}.gguf is not a readable GGUF file ({cut} bytes" in err, (cut, err)
         assert not (tmp_path / "out").exists()
+
+
+def test_an_undequantizable_tensor_type_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A tensor of a type the gguf package cannot dequantize (Q8_1, an integer tensor) is one line naming the type
+    and the tensor, exit 2, before any tensor is dequantized (was: NotImplementedError traceback, exit 1, after
+    every earlier tensor was dequantized)."""
+    import numpy as np
+
+    q81 = gguf.GGMLQuantizationType.Q8_1
+    block, type_size = gguf.GGML_QUANT_SIZES[q81]
+    files = {"Q8_1": {"output_norm.weight": (np.ones(32, np.float32), None),
+                     "token_embd.weight": (np.zeros((16, 32 // block * type_size), np.uint8), q81)},
+             "I32": {"token_embd.weight": (np.zeros((16, 32), np.int32), None)}}
+    real = gguf.quants.dequantize
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: calls.append(data.size) or real(data, qtype))
+    for name, tensors in files.items():
+        _write_gguf(tmp_path / f"{name}.gguf", tensors)
+        calls.clear()
+        assert main(["import-gguf", str(tmp_path / f"{name}.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"of type {name} cannot be dequantized" in err, err
+        assert "(first: token_embd.weight)" in err and not (tmp_path / "out").exists()
+        assert max(calls, default=0) <= 64, calls  # one zero block per type, never a tensor's data
