@@ -62,6 +62,22 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _count(reader, key: str, default=None) -> int:
+    """A size of the metadata: one integer >= 1 (a per-layer array, as some converters write head counts, is
+    refused by name, as is a zero that would divide)."""
+    v = _field(reader, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"GGUF: metadata {key!r} must be one integer >= 1, got {v!r}")
+    return int(v)
+
+
+def _positive(reader, key: str, default: float) -> float:
+    v = _field(reader, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not 0 < v < float("inf"):
+        raise ValueError(f"GGUF: metadata {key!r} must be one finite number > 0, got {v!r}")
+    return float(v)
+
+
 def hf_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError for an unknown name."""
     if gguf_name in _TOP_NAMES:
@@ -94,24 +110,24 @@ def read_gguf_config(reader) -> dict:
     if "llama.rope.scaling.type" in reader.fields and _field(reader, "llama.rope.scaling.type") not in ("none",):
         raise ValueError(f"GGUF: llama.rope.scaling.type={_field(reader, 'llama.rope.scaling.type')!r} is not "
                          "supported (plain RoPE only)")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
+    hidden = _count(reader, "llama.embedding_length")
+    heads = _count(reader, "llama.attention.head_count")
+    kv_heads = _count(reader, "llama.attention.head_count_kv", heads)
+    head_dim = _count(reader, "llama.rope.dimension_count", hidden // heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0)) or None
-    if vocab is None:
+    if "llama.vocab_size" not in reader.fields and not (tokens is not None and len(tokens.data)):
         raise ValueError("GGUF: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    vocab = _count(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": _count(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _count(reader, "llama.block_count"),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "hidden_act": "silu", "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)), "rope_scaling": None,
+        "hidden_act": "silu", "max_position_embeddings": _count(reader, "llama.context_length", 2048),
+        "rms_norm_eps": _positive(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _positive(reader, "llama.rope.freq_base", 10000.0), "rope_scaling": None,
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
     }

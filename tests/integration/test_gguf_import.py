@@ -235,3 +235,15 @@ def test_an_undequantizable_tensor_type_is_refused_before_any_work(tmp_path, cap
         assert err.count("\n") == 1 and f"of type {name} cannot be dequantized" in err, err
         assert "(first: token_embd.weight)" in err and not (tmp_path / "out").exists()
         assert max(calls, default=0) <= 64, calls  # one zero block per type, never a tensor's data
+
+
+@pytest.mark.parametrize("head_count, shown", [(0, "got 0"), ([4, 4], "got [4, 4]")], ids=["zero", "per-layer"])
+def test_malformed_metadata_sizes_are_named(tmp_path, capsys, head_count, shown):
+    """A head count of 0 or a per-layer array is one line naming the key, exit 2 (was: ZeroDivisionError /
+    TypeError tracebacks, exit 1)."""
+    import numpy as np
+
+    _write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((16, 32), np.float32), None)}, head_count)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: GGUF: metadata 'llama.attention.head_count' must be one integer >= 1, {shown}\n", err
