@@ -101,3 +101,25 @@ def test_tp_above_the_gpu_count_is_one_line_before_any_rank(monkeypatch, capsys,
     assert launch.tp_gpu_error(2) is None
     monkeypatch.setattr(launch, "cuda_device_count", lambda: 2)
     assert launch.tp_gpu_error(2) is None and launch.tp_gpu_error(1) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("tail", "--batch-sizes", ","), "argument --batch-sizes: expected comma-separated integers, got ','"),
+    (("tail", "--batch-sizes", "x"), "argument --batch-sizes: expected comma-separated integers, got 'x'"),
+    (("step", "--batch-sizes", "0"), "argument --batch-sizes: expected integers in [1, 65536], got 0 in '0'"),
+    (("markov", "--tables", "foo"), "argument --tables: expected a comma-separated subset of main,sweep,tp"),
+    (("select", "--rows", "8,x"), "argument --rows: expected comma-separated integers, got '8,x'"),
+    (("verify", "--batch-sizes", "1,,2"), "argument --batch-sizes: expected comma-separated integers"),
+    (("exchange", "--worlds", "two"), "argument --worlds: expected comma-separated integers, got 'two'"),
+    (("tp", "--tp", "0"), "argument --tp: expected an integer >= 1, got 0"),
+], ids=["tail-empty", "tail-word", "step-zero", "markov-tables", "select-rows", "verify-hole", "exchange-worlds",
+        "tp-zero"])
+def test_bench_list_and_size_arguments_are_usage_errors(capsys, argv, message):
+    """Comma lists, sizes and table names of `bench NAME` are checked by the parser: a usage line naming the flag,
+    exit 2, before any work (was: a ValueError / ConfigError traceback, exit 1, or -- `exchange --worlds two`,
+    `tp --sections foo` -- exit 0 having measured nothing)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"trtllm-ext bench {argv[0]}: error: {message}" in err and "Traceback" not in err, err
