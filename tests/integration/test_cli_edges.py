@@ -123,3 +123,27 @@ def test_bench_list_and_size_arguments_are_usage_errors(capsys, argv, message):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert f"trtllm-ext bench {argv[0]}: error: {message}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_more_layers_than_the_files_hold_is_one_line_before_any_listing(checkpoint, tmp_path, capsys, which):
+    """A config.json whose layer count the weight files cannot hold is refused from the headers' layer indices
+    before one name per layer is listed (was: `num_hidden_layers: 1000000000` built a set of 10^9 layer ids and
+    10^10 expected tensor names -- a MemoryError under a 4 GB limit, the host's memory without one). 10^5 here keeps
+    the old path cheap enough to show the difference: it listed 900 000 names, then 'tensors missing'."""
+    import shutil
+    import time
+
+    d = tmp_path / which
+    shutil.copytree(checkpoint, d)
+    cfg_path = d / "config.json" if which == "target" else d / "dspark_drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    held = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = 10**5
+    cfg_path.write_text(json.dumps(cfg))
+    start = time.monotonic()
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "2", "1 17 305"]) == 2
+    assert time.monotonic() - start < 5
+    err, _ = _errors(capsys)
+    weights = cfg_path.parent / "model.safetensors"
+    assert err == [f"error: checkpoint: {weights}: the config has 100000 {which} layers, the weight files hold {held}"]
