@@ -22,11 +22,14 @@ Refused by name (``ValueError``): another architecture, a tensor this mapping do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -202,15 +205,53 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
     return out
 
 
+class ImportInterrupted(BaseException):
+    """SIGTERM or SIGINT during :func:`import_gguf` (a BaseException like ``KeyboardInterrupt``: no error handler
+    takes it). The staging directory is gone; ``complete`` is True only when the signal arrived after DIR was in
+    place (it is held back during the renames)."""
+
+    def __init__(self, signum: int, complete: bool = False):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum, self.complete = signum, complete
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGTERM / SIGINT raise :class:`ImportInterrupted` inside (SIGTERM's default ends the process at once, past
+    every cleanup: a staging directory of tens of GB was left beside DIR); the previous handlers afterwards."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise ImportInterrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "float32",
                 tokenizer: bool = True) -> list[tuple[str, Path]]:
-    """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written."""
+    """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written.
+    SIGTERM / SIGINT meanwhile raise :class:`ImportInterrupted`, with nothing left behind."""
     gguf = _require_gguf()
     if dtype not in _DTYPES:
         raise ValueError(f"import-gguf: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise ValueError(f"import-gguf: {gguf_file} not found")
+    with _stop_signals_raise():
+        return _import(gguf, gguf_file, Path(directory), dtype, tokenizer)
+
+
+def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool) -> list[tuple[str, Path]]:
     try:
         reader = gguf.GGUFReader(str(gguf_file))
     except Exception as e:  # the reader meets a damaged file with numpy / index / struct errors of its own
@@ -219,16 +260,24 @@ def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "floa
                          ) from None
     cfg = read_gguf_config(reader)
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
-    directory = Path(directory)
     # Everything is written into a temporary directory beside DIR and moved into place once complete: a write
     # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.importing-", dir=directory.parent))
+    moved = False
     try:
         written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
-        _move_into_place(staging, directory)
+        # The renames run with the stop signals held back: DIR is never left part old, part new.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            _move_into_place(staging, directory)
+            moved = True
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # one held back is raised here
     except BaseException as e:  # an interrupt too: no staging directory is left behind
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, ImportInterrupted):
+            e.complete = moved
         if not isinstance(e, Exception) or isinstance(e, (ImportError, ValueError)):
             raise
         raise OSError(f"import-gguf: writing {directory} failed ({type(e).__name__}: {e}); nothing was written "

@@ -247,3 +247,33 @@ def test_malformed_metadata_sizes_are_named(tmp_path, capsys, head_count, shown)
     assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: GGUF: metadata 'llama.attention.head_count' must be one integer >= 1, {shown}\n", err
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_writing_leaves_nothing_behind(tmp_path, sig):
+    """SIGTERM / SIGINT while DIR is being written (here: from inside the weights' write, after part of the file is
+    on disk) ends the import with one line and exit 128 + the signal, no DIR and no staging directory left (was:
+    SIGTERM ended the process at once and left `.DIR.importing-*` holding a partial model.safetensors -- tens of GB
+    per attempt on a real model; SIGINT a KeyboardInterrupt traceback). A subprocess: the signal is real."""
+    import subprocess
+    import sys
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", seed=3)
+    script = f"""
+import os, signal, sys, time
+from tensorrt_llm_ext.models import checkpoint
+from tensorrt_llm_ext.cli import main
+
+def killed_mid_write(sd, path, metadata):
+    path.write_bytes(b"\\\\0" * 4096)
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(30)  # the signal's handler ends the write before this returns
+
+checkpoint._save_safetensors = killed_mid_write
+sys.exit(main(["import-gguf", {str(tmp_path / "tiny.gguf")!r}, {str(tmp_path / "out")!r}, "--no-tokenizer"]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + getattr(__import__("signal"), sig), (r.returncode, r.stderr)
+    assert r.stderr == (f"error: import-gguf: interrupted by {sig}; nothing was written to {tmp_path / 'out'}, no "
+                        "staging directory is left\n"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
