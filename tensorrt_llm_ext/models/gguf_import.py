@@ -247,8 +247,11 @@ def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "floa
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise ValueError(f"import-gguf: {gguf_file} not found")
+    directory = Path(directory)
+    if directory.is_dir():  # before any work; again with the files actually written, before they are moved
+        check_no_stale_files(directory, _WRITTEN + (_TOKENIZER_WRITTEN if tokenizer else ()))
     with _stop_signals_raise():
-        return _import(gguf, gguf_file, Path(directory), dtype, tokenizer)
+        return _import(gguf, gguf_file, directory, dtype, tokenizer)
 
 
 def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool) -> list[tuple[str, Path]]:
@@ -267,6 +270,8 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
     moved = False
     try:
         written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
+        if directory.is_dir():
+            check_no_stale_files(directory, {f.name for f in staging.iterdir()})
         # The renames run with the stop signals held back: DIR is never left part old, part new.
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
@@ -303,9 +308,30 @@ def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.
     return written
 
 
+# Files of a model directory that `serve DIR` / `generate --model DIR` read beside the weights: one left from an
+# earlier model in DIR, that this import does not write, would be served with the new weights (another tokenizer or
+# chat template: wrong text, no error).
+SERVED_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# What an import writes (the tokenizer's files as transformers saves them, the chat template if the file has one).
+_WRITTEN = ("config.json", "generation_config.json", "model.safetensors")
+_TOKENIZER_WRITTEN = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def check_no_stale_files(directory: Path, written) -> None:
+    """Refuse to write into a directory holding :data:`SERVED_FILES` that ``written`` (names) would not replace."""
+    stale = [name for name in SERVED_FILES if (directory / name).exists() and name not in written]
+    if stale:
+        raise ValueError(f"import-gguf: {directory} holds {', '.join(stale)} from an earlier model that this import "
+                         "would not replace (they would be served with the new weights); remove them or choose an "
+                         "empty directory")
+
+
 def _move_into_place(staging: Path, directory: Path) -> None:
     """``staging`` becomes ``directory`` (one rename when it does not exist or is empty); into an existing
-    directory each file is renamed over its old version, and files of other names there stay."""
+    directory each file is renamed over its old version, and files of other names there stay (none that serving
+    reads: :func:`check_no_stale_files`)."""
     if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
         os.replace(staging, directory)
         return

@@ -277,3 +277,27 @@ sys.exit(main(["import-gguf", {str(tmp_path / "tiny.gguf")!r}, {str(tmp_path / "
     assert r.stderr == (f"error: import-gguf: interrupted by {sig}; nothing was written to {tmp_path / 'out'}, no "
                         "staging directory is left\n"), r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_files_an_import_would_not_replace_are_refused(imported, tmp_path, capsys):
+    """Into a directory holding an earlier model's files that serving reads and this import would not write -- its
+    tokenizer under --no-tokenizer, a chat_template.json -- one line naming them, exit 2, DIR untouched (was: exit 0,
+    the new weights served with the old tokenizer or chat template, wrong text and no error). The same import
+    again over its own output is fine."""
+    import shutil
+
+    path, d, _ = imported
+    old = tmp_path / "old"
+    shutil.copytree(d, old)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert main(["import-gguf", str(path), str(old), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{old} holds tokenizer.json, tokenizer_config.json" in err, err
+    (old / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert main(["import-gguf", str(path), str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{old} holds chat_template.json from an earlier model" in err, err
+    (old / "chat_template.json").unlink()
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no staging directory left
+    assert main(["import-gguf", str(path), str(old)]) == 0
