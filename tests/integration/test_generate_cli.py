@@ -78,6 +78,21 @@ def test_flags_no_request_can_be_served_with_are_usage_errors(small_yaml, capsys
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe1 2 3\n", "not UTF-8 text (byte 0xff at offset 0)"),
+    (b"[" * 100000 + b"]" * 100000, "not a JSON list of token-id lists (nested too deeply)"),
+], ids=["utf16-bytes", "deep-json"])
+def test_a_prompts_file_that_is_not_text_or_too_deep_is_one_line(small_yaml, tmp_path, capsys, content, message):
+    """--prompts-file with bytes that are not UTF-8 named neither the file nor the flag ("'utf-8' codec can't
+    decode byte 0xff ..."); 100 000 nested brackets were a RecursionError traceback, exit 1. Both: one line naming
+    the file, exit 2."""
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(content)
+    assert main(["generate", "--config", small_yaml, "--no-progress", "--prompts-file", str(path)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
+    assert err == [f"error: {path}: {message}"], err
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     """The README's main job at TP 2 (MPI-spawned ranks, gloo on CPU): all paths agree on every rank."""
