@@ -63,6 +63,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint: {path} is not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses per nesting level; no file here is more than a few deep
+        raise CheckpointError(f"checkpoint: {path} is not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint: {path} must hold a JSON object, got {type(data).__name__}")
     return data

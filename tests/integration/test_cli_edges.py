@@ -147,3 +147,18 @@ def test_more_layers_than_the_files_hold_is_one_line_before_any_listing(checkpoi
     err, _ = _errors(capsys)
     weights = cfg_path.parent / "model.safetensors"
     assert err == [f"error: checkpoint: {weights}: the config has 100000 {which} layers, the weight files hold {held}"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json",
+                                  "dspark_drafter/config.json"])
+def test_a_json_file_nested_too_deeply_is_one_line(checkpoint, tmp_path, capsys, name):
+    """100 000 nested brackets in any JSON file the checkpoint reader opens were a RecursionError traceback, exit 1;
+    now one line naming the file, exit 2."""
+    import shutil
+
+    d = tmp_path / "deep"
+    shutil.copytree(checkpoint, d)
+    (d / name).write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "2", "1 17 305"]) == 2
+    err, _ = _errors(capsys)
+    assert err == [f"error: checkpoint: {d / name} is not valid JSON (nested too deeply)"], err
