@@ -186,6 +186,10 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
     """Every tensor of the file dequantized, under Hugging Face names, q/k rows in Hugging Face order."""
     gguf = _require_gguf()
     check_tensor_types(reader)
+    held = {m.group(1) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if cfg["num_hidden_layers"] > len(held):  # before one expected name per block is listed (10^9: a MemoryError)
+        raise ValueError(f"GGUF: metadata 'llama.block_count' is {cfg['num_hidden_layers']}, the file holds "
+                         f"{len(held)} block(s)")
     expected = _expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -172,12 +172,12 @@ def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "tiny.gguf"]
 
 
-def _write_gguf(path, tensors, head_count=2):
+def _write_gguf(path, tensors, head_count=2, blocks=1):
     """A small llama GGUF: the metadata sizes, ``tensors`` {name: (array, raw type or None)}."""
     import numpy as np
 
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
+    w.add_block_count(blocks)
     w.add_context_length(64)
     w.add_embedding_length(32)
     w.add_feed_forward_length(64)
@@ -301,3 +301,18 @@ def test_files_an_import_would_not_replace_are_refused(imported, tmp_path, capsy
     assert {p.name: p.read_bytes() for p in old.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no staging directory left
     assert main(["import-gguf", str(path), str(old)]) == 0
+
+
+def test_a_block_count_past_the_file_is_one_line_at_once(tmp_path, capsys):
+    """llama.block_count far past the blocks the file holds is refused before one expected name per block is listed
+    (was: block_count 10^9 listed 9 * 10^9 names, a MemoryError under a 4 GB limit; 10^5 here keeps the old path
+    cheap: it listed 900 000 names, then 'tensors missing')."""
+    import time
+
+    import numpy as np
+
+    _write_gguf(tmp_path / "b.gguf", {"token_embd.weight": (np.zeros((16, 32), np.float32), None)}, blocks=10**5)
+    start = time.monotonic()
+    assert main(["import-gguf", str(tmp_path / "b.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    assert time.monotonic() - start < 2
+    assert capsys.readouterr().err == "error: GGUF: metadata 'llama.block_count' is 100000, the file holds 0 block(s)\n"
