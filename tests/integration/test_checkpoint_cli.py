@@ -78,3 +78,15 @@ def test_a_broken_tokenizer_is_one_line_naming_its_directory(tmp_path, capsys, b
         assert main(argv) == 2, argv
         err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
         assert len(err) == 1 and err[0].startswith(f"error: tokenizer: {d}: transformers cannot load it ("), err
+
+
+def test_export_refuses_one_directory_for_target_and_drafter(tmp_path, capsys):
+    """`export DIR --drafter-dir DIR` wrote the drafter's config.json and model.safetensors over the target's and
+    exited 0 listing both (DIR then loaded as nothing: 'architectures=['DSparkDrafter'] ... is not supported'); now
+    one line, exit 2, nothing written."""
+    d = tmp_path / "model"
+    assert main(["export", str(d), "--drafter-dir", str(tmp_path / "." / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: export: the target and the drafter directory are both {d}; the drafter needs its own "
+                   f"(default {d / 'dspark_drafter'})\n"), err
+    assert not d.exists()
