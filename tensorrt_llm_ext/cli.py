@@ -106,13 +106,18 @@ def _print_paths(paths) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    from tensorrt_llm_ext.models.gguf_import import import_gguf
+    from tensorrt_llm_ext.models.gguf_import import ImportInterrupted, import_gguf
 
     try:
         paths = import_gguf(args.file, args.dir, dtype=args.dtype, tokenizer=not args.no_tokenizer)
     except (ImportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ImportInterrupted as e:
+        done = (f"{args.dir} was already complete" if e.complete else
+                f"nothing was written to {args.dir}, no staging directory is left")
+        print(f"error: import-gguf: {e}; {done}", file=sys.stderr)
+        return 128 + e.signum
     return _print_paths(paths)
 
 

@@ -27,8 +27,8 @@ import contextlib
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
-                                            register_benchmark, rotation_count)
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
+                                            positive_int, print_table, register_benchmark, rotation_count)
 import tensorrt_llm_ext.kernels.latent_block_attention as lba
 from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 from tensorrt_llm_ext.kernels.common import triton_runs_on
@@ -45,24 +45,24 @@ _TABLES = ("fc", "norm", "launches", "attention", "serve")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--hidden", type=positive_int, default=7168)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--attn-batch", default="1,8,32", help="block attention sweep: batch sizes")
-    p.add_argument("--attn-ctx", type=int, default=1024, help="block attention sweep: context length per row")
+    p.add_argument("--attn-batch", type=int_list(), default="1,8,32", help="block attention sweep: batch sizes")
+    p.add_argument("--attn-ctx", type=positive_int, default=1024, help="block attention sweep: context length per row")
     p.add_argument("--attn-shape", nargs="+", default=["8,64,256,7"],
                    help="heads,head_dim,latent_dim,K of the sweep (several: one table each, and the rows to paste "
                         "keyed by latent width)")
-    p.add_argument("--attn-splits", default="1,2,4,8,16", help="block attention sweep: context split-K values")
-    p.add_argument("--attn-tiles", default="16,32,64", help="block attention sweep: block_n values")
-    p.add_argument("--attn-warps", default="4,8", help="block attention sweep: num_warps values")
+    p.add_argument("--attn-splits", type=int_list(), default="1,2,4,8,16", help="block attention sweep: context split-K values")
+    p.add_argument("--attn-tiles", type=int_list(), default="16,32,64", help="block attention sweep: block_n values")
+    p.add_argument("--attn-warps", type=int_list(), default="4,8", help="block attention sweep: num_warps values")
     p.add_argument("--serve-shape", nargs="+", default=["5,256", "5,512"],
                    help="served step: drafter layers,latent_dim (SmolLM2-135M's target: hidden 576, 8 heads x 64, "
                         "MLP 1536, 6 captured layers, vocabulary 49152)")
-    p.add_argument("--serve-batch", default="1,8,32", help="served step: batch sizes")
-    p.add_argument("--serve-ctx", type=int, default=512, help="served step: context positions per request")
-    p.add_argument("--tables", default=",".join(_TABLES[:-1]),
+    p.add_argument("--serve-batch", type=int_list(), default="1,8,32", help="served step: batch sizes")
+    p.add_argument("--serve-ctx", type=positive_int, default=512, help="served step: context positions per request")
+    p.add_argument("--tables", type=name_list(_TABLES), default=",".join(_TABLES[:-1]),
                    help=f"comma-separated subset of {','.join(_TABLES)} (default: all but serve; attention alone: "
                         "the schedule sweep)")
 

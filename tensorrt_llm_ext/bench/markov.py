@@ -41,8 +41,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
-                                            register_benchmark, rotation_count)
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
+                                            positive_int, print_table, register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels.markov_fused_step import FusedConfig, fused_config, fused_grid
 from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative.markov_chain import (AUTO_MODE_TABLE, MarkovWorkspace, auto_mode_for,
@@ -50,15 +50,15 @@ from tensorrt_llm_ext.speculative.markov_chain import (AUTO_MODE_TABLE, MarkovWo
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab", type=int, default=200064)
-    p.add_argument("--rank", type=int, default=256)
-    p.add_argument("--draft-len", type=int, default=7)
-    p.add_argument("--batch", default="1,4,8,32,64,128")
-    p.add_argument("--tp-sizes", default="2,4,8")
-    p.add_argument("--tp-batch", default="1,8,32,128")
+    p.add_argument("--vocab", type=positive_int, default=200064)
+    p.add_argument("--rank", type=positive_int, default=256)
+    p.add_argument("--draft-len", type=positive_int, default=7)
+    p.add_argument("--batch", type=int_list(), default="1,4,8,32,64,128")
+    p.add_argument("--tp-sizes", type=int_list(), default="2,4,8")
+    p.add_argument("--tp-batch", type=int_list(), default="1,8,32,128")
     p.add_argument("--variants", type=int, default=2, choices=range(5),
                    help="fused schedule variants timed per B besides the table's row (0-4)")
-    p.add_argument("--tables", default="main,tp",
+    p.add_argument("--tables", type=name_list(_TABLES), default="main,tp",
                    help=f"comma-separated subset of {','.join(_TABLES)}: the chain per B with its schedule "
                         "variants, the schedule sweep (prints FUSED_SCHEDULES rows), the TP shards")
 

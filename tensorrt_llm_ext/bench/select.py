@@ -19,8 +19,8 @@ import argparse
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
-                                            register_benchmark, rotation_count)
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
+                                            positive_int, print_table, register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import shard_select as ss
 from tensorrt_llm_ext.kernels.shard_select import shard_select_keys
 from tensorrt_llm_ext.mapping import vocab_shards
@@ -42,12 +42,12 @@ _TABLES = ("main", "greedy", "sampled")
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab", type=int, default=200064)
-    p.add_argument("--rows", default="1,8,64,256")
-    p.add_argument("--tp-sizes", default="1,2,4,8")
+    p.add_argument("--vocab", type=positive_int, default=200064)
+    p.add_argument("--rows", type=int_list(), default="1,8,64,256")
+    p.add_argument("--tp-sizes", type=int_list(), default="1,2,4,8")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--no-sweep", action="store_true", help="the main table only (same as --tables main)")
-    p.add_argument("--tables", default=",".join(_TABLES),
+    p.add_argument("--tables", type=name_list(_TABLES), default=",".join(_TABLES),
                    help=f"comma-separated subset of {','.join(_TABLES)}: the goal table, the greedy schedule sweep, "
                         "the sampled schedule sweep")
 

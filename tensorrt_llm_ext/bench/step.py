@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, int_list, positive_int, print_table, register_benchmark
+from tensorrt_llm_ext.runtime.config import MAX_BATCH_SIZE
 
 if TYPE_CHECKING:
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -72,10 +73,10 @@ STAGES = ("target_fwd", "select", "tail", "draft_fwd", "chain", "step")
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64" if cuda else "1,2")
-    p.add_argument("--draft-len", type=int, default=7 if cuda else 3)
-    p.add_argument("--vocab", type=int, default=128256 if cuda else 517)
-    p.add_argument("--prompt-len", type=int, default=64 if cuda else 8)
+    p.add_argument("--batch-sizes", type=int_list(1, MAX_BATCH_SIZE), default="1,2,4,8,16,32,64" if cuda else "1,2")
+    p.add_argument("--draft-len", type=positive_int, default=7 if cuda else 3)
+    p.add_argument("--vocab", type=positive_int, default=128256 if cuda else 517)
+    p.add_argument("--prompt-len", type=positive_int, default=64 if cuda else 8)
     p.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default="auto")
     p.add_argument("--profile", action="store_true",
                    help="print the top kernels of one captured fused step per batch size (torch profiler)")

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, int_list, positive_int, print_table, register_benchmark
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
@@ -22,12 +22,12 @@ _SETS = 4  # the tail's inputs are KiBs: rotation only keeps replays from reusin
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-len", type=int, default=7)
-    p.add_argument("--batch-sizes", default="1,4,16,64,128,256")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--max-pages", type=int, default=64, help="block-table width per slot")
-    p.add_argument("--layers", type=int, default=2, help="drafter layers (L)")
-    p.add_argument("--latent-dim", type=int, default=512, help="latent width d_c")
+    p.add_argument("--draft-len", type=positive_int, default=7)
+    p.add_argument("--batch-sizes", type=int_list(), default="1,4,16,64,128,256")
+    p.add_argument("--page-size", type=positive_int, default=64)
+    p.add_argument("--max-pages", type=positive_int, default=64, help="block-table width per slot")
+    p.add_argument("--layers", type=positive_int, default=2, help="drafter layers (L)")
+    p.add_argument("--latent-dim", type=positive_int, default=512, help="latent width d_c")
 
 
 def _store_eager_chain(latents, pages, offs, mask, pool):

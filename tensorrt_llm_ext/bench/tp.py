@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
+from tensorrt_llm_ext.bench.harness import (BenchTimer, fmt, name_list, positive_int, print_table, register_benchmark,
+                                            rotation_count)
 from tensorrt_llm_ext.mapping import vocab_shards
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
@@ -351,11 +352,14 @@ def _rank_main(tp: int, sizes_dict: dict, sections: list[str], reps: int, calls_
 # ----------------------------------------------------------------------------------------------------
 # Launcher and tables
 # ----------------------------------------------------------------------------------------------------
+SECTIONS = ("select", "markov", "drafter", "step")  # what _rank_main runs, in this order
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=2, help="ranks to launch (one GPU each)")
+    p.add_argument("--tp", type=positive_int, default=2, help="ranks to launch (one GPU each)")
     p.add_argument("--quick", action="store_true", help="fewer sizes (first and last of each list)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes (tiny vocabularies and drafter)")
-    p.add_argument("--sections", default="select,markov,drafter,step")
+    p.add_argument("--sections", type=name_list(SECTIONS), default=",".join(SECTIONS))
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median)")
     p.add_argument("--calls-per-rep", type=int, default=10, help="graph replays per repetition")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a rank is declared hung")

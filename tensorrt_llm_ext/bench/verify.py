@@ -36,8 +36,8 @@ import sys
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
-                                            register_benchmark, rotation_count)
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, positive_int,
+                                            print_table, register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.mapping import vocab_shards
@@ -56,10 +56,10 @@ def random_logits(b: int, k: int, width: int, scale: float, g: torch.Generator, 
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab", type=int, default=200064)
-    p.add_argument("--draft-len", type=int, default=7)
-    p.add_argument("--batch-sizes", default="1,8,32,128")
-    p.add_argument("--tp-sizes", default="1,4",
+    p.add_argument("--vocab", type=positive_int, default=200064)
+    p.add_argument("--draft-len", type=positive_int, default=7)
+    p.add_argument("--batch-sizes", type=int_list(), default="1,8,32,128")
+    p.add_argument("--tp-sizes", type=int_list(), default="1,4",
                    help="TP sizes whose shard width to time on one GPU (1 = the full vocabulary, no exchange)")
     p.add_argument("--shard-width", default="aligned", choices=("aligned", "ceil"),
                    help="the LM head's shard rule: aligned (default): 1024 ceil(ceil(V / tp) / 1024) columns at TP > 1 "

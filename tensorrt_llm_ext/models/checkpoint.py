@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint: {path} is not valid JSON ({e})") from None
+    except RecursionError:  # the decoder recurses per nesting level; no file here is more than a few deep
+        raise CheckpointError(f"checkpoint: {path} is not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint: {path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -78,7 +81,7 @@ def default_target_layer_ids(num_layers: int) -> list[int]:
     """Low, middle and high layers (the EAGLE-3 choice) for a target without a drafter checkpoint."""
     if num_layers <= 3:
         return list(range(num_layers))
-    return sorted({1, num_layers // 2 - 1, num_layers - 4} & set(range(num_layers))) or [num_layers - 1]
+    return sorted(i for i in {1, num_layers // 2 - 1, num_layers - 4} if 0 <= i < num_layers) or [num_layers - 1]
 
 
 # -- facts: what serving needs from a checkpoint besides its weights --------------------------------------
@@ -291,6 +294,19 @@ def _check_entries(owner: str, files: list[Path], expected: dict[str, tuple[int,
                                   "bfloat16")
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(owner: str, files: list[Path], num_layers: int, names) -> None:
+    """More layers in the config than the weight files hold is refused before the expected names are listed (one
+    set per layer: ``num_hidden_layers: 1000000000`` was gigabytes of names, then a MemoryError)."""
+    held = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))}
+    if num_layers > len(held):
+        where = files[0] if len(files) == 1 else files[0].parent
+        raise CheckpointError(f"checkpoint: {where}: the config has {num_layers} {owner} layers, the weight files "
+                              f"hold {len(held)}")
+
+
 def _finite(owner_entries: dict[str, tuple[Path, torch.Tensor]]) -> None:
     """One ``isfinite`` pass per tensor: a NaN or inf weight is refused by name before it can serve."""
     for name, (f, t) in owner_entries.items():
@@ -356,6 +372,7 @@ def read_llama_config(directory: str | Path) -> dict:
     cfg, tie = read_target_config(directory)
     files = _safetensors_files(Path(directory))
     headers = _headers(files)
+    _check_layer_count("target", files, cfg.num_layers, headers)
     _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
     fields = {k: v for k, v in vars(cfg).items() if k not in FAMILY_FIELDS}
     return {**fields, "capture_layers": list(cfg.capture_layers), "tie_word_embeddings": tie}
@@ -383,6 +400,7 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
         tie_word_embeddings = fields["tie_word_embeddings"]
     files = _safetensors_files(directory)
     raw = _load_tensors(files)
+    _check_layer_count("target", files, cfg.num_layers, raw)
     expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
     _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                                for n, (f, t) in raw.items()})
@@ -467,7 +485,9 @@ def read_drafter_config(directory: str | Path) -> dict:
         raise CheckpointError(f"checkpoint: {path}: {e}") from None
     # The weight file's header against these sizes, before any work (the data is checked at load).
     files = [directory / "model.safetensors"]
-    _check_entries("drafter", files, drafter_weight_shapes(dcfg), _headers(files))
+    headers = _headers(files)
+    _check_layer_count("drafter", files, dcfg.num_layers, headers)
+    _check_entries("drafter", files, drafter_weight_shapes(dcfg), headers)
     return out
 
 
@@ -476,6 +496,7 @@ def load_drafter_state_dict(directory: str | Path, cfg: DSparkDrafterConfig) -> 
     non-finite values), one line naming the file."""
     files = [Path(directory) / "model.safetensors"]
     raw = _load_tensors(files)
+    _check_layer_count("drafter", files, cfg.num_layers, raw)
     expected = drafter_weight_shapes(cfg)
     _check_entries("drafter", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                                 for n, (f, t) in raw.items()})

@@ -22,11 +22,14 @@ Refused by name (``ValueError``): another architecture, a tensor this mapping do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +65,22 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _count(reader, key: str, default=None) -> int:
+    """A size of the metadata: one integer >= 1 (a per-layer array, as some converters write head counts, is
+    refused by name, as is a zero that would divide)."""
+    v = _field(reader, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"GGUF: metadata {key!r} must be one integer >= 1, got {v!r}")
+    return int(v)
+
+
+def _positive(reader, key: str, default: float) -> float:
+    v = _field(reader, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not 0 < v < float("inf"):
+        raise ValueError(f"GGUF: metadata {key!r} must be one finite number > 0, got {v!r}")
+    return float(v)
+
+
 def hf_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError for an unknown name."""
     if gguf_name in _TOP_NAMES:
@@ -94,24 +113,24 @@ def read_gguf_config(reader) -> dict:
     if "llama.rope.scaling.type" in reader.fields and _field(reader, "llama.rope.scaling.type") not in ("none",):
         raise ValueError(f"GGUF: llama.rope.scaling.type={_field(reader, 'llama.rope.scaling.type')!r} is not "
                          "supported (plain RoPE only)")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
+    hidden = _count(reader, "llama.embedding_length")
+    heads = _count(reader, "llama.attention.head_count")
+    kv_heads = _count(reader, "llama.attention.head_count_kv", heads)
+    head_dim = _count(reader, "llama.rope.dimension_count", hidden // heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0)) or None
-    if vocab is None:
+    if "llama.vocab_size" not in reader.fields and not (tokens is not None and len(tokens.data)):
         raise ValueError("GGUF: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    vocab = _count(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": _count(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _count(reader, "llama.block_count"),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "hidden_act": "silu", "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)), "rope_scaling": None,
+        "hidden_act": "silu", "max_position_embeddings": _count(reader, "llama.context_length", 2048),
+        "rms_norm_eps": _positive(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _positive(reader, "llama.rope.freq_base", 10000.0), "rope_scaling": None,
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
     }
@@ -137,9 +156,40 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _dequantizable(gguf, qtype) -> bool:
+    """Whether the installed ``gguf`` dequantizes ``qtype`` (tried on one zero block: no table to keep in step)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    except Exception:  # any other complaint about the zero block: the real data decides
+        pass
+    return True
+
+
+def check_tensor_types(reader) -> None:
+    """Refuse, before any tensor is dequantized, a file holding a type the installed ``gguf`` cannot dequantize
+    (``Q8_1``, ``Q8_K``, integer tensors ...): a ValueError naming the tensors and the type."""
+    gguf = _require_gguf()
+    verdict: dict = {}
+    bad = [t for t in reader.tensors
+           if not verdict.setdefault(t.tensor_type, _dequantizable(gguf, t.tensor_type))]
+    if bad:
+        types = sorted({t.tensor_type.name for t in bad})
+        raise ValueError(f"GGUF: {len(bad)} tensor(s) of type {', '.join(types)} cannot be dequantized by the "
+                         f"installed gguf package (first: {bad[0].name}); re-quantize the model to a supported type "
+                         f"(F32, F16, BF16, Q4_0, Q8_0, the K-quants ...)")
+
+
 def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of the file dequantized, under Hugging Face names, q/k rows in Hugging Face order."""
     gguf = _require_gguf()
+    check_tensor_types(reader)
+    held = {m.group(1) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if cfg["num_hidden_layers"] > len(held):  # before one expected name per block is listed (10^9: a MemoryError)
+        raise ValueError(f"GGUF: metadata 'llama.block_count' is {cfg['num_hidden_layers']}, the file holds "
+                         f"{len(held)} block(s)")
     expected = _expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -159,28 +209,84 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
     return out
 
 
+class ImportInterrupted(BaseException):
+    """SIGTERM or SIGINT during :func:`import_gguf` (a BaseException like ``KeyboardInterrupt``: no error handler
+    takes it). The staging directory is gone; ``complete`` is True only when the signal arrived after DIR was in
+    place (it is held back during the renames)."""
+
+    def __init__(self, signum: int, complete: bool = False):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum, self.complete = signum, complete
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGTERM / SIGINT raise :class:`ImportInterrupted` inside (SIGTERM's default ends the process at once, past
+    every cleanup: a staging directory of tens of GB was left beside DIR); the previous handlers afterwards."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise ImportInterrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def import_gguf(gguf_file: str | Path, directory: str | Path, dtype: str = "float32",
                 tokenizer: bool = True) -> list[tuple[str, Path]]:
-    """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written."""
+    """Write the Hugging Face directory of a ``llama`` GGUF file; returns ``[(what, path), ...]`` written.
+    SIGTERM / SIGINT meanwhile raise :class:`ImportInterrupted`, with nothing left behind."""
     gguf = _require_gguf()
     if dtype not in _DTYPES:
         raise ValueError(f"import-gguf: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise ValueError(f"import-gguf: {gguf_file} not found")
-    reader = gguf.GGUFReader(str(gguf_file))
+    directory = Path(directory)
+    if directory.is_dir():  # before any work; again with the files actually written, before they are moved
+        check_no_stale_files(directory, _WRITTEN + (_TOKENIZER_WRITTEN if tokenizer else ()))
+    with _stop_signals_raise():
+        return _import(gguf, gguf_file, directory, dtype, tokenizer)
+
+
+def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool) -> list[tuple[str, Path]]:
+    try:
+        reader = gguf.GGUFReader(str(gguf_file))
+    except Exception as e:  # the reader meets a damaged file with numpy / index / struct errors of its own
+        raise ValueError(f"import-gguf: {gguf_file} is not a readable GGUF file ({gguf_file.stat().st_size} bytes, "
+                         f"truncated or not GGUF: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         ) from None
     cfg = read_gguf_config(reader)
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
-    directory = Path(directory)
     # Everything is written into a temporary directory beside DIR and moved into place once complete: a write
     # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.importing-", dir=directory.parent))
+    moved = False
     try:
         written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
-        _move_into_place(staging, directory)
+        if directory.is_dir():
+            check_no_stale_files(directory, {f.name for f in staging.iterdir()})
+        # The renames run with the stop signals held back: DIR is never left part old, part new.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            _move_into_place(staging, directory)
+            moved = True
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # one held back is raised here
     except BaseException as e:  # an interrupt too: no staging directory is left behind
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, ImportInterrupted):
+            e.complete = moved
         if not isinstance(e, Exception) or isinstance(e, (ImportError, ValueError)):
             raise
         raise OSError(f"import-gguf: writing {directory} failed ({type(e).__name__}: {e}); nothing was written "
@@ -206,9 +312,30 @@ def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.
     return written
 
 
+# Files of a model directory that `serve DIR` / `generate --model DIR` read beside the weights: one left from an
+# earlier model in DIR, that this import does not write, would be served with the new weights (another tokenizer or
+# chat template: wrong text, no error).
+SERVED_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# What an import writes (the tokenizer's files as transformers saves them, the chat template if the file has one).
+_WRITTEN = ("config.json", "generation_config.json", "model.safetensors")
+_TOKENIZER_WRITTEN = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def check_no_stale_files(directory: Path, written) -> None:
+    """Refuse to write into a directory holding :data:`SERVED_FILES` that ``written`` (names) would not replace."""
+    stale = [name for name in SERVED_FILES if (directory / name).exists() and name not in written]
+    if stale:
+        raise ValueError(f"import-gguf: {directory} holds {', '.join(stale)} from an earlier model that this import "
+                         "would not replace (they would be served with the new weights); remove them or choose an "
+                         "empty directory")
+
+
 def _move_into_place(staging: Path, directory: Path) -> None:
     """``staging`` becomes ``directory`` (one rename when it does not exist or is empty); into an existing
-    directory each file is renamed over its old version, and files of other names there stay."""
+    directory each file is renamed over its old version, and files of other names there stay (none that serving
+    reads: :func:`check_no_stale_files`)."""
     if not directory.exists() or (directory.is_dir() and not any(directory.iterdir())):
         os.replace(staging, directory)
         return

@@ -12,6 +12,9 @@ Field names follow TensorRT-LLM's LLM API arguments (``tensorrt_llm/llmapi/llm_a
 * **Unknown keys are errors** (a typo must not be silently ignored). Every field of TensorRT-LLM that a
   public recipe uses is declared: either honoured, or declared *no effect here* (``no_effect(...)`` below),
   which is accepted, type-checked and logged once with the reason.
+* **YAML limits.** UTF-8 text; a tree whose aliases expand past :data:`MAX_YAML_NODES` nodes (a "billion
+  laughs" file), an alias inside itself or nesting deeper than the YAML parser's recursion is refused as a
+  :class:`ConfigError` before anything walks it.
 * **Models from disk.** ``model: DIR`` (or ``trtllm-ext serve DIR``) reads the target's sizes from a
   Hugging Face Llama ``DIR/config.json``; ``speculative_config.speculative_model`` (alias
   ``speculative_model_dir``) or ``DIR/dspark_drafter`` gives the drafter's (see
@@ -492,11 +495,50 @@ class _YamlError(ValueError):
     pass
 
 
+# Nodes a config may hold once its aliases are expanded (the embedded default has about 60; a big serve recipe a
+# few hundred). safe_load shares an aliased node instead of copying it, but validation, model_dump and logging walk
+# the tree: ten nested aliases of ten items ("billion laughs") are 10^10 nodes, gigabytes before any error.
+MAX_YAML_NODES = 100_000
+
+
+def _check_yaml_size(data) -> None:
+    """Refuse a tree whose aliases expand past :data:`MAX_YAML_NODES` nodes, or that holds itself (``&a [*a]``);
+    counted with every shared node once (no expansion), iteratively (no recursion limit)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[object, bool]] = [(data, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        if not isinstance(node, (dict, list)) or (not children_done and id(node) in sizes):
+            continue
+        children = [c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, (dict, list))]
+        if children_done:
+            open_nodes.discard(id(node))
+            total = len(node) + 1 + sum(sizes[id(c)] - 1 for c in children)
+            if total > MAX_YAML_NODES:
+                raise _YamlError(f"its aliases expand to more than {MAX_YAML_NODES} nodes (a config is a few "
+                                 "hundred; an alias bomb?)")
+            sizes[id(node)] = total
+            continue
+        if id(node) in open_nodes:
+            raise _YamlError("an alias refers to a node that contains it (a recursive structure)")
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        for c in children:
+            if id(c) in open_nodes:
+                raise _YamlError("an alias refers to a node that contains it (a recursive structure)")
+            stack.append((c, False))
+
+
 def _load_yaml(text: str):
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise _YamlError(str(e)) from None
+    except RecursionError:  # PyYAML's parser recurses per nesting level (a few hundred levels exhaust it)
+        raise _YamlError("it is nested too deeply") from None
+    _check_yaml_size(data)
+    return data
 
 
 def default_config_text() -> str:
@@ -516,9 +558,12 @@ def merge_layers(base: dict, top: dict) -> dict:
 
 def _read_user_file(path: str | Path) -> dict:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # YAML is text: a binary file or another encoding is the user's mistake
+        raise ConfigError(f"invalid runtime config: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start})") from None
     try:
         data = _load_yaml(text)
     except _YamlError as e:
@@ -540,12 +585,15 @@ def _resolve_checkpoints(data: dict, user: dict, user_len=None):
     model = data.get("model")
     if isinstance(model, str):
         model = {"path": model}
-    if not isinstance(model, dict):
-        return data, None
+    spec = data.get("speculative_config") or {}
+    paths = (model.get("path"), spec.get("speculative_model"), spec.get("speculative_model_dir")) if (
+        isinstance(model, dict) and isinstance(spec, dict)) else ()
+    if not paths or any(p is not None and not isinstance(p, str) for p in paths):
+        return data, None  # a section or a directory of the wrong type: parse_config names the field
     facts = None
     data = {**data, "model": dict(model)}
     model = data["model"]
-    spec = dict(data.get("speculative_config") or {})
+    spec = dict(spec)
     user_model = user.get("model") if isinstance(user.get("model"), dict) else {}
     user_spec = user.get("speculative_config") if isinstance(user.get("speculative_config"), dict) else {}
     try:

@@ -21,6 +21,9 @@ def export_model(cfg: RuntimeConfig, directory: str | Path, drafter_directory: s
     (default ``directory/dspark_drafter``, where loading ``directory`` finds it). Returns what was written."""
     directory = Path(directory)
     drafter_directory = Path(drafter_directory) if drafter_directory is not None else directory / DRAFTER_SUBDIR
+    if directory.resolve() == drafter_directory.resolve():  # the drafter's two files would replace the target's
+        raise ValueError(f"export: the target and the drafter directory are both {directory}; the drafter needs its "
+                         f"own (default {directory / DRAFTER_SUBDIR})")
     for d in (directory, drafter_directory):
         if d.exists() and any(d.glob("*.safetensors")):
             raise ValueError(f"export: {d} already holds a checkpoint; choose an empty directory")

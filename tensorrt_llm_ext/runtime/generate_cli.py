@@ -119,6 +119,19 @@ def main_generate(args: argparse.Namespace) -> int:
     if args.cuda_graph and not torch.cuda.is_available():
         print("error: --cuda-graph needs a CUDA device", file=sys.stderr)
         return 2
+    # Flags every request shares: a value no request can be served with is the flag's error (exit 2, before the
+    # model is built), not one rejection per prompt (exit 3). A prompt holds one token at least.
+    vocab = cfg.model.target.vocab_size
+    flag_error = None
+    if not 1 <= args.max_new_tokens < cfg.max_seq_len:
+        flag_error = (f"--max-new-tokens {args.max_new_tokens}: expected an integer in [1, {cfg.max_seq_len - 1}] "
+                      f"(max_seq_len={cfg.max_seq_len} holds the prompt too)")
+    elif any(not 0 <= t < vocab for t in args.stop):
+        flag_error = (f"--stop: token id(s) {[t for t in args.stop if not 0 <= t < vocab]} outside the vocabulary "
+                      f"[0, {vocab})")
+    if flag_error:
+        print(f"error: {flag_error}", file=sys.stderr)
+        return 2
     gpus = launch.tp_gpu_error(cfg.tensor_parallel_size)
     if gpus:
         print(f"error: {gpus}", file=sys.stderr)
@@ -133,7 +146,6 @@ def main_generate(args: argparse.Namespace) -> int:
     if args.cuda_graph and cfg.cuda_graph_config is None:
         cfg = cfg.with_overrides(**{"cuda_graph_config.enable_padding": True})
     cuda_graph = use_cuda_graph(cfg, args.cuda_graph)
-    vocab = cfg.model.target.vocab_size
     texts = TextPrompts(cfg, chat=args.chat)
     try:
         if args.prompts_file:

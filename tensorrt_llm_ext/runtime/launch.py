@@ -77,13 +77,19 @@ def parse_prompt(text: str) -> list[int]:
 def load_prompts_file(path: str) -> list[list[int]]:
     """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas). Every id must be
     an integer (``2.7``, ``true`` or ``null`` is an error naming the prompt and the item)."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start})") from None
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             data = json.loads(stripped)
         except ValueError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:  # a list of id lists is two levels deep; the decoder recurses per level
+            raise ValueError(f"{path}: not a JSON list of token-id lists (nested too deeply)") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of token-id lists")
         out = []

@@ -9,11 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tensorrt_llm_ext.logger import info_once, logger
+from tensorrt_llm_ext.models.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
     from tensorrt_llm_ext.runtime.config import RuntimeConfig
 
-__all__ = ["byte_table", "load_tokenizer", "resolve_tokenizer", "tokenizer_vocab_error"]
+__all__ = ["TokenizerError", "byte_table", "load_tokenizer", "resolve_tokenizer", "tokenizer_vocab_error"]
+
+
+class TokenizerError(CheckpointError):
+    """A tokenizer directory whose files ``transformers`` cannot load (one line; the CLI exits 2 as for any other
+    refused checkpoint file)."""
 
 
 def tokenizer_vocab_error(tokenizer, vocab_size: int) -> str | None:
@@ -115,7 +121,12 @@ def load_tokenizer(directory: str | None):
     except ImportError:
         logger.warning(f"serve: {directory} has a tokenizer but transformers is not installed: token-id prompts only")
         return None
-    return AutoTokenizer.from_pretrained(directory)
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # transformers / tokenizers raise KeyError, JSON, OSError, bare Exception ...
+        words = " ".join(str(e).split())
+        raise TokenizerError(f"tokenizer: {directory}: transformers cannot load it ({type(e).__name__}: "
+                             f"{words[:300]}{' ...' if len(words) > 300 else ''})") from None
 
 
 def resolve_tokenizer(cfg: RuntimeConfig, directory: str | None = None):

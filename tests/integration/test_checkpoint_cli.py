@@ -62,3 +62,31 @@ def test_generate_model_serves_a_qwen3_checkpoint_with_its_family_switches(tmp_p
     hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
     expected = hf_greedy_decode(hf, prompt, 4)
     assert "-> 4 ids (length" in out and " ".join(map(str, expected)) in out, (expected, out)
+
+
+@pytest.mark.parametrize("broken", ["truncated-json", "no-added-tokens"])
+def test_a_broken_tokenizer_is_one_line_naming_its_directory(tmp_path, capsys, broken):
+    """A tokenizer.json that transformers cannot load (cut short; valid JSON without its sections) is one line
+    naming the directory, exit 2, for `generate` with a text prompt and for `serve` at start-up (was: a
+    KeyError traceback, exit 1, or the JSON decoder's words naming no file)."""
+    d = tmp_path / broken
+    export_model(load_config(**tiny_model()), d)
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}' if broken == "truncated-json"
+                                      else '{"version": "1.0", "model": {"type": "BPE"}}')
+    for argv in (["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "2", "hello"],
+                 ["serve", str(d), "--port", str(_free_port())]):
+        assert main(argv) == 2, argv
+        err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
+        assert len(err) == 1 and err[0].startswith(f"error: tokenizer: {d}: transformers cannot load it ("), err
+
+
+def test_export_refuses_one_directory_for_target_and_drafter(tmp_path, capsys):
+    """`export DIR --drafter-dir DIR` wrote the drafter's config.json and model.safetensors over the target's and
+    exited 0 listing both (DIR then loaded as nothing: 'architectures=['DSparkDrafter'] ... is not supported'); now
+    one line, exit 2, nothing written."""
+    d = tmp_path / "model"
+    assert main(["export", str(d), "--drafter-dir", str(tmp_path / "." / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: export: the target and the drafter directory are both {d}; the drafter needs its own "
+                   f"(default {d / 'dspark_drafter'})\n"), err
+    assert not d.exists()

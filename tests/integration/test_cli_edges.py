@@ -101,3 +101,64 @@ def test_tp_above_the_gpu_count_is_one_line_before_any_rank(monkeypatch, capsys,
     assert launch.tp_gpu_error(2) is None
     monkeypatch.setattr(launch, "cuda_device_count", lambda: 2)
     assert launch.tp_gpu_error(2) is None and launch.tp_gpu_error(1) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("tail", "--batch-sizes", ","), "argument --batch-sizes: expected comma-separated integers, got ','"),
+    (("tail", "--batch-sizes", "x"), "argument --batch-sizes: expected comma-separated integers, got 'x'"),
+    (("step", "--batch-sizes", "0"), "argument --batch-sizes: expected integers in [1, 65536], got 0 in '0'"),
+    (("markov", "--tables", "foo"), "argument --tables: expected a comma-separated subset of main,sweep,tp"),
+    (("select", "--rows", "8,x"), "argument --rows: expected comma-separated integers, got '8,x'"),
+    (("verify", "--batch-sizes", "1,,2"), "argument --batch-sizes: expected comma-separated integers"),
+    (("exchange", "--worlds", "two"), "argument --worlds: expected comma-separated integers, got 'two'"),
+    (("tp", "--tp", "0"), "argument --tp: expected an integer >= 1, got 0"),
+], ids=["tail-empty", "tail-word", "step-zero", "markov-tables", "select-rows", "verify-hole", "exchange-worlds",
+        "tp-zero"])
+def test_bench_list_and_size_arguments_are_usage_errors(capsys, argv, message):
+    """Comma lists, sizes and table names of `bench NAME` are checked by the parser: a usage line naming the flag,
+    exit 2, before any work (was: a ValueError / ConfigError traceback, exit 1, or -- `exchange --worlds two`,
+    `tp --sections foo` -- exit 0 having measured nothing)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", *argv])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"trtllm-ext bench {argv[0]}: error: {message}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_more_layers_than_the_files_hold_is_one_line_before_any_listing(checkpoint, tmp_path, capsys, which):
+    """A config.json whose layer count the weight files cannot hold is refused from the headers' layer indices
+    before one name per layer is listed (was: `num_hidden_layers: 1000000000` built a set of 10^9 layer ids and
+    10^10 expected tensor names -- a MemoryError under a 4 GB limit, the host's memory without one). 10^5 here keeps
+    the old path cheap enough to show the difference: it listed 900 000 names, then 'tensors missing'."""
+    import shutil
+    import time
+
+    d = tmp_path / which
+    shutil.copytree(checkpoint, d)
+    cfg_path = d / "config.json" if which == "target" else d / "dspark_drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    held = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = 10**5
+    cfg_path.write_text(json.dumps(cfg))
+    start = time.monotonic()
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "2", "1 17 305"]) == 2
+    assert time.monotonic() - start < 5
+    err, _ = _errors(capsys)
+    weights = cfg_path.parent / "model.safetensors"
+    assert err == [f"error: checkpoint: {weights}: the config has 100000 {which} layers, the weight files hold {held}"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json",
+                                  "dspark_drafter/config.json"])
+def test_a_json_file_nested_too_deeply_is_one_line(checkpoint, tmp_path, capsys, name):
+    """100 000 nested brackets in any JSON file the checkpoint reader opens were a RecursionError traceback, exit 1;
+    now one line naming the file, exit 2."""
+    import shutil
+
+    d = tmp_path / "deep"
+    shutil.copytree(checkpoint, d)
+    (d / name).write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert main(["generate", "--model", str(d), "--no-progress", "--max-new-tokens", "2", "1 17 305"]) == 2
+    err, _ = _errors(capsys)
+    assert err == [f"error: checkpoint: {d / name} is not valid JSON (nested too deeply)"], err

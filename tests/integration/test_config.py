@@ -87,6 +87,61 @@ def test_yaml_errors_are_config_errors(tmp_path):
         load_config(top)
 
 
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    """A YAML saved as Latin-1 (or any binary file) is one error naming the file and the byte (was: a
+    UnicodeDecodeError traceback, exit 1)."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"max_batch_size: 4\n# r\xe9glages\n")
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 21\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("speculative_config: 3\n", "speculative_config: Input should be a valid dictionary"),
+    ("speculative_config: [1]\n", "speculative_config: Input should be a valid dictionary"),
+    ("model: {path: 5}\n", "model.path: Input should be a valid string, got 5"),
+    ("speculative_config: {speculative_model: [a]}\n", "speculative_config.speculative_model: Input should be"),
+    ("speculative_config: {speculative_model_dir: 7}\n", "speculative_config.speculative_model_dir: Input should"),
+], ids=["spec-int", "spec-list", "model-path-int", "drafter-list", "drafter-dir-int"])
+def test_sections_and_directories_of_the_wrong_type_name_the_field(tmp_path, text, field):
+    """A section that is not a mapping, or a model / drafter directory that is not a string, is the field's
+    own error (was: a TypeError traceback while the checkpoint directories were resolved)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert field in str(err.value), str(err.value)
+
+
+def test_yaml_bombs_are_refused_before_they_expand(tmp_path):
+    """Ten nested aliases of ten items (10^9 leaves under a free-form field), an alias inside itself and 50 000
+    levels of nesting are each one ConfigError, at once (was: gigabytes then a MemoryError in the no-effect log
+    line, a pydantic circular-reference traceback, a RecursionError)."""
+    import time
+
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    cases = {"scheduler_config: &a {x: [1, *a]}\n": "refers to a node that contains it",
+             "scheduler_config: " + "[" * 50000 + "]" * 50000 + "\n": "nested too deeply",
+             "scheduler_config:\n" + "\n".join("  " + line for line in lines) + "\n": "aliases expand to more than"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"bomb{i}.yaml"
+        path.write_text(text)
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+        assert time.monotonic() - start < 5
+    # Aliases that stay small are YAML as usual (a shared anchor, used twice).
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("scheduler_config: {a: &p [1, 2], b: *p}\nmoe_config: {c: *p}\n")
+    assert load_config(shared).scheduler_config == {"a": [1, 2], "b": [1, 2]}
+    from tensorrt_llm_ext.runtime.config import MAX_YAML_NODES
+
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("scheduler_config: {a: [" + ", ".join(["0"] * (MAX_YAML_NODES - 10)) + "]}\n")
+    assert len(load_config(wide).scheduler_config["a"]) == MAX_YAML_NODES - 10
+
+
 def test_attention_dp_flag_reaches_the_mapping():
     """``enable_attention_dp`` in the config was silently ignored (the rank's Mapping never carried it, so
     vocab-parallel selection and the drafter fusions stayed on); now it reaches the Mapping, and a config

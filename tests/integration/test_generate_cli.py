@@ -60,6 +60,39 @@ def test_generate_reports_bad_config_and_bad_prompt(small_yaml, tmp_path, capsys
     assert rc == 3 and "[0] rejected" in text and "[1] prompt" in text and "1 of 2 request(s) rejected" in text
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--max-new-tokens", "0"), "--max-new-tokens 0: expected an integer in [1, "),
+    (("--max-new-tokens", "-5"), "--max-new-tokens -5: expected an integer in [1, "),
+    (("--max-new-tokens", "100000"), "--max-new-tokens 100000: expected an integer in [1, "),
+    (("--stop", "7", "-1"), "--stop: token id(s) [-1] outside the vocabulary [0, "),
+], ids=["zero", "negative", "past-max-seq-len", "negative-stop"])
+def test_flags_no_request_can_be_served_with_are_usage_errors(small_yaml, capsys, monkeypatch, flags, message):
+    """A --max-new-tokens or --stop value that every request shares and none can be served with is one line naming
+    the flag, exit 2, before the model is built (was: the model built, every prompt "rejected: request 0:
+    max_new_tokens must be an int >= 1", exit 3 -- the code of a run that served some requests)."""
+    from tensorrt_llm_ext.runtime import generate_cli
+
+    monkeypatch.setattr(generate_cli, "run_generate", lambda *a, **k: pytest.fail("the run started"))
+    assert main(["generate", "--config", small_yaml, "--no-progress", "1 2 3", *flags]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe1 2 3\n", "not UTF-8 text (byte 0xff at offset 0)"),
+    (b"[" * 100000 + b"]" * 100000, "not a JSON list of token-id lists (nested too deeply)"),
+], ids=["utf16-bytes", "deep-json"])
+def test_a_prompts_file_that_is_not_text_or_too_deep_is_one_line(small_yaml, tmp_path, capsys, content, message):
+    """--prompts-file with bytes that are not UTF-8 named neither the file nor the flag ("'utf-8' codec can't
+    decode byte 0xff ..."); 100 000 nested brackets were a RecursionError traceback, exit 1. Both: one line naming
+    the file, exit 2."""
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(content)
+    assert main(["generate", "--config", small_yaml, "--no-progress", "--prompts-file", str(path)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "[TRT-LLM-EXT]" not in line]
+    assert err == [f"error: {path}: {message}"], err
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_generate_check_tp2_over_mpi(small_yaml, capsys):
     """The README's main job at TP 2 (MPI-spawned ranks, gloo on CPU): all paths agree on every rank."""

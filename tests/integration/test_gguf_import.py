@@ -170,3 +170,149 @@ def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, cap
     assert {p.name for p in (tmp_path / "old").iterdir()} == {"config.json", "model.safetensors",
                                                               "generation_config.json"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "tiny.gguf"]
+
+
+def _write_gguf(path, tensors, head_count=2, blocks=1):
+    """A small llama GGUF: the metadata sizes, ``tensors`` {name: (array, raw type or None)}."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(blocks)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    if isinstance(head_count, list):
+        w.add_array("llama.attention.head_count", head_count)
+    else:
+        w.add_head_count(head_count)
+    w.add_vocab_size(16)
+    for name, (arr, raw) in tensors.items():
+        if raw is None:
+            w.add_tensor(name, np.asarray(arr))
+        else:
+            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_damaged_file_is_one_line_naming_it(tmp_path, capsys):
+    """An empty, a 4-byte and a truncated GGUF (cut in the header, in the tensor infos, in the data) are one line
+    naming the file, exit 2, nothing written (was: an IndexError traceback for 4 bytes, else numpy's words only,
+    'cannot reshape array of size 3120 into shape (64,60)', naming neither the file nor what is wrong)."""
+    whole = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(whole, seed=3)
+    data = whole.read_bytes()
+    for cut in (0, 4, 100, 2000, len(data) - 800):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        assert main(["import-gguf", str(bad), str(tmp_path / "out"), "--no-tokenizer"]) == 2, cut
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cut{cut}.gguf is not a readable GGUF file ({cut} bytes" in err, (cut, err)
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_undequantizable_tensor_type_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A tensor of a type the gguf package cannot dequantize (Q8_1, an integer tensor) is one line naming the type
+    and the tensor, exit 2, before any tensor is dequantized (was: NotImplementedError traceback, exit 1, after
+    every earlier tensor was dequantized)."""
+    import numpy as np
+
+    q81 = gguf.GGMLQuantizationType.Q8_1
+    block, type_size = gguf.GGML_QUANT_SIZES[q81]
+    files = {"Q8_1": {"output_norm.weight": (np.ones(32, np.float32), None),
+                     "token_embd.weight": (np.zeros((16, 32 // block * type_size), np.uint8), q81)},
+             "I32": {"token_embd.weight": (np.zeros((16, 32), np.int32), None)}}
+    real = gguf.quants.dequantize
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: calls.append(data.size) or real(data, qtype))
+    for name, tensors in files.items():
+        _write_gguf(tmp_path / f"{name}.gguf", tensors)
+        calls.clear()
+        assert main(["import-gguf", str(tmp_path / f"{name}.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"of type {name} cannot be dequantized" in err, err
+        assert "(first: token_embd.weight)" in err and not (tmp_path / "out").exists()
+        assert max(calls, default=0) <= 64, calls  # one zero block per type, never a tensor's data
+
+
+@pytest.mark.parametrize("head_count, shown", [(0, "got 0"), ([4, 4], "got [4, 4]")], ids=["zero", "per-layer"])
+def test_malformed_metadata_sizes_are_named(tmp_path, capsys, head_count, shown):
+    """A head count of 0 or a per-layer array is one line naming the key, exit 2 (was: ZeroDivisionError /
+    TypeError tracebacks, exit 1)."""
+    import numpy as np
+
+    _write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((16, 32), np.float32), None)}, head_count)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: GGUF: metadata 'llama.attention.head_count' must be one integer >= 1, {shown}\n", err
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_writing_leaves_nothing_behind(tmp_path, sig):
+    """SIGTERM / SIGINT while DIR is being written (here: from inside the weights' write, after part of the file is
+    on disk) ends the import with one line and exit 128 + the signal, no DIR and no staging directory left (was:
+    SIGTERM ended the process at once and left `.DIR.importing-*` holding a partial model.safetensors -- tens of GB
+    per attempt on a real model; SIGINT a KeyboardInterrupt traceback). A subprocess: the signal is real."""
+    import subprocess
+    import sys
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", seed=3)
+    script = f"""
+import os, signal, sys, time
+from tensorrt_llm_ext.models import checkpoint
+from tensorrt_llm_ext.cli import main
+
+def killed_mid_write(sd, path, metadata):
+    path.write_bytes(b"\\\\0" * 4096)
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(30)  # the signal's handler ends the write before this returns
+
+checkpoint._save_safetensors = killed_mid_write
+sys.exit(main(["import-gguf", {str(tmp_path / "tiny.gguf")!r}, {str(tmp_path / "out")!r}, "--no-tokenizer"]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + getattr(__import__("signal"), sig), (r.returncode, r.stderr)
+    assert r.stderr == (f"error: import-gguf: interrupted by {sig}; nothing was written to {tmp_path / 'out'}, no "
+                        "staging directory is left\n"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_files_an_import_would_not_replace_are_refused(imported, tmp_path, capsys):
+    """Into a directory holding an earlier model's files that serving reads and this import would not write -- its
+    tokenizer under --no-tokenizer, a chat_template.json -- one line naming them, exit 2, DIR untouched (was: exit 0,
+    the new weights served with the old tokenizer or chat template, wrong text and no error). The same import
+    again over its own output is fine."""
+    import shutil
+
+    path, d, _ = imported
+    old = tmp_path / "old"
+    shutil.copytree(d, old)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert main(["import-gguf", str(path), str(old), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{old} holds tokenizer.json, tokenizer_config.json" in err, err
+    (old / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert main(["import-gguf", str(path), str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{old} holds chat_template.json from an earlier model" in err, err
+    (old / "chat_template.json").unlink()
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no staging directory left
+    assert main(["import-gguf", str(path), str(old)]) == 0
+
+
+def test_a_block_count_past_the_file_is_one_line_at_once(tmp_path, capsys):
+    """llama.block_count far past the blocks the file holds is refused before one expected name per block is listed
+    (was: block_count 10^9 listed 9 * 10^9 names, a MemoryError under a 4 GB limit; 10^5 here keeps the old path
+    cheap: it listed 900 000 names, then 'tensors missing')."""
+    import time
+
+    import numpy as np
+
+    _write_gguf(tmp_path / "b.gguf", {"token_embd.weight": (np.zeros((16, 32), np.float32), None)}, blocks=10**5)
+    start = time.monotonic()
+    assert main(["import-gguf", str(tmp_path / "b.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    assert time.monotonic() - start < 2
+    assert capsys.readouterr().err == "error: GGUF: metadata 'llama.block_count' is 100000, the file holds 0 block(s)\n"
