@@ -429,11 +429,23 @@ def hf_llama_config(cfg: LlamaTargetConfig, dtype: torch.dtype, max_position_emb
     }
 
 
-def _save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def process_umask() -> int:
+    """The process's file-creation mask (read by setting and restoring it: the only portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``sd`` as a safetensors file, readable as any file this process creates (``0o666`` less the umask).
+
+    ``safetensors`` creates its files owner-only (0600): a checkpoint written by one user and served by another
+    (a service account, a shared model directory) would not load. Tensors that share storage (a tied head) are
+    written as their own copies (safetensors refuses shared storage)."""
     from safetensors.torch import save_file
 
-    # safetensors refuses tensors that share storage (a tied head); each entry is written as its own copy.
     save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
 
 
 def save_llama_checkpoint(directory: str | Path, cfg: LlamaTargetConfig, state_dict: dict[str, torch.Tensor],
@@ -444,7 +456,7 @@ def save_llama_checkpoint(directory: str | Path, cfg: LlamaTargetConfig, state_d
     dtype = next(iter(state_dict.values())).dtype
     (directory / "config.json").write_text(json.dumps(hf_llama_config(cfg, dtype, max_position_embeddings),
                                                       indent=2) + "\n")
-    _save_safetensors({_hf_name(k): v for k, v in state_dict.items()}, directory / "model.safetensors",
+    save_safetensors({_hf_name(k): v for k, v in state_dict.items()}, directory / "model.safetensors",
                       {"format": "pt"})
 
 
@@ -520,7 +532,7 @@ def save_drafter_checkpoint(directory: str | Path, cfg: DSparkDrafterConfig, tar
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "torch_dtype": _DTYPE_NAMES[dtype],
     }
     (directory / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _save_safetensors(state_dict, directory / "model.safetensors", {"format": "pt"})
+    save_safetensors(state_dict, directory / "model.safetensors", {"format": "pt"})
 
 
 def target_only_view(model_dir: Path, work: Path) -> Path:

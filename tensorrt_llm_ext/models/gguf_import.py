@@ -271,6 +271,9 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
     # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.importing-", dir=directory.parent))
+    from tensorrt_llm_ext.models.checkpoint import process_umask
+
+    os.chmod(staging, 0o777 & ~process_umask())  # mkdtemp's owner-only mode would become the model directory's
     moved = False
     try:
         written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
@@ -296,13 +299,13 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
 
 def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.Tensor], dtype: str,
                      tokenizer: bool) -> list[tuple[str, Path]]:
-    from tensorrt_llm_ext.models.checkpoint import _save_safetensors
+    from tensorrt_llm_ext.models.checkpoint import save_safetensors
 
     cfg["torch_dtype"] = dtype
     written = []
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     written.append(("config", out / "config.json"))
-    _save_safetensors(sd, out / "model.safetensors", {"format": "pt"})
+    save_safetensors(sd, out / "model.safetensors", {"format": "pt"})
     written.append(("weights", out / "model.safetensors"))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

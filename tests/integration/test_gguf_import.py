@@ -9,6 +9,8 @@ with the file the GPU script reassembles)."""
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -77,6 +79,19 @@ def test_imported_directory_generates_transformers_greedy_tokens(imported, capsy
     assert "check passed" in out
     produced = expected[:expected.index(2) + 1] if 2 in expected else expected  # EOS (2) stops generate
     assert " ".join(map(str, produced)) in out, (expected, out)
+
+
+def test_the_imported_directory_is_readable_as_the_umask_allows(tmp_path):
+    """The model directory (a staging directory, owner-only from mkdtemp, renamed into place) and its weights
+    (owner-only from safetensors) take the modes of any directory and file the process creates."""
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf", seed=3)
+    old = os.umask(0o027)
+    try:
+        assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "m"), "--no-tokenizer"]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mode & 0o777 == 0o640
 
 
 def test_unpermute_inverts_llama_cpp_row_order():
@@ -155,7 +170,7 @@ def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, cap
         path.write_bytes(b"\0" * 64)  # a part of the file, as a full disk leaves it
         raise safetensors.SafetensorError("Error while serializing: IoError(No space left on device)")
 
-    monkeypatch.setattr(checkpoint, "_save_safetensors", disk_full)
+    monkeypatch.setattr(checkpoint, "save_safetensors", disk_full)
     assert main(["import-gguf", str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: import-gguf: writing ") and "No space left" in err, err
@@ -269,7 +284,7 @@ def killed_mid_write(sd, path, metadata):
     os.kill(os.getpid(), signal.{sig})
     time.sleep(30)  # the signal's handler ends the write before this returns
 
-checkpoint._save_safetensors = killed_mid_write
+checkpoint.save_safetensors = killed_mid_write
 sys.exit(main(["import-gguf", {str(tmp_path / "tiny.gguf")!r}, {str(tmp_path / "out")!r}, "--no-tokenizer"]))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

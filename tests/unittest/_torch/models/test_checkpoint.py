@@ -40,6 +40,24 @@ def test_export_then_load_is_bit_exact(tmp_path):
         export_model(cfg, tmp_path / "m")
 
 
+def test_exported_files_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors creates owner-only files (0600): a checkpoint written by one user must load for another (a
+    service account serving a shared directory), as every other file the process writes does."""
+    import os
+
+    from tensorrt_llm_ext.models.checkpoint import process_umask
+
+    old = os.umask(0o022)
+    try:
+        assert process_umask() == 0o022
+        export_model(load_config(**TINY), tmp_path / "m")
+    finally:
+        os.umask(old)
+    weights = sorted((tmp_path / "m").rglob("*.safetensors"))
+    assert len(weights) == 2  # the target's and the drafter's
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in weights)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_transformers_llama_parity(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
