@@ -193,6 +193,41 @@ def test_token_outside_the_model_vocabulary_is_named(server):
         r.json()["error"]["message"]
 
 
+class _CountingTokenizer:
+    """The served tokenizer, counting its text encodes."""
+
+    def __init__(self, tok):
+        self._tok, self.encodes = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, *args, **kwargs):
+        self.encodes += 1
+        return self._tok.encode(*args, **kwargs)
+
+
+def test_more_choices_than_the_server_holds_are_refused_before_any_work(server):
+    """Prompts x n past slots + queue is a 400 naming ``prompt`` / ``n`` before a prompt is tokenized or a
+    request built (was: a 40 KB body of 8000 prompts at n 128 built a million requests, 10 s and 300 MB, then
+    the same 400)."""
+    loop = server.context.loop
+    most = loop.capacity + loop.max_queue
+    ctx = server.context
+    real = ctx.tokenizer
+    ctx.tokenizer = counting = _CountingTokenizer(real)
+    try:
+        r = _post(server, {"prompt": ["w9 w17"] * (most + 1), "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert f"{most + 1} choices exceed what the server holds at once ({most} = " in r.json()["error"]["message"]
+        r = _post(server, {"prompt": ["w9"] * 40, "n": 128, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert counting.encodes == 0  # refused before any prompt was tokenized
+    finally:
+        ctx.tokenizer = real
+    _healthy(server)
+
+
 def test_serve_refuses_a_tokenizer_larger_than_the_model_at_start(model_dir, tmp_path):
     """One line naming both sizes and the highest token, exit 2, before any model is built."""
     server = None
