@@ -498,7 +498,8 @@ class OpenAIServer:
         """Read the body (499 if the client left) and answer it with ``handler`` on a worker thread. A request
         without the API key (on a route left open) is bounded: :data:`OPEN_MAX_BODY_BYTES`, one at a time on
         its own thread (the key holders' threads stay free), at most :data:`OPEN_MAX_WAITING` waiting (then
-        429)."""
+        429). Its body is read before it takes a place or the turn: a client sending its body a byte a second
+        held the one turn (and every keyless request behind it) for as long as it liked."""
         from fastapi.responses import Response
 
         ctx = self.ctx
@@ -507,15 +508,15 @@ class OpenAIServer:
             if raw is None:
                 return Response(status_code=499)
             return Response(await self.off_loop(self.answer, handler, raw), media_type="application/json")
+        raw = await self.read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
+        if raw is None:
+            return Response(status_code=499)
         if self.open_admitted > OPEN_MAX_WAITING:  # one running, the rest waiting
             raise ApiError(429, f"server busy: {OPEN_MAX_WAITING} requests without the API key are waiting for this "
                                 f"route; retry later or send the key", None, "rate_limit_exceeded")
         self.open_admitted += 1
         try:
             async with self.open_running:
-                raw = await self.read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
-                if raw is None:
-                    return Response(status_code=499)
                 payload = await asyncio.get_running_loop().run_in_executor(self.open_pool, self.answer, handler, raw)
                 return Response(payload, media_type="application/json")
         finally:

@@ -161,6 +161,33 @@ def test_open_routes_without_the_key_are_bounded_in_size_and_concurrency(server,
     assert mine.status_code == 200 and took < 5.0, (mine.text, took)
 
 
+def test_a_slow_keyless_body_does_not_hold_the_open_routes(server):
+    """Keyless clients that send their /tokenize body a byte at a time take no turn and no waiting place while
+    they send it: another keyless /tokenize is answered at once (was: the one turn was taken before the body was
+    read, so each keyless request waited behind the slow one, for as long as it kept sending)."""
+    body = b'{"prompt": "w9 w17"}'
+    port = int(server.url.rsplit(":", 1)[1])
+    slow = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body[:3])
+            slow.append(s)
+        time.sleep(0.5)  # both slow requests are reading their bodies
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/tokenize", content=body, headers={"content-type": "application/json"},
+                       timeout=10)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["count"] == 2 and took < 3.0, (r.text, took)
+        for s in slow:  # the slow ones finish their bodies and are answered too
+            s.sendall(body[3:])
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in slow:
+            s.close()
+
+
 class _SlowEncode(_SlowDecode):
     def decode(self, *args, **kwargs):
         return self._tok.decode(*args, **kwargs)
