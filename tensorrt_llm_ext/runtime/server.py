@@ -484,7 +484,16 @@ class OpenAIServer:
                    for k, (h, p) in enumerate(zip(handles, prompts))})
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
-        return await out.collect(http)
+        return await out.collect(http, lambda render: self.off_loop(self.rendered, render))
+
+    @staticmethod
+    def rendered(render) -> bytes:
+        """``render()``'s JSON bytes (a finished answer, on a worker thread), freed heap handed back after a
+        large one."""
+        payload = render()
+        if len(payload) >= TRIM_AFTER_BYTES:
+            return_freed_memory()
+        return payload
 
     @staticmethod
     def answer(handler, raw: bytes) -> bytes:

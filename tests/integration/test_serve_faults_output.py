@@ -117,6 +117,39 @@ def test_stop_strings_are_searched_off_the_event_loop(server):
     assert len(lat) >= 5 and max(lat) < 0.3, lat
 
 
+def test_a_non_streaming_answer_is_built_off_the_event_loop(server):
+    """A non-streaming answer's log-probabilities decode every token and candidate; while they decode slowly
+    /health answers at once, and the answer is the usual JSON (was: built and encoded on the event loop, so a
+    5 MB echo + logprobs answer froze every client for 0.8-1.8 s)."""
+    ctx = server.context
+    real = ctx.tokenizer
+    body = {"prompt": "w100 w200", "max_tokens": 2, "ignore_eos": True, "logprobs": 2, "echo": True}
+    ref = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert ref.status_code == 200 and ref.headers["content-type"] == "application/json", ref.text
+    ctx.tokenizer = _SlowDecode(real, 0.15)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            lat = []
+            while not task.done():
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                lat.append(time.monotonic() - t0)
+                await asyncio.sleep(0.05)
+            return await task, lat
+
+    try:
+        r, lat = asyncio.run(run())
+    finally:
+        ctx.tokenizer = real
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    got, want = r.json(), ref.json()
+    assert got["choices"] == want["choices"] and got["usage"] == want["usage"], (got, want)
+    assert len(lat) >= 5 and max(lat) < 0.3, lat
+
+
 def test_tokenize_checks_ids_against_the_model_vocabulary(server):
     """A word the tokenizer maps past the model's vocabulary: 400 naming the token, as on the completions
     route (was: /tokenize returned the id)."""
