@@ -570,8 +570,8 @@ def is_loopback(host: str) -> bool:
 
 def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, drain_timeout_s: float,
                ready_line: str, access_log: bool = False) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0 after draining; a second one during the drain: ``128 + signal``) or an
-    engine failure (:data:`EXIT_ENGINE_FAILED`).
+    """Serve until SIGTERM/SIGINT/SIGHUP (exit 0 after draining; a second one during the drain: ``128 + signal``)
+    or an engine failure (:data:`EXIT_ENGINE_FAILED`).
     ``access_log``: uvicorn's one line per HTTP request."""
     import contextlib
     import signal
@@ -594,8 +594,13 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
         @contextlib.contextmanager
         def capture_signals(self):
             # SIGTERM/SIGINT start the drain; uvicorn's own version re-raises the signal after shutdown,
-            # which would end a drained server with "killed by SIGTERM" instead of exit code 0.
-            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)}
+            # which would end a drained server with "killed by SIGTERM" instead of exit code 0. SIGHUP (the
+            # terminal or ssh session closed) drains too, as the TP launcher's does (its default action killed
+            # the server mid-stream), unless it is ignored (nohup): then it stays ignored.
+            stops = [signal.SIGTERM, signal.SIGINT]
+            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+                stops.append(signal.SIGHUP)
+            old = {s: signal.signal(s, self.handle_exit) for s in stops}
             try:
                 yield
             finally:

@@ -286,3 +286,28 @@ def test_second_sigint_during_the_drain_ends_every_stream_cleanly_and_exits_130(
         else:
             assert last["choices"][0]["finish_reason"] == "length"
     assert ended >= 1
+
+
+def test_sighup_drains_like_sigterm(tmp_path):
+    """SIGHUP (the terminal or ssh session that started ``serve`` closed) drains as SIGTERM does, as the TP
+    launcher's does: the stream in flight ends with its last chunk (or the drain's error chunk) then [DONE], exit
+    0 (was: killed by the signal's default action mid-stream, no [DONE], exit -1). The real app over the stub
+    engine (a step every 20 ms, so the stream is still running when the signal comes)."""
+    import signal
+
+    from tensorrt_llm_ext.bench.server_process import STUB_SERVE_COMMAND
+
+    server = start_server(["--step-ms", "20"], str(tmp_path / "stub.log"), command=STUB_SERVE_COMMAND)
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "w9", "max_tokens": 50, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln)
+            server.proc.send_signal(signal.SIGHUP)
+            rest = [ln for ln in lines if ln]
+        rc = server.wait(30)
+    finally:
+        server.stop(10)
+    log = server.log()
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]", (first, rest[-3:])
+    assert rc == 0 and "SIGHUP received: draining" in log and "Traceback" not in log, (rc, log[-2000:])
