@@ -273,6 +273,11 @@ class OpenAIServer:
         self.open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
         self.open_running = asyncio.Semaphore(1)  # requests without the key on an open route: one at a time
         self.open_admitted = 0  # ... running or waiting (at most OPEN_MAX_WAITING + 1)
+        # Set once the drain deadline passed (or a second stop signal came): a body still arriving then is
+        # answered 503 instead of being waited for (see end_body_reads). Made on the serving loop (lifespan).
+        self.http_loop: asyncio.AbstractEventLoop | None = None
+        self.reads_ended: asyncio.Event | None = None
+        self.reads_ended_message = ""
         self.app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None,
                            lifespan=self._lifespan)
         self.app.add_exception_handler(ApiError, self._api_error)
@@ -301,6 +306,7 @@ class OpenAIServer:
 
     @asynccontextmanager
     async def _lifespan(self, app):
+        self.http_loop, self.reads_ended = asyncio.get_running_loop(), asyncio.Event()
         if self.on_ready is not None:
             self.on_ready()
         try:
@@ -431,9 +437,38 @@ class OpenAIServer:
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
+    def end_body_reads(self, message: str) -> None:
+        """From any thread (the drain deadline, a second stop signal): every request still receiving its body
+        answers 503 with ``message`` now. Such a reader was not counted in flight: the drain waited for uvicorn's
+        backstop, which cancelled it (a traceback, a plain-text 500 for the client)."""
+        if self.http_loop is None:
+            return
+        self.reads_ended_message = message
+        try:
+            self.http_loop.call_soon_threadsafe(self.reads_ended.set)
+        except RuntimeError:  # the loop has closed: nobody is reading
+            pass
+
     async def read_body(self, http: HttpRequest, limit: int | None = None, whose: str = "") -> bytes | None:
         """The body, or :class:`ApiError` 413 past ``limit`` (default ``ctx.max_body_bytes``; by
-        ``Content-Length`` or as it arrives); None when the client left mid-body."""
+        ``Content-Length`` or as it arrives), or 503 when :meth:`end_body_reads` ends the read; None when the
+        client left mid-body."""
+        if self.reads_ended is None:  # an app served without its lifespan
+            return await self._read_body(http, limit, whose)
+        if self.reads_ended.is_set():
+            raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
+        reading = asyncio.ensure_future(self._read_body(http, limit, whose))
+        ended = asyncio.ensure_future(self.reads_ended.wait())
+        try:
+            await asyncio.wait((reading, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if not reading.done():
+            reading.cancel()
+            raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
+        return reading.result()
+
+    async def _read_body(self, http: HttpRequest, limit: int | None, whose: str) -> bytes | None:
         from starlette.requests import ClientDisconnect
 
         limit = self.ctx.max_body_bytes if limit is None else limit
@@ -584,8 +619,10 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
     drain = {}  # start time and how many requests the deadline ended
 
     def drain_deadline():
-        n = ctx.loop.abort_all(f"the server is shutting down: the request did not finish within the drain "
-                               f"timeout ({drain_timeout_s:g} s)")
+        message = (f"the server is shutting down: the request did not finish within the drain timeout "
+                   f"({drain_timeout_s:g} s)")
+        openai_server.end_body_reads(message)
+        n = ctx.loop.abort_all(message)
         drain["ended"] = n
         if n:
             logger.warning(f"serve: drain timeout ({drain_timeout_s:g} s) passed: ended {n} request(s) with 503")
@@ -630,13 +667,16 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
 
     def forced_end(sig: int) -> None:
         name = signal.Signals(sig).name
-        n = ctx.loop.abort_all(f"the server is shutting down: a second stop signal ({name}) ended the request")
+        message = f"the server is shutting down: a second stop signal ({name}) ended the request"
+        openai_server.end_body_reads(message)
+        n = ctx.loop.abort_all(message)
         logger.warning(f"serve: a second stop signal ({name}) during the drain: ended {n} request(s), exiting "
                        f"{128 + sig}")
         time.sleep(FORCED_GRACE_S)
         server.force_exit = True
 
-    app = create_app(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    openai_server = OpenAIServer(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    app = openai_server.app
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
                             timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on")

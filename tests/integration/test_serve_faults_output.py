@@ -221,6 +221,44 @@ def test_a_slow_keyless_body_does_not_hold_the_open_routes(server):
             s.close()
 
 
+def test_a_body_still_arriving_at_the_drain_deadline_answers_503(server):
+    """The drain deadline (here called directly, as ``run_server``'s timer calls it) answers a request whose
+    body is still arriving with the drain's 503 OpenAI error (was: not counted in flight, so the drain waited
+    for uvicorn's backstop, which cancelled it: a CancelledError traceback and a plain-text 500)."""
+    app_server = _openai_server(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": \"w9")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        try:
+            threading.Thread(target=app_server.end_body_reads, args=("the server is shutting down: a test",)).start()
+            got = b""
+            while b"}}" not in got:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        finally:
+            app_server.http_loop.call_soon_threadsafe(app_server.reads_ended.clear)
+    assert got.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 2.0, got
+    assert b'{"error":{"message":"the server is shutting down: a test","type":"service_unavailable"' in got, got
+    time.sleep(0.1)
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=AUTH,
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def _openai_server(server):
+    """The :class:`OpenAIServer` behind an in-process server's app (its handlers are its bound methods)."""
+    for route in server.uvicorn_server.config.app.routes:
+        owner = getattr(getattr(route, "endpoint", None), "__self__", None)
+        if owner is not None:
+            return owner
+    raise AssertionError("no handler of the app is an OpenAIServer method")
+
+
 class _SlowEncode(_SlowDecode):
     def decode(self, *args, **kwargs):
         return self._tok.decode(*args, **kwargs)
