@@ -122,8 +122,16 @@ def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int
         if ctx.tokenizer is None:
             raise ApiError(400, "prompt: text prompts need a tokenizer (the model directory has none); send token "
                                 "ids, e.g. \"prompt\": [1, 2, 3]", "prompt")
-        return [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt")
-                for t in ([p] if isinstance(p, str) else p)]
+        texts = [p] if isinstance(p, str) else p
+        out = [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt") for t in texts]
+        for i, ids in enumerate(out):
+            # Whitespace alone is no token for a tokenizer that adds no BOS: refused here by name, as an empty
+            # token list is at parse (it reached the engine, a 400 naming no field, a 200 when streamed).
+            if not ids:
+                where = "" if len(texts) == 1 else f" {i}"
+                raise ApiError(400, f"prompt{where}: the text {texts[i][:40]!r} has no tokens (the tokenizer gives "
+                                    f"none and adds no BOS); send at least one token", "prompt")
+        return out
     return [list(x) for x in p] if p and isinstance(p[0], list) else [list(p)]
 
 
@@ -158,8 +166,12 @@ def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
     if ctx.tokenizer is None:
         raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
                             "(use /v1/completions with token ids)", "messages")
-    return _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
-                                        body.chat_template_kwargs), "messages")
+    ids = _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                       body.chat_template_kwargs), "messages")
+    if not ids:  # a template that renders these messages as whitespace or nothing
+        raise ApiError(400, "messages: the chat template rendered them as no tokens; send at least one token",
+                       "messages")
+    return ids
 
 
 def check_model(ctx: ServeContext, model: str | None) -> None:

@@ -193,6 +193,28 @@ def test_token_outside_the_model_vocabulary_is_named(server):
         r.json()["error"]["message"]
 
 
+def test_a_text_prompt_with_no_tokens_is_a_400_naming_the_prompt(server):
+    """Whitespace is no token for a tokenizer that adds no BOS: a 400 naming ``prompt`` (which one of a list)
+    before anything is queued, streamed or not; a chat template that renders nothing names ``messages`` (was:
+    an empty prompt reached the engine, which answered a 400 naming no field -- a 200 with an error chunk when
+    streamed)."""
+    for body, where in (({"prompt": "   "}, "prompt: "), ({"prompt": ["w9 w17", "\n"]}, "prompt 1: "),
+                        ({"prompt": " ", "stream": True}, "prompt: ")):
+        r = _post(server, {**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"].startswith(where) and "has no tokens" in r.json()["error"]["message"]
+    ctx = server.context
+    real = ctx.chat_template
+    ctx.chat_template = "{% for m in messages %} {% endfor %}"
+    try:
+        r = _post(server, {"messages": [{"role": "user", "content": "w9"}], "max_tokens": 2}, "/v1/chat/completions")
+    finally:
+        ctx.chat_template = real
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "rendered them as no tokens" in r.json()["error"]["message"]
+    _healthy(server)
+
+
 class _CountingTokenizer:
     """The served tokenizer, counting its text encodes."""
 
