@@ -487,9 +487,13 @@ class OpenAIServer:
         declared = http.headers.get("content-length", "")
         declared_size = int(declared) if declared.isdigit() else 0
         too_big = declared_size > limit
+        # A client that sent "Expect: 100-continue" waits for the go-ahead (uvicorn sends it on the first read)
+        # before it sends the body: past the limit by Content-Length it gets the 413 instead and uploads nothing
+        # (curl asks so for a large body; it uploaded the body, up to BODY_DRAIN_BYTES, only to read the 413).
+        waiting_for_go_ahead = too_big and http.headers.get("expect", "").lower() == "100-continue"
         chunks, size = [], 0
         try:
-            async for chunk in http.stream():
+            async for chunk in _no_chunks() if waiting_for_go_ahead else http.stream():
                 size += len(chunk)
                 if too_big or size > limit:  # from here only drained (not kept), so that the client reads the 413
                     too_big = True
@@ -577,6 +581,11 @@ class OpenAIServer:
                 return Response(payload, media_type="application/json")
         finally:
             self.open_admitted -= 1
+
+
+async def _no_chunks():
+    return
+    yield  # an async generator that yields nothing
 
 
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):

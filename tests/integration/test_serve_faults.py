@@ -122,6 +122,26 @@ def test_body_over_the_limit_is_413_in_the_openai_shape(server):
     _healthy(server)
 
 
+def test_a_body_over_the_limit_that_waits_for_100_continue_is_refused_before_it_is_sent(server):
+    """``Expect: 100-continue`` with a Content-Length past the limit: the 413 comes instead of the go-ahead, so
+    the client uploads nothing (was: "100 Continue", the whole body uploaded, then the 413)."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: " + str(LIMIT + 1).encode() + b"\r\n\r\n")
+        got = b""
+        while b"}}" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert b'"param":"body"' in got and f"{LIMIT + 1} bytes exceed".encode() in got, got
+    _healthy(server)
+
+
 class _SlowTokenizer:
     """The served tokenizer, but each text encode takes ``delay`` seconds with the GIL released (as a Rust
     tokenizer on a body of several MB does)."""
