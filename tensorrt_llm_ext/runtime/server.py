@@ -329,21 +329,23 @@ class OpenAIServer:
             self.output.stop()
 
     # -- errors ------------------------------------------------------------------------------------------
-    def error_response(self, e: ApiError, count: bool = True):
+    def error_response(self, e: ApiError, count: bool = True, headers: dict | None = None):
         from fastapi.responses import JSONResponse
 
         if count:
             self.metrics.rejected(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     async def _api_error(self, request, exc: ApiError):
         return self.error_response(exc)
 
     async def _http_error(self, request, exc):  # 404 / 405: the OpenAI object too
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        # A path nobody serves (a scanner, a typo) is not a rejected request: not counted.
+        # A path nobody serves (a scanner, a typo) is not a rejected request: not counted. Starlette's headers
+        # are kept: a 405 must say which methods the path takes (Allow, RFC 9110).
         return self.error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                            None, kind), count=exc.status_code != 404)
+                                            None, kind), count=exc.status_code != 404,
+                                   headers=getattr(exc, "headers", None))
 
     # -- handlers ----------------------------------------------------------------------------------------
     async def health(self):

@@ -142,6 +142,17 @@ def test_a_body_over_the_limit_that_waits_for_100_continue_is_refused_before_it_
     _healthy(server)
 
 
+def test_a_405_names_the_methods_the_path_takes(server):
+    """A 405 carries ``Allow`` (RFC 9110 requires it; a client or proxy learns the method from it), in the
+    OpenAI error shape (was: the header dropped by the error handler)."""
+    for method, path, allow in (("DELETE", "/health", "GET"), ("POST", "/v1/models", "GET"),
+                                ("GET", "/v1/completions", "POST"), ("HEAD", "/metrics", "GET")):
+        r = httpx.request(method, server.url + path, timeout=30)
+        assert r.status_code == 405 and r.headers.get("allow") == allow, (method, path, r.headers)
+        if method != "HEAD":
+            assert r.json()["error"]["code"] == 405
+
+
 class _SlowTokenizer:
     """The served tokenizer, but each text encode takes ``delay`` seconds with the GIL released (as a Rust
     tokenizer on a body of several MB does)."""
