@@ -72,6 +72,9 @@ PREP_THREADS = 4  # parsing, tokenizing and request building run on these thread
 OPEN_MAX_BODY_BYTES = 1024 * 1024
 OPEN_MAX_WAITING = 8
 TRIM_AFTER_BYTES = 256 * 1024  # after answering a body this large, give freed heap back to the OS (malloc_trim)
+# A connection must complete a request's headers this long after it opens or after its last answer (uvicorn
+# waits forever: silent or half-sent connections piled up to the descriptor limit, then every accept failed).
+HEADER_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -590,6 +593,43 @@ async def _no_chunks():
     yield  # an async generator that yields nothing
 
 
+def http_protocol():
+    """uvicorn's HTTP protocol class (h11, or httptools when installed) that closes a connection which has not
+    completed a request's headers :data:`HEADER_TIMEOUT_S` after it opened or after its last answer. A request
+    in progress (its body arriving, its answer streaming) is never closed by it."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadlineProtocol(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            waiting_since = self.cycle  # a new request's headers make a new cycle
+
+            def expire():
+                idle = self.cycle is None or self.cycle.response_complete
+                if self.cycle is waiting_since and idle and not self.transport.is_closing():
+                    self.transport.close()
+
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, expire)
+
+    return HeaderDeadlineProtocol
+
+
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
     """The FastAPI app of an :class:`OpenAIServer` over ``ctx`` (``on_ready``: called once it serves)."""
     return OpenAIServer(ctx, metrics, on_ready).app
@@ -702,7 +742,8 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
     app = openai_server.app
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
-                            timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on")
+                            timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on",
+                            http=http_protocol())
     if access_log:  # uvicorn's access lines are INFO; its other start-up lines stay quiet
         import logging
 

@@ -322,3 +322,46 @@ def test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_arrive_fast(
         assert loop.cancelled[0] - left < 1.0
     finally:
         srv.should_exit = True
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed(monkeypatch):
+    """``serve``'s HTTP protocol closes a connection that sends nothing, or half a request's headers, past the
+    header timeout (was: kept forever; enough of them reached the descriptor limit and every accept failed),
+    while a keep-alive connection between requests and a request whose answer streams past that timeout are
+    served as before."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    monkeypatch.setattr(server_module, "HEADER_TIMEOUT_S", 0.5)
+    app = FastAPI()
+
+    @app.get("/slow")
+    async def slow():
+        async def body():
+            for _ in range(4):
+                await asyncio.sleep(0.3)
+                yield b"x"
+        return StreamingResponse(body())
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        http=server_module.http_protocol(), timeout_keep_alive=30))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        while not srv.started:
+            time.sleep(0.02)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert silent.recv(10) == b"" and half.recv(10) == b""  # closed by the server
+        assert time.monotonic() - t0 < 3.0
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            first = c.get("/slow")  # streams 1.2 s, past the header timeout
+            time.sleep(0.2)
+            second = c.get("/slow")  # the same keep-alive connection, still open
+        assert first.status_code == second.status_code == 200 and first.content == second.content == b"xxxx"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
