@@ -75,6 +75,10 @@ TRIM_AFTER_BYTES = 256 * 1024  # after answering a body this large, give freed h
 # A connection must complete a request's headers this long after it opens or after its last answer (uvicorn
 # waits forever: silent or half-sent connections piled up to the descriptor limit, then every accept failed).
 HEADER_TIMEOUT_S = 30.0
+# A body must arrive at BODY_MIN_RATE bytes/s or faster once its first BODY_GRACE_S have passed (else 408): a
+# client sending a byte a second held its connection and handler for as long as it liked.
+BODY_GRACE_S = 30.0
+BODY_MIN_RATE = 1024
 
 
 @dataclass
@@ -340,7 +344,7 @@ class OpenAIServer:
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     async def _api_error(self, request, exc: ApiError):
-        return self.error_response(exc)
+        return self.error_response(exc, headers=exc.headers)
 
     async def _http_error(self, request, exc):  # 404 / 405: the OpenAI object too
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
@@ -497,8 +501,20 @@ class OpenAIServer:
         # (curl asks so for a large body; it uploaded the body, up to BODY_DRAIN_BYTES, only to read the 413).
         waiting_for_go_ahead = too_big and http.headers.get("expect", "").lower() == "100-continue"
         chunks, size = [], 0
+        start = time.monotonic()
+        body = (_no_chunks() if waiting_for_go_ahead else http.stream()).__aiter__()
         try:
-            async for chunk in _no_chunks() if waiting_for_go_ahead else http.stream():
+            while True:
+                allowed = start + BODY_GRACE_S + size / BODY_MIN_RATE - time.monotonic()
+                try:
+                    chunk = await asyncio.wait_for(body.__anext__(), max(allowed, 0.0))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"body: {size} of {declared or 'an unknown number of'} bytes after "
+                                        f"{time.monotonic() - start:.0f} s: a body must arrive at {BODY_MIN_RATE} "
+                                        f"bytes/s or faster after its first {BODY_GRACE_S:g} s", "body",
+                                   headers={"connection": "close"}) from None
                 size += len(chunk)
                 if too_big or size > limit:  # from here only drained (not kept), so that the client reads the 413
                     too_big = True

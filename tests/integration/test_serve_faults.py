@@ -153,6 +153,43 @@ def test_a_405_names_the_methods_the_path_takes(server):
             assert r.json()["error"]["code"] == 405
 
 
+def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(server, monkeypatch):
+    """A body must arrive at ``BODY_MIN_RATE`` bytes/s after a grace (here 0.5 s and 100 B/s): a stalled one and
+    one dripped at 5 B/s both get a 408 naming ``body`` and the connection is closed (was: waited for forever, a
+    connection and a handler held as long as the client liked)."""
+    import socket
+
+    from tensorrt_llm_ext.runtime import server as server_module
+
+    monkeypatch.setattr(server_module, "BODY_GRACE_S", 0.5)
+    monkeypatch.setattr(server_module, "BODY_MIN_RATE", 100)
+    port = int(server.url.rsplit(":", 1)[1])
+    body = b'{"prompt": [1, 2], "max_tokens": 1}'
+    for drip in (False, True):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:3])
+            t0 = time.monotonic()
+            s.setblocking(False)
+            got, i = b"", 3
+            while time.monotonic() - t0 < 5:
+                if drip and i < len(body) - 1:
+                    s.send(body[i:i + 1])
+                    i += 1
+                time.sleep(0.2)
+                try:
+                    chunk = s.recv(65536)
+                except BlockingIOError:
+                    continue
+                got += chunk
+                if not chunk:
+                    break  # closed by the server after its answer
+            took = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408") and chunk == b"" and took < 3.0, (drip, got, took)
+        assert b'"param":"body"' in got and b"bytes/s or faster" in got, got
+    _healthy(server)
+
+
 class _SlowTokenizer:
     """The served tokenizer, but each text encode takes ``delay`` seconds with the GIL released (as a Rust
     tokenizer on a body of several MB does)."""
