@@ -297,6 +297,7 @@ class OpenAIServer:
         self.http_loop: asyncio.AbstractEventLoop | None = None
         self.reads_ended: asyncio.Event | None = None
         self.reads_ended_message = ""
+        self.reads_ended_count = 0  # requests answered so (the drain's closing line counts them)
         self.app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None,
                            lifespan=self._lifespan)
         self.app.add_exception_handler(ApiError, self._api_error)
@@ -477,6 +478,7 @@ class OpenAIServer:
         if self.reads_ended is None:  # an app served without its lifespan
             return await self._read_body(http, limit, whose)
         if self.reads_ended.is_set():
+            self.reads_ended_count += 1
             raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
         reading = asyncio.ensure_future(self._read_body(http, limit, whose))
         ended = asyncio.ensure_future(self.reads_ended.wait())
@@ -486,6 +488,7 @@ class OpenAIServer:
             ended.cancel()
         if not reading.done():
             reading.cancel()
+            self.reads_ended_count += 1
             raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
         return reading.result()
 
@@ -777,7 +780,7 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
     finally:
         ctx.loop.stop(timeout=drain_timeout_s + 10)
         if "t0" in drain:
-            ended = drain.get("ended", 0)
+            ended = drain.get("ended", 0) + openai_server.reads_ended_count
             logger.info(f"serve: drain finished after {time.monotonic() - drain['t0']:.1f} s: "
                         + (f"{ended} request(s) ended by the drain timeout" if ended
                            else "every request in flight was answered"))
