@@ -16,12 +16,15 @@ the tokens end with the one that completed the stop (string or id), the text end
 Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
 engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the
 engine serves on. If the engine raises, every request in flight and every new one answers 503, ``/health`` answers
-503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT drains: no new connections, new
-requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
-runs then ends with a 503 error body (or, streaming, an SSE error chunk then ``[DONE]``) and its slot is
-freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
+503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT / SIGHUP drains: no new connections,
+new requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
+runs then (a body still arriving included) ends with a 503 error body (or, streaming, an SSE error chunk then
+``[DONE]``) and its slot is freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
 way (503 / error chunk then ``[DONE]``) and the process exits ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM) after at most :data:`FORCED_GRACE_S`.
+
+Slow clients: a connection must complete a request's headers within :data:`HEADER_TIMEOUT_S` and send its body
+at :data:`BODY_MIN_RATE` after a grace (408), so silent or dripping clients cannot pile up to the descriptor limit.
 
 Layout (TensorRT-LLM's ``OpenAIServer``): :class:`OpenAIServer` holds the route table (:meth:`OpenAIServer.routes`)
 and one method per handler; the answers -- choices, stop strings, log-probabilities, the JSON body or the SSE
