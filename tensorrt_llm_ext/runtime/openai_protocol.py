@@ -35,9 +35,11 @@ MAX_STOP_TOKEN_IDS = 1024
 class ApiError(Exception):
     """An OpenAI error response: ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers  # HTTP headers of the answer (e.g. Connection: close)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}

@@ -453,8 +453,19 @@ class ChoicesResponse:
             c["logprobs"] = chat_logprobs(self.ctx, ch.logprobs, ch.tokens)
         return c
 
-    async def collect(self, http: HttpRequest):
-        from fastapi.responses import JSONResponse
+    def final_json(self) -> bytes:
+        """The finished answer as JSON bytes (as Starlette's ``JSONResponse`` writes them): the choices' text,
+        tokens and log-probabilities, the usage. Raises a failed choice's :class:`ApiError`."""
+        choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
+        body = {**self._head(self.kind), "choices": choices, "usage": self.usage()}
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    async def collect(self, http: HttpRequest, off_loop=None):
+        """Wait for every choice to finish (a client that leaves cancels them), then answer. The body is built
+        and written by ``off_loop(fn)`` (a worker thread), never on the event loop: with ``echo`` and
+        ``logprobs`` it holds every prompt token's top candidates, each decoded -- a 5 MB answer stalled every
+        other client and stream for 0.8 s, a long prompt's for many seconds."""
+        from fastapi.responses import JSONResponse, Response
 
         try:
             next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -474,8 +485,8 @@ class ChoicesResponse:
                 if isinstance(item, (EngineFailure, Aborted)):
                     raise self._error(item)
                 raise item  # the worker failed on this request
-            choices = [self._final_choice(ch) for ch in sorted(self.choices.values(), key=lambda c: c.index)]
-            return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
+            payload = await off_loop(self.final_json) if off_loop is not None else self.final_json()
+            return Response(payload, media_type="application/json")
         finally:
             self._release()
 

@@ -16,12 +16,15 @@ the tokens end with the one that completed the stop (string or id), the text end
 Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
 engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the
 engine serves on. If the engine raises, every request in flight and every new one answers 503, ``/health`` answers
-503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT drains: no new connections, new
-requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
-runs then ends with a 503 error body (or, streaming, an SSE error chunk then ``[DONE]``) and its slot is
-freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
+503 and the server exits with :data:`EXIT_ENGINE_FAILED`. SIGTERM / SIGINT / SIGHUP drains: no new connections,
+new requests on open connections get 503, in-flight requests finish until ``drain_timeout_s``; whatever still
+runs then (a body still arriving included) ends with a 503 error body (or, streaming, an SSE error chunk then
+``[DONE]``) and its slot is freed, and the process exits 0. A second SIGTERM / SIGINT during the drain ends every request at once the same
 way (503 / error chunk then ``[DONE]``) and the process exits ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM) after at most :data:`FORCED_GRACE_S`.
+
+Slow clients: a connection must complete a request's headers within :data:`HEADER_TIMEOUT_S` and send its body
+at :data:`BODY_MIN_RATE` after a grace (408), so silent or dripping clients cannot pile up to the descriptor limit.
 
 Layout (TensorRT-LLM's ``OpenAIServer``): :class:`OpenAIServer` holds the route table (:meth:`OpenAIServer.routes`)
 and one method per handler; the answers -- choices, stop strings, log-probabilities, the JSON body or the SSE
@@ -72,6 +75,13 @@ PREP_THREADS = 4  # parsing, tokenizing and request building run on these thread
 OPEN_MAX_BODY_BYTES = 1024 * 1024
 OPEN_MAX_WAITING = 8
 TRIM_AFTER_BYTES = 256 * 1024  # after answering a body this large, give freed heap back to the OS (malloc_trim)
+# A connection must complete a request's headers this long after it opens or after its last answer (uvicorn
+# waits forever: silent or half-sent connections piled up to the descriptor limit, then every accept failed).
+HEADER_TIMEOUT_S = 30.0
+# A body must arrive at BODY_MIN_RATE bytes/s or faster once its first BODY_GRACE_S have passed (else 408): a
+# client sending a byte a second held its connection and handler for as long as it liked.
+BODY_GRACE_S = 30.0
+BODY_MIN_RATE = 1024
 
 
 @dataclass
@@ -122,8 +132,16 @@ def _encode_prompts(ctx: ServeContext, body: CompletionRequest) -> list[list[int
         if ctx.tokenizer is None:
             raise ApiError(400, "prompt: text prompts need a tokenizer (the model directory has none); send token "
                                 "ids, e.g. \"prompt\": [1, 2, 3]", "prompt")
-        return [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt")
-                for t in ([p] if isinstance(p, str) else p)]
+        texts = [p] if isinstance(p, str) else p
+        out = [_in_vocab(ctx, list(ctx.tokenizer.encode(t, add_special_tokens=True)), "prompt") for t in texts]
+        for i, ids in enumerate(out):
+            # Whitespace alone is no token for a tokenizer that adds no BOS: refused here by name, as an empty
+            # token list is at parse (it reached the engine, a 400 naming no field, a 200 when streamed).
+            if not ids:
+                where = "" if len(texts) == 1 else f" {i}"
+                raise ApiError(400, f"prompt{where}: the text {texts[i][:40]!r} has no tokens (the tokenizer gives "
+                                    f"none and adds no BOS); send at least one token", "prompt")
+        return out
     return [list(x) for x in p] if p and isinstance(p[0], list) else [list(p)]
 
 
@@ -158,8 +176,12 @@ def _chat_prompt(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
     if ctx.tokenizer is None:
         raise ApiError(400, "messages: chat needs a tokenizer with a chat template, and this model has no tokenizer "
                             "(use /v1/completions with token ids)", "messages")
-    return _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
-                                        body.chat_template_kwargs), "messages")
+    ids = _in_vocab(ctx, _template_ids(ctx, body.messages, body.add_generation_prompt, body.tools,
+                                       body.chat_template_kwargs), "messages")
+    if not ids:  # a template that renders these messages as whitespace or nothing
+        raise ApiError(400, "messages: the chat template rendered them as no tokens; send at least one token",
+                       "messages")
+    return ids
 
 
 def check_model(ctx: ServeContext, model: str | None) -> None:
@@ -273,6 +295,12 @@ class OpenAIServer:
         self.open_pool = ThreadPoolExecutor(1, thread_name_prefix="serve-open")
         self.open_running = asyncio.Semaphore(1)  # requests without the key on an open route: one at a time
         self.open_admitted = 0  # ... running or waiting (at most OPEN_MAX_WAITING + 1)
+        # Set once the drain deadline passed (or a second stop signal came): a body still arriving then is
+        # answered 503 instead of being waited for (see end_body_reads). Made on the serving loop (lifespan).
+        self.http_loop: asyncio.AbstractEventLoop | None = None
+        self.reads_ended: asyncio.Event | None = None
+        self.reads_ended_message = ""
+        self.reads_ended_count = 0  # requests answered so (the drain's closing line counts them)
         self.app = FastAPI(title="trtllm-ext serve", docs_url=None, redoc_url=None, openapi_url=None,
                            lifespan=self._lifespan)
         self.app.add_exception_handler(ApiError, self._api_error)
@@ -301,6 +329,7 @@ class OpenAIServer:
 
     @asynccontextmanager
     async def _lifespan(self, app):
+        self.http_loop, self.reads_ended = asyncio.get_running_loop(), asyncio.Event()
         if self.on_ready is not None:
             self.on_ready()
         try:
@@ -311,21 +340,23 @@ class OpenAIServer:
             self.output.stop()
 
     # -- errors ------------------------------------------------------------------------------------------
-    def error_response(self, e: ApiError, count: bool = True):
+    def error_response(self, e: ApiError, count: bool = True, headers: dict | None = None):
         from fastapi.responses import JSONResponse
 
         if count:
             self.metrics.rejected(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     async def _api_error(self, request, exc: ApiError):
-        return self.error_response(exc)
+        return self.error_response(exc, headers=exc.headers)
 
     async def _http_error(self, request, exc):  # 404 / 405: the OpenAI object too
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        # A path nobody serves (a scanner, a typo) is not a rejected request: not counted.
+        # A path nobody serves (a scanner, a typo) is not a rejected request: not counted. Starlette's headers
+        # are kept: a 405 must say which methods the path takes (Allow, RFC 9110).
         return self.error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                            None, kind), count=exc.status_code != 404)
+                                            None, kind), count=exc.status_code != 404,
+                                   headers=getattr(exc, "headers", None))
 
     # -- handlers ----------------------------------------------------------------------------------------
     async def health(self):
@@ -367,8 +398,7 @@ class OpenAIServer:
         # echo with logprobs: the prompt's tokens carry theirs too (the first one none), as OpenAI's legacy API
         reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16,
                                                           body.logprobs if body.echo else None))
-        return await self.serve_choices(http, body, reqs, [r.prompt_ids for r in reqs],
-                                        "n" if body.n > 1 else "prompt", "text_completion", "cmpl")
+        return await self.serve_choices(http, body, reqs, [r.prompt_ids for r in reqs], "text_completion", "cmpl")
 
     async def chat(self, http: HttpRequest):
         from fastapi.responses import Response
@@ -378,7 +408,7 @@ class OpenAIServer:
             return Response(status_code=499)
         prompt = await self.off_loop(_chat_prompt, self.ctx, body)
         reqs = await self.off_loop(build_requests, self.ctx, body, [prompt], body.logprobs_k(), None)
-        return await self.serve_choices(http, body, reqs, [prompt] * len(reqs), "n", "chat.completion", "chatcmpl")
+        return await self.serve_choices(http, body, reqs, [prompt] * len(reqs), "chat.completion", "chatcmpl")
 
     def tokenize_body(self, raw: bytes) -> dict:
         ctx = self.ctx
@@ -412,12 +442,19 @@ class OpenAIServer:
         if self.ctx.draining:
             raise ApiError(503, "the server is shutting down", None, "service_unavailable")
 
-    def submit(self, reqs: list[Request], sink: Sink, param: str) -> list[int]:
+    def check_choices(self, body) -> None:
+        """400 when the body asks for more choices (prompts x ``n``) than slots + queue hold: no retry could pass,
+        so not a 429. Checked before any prompt is tokenized or request built: a 40 KB body of 8000 one-token
+        prompts at ``n`` 128 built a million requests (10 s, 300 MB) only to be refused."""
         loop = self.ctx.loop
-        most = loop.capacity + loop.max_queue
-        if len(reqs) > most:  # would be refused however long the client waits: not a 429
-            raise ApiError(400, f"{param}: {len(reqs)} choices exceed what the server holds at once ({most} = "
+        most, count = loop.capacity + loop.max_queue, body.num_choices()
+        if count > most:
+            param = "n" if body.n > 1 else "prompt"
+            raise ApiError(400, f"{param}: {count} choices exceed what the server holds at once ({most} = "
                                 f"max_batch_size + max_queue); send fewer prompts or a smaller n", param)
+
+    def submit(self, reqs: list[Request], sink: Sink) -> list[int]:
+        loop = self.ctx.loop
         try:
             return loop.submit(reqs, sink)
         except QueueFull as e:
@@ -425,18 +462,65 @@ class OpenAIServer:
         except EngineFailure as e:
             raise ApiError(503, f"engine failed: {e.message}", None, "service_unavailable") from None
 
+    def end_body_reads(self, message: str) -> None:
+        """From any thread (the drain deadline, a second stop signal): every request still receiving its body
+        answers 503 with ``message`` now. Such a reader was not counted in flight: the drain waited for uvicorn's
+        backstop, which cancelled it (a traceback, a plain-text 500 for the client)."""
+        if self.http_loop is None:
+            return
+        self.reads_ended_message = message
+        try:
+            self.http_loop.call_soon_threadsafe(self.reads_ended.set)
+        except RuntimeError:  # the loop has closed: nobody is reading
+            pass
+
     async def read_body(self, http: HttpRequest, limit: int | None = None, whose: str = "") -> bytes | None:
         """The body, or :class:`ApiError` 413 past ``limit`` (default ``ctx.max_body_bytes``; by
-        ``Content-Length`` or as it arrives); None when the client left mid-body."""
+        ``Content-Length`` or as it arrives), or 503 when :meth:`end_body_reads` ends the read; None when the
+        client left mid-body."""
+        if self.reads_ended is None:  # an app served without its lifespan
+            return await self._read_body(http, limit, whose)
+        if self.reads_ended.is_set():
+            self.reads_ended_count += 1
+            raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
+        reading = asyncio.ensure_future(self._read_body(http, limit, whose))
+        ended = asyncio.ensure_future(self.reads_ended.wait())
+        try:
+            await asyncio.wait((reading, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if not reading.done():
+            reading.cancel()
+            self.reads_ended_count += 1
+            raise ApiError(503, self.reads_ended_message, None, "service_unavailable")
+        return reading.result()
+
+    async def _read_body(self, http: HttpRequest, limit: int | None, whose: str) -> bytes | None:
         from starlette.requests import ClientDisconnect
 
         limit = self.ctx.max_body_bytes if limit is None else limit
         declared = http.headers.get("content-length", "")
         declared_size = int(declared) if declared.isdigit() else 0
         too_big = declared_size > limit
+        # A client that sent "Expect: 100-continue" waits for the go-ahead (uvicorn sends it on the first read)
+        # before it sends the body: past the limit by Content-Length it gets the 413 instead and uploads nothing
+        # (curl asks so for a large body; it uploaded the body, up to BODY_DRAIN_BYTES, only to read the 413).
+        waiting_for_go_ahead = too_big and http.headers.get("expect", "").lower() == "100-continue"
         chunks, size = [], 0
+        start = time.monotonic()
+        body = (_no_chunks() if waiting_for_go_ahead else http.stream()).__aiter__()
         try:
-            async for chunk in http.stream():
+            while True:
+                allowed = start + BODY_GRACE_S + size / BODY_MIN_RATE - time.monotonic()
+                try:
+                    chunk = await asyncio.wait_for(body.__anext__(), max(allowed, 0.0))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"body: {size} of {declared or 'an unknown number of'} bytes after "
+                                        f"{time.monotonic() - start:.0f} s: a body must arrive at {BODY_MIN_RATE} "
+                                        f"bytes/s or faster after its first {BODY_GRACE_S:g} s", "body",
+                                   headers={"connection": "close"}) from None
                 size += len(chunk)
                 if too_big or size > limit:  # from here only drained (not kept), so that the client reads the 413
                     too_big = True
@@ -455,12 +539,17 @@ class OpenAIServer:
         return b"".join(chunks)
 
     async def read_request(self, http: HttpRequest, model):
-        """The parsed body (the OpenAI error object on any fault), or None when the client left mid-body."""
+        """The parsed body (the OpenAI error object on any fault, its choices counted), or None when the client
+        left mid-body."""
         self.check_available()
         raw = await self.read_body(http)
-        return None if raw is None else await self.off_loop(parse_body, raw, model, self.ctx.limits)
+        if raw is None:
+            return None
+        body = await self.off_loop(parse_body, raw, model, self.ctx.limits)
+        self.check_choices(body)
+        return body
 
-    async def serve_choices(self, http: HttpRequest, body, reqs: list[Request], prompts: list[list[int]], param: str,
+    async def serve_choices(self, http: HttpRequest, body, reqs: list[Request], prompts: list[list[int]],
                             kind: str, prefix: str):
         """Submit one request's choices (``prompts[k]`` is choice k's prompt) and answer: JSON or SSE."""
         from fastapi.responses import StreamingResponse
@@ -468,12 +557,21 @@ class OpenAIServer:
         ctx = self.ctx
         _, stops = _stop_fields(ctx, body)
         out = ChoicesResponse(ctx, f"{prefix}-{uuid.uuid4().hex[:24]}", kind, body, self.output)
-        handles = self.submit(reqs, out.sink, param)
+        handles = self.submit(reqs, out.sink)
         out.start({h: Choice(ctx, k, p, stops, body.include_stop_str_in_output, body)
                    for k, (h, p) in enumerate(zip(handles, prompts))})
         if body.stream:
             return StreamingResponse(out.stream(), media_type="text/event-stream")
-        return await out.collect(http)
+        return await out.collect(http, lambda render: self.off_loop(self.rendered, render))
+
+    @staticmethod
+    def rendered(render) -> bytes:
+        """``render()``'s JSON bytes (a finished answer, on a worker thread), freed heap handed back after a
+        large one."""
+        payload = render()
+        if len(payload) >= TRIM_AFTER_BYTES:
+            return_freed_memory()
+        return payload
 
     @staticmethod
     def answer(handler, raw: bytes) -> bytes:
@@ -487,7 +585,8 @@ class OpenAIServer:
         """Read the body (499 if the client left) and answer it with ``handler`` on a worker thread. A request
         without the API key (on a route left open) is bounded: :data:`OPEN_MAX_BODY_BYTES`, one at a time on
         its own thread (the key holders' threads stay free), at most :data:`OPEN_MAX_WAITING` waiting (then
-        429)."""
+        429). Its body is read before it takes a place or the turn: a client sending its body a byte a second
+        held the one turn (and every keyless request behind it) for as long as it liked."""
         from fastapi.responses import Response
 
         ctx = self.ctx
@@ -496,19 +595,61 @@ class OpenAIServer:
             if raw is None:
                 return Response(status_code=499)
             return Response(await self.off_loop(self.answer, handler, raw), media_type="application/json")
+        raw = await self.read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
+        if raw is None:
+            return Response(status_code=499)
         if self.open_admitted > OPEN_MAX_WAITING:  # one running, the rest waiting
             raise ApiError(429, f"server busy: {OPEN_MAX_WAITING} requests without the API key are waiting for this "
                                 f"route; retry later or send the key", None, "rate_limit_exceeded")
         self.open_admitted += 1
         try:
             async with self.open_running:
-                raw = await self.read_body(http, min(ctx.max_body_bytes, OPEN_MAX_BODY_BYTES), "without the API key")
-                if raw is None:
-                    return Response(status_code=499)
                 payload = await asyncio.get_running_loop().run_in_executor(self.open_pool, self.answer, handler, raw)
                 return Response(payload, media_type="application/json")
         finally:
             self.open_admitted -= 1
+
+
+async def _no_chunks():
+    return
+    yield  # an async generator that yields nothing
+
+
+def http_protocol():
+    """uvicorn's HTTP protocol class (h11, or httptools when installed) that closes a connection which has not
+    completed a request's headers :data:`HEADER_TIMEOUT_S` after it opened or after its last answer. A request
+    in progress (its body arriving, its answer streaming) is never closed by it."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadlineProtocol(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            waiting_since = self.cycle  # a new request's headers make a new cycle
+
+            def expire():
+                idle = self.cycle is None or self.cycle.response_complete
+                if self.cycle is waiting_since and idle and not self.transport.is_closing():
+                    self.transport.close()
+
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, expire)
+
+    return HeaderDeadlineProtocol
 
 
 def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
@@ -549,8 +690,8 @@ def is_loopback(host: str) -> bool:
 
 def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, drain_timeout_s: float,
                ready_line: str, access_log: bool = False) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0 after draining; a second one during the drain: ``128 + signal``) or an
-    engine failure (:data:`EXIT_ENGINE_FAILED`).
+    """Serve until SIGTERM/SIGINT/SIGHUP (exit 0 after draining; a second one during the drain: ``128 + signal``)
+    or an engine failure (:data:`EXIT_ENGINE_FAILED`).
     ``access_log``: uvicorn's one line per HTTP request."""
     import contextlib
     import signal
@@ -563,8 +704,10 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
     drain = {}  # start time and how many requests the deadline ended
 
     def drain_deadline():
-        n = ctx.loop.abort_all(f"the server is shutting down: the request did not finish within the drain "
-                               f"timeout ({drain_timeout_s:g} s)")
+        message = (f"the server is shutting down: the request did not finish within the drain timeout "
+                   f"({drain_timeout_s:g} s)")
+        openai_server.end_body_reads(message)
+        n = ctx.loop.abort_all(message)
         drain["ended"] = n
         if n:
             logger.warning(f"serve: drain timeout ({drain_timeout_s:g} s) passed: ended {n} request(s) with 503")
@@ -573,8 +716,13 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
         @contextlib.contextmanager
         def capture_signals(self):
             # SIGTERM/SIGINT start the drain; uvicorn's own version re-raises the signal after shutdown,
-            # which would end a drained server with "killed by SIGTERM" instead of exit code 0.
-            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)}
+            # which would end a drained server with "killed by SIGTERM" instead of exit code 0. SIGHUP (the
+            # terminal or ssh session closed) drains too, as the TP launcher's does (its default action killed
+            # the server mid-stream), unless it is ignored (nohup): then it stays ignored.
+            stops = [signal.SIGTERM, signal.SIGINT]
+            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+                stops.append(signal.SIGHUP)
+            old = {s: signal.signal(s, self.handle_exit) for s in stops}
             try:
                 yield
             finally:
@@ -604,16 +752,20 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
 
     def forced_end(sig: int) -> None:
         name = signal.Signals(sig).name
-        n = ctx.loop.abort_all(f"the server is shutting down: a second stop signal ({name}) ended the request")
+        message = f"the server is shutting down: a second stop signal ({name}) ended the request"
+        openai_server.end_body_reads(message)
+        n = ctx.loop.abort_all(message)
         logger.warning(f"serve: a second stop signal ({name}) during the drain: ended {n} request(s), exiting "
                        f"{128 + sig}")
         time.sleep(FORCED_GRACE_S)
         server.force_exit = True
 
-    app = create_app(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    openai_server = OpenAIServer(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    app = openai_server.app
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,
-                            timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on")
+                            timeout_graceful_shutdown=drain_timeout_s + SHUTDOWN_GRACE_S, lifespan="on",
+                            http=http_protocol())
     if access_log:  # uvicorn's access lines are INFO; its other start-up lines stay quiet
         import logging
 
@@ -631,7 +783,7 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
     finally:
         ctx.loop.stop(timeout=drain_timeout_s + 10)
         if "t0" in drain:
-            ended = drain.get("ended", 0)
+            ended = drain.get("ended", 0) + openai_server.reads_ended_count
             logger.info(f"serve: drain finished after {time.monotonic() - drain['t0']:.1f} s: "
                         + (f"{ended} request(s) ended by the drain timeout" if ended
                            else "every request in flight was answered"))

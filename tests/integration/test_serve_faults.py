@@ -122,6 +122,74 @@ def test_body_over_the_limit_is_413_in_the_openai_shape(server):
     _healthy(server)
 
 
+def test_a_body_over_the_limit_that_waits_for_100_continue_is_refused_before_it_is_sent(server):
+    """``Expect: 100-continue`` with a Content-Length past the limit: the 413 comes instead of the go-ahead, so
+    the client uploads nothing (was: "100 Continue", the whole body uploaded, then the 413)."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: " + str(LIMIT + 1).encode() + b"\r\n\r\n")
+        got = b""
+        while b"}}" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert b'"param":"body"' in got and f"{LIMIT + 1} bytes exceed".encode() in got, got
+    _healthy(server)
+
+
+def test_a_405_names_the_methods_the_path_takes(server):
+    """A 405 carries ``Allow`` (RFC 9110 requires it; a client or proxy learns the method from it), in the
+    OpenAI error shape (was: the header dropped by the error handler)."""
+    for method, path, allow in (("DELETE", "/health", "GET"), ("POST", "/v1/models", "GET"),
+                                ("GET", "/v1/completions", "POST"), ("HEAD", "/metrics", "GET")):
+        r = httpx.request(method, server.url + path, timeout=30)
+        assert r.status_code == 405 and r.headers.get("allow") == allow, (method, path, r.headers)
+        if method != "HEAD":
+            assert r.json()["error"]["code"] == 405
+
+
+def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(server, monkeypatch):
+    """A body must arrive at ``BODY_MIN_RATE`` bytes/s after a grace (here 0.5 s and 100 B/s): a stalled one and
+    one dripped at 5 B/s both get a 408 naming ``body`` and the connection is closed (was: waited for forever, a
+    connection and a handler held as long as the client liked)."""
+    import socket
+
+    from tensorrt_llm_ext.runtime import server as server_module
+
+    monkeypatch.setattr(server_module, "BODY_GRACE_S", 0.5)
+    monkeypatch.setattr(server_module, "BODY_MIN_RATE", 100)
+    port = int(server.url.rsplit(":", 1)[1])
+    body = b'{"prompt": [1, 2], "max_tokens": 1}'
+    for drip in (False, True):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:3])
+            t0 = time.monotonic()
+            s.setblocking(False)
+            got, i = b"", 3
+            while time.monotonic() - t0 < 5:
+                if drip and i < len(body) - 1:
+                    s.send(body[i:i + 1])
+                    i += 1
+                time.sleep(0.2)
+                try:
+                    chunk = s.recv(65536)
+                except BlockingIOError:
+                    continue
+                got += chunk
+                if not chunk:
+                    break  # closed by the server after its answer
+            took = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408") and chunk == b"" and took < 3.0, (drip, got, took)
+        assert b'"param":"body"' in got and b"bytes/s or faster" in got, got
+    _healthy(server)
+
+
 class _SlowTokenizer:
     """The served tokenizer, but each text encode takes ``delay`` seconds with the GIL released (as a Rust
     tokenizer on a body of several MB does)."""
@@ -193,6 +261,63 @@ def test_token_outside_the_model_vocabulary_is_named(server):
         r.json()["error"]["message"]
 
 
+def test_a_text_prompt_with_no_tokens_is_a_400_naming_the_prompt(server):
+    """Whitespace is no token for a tokenizer that adds no BOS: a 400 naming ``prompt`` (which one of a list)
+    before anything is queued, streamed or not; a chat template that renders nothing names ``messages`` (was:
+    an empty prompt reached the engine, which answered a 400 naming no field -- a 200 with an error chunk when
+    streamed)."""
+    for body, where in (({"prompt": "   "}, "prompt: "), ({"prompt": ["w9 w17", "\n"]}, "prompt 1: "),
+                        ({"prompt": " ", "stream": True}, "prompt: ")):
+        r = _post(server, {**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"].startswith(where) and "has no tokens" in r.json()["error"]["message"]
+    ctx = server.context
+    real = ctx.chat_template
+    ctx.chat_template = "{% for m in messages %} {% endfor %}"
+    try:
+        r = _post(server, {"messages": [{"role": "user", "content": "w9"}], "max_tokens": 2}, "/v1/chat/completions")
+    finally:
+        ctx.chat_template = real
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "rendered them as no tokens" in r.json()["error"]["message"]
+    _healthy(server)
+
+
+class _CountingTokenizer:
+    """The served tokenizer, counting its text encodes."""
+
+    def __init__(self, tok):
+        self._tok, self.encodes = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, *args, **kwargs):
+        self.encodes += 1
+        return self._tok.encode(*args, **kwargs)
+
+
+def test_more_choices_than_the_server_holds_are_refused_before_any_work(server):
+    """Prompts x n past slots + queue is a 400 naming ``prompt`` / ``n`` before a prompt is tokenized or a
+    request built (was: a 40 KB body of 8000 prompts at n 128 built a million requests, 10 s and 300 MB, then
+    the same 400)."""
+    loop = server.context.loop
+    most = loop.capacity + loop.max_queue
+    ctx = server.context
+    real = ctx.tokenizer
+    ctx.tokenizer = counting = _CountingTokenizer(real)
+    try:
+        r = _post(server, {"prompt": ["w9 w17"] * (most + 1), "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert f"{most + 1} choices exceed what the server holds at once ({most} = " in r.json()["error"]["message"]
+        r = _post(server, {"prompt": ["w9"] * 40, "n": 128, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert counting.encodes == 0  # refused before any prompt was tokenized
+    finally:
+        ctx.tokenizer = real
+    _healthy(server)
+
+
 def test_serve_refuses_a_tokenizer_larger_than_the_model_at_start(model_dir, tmp_path):
     """One line naming both sizes and the highest token, exit 2, before any model is built."""
     server = None
@@ -251,3 +376,28 @@ def test_second_sigint_during_the_drain_ends_every_stream_cleanly_and_exits_130(
         else:
             assert last["choices"][0]["finish_reason"] == "length"
     assert ended >= 1
+
+
+def test_sighup_drains_like_sigterm(tmp_path):
+    """SIGHUP (the terminal or ssh session that started ``serve`` closed) drains as SIGTERM does, as the TP
+    launcher's does: the stream in flight ends with its last chunk (or the drain's error chunk) then [DONE], exit
+    0 (was: killed by the signal's default action mid-stream, no [DONE], exit -1). The real app over the stub
+    engine (a step every 20 ms, so the stream is still running when the signal comes)."""
+    import signal
+
+    from tensorrt_llm_ext.bench.server_process import STUB_SERVE_COMMAND
+
+    server = start_server(["--step-ms", "20"], str(tmp_path / "stub.log"), command=STUB_SERVE_COMMAND)
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "w9", "max_tokens": 50, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln)
+            server.proc.send_signal(signal.SIGHUP)
+            rest = [ln for ln in lines if ln]
+        rc = server.wait(30)
+    finally:
+        server.stop(10)
+    log = server.log()
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]", (first, rest[-3:])
+    assert rc == 0 and "SIGHUP received: draining" in log and "Traceback" not in log, (rc, log[-2000:])

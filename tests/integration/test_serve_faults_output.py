@@ -117,6 +117,39 @@ def test_stop_strings_are_searched_off_the_event_loop(server):
     assert len(lat) >= 5 and max(lat) < 0.3, lat
 
 
+def test_a_non_streaming_answer_is_built_off_the_event_loop(server):
+    """A non-streaming answer's log-probabilities decode every token and candidate; while they decode slowly
+    /health answers at once, and the answer is the usual JSON (was: built and encoded on the event loop, so a
+    5 MB echo + logprobs answer froze every client for 0.8-1.8 s)."""
+    ctx = server.context
+    real = ctx.tokenizer
+    body = {"prompt": "w100 w200", "max_tokens": 2, "ignore_eos": True, "logprobs": 2, "echo": True}
+    ref = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert ref.status_code == 200 and ref.headers["content-type"] == "application/json", ref.text
+    ctx.tokenizer = _SlowDecode(real, 0.15)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            lat = []
+            while not task.done():
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                lat.append(time.monotonic() - t0)
+                await asyncio.sleep(0.05)
+            return await task, lat
+
+    try:
+        r, lat = asyncio.run(run())
+    finally:
+        ctx.tokenizer = real
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    got, want = r.json(), ref.json()
+    assert got["choices"] == want["choices"] and got["usage"] == want["usage"], (got, want)
+    assert len(lat) >= 5 and max(lat) < 0.3, lat
+
+
 def test_tokenize_checks_ids_against_the_model_vocabulary(server):
     """A word the tokenizer maps past the model's vocabulary: 400 naming the token, as on the completions
     route (was: /tokenize returned the id)."""
@@ -159,6 +192,71 @@ def test_open_routes_without_the_key_are_bounded_in_size_and_concurrency(server,
     codes = sorted(r.status_code for r in anon)
     assert codes == [200, 200, 429, 429], [r.text for r in anon]
     assert mine.status_code == 200 and took < 5.0, (mine.text, took)
+
+
+def test_a_slow_keyless_body_does_not_hold_the_open_routes(server):
+    """Keyless clients that send their /tokenize body a byte at a time take no turn and no waiting place while
+    they send it: another keyless /tokenize is answered at once (was: the one turn was taken before the body was
+    read, so each keyless request waited behind the slow one, for as long as it kept sending)."""
+    body = b'{"prompt": "w9 w17"}'
+    port = int(server.url.rsplit(":", 1)[1])
+    slow = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body[:3])
+            slow.append(s)
+        time.sleep(0.5)  # both slow requests are reading their bodies
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/tokenize", content=body, headers={"content-type": "application/json"},
+                       timeout=10)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["count"] == 2 and took < 3.0, (r.text, took)
+        for s in slow:  # the slow ones finish their bodies and are answered too
+            s.sendall(body[3:])
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_body_still_arriving_at_the_drain_deadline_answers_503(server):
+    """The drain deadline (here called directly, as ``run_server``'s timer calls it) answers a request whose
+    body is still arriving with the drain's 503 OpenAI error (was: not counted in flight, so the drain waited
+    for uvicorn's backstop, which cancelled it: a CancelledError traceback and a plain-text 500)."""
+    app_server = _openai_server(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": \"w9")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        try:
+            threading.Thread(target=app_server.end_body_reads, args=("the server is shutting down: a test",)).start()
+            got = b""
+            while b"}}" not in got:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        finally:
+            app_server.http_loop.call_soon_threadsafe(app_server.reads_ended.clear)
+    assert got.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 2.0, got
+    assert b'{"error":{"message":"the server is shutting down: a test","type":"service_unavailable"' in got, got
+    time.sleep(0.1)
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=AUTH,
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def _openai_server(server):
+    """The :class:`OpenAIServer` behind an in-process server's app (its handlers are its bound methods)."""
+    for route in server.uvicorn_server.config.app.routes:
+        owner = getattr(getattr(route, "endpoint", None), "__self__", None)
+        if owner is not None:
+            return owner
+    raise AssertionError("no handler of the app is an OpenAIServer method")
 
 
 class _SlowEncode(_SlowDecode):
@@ -224,3 +322,46 @@ def test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_arrive_fast(
         assert loop.cancelled[0] - left < 1.0
     finally:
         srv.should_exit = True
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed(monkeypatch):
+    """``serve``'s HTTP protocol closes a connection that sends nothing, or half a request's headers, past the
+    header timeout (was: kept forever; enough of them reached the descriptor limit and every accept failed),
+    while a keep-alive connection between requests and a request whose answer streams past that timeout are
+    served as before."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    monkeypatch.setattr(server_module, "HEADER_TIMEOUT_S", 0.5)
+    app = FastAPI()
+
+    @app.get("/slow")
+    async def slow():
+        async def body():
+            for _ in range(4):
+                await asyncio.sleep(0.3)
+                yield b"x"
+        return StreamingResponse(body())
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        http=server_module.http_protocol(), timeout_keep_alive=30))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        while not srv.started:
+            time.sleep(0.02)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert silent.recv(10) == b"" and half.recv(10) == b""  # closed by the server
+        assert time.monotonic() - t0 < 3.0
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            first = c.get("/slow")  # streams 1.2 s, past the header timeout
+            time.sleep(0.2)
+            second = c.get("/slow")  # the same keep-alive connection, still open
+        assert first.status_code == second.status_code == 200 and first.content == second.content == b"xxxx"
+    finally:
+        srv.should_exit = True
+        thread.join(10)

@@ -11,8 +11,8 @@ import pytest
 
 from tensorrt_llm_ext import logger as logger_mod
 from tensorrt_llm_ext.runtime.config import ConfigError, log_no_effect_fields, no_effect_reason
-from tensorrt_llm_ext.runtime.serve_cli import (_load, add_serve_args, config_overrides, log_no_effect_flags,
-                                                model_argument)
+from tensorrt_llm_ext.runtime.serve_cli import (_load, add_serve_args, check_serve_args, config_overrides,
+                                                log_no_effect_flags, model_argument)
 
 
 def _parse(*argv):
@@ -66,3 +66,16 @@ def test_serve_takes_the_model_as_a_flag_too(tmp_path):
     assert model_argument(_parse("/m", "--model", "/m")) == "/m" and model_argument(_parse()) is None
     with pytest.raises(ConfigError, match="the model is given twice"):
         model_argument(_parse("/a", "--model", "/b"))
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1"])
+def test_a_drain_timeout_no_timer_holds_is_one_line_at_start(value):
+    """``--drain-timeout inf`` / ``1e300`` started, then at SIGTERM the drain timer and the engine loop's join
+    raised OverflowError: two tracebacks and exit 1 for a server with nothing in flight. Now refused at start."""
+    cfg, err = check_serve_args(_parse("--drain-timeout", value))
+    assert cfg is None and err.startswith("--drain-timeout ") and "expected seconds in (0, 1e+09]" in err, err
+
+
+def test_the_longest_drain_timeout_is_accepted():
+    _, err = check_serve_args(_parse("--drain-timeout", "1e9", "--port", "1"))
+    assert err is None or "--drain-timeout" not in err, err
