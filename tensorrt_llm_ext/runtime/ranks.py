@@ -512,6 +512,13 @@ def launch_ranks(world_size: int, fn, *args, timeout: float = 1800.0, collective
             pool.shutdown()
 
 
+def forwarded_signals() -> tuple[signal.Signals, ...]:
+    """The signals :func:`launch_command` passes on to the job: SIGTERM, SIGINT, and SIGHUP unless this process
+    ignores it (``nohup``: the job must outlive the terminal)."""
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGTERM, signal.SIGINT, *hup)
+
+
 def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dict | None = None) -> int:
     """Run the command ``cmd`` on ``world_size`` MPI ranks, each under
     :func:`~tensorrt_llm_ext.runtime.rank_supervisor.supervise_command`; SIGTERM /
