@@ -499,6 +499,12 @@ class OpenAIServer:
         from starlette.requests import ClientDisconnect
 
         limit = self.ctx.max_body_bytes if limit is None else limit
+        # A compressed body would be read as JSON bytes and refused as "not UTF-8", naming nothing the client can act
+        # on. Refused before it is read (the connection closes: the unread body cannot be skipped on it).
+        encoding = http.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise ApiError(415, f"body: Content-Encoding {encoding!r} is not served; send the body uncompressed",
+                           "body", headers={"connection": "close"})
         declared = http.headers.get("content-length", "")
         declared_size = int(declared) if declared.isdigit() else 0
         too_big = declared_size > limit

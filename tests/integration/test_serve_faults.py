@@ -153,6 +153,21 @@ def test_a_405_names_the_methods_the_path_takes(server):
             assert r.json()["error"]["code"] == 405
 
 
+def test_a_compressed_body_is_a_415_naming_its_encoding(server):
+    """``Content-Encoding: gzip`` (or any coding but identity) is refused naming it, before the body is read (was: a
+    400 saying the body is not UTF-8); the server stays healthy."""
+    import gzip
+
+    raw = gzip.compress(json.dumps({"prompt": [1, 9, 17], "max_tokens": 2}).encode())
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, content=raw, timeout=30,
+                       headers={"content-type": "application/json", "content-encoding": "gzip"})
+        assert r.status_code == 415, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "body" and "'gzip'" in err["message"], err
+    _healthy(server)
+
+
 def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(server, monkeypatch):
     """A body must arrive at ``BODY_MIN_RATE`` bytes/s after a grace (here 0.5 s and 100 B/s): a stalled one and
     one dripped at 5 B/s both get a 408 naming ``body`` and the connection is closed (was: waited for forever, a
