@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -185,6 +186,9 @@ class Engine:
         # ``step_confidences[row]`` those the last collected step verified (None: no head, or a row without).
         self._pending_confidences: dict[int, list[float]] = {}
         self.step_confidences: list[list[float] | None] | None = None
+        # Held while a generate() runs: a second one on this engine (from its progress callback, or another
+        # thread) would share its slots and pages, and its exception path releases them all.
+        self._generating = threading.Lock()
 
     # -- workers -------------------------------------------------------------------------------------
     def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
@@ -294,12 +298,21 @@ class Engine:
         Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
         every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
         next call serves its requests as a fresh engine would.
+
+        One call at a time per engine: a call made while another runs (from its ``progress`` callback, or from
+        another thread) raises ``RuntimeError`` at once and leaves the running one untouched.
         """
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("generate: this engine is already running a generate() call (re-entered from its "
+                               "progress callback, or called from another thread); an engine serves one call at a "
+                               "time: wait for it, or batch the requests into one call")
         try:
             return self._generate(requests, mode, progress)
         except BaseException:
             self._release_all()
             raise
+        finally:
+            self._generating.release()
 
     def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:

@@ -123,6 +123,24 @@ def test_exception_in_progress_callback_then_good_generate(exc):
     _assert_recovered(engine)
 
 
+def test_generate_called_again_while_it_runs_is_refused():
+    """generate() re-entered from its progress callback (the same holds for a second thread) refuses at once; the
+    running call is untouched (was: the inner call found no free slot, raised "a broken invariant" and released the
+    outer call's slots, which then died with "slot 0 released twice")."""
+    engine = _engine("exact")
+    inner = []
+
+    def progress(_):
+        if not inner:
+            with pytest.raises(RuntimeError, match="already running a generate"):
+                engine.generate([Request([9, 9], 3)])
+            inner.append(True)
+
+    results, _ = engine.generate(_requests(), progress=progress)
+    assert inner and [r.output_ids for r in results] == _fresh_outputs("exact")
+    _assert_recovered(engine)
+
+
 BAD_FIELDS = [
     (Request([1, 2], 4, stop_token_ids=5), "stop_token_ids"),
     (Request([1, 2], 4, stop_token_ids=None), "stop_token_ids"),
