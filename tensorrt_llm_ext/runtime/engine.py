@@ -335,9 +335,11 @@ class Engine:
                 if not is_request:
                     raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
-                if req.logprobs is not None:
-                    raise RequestError(f"request {rid}: logprobs are reported by the step-level API (serve), "
-                                       f"not by generate()")
+                # RequestResult has no field for either: refused, never computed and dropped
+                for name in ("logprobs", "prompt_logprobs"):
+                    if getattr(req, name) is not None:
+                        raise RequestError(f"request {rid}: {name} are reported by the step-level API (serve), "
+                                           f"not by generate()")
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
                 logger.warning(f"rejected: {e}")

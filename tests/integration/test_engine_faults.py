@@ -156,6 +156,9 @@ BAD_FIELDS = [
     (Request([1, 2], 4, sampling=SamplingParams(seed="7")), "seed"),
     (Request([1, 2], 4, request_id="x"), "request_id"),
     ({"prompt_ids": [1, 2]}, "expected a Request"),
+    # generate()'s results carry neither: refused (prompt_logprobs were computed and silently dropped)
+    (Request([1, 2], 4, logprobs=2), "logprobs are reported by the step-level API"),
+    (Request([1, 2], 4, prompt_logprobs=2), "prompt_logprobs are reported by the step-level API"),
 ]
 
 
