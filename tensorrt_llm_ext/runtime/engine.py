@@ -302,6 +302,10 @@ class Engine:
         One call at a time per engine: a call made while another runs (from its ``progress`` callback, or from
         another thread) raises ``RuntimeError`` at once and leaves the running one untouched.
         """
+        # A lone Request would be iterated through its field lookup (KeyError: 0), a string char by char.
+        if isinstance(requests, (Request, str, bytes, dict)) or not hasattr(requests, "__iter__"):
+            raise TypeError(f"generate: requests must be a list of Request, got {type(requests).__name__}")
+        requests = list(requests)  # a generator is read once (the TP batch check reads it before the loop)
         if not self._generating.acquire(blocking=False):
             raise RuntimeError("generate: this engine is already running a generate() call (re-entered from its "
                                "progress callback, or called from another thread); an engine serves one call at a "

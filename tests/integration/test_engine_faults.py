@@ -177,6 +177,18 @@ def test_badly_typed_fields_are_their_requests_errors():
     assert engine.slots.num_free == engine.slots.num_slots
 
 
+@pytest.mark.parametrize("requests", [Request([3, 4, 5], 5), None, "3 4 5", 7], ids=["Request", "None", "str", "int"])
+def test_generate_names_requests_that_are_not_a_list(requests):
+    """A lone Request (was: ``KeyError: 0`` from its field lookup), None, a string (was: one error per character):
+    one TypeError naming the argument; an iterable of requests is served as its list."""
+    engine = _engine("exact")
+    with pytest.raises(TypeError, match="generate: requests must be a list of Request, got " + type(requests).__name__):
+        engine.generate(requests)
+    results, _ = engine.generate(r for r in _requests()[:1])
+    assert [r.output_ids for r in results] == _fresh_outputs("exact")[:1]
+    assert engine.slots.num_free == engine.slots.num_slots
+
+
 @pytest.mark.parametrize("rejection", [False, True], ids=["strict", "rejection_sampling"])
 def test_tiny_temperature_is_served_greedy_on_every_path(rejection):
     """``0 < T < MIN_TEMPERATURE`` is its T -> 0 limit on every path: the keyed Gumbel draw, the verification
