@@ -37,8 +37,9 @@ collective timeout, a device fault, out of memory, a broken invariant, a bug) pr
 Overlap (``overlap=True``, the server's default): a plan *launches* step n + 1 (:meth:`Engine.launch_step`)
 over the requests live now, then *collects* step n, so the host work of step n's tokens (stop checks here,
 detokenizing and streaming in the server) runs while the device runs step n + 1. A request that step n
-finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its handle is
-no longer live), so nothing past its stop is emitted, and its slot is released when step n is collected (the
+finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its request is
+no longer live; a handle admitted again meanwhile names a new request, which never gets them), so nothing past its
+stop is emitted, and its slot is released when step n is collected (the
 device runs a later prefill into that slot after step n + 1, in stream order). Two rules keep the serial
 path's guarantees: a request that step n may end by ``max_new_tokens`` sits out step n + 1 (an extra step past
 its length could outrun the pages reserved for it; it rejoins at n + 2 if it runs on), and a step with a
@@ -113,10 +114,12 @@ class StepStats:
 
 @dataclass
 class _InFlight:
-    """A launched step not yet collected: its :class:`LaunchedStep` and the handle of each row."""
+    """A launched step not yet collected: its :class:`LaunchedStep`, the handle of each row and the request it
+    served (a handle that ends and is admitted again before the collect names another request)."""
 
     launched: object
     handles: list[int]
+    lives: list[_Live]
 
 
 @dataclass
@@ -246,12 +249,17 @@ class Scheduler:
                 events.extend(self._prefill(stats))
             if plan.run and self._live:
                 events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
-        if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
+        if self._in_flight is not None and not any(self._rows_live(self._in_flight)):
             # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
             events.extend(self._collect(self._take_in_flight(), stats))
         # Admissions' lookups, and the hits of prefills that waited for a sibling's pages (:meth:`_rematch_waiting`).
         stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
+
+    def _rows_live(self, fl: _InFlight) -> list[_Live | None]:
+        """Per row of ``fl``: its request while still live, else None -- by identity, not handle: a handle that
+        ended and was admitted again since is a new request, and the row's tokens are not its own."""
+        return [live if self._live.get(h) is live else None for h, live in zip(fl.handles, fl.lives)]
 
     def _take_in_flight(self) -> _InFlight:
         fl, self._in_flight = self._in_flight, None
@@ -262,7 +270,7 @@ class Scheduler:
         the launched step on the device). ``before_collect``: host work run after the launch and before the
         collect (the plan's prefill), its events first."""
         prev = self._take_in_flight()
-        pending = set(prev.handles) if prev is not None else set()
+        pending = {h for h, live in zip(prev.handles, self._rows_live(prev)) if live} if prev is not None else set()
         # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring).
         handles = [h for h, live in self._live.items()
                    if h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens]
@@ -281,13 +289,13 @@ class Scheduler:
                     events.extend(self._collect(prev, stats))
                 return events + self._fail_step([h for h in handles if h in self._live], e)
             stats.step_s += time.perf_counter() - t0
-            cur = _InFlight(launched, [by_slot[s] for s in order])
+            cur = _InFlight(launched, [by_slot[s] for s in order], [self._live[by_slot[s]] for s in order])
         if before_collect is not None:
             events.extend(before_collect())
         if prev is not None:
             events.extend(self._collect(prev, stats))
         if cur is not None:
-            if any(self._live[h].request.logprobs is not None for h in cur.handles if h in self._live):
+            if any(live.request.logprobs is not None for live in self._rows_live(cur) if live):
                 events.extend(self._collect(cur, stats))  # the next launch would overwrite its logits
             else:
                 self._in_flight = cur
@@ -298,19 +306,19 @@ class Scheduler:
         discarded (their tokens come after their stop)."""
         t0 = time.perf_counter()
         new, lens = self.engine.collect_step(fl.launched)
-        reqs = [self._live[h].request if h in self._live else None for h in fl.handles]
+        rows = self._rows_live(fl)
+        reqs = [live.request if live else None for live in rows]
         try:
             lps = (self.engine.step_logprobs(reqs, new, lens, self.mode)
                    if any(r is not None and r.logprobs is not None for r in reqs) else [None] * len(reqs))
         except REQUEST_FAULTS as e:
-            return self._fail_step([h for h in fl.handles if h in self._live], e)
+            return self._fail_step([h for h, live in zip(fl.handles, rows) if live], e)
         stats.step_s += time.perf_counter() - t0
         stats.num_rows = len(fl.handles)
         stats.accepted_lens = list(lens)
         events = []
         confs = self.engine.step_confidences
-        for row, h in enumerate(fl.handles):
-            live = self._live.get(h)
+        for row, (h, live) in enumerate(zip(fl.handles, rows)):
             if live is not None:
                 events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row],
                                            confs[row] if confs else None))
