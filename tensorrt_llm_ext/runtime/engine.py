@@ -619,14 +619,17 @@ class Engine:
         own = frozenset(int(t) for t in request.stop_token_ids)
         return own if request.ignore_eos else own | self.eos_token_ids
 
-    def finish_tokens(self, request: Request, num_out: int, tokens: list[int]) -> tuple[int, str | None]:
+    def finish_tokens(self, request: Request, num_out: int, tokens: list[int],
+                      stops: frozenset[int] | None = None) -> tuple[int, str | None]:
         """How many of ``tokens`` (appended after ``num_out`` outputs) ``request`` keeps, and why it ends.
 
         A stop id (after ``min_tokens`` outputs) is kept as the last token; ``max_new_tokens`` ends with
         ``length``; the tokens after either in an accepted block are discarded. ``(len(tokens), None)``:
-        the request runs on.
+        the request runs on. ``stops``: :meth:`stop_ids` of ``request`` when the caller holds them (the
+        scheduler builds them once per request: a list of a thousand ids rebuilt per row per step costs more
+        host time than the step).
         """
-        stops = self.stop_ids(request)
+        stops = self.stop_ids(request) if stops is None else stops
         for i, t in enumerate(tokens):
             n = num_out + i + 1
             if int(t) in stops and n > request.min_tokens:

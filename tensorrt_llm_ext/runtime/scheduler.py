@@ -128,6 +128,7 @@ class _Live:
     slot: int
     num_out: int = 0
     out: list[int] | None = None  # the tokens out so far, kept for block reuse (its pages are registered at finish)
+    stops: frozenset[int] = frozenset()  # the ids that end it (Engine.stop_ids), built once: read every step
 
 
 @dataclass
@@ -444,7 +445,8 @@ class Scheduler:
         for h, p, first, lp, plp in zip(group, held, firsts, lps, prompt_lps):
             self.engine.register_prefix(p.slot, p.request, self.mode)
             del self._prefilling[h]
-            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None)
+            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None,
+                                         stops=self.engine.stop_ids(p.request))
             events.append(self._append(h, live, [first], None, lp))
             events[-1].prompt_logprobs = plp
         return events
@@ -508,7 +510,7 @@ class Scheduler:
         """Tokens up to a stop token / ``max_new_tokens`` (:meth:`Engine.finish_tokens`); a finished request
         leaves its slot (its KV and latent pages are freed). ``confidences``: those of the drafts the step
         verified (:attr:`Event.confidences`)."""
-        n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens)
+        n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens, live.stops)
         live.num_out += n
         if live.out is not None:
             live.out.extend(int(t) for t in tokens[:n])
