@@ -306,6 +306,8 @@ class Engine:
         if isinstance(requests, (Request, str, bytes, dict)) or not hasattr(requests, "__iter__"):
             raise TypeError(f"generate: requests must be a list of Request, got {type(requests).__name__}")
         requests = list(requests)  # a generator is read once (the TP batch check reads it before the loop)
+        if progress is not None and not callable(progress):  # else it fails after the first step's work
+            raise TypeError(f"generate: progress must be a callable or None, got {type(progress).__name__}")
         if not self._generating.acquire(blocking=False):
             raise RuntimeError("generate: this engine is already running a generate() call (re-entered from its "
                                "progress callback, or called from another thread); an engine serves one call at a "

@@ -180,10 +180,13 @@ def test_badly_typed_fields_are_their_requests_errors():
 @pytest.mark.parametrize("requests", [Request([3, 4, 5], 5), None, "3 4 5", 7], ids=["Request", "None", "str", "int"])
 def test_generate_names_requests_that_are_not_a_list(requests):
     """A lone Request (was: ``KeyError: 0`` from its field lookup), None, a string (was: one error per character):
-    one TypeError naming the argument; an iterable of requests is served as its list."""
+    one TypeError naming the argument; an iterable of requests is served as its list. A ``progress`` that is not
+    callable is named before any work too."""
     engine = _engine("exact")
     with pytest.raises(TypeError, match="generate: requests must be a list of Request, got " + type(requests).__name__):
         engine.generate(requests)
+    with pytest.raises(TypeError, match="generate: progress must be a callable or None, got int"):
+        engine.generate(_requests(), progress=1)  # was: "'int' object is not callable" after the first step
     results, _ = engine.generate(r for r in _requests()[:1])
     assert [r.output_ids for r in results] == _fresh_outputs("exact")[:1]
     assert engine.slots.num_free == engine.slots.num_slots
