@@ -237,6 +237,7 @@ class Scheduler:
         self.engine.validate(request)
 
     def apply(self, plan: StepPlan) -> tuple[list[Event], StepStats]:
+        self._check_handles(plan)
         events: list[Event] = []
         stats = StepStats()
         for handle in plan.cancel:
@@ -270,6 +271,20 @@ class Scheduler:
         """Per row of ``fl``: its request while still live, else None -- by identity, not handle: a handle that
         ended and was admitted again since is a new request, and the row's tokens are not its own."""
         return [live if self._live.get(h) is live else None for h, live in zip(fl.handles, fl.lives)]
+
+    def _check_handles(self, plan: StepPlan) -> None:
+        """Refuse, before anything changes, a plan that admits a handle twice or one still held by a request it does
+        not cancel: events are keyed by handle, so the two requests' events would interleave under one handle (an
+        error that reads as the first one's end, then its tokens). A caller's bug: ``ValueError`` naming them."""
+        held = (self._live.keys() | self._prefilling.keys()) - set(plan.cancel)
+        seen, clash = set(), set()
+        for h, _ in plan.admit:
+            if h in seen or h in held:
+                clash.add(h)
+            seen.add(h)
+        if clash:
+            raise ValueError(f"Scheduler.apply: handle(s) {sorted(clash)[:8]} admitted twice or still in flight (a handle "
+                             f"names one request until its finish event); nothing was applied")
 
     def _take_in_flight(self) -> _InFlight:
         fl, self._in_flight = self._in_flight, None
@@ -342,7 +357,7 @@ class Scheduler:
             self.validate(request)
         except RequestError as e:
             return Event(handle, [], "error", str(e))
-        if handle in self._live or handle in self._prefilling or not self.num_free_slots:
+        if not self.num_free_slots:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         slot = self.engine.slots.acquire()
         try:

@@ -321,3 +321,31 @@ def test_a_request_waiting_for_pages_is_not_revalidated_every_plan(small_pool):
         got += _tokens(evs)
     assert got == _tokens(alone[0])
     assert small_pool.slots.num_free == small_pool.slots.num_slots and small_pool.pages.num_free == small_pool.pages.num_pages
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_plan_that_reuses_a_handle_in_flight_is_refused_and_changes_nothing(engine, overlap):
+    """Events are keyed by handle: a plan admitting a handle still in flight, or one handle twice, is refused before
+    anything changes (was: an "error" event for the live handle blaming "no free slot" while a slot was free, then
+    the first request's tokens under the same handle). Cancelling a handle and admitting it again in one plan is
+    fine; the running request finishes with the tokens it gets alone."""
+    from tensorrt_llm_ext.runtime.requests import Request
+
+    alone, _ = _drive(engine, "target_only", overlap, {0: [(0, dict(prompt_ids=_prompt(7, 3), max_new_tokens=6))]})
+    sch = Scheduler(engine, mode="target_only", overlap=overlap)
+    evs, _ = sch.apply(StepPlan(admit=[(0, Request(_prompt(7, 3), 6))]))
+    got = _tokens(evs)
+    free = engine.slots.num_free
+    for admit in ([(0, Request([9, 9], 4))], [(5, Request([9, 9], 4)), (5, Request([8], 4))]):
+        with pytest.raises(ValueError, match=r"handle\(s\) \[\d\] admitted twice or still in flight"):
+            sch.apply(StepPlan(admit=admit))
+        assert engine.slots.num_free == free and sch.num_active == 1
+    while sch.num_active or sch.in_flight:
+        evs, _ = sch.apply(StepPlan())
+        assert all(e.finish_reason != "error" for e in evs)
+        got += _tokens(evs)
+    assert got == _tokens(alone[0])
+    evs, _ = sch.apply(StepPlan(admit=[(1, Request([9, 9], 4))]))
+    evs, _ = sch.apply(StepPlan(cancel=[1], admit=[(1, Request([8], 1))]))  # cancel, then the handle again
+    assert [(e.handle, e.finish_reason) for e in evs][:2] == [(1, "cancelled"), (1, "length")]
+    assert engine.slots.num_free == engine.slots.num_slots and engine.pages.num_free == engine.pages.num_pages
