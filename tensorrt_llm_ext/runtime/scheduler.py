@@ -140,6 +140,7 @@ class _Prefilling:
     done: int = 0  # prompt positions in the cache (chunks run so far)
     cached: int = 0  # of those, mapped from the prefix cache (done == cached: its prefill has not begun)
     prompt_lps: list | None = None  # with Request.prompt_logprobs: those of the chunks run so far
+    matched_at: int | None = None  # PageAllocator.registrations when its prompt was last matched to the cache
 
     @property
     def left(self) -> int:
@@ -366,7 +367,8 @@ class Scheduler:
             self.engine.slots.release(slot)
             raise
         self._prefilling[handle] = _Prefilling(request, slot, done=cached, cached=cached,
-                                               prompt_lps=[] if request.prompt_logprobs is not None else None)
+                                               prompt_lps=[] if request.prompt_logprobs is not None else None,
+                                               matched_at=self.engine.pages.registrations)
         return None
 
     def _prefill(self, stats: StepStats) -> list[Event]:
@@ -423,13 +425,17 @@ class Scheduler:
 
     def _rematch_waiting(self) -> None:
         """Requests whose prefill has not begun take the cached pages registered since their admission (by
-        the prefills before them): they start at the longer cached prefix."""
-        if not self.engine.pages.enable_block_reuse:
+        the prefills before them): they start at the longer cached prefix. Only those with pages registered since their
+        last match: a rematch walks the prompt's cached chain page by page (a few ms per request behind a long shared
+        prefix), and every plan that admits would otherwise walk each admission's chain twice."""
+        pages = self.engine.pages
+        if not pages.enable_block_reuse:
             return
         for p in self._prefilling.values():
-            if p.done == p.cached and p.left > 1 and p.prompt_lps is None:
+            if p.done == p.cached and p.left > 1 and p.prompt_lps is None and p.matched_at != pages.registrations:
                 # never below its start: a partly reused page (partial reuse) is not a whole cached one
                 p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.mode))
+                p.matched_at = pages.registrations
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
