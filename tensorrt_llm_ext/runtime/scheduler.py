@@ -39,11 +39,10 @@ over the requests live now, then *collects* step n, so the host work of step n's
 detokenizing and streaming in the server) runs while the device runs step n + 1. A request that step n
 finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its request is
 no longer live; a handle admitted again meanwhile names a new request, which never gets them), so nothing past its
-stop is emitted, and its slot is released when step n is collected (the
-device runs a later prefill into that slot after step n + 1, in stream order). Two rules keep the serial
-path's guarantees: a request that step n may end by ``max_new_tokens`` sits out step n + 1 (an extra step past
-its length could outrun the pages reserved for it; it rejoins at n + 2 if it runs on), and a step with a
-``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
+stop is emitted, and its slot is released when step n is collected (the device runs a later prefill into that slot
+after step n + 1, in stream order). Two rules keep the serial path's guarantees: a request that step n may end by
+``max_new_tokens`` sits out step n + 1 (an extra step past its length could outrun the pages reserved for it; it
+rejoins at n + 2 if it runs on), and a step with a ``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
 requests decode launches their step n + 1 first and prefills after it (the device runs the step while the host
 launches the eager prefill; the prefilled requests join step n + 2). Tokens are the serial path's:
 a request's tokens never depend on which steps it shares, and the decisions depend only on the plans and the
@@ -284,8 +283,8 @@ class Scheduler:
                 clash.add(h)
             seen.add(h)
         if clash:
-            raise ValueError(f"Scheduler.apply: handle(s) {sorted(clash)[:8]} admitted twice or still in flight (a handle "
-                             f"names one request until its finish event); nothing was applied")
+            raise ValueError(f"Scheduler.apply: handle(s) {sorted(clash)[:8]} admitted twice or still in flight (a "
+                             f"handle names one request until its finish event); nothing was applied")
 
     def _take_in_flight(self) -> _InFlight:
         fl, self._in_flight = self._in_flight, None

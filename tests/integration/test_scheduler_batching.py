@@ -320,7 +320,8 @@ def test_a_request_waiting_for_pages_is_not_revalidated_every_plan(small_pool):
         evs, _ = sch.apply(StepPlan())
         got += _tokens(evs)
     assert got == _tokens(alone[0])
-    assert small_pool.slots.num_free == small_pool.slots.num_slots and small_pool.pages.num_free == small_pool.pages.num_pages
+    assert small_pool.slots.num_free == small_pool.slots.num_slots
+    assert small_pool.pages.num_free == small_pool.pages.num_pages
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
