@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -185,6 +186,9 @@ class Engine:
         # ``step_confidences[row]`` those the last collected step verified (None: no head, or a row without).
         self._pending_confidences: dict[int, list[float]] = {}
         self.step_confidences: list[list[float] | None] | None = None
+        # Held while a generate() runs: a second one on this engine (from its progress callback, or another
+        # thread) would share its slots and pages, and its exception path releases them all.
+        self._generating = threading.Lock()
 
     # -- workers -------------------------------------------------------------------------------------
     def worker(self, path: str = "speculative", *, sampling: bool = True) -> DSparkWorker:
@@ -294,12 +298,27 @@ class Engine:
         Exception-safe: whatever escapes (a prefill, a step, the progress callback, Ctrl-C) first hands
         every slot and page back and resets the step state (:meth:`_release_all`), then propagates; the
         next call serves its requests as a fresh engine would.
+
+        One call at a time per engine: a call made while another runs (from its ``progress`` callback, or from
+        another thread) raises ``RuntimeError`` at once and leaves the running one untouched.
         """
+        # A lone Request would be iterated through its field lookup (KeyError: 0), a string char by char.
+        if isinstance(requests, (Request, str, bytes, dict)) or not hasattr(requests, "__iter__"):
+            raise TypeError(f"generate: requests must be a list of Request, got {type(requests).__name__}")
+        requests = list(requests)  # a generator is read once (the TP batch check reads it before the loop)
+        if progress is not None and not callable(progress):  # else it fails after the first step's work
+            raise TypeError(f"generate: progress must be a callable or None, got {type(progress).__name__}")
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("generate: this engine is already running a generate() call (re-entered from its "
+                               "progress callback, or called from another thread); an engine serves one call at a "
+                               "time: wait for it, or batch the requests into one call")
         try:
             return self._generate(requests, mode, progress)
         except BaseException:
             self._release_all()
             raise
+        finally:
+            self._generating.release()
 
     def _generate(self, requests: list[Request], mode: str, progress) -> tuple[list[RequestResult], GenerationStats]:
         if mode not in MODES:
@@ -322,9 +341,11 @@ class Engine:
                 if not is_request:
                     raise RequestError(f"request {rid}: expected a Request, got {type(req).__name__}")
                 self.validate(req)
-                if req.logprobs is not None:
-                    raise RequestError(f"request {rid}: logprobs are reported by the step-level API (serve), "
-                                       f"not by generate()")
+                # RequestResult has no field for either: refused, never computed and dropped
+                for name in ("logprobs", "prompt_logprobs"):
+                    if getattr(req, name) is not None:
+                        raise RequestError(f"request {rid}: {name} are reported by the step-level API (serve), "
+                                           f"not by generate()")
             except RequestError as e:
                 res.finish_reason, res.error = "error", str(e)
                 logger.warning(f"rejected: {e}")
@@ -600,14 +621,17 @@ class Engine:
         own = frozenset(int(t) for t in request.stop_token_ids)
         return own if request.ignore_eos else own | self.eos_token_ids
 
-    def finish_tokens(self, request: Request, num_out: int, tokens: list[int]) -> tuple[int, str | None]:
+    def finish_tokens(self, request: Request, num_out: int, tokens: list[int],
+                      stops: frozenset[int] | None = None) -> tuple[int, str | None]:
         """How many of ``tokens`` (appended after ``num_out`` outputs) ``request`` keeps, and why it ends.
 
         A stop id (after ``min_tokens`` outputs) is kept as the last token; ``max_new_tokens`` ends with
         ``length``; the tokens after either in an accepted block are discarded. ``(len(tokens), None)``:
-        the request runs on.
+        the request runs on. ``stops``: :meth:`stop_ids` of ``request`` when the caller holds them (the
+        scheduler builds them once per request: a list of a thousand ids rebuilt per row per step costs more
+        host time than the step).
         """
-        stops = self.stop_ids(request)
+        stops = self.stop_ids(request) if stops is None else stops
         for i, t in enumerate(tokens):
             n = num_out + i + 1
             if int(t) in stops and n > request.min_tokens:

@@ -116,6 +116,12 @@ class PageAllocator:
         return self.num_pages - self.num_free
 
     @property
+    def registrations(self) -> int:
+        """A count that grows with every page :meth:`register` adds (never reset): an unchanged count means no match
+        has grown since."""
+        return self._next_chain
+
+    @property
     def num_cached(self) -> int:
         """Registered pages (held or idle)."""
         return len(self._key_of)

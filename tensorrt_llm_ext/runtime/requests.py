@@ -32,7 +32,8 @@ class Request:
     tokens no stop token ends the request (it is kept as an ordinary token; nothing is masked).
     ``logprobs`` ``k`` (0..20): also report each emitted token's log-probability and its top ``k``.
     ``prompt_logprobs`` ``k`` (0..20): also report each prompt token's after the first (the completions API's
-    ``echo`` with ``logprobs``); such a request prefills its whole prompt (no prefix reuse).
+    ``echo`` with ``logprobs``); such a request prefills its whole prompt (no prefix reuse). Both are reported by the
+    step-level API (``serve``'s scheduler events); ``Engine.generate`` refuses them on that request's result.
     """
 
     prompt_ids: list[int]

@@ -37,12 +37,12 @@ collective timeout, a device fault, out of memory, a broken invariant, a bug) pr
 Overlap (``overlap=True``, the server's default): a plan *launches* step n + 1 (:meth:`Engine.launch_step`)
 over the requests live now, then *collects* step n, so the host work of step n's tokens (stop checks here,
 detokenizing and streaming in the server) runs while the device runs step n + 1. A request that step n
-finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its handle is
-no longer live), so nothing past its stop is emitted, and its slot is released when step n is collected (the
-device runs a later prefill into that slot after step n + 1, in stream order). Two rules keep the serial
-path's guarantees: a request that step n may end by ``max_new_tokens`` sits out step n + 1 (an extra step past
-its length could outrun the pages reserved for it; it rejoins at n + 2 if it runs on), and a step with a
-``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
+finishes is already in step n + 1: that row's tokens are discarded when step n + 1 is collected (its request is
+no longer live; a handle admitted again meanwhile names a new request, which never gets them), so nothing past its
+stop is emitted, and its slot is released when step n is collected (the device runs a later prefill into that slot
+after step n + 1, in stream order). Two rules keep the serial path's guarantees: a request that step n may end by
+``max_new_tokens`` sits out step n + 1 (an extra step past its length could outrun the pages reserved for it; it
+rejoins at n + 2 if it runs on), and a step with a ``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
 requests decode launches their step n + 1 first and prefills after it (the device runs the step while the host
 launches the eager prefill; the prefilled requests join step n + 2). Tokens are the serial path's:
 a request's tokens never depend on which steps it shares, and the decisions depend only on the plans and the
@@ -113,10 +113,12 @@ class StepStats:
 
 @dataclass
 class _InFlight:
-    """A launched step not yet collected: its :class:`LaunchedStep` and the handle of each row."""
+    """A launched step not yet collected: its :class:`LaunchedStep`, the handle of each row and the request it
+    served (a handle that ends and is admitted again before the collect names another request)."""
 
     launched: object
     handles: list[int]
+    lives: list[_Live]
 
 
 @dataclass
@@ -125,6 +127,7 @@ class _Live:
     slot: int
     num_out: int = 0
     out: list[int] | None = None  # the tokens out so far, kept for block reuse (its pages are registered at finish)
+    stops: frozenset[int] = frozenset()  # the ids that end it (Engine.stop_ids), built once: read every step
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Prefilling:
     done: int = 0  # prompt positions in the cache (chunks run so far)
     cached: int = 0  # of those, mapped from the prefix cache (done == cached: its prefill has not begun)
     prompt_lps: list | None = None  # with Request.prompt_logprobs: those of the chunks run so far
+    matched_at: int | None = None  # PageAllocator.registrations when its prompt was last matched to the cache
 
     @property
     def left(self) -> int:
@@ -154,6 +158,10 @@ class Scheduler:
         self._in_flight: _InFlight | None = None  # overlap: the launched step whose tokens are not collected
         # Tokens one step can append to a request (the speculative block, or the target-only decode's one).
         self._step_tokens = 1 if mode in NON_SPECULATIVE else engine.draft_len + 1
+        # Queued requests that passed validation, by identity (held, so an id is never reused): a request that waits
+        # at the head of the queue for pages is asked about every plan, and validating it scans its whole prompt
+        # (2.4 ms per plan for 30k tokens, more than a step). Its admission still validates it once more.
+        self._valid: dict[int, Request] = {}
 
     @property
     def in_flight(self) -> bool:
@@ -204,26 +212,32 @@ class Scheduler:
     def admission_pages(self, request: Request, leaving=()) -> int:
         """Free pages ``request`` takes at admission now (its cached prefix pages that others hold are not taken:
         block reuse), with the slots ``leaving`` gone first; 0 for one that fails validation."""
-        try:
-            self.validate(request)
-        except RequestError:
-            return 0
-        return self.engine.admission_pages(request, self.mode, leaving)
+        return self.engine.admission_pages(request, self.mode, leaving) if self._passes(request) else 0
 
     def pages_for(self, request: Request) -> int:
         """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the
         error and takes nothing)."""
+        return self.engine.pages_for(request) if self._passes(request) else 0
+
+    def _passes(self, request: Request) -> bool:
+        """Whether ``request`` passes validation, remembered while it waits in a queue (:attr:`_valid`)."""
+        if self._valid.get(id(request)) is request:
+            return True
         try:
             self.validate(request)
         except RequestError:
-            return 0
-        return self.engine.pages_for(request)
+            return False
+        if len(self._valid) >= 4 * self.engine.max_batch_size + 64:  # queued requests cancelled unseen: bounded
+            self._valid.clear()
+        self._valid[id(request)] = request
+        return True
 
     def validate(self, request: Request) -> None:
         """Raise :class:`RequestError` if the engine cannot serve ``request``."""
         self.engine.validate(request)
 
     def apply(self, plan: StepPlan) -> tuple[list[Event], StepStats]:
+        self._check_handles(plan)
         events: list[Event] = []
         stats = StepStats()
         for handle in plan.cancel:
@@ -246,12 +260,31 @@ class Scheduler:
                 events.extend(self._prefill(stats))
             if plan.run and self._live:
                 events.extend(self._overlap_step(stats) if self.overlap else self._step(stats))
-        if self._in_flight is not None and not any(h in self._live for h in self._in_flight.handles):
+        if self._in_flight is not None and not any(self._rows_live(self._in_flight)):
             # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
             events.extend(self._collect(self._take_in_flight(), stats))
         # Admissions' lookups, and the hits of prefills that waited for a sibling's pages (:meth:`_rematch_waiting`).
         stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
+
+    def _rows_live(self, fl: _InFlight) -> list[_Live | None]:
+        """Per row of ``fl``: its request while still live, else None -- by identity, not handle: a handle that
+        ended and was admitted again since is a new request, and the row's tokens are not its own."""
+        return [live if self._live.get(h) is live else None for h, live in zip(fl.handles, fl.lives)]
+
+    def _check_handles(self, plan: StepPlan) -> None:
+        """Refuse, before anything changes, a plan that admits a handle twice or one still held by a request it does
+        not cancel: events are keyed by handle, so the two requests' events would interleave under one handle (an
+        error that reads as the first one's end, then its tokens). A caller's bug: ``ValueError`` naming them."""
+        held = (self._live.keys() | self._prefilling.keys()) - set(plan.cancel)
+        seen, clash = set(), set()
+        for h, _ in plan.admit:
+            if h in seen or h in held:
+                clash.add(h)
+            seen.add(h)
+        if clash:
+            raise ValueError(f"Scheduler.apply: handle(s) {sorted(clash)[:8]} admitted twice or still in flight (a "
+                             f"handle names one request until its finish event); nothing was applied")
 
     def _take_in_flight(self) -> _InFlight:
         fl, self._in_flight = self._in_flight, None
@@ -262,7 +295,7 @@ class Scheduler:
         the launched step on the device). ``before_collect``: host work run after the launch and before the
         collect (the plan's prefill), its events first."""
         prev = self._take_in_flight()
-        pending = set(prev.handles) if prev is not None else set()
+        pending = {h for h, live in zip(prev.handles, self._rows_live(prev)) if live} if prev is not None else set()
         # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring).
         handles = [h for h, live in self._live.items()
                    if h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens]
@@ -281,13 +314,13 @@ class Scheduler:
                     events.extend(self._collect(prev, stats))
                 return events + self._fail_step([h for h in handles if h in self._live], e)
             stats.step_s += time.perf_counter() - t0
-            cur = _InFlight(launched, [by_slot[s] for s in order])
+            cur = _InFlight(launched, [by_slot[s] for s in order], [self._live[by_slot[s]] for s in order])
         if before_collect is not None:
             events.extend(before_collect())
         if prev is not None:
             events.extend(self._collect(prev, stats))
         if cur is not None:
-            if any(self._live[h].request.logprobs is not None for h in cur.handles if h in self._live):
+            if any(live.request.logprobs is not None for live in self._rows_live(cur) if live):
                 events.extend(self._collect(cur, stats))  # the next launch would overwrite its logits
             else:
                 self._in_flight = cur
@@ -298,19 +331,19 @@ class Scheduler:
         discarded (their tokens come after their stop)."""
         t0 = time.perf_counter()
         new, lens = self.engine.collect_step(fl.launched)
-        reqs = [self._live[h].request if h in self._live else None for h in fl.handles]
+        rows = self._rows_live(fl)
+        reqs = [live.request if live else None for live in rows]
         try:
             lps = (self.engine.step_logprobs(reqs, new, lens, self.mode)
                    if any(r is not None and r.logprobs is not None for r in reqs) else [None] * len(reqs))
         except REQUEST_FAULTS as e:
-            return self._fail_step([h for h in fl.handles if h in self._live], e)
+            return self._fail_step([h for h, live in zip(fl.handles, rows) if live], e)
         stats.step_s += time.perf_counter() - t0
         stats.num_rows = len(fl.handles)
         stats.accepted_lens = list(lens)
         events = []
         confs = self.engine.step_confidences
-        for row, h in enumerate(fl.handles):
-            live = self._live.get(h)
+        for row, (h, live) in enumerate(zip(fl.handles, rows)):
             if live is not None:
                 events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row],
                                            confs[row] if confs else None))
@@ -319,11 +352,12 @@ class Scheduler:
     def _admit(self, handle: int, request: Request) -> Event | None:
         """Give ``request`` a slot and its pages (it is prefilled by :meth:`_prefill`); an error event if it
         cannot be served."""
+        self._valid.pop(id(request), None)
         try:
             self.validate(request)
         except RequestError as e:
             return Event(handle, [], "error", str(e))
-        if handle in self._live or handle in self._prefilling or not self.num_free_slots:
+        if not self.num_free_slots:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         slot = self.engine.slots.acquire()
         try:
@@ -332,7 +366,8 @@ class Scheduler:
             self.engine.slots.release(slot)
             raise
         self._prefilling[handle] = _Prefilling(request, slot, done=cached, cached=cached,
-                                               prompt_lps=[] if request.prompt_logprobs is not None else None)
+                                               prompt_lps=[] if request.prompt_logprobs is not None else None,
+                                               matched_at=self.engine.pages.registrations)
         return None
 
     def _prefill(self, stats: StepStats) -> list[Event]:
@@ -389,13 +424,17 @@ class Scheduler:
 
     def _rematch_waiting(self) -> None:
         """Requests whose prefill has not begun take the cached pages registered since their admission (by
-        the prefills before them): they start at the longer cached prefix."""
-        if not self.engine.pages.enable_block_reuse:
+        the prefills before them): they start at the longer cached prefix. Only those with pages registered since their
+        last match: a rematch walks the prompt's cached chain page by page (a few ms per request behind a long shared
+        prefix), and every plan that admits would otherwise walk each admission's chain twice."""
+        pages = self.engine.pages
+        if not pages.enable_block_reuse:
             return
         for p in self._prefilling.values():
-            if p.done == p.cached and p.left > 1 and p.prompt_lps is None:
+            if p.done == p.cached and p.left > 1 and p.prompt_lps is None and p.matched_at != pages.registrations:
                 # never below its start: a partly reused page (partial reuse) is not a whole cached one
                 p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.mode))
+                p.matched_at = pages.registrations
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
@@ -436,7 +475,8 @@ class Scheduler:
         for h, p, first, lp, plp in zip(group, held, firsts, lps, prompt_lps):
             self.engine.register_prefix(p.slot, p.request, self.mode)
             del self._prefilling[h]
-            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None)
+            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None,
+                                         stops=self.engine.stop_ids(p.request))
             events.append(self._append(h, live, [first], None, lp))
             events[-1].prompt_logprobs = plp
         return events
@@ -500,7 +540,7 @@ class Scheduler:
         """Tokens up to a stop token / ``max_new_tokens`` (:meth:`Engine.finish_tokens`); a finished request
         leaves its slot (its KV and latent pages are freed). ``confidences``: those of the drafts the step
         verified (:attr:`Event.confidences`)."""
-        n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens)
+        n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens, live.stops)
         live.num_out += n
         if live.out is not None:
             live.out.extend(int(t) for t in tokens[:n])

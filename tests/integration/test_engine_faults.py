@@ -123,6 +123,24 @@ def test_exception_in_progress_callback_then_good_generate(exc):
     _assert_recovered(engine)
 
 
+def test_generate_called_again_while_it_runs_is_refused():
+    """generate() re-entered from its progress callback (the same holds for a second thread) refuses at once; the
+    running call is untouched (was: the inner call found no free slot, raised "a broken invariant" and released the
+    outer call's slots, which then died with "slot 0 released twice")."""
+    engine = _engine("exact")
+    inner = []
+
+    def progress(_):
+        if not inner:
+            with pytest.raises(RuntimeError, match="already running a generate"):
+                engine.generate([Request([9, 9], 3)])
+            inner.append(True)
+
+    results, _ = engine.generate(_requests(), progress=progress)
+    assert inner and [r.output_ids for r in results] == _fresh_outputs("exact")
+    _assert_recovered(engine)
+
+
 BAD_FIELDS = [
     (Request([1, 2], 4, stop_token_ids=5), "stop_token_ids"),
     (Request([1, 2], 4, stop_token_ids=None), "stop_token_ids"),
@@ -138,6 +156,9 @@ BAD_FIELDS = [
     (Request([1, 2], 4, sampling=SamplingParams(seed="7")), "seed"),
     (Request([1, 2], 4, request_id="x"), "request_id"),
     ({"prompt_ids": [1, 2]}, "expected a Request"),
+    # generate()'s results carry neither: refused (prompt_logprobs were computed and silently dropped)
+    (Request([1, 2], 4, logprobs=2), "logprobs are reported by the step-level API"),
+    (Request([1, 2], 4, prompt_logprobs=2), "prompt_logprobs are reported by the step-level API"),
 ]
 
 
@@ -153,6 +174,21 @@ def test_badly_typed_fields_are_their_requests_errors():
     for (_, match), r in zip(BAD_FIELDS, results[1:-1]):
         assert match in r.error and r.output_ids == [], r.error
     assert [results[0].output_ids, results[-1].output_ids] == [r.output_ids for r in alone]
+    assert engine.slots.num_free == engine.slots.num_slots
+
+
+@pytest.mark.parametrize("requests", [Request([3, 4, 5], 5), None, "3 4 5", 7], ids=["Request", "None", "str", "int"])
+def test_generate_names_requests_that_are_not_a_list(requests):
+    """A lone Request (was: ``KeyError: 0`` from its field lookup), None, a string (was: one error per character):
+    one TypeError naming the argument; an iterable of requests is served as its list. A ``progress`` that is not
+    callable is named before any work too."""
+    engine = _engine("exact")
+    with pytest.raises(TypeError, match="generate: requests must be a list of Request, got " + type(requests).__name__):
+        engine.generate(requests)
+    with pytest.raises(TypeError, match="generate: progress must be a callable or None, got int"):
+        engine.generate(_requests(), progress=1)  # was: "'int' object is not callable" after the first step
+    results, _ = engine.generate(r for r in _requests()[:1])
+    assert [r.output_ids for r in results] == _fresh_outputs("exact")[:1]
     assert engine.slots.num_free == engine.slots.num_slots
 
 

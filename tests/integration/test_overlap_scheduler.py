@@ -230,3 +230,27 @@ def test_a_step_refused_at_launch_fails_its_requests_and_the_engine_serves_on(en
         evs, _ = sch.apply(StepPlan())
         out += _tokens(evs)
     assert out == greedy_ids[:4] and engine.pages.num_free == engine.pages.num_pages
+
+
+def test_a_handle_admitted_again_while_its_old_row_is_in_flight_gets_only_its_own_tokens(engine, greedy_ids):
+    """Overlap, handles chosen by the caller: handle 0 stops (its row is already in the launched step n + 1, another
+    request keeps the pipeline full) and is admitted at once for a new request. Step n + 1's row for the old request
+    is discarded, never delivered to the new one (was: the new request got the stopped one's next token first)."""
+    stop = greedy_ids[1]
+    first = Request(_prompt(2), 10, stop_token_ids=(stop,), ignore_eos=True)
+    again = Request(_prompt(2), 5, ignore_eos=True)  # the same prompt: its tokens are greedy_ids[:5]
+    other = Request(_prompt(1), 12, ignore_eos=True)
+    sch = Scheduler(engine, mode="reference", overlap=True)
+    evs, _ = sch.apply(StepPlan(admit=[(0, first), (1, other)]))
+    old = _tokens([e for e in evs if e.handle == 0])
+    while not any(e.handle == 0 and e.finish_reason for e in evs):
+        evs, _ = sch.apply(StepPlan())
+        old += _tokens([e for e in evs if e.handle == 0])
+    assert old == greedy_ids[:2] and sch.in_flight  # its row is in the launched step, beside request 1's
+    evs, _ = sch.apply(StepPlan(admit=[(0, again)]))
+    new = _tokens([e for e in evs if e.handle == 0])
+    while sch.num_active or sch.in_flight:
+        evs, _ = sch.apply(StepPlan())
+        new += _tokens([e for e in evs if e.handle == 0])
+    assert new == greedy_ids[:5]
+    assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages

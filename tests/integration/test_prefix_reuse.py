@@ -550,3 +550,38 @@ def test_partial_reuse_copies_the_page_start(mode):
     torch.testing.assert_close(v1, v0, **tol)
     if mode == "speculative":
         torch.testing.assert_close(l1[:, :len(later) - 1], l0[:, :len(later) - 1], **tol)
+
+
+class _SlicedPrompt(list):
+    """A prompt that counts the slices taken of it (the cache reads a prompt's pages as slices)."""
+
+    slices = 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            type(self).slices += 1
+        return super().__getitem__(i)
+
+
+def test_admitted_requests_are_not_walked_again_before_their_prefill():
+    """Requests that matched a long cached prefix at admission are not matched again, page by page, before their
+    prefill when nothing was registered since (was: every plan that admitted walked each admission's cached chain
+    twice -- a few ms of host time per request behind a long shared prefix, the running streams waiting). Their
+    first tokens are those of an engine without reuse."""
+    cfg = tiny_model(**{**TINY, "max_batch_size": 4})
+    reuse = Engine(load_config(**cfg, **{"kv_cache_config.enable_block_reuse": True}))
+    shared = [(7 * j + 3) % 500 for j in range(40)]  # ten whole pages
+    sched = Scheduler(reuse, mode="target_only")
+    sched.apply(StepPlan(admit=[(0, Request(shared + [1], 1))]))  # registers the shared pages
+    reqs = [(h, Request(_SlicedPrompt(shared + [h, 2]), 2)) for h in range(1, 5)]
+    _SlicedPrompt.slices = 0
+    events, st = sched.apply(StepPlan(admit=reqs, run=False))
+    assert st.prefix_cache_hits == 4 * 40 and st.prefill_tokens == 4 * 2
+    pages = len(shared) // PAGE
+    assert _SlicedPrompt.slices <= 4 * (pages + 1), _SlicedPrompt.slices  # the admission's match (and partial match)
+    whole = Engine(load_config(**cfg))
+    want, _ = whole.generate([Request(shared + [h, 2], 1) for h in range(1, 5)], "target_only")
+    assert [e.tokens for e in events] == [r.output_ids for r in want]
+    sched.apply(StepPlan(cancel=[1, 2, 3, 4], run=False))
+    assert reuse.pages.num_used == 0
+    _check(reuse.pages)
