@@ -208,14 +208,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_refusal_exits_2(command, *args) -> int:
-    """A weight refused at load (a NaN / inf tensor; the header checks run with the config, before any work)
-    is the same one line and exit 2 as those checks, not a traceback. At ``serve --tp N`` every rank refuses
-    the same file: rank 0 prints the line."""
-    from tensorrt_llm_ext.models.checkpoint import CheckpointError
+    """A weight refused at load (a NaN / inf tensor; the header checks run with the config, before any work), or a
+    KV cache that cannot fit the memory there is, is the same one line and exit 2 as those checks, not a traceback
+    (:class:`~tensorrt_llm_ext.contract.BuildRefusal`). At ``serve --tp N`` every rank refuses alike: rank 0 prints
+    the line."""
+    from tensorrt_llm_ext.contract import BuildRefusal
 
     try:
         return command(*args)
-    except CheckpointError as e:
+    except BuildRefusal as e:
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_rank() == 0:

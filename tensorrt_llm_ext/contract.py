@@ -125,6 +125,12 @@ def _logit_bias_problem(pairs, vocab_size: int | None) -> str | None:
     return None
 
 
+class BuildRefusal(ValueError):
+    """What the engine was given, refused while it is built -- a checkpoint (``CheckpointError``), a KV cache that
+    cannot fit the memory there is: one line naming it, exit 2 from every command. Every rank refuses alike, so at
+    TP N it is the input's refusal, not a rank fault."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are drawn (TensorRT-LLM's and vLLM's ``SamplingParams``): built once where the

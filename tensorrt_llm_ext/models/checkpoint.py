@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from tensorrt_llm_ext.contract import BuildRefusal
 from tensorrt_llm_ext.logger import info_once, logger
 
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
@@ -52,7 +53,7 @@ _DTYPE_FROM_NAME = {"float32": torch.float32, "float": torch.float32, "fp32": to
                     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BuildRefusal):
     """A checkpoint directory that cannot be loaded; the message names the file and the reason."""
 
 

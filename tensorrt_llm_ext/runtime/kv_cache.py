@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm_ext.contract import DSparkState
+from tensorrt_llm_ext.contract import BuildRefusal, DSparkState
 from tensorrt_llm_ext.kernels.common import copy_from_host_
 from tensorrt_llm_ext.logger import info_once
 
@@ -401,6 +401,38 @@ def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: 
     return pages, why
 
 
+def available_memory_bytes(device) -> int | None:
+    """Bytes free for the page pool on ``device`` now: the device's free memory (CUDA), the host's ``MemAvailable``
+    (CPU, Linux); None where it cannot be read (no check then)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    if dev.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_pool_fits(pool_bytes: int, device, why: str, *, max_batch_size: int, max_seq_len: int) -> None:
+    """Refuse (:class:`~tensorrt_llm_ext.contract.BuildRefusal`, before anything is allocated) a page pool larger
+    than the memory free on ``device``: sized as every slot at ``max_seq_len`` (no ``kv_cache_config`` bound) a
+    long ``max_seq_len`` asks for terabytes, which the allocator refused with a traceback."""
+    free = available_memory_bytes(device)
+    if free is None or pool_bytes <= free:
+        return
+    raise BuildRefusal(
+        f"kv cache: the page pool needs {pool_bytes / 2**30:.1f} GiB ({why}) but {free / 2**30:.1f} GiB of "
+        f"{torch.device(device if device is not None else 'cpu').type} memory is free: lower max_seq_len "
+        f"({max_seq_len}) or max_batch_size ({max_batch_size}), or bound the pool with kv_cache_config.max_tokens "
+        f"or kv_cache_config.free_gpu_memory_fraction")
+
+
 def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft_len: int, page_size: int,
                 device, max_tokens: int | None = None, free_gpu_memory_fraction: float | None = None,
                 enable_block_reuse: bool = False, enable_partial_reuse: bool = False
@@ -419,6 +451,9 @@ def build_state(target, drafter, *, max_batch_size: int, max_seq_len: int, draft
     num_pages, why = num_cache_pages(max_batch_size=max_batch_size, max_pages_per_slot=max_pages,
                                      page_size=page_size, bytes_per_page=bytes_per_page, max_tokens=max_tokens,
                                      free_gpu_memory_fraction=free_gpu_memory_fraction, device=device)
+    # The pool (and the scratch page) plus the page tables, before any of it is allocated.
+    check_pool_fits((num_pages + 1) * bytes_per_page + 2 * num_slots * max_pages * 4, device, why,
+                    max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     info_once(f"kv cache: {num_pages} pages of {page_size} tokens ({num_pages * page_size} tokens, "
               f"{num_pages * bytes_per_page / 2**20:.1f} MiB with the drafter's latents): {why}; prefix reuse "
               + ("on (kv_cache_config.enable_block_reuse: a prompt's whole pages serve later prompts; partial reuse "

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tensorrt_llm_ext.contract import BuildRefusal
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE
 
@@ -251,12 +252,11 @@ def _rank_main(job: GenerateJob) -> dict:
 
     tp = job.config.get("tensor_parallel_size", 1)
     mapping = init_from_mpi(tp_size=tp, enable_attention_dp=bool(job.config.get("enable_attention_dp", False)))
-    from tensorrt_llm_ext.models.checkpoint import CheckpointError
-
     try:
         report = run_job(job, mapping)
-    except CheckpointError as e:
-        # Every rank reads the same files and refuses them alike: a refusal of the input, not a rank fault.
+    except BuildRefusal as e:
+        # Every rank reads the same files and sizes the same cache, and refuses them alike: a refusal of the input,
+        # not a rank fault.
         return {"rank": mapping.rank, "refused": str(e)}
     from tensorrt_llm_ext.distributed.communicator import world_cpu_group
     from tensorrt_llm_ext.logger import flush_rank_logs
@@ -276,7 +276,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
 
     At ``tp_size > 1`` the ranks run under :func:`~tensorrt_llm_ext.runtime.ranks.launch_ranks`: a rank
     that raises, dies or hangs ends the job with a :class:`~tensorrt_llm_ext.runtime.ranks.RankJobError`
-    naming it; a checkpoint every rank refuses at load raises its :class:`CheckpointError` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
+    naming it; what every rank refuses while the engine is built (a checkpoint, a cache that cannot fit) raises a :class:`BuildRefusal` here, as at TP 1. ``rank_timeout`` is the collective timeout of the ranks (a hung peer is detected after
     it), ``timeout`` bounds the whole job, ``log_dir`` keeps the rank logs. ``on_built()`` is called once the
     engine passed its load checks: at TP 1 when it is built, at TP N when the ranks have reported (the
     launcher does not hear from them before).
@@ -289,9 +289,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
                        log_dir=log_dir)
     refused = [item["refused"] for item in raw if "refused" in item]
     if refused:
-        from tensorrt_llm_ext.models.checkpoint import CheckpointError
-
-        raise CheckpointError(refused[0])  # the one line (exit 2) a TP 1 run gives
+        raise BuildRefusal(refused[0])  # the one line (exit 2) a TP 1 run gives
     if on_built is not None:
         on_built()
     reports = []

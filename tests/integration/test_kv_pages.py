@@ -71,6 +71,36 @@ def test_pool_size_from_kv_cache_config():
     assert n == 80 and "every slot" in why  # no device memory on a CPU (logged)
 
 
+def test_a_pool_past_the_free_memory_is_refused_before_it_is_allocated(monkeypatch, tmp_path, capsys):
+    """Sized as every slot at ``max_seq_len`` (no ``kv_cache_config`` bound), a long ``max_seq_len`` asks for more
+    than the device holds: a :class:`BuildRefusal` naming the pool, the free memory and the fields that bound it,
+    before anything is allocated (was: the allocator's traceback, exit 1); ``generate`` and ``serve`` print it as
+    one line, exit 2. A ``max_tokens`` bound that fits is built."""
+    from tensorrt_llm_ext.cli import main
+    from tensorrt_llm_ext.contract import BuildRefusal
+    from tensorrt_llm_ext.runtime import kv_cache
+
+    free = 64 * 2**20
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: free)
+    cfg = tiny_model(max_batch_size=4, max_seq_len=100_000)
+    with pytest.raises(BuildRefusal, match=r"kv cache: the page pool needs .* GiB .* but 0\.1 GiB of cpu memory is "
+                                           r"free: lower max_seq_len \(100000\) or max_batch_size \(4\)"):
+        Engine(load_config(**cfg))
+    Engine(load_config(**cfg, **{"kv_cache_config.max_tokens": 4096}))  # bounded: fits
+    monkeypatch.undo()
+    (tmp_path / "c.yaml").write_text("max_seq_len: 2147483648\nmax_batch_size: 1\n")  # terabytes on any machine
+    import socket
+
+    with socket.socket() as sock:  # a port free now (serve checks it before the build)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for cmd in (["generate", "--config", str(tmp_path / "c.yaml"), "--max-new-tokens", "2", "1 2"],
+                ["serve", "--config", str(tmp_path / "c.yaml"), "--port", str(port)]):
+        assert main(cmd) == 2, cmd
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: kv cache: the page pool needs"), err
+
+
 def test_engine_waits_for_pages_instead_of_failing_and_frees_them():
     """A pool of 2 requests' pages for 4 slots: generate() admits as pages free up, every request completes
     with the tokens of an engine that has pages for every slot, and all pages come back."""
