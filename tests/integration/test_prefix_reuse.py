@@ -47,6 +47,25 @@ def _check(pages: PageAllocator) -> None:
         assert pages.encoded_offsets[slot, :len(row)].tolist() == [pg * pages.divisor for pg in row]
 
 
+def test_page_keys_read_lists_tuples_and_tensors_alike():
+    """Page keys are slices of the ids (C speed: validated prompts and the engine's outputs are lists of Python ints);
+    a tensor or an array of ids is converted once per call, so every form finds the same pages."""
+    import numpy as np
+    import torch
+
+    pages = PageAllocator(num_pages=8, num_slots=4, max_pages_per_slot=6, divisor=2, device="cpu", page_size=PAGE,
+                          enable_block_reuse=True, enable_partial_reuse=True)
+    prompt = list(range(1, 15))
+    pages.allocate(0, 5)
+    assert pages.register(0, torch.tensor(prompt)) == 3
+    first = pages._owned[0][:3]
+    for form in (prompt, tuple(prompt), torch.tensor(prompt), np.array(prompt)):
+        assert pages.match(form) == first
+        assert pages.match_with_partial(form) == (first, None)
+        assert pages.admission_cost(form, 4) == 1  # the three cached pages are held by slot 0: one fresh page
+    assert pages.register(0, tuple(prompt)) == 0  # the same keys: nothing new
+
+
 def test_match_register_evict_and_exact_keys():
     pages = PageAllocator(num_pages=8, num_slots=4, max_pages_per_slot=6, divisor=2, device="cpu", page_size=PAGE,
                           enable_block_reuse=True)
