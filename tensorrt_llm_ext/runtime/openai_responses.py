@@ -194,7 +194,12 @@ def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
 
 
 def _token_str(ctx, token: int) -> str:
-    return ctx.tokenizer.decode([token]) if ctx.tokenizer is not None else f"token_id:{token}"
+    if ctx.tokenizer is None:
+        return f"token_id:{token}"
+    s = ctx.token_strs.get(token)
+    if s is None:  # two threads may both decode a new id: the same string either way
+        s = ctx.token_strs[token] = ctx.tokenizer.decode([token])
+    return s
 
 
 def _lp(v: float) -> float:

@@ -100,6 +100,10 @@ class ServeContext:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     model_aliases: tuple[str, ...] = ()  # further --served-model-name values, accepted as `model`
     api_key: str | None = None  # --api-key / TLLM_EXT_API_KEY: required on /v1/* routes
+    # Log-probability entries' token strings by id, each decoded once (``tokenizer.decode([id])`` is a function of the
+    # id): an echoed 2k-token prompt at top 20 names ~42k of them, which were ~42k tokenizer calls on the output thread
+    # (every stream waits for it) and are dictionary reads once its ids were seen.
+    token_strs: dict = field(default_factory=dict, repr=False)
 
     @property
     def limits(self) -> ServeLimits:

@@ -37,7 +37,7 @@ class _Loop:
 
 
 def _ctx(tok):
-    return SimpleNamespace(tokenizer=tok, model_name="m", loop=_Loop())
+    return SimpleNamespace(tokenizer=tok, model_name="m", loop=_Loop(), token_strs={})
 
 
 def test_byte_table_text_is_the_tokenizers_decode(tok):
@@ -192,3 +192,33 @@ def test_a_new_request_waits_one_plan_while_others_decode_and_a_cancel_there_end
     loop.cancel(3)
     assert plan() == ([], True) and (3, "cancelled") in events and loop.state().queued == 0
     assert 3 not in loop._sinks and loop.scheduler.num_active == 3
+
+
+def test_logprob_token_strings_are_decoded_once_per_id(tok):
+    """The strings of log-probability entries (echoed prompts' and generated tokens', with their top candidates) are
+    the tokenizer's ``decode([id])``, each id decoded once per server: a second answer naming the same ids calls the
+    tokenizer no more."""
+    from tensorrt_llm_ext.runtime.openai_responses import chat_logprobs, completion_logprobs
+
+    calls = []
+
+    class Counting:
+        def decode(self, ids):
+            calls.append(tuple(ids))
+            return tok.decode(ids)
+
+    ctx = SimpleNamespace(tokenizer=Counting(), token_strs={})
+    rng = random.Random(5)
+    tokens = [rng.randrange(VOCAB) for _ in range(50)]
+    lps = [(-1.0, [(rng.randrange(VOCAB), -2.0) for _ in range(5)]) for _ in tokens]
+    first = completion_logprobs(ctx, [None] + lps[1:], tokens)
+    assert first["tokens"] == [tok.decode([t]) for t in tokens]
+    assert first["top_logprobs"][1] == {tok.decode([i]): -2.0 for i, _ in lps[1][1]}
+    seen = {t for t in tokens} | {i for _, top in lps[1:] for i, _ in top}
+    assert sorted(calls) == sorted((t,) for t in seen)  # one call per distinct id
+    n = len(calls)
+    assert completion_logprobs(ctx, [None] + lps[1:], tokens) == first
+    chat = chat_logprobs(ctx, lps, tokens)
+    assert [e["token"] for e in chat["content"]] == first["tokens"]
+    assert len(calls) == n + len({i for i, _ in lps[0][1]} - seen)  # only ids not seen before
+
