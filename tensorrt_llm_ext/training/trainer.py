@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from tensorrt_llm_ext import _env
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_target_config,
+from tensorrt_llm_ext.models.checkpoint import (DRAFTER_ARCHITECTURE, default_target_layer_ids, read_target_config,
                                                 save_drafter_checkpoint)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
@@ -517,6 +517,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
+    check_out_dir(out_dir, work_dir)  # before any work: the drafter replaces --out whole at the end
     work_dir.mkdir(parents=True, exist_ok=True)
     state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
     dcfg, layers = drafter_config(model_dir, tc)
@@ -888,9 +889,35 @@ def atomic_torch_save(obj, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def check_out_dir(out_dir: Path, work_dir: Path | None = None) -> None:
+    """``--out`` may be replaced whole: absent, an empty directory or a drafter written before (its
+    ``config.json`` names the drafter architecture). Anything else -- a file, the target's own directory, a
+    folder of the user's -- is refused by name (the rename-into-place deleted it). The work dir must lie outside
+    it (it would go with the replaced directory)."""
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ValueError(f"train-drafter: --out {out_dir} is a file, not a drafter directory; remove it or "
+                             "choose another --out")
+        if any(out_dir.iterdir()):
+            try:
+                arch = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+            except (OSError, ValueError, AttributeError):
+                arch = []
+            if not isinstance(arch, list) or DRAFTER_ARCHITECTURE not in arch:
+                raise ValueError(f"train-drafter: --out {out_dir} is a directory that holds something else than a "
+                                 "drafter (it would be replaced whole); remove it or choose another --out")
+    if work_dir is not None:
+        out, work = out_dir.resolve(), work_dir.resolve()
+        if work == out or out in work.parents:
+            raise ValueError(f"train-drafter: --work-dir {work_dir} lies inside --out {out_dir} (which is replaced "
+                             "whole at the end); choose a work dir beside it")
+
+
 def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict) -> None:
     """The drafter directory (``config.json``, ``model.safetensors``, ``training.json``) written whole into a
-    temporary sibling and renamed into place: a kill leaves the previous drafter or none, never a config alone."""
+    temporary sibling and renamed into place: a kill leaves the previous drafter or none, never a config alone.
+    Only a directory :func:`check_out_dir` accepts is replaced."""
+    check_out_dir(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

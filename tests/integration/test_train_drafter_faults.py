@@ -145,3 +145,29 @@ def test_drop_state_leaves_a_small_work_folder_and_an_unfinished_run_its_state(t
     assert main(["train-drafter", str(target), "--out", str(tmp_path / "b"), "--steps", "2", "--max-seconds",
                  "1e-9", "--drop-state", *TINY]) == 0
     assert (tmp_path / "b_work" / "trainer_state.pt").is_file()
+
+
+def test_out_that_is_not_a_drafter_is_refused_before_any_work(target, tmp_path, capsys):
+    """--out is replaced whole at the end: the target's own directory, a folder of the user's or a file were
+    deleted with exit 0. Now each is refused in one line before the target loads; a drafter written before
+    (the GPU script trains over one) and an empty directory are still replaced."""
+    target_files = sorted(p.name for p in target.iterdir())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    cases = [(target, "holds something else than a drafter"), (mine, "holds something else than a drafter"),
+             (tmp_path / "file", "is a file")]
+    for out, why in cases:
+        assert main(["train-drafter", str(target), "--out", str(out), *TINY]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: train-drafter: --out {out}") and why in err[0], err
+    assert sorted(p.name for p in target.iterdir()) == target_files
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
+    assert not (tmp_path / "mine_work").exists()  # refused before the work dir was made
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", str(target), "--out", str(out), "--work-dir", str(out / "w"), *TINY]) == 2
+    assert "--work-dir" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # (a drafter over a drafter: test_a_kill_while_the_drafter_is_written_...)
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "empty"), "--steps", "1", *TINY]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
