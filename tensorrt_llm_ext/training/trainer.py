@@ -41,8 +41,8 @@ from safetensors.torch import save_file
 
 from tensorrt_llm_ext import _env
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.models.checkpoint import (DRAFTER_ARCHITECTURE, default_target_layer_ids, read_target_config,
-                                                save_drafter_checkpoint)
+from tensorrt_llm_ext.models.checkpoint import (DRAFTER_ARCHITECTURE, default_target_layer_ids, read_checkpoint_facts,
+                                                read_target_config, save_drafter_checkpoint)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
@@ -538,9 +538,15 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             raise ValueError(f"train-drafter --resume: {state_path} was written with --schedule-seconds "
                              f"{state.get('schedule_seconds')}, this call asks {schedule_seconds}: the schedule "
                              "of a run is fixed; use the same value or another --work-dir")
-    data = _data(model_dir, tc, "train", tc.num_prompts, data_path, resume, device, progress, dcfg.vocab_size)
-    eval_data = (_data(model_dir, tc, "held_out", tc.eval_prompts, eval_path, resume, device, progress,
-                       dcfg.vocab_size) if tc.eval_prompts else None)
+    # Both splits' prompts before any answer is decoded: an empty held-out split or a prompt past the target's
+    # context was refused only after the training answers (minutes to hours on a real set).
+    prompts = {split: (None if resume and path.is_file() else
+                       _prompts(model_dir, tc, split, n, dcfg.vocab_size))
+               for split, n, path in (("train", tc.num_prompts, data_path), ("held_out", tc.eval_prompts, eval_path))
+               if n}
+    data = _data(model_dir, tc, "train", prompts["train"], data_path, device, progress)
+    eval_data = (_data(model_dir, tc, "held_out", prompts["held_out"], eval_path, device, progress)
+                 if tc.eval_prompts else None)
     target = load_target(model_dir, layers, device, storage)  # after generation: one model on the device at a time
     lm_head = target.lm_head.weight.detach()
 
@@ -828,23 +834,42 @@ def fit_confidence_calibration(logits: torch.Tensor, labels: torch.Tensor, valid
     return cal
 
 
-def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bool, device, progress,
-          vocab_size: int) -> dict[str, torch.Tensor]:
-    """The token sequences of ``split``: loaded on ``--resume`` when its file is there, else made (prompts,
-    the target's answers) and written whole."""
-    if resume and path.is_file():
+def _prompts(model_dir, tc: TrainConfig, split: str, n: int, vocab_size: int) -> list[list[int]]:
+    """The token ids of ``split``'s prompts (mixed, rendered); each leaves ``max_new_tokens`` of the target's
+    context (``max_position_embeddings``): a longer one loses its oldest turns or is skipped, as for
+    ``max_prompt_tokens`` (logged). None fitting is a one-line error."""
+    convs = mixed_samples(list(tc.prompts), split, n, seed=tc.seed, max_turns=tc.max_turns,
+                          held_out_percent=tc.held_out_percent)
+    if not convs:
+        hint = (f" at --held-out-percent {tc.held_out_percent:g} (--eval-prompts 0: no held-out estimate)"
+                if split == "held_out" else "")
+        raise ValueError(f"train-drafter: --prompts {' '.join(tc.prompts)} gave no {split} prompts{hint}")
+    budget, why = tc.max_prompt_tokens, f"--max-prompt-tokens {tc.max_prompt_tokens}"
+    context = read_checkpoint_facts(model_dir).max_position_embeddings
+    if context is not None and context - tc.max_new_tokens < budget:
+        budget = context - tc.max_new_tokens
+        why = f"the target's context {context} less --max-new-tokens {tc.max_new_tokens}"
+        if budget < 1:
+            raise ValueError(f"train-drafter: --max-new-tokens {tc.max_new_tokens} leaves no room for a prompt in the "
+                             f"target's context (max_position_embeddings {context})")
+        logger.info(f"prompts: {split} prompts kept to {budget} tokens ({why}; --max-prompt-tokens "
+                    f"{tc.max_prompt_tokens})")
+    prompts = render_prompts(model_dir, convs, vocab_size, seed=tc.seed + (split == "held_out"),
+                             max_prompt_tokens=budget)
+    if not prompts:
+        raise ValueError(f"train-drafter: every {split} prompt is longer than {why}")
+    return prompts
+
+
+def _data(model_dir, tc: TrainConfig, split: str, prompts: list[list[int]] | None, path: Path, device,
+          progress) -> dict[str, torch.Tensor]:
+    """The token sequences of ``split``: loaded from ``path`` when ``prompts`` is None (``--resume`` with the file
+    there), else the target's answers to ``prompts``, written whole."""
+    if prompts is None:
         data = _load_resume_file(path, DATA_KEYS)
         _check_data(path, data)
         logger.info(f"train-drafter: {split} sequences from {path} ({data['tokens'].shape[0]})")
         return data
-    convs = mixed_samples(list(tc.prompts), split, n, seed=tc.seed, max_turns=tc.max_turns,
-                          held_out_percent=tc.held_out_percent)
-    if not convs:
-        raise ValueError(f"train-drafter: --prompts {' '.join(tc.prompts)} gave no {split} prompts")
-    prompts = render_prompts(model_dir, convs, vocab_size, seed=tc.seed + (split == "held_out"),
-                             max_prompt_tokens=tc.max_prompt_tokens)
-    if not prompts:
-        raise ValueError(f"train-drafter: every {split} prompt is longer than --max-prompt-tokens {tc.max_prompt_tokens}")
     n_greedy = len(prompts) if split == "held_out" else round(len(prompts) * tc.greedy_fraction)
     temps = [0.0] * n_greedy + [tc.gen_temperature] * (len(prompts) - n_greedy)
     random.Random(tc.seed).shuffle(temps)

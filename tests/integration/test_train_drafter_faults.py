@@ -4,6 +4,7 @@ damaged or crafted work-dir file is named on `--resume` and never unpickled as c
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -171,3 +172,42 @@ def test_out_that_is_not_a_drafter_is_refused_before_any_work(target, tmp_path, 
     (tmp_path / "empty").mkdir()  # (a drafter over a drafter: test_a_kill_while_the_drafter_is_written_...)
     assert main(["train-drafter", str(target), "--out", str(tmp_path / "empty"), "--steps", "1", *TINY]) == 0
     assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A tiny target with a chat tokenizer (`w9 w30` <-> [9, 30]) and a context of 64 positions."""
+    from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_llama3_checkpoint
+
+    d = tmp_path_factory.mktemp("chat") / "tiny"
+    save_tiny_llama3_checkpoint(d, max_position_embeddings=64)
+    return d
+
+
+def test_prompts_are_checked_before_any_answer_is_decoded(chat_target, tmp_path, monkeypatch, capsys):
+    """An empty held-out split was refused only after every training answer was decoded; a prompt that leaves
+    no room for --max-new-tokens in the target's context failed the run when the answer loop reached it (the
+    loop goes shortest first: after the others were decoded). Now both splits are prompted first: an empty split
+    is refused naming the way out, a prompt past the context loses its oldest turns or is skipped (logged), as
+    one past --max-prompt-tokens."""
+    def no_answers(*args, **kwargs):
+        raise AssertionError("the answer loop started")
+
+    monkeypatch.setattr(trainer, "regenerate", no_answers)
+    pinned = tmp_path / "train_only.jsonl"
+    pinned.write_text("".join(json.dumps({"prompt": f"w{10 + i} w{20 + i}", "set": "train"}) + "\n"
+                              for i in range(8)))
+    args = ["train-drafter", str(chat_target), "--out", str(tmp_path / "d"), "--prompts", str(pinned),
+            *TINY, "--eval-prompts", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gave no held_out prompts" in err[0] and "--eval-prompts 0" in err[0], err
+    long_and_short = tmp_path / "mixed.jsonl"
+    long_and_short.write_text(json.dumps({"prompt": " ".join(f"w{10 + i}" for i in range(50))}) + "\n"
+                              + json.dumps({"prompt": "w11 w12"}) + "\n")
+    tc = trainer.TrainConfig(prompts=(str(long_and_short),), num_prompts=2, max_new_tokens=20, held_out_percent=0.0)
+    prompts = trainer._prompts(chat_target, tc, "train", 2, 509)
+    assert len(prompts) == 1 and len(prompts[0]) + 20 <= 64  # the 50-word prompt cannot fit 64 - 20: skipped
+    assert main([*args[:6], str(long_and_short), *TINY, "--max-new-tokens", "64"]) == 2
+    assert "--max-new-tokens 64 leaves no room for a prompt" in capsys.readouterr().err
+
