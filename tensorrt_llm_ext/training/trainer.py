@@ -104,7 +104,8 @@ class TrainConfig:
         def bad(name, want, got):
             raise ValueError(f"train-drafter: --{name.replace('_', '-')} must be {want}, got {got!r}")
 
-        for name, lo, hi in (("num_prompts", 1, 10_000_000), ("max_new_tokens", 1, 8192), ("gen_batch", 1, 4096),
+        # max_new_tokens >= 2: a block needs an answer of two tokens (one-token answers are dropped)
+        for name, lo, hi in (("num_prompts", 1, 10_000_000), ("max_new_tokens", 2, 8192), ("gen_batch", 1, 4096),
                              ("num_layers", 1, 64), ("num_heads", 1, 256), ("head_dim", 2, 1024),
                              ("latent_dim", 1, 8192), ("intermediate_size", 1, 65536), ("draft_len", 1, 32),
                              ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
@@ -547,6 +548,9 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     data = _data(model_dir, tc, "train", prompts["train"], data_path, device, progress)
     eval_data = (_data(model_dir, tc, "held_out", prompts["held_out"], eval_path, device, progress)
                  if tc.eval_prompts else None)
+    if eval_data is not None and not eval_data["tokens"].shape[0]:
+        logger.warning("train-drafter: every held-out answer is shorter than 2 tokens; no held-out estimate")
+        eval_data = None
     target = load_target(model_dir, layers, device, storage)  # after generation: one model on the device at a time
     lm_head = target.lm_head.weight.detach()
 
@@ -882,8 +886,12 @@ def _data(model_dir, tc: TrainConfig, split: str, prompts: list[list[int]] | Non
         if hasattr(bar, "close"):
             bar.close()
     keep = data["lens"] >= data["prompt_lens"] + 2  # an answer of one token has no block to train on
+    if split == "train" and not bool(keep.any()):
+        raise ValueError(f"train-drafter: every one of the {len(prompts)} train answers is shorter than 2 tokens "
+                         "(each stopped at an EOS at once); nothing to train on")
     data = {k: v[keep] for k, v in data.items()}
-    atomic_torch_save(data, path)
+    if bool(keep.any()):  # (an empty held-out split is not kept: --resume would refuse the file)
+        atomic_torch_save(data, path)
     return data
 
 

@@ -28,7 +28,7 @@ def target(tmp_path_factory):
 @pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "0"), ("--position-decay", "nan"),
                                         ("--grad-clip", "-1"), ("--save-dtype", "fp16"), ("--device", "foo"),
                                         ("--gen-temperature", "nan"), ("--batch-seqs", "100000000"),
-                                        ("--markov-rank", "0"), ("--head-dim", "7")])
+                                        ("--markov-rank", "0"), ("--head-dim", "7"), ("--max-new-tokens", "1")])
 def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
     """The directory does not even exist: the refusal comes from the knob check, before the target loads."""
     assert main(["train-drafter", str(tmp_path / "absent"), *TINY, flag, value]) == 2
@@ -211,3 +211,17 @@ def test_prompts_are_checked_before_any_answer_is_decoded(chat_target, tmp_path,
     assert main([*args[:6], str(long_and_short), *TINY, "--max-new-tokens", "64"]) == 2
     assert "--max-new-tokens 64 leaves no room for a prompt" in capsys.readouterr().err
 
+
+def test_answers_too_short_to_train_on_are_one_line(target, tmp_path, monkeypatch, capsys):
+    """Every answer stopped after one token (an EOS at once): no sequence is left, and the run died in a
+    traceback (torch.randint over 0 sequences) after the generation. Now one line, exit 2, no data file."""
+    def one_token_answers(model_dir, prompts, **kwargs):
+        lens = torch.tensor([len(p) + 1 for p in prompts])
+        return {"tokens": torch.ones(len(prompts), int(lens.max()), dtype=torch.int32), "lens": lens,
+                "prompt_lens": torch.tensor([len(p) for p in prompts])}
+
+    monkeypatch.setattr(trainer, "regenerate", one_token_answers)
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "d"), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shorter than 2 tokens" in err[0] and "nothing to train on" in err[0], err
+    assert not (tmp_path / "d_work" / "data.pt").exists()
