@@ -225,3 +225,34 @@ def test_answers_too_short_to_train_on_are_one_line(target, tmp_path, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "shorter than 2 tokens" in err[0] and "nothing to train on" in err[0], err
     assert not (tmp_path / "d_work" / "data.pt").exists()
+
+
+def test_bench_acceptance_checks_every_config_before_measuring(target, chat_target, tmp_path, monkeypatch, capsys):
+    """`bench acceptance` built each variant's engine config when its turn came: a drafter of another target was
+    a ConfigError traceback after the variants before it had been measured, --draft-lens 100 / --batch-size 0
+    tracebacks, --max-prompt-tokens below every prompt `max() arg is an empty sequence`. Now every config and
+    the prompts are made first; each refusal is one line naming the flags, exit 2, no engine built."""
+    from tensorrt_llm_ext.models.checkpoint import read_target_config, save_drafter_checkpoint
+    from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, generate_full_state_dict
+    from tensorrt_llm_ext.runtime import engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(engine, "Engine", no_engine)
+    tcfg, _ = read_target_config(target)
+    other = DSparkDrafterConfig(hidden_size=tcfg.hidden_size + 8, target_hidden_size=tcfg.hidden_size + 8,
+                                num_capture_layers=1, num_layers=1, num_heads=2, head_dim=8, latent_dim=8,
+                                intermediate_size=16, vocab_size=tcfg.vocab_size, markov_rank=4,
+                                mask_token_id=tcfg.vocab_size - 1)
+    save_drafter_checkpoint(tmp_path / "other", other, [0], generate_full_state_dict(other, 0, torch.float32))
+    small = ["--num-prompts", "1", "--max-new-tokens", "2", "--samplings", "greedy"]
+    cases = [(target, ["--drafter", str(tmp_path / "other"), "--variants", "bigram", "trained", "--draft-lens", "2"],
+              f"trained (--drafter {tmp_path / 'other'}, --draft-lens 2"),
+             (target, ["--variants", "bigram", "--draft-lens", "100"], "bigram (--draft-lens 100"),
+             (target, ["--variants", "bigram", "--batch-size", "0"], "--batch-size 0)"),
+             (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1")]
+    for model, flags, names in cases:
+        assert main(["bench", "acceptance", "--model", str(model), *small, *flags]) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: bench acceptance: ") and names in err[0], err
