@@ -31,6 +31,7 @@ import hashlib
 import importlib.util
 import json
 import random
+import zlib
 from pathlib import Path
 
 from tensorrt_llm_ext.logger import logger
@@ -116,31 +117,41 @@ def read_jsonl(path: str | Path) -> list[tuple[str | None, list[dict]]]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{n}: expected an object")
-            if isinstance(rec.get("messages"), list):
-                conv = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]
-                        if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                        and isinstance(m.get("content"), str)]
-            elif "conversations" in rec:
-                conv = _from_sharegpt(rec["conversations"])
-            elif isinstance(rec.get("prompt"), str):
-                conv = [{"role": "user", "content": rec["prompt"]}]
-            else:
-                raise ValueError(f"{path}:{n}: needs 'messages', 'conversations' or 'prompt'")
-            split = rec.get("set")
-            if split is not None and split not in SETS:
-                raise ValueError(f"{path}:{n}: set must be one of {SETS}, got {split!r}")
-            if any(m["role"] == "user" for m in conv):
-                out.append((split, conv))
+    n = 0
+    try:
+        with opener(path, "rb") as f:  # bytes, decoded line by line: a bad byte is named with its line
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{n}: expected an object")
+                if isinstance(rec.get("messages"), list):
+                    conv = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]
+                            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                            and isinstance(m.get("content"), str)]
+                elif "conversations" in rec:
+                    conv = _from_sharegpt(rec["conversations"])
+                elif isinstance(rec.get("prompt"), str):
+                    conv = [{"role": "user", "content": rec["prompt"]}]
+                else:
+                    raise ValueError(f"{path}:{n}: needs 'messages', 'conversations' or 'prompt'")
+                split = rec.get("set")
+                if split is not None and split not in SETS:
+                    raise ValueError(f"{path}:{n}: set must be one of {SETS}, got {split!r}")
+                if any(m["role"] == "user" for m in conv):
+                    out.append((split, conv))
+    except (OSError, EOFError, zlib.error) as e:
+        # a file cut mid-copy (gzip's EOFError was a traceback) or not gzip: one line naming the file
+        raise ValueError(f"{path}: unreadable after line {n} ({type(e).__name__}: {str(e)[:120]}); a truncated "
+                         "or damaged file?") from None
     return out
 
 

