@@ -869,9 +869,18 @@ def _data(model_dir, tc: TrainConfig, split: str, prompts: list[list[int]] | Non
           progress) -> dict[str, torch.Tensor]:
     """The token sequences of ``split``: loaded from ``path`` when ``prompts`` is None (``--resume`` with the file
     there), else the target's answers to ``prompts``, written whole."""
+    knobs = _data_knobs(tc, split)
     if prompts is None:
         data = _load_resume_file(path, DATA_KEYS)
         _check_data(path, data)
+        # trainer_state.pt's knob check misses a run stopped before its first checkpoint: the answers carry theirs
+        saved = data.pop("knobs", None)
+        if saved is None:
+            logger.info(f"train-drafter: {path} does not record its knobs (an older file); used as it is")
+        elif saved != knobs:
+            changed = sorted(k for k in knobs if not isinstance(saved, dict) or saved.get(k) != knobs[k])
+            raise ValueError(f"train-drafter --resume: {path} holds answers made with other knobs ({changed}); "
+                             "use the same flags, delete it or use another --work-dir")
         logger.info(f"train-drafter: {split} sequences from {path} ({data['tokens'].shape[0]})")
         return data
     n_greedy = len(prompts) if split == "held_out" else round(len(prompts) * tc.greedy_fraction)
@@ -891,8 +900,19 @@ def _data(model_dir, tc: TrainConfig, split: str, prompts: list[list[int]] | Non
                          "(each stopped at an EOS at once); nothing to train on")
     data = {k: v[keep] for k, v in data.items()}
     if bool(keep.any()):  # (an empty held-out split is not kept: --resume would refuse the file)
-        atomic_torch_save(data, path)
+        atomic_torch_save({**data, "knobs": knobs}, path)
     return data
+
+
+DATA_KNOBS = ("prompts", "max_turns", "max_prompt_tokens", "held_out_percent", "max_new_tokens", "greedy_fraction",
+              "gen_temperature", "gen_top_p", "seed")  # the knobs that decide a split's answers (and its size)
+
+
+def _data_knobs(tc: TrainConfig, split: str) -> dict:
+    knobs = {n: getattr(tc, n) for n in DATA_KNOBS}
+    knobs["prompts"] = list(tc.prompts)
+    knobs["num_prompts"] = tc.num_prompts if split == "train" else tc.eval_prompts
+    return knobs
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float,

@@ -256,3 +256,19 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
         assert main(["bench", "acceptance", "--model", str(model), *small, *flags]) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: bench acceptance: ") and names in err[0], err
+
+
+def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, capsys):
+    """A work dir with data.pt but no trainer_state.pt yet (stopped before the first checkpoint): --resume with
+    other data knobs trained on the old answers silently (the knob check was trainer_state.pt's only). Now the
+    answers carry their knobs: another --max-new-tokens is refused by name; the same flags reuse them."""
+    w = tmp_path / "drafter_work"
+    shutil.copytree(work, w)
+    (w / "trainer_state.pt").unlink()
+    args = ["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--resume"]
+    assert main([*args, *TINY, "--max-new-tokens", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(w / "data.pt") in err[0] and "['max_new_tokens']" in err[0], err
+    before = (w / "data.pt").read_bytes()
+    assert main([*args, *TINY]) == 0
+    assert (w / "data.pt").read_bytes() == before  # reused, not regenerated
