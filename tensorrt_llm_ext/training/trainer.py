@@ -31,6 +31,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +161,38 @@ class TrainConfig:
 
 
 SAVE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+class StopAtStepBoundary:
+    """SIGINT / SIGTERM during the steps end the step being run, checkpoint, and then act (KeyboardInterrupt; the
+    default SIGTERM): a Ctrl-C mid-step lost every step since the last ``--save-every`` checkpoint. A second signal
+    acts at once. Installed from the main thread only (where Python runs signal handlers)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self.restore()
+        logger.warning(f"train-drafter: {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                       "(send it again to stop at once)")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def stop(self, step: int, steps: int, state_path: Path) -> None:
+        name = signal.Signals(self.signum).name
+        logger.warning(f"train-drafter: stopped by {name} at step {step}/{steps}; checkpointed in {state_path} "
+                       "(--resume continues)")
+        if self.signum == signal.SIGTERM:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler is restored: the default action, as before
+        raise KeyboardInterrupt
 
 
 class TrainingDiverged(RuntimeError):
@@ -625,75 +659,87 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             recent_top1.append(row[len(SCALAR_METRICS):])
         recent_top1 = recent_top1[-TRAIN_TOP1_STEPS:]
 
-    for step in bar:
-        time_frac = 0.0
-        if fit:
-            now = time.time()
-            if fit_start is None:
-                fit_start = now
-                fit_span = schedule_seconds or max(1.0, max_seconds - (now - t_call))
-            time_frac = (seconds_before + now - fit_start) / fit_span
-            if time_frac >= 1.0:
-                fitted_end = step
+    stopper = StopAtStepBoundary()
+    try:
+        for step in bar:
+            if stopper.signum is not None:  # Ctrl-C / SIGTERM during the previous step: it is complete
                 flush()
                 save(step)
-                logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
-                            f"{step}/{tc.steps} (learning rate 0, {step_seconds():.0f} s of steps); the run is "
-                            "complete")
+                stopper.stop(step, tc.steps, state_path)
+            time_frac = 0.0
+            if fit:
+                now = time.time()
+                if fit_start is None:
+                    fit_start = now
+                    fit_span = schedule_seconds or max(1.0, max_seconds - (now - t_call))
+                time_frac = (seconds_before + now - fit_start) / fit_span
+                if time_frac >= 1.0:
+                    fitted_end = step
+                    flush()
+                    save(step)
+                    logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
+                                f"{step}/{tc.steps} (learning rate 0, {step_seconds():.0f} s of steps); the run is "
+                                "complete")
+                    break
+            if (not fit or schedule_seconds) and max_seconds is not None and time.time() - t_call > max_seconds:
+                stopped_at = step
+                flush()
+                save(step)
+                logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
+                            "checkpointed (--resume continues), writing the drafter as it stands")
                 break
-        if (not fit or schedule_seconds) and max_seconds is not None and time.time() - t_call > max_seconds:
-            stopped_at = step
+            for g in opt.param_groups:
+                g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
+            # the step's sequences from a host generator seeded by the step (resumable without state, and no device
+            # round trip: the host slices the batch while the device still runs the previous step)
+            idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
+                tc.seed * 1_000_003 + step))
+            batch = _batch(data, idx, device, target)
+            anchors = sample_anchors(batch, tc.anchors, gen)
+            if loss_path is None:
+                # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
+                choice = _env.ENV.loss_kernel
+                if device.type != "cuda" or choice in ("off", "on"):
+                    loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
+                                 "set_by": (f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda"
+                                            else "cpu: torch ops")}
+                else:
+                    loss_path = pick_loss_path(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
+                                                  kernel=loss_path["kernel"], layout=loss_path["layout"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
+            opt.step()
+            trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
+            pending.append((step, metrics_vector(metrics)))
+            # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
+            # (a .item() per step made the host wait for every step before launching the next).
+            log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
+            save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
+            if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
+                flush()
+                metrics = history[-1]
+                rate = trained_positions / max(time.time() - t0, 1e-9)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
+                                    accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
+                elif log_due:
+                    last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
+                    logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
+                                f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
+                                f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
+                                f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
+                                f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
+                                f"{time.time() - t0:.0f} s)")
+            if save_due:
+                save(step + 1)
+        if stopper.signum is not None:  # during the last step (checkpointed): stop before the drafter
             flush()
-            save(step)
-            logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
-                        "checkpointed (--resume continues), writing the drafter as it stands")
-            break
-        for g in opt.param_groups:
-            g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
-        # the step's sequences from a host generator seeded by the step (resumable without state, and no device
-        # round trip: the host slices the batch while the device still runs the previous step)
-        idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
-            tc.seed * 1_000_003 + step))
-        batch = _batch(data, idx, device, target)
-        anchors = sample_anchors(batch, tc.anchors, gen)
-        if loss_path is None:
-            # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
-            choice = _env.ENV.loss_kernel
-            if device.type != "cuda" or choice in ("off", "on"):
-                loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
-                             "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
-            else:
-                loss_path = pick_loss_path(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
-                                              kernel=loss_path["kernel"], layout=loss_path["layout"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
-        opt.step()
-        trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
-        pending.append((step, metrics_vector(metrics)))
-        # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
-        # (a .item() per step made the host wait for every step before launching the next).
-        log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
-        save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
-        if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
-            flush()
-            metrics = history[-1]
-            rate = trained_positions / max(time.time() - t0, 1e-9)
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
-                                accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
-            elif log_due:
-                last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
-                logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
-                            f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
-                            f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
-                            f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
-                            f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
-                            f"{time.time() - t0:.0f} s)")
-        if save_due:
-            save(step + 1)
+            stopper.stop(tc.steps, tc.steps, state_path)
+    finally:
+        stopper.restore()
     flush()
     steps_wall = time.time() - t0
     final = {n: p.detach() for n, p in params.items()}

@@ -272,3 +272,30 @@ def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, ca
     before = (w / "data.pt").read_bytes()
     assert main([*args, *TINY]) == 0
     assert (w / "data.pt").read_bytes() == before  # reused, not regenerated
+
+
+def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch):
+    """SIGINT in a step stopped it at once: every step since the last --save-every checkpoint was lost. Now the
+    step finishes, is checkpointed, and then KeyboardInterrupt; the handlers are the previous ones again, and
+    --resume continues from there."""
+    import os
+    import signal
+
+    real, calls = trainer.distillation_loss, []
+
+    def ctrl_c_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "distillation_loss", ctrl_c_in_step_3)
+    args = ["train-drafter", str(target), "--out", str(tmp_path / "d"), "--steps", "6", "--save-every", "100", *TINY]
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    assert torch.load(tmp_path / "d_work" / "trainer_state.pt", weights_only=True)["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert not (tmp_path / "d").exists()
+    monkeypatch.setattr(trainer, "distillation_loss", real)
+    assert main([*args, "--resume"]) == 0 and (tmp_path / "d" / "model.safetensors").is_file()
