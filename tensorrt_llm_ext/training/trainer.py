@@ -564,11 +564,12 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     state = None
     if resume and state_path.is_file():
         state = _load_resume_file(state_path, STATE_KEYS)
-        _check_params(state_path, state["params"], dcfg)
-        if state["knobs"] != knobs:
-            changed = sorted(k for k in knobs if state["knobs"].get(k) != knobs[k])
+        if state["knobs"] != knobs:  # before the shapes: a changed --num-layers / --draft-len is named as a flag
+            changed = sorted(k for k in knobs if not isinstance(state["knobs"], dict)
+                             or state["knobs"].get(k) != knobs[k])
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
+        _check_params(state_path, state["params"], dcfg)
         if state.get("schedule_seconds") != schedule_seconds:
             raise ValueError(f"train-drafter --resume: {state_path} was written with --schedule-seconds "
                              f"{state.get('schedule_seconds')}, this call asks {schedule_seconds}: the schedule "

@@ -299,3 +299,15 @@ def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch):
     assert not (tmp_path / "d").exists()
     monkeypatch.setattr(trainer, "distillation_loss", real)
     assert main([*args, "--resume"]) == 0 and (tmp_path / "d" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flag,value,knob", [("--num-layers", "2", "num_layers"), ("--draft-len", "3", "draft_len"),
+                                             ("--markov-rank", "8", "markov_rank")])
+def test_resume_with_other_shape_flags_names_them(target, work, tmp_path, capsys, flag, value, knob):
+    """--resume with another drafter shape was refused as "holds weights of another drafter shape", naming no
+    flag; the knob check (which names them) now comes first."""
+    shutil.copytree(work, tmp_path / "drafter_work")
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--save-every",
+                 "1", "--resume", *TINY, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other knobs ([" in err[0] and f"'{knob}'" in err[0], err
