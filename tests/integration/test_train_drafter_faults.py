@@ -28,7 +28,8 @@ def target(tmp_path_factory):
 @pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "0"), ("--position-decay", "nan"),
                                         ("--grad-clip", "-1"), ("--save-dtype", "fp16"), ("--device", "foo"),
                                         ("--gen-temperature", "nan"), ("--batch-seqs", "100000000"),
-                                        ("--markov-rank", "0"), ("--head-dim", "7"), ("--max-new-tokens", "1")])
+                                        ("--markov-rank", "0"), ("--head-dim", "7"), ("--max-new-tokens", "1"),
+                                        ("--target-layers", ",,,")])
 def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
     """The directory does not even exist: the refusal comes from the knob check, before the target loads."""
     assert main(["train-drafter", str(tmp_path / "absent"), *TINY, flag, value]) == 2
@@ -311,3 +312,17 @@ def test_resume_with_other_shape_flags_names_them(target, work, tmp_path, capsys
                  "1", "--resume", *TINY, flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "other knobs ([" in err[0] and f"'{knob}'" in err[0], err
+
+
+def test_a_work_dir_that_is_a_file_and_huge_weights_are_plain_errors(tmp_path, capsys):
+    """--work-dir naming a file was "[Errno 17] File exists" (no flag); two --prompts weights near the float limit
+    summed to inf ("cannot convert float NaN to integer"): now the flag's line, and the mix by share."""
+    from tensorrt_llm_ext.training.prompt_sources import mixed_samples
+
+    (tmp_path / "w").write_text("keep")
+    assert main(["train-drafter", str(tmp_path / "absent"), "--work-dir", str(tmp_path / "w"), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: train-drafter: --work-dir {tmp_path / 'w'} is a file"), err
+    assert (tmp_path / "w").read_text() == "keep"
+    mix = mixed_samples(["templates:1e308", "templates:5e307"], "train", 9, seed=0, max_turns=1, held_out_percent=2.0)
+    assert len(mix) == 9
