@@ -106,8 +106,10 @@ def _progress_logger(label: str, budget: int, every_s: float = 30.0):
 @register_benchmark("acceptance", "mean acceptance length on held-out prompts: trained drafter vs bigram init, "
                     "per K, greedy and T=1 rejection sampling", _add_args)
 def run(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.model_loader import model_configs
     from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
@@ -151,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
                     try:
                         cfg = load_config(model_dir=str(model if variant == "trained" else
                                                         target_only_view(model, work)), **overrides)
+                        if variant == "trained" and k == args.draft_lens[0]:  # its weights (NaN, damaged) too
+                            load_drafter_state_dict(cfg.model.drafter_path, model_configs(cfg)[1])
                     except ValueError as e:  # ConfigError / CheckpointError: name the flags that made the config
                         where = f"--drafter {drafter}, " if variant == "trained" else ""
                         raise ValueError(f"{variant} ({where}--draft-lens {k}, --batch-size {args.batch_size}): "

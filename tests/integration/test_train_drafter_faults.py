@@ -231,9 +231,12 @@ def test_answers_too_short_to_train_on_are_one_line(target, tmp_path, monkeypatc
 def test_bench_acceptance_checks_every_config_before_measuring(target, chat_target, tmp_path, monkeypatch, capsys):
     """`bench acceptance` built each variant's engine config when its turn came: a drafter of another target was
     a ConfigError traceback after the variants before it had been measured, --draft-lens 100 / --batch-size 0
-    tracebacks, --max-prompt-tokens below every prompt `max() arg is an empty sequence`. Now every config and
-    the prompts are made first; each refusal is one line naming the flags, exit 2, no engine built."""
-    from tensorrt_llm_ext.models.checkpoint import read_target_config, save_drafter_checkpoint
+    tracebacks, --max-prompt-tokens below every prompt `max() arg is an empty sequence`, a NaN in the trained
+    drafter's weights a traceback after the bigram variant was measured. Now every config, the trained drafter's
+    weights and the prompts are checked first; each refusal is one line naming the flags, exit 2, no engine built."""
+    import dataclasses
+
+    from tensorrt_llm_ext.models.checkpoint import default_target_layer_ids, read_target_config, save_drafter_checkpoint
     from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, generate_full_state_dict
     from tensorrt_llm_ext.runtime import engine
 
@@ -247,9 +250,17 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
                                 intermediate_size=16, vocab_size=tcfg.vocab_size, markov_rank=4,
                                 mask_token_id=tcfg.vocab_size - 1)
     save_drafter_checkpoint(tmp_path / "other", other, [0], generate_full_state_dict(other, 0, torch.float32))
+    layers = default_target_layer_ids(tcfg.num_layers)  # a drafter of this target whose weights hold a NaN
+    fits = dataclasses.replace(other, hidden_size=tcfg.hidden_size, target_hidden_size=tcfg.hidden_size,
+                               num_capture_layers=len(layers))
+    nan = generate_full_state_dict(fits, 0, torch.float32)
+    nan["fc.weight"][0, 0] = float("nan")
+    save_drafter_checkpoint(tmp_path / "nan", fits, layers, nan)
     small = ["--num-prompts", "1", "--max-new-tokens", "2", "--samplings", "greedy"]
     cases = [(target, ["--drafter", str(tmp_path / "other"), "--variants", "bigram", "trained", "--draft-lens", "2"],
               f"trained (--drafter {tmp_path / 'other'}, --draft-lens 2"),
+             (target, ["--drafter", str(tmp_path / "nan"), "--variants", "bigram", "trained", "--draft-lens", "2"],
+              "non-finite"),
              (target, ["--variants", "bigram", "--draft-lens", "100"], "bigram (--draft-lens 100"),
              (target, ["--variants", "bigram", "--batch-size", "0"], "--batch-size 0)"),
              (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1")]
