@@ -562,6 +562,10 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     torch.manual_seed(tc.seed)
 
     state = None
+    if resume and not state_path.is_file():
+        logger.info(f"train-drafter: --resume: no {state_path.name} in {work_dir}; the steps start at 0"
+                    + (f" (the answers in {data_path.name} are reused when their knobs match)" if data_path.is_file()
+                       else ""))
     if resume and state_path.is_file():
         state = _load_resume_file(state_path, STATE_KEYS)
         if state["knobs"] != knobs:  # before the shapes: a changed --num-layers / --draft-len is named as a flag
@@ -958,7 +962,8 @@ DATA_KNOBS = ("prompts", "max_turns", "max_prompt_tokens", "held_out_percent", "
 def _data_knobs(tc: TrainConfig, split: str) -> dict:
     knobs = {n: getattr(tc, n) for n in DATA_KNOBS}
     knobs["prompts"] = list(tc.prompts)
-    knobs["num_prompts"] = tc.num_prompts if split == "train" else tc.eval_prompts
+    count = "num_prompts" if split == "train" else "eval_prompts"
+    knobs[count] = getattr(tc, count)
     return knobs
 
 

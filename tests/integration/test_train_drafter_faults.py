@@ -270,10 +270,13 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
         assert len(err) == 1 and err[0].startswith("error: bench acceptance: ") and names in err[0], err
 
 
-def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, capsys):
+def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, capsys, caplog):
     """A work dir with data.pt but no trainer_state.pt yet (stopped before the first checkpoint): --resume with
     other data knobs trained on the old answers silently (the knob check was trainer_state.pt's only). Now the
-    answers carry their knobs: another --max-new-tokens is refused by name; the same flags reuse them."""
+    answers carry their knobs: another --max-new-tokens is refused by name; the same flags reuse them (and the
+    steps starting over without a state is logged)."""
+    import logging
+
     w = tmp_path / "drafter_work"
     shutil.copytree(work, w)
     (w / "trainer_state.pt").unlink()
@@ -282,8 +285,10 @@ def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(w / "data.pt") in err[0] and "['max_new_tokens']" in err[0], err
     before = (w / "data.pt").read_bytes()
-    assert main([*args, *TINY]) == 0
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        assert main([*args, *TINY]) == 0
     assert (w / "data.pt").read_bytes() == before  # reused, not regenerated
+    assert any("--resume: no trainer_state.pt" in r.getMessage() for r in caplog.records)  # said, not silent
 
 
 def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch):
