@@ -64,7 +64,8 @@ def prompt_set_conversations(args) -> list[list[dict]]:
         list(args.prompts) if args.prompt_set == "held_out" else [args.prompt_set])
     if args.prompt_file:
         parse_source_spec(args.prompt_file)
-    n = args.num_prompts or (64 if torch.cuda.is_available() else 4 if args.prompt_set == "held_out" else 10**6)
+    # default: a pinned set whole (the help's promise; a GPU read 64 of MT-Bench's 80), held_out 64 / 4 (CPU)
+    n = args.num_prompts or (10**6 if args.prompt_set != "held_out" else 64 if torch.cuda.is_available() else 4)
     convs = mixed_samples(sources, args.prompt_set, n, seed=args.seed, max_turns=1,
                           held_out_percent=args.held_out_percent)
     return convs  # a pinned set is read whole unless --num-prompts asks for a seeded subset

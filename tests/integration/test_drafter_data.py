@@ -215,7 +215,8 @@ def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forwar
 def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkeypatch):
     """`bench acceptance --prompt-set mt_bench|humaneval` without --prompt-file reads the installed packages (here
     look-alikes with their module names and data paths); the set's name went through train-drafter's --prompts
-    parser, which refused it ("--prompts 'mt_bench': expected sharegpt, ..."), package installed or not."""
+    parser, which refused it ("--prompts 'mt_bench': expected sharegpt, ..."), package installed or not. And a
+    pinned set is read whole by default on a GPU too (64 of MT-Bench's 80 were read there, the help says whole)."""
     import argparse
     import gzip
 
@@ -235,6 +236,11 @@ def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkey
     assert sorted(c[0]["content"] for c in mt) == ["q0", "q1", "q2"] and all(len(c) == 1 for c in mt)
     he = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="humaneval"))
     assert len(he) == 2 and all("def f" in c[0]["content"] for c in he)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the whole set by default on a GPU too
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"set": "mt_bench", "prompt": f"m{i}"}) + "\n" for i in range(80)))
+    assert len(prompt_set_conversations(argparse.Namespace(**{**vars(args), "prompt_file": str(many)},
+                                                           prompt_set="mt_bench"))) == 80
     with pytest.raises(ValueError, match="--prompts 'mt_bench'"):  # never a training source
         mixed_samples(["mt_bench"], "train", 4, seed=0, max_turns=1, held_out_percent=2.0)
 
