@@ -123,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
 
     if "trained" in args.variants and not (drafter / "config.json").is_file():
         return refuse(f"--variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
-    if args.num_prompts is not None and args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.draft_lens) < 1:
-        return refuse("--num-prompts, --max-new-tokens and --draft-lens must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1 or min(args.draft_lens) < 1:
+        return refuse("--num-prompts and --draft-lens must be >= 1")
+    if args.max_new_tokens < 2:  # the first token is the prefill's: a generation step needs a second one
+        return refuse(f"--max-new-tokens must be >= 2 (the first token is the prefill's, not a step), got "
+                      f"{args.max_new_tokens}")
     from tensorrt_llm_ext.training.data import render_prompts
 
     with tempfile.TemporaryDirectory(prefix="bench_acceptance_") as tmp:
@@ -201,4 +204,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
+    empty = [f"{r[0]} K={r[1]} {r[2]}" for r in rows if not r[4]]
+    if empty:  # every request ended at its first token (an EOS): nothing was measured, not an acceptance of "-"
+        print(f"error: bench acceptance: no generation step in {', '.join(empty)} (every request ended at its "
+              "first token)", file=sys.stderr)
+        return 1
     return 0

@@ -342,3 +342,25 @@ def test_a_work_dir_that_is_a_file_and_huge_weights_are_plain_errors(tmp_path, c
     assert (tmp_path / "w").read_text() == "keep"
     mix = mixed_samples(["templates:1e308", "templates:5e307"], "train", 9, seed=0, max_turns=1, held_out_percent=2.0)
     assert len(mix) == 9
+
+
+def test_bench_acceptance_that_measures_no_step_is_not_exit_0(target, monkeypatch, capsys):
+    """--max-new-tokens 1 (the prefill's token only) printed rows of 0 steps and '-' and exited 0; now it is
+    refused up front, and a row without any step (every request ended at its first token) exits 1 naming it."""
+    from tensorrt_llm_ext.runtime import engine
+
+    small = ["bench", "acceptance", "--model", str(target), "--variants", "bigram", "--draft-lens", "2",
+             "--num-prompts", "1", "--samplings", "greedy"]
+    assert main([*small, "--max-new-tokens", "1"]) == 2
+    assert "--max-new-tokens must be >= 2" in capsys.readouterr().err
+    real = engine.Engine.generate
+
+    def eos_at_once(self, reqs, **kwargs):
+        results, stats = real(self, reqs, **kwargs)
+        for r in results:
+            r.accepted_lens = []  # as if each request stopped at its prefill token
+        return results, stats
+
+    monkeypatch.setattr(engine.Engine, "generate", eos_at_once)
+    assert main([*small, "--max-new-tokens", "2"]) == 1
+    assert "no generation step in bigram K=2 greedy" in capsys.readouterr().err
