@@ -117,7 +117,7 @@ def read_jsonl(path: str | Path) -> list[tuple[str | None, list[dict]]]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    n = 0
+    n = skipped = first_skipped = 0
     try:
         with opener(path, "rb") as f:  # bytes, decoded line by line: a bad byte is named with its line
             for n, raw in enumerate(f, 1):
@@ -148,10 +148,16 @@ def read_jsonl(path: str | Path) -> list[tuple[str | None, list[dict]]]:
                     raise ValueError(f"{path}:{n}: set must be one of {SETS}, got {split!r}")
                 if any(m["role"] == "user" for m in conv):
                     out.append((split, conv))
+                else:
+                    skipped += 1
+                    first_skipped = first_skipped or n
     except (OSError, EOFError, zlib.error) as e:
         # a file cut mid-copy (gzip's EOFError was a traceback) or not gzip: one line naming the file
         raise ValueError(f"{path}: unreadable after line {n} ({type(e).__name__}: {str(e)[:120]}); a truncated "
                          "or damaged file?") from None
+    if skipped:  # messages without a user turn of text (a content that is not a string, an unknown role)
+        logger.warning(f"prompts: {path}: {skipped} record(s) without a user turn skipped (first at line "
+                       f"{first_skipped})")
     return out
 
 

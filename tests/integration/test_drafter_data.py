@@ -262,3 +262,17 @@ def test_a_cut_or_non_utf8_prompt_file_is_a_value_error_naming_it(tmp_path):
         mixed_samples([str(latin1)], "train", 4, seed=0, max_turns=1, held_out_percent=0.0)
     (tmp_path / "fine.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "caf\xc3\xa9"}\n'))
     assert read_jsonl(tmp_path / "fine.jsonl.gz") == [(None, [{"role": "user", "content": "café"}])]
+
+
+def test_records_without_a_user_turn_are_counted_in_a_log_line(tmp_path, caplog):
+    """A record whose messages hold no user turn of text (content not a string, an unknown role) was dropped
+    without a word: a file of them gave "no train prompts" with no hint why. Now one warning counts them."""
+    import logging
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n"
+                 + json.dumps({"messages": [{"role": "human", "content": "hi"}]}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="tensorrt_llm_ext"):
+        assert len(read_jsonl(f)) == 1
+    assert any("2 record(s) without a user turn skipped (first at line 2)" in r.getMessage() for r in caplog.records)
