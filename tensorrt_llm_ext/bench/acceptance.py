@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return refuse(f"--variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
     if args.num_prompts is not None and args.num_prompts < 1 or min(args.draft_lens) < 1:
         return refuse("--num-prompts and --draft-lens must be >= 1")
+    if not 0 <= args.seed < 2**62:  # request i samples with seed + i: a bad one failed every request, exit 1
+        return refuse(f"--seed must be an integer in [0, 2^62), got {args.seed}")
     if args.max_new_tokens < 2:  # the first token is the prefill's: a generation step needs a second one
         return refuse(f"--max-new-tokens must be >= 2 (the first token is the prefill's, not a step), got "
                       f"{args.max_new_tokens}")

@@ -232,8 +232,9 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
     """`bench acceptance` built each variant's engine config when its turn came: a drafter of another target was
     a ConfigError traceback after the variants before it had been measured, --draft-lens 100 / --batch-size 0
     tracebacks, --max-prompt-tokens below every prompt `max() arg is an empty sequence`, a NaN in the trained
-    drafter's weights a traceback after the bigram variant was measured. Now every config, the trained drafter's
-    weights and the prompts are checked first; each refusal is one line naming the flags, exit 2, no engine built."""
+    drafter's weights a traceback after the bigram variant was measured, --seed -5 every request's failure (exit
+    1). Now every config, the trained drafter's weights, the seed and the prompts are checked first; each refusal
+    is one line naming the flags, exit 2, no engine built."""
     import dataclasses
 
     from tensorrt_llm_ext.models.checkpoint import default_target_layer_ids, read_target_config, save_drafter_checkpoint
@@ -263,6 +264,7 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
               "non-finite"),
              (target, ["--variants", "bigram", "--draft-lens", "100"], "bigram (--draft-lens 100"),
              (target, ["--variants", "bigram", "--batch-size", "0"], "--batch-size 0)"),
+             (target, ["--variants", "bigram", "--seed", "-5"], "--seed must be an integer"),
              (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1")]
     for model, flags, names in cases:
         assert main(["bench", "acceptance", "--model", str(model), *small, *flags]) == 2, flags
