@@ -112,7 +112,8 @@ class TrainConfig:
                              ("latent_dim", 1, 8192), ("intermediate_size", 1, 65536), ("draft_len", 1, 32),
                              ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
                              ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
-                             ("seed", 0, 2**63 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
+                             # seed: request seeds are seed * 1_000_003 + i, held below 2^63
+                             ("seed", 0, 2**43 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 bad(name, f"an integer in [{lo}, {hi}]", v)

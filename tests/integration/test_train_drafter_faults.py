@@ -29,7 +29,7 @@ def target(tmp_path_factory):
                                         ("--grad-clip", "-1"), ("--save-dtype", "fp16"), ("--device", "foo"),
                                         ("--gen-temperature", "nan"), ("--batch-seqs", "100000000"),
                                         ("--markov-rank", "0"), ("--head-dim", "7"), ("--max-new-tokens", "1"),
-                                        ("--target-layers", ",,,")])
+                                        ("--target-layers", ",,,"), ("--seed", "1000000000000000")])
 def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
     """The directory does not even exist: the refusal comes from the knob check, before the target loads."""
     assert main(["train-drafter", str(tmp_path / "absent"), *TINY, flag, value]) == 2
