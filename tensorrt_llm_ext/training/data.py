@@ -109,27 +109,32 @@ def render_prompts(model_dir, conversations: list[list[dict]], vocab_size: int, 
                    max_prompt_tokens: int) -> list[list[int]]:
     """Token ids of each conversation through the chat template with the generation prompt; the oldest turns
     are dropped until it fits ``max_prompt_tokens`` (a last user turn too long alone is skipped; both logged)."""
-    from tensorrt_llm_ext.training.prompts import _chat_tokenizer
+    from tensorrt_llm_ext.training.prompts import encode_conversation, plain_text, prompt_tokenizer
 
-    tok = _chat_tokenizer(model_dir)
-    if tok is None:
-        logger.info(f"prompts: {model_dir} has no chat tokenizer; {len(conversations)} seeded random prompts "
+    found = prompt_tokenizer(model_dir)
+    if found is None:
+        logger.info(f"prompts: {model_dir} has no tokenizer; {len(conversations)} seeded random prompts "
                     f"stand in for the conversations (seed {seed})")
         rng = random.Random(f"render-{seed}")
         return [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 12))] for _ in conversations]
+    tok, chat = found
     # The templates rendered one by one (cheap), the token ids in one batched call (the fast tokenizer's threads;
     # encoding was ~all of the time per prompt), the same ids as apply_chat_template(tokenize=True), which encodes
-    # its text without special tokens; a conversation too long goes through the drop-the-oldest loop.
-    texts = [tok.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False) for conv in conversations]
-    encoded = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+    # its text without special tokens (a base model's plain text: with the tokenizer's own, as encode_conversation);
+    # a conversation too long goes through the drop-the-oldest loop.
+    if chat:
+        texts = [tok.apply_chat_template(list(conv), add_generation_prompt=True, tokenize=False)
+                 for conv in conversations]
+    else:
+        texts = [plain_text(conv) for conv in conversations]
+    encoded = tok(texts, add_special_tokens=not chat)["input_ids"] if texts else []
     out, shortened, skipped = [], 0, 0
     for conv, first in zip(conversations, encoded):
         msgs = list(conv)
         ids = list(first)
         while len(ids) > max_prompt_tokens and len(msgs) > 1:
             msgs = msgs[1:] if msgs[0]["role"] != "system" or len(msgs) == 2 else [msgs[0]] + msgs[2:]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = encode_conversation(tok, chat, msgs)
         shortened += len(msgs) < len(conv)
         if len(ids) > max_prompt_tokens:
             skipped += 1

@@ -3,8 +3,9 @@
 An instruction is a template filled with a topic (``"Explain {t} to a ten-year-old."`` x ``"volcanoes"``).
 The topics are split: :data:`TRAIN_TOPICS` feed ``train-drafter``, :data:`HELD_OUT_TOPICS` only ``bench
 acceptance``, so acceptance is measured on prompts whose subject the drafter never saw. A checkpoint
-directory with a chat template gets each instruction as one user turn with the generation prompt; one
-without a tokenizer (the tiny test models) gets seeded random token ids instead.
+directory with a chat template gets each instruction as one user turn with the generation prompt, one whose
+tokenizer has no template (a base model) the instruction's text; one without a tokenizer (the tiny test models)
+gets seeded random token ids instead.
 """
 
 from __future__ import annotations
@@ -59,28 +60,49 @@ def prompt_token_ids(model_dir: str | Path | None, split: str, n: int, vocab_siz
                      random_len: tuple[int, int] = (4, 12)) -> list[list[int]]:
     """Token ids of ``n`` prompts for ``model_dir``: chat-templated instructions when its tokenizer has a chat
     template, else seeded random ids (length in ``random_len``; logged once)."""
-    tokenizer = _chat_tokenizer(model_dir)
-    if tokenizer is not None:
-        out = []
-        for text in instructions(split, n, seed):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        return out
-    logger.info(f"prompts: {model_dir or 'the embedded model'} has no chat tokenizer; {n} random {split} prompts "
+    found = prompt_tokenizer(model_dir)
+    if found is not None:
+        tokenizer, chat = found
+        return [encode_conversation(tokenizer, chat, [{"role": "user", "content": text}])
+                for text in instructions(split, n, seed)]
+    logger.info(f"prompts: {model_dir or 'the embedded model'} has no tokenizer; {n} random {split} prompts "
                 f"(seed {seed})")
     rng = random.Random(f"{split}-{seed}")
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(*random_len))] for _ in range(n)]
 
 
 @functools.lru_cache(maxsize=4)  # one load per run: the train and held-out splits share it
-def _chat_tokenizer(model_dir):
+def prompt_tokenizer(model_dir):
+    """``(tokenizer, has_chat_template)`` of the checkpoint in ``model_dir``, or None without a tokenizer. A base
+    model (a tokenizer, no chat template) gets its prompts as plain text (:func:`encode_conversation`), logged
+    once: it was given seeded random ids, as a model without a tokenizer is, until 2026-12-05."""
     if model_dir is None:
         return None
     from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
 
     facts = read_checkpoint_facts(model_dir)
-    if not (facts.has_tokenizer and facts.has_chat_template):
+    if not facts.has_tokenizer:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    if not facts.has_chat_template:
+        logger.info(f"prompts: {model_dir}'s tokenizer has no chat template: each conversation is its turns' text, "
+                    "one blank line apart, as a base model reads it")
+    return AutoTokenizer.from_pretrained(str(model_dir)), facts.has_chat_template
+
+
+PLAIN_TURN_SEPARATOR = "\n\n"
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A conversation for a tokenizer without a chat template: its turns' text, one blank line apart."""
+    return PLAIN_TURN_SEPARATOR.join(str(m["content"]) for m in messages)
+
+
+def encode_conversation(tokenizer, chat: bool, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages``: the chat template with the generation prompt, or (``chat`` False) the plain text
+    with the tokenizer's own special tokens (a BOS where it adds one)."""
+    if chat:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(plain_text(messages))["input_ids"])

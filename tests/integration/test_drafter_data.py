@@ -276,3 +276,33 @@ def test_records_without_a_user_turn_are_counted_in_a_log_line(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="tensorrt_llm_ext"):
         assert len(read_jsonl(f)) == 1
     assert any("2 record(s) without a user turn skipped (first at line 2)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_a_base_models_prompts_are_its_text_not_random_ids(tmp_path, template):
+    """A checkpoint whose tokenizer has no chat template (a base model) gets each conversation as its turns' text,
+    one blank line apart, through its tokenizer (was: seeded random ids, garbage to train on); one with a template
+    gets the template's rendering, as before."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+    from tensorrt_llm_ext.testing.hf_checkpoints import TINY_CHAT_TEMPLATE, save_tiny_tokenizer
+    from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG
+    from tensorrt_llm_ext.training.data import render_prompts
+    from tensorrt_llm_ext.training.prompts import prompt_tokenizer
+
+    d = tmp_path / "m"
+    export_model(load_config(**SMALL_SERVE_CONFIG), d)
+    vocab = SMALL_SERVE_CONFIG["model.target.vocab_size"]
+    save_tiny_tokenizer(d, vocab, chat_template=TINY_CHAT_TEMPLATE if template else None)
+    convs = [[{"role": "user", "content": "w9 w300"}],
+             [{"role": "user", "content": "w11"}, {"role": "assistant", "content": "w12 w13"},
+              {"role": "user", "content": "w14"}]]
+    got = render_prompts(str(d), convs, vocab, seed=0, max_prompt_tokens=64)
+    if template:  # "<s> <|start|> user w9 w300 <|end|> <|start|> assistant" (the template's rendering)
+        assert got[0] == [1, 3, 6, 9, 300, 4, 3, 7]
+    else:  # the words' ids, no role words and no random ids (the word-level tokenizer adds no special token)
+        assert got == [[9, 300], [11, 12, 13, 14]]
+        # too long: the oldest turns go first, as with a template
+        assert render_prompts(str(d), convs[1:], vocab, seed=0, max_prompt_tokens=1) == [[14]]
+    assert prompt_tokenizer(str(d))[1] == template
+
