@@ -149,6 +149,10 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the step in flight was finished and checkpointed first (the trainer)
+        print("train-drafter: interrupted; the work directory keeps the last checkpoint: the same command with "
+              "--resume continues from it", file=sys.stderr)
+        return 130
     except (torch.OutOfMemoryError, MemoryError) as e:
         print(f"error: train-drafter ran out of memory ({str(e).splitlines()[0][:120] if str(e) else 'host'}); "
               "lower --batch-seqs, --anchors, --gen-batch or --max-new-tokens", file=sys.stderr)

@@ -39,12 +39,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from tensorrt_llm_ext import _env
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import (DRAFTER_ARCHITECTURE, default_target_layer_ids, read_checkpoint_facts,
-                                                read_target_config, save_drafter_checkpoint)
+                                                read_target_config, save_drafter_checkpoint, save_safetensors)
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig, bigram_markov_head, full_weight_shapes
 from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as generate_drafter_state_dict
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
@@ -1038,7 +1037,7 @@ def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict
         if head and cal is not None:  # applied by the serving drafter at load
             head[CONFIDENCE_CALIBRATION] = torch.tensor(cal, dtype=torch.float32)
         if head:
-            save_file(head, str(tmp / CONFIDENCE_HEAD_FILE), {"format": "pt"})
+            save_safetensors(head, tmp / CONFIDENCE_HEAD_FILE, {"format": "pt"})
         (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         if out_dir.exists():
             os.replace(out_dir, old)
