@@ -12,8 +12,8 @@ from tensorrt_llm_ext.bench.server_process import (SMALL_SERVE_CONFIG, ServerPro
                                                    start_server)
 from tensorrt_llm_ext.runtime.scheduler import Scheduler
 
-__all__ = ["KERNEL_LOCK", "SMALL_SERVE_CONFIG", "InProcessServer", "ServerProcess", "free_port", "reference_outputs",
-           "requests_in_flight_then", "sample_bodies", "start_in_process", "start_server"]
+__all__ = ["KERNEL_LOCK", "SMALL_SERVE_CONFIG", "InProcessServer", "ServerProcess", "free_port", "read_raw_answer",
+           "reference_outputs", "requests_in_flight_then", "sample_bodies", "start_in_process", "start_server"]
 
 
 # The Triton interpreter is not thread-safe: two engines stepping at once in one process (two in-process
@@ -133,3 +133,16 @@ async def requests_in_flight_then(url: str, body: dict, n: int, stop) -> list:
             await asyncio.sleep(0.05)
         stop()
         return await asyncio.gather(*tasks)
+
+
+def read_raw_answer(sock) -> bytes:
+    """The bytes of a raw HTTP answer read from ``sock`` up to the end of its OpenAI error body (``}}``) or the
+    connection's close (the server-fault tests that write requests by hand)."""
+    got = b""
+    while b"}}" not in got:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got
+

@@ -20,7 +20,8 @@ pytest.importorskip("uvicorn")
 from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.export import export_model  # noqa: E402
 from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer  # noqa: E402
-from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, start_in_process, start_server  # noqa: E402
+from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, read_raw_answer, start_in_process,  # noqa: E402
+                                              start_server)
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -131,12 +132,7 @@ def test_a_body_over_the_limit_that_waits_for_100_continue_is_refused_before_it_
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Expect: 100-continue\r\nContent-Length: " + str(LIMIT + 1).encode() + b"\r\n\r\n")
-        got = b""
-        while b"}}" not in got:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            got += chunk
+        got = read_raw_answer(s)
     assert got.startswith(b"HTTP/1.1 413"), got[:200]
     assert b'"param":"body"' in got and f"{LIMIT + 1} bytes exceed".encode() in got, got
     _healthy(server)

@@ -23,7 +23,8 @@ from tensorrt_llm_ext.runtime.engine_loop import LoopState, ServerMetrics  # noq
 from tensorrt_llm_ext.runtime.export import export_model  # noqa: E402
 from tensorrt_llm_ext.runtime.scheduler import Event  # noqa: E402
 from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer  # noqa: E402
-from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, free_port, start_in_process  # noqa: E402
+from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG, free_port, read_raw_answer,  # noqa: E402
+                                              start_in_process)
 
 SMALL = SMALL_SERVE_CONFIG
 VOCAB = SMALL["model.target.vocab_size"]
@@ -52,6 +53,18 @@ def _complete(server, body):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
+
+
+async def _health_latencies(c, task) -> list[float]:
+    """``/health``'s latency every 50 ms until ``task`` is done (each answer a 200): whether the event loop stays
+    free while the server works on ``task``."""
+    lat = []
+    while not task.done():
+        t0 = time.monotonic()
+        assert (await c.get("/health")).status_code == 200
+        lat.append(time.monotonic() - t0)
+        await asyncio.sleep(0.05)
+    return lat
 
 
 def test_a_stop_string_inside_the_first_min_tokens_does_not_stop(server):
@@ -101,12 +114,7 @@ def test_stop_strings_are_searched_off_the_event_loop(server):
 
             task = asyncio.create_task(stream())
             await asyncio.sleep(0.5)
-            lat = []
-            while not task.done():
-                t0 = time.monotonic()
-                assert (await c.get("/health")).status_code == 200
-                lat.append(time.monotonic() - t0)
-                await asyncio.sleep(0.05)
+            lat = await _health_latencies(c, task)
             return await task, lat
 
     try:
@@ -132,12 +140,7 @@ def test_a_non_streaming_answer_is_built_off_the_event_loop(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as c:
             task = asyncio.create_task(c.post("/v1/completions", json=body))
             await asyncio.sleep(0.3)
-            lat = []
-            while not task.done():
-                t0 = time.monotonic()
-                assert (await c.get("/health")).status_code == 200
-                lat.append(time.monotonic() - t0)
-                await asyncio.sleep(0.05)
+            lat = await _health_latencies(c, task)
             return await task, lat
 
     try:
@@ -234,12 +237,7 @@ def test_a_body_still_arriving_at_the_drain_deadline_answers_503(server):
         t0 = time.monotonic()
         try:
             threading.Thread(target=app_server.end_body_reads, args=("the server is shutting down: a test",)).start()
-            got = b""
-            while b"}}" not in got:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                got += chunk
+            got = read_raw_answer(s)
         finally:
             app_server.http_loop.call_soon_threadsafe(app_server.reads_ended.clear)
     assert got.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 2.0, got

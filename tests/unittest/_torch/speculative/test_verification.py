@@ -671,6 +671,25 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype, bl
         assert call_shape("top_p_keep", True, dtype) == (6, 5)
 
 
+def _window_sums(x, q, temps, tokens, vocab, block, splits):
+    """verify_sums with the top-p window on target rows ``x`` and draft rows ``q`` (one chunk plan), kernel and twin:
+    asserts their window counts equal (exact on any device; every column on the CPU) and returns ``(keys, the twin's
+    sums, win)``, ``win(sums)`` the ``[rows, splits, 256]`` window counts."""
+    rows_t, rows_q = x.shape[0], q.shape[0]
+    kw = dict(block_size=block, num_splits=splits)
+    keys = fps.verify_keys_reference(x, q, 0, vocab, out=torch.empty(rows_t + rows_q, splits, 2, dtype=torch.int64,
+                                                                      device=DEV), **kw)
+    cols_t, size = fps.sums_layout(rows_t, rows_q, splits, True)
+    got, ref = (fn(x, q, keys, temps, 0, vocab, tokens=tokens, row_div=1, row_div_q=1, hist=True,
+                   out=torch.full((size,), -7, dtype=torch.int64, device=DEV), **kw)
+                for fn in (fps.verify_sums, fps.verify_sums_reference))
+    win = lambda t: t[: rows_t * splits * cols_t].view(rows_t, splits, cols_t)[:, :, fps.SUMS_COLS:]  # noqa: E731
+    assert torch.equal(win(got).cpu(), win(ref).cpu())
+    if DEV == "cpu":
+        assert torch.equal(got, ref)
+    return keys, ref, win
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_window_counts_equal_twin_and_resolve_as_the_rounds(dtype):
     """verify_sums' top-p window (the count of each of the 256 dtype values at and below the row max): kernel ==
@@ -689,17 +708,9 @@ def test_window_counts_equal_twin_and_resolve_as_the_rounds(dtype):
     temps = torch.tensor([1.0, 0.7, 4.0, 3.0, 1.0, 0.0], device=DEV)
     top_p = torch.tensor([0.9, 0.5, 0.3, 0.999, 0.95, 0.9], device=DEV)
     tokens = torch.tensor([[5], [200], [0], [256], [17], [130]], device=DEV)
+    keys, ref, win = _window_sums(x, q, temps, tokens, vocab, block, splits)
     kw = dict(block_size=block, num_splits=splits)
-    keys = fps.verify_keys_reference(x, q, 0, vocab, out=torch.empty(rows_t + rows_q, splits, 2, dtype=torch.int64,
-                                                                      device=DEV), **kw)
-    cols_t, size = fps.sums_layout(rows_t, rows_q, splits, True)
-    got, ref = (fn(x, q, keys, temps, 0, vocab, tokens=tokens, row_div=1, row_div_q=1, hist=True,
-                   out=torch.full((size,), -7, dtype=torch.int64, device=DEV), **kw)
-                for fn in (fps.verify_sums, fps.verify_sums_reference))
-    win = lambda t: t[: rows_t * splits * cols_t].view(rows_t, splits, cols_t)[:, :, fps.SUMS_COLS:]  # noqa: E731
-    assert torch.equal(win(got).cpu(), win(ref).cpu())  # counts: exact on any device
-    if DEV == "cpu":
-        assert torch.equal(got, ref)
+    cols_t, _ = fps.sums_layout(rows_t, rows_q, splits, True)
     # the window's boundary == the rounds' boundary: the rounds run on sums whose window is empty
     sums = ref[: rows_t * splits * cols_t].view(rows_t, splits, cols_t)
     blind = sums.clone()
@@ -740,16 +751,8 @@ def test_window_counts_a_model_scale_row_in_full():
     q = torch.randn(rows_q, width, generator=g).to(torch.bfloat16).to(DEV)
     temps = torch.tensor([1.0, 1.0, 1.0], device=DEV)
     tokens = torch.tensor([[5], [200], [0]], device=DEV)
-    kw = dict(block_size=block, num_splits=splits)
-    keys = fps.verify_keys_reference(x, q, 0, vocab, out=torch.empty(rows_t + rows_q, splits, 2, dtype=torch.int64,
-                                                                      device=DEV), **kw)
-    cols_t, size = fps.sums_layout(rows_t, rows_q, splits, True)
-    got, ref = (fn(x, q, keys, temps, 0, vocab, tokens=tokens, row_div=1, row_div_q=1, hist=True,
-                   out=torch.full((size,), -7, dtype=torch.int64, device=DEV), **kw)
-                for fn in (fps.verify_sums, fps.verify_sums_reference))
-    win = lambda t: t[: rows_t * splits * cols_t].view(rows_t, splits, cols_t)[:, :, fps.SUMS_COLS:]  # noqa: E731
-    assert torch.equal(win(got).cpu(), win(ref).cpu())
-    bins = win(got).sum(dim=1).cpu()  # [rows, 256]: the chunks' counts added
+    _, sums, win = _window_sums(x, q, temps, tokens, vocab, block, splits)
+    bins = win(sums).sum(dim=1).cpu()  # [rows, 256]: the chunks' counts added
     assert bins[2].sum() == 0  # no finite token: no bin
     bits = x[:, :vocab].cpu().view(torch.int16).long()
     for r in (0, 1):
