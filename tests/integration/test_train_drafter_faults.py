@@ -68,8 +68,7 @@ def test_a_kill_while_the_drafter_is_written_leaves_the_previous_one(target, tmp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer, "save_drafter_checkpoint", killed_after_config)
-    with pytest.raises(KeyboardInterrupt):
-        main(["train-drafter", str(target), "--out", str(out), "--steps", "3", *TINY])
+    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "3", *TINY]) == 130  # one line
     assert sorted(p.name for p in out.iterdir()) == ["confidence_head.safetensors", "config.json", "model.safetensors",
                                                      "training.json"]
     assert (out / "model.safetensors").read_bytes() == before
