@@ -125,6 +125,22 @@ def test_bench_list_and_size_arguments_are_usage_errors(capsys, argv, message):
     assert f"trtllm-ext bench {argv[0]}: error: {message}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--job-timeout", "nan"], "argument --job-timeout: expected seconds in (0, 1e+09], got nan"),
+    (["generate", "--rank-timeout", "-1"], "argument --rank-timeout: expected seconds in (0, 1e+09], got -1"),
+    (["generate", "--job-timeout", "inf"], "argument --job-timeout: expected seconds in (0, 1e+09], got inf"),
+    (["test-list", "--jobs", "0"], "argument --jobs: expected an integer >= 1, got 0"),
+])
+def test_timeouts_and_worker_counts_are_usage_errors(capsys, argv, message):
+    """A timeout that is not a finite positive number of seconds (``nan`` meant no bound at all, a negative one
+    failed the job at once) and a worker count below one (run as one process, silently) are usage errors."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"trtllm-ext {argv[0]}: error: {message}" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("which", ["target", "drafter"])
 def test_more_layers_than_the_files_hold_is_one_line_before_any_listing(checkpoint, tmp_path, capsys, which):
     """A config.json whose layer count the weight files cannot hold is refused from the headers' layer indices
