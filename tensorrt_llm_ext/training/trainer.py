@@ -24,6 +24,7 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -548,12 +549,54 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     each call still stops at ``max_seconds`` (checkpointed, ``"complete": false``) and ``--resume`` continues the
     same schedule, until the steps' total reaches it (learning rate 0, complete). A training budget longer than one
     device call. Fixed for a run: a resume with another value is refused."""
-    t_call = time.time()
-    device = _device(tc.device)
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
     check_out_dir(out_dir, work_dir)  # before any work: the drafter replaces --out whole at the end
     work_dir.mkdir(parents=True, exist_ok=True)
+    with work_dir_lock(work_dir):
+        return _train_drafter(model_dir, out_dir, tc, work_dir=work_dir, resume=resume, progress=progress,
+                              max_seconds=max_seconds, keep_state=keep_state, fit_schedule=fit_schedule,
+                              schedule_seconds=schedule_seconds)
+
+
+WORK_DIR_LOCK = ".train-drafter.lock"
+
+
+@contextlib.contextmanager
+def work_dir_lock(work_dir: Path):
+    """Hold ``work_dir`` for one run: a second ``train-drafter`` on it (another shell, a retried job) would write
+    the same ``data.pt`` / ``trainer_state.pt`` under the first one's feet. An advisory ``flock`` on a file inside
+    it, dropped by the OS if the process dies (a stale file locks nothing); the file is removed when the run ends."""
+    import fcntl
+
+    path = work_dir / WORK_DIR_LOCK
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"train-drafter: {work_dir} is in use by another train-drafter run ({holder}); wait for "
+                         "it to end or choose another --work-dir") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        f.close()
+
+
+def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, work_dir: Path, resume: bool,
+                   progress: bool, max_seconds: float | None, keep_state: bool, fit_schedule: bool,
+                   schedule_seconds: float | None) -> dict:
+    """:func:`train_drafter` inside its work directory's lock."""
+    t_call = time.time()
+    device = _device(tc.device)
+    model_dir = Path(model_dir)
     state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
     dcfg, layers = drafter_config(model_dir, tc)
     storage = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -373,3 +373,21 @@ def test_bench_acceptance_that_measures_no_step_is_not_exit_0(target, monkeypatc
     monkeypatch.setattr(engine.Engine, "generate", eos_at_once)
     assert main([*small, "--max-new-tokens", "2"]) == 1
     assert "no generation step in bigram K=2 greedy" in capsys.readouterr().err
+
+
+def test_a_second_run_on_a_work_dir_in_use_is_refused(target, tmp_path, capsys):
+    """Two train-drafter runs on one work directory would write the same data and state files under each other's
+    feet: while one holds it (here: its lock taken as a run takes it), another is refused in one line naming the
+    holder, exit 2; once it ends the directory is free again and keeps no lock file."""
+    from tensorrt_llm_ext.training.trainer import WORK_DIR_LOCK, work_dir_lock
+
+    work = tmp_path / "w"
+    work.mkdir()
+    args = ["train-drafter", str(target), "--out", str(tmp_path / "d"), "--work-dir", str(work), "--steps", "2", *TINY]
+    with work_dir_lock(work):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is in use by another train-drafter run (pid " in err[0], err
+    assert not (work / WORK_DIR_LOCK).exists()
+    assert main(args) == 0 and not (work / WORK_DIR_LOCK).exists()
+
