@@ -360,7 +360,7 @@ class OpenAIServer:
         # are kept: a 405 must say which methods the path takes (Allow, RFC 9110).
         return self.error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                             None, kind), count=exc.status_code != 404,
-                                   headers=getattr(exc, "headers", None))
+                                   headers=exc.headers)
 
     # -- handlers ----------------------------------------------------------------------------------------
     async def health(self):
