@@ -7,31 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-
-MAX_TIMEOUT_S = 1e9  # timers and joins overflow past ~9.2e9 s; a billion seconds is "no bound" enough
-
-
-def _seconds(text: str) -> float:
-    """argparse ``type`` of a timeout: a finite number of seconds in (0, 1e9] (``nan`` meant "no bound" and a
-    negative one failed the job at once)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number), got {text!r}") from None
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"expected seconds in (0, {MAX_TIMEOUT_S:g}], got {text}")
-    return value
-
-
-def _workers(text: str) -> int:
-    """argparse ``type`` of a worker count: an integer >= 1 (0 or a negative count ran one process silently)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+from tensorrt_llm_ext.argtypes import positive_int, seconds
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -282,10 +258,10 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="also run the target's own decode and the gathered path; exit 1 unless all agree "
                         "(and something was compared); with --rejection-sampling: sharded == gathered bitwise, "
                         "greedy rows == target decode, every token in the target's top-p set (docs/end_to_end.md)")
-    g.add_argument("--rank-timeout", type=_seconds, default=60.0,
+    g.add_argument("--rank-timeout", type=seconds, default=60.0,
                    help="TP > 1: seconds a rank waits for a peer in a collective before the job fails "
                         "(bounds how long a hung rank goes unnoticed)")
-    g.add_argument("--job-timeout", type=_seconds, default=1800.0, help="TP > 1: seconds the whole run may take")
+    g.add_argument("--job-timeout", type=seconds, default=1800.0, help="TP > 1: seconds the whole run may take")
     g.add_argument("--log-dir", help="TP > 1: keep each rank's log (rank<r>.log) in this directory")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", dest="json_out", help="also write the results as JSON to this file")
@@ -309,7 +285,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                "`trtllm-ext test-list l0_cpu -- -x -k markov`.")
     tl.add_argument("name", nargs="?", help="list name (default: lists matching this machine)")
     tl.add_argument("--dry-run", action="store_true", help="print the pytest commands only")
-    tl.add_argument("--jobs", type=_workers, default=None,
+    tl.add_argument("--jobs", type=positive_int, default=None,
                     help="pytest-xdist workers (default: one per core, at most 2, on a CPU machine with "
                          "pytest-xdist installed; 1 = one process)")
     b = sub.add_parser("bench", help="run a benchmark (tables; CUDA-graph timing on GPU)", add_help=False)

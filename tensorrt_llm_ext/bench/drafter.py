@@ -27,8 +27,9 @@ import contextlib
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
-                                            positive_int, print_table, register_benchmark, rotation_count)
+from tensorrt_llm_ext.argtypes import int_list, name_list, positive_int
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
+                                            register_benchmark, rotation_count)
 import tensorrt_llm_ext.kernels.latent_block_attention as lba
 from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, PagedLatentCache
 from tensorrt_llm_ext.kernels.common import triton_runs_on

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, print_table,
+from tensorrt_llm_ext.argtypes import int_list
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark)
 from tensorrt_llm_ext.kernels.ll_exchange import (WAIT_TIMEOUT_S, LLExchangeState, SimulatedPeers, ll_exchange)
 from tensorrt_llm_ext.logger import logger

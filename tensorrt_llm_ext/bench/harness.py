@@ -56,52 +56,6 @@ def load_benchmark(name: str) -> Benchmark:
     return REGISTRY[name]
 
 
-# -- argument types: a bad value is argparse's usage error naming the flag (exit 2), before any work ------------
-def int_list(low: int = 1, high: int | None = None) -> Callable[[str], str]:
-    """argparse ``type`` of a comma-separated list of integers in ``[low, high]`` (``--batch-sizes 1,8,32``): an
-    empty list, an item that is not an integer or one out of range is refused by name. Returns the text unchanged
-    (each benchmark splits it where it uses it)."""
-
-    def parse(text: str) -> str:
-        items = [x.strip() for x in text.split(",")]
-        try:
-            values = [int(x) for x in items]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if v < low or (high is not None and v > high)]
-        if bad:
-            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"expected integers {bound}, got {bad[0]} in {text!r}")
-        return text
-
-    return parse
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type`` of a size: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def name_list(choices: tuple[str, ...]) -> Callable[[str], str]:
-    """argparse ``type`` of a comma-separated, non-empty subset of ``choices`` (``--tables main,tp``); returns the
-    text."""
-
-    def parse(text: str) -> str:
-        names = [x.strip() for x in text.split(",")]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not text.strip():
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}, got {text!r}")
-        return text
-
-    return parse
-
-
 def rotation_count(bytes_per_set: int, min_sets: int = 2, max_sets: int = 64) -> int:
     """How many input sets to rotate so their total is at least 3x the L2."""
     need = -(-3 * L2_BYTES // max(1, bytes_per_set))

@@ -41,8 +41,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
-                                            positive_int, print_table, register_benchmark, rotation_count)
+from tensorrt_llm_ext.argtypes import int_list, name_list, positive_int
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
+                                            register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels.markov_fused_step import FusedConfig, fused_config, fused_grid
 from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative.markov_chain import (AUTO_MODE_TABLE, MarkovWorkspace, auto_mode_for,

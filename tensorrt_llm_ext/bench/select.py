@@ -19,8 +19,9 @@ import argparse
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, name_list,
-                                            positive_int, print_table, register_benchmark, rotation_count)
+from tensorrt_llm_ext.argtypes import int_list, name_list, positive_int
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
+                                            register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import shard_select as ss
 from tensorrt_llm_ext.kernels.shard_select import shard_select_keys
 from tensorrt_llm_ext.mapping import vocab_shards

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, int_list, positive_int, print_table, register_benchmark
+from tensorrt_llm_ext.argtypes import int_list, positive_int
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
 from tensorrt_llm_ext.runtime.config import MAX_BATCH_SIZE
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, int_list, positive_int, print_table, register_benchmark
+from tensorrt_llm_ext.argtypes import int_list, positive_int
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference

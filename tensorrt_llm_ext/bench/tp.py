@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, fmt, name_list, positive_int, print_table, register_benchmark,
-                                            rotation_count)
+from tensorrt_llm_ext.argtypes import name_list, positive_int
+from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
 from tensorrt_llm_ext.mapping import vocab_shards
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's

@@ -36,8 +36,9 @@ import sys
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, int_list, measure_copy_bandwidth, positive_int,
-                                            print_table, register_benchmark, rotation_count)
+from tensorrt_llm_ext.argtypes import int_list, positive_int
+from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
+                                            register_benchmark, rotation_count)
 from tensorrt_llm_ext.kernels import fixed_point_softmax as fps
 from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.mapping import vocab_shards

@@ -21,13 +21,11 @@ import signal
 import socket
 import sys
 
+from tensorrt_llm_ext.argtypes import MAX_TIMEOUT_S
 from tensorrt_llm_ext.runtime.config import (LOG_LEVELS, ConfigError, RuntimeConfig, describe_drafter, load_config,
                                              log_no_effect_fields)
 
 EXIT_USAGE = 2
-# The drain deadline is a thread timer and a join: past about 9.2e9 s (inf, 1e300) they raise OverflowError at
-# SIGTERM, so a drain that waited "forever" ended in tracebacks and exit 1. A billion seconds is forever enough.
-MAX_DRAIN_TIMEOUT_S = 1e9
 
 
 def _port_error(host: str, port: int) -> str | None:
@@ -108,8 +106,8 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
         return None, f"--port {args.port}: expected 1..65535"
     if args.max_queue < 1:
         return None, f"--max-queue {args.max_queue}: expected >= 1"
-    if not 0 < args.drain_timeout <= MAX_DRAIN_TIMEOUT_S:
-        return None, f"--drain-timeout {args.drain_timeout:g}: expected seconds in (0, {MAX_DRAIN_TIMEOUT_S:g}]"
+    if not 0 < args.drain_timeout <= MAX_TIMEOUT_S:
+        return None, f"--drain-timeout {args.drain_timeout:g}: expected seconds in (0, {MAX_TIMEOUT_S:g}]"
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         return None, f"--max-body-bytes {args.max_body_bytes}: expected >= 1"
     err = api_key_error(args)
