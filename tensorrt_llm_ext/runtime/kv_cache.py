@@ -172,9 +172,9 @@ class PageAllocator:
         first ``m`` tokens (the most of any, at least one, none past the prompt's second-to-last token) equal the
         prompt's next ones; None without one. Counted in :attr:`prefix_hits`; nothing is taken: the caller copies
         the page's first ``m`` positions into its own fresh page before anything else writes either."""
-        prompt_ids = _token_list(prompt_ids)
         if not self.enable_partial_reuse:
             return None
+        prompt_ids = _token_list(prompt_ids)
         pages, parent = self._cached_prefix(prompt_ids, (len(prompt_ids) - 1) // self.page_size, root,
                                             with_parent=True)
         return self._best_partial(prompt_ids, len(pages), parent)
@@ -200,9 +200,9 @@ class PageAllocator:
     def match_with_partial(self, prompt_ids, root=None) -> tuple[list[int], tuple[int, int] | None]:
         """:meth:`match` and then :meth:`match_partial` from one walk of the prompt's chain: the same results and
         the same counts."""
-        prompt_ids = _token_list(prompt_ids)
         if not self.enable_block_reuse:  # nothing is cached without it (and partial reuse is off with it)
             return [], None
+        prompt_ids = _token_list(prompt_ids)
         n = len(prompt_ids)
         pages, parent = self._cached_prefix(prompt_ids, (n - 1) // self.page_size, root, with_parent=True)
         self.prefix_queries += n
@@ -213,9 +213,9 @@ class PageAllocator:
         """The cached pages that hold the start of ``prompt_ids`` (whole pages, in order), at most those before
         its last token (a prefill computes at least that one: it gives the first token). Counted in
         :attr:`prefix_queries` / :attr:`prefix_hits`. Nothing is taken: :meth:`allocate` pins them."""
-        prompt_ids = _token_list(prompt_ids)
         if not self.enable_block_reuse:
             return []
+        prompt_ids = _token_list(prompt_ids)
         n = len(prompt_ids)
         pages = self._cached_prefix(prompt_ids, (n - 1) // self.page_size, root)
         self.prefix_queries += n
@@ -227,9 +227,9 @@ class PageAllocator:
         now, with the slots ``leaving`` gone first: its fresh pages plus the idle cached pages it pins (nothing is
         counted or taken). Admissions in order may evict one another's matches; an evicted page was idle (a held
         page's chain is held), so it moves from the pinned to the fresh count and the sum stays an upper bound."""
-        prompt_ids = _token_list(prompt_ids)
         if not self.enable_block_reuse:
             return num_pages
+        prompt_ids = _token_list(prompt_ids)
         gone = self._holds_of(leaving)
         pages = self._cached_prefix(prompt_ids, min((len(prompt_ids) - 1) // self.page_size, num_pages), root)
         idle = sum(1 for page in pages if self._holders.get(page, 0) == gone.get(page, 0))
@@ -240,9 +240,9 @@ class PageAllocator:
         prompt once its prefill is done, prompt and output at its finish; the caller says their K/V and latents
         are final); a page whose key another page already holds stays private. Returns the pages newly
         registered."""
-        token_ids = _token_list(token_ids)
         if not self.enable_block_reuse:
             return 0
+        token_ids = _token_list(token_ids)
         pages = self._owned.get(slot, [])
         added = 0
         parent = ("root", root)
@@ -266,10 +266,10 @@ class PageAllocator:
         fresh pages (a request admitted before another one's prefill registered the pages they share); the
         fresh pages it gives back are free. The caller says ``slot`` has written none of its pages past its
         cached prefix. Returns the slot's cached prefix in pages; the new hits count in :attr:`prefix_hits`."""
-        prompt_ids = _token_list(prompt_ids)
         pages = self._owned[slot]
         if not self.enable_block_reuse:
             return 0
+        prompt_ids = _token_list(prompt_ids)
         n = len(prompt_ids)
         cached = self._cached_prefix(prompt_ids, min((n - 1) // self.page_size, len(pages)), root)
         same = 0
@@ -400,7 +400,7 @@ def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: 
     if free_gpu_memory_fraction is not None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
+            free = available_memory_bytes(dev)
             caps.append((int(free * free_gpu_memory_fraction) // bytes_per_page,
                          f"kv_cache_config.free_gpu_memory_fraction={free_gpu_memory_fraction} of "
                          f"{free / 2**30:.1f} GiB free at {bytes_per_page} B per page"))
@@ -417,10 +417,9 @@ def num_cache_pages(*, max_batch_size: int, max_pages_per_slot: int, page_size: 
     return pages, why
 
 
-def available_memory_bytes(device) -> int | None:
-    """Bytes free for the page pool on ``device`` now: the device's free memory (CUDA), the host's ``MemAvailable``
+def available_memory_bytes(dev: torch.device) -> int | None:
+    """Bytes free for the page pool on ``dev`` now: the device's free memory (CUDA), the host's ``MemAvailable``
     (CPU, Linux); None where it cannot be read (no check then)."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
     if dev.type != "cpu":
@@ -439,12 +438,13 @@ def check_pool_fits(pool_bytes: int, device, why: str, *, max_batch_size: int, m
     """Refuse (:class:`~tensorrt_llm_ext.contract.BuildRefusal`, before anything is allocated) a page pool larger
     than the memory free on ``device``: sized as every slot at ``max_seq_len`` (no ``kv_cache_config`` bound) a
     long ``max_seq_len`` asks for terabytes, which the allocator refused with a traceback."""
-    free = available_memory_bytes(device)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    free = available_memory_bytes(dev)
     if free is None or pool_bytes <= free:
         return
     raise BuildRefusal(
         f"kv cache: the page pool needs {pool_bytes / 2**30:.1f} GiB ({why}) but {free / 2**30:.1f} GiB of "
-        f"{torch.device(device if device is not None else 'cpu').type} memory is free: lower max_seq_len "
+        f"{dev.type} memory is free: lower max_seq_len "
         f"({max_seq_len}) or max_batch_size ({max_batch_size}), or bound the pool with kv_cache_config.max_tokens "
         f"or kv_cache_config.free_gpu_memory_fraction")
 

@@ -512,9 +512,10 @@ def launch_ranks(world_size: int, fn, *args, timeout: float = 1800.0, collective
             pool.shutdown()
 
 
-def forwarded_signals() -> tuple[signal.Signals, ...]:
-    """The signals :func:`launch_command` passes on to the job: SIGTERM, SIGINT, and SIGHUP unless this process
-    ignores it (``nohup``: the job must outlive the terminal)."""
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a served job gracefully -- ``serve``'s drain at TP 1, :func:`launch_command`'s forward
+    at TP N: SIGTERM, SIGINT, and SIGHUP (the terminal closed) unless this process ignores it (``nohup``: the job
+    must outlive the terminal)."""
     hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     return (signal.SIGTERM, signal.SIGINT, *hup)
 

@@ -729,10 +729,9 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
             # which would end a drained server with "killed by SIGTERM" instead of exit code 0. SIGHUP (the
             # terminal or ssh session closed) drains too, as the TP launcher's does (its default action killed
             # the server mid-stream), unless it is ignored (nohup): then it stays ignored.
-            stops = [signal.SIGTERM, signal.SIGINT]
-            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
-                stops.append(signal.SIGHUP)
-            old = {s: signal.signal(s, self.handle_exit) for s in stops}
+            from tensorrt_llm_ext.runtime.ranks import stop_signals
+
+            old = {s: signal.signal(s, self.handle_exit) for s in stop_signals()}
             try:
                 yield
             finally:

@@ -151,13 +151,13 @@ def _alive(pid: int) -> bool:
 def test_the_launcher_passes_sighup_on_unless_it_is_ignored():
     """``serve --tp N`` under ``nohup``: an ignored SIGHUP stays ignored (the job outlives the terminal, as at TP 1);
     otherwise the launcher drains the job on it like SIGTERM."""
-    from tensorrt_llm_ext.runtime.ranks import forwarded_signals
+    from tensorrt_llm_ext.runtime.ranks import stop_signals
 
     old = signal.getsignal(signal.SIGHUP)
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        assert forwarded_signals() == (signal.SIGTERM, signal.SIGINT)
+        assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        assert forwarded_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     finally:
         signal.signal(signal.SIGHUP, old)
