@@ -148,7 +148,8 @@ class StubScheduler:
         done = n + 1 >= request.max_new_tokens
         if done:
             del self._live[handle]
-        return Event(handle, [self._token(handle, n)], "length" if done else None, accepted_len=accepted_len)
+        return Event(handle, [self._token(handle, n)], "length" if done else None, accepted_len=accepted_len,
+                     speculative=accepted_len is not None)
 
     def apply(self, plan):
         from tensorrt_llm_ext.runtime.scheduler import Event, StepStats

@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -183,8 +184,11 @@ class SpeculativeConfig(_Strict):
     vocab_sharded_verification: Literal["auto", "on", "off"] = "auto"
     load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
     max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
-    acceptance_window: StrictInt | None = no_effect(None, "speculation is never switched off by acceptance")
-    acceptance_length_threshold: Float | None = no_effect(None, "speculation is never switched off")
+    # The speculation gate (runtime/speculation_gate.py, TensorRT-LLM's names): once the mean accepted drafts per
+    # step of the last `acceptance_window` finished requests falls below `acceptance_length_threshold`, the rest of
+    # the process decodes target-only. Both or neither (None, or a window of 0 without a threshold: off).
+    acceptance_window: StrictInt | None = Field(None, ge=0)
+    acceptance_length_threshold: Float | None = None
     allow_advanced_sampling: StrictBool = no_effect(False, "deprecated upstream; sampling is per request")
 
     @field_validator("vocab_parallel_selection", "vocab_sharded_verification", mode="before")
@@ -209,8 +213,21 @@ class SpeculativeConfig(_Strict):
             return "DSpark"
         raise ValueError(f"only decoding_type 'DSpark' is supported here, got {v!r}")
 
+    @field_validator("acceptance_length_threshold")
+    @classmethod
+    def _threshold(cls, v):
+        if v is not None and not (math.isfinite(v) and 0 <= v <= 1024):
+            raise ValueError(f"acceptance_length_threshold must be a finite number of accepted drafts per step in "
+                             f"[0, 1024], got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _check(self):
+        if bool(self.acceptance_window) != (self.acceptance_length_threshold is not None):
+            # TensorRT-LLM leaves the gate off silently here; half a gate is a typo worth naming
+            raise ValueError(f"acceptance_window={self.acceptance_window!r} and acceptance_length_threshold="
+                             f"{self.acceptance_length_threshold!r}: the speculation gate takes both (a window of 0 "
+                             f"turns it off) or neither")
         if self.max_total_draft_tokens is not None and self.max_total_draft_tokens != self.max_draft_len:
             raise ValueError(f"max_total_draft_tokens={self.max_total_draft_tokens} must equal max_draft_len="
                              f"{self.max_draft_len} (DSpark drafts one linear chain, no tree)")

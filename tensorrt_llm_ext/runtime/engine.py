@@ -610,6 +610,15 @@ class Engine:
         for w in self._workers.values():
             w.reset_step_state()
 
+    def hand_over_to_target_only(self, slots: list[int], requests: list[Request], outputs: list[list[int]]) -> None:
+        """The speculation gate closed: ``slots`` (decoding speculatively, their last step collected) continue in
+        the target-only decode (:meth:`ReferenceDecoder.take_over`); ``outputs``: each request's tokens out so
+        far."""
+        self._decoder("target_only").take_over(list(slots), [r.sampling for r in requests],
+                                               [list(r.prompt_ids) for r in requests], [list(o) for o in outputs])
+        for slot in slots:
+            self._pending_confidences.pop(slot, None)
+
     def release_slot(self, slot: int) -> None:
         """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""
         self.pages.free(slot)

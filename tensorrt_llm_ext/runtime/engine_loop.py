@@ -31,7 +31,7 @@ from typing import Callable
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request
-from tensorrt_llm_ext.runtime.scheduler import Event, Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE, Event, Scheduler, StepPlan
 from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
 
 SERVE_SWITCH_INTERVAL_S = 5e-4  # see EngineLoop.start
@@ -159,6 +159,7 @@ class EngineLoop:
         self.speculative = speculative  # False: --no-speculation (no drafts to count)
         self.channel = channel
         self.metrics = metrics
+        self._record_speculating()
         self.max_queue = max_queue
         self.capacity = scheduler.num_free_slots  # slots of an idle engine
         self.ranks = ranks or []
@@ -340,7 +341,7 @@ class EngineLoop:
         now = time.perf_counter()
         generated = 0
         for e in events:
-            if e.accepted_len is not None and self.speculative:
+            if e.speculative:  # not the target-only steps of --no-speculation or of a closed speculation gate
                 m.speculative_step(e.accepted_len, e.confidences)
             m.delivered(e.handle, len(e.tokens), now, self._arrived.get(e.handle))
             generated += len(e.tokens)
@@ -353,6 +354,7 @@ class EngineLoop:
             m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
+        self._record_speculating()
         # The step's events, in one hand-off (after the metrics: a client that has its answer finds it counted).
         pairs = []
         with self._cond:
@@ -363,6 +365,11 @@ class EngineLoop:
                         del self._sinks[e.handle]
                     pairs.append((sink, e))
         deliver(pairs)
+
+    def _record_speculating(self) -> None:
+        """The speculative-decoding gauge: steps speculate (not --no-speculation, the speculation gate open)."""
+        step_mode = getattr(self.scheduler, "step_mode", "speculative")  # a scheduler without a gate: its mode
+        self.metrics.speculating.set(self.speculative and step_mode not in NON_SPECULATIVE)
 
     def _fail(self, message: str) -> None:
         logger.error(f"serve: engine failed, answering 503 and shutting down: {message}")

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
+from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate
 
 # The exceptions a request's own values cause in host code: a ValueError a layer below raises for a value it
 # refuses, an ArithmeticError (OverflowError, ZeroDivisionError) computing with one (a top_k past int64 once
@@ -97,6 +98,7 @@ class Event:
     confidences: list[float] | None = None
     # With Request.prompt_logprobs, on the prefill's event: (logprob, top k) of prompt tokens 1 .. n-1.
     prompt_logprobs: list | None = None
+    speculative: bool = False  # the tokens come from a speculative step (accepted_len counts its drafts)
 
 
 @dataclass
@@ -128,6 +130,8 @@ class _Live:
     num_out: int = 0
     out: list[int] | None = None  # the tokens out so far, kept for block reuse (its pages are registered at finish)
     stops: frozenset[int] = frozenset()  # the ids that end it (Engine.stop_ids), built once: read every step
+    spec_steps: int = 0  # speculative steps it took, and the tokens they accepted (the speculation gate's record)
+    spec_accepted: int = 0
 
 
 @dataclass
@@ -162,6 +166,16 @@ class Scheduler:
         # at the head of the queue for pages is asked about every plan, and validating it scans its whole prompt
         # (2.4 ms per plan for 30k tokens, more than a step). Its admission still validates it once more.
         self._valid: dict[int, Request] = {}
+        self.gate = speculation_gate(engine, mode)
+        self._handed_over = False  # the running requests moved to the target-only decode once the gate closed
+        if self.gate is not None and getattr(engine, "use_cuda_graph", False):
+            engine.runner("target_only")  # captured now (every rank alike), not mid-serving when the gate closes
+
+    @property
+    def step_mode(self) -> str:
+        """The mode this plan decodes and prefills in: the configured one, or the target-only decode once the
+        speculation gate has closed."""
+        return "target_only" if self.gate is not None and self.gate.closed else self.mode
 
     @property
     def in_flight(self) -> bool:
@@ -212,7 +226,7 @@ class Scheduler:
     def admission_pages(self, request: Request, leaving=()) -> int:
         """Free pages ``request`` takes at admission now (its cached prefix pages that others hold are not taken:
         block reuse), with the slots ``leaving`` gone first; 0 for one that fails validation."""
-        return self.engine.admission_pages(request, self.mode, leaving) if self._passes(request) else 0
+        return self.engine.admission_pages(request, self.step_mode, leaving) if self._passes(request) else 0
 
     def pages_for(self, request: Request) -> int:
         """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the
@@ -251,6 +265,8 @@ class Scheduler:
             refused = self._admit(handle, request)
             if refused is not None:
                 events.append(refused)
+        if self.gate is not None and self.gate.closed and not self._handed_over:
+            events.extend(self._hand_over(stats))
         if self.overlap and plan.run and self._live and self._prefilling:
             # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
             # runs it while the host launches the (eager) prefill; the prefilled requests join the next step.
@@ -266,6 +282,18 @@ class Scheduler:
         # Admissions' lookups, and the hits of prefills that waited for a sibling's pages (:meth:`_rematch_waiting`).
         stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
+
+    def _hand_over(self, stats: StepStats) -> list[Event]:
+        """The gate has closed: the running requests continue in the target-only decode. A step in flight is
+        collected first (its tokens are in every request's history before the decode takes it over), then the
+        engine moves each live slot's state (:meth:`Engine.hand_over_to_target_only`); requests still in their
+        prefill finish it target-only."""
+        events = self._collect(self._take_in_flight(), stats) if self._in_flight is not None else []
+        lives = list(self._live.values())
+        self.engine.hand_over_to_target_only([live.slot for live in lives], [live.request for live in lives],
+                                             [live.out for live in lives])
+        self._handed_over = True
+        return events
 
     def _rows_live(self, fl: _InFlight) -> list[_Live | None]:
         """Per row of ``fl``: its request while still live, else None -- by identity, not handle: a handle that
@@ -306,7 +334,7 @@ class Scheduler:
             order = sorted(by_slot)
             t0 = time.perf_counter()
             try:
-                launched = self.engine.launch_step(order, self.mode)
+                launched = self.engine.launch_step(order, self.step_mode)
             except REQUEST_FAULTS as e:
                 if before_collect is not None:
                     events.extend(before_collect())
@@ -334,7 +362,7 @@ class Scheduler:
         rows = self._rows_live(fl)
         reqs = [live.request if live else None for live in rows]
         try:
-            lps = (self.engine.step_logprobs(reqs, new, lens, self.mode)
+            lps = (self.engine.step_logprobs(reqs, new, lens, fl.launched.mode)
                    if any(r is not None and r.logprobs is not None for r in reqs) else [None] * len(reqs))
         except REQUEST_FAULTS as e:
             return self._fail_step([h for h, live in zip(fl.handles, rows) if live], e)
@@ -343,10 +371,11 @@ class Scheduler:
         stats.accepted_lens = list(lens)
         events = []
         confs = self.engine.step_confidences
+        speculative = fl.launched.mode not in NON_SPECULATIVE
         for row, (h, live) in enumerate(zip(fl.handles, rows)):
             if live is not None:
                 events.append(self._append(h, live, new[row][:lens[row]], lens[row], lps[row],
-                                           confs[row] if confs else None))
+                                           confs[row] if confs else None, speculative))
         return events
 
     def _admit(self, handle: int, request: Request) -> Event | None:
@@ -361,7 +390,7 @@ class Scheduler:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         slot = self.engine.slots.acquire()
         try:
-            cached = self.engine.reserve(slot, request, self.mode)
+            cached = self.engine.reserve(slot, request, self.step_mode)
         except BaseException:
             self.engine.slots.release(slot)
             raise
@@ -433,16 +462,17 @@ class Scheduler:
         for p in self._prefilling.values():
             if p.done == p.cached and p.left > 1 and p.prompt_lps is None and p.matched_at != pages.registrations:
                 # never below its start: a partly reused page (partial reuse) is not a whole cached one
-                p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.mode))
+                p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.step_mode))
                 p.matched_at = pages.registrations
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
         t0 = time.perf_counter()
         try:
-            self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, self.mode)
+            mode = self.step_mode
+            self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, mode)
             if p.prompt_lps is not None:
-                p.prompt_lps.extend(self.engine.prompt_logprobs(p.request, 0, p.done, p.done + n, self.mode))
+                p.prompt_lps.extend(self.engine.prompt_logprobs(p.request, 0, p.done, p.done + n, mode))
         except REQUEST_FAULTS as e:
             events.append(self._refuse_prefill(handle, e))
             return
@@ -456,12 +486,13 @@ class Scheduler:
         held = [self._prefilling[h] for h in group]
         reqs = [p.request for p in held]
         t0 = time.perf_counter()
+        mode = self.step_mode
         try:
-            firsts = self.engine.prefill_slots([p.slot for p in held], reqs, self.mode, starts=[p.done for p in held])
-            lps = [[self.engine.prefill_logprobs(r, tok, self.mode, row)] if r.logprobs is not None else None
+            firsts = self.engine.prefill_slots([p.slot for p in held], reqs, mode, starts=[p.done for p in held])
+            lps = [[self.engine.prefill_logprobs(r, tok, mode, row)] if r.logprobs is not None else None
                    for row, (r, tok) in enumerate(zip(reqs, firsts))]
             prompt_lps = [p.prompt_lps + self.engine.prompt_logprobs(p.request, row, p.done,
-                                                                     len(p.request.prompt_ids) - 1, self.mode)
+                                                                     len(p.request.prompt_ids) - 1, mode)
                           if p.prompt_lps is not None else None for row, p in enumerate(held)]
         except REQUEST_FAULTS as e:  # a layer below refused a value of a request: it fails, the engine serves on
             self.engine.reset_step_state()
@@ -473,9 +504,11 @@ class Scheduler:
         stats.prefill_tokens += sum(p.left for p in held)
         events = []
         for h, p, first, lp, plp in zip(group, held, firsts, lps, prompt_lps):
-            self.engine.register_prefix(p.slot, p.request, self.mode)
+            self.engine.register_prefix(p.slot, p.request, mode)
             del self._prefilling[h]
-            live = self._live[h] = _Live(p.request, p.slot, out=[] if self.engine.pages.enable_block_reuse else None,
+            # the tokens out are kept for block reuse, and for the hand-over to the target-only decode
+            keep = self.engine.pages.enable_block_reuse or (self.gate is not None and not self.gate.closed)
+            live = self._live[h] = _Live(p.request, p.slot, out=[] if keep else None,
                                          stops=self.engine.stop_ids(p.request))
             events.append(self._append(h, live, [first], None, lp))
             events[-1].prompt_logprobs = plp
@@ -494,9 +527,10 @@ class Scheduler:
         order = sorted(by_slot)
         t0 = time.perf_counter()
         reqs = [self._live[by_slot[slot]].request for slot in order]
+        mode = self.step_mode
         try:
-            new, lens = self.engine.run_step(order, self.mode)
-            lps = (self.engine.step_logprobs(reqs, new, lens, self.mode) if any(r.logprobs is not None for r in reqs)
+            new, lens = self.engine.run_step(order, mode)
+            lps = (self.engine.step_logprobs(reqs, new, lens, mode) if any(r.logprobs is not None for r in reqs)
                    else [None] * len(order))
         except REQUEST_FAULTS as e:
             return self._fail_step([by_slot[slot] for slot in order], e)
@@ -508,7 +542,7 @@ class Scheduler:
         for row, slot in enumerate(order):
             handle = by_slot[slot]
             events.append(self._append(handle, self._live[handle], new[row][:lens[row]], lens[row], lps[row],
-                                       confs[row] if confs else None))
+                                       confs[row] if confs else None, mode not in NON_SPECULATIVE))
         return events
 
     def _fail_step(self, handles: list[int], error: Exception) -> list[Event]:
@@ -536,18 +570,25 @@ class Scheduler:
         return events
 
     def _append(self, handle: int, live: _Live, tokens: list[int], accepted: int | None, logprobs=None,
-                confidences: list[float] | None = None) -> Event:
+                confidences: list[float] | None = None, speculative: bool = False) -> Event:
         """Tokens up to a stop token / ``max_new_tokens`` (:meth:`Engine.finish_tokens`); a finished request
         leaves its slot (its KV and latent pages are freed). ``confidences``: those of the drafts the step
-        verified (:attr:`Event.confidences`)."""
+        verified (:attr:`Event.confidences`); ``speculative``: the tokens come from a speculative step that
+        accepted ``accepted`` (the speculation gate's record)."""
         n, reason = self.engine.finish_tokens(live.request, live.num_out, tokens, live.stops)
         live.num_out += n
+        if speculative and accepted is not None:
+            live.spec_steps += 1
+            live.spec_accepted += accepted
         if live.out is not None:
             live.out.extend(int(t) for t in tokens[:n])
         if reason is not None:
             del self._live[handle]
-            if live.out is not None:  # its answer's pages serve a next turn that repeats it
-                self.engine.register_prefix(live.slot, live.request, self.mode, live.out)
+            if live.out is not None and self.engine.pages.enable_block_reuse:  # its pages serve a next turn
+                self.engine.register_prefix(live.slot, live.request, self.step_mode, live.out)
             self.engine.release_slot(live.slot)
+            if self.gate is not None:
+                self.gate.record(live.spec_accepted, live.spec_steps, handle)
         return Event(handle, [int(t) for t in tokens[:n]], reason, None, accepted,
-                     logprobs[:n] if logprobs is not None else None, confidences=confidences)
+                     logprobs[:n] if logprobs is not None else None, confidences=confidences,
+                     speculative=speculative and accepted is not None)

@@ -85,6 +85,8 @@ class ServerMetrics:
         self.queue_depth = one(Gauge(p + "num_requests_waiting", "Requests waiting for a slot", labels, registry=r))
         self.kv_usage = one(Gauge(p + "kv_cache_usage_perc", "Fraction of the KV / latent cache pages held by "
                                   "running requests (0..1)", labels, registry=r))
+        self.speculating = one(Gauge(p + "speculative_decoding_enabled", "1 while steps speculate; 0 with "
+                                     "--no-speculation or once the speculation gate has closed", labels, registry=r))
         one(counter("num_preemptions", "Preempted requests (always 0: a request waits for its pages before "
                     "admission, and is never preempted)"))
         # -- vLLM's counters ---------------------------------------------------------------------------------

@@ -69,6 +69,29 @@ class ReferenceDecoder:
         st.slot_tokens[slots_l, 0] = host_to_device(toks, st.slot_tokens.dtype, w.device)
         return toks
 
+    def take_over(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],
+                  outputs: list[list[int]]) -> None:
+        """Continue ``slots`` -- decoding speculatively until now -- in this decode (the speculation gate closed):
+        the position of each slot's last token becomes this decode's (``ctx_lens``, the speculative step's anchor,
+        is ``ref_lens``; ``slot_tokens[:, 0]`` already holds that token, the bonus of its last step). Stream-ordered
+        behind any step already launched. Where this decode keeps its own full-vocabulary logits processing (a
+        sharded worker), the requests' fields and counts are set from ``prompts`` and ``outputs`` (the tokens out so
+        far); otherwise the worker's processing state, which the speculative steps kept, is shared."""
+        if not slots:
+            return
+        w, st = self.worker, self.worker.state
+        slots_l = host_to_device(slots, torch.int64, w.device)
+        st.ref_lens[slots_l] = st.ctx_lens[slots_l].to(st.ref_lens.dtype)
+        if self.processors is w.processors:
+            return
+        self.processors.assign(slots, list(params), prompts)
+        width = max(1, max(len(o) for o in outputs))
+        toks = torch.zeros(len(slots), width, dtype=torch.int64)
+        for row, out in enumerate(outputs):
+            toks[row, :len(out)] = torch.tensor(out, dtype=torch.int64)
+        self.processors.record(slots, slots_l, host_to_device(toks, torch.int64, w.device),
+                               host_to_device([len(o) for o in outputs], torch.int32, w.device))
+
     def step(self, batch_size: int) -> torch.Tensor:
         """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens
         (:meth:`step_outputs`' ``new_tokens``)."""
