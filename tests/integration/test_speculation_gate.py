@@ -202,3 +202,23 @@ def test_serve_reports_the_closed_gate_and_counts_only_speculative_steps():
         assert m["trtllm_ext_spec_decode_num_drafts_total"] == drafts and m["trtllm_ext_engine_steps_total"] > 0
     finally:
         srv.stop(30)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gate_hands_over_under_graphs():
+    """On the GPU with CUDA graphs: the gated engine captures its target-only decode when the scheduler is made (not
+    when the gate closes), and the greedy tokens across the hand-over are those of a target-only engine's graphs."""
+    dev = torch.device("cuda")
+    gated = Engine(load_config(**tiny_model(**GATED)), device=dev, use_cuda_graph=True)
+    plain = Engine(load_config(**tiny_model(**SMALL)), device=dev, use_cuda_graph=True)
+    Scheduler(gated, mode="speculative", overlap=True)
+    assert "target_only" in gated._runners and gated._runners["target_only"].enabled
+    for overlap in (False, True):
+        modes: list[str] = []
+        got, sch = _serve(gated, overlap, modes)
+        assert sch.gate.closed and modes[0] == "speculative" and modes[-1] == "target_only"
+        want, _ = _serve(plain, overlap, mode="target_only")
+        for h in (0, 1, 2, 4):
+            assert got[h] == want[h], (overlap, h)
+        assert len(got[3]) == 10
+    assert gated.slots.num_free == SMALL["max_batch_size"] and gated.pages.num_free == gated.pages.num_pages
