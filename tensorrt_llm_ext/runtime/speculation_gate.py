@@ -1,4 +1,6 @@
-"""The speculation gate: speculation that does not pay for itself is switched off for the rest of the process.
+"""The speculation gate: speculation that does not pay for itself is switched off for good (one gate per
+:class:`~tensorrt_llm_ext.runtime.scheduler.Scheduler`: ``serve``'s lives as long as the process, ``generate()``'s one
+call).
 
 TensorRT-LLM's ``speculative_config.acceptance_window`` / ``acceptance_length_threshold``: every request that
 finishes (``stop`` or ``length``) after at least one speculative step gives its mean accepted drafts per step
