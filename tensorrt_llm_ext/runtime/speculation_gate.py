@@ -56,7 +56,7 @@ class SpeculationGate:
         self.closed, self.closed_mean = True, mean
         logger.warning(f"speculation gate: the last {self.window} finished requests accepted {mean:.3f} drafts per "
                        f"step on average (request {handle} the last), below acceptance_length_threshold "
-                       f"{self.threshold:g}: speculation is off for the rest of this process, every request "
+                       f"{self.threshold:g}: speculation is off for good, every request "
                        f"(the running ones too) decodes target-only")
         return True
 
