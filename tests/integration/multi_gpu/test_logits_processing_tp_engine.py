@@ -70,3 +70,54 @@ def test_tp2_gpu_processed_steps_replay_the_processed_graph(mpi_pool_executor):
     assert first["reference"] == first["eager"]["reference"]
     assert first["eager_steps"] == {"speculative": 0, "reference": 0}, first["eager_steps"]
     assert all("top-p+processed" in v for v in first["replayed"].values()), first["replayed"]
+
+
+def _rank_gated(tp: int, max_new: int):
+    """The speculation gate at TP ``tp``: a 2-token request closes it (window 1, an unreachable threshold) while the
+    others run, and they finish in the target-only decode, whose processing at TP > 1 keeps its own full-vocabulary
+    state, rebuilt at the hand-over from each request's prompt and tokens so far."""
+    import torch
+
+    from tensorrt_llm_ext.distributed import init_from_mpi
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.testing.requests import make_request
+
+    mapping = init_from_mpi(tp_size=tp)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    # a random drafter accepts ~nothing: the hand-over comes after ~2 tokens of each row
+    gate = {"speculative_config.acceptance_window": 1, "speculative_config.acceptance_length_threshold": 100.0,
+            "model.drafter_init": "random"}
+    eng = Engine(load_config(**{**SMALL, **gate, "tensor_parallel_size": tp}), mapping, device=device)
+    # + a greedy row whose unpenalised decode repeats its first tokens at 7-9: the penalty acts after the hand-over
+    # on counts made before it
+    reqs = [make_request(max_new_tokens=2, prompt_ids=[11, 12])] + [make_request(max_new_tokens=max_new, **r)
+                                                                    for r in ROWS] + [
+        make_request(max_new_tokens=max_new, prompt_ids=[189, 126, 490], frequency_penalty=1.5)]
+    modes = []
+    launch = eng.launch_step
+
+    def spy(slots, mode="speculative"):
+        modes.append(mode)
+        return launch(slots, mode)
+    eng.launch_step = spy
+    gated = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
+    del eng.launch_step
+    return {"gated": gated, "target": [r.output_ids for r in eng.generate(reqs, "target_only")[0]],
+            "modes": modes, "separate": eng.reference(verify_shaped=False).processors is not eng.worker().processors}
+
+
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_tp2_gate_hands_running_requests_to_the_target_decode(mpi_pool_executor):
+    results = run_on_ranks(mpi_pool_executor, _rank_gated, 2, 10)
+    first = results[0]
+    assert all(r == first for r in results[1:]), "ranks disagree"
+    assert first["separate"]  # the hand-over rebuilt the target decode's own processing state
+    k = first["modes"].index("target_only")
+    assert k > 0 and set(first["modes"][:k]) == {"speculative"} and set(first["modes"][k:]) == {"target_only"}
+    for row in (1, 4, 5, 6):  # greedy rows (1, 6: penalties): the target's own tokens across the hand-over
+        assert first["gated"][row] == first["target"][row], row
+    assert [len(t) for t in first["gated"]] == [2] + [10] * (len(ROWS) + 1)
+    assert first["gated"][6][7:] != first["gated"][6][:3]  # the penalty acted
