@@ -36,11 +36,23 @@ DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether it
 class Choice:
     """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
 
-    Stop strings are searched for incrementally: each event reads the output's text once (from the tokenizer's
-    byte table, :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`, else one decode) and searches only the text
-    that is new since the last event (plus the longest stop string's length back, for one that spans events),
-    with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
-    than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+    Text: with a byte-level tokenizer, the output's bytes (the tokenizer's byte table,
+    :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`) decoded; with any other (SentencePiece's Metaspace and
+    byte fallback: Llama 2, Mistral, Gemma), grown token by token as vLLM's incremental detokenizer does: each
+    token's text is the decode of a short window (the last tokens already shown, starting with the prompt's last
+    few) past the window's own text, added once it ends in a whole character, never rewritten. A whole decode of
+    the output alone drops the leading space of its first word ("Hello" + "world") and, with byte fallback,
+    turns a run of byte tokens that ends mid-character into one replacement character per byte, so characters
+    already streamed vanished from the answer.
+
+    Stop strings are searched for incrementally: each event reads the output's text once and searches only the
+    text that is new since the last event (plus the longest stop string's length back, for one that spans
+    events), with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has
+    more than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+
+    # The prompt tokens an output is decoded after: the shortest suffix of at least the first number whose text
+    # has no replacement character, at most the second (vLLM's choice).
+    DECODE_CONTEXT = (4, 24)
 
     DECODE_GUARD = 8  # characters at the end of a decode that a later token may still change (merged bytes)
 
@@ -70,27 +82,78 @@ class Choice:
         self.table = byte_table(ctx.tokenizer) if ctx.tokenizer is not None and self.skip_special else None
         self._bytes = bytearray()  # with a table: the output's bytes ...
         self._ends: list[int] = []  # ... and where each token's end
+        self._text = ""  # without a table: the output's text, grown token by token (see _feed) ...
+        self._text_ends: list[int] = []  # ... and where each token's text ends in it
+        self._window: list[int] | None = None  # ... the tokens decoded together: the last ones shown, then pending
+        self._window_read = 0  # ... window[:_window_read] are shown (or the prompt's), the rest pending
+        self._window_text = ""  # ... the text of window[:_window_read]
 
     def decode(self, tokens: list[int]) -> str | None:
         return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
 
     def prefix_text(self, k: int) -> str | None:
-        """The text of the output's first ``k`` tokens (``decode(tokens[:k])``)."""
+        """The text of the output's first ``k`` tokens."""
+        if self.ctx.tokenizer is None:
+            return None
         if self.table is None:
-            return self.decode(self.tokens[:k])
+            return self._text[:self._text_ends[k - 1]] if k else ""
         return self._bytes[:self._ends[k - 1]].decode("utf-8", "replace") if k else ""
 
     def _extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
         if self.table is None:
+            self._feed(tokens)
             return
         table, buf, ends = self.table, self._bytes, self._ends
         for t in tokens:
             if not 0 <= t < len(table):  # an id the tokenizer lacks: its own decode says what it is
                 self.table = None
+                self._feed(self.tokens)
                 return
             buf += table[t]
             ends.append(len(buf))
+
+    def _feed(self, tokens: list[int]) -> None:
+        """Without a table: each token's text (vLLM's incremental detokenization). A token whose window decodes
+        to text ending in a replacement character (an incomplete character so far) is pending: its text comes
+        with the token that completes it."""
+        if self.ctx.tokenizer is None:
+            return
+        if self._window is None:
+            ids, (least, most) = self.prompt_ids, self.DECODE_CONTEXT
+            context = ids[-least:]
+            for n in range(least, min(len(ids), most) + 1):
+                if "\ufffd" not in self.decode(ids[-n:]):
+                    context = ids[-n:]
+                    break
+            self._window, self._window_read = list(context), len(context)
+            self._window_text = self.decode(context)
+        for t in tokens:
+            self._window.append(t)
+            text = self.decode(self._window)
+            if len(text) > len(self._window_text) and not text.endswith("\ufffd"):
+                self._text += text[len(self._window_text):]
+                del self._window[:self._window_read]
+                self._window_read = len(self._window)
+                self._window_text = self.decode(self._window)
+            self._text_ends.append(len(self._text))
+
+    def _flush(self, final: int) -> None:
+        """Without a table, once the choice ended: the text still pending for its first ``final`` tokens, as
+        decoded (an incomplete character at the end shows as a replacement character, as a whole decode has it)."""
+        pending = len(self._window or ()) - self._window_read
+        first_pending = len(self.tokens) - pending
+        if self.ctx.tokenizer is None or final <= first_pending:
+            return
+        end = self._window_read + final - first_pending
+        text = self.decode(self._window[:end])
+        # Byte fallback decodes a run of byte tokens that is not UTF-8 as one U+FFFD per byte, the run's shown
+        # characters included: then the pending tokens' own decode.
+        tail = (text[len(self._window_text):] if text.startswith(self._window_text)
+                else self.decode(self._window[self._window_read:end]))
+        if tail:
+            self._text += tail
+            self._text_ends[first_pending:] = [len(self._text)] * (len(self.tokens) - first_pending)
 
     def _truncate(self, m: int) -> None:
         del self.tokens[m:]
@@ -98,6 +161,9 @@ class Choice:
         if self.table is not None:
             del self._ends[m:]
             del self._bytes[self._ends[-1] if self._ends else 0:]
+        else:
+            del self._text_ends[m:]
+            self._text = self._text[:self._text_ends[-1] if self._text_ends else 0]
 
     def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
         prev = len(self.tokens)
@@ -109,6 +175,8 @@ class Choice:
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
             self.stop_token = e.finish_reason == "stop"
+            if self.table is None:
+                self._flush(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if e.finish_reason == "error":
             msg = e.error or "the engine ended the request with an error"
             self.error = (ApiError(400, msg) if e.request_fault
@@ -164,9 +232,11 @@ class Choice:
         text = self.text()
         if text is None or self.finish_reason is not None:
             return text
+        # The incomplete character first: a stop string ending in it starts within the hold of the text before it
+        # (held back after it, the stop's first character was streamed, then cut from the answer).
+        text = text.rstrip("\ufffd")
         hold = max(0, self.stop_reach - 1)
-        text = text[:max(0, len(text) - hold)]
-        return text.rstrip("\ufffd")
+        return text[:max(0, len(text) - hold)]
 
 
 def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
