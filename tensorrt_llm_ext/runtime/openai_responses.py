@@ -295,10 +295,33 @@ def echoed_logprobs(ch) -> tuple[list, list[int]]:
     return [None] + list(ch.prompt_logprobs or ()), list(ch.prompt_ids)
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece's <0xE4>)
+
+
+def _token_bytes(ctx, token: int, s: str) -> list[int]:
+    """OpenAI's ``bytes`` of a token: the token's own bytes, so that a character split over tokens joins back (a
+    byte token's string is U+FFFD, whose UTF-8 said nothing of it) -- from the byte table (byte-level BPE) or a
+    byte-fallback piece; else the UTF-8 of its string. Kept per id, as the strings are."""
+    cache = getattr(ctx, "token_bytes", None)
+    got = cache.get(token) if cache is not None else None
+    if got is None:
+        tok, got = ctx.tokenizer, list(s.encode("utf-8"))
+        table = byte_table(tok) if tok is not None else None
+        if table is not None and 0 <= token < len(table) and table[token]:  # b"": a special token, its string
+            got = list(table[token])
+        elif "\ufffd" in s and hasattr(tok, "convert_ids_to_tokens"):
+            piece = _BYTE_PIECE.fullmatch(tok.convert_ids_to_tokens(token) or "")
+            if piece is not None:
+                got = [int(piece.group(1), 16)]
+        if cache is not None:
+            cache[token] = got
+    return got
+
+
 def chat_logprobs(ctx, lps: list, tokens: list[int]) -> dict:
     def entry(t, v):
         s = _token_str(ctx, t)
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _lp(v), "bytes": _token_bytes(ctx, t, s)}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                         for t, (lp, top) in zip(tokens, lps)]}

@@ -104,6 +104,7 @@ class ServeContext:
     # id): an echoed 2k-token prompt at top 20 names ~42k of them, which were ~42k tokenizer calls on the output thread
     # (every stream waits for it) and are dictionary reads once its ids were seen.
     token_strs: dict = field(default_factory=dict, repr=False)
+    token_bytes: dict = field(default_factory=dict, repr=False)  # chat logprobs' `bytes` by id, the same way
 
     @property
     def limits(self) -> ServeLimits:

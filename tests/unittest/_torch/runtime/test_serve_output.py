@@ -321,3 +321,21 @@ def test_a_stop_string_ending_in_a_character_split_across_events_streams_none_of
         want = "abé€" if include else "ab"
         assert _answer(tok, prompt, blocks, False, stop="é€", include_stop_str_in_output=include) == want
         assert _answer(tok, prompt, blocks, True, stop="é€", include_stop_str_in_output=include) == want
+
+
+def test_chat_logprob_bytes_of_a_split_character_join_back_to_it(tok):
+    """OpenAI's ``bytes`` of a chat log-probability entry are the token's own bytes: the entries of a character split
+    over byte tokens join back to its UTF-8 (was: each one U+FFFD's [239, 191, 189]), for a byte-level tokenizer
+    and a byte-fallback one; a special token's are its string's."""
+    from tensorrt_llm_ext.runtime.openai_responses import chat_logprobs
+
+    for t in (tok, _metaspace_tokenizer()):
+        ids = t.encode("aé€😀", add_special_tokens=False)
+        assert len(ids) >= 10  # every non-ASCII character split over byte tokens
+        ctx = SimpleNamespace(tokenizer=t, token_strs={}, token_bytes={})
+        special = t.convert_tokens_to_ids(t.eos_token or "<|endoftext|>")
+        content = chat_logprobs(ctx, [(-1.0, [(i, -1.0)]) for i in ids + [special]], ids + [special])["content"]
+        joined = b"".join(bytes(e["bytes"]) for e in content[:-1])
+        assert joined.decode("utf-8").endswith("aé€😀"), joined  # (Metaspace: the prompt's leading space first)
+        assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
+        assert content[-1]["bytes"] == list(content[-1]["token"].encode())
