@@ -77,6 +77,7 @@ class Choice:
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprobs_sent = 0
+        self.text_offset = 0  # streamed completions' logprobs: the text_offset of the next token
         # A byte-level tokenizer's bytes per id: the text of any prefix of the output is its bytes decoded (see
         # prefix_text), so no event decodes the whole output again. None: every text is tok.decode's.
         self.table = byte_table(ctx.tokenizer) if ctx.tokenizer is not None and self.skip_special else None
@@ -611,7 +612,10 @@ class ChoicesResponse:
             c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
         if self.want_logprobs:
             lps, toks = echoed_logprobs(ch) if first and self.body.echo else ([], [])
-            c["logprobs"] = completion_logprobs(self.ctx, lps + new_lps, toks + new_tokens)
+            lp = completion_logprobs(self.ctx, lps + new_lps, toks + new_tokens, ch.text_offset)
+            if lp["tokens"]:  # the next chunk's offsets continue from here (they restarted at 0 in every chunk)
+                ch.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            c["logprobs"] = lp
         return c
 
     def _delta_json(self, ch: Choice, first: bool) -> str:

@@ -339,3 +339,34 @@ def test_chat_logprob_bytes_of_a_split_character_join_back_to_it(tok):
         assert joined.decode("utf-8").endswith("aé€😀"), joined  # (Metaspace: the prompt's leading space first)
         assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
         assert content[-1]["bytes"] == list(content[-1]["token"].encode())
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_continue_across_chunks(tok, echo):
+    """Completions' streamed ``logprobs.text_offset`` equal the non-streamed answer's (was: each chunk's restarted
+    at 0), with and without the echoed prompt."""
+    prompt, out = [300, 301], [302, 303, 304, 305, 306]
+    blocks = [out[:2], out[2:3], out[3:]]
+
+    class Worker:
+        def call(self, fn):
+            fn()
+
+    async def run(stream):
+        body = CompletionRequest(prompt=prompt, max_tokens=5, logprobs=1, echo=echo, stream=stream)
+        ctx = _ctx(tok)
+        res = ChoicesResponse(ctx, "id", "text_completion", body, Worker())
+        res.start({0: Choice(ctx, 0, prompt, [], False, body)})
+        offsets = []
+        for i, ids in enumerate(blocks):
+            e = Event(0, ids, "length" if i == len(blocks) - 1 else None, accepted_len=len(ids),
+                      logprobs=[(-1.0, [(t, -1.0)]) for t in ids], prompt_logprobs=[(-2.0, [(301, -2.0)])] if i == 0 else None)
+            payload = res.on_item(e)
+            if stream:
+                data = payload.data if isinstance(payload, _Last) else payload
+                offsets += json.loads(data.split(b"\n\n")[0][len(b"data: "):])["choices"][0]["logprobs"]["text_offset"]
+        return offsets if stream else json.loads(res.final_json())["choices"][0]["logprobs"]["text_offset"]
+
+    streamed, whole = asyncio.run(run(True)), asyncio.run(run(False))
+    assert len(whole) == len(out) + (len(prompt) if echo else 0) and whole == sorted(set(whole))
+    assert streamed == whole
