@@ -73,7 +73,9 @@ class Choice:
         self.prompt_logprobs: list | None = None  # echo with logprobs: prompt tokens 1 .. n-1 (the prefill's event)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
-        self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
+        # The last token is a stop / EOS id: kept in token_ids, and in text only with include_stop_str_in_output
+        # (vLLM's rule for stop ids: it leaves the stop token's text out only when that field is false).
+        self.stop_token = False
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprobs_sent = 0
@@ -175,7 +177,7 @@ class Choice:
             self.prompt_logprobs = e.prompt_logprobs
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
-            self.stop_token = e.finish_reason == "stop"
+            self.stop_token = e.finish_reason == "stop" and not self.include_stop
             if self.table is None:
                 self._flush(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if e.finish_reason == "error":
@@ -220,7 +222,7 @@ class Choice:
             loop.cancel(handle, "stop")
 
     def text(self) -> str | None:
-        """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
+        """The choice's text so far: the stop string and a stop / EOS token left out unless included."""
         text = self.prefix_text(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if text is None or self.stop_span is None:
             return text

@@ -11,7 +11,7 @@ Stopping: the engine ends a request at its stop ids / the checkpoint's EOS (``ig
 text new since the last event; like stop ids, only once the output has more than ``min_tokens`` tokens), and
 the request is then cancelled in the engine (its slot freed before the next step). ``text``, ``token_ids`` and ``usage`` agree:
 the tokens end with the one that completed the stop (string or id), the text ends before the stop string
-(unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
+and shows no stop or EOS token (both unless ``include_stop_str_in_output``).
 
 Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
 engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the

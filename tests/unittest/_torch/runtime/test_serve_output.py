@@ -370,3 +370,18 @@ def test_streamed_text_offsets_continue_across_chunks(tok, echo):
     streamed, whole = asyncio.run(run(True)), asyncio.run(run(False))
     assert len(whole) == len(out) + (len(prompt) if echo else 0) and whole == sorted(set(whole))
     assert streamed == whole
+
+
+def test_include_stop_str_in_output_keeps_a_stop_ids_text(tok):
+    """vLLM's rule: the token of a stop id (``stop_token_ids``, EOS) is left out of the text only when
+    ``include_stop_str_in_output`` is false (was: always left out, the field ignored for stop ids); token_ids end
+    with it either way. Both tokenizer paths, streamed and not."""
+    for t in (tok, _metaspace_tokenizer()):
+        prompt = t.encode("so", add_special_tokens=False)
+        out = t.encode(" hello world", add_special_tokens=False)[-4:]
+        blocks = [out[:2], out[2:]]
+        for stream in (False, True):
+            shown = _answer(t, prompt, blocks, stream, finish="stop", include_stop_str_in_output=True)
+            cut = _answer(t, prompt, blocks, stream, finish="stop")
+            assert shown.startswith(cut) and len(shown) > len(cut), (shown, cut)
+            assert shown == _answer(t, prompt, blocks, stream)  # the text of every token, as a "length" end
