@@ -160,8 +160,7 @@ def _template_ids(ctx: ServeContext, messages, add_generation_prompt: bool, tool
                   add_special_tokens: bool = False) -> list[int]:
     """``messages`` through the chat template (``--chat-template``, else the tokenizer's) as token ids."""
     tok = ctx.tokenizer
-    template = ctx.chat_template or getattr(tok, "chat_template", None)
-    if not template:  # a transformers tokenizer always declares the attribute
+    if not (ctx.chat_template or getattr(tok, "chat_template", None)):  # transformers' tokenizers declare it
         raise ApiError(400, "messages: the model's tokenizer has no chat template (use /v1/completions, or start "
                             "the server with --chat-template)", "messages")
     msgs = [m.template_dict() for m in messages]
@@ -169,8 +168,11 @@ def _template_ids(ctx: ServeContext, messages, add_generation_prompt: bool, tool
     if tools:  # only with tool_choice "none" (validated): the template sees the tools, no call is parsed
         extra["tools"] = [t.model_dump() for t in tools]
     try:
+        # The tokenizer's own template is left for transformers to pick: named ones (a dict, "default" and
+        # "tool_use") are chosen by whether there are tools (given as the argument, a dict was a TypeError: every
+        # chat request answered 400).
         text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                       chat_template=template, **extra)
+                                       chat_template=ctx.chat_template, **extra)
     except Exception as e:  # the template's own error (for example a role order it refuses)
         raise ApiError(400, f"messages: the chat template refused them: {type(e).__name__}: {e}", "messages") from None
     # The template writes the special tokens (BOS) itself; the tokenizer adds none unless asked.
