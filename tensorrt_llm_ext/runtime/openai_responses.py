@@ -81,7 +81,7 @@ class Choice:
         self.logprobs_sent = 0
         self.text_offset = 0  # streamed completions' logprobs: the text_offset of the next token
         # A byte-level tokenizer's bytes per id: the text of any prefix of the output is its bytes decoded (see
-        # prefix_text), so no event decodes the whole output again. None: every text is tok.decode's.
+        # prefix_text), so no event decodes the whole output again. None: the text grows token by token (_feed).
         self.table = byte_table(ctx.tokenizer) if ctx.tokenizer is not None and self.skip_special else None
         self._bytes = bytearray()  # with a table: the output's bytes ...
         self._ends: list[int] = []  # ... and where each token's end
