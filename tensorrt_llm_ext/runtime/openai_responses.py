@@ -36,11 +36,23 @@ DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether it
 class Choice:
     """Tokens, log-probabilities and text of one choice, cut at its stop (string or id).
 
-    Stop strings are searched for incrementally: each event reads the output's text once (from the tokenizer's
-    byte table, :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`, else one decode) and searches only the text
-    that is new since the last event (plus the longest stop string's length back, for one that spans events),
-    with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has more
-    than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+    Text: with a byte-level tokenizer, the output's bytes (the tokenizer's byte table,
+    :func:`~tensorrt_llm_ext.runtime.tokenizer.byte_table`) decoded; with any other (SentencePiece's Metaspace and
+    byte fallback: Llama 2, Mistral, Gemma), grown token by token as vLLM's incremental detokenizer does: each
+    token's text is the decode of a short window (the last tokens already shown, starting with the prompt's last
+    few) past the window's own text, added once it ends in a whole character, never rewritten. A whole decode of
+    the output alone drops the leading space of its first word ("Hello" + "world") and, with byte fallback,
+    turns a run of byte tokens that ends mid-character into one replacement character per byte, so characters
+    already streamed vanished from the answer.
+
+    Stop strings are searched for incrementally: each event reads the output's text once and searches only the
+    text that is new since the last event (plus the longest stop string's length back, for one that spans
+    events), with one precompiled pattern for all of them. As vLLM, a stop string counts only once the output has
+    more than ``min_tokens`` tokens, and only if it ends after the text of the first ``min_tokens``."""
+
+    # The prompt tokens an output is decoded after: the shortest suffix of at least the first number whose text
+    # has no replacement character, at most the second (vLLM's choice).
+    DECODE_CONTEXT = (4, 24)
 
     DECODE_GUARD = 8  # characters at the end of a decode that a later token may still change (merged bytes)
 
@@ -61,36 +73,90 @@ class Choice:
         self.prompt_logprobs: list | None = None  # echo with logprobs: prompt tokens 1 .. n-1 (the prefill's event)
         self.finish_reason: str | None = None
         self.error: ApiError | None = None  # finish_reason "error": what the engine said, as the HTTP answer
-        self.stop_token = False  # the last token is a stop / EOS id (kept in token_ids, not in text)
+        # The last token is a stop / EOS id: kept in token_ids, and in text only with include_stop_str_in_output
+        # (vLLM's rule for stop ids: it leaves the stop token's text out only when that field is false).
+        self.stop_token = False
         self.text_sent = 0
         self.tokens_sent = 0
         self.logprobs_sent = 0
+        self.text_offset = 0  # streamed completions' logprobs: the text_offset of the next token
         # A byte-level tokenizer's bytes per id: the text of any prefix of the output is its bytes decoded (see
-        # prefix_text), so no event decodes the whole output again. None: every text is tok.decode's.
+        # prefix_text), so no event decodes the whole output again. None: the text grows token by token (_feed).
         self.table = byte_table(ctx.tokenizer) if ctx.tokenizer is not None and self.skip_special else None
         self._bytes = bytearray()  # with a table: the output's bytes ...
         self._ends: list[int] = []  # ... and where each token's end
+        self._text = ""  # without a table: the output's text, grown token by token (see _feed) ...
+        self._text_ends: list[int] = []  # ... and where each token's text ends in it
+        self._window: list[int] | None = None  # ... the tokens decoded together: the last ones shown, then pending
+        self._window_read = 0  # ... window[:_window_read] are shown (or the prompt's), the rest pending
+        self._window_text = ""  # ... the text of window[:_window_read]
 
     def decode(self, tokens: list[int]) -> str | None:
         return decode_text(self.ctx.tokenizer, tokens, self.skip_special, self.spaces_between)
 
     def prefix_text(self, k: int) -> str | None:
-        """The text of the output's first ``k`` tokens (``decode(tokens[:k])``)."""
+        """The text of the output's first ``k`` tokens."""
+        if self.ctx.tokenizer is None:
+            return None
         if self.table is None:
-            return self.decode(self.tokens[:k])
+            return self._text[:self._text_ends[k - 1]] if k else ""
         return self._bytes[:self._ends[k - 1]].decode("utf-8", "replace") if k else ""
 
     def _extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
         if self.table is None:
+            self._feed(tokens)
             return
         table, buf, ends = self.table, self._bytes, self._ends
         for t in tokens:
             if not 0 <= t < len(table):  # an id the tokenizer lacks: its own decode says what it is
                 self.table = None
+                self._feed(self.tokens)
                 return
             buf += table[t]
             ends.append(len(buf))
+
+    def _feed(self, tokens: list[int]) -> None:
+        """Without a table: each token's text (vLLM's incremental detokenization). A token whose window decodes
+        to text ending in a replacement character (an incomplete character so far) is pending: its text comes
+        with the token that completes it."""
+        if self.ctx.tokenizer is None:
+            return
+        if self._window is None:
+            ids, (least, most) = self.prompt_ids, self.DECODE_CONTEXT
+            context = ids[-least:]
+            for n in range(least, min(len(ids), most) + 1):
+                if "\ufffd" not in self.decode(ids[-n:]):
+                    context = ids[-n:]
+                    break
+            self._window, self._window_read = list(context), len(context)
+            self._window_text = self.decode(context)
+        for t in tokens:
+            self._window.append(t)
+            text = self.decode(self._window)
+            if len(text) > len(self._window_text) and not text.endswith("\ufffd"):
+                self._text += text[len(self._window_text):]
+                del self._window[:self._window_read]
+                self._window_read = len(self._window)
+                self._window_text = self.decode(self._window)
+            self._text_ends.append(len(self._text))
+
+    def _flush(self, final: int) -> None:
+        """Without a table, once the choice ended: the text still pending for its first ``final`` tokens, as
+        decoded (an incomplete character at the end shows as a replacement character, as a whole decode has it)."""
+        pending = len(self._window or ()) - self._window_read
+        first_pending = len(self.tokens) - pending
+        if self.ctx.tokenizer is None or final <= first_pending:
+            return
+        end = self._window_read + final - first_pending
+        text = self.decode(self._window[:end])
+        # Byte fallback decodes a run of byte tokens that is not UTF-8 as one U+FFFD per byte, the run's shown
+        # characters included: then the pending tokens' own decode.
+        tail = (text[len(self._window_text):] if text.startswith(self._window_text)
+                else self.decode(self._window[self._window_read:end]))
+        if tail:
+            self._text += tail
+            self._text_ends[first_pending:] = [len(self._text)] * (len(self.tokens) - first_pending)
 
     def _truncate(self, m: int) -> None:
         del self.tokens[m:]
@@ -98,6 +164,9 @@ class Choice:
         if self.table is not None:
             del self._ends[m:]
             del self._bytes[self._ends[-1] if self._ends else 0:]
+        else:
+            del self._text_ends[m:]
+            self._text = self._text[:self._text_ends[-1] if self._text_ends else 0]
 
     def apply(self, e: Event, loop: EngineLoop, handle: int) -> None:
         prev = len(self.tokens)
@@ -108,7 +177,9 @@ class Choice:
             self.prompt_logprobs = e.prompt_logprobs
         if e.finish_reason is not None:
             self.finish_reason = "stop" if e.finish_reason == "stop" else e.finish_reason
-            self.stop_token = e.finish_reason == "stop"
+            self.stop_token = e.finish_reason == "stop" and not self.include_stop
+            if self.table is None:
+                self._flush(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if e.finish_reason == "error":
             msg = e.error or "the engine ended the request with an error"
             self.error = (ApiError(400, msg) if e.request_fault
@@ -151,7 +222,7 @@ class Choice:
             loop.cancel(handle, "stop")
 
     def text(self) -> str | None:
-        """The choice's text so far: the stop string (unless included) and a stop / EOS token left out."""
+        """The choice's text so far: the stop string and a stop / EOS token left out unless included."""
         text = self.prefix_text(len(self.tokens) - 1 if self.stop_token else len(self.tokens))
         if text is None or self.stop_span is None:
             return text
@@ -164,9 +235,11 @@ class Choice:
         text = self.text()
         if text is None or self.finish_reason is not None:
             return text
+        # The incomplete character first: a stop string ending in it starts within the hold of the text before it
+        # (held back after it, the stop's first character was streamed, then cut from the answer).
+        text = text.rstrip("\ufffd")
         hold = max(0, self.stop_reach - 1)
-        text = text[:max(0, len(text) - hold)]
-        return text.rstrip("\ufffd")
+        return text[:max(0, len(text) - hold)]
 
 
 def decode_text(tok, tokens: list[int], skip_special_tokens: bool = True,
@@ -225,10 +298,33 @@ def echoed_logprobs(ch) -> tuple[list, list[int]]:
     return [None] + list(ch.prompt_logprobs or ()), list(ch.prompt_ids)
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece's <0xE4>)
+
+
+def _token_bytes(ctx, token: int, s: str) -> list[int]:
+    """OpenAI's ``bytes`` of a token: the token's own bytes, so that a character split over tokens joins back (a
+    byte token's string is U+FFFD, whose UTF-8 said nothing of it) -- from the byte table (byte-level BPE) or a
+    byte-fallback piece; else the UTF-8 of its string. Kept per id, as the strings are."""
+    cache = getattr(ctx, "token_bytes", None)
+    got = cache.get(token) if cache is not None else None
+    if got is None:
+        tok, got = ctx.tokenizer, list(s.encode("utf-8"))
+        table = byte_table(tok) if tok is not None else None
+        if table is not None and 0 <= token < len(table) and table[token]:  # b"": a special token, its string
+            got = list(table[token])
+        elif "\ufffd" in s and hasattr(tok, "convert_ids_to_tokens"):
+            piece = _BYTE_PIECE.fullmatch(tok.convert_ids_to_tokens(token) or "")
+            if piece is not None:
+                got = [int(piece.group(1), 16)]
+        if cache is not None:
+            cache[token] = got
+    return got
+
+
 def chat_logprobs(ctx, lps: list, tokens: list[int]) -> dict:
     def entry(t, v):
         s = _token_str(ctx, t)
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _lp(v), "bytes": _token_bytes(ctx, t, s)}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                         for t, (lp, top) in zip(tokens, lps)]}
@@ -518,7 +614,10 @@ class ChoicesResponse:
             c["text"] = ((ch.decode(ch.prompt_ids) or "") if first and self.body.echo else "") + delta_text
         if self.want_logprobs:
             lps, toks = echoed_logprobs(ch) if first and self.body.echo else ([], [])
-            c["logprobs"] = completion_logprobs(self.ctx, lps + new_lps, toks + new_tokens)
+            lp = completion_logprobs(self.ctx, lps + new_lps, toks + new_tokens, ch.text_offset)
+            if lp["tokens"]:  # the next chunk's offsets continue from here (they restarted at 0 in every chunk)
+                ch.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            c["logprobs"] = lp
         return c
 
     def _delta_json(self, ch: Choice, first: bool) -> str:

@@ -11,7 +11,7 @@ Stopping: the engine ends a request at its stop ids / the checkpoint's EOS (``ig
 text new since the last event; like stop ids, only once the output has more than ``min_tokens`` tokens), and
 the request is then cancelled in the engine (its slot freed before the next step). ``text``, ``token_ids`` and ``usage`` agree:
 the tokens end with the one that completed the stop (string or id), the text ends before the stop string
-(unless ``include_stop_str_in_output``) and never shows a stop or EOS token.
+and shows no stop or EOS token (both unless ``include_stop_str_in_output``).
 
 Failures: a request the engine ends with an error (a value a layer below refused) answers 400 with the
 engine's message (500 when it only shared an aborted step), streamed as an error chunk then ``[DONE]``; the
@@ -104,6 +104,7 @@ class ServeContext:
     # id): an echoed 2k-token prompt at top 20 names ~42k of them, which were ~42k tokenizer calls on the output thread
     # (every stream waits for it) and are dictionary reads once its ids were seen.
     token_strs: dict = field(default_factory=dict, repr=False)
+    token_bytes: dict = field(default_factory=dict, repr=False)  # chat logprobs' `bytes` by id, the same way
 
     @property
     def limits(self) -> ServeLimits:
@@ -159,8 +160,7 @@ def _template_ids(ctx: ServeContext, messages, add_generation_prompt: bool, tool
                   add_special_tokens: bool = False) -> list[int]:
     """``messages`` through the chat template (``--chat-template``, else the tokenizer's) as token ids."""
     tok = ctx.tokenizer
-    template = ctx.chat_template or getattr(tok, "chat_template", None)
-    if not template:  # a transformers tokenizer always declares the attribute
+    if not (ctx.chat_template or getattr(tok, "chat_template", None)):  # transformers' tokenizers declare it
         raise ApiError(400, "messages: the model's tokenizer has no chat template (use /v1/completions, or start "
                             "the server with --chat-template)", "messages")
     msgs = [m.template_dict() for m in messages]
@@ -168,8 +168,11 @@ def _template_ids(ctx: ServeContext, messages, add_generation_prompt: bool, tool
     if tools:  # only with tool_choice "none" (validated): the template sees the tools, no call is parsed
         extra["tools"] = [t.model_dump() for t in tools]
     try:
+        # The tokenizer's own template is left for transformers to pick: named ones (a dict, "default" and
+        # "tool_use") are chosen by whether there are tools (given as the argument, a dict was a TypeError: every
+        # chat request answered 400).
         text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                       chat_template=template, **extra)
+                                       chat_template=ctx.chat_template, **extra)
     except Exception as e:  # the template's own error (for example a role order it refuses)
         raise ApiError(400, f"messages: the chat template refused them: {type(e).__name__}: {e}", "messages") from None
     # The template writes the special tokens (BOS) itself; the tokenizer adds none unless asked.

@@ -103,7 +103,7 @@ def _build_byte_table(tok) -> list[bytes] | None:
         ids = [rng.randrange(len(table)) for _ in range(rng.randint(1, 24))] + rng.sample(extra, min(2, len(extra)))
         rng.shuffle(ids)
         if b"".join(table[t] for t in ids).decode("utf-8", "replace") != tok.decode(ids, skip_special_tokens=True):
-            logger.info("tokenizer: its decode is not plain byte-level BPE; outputs are decoded whole per event")
+            logger.info("tokenizer: its decode is not plain byte-level BPE; outputs are decoded token by token")
             return None
     return table
 

@@ -92,3 +92,29 @@ def test_text_prompts_need_no_http_stack():
             "assert 'fastapi' not in sys.modules and 'tensorrt_llm_ext.runtime.server' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_named_chat_templates_are_chosen_by_transformers(tmp_path, tok):
+    """A tokenizer with named chat templates (``chat_template`` a dict of "default" and "tool_use", as some
+    checkpoints ship them): chat renders with "default", and with "tool_use" when the tools reach the template
+    (was: every chat and /tokenize request with messages a 400, "TypeError: unhashable type: 'dict'").
+    ``--chat-template`` still replaces them."""
+    import transformers
+
+    from tensorrt_llm_ext.runtime.openai_protocol import ChatCompletionRequest
+    from tensorrt_llm_ext.runtime.server import ServeContext, _chat_prompt
+
+    tok.chat_template = {"default": EMBEDDED_CHAT_TEMPLATE, "tool_use": "{{ tools|length }} tool\n" + EMBEDDED_CHAT_TEMPLATE}
+    tok.save_pretrained(tmp_path)
+    tok.chat_template = EMBEDDED_CHAT_TEMPLATE  # the module's fixture, as it was
+    named = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert isinstance(named.chat_template, dict)
+    ctx = ServeContext(loop=None, model_name="m", vocab_size=1536, max_seq_len=64, tokenizer=named)
+    user = [{"role": "user", "content": "hi"}]
+    plain = _chat_prompt(ctx, ChatCompletionRequest(messages=user))
+    assert named.decode(plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with_tools = _chat_prompt(ctx, ChatCompletionRequest(messages=user, tools=tools, tool_choice="none"))
+    assert named.decode(with_tools).startswith("1 tool\n<|im_start|>user")
+    ctx.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert named.decode(_chat_prompt(ctx, ChatCompletionRequest(messages=user))) == "hi"

@@ -118,7 +118,8 @@ def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     ids = ch.to_dict()["token_ids"]
     assert ids == ref.output_ids and ch.finish_reason == ("stop" if ref.finish_reason == "stop" else "length")
     shown = ids[:-1] if ch.finish_reason == "stop" else ids
-    assert ch.message.content == tok.decode(shown, skip_special_tokens=True)
+    # Decoded after the prompt (vLLM's incremental detokenization): the word-level decoder's space before it.
+    assert ch.message.content == " " + tok.decode(shown, skip_special_tokens=True)
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(ids)
     assert len(ch.logprobs.content) == len(ids) and all(len(c.top_logprobs) == 2 for c in ch.logprobs.content)
     assert all(c.logprob <= 0 for c in ch.logprobs.content)
@@ -133,7 +134,7 @@ def test_chat_text_and_logprobs_through_the_openai_client(served, engine):
     text_prompt = tok.decode(PROMPT)
     c = client.completions.create(model="tiny-llama", prompt=text_prompt, max_tokens=MAX_NEW)
     assert c.choices[0].to_dict()["token_ids"] == full[:at + 1] and c.choices[0].finish_reason == "stop"
-    assert c.choices[0].text == tok.decode(full[:at], skip_special_tokens=True)
+    assert text_prompt + c.choices[0].text == tok.decode(PROMPT + full[:at], skip_special_tokens=True)
     assert c.usage.completion_tokens == at + 1
     c = client.completions.create(model="tiny-llama", prompt=text_prompt, max_tokens=MAX_NEW,
                                   extra_body={"ignore_eos": True})
@@ -164,7 +165,7 @@ def test_stop_strings_cut_text_tokens_and_usage_alike(served):
                 text, ids = c.choices[0].text, c.choices[0].to_dict()["token_ids"]
                 finish, usage = c.choices[0].finish_reason, c.usage.completion_tokens
             assert ids == full[:first + 1] and usage == first + 1 and finish == "stop", (include, stream)
-            whole = tok.decode(full[:first + 1], skip_special_tokens=True)
+            whole = " " + tok.decode(full[:first + 1], skip_special_tokens=True)  # the text after the prompt's
             want = whole[:whole.find(stop) + (len(stop) if include else 0)]
             assert text == want, (include, stream, text, want)
     assert client.with_options().models.list().data  # the server is still healthy
@@ -211,7 +212,7 @@ def test_llama3_and_qwen3_checkpoints_serve_chat_eos_and_logprobs(tmp_path, fami
     ch = out.choices[0]
     ids = ch.to_dict()["token_ids"]
     assert ids == free[:at + 1] and ch.finish_reason == "stop"
-    assert ch.message.content == tok.decode(free[:at], skip_special_tokens=True)
+    assert ch.message.content == " " + tok.decode(free[:at], skip_special_tokens=True)  # after "assistant"
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == at + 1
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:].float()

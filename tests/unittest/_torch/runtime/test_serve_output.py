@@ -57,8 +57,8 @@ def test_byte_table_text_is_the_tokenizers_decode(tok):
 
 @pytest.mark.parametrize("case", ["stop_strings", "min_tokens", "stop_token", "include_stop"])
 def test_a_choice_read_from_the_byte_table_equals_one_decoded_whole(tok, case):
-    """Event by event, text / stream_text / tokens / finish of a choice on the byte table equal those of the same
-    choice decoding its whole output (the path of any other tokenizer)."""
+    """Event by event, stream_text / tokens / finish of a choice on the byte table equal those of the same choice
+    decoded token by token (the path of any other tokenizer), and so does its final text."""
     rng = random.Random(case)
     text_ids = tok.encode("ab cd é€ 😀 stop here, and STOP again. " * 3, add_special_tokens=False)
     stops = {"stop_strings": ["STOP", "é€"], "min_tokens": ["ab"], "stop_token": [], "include_stop": ["here"]}[case]
@@ -77,8 +77,10 @@ def test_a_choice_read_from_the_byte_table_equals_one_decoded_whole(tok, case):
             a.apply(e, a.ctx.loop, 0)
             b.apply(e, b.ctx.loop, 0)
             assert (a.tokens, a.finish_reason, a.stop_span) == (b.tokens, b.finish_reason, b.stop_span)
-            assert a.text() == b.text() and a.stream_text() == b.stream_text()
+            # (text() differs only while running: the table's ends with the incomplete character's U+FFFD)
+            assert a.stream_text() == b.stream_text()
             k += n
+        assert a.text() == b.text()
         assert a.ctx.loop.cancelled == b.ctx.loop.cancelled
         if case != "stop_token":
             assert a.finish_reason == "stop", (case, trial, a.text())
@@ -222,3 +224,164 @@ def test_logprob_token_strings_are_decoded_once_per_id(tok):
     assert [e["token"] for e in chat["content"]] == first["tokens"]
     assert len(calls) == n + len({i for i, _ in lps[0][1]} - seen)  # only ids not seen before
 
+
+
+def _metaspace_tokenizer(vocab_size: int = VOCAB):
+    """A Llama 2 / Mistral style tokenizer (SentencePiece's layout in ``tokenizers``): BPE with byte fallback
+    (``<0xE4>``), ``▁`` for a space, and the decoder that drops the text's first leading space."""
+    import string
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for c in "▁" + string.ascii_letters + ".,":
+        vocab[c] = len(vocab)
+    merges = [("▁", a) for a in string.ascii_lowercase]
+    vocab.update({"▁" + a: len(vocab) + i for i, a in enumerate(string.ascii_lowercase)})
+    vocab.update({f"x{i}": i for i in range(len(vocab), vocab_size)})  # filler pieces up to the model's size
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def _answer(tok, prompt: list[int], blocks: list[list[int]], stream: bool, finish: str = "length", **fields):
+    """The text a completion answers for output ``blocks`` (one engine event each): the streamed deltas joined,
+    or the final text."""
+    body = CompletionRequest(prompt=prompt, max_tokens=64, stream=stream, **fields)
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    ctx = _ctx(tok)
+
+    class Worker:
+        def call(self, fn):
+            fn()
+
+    async def run():
+        out = ChoicesResponse(ctx, "id", "text_completion", body, Worker())
+        out.start({0: Choice(ctx, 0, prompt, stops, body.include_stop_str_in_output, body)})
+        text = ""
+        for i, ids in enumerate(blocks):
+            payload = out.on_item(Event(0, ids, finish if i == len(blocks) - 1 else None, accepted_len=len(ids)))
+            if stream and payload is not None:
+                data = payload.data if isinstance(payload, _Last) else payload
+                text += json.loads(data.split(b"\n\n")[0][len(b"data: "):])["choices"][0].get("text", "")
+        return text if stream else out.choices[0].text()
+
+    return asyncio.run(run())
+
+
+def test_a_sentencepiece_output_keeps_its_leading_space_and_its_byte_fallback_characters():
+    """A Metaspace / byte-fallback tokenizer (Llama 2, Mistral, Gemma) decodes the output after the prompt's last
+    tokens, token by token (vLLM's incremental detokenization): prompt + text reads as the whole decode (was:
+    "Hello" + "world", the output's leading space dropped), and a byte-fallback run cut mid-character keeps the
+    characters before the cut (was: streamed, then each byte a U+FFFD in the answer)."""
+    tok = _metaspace_tokenizer()
+    assert byte_table(tok) is None  # not byte-level: the token-by-token path
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    out = tok.encode(" world, again", add_special_tokens=False)[1:]  # "▁w" "o" "r" ...: a new word first
+    assert tok.convert_ids_to_tokens(out[:1]) == ["▁w"]
+    blocks = [out[i:i + 2] for i in range(0, len(out), 2)]
+    for stream in (False, True):
+        assert _answer(tok, prompt, blocks, stream) == " world, again"
+    han = tok.encode("中文字", add_special_tokens=False)[1:]  # three characters, 3 byte tokens each
+    assert len(han) == 9 and all(tok.convert_ids_to_tokens(t).startswith("<0x") for t in han)
+    cut = [han[:4], han[4:8]]  # max_tokens reached inside the third character
+    assert _answer(tok, prompt, cut, False) == "中文\ufffd\ufffd"  # the cut character's two bytes, as decoded
+    assert _answer(tok, prompt, cut, True) == "中文\ufffd\ufffd"
+    # Random outputs (byte tokens among them) in random blocks, with and without stop strings: the streamed
+    # deltas add up to the answer.
+    rng = random.Random(0)
+    for trial in range(40):
+        ids = tok.encode("héllo wörld 中文 😀 ok. " * 2, add_special_tokens=False)
+        ids = [t if rng.random() > 0.15 else rng.randrange(3, 259) for t in ids]
+        blocks, k = [], 0
+        while k < len(ids):
+            n = rng.randint(1, 4)
+            blocks.append(ids[k:k + n])
+            k += n
+        fields = {"stop": rng.choice(["wörld", "文", "😀 o", "l"])} if trial % 2 else {}
+        assert _answer(tok, prompt, blocks, True, **fields) == _answer(tok, prompt, blocks, False, **fields)
+
+
+def test_a_stop_string_ending_in_a_character_split_across_events_streams_none_of_it(tok):
+    """A stop string whose last character arrives byte by byte: its first character is held back with the rest
+    (was: the incomplete character counted in the hold, so "é" of "é€" was streamed, then cut from the answer)."""
+    prompt = [1]
+    text = "abé€ tail"
+    ids = tok.encode(text, add_special_tokens=False)
+    euro = [3 + b for b in "€".encode()]
+    at = ids.index(3 + "é".encode()[0])
+    blocks = [ids[:at + 2], euro[:1], euro[1:2], euro[2:], ids[at + 2 + 3:]]
+    assert b"".join(byte_table(tok)[t] for b in blocks for t in b).decode() == text
+    for include in (False, True):
+        want = "abé€" if include else "ab"
+        assert _answer(tok, prompt, blocks, False, stop="é€", include_stop_str_in_output=include) == want
+        assert _answer(tok, prompt, blocks, True, stop="é€", include_stop_str_in_output=include) == want
+
+
+def test_chat_logprob_bytes_of_a_split_character_join_back_to_it(tok):
+    """OpenAI's ``bytes`` of a chat log-probability entry are the token's own bytes: the entries of a character split
+    over byte tokens join back to its UTF-8 (was: each one U+FFFD's [239, 191, 189]), for a byte-level tokenizer
+    and a byte-fallback one; a special token's are its string's."""
+    from tensorrt_llm_ext.runtime.openai_responses import chat_logprobs
+
+    for t in (tok, _metaspace_tokenizer()):
+        ids = t.encode("aé€😀", add_special_tokens=False)
+        assert len(ids) >= 10  # every non-ASCII character split over byte tokens
+        ctx = SimpleNamespace(tokenizer=t, token_strs={}, token_bytes={})
+        special = t.convert_tokens_to_ids(t.eos_token or "<|endoftext|>")
+        content = chat_logprobs(ctx, [(-1.0, [(i, -1.0)]) for i in ids + [special]], ids + [special])["content"]
+        joined = b"".join(bytes(e["bytes"]) for e in content[:-1])
+        assert joined.decode("utf-8").endswith("aé€😀"), joined  # (Metaspace: the prompt's leading space first)
+        assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
+        assert content[-1]["bytes"] == list(content[-1]["token"].encode())
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_continue_across_chunks(tok, echo):
+    """Completions' streamed ``logprobs.text_offset`` equal the non-streamed answer's (was: each chunk's restarted
+    at 0), with and without the echoed prompt."""
+    prompt, out = [300, 301], [302, 303, 304, 305, 306]
+    blocks = [out[:2], out[2:3], out[3:]]
+
+    class Worker:
+        def call(self, fn):
+            fn()
+
+    async def run(stream):
+        body = CompletionRequest(prompt=prompt, max_tokens=5, logprobs=1, echo=echo, stream=stream)
+        ctx = _ctx(tok)
+        res = ChoicesResponse(ctx, "id", "text_completion", body, Worker())
+        res.start({0: Choice(ctx, 0, prompt, [], False, body)})
+        offsets = []
+        for i, ids in enumerate(blocks):
+            e = Event(0, ids, "length" if i == len(blocks) - 1 else None, accepted_len=len(ids),
+                      logprobs=[(-1.0, [(t, -1.0)]) for t in ids], prompt_logprobs=[(-2.0, [(301, -2.0)])] if i == 0 else None)
+            payload = res.on_item(e)
+            if stream:
+                data = payload.data if isinstance(payload, _Last) else payload
+                offsets += json.loads(data.split(b"\n\n")[0][len(b"data: "):])["choices"][0]["logprobs"]["text_offset"]
+        return offsets if stream else json.loads(res.final_json())["choices"][0]["logprobs"]["text_offset"]
+
+    streamed, whole = asyncio.run(run(True)), asyncio.run(run(False))
+    assert len(whole) == len(out) + (len(prompt) if echo else 0) and whole == sorted(set(whole))
+    assert streamed == whole
+
+
+def test_include_stop_str_in_output_keeps_a_stop_ids_text(tok):
+    """vLLM's rule: the token of a stop id (``stop_token_ids``, EOS) is left out of the text only when
+    ``include_stop_str_in_output`` is false (was: always left out, the field ignored for stop ids); token_ids end
+    with it either way. Both tokenizer paths, streamed and not."""
+    for t in (tok, _metaspace_tokenizer()):
+        prompt = t.encode("so", add_special_tokens=False)
+        out = t.encode(" hello world", add_special_tokens=False)[-4:]
+        blocks = [out[:2], out[2:]]
+        for stream in (False, True):
+            shown = _answer(t, prompt, blocks, stream, finish="stop", include_stop_str_in_output=True)
+            cut = _answer(t, prompt, blocks, stream, finish="stop")
+            assert shown.startswith(cut) and len(shown) > len(cut), (shown, cut)
+            assert shown == _answer(t, prompt, blocks, stream)  # the text of every token, as a "length" end
