@@ -116,6 +116,12 @@ def check_serve_args(args: argparse.Namespace) -> tuple[RuntimeConfig | None, st
     tok = args.tokenizer or cfg.tokenizer
     if tok is not None and not os.path.isdir(tok):
         return None, f"tokenizer directory {tok} not found"
+    from tensorrt_llm_ext.runtime.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+
+    if tok is not None and not has_tokenizer_files(tok):
+        # a named tokenizer that is not there would serve token-id prompts only, every text prompt a 400
+        return None, (f"tokenizer directory {tok} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                      f"leave --tokenizer out for the model directory's")
     err = _tokenizer_error(tok or cfg.model.path, cfg.model.target.vocab_size)
     if err:
         return None, err

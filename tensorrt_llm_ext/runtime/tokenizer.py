@@ -108,13 +108,19 @@ def _build_byte_table(tok) -> list[bytes] | None:
     return table
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: a tokenizer is there
+
+
+def has_tokenizer_files(directory: str) -> bool:
+    from pathlib import Path
+
+    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(directory: str | None):
     """A transformers tokenizer from ``directory`` when it has one (``tokenizer.json`` or
     ``tokenizer_config.json``), else None (token-id prompts only)."""
-    from pathlib import Path
-
-    if directory is None or not any((Path(directory) / f).is_file()
-                                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if directory is None or not has_tokenizer_files(directory):
         return None
     try:
         from transformers import AutoTokenizer

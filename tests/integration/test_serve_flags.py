@@ -79,3 +79,18 @@ def test_a_drain_timeout_no_timer_holds_is_one_line_at_start(value):
 def test_the_longest_drain_timeout_is_accepted():
     _, err = check_serve_args(_parse("--drain-timeout", "1e9", "--port", "1"))
     assert err is None or "--drain-timeout" not in err, err
+
+
+def test_a_named_tokenizer_directory_without_a_tokenizer_is_refused_at_start(tmp_path):
+    """``serve --tokenizer DIR`` where DIR exists but holds no tokenizer started with token-id prompts only (the flag
+    silently ignored, every text prompt a 400 saying the model has no tokenizer); a missing DIR was refused. Both
+    are one line at start now; a directory with one of the tokenizer files passes this check."""
+    cfg, err = check_serve_args(_parse("--tokenizer", str(tmp_path)))
+    assert cfg is None and err.startswith(f"tokenizer directory {tmp_path} holds no tokenizer"), err
+    _, err = check_serve_args(_parse("--tokenizer", str(tmp_path / "missing")))
+    assert err == f"tokenizer directory {tmp_path / 'missing'} not found", err
+    from tensorrt_llm_ext.testing.hf_checkpoints import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path, 517)
+    _, err = check_serve_args(_parse("--tokenizer", str(tmp_path), "--port", "1"))
+    assert err is None or "tokenizer" not in err, err
