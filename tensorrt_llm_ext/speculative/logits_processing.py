@@ -93,10 +93,12 @@ class SlotLogitsProcessors:
         for slot, f, prompt in zip(slots, params, prompts):
             self._host[slot] = f
             self.top_k[slot] = f.top_k
-            self.min_p[slot] = f.min_p
-            self.presence[slot] = f.presence_penalty
-            self.frequency[slot] = f.frequency_penalty
-            self.repetition[slot] = f.repetition_penalty
+            # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in
+            # fp32's range), which torch cannot write into a float tensor as an int
+            self.min_p[slot] = float(f.min_p)
+            self.presence[slot] = float(f.presence_penalty)
+            self.frequency[slot] = float(f.frequency_penalty)
+            self.repetition[slot] = float(f.repetition_penalty)
             self.bias_cols[slot] = 0
             self.bias_vals[slot] = 0.0
             own = [(t - self.vocab_start, b) for t, b in f.logit_bias if 0 <= t - self.vocab_start < self.width]

@@ -166,3 +166,21 @@ def test_slots_without_penalties_ignore_their_counts():
     want = process_reference(x, [f for f in fields for _ in range(K + 1)], temps.tolist(),
                              [[]] * (3 * (K + 1)), [[]] * (3 * (K + 1)))
     assert torch.equal(first, want)
+
+
+def test_a_penalty_given_as_a_huge_int_is_served_as_its_float():
+    """A checked field may be a Python int past int64 (``repetition_penalty`` 10**30 from a JSON integer: in fp32's
+    range, so legal): a slot takes it as the float it equals (was: torch's "Overflow when unpacking long long", the
+    request refused in its prefill)."""
+    logits, history, drafts = _case(3)
+    rows = torch.arange(2).repeat_interleave(K + 1)
+    temps = torch.ones(2 * (K + 1))
+    out = []
+    for big in (10**30, 1e30):
+        fields = [SamplingParams(repetition_penalty=big, presence_penalty=2, frequency_penalty=-2, min_p=1),
+                  SamplingParams(repetition_penalty=2**63)]
+        proc = SlotLogitsProcessors(3, 0, V, V, "cpu")
+        proc.assign([0, 1], fields, [[1, 2], [4, 4]])
+        out.append(proc.apply(logits[:2 * (K + 1)], [0, 1], rows, temps, drafts[:2]))
+    assert torch.equal(out[0], out[1])
+    assert float(proc.repetition[1]) == float(2**63)
