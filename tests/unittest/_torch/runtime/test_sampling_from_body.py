@@ -50,6 +50,8 @@ def test_choices_are_independent_of_neighbouring_seeds():
     ("temperature", -1.0), ("top_p", 1.5), ("seed", 2**63), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("repetition_penalty", 10**400), ("logit_bias", {"3": 101}),
+    # normal in fp32, but a seen logit scaled by them overflowed the sampler (top-p drew a token of probability 0)
+    ("repetition_penalty", 1.2e-38), ("repetition_penalty", 1e38),
 ])
 def test_a_bad_field_is_refused_by_the_contract_rule(field, value):
     with pytest.raises(ValidationError) as err:

@@ -184,3 +184,21 @@ def test_a_penalty_given_as_a_huge_int_is_served_as_its_float():
         out.append(proc.apply(logits[:2 * (K + 1)], [0, 1], rows, temps, drafts[:2]))
     assert torch.equal(out[0], out[1])
     assert float(proc.repetition[1]) == float(2**63)
+
+
+def test_repetition_penalties_at_their_bounds_keep_every_scaled_logit_finite():
+    """At 2^-100 / 2^100 a seen logit of +-2000, scaled by the smallest temperature a draw takes, is finite (past them
+    1e-38 made seen logits +inf: the exact top-p set dropped them, rejection sampling drew NaN weights); just past
+    a bound the rule refuses the penalty by name."""
+    from tensorrt_llm_ext.contract import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+
+    x = torch.tensor([[2000.0, -2000.0, 1.0, -1.0]]).repeat(2, 1)
+    proc = SlotLogitsProcessors(3, 0, 4, 4, "cpu")
+    fields = [SamplingParams(temperature=1.0, repetition_penalty=p)
+              for p in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)]
+    proc.assign([0, 1], fields, [[0, 1, 2, 3]] * 2)
+    y = proc.apply(x, [0, 1], torch.tensor([0, 1]), torch.full((2,), MIN_TEMPERATURE))
+    assert bool(torch.isfinite(y / MIN_TEMPERATURE).all()), y
+    for p in (MIN_REPETITION_PENALTY / 2, MAX_REPETITION_PENALTY * 2):
+        with pytest.raises(ValueError, match="repetition_penalty: .* past fp32"):
+            SamplingParams(repetition_penalty=p).check()
