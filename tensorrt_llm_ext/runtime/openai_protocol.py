@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
@@ -30,6 +30,9 @@ MAX_STOP_STRING_CHARS = 256
 # Stop token ids (in `stop` or `stop_token_ids`): each finished-check reads them, so a request's list is bounded
 # too (a vocabulary's worth would make every step of every request pay for one body).
 MAX_STOP_TOKEN_IDS = 1024
+# /v1/completions' max_tokens when a body gives none (OpenAI's and vLLM's default); chat's is the rest of
+# max_model_len after the prompt.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class ApiError(Exception):
@@ -110,6 +113,7 @@ class _Sampling(BaseModel):
     ``min_tokens`` / ``include_stop_str_in_output``)."""
 
     model_config = ConfigDict(extra="forbid")
+    default_token_limit: ClassVar[int | None] = None  # the token limit of a body without one (None: the room left)
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -206,12 +210,19 @@ class _Sampling(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _across_fields(self):
+    def _across_fields(self, info: ValidationInfo):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "only allowed when stream is true")
-        limit = self.max_completion_tokens or self.max_tokens
+        limit = self.token_limit()
         if limit is not None and self.min_tokens > limit:
-            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}")
+            # as vLLM: refused, not cut to the limit (the default one included)
+            default = "" if self.max_tokens is not None or self.max_completion_tokens is not None else \
+                " (the default max_tokens; send max_tokens to raise it)"
+            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}{default}")
+        lim = _limits(info)
+        if lim is not None and self.min_tokens >= lim.max_model_len:  # a prompt takes one position at least
+            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} leaves no room for a prompt in "
+                                            f"max_model_len={lim.max_model_len}")
         if self.best_of is not None and self.best_of < self.n:
             raise _FieldError("best_of", f"must be >= n={self.n}, got {self.best_of}")
         if self.best_of is not None and self.best_of > self.n:
@@ -242,8 +253,11 @@ class _Sampling(BaseModel):
             logit_bias=tuple((t, float(b)) for t, b in _bias_pairs(self.logit_bias or {})))
 
     def token_limit(self) -> int | None:
-        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``, else the endpoint's default
+        (:attr:`default_token_limit`; None: the rest of ``max_model_len`` after the prompt)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self.default_token_limit
 
 
 def _sampling_rule(name: str, value, vocab_size: int | None = None) -> None:
@@ -277,6 +291,8 @@ class _FieldError(ValueError):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt``: token ids (``[1, 2, 3]``), a batch of them, or text (one or a
     list) when the model has a tokenizer. ``stop``: token ids, or strings with a tokenizer."""
+
+    default_token_limit: ClassVar[int | None] = DEFAULT_COMPLETION_MAX_TOKENS
 
     prompt: list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
     logprobs: StrictInt | None = None
