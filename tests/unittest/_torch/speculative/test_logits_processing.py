@@ -4,6 +4,8 @@ ties, -inf entries, an odd vocabulary, drafts inside the block counted per posit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,6 +23,9 @@ FIELDS = [
     SamplingParams(top_k=V + 5, frequency_penalty=2.0),  # k beyond the vocabulary: no limit
 ]
 TEMPS = [0.0, 1.0, 0.7, 1.3, 0.9, 2.0, 1.0]
+# a slot's params carry the temperature its rows sample at, as SlotSampling assigns them (min_p / top_k act on
+# sampled rows only, a host fact of the step variant)
+FIELDS = [replace(f, temperature=t) for f, t in zip(FIELDS, TEMPS)]
 PROMPTS = [[1, 2], [3], [4, 4, 9, 36], [2], [7, 8], [5, 6, 5], [0]]
 
 
@@ -202,3 +207,25 @@ def test_repetition_penalties_at_their_bounds_keep_every_scaled_logit_finite():
     for p in (MIN_REPETITION_PENALTY / 2, MAX_REPETITION_PENALTY * 2):
         with pytest.raises(ValueError, match="repetition_penalty: .* past fp32"):
             SamplingParams(repetition_penalty=p).check()
+
+
+def test_sampling_only_fields_of_a_greedy_request_leave_the_step_variant_alone():
+    """min_p / top_k act on sampled rows only: a greedy request carrying them (clients send top_k=50 / 200 by
+    default) processes nothing, so its steps stay in the default variant -- was: processed for the whole batch,
+    and a top_k past the captured width made every neighbour's step eager (wide-top-k, never captured). A sampled
+    row with the same fields, and a greedy one with a bias or a penalty, still process."""
+    proc = SlotLogitsProcessors(6, 0, V, V, "cpu", captured_top_k=8)
+    params = [SamplingParams(top_k=20), SamplingParams(min_p=0.3, top_k=3), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=20), SamplingParams(logit_bias=((1, 2.0),), top_k=20),
+              SamplingParams(repetition_penalty=1.5, min_p=0.2)]
+    proc.assign(list(range(6)), params, [[1]] * 6)
+    assert not proc.active([0, 1, 2]) and not proc.wide_top_k([0, 1, 2])
+    assert proc.top_k_width([0, 1, 2]) == proc.captured_top_k
+    assert proc.active([2, 3]) and proc.wide_top_k([2, 3]) and proc.top_k_width([0, 3]) == 20
+    assert proc.active([4]) and not proc.wide_top_k([4]) and proc.active([5])
+    proc.assign([0], [SamplingParams(temperature=1.0, top_k=V)], [[1]])  # a top_k of the whole vocabulary
+    assert not proc.active([0, 2])
+    # what the greedy rows get is unchanged: processing them is the identity (their row is the raw one)
+    logits, _, _ = _case(7)
+    x = logits[:3]
+    assert torch.equal(proc.apply(x, [0, 1, 2], torch.arange(3), torch.zeros(3)), x.float())
