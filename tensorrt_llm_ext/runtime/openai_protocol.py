@@ -198,6 +198,8 @@ class _Sampling(BaseModel):
         for key in v:
             if not (key.isascii() and key.isdigit()) or len(key) > 1 and key[0] == "0":
                 raise ValueError(f"keys must be token ids as strings (\"123\", no leading zero), got {key[:40]!r}")
+            if len(key) > 19:  # past int64, so past every vocabulary (and int() refuses 4300 digits and more)
+                raise ValueError(f"token id {key} outside every vocabulary")
         lim = _limits(info)
         _sampling_rule("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
         return v
@@ -512,6 +514,26 @@ def _json_depth_ok(text: str) -> bool:
     return True
 
 
+# A whole string (skipped: digits inside text are text), or an integer past Python's 4300-digit conversion limit.
+_STRING_OR_HUGE_INTEGER = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|\d{4301,}')
+
+
+def _huge_integer(text: str) -> tuple[str, int] | None:
+    """The first JSON integer too long for ``json.loads`` (sys.get_int_max_str_digits: 4300): ``(the key it is
+    the value of, or inside a list of; "body" at the top, its digit count)``, None when there is none."""
+    key = "body"
+    for m in _STRING_OR_HUGE_INTEGER.finditer(text):
+        token = m.group()
+        if token[0] != '"':
+            return key, len(token)
+        if text[m.end():m.end() + 64].lstrip().startswith(":"):
+            try:
+                key = json.loads(token)
+            except ValueError:
+                key = "body"
+    return None
+
+
 def _lone_surrogate(data, path: str = "") -> tuple[str, str, int] | None:
     """The first string in ``data`` (keys included) holding a lone UTF-16 surrogate -- valid JSON (``"\\ud800"``)
     but no Unicode text, which a tokenizer cannot encode: ``(field path, the surrogate, its index)``."""
@@ -546,6 +568,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
+        # Python converts at most 4300 digits: a value out of range, not malformed JSON (scanned only then)
+        if "integer string conversion" in str(e) and (huge := _huge_integer(text)) is not None:
+            field, digits = huge
+            raise ApiError(400, f"{field}: an integer of {digits} digits is out of range", field) from None
         raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
