@@ -46,6 +46,12 @@ FP32_MIN_NORMAL = 2.0 ** -126  # torch.finfo(torch.float32).tiny: below it a val
 # keeps exactly what any top_p below 1 / (the row's fixed-point mass) keeps -- the most probable token -- so
 # it is served as MIN_TOP_P: the same kept set, a value every layer accepts.
 MIN_TOP_P = FP32_MIN_NORMAL
+# A seen token's logit is divided (positive) or multiplied (negative) by the repetition penalty, later by the
+# temperature (>= MIN_TEMPERATURE), in fp32: within these bounds a logit up to 2000 stays finite at every
+# temperature. Past them (1e-38 was accepted) seen logits overflowed to +inf, which the exact top-p set dropped
+# (drawing a token of probability 0) and rejection sampling turned into NaN weights.
+MIN_REPETITION_PENALTY = 2.0 ** -100
+MAX_REPETITION_PENALTY = 2.0 ** 100
 
 
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries per request (a slot holds this many)
@@ -98,9 +104,12 @@ def sampling_problem(name: str, value, vocab_size: int | None = None) -> str | N
     elif name == "repetition_penalty":
         if not (_is_number(value) and value > 0 and _finite(value)):
             return f"expected a finite number > 0, got {value!r}"
+        expected = "expected 2^-100 .. 2^100, about 7.9e-31 .. 1.3e+30"
         if not FP32_MIN_NORMAL <= value <= FP32_MAX:  # a divisor: 0 or inf in fp32
-            return (f"{value!r} is {'0' if value < 1 else 'inf'} in fp32, the engine's precision (expected "
-                    f"{FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g})")
+            return f"{value!r} is {'0' if value < 1 else 'inf'} in fp32, the engine's precision ({expected})"
+        if not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+            return (f"{value!r} would scale a seen token's logit past fp32 at the sampler's temperatures ("
+                    f"{expected})")
     elif name == "logit_bias":
         return _logit_bias_problem(value, vocab_size)
     else:
@@ -143,8 +152,9 @@ class SamplingParams:
     in ``(0, 1]`` restricts a sampled request to the target's exact top-p set (1: no restriction; a greedy
     request ignores it). Logits processing (vLLM's fields, applied in this order before top-p, see
     :mod:`tensorrt_llm_ext.speculative.logits_processing`): ``logit_bias`` (sorted ``(token id, bias)`` pairs),
-    ``repetition_penalty`` (1: none), ``frequency_penalty`` / ``presence_penalty`` (0: none) for every request;
-    ``min_p`` (0: none) and ``top_k`` (0: no limit; -1 is taken as 0) for sampled ones.
+    ``repetition_penalty`` (1: none; within :data:`MIN_REPETITION_PENALTY` .. :data:`MAX_REPETITION_PENALTY`),
+    ``frequency_penalty`` / ``presence_penalty`` (0: none) for every request; ``min_p`` (0: none) and ``top_k``
+    (0: no limit; -1 is taken as 0) for sampled ones.
 
     A slot holds these in fp32, so the rules decide in fp32: a temperature beyond fp32 is refused, a top-p
     below the smallest normal fp32 is served as :data:`MIN_TOP_P`. :meth:`check` is the one check: a value

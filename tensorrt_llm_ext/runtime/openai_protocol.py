@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
@@ -30,6 +30,9 @@ MAX_STOP_STRING_CHARS = 256
 # Stop token ids (in `stop` or `stop_token_ids`): each finished-check reads them, so a request's list is bounded
 # too (a vocabulary's worth would make every step of every request pay for one body).
 MAX_STOP_TOKEN_IDS = 1024
+# /v1/completions' max_tokens when a body gives none (OpenAI's and vLLM's default); chat's is the rest of
+# max_model_len after the prompt.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class ApiError(Exception):
@@ -110,6 +113,7 @@ class _Sampling(BaseModel):
     ``min_tokens`` / ``include_stop_str_in_output``)."""
 
     model_config = ConfigDict(extra="forbid")
+    default_token_limit: ClassVar[int | None] = None  # the token limit of a body without one (None: the room left)
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -194,6 +198,8 @@ class _Sampling(BaseModel):
         for key in v:
             if not (key.isascii() and key.isdigit()) or len(key) > 1 and key[0] == "0":
                 raise ValueError(f"keys must be token ids as strings (\"123\", no leading zero), got {key[:40]!r}")
+            if len(key) > 19:  # past int64, so past every vocabulary (and int() refuses 4300 digits and more)
+                raise ValueError(f"token id {key} outside every vocabulary")
         lim = _limits(info)
         _sampling_rule("logit_bias", _bias_pairs(v), lim.vocab_size if lim is not None else None)
         return v
@@ -206,12 +212,19 @@ class _Sampling(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _across_fields(self):
+    def _across_fields(self, info: ValidationInfo):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "only allowed when stream is true")
-        limit = self.max_completion_tokens or self.max_tokens
+        limit = self.token_limit()
         if limit is not None and self.min_tokens > limit:
-            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}")
+            # as vLLM: refused, not cut to the limit (the default one included)
+            default = "" if self.max_tokens is not None or self.max_completion_tokens is not None else \
+                " (the default max_tokens; send max_tokens to raise it)"
+            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} exceeds the token limit {limit}{default}")
+        lim = _limits(info)
+        if lim is not None and self.min_tokens >= lim.max_model_len:  # a prompt takes one position at least
+            raise _FieldError("min_tokens", f"min_tokens={self.min_tokens} leaves no room for a prompt in "
+                                            f"max_model_len={lim.max_model_len}")
         if self.best_of is not None and self.best_of < self.n:
             raise _FieldError("best_of", f"must be >= n={self.n}, got {self.best_of}")
         if self.best_of is not None and self.best_of > self.n:
@@ -242,8 +255,11 @@ class _Sampling(BaseModel):
             logit_bias=tuple((t, float(b)) for t, b in _bias_pairs(self.logit_bias or {})))
 
     def token_limit(self) -> int | None:
-        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; None: not given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``, else the endpoint's default
+        (:attr:`default_token_limit`; None: the rest of ``max_model_len`` after the prompt)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self.default_token_limit
 
 
 def _sampling_rule(name: str, value, vocab_size: int | None = None) -> None:
@@ -277,6 +293,8 @@ class _FieldError(ValueError):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt``: token ids (``[1, 2, 3]``), a batch of them, or text (one or a
     list) when the model has a tokenizer. ``stop``: token ids, or strings with a tokenizer."""
+
+    default_token_limit: ClassVar[int | None] = DEFAULT_COMPLETION_MAX_TOKENS
 
     prompt: list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
     logprobs: StrictInt | None = None
@@ -496,6 +514,26 @@ def _json_depth_ok(text: str) -> bool:
     return True
 
 
+# A whole string (skipped: digits inside text are text), or an integer past Python's 4300-digit conversion limit.
+_STRING_OR_HUGE_INTEGER = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|\d{4301,}')
+
+
+def _huge_integer(text: str) -> tuple[str, int] | None:
+    """The first JSON integer too long for ``json.loads`` (sys.get_int_max_str_digits: 4300): ``(the key it is
+    the value of, or inside a list of; "body" at the top, its digit count)``, None when there is none."""
+    key = "body"
+    for m in _STRING_OR_HUGE_INTEGER.finditer(text):
+        token = m.group()
+        if token[0] != '"':
+            return key, len(token)
+        if text[m.end():m.end() + 64].lstrip().startswith(":"):
+            try:
+                key = json.loads(token)
+            except ValueError:
+                key = "body"
+    return None
+
+
 def _lone_surrogate(data, path: str = "") -> tuple[str, str, int] | None:
     """The first string in ``data`` (keys included) holding a lone UTF-16 surrogate -- valid JSON (``"\\ud800"``)
     but no Unicode text, which a tokenizer cannot encode: ``(field path, the surrogate, its index)``."""
@@ -530,6 +568,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: ServeLimits | None = 
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
+        # Python converts at most 4300 digits: a value out of range, not malformed JSON (scanned only then)
+        if "integer string conversion" in str(e) and (huge := _huge_integer(text)) is not None:
+            field, digits = huge
+            raise ApiError(400, f"{field}: an integer of {digits} digits is out of range", field) from None
         raise ApiError(400, f"body: malformed JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")

@@ -93,10 +93,12 @@ class SlotLogitsProcessors:
         for slot, f, prompt in zip(slots, params, prompts):
             self._host[slot] = f
             self.top_k[slot] = f.top_k
-            self.min_p[slot] = f.min_p
-            self.presence[slot] = f.presence_penalty
-            self.frequency[slot] = f.frequency_penalty
-            self.repetition[slot] = f.repetition_penalty
+            # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in
+            # fp32's range), which torch cannot write into a float tensor as an int
+            self.min_p[slot] = float(f.min_p)
+            self.presence[slot] = float(f.presence_penalty)
+            self.frequency[slot] = float(f.frequency_penalty)
+            self.repetition[slot] = float(f.repetition_penalty)
             self.bias_cols[slot] = 0
             self.bias_vals[slot] = 0.0
             own = [(t - self.vocab_start, b) for t, b in f.logit_bias if 0 <= t - self.vocab_start < self.width]
@@ -112,19 +114,33 @@ class SlotLogitsProcessors:
                 if cols:
                     in_prompt[slot, host_to_device(cols, torch.int64, dev)] = True
 
+    def _acts(self, slot: int) -> bool:
+        """Whether the slot's processing changes its row: ``min_p`` and ``top_k`` act on sampled rows only, a
+        ``top_k`` below the vocabulary only (a greedy request sending them, as many clients do by default, must
+        not move its neighbours' steps off the default -- or, for a top_k past the captured width, off every
+        captured -- variant)."""
+        f = self._host[slot]
+        sampled_only = (f.min_p > 0 and not f.is_greedy) or self._limiting_top_k(slot) > 0
+        return bool(f.logit_bias) or f.uses_counts or sampled_only
+
+    def _limiting_top_k(self, slot: int) -> int:
+        """The slot's ``top_k`` where it limits its row (a sampled row, ``0 < k < vocab``), else 0."""
+        f = self._host[slot]
+        return f.top_k if not f.is_greedy and 0 < f.top_k < self.vocab_size else 0
+
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
-        return any(self._host[s].processes_logits for s in slots)
+        return any(self._acts(s) for s in slots)
 
     def wide_top_k(self, slots: list[int]) -> bool:
         """Whether a row of ``slots`` limits to more than :attr:`captured_top_k` tokens (the step's top-k
         exchange is then sized by its rows: not the captured step's)."""
-        return any(self.captured_top_k < self._host[s].top_k < self.vocab_size for s in slots)
+        return any(self._limiting_top_k(s) > self.captured_top_k for s in slots)
 
     def top_k_width(self, slots: list[int]) -> int:
         """The top-k exchange width of a step over ``slots``: :attr:`captured_top_k`, or the largest limiting
         ``top_k`` of a wide row (:meth:`wide_top_k`). A captured step (no rows) gets the captured width."""
-        return max([self.captured_top_k] + [k for k in (self._host[s].top_k for s in slots) if 0 < k < self.vocab_size])
+        return max([self.captured_top_k] + [self._limiting_top_k(s) for s in slots])
 
     # -- device side (the same ops for every step: capturable) ------------------------------------------------
     def apply(self, x: torch.Tensor, slots: list[int], row_slots: torch.Tensor, temps: torch.Tensor | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tensorrt_llm_ext.contract import BuildRefusal
 from tensorrt_llm_ext.distributed import agree_any
 from tensorrt_llm_ext.kernels.ordered_key import MAX_VOCAB
 from tensorrt_llm_ext.logger import logger
@@ -117,13 +118,16 @@ class VocabParallelSelection:
         """Decide once after load (a few tiny CPU collectives when tp > 1: call on every rank).
 
         Target side first (plain ``LogitsProcessor`` only), then the draft
-        side (only once the drafter has taken over the target's head). ``mode='on'`` raises instead of
-        falling back for the target side.
+        side (only once the drafter has taken over the target's head). ``mode='on'`` raises
+        :class:`~tensorrt_llm_ext.contract.BuildRefusal` instead of falling back for the target side.
         """
         mode = SelectionMode(mode)
         t_fail = _first_agreed_failure(mapping, local_target_failures(mapping, lm_head, logits_processor, mode=mode))
         if t_fail is not None and mode == SelectionMode.ON:
-            raise ValueError(f"vocab-parallel selection forced on (mode='on') but not possible: {t_fail.value}")
+            # the user's setting, refused while the engine is built (agreed: every rank alike): one line, exit 2
+            raise BuildRefusal(f"vocab-parallel selection forced on (mode='on': speculative_config."
+                               f"vocab_parallel_selection / --vocab-parallel) but not possible: {t_fail.value}; "
+                               f"use 'auto' (falls back to the gathered path, logged)")
         d_fail = _first_agreed_failure(mapping, local_draft_failures(mapping, lm_head, drafter_lm_head, mode=mode))
         decision = cls(
             target_enabled=t_fail is None,

@@ -73,6 +73,8 @@ def small_yaml(tmp_path_factory):
     (["--json", "/nonexistent/dir/out.json"], None, "--json /nonexistent/dir/out.json: cannot write"),
     (["--tp", "2", "--vocab-parallel", "on", "--config"], "model: {target: {vocab_size: 515}}\n",
      "vocab_parallel_selection='on' needs a vocabulary that shards evenly"),
+    # forced on where the target cannot run vocab-parallel (TP 1): refused while built (was: a traceback, exit 1)
+    (["--vocab-parallel", "on"], None, "forced on (mode='on'"),
 ])
 def test_generate_errors_are_one_line_before_any_work(tmp_path, capsys, small_yaml, argv_tail, content, message):
     argv = ["generate", "--no-progress"]

@@ -18,7 +18,8 @@ from tensorrt_llm_ext.speculative.logits_processing import MAX_LOGIT_BIAS  # noq
 LIMITS = ServeLimits(vocab_size=512, max_model_len=256)
 # JSON numbers as sent (text): past float range as integers, at its edges, non-finite (Python's json reads them)
 NUMBERS = ["1" + "0" * 400, "-1" + "0" * 400, "1" + "0" * 309, "1e308", "-1e308", "1e400", "1e-400", "5e-324",
-           str(2**63), str(-2**63 - 1), "NaN", "Infinity", "-Infinity", "0", "-1", "0.5", "1"]
+           str(2**63), str(-2**63 - 1), "NaN", "Infinity", "-Infinity", "0", "-1", "0.5", "1",
+           "9" * 5000, "-" + "9" * 5000]  # past Python's 4300-digit int conversion (was: 400 "body: malformed JSON")
 
 
 def _number_fields(model) -> list[str]:
@@ -109,3 +110,17 @@ def test_logit_bias_past_its_bound_or_with_a_duplicate_id_is_a_400_naming_it_at_
         with pytest.raises(ApiError) as e:
             parse_body(json.dumps({"prompt": [1], "logit_bias": bias}).encode(), CompletionRequest, LIMITS)
         assert e.value.status == 400 and e.value.param == "logit_bias" and words in e.value.message, e.value.message
+
+
+def test_integers_past_pythons_digit_limit_name_their_field():
+    """json.loads refuses integers of more than 4300 digits (sys.get_int_max_str_digits): that is a value out of
+    range naming its field (was: "body: malformed JSON (... use sys.set_int_max_str_digits() ...)"), a logit_bias
+    key of that size too (was: the same Python advice under logit_bias); digits inside a string are text."""
+    huge = "9" * 5000
+    for raw, field in ((f'{{"prompt": [1, {huge}]}}', "prompt"), (f'{{"prompt": [1], "seed": {huge}}}', "seed"),
+                       (f'{{"prompt": "{huge}", "max_tokens": {huge}}}', "max_tokens"),
+                       (f'{{"prompt": [1], "logit_bias": {{"{huge}": 1}}}}', "logit_bias")):
+        with pytest.raises(ApiError) as err:
+            parse_body(raw.encode(), CompletionRequest, LIMITS)
+        assert (err.value.status, err.value.param) == (400, field), err.value.message
+        assert "sys." not in err.value.message and len(err.value.message) < 200, err.value.message

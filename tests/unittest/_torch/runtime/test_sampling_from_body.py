@@ -50,9 +50,36 @@ def test_choices_are_independent_of_neighbouring_seeds():
     ("temperature", -1.0), ("top_p", 1.5), ("seed", 2**63), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("repetition_penalty", 10**400), ("logit_bias", {"3": 101}),
+    # normal in fp32, but a seen logit scaled by them overflowed the sampler (top-p drew a token of probability 0)
+    ("repetition_penalty", 1.2e-38), ("repetition_penalty", 1e38),
 ])
 def test_a_bad_field_is_refused_by_the_contract_rule(field, value):
     with pytest.raises(ValidationError) as err:
         _body(**{field: value})
     rule_value = ((3, 101),) if field == "logit_bias" else value
     assert sampling_problem(field, rule_value) in str(err.value)
+
+
+def test_min_tokens_past_the_default_token_limit_is_refused_not_cut():
+    """As vLLM: min_tokens above the token limit is a 400 naming min_tokens, the completions' default limit (16)
+    included (was: served, cut to 16 tokens without a word, while max_tokens=16 given was refused)."""
+    import json
+
+    from tensorrt_llm_ext.runtime.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ApiError, ServeLimits,
+                                                          parse_body)
+
+    def parse(model, **fields):
+        return parse_body(json.dumps(fields).encode(), model, ServeLimits(vocab_size=16, max_model_len=40))
+
+    assert parse(CompletionRequest, prompt=[1], min_tokens=16).token_limit() == DEFAULT_COMPLETION_MAX_TOKENS == 16
+    for fields in ({"min_tokens": 17}, {"min_tokens": 17, "max_tokens": 16}, {"min_tokens": 41, "max_tokens": 45}):
+        with pytest.raises(ApiError) as err:
+            parse(CompletionRequest, prompt=[1], **fields)
+        assert err.value.status == 400 and err.value.param == "min_tokens", err.value.message
+    assert "default max_tokens" in str(pytest.raises(ApiError, parse, CompletionRequest, prompt=[1],
+                                                     min_tokens=17).value)
+    assert parse(CompletionRequest, prompt=[1], min_tokens=17, max_tokens=17).token_limit() == 17
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(ChatCompletionRequest, **chat, min_tokens=39).token_limit() is None  # the room left: at serve
+    with pytest.raises(ApiError, match="min_tokens=40 leaves no room for a prompt"):
+        parse(ChatCompletionRequest, **chat, min_tokens=40)

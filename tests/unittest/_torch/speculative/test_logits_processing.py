@@ -4,6 +4,8 @@ ties, -inf entries, an odd vocabulary, drafts inside the block counted per posit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,6 +23,9 @@ FIELDS = [
     SamplingParams(top_k=V + 5, frequency_penalty=2.0),  # k beyond the vocabulary: no limit
 ]
 TEMPS = [0.0, 1.0, 0.7, 1.3, 0.9, 2.0, 1.0]
+# a slot's params carry the temperature its rows sample at, as SlotSampling assigns them (min_p / top_k act on
+# sampled rows only, a host fact of the step variant)
+FIELDS = [replace(f, temperature=t) for f, t in zip(FIELDS, TEMPS)]
 PROMPTS = [[1, 2], [3], [4, 4, 9, 36], [2], [7, 8], [5, 6, 5], [0]]
 
 
@@ -166,3 +171,61 @@ def test_slots_without_penalties_ignore_their_counts():
     want = process_reference(x, [f for f in fields for _ in range(K + 1)], temps.tolist(),
                              [[]] * (3 * (K + 1)), [[]] * (3 * (K + 1)))
     assert torch.equal(first, want)
+
+
+def test_a_penalty_given_as_a_huge_int_is_served_as_its_float():
+    """A checked field may be a Python int past int64 (``repetition_penalty`` 10**30 from a JSON integer: in fp32's
+    range, so legal): a slot takes it as the float it equals (was: torch's "Overflow when unpacking long long", the
+    request refused in its prefill)."""
+    logits, history, drafts = _case(3)
+    rows = torch.arange(2).repeat_interleave(K + 1)
+    temps = torch.ones(2 * (K + 1))
+    out = []
+    for big in (10**30, 1e30):
+        fields = [SamplingParams(repetition_penalty=big, presence_penalty=2, frequency_penalty=-2, min_p=1),
+                  SamplingParams(repetition_penalty=2**63)]
+        proc = SlotLogitsProcessors(3, 0, V, V, "cpu")
+        proc.assign([0, 1], fields, [[1, 2], [4, 4]])
+        out.append(proc.apply(logits[:2 * (K + 1)], [0, 1], rows, temps, drafts[:2]))
+    assert torch.equal(out[0], out[1])
+    assert float(proc.repetition[1]) == float(2**63)
+
+
+def test_repetition_penalties_at_their_bounds_keep_every_scaled_logit_finite():
+    """At 2^-100 / 2^100 a seen logit of +-2000, scaled by the smallest temperature a draw takes, is finite (past them
+    1e-38 made seen logits +inf: the exact top-p set dropped them, rejection sampling drew NaN weights); just past
+    a bound the rule refuses the penalty by name."""
+    from tensorrt_llm_ext.contract import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+
+    x = torch.tensor([[2000.0, -2000.0, 1.0, -1.0]]).repeat(2, 1)
+    proc = SlotLogitsProcessors(3, 0, 4, 4, "cpu")
+    fields = [SamplingParams(temperature=1.0, repetition_penalty=p)
+              for p in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)]
+    proc.assign([0, 1], fields, [[0, 1, 2, 3]] * 2)
+    y = proc.apply(x, [0, 1], torch.tensor([0, 1]), torch.full((2,), MIN_TEMPERATURE))
+    assert bool(torch.isfinite(y / MIN_TEMPERATURE).all()), y
+    for p in (MIN_REPETITION_PENALTY / 2, MAX_REPETITION_PENALTY * 2):
+        with pytest.raises(ValueError, match="repetition_penalty: .* past fp32"):
+            SamplingParams(repetition_penalty=p).check()
+
+
+def test_sampling_only_fields_of_a_greedy_request_leave_the_step_variant_alone():
+    """min_p / top_k act on sampled rows only: a greedy request carrying them (clients send top_k=50 / 200 by
+    default) processes nothing, so its steps stay in the default variant -- was: processed for the whole batch,
+    and a top_k past the captured width made every neighbour's step eager (wide-top-k, never captured). A sampled
+    row with the same fields, and a greedy one with a bias or a penalty, still process."""
+    proc = SlotLogitsProcessors(6, 0, V, V, "cpu", captured_top_k=8)
+    params = [SamplingParams(top_k=20), SamplingParams(min_p=0.3, top_k=3), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=20), SamplingParams(logit_bias=((1, 2.0),), top_k=20),
+              SamplingParams(repetition_penalty=1.5, min_p=0.2)]
+    proc.assign(list(range(6)), params, [[1]] * 6)
+    assert not proc.active([0, 1, 2]) and not proc.wide_top_k([0, 1, 2])
+    assert proc.top_k_width([0, 1, 2]) == proc.captured_top_k
+    assert proc.active([2, 3]) and proc.wide_top_k([2, 3]) and proc.top_k_width([0, 3]) == 20
+    assert proc.active([4]) and not proc.wide_top_k([4]) and proc.active([5])
+    proc.assign([0], [SamplingParams(temperature=1.0, top_k=V)], [[1]])  # a top_k of the whole vocabulary
+    assert not proc.active([0, 2])
+    # what the greedy rows get is unchanged: processing them is the identity (their row is the raw one)
+    logits, _, _ = _case(7)
+    x = logits[:3]
+    assert torch.equal(proc.apply(x, [0, 1, 2], torch.arange(3), torch.zeros(3)), x.float())

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from tensorrt_llm_ext.contract import BuildRefusal
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
 from tensorrt_llm_ext.kernels.shard_select import (DRAFT_SALT, TARGET_SALT, make_shard_select_scratch,
                                                    shard_select_keys, shard_select_keys_reference)
@@ -540,7 +541,8 @@ def test_decide_single_rank_and_modes():
     mapping, head = _head(tp=1)
     sel = VocabParallelSelection.decide(mapping, head, LogitsProcessor(), drafter_lm_head=head)
     assert not sel.target_enabled and not sel.draft_enabled and "tp_size == 1" in sel.target_reason
-    with pytest.raises(ValueError, match="mode='on'"):
+    # a build refusal (one line, exit 2 from generate / serve; was a ValueError traceback, exit 1)
+    with pytest.raises(BuildRefusal, match="mode='on'.* not possible: tp_size == 1"):
         VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="on")
     with pytest.raises(ValueError):
         VocabParallelSelection.decide(mapping, head, LogitsProcessor(), mode="sometimes")
