@@ -380,7 +380,7 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"only text content parts are served, got {str(part)[:60]}")
                 texts.append(part["text"])
-            return "".join(texts)
+            return "\n".join(texts)  # as vLLM: ["Describe", "this"] is two lines, not "Describethis"
         return v
 
 
