@@ -210,10 +210,11 @@ def _stop_fields(ctx: ServeContext, body) -> tuple[tuple[int, ...], list[str]]:
 
 
 def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: int | None,
-                   default_max_tokens: int | None, prompt_logprobs: int | None = None) -> list[Request]:
+                   prompt_logprobs: int | None = None) -> list[Request]:
     """Engine requests, one per prompt and choice (choice ``j`` of prompt ``i`` is index ``i * n + j``, drawn
     with ``SamplingParams.for_choice(index)``). The body is validated already; what is checked here is what
-    needs the tokenized prompt: its length against ``max_model_len`` (400 naming the field)."""
+    needs the tokenized prompt: its length against ``max_model_len``, and ``min_tokens`` against the token limit
+    where that is the room the prompt leaves (400s naming the field)."""
     check_model(ctx, body.model)
     params = body.to_sampling_params()
     stop_ids, _ = _stop_fields(ctx, body)
@@ -223,17 +224,20 @@ def build_requests(ctx: ServeContext, body, prompts: list[list[int]], logprobs: 
         if room < 1:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate (max_model_len="
                                 f"{ctx.max_seq_len})", "prompt")
-        limit = body.token_limit()
+        limit = body.token_limit()  # the endpoint's default (completions: 16) when the body sets none
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        if limit is None:
-            limit = room if default_max_tokens is None else default_max_tokens
+        if limit is None:  # chat: the rest of max_model_len
+            limit = room
+        if body.min_tokens > limit:  # as vLLM (it was cut to the room left without a word)
+            raise ApiError(400, f"min_tokens: {body.min_tokens} exceeds the {limit} tokens this prompt of {len(ids)} "
+                                f"tokens can generate (max_model_len={ctx.max_seq_len})", "min_tokens")
         if limit > room:
             raise ApiError(400, f"{param}: prompt of {len(ids)} tokens + {param}={limit} exceeds max_model_len="
                                 f"{ctx.max_seq_len}", param)
         for j in range(body.n):
             out.append(Request(prompt_ids=ids, max_new_tokens=limit, stop_token_ids=stop_ids,
                                sampling=params.for_choice(i * body.n + j), ignore_eos=body.ignore_eos,
-                               min_tokens=min(body.min_tokens, limit), logprobs=logprobs,
+                               min_tokens=body.min_tokens, logprobs=logprobs,
                                prompt_logprobs=prompt_logprobs))
     return out
 
@@ -403,7 +407,7 @@ class OpenAIServer:
         if body is None:
             return Response(status_code=499)
         # echo with logprobs: the prompt's tokens carry theirs too (the first one none), as OpenAI's legacy API
-        reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs, 16,
+        reqs = await self.off_loop(lambda: build_requests(ctx, body, _encode_prompts(ctx, body), body.logprobs,
                                                           body.logprobs if body.echo else None))
         return await self.serve_choices(http, body, reqs, [r.prompt_ids for r in reqs], "text_completion", "cmpl")
 
@@ -414,7 +418,7 @@ class OpenAIServer:
         if body is None:
             return Response(status_code=499)
         prompt = await self.off_loop(_chat_prompt, self.ctx, body)
-        reqs = await self.off_loop(build_requests, self.ctx, body, [prompt], body.logprobs_k(), None)
+        reqs = await self.off_loop(build_requests, self.ctx, body, [prompt], body.logprobs_k())
         return await self.serve_choices(http, body, reqs, [prompt] * len(reqs), "chat.completion", "chatcmpl")
 
     def tokenize_body(self, raw: bytes) -> dict:

@@ -83,3 +83,12 @@ def test_min_tokens_past_the_default_token_limit_is_refused_not_cut():
     assert parse(ChatCompletionRequest, **chat, min_tokens=39).token_limit() is None  # the room left: at serve
     with pytest.raises(ApiError, match="min_tokens=40 leaves no room for a prompt"):
         parse(ChatCompletionRequest, **chat, min_tokens=40)
+    # at serve, the room a chat prompt leaves: min_tokens past it is a 400 too (it was cut to the room left)
+    from tensorrt_llm_ext.runtime.server import ServeContext, build_requests
+
+    ctx = ServeContext(loop=None, model_name="m", vocab_size=16, max_seq_len=40)
+    body = parse(ChatCompletionRequest, **chat, min_tokens=30)
+    assert [(r.max_new_tokens, r.min_tokens) for r in build_requests(ctx, body, [[1] * 10], None)] == [(30, 30)]
+    with pytest.raises(ApiError) as err:
+        build_requests(ctx, body, [[1] * 11], None)
+    assert err.value.param == "min_tokens" and "30 exceeds the 29 tokens" in err.value.message, err.value.message
