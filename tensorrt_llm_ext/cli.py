@@ -241,7 +241,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=24)
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (so is T < 1e-5, its T -> 0 limit); more: keyed Gumbel-max sampling")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed + i)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed + i, modulo 2^63)")
     g.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     g.add_argument("--draft-len", type=int, default=None, help="override speculative_config.max_draft_len")
     g.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default=None,

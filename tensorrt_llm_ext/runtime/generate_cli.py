@@ -157,8 +157,11 @@ def main_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # prompt i samples with seed + i, wrapped into the seeds' range [0, 2^63) (--seed 2^63 - 1 with two prompts
+    # gave prompt 1 a seed the request check refused after prompt 0 had run: exit 3)
     requests = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop),
-                        sampling=replace(sampling, seed=args.seed + i), request_id=i) for i, p in enumerate(prompts)]
+                        sampling=replace(sampling, seed=(args.seed + i) % 2**63), request_id=i)
+                for i, p in enumerate(prompts)]
     rejection = cfg.speculative_config.use_rejection_sampling
     greedy = [sampling.is_greedy] * len(requests)  # T = 0, or a tiny T served as its T -> 0 limit
     if args.check and rejection:

@@ -163,3 +163,14 @@ def test_generate_takes_text_and_chat_prompts_with_a_tokenizer(small_yaml, capsy
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     ids = tok(chat, add_special_tokens=False)["input_ids"]
     assert rc == 0 and f"[0] prompt ({len(ids)} ids): {' '.join(map(str, ids))}" in capsys.readouterr().out
+
+
+def test_the_largest_seed_serves_every_prompt(small_yaml, tmp_path, capsys):
+    """Prompt i samples with ``--seed + i`` wrapped into [0, 2^63): ``--seed 2^63 - 1`` with two prompts gave prompt
+    1 the seed 2^63, refused only after prompt 0 had run (exit 3, "1 of 2 request(s) rejected")."""
+    out_json = tmp_path / "seeds.json"
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--temperature", "0.7",
+               "--seed", str(2**63 - 1), "--json", str(out_json), "1 2 3", "4 5"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "rejected" not in text, text
+    assert [r["seed"] for r in json.loads(out_json.read_text())["requests"]] == [2**63 - 1, 0]
