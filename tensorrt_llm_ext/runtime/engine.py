@@ -697,4 +697,5 @@ class Engine:
         held = self.slots.release_all()
         self.pages.free_all()
         self.reset_step_state()
-        logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")
+        if held:  # a refusal before any admission (a build check) has nothing to release and says so itself
+            logger.warning(f"engine: an exception escaped generate(); released {held} slot(s) and their pages")
