@@ -11,7 +11,8 @@ request's new tokens and whether it finished).
 Per request the tokens are exactly what it gets alone: prefill gives the first
 token, each step appends the accepted tokens up to a stop token (its ``stop_token_ids`` or, unless
 ``ignore_eos``, the checkpoint's EOS, honoured after ``min_tokens``) or ``max_new_tokens``; a request's
-tokens depend only on its own prompt, seed and temperature, not on which requests share its steps.
+tokens depend only on its own prompt, seed and temperature, not on which requests share its steps (a batched
+prefill's GEMMs round at the batch's row count: its first token may differ from a lone prefill's at a near-tie).
 
 Admission and prefill: a plan's admitted requests take a slot and their pages at once, then are prefilled in
 batched prefills (:meth:`Engine.prefill_slots`: one target forward for several prompts), each of at most
