@@ -610,6 +610,20 @@ class Engine:
         for w in self._workers.values():
             w.reset_step_state()
 
+    def top_p_membership(self, request: Request, output_ids: list[int]) -> list[bool]:
+        """For each of ``output_ids``, whether it lies in the target's exact top-p set at its position
+        (:meth:`ReferenceDecoder.top_p_membership`), replayed on a slot of its own holding pages for the whole
+        sequence (a slot without pages reads the scratch page past its first page: every check of a sequence longer
+        than one page read wrong logits). Call between requests."""
+        slot = self.slots.acquire()
+        try:
+            self.pages.allocate(slot, pages_needed(len(request.prompt_ids) + len(output_ids), 0, self.state.page_size))
+            return self.reference().top_p_membership(slot, list(request.prompt_ids), list(output_ids),
+                                                     request.sampling.effective_temperature,
+                                                     request.sampling.effective_top_p)
+        finally:
+            self.release_slot(slot)
+
     def hand_over_to_target_only(self, slots: list[int], requests: list[Request], outputs: list[list[int]]) -> None:
         """The speculation gate closed: ``slots`` (decoding speculatively, their last step collected) continue in
         the target-only decode (:meth:`ReferenceDecoder.take_over`); ``outputs``: each request's tokens out so

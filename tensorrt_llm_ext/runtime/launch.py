@@ -239,10 +239,7 @@ def _outside_top_p(engine, worker, requests, results) -> list[int]:
         if res.error is not None:
             counts.append(0)
             continue
-        inside = engine.reference().top_p_membership(0, list(req.prompt_ids), res.output_ids,
-                                                     req.sampling.effective_temperature,
-                                                     req.sampling.effective_top_p)
-        counts.append(sum(1 for ok in inside if not ok))
+        counts.append(sum(1 for ok in engine.top_p_membership(req, res.output_ids) if not ok))
     return counts
 
 

@@ -142,8 +142,9 @@ class ReferenceDecoder:
                          top_p: float) -> list[bool]:
         """For each emitted token, whether it lies in the target's kept set at its position (eager).
 
-        Teacher-forces ``prompt + output`` through the target on ``slot`` (its KV cache is overwritten: call
-        between requests) and evaluates ``top_p_keep`` on the full-vocabulary logits with the request's
+        Teacher-forces ``prompt + output`` through the target on ``slot``, which must hold pages for the whole
+        sequence (its KV cache is overwritten: call between requests; :meth:`Engine.top_p_membership` takes a slot
+        and its pages for the replay) and evaluates ``top_p_keep`` on the full-vocabulary logits with the request's
         temperature and ``top_p`` (``T = 0`` keeps exactly the first maximum, so a greedy token is checked
         against the argmax). One full-sequence forward: its logits round differently from the step's, so a
         token exactly at the kept set's boundary could in principle flip (fp32: far below any gap here).

@@ -174,3 +174,25 @@ def test_the_largest_seed_serves_every_prompt(small_yaml, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "rejected" not in text, text
     assert [r["seed"] for r in json.loads(out_json.read_text())["requests"]] == [2**63 - 1, 0]
+
+
+
+def test_the_top_p_check_replays_sequences_longer_than_a_page():
+    """The check's top-p membership (``Engine.top_p_membership``) replays prompt + output through the target on a
+    slot holding pages for all of it: the check replayed on slot 0 after the run had freed its pages, so past the
+    first page every position read the scratch page (the README's ``--rejection-sampling --check`` failed: 243 of
+    288 tokens "inside" at 24 new tokens)."""
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.testing.requests import make_request
+
+    cfg = load_config(**tiny_model(**{"model.target.vocab_size": 516, "max_seq_len": 64,
+                                      "speculative_config.use_rejection_sampling": True}))
+    eng = Engine(cfg, torch_ops=True)
+    req = make_request(prompt_ids=[5, 17, 300, 42, 7], max_new_tokens=24, temperature=1.0, top_p=0.9, seed=3)
+    out = eng.generate([req])[0][0].output_ids
+    assert len(out) == 24 and len(req.prompt_ids) + len(out) > 3 * cfg.kv_cache_config.tokens_per_block
+    assert eng.top_p_membership(req, out) == [True] * 24
+    assert eng.slots.num_free == cfg.max_batch_size and eng.pages.num_free == eng.pages.num_pages
+    # the old replay, on a slot without pages: past the first page it reads the scratch page
+    stale = eng.reference().top_p_membership(0, list(req.prompt_ids), out, 1.0, 0.9)
+    assert not all(stale)
