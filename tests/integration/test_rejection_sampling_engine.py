@@ -21,6 +21,7 @@ from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
+from tensorrt_llm_ext.testing.requests import make_request
 from tensorrt_llm_ext.testing.stats import chi_square_homogeneity
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -116,12 +117,12 @@ def test_greedy_rows_bitwise_and_fused_equals_stock(monkeypatch):
     assert [r.accepted_lens for r in fused] == [r.accepted_lens for r in stock]
     # Every emitted token lies in its target's top-p kept set (greedy: it is the argmax).
     for req, res in zip(reqs, fused):
-        assert all(rs.reference().top_p_membership(0, req.prompt_ids, res.output_ids, req.sampling.temperature,
-                                                   req.sampling.top_p))
+        assert all(rs.top_p_membership(req, res.output_ids))
     # The membership check can fail: a tiny top-p keeps only the argmax, and the greedy tokens shifted by one
     # id are reported outside (the first token stays the argmax, so the sequence is teacher-forced as given).
     shifted = fused[0].output_ids[:1] + [(t + 1) % rs.vocab_size for t in fused[0].output_ids[1:]]
-    inside = rs.reference().top_p_membership(0, reqs[0].prompt_ids, shifted, 1.0, 1e-6)
+    inside = rs.top_p_membership(make_request(prompt_ids=reqs[0].prompt_ids, max_new_tokens=len(shifted),
+                                              temperature=1.0, top_p=1e-6), shifted)
     assert inside[0] and not any(inside[1:]), inside
 
 
