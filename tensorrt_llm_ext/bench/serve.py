@@ -175,9 +175,30 @@ def _exit_code_on_last_row(server, rows: list[list]):
     the last row the server produced."""
     try:
         yield
+    except BaseException:
+        server.stop(60)  # an error or a signal: no exit code to show, but no server left serving either
+        raise
+    rows[-1].append(server.stop(60))
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM ends the run the way Ctrl-C does, through every ``finally``: Python's default SIGTERM ends the
+    process at once and leaves the servers it started serving their ports."""
+    import signal
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread (a test driving run()): the caller owns the signals
+        yield
+        return
+    try:
+        yield
     finally:
-        rc = server.stop(60)
-    rows[-1].append(rc)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _blank_exit_codes(rows: list[list], width: int) -> None:
@@ -271,8 +292,11 @@ def run(args: argparse.Namespace) -> int | None:
 
         print(f"error: bench serve: {bad}", file=sys.stderr)
         return 2
-    if args.stub_engine:
-        return _stub_run(args)
+    with _sigterm_unwinds():
+        return _stub_run(args) if args.stub_engine else _model_run(args)
+
+
+def _model_run(args: argparse.Namespace) -> int | None:
     cpu = not torch.cuda.is_available()
     args.concurrency = args.concurrency or ([1, 2] if cpu else [1, 8, 32])
     args.requests_per_client = args.requests_per_client or (2 if cpu else 8)

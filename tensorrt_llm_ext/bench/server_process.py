@@ -77,15 +77,19 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
     log.close()
     server = ServerProcess(proc, f"http://{host}:{port}", log_path)
     deadline = time.monotonic() + start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode} before answering:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {proc.returncode} before answering:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+    except BaseException:
+        server.stop(10)  # Ctrl-C / SIGTERM while it loads: the caller never got the server to stop
+        raise
     server.stop(10)
     raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
 
