@@ -84,20 +84,20 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _one(client, body: dict) -> tuple[float, float, int] | None:
-    """Streams one completion: (TTFT s, TPOT s, tokens), or None on an error."""
+async def _one(client, body: dict) -> tuple[float, float, int] | str:
+    """Streams one completion: (TTFT s, TPOT s, tokens), or what went wrong (a line for the user)."""
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
-            return None
+            return f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
-                return None
+                return f"error in the stream: {json.dumps(chunk['error'])[:300]}"
             n = sum(len(c.get("token_ids", ())) for c in chunk["choices"])
             if n:
                 now = time.perf_counter()
@@ -105,26 +105,27 @@ async def _one(client, body: dict) -> tuple[float, float, int] | None:
                 last = now
                 tokens += n
     if first is None:
-        return None
+        return "the stream ended without a token"
     return first - t0, (last - first) / (tokens - 1) if tokens > 1 else float("nan"), tokens
 
 
 async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float):
+    """Sends ``bodies`` with ``concurrency`` in flight until ``deadline``: (the results, one line per failed
+    request)."""
     import httpx
 
     queue = list(reversed(bodies))
-    out, errors = [], 0
+    out, errors = [], []
 
     async def client_loop(client):
-        nonlocal errors
         while queue and time.monotonic() < deadline:
             body = queue.pop()
             try:
                 res = await _one(client, body)
-            except httpx.HTTPError:
-                res = None
-            if res is None:
-                errors += 1
+            except httpx.HTTPError as e:
+                res = f"{type(e).__name__}: {e}"
+            if isinstance(res, str):
+                errors.append(res)
             else:
                 out.append(res)
 
@@ -226,12 +227,12 @@ def _stub_run(args: argparse.Namespace) -> None:
     concurrency = args.concurrency or [32]
     max_tokens = args.max_tokens or 128
     per_client = args.requests_per_client or 2
-    rows = []
+    rows, empty = [], []
     for tok in args.tokenizer:
         srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms),
                     "--host-ms", str(args.stub_host_ms)] + \
             ([] if tok == "embedded" else ["--tokenizer", tok])
-        server = start_server(srv_args, str(work / "server.log"), command=STUB_SERVE_COMMAND)
+        server = start_server(srv_args, str(work / f"server_{len(rows)}.log"), command=STUB_SERVE_COMMAND)
         with _exit_code_on_last_row(server, rows):
             for conc in concurrency:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
@@ -241,10 +242,13 @@ def _stub_run(args: argparse.Namespace) -> None:
                 tokens = sum(r[2] for r in res)
                 tpot = [r[1] for r in res if r[1] == r[1]]
                 us = cpu / tokens * 1e6 if tokens else float("nan")
-                rows.append([tok, conc, len(bodies), len(res), errors,
+                if not res:
+                    empty.append(_empty_cell(f"{tok}, concurrency {conc}", errors))
+                rows.append([tok, conc, len(bodies), len(res), len(errors),
                              _median_ms([r[0] for r in res], 1),
                              _median_ms(tpot, 2),
-                             fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1), fmt(1e6 / us, 0)])
+                             fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1),
+                             fmt(1e6 / us if us else float("nan"), 0)])  # the CPU clock ticks in 10 ms
     _blank_exit_codes(rows, 11)
     import platform
 
@@ -264,6 +268,23 @@ def _stub_run(args: argparse.Namespace) -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
+    return _nothing_measured(empty, work)
+
+
+def _empty_cell(cell: str, errors: list[str]) -> str:
+    """One cell that served no request, with the first reason the server gave."""
+    return f"{cell}: " + (f"{len(errors)} failed, the first with {errors[0]}" if errors else
+                          "no request finished within --max-seconds")
+
+
+def _nothing_measured(empty: list[str], work: Path) -> int:
+    """Exit 1, with a line per cell, when a cell served no request: its row measured nothing (exit 0 said the
+    table held numbers); else 0."""
+    import sys
+
+    for cell in empty:
+        print(f"error: bench serve: no request served ({cell}); server logs in {work}", file=sys.stderr)
+    return 1 if empty else 0
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -328,6 +349,7 @@ def _model_run(args: argparse.Namespace) -> int | None:
     import random
 
     shared = [random.Random(11).randrange(cfg.model.target.vocab_size) for _ in range(args.shared_prefix)]
+    empty = []
     for decode, reuse in ((d, r) for d in args.decodes for r in caching):
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []) +
                               (["--enable-prefix-caching"] if reuse else []),
@@ -352,7 +374,10 @@ def _model_run(args: argparse.Namespace) -> int | None:
                     tpot = [r[1] for r in res if r[1] == r[1]]
                     looked_up = m1["prefix_cache_queries"] - m0["prefix_cache_queries"]
                     hit = (m1["prefix_cache_hits"] - m0["prefix_cache_hits"]) / looked_up if looked_up else 0.0
-                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res), errors,
+                    if not res:
+                        empty.append(_empty_cell(f"{decode}, {name}, concurrency {conc}", errors))
+                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res),
+                                 len(errors),
                                  _median_ms(ttft, 1),
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
                                  _median_ms(tpot, 2),
@@ -391,3 +416,4 @@ def _model_run(args: argparse.Namespace) -> int | None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
+    return _nothing_measured(empty, work)

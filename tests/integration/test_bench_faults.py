@@ -47,3 +47,49 @@ def test_sigterm_mid_cell_stops_the_server_bench_serve_started():
     assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-2000:])
     assert "server stopped" in r.stdout
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+class _FakeServer:
+    """What bench serve drives, without a process: every stop is counted."""
+
+    url = "http://127.0.0.1:9"
+
+    class proc:
+        pid = os.getpid()
+
+    def __init__(self):
+        self.stops = 0
+
+    def stop(self, timeout=60):
+        self.stops += 1
+        return 0
+
+
+def _stub_args(**over):
+    import argparse
+
+    base = dict(stub_engine=True, concurrency=[1, 2], requests_per_client=1, max_tokens=2, shared_prefix=0, tp=1,
+                stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0, tokenizer=["embedded"], out=None)
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_a_cell_that_served_no_request_is_exit_1_naming_the_servers_reason(monkeypatch, capsys):
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+
+    server = _FakeServer()
+    monkeypatch.setattr(sp, "start_server", lambda *a, **k: server)
+
+    async def cell(url, bodies, concurrency, deadline):
+        if concurrency == 1:
+            return [(0.01, 0.001, 2)], []
+        return [], ["HTTP 400: max_tokens exceeds max_model_len"] * len(bodies)
+
+    monkeypatch.setattr(bs, "_cell", cell)
+    assert bs.run(_stub_args()) == 1
+    err = capsys.readouterr().err
+    assert "no request served (embedded, concurrency 2: 2 failed, the first with HTTP 400: max_tokens" in err
+    assert "concurrency 1" not in err and server.stops == 1
+    # Every cell served: exit 0.
+    monkeypatch.setattr(bs, "_cell", lambda *a: cell(a[0], a[1], 1, a[3]))
+    assert bs.run(_stub_args()) == 0
