@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from tensorrt_llm_ext.argtypes import int_list
+from tensorrt_llm_ext.argtypes import int_list, positive_int
 from tensorrt_llm_ext.bench.harness import (BenchTimer, floor_us, fmt, measure_copy_bandwidth, print_table,
                                             register_benchmark)
 from tensorrt_llm_ext.kernels.ll_exchange import (WAIT_TIMEOUT_S, LLExchangeState, SimulatedPeers, ll_exchange)
@@ -38,7 +38,7 @@ GOAL_US = 3.0
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worlds", type=int_list(), default="2,4,8", help="simulated TP sizes")
     p.add_argument("--rows", type=int_list(), default="1,8,64,128", help="rows (selection keys) per exchange")
-    p.add_argument("--polls", type=int, default=200_000, help="polls of the timeout-path measurement")
+    p.add_argument("--polls", type=positive_int, default=200_000, help="polls of the timeout-path measurement")
 
 
 def _ints(text: str) -> list[int]:

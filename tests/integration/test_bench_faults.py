@@ -93,3 +93,30 @@ def test_a_cell_that_served_no_request_is_exit_1_naming_the_servers_reason(monke
     # Every cell served: exit 0.
     monkeypatch.setattr(bs, "_cell", lambda *a: cell(a[0], a[1], 1, a[3]))
     assert bs.run(_stub_args()) == 0
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("verify", "--top-p", "nan"), "argument --top-p: expected a number in (0, 1], got nan"),
+    (("verify", "--temperature", "-1"), "argument --temperature: expected a number in [0, 1e+06], got -1"),
+    (("verify", "--logit-scale", "inf"), "argument --logit-scale: expected a number in (0, 1e+06], got inf"),
+    (("verify", "--block-size", "0"), "argument --block-size: expected an integer >= 1, got 0"),
+    (("verify", "--num-splits", "-2"), "argument --num-splits: expected an integer >= 1, got -2"),
+    (("verify", "--acceptance", "--temperatures", "0.7,x"), "argument --temperatures: expected a number, got 'x'"),
+    (("verify", "--acceptance", "--seeds", "0"), "argument --seeds: expected an integer >= 1, got 0"),
+    (("verify", "--acceptance", "--max-new-tokens", "0"), "argument --max-new-tokens: expected an integer >= 1"),
+    (("verify", "--one-pass-stats", "--stats-configs", "4/x/0"), "argument --stats-configs: expected WARPS/"),
+    (("exchange", "--polls", "0"), "argument --polls: expected an integer >= 1, got 0"),
+], ids=["top-p-nan", "temperature", "logit-scale", "block-size", "num-splits", "temperatures", "seeds",
+        "max-new-tokens", "stats-configs", "polls"])
+def test_bench_flags_no_run_can_use_are_usage_errors(argv, named, capsys):
+    # Were: a table labelled "top-p nan" and exit 0, a ValueError traceback, zero requests measured with exit 0,
+    # or (on a GPU) a division by zero polls.
+    from tensorrt_llm_ext.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and named in err and "Traceback" not in err, err
