@@ -120,3 +120,35 @@ def test_bench_flags_no_run_can_use_are_usage_errors(argv, named, capsys):
         main(["bench", *argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and named in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--timeout", "0"), "argument --timeout: expected seconds in (0, 1e+09], got 0"),
+    (("--timeout", "nan"), "argument --timeout: expected seconds in (0, 1e+09], got nan"),
+    (("--reps", "0"), "argument --reps: expected an integer >= 1, got 0"),
+    (("--calls-per-rep", "-1"), "argument --calls-per-rep: expected an integer >= 1, got -1"),
+], ids=["timeout-0", "timeout-nan", "reps", "calls-per-rep"])
+def test_bench_tp_bounds_are_usage_errors_before_any_rank_starts(argv, named, capsys):
+    # Were: ranks started, then a RankJobError traceback ("no result within 0s"); or, on a GPU, the median of
+    # no repetition (StatisticsError) on every rank.
+    from tensorrt_llm_ext.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "tp", "--tiny", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and named in err, err
+
+
+def test_a_failed_bench_tp_rank_job_is_an_error_line_and_exit_1(monkeypatch, capsys):
+    import tensorrt_llm_ext.bench.tp as bench_tp
+    from tensorrt_llm_ext.cli import main
+    from tensorrt_llm_ext.runtime.ranks import RankJobError
+
+    def fail(args, pool=None):
+        raise RankJobError("rank 1 exited with 9", [], "/tmp/rank_logs_x")
+
+    monkeypatch.setattr(bench_tp, "run_tp", fail)
+    assert main(["bench", "tp", "--tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "error: bench tp: the 2-rank job failed: rank 1 exited with 9" in err and "/tmp/rank_logs_x" in err
+    assert "Traceback" not in err
