@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -280,8 +281,6 @@ def _empty_cell(cell: str, errors: list[str]) -> str:
 def _nothing_measured(empty: list[str], work: Path) -> int:
     """Exit 1, with a line per cell, when a cell served no request: its row measured nothing (exit 0 said the
     table held numbers); else 0."""
-    import sys
-
     for cell in empty:
         print(f"error: bench serve: no request served ({cell}); server logs in {work}", file=sys.stderr)
     return 1 if empty else 0
@@ -309,12 +308,20 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int | None:
     bad = _check_args(args)
     if bad:
-        import sys
-
         print(f"error: bench serve: {bad}", file=sys.stderr)
         return 2
-    with _sigterm_unwinds():
-        return _stub_run(args) if args.stub_engine else _model_run(args)
+    from tensorrt_llm_ext.bench.server_process import ServerStartError
+    from tensorrt_llm_ext.runtime.config import ConfigError
+
+    try:
+        with _sigterm_unwinds():
+            return _stub_run(args) if args.stub_engine else _model_run(args)
+    except ConfigError as e:  # --config / --model: the user's file, named in one line as `serve` names it
+        print(f"error: bench serve: {e}", file=sys.stderr)
+        return 2
+    except ServerStartError as e:  # a server refused its arguments (2) or failed to load: its reason, its log
+        print(f"error: bench serve: {e.headline}", file=sys.stderr)
+        return 2 if e.returncode == 2 else 1
 
 
 def _model_run(args: argparse.Namespace) -> int | None:

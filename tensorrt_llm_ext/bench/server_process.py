@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from tensorrt_llm_ext.configs.tiny_model import tiny_model
 
-__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerProcess", "StubScheduler", "free_port",
+__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerProcess", "ServerStartError",
+           "StubScheduler", "free_port",
            "sample_bodies", "start_server", "stub_server_main"]
 
 
@@ -60,6 +61,21 @@ class ServerProcess:
         return self.proc.returncode
 
 
+class ServerStartError(RuntimeError):
+    """The server exited (``returncode``) or never answered /health (``returncode`` None) while starting;
+    ``headline`` is the one line for a user, the message adds the log's tail."""
+
+    def __init__(self, headline: str, returncode: int | None, log_tail: str):
+        super().__init__(f"{headline}:\n{log_tail}")
+        self.headline, self.returncode = headline, returncode
+
+
+def _last_line(text: str) -> str:
+    """The log's last non-empty line (a refusal names its reason there)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:400] if lines else "(the log is empty)"
+
+
 SERVE_COMMAND = ("-m", "tensorrt_llm_ext.cli", "serve")
 STUB_SERVE_COMMAND = ("-m", "tensorrt_llm_ext.bench.server_process")  # the serving stack over a stub engine
 
@@ -80,7 +96,9 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode} before answering:\n{server.log()[-4000:]}")
+                log = server.log()
+                raise ServerStartError(f"serve exited with {proc.returncode} before answering /health: "
+                                       f"{_last_line(log)} (log: {log_path})", proc.returncode, log[-4000:])
             try:
                 if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
                     return server
@@ -91,7 +109,8 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
         server.stop(10)  # Ctrl-C / SIGTERM while it loads: the caller never got the server to stop
         raise
     server.stop(10)
-    raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
+    raise ServerStartError(f"serve did not answer /health within {start_timeout:.0f}s (log: {log_path})", None,
+                           server.log()[-4000:])
 
 
 # A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.

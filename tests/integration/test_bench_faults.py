@@ -152,3 +152,39 @@ def test_a_failed_bench_tp_rank_job_is_an_error_line_and_exit_1(monkeypatch, cap
     err = capsys.readouterr().err
     assert "error: bench tp: the 2-rank job failed: rank 1 exited with 9" in err and "/tmp/rank_logs_x" in err
     assert "Traceback" not in err
+
+
+def test_bench_serve_config_and_server_start_failures_are_one_line(tmp_path, monkeypatch, capsys):
+    # Were: a ConfigError traceback (exit 1) for a missing --config / --model, and a RuntimeError traceback with
+    # the server log's tail for a server that refused its arguments or failed to load.
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+
+    missing = tmp_path / "no.yaml"
+    assert bs.run(_stub_args(stub_engine=False, config=str(missing), model=None)) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: bench serve: cannot read config file {missing}: No such file or directory"
+
+    for rc, want in ((2, 2), (1, 1), (None, 1)):
+        def refuse(*a, rc=rc, **k):
+            raise sp.ServerStartError(f"serve exited with {rc}: --tokenizer x: no tokenizer there (log: L)", rc,
+                                      "a long log tail\n" * 50)
+
+        monkeypatch.setattr(sp, "start_server", refuse)
+        assert bs.run(_stub_args()) == want
+        err = capsys.readouterr().err
+        assert err.strip() == f"error: bench serve: serve exited with {rc}: --tokenizer x: no tokenizer there (log: L)"
+
+
+def test_a_server_that_exits_while_starting_names_its_last_log_line(tmp_path):
+    import pytest as _pytest
+
+    from tensorrt_llm_ext.bench.server_process import ServerStartError, start_server
+
+    log = tmp_path / "server.log"
+    with _pytest.raises(ServerStartError) as exc:
+        start_server(["--tokenizer", str(tmp_path / "none")], str(log),
+                     command=("-c", "import sys; print('loading'); sys.exit('error: --tokenizer: no tokenizer there')"))
+    assert exc.value.returncode == 1
+    assert exc.value.headline == (f"serve exited with 1 before answering /health: error: --tokenizer: no tokenizer "
+                                  f"there (log: {log})")
