@@ -183,6 +183,12 @@ def _exit_code_on_last_row(server, rows: list[list]):
     rows[-1].append(server.stop(60))
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is (a KeyboardInterrupt, so that no ``except Exception`` swallows it)."""
+
+    signum = 15
+
+
 @contextlib.contextmanager
 def _sigterm_unwinds():
     """SIGTERM ends the run the way Ctrl-C does, through every ``finally``: Python's default SIGTERM ends the
@@ -190,7 +196,7 @@ def _sigterm_unwinds():
     import signal
 
     def _raise(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Terminated()
 
     try:
         previous = signal.signal(signal.SIGTERM, _raise)
@@ -316,6 +322,11 @@ def run(args: argparse.Namespace) -> int | None:
     try:
         with _sigterm_unwinds():
             return _stub_run(args) if args.stub_engine else _model_run(args)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: the servers are stopped by now; a line, not a traceback
+        signum = getattr(e, "signum", 2)
+        print(f"error: bench serve: interrupted (signal {signum}); every server it started is stopped",
+              file=sys.stderr)
+        return 128 + signum
     except ConfigError as e:  # --config / --model: the user's file, named in one line as `serve` names it
         print(f"error: bench serve: {e}", file=sys.stderr)
         return 2
