@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
@@ -17,10 +19,12 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-def test_sigterm_mid_cell_stops_the_server_bench_serve_started():
-    # A stand-in server and a cell that receives SIGTERM: the run must unwind and stop the server (Python's
-    # default SIGTERM ended the process at once, leaving `trtllm-ext serve` children serving their ports).
-    r = _python("""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_cell_stops_the_server_bench_serve_started(signum):
+    # A stand-in server and a cell that receives the signal: the run must unwind and stop the server (Python's
+    # default SIGTERM ended the process at once, leaving `trtllm-ext serve` children serving their ports;
+    # Ctrl-C printed a KeyboardInterrupt traceback).
+    r = _python(f"""
         import argparse, os, signal, sys
         import tensorrt_llm_ext.bench.serve as bs
         import tensorrt_llm_ext.bench.server_process as sp
@@ -35,8 +39,8 @@ def test_sigterm_mid_cell_stops_the_server_bench_serve_started():
 
         sp.start_server = lambda *a, **k: FakeServer()
         def cell(*a, **k):
-            os.kill(os.getpid(), signal.SIGTERM)
-            raise AssertionError("SIGTERM did not interrupt the cell")
+            os.kill(os.getpid(), {int(signum)})
+            raise AssertionError("the signal did not interrupt the cell")
         bs._cell = cell
         bs.asyncio.run = lambda coro: coro
         args = argparse.Namespace(stub_engine=True, concurrency=[1], requests_per_client=1, max_tokens=2,
@@ -44,9 +48,10 @@ def test_sigterm_mid_cell_stops_the_server_bench_serve_started():
                                   tokenizer=["embedded"], out=None)
         sys.exit(bs.run(args))
     """)
-    assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-2000:])
+    assert r.returncode == 128 + signum, (r.returncode, r.stderr[-2000:])
     assert "server stopped" in r.stdout
-    assert r.stderr.strip() == "error: bench serve: interrupted (signal 15); every server it started is stopped"
+    assert r.stderr.strip() == (f"error: bench serve: interrupted (signal {int(signum)}); every server it started "
+                                "is stopped")
 
 
 class _FakeServer:
@@ -94,8 +99,6 @@ def test_a_cell_that_served_no_request_is_exit_1_naming_the_servers_reason(monke
     monkeypatch.setattr(bs, "_cell", lambda *a: cell(a[0], a[1], 1, a[3]))
     assert bs.run(_stub_args()) == 0
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, named", [
