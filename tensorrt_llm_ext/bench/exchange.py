@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
             table.append([w, r, fmt(us, 2), fmt(nccl, 2), fmt(us / nccl, 2) if nccl == nccl else "-",
                           fmt(floor_us(words_bytes, bw), 3), "yes" if us <= GOAL_US else "no",
                           "ok" if ok else "WRONG"])
-    text = print_table(
+    print_table(
         "Low-latency exchange, simulated peers on one GPU (µs per round, CUDA-graph replay)",
         ["W", "rows", "LL round µs", "NCCL ws=1 µs", "LL / NCCL", "byte floor µs", f"≤{GOAL_US:g} µs", "check"],
         table,
@@ -132,10 +132,7 @@ def run(args: argparse.Namespace) -> None:
         for r in (1, max(rows_list)):
             ns, waited = _timeout_path(w, r, args.polls, bound)
             polls.append([w, r, args.polls, fmt(ns, 1), fmt(waited, 3), fmt(waited / bound, 3)])
-    text += print_table(
+    print_table(
         "Timeout path: cost of one poll, and a time-bounded wait (peer never writes)",
         ["W", "rows", "polls", "ns per poll", f"wait, timeout_s={bound:g} (s)", "wait / timeout"], polls,
         notes=[f"The default bound is WAIT_TIMEOUT_S = {WAIT_TIMEOUT_S:g} s by the GPU clock, whatever a poll costs."])
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)

@@ -268,13 +268,10 @@ def _stub_run(args: argparse.Namespace) -> None:
              "so about one core is what it gets).",
              f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()} "
              f"{os.cpu_count()} CPUs"]
-    text = print_table("bench serve --stub-engine: the server's host path per output token",
-                       ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
-                        "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
-                       notes)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    print_table("bench serve --stub-engine: the server's host path per output token",
+                ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
+                 "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
+                notes)
     return _nothing_measured(empty, work)
 
 
@@ -427,11 +424,8 @@ def _model_run(args: argparse.Namespace) -> int | None:
         notes.append("On a CPU: " + ("the Triton interpreter" if ENV.triton_interpret else
                                      "the stock torch ops") + (f", {args.model}" if args.model else ", the small "
                                      "config") + ": the numbers compare rows of this run, not a GPU's speed.")
-    text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
-                       ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
-                        "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
-                        "host ms/step", "prefill ms/step", "exit"], rows, notes)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    print_table("bench serve: TTFT / TPOT / throughput on loopback",
+                ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
+                 "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
+                 "host ms/step", "prefill ms/step", "exit"], rows, notes)
     return _nothing_measured(empty, work)

@@ -191,3 +191,27 @@ def test_a_server_that_exits_while_starting_names_its_last_log_line(tmp_path):
     assert exc.value.returncode == 1
     assert exc.value.headline == (f"serve exited with 1 before answering /health: error: --tokenizer: no tokenizer "
                                   f"there (log: {log})")
+
+
+def test_out_gets_the_tables_of_every_benchmark_once(tmp_path, capsys):
+    # Was: `--out` (a flag of every benchmark) left an empty file for tail, select, verify, markov and drafter.
+    from tensorrt_llm_ext.cli import main
+
+    out = tmp_path / "tail.md"
+    assert main(["bench", "tail", "--batch-sizes", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    text = out.read_text()
+    assert text.count("### Spec tail") == 1 and text.strip() in printed
+
+    # A benchmark that appends its own tables (bench acceptance) is not appended twice.
+    import argparse
+
+    from tensorrt_llm_ext.bench.harness import _appending_out, print_table
+
+    def own(args):
+        with open(args.out, "a") as f:
+            f.write(print_table("own", ["a"], [[1]]))
+
+    own_out = tmp_path / "own.md"
+    _appending_out(own)(argparse.Namespace(out=str(own_out)))
+    assert own_out.read_text().count("### own") == 1
