@@ -22,6 +22,7 @@ cannot complete): the command says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -102,11 +103,12 @@ def _timeout_path(world: int, rows: int, polls: int, timeout_s: float) -> tuple[
 
 @register_benchmark("exchange", "low-latency tagged-word exchange on simulated peers vs an NCCL all-reduce lower bound",
                     _add_args)
-def run(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        print("bench exchange: needs a CUDA GPU -- the simulated peers spin across programs, which the Triton "
-              "interpreter runs one after another, so a round cannot complete on CPU. Nothing was measured.")
-        return
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():  # exit 1: a script reading the exit code must not take this for a table
+        print("error: bench exchange: needs a CUDA GPU -- the simulated peers spin across programs, which the Triton "
+              "interpreter runs one after another, so a round cannot complete on CPU. Nothing was measured.",
+              file=sys.stderr)
+        return 1
     timer = BenchTimer()
     bw = measure_copy_bandwidth()
     group = _nccl_world1()
@@ -136,3 +138,4 @@ def run(args: argparse.Namespace) -> None:
         "Timeout path: cost of one poll, and a time-bounded wait (peer never writes)",
         ["W", "rows", "polls", "ns per poll", f"wait, timeout_s={bound:g} (s)", "wait / timeout"], polls,
         notes=[f"The default bound is WAIT_TIMEOUT_S = {WAIT_TIMEOUT_S:g} s by the GPU clock, whatever a poll costs."])
+    return 1 if any(row[-1] == "WRONG" for row in table) else 0  # a wrong round is not a measurement
