@@ -245,6 +245,8 @@ def _stub_run(args: argparse.Namespace) -> None:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
                 cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
                 res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
+                if server.proc.poll() is not None:  # a dead server's failed requests are not a measurement
+                    raise server.failure(f"during the cell {tok}, concurrency {conc}")
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds(server.proc.pid) - cpu0
                 tokens = sum(r[2] for r in res)
                 tpot = [r[1] for r in res if r[1] == r[1]]
@@ -313,7 +315,7 @@ def run(args: argparse.Namespace) -> int | None:
     if bad:
         print(f"error: bench serve: {bad}", file=sys.stderr)
         return 2
-    from tensorrt_llm_ext.bench.server_process import ServerStartError
+    from tensorrt_llm_ext.bench.server_process import ServerFailed
     from tensorrt_llm_ext.runtime.config import ConfigError
 
     try:
@@ -327,12 +329,14 @@ def run(args: argparse.Namespace) -> int | None:
     except ConfigError as e:  # --config / --model: the user's file, named in one line as `serve` names it
         print(f"error: bench serve: {e}", file=sys.stderr)
         return 2
-    except ServerStartError as e:  # a server refused its arguments (2) or failed to load: its reason, its log
+    except ServerFailed as e:  # a server refused its arguments (2), failed to load or died: its reason, its log
         print(f"error: bench serve: {e.headline}", file=sys.stderr)
         return 2 if e.returncode == 2 else 1
 
 
 def _model_run(args: argparse.Namespace) -> int | None:
+    import httpx
+
     cpu = not torch.cuda.is_available()
     args.concurrency = args.concurrency or ([1, 2] if cpu else [1, 8, 32])
     args.requests_per_client = args.requests_per_client or (2 if cpu else 8)
@@ -379,11 +383,15 @@ def _model_run(args: argparse.Namespace) -> int | None:
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=(shared + b["prompt"])[:max(1, limit)], seed=i, **sampling)
-                    m0 = _scrape(server.url)
-                    t0 = time.perf_counter()
-                    res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
-                    wall = time.perf_counter() - t0
-                    m1 = _scrape(server.url)
+                    try:
+                        m0 = _scrape(server.url)
+                        t0 = time.perf_counter()
+                        res, errors = asyncio.run(_cell(server.url, bodies, conc,
+                                                        time.monotonic() + args.max_seconds))
+                        wall = time.perf_counter() - t0
+                        m1 = _scrape(server.url)
+                    except httpx.HTTPError:  # the server died (OOM killer, a crash): its exit and its log's reason
+                        raise server.failure(f"during the cell {decode}, {name}, concurrency {conc}") from None
                     tokens = sum(r[2] for r in res)
                     ttft = [r[0] for r in res]
                     tpot = [r[1] for r in res if r[1] == r[1]]

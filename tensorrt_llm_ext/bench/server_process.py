@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tensorrt_llm_ext.configs.tiny_model import tiny_model
 
-__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerProcess", "ServerStartError",
+__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerFailed", "ServerProcess", "ServerStartError",
            "StubScheduler", "free_port",
            "sample_bodies", "start_server", "stub_server_main"]
 
@@ -28,6 +28,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """The server exited (``returncode``) or stopped answering (``returncode`` None); ``headline`` is the one
+    line for a user, the message adds the log's tail."""
+
+    def __init__(self, headline: str, returncode: int | None, log_tail: str):
+        super().__init__(f"{headline}:\n{log_tail}")
+        self.headline, self.returncode = headline, returncode
+
+
+class ServerStartError(ServerFailed):
+    """The server exited or never answered /health while starting."""
+
+
+def _last_line(text: str) -> str:
+    """The log's last non-empty line (a refusal names its reason there)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:400] if lines else "(the log is empty)"
 
 
 @dataclass
@@ -51,6 +70,13 @@ class ServerProcess:
             self.proc.wait(10)
             raise
 
+    def failure(self, when: str) -> ServerFailed:
+        """What to raise when the server stopped answering ``when`` (its exit code, its log's last line)."""
+        rc = self.proc.poll()
+        log = self.log()
+        state = f"exited with {rc}" if rc is not None else "stopped answering"
+        return ServerFailed(f"serve {state} {when}: {_last_line(log)} (log: {self.log_path})", rc, log[-4000:])
+
     def stop(self, timeout: float = 60.0) -> int | None:
         if self.proc.poll() is None:
             self.terminate()
@@ -59,21 +85,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 return None
         return self.proc.returncode
-
-
-class ServerStartError(RuntimeError):
-    """The server exited (``returncode``) or never answered /health (``returncode`` None) while starting;
-    ``headline`` is the one line for a user, the message adds the log's tail."""
-
-    def __init__(self, headline: str, returncode: int | None, log_tail: str):
-        super().__init__(f"{headline}:\n{log_tail}")
-        self.headline, self.returncode = headline, returncode
-
-
-def _last_line(text: str) -> str:
-    """The log's last non-empty line (a refusal names its reason there)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:400] if lines else "(the log is empty)"
 
 
 SERVE_COMMAND = ("-m", "tensorrt_llm_ext.cli", "serve")

@@ -62,6 +62,10 @@ class _FakeServer:
     class proc:
         pid = os.getpid()
 
+        @staticmethod
+        def poll():
+            return None
+
     def __init__(self):
         self.stops = 0
 
@@ -215,3 +219,29 @@ def test_out_gets_the_tables_of_every_benchmark_once(tmp_path, capsys):
     own_out = tmp_path / "own.md"
     _appending_out(own)(argparse.Namespace(out=str(own_out)))
     assert own_out.read_text().count("### own") == 1
+
+
+def test_a_server_that_dies_mid_cell_is_one_line_with_its_exit_and_log(tmp_path, monkeypatch, capsys):
+    # Was (model servers): the /metrics scrape after the cell raised httpx.ConnectError, a traceback; (stub) exit 1
+    # blaming the requests, not the server.
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+
+    class KilledProc:
+        pid, returncode = os.getpid(), -9
+
+        def poll(self):
+            return -9
+
+    log = tmp_path / "server.log"
+    log.write_text("stub server ready\nKilled\n")
+    monkeypatch.setattr(sp, "start_server", lambda *a, **k: sp.ServerProcess(KilledProc(), "http://127.0.0.1:9",
+                                                                             str(log)))
+
+    async def cell(url, bodies, concurrency, deadline):
+        return [], ["RemoteProtocolError: peer closed connection"] * len(bodies)
+
+    monkeypatch.setattr(bs, "_cell", cell)
+    assert bs.run(_stub_args(concurrency=[1])) == 1
+    assert capsys.readouterr().err.strip() == (f"error: bench serve: serve exited with -9 during the cell embedded, "
+                                               f"concurrency 1: Killed (log: {log})")
