@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorrt_llm_ext.argtypes import name_list, positive_int, seconds
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
+from tensorrt_llm_ext.bench.harness import (TABLES, BenchTimer, fmt, print_table, register_benchmark,
+                                            rotation_count)
 from tensorrt_llm_ext.mapping import vocab_shards
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
@@ -537,6 +538,7 @@ def run(args: argparse.Namespace) -> int:
     if too_few:
         print(f"error: bench tp: {too_few}", file=sys.stderr)
         return 2
+    first = len(TABLES)
     try:
         run_tp(args)
     except RankJobInterrupted as e:
@@ -545,4 +547,8 @@ def run(args: argparse.Namespace) -> int:
     except RankJobError as e:
         print(f"error: bench tp: the {args.tp}-rank job failed: {e}", file=sys.stderr)
         return 1
-    return 0
+    # A row whose paths disagree ("ids equal" / "tokens equal": NO) is a wrong result, not a timing.
+    differ = [t["title"] for t in TABLES[first:] if any(row[-1] == "NO" for row in t["rows"])]
+    for title in differ:
+        print(f"error: bench tp: the paths gave different ids in '{title}' (rows marked NO)", file=sys.stderr)
+    return 1 if differ else 0

@@ -245,3 +245,23 @@ def test_a_server_that_dies_mid_cell_is_one_line_with_its_exit_and_log(tmp_path,
     assert bs.run(_stub_args(concurrency=[1])) == 1
     assert capsys.readouterr().err.strip() == (f"error: bench serve: serve exited with -9 during the cell embedded, "
                                                f"concurrency 1: Killed (log: {log})")
+
+
+def test_bench_tp_whose_paths_disagree_is_exit_1(monkeypatch, capsys):
+    # Was: a table with "ids equal: NO" and exit 0.
+    import tensorrt_llm_ext.bench.tp as bench_tp
+    from tensorrt_llm_ext.bench.harness import print_table
+    from tensorrt_llm_ext.cli import main
+
+    verdict = {"equal": "yes"}
+
+    def tables(args, pool=None):
+        print_table("bench tp: vp vs gathered selection", ["rows", "ids equal"], [[1, "yes"], [3, verdict["equal"]]])
+        return []
+
+    monkeypatch.setattr(bench_tp, "run_tp", tables)
+    assert main(["bench", "tp", "--tiny"]) == 0
+    verdict["equal"] = "NO"
+    assert main(["bench", "tp", "--tiny"]) == 1
+    assert ("error: bench tp: the paths gave different ids in 'bench tp: vp vs gathered selection' (rows marked NO)"
+            in capsys.readouterr().err)
