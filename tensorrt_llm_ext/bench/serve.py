@@ -352,6 +352,10 @@ def _model_run(args: argparse.Namespace) -> int | None:
                                                                                          exclude_unset=True)))
     cfg = load_config(cfg_path, model_dir=args.model)
     limit = cfg.max_seq_len - args.max_tokens
+    if limit < 1:  # every request would be refused (prompt + max_tokens past the model): say so before any server
+        print(f"error: bench serve: --max-tokens {args.max_tokens}: expected at most max_seq_len - 1 = "
+              f"{cfg.max_seq_len - 1} (a prompt needs a token)", file=sys.stderr)
+        return 2
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
         ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + \

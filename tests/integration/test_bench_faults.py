@@ -78,7 +78,9 @@ def _stub_args(**over):
     import argparse
 
     base = dict(stub_engine=True, concurrency=[1, 2], requests_per_client=1, max_tokens=2, shared_prefix=0, tp=1,
-                stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0, tokenizer=["embedded"], out=None)
+                stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0, tokenizer=["embedded"], out=None, config=None,
+                model=None, decodes=["speculative", "target_only"], prompt_set="random", prefix_caching="off",
+                no_cuda_graph=False, disable_overlap_scheduler=False)
     return argparse.Namespace(**{**base, **over})
 
 
@@ -265,3 +267,18 @@ def test_bench_tp_whose_paths_disagree_is_exit_1(monkeypatch, capsys):
     assert main(["bench", "tp", "--tiny"]) == 1
     assert ("error: bench tp: the paths gave different ids in 'bench tp: vp vs gathered selection' (rows marked NO)"
             in capsys.readouterr().err)
+
+
+def test_max_tokens_past_the_served_model_is_a_usage_error_before_any_server(monkeypatch, capsys):
+    # Was: both servers started, every request refused with a 400, exit 0 (a table of zeros).
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+
+    def no_server(*a, **k):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(sp, "start_server", no_server)
+    monkeypatch.setattr(bs.torch.cuda, "is_available", lambda: False)  # the small CPU config: max_seq_len 40
+    assert bs.run(_stub_args(stub_engine=False, config=None, model=None, max_tokens=40)) == 2
+    assert capsys.readouterr().err.strip() == ("error: bench serve: --max-tokens 40: expected at most max_seq_len - 1 "
+                                               "= 39 (a prompt needs a token)")
