@@ -389,7 +389,7 @@ def _launch_list(call) -> list[list[object]]:
     return [[name, n, "-"] for name, n in counts.items()]
 
 
-def acceptance(args: argparse.Namespace) -> None:
+def acceptance(args: argparse.Namespace) -> int:
     """Mean acceptance length (tokens per step) of strict acceptance vs rejection sampling."""
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -402,7 +402,12 @@ def acceptance(args: argparse.Namespace) -> None:
     base = load_config()
     vocab = base.model.target.vocab_size
     prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
-    rows = []
+    room = base.max_seq_len - max(map(len, prompts))
+    if args.max_new_tokens > room:  # every request would be rejected: a table of '-' and exit 0
+        print(f"error: bench verify: --max-new-tokens {args.max_new_tokens}: expected at most {room} (max_seq_len "
+              f"{base.max_seq_len} - the longest prompt's {base.max_seq_len - room} tokens)", file=sys.stderr)
+        return 2
+    rows, unmeasured = [], []
     engines = {rs: Engine(load_config(**{"speculative_config.use_rejection_sampling": rs})) for rs in (False, True)}
     for t in temps:
         reqs = [Request(list(p), max_new_tokens=args.max_new_tokens,
@@ -410,6 +415,7 @@ def acceptance(args: argparse.Namespace) -> None:
                 for s in range(args.seeds) for i, p in enumerate(prompts)]
         mal = {rs: engines[rs].generate(reqs, mode)[1].mean_acceptance_length for rs in (False, True)}
         rows.append([t, len(reqs), fmt(mal[False], 3), fmt(mal[True], 3), fmt(mal[True] / mal[False], 2)])
+        unmeasured += [f"T={t:g}"] if mal[False] != mal[False] or mal[True] != mal[True] else []
     k = base.speculative_config.max_draft_len
     print_table(
         f"bench verify --acceptance: embedded model (V={vocab}, K={k}, {base.model.drafter_init} drafter), "
@@ -417,14 +423,18 @@ def acceptance(args: argparse.Namespace) -> None:
         ["T", "requests", "strict, greedy drafts", "rejection sampling, sampled drafts", "ratio"], rows,
         notes=[f"mean acceptance length = tokens emitted per speculative step (1 .. K+1 = {k + 1}).",
                "Not a timing: the same on CPU and GPU up to the model dtype (CPU float32, CUDA bfloat16)."])
+    if unmeasured:  # a row with no speculative step measured nothing: not exit 0
+        print(f"error: bench verify --acceptance: no step measured at {', '.join(unmeasured)} (see the log's "
+              "rejected lines)", file=sys.stderr)
+        return 1
+    return 0
 
 
 @register_benchmark("verify", "sharded rejection-sampling verification (+ exact top-p) vs the gathered stock path",
                     _add_args)
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     if args.acceptance:
-        acceptance(args)
-        return
+        return acceptance(args)
     # Bounded so the default table (2 widths x 4 batch sizes x 2 modes + the stock baseline) stays near a
     # minute on one H200: few replays per sample, at most 16 rotated input sets.
     timer = BenchTimer(reps=7, calls_per_rep=10)

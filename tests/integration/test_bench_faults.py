@@ -282,3 +282,33 @@ def test_max_tokens_past_the_served_model_is_a_usage_error_before_any_server(mon
     assert bs.run(_stub_args(stub_engine=False, config=None, model=None, max_tokens=40)) == 2
     assert capsys.readouterr().err.strip() == ("error: bench serve: --max-tokens 40: expected at most max_seq_len - 1 "
                                                "= 39 (a prompt needs a token)")
+
+
+def test_verify_acceptance_that_no_request_fits_is_a_usage_error(capsys):
+    # Was: every request rejected by the engine, a row of '-' and exit 0.
+    from tensorrt_llm_ext.cli import main
+
+    assert main(["bench", "verify", "--acceptance", "--max-new-tokens", "124", "--seeds", "1",
+                 "--temperatures", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: bench verify: --max-new-tokens 124: expected at most 123 (max_seq_len 160" in err
+
+
+def test_verify_acceptance_row_without_a_step_is_exit_1(monkeypatch, capsys):
+    import tensorrt_llm_ext.runtime.engine as engine_mod
+    from tensorrt_llm_ext.cli import main
+
+    class NoSteps:
+        def __init__(self, cfg):
+            pass
+
+        def generate(self, reqs, mode):
+            class Stats:
+                mean_acceptance_length = float("nan")
+
+            return None, Stats()
+
+    monkeypatch.setattr(engine_mod, "Engine", NoSteps)
+    assert main(["bench", "verify", "--acceptance", "--max-new-tokens", "2", "--seeds", "1",
+                 "--temperatures", "1"]) == 1
+    assert "error: bench verify --acceptance: no step measured at T=1" in capsys.readouterr().err
