@@ -33,11 +33,43 @@ REGISTRY: dict[str, Benchmark] = {}
 TABLES: list[dict] = []
 
 
+# The Markdown text of every table in TABLES (same order), for ``bench --out``.
+_MARKDOWN: list[str] = []
+
+
+def _file_size(path: str) -> int:
+    import os
+
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _appending_out(fn: Callable[[argparse.Namespace], object]) -> Callable[[argparse.Namespace], object]:
+    """``fn`` whose tables also go to ``--out`` (every benchmark takes the flag): appended when the run returns,
+    unless the benchmark appended them itself (the file grew) -- half of them did not, and ``--out`` was a file
+    left empty."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace):
+        out = getattr(args, "out", None)
+        first, size = len(_MARKDOWN), _file_size(out) if out else -1
+        rc = fn(args)
+        if out and _MARKDOWN[first:] and _file_size(out) == size:
+            with open(out, "a") as f:
+                f.write("\n".join(_MARKDOWN[first:]) + "\n")
+        return rc
+
+    return run
+
+
 def register_benchmark(name: str, help: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Decorator: register ``fn(args)`` as ``trtllm-ext bench <name>``."""
+    """Decorator: register ``fn(args)`` as ``trtllm-ext bench <name>`` (its tables appended to ``--out``)."""
 
     def deco(fn):
-        REGISTRY[name] = Benchmark(name=name, help=help, run=fn, add_args=add_args)
+        REGISTRY[name] = Benchmark(name=name, help=help, run=_appending_out(fn), add_args=add_args)
         return fn
 
     return deco
@@ -183,6 +215,7 @@ def print_table(title: str, headers: list[str], rows: list[list[object]], notes:
     TABLES.append({"title": title, "environment": lines[2], "headers": [str(h) for h in headers],
                    "rows": [[c if isinstance(c, (int, float)) else str(c) for c in r] for r in rows],
                    "notes": list(notes or [])})
+    _MARKDOWN.append(text)
     print(text, flush=True)
     return text
 

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,20 +85,20 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _one(client, body: dict) -> tuple[float, float, int] | None:
-    """Streams one completion: (TTFT s, TPOT s, tokens), or None on an error."""
+async def _one(client, body: dict) -> tuple[float, float, int] | str:
+    """Streams one completion: (TTFT s, TPOT s, tokens), or what went wrong (a line for the user)."""
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
-            return None
+            return f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
-                return None
+                return f"error in the stream: {json.dumps(chunk['error'])[:300]}"
             n = sum(len(c.get("token_ids", ())) for c in chunk["choices"])
             if n:
                 now = time.perf_counter()
@@ -105,26 +106,27 @@ async def _one(client, body: dict) -> tuple[float, float, int] | None:
                 last = now
                 tokens += n
     if first is None:
-        return None
+        return "the stream ended without a token"
     return first - t0, (last - first) / (tokens - 1) if tokens > 1 else float("nan"), tokens
 
 
 async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float):
+    """Sends ``bodies`` with ``concurrency`` in flight until ``deadline``: (the results, one line per failed
+    request)."""
     import httpx
 
     queue = list(reversed(bodies))
-    out, errors = [], 0
+    out, errors = [], []
 
     async def client_loop(client):
-        nonlocal errors
         while queue and time.monotonic() < deadline:
             body = queue.pop()
             try:
                 res = await _one(client, body)
-            except httpx.HTTPError:
-                res = None
-            if res is None:
-                errors += 1
+            except httpx.HTTPError as e:
+                res = f"{type(e).__name__}: {e}"
+            if isinstance(res, str):
+                errors.append(res)
             else:
                 out.append(res)
 
@@ -175,9 +177,36 @@ def _exit_code_on_last_row(server, rows: list[list]):
     the last row the server produced."""
     try:
         yield
+    except BaseException:
+        server.stop(60)  # an error or a signal: no exit code to show, but no server left serving either
+        raise
+    rows[-1].append(server.stop(60))
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is (a KeyboardInterrupt, so that no ``except Exception`` swallows it)."""
+
+    signum = 15
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM ends the run the way Ctrl-C does, through every ``finally``: Python's default SIGTERM ends the
+    process at once and leaves the servers it started serving their ports."""
+    import signal
+
+    def _raise(signum, frame):
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread (a test driving run()): the caller owns the signals
+        yield
+        return
+    try:
+        yield
     finally:
-        rc = server.stop(60)
-    rows[-1].append(rc)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _blank_exit_codes(rows: list[list], width: int) -> None:
@@ -205,25 +234,30 @@ def _stub_run(args: argparse.Namespace) -> None:
     concurrency = args.concurrency or [32]
     max_tokens = args.max_tokens or 128
     per_client = args.requests_per_client or 2
-    rows = []
+    rows, empty = [], []
     for tok in args.tokenizer:
         srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms),
                     "--host-ms", str(args.stub_host_ms)] + \
             ([] if tok == "embedded" else ["--tokenizer", tok])
-        server = start_server(srv_args, str(work / "server.log"), command=STUB_SERVE_COMMAND)
+        server = start_server(srv_args, str(work / f"server_{len(rows)}.log"), command=STUB_SERVE_COMMAND)
         with _exit_code_on_last_row(server, rows):
             for conc in concurrency:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
                 cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
                 res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
+                if server.proc.poll() is not None:  # a dead server's failed requests are not a measurement
+                    raise server.failure(f"during the cell {tok}, concurrency {conc}")
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds(server.proc.pid) - cpu0
                 tokens = sum(r[2] for r in res)
                 tpot = [r[1] for r in res if r[1] == r[1]]
                 us = cpu / tokens * 1e6 if tokens else float("nan")
-                rows.append([tok, conc, len(bodies), len(res), errors,
+                if not res:
+                    empty.append(_empty_cell(f"{tok}, concurrency {conc}", errors))
+                rows.append([tok, conc, len(bodies), len(res), len(errors),
                              _median_ms([r[0] for r in res], 1),
                              _median_ms(tpot, 2),
-                             fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1), fmt(1e6 / us, 0)])
+                             fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1),
+                             fmt(1e6 / us if us else float("nan"), 0)])  # the CPU clock ticks in 10 ms
     _blank_exit_codes(rows, 11)
     import platform
 
@@ -236,13 +270,25 @@ def _stub_run(args: argparse.Namespace) -> None:
              "so about one core is what it gets).",
              f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()} "
              f"{os.cpu_count()} CPUs"]
-    text = print_table("bench serve --stub-engine: the server's host path per output token",
-                       ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
-                        "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
-                       notes)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    print_table("bench serve --stub-engine: the server's host path per output token",
+                ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
+                 "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
+                notes)
+    return _nothing_measured(empty, work)
+
+
+def _empty_cell(cell: str, errors: list[str]) -> str:
+    """One cell that served no request, with the first reason the server gave."""
+    return f"{cell}: " + (f"{len(errors)} failed, the first with {errors[0]}" if errors else
+                          "no request finished within --max-seconds")
+
+
+def _nothing_measured(empty: list[str], work: Path) -> int:
+    """Exit 1, with a line per cell, when a cell served no request: its row measured nothing (exit 0 said the
+    table held numbers); else 0."""
+    for cell in empty:
+        print(f"error: bench serve: no request served ({cell}); server logs in {work}", file=sys.stderr)
+    return 1 if empty else 0
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -267,12 +313,30 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int | None:
     bad = _check_args(args)
     if bad:
-        import sys
-
         print(f"error: bench serve: {bad}", file=sys.stderr)
         return 2
-    if args.stub_engine:
-        return _stub_run(args)
+    from tensorrt_llm_ext.bench.server_process import ServerFailed
+    from tensorrt_llm_ext.runtime.config import ConfigError
+
+    try:
+        with _sigterm_unwinds():
+            return _stub_run(args) if args.stub_engine else _model_run(args)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: the servers are stopped by now; a line, not a traceback
+        signum = getattr(e, "signum", 2)
+        print(f"error: bench serve: interrupted (signal {signum}); every server it started is stopped",
+              file=sys.stderr)
+        return 128 + signum
+    except ConfigError as e:  # --config / --model: the user's file, named in one line as `serve` names it
+        print(f"error: bench serve: {e}", file=sys.stderr)
+        return 2
+    except ServerFailed as e:  # a server refused its arguments (2), failed to load or died: its reason, its log
+        print(f"error: bench serve: {e.headline}", file=sys.stderr)
+        return 2 if e.returncode == 2 else 1
+
+
+def _model_run(args: argparse.Namespace) -> int | None:
+    import httpx
+
     cpu = not torch.cuda.is_available()
     args.concurrency = args.concurrency or ([1, 2] if cpu else [1, 8, 32])
     args.requests_per_client = args.requests_per_client or (2 if cpu else 8)
@@ -288,6 +352,10 @@ def run(args: argparse.Namespace) -> int | None:
                                                                                          exclude_unset=True)))
     cfg = load_config(cfg_path, model_dir=args.model)
     limit = cfg.max_seq_len - args.max_tokens
+    if limit < 1:  # every request would be refused (prompt + max_tokens past the model): say so before any server
+        print(f"error: bench serve: --max-tokens {args.max_tokens}: expected at most max_seq_len - 1 = "
+              f"{cfg.max_seq_len - 1} (a prompt needs a token)", file=sys.stderr)
+        return 2
     most = max(args.concurrency) * args.requests_per_client
     srv_args = ([args.model] if args.model else []) + (["--config", cfg_path] if cfg_path else []) + \
         ["--tp", str(args.tp), "--max-queue", str(max(1024, most))] + \
@@ -304,6 +372,7 @@ def run(args: argparse.Namespace) -> int | None:
     import random
 
     shared = [random.Random(11).randrange(cfg.model.target.vocab_size) for _ in range(args.shared_prefix)]
+    empty = []
     for decode, reuse in ((d, r) for d in args.decodes for r in caching):
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []) +
                               (["--enable-prefix-caching"] if reuse else []),
@@ -318,17 +387,24 @@ def run(args: argparse.Namespace) -> int | None:
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=(shared + b["prompt"])[:max(1, limit)], seed=i, **sampling)
-                    m0 = _scrape(server.url)
-                    t0 = time.perf_counter()
-                    res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
-                    wall = time.perf_counter() - t0
-                    m1 = _scrape(server.url)
+                    try:
+                        m0 = _scrape(server.url)
+                        t0 = time.perf_counter()
+                        res, errors = asyncio.run(_cell(server.url, bodies, conc,
+                                                        time.monotonic() + args.max_seconds))
+                        wall = time.perf_counter() - t0
+                        m1 = _scrape(server.url)
+                    except httpx.HTTPError:  # the server died (OOM killer, a crash): its exit and its log's reason
+                        raise server.failure(f"during the cell {decode}, {name}, concurrency {conc}") from None
                     tokens = sum(r[2] for r in res)
                     ttft = [r[0] for r in res]
                     tpot = [r[1] for r in res if r[1] == r[1]]
                     looked_up = m1["prefix_cache_queries"] - m0["prefix_cache_queries"]
                     hit = (m1["prefix_cache_hits"] - m0["prefix_cache_hits"]) / looked_up if looked_up else 0.0
-                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res), errors,
+                    if not res:
+                        empty.append(_empty_cell(f"{decode}, {name}, concurrency {conc}", errors))
+                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res),
+                                 len(errors),
                                  _median_ms(ttft, 1),
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
                                  _median_ms(tpot, 2),
@@ -360,10 +436,8 @@ def run(args: argparse.Namespace) -> int | None:
         notes.append("On a CPU: " + ("the Triton interpreter" if ENV.triton_interpret else
                                      "the stock torch ops") + (f", {args.model}" if args.model else ", the small "
                                      "config") + ": the numbers compare rows of this run, not a GPU's speed.")
-    text = print_table("bench serve: TTFT / TPOT / throughput on loopback",
-                       ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
-                        "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
-                        "host ms/step", "prefill ms/step", "exit"], rows, notes)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    print_table("bench serve: TTFT / TPOT / throughput on loopback",
+                ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
+                 "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
+                 "host ms/step", "prefill ms/step", "exit"], rows, notes)
+    return _nothing_measured(empty, work)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from tensorrt_llm_ext.configs.tiny_model import tiny_model
 
-__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerProcess", "StubScheduler", "free_port",
+__all__ = ["SERVE_COMMAND", "SMALL_SERVE_CONFIG", "STUB_SERVE_COMMAND", "ServerFailed", "ServerProcess", "ServerStartError",
+           "StubScheduler", "free_port",
            "sample_bodies", "start_server", "stub_server_main"]
 
 
@@ -27,6 +28,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """The server exited (``returncode``) or stopped answering (``returncode`` None); ``headline`` is the one
+    line for a user, the message adds the log's tail."""
+
+    def __init__(self, headline: str, returncode: int | None, log_tail: str):
+        super().__init__(f"{headline}:\n{log_tail}")
+        self.headline, self.returncode = headline, returncode
+
+
+class ServerStartError(ServerFailed):
+    """The server exited or never answered /health while starting."""
+
+
+def _last_line(text: str) -> str:
+    """The log's last non-empty line (a refusal names its reason there)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:400] if lines else "(the log is empty)"
 
 
 @dataclass
@@ -49,6 +69,13 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
             raise
+
+    def failure(self, when: str) -> ServerFailed:
+        """What to raise when the server stopped answering ``when`` (its exit code, its log's last line)."""
+        rc = self.proc.poll()
+        log = self.log()
+        state = f"exited with {rc}" if rc is not None else "stopped answering"
+        return ServerFailed(f"serve {state} {when}: {_last_line(log)} (log: {self.log_path})", rc, log[-4000:])
 
     def stop(self, timeout: float = 60.0) -> int | None:
         if self.proc.poll() is None:
@@ -77,17 +104,24 @@ def start_server(args: list[str], log_path: str, start_timeout: float = 180.0, e
     log.close()
     server = ServerProcess(proc, f"http://{host}:{port}", log_path)
     deadline = time.monotonic() + start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode} before answering:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log = server.log()
+                raise ServerStartError(f"serve exited with {proc.returncode} before answering /health: "
+                                       f"{_last_line(log)} (log: {log_path})", proc.returncode, log[-4000:])
+            try:
+                if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+    except BaseException:
+        server.stop(10)  # Ctrl-C / SIGTERM while it loads: the caller never got the server to stop
+        raise
     server.stop(10)
-    raise TimeoutError(f"serve did not answer /health within {start_timeout:.0f}s:\n{server.log()[-4000:]}")
+    raise ServerStartError(f"serve did not answer /health within {start_timeout:.0f}s (log: {log_path})", None,
+                           server.log()[-4000:])
 
 
 # A small config for CPU server tests (Triton interpreter): steps of 8 rows take about a second.

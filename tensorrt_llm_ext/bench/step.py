@@ -293,14 +293,11 @@ def run(args: argparse.Namespace) -> int:
              "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, the drafter's eager "
              "block attention, F.linear + add + torch.argmax Markov chain); outside target = select + tail + draft "
              f"fwd + chain; drafter block attention / layers ours: {' / '.join(paths['ours'])}"]
-    text = print_table("bench step: DSpark decode step by stage, fused / stock op table",
-                       ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x",
-                        "whole step", "step gain x"], rows, notes)
+    print_table("bench step: DSpark decode step by stage, fused / stock op table",
+                ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x", "whole step",
+                 "step gain x"], rows, notes)
     for line in profiles:
         print(line)
-    if getattr(args, "out", None):
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
     return 0
 
 
@@ -391,11 +388,11 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
              "op table, stock = the same worker with the stock op table (gathered logits, eager twins)."]
     notes.append("greedy us = the same fused worker with greedy rows (strict acceptance, argmax drafts) at the same B "
                  "in this run; sampled / greedy is the issue's goal (<= 1.3 at B <= 32).")
-    text = print_table("bench step --temperature: the whole DSpark step with sampled traffic, fused / stock op table",
-                       ["B", "ours us", "stock us", "step gain x", "greedy us", "sampled / greedy",
-                        "variant (ours / stock)"], rows, notes)
+    print_table("bench step --temperature: the whole DSpark step with sampled traffic, fused / stock op table",
+                ["B", "ours us", "stock us", "step gain x", "greedy us", "sampled / greedy", "variant (ours / stock)"],
+                rows, notes)
     if stage_rows:
-        text += "\n" + print_table(
+        print_table(
             "bench step --temperature --profile: the fused step by stage, sampled and greedy rows",
             ["B", "rows", "target fwd", "head", "decision", "tail", "draft", "whole step", "decision - head",
              "sampled / greedy"], stage_rows,
@@ -408,6 +405,3 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
              "decode is in the step only)."])
     for line in profiles:
         print(line)
-    if getattr(args, "out", None):
-        with open(args.out, "a") as f:
-            f.write(text + "\n")

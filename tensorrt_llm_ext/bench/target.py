@@ -219,7 +219,6 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
     timer = BenchTimer(reps=5, calls_per_rep=3)
     bw = measure_copy_bandwidth()
     fi, fi_why = _flashinfer()
-    text = []
     for shape in shapes:
         cfg = _config(shape, args.model, args, max(sizes), max(contexts))
         dev = torch.device("cuda" if cuda else "cpu")
@@ -341,31 +340,26 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                  "GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
-        text.append(print_table(f"bench target: {name} decode step vs floor",
-                                ["B", "C", "decode fwd", "decode no-PDL", "verify fwd", "target-only step", "floor",
-                                 "decode/floor",
-                                 "decode fused", "decode unfused", "verify fused", "verify unfused",
-                                 "launches dec/ver", "attn", "attn floor",
-                                 "attn/floor", "flashinfer attn"], rows, notes))
+        print_table(f"bench target: {name} decode step vs floor",
+                    ["B", "C", "decode fwd", "decode no-PDL", "verify fwd", "target-only step", "floor", "decode/floor",
+                     "decode fused", "decode unfused", "verify fused", "verify unfused", "launches dec/ver", "attn",
+                     "attn floor", "attn/floor", "flashinfer attn"], rows, notes)
         if not args.no_attn_configs:
-            text.append(print_table(
+            print_table(
                 f"bench target: {name} paged decode attention by launch config",
                 ["B", "C", *[c.describe() for c in CONFIG_CANDIDATES], "attn floor", "best", "best/floor"], cfg_rows,
                 [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
                  f"(nN = keys per iteration, wW = warps, sS = pipeline stages, pP = a decode row's keys in P pieces "
                  f"sized from its length, f = fixed {SPLIT_TOKENS}-key pieces); the model runs "
-                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()}"]))
+                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()}"])
         if spec_rows:
-            text.append(print_table(
+            print_table(
                 f"bench target: {name} speculative step vs target-only step",
                 ["B", "C", "spec step", "target-only step", "verify fwd", "spec - verify fwd", "spec / target-only"],
                 spec_rows, [f"K={k}; spec step = DSparkWorker.forward (verify forward, selection, strict acceptance, "
                             f"drafter block decode, Markov chain), greedy rows; spec - verify fwd = what the drafter and "
-                            f"the step's tail add; times in us (CUDA-graph replay)"]))
+                            f"the step's tail add; times in us (CUDA-graph replay)"])
         del eng, worker, ref, kv, target, st
         if cuda:
             torch.cuda.empty_cache()
-    if getattr(args, "out", None):
-        with open(args.out, "a") as f:
-            f.write("\n".join(text) + "\n")
     return 0

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tensorrt_llm_ext.argtypes import name_list, positive_int
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark, rotation_count
+from tensorrt_llm_ext.argtypes import name_list, positive_int, seconds
+from tensorrt_llm_ext.bench.harness import (TABLES, BenchTimer, fmt, print_table, register_benchmark,
+                                            rotation_count)
 from tensorrt_llm_ext.mapping import vocab_shards
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
@@ -360,9 +361,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes (first and last of each list)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes (tiny vocabularies and drafter)")
     p.add_argument("--sections", type=name_list(SECTIONS), default=",".join(SECTIONS))
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median)")
-    p.add_argument("--calls-per-rep", type=int, default=10, help="graph replays per repetition")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a rank is declared hung")
+    p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions per variant (median)")
+    p.add_argument("--calls-per-rep", type=positive_int, default=10, help="graph replays per repetition")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds before a rank is declared hung")
 
 
 def _max_over_ranks(results: list[dict], section: str, i: int, key: str) -> float:
@@ -525,5 +526,29 @@ def _tables(args, tp: int, sizes: TpSizes, results: list[dict]) -> list[str]:
 
 @register_benchmark("tp", "TP paths side by side on N MPI ranks: vocab-parallel vs gathered selection, shard vs "
                           "replicated Markov chain, drafter with vs without TP fusion", add_args=_add_args)
-def run(args: argparse.Namespace) -> None:
-    run_tp(args)
+def run(args: argparse.Namespace) -> int:
+    """Exit codes as ``generate --tp N``'s: 2 for a TP size this host cannot run, 128 + the signal when the job
+    was interrupted, 1 when a rank failed (one error line naming it and its log, not a traceback)."""
+    import sys
+
+    from tensorrt_llm_ext.runtime.launch import tp_gpu_error
+    from tensorrt_llm_ext.runtime.ranks import RankJobError, RankJobInterrupted
+
+    too_few = tp_gpu_error(args.tp)
+    if too_few:
+        print(f"error: bench tp: {too_few}", file=sys.stderr)
+        return 2
+    first = len(TABLES)
+    try:
+        run_tp(args)
+    except RankJobInterrupted as e:
+        print(f"error: bench tp: the {args.tp}-rank job was {e.headline} (rank logs: {e.log_dir})", file=sys.stderr)
+        return 128 + e.signum
+    except RankJobError as e:
+        print(f"error: bench tp: the {args.tp}-rank job failed: {e}", file=sys.stderr)
+        return 1
+    # A row whose paths disagree ("ids equal" / "tokens equal": NO) is a wrong result, not a timing.
+    differ = [t["title"] for t in TABLES[first:] if any(row[-1] == "NO" for row in t["rows"])]
+    for title in differ:
+        print(f"error: bench tp: the paths gave different ids in '{title}' (rows marked NO)", file=sys.stderr)
+    return 1 if differ else 0

@@ -56,6 +56,48 @@ def random_logits(b: int, k: int, width: int, scale: float, g: torch.Generator, 
     return tgt, drf
 
 
+def _number(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite number in [low, high] ((low, high] with ``low_open``); a NaN top-p or a negative
+    temperature would label a table with a setting no kernel ran (or fail on a GPU after the earlier rows)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                                             f"got {text}")
+        return value
+
+    return parse
+
+
+def _number_list(low: float, high: float):
+    """An argparse type: comma-separated numbers, each as :func:`_number` takes it; returns the text."""
+    one = _number(low, high)
+
+    def parse(text: str) -> str:
+        for item in text.split(","):
+            one(item.strip())
+        return text
+
+    return parse
+
+
+def _stats_configs(text: str) -> str:
+    """``--stats-configs``: comma-separated WARPS/PROGRAMS/PREFETCH, integers >= 1 (PREFETCH 0 or 1)."""
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        try:
+            warps, programs, prefetch = (int(v) for v in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected WARPS/PROGRAMS/PREFETCH items, got {text!r}") from None
+        if warps < 1 or programs < 1 or prefetch not in (0, 1):
+            raise argparse.ArgumentTypeError(f"expected WARPS >= 1, PROGRAMS >= 1, PREFETCH 0 or 1, got {item!r}")
+    return text
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=positive_int, default=200064)
     p.add_argument("--draft-len", type=positive_int, default=7)
@@ -68,29 +110,29 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "path)")
     p.add_argument("--two-pass", action="store_true",
                    help="also time the forced two-pass path on the same rows (column 'two-pass us')")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--logit-scale", type=float, default=1.0,
+    p.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=0.95)
+    p.add_argument("--temperature", type=_number(0.0, 1e6), default=1.0)
+    p.add_argument("--logit-scale", type=_number(0.0, 1e6, low_open=True), default=1.0,
                    help="the random logits' standard deviation (1: standard normal rows, the table's default; 4: the "
                         "scale of bench step's random-weight LM head, where top-p keeps a small part of a row); every "
                         "column of the run, peers included, reads the same rows")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    p.add_argument("--block-size", type=int, default=1024, help="columns per tile of every verification kernel")
-    p.add_argument("--num-splits", type=int, default=32, help="column chunks (programs) per row, at most")
-    p.add_argument("--target-programs", type=int, default=None,
+    p.add_argument("--block-size", type=positive_int, default=1024, help="columns per tile of every verification kernel")
+    p.add_argument("--num-splits", type=positive_int, default=32, help="column chunks (programs) per row, at most")
+    p.add_argument("--target-programs", type=positive_int, default=None,
                    help="programs per call the column plan aims at (default: the library's)")
     p.add_argument("--no-stock", action="store_true", help="skip the gathered stock baseline")
     p.add_argument("--acceptance", action="store_true",
                    help="mean acceptance length on the embedded model: strict vs rejection sampling (no timing)")
-    p.add_argument("--temperatures", default="0.7,1.0", help="temperatures of --acceptance")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request of --acceptance")
-    p.add_argument("--seeds", type=int, default=4, help="seeds per prompt of --acceptance")
+    p.add_argument("--temperatures", type=_number_list(0.0, 1e6), default="0.7,1.0", help="temperatures of --acceptance")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per request of --acceptance")
+    p.add_argument("--seeds", type=positive_int, default=4, help="seeds per prompt of --acceptance")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel time of one call (GPU: torch.profiler; CPU: the launch list with counts)")
     p.add_argument("--one-pass-stats", action="store_true",
                    help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
                         "on block-aligned shards instead")
-    p.add_argument("--stats-configs", default="4/512/0",
+    p.add_argument("--stats-configs", type=_stats_configs, default="4/512/0",
                    help="--one-pass-stats: block_stats schedules WARPS/PROGRAMS/PREFETCH, comma-separated (a row each): "
                         "warps per program, programs per call the chunks aim at (column_plan's target_programs), "
                         "1 to load the next tile before this one's reductions")
@@ -240,9 +282,7 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     batches = [int(x) for x in args.batch_sizes.split(",")]
     tps = [int(x) for x in args.tp_sizes.split(",")]
     block, splits = args.block_size, args.num_splits
-    configs = [tuple(int(v) for v in c.split("/")) for c in args.stats_configs.split(",")]
-    if any(len(c) != 3 for c in configs):
-        raise SystemExit(f"--stats-configs: expected WARPS/PROGRAMS/PREFETCH items, got {args.stats_configs!r}")
+    configs = [tuple(int(v) for v in c.split("/")) for c in args.stats_configs.split(",")]  # checked by its type
     if timer.smoke:
         vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
     bw = measure_copy_bandwidth(device)
@@ -349,7 +389,7 @@ def _launch_list(call) -> list[list[object]]:
     return [[name, n, "-"] for name, n in counts.items()]
 
 
-def acceptance(args: argparse.Namespace) -> None:
+def acceptance(args: argparse.Namespace) -> int:
     """Mean acceptance length (tokens per step) of strict acceptance vs rejection sampling."""
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -362,7 +402,12 @@ def acceptance(args: argparse.Namespace) -> None:
     base = load_config()
     vocab = base.model.target.vocab_size
     prompts = [[t % vocab for t in p] for p in DEFAULT_PROMPTS]
-    rows = []
+    room = base.max_seq_len - max(map(len, prompts))
+    if args.max_new_tokens > room:  # every request would be rejected: a table of '-' and exit 0
+        print(f"error: bench verify: --max-new-tokens {args.max_new_tokens}: expected at most {room} (max_seq_len "
+              f"{base.max_seq_len} - the longest prompt's {base.max_seq_len - room} tokens)", file=sys.stderr)
+        return 2
+    rows, unmeasured = [], []
     engines = {rs: Engine(load_config(**{"speculative_config.use_rejection_sampling": rs})) for rs in (False, True)}
     for t in temps:
         reqs = [Request(list(p), max_new_tokens=args.max_new_tokens,
@@ -370,6 +415,7 @@ def acceptance(args: argparse.Namespace) -> None:
                 for s in range(args.seeds) for i, p in enumerate(prompts)]
         mal = {rs: engines[rs].generate(reqs, mode)[1].mean_acceptance_length for rs in (False, True)}
         rows.append([t, len(reqs), fmt(mal[False], 3), fmt(mal[True], 3), fmt(mal[True] / mal[False], 2)])
+        unmeasured += [f"T={t:g}"] if mal[False] != mal[False] or mal[True] != mal[True] else []
     k = base.speculative_config.max_draft_len
     print_table(
         f"bench verify --acceptance: embedded model (V={vocab}, K={k}, {base.model.drafter_init} drafter), "
@@ -377,14 +423,18 @@ def acceptance(args: argparse.Namespace) -> None:
         ["T", "requests", "strict, greedy drafts", "rejection sampling, sampled drafts", "ratio"], rows,
         notes=[f"mean acceptance length = tokens emitted per speculative step (1 .. K+1 = {k + 1}).",
                "Not a timing: the same on CPU and GPU up to the model dtype (CPU float32, CUDA bfloat16)."])
+    if unmeasured:  # a row with no speculative step measured nothing: not exit 0
+        print(f"error: bench verify --acceptance: no step measured at {', '.join(unmeasured)} (see the log's "
+              "rejected lines)", file=sys.stderr)
+        return 1
+    return 0
 
 
 @register_benchmark("verify", "sharded rejection-sampling verification (+ exact top-p) vs the gathered stock path",
                     _add_args)
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     if args.acceptance:
-        acceptance(args)
-        return
+        return acceptance(args)
     # Bounded so the default table (2 widths x 4 batch sizes x 2 modes + the stock baseline) stays near a
     # minute on one H200: few replays per sample, at most 16 rotated input sets.
     timer = BenchTimer(reps=7, calls_per_rep=10)

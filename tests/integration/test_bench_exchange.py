@@ -9,10 +9,10 @@ from tensorrt_llm_ext.cli import main
 def test_bench_exchange_cpu_smoke_prints_no_numbers(capsys):
     if torch.cuda.is_available():
         pytest.skip("the CPU smoke; see test_bench_exchange_gpu_small")
-    assert main(["bench", "exchange"]) == 0
-    out = capsys.readouterr().out
-    assert "needs a CUDA GPU" in out and "Nothing was measured" in out
-    assert "µs" not in out  # no table, no fake numbers
+    assert main(["bench", "exchange"]) == 1  # nothing measured: not exit 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: bench exchange: needs a CUDA GPU") and "Nothing was measured" in captured.err
+    assert "µs" not in captured.out  # no table, no fake numbers
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
