@@ -148,16 +148,38 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_launcher_passes_sighup_on_unless_it_is_ignored():
+def test_the_launcher_passes_sighup_on_unless_it_is_ignored(monkeypatch):
     """``serve --tp N`` under ``nohup``: an ignored SIGHUP stays ignored (the job outlives the terminal, as at TP 1);
-    otherwise the launcher drains the job on it like SIGTERM."""
-    from tensorrt_llm_ext.runtime.ranks import stop_signals
+    otherwise the launcher drains the job on it like SIGTERM. ``launch_command`` itself, with mpiexec faked: a
+    SIGHUP to this process while the job runs is passed on (or not) as SIGTERM (was: forwarded even when ignored)."""
+    from tensorrt_llm_ext.runtime import ranks
+    from tensorrt_llm_ext.runtime.ranks import launch_command, stop_signals
 
+    class FakeJob:  # mpiexec: the launcher waits on it; a SIGHUP arrives while it runs
+        def __init__(self, *args, **kwargs):
+            self.sent = []
+
+        def send_signal(self, sig):
+            self.sent.append(sig)
+
+        def wait(self):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)  # the handler (if any) runs here
+            return 0
+
+    jobs = []
+    monkeypatch.setattr(ranks, "mpiexec_command", lambda: (["mpiexec"], {}))
+    monkeypatch.setattr(ranks.subprocess, "Popen", lambda *a, **k: jobs.append(FakeJob()) or jobs[-1])
     old = signal.getsignal(signal.SIGHUP)
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
+        assert launch_command(2, ["serve"], linger_s=0) == 0
+        assert jobs[-1].sent == []  # nothing passed on: the job serves on
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # and it is ignored again afterwards
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        assert launch_command(2, ["serve"], linger_s=0) == 0
+        assert jobs[-1].sent == [signal.SIGTERM]  # the terminal closed: the job drains
     finally:
         signal.signal(signal.SIGHUP, old)
