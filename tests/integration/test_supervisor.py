@@ -81,6 +81,20 @@ def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
 def test_a_rank_whose_launcher_is_gone_is_ended():
     """``--launcher PID``: once that process is gone (SIGKILLed), the supervisor SIGTERMs its rank (which
     drains) and exits with the rank's code (was: the job ran on orphaned, still serving its port)."""
+    _launcher_gone_ends_the_rank(reap=True)
+
+
+def test_a_rank_whose_launcher_is_killed_but_not_yet_reaped_is_ended():
+    """The launcher SIGKILLed while its parent has not reaped it (a zombie: a script that waits for it later): it
+    has ended all the same (was: ``kill(pid, 0)`` succeeds on a zombie, so the ranks -- of ``generate --tp N`` too
+    -- ran on until the parent reaped it)."""
+    from tensorrt_llm_ext.runtime.rank_files import pid_alive
+
+    assert pid_alive(os.getpid())
+    _launcher_gone_ends_the_rank(reap=False)
+
+
+def _launcher_gone_ends_the_rank(reap: bool):
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     env = {**os.environ, "PMI_RANK": "0", "PYTHONPATH": str(ROOT)}
     child = """
@@ -99,10 +113,12 @@ def test_a_rank_whose_launcher_is_gone_is_ended():
         time.sleep(1.5)
         assert proc.poll() is None  # the launcher lives: the rank runs on
         launcher.kill()
-        launcher.wait()
+        if reap:
+            launcher.wait()
         rc, err, took = _finish(proc, timeout=30)
     finally:
         launcher.kill()
+        launcher.wait()
         proc.kill()
     assert rc == 0 and took < 10, (rc, took, err)
     assert f"the launcher (pid {launcher.pid}) is gone: ending the rank" in err, err
