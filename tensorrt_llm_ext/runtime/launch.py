@@ -136,6 +136,9 @@ class ModeResult:
 class RankReport:
     rank: int
     results: dict[str, ModeResult] = field(default_factory=dict)
+    # speculative_config.acceptance_window is set: the served ("speculative") run may switch to the target-only
+    # decode part way; its references ("gathered", "reference") never do
+    speculation_gate: bool = False
 
 
 PROGRESS_LINE_S = 10.0  # without a terminal: one progress line at most this often
@@ -209,7 +212,7 @@ def run_job(job: GenerateJob, mapping=None, on_built=None) -> RankReport:
     if on_built is not None:
         on_built()
     requests = list(job.requests)
-    report = RankReport(rank=mapping.rank)
+    report = RankReport(rank=mapping.rank, speculation_gate=bool(cfg.speculative_config.acceptance_window))
     total = sum(r.max_new_tokens for r in requests)
     for mode in job.modes:
         bar, update = _progress_bar(total, mode, job.show_progress and mapping.rank == 0, job.progress_terminal)
@@ -259,7 +262,8 @@ def _rank_main(job: GenerateJob) -> dict:
     from tensorrt_llm_ext.logger import flush_rank_logs
 
     flush_rank_logs(world_cpu_group())  # identical lines once, lines that differ once per rank
-    return {"rank": report.rank, "results": {m: asdict(r) for m, r in report.results.items()}}
+    return {"rank": report.rank, "speculation_gate": report.speculation_gate,
+            "results": {m: asdict(r) for m, r in report.results.items()}}
 
 
 DEFAULT_JOB_TIMEOUT_S = 1800.0
@@ -291,7 +295,7 @@ def run_generate(job: GenerateJob, tp_size: int, timeout: float = DEFAULT_JOB_TI
         on_built()
     reports = []
     for item in raw:
-        rep = RankReport(rank=item["rank"])
+        rep = RankReport(rank=item["rank"], speculation_gate=item["speculation_gate"])
         rep.results = {m: ModeResult(**r) for m, r in item["results"].items()}
         reports.append(rep)
     return reports
@@ -354,6 +358,13 @@ def check_reports(reports: list[RankReport], *, rejection_sampling: bool = False
     return CheckOutcome(ok, lines, differs=differs, rejected=rejected, compared=compared)
 
 
+def _gated_tail(served: list[int], reference: list[int]) -> bool:
+    """The served run's accepted lengths equal the reference's until the speculation gate closed, then are the
+    target-only decode's one token per step."""
+    first = next((j for j, (a, b) in enumerate(zip(served, reference)) if a != b), min(len(served), len(reference)))
+    return all(n == 1 for n in served[first:])
+
+
 def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutcome:
     ref = reports[0].results
     spec, gathered, target = ref["speculative"], ref.get("gathered"), ref["reference"]
@@ -366,10 +377,20 @@ def _check_rejection(reports: list[RankReport], greedy: list[bool]) -> CheckOutc
         lines.append("  sharded vs gathered verification: the same call here (tp=1, or torch ops on a CPU: nothing is "
                      "sharded), not compared")
     else:
-        same = spec.outputs == gathered.outputs and spec.accepted_lens == gathered.accepted_lens
         bad = [i for i, (a, b) in enumerate(zip(spec.outputs, gathered.outputs)) if a != b]
-        lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): "
-                     f"{'agree' if same else f'DIFFER on requests {bad}'}")
+        gate = reports[0].speculation_gate
+        # With the speculation gate the served run's steps after it closed are target-only (one token each) while
+        # the gathered reference speculates on: the acceptance agrees up to there, then the served run's is all 1s.
+        steps_bad = [i for i, (a, b) in enumerate(zip(spec.accepted_lens, gathered.accepted_lens))
+                     if a != b and not (gate and _gated_tail(a, b))]
+        same = not bad and not steps_bad and len(spec.outputs) == len(gathered.outputs)
+        what = (f"DIFFER on requests {bad}" if bad else f"acceptance DIFFERS on requests {steps_bad}" if steps_bad
+                else "agree")
+        gated = [i for i, (a, b) in enumerate(zip(spec.accepted_lens, gathered.accepted_lens)) if a != b]
+        if same and gated:
+            what += (f" (acceptance of requests {gated} agrees until the speculation gate closed; target-only "
+                     f"steps after)")
+        lines.append(f"  speculative vs gathered verification (bitwise, tokens + acceptance): {what}")
         differs |= not same
     rows = [i for i, g in enumerate(greedy) if g and i not in rejected]
     bad = [i for i in rows if spec.outputs[i] != target.outputs[i]]

@@ -37,14 +37,20 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
+    """Whether process ``pid`` runs (one we may not signal counts as alive). A zombie -- ended, not yet reaped by
+    its parent (a script that waits for it later) -- has ended: ``kill(pid, 0)`` still succeeds for it, so the
+    ranks watching a SIGKILLed launcher would run on until its parent reaps it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")  # the state follows the name
+    except (OSError, IndexError):  # no procfs (not Linux), or it ended meanwhile: kill() answered
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 

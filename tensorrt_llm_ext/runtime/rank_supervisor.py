@@ -144,8 +144,14 @@ def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = No
     if rc != 0:
         how = f"was killed by signal {-rc} ({signal_name(-rc)})" if rc < 0 else f"exited with code {rc}"
         print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)
-        if rank != 0:  # rank 0 is the one that answers and decides the job's end: never delay it
+        if rank != 0 and linger_s > 0:  # rank 0 is the one that answers and decides the job's end: never delay it
             time.sleep(linger_s)
+            # Still here: rank 0 did not end the job (it was still in MPI_Init, which waits for every rank forever,
+            # or stuck in a collective). mpiexec ends a job whose process dies by a signal, not one that merely
+            # exits before joining MPI (measured with MPICH: rank 1 SIGKILLed at start-up hung serve --tp 2).
+            print(f"[TRT-LLM-EXT] [ERROR] rank {rank}: rank 0 did not end the job within {linger_s:g} s of the loss: "
+                  f"ending it", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
     return _exit_code(rc)
 
 

@@ -549,9 +549,10 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
             proc.send_signal(signal.SIGTERM)
 
     # Installed before mpiexec starts (a signal meanwhile is passed on once it runs). SIGHUP (the terminal
-    # closed) drains like SIGTERM. A launcher killed outright (SIGKILL) cannot pass anything on: mpiexec gets
-    # SIGTERM as its parent-death signal, and each rank's supervisor ends its rank once this pid is gone.
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # closed) drains like SIGTERM, unless it is ignored here (nohup): then it stays ignored and the job serves on.
+    # A launcher killed outright (SIGKILL) cannot pass anything on: mpiexec gets SIGTERM as its parent-death
+    # signal, and each rank's supervisor ends its rank once this pid is gone.
+    old = {s: signal.signal(s, forward) for s in stop_signals()}
     proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True,
                             preexec_fn=lambda: die_with_parent(me, signal.SIGTERM))
     for _ in received:

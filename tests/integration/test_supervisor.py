@@ -53,10 +53,13 @@ def test_supervisor_survives_a_signal_without_a_name():
 
 
 def test_follower_lingers_and_rank_0_does_not():
-    """A failed follower's supervisor stays ``linger_s`` (rank 0 must answer before the launcher reacts);
-    rank 0's end is passed on at once."""
+    """A failed follower's supervisor stays ``linger_s`` (rank 0 must answer before the launcher reacts), then,
+    nobody having ended the job, dies by SIGKILL: mpiexec ends a job whose process dies by a signal (was: it exited
+    with the rank's code, and MPICH waited on for a rank 0 still in MPI_Init: `serve --tp 2` with rank 1 SIGKILLed
+    at start-up hung for good); rank 0's end is passed on at once."""
     rc, err, took = _finish(_supervise(1, "raise SystemExit(5)", linger_s=1.5))
-    assert rc == 5 and took >= 1.5, (rc, took, err)
+    assert rc == -signal.SIGKILL and took >= 1.5, (rc, took, err)
+    assert "rank 1 exited with code 5" in err and "rank 0 did not end the job within 1.5 s" in err, err
     rc, err, took = _finish(_supervise(0, "raise SystemExit(5)", linger_s=30))
     assert rc == 5 and took < 15, (rc, took, err)
 
@@ -81,6 +84,20 @@ def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
 def test_a_rank_whose_launcher_is_gone_is_ended():
     """``--launcher PID``: once that process is gone (SIGKILLed), the supervisor SIGTERMs its rank (which
     drains) and exits with the rank's code (was: the job ran on orphaned, still serving its port)."""
+    _launcher_gone_ends_the_rank(reap=True)
+
+
+def test_a_rank_whose_launcher_is_killed_but_not_yet_reaped_is_ended():
+    """The launcher SIGKILLed while its parent has not reaped it (a zombie: a script that waits for it later): it
+    has ended all the same (was: ``kill(pid, 0)`` succeeds on a zombie, so the ranks -- of ``generate --tp N`` too
+    -- ran on until the parent reaped it)."""
+    from tensorrt_llm_ext.runtime.rank_files import pid_alive
+
+    assert pid_alive(os.getpid())
+    _launcher_gone_ends_the_rank(reap=False)
+
+
+def _launcher_gone_ends_the_rank(reap: bool):
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     env = {**os.environ, "PMI_RANK": "0", "PYTHONPATH": str(ROOT)}
     child = """
@@ -99,10 +116,12 @@ def test_a_rank_whose_launcher_is_gone_is_ended():
         time.sleep(1.5)
         assert proc.poll() is None  # the launcher lives: the rank runs on
         launcher.kill()
-        launcher.wait()
+        if reap:
+            launcher.wait()
         rc, err, took = _finish(proc, timeout=30)
     finally:
         launcher.kill()
+        launcher.wait()
         proc.kill()
     assert rc == 0 and took < 10, (rc, took, err)
     assert f"the launcher (pid {launcher.pid}) is gone: ending the rank" in err, err
@@ -148,16 +167,38 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_launcher_passes_sighup_on_unless_it_is_ignored():
+def test_the_launcher_passes_sighup_on_unless_it_is_ignored(monkeypatch):
     """``serve --tp N`` under ``nohup``: an ignored SIGHUP stays ignored (the job outlives the terminal, as at TP 1);
-    otherwise the launcher drains the job on it like SIGTERM."""
-    from tensorrt_llm_ext.runtime.ranks import stop_signals
+    otherwise the launcher drains the job on it like SIGTERM. ``launch_command`` itself, with mpiexec faked: a
+    SIGHUP to this process while the job runs is passed on (or not) as SIGTERM (was: forwarded even when ignored)."""
+    from tensorrt_llm_ext.runtime import ranks
+    from tensorrt_llm_ext.runtime.ranks import launch_command, stop_signals
 
+    class FakeJob:  # mpiexec: the launcher waits on it; a SIGHUP arrives while it runs
+        def __init__(self, *args, **kwargs):
+            self.sent = []
+
+        def send_signal(self, sig):
+            self.sent.append(sig)
+
+        def wait(self):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)  # the handler (if any) runs here
+            return 0
+
+    jobs = []
+    monkeypatch.setattr(ranks, "mpiexec_command", lambda: (["mpiexec"], {}))
+    monkeypatch.setattr(ranks.subprocess, "Popen", lambda *a, **k: jobs.append(FakeJob()) or jobs[-1])
     old = signal.getsignal(signal.SIGHUP)
     try:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
+        assert launch_command(2, ["serve"], linger_s=0) == 0
+        assert jobs[-1].sent == []  # nothing passed on: the job serves on
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # and it is ignored again afterwards
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        assert launch_command(2, ["serve"], linger_s=0) == 0
+        assert jobs[-1].sent == [signal.SIGTERM]  # the terminal closed: the job drains
     finally:
         signal.signal(signal.SIGHUP, old)
