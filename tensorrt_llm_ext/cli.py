@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     # is noise in a server's or a benchmark's log.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     if _runs_kernels(argv):
-        from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+        from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
         ensure_triton_interpreter()  # on a CPU, before _env is read and before any kernel module is imported
     from tensorrt_llm_ext._env import ENV

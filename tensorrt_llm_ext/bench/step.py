@@ -226,7 +226,7 @@ def _profile(step, top: int = 12) -> list[str]:
 @register_benchmark("step", "one DSpark decode step by stage: fused vs stock op table (CUDA graphs)",
                     add_args=_add_args)
 def run(args: argparse.Namespace) -> int:
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+    from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
     from tensorrt_llm_ext.runtime.config import load_config

@@ -165,7 +165,7 @@ def _flashinfer_decode(fi, q, k_pool, v_pool, table, b, ctx, page):
 @register_benchmark("target", "the target forward per decode step vs its floor: paged KV, fused attention "
                               "(CUDA graphs)", add_args=_add_args)
 def run(args: argparse.Namespace) -> int:
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+    from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
     ensure_triton_interpreter()
     from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, AttentionConfig

@@ -377,7 +377,7 @@ def _ratio(a: float, b: float) -> str:
 
 def run_tp(args: argparse.Namespace, pool=None) -> list[str]:
     """Launch ``args.tp`` ranks (or use ``pool``), measure, print the tables; returns their text."""
-    from tensorrt_llm_ext.runtime.launch import ensure_triton_interpreter
+    from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
     from tensorrt_llm_ext.runtime.ranks import MpiPool
 
     ensure_triton_interpreter()  # a CPU smoke run: before the ranks import any kernel module

@@ -32,21 +32,6 @@ DEFAULT_PROMPTS: list[list[int]] = [
 ]
 
 
-def ensure_triton_interpreter() -> None:
-    """On a machine without CUDA, switch the Triton interpreter on (before any kernel module is imported) for
-    the commands about the kernels themselves (the kernel benchmarks; tests/conftest.py does it for the
-    suite). ``generate`` and ``serve`` never call it: on a CPU their step runs torch ops unless
-    ``TRITON_INTERPRET=1`` is set explicitly."""
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        cuda = False
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def cuda_device_count() -> int | None:
     """GPUs this host shows, or None without CUDA (ranks then run on CPU, any number of them). The one place
     the launchers read it, so that a test can stand in for a host with fewer GPUs."""

@@ -12,7 +12,7 @@ PKG = Path(tensorrt_llm_ext.__file__).parent
 # Base modules (environment, logging, the rank layout, argparse types) sit below everything and import nothing
 # above them. Test support sits above everything that ships: only the CLI (its test-list command) and the
 # tests import it.
-BASE = {"_env", "argtypes", "logger", "mapping"}
+BASE = {"_env", "argtypes", "interpreter", "logger", "mapping"}
 LAYER = {"contract": 0, "kernels": 1, "distributed": 2, "modules": 3, "models": 4, "speculative": 5,
          "configs": 6, "runtime": 6, "training": 7, "bench": 7, "selfcheck": 7, "testing": 8, "cli": 9, "__init__": 9}
 
