@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -47,12 +48,16 @@ def _cmd_test_list(args: argparse.Namespace) -> int:
 
 
 def _writable(path: str, flag: str) -> str | None:
-    """One-line error if ``path`` cannot be written (checked before the work, not after it)."""
+    """One-line error if ``path`` cannot be written (checked before the work, not after it). A file the check
+    creates is removed again: a run that then fails leaves no empty file behind."""
+    existed = os.path.lexists(path)
     try:
         with open(path, "a"):
             pass
     except OSError as e:
         return f"{flag} {path}: cannot write ({e.strerror or e})"
+    if not existed:
+        os.unlink(path)
     return None
 
 

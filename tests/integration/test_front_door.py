@@ -169,3 +169,24 @@ def test_sizes_past_their_bounds_are_one_line_and_exit_2(argv, message):
     r = _cli(*argv, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert message in r.stderr.strip().splitlines()[-1]
+
+
+
+def test_a_failed_benchmark_leaves_no_empty_output_file(tmp_path, monkeypatch):
+    """``--json`` / ``--csv`` / ``--out`` are checked for writing before the run; a file the check created is removed
+    again, so a run that fails leaves none behind (it left a 0-byte file, neither complete nor absent)."""
+    from types import SimpleNamespace
+
+    from tensorrt_llm_ext.bench import harness
+    from tensorrt_llm_ext.cli import main
+
+    def fails(args):
+        raise RuntimeError("the benchmark failed")
+
+    monkeypatch.setattr(harness, "load_benchmark", lambda name: SimpleNamespace(name=name, help="", add_args=None,
+                                                                                   run=fails))
+    outs = [tmp_path / "t.json", tmp_path / "t.csv", tmp_path / "t.md"]
+    outs[2].write_text("kept\n")  # a file that was there stays as it was
+    with pytest.raises(RuntimeError, match="the benchmark failed"):
+        main(["bench", "tail", "--json", str(outs[0]), "--csv", str(outs[1]), "--out", str(outs[2])])
+    assert not outs[0].exists() and not outs[1].exists() and outs[2].read_text() == "kept\n"
