@@ -5,6 +5,7 @@ is imported."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 MAX_TIMEOUT_S = 1e9  # timers and joins overflow past ~9.2e9 s; a billion seconds is "no bound" enough
@@ -64,3 +65,26 @@ def name_list(choices: tuple[str, ...]) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def output_file_error(path: str, flag: str) -> str | None:
+    """One line if ``path`` cannot be written (checked before the work, not after it). A file the check creates is
+    removed again: a run that then fails leaves no empty file behind."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot write ({e.strerror or e})"
+    if not existed:
+        os.unlink(path)
+    return None
+
+
+def output_dir_error(path: str, flag: str) -> str | None:
+    """One line if ``path`` is not a directory that exists or can be made (it is made here)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a file in the way (FileExistsError / NotADirectoryError), no permission
+        return f"{flag} {path}: not a directory this process can write ({e.strerror or e})"
+    return None if os.access(path, os.W_OK | os.X_OK) else f"{flag} {path}: not writable"

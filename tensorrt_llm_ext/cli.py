@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
 
-from tensorrt_llm_ext.argtypes import positive_int, seconds
+from tensorrt_llm_ext.argtypes import output_file_error, positive_int, seconds
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -47,20 +46,6 @@ def _cmd_test_list(args: argparse.Namespace) -> int:
         return 2
 
 
-def _writable(path: str, flag: str) -> str | None:
-    """One-line error if ``path`` cannot be written (checked before the work, not after it). A file the check
-    creates is removed again: a run that then fails leaves no empty file behind."""
-    existed = os.path.lexists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        return f"{flag} {path}: cannot write ({e.strerror or e})"
-    if not existed:
-        os.unlink(path)
-    return None
-
-
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from tensorrt_llm_ext.bench.harness import load_benchmark, write_tables
 
@@ -77,7 +62,7 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         bench.add_args(parser)
     bargs = parser.parse_args(rest)
     for path, flag in ((bargs.out, "--out"), (bargs.json_out, "--json"), (bargs.csv_out, "--csv")):
-        err = path and _writable(path, flag)
+        err = path and output_file_error(path, flag)
         if err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -19,6 +19,7 @@ import math
 import sys
 from dataclasses import asdict, replace
 
+from tensorrt_llm_ext.argtypes import output_dir_error, output_file_error
 from tensorrt_llm_ext.runtime import launch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.serve_cli import use_cuda_graph
@@ -136,13 +137,12 @@ def main_generate(args: argparse.Namespace) -> int:
     if gpus:
         print(f"error: {gpus}", file=sys.stderr)
         return 2
-    if args.json_out:
-        try:  # checked before the run, not after it
-            with open(args.json_out, "a"):
-                pass
-        except OSError as e:
-            print(f"error: --json {args.json_out}: cannot write ({e.strerror or e})", file=sys.stderr)
-            return 2
+    # the outputs, checked before the run, not after it (--log-dir: a file in its way was a traceback)
+    out_error = ((args.json_out and output_file_error(args.json_out, "--json"))
+                 or (args.log_dir and output_dir_error(args.log_dir, "--log-dir")))
+    if out_error:
+        print(f"error: {out_error}", file=sys.stderr)
+        return 2
     if args.cuda_graph and cfg.cuda_graph_config is None:
         cfg = cfg.with_overrides(**{"cuda_graph_config.enable_padding": True})
     cuda_graph = use_cuda_graph(cfg, args.cuda_graph)

@@ -196,3 +196,16 @@ def test_the_top_p_check_replays_sequences_longer_than_a_page():
     # the old replay, on a slot without pages: past the first page it reads the scratch page
     stale = eng.reference().top_p_membership(0, list(req.prompt_ids), out, 1.0, 0.9)
     assert not all(stale)
+
+
+def test_an_output_path_in_the_way_is_one_line_before_any_work(small_yaml, tmp_path, capsys):
+    """``--log-dir`` naming a file (or a path under one) was a FileExistsError / NotADirectoryError traceback after
+    the config and the prompts were read; now one line and exit 2 before any work, as ``--json`` is."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for log_dir in (blocker, blocker / "logs"):
+        rc = main(["generate", "--config", small_yaml, "--no-progress", "--log-dir", str(log_dir), "1 2"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"error: --log-dir {log_dir}: not a directory") and "Traceback" not in err
+    rc = main(["generate", "--config", small_yaml, "--no-progress", "--json", str(tmp_path / "no" / "out.json"), "1"])
+    assert rc == 2 and "--json" in capsys.readouterr().err and not (tmp_path / "no").exists()
