@@ -169,7 +169,7 @@ class Scheduler:
         self._valid: dict[int, Request] = {}
         self.gate = speculation_gate(engine, mode)
         self._handed_over = False  # the running requests moved to the target-only decode once the gate closed
-        if self.gate is not None and getattr(engine, "use_cuda_graph", False):
+        if self.gate is not None and engine.use_cuda_graph:
             engine.runner("target_only")  # captured now (every rank alike), not mid-serving when the gate closes
 
     @property

@@ -65,8 +65,7 @@ def speculation_gate(engine, mode: str) -> SpeculationGate | None:
     """The gate of a scheduler over ``engine`` in ``mode``: configured (``speculative_config.acceptance_window``
     >= 1) and the serving speculative mode only -- the other speculative modes are references of it, never
     switched; None otherwise."""
-    spec = getattr(getattr(engine, "config", None), "speculative_config", None)
-    window = getattr(spec, "acceptance_window", None)
-    if not window or mode != "speculative":
+    spec = engine.config.speculative_config
+    if not spec.acceptance_window or mode != "speculative":
         return None
-    return SpeculationGate(window, spec.acceptance_length_threshold)
+    return SpeculationGate(spec.acceptance_window, spec.acceptance_length_threshold)
