@@ -218,18 +218,26 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a processing field is set (the processed step variant); top-p is not processing."""
-        return self.processing() != SamplingParams().processing()
+        """Whether a processing field acts on this request's rows (the processed step variant; top-p is not
+        processing): :meth:`acts_on_logits` over any vocabulary."""
+        return self.acts_on_logits()
+
+    def acts_on_logits(self, vocab_size: int | None = None) -> bool:
+        """Whether processing changes this request's rows: a logit bias or a penalty always; ``min_p`` and ``top_k``
+        on sampled rows only, a ``top_k`` below ``vocab_size`` only (a greedy request sending them, as many clients do
+        by default, must not move its neighbours' steps off the default variant)."""
+        sampled_only = (self.min_p > 0 and not self.is_greedy) or self.limiting_top_k(vocab_size) > 0
+        return bool(self.logit_bias) or self.uses_counts or sampled_only
+
+    def limiting_top_k(self, vocab_size: int | None = None) -> int:
+        """``top_k`` where it limits a sampled row (``0 < k``, below ``vocab_size`` when given), else 0."""
+        limits = 0 < self.top_k and (vocab_size is None or self.top_k < vocab_size)
+        return self.top_k if limits and not self.is_greedy else 0
 
     @property
     def uses_counts(self) -> bool:
         """Whether the token history matters (a penalty)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    def processing(self) -> tuple:
-        """The logits-processing fields, in their order (what the processed variant reads)."""
-        return (self.logit_bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
-                self.min_p, self.top_k)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice ``index`` of a request with ``n > 1``: choice 0 keeps ``seed``; choice ``k``

@@ -115,18 +115,12 @@ class SlotLogitsProcessors:
                     in_prompt[slot, host_to_device(cols, torch.int64, dev)] = True
 
     def _acts(self, slot: int) -> bool:
-        """Whether the slot's processing changes its row: ``min_p`` and ``top_k`` act on sampled rows only, a
-        ``top_k`` below the vocabulary only (a greedy request sending them, as many clients do by default, must
-        not move its neighbours' steps off the default -- or, for a top_k past the captured width, off every
-        captured -- variant)."""
-        f = self._host[slot]
-        sampled_only = (f.min_p > 0 and not f.is_greedy) or self._limiting_top_k(slot) > 0
-        return bool(f.logit_bias) or f.uses_counts or sampled_only
+        """Whether the slot's processing changes its row (:meth:`SamplingParams.acts_on_logits`)."""
+        return self._host[slot].acts_on_logits(self.vocab_size)
 
     def _limiting_top_k(self, slot: int) -> int:
-        """The slot's ``top_k`` where it limits its row (a sampled row, ``0 < k < vocab``), else 0."""
-        f = self._host[slot]
-        return f.top_k if not f.is_greedy and 0 < f.top_k < self.vocab_size else 0
+        """The slot's ``top_k`` where it limits its row (:meth:`SamplingParams.limiting_top_k`), else 0."""
+        return self._host[slot].limiting_top_k(self.vocab_size)
 
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
