@@ -358,17 +358,16 @@ class AttentionConfig:
 # layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
                                               128: AttentionConfig(64, 4, 3, 16)}
-# The benchmark's sweep around it (2026-12-04, seventh session, docs/target_forward.md): piece counts, 3-block pieces,
-# 32- / 128-key blocks, 8 warps, 3 stages; and one stage at 128-key blocks (twelfth session, not yet timed): compiled
-# for sm_90, the model's setting holds 148 registers at T = 1 (3 programs per SM, 396 on the H200 for B = 32 C = 1k's
-# 768 one-block pieces: two waves), one stage 128 (4 per SM, 528), and the verify tile 220 -> 142 (2 -> 3 per SM); the
-# prefetch to L2 of the first two blocks stands in for the pipelining a one- or two-block piece barely uses.
-CONFIG_CANDIDATES = (AttentionConfig(64, 4, 2, 0), AttentionConfig(64, 4, 2, 8),
-                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(64, 4, 2, 32, 2, prefetch=-1), AttentionConfig(64, 4, 2, 32, 3, prefetch=-1),
-                     AttentionConfig(64, 4, 2, 16, prefetch=-1), AttentionConfig(64, 4, 2, 64, prefetch=-1),
-                     AttentionConfig(32, 4, 2, 32, prefetch=-1), AttentionConfig(128, 4, 2, 32, prefetch=2),
-                     AttentionConfig(64, 8, 2, 32, prefetch=-1), AttentionConfig(64, 4, 3, 32, prefetch=-1),
-                     AttentionConfig(128, 4, 1, 32, prefetch=2), AttentionConfig(128, 4, 1, 32, 2, prefetch=2))
+# The benchmark's sweep around it (fourteenth session, docs/target_forward.md): the model's setting with each prefetch
+# form (none, registers, L2) and one stage; 64-key blocks with two-block pieces at 1k keys (`p32m2`: the pieces of
+# the model's 1k row, pipelined in two blocks, each prefetch form), three-block pieces, 16 pieces, and the fixed 8
+# pieces (`p8`: the fastest measured at B >= 32 and 1k keys, 15.0 us vs 22.9 for `p32a`, seventh session); `p32a`.
+CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig(128, 4, 2, 32),
+                     AttentionConfig(128, 4, 2, 32, prefetch=1), AttentionConfig(128, 4, 1, 32),
+                     AttentionConfig(64, 4, 2, 32, 2), AttentionConfig(64, 4, 2, 32, 2, prefetch=1),
+                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 32, 3),
+                     AttentionConfig(64, 4, 2, 16, 2), AttentionConfig(64, 4, 2, 8),
+                     AttentionConfig(64, 4, 2, 32, prefetch=-1), AttentionConfig(128, 4, 2, 16))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
