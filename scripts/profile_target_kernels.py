@@ -43,12 +43,17 @@ def _table(title, ker, reps):
 
 
 # Settings of the small-step GEMMs the --variants mode times (module constants of fused_linear, also read by
-# fused_qkv; "attn.X": paged_attention's X).
+# fused_qkv; "attn.X": paged_attention's X; "model.X": llama_target's X).
 VARIANTS = {
     "default": {},  # the model's settings
     "gemv4": dict(GEMV_MAX_ROWS=4),  # the broadcast few-row form up to 4 rows (a K = 3 verify at B = 1)
     "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
     "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
+    "bm16": dict(MAX_BLOCK_M=16),  # 16-row dot tiles: twice the programs of a 32-row step
+    "bm32": dict(MAX_BLOCK_M=32),  # 32-row dot tiles (a 64-row fused step in two)
+    "fused64": {"model.FUSED_MAX_ROWS": 64},  # the fused layer up to 64 rows (B = 64 decode)
+    "fused64bm16": {"model.FUSED_MAX_ROWS": 64, "MAX_BLOCK_M": 16},
+    "fused64bm32": {"model.FUSED_MAX_ROWS": 64, "MAX_BLOCK_M": 32},
 }
 
 
@@ -98,13 +103,17 @@ def main() -> None:
     worker = eng.worker("speculative", sampling=False)
     from tensorrt_llm_ext.kernels import paged_attention as attn_mod
 
+    from tensorrt_llm_ext.models import llama_target as model_mod
+
     def module_of(key):
+        if key.startswith("model."):
+            return model_mod, key[6:]
         return (attn_mod, key[5:]) if key.startswith("attn.") else (fused_linear_mod, key)
 
     def apply(settings):
         for key, val in settings.items():
             mod, attr = module_of(key)
-            for m in ((mod,) if mod is attn_mod else (fused_linear_mod, fused_qkv_mod)):
+            for m in ((mod,) if mod in (attn_mod, model_mod) else (fused_linear_mod, fused_qkv_mod)):
                 setattr(m, attr, val)
 
     defaults = {key: getattr(*module_of(key)) for key in {n for v in VARIANTS.values() for n in v}}
