@@ -362,15 +362,13 @@ DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32,
 # 3.6.0): the model's setting 148 registers x 4 warps (3 programs per SM: B = 32 C = 1k's 768 one-block pieces in two
 # waves); without prefetch 168, one stage 128 (4); 64-key blocks 90-96 (5); 32-key blocks at 2 warps 96-122 (8-10),
 # at 4 warps 80 (6); 64-key blocks at 2 warps, one stage 147 (6). Each with the pieces of the model's 1k-key row (8
-# of 128 keys) where it can: `p32m2` / `p32m4`; and `p8`, the fastest measured at B >= 32 and 1k keys (15.0 us vs 22.9
-# for `p32a`, seventh session), `p32m3`, `p32a`.
-CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig(128, 4, 2, 32),
-                     AttentionConfig(128, 4, 1, 32), AttentionConfig(64, 4, 2, 32, 2),
-                     AttentionConfig(64, 4, 2, 32, 2, prefetch=2), AttentionConfig(64, 4, 2, 32, 3),
-                     AttentionConfig(64, 4, 2, 8), AttentionConfig(64, 4, 2, 32, prefetch=-1),
-                     AttentionConfig(32, 2, 2, 32, 4), AttentionConfig(32, 2, 2, 32, 4, prefetch=2),
-                     AttentionConfig(32, 4, 2, 32, 4), AttentionConfig(32, 2, 3, 32, 4),
-                     AttentionConfig(64, 2, 1, 32, 2), AttentionConfig(64, 2, 2, 8))
+# of 128 keys): `p32m2` / `p32m4`; and `p8`, the fastest measured at B >= 32 and 1k keys (15.0 us vs 22.9 for `p32a`,
+# seventh session).
+CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig(128, 4, 1, 32),
+                     AttentionConfig(64, 4, 2, 32, 2), AttentionConfig(64, 4, 2, 32, 2, prefetch=2),
+                     AttentionConfig(64, 4, 2, 8), AttentionConfig(32, 2, 2, 32, 4),
+                     AttentionConfig(32, 2, 2, 32, 4, prefetch=2), AttentionConfig(32, 4, 2, 32, 4),
+                     AttentionConfig(32, 2, 3, 32, 4), AttentionConfig(64, 2, 1, 32, 2))
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
