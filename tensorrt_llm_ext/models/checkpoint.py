@@ -417,17 +417,48 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
     return sd
 
 
+def _rope_scaling_entry(scaling) -> dict | None:
+    """A :class:`RopeScaling` as the ``rope_scaling`` object of ``config.json`` (the fields its type reads)."""
+    if scaling is None:
+        return None
+    keys = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                     "mscale", "mscale_all_dim", "truncate")}[scaling.rope_type]
+    return {"rope_type": scaling.rope_type,
+            **{k: getattr(scaling, k) for k in keys if getattr(scaling, k) is not None}}
+
+
 def hf_llama_config(cfg: LlamaTargetConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict:
-    """A Hugging Face ``LlamaConfig`` dict for this target (transformers reads it as ``LlamaForCausalLM``)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """The Hugging Face config dict of this target: ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` (q/k/v biases
+    without an ``o_proj`` bias) / ``Qwen3ForCausalLM`` (q/k norms), with its biases and RoPE scaling -- a target
+    loaded from such a checkpoint is written back as the same model (a plain Llama config over its weights would
+    compute another one). ValueError for switches no family here expresses together."""
+    if cfg.qk_norm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif cfg.qkv_bias and not cfg.o_proj_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
+    out = {
+        "architectures": [arch], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+        "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling_entry(cfg.rope_scaling),
+        "attention_bias": cfg.o_proj_bias, "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES[dtype],
     }
+    if model_type == "qwen2":
+        del out["attention_bias"], out["mlp_bias"]  # Qwen2: q/k/v biases always, no o_proj / MLP bias
+        out["use_sliding_window"] = False
+    # What the reader makes of the written config must be this target, switch for switch.
+    read = target_fields(out)
+    if any(read[f] != getattr(cfg, f) for f in FAMILY_FIELDS):
+        switches = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in FAMILY_FIELDS)
+        raise ValueError(f"export: no Hugging Face family served here has these switches together: {switches}")
+    return out
 
 
 def process_umask() -> int:

@@ -108,3 +108,30 @@ def test_tensors_the_model_does_not_use_are_logged(tmp_path, caplog):
     with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
         load_target(tmp_path / "m")
     assert "1 tensor(s) not used by the model: ['model.layers.0.self_attn.rotary_emb.inv_freq']" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "llama_linear_biases", "qwen2", "qwen3"])
+def test_export_of_a_loaded_checkpoint_writes_the_same_model(tmp_path, family):
+    """`export --config` over a checkpoint of a family with switches writes them back (was: a plain Llama config,
+    no RoPE scaling or biases: transformers and serve computed another model from the exported directory)."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+
+    hf = save_tiny_hf_checkpoint(tmp_path / "src", family, seed=2)
+    export_model(load_config(model_dir=str(tmp_path / "src"), max_batch_size=2, max_seq_len=64), tmp_path / "out")
+    src_cfg, _ = read_target_config(tmp_path / "src")
+    out_cfg, _ = read_target_config(tmp_path / "out")
+    assert out_cfg == src_cfg
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(torch.tensor([PROMPT])).logits, hf(torch.tensor([PROMPT])).logits)
+
+
+def test_export_refuses_switches_no_family_expresses():
+    from tensorrt_llm_ext.models.checkpoint import hf_llama_config
+
+    cfg = LlamaTargetConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                            intermediate_size=48, capture_layers=(0,), o_proj_bias=True)  # o_proj bias, no q/k/v
+    with pytest.raises(ValueError, match="no Hugging Face family served here has these switches together: "
+                                         "qkv_bias=False, o_proj_bias=True"):
+        hf_llama_config(cfg, torch.float32, 64)
