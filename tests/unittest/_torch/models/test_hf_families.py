@@ -135,3 +135,29 @@ def test_export_refuses_switches_no_family_expresses():
     with pytest.raises(ValueError, match="no Hugging Face family served here has these switches together: "
                                          "qkv_bias=False, o_proj_bias=True"):
         hf_llama_config(cfg, torch.float32, 64)
+
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+          "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 509, "max_position_embeddings": 128}
+_L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {**_L3, "original_max_position_embeddings": "8192"}},
+     "original_max_position_embeddings must be an integer, got '8192'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": [32]}},
+     r"original_max_position_embeddings must be an integer, got \[32\]"),
+    ({"rope_theta": 1.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     "rope_theta=1.0 is not supported with rope_type='yarn'"),
+    ({"rope_theta": 0}, "rope_theta must be > 0, got 0.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta must be > 0, got -5.0"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be >= 0"),
+], ids=["llama3-original-str", "yarn-original-list", "yarn-theta-1", "theta-0", "theta-negative", "eps-negative"])
+def test_rope_and_norm_numbers_out_of_their_domain_are_named(change, match):
+    """Was: a TypeError / ZeroDivisionError traceback when the model was built (exit 1), or a model computing NaN
+    logits; now a ValueError naming the field while config.json is read."""
+    with pytest.raises(ValueError, match=match):
+        target_fields({**_LLAMA, **change})
+    # the number transformers computes with, written as a float, is read as the integer
+    f = target_fields({**_LLAMA, "rope_scaling": {**_L3, "original_max_position_embeddings": 8192.0}})
+    assert f["rope_scaling"] == RopeScaling("llama3", 8.0, original_max_position_embeddings=8192)
