@@ -266,6 +266,9 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
                          f"truncated or not GGUF: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                          ) from None
     cfg = read_gguf_config(reader)
+    # The tokenizer is converted before the weights: a file whose vocabulary transformers cannot convert is
+    # refused at once, not after minutes of dequantization.
+    tok = _convert_tokenizer(gguf_file) if tokenizer else None
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
     # Everything is written into a temporary directory beside DIR and moved into place once complete: a write
     # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
@@ -276,7 +279,7 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
     os.chmod(staging, 0o777 & ~process_umask())  # mkdtemp's owner-only mode would become the model directory's
     moved = False
     try:
-        written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
+        written = _write_directory(staging, gguf_file, cfg, sd, dtype, tok)
         if directory.is_dir():
             check_no_stale_files(directory, {f.name for f in staging.iterdir()})
         # The renames run with the stop signals held back: DIR is never left part old, part new.
@@ -298,7 +301,7 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
 
 
 def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.Tensor], dtype: str,
-                     tokenizer: bool) -> list[tuple[str, Path]]:
+                     tokenizer) -> list[tuple[str, Path]]:
     from tensorrt_llm_ext.models.checkpoint import save_safetensors
 
     cfg["torch_dtype"] = dtype
@@ -310,8 +313,8 @@ def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     written.append(("generation config", out / "generation_config.json"))
-    if tokenizer:
-        written.extend(_write_tokenizer(gguf_file, out))
+    if tokenizer is not None:
+        written.extend(_write_tokenizer(tokenizer, gguf_file, out))
     return written
 
 
@@ -349,12 +352,22 @@ def _move_into_place(staging: Path, directory: Path) -> None:
     staging.rmdir()
 
 
-def _write_tokenizer(gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:
-    """The GGUF vocabulary as Hugging Face tokenizer files (``transformers``' GGUF tokenizer conversion)."""
+def _convert_tokenizer(gguf_file: Path):
+    """The GGUF vocabulary as a ``transformers`` tokenizer (its GGUF tokenizer conversion); ValueError naming the
+    file and ``--no-tokenizer`` when it cannot be converted (no tokenizer metadata, a tokenizer model it lacks)."""
     from transformers import AutoTokenizer
 
-    # transformers resolves gguf_file relative to a directory; a copy is avoided by pointing at the parent.
-    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    try:
+        # transformers resolves gguf_file relative to a directory; a copy is avoided by pointing at the parent.
+        return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as e:  # transformers raises ValueError, KeyError, ... per converter
+        words = " ".join(str(e).split())[:300]
+        raise ValueError(f"import-gguf: {gguf_file}: transformers cannot convert its tokenizer ({type(e).__name__}: "
+                         f"{words}); --no-tokenizer imports the weights alone") from None
+
+
+def _write_tokenizer(tok, gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:
+    """The converted tokenizer's files (:func:`_convert_tokenizer`) in ``directory``."""
     files = tok.save_pretrained(str(directory))
     if not getattr(tok, "chat_template", None):
         logger.info(f"import-gguf: {gguf_file.name} has no chat template; chat requests will be refused")

@@ -331,3 +331,28 @@ def test_a_block_count_past_the_file_is_one_line_at_once(tmp_path, capsys):
     assert main(["import-gguf", str(tmp_path / "b.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
     assert time.monotonic() - start < 2
     assert capsys.readouterr().err == "error: GGUF: metadata 'llama.block_count' is 100000, the file holds 0 block(s)\n"
+
+
+def test_a_tokenizer_transformers_cannot_convert_is_refused_before_the_weights(tmp_path, capsys, monkeypatch):
+    """A GGUF without tokenizer metadata: one line naming the file and --no-tokenizer, exit 2, before any tensor is
+    dequantized (was: transformers' bare ValueError, naming neither, after the whole file was dequantized)."""
+    from tensorrt_llm_ext.models import gguf_import
+
+    class WithoutTokenizer(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            for kv in self.kv_data:
+                for key in [k for k in kv if k.startswith("tokenizer.")]:
+                    del kv[key]
+            return super().write_header_to_file(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", WithoutTokenizer)
+    write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    monkeypatch.undo()
+    real, calls = gguf_import.read_gguf_state_dict, []
+    monkeypatch.setattr(gguf_import, "read_gguf_state_dict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"import-gguf: {tmp_path / 'm.gguf'}: transformers cannot convert its tokenizer" \
+        in err and err.endswith("--no-tokenizer imports the weights alone\n"), err
+    assert calls == [] and not (tmp_path / "out").exists()
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 0
