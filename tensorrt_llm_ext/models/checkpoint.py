@@ -255,13 +255,25 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
+            entries = {}
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     entry = st.get_slice(name)
-                    out[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
+                    entries[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
         except Exception as e:  # safetensors raises its own error type (or OSError) on a corrupt file
             raise _unreadable(f, e) from None
+        _check_no_duplicates(out, entries, f)
+        out.update(entries)
     return out
+
+
+def _check_no_duplicates(seen: dict, entries: dict, f: Path) -> None:
+    """A tensor held by two shards is refused by name: which copy a loader keeps depends on the order it reads the
+    files in, and the copies may differ (a shard left from an earlier save)."""
+    both = sorted(set(seen) & set(entries))
+    if both:
+        raise CheckpointError(f"checkpoint: {both[0]} is in both {seen[both[0]][0]} and {f}"
+                              f"{f' ({len(both)} tensors held twice)' if len(both) > 1 else ''}")
 
 
 def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
@@ -272,9 +284,11 @@ def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
-            out.update({name: (f, t) for name, t in load_file(str(f)).items()})
+            entries = {name: (f, t) for name, t in load_file(str(f)).items()}
         except Exception as e:
             raise _unreadable(f, e) from None
+        _check_no_duplicates(out, entries, f)
+        out.update(entries)
     return out
 
 
