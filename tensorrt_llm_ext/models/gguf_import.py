@@ -16,8 +16,11 @@ read:
   through ``transformers``, which would need ``accelerate``).
 * ``generation_config.json`` with the EOS / BOS ids of the file.
 
-Refused by name (``ValueError``): another architecture, a tensor this mapping does not know (biases,
-``rope_freqs`` of scaled RoPE), a RoPE scaling entry, a shape that disagrees with the metadata.
+Llama 3.1 - 3.3 files hold their ``llama3`` RoPE as per-frequency divisors (``rope_freqs.weight``): they become
+``config.json``'s ``rope_scaling`` when they are Llama 3's (:func:`_llama3_rope_scaling`).
+
+Refused by name (``ValueError``): another architecture, a tensor this mapping does not know (biases), a RoPE
+scaling entry or ``rope_freqs`` divisors of another scaling, a shape that disagrees with the metadata.
 """
 
 from __future__ import annotations
@@ -105,6 +108,38 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1 - 3.3's rope_scaling but `factor` (8 or 32): what llama.cpp's converter turns into rope_freqs.weight
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope_scaling(reader, head_dim: int, theta: float) -> dict | None:
+    """The ``rope_scaling`` of a Llama 3.x GGUF: llama.cpp stores the ``llama3`` RoPE as per-frequency divisors
+    (``rope_freqs.weight``); they are matched against :data:`LLAMA3_ROPE` with the largest divisor as ``factor``.
+    None without that tensor (or all divisors 1); ValueError for divisors of another scaling."""
+    from tensorrt_llm_ext.kernels.rope import rope_inv_freq
+    from tensorrt_llm_ext.modules.rope import RopeScaling, scaled_rope_inv_freq
+
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    gguf = _require_gguf()
+    divisors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(-1)
+    if divisors.numel() != head_dim // 2 or not bool(torch.isfinite(divisors).all()) or not divisors.min() > 0:
+        raise ValueError(f"GGUF: {ROPE_FREQS} must hold {head_dim // 2} finite divisors > 0 (one per RoPE "
+                         f"frequency), got {divisors.numel()} values in [{divisors.min():g}, {divisors.max():g}]")
+    if bool((divisors == 1).all()):
+        return None
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
+    scaled, _ = scaled_rope_inv_freq(head_dim, theta, RopeScaling(**scaling))
+    if not torch.allclose(rope_inv_freq(head_dim, theta) / scaled, divisors, rtol=1e-5, atol=0):
+        raise ValueError(f"GGUF: {ROPE_FREQS} (scaled RoPE as per-frequency divisors) is not Llama 3's llama3 RoPE "
+                         f"(factor {factor:g}, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings "
+                         "8192); another RoPE scaling is not supported")
+    return scaling
+
+
 def read_gguf_config(reader) -> dict:
     """The Hugging Face ``LlamaConfig`` dict of a ``llama`` GGUF file (no quantization entry)."""
     arch = _field(reader, "general.architecture")
@@ -122,6 +157,7 @@ def read_gguf_config(reader) -> dict:
         raise ValueError("GGUF: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     vocab = _count(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
+    theta = _positive(reader, "llama.rope.freq_base", 10000.0)
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": hidden,
@@ -130,7 +166,7 @@ def read_gguf_config(reader) -> dict:
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "hidden_act": "silu", "max_position_embeddings": _count(reader, "llama.context_length", 2048),
         "rms_norm_eps": _positive(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _positive(reader, "llama.rope.freq_base", 10000.0), "rope_scaling": None,
+        "rope_theta": theta, "rope_scaling": _llama3_rope_scaling(reader, head_dim, theta),
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
     }
@@ -193,6 +229,8 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
     expected = _expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # not a weight: read_gguf_config made it the llama3 rope_scaling
+            continue
         name = hf_name(t.name)
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         if name not in expected or tuple(w.shape) != expected[name]:
