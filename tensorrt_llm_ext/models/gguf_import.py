@@ -170,9 +170,15 @@ def read_gguf_config(reader) -> dict:
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
     }
-    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        if name in reader.fields:
-            cfg[key] = int(_field(reader, name))
+    if "tokenizer.ggml.bos_token_id" in reader.fields:
+        cfg["bos_token_id"] = int(_field(reader, "tokenizer.ggml.bos_token_id"))
+    # llama.cpp ends generation at the end-of-turn / end-of-message tokens too (a chat model's turn ends there, not
+    # at its EOS): all of them are EOS ids of the directory, the file's EOS first.
+    ends = [int(_field(reader, f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")
+            if f"tokenizer.ggml.{k}_token_id" in reader.fields]
+    ends = list(dict.fromkeys(ends))
+    if ends:
+        cfg["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return cfg
 
 

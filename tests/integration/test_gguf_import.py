@@ -417,3 +417,23 @@ def test_a_llama3_gguf_imports_its_rope_freqs_as_llama3_rope_scaling(tmp_path, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rope_freqs.weight (scaled RoPE as per-frequency divisors) is not Llama 3's" in err
     assert not (tmp_path / "other").exists()
+
+
+def test_end_of_turn_ids_of_the_file_are_eos_ids_of_the_directory(tmp_path, monkeypatch):
+    """tokenizer.ggml.eot_token_id / eom_token_id (where llama.cpp ends a chat turn) join the EOS ids (was: the file's
+    eos_token_id only: a reply ran past its end of turn to max_tokens)."""
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+    class WithEndOfTurn(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            self.add_eot_token_id(4)
+            self.add_eom_token_id(2)  # the EOS again: listed once
+            return super().write_header_to_file(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFWriter", WithEndOfTurn)
+        write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 0
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"bos_token_id": 1,
+                                                                                     "eos_token_id": [2, 4]}
+    assert read_checkpoint_facts(tmp_path / "out").eos_token_ids == (2, 4)
