@@ -27,6 +27,7 @@ non-float dtype -- all from the headers, when the config is read, before any wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -379,6 +380,24 @@ def _expected_hf_shapes(cfg: LlamaTargetConfig, tie_word_embeddings: bool, prese
     return shapes
 
 
+@contextlib.contextmanager
+def _quantized_weights_named(directory: Path):
+    """A weight check that fails on a quantized checkpoint (``quantization_config`` in ``config.json``, MLX's
+    ``quantization``: AWQ / GPTQ ``qweight`` in place of ``weight``, FP8, int8 or packed tensors) says so: its own line alone (a missing or non-float
+    tensor) reads as a broken download."""
+    try:
+        yield
+    except CheckpointError as e:
+        config = _read_json(directory / "config.json")
+        key = next((k for k in ("quantization_config", "quantization") if config.get(k)), None)  # MLX: quantization
+        if key is None:
+            raise
+        method = config[key].get("quant_method") if isinstance(config[key], dict) else None
+        raise CheckpointError(f"checkpoint: {directory / 'config.json'}: quantized weights ({key}, "
+                              f"quant_method={method!r}) are not supported; serve the float checkpoint "
+                              f"({str(e).removeprefix('checkpoint: ')})") from None
+
+
 def read_llama_config(directory: str | Path) -> dict:
     """``DIR/config.json`` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 -> the fields of ``model.target``
     (plain dict; the family switches are :func:`read_target_family`'s), after checking the weight files'
@@ -387,8 +406,9 @@ def read_llama_config(directory: str | Path) -> dict:
     cfg, tie = read_target_config(directory)
     files = _safetensors_files(Path(directory))
     headers = _headers(files)
-    _check_layer_count("target", files, cfg.num_layers, headers)
-    _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
+    with _quantized_weights_named(Path(directory)):
+        _check_layer_count("target", files, cfg.num_layers, headers)
+        _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
     fields = {k: v for k, v in vars(cfg).items() if k not in FAMILY_FIELDS}
     return {**fields, "capture_layers": list(cfg.capture_layers), "tie_word_embeddings": tie}
 
@@ -415,10 +435,11 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
         tie_word_embeddings = fields["tie_word_embeddings"]
     files = _safetensors_files(directory)
     raw = _load_tensors(files)
-    _check_layer_count("target", files, cfg.num_layers, raw)
-    expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
-    _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                               for n, (f, t) in raw.items()})
+    with _quantized_weights_named(directory):
+        _check_layer_count("target", files, cfg.num_layers, raw)
+        expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
+        _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                                   for n, (f, t) in raw.items()})
     used = {n: raw[n] for n in expected}
     unused = sorted(set(raw) - set(used) - {"lm_head.weight"})
     if unused:  # e.g. a stored rotary inv_freq; transformers does not use them either

@@ -241,6 +241,41 @@ def test_a_tensor_in_two_shards_is_refused_naming_both(good_checkpoint, tmp_path
         load_llama_state_dict(d, model_configs(cfg)[0])  # the load reads the files again
 
 
+@pytest.mark.parametrize("method", ["gptq", "fp8", "mlx"])
+def test_a_quantized_checkpoint_is_named_as_such(good_checkpoint, tmp_path, method):
+    """Was: `target tensors missing: [...q_proj.weight...]` (GPTQ / AWQ store qweight), `... is float8_e4m3fn` or
+    `... has shape [32, 4]` (MLX packs 4-bit values) alone, which reads as a broken download; now the line names
+    quantization_config (MLX: quantization) and its quant_method first."""
+    from tensorrt_llm_ext.models.checkpoint import load_llama_state_dict
+    from tensorrt_llm_ext.runtime.model_loader import model_configs
+
+    cfg = model_configs(load_config(model_dir=str(good_checkpoint), max_batch_size=2, max_seq_len=32))[0]
+    d = _copy(good_checkpoint, tmp_path / method)
+    config = json.loads((d / "config.json").read_text())
+    key, quant = (("quantization", {"group_size": 64, "bits": 4}) if method == "mlx" else
+                  ("quantization_config", {"quant_method": method, "bits": 4}))
+    _write_json(d / "config.json", {**config, key: quant})
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def quantize(sd):
+        w = sd.pop(name)
+        if method == "gptq":
+            sd[name.replace(".weight", ".qweight")] = torch.zeros(w.shape[1] // 8, w.shape[0], dtype=torch.int32)
+        elif method == "mlx":  # 4-bit values packed 8 to a uint32 under the weight's own name
+            sd[name] = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint32)
+        else:
+            sd[name] = w.to(torch.float8_e4m3fn)
+
+    _rewrite(d / T, quantize)
+    said = (rf"checkpoint: {d / 'config.json'}: quantized weights \({key}, "
+            rf"quant_method={None if method == 'mlx' else repr(method)}\) "
+            rf"are not supported; serve the float checkpoint \({d / T}: ")
+    with pytest.raises(ConfigError, match=said):
+        load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)
+    with pytest.raises(CheckpointError, match=said):
+        load_llama_state_dict(d, cfg)
+
+
 def _write_json(path, data) -> None:
     path.write_text(json.dumps(data))
 
