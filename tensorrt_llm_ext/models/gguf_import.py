@@ -145,6 +145,10 @@ def read_gguf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF: general.architecture={arch!r} is not supported (llama only)")
+    experts = _field(reader, "llama.expert_count", 0)
+    if experts:  # Mixtral's GGUF says llama too
+        raise ValueError(f"GGUF: llama.expert_count={experts!r}: mixture-of-experts models are not supported (dense "
+                         "Llama only)")
     if "llama.rope.scaling.type" in reader.fields and _field(reader, "llama.rope.scaling.type") not in ("none",):
         raise ValueError(f"GGUF: llama.rope.scaling.type={_field(reader, 'llama.rope.scaling.type')!r} is not "
                          "supported (plain RoPE only)")
@@ -233,11 +237,13 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
         raise ValueError(f"GGUF: metadata 'llama.block_count' is {cfg['num_hidden_layers']}, the file holds "
                          f"{len(held)} block(s)")
     expected = _expected_shapes(cfg)
+    # every name is mapped before the first tensor is dequantized: an unknown one (a bias) is refused at once
+    names = {t.name: hf_name(t.name) for t in reader.tensors if t.name != ROPE_FREQS}
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # not a weight: read_gguf_config made it the llama3 rope_scaling
             continue
-        name = hf_name(t.name)
+        name = names[t.name]
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         if name not in expected or tuple(w.shape) != expected[name]:
             raise ValueError(f"GGUF: tensor {t.name} ({t.tensor_type.name}) has shape {list(w.shape)}, the metadata "

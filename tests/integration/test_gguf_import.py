@@ -437,3 +437,33 @@ def test_end_of_turn_ids_of_the_file_are_eos_ids_of_the_directory(tmp_path, monk
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"bos_token_id": 1,
                                                                                      "eos_token_id": [2, 4]}
     assert read_checkpoint_facts(tmp_path / "out").eos_token_ids == (2, 4)
+
+
+@pytest.mark.parametrize("extra, said", [
+    ("moe", "GGUF: llama.expert_count=2: mixture-of-experts models are not supported (dense Llama only)"),
+    ("bias", "GGUF: tensor 'blk.1.attn_q.bias' has no Hugging Face Llama counterpart here"),
+])
+def test_experts_and_unknown_tensors_are_refused_before_any_tensor_is_dequantized(tmp_path, capsys, monkeypatch,
+                                                                                   extra, said):
+    """A Mixtral GGUF (architecture llama, expert tensors) or a tensor without a counterpart late in the file: one
+    line at once (was: every tensor before it dequantized, then the unknown name; Mixtral's experts unnamed)."""
+    import numpy as np
+
+    class WithExtra(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            if extra == "moe":
+                self.add_uint32("llama.expert_count", 2)
+                self.add_tensor("blk.1.ffn_gate_inp.weight", np.zeros((2, 64), np.float32))
+            else:
+                self.add_tensor("blk.1.attn_q.bias", np.zeros(64, np.float32))
+            return super().write_header_to_file(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFWriter", WithExtra)
+        write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    real, sizes = gguf.quants.dequantize, []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: sizes.append(data.size) or real(data, qtype))
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+    assert max(sizes, default=0) <= 64, sizes  # one zero block per type (the type check), never a tensor's data
