@@ -27,6 +27,7 @@ non-float dtype -- all from the headers, when the config is read, before any wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -255,13 +256,25 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
+            entries = {}
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     entry = st.get_slice(name)
-                    out[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
+                    entries[name] = (f, tuple(entry.get_shape()), _ST_DTYPES.get(entry.get_dtype(), entry.get_dtype()))
         except Exception as e:  # safetensors raises its own error type (or OSError) on a corrupt file
             raise _unreadable(f, e) from None
+        _check_no_duplicates(out, entries, f)
+        out.update(entries)
     return out
+
+
+def _check_no_duplicates(seen: dict, entries: dict, f: Path) -> None:
+    """A tensor held by two shards is refused by name: which copy a loader keeps depends on the order it reads the
+    files in, and the copies may differ (a shard left from an earlier save)."""
+    both = sorted(set(seen) & set(entries))
+    if both:
+        raise CheckpointError(f"checkpoint: {both[0]} is in both {seen[both[0]][0]} and {f}"
+                              f"{f' ({len(both)} tensors held twice)' if len(both) > 1 else ''}")
 
 
 def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
@@ -272,9 +285,11 @@ def _load_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Tensor]]:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {f} not found")
         try:
-            out.update({name: (f, t) for name, t in load_file(str(f)).items()})
+            entries = {name: (f, t) for name, t in load_file(str(f)).items()}
         except Exception as e:
             raise _unreadable(f, e) from None
+        _check_no_duplicates(out, entries, f)
+        out.update(entries)
     return out
 
 
@@ -365,6 +380,24 @@ def _expected_hf_shapes(cfg: LlamaTargetConfig, tie_word_embeddings: bool, prese
     return shapes
 
 
+@contextlib.contextmanager
+def _quantized_weights_named(directory: Path):
+    """A weight check that fails on a quantized checkpoint (``quantization_config`` in ``config.json``, MLX's
+    ``quantization``: AWQ / GPTQ ``qweight`` in place of ``weight``, FP8, int8 or packed tensors) says so: its own line alone (a missing or non-float
+    tensor) reads as a broken download."""
+    try:
+        yield
+    except CheckpointError as e:
+        config = _read_json(directory / "config.json")
+        key = next((k for k in ("quantization_config", "quantization") if config.get(k)), None)  # MLX: quantization
+        if key is None:
+            raise
+        method = config[key].get("quant_method") if isinstance(config[key], dict) else None
+        raise CheckpointError(f"checkpoint: {directory / 'config.json'}: quantized weights ({key}, "
+                              f"quant_method={method!r}) are not supported; serve the float checkpoint "
+                              f"({str(e).removeprefix('checkpoint: ')})") from None
+
+
 def read_llama_config(directory: str | Path) -> dict:
     """``DIR/config.json`` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 -> the fields of ``model.target``
     (plain dict; the family switches are :func:`read_target_family`'s), after checking the weight files'
@@ -373,8 +406,9 @@ def read_llama_config(directory: str | Path) -> dict:
     cfg, tie = read_target_config(directory)
     files = _safetensors_files(Path(directory))
     headers = _headers(files)
-    _check_layer_count("target", files, cfg.num_layers, headers)
-    _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
+    with _quantized_weights_named(Path(directory)):
+        _check_layer_count("target", files, cfg.num_layers, headers)
+        _check_entries("target", files, _expected_hf_shapes(cfg, tie, headers), headers)
     fields = {k: v for k, v in vars(cfg).items() if k not in FAMILY_FIELDS}
     return {**fields, "capture_layers": list(cfg.capture_layers), "tie_word_embeddings": tie}
 
@@ -401,10 +435,11 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
         tie_word_embeddings = fields["tie_word_embeddings"]
     files = _safetensors_files(directory)
     raw = _load_tensors(files)
-    _check_layer_count("target", files, cfg.num_layers, raw)
-    expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
-    _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                               for n, (f, t) in raw.items()})
+    with _quantized_weights_named(directory):
+        _check_layer_count("target", files, cfg.num_layers, raw)
+        expected = _expected_hf_shapes(cfg, tie_word_embeddings, raw)
+        _check_entries("target", files, expected, {n: (f, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                                   for n, (f, t) in raw.items()})
     used = {n: raw[n] for n in expected}
     unused = sorted(set(raw) - set(used) - {"lm_head.weight"})
     if unused:  # e.g. a stored rotary inv_freq; transformers does not use them either
@@ -417,17 +452,48 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
     return sd
 
 
+def _rope_scaling_entry(scaling) -> dict | None:
+    """A :class:`RopeScaling` as the ``rope_scaling`` object of ``config.json`` (the fields its type reads)."""
+    if scaling is None:
+        return None
+    keys = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                     "mscale", "mscale_all_dim", "truncate")}[scaling.rope_type]
+    return {"rope_type": scaling.rope_type,
+            **{k: getattr(scaling, k) for k in keys if getattr(scaling, k) is not None}}
+
+
 def hf_llama_config(cfg: LlamaTargetConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict:
-    """A Hugging Face ``LlamaConfig`` dict for this target (transformers reads it as ``LlamaForCausalLM``)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """The Hugging Face config dict of this target: ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` (q/k/v biases
+    without an ``o_proj`` bias) / ``Qwen3ForCausalLM`` (q/k norms), with its biases and RoPE scaling -- a target
+    loaded from such a checkpoint is written back as the same model (a plain Llama config over its weights would
+    compute another one). ValueError for switches no family here expresses together."""
+    if cfg.qk_norm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif cfg.qkv_bias and not cfg.o_proj_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
+    out = {
+        "architectures": [arch], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+        "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling_entry(cfg.rope_scaling),
+        "attention_bias": cfg.o_proj_bias, "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": False, "torch_dtype": _DTYPE_NAMES[dtype],
     }
+    if model_type == "qwen2":
+        del out["attention_bias"], out["mlp_bias"]  # Qwen2: q/k/v biases always, no o_proj / MLP bias
+        out["use_sliding_window"] = False
+    # What the reader makes of the written config must be this target, switch for switch.
+    read = target_fields(out)
+    if any(read[f] != getattr(cfg, f) for f in FAMILY_FIELDS):
+        switches = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in FAMILY_FIELDS)
+        raise ValueError(f"export: no Hugging Face family served here has these switches together: {switches}")
+    return out
 
 
 def process_umask() -> int:

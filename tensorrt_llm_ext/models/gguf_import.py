@@ -16,8 +16,11 @@ read:
   through ``transformers``, which would need ``accelerate``).
 * ``generation_config.json`` with the EOS / BOS ids of the file.
 
-Refused by name (``ValueError``): another architecture, a tensor this mapping does not know (biases,
-``rope_freqs`` of scaled RoPE), a RoPE scaling entry, a shape that disagrees with the metadata.
+Llama 3.1 - 3.3 files hold their ``llama3`` RoPE as per-frequency divisors (``rope_freqs.weight``): they become
+``config.json``'s ``rope_scaling`` when they are Llama 3's (:func:`_llama3_rope_scaling`).
+
+Refused by name (``ValueError``): another architecture, a tensor this mapping does not know (biases), a RoPE
+scaling entry or ``rope_freqs`` divisors of another scaling, a shape that disagrees with the metadata.
 """
 
 from __future__ import annotations
@@ -105,11 +108,47 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1 - 3.3's rope_scaling but `factor` (8 or 32): what llama.cpp's converter turns into rope_freqs.weight
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope_scaling(reader, head_dim: int, theta: float) -> dict | None:
+    """The ``rope_scaling`` of a Llama 3.x GGUF: llama.cpp stores the ``llama3`` RoPE as per-frequency divisors
+    (``rope_freqs.weight``); they are matched against :data:`LLAMA3_ROPE` with the largest divisor as ``factor``.
+    None without that tensor (or all divisors 1); ValueError for divisors of another scaling."""
+    from tensorrt_llm_ext.kernels.rope import rope_inv_freq
+    from tensorrt_llm_ext.modules.rope import RopeScaling, scaled_rope_inv_freq
+
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    gguf = _require_gguf()
+    divisors = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(-1)
+    if divisors.numel() != head_dim // 2 or not bool(torch.isfinite(divisors).all()) or not divisors.min() > 0:
+        raise ValueError(f"GGUF: {ROPE_FREQS} must hold {head_dim // 2} finite divisors > 0 (one per RoPE "
+                         f"frequency), got {divisors.numel()} values in [{divisors.min():g}, {divisors.max():g}]")
+    if bool((divisors == 1).all()):
+        return None
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
+    scaled, _ = scaled_rope_inv_freq(head_dim, theta, RopeScaling(**scaling))
+    if not torch.allclose(rope_inv_freq(head_dim, theta) / scaled, divisors, rtol=1e-5, atol=0):
+        raise ValueError(f"GGUF: {ROPE_FREQS} (scaled RoPE as per-frequency divisors) is not Llama 3's llama3 RoPE "
+                         f"(factor {factor:g}, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings "
+                         "8192); another RoPE scaling is not supported")
+    return scaling
+
+
 def read_gguf_config(reader) -> dict:
     """The Hugging Face ``LlamaConfig`` dict of a ``llama`` GGUF file (no quantization entry)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF: general.architecture={arch!r} is not supported (llama only)")
+    experts = _field(reader, "llama.expert_count", 0)
+    if experts:  # Mixtral's GGUF says llama too
+        raise ValueError(f"GGUF: llama.expert_count={experts!r}: mixture-of-experts models are not supported (dense "
+                         "Llama only)")
     if "llama.rope.scaling.type" in reader.fields and _field(reader, "llama.rope.scaling.type") not in ("none",):
         raise ValueError(f"GGUF: llama.rope.scaling.type={_field(reader, 'llama.rope.scaling.type')!r} is not "
                          "supported (plain RoPE only)")
@@ -122,6 +161,7 @@ def read_gguf_config(reader) -> dict:
         raise ValueError("GGUF: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
     vocab = _count(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
+    theta = _positive(reader, "llama.rope.freq_base", 10000.0)
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab, "hidden_size": hidden,
@@ -130,13 +170,19 @@ def read_gguf_config(reader) -> dict:
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "hidden_act": "silu", "max_position_embeddings": _count(reader, "llama.context_length", 2048),
         "rms_norm_eps": _positive(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _positive(reader, "llama.rope.freq_base", 10000.0), "rope_scaling": None,
+        "rope_theta": theta, "rope_scaling": _llama3_rope_scaling(reader, head_dim, theta),
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
     }
-    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        if name in reader.fields:
-            cfg[key] = int(_field(reader, name))
+    if "tokenizer.ggml.bos_token_id" in reader.fields:
+        cfg["bos_token_id"] = int(_field(reader, "tokenizer.ggml.bos_token_id"))
+    # llama.cpp ends generation at the end-of-turn / end-of-message tokens too (a chat model's turn ends there, not
+    # at its EOS): all of them are EOS ids of the directory, the file's EOS first.
+    ends = [int(_field(reader, f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")
+            if f"tokenizer.ggml.{k}_token_id" in reader.fields]
+    ends = list(dict.fromkeys(ends))
+    if ends:
+        cfg["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     return cfg
 
 
@@ -191,9 +237,13 @@ def read_gguf_state_dict(reader, cfg: dict, dtype: torch.dtype = torch.float32) 
         raise ValueError(f"GGUF: metadata 'llama.block_count' is {cfg['num_hidden_layers']}, the file holds "
                          f"{len(held)} block(s)")
     expected = _expected_shapes(cfg)
+    # every name is mapped before the first tensor is dequantized: an unknown one (a bias) is refused at once
+    names = {t.name: hf_name(t.name) for t in reader.tensors if t.name != ROPE_FREQS}
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name == ROPE_FREQS:  # not a weight: read_gguf_config made it the llama3 rope_scaling
+            continue
+        name = names[t.name]
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         if name not in expected or tuple(w.shape) != expected[name]:
             raise ValueError(f"GGUF: tensor {t.name} ({t.tensor_type.name}) has shape {list(w.shape)}, the metadata "
@@ -266,6 +316,9 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
                          f"truncated or not GGUF: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                          ) from None
     cfg = read_gguf_config(reader)
+    # The tokenizer is converted before the weights: a file whose vocabulary transformers cannot convert is
+    # refused at once, not after minutes of dequantization.
+    tok = _convert_tokenizer(gguf_file) if tokenizer else None
     sd = read_gguf_state_dict(reader, cfg, _DTYPES[dtype])
     # Everything is written into a temporary directory beside DIR and moved into place once complete: a write
     # that fails (disk full) leaves DIR as it was, never a config.json without its weights.
@@ -276,7 +329,7 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
     os.chmod(staging, 0o777 & ~process_umask())  # mkdtemp's owner-only mode would become the model directory's
     moved = False
     try:
-        written = _write_directory(staging, gguf_file, cfg, sd, dtype, tokenizer)
+        written = _write_directory(staging, gguf_file, cfg, sd, dtype, tok)
         if directory.is_dir():
             check_no_stale_files(directory, {f.name for f in staging.iterdir()})
         # The renames run with the stop signals held back: DIR is never left part old, part new.
@@ -298,7 +351,7 @@ def _import(gguf, gguf_file: Path, directory: Path, dtype: str, tokenizer: bool)
 
 
 def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.Tensor], dtype: str,
-                     tokenizer: bool) -> list[tuple[str, Path]]:
+                     tokenizer) -> list[tuple[str, Path]]:
     from tensorrt_llm_ext.models.checkpoint import save_safetensors
 
     cfg["torch_dtype"] = dtype
@@ -310,8 +363,8 @@ def _write_directory(out: Path, gguf_file: Path, cfg: dict, sd: dict[str, torch.
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     written.append(("generation config", out / "generation_config.json"))
-    if tokenizer:
-        written.extend(_write_tokenizer(gguf_file, out))
+    if tokenizer is not None:
+        written.extend(_write_tokenizer(tokenizer, gguf_file, out))
     return written
 
 
@@ -349,12 +402,22 @@ def _move_into_place(staging: Path, directory: Path) -> None:
     staging.rmdir()
 
 
-def _write_tokenizer(gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:
-    """The GGUF vocabulary as Hugging Face tokenizer files (``transformers``' GGUF tokenizer conversion)."""
+def _convert_tokenizer(gguf_file: Path):
+    """The GGUF vocabulary as a ``transformers`` tokenizer (its GGUF tokenizer conversion); ValueError naming the
+    file and ``--no-tokenizer`` when it cannot be converted (no tokenizer metadata, a tokenizer model it lacks)."""
     from transformers import AutoTokenizer
 
-    # transformers resolves gguf_file relative to a directory; a copy is avoided by pointing at the parent.
-    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    try:
+        # transformers resolves gguf_file relative to a directory; a copy is avoided by pointing at the parent.
+        return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as e:  # transformers raises ValueError, KeyError, ... per converter
+        words = " ".join(str(e).split())[:300]
+        raise ValueError(f"import-gguf: {gguf_file}: transformers cannot convert its tokenizer ({type(e).__name__}: "
+                         f"{words}); --no-tokenizer imports the weights alone") from None
+
+
+def _write_tokenizer(tok, gguf_file: Path, directory: Path) -> list[tuple[str, Path]]:
+    """The converted tokenizer's files (:func:`_convert_tokenizer`) in ``directory``."""
     files = tok.save_pretrained(str(directory))
     if not getattr(tok, "chat_template", None):
         logger.info(f"import-gguf: {gguf_file.name} has no chat template; chat requests will be refused")

@@ -56,6 +56,13 @@ def _optional_float(cfg: dict, key: str) -> float | None:
     return None if cfg.get(key) is None else float_field(cfg, key)
 
 
+def _non_negative(cfg: dict, key: str, default: float) -> float:
+    v = float_field(cfg, key, default)
+    if v < 0:  # a negative epsilon makes the norm of a small row NaN
+        raise ValueError(f"{key} must be >= 0, got {v}")
+    return v
+
+
 def family_of(cfg: dict) -> str:
     """The ``model_type`` of a supported family, or a ValueError naming what arrived."""
     arch = cfg.get("architectures") or []
@@ -79,6 +86,8 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     if any(isinstance(v, dict) for v in d.values()):
         raise ValueError(f"per-layer-type RoPE parameters ({sorted(d)}) are not supported")
     theta = float_field({"rope_theta": d.get("rope_theta", cfg.get("rope_theta", 10000.0))}, "rope_theta")
+    if not theta > 0:  # the inverse frequencies theta ** (-2i / d) are NaN below 0
+        raise ValueError(f"rope_theta must be > 0, got {theta}")
     partial = d.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial!r} is not supported (RoPE over the whole head only)")
@@ -89,6 +98,13 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"rope_type={rope_type!r} is not supported (default, linear, llama3, yarn)")
     original = d.get("original_max_position_embeddings",
                      cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+    if isinstance(original, float) and original.is_integer():  # 8192.0: the number transformers computes with
+        original = int(original)
+    if original is not None and rope_type != "linear":  # a string or a list was a TypeError traceback at build
+        original = int_field({"original_max_position_embeddings": original}, "original_max_position_embeddings")
+    if rope_type == "yarn" and theta == 1.0:  # its correction range divides by log(rope_theta)
+        raise ValueError("rope_theta=1.0 is not supported with rope_type='yarn' (its correction range divides by "
+                         "log(rope_theta))")
     factor = d.get("factor")
     if factor is None and rope_type == "yarn" and original:  # as transformers: the context extension ratio
         factor = int_field(cfg, "max_position_embeddings") / original
@@ -148,7 +164,7 @@ def target_fields(cfg: dict) -> dict:
         "head_dim": head_dim,
         "intermediate_size": int_field(cfg, "intermediate_size"),
         "rope_theta": theta,
-        "rms_norm_eps": float_field(cfg, "rms_norm_eps", 1e-6),
+        "rms_norm_eps": _non_negative(cfg, "rms_norm_eps", 1e-6),
         "qkv_bias": attention_bias or family == "qwen2",
         "o_proj_bias": attention_bias,
         "mlp_bias": bool_field(cfg, "mlp_bias") if family == "llama" else False,

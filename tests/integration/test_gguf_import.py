@@ -9,6 +9,7 @@ with the file the GPU script reassembles)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import json
@@ -331,3 +332,138 @@ def test_a_block_count_past_the_file_is_one_line_at_once(tmp_path, capsys):
     assert main(["import-gguf", str(tmp_path / "b.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
     assert time.monotonic() - start < 2
     assert capsys.readouterr().err == "error: GGUF: metadata 'llama.block_count' is 100000, the file holds 0 block(s)\n"
+
+
+def test_a_tokenizer_transformers_cannot_convert_is_refused_before_the_weights(tmp_path, capsys, monkeypatch):
+    """A GGUF without tokenizer metadata: one line naming the file and --no-tokenizer, exit 2, before any tensor is
+    dequantized (was: transformers' bare ValueError, naming neither, after the whole file was dequantized)."""
+    from tensorrt_llm_ext.models import gguf_import
+
+    class WithoutTokenizer(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            for kv in self.kv_data:
+                for key in [k for k in kv if k.startswith("tokenizer.")]:
+                    del kv[key]
+            return super().write_header_to_file(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", WithoutTokenizer)
+    write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    monkeypatch.undo()
+    real, calls = gguf_import.read_gguf_state_dict, []
+    monkeypatch.setattr(gguf_import, "read_gguf_state_dict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"import-gguf: {tmp_path / 'm.gguf'}: transformers cannot convert its tokenizer" \
+        in err and err.endswith("--no-tokenizer imports the weights alone\n"), err
+    assert calls == [] and not (tmp_path / "out").exists()
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 0
+
+
+def _llama_cpp_llama3_divisors(dim: int, base: float, factor: float, low=1.0, high=4.0, old=8192) -> list[float]:
+    """What llama.cpp's converter writes as ``rope_freqs.weight`` for ``rope_type: llama3`` (restated)."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        smooth = (old / wavelen - low) / (high - low)
+        out.append(1.0 if wavelen < old / high else factor if wavelen > old / low else
+                   1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _write_gguf_with_rope_freqs(path, divisors, monkeypatch) -> None:
+    import numpy as np
+
+    class WithRopeFreqs(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            self.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+            return super().write_header_to_file(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFWriter", WithRopeFreqs)
+        write_tiny_llama_gguf(path, seed=4)
+
+
+def test_a_llama3_gguf_imports_its_rope_freqs_as_llama3_rope_scaling(tmp_path, capsys, monkeypatch):
+    """Llama 3.1 - 3.3 GGUFs (the llama3 RoPE as rope_freqs.weight divisors) import with the rope_scaling whose
+    frequencies are llama.cpp's, and serve transformers' logits (was: refused as an unknown tensor, exit 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tensorrt_llm_ext.testing.gguf_files import TINY_GGUF_SIZES
+    from tensorrt_llm_ext.testing.hf_checkpoints import load_target, target_logits
+
+    dim, base = TINY_GGUF_SIZES["head_dim"], TINY_GGUF_SIZES["rope_theta"]
+    divisors = _llama_cpp_llama3_divisors(dim, base, factor=32.0)
+    assert 1.0 in divisors and 32.0 in divisors and len(set(divisors)) == 3  # all three regions are exercised
+    _write_gguf_with_rope_freqs(tmp_path / "l3.gguf", divisors, monkeypatch)
+    assert main(["import-gguf", str(tmp_path / "l3.gguf"), str(tmp_path / "l3"), "--no-tokenizer"]) == 0
+    cfg = json.loads((tmp_path / "l3" / "config.json").read_text())
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert "rope_freqs.weight" not in load_file(str(tmp_path / "l3" / "model.safetensors"))
+    hf_cfg = AutoConfig.from_pretrained(tmp_path / "l3")
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    plain = 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
+    torch.testing.assert_close(inv_freq, plain / torch.tensor(divisors), rtol=1e-6, atol=0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "l3", dtype=torch.float32).eval()
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(target_logits(load_target(tmp_path / "l3"), prompt),
+                                   hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
+    # divisors of another scaling are refused by name, nothing written
+    _write_gguf_with_rope_freqs(tmp_path / "other.gguf", [1.0 + i / 4 for i in range(dim // 2)], monkeypatch)
+    capsys.readouterr()
+    assert main(["import-gguf", str(tmp_path / "other.gguf"), str(tmp_path / "other"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rope_freqs.weight (scaled RoPE as per-frequency divisors) is not Llama 3's" in err
+    assert not (tmp_path / "other").exists()
+
+
+def test_end_of_turn_ids_of_the_file_are_eos_ids_of_the_directory(tmp_path, monkeypatch):
+    """tokenizer.ggml.eot_token_id / eom_token_id (where llama.cpp ends a chat turn) join the EOS ids (was: the file's
+    eos_token_id only: a reply ran past its end of turn to max_tokens)."""
+    from tensorrt_llm_ext.models.checkpoint import read_checkpoint_facts
+
+    class WithEndOfTurn(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            self.add_eot_token_id(4)
+            self.add_eom_token_id(2)  # the EOS again: listed once
+            return super().write_header_to_file(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFWriter", WithEndOfTurn)
+        write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 0
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"bos_token_id": 1,
+                                                                                     "eos_token_id": [2, 4]}
+    assert read_checkpoint_facts(tmp_path / "out").eos_token_ids == (2, 4)
+
+
+@pytest.mark.parametrize("extra, said", [
+    ("moe", "GGUF: llama.expert_count=2: mixture-of-experts models are not supported (dense Llama only)"),
+    ("bias", "GGUF: tensor 'blk.1.attn_q.bias' has no Hugging Face Llama counterpart here"),
+])
+def test_experts_and_unknown_tensors_are_refused_before_any_tensor_is_dequantized(tmp_path, capsys, monkeypatch,
+                                                                                   extra, said):
+    """A Mixtral GGUF (architecture llama, expert tensors) or a tensor without a counterpart late in the file: one
+    line at once (was: every tensor before it dequantized, then the unknown name; Mixtral's experts unnamed)."""
+    import numpy as np
+
+    class WithExtra(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            if extra == "moe":
+                self.add_uint32("llama.expert_count", 2)
+                self.add_tensor("blk.1.ffn_gate_inp.weight", np.zeros((2, 64), np.float32))
+            else:
+                self.add_tensor("blk.1.attn_q.bias", np.zeros(64, np.float32))
+            return super().write_header_to_file(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFWriter", WithExtra)
+        write_tiny_llama_gguf(tmp_path / "m.gguf", seed=1)
+    real, sizes = gguf.quants.dequantize, []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: sizes.append(data.size) or real(data, qtype))
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--no-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+    assert max(sizes, default=0) <= 64, sizes  # one zero block per type (the type check), never a tensor's data

@@ -201,6 +201,81 @@ def test_non_finite_weights_are_refused_at_load_by_name(good_checkpoint, tmp_pat
         full_state_dicts(cfg)
 
 
+def _shard(d, duplicate: str | None = None) -> list:
+    """``d``'s target file as two shards plus ``model.safetensors.index.json`` (the index names the first shard
+    for ``duplicate``, which the second shard holds too, zeroed)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(d / T))
+    (d / T).unlink()
+    names = sorted(sd)
+    first = set(names[: len(names) // 2]) | ({duplicate} if duplicate else set())
+    shards = {"model-00001-of-00002.safetensors": {n: sd[n] for n in names if n in first},
+              "model-00002-of-00002.safetensors": {n: sd[n] for n in names if n not in first}}
+    if duplicate:
+        shards["model-00002-of-00002.safetensors"][duplicate] = torch.zeros_like(sd[duplicate])
+    for file, part in shards.items():
+        save_file(part, str(d / file))
+    _write_json(d / "model.safetensors.index.json",
+                {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part
+                                                if n != duplicate or file.startswith("model-00001")}})
+    return sorted(d / file for file in shards)
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(good_checkpoint, tmp_path):
+    """Was: the copy in the shard read last served, silently (here: a zeroed norm instead of the index's)."""
+    from tensorrt_llm_ext.models.checkpoint import load_llama_state_dict
+    from tensorrt_llm_ext.runtime.model_loader import model_configs
+
+    cfg = load_config(model_dir=str(good_checkpoint), max_batch_size=2, max_seq_len=32)
+    want = full_state_dicts(cfg)[0]
+    d = _copy(good_checkpoint, tmp_path / "sharded")
+    _shard(d)
+    got = full_state_dicts(load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32))[0]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    d = _copy(good_checkpoint, tmp_path / "twice")
+    first, second = _shard(d, duplicate="model.norm.weight")
+    with pytest.raises(ConfigError, match=f"checkpoint: model.norm.weight is in both {first} and {second}$"):
+        load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)  # from the headers, before any work
+    with pytest.raises(CheckpointError, match=f"checkpoint: model.norm.weight is in both {first} and {second}$"):
+        load_llama_state_dict(d, model_configs(cfg)[0])  # the load reads the files again
+
+
+@pytest.mark.parametrize("method", ["gptq", "fp8", "mlx"])
+def test_a_quantized_checkpoint_is_named_as_such(good_checkpoint, tmp_path, method):
+    """Was: `target tensors missing: [...q_proj.weight...]` (GPTQ / AWQ store qweight), `... is float8_e4m3fn` or
+    `... has shape [32, 4]` (MLX packs 4-bit values) alone, which reads as a broken download; now the line names
+    quantization_config (MLX: quantization) and its quant_method first."""
+    from tensorrt_llm_ext.models.checkpoint import load_llama_state_dict
+    from tensorrt_llm_ext.runtime.model_loader import model_configs
+
+    cfg = model_configs(load_config(model_dir=str(good_checkpoint), max_batch_size=2, max_seq_len=32))[0]
+    d = _copy(good_checkpoint, tmp_path / method)
+    config = json.loads((d / "config.json").read_text())
+    key, quant = (("quantization", {"group_size": 64, "bits": 4}) if method == "mlx" else
+                  ("quantization_config", {"quant_method": method, "bits": 4}))
+    _write_json(d / "config.json", {**config, key: quant})
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def quantize(sd):
+        w = sd.pop(name)
+        if method == "gptq":
+            sd[name.replace(".weight", ".qweight")] = torch.zeros(w.shape[1] // 8, w.shape[0], dtype=torch.int32)
+        elif method == "mlx":  # 4-bit values packed 8 to a uint32 under the weight's own name
+            sd[name] = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.uint32)
+        else:
+            sd[name] = w.to(torch.float8_e4m3fn)
+
+    _rewrite(d / T, quantize)
+    said = (rf"checkpoint: {d / 'config.json'}: quantized weights \({key}, "
+            rf"quant_method={None if method == 'mlx' else repr(method)}\) "
+            rf"are not supported; serve the float checkpoint \({d / T}: ")
+    with pytest.raises(ConfigError, match=said):
+        load_config(model_dir=str(d), max_batch_size=2, max_seq_len=32)
+    with pytest.raises(CheckpointError, match=said):
+        load_llama_state_dict(d, cfg)
+
+
 def _write_json(path, data) -> None:
     path.write_text(json.dumps(data))
 

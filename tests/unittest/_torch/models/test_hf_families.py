@@ -108,3 +108,56 @@ def test_tensors_the_model_does_not_use_are_logged(tmp_path, caplog):
     with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
         load_target(tmp_path / "m")
     assert "1 tensor(s) not used by the model: ['model.layers.0.self_attn.rotary_emb.inv_freq']" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama_yarn", "llama_linear_biases", "qwen2", "qwen3"])
+def test_export_of_a_loaded_checkpoint_writes_the_same_model(tmp_path, family):
+    """`export --config` over a checkpoint of a family with switches writes them back (was: a plain Llama config,
+    no RoPE scaling or biases: transformers and serve computed another model from the exported directory)."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+
+    hf = save_tiny_hf_checkpoint(tmp_path / "src", family, seed=2)
+    export_model(load_config(model_dir=str(tmp_path / "src"), max_batch_size=2, max_seq_len=64), tmp_path / "out")
+    src_cfg, _ = read_target_config(tmp_path / "src")
+    out_cfg, _ = read_target_config(tmp_path / "out")
+    assert out_cfg == src_cfg
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(torch.tensor([PROMPT])).logits, hf(torch.tensor([PROMPT])).logits)
+
+
+def test_export_refuses_switches_no_family_expresses():
+    from tensorrt_llm_ext.models.checkpoint import hf_llama_config
+
+    cfg = LlamaTargetConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                            intermediate_size=48, capture_layers=(0,), o_proj_bias=True)  # o_proj bias, no q/k/v
+    with pytest.raises(ValueError, match="no Hugging Face family served here has these switches together: "
+                                         "qkv_bias=False, o_proj_bias=True"):
+        hf_llama_config(cfg, torch.float32, 64)
+
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+          "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 509, "max_position_embeddings": 128}
+_L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {**_L3, "original_max_position_embeddings": "8192"}},
+     "original_max_position_embeddings must be an integer, got '8192'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": [32]}},
+     r"original_max_position_embeddings must be an integer, got \[32\]"),
+    ({"rope_theta": 1.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     "rope_theta=1.0 is not supported with rope_type='yarn'"),
+    ({"rope_theta": 0}, "rope_theta must be > 0, got 0.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}}, "rope_theta must be > 0, got -5.0"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be >= 0"),
+], ids=["llama3-original-str", "yarn-original-list", "yarn-theta-1", "theta-0", "theta-negative", "eps-negative"])
+def test_rope_and_norm_numbers_out_of_their_domain_are_named(change, match):
+    """Was: a TypeError / ZeroDivisionError traceback when the model was built (exit 1), or a model computing NaN
+    logits; now a ValueError naming the field while config.json is read."""
+    with pytest.raises(ValueError, match=match):
+        target_fields({**_LLAMA, **change})
+    # the number transformers computes with, written as a float, is read as the integer
+    f = target_fields({**_LLAMA, "rope_scaling": {**_L3, "original_max_position_embeddings": 8192.0}})
+    assert f["rope_scaling"] == RopeScaling("llama3", 8.0, original_max_position_embeddings=8192)
