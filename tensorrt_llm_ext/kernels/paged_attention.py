@@ -53,7 +53,7 @@ feeds ``p`` to the second product in the value dtype), bitwise with neither.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -63,8 +63,8 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programma
                                              refuse_allocation_while_capturing)
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
-__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "paged_attention",
-           "paged_attention_reference", "split_plan", "tile_counters"]
+__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "one_block_form",
+           "paged_attention", "paged_attention_reference", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
@@ -374,6 +374,24 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
 
 
+def one_block_form(cfg: AttentionConfig, t: int, width: int, splits: int) -> AttentionConfig:
+    """The model's launch of split tiles whose every piece is one ``block_n`` block: one pipeline stage and no
+    prefetch, else ``cfg``. A verify tile's pieces are ``SPLIT_TOKENS`` keys; a decode tile's widest piece follows
+    from the table ``width`` (the longest row a launch can hold). With one block per piece a second stage is never
+    filled, and its buffers cost occupancy: at head dim 64, 128-key blocks, the decode tile takes 128 registers
+    instead of 148 (4 programs per SM instead of 3), the 24-row verify tile 142 instead of 220 (3 instead of 2).
+    Stages and prefetch change when keys are read, never a bit of the result (bitwise on the H200, 2026-12-05), so
+    the form may follow the table. Measured (H200, docs/target_forward.md, fourteenth session): the `[32, 1]`
+    forward at 1k keys 1385.9 -> 1243.7 us, the `[32, 8]` / `[64, 8]` verify forwards 12-19 % faster; where a
+    piece holds two blocks (8k keys) the second stage pays (the same launch 2-12 % slower), so it stays there."""
+    blocks = (SPLIT_TOKENS // cfg.block_n if t > 1
+              else max(triton.cdiv(width, splits * cfg.block_n), cfg.min_blocks) if cfg.pieces else
+              SPLIT_TOKENS // cfg.block_n)
+    if blocks > 1:
+        return cfg
+    return replace(cfg, num_stages=1, prefetch=0)
+
+
 def decode_config(head_dim: int) -> AttentionConfig:
     """The table's settings for ``head_dim`` (the default settings for a head dim it does not list)."""
     return DECODE_CONFIGS.get(head_dim, AttentionConfig())
@@ -475,6 +493,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1], row_pieces, cfg.block_n)
     if splits == 1:
         cfg = PREFILL_CONFIG
+    elif config is None:
+        cfg = one_block_form(cfg, t, page_table.shape[1] * k_pool.shape[1], splits)
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, AttentionConfig,
-                                                      paged_attention, paged_attention_reference, split_plan,
-                                                      tile_counters)
+from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, DECODE_CONFIGS, SPLIT_TOKENS,
+                                                      AttentionConfig, one_block_form, paged_attention,
+                                                      paged_attention_reference, split_plan, tile_counters)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
@@ -99,6 +99,23 @@ def test_long_context_multi_split_and_prefill_tiles():
     case = make_case(b=1, t=30, group=3, d=16, page_size=page, max_pages=12, lens=[SPLIT_TOKENS + 52])
     out, ref = _run(case)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_one_block_pieces_launch_one_stage_without_prefetch():
+    """The model's split launch drops the second pipeline stage (and the prefetch) exactly where every piece is one
+    block: verify tiles at 128-key blocks, decode tiles whose widest row (the table) cuts into one-block pieces."""
+    model = DECODE_CONFIGS[64]  # 128-key blocks, 32 pieces, 2 stages, L2 prefetch
+    one = dataclasses.replace(model, num_stages=1, prefetch=0)
+    assert one_block_form(model, 8, 8192, 1) == one  # verify: SPLIT_TOKENS keys = one 128-key block
+    assert one_block_form(model, 1, 32 * 128, 32) == one  # a 4k table: 32 pieces of one block
+    assert one_block_form(model, 1, 32 * 128 + 32, 32) == model  # one more page: pieces of two blocks
+    assert one_block_form(model, 1, 8192, 32) == model
+    assert one_block_form(model, 1, 1024, 8) == one  # a narrow table: fewer pieces, still one block each
+    three = dataclasses.replace(model, min_blocks=3)
+    assert one_block_form(three, 1, 1024, 8) == three  # min_blocks keeps pieces long
+    small = AttentionConfig(64, 4, 3, 16)  # 64-key blocks: a verify piece is two blocks
+    assert one_block_form(small, 8, 8192, 1) == small
+    assert SPLIT_TOKENS == 128 and model.block_n == 128
 
 
 def test_every_launch_config_candidate_matches_the_twin():
