@@ -353,7 +353,8 @@ class AttentionConfig:
 # (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's sweep with FlashInfer in the
 # run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole blocks, the first two blocks
 # brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's decode at 7 of 8 shapes,
-# where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C = 1k). Head dim 128: 3
+# where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C = 1k); where every piece
+# is one block the model launches it with one stage and no prefetch (`one_block_form`, same bits). Head dim 128: 3
 # stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the unfused
 # layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
