@@ -442,9 +442,17 @@ def load_llama_state_dict(directory: str | Path, cfg: LlamaTargetConfig,
                                                    for n, (f, t) in raw.items()})
     used = {n: raw[n] for n in expected}
     unused = sorted(set(raw) - set(used) - {"lm_head.weight"})
-    if unused:  # e.g. a stored rotary inv_freq; transformers does not use them either
-        info_once(f"checkpoint: {directory}: {len(unused)} tensor(s) not used by the model: {unused[:6]}"
-                  f"{' ...' if len(unused) > 6 else ''}")
+    # A stored rotary inv_freq is a buffer the model recomputes (transformers does not use it either); any other
+    # unused tensor is a weight this configuration leaves out (a bias config.json does not switch on, a layer past
+    # num_hidden_layers): the served model may not be the checkpoint's, so it is a WARNING naming them.
+    buffers = [n for n in unused if n.endswith("rotary_emb.inv_freq")]
+    weights = [n for n in unused if n not in buffers]
+    if buffers:
+        info_once(f"checkpoint: {directory}: {len(buffers)} rotary inv_freq buffer(s) not used (recomputed)")
+    if weights:
+        logger.warning(f"checkpoint: {directory}: {len(weights)} stored tensor(s) not used by the model as "
+                       f"configured (check config.json, e.g. attention_bias / mlp_bias / num_hidden_layers): "
+                       f"{weights[:6]}{' ...' if len(weights) > 6 else ''}")
     _finite(used)
     sd = {name: used[_hf_name(name)][1] for name in target_weight_shapes(cfg) if _hf_name(name) in used}
     if "lm_head.weight" not in sd:
