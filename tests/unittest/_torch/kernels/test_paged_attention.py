@@ -320,6 +320,9 @@ def test_pipeline_stages_change_no_bit(t):
                                              lens=[1024, 8190, 130, 9], dtype=torch.bfloat16)
     outs = [paged_attention(q, kp, vp, table, slots, pos, 0.125, config=AttentionConfig(128, 4, st, 32, prefetch=2))
             for st in (1, 2, 3)]
+    # the model's one-block form (one stage, no prefetch: `one_block_form`) and its own pick for this table
+    outs += [paged_attention(q, kp, vp, table, slots, pos, 0.125, config=AttentionConfig(128, 4, 1, 32)),
+             paged_attention(q, kp, vp, table, slots, pos, 0.125)]
     for o in outs[1:]:
         assert torch.equal(outs[0], o)
     assert tile_counters(q.device, 1).count_nonzero() == 0
