@@ -12,13 +12,18 @@ import os
 import signal
 from pathlib import Path
 
-__all__ = ["LAUNCHER_CHECK_S", "RANK_ENV", "env_rank", "pid_alive", "read_json", "signal_name", "write_json"]
+__all__ = ["JOB_JOINED", "LAUNCHER_CHECK_S", "RANK_ENV", "STAGE_FD_ENV", "env_rank", "pid_alive", "read_json",
+           "signal_name", "tell_supervisor", "write_json"]
 
 LAUNCHER_CHECK_S = 1.0  # how often a rank (and a lingering supervisor) checks that its launcher is still alive
 
 # Environment variables that carry a rank's index under the process managers we meet (MPICH hydra,
 # Open MPI / PMIx).
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+# How far a rank got, told to its supervisor (tell_supervisor) through a pipe whose write end the variable names.
+STAGE_FD_ENV = "TLLM_EXT_SUPERVISOR_STAGE_FD"
+JOB_JOINED = b"j"  # every rank of the job has joined MPI (this rank's process groups are up)
 
 
 def read_json(path: Path) -> dict | None:
@@ -52,6 +57,19 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):  # no procfs (not Linux), or it ended meanwhile: kill() answered
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
+
+
+def tell_supervisor(stage: bytes) -> None:
+    """In a rank: tell its supervisor (``serve --tp N``) that it reached ``stage`` (:data:`JOB_JOINED`); a no-op in a
+    process without one. The supervisor decides by it how a failed rank's end reaches ``mpiexec``
+    (:func:`~.rank_supervisor.supervise_command`)."""
+    fd = os.environ.get(STAGE_FD_ENV)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), stage)
+    except (OSError, ValueError):  # the supervisor is gone, or the variable was not ours: nothing to tell
+        pass
 
 
 def env_rank() -> int:

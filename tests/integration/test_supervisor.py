@@ -17,10 +17,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _supervise(rank: int, child_code: str, linger_s: float = 0.0, **popen) -> subprocess.Popen:
+# What a rank says once init_from_mpi has built its groups (every rank of the job is past MPI_Init).
+JOINED = "from tensorrt_llm_ext.runtime.rank_files import JOB_JOINED, tell_supervisor; tell_supervisor(JOB_JOINED)\n"
+
+
+def _supervise(rank: int, child_code: str, linger_s: float = 0.0, joined: bool = True, **popen) -> subprocess.Popen:
+    """The supervisor over ``child_code``; ``joined``: the child first says the job joined MPI, as a serving rank does."""
     env = {**os.environ, "PMI_RANK": str(rank), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_supervisor", "--supervise-command", str(linger_s), "--",
-           sys.executable, "-c", textwrap.dedent(child_code)]
+           sys.executable, "-c", (JOINED if joined else "") + textwrap.dedent(child_code)]
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -62,6 +67,51 @@ def test_follower_lingers_and_rank_0_does_not():
     assert "rank 1 exited with code 5" in err and "rank 0 did not end the job within 1.5 s" in err, err
     rc, err, took = _finish(_supervise(0, "raise SystemExit(5)", linger_s=30))
     assert rc == 5 and took < 15, (rc, took, err)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_ends_before_the_job_joined_mpi_takes_the_job_down_at_once(rank):
+    """A rank that ends before every rank joined MPI (SIGKILLed or failing while it starts): its supervisor reports it
+    and dies by SIGKILL at once, rank 0's and a follower's alike, without the follower's linger -- mpiexec ends a job
+    on a death by a signal, while a peer that reaches MPI_Init after an exit by code waits there for good (was: rank
+    0 SIGKILLed 0.5 s into `serve --tp 2` hung it; a follower took its 30 s linger)."""
+    for child in ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(5)"):
+        rc, err, took = _finish(_supervise(rank, child, linger_s=30, joined=False))
+        assert rc == -signal.SIGKILL and took < 15, (child, rc, took, err)
+        assert f"rank {rank} ended before every rank had joined MPI: ending the job" in err, err
+
+
+def test_serve_tp2_whose_rank_0_ends_before_its_peer_joins_mpi_exits_at_once(tmp_path):
+    """`launch_command` (serve --tp N's launcher) on 2 real MPI ranks: rank 0 ends at once (as when SIGKILLed while it
+    imports), rank 1 reaches MPI_Init 2 s later. The job ends non-zero within seconds, naming rank 0, nothing left
+    (was: mpiexec waited for good, rank 1 spinning in MPI_Init)."""
+    rank = textwrap.dedent(f"""
+        import os, sys, time
+        if os.environ["PMI_RANK"] == "0":
+            os._exit(5)
+        open(os.path.join({str(tmp_path)!r}, "rank1.pid"), "w").write(str(os.getpid()))
+        time.sleep(2)
+        from mpi4py import MPI
+        time.sleep(60)
+    """)
+    code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
+            f"sys.exit(launch_command(2, [sys.executable, '-c', {rank!r}], linger_s=30))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rc, err, took = _finish(launcher, timeout=40)
+    except subprocess.TimeoutExpired:
+        rc, err, took = None, "", 40.0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        pid = tmp_path / "rank1.pid"
+        left = pid.exists() and _alive(int(pid.read_text()))
+        if left:
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert rc not in (None, 0) and took < 20, (rc, took, err)
+    assert "rank 0 exited with code 5" in err and "rank 0 ended before every rank had joined MPI" in err, err
+    assert not left, "rank 1 outlived the job"
 
 
 def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
