@@ -12,8 +12,8 @@ import os
 import signal
 from pathlib import Path
 
-__all__ = ["JOB_JOINED", "LAUNCHER_CHECK_S", "RANK_ENV", "STAGE_FD_ENV", "env_rank", "pid_alive", "read_json",
-           "signal_name", "tell_supervisor", "write_json"]
+__all__ = ["JOB_JOINED", "LAUNCHER_CHECK_S", "RANK_ENV", "SERVING", "STAGE_FD_ENV", "env_rank", "pid_alive",
+           "read_json", "signal_name", "tell_supervisor", "write_json"]
 
 LAUNCHER_CHECK_S = 1.0  # how often a rank (and a lingering supervisor) checks that its launcher is still alive
 
@@ -24,6 +24,7 @@ RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 # How far a rank got, told to its supervisor (tell_supervisor) through a pipe whose write end the variable names.
 STAGE_FD_ENV = "TLLM_EXT_SUPERVISOR_STAGE_FD"
 JOB_JOINED = b"j"  # every rank of the job has joined MPI (this rank's process groups are up)
+SERVING = b"s"  # start-up is over on every rank: requests may be in flight from now on
 
 
 def read_json(path: Path) -> dict | None:
@@ -60,7 +61,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def tell_supervisor(stage: bytes) -> None:
-    """In a rank: tell its supervisor (``serve --tp N``) that it reached ``stage`` (:data:`JOB_JOINED`); a no-op in a
+    """In a rank: tell its supervisor (``serve --tp N``) that it reached ``stage`` (:data:`JOB_JOINED`, :data:`SERVING`); a no-op in a
     process without one. The supervisor decides by it how a failed rank's end reaches ``mpiexec``
     (:func:`~.rank_supervisor.supervise_command`)."""
     fd = os.environ.get(STAGE_FD_ENV)

@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from tensorrt_llm_ext.runtime.rank_files import (JOB_JOINED, LAUNCHER_CHECK_S, STAGE_FD_ENV, env_rank, pid_alive,
-                                                 read_json, signal_name, write_json)
+from tensorrt_llm_ext.runtime.rank_files import (JOB_JOINED, LAUNCHER_CHECK_S, SERVING, STAGE_FD_ENV, env_rank,
+                                                 pid_alive, read_json, signal_name, write_json)
 
 __all__ = ["ORPHAN_DRAIN_S", "SUPERVISOR_LINGER_S", "die_with_parent", "supervise", "supervise_command"]
 
@@ -137,9 +137,10 @@ def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = No
 
     MPICH's launcher kills every rank as soon as one process it started dies by a signal, even with
     ``-disable-auto-cleanup``. A rank that dies under this supervisor is reported here (which rank, how)
-    and the supervisor stays ``linger_s`` longer, so the surviving ranks notice the loss themselves
-    (rank 0 answers 503 and exits non-zero) instead of being killed mid-response. Rank 0's own end is
-    passed on at once: it ends the job. A rank that ends before every rank joined MPI (it says when they have:
+    and, for a follower of a job that serves (the rank said so: :data:`~.rank_files.SERVING`), the supervisor
+    stays ``linger_s`` longer, so the surviving ranks notice the loss themselves (rank 0 answers 503 and
+    exits non-zero) instead of being killed mid-response; during start-up no request is in flight, so its
+    end is passed on at once, as rank 0's always is: it ends the job. A rank that ends before every rank joined MPI (it says when they have:
     :func:`~.rank_files.tell_supervisor`) takes the job down at once instead: its supervisor dies by SIGKILL.
     ``launcher``: the pid of the command that started the job; once it is gone the rank is ended
     (:func:`_end_when_launcher_dies`)."""
@@ -169,7 +170,10 @@ def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = No
             print(f"[TRT-LLM-EXT] [ERROR] rank {rank} ended before every rank had joined MPI: ending the job",
                   file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if rank != 0 and linger_s > 0:  # rank 0 is the one that answers and decides the job's end: never delay it
+        # Rank 0 is the one that answers and decides the job's end: never delay it. Nor a follower that failed while
+        # the job started (a checkpoint every rank refuses, a stop signal before the ranks handle it): no request to
+        # answer yet, and lingering kept the job 30 s, then ended it by SIGKILL (exit 9 instead of the ranks' code).
+        if rank != 0 and linger_s > 0 and SERVING in stages:
             time.sleep(linger_s)
             # Still here: rank 0 did not end the job (stuck in a collective); mpiexec ends a job whose process dies
             # by a signal.

@@ -292,6 +292,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
 
         flush_rank_logs(channel.group)  # start-up lines: once when identical, per rank when they differ
         if mapping.rank != 0:
+            from tensorrt_llm_ext.runtime.rank_files import SERVING, tell_supervisor
+
+            tell_supervisor(SERVING)  # from now on a loss of this rank may leave requests in flight (rank 0: 503)
             try:
                 follower_loop(scheduler, channel)
             except BaseException as e:  # rank 0 died or timed out: leave without MPI_Finalize (a dead peer hangs it)
