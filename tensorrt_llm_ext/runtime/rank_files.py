@@ -10,16 +10,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
-__all__ = ["JOB_JOINED", "LAUNCHER_CHECK_S", "RANK_ENV", "SERVING", "STAGE_FD_ENV", "env_rank", "pid_alive",
-           "read_json", "signal_name", "tell_supervisor", "write_json"]
+__all__ = ["JOB_DIR_ENV", "JOB_JOINED", "LAUNCHER_CHECK_S", "RANK_ENV", "SERVING", "STAGE_FD_ENV", "env_rank",
+           "exit_record", "pid_alive", "read_json", "signal_name", "tell_supervisor", "write_json"]
 
 LAUNCHER_CHECK_S = 1.0  # how often a rank (and a lingering supervisor) checks that its launcher is still alive
 
 # Environment variables that carry a rank's index under the process managers we meet (MPICH hydra,
 # Open MPI / PMIx).
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+# A directory where each supervisor of a long-running job (serve --tp N) records how its rank ended (rank{r}.exit.json).
+JOB_DIR_ENV = "TLLM_EXT_RANK_JOB_DIR"
 
 # How far a rank got, told to its supervisor (tell_supervisor) through a pipe whose write end the variable names.
 STAGE_FD_ENV = "TLLM_EXT_SUPERVISOR_STAGE_FD"
@@ -40,6 +44,11 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)  # readers never see a half-written record
+
+
+def exit_record(rc: int) -> dict:
+    """How a rank ended, from ``waitpid``'s ``rc`` (negative: the signal), as the supervisors record it."""
+    return {"returncode": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None, "time": time.time()}
 
 
 def pid_alive(pid: int) -> bool:

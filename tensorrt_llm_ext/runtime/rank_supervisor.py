@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from tensorrt_llm_ext.runtime.rank_files import (JOB_JOINED, LAUNCHER_CHECK_S, SERVING, STAGE_FD_ENV, env_rank,
-                                                 pid_alive, read_json, signal_name, write_json)
+from tensorrt_llm_ext.runtime.rank_files import (JOB_DIR_ENV, JOB_JOINED, LAUNCHER_CHECK_S, SERVING, STAGE_FD_ENV,
+                                                 env_rank, exit_record, pid_alive, read_json, signal_name, write_json)
 
 __all__ = ["ORPHAN_DRAIN_S", "SUPERVISOR_LINGER_S", "die_with_parent", "supervise", "supervise_command"]
 
@@ -117,9 +117,7 @@ def supervise(run_dir: Path) -> int:
         rc = _run_child([sys.executable, "-m", "tensorrt_llm_ext.runtime.rank_process", str(run_dir)],
                         stdout=log, on_start=lambda child: write_json(
                             run_dir / f"rank{rank}.pid.json", {"pid": child.pid, "supervisor": os.getpid()}))
-    sig = -rc if rc < 0 else None
-    write_json(run_dir / f"rank{rank}.exit.json",
-               {"returncode": rc if rc >= 0 else None, "signal": sig, "time": time.time()})
+    write_json(run_dir / f"rank{rank}.exit.json", exit_record(rc))
     if rc != 0:
         # Exiting now would make mpiexec kill the other ranks before the launcher collected their
         # stacks; the launcher kills this supervisor once it has (bounded by the linger time, and over
@@ -158,6 +156,16 @@ def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = No
     finally:
         os.close(stage_write)
     stages = _read_stages(stage_read)
+    job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
+    if job_dir is not None:  # for the launcher: mpiexec's own exit code does not say how rank 0 ended
+        write_json(job_dir / f"rank{rank}.exit.json", exit_record(rc))
+    if rc == 0 and rank != 0 and job_dir is not None and SERVING in stages:
+        # A follower's clean end follows rank 0's stop. mpiexec ends the whole job, SIGKILL, once a process exits
+        # without MPI_Finalize (measured with MPICH: rank 0 killed before it could report its code, the job's code
+        # 0): leave only once rank 0 has recorded its end (or the job ended this supervisor), within the linger.
+        end = time.monotonic() + linger_s
+        while not (job_dir / "rank0.exit.json").exists() and time.monotonic() < end:
+            time.sleep(0.05)
     if rc != 0:
         how = f"was killed by signal {-rc} ({signal_name(-rc)})" if rc < 0 else f"exited with code {rc}"
         print(f"[TRT-LLM-EXT] [ERROR] rank {rank} {how}", file=sys.stderr, flush=True)

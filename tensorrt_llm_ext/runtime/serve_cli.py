@@ -316,7 +316,14 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
              f"selection={selection} overlap={'on' if overlap else 'off'} "
              f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
              f"api_key={'yes' if ctx.api_key else 'no'}")
-    rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
+    try:
+        rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
+    except SystemExit as e:  # uvicorn could not listen (the port taken since the check): its start-up failure, 3
+        if not channel.distributed:
+            raise
+        # Through the exit below, not the interpreter's: its exit hooks wait 10 s at the shutdown barrier for the
+        # followers, which the loop's stop has already ended, then MPI_Finalize (measured: exit 9 or 0, never 3).
+        rc = e.code if isinstance(e.code, int) else 1
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()

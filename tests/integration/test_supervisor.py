@@ -169,6 +169,22 @@ def test_sigterm_to_serve_tp2_while_the_ranks_start_exits_143_at_once(tmp_path):
     assert not left
 
 
+def test_serve_tp2_exits_with_rank_0s_code_after_its_follower_ended_cleanly(tmp_path):
+    """Rank 0 ends the job with code 3 (uvicorn could not listen: the port was taken after the launcher's check)
+    half a second after its follower left with 0 (the loop's stop): the launcher exits 3, rank 0's code, as at TP 1
+    (was: mpiexec's own code, 0 or 9 -- a server that never listened reported success)."""
+    rc, err, took, left = _launch_2_ranks(tmp_path, _JOINED_STARTING + _told("SERVING") + textwrap.dedent("""
+        import os, time
+        if os.environ["PMI_RANK"] == "0":
+            time.sleep(0.5)
+            os._exit(3)
+        os._exit(0)
+    """))
+    assert rc == 3 and took < 15, (rc, took, err)
+    assert "rank 0 exited with code 3" in err, err
+    assert not left
+
+
 def test_sigterm_reaches_the_child_and_its_drain_decides_the_code():
     """SIGTERM to the supervisor is forwarded: the child's handler runs (a drain) and its exit code is
     the supervisor's."""
