@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 
 from tensorrt_llm_ext.argtypes import MAX_TIMEOUT_S
 from tensorrt_llm_ext.runtime.config import (LOG_LEVELS, ConfigError, RuntimeConfig, describe_drafter, load_config,
@@ -301,29 +302,36 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
                 logger.error(f"serve: rank {mapping.rank} lost rank 0: {type(e).__name__}: {e}")
                 os._exit(EXIT_ENGINE_FAILED)
             os._exit(0)
-    names = args.served_model_name or []
-    name = served_model_name(cfg, names[0] if names else None)
-    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
-    loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
-                      speculative=not args.no_speculation)
-    ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
-                       tokenizer=resolve_tokenizer(cfg, args.tokenizer),
-                       speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
-                       model_aliases=tuple(names[1:]), api_key=api_key(args),
-                       **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
-    ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
-             f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
-             f"selection={selection} overlap={'on' if overlap else 'off'} "
-             f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
-             f"api_key={'yes' if ctx.api_key else 'no'}")
+    # Rank 0 builds its server and serves. At TP N the followers are in their loop by now: a failure here (an error
+    # building the server, uvicorn unable to listen: SystemExit 3) must not go out through the interpreter's exit,
+    # whose hooks wait 10 s at the shutdown barrier and then in MPI_Finalize for the followers (measured: exit 9 after
+    # 43 s for an error; 0 or 9 for the port taken), but through the exit below, with the code it has at TP 1.
     try:
+        names = args.served_model_name or []
+        name = served_model_name(cfg, names[0] if names else None)
+        metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
+        loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
+                          speculative=not args.no_speculation)
+        ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
+                           tokenizer=resolve_tokenizer(cfg, args.tokenizer),
+                           speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
+                           model_aliases=tuple(names[1:]), api_key=api_key(args),
+                           **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
+        ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
+                 f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
+                 f"selection={selection} overlap={'on' if overlap else 'off'} "
+                 f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
+                 f"api_key={'yes' if ctx.api_key else 'no'}")
         rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
-    except SystemExit as e:  # uvicorn could not listen (the port taken since the check): its start-up failure, 3
+    except BaseException as e:
         if not channel.distributed:
             raise
-        # Through the exit below, not the interpreter's: its exit hooks wait 10 s at the shutdown barrier for the
-        # followers, which the loop's stop has already ended, then MPI_Finalize (measured: exit 9 or 0, never 3).
-        rc = e.code if isinstance(e.code, int) else 1
+        if isinstance(e, SystemExit):
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        else:
+            logger.error(f"serve: rank 0 failed: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            rc = 1
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +90,45 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
         assert f"rank 0 exited with code {EXIT_ENGINE_FAILED}" in srv.log(), srv.log()[-3000:]
     finally:
         srv.stop(30)
+
+
+@pytest.mark.parametrize("fault", ["port_taken", "server_build_error"])
+def test_tp2_rank_0_failing_after_its_followers_serve_ends_the_job_with_its_code(tmp_path, fault):
+    """The ranks of `serve --tp 2` as its launcher runs them after its checks (`launch_command`), rank 0 failing once
+    the follower is in its loop: uvicorn cannot listen (the port taken after the launcher's check: its SystemExit 3)
+    or an error while rank 0 builds its server (a --chat-template that is neither a file nor a template). The job
+    exits with rank 0's code, as at TP 1 (3 / 1), within seconds, nothing left (was: rank 0 went out through the
+    interpreter's exit, 10 s at the shutdown barrier then MPI_Finalize waiting for the follower: exit 0 or 9 for the
+    port, exit 9 after 43 s for the error)."""
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    if fault == "port_taken":
+        holder.listen(1)
+    else:
+        holder.close()
+    extra = ["--chat-template", "neither-a-file-nor-a-template"] if fault == "server_build_error" else []
+    serve = [sys.executable, "-m", "tensorrt_llm_ext.cli", "serve", "--config", str(cfg), "--tp", "2",
+             "--port", str(port), *extra]
+    code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
+            f"sys.exit(launch_command(2, {serve!r}, linger_s=30, env={{'TLLM_EXT_SERVE_RANK': '1'}}))")
+    root = str(Path(__file__).resolve().parents[3])
+    t0 = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = launcher.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        out, _ = launcher.communicate()
+    finally:
+        holder.close()
+    took = time.monotonic() - t0
+    expected = 3 if fault == "port_taken" else 1
+    assert launcher.returncode == expected, (launcher.returncode, took, out[-3000:])
+    assert took < 30, (took, out[-3000:])
+    assert f"rank 0 exited with code {expected}" in out, out[-3000:]
+    if fault == "server_build_error":
+        assert "serve: rank 0 failed: ValueError: --chat-template" in out, out[-3000:]
