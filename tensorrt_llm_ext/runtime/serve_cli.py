@@ -341,11 +341,34 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     return rc
 
 
+def _serve_tp_rank(args: argparse.Namespace) -> int:
+    """One rank of ``serve --tp N`` (under the launcher). A rank that raises leaves through ``os._exit``, not the
+    interpreter's exit, whose hooks wait for the peers -- 10 s at the shutdown barrier, then ``MPI_Finalize`` --
+    while they wait in a start-up collective for it, its connections still open (measured: a follower failing while
+    the ranks started held the job for rank 0's 120 s collective timeout; rank 0 failing, 22 s). A checkpoint every
+    rank refuses (``BuildRefusal``) goes on to the CLI's one line and exit 2: every rank is at the barrier then."""
+    from tensorrt_llm_ext.contract import BuildRefusal
+
+    try:
+        return serve_rank(_load(args), args)
+    except BuildRefusal:
+        raise
+    except BaseException as e:
+        if isinstance(e, SystemExit):
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        else:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main_serve(args: argparse.Namespace, argv: list[str]) -> int:
     from tensorrt_llm_ext._env import ENV
 
     if ENV.serve_rank:
-        return serve_rank(_load(args), args)
+        return _serve_tp_rank(args)
     cfg, err = check_serve_args(args)
     if err:
         print(f"error: {err}", file=sys.stderr)
