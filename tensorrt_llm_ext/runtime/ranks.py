@@ -574,6 +574,10 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     rc = rc if rc >= 0 else 128 - rc
     if len(received) > 1:  # told twice to stop: rank 0 ended every request on the second signal (see above)
         return 128 + received[-1]
+    if rank0 and received and rank0["signal"] == signal.SIGTERM:
+        # Ended, before it had a handler, by the SIGTERM passed on in place of the signal received here: the code that
+        # signal gives at TP 1 (Ctrl-C while the ranks start: 130, was 143).
+        return 128 + received[0]
     if rank0:  # rank 0 decides the job's end
         return 128 + rank0["signal"] if rank0["signal"] else rank0["returncode"]
     return rc

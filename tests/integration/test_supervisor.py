@@ -95,9 +95,10 @@ def test_a_rank_that_ends_before_the_job_joined_mpi_takes_the_job_down_at_once(r
         assert f"rank {rank} ended before every rank had joined MPI: ending the job" in err, err
 
 
-def _launch_2_ranks(tmp_path, rank_code: str, signal_after_s: float | None = None) -> tuple[int | None, str, float, bool]:
+def _launch_2_ranks(tmp_path, rank_code: str, signal_after_s: float | None = None,
+                    sig: int = signal.SIGTERM) -> tuple[int | None, str, float, bool]:
     """``launch_command`` (serve --tp N's launcher, follower linger 30 s) on 2 real MPI ranks running ``rank_code``
-    (each writes ``rank<r>.pid`` first); ``signal_after_s``: SIGTERM to the launcher once both ranks run, after that
+    (each writes ``rank<r>.pid`` first); ``signal_after_s``: ``sig`` to the launcher once both ranks run, after that
     long. Returns (exit code or None after 40 s, its stderr, seconds from the start or the signal, whether a rank
     outlived the job)."""
     code = textwrap.dedent(f"""
@@ -114,7 +115,7 @@ def _launch_2_ranks(tmp_path, rank_code: str, signal_after_s: float | None = Non
             while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(signal_after_s)
-            launcher.send_signal(signal.SIGTERM)
+            launcher.send_signal(sig)
         rc, err, took = _finish(launcher, timeout=40)
     except subprocess.TimeoutExpired:
         rc, err, took = None, "", 40.0
@@ -158,13 +159,15 @@ def test_serve_tp2_whose_ranks_all_refuse_at_start_up_exits_with_their_code_at_o
     assert not left
 
 
-def test_sigterm_to_serve_tp2_while_the_ranks_start_exits_143_at_once(tmp_path):
-    """SIGTERM to the launcher while the ranks start (importing, before MPI_Init): passed on, every rank ends by it,
-    the launcher exits 143 within seconds, nothing left (was: the follower's supervisor lingered 30 s as for a lost
-    rank, then died by SIGKILL: exit 9 after 30.4 s)."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_serve_tp2_while_the_ranks_start_exits_128_plus_it_at_once(tmp_path, sig):
+    """SIGTERM / SIGINT (Ctrl-C) to the launcher while the ranks start (importing, before MPI_Init): passed on (as
+    SIGTERM), every rank ends by it, the launcher exits 128 + the signal it got (143 / 130, as at TP 1) within seconds,
+    nothing left (was: the follower's supervisor lingered 30 s as for a lost rank, then died by SIGKILL: exit 9 after
+    30.4 s; then 143 for Ctrl-C)."""
     rc, err, took, left = _launch_2_ranks(tmp_path, "import time; time.sleep(60)\nfrom mpi4py import MPI\n",
-                                          signal_after_s=0.5)
-    assert rc == 128 + signal.SIGTERM and took < 15, (rc, took, err)
+                                          signal_after_s=0.5, sig=sig)
+    assert rc == 128 + sig and took < 15, (rc, took, err)
     assert "did not end the job" not in err, err
     assert not left
 
