@@ -70,9 +70,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def tell_supervisor(stage: bytes) -> None:
-    """In a rank: tell its supervisor (``serve --tp N``) that it reached ``stage`` (:data:`JOB_JOINED`, :data:`SERVING`); a no-op in a
-    process without one. The supervisor decides by it how a failed rank's end reaches ``mpiexec``
-    (:func:`~.rank_supervisor.supervise_command`)."""
+    """In a rank: tell its supervisor (``serve --tp N``) that it reached ``stage`` (:data:`JOB_JOINED`,
+    :data:`SERVING`); a no-op in a process without one. The supervisor decides by it how a failed rank's end
+    reaches ``mpiexec`` (:func:`~.rank_supervisor.supervise_command`)."""
     fd = os.environ.get(STAGE_FD_ENV)
     if fd is None:
         return

@@ -138,8 +138,9 @@ def supervise_command(cmd: list[str], linger_s: float, launcher: int | None = No
     and, for a follower of a job that serves (the rank said so: :data:`~.rank_files.SERVING`), the supervisor
     stays ``linger_s`` longer, so the surviving ranks notice the loss themselves (rank 0 answers 503 and
     exits non-zero) instead of being killed mid-response; during start-up no request is in flight, so its
-    end is passed on at once, as rank 0's always is: it ends the job. A rank that ends before every rank joined MPI (it says when they have:
-    :func:`~.rank_files.tell_supervisor`) takes the job down at once instead: its supervisor dies by SIGKILL.
+    end is passed on at once, as rank 0's always is: it ends the job. A rank that ends before every rank joined
+    MPI (it says when they have: :func:`~.rank_files.tell_supervisor`) takes the job down at once instead: its
+    supervisor dies by SIGKILL.
     ``launcher``: the pid of the command that started the job; once it is gone the rank is ended
     (:func:`_end_when_launcher_dies`)."""
     rank = env_rank()
