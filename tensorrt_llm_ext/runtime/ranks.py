@@ -53,7 +53,7 @@ from pathlib import Path
 
 import cloudpickle
 
-from tensorrt_llm_ext.runtime.rank_files import pid_alive, read_json, signal_name, write_json
+from tensorrt_llm_ext.runtime.rank_files import JOB_DIR_ENV, pid_alive, read_json, signal_name, write_json
 
 _POLL_S = 0.02  # the launcher's poll of the run directory
 _ERROR_GRACE_S = 0.5  # after a rank's error: time for its peers to report theirs (an error at the same time)
@@ -523,8 +523,14 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dict | None = None) -> int:
     """Run the command ``cmd`` on ``world_size`` MPI ranks, each under
     :func:`~tensorrt_llm_ext.runtime.rank_supervisor.supervise_command`; SIGTERM /
-    SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns its exit
-    code (128 + N for a signal N). Raises ``FileNotFoundError`` without an ``mpiexec``.
+    SIGINT to this process is passed on to ``mpiexec`` (which passes it to every rank); returns rank 0's exit
+    code (rank 0 decides the job's end; 128 + N for a signal N), or ``mpiexec``'s where rank 0 left no record
+    (its supervisor was killed). Raises ``FileNotFoundError`` without an ``mpiexec``.
+
+    ``mpiexec``'s code alone is not to be trusted: measured with MPICH, rank 0 exiting 3 half a second after its
+    follower exited 0 gave 0 or 9, never 3 (MPICH SIGKILLs the job once a process exits without MPI_Finalize, and
+    reports the first one's code: a server that could not listen reported success). Each supervisor records its
+    rank's end in a directory of this call (a follower that ended cleanly waits for rank 0's record).
 
     ``mpiexec`` runs in its own session, so a terminal's Ctrl-C reaches this process only, and every signal is
     passed on as SIGTERM. Measured with MPICH's ``mpiexec``: a SIGINT reaches rank 0 twice (and a second one
@@ -553,16 +559,25 @@ def launch_command(world_size: int, cmd: list[str], *, linger_s: float, env: dic
     # A launcher killed outright (SIGKILL) cannot pass anything on: mpiexec gets SIGTERM as its parent-death
     # signal, and each rank's supervisor ends its rank once this pid is gone.
     old = {s: signal.signal(s, forward) for s in stop_signals()}
-    proc = subprocess.Popen(full, env=rank_env(None, env), start_new_session=True,
-                            preexec_fn=lambda: die_with_parent(me, signal.SIGTERM))
-    for _ in received:
-        proc.send_signal(signal.SIGTERM)
+    job_dir = tempfile.mkdtemp(prefix="trtllm_ext_job_")
     try:
+        proc = subprocess.Popen(full, env=rank_env(None, {**(env or {}), JOB_DIR_ENV: job_dir}),
+                                start_new_session=True, preexec_fn=lambda: die_with_parent(me, signal.SIGTERM))
+        for _ in received:
+            proc.send_signal(signal.SIGTERM)
         rc = proc.wait()
+        rank0 = read_json(Path(job_dir) / "rank0.exit.json") or {}
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        shutil.rmtree(job_dir, ignore_errors=True)
     rc = rc if rc >= 0 else 128 - rc
     if len(received) > 1:  # told twice to stop: rank 0 ended every request on the second signal (see above)
         return 128 + received[-1]
+    if rank0 and received and rank0["signal"] == signal.SIGTERM:
+        # Ended, before it had a handler, by the SIGTERM passed on in place of the signal received here: the code that
+        # signal gives at TP 1 (Ctrl-C while the ranks start: 130, was 143).
+        return 128 + received[0]
+    if rank0:  # rank 0 decides the job's end
+        return 128 + rank0["signal"] if rank0["signal"] else rank0["returncode"]
     return rc

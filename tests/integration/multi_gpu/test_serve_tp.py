@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +24,8 @@ from tensorrt_llm_ext.runtime.config import load_config  # noqa: E402
 from tensorrt_llm_ext.runtime.engine_loop import HEARTBEAT_S  # noqa: E402
 from tensorrt_llm_ext.runtime.server import EXIT_ENGINE_FAILED  # noqa: E402
 from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer  # noqa: E402
-from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG as SMALL, reference_outputs,  # noqa: E402
-                                             sample_bodies, start_server)
+from tensorrt_llm_ext.testing.server import (SMALL_SERVE_CONFIG as SMALL, free_port,  # noqa: E402
+                                             reference_outputs, sample_bodies, start_server)
 
 BODIES = sample_bodies(6, SMALL["model.target.vocab_size"])
 
@@ -86,3 +91,78 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
         assert f"rank 0 exited with code {EXIT_ENGINE_FAILED}" in srv.log(), srv.log()[-3000:]
     finally:
         srv.stop(30)
+
+
+def _serve_ranks(tmp_path, rank_cmd: list[str]) -> tuple[int | None, str, float]:
+    """``rank_cmd`` on 2 ranks the way `serve --tp 2` runs its ranks once its checks passed (``launch_command``,
+    ``TLLM_EXT_SERVE_RANK=1``): (exit code or None after 90 s, the output, seconds)."""
+    code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
+            f"sys.exit(launch_command(2, {rank_cmd!r}, linger_s=30, env={{'TLLM_EXT_SERVE_RANK': '1'}}))")
+    root = str(Path(__file__).resolve().parents[3])
+    t0 = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = launcher.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        out, _ = launcher.communicate()
+    return launcher.returncode, out, time.monotonic() - t0
+
+
+def _small_config(tmp_path) -> str:
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(json.dumps(load_config(**SMALL).model_dump(mode="json", exclude_unset=True)))
+    return str(cfg)
+
+
+@pytest.mark.parametrize("fault", ["port_taken", "server_build_error"])
+def test_tp2_rank_0_failing_after_its_followers_serve_ends_the_job_with_its_code(tmp_path, fault):
+    """The ranks of `serve --tp 2` as its launcher runs them after its checks, rank 0 failing once the follower is in
+    its loop: uvicorn cannot listen (the port taken after the launcher's check: its SystemExit 3) or an error while
+    rank 0 builds its server (a --chat-template that is neither a file nor a template). The job exits with rank 0's
+    code, as at TP 1 (3 / 1), within seconds (was: rank 0 went out through the interpreter's exit, 10 s at the
+    shutdown barrier then MPI_Finalize waiting for the follower: exit 0 or 9 for the port, exit 9 after 43 s for the
+    error)."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    if fault == "port_taken":
+        holder.listen(1)
+    else:
+        holder.close()
+    extra = ["--chat-template", "neither-a-file-nor-a-template"] if fault == "server_build_error" else []
+    try:
+        rc, out, took = _serve_ranks(tmp_path, [sys.executable, "-m", "tensorrt_llm_ext.cli", "serve", "--config",
+                                                _small_config(tmp_path), "--tp", "2", "--port", str(port), *extra])
+    finally:
+        holder.close()
+    expected = 3 if fault == "port_taken" else 1
+    assert rc == expected and took < 30, (rc, took, out[-3000:])
+    assert f"rank 0 exited with code {expected}" in out, out[-3000:]
+    if fault == "server_build_error":
+        assert "serve: rank 0 failed: ValueError: --chat-template" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp2_rank_raising_while_the_ranks_start_ends_the_job_within_seconds(tmp_path, rank):
+    """A rank raises while the ranks start, after joining MPI (its scheduler cannot be built: an error injected): the
+    job exits 1 within seconds with that rank's traceback (was: the rank went out through the interpreter's exit,
+    whose shutdown barrier and MPI_Finalize waited for a peer stuck in a start-up collective: 126 s -- rank 0's
+    collective timeout -- for rank 1, 22 s for rank 0)."""
+    serve = ["serve", "--config", _small_config(tmp_path), "--tp", "2", "--port", str(free_port())]
+    inject = textwrap.dedent(f"""
+        import os, sys
+        import tensorrt_llm_ext.runtime.scheduler as scheduler
+        if os.environ["PMI_RANK"] == "{rank}":
+            class Injected:
+                def __init__(self, *args, **kwargs):
+                    raise MemoryError("injected: rank {rank} failed while the ranks start")
+            scheduler.Scheduler = Injected
+        from tensorrt_llm_ext.cli import main
+        sys.exit(main({serve!r}))
+    """)
+    rc, out, took = _serve_ranks(tmp_path, [sys.executable, "-c", inject])
+    assert rc not in (None, 0) and took < 30, (rc, took, out[-3000:])
+    assert f"rank {rank} exited with code 1" in out, out[-3000:]
+    assert f"MemoryError: injected: rank {rank} failed while the ranks start" in out, out[-3000:]
