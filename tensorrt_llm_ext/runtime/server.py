@@ -747,6 +747,14 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
 
         forced_by: int | None = None  # the second signal, which ended the drain early
 
+        async def startup(self, sockets=None):
+            # The ready line once the socket listens, not at the app's start-up (uvicorn runs the lifespan
+            # before it binds): a script waiting for the line must not see it from a server that then fails to
+            # listen (the port taken after the CLI's check: exit 3, no ready line).
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(ready_line, flush=True)
+
         def handle_exit(self, sig, frame):
             if not ctx.draining:
                 ctx.draining = True
@@ -776,7 +784,7 @@ def run_server(ctx: ServeContext, metrics: ServerMetrics, host: str, port: int, 
         time.sleep(FORCED_GRACE_S)
         server.force_exit = True
 
-    openai_server = OpenAIServer(ctx, metrics, on_ready=lambda: print(ready_line, flush=True))
+    openai_server = OpenAIServer(ctx, metrics)
     app = openai_server.app
     # uvicorn's own bound is a backstop only: the drain deadline above answers every request first.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log,

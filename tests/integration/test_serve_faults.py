@@ -412,3 +412,35 @@ def test_sighup_drains_like_sigterm(tmp_path):
     log = server.log()
     assert first.startswith("data: {") and rest[-1] == "data: [DONE]", (first, rest[-3:])
     assert rc == 0 and "SIGHUP received: draining" in log and "Traceback" not in log, (rc, log[-2000:])
+
+
+def test_no_ready_line_from_a_server_that_cannot_listen(tmp_path):
+    """The ready line is printed once the socket listens, not at the app's start-up (uvicorn runs the lifespan
+    before it binds): with the port taken after the CLI's own check, the server exits non-zero without the line a
+    script waits for (was: the line, then uvicorn's bind error). The real app over the stub engine."""
+    import socket
+    import subprocess
+    import sys
+
+    from tensorrt_llm_ext.bench.server_process import STUB_SERVE_COMMAND
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, *STUB_SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done
+    assert "stub server ready" not in done.stdout, done.stdout
+    assert "address already in use" in done.stderr.lower(), done.stderr[-2000:]
+
+
+def test_the_ready_line_comes_once_the_server_listens(tmp_path):
+    """Its counterpart: a server that listens prints the line (start_server waits for it), and answers."""
+    from tensorrt_llm_ext.bench.server_process import STUB_SERVE_COMMAND
+
+    server = start_server([], str(tmp_path / "stub.log"), command=STUB_SERVE_COMMAND)
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop(10)
