@@ -49,11 +49,9 @@ VARIANTS = {
     "gemv4": dict(GEMV_MAX_ROWS=4),  # the broadcast few-row form up to 4 rows (a K = 3 verify at B = 1)
     "gemv8": dict(GEMV_MAX_ROWS=8),  # the broadcast few-row form up to 8 rows
     "vs64": {"attn.SPLIT_TOKENS": 64},  # verify tiles in 64-key pieces
-    "bm16": dict(MAX_BLOCK_M=16),  # 16-row dot tiles: twice the programs of a 32-row step
-    "bm32": dict(MAX_BLOCK_M=32),  # 32-row dot tiles (a 64-row fused step in two)
+    "tiles32": dict(SMALL_STEP_ROWS=0),  # one 32-row dot tile for a 32-row step (before 16-row tiles, 2026-12-05)
     "fused64": {"model.FUSED_MAX_ROWS": 64},  # the fused layer up to 64 rows (B = 64 decode)
-    "fused64bm16": {"model.FUSED_MAX_ROWS": 64, "MAX_BLOCK_M": 16},
-    "fused64bm32": {"model.FUSED_MAX_ROWS": 64, "MAX_BLOCK_M": 32},
+    "fused64bm16": {"model.FUSED_MAX_ROWS": 64, "SMALL_STEP_ROWS": 64},  # ... in 16-row tiles
 }
 
 

@@ -44,11 +44,17 @@ from tensorrt_llm_ext.kernels.common import check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
-__all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_settings", "fused_gemv_settings",
-           "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines", "stage_block_k"]
+__all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_block_m", "dot_settings",
+           "fused_gemv_settings", "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines",
+           "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
+# Steps of at most this many rows take 16-row dot tiles: a small-M product's speed is the number of weight streams in
+# flight, and two 16-row tiles of a 32-row step launch twice the programs of one 32-row tile (measured on the H200,
+# SmolLM2's [32, 1] step: 1310.6 vs 1341.0 us, every hidden bit the same: each row's products and their K order
+# do not depend on the tile's other rows).
+SMALL_STEP_ROWS = 32
 # Steps of at most this many rows take the dot-free few-row form (_mac). Measured on the H200 (SmolLM2 shape):
 # at 1 row it cuts the fused GEMMs from 4.4 to 3.2 us and the QKV kernel from 6.0 to 3.9 us; at 8 rows it is
 # 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed
@@ -213,6 +219,12 @@ def stage_block_k(k: int, block_m: int, w_cols: int, elem_bytes: int) -> int:
     return bk
 
 
+def dot_block_m(m: int) -> int:
+    """Rows per program of the dot tiles for an ``m``-row step: 16 up to :data:`SMALL_STEP_ROWS` rows, else the
+    next power of two up to :data:`MAX_BLOCK_M`."""
+    return 16 if m <= SMALL_STEP_ROWS else min(MAX_BLOCK_M, triton.next_power_of_2(m))
+
+
 def fused_linear_settings(m: int, n: int, k: int, elem_bytes: int = 2, gate_up: bool = False,
                           sms: int = 132) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for ``M`` rows, ``N`` output columns, ``K`` inputs.
@@ -221,7 +233,7 @@ def fused_linear_settings(m: int, n: int, k: int, elem_bytes: int = 2, gate_up: 
     by default): a small-M product reads its weight once, so its speed is the number of weight streams in
     flight. ``BLOCK_K`` from :func:`stage_block_k` (``gate_up``: two weight tiles per stage). 8 warps for
     64-row tiles. Fixed per shape and dtype: never from lengths or data."""
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_m = dot_block_m(m)
     block_n = 16
     for cand in (64, 32):
         if triton.cdiv(n, cand) >= 2 * sms:

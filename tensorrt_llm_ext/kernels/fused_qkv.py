@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
-from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, MAX_BLOCK_M, _mac, _normed_tile,
-                                                   WEIGHT_PREFETCH, _prefetch_rows_l2, _row_rstd, dot_settings,
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, WEIGHT_PREFETCH, _mac, _normed_tile,
+                                                   _prefetch_rows_l2, _row_rstd, dot_block_m, dot_settings,
                                                    prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
@@ -170,7 +170,7 @@ def qkv_settings(m: int, heads: int, half: int, k: int, whole_heads: bool, elem_
     ``BLOCK_K`` covering ``K`` where the two ``[BLOCK_M, BLOCK_HALF, BLOCK_K]`` products fit ``GEMV_MAX_TILE``;
     larger steps the 16-row dot tiles. Shape-only."""
     gemv = m <= GEMV_MAX_ROWS
-    block_m = triton.next_power_of_2(max(1, m)) if gemv else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_m = triton.next_power_of_2(max(1, m)) if gemv else dot_block_m(m)
     block_half, chunks = qkv_chunks(heads, half, whole_heads, sms, gemv)
     if gemv:
         block_k = min(triton.next_power_of_2(k), 2048)

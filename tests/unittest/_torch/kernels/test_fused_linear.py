@@ -100,6 +100,9 @@ def test_residual_output_may_alias_the_residual():
 def test_settings_depend_on_shape_only_and_spread_wide_weights():
     assert fused_linear_settings(1, 576, 576)[:3] == (16, 16, 256)
     assert fused_linear_settings(64, 576, 576)[0] == 64
+    # steps of up to 32 rows in 16-row tiles (twice the programs of one 32-row tile), larger ones as before
+    assert fused_linear_settings(32, 576, 576)[0] == 16 and fused_linear_settings(17, 576, 576)[0] == 16
+    assert fused_linear_settings(33, 576, 576)[0] == 64
     assert fused_linear_settings(200, 576, 576)[0] == 64
     bm, bn, bk, _ = fused_linear_settings(1, 14336, 4096, gate_up=True)  # an 8B gate-up: >= 2 programs per SM
     assert bn == 32 and -(-14336 // bn) >= 264 and bk == 256
