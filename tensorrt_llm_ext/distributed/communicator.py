@@ -102,9 +102,6 @@ def init_from_mpi(
         _AT_EXIT = True
     _ensure_tp_groups(mapping)
     logger.debug(f"rank {rank}/{world}: torch.distributed {backend} at {addr}")
-    from tensorrt_llm_ext.runtime.rank_files import JOB_JOINED, tell_supervisor
-
-    tell_supervisor(JOB_JOINED)  # the groups are up, so every rank is past MPI_Init (see serve's supervisor)
     return mapping
 
 

@@ -259,6 +259,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
         from tensorrt_llm_ext.distributed import init_from_mpi
 
         mapping = init_from_mpi(tp_size=tp, enable_attention_dp=cfg.enable_attention_dp)
+        from tensorrt_llm_ext.runtime.rank_files import JOB_JOINED, tell_supervisor
+
+        tell_supervisor(JOB_JOINED)  # the groups are up, so every rank is past MPI_Init (see the supervisor)
         if mapping.rank != 0:
             # SIGTERM reaches every rank; only rank 0 decides when to stop (after draining).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
