@@ -292,13 +292,13 @@ class OpenAIServer:
     delays a stream), and the routes left open without the API key on one more.
     """
 
-    def __init__(self, ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
+    def __init__(self, ctx: ServeContext, metrics: ServerMetrics):
         from concurrent.futures import ThreadPoolExecutor
 
         from fastapi import FastAPI
         from starlette.exceptions import HTTPException as StarletteHTTPException
 
-        self.ctx, self.metrics, self.on_ready = ctx, metrics, on_ready
+        self.ctx, self.metrics = ctx, metrics
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="serve-prep")
         self.output = OutputWorker()
         if ctx.tokenizer is not None:
@@ -341,8 +341,6 @@ class OpenAIServer:
     @asynccontextmanager
     async def _lifespan(self, app):
         self.http_loop, self.reads_ended = asyncio.get_running_loop(), asyncio.Event()
-        if self.on_ready is not None:
-            self.on_ready()
         try:
             yield
         finally:
@@ -669,9 +667,9 @@ def http_protocol():
     return HeaderDeadlineProtocol
 
 
-def create_app(ctx: ServeContext, metrics: ServerMetrics, on_ready=None):
-    """The FastAPI app of an :class:`OpenAIServer` over ``ctx`` (``on_ready``: called once it serves)."""
-    return OpenAIServer(ctx, metrics, on_ready).app
+def create_app(ctx: ServeContext, metrics: ServerMetrics):
+    """The FastAPI app of an :class:`OpenAIServer` over ``ctx``."""
+    return OpenAIServer(ctx, metrics).app
 
 
 def return_freed_memory() -> None:
