@@ -306,35 +306,24 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
                 os._exit(EXIT_ENGINE_FAILED)
             os._exit(0)
     # Rank 0 builds its server and serves. At TP N the followers are in their loop by now: a failure here (an error
-    # building the server, uvicorn unable to listen: SystemExit 3) must not go out through the interpreter's exit,
-    # whose hooks wait 10 s at the shutdown barrier and then in MPI_Finalize for the followers (measured: exit 9 after
-    # 43 s for an error; 0 or 9 for the port taken), but through the exit below, with the code it has at TP 1.
-    try:
-        names = args.served_model_name or []
-        name = served_model_name(cfg, names[0] if names else None)
-        metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
-        loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
-                          speculative=not args.no_speculation)
-        ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
-                           tokenizer=resolve_tokenizer(cfg, args.tokenizer),
-                           speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
-                           model_aliases=tuple(names[1:]), api_key=api_key(args),
-                           **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
-        ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
-                 f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
-                 f"selection={selection} overlap={'on' if overlap else 'off'} "
-                 f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
-                 f"api_key={'yes' if ctx.api_key else 'no'}")
-        rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
-    except BaseException as e:
-        if not channel.distributed:
-            raise
-        if isinstance(e, SystemExit):
-            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
-        else:
-            logger.error(f"serve: rank 0 failed: {type(e).__name__}: {e}")
-            traceback.print_exc()
-            rc = 1
+    # building the server, uvicorn unable to listen: SystemExit 3) leaves through _serve_tp_rank's exit, with the code
+    # it has at TP 1.
+    names = args.served_model_name or []
+    name = served_model_name(cfg, names[0] if names else None)
+    metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
+    loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
+                      speculative=not args.no_speculation)
+    ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
+                       tokenizer=resolve_tokenizer(cfg, args.tokenizer),
+                       speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
+                       model_aliases=tuple(names[1:]), api_key=api_key(args),
+                       **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}))
+    ready = (f"trtllm-ext {__version__} serve: http://{args.host}:{args.port} model={name} tp={tp} "
+             f"K={cfg.draft_len if not args.no_speculation else 'off'} max_batch_size={cfg.max_batch_size} "
+             f"selection={selection} overlap={'on' if overlap else 'off'} "
+             f"tokenizer={'yes' if ctx.tokenizer is not None else 'no (token-id prompts)'} "
+             f"api_key={'yes' if ctx.api_key else 'no'}")
+    rc = run_server(ctx, metrics, args.host, args.port, args.drain_timeout, ready, access_log=args.access_log)
     if channel.distributed:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -348,9 +337,12 @@ def _serve_tp_rank(args: argparse.Namespace) -> int:
     """One rank of ``serve --tp N`` (under the launcher). A rank that raises leaves through ``os._exit``, not the
     interpreter's exit, whose hooks wait for the peers -- 10 s at the shutdown barrier, then ``MPI_Finalize`` --
     while they wait in a start-up collective for it, its connections still open (measured: a follower failing while
-    the ranks started held the job for rank 0's 120 s collective timeout; rank 0 failing, 22 s). A checkpoint every
+    the ranks started held the job for rank 0's 120 s collective timeout; rank 0 failing, 22 s; rank 0 failing to
+    build its server or to listen once the followers serve, exit 9 after 43 s / 0 or 9). A checkpoint every
     rank refuses (``BuildRefusal``) goes on to the CLI's one line and exit 2: every rank is at the barrier then."""
     from tensorrt_llm_ext.contract import BuildRefusal
+    from tensorrt_llm_ext.logger import logger
+    from tensorrt_llm_ext.runtime.rank_files import env_rank
 
     try:
         return serve_rank(_load(args), args)
@@ -360,6 +352,7 @@ def _serve_tp_rank(args: argparse.Namespace) -> int:
         if isinstance(e, SystemExit):
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
         else:
+            logger.error(f"serve: rank {env_rank()} failed: {type(e).__name__}: {e}")
             traceback.print_exc()
             code = 1
         sys.stdout.flush()
