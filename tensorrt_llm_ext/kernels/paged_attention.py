@@ -375,19 +375,20 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
 
 
-def one_block_form(cfg: AttentionConfig, t: int, width: int, splits: int) -> AttentionConfig:
+def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: int) -> AttentionConfig:
     """The model's launch of split tiles whose every piece is one ``block_n`` block: one pipeline stage and no
-    prefetch, else ``cfg``. A verify tile's pieces are ``SPLIT_TOKENS`` keys; a decode tile's widest piece follows
-    from the table ``width`` (the longest row a launch can hold). With one block per piece a second stage is never
+    prefetch, else ``cfg``. Fixed pieces (a verify tile's, ``row_pieces`` 0) are ``SPLIT_TOKENS`` keys; a decode
+    tile's widest piece follows from the table ``width`` (the longest row a launch can hold), as the kernel sizes it. With one block per piece a second stage is never
     filled, and its buffers cost occupancy: at head dim 64, 128-key blocks, the decode tile takes 128 registers
     instead of 148 (4 programs per SM instead of 3), the 24-row verify tile 142 instead of 220 (3 instead of 2).
     Stages and prefetch change when keys are read, never a bit of the result (bitwise on the H200, 2026-12-05), so
     the form may follow the table. Measured (H200, docs/target_forward.md, fourteenth session): the `[32, 1]`
     forward at 1k keys 1385.9 -> 1243.7 us, the `[32, 8]` / `[64, 8]` verify forwards 12-19 % faster; where a
     piece holds two blocks (8k keys) the second stage pays (the same launch 2-12 % slower), so it stays there."""
-    blocks = (SPLIT_TOKENS // cfg.block_n if t > 1
-              else max(triton.cdiv(width, splits * cfg.block_n), cfg.min_blocks) if cfg.pieces else
-              SPLIT_TOKENS // cfg.block_n)
+    if row_pieces:
+        blocks = max(triton.cdiv(width, splits * cfg.block_n), cfg.min_blocks)
+    else:
+        blocks = SPLIT_TOKENS // cfg.block_n
     if blocks > 1:
         return cfg
     return replace(cfg, num_stages=1, prefetch=0)
@@ -495,7 +496,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if splits == 1:
         cfg = PREFILL_CONFIG
     elif config is None:
-        cfg = one_block_form(cfg, t, page_table.shape[1] * k_pool.shape[1], splits)
+        cfg = one_block_form(cfg, row_pieces, page_table.shape[1] * k_pool.shape[1], splits)
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go

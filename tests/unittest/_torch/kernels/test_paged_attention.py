@@ -106,15 +106,15 @@ def test_one_block_pieces_launch_one_stage_without_prefetch():
     block: verify tiles at 128-key blocks, decode tiles whose widest row (the table) cuts into one-block pieces."""
     model = DECODE_CONFIGS[64]  # 128-key blocks, 32 pieces, 2 stages, L2 prefetch
     one = dataclasses.replace(model, num_stages=1, prefetch=0)
-    assert one_block_form(model, 8, 8192, 1) == one  # verify: SPLIT_TOKENS keys = one 128-key block
-    assert one_block_form(model, 1, 32 * 128, 32) == one  # a 4k table: 32 pieces of one block
-    assert one_block_form(model, 1, 32 * 128 + 32, 32) == model  # one more page: pieces of two blocks
-    assert one_block_form(model, 1, 8192, 32) == model
-    assert one_block_form(model, 1, 1024, 8) == one  # a narrow table: fewer pieces, still one block each
+    assert one_block_form(model, 0, 8192, 1) == one  # verify: SPLIT_TOKENS keys = one 128-key block
+    assert one_block_form(model, model.pieces, 32 * 128, 32) == one  # a 4k table: 32 pieces of one block
+    assert one_block_form(model, model.pieces, 32 * 128 + 32, 32) == model  # one more page: pieces of two blocks
+    assert one_block_form(model, model.pieces, 8192, 32) == model
+    assert one_block_form(model, model.pieces, 1024, 8) == one  # a narrow table: fewer pieces, still one block each
     three = dataclasses.replace(model, min_blocks=3)
-    assert one_block_form(three, 1, 1024, 8) == three  # min_blocks keeps pieces long
+    assert one_block_form(three, three.pieces, 1024, 8) == three  # min_blocks keeps pieces long
     small = AttentionConfig(64, 4, 3, 16)  # 64-key blocks: a verify piece is two blocks
-    assert one_block_form(small, 8, 8192, 1) == small
+    assert one_block_form(small, 0, 8192, 1) == small
     assert SPLIT_TOKENS == 128 and model.block_n == 128
 
 
