@@ -378,9 +378,10 @@ PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x
 def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: int) -> AttentionConfig:
     """The model's launch of split tiles whose every piece is one ``block_n`` block: one pipeline stage and no
     prefetch, else ``cfg``. Fixed pieces (a verify tile's, ``row_pieces`` 0) are ``SPLIT_TOKENS`` keys; a decode
-    tile's widest piece follows from the table ``width`` (the longest row a launch can hold), as the kernel sizes it. With one block per piece a second stage is never
-    filled, and its buffers cost occupancy: at head dim 64, 128-key blocks, the decode tile takes 128 registers
-    instead of 148 (4 programs per SM instead of 3), the 24-row verify tile 142 instead of 220 (3 instead of 2).
+    tile's widest piece follows from the table ``width`` (the longest row a launch can hold), as the kernel sizes
+    it. With one block per piece a second stage is never filled, and its buffers cost occupancy: at head dim 64,
+    128-key blocks, the decode tile takes 128 registers instead of 148 (4 programs per SM instead of 3), the 24-row
+    verify tile 142 instead of 220 (3 instead of 2).
     Stages and prefetch change when keys are read, never a bit of the result (bitwise on the H200, 2026-12-05), so
     the form may follow the table. Measured (H200, docs/target_forward.md, fourteenth session): the `[32, 1]`
     forward at 1k keys 1385.9 -> 1243.7 us, the `[32, 8]` / `[64, 8]` verify forwards 12-19 % faster; where a

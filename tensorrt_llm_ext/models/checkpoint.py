@@ -383,8 +383,8 @@ def _expected_hf_shapes(cfg: LlamaTargetConfig, tie_word_embeddings: bool, prese
 @contextlib.contextmanager
 def _quantized_weights_named(directory: Path):
     """A weight check that fails on a quantized checkpoint (``quantization_config`` in ``config.json``, MLX's
-    ``quantization``: AWQ / GPTQ ``qweight`` in place of ``weight``, FP8, int8 or packed tensors) says so: its own line alone (a missing or non-float
-    tensor) reads as a broken download."""
+    ``quantization``: AWQ / GPTQ ``qweight`` in place of ``weight``, FP8, int8 or packed tensors) says so: its own
+    line alone (a missing or non-float tensor) reads as a broken download."""
     try:
         yield
     except CheckpointError as e:
