@@ -52,6 +52,10 @@ VARIANTS = {
     "tiles32": dict(SMALL_STEP_ROWS=0),  # one 32-row dot tile for a 32-row step (before 16-row tiles, 2026-12-05)
     "fused64": {"model.FUSED_MAX_ROWS": 64},  # the fused layer up to 64 rows (B = 64 decode)
     "fused64bm16": {"model.FUSED_MAX_ROWS": 64, "SMALL_STEP_ROWS": 64},  # ... in 16-row tiles
+    # the loads before the fifteenth session: the epilogue's inputs after the wait, the norm prologue in a loop
+    "late": dict(EARLY_EPILOGUE=False, NORM_UNROLL_MAX=0),
+    "stages2": dict(DOT_STAGES=2),  # the dot tiles' K loop with 2 / 4 software-pipeline stages (default 3)
+    "stages4": dict(DOT_STAGES=4),
 }
 
 

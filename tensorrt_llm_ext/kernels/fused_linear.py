@@ -28,8 +28,11 @@ rounding, a unit in the last place, more where a rounding of the prologue flips)
 Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): the
 first ``BLOCK_K`` block of the weights is loaded before ``gdc_wait()`` (it streams in while the previous kernel
 finishes) and the rest of the program's weight rows is brought to L2 (``prefetch.global.L2``, no registers held:
-:func:`prefetch_lines`), ``x`` and the residual after it; that block's products are the loop's first, peeled, in
-the same order.
+:func:`prefetch_lines`), ``x`` after it; that block's products are the loop's first, peeled, in the same order. The
+residual is read before the wait too where the caller says an earlier launch wrote it (``early_residual``, the
+layers' two residual products: :data:`EARLY_EPILOGUE`), and the norm prologue's chunks are unrolled so their loads
+leave together (:data:`NORM_UNROLL_MAX`): after the wait a program's chain is the input's round trip and the
+pipelined loop's.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul_reference
 
 __all__ = ["EPI_NONE", "EPI_RESIDUAL", "EPI_SILU_MUL", "GEMV_MAX_ROWS", "dot_block_m", "dot_settings",
-           "fused_gemv_settings", "fused_linear", "fused_linear_reference", "fused_linear_settings", "prefetch_lines",
-           "stage_block_k"]
+           "fused_gemv_settings", "fused_linear", "fused_linear_reference", "fused_linear_settings", "norm_unroll",
+           "prefetch_lines", "stage_block_k"]
 
 EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL = 0, 1, 2
 MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS is the better choice there)
@@ -67,17 +70,39 @@ MAX_PREFETCH_LINES = 64
 # Whether the launchers bring those lines to L2 (no bit of a result changes; scripts/profile_target_kernels.py
 # flips it, as it flips GEMV_MAX_ROWS, to time the forward without).
 WEIGHT_PREFETCH = True
+# A program's latency is its chain of dependent memory round trips (a few-row product streams ~20 KB of weights
+# per program): the norm prologue's BLOCK_K chunks, up to this many, are unrolled so their loads leave together
+# (SmolLM2's K = 576: three chunks, one round trip instead of three; the same sums in the same order, the same
+# bits); 0 keeps the loop. Also read by fused_qkv.
+NORM_UNROLL_MAX = 8
+# Whether the epilogue's inputs that no earlier launch of the step is still writing -- a residual its caller marks
+# ``early_residual``, fused_qkv's positions, slots, page table and cos / sin -- are read before the programmatic
+# wait, off the chain after it (no bit changes).
+EARLY_EPILOGUE = True
+# Software-pipeline stages of the dot tiles' K loop (Triton's default): its weight and input blocks leave stages - 1
+# iterations ahead (cp.async).
+DOT_STAGES = 3
 
 
 @triton.jit
-def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``rsqrt(mean(x^2) + eps)`` of each row (fp32), summed over ``K`` in ``BLOCK_K`` chunks."""
+def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              K_UNROLL: tl.constexpr = 0):
+    """``rsqrt(mean(x^2) + eps)`` of each row (fp32), summed over ``K`` in ``BLOCK_K`` chunks, in order.
+    ``K_UNROLL`` > 0 (``cdiv(K, BLOCK_K)``): the chunks unrolled, so their loads are issued together -- one
+    round trip instead of one per chunk; the same sums in the same order (the same bits)."""
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
-                    other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
+    if K_UNROLL > 0:
+        for i in tl.static_range(K_UNROLL):
+            kk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+    else:
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
     return tl.math.rsqrt(ss / k + eps)
 
 
@@ -131,7 +156,7 @@ def _fused_linear_kernel(
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY_RES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,10 +165,14 @@ def _fused_linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     w_rows = cols.to(tl.int64) * stride_wn
+    mask = row_ok[:, None] & col_ok[None, :]
+    if EPILOGUE == 2:
+        if EARLY_RES:  # written before the previous launch began (the caller's word): read before the wait
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     k_begin = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
-        # the previous kernel finishes; x and the residual are read after the wait.
+        # the previous kernel finishes; x (and the residual, unless EARLY_RES) are read after the wait.
         kk0 = tl.arange(0, BLOCK_K)
         w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
         w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
@@ -157,7 +186,7 @@ def _fused_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         k_begin = BLOCK_K
     if NORM:
-        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
@@ -192,9 +221,9 @@ def _fused_linear_kernel(
         g = y.to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
         y = (s * acc_up.to(out_ty).to(tl.float32)).to(out_ty)
-    mask = row_ok[:, None] & col_ok[None, :]
     if EPILOGUE == 2:
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if not EARLY_RES:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(out_ty)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=mask)
 
@@ -287,9 +316,17 @@ def _check(x, weight, bias, norm_weight, residual, epilogue):
     return m, n_out, k
 
 
+def norm_unroll(k: int, block_k: int) -> int:
+    """``K_UNROLL`` of a norm prologue: its ``cdiv(k, block_k)`` chunks when at most :data:`NORM_UNROLL_MAX`,
+    else 0 (the loop)."""
+    chunks = triton.cdiv(k, block_k)
+    return chunks if chunks <= NORM_UNROLL_MAX else 0
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, epilogue: int = EPI_NONE,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 early_residual: bool = False) -> torch.Tensor:
     """``epilogue(rms_norm(x) @ weight^T + bias)`` in one launch (see the module doc).
 
     Args:
@@ -300,6 +337,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         epilogue: ``EPI_NONE``, ``EPI_SILU_MUL`` or ``EPI_RESIDUAL`` (then ``residual [M, N]``).
         out: optional ``[M, N]`` of ``x``'s dtype (may alias ``residual``: each element is read before it is
             written, by the same program).
+        early_residual: the caller's word that ``residual`` was written before the previous launch on the stream
+            began (by an earlier launch, not the previous one): under programmatic launch the kernel then reads it
+            before waiting on that launch. A previous launch that waits before it lets its dependents start
+            (every kernel here) has seen the one before it complete.
 
     Returns ``out [M, N]``. CUDA-graph safe (allocates only its output, from the capture's pool).
 
@@ -329,8 +370,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(k, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
-        WEIGHT_LINE=128 // weight.element_size(),
-        num_warps=warps, launch_pdl=pdl,
+        WEIGHT_LINE=128 // weight.element_size(), K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,
+        EARLY_RES=bool(early_residual and EARLY_EPILOGUE and residual is not None),
+        num_warps=warps, num_stages=DOT_STAGES, launch_pdl=pdl,
     )
     return out
 

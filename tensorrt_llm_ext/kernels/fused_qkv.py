@@ -20,8 +20,11 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
 
 Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
-weights before ``gdc_wait()`` and the rest of its weight rows brought to L2; ``x``, positions, cos / sin, slots and
-the table after it.
+weights before ``gdc_wait()`` and the rest of its weight rows brought to L2, and (``EARLY_EPILOGUE``) positions,
+cos / sin, slots and each k / v row's page too -- step inputs that no launch of the forward writes (cos / sin come
+from torch ops before the embedding; the attention kernel reads positions and slots before its wait on the same
+ground) -- so that after the wait only ``x``'s round trip and the pipelined loop's remain; the norm prologue
+unrolled as there.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
+from tensorrt_llm_ext.kernels import fused_linear as _fl
 from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, WEIGHT_PREFETCH, _mac, _normed_tile,
                                                    _prefetch_rows_l2, _row_rstd, dot_block_m, dot_settings,
-                                                   prefetch_lines, stage_block_k)
+                                                   norm_unroll, prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -54,6 +58,25 @@ def _head_norm(y1, y2, w_ptr, i, i_ok, head_dim, eps):
 
 
 @triton.jit
+def _rope_and_page(cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr, rows, row_ok, i, mask, head, num_heads,
+                   num_kv_heads, t_len, stride_pb, stride_cm, stride_tab, max_pages, page_size, scratch_page):
+    """The epilogue's step inputs of a program's rows: ``cos`` / ``sin`` (q / k heads, else zeros), and for k / v
+    heads the page and the offset in it that each row's position is stored at (the scratch page past the table)."""
+    b = rows // t_len
+    pos = tl.load(pos_ptr + b * stride_pb + rows % t_len, mask=row_ok, other=0).to(tl.int64)
+    rotate = head < num_heads + num_kv_heads
+    cos = tl.load(cos_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask & rotate, other=0.0)
+    sin = tl.load(sin_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask & rotate, other=0.0)
+    kv_row = row_ok & (head >= num_heads)
+    slot = tl.load(slot_ptr + b, mask=kv_row, other=0).to(tl.int64)
+    pidx = pos // page_size
+    page = tl.load(table_ptr + slot * stride_tab + tl.minimum(pidx, max_pages - 1), mask=kv_row,
+                   other=scratch_page).to(tl.int64)
+    page = tl.where(pidx < max_pages, page, scratch_page)
+    return cos, sin, page, pos % page_size
+
+
+@triton.jit
 def _fused_qkv_rope_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
     k_pool_ptr, v_pool_ptr, q_out_ptr,
@@ -63,7 +86,7 @@ def _fused_qkv_rope_kernel(
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -75,6 +98,11 @@ def _fused_qkv_rope_kernel(
     c1 = head * (2 * HALF) + i  # the head's first-half output columns; the second half is HALF further
     w1_rows = c1.to(tl.int64) * stride_wn
     w2_rows = (c1 + HALF).to(tl.int64) * stride_wn
+    mask = row_ok[:, None] & i_ok[None, :]
+    if EARLY:  # step inputs no kernel of the step writes: read before the wait, off the chain after it
+        cos, sin, page, off = _rope_and_page(cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr, rows, row_ok, i, mask,
+                                             head, num_heads, num_kv_heads, t_len, stride_pb, stride_cm, stride_tab,
+                                             max_pages, page_size, scratch_page)
     k_begin = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
@@ -90,7 +118,7 @@ def _fused_qkv_rope_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         k_begin = BLOCK_K
     if NORM:
-        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K)
+        rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
@@ -119,17 +147,16 @@ def _fused_qkv_rope_kernel(
     dt = q_out_ptr.dtype.element_ty
     y1 = acc1.to(dt).to(tl.float32)
     y2 = acc2.to(dt).to(tl.float32)
-    mask = row_ok[:, None] & i_ok[None, :]
-    b = rows // t_len
-    pos = tl.load(pos_ptr + b * stride_pb + rows % t_len, mask=row_ok, other=0).to(tl.int64)
+    if not EARLY:
+        cos, sin, page, off = _rope_and_page(cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr, rows, row_ok, i, mask,
+                                             head, num_heads, num_kv_heads, t_len, stride_pb, stride_cm, stride_tab,
+                                             max_pages, page_size, scratch_page)
     if head < num_heads + num_kv_heads:  # q or k: (norm and) rotate
         if QK_NORM:
             if head < num_heads:
                 y1, y2 = _head_norm(y1, y2, qn_w_ptr, i, i_ok, 2 * HALF, qk_eps)
             else:
                 y1, y2 = _head_norm(y1, y2, kn_w_ptr, i, i_ok, 2 * HALF, qk_eps)
-        cos = tl.load(cos_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + rows[:, None] * stride_cm + i[None, :], mask=mask, other=0.0)
         r1 = y1 * cos - y2 * sin
         r2 = y2 * cos + y1 * sin
         y1, y2 = r1, r2
@@ -138,12 +165,6 @@ def _fused_qkv_rope_kernel(
         tl.store(qo, y1.to(dt), mask=mask)
         tl.store(qo + HALF, y2.to(dt), mask=mask)
     else:
-        slot = tl.load(slot_ptr + b, mask=row_ok, other=0).to(tl.int64)
-        pidx = pos // page_size
-        page = tl.load(table_ptr + slot * stride_tab + tl.minimum(pidx, max_pages - 1), mask=row_ok,
-                       other=scratch_page).to(tl.int64)
-        page = tl.where(pidx < max_pages, page, scratch_page)
-        off = pos % page_size
         if head < num_heads + num_kv_heads:
             dst = k_pool_ptr + page * stride_kp + off * stride_kt + (head - num_heads) * stride_kh
         else:
@@ -265,7 +286,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
         PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
-        num_warps=8 if block_m >= 64 or gemv else 4, launch_pdl=pdl,
+        K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0, EARLY=_fl.EARLY_EPILOGUE,
+        num_warps=8 if block_m >= 64 or gemv else 4, num_stages=_fl.DOT_STAGES, launch_pdl=pdl,
     )
     return q_out
 

@@ -658,10 +658,13 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
                                       inputs.placement, attn.k_up_proj.weight, attn.v_up_proj.weight, attn.rope_theta,
                                       attn.scale, out=torch.empty(b, k, attn.num_local_heads, attn.head_dim,
                                                                   dtype=h.dtype, device=h.device))
-            h = fused_linear(o.view(b * k, qdim), attn.o_proj.weight, epilogue=EPI_RESIDUAL, residual=h)
+            # h was written two or more launches before each residual product (early_residual)
+            h = fused_linear(o.view(b * k, qdim), attn.o_proj.weight, epilogue=EPI_RESIDUAL, residual=h,
+                             early_residual=True)
             post = layer.post_attention_layernorm
             act = fused_linear(h, w_gu, norm_weight=post.weight, eps=post.eps, epilogue=EPI_SILU_MUL)
-            h = fused_linear(act, layer.mlp.down_proj.weight, epilogue=EPI_RESIDUAL, residual=h, out=h)
+            h = fused_linear(act, layer.mlp.down_proj.weight, epilogue=EPI_RESIDUAL, residual=h, out=h,
+                             early_residual=True)
         return self.norm(h).view(b, k, -1)
 
 

@@ -394,11 +394,14 @@ class LlamaDecoderLayer(nn.Module):
                            self.input_layernorm.eps, cos, sin, positions, slot_ids, page_table, k_pool, v_pool,
                            attn.num_heads, qn, kn, qk_eps)
         o = paged_attention(q, k_pool, v_pool, page_table, slot_ids, positions, attn.scale)
+        # Both residuals were written two or more launches back (hidden before the QKV launch, h before gate-up):
+        # read before each product's programmatic wait (early_residual).
         h = fused_linear(o.view(b * t, -1), attn.o_proj.weight, attn.o_proj.bias, epilogue=EPI_RESIDUAL,
-                         residual=hidden.view(b * t, width))
+                         residual=hidden.view(b * t, width), early_residual=True)
         act = fused_linear(h, mlp.gate_up_weight, mlp.gate_up_bias, norm_weight=self.post_attention_layernorm.weight,
                            eps=self.post_attention_layernorm.eps, epilogue=EPI_SILU_MUL)
-        h = fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, epilogue=EPI_RESIDUAL, residual=h, out=h)
+        h = fused_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, epilogue=EPI_RESIDUAL, residual=h, out=h,
+                         early_residual=True)
         return h.view(b, t, width)
 
 

@@ -89,6 +89,29 @@ def test_weight_prefetch_changes_no_bit(monkeypatch):
         assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("m,k", [(1, 600), (11, 600), (11, 72), (32, 1536)])
+def test_early_residual_and_unrolled_norm_change_no_bit(monkeypatch, m, k):
+    """The residual read before the programmatic wait (``early_residual``) and the norm prologue's chunks unrolled
+    (``NORM_UNROLL_MAX``) move loads, never a result: every combination gives the bits of the loop with the late
+    read, the output aliasing the residual included; chunks above the bound keep the loop."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    assert fl.norm_unroll(576, 256) == 3 and fl.norm_unroll(1536, 256) == 6 and fl.norm_unroll(576, 1024) == 1
+    assert fl.norm_unroll(14336, 256) == 0  # 56 chunks: the loop
+    x, w, b, nw, r = _case(m, k, 40, torch.bfloat16, seed=5)
+    results = {}
+    for early in (False, True):
+        for unroll in (0, fl.NORM_UNROLL_MAX):
+            monkeypatch.setattr(fl, "NORM_UNROLL_MAX", unroll)
+            res = r.clone()
+            a = fused_linear(x, w, b, epilogue=EPI_RESIDUAL, residual=res, out=res, early_residual=early)
+            g = fused_linear(x, torch.cat([w, w.flip(0)]), norm_weight=nw, eps=1e-5, epilogue=EPI_SILU_MUL)
+            results[early, unroll] = (a, g)
+    first = results[False, 0]
+    assert not torch.equal(first[0], r)  # the product was added
+    for got in results.values():
+        assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+
+
 def test_residual_output_may_alias_the_residual():
     x, w, b, nw, r = _case(3, 40, 40, torch.float32, seed=4)
     ref = fused_linear_reference(x, w, epilogue=EPI_RESIDUAL, residual=r)

@@ -71,6 +71,25 @@ def test_matches_twin_gqa_head_dims_bias_and_qk_norm(t, dtype, heads, kvh, d, bi
     assert pools[1][9, 0].abs().sum() > 0 and pools[1][9, 1:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_early_step_inputs_and_unrolled_norm_change_no_bit(monkeypatch, t):
+    """Positions, slots, the page table and cos / sin read before the programmatic wait (``EARLY_EPILOGUE``) and
+    the norm prologue unrolled (``NORM_UNROLL_MAX``): the same q and the same pools, bit for bit, a row past its
+    table (the scratch page) included."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    outs = []
+    for early in (False, True):
+        for unroll in (0, fl.NORM_UNROLL_MAX):
+            monkeypatch.setattr(fl, "EARLY_EPILOGUE", early)
+            monkeypatch.setattr(fl, "NORM_UNROLL_MAX", unroll)
+            (x, w, bb, nw, qn, kn), args, pools = _case(3, t, 300, 6, 2, 16, torch.bfloat16, bias=True, seed=7)
+            q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], 6)
+            outs.append((q, pools[0], pools[1]))
+    assert outs[0][1].abs().sum() > 0 and outs[0][2][9].abs().sum() > 0  # k rows stored, the scratch row too
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
 def test_decode_rows_without_prologue_and_row_independence():
     """T = 1, no input norm (an already normalized x); a row's q bits do not depend on the other rows."""
     (x, w, _, _, _, _), (cos, sin, pos, slots, table), pools = _case(3, 1, 24, 3, 1, 16, torch.float32, seed=3)
