@@ -56,6 +56,7 @@ VARIANTS = {
     "late": dict(EARLY_EPILOGUE=False, NORM_UNROLL_MAX=0),
     "stages2": dict(DOT_STAGES=2),  # the dot tiles' K loop with 2 / 4 software-pipeline stages (default 3)
     "stages4": dict(DOT_STAGES=4),
+    "firstpiecefirst": {"attn.LAST_PIECE_FIRST": False},  # the split axis in piece order (before the fifteenth)
 }
 
 

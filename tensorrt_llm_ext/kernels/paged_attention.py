@@ -76,6 +76,12 @@ REGISTER_PREFETCH_PER_SM = 4
 # 128 verify tile spilled 48 B at 255 registers under Triton 3.6; 16 x 128 and 32 x 64 do not spill); larger: L2.
 REGISTER_PREFETCH_MAX_TILE = 2048
 PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmatic wait (AttentionConfig.prefetch 2)
+# The grid's split axis runs from the last piece to the first. The grid covers the widest table, so most programs of a
+# short context are pieces past its keys (at B = 32, 1k keys of a 4k table: 2,304 of 3,072), which exit before the
+# programmatic wait; scheduled first (blocks leave in grid order), they run out while the previous kernel still
+# holds the SMs instead of after the live pieces' first wave. No bit changes (the merge's order is the pieces'
+# order, whichever program merges).
+LAST_PIECE_FIRST = True
 _LOG2E = 1.4426950408889634
 
 
@@ -88,11 +94,13 @@ def _paged_attention_kernel(
     stride_tab, stride_pb, stride_ob, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LAST_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     piece = tl.program_id(2)
+    if LAST_FIRST:  # the grid's last pieces (past most rows' keys) scheduled first: see LAST_PIECE_FIRST
+        piece = num_splits - 1 - piece
     b = pid // num_m_tiles
     m_tile = pid % num_m_tiles
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -538,7 +546,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS,
+        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

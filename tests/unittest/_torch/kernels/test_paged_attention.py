@@ -328,6 +328,24 @@ def test_pipeline_stages_change_no_bit(t):
     assert tile_counters(q.device, 1).count_nonzero() == 0
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_last_piece_first_changes_no_bit(monkeypatch, t):
+    """The split axis scheduled from the last piece (``LAST_PIECE_FIRST``): another program arrives last and
+    merges (the interpreter runs the grid in order), never other bits -- rows of one to many pieces, a row shorter
+    than one piece, the counters left at zero."""
+    import tensorrt_llm_ext.kernels.paged_attention as pa
+    q, kp, vp, table, slots, pos = make_case(b=4, t=t, kvh=3, group=3, d=64, page_size=32, max_pages=40,
+                                             lens=[1270, 300, 130, 9], dtype=torch.bfloat16)
+    outs = []
+    for last_first in (False, True):
+        monkeypatch.setattr(pa, "LAST_PIECE_FIRST", last_first)
+        outs.append(paged_attention(q, kp, vp, table, slots, pos, 0.125))
+        assert tile_counters(q.device, 1).count_nonzero() == 0
+    assert torch.equal(outs[0], outs[1])
+    want = paged_attention_reference(q, kp, vp, table, slots, pos, 0.125)
+    torch.testing.assert_close(outs[1].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_split_tile_past_its_table_leaves_no_counter_behind():
     """A verify-shaped (split) tile whose padding rows reach past the slot's table -- a batched prefill's ragged
     block can -- would need more fixed pieces than the launch has: the merge counts only the pieces that exist, so
