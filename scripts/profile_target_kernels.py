@@ -57,6 +57,10 @@ VARIANTS = {
     "stages2": dict(DOT_STAGES=2),  # the dot tiles' K loop with 2 / 4 software-pipeline stages (default 3)
     "stages4": dict(DOT_STAGES=4),
     "firstpiecefirst": {"attn.LAST_PIECE_FIRST": False},  # the split axis in piece order (before the fifteenth)
+    "oneblocknopf": {"attn.ONE_BLOCK_PREFETCH": False},  # the one-block form without its L2 prefetch (fourteenth)
+    # the fourteenth session's launches: all of the above off
+    "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,
+            "NORM_UNROLL_MAX": 0},
 }
 
 

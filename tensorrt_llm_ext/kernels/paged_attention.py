@@ -64,7 +64,7 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programma
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "one_block_form",
-           "paged_attention", "paged_attention_reference", "split_plan", "tile_counters"]
+           "paged_attention", "paged_attention_reference", "piece_blocks", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
@@ -82,6 +82,10 @@ PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmat
 # holds the SMs instead of after the live pieces' first wave. No bit changes (the merge's order is the pieces'
 # order, whichever program merges).
 LAST_PIECE_FIRST = True
+# Whether the one-block form (`one_block_form`) keeps the setting's prefetch: its piece's one block (page ids, then
+# K / V lines to L2) read before the programmatic wait, so that after it a program's first round trip is q's and the
+# step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile).
+ONE_BLOCK_PREFETCH = True
 _LOG2E = 1.4426950408889634
 
 
@@ -383,24 +387,29 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
 
 
-def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: int) -> AttentionConfig:
-    """The model's launch of split tiles whose every piece is one ``block_n`` block: one pipeline stage and no
-    prefetch, else ``cfg``. Fixed pieces (a verify tile's, ``row_pieces`` 0) are ``SPLIT_TOKENS`` keys; a decode
-    tile's widest piece follows from the table ``width`` (the longest row a launch can hold), as the kernel sizes
-    it. With one block per piece a second stage is never filled, and its buffers cost occupancy: at head dim 64,
-    128-key blocks, the decode tile takes 128 registers instead of 148 (4 programs per SM instead of 3), the 24-row
-    verify tile 142 instead of 220 (3 instead of 2).
-    Stages and prefetch change when keys are read, never a bit of the result (bitwise on the H200, 2026-12-05), so
-    the form may follow the table. Measured (H200, docs/target_forward.md, fourteenth session): the `[32, 1]`
-    forward at 1k keys 1385.9 -> 1243.7 us, the `[32, 8]` / `[64, 8]` verify forwards 12-19 % faster; where a
-    piece holds two blocks (8k keys) the second stage pays (the same launch 2-12 % slower), so it stays there."""
+def piece_blocks(cfg: AttentionConfig, row_pieces: int, width: int, splits: int) -> int:
+    """``block_n`` blocks in the widest piece of a split launch: fixed pieces (a verify tile's, ``row_pieces`` 0)
+    are ``SPLIT_TOKENS`` keys; a decode tile's follow from the table ``width`` (the longest row a launch can hold),
+    as the kernel sizes them."""
     if row_pieces:
-        blocks = max(triton.cdiv(width, splits * cfg.block_n), cfg.min_blocks)
-    else:
-        blocks = SPLIT_TOKENS // cfg.block_n
-    if blocks > 1:
+        return max(triton.cdiv(width, splits * cfg.block_n), cfg.min_blocks)
+    return SPLIT_TOKENS // cfg.block_n
+
+
+def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: int) -> AttentionConfig:
+    """The model's launch of split tiles whose every piece is one ``block_n`` block (:func:`piece_blocks`): one
+    pipeline stage, else ``cfg``; the prefetch stays (``ONE_BLOCK_PREFETCH``; the launch brings at most a piece's
+    blocks to L2). With one block per piece a second stage is never filled, and its buffers cost occupancy: at head
+    dim 64, 128-key blocks, the 24-row verify tile takes 142 registers instead of 220 (3 programs per SM instead of
+    2), the decode tile with its block's L2 prefetch 128 (4 per SM) instead of 144.
+    Stages and prefetch change when keys are read, never a bit of the result (bitwise on the H200, 2026-12-05), so
+    the form may follow the table. Measured (H200, docs/target_forward.md, fourteenth session, without the
+    prefetch): the `[32, 1]` forward at 1k keys 1385.9 -> 1243.7 us, the `[32, 8]` / `[64, 8]` verify forwards
+    12-19 % faster; where a piece holds two blocks (8k keys) the second stage pays (the same launch 2-12 % slower),
+    so it stays there."""
+    if piece_blocks(cfg, row_pieces, width, splits) > 1:
         return cfg
-    return replace(cfg, num_stages=1, prefetch=0)
+    return replace(cfg, num_stages=1, prefetch=cfg.prefetch if ONE_BLOCK_PREFETCH else 0)
 
 
 def decode_config(head_dim: int) -> AttentionConfig:
@@ -546,7 +555,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_BLOCKS=PREFETCH_BLOCKS, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
+        PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
+        PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, page_table.shape[1] * k_pool.shape[1],
+                                                          splits)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

@@ -101,11 +101,17 @@ def test_long_context_multi_split_and_prefill_tiles():
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-def test_one_block_pieces_launch_one_stage_without_prefetch():
-    """The model's split launch drops the second pipeline stage (and the prefetch) exactly where every piece is one
-    block: verify tiles at 128-key blocks, decode tiles whose widest row (the table) cuts into one-block pieces."""
+def test_one_block_pieces_launch_one_stage(monkeypatch):
+    """The model's split launch drops the second pipeline stage exactly where every piece is one block (verify
+    tiles at 128-key blocks, decode tiles whose widest row, the table, cuts into one-block pieces), keeping the
+    L2 prefetch (of that one block: ``piece_blocks``) unless ``ONE_BLOCK_PREFETCH`` is off."""
+    import tensorrt_llm_ext.kernels.paged_attention as pa
     model = DECODE_CONFIGS[64]  # 128-key blocks, 32 pieces, 2 stages, L2 prefetch
-    one = dataclasses.replace(model, num_stages=1, prefetch=0)
+    one = dataclasses.replace(model, num_stages=1)
+    assert pa.piece_blocks(model, 0, 8192, 1) == 1 and pa.piece_blocks(model, model.pieces, 8192, 32) == 2
+    monkeypatch.setattr(pa, "ONE_BLOCK_PREFETCH", False)
+    assert one_block_form(model, 0, 8192, 1) == dataclasses.replace(one, prefetch=0)
+    monkeypatch.setattr(pa, "ONE_BLOCK_PREFETCH", True)
     assert one_block_form(model, 0, 8192, 1) == one  # verify: SPLIT_TOKENS keys = one 128-key block
     assert one_block_form(model, model.pieces, 32 * 128, 32) == one  # a 4k table: 32 pieces of one block
     assert one_block_form(model, model.pieces, 32 * 128 + 32, 32) == model  # one more page: pieces of two blocks
@@ -320,7 +326,7 @@ def test_pipeline_stages_change_no_bit(t):
                                              lens=[1024, 8190, 130, 9], dtype=torch.bfloat16)
     outs = [paged_attention(q, kp, vp, table, slots, pos, 0.125, config=AttentionConfig(128, 4, st, 32, prefetch=2))
             for st in (1, 2, 3)]
-    # the model's one-block form (one stage, no prefetch: `one_block_form`) and its own pick for this table
+    # the one-block form without its prefetch, and the model's own pick for this table
     outs += [paged_attention(q, kp, vp, table, slots, pos, 0.125, config=AttentionConfig(128, 4, 1, 32)),
              paged_attention(q, kp, vp, table, slots, pos, 0.125)]
     for o in outs[1:]:
