@@ -44,6 +44,11 @@ from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
 __all__ = ["fused_qkv_rope", "fused_qkv_rope_reference", "qkv_chunks", "qkv_settings"]
 
+# The early step inputs (cos / sin tiles, pages) are held across the product: only for tiles of at most this many
+# elements (BLOCK_M x BLOCK_HALF; SmolLM2's 16 x 16 decode tile holds 2 registers each). A 64 x 64 tile would hold
+# 32 more registers through the loop (the Qwen3-like 8B shape's q / k-norm tiles spilled 28-56 B with them, sm_90).
+EARLY_MAX_TILE = 1024
+
 
 @triton.jit
 def _head_norm(y1, y2, w_ptr, i, i_ok, head_dim, eps):
@@ -286,7 +291,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
         PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
-        K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0, EARLY=_fl.EARLY_EPILOGUE,
+        K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,
+        EARLY=_fl.EARLY_EPILOGUE and block_m * block_half <= EARLY_MAX_TILE,
         num_warps=8 if block_m >= 64 or gemv else 4, num_stages=_fl.DOT_STAGES, launch_pdl=pdl,
     )
     return q_out

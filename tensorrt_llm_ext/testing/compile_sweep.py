@@ -85,6 +85,9 @@ ACCEPTED_SPILLS: tuple[AcceptedSpill, ...] = (
     AcceptedSpill(_KM + "paged_attention:_paged_attention_kernel", ("BLOCK_N=128", "num_warps=8"), 16,
                   "a launch-settings candidate the benchmark times (128 keys, 8 warps): 4 B stored / loaded on the "
                   "32-row verify tile at D = 64 under Triton 3.6.0; not in DECODE_CONFIGS unless a run picks it"),
+    AcceptedSpill(_KM + "paged_attention:_paged_attention_kernel", ("BLOCK_N=64", "BLOCK_D=128", "LAST_FIRST=True"), 16,
+                  "head dim 128's verify tile (64-key blocks, 3 stages) with the split axis reversed: 8 B stored / "
+                  "loaded at 168 registers under Triton 3.6.0 (2026-12-05); not yet timed on an 8B shape"),
     AcceptedSpill(_KM + "fused_qkv:_fused_qkv_rope_kernel", ("QK_NORM=True", "BLOCK_HALF=64", "GEMV=False", "PDL=True"),
                   32, "q / k norms at head dim 128 in dot tiles with programmatic launch: the first K block's two "
                   "64 x 128 weight tiles held across the wait, 16 B stored / loaded under Triton 3.6.0 (2026-12-04); "
