@@ -9,6 +9,7 @@ name ending in ``+profile`` also prints its per-kernel table.
 Usage on the GPU machine (repo root):  python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 512
   python3 scripts/profile_target_kernels.py --steps 1x8,4x8,1x1 --context 1024 --variants default,gemv8
   python3 scripts/profile_target_kernels.py --steps 1x1,1x2,1x4,1x8 --context 1024 --variants default,gemv4,gemv8
+  python3 scripts/profile_target_kernels.py --batch-sizes 32 --context 1024 --target-only
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", default=None, help="BxT,... forwards (default: [B, 1] for --batch-sizes)")
     p.add_argument("--variants", default=None, help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
+    p.add_argument("--target-only", action="store_true",
+                   help="profile the whole target-only decode step ([B, 1] forward, head, greedy selection: what "
+                        "`bench target`'s target-only column replays) instead of the forward")
     p.add_argument("--kernels", default="fused,fused-dot,unfused",
                    help="layer_kernels values; fused-dot: the fused layer in dot tiles only (no few-row forms); "
                         "fused-noprefetch: without the weights' L2 prefetch before the programmatic wait")
@@ -132,6 +136,18 @@ def main() -> None:
         slots = torch.arange(b, dtype=torch.int32, device=dev)
         tok = torch.randint(0, target.config.vocab_size, (b, t), device=dev)
         pos = (a.context + torch.arange(t, device=dev))[None].expand(b, t).contiguous()
+        if a.target_only:
+            from tensorrt_llm_ext.speculative.reference_decoder import ReferenceDecoder
+            ref = ReferenceDecoder(worker, verify_shaped=False)
+            ctx0 = torch.full_like(st.ref_lens, a.context)
+
+            def step(b=b, ctx0=ctx0):
+                st.ref_lens.copy_(ctx0)
+                return ref.step(b)
+            g = capture_graph(step)
+            _table(f"[{b}, 1] C={a.context} target-only step, graph", _kernels(g.replay, 5), 5)
+            print(f"-- [{b}, 1] C={a.context} target-only step: graph replay {_graph_us(step):.1f} us", flush=True)
+            continue
         if a.variants:
             for var in a.variants.split(","):
                 name = var.removesuffix("+profile")
