@@ -80,11 +80,13 @@ PREFETCH_BLOCKS = 2  # key blocks of a piece brought to L2 before the programmat
 # short context are pieces past its keys (at B = 32, 1k keys of a 4k table: 2,304 of 3,072), which exit before the
 # programmatic wait; scheduled first (blocks leave in grid order), they run out while the previous kernel still
 # holds the SMs instead of after the live pieces' first wave. No bit changes (the merge's order is the pieces'
-# order, whichever program merges).
+# order, whichever program merges). Measured (H100, fifteenth session, graph replay of the forward at 1k keys):
+# [64, 1] 2046 -> 1871 us, [32, 1] 1131 -> 1094, [4, 8] 859 -> 841 (docs/target_forward.md).
 LAST_PIECE_FIRST = True
 # Whether the one-block form (`one_block_form`) keeps the setting's prefetch: its piece's one block (page ids, then
 # K / V lines to L2) read before the programmatic wait, so that after it a program's first round trip is q's and the
-# step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile).
+# step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile). Measured
+# (H100, graph replay at 1k keys): [1, 1] 506 -> 488 us, [32, 1] 1125 -> 1094, [4, 8] 865 -> 841.
 ONE_BLOCK_PREFETCH = True
 _LOG2E = 1.4426950408889634
 
