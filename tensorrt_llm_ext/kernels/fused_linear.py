@@ -83,6 +83,11 @@ EARLY_EPILOGUE = True
 # Software-pipeline stages of the dot tiles' K loop (Triton's default): its weight and input blocks leave stages - 1
 # iterations ahead (cp.async). 2 and 4 measured slower (H100, fifteenth session: [32, 1] 1211 / 1196 us against 1094).
 DOT_STAGES = 3
+# Whether the dot tiles, under programmatic launch, hold their first weight block in registers across the wait and
+# peel its products off the loop (the few-row form always does: its one block is the whole product). Off: every block
+# brought to L2 before the wait, and after it the pipelined loop issues the first stages' inputs and weights at once
+# (one round trip where the peeled block's input and then the loop's cost two); the same products in the same order.
+DOT_PEEL_FIRST_BLOCK = True
 
 
 @triton.jit
@@ -158,6 +163,7 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY_RES: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,24 +179,26 @@ def _fused_linear_kernel(
     k_begin = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
-        # the previous kernel finishes; x (and the residual, unless EARLY_RES) are read after the wait.
-        kk0 = tl.arange(0, BLOCK_K)
-        w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
-        w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-        if EPILOGUE == 1:
-            w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-        if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
-            _prefetch_rows_l2(w_ptr, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+        # the previous kernel finishes (PEEL: into registers, its products peeled off the loop; else to L2 with
+        # the rest); x (and the residual, unless EARLY_RES) are read after the wait.
+        if PEEL:
+            kk0 = tl.arange(0, BLOCK_K)
+            w_mask0 = (kk0 < k)[:, None] & col_ok[None, :]
+            w_first = tl.load(w_ptr + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
             if EPILOGUE == 1:
-                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+                w2_first = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+            k_begin = BLOCK_K
+        if PREFETCH_LINES > 0:  # the rest of the program's weight rows to L2 (the loop reads them after the wait)
+            _prefetch_rows_l2(w_ptr, w_rows, col_ok, k_begin, k, WEIGHT_LINE, PREFETCH_LINES)
+            if EPILOGUE == 1:
+                _prefetch_rows_l2(w_ptr + n * stride_wn, w_rows, col_ok, k_begin, k, WEIGHT_LINE, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        k_begin = BLOCK_K
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+    if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
         kk0 = tl.arange(0, BLOCK_K)
         k_ok0 = kk0 < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
@@ -365,12 +373,14 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             m, n, k, max(x.element_size(), weight.element_size()), epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
     pdl = programmatic_launch(x)
+    peel = pdl and (gemv or DOT_PEEL_FIRST_BLOCK)
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines(k, block_k, weight.element_size(), pdl and WEIGHT_PREFETCH),
+        PDL=pdl, PEEL=peel,
+        PREFETCH_LINES=prefetch_lines(k, block_k if peel else 0, weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // weight.element_size(), K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,
         EARLY_RES=bool(early_residual and EARLY_EPILOGUE and residual is not None),
         num_warps=warps, num_stages=DOT_STAGES, launch_pdl=pdl,

@@ -92,6 +92,7 @@ def _fused_qkv_rope_kernel(
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -111,22 +112,23 @@ def _fused_qkv_rope_kernel(
     k_begin = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
-        # finishes; x, positions, cos / sin and the table are read after the wait.
-        kk0 = tl.arange(0, BLOCK_K)
-        w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
-        w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
-        w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+        # finishes (PEEL: into registers, as fused_linear's); x (and, unless EARLY, the step inputs) after the wait.
+        if PEEL:
+            kk0 = tl.arange(0, BLOCK_K)
+            w_mask0 = (kk0 < k)[:, None] & i_ok[None, :]
+            w1_first = tl.load(w_ptr + w1_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+            w2_first = tl.load(w_ptr + w2_rows[None, :] + kk0[:, None], mask=w_mask0, other=0.0)
+            k_begin = BLOCK_K
         if PREFETCH_LINES > 0:  # the rest of both halves' weight rows to L2 (read by the loop after the wait)
-            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
-            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, BLOCK_K, k, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w1_rows, i_ok, k_begin, k, WEIGHT_LINE, PREFETCH_LINES)
+            _prefetch_rows_l2(w_ptr, w2_rows, i_ok, k_begin, k, WEIGHT_LINE, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        k_begin = BLOCK_K
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    if PDL:  # the first K block with its prefetched weights (the same products, in the same order)
+    if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
         kk0 = tl.arange(0, BLOCK_K)
         k_ok0 = kk0 < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
@@ -277,6 +279,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
                                                               q_norm_weight is not None, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     pdl = programmatic_launch(x)
+    peel = pdl and (gemv or _fl.DOT_PEEL_FIRST_BLOCK)
     dummy = qkv_weight
     _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -289,7 +292,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
-        PREFETCH_LINES=prefetch_lines(k, block_k, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
+        PEEL=peel,
+        PREFETCH_LINES=prefetch_lines(k, block_k if peel else 0, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
         K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,
         EARLY=_fl.EARLY_EPILOGUE and block_m * block_half <= EARLY_MAX_TILE,

@@ -84,9 +84,11 @@ def test_weight_prefetch_changes_no_bit(monkeypatch):
                   residual=r if epilogue == EPI_RESIDUAL else None)
         outs = []
         for on in (True, False):
-            monkeypatch.setattr(fl, "WEIGHT_PREFETCH", on)
-            outs.append(fused_linear(x, w, b, **kw))
-        assert torch.equal(outs[0], outs[1])
+            for peel in (True, False):  # the first block in registers across the wait, or to L2 with the rest
+                monkeypatch.setattr(fl, "WEIGHT_PREFETCH", on)
+                monkeypatch.setattr(fl, "DOT_PEEL_FIRST_BLOCK", peel)
+                outs.append(fused_linear(x, w, b, **kw))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("m,k", [(1, 600), (11, 600), (11, 72), (32, 1536)])
