@@ -25,11 +25,11 @@ Exactness vs the eager twin (:func:`fused_linear_reference`): the twin composes 
 ``F.linear``; the product's summation order differs (fp32 within ``1e-5`` relative; 16-bit within the output
 rounding, a unit in the last place, more where a rounding of the prologue flips).
 
-Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): the
-first ``BLOCK_K`` block of the weights is loaded before ``gdc_wait()`` (it streams in while the previous kernel
-finishes) and the rest of the program's weight rows is brought to L2 (``prefetch.global.L2``, no registers held:
-:func:`prefetch_lines`), ``x`` after it; that block's products are the loop's first, peeled, in the same order. The
-residual is read before the wait too where the caller says an earlier launch wrote it (``early_residual``, the
+Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): before
+``gdc_wait()`` the program's weight rows are brought to L2 (``prefetch.global.L2``, no registers held:
+:func:`prefetch_lines`) -- the few-row form (and the dot tiles with :data:`DOT_PEEL_FIRST_BLOCK`) loads its first
+``BLOCK_K`` block into registers instead, its products the loop's first, peeled, in the same order --; ``x`` after
+it. The residual is read before the wait too where the caller says an earlier launch wrote it (``early_residual``, the
 layers' two residual products: :data:`EARLY_EPILOGUE`), and the norm prologue's chunks are unrolled so their loads
 leave together (:data:`NORM_UNROLL_MAX`): after the wait a program's chain is the input's round trip and the
 pipelined loop's.
@@ -86,8 +86,11 @@ DOT_STAGES = 3
 # Whether the dot tiles, under programmatic launch, hold their first weight block in registers across the wait and
 # peel its products off the loop (the few-row form always does: its one block is the whole product). Off: every block
 # brought to L2 before the wait, and after it the pipelined loop issues the first stages' inputs and weights at once
-# (one round trip where the peeled block's input and then the loop's cost two); the same products in the same order.
-DOT_PEEL_FIRST_BLOCK = True
+# (one round trip where the peeled block's input and then the loop's cost two; 48 / 96 / 120 registers instead of
+# 62 / 128 / 142 at [32, 1]); the same products in the same order. Measured off (H100, fifteenth session, graph
+# replay at 1k keys, two runs each): [32, 1] 1104 / 1081 -> 1060 / 1044 us, [4, 8] 856 / 846 -> 812 / 798,
+# [1, 8] 692 / 691 -> 670 / 665, [1, 1] unchanged (the few-row form).
+DOT_PEEL_FIRST_BLOCK = False
 
 
 @triton.jit

@@ -19,8 +19,9 @@ Each output row depends on its own input row only (the rows of a tile never mix)
 ``rms_norm_reference``, ``F.linear``, the q / k norms and ``paged_kv_write_reference``; agreement is that of
 its parts (fp32 to ``1e-5``; 16-bit within a unit or two in the last place of the stored values).
 
-Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: the first K block of the
-weights before ``gdc_wait()`` and the rest of its weight rows brought to L2, and (``EARLY_EPILOGUE``) positions,
+Programmatic dependent launch as in :mod:`~tensorrt_llm_ext.kernels.fused_linear`: before ``gdc_wait()`` the weight
+rows brought to L2 (the few-row form's first K block, and the dot tiles' with ``DOT_PEEL_FIRST_BLOCK``, into
+registers), and (``EARLY_EPILOGUE``) positions,
 cos / sin, slots and each k / v row's page too -- step inputs that no launch of the forward writes (cos / sin come
 from torch ops before the embedding; the attention kernel reads positions and slots before its wait on the same
 ground) -- so that after the wait only ``x``'s round trip and the pipelined loop's remain; the norm prologue
