@@ -59,6 +59,7 @@ VARIANTS = {
     "stages4": dict(DOT_STAGES=4),
     "firstpiecefirst": {"attn.LAST_PIECE_FIRST": False},  # the split axis in piece order (before the fifteenth)
     "oneblocknopf": {"attn.ONE_BLOCK_PREFETCH": False},  # the one-block form without its L2 prefetch (fourteenth)
+    "strided": {"attn.SPLIT_GRID_PROGRAMS": 528},  # the split axis cut to ~4 programs per SM (built, not timed)
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,

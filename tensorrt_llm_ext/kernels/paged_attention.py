@@ -88,6 +88,13 @@ LAST_PIECE_FIRST = True
 # step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile). Measured
 # (H100, graph replay at 1k keys): [1, 1] 506 -> 488 us, [32, 1] 1125 -> 1094, [4, 8] 865 -> 841.
 ONE_BLOCK_PREFETCH = True
+# The split axis's programs: 0, one per piece (the grid covers the widest table, so a short context's tiles hold many
+# programs past their keys). N > 0: the axis cut to about N programs in all (the batch's tiles times it; a power of
+# two, at most the pieces), each taking every grid_splits-th piece in turn -- the pieces, partials and merge order,
+# so every bit, unchanged; only how many programs carry them follows the batch. Built 2026-12-05 (fifteenth
+# session), not yet timed: off until `scripts/profile_target_kernels.py --variants default,strided` says (~4 per SM x
+# 132 SMs = 528 is the candidate: at B = 32 and 1k keys of a 4k table, 8 programs per tile instead of 32).
+SPLIT_GRID_PROGRAMS = 0
 _LOG2E = 1.4426950408889634
 
 
@@ -101,6 +108,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LAST_FIRST: tl.constexpr,
+    STRIDED: tl.constexpr, grid_splits,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -160,7 +168,23 @@ def _paged_attention_kernel(
         q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
     # Otherwise a piece past the tile's keys (the grid covers the widest table; its prefetch above is all masked
     # off) exits here, with no programmatic wait and no q: at B = 32 and 1k keys 15 of a tile's 32 decode programs.
-    if start < kv_len:
+    if STRIDED:
+        # A program per grid_splits pieces (SPLIT_GRID_PROGRAMS): pieces piece, piece + grid_splits, ... in turn,
+        # each its own partial and arrival, the merge unchanged (the same bits); the first one's prefetch above.
+        if start < kv_len:
+            q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
+            for p in range(piece, num_splits, grid_splits):
+                p_start = p * split_len
+                if p_start < kv_len:
+                    _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, p, p_start,
+                                  tl.minimum(p_start + split_len, kv_len), kv_len, split_len,
+                                  fresh, j, j_ok, old, page, off, k, v,
+                                  k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                                  t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits,
+                                  scale_log2, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                  stride_tab, stride_ob, stride_ot, stride_oh,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+    elif start < kv_len:
         if PREFETCH != 1:
             q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
         _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
@@ -538,6 +562,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
         prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
+    grid_splits = splits
+    if SPLIT_GRID_PROGRAMS > 0 and splits > 1:
+        grid_splits = min(splits, triton.next_power_of_2(triton.cdiv(SPLIT_GRID_PROGRAMS, b * m_tiles * kvh)))
+        if grid_splits < splits and prefetch == 1:  # the register form holds one piece's block: a program of
+            prefetch = 2 if pdl else 0  # several prefetches to L2 (only under programmatic launch: not interpreted)
+    strided = grid_splits < splits
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -545,7 +575,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         part_o = part_lse = out
         counters = page_table
-    _paged_attention_kernel[(b * m_tiles, kvh, splits)](
+    _paged_attention_kernel[(b * m_tiles, kvh, grid_splits)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
         cfg.min_blocks, float(scale) * _LOG2E,
@@ -557,7 +587,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
+        PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1 and not strided,
+        STRIDED=strided, grid_splits=grid_splits,
         PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, page_table.shape[1] * k_pool.shape[1],
                                                           splits)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -352,6 +352,23 @@ def test_last_piece_first_changes_no_bit(monkeypatch, t):
     torch.testing.assert_close(outs[1].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_strided_split_grid_changes_no_bit(monkeypatch, t):
+    """``SPLIT_GRID_PROGRAMS``: the split axis cut to fewer programs, each taking every grid_splits-th piece in turn
+    (1, 2 and 4 programs per tile here, a row of more pieces than programs included): the pieces, partials and merge
+    order are the grid's of one program per piece, so the bits are the same, and the counters end at zero."""
+    import tensorrt_llm_ext.kernels.paged_attention as pa
+    q, kp, vp, table, slots, pos = make_case(b=4, t=t, kvh=3, group=3, d=64, page_size=32, max_pages=40,
+                                             lens=[1270, 300, 130, 9], dtype=torch.bfloat16)
+    want = paged_attention(q, kp, vp, table, slots, pos, 0.125)
+    tiles = 4 * 3  # B x KV heads (one m tile)
+    for programs in (tiles, 2 * tiles, 4 * tiles - 1):
+        monkeypatch.setattr(pa, "SPLIT_GRID_PROGRAMS", programs)
+        got = paged_attention(q, kp, vp, table, slots, pos, 0.125)
+        assert torch.equal(got, want), programs
+        assert tile_counters(q.device, 1).count_nonzero() == 0
+
+
 def test_split_tile_past_its_table_leaves_no_counter_behind():
     """A verify-shaped (split) tile whose padding rows reach past the slot's table -- a batched prefill's ragged
     block can -- would need more fixed pieces than the launch has: the merge counts only the pieces that exist, so
