@@ -49,8 +49,11 @@ def programmatic_launch(t: torch.Tensor) -> bool:
     never under the interpreter (it does not run ``griddepcontrol``), unless switched off.
 
     A kernel launched so may start while the previous kernel of the stream still runs: before its
-    ``gdc_wait()`` it reads only what no kernel of the step writes (weights, norm weights, biases) and writes
-    nothing; it calls ``gdc_launch_dependents()`` right after the wait, so at most one kernel runs ahead."""
+    ``gdc_wait()`` it reads only what that previous kernel does not write (weights, norm weights, biases, step inputs
+    such as positions and the page table, and -- where the caller says so -- a residual an earlier kernel wrote) and
+    writes nothing; it calls ``gdc_launch_dependents()`` right after the wait, so at most one kernel runs ahead, and
+    when a kernel starts, every kernel before the previous one has completed (the previous one waited on it before
+    letting this one start)."""
     if not _PDL["on"] or not t.is_cuda or ENV.triton_interpret:
         return False
     return torch.cuda.get_device_properties(t.device).major >= 9
