@@ -89,7 +89,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", default=None, help="BxT,... forwards (default: [B, 1] for --batch-sizes)")
-    p.add_argument("--variants", default=None, help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"time the graph replay under these settings: {', '.join(VARIANTS)}")
     p.add_argument("--target-only", action="store_true",
                    help="profile the whole target-only decode step ([B, 1] forward, head, greedy selection: what "
                         "`bench target`'s target-only column replays) instead of the forward")
@@ -157,7 +158,8 @@ def main() -> None:
                 fwd = lambda: target(tok, pos, slots, kv)  # noqa: E731
                 if var.endswith("+profile"):
                     _table(f"[{b}, {t}] C={a.context} {name} eager", _kernels(fwd, 3), 3)
-                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {_graph_us(fwd):.1f} us per forward", flush=True)
+                print(f"-- [{b}, {t}] C={a.context} {name}: graph replay {_graph_us(fwd):.1f} us per forward",
+                      flush=True)
                 out = fwd().hidden_states.float()  # the final hidden rows: every variant against the first one
                 first = out if var == a.variants.split(",")[0] else first
                 print(f"   max |hidden - first variant's| {(out - first).abs().max().item():.3g} "

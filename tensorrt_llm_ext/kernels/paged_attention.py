@@ -582,7 +582,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), page_table.stride(0), positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1, ROW_PIECES=splits > 1 and row_pieces > 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, SPLIT=splits > 1,
+        ROW_PIECES=splits > 1 and row_pieces > 0,
         DOT_DTYPE=dot_dtype, PRECISION=precision,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)

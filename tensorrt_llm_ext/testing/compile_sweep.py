@@ -191,7 +191,8 @@ def _rejection():
 
 def _block_stats():
     """The one-pass statistics (the verification's first launch on block-aligned shards; also timed alone by bench
-    verify --one-pass-stats): bf16 on Llama 3's block-aligned last TP-4 shard, at one row group's chunks (2 blocks each) and at 480 rows (whole-shard chunks)."""
+    verify --one-pass-stats): bf16 on Llama 3's block-aligned last TP-4 shard, at one row group's chunks (2 blocks each)
+    and at 480 rows (whole-shard chunks)."""
     from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats
     from tensorrt_llm_ext.kernels.fixed_point_softmax import plan_chunks
 
@@ -365,7 +366,8 @@ def _fused_layer():
 
     # SmolLM2-135M (hidden 576, 9 / 3 heads x 64, MLP 1536), an 8B Llama (4096, 32 / 8 x 128, 14336) and a
     # Qwen3-like target (q / k norms, q/k/v biases); M = 1 and 4 (the few-row dot-free form), 8 and 64
-    # (FUSED_MAX_ROWS: B = 8 verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be touched on the host.
+    # (FUSED_MAX_ROWS: B = 8 verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be
+    # touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
     for dtype in FLOATS:
         for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
@@ -465,7 +467,8 @@ def _exchange():
 _K = "tensorrt_llm_ext.kernels."
 SWEEP: tuple[SweepCase, ...] = (
     SweepCase("select", _select, (_K + "shard_select:_shard_select_kernel",), cost=13),
-    SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel", _K + "fixed_point_softmax:_verify_sums_kernel",
+    SweepCase("top_p", _top_p, (_K + "fixed_point_softmax:_verify_keys_kernel",
+                                _K + "fixed_point_softmax:_verify_sums_kernel",
                                 _K + "top_p:_top_p_round_kernel", _K + "top_p:_top_p_mask_kernel"), cost=13),
     SweepCase("rejection", _rejection, (_K + "rejection_sample:_rejection_draw_kernel",
                                         _K + "rejection_sample:_rejection_assemble_kernel",
