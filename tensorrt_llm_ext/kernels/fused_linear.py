@@ -94,6 +94,15 @@ DOT_PEEL_FIRST_BLOCK = False
 
 
 @triton.jit
+def _chunk_sq_sum(x_ptr, rows, row_ok, stride_xm, k0, k, BLOCK_K: tl.constexpr):
+    """Each row's sum of ``x^2`` (fp32) over inputs ``k0 .. k0 + BLOCK_K - 1`` (below ``k``)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
+                other=0.0).to(tl.float32)
+    return tl.sum(x * x, axis=1)
+
+
+@triton.jit
 def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
               K_UNROLL: tl.constexpr = 0):
     """``rsqrt(mean(x^2) + eps)`` of each row (fp32), summed over ``K`` in ``BLOCK_K`` chunks, in order.
@@ -102,16 +111,10 @@ def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLO
     ss = tl.zeros([BLOCK_M], tl.float32)
     if K_UNROLL > 0:
         for i in tl.static_range(K_UNROLL):
-            kk = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
-                        other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
+            ss += _chunk_sq_sum(x_ptr, rows, row_ok, stride_xm, i * BLOCK_K, k, BLOCK_K)
     else:
         for k0 in range(0, k, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk < k)[None, :],
-                        other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
+            ss += _chunk_sq_sum(x_ptr, rows, row_ok, stride_xm, k0, k, BLOCK_K)
     return tl.math.rsqrt(ss / k + eps)
 
 

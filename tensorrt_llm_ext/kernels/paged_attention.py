@@ -392,9 +392,9 @@ class AttentionConfig:
 # run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole blocks, the first two blocks
 # brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's decode at 7 of 8 shapes,
 # where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C = 1k); where every piece
-# is one block the model launches it with one stage and no prefetch (`one_block_form`, same bits). Head dim 128: 3
-# stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the unfused
-# layer, without programmatic launch, so without prefetch).
+# is one block the model launches it with one stage, prefetching that block (`one_block_form`, same bits). Head dim
+# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the
+# unfused layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
                                               128: AttentionConfig(64, 4, 3, 16)}
 # The benchmark's sweep around it (fourteenth session, docs/target_forward.md). Per program at T = 1 (sm_90, Triton
@@ -537,10 +537,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     cfg = config or decode_config(d)
     row_pieces = cfg.pieces if t == 1 else 0  # decode tiles: pieces sized from the row's own length
     block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1], row_pieces, cfg.block_n)
+    width = page_table.shape[1] * k_pool.shape[1]  # the widest row the table holds
     if splits == 1:
         cfg = PREFILL_CONFIG
     elif config is None:
-        cfg = one_block_form(cfg, row_pieces, page_table.shape[1] * k_pool.shape[1], splits)
+        cfg = one_block_form(cfg, row_pieces, width, splits)
     interpret = not q.is_cuda
     fp32 = q.dtype == torch.float32 or k_pool.dtype == torch.float32
     # The interpreter's tl.dot is wrong on 16-bit operands: upcast there. On the GPU 16-bit operands go
@@ -590,8 +591,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
         PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1 and not strided,
         STRIDED=strided, grid_splits=grid_splits,
-        PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, page_table.shape[1] * k_pool.shape[1],
-                                                          splits)),
+        PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, width, splits)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )
