@@ -64,7 +64,7 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programma
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "one_block_form",
-           "paged_attention", "paged_attention_reference", "piece_blocks", "split_plan", "tile_counters"]
+           "paged_attention", "paged_attention_reference", "piece_blocks", "split_grid", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
@@ -91,10 +91,16 @@ ONE_BLOCK_PREFETCH = True
 # The split axis's programs: 0, one per piece (the grid covers the widest table, so a short context's tiles hold many
 # programs past their keys). N > 0: the axis cut to about N programs in all (the batch's tiles times it; a power of
 # two, at most the pieces), each taking every grid_splits-th piece in turn -- the pieces, partials and merge order,
-# so every bit, unchanged; only how many programs carry them follows the batch. Built 2026-12-05 (fifteenth
-# session), not yet timed: off until `scripts/profile_target_kernels.py --variants default,strided` says (~4 per SM x
-# 132 SMs = 528 is the candidate: at B = 32 and 1k keys of a 4k table, 8 programs per tile instead of 32).
-SPLIT_GRID_PROGRAMS = 0
+# so every bit, unchanged; only how many programs carry them follows the batch (`split_grid`). ~4 per SM x 132 SMs.
+SPLIT_GRID_PROGRAMS = 528
+# Which launches take the cut grid. Measured (H100, sixteenth session, graph replay at 1k keys of a 4k table): decode
+# tiles launched without programmatic launch gain ([64, 1], the unfused layer: 1870 -> 1788 us; the decode without
+# PDL at B = 32: 1419 -> 1368), programmatic ones lose (the fused [32, 1]: 1043-1081 -> 1232-1256: the dead pieces
+# already exit while the previous kernel runs, and the cut grid's register prefetch falls back to L2), and verify
+# tiles lose either way (`bench target` verify at B = 32 / 64: +15 / +10 %: a program walks its pieces' heavier
+# tiles in turn). False: decode tiles without programmatic launch only; True: every split launch (the tests'
+# and the profile's setting, to exercise the cut grid on any shape).
+SPLIT_GRID_ANY_LAUNCH = False
 _LOG2E = 1.4426950408889634
 
 
@@ -498,6 +504,16 @@ def _check(q, k_pool, v_pool, page_table, slot_ids, positions):
         raise ValueError(f"paged_attention: num_heads={h} must be a multiple of kv_heads={k_pool.shape[2]}")
 
 
+def split_grid(tiles: int, splits: int, t: int, programmatic: bool) -> int:
+    """Programs along the split axis of a launch of ``tiles`` (rows x m tiles x KV heads) tiles of ``splits``
+    pieces, ``t`` query rows per request: ``splits`` (one per piece), or for the launches
+    :data:`SPLIT_GRID_ANY_LAUNCH` names, about :data:`SPLIT_GRID_PROGRAMS` in all (a power of two per tile, at most
+    ``splits``). Shape and launch kind only, never lengths: the bits are the same either way."""
+    if SPLIT_GRID_PROGRAMS <= 0 or splits <= 1 or not (SPLIT_GRID_ANY_LAUNCH or (t == 1 and not programmatic)):
+        return splits
+    return min(splits, triton.next_power_of_2(triton.cdiv(SPLIT_GRID_PROGRAMS, tiles)))
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     slot_ids: torch.Tensor, positions: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None, config: AttentionConfig | None = None,
@@ -563,12 +579,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
         prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
-    grid_splits = splits
-    if SPLIT_GRID_PROGRAMS > 0 and splits > 1:
-        grid_splits = min(splits, triton.next_power_of_2(triton.cdiv(SPLIT_GRID_PROGRAMS, b * m_tiles * kvh)))
-        if grid_splits < splits and prefetch == 1:  # the register form holds one piece's block: a program of
-            prefetch = 2 if pdl else 0  # several prefetches to L2 (only under programmatic launch: not interpreted)
+    grid_splits = split_grid(b * m_tiles * kvh, splits, t, pdl)
     strided = grid_splits < splits
+    if strided and prefetch == 1:  # the register form holds one piece's block: a program of several prefetches
+        prefetch = 2 if pdl else 0  # to L2 (only under programmatic launch: not interpreted)
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)

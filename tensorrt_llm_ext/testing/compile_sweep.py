@@ -335,11 +335,12 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
                                     config=replace(cfg, prefetch=form))
-    # The strided split grid (paged_attention.SPLIT_GRID_PROGRAMS, off by default until timed): the model's pick,
-    # decode and verify tiles, so that turning it on on the GPU compiles what this check compiled.
+    # The cut split grid (paged_attention.split_grid): the shipped form (decode tiles launched without programmatic
+    # launch: the unfused layer's) and, with SPLIT_GRID_ANY_LAUNCH, the programmatic decode and verify tiles the
+    # profile's `strided` variants launch.
     import tensorrt_llm_ext.kernels.paged_attention as pa
 
-    before = pa.SPLIT_GRID_PROGRAMS
+    before = pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH
     pa.SPLIT_GRID_PROGRAMS = 528
     try:
         for dtype in (torch.bfloat16, torch.float16):
@@ -347,11 +348,14 @@ def _paged_attention():
                 page, max_pages, b = 32, 128, 32  # a 4k table at B = 32: 8 programs per tile instead of 32 pieces
                 table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
                 pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
-                for t in (1, DRAFT_LENS[-1] + 1):
+                for any_launch, t, programmatic in ((False, 1, False), (True, 1, None),
+                                                    (True, DRAFT_LENS[-1] + 1, None)):
+                    pa.SPLIT_GRID_ANY_LAUNCH = any_launch
                     paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
-                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5)
+                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
+                                    programmatic=programmatic)
     finally:
-        pa.SPLIT_GRID_PROGRAMS = before
+        pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH = before
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:
