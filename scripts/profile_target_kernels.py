@@ -20,6 +20,8 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, AttentionConfig
+
 
 def _kernels(fn, reps: int):
     fn()
@@ -65,6 +67,11 @@ VARIANTS = {
     "strided264": {"attn.SPLIT_GRID_PROGRAMS": 264, "attn.SPLIT_GRID_ANY_LAUNCH": True},
     "strided1056": {"attn.SPLIT_GRID_PROGRAMS": 1056, "attn.SPLIT_GRID_ANY_LAUNCH": True},
     "nostrided": {"attn.SPLIT_GRID_PROGRAMS": 0},
+    # decode tiles (head dim 64) cut in at most 8 / 16 pieces instead of 32: at 1k keys the same 8 one-block pieces,
+    # a grid of 8 / 16 programs per tile instead of 32 (no programs past a 1k-key row's keys with 8); 2 blocks a piece
+    # from 1k / 2k keys
+    "p8": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 8, prefetch=2)}},
+    "p16": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 16, prefetch=2)}},
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,
