@@ -61,8 +61,8 @@ VARIANTS = {
     "stages4": dict(DOT_STAGES=4),
     "firstpiecefirst": {"attn.LAST_PIECE_FIRST": False},  # the split axis in piece order (before the fifteenth)
     "oneblocknopf": {"attn.ONE_BLOCK_PREFETCH": False},  # the one-block form without its L2 prefetch (fourteenth)
-    # the split axis cut to ~2 / 4 / 8 programs per SM on every split launch (shipped: 528, decode launched without
-    # programmatic launch only, paged_attention.SPLIT_GRID_ANY_LAUNCH); "nostrided": one program per piece everywhere
+    # the split axis cut to ~2 / 4 / 8 programs per SM on every split launch (paged_attention.SPLIT_GRID_PROGRAMS,
+    # off); "nostrided": one program per piece everywhere
     "strided": {"attn.SPLIT_GRID_PROGRAMS": 528, "attn.SPLIT_GRID_ANY_LAUNCH": True},
     "strided264": {"attn.SPLIT_GRID_PROGRAMS": 264, "attn.SPLIT_GRID_ANY_LAUNCH": True},
     "strided1056": {"attn.SPLIT_GRID_PROGRAMS": 1056, "attn.SPLIT_GRID_ANY_LAUNCH": True},

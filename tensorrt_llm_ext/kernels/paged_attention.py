@@ -91,15 +91,16 @@ ONE_BLOCK_PREFETCH = True
 # The split axis's programs: 0, one per piece (the grid covers the widest table, so a short context's tiles hold many
 # programs past their keys). N > 0: the axis cut to about N programs in all (the batch's tiles times it; a power of
 # two, at most the pieces), each taking every grid_splits-th piece in turn -- the pieces, partials and merge order,
-# so every bit, unchanged; only how many programs carry them follows the batch (`split_grid`). ~4 per SM x 132 SMs.
-SPLIT_GRID_PROGRAMS = 528
-# Which launches take the cut grid. Measured (H100, sixteenth session, graph replay at 1k keys of a 4k table): decode
-# tiles launched without programmatic launch gain ([64, 1], the unfused layer: 1870 -> 1788 us; the decode without
-# PDL at B = 32: 1419 -> 1368), programmatic ones lose (the fused [32, 1]: 1043-1081 -> 1232-1256: the dead pieces
-# already exit while the previous kernel runs, and the cut grid's register prefetch falls back to L2), and verify
-# tiles lose either way (`bench target` verify at B = 32 / 64: +15 / +10 %: a program walks its pieces' heavier
-# tiles in turn). False: decode tiles without programmatic launch only; True: every split launch (the tests'
-# and the profile's setting, to exercise the cut grid on any shape).
+# so every bit, unchanged; only how many programs carry them follows the batch (`split_grid`). Off: measured
+# (sixteenth session, graph replay / `bench target`), N = 528 (~4 per SM) gains only where most pieces are past the
+# keys and the launch is not programmatic ([64, 1] at 1k keys of a 4k table, H100: 1870 -> 1788 us) and loses
+# everywhere else: the programmatic [32, 1] at 1k keys 1043-1081 -> 1232-1256 us (H100: the dead pieces already exit
+# while the previous kernel runs, and the cut grid's register prefetch falls back to L2), verify tiles +10-15 %, and
+# B = 64 in an 8k table (H200) +7 % at 1k keys and +22 % at 8k (5260 -> 6407 us: a program walks its live pieces in
+# turn). The grid follows the table, not the lengths in use (graphs), so no shape-only rule keeps the gain alone.
+SPLIT_GRID_PROGRAMS = 0
+# Which launches take the cut grid when it is on: False, decode tiles (one query row) launched without programmatic
+# launch (the only launches it ever won); True, every split launch (the tests' and the profile's setting).
 SPLIT_GRID_ANY_LAUNCH = False
 _LOG2E = 1.4426950408889634
 

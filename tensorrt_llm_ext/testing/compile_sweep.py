@@ -335,9 +335,9 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
                                     config=replace(cfg, prefetch=form))
-    # The cut split grid (paged_attention.split_grid): the shipped form (decode tiles launched without programmatic
-    # launch: the unfused layer's) and, with SPLIT_GRID_ANY_LAUNCH, the programmatic decode and verify tiles the
-    # profile's `strided` variants launch.
+    # The cut split grid (paged_attention.split_grid, off by default: measured slower but where most pieces are
+    # past the keys): its decode tiles launched without programmatic launch and, with SPLIT_GRID_ANY_LAUNCH, the
+    # programmatic decode and verify tiles the profile's `strided` variants launch.
     import tensorrt_llm_ext.kernels.paged_attention as pa
 
     before = pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH
