@@ -72,6 +72,12 @@ VARIANTS = {
     # from 1k / 2k keys
     "p8": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 8, prefetch=2)}},
     "p16": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 16, prefetch=2)}},
+    # decode pieces of at least 2 / 3 blocks of 128 keys (256 / 384: at 1k keys 4 / 3 pieces instead of 8), of at least
+    # 3 / 4 blocks of 64 keys (192 / 256)
+    "m2": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 2, prefetch=2)}},
+    "m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 3, prefetch=2)}},
+    "n64m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(64, 4, 2, 32, 3, prefetch=2)}},
+    "n64m4": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(64, 4, 2, 32, 4, prefetch=2)}},
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,
