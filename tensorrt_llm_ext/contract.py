@@ -353,7 +353,8 @@ class TargetOutput:
     """One target forward's outputs (rows flattened ``b * T + t``)."""
 
     hidden_states: torch.Tensor  # [B*T, H] final-normed, the LM head's input
-    captured: torch.Tensor  # [B*T, n_cap * H] hidden states of the drafter's capture layers, concatenated
+    captured: torch.Tensor | None  # [B*T, n_cap * H] the drafter's capture layers' hidden states, concatenated
+    # (None from a forward that was asked not to capture: the target-only decode)
 
 
 @dataclass

@@ -474,7 +474,7 @@ class LlamaTarget(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                kv_cache: PagedKVCache) -> TargetOutput:
+                kv_cache: PagedKVCache, capture: bool = True) -> TargetOutput:
         """One step over a fixed ``[B, T]`` block.
 
         Args:
@@ -482,6 +482,8 @@ class LlamaTarget(nn.Module):
             positions: ``[B, T]`` int absolute positions.
             slot_ids: ``[B]`` int cache slots (a dummy slot for padding rows).
             kv_cache: written at each token's page slot (the scratch page where the slot has no page).
+            capture: whether to return the capture layers' hidden states (``False``: ``captured`` is ``None``
+                and nothing is concatenated -- the target-only decode, which drafts nothing, saves that launch).
 
         Each layer: fused residual add + RMSNorm, one QKV GEMM, RoPE + KV write, paged attention, o_proj,
         fused residual add + RMSNorm, one gate-up GEMM, one SiLU-mul, down_proj; the residual add of the MLP
@@ -516,7 +518,7 @@ class LlamaTarget(nn.Module):
                 captured[self._capture_index[i]] = hidden
         final, _ = _add_norm(self.norm, pending, hidden)
         return TargetOutput(hidden_states=final.reshape(b * t, cfg.hidden_size),
-                            captured=torch.cat(captured, dim=-1).reshape(b * t, cfg.capture_width))
+                            captured=torch.cat(captured, dim=-1).reshape(b * t, cfg.capture_width) if capture else None)
 
     def _fused_layers(self, rows: int, x: torch.Tensor) -> bool:
         """Whether this step's layers run :meth:`LlamaDecoderLayer.forward_fused` (see ``layer_kernels``)."""

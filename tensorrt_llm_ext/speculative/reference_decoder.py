@@ -117,9 +117,11 @@ class ReferenceDecoder:
         live = (~w.is_dummy[:b]).to(torch.int32)
         c = self.step_columns
         with nvtx_range("target_only"):
-            tokens = st.slot_tokens[slots_l]
-            positions = st.ref_lens[slots_l].long()[:, None] + w.cols[:c]
-            out = w.target(tokens[:, :c].contiguous(), positions, slots, st.kv_cache)
+            # Few launches around the forward (each a serial step of the graph): the inputs gathered contiguous, the
+            # int32 lengths promoted by the add, nothing captured, the state updated in place (two launches).
+            tokens = st.slot_tokens[slots_l, :c]
+            positions = st.ref_lens[slots_l][:, None] + w.cols[:c]
+            out = w.target(tokens, positions, slots, st.kv_cache, capture=False)
             hidden = out.hidden_states.view(b, c, -1)[:, 0]
             logits = w.target.logits(hidden)
             temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)
@@ -133,9 +135,8 @@ class ReferenceDecoder:
                                         top_p=ss.top_p[slots_l] if w.sampling and w.step_top_p else None)
             if processed:
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
-            st.ref_lens[slots_l] += live
-            tokens[:, 0] = ids
-            st.slot_tokens[slots_l] = tokens
+            st.ref_lens.index_add_(0, slots_l, live)  # padding rows (live 0) may share a slot: they add nothing
+            st.slot_tokens[slots_l, 0] = ids
         return {"new_tokens": ids, "logits": logits}
 
     def top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,
