@@ -74,6 +74,7 @@ VARIANTS = {
     "p16": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 16, prefetch=2)}},
     # decode pieces of at least 2 / 3 blocks of 128 keys (256 / 384: at 1k keys 4 / 3 pieces instead of 8), of at least
     # 3 / 4 blocks of 64 keys (192 / 256)
+    "narrow": {"attn.DECODE_WIDE_MIN_BATCH": 1 << 30},  # every decode step on DECODE_CONFIGS (before 2026-12-05)
     "m2": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 2, prefetch=2)}},
     "m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 3, prefetch=2)}},
     "n64m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(64, 4, 2, 32, 3, prefetch=2)}},

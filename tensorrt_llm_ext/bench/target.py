@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, AttentionConfig
+    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, DECODE_CONFIGS_WIDE, AttentionConfig
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -195,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from tensorrt_llm_ext.runtime.config import ConfigError
 
-    saved = dict(DECODE_CONFIGS)
+    saved, saved_wide = dict(DECODE_CONFIGS), dict(DECODE_CONFIGS_WIDE)
     try:
-        if forced is not None:
+        if forced is not None:  # at every batch size
             DECODE_CONFIGS.update(dict.fromkeys(DECODE_CONFIGS, forced))
+            DECODE_CONFIGS_WIDE.update(dict.fromkeys(DECODE_CONFIGS_WIDE, forced))
         return _run(args, sizes, contexts, shapes, spec, cuda)
     except ConfigError as e:  # --batch-sizes / --contexts / --draft-len / --page-size outside the config's bounds
         print(f"error: bench target: {e}", file=sys.stderr)
@@ -206,11 +207,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         DECODE_CONFIGS.clear()
         DECODE_CONFIGS.update(saved)
+        DECODE_CONFIGS_WIDE.clear()
+        DECODE_CONFIGS_WIDE.update(saved_wide)
 
 
 def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
-    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, SPLIT_TOKENS, decode_config,
-                                                          paged_attention)
+    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, DECODE_WIDE_MIN_BATCH, SPLIT_TOKENS,
+                                                          decode_config, paged_attention)
     from tensorrt_llm_ext.kernels.common import set_programmatic_launch
     from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -351,7 +354,9 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                 [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
                  f"(nN = keys per iteration, wW = warps, sS = pipeline stages, pP = a decode row's keys in P pieces "
                  f"sized from its length, f = fixed {SPLIT_TOKENS}-key pieces); the model runs "
-                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()}"])
+                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()} (steps of at least "
+                 f"{DECODE_WIDE_MIN_BATCH} requests: "
+                 f"{decode_config(tcfg.head_dim, DECODE_WIDE_MIN_BATCH).describe()})"])
         if spec_rows:
             print_table(
                 f"bench target: {name} speculative step vs target-only step",

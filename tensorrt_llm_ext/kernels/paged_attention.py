@@ -63,8 +63,9 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programma
                                              refuse_allocation_while_capturing)
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
-__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "SPLIT_TOKENS", "AttentionConfig", "decode_config", "one_block_form",
-           "paged_attention", "paged_attention_reference", "piece_blocks", "split_grid", "split_plan", "tile_counters"]
+__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "DECODE_CONFIGS_WIDE", "DECODE_WIDE_MIN_BATCH", "SPLIT_TOKENS",
+           "AttentionConfig", "decode_config", "one_block_form", "paged_attention", "paged_attention_reference",
+           "piece_blocks", "split_grid", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
@@ -393,17 +394,26 @@ class AttentionConfig:
                 + " rla"[self.prefetch].strip())
 
 
-# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch; the
-# prefetch, which changes no bit, may follow the grid); `bench target` times CONFIG_CANDIDATES at every (B, C)
-# (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's sweep with FlashInfer in the
-# run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole blocks, the first two blocks
-# brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's decode at 7 of 8 shapes,
-# where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C = 1k); where every piece
-# is one block the model launches it with one stage, prefetching that block (`one_block_form`, same bits). Head dim
-# 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the 8B shape runs the
-# unfused layer, without programmatic launch, so without prefetch).
+# The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch but at
+# DECODE_WIDE_MIN_BATCH below; the prefetch, which changes no bit, may follow the grid); `bench target` times
+# CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's
+# sweep with FlashInfer in the run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole
+# blocks, the first two blocks brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's
+# decode at 7 of 8 shapes, where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C =
+# 1k); where every piece is one block the model launches it with one stage, prefetching that block (`one_block_form`,
+# same bits). Head dim 128: 3 stages, 16 pieces (8 KV heads: as many programs as SmolLM2's 3 at p32; not yet timed; the
+# 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
                                               128: AttentionConfig(64, 4, 3, 16)}
+# Decode steps of at least DECODE_WIDE_MIN_BATCH requests take these instead (head dims listed): a row's pieces at
+# least 3 blocks long (384 keys; a 1k-key row in 3 pieces instead of 8). Measured (sixteenth session, graph replay of
+# the forward, 4k table): [64, 1] at 1k keys 1872 -> 1720 us (H100); at B = 32 it gains from 2k keys (-6 %) and not at
+# 1k, at B <= 16 it loses (+6-25 %), so it starts above the 32-request step. Verify tiles (fixed pieces) and every
+# other setting are the table's. The rule changes a row's bits with the batch only at 32 -> 33 requests: a graph
+# bucket's boundary under the default power-of-two buckets (cuda_graph_config.batch_sizes), as FUSED_MAX_ROWS's, so
+# a step padded to its bucket gives the eager step's bits; configured buckets that straddle 32 do not.
+DECODE_WIDE_MIN_BATCH = 33
+DECODE_CONFIGS_WIDE: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, 3, prefetch=2)}
 # The benchmark's sweep around it (fourteenth session, docs/target_forward.md). Per program at T = 1 (sm_90, Triton
 # 3.6.0): the model's setting 148 registers x 4 warps (3 programs per SM: B = 32 C = 1k's 768 one-block pieces in two
 # waves); without prefetch 168, one stage 128 (4); 64-key blocks 90-96 (5); 32-key blocks at 2 warps 96-122 (8-10),
@@ -414,7 +424,8 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
                      AttentionConfig(64, 4, 2, 32, 2), AttentionConfig(64, 4, 2, 32, 2, prefetch=2),
                      AttentionConfig(64, 4, 2, 8), AttentionConfig(32, 2, 2, 32, 4),
                      AttentionConfig(32, 2, 2, 32, 4, prefetch=2), AttentionConfig(32, 4, 2, 32, 4),
-                     AttentionConfig(32, 2, 3, 32, 4), AttentionConfig(64, 2, 1, 32, 2))
+                     AttentionConfig(32, 2, 3, 32, 4), AttentionConfig(64, 2, 1, 32, 2),
+                     AttentionConfig(128, 4, 2, 32, 3, prefetch=2))  # the last: DECODE_CONFIGS_WIDE[64]
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -445,8 +456,11 @@ def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: in
     return replace(cfg, num_stages=1, prefetch=cfg.prefetch if ONE_BLOCK_PREFETCH else 0)
 
 
-def decode_config(head_dim: int) -> AttentionConfig:
-    """The table's settings for ``head_dim`` (the default settings for a head dim it does not list)."""
+def decode_config(head_dim: int, batch: int = 1) -> AttentionConfig:
+    """The table's settings for ``head_dim`` at a step of ``batch`` requests (:data:`DECODE_CONFIGS_WIDE` from
+    :data:`DECODE_WIDE_MIN_BATCH` requests; the default settings for a head dim no table lists)."""
+    if batch >= DECODE_WIDE_MIN_BATCH and head_dim in DECODE_CONFIGS_WIDE:
+        return DECODE_CONFIGS_WIDE[head_dim]
     return DECODE_CONFIGS.get(head_dim, AttentionConfig())
 
 
@@ -529,8 +543,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         slot_ids: ``[B]`` int slot of each row; positions: ``[B, T]`` int absolute query positions.
         scale: the softmax scale (``1 / sqrt(D)``).
         out: optional ``[B, T, H, D]`` of ``q``'s dtype.
-        config: the split tiles' launch settings (default: :func:`decode_config` of ``D``; the benchmark's
-            comparison passes others).
+        config: the split tiles' launch settings (default: :func:`decode_config` of ``D`` and ``B``; the
+            benchmark's comparison passes others).
         programmatic: launch with programmatic dependent launch (None: where
             :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch` allows it). The fused layer's chain
             gains from it; between cuBLAS launches (the unfused layer) it cost ~1.5 us per layer on the H200.
@@ -551,7 +565,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  unit_last_stride=True)
     if b == 0 or t == 0:
         return out
-    cfg = config or decode_config(d)
+    cfg = config or decode_config(d, b)
     row_pieces = cfg.pieces if t == 1 else 0  # decode tiles: pieces sized from the row's own length
     block_m, m_tiles, splits = split_plan(t * group, page_table.shape[1], k_pool.shape[1], row_pieces, cfg.block_n)
     width = page_table.shape[1] * k_pool.shape[1]  # the widest row the table holds

@@ -335,6 +335,21 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
                                     config=replace(cfg, prefetch=form))
+    # The wide decode pieces (DECODE_CONFIGS_WIDE) of a step of DECODE_WIDE_MIN_BATCH requests or more, in a 4k table:
+    # under programmatic launch and without it (the unfused layer's steps of more than 32 requests).
+    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS_WIDE, DECODE_WIDE_MIN_BATCH
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for heads, kv_heads, d in _variants(dtype, ((9, 3, 64),)):
+            if d not in DECODE_CONFIGS_WIDE:
+                continue
+            page, max_pages, b = 32, 128, DECODE_WIDE_MIN_BATCH
+            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+            pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+            for programmatic in (None, False):
+                paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
+                                torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), d ** -0.5,
+                                programmatic=programmatic)
     # The cut split grid (paged_attention.split_grid, off by default: measured slower but where most pieces are
     # past the keys), as the profile's `strided` variants launch it: programmatic decode and verify tiles. (Its
     # decode tile without programmatic launch, the only form it ever won with, spills 8 B at 168 registers: not

@@ -205,6 +205,34 @@ def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     assert torch.equal(out2[0], out[2]) and torch.equal(out2[1], out[0])
 
 
+def test_wide_batch_decode_steps_take_the_wide_pieces(monkeypatch):
+    """From ``DECODE_WIDE_MIN_BATCH`` requests a decode step takes ``DECODE_CONFIGS_WIDE`` (here pieces of at least 3
+    blocks): within the twin's tolerance, a row's bits the same in any batch of at least that many requests (the
+    rule follows the step's size, never its lengths); below it the table's pieces, whose merges differ."""
+    import tensorrt_llm_ext.kernels.paged_attention as pa
+    narrow_cfg, wide_cfg = AttentionConfig(16, 4, 2, 8), AttentionConfig(16, 4, 2, 8, 3)
+    monkeypatch.setattr(pa, "DECODE_CONFIGS", {16: narrow_cfg})
+    monkeypatch.setattr(pa, "DECODE_CONFIGS_WIDE", {16: wide_cfg})
+    n = pa.DECODE_WIDE_MIN_BATCH
+    assert pa.decode_config(16, n - 1) == narrow_cfg and pa.decode_config(16, n) == wide_cfg
+    assert pa.decode_config(32, n) == AttentionConfig()  # a head dim no table lists
+    b = n + 5
+    lens = [1 + (37 * i) % 64 for i in range(b)]
+    q, kp, vp, table, slots, pos = make_case(b=b, t=1, kvh=1, group=2, d=16, page_size=4, max_pages=16, lens=lens)
+    wide = paged_attention(q, kp, vp, table, slots, pos, 0.25)
+    torch.testing.assert_close(wide, paged_attention_reference(q, kp, vp, table, slots, pos, 0.25),
+                               **TOL[torch.float32])
+    assert torch.equal(wide, paged_attention(q, kp, vp, table, slots, pos, 0.25, config=wide_cfg))
+    sub = list(range(5, 5 + n))  # another step of n requests
+    assert torch.equal(paged_attention(q[sub], kp, vp, table, slots[sub], pos[sub], 0.25), wide[sub])
+    few = list(range(n - 1))  # one request fewer: the table's pieces
+    narrow = paged_attention(q[few], kp, vp, table, slots[few], pos[few], 0.25)
+    assert torch.equal(narrow, paged_attention(q[few], kp, vp, table, slots[few], pos[few], 0.25, config=narrow_cfg))
+    torch.testing.assert_close(narrow, wide[few], **TOL[torch.float32])
+    assert not torch.equal(narrow, wide[few])  # rows of more than 3 blocks merge other pieces
+    assert tile_counters(q.device, 1).count_nonzero() == 0
+
+
 def test_prefetch_changes_no_bit():
     """The first block read early (AttentionConfig.prefetch): keys of earlier steps before the wait, the step's own
     keys (at or past the first query position) after it -- the same bits as reading every key in the loop, for
