@@ -71,6 +71,11 @@ VARIANTS = {
     # a grid of 8 / 16 programs per tile instead of 32 (no programs past a 1k-key row's keys with 8); 2 blocks a piece
     # from 1k / 2k keys
     "p8": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 8, prefetch=2)}},
+    # ... in at most 4 / 2 / 1 pieces (at B = 32 and 1k keys 384 / 192 / 96 programs, each streaming 2 / 4 / 8 blocks:
+    # fewer partials and merges, fewer bytes in flight; untimed)
+    "p4": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 4, prefetch=2)}},
+    "p2": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 2, prefetch=2)}},
+    "p1": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 3, 1, prefetch=2)}},
     "p16": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 16, prefetch=2)}},
     # decode pieces of at least 2 / 3 blocks of 128 keys (256 / 384: at 1k keys 4 / 3 pieces instead of 8), of at least
     # 3 / 4 blocks of 64 keys (192 / 256)
