@@ -312,11 +312,13 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                              fmt(floor),
                              fmt(t["decode"] / floor, 2), fmt(t.get("decode_fused", float("nan"))),
                              fmt(t.get("decode_unfused", float("nan"))), fmt(t.get("verify_fused", float("nan"))),
-                             fmt(t.get("verify_unfused", float("nan"))), step_launches, fmt(t["attn"]), fmt(attn_floor), fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
+                             fmt(t.get("verify_unfused", float("nan"))), step_launches, fmt(t["attn"]), fmt(attn_floor),
+                             fmt(t["attn"] / attn_floor, 2), fmt(fi_t)])
                 best = min(range(len(cfg_t)), key=lambda j: cfg_t[j] if cfg_t[j] == cfg_t[j] else float("inf"))
                 timed = cfg_t[best] == cfg_t[best]  # nan: a CPU smoke run
                 cfg_rows.append([b, ctx, *[fmt(x) for x in cfg_t], fmt(attn_floor),
-                                 CONFIG_CANDIDATES[best].describe() if timed else "-", fmt(cfg_t[best] / attn_floor, 2)])
+                                 CONFIG_CANDIDATES[best].describe() if timed else "-",
+                                 fmt(cfg_t[best] / attn_floor, 2)])
                 if shape in spec:
                     def spec_step(b=b, ctx0=ctx0):
                         st.ctx_lens.copy_(ctx0)
@@ -338,9 +340,9 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                  "K/V) at the copy bandwidth; attn = one layer's paged decode attention (T=1), attn floor = its "
                  "K/V bytes at the copy bandwidth",
                  f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
-                 "rows B*T at TP 1 for layers of <= 32 MiB of weights, else unfused); decode / verify fused / unfused: the same forwards with each "
-                 "layer forced (fused: Triton small-M GEMMs with norm / RoPE / SiLU / residual fused; unfused: cuBLAS "
-                 "GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
+                 "rows B*T at TP 1 for layers of <= 32 MiB of weights, else unfused); decode / verify fused / "
+                 "unfused: the same forwards with each layer forced (fused: Triton small-M GEMMs with norm / RoPE / "
+                 "SiLU / residual fused; unfused: cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         print_table(f"bench target: {name} decode step vs floor",
@@ -362,8 +364,8 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                 f"bench target: {name} speculative step vs target-only step",
                 ["B", "C", "spec step", "target-only step", "verify fwd", "spec - verify fwd", "spec / target-only"],
                 spec_rows, [f"K={k}; spec step = DSparkWorker.forward (verify forward, selection, strict acceptance, "
-                            f"drafter block decode, Markov chain), greedy rows; spec - verify fwd = what the drafter and "
-                            f"the step's tail add; times in us (CUDA-graph replay)"])
+                            "drafter block decode, Markov chain), greedy rows; spec - verify fwd = what the drafter "
+                            "and the step's tail add; times in us (CUDA-graph replay)"])
         del eng, worker, ref, kv, target, st
         if cuda:
             torch.cuda.empty_cache()
