@@ -342,7 +342,8 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                  f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
                  "rows B*T at TP 1 for layers of <= 32 MiB of weights, else unfused); decode / verify fused / "
                  "unfused: the same forwards with each layer forced (fused: Triton small-M GEMMs with norm / RoPE / "
-                 "SiLU / residual fused; unfused: cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / [B, K+1] forward (torch profiler)",
+                 "SiLU / residual fused; unfused: cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / "
+                 "[B, K+1] forward (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         print_table(f"bench target: {name} decode step vs floor",
