@@ -21,7 +21,8 @@ partial ``(o, lse)``, then counts its arrival on the tile's int32 counter (:func
 then an acq_rel atomic at GPU scope); the last to arrive merges the pieces each row uses and resets the
 counter to zero for the next launch. A tile whose keys fit one piece (a short context) writes its output
 directly, with neither partials nor atomics. The number of pieces is fixed by the table width (``max_pages *
-page_size``) and the settings, never by the batch: programs past a tile's length exit at once. Prefill tiles
+page_size``) and the settings, never by the batch (but for the settings of a decode step of more than 32 requests,
+:data:`DECODE_CONFIGS_WIDE`): programs past a tile's length exit at once. Prefill tiles
 (``T * G > 64``) take the whole key range in one program (flash-attention style) and write the output directly.
 
 Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions,

@@ -196,7 +196,8 @@ def test_decode_tiles_cut_each_rows_keys_in_pieces(group, d):
 
 def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     """A decode row's pieces follow from its own length: the same query at the same position over the same keys
-    gives the same bits at another row, in a batch of another size, next to rows of other lengths."""
+    gives the same bits at another row, in a batch of another size (on the same side of DECODE_WIDE_MIN_BATCH: the
+    wide pieces' test), next to rows of other lengths."""
     page, max_pages = 8, 48
     q, kp, vp, table, slots, pos = make_case(b=3, t=1, page_size=page, max_pages=max_pages, lens=[333, 20, 129])
     out = paged_attention(q, kp, vp, table, slots, pos, 0.25)
