@@ -61,12 +61,6 @@ VARIANTS = {
     "stages4": dict(DOT_STAGES=4),
     "firstpiecefirst": {"attn.LAST_PIECE_FIRST": False},  # the split axis in piece order (before the fifteenth)
     "oneblocknopf": {"attn.ONE_BLOCK_PREFETCH": False},  # the one-block form without its L2 prefetch (fourteenth)
-    # the split axis cut to ~2 / 4 / 8 programs per SM on every split launch (paged_attention.SPLIT_GRID_PROGRAMS,
-    # off); "nostrided": one program per piece everywhere
-    "strided": {"attn.SPLIT_GRID_PROGRAMS": 528, "attn.SPLIT_GRID_ANY_LAUNCH": True},
-    "strided264": {"attn.SPLIT_GRID_PROGRAMS": 264, "attn.SPLIT_GRID_ANY_LAUNCH": True},
-    "strided1056": {"attn.SPLIT_GRID_PROGRAMS": 1056, "attn.SPLIT_GRID_ANY_LAUNCH": True},
-    "nostrided": {"attn.SPLIT_GRID_PROGRAMS": 0},
     # decode tiles (head dim 64) cut in at most 8 / 16 pieces instead of 32: at 1k keys the same 8 one-block pieces,
     # a grid of 8 / 16 programs per tile instead of 32 (no programs past a 1k-key row's keys with 8); 2 blocks a piece
     # from 1k / 2k keys
@@ -87,7 +81,7 @@ VARIANTS = {
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,
-            "NORM_UNROLL_MAX": 0, "DOT_PEEL_FIRST_BLOCK": True, "attn.SPLIT_GRID_PROGRAMS": 0},
+            "NORM_UNROLL_MAX": 0, "DOT_PEEL_FIRST_BLOCK": True},
 }
 
 

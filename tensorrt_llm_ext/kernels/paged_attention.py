@@ -66,7 +66,7 @@ from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "DECODE_CONFIGS_WIDE", "DECODE_WIDE_MIN_BATCH", "SPLIT_TOKENS",
            "AttentionConfig", "decode_config", "one_block_form", "paged_attention", "paged_attention_reference",
-           "piece_blocks", "split_grid", "split_plan", "tile_counters"]
+           "piece_blocks", "split_plan", "tile_counters"]
 
 SPLIT_TOKENS = 128  # keys per sequence piece of a decode / verify tile (a fixed parameter, never per batch)
 MAX_SPLIT_ROWS = 64  # tiles of at most this many rows (T * G) are split along the sequence
@@ -90,20 +90,6 @@ LAST_PIECE_FIRST = True
 # step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile). Measured
 # (H100, graph replay at 1k keys): [1, 1] 506 -> 488 us, [32, 1] 1125 -> 1094, [4, 8] 865 -> 841.
 ONE_BLOCK_PREFETCH = True
-# The split axis's programs: 0, one per piece (the grid covers the widest table, so a short context's tiles hold many
-# programs past their keys). N > 0: the axis cut to about N programs in all (the batch's tiles times it; a power of
-# two, at most the pieces), each taking every grid_splits-th piece in turn -- the pieces, partials and merge order,
-# so every bit, unchanged; only how many programs carry them follows the batch (`split_grid`). Off: measured
-# (sixteenth session, graph replay / `bench target`), N = 528 (~4 per SM) gains only where most pieces are past the
-# keys and the launch is not programmatic ([64, 1] at 1k keys of a 4k table, H100: 1870 -> 1788 us) and loses
-# everywhere else: the programmatic [32, 1] at 1k keys 1043-1081 -> 1232-1256 us (H100: the dead pieces already exit
-# while the previous kernel runs, and the cut grid's register prefetch falls back to L2), verify tiles +10-15 %, and
-# B = 64 in an 8k table (H200) +7 % at 1k keys and +22 % at 8k (5260 -> 6407 us: a program walks its live pieces in
-# turn). The grid follows the table, not the lengths in use (graphs), so no shape-only rule keeps the gain alone.
-SPLIT_GRID_PROGRAMS = 0
-# Which launches take the cut grid when it is on: False, decode tiles (one query row) launched without programmatic
-# launch (the only launches it ever won); True, every split launch (the tests' and the profile's setting).
-SPLIT_GRID_ANY_LAUNCH = False
 _LOG2E = 1.4426950408889634
 
 
@@ -117,7 +103,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LAST_FIRST: tl.constexpr,
-    STRIDED: tl.constexpr, grid_splits,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -177,23 +162,7 @@ def _paged_attention_kernel(
         q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
     # Otherwise a piece past the tile's keys (the grid covers the widest table; its prefetch above is all masked
     # off) exits here, with no programmatic wait and no q: at B = 32 and 1k keys 15 of a tile's 32 decode programs.
-    if STRIDED:
-        # A program per grid_splits pieces (SPLIT_GRID_PROGRAMS): pieces piece, piece + grid_splits, ... in turn,
-        # each its own partial and arrival, the merge unchanged (the same bits); the first one's prefetch above.
-        if start < kv_len:
-            q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
-            for p in range(piece, num_splits, grid_splits):
-                p_start = p * split_len
-                if p_start < kv_len:
-                    _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, p, p_start,
-                                  tl.minimum(p_start + split_len, kv_len), kv_len, split_len,
-                                  fresh, j, j_ok, old, page, off, k, v,
-                                  k_pool_ptr, v_pool_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                                  t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits,
-                                  scale_log2, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                  stride_tab, stride_ob, stride_ot, stride_oh,
-                                  BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
-    elif start < kv_len:
+    if start < kv_len:
         if PREFETCH != 1:
             q = _wait_and_load_q(q_ptr, b, t, head, d, row_ok, d_ok, stride_qb, stride_qt, stride_qh, DOT_DTYPE, PDL)
         _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, start, end, kv_len, split_len,
@@ -520,16 +489,6 @@ def _check(q, k_pool, v_pool, page_table, slot_ids, positions):
         raise ValueError(f"paged_attention: num_heads={h} must be a multiple of kv_heads={k_pool.shape[2]}")
 
 
-def split_grid(tiles: int, splits: int, t: int, programmatic: bool) -> int:
-    """Programs along the split axis of a launch of ``tiles`` (rows x m tiles x KV heads) tiles of ``splits``
-    pieces, ``t`` query rows per request: ``splits`` (one per piece), or for the launches
-    :data:`SPLIT_GRID_ANY_LAUNCH` names, about :data:`SPLIT_GRID_PROGRAMS` in all (a power of two per tile, at most
-    ``splits``). Shape and launch kind only, never lengths: the bits are the same either way."""
-    if SPLIT_GRID_PROGRAMS <= 0 or splits <= 1 or not (SPLIT_GRID_ANY_LAUNCH or (t == 1 and not programmatic)):
-        return splits
-    return min(splits, triton.next_power_of_2(triton.cdiv(SPLIT_GRID_PROGRAMS, tiles)))
-
-
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                     slot_ids: torch.Tensor, positions: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None, config: AttentionConfig | None = None,
@@ -595,10 +554,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
         prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
-    grid_splits = split_grid(b * m_tiles * kvh, splits, t, pdl)
-    strided = grid_splits < splits
-    if strided and prefetch == 1:  # the register form holds one piece's block: a program of several prefetches
-        prefetch = 2 if pdl else 0  # to L2 (only under programmatic launch: not interpreted)
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -606,7 +561,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     else:
         part_o = part_lse = out
         counters = page_table
-    _paged_attention_kernel[(b * m_tiles, kvh, grid_splits)](
+    _paged_attention_kernel[(b * m_tiles, kvh, splits)](
         q, k_pool, v_pool, page_table, slot_ids, positions, out, part_o, part_lse, counters,
         t, group, h, d, m_tiles, page_table.shape[1], k_pool.shape[1], k_pool.shape[0] - 1, SPLIT_TOKENS, splits,
         cfg.min_blocks, float(scale) * _LOG2E,
@@ -619,8 +574,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         # the merge's order is fixed (piece order); more pieces' loads in flight where the partial tiles are small
         # (16 rows x 64: SmolLM2's decode; 16 x 128 spilled 40 B under Triton 3.7.1)
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
-        PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1 and not strided,
-        STRIDED=strided, grid_splits=grid_splits,
+        PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
         PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, width, splits)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,

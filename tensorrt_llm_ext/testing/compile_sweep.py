@@ -350,25 +350,6 @@ def _paged_attention():
                 paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
                                 torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), d ** -0.5,
                                 programmatic=programmatic)
-    # The cut split grid (paged_attention.split_grid, off by default: measured slower but where most pieces are
-    # past the keys), as the profile's `strided` variants launch it: programmatic decode and verify tiles. (Its
-    # decode tile without programmatic launch, the only form it ever won with, spills 8 B at 168 registers: not
-    # compiled here while off.)
-    import tensorrt_llm_ext.kernels.paged_attention as pa
-
-    before = pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH
-    pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH = 528, True
-    try:
-        for dtype in (torch.bfloat16, torch.float16):
-            for heads, kv_heads, d in _variants(dtype, ((9, 3, 64),)):
-                page, max_pages, b = 32, 128, 32  # a 4k table at B = 32: 8 programs per tile instead of 32 pieces
-                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-                pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
-                for t in (1, DRAFT_LENS[-1] + 1):
-                    paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
-                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5)
-    finally:
-        pa.SPLIT_GRID_PROGRAMS, pa.SPLIT_GRID_ANY_LAUNCH = before
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:

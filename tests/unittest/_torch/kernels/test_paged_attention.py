@@ -381,44 +381,6 @@ def test_last_piece_first_changes_no_bit(monkeypatch, t):
     torch.testing.assert_close(outs[1].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_strided_split_grid_changes_no_bit(monkeypatch, t):
-    """``SPLIT_GRID_PROGRAMS``: the split axis cut to fewer programs, each taking every grid_splits-th piece in turn
-    (1, 2 and 4 programs per tile here, a row of more pieces than programs included): the pieces, partials and merge
-    order are the grid's of one program per piece, so the bits are the same, and the counters end at zero."""
-    import tensorrt_llm_ext.kernels.paged_attention as pa
-    q, kp, vp, table, slots, pos = make_case(b=4, t=t, kvh=3, group=3, d=64, page_size=32, max_pages=40,
-                                             lens=[1270, 300, 130, 9], dtype=torch.bfloat16)
-    monkeypatch.setattr(pa, "SPLIT_GRID_PROGRAMS", 0)
-    want = paged_attention(q, kp, vp, table, slots, pos, 0.125)
-    monkeypatch.setattr(pa, "SPLIT_GRID_ANY_LAUNCH", True)  # verify tiles too (the shipped scope: decode only)
-    tiles = 4 * 3  # B x KV heads (one m tile)
-    for programs in (tiles, 2 * tiles, 4 * tiles - 1):
-        monkeypatch.setattr(pa, "SPLIT_GRID_PROGRAMS", programs)
-        got = paged_attention(q, kp, vp, table, slots, pos, 0.125)
-        assert torch.equal(got, want), programs
-        assert tile_counters(q.device, 1).count_nonzero() == 0
-
-
-def test_split_grid_scope(monkeypatch):
-    """The cut grid's scope: decode tiles (one query row) launched without programmatic launch take about
-    ``SPLIT_GRID_PROGRAMS`` programs (a power of two per tile, at most the pieces); programmatic launches and verify
-    tiles keep one program per piece unless ``SPLIT_GRID_ANY_LAUNCH``; 0 turns it off."""
-    import tensorrt_llm_ext.kernels.paged_attention as pa
-    monkeypatch.setattr(pa, "SPLIT_GRID_PROGRAMS", 528)
-    monkeypatch.setattr(pa, "SPLIT_GRID_ANY_LAUNCH", False)
-    assert pa.split_grid(64 * 3, 32, 1, False) == 4  # B = 64 decode, a 4k table: 768 programs instead of 6144
-    assert pa.split_grid(32 * 3, 32, 1, False) == 8
-    assert pa.split_grid(4 * 3, 32, 1, False) == 32  # few tiles: a program per piece already under N
-    assert pa.split_grid(64 * 3, 1, 1, False) == 1  # an unsplit tile
-    assert pa.split_grid(32 * 3, 32, 1, True) == 32  # programmatic launch: the fused layer's chain
-    assert pa.split_grid(64 * 3, 32, 8, False) == 32  # a verify tile
-    monkeypatch.setattr(pa, "SPLIT_GRID_ANY_LAUNCH", True)
-    assert pa.split_grid(32 * 3, 32, 1, True) == 8 and pa.split_grid(64 * 3, 32, 8, False) == 4
-    monkeypatch.setattr(pa, "SPLIT_GRID_PROGRAMS", 0)
-    assert pa.split_grid(64 * 3, 32, 1, False) == 32
-
-
 def test_split_tile_past_its_table_leaves_no_counter_behind():
     """A verify-shaped (split) tile whose padding rows reach past the slot's table -- a batched prefill's ragged
     block can -- would need more fixed pieces than the launch has: the merge counts only the pieces that exist, so
