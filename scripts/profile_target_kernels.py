@@ -45,6 +45,14 @@ def _table(title, ker, reps):
         print(f"{sum(v) / reps:9.1f} us  {len(v) / reps:5.0f} x {sum(v) / len(v):7.2f} us  {name[:110]}")
 
 
+_P4, _P2 = AttentionConfig(128, 4, 2, 4, prefetch=2), AttentionConfig(128, 4, 2, 2, prefetch=2)
+
+
+def _every_step(cfg: AttentionConfig) -> dict:
+    """Head dim 64's decode settings ``cfg`` at every batch (DECODE_CONFIGS_BY_BATCH emptied)."""
+    return {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: cfg}, "attn.DECODE_CONFIGS_BY_BATCH": {}}
+
+
 # Settings of the small-step GEMMs the --variants mode times (module constants of fused_linear, also read by
 # fused_qkv; "attn.X": paged_attention's X; "model.X": llama_target's X).
 VARIANTS = {
@@ -64,20 +72,34 @@ VARIANTS = {
     # decode tiles (head dim 64) cut in at most 8 / 16 pieces instead of 32: at 1k keys the same 8 one-block pieces,
     # a grid of 8 / 16 programs per tile instead of 32 (no programs past a 1k-key row's keys with 8); 2 blocks a piece
     # from 1k / 2k keys
-    "p8": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 8, prefetch=2)}},
-    # ... in at most 4 / 2 / 1 pieces (at B = 32 and 1k keys 384 / 192 / 96 programs, each streaming 2 / 4 / 8 blocks:
-    # fewer partials and merges, fewer bytes in flight; untimed)
-    "p4": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 4, prefetch=2)}},
-    "p2": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 2, prefetch=2)}},
-    "p1": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 3, 1, prefetch=2)}},
-    "p16": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 16, prefetch=2)}},
+    "p8": _every_step(AttentionConfig(128, 4, 2, 8, prefetch=2)),
+    # ... in at most 4 / 2 / 1 pieces (at B = 32 and 1k keys 384 / 192 / 96 programs, each streaming 2 / 4 / 8 blocks;
+    # the seventeenth session's A/B: p4 at B = 17-32 and p2 above shipped, DECODE_CONFIGS_BY_BATCH)
+    "p4": _every_step(AttentionConfig(128, 4, 2, 4, prefetch=2)),
+    "p2": _every_step(AttentionConfig(128, 4, 2, 2, prefetch=2)),
+    "p1": _every_step(AttentionConfig(128, 4, 3, 1, prefetch=2)),
+    "p16": _every_step(AttentionConfig(128, 4, 2, 16, prefetch=2)),
+    # around p4 (the seventeenth session's best at [32, 1]): 3 / 6 pieces, 3 stages, 64-key blocks
+    "p3": _every_step(AttentionConfig(128, 4, 2, 3, prefetch=2)),
+    "p6": _every_step(AttentionConfig(128, 4, 2, 6, prefetch=2)),
+    "p4s3": _every_step(AttentionConfig(128, 4, 3, 4, prefetch=2)),
+    "n64p4": _every_step(AttentionConfig(64, 4, 2, 4, prefetch=2)),
+    # the pieces of steps of more than 32 requests: at most 1 / 4 / 8 a row (2 shipped since the seventeenth session)
+    "wp1": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, AttentionConfig(128, 4, 3, 1, prefetch=2)))}},
+    "wp4": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, _P4))}},
+    "wp8": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, AttentionConfig(128, 4, 2, 8, prefetch=2)))}},
+    # ... of more than 64: 1 (p1 at B = 32, 96 programs, lost 40 %; at 128 requests 384)
+    "xp1": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, _P2),
+                                                 (65, AttentionConfig(128, 4, 3, 1, prefetch=2)))}},
+    "narrow": {"attn.DECODE_CONFIGS_BY_BATCH": {}},  # every decode step on DECODE_CONFIGS (before 2026-12-05)
+    # the sixteenth session's rule: pieces of at least 3 blocks from 33 requests, the table's below
+    "wide16": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((33, AttentionConfig(128, 4, 2, 32, 3, prefetch=2)),)}},
     # decode pieces of at least 2 / 3 blocks of 128 keys (256 / 384: at 1k keys 4 / 3 pieces instead of 8), of at least
     # 3 / 4 blocks of 64 keys (192 / 256)
-    "narrow": {"attn.DECODE_WIDE_MIN_BATCH": 1 << 30},  # every decode step on DECODE_CONFIGS (before 2026-12-05)
-    "m2": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 2, prefetch=2)}},
-    "m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(128, 4, 2, 32, 3, prefetch=2)}},
-    "n64m3": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(64, 4, 2, 32, 3, prefetch=2)}},
-    "n64m4": {"attn.DECODE_CONFIGS": {**DECODE_CONFIGS, 64: AttentionConfig(64, 4, 2, 32, 4, prefetch=2)}},
+    "m2": _every_step(AttentionConfig(128, 4, 2, 32, 2, prefetch=2)),
+    "m3": _every_step(AttentionConfig(128, 4, 2, 32, 3, prefetch=2)),
+    "n64m3": _every_step(AttentionConfig(64, 4, 2, 32, 3, prefetch=2)),
+    "n64m4": _every_step(AttentionConfig(64, 4, 2, 32, 4, prefetch=2)),
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,

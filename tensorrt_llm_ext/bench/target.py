@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
     ensure_triton_interpreter()
-    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, DECODE_CONFIGS_WIDE, AttentionConfig
+    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS, DECODE_CONFIGS_BY_BATCH, AttentionConfig
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -195,11 +195,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from tensorrt_llm_ext.runtime.config import ConfigError
 
-    saved, saved_wide = dict(DECODE_CONFIGS), dict(DECODE_CONFIGS_WIDE)
+    saved, saved_by_batch = dict(DECODE_CONFIGS), dict(DECODE_CONFIGS_BY_BATCH)
     try:
         if forced is not None:  # at every batch size
             DECODE_CONFIGS.update(dict.fromkeys(DECODE_CONFIGS, forced))
-            DECODE_CONFIGS_WIDE.update(dict.fromkeys(DECODE_CONFIGS_WIDE, forced))
+            DECODE_CONFIGS_BY_BATCH.clear()
         return _run(args, sizes, contexts, shapes, spec, cuda)
     except ConfigError as e:  # --batch-sizes / --contexts / --draft-len / --page-size outside the config's bounds
         print(f"error: bench target: {e}", file=sys.stderr)
@@ -207,12 +207,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         DECODE_CONFIGS.clear()
         DECODE_CONFIGS.update(saved)
-        DECODE_CONFIGS_WIDE.clear()
-        DECODE_CONFIGS_WIDE.update(saved_wide)
+        DECODE_CONFIGS_BY_BATCH.clear()
+        DECODE_CONFIGS_BY_BATCH.update(saved_by_batch)
 
 
 def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
-    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, DECODE_WIDE_MIN_BATCH, SPLIT_TOKENS,
+    from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, DECODE_CONFIGS_BY_BATCH, SPLIT_TOKENS,
                                                           decode_config, paged_attention)
     from tensorrt_llm_ext.kernels.common import set_programmatic_launch
     from tensorrt_llm_ext.models.llama_target import FUSED_MAX_ROWS
@@ -357,9 +357,9 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                 [f"one layer's [B, 1] paged decode attention (us, CUDA-graph replay) with each of CONFIG_CANDIDATES "
                  f"(nN = keys per iteration, wW = warps, sS = pipeline stages, pP = a decode row's keys in P pieces "
                  f"sized from its length, f = fixed {SPLIT_TOKENS}-key pieces); the model runs "
-                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()} (steps of at least "
-                 f"{DECODE_WIDE_MIN_BATCH} requests: "
-                 f"{decode_config(tcfg.head_dim, DECODE_WIDE_MIN_BATCH).describe()})"])
+                 f"DECODE_CONFIGS[{tcfg.head_dim}] = {decode_config(tcfg.head_dim).describe()}"
+                 + "".join(f", from {n} requests {c.describe()}"
+                           for n, c in DECODE_CONFIGS_BY_BATCH.get(tcfg.head_dim, ()))])
         if spec_rows:
             print_table(
                 f"bench target: {name} speculative step vs target-only step",

@@ -21,8 +21,8 @@ partial ``(o, lse)``, then counts its arrival on the tile's int32 counter (:func
 then an acq_rel atomic at GPU scope); the last to arrive merges the pieces each row uses and resets the
 counter to zero for the next launch. A tile whose keys fit one piece (a short context) writes its output
 directly, with neither partials nor atomics. The number of pieces is fixed by the table width (``max_pages *
-page_size``) and the settings, never by the batch (but for the settings of a decode step of more than 32 requests,
-:data:`DECODE_CONFIGS_WIDE`): programs past a tile's length exit at once. Prefill tiles
+page_size``) and the settings, never by the batch (but for the settings of decode steps of more than 16 and more than
+32 requests, :data:`DECODE_CONFIGS_BY_BATCH`): programs past a tile's length exit at once. Prefill tiles
 (``T * G > 64``) take the whole key range in one program (flash-attention style) and write the output directly.
 
 Programmatic dependent launch (Hopper, :func:`~tensorrt_llm_ext.kernels.common.programmatic_launch`): positions,
@@ -64,7 +64,7 @@ from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programma
                                              refuse_allocation_while_capturing)
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
-__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "DECODE_CONFIGS_WIDE", "DECODE_WIDE_MIN_BATCH", "SPLIT_TOKENS",
+__all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "DECODE_CONFIGS_BY_BATCH", "SPLIT_TOKENS",
            "AttentionConfig", "decode_config", "one_block_form", "paged_attention", "paged_attention_reference",
            "piece_blocks", "split_plan", "tile_counters"]
 
@@ -365,8 +365,8 @@ class AttentionConfig:
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch but at
-# DECODE_WIDE_MIN_BATCH below; the prefetch, which changes no bit, may follow the grid); `bench target` times
-# CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's
+# DECODE_CONFIGS_BY_BATCH's boundaries below; the prefetch, which changes no bit, may follow the grid); `bench target`
+# times CONFIG_CANDIDATES at every (B, C) (docs/target_forward.md). Head dim 64 (SmolLM2, H200, 2026-12-04, seventh session's
 # sweep with FlashInfer in the run): 128 keys per block, 4 warps, 2 stages, a decode row's keys in 32 pieces of whole
 # blocks, the first two blocks brought to L2 before the programmatic wait ("n128w4s2p32l": within 1.2x of FlashInfer's
 # decode at 7 of 8 shapes, where 64-key blocks ("p32a") were at 6: B = 1 C = 8k 12.8 us vs 14.5, +0.4 us at B = 1 C =
@@ -375,15 +375,19 @@ class AttentionConfig:
 # 8B shape runs the unfused layer, without programmatic launch, so without prefetch).
 DECODE_CONFIGS: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, prefetch=2),
                                               128: AttentionConfig(64, 4, 3, 16)}
-# Decode steps of at least DECODE_WIDE_MIN_BATCH requests take these instead (head dims listed): a row's pieces at
-# least 3 blocks long (384 keys; a 1k-key row in 3 pieces instead of 8). Measured (sixteenth session, graph replay of
-# the forward, 4k table): [64, 1] at 1k keys 1872 -> 1720 us (H100); at B = 32 it gains from 2k keys (-6 %) and not at
-# 1k, at B <= 16 it loses (+6-25 %), so it starts above the 32-request step. Verify tiles (fixed pieces) and every
-# other setting are the table's. The rule changes a row's bits with the batch only at 32 -> 33 requests: a graph
-# bucket's boundary under the default power-of-two buckets (cuda_graph_config.batch_sizes), as FUSED_MAX_ROWS's, so
-# a step padded to its bucket gives the eager step's bits; configured buckets that straddle 32 do not.
-DECODE_WIDE_MIN_BATCH = 33
-DECODE_CONFIGS_WIDE: dict[int, AttentionConfig] = {64: AttentionConfig(128, 4, 2, 32, 3, prefetch=2)}
+# Decode steps of more requests take fewer, longer pieces (head dims listed): from 17 requests at most 4 pieces a row,
+# from 33 at most 2 -- about one wave of programs, B x KVH x pieces ~ 384 at SmolLM2's 3 KV heads (~3 decode tiles per
+# SM on 132 SMs, the two-stage tile's occupancy), where the table's 32 one-block pieces of a 1k-key row run 768 / 1536
+# programs in two / four waves, each a full latency chain. Measured (seventeenth session, graph replay of the forward,
+# us): [32, 1] 1 / 2 / 4 / 8k keys 1041 -> 1019, 1537 -> 1348 (H200), 2114 -> 1795, 3323 -> 2762 (H100); [64, 1] 1k
+# / 8k 1696 -> 1591, 5684 -> 4934 (H100; against the sixteenth session's pieces of at least 3 blocks, which had taken
+# 1824 -> 1650 on the H200). Below 17 requests the table's pieces stay (B = 16: 4 pieces +3-4 %, B = 8: 16 pieces
+# -7 % at 4k keys but +3 % at 2k; B = 1 loses with any fewer). Each entry is (first batch, settings), in order; the
+# rule changes a row's bits with the batch only at 16 -> 17 and 32 -> 33 requests: graph buckets' boundaries under the
+# default power-of-two buckets (cuda_graph_config.batch_sizes), as FUSED_MAX_ROWS's, so a step padded to its bucket
+# gives the eager step's bits; configured buckets that straddle 16 or 32 do not.
+DECODE_CONFIGS_BY_BATCH: dict[int, tuple[tuple[int, AttentionConfig], ...]] = {
+    64: ((17, AttentionConfig(128, 4, 2, 4, prefetch=2)), (33, AttentionConfig(128, 4, 2, 2, prefetch=2)))}
 # The benchmark's sweep around it (fourteenth session, docs/target_forward.md). Per program at T = 1 (sm_90, Triton
 # 3.6.0): the model's setting 148 registers x 4 warps (3 programs per SM: B = 32 C = 1k's 768 one-block pieces in two
 # waves); without prefetch 168, one stage 128 (4); 64-key blocks 90-96 (5); 32-key blocks at 2 warps 96-122 (8-10),
@@ -395,7 +399,8 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
                      AttentionConfig(64, 4, 2, 8), AttentionConfig(32, 2, 2, 32, 4),
                      AttentionConfig(32, 2, 2, 32, 4, prefetch=2), AttentionConfig(32, 4, 2, 32, 4),
                      AttentionConfig(32, 2, 3, 32, 4), AttentionConfig(64, 2, 1, 32, 2),
-                     AttentionConfig(128, 4, 2, 32, 3, prefetch=2))  # the last: DECODE_CONFIGS_WIDE[64]
+                     AttentionConfig(128, 4, 2, 4, prefetch=2), AttentionConfig(128, 4, 2, 2, prefetch=2))
+# (the last two: DECODE_CONFIGS_BY_BATCH[64])
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -427,11 +432,14 @@ def one_block_form(cfg: AttentionConfig, row_pieces: int, width: int, splits: in
 
 
 def decode_config(head_dim: int, batch: int = 1) -> AttentionConfig:
-    """The table's settings for ``head_dim`` at a step of ``batch`` requests (:data:`DECODE_CONFIGS_WIDE` from
-    :data:`DECODE_WIDE_MIN_BATCH` requests; the default settings for a head dim no table lists)."""
-    if batch >= DECODE_WIDE_MIN_BATCH and head_dim in DECODE_CONFIGS_WIDE:
-        return DECODE_CONFIGS_WIDE[head_dim]
-    return DECODE_CONFIGS.get(head_dim, AttentionConfig())
+    """The settings for ``head_dim`` at a decode step of ``batch`` requests: the last entry of
+    :data:`DECODE_CONFIGS_BY_BATCH` whose first batch ``batch`` reaches, else :data:`DECODE_CONFIGS` (the default
+    settings for a head dim no table lists)."""
+    cfg = DECODE_CONFIGS.get(head_dim, AttentionConfig())
+    for first, by_batch in DECODE_CONFIGS_BY_BATCH.get(head_dim, ()):
+        if batch >= first:
+            cfg = by_batch
+    return cfg
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

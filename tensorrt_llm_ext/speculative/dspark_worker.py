@@ -344,7 +344,7 @@ class DSparkWorker(SpecWorkerBase):
                 st, ss, slots_l = self.state, self.slot_sampling, slots.long()
                 offsets = st.ctx_lens[slots_l].long() + 1
                 biased, drafts = self.markov(base, tail.bonus_tokens, ss.temps[slots_l], ss.seeds[slots_l], offsets)
-                self.metadata.draft_logits.index_copy_(0, slots_l, self.verifier.store_width(biased))
+                self.ops.store_rows(self.metadata.draft_logits, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
         if getattr(self.drafter, "has_confidence_head", False):
             with nvtx_range("draft_confidence"):

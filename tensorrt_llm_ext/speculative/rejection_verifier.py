@@ -131,14 +131,14 @@ class RejectionVerifier:
     # -- draft side ------------------------------------------------------------------------------------
     def store_width(self, biased: torch.Tensor) -> torch.Tensor:
         """The Markov chain's biased logits ``[B, K, V_chain]`` in the stored layout ``[B, K, W]``: as they are
-        when the widths agree; all-gathered to ``[B, K, V]`` when verification is gathered but the chain
-        ran on a shard (bounded: ``B * K * V_local`` per rank)."""
+        when the widths agree; all-gathered to ``[B, K, V]`` (contiguous) when verification is gathered but the
+        chain ran on a shard (bounded: ``B * K * V_local`` per rank)."""
         if biased.shape[-1] == self.width:
             return biased
         if self.decision.sharded:
             raise ValueError(f"RejectionVerifier: draft logits of width {biased.shape[-1]}, the sharded "
                              f"verification stores {self.width} columns")
-        return allgather(biased, self.mapping, dim=-1)[..., :self.vocab_size]
+        return allgather(biased, self.mapping, dim=-1)[..., :self.vocab_size].contiguous()  # rows stored whole
 
     # -- verification ------------------------------------------------------------------------------------
     def verify(self, fn, target_logits: torch.Tensor, stored: torch.Tensor, slots: torch.Tensor,

@@ -252,6 +252,15 @@ def _rms_norm():
             rms_norm(x, w, 1e-5, residual=torch.zeros_like(x))
 
 
+def _row_scatter():  # the sampled step's draft-logits store: [B, K, V] rows of the model's dtypes, int64 slots
+    from tensorrt_llm_ext.kernels.row_scatter import scatter_rows
+
+    for dtype in FLOATS:
+        for k in _variants(dtype, DRAFT_LENS):
+            rows = torch.zeros(3, k, VOCAB, dtype=dtype)
+            scatter_rows(torch.zeros(4, k, VOCAB, dtype=dtype), torch.zeros(3, dtype=torch.int64), rows)
+
+
 def _block_loss():  # train-drafter's loss rows (not in the captured step)
     from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, teacher_stats
 
@@ -335,21 +344,20 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, t, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, t, dtype=torch.int64), d ** -0.5,
                                     config=replace(cfg, prefetch=form))
-    # The wide decode pieces (DECODE_CONFIGS_WIDE) of a step of DECODE_WIDE_MIN_BATCH requests or more, in a 4k table:
-    # under programmatic launch and without it (the unfused layer's steps of more than 32 requests).
-    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS_WIDE, DECODE_WIDE_MIN_BATCH
+    # The decode pieces of larger steps (DECODE_CONFIGS_BY_BATCH), each at its first batch in a 4k table: under
+    # programmatic launch and without it (the unfused layer's steps of more than 32 requests).
+    from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS_BY_BATCH
 
     for dtype in (torch.bfloat16, torch.float16):
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64),)):
-            if d not in DECODE_CONFIGS_WIDE:
-                continue
-            page, max_pages, b = 32, 128, DECODE_WIDE_MIN_BATCH
-            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-            pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
-            for programmatic in (None, False):
-                paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
-                                torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), d ** -0.5,
-                                programmatic=programmatic)
+            for b, _ in DECODE_CONFIGS_BY_BATCH.get(d, ()):
+                page, max_pages = 32, 128
+                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+                pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+                for programmatic in (None, False):
+                    paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
+                                    torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64),
+                                    d ** -0.5, programmatic=programmatic)
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:
@@ -479,6 +487,7 @@ SWEEP: tuple[SweepCase, ...] = (
                                                       _K + "paged_latent:_paged_latent_step_kernel",
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
+    SweepCase("row_scatter", _row_scatter, (_K + "row_scatter:_scatter_rows_kernel",), cost=1),
     SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",
                                           _K + "block_loss:_teacher_stats_kernel"), captured=False, cost=5),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",

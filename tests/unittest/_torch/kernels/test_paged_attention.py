@@ -196,8 +196,8 @@ def test_decode_tiles_cut_each_rows_keys_in_pieces(group, d):
 
 def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     """A decode row's pieces follow from its own length: the same query at the same position over the same keys
-    gives the same bits at another row, in a batch of another size (on the same side of DECODE_WIDE_MIN_BATCH: the
-    wide pieces' test), next to rows of other lengths."""
+    gives the same bits at another row, in a batch of another size (on the same side of DECODE_CONFIGS_BY_BATCH's
+    boundaries: the next test), next to rows of other lengths."""
     page, max_pages = 8, 48
     q, kp, vp, table, slots, pos = make_case(b=3, t=1, page_size=page, max_pages=max_pages, lens=[333, 20, 129])
     out = paged_attention(q, kp, vp, table, slots, pos, 0.25)
@@ -206,31 +206,32 @@ def test_decode_tile_bits_depend_on_the_rows_own_position_and_keys_only():
     assert torch.equal(out2[0], out[2]) and torch.equal(out2[1], out[0])
 
 
-def test_wide_batch_decode_steps_take_the_wide_pieces(monkeypatch):
-    """From ``DECODE_WIDE_MIN_BATCH`` requests a decode step takes ``DECODE_CONFIGS_WIDE`` (here pieces of at least 3
-    blocks): within the twin's tolerance, a row's bits the same in any batch of at least that many requests (the
-    rule follows the step's size, never its lengths); below it the table's pieces, whose merges differ."""
+def test_larger_decode_steps_take_fewer_pieces(monkeypatch):
+    """``DECODE_CONFIGS_BY_BATCH``: from each entry's first batch a decode step takes its settings (here at most 4
+    pieces from 5 requests, at most 2 from 9; the table's 8 below): within the twin's tolerance everywhere, a row's
+    bits the same in any batch on the same side of a boundary (the rule follows the step's size, never its lengths),
+    and other bits across a boundary (other merges)."""
     import tensorrt_llm_ext.kernels.paged_attention as pa
-    narrow_cfg, wide_cfg = AttentionConfig(16, 4, 2, 8), AttentionConfig(16, 4, 2, 8, 3)
-    monkeypatch.setattr(pa, "DECODE_CONFIGS", {16: narrow_cfg})
-    monkeypatch.setattr(pa, "DECODE_CONFIGS_WIDE", {16: wide_cfg})
-    n = pa.DECODE_WIDE_MIN_BATCH
-    assert pa.decode_config(16, n - 1) == narrow_cfg and pa.decode_config(16, n) == wide_cfg
-    assert pa.decode_config(32, n) == AttentionConfig()  # a head dim no table lists
-    b = n + 5
-    lens = [1 + (37 * i) % 64 for i in range(b)]
-    q, kp, vp, table, slots, pos = make_case(b=b, t=1, kvh=1, group=2, d=16, page_size=4, max_pages=16, lens=lens)
-    wide = paged_attention(q, kp, vp, table, slots, pos, 0.25)
-    torch.testing.assert_close(wide, paged_attention_reference(q, kp, vp, table, slots, pos, 0.25),
-                               **TOL[torch.float32])
-    assert torch.equal(wide, paged_attention(q, kp, vp, table, slots, pos, 0.25, config=wide_cfg))
-    sub = list(range(5, 5 + n))  # another step of n requests
-    assert torch.equal(paged_attention(q[sub], kp, vp, table, slots[sub], pos[sub], 0.25), wide[sub])
-    few = list(range(n - 1))  # one request fewer: the table's pieces
-    narrow = paged_attention(q[few], kp, vp, table, slots[few], pos[few], 0.25)
-    assert torch.equal(narrow, paged_attention(q[few], kp, vp, table, slots[few], pos[few], 0.25, config=narrow_cfg))
-    torch.testing.assert_close(narrow, wide[few], **TOL[torch.float32])
-    assert not torch.equal(narrow, wide[few])  # rows of more than 3 blocks merge other pieces
+    cfgs = [AttentionConfig(16, 4, 2, 8), AttentionConfig(16, 4, 2, 4), AttentionConfig(16, 4, 2, 2)]
+    monkeypatch.setattr(pa, "DECODE_CONFIGS", {16: cfgs[0]})
+    monkeypatch.setattr(pa, "DECODE_CONFIGS_BY_BATCH", {16: ((5, cfgs[1]), (9, cfgs[2]))})
+    assert [pa.decode_config(16, n) for n in (1, 4, 5, 8, 9, 100)] == [cfgs[0]] * 2 + [cfgs[1]] * 2 + [cfgs[2]] * 2
+    assert pa.decode_config(32, 100) == AttentionConfig()  # a head dim no table lists
+    b = 14
+    lens = [200 + (37 * i) % 56 for i in range(b)]  # 13-16 blocks of 16 keys: pieces of 1-2 / 4 / 7-8 blocks
+    q, kp, vp, table, slots, pos = make_case(b=b, t=1, kvh=1, group=2, d=16, page_size=4, max_pages=64, lens=lens)
+    ref = paged_attention_reference(q, kp, vp, table, slots, pos, 0.25)
+    outs = {}
+    for n, cfg in ((4, cfgs[0]), (8, cfgs[1]), (b, cfgs[2])):  # the largest step on each side of each boundary
+        rows = list(range(n))
+        out = paged_attention(q[rows], kp, vp, table, slots[rows], pos[rows], 0.25)
+        torch.testing.assert_close(out, ref[rows], **TOL[torch.float32])
+        assert torch.equal(out, paged_attention(q[rows], kp, vp, table, slots[rows], pos[rows], 0.25, config=cfg))
+        outs[n] = out
+    # another step of 5 / 9 requests (rows 3.. / 5..): the same bits as the step of 8 / 14 on the same side
+    assert torch.equal(paged_attention(q[3:8], kp, vp, table, slots[3:8], pos[3:8], 0.25), outs[8][3:8])
+    assert torch.equal(paged_attention(q[5:14], kp, vp, table, slots[5:14], pos[5:14], 0.25), outs[b][5:14])
+    assert not torch.equal(outs[4], outs[8][:4]) and not torch.equal(outs[8], outs[b][:8])
     assert tile_counters(q.device, 1).count_nonzero() == 0
 
 
