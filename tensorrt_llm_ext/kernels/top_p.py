@@ -24,7 +24,8 @@ registers and multiplies by each bucket's one weight, earlier rounds add atomica
 ranks every rank sums the chunks' buckets and scans them from the top for the first whose cumulative
 mass (plus the mass above the prefix) reaches ``tau``. The resolve of round ``r`` runs at the start of the kernel
 of round ``r + 1`` (every program of a row resolves the same, the program of chunk 0 stores it); rows the window
-resolved histogram nothing (their programs skip the pass). The logits' dtype decides how many rounds there are
+resolved (:func:`top_p_window`: one program per row, before round 0, its result read by every later program)
+histogram nothing (their programs skip the pass). The logits' dtype decides how many rounds there are
 (:func:`radix_rounds`); after the last the boundary value ``b*`` and the mass strictly above it are exact, and
 the same as the window's where both apply (the same definition).
 
@@ -37,8 +38,8 @@ helper, used by the mask kernel and by the draw) derives all of it where it is n
 separate finalize launch.
 
 Launches of :func:`~tensorrt_llm_ext.speculative.verification.top_p_keep`: ``verify_keys``,
-``verify_sums`` (the window), rounds 0..n (n = 1 bf16, 2 fp16, 3 fp32), ties, mask: bf16 6 launches, 5 exchanges
-(MAX, SUM, 2 x SUM, gather).
+``verify_sums`` (the window's counts), ``top_p_window``, rounds 0..n (n = 1 bf16, 2 fp16, 3 fp32), ties, mask: bf16
+7 launches, 5 exchanges (MAX, SUM, 2 x SUM, gather).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (HIST_BUCKETS, SUMS_COL
 __all__ = [
     "bucket_key", "final_rows", "final_rows_torch", "kept_in_tile", "kept_torch", "radix_rounds", "row_tau", "top_p_mask",
     "top_p_mask_reference", "window_key", "window_resolve", "window_resolve_torch",
-    "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference",
+    "check_sub", "top_p_round", "top_p_round_reference", "top_p_ties", "top_p_ties_reference", "top_p_window",
+    "top_p_window_reference",
 ]
 
 
@@ -216,6 +218,7 @@ def _top_p_round_kernel(
     temp_ptr, top_p_ptr,  # [R // row_div] fp32
     sums_ptr,  # [R, S, cols_t] int64 exchanged (Z in column 0)
     prev_ptr,  # the previous round's exchanged histogram, [R, S, 256] at strides (prev_rs, prev_ss)
+    window_ptr,  # [R, 2] int64 (b* or -1, mass above b*): the window's resolution (top_p_window)
     state_prev_ptr,  # [R, 2] int64 (prefix, mass above) before this round's digit
     state_out_ptr,  # [R, 2] int64 written by the program of chunk 0
     out_ptr,  # [R, S, 256] int64 histogram (rounds) or [R, S * n_sub, 2] tie counts (TIES), every slot written
@@ -241,9 +244,12 @@ def _top_p_round_kernel(
     srow = sums_ptr + r64 * num_splits * cols_t
     z = split_reduce(srow, num_splits, cols_t, row >= 0, SPLITS, False)
     tau = row_tau(tl.load(top_p_ptr + b), z, temp, True)
-    # a row whose boundary lies among its 256 largest values is resolved by verify_sums' window: no round
-    # histograms it, and the tie count takes its boundary from the window
-    wres, wkey, wmass = window_resolve(srow + 3, num_splits, cols_t, m, c, tau, SHIFT, SPLITS)
+    # a row whose boundary lies among its 256 largest values is resolved by verify_sums' window (top_p_window,
+    # once per row; the counts from sums column 3 = SUMS_COLS): no round histograms it, and the tie count takes its
+    # boundary from the window
+    wkey = tl.load(window_ptr + r64 * 2)
+    wmass = tl.load(window_ptr + r64 * 2 + 1)
+    wres = wkey >= 0
     pv = tl.load(state_prev_ptr + r64 * 2)
     mv = tl.load(state_prev_ptr + r64 * 2 + 1)
     if TIES:
@@ -330,6 +336,27 @@ def _top_p_round_kernel(
                 hit = valid & is_finite(x) & ((u >> sh_match) == prefix)
                 w = fixed_point_weight(x, m, c, hit)
                 hist_add(out, ((u >> sh_digit) & 255).to(tl.int32), w)
+
+
+@triton.jit
+def _top_p_window_kernel(
+    keys_ptr, temp_ptr, top_p_ptr,  # as in _top_p_round_kernel
+    sums_ptr,  # [R, S, cols_t] int64 exchanged (Z in column 0, the window's counts from column 3)
+    out_ptr,  # [R, 2] int64: (b*, mass above b*) where the window resolves the row, else (-1, 0)
+    cols_t, num_splits, row_div, SPLITS: tl.constexpr, SHIFT: tl.constexpr,
+):
+    # one program per row: the window's boundary, read by every program of the rounds and the tie count (each
+    # had resolved the row's whole window itself: rows x chunks x 3 scans of S x 256 counts)
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    b = row // row_div
+    temp = tl.load(temp_ptr + b)
+    m = decode_max_key(row_max_from_keys(keys_ptr, row, num_splits, SPLITS))
+    srow = sums_ptr + r64 * num_splits * cols_t
+    tau = row_tau(tl.load(top_p_ptr + b), split_reduce(srow, num_splits, cols_t, row >= 0, SPLITS, False), temp, True)
+    wres, wkey, wmass = window_resolve(srow + 3, num_splits, cols_t, m, weight_scale(temp), tau, SHIFT, SPLITS)
+    tl.store(out_ptr + r64 * 2, tl.where(wres, wkey, -1))
+    tl.store(out_ptr + r64 * 2 + 1, tl.where(wres, wmass, 0))
 
 
 @triton.jit
@@ -477,16 +504,48 @@ def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
     return n_valid, splits, chunk
 
 
+def top_p_window(logits, keys, temperatures, top_p, sums, window, vocab_start: int, vocab_size: int, *,
+                 row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
+    """The top-p window's boundary of every row, once: ``window [R, 2]`` int64 = ``(b*, mass above b*)`` where the
+    exchanged window counts of ``sums [R, S, cols_t]`` (``verify_sums``) resolve the row (:func:`window_resolve`),
+    else ``(-1, 0)`` (the rounds find it). Read by :func:`top_p_round` and :func:`top_p_ties`. One launch, one
+    program per row; CUDA-graph safe."""
+    _check_round(logits, keys, temperatures, top_p, sums, None, None, window, row_div, block_size, num_splits,
+                 vocab_start, vocab_size)
+    rows = logits.shape[0]
+    if rows == 0:
+        return
+    splits = sums.shape[1]
+    _top_p_window_kernel[(rows,)](keys, temperatures, top_p, sums, window, sums.shape[2], splits, row_div,
+                                  SPLITS=triton.next_power_of_2(splits), SHIFT=key_shift(logits.dtype), num_warps=4)
+
+
+def top_p_window_reference(logits, keys, temperatures, top_p, sums, window, vocab_start: int, vocab_size: int, *,
+                           row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
+    """Eager twin of :func:`top_p_window`."""
+    _check_round(logits, keys, temperatures, top_p, sums, None, None, window, row_div, block_size, num_splits,
+                 vocab_start, vocab_size)
+    c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
+    wres, wkey, wmass = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
+    window[:, 0] = torch.where(wres, wkey, -1)
+    window[:, 1] = torch.where(wres, wmass, 0)
+
+
+def _window_state(window, rows: int, device) -> torch.Tensor:
+    check_tensor("window", window, shape=(rows, 2), dtype=torch.int64, device=device, contiguous=True)
+    return window
+
+
 def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
-                vocab_start: int, vocab_size: int, rnd: int, *, row_div: int = 1, block_size: int = 2048,
-                num_splits: int = 1) -> None:
+                vocab_start: int, vocab_size: int, rnd: int, *, window: torch.Tensor, row_div: int = 1,
+                block_size: int = 2048, num_splits: int = 1) -> None:
     """Radix round ``rnd`` (0..3): resolve the previous digit into ``state_out`` and histogram the next.
 
     ``sums [R, S, cols_t]`` (the exchanged target part of ``verify_sums``, with its top-p window),
     ``prev_hist [R, S, 256]`` (the exchanged histogram of round ``rnd - 1``; None for round 0),
     ``state_prev``/``state_out`` ``[R, 2]`` (prefix, mass above; rounds 0 and 1 start from the empty prefix and
     ignore ``state_prev``, which may be None), ``hist_out [R, S, 256]`` int64, every slot written (SUM-exchanged
-    next). Rows that the window resolves (:func:`window_resolve`) histogram nothing (zeros). One launch; CUDA-graph
+    next). Rows that the window resolves (``window``, :func:`top_p_window`) histogram nothing (zeros). One launch; CUDA-graph
     safe. The logits' last round (:func:`radix_rounds`) histograms counts in registers and multiplies each bucket's
     count by its one value's weight (no atomics; the same int64 masses as the weighted adds); the others add each
     token's weight atomically into the program's own buckets.
@@ -504,7 +563,8 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
     prev = hist_out if rnd == 0 else prev_hist  # round 0 reads no digit (any buffer of the shape)
     st_prev = state_out if state_prev is None else state_prev
     _top_p_round_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, prev, st_prev, state_out, hist_out, keys,
+        logits, keys, temperatures, top_p, sums, prev, _window_state(window, rows, logits.device), st_prev,
+        state_out, hist_out, keys,
         logits.stride(0), sums.shape[2], prev.stride(0), prev.stride(1),
         n_valid, vocab_start, chunk, splits, row_div, 0, 1, chunk, rnd, BLOCK=block_size, TIES=False, HAS_TOK=False,
         SPLITS=triton.next_power_of_2(splits), COUNT=rnd == radix_rounds(logits.dtype), SHIFT=key_shift(logits.dtype),
@@ -512,14 +572,14 @@ def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
 
 
 def top_p_round_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
-                          vocab_start: int, vocab_size: int, rnd: int, *, row_div: int = 1,
+                          vocab_start: int, vocab_size: int, rnd: int, *, window: torch.Tensor, row_div: int = 1,
                           block_size: int = 2048, num_splits: int = 1) -> None:
     """Eager twin of :func:`top_p_round` (same buffers written)."""
     n_valid, splits, chunk = _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out,
                                           row_div, block_size, num_splits, vocab_start, vocab_size)
     rows = logits.shape[0]
     c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
-    wres, _, _ = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
+    wres = _window_state(window, rows, logits.device)[:, 0] >= 0
     zero = torch.zeros_like(tau)
     if rnd == 0:
         prefix, mass = zero, zero
@@ -569,8 +629,9 @@ def _check_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, 
 
 
 def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
-               vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
-               skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
+               vocab_start: int, vocab_size: int, *, window: torch.Tensor, tokens: torch.Tensor | None = None,
+               row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1,
+               n_sub: int = 1) -> None:
     """Resolve the last digit (``state_out`` = (b*, mass above b*)) and count this shard's ties.
 
     ``skip_bits`` (0, 8 or 16): the low radix-key bits that no round histogrammed because the logits' dtype
@@ -588,7 +649,8 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
         return
     k_tok = tokens.shape[1] if tokens is not None else 0
     _top_p_round_kernel[(rows, splits)](
-        logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
+        logits, keys, temperatures, top_p, sums, prev_hist, _window_state(window, rows, logits.device), state_prev,
+        state_out, ties,
         tokens if tokens is not None else keys, logits.stride(0), sums.shape[2],
         prev_hist.stride(0), prev_hist.stride(1), n_valid, vocab_start, chunk, splits, row_div, k_tok, n_sub, sub,
         skip_bits, BLOCK=block_size, TIES=True, HAS_TOK=k_tok > 0, SPLITS=triton.next_power_of_2(splits),
@@ -596,9 +658,9 @@ def top_p_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, s
 
 
 def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, ties,
-                         vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None,
-                         row_div: int = 1, skip_bits: int = 0, block_size: int = 2048, num_splits: int = 1,
-                         n_sub: int = 1) -> None:
+                         vocab_start: int, vocab_size: int, *, window: torch.Tensor,
+                         tokens: torch.Tensor | None = None, row_div: int = 1, skip_bits: int = 0,
+                         block_size: int = 2048, num_splits: int = 1, n_sub: int = 1) -> None:
     """Eager twin of :func:`top_p_ties` (same buffers written, per the same column plan)."""
     n_valid, splits, chunk, sub = _check_ties(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
                                               state_out, ties, row_div, block_size, num_splits, vocab_start,
@@ -608,7 +670,8 @@ def top_p_ties_reference(logits, keys, temperatures, top_p, sums, prev_hist, sta
     bstar, mass = _resolve_torch(prev_hist, state_prev[:, 0], state_prev[:, 1], tau)
     full = bstar << skip_bits
     bstar = torch.where(tau < 0, bstar, torch.where(full < 2**31, full | ((1 << skip_bits) - 1), full))
-    wres, wkey, wmass = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
+    wkey, wmass = _window_state(window, rows, logits.device).unbind(1)
+    wres = wkey >= 0
     bstar, mass = torch.where(wres, wkey, bstar), torch.where(wres, wmass, mass)
     state_out[:, 0] = bstar
     state_out[:, 1] = mass

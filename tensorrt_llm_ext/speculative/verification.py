@@ -80,6 +80,7 @@ class _VerificationKernels:
     name: str
     keys: Callable  # fixed_point_softmax.verify_keys
     sums: Callable  # fixed_point_softmax.verify_sums
+    top_p_window: Callable  # top_p.top_p_window
     top_p_round: Callable  # top_p.top_p_round
     top_p_ties: Callable  # top_p.top_p_ties
     top_p_mask: Callable  # top_p.top_p_mask
@@ -92,12 +93,14 @@ class _VerificationKernels:
 
 
 _FUSED_KERNELS = _VerificationKernels(
-    name="fused", keys=fps.verify_keys, sums=fps.verify_sums, top_p_round=tpk.top_p_round, top_p_ties=tpk.top_p_ties,
+    name="fused", keys=fps.verify_keys, sums=fps.verify_sums, top_p_window=tpk.top_p_window,
+    top_p_round=tpk.top_p_round, top_p_ties=tpk.top_p_ties,
     top_p_mask=tpk.top_p_mask, draw=rs.rejection_draw, assemble=rs.rejection_assemble, stats=bsk.block_stats,
     combine=bsk.block_combine, block_keys=bsk.block_keys, block_bins=bsk.block_bins)
 _EAGER_KERNELS = _VerificationKernels(
     name="eager", keys=fps.verify_keys_reference, sums=fps.verify_sums_reference,
-    top_p_round=tpk.top_p_round_reference, top_p_ties=tpk.top_p_ties_reference,
+    top_p_window=tpk.top_p_window_reference, top_p_round=tpk.top_p_round_reference,
+    top_p_ties=tpk.top_p_ties_reference,
     top_p_mask=tpk.top_p_mask_reference, draw=rs.rejection_draw_reference, assemble=rs.rejection_assemble_reference,
     stats=bsk.block_stats_reference, combine=bsk.block_combine_reference, block_keys=bsk.block_keys_reference,
     block_bins=bsk.block_bins_reference)
@@ -115,10 +118,10 @@ def call_shape(entry: str, top_p: bool, dtype: torch.dtype = torch.float32) -> t
                          f"{(entry, top_p)!r}")
     n = tpk.radix_rounds(dtype) if top_p else 0
     if entry == "top_p_keep":
-        return 5 + n, 4 + n  # keys, sums, rounds 0..n, ties, mask / MAX, SUM, n + 1 SUMs, gather
+        return 6 + n, 4 + n  # keys, sums, window, rounds 0..n, ties, mask / MAX, SUM, n + 1 SUMs, gather
     # stats + combine (one pass) or block keys + block bins (two passes), draw, assemble / MAX, SUM, the race's
-    # gather; with top-p + the sums of the top-p requests, rounds 0..n, ties / + n + 1 SUMs, the ties' gather
-    return (7 + n, 5 + n) if top_p else (4, 3)
+    # gather; with top-p + the sums of the top-p requests, window, rounds 0..n, ties / + n + 1 SUMs, the ties' gather
+    return (8 + n, 5 + n) if top_p else (4, 3)
 
 
 _H = fps.HIST_BUCKETS
@@ -177,7 +180,7 @@ class VerificationPlan:
         return {
             "keys": (rt + rq) * s * (2 + ne), "sums": sums + bins,
             "stats": (rt + rq) * s * bsk.STATS_COLS if self.passes == "one" else 0,
-            "hist": 4 * rt * s * _H if p else 0, "state": 4 * rt * 2 if p else 0,
+            "hist": 4 * rt * s * _H if p else 0, "state": 5 * rt * 2 if p else 0,
             "ties": rt * s * f * 2 if p else 0, "ties_all": tp * rt * s * f * 2 if p and gathered else 0,
             "dec": b * 2, "race": b * s * f * rs.RACE_COLS,
             "race_all": tp * b * s * f * rs.RACE_COLS if gathered else 0,
@@ -284,7 +287,7 @@ def _views(bufs: dict[str, torch.Tensor], plan: VerificationPlan) -> SimpleNames
                else None)
     if plan.top_p:
         ns.hist = bufs["hist"][: sizes["hist"]].view(4, rt, s, _H)
-        ns.state = bufs["state"][: sizes["state"]].view(4, rt, 2)
+        ns.state = bufs["state"][: sizes["state"]].view(5, rt, 2)  # rounds' (prefix, mass), b* (3), window (4)
         ns.ties = bufs["ties"][: sizes["ties"]].view(rt, s * f, 2)
         ns.ties_all = (bufs["ties_all"][: sizes["ties_all"]].view(tp, rt, s * f, 2) if tp > 1
                        else ns.ties.unsqueeze(0))
@@ -341,17 +344,21 @@ def _vocab(vocab_start, vocab_size, width, tp) -> int:
 # The pipeline (one function per entry point; the kernel table picks fused or eager)
 # ----------------------------------------------------------------------------------------------------
 def _top_p_rounds(ops, logits, temps, top_p, vocab_start, vocab_size, ws, kw, *, tokens=None, row_div=1, n_sub=1):
-    """Radix rounds 0..n (n by dtype: bf16 1, fp16 2, fp32 3; every program of a row that ``verify_sums``' window
-    resolved skips its pass) and the tie count (``ws.state[3]`` = (b*, mass above), ``ws.ties_all``)."""
+    """The window's boundary per row (``ws.state[4]``), radix rounds 0..n (n by dtype: bf16 1, fp16 2, fp32 3; every
+    program of a row that ``verify_sums``' window resolved skips its pass) and the tie count (``ws.state[3]`` =
+    (b*, mass above), ``ws.ties_all``)."""
     n = tpk.radix_rounds(logits.dtype)
-    prev = None
+    prev, window = None, ws.state[4]
+    ops.top_p_window(logits, ws.keys, temps, top_p, ws.sums_t, window, vocab_start, vocab_size, row_div=row_div, **kw)
     for rnd in range(n + 1):
         ops.top_p_round(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[max(rnd - 2, 0)],
-                        ws.state[max(rnd - 1, 0)], ws.hist[rnd], vocab_start, vocab_size, rnd, row_div=row_div, **kw)
+                        ws.state[max(rnd - 1, 0)], ws.hist[rnd], vocab_start, vocab_size, rnd, window=window,
+                        row_div=row_div, **kw)
         yield "sum", ws.hist[rnd], None
         prev = ws.hist[rnd]
     ops.top_p_ties(logits, ws.keys, temps, top_p, ws.sums_t, prev, ws.state[n - 1], ws.state[3], ws.ties, vocab_start,
-                   vocab_size, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), n_sub=n_sub, **kw)
+                   vocab_size, window=window, tokens=tokens, row_div=row_div, skip_bits=8 * (3 - n), n_sub=n_sub,
+                   **kw)
     yield "gather", ws.ties, ws.ties_all
 
 

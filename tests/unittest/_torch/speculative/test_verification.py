@@ -662,13 +662,14 @@ def test_launches_and_exchange_rounds_per_call(monkeypatch, b, splits, dtype, bl
             call()
         assert counter.torch_ops == [], (key, counter.torch_ops)  # no memset, copy or host check
         assert counter.triton == call_shape(*key, dtype)[0], (key, counter.triton)
-    # the issue's limits (4 / 7 launches, 3 / 5 rounds): met without top-p; with bf16 top-p 8 launches and 6 rounds
-    # (round 0 has its own launch and exchange since the window replaced it in verify_sums; rows the window
-    # resolves skip it; the top-p requests' sums pass follows the block statistics and their combine)
+    # the issue's limits (4 / 7 launches, 3 / 5 rounds): met without top-p; with bf16 top-p 9 launches and 6 rounds
+    # (round 0 has its own launch and exchange since the window replaced it in verify_sums, and the window's
+    # boundary its own one-program-per-row launch; rows the window resolves skip the rounds; the top-p requests'
+    # sums pass follows the block statistics and their combine)
     assert call_shape("rejection_sample", False) == (4, 3)
     if dtype == torch.bfloat16:
-        assert call_shape("rejection_sample", True, dtype) == (8, 6)
-        assert call_shape("top_p_keep", True, dtype) == (6, 5)
+        assert call_shape("rejection_sample", True, dtype) == (9, 6)
+        assert call_shape("top_p_keep", True, dtype) == (7, 5)
 
 
 def _window_sums(x, q, temps, tokens, vocab, block, splits):
@@ -720,18 +721,27 @@ def test_window_counts_equal_twin_and_resolve_as_the_rounds(dtype):
     n = tpk.radix_rounds(dtype)
     states = []
     for s_in in (sums, blind):
+        window = torch.full((rows_t, 2), -7, dtype=torch.int64, device=DEV)
+        tpk.top_p_window(x, keys, temps, top_p, s_in, window, 0, vocab, **kw)  # the kernel: once per row
+        want = torch.full_like(window, -7)
+        tpk.top_p_window_reference(x, keys, temps, top_p, s_in, want, 0, vocab, **kw)
+        assert torch.equal(window, want)
         st = torch.zeros(4, rows_t, 2, dtype=torch.int64, device=DEV)
         h = torch.zeros(4, rows_t, splits, 256, dtype=torch.int64, device=DEV)
         for rnd in range(n + 1):
             tpk.top_p_round_reference(x, keys, temps, top_p, s_in, h[rnd - 1] if rnd else None, st[max(rnd - 2, 0)],
-                                      st[max(rnd - 1, 0)], h[rnd], 0, vocab, rnd, **kw)
+                                      st[max(rnd - 1, 0)], h[rnd], 0, vocab, rnd, window=window, **kw)
         ties = torch.zeros(rows_t, splits, 2, dtype=torch.int64, device=DEV)
         tpk.top_p_ties_reference(x, keys, temps, top_p, s_in, h[n], st[n - 1], st[3], ties, 0, vocab,
-                                 skip_bits=8 * (3 - n), **kw)
-        states.append(st[3].clone())
-    assert torch.equal(states[0], states[1])
+                                 window=window, skip_bits=8 * (3 - n), **kw)
+        states.append((st[3].clone(), window))
+    assert torch.equal(states[0][0], states[1][0])
     assert bool(wres.any()) and not bool(wres.all())  # both paths taken
-    assert torch.equal(states[0][wres], torch.stack([wkey, wmass], 1)[wres])
+    assert torch.equal(states[0][0][wres], torch.stack([wkey, wmass], 1)[wres])
+    # the window's state: (b*, mass above) where it resolves the row, (-1, 0) elsewhere; a blind window none
+    assert torch.equal(states[0][1], torch.where(wres[:, None], torch.stack([wkey, wmass], 1), torch.tensor([-1, 0],
+                                                                                                       device=DEV)))
+    assert bool((states[1][1] == torch.tensor([-1, 0], device=DEV)).all())
 
 
 def test_window_counts_a_model_scale_row_in_full():
@@ -791,13 +801,14 @@ def test_last_radix_round_counts_equal_weighted_twin(dtype):
                                      out=torch.empty(size, dtype=torch.int64, device=DEV), **kw)
     sums = sums.view(rows, splits, cols_t)
     sums[:, :, fps.SUMS_COLS:] = 0  # an empty window: every row is left to the rounds (their subject here)
+    unresolved = torch.tensor([[-1, 0]] * rows, dtype=torch.int64, device=DEV)
     prev, state = None, torch.zeros(rows, 2, dtype=torch.int64, device=DEV)
     for rnd in range(n + 1):
         outs = []
         for fn in (tpk.top_p_round, tpk.top_p_round_reference):
             st = torch.full((rows, 2), -7, dtype=torch.int64, device=DEV)
             h = torch.full((rows, splits, 256), -7, dtype=torch.int64, device=DEV)
-            fn(x, keys, temps, top_p, sums, prev, state, st, h, 0, vocab, rnd, **kw)
+            fn(x, keys, temps, top_p, sums, prev, state, st, h, 0, vocab, rnd, window=unresolved, **kw)
             outs.append((st, h))
         (st, h), (st_r, h_r) = outs
         assert torch.equal(st.cpu(), st_r.cpu()), rnd
