@@ -252,22 +252,24 @@ def _top_p_round_kernel(
     wres = wkey >= 0
     pv = tl.load(state_prev_ptr + r64 * 2)
     mv = tl.load(state_prev_ptr + r64 * 2 + 1)
+    # a row the window resolved skips the scan of its S x 256 buckets (its histogram is zero: its round state
+    # stays (0, 0), the scan's result on it), and the tie count takes the window's boundary
     if TIES:
-        prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, pv, mv, tau, SPLITS)
-        # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
-        full = prefix << rnd
-        low = ((prefix * 0 + 1) << rnd) - 1
-        prefix = tl.where(tau < 0, prefix, tl.where(full < 2147483648, full | low, full))
-        prefix = tl.where(wres, wkey, prefix)
-        mass = tl.where(wres, wmass, mass)
+        prefix = wkey
+        mass = wmass
+        if wkey < 0:
+            prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, pv, mv, tau, SPLITS)
+            # bits the logits' dtype leaves constant (bf16: 16, fp16: 8 of the radix key) follow from the sign
+            full = prefix << rnd
+            low = ((prefix * 0 + 1) << rnd) - 1
+            prefix = tl.where(tau < 0, prefix, tl.where(full < 2147483648, full | low, full))
     else:
         # rounds 0 and 1 start from the empty prefix (no memset of a state buffer needed); round 0 has no digit
-        # to resolve (its prev_ptr is any buffer of the right shape, read and ignored)
+        # to resolve (its prev_ptr is any buffer of the right shape, never read)
         prefix = tl.where(rnd <= 1, 0, pv)
         mass = tl.where(rnd <= 1, 0, mv)
-        rp, rm = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau, SPLITS)
-        prefix = tl.where(rnd > 0, rp, prefix)
-        mass = tl.where(rnd > 0, rm, mass)
+        if (rnd > 0) & (wkey < 0):
+            prefix, mass = _resolve(prev_ptr + r64 * prev_rs, num_splits, prev_ss, prefix, mass, tau, SPLITS)
     if split == 0:
         tl.store(state_out_ptr + r64 * 2, prefix)
         tl.store(state_out_ptr + r64 * 2 + 1, mass)

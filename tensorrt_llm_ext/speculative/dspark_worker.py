@@ -604,7 +604,7 @@ class DSparkWorker(SpecWorkerBase):
         accepted, num_acc = self.verifier.verify(
             self.ops.rejection_sample, x, self.metadata.draft_logits, slots_l, tokens,
             temperatures=ss.temps[slots_l], seeds=ss.seeds[slots_l], offsets=positions[:, 0] + 1,
-            top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]))
+            top_p=top_p, out=(self.accepted[:b], self.num_accepted[:b]), load_rows=self.ops.load_rows)
         return accepted, num_acc, logits
 
     def update_drafter_context(self, batch_size: int, accepted: torch.Tensor, num_acc: torch.Tensor,

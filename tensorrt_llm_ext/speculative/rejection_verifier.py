@@ -143,7 +143,7 @@ class RejectionVerifier:
     # -- verification ------------------------------------------------------------------------------------
     def verify(self, fn, target_logits: torch.Tensor, stored: torch.Tensor, slots: torch.Tensor,
                tokens: torch.Tensor, *, temperatures: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-               top_p: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor]):
+               top_p: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor], load_rows):
         """One step's rejection sampling: ``(accepted [B, K+1] int64, num_accepted [B] int32)`` in ``out``.
 
         Args:
@@ -152,12 +152,13 @@ class RejectionVerifier:
             stored: the slot-indexed draft-logits buffer ``[S, K, W]``; slots: ``[B]`` int64 row slots.
             tokens: ``[B, K+1]`` the verified ``[anchor, d_0 .. d_{K-1}]``.
             temperatures / seeds / offsets / top_p: ``[B]`` (``offsets`` = position of ``d_0``).
+            load_rows: the op table's ``load_rows`` (``gather_rows`` or its twin) reading ``stored``'s rows.
         """
         b, k = tokens.shape[0], self.draft_len
         drafts = self.draft_tokens[:b]
         drafts.copy_(tokens[:, 1:])
         rows = self.draft_rows[:b]
-        torch.index_select(stored, 0, slots, out=rows)
+        load_rows(stored, slots, rows)
         kw = dict(temperatures=temperatures, seeds=seeds, offsets=offsets, top_p=top_p, out=out)
         if not self.decision.sharded:
             tgt = target_logits.reshape(b, k + 1, -1)[..., :self.vocab_size].contiguous()

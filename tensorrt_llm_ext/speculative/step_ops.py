@@ -18,8 +18,8 @@ rejection sampling     :func:`rejection_sample` on the shard   :func:`rejection_
 (``use_rejection_       (or gathered) + small exchanges         eager twin) on the gathered full-vocabulary
 sampling``)                                                     logits
 exact top-p            :func:`top_p_keep`                      :func:`top_p_keep_reference` (gathered)
-draft-logits store     :func:`scatter_rows` (1 launch)         ``index_copy_`` (torch)
-(sampled drafts)
+draft-logits store /   :func:`scatter_rows` /                  ``index_copy_`` / ``index_select`` (torch)
+load (sampled drafts)  :func:`gather_rows` (1 launch each)
 =====================  ======================================  ==========================================
 
 The stock worker always selects from the gathered logits (vocab-parallel selection off), since the
@@ -46,7 +46,8 @@ from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_bloc
 from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents, store_context_latents_reference)
-from tensorrt_llm_ext.kernels.row_scatter import scatter_rows, scatter_rows_reference
+from tensorrt_llm_ext.kernels.slot_rows import (gather_rows, gather_rows_reference, scatter_rows,
+                                                 scatter_rows_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 from tensorrt_llm_ext.logger import info_once
 from tensorrt_llm_ext.speculative.token_selector import SelectionParams, VocabParallelSelector
@@ -127,18 +128,19 @@ class StepOps:
     rejection_sample: Callable  # signature of verification.rejection_sample
     top_p_keep: Callable  # signature of verification.top_p_keep
     store_rows: Callable  # (dst [S, ...], slots [B], src [B, ...]) -> dst: the draft logits stored at their slots
+    load_rows: Callable  # (src [S, ...], slots [B], out [B, ...]) -> out: ... and read back for verification
 
 
 FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
                     paged_latent_step=paged_latent_step, store_context_latents=store_context_latents,
                     select=_selector_select,
                     markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep,
-                    store_rows=scatter_rows)
+                    store_rows=scatter_rows, load_rows=gather_rows)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
                     paged_latent_step=_stock_paged_latent_step, store_context_latents=_stock_store_context_latents,
                     select=_stock_target_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference,
-                    store_rows=scatter_rows_reference)
+                    store_rows=scatter_rows_reference, load_rows=gather_rows_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}
 
 

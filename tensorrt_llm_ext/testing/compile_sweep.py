@@ -252,13 +252,14 @@ def _rms_norm():
             rms_norm(x, w, 1e-5, residual=torch.zeros_like(x))
 
 
-def _row_scatter():  # the sampled step's draft-logits store: [B, K, V] rows of the model's dtypes, int64 slots
-    from tensorrt_llm_ext.kernels.row_scatter import scatter_rows
+def _slot_rows():  # the sampled step's draft-logits store and load: [B, K, V] rows of the model's dtypes
+    from tensorrt_llm_ext.kernels.slot_rows import gather_rows, scatter_rows
 
     for dtype in FLOATS:
         for k in _variants(dtype, DRAFT_LENS):
-            rows = torch.zeros(3, k, VOCAB, dtype=dtype)
-            scatter_rows(torch.zeros(4, k, VOCAB, dtype=dtype), torch.zeros(3, dtype=torch.int64), rows)
+            rows, slotted = torch.zeros(3, k, VOCAB, dtype=dtype), torch.zeros(4, k, VOCAB, dtype=dtype)
+            scatter_rows(slotted, torch.zeros(3, dtype=torch.int64), rows)
+            gather_rows(slotted, torch.zeros(3, dtype=torch.int64), rows)
 
 
 def _block_loss():  # train-drafter's loss rows (not in the captured step)
@@ -488,7 +489,7 @@ SWEEP: tuple[SweepCase, ...] = (
                                                       _K + "paged_latent:_paged_latent_step_kernel",
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
-    SweepCase("row_scatter", _row_scatter, (_K + "row_scatter:_scatter_rows_kernel",), cost=1),
+    SweepCase("slot_rows", _slot_rows, (_K + "slot_rows:_slot_rows_kernel",), cost=1),
     SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",
                                           _K + "block_loss:_teacher_stats_kernel"), captured=False, cost=5),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
