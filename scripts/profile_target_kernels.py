@@ -75,8 +75,8 @@ VARIANTS = {
     "p8": _every_step(AttentionConfig(128, 4, 2, 8, prefetch=2)),
     # ... in at most 4 / 2 / 1 pieces (at B = 32 and 1k keys 384 / 192 / 96 programs, each streaming 2 / 4 / 8 blocks;
     # the seventeenth session's A/B: p4 at B = 17-32 and p2 above shipped, DECODE_CONFIGS_BY_BATCH)
-    "p4": _every_step(AttentionConfig(128, 4, 2, 4, prefetch=2)),
-    "p2": _every_step(AttentionConfig(128, 4, 2, 2, prefetch=2)),
+    "p4": _every_step(_P4),
+    "p2": _every_step(_P2),
     "p1": _every_step(AttentionConfig(128, 4, 3, 1, prefetch=2)),
     "p16": _every_step(AttentionConfig(128, 4, 2, 16, prefetch=2)),
     # around p4 (the seventeenth session's best at [32, 1]): 3 / 6 pieces, 3 stages, 64-key blocks

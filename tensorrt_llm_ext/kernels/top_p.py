@@ -506,18 +506,24 @@ def _check_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev,
     return n_valid, splits, chunk
 
 
+def _window_state(window, rows: int, device) -> torch.Tensor:
+    """``window [R, 2]`` int64 (:func:`top_p_window`'s output), checked; returned."""
+    check_tensor("window", window, shape=(rows, 2), dtype=torch.int64, device=device, contiguous=True)
+    return window
+
+
 def top_p_window(logits, keys, temperatures, top_p, sums, window, vocab_start: int, vocab_size: int, *,
                  row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
     """The top-p window's boundary of every row, once: ``window [R, 2]`` int64 = ``(b*, mass above b*)`` where the
     exchanged window counts of ``sums [R, S, cols_t]`` (``verify_sums``) resolve the row (:func:`window_resolve`),
     else ``(-1, 0)`` (the rounds find it). Read by :func:`top_p_round` and :func:`top_p_ties`. One launch, one
     program per row; CUDA-graph safe."""
-    _check_round(logits, keys, temperatures, top_p, sums, None, None, window, row_div, block_size, num_splits,
-                 vocab_start, vocab_size)
+    _, splits, _ = _check_round(logits, keys, temperatures, top_p, sums, None, None, None, row_div, block_size,
+                                num_splits, vocab_start, vocab_size)
     rows = logits.shape[0]
+    _window_state(window, rows, logits.device)
     if rows == 0:
         return
-    splits = sums.shape[1]
     _top_p_window_kernel[(rows,)](keys, temperatures, top_p, sums, window, sums.shape[2], splits, row_div,
                                   SPLITS=triton.next_power_of_2(splits), SHIFT=key_shift(logits.dtype), num_warps=4)
 
@@ -525,17 +531,13 @@ def top_p_window(logits, keys, temperatures, top_p, sums, window, vocab_start: i
 def top_p_window_reference(logits, keys, temperatures, top_p, sums, window, vocab_start: int, vocab_size: int, *,
                            row_div: int = 1, block_size: int = 2048, num_splits: int = 1) -> None:
     """Eager twin of :func:`top_p_window`."""
-    _check_round(logits, keys, temperatures, top_p, sums, None, None, window, row_div, block_size, num_splits,
+    _check_round(logits, keys, temperatures, top_p, sums, None, None, None, row_div, block_size, num_splits,
                  vocab_start, vocab_size)
+    _window_state(window, logits.shape[0], logits.device)
     c, m, tau = _row_setup_torch(keys, temperatures, top_p, sums, row_div)
     wres, wkey, wmass = window_resolve_torch(sums[:, :, SUMS_COLS:], m, c, tau, key_shift(logits.dtype))
     window[:, 0] = torch.where(wres, wkey, -1)
     window[:, 1] = torch.where(wres, wmass, 0)
-
-
-def _window_state(window, rows: int, device) -> torch.Tensor:
-    check_tensor("window", window, shape=(rows, 2), dtype=torch.int64, device=device, contiguous=True)
-    return window
 
 
 def top_p_round(logits, keys, temperatures, top_p, sums, prev_hist, state_prev, state_out, hist_out,
