@@ -113,20 +113,18 @@ class ReferenceDecoder:
         st, ss = w.state, w.slot_sampling
         b = batch_size
         slots = w.slot_ids[:b]
-        slots_l = slots.long()
-        live = (~w.is_dummy[:b]).to(torch.int32)
+        processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
+        slots_l = slots.long() if w.sampling or processed else None
         c = self.step_columns
         with nvtx_range("target_only"):
-            # Few launches around the forward (each a serial step of the graph): the inputs gathered contiguous, the
-            # int32 lengths promoted by the add, nothing captured, the state updated in place (two launches).
-            tokens = st.slot_tokens[slots_l, :c]
-            positions = st.ref_lens[slots_l][:, None] + w.cols[:c]
+            # One launch on each side of the forward (each launch a serial step of the graph): the inputs gathered
+            # contiguous, nothing captured, the state updated in place (kernels/decode_step.py).
+            tokens, positions = w.ops.decode_inputs(slots, st.slot_tokens, st.ref_lens, c)
             out = w.target(tokens, positions, slots, st.kv_cache, capture=False)
             hidden = out.hidden_states.view(b, c, -1)[:, 0]
             logits = w.target.logits(hidden)
             temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)
             offsets = positions[:, 0] + 1 if w.sampling else None
-            processed = w.step_processed  # the variant's switch (captured per variant), not the rows'
 
             def process(x, t):
                 return self.processors.apply(x, w.step_slots, slots_l, t)
@@ -134,9 +132,9 @@ class ReferenceDecoder:
                                         process=process if processed else None,
                                         top_p=ss.top_p[slots_l] if w.sampling and w.step_top_p else None)
             if processed:
+                live = (~w.is_dummy[:b]).to(torch.int32)
                 self.processors.record(w.step_slots, slots_l, ids[:, None], live, live.bool())
-            st.ref_lens.index_add_(0, slots_l, live)  # padding rows (live 0) may share a slot: they add nothing
-            st.slot_tokens[slots_l, 0] = ids
+            w.ops.decode_advance(slots, w.is_dummy[:b], ids, st.ref_lens, st.slot_tokens)
         return {"new_tokens": ids, "logits": logits}
 
     def top_p_membership(self, slot: int, prompt_ids: list[int], output_ids: list[int], temperature: float,

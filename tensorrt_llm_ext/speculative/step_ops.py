@@ -43,6 +43,8 @@ import torch
 
 from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
+from tensorrt_llm_ext.kernels.decode_step import (decode_step_advance, decode_step_advance_reference,
+                                                 decode_step_inputs, decode_step_inputs_reference)
 from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
                                                    store_context_latents, store_context_latents_reference)
@@ -129,18 +131,22 @@ class StepOps:
     top_p_keep: Callable  # signature of verification.top_p_keep
     store_rows: Callable  # (dst [S, ...], slots [B], src [B, ...]) -> dst: the draft logits stored at their slots
     load_rows: Callable  # (src [S, ...], slots [B], out [B, ...]) -> out: ... and read back for verification
+    decode_inputs: Callable  # (slots, slot_tokens, lengths, columns) -> (tokens, positions): target-only step inputs
+    decode_advance: Callable  # (slots, is_dummy, new_tokens, lengths, slot_tokens): ... and its state after it
 
 
 FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
                     paged_latent_step=paged_latent_step, store_context_latents=store_context_latents,
                     select=_selector_select,
                     markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep,
-                    store_rows=scatter_rows, load_rows=gather_rows)
+                    store_rows=scatter_rows, load_rows=gather_rows, decode_inputs=decode_step_inputs,
+                    decode_advance=decode_step_advance)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
                     paged_latent_step=_stock_paged_latent_step, store_context_latents=_stock_store_context_latents,
                     select=_stock_target_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference,
-                    store_rows=scatter_rows_reference, load_rows=gather_rows_reference)
+                    store_rows=scatter_rows_reference, load_rows=gather_rows_reference,
+                    decode_inputs=decode_step_inputs_reference, decode_advance=decode_step_advance_reference)
 OP_TABLES = {t.name: t for t in (FUSED_OPS, STOCK_OPS)}
 
 

@@ -252,6 +252,18 @@ def _rms_norm():
             rms_norm(x, w, 1e-5, residual=torch.zeros_like(x))
 
 
+def _decode_step():  # the target-only step's bookkeeping: int32 / int64 slots and lengths, 1 and K + 1 columns
+    from tensorrt_llm_ext.kernels.decode_step import decode_step_advance, decode_step_inputs
+
+    for idt in (torch.int32, torch.int64):
+        slots, lengths = torch.zeros(8, dtype=idt), torch.zeros(9, dtype=idt)
+        slot_tokens = torch.zeros(9, DRAFT_LENS[-1] + 1, dtype=torch.int64)
+        for columns in (1, DRAFT_LENS[-1] + 1):
+            decode_step_inputs(slots, slot_tokens, lengths, columns)
+        decode_step_advance(slots, torch.zeros(8, dtype=torch.bool), torch.zeros(8, dtype=torch.int64), lengths,
+                            slot_tokens)
+
+
 def _slot_rows():  # the sampled step's draft-logits store and load: [B, K, V] rows of the model's dtypes
     from tensorrt_llm_ext.kernels.slot_rows import gather_rows, scatter_rows
 
@@ -359,6 +371,23 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64),
                                     d ** -0.5, programmatic=programmatic)
+    # The decode pieces' in-loop L2 prefetch (PREFETCH_AHEAD, off by default) at the distance the profile tries
+    # first, on the pieces of the first table above (32 requests, a 4k table: 8 blocks a piece).
+    import tensorrt_llm_ext.kernels.paged_attention as attn
+
+    shipped = attn.PREFETCH_AHEAD
+    try:
+        attn.PREFETCH_AHEAD = shipped or 2
+        for dtype in (torch.bfloat16,):
+            for heads, kv_heads, d in ((9, 3, 64),):
+                b, page, max_pages = 32, 32, 128
+                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+                pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+                paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
+                                torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), d ** -0.5,
+                                config=attn.AttentionConfig(128, 4, 2, 4, prefetch=2))
+    finally:
+        attn.PREFETCH_AHEAD = shipped
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:
@@ -490,6 +519,8 @@ SWEEP: tuple[SweepCase, ...] = (
                                                       _K + "paged_latent:_store_context_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
     SweepCase("slot_rows", _slot_rows, (_K + "slot_rows:_slot_rows_kernel",), cost=1),
+    SweepCase("decode_step", _decode_step, (_K + "decode_step:_decode_step_inputs_kernel",
+                                            _K + "decode_step:_decode_step_advance_kernel"), cost=1),
     SweepCase("block_loss", _block_loss, (_K + "block_loss:_block_loss_rows_kernel",
                                           _K + "block_loss:_teacher_stats_kernel"), captured=False, cost=5),
     SweepCase("attention", _attention, (_K + "latent_block_attention:_latent_block_attention_kernel",
