@@ -1,7 +1,9 @@
 """The target-only decode step's bookkeeping around its forward: one launch before it, one after.
 
-``decode_step_inputs(slot_ids, slot_tokens, lengths, columns)``: each row's input tokens and positions,
-``tokens[b, j] = slot_tokens[slot_ids[b], j]`` and ``positions[b, j] = lengths[slot_ids[b]] + j`` (int64);
+``decode_step_inputs(slot_ids, slot_tokens, lengths, columns, rope_table)``: each row's input tokens and
+positions, ``tokens[b, j] = slot_tokens[slot_ids[b], j]`` and ``positions[b, j] = lengths[slot_ids[b]] + j``
+(int64), and given the RoPE tables (``RotaryEmbedding.cos_sin_table``: row ``p`` is ``cos_sin(p)`` bit for bit)
+their rows at those positions, the forward's ``cos`` / ``sin`` (four more launches when the forward computes them);
 ``decode_step_advance(slot_ids, is_dummy, new_tokens, lengths, slot_tokens)``: each live row's length grows by one
 (``lengths[slot_ids[b]] += 1``) and every row's new token becomes its slot's next input (``slot_tokens[slot_ids[b],
 0] = new_tokens[b]``). With torch ops these are eight launches (the slot ids widened, two gathers and an add before
@@ -20,28 +22,47 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import NamedTuple
+
 from tensorrt_llm_ext.kernels.common import check_tensor
 
-__all__ = ["decode_step_advance", "decode_step_advance_reference", "decode_step_inputs",
+__all__ = ["DecodeStepInputs", "decode_step_advance", "decode_step_advance_reference", "decode_step_inputs",
            "decode_step_inputs_reference"]
 
-MAX_BLOCK_ROWS = 256  # rows per program (one program up to 256 requests)
+MAX_BLOCK_ROWS = 256  # rows per program of the advance (one program up to 256 requests)
+MAX_INPUT_ROWS = 64  # rows per program of the inputs (a program per row block and column; 64 x 64 RoPE values)
+
+
+class DecodeStepInputs(NamedTuple):
+    tokens: torch.Tensor  # [B, C] int64
+    positions: torch.Tensor  # [B, C] int64
+    cos: torch.Tensor | None  # [B, C, D/2] fp32 (None without a table)
+    sin: torch.Tensor | None
 
 
 @triton.jit
-def _decode_step_inputs_kernel(slot_ptr, tok_ptr, len_ptr, tokens_ptr, pos_ptr, num_rows, num_slots, columns,
-                               stride_tok, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+def _decode_step_inputs_kernel(slot_ptr, tok_ptr, len_ptr, tokens_ptr, pos_ptr, cos_t_ptr, sin_t_ptr, cos_ptr,
+                               sin_ptr, num_rows, num_slots, columns, stride_tok, table_rows, half,
+                               BLOCK_B: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    j = tl.program_id(1)
     row_ok = rows < num_rows
     slot = tl.load(slot_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     slot_ok = row_ok & (slot >= 0) & (slot < num_slots)
-    length = tl.load(len_ptr + slot, mask=slot_ok, other=0).to(tl.int64)
-    j = tl.arange(0, BLOCK_C)
-    mask = row_ok[:, None] & (j < columns)[None, :]
-    tok = tl.load(tok_ptr + slot[:, None] * stride_tok + j[None, :], mask=mask & slot_ok[:, None], other=0)
-    out = rows[:, None].to(tl.int64) * columns + j[None, :]
-    tl.store(tokens_ptr + out, tok, mask=mask)
-    tl.store(pos_ptr + out, length[:, None] + j[None, :], mask=mask)
+    pos = tl.load(len_ptr + slot, mask=slot_ok, other=0).to(tl.int64) + j
+    out = rows.to(tl.int64) * columns + j
+    tl.store(tokens_ptr + out, tl.load(tok_ptr + slot * stride_tok + j, mask=slot_ok, other=0), mask=row_ok)
+    tl.store(pos_ptr + out, pos, mask=row_ok)
+    if ROPE:
+        # the table row of each position (the last row past the table: a position no live request reaches, the
+        # table covering the cache's positions and a step's columns)
+        at = tl.minimum(tl.maximum(pos, 0), table_rows - 1)
+        i = tl.arange(0, BLOCK_H)
+        mask = row_ok[:, None] & (i < half)[None, :]
+        src = at[:, None] * half + i[None, :]
+        dst = out[:, None] * half + i[None, :]
+        tl.store(cos_ptr + dst, tl.load(cos_t_ptr + src, mask=mask), mask=mask)
+        tl.store(sin_ptr + dst, tl.load(sin_t_ptr + src, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -65,8 +86,21 @@ def _check_slots(fn: str, slot_ids: torch.Tensor, slot_tokens: torch.Tensor, len
                  device=slot_ids.device, contiguous=True)
 
 
-def decode_step_inputs(slot_ids: torch.Tensor, slot_tokens: torch.Tensor, lengths: torch.Tensor,
-                       columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_table(fn: str, rope_table, device) -> tuple[int, int]:
+    if rope_table is None:
+        return 0, 0
+    cos_t, sin_t = rope_table
+    check_tensor(f"{fn} rope_table cos [P, D/2]", cos_t, shape=(None, None), dtype=torch.float32, device=device,
+                 contiguous=True)
+    check_tensor(f"{fn} rope_table sin [P, D/2]", sin_t, shape=tuple(cos_t.shape), dtype=torch.float32,
+                 device=device, contiguous=True)
+    if cos_t.shape[0] == 0:
+        raise ValueError(f"{fn}: rope_table has no rows")
+    return cos_t.shape[0], cos_t.shape[1]
+
+
+def decode_step_inputs(slot_ids: torch.Tensor, slot_tokens: torch.Tensor, lengths: torch.Tensor, columns: int,
+                       rope_table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeStepInputs:
     """The rows' input tokens and positions for a ``[B, columns]`` forward (see the module doc).
 
     Args:
@@ -74,31 +108,50 @@ def decode_step_inputs(slot_ids: torch.Tensor, slot_tokens: torch.Tensor, length
         slot_tokens: ``[S, W]`` int64 (``columns <= W``): each slot's next input tokens.
         lengths: ``[S]`` int32 / int64: each slot's tokens in the cache (the first column's position).
         columns: the forward's tokens per row.
+        rope_table: optional ``(cos, sin)`` fp32 ``[P, D/2]`` (``RotaryEmbedding.cos_sin_table(P)``), P past every
+            position a step reaches; a position past it reads row ``P - 1``.
 
-    Returns ``(tokens, positions)``, both ``[B, columns]`` int64 (new tensors). CUDA-graph safe.
+    Returns :class:`DecodeStepInputs` (new tensors; ``cos`` / ``sin`` ``[B, columns, D/2]`` with a table). CUDA-graph
+    safe.
     """
     _check_slots("decode_step_inputs", slot_ids, slot_tokens, lengths)
     if not 1 <= columns <= slot_tokens.shape[1]:
         raise ValueError(f"decode_step_inputs: columns must be in [1, {slot_tokens.shape[1]}] (slot_tokens' width), "
                          f"got {columns}")
+    table_rows, half = _check_table("decode_step_inputs", rope_table, slot_ids.device)
     b = slot_ids.shape[0]
     tokens = torch.empty(b, columns, dtype=torch.int64, device=slot_ids.device)
     positions = torch.empty_like(tokens)
+    cos = sin = None
+    if rope_table is not None:
+        cos = torch.empty(b, columns, half, dtype=torch.float32, device=slot_ids.device)
+        sin = torch.empty_like(cos)
     if b:
-        block_b = min(MAX_BLOCK_ROWS, triton.next_power_of_2(b))
-        _decode_step_inputs_kernel[(triton.cdiv(b, block_b),)](
-            slot_ids, slot_tokens, lengths, tokens, positions, b, slot_tokens.shape[0], columns, slot_tokens.stride(0),
-            BLOCK_B=block_b, BLOCK_C=triton.next_power_of_2(columns), num_warps=1)
-    return tokens, positions
+        block_b = min(MAX_INPUT_ROWS, triton.next_power_of_2(b))
+        _decode_step_inputs_kernel[(triton.cdiv(b, block_b), columns)](
+            slot_ids, slot_tokens, lengths, tokens, positions,
+            rope_table[0] if cos is not None else tokens, rope_table[1] if cos is not None else tokens,
+            cos if cos is not None else tokens, sin if sin is not None else tokens,
+            b, slot_tokens.shape[0], columns, slot_tokens.stride(0), table_rows, half,
+            BLOCK_B=block_b, ROPE=cos is not None, BLOCK_H=triton.next_power_of_2(max(half, 1)),
+            num_warps=1 if cos is None else 4)
+    return DecodeStepInputs(tokens, positions, cos, sin)
 
 
 def decode_step_inputs_reference(slot_ids: torch.Tensor, slot_tokens: torch.Tensor, lengths: torch.Tensor,
-                                 columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                 columns: int, rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+                                 ) -> DecodeStepInputs:
     """Eager twin of :func:`decode_step_inputs` (slots must lie in ``[0, S)``)."""
     _check_slots("decode_step_inputs_reference", slot_ids, slot_tokens, lengths)
+    table_rows, _ = _check_table("decode_step_inputs_reference", rope_table, slot_ids.device)
     slots = slot_ids.long()
     cols = torch.arange(columns, dtype=torch.int64, device=slot_ids.device)
-    return slot_tokens[slots, :columns], lengths[slots].long()[:, None] + cols
+    positions = lengths[slots].long()[:, None] + cols
+    cos = sin = None
+    if rope_table is not None:
+        at = positions.clamp(0, table_rows - 1)
+        cos, sin = rope_table[0][at], rope_table[1][at]
+    return DecodeStepInputs(slot_tokens[slots, :columns], positions, cos, sin)
 
 
 def decode_step_advance(slot_ids: torch.Tensor, is_dummy: torch.Tensor, new_tokens: torch.Tensor,

@@ -474,7 +474,8 @@ class LlamaTarget(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                kv_cache: PagedKVCache, capture: bool = True) -> TargetOutput:
+                kv_cache: PagedKVCache, capture: bool = True,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
         """One step over a fixed ``[B, T]`` block.
 
         Args:
@@ -484,6 +485,8 @@ class LlamaTarget(nn.Module):
             kv_cache: written at each token's page slot (the scratch page where the slot has no page).
             capture: whether to return the capture layers' hidden states (``False``: ``captured`` is ``None``
                 and nothing is concatenated -- the target-only decode, which drafts nothing, saves that launch).
+            rope: optional ``(cos, sin)`` fp32 ``[B, T, D/2]``, what ``rotary_emb.cos_sin(positions)`` returns
+                (the target-only step gathers them from ``rotary_emb.cos_sin_table`` with its other inputs).
 
         Each layer: fused residual add + RMSNorm, one QKV GEMM, RoPE + KV write, paged attention, o_proj,
         fused residual add + RMSNorm, one gate-up GEMM, one SiLU-mul, down_proj; the residual add of the MLP
@@ -497,7 +500,7 @@ class LlamaTarget(nn.Module):
                              f"{tuple(input_ids.shape)}, {tuple(positions.shape)}, {tuple(slot_ids.shape)}")
         b, t = input_ids.shape
         cfg = self.config
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        cos, sin = rope if rope is not None else self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
         captured: list[torch.Tensor | None] = [None] * len(cfg.capture_layers)
         pending = None  # the last MLP output, not yet added to `hidden`

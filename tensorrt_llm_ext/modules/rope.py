@@ -122,3 +122,9 @@ class RotaryEmbedding(nn.Module):
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
+
+    def cos_sin_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` of positions ``0 .. num_positions - 1``: fp32 ``[num_positions, head_dim // 2]`` each, row
+        ``p`` bit for bit ``cos_sin(p)`` (the same element-wise ops on the same fp32 angles), for a step that gathers
+        its rows instead of computing them (``kernels/decode_step.py``). Build it outside a graph capture."""
+        return self.cos_sin(torch.arange(num_positions, dtype=torch.int64, device=self.inv_freq.device))

@@ -48,6 +48,10 @@ class ReferenceDecoder:
         self.worker = worker
         self.step_columns = worker.draft_len + 1 if verify_shaped else 1  # query rows per request of a step
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
+        # RoPE's cos / sin of every position a step reaches (the cache's, plus a step's columns past a full slot),
+        # gathered with the step's inputs in one launch (bit for bit what the forward would compute)
+        kv = worker.state.kv_cache
+        self.rope_table = worker.target.rotary_emb.cos_sin_table(kv.max_positions + self.step_columns)
         # The steps select from full rows: with a sharded worker they need logits processing over the whole
         # vocabulary (the worker's holds its shard's columns only).
         wp = worker.processors
@@ -119,8 +123,8 @@ class ReferenceDecoder:
         with nvtx_range("target_only"):
             # One launch on each side of the forward (each launch a serial step of the graph): the inputs gathered
             # contiguous, nothing captured, the state updated in place (kernels/decode_step.py).
-            tokens, positions = w.ops.decode_inputs(slots, st.slot_tokens, st.ref_lens, c)
-            out = w.target(tokens, positions, slots, st.kv_cache, capture=False)
+            tokens, positions, cos, sin = w.ops.decode_inputs(slots, st.slot_tokens, st.ref_lens, c, self.rope_table)
+            out = w.target(tokens, positions, slots, st.kv_cache, capture=False, rope=(cos, sin))
             hidden = out.hidden_states.view(b, c, -1)[:, 0]
             logits = w.target.logits(hidden)
             temps, seeds = (ss.temps[slots_l], ss.seeds[slots_l]) if w.sampling else (None, None)

@@ -260,6 +260,8 @@ def _decode_step():  # the target-only step's bookkeeping: int32 / int64 slots a
         slot_tokens = torch.zeros(9, DRAFT_LENS[-1] + 1, dtype=torch.int64)
         for columns in (1, DRAFT_LENS[-1] + 1):
             decode_step_inputs(slots, slot_tokens, lengths, columns)
+            for half in (32, 64):  # RoPE rows of head dims 64 / 128
+                decode_step_inputs(slots, slot_tokens, lengths, columns, (torch.zeros(16, half), torch.zeros(16, half)))
         decode_step_advance(slots, torch.zeros(8, dtype=torch.bool), torch.zeros(8, dtype=torch.int64), lengths,
                             slot_tokens)
 

@@ -5,6 +5,7 @@ import torch
 
 from tensorrt_llm_ext.kernels.decode_step import (decode_step_advance, decode_step_advance_reference,
                                                   decode_step_inputs, decode_step_inputs_reference)
+from tensorrt_llm_ext.modules.rope import RopeScaling, RotaryEmbedding
 
 # Triton takes CPU tensors only under the interpreter (CPU machines); on a GPU machine test CUDA.
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -32,8 +33,9 @@ def test_decode_step_kernels_equal_the_torch_ops(device, batch, slot_dtype, len_
     slots[dummy] = num_slots - 1  # padding rows share the last slot
     slots, dummy = slots.to(slot_dtype).to(device), dummy.to(device)
     for columns in (1, 3, width):
-        tok, pos = decode_step_inputs(slots, slot_tokens, lengths, columns)
-        ref_tok, ref_pos = decode_step_inputs_reference(slots, slot_tokens, lengths, columns)
+        tok, pos, cos, sin = decode_step_inputs(slots, slot_tokens, lengths, columns)
+        assert cos is None and sin is None
+        ref_tok, ref_pos, _, _ = decode_step_inputs_reference(slots, slot_tokens, lengths, columns)
         assert tok.dtype == pos.dtype == torch.int64 and tok.shape == pos.shape == (batch, columns)
         assert torch.equal(tok, ref_tok) and torch.equal(pos, ref_pos)
         assert torch.equal(pos[:, 0], lengths[slots.long()].long())
@@ -56,7 +58,7 @@ def test_decode_step_out_of_range_slot_and_empty_batch(device):
     returns empty inputs and changes nothing; bad arguments are refused naming themselves."""
     _, slot_tokens, lengths = _state(4, 3, torch.int32, device, 0)
     slots = torch.tensor([2, 9, -1], dtype=torch.int32, device=device)
-    tok, pos = decode_step_inputs(slots, slot_tokens, lengths, 2)
+    tok, pos, _, _ = decode_step_inputs(slots, slot_tokens, lengths, 2)
     assert torch.equal(tok[0], slot_tokens[2, :2]) and torch.equal(pos[0], lengths[2].long() + torch.arange(2, device=device))
     assert tok[1:].abs().sum() == 0 and torch.equal(pos[1:], torch.arange(2, device=device).expand(2, 2))
     got_len, got_tok = lengths.clone(), slot_tokens.clone()
@@ -65,7 +67,7 @@ def test_decode_step_out_of_range_slot_and_empty_batch(device):
     assert got_len[2] == lengths[2] + 1 and got_tok[2, 0] == 5
     assert torch.equal(got_len[[0, 1, 3]], lengths[[0, 1, 3]]) and torch.equal(got_tok[[0, 1, 3]], slot_tokens[[0, 1, 3]])
     empty = torch.zeros(0, dtype=torch.int32, device=device)
-    tok, pos = decode_step_inputs(empty, slot_tokens, lengths, 3)
+    tok, pos, _, _ = decode_step_inputs(empty, slot_tokens, lengths, 3)
     assert tok.shape == pos.shape == (0, 3)
     decode_step_advance(empty, empty.bool(), empty.long(), got_len, got_tok)
     with pytest.raises(ValueError, match="columns"):
@@ -74,3 +76,30 @@ def test_decode_step_out_of_range_slot_and_empty_batch(device):
         decode_step_inputs(slots, slot_tokens.int(), lengths, 1)
     with pytest.raises(ValueError, match="is_dummy"):
         decode_step_advance(slots, torch.zeros(2, dtype=torch.bool, device=device), tok.new_zeros(3), got_len, got_tok)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim,scaling", [(64, None), (128, RopeScaling(rope_type="yarn", factor=4.0,
+                                                                             original_max_position_embeddings=512))])
+def test_decode_step_rope_rows_equal_the_forwards_cos_sin(device, head_dim, scaling):
+    """The RoPE rows gathered from ``cos_sin_table`` are bit for bit ``cos_sin(positions)`` (what the forward computes
+    without them), kernel and twin; a position past the table reads its last row."""
+    rot = RotaryEmbedding(head_dim, 10000.0, scaling, device=device)
+    num_slots, width, table_rows = 6, 8, 300
+    _, slot_tokens, lengths = _state(num_slots, width, torch.int32, device, head_dim)
+    lengths.copy_(torch.tensor([0, 1, 31, 32, 250, 299], dtype=torch.int32))  # page edges, the table's end
+    table = rot.cos_sin_table(table_rows)
+    slots = torch.tensor([5, 0, 3, 2, 4, 1], dtype=torch.int32, device=device)
+    for columns in (1, width):
+        got = decode_step_inputs(slots, slot_tokens, lengths, columns, table)
+        ref = decode_step_inputs_reference(slots, slot_tokens, lengths, columns, table)
+        assert got.cos.shape == (6, columns, head_dim // 2)
+        assert torch.equal(got.cos, ref.cos) and torch.equal(got.sin, ref.sin)
+        want_cos, want_sin = rot.cos_sin(got.positions.clamp(max=table_rows - 1))
+        assert torch.equal(got.cos, want_cos) and torch.equal(got.sin, want_sin)
+        inside = got.positions < table_rows
+        cos, sin = rot.cos_sin(got.positions)
+        assert torch.equal(got.cos[inside], cos[inside]) and torch.equal(got.sin[inside], sin[inside])
+    assert (got.positions >= table_rows).any()  # the last slot's columns ran past the table: its last row
+    with pytest.raises(ValueError, match="rope_table"):
+        decode_step_inputs(slots, slot_tokens, lengths, 1, (table[0], table[1][:, :3]))
