@@ -93,8 +93,9 @@ ONE_BLOCK_PREFETCH = True
 # Key blocks a decode piece's loop brings to L2 ahead of the block it reads (0: none): at block j the lines of block
 # j + PREFETCH_AHEAD (``prefetch.global.L2``, no registers held; its page ids read one iteration earlier, so the
 # prefetch never waits on them), which deepens a long piece's reads past the software pipeline's one block without
-# a stage's shared memory (occupancy). Decode tiles whose widest piece holds more blocks than this only; no bit of
-# the result changes.
+# a stage's shared memory (occupancy). Decode tiles of head dim <= 64 whose widest piece holds more blocks than this
+# only (at head dim 128 the 2-stage decode tile is at 255 registers and spilled 16 B with it, Triton 3.6.0); no bit
+# of the result changes. Built and compiled for sm_90 (eighteenth session), not yet timed: off.
 PREFETCH_AHEAD = 0
 _LOG2E = 1.4426950408889634
 
@@ -583,7 +584,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
     # the in-loop L2 prefetch (PREFETCH_AHEAD): compiled decode pieces longer than the distance (the interpreter
     # has no inline asm; a piece of at most that many blocks would prefetch nothing)
-    ahead = PREFETCH_AHEAD if (q.is_cuda and splits > 1 and row_pieces > 0
+    ahead = PREFETCH_AHEAD if (q.is_cuda and splits > 1 and row_pieces > 0 and d <= 64
                                and piece_blocks(cfg, row_pieces, width, splits) > PREFETCH_AHEAD) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
