@@ -19,8 +19,9 @@ cache holds C tokens), each a CUDA graph replayed (median):
 * ``decode fused`` / ``decode unfused`` / ``verify fused`` / ``verify unfused``: both forwards with each layer
   (``layer_kernels = "fused"``: five launches per layer; ``"unfused"``: cuBLAS GEMMs and separate norm / RoPE /
   SiLU-mul launches); ``decode fwd`` / ``verify fwd`` repeat the one the model picks (fused up to
-  ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver``: kernels of one
-  eager ``[B, 1]`` / ``[B, K+1]`` forward;
+  ``FUSED_MAX_ROWS`` rows): the comparison that sets that threshold; ``launches dec/ver/step``: kernels of one
+  eager ``[B, 1]`` / ``[B, K+1]`` forward and of one eager target-only step (forward, head, selection and the step's
+  bookkeeping);
 * a second table: the decode attention with each of ``CONFIG_CANDIDATES`` (the split tiles' launch settings),
   the best against the K/V floor: what sets ``DECODE_CONFIGS``.
 
@@ -265,8 +266,11 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
 
                 t = {"target_only": timer.time_graph([target_only], min_calls_per_graph=4)}
                 if ctx == contexts[0]:  # launches do not depend on the context
-                    step_launches = "/".join(str(_launches(lambda tok=tok, pos=pos: target(tok, pos, slots, kv)) or "-")
-                                             for tok, pos in ((tok1, pos1), (tokk, posk)))
+                    counts = [_launches(lambda tok=tok, pos=pos: target(tok, pos, slots, kv))
+                              for tok, pos in ((tok1, pos1), (tokk, posk))]
+                    counts.append(_launches(lambda b=b: ref.step(b)))  # the target-only step (its lengths move)
+                    st.ref_lens.copy_(ctx0)
+                    step_launches = "/".join(str(n or "-") for n in counts)
                 # Both layers at both shapes (fused five-launch layer / unfused cuBLAS layer): the comparison that
                 # sets FUSED_MAX_ROWS; "decode fwd" / "verify fwd" are the ones the model picks at this shape.
                 picks = {n: "fused" if target._fused_layers(r, tok1) else "unfused" for n, r in
@@ -342,13 +346,13 @@ def _run(args, sizes, contexts, shapes, spec, cuda) -> int:
                  f"decode / verify fwd: the layer the model picks (fused five-launch layer up to {FUSED_MAX_ROWS} "
                  "rows B*T at TP 1 for layers of <= 32 MiB of weights, else unfused); decode / verify fused / "
                  "unfused: the same forwards with each layer forced (fused: Triton small-M GEMMs with norm / RoPE / "
-                 "SiLU / residual fused; unfused: cuBLAS GEMMs); launches dec/ver: kernels of one eager [B, 1] / "
-                 "[B, K+1] forward (torch profiler)",
+                 "SiLU / residual fused; unfused: cuBLAS GEMMs); launches dec/ver/step: kernels of one eager [B, 1] / "
+                 "[B, K+1] forward and of one eager target-only step (torch profiler)",
                  "flashinfer: " + ("measured (BatchDecodeWithPagedKVCacheWrapper, NHD, same pages)" if fi is not None
                                    else f"not run: {fi_why}")]
         print_table(f"bench target: {name} decode step vs floor",
                     ["B", "C", "decode fwd", "decode no-PDL", "verify fwd", "target-only step", "floor", "decode/floor",
-                     "decode fused", "decode unfused", "verify fused", "verify unfused", "launches dec/ver", "attn",
+                     "decode fused", "decode unfused", "verify fused", "verify unfused", "launches dec/ver/step", "attn",
                      "attn floor", "attn/floor", "flashinfer attn"], rows, notes)
         if not args.no_attn_configs:
             print_table(

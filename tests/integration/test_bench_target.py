@@ -1,0 +1,38 @@
+"""``trtllm-ext bench target`` on the GPU: every row measured (finite times), the launch counts of the forwards and of
+the target-only step, whose bookkeeping runs one launch on each side of its forward (kernels/decode_step.py)."""
+
+import math
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.cli import main
+
+
+def _rows(out: str, first_col: str) -> list[list[str]]:
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_col} "))
+    cols = [c.strip() for c in lines[head].strip("|").split("|")]
+    rows = []
+    for ln in lines[head + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")))))
+    return rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_target_gpu_rows_and_step_launches(capsys):
+    assert main(["bench", "target", "--shapes", "smollm2-135m", "--spec-shapes", "", "--batch-sizes", "1,8",
+                 "--contexts", "256", "--no-attn-configs"]) == 0
+    rows = _rows(capsys.readouterr().out, "B")
+    assert [r["B"] for r in rows] == ["1", "8"]
+    for r in rows:
+        for col in ("decode fwd", "verify fwd", "target-only step", "floor", "attn"):
+            assert math.isfinite(float(r[col])) and float(r[col]) > 0, (col, r)
+        dec, ver, step = (int(n) for n in r["launches dec/ver/step"].split("/"))
+        # the step runs its [B, 1] forward without the forward's 4 RoPE launches, then the head and the greedy
+        # selection, with its bookkeeping in 2 launches (12 as torch ops): at most the forward's count + 2
+        assert 0 < dec <= ver and dec - 4 < step <= dec + 2, r
+        # a step is no faster than its forward alone, and the graph replays at least as fast as the eager kernels
+        assert float(r["target-only step"]) >= float(r["decode fwd"]) * 0.97, r
