@@ -36,3 +36,16 @@ def test_bench_target_gpu_rows_and_step_launches(capsys):
         assert 0 < dec <= ver and dec - 4 < step <= dec + 2, r
         # a step is no faster than its forward alone, and the graph replays at least as fast as the eager kernels
         assert float(r["target-only step"]) >= float(r["decode fwd"]) * 0.97, r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (no timings) only")
+def test_bench_target_cpu_smoke_prints_its_rows_without_numbers(capsys):
+    """On a CPU the tiny shape runs every code path of the table (engine, target-only decoder, launch counts) and
+    prints its rows with no number in them: nothing is timed without a GPU, and nothing pretends to be."""
+    assert main(["bench", "target", "--shapes", "tiny", "--spec-shapes", "", "--batch-sizes", "1,2",
+                 "--contexts", "16", "--no-attn-configs"]) == 0
+    rows = _rows(capsys.readouterr().out, "B")
+    assert [(r["B"], r["C"]) for r in rows] == [("1", "16"), ("2", "16")]
+    for r in rows:
+        assert all(v == "-" for k, v in r.items() if k not in ("B", "C", "launches dec/ver/step")), r
+        assert r["launches dec/ver/step"] == "-/-/-"
