@@ -18,11 +18,11 @@ device assert inside a captured step; the callers pass their own slots).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-
-from typing import NamedTuple
 
 from tensorrt_llm_ext.kernels.common import check_tensor
 

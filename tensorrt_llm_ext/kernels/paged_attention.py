@@ -162,8 +162,8 @@ def _paged_attention_kernel(
             jp = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             jp_ok = jp < end
             pg, po = _block_pages(table_ptr, slot, stride_tab, jp, jp_ok, max_pages, page_size, scratch_page)
-            _prefetch_l2(k_pool_ptr + pg * stride_kp + po * stride_kt + kvh * stride_kh, jp_ok)
-            _prefetch_l2(v_pool_ptr + pg * stride_vp + po * stride_vt + kvh * stride_vh, jp_ok)
+            _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, pg, po, kvh, jp_ok, stride_kp, stride_kt, stride_kh, stride_vp,
+                            stride_vt, stride_vh, 1, LINE)
     if PREFETCH == 1:
         # The register form waits and loads q before the branch (inside it, a 32-row verify tile spills 8 B at 168
         # registers under Triton 3.6); it runs where the grid is small, so its empty pieces cost little.
@@ -225,10 +225,8 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
     for n0 in range(first, end, BLOCK_N):
         if AHEAD > 0:
             ja = n0 + AHEAD * BLOCK_N + tl.arange(0, BLOCK_N)
-            ja_ok = ja < end
-            for line in tl.static_range(KV_LINES):
-                _prefetch_l2(k_pool_ptr + pa * stride_kp + oa * stride_kt + kvh * stride_kh + line * LINE, ja_ok)
-                _prefetch_l2(v_pool_ptr + pa * stride_vp + oa * stride_vt + kvh * stride_vh + line * LINE, ja_ok)
+            _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, pa, oa, kvh, ja < end, stride_kp, stride_kt, stride_kh, stride_vp,
+                            stride_vt, stride_vh, KV_LINES, LINE)
             jn = ja + BLOCK_N
             pa, oa = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size, scratch_page)
         jb = n0 + tl.arange(0, BLOCK_N)
@@ -272,6 +270,16 @@ def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scr
     pidx = j // page_size
     page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
     return page.to(tl.int64), (j % page_size).to(tl.int64)
+
+
+@triton.jit
+def _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, page, off, kvh, j_mask, stride_kp, stride_kt, stride_kh, stride_vp,
+                    stride_vt, stride_vh, LINES: tl.constexpr, LINE: tl.constexpr):
+    """``prefetch.global.L2`` of one block's K and V rows (the first ``LINES`` 128-byte lines of each key's head row,
+    ``LINE`` elements apart) for keys under ``j_mask``; nothing is returned or held."""
+    for line in tl.static_range(LINES):
+        _prefetch_l2(k_pool_ptr + page * stride_kp + off * stride_kt + kvh * stride_kh + line * LINE, j_mask)
+        _prefetch_l2(v_pool_ptr + page * stride_vp + off * stride_vt + kvh * stride_vh + line * LINE, j_mask)
 
 
 @triton.jit

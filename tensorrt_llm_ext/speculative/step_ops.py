@@ -131,8 +131,7 @@ class StepOps:
     top_p_keep: Callable  # signature of verification.top_p_keep
     store_rows: Callable  # (dst [S, ...], slots [B], src [B, ...]) -> dst: the draft logits stored at their slots
     load_rows: Callable  # (src [S, ...], slots [B], out [B, ...]) -> out: ... and read back for verification
-    decode_inputs: Callable  # (slots, slot_tokens, lengths, columns, rope_table) -> DecodeStepInputs: the
-    # target-only step's tokens, positions and RoPE rows
+    decode_inputs: Callable  # (slots, slot_tokens, lengths, columns, rope_table): the target-only step's inputs
     decode_advance: Callable  # (slots, is_dummy, new_tokens, lengths, slot_tokens): ... and its state after it
 
 

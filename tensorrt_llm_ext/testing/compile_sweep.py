@@ -261,7 +261,8 @@ def _decode_step():  # the target-only step's bookkeeping: int32 / int64 slots a
         for columns in (1, DRAFT_LENS[-1] + 1):
             decode_step_inputs(slots, slot_tokens, lengths, columns)
             for half in (32, 64):  # RoPE rows of head dims 64 / 128
-                decode_step_inputs(slots, slot_tokens, lengths, columns, (torch.zeros(16, half), torch.zeros(16, half)))
+                table = (torch.zeros(16, half), torch.zeros(16, half))
+                decode_step_inputs(slots, slot_tokens, lengths, columns, table)
         decode_step_advance(slots, torch.zeros(8, dtype=torch.bool), torch.zeros(8, dtype=torch.int64), lengths,
                             slot_tokens)
 
@@ -380,14 +381,12 @@ def _paged_attention():
     shipped = attn.PREFETCH_AHEAD
     try:
         attn.PREFETCH_AHEAD = shipped or 2
-        for dtype in (torch.bfloat16,):
-            for heads, kv_heads, d in ((9, 3, 64),):
-                b, page, max_pages = 32, 32, 128
-                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-                pool = torch.zeros(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
-                paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
-                                torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), d ** -0.5,
-                                config=attn.AttentionConfig(128, 4, 2, 4, prefetch=2))
+        b, page, max_pages = 32, 32, 128  # SmolLM2's heads (9 / 3 x 64, the only head dim it applies to), bf16
+        table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+        pool = torch.zeros(b * max_pages + 1, page, 3, 64, dtype=torch.bfloat16)
+        paged_attention(torch.zeros(b, 1, 9, 64, dtype=torch.bfloat16), pool, pool, table,
+                        torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), 64 ** -0.5,
+                        config=attn.AttentionConfig(128, 4, 2, 4, prefetch=2))
     finally:
         attn.PREFETCH_AHEAD = shipped
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul

@@ -9,7 +9,7 @@ import torch
 from tensorrt_llm_ext.cli import main
 
 
-def _rows(out: str, first_col: str) -> list[list[str]]:
+def _rows(out: str, first_col: str) -> list[dict[str, str]]:
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_col} "))
     cols = [c.strip() for c in lines[head].strip("|").split("|")]
