@@ -84,10 +84,6 @@ VARIANTS = {
     "p6": _every_step(AttentionConfig(128, 4, 2, 6, prefetch=2)),
     "p4s3": _every_step(AttentionConfig(128, 4, 3, 4, prefetch=2)),
     "n64p4": _every_step(AttentionConfig(64, 4, 2, 4, prefetch=2)),
-    # a decode piece's loop bringing the block 1 / 2 / 4 ahead of the one it reads to L2 (PREFETCH_AHEAD; no bit changes)
-    "ahead1": {"attn.PREFETCH_AHEAD": 1},
-    "ahead2": {"attn.PREFETCH_AHEAD": 2},
-    "ahead4": {"attn.PREFETCH_AHEAD": 4},
     # the pieces of steps of more than 32 requests: at most 1 / 4 / 8 a row (2 shipped since the seventeenth session)
     "wp1": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, AttentionConfig(128, 4, 3, 1, prefetch=2)))}},
     "wp4": {"attn.DECODE_CONFIGS_BY_BATCH": {64: ((17, _P4), (33, _P4))}},

@@ -90,13 +90,9 @@ LAST_PIECE_FIRST = True
 # step's new key's; at 128 registers (4 programs per SM), as without it (fifteenth session, sm_90 compile). Measured
 # (H100, graph replay at 1k keys): [1, 1] 506 -> 488 us, [32, 1] 1125 -> 1094, [4, 8] 865 -> 841.
 ONE_BLOCK_PREFETCH = True
-# Key blocks a decode piece's loop brings to L2 ahead of the block it reads (0: none): at block j the lines of block
-# j + PREFETCH_AHEAD (``prefetch.global.L2``, no registers held; its page ids read one iteration earlier, so the
-# prefetch never waits on them), which deepens a long piece's reads past the software pipeline's one block without
-# a stage's shared memory (occupancy). Decode tiles of head dim <= 64 whose widest piece holds more blocks than this
-# only (at head dim 128 the 2-stage decode tile is at 255 registers and spilled 16 B with it, Triton 3.6.0); no bit
-# of the result changes. Built and compiled for sm_90 (eighteenth session), not yet timed: off.
-PREFETCH_AHEAD = 0
+# (Measured and removed, nineteenth session: a decode piece's loop bringing the block two ahead of the one it reads to
+# L2 made one layer's attention at 8k keys 1.19-1.24x slower on the H100 -- B = 32 88.9 vs 74.7 us, B = 64 173.5 vs
+# 139.9 -- and the [32, 1] forward at 8k 3376 vs 2844 us; docs/target_forward.md.)
 _LOG2E = 1.4426950408889634
 
 
@@ -110,7 +106,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LAST_FIRST: tl.constexpr,
-    AHEAD: tl.constexpr = 0, KV_LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -162,8 +157,8 @@ def _paged_attention_kernel(
             jp = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             jp_ok = jp < end
             pg, po = _block_pages(table_ptr, slot, stride_tab, jp, jp_ok, max_pages, page_size, scratch_page)
-            _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, pg, po, kvh, jp_ok, stride_kp, stride_kt, stride_kh, stride_vp,
-                            stride_vt, stride_vh, 1, LINE)
+            _prefetch_l2(k_pool_ptr + pg * stride_kp + po * stride_kt + kvh * stride_kh, jp_ok)
+            _prefetch_l2(v_pool_ptr + pg * stride_vp + po * stride_vt + kvh * stride_vh, jp_ok)
     if PREFETCH == 1:
         # The register form waits and loads q before the branch (inside it, a 32-row verify tile spills 8 B at 168
         # registers under Triton 3.6); it runs where the grid is small, so its empty pieces cost little.
@@ -179,8 +174,7 @@ def _paged_attention_kernel(
                       t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
                       stride_ob, stride_ot, stride_oh,
-                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH,
-                      AHEAD, KV_LINES, LINE)
+                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
 
 
 @triton.jit
@@ -205,7 +199,7 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                   stride_ob, stride_ot, stride_oh,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-                  PREFETCH: tl.constexpr, AHEAD: tl.constexpr, KV_LINES: tl.constexpr, LINE: tl.constexpr):
+                  PREFETCH: tl.constexpr):
     """One piece of keys ``start .. end`` of a tile: the online softmax over its blocks, then its output (one
     live piece) or its partials and, for the last piece of the tile to arrive, the merge. ``PREFETCH == 1``: the
     first block's ``page, off, k, v`` were read before the wait."""
@@ -219,16 +213,7 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                              stride_kh, stride_vp, stride_vt, stride_vh, k, v)
         m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
         first = start + BLOCK_N
-    if AHEAD > 0:  # the page ids of the first block to bring ahead
-        ja = first + AHEAD * BLOCK_N + tl.arange(0, BLOCK_N)
-        pa, oa = _block_pages(table_ptr, slot, stride_tab, ja, ja < end, max_pages, page_size, scratch_page)
     for n0 in range(first, end, BLOCK_N):
-        if AHEAD > 0:
-            ja = n0 + AHEAD * BLOCK_N + tl.arange(0, BLOCK_N)
-            _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, pa, oa, kvh, ja < end, stride_kp, stride_kt, stride_kh, stride_vp,
-                            stride_vt, stride_vh, KV_LINES, LINE)
-            jn = ja + BLOCK_N
-            pa, oa = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size, scratch_page)
         jb = n0 + tl.arange(0, BLOCK_N)
         jb_ok = jb < end
         pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
@@ -270,16 +255,6 @@ def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scr
     pidx = j // page_size
     page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
     return page.to(tl.int64), (j % page_size).to(tl.int64)
-
-
-@triton.jit
-def _prefetch_kv_l2(k_pool_ptr, v_pool_ptr, page, off, kvh, j_mask, stride_kp, stride_kt, stride_kh, stride_vp,
-                    stride_vt, stride_vh, LINES: tl.constexpr, LINE: tl.constexpr):
-    """``prefetch.global.L2`` of one block's K and V rows (the first ``LINES`` 128-byte lines of each key's head row,
-    ``LINE`` elements apart) for keys under ``j_mask``; nothing is returned or held."""
-    for line in tl.static_range(LINES):
-        _prefetch_l2(k_pool_ptr + page * stride_kp + off * stride_kt + kvh * stride_kh + line * LINE, j_mask)
-        _prefetch_l2(v_pool_ptr + page * stride_vp + off * stride_vt + kvh * stride_vh + line * LINE, j_mask)
 
 
 @triton.jit
@@ -590,10 +565,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
         prefetch = 2  # the register form needs a query tile small enough to hold a block too
     prefetch = prefetch if splits > 1 and (pdl or (interpret and prefetch == 1)) else 0
-    # the in-loop L2 prefetch (PREFETCH_AHEAD): compiled decode pieces longer than the distance (the interpreter
-    # has no inline asm; a piece of at most that many blocks would prefetch nothing)
-    ahead = PREFETCH_AHEAD if (q.is_cuda and splits > 1 and row_pieces > 0 and d <= 64
-                               and piece_blocks(cfg, row_pieces, width, splits) > PREFETCH_AHEAD) else 0
     if splits > 1:
         part_o = torch.empty(b * t * h * splits * d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(b * t * h * splits, dtype=torch.float32, device=q.device)
@@ -616,8 +587,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
         PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
         PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, width, splits)),
-        AHEAD=ahead, KV_LINES=triton.cdiv(d * k_pool.element_size(), 128) if ahead else 1,
-        LINE=128 // k_pool.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

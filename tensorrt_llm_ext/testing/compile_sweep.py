@@ -374,21 +374,6 @@ def _paged_attention():
                     paged_attention(torch.zeros(b, 1, heads, d, dtype=dtype), pool, pool, table,
                                     torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64),
                                     d ** -0.5, programmatic=programmatic)
-    # The decode pieces' in-loop L2 prefetch (PREFETCH_AHEAD, off by default) at the distance the profile tries
-    # first, on the pieces of the first table above (32 requests, a 4k table: 8 blocks a piece).
-    import tensorrt_llm_ext.kernels.paged_attention as attn
-
-    shipped = attn.PREFETCH_AHEAD
-    try:
-        attn.PREFETCH_AHEAD = shipped or 2
-        b, page, max_pages = 32, 32, 128  # SmolLM2's heads (9 / 3 x 64, the only head dim it applies to), bf16
-        table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-        pool = torch.zeros(b * max_pages + 1, page, 3, 64, dtype=torch.bfloat16)
-        paged_attention(torch.zeros(b, 1, 9, 64, dtype=torch.bfloat16), pool, pool, table,
-                        torch.zeros(b, dtype=torch.int32), torch.zeros(b, 1, dtype=torch.int64), 64 ** -0.5,
-                        config=attn.AttentionConfig(128, 4, 2, 4, prefetch=2))
-    finally:
-        attn.PREFETCH_AHEAD = shipped
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
     for dtype in FLOATS:
