@@ -108,7 +108,10 @@ class DSparkWorker(SpecWorkerBase):
         self.slot_ids = self.metadata.batch_slot_ids  # [R] int32
         self.num_accepted = self.metadata.num_accepted  # [R] int32
         self.is_dummy = torch.ones(r, dtype=torch.bool, device=dev)
-        self.cols = torch.arange(k + 1, dtype=torch.int64, device=dev)
+        # RoPE's cos / sin of every position a step reaches (the cache's, plus a verify block's columns past a full
+        # slot), gathered with the step's inputs in one launch (kernels/decode_step.py: bit for bit what the forward
+        # would compute, with five launches fewer); the reference decoder's steps read it too
+        self.rope_table = target.rotary_emb.cos_sin_table(state.kv_cache.max_positions + k + 1)
         self.target_tokens = torch.zeros(r * (k + 1), dtype=torch.int64, device=dev)
         self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
         self.num_blocks = torch.zeros(num_slots, dtype=torch.int32, device=dev)
@@ -527,13 +530,14 @@ class DSparkWorker(SpecWorkerBase):
     # either op table) instead of re-assembling a step.
     def verify_forward(self, batch_size: int):
         """The target's verification forward of ``[anchor, d_0 .. d_{K-1}]``: ``(tokens [B, K+1], positions
-        [B, K+1], TargetOutput)``."""
+        [B, K+1], TargetOutput)``. The rows' tokens, positions (``ctx_len .. ctx_len+K``) and RoPE rows are gathered
+        in one launch (``ops.decode_inputs``: the same values as ``slot_tokens[slots]``, ``ctx_lens[slots] + j``
+        and ``rotary_emb.cos_sin(positions)``)."""
         st = self.state
         slots = self.slot_ids[:batch_size]
-        slots_l = slots.long()
-        tokens = st.slot_tokens[slots_l]  # [B, K+1]: anchor + drafts
-        positions = st.ctx_lens[slots_l].long()[:, None] + self.cols  # [B, K+1]
-        return tokens, positions, self.target(tokens, positions, slots, st.kv_cache)
+        tokens, positions, cos, sin = self.ops.decode_inputs(slots, st.slot_tokens, st.ctx_lens, self.draft_len + 1,
+                                                             self.rope_table)
+        return tokens, positions, self.target(tokens, positions, slots, st.kv_cache, rope=(cos, sin))
 
     def select_targets(self, batch_size: int, hidden: torch.Tensor, positions: torch.Tensor):
         """The target's token at every verified position: ``([B*(K+1)] int64, logits)``."""

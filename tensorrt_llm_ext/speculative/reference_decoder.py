@@ -48,10 +48,9 @@ class ReferenceDecoder:
         self.worker = worker
         self.step_columns = worker.draft_len + 1 if verify_shaped else 1  # query rows per request of a step
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
-        # RoPE's cos / sin of every position a step reaches (the cache's, plus a step's columns past a full slot),
-        # gathered with the step's inputs in one launch (bit for bit what the forward would compute)
-        kv = worker.state.kv_cache
-        self.rope_table = worker.target.rotary_emb.cos_sin_table(kv.max_positions + self.step_columns)
+        # RoPE's cos / sin gathered with the step's inputs from the worker's table (it covers a verify block's
+        # columns past a full slot, so this step's too)
+        self.rope_table = worker.rope_table
         # The steps select from full rows: with a sharded worker they need logits processing over the whole
         # vocabulary (the worker's holds its shard's columns only).
         wp = worker.processors
