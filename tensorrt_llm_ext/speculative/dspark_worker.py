@@ -644,7 +644,7 @@ class DSparkWorker(SpecWorkerBase):
         nxt = self.next_new_tokens[:b]
         self.draft(tail, slots, nxt[:, 1:])
         nxt[:, 0].copy_(tail.bonus_tokens)
-        st.slot_tokens[slots.long()] = nxt
+        self.ops.store_rows(st.slot_tokens, slots, nxt)  # the next verify block at each slot, one launch
         logits_out = logits.logits if isinstance(logits, VocabShardedLogits) else logits
         return {
             "logits": logits_out,  # [B*(K+1), V] gathered, or this rank's [B*(K+1), V_shard]
