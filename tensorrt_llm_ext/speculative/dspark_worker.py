@@ -110,7 +110,7 @@ class DSparkWorker(SpecWorkerBase):
         self.is_dummy = torch.ones(r, dtype=torch.bool, device=dev)
         # RoPE's cos / sin of every position a step reaches (the cache's, plus a verify block's columns past a full
         # slot), gathered with the step's inputs in one launch (kernels/decode_step.py: bit for bit what the forward
-        # would compute, with five launches fewer); the reference decoder's steps read it too
+        # would compute, without its four RoPE launches); the reference decoder's steps read it too
         self.rope_table = target.rotary_emb.cos_sin_table(state.kv_cache.max_positions + k + 1)
         self.target_tokens = torch.zeros(r * (k + 1), dtype=torch.int64, device=dev)
         self.accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
