@@ -149,7 +149,7 @@ def main_generate(args: argparse.Namespace) -> int:
     texts = TextPrompts(cfg, chat=args.chat)
     try:
         if args.prompts_file:
-            prompts = load_prompts_file(args.prompts_file)
+            prompts = load_prompts_file(args.prompts_file, parse_line=texts.ids)  # a line: ids or text, as an argument
         elif args.prompts:
             prompts = [texts.ids(p) for p in args.prompts]
         else:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,9 +61,11 @@ def parse_prompt(text: str) -> list[int]:
         raise ValueError(f"prompt {text!r}: expected token ids separated by spaces or commas") from None
 
 
-def load_prompts_file(path: str) -> list[list[int]]:
-    """A JSON list of id lists, or one prompt per line (ids separated by spaces/commas). Every id must be
-    an integer (``2.7``, ``true`` or ``null`` is an error naming the prompt and the item)."""
+def load_prompts_file(path: str, parse_line: Callable[[str], list[int]] = parse_prompt) -> list[list[int]]:
+    """A JSON list of id lists, or one prompt per line (``#`` lines and blank lines skipped), each line turned into
+    ids by ``parse_line`` (default: ids separated by spaces/commas; ``generate`` passes its text prompts' parser, so a
+    line may be text too). Every id of the JSON form must be an integer (``2.7``, ``true`` or ``null`` is an error
+    naming the prompt and the item)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -87,7 +90,7 @@ def load_prompts_file(path: str) -> list[list[int]]:
                 raise ValueError(f"{path}: prompt {i}: token ids must be integers, got {json.dumps(bad[0])}")
             out.append(list(p))
         return out
-    return [parse_prompt(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [parse_line(line.strip()) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 @dataclass

@@ -165,6 +165,26 @@ def test_generate_takes_text_and_chat_prompts_with_a_tokenizer(small_yaml, capsy
     assert rc == 0 and f"[0] prompt ({len(ids)} ids): {' '.join(map(str, ids))}" in capsys.readouterr().out
 
 
+def test_a_prompts_file_takes_text_lines_as_the_arguments_do(small_yaml, tmp_path, capsys):
+    """A --prompts-file line is a prompt as an argument is: ids, or text for the model's tokenizer (with --chat one user
+    message). Text lines were "expected token ids separated by spaces or commas", exit 2, where the same prompt given
+    as an argument was served."""
+    from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
+
+    tok = build_embedded_tokenizer(516)
+    path = tmp_path / "prompts.txt"
+    path.write_text("# text and ids\nhello world\n5 6\n")
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--prompts-file", str(path)])
+    text = capsys.readouterr().out
+    assert rc == 0 and f"[0] prompt ({len(tok.encode('hello world'))} ids)" in text and "[1] prompt (2 ids): 5 6" in text
+    path.write_text("hi\n")
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--chat", "--prompts-file",
+               str(path)])
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
+    assert rc == 0 and f"[0] prompt ({len(ids)} ids): {' '.join(map(str, ids))}" in capsys.readouterr().out
+
+
 def test_the_largest_seed_serves_every_prompt(small_yaml, tmp_path, capsys):
     """Prompt i samples with ``--seed + i`` wrapped into [0, 2^63): ``--seed 2^63 - 1`` with two prompts gave prompt
     1 the seed 2^63, refused only after prompt 0 had run (exit 3, "1 of 2 request(s) rejected")."""
