@@ -226,7 +226,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true",
                    help="each prompt is a user message, put through the tokenizer's chat template")
     g.add_argument("--prompts-file", help="a file of prompts: one per line (token ids or text, as the positional "
-                   "prompts; '#' lines skipped), or a JSON list of id lists")
+                   "prompts; '#' lines skipped), or a JSON list of id lists and strings")
     g.add_argument("--config", help="runtime YAML (trtllm-serve style); default: the embedded dspark_default.yaml")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks, launched through MPI (default: config)")
     g.add_argument("--max-new-tokens", type=int, default=24)

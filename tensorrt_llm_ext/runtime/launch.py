@@ -62,10 +62,11 @@ def parse_prompt(text: str) -> list[int]:
 
 
 def load_prompts_file(path: str, parse_line: Callable[[str], list[int]] = parse_prompt) -> list[list[int]]:
-    """A JSON list of id lists, or one prompt per line (``#`` lines and blank lines skipped), each line turned into
-    ids by ``parse_line`` (default: ids separated by spaces/commas; ``generate`` passes its text prompts' parser, so a
-    line may be text too). Every id of the JSON form must be an integer (``2.7``, ``true`` or ``null`` is an error
-    naming the prompt and the item)."""
+    """A JSON list of prompts, or one prompt per line (``#`` lines and blank lines skipped). A line, or a JSON string,
+    becomes ids through ``parse_line`` (default: ids separated by spaces/commas; ``generate`` passes its text prompts'
+    parser, so a prompt may be text too); a JSON list is token ids, each an integer (``2.7``, ``true`` or ``null`` is an
+    error naming the prompt and the item). A file whose text starts with ``[`` is JSON (text prompts that start with
+    ``[`` go in a JSON list of strings)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -76,15 +77,19 @@ def load_prompts_file(path: str, parse_line: Callable[[str], list[int]] = parse_
         try:
             data = json.loads(stripped)
         except ValueError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raise ValueError(f"{path}: not valid JSON ({e}; a file starting with '[' is read as a JSON list of "
+                             f"prompts)") from None
         except RecursionError:  # a list of id lists is two levels deep; the decoder recurses per level
-            raise ValueError(f"{path}: not a JSON list of token-id lists (nested too deeply)") from None
+            raise ValueError(f"{path}: not a JSON list of prompts (nested too deeply)") from None
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of token-id lists")
+            raise ValueError(f"{path}: expected a JSON list of prompts (token-id lists or strings)")
         out = []
         for i, p in enumerate(data):
+            if isinstance(p, str):
+                out.append(parse_line(p))
+                continue
             if not isinstance(p, list):
-                raise ValueError(f"{path}: prompt {i} must be a list of token ids, got {json.dumps(p)}")
+                raise ValueError(f"{path}: prompt {i} must be a list of token ids or a string, got {json.dumps(p)}")
             bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
             if bad:
                 raise ValueError(f"{path}: prompt {i}: token ids must be integers, got {json.dumps(bad[0])}")

@@ -80,7 +80,7 @@ def test_flags_no_request_can_be_served_with_are_usage_errors(small_yaml, capsys
 
 @pytest.mark.parametrize("content, message", [
     (b"\xff\xfe1 2 3\n", "not UTF-8 text (byte 0xff at offset 0)"),
-    (b"[" * 100000 + b"]" * 100000, "not a JSON list of token-id lists (nested too deeply)"),
+    (b"[" * 100000 + b"]" * 100000, "not a JSON list of prompts (nested too deeply)"),
 ], ids=["utf16-bytes", "deep-json"])
 def test_a_prompts_file_that_is_not_text_or_too_deep_is_one_line(small_yaml, tmp_path, capsys, content, message):
     """--prompts-file with bytes that are not UTF-8 named neither the file nor the flag ("'utf-8' codec can't
@@ -167,8 +167,8 @@ def test_generate_takes_text_and_chat_prompts_with_a_tokenizer(small_yaml, capsy
 
 def test_a_prompts_file_takes_text_lines_as_the_arguments_do(small_yaml, tmp_path, capsys):
     """A --prompts-file line is a prompt as an argument is: ids, or text for the model's tokenizer (with --chat one user
-    message). Text lines were "expected token ids separated by spaces or commas", exit 2, where the same prompt given
-    as an argument was served."""
+    message), and so is a string of the JSON form. Text lines were "expected token ids separated by spaces or commas",
+    exit 2, where the same prompt given as an argument was served."""
     from tensorrt_llm_ext.configs.embedded_tokenizer import build_embedded_tokenizer
 
     tok = build_embedded_tokenizer(516)
@@ -177,6 +177,10 @@ def test_a_prompts_file_takes_text_lines_as_the_arguments_do(small_yaml, tmp_pat
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--prompts-file", str(path)])
     text = capsys.readouterr().out
     assert rc == 0 and f"[0] prompt ({len(tok.encode('hello world'))} ids)" in text and "[1] prompt (2 ids): 5 6" in text
+    path.write_text('["[hi]", [5, 6]]')  # the JSON form: a string is text (one starting with '[' needs it), a list ids
+    rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--prompts-file", str(path)])
+    text = capsys.readouterr().out
+    assert rc == 0 and f"[0] prompt ({len(tok.encode('[hi]'))} ids)" in text and "[1] prompt (2 ids): 5 6" in text
     path.write_text("hi\n")
     rc = main(["generate", "--config", small_yaml, "--max-new-tokens", "2", "--no-progress", "--chat", "--prompts-file",
                str(path)])
