@@ -48,9 +48,6 @@ class ReferenceDecoder:
         self.worker = worker
         self.step_columns = worker.draft_len + 1 if verify_shaped else 1  # query rows per request of a step
         self.next_tokens = torch.zeros(worker.max_batch_size, dtype=torch.int64, device=worker.device)  # [R]
-        # RoPE's cos / sin gathered with the step's inputs from the worker's table (it covers a verify block's
-        # columns past a full slot, so this step's too)
-        self.rope_table = worker.rope_table
         # The steps select from full rows: with a sharded worker they need logits processing over the whole
         # vocabulary (the worker's holds its shard's columns only).
         wp = worker.processors
@@ -121,8 +118,9 @@ class ReferenceDecoder:
         c = self.step_columns
         with nvtx_range("target_only"):
             # One launch on each side of the forward (each launch a serial step of the graph): the inputs gathered
-            # contiguous, nothing captured, the state updated in place (kernels/decode_step.py).
-            tokens, positions, cos, sin = w.ops.decode_inputs(slots, st.slot_tokens, st.ref_lens, c, self.rope_table)
+            # contiguous with RoPE's rows from the worker's table, nothing captured, the state updated in place
+            # (kernels/decode_step.py).
+            tokens, positions, cos, sin = w.ops.decode_inputs(slots, st.slot_tokens, st.ref_lens, c, w.rope_table)
             out = w.target(tokens, positions, slots, st.kv_cache, capture=False, rope=(cos, sin))
             hidden = out.hidden_states.view(b, c, -1)[:, 0]
             logits = w.target.logits(hidden)
