@@ -79,7 +79,7 @@ class TrainConfig:
     intermediate_size: int = 1536
     markov_rank: int = 256
     target_layers: str = ""  # comma-separated target layer ids the drafter reads; "" = the default spread
-    init: str = "scratch"  # scratch | bigram | embedding (initial_weights)
+    init: str = "scratch"  # scratch | bigram | embedding | target (initial_weights)
     # objective (the DSpark paper's: 0.1 CE + 0.9 total variation, position weights exp(-k/K), k = 0..K-1)
     tv_weight: float = 0.9
     ce_weight: float = 0.1
@@ -155,7 +155,7 @@ class TrainConfig:
         if self.tv_weight + self.ce_weight + self.kl_weight <= 0:
             bad("tv_weight", "> 0 when --ce-weight and --kl-weight are 0 (nothing to train)", self.tv_weight)
         if self.init not in INITS:
-            bad("init", "'scratch', 'bigram' or 'embedding'", self.init)
+            bad("init", _INITS_SAID, self.init)
         if self.save_dtype not in SAVE_DTYPES:
             bad("save_dtype", " / ".join(SAVE_DTYPES), self.save_dtype)
         _device(self.device)  # raises the one-line error for an unknown or absent device
@@ -244,10 +244,15 @@ def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor
     unit RMS) and ``markov_w2 = 0``: the Markov bias starts at zero too, but as a linear map of the previous
     token's embedding, so what it learns for one token pair carries to tokens embedded nearby, where a table
     learned from zero knows only the pairs it has seen (the later block positions' only view of the drafts
-    before them).
+    before them). ``"target"``: ``"scratch"``'s Markov head, and each drafter layer starts as one of the target's
+    top ``num_layers`` layers (in order, the last drafter layer the target's last): both norms and the MLP whole,
+    q_proj's first ``num_heads`` heads and o_proj's columns of them where the head dim matches (the keys and values
+    come from the context latent, which the target has no counterpart of, so they stay seeded), and the final
+    norm the target's: the block starts from the target's own next-token computation instead of from noise
+    (``target_sd`` then holds the target's layers, :func:`target_layer_weights`).
     """
     if init not in INITS:
-        raise ValueError(f"train-drafter: init must be 'scratch', 'bigram' or 'embedding', got {init!r}")
+        raise ValueError(f"train-drafter: init must be {_INITS_SAID}, got {init!r}")
     sd = generate_drafter_state_dict(dcfg, seed, torch.float32)
     if init == "bigram":
         if dcfg.markov_rank != dcfg.hidden_size:
@@ -263,12 +268,56 @@ def initial_weights(dcfg: DSparkDrafterConfig, target_sd: dict[str, torch.Tensor
         sd["markov_w2"] = torch.zeros_like(sd["markov_w2"])
     else:
         sd["markov_w1"] = torch.zeros_like(sd["markov_w1"])
+    if init == "target":
+        sd.update(_target_layers_as_drafter(dcfg, target_sd))
     sd["embed_tokens.weight"] = target_sd["embed_tokens.weight"].float().clone()
     sd.update({n: torch.zeros(shape) for n, shape in confidence_head_shapes(dcfg).items()})
     return sd
 
 
-INITS = ("scratch", "bigram", "embedding")
+INITS = ("scratch", "bigram", "embedding", "target")
+_INITS_SAID = ", ".join(f"'{i}'" for i in INITS[:-1]) + f" or '{INITS[-1]}'"
+
+
+def target_layer_weights(target_sd: dict[str, torch.Tensor], num_layers: int, target_head_dim: int,
+                         head_dim: int) -> dict[str, torch.Tensor]:
+    """The target's top ``num_layers`` decoder layers renamed as the drafter's ``layers.0 ..`` (fp32, CPU), and
+    its final norm: what ``init="target"`` starts from. ``target_sd``: the target's state dict (this project's
+    names, :meth:`LlamaTarget.state_dict`). q_proj / o_proj are left out where the head dims differ (a head of
+    one is no head of the other)."""
+    ids = sorted({int(n.split(".")[1]) for n in target_sd if n.startswith("layers.")})
+    if len(ids) < num_layers:
+        raise ValueError(f"train-drafter: init 'target' needs at least {num_layers} target layers (one per drafter "
+                         f"layer), the target has {len(ids)}")
+    out = {"norm.weight": target_sd["norm.weight"].detach().float().cpu()}
+    for i, src in enumerate(ids[len(ids) - num_layers:]):
+        for n, t in target_sd.items():
+            name = n.split(".", 2)[2] if n.startswith(f"layers.{src}.") else None
+            if name and (target_head_dim == head_dim or name.split(".")[1] not in ("q_proj", "o_proj")):
+                out[f"layers.{i}.{name}"] = t.detach().float().cpu()
+    return out
+
+
+def _target_layers_as_drafter(dcfg: DSparkDrafterConfig, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The drafter weights ``init="target"`` copies from :func:`target_layer_weights`' output (shapes checked)."""
+    out = {"norm.weight": layers["norm.weight"]}
+    for i in range(dcfg.num_layers):
+        pre = f"layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            out[pre + n] = layers[pre + n]
+        # The target's first num_heads heads (q's row blocks, o's column blocks), where it has as many.
+        q, o = layers.get(pre + "self_attn.q_proj.weight"), layers.get(pre + "self_attn.o_proj.weight")
+        width = dcfg.num_heads * dcfg.head_dim
+        if q is not None and o is not None and q.shape[0] >= width:
+            out[pre + "self_attn.q_proj.weight"] = q[:width].clone()
+            out[pre + "self_attn.o_proj.weight"] = o[:, :width].clone()
+    want = full_weight_shapes(dcfg)
+    for n, t in out.items():
+        if tuple(t.shape) != tuple(want[n]):
+            raise ValueError(f"train-drafter: init 'target': the target's {n} is {tuple(t.shape)}, the drafter's "
+                             f"{tuple(want[n])} (the drafter's hidden and intermediate sizes must be the target's)")
+    return out
 
 
 def confidence_label(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
@@ -639,6 +688,9 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
     target_sd = {"embed_tokens.weight": target.embed_tokens.weight.detach().float().cpu(),
                  "norm.weight": target.norm.weight.detach().float().cpu(),
                  "lm_head.weight": lm_head.float().cpu()}
+    if tc.init == "target":
+        target_sd.update(target_layer_weights(target.state_dict(), dcfg.num_layers, target.config.head_dim,
+                                              dcfg.head_dim))
     init = initial_weights(dcfg, target_sd, tc.seed + 1, tc.init)
     # The embedding is the target's and stays frozen (shared, as serving shares it): not in the optimizer nor in
     # trainer_state.pt (a third of the state on SmolLM2).

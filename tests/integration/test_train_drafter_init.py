@@ -4,6 +4,7 @@ alone), and it trains from there."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from tensorrt_llm_ext.cli import main
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
 from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
-from tensorrt_llm_ext.training.trainer import TrainConfig, initial_weights
+from tensorrt_llm_ext.training.trainer import TrainConfig, initial_weights, target_layer_weights
 
 
 def test_embedding_init_maps_the_previous_tokens_embedding():
@@ -39,7 +40,7 @@ def test_embedding_init_maps_the_previous_tokens_embedding():
     scratch = initial_weights(cfg, {"embed_tokens.weight": emb}, seed=1, init="scratch")
     assert bool((scratch["markov_w1"] == 0).all())
     assert TrainConfig(init="embedding").init == "embedding"
-    with pytest.raises(ValueError, match="'scratch', 'bigram' or 'embedding'"):
+    with pytest.raises(ValueError, match="'scratch', 'bigram', 'embedding' or 'target'"):
         TrainConfig(init="table")
 
 
@@ -54,3 +55,64 @@ def test_training_from_the_embedding_init_learns_the_markov_map(tmp_path):
     assert s["complete"] and s["knobs"]["init"] == "embedding"
     w2 = load_file(str(d / "dspark_drafter" / "model.safetensors"))["markov_w2"]
     assert float(w2.abs().max()) > 0  # learned from zero
+
+
+def _target_like_sd(num_layers=3, hidden=16, heads=3, head_dim=8, inter=32, vocab=40):
+    g = torch.Generator().manual_seed(2)
+    sd = {"embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "norm.weight": torch.rand(hidden, generator=g)}
+    for i in range(num_layers):
+        for n, shape in (("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)),
+                         ("self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                         ("self_attn.k_proj.weight", (head_dim, hidden)), ("self_attn.v_proj.weight", (head_dim, hidden)),
+                         ("self_attn.o_proj.weight", (hidden, heads * head_dim)), ("mlp.gate_proj.weight", (inter, hidden)),
+                         ("mlp.up_proj.weight", (inter, hidden)), ("mlp.down_proj.weight", (hidden, inter))):
+            sd[f"layers.{i}.{n}"] = torch.randn(*shape, generator=g)
+    return sd
+
+
+def test_target_init_starts_each_layer_as_one_of_the_targets_top_layers():
+    cfg = DSparkDrafterConfig(hidden_size=16, target_hidden_size=16, num_capture_layers=1, num_layers=2, num_heads=2,
+                              head_dim=8, latent_dim=8, intermediate_size=32, vocab_size=40, markov_rank=24,
+                              mask_token_id=39)
+    tsd = _target_like_sd()
+    layers = target_layer_weights(tsd, 2, target_head_dim=8, head_dim=8)
+    sd = initial_weights(cfg, {"embed_tokens.weight": tsd["embed_tokens.weight"], **layers}, seed=1, init="target")
+    scratch = initial_weights(cfg, {"embed_tokens.weight": tsd["embed_tokens.weight"]}, seed=1, init="scratch")
+    for i, src in ((0, 1), (1, 2)):  # drafter layer i <- target layer src (the top two of three, in order)
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            assert torch.equal(sd[f"layers.{i}.{n}"], tsd[f"layers.{src}.{n}"]), n
+        # the first two of the target's three heads: q's first 16 rows, o's first 16 columns
+        assert torch.equal(sd[f"layers.{i}.self_attn.q_proj.weight"], tsd[f"layers.{src}.self_attn.q_proj.weight"][:16])
+        assert torch.equal(sd[f"layers.{i}.self_attn.o_proj.weight"], tsd[f"layers.{src}.self_attn.o_proj.weight"][:, :16])
+        # keys and values come from the context latent: seeded as in scratch
+        assert torch.equal(sd[f"layers.{i}.self_attn.k_up_proj.weight"], scratch[f"layers.{i}.self_attn.k_up_proj.weight"])
+    assert torch.equal(sd["norm.weight"], tsd["norm.weight"]) and bool((sd["markov_w1"] == 0).all())
+    assert torch.equal(sd["fc.weight"], scratch["fc.weight"])
+    # another head dim: q / o stay seeded, the rest is copied
+    other = target_layer_weights(tsd, 2, target_head_dim=4, head_dim=8)
+    sd2 = initial_weights(cfg, {"embed_tokens.weight": tsd["embed_tokens.weight"], **other}, seed=1, init="target")
+    assert torch.equal(sd2["layers.0.self_attn.q_proj.weight"], scratch["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(sd2["layers.1.mlp.down_proj.weight"], tsd["layers.2.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="at least 4 target layers"):
+        target_layer_weights(tsd, 4, target_head_dim=8, head_dim=8)
+    wide = dataclasses.replace(cfg, intermediate_size=48)
+    with pytest.raises(ValueError, match="intermediate sizes must be the target's"):
+        initial_weights(wide, {"embed_tokens.weight": tsd["embed_tokens.weight"], **layers}, seed=1, init="target")
+    with pytest.raises(ValueError, match="'embedding' or 'target'"):
+        TrainConfig(init="table")
+
+
+def test_training_from_the_target_init(tmp_path):
+    d = export_tiny_target(tmp_path / "tiny")
+    cfg = json.loads((d / "config.json").read_text())
+    assert main(["train-drafter", str(d), "--init", "target", "--num-prompts", "8", "--max-new-tokens", "12",
+                 "--gen-batch", "8", "--eval-prompts", "2", "--num-layers", "1",
+                 "--num-heads", str(cfg["num_attention_heads"]), "--head-dim",
+                 str(cfg["hidden_size"] // cfg["num_attention_heads"]), "--latent-dim", "8",
+                 "--intermediate-size", str(cfg["intermediate_size"]), "--draft-len", "3", "--batch-seqs", "2",
+                 "--anchors", "4", "--lr", "3e-3", "--warmup", "2", "--markov-rank", "4", "--steps", "40",
+                 "--save-every", "40", "--no-progress", "--save-dtype", "float32"]) == 0
+    s = json.loads((d / "dspark_drafter" / "training.json").read_text())
+    assert s["complete"] and s["knobs"]["init"] == "target"
+    assert sum(s["last_tv"]) / len(s["last_tv"]) < sum(s["first_tv"]) / len(s["first_tv"])  # it trains from there
