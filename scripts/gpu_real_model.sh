@@ -127,7 +127,8 @@ fi
 # the target pass and the context paid once per sequence, every answer position a block), the vocabulary-wide loss
 # chunked (Triton row kernel where it measures faster at the first step). Data: every user turn of the prompt
 # file's conversations (--max-turns 3: ~15.9k prompts, ~4 M answer tokens; recipe 4: 7.2k first turns, 1.65 M);
-# lr 2e-3 for the 8x batch (recipe 4: 1e-3), warm-up 50, the cosine fitted to the budget.
+# lr 2e-3 for the 8x batch (recipe 4: 1e-3), warm-up 50, the cosine fitted to the budget. DRAFTER_INIT=target
+# starts each drafter layer as one of the target's top layers (the twentieth session's ablation, docs/real_model.md).
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
