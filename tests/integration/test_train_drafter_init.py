@@ -1,6 +1,7 @@
-"""train-drafter --init embedding: the Markov head starts as a linear map of the previous token's target embedding
-(w1 = the embedding through a seeded projection, rows at unit RMS; w2 = 0, so the first drafts are the backbone's
-alone), and it trains from there."""
+"""train-drafter's starts other than noise. ``--init embedding``: the Markov head starts as a linear map of the previous
+token's target embedding (w1 = the embedding through a seeded projection, rows at unit RMS; w2 = 0, so the first drafts
+are the backbone's alone). ``--init target``: each drafter layer starts as one of the target's top layers. Both train
+from there."""
 
 from __future__ import annotations
 
