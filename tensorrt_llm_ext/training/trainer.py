@@ -312,6 +312,9 @@ def _target_layers_as_drafter(dcfg: DSparkDrafterConfig, layers: dict[str, torch
         if q is not None and o is not None and q.shape[0] >= width:
             out[pre + "self_attn.q_proj.weight"] = q[:width].clone()
             out[pre + "self_attn.o_proj.weight"] = o[:, :width].clone()
+        elif i == 0:
+            logger.info("train-drafter: init 'target': q_proj / o_proj stay seeded (the target's heads are of another "
+                        "head dim, or fewer than the drafter's); the norms and the MLP are the target's")
     want = full_weight_shapes(dcfg)
     for n, t in out.items():
         if tuple(t.shape) != tuple(want[n]):
