@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def _target_like_sd(num_layers=3, hidden=16, heads=3, head_dim=8, inter=32, voca
     return sd
 
 
-def test_target_init_starts_each_layer_as_one_of_the_targets_top_layers():
+def test_target_init_starts_each_layer_as_one_of_the_targets_top_layers(caplog):
     cfg = DSparkDrafterConfig(hidden_size=16, target_hidden_size=16, num_capture_layers=1, num_layers=2, num_heads=2,
                               head_dim=8, latent_dim=8, intermediate_size=32, vocab_size=40, markov_rank=24,
                               mask_token_id=39)
@@ -92,7 +93,9 @@ def test_target_init_starts_each_layer_as_one_of_the_targets_top_layers():
     assert torch.equal(sd["fc.weight"], scratch["fc.weight"])
     # another head dim: q / o stay seeded, the rest is copied
     other = target_layer_weights(tsd, 2, target_head_dim=4, head_dim=8)
-    sd2 = initial_weights(cfg, {"embed_tokens.weight": tsd["embed_tokens.weight"], **other}, seed=1, init="target")
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm_ext"):
+        sd2 = initial_weights(cfg, {"embed_tokens.weight": tsd["embed_tokens.weight"], **other}, seed=1, init="target")
+    assert "q_proj / o_proj stay seeded" in caplog.text  # the fallback says so
     assert torch.equal(sd2["layers.0.self_attn.q_proj.weight"], scratch["layers.0.self_attn.q_proj.weight"])
     assert torch.equal(sd2["layers.1.mlp.down_proj.weight"], tsd["layers.2.mlp.down_proj.weight"])
     with pytest.raises(ValueError, match="at least 4 target layers"):
