@@ -24,10 +24,16 @@ barrier could complete). Usage on the GPU machine:
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tensorrt_llm_ext.bench.harness import BenchTimer  # noqa: E402
 
 MAX_SPINS = tl.constexpr(1 << 16)  # ~0.1 s of polls: far past any barrier that can complete, short enough to end
 
@@ -68,59 +74,33 @@ def _persistent_kernel(buf_ptr, counter_ptr, error_ptr, phases, BLOCK: tl.conste
         tl.debug_barrier()
 
 
-def _time_graph(g: torch.cuda.CUDAGraph, replays: int) -> float:
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _pdl_chain(phases: int, programs: int, block: int, replays: int) -> tuple[float, bool]:
+def _pdl_chain(phases: int, programs: int, block: int, timer: BenchTimer) -> tuple[float, bool]:
     bufs = [torch.zeros(programs * block, device="cuda") for _ in range(2)]
 
     def run():
+        bufs[0].zero_()
         for i in range(phases):
             _chain_step_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], BLOCK=block, launch_pdl=True)
 
-    run()  # compile
+    us = timer.time_graph([run])
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        bufs[0].zero_()
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    ok = bool((bufs[phases % 2] == float(phases)).all())
-    return _time_graph(g, replays), ok
+    return us, bool((bufs[phases % 2] == float(phases)).all())  # the last replay's chain
 
 
-def _persistent(phases: int, programs: int, block: int, replays: int) -> tuple[float, bool]:
+def _persistent(phases: int, programs: int, block: int, timer: BenchTimer) -> tuple[float, bool]:
     buf = torch.zeros(2 * programs * block, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")  # set by any barrier that timed out, in any replay
 
     def run():
         buf[: programs * block].zero_()
         counter.zero_()
         _persistent_kernel[(programs,)](buf, counter, error, phases, BLOCK=block)
 
-    run()  # compile
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    error.zero_()
-    g.replay()
+    us = timer.time_graph([run])
     torch.cuda.synchronize()
     out = buf[(phases % 2) * programs * block:][: programs * block]
-    ok = bool((out == float(phases)).all()) and int(error.item()) == 0
-    return _time_graph(g, replays), ok
+    return us, bool((out == float(phases)).all()) and int(error.item()) == 0
 
 
 def main() -> int:
@@ -128,21 +108,22 @@ def main() -> int:
     p.add_argument("--phases", type=int, default=150)
     p.add_argument("--programs", type=int, nargs="+", default=None, help="default: the SM count, and twice it")
     p.add_argument("--block", type=int, default=256, help="fp32 values per program and phase")
-    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions (median), each of 20 graph replays")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_grid_barrier: needs a CUDA GPU (the interpreter cannot run a grid barrier)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = args.programs or [sms, 2 * sms]
+    timer = BenchTimer("cuda", reps=args.reps)
     print(f"probe_grid_barrier: {args.phases} dependent phases, programs x {args.block} fp32, one graph, median of "
-          f"{args.replays} replays; triton {triton.__version__}, torch {torch.__version__}, "
+          f"{args.reps} x 20 replays (BenchTimer); triton {triton.__version__}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()} ({sms} SMs)")
-    print("| programs | form | graph us | us per hand-off | result correct |")
+    print("| programs | form | us per chain | us per hand-off | result correct |")
     print("|---|---|---|---|---|")
     for g in programs:
         for name, fn in (("pdl_chain", _pdl_chain), ("persistent", _persistent)):
             try:
-                t, ok = fn(args.phases, g, args.block, args.replays)
+                t, ok = fn(args.phases, g, args.block, timer)
                 print(f"| {g} | {name} | {t:.1f} | {t / args.phases:.2f} | {ok} |", flush=True)
             except Exception as e:  # a form the toolchain refuses: say so, keep the others
                 print(f"| {g} | {name} | - | - | {type(e).__name__}: {str(e)[:160]} |", flush=True)
