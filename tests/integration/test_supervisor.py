@@ -103,7 +103,10 @@ def _launch_2_ranks(tmp_path, rank_code: str, signal_after_s: float | None = Non
     outlived the job)."""
     code = textwrap.dedent(f"""
         import os
-        open(os.path.join({str(tmp_path)!r}, "rank%s.pid" % os.environ["PMI_RANK"]), "w").write(str(os.getpid()))
+        _pid_file = os.path.join({str(tmp_path)!r}, "rank%s.pid" % os.environ["PMI_RANK"])
+        with open(_pid_file + ".partial", "w") as _f:
+            _f.write(str(os.getpid()))
+        os.replace(_pid_file + ".partial", _pid_file)  # whole or absent: a rank killed mid-write leaves no empty file
     """) + textwrap.dedent(rank_code)
     launcher_code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
                      f"sys.exit(launch_command(2, [sys.executable, '-c', {code!r}], linger_s=30))")
