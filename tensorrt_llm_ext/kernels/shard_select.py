@@ -67,8 +67,10 @@ _PROGRAMS_PER_SM = 2
 _SAMPLED_TILE_COLUMNS = 2048
 _SAMPLED_WARPS = 4
 _SAMPLED_PROGRAMS_PER_SM = 4
-# Philox with one 32x32 -> 64-bit multiply per product pair (the same words; see philox_4x32_10_wide).
-_SAMPLED_WIDE_MUL = False
+# Philox with one 32x32 -> 64-bit multiply per product pair (the same words; see philox_4x32_10_wide): 11-15 %
+# off the sampled kernel at every swept shape (`bench select --tables sampled`, H100, 2026-12-06: 64 rows 30.90 ->
+# 27.21 us, 256 rows 90.69 -> 77.12, a TP-4 shard at 256 rows 29.21 -> 26.08).
+_SAMPLED_WIDE_MUL = True
 
 
 @triton.jit

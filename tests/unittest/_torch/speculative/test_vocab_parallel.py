@@ -268,7 +268,8 @@ def test_gumbel_skip_bound_keeps_the_exact_winner(device):
     temps, seeds, offsets = _sampling_inputs(15, device, 1.0, seed=2**33 + 9, offset0=77)
     temps[4] = 0.05
     kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
-    keys = shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, **kw)  # 17 tiles: the bound decides 16
+    keys = shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, wide_mul=False,
+                             **kw)  # 17 tiles: the bound decides 16
     ids = key_to_id_torch(keys)
     assert ids[0].item() == vocab - 3 and ids[1].item() == 7 and ids[2].item() == 0
     assert ids[3].item() == vocab - 1 and ids[4].item() == 2 and ids[8].item() == 0 and ids[9].item() == vocab - 2
@@ -278,8 +279,9 @@ def test_gumbel_skip_bound_keeps_the_exact_winner(device):
     else:
         assert (key_to_id_torch(twin) != ids).sum().item() <= 1
     # tp 5: shard starts 53, 106, 159, 212 (phases 1, 2, 3, 0), two programs per shard; the wide-multiply
-    # Philox (a schedule option) draws the same words
+    # Philox (a schedule option, the launcher's default) draws the same words as tl.philox's
     assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, wide_mul=True, **kw), keys)
+    assert torch.equal(shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, **kw), keys)
 
 
 @pytest.mark.parametrize("device", DEVICES)
