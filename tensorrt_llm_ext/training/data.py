@@ -81,14 +81,16 @@ def teacher_pass_dense(target: LlamaTarget, seq: torch.Tensor) -> tuple[torch.Te
         at = layer.self_attn
         d, nq, nk = at.head_dim, at.num_heads, at.num_kv_heads
         qkv = F.linear(normed, at.qkv_weight, at.qkv_bias)
-        q = qkv[..., :nq * d].view(b, t, nq, d)
-        k = qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)
         v = qkv[..., (nq + nk) * d:].view(b, t, nk, d)
-        if at.q_norm is not None:
-            q, k = _norm(at.q_norm, q), _norm(at.k_norm, k)
         dt = normed.dtype
-        q = apply_rope(q, cos, sin).to(dt).transpose(1, 2)
-        k = apply_rope(k, cos, sin).to(dt).transpose(1, 2).repeat_interleave(nq // nk, dim=1)
+        if at.q_norm is not None:
+            q = apply_rope(_norm(at.q_norm, qkv[..., :nq * d].view(b, t, nq, d)), cos, sin).to(dt)
+            k = apply_rope(_norm(at.k_norm, qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)), cos, sin).to(dt)
+        else:  # q and k rotated as one tensor: the same elementwise ops, half the launches (the pass is host-bound)
+            qk = apply_rope(qkv[..., :(nq + nk) * d].view(b, t, nq + nk, d), cos, sin).to(dt)
+            q, k = qk[:, :, :nq], qk[:, :, nq:]
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2).repeat_interleave(nq // nk, dim=1)
         v = v.transpose(1, 2).repeat_interleave(nq // nk, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=at.scale)
         attn = at.o_proj(o.transpose(1, 2).reshape(b, t, nq * d))
