@@ -12,7 +12,8 @@ shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short dev
 | torch (chunked, the per-row passes in torch ops), each chunked one with an optional layout suffix (``fused_joint``,
 ``kernel_dedup``, ...; training/fused_loss.py's layouts: none = ``rows``, the first layout; ``joint``: the draft
 logits and their gradient one GEMM each; ``dedup``: ``joint`` plus the teacher's logits once per position, the
-trainer's default); attention = sdpa | eager; teacher = dense | paged.
+trainer's default); attention = sdpa | eager; teacher = dense | paged; seq_bucket = the batch width's rounding
+(trainer.SEQ_BUCKET; 0 = the trainer's, 1 = the longest sequence exactly, as before the twenty-second session).
 
 ``--profile``: after each ``--train`` configuration's timed steps, ``--profile-steps`` more steps under
 ``torch.profiler`` (CUDA kernels on the GPU; CPU ops with ``--tiny``): the kernel time per step grouped by where
@@ -99,7 +100,7 @@ def train_configs(specs: list[str]) -> list[dict]:
     out = []
     for spec in specs:
         c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": "sdpa", "teacher": "dense", "layers": 3,
-             "latent": 256, "targets": "1/7/14/21/27", "steps": 6}
+             "latent": 256, "targets": "1/7/14/21/27", "steps": 6, "seq_bucket": 0}
         for kv in spec.split(","):
             k, v = kv.split("=")
             if k not in c:
@@ -202,13 +203,16 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
     real_tp = data_mod.teacher_pass
     n_seq = data["tokens"].shape[0]
 
+    real_bucket = trainer.SEQ_BUCKET
+
     def batch_of(step):
         idx = torch.randint(n_seq, (cfg["bs"],), generator=torch.Generator().manual_seed(step))
         trainer.teacher_pass = lambda tg, seq: real_tp(tg, seq, dense=dense)
+        trainer.SEQ_BUCKET = cfg["seq_bucket"] or real_bucket
         try:
             return trainer._batch(data, idx, device, target)
         finally:
-            trainer.teacher_pass = real_tp
+            trainer.teacher_pass, trainer.SEQ_BUCKET = real_tp, real_bucket
 
     def step(i):
         with torch.profiler.record_function("teacher_pass"):

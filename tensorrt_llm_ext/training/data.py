@@ -89,10 +89,9 @@ def teacher_pass_dense(target: LlamaTarget, seq: torch.Tensor) -> tuple[torch.Te
         else:  # q and k rotated as one tensor: the same elementwise ops, half the launches (the pass is host-bound)
             qk = apply_rope(qkv[..., :(nq + nk) * d].view(b, t, nq + nk, d), cos, sin).to(dt)
             q, k = qk[:, :, :nq], qk[:, :, nq:]
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2).repeat_interleave(nq // nk, dim=1)
-        v = v.transpose(1, 2).repeat_interleave(nq // nk, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=at.scale)
+        # GQA inside the attention (no repeated copy of k and v per query head)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           scale=at.scale, enable_gqa=nq != nk)
         attn = at.o_proj(o.transpose(1, 2).reshape(b, t, nq * d))
         normed, hidden = _add_norm(layer.post_attention_layernorm, attn, hidden)
         pending = layer.mlp(normed)

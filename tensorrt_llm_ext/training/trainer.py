@@ -492,11 +492,28 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
     return x @ params["confidence.weight"].float() + params["confidence.bias"].float()
 
 
+# A batch's width is its longest sequence rounded up to this many positions (capped at the stored width). On a GPU
+# torch's scaled_dot_product_attention runs cuDNN's kernels (the teacher's causal pass; the drafter's masked block
+# attention, forward and backward), and cuDNN finalises an execution plan for every new shape -- tens of ms of host
+# time in which the device idles; widths that repeat reuse the cached plans. The padding sits past every sequence's
+# end: causal attention never lets it reach a real position, and the loss and anchors read only positions < lens.
+SEQ_BUCKET = 64
+
+
+def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
+    """The positions a batch whose longest sequence is ``longest`` keeps: a multiple of ``bucket``
+    (:data:`SEQ_BUCKET`) at most ``stored`` (the data's width)."""
+    bucket = SEQ_BUCKET if bucket is None else bucket
+    if bucket < 1:
+        raise ValueError(f"train-drafter: the batch width's bucket must be >= 1, got {bucket}")
+    return min(-(-longest // bucket) * bucket, stored)
+
+
 def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target) -> dict[str, torch.Tensor]:
     """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
-    recomputed now (online)."""
+    recomputed now (online), over :func:`batch_width` positions."""
     lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
-    t = int(lens.max())
+    t = batch_width(int(lens.max()), data["tokens"].shape[1])
     tokens = data["tokens"][idx, :t].to(device).long()
     feats, final = teacher_pass(target, tokens)
     return {"tokens": tokens, "lens": lens.to(device), "prompt_lens": prompt_lens.to(device),

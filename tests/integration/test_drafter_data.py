@@ -306,3 +306,24 @@ def test_a_base_models_prompts_are_its_text_not_random_ids(tmp_path, template):
         assert render_prompts(str(d), convs[1:], vocab, seed=0, max_prompt_tokens=1) == [[14]]
     assert prompt_tokenizer(str(d))[1] == template
 
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_dense_teacher_pass_equals_the_forward_with_grouped_kv_heads(kv_heads, qk_norm):
+    """teacher_pass_dense's attention groups the query heads of a KV head inside SDPA (``enable_gqa``, no repeated
+    k / v): the paged forward's features and final hidden states with 4 query heads on 1 or 2 KV heads (the tiny
+    checkpoint has no grouping), with and without Qwen3's q / k norms."""
+    from tensorrt_llm_ext.models.llama_target import LlamaTarget, LlamaTargetConfig
+    from tensorrt_llm_ext.training.data import teacher_pass
+
+    cfg = LlamaTargetConfig(num_heads=4, num_kv_heads=kv_heads, qk_norm=qk_norm, capture_layers=(0, 1))
+    torch.manual_seed(0)
+    target = LlamaTarget(cfg, dtype=torch.float32, device="cpu")
+    for p in target.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    seq = torch.randint(0, cfg.vocab_size, (3, 37), generator=torch.Generator().manual_seed(1))
+    paged, dense = teacher_pass(target, seq, dense=False), teacher_pass(target, seq, dense=True)
+    for a, b in zip(paged, dense):
+        assert a.abs().max() > 0.1
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.models.checkpoint import load_drafter_state_dict, read_drafter_config
+from tensorrt_llm_ext.models.dspark_drafter import confidence_head_shapes
 from tensorrt_llm_ext.runtime.config import load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.requests import Request
@@ -122,3 +123,36 @@ def test_training_walk_gains_what_serving_gains_at_every_step(served):
         assert w[:-1] == r.accepted_lens[:len(w) - 1] and len(w) == len(r.accepted_lens)
         assert w[-1] <= r.accepted_lens[-1]
     assert any(n > 1 for w in walked for n in w)
+
+
+def test_batch_width_bucket_pads_past_every_sequence(served, monkeypatch):
+    """A training batch's width is its longest sequence rounded up to ``SEQ_BUCKET`` (cuDNN reuses its plans for
+    widths that repeat), capped at the data's width; the padding changes no real position's features or final
+    hidden state, nor the distillation loss and its metrics on the same anchors."""
+    assert [trainer.batch_width(n, s, b) for n, s, b in ((17, 100, 16), (32, 100, 16), (17, 20, 16), (5, 9, 1))] == \
+        [32, 32, 20, 5]
+    with pytest.raises(ValueError, match="bucket"):
+        trainer.batch_width(5, 9, 0)
+    dcfg, params, target, results = served
+    data = _sequences(results)
+    idx = torch.tensor([0])  # the shorter sequence: its batch has room to pad below the data's width
+    n = int(data["lens"][0])
+    assert n < data["tokens"].shape[1]
+    batches = []
+    for bucket in (1, 16):
+        monkeypatch.setattr(trainer, "SEQ_BUCKET", bucket)
+        batches.append(trainer._batch(data, idx, torch.device("cpu"), target))
+    exact, padded = batches
+    assert exact["tokens"].shape[1] == n and padded["tokens"].shape[1] == data["tokens"].shape[1]
+    for key in ("features", "final"):
+        torch.testing.assert_close(padded[key][:, :n], exact[key], atol=1e-6, rtol=1e-6)
+    anchors = trainer.sample_anchors(exact, 6, torch.Generator().manual_seed(0))
+    tc = TrainConfig(**KNOBS)
+    head = target.lm_head.weight.detach().float()
+    g = torch.Generator().manual_seed(1)
+    params = {**params, **{n: torch.randn(shape, generator=g) for n, shape in confidence_head_shapes(dcfg).items()}}
+    (loss_a, m_a), (loss_b, m_b) = (trainer.distillation_loss(params, dcfg, head, b, anchors, K, tc, fused=False)
+                                    for b in (exact, padded))
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
+    for a, b in zip(trainer.metrics_vector(m_a), trainer.metrics_vector(m_b)):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
