@@ -32,7 +32,10 @@ message): the prompt of the i-th conversation is its first user turn, or with ``
 among its first N with the messages before it (as ``train-drafter --max-turns`` renders them; capped at 768 tokens);
 the ids are seeded random tokens (a random-weight target reads any ids alike). Each answer's length is drawn
 uniformly from [max_new_tokens / 4, max_new_tokens] (the real answers stop at EOS at varied lengths).
-``--old-data``: a data.py of an earlier version whose ``regenerate`` is measured beside this one's.
+``--old-data``: a data.py of an earlier version whose ``regenerate`` (and, with ``--teacher-widths``,
+``teacher_pass_dense``) is measured beside this one's. ``--teacher-widths`` (CUDA): the dense teacher pass over 64
+sequences per synchronised call, every call a new width vs one width repeated, SDPA's choice vs flash only -- what a
+new shape costs cuDNN (trainer.SEQ_BUCKET's reason).
 Results: OUT_DIR/throughput.json and a log line per measurement.
 """
 
@@ -108,6 +111,46 @@ def train_configs(specs: list[str]) -> list[dict]:
             c[k] = v if k in ("loss", "attention", "teacher", "targets") else int(v)
         out.append(c)
     return out
+
+
+def measure_teacher_widths(model_dir: Path, device, old_data: str | None) -> list[dict]:
+    """The dense teacher pass over 64 sequences, ms per synchronised call (the first three, then the median of the
+    rest): every call a new width vs one width repeated, SDPA's own choice vs flash only, this data.py's pass and
+    ``--old-data``'s. cuDNN (SDPA's kernels on sm_90) plans each new shape; a repeated one reuses the plan."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tensorrt_llm_ext.training import data as data_mod
+
+    passes = [("this", data_mod.teacher_pass_dense)]
+    if old_data:
+        spec = importlib.util.spec_from_file_location("old_data", old_data)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        passes.insert(0, ("old", mod.teacher_pass_dense))
+    target = data_mod.load_target(model_dir, [1, 7, 14, 21, 27], device, torch.bfloat16)
+    vocab = target.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, offset = [], 0
+    for name, fn in passes:
+        for backend in ("default", "flash"):
+            for widths in ("new", "repeated"):
+                offset += 3  # new widths never seen by an earlier row
+                ws = [901 + offset + 12 * i for i in range(10)] if widths == "new" else [1024] * 10
+                ms = []
+                for w in ws:
+                    seq = torch.randint(0, vocab, (64, w), device=device, generator=gen)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    if backend == "flash":
+                        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                            fn(target, seq)
+                    else:
+                        fn(target, seq)
+                    torch.cuda.synchronize()
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                rows.append({"pass": name, "sdpa": backend, "widths": widths, "first_ms": [round(x, 1) for x in ms[:3]],
+                             "median_ms": round(sorted(ms[3:])[len(ms[3:]) // 2], 1)})
+    return rows
 
 
 def _targets(cfg: dict, tiny: bool) -> str:
@@ -337,6 +380,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks this script)")
     ap.add_argument("--profile", action="store_true", help="kernel time per step by group (docstring)")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--teacher-widths", action="store_true",
+                    help="the teacher pass per call with every width new vs one width repeated (docstring)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -365,6 +410,8 @@ def main() -> int:
     data = {"tokens": tokens, "lens": lens, "prompt_lens": prompt_lens}
     log(out, results, "train_data", {"seqs": len(lens_p), "mean_len": round(float(lens.float().mean()), 1),
                                      "mean_prompt": round(float(prompt_lens.float().mean()), 1)})
+    if a.teacher_widths and not a.tiny:
+        log(out, results, "teacher_widths", measure_teacher_widths(model_dir, device, a.old_data))
     profiled = []
     for i, cfg in enumerate(train_configs(a.train)):
         try:
