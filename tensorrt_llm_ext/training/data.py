@@ -86,7 +86,7 @@ def teacher_pass_dense(target: LlamaTarget, seq: torch.Tensor) -> tuple[torch.Te
         if at.q_norm is not None:
             q = apply_rope(_norm(at.q_norm, qkv[..., :nq * d].view(b, t, nq, d)), cos, sin).to(dt)
             k = apply_rope(_norm(at.k_norm, qkv[..., nq * d:(nq + nk) * d].view(b, t, nk, d)), cos, sin).to(dt)
-        else:  # q and k rotated as one tensor: the same elementwise ops, half the launches (the pass is host-bound)
+        else:  # q and k rotated as one tensor: the same elementwise ops, half the launches
             qk = apply_rope(qkv[..., :(nq + nk) * d].view(b, t, nq + nk, d), cos, sin).to(dt)
             q, k = qk[:, :, :nq], qk[:, :, nq:]
         # GQA inside the attention (no repeated copy of k and v per query head)
