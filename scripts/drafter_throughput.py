@@ -113,6 +113,14 @@ def train_configs(specs: list[str]) -> list[dict]:
     return out
 
 
+def load_old_data(path: str):
+    """``--old-data``: an earlier version's training/data.py, imported as a module of its own."""
+    spec = importlib.util.spec_from_file_location("old_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def measure_teacher_widths(model_dir: Path, device, old_data: str | None) -> list[dict]:
     """The dense teacher pass over 64 sequences, ms per synchronised call (the first three, then the median of the
     rest): every call a new width vs one width repeated, SDPA's own choice vs flash only, this data.py's pass and
@@ -123,10 +131,7 @@ def measure_teacher_widths(model_dir: Path, device, old_data: str | None) -> lis
 
     passes = [("this", data_mod.teacher_pass_dense)]
     if old_data:
-        spec = importlib.util.spec_from_file_location("old_data", old_data)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        passes.insert(0, ("old", mod.teacher_pass_dense))
+        passes.insert(0, ("old", load_old_data(old_data).teacher_pass_dense))
     target = data_mod.load_target(model_dir, [1, 7, 14, 21, 27], device, torch.bfloat16)
     vocab = target.config.vocab_size
     gen = torch.Generator(device=device).manual_seed(0)
@@ -460,12 +465,7 @@ def main() -> int:
         if a.old_gen_batch and a.old_data:  # after the first new run (its kernels compiled: a fairer clock)
             runs.insert(min(1, len(runs)), ("old", a.old_gen_batch))
         for name, bsz in runs:
-            if name == "old":
-                spec = importlib.util.spec_from_file_location("old_data", a.old_data)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-            else:
-                mod = data_mod
+            mod = load_old_data(a.old_data) if name == "old" else data_mod
             req_mod.Request = Varied
             draw.seed(2)
             try:

@@ -307,7 +307,6 @@ def test_a_base_models_prompts_are_its_text_not_random_ids(tmp_path, template):
     assert prompt_tokenizer(str(d))[1] == template
 
 
-
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_dense_teacher_pass_equals_the_forward_with_grouped_kv_heads(kv_heads, qk_norm):

@@ -119,8 +119,9 @@ def _serve_ranks(tmp_path, rank_cmd: list[str]) -> RanksRun:
     code = (f"import sys; from tensorrt_llm_ext.runtime.ranks import launch_command; "
             f"sys.exit(launch_command(2, {rank_cmd!r}, linger_s=30, env={{'TLLM_EXT_SERVE_RANK': '1'}}))")
     root = str(Path(__file__).resolve().parents[3])
-    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in launcher.stdout),
                               daemon=True)
@@ -148,9 +149,9 @@ def test_tp2_rank_0_failing_after_its_followers_serve_ends_the_job_with_its_code
     """The ranks of `serve --tp 2` as its launcher runs them after its checks, rank 0 failing once the follower is in
     its loop: uvicorn cannot listen (the port taken after the launcher's check: its SystemExit 3) or an error while
     rank 0 builds its server (a --chat-template that is neither a file nor a template). The job exits with rank 0's
-    code, as at TP 1 (3 / 1), within seconds of the fault (was: rank 0 went out through the interpreter's exit, 10 s at the
-    shutdown barrier then MPI_Finalize waiting for the follower: exit 0 or 9 for the port, exit 9 after 43 s for the
-    error)."""
+    code, as at TP 1 (3 / 1), within seconds of the fault (was: rank 0 went out through the interpreter's exit, 10 s
+    at the shutdown barrier then MPI_Finalize waiting for the follower: exit 0 or 9 for the port, exit 9 after 43 s
+    for the error)."""
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     port = holder.getsockname()[1]
@@ -176,9 +177,9 @@ def test_tp2_rank_0_failing_after_its_followers_serve_ends_the_job_with_its_code
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tp2_rank_raising_while_the_ranks_start_ends_the_job_within_seconds(tmp_path, rank):
     """A rank raises while the ranks start, after joining MPI (its scheduler cannot be built: an error injected): the
-    job exits 1 within seconds of the fault with that rank's traceback (was: the rank went out through the interpreter's exit,
-    whose shutdown barrier and MPI_Finalize waited for a peer stuck in a start-up collective: 126 s -- rank 0's
-    collective timeout -- for rank 1, 22 s for rank 0)."""
+    job exits 1 within seconds of the fault with that rank's traceback (was: the rank went out through the
+    interpreter's exit, whose shutdown barrier and MPI_Finalize waited for a peer stuck in a start-up collective:
+    126 s -- rank 0's collective timeout -- for rank 1, 22 s for rank 0)."""
     serve = ["serve", "--config", _small_config(tmp_path), "--tp", "2", "--port", str(free_port())]
     inject = textwrap.dedent(f"""
         import os, sys
