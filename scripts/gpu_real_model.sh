@@ -133,7 +133,8 @@ TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
   --num-layers ${DRAFTER_LAYERS:-3} --latent-dim ${DRAFTER_LATENT:-256} --target-layers ${TARGET_LAYERS:-1,7,14,21,27}
-  --markov-rank 256 --tv-weight 1.8 --ce-weight 0.1 --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}
+  --markov-rank 256 --tv-weight ${TRAIN_TV:-1.8} --ce-weight ${TRAIN_CE:-0.1} --kl-weight ${TRAIN_KL:-0}
+  --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}
   --steps $TRAIN_STEPS --batch-seqs ${TRAIN_BATCH:-64} --anchors ${TRAIN_ANCHORS:-256} --draft-len 7
   --lr ${TRAIN_LR:-2e-3} --warmup ${TRAIN_WARMUP:-50} --save-every ${SAVE_EVERY:-250} --fit-schedule)
 TRAIN_SECONDS=${TRAIN_SECONDS:-480}
