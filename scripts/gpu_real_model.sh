@@ -129,6 +129,8 @@ fi
 # file's conversations (--max-turns 3: ~15.9k prompts, ~4 M answer tokens; recipe 4: 7.2k first turns, 1.65 M);
 # lr 2e-3 for the 8x batch (recipe 4: 1e-3), warm-up 50, the cosine fitted to the budget. DRAFTER_INIT=target
 # starts each drafter layer as one of the target's top layers (the twentieth session's ablation, docs/real_model.md).
+# TRAIN_TV / TRAIN_CE / TRAIN_KL set the objective's weights (1.8 / 0.1 / 0; the twenty-third session's forward-KL
+# ablation, TRAIN_TV=0 TRAIN_KL=1: greedy the same with 13 % fewer steps, T = 1 lower).
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
