@@ -171,15 +171,34 @@ train() {
     echo "train: $MODEL/dspark_drafter is recipe $RECIPE's, complete ($TRAIN_STEPS steps); skipped" | tee -a "$OUT/train.log"
     return 0
   fi
-  # a work folder per recipe: another recipe's checkpoint (other knobs) on a warm machine is never resumed; the
-  # recipe's mark is written only by a run that succeeded (a failed one leaves no mark beside an older drafter)
+  # a work folder per recipe and flag set: a checkpoint made with other knobs (another recipe, or an ablation of one
+  # knob) on a warm machine is never resumed -- train-drafter refuses it, complete or not -- while the calls of one
+  # run (the same flags) resume theirs. The recipe's mark is written only by a run that succeeded (a failed one
+  # leaves no mark beside an older drafter, and bench says so).
+  local work="$WORK/drafter_work_recipe${RECIPE}_$(printf '%s' "$sig" | sha1sum | cut -c1-8)"
   rm -f "$MODEL/dspark_drafter/recipe.txt"
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
-    --work-dir "$WORK/drafter_work_recipe$RECIPE" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
+    --work-dir "$work" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
     ${TRAIN_TOTAL_SECONDS:+--schedule-seconds $TRAIN_TOTAL_SECONDS} \
-    2>&1 | tee -a "$OUT/train.log" && echo "$sig" > "$MODEL/dspark_drafter/recipe.txt"
+    2>&1 | tee -a "$OUT/train.log"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then  # the stage fails with it: the stages after it would read an older drafter
+    echo "train: train-drafter exited $rc; $MODEL/dspark_drafter is not this recipe's" | tee -a "$OUT/train.log"
+    return "$rc"
+  fi
+  echo "$sig" > "$MODEL/dspark_drafter/recipe.txt"
   cp "$MODEL/dspark_drafter/training.json" "$OUT/" 2>/dev/null
   return 0
+}
+
+which_drafter() {  # one line in the stage's log: the flags the measured drafter was trained with
+  local mark="$MODEL/dspark_drafter/recipe.txt"
+  if [ -f "$mark" ]; then
+    echo "$1: the drafter in $MODEL/dspark_drafter, trained by: $(cat "$mark")" | tee -a "$OUT/drafter.txt"
+  else
+    echo "$1: WARNING: $MODEL/dspark_drafter carries no recipe mark (its training failed, was cut, or ran" \
+      "elsewhere): measuring it as it is" | tee -a "$OUT/drafter.txt"
+  fi
 }
 
 bench() {
@@ -187,6 +206,7 @@ bench() {
   # The first set of a process-cold machine pays the kernels' compiles (54 s of a 2026-12-04 run, whose 90-s bound
   # then cut mt_bench's bigram row and left no table): it gets 60 s more.
   local first=1
+  which_drafter bench
   for set in ${BENCH_SETS:-mt_bench humaneval held_out}; do
     run timeout $(( ${BENCH_SET_SECONDS:-90} + 60 * first )) $CLI bench acceptance --model "$MODEL" --cuda-graph --prompt-set $set \
       $( [ -f .gpu_data/prompts.jsonl.gz ] && echo --prompt-file .gpu_data/prompts.jsonl.gz ) \
@@ -198,6 +218,7 @@ bench() {
 }
 
 serve() {
+  which_drafter serve
   cat > "$WORK/serve.yaml" <<EOF
 max_batch_size: 32
 speculative_config:
