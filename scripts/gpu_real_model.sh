@@ -62,10 +62,15 @@ K_SERVE=${K_SERVE:-7}
 mkdir -p "$OUT" "$WORK" "$RESULT"
 run() { echo "+ $*" | tee -a "$OUT/commands.log"; "$@"; }
 CLI="python3 -m tensorrt_llm_ext.cli"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c \
-  "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; \
-  python3 -c "import gguf; print('gguf', gguf.__version__ if hasattr(gguf, '__version__') else 'present')"; } \
-  > "$OUT/environment.txt" 2>&1
+# the installed versions from the packages' metadata (importing transformers and torch to ask cost seconds a call)
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "
+from importlib.metadata import PackageNotFoundError, version
+def v(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return 'absent'
+print(' '.join(f'{n} {v(n)}' for n in ('torch', 'triton', 'transformers', 'gguf')))"; } > "$OUT/environment.txt" 2>&1
 
 prepare() {
   if [ ! -f "$MODEL/model.safetensors" ]; then
