@@ -251,16 +251,13 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
     real_tp = data_mod.teacher_pass
     n_seq = data["tokens"].shape[0]
 
-    real_bucket = trainer.SEQ_BUCKET
-
     def batch_of(step):
         idx = torch.randint(n_seq, (cfg["bs"],), generator=torch.Generator().manual_seed(step))
         trainer.teacher_pass = lambda tg, seq: real_tp(tg, seq, dense=dense)
-        trainer.SEQ_BUCKET = cfg["seq_bucket"] or real_bucket
         try:
-            return trainer._batch(data, idx, device, target)
+            return trainer._batch(data, idx, device, target, bucket=cfg["seq_bucket"] or None)
         finally:
-            trainer.teacher_pass, trainer.SEQ_BUCKET = real_tp, real_bucket
+            trainer.teacher_pass = real_tp
 
     def step(i):
         with torch.profiler.record_function("teacher_pass"):

@@ -509,11 +509,13 @@ def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
     return min(-(-longest // bucket) * bucket, stored)
 
 
-def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target) -> dict[str, torch.Tensor]:
+def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target,
+           bucket: int | None = None) -> dict[str, torch.Tensor]:
     """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
-    recomputed now (online), over :func:`batch_width` positions."""
+    recomputed now (online), over :func:`batch_width` positions (``bucket``: its rounding, default
+    :data:`SEQ_BUCKET`)."""
     lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
-    t = batch_width(int(lens.max()), data["tokens"].shape[1])
+    t = batch_width(int(lens.max()), data["tokens"].shape[1], bucket)
     tokens = data["tokens"][idx, :t].to(device).long()
     feats, final = teacher_pass(target, tokens)
     return {"tokens": tokens, "lens": lens.to(device), "prompt_lens": prompt_lens.to(device),
