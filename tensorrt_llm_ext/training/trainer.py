@@ -95,6 +95,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup: int = 100
     grad_clip: float = 1.0
+    # a step whose loss or gradient norm is non-finite is skipped (AdamW leaves weights and moments as they were);
+    # more than this many in a row stop the run as diverged (0: stop at the first, the former behaviour)
+    max_skipped_steps: int = 8
     # bookkeeping
     save_every: int = 200
     seed: int = 0
@@ -113,7 +116,8 @@ class TrainConfig:
                              ("steps", 1, 10_000_000), ("batch_seqs", 1, 4096), ("anchors", 1, 4096),
                              ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
                              # seed: request seeds are seed * 1_000_003 + i, held below 2^63
-                             ("seed", 0, 2**43 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536)):
+                             ("seed", 0, 2**43 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536),
+                             ("max_skipped_steps", 0, 1_000_000)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 bad(name, f"an integer in [{lo}, {hi}]", v)
@@ -416,8 +420,12 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
         lab = (label * v).sum((0, 1)) / n_k
         tv_mean = (tv * v).sum() / v.sum().clamp_min(1)
         ce_mean = (ce * v).sum() / v.sum().clamp_min(1)
+        bad_row = ~(torch.isfinite(tv) & torch.isfinite(ce))
+        # where a non-finite loss came from (the trainer logs it with a skipped step): NONFINITE_COUNTS' order
+        nonfinite = torch.stack([(~torch.isfinite(hidden)).sum(), (bad_row & valid).sum(), (bad_row & ~valid).sum(),
+                                 (~torch.isfinite(conf_logit)).sum()]).float()
     metrics = {"loss": total.detach(), "tv": tv_mean, "ce": ce_mean, "bce": bce.detach(), "accept_est": est,
-               "top1": top1, "confidence": conf, "label": lab}
+               "top1": top1, "confidence": conf, "label": lab, "nonfinite": nonfinite}
     if confidence_samples:  # the head's logits, labels and validity per block position, [S*M, K] each (detached)
         metrics["confidence_samples"] = (conf_logit.detach().float().flatten(0, 1).cpu(),
                                          label.float().flatten(0, 1).cpu(), valid.flatten(0, 1).cpu())
@@ -682,9 +690,9 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                        else ""))
     if resume and state_path.is_file():
         state = _load_resume_file(state_path, STATE_KEYS)
-        if state["knobs"] != knobs:  # before the shapes: a changed --num-layers / --draft-len is named as a flag
-            changed = sorted(k for k in knobs if not isinstance(state["knobs"], dict)
-                             or state["knobs"].get(k) != knobs[k])
+        changed = sorted(k for k in knobs if k not in RESUME_FREE_KNOBS and (
+            not isinstance(state["knobs"], dict) or state["knobs"].get(k) != knobs[k]))
+        if changed:  # before the shapes: a changed --num-layers / --draft-len is named as a flag
             raise ValueError(f"train-drafter --resume: {state_path} was written with other knobs ({changed}); "
                              "use the same flags or another --work-dir")
         _check_params(state_path, state["params"], dcfg)
@@ -720,12 +728,13 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
               .requires_grad_(n not in FROZEN) for n in init}
     opt = torch.optim.AdamW([p for n, p in params.items() if n not in FROZEN], lr=tc.lr,
                             weight_decay=tc.weight_decay, betas=(0.9, 0.95),
-                            fused=device.type == "cuda" or None)  # one kernel for every tensor on CUDA
+                            fused=True)  # one kernel for every tensor; it skips a step on found_inf (below)
     step0 = 0
     history: list[dict] = []
+    skipped: list[dict] = []  # the steps skipped for a non-finite loss or gradient, every call's
     if state:
         opt.load_state_dict(state["optimizer"])
-        step0, history = state["step"], state["history"]
+        step0, history, skipped = state["step"], state["history"], list(state.get("skipped", []))
         logger.info(f"train-drafter: resumed from {state_path} at step {step0}")
     gen = torch.Generator(device=device).manual_seed(tc.seed + 7)
     if state:
@@ -753,32 +762,57 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
         """Seconds of steps of this run so far, every call's (what ``schedule_seconds`` counts)."""
         return seconds_before + (time.time() - fit_start if fit_start is not None else 0.0)
 
+    last_saved = step0  # the step of the newest trainer_state.pt (0: none yet)
+
     def save(step_done: int) -> None:
+        nonlocal last_saved
         _save_state(state_path, params, opt, step_done, history, knobs, gen, init_eval, step_seconds(),
-                    schedule_seconds)
+                    schedule_seconds, skipped)
+        last_saved = step_done
     fitted_end = None  # the step at which the fitted schedule ended the run
     recent_top1: list[list[float]] = []  # the last steps' teacher-forced top-1 per block position (training batches)
-    pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector) not yet read to the host
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, metrics_vector + nonfinite + [grad norm, skipped])
+    streak: list[int] = []  # the steps of the current run of skipped steps
+    steps_run = 0  # this call's steps, skipped ones included
     loss_path = None  # pick_loss_path's choice, at the first step
     step_start = step0
-    hist0 = len(history)
 
     def flush() -> None:
-        """Read the pending steps' metrics (one copy) into ``history``; a non-finite loss stops the run naming
-        the first such step, before any checkpoint of its weights is written."""
-        nonlocal recent_top1
+        """Read the pending steps' metrics (one copy) into ``history``. A step with a non-finite loss or gradient
+        norm was skipped on the device (no update): it is logged with its terms; more than
+        ``tc.max_skipped_steps`` in a row stop the run naming the first, before a checkpoint past it is written."""
+        nonlocal recent_top1, streak
         if not pending:
             return
         rows = torch.stack([v for _, v in pending]).cpu().tolist()
         steps = [st for st, _ in pending]
         pending.clear()
+        n_scalar = len(SCALAR_METRICS)
         for st, row in zip(steps, rows):
-            if not math.isfinite(row[0]):
-                last = (st // tc.save_every) * tc.save_every
-                raise TrainingDiverged(f"train-drafter: the loss is {row[0]} at step {st + 1}; stopped, no drafter "
-                                       f"written (lower --lr; the last checkpoint, step {last}, is in {work_dir})")
-            history.append({"step": st + 1, **dict(zip(SCALAR_METRICS, row[:len(SCALAR_METRICS)]))})
-            recent_top1.append(row[len(SCALAR_METRICS):])
+            terms = dict(zip(SCALAR_METRICS, row[:n_scalar]))
+            if row[-1]:  # skipped on the device
+                streak.append(st + 1)
+                # non-finite values as strings: training.json stays strict JSON
+                counts = dict(zip(NONFINITE_COUNTS, (int(x) for x in row[-2 - len(NONFINITE_COUNTS):-2])))
+                entry = {"step": st + 1, "grad_norm": row[-2], **{k: terms[k] for k in NONFINITE_TERMS}}
+                skipped.append({**{k: v if math.isfinite(v) else str(v) for k, v in entry.items()},
+                                "nonfinite": counts})
+                said = ", ".join(f"{k} {terms[k]:.4g}" for k in NONFINITE_TERMS) + "; non-finite " + ", ".join(
+                    f"{k} {n}" for k, n in counts.items())
+                if len(streak) > tc.max_skipped_steps:
+                    what = (f"the loss is {row[0]} at step {st + 1}" if len(streak) == 1 else
+                            f"the loss or gradient was non-finite in {len(streak)} steps in a row "
+                            f"({streak[0]}-{streak[-1]})")
+                    raise TrainingDiverged(f"train-drafter: {what} ({said}, grad norm {row[-2]:.4g}); stopped, no "
+                                           f"drafter written (lower --lr; the last checkpoint, step {last_saved}, is "
+                                           f"in {work_dir})")
+                logger.warning(f"train-drafter: step {st + 1} skipped, no update: non-finite loss or gradient "
+                               f"({said}, grad norm {row[-2]:.4g}); {len(streak)} in a row, the run stops past "
+                               f"--max-skipped-steps {tc.max_skipped_steps}")
+                continue
+            streak = []
+            history.append({"step": st + 1, **terms})
+            recent_top1.append(row[n_scalar:-2 - len(NONFINITE_COUNTS)])
         recent_top1 = recent_top1[-TRAIN_TOP1_STEPS:]
 
     stopper = StopAtStepBoundary()
@@ -832,17 +866,24 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                                                   kernel=loss_path["kernel"], layout=loss_path["layout"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN], tc.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for n, p in params.items() if n not in FROZEN],
+                                                       tc.grad_clip)
+            # a non-finite loss or gradient skips the update on the device (fused AdamW's found_inf: weights,
+            # moments and step count stay), no host sync; flush() reads it with the step's metrics
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss.detach()))
+            opt.found_inf = bad.float()
             opt.step()
+            steps_run += 1
             trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
-            pending.append((step, metrics_vector(metrics)))
+            pending.append((step, torch.cat([metrics_vector(metrics), metrics["nonfinite"],
+                                             torch.stack([grad_norm.detach().float(), bad.float()])])))
             # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps
             # (a .item() per step made the host wait for every step before launching the next).
             log_due = (step + 1) % max(1, tc.steps // 20) == 0 or time.time() - last_log > 30 or step + 1 == tc.steps
             save_due = (step + 1) % tc.save_every == 0 or step + 1 == tc.steps
             if log_due or save_due or len(pending) >= METRICS_EVERY or hasattr(bar, "set_postfix"):
                 flush()
-                metrics = history[-1]
+                metrics = history[-1] if history else {k: float("nan") for k in SCALAR_METRICS}
                 rate = trained_positions / max(time.time() - t0, 1e-9)
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tv=f"{metrics['tv']:.3f}",
@@ -852,7 +893,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                     logger.info(f"train-drafter: step {step + 1}/{tc.steps} loss {metrics['loss']:.4f} (TV "
                                 f"{metrics['tv']:.4f}, CE {metrics['ce']:.3f}, conf BCE {metrics['bce']:.3f}) "
                                 f"teacher-forced acceptance {metrics['accept_est']:.2f} top-1 by position "
-                                f"{[round(x, 2) for x in recent_top1[-1]]} {rate:.0f} block positions/s "
+                                f"{[round(x, 2) for x in (recent_top1 or [[]])[-1]]} {rate:.0f} block positions/s "
                                 f"({(step + 1 - step_start) / max(time.time() - t0, 1e-9):.2f} steps/s, "
                                 f"{time.time() - t0:.0f} s)")
             if save_due:
@@ -891,8 +932,9 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                "step_seconds_total": round(step_seconds(), 1),
                "train_seconds_this_run": round(time.time() - t0, 1),
                # this call's step rate (the held-out estimates after the steps excluded); the loss path chosen
-               "steps_this_run": len(history) - hist0, "steps_seconds_this_run": round(steps_wall, 1),
-               "steps_per_s": round((len(history) - hist0) / max(steps_wall, 1e-9), 3),
+               "steps_this_run": steps_run, "steps_seconds_this_run": round(steps_wall, 1),
+               "steps_per_s": round(steps_run / max(steps_wall, 1e-9), 3),
+               "skipped_steps": skipped,  # a non-finite loss or gradient: no update (--max-skipped-steps)
                "block_positions_per_s": round(trained_positions / max(steps_wall, 1e-9)), "loss_path": loss_path,
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
@@ -1085,11 +1127,12 @@ def _data_knobs(tc: TrainConfig, split: str) -> dict:
 
 
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float,
-                schedule_seconds: float | None) -> None:
+                schedule_seconds: float | None, skipped: list[dict]) -> None:
     atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
                        "optimizer": opt.state_dict(),
                        "step": step, "history": history, "knobs": knobs, "generator": gen.get_state(),
-                       "init_eval": init_eval, "step_seconds": step_seconds, "schedule_seconds": schedule_seconds},
+                       "init_eval": init_eval, "step_seconds": step_seconds, "schedule_seconds": schedule_seconds,
+                       "skipped": skipped},
                       path)
 
 
@@ -1097,6 +1140,12 @@ TRAIN_TOP1_STEPS = 50  # training.json's train_top1_by_position averages this ma
 METRICS_EVERY = 25  # steps whose metrics may wait on the device before one copy reads them
 FROZEN = ("embed_tokens.weight",)  # copied from the target, never trained
 STATE_KEYS = ("params", "optimizer", "step", "history", "knobs", "generator", "init_eval")
+RESUME_FREE_KNOBS = ("max_skipped_steps",)  # a resumed run may tolerate more or fewer skipped steps
+NONFINITE_TERMS = ("loss", "tv", "ce", "bce")  # a skipped step's log line and training.json entry
+# distillation_loss's "nonfinite" counts (a skipped step's diagnosis): the drafter's block hidden values, the
+# vocabulary-wide loss rows of valid and of padding block positions (weight 0, yet 0 x NaN is NaN), the
+# confidence logits
+NONFINITE_COUNTS = ("hidden values", "valid rows", "padding rows", "confidence logits")
 DATA_KEYS = ("tokens", "lens", "prompt_lens")
 
 

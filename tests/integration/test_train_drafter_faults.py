@@ -1,5 +1,6 @@
-"""`train-drafter` fails closed: every knob checked before any work (one line, exit 2), a run whose loss goes
-non-finite stops naming the step and writes no drafter, files are written whole (temporary name + rename), a
+"""`train-drafter` fails closed: every knob checked before any work (one line, exit 2), a step whose loss or
+gradient is non-finite is skipped without an update and a run of more than --max-skipped-steps of them stops naming
+the steps and writes no drafter, files are written whole (temporary name + rename), a
 damaged or crafted work-dir file is named on `--resume` and never unpickled as code."""
 
 from __future__ import annotations
@@ -37,22 +38,63 @@ def test_bad_knobs_are_refused_before_any_work(tmp_path, capsys, flag, value):
     assert len(err) == 1 and err[0].startswith(f"error: train-drafter: {flag}") and value in err[0], err
 
 
-def test_nonfinite_loss_stops_naming_the_step(target, tmp_path, monkeypatch, capsys):
+def _nan_loss_at(steps):
+    """A distillation_loss whose loss is NaN at the given 1-based calls (its gradient then NaN everywhere)."""
     real = trainer.distillation_loss
     calls = []
 
-    def nan_at_step_3(*args, **kwargs):
+    def loss_fn(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) in steps:
             return loss * float("nan"), {**metrics, "loss": float("nan")}
         return loss, metrics
+    return loss_fn
 
-    monkeypatch.setattr(trainer, "distillation_loss", nan_at_step_3)
+
+def test_nonfinite_loss_stops_naming_the_step(target, tmp_path, monkeypatch, capsys):
+    """--max-skipped-steps 0: the first non-finite loss stops the run, no drafter written."""
+    monkeypatch.setattr(trainer, "distillation_loss", _nan_loss_at({3}))
     out = tmp_path / "drafter"
-    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "6", "--save-every", "2", *TINY]) == 1
+    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "6", "--save-every", "2",
+                 "--max-skipped-steps", "0", *TINY]) == 1
     err = capsys.readouterr().err
     assert "at step 3" in err and "last checkpoint, step 2" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_nonfinite_step_is_skipped_without_an_update(target, tmp_path, monkeypatch, caplog):
+    """One NaN loss (every gradient NaN): the step is skipped on the device, logged, recorded in training.json, and
+    the run completes with finite weights (an applied update would have made every weight NaN and the run refuse to
+    write them); AdamW's step count is one fewer than the steps (the skipped step left the moments as they were)."""
+    monkeypatch.setattr(trainer, "distillation_loss", _nan_loss_at({3}))
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    with caplog.at_level("WARNING", logger="tensorrt_llm_ext"):
+        assert main(["train-drafter", str(target), "--out", str(out), "--work-dir", str(work), "--steps", "5",
+                     "--save-every", "5", *TINY]) == 0
+    said = [r.getMessage() for r in caplog.records if "skipped, no update" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("train-drafter: step 3 skipped") and "loss nan" in said[0], said
+    summary = json.loads((out / "training.json").read_text())
+    assert [s["step"] for s in summary["skipped_steps"]] == [3] and summary["skipped_steps"][0]["loss"] == "nan"
+    # the diagnosis: the NaN came after the loss rows (this test multiplies the loss), none of them is non-finite
+    assert summary["skipped_steps"][0]["nonfinite"] == {"hidden values": 0, "valid rows": 0, "padding rows": 0,
+                                                        "confidence logits": 0}
+    assert summary["steps_this_run"] == 5 and len(summary["last_losses"]) == 4
+    state = torch.load(work / "trainer_state.pt", weights_only=True)
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {4.0}  # 5 steps, one skipped
+    from safetensors.torch import load_file
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(out / "model.safetensors").values())
+
+
+def test_a_run_of_nonfinite_steps_past_the_limit_stops(target, tmp_path, monkeypatch, capsys):
+    """NaN from step 3 on with --max-skipped-steps 2: the third in a row stops the run naming the streak and the
+    newest checkpoint (its weights untouched by the skipped steps); no drafter."""
+    monkeypatch.setattr(trainer, "distillation_loss", _nan_loss_at(set(range(3, 100))))
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", str(target), "--out", str(out), "--steps", "8", "--save-every", "2",
+                 "--max-skipped-steps", "2", *TINY]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-finite in 3 steps in a row (3-5)" in err[0] and "last checkpoint, step 4" in err[0]
     assert not out.exists()
 
 
@@ -337,6 +379,15 @@ def test_resume_with_other_shape_flags_names_them(target, work, tmp_path, capsys
                  "1", "--resume", *TINY, flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "other knobs ([" in err[0] and f"'{knob}'" in err[0], err
+
+
+def test_resume_accepts_another_skip_limit(target, work, tmp_path, caplog):
+    """--max-skipped-steps is a tolerance, not a shape or a schedule: a resumed run may change it."""
+    shutil.copytree(work, tmp_path / "drafter_work")
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        assert main(["train-drafter", str(target), "--out", str(tmp_path / "drafter"), "--steps", "2", "--save-every",
+                     "1", "--resume", "--max-skipped-steps", "0", *TINY]) == 0
+    assert any("resumed from" in r.getMessage() and "at step 2" in r.getMessage() for r in caplog.records)
 
 
 def test_a_work_dir_that_is_a_file_and_huge_weights_are_plain_errors(tmp_path, capsys):
