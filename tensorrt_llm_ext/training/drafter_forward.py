@@ -26,6 +26,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tensorrt_llm_ext.kernels.rope import apply_rope, rope_cos_sin
 from tensorrt_llm_ext.models.dspark_drafter import DSparkDrafterConfig
@@ -43,7 +44,28 @@ def context_latents(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, f
     return F.linear(ctx, params["kv_a_proj.weight"]).view(s, t, cfg.num_layers, cfg.latent_dim)
 
 
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "sdpa_cudnn", "eager")
+# "sdpa": every fused backend but cuDNN's. Its backward (torch 2.11 and later on sm_90, the GPU machine's) returns
+# NaN in dq with an explicit mask when the key length is 64 mod 128 and a query row's log-sum-exp is below -88.7
+# (pytorch/pytorch#196678): the padded half of the last key tile is scored 0, exp(0 - lse) overflows. The drafter's
+# mask is explicit and its key length (batch width, a multiple of 64, + M K) is 64 mod 128 for half the batches; the
+# trainer's recipe-5 runs skipped 19 steps between 1,155 and 1,413 with a finite loss and finite hidden states but a
+# NaN gradient norm (H100, torch 2.11, 2026-12-06): this bug's signature (a run without cuDNN's backend is still to be
+# measured). "sdpa_cudnn": the dispatcher's own choice, cuDNN included (for timing the two).
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     attention: str = "sdpa") -> torch.Tensor:
+    """``softmax(q kᵀ scale, masked) v`` for ``q [S, heads, Q, d]``, ``k, v [S, heads, T, d]`` and a boolean
+    ``mask [S, 1, Q, T]`` (True: attend) through ``F.scaled_dot_product_attention`` (``"sdpa"``: cuDNN's backend
+    excluded, :data:`SDPA_BACKENDS`; ``"sdpa_cudnn"``: any backend)."""
+    if attention == "sdpa_cudnn":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if attention != "sdpa":
+        raise ValueError(f"masked_attention: attention must be sdpa or sdpa_cudnn, got {attention!r}")
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_latents: torch.Tensor,
@@ -55,9 +77,10 @@ def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_
         ctx_latents: ``[S, T, L, d_c]`` (:func:`context_latents`); position ``p`` of sequence ``s``.
         anchor_tokens: ``[S, M]`` the anchor (bonus) token of each block.
         anchors: ``[S, M]`` int64 absolute anchor positions ``a`` (context attended: positions ``< a``).
-        attention: ``"sdpa"`` (``F.scaled_dot_product_attention`` with the boolean mask: a fused kernel that keeps
-            no ``[S, heads, MK, T + MK]`` probabilities for the backward) or ``"eager"`` (its twin: scores,
-            masked softmax in fp32 and the weighted sum as separate ops).
+        attention: ``"sdpa"`` (:func:`masked_attention`: ``F.scaled_dot_product_attention`` with the boolean mask, a
+            fused kernel that keeps no ``[S, heads, MK, T + MK]`` probabilities for the backward, cuDNN's excluded),
+            ``"sdpa_cudnn"`` (the same with cuDNN's allowed) or ``"eager"`` (its twin: scores, masked softmax in fp32
+            and the weighted sum as separate ops).
     """
     if attention not in ATTENTION:
         raise ValueError(f"block_hidden: attention must be one of {ATTENTION}, got {attention!r}")
@@ -88,10 +111,10 @@ def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_
         keys = apply_rope(F.linear(lat, params[p + "self_attn.k_up_proj.weight"]).view(s, -1, nh, d), cos_k, sin_k)
         vals = F.linear(lat, params[p + "self_attn.v_up_proj.weight"]).view(s, -1, nh, d)
         qr = apply_rope(q, cos_q, sin_q)
-        if attention == "sdpa":
+        if attention != "eager":
             dt = vals.dtype  # the projections' dtype (bfloat16 under autocast); RoPE returns fp32
-            o = F.scaled_dot_product_attention(qr.to(dt).transpose(1, 2), keys.to(dt).transpose(1, 2),
-                                               vals.transpose(1, 2), attn_mask=valid[:, None], scale=scale)
+            o = masked_attention(qr.to(dt).transpose(1, 2), keys.to(dt).transpose(1, 2), vals.transpose(1, 2),
+                                 valid[:, None], scale, attention)
             o = o.transpose(1, 2).to(x.dtype).reshape(s, m * k, nh * d)
         else:
             scores = torch.einsum("sqhd,skhd->shqk", qr, keys) * scale
