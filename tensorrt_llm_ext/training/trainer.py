@@ -800,7 +800,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                 said = ", ".join(f"{k} {terms[k]:.4g}" for k in NONFINITE_TERMS) + "; non-finite " + ", ".join(
                     f"{k} {n}" for k, n in counts.items())
                 if len(streak) > tc.max_skipped_steps:
-                    what = (f"the loss is {row[0]} at step {st + 1}" if len(streak) == 1 else
+                    what = (f"the loss or gradient is non-finite at step {st + 1}" if len(streak) == 1 else
                             f"the loss or gradient was non-finite in {len(streak)} steps in a row "
                             f"({streak[0]}-{streak[-1]})")
                     raise TrainingDiverged(f"train-drafter: {what} ({said}, grad norm {row[-2]:.4g}); stopped, no "
