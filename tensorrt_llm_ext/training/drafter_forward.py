@@ -44,33 +44,43 @@ def context_latents(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, f
     return F.linear(ctx, params["kv_a_proj.weight"]).view(s, t, cfg.num_layers, cfg.latent_dim)
 
 
-ATTENTION = ("sdpa", "sdpa_cudnn", "eager")
+ATTENTION = ("sdpa", "sdpa_cudnn", "sdpa_cudnn_pad128", "eager")
+TRAIN_ATTENTION = "sdpa"  # the trainer's (every function's default here)
 # "sdpa": every fused backend but cuDNN's. Its backward (torch 2.11 and later on sm_90, the GPU machine's) returns
 # NaN in dq with an explicit mask when the key length is 64 mod 128 and a query row's log-sum-exp is below -88.7
 # (pytorch/pytorch#196678): the padded half of the last key tile is scored 0, exp(0 - lse) overflows. The drafter's
 # mask is explicit and its key length (batch width, a multiple of 64, + M K) is 64 mod 128 for half the batches; the
 # trainer's recipe-5 runs skipped 19 steps between 1,155 and 1,413 with a finite loss and finite hidden states but a
 # NaN gradient norm (H100, torch 2.11, 2026-12-06): this bug's signature (a run without cuDNN's backend is still to be
-# measured). "sdpa_cudnn": the dispatcher's own choice, cuDNN included (for timing the two).
+# measured). "sdpa_cudnn": the dispatcher's own choice, cuDNN included (for timing). "sdpa_cudnn_pad128": the same
+# with the keys padded (masked out) to a multiple of 128, the lengths the bug report found clean -- cuDNN's speed
+# without the partial key tile, if the GPU test and a long run confirm it.
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     attention: str = "sdpa") -> torch.Tensor:
+                     attention: str = TRAIN_ATTENTION) -> torch.Tensor:
     """``softmax(q kᵀ scale, masked) v`` for ``q [S, heads, Q, d]``, ``k, v [S, heads, T, d]`` and a boolean
     ``mask [S, 1, Q, T]`` (True: attend) through ``F.scaled_dot_product_attention`` (``"sdpa"``: cuDNN's backend
-    excluded, :data:`SDPA_BACKENDS`; ``"sdpa_cudnn"``: any backend)."""
+    excluded, :data:`SDPA_BACKENDS`; ``"sdpa_cudnn"``: any backend; ``"sdpa_cudnn_pad128"``: any backend over keys
+    padded with masked-out zeros to a multiple of 128)."""
+    if attention == "sdpa_cudnn_pad128":
+        pad = -k.shape[-2] % 128
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad), value=False)
+        attention = "sdpa_cudnn"
     if attention == "sdpa_cudnn":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if attention != "sdpa":
-        raise ValueError(f"masked_attention: attention must be sdpa or sdpa_cudnn, got {attention!r}")
+        raise ValueError(f"masked_attention: attention must be sdpa, sdpa_cudnn or sdpa_cudnn_pad128, got "
+                         f"{attention!r}")
     with sdpa_kernel(list(SDPA_BACKENDS)):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_latents: torch.Tensor,
                  anchor_tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int,
-                 attention: str = "sdpa") -> torch.Tensor:
+                 attention: str = TRAIN_ATTENTION) -> torch.Tensor:
     """Final-normed block hidden states ``[S, M, K, H]``.
 
     Args:
@@ -79,7 +89,8 @@ def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_
         anchors: ``[S, M]`` int64 absolute anchor positions ``a`` (context attended: positions ``< a``).
         attention: ``"sdpa"`` (:func:`masked_attention`: ``F.scaled_dot_product_attention`` with the boolean mask, a
             fused kernel that keeps no ``[S, heads, MK, T + MK]`` probabilities for the backward, cuDNN's excluded),
-            ``"sdpa_cudnn"`` (the same with cuDNN's allowed) or ``"eager"`` (its twin: scores, masked softmax in fp32
+            ``"sdpa_cudnn"`` (the same with cuDNN's allowed), ``"sdpa_cudnn_pad128"`` (and the keys padded to a
+            multiple of 128) or ``"eager"`` (its twin: scores, masked softmax in fp32
             and the weighted sum as separate ops).
     """
     if attention not in ATTENTION:
@@ -137,7 +148,7 @@ def markov_bias(params: dict[str, torch.Tensor], prev_tokens: torch.Tensor) -> t
 
 def block_logits(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor,
                  features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int,
-                 attention: str = "sdpa") -> torch.Tensor:
+                 attention: str = TRAIN_ATTENTION) -> torch.Tensor:
     """Teacher-forced draft logits ``[S, M, K, V]`` of the blocks anchored at ``anchors [S, M]`` of the
     sequences ``tokens [S, T]`` with captured target features ``features [S, T, F]``; ``prev_k`` is the
     sequence's token at ``a + k`` (positions past ``T - 1`` read the last token; callers mask them)."""
@@ -145,7 +156,7 @@ def block_logits(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, lm_h
 
 
 def block_forward(params, cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor, features: torch.Tensor,
-                  tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int, attention: str = "sdpa"):
+                  tokens: torch.Tensor, anchors: torch.Tensor, draft_len: int, attention: str = TRAIN_ATTENTION):
     """:func:`block_logits` and what the confidence head reads: ``(logits [S, M, K, V], hidden [S, M, K, H],
     prev [S, M, K])``."""
     hidden, prev = block_hidden_prev(params, cfg, features, tokens, anchors, draft_len, attention)
@@ -153,7 +164,7 @@ def block_forward(params, cfg: DSparkDrafterConfig, lm_head_weight: torch.Tensor
 
 
 def block_hidden_prev(params, cfg: DSparkDrafterConfig, features: torch.Tensor, tokens: torch.Tensor,
-                      anchors: torch.Tensor, draft_len: int, attention: str = "sdpa"):
+                      anchors: torch.Tensor, draft_len: int, attention: str = TRAIN_ATTENTION):
     """:func:`block_forward` without the vocabulary-wide logits (the fused loss forms them chunk by chunk):
     ``(hidden [S, M, K, H], prev [S, M, K])``."""
     t = tokens.shape[1]

@@ -50,7 +50,8 @@ from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as g
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
                                                    apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
-from tensorrt_llm_ext.training.drafter_forward import block_hidden, block_hidden_prev, context_latents, markov_bias
+from tensorrt_llm_ext.training.drafter_forward import (TRAIN_ATTENTION, block_hidden, block_hidden_prev, context_latents,
+                                                        markov_bias)
 from tensorrt_llm_ext.training.fused_loss import LAYOUTS, eager_block_loss, fused_block_loss
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
 
@@ -350,7 +351,7 @@ def loss_layout() -> str | None:
 
 def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tensor], anchors: torch.Tensor,
                       draft_len: int, tc: TrainConfig, confidence_samples: bool = False, fused: bool = True,
-                      attention: str = "sdpa", kernel: bool | None = None,
+                      attention: str = TRAIN_ATTENTION, kernel: bool | None = None,
                       layout: str | None = None) -> tuple[torch.Tensor, dict]:
     """``tv_weight * TV + ce_weight * CE + kl_weight * KL`` (per block position, position-weighted, averaged
     over the valid positions) ``+ confidence_weight * BCE(c_k, 1 - TV)``; and metrics (per-position top-1

@@ -134,19 +134,25 @@ def test_training_attention_excludes_cudnn_and_matches_the_reference(monkeypatch
     out_c, grads_c = _grads("sdpa_cudnn", q, k, v, mask, grad_out)
     assert seen == [False, True] and torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
     assert torch.equal(out, out_c) and all(torch.equal(a, b) for a, b in zip(grads, grads_c))
-    _assert_close_to_reference(out, grads, *_grads("reference", q, k, v, mask, grad_out), tol=1e-4)
-    with pytest.raises(ValueError, match="sdpa or sdpa_cudnn"):
+    ref_out, ref_grads = _grads("reference", q, k, v, mask, grad_out)
+    _assert_close_to_reference(out, grads, ref_out, ref_grads, tol=1e-4)
+    # keys padded to 448 (320 + 128 masked-out zeros): the same attention, not the same summation order
+    out_p, grads_p = _grads("sdpa_cudnn_pad128", q, k, v, mask, grad_out)
+    _assert_close_to_reference(out_p, grads_p, ref_out, ref_grads, tol=1e-4)
+    with pytest.raises(ValueError, match="sdpa, sdpa_cudnn or sdpa_cudnn_pad128"):
         masked_attention(q, k, v, mask, 1.0, "eager")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the backward of the GPU's fused kernels")
 def test_training_attention_backward_is_finite_where_cudnn_returns_nan():
-    """bf16 on the GPU, key length 64 mod 128, every score ~ -120: the trainer's attention ("sdpa") returns finite
-    gradients equal to the fp32 reference within bf16 rounding. What cuDNN's backend returns on the same inputs is
+    """bf16 on the GPU, key length 64 mod 128, every score ~ -120: the trainer's attention ("sdpa", cuDNN's backend
+    excluded) and cuDNN's over keys padded to a multiple of 128 ("sdpa_cudnn_pad128") return finite gradients equal
+    to the float64 reference within bf16 rounding. What cuDNN's backend returns on the same inputs is
     printed (NaN in dq on torch 2.11 sm_90 is pytorch/pytorch#196678), not asserted: a fixed torch is no failure."""
     (q, k, v), mask, grad_out = _attention_case("cuda", torch.bfloat16)
-    out, grads = _grads("sdpa", q, k, v, mask, grad_out)
-    _assert_close_to_reference(out, grads, *_grads("reference", q, k, v, mask, grad_out), tol=3e-2)
+    reference = _grads("reference", q, k, v, mask, grad_out)
+    for attention in ("sdpa", "sdpa_cudnn_pad128"):
+        _assert_close_to_reference(*_grads(attention, q, k, v, mask, grad_out), *reference, tol=3e-2)
     _, grads_c = _grads("sdpa_cudnn", q, k, v, mask, grad_out)
     print("sdpa_cudnn non-finite gradient elements (dq, dk, dv):",
           [int((~torch.isfinite(t)).sum()) for t in grads_c])
