@@ -200,8 +200,10 @@ which_drafter() {  # one line in the stage's log: the flags the measured drafter
   local mark="$MODEL/dspark_drafter/recipe.txt"
   if [ -f "$mark" ]; then  # a run cut by its budget before its schedule ended is marked too: say which it is
     local state
+    # skipped: steps with a non-finite loss or gradient, no update (train-drafter --max-skipped-steps)
     state=$(python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print(f\"{s.get('steps_done')} steps, \
-complete: {str(bool(s.get('complete'))).lower()}\")" "$MODEL/dspark_drafter/training.json" 2>/dev/null || echo "no training.json")
+complete: {str(bool(s.get('complete'))).lower()}, skipped: {len(s.get('skipped_steps') or [])}\")" \
+      "$MODEL/dspark_drafter/training.json" 2>/dev/null || echo "no training.json")
     echo "$1: the drafter in $MODEL/dspark_drafter ($state), trained by: $(cat "$mark")" | tee -a "$OUT/drafter.txt"
   else
     echo "$1: WARNING: $MODEL/dspark_drafter carries no recipe mark (its training failed or was killed, or" \

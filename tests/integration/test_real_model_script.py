@@ -18,7 +18,8 @@ def test_a_failed_train_stage_stops_the_script_with_its_code_and_bench_names_its
     (model / "dspark_drafter").mkdir(parents=True)
     (model / "model.safetensors").write_text("not a checkpoint")  # past train's guard; train-drafter refuses it
     (model / "dspark_drafter" / "recipe.txt").write_text("recipe 5: an older run's flags\n")
-    (model / "dspark_drafter" / "training.json").write_text('{"steps_done": 1350, "complete": true}')
+    (model / "dspark_drafter" / "training.json").write_text(
+        '{"steps_done": 1350, "complete": true, "skipped_steps": [{"step": 1155}, {"step": 1168}]}')
     env = {**os.environ, "REAL_MODEL_WORK": str(work), "REAL_MODEL_LOGS": str(logs), "OUT": str(tmp_path / "result"),
            "BENCH_SETS": " ", "TRAIN_SECONDS": "5"}  # " ": bench logs its drafter and runs no prompt set
     r = subprocess.run(["bash", "scripts/gpu_real_model.sh", "bench", "train", "bench"], cwd=ROOT, env=env,
@@ -32,7 +33,7 @@ def test_a_failed_train_stage_stops_the_script_with_its_code_and_bench_names_its
     assert "train 0 s (rc 0)" not in (logs / "timing.txt").read_text()
     assert not (model / "dspark_drafter" / "recipe.txt").exists()  # the failed run marks nothing
     named = (logs / "drafter.txt").read_text().splitlines()
-    assert named == [f"bench: the drafter in {model}/dspark_drafter (1350 steps, complete: true), trained by: recipe 5: "
+    assert named == [f"bench: the drafter in {model}/dspark_drafter (1350 steps, complete: true, skipped: 2), trained by: recipe 5: "
                      "an older run's flags"], named
     r = subprocess.run(["bash", "scripts/gpu_real_model.sh", "bench"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)  # a later call's bench: the drafter left there carries no mark now
