@@ -13,8 +13,9 @@ shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short dev
 ``kernel_dedup``, ...; training/fused_loss.py's layouts: none = ``rows``, the first layout; ``joint``: the draft
 logits and their gradient one GEMM each; ``dedup``: ``joint`` plus the teacher's logits once per position, the
 trainer's default); attention = sdpa | sdpa_cudnn | sdpa_cudnn_pad128 | eager (training/drafter_forward.py:
-sdpa without cuDNN's backend, the trainer's; sdpa_cudnn with it; sdpa_cudnn_pad128 with it over keys padded to 128); teacher = dense | paged; seq_bucket = the batch width's rounding
-(trainer.SEQ_BUCKET; 0 = the trainer's, 1 = the longest sequence exactly, as before the twenty-second session).
+sdpa without cuDNN's backend, the trainer's; sdpa_cudnn with it; sdpa_cudnn_pad128 with it over keys padded to 128);
+teacher = dense | paged; seq_bucket = the batch width's rounding (trainer.SEQ_BUCKET; 0 = the trainer's, 1 = the
+longest sequence exactly, as before the twenty-second session).
 
 ``--profile``: after each ``--train`` configuration's timed steps, ``--profile-steps`` more steps under
 ``torch.profiler`` (CUDA kernels on the GPU; CPU ops with ``--tiny``): the kernel time per step grouped by where

@@ -90,8 +90,8 @@ def block_hidden(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, ctx_
         attention: ``"sdpa"`` (:func:`masked_attention`: ``F.scaled_dot_product_attention`` with the boolean mask, a
             fused kernel that keeps no ``[S, heads, MK, T + MK]`` probabilities for the backward, cuDNN's excluded),
             ``"sdpa_cudnn"`` (the same with cuDNN's allowed), ``"sdpa_cudnn_pad128"`` (and the keys padded to a
-            multiple of 128) or ``"eager"`` (its twin: scores, masked softmax in fp32
-            and the weighted sum as separate ops).
+            multiple of 128) or ``"eager"`` (its twin: scores, masked softmax in fp32 and the weighted sum as
+            separate ops).
     """
     if attention not in ATTENTION:
         raise ValueError(f"block_hidden: attention must be one of {ATTENTION}, got {attention!r}")

@@ -50,8 +50,8 @@ from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as g
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
                                                    apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
-from tensorrt_llm_ext.training.drafter_forward import (TRAIN_ATTENTION, block_hidden, block_hidden_prev, context_latents,
-                                                        markov_bias)
+from tensorrt_llm_ext.training.drafter_forward import (TRAIN_ATTENTION, block_hidden, block_hidden_prev,
+                                                        context_latents, markov_bias)
 from tensorrt_llm_ext.training.fused_loss import LAYOUTS, eager_block_loss, fused_block_loss
 from tensorrt_llm_ext.training.prompt_sources import mixed_samples, parse_source_spec
 
@@ -202,7 +202,8 @@ class StopAtStepBoundary:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss went non-finite: the run stops (nothing saved past the last finite checkpoint)."""
+    """More than ``--max-skipped-steps`` non-finite steps in a row, or a non-finite weight at the end: the run stops
+    and writes no drafter (the work folder keeps its last checkpoint)."""
 
 
 def _device(name: str) -> torch.device:
@@ -505,8 +506,8 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 # torch's scaled_dot_product_attention runs cuDNN's kernels (the teacher's causal pass; the drafter's masked block
 # attention too before drafter_forward.TRAIN_ATTENTION left cuDNN's backend out), and cuDNN finalises an execution
 # plan for every new shape -- tens of ms of host time in which the device idles; widths that repeat reuse the cached
-# plans. The padding sits past every sequence's
-# end: causal attention never lets it reach a real position, and the loss and anchors read only positions < lens.
+# plans. The padding sits past every sequence's end: causal attention never lets it reach a real position, and the
+# loss and anchors read only positions < lens.
 SEQ_BUCKET = 64
 
 
