@@ -45,16 +45,15 @@ def context_latents(params: dict[str, torch.Tensor], cfg: DSparkDrafterConfig, f
 
 
 ATTENTION = ("sdpa", "sdpa_cudnn", "sdpa_cudnn_pad128", "eager")
-TRAIN_ATTENTION = "sdpa"  # the trainer's (every function's default here)
-# "sdpa": every fused backend but cuDNN's. Its backward (torch 2.11 and later on sm_90, the GPU machine's) returns
-# NaN in dq with an explicit mask when the key length is 64 mod 128 and a query row's log-sum-exp is below -88.7
-# (pytorch/pytorch#196678): the padded half of the last key tile is scored 0, exp(0 - lse) overflows. The drafter's
-# mask is explicit and its key length (batch width, a multiple of 64, + M K) is 64 mod 128 for half the batches; the
-# trainer's recipe-5 runs skipped 19 steps between 1,155 and 1,413 with a finite loss and finite hidden states but a
-# NaN gradient norm (H100, torch 2.11, 2026-12-06): this bug's signature (a run without cuDNN's backend is still to be
-# measured). "sdpa_cudnn": the dispatcher's own choice, cuDNN included (for timing). "sdpa_cudnn_pad128": the same
-# with the keys padded (masked out) to a multiple of 128, the lengths the bug report found clean -- cuDNN's speed
-# without the partial key tile, if the GPU test and a long run confirm it.
+TRAIN_ATTENTION = "sdpa_cudnn_pad128"  # the trainer's (every function's default here)
+# cuDNN's SDPA backward (torch 2.11 and later on sm_90, the GPU machine's) returns NaN in dq with an explicit mask
+# when the key length is 64 mod 128 and a query row's log-sum-exp is below -88.7 (pytorch/pytorch#196678): the padded
+# half of the last key tile is scored 0, exp(0 - lse) overflows. The drafter's mask is explicit and its key length
+# (batch width, a multiple of 64, + M K) is 64 mod 128 for half the batches: recipe 5 skipped 19 steps between 1,155
+# and 1,413 with a finite loss and a NaN gradient norm. "sdpa_cudnn_pad128" (the default) pads the keys, masked out,
+# to a multiple of 128 and keeps cuDNN's speed: 239.8 ms a step against 237.6 for "sdpa_cudnn" (the dispatcher's own
+# choice) and 284.3 for "sdpa" (every fused backend but cuDNN's); recipe 5 over 1,100 s of steps with it skipped
+# none (H100, torch 2.11, 2026-12-06; docs/real_model.md). "eager" is the twin the tests hold the others to.
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 

@@ -145,8 +145,8 @@ def test_training_attention_excludes_cudnn_and_matches_the_reference(monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the backward of the GPU's fused kernels")
 def test_training_attention_backward_is_finite_where_cudnn_returns_nan():
-    """bf16 on the GPU, key length 64 mod 128, every score ~ -120: the trainer's attention ("sdpa", cuDNN's backend
-    excluded) and cuDNN's over keys padded to a multiple of 128 ("sdpa_cudnn_pad128") return finite gradients equal
+    """bf16 on the GPU, key length 64 mod 128, every score ~ -120: the trainer's attention (cuDNN's over keys padded
+    to a multiple of 128, "sdpa_cudnn_pad128") and "sdpa" (cuDNN's backend excluded) return finite gradients equal
     to the float64 reference within bf16 rounding. What cuDNN's backend returns on the same inputs is
     printed (NaN in dq on torch 2.11 sm_90 is pytorch/pytorch#196678), not asserted: a fixed torch is no failure."""
     (q, k, v), mask, grad_out = _attention_case("cuda", torch.bfloat16)
