@@ -7,6 +7,9 @@ A conversation is a list of ``{"role": "system" | "user" | "assistant", "content
 * ``chitchat``: the PyPI package ``chitchat-dataset`` (the Chit Chat Challenge; two speakers alternate, the
   first one is the user).
 * ``templates``: the generated instructions of :mod:`.prompts` (nothing installed; the tiny test models).
+* ``stdlib_functions``: code prompts in HumanEval's shape (a function's ``def`` line and docstring, "complete
+  it"), cut from the running Python's own standard library (:func:`read_stdlib_functions`; nothing installed,
+  PSF licence); no HumanEval problem is a standard-library function.
 * a ``.jsonl`` / ``.jsonl.gz`` file: one record per line, ``{"messages": [...]}`` (roles as above),
   ``{"conversations": [{"from": "human" | "gpt", "value": ...}]}`` (ShareGPT) or ``{"prompt": str}``; an
   optional ``"set"`` field (``train`` / ``held_out`` / ``mt_bench`` / ``humaneval``) pins the split, which
@@ -26,11 +29,14 @@ held-out prompts never meet training.
 
 from __future__ import annotations
 
+import ast
+import functools
 import gzip
 import hashlib
 import importlib.util
 import json
 import random
+import sysconfig
 import zlib
 from pathlib import Path
 
@@ -174,6 +180,84 @@ def humaneval_prompts(path: str | Path | None = None) -> list[list[dict]]:
     return [[{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])}] for r in rows]
 
 
+# Folders of the standard library that hold tests, demos, GUI code or vendored wheels, not library functions.
+STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+                                 "turtledemo", "tkinter", "ensurepip", "__phello__"})
+MIN_DOCSTRING_CHARS = 40  # a docstring that says what to write, not a one-word note
+
+
+def _signature_and_docstring(lines: list[str], fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """``fn``'s ``def`` line(s) through its docstring, dedented to column 0; None for a function without a
+    docstring of :data:`MIN_DOCSTRING_CHARS` or a body to write (at least one statement after it)."""
+    doc = ast.get_docstring(fn)
+    if not doc or len(doc) < MIN_DOCSTRING_CHARS or len(fn.body) < 2:
+        return None
+    col = fn.col_offset
+    out = []
+    for line in lines[fn.lineno - 1:fn.body[0].end_lineno]:
+        out.append(line[col:] if line.startswith(" " * col) else line.lstrip(" "))
+    return "\n".join(out) + "\n"
+
+
+def _module_prompts(source: str) -> list[str]:
+    """The function texts of one module: its top-level functions, and the methods of its top-level classes
+    (dunders left out) under a bare ``class Name:`` line."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = _signature_and_docstring(lines, node)
+            if text:
+                out.append(text)
+        elif isinstance(node, ast.ClassDef):
+            for m in node.body:
+                if (isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and not (m.name.startswith("__") and m.name.endswith("__"))):
+                    text = _signature_and_docstring(lines, m)
+                    if text:
+                        body = "".join(("    " + ln if ln else ln) + "\n" for ln in text.splitlines())
+                        out.append(f"class {node.name}:\n{body}")
+    return [t for t in out if "```" not in t]  # a fence inside would end the prompt's code block
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_prompt_texts(root: str) -> tuple[str, ...]:
+    texts, seen = [], set()
+    base = Path(root)
+    for path in sorted(base.rglob("*.py")):
+        if STDLIB_SKIPPED_DIRS.intersection(path.relative_to(base).parts[:-1]):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for text in _module_prompts(source):
+            if text not in seen:
+                seen.add(text)
+                texts.append(text)
+    return tuple(texts)
+
+
+def read_stdlib_functions(root: str | Path | None = None) -> list[list[dict]]:
+    """HumanEval-shaped code prompts from the Python standard library's source under ``root`` (default: the
+    running interpreter's): each module-level function, and each method of a module-level class, with a
+    docstring of at least :data:`MIN_DOCSTRING_CHARS` characters and a body after it, given as its ``def``
+    line(s) and docstring in :data:`HUMANEVAL_INSTRUCTION` -- the target writes the body. Test, demo and GUI
+    folders (:data:`STDLIB_SKIPPED_DIRS`) are skipped, a file that does not parse is skipped, duplicates are
+    kept once; the order is the files' sorted order (the split and the mix shuffle later)."""
+    root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ValueError(f"prompts 'stdlib_functions': {root} is not a folder")
+    texts = _stdlib_prompt_texts(str(root.resolve()))
+    if not texts:
+        raise ValueError(f"prompts 'stdlib_functions': no function with a docstring under {root}")
+    return [[{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=t)}] for t in texts]
+
+
 def split_of(conv: list[dict], held_out_percent: float) -> str:
     """``"held_out"`` for a stable ``held_out_percent`` of conversations (hash of the first user turn)."""
     first = next((m["content"] for m in conv if m["role"] == "user"), "")
@@ -192,6 +276,9 @@ def turn_samples(conv: list[dict], max_turns: int) -> list[list[dict]]:
     return out
 
 
+NAMED_SOURCES = ("sharegpt", "chitchat", "stdlib_functions", "templates")
+
+
 def parse_source_spec(spec: str) -> tuple[str, float]:
     """``NAME`` or ``NAME:WEIGHT`` (``sharegpt:3``); a FILE path may itself contain ``:`` only when a weight
     follows."""
@@ -205,8 +292,9 @@ def parse_source_spec(spec: str) -> tuple[str, float]:
             pass
     if not (weight > 0 and weight < float("inf")):
         raise ValueError(f"--prompts {spec!r}: the weight must be a finite number > 0")
-    if name not in ("sharegpt", "chitchat", "templates") and not (name.endswith(".jsonl") or name.endswith(".jsonl.gz")):
-        raise ValueError(f"--prompts {spec!r}: expected sharegpt, chitchat, templates or a FILE.jsonl[.gz]")
+    if name not in NAMED_SOURCES and not (name.endswith(".jsonl") or name.endswith(".jsonl.gz")):
+        raise ValueError(f"--prompts {spec!r}: expected sharegpt, chitchat, stdlib_functions, templates or a "
+                         "FILE.jsonl[.gz]")
     if name.endswith((".jsonl", ".jsonl.gz")) and not Path(name).is_file():
         raise ValueError(f"--prompts {spec!r}: {name} not found")
     return name, weight
@@ -227,6 +315,8 @@ def source_conversations(name: str, split: str, held_out_percent: float) -> list
         convs = read_sharegpt(package_file("sharegpt"))
     elif name == "chitchat":
         convs = read_chitchat(package_file("chitchat"))
+    elif name == "stdlib_functions":
+        convs = read_stdlib_functions()
     else:
         recs = read_jsonl(name)
         if any(s is not None for s, _ in recs):  # a pinned file: its own sets, nothing else

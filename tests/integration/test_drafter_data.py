@@ -4,6 +4,7 @@ per-position calibration."""
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from tensorrt_llm_ext.cli import main
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, DSparkDrafter, DSparkDrafterConfig,
                                                    block_confidences)
-from tensorrt_llm_ext.training.prompt_sources import mixed_samples, read_jsonl, read_sharegpt, turn_samples
+from tensorrt_llm_ext.training.prompt_sources import (HUMANEVAL_INSTRUCTION, mixed_samples, read_jsonl, read_sharegpt,
+                                                      read_stdlib_functions, split_of, turn_samples)
 from tensorrt_llm_ext.training.trainer import (confidence_label, confidence_logits, fit_confidence_calibration,
                                               position_weights)
 
@@ -59,6 +61,94 @@ def test_sources_mix_by_weight_and_a_pinned_file_keeps_its_sets(tmp_path):
     assert {c[0]["content"][:2] for c in mixed_samples([str(b)], "mt_bench", 5, seed=0, max_turns=1,
                                                        held_out_percent=2.0)} == {"mt"}
     assert len(read_jsonl(b)) == 150
+
+
+_MODULE = '''"""A module."""
+import os
+
+
+def documented(path, *, mode="r"):
+    """Open ``path`` and return its first line, stripped of white space."""
+    with open(path, mode) as f:
+        return f.readline().strip()
+
+
+def short_doc(x):
+    """Too short."""
+    return x + 1
+
+
+def no_body(x):
+    """A docstring long enough to say what to write, but nothing after it."""
+
+
+@staticmethod
+async def _private_async(x,
+                         y):
+    """Await both and add them; the decorator is not part of the prompt.
+Continued at column zero."""
+    a = await x
+    return a + await y
+
+
+class Box(object):
+    def __init__(self, v):
+        """The dunder is left out even with a docstring this long."""
+        self.v = v
+
+    def doubled(self):
+        """Return twice the stored value without changing it, as a new int."""
+        v = self.v
+        return 2 * v
+
+    def fenced(self):
+        """A docstring with a ```fence``` inside would end the prompt's code block early."""
+        return None
+'''
+
+
+def test_stdlib_functions_are_humaneval_shaped_prompts_cut_from_the_library(tmp_path):
+    """The ``stdlib_functions`` source: every function or method with a docstring of 40+ characters and a body
+    after it, as its ``def`` line(s) and docstring (decorators left out) in HumanEval's instruction; test folders
+    and files that do not parse are skipped, duplicates kept once."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(_MODULE)
+    (tmp_path / "copy.py").write_text(_MODULE)  # the same functions again: kept once
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(_MODULE.replace("documented", "in_a_test_folder"))
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    prompts = [c[0]["content"] for c in read_stdlib_functions(tmp_path)]
+    code = [HUMANEVAL_INSTRUCTION.format(prompt=t) for t in (
+        'async def _private_async(x,\n                         y):\n'
+        '    """Await both and add them; the decorator is not part of the prompt.\nContinued at column zero."""\n',
+        'class Box:\n    def doubled(self):\n'
+        '        """Return twice the stored value without changing it, as a new int."""\n',
+        'def documented(path, *, mode="r"):\n'
+        '    """Open ``path`` and return its first line, stripped of white space."""\n')]
+    assert sorted(prompts) == sorted(code)
+    (tmp_path / "empty" / "test").mkdir(parents=True)
+    (tmp_path / "empty" / "test" / "m.py").write_text(_MODULE)
+    with pytest.raises(ValueError, match="no function with a docstring"):
+        read_stdlib_functions(tmp_path / "empty")
+
+
+def test_stdlib_functions_of_this_python_parse_and_split_apart():
+    """On the running interpreter's library: over a thousand prompts, each one's code block valid Python once a
+    body is added, HumanEval's instruction around it, and the held-out split disjoint from training through the
+    mix (``--prompts stdlib_functions``)."""
+    convs = read_stdlib_functions()
+    assert len(convs) > 1000
+    head, tail = HUMANEVAL_INSTRUCTION.split("{prompt}")
+    for c in convs:
+        text = c[0]["content"]
+        assert text.startswith(head) and text.endswith(tail)
+        block = text[len(head):-len(tail)]
+        ast.parse(block + ("\n    pass\n" if block.startswith("class ") else "    pass\n"))
+    train = mixed_samples(["stdlib_functions"], "train", 10**6, seed=0, max_turns=1, held_out_percent=5.0)
+    held = mixed_samples(["stdlib_functions"], "held_out", 10**6, seed=0, max_turns=1, held_out_percent=5.0)
+    assert len(train) + len(held) == len(convs) and held
+    assert {c[0]["content"] for c in train}.isdisjoint({c[0]["content"] for c in held})
+    assert all(split_of(c, 5.0) == "held_out" for c in held)
 
 
 def test_bad_prompt_sources_are_refused_before_any_work(tmp_path, capsys):
