@@ -189,8 +189,8 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
             kind, extra = str, {"nargs": "+", "metavar": "SOURCE[:WEIGHT]"}
         elif f.name == "position_decay":
             kind = float
-        help_ = {"prompts": "sharegpt, chitchat, stdlib_functions, templates or FILE.jsonl[.gz], several mixed by weight "
-                            "(default templates)",
+        help_ = {"prompts": "sharegpt, chitchat, stdlib_functions, templates or FILE.jsonl[.gz], several mixed by "
+                            "weight (default templates)",
                  "position_decay": "position weight factor (default exp(-1/K), the paper's)"}.get(
                      f.name, f"default {f.default}")
         t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
