@@ -152,6 +152,10 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     acc = summary["held_out_greedy_acceptance"]
     print(f"drafter: {out}")
     print(f"loss: {summary['first_losses'][:1]} -> {summary['last_losses'][-1:]}")
+    skipped = [s["step"] for s in summary["skipped_steps"]]  # every call's, a resumed run's included
+    listed = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
+    print(f"skipped steps: {len(skipped)}" + (f" (non-finite loss or gradient, no update; steps {listed}; "
+                                              "training.json: skipped_steps)" if skipped else ""))
     print(f"held-out greedy acceptance length (K={tc.draft_len}): init ({tc.init}) {acc['init']}, "
           f"trained {acc['trained']}")
     return 0

@@ -63,7 +63,7 @@ def test_nonfinite_loss_stops_naming_the_step(target, tmp_path, monkeypatch, cap
     assert not out.exists()
 
 
-def test_a_nonfinite_step_is_skipped_without_an_update(target, tmp_path, monkeypatch, caplog):
+def test_a_nonfinite_step_is_skipped_without_an_update(target, tmp_path, monkeypatch, caplog, capsys):
     """One NaN loss (every gradient NaN): the step is skipped on the device, logged, recorded in training.json, and
     the run completes with finite weights (an applied update would have made every weight NaN and the run refuse to
     write them); AdamW's step count is one fewer than the steps (the skipped step left the moments as they were)."""
@@ -74,6 +74,7 @@ def test_a_nonfinite_step_is_skipped_without_an_update(target, tmp_path, monkeyp
                      "--save-every", "5", *TINY]) == 0
     said = [r.getMessage() for r in caplog.records if "skipped, no update" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("train-drafter: step 3 skipped") and "loss nan" in said[0], said
+    assert "skipped steps: 1 (non-finite loss or gradient, no update; steps 3;" in capsys.readouterr().out
     summary = json.loads((out / "training.json").read_text())
     assert [s["step"] for s in summary["skipped_steps"]] == [3] and summary["skipped_steps"][0]["loss"] == "nan"
     # the diagnosis: the NaN came after the loss rows (this test multiplies the loss), none of them is non-finite
