@@ -85,11 +85,13 @@ def _block_weight(x, m, c, g, fin):
 def _block_stats_kernel(
     t_ptr, q_ptr,  # [rows_t, V_local], [rows_q, V_local] logits (q_ptr = t_ptr when rows_q = 0)
     temp_ptr,  # [B] fp32
+    p_ptr,  # [B] fp32 top-p (read only if SKIP_TOP_P)
     tok_ptr,  # [B, k_tok] int64 global ids (read only if HAS_TOK)
     keys_ptr,  # [rows_t + rows_q, S, 2] int64 out: as verify_keys
     stats_ptr,  # [rows_t + rows_q, S, STATS_COLS] int64 out
     stride_t, stride_q, rows_t, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     G: tl.constexpr, MAXB: tl.constexpr, NB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr,
+    SKIP_TOP_P: tl.constexpr = False,  # rows of requests with top-p in force (T > 0, p < 1): keys only
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,7 +101,13 @@ def _block_stats_kernel(
     kk = tl.where(is_t, row % div_t, rq % div_q)
     t_row = t_ptr + tl.minimum(row, rows_t - 1).to(tl.int64) * stride_t
     q_row = q_ptr + rq.to(tl.int64) * stride_q
-    c = weight_scale(tl.load(temp_ptr + b))
+    temp = tl.load(temp_ptr + b)
+    c = weight_scale(temp)
+    # A request with top-p in force weighs its rows against the row max (verify_sums), never by the bins: such a
+    # row's program reads its columns for the keys alone and writes an empty chunk's statistics.
+    weigh = True
+    if SKIP_TOP_P:
+        weigh = (temp <= 0.0) | (tl.load(p_ptr + b) >= 1.0)
     col_tok = tl.full([], -1, tl.int64)
     if HAS_TOK:
         if kk < k_tok:
@@ -135,20 +143,22 @@ def _block_stats_kernel(
         take = valid & is_t & (o > lane_k)
         lane_k = tl.where(take, o, lane_k)
         lane_c = tl.where(take, cols, lane_c)
-        # the block's own max, grid point and weights: one max and one sum across the tile
-        mk = tl.max(ofin, 0)
-        m = decode_max_key(tl.where(mk == -2147483648, -9223372036854775808, mk.to(tl.int64)))
-        r, g = _block_scale(m, c)
-        z = tl.sum(_block_weight(x, m, c, g, fin), 0)
-        r = tl.where(mk == -2147483648, -2147483648, r)
-        rb = tl.where(idx == i, r, rb)
-        zb = tl.where(idx == i, z, zb)
-        if HAS_TOK:
-            if (col_tok >= start) & (col_tok < start + G) & (col_tok < col_end):
-                xt = tl.where(is_t, tl.load(t_row + col_tok).to(tl.float32), tl.load(q_row + col_tok).to(tl.float32))
-                ft = is_finite(xt)
-                ftok = _block_weight(xt, m, c, g, ft)
-                rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
+        if weigh:
+            # the block's own max, grid point and weights: one max and one sum across the tile
+            mk = tl.max(ofin, 0)
+            m = decode_max_key(tl.where(mk == -2147483648, -9223372036854775808, mk.to(tl.int64)))
+            r, g = _block_scale(m, c)
+            z = tl.sum(_block_weight(x, m, c, g, fin), 0)
+            r = tl.where(mk == -2147483648, -2147483648, r)
+            rb = tl.where(idx == i, r, rb)
+            zb = tl.where(idx == i, z, zb)
+            if HAS_TOK:
+                if (col_tok >= start) & (col_tok < start + G) & (col_tok < col_end):
+                    xt = tl.where(is_t, tl.load(t_row + col_tok).to(tl.float32),
+                                  tl.load(q_row + col_tok).to(tl.float32))
+                    ft = is_finite(xt)
+                    ftok = _block_weight(xt, m, c, g, ft)
+                    rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
     store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
     # bins by grid distance below this program's top block (empty blocks never count)
     rc = tl.max(rb, 0)
@@ -164,7 +174,7 @@ def _block_stats_kernel(
 
 
 def _check(target, draft, temperatures, tokens, div_t, div_q, keys_out, stats_out, num_splits, vocab_start,
-           vocab_size, block_size=STAT_BLOCK):
+           vocab_size, block_size=STAT_BLOCK, top_p=None):
     n_valid, rt, rq = _pair(target, draft, vocab_start, vocab_size)
     if vocab_start % STAT_BLOCK:
         raise ValueError(f"vocab_start: expected a multiple of {STAT_BLOCK} (a block-aligned shard), got {vocab_start}")
@@ -181,6 +191,8 @@ def _check(target, draft, temperatures, tokens, div_t, div_q, keys_out, stats_ou
                  contiguous=True)
     if tokens is not None:
         check_tensor("tokens", tokens, shape=(rt // div_t, None), dtype=torch.int64, device=dev, contiguous=True)
+    if top_p is not None:
+        check_tensor("top_p", top_p, shape=(rt // div_t,), dtype=torch.float32, device=dev, contiguous=True)
     check_tensor("keys_out", keys_out, shape=(rt + rq, splits, 2), dtype=torch.int64, device=dev, contiguous=True)
     check_tensor("stats_out", stats_out, shape=(rt + rq, splits, STATS_COLS), dtype=torch.int64, device=dev,
                  contiguous=True)
@@ -191,7 +203,7 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
                 vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                 keys_out: torch.Tensor, stats_out: torch.Tensor, num_splits: int = 1,
                 block_size: int = STAT_BLOCK, num_warps: int | None = None,
-                prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                prefetch: bool | None = None, top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the target rows and the draft rows of a block-aligned shard: every slot of ``keys_out
     [R_t + R_q, S, 2]`` (as :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_keys`) and of
     ``stats_out [R_t + R_q, S, STATS_COLS]`` int64 written: per (row, column chunk of whole blocks) ``R_c``
@@ -200,11 +212,13 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
     ``tokens`` and temperatures as ``verify_sums``. ``S`` = ``plan_chunks(V_local, block_size, num_splits)``
     (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None: one per 256 ids of a
     block) and ``prefetch`` (the next tile loaded before this one's reductions; None: :data:`STATS_PREFETCH`): schedule
-    choices only, every value gives the same bits (integer sums and maxima). CUDA-graph safe (no allocation, no
-    sync).
+    choices only, every value gives the same bits (integer sums and maxima). ``top_p`` (``[B]`` fp32): the rows of
+    the requests with top-p in force (``T > 0``, ``p < 1``; they weigh against the row max, ``verify_sums``) read
+    their columns for the keys only and write an empty chunk's statistics (``EMPTY_KEY``, zero bins, token
+    ``(0, EMPTY_KEY)``), which no consumer reads for them. CUDA-graph safe (no allocation, no sync).
     """
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
-                                            stats_out, num_splits, vocab_start, vocab_size, block_size)
+                                            stats_out, num_splits, vocab_start, vocab_size, block_size, top_p)
     if rt + rq == 0:
         return keys_out, stats_out
     if rt == 0:
@@ -213,10 +227,11 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
     k_tok = tokens.shape[1] if tokens is not None else 0
     maxb = max(2, triton.next_power_of_2(chunk // STAT_BLOCK))
     _block_stats_kernel[(rt + rq, splits)](
-        target, q, temperatures, tokens if tokens is not None else keys_out, keys_out, stats_out,
+        target, q, temperatures, top_p if top_p is not None else temperatures,
+        tokens if tokens is not None else keys_out, keys_out, stats_out,
         target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits, row_div, row_div_q, k_tok,
         G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0,
-        PREFETCH=STATS_PREFETCH if prefetch is None else bool(prefetch),
+        PREFETCH=STATS_PREFETCH if prefetch is None else bool(prefetch), SKIP_TOP_P=top_p is not None,
         num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
     return keys_out, stats_out
 
@@ -557,10 +572,11 @@ def _block_weight_torch(x, m, c, g, fin) -> torch.Tensor:
 def block_stats_reference(target: torch.Tensor, draft: torch.Tensor | None, temperatures: torch.Tensor,
                           vocab_start: int, vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1,
                           row_div_q: int = 1, keys_out: torch.Tensor, stats_out: torch.Tensor,
-                          num_splits: int = 1, block_size: int = STAT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_splits: int = 1, block_size: int = STAT_BLOCK,
+                          top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`block_stats` (the same slots)."""
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
-                                            stats_out, num_splits, vocab_start, vocab_size, block_size)
+                                            stats_out, num_splits, vocab_start, vocab_size, block_size, top_p)
     verify_keys_reference(target, draft, vocab_start, vocab_size, out=keys_out, block_size=block_size,
                           num_splits=num_splits)
     dev = target.device
@@ -608,6 +624,11 @@ def block_stats_reference(target: torch.Tensor, draft: torch.Tensor | None, temp
         stats_out[ri, slot, 1 + STAT_BINS] = torch.where(ft, w[ri, blk, lane], torch.zeros_like(col))
         stats_out[ri, slot, 2 + STAT_BINS] = torch.where(ft, r[ri, blk].to(torch.int64),
                                                          torch.full_like(col, EMPTY_KEY))
+    if top_p is not None:  # the rows of requests with top-p in force: an empty chunk's statistics
+        skip = (temperatures[bi] > 0) & (top_p[bi] < 1)
+        stats_out[skip] = 0
+        stats_out[skip, :, 0] = EMPTY_KEY
+        stats_out[skip, :, 2 + STAT_BINS] = EMPTY_KEY
     return keys_out, stats_out
 
 

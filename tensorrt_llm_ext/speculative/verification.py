@@ -523,8 +523,9 @@ def _rejection_sample_steps(ops, target_logits, draft_logits, draft_tokens, temp
     rows = dict(row_div=k1, row_div_q=k)
     if passes == "one":
         # one read of every row: the keys, each block's grid point and mass in bins, the drafted tokens' weights
+        # (the keys alone for the requests with top-p in force: their weights are verify_sums')
         ops.stats(tgt, drf, temperatures, vocab_start, vocab_size, tokens=draft_tokens, keys_out=ws.keys,
-                  stats_out=ws.stats, **rows, **kw)
+                  stats_out=ws.stats, top_p=top_p, **rows, **kw)
         yield "max", ws.keys_x, None
         # each chunk's bins shifted to the row's grid point R (known from the exchanged maxima)
         ops.combine(ws.stats, ws.keys, temperatures, rows_t=b * k1, out=ws.bins, **rows)

@@ -95,6 +95,32 @@ def test_kernel_equals_twin(splits):
                                    atol=VOCAB)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_top_p_rows_read_for_their_keys_only(splits):
+    """With ``top_p`` the rows of requests with top-p in force (T > 0, p < 1: they weigh against the row max) write
+    an empty chunk's statistics in every slot, and the same keys; every other row -- greedy (T = 0 with p < 1),
+    p = 1 -- keeps the bits of the call without ``top_p``; kernel and twin agree."""
+    target, draft, tokens, temps, k = _inputs()
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95])  # requests 0 and 3 in force; 1 greedy; 2 at p = 1
+    args = [t.to(DEV) for t in (target, draft, temps, tokens)]
+    plain = _run(block_stats, *args, k, 0, VOCAB, splits)
+    runs = {name: _run(lambda *a, fn=fn, **kw: fn(*a, **kw, top_p=top_p.to(DEV)), *args, k, 0, VOCAB, splits)
+            for name, fn in (("kernel", block_stats), ("twin", block_stats_reference))}
+    b = temps.shape[0]
+    req = torch.cat([torch.arange(b).repeat_interleave(k + 1), torch.arange(b).repeat_interleave(k)])
+    skip = ((temps > 0) & (top_p < 1))[req]
+    assert int(skip.sum()) == 2 * (2 * k + 1)
+    empty = torch.zeros(STATS_COLS, dtype=torch.int64)
+    empty[0] = empty[-1] = EMPTY_KEY
+    for name, (keys, stats) in runs.items():
+        assert torch.equal(keys, plain[0]), name
+        assert torch.equal(stats[skip], empty.expand_as(stats[skip])), name
+        if DEV == "cpu" or name == "kernel":  # the twin's masses round apart from the SFU's on a GPU
+            assert torch.equal(stats[~skip], plain[1][~skip]), name
+    with pytest.raises(ValueError, match="top_p"):
+        _run(lambda *a, **kw: block_stats(*a, **kw, top_p=top_p[:2].to(DEV)), *args, k, 0, VOCAB, splits)
+
+
 def test_row_bins_tp_and_chunk_invariant():
     """Kernel vs kernel: the row's grid point, bins and the drafted tokens' (F_b, R_b) from the slots of TP 2 / 3 / 4
     block-aligned shards (the last rank's padding NaN or a value above every logit: never read) equal TP 1's,
