@@ -12,7 +12,7 @@
 #   1. bench step --temperature 1 --top-p 0.95 --rejection-sampling --no-stock --profile, B = 1 / 8 / 32: the
 #      sampled step against the greedy step of the same run, both by stage (the issue's 1.3x goal);
 #   2. the l0_h200 tests of verification / top-p (test_verification.py: kernels vs twins, TP invariance on
-#      simulated shards, graph capture and replay), two pytest processes at once;
+#      simulated shards, graph capture and replay; test_block_stats.py: the one pass), two pytest processes at once;
 #   3. with the time left: bench verify --profile at TP 1 (the step's width), B = 8 and 32.
 # FULL=1 adds, after these, the longer stages of the issue (bench verify table, select, markov, one-pass stats).
 set -u
@@ -55,7 +55,8 @@ t_tests=$(( $(left) - 30 ))  # leaves bench verify --profile its 30 s
 (( t_tests < 1 )) && t_tests=1
 t0=$SECONDS
 split='test_(kernel_tp|rejection|greedy|gpu_large|emitted).*'  # the file's l0_h200 tests in two halves
-tests tests_top_p "$t_tests" $(ids "$verification" | grep -vE "::${split}") &
+tests tests_top_p "$t_tests" $(ids "$verification" | grep -vE "::${split}") \
+  $(ids "unittest/_torch/kernels/test_block_stats.py") &
 tests tests_verification "$t_tests" $(ids "$verification" "$split") &
 wait
 echo "tests (two processes at once) $((SECONDS - t0))s (limit ${t_tests}s)" >> "$summary"
