@@ -30,7 +30,8 @@ interpreter and within the stated tolerance on a GPU (docs/rejection_sampling.md
 Weights (docs/rejection_sampling.md, "Semantics"): a request with top-p in force (``T > 0``, ``p < 1``) weighs
 its target and draft rows against the row max (``fixed_point_softmax``) as before; every other request uses block
 weights (:mod:`~tensorrt_llm_ext.kernels.block_stats`: each 1024-id block against its own max, combined exactly),
-which one read of the logits can compute on a block-aligned shard.
+which one read of the logits can compute on a block-aligned shard (it reads a top-p request's rows for their keys
+alone: their weights are ``verify_sums``').
 
 Per call (:func:`call_shape`): without top-p 4 launches and 3 exchanges (MAX, SUM, all-gather): on a block-aligned
 shard ``block_stats`` (one read), ``block_combine``, ``rejection_draw``, ``rejection_assemble``; on any other shard
