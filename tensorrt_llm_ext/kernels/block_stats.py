@@ -44,8 +44,8 @@ from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_f
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, decode_max_key, decode_max_key_torch,
                                                           is_finite, load_pair_tile, plan_chunks, row_max_from_keys,
                                                           sfu_exp2, sfu_exp2_torch, split_reduce, split_reduce_rows,
-                                                          store_split_keys, verify_keys_reference, weight_scale,
-                                                          weight_scale_torch)
+                                                          store_split_keys, top_p_in_force, top_p_in_force_torch,
+                                                          verify_keys_reference, weight_scale, weight_scale_torch)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, INT32_MIN, ordered_i32, ordered_i32_torch
 
 __all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "block_bins_reference", "block_combine",
@@ -107,7 +107,7 @@ def _block_stats_kernel(
     # row's program reads its columns for the keys alone and writes an empty chunk's statistics.
     weigh = True
     if SKIP_TOP_P:
-        weigh = (temp <= 0.0) | (tl.load(p_ptr + b) >= 1.0)
+        weigh = ~top_p_in_force(temp, tl.load(p_ptr + b))
     col_tok = tl.full([], -1, tl.int64)
     if HAS_TOK:
         if kk < k_tok:
@@ -625,7 +625,7 @@ def block_stats_reference(target: torch.Tensor, draft: torch.Tensor | None, temp
         stats_out[ri, slot, 2 + STAT_BINS] = torch.where(ft, r[ri, blk].to(torch.int64),
                                                          torch.full_like(col, EMPTY_KEY))
     if top_p is not None:  # the rows of requests with top-p in force: an empty chunk's statistics
-        skip = (temperatures[bi] > 0) & (top_p[bi] < 1)
+        skip = top_p_in_force_torch(temperatures[bi], top_p[bi])
         stats_out[skip] = 0
         stats_out[skip, :, 0] = EMPTY_KEY
         stats_out[skip, :, 2 + STAT_BINS] = EMPTY_KEY

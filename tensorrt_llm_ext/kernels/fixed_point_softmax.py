@@ -48,7 +48,8 @@ __all__ = [
     "HIST_BUCKETS", "LOG2E_F32", "ONE_Q30", "SUMS_COLS", "check_logits", "decode_max_key",
     "decode_max_key_torch", "fixed_point_weight", "fixed_point_weight_torch", "hist_add", "is_finite", "key_shift",
     "sfu_exp2",
-    "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "weight_scale", "weight_scale_torch",
+    "sfu_exp2_torch", "sfu_log2", "sfu_log2_torch", "top_p_in_force", "top_p_in_force_torch", "weight_scale",
+    "weight_scale_torch",
     "load_pair_tile", "plan_chunks", "radix_key", "radix_key_torch", "radix_to_f32", "radix_to_f32_torch",
     "subchunk_width", "row_max_from_keys", "row_max_from_keys_rows", "subchunk_index_torch", "split_reduce",
     "store_split_keys",
@@ -118,6 +119,13 @@ def weight_scale(temp):
     (``T <= 0``) use ``T = 1``."""
     t = tl.where(temp > 0.0, tl.maximum(temp, _MIN_T), 1.0)
     return tl.math.div_rn(tl.full(t.shape, _LOG2E, tl.float32), t)
+
+
+@triton.jit
+def top_p_in_force(temp, p):
+    """Whether a request's top-p is in force (``T > 0`` and ``p < 1``): its target and draft rows weigh against the
+    row max (this module's weights), every other request's rows use block weights (kernels/block_stats.py)."""
+    return (temp > 0.0) & (p < 1.0)
 
 
 @triton.jit
@@ -287,7 +295,7 @@ def _verify_sums_kernel(
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
     if TOP_P_ONLY:  # the other rows use block weights (kernels/block_stats.py): their slots are written as empty
-        col_end = tl.where((tl.load(temp_ptr + b) > 0.0) & (tl.load(p_ptr + b) < 1.0), col_end, col_begin)
+        col_end = tl.where(top_p_in_force(tl.load(temp_ptr + b), tl.load(p_ptr + b)), col_end, col_begin)
     acc = tl.zeros([BLOCK], tl.int64)
     for start in range(col_begin, col_end, BLOCK):
         cols = start + lanes
@@ -336,6 +344,11 @@ def sfu_exp2_torch(x: torch.Tensor) -> torch.Tensor:
 def sfu_log2_torch(x: torch.Tensor) -> torch.Tensor:
     """fp32 ``log2 x`` as the kernels compute it on this device (see :func:`sfu_exp2_torch`)."""
     return _on_numpy(x, "log2") if x.device.type == "cpu" else torch.log2(x)
+
+
+def top_p_in_force_torch(temperatures: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`top_p_in_force`."""
+    return (temperatures > 0) & (top_p < 1)
 
 
 def weight_scale_torch(temperatures: torch.Tensor) -> torch.Tensor:
@@ -565,7 +578,7 @@ def verify_sums_reference(target: torch.Tensor, draft: torch.Tensor | None, keys
     kk = torch.cat([torch.arange(rt, device=dev) % row_div, torch.arange(rq, device=dev) % row_div_q])
     c = weight_scale_torch(temperatures[bi])[:, None]
     if top_p_only is not None:  # the other rows read nothing: every slot 0
-        fin = fin & ((temperatures[bi] > 0) & (top_p_only[bi] < 1))[:, None]
+        fin = fin & top_p_in_force_torch(temperatures[bi], top_p_only[bi])[:, None]
     w = fixed_point_weight_torch(x, m, c, fin)
     res = torch.zeros((rows, splits, SUMS_COLS), dtype=torch.int64, device=dev)
     res[:, :, 0] = _chunked(w, n_valid, splits, chunk, 0).sum(-1)

@@ -48,7 +48,8 @@ from tensorrt_llm_ext.kernels.block_stats import (BINS_COLS, STAT_BINS, STAT_BLO
 from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (check_logits, fixed_point_weight_torch, is_finite, plan_chunks,
                                                           radix_key, radix_key_torch, split_reduce, split_reduce_rows,
-                                                          subchunk_index_torch, sfu_log2, sfu_log2_torch, weight_scale,
+                                                          subchunk_index_torch, sfu_log2, sfu_log2_torch,
+                                                          top_p_in_force, top_p_in_force_torch, weight_scale,
                                                           weight_scale_torch)
 from tensorrt_llm_ext.kernels.ordered_key import key_to_id, key_to_id_torch, philox_4x32_10_torch, uniform_from_word
 from tensorrt_llm_ext.kernels.top_p import check_sub, final_rows, final_rows_torch, kept_in_tile
@@ -169,7 +170,7 @@ def _decide(t_keys_ptr, sums_ptr, q_sums_ptr, state_ptr, ties_all_ptr, bins_ptr,
     p = temp * 0.0 + 1.0
     if HAS_P:
         p = tl.load(p_ptr + b)
-    legacy = (temp > 0.0) & (p < 1.0)
+    legacy = top_p_in_force(temp, p)
     ks = tl.arange(0, BLOCK_K)
     kv = ks < K
     kv1 = ks < K + 1
@@ -448,7 +449,7 @@ def _decide_torch(tokens, temperatures, seeds, offsets, top_p, keys, sums, q_sum
     ks = torch.arange(k, device=dev)
     targ = key_to_id_torch(keys[:rt, :, 0].max(1).values).view(b, k + 1)
     p_req = top_p if top_p is not None else torch.ones_like(temperatures)
-    legacy = (temperatures > 0) & (p_req < 1)
+    legacy = top_p_in_force_torch(temperatures, p_req)
     z, f, sh = block_row_mass_torch(bins)
     zt, ft, st = z[:rt].view(b, k + 1), f[:rt].view(b, k + 1), sh[:rt].view(b, k + 1)
     zqb, fqb, sqb = z[rt:].view(b, k), f[rt:].view(b, k), sh[rt:].view(b, k)
