@@ -13,7 +13,7 @@ shape (default SmolLM2-135M's) -- no checkpoint needed, so it fits one short dev
 ``kernel_dedup``, ...; training/fused_loss.py's layouts: none = ``rows``, the first layout; ``joint``: the draft
 logits and their gradient one GEMM each; ``dedup``: ``joint`` plus the teacher's logits once per position, the
 trainer's default); attention = sdpa | sdpa_cudnn | sdpa_cudnn_pad128 | eager (training/drafter_forward.py:
-sdpa without cuDNN's backend, the trainer's; sdpa_cudnn with it; sdpa_cudnn_pad128 with it over keys padded to 128);
+sdpa without cuDNN's backend; sdpa_cudnn with it; sdpa_cudnn_pad128 with it over keys padded to 128, the trainer's);
 teacher = dense | paged; seq_bucket = the batch width's rounding (trainer.SEQ_BUCKET; 0 = the trainer's, 1 = the
 longest sequence exactly, as before the twenty-second session).
 
@@ -102,9 +102,11 @@ def build_model(d: Path, tiny: bool) -> None:
 
 
 def train_configs(specs: list[str]) -> list[dict]:
+    from tensorrt_llm_ext.training.drafter_forward import TRAIN_ATTENTION
+
     out = []
     for spec in specs:
-        c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": "sdpa", "teacher": "dense", "layers": 3,
+        c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": TRAIN_ATTENTION, "teacher": "dense", "layers": 3,
              "latent": 256, "targets": "1/7/14/21/27", "steps": 6, "seq_bucket": 0}
         for kv in spec.split(","):
             k, v = kv.split("=")

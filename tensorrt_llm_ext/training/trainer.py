@@ -504,7 +504,7 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 
 # A batch's width is its longest sequence rounded up to this many positions (capped at the stored width). On a GPU
 # torch's scaled_dot_product_attention runs cuDNN's kernels (the teacher's causal pass; the drafter's masked block
-# attention too before drafter_forward.TRAIN_ATTENTION left cuDNN's backend out), and cuDNN finalises an execution
+# attention, its keys padded to a multiple of 128: drafter_forward.TRAIN_ATTENTION), and cuDNN finalises an execution
 # plan for every new shape -- tens of ms of host time in which the device idles; widths that repeat reuse the cached
 # plans. The padding sits past every sequence's end: causal attention never lets it reach a real position, and the
 # loss and anchors read only positions < lens.
