@@ -8,6 +8,7 @@ modules are imported -- which is why it happens here, at conftest import.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -23,6 +24,16 @@ os.environ.setdefault("TLLM_EXT_COLLECTIVE_TIMEOUT_S", "60")
 os.environ.setdefault("TLLM_EXT_CHECK_VALUES", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+# The signal tests send SIGINT / SIGHUP to the processes they start and expect the default reaction (KeyboardInterrupt,
+# a drain). A shell that starts the suite in the background (`cmd &`) or under nohup hands it those signals ignored,
+# an ignored signal stays ignored through exec, and the servers honour that (nohup's meaning), so those tests hung to
+# their timeouts. A no-op handler keeps this process deaf to them as asked and, being a handler, is reset to the
+# default in every process it starts; the variable carries the choice into pytest-xdist's workers.
+for _sig in (signal.SIGINT, signal.SIGHUP):
+    _deaf = f"TLLM_EXT_TESTS_DEAF_{_sig.name}"
+    if signal.getsignal(_sig) == signal.SIG_IGN or os.environ.get(_deaf) == "1":
+        os.environ[_deaf] = "1"
+        signal.signal(_sig, lambda *_: None)
 _bindir = os.path.dirname(sys.executable)
 os.environ["PATH"] = _bindir + os.pathsep + os.environ.get("PATH", "")
 

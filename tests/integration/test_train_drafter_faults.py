@@ -343,6 +343,7 @@ def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch, ca
     import signal
 
     real, calls = trainer.distillation_loss, []
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # the process's own, restored after
 
     def ctrl_c_in_step_3(*args, **kwargs):
         calls.append(1)
@@ -355,8 +356,7 @@ def test_ctrl_c_mid_step_checkpoints_that_step(target, tmp_path, monkeypatch, ca
     assert main(args) == 130  # one line naming --resume, not a KeyboardInterrupt traceback
     assert "--resume continues" in capsys.readouterr().err
     assert torch.load(tmp_path / "d_work" / "trainer_state.pt", weights_only=True)["step"] == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     assert not (tmp_path / "d").exists()
     monkeypatch.setattr(trainer, "distillation_loss", real)
     old = os.umask(0o022)
