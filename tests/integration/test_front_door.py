@@ -63,7 +63,7 @@ def test_a_kernel_benchmark_runs_its_kernels_without_the_interpreter_set():
     """``bench markov`` on a CPU without TRITON_INTERPRET: the CLI switches the interpreter on before anything of the
     package reads the environment (it imported ``runtime.launch`` for the switch, whose imports read ``_env`` first:
     a ValueError traceback, exit 1; ``bench select`` silently timed the eager twins)."""
-    r = _cli("bench", "markov", env_drop=("TRITON_INTERPRET",))
+    r = _cli("bench", "markov", "--tables", "main", "--batch", "1", "--variants", "0", env_drop=("TRITON_INTERPRET",))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
