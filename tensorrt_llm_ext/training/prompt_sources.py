@@ -293,8 +293,7 @@ def parse_source_spec(spec: str) -> tuple[str, float]:
     if not (weight > 0 and weight < float("inf")):
         raise ValueError(f"--prompts {spec!r}: the weight must be a finite number > 0")
     if name not in NAMED_SOURCES and not (name.endswith(".jsonl") or name.endswith(".jsonl.gz")):
-        raise ValueError(f"--prompts {spec!r}: expected sharegpt, chitchat, stdlib_functions, templates or a "
-                         "FILE.jsonl[.gz]")
+        raise ValueError(f"--prompts {spec!r}: expected {', '.join(NAMED_SOURCES)} or a FILE.jsonl[.gz]")
     if name.endswith((".jsonl", ".jsonl.gz")) and not Path(name).is_file():
         raise ValueError(f"--prompts {spec!r}: {name} not found")
     return name, weight
