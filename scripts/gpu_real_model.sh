@@ -140,7 +140,9 @@ fi
 # the target pass and the context paid once per sequence, every answer position a block), the vocabulary-wide loss
 # chunked (Triton row kernel where it measures faster at the first step). Data: every user turn of the prompt
 # file's conversations (--max-turns 3: ~15.9k prompts, ~4 M answer tokens; recipe 4: 7.2k first turns, 1.65 M);
-# lr 2e-3 for the 8x batch (recipe 4: 1e-3), warm-up 50, the cosine fitted to the budget. DRAFTER_INIT=target
+# lr 1e-3 (the twenty-seventh session's sweep at one call's budget, docs/real_model.md: 4e-3 / 2e-3 / 1e-3 / 5e-4
+# walked 1.61 / 2.02 / 2.22 / 2.01 held out; 2e-3, the 8x batch's first guess, trained every run before it), warm-up
+# 50, the cosine fitted to the budget. DRAFTER_INIT=target
 # starts each drafter layer as one of the target's top layers (the twentieth session's ablation, docs/real_model.md).
 # TRAIN_TV / TRAIN_CE / TRAIN_KL set the objective's weights (1.8 / 0.1 / 0; the twenty-third session's forward-KL
 # ablation, TRAIN_TV=0 TRAIN_KL=1: greedy the same with 13 % fewer steps, T = 1 lower).
@@ -151,7 +153,7 @@ TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turn
   --markov-rank 256 --tv-weight ${TRAIN_TV:-1.8} --ce-weight ${TRAIN_CE:-0.1} --kl-weight ${TRAIN_KL:-0}
   --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}
   --steps $TRAIN_STEPS --batch-seqs ${TRAIN_BATCH:-64} --anchors ${TRAIN_ANCHORS:-256} --draft-len 7
-  --lr ${TRAIN_LR:-2e-3} --warmup ${TRAIN_WARMUP:-50} --save-every ${SAVE_EVERY:-250} --fit-schedule)
+  --lr ${TRAIN_LR:-1e-3} --warmup ${TRAIN_WARMUP:-50} --save-every ${SAVE_EVERY:-250} --fit-schedule)
 TRAIN_SECONDS=${TRAIN_SECONDS:-480}
 elif [ "$RECIPE" = 6 ]; then
 # Recipe 6 (docs/real_model.md, "recipe 6"): recipe 5's data, loss, batch and schedule with the drafter's capacity and
