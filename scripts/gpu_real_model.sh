@@ -192,8 +192,10 @@ train() {
   # leaves no mark beside an older drafter, and bench says so).
   local work="$WORK/drafter_work_recipe${RECIPE}_$(printf '%s' "$sig" | sha1sum | cut -c1-8)"
   rm -f "$MODEL/dspark_drafter/recipe.txt"
+  # the answers in one cache for every flag set (named by the target and the knobs that decide them): an ablation of
+  # the steps' knobs on a warm machine reads the answers an earlier call decoded (~75 s of a call with the prompts)
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
-    --work-dir "$work" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
+    --work-dir "$work" --answers-cache "$WORK/answers" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
     ${TRAIN_TOTAL_SECONDS:+--schedule-seconds $TRAIN_TOTAL_SECONDS} \
     2>&1 | tee -a "$OUT/train.log"
   local rc=${PIPESTATUS[0]}

@@ -3,7 +3,10 @@ self-distillation (the recipe and its knobs: ``docs/real_model.md``).
 
 1. **Data** (:mod:`.data`): the target continues ``num_prompts`` generated instructions (a fraction greedy,
    the rest sampled at ``gen_temperature`` / ``gen_top_p``) up to ``max_new_tokens``; one teacher pass keeps
-   the captured features and the final hidden state per position. Cached in ``work_dir/data.pt``.
+   the captured features and the final hidden state per position. Cached in ``work_dir/data.pt``, or with
+   ``answers_cache`` in that folder under a name derived from the target and the knobs that decide the answers
+   (:func:`answers_cache_path`): another run with the same data knobs -- an ablation of the steps' knobs --
+   reads them instead of decoding them again.
 2. **Init** (:func:`initial_weights`, ``init``): the seeded backbone with a Markov head that starts at zero
    (``scratch``), or the serving engine's bigram initialisation (``bigram``); the embedding copied from the
    target's.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -608,7 +612,7 @@ def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tenso
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
                   resume: bool = False, progress: bool = True, max_seconds: float | None = None,
                   keep_state: bool = True, fit_schedule: bool = False,
-                  schedule_seconds: float | None = None) -> dict:
+                  schedule_seconds: float | None = None, answers_cache: str | Path | None = None) -> dict:
     """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
 
     ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
@@ -630,15 +634,24 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     of steps in all, over as many calls as it takes (the seconds already stepped are kept in ``trainer_state.pt``):
     each call still stops at ``max_seconds`` (checkpointed, ``"complete": false``) and ``--resume`` continues the
     same schedule, until the steps' total reaches it (learning rate 0, complete). A training budget longer than one
-    device call. Fixed for a run: a resume with another value is refused."""
+    device call. Fixed for a run: a resume with another value is refused.
+
+    ``answers_cache`` (``--answers-cache``): a folder of regenerated answers shared by runs: each split's answers
+    are read from :func:`answers_cache_path` when that file is there (any run with the same target and data knobs
+    wrote it; a run whose steps' knobs differ, with ``resume`` or not) and written there once decoded, instead of
+    ``work_dir``'s ``data.pt`` / ``held_out.pt``."""
     out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
     check_out_dir(out_dir, work_dir)  # before any work: the drafter replaces --out whole at the end
+    if answers_cache is not None:
+        answers_cache = Path(answers_cache)
+        check_out_dir(out_dir, answers_cache, flag="--answers-cache")
+        answers_cache.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     with work_dir_lock(work_dir):
         return _train_drafter(model_dir, out_dir, tc, work_dir=work_dir, resume=resume, progress=progress,
                               max_seconds=max_seconds, keep_state=keep_state, fit_schedule=fit_schedule,
-                              schedule_seconds=schedule_seconds)
+                              schedule_seconds=schedule_seconds, answers_cache=answers_cache)
 
 
 WORK_DIR_LOCK = ".train-drafter.lock"
@@ -674,12 +687,14 @@ def work_dir_lock(work_dir: Path):
 
 def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, work_dir: Path, resume: bool,
                    progress: bool, max_seconds: float | None, keep_state: bool, fit_schedule: bool,
-                   schedule_seconds: float | None) -> dict:
+                   schedule_seconds: float | None, answers_cache: Path | None = None) -> dict:
     """:func:`train_drafter` inside its work directory's lock."""
     t_call = time.time()
     device = _device(tc.device)
     model_dir = Path(model_dir)
     state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
+    if answers_cache is not None:
+        data_path, eval_path = (answers_cache_path(answers_cache, model_dir, tc, split) for split in ("train", "held_out"))
     dcfg, layers = drafter_config(model_dir, tc)
     storage = torch.bfloat16 if device.type == "cuda" else torch.float32
     knobs = dataclasses.asdict(tc)
@@ -704,8 +719,9 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                              f"{state.get('schedule_seconds')}, this call asks {schedule_seconds}: the schedule "
                              "of a run is fixed; use the same value or another --work-dir")
     # Both splits' prompts before any answer is decoded: an empty held-out split or a prompt past the target's
-    # context was refused only after the training answers (minutes to hours on a real set).
-    prompts = {split: (None if resume and path.is_file() else
+    # context was refused only after the training answers (minutes to hours on a real set). A cached split's file
+    # is named by its knobs: read whether the run resumes or not.
+    prompts = {split: (None if (resume or answers_cache is not None) and path.is_file() else
                        _prompts(model_dir, tc, split, n, dcfg.vocab_size))
                for split, n, path in (("train", tc.num_prompts, data_path), ("held_out", tc.eval_prompts, eval_path))
                if n}
@@ -1129,6 +1145,16 @@ def _data_knobs(tc: TrainConfig, split: str) -> dict:
     return knobs
 
 
+def answers_cache_path(cache_dir: Path, model_dir: str | Path, tc: TrainConfig, split: str) -> Path:
+    """``cache_dir/answers-{split}-{digest}.pt``: the digest covers the split's data knobs and the target as it is
+    on disk (resolved path, each file's name, size and modification time), so a re-imported or other target, or any
+    knob that changes the answers, names another file -- a file of that name is the answers of this target."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in model_dir.iterdir() if f.is_file())
+    key = json.dumps({"target": str(model_dir), "files": files, "knobs": _data_knobs(tc, split)}, sort_keys=True)
+    return Path(cache_dir) / f"answers-{split}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
+
+
 def _save_state(path: Path, params, opt, step, history, knobs, gen, init_eval, step_seconds: float,
                 schedule_seconds: float | None, skipped: list[dict]) -> None:
     atomic_torch_save({"params": {n: p.detach().cpu() for n, p in params.items() if n not in FROZEN},
@@ -1163,7 +1189,7 @@ def atomic_torch_save(obj, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def check_out_dir(out_dir: Path, work_dir: Path | None = None) -> None:
+def check_out_dir(out_dir: Path, work_dir: Path | None = None, flag: str = "--work-dir") -> None:
     """``--out`` may be replaced whole: absent, an empty directory or a drafter written before (its
     ``config.json`` names the drafter architecture). Anything else -- a file, the target's own directory, a
     folder of the user's -- is refused by name (the rename-into-place deleted it). The work dir must lie outside
@@ -1182,12 +1208,12 @@ def check_out_dir(out_dir: Path, work_dir: Path | None = None) -> None:
                                  "drafter (it would be replaced whole); remove it or choose another --out")
     if work_dir is not None:
         if work_dir.exists() and not work_dir.is_dir():
-            raise ValueError(f"train-drafter: --work-dir {work_dir} is a file, not a directory; remove it or choose "
-                             "another --work-dir")
+            raise ValueError(f"train-drafter: {flag} {work_dir} is a file, not a directory; remove it or choose "
+                             f"another {flag}")
         out, work = out_dir.resolve(), work_dir.resolve()
         if work == out or out in work.parents:
-            raise ValueError(f"train-drafter: --work-dir {work_dir} lies inside --out {out_dir} (which is replaced "
-                             "whole at the end); choose a work dir beside it")
+            raise ValueError(f"train-drafter: {flag} {work_dir} lies inside --out {out_dir} (which is replaced "
+                             "whole at the end); choose a folder beside it")
 
 
 def write_drafter_atomically(out_dir: Path, dcfg, layers, weights, summary: dict) -> None:

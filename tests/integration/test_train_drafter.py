@@ -245,6 +245,45 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path,
                       progress=False, resume=True)
 
 
+def test_answers_cache_is_shared_by_runs_with_the_same_data_knobs(tiny_target, tmp_path, monkeypatch, capsys):
+    """--answers-cache: a run with the same target and data knobs reads another run's answers (nothing decoded)
+    and, with the same steps' knobs, ends with the same losses as the run that decoded them; another learning rate
+    reads them too; a data knob (max_new_tokens) names other files, decoded anew. A cache inside --out is refused."""
+    import tensorrt_llm_ext.training.trainer as trainer_mod
+
+    knobs = TrainConfig(num_prompts=8, max_new_tokens=12, gen_batch=8, eval_prompts=2, num_layers=1, num_heads=2,
+                        head_dim=8, latent_dim=16, intermediate_size=64, draft_len=3, steps=3, batch_seqs=2,
+                        anchors=3, lr=3e-3, warmup=1, save_every=3)
+    cache, decoded, regenerate = tmp_path / "answers", [], trainer_mod.regenerate
+
+    def counted(model_dir, prompts, **kw):
+        decoded.append(len(prompts))
+        return regenerate(model_dir, prompts, **kw)
+
+    monkeypatch.setattr(trainer_mod, "regenerate", counted)
+    first = train_drafter(tiny_target, tmp_path / "a" / "drafter", knobs, progress=False, answers_cache=cache)
+    assert decoded == [8, 2]
+    written = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()}
+    assert len(written) == 2 and all(n.startswith(("answers-train-", "answers-held_out-")) for n in written)
+    assert not (tmp_path / "a" / "drafter_work" / "data.pt").exists()
+
+    again = train_drafter(tiny_target, tmp_path / "b" / "drafter", knobs, progress=False, answers_cache=cache)
+    assert decoded == [8, 2] and again["last_losses"] == first["last_losses"]
+    other_lr = train_drafter(tiny_target, tmp_path / "c" / "drafter", TrainConfig(**{**vars(knobs), "lr": 1e-3}),
+                             progress=False, answers_cache=cache)
+    assert decoded == [8, 2] and other_lr["last_losses"] != first["last_losses"]
+    assert {f.name: f.stat().st_mtime_ns for f in cache.iterdir()} == written  # read, never rewritten
+
+    train_drafter(tiny_target, tmp_path / "d" / "drafter", TrainConfig(**{**vars(knobs), "max_new_tokens": 10}),
+                  progress=False, answers_cache=cache)
+    assert decoded == [8, 2, 8, 2] and len(list(cache.iterdir())) == 4
+
+    out = tmp_path / "e" / "drafter"
+    assert main(["train-drafter", str(tiny_target), "--out", str(out), "--answers-cache", str(out / "answers"),
+                 *TINY_TRAIN]) == 2
+    assert "--answers-cache" in capsys.readouterr().err and not out.exists()
+
+
 def test_served_drafter_exposes_per_position_confidences(trained):
     """serve's loader picks up confidence_head.safetensors; each step leaves c_k of every next draft in the
     worker's draft_confidences (the step output's field the scheduler reads)."""
