@@ -694,7 +694,8 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
     model_dir = Path(model_dir)
     state_path, data_path, eval_path = work_dir / "trainer_state.pt", work_dir / "data.pt", work_dir / "held_out.pt"
     if answers_cache is not None:
-        data_path, eval_path = (answers_cache_path(answers_cache, model_dir, tc, split) for split in ("train", "held_out"))
+        data_path, eval_path = (answers_cache_path(answers_cache, model_dir, tc, split)
+                                for split in ("train", "held_out"))
     dcfg, layers = drafter_config(model_dir, tc)
     storage = torch.bfloat16 if device.type == "cuda" else torch.float32
     knobs = dataclasses.asdict(tc)
