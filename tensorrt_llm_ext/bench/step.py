@@ -31,6 +31,13 @@ worker at the same B (``sampled / greedy``, in one run); ``--profile`` adds the 
 (:class:`SampledStages`, each stage captured alone) and lists the top kernels of one captured sampled step of
 each table.
 
+``--model DIR``: the stages of a checkpoint directory's step (a Hugging Face Llama directory as ``import-gguf``
+writes it, its drafter ``DIR/dspark_drafter`` when present) instead of the synthetic model: the config and the
+engine come from :func:`~tensorrt_llm_ext.runtime.config.load_config` ``(model_dir=DIR)`` as ``serve DIR`` /
+``generate --model DIR`` build them (no drafter: the seeded bigram drafter they build, said in a log line); the
+checkpoint fixes the vocabulary (``--vocab`` is refused), ``--draft-len`` / ``--markov-mode`` / the largest batch
+size are set over it. ``--no-stock``: ours only (greedy: the stock column "-"; sampled: ours and the greedy step).
+
 On CPU: a smoke run of the tiny test model (timings meaningless, printed as "-"). The Triton interpreter is
 switched on when :func:`run` starts (not at import).
 """
@@ -74,9 +81,15 @@ STAGES = ("target_fwd", "select", "tail", "draft_fwd", "chain", "step")
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a checkpoint directory (as import-gguf writes it; its drafter DIR/dspark_drafter when "
+                        "present, else the seeded bigram drafter serve builds): time its step, loaded as serve DIR "
+                        "loads it, instead of the synthetic model")
     p.add_argument("--batch-sizes", type=int_list(1, MAX_BATCH_SIZE), default="1,2,4,8,16,32,64" if cuda else "1,2")
     p.add_argument("--draft-len", type=positive_int, default=7 if cuda else 3)
-    p.add_argument("--vocab", type=positive_int, default=128256 if cuda else 517)
+    p.add_argument("--vocab", type=positive_int, default=None,
+                   help=f"the synthetic model's vocabulary (default {128256 if cuda else 517}); not with --model "
+                        "(the checkpoint fixes it)")
     p.add_argument("--prompt-len", type=positive_int, default=64 if cuda else 8)
     p.add_argument("--markov-mode", choices=["exact", "fused", "auto"], default="auto")
     p.add_argument("--profile", action="store_true",
@@ -87,8 +100,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rejection-sampling", action="store_true",
                    help="sampled mode: sampled drafts + rejection-sampling verification (else strict acceptance)")
     p.add_argument("--no-stock", action="store_true",
-                   help="sampled mode: time ours and the greedy step only (the stock table's eager twins take most of "
-                        "a run's time at large B)")
+                   help="time ours only: greedy mode, the stock column printed as '-'; sampled mode, ours and the "
+                        "greedy step (the stock table's eager twins take most of a run's time at large B or on a "
+                        "many-layer --model)")
 
 
 def _drafter_paths(eng) -> dict[str, tuple[str, str]]:
@@ -229,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
 
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
-    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.contract import BuildRefusal
+    from tensorrt_llm_ext.runtime.config import ConfigError, load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.generate_cli import sampling_from_flags
 
@@ -237,9 +252,11 @@ def run(args: argparse.Namespace) -> int:
     if not cuda:
         torch.set_num_threads(1)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    model = dict(GPU_MODEL if cuda else cpu_model())
-    model.update({"model.target.vocab_size": args.vocab, "speculative_config.max_draft_len": args.draft_len,
-                  "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes)})
+
+    def refuse(msg: str) -> int:
+        print(f"error: bench step: {msg}", file=sys.stderr)
+        return 2
+
     err = None
     try:
         sampling_from_flags(args.temperature, args.top_p, 0)
@@ -247,24 +264,54 @@ def run(args: argparse.Namespace) -> int:
         err = str(e)
     if err is None and args.temperature == 0 and (args.rejection_sampling or args.top_p < 1.0):
         err = "--rejection-sampling / --top-p need --temperature > 0 (the sampled mode)"
+    if err is None and args.model is not None and args.vocab is not None:
+        err = f"--vocab: not with --model (the checkpoint {args.model} fixes the vocabulary)"
     if err:
-        print(f"error: bench step: {err}", file=sys.stderr)
-        return 2
+        return refuse(err)
+    # --model: the checkpoint through the loader serve DIR / generate --model DIR use (sizes, drafter, dtype,
+    # max_seq_len from the directory); else the synthetic model. The run's own fields go over either.
+    model = {} if args.model is not None else {**(GPU_MODEL if cuda else cpu_model()),
+                                               "model.target.vocab_size": args.vocab or (128256 if cuda else 517)}
+    model.update({"speculative_config.max_draft_len": args.draft_len,
+                  "speculative_config.markov_chain_mode": args.markov_mode, "max_batch_size": max(sizes),
+                  "speculative_config.use_rejection_sampling": bool(args.rejection_sampling)})
+    try:
+        cfg = load_config(model_dir=args.model, **model)
+    except (ConfigError, OSError) as e:  # a missing / broken directory, a K or batch size the config refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return refuse(f"--model {args.model}: {first}" if args.model is not None else first)
+    if args.prompt_len + cfg.draft_len + 1 > cfg.max_seq_len:  # a request of the prompt and one step's K + 1
+        return refuse(f"--prompt-len {args.prompt_len} with K={cfg.draft_len} does not fit max_seq_len "
+                      f"{cfg.max_seq_len} (prompt + K + 1 tokens, as a request that makes one step)")
+    if args.model is not None:
+        from tensorrt_llm_ext.logger import logger
+        from tensorrt_llm_ext.runtime.config import DRAFTER_SUBDIR, describe_drafter
+
+        if cfg.model.drafter_path is None:
+            logger.info(f"bench step: no trained drafter in {args.model} (no {DRAFTER_SUBDIR}/): timing what serve "
+                        f"builds without one -- {describe_drafter(cfg)}")
+        else:
+            logger.info(f"bench step: {describe_drafter(cfg)}")
+    try:
+        eng = Engine(cfg)
+    except BuildRefusal as e:  # weights refused at load (NaN / inf), a KV pool that cannot fit: one line, as serve
+        return refuse(str(e).strip().splitlines()[0])
     if args.temperature > 0:
-        _run_sampled(args, model, sizes)
+        _run_sampled(args, cfg, eng, sizes)
         return 0
-    cfg = load_config(**model)
     # A whole step is ~1 ms: few replays per sample keep the run to minutes at every batch size.
     timer = BenchTimer(reps=7, calls_per_rep=4)
-    eng = Engine(cfg)
-    fused, stock = eng.worker("speculative", sampling=False), eng.worker("stock", sampling=False)
+    fused = eng.worker("speculative", sampling=False)
+    tables = {"ours": fused}
+    if not args.no_stock:  # the stock table's eager twins double a many-layer model's run
+        tables["stock"] = eng.worker("stock", sampling=False)
     paths = _drafter_paths(eng)
     rows, profiles = [], []
     for b in sizes:
         ctx0 = setup_rows(eng, b, args.prompt_len)
         snapshot = [t.clone() for t in eng.state.mutable_tensors()]
         t: dict[tuple[str, str], float] = {}
-        for table, worker in (("ours", fused), ("stock", stock)):
+        for table, worker in tables.items():
             _use_drafter_paths(eng, paths[table])
             stages = StepStages(eng, worker, b, ctx0)
             for name in STAGES:
@@ -276,22 +323,25 @@ def run(args: argparse.Namespace) -> int:
                     dst.copy_(src)
             if args.profile and cuda and table == "ours":
                 profiles += [f"profile of one captured fused step at B={b}:"] + _profile(stages.step)
-        outside = {tab: sum(t[(s, tab)] for s in ("select", "tail", "draft_fwd", "chain")) for tab in ("ours", "stock")}
-        pair = lambda s: f"{fmt(t[(s, 'ours')])} / {fmt(t[(s, 'stock')])}"  # noqa: E731
+        outside = {tab: sum(t[(s, tab)] for s in ("select", "tail", "draft_fwd", "chain")) for tab in tables}
+        stocked = "stock" in tables
+        pair = lambda s: f"{fmt(t[(s, 'ours')])} / {fmt(t[(s, 'stock')]) if stocked else '-'}"  # noqa: E731
+        gain = lambda o, s: fmt(s / o, 2) if stocked and not timer.smoke else "-"  # noqa: E731
         rows.append([b, fmt(t[("target_fwd", "ours")]), pair("select"), pair("tail"), pair("draft_fwd"),
-                     pair("chain"), f"{fmt(outside['ours'])} / {fmt(outside['stock'])}",
-                     fmt(outside["stock"] / outside["ours"], 2) if not timer.smoke else "-", pair("step"),
-                     fmt(t[("step", "stock")] / t[("step", "ours")], 2) if not timer.smoke else "-"])
+                     pair("chain"), f"{fmt(outside['ours'])} / {fmt(outside['stock']) if stocked else '-'}",
+                     gain(outside["ours"], outside.get("stock")), pair("step"),
+                     gain(t[("step", "ours")], t.get(("step", "stock")))])
         print(f"bench step: B={b} done", file=sys.stderr, flush=True)
         for slot in range(b):
             eng.pages.free(slot)
     _use_drafter_paths(eng, paths["ours"])
-    notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, "
-             f"K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, markov mode "
-             f"{cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; {fused.selection.describe()}",
+    notes = [f"model: {_model_line(args, cfg)}, K={cfg.draft_len}, r={cfg.speculative_config.markov_rank}, "
+             f"markov mode {cfg.speculative_config.markov_chain_mode}, dtype {eng.target.dtype}; "
+             f"{fused.selection.describe()}",
              "times in us, median of CUDA-graph replays; 'ours / stock' = the same worker with the fused / the stock "
              "op table (stock: gathered torch.argmax, eager acceptance/bookkeeping/store chains, the drafter's eager "
-             "block attention, F.linear + add + torch.argmax Markov chain); outside target = select + tail + draft "
+             "block attention, F.linear + add + torch.argmax Markov chain"
+             f"{'; not timed: --no-stock' if args.no_stock else ''}); outside target = select + tail + draft "
              f"fwd + chain; drafter block attention / layers ours: {' / '.join(paths['ours'])}"]
     print_table("bench step: DSpark decode step by stage, fused / stock op table",
                 ["B", "target fwd", "select", "tail", "draft fwd", "chain", "outside target", "gain x", "whole step",
@@ -301,19 +351,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> None:
+def _model_line(args: argparse.Namespace, cfg) -> str:
+    """The notes' model: the checkpoint (and the drafter it loaded) or the synthetic shape."""
+    t = cfg.model.target
+    line = f"vocab {t.vocab_size}, hidden {t.hidden_size}, {t.num_layers} target layers"
+    if args.model is None:
+        return line
+    from tensorrt_llm_ext.runtime.config import describe_drafter
+
+    return f"checkpoint {args.model}, {line}; {describe_drafter(cfg)}"
+
+
+def _run_sampled(args: argparse.Namespace, cfg, eng: Engine, sizes: list[int]) -> None:
     """The whole step with sampled traffic: every row samples at ``--temperature`` (``--top-p``); drafts
     sampled from the Markov chain and rejection-sampling verification with ``--rejection-sampling``, else
     strict acceptance of sampled target tokens. Ours (fused op table) vs stock (the same worker with the
-    stock table: gathered logits, eager twins) in one run, on the same engine state."""
-    from tensorrt_llm_ext.runtime.config import load_config
-    from tensorrt_llm_ext.runtime.engine import Engine
-
-    model = dict(model)
-    model["speculative_config.use_rejection_sampling"] = bool(args.rejection_sampling)
-    cfg = load_config(**model)
+    stock table: gathered logits, eager twins) in one run, on the same engine state (``cfg`` / ``eng``: built by
+    :func:`run`)."""
     timer = BenchTimer(reps=7, calls_per_rep=4)
-    eng = Engine(cfg)
     workers = {"ours": eng.worker("speculative", sampling=True)}
     if not args.no_stock:
         workers["stock"] = eng.worker("stock", sampling=True)
@@ -380,7 +435,7 @@ def _run_sampled(args: argparse.Namespace, model: dict, sizes: list[int]) -> Non
         print(f"bench step (sampled): B={b} done", file=sys.stderr, flush=True)
     _use_drafter_paths(eng, paths["ours"])
     verify = "rejection sampling (sampled drafts)" if args.rejection_sampling else "strict acceptance"
-    notes = [f"model: vocab {cfg.model.target.vocab_size}, hidden {cfg.model.target.hidden_size}, K={cfg.draft_len}, "
+    notes = [f"model: {_model_line(args, cfg)}, K={cfg.draft_len}, "
              f"dtype {eng.target.dtype}; every row T={args.temperature}, top-p {args.top_p}; verification: {verify}; "
              f"{workers['ours'].selection.describe()}",
              "times in us per whole step (worker.forward), median of CUDA-graph replays of the step variant the "
