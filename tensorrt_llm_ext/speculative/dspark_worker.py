@@ -17,8 +17,9 @@ the dummy slot), shape letters as in :mod:`~tensorrt_llm_ext.contract`:
 5. ``draft``: the drafter's block decode -> base draft logits through the shared LM head (its shard when
    the draft side is vocab-parallel) -> ``chain``: the :class:`MarkovChain` -> the next K drafts
    (greedy: the draft most likely to equal the target's token, sampled or not; with rejection sampling,
-   sampled rows draw keyed Gumbel-max at their temperature with Philox offset = the absolute position of
-   the drafted token, and the biased logits are stored per slot as the draft distribution).
+   sampled rows draw keyed Gumbel-max at their temperature (times ``draft_temperature_scale``) with Philox offset =
+   the absolute position of the drafted token, and the biased logits (divided by that scale) are stored per slot as
+   the draft distribution).
 
 The token the target picks at absolute position ``p`` depends only on the sequence before ``p`` and the
 request's ``(seed, p)``; strict acceptance keeps exactly the target's tokens, so the output equals the
@@ -79,7 +80,7 @@ class DSparkWorker(SpecWorkerBase):
     def __init__(self, target: TargetModel, drafter: DraftModel, state: DSparkState, *, mapping: Mapping,
                  draft_len: int, max_batch_size: int, markov_chain_mode: str = "auto", ops: StepOps = FUSED_OPS,
                  sampling: bool = True, use_rejection_sampling: bool = False, verification_mode: str = "auto",
-                 prefill_chunk_tokens: int | None = None):
+                 prefill_chunk_tokens: int | None = None, draft_temperature_scale: float = 1.0):
         super().__init__(mapping, target, drafter, draft_len, max_batch_size)
         self.ops = ops
         # Chunked prefill: at most this many tokens per target forward of a prefill (None: one forward).
@@ -91,6 +92,11 @@ class DSparkWorker(SpecWorkerBase):
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
         self.use_rejection_sampling = use_rejection_sampling  # config; the decision lives in self.verifier
+        if not 0.0 < draft_temperature_scale <= 1.0:
+            raise ValueError(f"draft_temperature_scale must be in (0, 1], got {draft_temperature_scale}")
+        # Rejection sampling: drafts drawn at this fraction s of the row's temperature T; the stored draft logits
+        # are the chain's divided by s, so the verifier's q at T is exactly the distribution they were drawn from.
+        self.draft_temperature_scale = float(draft_temperature_scale)
         self.verification_mode = verification_mode
         self.verifier: RejectionVerifier | None = None  # bound in _on_bound when rejection sampling is on
         self.state = state
@@ -346,7 +352,11 @@ class DSparkWorker(SpecWorkerBase):
                 # ctx_len + 1 + k); the biased logits are the draft distribution q of the next verification.
                 st, ss, slots_l = self.state, self.slot_sampling, slots.long()
                 offsets = st.ctx_lens[slots_l].long() + 1
-                biased, drafts = self.markov(base, tail.bonus_tokens, ss.temps[slots_l], ss.seeds[slots_l], offsets)
+                scale = self.draft_temperature_scale
+                temps = ss.temps[slots_l] if scale == 1.0 else ss.temps[slots_l] * scale
+                biased, drafts = self.markov(base, tail.bonus_tokens, temps, ss.seeds[slots_l], offsets)
+                if scale != 1.0:  # q = softmax(biased / (s T)) = softmax((biased / s) / T): the verifier's form
+                    biased = biased / scale
                 self.ops.store_rows(self.metadata.draft_logits, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
         if getattr(self.drafter, "has_confidence_head", False):

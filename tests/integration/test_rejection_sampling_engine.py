@@ -87,6 +87,37 @@ def test_lossless_in_distribution_first_two_tokens(monkeypatch):
         rs_stats.mean_acceptance_length, ref_stats.mean_acceptance_length)
 
 
+def test_sharpened_drafts_stay_lossless_in_distribution(monkeypatch):
+    """``draft_temperature_scale`` s < 1 draws the drafts at s T and stores their logits divided by s: the
+    verifier's q is the distribution the drafts came from, so the output is still the target's (chi-square, as
+    above); and the knob acts (sharper drafts: another acceptance than at s = 1 on the same seeds)."""
+    _eager_rms_norm(monkeypatch)
+    torch.set_num_threads(1)
+    n, temp, prompt = 1024, 2.0, [3, 11, 7]
+    reqs = lambda first: [Request(list(prompt), max_new_tokens=3,  # noqa: E731
+                                  sampling=SamplingParams(temperature=temp, seed=first + i)) for i in range(n)]
+    sharp = Engine(load_config(**{**DIST, **RS, "speculative_config.draft_temperature_scale": 0.25}))
+    plain, ref = Engine(load_config(**{**DIST, **RS})), Engine(load_config(**DIST))
+    for eng in (sharp, plain, ref):
+        eng.drafter.set_attention_backend("eager")
+    assert sharp.worker("stock").draft_temperature_scale == 0.25
+    sharp_res, sharp_stats = sharp.generate(reqs(0), "stock")
+    plain_res, plain_stats = plain.generate(reqs(0), "stock")
+    ref_res, _ = ref.generate(reqs(n), "stock")
+    for idx in ((0, 1), (1, 2)):
+        stat, dof, p = chi_square_homogeneity(_joint(sharp_res, idx), _joint(ref_res, idx))
+        assert dof >= 8 and p > ALPHA, (idx, stat, dof, p)
+    # Same seeds, same first tokens (the target's own draw), other drafts from the second token on.
+    assert [r.output_ids[0] for r in sharp_res] == [r.output_ids[0] for r in plain_res]
+    assert sharp_stats.mean_acceptance_length != plain_stats.mean_acceptance_length
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])
+def test_draft_temperature_scale_outside_0_1_is_refused(bad):
+    with pytest.raises(ConfigError, match="draft_temperature_scale"):
+        load_config(**{**DIST, **RS, "speculative_config.draft_temperature_scale": bad})
+
+
 # The fused-table tests: a small odd vocabulary and one target layer keep the interpreter quick.
 SMALL = tiny_model(**{"model.target.vocab_size": 67, "model.target.num_layers": 1, "model.target.capture_layers": [0]})
 

@@ -215,6 +215,20 @@ def test_bench_acceptance_compares_trained_and_bigram(trained, capsys, sampling,
         assert abs(sum(per_pos) - (mean - 1)) < 2e-2  # E[accepted drafts] = sum over k of P(first k accepted)
 
 
+def test_bench_acceptance_draft_temperature_scales_add_sampled_rows(trained, capsys):
+    """--draft-temperature-scales: the sampled rows again per scale (drafts drawn at S T, labelled), the greedy row
+    once; a scale outside (0, 1] is a usage error naming the flag, before any measurement."""
+    argv = ["bench", "acceptance", "--model", str(trained), "--draft-lens", "3", "--num-prompts", "1",
+            "--max-new-tokens", "8", "--batch-size", "1", "--variants", "trained"]
+    assert main(argv + ["--draft-temperature-scales", "1", "0.5"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| trained")]
+    assert [r[2].strip() for r in rows] == ["greedy", "T=1 top-p 0.95", "T=1 top-p 0.95, drafts at 0.5 T"]
+    assert all(1.0 <= float(r[6]) <= 4.0 for r in rows)
+    assert main(argv + ["--draft-temperature-scales", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-temperature-scales 0" in err and "draft_temperature_scale" in err
+
+
 def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path, monkeypatch):
     knobs = TrainConfig(num_prompts=8, max_new_tokens=12, gen_batch=8, eval_prompts=0, num_layers=1, num_heads=2,
                         head_dim=8, latent_dim=16, intermediate_size=64, draft_len=3, steps=6, batch_seqs=2,
