@@ -19,7 +19,9 @@
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
 #          graphs); ~100 s. BENCH_DRAFT_SCALES="1 0.7 0.5" adds the T = 1 rows with the drafts drawn at that fraction
 #          of the temperature (speculative_config.draft_temperature_scale; lossless), a few seconds a row.
-# serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs); ~4 minutes. K_SERVE (7) is the
+# serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs; SERVE_PROMPTS, default mt_bench
+#          with the prompt file: bench acceptance's prompts of that set -- until 2026-12-06, and without the file,
+#          the generated instructions' held-out split); ~1-4 minutes. K_SERVE (7) is the
 #          served draft length, PREFILL_MAX_TOKENS (2048, the default; 0: eager) the prefill's captured token buckets
 #          (docs/serving.md);
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
@@ -258,7 +260,8 @@ cuda_graph_config:
   enable_padding: true
   prefill_max_tokens: ${PREFILL_MAX_TOKENS:-2048}
 EOF
-  run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \
+  run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set ${SERVE_PROMPTS:-$( [ -f .gpu_data/prompts.jsonl.gz ] && echo mt_bench || echo held_out )} \
+    $( [ -f .gpu_data/prompts.jsonl.gz ] && echo --prompt-file .gpu_data/prompts.jsonl.gz ) \
     --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 \
     --out "$OUT/serve.md" --json "$OUT/serve.json" 2>&1 | tail -30 | tee "$OUT/serve.log"
   if [ "${SERVE_PREFIX:-0}" -gt 0 ]; then  # prefix reuse A/B: one shared prefix of SERVE_PREFIX token ids (~70 s)

@@ -83,6 +83,26 @@ def prompt_set_conversations(args) -> list[list[dict]]:
     return convs  # a pinned set is read whole unless --num-prompts asks for a seeded subset
 
 
+def prompt_set_ids(model, vocab_size: int, prompt_set: str, *, prompt_file: str | None = None,
+                   prompts: tuple[str, ...] = ("templates",), num_prompts: int | None = None, seed: int = 0,
+                   held_out_percent: float = 2.0, max_prompt_tokens: int = 1024,
+                   limit_flag: str = "--max-prompt-tokens") -> list[list[int]]:
+    """The token ids of a prompt set as this harness reads it (:func:`prompt_set_conversations`, the chat template;
+    prompts past ``max_prompt_tokens`` left out): ``bench serve --prompt-set`` sends the same prompts. ValueError
+    when none is left (``limit_flag`` names the bound in the message)."""
+    from tensorrt_llm_ext.training.data import render_prompts
+
+    convs = prompt_set_conversations(argparse.Namespace(
+        prompt_set=prompt_set, prompt_file=prompt_file, prompts=list(prompts), num_prompts=num_prompts, seed=seed,
+        held_out_percent=held_out_percent))
+    if not convs:
+        raise ValueError(f"no {prompt_set} prompts found")
+    ids = render_prompts(model, convs, vocab_size, seed=seed, max_prompt_tokens=max_prompt_tokens)
+    if not ids:
+        raise ValueError(f"every {prompt_set} prompt is longer than {limit_flag} {max_prompt_tokens}")
+    return ids
+
+
 def acceptance_per_position(lens: list[int], k: int) -> list[float]:
     """Fraction of steps whose first ``j`` drafts were all accepted, ``j = 1 .. k`` (a step's length is its
     accepted drafts + 1)."""
@@ -142,8 +162,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 2:  # the first token is the prefill's: a generation step needs a second one
         return refuse(f"--max-new-tokens must be >= 2 (the first token is the prefill's, not a step), got "
                       f"{args.max_new_tokens}")
-    from tensorrt_llm_ext.training.data import render_prompts
-
     with tempfile.TemporaryDirectory(prefix="bench_acceptance_") as tmp:
         work = Path(tmp)
         # Everything the flags decide -- the prompts, and every variant's engine config (a drafter of another
@@ -151,14 +169,10 @@ def run(args: argparse.Namespace) -> int:
         # were tracebacks, some after the variants listed before them had run).
         try:
             base = load_config(model_dir=str(target_only_view(model, work)))
-            convs = prompt_set_conversations(args)
-            if not convs:
-                return refuse(f"no {args.prompt_set} prompts found")
-            prompts = render_prompts(model, convs, base.model.target.vocab_size, seed=args.seed,
-                                     max_prompt_tokens=args.max_prompt_tokens)
-            if not prompts:
-                return refuse(f"every {args.prompt_set} prompt is longer than --max-prompt-tokens "
-                              f"{args.max_prompt_tokens}")
+            prompts = prompt_set_ids(model, base.model.target.vocab_size, args.prompt_set,
+                                     prompt_file=args.prompt_file, prompts=tuple(args.prompts),
+                                     num_prompts=args.num_prompts, seed=args.seed,
+                                     held_out_percent=args.held_out_percent, max_prompt_tokens=args.max_prompt_tokens)
             max_len = max(map(len, prompts)) + args.max_new_tokens + max(args.draft_lens) + 8
             configs = []
             scales = list(dict.fromkeys(args.draft_temperature_scales))

@@ -51,9 +51,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", nargs="+", choices=["speculative", "target_only"],
                    default=["speculative", "target_only"])
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop sending in a cell after this long")
-    p.add_argument("--prompt-set", choices=["random", "held_out"], default="random",
-                   help="random token ids, or the held-out chat prompts of bench acceptance (a --model with a chat "
-                        "tokenizer; docs/real_model.md)")
+    p.add_argument("--prompt-set", choices=["random", "held_out", "mt_bench", "humaneval"], default="random",
+                   help="random token ids, or a prompt set as bench acceptance reads it (a --model with a chat "
+                        "tokenizer; docs/real_model.md): held_out = the generated instructions' held-out split, or "
+                        "the --prompt-file's")
+    p.add_argument("--prompt-file", default=None,
+                   help="with --prompt-set held_out / mt_bench / humaneval: bench acceptance's --prompt-file (the "
+                        ".jsonl[.gz] of scripts/build_prompt_file.py), so both benchmarks send the same prompts")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every request's prompt starts with the same N token ids (seeded), as a shared system "
                         "prompt does")
@@ -305,6 +309,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         v = getattr(args, name)
         if not (math.isfinite(v) and 0 <= v <= 1e6):
             return f"--{name.replace('_', '-')} {v}: expected a finite number in [0, 1e6]"
+    if args.prompt_file is not None and args.prompt_set == "random":
+        return "--prompt-file: needs --prompt-set held_out, mt_bench or humaneval (random prompts read no file)"
     return None
 
 
@@ -362,11 +368,22 @@ def _model_run(args: argparse.Namespace) -> int | None:
         (["--no-cuda-graph"] if args.no_cuda_graph else []) + \
         (["--disable-overlap-scheduler"] if args.disable_overlap_scheduler else [])
     graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
-    held_out = None
-    if args.prompt_set == "held_out":
+    held_out = None  # the prompt set's token ids, cycled over the requests
+    if args.prompt_set == "held_out" and args.prompt_file is None:
         from tensorrt_llm_ext.training.prompts import prompt_token_ids
 
         held_out = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
+    elif args.prompt_set != "random":
+        from tensorrt_llm_ext.bench.acceptance import prompt_set_ids
+
+        try:
+            held_out = prompt_set_ids(args.model, cfg.model.target.vocab_size, args.prompt_set,
+                                      prompt_file=args.prompt_file, num_prompts=min(most, 320),
+                                      max_prompt_tokens=max(1, limit), limit_flag="max_seq_len - --max-tokens")
+        except (OSError, ValueError) as e:
+            print(f"error: bench serve: --prompt-set {args.prompt_set}: {str(e).strip().splitlines()[0]}",
+                  file=sys.stderr)
+            return 2
     rows = []
     caching = {"off": [False], "on": [True], "both": [False, True]}[args.prefix_caching]
     import random
@@ -382,7 +399,7 @@ def _model_run(args: argparse.Namespace) -> int | None:
                 for conc in args.concurrency:
                     n = conc * args.requests_per_client
                     bodies = sample_bodies(n, cfg.model.target.vocab_size, max_tokens=(args.max_tokens,) * 2)
-                    if args.prompt_set == "held_out":
+                    if held_out is not None:
                         for b, p in zip(bodies, held_out * (n // len(held_out) + 1)):
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
@@ -416,6 +433,7 @@ def _model_run(args: argparse.Namespace) -> int | None:
     _blank_exit_codes(rows, 16)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts"
+             + (f" of {args.prompt_file}" if args.prompt_file else "")
              + (f" after one shared prefix of {args.shared_prefix} token ids" if args.shared_prefix else "") +
              "; streamed completions; prefix cache = kv_cache_config.enable_block_reuse (hit = cached prompt tokens "
              "over prompt tokens looked up, from the server's counters); "

@@ -49,7 +49,7 @@ def test_a_signal_mid_cell_stops_the_server_bench_serve_started(signum):
         bs.asyncio.run = lambda coro: coro
         args = argparse.Namespace(stub_engine=True, concurrency=[1], requests_per_client=1, max_tokens=2,
                                   shared_prefix=0, tp=1, stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0,
-                                  tokenizer=["embedded"], out=None)
+                                  tokenizer=["embedded"], out=None, prompt_set="random", prompt_file=None)
         sys.exit(bs.run(args))
     """)
     assert r.returncode == 128 + signum, (r.returncode, r.stderr[-2000:])
@@ -83,8 +83,8 @@ def _stub_args(**over):
 
     base = dict(stub_engine=True, concurrency=[1, 2], requests_per_client=1, max_tokens=2, shared_prefix=0, tp=1,
                 stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0, tokenizer=["embedded"], out=None, config=None,
-                model=None, decodes=["speculative", "target_only"], prompt_set="random", prefix_caching="off",
-                no_cuda_graph=False, disable_overlap_scheduler=False)
+                model=None, decodes=["speculative", "target_only"], prompt_set="random", prompt_file=None,
+                prefix_caching="off", no_cuda_graph=False, disable_overlap_scheduler=False)
     return argparse.Namespace(**{**base, **over})
 
 
@@ -187,6 +187,52 @@ def test_bench_serve_config_and_server_start_failures_are_one_line(tmp_path, mon
         assert bs.run(_stub_args()) == want
         err = capsys.readouterr().err
         assert err.strip() == f"error: bench serve: serve exited with {rc}: --tokenizer x: no tokenizer there (log: L)"
+
+
+def test_bench_serve_prompt_set_sends_bench_acceptances_prompts(tmp_path, monkeypatch, capsys):
+    """--prompt-set mt_bench --prompt-file FILE: every request's prompt is one of the set's prompts as bench acceptance
+    renders them (cycled over the requests); --prompt-file with random prompts, or a file without the set, is one
+    line and exit 2 before any server starts."""
+    import collections
+    import gzip
+    import json
+
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+    from tensorrt_llm_ext.bench.acceptance import prompt_set_ids
+    from tensorrt_llm_ext.configs.tiny_model import tiny_model
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.export import export_model
+
+    model = tmp_path / "ckpt"
+    export_model(load_config(**tiny_model()), model)
+    file = tmp_path / "prompts.jsonl.gz"
+    with gzip.open(file, "wt") as f:
+        for i in range(3):
+            f.write(json.dumps({"set": "mt_bench", "source": "mt_bench",
+                                "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
+    started, sent = [], []
+    monkeypatch.setattr(sp, "start_server", lambda *a, **k: started.append(a) or _FakeServer())
+
+    async def cell(url, bodies, concurrency, deadline):
+        sent.extend(b["prompt"] for b in bodies)
+        return [(0.01, 0.001, 2)] * len(bodies), []
+
+    monkeypatch.setattr(bs, "_cell", cell)
+    monkeypatch.setattr(bs, "_scrape", lambda url: collections.defaultdict(float))  # no /metrics to read
+    args = dict(stub_engine=False, model=str(model), concurrency=[2], requests_per_client=2, max_tokens=2,
+                decodes=["target_only"], prompt_set="mt_bench", prompt_file=str(file))
+    want = prompt_set_ids(str(model), 517, "mt_bench", prompt_file=str(file), num_prompts=4)
+    assert len(want) == 3
+    rc = bs.run(_stub_args(**args))
+    assert rc == 0, capsys.readouterr().err
+    assert sent and all(p in want for p in sent) and len({tuple(p) for p in sent}) == 3
+    started.clear()
+    assert bs.run(_stub_args(**{**args, "prompt_set": "random"})) == 2
+    assert "--prompt-file: needs --prompt-set held_out, mt_bench or humaneval" in capsys.readouterr().err
+    assert bs.run(_stub_args(**{**args, "prompt_set": "humaneval"})) == 2
+    assert "error: bench serve: --prompt-set humaneval: no humaneval prompts found" in capsys.readouterr().err
+    assert started == []
 
 
 def test_a_server_that_exits_while_starting_names_its_last_log_line(tmp_path):
