@@ -149,7 +149,8 @@ fi
 # starts each drafter layer as one of the target's top layers (the twentieth session's ablation, docs/real_model.md).
 # TRAIN_TV / TRAIN_CE / TRAIN_KL set the objective's weights (1.8 / 0.1 / 0; the twenty-third session's forward-KL
 # ablation, TRAIN_TV=0 TRAIN_KL=1: greedy the same with 13 % fewer steps, T = 1 lower). TRAIN_GREEDY_FRACTION (0.5) is
-# the share of answers regenerated greedily (the rest at T = 1 top-p 0.95). More distinct data: `bash scripts/gpu_carry.sh
+# the share of answers regenerated greedily (the rest at T = 1 top-p 0.95); TRAIN_ANCHOR_REGION=all draws the blocks
+# in the prompts too (the teacher's distribution there; default answer, where serving drafts). More distinct data: `bash scripts/gpu_carry.sh
 # prompts-large` writes .gpu_data_large/prompts_large.jsonl.gz (every ShareGPT training conversation the file's 3 : 1
 # mix holds, 34,953 prompts at --max-turns 3 against 16,235; 10.6 MiB, too much beside GGUF part 2: that call runs
 # "prepare" alone, the next carries .whl, .gpu_data and .gpu_data_large), then PROMPTS=".gpu_data_large/
@@ -157,7 +158,7 @@ fi
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
-  --greedy-fraction ${TRAIN_GREEDY_FRACTION:-0.5}
+  --greedy-fraction ${TRAIN_GREEDY_FRACTION:-0.5} --anchor-region ${TRAIN_ANCHOR_REGION:-answer}
   --num-layers ${DRAFTER_LAYERS:-3} --latent-dim ${DRAFTER_LATENT:-256} --target-layers ${TARGET_LAYERS:-1,7,14,21,27}
   --markov-rank 256 --tv-weight ${TRAIN_TV:-1.8} --ce-weight ${TRAIN_CE:-0.1} --kl-weight ${TRAIN_KL:-0}
   --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}

@@ -96,6 +96,9 @@ class TrainConfig:
     steps: int = 2000
     batch_seqs: int = 16
     anchors: int = 16
+    # where a training sequence's anchors are drawn: "answer" (the generated part, where serving drafts) or "all"
+    # (every position from 1: the prompt's too, the teacher's distribution there -- more distinct blocks a sequence)
+    anchor_region: str = "answer"
     lr: float = 5e-4
     weight_decay: float = 0.0
     warmup: int = 100
@@ -128,6 +131,8 @@ class TrainConfig:
                 bad(name, f"an integer in [{lo}, {hi}]", v)
         if self.head_dim % 2:
             bad("head_dim", "even (RoPE rotates pairs)", self.head_dim)
+        if self.anchor_region not in ANCHOR_REGIONS:
+            bad("anchor_region", f"one of {', '.join(ANCHOR_REGIONS)}", self.anchor_region)
         if not isinstance(self.markov_rank, int) or not 1 <= self.markov_rank <= 65536:
             bad("markov_rank", "an integer in [1, 65536]", self.markov_rank)
         if self.position_decay is None:
@@ -513,6 +518,7 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 # plans. The padding sits past every sequence's end: causal attention never lets it reach a real position, and the
 # loss and anchors read only positions < lens.
 SEQ_BUCKET = 64
+ANCHOR_REGIONS = ("answer", "all")
 
 
 def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
@@ -525,11 +531,14 @@ def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
 
 
 def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target,
-           bucket: int | None = None) -> dict[str, torch.Tensor]:
+           bucket: int | None = None, anchor_region: str = "answer") -> dict[str, torch.Tensor]:
     """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
     recomputed now (online), over :func:`batch_width` positions (``bucket``: its rounding, default
-    :data:`SEQ_BUCKET`)."""
+    :data:`SEQ_BUCKET`). ``anchor_region="all"``: the batch's ``prompt_lens`` are 1, so its anchors (and the loss's
+    teacher grid, which starts where they do) cover the prompts too."""
     lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
+    if anchor_region == "all":
+        prompt_lens = torch.ones_like(prompt_lens)
     t = batch_width(int(lens.max()), data["tokens"].shape[1], bucket)
     tokens = data["tokens"][idx, :t].to(device).long()
     feats, final = teacher_pass(target, tokens)
@@ -870,7 +879,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
             # round trip: the host slices the batch while the device still runs the previous step)
             idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
                 tc.seed * 1_000_003 + step))
-            batch = _batch(data, idx, device, target)
+            batch = _batch(data, idx, device, target, anchor_region=tc.anchor_region)
             anchors = sample_anchors(batch, tc.anchors, gen)
             if loss_path is None:
                 # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)

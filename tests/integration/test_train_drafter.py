@@ -5,6 +5,7 @@ target lower the distillation loss, the saved drafter loads through the drafter 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -257,6 +258,47 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_target, tmp_path,
     with pytest.raises(ValueError, match=r"other knobs \(\['steps'\]\)"):
         train_drafter(tiny_target, tmp_path / "b" / "drafter", TrainConfig(**{**vars(knobs), "steps": 9}),
                       progress=False, resume=True)
+
+
+def test_anchor_region_all_draws_blocks_in_the_prompts_too(tiny_target, tmp_path, monkeypatch):
+    """--anchor-region all: a step's anchors cover the prompt (from position 1) as well as the answer, the run trains
+    (a finite, lower loss) and writes a drafter; "answer" keeps every anchor in the answer; another value is refused."""
+    import tensorrt_llm_ext.training.trainer as trainer_mod
+
+    knobs = TrainConfig(num_prompts=8, max_new_tokens=12, gen_batch=8, eval_prompts=0, num_layers=1, num_heads=2,
+                        head_dim=8, latent_dim=16, intermediate_size=64, draft_len=3, steps=12, batch_seqs=2,
+                        anchors=12, lr=3e-3, warmup=2, save_every=12)
+    real_batch, real_anchors, seen = trainer_mod._batch, trainer_mod.sample_anchors, []
+
+    def batch(data, idx, *a, **kw):
+        b = real_batch(data, idx, *a, **kw)
+        b["true_prompt_lens"] = data["prompt_lens"][idx].to(b["lens"].device)
+        return b
+
+    def anchors(b, n, gen):
+        out = real_anchors(b, n, gen)
+        if "true_prompt_lens" in b:
+            seen.append((out, b["true_prompt_lens"], b["lens"]))
+        return out
+
+    monkeypatch.setattr(trainer_mod, "_batch", batch)
+    monkeypatch.setattr(trainer_mod, "sample_anchors", anchors)
+    summary = train_drafter(tiny_target, tmp_path / "all" / "drafter", TrainConfig(**{**vars(knobs),
+                            "anchor_region": "all"}), progress=False)
+    assert len(seen) == 12 and summary["steps_done"] == 12
+    a = torch.cat([s[0] for s in seen]).flatten()
+    below = torch.cat([(s[0] < s[1][:, None]).flatten() for s in seen])
+    assert int(a.min()) >= 1 and bool(below.any()) and not bool(below.all())  # prompts and answers both
+    assert all(bool((s[0] <= (s[2] - 2)[:, None]).all()) for s in seen)
+    assert all(math.isfinite(x) for x in summary["last_losses"])
+    assert sum(summary["last_losses"]) < sum(summary["first_losses"])
+    assert (tmp_path / "all" / "drafter" / "config.json").is_file()
+    seen.clear()
+    train_drafter(tiny_target, tmp_path / "answer" / "drafter", TrainConfig(**{**vars(knobs), "steps": 2}),
+                  progress=False)
+    assert seen and all(bool((s[0] >= s[1][:, None]).all()) for s in seen)
+    with pytest.raises(ValueError, match="--anchor-region must be one of answer, all"):
+        TrainConfig(anchor_region="prompt")
 
 
 def test_answers_cache_is_shared_by_runs_with_the_same_data_knobs(tiny_target, tmp_path, monkeypatch, capsys):
