@@ -203,10 +203,14 @@ train() {
   local work="$WORK/drafter_work_recipe${RECIPE}_$(printf '%s' "$sig" | sha1sum | cut -c1-8)"
   rm -f "$MODEL/dspark_drafter/recipe.txt"
   # the answers in one cache for every flag set (named by the target and the knobs that decide them): an ablation of
-  # the steps' knobs on a warm machine reads the answers an earlier call decoded (~75 s of a call with the prompts)
+  # the steps' knobs on a warm machine reads the answers an earlier call decoded (~75 s of a call with the prompts).
+  # TRAIN_FEATURE_CACHE_GIB=40 (an 80-GB card; recipe 5's steps peak at ~20 GiB): the teacher pass's rows kept on the
+  # device, so each sequence's pass runs once a call (~48 GB would hold all 6.9 M tokens of recipe 5); not a knob of
+  # the work folder's signature.
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
     --work-dir "$work" --answers-cache "$WORK/answers" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
     ${TRAIN_TOTAL_SECONDS:+--schedule-seconds $TRAIN_TOTAL_SECONDS} \
+    ${TRAIN_FEATURE_CACHE_GIB:+--feature-cache-gib $TRAIN_FEATURE_CACHE_GIB} \
     2>&1 | tee -a "$OUT/train.log"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then  # the stage fails with it: the stages after it would read an older drafter

@@ -134,7 +134,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         summary = train_drafter(args.dir, out, tc, work_dir=args.work_dir, resume=args.resume,
                                 progress=not args.no_progress, max_seconds=args.max_seconds,
                                 keep_state=not args.drop_state, fit_schedule=args.fit_schedule,
-                                schedule_seconds=args.schedule_seconds, answers_cache=args.answers_cache)
+                                schedule_seconds=args.schedule_seconds, answers_cache=args.answers_cache,
+                                feature_cache_gib=args.feature_cache_gib)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -175,6 +176,9 @@ def _add_train_drafter_args(t: argparse.ArgumentParser) -> None:
                    help="regenerated answers shared by runs: read from DIR when a run with the same target and data "
                         "knobs wrote them (an ablation of the steps' knobs decodes nothing), else decoded and written "
                         "there (default: WORK_DIR's own)")
+    t.add_argument("--feature-cache-gib", type=float, default=0.0, metavar="GIB",
+                   help="keep up to GIB of the teacher pass's rows on the device so each sequence's pass runs once "
+                        "(0: off, every step runs it; size it beside the training's own peak)")
     t.add_argument("--drop-state", action="store_true",
                    help="remove WORK_DIR/trainer_state.pt (weights and AdamW moments: hundreds of MB on a real "
                         "model) once a complete run's drafter is written (only an unfinished run resumes from it; "

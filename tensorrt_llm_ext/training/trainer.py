@@ -54,6 +54,7 @@ from tensorrt_llm_ext.models.dspark_drafter import generate_full_state_dict as g
 from tensorrt_llm_ext.models.dspark_drafter import (CONFIDENCE_CALIBRATION, CONFIDENCE_HEAD_FILE,
                                                    apply_confidence_calibration, confidence_head_shapes)
 from tensorrt_llm_ext.training.data import load_target, regenerate, render_prompts, teacher_pass
+from tensorrt_llm_ext.training.feature_cache import GIB, FeatureCache
 from tensorrt_llm_ext.training.drafter_forward import (TRAIN_ATTENTION, block_hidden, block_hidden_prev,
                                                         context_latents, markov_bias)
 from tensorrt_llm_ext.training.fused_loss import LAYOUTS, eager_block_loss, fused_block_loss
@@ -531,17 +532,22 @@ def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
 
 
 def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target,
-           bucket: int | None = None, anchor_region: str = "answer") -> dict[str, torch.Tensor]:
+           bucket: int | None = None, anchor_region: str = "answer",
+           cache: FeatureCache | None = None) -> dict[str, torch.Tensor]:
     """The sequences ``idx`` on ``device`` with the target's captured features and final hidden states,
     recomputed now (online), over :func:`batch_width` positions (``bucket``: its rounding, default
     :data:`SEQ_BUCKET`). ``anchor_region="all"``: the batch's ``prompt_lens`` are 1, so its anchors (and the loss's
-    teacher grid, which starts where they do) cover the prompts too."""
+    teacher grid, which starts where they do) cover the prompts too. ``cache``: the rows of the sequences it holds
+    read from it instead (:class:`~.feature_cache.FeatureCache`; ``idx`` indexes ``data``'s sequences)."""
     lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
     if anchor_region == "all":
         prompt_lens = torch.ones_like(prompt_lens)
     t = batch_width(int(lens.max()), data["tokens"].shape[1], bucket)
     tokens = data["tokens"][idx, :t].to(device).long()
-    feats, final = teacher_pass(target, tokens)
+    if cache is None:
+        feats, final = teacher_pass(target, tokens)
+    else:
+        feats, final = cache.lookup(idx, tokens, lambda rows: teacher_pass(target, rows))
     return {"tokens": tokens, "lens": lens.to(device), "prompt_lens": prompt_lens.to(device),
             "features": feats, "final": final,
             # sample_anchors' width, known on the host (no device read)
@@ -621,7 +627,8 @@ def walk_accepted_lens(params, dcfg, lm_head_weight, data: dict[str, torch.Tenso
 def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *, work_dir: str | Path | None = None,
                   resume: bool = False, progress: bool = True, max_seconds: float | None = None,
                   keep_state: bool = True, fit_schedule: bool = False,
-                  schedule_seconds: float | None = None, answers_cache: str | Path | None = None) -> dict:
+                  schedule_seconds: float | None = None, answers_cache: str | Path | None = None,
+                  feature_cache_gib: float = 0.0) -> dict:
     """Train and save the drafter; returns the summary written to ``out_dir/training.json``.
 
     ``max_seconds``: stop stepping once this much wall time has passed since the call began (a device call's
@@ -648,7 +655,13 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     ``answers_cache`` (``--answers-cache``): a folder of regenerated answers shared by runs: each split's answers
     are read from :func:`answers_cache_path` when that file is there (any run with the same target and data knobs
     wrote it; a run whose steps' knobs differ, with ``resume`` or not) and written there once decoded, instead of
-    ``work_dir``'s ``data.pt`` / ``held_out.pt``."""
+    ``work_dir``'s ``data.pt`` / ``held_out.pt``.
+
+    ``feature_cache_gib`` (``--feature-cache-gib``, 0: off): keep up to this many GiB of the teacher pass's rows on
+    the device, so a sequence's pass runs once (:mod:`~.feature_cache`). Not a knob: it changes what a step costs,
+    not what it computes (on a GPU a cached sequence's rows are its first batch's roundings)."""
+    if not (0.0 <= feature_cache_gib < float("inf")):
+        raise ValueError(f"train-drafter: --feature-cache-gib must be a finite number >= 0, got {feature_cache_gib}")
     out_dir = Path(out_dir)
     work_dir = Path(work_dir) if work_dir is not None else out_dir.parent / f"{out_dir.name}_work"
     check_out_dir(out_dir, work_dir)  # before any work: the drafter replaces --out whole at the end
@@ -660,7 +673,8 @@ def train_drafter(model_dir: str | Path, out_dir: str | Path, tc: TrainConfig, *
     with work_dir_lock(work_dir):
         return _train_drafter(model_dir, out_dir, tc, work_dir=work_dir, resume=resume, progress=progress,
                               max_seconds=max_seconds, keep_state=keep_state, fit_schedule=fit_schedule,
-                              schedule_seconds=schedule_seconds, answers_cache=answers_cache)
+                              schedule_seconds=schedule_seconds, answers_cache=answers_cache,
+                              feature_cache_gib=feature_cache_gib)
 
 
 WORK_DIR_LOCK = ".train-drafter.lock"
@@ -696,7 +710,8 @@ def work_dir_lock(work_dir: Path):
 
 def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, work_dir: Path, resume: bool,
                    progress: bool, max_seconds: float | None, keep_state: bool, fit_schedule: bool,
-                   schedule_seconds: float | None, answers_cache: Path | None = None) -> dict:
+                   schedule_seconds: float | None, answers_cache: Path | None = None,
+                   feature_cache_gib: float = 0.0) -> dict:
     """:func:`train_drafter` inside its work directory's lock."""
     t_call = time.time()
     device = _device(tc.device)
@@ -779,6 +794,8 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
         init_eval = state.get("init_eval")
     bar = _progress(range(step0, tc.steps), progress, "train-drafter")
     n_seq = data["tokens"].shape[0]
+    feature_cache = (FeatureCache(data["lens"], int(feature_cache_gib * GIB), device) if feature_cache_gib > 0
+                     else None)
     t0 = last_log = time.time()
     trained_positions = 0
     stopped_at = None
@@ -879,7 +896,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
             # round trip: the host slices the batch while the device still runs the previous step)
             idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
                 tc.seed * 1_000_003 + step))
-            batch = _batch(data, idx, device, target, anchor_region=tc.anchor_region)
+            batch = _batch(data, idx, device, target, anchor_region=tc.anchor_region, cache=feature_cache)
             anchors = sample_anchors(batch, tc.anchors, gen)
             if loss_path is None:
                 # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
@@ -965,6 +982,10 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                "steps_per_s": round(steps_run / max(steps_wall, 1e-9), 3),
                "skipped_steps": skipped,  # a non-finite loss or gradient: no update (--max-skipped-steps)
                "block_positions_per_s": round(trained_positions / max(steps_wall, 1e-9)), "loss_path": loss_path,
+               # --feature-cache-gib: the sequences the teacher pass ran for and the ones read from the cache
+               "feature_cache": ({"gib": feature_cache_gib, "disabled": feature_cache.disabled,
+                                  "sequences_computed": feature_cache.rows_computed,
+                                  "sequences_read": feature_cache.rows_read} if feature_cache is not None else None),
                "first_losses": [h["loss"] for h in history[:5]], "last_losses": [h["loss"] for h in history[-5:]],
                "first_tv": [h["tv"] for h in history[:5]], "last_tv": [h["tv"] for h in history[-5:]],
                "held_out_greedy_acceptance": {"init": init_eval, "trained": final_eval, "by_position": final_by_position,
