@@ -74,20 +74,31 @@ class FeatureCache:
                compute: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features [S, t, F], final [S, t, H])`` of the sequences ``idx`` (host ``[S]``) whose tokens are
-        ``tokens [S, t]`` (on the device, right-padded): read where cached, ``compute(tokens[rows])`` (the teacher
-        pass) for the others, and the planned ones among those stored for the next time."""
+        ``tokens [S, t]`` (on the device, right-padded): read where cached, ``compute`` (the teacher pass) for the
+        others, and the planned ones among those stored for the next time. The pass runs over the missing rows
+        padded to a power of two (repeats of the first; the whole batch when that is as many): a new shape costs
+        the GPU's attention a new plan, so the sizes it meets stay few."""
         ids = [int(i) for i in idx.tolist()]
         s, t = tokens.shape
         missing = [j for j, i in enumerate(ids) if not self.filled[i]]
-        computed = None
+        computed = None  # row k: the pass's rows of batch row missing[k]
         if missing:
-            rows = torch.tensor(missing, device=tokens.device)
-            computed = compute(tokens.index_select(0, rows) if len(missing) < s else tokens)
-            self.rows_computed += len(missing)
-            if self.offsets is None and not self.disabled:
-                self._plan(computed[0].shape[-1], computed[1].shape[-1], computed[0].dtype)
-            if self.disabled or (len(missing) == s and all(self.offsets[ids[j]] < 0 for j in missing)):
-                return computed  # nothing of this batch is (or can be) cached: the pass's own tensors
+            m = len(missing)
+            size = 1 << (m - 1).bit_length()
+            if size >= s:
+                whole = compute(tokens)
+                if self.offsets is None and not self.disabled:
+                    self._plan(whole[0].shape[-1], whole[1].shape[-1], whole[0].dtype)
+                if self.disabled or (m == s and all(self.offsets[ids[j]] < 0 for j in missing)):
+                    self.rows_computed += m
+                    return whole  # nothing of this batch is (or can be) cached: the pass's own tensors
+                rows = torch.tensor(missing, device=tokens.device)
+                computed = (whole[0].index_select(0, rows), whole[1].index_select(0, rows))
+            else:  # some rows are cached, so the storage is planned and allocated
+                rows = torch.tensor(missing + [missing[0]] * (size - m), device=tokens.device)
+                f, h = compute(tokens.index_select(0, rows))
+                computed = (f[:m], h[:m])
+            self.rows_computed += m
             self._store(ids, missing, computed, t)
         self.rows_read += s - len(missing)
         feats, final = self._gather(ids, t)
