@@ -14,21 +14,25 @@ from tensorrt_llm_ext.training.feature_cache import FeatureCache
 from tensorrt_llm_ext.training.trainer import TrainConfig, train_drafter
 
 F, H = 6, 4
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # the storage and its gathers on the training device
 
 
 def _pass(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A stand-in teacher pass: each row a function of the token and its position (causal like the real one)."""
-    pos = torch.arange(tokens.shape[1], dtype=torch.float32)[None, :, None]
+    dev = tokens.device
+    pos = torch.arange(tokens.shape[1], dtype=torch.float32, device=dev)[None, :, None]
     tok = tokens.float()[..., None]
-    return (tok * 10 + pos + torch.arange(F)[None, None] / 8), (tok - pos * 3 + torch.arange(H)[None, None] / 4)
+    return ((tok * 10 + pos + torch.arange(F, device=dev)[None, None] / 8),
+            (tok - pos * 3 + torch.arange(H, device=dev)[None, None] / 4))
 
 
-def test_cached_rows_equal_the_pass_and_the_pass_runs_once_per_held_sequence():
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_rows_equal_the_pass_and_the_pass_runs_once_per_held_sequence(device):
     g = torch.Generator().manual_seed(0)
     lens = torch.tensor([5, 9, 3, 7, 12, 4])
-    tokens_all = torch.randint(1, 50, (6, 12), generator=g)
+    tokens_all = torch.randint(1, 50, (6, 12), generator=g).to(device)
     # budget: (F + H) fp32 = 40 bytes a token; 1 zero row + 5 + 9 + 3 = 18 rows -> sequences 0..2 only
-    cache = FeatureCache(lens, 40 * 18, torch.device("cpu"))
+    cache = FeatureCache(lens, 40 * 18, torch.device(device))
     calls = []
 
     def counted(rows):
@@ -50,7 +54,7 @@ def test_cached_rows_equal_the_pass_and_the_pass_runs_once_per_held_sequence():
     # batch 5 its three unheld sequences padded to four rows (a power of two: few shapes for the GPU's attention)
     assert calls == [3, 2, 2, 4]
     assert cache.offsets[:3] == [1, 6, 15] and cache.offsets[3:] == [-1, -1, -1]
-    assert cache.features.shape == (18, F) and cache.rows_computed == 10 and cache.rows_read == 7
+    assert cache.features.shape == (18, F) and cache.features.device.type == device and cache.rows_computed == 10 and cache.rows_read == 7
 
 
 def test_a_cache_that_holds_nothing_of_a_batch_returns_the_pass_itself():
