@@ -6,7 +6,8 @@
 # acceptance.md (every acceptance table of the call) and serve.md -- at most five files, whatever the stages (a
 # device call returns a few files only; a call cut by its time limit still returns what the stages before packed).
 #
-#   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | check | bench | serve | all (in the order given)
+#   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | check | bench | serve | step | all (in the order
+#                                             given; all = prepare train check bench serve)
 #
 # prepare: join .gguf_parts/part* (written by `python3 scripts/gguf_parts.py split FILE`; each part fits one
 #          device call's carry, and a part carried by an earlier call stays on a warm machine), check the
@@ -26,6 +27,9 @@
 #          (docs/serving.md);
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
 #          A short verify block at concurrency 1: K_SERVE=3 TLLM_EXT_GEMV_MAX_ROWS=4 SERVE_CONCURRENCY=1 ... serve.
+# step:    bench step --model on the real model and its drafter (K_SERVE, STEP_BATCHES 1,8,32; --no-stock --profile):
+#          the speculative step by stage and the top kernels of one captured step, in the logs' step.log / step.md;
+#          ~1-2 minutes.
 # timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
 # 4 or 3 picks train's flags (below).
 #
@@ -276,6 +280,15 @@ EOF
   fi
 }
 
+step() {  # the served speculative step of the real model and its drafter, by stage, and one captured step's top kernels
+  which_drafter step
+  run timeout 300 $CLI bench step --model "$MODEL" --batch-sizes ${STEP_BATCHES:-1,8,32} --draft-len $K_SERVE \
+    --no-stock --profile --out "$OUT/step.md" > "$OUT/step.log" 2>&1
+  local rc=$?
+  tail -40 "$OUT/step.log"
+  return $rc
+}
+
 pack() {  # the call's logs as one archive plus the three files read first (a device call returns a few files only)
   tar -czf "$RESULT/real_model_logs.tar.gz.part" -C "$OUT" . && mv "$RESULT/real_model_logs.tar.gz.part" "$RESULT/real_model_logs.tar.gz"
   cp "$OUT/timing.txt" "$RESULT/timing.txt" 2>/dev/null
@@ -292,7 +305,8 @@ for stage in $STAGES; do
     check) timed check || exit $? ;;
     bench) timed bench || exit $? ;;
     serve) timed serve || exit $? ;;
+    step) timed step || exit $? ;;
     all) timed prepare && timed train && timed check && timed bench && timed serve || exit $? ;;
-    *) echo "usage: $0 prepare|train|check|bench|serve|all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|train|check|bench|serve|step|all ..." >&2; exit 2 ;;
   esac
 done
