@@ -92,10 +92,9 @@ class DSparkWorker(SpecWorkerBase):
         # upstream worker does) and refuses sampled requests.
         self.sampling = sampling
         self.use_rejection_sampling = use_rejection_sampling  # config; the decision lives in self.verifier
-        if not 0.0 < draft_temperature_scale <= 1.0:
-            raise ValueError(f"draft_temperature_scale must be in (0, 1], got {draft_temperature_scale}")
-        # Rejection sampling: drafts drawn at this fraction s of the row's temperature T; the stored draft logits
-        # are the chain's divided by s, so the verifier's q at T is exactly the distribution they were drawn from.
+        # Rejection sampling: drafts drawn at this fraction s of the row's temperature T (in (0, 1]: the config
+        # checks it); the stored draft logits are the chain's divided by s, so the verifier's q at T is exactly the
+        # distribution they were drawn from.
         self.draft_temperature_scale = float(draft_temperature_scale)
         self.verification_mode = verification_mode
         self.verifier: RejectionVerifier | None = None  # bound in _on_bound when rejection sampling is on
@@ -355,8 +354,8 @@ class DSparkWorker(SpecWorkerBase):
                 scale = self.draft_temperature_scale
                 temps = ss.temps[slots_l] if scale == 1.0 else ss.temps[slots_l] * scale
                 biased, drafts = self.markov(base, tail.bonus_tokens, temps, ss.seeds[slots_l], offsets)
-                if scale != 1.0:  # q = softmax(biased / (s T)) = softmax((biased / s) / T): the verifier's form
-                    biased = biased / scale
+                if scale != 1.0:  # q = softmax(biased / (s T)) = softmax((biased / s) / T): the verifier's form;
+                    biased.div_(scale)  # in place: the chain's step buffer, no [B, K, V] copy in a captured graph
                 self.ops.store_rows(self.metadata.draft_logits, slots_l, self.verifier.store_width(biased))
             out_drafts.copy_(drafts)
         if getattr(self.drafter, "has_confidence_head", False):

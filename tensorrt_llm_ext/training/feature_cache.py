@@ -84,13 +84,13 @@ class FeatureCache:
         computed = None  # row k: the pass's rows of batch row missing[k]
         if missing:
             m = len(missing)
+            self.rows_computed += m
             size = 1 << (m - 1).bit_length()
             if size >= s:
                 whole = compute(tokens)
                 if self.offsets is None and not self.disabled:
                     self._plan(whole[0].shape[-1], whole[1].shape[-1], whole[0].dtype)
                 if self.disabled or (m == s and all(self.offsets[ids[j]] < 0 for j in missing)):
-                    self.rows_computed += m
                     return whole  # nothing of this batch is (or can be) cached: the pass's own tensors
                 rows = torch.tensor(missing, device=tokens.device)
                 computed = (whole[0].index_select(0, rows), whole[1].index_select(0, rows))
@@ -98,7 +98,6 @@ class FeatureCache:
                 rows = torch.tensor(missing + [missing[0]] * (size - m), device=tokens.device)
                 f, h = compute(tokens.index_select(0, rows))
                 computed = (f[:m], h[:m])
-            self.rows_computed += m
             self._store(ids, missing, computed, t)
         self.rows_read += s - len(missing)
         feats, final = self._gather(ids, t)
