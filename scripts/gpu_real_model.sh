@@ -19,7 +19,8 @@
 # bench:   bench acceptance on mt_bench, humaneval and held_out (80 prompts x 256 tokens; trained, and the bigram
 #          init on mt_bench; K 7 (BENCH_KS="7 4" for both); greedy / T=1 top-p 0.95 rejection sampling; CUDA
 #          graphs); ~100 s. BENCH_DRAFT_SCALES="1 0.7 0.5" adds the T = 1 rows with the drafts drawn at that fraction
-#          of the temperature (speculative_config.draft_temperature_scale; lossless), a few seconds a row.
+#          of the temperature (speculative_config.draft_temperature_scale; lossless), a few seconds a row (measured
+#          2026-12-06: every scale below 1 accepts less with recipe 5's drafter).
 # serve:   bench serve (speculative vs --no-speculation, concurrency 1 / 32, graphs; SERVE_PROMPTS, default mt_bench
 #          with the prompt file: bench acceptance's prompts of that set -- until 2026-12-06, and without the file,
 #          the generated instructions' held-out split); ~1-4 minutes. K_SERVE (7) is the
@@ -208,13 +209,14 @@ train() {
   rm -f "$MODEL/dspark_drafter/recipe.txt"
   # the answers in one cache for every flag set (named by the target and the knobs that decide them): an ablation of
   # the steps' knobs on a warm machine reads the answers an earlier call decoded (~75 s of a call with the prompts).
-  # TRAIN_FEATURE_CACHE_GIB=40 (an 80-GB card; recipe 5's steps peak at ~20 GiB): the teacher pass's rows kept on the
-  # device, so each sequence's pass runs once a call (~48 GB would hold all 6.9 M tokens of recipe 5); not a knob of
-  # the work folder's signature.
+  # TRAIN_FEATURE_CACHE_GIB (default 40, for an 80-GB card; recipe 5's steps peak at ~20 GiB; 0: off): the teacher
+  # pass's rows kept on the device, so each sequence's pass runs once a call (~44 GiB would hold all 6.9 M tokens of
+  # recipe 5; 40 holds 90 % of its sequences). Measured 2026-12-06 on an H100: 4.68 steps/s against 3.96, 1.18x
+  # (docs/real_model.md). Not a knob of the work folder's signature: it changes what a step costs, not what it does.
   run timeout $(( TRAIN_SECONDS + 120 )) $CLI train-drafter "$MODEL" --out "$MODEL/dspark_drafter" --resume \
     --work-dir "$work" --answers-cache "$WORK/answers" --no-progress --max-seconds $TRAIN_SECONDS "${TRAIN_FLAGS[@]}" \
     ${TRAIN_TOTAL_SECONDS:+--schedule-seconds $TRAIN_TOTAL_SECONDS} \
-    ${TRAIN_FEATURE_CACHE_GIB:+--feature-cache-gib $TRAIN_FEATURE_CACHE_GIB} \
+    --feature-cache-gib ${TRAIN_FEATURE_CACHE_GIB:-40} \
     2>&1 | tee -a "$OUT/train.log"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then  # the stage fails with it: the stages after it would read an older drafter

@@ -59,9 +59,10 @@ MAX_BLOCK_M = 64  # rows per program; larger M takes several row tiles (cuBLAS i
 # do not depend on the tile's other rows).
 SMALL_STEP_ROWS = 32
 # Steps of at most this many rows take the dot-free few-row form (_mac). Measured on the H200 (SmolLM2 shape):
-# at 1 row it cuts the fused GEMMs from 4.4 to 3.2 us and the QKV kernel from 6.0 to 3.9 us; at 8 rows it is
-# 40 % slower than the dot tiles (the [M, K, N] product's layout shuffles), so one row only until 2-4 are timed
-# (TLLM_EXT_GEMV_MAX_ROWS overrides it for such an A/B).
+# at 1 row it cuts the fused GEMMs from 4.4 to 3.2 us and the QKV kernel from 6.0 to 3.9 us. The whole forward at
+# more rows (H100, 2026-12-06): 2 rows 4 % faster than the dot tiles, 4 rows 41 % slower, 8 rows 82 % slower (the
+# broadcast product's reduction grows with the rows; a 16-row dot tile costs the same from 2 to 16), so one row
+# (TLLM_EXT_GEMV_MAX_ROWS overrides it for an A/B; docs/target_forward.md).
 GEMV_MAX_ROWS = ENV.gemv_max_rows
 GEMV_MAX_TILE = 16384  # fp32 elements of one weight tile (BLOCK_N x BLOCK_K, x2 for gate-up) times BLOCK_M
 # Lines of each weight row brought to L2 before the programmatic wait beyond the first BLOCK_K block (8 KB of a
