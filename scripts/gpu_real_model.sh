@@ -157,8 +157,8 @@ fi
 # the share of answers regenerated greedily (the rest at T = 1 top-p 0.95); TRAIN_ANCHOR_REGION=all draws the blocks
 # in the prompts too (the teacher's distribution there; default answer, where serving drafts). More distinct data: `bash scripts/gpu_carry.sh
 # prompts-large` writes .gpu_data_large/prompts_large.jsonl.gz (every ShareGPT training conversation the file's 3 : 1
-# mix holds, 34,953 prompts at --max-turns 3 against 16,235; 10.6 MiB, too much beside GGUF part 2: that call runs
-# "prepare" alone, the next carries .whl, .gpu_data and .gpu_data_large), then PROMPTS=".gpu_data_large/
+# mix holds, 34,953 prompts at --max-turns 3 against 16,235; 10.6 MiB: call 1 carries .whl, part 1 and .gpu_data,
+# call 2 only part 2 and .gpu_data_large -- what call 1 carried stays on the warm machine), then PROMPTS=".gpu_data_large/
 # prompts_large.jsonl.gz:8 stdlib_functions:1" TRAIN_PROMPTS=39000 (Python's library holds ~4.1k code prompts).
 TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
