@@ -110,6 +110,21 @@ def _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_
     tl.store(o_row + HALF + f[None, :], o2.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
+@triton.jit
+def _live_context(ctx_lens_ptr, seq_lens_ptr, b, max_ctx):
+    """Row ``b``'s attended context positions: its ``ctx_len`` capped at the table span, 0 for a dummy row."""
+    live = tl.load(seq_lens_ptr + b) > 0
+    n_ctx = tl.minimum(tl.maximum(tl.load(ctx_lens_ptr + b), 0), max_ctx)
+    return live, tl.where(live, n_ctx, 0)
+
+
+@triton.jit
+def _split_len(n_ctx, n_splits, BLOCK_N: tl.constexpr):
+    """Context positions per split: the row's live tiles over the splits, whole tiles (0 without context). The
+    splits ``sp < cdiv(n_ctx, split_len)`` hold context; the last split also holds the block; the others none."""
+    return tl.cdiv(tl.cdiv(n_ctx, BLOCK_N), n_splits) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["k_len", "page_size", "max_pages", "n_splits"])
 def _latent_block_attention_kernel(
     q_ptr, blk_ptr, pool_ptr, bt_ptr, slot_ptr, ctx_lens_ptr, seq_lens_ptr, pos_ptr, page_ids_ptr, page_off_ptr,
@@ -124,16 +139,15 @@ def _latent_block_attention_kernel(
     # Grid (B, heads, splits). Split s attends context positions [s * split_len, (s + 1) * split_len) of
     # the live context (split_len: the row's live tiles over the splits, whole tiles); the last split also
     # attends the block's own latents (and stores them). Without SPLIT (one split) the program finishes the
-    # row itself; with it, each split writes its online-softmax state (m, l, acc) to part_ptr and
-    # _latent_block_attention_combine_kernel merges them.
+    # row itself; with it, each split that holds context or the block writes its online-softmax state (m, l, acc)
+    # to part_ptr and _latent_block_attention_combine_kernel merges them (an empty split writes nothing: the
+    # combine reads only the splits that hold something, from the same _split_len).
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
     sp = tl.program_id(2)
     row0 = hd * (2 * HALF)  # first W row of this head
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    live = tl.load(seq_lens_ptr + b) > 0
-    n_ctx = tl.minimum(tl.maximum(tl.load(ctx_lens_ptr + b), 0), max_pages * page_size)
-    n_ctx = tl.where(live, n_ctx, 0)
+    live, n_ctx = _live_context(ctx_lens_ptr, seq_lens_ptr, b, max_pages * page_size)
 
     m = tl.arange(0, BLOCK_M)
     m_ok = m < k_len
@@ -161,7 +175,7 @@ def _latent_block_attention_kernel(
     # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
     # Splits share the row's LIVE context (whole tiles each, sized on the device): a table span far past the
     # context (max_seq_len pages per slot) leaves no split idle, and a graph replays for any context.
-    split_len = tl.cdiv(tl.cdiv(n_ctx, BLOCK_N), n_splits) * BLOCK_N
+    split_len = _split_len(n_ctx, n_splits, BLOCK_N)
     lo = sp * split_len
     hi = tl.minimum(n_ctx, lo + split_len)
     for start in range(lo, hi, BLOCK_N):
@@ -187,23 +201,37 @@ def _latent_block_attention_kernel(
                     + doff.to(tl.int64)[:, None] * stride_po + c[None, :]
                 tl.store(dst, blk.to(pool_ptr.dtype.element_ty), mask=bmask & (dpage >= 0)[:, None])
     if SPLIT:
-        # part[(b * heads + hd) * n_splits + sp] = (m [BLOCK_M], l [BLOCK_M], acc [BLOCK_M, BLOCK_C]), fp32.
-        rec = part_ptr + ((b * tl.num_programs(1) + hd) * n_splits + sp) * (BLOCK_M * (BLOCK_C + 2))
-        tl.store(rec + m, m_i)
-        tl.store(rec + BLOCK_M + m, l_i)
-        tl.store(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :], acc)
+        if (lo < hi) | (sp == n_splits - 1):
+            # part[(b * heads + hd) * n_splits + sp] = (m [BLOCK_M], l [BLOCK_M], acc [BLOCK_M, BLOCK_C]), fp32.
+            rec = part_ptr + ((b * tl.num_programs(1) + hd) * n_splits + sp) * (BLOCK_M * (BLOCK_C + 2))
+            tl.store(rec + m, m_i)
+            tl.store(rec + BLOCK_M + m, l_i)
+            tl.store(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :], acc)
     else:
         _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
                 stride_oh, HALF, PRECISION)
 
 
-@triton.jit(do_not_specialize=["k_len", "n_splits"])
+@triton.jit
+def _merge_split(rec, m, c, m_safe, l_i, acc, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One split's state ``rec`` into the merged ``(l, acc)`` at the common max ``m_safe``."""
+    w = tl.exp(tl.load(rec + m) - m_safe)  # a split whose rows saw no key (m = -inf) weighs 0
+    l_i += w * tl.load(rec + BLOCK_M + m)
+    acc += w[:, None] * tl.load(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :])
+    return l_i, acc
+
+
+@triton.jit(do_not_specialize=["k_len", "n_splits", "max_ctx"])
 def _latent_block_attention_combine_kernel(
-    part_ptr, wv_ptr, out_ptr, k_len, d_c, n_splits, stride_wv, stride_ob, stride_ok, stride_oh,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    PRECISION: tl.constexpr,
+    part_ptr, wv_ptr, out_ptr, ctx_lens_ptr, seq_lens_ptr, k_len, d_c, n_splits, max_ctx, stride_wv, stride_ob,
+    stride_ok, stride_oh,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (B, heads): merge the splits' online-softmax states in split order, then ``W_uv``."""
+    """Grid (B, heads): merge the states of the splits that hold context (``sp < used``) and of the last one (the
+    block's) in split order, then ``W_uv``. The splits between hold nothing (the attention kernel wrote nothing
+    there): skipping them skips terms that were exact zeros, so the bits are those of a merge over every split,
+    at a short context's cost (a 64-token context at B = 1: 5 of 16 splits)."""
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
     row0 = hd * (2 * HALF)
@@ -213,18 +241,22 @@ def _latent_block_attention_combine_kernel(
     c = tl.arange(0, BLOCK_C)
     c_ok = c < d_c
     qmask = (m < k_len)[:, None] & f_ok[None, :]
-    base = part_ptr + (b * tl.num_programs(1) + hd) * n_splits * (BLOCK_M * (BLOCK_C + 2))
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in range(0, n_splits):
-        m_all = tl.maximum(m_all, tl.load(base + sp * (BLOCK_M * (BLOCK_C + 2)) + m))
+    _, n_ctx = _live_context(ctx_lens_ptr, seq_lens_ptr, b, max_ctx)
+    used = tl.cdiv(n_ctx, tl.maximum(_split_len(n_ctx, n_splits, BLOCK_N), 1))
+    rec_len = BLOCK_M * (BLOCK_C + 2)
+    base = part_ptr + (b * tl.num_programs(1) + hd) * n_splits * rec_len
+    # Every split's max in one load (the max is exact in any order).
+    s = tl.arange(0, SPLITS)
+    s_ok = ((s < used) | (s == n_splits - 1)) & (s < n_splits)
+    m_s = tl.load(base + s[:, None] * rec_len + m[None, :], mask=s_ok[:, None], other=float("-inf"))
+    m_all = tl.max(m_s, axis=0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    for sp in range(0, n_splits):
-        rec = base + sp * (BLOCK_M * (BLOCK_C + 2))
-        w = tl.exp(tl.load(rec + m) - m_safe)  # an empty split (m = -inf) weighs 0
-        l_i += w * tl.load(rec + BLOCK_M + m)
-        acc += w[:, None] * tl.load(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :])
+    for sp in range(0, used):
+        l_i, acc = _merge_split(base + sp * rec_len, m, c, m_safe, l_i, acc, BLOCK_M, BLOCK_C)
+    if used < n_splits:
+        l_i, acc = _merge_split(base + (n_splits - 1) * rec_len, m, c, m_safe, l_i, acc, BLOCK_M, BLOCK_C)
     _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
             stride_oh, HALF, PRECISION)
 
@@ -433,9 +465,10 @@ def latent_block_attention(
     )
     if splits > 1:
         _latent_block_attention_combine_kernel[(b, h)](
-            part, v_up_weight, out, k, d_c, splits, v_up_weight.stride(0), out.stride(0), out.stride(1),
-            out.stride(2), HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m,
-            BLOCK_C=block_c, PRECISION=precision, num_warps=4,
+            part, v_up_weight, out, placement.ctx_lens, placement.seq_lens, k, d_c, splits, max_ctx,
+            v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2), HALF=d // 2,
+            BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c,
+            SPLITS=triton.next_power_of_2(splits), PRECISION=precision, num_warps=4,
         )
     return out
 

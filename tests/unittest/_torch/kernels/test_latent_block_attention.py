@@ -165,6 +165,27 @@ def test_split_k_schedules_within_tolerance_and_store_bitwise():
     assert torch.equal(pool_got, pool_ref)
 
 
+def test_split_k_empty_splits_are_neither_written_nor_read():
+    """Splits past a row's live context write no partial state and the combine reads none: with the split-K
+    scratch poisoned with NaN first, 10 splits (up to 9 empty between a row's context splits and the block's
+    last one) equal 4 splits (none empty: every row here has at most 3 context tiles of 16) bit for bit -- the
+    same context tiles per split, the same block split, merged in the same order."""
+    from tensorrt_llm_ext.kernels import latent_block_attention as lba
+
+    lens = (0, 1, 5, 16, 17, 35, 48)
+    case = make_case(torch.float32, b=len(lens), k=2, ctx=lens, dummy=(0,), page_size=4, max_pages=40)
+    outs = {}
+    for split_k in (4, 10):
+        lba._partials(torch.device(DEVICE), 1 << 16).fill_(float("nan"))
+        outs[split_k], ref, pool_got, pool_ref = run_both(case, schedule=AttentionSchedule(None, block_n=16,
+                                                                                            split_k=split_k))
+        assert torch.isfinite(outs[split_k]).all(), split_k
+        torch.testing.assert_close(outs[split_k], ref, **TOL[torch.float32])
+        assert torch.equal(pool_got, pool_ref)
+    assert torch.equal(outs[4], outs[10])
+    assert torch.equal(outs[10][0], torch.zeros_like(outs[10][0]))  # the dummy row
+
+
 def test_attention_schedule_table():
     table = (AttentionSchedule(8, block_n=16, split_k=4), AttentionSchedule(None, block_n=64, num_warps=8))
     assert [attention_schedule(b, table).split_k for b in (1, 8, 9, 512)] == [4, 4, 1, 1]
