@@ -383,6 +383,14 @@ class ChatMessage(BaseModel):
             return "\n".join(texts)  # as vLLM: ["Describe", "this"] is two lines, not "Describethis"
         return v
 
+    @model_validator(mode="after")
+    def _content_required(self):
+        # As OpenAI's schema: only an assistant turn may leave its content out (a turn of tool calls only, or
+        # none); a user / system / developer / tool message without one is a malformed request, not an empty turn.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
+
 
 # apply_chat_template arguments the server sets itself: chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
