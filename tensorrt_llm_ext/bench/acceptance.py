@@ -153,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: bench acceptance: {msg}", file=sys.stderr)
         return 2
 
+    if not (model / "config.json").is_file():  # before the drafter's check: it would point at the missing model
+        return refuse(f"--model {model}: no checkpoint there (no config.json; import one: trtllm-ext import-gguf "
+                      f"FILE.gguf {model})")
     if "trained" in args.variants and not (drafter / "config.json").is_file():
         return refuse(f"--variants trained: no drafter at {drafter} (train one: trtllm-ext train-drafter {model})")
     if args.num_prompts is not None and args.num_prompts < 1 or min(args.draft_lens) < 1:

@@ -307,7 +307,9 @@ def test_bench_acceptance_checks_every_config_before_measuring(target, chat_targ
              (target, ["--variants", "bigram", "--draft-lens", "100"], "bigram (--draft-lens 100"),
              (target, ["--variants", "bigram", "--batch-size", "0"], "--batch-size 0)"),
              (target, ["--variants", "bigram", "--seed", "-5"], "--seed must be an integer"),
-             (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1")]
+             (chat_target, ["--variants", "bigram", "--max-prompt-tokens", "1"], "longer than --max-prompt-tokens 1"),
+             # a missing model directory is named as such (it was "no drafter at MISSING/dspark_drafter")
+             (tmp_path / "missing", ["--variants", "bigram", "trained"], f"--model {tmp_path / 'missing'}: no checkpoint")]
     for model, flags, names in cases:
         assert main(["bench", "acceptance", "--model", str(model), *small, *flags]) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
