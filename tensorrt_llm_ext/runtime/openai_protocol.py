@@ -497,6 +497,12 @@ def _validation_error(e: ValidationError) -> ApiError:
         return ApiError(400, f"{param}: {first.get('msg', '').removeprefix('Value error, ')}", top)
     if top in _UNION_WORDS:  # unions: one message, not one per member
         return ApiError(400, f"{param}: expected {_UNION_WORDS[top]}", top)
+    kinds = {x.get("type") for x in errs}
+    if kinds and kinds <= {"float_type", "int_type"} and {_param_of(x) for x in errs} == {param}:
+        # a number or integer field given another type: one message naming the value (a float | int union said
+        # "Input should be a valid integer; ... Input should be a valid number")
+        want = "an integer" if kinds == {"int_type"} else "a number"
+        return ApiError(400, f"{param}: expected {want}, got {repr(first.get('input'))[:60]}", top)
     msgs = sorted({f"{_param_of(x)}: {x.get('msg')}" for x in errs})
     return ApiError(400, "; ".join(msgs[:4]), top)
 

@@ -92,3 +92,24 @@ def test_min_tokens_past_the_default_token_limit_is_refused_not_cut():
     with pytest.raises(ApiError) as err:
         build_requests(ctx, body, [[1] * 11], None)
     assert err.value.param == "min_tokens" and "30 exceeds the 29 tokens" in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+def test_a_number_field_of_another_type_is_one_message(field):
+    """A number field (float or int) sent as a string or a bool: one 400 naming the field and the value (it was
+    "Input should be a valid integer; FIELD: Input should be a valid number", the union's two members)."""
+    import json
+
+    from tensorrt_llm_ext.runtime.openai_protocol import ApiError, ServeLimits, parse_body
+
+    for value, shown in (("x", "'x'"), (True, "True"), ("ab" * 100, "'" + ("ab" * 100)[:59])):
+        with pytest.raises(ApiError) as err:
+            parse_body(json.dumps({"prompt": [1], field: value}).encode(), CompletionRequest,
+                       ServeLimits(vocab_size=16, max_model_len=40))
+        assert err.value.status == 400 and err.value.param == field, err.value
+        assert err.value.message.startswith(f"{field}: expected a number, got {shown}"), err.value.message
+    with pytest.raises(ApiError) as err:  # an integer field says so
+        parse_body(json.dumps({"prompt": [1], "n": "x"}).encode(), CompletionRequest,
+                   ServeLimits(vocab_size=16, max_model_len=40))
+    assert err.value.message == "n: expected an integer, got 'x'" and err.value.param == "n", err.value.message
