@@ -13,4 +13,5 @@ BENCHMARK_MODULES = {
     "serve": "tensorrt_llm_ext.bench.serve",
     "acceptance": "tensorrt_llm_ext.bench.acceptance",
     "target": "tensorrt_llm_ext.bench.target",
+    "prefill": "tensorrt_llm_ext.bench.prefill",
 }
