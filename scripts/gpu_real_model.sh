@@ -6,7 +6,7 @@
 # acceptance.md (every acceptance table of the call) and serve.md -- at most five files, whatever the stages (a
 # device call returns a few files only; a call cut by its time limit still returns what the stages before packed).
 #
-#   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | check | bench | serve | step | all (in the order
+#   bash scripts/gpu_real_model.sh STAGE...   STAGE: prepare | train | check | bench | serve | step | prefill | all (in the order
 #                                             given; all = prepare train check bench serve)
 #
 # prepare: join .gguf_parts/part* (written by `python3 scripts/gguf_parts.py split FILE`; each part fits one
@@ -31,6 +31,9 @@
 # step:    bench step --model on the real model and its drafter (K_SERVE, STEP_BATCHES 1,8,32; --no-stock --profile):
 #          the speculative step by stage and the top kernels of one captured step, in the logs' step.log / step.md;
 #          ~1-2 minutes.
+# prefill: bench prefill --model (PREFILL_ROWS 1,8,32 x PREFILL_LENS 128,512; the decode and prefill graphs captured
+#          as serve captures them): one admission's prefill, speculative vs target-only, the speculative one by
+#          stage, in the logs' prefill.log / prefill.md.
 # timing.txt gets each stage's wall seconds. RECIPE=5 (default; the best measured, over two calls: below), 7, 6,
 # 4 or 3 picks train's flags (below).
 #
@@ -291,6 +294,15 @@ step() {  # the served speculative step of the real model and its drafter, by st
   return $rc
 }
 
+prefill() {  # one admission's prefill on the real model, speculative vs target-only, by stage
+  which_drafter prefill
+  run timeout 300 $CLI bench prefill --model "$MODEL" --rows ${PREFILL_ROWS:-1,8,32} \
+    --prompt-lens ${PREFILL_LENS:-128,512} --out "$OUT/prefill.md" > "$OUT/prefill.log" 2>&1
+  local rc=$?
+  tail -20 "$OUT/prefill.log"
+  return $rc
+}
+
 pack() {  # the call's logs as one archive plus the three files read first (a device call returns a few files only)
   tar -czf "$RESULT/real_model_logs.tar.gz.part" -C "$OUT" . && mv "$RESULT/real_model_logs.tar.gz.part" "$RESULT/real_model_logs.tar.gz"
   cp "$OUT/timing.txt" "$RESULT/timing.txt" 2>/dev/null
@@ -308,7 +320,8 @@ for stage in $STAGES; do
     bench) timed bench || exit $? ;;
     serve) timed serve || exit $? ;;
     step) timed step || exit $? ;;
+    prefill) timed prefill || exit $? ;;
     all) timed prepare && timed train && timed check && timed bench && timed serve || exit $? ;;
-    *) echo "usage: $0 prepare|train|check|bench|serve|step|all ..." >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|train|check|bench|serve|step|prefill|all ..." >&2; exit 2 ;;
   esac
 done

@@ -53,6 +53,17 @@ def test_stage_timers_time_each_stage_the_prefill_runs_and_leave_the_worker_as_i
         eng.release_slot(slot)
 
 
+def test_bench_prefill_model_dir_times_the_checkpoint_with_its_drafter(tmp_path, capsys):
+    """--model DIR: the checkpoint and its drafter, loaded as serve DIR loads them, named in the table's notes."""
+    from tensorrt_llm_ext.runtime.export import export_model
+
+    ckpt = tmp_path / "ckpt"
+    export_model(load_config(**tiny_model(**{"model.target.vocab_size": 611})), ckpt)
+    assert main(["bench", "prefill", "--model", str(ckpt), "--rows", "2", "--prompt-lens", "6", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert f"model: {ckpt}; drafter: {ckpt / 'dspark_drafter'}" in text and "| 2 | 6 |" in text, text[-1500:]
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--temperature", "nan"], "--temperature: expected a finite number >= 0, got nan"),
     (["--prompt-lens", "100000"], "--prompt-lens 100000: a prompt and"),
