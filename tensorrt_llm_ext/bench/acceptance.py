@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tensorrt_llm_ext.bench.harness import fmt, print_table, register_benchmark
+from tensorrt_llm_ext.bench.harness import first_line, fmt, print_table, register_benchmark
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.models.checkpoint import target_only_view
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                         if samplings:
                             configs.append((variant, k, scale, samplings, cfg))
         except (OSError, ValueError) as e:
-            return refuse(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            return refuse(first_line(e))
         rows = []
         for variant, k, scale, samplings, cfg in configs:
             engine = Engine(cfg, use_cuda_graph=args.cuda_graph and torch.cuda.is_available())

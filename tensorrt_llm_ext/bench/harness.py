@@ -191,6 +191,12 @@ def fmt(x: float, digits: int = 1) -> str:
     return "-" if x != x else f"{x:.{digits}f}"
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as a benchmark's one-line error: its message's first line, else its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def environment_line() -> str:
     import datetime
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from tensorrt_llm_ext.argtypes import int_list, positive_int
-from tensorrt_llm_ext.bench.harness import fmt, print_table, register_benchmark
+from tensorrt_llm_ext.bench.harness import first_line, fmt, print_table, register_benchmark
 
 STAGES = ("forward", "select", "latents", "draft")
 # The worker's method behind each stage (DSparkWorker)
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     ensure_triton_interpreter()  # at run time, before the engine imports any kernel module (CPU smoke run)
     from tensorrt_llm_ext.contract import BuildRefusal, SamplingParams
-    from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+    from tensorrt_llm_ext.runtime.config import ConfigError, describe_drafter, load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.requests import Request
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(model_dir=args.model, **fields)
     except (ConfigError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         return refuse(f"--model {args.model}: {first}" if args.model is not None else first)
     new_tokens = cfg.draft_len + 2  # room for the first token and one step's block
     if max(lens) + new_tokens > cfg.max_seq_len:
@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         eng.runner(mode)
     worker = eng.worker("speculative")
     sampling = SamplingParams(args.temperature, seed=1)
+    show = (lambda x: fmt(x, 2)) if cuda else (lambda x: "-")  # noqa: E731  (a CPU's timings mean nothing)
     out_rows = []
     for n_rows in rows:
         for n_tok in lens:
@@ -162,13 +163,10 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 for slot in slots:
                     eng.release_slot(slot)
-            show = (lambda x: fmt(x, 2)) if cuda else (lambda x: "-")  # noqa: E731
             out_rows.append([n_rows, n_tok, show(cell["target_only"]), show(cell["speculative"]),
                              show(cell["speculative"] - cell["target_only"]),
                              *(show(by_stage[s]) for s in (*STAGES, "other"))])
             print(f"bench prefill: R={n_rows} L={n_tok} done", file=sys.stderr, flush=True)
-    from tensorrt_llm_ext.runtime.config import describe_drafter
-
     graphs = ("prefill forward in captured token buckets " + str(list(eng.prefill_buckets))
               if eng.prefill_runner is not None else "prefill forward eager")
     print_table("bench prefill: one admission, ms from an idle device to the first tokens on the host",

@@ -368,16 +368,16 @@ def _model_run(args: argparse.Namespace) -> int | None:
         (["--no-cuda-graph"] if args.no_cuda_graph else []) + \
         (["--disable-overlap-scheduler"] if args.disable_overlap_scheduler else [])
     graphs = torch.cuda.is_available() and not args.no_cuda_graph and cfg.cuda_graph_config is not None
-    held_out = None  # the prompt set's token ids, cycled over the requests
+    set_ids = None  # the prompt set's token ids, cycled over the requests
     if args.prompt_set == "held_out" and args.prompt_file is None:
         from tensorrt_llm_ext.training.prompts import prompt_token_ids
 
-        held_out = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
+        set_ids = prompt_token_ids(args.model, "held_out", min(most, 320), cfg.model.target.vocab_size)
     elif args.prompt_set != "random":
         from tensorrt_llm_ext.bench.acceptance import prompt_set_ids
 
         try:
-            held_out = prompt_set_ids(args.model, cfg.model.target.vocab_size, args.prompt_set,
+            set_ids = prompt_set_ids(args.model, cfg.model.target.vocab_size, args.prompt_set,
                                       prompt_file=args.prompt_file, num_prompts=min(most, 320),
                                       max_prompt_tokens=max(1, limit), limit_flag="max_seq_len - --max-tokens")
         except (OSError, ValueError) as e:
@@ -399,8 +399,8 @@ def _model_run(args: argparse.Namespace) -> int | None:
                 for conc in args.concurrency:
                     n = conc * args.requests_per_client
                     bodies = sample_bodies(n, cfg.model.target.vocab_size, max_tokens=(args.max_tokens,) * 2)
-                    if held_out is not None:
-                        for b, p in zip(bodies, held_out * (n // len(held_out) + 1)):
+                    if set_ids is not None:
+                        for b, p in zip(bodies, set_ids * (n // len(set_ids) + 1)):
                             b["prompt"] = p
                     for i, b in enumerate(bodies):
                         b.update(prompt=(shared + b["prompt"])[:max(1, limit)], seed=i, **sampling)

@@ -53,7 +53,7 @@ import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.argtypes import int_list, positive_int
-from tensorrt_llm_ext.bench.harness import BenchTimer, fmt, print_table, register_benchmark
+from tensorrt_llm_ext.bench.harness import BenchTimer, first_line, fmt, print_table, register_benchmark
 from tensorrt_llm_ext.runtime.config import MAX_BATCH_SIZE
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(model_dir=args.model, **model)
     except (ConfigError, OSError) as e:  # a missing / broken directory, a K or batch size the config refuses
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         return refuse(f"--model {args.model}: {first}" if args.model is not None else first)
     if args.prompt_len + cfg.draft_len + 1 > cfg.max_seq_len:  # a request of the prompt and one step's K + 1
         return refuse(f"--prompt-len {args.prompt_len} with K={cfg.draft_len} does not fit max_seq_len "
