@@ -191,11 +191,11 @@ def test_split_k_empty_splits_are_neither_written_nor_read():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_early_inputs_first_tile_peeled_same_bits(dtype):
     """``early_inputs`` (the fused layers' launch) computes each split's first context tile's keys before the
-    programmatic wait: the same products in the same order, so the same bits as without it, at every split count
-    and tile width -- splits without context (an all-masked first tile), a dummy row, contexts of 0 .. 3 tiles a
-    split -- and the same pool writes."""
+    programmatic wait: the same products in the same order, so the same bits as without it, at 1, 2 and 10
+    splits and both tile widths -- splits without context (an all-masked first tile), a dummy row, contexts of
+    0 .. 3 tiles a split -- and the same pool writes."""
     case = make_case(dtype, b=7, k=3, ctx=(0, 1, 5, 16, 17, 35, 48), dummy=(0,), page_size=4, max_pages=40, seed=5)
-    for split_k, block_n in ((1, 16), (2, 32), (4, 16), (10, 16), (16, 16)):
+    for split_k, block_n in ((1, 16), (2, 32), (10, 16)):
         sch = AttentionSchedule(None, block_n=block_n, split_k=split_k)
         late, ref, pool_late, _ = run_both(case, schedule=sch)
         early, _, pool_early, _ = run_both(case, schedule=sch, early_inputs=True)
