@@ -56,6 +56,7 @@ import triton.language as tl
 from tensorrt_llm_ext.contract import DraftBlockPlacement
 from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_devices, check_int, check_tensor, num_warps_for,
                                              programmatic_launch, refuse_allocation_while_capturing, triton_runs_on)
+from tensorrt_llm_ext.kernels.paged_attention import tile_counters
 from tensorrt_llm_ext.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["ATTENTION_SCHEDULES", "AttentionSchedule", "attention_schedule", "gather_context_latents",
@@ -395,33 +396,25 @@ def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...]
     return schedules[-1]
 
 
-# Scratch of the split-K launches, one per (device, dtype), grown only outside capture; outgrown buffers are kept for
-# the graphs that captured them. fp32: the partial states ``[B * heads * split_k * BLOCK_M * (BLOCK_C + 2)]``;
-# int32: the (row, head) arrival counters, zero between launches (each row's merging program resets its own; zeroed
-# when allocated). Launches on one device must not run concurrently on two streams (they share both).
-_SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-_RETIRED_SCRATCH: list[torch.Tensor] = []
-
-
-def _scratch(device: torch.device, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-    key = (str(device), dtype)
-    cached = _SCRATCH.get(key)
-    if cached is not None and cached.numel() >= numel:
-        return cached
-    refuse_allocation_while_capturing(f"latent_block_attention (split-K {what}; run one eager call with the "
-                                      "largest batch first)", device)
-    if cached is not None:
-        _RETIRED_SCRATCH.append(cached)
-    buf = _SCRATCH[key] = torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device)
-    return buf
+# Scratch cache of the split-K partials (fp32 ``[B * heads * split_k * BLOCK_M * (BLOCK_C + 2)]``), one per
+# device, grown only outside capture. Outgrown buffers are kept for the graphs that captured them. The splits'
+# arrival counters are the target attention's (:func:`~tensorrt_llm_ext.kernels.paged_attention.tile_counters`):
+# both kernels touch them only after the programmatic wait, when every earlier launch on the stream has completed,
+# and each launch leaves its counters at zero.
+_PARTIALS: dict[str, torch.Tensor] = {}
+_RETIRED_PARTIALS: list[torch.Tensor] = []
 
 
 def _partials(device: torch.device, numel: int) -> torch.Tensor:
-    return _scratch(device, numel, torch.float32, "partials")
-
-
-def _counters(device: torch.device, numel: int) -> torch.Tensor:
-    return _scratch(device, numel, torch.int32, "counters")
+    cached = _PARTIALS.get(str(device))
+    if cached is not None and cached.numel() >= numel:
+        return cached
+    refuse_allocation_while_capturing("latent_block_attention (split-K partials; run one eager call with the "
+                                      "largest batch first)", device)
+    if cached is not None:
+        _RETIRED_PARTIALS.append(cached)
+    buf = _PARTIALS[str(device)] = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+    return buf
 
 
 def latent_block_attention(
@@ -505,7 +498,7 @@ def latent_block_attention(
     tiles = max(1, triton.cdiv(max_ctx, block_n))
     splits = max(1, min(schedule.split_k, tiles))
     part = _partials(q.device, b * h * splits * block_m * (block_c + 2)) if splits > 1 else out
-    counters = _counters(q.device, b * h) if splits > 1 else block_table
+    counters = tile_counters(q.device, b * h) if splits > 1 else block_table
     pdl = early_inputs and programmatic_launch(q)
     _latent_block_attention_kernel[(b, h, splits)](
         q, block_latents, pool_layer, block_table, slot_ids, placement.ctx_lens, placement.seq_lens,

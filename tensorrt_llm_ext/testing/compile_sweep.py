@@ -17,7 +17,6 @@ unless :data:`ACCEPTED_SPILLS` names the kernel with its reason.
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from typing import Callable
 

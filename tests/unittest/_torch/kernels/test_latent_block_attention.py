@@ -171,6 +171,7 @@ def test_split_k_empty_splits_are_neither_written_nor_read():
     last one) equal 4 splits (none empty: every row here has at most 3 context tiles of 16) bit for bit -- the
     same context tiles per split, the same block split, merged in the same order."""
     from tensorrt_llm_ext.kernels import latent_block_attention as lba
+    from tensorrt_llm_ext.kernels.paged_attention import tile_counters
 
     lens = (0, 1, 5, 16, 17, 35, 48)
     case = make_case(torch.float32, b=len(lens), k=2, ctx=lens, dummy=(0,), page_size=4, max_pages=40)
@@ -183,7 +184,7 @@ def test_split_k_empty_splits_are_neither_written_nor_read():
         torch.testing.assert_close(outs[split_k], ref, **TOL[torch.float32])
         assert torch.equal(pool_got, pool_ref)
         # each (row, head)'s merging split left its arrival counter at zero for the next launch (graph replays)
-        assert not lba._counters(torch.device(DEVICE), 1).any(), split_k
+        assert not tile_counters(torch.device(DEVICE), 1).any(), split_k
     assert torch.equal(outs[4], outs[10])
     assert torch.equal(outs[10][0], torch.zeros_like(outs[10][0]))  # the dummy row
 
