@@ -253,11 +253,30 @@ class Engine:
                 forward, name = worker.forward, f"the {mode} step"
             runner = CudaGraphRunner(worker, forward, name=name, batch_sizes=self.batch_sizes,
                                      enable_padding=self.enable_padding, pool=self._graph_pool)
+            self._runners[mode] = runner
             if runner.enabled:
                 runner.capture(self.mapping)
+            self._capture_admissions()
+            if runner.enabled:
                 self._capture_prefill()
-            self._runners[mode] = runner
         return runner
+
+    def _capture_admissions(self) -> None:
+        """The speculative prefill's first block (bookkeeping, drafter block, chain: DSparkWorker.draft_first_block)
+        per row count, for every speculative decode built so far: one replay per admission instead of its few
+        dozen launches from Python. Captured again after each new decode runner, for the reason
+        :meth:`_capture_prefill` gives (an admission replays between a launched step and the read of its
+        outputs); its own outputs are static buffers outside the pool. Graphs off: the runner runs it eagerly."""
+        speculative = [(m, self.worker(_path(m))) for m in self._runners if m not in NON_SPECULATIVE]
+        for _, w in speculative:
+            w.admission_runner = None  # the older graphs' memory back to the pool first
+        for m, w in speculative:
+            runner = CudaGraphRunner(w.admission_rows, w.admission_draft, name=f"the {m} admission's first block",
+                                     batch_sizes=self.batch_sizes, enable_padding=self.enable_padding,
+                                     pool=self._graph_pool)
+            if runner.enabled:
+                runner.capture(self.mapping)
+            w.admission_runner = runner
 
     def _capture_prefill(self) -> None:
         """Capture the prefill's token buckets after every decode runner's graphs, in the same pool (every rank at

@@ -126,6 +126,22 @@ class DSparkWorker(SpecWorkerBase):
         self.draft_confidences = torch.zeros(r, k, dtype=torch.float32, device=dev)
         self._tail = PagedLatentStep.allocate(r, k, dev)
         self._tail_views: dict[int, PagedLatentStep] = {}
+        # The admission's first block (prefill_batch past its first tokens: the first token's bookkeeping as an
+        # accepted one, its latent, the drafter's block, the chain) on static rows of its own, so the engine can
+        # replay it from CUDA graphs per row count (admission_runner; runtime/cuda_graph.py) instead of launching
+        # its few dozen kernels from Python per admission; without a runner it runs eagerly on the same rows.
+        # Its own rows, not the step's: with the overlap scheduler a step is in flight while an admission runs.
+        self.admission_runner = None
+        self.admit_slot_ids = torch.full((r,), state.dummy_slot, dtype=torch.int32, device=dev)
+        self.admit_is_dummy = torch.ones(r, dtype=torch.bool, device=dev)
+        self.admit_accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)  # [first token, 0 ...]
+        self.admit_num_accepted = torch.ones(r, dtype=torch.int32, device=dev)
+        pool = state.latent_pool  # [L, pages, page_size, d_c]
+        self.admit_latents = torch.zeros(r, k + 1, pool.shape[0], pool.shape[-1], dtype=pool.dtype, device=dev)
+        self.admit_next = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)  # [first token, drafts]
+        self._admit_tail = PagedLatentStep.allocate(r, k, dev)
+        self._admit_views: dict[int, PagedLatentStep] = {}
+        self._admit_batch_size: int | None = None
         self.markov: MarkovChain | None = None
         self._neg_one = torch.full((), -1, dtype=torch.int32, device=dev)
         self._rows_batch_size: int | None = None  # batch size of the last set_rows()
@@ -290,18 +306,7 @@ class DSparkWorker(SpecWorkerBase):
 
     def tail_buffers(self, batch_size: int) -> PagedLatentStep:
         """Views of the preallocated tail outputs for ``batch_size`` rows (created outside capture)."""
-        view = self._tail_views.get(batch_size)
-        if view is None:
-            t, p, b = self._tail, self._tail.placement, batch_size
-            view = PagedLatentStep(
-                bonus_tokens=t.bonus_tokens[:b], block_input_ids=t.block_input_ids[:b],
-                latent_pages=t.latent_pages[:b], latent_offsets=t.latent_offsets[:b],
-                latent_write_mask=t.latent_write_mask[:b],
-                placement=DraftBlockPlacement(positions=p.positions[:b], page_ids=p.page_ids[:b],
-                                              page_offsets=p.page_offsets[:b], ctx_lens=p.ctx_lens[:b],
-                                              seq_lens=p.seq_lens[:b]))
-            self._tail_views[batch_size] = view
-        return view
+        return _rows_view(self._tail, self._tail_views, batch_size)
 
     # -- pieces shared by prefill, the step and the target-only decode -----------------------------------
     def decode_pages(self) -> None:
@@ -443,27 +448,74 @@ class DSparkWorker(SpecWorkerBase):
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
-            # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping below, which
-            # treats each prompt as a generation row that accepted exactly one token (its first generated one).
+            # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping of the first block,
+            # which treats each prompt as a generation row that accepted exactly one token (its first generated one).
             latents = self._store_prompt_latents(out, slots_l, positions, lens_t)
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
-            accepted = torch.zeros(r, k + 1, dtype=torch.int64, device=dev)
-            accepted[:, 0] = tok
-            tail = self.ops.paged_latent_step(accepted, torch.ones(r, dtype=torch.int32, device=dev), slots_t,
-                                              torch.zeros(r, dtype=torch.bool, device=dev), st.ctx_lens,
-                                              st.block_table, num_contexts=0, page_size=st.page_size, draft_len=k,
-                                              max_ctx_len=st.max_ctx_len, mask_token_id=self.mask_token_id,
-                                              out=PagedLatentStep.allocate(r, k, dev))
-            last_lat = torch.zeros(r, k + 1, *latents.shape[1:], dtype=latents.dtype, device=dev)
-            last_lat[:, 0] = latents.index_select(0, last)
-            self.ops.store_context_latents(last_lat.view(r * (k + 1), *latents.shape[1:]), tail.latent_pages.view(-1),
-                                           tail.latent_offsets.view(-1), tail.latent_write_mask.view(-1),
-                                           st.latent_pool)
-            drafts = torch.empty(r, k, dtype=torch.int64, device=dev)
-            self.draft(tail, slots_t, drafts)
-            st.slot_tokens[slots_l, 0] = tok
-            st.slot_tokens[slots_l, 1:] = drafts
+            self.draft_first_block(slots, tok, latents.index_select(0, last))
         return tok.tolist()
+
+    # -- the admission's first block (static rows; replayed per row count where the engine captured it) -------
+    @property
+    def admission_rows(self) -> "AdmissionRows":
+        """The first block's rows as a graph runner drives them (:class:`AdmissionRows`)."""
+        return AdmissionRows(self)
+
+    def set_admission_rows(self, slots: list[int], batch_size: int) -> None:
+        """Rows ``[0, len(slots))`` of the admission's first block run these slots; rows up to ``batch_size`` are
+        dummies (the dummy slot: their writes land on its scratch pages and state, as a padded step's do)."""
+        n = len(slots)
+        if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"set_admission_rows: {n} slots do not fit batch_size={batch_size} "
+                             f"(max {self.max_batch_size})")
+        self.check_slots("set_admission_rows", slots)
+        pin = self.admit_slot_ids.is_cuda  # from pinned memory, stream-ordered behind a step in flight
+        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
+        ids[:n] = torch.tensor(slots, dtype=torch.int32)
+        dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
+        dummy[:n] = False
+        self.admit_slot_ids[:batch_size].copy_(ids, non_blocking=pin)
+        self.admit_is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
+        self._admit_batch_size = batch_size
+
+    def draft_first_block(self, slots: list[int], first_tokens: torch.Tensor, last_latents: torch.Tensor) -> None:
+        """The admission's first block for ``slots`` (their ``ctx_lens`` at the prompt's length - 1): each row's
+        first token ``first_tokens [R]`` taken as one accepted token (bookkeeping, and its context latent
+        ``last_latents [R, L, d_c]`` stored at position ``n - 1``), then the drafter's block and the chain: the
+        slot's verify block ``[first token, K drafts]`` and its confidences (``draft_confidences[:R]``).
+
+        Through :attr:`admission_runner` (a graph per row count, padded with dummy rows) when the engine set
+        one, else eagerly over ``R`` rows; either way on the same static rows (:meth:`admission_draft`)."""
+        r = len(slots)
+        self.admit_accepted[:r, 0].copy_(first_tokens)
+        self.admit_latents[:r, 0].copy_(last_latents)
+        if self.admission_runner is not None:
+            self.admission_runner.step(list(slots))
+        else:
+            self.set_admission_rows(list(slots), r)
+            self.admission_draft(r)
+
+    def admission_draft(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """The first block over the rows :meth:`set_admission_rows` prepared (capturable: no host sync, no
+        allocation through a launcher). Returns ``{"next_new_tokens": [B, K+1]}`` (also stored per slot)."""
+        if batch_size != self._admit_batch_size:
+            raise ValueError(f"{type(self).__name__}: the first block runs {batch_size} rows but "
+                             f"set_admission_rows() prepared {self._admit_batch_size}")
+        st, ops, b, k = self.state, self.ops, batch_size, self.draft_len
+        slots = self.admit_slot_ids[:b]
+        tail = ops.paged_latent_step(self.admit_accepted[:b], self.admit_num_accepted[:b], slots,
+                                     self.admit_is_dummy[:b], st.ctx_lens, st.block_table, num_contexts=0,
+                                     page_size=st.page_size, draft_len=k, max_ctx_len=st.max_ctx_len,
+                                     mask_token_id=self.mask_token_id,
+                                     out=_rows_view(self._admit_tail, self._admit_views, b))
+        latents = self.admit_latents[:b]
+        ops.store_context_latents(latents.view(b * (k + 1), *latents.shape[2:]), tail.latent_pages.view(-1),
+                                  tail.latent_offsets.view(-1), tail.latent_write_mask.view(-1), st.latent_pool)
+        nxt = self.admit_next[:b]
+        self.draft(tail, slots, nxt[:, 1:])
+        nxt[:, 0].copy_(tail.bonus_tokens)
+        ops.store_rows(st.slot_tokens, slots, nxt)
+        return {"next_new_tokens": nxt}
 
     def prefill_chunk(self, slot: int, prompt_ids: list[int], start: int, end: int, speculative: bool = True) -> None:
         """Prompt positions ``start .. end-1`` of ``slot`` (``end`` below the prompt's length): one target forward
@@ -663,3 +715,38 @@ class DSparkWorker(SpecWorkerBase):
             "next_new_tokens": nxt,  # [B, K+1]: [bonus, drafts], the next step's verification input
             "draft_confidences": self.draft_confidences[:b],  # [B, K] fp32: c_k of each next draft (0: no head)
         }
+
+
+def _rows_view(full: PagedLatentStep, views: dict[int, PagedLatentStep], batch_size: int) -> PagedLatentStep:
+    """Views of the preallocated bookkeeping outputs ``full`` for ``batch_size`` rows, cached in ``views``
+    (created outside capture)."""
+    view = views.get(batch_size)
+    if view is None:
+        t, p, b = full, full.placement, batch_size
+        view = PagedLatentStep(
+            bonus_tokens=t.bonus_tokens[:b], block_input_ids=t.block_input_ids[:b],
+            latent_pages=t.latent_pages[:b], latent_offsets=t.latent_offsets[:b],
+            latent_write_mask=t.latent_write_mask[:b],
+            placement=DraftBlockPlacement(positions=p.positions[:b], page_ids=p.page_ids[:b],
+                                          page_offsets=p.page_offsets[:b], ctx_lens=p.ctx_lens[:b],
+                                          seq_lens=p.seq_lens[:b]))
+        views[batch_size] = view
+    return view
+
+
+class AdmissionRows:
+    """The admission's first block as :class:`~tensorrt_llm_ext.runtime.cuda_graph.CudaGraphRunner` drives a
+    step: its rows (:meth:`DSparkWorker.set_admission_rows`), one variant (the block reads each slot's
+    sampling state itself; nothing in it depends on the rows' params) and the state a capture restores."""
+
+    def __init__(self, worker: DSparkWorker):
+        self.worker = worker
+        self.state = worker.state
+        self.max_batch_size = worker.max_batch_size
+        self.step_variants = (DEFAULT_VARIANT,)
+
+    def step_needs(self, slots: list[int]) -> StepVariant:
+        return DEFAULT_VARIANT
+
+    def set_rows(self, slots: list[int], batch_size: int, variant: StepVariant | None = None) -> None:
+        self.worker.set_admission_rows(slots, batch_size)
