@@ -122,13 +122,16 @@ class _SimulatedGraph:
 
     def replay(self) -> None:
         w = self.runner.worker
-        prepared, slots = w._step_variant, w._step_slots
-        # the captured code path and host facts (captured over dummy rows: no slots), whatever the rows hold
-        w._step_variant, w._step_slots = self.variant, []
-        try:
+        if not hasattr(w, "_step_variant"):  # rows without step variants (the admission's first block)
             out = self.runner.forward(self.batch_size)
-        finally:
-            w._step_variant, w._step_slots = prepared, slots
+        else:
+            prepared, slots = w._step_variant, w._step_slots
+            # the captured code path and host facts (captured over dummy rows: no slots), whatever the rows hold
+            w._step_variant, w._step_slots = self.variant, []
+            try:
+                out = self.runner.forward(self.batch_size)
+            finally:
+                w._step_variant, w._step_slots = prepared, slots
         if isinstance(out, dict):
             for k, v in out.items():
                 self.outputs[k].copy_(v)
