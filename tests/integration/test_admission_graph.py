@@ -57,9 +57,19 @@ def _slot_state(eng: Engine, slots: list[int]) -> dict[str, torch.Tensor]:
             "confidences": w.draft_confidences[:len(slots)].cpu()}
 
 
-def _assert_same(a: dict, b: dict) -> None:
+def _assert_same(a: dict, b: dict, exact_drafts: bool = True) -> None:
+    """Bit for bit; with ``exact_drafts=False`` (the same rows in launches of another row count on a GPU, whose
+    drafter GEMMs take tiles by the row count) the draft distributions and confidences within fp32 rounding and the
+    drafts themselves not compared (a near tie may flip), all the rest bit for bit."""
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        if exact_drafts:
+            assert torch.equal(a[name], b[name]), name
+        elif name in ("draft_logits", "confidences"):
+            torch.testing.assert_close(a[name], b[name], msg=name)
+        elif name == "slot_tokens":
+            assert torch.equal(a[name][:, 0], b[name][:, 0]), name  # the first token
+        else:
+            assert torch.equal(a[name], b[name]), name
 
 
 class _PaddedRunner:
@@ -96,7 +106,8 @@ def test_padded_first_block_equals_the_block_over_its_rows():
     firsts = _admit(padded, slots)
     assert w.admission_runner.calls == [len(slots) + 3]
     assert firsts == _admit(plain, slots)
-    _assert_same(_slot_state(padded, slots), _slot_state(plain, slots))
+    # on a CPU rows are computed independently of their neighbours (bit for bit); on a GPU within rounding
+    _assert_same(_slot_state(padded, slots), _slot_state(plain, slots), exact_drafts=not torch.cuda.is_available())
     _assert_same(_slot_state(padded, [1]), before)
     assert (padded.state.slot_tokens[slots] != 0).any()  # drafts were written (a block of zeros would pass too)
 
@@ -114,9 +125,10 @@ def test_first_block_rows_checked():
 
 @cuda_only
 def test_gpu_replayed_first_block_equals_eager():
-    """On CUDA: the first block captured per row count at engine start and replayed for an admission of 3 rows
-    (padded to the graph of 4) and of 1; every admitted slot's state equals the eager block's, and generation
-    continues from it with the same tokens."""
+    """On CUDA: the first block captured per row count at engine start and replayed for admissions of 4 and 1 rows
+    (graphs of their own row count: every admitted slot's state bit for bit the eager block's) and of 3 (padded to
+    the graph of 4: the drafter's GEMMs take another tile, so its draft distributions within rounding), and greedy
+    generation continues from it with the eager engine's tokens."""
     graphed = _engine(graphs=True)
     eager = _engine(graphs=True)
     eager.runner("speculative")
@@ -124,14 +136,18 @@ def test_gpu_replayed_first_block_equals_eager():
     graphed.runner("speculative")
     runner = graphed.worker().admission_runner
     assert runner is not None and runner.captured() == list(graphed.batch_sizes)
-    for slots in ([4, 1, 6], [2]):
+    for slots in ([4, 1, 6, 7], [2], [5, 0, 3]):
         for eng in (graphed, eager):
             reqs = _requests()[:len(slots)]
             for s, r in zip(slots, reqs):
                 eng.validate(r)
                 eng.reserve(s, r)
             eng.prefill_slots(slots, reqs)
-        _assert_same(_slot_state(graphed, slots), _slot_state(eager, slots))
-    assert sum(runner.replays.values()) == 2 and runner.eager_steps == 0
-    want = [r.output_ids for r in eager.generate(_requests())[0]]
-    assert [r.output_ids for r in graphed.generate(_requests())[0]] == want
+        _assert_same(_slot_state(graphed, slots), _slot_state(eager, slots), exact_drafts=len(slots) != 3)
+        for eng in (graphed, eager):
+            for s in slots:
+                eng.pages.free(s)
+    assert sum(runner.replays.values()) == 3 and runner.eager_steps == 0
+    greedy = [Request(list(p), max_new_tokens=6) for p in PROMPTS]
+    want = [r.output_ids for r in eager.generate(greedy)[0]]
+    assert [r.output_ids for r in graphed.generate(greedy)[0]] == want
