@@ -26,10 +26,7 @@ Two implementations of the same function:
   the keys, scores, an online (flash) softmax in fp32; the **value up-projection is absorbed**: the
   program accumulates ``sum_j p_j c_j`` in latent space ``[K, d_c]`` and multiplies by ``W_uv`` once at
   the end (``K * d_c * D`` instead of ``ctx_len * d_c * D`` per head). The block's own latents are the
-  last tile, and the head-0 program stores them into the pool (the only pool write). Split along the
-  context (``AttentionSchedule.split_k``, grid ``(B, heads, splits)``): each split stores its online-softmax
-  state and counts its arrival on its (row, head)'s counter; the last to arrive merges the states in split
-  order and applies ``W_uv`` (the same launch; the order, not the arrival, fixes the bits).
+  last tile, and the head-0 program stores them into the pool (the only pool write).
 
 Numerics: the kernel keeps keys and values in fp32 where the twin rounds them to the model dtype, sums
 in another order (online softmax) and, for 16-bit inputs, runs its fp32-operand products (scores,
@@ -55,8 +52,7 @@ import triton.language as tl
 
 from tensorrt_llm_ext.contract import DraftBlockPlacement
 from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_devices, check_int, check_tensor, num_warps_for,
-                                             programmatic_launch, refuse_allocation_while_capturing, triton_runs_on)
-from tensorrt_llm_ext.kernels.paged_attention import tile_counters
+                                             refuse_allocation_while_capturing, triton_runs_on)
 from tensorrt_llm_ext.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["ATTENTION_SCHEDULES", "AttentionSchedule", "attention_schedule", "gather_context_latents",
@@ -71,10 +67,9 @@ _INV_FREQ: dict[tuple[int, float, str], torch.Tensor] = {}
 
 
 @triton.jit
-def _tile_keys(lat, kpos, wk_ptr, stride_w, row0, inv_freq, f, f_ok, c, c_ok, HALF: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """The rotated keys ``(k1r, k2r)`` ``[N, BLOCK_HALF]`` (fp32) of latents ``lat [N, BLOCK_C]`` at positions
-    ``kpos [N]``: no query needed, so a program computes its first tile's before the programmatic wait."""
+def _attend_tile(lat, kpos, kvalid, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_w, row0, inv_freq, f, f_ok, c, c_ok,
+                 scale, HALF: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of latents ``lat [N, BLOCK_C]`` at positions ``kpos [N]`` into the online softmax state."""
     wmask = c_ok[:, None] & f_ok[None, :]
     # W_uk rows of this head, transposed to [BLOCK_C, BLOCK_HALF]: the two rotate-half halves of the key.
     wk1 = tl.load(wk_ptr + (row0 + f)[None, :] * stride_w + c[:, None], mask=wmask, other=0.0).to(DOT_DTYPE)
@@ -85,12 +80,8 @@ def _tile_keys(lat, kpos, wk_ptr, stride_w, row0, inv_freq, f, f_ok, c, c_ok, HA
     ang = kpos.to(tl.float32)[:, None] * inv_freq[None, :]
     kc = tl.cos(ang)
     ks = tl.sin(ang)
-    return k1 * kc - k2 * ks, k2 * kc + k1 * ks
-
-
-@triton.jit
-def _attend_keys(lat, k1r, k2r, kvalid, q1r, q2r, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One tile of latents ``lat [N, BLOCK_C]`` with its rotated keys into the online softmax state."""
+    k1r = k1 * kc - k2 * ks
+    k2r = k2 * kc + k1 * ks
     s = tl.dot(q1r, tl.trans(k1r), input_precision=PRECISION)
     s += tl.dot(q2r, tl.trans(k2r), input_precision=PRECISION)  # [BLOCK_M, N]
     s = tl.where(kvalid[None, :], s * scale, float("-inf"))
@@ -102,16 +93,6 @@ def _attend_keys(lat, k1r, k2r, kvalid, q1r, q2r, m_i, l_i, acc, scale, PRECISIO
     # Value up-projection absorbed: accumulate the probability-weighted latents, W_uv comes once at the end.
     acc = acc * alpha[:, None] + tl.dot(p, lat.to(tl.float32), input_precision=PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _context_tile(pool_ptr, bt_row, start, hi, page_size, stride_pp, stride_po, c, c_ok, BLOCK_N: tl.constexpr):
-    """Context positions ``start .. start + BLOCK_N - 1`` (below ``hi``), their latents through the block table."""
-    n = start + tl.arange(0, BLOCK_N)
-    n_ok = n < hi
-    page = tl.maximum(tl.load(bt_row + n // page_size, mask=n_ok, other=0), 0).to(tl.int64)
-    lat_ptrs = pool_ptr + page[:, None] * stride_pp + (n % page_size).to(tl.int64)[:, None] * stride_po + c[None, :]
-    return n, n_ok, tl.load(lat_ptrs, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -147,22 +128,20 @@ def _split_len(n_ctx, n_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["k_len", "page_size", "max_pages", "n_splits"])
 def _latent_block_attention_kernel(
     q_ptr, blk_ptr, pool_ptr, bt_ptr, slot_ptr, ctx_lens_ptr, seq_lens_ptr, pos_ptr, page_ids_ptr, page_off_ptr,
-    wk_ptr, wv_ptr, inv_freq_ptr, out_ptr, part_ptr, counter_ptr,
+    wk_ptr, wv_ptr, inv_freq_ptr, out_ptr, part_ptr,
     k_len, d_c, page_size, max_pages, scale, n_splits,
     stride_qb, stride_qk, stride_qh, stride_bb, stride_bk, stride_pp, stride_po, stride_bt,
     stride_wk, stride_wv, stride_ob, stride_ok, stride_oh, stride_place,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, STORE_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, SPLITS: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Grid (B, heads, splits). Split s attends context positions [s * split_len, (s + 1) * split_len) of
     # the live context (split_len: the row's live tiles over the splits, whole tiles); the last split also
     # attends the block's own latents (and stores them). Without SPLIT (one split) the program finishes the
     # row itself; with it, each split that holds context or the block writes its online-softmax state (m, l, acc)
-    # to part_ptr and counts its arrival on the (row, head)'s counter; the last to arrive merges the states in
-    # split order (_merge_splits) and finishes the row -- no second launch. An empty split writes and counts
-    # nothing (the merge reads only the splits that hold something, from the same _split_len); a row whose only
-    # state is the block's (no context: a dummy row) finishes in the last split directly.
+    # to part_ptr and _latent_block_attention_combine_kernel merges them (an empty split writes nothing: the
+    # combine reads only the splits that hold something, from the same _split_len).
     b = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1)
     sp = tl.program_id(2)
@@ -177,30 +156,8 @@ def _latent_block_attention_kernel(
     c = tl.arange(0, BLOCK_C)
     c_ok = c < d_c
     inv_freq = tl.load(inv_freq_ptr + f, mask=f_ok, other=0.0)
+
     qpos = tl.load(pos_ptr + b * stride_place + m, mask=m_ok, other=0)
-
-    bt_row = bt_ptr + slot * stride_bt
-    # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
-    # Splits share the row's LIVE context (whole tiles each, sized on the device): a table span far past the
-    # context (max_seq_len pages per slot) leaves no split idle, and a graph replays for any context.
-    split_len = _split_len(n_ctx, n_splits, BLOCK_N)
-    lo = sp * split_len
-    hi = tl.minimum(n_ctx, lo + split_len)
-    first = lo
-    if PEEL:
-        # The first context tile's latents and rotated keys need no query: computed first (the placement, the table
-        # and the context latents were written before the previous launch began: the caller's word, early_inputs),
-        # before the programmatic wait (PDL), they overlap the launch that writes q and the block's latents. A split
-        # without context computes an all-masked tile, which leaves the softmax state as it was (every score -inf:
-        # weight 0, sums + 0). The same products in the same order as the loop's.
-        n0, n0_ok, lat0 = _context_tile(pool_ptr, bt_row, lo, hi, page_size, stride_pp, stride_po, c, c_ok, BLOCK_N)
-        k1r0, k2r0 = _tile_keys(lat0, n0, wk_ptr, stride_wk, row0, inv_freq, f, f_ok, c, c_ok, HALF, DOT_DTYPE,
-                                PRECISION)
-        first = lo + BLOCK_N
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
     qmask = m_ok[:, None] & f_ok[None, :]
     q_row = q_ptr + b * stride_qb + m[:, None] * stride_qk + hd * stride_qh
     q1 = tl.load(q_row + f[None, :], mask=qmask, other=0.0).to(tl.float32)
@@ -214,20 +171,28 @@ def _latent_block_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    if PEEL:
-        m_i, l_i, acc = _attend_keys(lat0, k1r0, k2r0, n0_ok, q1r, q2r, m_i, l_i, acc, scale, PRECISION)
-    for start in range(first, hi, BLOCK_N):
-        n, n_ok, lat = _context_tile(pool_ptr, bt_row, start, hi, page_size, stride_pp, stride_po, c, c_ok, BLOCK_N)
-        k1r, k2r = _tile_keys(lat, n, wk_ptr, stride_wk, row0, inv_freq, f, f_ok, c, c_ok, HALF, DOT_DTYPE, PRECISION)
-        m_i, l_i, acc = _attend_keys(lat, k1r, k2r, n_ok, q1r, q2r, m_i, l_i, acc, scale, PRECISION)
+    bt_row = bt_ptr + slot * stride_bt
+    # The live context only: a data-dependent trip count read on the device (graph safe, no padding span).
+    # Splits share the row's LIVE context (whole tiles each, sized on the device): a table span far past the
+    # context (max_seq_len pages per slot) leaves no split idle, and a graph replays for any context.
+    split_len = _split_len(n_ctx, n_splits, BLOCK_N)
+    lo = sp * split_len
+    hi = tl.minimum(n_ctx, lo + split_len)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.maximum(tl.load(bt_row + n // page_size, mask=n_ok, other=0), 0).to(tl.int64)
+        lat_ptrs = pool_ptr + page[:, None] * stride_pp + (n % page_size).to(tl.int64)[:, None] * stride_po + c[None, :]
+        lat = tl.load(lat_ptrs, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        m_i, l_i, acc = _attend_tile(lat, n, n_ok, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0, inv_freq, f,
+                                     f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
 
     # The block's own latents: the last tile (of the last split), at the block's RoPE positions.
     bmask = m_ok[:, None] & c_ok[None, :]
     if sp == n_splits - 1:
         blk = tl.load(blk_ptr + b * stride_bb + m[:, None] * stride_bk + c[None, :], mask=bmask, other=0.0)
-        k1r, k2r = _tile_keys(blk, qpos, wk_ptr, stride_wk, row0, inv_freq, f, f_ok, c, c_ok, HALF, DOT_DTYPE,
-                              PRECISION)
-        m_i, l_i, acc = _attend_keys(blk, k1r, k2r, m_ok & live, q1r, q2r, m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_tile(blk, qpos, m_ok & live, q1r, q2r, m_i, l_i, acc, wk_ptr, stride_wk, row0,
+                                     inv_freq, f, f_ok, c, c_ok, scale, HALF, DOT_DTYPE, PRECISION)
         if STORE_BLOCK:
             if hd == 0:
                 dpage = tl.load(page_ids_ptr + b * stride_place + m, mask=m_ok, other=-1)
@@ -236,32 +201,12 @@ def _latent_block_attention_kernel(
                     + doff.to(tl.int64)[:, None] * stride_po + c[None, :]
                 tl.store(dst, blk.to(pool_ptr.dtype.element_ty), mask=bmask & (dpage >= 0)[:, None])
     if SPLIT:
-        used = tl.cdiv(n_ctx, tl.maximum(split_len, 1))  # splits holding context (0 without context)
-        states = used + (used < n_splits).to(tl.int32)  # and the block's last split, unless it is one of them
         if (lo < hi) | (sp == n_splits - 1):
-            if states == 1:
-                # The block's state alone: the merge of one state is the identity, bit for bit (weight exp(0) = 1,
-                # sums 0 + l and 0 + acc), so the row is finished here.
-                _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob,
-                        stride_ok, stride_oh, HALF, PRECISION)
-            else:
-                # part[(b * heads + hd) * n_splits + sp] = (m [BLOCK_M], l [BLOCK_M], acc [BLOCK_M, BLOCK_C]), fp32.
-                rec_len = BLOCK_M * (BLOCK_C + 2)
-                base = part_ptr + (b * tl.num_programs(1) + hd) * n_splits * rec_len
-                rec = base + sp * rec_len
-                tl.store(rec + m, m_i)
-                tl.store(rec + BLOCK_M + m, l_i)
-                tl.store(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :], acc)
-                # The barrier orders every thread's state stores before the release; the acquire orders the
-                # merging program's reads after the other splits' stores.
-                tl.debug_barrier()
-                counter = counter_ptr + b * tl.num_programs(1) + hd
-                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if done == states - 1:
-                    tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
-                    l_m, acc_m = _merge_splits(base, rec_len, used, n_splits, m, c, BLOCK_M, BLOCK_C, SPLITS)
-                    _finish(acc_m, l_m, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask,
-                            stride_ob, stride_ok, stride_oh, HALF, PRECISION)
+            # part[(b * heads + hd) * n_splits + sp] = (m [BLOCK_M], l [BLOCK_M], acc [BLOCK_M, BLOCK_C]), fp32.
+            rec = part_ptr + ((b * tl.num_programs(1) + hd) * n_splits + sp) * (BLOCK_M * (BLOCK_C + 2))
+            tl.store(rec + m, m_i)
+            tl.store(rec + BLOCK_M + m, l_i)
+            tl.store(rec + 2 * BLOCK_M + m[:, None] * BLOCK_C + c[None, :], acc)
     else:
         _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
                 stride_oh, HALF, PRECISION)
@@ -276,14 +221,31 @@ def _merge_split(rec, m, c, m_safe, l_i, acc, BLOCK_M: tl.constexpr, BLOCK_C: tl
     return l_i, acc
 
 
-@triton.jit
-def _merge_splits(base, rec_len, used, n_splits, m, c, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                  SPLITS: tl.constexpr):
-    """The merged ``(l, acc)`` of a (row, head)'s split states at ``base``: the splits that hold context (``sp <
-    used``) and the last one (the block's), in split order, at their common max. The splits between hold nothing
-    (the kernel stored nothing there): skipping them skips terms that were exact zeros, so the bits are those of a
-    merge over every split, at a short context's cost (a 64-token context at B = 1: 5 of 16 states)."""
-    # Every state's max in one load (the max is exact in any order).
+@triton.jit(do_not_specialize=["k_len", "n_splits", "max_ctx"])
+def _latent_block_attention_combine_kernel(
+    part_ptr, wv_ptr, out_ptr, ctx_lens_ptr, seq_lens_ptr, k_len, d_c, n_splits, max_ctx, stride_wv, stride_ob,
+    stride_ok, stride_oh,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (B, heads): merge the states of the splits that hold context (``sp < used``) and of the last one (the
+    block's) in split order, then ``W_uv``. The splits between hold nothing (the attention kernel wrote nothing
+    there): skipping them skips terms that were exact zeros, so the bits are those of a merge over every split,
+    at a short context's cost (a 64-token context at B = 1: 5 of 16 splits)."""
+    b = tl.program_id(0).to(tl.int64)
+    hd = tl.program_id(1)
+    row0 = hd * (2 * HALF)
+    m = tl.arange(0, BLOCK_M)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < d_c
+    qmask = (m < k_len)[:, None] & f_ok[None, :]
+    _, n_ctx = _live_context(ctx_lens_ptr, seq_lens_ptr, b, max_ctx)
+    used = tl.cdiv(n_ctx, tl.maximum(_split_len(n_ctx, n_splits, BLOCK_N), 1))
+    rec_len = BLOCK_M * (BLOCK_C + 2)
+    base = part_ptr + (b * tl.num_programs(1) + hd) * n_splits * rec_len
+    # Every split's max in one load (the max is exact in any order).
     s = tl.arange(0, SPLITS)
     s_ok = ((s < used) | (s == n_splits - 1)) & (s < n_splits)
     m_s = tl.load(base + s[:, None] * rec_len + m[None, :], mask=s_ok[:, None], other=float("-inf"))
@@ -295,7 +257,8 @@ def _merge_splits(base, rec_len, used, n_splits, m, c, BLOCK_M: tl.constexpr, BL
         l_i, acc = _merge_split(base + sp * rec_len, m, c, m_safe, l_i, acc, BLOCK_M, BLOCK_C)
     if used < n_splits:
         l_i, acc = _merge_split(base + (n_splits - 1) * rec_len, m, c, m_safe, l_i, acc, BLOCK_M, BLOCK_C)
-    return l_i, acc
+    _finish(acc, l_i, wv_ptr, stride_wv, row0, out_ptr, b, hd, m, f, f_ok, c, c_ok, qmask, stride_ob, stride_ok,
+            stride_oh, HALF, PRECISION)
 
 
 def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -341,8 +304,8 @@ def _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_
 @dataclass(frozen=True)
 class AttentionSchedule:
     """One row of the per-B schedule table of :func:`latent_block_attention` (``None``: the launcher's
-    default). ``split_k``: context splits per (row, head) -- programs in all ``B * heads * split_k``, one launch
-    either way (with ``split_k > 1`` the last split of a (row, head) to finish merges the splits' states)."""
+    default). ``split_k``: context splits per (row, head) -- programs in all ``B * heads * split_k``, plus one
+    combine launch when ``split_k > 1``."""
 
     max_batch: int | None  # inclusive upper bound of the batch sizes this row covers; None: every larger B
     block_n: int = 32
@@ -397,10 +360,7 @@ def attention_schedule(batch_size: int, schedules: tuple[AttentionSchedule, ...]
 
 
 # Scratch cache of the split-K partials (fp32 ``[B * heads * split_k * BLOCK_M * (BLOCK_C + 2)]``), one per
-# device, grown only outside capture. Outgrown buffers are kept for the graphs that captured them. The splits'
-# arrival counters are the target attention's (:func:`~tensorrt_llm_ext.kernels.paged_attention.tile_counters`):
-# both kernels touch them only after the programmatic wait, when every earlier launch on the stream has completed,
-# and each launch leaves its counters at zero.
+# device, grown only outside capture. Outgrown buffers are kept for the graphs that captured them.
 _PARTIALS: dict[str, torch.Tensor] = {}
 _RETIRED_PARTIALS: list[torch.Tensor] = []
 
@@ -432,7 +392,6 @@ def latent_block_attention(
     store_block_latents: bool = True,
     out: torch.Tensor | None = None,
     schedule: AttentionSchedule | None = None,
-    early_inputs: bool = False,
 ) -> torch.Tensor:
     """Fused block attention over the paged single-latent context; see the module docstring.
 
@@ -454,15 +413,9 @@ def latent_block_attention(
         schedule: tile width, warps, stages and context split (default: the row of
             :data:`ATTENTION_SCHEDULES` for B and d_c). Results depend on it only by rounding (the online softmax
             sums in tile and split order); the block-latent store never does.
-        early_inputs: the caller's word that ``placement``, ``slot_ids``, ``block_table`` and the pool's context
-            latents were written before the previous launch on the stream began (only ``q`` and
-            ``block_latents`` by it): under programmatic dependent launch the kernel then reads them, and computes
-            its first context tile's keys, before waiting on that launch (no bit changes). The drafter's fused
-            layers pass it (their previous launch is the layer's q / latent GEMM).
 
-    Returns ``out``. One launch (with ``split_k > 1`` the last split of a (row, head) to finish merges the splits'
-    states). CUDA-graph safe with ``out=`` once warmed up at the largest B (the RoPE table and the split-K
-    partials and counters are cached).
+    Returns ``out``. One launch (two with ``split_k > 1``: the splits, then their combine). CUDA-graph safe
+    with ``out=`` once warmed up at the largest B (the RoPE table and the split-K partials are cached).
     """
     _check(q, block_latents, pool_layer, block_table, slot_ids, placement, k_up_weight, v_up_weight, out)
     b, k, h, d = q.shape
@@ -498,21 +451,25 @@ def latent_block_attention(
     tiles = max(1, triton.cdiv(max_ctx, block_n))
     splits = max(1, min(schedule.split_k, tiles))
     part = _partials(q.device, b * h * splits * block_m * (block_c + 2)) if splits > 1 else out
-    counters = tile_counters(q.device, b * h) if splits > 1 else block_table
-    pdl = early_inputs and programmatic_launch(q)
     _latent_block_attention_kernel[(b, h, splits)](
         q, block_latents, pool_layer, block_table, slot_ids, placement.ctx_lens, placement.seq_lens,
         placement.positions, placement.page_ids, placement.page_offsets, k_up_weight, v_up_weight, inv_freq, out,
-        part, counters, k, d_c, page_size, block_table.shape[1], float(scale), splits,
+        part, k, d_c, page_size, block_table.shape[1], float(scale), splits,
         q.stride(0), q.stride(1), q.stride(2), block_latents.stride(0), block_latents.stride(1),
         pool_layer.stride(0), pool_layer.stride(1), block_table.stride(0),
         k_up_weight.stride(0), v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2),
         placement.positions.stride(0),
         HALF=d // 2, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_C=block_c, STORE_BLOCK=store_block_latents, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        SPLIT=splits > 1, SPLITS=triton.next_power_of_2(splits), PEEL=early_inputs, PDL=pdl, launch_pdl=pdl,
-        **launch,
+        SPLIT=splits > 1, **launch,
     )
+    if splits > 1:
+        _latent_block_attention_combine_kernel[(b, h)](
+            part, v_up_weight, out, placement.ctx_lens, placement.seq_lens, k, d_c, splits, max_ctx,
+            v_up_weight.stride(0), out.stride(0), out.stride(1), out.stride(2), HALF=d // 2,
+            BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c,
+            SPLITS=triton.next_power_of_2(splits), PRECISION=precision, num_warps=4,
+        )
     return out
 
 
@@ -625,10 +582,8 @@ def latent_block_attention_reference(
     *,
     store_block_latents: bool = True,
     out: torch.Tensor | None = None,
-    early_inputs: bool = False,
 ) -> torch.Tensor:
-    """Eager twin of :func:`latent_block_attention` (same arguments, same writes; ``early_inputs`` orders no launch
-    here and is ignored): store the block latents,
+    """Eager twin of :func:`latent_block_attention` (same arguments, same writes): store the block latents,
     gather the whole table span, up-project every gathered latent, masked fp32 softmax. Any device;
     capturable (its allocations land in the graph's pool); context capped at ``max_pages * page_size``."""
     if store_block_latents:

@@ -456,8 +456,7 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """The per-device int32 arrival counters of split tiles (zero between launches: each tile's merging
     program resets its own). Allocated zeroed once, outside any capture, and grown only outside one (a graph
     keeps their address); a launch inside a capture that needs more raises :class:`CaptureAllocationError`.
-    Launches on one device must not run concurrently on two streams (they share the counters; the drafter's block
-    attention counts its context splits on them too)."""
+    Launches on one device must not run concurrently on two streams (they share the counters)."""
     device = torch.device(device)
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:

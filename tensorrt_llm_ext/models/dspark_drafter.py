@@ -657,8 +657,7 @@ class DSparkDrafter(nn.Module, DrafterCapabilities):
             o = self._block_attention(q, block_latents, pool[i], inputs.cache.block_table, inputs.slot_ids,
                                       inputs.placement, attn.k_up_proj.weight, attn.v_up_proj.weight, attn.rope_theta,
                                       attn.scale, out=torch.empty(b, k, attn.num_local_heads, attn.head_dim,
-                                                                  dtype=h.dtype, device=h.device),
-                                      early_inputs=True)  # the previous launch (qc) writes only q / latents
+                                                                  dtype=h.dtype, device=h.device))
             # h was written two or more launches before each residual product (early_residual)
             h = fused_linear(o.view(b * k, qdim), attn.o_proj.weight, epilogue=EPI_RESIDUAL, residual=h,
                              early_residual=True)
