@@ -64,10 +64,11 @@ class SlotLogitsProcessors:
         self.mapping = mapping if sharded else None
         dev = self.device = torch.device(device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=dev)
-        self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=dev)
-        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=dev)
-        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=dev)
-        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=dev)
+        # The four float fields in one [S, 4] table, so an admission writes all of its slots' in one launch (one
+        # write per field and slot was ~7 launches a request from Python); the named columns are views of it.
+        self._floats = torch.zeros(num_slots, 4, dtype=torch.float32, device=dev)
+        self._floats[:, 3] = 1.0  # repetition 1: the identity
+        self.min_p, self.presence, self.frequency, self.repetition = self._floats.unbind(1)
         self.bias_cols = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=dev)  # this rank's columns
         self.bias_vals = torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)  # 0: no entry
         # [S, width] int32 / bool, allocated with the first processed request or step (never inside a capture:
@@ -90,29 +91,34 @@ class SlotLogitsProcessors:
         """Set the processing fields of ``slots`` from their requests' params and reset their counts to the
         prompts'."""
         dev = self.device
-        for slot, f, prompt in zip(slots, params, prompts):
+        for slot, f in zip(slots, params):
             self._host[slot] = f
-            self.top_k[slot] = f.top_k
-            # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in
-            # fp32's range), which torch cannot write into a float tensor as an int
-            self.min_p[slot] = float(f.min_p)
-            self.presence[slot] = float(f.presence_penalty)
-            self.frequency[slot] = float(f.frequency_penalty)
-            self.repetition[slot] = float(f.repetition_penalty)
-            self.bias_cols[slot] = 0
-            self.bias_vals[slot] = 0.0
+        # every slot's fields at once: a launch per field, not per field and slot
+        idx = host_to_device(slots, torch.int64, dev)
+        self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
+        # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in fp32's
+        # range), which torch cannot write into a float tensor as an int
+        self._floats[idx] = host_to_device([[float(f.min_p), float(f.presence_penalty), float(f.frequency_penalty),
+                                             float(f.repetition_penalty)] for f in params], torch.float32, dev)
+        self.bias_cols[idx] = 0
+        self.bias_vals[idx] = 0.0
+        for slot, f in zip(slots, params):
             own = [(t - self.vocab_start, b) for t, b in f.logit_bias if 0 <= t - self.vocab_start < self.width]
             if own:
                 self.bias_cols[slot, :len(own)] = host_to_device([c for c, _ in own], torch.int64, dev)
                 self.bias_vals[slot, :len(own)] = host_to_device([b for _, b in own], torch.float32, dev)
-            if f.uses_counts or self.counts is not None:
-                counts, in_prompt = self._tables()
-                counts[slot] = 0
-                in_prompt[slot] = False
-                # this shard's columns, chosen on the host (a boolean mask on the device would read its count back)
-                cols = [t - self.vocab_start for t in prompt if 0 <= t - self.vocab_start < self.width]
-                if cols:
-                    in_prompt[slot, host_to_device(cols, torch.int64, dev)] = True
+        if self.counts is not None or any(f.uses_counts for f in params):
+            counts, in_prompt = self._tables()
+            counts[idx] = 0
+            in_prompt[idx] = False
+            # this shard's columns, chosen on the host (a boolean mask on the device would read its count back)
+            rows, cols = [], []
+            for slot, prompt in zip(slots, prompts):
+                own_cols = [t - self.vocab_start for t in prompt if 0 <= t - self.vocab_start < self.width]
+                rows += [slot] * len(own_cols)
+                cols += own_cols
+            if cols:
+                in_prompt[host_to_device(rows, torch.int64, dev), host_to_device(cols, torch.int64, dev)] = True
 
     def _acts(self, slot: int) -> bool:
         """Whether the slot's processing changes its row (:meth:`SamplingParams.acts_on_logits`)."""

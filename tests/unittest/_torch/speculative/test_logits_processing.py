@@ -229,3 +229,28 @@ def test_sampling_only_fields_of_a_greedy_request_leave_the_step_variant_alone()
     logits, _, _ = _case(7)
     x = logits[:3]
     assert torch.equal(proc.apply(x, [0, 1, 2], torch.arange(3), torch.zeros(3)), x.float())
+
+
+def test_one_assign_of_many_slots_equals_one_per_slot():
+    """An admission of several requests writes its slots' fields in one launch per field: every table ends as
+    one assign per slot leaves it (a slot's earlier bias entries and counts cleared, its prompt on this shard's
+    columns only), the slots outside it untouched."""
+    start, width = 5, 20  # a shard: columns 5 .. 24
+    together = SlotLogitsProcessors(len(FIELDS) + 2, start, width, V, "cpu")
+    apart = SlotLogitsProcessors(len(FIELDS) + 2, start, width, V, "cpu")
+    for proc in (together, apart):  # earlier requests on the same slots: their bias and counts must go
+        proc.assign([1, 5, 8], [FIELDS[1], FIELDS[5], FIELDS[2]], [[6, 7], [9], [10, 11]])
+        proc.record([1, 5, 8], torch.tensor([1, 5, 8]), torch.tensor([[6], [9], [12]]), torch.tensor([1, 1, 1]))
+    slots = [5, 0, 3, 1, 6, 2, 4]
+    together.assign(slots, FIELDS, PROMPTS)
+    for s, f, p in zip(slots, FIELDS, PROMPTS):
+        apart.assign([s], [f], [p])
+    for name in ("top_k", "min_p", "presence", "frequency", "repetition", "bias_cols", "bias_vals", "counts",
+                 "in_prompt"):
+        assert torch.equal(getattr(together, name), getattr(apart, name)), name
+    assert together.counts[8].sum() == 1 and together.repetition[8] == FIELDS[2].repetition_penalty  # untouched
+    assert not together.bias_vals[1].any() and together.counts[5].sum() == 0  # the earlier requests' state gone
+    assert together.top_k[6] == FIELDS[4].top_k and together.min_p[6] == pytest.approx(FIELDS[4].min_p)
+    assert together.in_prompt[0].nonzero().view(-1).tolist() == []  # slot 0's prompt [3] lies before the shard
+    assert together.in_prompt[3].nonzero().view(-1).tolist() == [9 - start]  # [4, 4, 9, 36]: 36 past the shard
+    assert together.in_prompt[2].nonzero().view(-1).tolist() == [0, 1]  # [5, 6, 5]
