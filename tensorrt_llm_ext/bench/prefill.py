@@ -46,11 +46,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "present, else the seeded bigram drafter serve builds); default: the embedded model")
     p.add_argument("--rows", type=int_list(1, 1 << 16), default="1,4,16" if cuda else "1,2",
                    help="requests admitted together (one batched prefill)")
-    p.add_argument("--prompt-lens", type=int_list(1, 1 << 20), default="128,512" if cuda else "8",
-                   help="prompt tokens of each request")
+    p.add_argument("--prompt-lens", type=int_list(1, 1 << 20), default=None,
+                   help="prompt tokens of each request (default: 128,512 on a GPU -- those of them that fit the "
+                        "model's max_seq_len with the new tokens, at least the largest that does --, 8 on a CPU)")
     p.add_argument("--reps", type=positive_int, default=9 if cuda else 1, help="admissions timed per cell")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' temperature (> 0: sampled rows, drafted by rejection sampling's chain)")
+
+
+def default_prompt_lens(cuda: bool, max_seq_len: int, new_tokens: int) -> list[int]:
+    """``--prompt-lens``' default: 128 and 512 on a GPU, 8 on a CPU -- those that fit ``max_seq_len`` with
+    ``new_tokens``, else the longest prompt that does (at least 1: a model too short for any is refused after)."""
+    lens = [128, 512] if cuda else [8]
+    return [n for n in lens if n + new_tokens <= max_seq_len] or [max(1, max_seq_len - new_tokens)]
 
 
 def _sync(device: torch.device) -> None:
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if not cuda:
         torch.set_num_threads(1)
     rows = sorted({int(x) for x in args.rows.split(",")})
-    lens = sorted({int(x) for x in args.prompt_lens.split(",")})
+    lens = sorted({int(x) for x in args.prompt_lens.split(",")}) if args.prompt_lens else None
     fields = {"max_batch_size": max(rows)}
     if args.model is None and not cuda:
         from tensorrt_llm_ext.configs.tiny_model import tiny_model
@@ -117,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         first = first_line(e)
         return refuse(f"--model {args.model}: {first}" if args.model is not None else first)
     new_tokens = cfg.draft_len + 2  # room for the first token and one step's block
+    if lens is None:
+        lens = default_prompt_lens(cuda, cfg.max_seq_len, new_tokens)
     if max(lens) + new_tokens > cfg.max_seq_len:
         return refuse(f"--prompt-lens {max(lens)}: a prompt and {new_tokens} new tokens do not fit max_seq_len "
                       f"{cfg.max_seq_len}")

@@ -80,3 +80,16 @@ def test_bench_prefill_gpu_times_every_cell(capsys):
     assert main(["bench", "prefill", "--rows", "1,2", "--prompt-lens", "16", "--reps", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert len(rows) == 2 and all("| - " not in r for r in rows), rows
+
+
+def test_default_prompt_lens_fit_the_model():
+    """Without ``--prompt-lens`` the defaults that fit the model's max_seq_len (the embedded model's 160 tokens on a
+    GPU: 128 only), else its longest prompt; never a refusal of the command's own defaults."""
+    from tensorrt_llm_ext.bench.prefill import default_prompt_lens
+
+    assert default_prompt_lens(True, 4096, 6) == [128, 512]
+    assert default_prompt_lens(True, 160, 6) == [128]
+    assert default_prompt_lens(True, 100, 6) == [94]
+    assert default_prompt_lens(False, 64, 5) == [8]
+    assert default_prompt_lens(False, 10, 5) == [5]
+    assert default_prompt_lens(False, 3, 5) == [1]
