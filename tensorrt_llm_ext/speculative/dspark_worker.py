@@ -222,28 +222,35 @@ class DSparkWorker(SpecWorkerBase):
         ``variant``: the code path the step runs (default: :meth:`step_needs` of ``slots``); it must cover
         the rows' needs -- a step never runs a path that computes another distribution for a row.
         """
-        n = len(slots)
-        if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
-            raise ValueError(f"set_rows: {n} slots do not fit batch_size={batch_size} (max {self.max_batch_size})")
-        self.check_slots("set_rows", slots)
+        self._check_rows("set_rows", slots, batch_size)
         need = self.step_needs(slots)
         variant = need if variant is None else variant
         # A variant no graph is captured for (wide top-k) runs as the rows need it, eagerly.
         if not variant.covers(need) or (variant not in self.step_variants and variant != need):
             raise ValueError(f"set_rows: the {variant} step variant does not serve these rows (they need the "
                              f"{need} variant; this worker runs {[str(v) for v in self.step_variants]})")
-        # On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
-        # overlap scheduler launches the next step before the previous one is done) and never waits for it.
-        pin = self.slot_ids.is_cuda
+        self._copy_rows(slots, batch_size, self.slot_ids, self.is_dummy)
+        self._rows_batch_size = batch_size
+        self._step_variant = variant
+        self._step_slots = list(slots)
+
+    def _check_rows(self, where: str, slots: list[int], batch_size: int) -> None:
+        if len(slots) > batch_size or not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"{where}: {len(slots)} slots do not fit batch_size={batch_size} "
+                             f"(max {self.max_batch_size})")
+        self.check_slots(where, slots)
+
+    def _copy_rows(self, slots: list[int], batch_size: int, slot_ids: torch.Tensor, is_dummy: torch.Tensor) -> None:
+        """``slot_ids[:batch_size]`` / ``is_dummy[:batch_size]``: ``slots`` first, then dummy rows (the dummy slot).
+        On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
+        overlap scheduler launches the next step before the previous one is done) and never waits for it."""
+        n, pin = len(slots), slot_ids.is_cuda
         ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
         ids[:n] = torch.tensor(slots, dtype=torch.int32)
         dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
         dummy[:n] = False
-        self.slot_ids[:batch_size].copy_(ids, non_blocking=pin)
-        self.is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
-        self._rows_batch_size = batch_size
-        self._step_variant = variant
-        self._step_slots = list(slots)
+        slot_ids[:batch_size].copy_(ids, non_blocking=pin)
+        is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
 
     def check_slots(self, where: str, slots: list[int]) -> None:
         """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the
@@ -404,7 +411,9 @@ class DSparkWorker(SpecWorkerBase):
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
         GEMM of another shape may round differently. Eager but for the target forward, which replays captured
-        token buckets where the engine enabled them (:meth:`_prefill_forward`); synchronises once for the tokens.
+        token buckets where the engine enabled them (:meth:`_prefill_forward`), and for the first block, which replays
+        its graph of the row count where the engine captured one (:meth:`draft_first_block`); synchronises once for the
+        tokens.
         """
         self._check_prefill(slots, prompts, params)
         st = self.state
@@ -464,18 +473,8 @@ class DSparkWorker(SpecWorkerBase):
     def set_admission_rows(self, slots: list[int], batch_size: int) -> None:
         """Rows ``[0, len(slots))`` of the admission's first block run these slots; rows up to ``batch_size`` are
         dummies (the dummy slot: their writes land on its scratch pages and state, as a padded step's do)."""
-        n = len(slots)
-        if n > batch_size or not 1 <= batch_size <= self.max_batch_size:
-            raise ValueError(f"set_admission_rows: {n} slots do not fit batch_size={batch_size} "
-                             f"(max {self.max_batch_size})")
-        self.check_slots("set_admission_rows", slots)
-        pin = self.admit_slot_ids.is_cuda  # from pinned memory, stream-ordered behind a step in flight
-        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
-        ids[:n] = torch.tensor(slots, dtype=torch.int32)
-        dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
-        dummy[:n] = False
-        self.admit_slot_ids[:batch_size].copy_(ids, non_blocking=pin)
-        self.admit_is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
+        self._check_rows("set_admission_rows", slots, batch_size)
+        self._copy_rows(slots, batch_size, self.admit_slot_ids, self.admit_is_dummy)
         self._admit_batch_size = batch_size
 
     def draft_first_block(self, slots: list[int], first_tokens: torch.Tensor, last_latents: torch.Tensor) -> None:
