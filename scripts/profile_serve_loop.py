@@ -98,6 +98,7 @@ def main() -> int:
     p.add_argument("--window-plans", type=int, default=200)
     p.add_argument("--no-overlap", action="store_true", help="the serial loop instead of the overlap scheduler")
     p.add_argument("--trace", default=None, help="keep the Chrome trace here")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the numbers as JSON here")
     args = p.parse_args()
 
     from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
@@ -219,6 +220,14 @@ def main() -> int:
     print(f"\nkernel ms by the host phase that launched it (launch_step: the step's replay or eager launches; prefill: "
           f"the admissions; collect: the step's token read-back and bookkeeping); idle: the window's wall less the "
           f"union of kernel intervals. Trace: {path}")
+    if args.json_out:
+        summary = {"device": dev, "mode": args.mode, "concurrency": args.concurrency,
+                   "profiled": {**at, "plans": len(win), "steps": len(steps), "admissions": n_admit, "tokens": tokens,
+                                "plan_host_ms": walls},
+                   "bare": {"plans": len(bare), "steps": bare_steps, "tokens": bare_tokens, "wall_ms": bare_wall * 1e3,
+                            "admissions": sum(w["admit"] for w in bare), "plan_host_ms": bwalls}}
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
     top = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
     print("\n```\n" + top + "\n```")
     return 0
