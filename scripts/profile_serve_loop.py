@@ -16,8 +16,10 @@ phase. Prints a Markdown table; ``--trace FILE`` keeps the Chrome trace.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -99,6 +101,8 @@ def main() -> int:
     p.add_argument("--no-overlap", action="store_true", help="the serial loop instead of the overlap scheduler")
     p.add_argument("--trace", default=None, help="keep the Chrome trace here")
     p.add_argument("--json", dest="json_out", default=None, help="also write the numbers as JSON here")
+    p.add_argument("--cprofile", default=None, help="also profile the host (cProfile) over the window without the "
+                   "torch profiler; the top functions go here")
     args = p.parse_args()
 
     from tensorrt_llm_ext.interpreter import ensure_triton_interpreter
@@ -161,13 +165,22 @@ def main() -> int:
     prof_start = bare_start + args.window_plans
     total_plans = prof_start + args.window_plans
     bare_t0 = bare_tokens = None
+    host_prof = cProfile.Profile() if args.cprofile else None
     while (queue or sched.num_active) and len(plans) < total_plans:
         if len(plans) == bare_start:
             sync()
             bare_t0, tokens = time.perf_counter(), 0
+            if host_prof is not None:
+                host_prof.enable()
         if len(plans) == prof_start:
             sync()
             bare_wall, bare_tokens = time.perf_counter() - bare_t0, tokens
+            if host_prof is not None:
+                host_prof.disable()
+                with open(args.cprofile, "w") as f:
+                    stats = pstats.Stats(host_prof, stream=f)
+                    stats.sort_stats("cumulative").print_stats(60)
+                    stats.sort_stats("tottime").print_stats(40)
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
             prof.__enter__()

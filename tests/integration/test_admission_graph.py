@@ -51,10 +51,13 @@ def _slot_state(eng: Engine, slots: list[int]) -> dict[str, torch.Tensor]:
     st, w = eng.state, eng.worker()
     idx = torch.tensor(slots, device=st.ctx_lens.device)
     pages = st.block_table[idx].long().clamp(min=0)  # the slots' own latent pages (unallocated -> page 0: same)
-    return {"slot_tokens": st.slot_tokens[idx].cpu(), "ctx_lens": st.ctx_lens[idx].cpu(),
-            "latents": st.latent_pool[:, pages].cpu(),
-            "draft_logits": w.metadata.draft_logits[idx].float().cpu(),
-            "confidences": w.draft_confidences[:len(slots)].cpu()}
+    # clones: on a CPU .cpu() returns the tensor itself, and a snapshot must not follow the live buffers
+    return {"slot_tokens": st.slot_tokens[idx].cpu().clone(), "ctx_lens": st.ctx_lens[idx].cpu().clone(),
+            "latents": st.latent_pool[:, pages].cpu().clone(),
+            "draft_logits": w.metadata.draft_logits[idx].float().cpu().clone(),
+            # the confidences the slot's next step reports (the engine keeps them per slot: the worker's
+            # draft_confidences rows are the last drafting call's, whichever slots it ran)
+            "confidences": torch.tensor([eng._pending_confidences[s] for s in slots])}
 
 
 def _assert_same(a: dict, b: dict, exact_drafts: bool = True) -> None:
