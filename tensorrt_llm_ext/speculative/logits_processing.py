@@ -76,6 +76,11 @@ class SlotLogitsProcessors:
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
         self._host: list[SamplingParams] = [SamplingParams()] * num_slots
+        # Per slot, from its params at assignment (read for every row of every step: the step variant's host
+        # decision must not re-derive them, ~2 us a field from Python, 32 rows twice a step)
+        self._acting = [False] * num_slots  # SamplingParams.acts_on_logits(vocab_size)
+        self._limit_k = [0] * num_slots  # SamplingParams.limiting_top_k(vocab_size)
+        self._counting = [False] * num_slots  # SamplingParams.uses_counts
         self._cols = torch.arange(width, dtype=torch.int64, device=dev)
         self._valid = (self._cols + vocab_start) < vocab_size  # padding columns of the last shard: never kept
 
@@ -93,6 +98,9 @@ class SlotLogitsProcessors:
         dev = self.device
         for slot, f in zip(slots, params):
             self._host[slot] = f
+            self._acting[slot] = f.acts_on_logits(self.vocab_size)
+            self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
+            self._counting[slot] = f.uses_counts
         # every slot's fields at once: a launch per field, not per field and slot
         idx = host_to_device(slots, torch.int64, dev)
         self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
@@ -122,11 +130,11 @@ class SlotLogitsProcessors:
 
     def _acts(self, slot: int) -> bool:
         """Whether the slot's processing changes its row (:meth:`SamplingParams.acts_on_logits`)."""
-        return self._host[slot].acts_on_logits(self.vocab_size)
+        return self._acting[slot]
 
     def _limiting_top_k(self, slot: int) -> int:
         """The slot's ``top_k`` where it limits its row (:meth:`SamplingParams.limiting_top_k`), else 0."""
-        return self._host[slot].limiting_top_k(self.vocab_size)
+        return self._limit_k[slot]
 
     def active(self, slots: list[int]) -> bool:
         """Whether any of ``slots`` processes its logits (a host fact: the step variant that runs this)."""
@@ -195,7 +203,7 @@ class SlotLogitsProcessors:
                live: torch.Tensor | None = None) -> None:
         """Count the emitted ``tokens [B, T]`` (the first ``num [B]`` of each row, ``live [B]`` rows only) in
         their slots (every slot once the tables exist: a slot without penalties never reads its counts)."""
-        if self.counts is None and not any(self._host[s].uses_counts for s in slots):
+        if self.counts is None and not any(self._counting[s] for s in slots):
             return  # nothing reads counts yet; the tables start at the next assign or processed step
         counts, _ = self._tables()
         b, t = tokens.shape

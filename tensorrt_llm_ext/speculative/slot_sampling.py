@@ -40,6 +40,7 @@ class SlotSampling:
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
         self.processors: SlotLogitsProcessors | None = None
         self.params: list[SamplingParams] = [SamplingParams()] * num_slots  # host copy, per slot
+        self._top_p_rows = [False] * num_slots  # SamplingParams.restricts_top_p per slot, set at assignment
 
     def bind_processors(self, processors: SlotLogitsProcessors) -> None:
         self.processors = processors
@@ -60,11 +61,13 @@ class SlotSampling:
         self.top_p[idx] = host_to_device([p.effective_top_p for p in params], self.top_p.dtype, dev)
         for slot, p in zip(slots, params):
             self.params[slot] = p
+            self._top_p_rows[slot] = p.restricts_top_p
         self.processors.assign(slots, params, prompts)
 
     def restricts_top_p(self, slots: list[int]) -> bool:
         """Whether a row of ``slots`` samples from a top-p set."""
-        return any(self.params[s].restricts_top_p for s in slots)
+        flags = self._top_p_rows  # from the params at assignment: every step asks, for every row
+        return any(flags[s] for s in slots)
 
     def needs(self, slots: list[int]) -> StepVariant:
         """The cheapest variant that computes every row's distribution for a step over ``slots``: top-p iff a

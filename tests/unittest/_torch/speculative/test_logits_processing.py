@@ -254,3 +254,24 @@ def test_one_assign_of_many_slots_equals_one_per_slot():
     assert together.in_prompt[0].nonzero().view(-1).tolist() == []  # slot 0's prompt [3] lies before the shard
     assert together.in_prompt[3].nonzero().view(-1).tolist() == [9 - start]  # [4, 4, 9, 36]: 36 past the shard
     assert together.in_prompt[2].nonzero().view(-1).tolist() == [0, 1]  # [5, 6, 5]
+
+
+def test_step_variant_follows_each_assignment_of_a_slot():
+    """The step variant's host facts (top-p set, processing, top-k width) are kept per slot at assignment (every
+    step asks them for every row): a slot given to another request answers with the new request's, never the
+    one before it -- sampled top-p -> greedy -> a bias -> plain."""
+    from types import SimpleNamespace
+
+    from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
+
+    ss = SlotSampling(SimpleNamespace(ctx_lens=torch.zeros(4, dtype=torch.int32)), sampling=True)
+    ss.bind_processors(SlotLogitsProcessors(4, 0, V, V, "cpu", captured_top_k=4))
+    seq = [(SamplingParams(temperature=1.0, top_p=0.9, top_k=10), (True, True, True)),
+           (SamplingParams(temperature=0.0, top_p=0.9, top_k=10), (False, False, False)),  # greedy: no top-p, no top-k
+           (SamplingParams(logit_bias=((2, 1.0),)), (False, True, False)),
+           (SamplingParams(temperature=1.0), (False, False, False))]
+    for params, (top_p, processed, wide) in seq:
+        ss.assign([2], [params], [[1]])
+        need = ss.needs([0, 2])
+        assert (need.top_p, need.processed, need.wide_top_k) == (top_p, processed, wide), params
+        assert ss.needs([0, 1]) == ss.needs([3])  # the other slots keep their (default) params
