@@ -84,6 +84,21 @@ def attribute(trace: dict) -> dict[str, float]:
     return out
 
 
+def stub_device(eng, runner) -> None:
+    """``--host-only``: the runner's step returns its batch size's first outputs again (computed once), and an
+    admission returns token 1 per row without a prefill -- the loop's own host work, whatever the model."""
+    outputs: dict[int, object] = {}
+    forward = runner.forward
+
+    def cached(batch_size: int):
+        if batch_size not in outputs:
+            outputs[batch_size] = forward(batch_size)
+        return outputs[batch_size]
+
+    runner.forward = cached
+    eng.prefill_slots = lambda slots, requests, mode="speculative", starts=None: [1] * len(slots)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
@@ -101,6 +116,10 @@ def main() -> int:
     p.add_argument("--no-overlap", action="store_true", help="the serial loop instead of the overlap scheduler")
     p.add_argument("--trace", default=None, help="keep the Chrome trace here")
     p.add_argument("--json", dest="json_out", default=None, help="also write the numbers as JSON here")
+    p.add_argument("--host-only", action="store_true",
+                   help="the loop's host cost alone: every step returns its batch size's first outputs again (no device "
+                        "work after the first), every admission its first tokens without a prefill; graphs off, no "
+                        "torch profiler window (runs on a CPU: what the loop costs the host per plan)")
     p.add_argument("--cprofile", default=None, help="also profile the host (cProfile) over the window without the "
                    "torch profiler; the top functions go here")
     args = p.parse_args()
@@ -123,8 +142,10 @@ def main() -> int:
 
         fields = {**tiny_model(), **fields}
     cfg = load_config(model_dir=args.model, **fields)
-    eng = Engine(cfg, use_cuda_graph=cuda)
-    eng.runner(args.mode)  # the decode graphs (and the admission's, the prefill buckets) before the clock
+    eng = Engine(cfg, use_cuda_graph=cuda and not args.host_only)
+    runner = eng.runner(args.mode)  # the decode graphs (and the admission's, the prefill buckets) before the clock
+    if args.host_only:
+        stub_device(eng, runner)
     vocab = eng.vocab_size
     if args.prompt_set == "random":
         n = min(args.prompt_len, cfg.max_seq_len - args.max_tokens - cfg.draft_len - 2)
@@ -139,22 +160,21 @@ def main() -> int:
                   for i in range(args.requests))
     sched = Scheduler(eng, mode=args.mode, overlap=not args.no_overlap)
     rf = torch.profiler.record_function
-    # each phase of a plan under its own annotation (the methods are the scheduler's own; wrapped on the instance)
-    for name, method in (("launch_step", "engine"), ("prefill", "_prefill"), ("collect", "_collect")):
-        if method == "engine":
-            orig_launch = eng.launch_step
 
-            def launch_step(*a, _f=orig_launch, **k):
-                with rf("launch_step"):
-                    return _f(*a, **k)
-            eng.launch_step = launch_step
-        else:
-            orig = getattr(sched, method)
+    def annotate() -> None:
+        """Each phase of a plan under its own annotation (the methods are the scheduler's and the engine's own,
+        wrapped on the instances) -- for the profiled window only: the wrappers cost host time of their own."""
+        def wrap(obj, method: str, name: str) -> None:
+            orig = getattr(obj, method)
 
-            def wrapped(*a, _f=orig, _n=name, **k):
-                with rf(_n):
-                    return _f(*a, **k)
-            setattr(sched, method, wrapped)
+            def wrapped(*a, **k):
+                with rf(name):
+                    return orig(*a, **k)
+            setattr(obj, method, wrapped)
+
+        wrap(eng, "launch_step", "launch_step")
+        wrap(sched, "_prefill", "prefill")
+        wrap(sched, "_collect", "collect")
 
     plans: list[dict] = []
     tokens = 0
@@ -163,8 +183,8 @@ def main() -> int:
     # warm-up, then a window without the profiler (its host times are the loop's own), then the profiled window
     bare_start = args.warmup_plans
     prof_start = bare_start + args.window_plans
-    total_plans = prof_start + args.window_plans
-    bare_t0 = bare_tokens = None
+    total_plans = prof_start + (1 if args.host_only else args.window_plans)  # host only: stops at the window's end
+    bare_t0 = bare_tokens = bare_wall = None
     host_prof = cProfile.Profile() if args.cprofile else None
     while (queue or sched.num_active) and len(plans) < total_plans:
         if len(plans) == bare_start:
@@ -175,12 +195,15 @@ def main() -> int:
         if len(plans) == prof_start:
             sync()
             bare_wall, bare_tokens = time.perf_counter() - bare_t0, tokens
+            if args.host_only:
+                break
             if host_prof is not None:
                 host_prof.disable()
                 with open(args.cprofile, "w") as f:
                     stats = pstats.Stats(host_prof, stream=f)
                     stats.sort_stats("cumulative").print_stats(60)
                     stats.sort_stats("tottime").print_stats(40)
+            annotate()
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
             prof.__enter__()
@@ -188,12 +211,28 @@ def main() -> int:
         room = min(sched.admissible(r for _, r in queue), args.concurrency - sched.num_active)
         admit = [queue.popleft() for _ in range(max(0, room))]
         t0 = time.perf_counter()
-        with rf("plan"):
+        if prof is not None:
+            with rf("plan"):
+                events, st = sched.apply(StepPlan(admit=admit))
+        else:
             events, st = sched.apply(StepPlan(admit=admit))
         plans.append({"wall": time.perf_counter() - t0, "admit": len(admit), "rows": st.num_rows,
                       "step_s": st.step_s, "prefill_s": st.prefill_s, "accepted": list(st.accepted_lens)})
         tokens += sum(len(e.tokens) for e in events)
     sync()
+    if args.host_only:
+        if bare_wall is None:
+            print(f"error: the run ended after {len(plans)} plans, before the window; send more --requests",
+                  file=sys.stderr)
+            return 2
+        bare = plans[bare_start:prof_start]
+        print(f"host only ({args.mode}, concurrency {args.concurrency}, {torch.__version__}): {len(bare)} plans, "
+              f"{sum(1 for w in bare if w['rows'])} steps, {bare_wall * 1e3 / len(bare):.3f} ms a plan")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"mode": args.mode, "concurrency": args.concurrency, "plans": len(bare),
+                           "ms_per_plan": bare_wall * 1e3 / len(bare)}, f)
+        return 0
     if prof is None:
         print(f"error: the run ended after {len(plans)} plans, before the window (--warmup-plans "
               f"{args.warmup_plans}); send more --requests", file=sys.stderr)

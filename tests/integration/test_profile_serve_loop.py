@@ -79,3 +79,18 @@ def test_a_run_too_short_for_the_window_says_so(monkeypatch, capsys):
                                       "--max-tokens", "2", "--prompt-len", "4", "--warmup-plans", "50"])
     assert mod.main() == 2
     assert "before the window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["target_only", "speculative"])
+def test_host_only_loop_reports_its_plans(tmp_path, monkeypatch, capsys, mode):
+    """--host-only: the step returns its first outputs again and admissions skip the prefill, so the window is
+    the loop's host work alone; it runs the window's plans, steps in them, and reports ms a plan."""
+    mod = _load()
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", ["profile_serve_loop.py", "--host-only", "--mode", mode, "--concurrency", "4",
+                                      "--requests", "40", "--max-tokens", "6", "--prompt-len", "6",
+                                      "--warmup-plans", "3", "--window-plans", "8", "--json", str(out)])
+    assert mod.main() == 0
+    res = json.loads(out.read_text())
+    assert res["plans"] == 8 and res["ms_per_plan"] > 0 and res["mode"] == mode
+    assert f"host only ({mode}, concurrency 4" in capsys.readouterr().out
