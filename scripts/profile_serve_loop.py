@@ -195,14 +195,14 @@ def main() -> int:
         if len(plans) == prof_start:
             sync()
             bare_wall, bare_tokens = time.perf_counter() - bare_t0, tokens
-            if args.host_only:
-                break
             if host_prof is not None:
                 host_prof.disable()
                 with open(args.cprofile, "w") as f:
                     stats = pstats.Stats(host_prof, stream=f)
                     stats.sort_stats("cumulative").print_stats(60)
                     stats.sort_stats("tottime").print_stats(40)
+            if args.host_only:
+                break
             annotate()
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
