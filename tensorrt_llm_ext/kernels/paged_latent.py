@@ -336,6 +336,99 @@ def _store_context_latents_kernel(
     tl.store(pool_ptr + layer * stride_pl + page * stride_pp + off * stride_ps + cols, x, mask=m)
 
 
+@triton.jit
+def _store_prompt_latents_kernel(
+    lat_ptr, slot_ptr, start_ptr, len_ptr, table_ptr, pool_ptr,
+    cols_per_row, max_pages, num_pages, page_size, d_c, stride_start, stride_table, stride_ln, stride_ll,
+    stride_pl, stride_pp, stride_ps,
+    BLOCK_D: tl.constexpr,
+):
+    # row = r * T + t holds position starts[r] + t of slot slots[r]: its destination is looked up here, not
+    # by a chain of torch ops on the host's launch path
+    row = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r = row // cols_per_row
+    pos = tl.load(start_ptr + r * stride_start).to(tl.int64) + row % cols_per_row
+    n = tl.load(len_ptr + r).to(tl.int64)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    pidx = pos // page_size
+    ok = (pos >= 0) & (pos < n - 1) & (pidx < max_pages)
+    page = tl.load(table_ptr + slot * stride_table + pidx, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (page >= 0) & (page < num_pages)
+    off = pos % page_size
+    m = (cols < d_c) & ok
+    x = tl.load(lat_ptr + row * stride_ln + layer * stride_ll + cols, mask=m)
+    tl.store(pool_ptr + layer * stride_pl + page * stride_pp + off * stride_ps + cols, x, mask=m)
+
+
+def _prompt_checks(latents, slots, starts, lens, block_table, pool, page_size):
+    check_tensor("latents [R*T, L, d_c]", latents, shape=(None, None, None), unit_last_stride=True)
+    n, layers, d_c = latents.shape
+    check_tensor("pool [L, num_pages, page_size, d_c]", pool, shape=(layers, None, page_size, d_c),
+                 dtype=latents.dtype, unit_last_stride=True)
+    check_tensor("slots [R]", slots, shape=(None,), dtype=INT_DTYPES)
+    r = slots.shape[0]
+    check_tensor("starts [R]", starts, shape=(r,), dtype=INT_DTYPES)
+    check_tensor("lens [R]", lens, shape=(r,), dtype=INT_DTYPES)
+    check_tensor("block_table [S, P]", block_table, shape=(None, None), dtype=INT_DTYPES, unit_last_stride=True)
+    if r == 0 or n % r:
+        raise ValueError(f"store_prompt_latents: latents [R*T, ...] need R >= 1 rows of T positions; got {n} rows "
+                         f"for R={r}")
+    check_devices(latents.device, slots=slots, starts=starts, lens=lens, block_table=block_table, pool=pool)
+    check_contiguous(slots=slots, lens=lens)
+
+
+def store_prompt_latents(latents: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                         block_table: torch.Tensor, pool: torch.Tensor, *, page_size: int) -> torch.Tensor:
+    """Store a prefill block's drafter context latents at their prompt positions, one launch.
+
+    ``latents [R*T, L, d_c]``: row ``r*T + t`` is position ``starts[r] + t`` of slot ``slots[r]`` (a ``[R, T]``
+    prefill block, flattened). Every layer's latent of that position goes to
+    ``pool[l, block_table[slot, pos // page_size], pos % page_size]`` when ``pos < lens[r] - 1`` (the prompt's
+    positions below its last: the last one is stored by the first block's bookkeeping), the position's page
+    lies in the table and is allocated (``0 <= page < num_pages``); nothing else is written. What
+    :func:`store_context_latents` does with destinations the caller computed (``store_prompt_latents_reference``:
+    that computation in torch), without the ~8 host launches that computed them. ``starts`` may be strided
+    (a column of the block's positions). Returns ``pool``. CUDA-graph safe.
+    """
+    check_int("page_size", page_size, lo=1)
+    _prompt_checks(latents, slots, starts, lens, block_table, pool, page_size)
+    n, layers, d_c = latents.shape
+    if layers == 0 or d_c == 0:
+        return pool
+    block_d = min(1024, triton.next_power_of_2(d_c))
+    _store_prompt_latents_kernel[(n, layers, triton.cdiv(d_c, block_d))](
+        latents, slots, starts, lens, block_table, pool,
+        n // slots.shape[0], block_table.shape[1], pool.shape[1], page_size, d_c, starts.stride(0),
+        block_table.stride(0), latents.stride(0), latents.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
+        BLOCK_D=block_d, num_warps=num_warps_for(block_d, elements_per_warp=128, max_warps=4),
+    )
+    return pool
+
+
+def prompt_latent_destinations(slots, starts, lens, block_table, cols_per_row: int, page_size: int):
+    """``(pages, offsets, write_mask)`` of a ``[R, T]`` prefill block's rows, in torch (what the fused store looks
+    up itself): ``-1`` / masked where the position is the prompt's last or past it, or outside the table."""
+    t = cols_per_row
+    pos = (starts.to(torch.int64)[:, None] + torch.arange(t, device=starts.device)).reshape(-1)
+    slot_rows = slots.to(torch.int64).repeat_interleave(t)
+    valid = (pos >= 0) & (pos < (lens.to(torch.int64) - 1).repeat_interleave(t))
+    pages, offsets, ok = _page_lookup(block_table, slot_rows, pos[:, None], page_size, valid[:, None])
+    return pages.view(-1), offsets.view(-1), ok.view(-1)
+
+
+def store_prompt_latents_reference(latents, slots, starts, lens, block_table, pool, *, page_size: int,
+                                   sink_page: int | None = None) -> torch.Tensor:
+    """Eager twin of :func:`store_prompt_latents`: the destinations in torch, then
+    :func:`store_context_latents_reference` (``sink_page`` as there: the stock table's capturable form)."""
+    check_int("page_size", page_size, lo=1)
+    _prompt_checks(latents, slots, starts, lens, block_table, pool, page_size)
+    pages, offsets, ok = prompt_latent_destinations(slots, starts, lens, block_table,
+                                                    latents.shape[0] // slots.shape[0], page_size)
+    return store_context_latents_reference(latents, pages, offsets, ok, pool, sink_page=sink_page)
+
+
 def _store_checks(latents, dest_pages, dest_offsets, write_mask, pool):
     check_tensor("latents [N, L, d_c]", latents, shape=(None, None, None), unit_last_stride=True)
     n, layers, d_c = latents.shape

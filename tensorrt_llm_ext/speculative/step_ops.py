@@ -13,6 +13,8 @@ strict acceptance      :func:`strict_accept` (1 launch)        compare + cumprod
 drafter bookkeeping    :func:`paged_latent_step` (1 launch)    the eager chain (torch)
 context-latent store   :func:`store_context_latents`           index-put into the pool (torch; rows not
                                                                written go to the scratch page)
+prompt-latent store    :func:`store_prompt_latents` (1         destinations in torch, then the same
+                       launch, destinations looked up)         index-put
 Markov chain           ``exact`` / ``fused`` kernels           per step ``F.linear`` + add + ``torch.argmax``
 rejection sampling     :func:`rejection_sample` on the shard   :func:`rejection_sample_reference` (the
 (``use_rejection_       (or gathered) + small exchanges         eager twin) on the gathered full-vocabulary
@@ -47,7 +49,8 @@ from tensorrt_llm_ext.kernels.decode_step import (decode_step_advance, decode_st
                                                  decode_step_inputs, decode_step_inputs_reference)
 from tensorrt_llm_ext.kernels.ordered_key import keyed_gumbel_scores_torch
 from tensorrt_llm_ext.kernels.paged_latent import (PagedLatentStep, paged_latent_step, paged_latent_step_reference,
-                                                   store_context_latents, store_context_latents_reference)
+                                                   store_context_latents, store_context_latents_reference,
+                                                   store_prompt_latents, store_prompt_latents_reference)
 from tensorrt_llm_ext.kernels.slot_rows import (gather_rows, gather_rows_reference, scatter_rows,
                                                  scatter_rows_reference)
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
@@ -93,6 +96,12 @@ def _stock_store_context_latents(latents, dest_pages, dest_offsets, write_mask, 
                                            sink_page=pool.shape[1] - 1)
 
 
+def _stock_store_prompt_latents(latents, slots, starts, lens, block_table, pool, *, page_size):
+    # the destinations in torch, then the upstream eager store (scratch page for the rows not written)
+    return store_prompt_latents_reference(latents, slots, starts, lens, block_table, pool, page_size=page_size,
+                                          sink_page=pool.shape[1] - 1)
+
+
 def _stock_decode_block_table(encoded_offsets, divisor, *, out, num_blocks_out):
     table, num_blocks = decode_block_table_reference(encoded_offsets, divisor)
     out.copy_(table)
@@ -124,6 +133,7 @@ class StepOps:
     strict_accept: Callable
     paged_latent_step: Callable
     store_context_latents: Callable
+    store_prompt_latents: Callable  # a prefill block's latents at their prompt positions (destinations looked up)
     select: Callable  # (selector, logits, temperatures, seeds, offsets, salt, out) -> out: the target's tokens
     markov_mode: str | None
     vocab_parallel: bool
@@ -137,12 +147,13 @@ class StepOps:
 
 FUSED_OPS = StepOps(name="fused", decode_block_table=decode_block_table, strict_accept=strict_accept,
                     paged_latent_step=paged_latent_step, store_context_latents=store_context_latents,
-                    select=_selector_select,
+                    store_prompt_latents=store_prompt_latents, select=_selector_select,
                     markov_mode=None, vocab_parallel=True, rejection_sample=rejection_sample, top_p_keep=top_p_keep,
                     store_rows=scatter_rows, load_rows=gather_rows, decode_inputs=decode_step_inputs,
                     decode_advance=decode_step_advance)
 STOCK_OPS = StepOps(name="stock", decode_block_table=_stock_decode_block_table, strict_accept=_stock_strict_accept,
                     paged_latent_step=_stock_paged_latent_step, store_context_latents=_stock_store_context_latents,
+                    store_prompt_latents=_stock_store_prompt_latents,
                     select=_stock_target_select, markov_mode="stock", vocab_parallel=False,
                     rejection_sample=rejection_sample_reference, top_p_keep=top_p_keep_reference,
                     store_rows=scatter_rows_reference, load_rows=gather_rows_reference,

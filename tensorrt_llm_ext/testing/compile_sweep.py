@@ -213,7 +213,7 @@ def _block_stats():
 # -- the step's small kernels ---------------------------------------------------------------------------------
 def _step_bookkeeping():
     from tensorrt_llm_ext.kernels.block_table import decode_block_table
-    from tensorrt_llm_ext.kernels.paged_latent import paged_latent_step, store_context_latents
+    from tensorrt_llm_ext.kernels.paged_latent import paged_latent_step, store_context_latents, store_prompt_latents
     from tensorrt_llm_ext.kernels.strict_accept import strict_accept
 
     for b in (1, 8, 64):
@@ -239,6 +239,11 @@ def _step_bookkeeping():
             pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
             store_context_latents(torch.zeros(n, layers, d_c, dtype=dtype), torch.zeros(n, dtype=torch.int32),
                                   torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool), pool)
+            for r, t in ((1, 16), (1, 128), (4, 33)):  # the admission's [R, T] block; starts a column of positions
+                positions = torch.zeros(r, t, dtype=torch.int64)
+                store_prompt_latents(torch.zeros(r * t, layers, d_c, dtype=dtype), torch.zeros(r, dtype=torch.int64),
+                                     positions[:, 0], torch.ones(r, dtype=torch.int64),
+                                     torch.zeros(8, 10, dtype=torch.int32), pool, page_size=16)
 
 
 def _rms_norm():
@@ -502,7 +507,8 @@ SWEEP: tuple[SweepCase, ...] = (
     SweepCase("step_bookkeeping", _step_bookkeeping, (_K + "block_table:_decode_block_table_kernel",
                                                       _K + "strict_accept:_strict_accept_kernel",
                                                       _K + "paged_latent:_paged_latent_step_kernel",
-                                                      _K + "paged_latent:_store_context_latents_kernel"), cost=2),
+                                                      _K + "paged_latent:_store_context_latents_kernel",
+                                                      _K + "paged_latent:_store_prompt_latents_kernel"), cost=2),
     SweepCase("rms_norm", _rms_norm, (_K + "rms_norm:_rms_norm_kernel",), cost=2),
     SweepCase("slot_rows", _slot_rows, (_K + "slot_rows:_slot_rows_kernel",), cost=1),
     SweepCase("decode_step", _decode_step, (_K + "decode_step:_decode_step_inputs_kernel",

@@ -8,7 +8,7 @@ import torch
 from tensorrt_llm_ext.contract import DraftBlockPlacement
 from tensorrt_llm_ext.kernels.common import CaptureAllocationError
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
-from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents, store_context_latents_reference
+from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents, store_context_latents_reference, store_prompt_latents, store_prompt_latents_reference
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -286,6 +286,55 @@ def test_store_context_latents_prefill_and_bad_destinations():
     for i in written:
         touched[pages[i], offs[i]] = True
         assert torch.equal(got[:, pages[i], offs[i]], latents[i])
+    assert torch.equal(got[:, ~touched], pool0[:, ~touched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_prompt_latents_equals_its_twin_and_the_lookup_it_replaces(dtype):
+    """A [R, T] prefill block's latents stored at their prompt positions, the pages looked up in the kernel:
+    bitwise the twin (torch destinations + the reference store) and the stores of the destinations the worker
+    used to compute itself; rows at or past a prompt's last position (padding), on unallocated pages or past
+    the table are not written, nothing else in the pool changes. Starts strided (a column of the positions)."""
+    g = torch.Generator().manual_seed(11)
+    layers, num_pages, ps, d_c, t = 2, 9, 4, 40, 11
+    max_pages = 4  # a table of 16 positions: row 1 runs past it
+    table = torch.full((6, max_pages), -1, dtype=torch.int32)
+    table[4] = torch.tensor([3, 0, 7, -1], dtype=torch.int32)
+    table[1] = torch.tensor([5, 8, 1, 2], dtype=torch.int32)
+    table[2] = torch.tensor([6, -1, 4, -1], dtype=torch.int32)  # its 2nd page unallocated
+    table[0] = torch.tensor([2, -1, -1, -1], dtype=torch.int32)  # a slot outside the block: never written
+    table = table.to(DEV)
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([3, 40, 11], dtype=torch.int64, device=DEV)  # row 0: padding past its prompt's end
+    starts_col = torch.tensor([0, 9, 2], dtype=torch.int64, device=DEV)
+    positions = starts_col[:, None] + torch.arange(t, device=DEV)  # [R, T]; row 1 reaches position 19 > 15
+    starts = positions[:, 0]  # strided view
+    assert starts.stride(0) == t
+    pool0 = torch.randn((layers, num_pages, ps, d_c), generator=g).to(DEV, dtype)
+    latents = torch.randn((3 * t, layers, d_c), generator=g).to(DEV, dtype)
+    got, ref, old = pool0.clone(), pool0.clone(), pool0.clone()
+    store_prompt_latents(latents, slots, starts, lens, table, got, page_size=ps)
+    store_prompt_latents_reference(latents, slots, starts, lens, table, ref, page_size=ps)
+    assert torch.equal(got, ref)
+    # the destinations as the worker computed them before the kernel looked them up (in-table rows)
+    pos = positions.reshape(-1)
+    pages = table[slots.long().repeat_interleave(t), (pos // ps).clamp(max=max_pages - 1)]
+    keep = (positions < (lens - 1)[:, None]).reshape(-1) & (pos // ps < max_pages)
+    store_context_latents_reference(latents, pages, (pos % ps).to(torch.int32), keep, old)
+    assert torch.equal(got, old)
+    written = 0
+    touched = torch.zeros((num_pages, ps), dtype=torch.bool, device=DEV)
+    for i in range(3 * t):
+        r, p = divmod(i, t)
+        p += int(starts_col[r])
+        page = int(table[slots[r], p // ps]) if p // ps < max_pages else -1
+        if p < int(lens[r]) - 1 and page >= 0:
+            assert torch.equal(got[:, page, p % ps], latents[i]), i
+            touched[page, p % ps] = True
+            written += 1
+    # row 0: positions 0-1 (2 is its last, 3-10 padding); row 1: 9-15 (16-19 past its 4-page table); row 2: 2-3 and
+    # 8-9 (4-7 on its unallocated page, 10 its last)
+    assert written == 2 + 7 + 4
     assert torch.equal(got[:, ~touched], pool0[:, ~touched])
 
 
