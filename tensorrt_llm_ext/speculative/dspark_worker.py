@@ -154,6 +154,8 @@ class DSparkWorker(SpecWorkerBase):
         self._step_slots: list[int] = []  # host slot ids of the last set_rows
         # The raw target logits of the last prefill's rows ([R, V], or this rank's shard): logprobs read them.
         self.prefill_logits: VocabShardedLogits | torch.Tensor | None = None
+        # The last prefill's rows on the device: (slots int64 [R], prompt lengths int64 [R], first tokens int64 [R])
+        self.prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # The last prefill's (or chunk's) final hidden states [R * cols, H], row r's position s_r + j at r * cols + j,
         # kept (until the next prefill) when keep_prefill_hidden says a request reads its prompt's log-probabilities.
         self.keep_prefill_hidden = False
@@ -431,7 +433,7 @@ class DSparkWorker(SpecWorkerBase):
         slots_l = slots_t.long()
         lens_t = host_to_device(lens, torch.int64, dev)
         try:
-            self.slot_sampling.assign(slots, list(params), prompts)
+            self.slot_sampling.assign(slots, list(params), prompts, idx=slots_l)
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}: {e}") from None
         process = None
@@ -455,6 +457,8 @@ class DSparkWorker(SpecWorkerBase):
                                                   ss.top_p[slots_l] if ss.restricts_top_p(slots)
                                                   else None, process)
             self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
+            # the admission's rows on the device, for a caller that keeps state of its own (the reference decode)
+            self.prefill_rows = (slots_l, lens_t, tok)
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok.tolist()
             # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping of the first block,

@@ -92,9 +92,10 @@ class SlotLogitsProcessors:
         return self.counts, self.in_prompt
 
     # -- host side (admission; eager) ------------------------------------------------------------------------
-    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
+    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],
+               idx: torch.Tensor | None = None) -> None:
         """Set the processing fields of ``slots`` from their requests' params and reset their counts to the
-        prompts'."""
+        prompts'. ``idx``: ``slots`` already on the device as int64 (the caller's copy)."""
         dev = self.device
         for slot, f in zip(slots, params):
             self._host[slot] = f
@@ -102,7 +103,8 @@ class SlotLogitsProcessors:
             self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
             self._counting[slot] = f.uses_counts
         # every slot's fields at once: a launch per field, not per field and slot
-        idx = host_to_device(slots, torch.int64, dev)
+        if idx is None:
+            idx = host_to_device(slots, torch.int64, dev)
         self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
         # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in fp32's
         # range), which torch cannot write into a float tensor as an int

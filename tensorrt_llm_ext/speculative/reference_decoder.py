@@ -60,13 +60,13 @@ class ReferenceDecoder:
         ``starts``: as :meth:`DSparkWorker.prefill_batch` (positions already written by ``prefill_chunk``)."""
         w, st = self.worker, self.worker.state
         toks = w.prefill_batch(slots, prompts, params, speculative=False, starts=starts)
-        slots_l = host_to_device(slots, torch.int64, w.device)
+        slots_l, lens, tok = w.prefill_rows  # the worker's device copies of this admission's rows
         if self.processors is not w.processors:
-            self.processors.assign(slots, list(params), prompts)
-            self.processors.record(slots, slots_l, torch.tensor(toks, device=w.device)[:, None],
+            self.processors.assign(slots, list(params), prompts, idx=slots_l)
+            self.processors.record(slots, slots_l, tok[:, None],
                                    torch.ones(len(slots), dtype=torch.int32, device=w.device))
-        st.ref_lens[slots_l] = host_to_device([len(p) for p in prompts], st.ref_lens.dtype, w.device)
-        st.slot_tokens[slots_l, 0] = host_to_device(toks, st.slot_tokens.dtype, w.device)
+        st.ref_lens[slots_l] = lens.to(st.ref_lens.dtype)
+        st.slot_tokens[slots_l, 0] = tok.to(st.slot_tokens.dtype)
         return toks
 
     def take_over(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],

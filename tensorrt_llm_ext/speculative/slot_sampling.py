@@ -45,9 +45,11 @@ class SlotSampling:
     def bind_processors(self, processors: SlotLogitsProcessors) -> None:
         self.processors = processors
 
-    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
+    def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],
+               idx: torch.Tensor | None = None) -> None:
         """Give ``slots`` their requests' params (one per slot) and reset their processing counts to the
-        prompts'. ``ValueError`` for sampled params on a greedy-only worker."""
+        prompts'. ``idx``: ``slots`` already on the device as int64 (the caller's copy, so the admission copies
+        them once). ``ValueError`` for sampled params on a greedy-only worker."""
         if len(params) != len(slots):
             raise ValueError(f"SlotSampling.assign: expected one SamplingParams per slot, got {len(params)} for "
                              f"{len(slots)} slots")
@@ -55,14 +57,17 @@ class SlotSampling:
             raise ValueError(f"this worker is greedy-only (sampling=False); got temperatures "
                              f"{[p.temperature for p in params]}")
         dev = self.temps.device
-        idx = host_to_device(slots, torch.int64, dev)
-        self.temps[idx] = host_to_device([p.effective_temperature for p in params], self.temps.dtype, dev)
+        if idx is None:
+            idx = host_to_device(slots, torch.int64, dev)
+        # temperature and top-p (both fp32) in one copy
+        vals = host_to_device([[p.effective_temperature, p.effective_top_p] for p in params], torch.float32, dev)
+        self.temps[idx] = vals[:, 0]
         self.seeds[idx] = host_to_device([p.seed for p in params], self.seeds.dtype, dev)
-        self.top_p[idx] = host_to_device([p.effective_top_p for p in params], self.top_p.dtype, dev)
+        self.top_p[idx] = vals[:, 1]
         for slot, p in zip(slots, params):
             self.params[slot] = p
             self._top_p_rows[slot] = p.restricts_top_p
-        self.processors.assign(slots, params, prompts)
+        self.processors.assign(slots, params, prompts, idx=idx)
 
     def restricts_top_p(self, slots: list[int]) -> bool:
         """Whether a row of ``slots`` samples from a top-p set."""
