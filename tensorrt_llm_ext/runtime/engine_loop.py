@@ -340,10 +340,11 @@ class EngineLoop:
             m.batch.observe(stats.num_rows)
         now = time.perf_counter()
         generated = 0
+        # every row of the plan in one update per metric (row by row was ~0.1-0.3 ms of a 32-stream step here)
+        # -- not the target-only steps of --no-speculation or of a closed speculation gate
+        m.speculative_steps([(e.accepted_len, e.confidences) for e in events if e.speculative])
+        m.delivered_many([(e.handle, len(e.tokens), self._arrived.get(e.handle)) for e in events], now)
         for e in events:
-            if e.speculative:  # not the target-only steps of --no-speculation or of a closed speculation gate
-                m.speculative_step(e.accepted_len, e.confidences)
-            m.delivered(e.handle, len(e.tokens), now, self._arrived.get(e.handle))
             generated += len(e.tokens)
             if e.finish_reason is not None:
                 reason = self._plan_reasons.get(e.handle, e.finish_reason) if e.finish_reason == "cancelled" \

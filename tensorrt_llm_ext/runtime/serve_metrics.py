@@ -14,6 +14,8 @@ admission). This server's own metrics, beside vLLM's: ``engine_steps``, ``accept
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 
 __all__ = ["FINISHED_REASONS", "ITL_BUCKETS", "REQUEST_BUCKETS", "TTFT_BUCKETS", "ServerMetrics", "token_buckets"]
@@ -40,6 +42,31 @@ def token_buckets(max_value: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+def observe_many(hist, values) -> None:
+    """``hist.observe(v)`` for each of ``values`` (a histogram child of prometheus_client), with one update per
+    bucket touched and one of the sum: the bucket of ``v`` is the first upper bound ``>= v``, as ``observe`` picks
+    it (a NaN falls in none and adds to the sum). Where the child does not expose the bucket values and the sum
+    (another prometheus_client), one ``observe`` per value."""
+    values = list(values)
+    if not values:
+        return
+    bounds, buckets, total = (getattr(hist, n, None) for n in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            hist.observe(v)
+        return
+    hist._raise_if_not_observable()
+    counts: dict[int, int] = {}
+    for v in values:
+        if v == v:  # not NaN
+            i = bisect.bisect_left(bounds, v)
+            if i < len(bounds):
+                counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, c in counts.items():
+        buckets[i].inc(c)
 
 
 @dataclass
@@ -169,18 +196,30 @@ class ServerMetrics:
 
     def delivered(self, handle: int, num_tokens: int, now: float, arrived: float | None = None) -> None:
         """``num_tokens`` tokens of ``handle`` were delivered at ``now`` (time to the first, or since the last)."""
-        self.generated_tokens.inc(num_tokens)
-        req = self._requests.get(handle)
-        if not num_tokens or req is None:
-            return
-        if req.first is None:
-            req.first = now
-            self.ttft.observe(max(0.0, now - (arrived if arrived is not None else req.arrived)))
-        else:
-            self.itl.observe(max(0.0, now - req.last))
-            self.tpot.observe(max(0.0, now - req.last))
-        req.last = now
-        req.generated += num_tokens
+        self.delivered_many([(handle, num_tokens, arrived)], now)
+
+    def delivered_many(self, rows, now: float) -> None:
+        """:meth:`delivered` for every ``(handle, num_tokens, arrived)`` of one plan, delivered at ``now``: each
+        metric updated once per plan (a 32-stream step reported row by row spent ~0.1 ms of the engine thread's
+        time in metric locks, on the loop's critical path)."""
+        generated, ttft, gaps = 0, [], []
+        for handle, num_tokens, arrived in rows:
+            generated += num_tokens
+            req = self._requests.get(handle)
+            if not num_tokens or req is None:
+                continue
+            if req.first is None:
+                req.first = now
+                ttft.append(max(0.0, now - (arrived if arrived is not None else req.arrived)))
+            else:
+                gaps.append(max(0.0, now - req.last))
+            req.last = now
+            req.generated += num_tokens
+        if generated:
+            self.generated_tokens.inc(generated)
+        observe_many(self.ttft, ttft)
+        observe_many(self.itl, gaps)
+        observe_many(self.tpot, gaps)
 
     def finished(self, handle: int, reason: str, now: float) -> None:
         """``handle`` ended at ``now`` with this server's ``reason``; a request served to its end (``stop`` /
@@ -212,17 +251,38 @@ class ServerMetrics:
         """One request's speculative step that emitted ``accepted_len`` tokens (``accepted_len - 1`` drafts);
         ``confidences``: the drafter's ``c_k`` of the K drafts this step verified (the previous step's
         ``draft_confidences`` row of the request), when its drafter has a confidence head."""
-        if confidences is not None:
-            self.num_confidence_drafts.inc()
-            for pos, c in enumerate(list(confidences)[:self.draft_len]):
-                self.confidence_per_pos[pos].inc(min(1.0, max(0.0, float(c))))
-        self.acceptance.observe(accepted_len)
-        self.num_drafts.inc()
-        self.num_draft_tokens.inc(self.draft_len)
-        accepted = max(0, min(accepted_len - 1, self.draft_len))
-        self.num_accepted_tokens.inc(accepted)
-        for pos in range(accepted):
-            self.accepted_per_pos[pos].inc()
+        self.speculative_steps([(accepted_len, confidences)])
+
+    def speculative_steps(self, rows) -> None:
+        """:meth:`speculative_step` for every ``(accepted_len, confidences)`` of one plan, each counter and the
+        histogram updated once per plan (row by row, ~10 metric updates a row: ~0.2 ms a 32-stream step)."""
+        k = self.draft_len
+        conf_rows, conf_sum = 0, [0.0] * k
+        accepted_total, per_pos = 0, [0] * k
+        lens = []
+        for accepted_len, confidences in rows:
+            if confidences is not None:
+                conf_rows += 1
+                for pos, c in enumerate(list(confidences)[:k]):
+                    conf_sum[pos] += min(1.0, max(0.0, float(c)))
+            lens.append(accepted_len)
+            accepted = max(0, min(accepted_len - 1, k))
+            accepted_total += accepted
+            for pos in range(accepted):
+                per_pos[pos] += 1
+        if not lens:
+            return
+        if conf_rows:
+            self.num_confidence_drafts.inc(conf_rows)
+            for pos in range(k):
+                self.confidence_per_pos[pos].inc(conf_sum[pos])
+        observe_many(self.acceptance, lens)
+        self.num_drafts.inc(len(lens))
+        self.num_draft_tokens.inc(k * len(lens))
+        self.num_accepted_tokens.inc(accepted_total)
+        for pos in range(k):
+            if per_pos[pos]:
+                self.accepted_per_pos[pos].inc(per_pos[pos])
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
