@@ -16,6 +16,7 @@ phase. Prints a Markdown table; ``--trace FILE`` keeps the Chrome trace.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import json
 import os
@@ -68,15 +69,18 @@ def attribute(trace: dict) -> dict[str, float]:
             kernels.append(ev)
     for v in ranges.values():
         v.sort()
+    starts = {p: [s for s, _ in ranges[p]] for p in PHASES}  # one phase's ranges never overlap: bisect them
+
+    def holds(p: str, ts: float) -> bool:
+        i = bisect.bisect_right(starts[p], ts) - 1
+        return i >= 0 and ts <= ranges[p][i][1]
+
     out = {p: 0.0 for p in (*PHASES, "other")}
     for k in kernels:
         ts = runtime_ts.get(k.get("args", {}).get("correlation"))
         phase = "other"
         if ts is not None:
-            for p in PHASES:
-                if any(s <= ts <= e for s, e in ranges[p]):
-                    phase = p
-                    break
+            phase = next((p for p in PHASES if holds(p, ts)), "other")
         out[phase] += k["dur"] / 1e3
     out["busy"] = union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     plans = ranges["plan"]
