@@ -441,10 +441,9 @@ class DSparkWorker(SpecWorkerBase):
             def process(logits, temps):
                 return self.processed(logits, slots, slots_l, temps)
         with nvtx_range("prefill"):
-            ids = torch.zeros(r, t, dtype=torch.int64)
-            for row, (p, s) in enumerate(zip(prompts, starts)):
-                ids[row, :len(p) - s] = torch.tensor(list(p[s:]), dtype=torch.int64)
-            ids = host_to_device(ids, torch.int64, dev)
+            # the [R, T] block, padded with 0, built as one host tensor (one per row cost ~10 us a row)
+            ids = host_to_device([list(p[s:]) + [0] * (t - (len(p) - s)) for p, s in zip(prompts, starts)],
+                                 torch.int64, dev)
             starts_t = host_to_device(starts, torch.int64, dev)
             positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
             out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
