@@ -15,7 +15,6 @@ admission). This server's own metrics, beside vLLM's: ``engine_steps``, ``accept
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass
 
 __all__ = ["FINISHED_REASONS", "ITL_BUCKETS", "REQUEST_BUCKETS", "TTFT_BUCKETS", "ServerMetrics", "token_buckets"]

@@ -75,7 +75,6 @@ class SlotLogitsProcessors:
         # a capture's warm-up runs first); a slot without penalties ignores its rows (identity penalties).
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
-        self._host: list[SamplingParams] = [SamplingParams()] * num_slots
         # Per slot, from its params at assignment (read for every row of every step: the step variant's host
         # decision must not re-derive them, ~2 us a field from Python, 32 rows twice a step)
         self._acting = [False] * num_slots  # SamplingParams.acts_on_logits(vocab_size)
@@ -98,7 +97,6 @@ class SlotLogitsProcessors:
         prompts'. ``idx``: ``slots`` already on the device as int64 (the caller's copy)."""
         dev = self.device
         for slot, f in zip(slots, params):
-            self._host[slot] = f
             self._acting[slot] = f.acts_on_logits(self.vocab_size)
             self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
             self._counting[slot] = f.uses_counts

@@ -5,8 +5,8 @@ needs, answered from those params alone.
 :meth:`SlotSampling.assign` is the one place a request's params become slot state: the temperature, seed and
 top-p the kernels read per slot (:attr:`SlotSampling.temps` / ``seeds`` / ``top_p`` ``[num_slots]``, fp32 / int64 /
 fp32, owned here as vLLM's ``SamplingStates`` owns its tensors), the logits-processing tables
-(:class:`~tensorrt_llm_ext.speculative.logits_processing.SlotLogitsProcessors`) and a host copy of each slot's
-params. Nothing in between re-checks or re-derives them: the params were checked once where the request entered
+(:class:`~tensorrt_llm_ext.speculative.logits_processing.SlotLogitsProcessors`) and, on the host, each slot's
+step-variant facts. Nothing in between re-checks or re-derives them: the params were checked once where the request entered
 (``SamplingParams.check``), and the effective values (greedy below ``MIN_TEMPERATURE``, top-p raised to
 ``MIN_TOP_P``) are the params' own properties.
 """
@@ -39,7 +39,6 @@ class SlotSampling:
         self.seeds = torch.zeros(num_slots, dtype=torch.int64, device=dev)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=dev)
         self.processors: SlotLogitsProcessors | None = None
-        self.params: list[SamplingParams] = [SamplingParams()] * num_slots  # host copy, per slot
         self._top_p_rows = [False] * num_slots  # SamplingParams.restricts_top_p per slot, set at assignment
 
     def bind_processors(self, processors: SlotLogitsProcessors) -> None:
@@ -65,7 +64,6 @@ class SlotSampling:
         self.seeds[idx] = host_to_device([p.seed for p in params], self.seeds.dtype, dev)
         self.top_p[idx] = vals[:, 1]
         for slot, p in zip(slots, params):
-            self.params[slot] = p
             self._top_p_rows[slot] = p.restricts_top_p
         self.processors.assign(slots, params, prompts, idx=idx)
 
