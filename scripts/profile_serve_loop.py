@@ -100,7 +100,12 @@ def stub_device(eng, runner) -> None:
         return outputs[batch_size]
 
     runner.forward = cached
-    eng.prefill_slots = lambda slots, requests, mode="speculative", starts=None: [1] * len(slots)
+    from tensorrt_llm_ext.runtime.engine import LaunchedPrefill
+
+    def launch_prefill(slots, requests, mode="speculative", starts=None):
+        return LaunchedPrefill(list(slots), mode, torch.ones(len(slots), dtype=torch.int64), None, None)
+
+    eng.launch_prefill = launch_prefill
 
 
 def main() -> int:
@@ -178,7 +183,8 @@ def main() -> int:
 
         wrap(eng, "launch_step", "launch_step")
         wrap(sched, "_prefill", "prefill")
-        wrap(sched, "_collect", "collect")
+        wrap(sched, "_collect_step", "collect")
+        wrap(sched, "_collect_firsts", "collect")
 
     plans: list[dict] = []
     tokens = 0

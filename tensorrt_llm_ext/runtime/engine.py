@@ -106,6 +106,37 @@ class LaunchedStep:
     confidences: torch.Tensor | None = None
 
 
+@dataclass
+class LaunchedPrefill:
+    """An admission enqueued by :meth:`Engine.launch_prefill`: its slots and the host buffers its first tokens
+    (and, speculative with a confidence head, its first block's confidences) are being copied into (``done``: the
+    copies' CUDA event; None on a CPU, where they already ran)."""
+
+    slots: list[int]
+    mode: str
+    tokens: torch.Tensor
+    confidences: torch.Tensor | None
+    done: object
+
+
+def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` into a host buffer of its own, enqueued on the current stream: pinned and asynchronous on CUDA (the
+    caching host allocator keeps the block until the copy is done), a plain copy on a CPU."""
+    cuda = t.is_cuda
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+    host.copy_(t, non_blocking=cuda)
+    return host
+
+
+def _copies_done(device: torch.device):
+    """A CUDA event behind the copies just enqueued on ``device`` (None on a CPU: they ran)."""
+    if device.type != "cuda":
+        return None
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
 class Engine:
     """Models, caches and workers of one rank, built once from a :class:`RuntimeConfig`.
 
@@ -450,20 +481,42 @@ class Engine:
     def prefill_slots(self, slots: list[int], requests: list[Request], mode: str = "speculative",
                       starts: list[int] | None = None) -> list[int]:
         """Prefill ``requests`` (validated, pages reserved) on ``slots`` in ONE batched prefill
-        (:meth:`DSparkWorker.prefill_batch`); ``starts``: each prompt's positions already written by
-        :meth:`prefill_chunk`. Returns the first generated tokens."""
+        (:meth:`DSparkWorker.launch_prefill_batch`); ``starts``: each prompt's positions already written by
+        :meth:`prefill_chunk`. Returns the first generated tokens. :meth:`collect_prefill` of :meth:`launch_prefill`."""
+        return self.collect_prefill(self.launch_prefill(slots, requests, mode, starts))
+
+    def launch_prefill(self, slots: list[int], requests: list[Request], mode: str = "speculative",
+                       starts: list[int] | None = None) -> LaunchedPrefill:
+        """Enqueue :meth:`prefill_slots`' prefill and the copy of its first tokens (and first block's confidences)
+        into host buffers; returns without waiting for the device on CUDA. The overlap scheduler reads them a
+        plan later (:meth:`collect_prefill`), so the host goes on launching while the device runs the step before
+        the prefill, the prefill and the step after it. The slots' next step may be launched before the collect:
+        it reads their first tokens and drafts on the device. The prefill's logits (:meth:`prefill_logprobs`) stay
+        valid only until the next launch."""
         path = _path(mode)
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
         self.worker(path).keep_prefill_hidden = any(r.prompt_logprobs is not None for r in requests)
+        confidences = None
         if mode in NON_SPECULATIVE:
-            return self._decoder(mode).prefill_batch(list(slots), prompts, params, starts=starts)
-        worker = self.worker(path)
-        firsts = worker.prefill_batch(list(slots), prompts, params, starts=starts)
-        if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
-            for slot, row in zip(slots, worker.draft_confidences[:len(slots)].tolist()):
+            tokens = self._decoder(mode).launch_prefill_batch(list(slots), prompts, params, starts=starts)
+        else:
+            worker = self.worker(path)
+            tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts)
+            if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
+                # copied now: the next step rewrites the buffer
+                confidences = _copy_to_host(worker.draft_confidences[:len(slots)])
+        return LaunchedPrefill(list(slots), mode, _copy_to_host(tokens), confidences, _copies_done(tokens.device))
+
+    def collect_prefill(self, launched: LaunchedPrefill) -> list[int]:
+        """Wait for ``launched``'s copies; its first tokens (host ints). The slots' first-block confidences become
+        those their next step verifies."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        if launched.confidences is not None:
+            for slot, row in zip(launched.slots, launched.confidences.tolist()):
                 self._pending_confidences[slot] = row
-        return firsts
+        return launched.tokens.tolist()
 
     @property
     def has_confidence_head(self) -> bool:
@@ -570,7 +623,6 @@ class Engine:
         """
         runner = self.runner(mode)
         n = len(slots)
-        cuda = self.device.type == "cuda"
         with nvtx_range(f"engine.launch.{mode}"):
             outs = runner.step(list(slots))
             self._step_logits = outs["logits"]  # read by step_logprobs, valid until the next launch
@@ -578,23 +630,13 @@ class Engine:
                 new_dev, lens_dev = outs["new_tokens"][:n], None
             else:
                 new_dev, lens_dev = outs["new_tokens"][:n], outs["new_tokens_lens"][:n]
-            # Host buffers of their own per step (pinned on CUDA: an asynchronous copy; the caching host
-            # allocator keeps a pinned block until its copy is done). On a CPU the copy is a plain clone.
-            new = torch.empty(new_dev.shape, dtype=new_dev.dtype, pin_memory=cuda)
-            new.copy_(new_dev, non_blocking=cuda)
-            lens = None
-            if lens_dev is not None:
-                lens = torch.empty(lens_dev.shape, dtype=lens_dev.dtype, pin_memory=cuda)
-                lens.copy_(lens_dev, non_blocking=cuda)
+            # Host buffers of their own per step, the copies enqueued behind it (_copy_to_host)
+            new = _copy_to_host(new_dev)
+            lens = _copy_to_host(lens_dev) if lens_dev is not None else None
             conf = None
             if mode not in NON_SPECULATIVE and self.has_confidence_head and "draft_confidences" in outs:
-                conf_dev = outs["draft_confidences"][:n]
-                conf = torch.empty(conf_dev.shape, dtype=conf_dev.dtype, pin_memory=cuda)
-                conf.copy_(conf_dev, non_blocking=cuda)
-            done = None
-            if cuda:
-                done = torch.cuda.Event()
-                done.record()
+                conf = _copy_to_host(outs["draft_confidences"][:n])
+            done = _copies_done(new_dev.device)
         return LaunchedStep(list(slots), mode, new, lens, done, runner, conf)
 
     def collect_step(self, launched: LaunchedStep) -> tuple[list[list[int]], list[int]]:

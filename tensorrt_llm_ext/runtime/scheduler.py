@@ -122,12 +122,26 @@ class _InFlight:
     launched: object
     handles: list[int]
     lives: list[_Live]
+    seq: int = 0  # its place among the scheduler's launches (steps and deferred prefills)
+
+
+@dataclass
+class _PendingFirsts:
+    """A batched prefill launched and not yet read back (overlap): its :class:`LaunchedPrefill`, the handle of each
+    row and the request it serves (their first tokens become events when it is collected)."""
+
+    launched: object
+    handles: list[int]
+    lives: list[_Live]
+    seq: int  # its place among the launches: a step launched after it runs after it on the device
+    plan: int  # the plan that launched it
 
 
 @dataclass
 class _Live:
     request: Request
     slot: int
+    first_pending: bool = False  # its prefill is launched, its first token not read back yet (overlap)
     num_out: int = 0
     out: list[int] | None = None  # the tokens out so far, kept for block reuse (its pages are registered at finish)
     stops: frozenset[int] = frozenset()  # the ids that end it (Engine.stop_ids), built once: read every step
@@ -161,6 +175,9 @@ class Scheduler:
         self._live: dict[int, _Live] = {}
         self._prefilling: dict[int, _Prefilling] = {}  # admitted, first token not yet out (admission order)
         self._in_flight: _InFlight | None = None  # overlap: the launched step whose tokens are not collected
+        self._pending_firsts: list[_PendingFirsts] = []  # overlap: launched prefills not read back, oldest first
+        self._launches = 0  # steps and deferred prefills launched (their order on the device's stream)
+        self._plans = 0  # plans applied
         # Tokens one step can append to a request (the speculative block, or the target-only decode's one).
         self._step_tokens = 1 if mode in NON_SPECULATIVE else engine.draft_len + 1
         # Queued requests that passed validation, by identity (held, so an id is never reused): a request that waits
@@ -253,6 +270,7 @@ class Scheduler:
 
     def apply(self, plan: StepPlan) -> tuple[list[Event], StepStats]:
         self._check_handles(plan)
+        self._plans += 1
         events: list[Event] = []
         stats = StepStats()
         for handle in plan.cancel:
@@ -270,8 +288,8 @@ class Scheduler:
             events.extend(self._hand_over(stats))
         if self.overlap and plan.run and self._live and self._prefilling:
             # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
-            # runs it while the host launches the (eager) prefill; the prefilled requests join the next step.
-            events.extend(self._overlap_step(stats, before_collect=lambda: self._prefill(stats)))
+            # runs it while the host launches the prefill; the prefilled requests join the next step.
+            events.extend(self._overlap_step(stats, prefill=True))
         else:
             if self._prefilling:
                 events.extend(self._prefill(stats))
@@ -280,6 +298,9 @@ class Scheduler:
         if self._in_flight is not None and not any(self._rows_live(self._in_flight)):
             # Every row of the launched step has ended (stopped or cancelled): drain it, its tokens discarded.
             events.extend(self._collect(self._take_in_flight(), stats))
+        # The first tokens of an earlier plan's prefills: out by the plan after their launch at the latest (the
+        # device has the step launched since queued behind them, so this wait leaves it busy).
+        events.extend(self._collect_firsts(stats, lambda p: p.plan < self._plans))
         # Admissions' lookups, and the hits of prefills that waited for a sibling's pages (:meth:`_rematch_waiting`).
         stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
@@ -289,7 +310,9 @@ class Scheduler:
         collected first (its tokens are in every request's history before the decode takes it over), then the
         engine moves each live slot's state (:meth:`Engine.hand_over_to_target_only`); requests still in their
         prefill finish it target-only."""
-        events = self._collect(self._take_in_flight(), stats) if self._in_flight is not None else []
+        events = self._collect_firsts(stats, lambda p: True)  # every request's tokens so far are out first
+        if self._in_flight is not None:
+            events += self._collect(self._take_in_flight(), stats)
         lives = list(self._live.values())
         self.engine.hand_over_to_target_only([live.slot for live in lives], [live.request for live in lives],
                                              [live.out for live in lives])
@@ -319,15 +342,17 @@ class Scheduler:
         fl, self._in_flight = self._in_flight, None
         return fl
 
-    def _overlap_step(self, stats: StepStats, before_collect=None) -> list[Event]:
+    def _overlap_step(self, stats: StepStats, prefill: bool = False) -> list[Event]:
         """Launch the next step over the live requests, then collect the one in flight (its host work overlaps
-        the launched step on the device). ``before_collect``: host work run after the launch and before the
-        collect (the plan's prefill), its events first."""
+        the launched step on the device). ``prefill``: the plan's prefill runs after the launch and before the
+        collect, its first tokens read back a plan later when a step was launched (:meth:`_collect_firsts`)."""
         prev = self._take_in_flight()
         pending = {h for h, live in zip(prev.handles, self._rows_live(prev)) if live} if prev is not None else set()
-        # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring).
+        # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring); so
+        # does one whose first token, not read back yet, is its last.
         handles = [h for h, live in self._live.items()
-                   if h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens]
+                   if (live.request.max_new_tokens > 1 if live.first_pending else
+                       h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens)]
         events: list[Event] = []
         cur = None
         if handles:
@@ -337,15 +362,18 @@ class Scheduler:
             try:
                 launched = self.engine.launch_step(order, self.step_mode)
             except REQUEST_FAULTS as e:
-                if before_collect is not None:
-                    events.extend(before_collect())
+                if prefill:
+                    events.extend(self._prefill(stats))
                 if prev is not None:
                     events.extend(self._collect(prev, stats))
+                events.extend(self._collect_firsts(stats, lambda p: True))
                 return events + self._fail_step([h for h in handles if h in self._live], e)
             stats.step_s += time.perf_counter() - t0
-            cur = _InFlight(launched, [by_slot[s] for s in order], [self._live[by_slot[s]] for s in order])
-        if before_collect is not None:
-            events.extend(before_collect())
+            self._launches += 1
+            cur = _InFlight(launched, [by_slot[s] for s in order], [self._live[by_slot[s]] for s in order],
+                            self._launches)
+        if prefill:
+            events.extend(self._prefill(stats, defer=cur is not None))
         if prev is not None:
             events.extend(self._collect(prev, stats))
         if cur is not None:
@@ -357,7 +385,32 @@ class Scheduler:
 
     def _collect(self, fl: _InFlight, stats: StepStats) -> list[Event]:
         """The tokens of a launched step for its rows still live; rows that ended after the launch are
-        discarded (their tokens come after their stop)."""
+        discarded (their tokens come after their stop). The prefills launched before it are read back first:
+        their first tokens come before the step's (and the device ran them before it: no wait)."""
+        firsts = self._collect_firsts(stats, lambda p: p.seq < fl.seq)
+        return firsts + self._collect_step(fl, stats)
+
+    def _collect_firsts(self, stats: StepStats, which) -> list[Event]:
+        """Read back the launched prefills ``which(pending)`` picks (oldest first): each row's first token, for
+        the requests still live (one cancelled or failed since has had its end event)."""
+        events: list[Event] = []
+        keep = []
+        for p in self._pending_firsts:
+            if not which(p):
+                keep.append(p)
+                continue
+            t0 = time.perf_counter()
+            firsts = self.engine.collect_prefill(p.launched)
+            stats.prefill_s += time.perf_counter() - t0
+            for h, live, first in zip(p.handles, p.lives, firsts):
+                if self._live.get(h) is live:
+                    live.first_pending = False
+                    stats.num_prefills += 1
+                    events.append(self._append(h, live, [first], None))
+        self._pending_firsts = keep
+        return events
+
+    def _collect_step(self, fl: _InFlight, stats: StepStats) -> list[Event]:
         t0 = time.perf_counter()
         new, lens = self.engine.collect_step(fl.launched)
         rows = self._rows_live(fl)
@@ -400,10 +453,11 @@ class Scheduler:
                                                matched_at=self.engine.pages.registrations)
         return None
 
-    def _prefill(self, stats: StepStats) -> list[Event]:
+    def _prefill(self, stats: StepStats, defer: bool = False) -> list[Event]:
         """This plan's prefill: every request in prefill, in batched prefills of at most ``max_num_tokens``
         padded tokens; with chunked prefill at most ``max_num_tokens`` tokens in all, the request that does not
-        fit running a chunk of its prompt."""
+        fit running a chunk of its prompt. ``defer``: a step is in flight behind which the prefills are launched;
+        their first tokens are read back a plan later (:meth:`_prefill_rows`)."""
         budget = self.engine.max_num_tokens
         chunked = self.engine.chunked_prefill
         events: list[Event] = []
@@ -411,7 +465,7 @@ class Scheduler:
             self._rematch_waiting()
             group, width = self._prefill_group(budget, chunked)
             if group:
-                events.extend(self._prefill_rows(group, stats))
+                events.extend(self._prefill_rows(group, stats, defer))
             if not chunked:
                 continue
             budget -= len(group) * width
@@ -481,38 +535,50 @@ class Scheduler:
         stats.prefill_s += time.perf_counter() - t0
         stats.prefill_tokens += n
 
-    def _prefill_rows(self, group: list[int], stats: StepStats) -> list[Event]:
+    def _prefill_rows(self, group: list[int], stats: StepStats, defer: bool = False) -> list[Event]:
         """One batched prefill of the rest of ``group``'s prompts: their first tokens. A request-level error
-        retries the rows one at a time, so that only the request that causes it fails."""
+        retries the rows one at a time, so that only the request that causes it fails. ``defer`` (a step in
+        flight, no row asking for log-probabilities, which need the prefill's logits now): launched only, the
+        requests live at once -- their next step reads the first tokens on the device -- and the first tokens
+        read back a plan later (:meth:`_collect_firsts`), so the host never waits here for the step in flight
+        and the prefill."""
         held = [self._prefilling[h] for h in group]
         reqs = [p.request for p in held]
         t0 = time.perf_counter()
         mode = self.step_mode
+        defer = defer and all(r.logprobs is None and p.prompt_lps is None for r, p in zip(reqs, held))
         try:
-            firsts = self.engine.prefill_slots([p.slot for p in held], reqs, mode, starts=[p.done for p in held])
-            lps = [[self.engine.prefill_logprobs(r, tok, mode, row)] if r.logprobs is not None else None
-                   for row, (r, tok) in enumerate(zip(reqs, firsts))]
-            prompt_lps = [p.prompt_lps + self.engine.prompt_logprobs(p.request, row, p.done,
-                                                                     len(p.request.prompt_ids) - 1, mode)
-                          if p.prompt_lps is not None else None for row, p in enumerate(held)]
+            launched = self.engine.launch_prefill([p.slot for p in held], reqs, mode, starts=[p.done for p in held])
+            if not defer:
+                firsts = self.engine.collect_prefill(launched)
+                lps = [[self.engine.prefill_logprobs(r, tok, mode, row)] if r.logprobs is not None else None
+                       for row, (r, tok) in enumerate(zip(reqs, firsts))]
+                prompt_lps = [p.prompt_lps + self.engine.prompt_logprobs(p.request, row, p.done,
+                                                                         len(p.request.prompt_ids) - 1, mode)
+                              if p.prompt_lps is not None else None for row, p in enumerate(held)]
         except REQUEST_FAULTS as e:  # a layer below refused a value of a request: it fails, the engine serves on
             self.engine.reset_step_state()
             if len(group) == 1:
                 return [self._refuse_prefill(group[0], e)]
-            return [ev for h in group for ev in self._prefill_rows([h], stats)]
+            return [ev for h in group for ev in self._prefill_rows([h], stats, defer)]
         stats.prefill_s += time.perf_counter() - t0
-        stats.num_prefills += len(group)
         stats.prefill_tokens += sum(p.left for p in held)
-        events = []
-        for h, p, first, lp, plp in zip(group, held, firsts, lps, prompt_lps):
+        events, lives = [], []
+        for row, (h, p) in enumerate(zip(group, held)):
             self.engine.register_prefix(p.slot, p.request, mode)
             del self._prefilling[h]
             # the tokens out are kept for block reuse, and for the hand-over to the target-only decode
             keep = self.engine.pages.enable_block_reuse or (self.gate is not None and not self.gate.closed)
-            live = self._live[h] = _Live(p.request, p.slot, out=[] if keep else None,
+            live = self._live[h] = _Live(p.request, p.slot, first_pending=defer, out=[] if keep else None,
                                          stops=self.engine.stop_ids(p.request))
-            events.append(self._append(h, live, [first], None, lp))
-            events[-1].prompt_logprobs = plp
+            lives.append(live)
+            if not defer:
+                stats.num_prefills += 1
+                events.append(self._append(h, live, [firsts[row]], None, lps[row]))
+                events[-1].prompt_logprobs = prompt_lps[row]
+        if defer:
+            self._launches += 1
+            self._pending_firsts.append(_PendingFirsts(launched, list(group), lives, self._launches, self._plans))
         return events
 
     def _refuse_prefill(self, handle: int, error: Exception) -> Event:

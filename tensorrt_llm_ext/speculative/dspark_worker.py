@@ -395,7 +395,13 @@ class DSparkWorker(SpecWorkerBase):
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
                       speculative: bool = True, starts: list[int] | None = None) -> list[int]:
-        """Context phase of several requests in ONE target forward: their first generated tokens (host ints).
+        """:meth:`launch_prefill_batch`, its first tokens read back (host ints; one device synchronisation)."""
+        return self.launch_prefill_batch(slots, prompts, params, speculative, starts).tolist()
+
+    def launch_prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                             speculative: bool = True, starts: list[int] | None = None) -> torch.Tensor:
+        """Context phase of several requests in ONE target forward, enqueued: their first generated tokens
+        (``[R]`` int64 on the device; nothing waits for the device).
 
         ``starts[r]``: prompt ``r``'s positions already in the cache (written by :meth:`prefill_chunk`; default
         none), so row ``r`` runs positions ``s_r .. n_r-1``. The ragged rows are padded to ``[R, T]`` (``T`` =
@@ -414,8 +420,8 @@ class DSparkWorker(SpecWorkerBase):
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
         GEMM of another shape may round differently. Eager but for the target forward, which replays captured
         token buckets where the engine enabled them (:meth:`_prefill_forward`), and for the first block, which replays
-        its graph of the row count where the engine captured one (:meth:`draft_first_block`); synchronises once for the
-        tokens.
+        its graph of the row count where the engine captured one (:meth:`draft_first_block`); never synchronises (the
+        slots' next step reads their first tokens and drafts on the device).
         """
         self._check_prefill(slots, prompts, params)
         st = self.state
@@ -459,13 +465,13 @@ class DSparkWorker(SpecWorkerBase):
             # the admission's rows on the device, for a caller that keeps state of its own (the reference decode)
             self.prefill_rows = (slots_l, lens_t, tok)
             if not speculative:  # the context phase only (the reference decode records its own state)
-                return tok.tolist()
+                return tok
             # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping of the first block,
             # which treats each prompt as a generation row that accepted exactly one token (its first generated one).
             latents = self._store_prompt_latents(out, slots_l, positions, lens_t)
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
             self.draft_first_block(slots, tok, latents.index_select(0, last))
-        return tok.tolist()
+        return tok
 
     # -- the admission's first block (static rows; replayed per row count where the engine captured it) -------
     @property

@@ -56,10 +56,15 @@ class ReferenceDecoder:
 
     def prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
                       starts: list[int] | None = None) -> list[int]:
-        """The context phase of several requests (the worker's, nothing drafted): their first tokens.
-        ``starts``: as :meth:`DSparkWorker.prefill_batch` (positions already written by ``prefill_chunk``)."""
+        """The context phase of several requests (the worker's, nothing drafted): their first tokens (host ints)."""
+        return self.launch_prefill_batch(slots, prompts, params, starts).tolist()
+
+    def launch_prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                             starts: list[int] | None = None) -> torch.Tensor:
+        """:meth:`prefill_batch` enqueued: the first tokens ``[R]`` int64 on the device, nothing waited for.
+        ``starts``: as :meth:`DSparkWorker.launch_prefill_batch` (positions already written by ``prefill_chunk``)."""
         w, st = self.worker, self.worker.state
-        toks = w.prefill_batch(slots, prompts, params, speculative=False, starts=starts)
+        toks = w.launch_prefill_batch(slots, prompts, params, speculative=False, starts=starts)
         slots_l, lens, tok = w.prefill_rows  # the worker's device copies of this admission's rows
         if self.processors is not w.processors:
             self.processors.assign(slots, list(params), prompts, idx=slots_l)

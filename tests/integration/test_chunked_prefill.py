@@ -22,7 +22,7 @@ def test_chunked_prefill_equals_unchunked():
     chunked = Engine(load_config(**tiny_model(**TINY, enable_chunked_prefill=True, max_num_tokens=9)))
     assert whole.prefill_chunk_tokens is None and chunked.prefill_chunk_tokens == 9
     calls = []  # per prefill call: its tokens (rows x columns, padding included)
-    orig_rows, orig_chunk = chunked.prefill_slots, chunked.prefill_chunk
+    orig_rows, orig_chunk = chunked.launch_prefill, chunked.prefill_chunk
 
     def rows(slots, requests, mode="speculative", starts=None):
         calls.append(len(slots) * max(len(r.prompt_ids) - s for r, s in zip(requests, starts or [0] * len(slots))))
@@ -32,7 +32,7 @@ def test_chunked_prefill_equals_unchunked():
         calls.append(end - start)
         return orig_chunk(slot, request, start, end, mode)
 
-    chunked.prefill_slots, chunked.prefill_chunk = rows, chunk
+    chunked.launch_prefill, chunked.prefill_chunk = rows, chunk
     reqs = [Request(list(p), max_new_tokens=6, sampling=SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i))
             for i, p in enumerate(PROMPTS)]
     for mode in ("speculative", "target_only"):
@@ -44,7 +44,7 @@ def test_chunked_prefill_equals_unchunked():
         # The generate loop's plans carry at most 9 prefill tokens each: prompts 4 and 1 in one batched prefill
         # (2 x 4), the 19- and 11-token prompts as chunks and rests between the steps.
         assert calls[0] == 8 and max(calls) <= 9 and sum(calls) >= sum(len(p) for p in PROMPTS), calls
-    del chunked.prefill_slots, chunked.prefill_chunk
+    del chunked.launch_prefill, chunked.prefill_chunk
     # The prompts' K/V, chunked vs whole, at the same pages (both engines handed out the same ones).
     eng = {}
     for name, e in (("whole", whole), ("chunked", chunked)):

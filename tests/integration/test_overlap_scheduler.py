@@ -254,3 +254,67 @@ def test_a_handle_admitted_again_while_its_old_row_is_in_flight_gets_only_its_ow
         new += _tokens([e for e in evs if e.handle == 0])
     assert new == greedy_ids[:5]
     assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
+
+
+def test_a_prefill_behind_a_step_is_read_back_a_plan_later(engine, greedy_ids):
+    """Overlap: a plan that prefills while requests decode launches the prefill behind the step and reads its first
+    tokens back a plan later (the host never waits there for the step in flight), the requests joining the next
+    launch at once -- but one whose first token is its last, which sits it out. A first token that is a stop ends
+    its request (its row in the launched step discarded); a request asking for logprobs is read back at once (its
+    prefill's logits are read now); one cancelled before its first token is read back gets no token. Every request
+    gets the tokens it gets alone; every slot and page is free after."""
+    launches = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def launch_step(self, slots, mode="speculative"):
+            launches.append(list(slots))
+            return self.inner.launch_step(slots, mode)
+
+    sch = Scheduler(Counting(engine), overlap=True)
+    a = make_request(prompt_ids=_prompt(2), max_new_tokens=24, ignore_eos=True)
+    evs, _ = sch.apply(StepPlan(admit=[(0, a)], run=False))  # nothing in flight: read back at once
+    assert _tokens(evs) == greedy_ids[:1]
+    got = {0: _tokens(evs)}
+    evs, _ = sch.apply(StepPlan())
+    got[0] += _tokens(evs)
+
+    def run(plan):
+        evs, stats = sch.apply(plan)
+        for e in evs:
+            got.setdefault(e.handle, [])
+            got[e.handle] += e.tokens
+        return evs, stats
+
+    last_token = make_request(prompt_ids=_prompt(2), max_new_tokens=1, ignore_eos=True)
+    stops_at_first = make_request(prompt_ids=_prompt(2), max_new_tokens=8, stop_token_ids=(greedy_ids[0],))
+    evs, stats = run(StepPlan(admit=[(1, last_token), (2, stops_at_first)]))
+    assert {e.handle for e in evs} == {0} and stats.num_prefills == 0  # launched, not read back
+    slot_of = {h: sch._live[h].slot for h in (1, 2)}
+    evs, stats = run(StepPlan())
+    ends = {e.handle: e.finish_reason for e in evs if e.finish_reason}
+    assert ends == {1: "length", 2: "stop"} and stats.num_prefills == 2
+    assert got[1] == greedy_ids[:1] and got[2] == greedy_ids[:1]
+    assert slot_of[1] not in launches[-1] and slot_of[2] in launches[-1]  # its row is discarded at the collect
+    # logprobs: the first token in the plan that prefills it, with its logprob
+    evs, _ = run(StepPlan(admit=[(3, make_request(prompt_ids=_prompt(2), max_new_tokens=3, ignore_eos=True,
+                                                   logprobs=1))]))
+    first = [e for e in evs if e.handle == 3]
+    assert [e.tokens for e in first] == [greedy_ids[:1]] and first[0].logprobs
+    # cancelled before its first token is read back: the cancel, no token
+    evs, _ = run(StepPlan(admit=[(4, make_request(prompt_ids=_prompt(1), max_new_tokens=6, ignore_eos=True))]))
+    assert not [e for e in evs if e.handle == 4]
+    evs, _ = run(StepPlan(cancel=[4]))
+    assert [(e.tokens, e.finish_reason) for e in evs if e.handle == 4] == [([], "cancelled")]
+    while sch.num_active or sch.in_flight:
+        evs, _ = run(StepPlan())
+        assert not [e for e in evs if e.handle == 4]
+    alone = _tokens(_serve(engine, "reference", False, {0: {"prompt_ids": _prompt(2), "max_new_tokens": 24,
+                                                            "ignore_eos": True}}, {}, {})[0])
+    assert got[0] == alone and got[3] == greedy_ids[:3] and got[4] == []
+    assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages

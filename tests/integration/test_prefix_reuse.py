@@ -157,13 +157,13 @@ def test_reused_prefixes_give_the_tokens_of_whole_prefills(chunked):
     reuse = Engine(load_config(**tiny_model(**TINY, **extra, **{"kv_cache_config.enable_block_reuse": True})))
     assert not whole.pages.enable_block_reuse and reuse.pages.enable_block_reuse
     prefilled = []
-    orig = reuse.prefill_slots
+    orig = reuse.launch_prefill
 
     def rows(slots, requests, mode="speculative", starts=None):
         prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
         return orig(slots, requests, mode, starts)
 
-    reuse.prefill_slots = rows
+    reuse.launch_prefill = rows
     for mode, sampled in (("speculative", False), ("target_only", False), ("speculative", True),
                           ("target_only", True)):
         reqs = _requests(sampled)
@@ -363,7 +363,7 @@ def test_one_prompt_admitted_together_prefills_its_shared_pages_once(chunked):
     prompt = SYSTEM + [5, 17, 6]  # 16 tokens: three whole pages before its last token
     shared = (len(prompt) - 1) // PAGE
     prefilled = []
-    orig_rows, orig_chunk = reuse.prefill_slots, reuse.prefill_chunk
+    orig_rows, orig_chunk = reuse.launch_prefill, reuse.prefill_chunk
 
     def rows(slots, requests, mode="speculative", starts=None):
         prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
@@ -373,7 +373,7 @@ def test_one_prompt_admitted_together_prefills_its_shared_pages_once(chunked):
         prefilled.append(end - start)
         return orig_chunk(slot, request, start, end, mode)
 
-    reuse.prefill_slots, reuse.prefill_chunk = rows, chunk
+    reuse.launch_prefill, reuse.prefill_chunk = rows, chunk
     for mode, temperature in (("speculative", 0.0), ("target_only", 0.0), ("speculative", 0.9),
                               ("target_only", 0.9)):
         reqs = [Request(list(prompt), max_new_tokens=5, sampling=SamplingParams(temperature=temperature, seed=i))

@@ -94,11 +94,11 @@ class _Refusing:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def prefill_slots(self, slots, requests, mode="speculative", starts=None):
-        firsts = self._engine.prefill_slots(slots, requests, mode, starts)  # part way: the slots' state is written
+    def launch_prefill(self, slots, requests, mode="speculative", starts=None):
+        launched = self._engine.launch_prefill(slots, requests, mode, starts)  # part way: the slots' state is written
         if any(list(r.prompt_ids) == self._prompt for r in requests):
             raise ValueError("top_p: expected values in (0, 1], got [0.0]")
-        return firsts
+        return launched
 
     def run_step(self, slots, mode="speculative"):
         self._n += 1
@@ -184,11 +184,11 @@ class _Raising(_Refusing):
         super().__init__(engine)
         self._exc = exc
 
-    def prefill_slots(self, slots, requests, mode="speculative", starts=None):
-        firsts = self._engine.prefill_slots(slots, requests, mode, starts)
+    def launch_prefill(self, slots, requests, mode="speculative", starts=None):
+        launched = self._engine.launch_prefill(slots, requests, mode, starts)
         if any(list(r.prompt_ids) == B["prompt_ids"] for r in requests):
             raise self._exc
-        return firsts
+        return launched
 
 
 @pytest.mark.parametrize("exc", [OverflowError("int too large to convert to float"),

@@ -56,9 +56,9 @@ class _Recorder:
 
     def __init__(self, engine, mp):
         self.calls: list[tuple[str, int, int]] = []  # (kind, rows, tokens incl. padding)
-        real_slots, real_chunk = engine.prefill_slots, engine.prefill_chunk
+        real_slots, real_chunk = engine.launch_prefill, engine.prefill_chunk
 
-        def prefill_slots(slots, requests, mode="speculative", starts=None):
+        def launch_prefill(slots, requests, mode="speculative", starts=None):
             starts = starts or [0] * len(slots)
             width = max(len(r.prompt_ids) - s for r, s in zip(requests, starts))
             self.calls.append(("prefill", len(slots), len(slots) * width))
@@ -68,7 +68,7 @@ class _Recorder:
             self.calls.append(("chunk", 1, end - start))
             return real_chunk(slot, request, start, end, mode)
 
-        mp.setattr(engine, "prefill_slots", prefill_slots, raising=False)
+        mp.setattr(engine, "launch_prefill", launch_prefill, raising=False)
         mp.setattr(engine, "prefill_chunk", prefill_chunk, raising=False)
 
     def take(self) -> list[tuple[str, int, int]]:

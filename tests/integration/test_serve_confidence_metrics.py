@@ -37,11 +37,11 @@ def test_step_events_carry_the_confidences_of_the_drafts_they_verified():
     k = eng.draft_len
     eng.drafter.load_confidence_head(_head(eng.drafter.config, k, seed=3))
     drafted: dict[int, list[list[float]]] = {}  # slot -> the confidences of each block it drafted, in order
-    real_prefill, real_collect = eng.prefill_slots, eng._collect_confidences
+    real_prefill, real_collect = eng.collect_prefill, eng._collect_confidences
 
-    def prefill_slots(slots, requests, mode="speculative", starts=None):
-        out = real_prefill(slots, requests, mode, starts)
-        for s in slots:
+    def collect_prefill(launched):
+        out = real_prefill(launched)
+        for s in launched.slots:
             drafted[s] = [eng._pending_confidences[s]]
         return out
 
@@ -50,7 +50,7 @@ def test_step_events_carry_the_confidences_of_the_drafts_they_verified():
         for s in launched.slots:
             drafted[s].append(eng._pending_confidences[s])
 
-    eng.prefill_slots, eng._collect_confidences = prefill_slots, collect
+    eng.collect_prefill, eng._collect_confidences = collect_prefill, collect
     sch = Scheduler(eng, overlap=True)
     reqs = [make_request(prompt_ids=[5 + i, 17, 42 + i], max_new_tokens=12, ignore_eos=True,
                          temperature=0.9 * (i % 2), seed=i) for i in range(3)]

@@ -80,14 +80,14 @@ def test_a_request_the_engine_refuses_is_a_400_with_its_message(server):
     """A layer below refusing a request's value in its prefill: that request answers 400 with the message
     (streamed: an error chunk then [DONE]), the server stays healthy (was: 503 for everyone, exit 3)."""
     engine = server.engine
-    real = engine.prefill_slots
+    real = engine.launch_prefill
 
     def refusing(slots, requests, mode="speculative", starts=None):
         if any(list(r.prompt_ids) == [4, 4, 4] for r in requests):
             raise ValueError("top_p: expected values in (0, 1], got [0.0]")
         return real(slots, requests, mode, starts)
 
-    engine.prefill_slots = refusing
+    engine.launch_prefill = refusing
     try:
         r = _post(server, {"prompt": [4, 4, 4], "max_tokens": 2})
         assert r.status_code == 400, r.text
@@ -96,7 +96,7 @@ def test_a_request_the_engine_refuses_is_a_400_with_its_message(server):
         lines = _stream_lines(server, {"prompt": [4, 4, 4], "max_tokens": 2})
         assert lines[-1] == "[DONE]" and "refused in its prefill" in json.loads(lines[-2])["error"]["message"]
     finally:
-        del engine.prefill_slots
+        del engine.launch_prefill
     _healthy(server)
 
 
