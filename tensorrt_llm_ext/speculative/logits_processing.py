@@ -80,6 +80,10 @@ class SlotLogitsProcessors:
         self._acting = [False] * num_slots  # SamplingParams.acts_on_logits(vocab_size)
         self._limit_k = [0] * num_slots  # SamplingParams.limiting_top_k(vocab_size)
         self._counting = [False] * num_slots  # SamplingParams.uses_counts
+        # Per slot: its fields hold the identity (top_k 0, min_p 0, no penalties, no logit bias), as the tables
+        # start: an admission whose requests and slots are all neutral writes no field (most requests; the writes
+        # were 4 launches and 2 copies an admission)
+        self._neutral = [True] * num_slots
         self._cols = torch.arange(width, dtype=torch.int64, device=dev)
         self._valid = (self._cols + vocab_start) < vocab_size  # padding columns of the last shard: never kept
 
@@ -96,20 +100,24 @@ class SlotLogitsProcessors:
         """Set the processing fields of ``slots`` from their requests' params and reset their counts to the
         prompts'. ``idx``: ``slots`` already on the device as int64 (the caller's copy)."""
         dev = self.device
-        for slot, f in zip(slots, params):
+        neutral = [_neutral_fields(f) for f in params]
+        write = not all(neutral) or not all(self._neutral[s] for s in slots)
+        for slot, f, n in zip(slots, params, neutral):
             self._acting[slot] = f.acts_on_logits(self.vocab_size)
             self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
             self._counting[slot] = f.uses_counts
-        # every slot's fields at once: a launch per field, not per field and slot
-        if idx is None:
+            self._neutral[slot] = n
+        if idx is None and (write or self.counts is not None or any(f.uses_counts for f in params)):
             idx = host_to_device(slots, torch.int64, dev)
-        self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
-        # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in fp32's
-        # range), which torch cannot write into a float tensor as an int
-        self._floats[idx] = host_to_device([[float(f.min_p), float(f.presence_penalty), float(f.frequency_penalty),
-                                             float(f.repetition_penalty)] for f in params], torch.float32, dev)
-        self.bias_cols[idx] = 0
-        self.bias_vals[idx] = 0.0
+        if write:  # every slot's fields at once: a launch per field, not per field and slot
+            self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
+            # float(): a checked field may be a Python int past int64 (a JSON 10**30 repetition penalty is in fp32's
+            # range), which torch cannot write into a float tensor as an int
+            self._floats[idx] = host_to_device([[float(f.min_p), float(f.presence_penalty),
+                                                 float(f.frequency_penalty), float(f.repetition_penalty)]
+                                                for f in params], torch.float32, dev)
+            self.bias_cols[idx] = 0
+            self.bias_vals[idx] = 0.0
         for slot, f in zip(slots, params):
             own = [(t - self.vocab_start, b) for t, b in f.logit_bias if 0 <= t - self.vocab_start < self.width]
             if own:
@@ -213,6 +221,12 @@ class SlotLogitsProcessors:
             keep &= live[:, None]
         flat = row_slots.long()[:, None] * self.width + cols.clamp(0, self.width - 1)
         counts.view(-1).scatter_add_(0, flat.view(-1), keep.view(-1).to(torch.int32))
+
+
+def _neutral_fields(f: SamplingParams) -> bool:
+    """Whether ``f``'s processing fields are the tables' identity values (what a fresh slot holds)."""
+    return (f.top_k == 0 and f.min_p == 0 and f.presence_penalty == 0 and f.frequency_penalty == 0
+            and f.repetition_penalty == 1 and not f.logit_bias)
 
 
 def _block_counts(block_tokens: torch.Tensor, vocab_start: int, width: int) -> torch.Tensor:

@@ -90,17 +90,17 @@ def test_engine_prefills_each_admission_in_one_call_and_stays_lossless():
     results = {}
     for mode in ("speculative", "reference"):
         w = eng.worker("speculative")  # the target-only decodes run on the speculative path's worker too
-        orig, calls = w.prefill_batch, []
+        orig, calls = w.launch_prefill_batch, []
 
         def counting(slots, *args, _orig=orig, _calls=calls, **kwargs):
             _calls.append(len(slots))
             return _orig(slots, *args, **kwargs)
 
-        w.prefill_batch = counting
+        w.launch_prefill_batch = counting
         try:
             out, _ = eng.generate(reqs, mode)
         finally:
-            del w.prefill_batch
+            del w.launch_prefill_batch
         assert calls == [4, 1], calls
         assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in out)
         results[mode] = [r.output_ids for r in out]

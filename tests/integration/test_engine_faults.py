@@ -64,14 +64,14 @@ def test_exception_in_prefill_then_good_generate(monkeypatch):
     """The second admission's batched prefill (the third request, while the first two are active) fails."""
     engine = _engine("exact")
     worker = engine.worker()
-    real = worker.prefill_batch
+    real = worker.launch_prefill_batch
     hook = _raise_on_call(2, Injected("prefill of the second admission fails"))
 
-    def prefill_batch(*args, **kwargs):
+    def launch_prefill_batch(*args, **kwargs):
         hook()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "prefill_batch", prefill_batch)
+    monkeypatch.setattr(worker, "launch_prefill_batch", launch_prefill_batch)
     with pytest.raises(Injected):
         engine.generate(_requests())
     monkeypatch.undo()

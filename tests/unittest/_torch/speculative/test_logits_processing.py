@@ -275,3 +275,35 @@ def test_step_variant_follows_each_assignment_of_a_slot():
         need = ss.needs([0, 2])
         assert (need.top_p, need.processed, need.wide_top_k) == (top_p, processed, wide), params
         assert ss.needs([0, 1]) == ss.needs([3])  # the other slots keep their (default) params
+
+
+def test_neutral_admissions_write_no_field_and_a_reused_slot_is_reset(monkeypatch):
+    """Most requests process nothing: an admission whose requests and slots all hold the identity fields copies and
+    writes none (each write was a launch from Python); a slot that held a request with fields is reset when a
+    neutral request takes it, and the tables then equal a fresh table's -- and the sampling fields always follow."""
+    import tensorrt_llm_ext.speculative.logits_processing as lp
+    from types import SimpleNamespace
+
+    from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
+
+    fresh = SlotLogitsProcessors(4, 0, V, V, "cpu")
+    proc = SlotLogitsProcessors(4, 0, V, V, "cpu")
+    ss = SlotSampling(SimpleNamespace(ctx_lens=torch.zeros(4, dtype=torch.int32)), sampling=True)
+    ss.bind_processors(proc)
+    copies = []
+    real = lp.host_to_device
+    monkeypatch.setattr(lp, "host_to_device", lambda *a, **k: copies.append(a[0]) or real(*a, **k))
+    plain = [SamplingParams(temperature=0.5, seed=7), SamplingParams(top_k=-1, repetition_penalty=1.0)]
+    ss.assign([0, 2], plain, [[1], [2]])
+    assert copies == [] and ss.seeds[0] == 7 and ss.temps[0] == 0.5 and ss.temps[2] == 0.0
+    withfields = SamplingParams(temperature=1.0, top_k=5, min_p=0.1, logit_bias=((3, 2.0),))  # no counts
+    ss.assign([2], [withfields], [[4]])
+    assert proc.top_k[2] == 5 and proc.bias_vals[2, 0] == 2.0 and copies
+    copies.clear()
+    ss.assign([1, 2], plain, [[1], [2]])  # slot 2 held fields: both rows are written
+    assert copies
+    for name in ("top_k", "min_p", "presence", "frequency", "repetition", "bias_cols", "bias_vals"):
+        assert torch.equal(getattr(proc, name), getattr(fresh, name)), name
+    copies.clear()
+    ss.assign([2, 3], plain, [[1], [2]])
+    assert copies == [] and ss.seeds[2] == 7
