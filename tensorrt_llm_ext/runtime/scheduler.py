@@ -45,7 +45,13 @@ after step n + 1, in stream order). Two rules keep the serial path's guarantees:
 ``max_new_tokens`` sits out step n + 1 (an extra step past its length could outrun the pages reserved for it; it
 rejoins at n + 2 if it runs on), and a step with a ``logprobs`` row is collected at once (the next launch overwrites its logits). A plan that prefills while
 requests decode launches their step n + 1 first and prefills after it (the device runs the step while the host
-launches the eager prefill; the prefilled requests join step n + 2). Tokens are the serial path's:
+launches the prefill; the prefilled requests join step n + 2). That prefill's first tokens are read back a plan
+later, not in the plan that launched it (:meth:`Scheduler._collect_firsts`): the host would otherwise wait there
+for step n + 1 and the prefill and leave the device idle while it collects step n and plans the next launch. The
+requests are live at once -- step n + 2 reads their first tokens and drafts on the device -- but one whose first
+token is its last sits step n + 2 out, and a first token that is a stop ends its request as a step's would (its
+row in step n + 2 discarded). A prefill with a ``logprobs`` or ``prompt_logprobs`` row is read back at once (its
+logits are read now). Tokens are the serial path's:
 a request's tokens never depend on which steps it shares, and the decisions depend only on the plans and the
 tokens, so every TP rank pipelines the same way.
 """
