@@ -71,14 +71,15 @@ def _fp32(x: float) -> float:
 
 
 _FP32 = struct.Struct("f")
-_FP32_PAIR, _INT64 = struct.Struct("<ff"), struct.Struct("<q")
 
 
-def fp32_pair_word(a: float, b: float) -> int:
-    """``a`` and ``b`` in fp32 (:func:`_fp32`'s rounding) as the bits of one int64, ``a`` in the low half: a host
-    buffer of int64 words carries fp32 pairs beside int64 fields in one copy; on the (little-endian) device
-    ``words.view(torch.float32)`` reads ``[a, b]`` back bit for bit."""
-    return _INT64.unpack(_FP32_PAIR.pack(_fp32(a), _fp32(b)))[0]
+def fp32_words(values: list[float]) -> list[int]:
+    """``values`` in fp32 (:func:`_fp32`'s rounding), two to an int64 word, the first in the low half (a zero pad
+    for an odd count): a host buffer of int64 carries fp32 fields beside int64 ones in one copy, and on the
+    (little-endian) device ``words.view(torch.float32)[:len(values)]`` reads them back bit for bit, contiguous."""
+    n = len(values)
+    raw = struct.pack(f"<{n + n % 2}f", *(_fp32(v) for v in values), *([0.0] * (n % 2)))
+    return list(struct.unpack(f"<{(n + 1) // 2}q", raw))
 
 
 def _is_number(v) -> bool:

@@ -435,16 +435,18 @@ class DSparkWorker(SpecWorkerBase):
             raise ValueError(f"prefill_batch: expected one start per prompt in [0, its length), got {starts} for "
                              f"lengths {lens}")
         t = max(n - s for s, n in zip(starts, lens))
-        # the rows' slots, lengths, starts and the [R, T] id block (padded with 0) in one host-to-device copy (one
-        # copy each cost ~3 host ops; the block built as one host tensor: one per row cost ~10 us a row)
-        block = host_to_device(list(slots) + lens + starts + [tok for p, s in zip(prompts, starts)
-                                                        for tok in (*p[s:], *[0] * (t - (len(p) - s)))],
+        # The rows' slots, lengths, starts, the row of each prompt's last token in the block and the [R, T] id
+        # block (padded with 0) in one host-to-device copy (each its own copy or a few launches cost ~3 host ops;
+        # the block built as one host tensor: one per row cost ~10 us a row).
+        last = [row * t + n - s - 1 for row, (s, n) in enumerate(zip(starts, lens))]
+        block = host_to_device(list(slots) + lens + starts + last + [tok for p, s in zip(prompts, starts)
+                                                                    for tok in (*p[s:], *[0] * (t - (len(p) - s)))],
                                torch.int64, dev)
-        slots_l, lens_t, starts_t = block[:3 * r].view(3, r)
-        ids = block[3 * r:].view(r, t)
+        slots_l, lens_t, starts_t, last_t = block[:4 * r].view(4, r)
+        ids = block[4 * r:].view(r, t)
         slots_t = slots_l.int()
         try:
-            self.slot_sampling.assign(slots, list(params), prompts, idx=slots_l)
+            temps, seeds, top_p = self.slot_sampling.assign(slots, list(params), prompts, idx=slots_l)
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}: {e}") from None
         process = None
@@ -452,26 +454,23 @@ class DSparkWorker(SpecWorkerBase):
             def process(logits, temps):
                 return self.processed(logits, slots, slots_l, temps)
         with nvtx_range("prefill"):
-            positions = starts_t[:, None] + torch.arange(t, dtype=torch.int64, device=dev)
-            out = self._prefill_forward(ids, positions, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
+            out = self._prefill_forward(ids, starts_t, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
             self._keep_hidden(out, t)
-            last = torch.arange(r, device=dev) * t + lens_t - starts_t - 1  # row of each prompt's last token
             tok = torch.empty(r, dtype=torch.int64, device=dev)
-            ss = self.slot_sampling
-            _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last), ss.temps[slots_l],
-                                                  ss.seeds[slots_l], lens_t, tok,
-                                                  ss.top_p[slots_l] if ss.restricts_top_p(slots)
-                                                  else None, process)
-            self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
+            _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last_t), temps, seeds, lens_t, tok,
+                                                  top_p if self.slot_sampling.restricts_top_p(slots) else None,
+                                                  process)
+            if self.processors.counts_tokens(slots):
+                self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             # the admission's rows on the device, for a caller that keeps state of its own (the reference decode)
             self.prefill_rows = (slots_l, lens_t, tok)
             if not speculative:  # the context phase only (the reference decode records its own state)
                 return tok
             # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping of the first block,
             # which treats each prompt as a generation row that accepted exactly one token (its first generated one).
-            latents = self._store_prompt_latents(out, slots_l, positions, lens_t)
+            latents = self._store_prompt_latents(out, slots_l, starts_t, lens_t)
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
-            self.draft_first_block(slots, tok, latents.index_select(0, last))
+            self.draft_first_block(slots, tok, latents.index_select(0, last_t))
         return tok
 
     # -- the admission's first block (static rows; replayed per row count where the engine captured it) -------
@@ -538,39 +537,39 @@ class DSparkWorker(SpecWorkerBase):
         self.check_slots("prefill_chunk", [slot])
         dev = self.device
         with nvtx_range("prefill_chunk"):
-            ids = host_to_device(list(prompt_ids[start:end]), torch.int64, dev)[None]
-            positions = torch.arange(start, end, dtype=torch.int64, device=dev)[None]
-            slots_t = host_to_device([slot], torch.int32, dev)
-            out = self._prefill_forward(ids, positions, slots_t, [(start, end - start)])
+            # the slot, the prompt's length, the chunk's start and its ids in one host-to-device copy
+            block = host_to_device([slot, n, start, *prompt_ids[start:end]], torch.int64, dev)
+            slot_l, len_t, start_t, ids = block[0:1], block[1:2], block[2:3], block[3:][None]
+            out = self._prefill_forward(ids, start_t, slot_l.int(), [(start, end - start)])
             self._keep_hidden(out, end - start)
             if speculative:
-                self._store_prompt_latents(out, slots_t.long(), positions,
-                                           host_to_device([n], torch.int64, dev))
+                self._store_prompt_latents(out, slot_l, start_t, len_t)
 
     def _keep_hidden(self, out: TargetOutput, cols: int) -> None:
         """The prefill's hidden states for the prompt log-probabilities, only when asked (they hold a prefill's
         ``[R * T, H]`` activations past its end)."""
         self.prefill_hidden, self.prefill_cols = (out.hidden_states, cols) if self.keep_prefill_hidden else (None, 0)
 
-    def _store_prompt_latents(self, out: TargetOutput, slots_l: torch.Tensor, positions: torch.Tensor,
+    def _store_prompt_latents(self, out: TargetOutput, slots_l: torch.Tensor, starts: torch.Tensor,
                               lens_t: torch.Tensor) -> torch.Tensor:
-        """Store the drafter context latents of a prefill block's prompt positions below ``n - 1`` (``positions``
-        ``[R, T]`` absolute, ``lens_t`` ``[R]`` the prompts' lengths); returns every row's latents
-        ``[R*T, L, d_c]``."""
+        """Store the drafter context latents of a prefill block's prompt positions below ``n - 1`` (row ``r``
+        holds positions ``starts[r] ..`` consecutively, ``lens_t`` ``[R]`` the prompts' lengths); returns every
+        row's latents ``[R*T, L, d_c]``."""
         st = self.state
         self.decode_pages()
         latents = self.drafter.compute_context_latents(out.captured)  # [R*T, L, d_c]
         # one launch: the kernel looks each row's page up (was ~8 torch launches on the admission's host path)
-        self.ops.store_prompt_latents(latents, slots_l, positions[:, 0], lens_t, st.block_table, st.latent_pool,
+        self.ops.store_prompt_latents(latents, slots_l, starts, lens_t, st.block_table, st.latent_pool,
                                       page_size=st.page_size)
         return latents
 
-    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _prefill_forward(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
                          spans: list[tuple[int, int]]) -> TargetOutput:
         """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive
         column chunks of at most ``prefill_chunk_tokens`` tokens (``R`` rows x ``chunk`` columns), each writing
         its K/V before the next attends it; the outputs are the same rows (``r * T + t``). ``spans[r]``: row
-        ``r``'s first position and real tokens (its positions are consecutive; the columns past them padding).
+        ``r``'s first position and real tokens (its positions ``starts[r] ..`` consecutive -- ``starts`` ``[R]``
+        on the device; the columns past them padding).
 
         With a :attr:`prefill_runner` the rows (and chunks) replay its captured ``[1, T_b]`` buckets instead,
         where its rule allows (:func:`~tensorrt_llm_ext.runtime.prefill_graph.plan_prefill`); a row's padding
@@ -581,6 +580,7 @@ class DSparkWorker(SpecWorkerBase):
             out = self.prefill_runner.run(ids, slots, spans, min(cols, t))
             if out is not None:
                 return out
+        positions = starts[:, None] + torch.arange(t, dtype=torch.int64, device=ids.device)
         if cols >= t:
             return self.target(ids, positions, slots, self.state.kv_cache)
         outs = [self.target(ids[:, s:s + cols], positions[:, s:s + cols], slots, self.state.kv_cache)

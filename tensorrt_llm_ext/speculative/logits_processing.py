@@ -207,11 +207,16 @@ class SlotLogitsProcessors:
         kth = vals.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [R, 1]: the k-th largest over every shard
         return torch.where(limited[:, None] & (y < kth), neg_inf, y)
 
+    def counts_tokens(self, slots: list[int]) -> bool:
+        """Whether :meth:`record` counts tokens of ``slots`` (the tables exist, or a slot has penalties): a caller
+        that builds its arguments only for it asks first."""
+        return self.counts is not None or any(self._counting[s] for s in slots)
+
     def record(self, slots: list[int], row_slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor,
                live: torch.Tensor | None = None) -> None:
         """Count the emitted ``tokens [B, T]`` (the first ``num [B]`` of each row, ``live [B]`` rows only) in
         their slots (every slot once the tables exist: a slot without penalties never reads its counts)."""
-        if self.counts is None and not any(self._counting[s] for s in slots):
+        if not self.counts_tokens(slots):
             return  # nothing reads counts yet; the tables start at the next assign or processed step
         counts, _ = self._tables()
         b, t = tokens.shape

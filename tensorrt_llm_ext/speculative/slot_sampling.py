@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm_ext.contract import DSparkState, SamplingParams, fp32_pair_word
+from tensorrt_llm_ext.contract import DSparkState, SamplingParams, fp32_words
 from tensorrt_llm_ext.kernels.common import host_to_device
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
 from tensorrt_llm_ext.speculative.step_variant import StepVariant
@@ -45,10 +45,12 @@ class SlotSampling:
         self.processors = processors
 
     def assign(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],
-               idx: torch.Tensor | None = None) -> None:
+               idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Give ``slots`` their requests' params (one per slot) and reset their processing counts to the
         prompts'. ``idx``: ``slots`` already on the device as int64 (the caller's copy, so the admission copies
-        them once). ``ValueError`` for sampled params on a greedy-only worker."""
+        them once). Returns the rows' ``(temps, seeds, top_p)`` on the device (contiguous ``[R]``: bit for bit
+        ``temps[idx]`` ... , without gathering them back). ``ValueError`` for sampled params on a greedy-only
+        worker."""
         if len(params) != len(slots):
             raise ValueError(f"SlotSampling.assign: expected one SamplingParams per slot, got {len(params)} for "
                              f"{len(slots)} slots")
@@ -58,17 +60,21 @@ class SlotSampling:
         dev = self.temps.device
         if idx is None:
             idx = host_to_device(slots, torch.int64, dev)
-        # seed, temperature and top-p in one copy: per row the int64 seed, then the two fp32 values' bits as one
-        # int64 word (viewed back as fp32 on the device; a copy each cost ~3 host ops)
-        words = host_to_device([[p.seed, fp32_pair_word(p.effective_temperature, p.effective_top_p)]
-                                for p in params], torch.int64, dev)
-        vals = words[:, 1:].view(torch.float32)  # [R, 2]: temperature, top-p
-        self.temps[idx] = vals[:, 0]
-        self.seeds[idx] = words[:, 0]
-        self.top_p[idx] = vals[:, 1]
+        # seeds, temperatures and top-ps in one copy: the int64 seeds, then each fp32 field's bits two to an int64
+        # word (contract.fp32_words; viewed back as fp32 on the device; a copy each cost ~3 host ops)
+        r, half = len(params), (len(params) + 1) // 2
+        words = host_to_device([p.seed for p in params] + fp32_words([p.effective_temperature for p in params])
+                               + fp32_words([p.effective_top_p for p in params]), torch.int64, dev)
+        seeds = words[:r]
+        temps = words[r:r + half].view(torch.float32)[:r]
+        top_p = words[r + half:].view(torch.float32)[:r]
+        self.temps[idx] = temps
+        self.seeds[idx] = seeds
+        self.top_p[idx] = top_p
         for slot, p in zip(slots, params):
             self._top_p_rows[slot] = p.restricts_top_p
         self.processors.assign(slots, params, prompts, idx=idx)
+        return temps, seeds, top_p
 
     def restricts_top_p(self, slots: list[int]) -> bool:
         """Whether a row of ``slots`` samples from a top-p set."""

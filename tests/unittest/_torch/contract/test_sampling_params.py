@@ -60,3 +60,31 @@ def test_good_values_and_the_top_p_set():
         s.temperature = 1.0
     with pytest.raises(ValueError, match="expected a SamplingParams field"):
         sampling_problem("top_q", 3)
+
+
+def test_host_fp32_rounding_and_packed_words_are_torch_bits():
+    """The host's fp32 rounding of a sampling field (through ``struct``, asked several times an admission) and the
+    fp32 fields packed two to an int64 word for one host-to-device copy: bit for bit what torch's fp32 conversion
+    gives, on random doubles and bit patterns, subnormals, ties, infinities, NaN and the fp32 overflow edge."""
+    import random
+    import struct
+
+    from tensorrt_llm_ext.contract import _fp32, fp32_words
+
+    rng = random.Random(3)
+    vals = [0.0, -0.0, 2.0 ** -149, 2.0 ** -150, 3 * 2.0 ** -151, 3.4028234663852886e38, 3.4028235677973366e38,
+            3.5e38, -1e39, 1e308, float("inf"), -float("inf"), float("nan"), 0.1, 1 / 3, 5, 2 ** 100]
+    vals += [rng.choice((1, -1)) * rng.random() * 2.0 ** rng.uniform(-160, 140) for _ in range(20000)]
+    vals += [struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0] for _ in range(20000)]
+
+    def bits(x: float) -> int:
+        return torch.tensor(x, dtype=torch.float32).view(torch.int32).item()
+
+    for v in vals:
+        want = float(torch.tensor(float(v), dtype=torch.float32))
+        got = _fp32(v)
+        assert (math.isnan(got) and math.isnan(want)) or struct.pack("<d", got) == struct.pack("<d", want), v
+    for n in (1, 2, 3, 8, 33):
+        chunk = vals[:n] if n < 4 else rng.sample(vals, n)
+        back = torch.tensor(fp32_words(chunk), dtype=torch.int64).view(torch.float32)[:n]
+        assert back.view(torch.int32).tolist() == [bits(float(x)) for x in chunk], n
