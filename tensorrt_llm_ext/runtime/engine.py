@@ -508,14 +508,16 @@ class Engine:
                 confidences = _copy_to_host(worker.draft_confidences[:len(slots)])
         return LaunchedPrefill(list(slots), mode, _copy_to_host(tokens), confidences, _copies_done(tokens.device))
 
-    def collect_prefill(self, launched: LaunchedPrefill) -> list[int]:
+    def collect_prefill(self, launched: LaunchedPrefill, live: list[bool] | None = None) -> list[int]:
         """Wait for ``launched``'s copies; its first tokens (host ints). The slots' first-block confidences become
-        those their next step verifies."""
+        those their next step verifies -- for the rows ``live`` keeps (default all): a request cancelled before its
+        prefill is read back may have left its slot to another, whose confidences these are not."""
         if launched.done is not None:
             launched.done.synchronize()
         if launched.confidences is not None:
-            for slot, row in zip(launched.slots, launched.confidences.tolist()):
-                self._pending_confidences[slot] = row
+            for row, (slot, confs) in enumerate(zip(launched.slots, launched.confidences.tolist())):
+                if live is None or live[row]:
+                    self._pending_confidences[slot] = confs
         return launched.tokens.tolist()
 
     @property

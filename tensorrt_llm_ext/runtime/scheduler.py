@@ -406,10 +406,11 @@ class Scheduler:
                 keep.append(p)
                 continue
             t0 = time.perf_counter()
-            firsts = self.engine.collect_prefill(p.launched)
+            live_rows = [self._live.get(h) is live for h, live in zip(p.handles, p.lives)]
+            firsts = self.engine.collect_prefill(p.launched, live_rows)
             stats.prefill_s += time.perf_counter() - t0
-            for h, live, first in zip(p.handles, p.lives, firsts):
-                if self._live.get(h) is live:
+            for h, live, first, kept in zip(p.handles, p.lives, firsts, live_rows):
+                if kept:
                     live.first_pending = False
                     stats.num_prefills += 1
                     events.append(self._append(h, live, [first], None))

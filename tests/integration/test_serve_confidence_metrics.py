@@ -110,3 +110,43 @@ def test_served_requests_report_mean_confidence_per_position_in_metrics():
     means = [get("trtllm_ext_spec_decode_draft_confidence_sum_per_pos_total", position=str(p)) / n for p in range(k)]
     want = [1.0 / (1.0 + math.exp(0.5 - s)) for s in shifts]
     assert means == pytest.approx(want, abs=1e-5)
+
+
+def test_a_request_cancelled_before_its_first_token_leaves_no_confidences_on_its_slot():
+    """Overlap: a request admitted behind a step (its first token read a plan later) and cancelled before that read
+    frees its slot at once; a request admitted into that slot in the same plan -- prefilled at once here, as one
+    asking for logprobs is -- verifies its own first block's confidences on its first step, not the cancelled
+    one's (whose prefill is read back after it)."""
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+    eng = Engine(load_config(**tiny_model(**{"model.target.vocab_size": 301, "max_batch_size": 2,
+                                            "max_seq_len": 40})), torch_ops=True)
+    eng.drafter.load_confidence_head(_head(eng.drafter.config, eng.draft_len, seed=5))
+    drafted = {}
+    real = eng.collect_prefill
+
+    def collect_prefill(launched, live=None):
+        out = real(launched, live)
+        for row, s in enumerate(launched.slots):
+            drafted.setdefault(s, []).append(launched.confidences[row].tolist())
+        return out
+
+    eng.collect_prefill = collect_prefill
+    sch = Scheduler(eng, overlap=True)
+    long = make_request(prompt_ids=[5, 17, 42], max_new_tokens=20, ignore_eos=True)
+    sch.apply(StepPlan(admit=[(0, long)], run=False))
+    sch.apply(StepPlan())
+    evs, _ = sch.apply(StepPlan(admit=[(1, make_request(prompt_ids=[9, 8, 7, 6], max_new_tokens=20))]))
+    assert not [e for e in evs if e.handle == 1]  # its first token waits for the next plan
+    slot = sch._live[1].slot
+    newcomer = make_request(prompt_ids=[3, 1, 4, 1, 5], max_new_tokens=6, ignore_eos=True, logprobs=1)
+    evs, _ = sch.apply(StepPlan(cancel=[1], admit=[(2, newcomer)]))
+    assert sch._live[2].slot == slot and [e.finish_reason for e in evs if e.handle == 1] == ["cancelled"]
+    own = drafted[slot][-2]  # the newcomer's prefill was read first, the cancelled one's after it
+    firsts = []
+    while sch.num_active:
+        evs, _ = sch.apply(StepPlan())
+        firsts += [e.confidences for e in evs if e.handle == 2 and e.accepted_len is not None][:1]
+    assert firsts and firsts[0] == own and own != drafted[slot][-1]
