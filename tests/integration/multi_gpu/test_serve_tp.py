@@ -65,6 +65,26 @@ def test_tp2_server_equals_tp1_and_a_dead_rank_gives_503(tmp_path):
         greedy = _reference([{"prompt": b["prompt"], "max_tokens": 3} for b in bodies[2:]])
         assert [ch["token_ids"] for ch in batch[0].json()["choices"]] == greedy
         assert [r["rank"] for r in health["ranks"]] == [0, 1]
+        # Requests arriving while another decodes: each prefill launched behind a step and read back a plan later
+        # (the overlap scheduler), every rank applying the same plans; the tokens are TP 1's.
+        long = {"prompt": [3, 4], "max_tokens": 40}
+        arriving = [dict(b, max_tokens=4) for b in bodies[2:5]]
+        want = _reference([long] + arriving)
+        got = {}
+
+        def post(i, body):
+            got[i] = httpx.post(srv.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=post, args=(0, long))]
+        threads[0].start()
+        while httpx.get(srv.url + "/health", timeout=10).json()["active"] == 0 and threads[0].is_alive():
+            time.sleep(0.02)
+        threads += [threading.Thread(target=post, args=(i + 1, b)) for i, b in enumerate(arriving)]
+        for th in threads[1:]:
+            th.start()
+        for th in threads:
+            th.join(300)
+        assert [got[i] for i in range(len(want))] == want
         result = {}
 
         def long_request():
