@@ -318,3 +318,29 @@ def test_a_prefill_behind_a_step_is_read_back_a_plan_later(engine, greedy_ids):
                                                             "ignore_eos": True}}, {}, {})[0])
     assert got[0] == alone and got[3] == greedy_ids[:3] and got[4] == []
     assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_chunked_prompts_arriving_while_others_decode_give_the_serial_tokens(mode):
+    """Chunked prefill under the overlap scheduler: prompts longer than a plan's token budget arrive while others
+    decode; their chunks run between the steps and their last chunk's prefill is read back a plan later. Every
+    request gets the serial loop's tokens; every slot and page is free after."""
+    import tensorrt_llm_ext.kernels.rms_norm as rms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rms, "triton_runs_on", lambda t: False)
+        eng = Engine(load_config(**{**SMALL, "enable_chunked_prefill": True, "max_num_tokens": 5}))
+        eng.drafter.set_attention_backend("eager")
+        mp.setattr(eng.worker("speculative"), "ops", STOCK_OPS)
+        long = [(5 * j + 2) % 301 for j in range(13)]
+        reqs = {0: {"prompt_ids": _prompt(2), "max_new_tokens": 14, "ignore_eos": True},
+                1: {"prompt_ids": long, "max_new_tokens": 6, "ignore_eos": True},
+                2: {"prompt_ids": long[3:] + [9], "max_new_tokens": 5, "temperature": 0.9, "seed": 3,
+                    "ignore_eos": True},
+                3: {"prompt_ids": _prompt(5), "max_new_tokens": 1}}
+        arrive_at = {1: 2, 2: 3, 3: 4}
+        serial = _serve(eng, mode, False, reqs, {}, arrive_at)
+        overlap = _serve(eng, mode, True, reqs, {}, arrive_at)
+        for h in reqs:
+            assert _tokens(overlap[h]) == _tokens(serial[h]) and len(_tokens(serial[h])) == reqs[h]["max_new_tokens"], h
+        assert eng.slots.num_free == SMALL["max_batch_size"] and eng.pages.num_free == eng.pages.num_pages
