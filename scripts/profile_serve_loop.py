@@ -226,7 +226,8 @@ def main() -> int:
                 events, st = sched.apply(StepPlan(admit=admit))
         else:
             events, st = sched.apply(StepPlan(admit=admit))
-        plans.append({"wall": time.perf_counter() - t0, "admit": len(admit), "rows": st.num_rows,
+        plans.append({"wall": time.perf_counter() - t0, "admit": len(admit), "deferred": st.deferred_prefills,
+                      "rows": st.num_rows,
                       "step_s": st.step_s, "prefill_s": st.prefill_s, "accepted": list(st.accepted_lens)})
         tokens += sum(len(e.tokens) for e in events)
     sync()
@@ -278,7 +279,8 @@ def main() -> int:
     print(f"\nwithout the profiler, the {len(bare)} plans before the window: {bare_steps} steps, {bare_tokens} tokens in "
           f"{bare_wall * 1e3:.1f} ms ({bare_wall * 1e3 / max(1, bare_steps):.3f} ms a step, "
           f"{bare_tokens / bare_wall:.0f} tokens/s); plan host ms p50 / p90 {statistics.median(bwalls):.3f} / "
-          f"{bwalls[round(0.9 * (len(bwalls) - 1))]:.3f}; admissions {sum(w['admit'] for w in bare)}")
+          f"{bwalls[round(0.9 * (len(bwalls) - 1))]:.3f}; admissions {sum(w['admit'] for w in bare)} "
+          f"({sum(w['deferred'] for w in bare)} read a plan later)")
     print(f"\nkernel ms by the host phase that launched it (launch_step: the step's replay or eager launches; prefill: "
           f"the admissions; collect: the step's token read-back and bookkeeping); idle: the window's wall less the "
           f"union of kernel intervals. Trace: {path}")
@@ -287,7 +289,8 @@ def main() -> int:
                    "profiled": {**at, "plans": len(win), "steps": len(steps), "admissions": n_admit, "tokens": tokens,
                                 "plan_host_ms": walls},
                    "bare": {"plans": len(bare), "steps": bare_steps, "tokens": bare_tokens, "wall_ms": bare_wall * 1e3,
-                            "admissions": sum(w["admit"] for w in bare), "plan_host_ms": bwalls}}
+                            "admissions": sum(w["admit"] for w in bare),
+                            "read_a_plan_later": sum(w["deferred"] for w in bare), "plan_host_ms": bwalls}}
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=1)
     top = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)

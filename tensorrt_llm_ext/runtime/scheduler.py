@@ -115,6 +115,7 @@ class StepStats:
     step_s: float = 0.0
     prefill_s: float = 0.0
     num_prefills: int = 0  # requests whose prefill completed (their first token is out)
+    deferred_prefills: int = 0  # requests whose prefill was launched behind a step, its first token read a plan later
     prefill_tokens: int = 0  # prompt tokens prefilled (chunks included, padding not)
     prefix_cache_queries: int = 0  # prompt tokens of this plan's admissions looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens cached (not prefilled)
@@ -584,6 +585,7 @@ class Scheduler:
                 events.append(self._append(h, live, [firsts[row]], None, lps[row]))
                 events[-1].prompt_logprobs = prompt_lps[row]
         if defer:
+            stats.deferred_prefills += len(group)
             self._launches += 1
             self._pending_firsts.append(_PendingFirsts(launched, list(group), lives, self._launches, self._plans))
         return events

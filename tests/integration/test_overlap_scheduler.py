@@ -295,6 +295,7 @@ def test_a_prefill_behind_a_step_is_read_back_a_plan_later(engine, greedy_ids):
     stops_at_first = make_request(prompt_ids=_prompt(2), max_new_tokens=8, stop_token_ids=(greedy_ids[0],))
     evs, stats = run(StepPlan(admit=[(1, last_token), (2, stops_at_first)]))
     assert {e.handle for e in evs} == {0} and stats.num_prefills == 0  # launched, not read back
+    assert stats.deferred_prefills == 2
     slot_of = {h: sch._live[h].slot for h in (1, 2)}
     evs, stats = run(StepPlan())
     ends = {e.handle: e.finish_reason for e in evs if e.finish_reason}

@@ -70,6 +70,7 @@ def test_the_loop_runs_on_the_cpu(tmp_path, monkeypatch):
     assert prof["plans"] == 2 and bare["plans"] == 2
     assert 1 <= prof["steps"] <= prof["plans"] and prof["tokens"] > 0 and bare["tokens"] > 0
     assert prof["wall"] > 0 and len(prof["plan_host_ms"]) == 2 and bare["wall_ms"] > 0
+    assert 0 <= bare["read_a_plan_later"] <= bare["admissions"]
     assert (tmp_path / "trace.json").stat().st_size > 0
 
 
