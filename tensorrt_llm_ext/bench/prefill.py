@@ -4,8 +4,9 @@ speculative one's time goes.
 ``Engine.prefill_slots`` of ``R`` requests of ``L`` prompt tokens, as ``serve`` admits them: with graphs on (a GPU),
 the decode steps and the prefill's target forward captured first (``Engine.runner``), so the forward replays its
 token buckets and everything after it runs as it does in ``serve``. Per (mode, R, L) the median over ``--reps``
-admissions of the wall time from an idle device to the first tokens on the host (a prefill reads its tokens back,
-so this is what an admission holds the engine loop and what time to first token pays beyond the queue). ``spec, first
+admissions of the wall time from an idle device to the first tokens on the host (``Engine.prefill_slots``: the
+launch and its read-back -- what an admission into an idle engine holds the loop and what its time to first token
+pays beyond the queue; behind a running step the overlap scheduler reads it a plan later). ``spec, first
 block eager``: the speculative one again with the first block run eagerly (no graph replay), in the same run.
 
 The speculative prefill by stage (a second pass: every stage bracketed by device synchronisations, so each is timed
