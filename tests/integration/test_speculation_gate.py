@@ -85,9 +85,10 @@ REQUESTS = {
 
 
 def _serve(engine: Engine, overlap: bool, modes: list[str] | None = None,
-           mode: str = "speculative") -> tuple[dict[int, list[int]], Scheduler]:
-    """Requests 0-3 admitted together, 4 four plans later; every handle's tokens, and (``modes``) the mode of
-    every step the engine launched."""
+           mode: str = "speculative", late: int = 4, deferred: list[int] | None = None
+           ) -> tuple[dict[int, list[int]], Scheduler]:
+    """Requests 0-3 admitted together, 4 ``late`` plans later; every handle's tokens, and (``modes``) the mode of
+    every step the engine launched; ``deferred``: per plan, the prefills read a plan later."""
     sch = Scheduler(engine, mode=mode, overlap=overlap)
     launch = engine.launch_step
     if modes is not None:
@@ -99,8 +100,10 @@ def _serve(engine: Engine, overlap: bool, modes: list[str] | None = None,
     done = set()
     try:
         for i in range(200):
-            admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else (4,) if i == 4 else ())]
-            events, _ = sch.apply(StepPlan(admit=admit))
+            admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else (4,) if i == late else ())]
+            events, stats = sch.apply(StepPlan(admit=admit))
+            if deferred is not None:
+                deferred.append(stats.deferred_prefills)
             for e in events:
                 assert e.finish_reason in (None, "length"), e
                 out[e.handle].extend(e.tokens)
@@ -131,6 +134,42 @@ def test_closed_gate_hands_the_running_requests_to_the_target_only_decode(engine
     again, _ = _serve(gated, overlap)
     assert again == got  # seeded: the same tokens
     assert gated.slots.num_free == SMALL["max_batch_size"] and gated.pages.num_free == gated.pages.num_pages
+
+
+def test_a_first_token_not_read_back_when_the_gate_closes_is_handed_over_with_its_request():
+    """Overlap: request 4 arrives (a fifth slot free) in the plan whose step ends request 0 and closes the gate; its
+    speculative prefill is launched behind that step and read a plan later. The hand-over reads it first (the
+    request's history holds its first token) and the request goes on target-only: the target's own tokens, like
+    the requests running."""
+    import tensorrt_llm_ext.kernels.rms_norm as rms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rms, "triton_runs_on", lambda t: False)
+        gated, plain = _engine({**GATED, "max_batch_size": 5}), _engine({**SMALL, "max_batch_size": 5})
+        _serve_across_the_close(gated, plain)
+
+
+def _serve_across_the_close(gated: Engine, plain: Engine) -> None:
+    modes: list[str] = []
+    deferred: list[int] = []
+    handed = []
+    real = gated.hand_over_to_target_only
+
+    def hand_over(slots, requests, outputs):
+        handed.extend((list(r.prompt_ids), list(o)) for r, o in zip(requests, outputs))
+        return real(slots, requests, outputs)
+
+    gated.hand_over_to_target_only = hand_over
+    got, sch = _serve(gated, True, modes, late=1, deferred=deferred)
+    assert deferred[1] == 1 and sch.gate.closed  # request 4's prefill was read a plan later
+    # handed over with its first token in its history (read before the hand-over)
+    assert [out for prompt, out in handed if prompt == REQUESTS[4]["prompt_ids"]] == [got[4][:1]]
+    first = modes.index("target_only")
+    assert set(modes[:first]) == {"speculative"} and set(modes[first:]) == {"target_only"}
+    want, _ = _serve(plain, True, mode="target_only", late=1)
+    for h in (0, 1, 2, 4):
+        assert got[h] == want[h], h
+    assert gated.slots.num_free == 5 and gated.pages.num_free == gated.pages.num_pages
 
 
 def test_hand_over_sets_a_separate_processing_state_from_the_history(engines, monkeypatch):
