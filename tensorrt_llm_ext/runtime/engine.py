@@ -493,15 +493,14 @@ class Engine:
         the prefill, the prefill and the step after it. The slots' next step may be launched before the collect:
         it reads their first tokens and drafts on the device. The prefill's logits (:meth:`prefill_logprobs`) stay
         valid only until the next launch."""
-        path = _path(mode)
+        worker = self.worker(_path(mode))
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
-        self.worker(path).keep_prefill_hidden = any(r.prompt_logprobs is not None for r in requests)
+        worker.keep_prefill_hidden = any(r.prompt_logprobs is not None for r in requests)
         confidences = None
         if mode in NON_SPECULATIVE:
             tokens = self._decoder(mode).launch_prefill_batch(list(slots), prompts, params, starts=starts)
         else:
-            worker = self.worker(path)
             tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts)
             if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
                 # copied now: the next step rewrites the buffer

@@ -107,7 +107,8 @@ class SlotLogitsProcessors:
             self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
             self._counting[slot] = f.uses_counts
             self._neutral[slot] = n
-        if idx is None and (write or self.counts is not None or any(f.uses_counts for f in params)):
+        counting = self.counts_tokens(slots)  # the counts are reset to the prompts'
+        if idx is None and (write or counting):
             idx = host_to_device(slots, torch.int64, dev)
         if write:  # every slot's fields at once: a launch per field, not per field and slot
             self.top_k[idx] = host_to_device([f.top_k for f in params], torch.int64, dev)
@@ -123,7 +124,7 @@ class SlotLogitsProcessors:
             if own:
                 self.bias_cols[slot, :len(own)] = host_to_device([c for c, _ in own], torch.int64, dev)
                 self.bias_vals[slot, :len(own)] = host_to_device([b for _, b in own], torch.float32, dev)
-        if self.counts is not None or any(f.uses_counts for f in params):
+        if counting:
             counts, in_prompt = self._tables()
             counts[idx] = 0
             in_prompt[idx] = False

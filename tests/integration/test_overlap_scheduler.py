@@ -73,6 +73,20 @@ def _prompt(i: int) -> list[int]:
     return [(7 * i + 3 * j + 1) % 301 for j in range(3 + i % 4)]
 
 
+class _LaunchSpy:
+    """``engine`` with each launched step's slots appended to ``launches``."""
+
+    def __init__(self, inner, launches: list[list[int]]):
+        self.inner, self.launches = inner, launches
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch_step(self, slots, mode="speculative"):
+        self.launches.append(list(slots))
+        return self.inner.launch_step(slots, mode)
+
+
 @pytest.fixture(scope="module")
 def greedy_ids(engine) -> list[int]:
     """The greedy tokens of ``_prompt(2)`` alone (serial; the target's decode, which speculative equals): stop
@@ -130,20 +144,8 @@ def test_overlap_gives_the_serial_tokens_under_load(engine, greedy_ids, mode):
 def test_a_request_stopped_by_its_step_is_not_advanced_into_the_next(engine, greedy_ids):
     """Overlap: the row of a request that its collected step ended is already in the launched step; its tokens
     there are discarded, its slot is free at once and is served again correctly."""
-    calls = []
-
-    class Counting:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def launch_step(self, slots, mode="speculative"):
-            calls.append(list(slots))
-            return self.inner.launch_step(slots, mode)
-
-    sch = Scheduler(Counting(engine), overlap=True)
+    calls: list[list[int]] = []
+    sch = Scheduler(_LaunchSpy(engine, calls), overlap=True)
     long = {"prompt_ids": _prompt(1), "max_new_tokens": 30, "ignore_eos": True}
     short_ids = greedy_ids
     short = {"prompt_ids": _prompt(2), "max_new_tokens": 10, "ignore_eos": True, "stop_token_ids": (short_ids[2],)}
@@ -263,20 +265,8 @@ def test_a_prefill_behind_a_step_is_read_back_a_plan_later(engine, greedy_ids):
     its request (its row in the launched step discarded); a request asking for logprobs is read back at once (its
     prefill's logits are read now); one cancelled before its first token is read back gets no token. Every request
     gets the tokens it gets alone; every slot and page is free after."""
-    launches = []
-
-    class Counting:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def launch_step(self, slots, mode="speculative"):
-            launches.append(list(slots))
-            return self.inner.launch_step(slots, mode)
-
-    sch = Scheduler(Counting(engine), overlap=True)
+    launches: list[list[int]] = []
+    sch = Scheduler(_LaunchSpy(engine, launches), overlap=True)
     a = make_request(prompt_ids=_prompt(2), max_new_tokens=24, ignore_eos=True)
     evs, _ = sch.apply(StepPlan(admit=[(0, a)], run=False))  # nothing in flight: read back at once
     assert _tokens(evs) == greedy_ids[:1]
