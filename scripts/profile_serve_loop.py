@@ -211,6 +211,10 @@ def main() -> int:
                     stats = pstats.Stats(host_prof, stream=f)
                     stats.sort_stats("cumulative").print_stats(60)
                     stats.sort_stats("tottime").print_stats(40)
+                    # this repository's own Python alone (where a plan's interpreter time goes, not torch's), and
+                    # who calls the torch entry points that cost the most
+                    stats.sort_stats("tottime").print_stats("tensorrt_llm_ext", 40)
+                    stats.print_callers(r"copy_|to'|tensor'|pin_memory|index_select|replay|tolist|synchronize", 12)
             if args.host_only:
                 break
             annotate()

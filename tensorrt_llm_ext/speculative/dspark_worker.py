@@ -247,10 +247,10 @@ class DSparkWorker(SpecWorkerBase):
         On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
         overlap scheduler launches the next step before the previous one is done) and never waits for it."""
         n, pin = len(slots), slot_ids.is_cuda
-        ids = torch.full((batch_size,), self.state.dummy_slot, dtype=torch.int32, pin_memory=pin)
-        ids[:n] = torch.tensor(slots, dtype=torch.int32)
-        dummy = torch.ones(batch_size, dtype=torch.bool, pin_memory=pin)
-        dummy[:n] = False
+        pad = batch_size - n
+        # Each host row built whole from a list (one op each; filling a buffer, then its first n, took five).
+        ids = torch.tensor([*slots, *[self.state.dummy_slot] * pad], dtype=torch.int32, pin_memory=pin)
+        dummy = torch.tensor([False] * n + [True] * pad, dtype=torch.bool, pin_memory=pin)
         slot_ids[:batch_size].copy_(ids, non_blocking=pin)
         is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
 

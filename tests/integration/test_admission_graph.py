@@ -126,6 +126,21 @@ def test_first_block_rows_checked():
         w.admission_draft(2)
 
 
+def test_rows_written_slots_then_dummies():
+    """A step's and an admission's rows: the slots first, the dummy slot after them, flagged; a later call over
+    fewer rows rewrites every row of its batch size (a stale slot left in a padded row would step a request twice)."""
+    w = _engine().worker()
+    dummy = w.state.dummy_slot
+    for write, ids, flags in ((w.set_rows, w.slot_ids, w.is_dummy),
+                              (w.set_admission_rows, w.admit_slot_ids, w.admit_is_dummy)):
+        write([4, 0, 6], 4)
+        assert ids[:4].tolist() == [4, 0, 6, dummy] and flags[:4].tolist() == [False, False, False, True]
+        write([2], 4)
+        assert ids[:4].tolist() == [2, dummy, dummy, dummy] and flags[:4].tolist() == [False, True, True, True]
+        write([1, 3], 2)
+        assert ids[:2].tolist() == [1, 3] and flags[:2].tolist() == [False, False]
+
+
 @cuda_only
 def test_gpu_replayed_first_block_equals_eager():
     """On CUDA: the first block captured per row count at engine start and replayed for admissions of 4 and 1 rows
