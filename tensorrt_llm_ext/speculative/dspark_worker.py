@@ -59,7 +59,7 @@ from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
 from tensorrt_llm_ext.speculative.rejection_verifier import RejectionVerification, RejectionVerifier
 from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
-from tensorrt_llm_ext.kernels.common import host_to_device
+from tensorrt_llm_ext.kernels.common import copy_from_host_, host_to_device
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep
 from tensorrt_llm_ext.speculative.step_ops import FUSED_OPS, StepOps
 from tensorrt_llm_ext.speculative.step_variant import (DEFAULT_VARIANT, PROCESSED_TOP_P_VARIANT, PROCESSED_VARIANT,
@@ -244,15 +244,15 @@ class DSparkWorker(SpecWorkerBase):
 
     def _copy_rows(self, slots: list[int], batch_size: int, slot_ids: torch.Tensor, is_dummy: torch.Tensor) -> None:
         """``slot_ids[:batch_size]`` / ``is_dummy[:batch_size]``: ``slots`` first, then dummy rows (the dummy slot).
-        On CUDA from pinned memory, asynchronously: the copy is stream-ordered behind the step in flight (the
-        overlap scheduler launches the next step before the previous one is done) and never waits for it."""
-        n, pin = len(slots), slot_ids.is_cuda
+        On CUDA from pinned memory, asynchronously (:func:`copy_from_host_`): the copy is stream-ordered behind the
+        step in flight (the overlap scheduler launches the next step before the previous one is done) and never
+        waits for it."""
+        n = len(slots)
         pad = batch_size - n
         # Each host row built whole from a list (one op each; filling a buffer, then its first n, took five).
-        ids = torch.tensor([*slots, *[self.state.dummy_slot] * pad], dtype=torch.int32, pin_memory=pin)
-        dummy = torch.tensor([False] * n + [True] * pad, dtype=torch.bool, pin_memory=pin)
-        slot_ids[:batch_size].copy_(ids, non_blocking=pin)
-        is_dummy[:batch_size].copy_(dummy, non_blocking=pin)
+        copy_from_host_(slot_ids[:batch_size],
+                        torch.tensor([*slots, *[self.state.dummy_slot] * pad], dtype=torch.int32))
+        copy_from_host_(is_dummy[:batch_size], torch.tensor([False] * n + [True] * pad, dtype=torch.bool))
 
     def check_slots(self, where: str, slots: list[int]) -> None:
         """Distinct request slots ``[0, dummy_slot)``: the step indexes per-slot state with these ids on the

@@ -231,8 +231,7 @@ class SlotLogitsProcessors:
 
 def _neutral_fields(f: SamplingParams) -> bool:
     """Whether ``f``'s processing fields are the tables' identity values (what a fresh slot holds)."""
-    return (f.top_k == 0 and f.min_p == 0 and f.presence_penalty == 0 and f.frequency_penalty == 0
-            and f.repetition_penalty == 1 and not f.logit_bias)
+    return f.top_k == 0 and f.min_p == 0 and not f.uses_counts and not f.logit_bias
 
 
 def _block_counts(block_tokens: torch.Tensor, vocab_start: int, width: int) -> torch.Tensor:
