@@ -223,7 +223,7 @@ def row_max_from_keys_rows(keys_ptr, rows, num_splits, mask, SPLITS: tl.constexp
     return split_reduce_rows(keys_ptr + rows.to(tl.int64) * num_splits * 2 + 1, num_splits, 2, mask, SPLITS, True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_t"])  # a row count: one build for every batch
 def _verify_keys_kernel(
     t_ptr, q_ptr,  # [rows_t, V_local], [rows_q, V_local] logits (q_ptr = t_ptr when rows_q = 0)
     keys_ptr,  # [rows_t + rows_q, S, 2] int64 out: (argmax key, finite-max key) per (row, split)
@@ -255,7 +255,7 @@ def _verify_keys_kernel(
     store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_t", "sums_q_off"])  # row counts: one build for every batch
 def _verify_sums_kernel(
     t_ptr, q_ptr,  # logits as in _verify_keys_kernel
     keys_ptr,  # [rows_t + rows_q, S, 2] int64, exchanged (MAX)

@@ -336,7 +336,7 @@ def _store_context_latents_kernel(
     tl.store(pool_ptr + layer * stride_pl + page * stride_pp + off * stride_ps + cols, x, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cols_per_row"])  # the block's prompt length: one build for every prompt
 def _store_prompt_latents_kernel(
     lat_ptr, slot_ptr, start_ptr, len_ptr, table_ptr, pool_ptr,
     cols_per_row, max_pages, num_pages, page_size, d_c, stride_start, stride_table, stride_ln, stride_ll,

@@ -361,7 +361,7 @@ def _top_p_window_kernel(
     tl.store(out_ptr + r64 * 2 + 1, tl.where(wres, wmass, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # a row count: one build for every batch
 def _top_p_mask_kernel(
     x_ptr, keys_ptr, temp_ptr, top_p_ptr, sums_ptr,
     state_ptr,  # [R, 2] int64: (b*, mass above b*)

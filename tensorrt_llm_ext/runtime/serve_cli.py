@@ -247,11 +247,13 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
 
     from tensorrt_llm_ext import __version__
     from tensorrt_llm_ext.logger import logger
+    from tensorrt_llm_ext.runtime.compile_watch import compile_watch
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
     from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
                                                  ServerMetrics, follower_loop, run_server, served_model_name)
+    from tensorrt_llm_ext.runtime.warmup import warm_up
 
     tp = cfg.tensor_parallel_size
     mapping = None
@@ -284,6 +286,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     mode = "target_only" if args.no_speculation else "speculative"
     engine.runner(mode)
     overlap = use_overlap_scheduler(cfg, args.disable_overlap_scheduler, log=mapping is None or mapping.rank == 0)
+    # Every kind of admission once, so no request of the served traffic waits for a kernel build (every rank alike).
+    warm_up(engine, mode, overlap)
+    compile_watch.serving()  # from here each build is a warning
     scheduler = Scheduler(engine, mode=mode, overlap=overlap)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]

@@ -61,13 +61,17 @@ class SlotSampling:
         if idx is None:
             idx = host_to_device(slots, torch.int64, dev)
         # seeds, temperatures and top-ps in one copy: the int64 seeds, then each fp32 field's bits two to an int64
-        # word (contract.fp32_words; viewed back as fp32 on the device; a copy each cost ~3 host ops)
+        # word (contract.fp32_words; viewed back as fp32 on the device; a copy each cost ~3 host ops). Each field
+        # starts on an even word (16 bytes): the kernels that read them specialize on their pointers' alignment,
+        # which would otherwise follow the row count (a kernel build on the first admission of each new parity).
         r, half = len(params), (len(params) + 1) // 2
-        words = host_to_device([p.seed for p in params] + fp32_words([p.effective_temperature for p in params])
+        seed_words, temp_words = r + r % 2, half + half % 2
+        words = host_to_device([p.seed for p in params] + [0] * (r % 2)
+                               + fp32_words([p.effective_temperature for p in params]) + [0] * (half % 2)
                                + fp32_words([p.effective_top_p for p in params]), torch.int64, dev)
         seeds = words[:r]
-        temps = words[r:r + half].view(torch.float32)[:r]
-        top_p = words[r + half:].view(torch.float32)[:r]
+        temps = words[seed_words:seed_words + half].view(torch.float32)[:r]
+        top_p = words[seed_words + temp_words:].view(torch.float32)[:r]
         self.temps[idx] = temps
         self.seeds[idx] = seeds
         self.top_p[idx] = top_p

@@ -307,3 +307,26 @@ def test_neutral_admissions_write_no_field_and_a_reused_slot_is_reset(monkeypatc
     copies.clear()
     ss.assign([2, 3], plain, [[1], [2]])
     assert copies == [] and ss.seeds[2] == 7
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_assigned_rows_start_16_byte_aligned_and_equal_their_slots(rows):
+    """``assign`` returns the rows' seeds, temperatures and top-ps as views of one packed copy: each starts on a
+    16-byte boundary at every row count (the kernels that read them build a specialization per pointer alignment;
+    one that followed the row count's parity was built while serving, on the first admission of each parity), and
+    each equals its slots' state bit for bit."""
+    from types import SimpleNamespace
+
+    from tensorrt_llm_ext.speculative.slot_sampling import SlotSampling
+
+    ss = SlotSampling(SimpleNamespace(ctx_lens=torch.zeros(8, dtype=torch.int32)), sampling=True)
+    ss.bind_processors(SlotLogitsProcessors(8, 0, V, V, "cpu"))
+    slots = list(range(8 - rows, 8))
+    params = [SamplingParams(temperature=0.3 + 0.1 * i, top_p=0.5 + 0.05 * i, seed=1000 + i) for i in range(rows)]
+    temps, seeds, top_p = ss.assign(slots, params, [[1]] * rows)
+    assert [t.data_ptr() % 16 for t in (seeds, temps, top_p)] == [0, 0, 0]
+    idx = torch.tensor(slots)
+    assert torch.equal(seeds, ss.seeds[idx]) and seeds.tolist() == [1000 + i for i in range(rows)]
+    assert torch.equal(temps, ss.temps[idx]) and torch.equal(top_p, ss.top_p[idx])
+    assert temps.tolist() == [torch.tensor(p.effective_temperature).float().item() for p in params]
+    assert top_p.tolist() == [torch.tensor(p.effective_top_p).float().item() for p in params]

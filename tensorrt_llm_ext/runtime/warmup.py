@@ -1,0 +1,126 @@
+"""Serving's start-up warm-up: each kind of admission a request can take, run once before the server is ready.
+
+Graph capture runs (and so builds) what the captured steps and prefill buckets launch. The rest runs eagerly on
+first use -- a sampled request's first-token selection, a top-p or processed admission's first block, a prefill
+past the largest captured bucket -- and Triton builds a kernel per specialization on its first launch (an integer
+argument equal to 1, or a multiple of 16, is a specialization of its own: one row, two, sixteen). Measured on an
+H100 (2026-12-07, ``bench serve`` on SmolLM2-135M, before this warm-up): the first T = 1 requests of a fresh
+server waited for those builds, TTFT p99 2.3 s at concurrency 1 and 2.7 s at 32 (greedy cells: 0.08-0.7 s).
+
+:func:`warm_up` runs a short request of every sampling kind (greedy, sampled, top-p, processed, with log-probs)
+at 1, 2, 3 and 16 rows and at prompt lengths inside and past the captured buckets (:func:`warmup_rounds`), through a scheduler of its own
+(the serving scheduler's acceptance gate and counters never see them), then checks that every slot and page is
+free again. The tokens of later requests do not depend on it: per-request state is written at admission
+(tested). On a CPU (the Triton interpreter builds nothing) it is skipped unless forced.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.logger import logger
+from tensorrt_llm_ext.runtime.compile_watch import compile_watch
+from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+
+__all__ = ["WARMUP_LENGTHS", "WARMUP_ROWS", "WARMUP_SAMPLING", "WarmupReport", "warm_up", "warmup_rounds"]
+
+# The sampling kinds whose admissions and steps run different code (docs/token_decision.md): greedy, sampled
+# without a top-p set, with one, and with every logits-processing field (one processed path runs them all).
+WARMUP_SAMPLING: dict[str, SamplingParams] = {
+    "greedy": SamplingParams(),
+    "sampled": SamplingParams(temperature=1.0),
+    "top-p": SamplingParams(temperature=1.0, top_p=0.95),
+    "processed": SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.02, presence_penalty=0.5,
+                                frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=((0, 1.0),)),
+}
+# Rows of one admission: one, two and three (row counts that are neither 1 nor a multiple of 16, of either
+# parity: a per-row field's offset in a packed buffer may follow the count), and a multiple of 16.
+WARMUP_ROWS = (1, 2, 3, 16)
+# Prompt tokens of a one-row round: 1 (the products' one-row form), then per tile of 16 / 64 rows (the fused
+# linear's, kernels/fused_linear.py) a count that is not a multiple of 16 and one that is.
+WARMUP_LENGTHS = (1, 7, 16, 40, 48)
+
+
+@dataclass
+class WarmupReport:
+    rounds: int = 0
+    requests: int = 0
+    seconds: float = 0.0
+    builds: int = 0  # Triton kernel builds during the warm-up (compiled or loaded from the disk cache)
+    build_seconds: float = 0.0
+    skipped: str | None = None  # why it did not run
+
+
+def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
+    """``(sampling kind, rows, prompt length, extra request fields)`` per round. Every kind: one row at each prompt
+    length of :data:`WARMUP_LENGTHS` (the eager products over a prompt's tokens -- the drafter's context
+    projection, a prefill past the captured buckets -- pick their tiles and specialize by the token count), and
+    at each row count of :data:`WARMUP_ROWS` that fits ``max_batch_size`` with a short prompt; past the largest
+    captured bucket at one and two rows with an odd length and at one row with a multiple of 16 (a batched prefill
+    of long prompts runs at most ``max_num_tokens`` of them together: more rows add no kind); then one row with
+    ``logprobs`` and ``prompt_logprobs``. Lengths that do not fit ``max_seq_len`` are left out."""
+    room = engine.config.max_seq_len - _new_tokens(engine) - engine.draft_len - 2  # the longest prompt it may carry
+    top = max(engine.prefill_buckets, default=0)
+    short = min(WARMUP_LENGTHS[1], max(room, 1))
+    shapes = [(1, n) for n in WARMUP_LENGTHS if n <= room]
+    shapes += [(r, short) for r in WARMUP_ROWS if 1 < r <= engine.max_batch_size]
+    if top and top + 7 <= room:
+        shapes += [(r, top + 7) for r in (1, 2) if r <= engine.max_batch_size]
+    if top and top + 16 <= room:
+        shapes.append((1, top + 16))
+    rounds = [(kind, r, n, {}) for kind in WARMUP_SAMPLING for r, n in dict.fromkeys(shapes)]
+    rounds.append(("greedy", 1, short, {"logprobs": 2, "prompt_logprobs": 2}))
+    return rounds
+
+
+def _new_tokens(engine) -> int:
+    """Each warm-up request's length: the first token and two steps."""
+    return 2 * (engine.draft_len + 1) + 1
+
+
+def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupReport:
+    """Run :func:`warmup_rounds` through a scheduler of ``mode`` (``overlap`` as served) on ``engine``, whose
+    runner for ``mode`` is built; every rank of a TP job runs it alike (its plans are the same on every rank).
+    A request that fails, or a slot or page still held after, raises (the engine cannot serve that kind)."""
+    report = WarmupReport()
+    if engine.device.type != "cuda" and not force:
+        report.skipped = "no kernel is built on a CPU (the Triton interpreter)"
+        logger.info(f"warm-up: skipped ({report.skipped})")
+        return report
+    compile_watch.install()
+    builds, build_s = compile_watch.count, compile_watch.seconds
+    t0 = time.perf_counter()
+    vocab = engine.vocab_size
+    new = _new_tokens(engine)
+    free_slots, free_pages = engine.slots.num_free, engine.pages.num_free
+    for kind, rows, length, extra in warmup_rounds(engine):
+        scheduler = Scheduler(engine, mode=mode, overlap=overlap)
+        queue = [(i, Request([(report.requests + i) * 7919 % vocab] + [(j * 104729 + i * 31 + 13) % vocab
+                                                                         for j in range(length - 1)],
+                             max_new_tokens=new, ignore_eos=True, sampling=WARMUP_SAMPLING[kind], **extra))
+                 for i in range(rows)]
+        report.requests += rows
+        report.rounds += 1
+        while queue or scheduler.num_active:
+            n = scheduler.admissible(r for _, r in queue)
+            admit, queue = queue[:n], queue[n:]
+            if not admit and not scheduler.num_active:
+                raise RuntimeError(f"warm-up: a {kind} request of {length} tokens fits no idle engine")
+            events, _ = scheduler.apply(StepPlan(admit=admit))
+            for e in events:
+                if e.finish_reason == "error":
+                    raise RuntimeError(f"warm-up: a {kind} request ({rows} rows, {length} prompt tokens) failed: "
+                                       f"{e.error}")
+    if (engine.slots.num_free, engine.pages.num_free) != (free_slots, free_pages):
+        raise RuntimeError(f"warm-up: slots / pages free {engine.slots.num_free} / {engine.pages.num_free} after, "
+                           f"{free_slots} / {free_pages} before (a leak)")
+    report.seconds = time.perf_counter() - t0
+    report.builds, report.build_seconds = compile_watch.count - builds, compile_watch.seconds - build_s
+    logger.info(f"warm-up: {report.requests} requests in {report.rounds} rounds ({', '.join(WARMUP_SAMPLING)}; "
+                f"{'/'.join(map(str, sorted({r for _, r, _, _ in warmup_rounds(engine)})))} rows) in "
+                f"{report.seconds:.1f} s; Triton built {report.builds} kernel specializations "
+                f"({report.build_seconds:.1f} s)" + ("" if compile_watch.installed else " (not counted: no hooks)"))
+    return report

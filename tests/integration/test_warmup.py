@@ -1,0 +1,106 @@
+"""Serving's start-up warm-up (``runtime/warmup.py``): every kind of admission once, through a scheduler of its own.
+
+On a CPU (forced): every round runs to completion, every slot and page is free again, and the requests served after
+it get exactly the tokens a cold engine gives them. On the GPU, as ``serve`` runs it (graphs captured): traffic of
+every sampling kind at row counts and prompt lengths the warm-up never ran builds no Triton kernel (a build there
+stalled the first T = 1 requests of a fresh server by 2.3-2.7 s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.contract import SamplingParams
+from tensorrt_llm_ext.runtime.compile_watch import CompileWatch, compile_watch
+from tensorrt_llm_ext.runtime.config import load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.requests import Request
+from tensorrt_llm_ext.runtime.warmup import WARMUP_SAMPLING, warm_up, warmup_rounds
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _traffic(vocab: int, lengths: list[int], seed: int = 0) -> list[Request]:
+    """Requests of every warm-up sampling kind (and a greedy one with penalties only), prompts of ``lengths``."""
+    kinds = [*WARMUP_SAMPLING.values(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.4)]
+    out = []
+    for i, n in enumerate(lengths):
+        s = kinds[i % len(kinds)]
+        s = SamplingParams(**{**s.__dict__, "seed": seed + i}) if s.temperature else s
+        out.append(Request([(i * 131 + j * 17 + 3) % vocab for j in range(n)], max_new_tokens=6 + i % 4,
+                           ignore_eos=True, sampling=s))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_warm_up_leaves_no_state_and_the_same_tokens(mode):
+    cfg = {"model.target.vocab_size": 301, "max_batch_size": 4, "max_seq_len": 64,
+           "speculative_config.use_rejection_sampling": True}
+    warm, cold = (Engine(load_config(**tiny_model(**cfg))) for _ in range(2))
+    warm.runner(mode)
+    slots, pages = warm.slots.num_free, warm.pages.num_free
+    report = warm_up(warm, mode, overlap=True, force=True)
+    rounds = warmup_rounds(warm)
+    assert report.skipped is None and report.rounds == len(rounds)
+    assert report.requests == sum(r for _, r, _, _ in rounds)
+    assert {k for k, _, _, _ in rounds} == set(WARMUP_SAMPLING)
+    assert (warm.slots.num_free, warm.pages.num_free) == (slots, pages)
+    reqs = _traffic(301, [3, 9, 1, 17, 8, 30])
+    got, _ = warm.generate(reqs, mode)
+    want, _ = cold.generate(_traffic(301, [3, 9, 1, 17, 8, 30]), mode)
+    assert [r.finish_reason for r in got] == ["length"] * len(reqs)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_warm_up_skips_on_a_cpu_unless_forced():
+    eng = Engine(load_config(**tiny_model()), device="cpu")
+    eng.runner("target_only")
+    report = warm_up(eng, "target_only", overlap=False)
+    assert report.rounds == 0 and "CPU" in report.skipped
+
+
+def test_compile_watch_counts_and_warns_only_when_serving(caplog):
+    """The hooks as Triton calls them (keyword arguments): counted always, a warning only once serving; a hook
+    that was installed before still runs and its answer to the pre-build hook is kept."""
+    seen = []
+    w = CompileWatch()
+    w._previous = (lambda **k: seen.append(("before", k["repr"])) or None,
+                   lambda **k: seen.append(("after", k["repr"])))
+    kw = {"key": 1, "repr": "_k[num_warps=4](x: *fp32)", "fn": type("F", (), {"name": "_k"})(), "compile": {},
+          "is_manual_warmup": False, "already_compiled": False}
+    assert w.before_build(**kw) is None
+    w.after_build(**kw)
+    assert w.count == 1 and w.seconds >= 0
+    assert not [r for r in caplog.records if "compile watch" in r.getMessage()]
+    w.serving()
+    w.before_build(**kw)
+    w.after_build(**kw)
+    assert w.count == 2
+    msgs = [r.getMessage() for r in caplog.records if "compile watch" in r.getMessage()]
+    assert len(msgs) == 1 and "_k" in msgs[0] and "x: *fp32" in msgs[0]
+    assert seen == [("before", kw["repr"]), ("after", kw["repr"])] * 2
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["speculative", "target_only"])
+def test_gpu_no_kernel_build_after_warm_up(mode):
+    """As ``serve`` starts (graphs, the runner, the warm-up), then traffic at row counts (3, 5, 11, 16) and prompt
+    lengths (1 .. past the largest prefill bucket) the warm-up never ran: no Triton build."""
+    cfg = {"model.target.vocab_size": 301, "max_batch_size": 16, "max_seq_len": 160,
+           "speculative_config.use_rejection_sampling": True, "cuda_graph_config.prefill_max_tokens": 64}
+    eng = Engine(load_config(**tiny_model(**cfg)), use_cuda_graph=True)
+    eng.runner(mode)
+    assert compile_watch.install()
+    report = warm_up(eng, mode, overlap=False)
+    assert report.rounds == len(warmup_rounds(eng)) and max(n for _, _, n, _ in warmup_rounds(eng)) > 64
+    before = compile_watch.count
+    compile_watch.serving()  # each build below is a warning naming its specialization (what the warm-up missed)
+    try:
+        for lengths in ([5, 40, 1], [2, 3, 70, 11, 90], list(range(1, 12)), [13 + 5 * i for i in range(16)],
+                        [24], [33], [64, 32], [100]):
+            results, _ = eng.generate(_traffic(301, lengths, seed=len(lengths)), mode)
+            assert all(r.finish_reason == "length" for r in results)
+    finally:
+        compile_watch.serving(False)
+    assert compile_watch.count == before, f"{compile_watch.count - before} Triton builds after the warm-up"
