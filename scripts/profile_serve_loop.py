@@ -129,6 +129,8 @@ def main() -> int:
                    help="the loop's host cost alone: every step returns its batch size's first outputs again (no device "
                         "work after the first), every admission its first tokens without a prefill; graphs off, no "
                         "torch profiler window (runs on a CPU: what the loop costs the host per plan)")
+    p.add_argument("--warm-up", action="store_true", help="run serve's start-up warm-up first (runtime/warmup.py; "
+                   "forced on a CPU), as a served engine starts")
     p.add_argument("--cprofile", default=None, help="also profile the host (cProfile) over the window without the "
                    "torch profiler; the top functions go here")
     args = p.parse_args()
@@ -153,6 +155,10 @@ def main() -> int:
     cfg = load_config(model_dir=args.model, **fields)
     eng = Engine(cfg, use_cuda_graph=cuda and not args.host_only)
     runner = eng.runner(args.mode)  # the decode graphs (and the admission's, the prefill buckets) before the clock
+    if args.warm_up:
+        from tensorrt_llm_ext.runtime.warmup import warm_up
+
+        warm_up(eng, args.mode, overlap=not args.no_overlap, force=True)
     if args.host_only:
         stub_device(eng, runner)
     vocab = eng.vocab_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tensorrt_llm_ext._env import ENV
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.compile_watch import compile_watch
@@ -86,6 +87,10 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     runner for ``mode`` is built; every rank of a TP job runs it alike (its plans are the same on every rank).
     A request that fails, or a slot or page still held after, raises (the engine cannot serve that kind)."""
     report = WarmupReport()
+    if not ENV.serve_warmup and not force:
+        report.skipped = "TLLM_EXT_SERVE_WARMUP=0"
+        logger.info(f"warm-up: skipped ({report.skipped}; the first request of each kind waits for its kernel builds)")
+        return report
     if engine.device.type != "cuda" and not force:
         report.skipped = "no kernel is built on a CPU (the Triton interpreter)"
         logger.info(f"warm-up: skipped ({report.skipped})")

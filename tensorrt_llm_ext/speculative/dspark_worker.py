@@ -460,7 +460,7 @@ class DSparkWorker(SpecWorkerBase):
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last_t), temps, seeds, lens_t, tok,
                                                   top_p if self.slot_sampling.restricts_top_p(slots) else None,
                                                   process)
-            if self.processors.counts_tokens(slots):
+            if self.processors.counting(slots):
                 self.processors.record(slots, slots_l, tok[:, None], torch.ones(r, dtype=torch.int32, device=dev))
             # the admission's rows on the device, for a caller that keeps state of its own (the reference decode)
             self.prefill_rows = (slots_l, lens_t, tok)

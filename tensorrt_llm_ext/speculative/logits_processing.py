@@ -107,7 +107,7 @@ class SlotLogitsProcessors:
             self._limit_k[slot] = f.limiting_top_k(self.vocab_size)
             self._counting[slot] = f.uses_counts
             self._neutral[slot] = n
-        counting = self.counts_tokens(slots)  # the counts are reset to the prompts'
+        counting = self.counting(slots)  # the counts are reset to the prompts'
         if idx is None and (write or counting):
             idx = host_to_device(slots, torch.int64, dev)
         if write:  # every slot's fields at once: a launch per field, not per field and slot
@@ -207,6 +207,15 @@ class SlotLogitsProcessors:
         limited = sampled & (k > 0) & (k <= k_max) & (k < self.vocab_size)  # k > k_max: never in this step
         kth = vals.gather(1, (k.clamp(1, k_max) - 1)[:, None])  # [R, 1]: the k-th largest over every shard
         return torch.where(limited[:, None] & (y < kth), neg_inf, y)
+
+    def counting(self, slots: list[int]) -> bool:
+        """Whether a slot of ``slots`` has a penalty (reads its counts): the eager admission's question. Only such a
+        slot's counts and prompt flags are reset at assignment and its first token counted; another slot's rows
+        may hold stale counts (a captured processed step counts every row), which its identity penalties never
+        read, and which its next assignment with a penalty resets. The tables exist from the processed graph's
+        capture on: answering "the tables exist" here cost every admission a reset of its rows and a host walk
+        over its prompt (~0.25 ms of host an admission on the GPU machine, 2026-12-07)."""
+        return any(self._counting[s] for s in slots)
 
     def counts_tokens(self, slots: list[int]) -> bool:
         """Whether :meth:`record` counts tokens of ``slots`` (the tables exist, or a slot has penalties): a caller

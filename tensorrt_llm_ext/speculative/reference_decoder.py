@@ -68,8 +68,9 @@ class ReferenceDecoder:
         slots_l, lens, tok = w.prefill_rows  # the worker's device copies of this admission's rows
         if self.processors is not w.processors:
             self.processors.assign(slots, list(params), prompts, idx=slots_l)
-            self.processors.record(slots, slots_l, tok[:, None],
-                                   torch.ones(len(slots), dtype=torch.int32, device=w.device))
+            if self.processors.counting(slots):
+                self.processors.record(slots, slots_l, tok[:, None],
+                                       torch.ones(len(slots), dtype=torch.int32, device=w.device))
         st.ref_lens[slots_l] = lens.to(st.ref_lens.dtype)
         st.slot_tokens[slots_l, 0] = tok.to(st.slot_tokens.dtype)
         return toks

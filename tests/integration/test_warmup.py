@@ -53,11 +53,19 @@ def test_warm_up_leaves_no_state_and_the_same_tokens(mode):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
-def test_warm_up_skips_on_a_cpu_unless_forced():
+def test_warm_up_skips_on_a_cpu_or_when_switched_off_unless_forced(monkeypatch):
+    import dataclasses
+
+    import tensorrt_llm_ext.runtime.warmup as warmup
+
     eng = Engine(load_config(**tiny_model()), device="cpu")
     eng.runner("target_only")
     report = warm_up(eng, "target_only", overlap=False)
     assert report.rounds == 0 and "CPU" in report.skipped
+    monkeypatch.setattr(warmup, "ENV", dataclasses.replace(warmup.ENV, serve_warmup=False))
+    report = warm_up(eng, "target_only", overlap=False)
+    assert report.rounds == 0 and report.skipped == "TLLM_EXT_SERVE_WARMUP=0"
+    assert warm_up(eng, "target_only", overlap=False, force=True).rounds == len(warmup_rounds(eng))
 
 
 def test_compile_watch_counts_and_warns_only_when_serving(caplog):

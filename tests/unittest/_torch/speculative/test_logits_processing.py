@@ -233,8 +233,8 @@ def test_sampling_only_fields_of_a_greedy_request_leave_the_step_variant_alone()
 
 def test_one_assign_of_many_slots_equals_one_per_slot():
     """An admission of several requests writes its slots' fields in one launch per field: every table ends as
-    one assign per slot leaves it (a slot's earlier bias entries and counts cleared, its prompt on this shard's
-    columns only), the slots outside it untouched."""
+    one assign per slot leaves it (a slot's earlier bias entries and -- where it has a penalty -- counts cleared,
+    its prompt on this shard's columns only), the slots outside it untouched."""
     start, width = 5, 20  # a shard: columns 5 .. 24
     together = SlotLogitsProcessors(len(FIELDS) + 2, start, width, V, "cpu")
     apart = SlotLogitsProcessors(len(FIELDS) + 2, start, width, V, "cpu")
@@ -245,9 +245,14 @@ def test_one_assign_of_many_slots_equals_one_per_slot():
     together.assign(slots, FIELDS, PROMPTS)
     for s, f, p in zip(slots, FIELDS, PROMPTS):
         apart.assign([s], [f], [p])
-    for name in ("top_k", "min_p", "presence", "frequency", "repetition", "bias_cols", "bias_vals", "counts",
-                 "in_prompt"):
+    for name in ("top_k", "min_p", "presence", "frequency", "repetition", "bias_cols", "bias_vals"):
         assert torch.equal(getattr(together, name), getattr(apart, name)), name
+    # counts and prompt flags: equal on the slots with a penalty (the only ones that read them; an assign of
+    # slots without one leaves theirs as they were, SlotLogitsProcessors.counting)
+    counted = [s for s, f in zip(slots, FIELDS) if f.uses_counts] + [8]
+    assert len(counted) == 4
+    for name in ("counts", "in_prompt"):
+        assert torch.equal(getattr(together, name)[counted], getattr(apart, name)[counted]), name
     assert together.counts[8].sum() == 1 and together.repetition[8] == FIELDS[2].repetition_penalty  # untouched
     assert not together.bias_vals[1].any() and together.counts[5].sum() == 0  # the earlier requests' state gone
     assert together.top_k[6] == FIELDS[4].top_k and together.min_p[6] == pytest.approx(FIELDS[4].min_p)
@@ -330,3 +335,23 @@ def test_assigned_rows_start_16_byte_aligned_and_equal_their_slots(rows):
     assert torch.equal(temps, ss.temps[idx]) and torch.equal(top_p, ss.top_p[idx])
     assert temps.tolist() == [torch.tensor(p.effective_temperature).float().item() for p in params]
     assert top_p.tolist() == [torch.tensor(p.effective_top_p).float().item() for p in params]
+
+
+def test_an_admission_without_penalties_resets_and_counts_nothing(monkeypatch):
+    """Once the count tables exist (the processed graph's capture allocates them), an admission whose requests have
+    no penalty neither resets its slots' counts nor walks its prompts (each was host work on every admission); one
+    with a penalty does both, and its slot's counts then equal a fresh table's."""
+    import tensorrt_llm_ext.speculative.logits_processing as lp
+
+    proc = SlotLogitsProcessors(4, 0, V, V, "cpu")
+    counts, _ = proc._tables()  # as after the processed graph's capture
+    counts[1, 3] = 5  # a finished request's counts
+    copies = []
+    real = lp.host_to_device
+    monkeypatch.setattr(lp, "host_to_device", lambda *a, **k: copies.append(a[0]) or real(*a, **k))
+    proc.assign([1, 2], [SamplingParams(temperature=1.0), SamplingParams()], [[3, 4], [5]])
+    assert copies == [] and not proc.counting([1, 2]) and proc.counts[1, 3] == 5  # nothing read it, nothing reset
+    pen = SamplingParams(repetition_penalty=1.2)
+    proc.assign([1], [pen], [[3, 4]])
+    assert proc.counting([1]) and proc.counts[1].sum() == 0
+    assert proc.in_prompt[1].nonzero().view(-1).tolist() == [3, 4]
