@@ -76,13 +76,17 @@ class Request:
         if self.request_id is not None and not _is_int(self.request_id):
             raise RequestError(f"{rid}: request_id must be an int or None, got {type(self.request_id).__name__}")
         ids = self.prompt_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+        # Every admission validates its prompt (twice: queued, then admitted): the common case -- plain ints in range
+        # -- in C-level passes (set of types, min, max), the per-token checks only to name what is wrong.
+        plain = isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}
+        if not plain and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise RequestError(f"{rid}: prompt_ids must be a list of ints, got {_describe(ids)}")
         if len(ids) == 0:
             raise RequestError(f"{rid}: empty prompt (prompt_ids needs at least one token)")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"{rid}: prompt_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if not (plain and min(ids) >= 0 and max(ids) < vocab_size):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"{rid}: prompt_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError(f"{rid}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if len(ids) + self.max_new_tokens > max_seq_len:

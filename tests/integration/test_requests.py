@@ -59,3 +59,21 @@ def test_slot_reuse_over_many_requests(engine):
     assert int((engine.pages.encoded_offsets >= 0).sum()) == 0
     solo, _ = engine.generate([reqs[7]], "speculative")
     assert solo[0].output_ids == spec[7].output_ids
+
+
+@pytest.mark.parametrize("ids, error", [
+    ([3, 1, 4], None), ((3, 1, 4), None),
+    ([3, type("Token", (int,), {})(5)], None),  # an int subclass: not the fast path's exact int, still an int
+    ([3, True], "must be a list of ints"), ([3, 4.0], "must be a list of ints"), ([3, None], "must be a list of ints"),
+    ([3, -1], r"\[-1\] outside"), ([3, 2 ** 70], "outside the vocabulary"), ([0, 517], r"\[517\] outside"),
+    ([], "empty prompt"), ("abc", "must be a list of ints"),
+])
+def test_prompt_ids_validated_alike_on_the_fast_path_and_off_it(ids, error):
+    """Plain in-range ints pass in C-level passes (types, min, max); anything else takes the per-token checks
+    that name the offending value: the same verdict and message either way."""
+    req = Request(ids, max_new_tokens=2)
+    if error is None:
+        req.validate(517, 64)
+    else:
+        with pytest.raises(RequestError, match=error):
+            req.validate(517, 64)
