@@ -62,7 +62,10 @@ def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
     at each row count of :data:`WARMUP_ROWS` that fits ``max_batch_size`` with a short prompt; past the largest
     captured bucket at one and two rows with an odd length and at one row with a multiple of 16 (a batched prefill
     of long prompts runs at most ``max_num_tokens`` of them together: more rows add no kind); then one row with
-    ``logprobs`` and ``prompt_logprobs``. Lengths that do not fit ``max_seq_len`` are left out."""
+    ``logprobs`` and ``prompt_logprobs``; then greedy prompts of every power of two up to the largest bucket (or
+    ``max_num_tokens``) not run yet: the products over a prompt's tokens that go to cuBLAS pick a kernel per
+    range of the token count, and a kernel's first launch loads its module (lazy loading). Lengths that do not fit
+    ``max_seq_len`` are left out."""
     room = engine.config.max_seq_len - _new_tokens(engine) - engine.draft_len - 2  # the longest prompt it may carry
     top = max(engine.prefill_buckets, default=0)
     short = min(WARMUP_LENGTHS[1], max(room, 1))
@@ -74,6 +77,9 @@ def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
         shapes.append((1, top + 16))
     rounds = [(kind, r, n, {}) for kind in WARMUP_SAMPLING for r, n in dict.fromkeys(shapes)]
     rounds.append(("greedy", 1, short, {"logprobs": 2, "prompt_logprobs": 2}))
+    bound = min(room, top or engine.max_num_tokens, engine.max_num_tokens)
+    seen = {n for r, n in shapes if r == 1}
+    rounds += [("greedy", 1, 1 << i, {}) for i in range(max(bound, 1).bit_length()) if (1 << i) not in seen]
     return rounds
 
 
