@@ -53,6 +53,8 @@ class WarmupReport:
     builds: int = 0  # Triton kernel builds during the warm-up (compiled or loaded from the disk cache)
     build_seconds: float = 0.0
     skipped: str | None = None  # why it did not run
+    skipped_requests: int = 0  # requests of a round whose requests fit no idle engine
+    failed: int = 0  # requests a layer refused (logged as errors)
 
 
 def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
@@ -67,8 +69,10 @@ def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
     range of the token count, and a kernel's first launch loads its module (lazy loading). Lengths that do not fit
     ``max_seq_len`` are left out."""
     room = engine.config.max_seq_len - _new_tokens(engine) - engine.draft_len - 2  # the longest prompt it may carry
+    if room < 1:
+        return []
     top = max(engine.prefill_buckets, default=0)
-    short = min(WARMUP_LENGTHS[1], max(room, 1))
+    short = min(WARMUP_LENGTHS[1], room)
     shapes = [(1, n) for n in WARMUP_LENGTHS if n <= room]
     shapes += [(r, short) for r in WARMUP_ROWS if 1 < r <= engine.max_batch_size]
     if top and top + 7 <= room:
@@ -79,7 +83,7 @@ def warmup_rounds(engine) -> list[tuple[str, int, int, dict]]:
     rounds.append(("greedy", 1, short, {"logprobs": 2, "prompt_logprobs": 2}))
     bound = min(room, top or engine.max_num_tokens, engine.max_num_tokens)
     seen = {n for r, n in shapes if r == 1}
-    rounds += [("greedy", 1, 1 << i, {}) for i in range(max(bound, 1).bit_length()) if (1 << i) not in seen]
+    rounds += [("greedy", 1, 1 << i, {}) for i in range(bound.bit_length()) if (1 << i) not in seen]
     return rounds
 
 
@@ -91,7 +95,11 @@ def _new_tokens(engine) -> int:
 def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupReport:
     """Run :func:`warmup_rounds` through a scheduler of ``mode`` (``overlap`` as served) on ``engine``, whose
     runner for ``mode`` is built; every rank of a TP job runs it alike (its plans are the same on every rank).
-    A request that fails, or a slot or page still held after, raises (the engine cannot serve that kind)."""
+
+    It never keeps a server from serving what it could serve without it: a round whose requests fit no idle
+    engine (a small ``kv_cache_config.max_tokens``) is skipped and a request a layer refuses is logged as an error
+    (that kind would fail for a client too); an engine error propagates (the engine has failed), and so does a
+    slot or page still held after the rounds (a leak: a broken invariant)."""
     report = WarmupReport()
     if not ENV.serve_warmup and not force:
         report.skipped = "TLLM_EXT_SERVE_WARMUP=0"
@@ -101,13 +109,18 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
         report.skipped = "no kernel is built on a CPU (the Triton interpreter)"
         logger.info(f"warm-up: skipped ({report.skipped})")
         return report
+    rounds = warmup_rounds(engine)
+    if not rounds:
+        report.skipped = f"no warm-up request fits max_seq_len={engine.config.max_seq_len}"
+        logger.warning(f"warm-up: skipped ({report.skipped}); the first request of each kind waits for its builds")
+        return report
     compile_watch.install()
     builds, build_s = compile_watch.count, compile_watch.seconds
     t0 = time.perf_counter()
     vocab = engine.vocab_size
     new = _new_tokens(engine)
     free_slots, free_pages = engine.slots.num_free, engine.pages.num_free
-    for kind, rows, length, extra in warmup_rounds(engine):
+    for kind, rows, length, extra in rounds:
         scheduler = Scheduler(engine, mode=mode, overlap=overlap)
         queue = [(i, Request([(report.requests + i) * 7919 % vocab] + [(j * 104729 + i * 31 + 13) % vocab
                                                                          for j in range(length - 1)],
@@ -119,12 +132,16 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
             n = scheduler.admissible(r for _, r in queue)
             admit, queue = queue[:n], queue[n:]
             if not admit and not scheduler.num_active:
-                raise RuntimeError(f"warm-up: a {kind} request of {length} tokens fits no idle engine")
+                logger.warning(f"warm-up: a {kind} request of {length} prompt tokens fits no idle engine (its pages "
+                               f"exceed the cache): the rest of its round skipped")
+                report.skipped_requests += len(queue)
+                break
             events, _ = scheduler.apply(StepPlan(admit=admit))
             for e in events:
                 if e.finish_reason == "error":
-                    raise RuntimeError(f"warm-up: a {kind} request ({rows} rows, {length} prompt tokens) failed: "
-                                       f"{e.error}")
+                    report.failed += 1
+                    logger.error(f"warm-up: a {kind} request ({rows} rows, {length} prompt tokens) failed: {e.error} "
+                                 f"(a client's request of this kind would fail alike)")
     if (engine.slots.num_free, engine.pages.num_free) != (free_slots, free_pages):
         raise RuntimeError(f"warm-up: slots / pages free {engine.slots.num_free} / {engine.pages.num_free} after, "
                            f"{free_slots} / {free_pages} before (a leak)")
@@ -133,5 +150,7 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     logger.info(f"warm-up: {report.requests} requests in {report.rounds} rounds ({', '.join(WARMUP_SAMPLING)}; "
                 f"{'/'.join(map(str, sorted({r for _, r, _, _ in warmup_rounds(engine)})))} rows) in "
                 f"{report.seconds:.1f} s; Triton built {report.builds} kernel specializations "
-                f"({report.build_seconds:.1f} s)" + ("" if compile_watch.installed else " (not counted: no hooks)"))
+                f"({report.build_seconds:.1f} s)" + ("" if compile_watch.installed else " (not counted: no hooks)")
+                + (f"; {report.failed} failed" if report.failed else "")
+                + (f"; {report.skipped_requests} skipped (no room)" if report.skipped_requests else ""))
     return report

@@ -112,3 +112,20 @@ def test_gpu_no_kernel_build_after_warm_up(mode):
     finally:
         compile_watch.serving(False)
     assert compile_watch.count == before, f"{compile_watch.count - before} Triton builds after the warm-up"
+
+
+def test_warm_up_on_a_small_engine():
+    """A cache that holds one request at max_seq_len (the smallest the engine sizes) runs every round, rows admitted
+    as pages free, nothing left held; a max_seq_len no warm-up request fits skips the warm-up (a warning)."""
+    small = Engine(load_config(**tiny_model(**{"max_seq_len": 64, "kv_cache_config.max_tokens": 48})))
+    small.runner("target_only")
+    slots, pages = small.slots.num_free, small.pages.num_free
+    report = warm_up(small, "target_only", overlap=False, force=True)
+    assert report.skipped is None and report.skipped_requests == 0 and report.failed == 0
+    assert report.rounds == len(warmup_rounds(small)) and max(n for _, _, n, _ in warmup_rounds(small)) == 48
+    assert (small.slots.num_free, small.pages.num_free) == (slots, pages)
+    tight = Engine(load_config(**tiny_model(**{"max_seq_len": 12})))
+    tight.runner("target_only")
+    assert warmup_rounds(tight) == []
+    report = warm_up(tight, "target_only", overlap=False, force=True)
+    assert report.rounds == 0 and "max_seq_len=12" in report.skipped
