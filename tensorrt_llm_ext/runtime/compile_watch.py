@@ -21,11 +21,14 @@ __all__ = ["CompileWatch", "compile_watch"]
 
 
 class CompileWatch:
-    """Counts Triton's kernel builds (:attr:`count`, :attr:`seconds`); after :meth:`serving`, warns at each."""
+    """Counts Triton's kernel builds (:attr:`count`, :attr:`seconds`); after :meth:`serving`, warns at each and
+    counts it apart (:attr:`serving_count`, :attr:`serving_seconds`: ``serve``'s ``/metrics``)."""
 
     def __init__(self):
         self.count = 0
         self.seconds = 0.0
+        self.serving_count = 0  # of those, after serving(): each stalled a plan (/metrics)
+        self.serving_seconds = 0.0
         self.installed = False
         self._serving = False
         self._lock = threading.Lock()
@@ -69,6 +72,9 @@ class CompileWatch:
         with self._lock:
             self.count += 1
             self.seconds += dt
+            if self._serving:
+                self.serving_count += 1
+                self.serving_seconds += dt
         if self._serving:
             fn = kwargs.get("fn")
             name = getattr(fn, "name", None) or "a kernel"

@@ -81,6 +81,29 @@ class _Request:
     generated: int = 0
 
 
+class _KernelBuilds:
+    """This process's Triton kernel builds since the server was ready (:mod:`.compile_watch`), as two counters:
+    each stalled a plan (the start-up warm-up did not reach its specialization); 0 in a healthy server. Rank 0's
+    own (another rank's builds are in its log)."""
+
+    def __init__(self, prefix: str, labels: list[str], values: list[str]):
+        self._prefix, self._labels, self._values = prefix, labels, values
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from tensorrt_llm_ext.runtime import compile_watch as cw
+
+        watch = cw.compile_watch
+        for name, doc, value in (
+                ("kernel_builds_while_serving", "Triton kernel builds after the server was ready (each stalled a "
+                 "plan's requests; the start-up warm-up missed its specialization)", watch.serving_count),
+                ("kernel_build_seconds_while_serving", "Seconds those builds took", watch.serving_seconds)):
+            family = CounterMetricFamily(self._prefix + name, doc, labels=self._labels)
+            family.add_metric(self._values, value)
+            yield family
+
+
 class ServerMetrics:
     """Prometheus metrics of one server (its own registry); the engine loop reports a request's admission,
     every delivery of its tokens and its end, and each step; everything else is derived here."""
@@ -171,6 +194,7 @@ class ServerMetrics:
         self._rejected = counter("requests_rejected", "Requests to a served endpoint answered 4xx/5xx before "
                                  "reaching the engine", ["status"])
         self.steps = one(counter("engine_steps", "Engine steps run"))
+        r.register(_KernelBuilds(p, labels, self._values))  # read from the compile watch at each scrape
         # Tokens one request gets from one speculative step: 1 (no draft accepted) .. K + 1 (all K drafts and
         # the bonus token); one bucket per value, so full acceptance has its own finite bucket.
         self.acceptance = histogram("acceptance_length", "Tokens accepted per request per speculative step "

@@ -129,3 +129,30 @@ def test_warm_up_on_a_small_engine():
     assert warmup_rounds(tight) == []
     report = warm_up(tight, "target_only", overlap=False, force=True)
     assert report.rounds == 0 and "max_seq_len=12" in report.skipped
+
+
+def test_builds_while_serving_in_metrics(monkeypatch):
+    """/metrics counts the builds after the server was ready and their seconds (0 until one happens); the builds
+    before it (capture, the warm-up) are not counted there."""
+    import tensorrt_llm_ext.runtime.compile_watch as cw
+    from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+
+    watch = CompileWatch()
+    monkeypatch.setattr(cw, "compile_watch", watch)
+    metrics = ServerMetrics(3, model_name="m")
+    kw = {"repr": "_k[num_warps=4](x: *fp32)", "fn": type("F", (), {"name": "_k"})()}
+
+    def series(name: str) -> float:
+        line = [ln for ln in metrics.render().decode().splitlines() if ln.startswith(f"trtllm_ext_{name}_total{{")]
+        assert len(line) == 1 and 'model_name="m"' in line[0]
+        return float(line[0].rsplit(" ", 1)[1])
+
+    watch.before_build(**kw)
+    watch.after_build(**kw)  # before serving: not counted here
+    assert series("kernel_builds_while_serving") == 0 and series("kernel_build_seconds_while_serving") == 0
+    watch.serving()
+    for _ in range(2):
+        watch.before_build(**kw)
+        watch.after_build(**kw)
+    assert series("kernel_builds_while_serving") == 2 and watch.count == 3
+    assert series("kernel_build_seconds_while_serving") == watch.serving_seconds >= 0
