@@ -141,8 +141,8 @@ async def _cell(url: str, bodies: list[dict], concurrency: int, deadline: float)
 
 # The server's counters a cell reads before and after (sum / count pairs of its histograms).
 SCRAPED = ("acceptance_length", "step_seconds", "step_host_seconds", "prefill_seconds")
-# Counters read the same way: the prefix-cache hits and lookups (tokens).
-SCRAPED_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries")
+# Counters read the same way: the prefix-cache hits and lookups (tokens), the Triton kernel builds while serving.
+SCRAPED_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries", "kernel_builds_while_serving")
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -429,8 +429,9 @@ def _model_run(args: argparse.Namespace) -> int | None:
                                  fmt(_mean_delta(m0, m1, "acceptance_length"), 2),
                                  fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
                                  fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3),
-                                 fmt(_per_step_delta(m0, m1, "prefill_seconds", 1e3), 3)])
-    _blank_exit_codes(rows, 16)
+                                 fmt(_per_step_delta(m0, m1, "prefill_seconds", 1e3), 3),
+                                 int(m1["kernel_builds_while_serving"] - m0["kernel_builds_while_serving"])])
+    _blank_exit_codes(rows, 17)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts"
              + (f" of {args.prompt_file}" if args.prompt_file else "")
@@ -441,7 +442,9 @@ def _model_run(args: argparse.Namespace) -> int | None:
              "first token, TPOT = time per output token after the first; target_only = serve --no-speculation; "
              "a server's exit code after SIGTERM on its last row; step ms = the engine's mean step (launch to tokens "
              "on the host), host ms/step = the mean host time between back-to-back steps, prefill ms/step = the "
-             "admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics).",
+             "admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics); kernel "
+             "builds = Triton kernel builds in the server while the cell ran (each stalled a plan: 0 once the start-up "
+             "warm-up covers the traffic).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
                                 else "off (every step eager)"),
              "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
@@ -457,5 +460,5 @@ def _model_run(args: argparse.Namespace) -> int | None:
     print_table("bench serve: TTFT / TPOT / throughput on loopback",
                 ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                  "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
-                 "host ms/step", "prefill ms/step", "exit"], rows, notes)
+                 "host ms/step", "prefill ms/step", "kernel builds", "exit"], rows, notes)
     return _nothing_measured(empty, work)
