@@ -287,8 +287,9 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     engine.runner(mode)
     overlap = use_overlap_scheduler(cfg, args.disable_overlap_scheduler, log=mapping is None or mapping.rank == 0)
     # Every kind of admission once, so no request of the served traffic waits for a kernel build (every rank alike).
+    compile_watch.install()  # also when the warm-up is switched off: a build while serving is still logged
     warm_up(engine, mode, overlap)
-    compile_watch.serving()  # from here each build is a warning
+    compile_watch.serving()  # from here each build is a warning and a /metrics count
     scheduler = Scheduler(engine, mode=mode, overlap=overlap)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]
