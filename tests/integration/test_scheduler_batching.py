@@ -311,7 +311,7 @@ def test_a_request_waiting_for_pages_is_not_revalidated_every_plan(small_pool):
     _CountedPrompt.scans = 0
     for _ in range(10):
         assert sch.num_free_slots and sch.admissible([waiting]) == 0
-    assert _CountedPrompt.scans <= 2, _CountedPrompt.scans  # one validation
+    assert _CountedPrompt.scans <= 3, _CountedPrompt.scans  # one validation (its types, min and max: C-level passes)
     sch.apply(StepPlan(cancel=[0, 1], run=False))
     assert sch.admissible([waiting]) == 1
     evs, _ = sch.apply(StepPlan(admit=[(2, waiting)]))
