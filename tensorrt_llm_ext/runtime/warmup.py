@@ -25,6 +25,7 @@ from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.compile_watch import compile_watch
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate
 
 __all__ = ["WARMUP_LENGTHS", "WARMUP_ROWS", "WARMUP_SAMPLING", "WarmupReport", "warm_up", "warmup_rounds"]
 
@@ -120,8 +121,13 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     vocab = engine.vocab_size
     new = _new_tokens(engine)
     free_slots, free_pages = engine.slots.num_free, engine.pages.num_free
-    for kind, rows, length, extra in rounds:
-        scheduler = Scheduler(engine, mode=mode, overlap=overlap)
+    # With a speculation gate the served traffic may also decode target-only (after the gate closes): that decode's
+    # admissions are warmed too. The warm-up's own schedulers run without a gate: its requests' acceptance (random
+    # prompts) says nothing of the served traffic's, and its verdict would only be a misleading log line.
+    modes = [mode] + (["target_only"] if speculation_gate(engine, mode) is not None else [])
+    for (kind, rows, length, extra), run_mode in [(r, m) for m in modes for r in rounds]:
+        scheduler = Scheduler(engine, mode=run_mode, overlap=overlap)
+        scheduler.gate = None
         queue = [(i, Request([(report.requests + i) * 7919 % vocab] + [(j * 104729 + i * 31 + 13) % vocab
                                                                          for j in range(length - 1)],
                              max_new_tokens=new, ignore_eos=True, sampling=WARMUP_SAMPLING[kind], **extra))
@@ -147,7 +153,8 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
                            f"{free_slots} / {free_pages} before (a leak)")
     report.seconds = time.perf_counter() - t0
     report.builds, report.build_seconds = compile_watch.count - builds, compile_watch.seconds - build_s
-    logger.info(f"warm-up: {report.requests} requests in {report.rounds} rounds ({', '.join(WARMUP_SAMPLING)}; "
+    logger.info(f"warm-up: {report.requests} requests in {report.rounds} rounds ({'/'.join(modes)}; "
+                f"{', '.join(WARMUP_SAMPLING)}; "
                 f"{'/'.join(map(str, sorted({r for _, r, _, _ in warmup_rounds(engine)})))} rows) in "
                 f"{report.seconds:.1f} s; Triton built {report.builds} kernel specializations "
                 f"({report.build_seconds:.1f} s)" + ("" if compile_watch.installed else " (not counted: no hooks)")

@@ -156,3 +156,23 @@ def test_builds_while_serving_in_metrics(monkeypatch):
         watch.after_build(**kw)
     assert series("kernel_builds_while_serving") == 2 and watch.count == 3
     assert series("kernel_build_seconds_while_serving") == watch.serving_seconds >= 0
+
+
+def test_warm_up_with_a_speculation_gate(caplog):
+    """With a speculation gate configured the warm-up also runs the target-only decode's admissions (the traffic
+    decodes there once the gate closes), and its own schedulers run without a gate: its random prompts' acceptance
+    closes no gate and logs no verdict; the serving scheduler built after it starts with an open gate."""
+    from tensorrt_llm_ext.runtime.scheduler import Scheduler
+
+    cfg = {"max_batch_size": 4, "max_seq_len": 64, "speculative_config.acceptance_window": 2,
+           "speculative_config.acceptance_length_threshold": 3.5}
+    eng = Engine(load_config(**tiny_model(**cfg)))
+    eng.runner("speculative")
+    slots, pages = eng.slots.num_free, eng.pages.num_free
+    report = warm_up(eng, "speculative", overlap=True, force=True)
+    assert report.rounds == 2 * len(warmup_rounds(eng)) and report.failed == 0
+    assert (eng.slots.num_free, eng.pages.num_free) == (slots, pages)
+    assert not [r for r in caplog.records if "speculation gate" in r.getMessage()]
+    assert any("speculative/target_only" in r.getMessage() for r in caplog.records if "warm-up:" in r.getMessage())
+    serving = Scheduler(eng, mode="speculative", overlap=True)
+    assert serving.gate is not None and not serving.gate.closed and serving.step_mode == "speculative"
