@@ -1,17 +1,18 @@
 """Serving's start-up warm-up: each kind of admission a request can take, run once before the server is ready.
 
 Graph capture runs (and so builds) what the captured steps and prefill buckets launch. The rest runs eagerly on
-first use -- a sampled request's first-token selection, a top-p or processed admission's first block, a prefill
-past the largest captured bucket -- and Triton builds a kernel per specialization on its first launch (an integer
-argument equal to 1, or a multiple of 16, is a specialization of its own: one row, two, sixteen). Measured on an
-H100 (2026-12-07, ``bench serve`` on SmolLM2-135M, before this warm-up): the first T = 1 requests of a fresh
-server waited for those builds, TTFT p99 2.3 s at concurrency 1 and 2.7 s at 32 (greedy cells: 0.08-0.7 s).
+first use -- a sampled request's first-token selection, a top-p or processed admission's first block, the
+drafter's context projection over the prompt, a prefill past the largest captured bucket -- and Triton builds a
+kernel per specialization on its first launch (its constexprs; each integer argument equal to 1 or a multiple of
+16, each pointer 16-byte aligned or not). Measured on an H100 (2026-12-07, ``bench serve``, before this warm-up):
+a fresh server's first sampled requests waited for those builds, TTFT p99 2.3-2.7 s on SmolLM2-135M and 2.7 / 4.3 s
+(1 / 32 streams, speculative) on the embedded model.
 
-:func:`warm_up` runs a short request of every sampling kind (greedy, sampled, top-p, processed, with log-probs)
-at 1, 2, 3 and 16 rows and at prompt lengths inside and past the captured buckets (:func:`warmup_rounds`), through a scheduler of its own
-(the serving scheduler's acceptance gate and counters never see them), then checks that every slot and page is
-free again. The tokens of later requests do not depend on it: per-request state is written at admission
-(tested). On a CPU (the Triton interpreter builds nothing) it is skipped unless forced.
+:func:`warm_up` runs short requests of every sampling kind at the row counts and prompt lengths of
+:func:`warmup_rounds` through schedulers of its own, without a speculation gate (the serving scheduler's gate and
+counters never see them), then checks that every slot and page is free again. The tokens of later requests do
+not depend on it: per-request state is written at admission (tested). On a CPU (the Triton interpreter builds
+nothing) it is skipped unless forced; ``TLLM_EXT_SERVE_WARMUP=0`` skips it anywhere.
 """
 
 from __future__ import annotations
