@@ -156,7 +156,7 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     report.builds, report.build_seconds = compile_watch.count - builds, compile_watch.seconds - build_s
     logger.info(f"warm-up: {report.requests} requests in {report.rounds} rounds ({'/'.join(modes)}; "
                 f"{', '.join(WARMUP_SAMPLING)}; "
-                f"{'/'.join(map(str, sorted({r for _, r, _, _ in warmup_rounds(engine)})))} rows) in "
+                f"{'/'.join(map(str, sorted({r for _, r, _, _ in rounds})))} rows) in "
                 f"{report.seconds:.1f} s; Triton built {report.builds} kernel specializations "
                 f"({report.build_seconds:.1f} s)" + ("" if compile_watch.installed else " (not counted: no hooks)")
                 + (f"; {report.failed} failed" if report.failed else "")

@@ -218,9 +218,9 @@ class SlotLogitsProcessors:
         return any(self._counting[s] for s in slots)
 
     def counts_tokens(self, slots: list[int]) -> bool:
-        """Whether :meth:`record` counts tokens of ``slots`` (the tables exist, or a slot has penalties): a caller
-        that builds its arguments only for it asks first."""
-        return self.counts is not None or any(self._counting[s] for s in slots)
+        """Whether :meth:`record` counts tokens of ``slots``: the tables exist (a captured processed step counts
+        every row), or a slot has a penalty (:meth:`counting`)."""
+        return self.counts is not None or self.counting(slots)
 
     def record(self, slots: list[int], row_slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor,
                live: torch.Tensor | None = None) -> None:

@@ -7,6 +7,8 @@ stalled the first T = 1 requests of a fresh server by 2.3-2.7 s)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def _traffic(vocab: int, lengths: list[int], seed: int = 0) -> list[Request]:
     out = []
     for i, n in enumerate(lengths):
         s = kinds[i % len(kinds)]
-        s = SamplingParams(**{**s.__dict__, "seed": seed + i}) if s.temperature else s
+        s = replace(s, seed=seed + i) if s.temperature else s
         out.append(Request([(i * 131 + j * 17 + 3) % vocab for j in range(n)], max_new_tokens=6 + i % 4,
                            ignore_eos=True, sampling=s))
     return out
