@@ -131,6 +131,8 @@ def main() -> int:
                         "torch profiler window (runs on a CPU: what the loop costs the host per plan)")
     p.add_argument("--warm-up", action="store_true", help="run serve's start-up warm-up first (runtime/warmup.py; "
                    "forced on a CPU), as a served engine starts")
+    p.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap before the loop, as serve does "
+                   "(runtime/gc_pauses.py; its A/B)")
     p.add_argument("--cprofile", default=None, help="also profile the host (cProfile) over the window without the "
                    "torch profiler; the top functions go here")
     args = p.parse_args()
@@ -141,6 +143,7 @@ def main() -> int:
     from tensorrt_llm_ext.contract import SamplingParams
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.runtime.gc_pauses import freeze_startup_heap, gc_pauses
     from tensorrt_llm_ext.runtime.requests import Request
     from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
 
@@ -159,6 +162,9 @@ def main() -> int:
         from tensorrt_llm_ext.runtime.warmup import warm_up
 
         warm_up(eng, args.mode, overlap=not args.no_overlap, force=True)
+    if args.gc_freeze:
+        freeze_startup_heap()  # as serve does after its warm-up (runtime/gc_pauses.py)
+    gc_pauses.install()
     if args.host_only:
         stub_device(eng, runner)
     vocab = eng.vocab_size
@@ -205,12 +211,13 @@ def main() -> int:
     while (queue or sched.num_active) and len(plans) < total_plans:
         if len(plans) == bare_start:
             sync()
-            bare_t0, tokens = time.perf_counter(), 0
+            bare_t0, tokens, bare_gc = time.perf_counter(), 0, gc_pauses.snapshot()
             if host_prof is not None:
                 host_prof.enable()
         if len(plans) == prof_start:
             sync()
             bare_wall, bare_tokens = time.perf_counter() - bare_t0, tokens
+            bare_gc_text = gc_pauses.describe_since(bare_gc)
             if host_prof is not None:
                 host_prof.disable()
                 with open(args.cprofile, "w") as f:
@@ -248,7 +255,8 @@ def main() -> int:
             return 2
         bare = plans[bare_start:prof_start]
         print(f"host only ({args.mode}, concurrency {args.concurrency}, {torch.__version__}): {len(bare)} plans, "
-              f"{sum(1 for w in bare if w['rows'])} steps, {bare_wall * 1e3 / len(bare):.3f} ms a plan")
+              f"{sum(1 for w in bare if w['rows'])} steps, {bare_wall * 1e3 / len(bare):.3f} ms a plan; garbage collection "
+              f"{bare_gc_text}")
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump({"mode": args.mode, "concurrency": args.concurrency, "plans": len(bare),
@@ -290,7 +298,8 @@ def main() -> int:
           f"{bare_wall * 1e3:.1f} ms ({bare_wall * 1e3 / max(1, bare_steps):.3f} ms a step, "
           f"{bare_tokens / bare_wall:.0f} tokens/s); plan host ms p50 / p90 {statistics.median(bwalls):.3f} / "
           f"{bwalls[round(0.9 * (len(bwalls) - 1))]:.3f}; admissions {sum(w['admit'] for w in bare)} "
-          f"({sum(w['deferred'] for w in bare)} read a plan later)")
+          f"({sum(w['deferred'] for w in bare)} read a plan later); garbage collection {bare_gc_text}"
+          f"{' (start-up heap frozen)' if args.gc_freeze else ''}")
     print(f"\nkernel ms by the host phase that launched it (launch_step: the step's replay or eager launches; prefill: "
           f"the admissions; collect: the step's token read-back and bookkeeping); idle: the window's wall less the "
           f"union of kernel intervals. Trace: {path}")

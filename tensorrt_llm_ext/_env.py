@@ -39,6 +39,9 @@ class _Env:
     # TLLM_EXT_SERVE_WARMUP=0: serve skips its start-up warm-up (runtime/warmup.py): a faster start, and an A/B of
     # what the warm-up changes; the first request of each kind then waits for its kernel builds.
     serve_warmup: bool = True
+    # TLLM_EXT_SERVE_GC_FREEZE=0: serve leaves its start-up heap unfrozen (runtime/gc_pauses.py): full collections
+    # while serving then walk every start-up object (an A/B of the freeze).
+    serve_gc_freeze: bool = True
     # train-drafter's vocabulary-wide loss: TLLM_EXT_LOSS_LAYOUT forces a layout (rows / joint / dedup; unset: the
     # first step times them all), TLLM_EXT_LOSS_KERNEL=on / off its Triton row kernel untimed (auto: timed).
     loss_layout: str | None = None
@@ -52,6 +55,7 @@ class _Env:
                 f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
                 f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}, "
                 f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}, TLLM_EXT_SERVE_WARMUP={int(self.serve_warmup)}, "
+                f"TLLM_EXT_SERVE_GC_FREEZE={int(self.serve_gc_freeze)}, "
                 f"TLLM_EXT_LOSS_LAYOUT={self.loss_layout or ''}, "
                 f"TLLM_EXT_LOSS_KERNEL={self.loss_kernel}")
 
@@ -95,6 +99,7 @@ def _read() -> _Env:
         pdl=os.environ.get("TLLM_EXT_PDL", "1") != "0",
         gemv_max_rows=gemv_rows,
         serve_warmup=os.environ.get("TLLM_EXT_SERVE_WARMUP", "1") != "0",
+        serve_gc_freeze=os.environ.get("TLLM_EXT_SERVE_GC_FREEZE", "1") != "0",
         loss_layout=layout,
         loss_kernel=loss_kernel,
         api_key=os.environ.get("TLLM_EXT_API_KEY"),  # "" kept: serve refuses an empty key (unset the variable instead)

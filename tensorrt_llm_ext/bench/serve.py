@@ -151,10 +151,13 @@ def _scrape(url: str) -> dict[str, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    m = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-         for s in fam.samples}
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     out = {f"{n}_{part}": m.get(f"trtllm_ext_{n}_{part}", 0.0) for n in SCRAPED for part in ("sum", "count")}
     out.update({n: m.get(f"trtllm_ext_{n}_total", 0.0) for n in SCRAPED_COUNTERS})
+    # the collector's pauses, every generation's series summed
+    out["gc_pause_seconds"] = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                                  if s.name == "trtllm_ext_gc_pause_seconds_total")
     return out
 
 
@@ -430,8 +433,9 @@ def _model_run(args: argparse.Namespace) -> int | None:
                                  fmt(_mean_delta(m0, m1, "step_seconds", 1e3), 3),
                                  fmt(_mean_delta(m0, m1, "step_host_seconds", 1e3), 3),
                                  fmt(_per_step_delta(m0, m1, "prefill_seconds", 1e3), 3),
-                                 int(m1["kernel_builds_while_serving"] - m0["kernel_builds_while_serving"])])
-    _blank_exit_codes(rows, 17)
+                                 int(m1["kernel_builds_while_serving"] - m0["kernel_builds_while_serving"]),
+                                 fmt((m1["gc_pause_seconds"] - m0["gc_pause_seconds"]) * 1e3, 1)])
+    _blank_exit_codes(rows, 18)
     notes = [f"tp={args.tp}, max_batch_size={cfg.max_batch_size}, K={cfg.draft_len}, max_tokens={args.max_tokens}, "
              f"{args.requests_per_client} requests per client, {args.prompt_set} prompts"
              + (f" of {args.prompt_file}" if args.prompt_file else "")
@@ -444,7 +448,8 @@ def _model_run(args: argparse.Namespace) -> int | None:
              "on the host), host ms/step = the mean host time between back-to-back steps, prefill ms/step = the "
              "admissions' prefill time (launch to first tokens) over the steps of the cell (server metrics); kernel "
              "builds = Triton kernel builds in the server while the cell ran (each stalled a plan: 0 once the start-up "
-             "warm-up covers the traffic).",
+             "warm-up covers the traffic); GC ms = the server's Python garbage-collection pauses while the cell ran "
+             "(every thread stopped; the start-up heap is frozen unless TLLM_EXT_SERVE_GC_FREEZE=0).",
              "CUDA graphs: " + (f"on for both decodes (batch sizes {list(cfg.graph_batch_sizes())})" if graphs
                                 else "off (every step eager)"),
              "overlap scheduler: " + ("off (serial loop: host ms/step runs while the device idles)"
@@ -460,5 +465,5 @@ def _model_run(args: argparse.Namespace) -> int | None:
     print_table("bench serve: TTFT / TPOT / throughput on loopback",
                 ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                  "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
-                 "host ms/step", "prefill ms/step", "kernel builds", "exit"], rows, notes)
+                 "host ms/step", "prefill ms/step", "kernel builds", "GC ms", "exit"], rows, notes)
     return _nothing_measured(empty, work)

@@ -246,6 +246,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     import torch
 
     from tensorrt_llm_ext import __version__
+    from tensorrt_llm_ext._env import ENV
     from tensorrt_llm_ext.logger import logger
     from tensorrt_llm_ext.runtime.compile_watch import compile_watch
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -253,6 +254,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     from tensorrt_llm_ext.runtime.tokenizer import resolve_tokenizer
     from tensorrt_llm_ext.runtime.server import (EXIT_ENGINE_FAILED, EngineLoop, PlanChannel, ServeContext,
                                                  ServerMetrics, follower_loop, run_server, served_model_name)
+    from tensorrt_llm_ext.runtime.gc_pauses import freeze_startup_heap, gc_pauses
     from tensorrt_llm_ext.runtime.warmup import warm_up
 
     tp = cfg.tensor_parallel_size
@@ -290,6 +292,10 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     compile_watch.install()  # also when the warm-up is switched off: a build while serving is still logged
     warm_up(engine, mode, overlap)
     compile_watch.serving()  # from here each build is a warning and a /metrics count
+    # The start-up heap (torch, Triton, the model, the graphs, the warm-up's leftovers) out of every later collection:
+    # a full collection while serving walks only what serving allocated (runtime/gc_pauses.py).
+    freeze_startup_heap(ENV.serve_gc_freeze)
+    gc_pauses.install()  # /metrics: collections and their pauses while serving
     scheduler = Scheduler(engine, mode=mode, overlap=overlap)
     channel = PlanChannel(mapping)
     ranks = [{"rank": 0, "pid": os.getpid()}]

@@ -104,6 +104,28 @@ class _KernelBuilds:
             yield family
 
 
+class _GcPauses:
+    """This process's garbage collections since serving began (:mod:`.gc_pauses`), per generation: each stopped every
+    thread (the engine loop, the HTTP threads) for its seconds. Rank 0's own."""
+
+    def __init__(self, prefix: str, labels: list[str], values: list[str]):
+        self._prefix, self._labels, self._values = prefix, labels, values
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from tensorrt_llm_ext.runtime.gc_pauses import gc_pauses
+
+        counts, seconds = gc_pauses.snapshot()
+        for name, doc, values in (
+                ("gc_pauses", "Python garbage collections while serving, by generation (2: full)", counts),
+                ("gc_pause_seconds", "Seconds those collections stopped the interpreter", seconds)):
+            family = CounterMetricFamily(self._prefix + name, doc, labels=self._labels + ["generation"])
+            for g, v in enumerate(values):
+                family.add_metric(self._values + [str(g)], v)
+            yield family
+
+
 class ServerMetrics:
     """Prometheus metrics of one server (its own registry); the engine loop reports a request's admission,
     every delivery of its tokens and its end, and each step; everything else is derived here."""
@@ -195,6 +217,7 @@ class ServerMetrics:
                                  "reaching the engine", ["status"])
         self.steps = one(counter("engine_steps", "Engine steps run"))
         r.register(_KernelBuilds(p, labels, self._values))  # read from the compile watch at each scrape
+        r.register(_GcPauses(p, labels, self._values))  # read from the collector's callbacks at each scrape
         # Tokens one request gets from one speculative step: 1 (no draft accepted) .. K + 1 (all K drafts and
         # the bonus token); one bucket per value, so full acceptance has its own finite bucket.
         self.acceptance = histogram("acceptance_length", "Tokens accepted per request per speculative step "
