@@ -24,3 +24,27 @@ def test_the_http_stack_is_named_and_a_fallback_warns(monkeypatch, caplog, missi
         server.log_http_stack()
     (line,) = [r for r in caplog.records if "HTTP parser" in r.getMessage()]
     assert (line.levelno == logging.WARNING) == bool(missing) and parser in line.getMessage()
+
+
+def test_the_lifespan_loads_anyios_backend_before_the_first_request():
+    """A streamed response's task group loads anyio's asyncio backend on first use; the app's lifespan loads it
+    before the server listens, so the first request does not pay for the import (a fresh interpreter: the
+    server's own imports leave it unloaded, the lifespan loads it)."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, sys, types
+from tensorrt_llm_ext.runtime.server import OpenAIServer, ServeContext
+from tensorrt_llm_ext.runtime.serve_metrics import ServerMetrics
+server = OpenAIServer(ServeContext(loop=types.SimpleNamespace(), model_name="m", vocab_size=8, max_seq_len=16),
+                      ServerMetrics(3, model_name="m"))
+before = "anyio._backends._asyncio" in sys.modules
+async def start():
+    async with server._lifespan(server.app):
+        return "anyio._backends._asyncio" in sys.modules
+print(before, asyncio.run(start()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
