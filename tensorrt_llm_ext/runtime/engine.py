@@ -44,7 +44,7 @@ from tensorrt_llm_ext.runtime.config import RuntimeConfig
 from tensorrt_llm_ext.runtime.cuda_graph import CudaGraphRunner
 from tensorrt_llm_ext.runtime.kv_cache import build_state, pages_needed
 from tensorrt_llm_ext.runtime.model_loader import build_models
-from tensorrt_llm_ext.runtime.prefill_graph import PrefillGraphRunner, prefill_buckets
+from tensorrt_llm_ext.runtime.prefill_graph import PrefillGraphRunner, PromptLatentFold, prefill_buckets
 from tensorrt_llm_ext.runtime.requests import Request, RequestError, RequestResult
 from tensorrt_llm_ext.runtime.scheduler import NON_SPECULATIVE, Scheduler, StepPlan
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
@@ -321,9 +321,18 @@ class Engine:
         if not self.prefill_buckets:
             return
         self.use_prefill_runner(None)  # the older graphs' memory back to the pool first
-        runner = PrefillGraphRunner(self.target, self.state.kv_cache, self.state.dummy_slot, self.prefill_buckets,
-                                    pool=self._graph_pool)
+        runner = self.prefill_graph_runner(self.prefill_buckets, pool=self._graph_pool)
         self.use_prefill_runner(runner if runner.capture(self.mapping) else None)
+
+    def prefill_graph_runner(self, buckets, pool=None) -> PrefillGraphRunner:
+        """A prefill runner over ``buckets`` whose graphs also compute and store the drafter's context latents of
+        the prompt positions (:class:`PromptLatentFold`: the drafter's projection, the op table's store into the
+        state's latent pool); not captured yet."""
+        st = self.state
+        ops = step_ops_for("stock" if self.torch_ops else "speculative", self.device)
+        fold = PromptLatentFold(compute=self.drafter.compute_context_latents, store=ops.store_prompt_latents,
+                                block_table=st.block_table, pool=st.latent_pool, page_size=st.page_size)
+        return PrefillGraphRunner(self.target, st.kv_cache, st.dummy_slot, buckets, pool=pool, latents=fold)
 
     def use_prefill_runner(self, runner: PrefillGraphRunner | None) -> None:
         """Run every worker's prefill target forward through ``runner`` (None: eagerly); the CPU tests pass an

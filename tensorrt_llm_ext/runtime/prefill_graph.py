@@ -59,8 +59,15 @@ Device cost of the padding and of the per-row pieces: each piece streams the wei
 8B Llama (~16 GB, ~3.4 ms per weight pass at 4.8 TB/s) is the other way round: its forward is device bound
 (the host launches hide behind it), R pieces of a batched admission cost R weight passes instead of one, and
 a long prompt's padding up to 2x the compute -- keep the knob off (or its buckets small) for such a model.
-Not captured here (host time left in a prefill): the drafter's context latents, the first-token selection,
-the first block decode and the sync for the first tokens.
+**The drafter's context latents in the graphs** (:class:`PromptLatentFold`, bound by the engine): each bucket's graph
+also projects its tokens' captured features to the drafter's latents and stores those of the prompt positions below
+the prompt's last at their pages (a static ``prompt_len`` per piece; 0 stores nothing: a target-only admission), and
+the run copies out each row's last-token latent for the first block instead of the ``[R*T, F]`` features: an
+admission's eager projection, norm, store launch and features copy (~5-7 launches from Python) leave its host path.
+Its device cost is the projection of every bucket token, padding included (SmolLM2: a ``[T_b, 1728] x [1728, 768]``
+product, ~1 % of the target forward's bytes), also in a target-only admission, which stores none of it.
+Not captured here (host time left in a prefill): the first-token selection, the first block decode (its own graph
+per row count) and the sync for the first tokens.
 
 Memory (bf16, 3 captured layers: static outputs ``[T_b, H]`` + ``[T_b, 3H]`` = ``8 H`` bytes a token, kept
 per bucket; the static inputs, 16 B a token, are views of one ``[1, T_max]`` set; the largest bucket's transient
@@ -77,6 +84,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,8 +96,8 @@ from tensorrt_llm_ext.runtime.config import MIN_PREFILL_BUCKET  # the smallest b
 from tensorrt_llm_ext.runtime.cuda_graph import agree_on_capture, warm_up_and_capture
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
-__all__ = ["MIN_PREFILL_BUCKET", "PrefillGraphRunner", "PrefillPiece", "PrefillPlan", "plan_prefill",
-           "prefill_buckets"]
+__all__ = ["MIN_PREFILL_BUCKET", "PrefillGraphRunner", "PrefillPiece", "PrefillPlan", "PromptLatentFold",
+           "plan_prefill", "prefill_buckets"]
 
 
 def prefill_buckets(max_tokens: int, bound: int) -> tuple[int, ...]:
@@ -104,6 +112,20 @@ def prefill_buckets(max_tokens: int, bound: int) -> tuple[int, ...]:
         sizes.append(b)
         b *= 2
     return tuple(sizes) + (top,)
+
+
+@dataclass(frozen=True)
+class PromptLatentFold:
+    """What a bucket's graph needs to store the drafter's context latents of its prompt positions: ``compute``
+    (captured features ``[T, F]`` -> latents ``[T, L, d_c]``: the drafter's ``compute_context_latents``), ``store``
+    (the op table's ``store_prompt_latents``), the worker state's ``block_table`` (decoded by the caller before the
+    run) and latent ``pool``, and the pool's ``page_size``."""
+
+    compute: Callable[[torch.Tensor], torch.Tensor]
+    store: Callable
+    block_table: torch.Tensor
+    pool: torch.Tensor
+    page_size: int
 
 
 @dataclass(frozen=True)
@@ -166,13 +188,15 @@ class PrefillGraphRunner:
         dummy_slot: the slot capture runs on (no page of its own: every write lands on the scratch page).
         buckets: the bucket sizes (each >= 1).
         pool: the CUDA-graph memory pool to capture into (the engine's, shared with the decode runners).
+        latents: the drafter's context latents computed and stored in each bucket (:class:`PromptLatentFold`;
+            None: the features are copied out for the caller to project).
 
     Without :meth:`capture` (a CPU) every bucket runs the forward eagerly on the same static buffers: the rule,
     the padding and the copy-out are the captured path's.
     """
 
     def __init__(self, target, kv_cache, dummy_slot: int, buckets, *, pool=None,
-                 name: str = "the prefill's target forward"):
+                 name: str = "the prefill's target forward", latents: PromptLatentFold | None = None):
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"PrefillGraphRunner: buckets must be positive ints, got {list(buckets)}")
@@ -188,8 +212,13 @@ class PrefillGraphRunner:
         self._offsets = torch.arange(top, dtype=torch.int64, device=dev)[None]
         self.positions = self._offsets.clone()
         self.slot = torch.full((1,), dummy_slot, dtype=torch.int32, device=dev)
+        self.latents = latents
+        # The piece's prompt length (the fold stores the latents of positions below prompt_len - 1: 0 stores none),
+        # and whether it holds 0 now (a target-only admission then writes nothing).
+        self.prompt_len = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._prompt_len_zero = True
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, TargetOutput] = {}
+        self.outputs: dict[int, tuple[TargetOutput, torch.Tensor | None]] = {}
         self.replays: dict[int, int] = {}  # pieces run per bucket (graph or eager), read by tests and logs
         self.eager_calls = 0  # calls the rule sent to the eager forward
         self._logged: set[str] = set()
@@ -199,11 +228,22 @@ class PrefillGraphRunner:
         return self.kv_cache.max_positions
 
     # -- the rule and the pieces ---------------------------------------------------------------------------
-    def run(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], columns: int
+    @property
+    def folds_latents(self) -> bool:
+        """Whether the buckets store the drafter's context latents themselves (:class:`PromptLatentFold`)."""
+        return self.latents is not None
+
+    def run(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], columns: int,
+            prompt_lens: torch.Tensor | None = None, last_latents: torch.Tensor | None = None
             ) -> TargetOutput | None:
         """The block ``ids [R, T]`` (row ``r`` on ``slots[r]``, its real tokens ``spans[r] = (first position,
         count)`` in columns ``0 .. count-1``) in pieces of at most ``columns`` tokens: its :class:`TargetOutput`
-        rows ``r * T + t``; None when the rule says eager (the caller runs its own forward)."""
+        rows ``r * T + t``; None when the rule says eager (the caller runs its own forward).
+
+        With :attr:`folds_latents` the output carries no features (``captured`` None): each piece stored the
+        latents of its positions below ``prompt_lens[r] - 1`` (``prompt_lens [R]`` int64 on the device; None
+        stores none: a target-only admission), and the latent of each row's last real token (a piece that ends
+        the row's span) is copied to ``last_latents[r]`` when given."""
         r, t = ids.shape
         plan = plan_prefill(spans, columns, self.buckets, self.max_positions)
         if not plan.replay:
@@ -214,6 +254,7 @@ class PrefillGraphRunner:
             return None
         # Padding tokens: id 0 past each row's columns (the batched block pads with 0 too).
         padded = F.pad(ids, (0, max(plan.buckets)))
+        fold = self.latents is not None
         hidden = captured = None
         with nvtx_range("prefill_graph"):
             for piece, b in zip(plan.pieces, plan.buckets):
@@ -221,18 +262,29 @@ class PrefillGraphRunner:
                 self.ids[:, :b].copy_(padded[piece.row:piece.row + 1, c:c + b])
                 torch.add(self._offsets[:, :b], piece.first, out=self.positions[:, :b])
                 self.slot.copy_(slots[piece.row:piece.row + 1])
-                out = self.run_bucket(b)
+                if fold and prompt_lens is not None:
+                    self.prompt_len.copy_(prompt_lens[piece.row:piece.row + 1])
+                    self._prompt_len_zero = False
+                elif fold and not self._prompt_len_zero:
+                    self.prompt_len.zero_()
+                    self._prompt_len_zero = True
+                out, latents = self.run_bucket(b)
                 if hidden is None:
                     hidden = out.hidden_states.new_zeros(r * t, out.hidden_states.shape[-1])
-                    captured = out.captured.new_zeros(r * t, out.captured.shape[-1])
+                    if not fold:
+                        captured = out.captured.new_zeros(r * t, out.captured.shape[-1])
                 # Copied out now: the next replay (of any graph of the pool) may overwrite the static outputs.
                 dst = piece.row * t + c
                 hidden[dst:dst + m].copy_(out.hidden_states[:m])
-                captured[dst:dst + m].copy_(out.captured[:m])
+                if not fold:
+                    captured[dst:dst + m].copy_(out.captured[:m])
+                elif last_latents is not None and c + m == spans[piece.row][1]:
+                    last_latents[piece.row].copy_(latents[m - 1])
         return TargetOutput(hidden_states=hidden, captured=captured)
 
-    def run_bucket(self, b: int) -> TargetOutput:
-        """Bucket ``b`` over the static inputs: its graph's replay, or (not captured) the forward run eagerly."""
+    def run_bucket(self, b: int) -> tuple[TargetOutput, torch.Tensor | None]:
+        """Bucket ``b`` over the static inputs: its graph's replay, or (not captured) the forward run eagerly;
+        ``(the target's outputs, the tokens' latents [b, L, d_c] or None without the fold)``."""
         self.replays[b] = self.replays.get(b, 0) + 1
         graph = self.graphs.get(b)
         if graph is None:
@@ -241,8 +293,17 @@ class PrefillGraphRunner:
             graph.replay()
         return self.outputs[b]
 
-    def _forward(self, b: int) -> TargetOutput:
-        return self.target(self.ids[:, :b], self.positions[:, :b], self.slot, self.kv_cache)
+    def _forward(self, b: int) -> tuple[TargetOutput, torch.Tensor | None]:
+        out = self.target(self.ids[:, :b], self.positions[:, :b], self.slot, self.kv_cache)
+        fold = self.latents
+        if fold is None:
+            return out, None
+        latents = fold.compute(out.captured)  # [b, L, d_c]
+        # positions below prompt_len - 1 only (the last one goes through the first block's bookkeeping); the piece's
+        # start is its first position (a strided view of the static positions)
+        fold.store(latents, self.slot, self.positions[:, 0], self.prompt_len, fold.block_table, fold.pool,
+                   page_size=fold.page_size)
+        return out, latents
 
     # -- capture -------------------------------------------------------------------------------------------
     def capture(self, mapping: Mapping | None = None) -> bool:
@@ -266,6 +327,8 @@ class PrefillGraphRunner:
             self.ids.zero_()
             self.positions.copy_(self._offsets)
             self.slot.fill_(self.dummy_slot)
+            self.prompt_len.zero_()  # the fold stores nothing while warming up and capturing
+            self._prompt_len_zero = True
             for b in sorted(self.buckets, reverse=True):
                 self.graphs[b], self.outputs[b], self.pool = warm_up_and_capture(lambda b=b: self._forward(b),
                                                                                  self.pool, f"prefill_graph.{b}")

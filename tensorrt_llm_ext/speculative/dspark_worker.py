@@ -453,8 +453,15 @@ class DSparkWorker(SpecWorkerBase):
         if self.processors.active(slots):
             def process(logits, temps):
                 return self.processed(logits, slots, slots_l, temps)
+        # The prefill runner's graphs store the prompt positions' drafter latents themselves (its latent fold): they
+        # read the decoded block table, and copy each row's last latent into the first block's rows.
+        fold = speculative and self.prefill_runner is not None and self.prefill_runner.folds_latents
+        if fold:
+            self.decode_pages()
         with nvtx_range("prefill"):
-            out = self._prefill_forward(ids, starts_t, slots_t, [(s, n - s) for s, n in zip(starts, lens)])
+            out = self._prefill_forward(ids, starts_t, slots_t, [(s, n - s) for s, n in zip(starts, lens)],
+                                        prompt_lens=lens_t if fold else None,
+                                        last_latents=self.admit_latents[:r, 0] if fold else None)
             self._keep_hidden(out, t)
             tok = torch.empty(r, dtype=torch.int64, device=dev)
             _, self.prefill_logits = self._select(out.hidden_states.index_select(0, last_t), temps, seeds, lens_t, tok,
@@ -468,9 +475,11 @@ class DSparkWorker(SpecWorkerBase):
                 return tok
             # Positions s .. n-2 are stored here; position n-1 goes through the step bookkeeping of the first block,
             # which treats each prompt as a generation row that accepted exactly one token (its first generated one).
-            latents = self._store_prompt_latents(out, slots_l, starts_t, lens_t)
+            last_latents = None  # the fold put them in the first block's rows
+            if out.captured is not None:  # the eager forward (no runner, or its rule said eager): stored here
+                last_latents = self._store_prompt_latents(out, slots_l, starts_t, lens_t).index_select(0, last_t)
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
-            self.draft_first_block(slots, tok, latents.index_select(0, last_t))
+            self.draft_first_block(slots, tok, last_latents)
         return tok
 
     # -- the admission's first block (static rows; replayed per row count where the engine captured it) -------
@@ -486,17 +495,20 @@ class DSparkWorker(SpecWorkerBase):
         self._copy_rows(slots, batch_size, self.admit_slot_ids, self.admit_is_dummy)
         self._admit_batch_size = batch_size
 
-    def draft_first_block(self, slots: list[int], first_tokens: torch.Tensor, last_latents: torch.Tensor) -> None:
+    def draft_first_block(self, slots: list[int], first_tokens: torch.Tensor, last_latents: torch.Tensor | None
+                          ) -> None:
         """The admission's first block for ``slots`` (their ``ctx_lens`` at the prompt's length - 1): each row's
         first token ``first_tokens [R]`` taken as one accepted token (bookkeeping, and its context latent
-        ``last_latents [R, L, d_c]`` stored at position ``n - 1``), then the drafter's block and the chain: the
-        slot's verify block ``[first token, K drafts]`` and its confidences (``draft_confidences[:R]``).
+        ``last_latents [R, L, d_c]`` stored at position ``n - 1``; None: already in ``admit_latents[:R, 0]``, where
+        the prefill runner's latent fold copies them), then the drafter's block and the chain: the slot's verify
+        block ``[first token, K drafts]`` and its confidences (``draft_confidences[:R]``).
 
         Through :attr:`admission_runner` (a graph per row count, padded with dummy rows) when the engine set
         one, else eagerly over ``R`` rows; either way on the same static rows (:meth:`admission_draft`)."""
         r = len(slots)
         self.admit_accepted[:r, 0].copy_(first_tokens)
-        self.admit_latents[:r, 0].copy_(last_latents)
+        if last_latents is not None:
+            self.admit_latents[:r, 0].copy_(last_latents)
         if self.admission_runner is not None:
             self.admission_runner.step(list(slots))
         else:
@@ -540,9 +552,13 @@ class DSparkWorker(SpecWorkerBase):
             # the slot, the prompt's length, the chunk's start and its ids in one host-to-device copy
             block = host_to_device([slot, n, start, *prompt_ids[start:end]], torch.int64, dev)
             slot_l, len_t, start_t, ids = block[0:1], block[1:2], block[2:3], block[3:][None]
-            out = self._prefill_forward(ids, start_t, slot_l.int(), [(start, end - start)])
+            fold = speculative and self.prefill_runner is not None and self.prefill_runner.folds_latents
+            if fold:
+                self.decode_pages()  # the runner's graphs store the chunk's latents (its latent fold)
+            out = self._prefill_forward(ids, start_t, slot_l.int(), [(start, end - start)],
+                                        prompt_lens=len_t if fold else None)
             self._keep_hidden(out, end - start)
-            if speculative:
+            if speculative and out.captured is not None:  # the eager forward: stored here
                 self._store_prompt_latents(out, slot_l, start_t, len_t)
 
     def _keep_hidden(self, out: TargetOutput, cols: int) -> None:
@@ -564,7 +580,8 @@ class DSparkWorker(SpecWorkerBase):
         return latents
 
     def _prefill_forward(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-                         spans: list[tuple[int, int]]) -> TargetOutput:
+                         spans: list[tuple[int, int]], prompt_lens: torch.Tensor | None = None,
+                         last_latents: torch.Tensor | None = None) -> TargetOutput:
         """The target forward of a ``[R, T]`` prefill block: one forward, or with chunked prefill consecutive
         column chunks of at most ``prefill_chunk_tokens`` tokens (``R`` rows x ``chunk`` columns), each writing
         its K/V before the next attends it; the outputs are the same rows (``r * T + t``). ``spans[r]``: row
@@ -573,11 +590,14 @@ class DSparkWorker(SpecWorkerBase):
 
         With a :attr:`prefill_runner` the rows (and chunks) replay its captured ``[1, T_b]`` buckets instead,
         where its rule allows (:func:`~tensorrt_llm_ext.runtime.prefill_graph.plan_prefill`); a row's padding
-        columns then hold zeros (every caller masks them)."""
+        columns then hold zeros (every caller masks them). A runner with the latent fold returns no features
+        (``captured`` None): its graphs stored the latents of positions below ``prompt_lens - 1`` (None: none) and
+        copied each row's last one into ``last_latents`` (:meth:`PrefillGraphRunner.run`); an eager forward returns
+        the features, and the caller stores their latents."""
         r, t = ids.shape
         cols = t if self.prefill_chunk_tokens is None else max(1, self.prefill_chunk_tokens // r)
         if self.prefill_runner is not None:
-            out = self.prefill_runner.run(ids, slots, spans, min(cols, t))
+            out = self.prefill_runner.run(ids, slots, spans, min(cols, t), prompt_lens, last_latents)
             if out is not None:
                 return out
         positions = starts[:, None] + torch.arange(t, dtype=torch.int64, device=ids.device)

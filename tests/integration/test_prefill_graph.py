@@ -4,8 +4,9 @@ On a CPU the runner is not captured: each bucket runs the forward eagerly on the
 rule, the padding and the copy-out are the captured path's. Asserted: the greedy tokens of ``generate`` (every
 prefill through the buckets) equal the eager prefill's, for prompts of 1, 15, 16, 17 tokens and one near
 ``max_seq_len``, batched ragged admissions and chunked prefill, speculative and target-only; the real positions'
-K/V equal (up to GEMM rounding of another row count, as the batched prefill's tests allow); a piece whose padding
-would pass the page table runs eagerly; the knob's validation. The GPU test captures the buckets for real.
+K/V and the drafter latents the buckets store (the latent fold) equal (up to GEMM rounding of another row count, as
+the batched prefill's tests allow), none stored by a target-only admission; a piece whose padding would pass the
+page table runs eagerly; the knob's validation. The GPU test captures the buckets for real.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def _engine(**over) -> Engine:
 
 
 def _bucketed(eng: Engine, buckets) -> PrefillGraphRunner:
-    runner = PrefillGraphRunner(eng.target, eng.state.kv_cache, eng.state.dummy_slot, buckets)
+    """The engine's runner (its buckets store the drafter's prompt latents: the latent fold), not captured."""
+    runner = eng.prefill_graph_runner(buckets)
+    assert runner.folds_latents
     eng.use_prefill_runner(runner)
     return runner
 
@@ -164,6 +167,25 @@ def test_bucketed_chunked_prefill_equals_eager():
         assert ([r.output_ids for r in bucketed.generate(reqs, mode)[0]]
                 == [r.output_ids for r in eager.generate(reqs, mode)[0]])
     assert runner.replays.get(16, 0) > 0 and runner.replays.get(4, 0) > 0 and runner.eager_calls == 0
+    # the chunks' and the rests' latents, stored by the buckets, are the eager prefill's
+    assert bucketed.state.latent_pool.abs().sum() > 0
+    torch.testing.assert_close(bucketed.state.latent_pool, eager.state.latent_pool, **TOL)
+
+
+def test_target_only_admission_through_the_latent_fold_stores_no_latent():
+    """The buckets compute the drafter's latents for every admission, but a target-only one stores none of them
+    (its pieces' prompt length is 0); a speculative admission after it stores its prompt's."""
+    eng = _engine()
+    _bucketed(eng, (16, 32, 64))
+    w = eng.worker()
+    for slot, prompt in ((0, PROMPTS[3]), (1, PROMPTS[2])):
+        eng.pages.allocate(slot, eng.pages_for(Request(prompt, max_new_tokens=MAX_NEW)))
+    before = eng.state.latent_pool.clone()
+    w.prefill_batch([0], [PROMPTS[3]], [SamplingParams()])  # speculative: its prompt's latents stored
+    assert not torch.equal(eng.state.latent_pool, before)
+    before = eng.state.latent_pool.clone()
+    w.prefill_batch([1], [PROMPTS[2]], [SamplingParams()], speculative=False)  # after it, target-only: none
+    assert torch.equal(eng.state.latent_pool, before)
 
 
 def test_padding_past_the_table_runs_eagerly(caplog):
@@ -203,12 +225,15 @@ def test_gpu_captured_prefill_buckets_equal_eager():
         assert sum(runner.replays.values()) == len(PROMPTS)  # one piece per prompt
         runners.append(runner)
     assert runners[0] is not runners[1] and graphed.worker().prefill_runner is runners[1]
+    # the prompts' drafter latents stored by the captured buckets (the latent fold) are the eager admissions'
+    assert runners[1].folds_latents and graphed.state.latent_pool.abs().sum() > 0
+    torch.testing.assert_close(graphed.state.latent_pool, eager.state.latent_pool, atol=1e-4, rtol=1e-4)
     # a capture with a request's K/V in the cache: only the scratch page is written, and it is restored
     eng = graphed
     eng.pages.allocate(0, eng.pages_for(reqs[4]))
     eng.worker().prefill(0, PROMPTS[4])
     before = [t.clone() for t in eng.state.kv_cache.tensors()]
-    again = PrefillGraphRunner(eng.target, eng.state.kv_cache, eng.state.dummy_slot, (16, 64), pool=eng._graph_pool)
+    again = eng.prefill_graph_runner((16, 64), pool=eng._graph_pool)
     assert again.capture()
     assert all(torch.equal(a, b) for a, b in zip(before, eng.state.kv_cache.tensors()))
     eng.pages.free(0)
