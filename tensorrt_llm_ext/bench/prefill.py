@@ -12,7 +12,9 @@ block eager``: the speculative one again with the first block run eagerly (no gr
 The speculative prefill by stage (a second pass: every stage bracketed by device synchronisations, so each is timed
 alone; their sum exceeds the undisturbed total by the synchronisations): ``forward`` (the target forward:
 ``DSparkWorker._prefill_forward``), ``select`` (the first tokens: ``_select``), ``latents`` (the drafter's context
-latents of the prompt, stored: ``_store_prompt_latents``), ``draft`` (the first block: the bookkeeping of the first
+latents of the prompt, stored: ``_store_prompt_latents``; where the forward replays token buckets they store the
+latents themselves -- the prefill runner's latent fold -- so their cost is in ``forward`` and ``latents`` reads 0),
+``draft`` (the first block: the bookkeeping of the first
 token as an accepted one, drafter forward, Markov chain, confidences: ``draft_first_block``, one graph replay where
 the engine captured it) and ``other`` (the pass's total less those four: host-to-device copies, the tokens read
 back). The target-only prefill runs ``forward`` and
@@ -197,5 +199,7 @@ def run(args: argparse.Namespace) -> int:
                  f"temperature {args.temperature}; {graphs}; median of {args.reps} admissions per cell",
                  "spec STAGE: the speculative prefill again with every stage between device synchronisations "
                  "(DSparkWorker: forward = _prefill_forward, select = _select, latents = _store_prompt_latents, "
-                 "draft = draft_first_block); other = that pass's total less the four (copies, the tokens read back)"])
+                 "draft = draft_first_block; with the forward in captured buckets the latents are stored inside them: "
+                 "their cost is in forward, latents reads 0); other = that pass's total less the four (copies, the "
+                 "tokens read back)"])
     return 0
