@@ -250,11 +250,13 @@ def _stub_run(args: argparse.Namespace) -> None:
         with _exit_code_on_last_row(server, rows):
             for conc in concurrency:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
+                gc0 = _scrape(server.url)["gc_pause_seconds"]
                 cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
                 res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
                 if server.proc.poll() is not None:  # a dead server's failed requests are not a measurement
                     raise server.failure(f"during the cell {tok}, concurrency {conc}")
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds(server.proc.pid) - cpu0
+                gc_ms = (_scrape(server.url)["gc_pause_seconds"] - gc0) * 1e3
                 tokens = sum(r[2] for r in res)
                 tpot = [r[1] for r in res if r[1] == r[1]]
                 us = cpu / tokens * 1e6 if tokens else float("nan")
@@ -264,8 +266,9 @@ def _stub_run(args: argparse.Namespace) -> None:
                              _median_ms([r[0] for r in res], 1),
                              _median_ms(tpot, 2),
                              fmt(tokens / wall, 0), fmt(cpu, 2), fmt(us, 1),
-                             fmt(1e6 / us if us else float("nan"), 0)])  # the CPU clock ticks in 10 ms
-    _blank_exit_codes(rows, 11)
+                             fmt(1e6 / us if us else float("nan"), 0),  # the CPU clock ticks in 10 ms
+                             fmt(gc_ms, 1)])
+    _blank_exit_codes(rows, 12)
     import platform
 
     notes = [f"stub engine: one token per live request per step, step period {args.stub_step_ms:g} ms "
@@ -274,12 +277,13 @@ def _stub_run(args: argparse.Namespace) -> None:
              f"process, server in its own.",
              "server CPU = user + system time of the server process over the cell (all threads); us/token = that "
              "/ output tokens; CPU-bound tok/s = 1e6 / us/token (the server's threads share one interpreter lock, "
-             "so about one core is what it gets).",
+             "so about one core is what it gets); GC ms = the server's garbage-collection pauses over the cell (its "
+             "start-up heap frozen as serve's, unless TLLM_EXT_SERVE_GC_FREEZE=0).",
              f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()} "
              f"{os.cpu_count()} CPUs"]
     print_table("bench serve --stub-engine: the server's host path per output token",
                 ["tokenizer", "concurrency", "requests", "ok", "errors", "TTFT p50 ms", "TPOT p50 ms",
-                 "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "exit"], rows,
+                 "output tok/s", "server CPU s", "server CPU us/token", "CPU-bound tok/s", "GC ms", "exit"], rows,
                 notes)
     return _nothing_measured(empty, work)
 

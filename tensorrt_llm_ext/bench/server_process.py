@@ -252,6 +252,11 @@ def stub_server_main(argv: list[str] | None = None) -> int:
                       PlanChannel(None), metrics, max_queue=args.max_queue, speculative=False)
     ctx = ServeContext(loop=loop, model_name="stub", vocab_size=vocab, max_seq_len=4096, tokenizer=tok,
                        speculative=False)
+    from tensorrt_llm_ext._env import ENV
+    from tensorrt_llm_ext.runtime.gc_pauses import freeze_startup_heap, gc_pauses
+
+    freeze_startup_heap(ENV.serve_gc_freeze)  # as serve does before it is ready
+    gc_pauses.install()
     return run_server(ctx, metrics, args.host, args.port, drain_timeout_s=5.0, ready_line="stub server ready")
 
 
