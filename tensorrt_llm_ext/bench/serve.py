@@ -232,6 +232,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _gc_seconds(url: str) -> float:
+    """The server's garbage-collection pause seconds so far (/metrics); NaN where it cannot be read (the column is
+    a diagnostic: a server that died mid-cell is reported by the cell's own check)."""
+    import httpx
+
+    try:
+        return _scrape(url)["gc_pause_seconds"]
+    except httpx.HTTPError:
+        return float("nan")
+
+
 def _stub_run(args: argparse.Namespace) -> None:
     """``--stub-engine``: per tokenizer, one stub server; per concurrency, streamed completions; the server
     process's CPU seconds over the cell / the tokens it streamed."""
@@ -250,13 +261,13 @@ def _stub_run(args: argparse.Namespace) -> None:
         with _exit_code_on_last_row(server, rows):
             for conc in concurrency:
                 bodies = sample_bodies(conc * per_client, 259, max_tokens=(max_tokens,) * 2)
-                gc0 = _scrape(server.url)["gc_pause_seconds"]
+                gc0 = _gc_seconds(server.url)
                 cpu0, t0 = _cpu_seconds(server.proc.pid), time.perf_counter()
                 res, errors = asyncio.run(_cell(server.url, bodies, conc, time.monotonic() + args.max_seconds))
                 if server.proc.poll() is not None:  # a dead server's failed requests are not a measurement
                     raise server.failure(f"during the cell {tok}, concurrency {conc}")
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds(server.proc.pid) - cpu0
-                gc_ms = (_scrape(server.url)["gc_pause_seconds"] - gc0) * 1e3
+                gc_ms = (_gc_seconds(server.url) - gc0) * 1e3
                 tokens = sum(r[2] for r in res)
                 tpot = [r[1] for r in res if r[1] == r[1]]
                 us = cpu / tokens * 1e6 if tokens else float("nan")
