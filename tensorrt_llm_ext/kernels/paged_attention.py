@@ -106,6 +106,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     ROW_PIECES: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LAST_FIRST: tl.constexpr,
+    IDS_AHEAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -174,7 +175,7 @@ def _paged_attention_kernel(
                       t_len, num_heads, head_dim, max_pages, page_size, scratch_page, num_splits, scale_log2,
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tab,
                       stride_ob, stride_ot, stride_oh,
-                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH)
+                      BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, DOT_DTYPE, PRECISION, MERGE_UNROLL, PREFETCH, IDS_AHEAD)
 
 
 @triton.jit
@@ -199,10 +200,12 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                   stride_ob, stride_ot, stride_oh,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, IDS_AHEAD: tl.constexpr):
     """One piece of keys ``start .. end`` of a tile: the online softmax over its blocks, then its output (one
     live piece) or its partials and, for the last piece of the tile to arrive, the merge. ``PREFETCH == 1``: the
-    first block's ``page, off, k, v`` were read before the wait."""
+    first block's ``page, off, k, v`` were read before the wait. ``IDS_AHEAD``: each block's page ids are loaded
+    one iteration earlier (loop-carried), so a block's K / V loads wait on no load of their own iteration -- the
+    same reads in another order, the same bits."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -213,14 +216,31 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                              stride_kh, stride_vp, stride_vt, stride_vh, k, v)
         m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
         first = start + BLOCK_N
-    for n0 in range(first, end, BLOCK_N):
-        jb = n0 + tl.arange(0, BLOCK_N)
-        jb_ok = jb < end
-        pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
-        # V is issued with K (both wait on the page ids only), not after the scores.
-        kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
-                           stride_vp, stride_vt, stride_vh)
-        m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
+    if IDS_AHEAD:
+        jn = first + tl.arange(0, BLOCK_N)
+        pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
+                                        scratch_page)
+        for n0 in range(first, end, BLOCK_N):
+            jb = n0 + tl.arange(0, BLOCK_N)
+            jb_ok = jb < end
+            pg, po = pg_next, po_next
+            jn = jb + BLOCK_N  # the next block's ids in flight with this block's K / V (masked past the piece)
+            pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
+                                            scratch_page)
+            kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
+                               stride_vp, stride_vt, stride_vh)
+            m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE,
+                                          PRECISION)
+    else:
+        for n0 in range(first, end, BLOCK_N):
+            jb = n0 + tl.arange(0, BLOCK_N)
+            jb_ok = jb < end
+            pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
+            # V is issued with K (both wait on the page ids only), not after the scores.
+            kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
+                               stride_vp, stride_vt, stride_vh)
+            m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE,
+                                          PRECISION)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -325,7 +345,8 @@ class AttentionConfig:
     reads before the programmatic wait (no bit of the result changes) -- 0 nothing, 1 its first block's page ids
     and K / V in registers (the keys of earlier steps; 32 more registers at head dim 64), 2 its first
     ``PREFETCH_BLOCKS`` blocks brought to L2, -1 by the grid (1 while it fits at the register form's occupancy,
-    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. Prefill tiles keep 64 keys and 4 warps."""
+    else 2). Suffixes of :meth:`describe`: ``r``, ``l``, ``a``. ``ids_ahead`` (suffix ``i``): a block's page ids
+    loaded one iteration before its K / V (no bit changes). Prefill tiles keep 64 keys and 4 warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -333,6 +354,7 @@ class AttentionConfig:
     pieces: int = 16
     min_blocks: int = 1
     prefetch: int = 0
+    ids_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128) or SPLIT_TOKENS % self.block_n:
@@ -355,16 +377,16 @@ class AttentionConfig:
         """The inverse of :meth:`describe` (``n64w4s2p32m3``, ``n64w4s2f``)."""
         import re
 
-        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)", text.strip())
+        hit = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(?:f|p(\d+)(?:m(\d+))?)([rla]?)(i?)", text.strip())
         if hit is None:
-            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3r / n64w4s2f")
-        n, w, st, p, mb, pf = hit.groups()
-        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "))
+            raise ValueError(f"AttentionConfig: {text!r} is not of the form n64w4s2p32m3ri / n64w4s2f")
+        n, w, st, p, mb, pf, ahead = hit.groups()
+        return cls(int(n), int(w), int(st), int(p or 0), int(mb or 1), " rl".find(pf or " "), ahead == "i")
 
     def describe(self) -> str:
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}" + (f"p{self.pieces}" if self.pieces else "f")
                 + (f"m{self.min_blocks}" if self.pieces and self.min_blocks > 1 else "")
-                + " rla"[self.prefetch].strip())
+                + " rla"[self.prefetch].strip() + ("i" if self.ids_ahead else ""))
 
 
 # The settings a split launch uses per head dim (every row's bits follow from them: fixed, never per batch but at
@@ -402,8 +424,14 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
                      AttentionConfig(64, 4, 2, 8), AttentionConfig(32, 2, 2, 32, 4),
                      AttentionConfig(32, 2, 2, 32, 4, prefetch=2), AttentionConfig(32, 4, 2, 32, 4),
                      AttentionConfig(32, 2, 3, 32, 4), AttentionConfig(64, 2, 1, 32, 2),
-                     AttentionConfig(128, 4, 2, 4, prefetch=2), AttentionConfig(128, 4, 2, 2, prefetch=2))
-# (the last two: DECODE_CONFIGS_BY_BATCH[64])
+                     AttentionConfig(128, 4, 2, 4, prefetch=2), AttentionConfig(128, 4, 2, 2, prefetch=2),
+                     AttentionConfig(128, 4, 2, 32, prefetch=2, ids_ahead=True),
+                     AttentionConfig(128, 4, 2, 4, prefetch=2, ids_ahead=True),
+                     AttentionConfig(128, 4, 2, 2, prefetch=2, ids_ahead=True))
+# (the 11th and 12th: DECODE_CONFIGS_BY_BATCH[64]; the last three: the model's three settings with each block's page
+# ids loaded one iteration ahead -- built 2026-12-07, thirty-sixth session, for the long pieces of B >= 32 at 8k keys
+# on the H200 (1.34x the K / V floor at B = 32, goal 1.3x), where a block's K / V loads waited on its own page-id load
+# each iteration; not yet timed)
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
@@ -587,6 +615,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         MERGE_UNROLL=2 * MERGE_UNROLL if block_m * block_d <= 1024 else MERGE_UNROLL,
         PDL=pdl, PREFETCH=prefetch, LAST_FIRST=LAST_PIECE_FIRST and splits > 1,
         PREFETCH_BLOCKS=min(PREFETCH_BLOCKS, piece_blocks(cfg, row_pieces, width, splits)),
+        IDS_AHEAD=cfg.ids_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )

@@ -418,3 +418,19 @@ def test_outgrown_tile_counters_stay_allocated(monkeypatch):
     assert [t.data_ptr() for t in pa._RETIRED_COUNTERS] == [address]
     assert pa._RETIRED_COUNTERS[0].count_nonzero() == 0
     assert tile_counters(DEVICE, 1) is grown  # later launches use the grown buffer
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_page_ids_one_iteration_ahead_change_no_bit(t):
+    """``AttentionConfig.ids_ahead`` loads each block's page ids one iteration before its K / V: the same reads in
+    another order, so the same bits as the setting without it -- decode and verify tiles, pieces of many blocks,
+    rows ending inside a block and on a page edge, a padded row."""
+    page, max_pages = 8, 64  # 512 keys: pieces of several 32-key blocks
+    q, kp, vp, table, slots, pos = make_case(b=4, t=t, group=3, d=16, page_size=page, max_pages=max_pages,
+                                             lens=[500, 33, 256, 129], dummy=(1,))
+    for base in (AttentionConfig(32, 4, 2, 4), AttentionConfig(32, 4, 2, 2), AttentionConfig(32, 4, 2, 32)):
+        ahead = dataclasses.replace(base, ids_ahead=True)
+        assert ahead.describe() == base.describe() + "i" and AttentionConfig.parse(ahead.describe()) == ahead
+        want = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=base)
+        got = paged_attention(q, kp, vp, table, slots, pos, 0.25, config=ahead)
+        assert torch.equal(got, want)
