@@ -14,7 +14,7 @@ after start-up the same way. ``TLLM_EXT_SERVE_GC_FREEZE=0`` leaves the heap unfr
 
 :class:`GcPauses` (``gc.callbacks``) counts the collections and their seconds per generation: ``/metrics``
 (``trtllm_ext_gc_pauses_total`` / ``trtllm_ext_gc_pause_seconds_total``, by ``generation``), ``bench serve``'s
-``GC ms`` column, ``scripts/profile_serve_loop.py``.
+``GC ms`` column, ``scripts/profile_serve_loop.py``; a pause of :data:`LONG_PAUSE_S` or more is a warning line.
 """
 
 from __future__ import annotations
@@ -28,15 +28,19 @@ from tensorrt_llm_ext.logger import logger
 __all__ = ["GcPauses", "freeze_startup_heap", "gc_pauses"]
 
 GENERATIONS = 3
+# A collection that stops the interpreter longer than this while serving is a warning line (SGLang logs its long
+# collections the same way): a stall of every stream, which the log should name as the compile watch names a build.
+LONG_PAUSE_S = 0.05
 
 
 class GcPauses:
     """Per generation, the collections since :meth:`install` (:attr:`counts`) and the seconds they stopped the
     interpreter (:attr:`seconds`), from ``gc.callbacks``' start / stop events."""
 
-    def __init__(self):
+    def __init__(self, long_pause_s: float = LONG_PAUSE_S):
         self.counts = [0] * GENERATIONS
         self.seconds = [0.0] * GENERATIONS
+        self.long_pause_s = long_pause_s  # a pause at least this long is logged (a warning)
         self.installed = False
         self._lock = threading.Lock()
         self._started: float | None = None
@@ -61,9 +65,13 @@ class GcPauses:
         if started is None:
             return
         g = min(int(info.get("generation", GENERATIONS - 1)), GENERATIONS - 1)
+        paused = time.perf_counter() - started
         with self._lock:
             self.counts[g] += 1
-            self.seconds[g] += time.perf_counter() - started
+            self.seconds[g] += paused
+        if paused >= self.long_pause_s:
+            logger.warning(f"gc: a generation-{g} collection stopped every thread for {paused * 1e3:.0f} ms while "
+                           f"serving ({info.get('collected', 0)} objects collected)")
 
     def snapshot(self) -> tuple[list[int], list[float]]:
         """``(counts, seconds)`` per generation, copies."""

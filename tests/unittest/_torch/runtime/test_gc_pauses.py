@@ -78,3 +78,21 @@ def test_metrics_series_per_generation(monkeypatch):
     finally:
         pauses.uninstall()
     assert series("gc_pauses", 2) == 1 and series("gc_pause_seconds", 2) > 0
+
+
+def test_a_long_pause_is_a_warning(caplog):
+    """A collection at least ``long_pause_s`` long is a warning naming its generation and length; a shorter one is
+    counted without a line."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="tensorrt_llm_ext")
+    quiet, loud = GcPauses(long_pause_s=3600.0), GcPauses(long_pause_s=0.0)
+    for pauses in (quiet, loud):
+        pauses.install()
+        try:
+            gc.collect(2)
+        finally:
+            pauses.uninstall()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gc: a generation-2 collection")]
+    assert len(lines) == 1 and "stopped every thread for" in lines[0] and "objects collected" in lines[0]
+    assert quiet.snapshot()[0][2] == 1 and loud.snapshot()[0][2] == 1
