@@ -216,31 +216,24 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
                              stride_kh, stride_vp, stride_vt, stride_vh, k, v)
         m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
         first = start + BLOCK_N
-    if IDS_AHEAD:
+    if IDS_AHEAD:  # the first block's ids before the loop; each iteration then loads the next block's
         jn = first + tl.arange(0, BLOCK_N)
         pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
                                         scratch_page)
-        for n0 in range(first, end, BLOCK_N):
-            jb = n0 + tl.arange(0, BLOCK_N)
-            jb_ok = jb < end
+    for n0 in range(first, end, BLOCK_N):
+        jb = n0 + tl.arange(0, BLOCK_N)
+        jb_ok = jb < end
+        if IDS_AHEAD:
             pg, po = pg_next, po_next
             jn = jb + BLOCK_N  # the next block's ids in flight with this block's K / V (masked past the piece)
             pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
                                             scratch_page)
-            kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
-                               stride_vp, stride_vt, stride_vh)
-            m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE,
-                                          PRECISION)
-    else:
-        for n0 in range(first, end, BLOCK_N):
-            jb = n0 + tl.arange(0, BLOCK_N)
-            jb_ok = jb < end
+        else:
             pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
-            # V is issued with K (both wait on the page ids only), not after the scores.
-            kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
-                               stride_vp, stride_vt, stride_vh)
-            m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE,
-                                          PRECISION)
+        # V is issued with K (both wait on the page ids only), not after the scores.
+        kb, vb = _block_kv(k_pool_ptr, v_pool_ptr, pg, po, kvh, d, jb_ok, d_ok, stride_kp, stride_kt, stride_kh,
+                           stride_vp, stride_vt, stride_vh)
+        m_i, l_i, acc = _attend_block(q, kb, vb, jb, jb_ok, pos, m_i, l_i, acc, scale_log2, DOT_DTYPE, PRECISION)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_rows = out_ptr + b.to(tl.int64) * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
