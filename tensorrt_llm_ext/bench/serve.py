@@ -151,13 +151,13 @@ def _scrape(url: str) -> dict[str, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=30).text
-    m = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    samples = [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+               for s in fam.samples]
+    m = {s.name: s.value for s in samples}
     out = {f"{n}_{part}": m.get(f"trtllm_ext_{n}_{part}", 0.0) for n in SCRAPED for part in ("sum", "count")}
     out.update({n: m.get(f"trtllm_ext_{n}_total", 0.0) for n in SCRAPED_COUNTERS})
     # the collector's pauses, every generation's series summed
-    out["gc_pause_seconds"] = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                                  if s.name == "trtllm_ext_gc_pause_seconds_total")
+    out["gc_pause_seconds"] = sum(s.value for s in samples if s.name == "trtllm_ext_gc_pause_seconds_total")
     return out
 
 

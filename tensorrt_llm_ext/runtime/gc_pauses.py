@@ -79,7 +79,7 @@ class GcPauses:
             return list(self.counts), list(self.seconds)
 
     def describe_since(self, before: tuple[list[int], list[float]]) -> str:
-        """The collections since ``before`` (a :meth:`snapshot`): ``gen 0/1/2: n / n / n, x ms (max ...)``."""
+        """The collections since ``before`` (a :meth:`snapshot`): their counts and milliseconds per generation."""
         counts, seconds = self.snapshot()
         n = [c - b for c, b in zip(counts, before[0])]
         s = [(c - b) * 1e3 for c, b in zip(seconds, before[1])]

@@ -81,10 +81,11 @@ class _Request:
     generated: int = 0
 
 
-class _KernelBuilds:
-    """This process's Triton kernel builds since the server was ready (:mod:`.compile_watch`), as two counters:
-    each stalled a plan (the start-up warm-up did not reach its specialization); 0 in a healthy server. Rank 0's
-    own (another rank's builds are in its log)."""
+class _ProcessCounters:
+    """Counters this process keeps outside the server, read at each scrape; rank 0's own (another rank's are in its
+    log): the Triton kernel builds since the server was ready (:mod:`.compile_watch`; each stalled a plan -- the
+    start-up warm-up missed its specialization --: 0 in a healthy server) and the garbage collections since serving
+    began (:mod:`.gc_pauses`, per generation; each stopped every thread, the engine loop and the HTTP threads)."""
 
     def __init__(self, prefix: str, labels: list[str], values: list[str]):
         self._prefix, self._labels, self._values = prefix, labels, values
@@ -93,36 +94,21 @@ class _KernelBuilds:
         from prometheus_client.core import CounterMetricFamily
 
         from tensorrt_llm_ext.runtime import compile_watch as cw
+        from tensorrt_llm_ext.runtime import gc_pauses as gp
 
         watch = cw.compile_watch
-        for name, doc, value in (
+        counts, seconds = gp.gc_pauses.snapshot()
+        per_generation = [[str(g)] for g in range(len(counts))]
+        for name, doc, extra, values in (
                 ("kernel_builds_while_serving", "Triton kernel builds after the server was ready (each stalled a "
-                 "plan's requests; the start-up warm-up missed its specialization)", watch.serving_count),
-                ("kernel_build_seconds_while_serving", "Seconds those builds took", watch.serving_seconds)):
-            family = CounterMetricFamily(self._prefix + name, doc, labels=self._labels)
-            family.add_metric(self._values, value)
-            yield family
-
-
-class _GcPauses:
-    """This process's garbage collections since serving began (:mod:`.gc_pauses`), per generation: each stopped every
-    thread (the engine loop, the HTTP threads) for its seconds. Rank 0's own."""
-
-    def __init__(self, prefix: str, labels: list[str], values: list[str]):
-        self._prefix, self._labels, self._values = prefix, labels, values
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        from tensorrt_llm_ext.runtime.gc_pauses import gc_pauses
-
-        counts, seconds = gc_pauses.snapshot()
-        for name, doc, values in (
-                ("gc_pauses", "Python garbage collections while serving, by generation (2: full)", counts),
-                ("gc_pause_seconds", "Seconds those collections stopped the interpreter", seconds)):
-            family = CounterMetricFamily(self._prefix + name, doc, labels=self._labels + ["generation"])
-            for g, v in enumerate(values):
-                family.add_metric(self._values + [str(g)], v)
+                 "plan's requests; the start-up warm-up missed its specialization)", [], [watch.serving_count]),
+                ("kernel_build_seconds_while_serving", "Seconds those builds took", [], [watch.serving_seconds]),
+                ("gc_pauses", "Python garbage collections while serving, by generation (2: full)", ["generation"],
+                 counts),
+                ("gc_pause_seconds", "Seconds those collections stopped the interpreter", ["generation"], seconds)):
+            family = CounterMetricFamily(self._prefix + name, doc, labels=self._labels + extra)
+            for label, v in zip(per_generation if extra else [[]], values):
+                family.add_metric(self._values + label, v)
             yield family
 
 
@@ -216,8 +202,7 @@ class ServerMetrics:
         self._rejected = counter("requests_rejected", "Requests to a served endpoint answered 4xx/5xx before "
                                  "reaching the engine", ["status"])
         self.steps = one(counter("engine_steps", "Engine steps run"))
-        r.register(_KernelBuilds(p, labels, self._values))  # read from the compile watch at each scrape
-        r.register(_GcPauses(p, labels, self._values))  # read from the collector's callbacks at each scrape
+        r.register(_ProcessCounters(p, labels, self._values))  # the compile watch's and the collector's, at each scrape
         # Tokens one request gets from one speculative step: 1 (no draft accepted) .. K + 1 (all K drafts and
         # the bonus token); one bucket per value, so full acceptance has its own finite bucket.
         self.acceptance = histogram("acceptance_length", "Tokens accepted per request per speculative step "

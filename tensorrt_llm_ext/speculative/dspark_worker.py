@@ -453,11 +453,8 @@ class DSparkWorker(SpecWorkerBase):
         if self.processors.active(slots):
             def process(logits, temps):
                 return self.processed(logits, slots, slots_l, temps)
-        # The prefill runner's graphs store the prompt positions' drafter latents themselves (its latent fold): they
-        # read the decoded block table, and copy each row's last latent into the first block's rows.
-        fold = speculative and self.prefill_runner is not None and self.prefill_runner.folds_latents
-        if fold:
-            self.decode_pages()
+        # with the latent fold the runner's graphs also copy each row's last latent into the first block's rows
+        fold = self._latent_fold(speculative)
         with nvtx_range("prefill"):
             out = self._prefill_forward(ids, starts_t, slots_t, [(s, n - s) for s, n in zip(starts, lens)],
                                         prompt_lens=lens_t if fold else None,
@@ -552,14 +549,20 @@ class DSparkWorker(SpecWorkerBase):
             # the slot, the prompt's length, the chunk's start and its ids in one host-to-device copy
             block = host_to_device([slot, n, start, *prompt_ids[start:end]], torch.int64, dev)
             slot_l, len_t, start_t, ids = block[0:1], block[1:2], block[2:3], block[3:][None]
-            fold = speculative and self.prefill_runner is not None and self.prefill_runner.folds_latents
-            if fold:
-                self.decode_pages()  # the runner's graphs store the chunk's latents (its latent fold)
+            fold = self._latent_fold(speculative)
             out = self._prefill_forward(ids, start_t, slot_l.int(), [(start, end - start)],
                                         prompt_lens=len_t if fold else None)
             self._keep_hidden(out, end - start)
             if speculative and out.captured is not None:  # the eager forward: stored here
                 self._store_prompt_latents(out, slot_l, start_t, len_t)
+
+    def _latent_fold(self, speculative: bool) -> bool:
+        """Whether this prefill's prompt latents are stored by the prefill runner's graphs (its latent fold, a
+        speculative prefill); if so the block table they read is decoded now, before the forward."""
+        fold = speculative and self.prefill_runner is not None and self.prefill_runner.folds_latents
+        if fold:
+            self.decode_pages()
+        return fold
 
     def _keep_hidden(self, out: TargetOutput, cols: int) -> None:
         """The prefill's hidden states for the prompt log-probabilities, only when asked (they hold a prefill's
