@@ -218,16 +218,17 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
         first = start + BLOCK_N
     if IDS_AHEAD:  # the first block's ids before the loop; each iteration then loads the next block's
         jn = first + tl.arange(0, BLOCK_N)
-        pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
-                                        scratch_page)
+        ids_next = _block_page_ids(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size, scratch_page)
     for n0 in range(first, end, BLOCK_N):
         jb = n0 + tl.arange(0, BLOCK_N)
         jb_ok = jb < end
         if IDS_AHEAD:
-            pg, po = pg_next, po_next
+            # Only the int32 ids cross the iteration (the offsets follow from jb, the widening is this block's):
+            # the loop-carried registers of the earlier form, int64 ids and offsets, spilled on sm_90.
+            pg, po = ids_next.to(tl.int64), (jb % page_size).to(tl.int64)
             jn = jb + BLOCK_N  # the next block's ids in flight with this block's K / V (masked past the piece)
-            pg_next, po_next = _block_pages(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
-                                            scratch_page)
+            ids_next = _block_page_ids(table_ptr, slot, stride_tab, jn, jn < end, max_pages, page_size,
+                                       scratch_page)
         else:
             pg, po = _block_pages(table_ptr, slot, stride_tab, jb, jb_ok, max_pages, page_size, scratch_page)
         # V is issued with K (both wait on the page ids only), not after the scores.
@@ -263,10 +264,16 @@ def _attend_piece(q, pos, slot, row_ok, t, head, d, d_ok, b, pid, kvh, piece, st
 
 
 @triton.jit
+def _block_page_ids(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page):
+    """The table's page ids (its int32) of keys ``j`` of the slot (the scratch page past the table)."""
+    pidx = j // page_size
+    return tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
+
+
+@triton.jit
 def _block_pages(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page):
     """Page ids and in-page offsets of keys ``j`` of the slot (the scratch page past the table)."""
-    pidx = j // page_size
-    page = tl.load(table_ptr + slot * stride_tab + pidx, mask=j_ok & (pidx < max_pages), other=scratch_page)
+    page = _block_page_ids(table_ptr, slot, stride_tab, j, j_ok, max_pages, page_size, scratch_page)
     return page.to(tl.int64), (j % page_size).to(tl.int64)
 
 
@@ -424,7 +431,7 @@ CONFIG_CANDIDATES = (AttentionConfig(128, 4, 2, 32, prefetch=2), AttentionConfig
 # (the 11th and 12th: DECODE_CONFIGS_BY_BATCH[64]; the last three: the model's three settings with each block's page
 # ids loaded one iteration ahead -- built 2026-12-07, thirty-sixth session, for the long pieces of B >= 32 at 8k keys
 # on the H200 (1.34x the K / V floor at B = 32, goal 1.3x), where a block's K / V loads waited on its own page-id load
-# each iteration; not yet timed)
+# each iteration; 142 registers and no spill on sm_90 since only the int32 ids cross the iteration; not yet timed)
 
 
 PREFILL_CONFIG = AttentionConfig(64, 4, 3)  # unsplit (prefill) tiles: 64 rows x 64 keys
