@@ -158,7 +158,10 @@ fi
 # TRAIN_TV / TRAIN_CE / TRAIN_KL set the objective's weights (1.8 / 0.1 / 0; the twenty-third session's forward-KL
 # ablation, TRAIN_TV=0 TRAIN_KL=1: greedy the same with 13 % fewer steps, T = 1 lower). TRAIN_GREEDY_FRACTION (0.5) is
 # the share of answers regenerated greedily (the rest at T = 1 top-p 0.95); TRAIN_ANCHOR_REGION=all draws the blocks
-# in the prompts too (the teacher's distribution there; default answer, where serving drafts). More distinct data: `bash scripts/gpu_carry.sh
+# in the prompts too (the teacher's distribution there; default answer, where serving drafts). TRAIN_ANCHOR_FILL=mask
+# TRAIN_LENGTH_GROUPS=8: a short answer's anchor slots are left without loss instead of repeating its blocks, and a
+# batch holds similar answer lengths, so a batch of short answers computes fewer blocks (docs/real_model.md, "Anchor
+# slots without repeats"; default wrap / 1, as measured so far). More distinct data: `bash scripts/gpu_carry.sh
 # prompts-large` writes .gpu_data_large/prompts_large.jsonl.gz (every ShareGPT training conversation the file's 3 : 1
 # mix holds, 34,953 prompts at --max-turns 3 against 16,235; 10.6 MiB: call 1 carries .whl, part 1 and .gpu_data,
 # call 2 only part 2 and .gpu_data_large -- what call 1 carried stays on the warm machine), then PROMPTS=".gpu_data_large/
@@ -167,6 +170,7 @@ TRAIN_STEPS=${TRAIN_STEPS:-20000}
 TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turns ${TRAIN_TURNS:-3}
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
   --greedy-fraction ${TRAIN_GREEDY_FRACTION:-0.5} --anchor-region ${TRAIN_ANCHOR_REGION:-answer}
+  --anchor-fill ${TRAIN_ANCHOR_FILL:-wrap} --length-groups ${TRAIN_LENGTH_GROUPS:-1}
   --num-layers ${DRAFTER_LAYERS:-3} --latent-dim ${DRAFTER_LATENT:-256} --target-layers ${TARGET_LAYERS:-1,7,14,21,27}
   --markov-rank 256 --tv-weight ${TRAIN_TV:-1.8} --ce-weight ${TRAIN_CE:-0.1} --kl-weight ${TRAIN_KL:-0}
   --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}

@@ -100,6 +100,14 @@ class TrainConfig:
     # where a training sequence's anchors are drawn: "answer" (the generated part, where serving drafts) or "all"
     # (every position from 1: the prompt's too, the teacher's distribution there -- more distinct blocks a sequence)
     anchor_region: str = "answer"
+    # a sequence with fewer candidate positions than --anchors: "wrap" repeats them (each sequence fills every anchor
+    # slot, so a short answer's blocks count several times), "mask" leaves the extra slots without loss, and a batch
+    # takes at most its longest sequence's candidates (with --length-groups, the blocks a batch of short answers does
+    # not compute)
+    anchor_fill: str = "wrap"
+    # > 1: each step draws length_groups x batch_seqs sequences, ranks them by candidate positions and trains on one
+    # of the groups of batch_seqs (similar answer lengths in a batch: fewer masked blocks with --anchor-fill mask)
+    length_groups: int = 1
     lr: float = 5e-4
     weight_decay: float = 0.0
     warmup: int = 100
@@ -126,7 +134,7 @@ class TrainConfig:
                              ("save_every", 1, 10_000_000), ("eval_prompts", 0, 100_000), ("warmup", 0, 10_000_000),
                              # seed: request seeds are seed * 1_000_003 + i, held below 2^63
                              ("seed", 0, 2**43 - 1), ("max_turns", 1, 64), ("max_prompt_tokens", 1, 65536),
-                             ("max_skipped_steps", 0, 1_000_000)):
+                             ("max_skipped_steps", 0, 1_000_000), ("length_groups", 1, 4096)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 bad(name, f"an integer in [{lo}, {hi}]", v)
@@ -134,6 +142,8 @@ class TrainConfig:
             bad("head_dim", "even (RoPE rotates pairs)", self.head_dim)
         if self.anchor_region not in ANCHOR_REGIONS:
             bad("anchor_region", f"one of {', '.join(ANCHOR_REGIONS)}", self.anchor_region)
+        if self.anchor_fill not in ANCHOR_FILLS:
+            bad("anchor_fill", f"one of {', '.join(ANCHOR_FILLS)}", self.anchor_fill)
         if not isinstance(self.markov_rank, int) or not 1 <= self.markov_rank <= 65536:
             bad("markov_rank", "an integer in [1, 65536]", self.markov_rank)
         if self.position_decay is None:
@@ -395,7 +405,7 @@ def distillation_loss(params, dcfg, lm_head_weight, batch: dict[str, torch.Tenso
         if grid:  # one teacher row per answer position: a [S, W] grid from each prompt's end, no host read
             prompt_lens = batch["prompt_lens"]
             width = (batch["max_candidates"] if "max_candidates" in batch
-                     else int(((lens - 2).clamp_min(prompt_lens) - prompt_lens + 1).max())) + draft_len - 1
+                     else int(candidate_counts(lens, prompt_lens).max())) + draft_len - 1
             cols = (prompt_lens[:, None] + torch.arange(width, device=pos.device)).clamp(max=t_len - 1)
             teacher_h = final.gather(1, cols[..., None].expand(-1, -1, h)).reshape(-1, h)
             j = (pos.clamp(max=t_len - 1) - prompt_lens[:, None, None]).clamp(0, width - 1)
@@ -520,6 +530,27 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 # loss and anchors read only positions < lens.
 SEQ_BUCKET = 64
 ANCHOR_REGIONS = ("answer", "all")
+ANCHOR_FILLS = ("wrap", "mask")
+
+
+def candidate_counts(lens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """Anchor positions of each sequence, ``[prompt_len, len - 2]`` (at least 1): what :func:`sample_anchors`
+    draws from (``prompt_lens`` 1 for ``anchor_region="all"``)."""
+    return (lens - 2).clamp_min(prompt_lens) - prompt_lens + 1
+
+
+def length_grouped_batch(counts: torch.Tensor, batch_seqs: int, groups: int, generator: torch.Generator
+                         ) -> torch.Tensor:
+    """``batch_seqs`` sequence indices: ``groups * batch_seqs`` drawn (with replacement) from ``counts`` (host, one
+    entry a sequence), ranked by their count (ties by draw order), and one of the ``groups`` consecutive runs of
+    ``batch_seqs`` taken at random -- a batch of similar lengths, every sequence as likely as with one plain draw.
+    ``groups`` 1: the plain draw."""
+    pool = torch.randint(counts.shape[0], (batch_seqs * groups,), generator=generator)
+    if groups == 1:
+        return pool
+    ranked = pool[torch.sort(counts[pool], stable=True).indices]
+    g = int(torch.randint(groups, (1,), generator=generator))
+    return ranked[g * batch_seqs:(g + 1) * batch_seqs]
 
 
 def batch_width(longest: int, stored: int, bucket: int | None = None) -> int:
@@ -551,20 +582,29 @@ def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target,
     return {"tokens": tokens, "lens": lens.to(device), "prompt_lens": prompt_lens.to(device),
             "features": feats, "final": final,
             # sample_anchors' width, known on the host (no device read)
-            "max_candidates": int(((lens - 2).clamp_min(prompt_lens) - prompt_lens + 1).max())}
+            "max_candidates": int(candidate_counts(lens, prompt_lens).max())}
 
 
-def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torch.Generator) -> torch.Tensor:
+def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torch.Generator,
+                   fill: str = "wrap") -> torch.Tensor:
     """``[S, anchors]`` positions in ``[prompt_len, len - 2]`` (the generated part; the first anchor of serving
     is the first generated token, at ``prompt_len``), drawn WITHOUT replacement (as the paper's sampler): a
     sequence's anchors are distinct while it has that many positions, so a step trains on ``anchors`` different
-    blocks of it, not on repeats; a shorter sequence repeats its positions in the draw's order."""
-    lo, hi = batch["prompt_lens"], (batch["lens"] - 2).clamp_min(batch["prompt_lens"])
-    n = hi - lo + 1  # candidate positions per sequence (>= 1)
+    blocks of it, not on repeats. A shorter sequence (``fill``): ``"wrap"`` repeats its positions in the draw's
+    order; ``"mask"`` gives ``[S, min(anchors, W)]`` (``W`` the batch's most candidates) and its slots past its own
+    candidates the anchor ``len - 1``, whose every block position lies past the teacher's last (no loss, no
+    metric: :func:`distillation_loss`'s ``valid``)."""
+    lo = batch["prompt_lens"]
+    n = candidate_counts(batch["lens"], lo)  # candidate positions per sequence (>= 1)
     width = batch["max_candidates"] if "max_candidates" in batch else int(n.max())
     u = torch.rand(lo.shape[0], width, generator=generator, device=generator.device).to(lo.device)
     u = u.masked_fill(torch.arange(width, device=lo.device)[None, :] >= n[:, None], 2.0)  # past the end: last
     order = u.argsort(dim=1)  # a random permutation of each sequence's candidates first
+    if fill == "mask":
+        j = torch.arange(min(anchors, width), device=lo.device)[None, :]
+        return torch.where(j < n[:, None], lo[:, None] + order[:, :j.shape[1]], batch["lens"][:, None] - 1)
+    if fill != "wrap":
+        raise ValueError(f"sample_anchors: fill must be one of {ANCHOR_FILLS}, got {fill!r}")
     j = torch.arange(anchors, device=lo.device)[None, :] % n[:, None]  # wrap when fewer candidates than anchors
     return lo[:, None] + order.gather(1, j.clamp(max=width - 1))
 
@@ -794,6 +834,9 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
         init_eval = state.get("init_eval")
     bar = _progress(range(step0, tc.steps), progress, "train-drafter")
     n_seq = data["tokens"].shape[0]
+    # each sequence's anchor candidates (host): the length groups' rank and the masked fill's block count
+    counts = candidate_counts(data["lens"], torch.ones_like(data["prompt_lens"]) if tc.anchor_region == "all"
+                              else data["prompt_lens"])
     feature_cache = (FeatureCache(data["lens"], int(feature_cache_gib * GIB), device) if feature_cache_gib > 0
                      else None)
     t0 = last_log = time.time()
@@ -894,10 +937,11 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
                 g["lr"] = tc.lr * fitted_lr(step, tc, time_frac)  # time_frac 0 without --fit-schedule
             # the step's sequences from a host generator seeded by the step (resumable without state, and no device
             # round trip: the host slices the batch while the device still runs the previous step)
-            idx = torch.randint(n_seq, (tc.batch_seqs,), generator=torch.Generator().manual_seed(
+            # (--length-groups 1: the draw as before, the same indices)
+            idx = length_grouped_batch(counts, tc.batch_seqs, tc.length_groups, torch.Generator().manual_seed(
                 tc.seed * 1_000_003 + step))
             batch = _batch(data, idx, device, target, anchor_region=tc.anchor_region, cache=feature_cache)
-            anchors = sample_anchors(batch, tc.anchors, gen)
+            anchors = sample_anchors(batch, tc.anchors, gen, tc.anchor_fill)
             if loss_path is None:
                 # TLLM_EXT_LOSS_KERNEL=off: the torch ops without trying the kernel (=on: the kernel without timing)
                 choice = _env.ENV.loss_kernel
@@ -920,7 +964,8 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
             opt.found_inf = bad.float()
             opt.step()
             steps_run += 1
-            trained_positions += tc.batch_seqs * tc.anchors * tc.draft_len
+            trained_positions += (int(counts[idx].clamp(max=tc.anchors).sum()) if tc.anchor_fill == "mask"
+                                  else tc.batch_seqs * tc.anchors) * tc.draft_len
             pending.append((step, torch.cat([metrics_vector(metrics), metrics["nonfinite"],
                                              torch.stack([grad_norm.detach().float(), bad.float()])])))
             # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps

@@ -170,3 +170,47 @@ def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
     assert any("TLLM_EXT_LOSS_LAYOUT='per-token'" in e for e in _env._read().errors)
     with pytest.raises(ValueError, match="loss layout 'per-token'"):
         trainer.distillation_loss(params, dcfg, head, batch, anchors, tc.draft_len, tc, layout="per-token")
+
+
+@pytest.mark.parametrize("layout", ["eager", "dedup"])
+def test_masked_anchor_slots_add_no_loss(tiny_target, layout):
+    """--anchor-fill mask: the slots past a sequence's candidates (anchor len - 1) add nothing -- the batch's loss,
+    with the confidence term off, is the two sequences' own losses weighted by their valid position weights, each
+    sequence trained alone on exactly its drawn anchors -- and a wrong filler (len - 2, whose first block position
+    has a teacher) would change it."""
+    from tensorrt_llm_ext.training import trainer
+
+    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
+                             draft_len=3, batch_seqs=2, anchors=8, confidence_weight=0.0)
+    dcfg, layers = trainer.drafter_config(tiny_target, tc)
+    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
+    head = target.lm_head.weight.detach()
+    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
+    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    g = torch.Generator().manual_seed(0)
+    data = {"tokens": torch.randint(0, 500, (2, 16), generator=g, dtype=torch.int32), "lens": torch.tensor([16, 11]),
+            "prompt_lens": torch.tensor([4, 5])}  # 11 and 5 candidates: the second sequence fills 3 of 8 slots
+    kw = {"fused": False} if layout == "eager" else {"layout": "dedup", "kernel": False}
+    batch = trainer._batch(data, torch.arange(2), torch.device("cpu"), target)
+    anchors = trainer.sample_anchors(batch, tc.anchors, torch.Generator().manual_seed(0), fill="mask")
+    assert anchors.shape == (2, 8) and anchors[1, 5:].tolist() == [10, 10, 10]
+
+    def loss_of(b, a):
+        return float(trainer.distillation_loss(init, dcfg, head, b, a, tc.draft_len, tc, **kw)[0])
+
+    def weight_of(b, a):  # the valid position weights' sum (the loss is their weighted mean)
+        pos = a[:, :, None] + torch.arange(tc.draft_len)
+        w = trainer.position_weights(tc.draft_len, tc.position_decay)
+        return float((w * (pos <= (b["lens"][:, None, None] - 2))).sum())
+
+    whole = loss_of(batch, anchors)
+    parts = []
+    for i, live in ((0, 8), (1, 5)):
+        one = trainer._batch(data, torch.tensor([i]), torch.device("cpu"), target)
+        a = anchors[i:i + 1, :live]
+        parts.append((loss_of(one, a), weight_of(one, a)))
+    expect = sum(l * w for l, w in parts) / sum(w for _, w in parts)
+    assert whole == pytest.approx(expect, rel=1e-5, abs=1e-6)
+    wrong = anchors.clone()
+    wrong[1, 5:] = 9  # len - 2: its first block position is trained
+    assert loss_of(batch, wrong) != pytest.approx(expect, rel=1e-4)

@@ -275,8 +275,8 @@ def test_anchor_region_all_draws_blocks_in_the_prompts_too(tiny_target, tmp_path
         b["true_prompt_lens"] = data["prompt_lens"][idx].to(b["lens"].device)
         return b
 
-    def anchors(b, n, gen):
-        out = real_anchors(b, n, gen)
+    def anchors(b, n, gen, *fill):
+        out = real_anchors(b, n, gen, *fill)
         if "true_prompt_lens" in b:
             seen.append((out, b["true_prompt_lens"], b["lens"]))
         return out
@@ -299,6 +299,35 @@ def test_anchor_region_all_draws_blocks_in_the_prompts_too(tiny_target, tmp_path
     assert seen and all(bool((s[0] >= s[1][:, None]).all()) for s in seen)
     with pytest.raises(ValueError, match="--anchor-region must be one of answer, all"):
         TrainConfig(anchor_region="prompt")
+
+
+def test_masked_anchor_fill_and_length_groups_train(tiny_target, tmp_path, monkeypatch):
+    """--anchor-fill mask --length-groups 2 through the trainer: every step's anchors are the masked draw (a batch of
+    short answers has fewer slots than --anchors, none repeated), the loss is finite and falls, the block count is
+    the live blocks'."""
+    import tensorrt_llm_ext.training.trainer as trainer_mod
+
+    real, seen = trainer_mod.sample_anchors, []
+
+    def anchors(b, n, gen, fill="wrap"):
+        out = real(b, n, gen, fill)
+        seen.append((fill, out, b["lens"]))
+        return out
+
+    monkeypatch.setattr(trainer_mod, "sample_anchors", anchors)
+    tc = TrainConfig(num_prompts=8, max_new_tokens=12, gen_batch=8, eval_prompts=0, num_layers=1, num_heads=2,
+                     head_dim=8, latent_dim=16, intermediate_size=64, draft_len=3, steps=10, batch_seqs=2,
+                     anchors=16, lr=3e-3, warmup=2, save_every=10, anchor_fill="mask", length_groups=2)
+    summary = train_drafter(tiny_target, tmp_path / "drafter", tc, progress=False)
+    assert summary["steps_done"] == 10 and len(seen) == 10 and all(f == "mask" for f, _, _ in seen)
+    for _, a, lens in seen:  # no repeated live anchor; the filler only as the last slots
+        for row, ln in zip(a.tolist(), lens.tolist()):
+            live = [x for x in row if x != ln - 1]
+            assert len(set(live)) == len(live) and row[:len(live)] == live
+    assert any(a.shape[1] < 16 for _, a, _ in seen)  # answers of at most 12 tokens: 11 candidates at most
+    assert all(math.isfinite(x) for x in summary["last_losses"])
+    assert sum(summary["last_losses"]) < sum(summary["first_losses"])
+    assert summary["knobs"]["anchor_fill"] == "mask" and summary["knobs"]["length_groups"] == 2
 
 
 def test_answers_cache_is_shared_by_runs_with_the_same_data_knobs(tiny_target, tmp_path, monkeypatch, capsys):

@@ -13,7 +13,8 @@ import torch
 
 from tensorrt_llm_ext.cli import main
 from tensorrt_llm_ext.testing.tiny_models import export_tiny_target
-from tensorrt_llm_ext.training.trainer import TrainConfig, fitted_lr, sample_anchors
+from tensorrt_llm_ext.training.trainer import (TrainConfig, candidate_counts, fitted_lr, length_grouped_batch,
+                                               sample_anchors)
 
 
 def test_anchors_are_distinct_positions_of_the_generated_part():
@@ -32,6 +33,52 @@ def test_anchors_are_distinct_positions_of_the_generated_part():
     for _ in range(50):
         seen.update(sample_anchors({"prompt_lens": prompt_lens[:1], "lens": lens[:1]}, 8, g)[0].tolist())
     assert seen == set(range(5, 29))
+
+
+def test_masked_fill_draws_each_candidate_once_and_leaves_the_other_slots_without_a_block():
+    """--anchor-fill mask: a sequence with fewer candidates than --anchors gets each once and the anchor len - 1 in
+    its other slots (every block position past the teacher's last); a batch takes at most its widest sequence's
+    candidates; where every sequence has enough, the anchors are wrap's, draw for draw."""
+    prompt_lens = torch.tensor([5, 3, 10, 2])
+    lens = torch.tensor([30, 12, 13, 40])  # 24, 8, 2, 37 candidates
+    n = [24, 8, 2, 37]
+    assert candidate_counts(lens, prompt_lens).tolist() == n
+    batch = {"prompt_lens": prompt_lens, "lens": lens}
+    for anchors in (8, 30, 64):
+        a = sample_anchors(batch, anchors, torch.Generator().manual_seed(anchors), fill="mask")
+        assert a.shape == (4, min(anchors, 37))
+        for row, k, lo, ln in zip(a.tolist(), n, prompt_lens.tolist(), lens.tolist()):
+            live = row[:min(k, len(row))]
+            assert len(set(live)) == len(live) and all(lo <= x <= ln - 2 for x in live), (row, k)
+            assert row[len(live):] == [ln - 1] * (len(row) - len(live))
+    wide = {"prompt_lens": prompt_lens[[0, 3]], "lens": lens[[0, 3]]}  # 24 and 37 candidates, 16 anchors
+    assert torch.equal(sample_anchors(wide, 16, torch.Generator().manual_seed(1), fill="mask"),
+                       sample_anchors(wide, 16, torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="--anchor-fill must be one of wrap, mask"):
+        TrainConfig(anchor_fill="drop")
+    with pytest.raises(ValueError, match="--length-groups must be an integer"):
+        TrainConfig(length_groups=0)
+
+
+def test_length_groups_batch_similar_lengths_and_draw_every_sequence():
+    """--length-groups 1 is the plain draw (the same indices as before the knob); G > 1 takes one of G runs of the
+    ranked pool, so a batch's counts are consecutive in it, and every sequence is still drawn about equally often."""
+    counts = torch.randint(1, 256, (100,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(length_grouped_batch(counts, 16, 1, torch.Generator().manual_seed(5)),
+                       torch.randint(100, (16,), generator=torch.Generator().manual_seed(5)))
+    spread_plain, spread_grouped, hits = [], [], torch.zeros(100)
+    for step in range(2000):
+        g = torch.Generator().manual_seed(step)
+        idx = length_grouped_batch(counts, 16, 8, g)
+        pool = torch.randint(100, (128,), generator=torch.Generator().manual_seed(step))
+        ranked = counts[pool].sort(stable=True).values
+        c = counts[idx]
+        assert idx.shape == (16,) and any(torch.equal(c, ranked[i * 16:(i + 1) * 16]) for i in range(8))
+        hits += torch.bincount(idx, minlength=100)
+        spread_grouped.append(int(c.max() - c.min()))
+        spread_plain.append(int(counts[pool[:16]].max() - counts[pool[:16]].min()))
+    assert sum(spread_grouped) * 4 < sum(spread_plain)  # similar lengths in a batch
+    assert float(hits.min()) > 0.6 * float(hits.mean()) and float(hits.max()) < 1.4 * float(hits.mean())
 
 
 def test_fitted_schedule_follows_the_larger_progress_and_ends_at_zero():
