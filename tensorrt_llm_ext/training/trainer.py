@@ -531,6 +531,10 @@ def confidence_logits(params, hidden: torch.Tensor, prev: torch.Tensor) -> torch
 SEQ_BUCKET = 64
 ANCHOR_REGIONS = ("answer", "all")
 ANCHOR_FILLS = ("wrap", "mask")
+# --anchor-fill mask: a batch's anchor slots are its most candidates rounded up to this (at most --anchors), so the
+# step's shapes -- the blocks, the attention's keys -- take few distinct values (each new one costs cuDNN plans and
+# kernel builds once, as batch widths do: SEQ_BUCKET)
+ANCHOR_BUCKET = 32
 
 
 def candidate_counts(lens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
@@ -591,9 +595,9 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
     is the first generated token, at ``prompt_len``), drawn WITHOUT replacement (as the paper's sampler): a
     sequence's anchors are distinct while it has that many positions, so a step trains on ``anchors`` different
     blocks of it, not on repeats. A shorter sequence (``fill``): ``"wrap"`` repeats its positions in the draw's
-    order; ``"mask"`` gives ``[S, min(anchors, W)]`` (``W`` the batch's most candidates) and its slots past its own
-    candidates the anchor ``len - 1``, whose every block position lies past the teacher's last (no loss, no
-    metric: :func:`distillation_loss`'s ``valid``)."""
+    order; ``"mask"`` gives ``[S, min(anchors, W)]`` (``W`` the batch's most candidates rounded up to
+    :data:`ANCHOR_BUCKET`) and its slots past its own candidates the anchor ``len - 1``, whose every block position
+    lies past the teacher's last (no loss, no metric: :func:`distillation_loss`'s ``valid``)."""
     lo = batch["prompt_lens"]
     n = candidate_counts(batch["lens"], lo)  # candidate positions per sequence (>= 1)
     width = batch["max_candidates"] if "max_candidates" in batch else int(n.max())
@@ -601,8 +605,10 @@ def sample_anchors(batch: dict[str, torch.Tensor], anchors: int, generator: torc
     u = u.masked_fill(torch.arange(width, device=lo.device)[None, :] >= n[:, None], 2.0)  # past the end: last
     order = u.argsort(dim=1)  # a random permutation of each sequence's candidates first
     if fill == "mask":
-        j = torch.arange(min(anchors, width), device=lo.device)[None, :]
-        return torch.where(j < n[:, None], lo[:, None] + order[:, :j.shape[1]], batch["lens"][:, None] - 1)
+        m = min(anchors, -(-width // ANCHOR_BUCKET) * ANCHOR_BUCKET)
+        j = torch.arange(m, device=lo.device)[None, :]
+        live = lo[:, None] + order.gather(1, j.clamp(max=width - 1).expand(lo.shape[0], m))
+        return torch.where(j < n[:, None], live, batch["lens"][:, None] - 1)
     if fill != "wrap":
         raise ValueError(f"sample_anchors: fill must be one of {ANCHOR_FILLS}, got {fill!r}")
     j = torch.arange(anchors, device=lo.device)[None, :] % n[:, None]  # wrap when fewer candidates than anchors

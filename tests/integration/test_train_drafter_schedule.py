@@ -38,7 +38,7 @@ def test_anchors_are_distinct_positions_of_the_generated_part():
 def test_masked_fill_draws_each_candidate_once_and_leaves_the_other_slots_without_a_block():
     """--anchor-fill mask: a sequence with fewer candidates than --anchors gets each once and the anchor len - 1 in
     its other slots (every block position past the teacher's last); a batch takes at most its widest sequence's
-    candidates; where every sequence has enough, the anchors are wrap's, draw for draw."""
+    candidates rounded up to 32 slots; where every sequence has enough, the anchors are wrap's, draw for draw."""
     prompt_lens = torch.tensor([5, 3, 10, 2])
     lens = torch.tensor([30, 12, 13, 40])  # 24, 8, 2, 37 candidates
     n = [24, 8, 2, 37]
@@ -46,7 +46,7 @@ def test_masked_fill_draws_each_candidate_once_and_leaves_the_other_slots_withou
     batch = {"prompt_lens": prompt_lens, "lens": lens}
     for anchors in (8, 30, 64):
         a = sample_anchors(batch, anchors, torch.Generator().manual_seed(anchors), fill="mask")
-        assert a.shape == (4, min(anchors, 37))
+        assert a.shape == (4, min(anchors, 64))  # 37 candidates at most, in slots of ANCHOR_BUCKET (32)
         for row, k, lo, ln in zip(a.tolist(), n, prompt_lens.tolist(), lens.tolist()):
             live = row[:min(k, len(row))]
             assert len(set(live)) == len(live) and all(lo <= x <= ln - 2 for x in live), (row, k)
