@@ -166,7 +166,9 @@ def test_warm_up_with_a_speculation_gate(caplog):
     closes no gate and logs no verdict; the serving scheduler built after it starts with an open gate."""
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
 
-    cfg = {"max_batch_size": 4, "max_seq_len": 64, "speculative_config.acceptance_window": 2,
+    # max_seq_len 40: prompts of at most 16 tokens (the long rounds are test_warm_up_leaves_no_state's), so the two
+    # modes' rounds cost the interpreter ~2/3 of 64's
+    cfg = {"max_batch_size": 4, "max_seq_len": 40, "speculative_config.acceptance_window": 2,
            "speculative_config.acceptance_length_threshold": 3.5}
     eng = Engine(load_config(**tiny_model(**cfg)))
     eng.runner("speculative")
