@@ -157,7 +157,9 @@ fi
 # starts each drafter layer as one of the target's top layers (the twentieth session's ablation, docs/real_model.md).
 # TRAIN_TV / TRAIN_CE / TRAIN_KL set the objective's weights (1.8 / 0.1 / 0; the twenty-third session's forward-KL
 # ablation, TRAIN_TV=0 TRAIN_KL=1: greedy the same with 13 % fewer steps, T = 1 lower). TRAIN_GREEDY_FRACTION (0.5) is
-# the share of answers regenerated greedily (the rest at T = 1 top-p 0.95); TRAIN_ANCHOR_REGION=all draws the blocks
+# the share of answers regenerated greedily (the rest at TRAIN_GEN_TEMPERATURE / TRAIN_GEN_TOP_P, default 1.0 / 0.95;
+# the DeepSpec recipe regenerates at 0.7 / 0.8: TRAIN_GREEDY_FRACTION=0 TRAIN_GEN_TEMPERATURE=0.7 TRAIN_GEN_TOP_P=0.8
+# to try it); TRAIN_ANCHOR_REGION=all draws the blocks
 # in the prompts too (the teacher's distribution there; default answer, where serving drafts). TRAIN_ANCHOR_FILL=mask
 # TRAIN_LENGTH_GROUPS=8: a short answer's anchor slots are left without loss instead of repeating its blocks, and a
 # batch holds similar answer lengths, so a batch of short answers computes fewer blocks (docs/real_model.md, "Anchor
@@ -171,6 +173,7 @@ TRAIN_FLAGS=(--prompts $PROMPTS --num-prompts ${TRAIN_PROMPTS:-16384} --max-turn
   --max-prompt-tokens 768 --max-new-tokens 256 --gen-batch ${GEN_BATCH:-256} --eval-prompts 32
   --greedy-fraction ${TRAIN_GREEDY_FRACTION:-0.5} --anchor-region ${TRAIN_ANCHOR_REGION:-answer}
   --anchor-fill ${TRAIN_ANCHOR_FILL:-wrap} --length-groups ${TRAIN_LENGTH_GROUPS:-1}
+  --gen-temperature ${TRAIN_GEN_TEMPERATURE:-1.0} --gen-top-p ${TRAIN_GEN_TOP_P:-0.95}
   --num-layers ${DRAFTER_LAYERS:-3} --latent-dim ${DRAFTER_LATENT:-256} --target-layers ${TARGET_LAYERS:-1,7,14,21,27}
   --markov-rank 256 --tv-weight ${TRAIN_TV:-1.8} --ce-weight ${TRAIN_CE:-0.1} --kl-weight ${TRAIN_KL:-0}
   --position-decay 0.7788 --init ${DRAFTER_INIT:-scratch}
