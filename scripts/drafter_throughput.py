@@ -15,7 +15,9 @@ logits and their gradient one GEMM each; ``dedup``: ``joint`` plus the teacher's
 trainer's default); attention = sdpa | sdpa_cudnn | sdpa_cudnn_pad128 | eager (training/drafter_forward.py:
 sdpa without cuDNN's backend; sdpa_cudnn with it; sdpa_cudnn_pad128 with it over keys padded to 128, the trainer's);
 teacher = dense | paged; seq_bucket = the batch width's rounding (trainer.SEQ_BUCKET; 0 = the trainer's, 1 = the
-longest sequence exactly, as before the twenty-second session).
+longest sequence exactly, as before the twenty-second session); fill = wrap | mask and groups = G (train-drafter's
+``--anchor-fill`` / ``--length-groups``: a step's blocks are then its live ones, which ``block_positions_per_s``
+counts; the synthetic answers are 128-256 tokens, narrower than real ones, so it understates what they save).
 
 ``--profile``: after each ``--train`` configuration's timed steps, ``--profile-steps`` more steps under
 ``torch.profiler`` (CUDA kernels on the GPU; CPU ops with ``--tiny``): the kernel time per step grouped by where
@@ -107,12 +109,12 @@ def train_configs(specs: list[str]) -> list[dict]:
     out = []
     for spec in specs:
         c = {"bs": 16, "anchors": 128, "loss": "fused", "attention": TRAIN_ATTENTION, "teacher": "dense", "layers": 3,
-             "latent": 256, "targets": "1/7/14/21/27", "steps": 6, "seq_bucket": 0}
+             "latent": 256, "targets": "1/7/14/21/27", "steps": 6, "seq_bucket": 0, "fill": "wrap", "groups": 1}
         for kv in spec.split(","):
             k, v = kv.split("=")
             if k not in c:
                 raise ValueError(f"--train/--serve: unknown key {k!r} in {spec!r}; expected one of {sorted(c)}")
-            c[k] = v if k in ("loss", "attention", "teacher", "targets") else int(v)
+            c[k] = v if k in ("loss", "attention", "teacher", "targets", "fill") else int(v)
         out.append(c)
     return out
 
@@ -253,10 +255,13 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
         raise ValueError(f"--train: loss={cfg['loss']!r}: eager, or fused / kernel / torch with an optional "
                          "_rows / _joint / _dedup layout")
     real_tp = data_mod.teacher_pass
-    n_seq = data["tokens"].shape[0]
+    counts = trainer.candidate_counts(data["lens"], data["prompt_lens"])
+    live_blocks = []  # per timed step: the blocks with a loss (fill=mask) or the slots (wrap)
 
     def batch_of(step):
-        idx = torch.randint(n_seq, (cfg["bs"],), generator=torch.Generator().manual_seed(step))
+        idx = trainer.length_grouped_batch(counts, cfg["bs"], cfg["groups"], torch.Generator().manual_seed(step))
+        live_blocks.append(int(counts[idx].clamp(max=cfg["anchors"]).sum()) if cfg["fill"] == "mask"
+                           else cfg["bs"] * cfg["anchors"])
         trainer.teacher_pass = lambda tg, seq: real_tp(tg, seq, dense=dense)
         try:
             return trainer._batch(data, idx, device, target, bucket=cfg["seq_bucket"] or None)
@@ -266,7 +271,7 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
     def step(i):
         with torch.profiler.record_function("teacher_pass"):
             b = batch_of(i)
-        anchors = trainer.sample_anchors(b, cfg["anchors"], gen)
+        anchors = trainer.sample_anchors(b, cfg["anchors"], gen, cfg["fill"])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not tiny):
             loss, m = trainer.distillation_loss(params, dcfg, lm_head, b, anchors, 7, tc, fused=base != "eager",
                                                 attention=cfg["attention"],
@@ -287,7 +292,9 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
         step(i)
     sync()
     t0 = time.perf_counter()
+    live_blocks.clear()
     vecs = [step(100 + i) for i in range(cfg["steps"])]
+    blocks = sum(live_blocks[:cfg["steps"]]) / cfg["steps"]
     torch.stack(vecs).cpu()
     dt = (time.perf_counter() - t0) / cfg["steps"]
     prof_out = None
@@ -314,7 +321,7 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
         b = batch_of(200 + i)
     sync()
     tp = (time.perf_counter() - t1) / 3
-    pos = cfg["bs"] * cfg["anchors"] * 7
+    pos = blocks * 7  # block positions a step trains (live ones under fill=mask)
     out = {**cfg, "step_ms": round(dt * 1e3, 1), "steps_per_s": round(1 / dt, 2),
            "block_positions_per_s": round(pos / dt), "teacher_pass_ms": round(tp * 1e3, 1),
            "batch_tokens": int(b["tokens"].numel()), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not tiny else 0,

@@ -33,3 +33,23 @@ def test_profile_mode_groups_the_step_by_where_it_runs(tmp_path, monkeypatch):
     summary = res["profile_summary"]
     assert [r["loss"] for r in summary] == ["fused", "torch_dedup"]
     assert all(v == 0 for v in summary[0]["vs_first_ms"].values()) and "loss_row_passes" in summary[1]["vs_first_ms"]
+
+
+def test_masked_fill_and_length_groups_count_live_blocks(tmp_path, monkeypatch):
+    """fill=mask,groups=G (train-drafter's --anchor-fill / --length-groups): the step runs and its block positions
+    are the live ones -- fewer than the slots when the anchors outnumber every answer's positions."""
+    spec = importlib.util.spec_from_file_location("drafter_throughput", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = "bs=2,anchors=300,steps=1,layers=1,loss=fused"  # answers of 128-256 tokens: at most 255 anchors each
+    monkeypatch.setattr(sys, "argv", ["drafter_throughput.py", str(tmp_path), "--tiny", "--train-seqs", "4",
+                                      "--prompt-file", str(tmp_path / "none.jsonl.gz"), "--train", cfg,
+                                      f"{cfg},fill=mask,groups=2"])
+    assert mod.main() == 0
+    res = json.loads((tmp_path / "throughput.json").read_text())
+    wrap, mask = res["train_0"], res["train_1"]
+    assert (wrap["fill"], mask["fill"], mask["groups"]) == ("wrap", "mask", 2)
+    # block positions a step (the rates are rounded: within 3 %)
+    per_step = {k: r["block_positions_per_s"] / r["steps_per_s"] for k, r in (("wrap", wrap), ("mask", mask))}
+    assert abs(per_step["wrap"] / (2 * 300 * 7) - 1) < 0.03
+    assert 2 * 127 * 7 * 0.97 <= per_step["mask"] < 2 * 256 * 7 * 1.03
