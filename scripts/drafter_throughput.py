@@ -260,8 +260,7 @@ def measure_training(model_dir: Path, data: dict, cfg: dict, device, profile_ste
 
     def batch_of(step):
         idx = trainer.length_grouped_batch(counts, cfg["bs"], cfg["groups"], torch.Generator().manual_seed(step))
-        live_blocks.append(int(counts[idx].clamp(max=cfg["anchors"]).sum()) if cfg["fill"] == "mask"
-                           else cfg["bs"] * cfg["anchors"])
+        live_blocks.append(trainer.trained_blocks(counts, idx, cfg["anchors"], cfg["fill"]))
         trainer.teacher_pass = lambda tg, seq: real_tp(tg, seq, dense=dense)
         try:
             return trainer._batch(data, idx, device, target, bucket=cfg["seq_bucket"] or None)

@@ -537,10 +537,21 @@ ANCHOR_FILLS = ("wrap", "mask")
 ANCHOR_BUCKET = 32
 
 
+def anchor_starts(prompt_lens: torch.Tensor, anchor_region: str) -> torch.Tensor:
+    """Each sequence's first anchor candidate: its prompt length (``"answer"``), or 1 (``"all"``)."""
+    return torch.ones_like(prompt_lens) if anchor_region == "all" else prompt_lens
+
+
 def candidate_counts(lens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
     """Anchor positions of each sequence, ``[prompt_len, len - 2]`` (at least 1): what :func:`sample_anchors`
-    draws from (``prompt_lens`` 1 for ``anchor_region="all"``)."""
+    draws from (``prompt_lens`` as :func:`anchor_starts` gives them)."""
     return (lens - 2).clamp_min(prompt_lens) - prompt_lens + 1
+
+
+def trained_blocks(counts: torch.Tensor, idx: torch.Tensor, anchors: int, fill: str) -> int:
+    """The blocks a step on sequences ``idx`` trains: every slot under ``"wrap"``, each sequence's candidates up to
+    ``anchors`` under ``"mask"`` (its other slots have no loss)."""
+    return int(counts[idx].clamp(max=anchors).sum()) if fill == "mask" else idx.shape[0] * anchors
 
 
 def length_grouped_batch(counts: torch.Tensor, batch_seqs: int, groups: int, generator: torch.Generator
@@ -574,9 +585,7 @@ def _batch(data: dict[str, torch.Tensor], idx: torch.Tensor, device, target,
     :data:`SEQ_BUCKET`). ``anchor_region="all"``: the batch's ``prompt_lens`` are 1, so its anchors (and the loss's
     teacher grid, which starts where they do) cover the prompts too. ``cache``: the rows of the sequences it holds
     read from it instead (:class:`~.feature_cache.FeatureCache`; ``idx`` indexes ``data``'s sequences)."""
-    lens, prompt_lens = data["lens"][idx], data["prompt_lens"][idx]
-    if anchor_region == "all":
-        prompt_lens = torch.ones_like(prompt_lens)
+    lens, prompt_lens = data["lens"][idx], anchor_starts(data["prompt_lens"][idx], anchor_region)
     t = batch_width(int(lens.max()), data["tokens"].shape[1], bucket)
     tokens = data["tokens"][idx, :t].to(device).long()
     if cache is None:
@@ -841,8 +850,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
     bar = _progress(range(step0, tc.steps), progress, "train-drafter")
     n_seq = data["tokens"].shape[0]
     # each sequence's anchor candidates (host): the length groups' rank and the masked fill's block count
-    counts = candidate_counts(data["lens"], torch.ones_like(data["prompt_lens"]) if tc.anchor_region == "all"
-                              else data["prompt_lens"])
+    counts = candidate_counts(data["lens"], anchor_starts(data["prompt_lens"], tc.anchor_region))
     feature_cache = (FeatureCache(data["lens"], int(feature_cache_gib * GIB), device) if feature_cache_gib > 0
                      else None)
     t0 = last_log = time.time()
@@ -970,8 +978,7 @@ def _train_drafter(model_dir: str | Path, out_dir: Path, tc: TrainConfig, *, wor
             opt.found_inf = bad.float()
             opt.step()
             steps_run += 1
-            trained_positions += (int(counts[idx].clamp(max=tc.anchors).sum()) if tc.anchor_fill == "mask"
-                                  else tc.batch_seqs * tc.anchors) * tc.draft_len
+            trained_positions += trained_blocks(counts, idx, tc.anchors, tc.anchor_fill) * tc.draft_len
             pending.append((step, torch.cat([metrics_vector(metrics), metrics["nonfinite"],
                                              torch.stack([grad_norm.detach().float(), bad.float()])])))
             # The metrics stay on the device until a log line or a checkpoint needs them: one copy for many steps

@@ -111,20 +111,26 @@ def tiny_target(tmp_path_factory):
     return d
 
 
+def _tiny_drafter(model_dir, **knobs):
+    """``(trainer module, TrainConfig, drafter config, target, LM head, weights)`` of a 1-layer drafter on the tiny
+    target: the embedding init with a random Markov ``W2`` (so the bias term is not zero)."""
+    from tensorrt_llm_ext.training import trainer
+
+    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
+                             draft_len=3, batch_seqs=2, anchors=8, **knobs)
+    dcfg, layers = trainer.drafter_config(model_dir, tc)
+    target = trainer.load_target(model_dir, layers, torch.device("cpu"), torch.float32)
+    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
+    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    return trainer, tc, dcfg, target, target.lm_head.weight.detach(), init
+
+
 def test_trainer_loss_is_the_same_in_every_layout(tiny_target, monkeypatch):
     """distillation_loss on a batch whose anchors wrap (each teacher position read by several block rows): the
     loss, the metrics and every trainable gradient agree between the eager objective and the chunked layouts
     (rows, joint, dedup; dedup with the row kernel under the interpreter too); TLLM_EXT_LOSS_LAYOUT picks the
     default and a bad one is refused."""
-    from tensorrt_llm_ext.training import trainer
-
-    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
-                             draft_len=3, batch_seqs=2, anchors=8, kl_weight=0.3)
-    dcfg, layers = trainer.drafter_config(tiny_target, tc)
-    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
-    head = target.lm_head.weight.detach()
-    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
-    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    trainer, tc, dcfg, target, head, init = _tiny_drafter(tiny_target, kl_weight=0.3)
     params = {n: t.requires_grad_(n not in trainer.FROZEN) for n, t in init.items()}
     trainable = [p for n, p in params.items() if p.requires_grad]
     g = torch.Generator().manual_seed(0)
@@ -178,15 +184,7 @@ def test_masked_anchor_slots_add_no_loss(tiny_target, layout):
     with the confidence term off, is the two sequences' own losses weighted by their valid position weights, each
     sequence trained alone on exactly its drawn anchors -- and a wrong filler (len - 2, whose first block position
     has a teacher) would change it."""
-    from tensorrt_llm_ext.training import trainer
-
-    tc = trainer.TrainConfig(num_layers=1, num_heads=2, head_dim=8, latent_dim=8, intermediate_size=16, markov_rank=4,
-                             draft_len=3, batch_seqs=2, anchors=8, confidence_weight=0.0)
-    dcfg, layers = trainer.drafter_config(tiny_target, tc)
-    target = trainer.load_target(tiny_target, layers, torch.device("cpu"), torch.float32)
-    head = target.lm_head.weight.detach()
-    init = trainer.initial_weights(dcfg, {"embed_tokens.weight": target.embed_tokens.weight.detach()}, 1, "embedding")
-    init["markov_w2"] = torch.randn(init["markov_w2"].shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    trainer, tc, dcfg, target, head, init = _tiny_drafter(tiny_target, confidence_weight=0.0)
     g = torch.Generator().manual_seed(0)
     data = {"tokens": torch.randint(0, 500, (2, 16), generator=g, dtype=torch.int32), "lens": torch.tensor([16, 11]),
             "prompt_lens": torch.tensor([4, 5])}  # 11 and 5 candidates: the second sequence fills 3 of 8 slots
