@@ -188,7 +188,10 @@ class SpeculativeConfig(_Strict):
     # draft heads are vocab-parallel; on: an error at load otherwise) or on gathered logits (off).
     vocab_sharded_verification: Literal["auto", "on", "off"] = "auto"
     load_format: StrictStr | None = no_effect(None, "drafter weights are read from safetensors")
-    max_concurrency: StrictInt | None = no_effect(None, "speculation is never switched off by batch size")
+    # TensorRT-LLM's dynamic speculation: a plan with more requests in flight (decoding or in their prefill) than
+    # this decodes target-only, one with at most this many speculatively (runtime/scheduler.py, "Speculation by
+    # batch size"). None: always speculative.
+    max_concurrency: StrictInt | None = Field(None, ge=1)
     # The speculation gate (runtime/speculation_gate.py, TensorRT-LLM's names): once the mean accepted drafts per
     # step of the last `acceptance_window` finished requests falls below `acceptance_length_threshold`, the rest of
     # the process decodes target-only. Both or neither (None, or a window of 0 without a threshold: off).

@@ -495,22 +495,25 @@ class Engine:
         return self.collect_prefill(self.launch_prefill(slots, requests, mode, starts))
 
     def launch_prefill(self, slots: list[int], requests: list[Request], mode: str = "speculative",
-                       starts: list[int] | None = None) -> LaunchedPrefill:
+                       starts: list[int] | None = None, prompt_lens: list[int] | None = None) -> LaunchedPrefill:
         """Enqueue :meth:`prefill_slots`' prefill and the copy of its first tokens (and first block's confidences)
         into host buffers; returns without waiting for the device on CUDA. The overlap scheduler reads them a
         plan later (:meth:`collect_prefill`), so the host goes on launching while the device runs the step before
         the prefill, the prefill and the step after it. The slots' next step may be launched before the collect:
         it reads their first tokens and drafts on the device. The prefill's logits (:meth:`prefill_logprobs`) stay
-        valid only until the next launch."""
+        valid only until the next launch. ``prompt_lens``: where each request's own prompt ends in its
+        ``prompt_ids`` (a speculative prefill resuming a request: :meth:`DSparkWorker.launch_prefill_batch`)."""
         worker = self.worker(_path(mode))
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
         worker.keep_prefill_hidden = any(r.prompt_logprobs is not None for r in requests)
         confidences = None
         if mode in NON_SPECULATIVE:
+            if prompt_lens is not None:
+                raise ValueError(f"Engine.launch_prefill: prompt_lens resumes speculation; not in mode {mode!r}")
             tokens = self._decoder(mode).launch_prefill_batch(list(slots), prompts, params, starts=starts)
         else:
-            tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts)
+            tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts, prompt_lens=prompt_lens)
             if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
                 # copied now: the next step rewrites the buffer
                 confidences = _copy_to_host(worker.draft_confidences[:len(slots)])
@@ -704,6 +707,13 @@ class Engine:
                                                [list(r.prompt_ids) for r in requests], [list(o) for o in outputs])
         for slot in slots:
             self._pending_confidences.pop(slot, None)
+
+    def hand_over_prefilled_to_target_only(self, slots: list[int], requests: list[Request]) -> None:
+        """``slots``' speculative prefill was just launched (its latents stored, so that their speculation can
+        resume later) and they decode target-only from their first token on (:meth:`ReferenceDecoder.take_over_prefill`:
+        stream-ordered, nothing read back)."""
+        self._decoder("target_only").take_over_prefill(list(slots), [r.sampling for r in requests],
+                                                       [list(r.prompt_ids) for r in requests])
 
     def release_slot(self, slot: int) -> None:
         """Free ``slot``'s pages and return it to the pool (a finished or cancelled request)."""

@@ -19,6 +19,7 @@ import math
 import sys
 from dataclasses import asdict, replace
 
+from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.argtypes import output_dir_error, output_file_error
 from tensorrt_llm_ext.runtime import launch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
@@ -171,6 +172,12 @@ def main_generate(args: argparse.Namespace) -> int:
         requests += [replace(r, sampling=replace(r.sampling, temperature=0.0), request_id=n + i)
                      for i, r in enumerate(requests)]
         greedy += [True] * n
+    if args.check and cfg.speculative_config.max_concurrency is not None:
+        # the check compares the speculative step with its references plan for plan; a run that decodes part of
+        # its plans target-only (max_concurrency) has no such twin, and its switching is tested in CI instead
+        logger.info(f"generate --check: speculative_config.max_concurrency="
+                    f"{cfg.speculative_config.max_concurrency} not applied (every step of the checked run speculates)")
+        cfg = cfg.with_overrides(**{"speculative_config.max_concurrency": None})
     tp = cfg.tensor_parallel_size
     # At tp 1 nothing is sharded, nor on a CPU running the stock torch ops (they always gather): the gathered
     # path is then the speculative path itself, so it is not compared.

@@ -58,6 +58,8 @@ tokens, so every TP rank pipelines the same way.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -119,6 +121,7 @@ class StepStats:
     prefill_tokens: int = 0  # prompt tokens prefilled (chunks included, padding not)
     prefix_cache_queries: int = 0  # prompt tokens of this plan's admissions looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens cached (not prefilled)
+    resumed: int = 0  # requests whose speculation resumed (their prefill of what they decoded target-only is done)
 
 
 @dataclass
@@ -154,6 +157,10 @@ class _Live:
     stops: frozenset[int] = frozenset()  # the ids that end it (Engine.stop_ids), built once: read every step
     spec_steps: int = 0  # speculative steps it took, and the tokens they accepted (the speculation gate's record)
     spec_accepted: int = 0
+    # Decoding target-only: the first position of its sequence (prompt + tokens out) whose drafter latent no step
+    # stored -- its speculation resumes by prefilling from there (Scheduler._resume); None: it decodes speculatively.
+    latents_end: int | None = None
+    resuming: bool = False  # its next token comes from the prefill that resumes its speculation
 
 
 @dataclass
@@ -166,6 +173,9 @@ class _Prefilling:
     cached: int = 0  # of those, mapped from the prefix cache (done == cached: its prefill has not begun)
     prompt_lps: list | None = None  # with Request.prompt_logprobs: those of the chunks run so far
     matched_at: int | None = None  # PageAllocator.registrations when its prompt was last matched to the cache
+    # A running request resuming speculation: ``request`` is it with its tokens out appended to the prompt,
+    # ``done`` its latents' end; its prefill's token is its next one (Scheduler._resume).
+    resumed: _Live | None = None
 
     @property
     def left(self) -> int:
@@ -192,15 +202,29 @@ class Scheduler:
         # (2.4 ms per plan for 30k tokens, more than a step). Its admission still validates it once more.
         self._valid: dict[int, Request] = {}
         self.gate = speculation_gate(engine, mode)
-        self._handed_over = False  # the running requests moved to the target-only decode once the gate closed
-        if self.gate is not None and engine.use_cuda_graph:
-            engine.runner("target_only")  # captured now (every rank alike), not mid-serving when the gate closes
+        # Speculation by batch size (speculative_config.max_concurrency; the serving speculative mode only, as the
+        # gate): the running requests decode target-only while more requests are in flight than it says.
+        self.max_concurrency = engine.config.speculative_config.max_concurrency if mode == "speculative" else None
+        self._decoding = mode  # the decode the running requests are in now
+        self.mode_switches = 0  # hand-overs between the speculative and the target-only decode
+        if (self.gate is not None or self.max_concurrency is not None) and engine.use_cuda_graph:
+            engine.runner("target_only")  # captured now (every rank alike), not mid-serving at the first switch
 
     @property
     def step_mode(self) -> str:
-        """The mode this plan decodes and prefills in: the configured one, or the target-only decode once the
-        speculation gate has closed."""
-        return "target_only" if self.gate is not None and self.gate.closed else self.mode
+        """The mode this plan decodes in: the configured one; the target-only decode once the speculation gate has
+        closed (from the plan that closed it: the running requests are handed over at the next), or while more
+        requests are in flight than ``max_concurrency``."""
+        return "target_only" if self.gate is not None and self.gate.closed else self._decoding
+
+    @property
+    def prefill_mode(self) -> str:
+        """The mode admissions prefill in (and whose cached prefixes they reuse): the decode's, but speculative
+        whenever speculation may resume (``max_concurrency``, the gate open) -- a prompt prefilled while the batch
+        decodes target-only stores its drafter latents too, and its pages serve speculative prompts."""
+        if self.max_concurrency is not None and not (self.gate is not None and self.gate.closed):
+            return self.mode
+        return self._decoding
 
     @property
     def in_flight(self) -> bool:
@@ -251,7 +275,7 @@ class Scheduler:
     def admission_pages(self, request: Request, leaving=()) -> int:
         """Free pages ``request`` takes at admission now (its cached prefix pages that others hold are not taken:
         block reuse), with the slots ``leaving`` gone first; 0 for one that fails validation."""
-        return self.engine.admission_pages(request, self.step_mode, leaving) if self._passes(request) else 0
+        return self.engine.admission_pages(request, self.prefill_mode, leaving) if self._passes(request) else 0
 
     def pages_for(self, request: Request) -> int:
         """Pages ``request`` takes at admission; 0 for one that fails validation (its admission reports the
@@ -291,8 +315,7 @@ class Scheduler:
             refused = self._admit(handle, request)
             if refused is not None:
                 events.append(refused)
-        if self.gate is not None and self.gate.closed and not self._handed_over:
-            events.extend(self._hand_over(stats))
+        events.extend(self._switch(stats))
         if self.overlap and plan.run and self._live and self._prefilling:
             # Requests are decoding and others wait for their prefill: launch the decode step first, so the device
             # runs it while the host launches the prefill; the prefilled requests join the next step.
@@ -312,19 +335,66 @@ class Scheduler:
         stats.prefix_cache_queries, stats.prefix_cache_hits = pages.prefix_queries - queries, pages.prefix_hits - hits
         return events, stats
 
-    def _hand_over(self, stats: StepStats) -> list[Event]:
-        """The gate has closed: the running requests continue in the target-only decode. A step in flight is
-        collected first (its tokens are in every request's history before the decode takes it over), then the
-        engine moves each live slot's state (:meth:`Engine.hand_over_to_target_only`); requests still in their
-        prefill finish it target-only."""
-        events = self._collect_firsts(stats, lambda p: True)  # every request's tokens so far are out first
+    def _wanted_decode(self) -> str:
+        """The decode this plan's requests should be in: target-only for good once the gate has closed; with
+        ``max_concurrency``, target-only while more requests are in flight (decoding or in their prefill: the
+        plan's admissions counted) than it says, TensorRT-LLM's rule; else the configured mode."""
+        if self.gate is not None and self.gate.closed:
+            return "target_only"
+        if self.max_concurrency is not None and self.num_active > self.max_concurrency:
+            return "target_only"
+        return self.mode
+
+    def _switch(self, stats: StepStats) -> list[Event]:
+        """Move the running requests to the decode :meth:`_wanted_decode` names, if they are not in it. A step in
+        flight and the prefills not read back are collected first (their tokens are in every request's history
+        before the other decode takes it over). The decision reads only the plans and the tokens: every TP rank
+        switches at the same plan."""
+        want = self._wanted_decode()
+        if want == self._decoding:
+            return []
+        events = self._collect_firsts(stats, lambda p: True)
         if self._in_flight is not None:
             events += self._collect(self._take_in_flight(), stats)
+        if want == "target_only":
+            self._hand_over()
+        else:
+            self._resume()
+        logger.log(logging.INFO if self.mode_switches == 0 else logging.DEBUG,
+                   f"scheduler: {self.num_active} request(s) in flight, max_concurrency {self.max_concurrency}: the "
+                   f"running ones decode {'speculatively' if want == self.mode else 'target-only'} from here"
+                   if self.gate is None or not self.gate.closed else
+                   "scheduler: the speculation gate closed: the running requests decode target-only from here")
+        self._decoding = want
+        self.mode_switches += 1
+        return events
+
+    def _hand_over(self) -> None:
+        """The running requests continue in the target-only decode: the engine moves each live slot's state
+        (:meth:`Engine.hand_over_to_target_only`); requests in their prefill finish it in :attr:`prefill_mode`.
+        Each keeps where its stored drafter latents end (its last token's position)."""
         lives = list(self._live.values())
         self.engine.hand_over_to_target_only([live.slot for live in lives], [live.request for live in lives],
                                              [live.out for live in lives])
-        self._handed_over = True
-        return events
+        for live in lives:
+            live.latents_end = len(live.request.prompt_ids) + live.num_out - 1
+
+    def _resume(self) -> None:
+        """The running requests (decoding target-only) resume speculation: each prefills again, speculatively, the
+        positions from where its stored drafter latents end to its last token -- the request with its tokens out
+        appended to its prompt, their K / V rewritten with the latents -- and that prefill's token is its next one,
+        sampled as the target-only decode would (the same position, seed and counts). They go before the
+        admissions waiting for their prefill, and chunked prefill spreads them as it does prompts. Their pages
+        are their own: a cached prefix they share ends before their prompt's last token, where the latents do not."""
+        resumed = {}
+        for h, live in self._live.items():
+            assert live.latents_end is not None and not live.first_pending, (h, live.latents_end)
+            seq = list(live.request.prompt_ids) + live.out
+            live.resuming = True
+            resumed[h] = _Prefilling(dataclasses.replace(live.request, prompt_ids=seq), live.slot,
+                                     done=live.latents_end, cached=0, resumed=live)
+        self._live.clear()
+        self._prefilling = {**resumed, **self._prefilling}
 
     def _rows_live(self, fl: _InFlight) -> list[_Live | None]:
         """Per row of ``fl``: its request while still live, else None -- by identity, not handle: a handle that
@@ -358,7 +428,7 @@ class Scheduler:
         # A request the pending step may end by max_new_tokens sits this launch out (see the module docstring); so
         # does one whose first token, not read back yet, is its last.
         handles = [h for h, live in self._live.items()
-                   if (live.request.max_new_tokens > 1 if live.first_pending else
+                   if (live.num_out + 1 < live.request.max_new_tokens if live.first_pending else
                        h not in pending or live.num_out + self._step_tokens < live.request.max_new_tokens)]
         events: list[Event] = []
         cur = None
@@ -413,8 +483,7 @@ class Scheduler:
             for h, live, first, kept in zip(p.handles, p.lives, firsts, live_rows):
                 if kept:
                     live.first_pending = False
-                    stats.num_prefills += 1
-                    events.append(self._append(h, live, [first], None))
+                    events.append(self._first_token(h, live, first, stats))
         self._pending_firsts = keep
         return events
 
@@ -452,7 +521,7 @@ class Scheduler:
             return Event(handle, [], "error", f"request {handle}: no free slot (the plan over-admitted)")
         slot = self.engine.slots.acquire()
         try:
-            cached = self.engine.reserve(slot, request, self.step_mode)
+            cached = self.engine.reserve(slot, request, self.prefill_mode)
         except BaseException:
             self.engine.slots.release(slot)
             raise
@@ -525,14 +594,14 @@ class Scheduler:
         for p in self._prefilling.values():
             if p.done == p.cached and p.left > 1 and p.prompt_lps is None and p.matched_at != pages.registrations:
                 # never below its start: a partly reused page (partial reuse) is not a whole cached one
-                p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.step_mode))
+                p.done = p.cached = max(p.done, self.engine.rematch_prefix(p.slot, p.request, self.prefill_mode))
                 p.matched_at = pages.registrations
 
     def _prefill_chunk(self, handle: int, p: _Prefilling, n: int, stats: StepStats, events: list[Event]) -> None:
         """The next ``n`` prompt positions of ``p`` (no token); a request-level error fails it into ``events``."""
         t0 = time.perf_counter()
         try:
-            mode = self.step_mode
+            mode = self.prefill_mode
             self.engine.prefill_chunk(p.slot, p.request, p.done, p.done + n, mode)
             if p.prompt_lps is not None:
                 p.prompt_lps.extend(self.engine.prompt_logprobs(p.request, 0, p.done, p.done + n, mode))
@@ -553,10 +622,16 @@ class Scheduler:
         held = [self._prefilling[h] for h in group]
         reqs = [p.request for p in held]
         t0 = time.perf_counter()
-        mode = self.step_mode
+        mode = self.prefill_mode
         defer = defer and all(r.logprobs is None and p.prompt_lps is None for r, p in zip(reqs, held))
+        resumed = [p.resumed for p in held]
         try:
-            launched = self.engine.launch_prefill([p.slot for p in held], reqs, mode, starts=[p.done for p in held])
+            prompt_lens = ([len(r.request.prompt_ids) if r else len(p.request.prompt_ids) for r, p in zip(resumed, held)]
+                           if any(resumed) else None)
+            launched = self.engine.launch_prefill([p.slot for p in held], reqs, mode, starts=[p.done for p in held],
+                                                  prompt_lens=prompt_lens)
+            if mode != self._decoding:  # speculation may resume later: prefilled speculatively, decoded target-only
+                self.engine.hand_over_prefilled_to_target_only([p.slot for p in held], reqs)
             if not defer:
                 firsts = self.engine.collect_prefill(launched)
                 lps = [[self.engine.prefill_logprobs(r, tok, mode, row)] if r.logprobs is not None else None
@@ -575,20 +650,36 @@ class Scheduler:
         for row, (h, p) in enumerate(zip(group, held)):
             self.engine.register_prefix(p.slot, p.request, mode)
             del self._prefilling[h]
-            # the tokens out are kept for block reuse, and for the hand-over to the target-only decode
-            keep = self.engine.pages.enable_block_reuse or (self.gate is not None and not self.gate.closed)
-            live = self._live[h] = _Live(p.request, p.slot, first_pending=defer, out=[] if keep else None,
-                                         stops=self.engine.stop_ids(p.request))
+            if p.resumed is not None:
+                live = self._live[h] = p.resumed
+                live.first_pending = defer
+            else:
+                # the tokens out are kept for block reuse, and for the hand-overs between the decodes
+                keep = (self.engine.pages.enable_block_reuse or self.max_concurrency is not None
+                        or (self.gate is not None and not self.gate.closed))
+                live = self._live[h] = _Live(p.request, p.slot, first_pending=defer, out=[] if keep else None,
+                                             stops=self.engine.stop_ids(p.request))
+            # decoding target-only from here: the latents end at its new token's position
+            live.latents_end = len(p.request.prompt_ids) if mode != self._decoding else None
             lives.append(live)
             if not defer:
-                stats.num_prefills += 1
-                events.append(self._append(h, live, [firsts[row]], None, lps[row]))
+                events.append(self._first_token(h, live, firsts[row], stats, lps[row]))
                 events[-1].prompt_logprobs = prompt_lps[row]
         if defer:
             stats.deferred_prefills += len(group)
             self._launches += 1
             self._pending_firsts.append(_PendingFirsts(launched, list(group), lives, self._launches, self._plans))
         return events
+
+    def _first_token(self, handle: int, live: _Live, token: int, stats: StepStats, logprobs=None) -> Event:
+        """The token of ``live``'s prefill: its first (no step accepted it; a prefill in ``stats``), or for a
+        request resuming speculation its next, one token as a target-only step's (``stats.resumed``)."""
+        if live.resuming:
+            live.resuming = False
+            stats.resumed += 1
+            return self._append(handle, live, [token], 1, logprobs)
+        stats.num_prefills += 1
+        return self._append(handle, live, [token], None, logprobs)
 
     def _refuse_prefill(self, handle: int, error: Exception) -> Event:
         p = self._prefilling.pop(handle)
@@ -661,7 +752,10 @@ class Scheduler:
         if reason is not None:
             del self._live[handle]
             if live.out is not None and self.engine.pages.enable_block_reuse:  # its pages serve a next turn
-                self.engine.register_prefix(live.slot, live.request, self.step_mode, live.out)
+                out, mode = live.out, self.prefill_mode
+                if live.latents_end is not None and mode not in NON_SPECULATIVE:  # pages with every latent only
+                    out = out[:live.latents_end + 1 - len(live.request.prompt_ids)]
+                self.engine.register_prefix(live.slot, live.request, mode, out)
             self.engine.release_slot(live.slot)
             if self.gate is not None:
                 self.gate.record(live.spec_accepted, live.spec_steps, handle)

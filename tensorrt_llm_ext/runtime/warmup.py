@@ -122,10 +122,13 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     vocab = engine.vocab_size
     new = _new_tokens(engine)
     free_slots, free_pages = engine.slots.num_free, engine.pages.num_free
-    # With a speculation gate the served traffic may also decode target-only (after the gate closes): that decode's
-    # admissions are warmed too. The warm-up's own schedulers run without a gate: its requests' acceptance (random
+    # With a speculation gate or max_concurrency the served traffic may also decode target-only: that decode's
+    # admissions are warmed too (with max_concurrency the speculative rounds wider than it switch between the two
+    # decodes, as served). The warm-up's own schedulers run without a gate: its requests' acceptance (random
     # prompts) says nothing of the served traffic's, and its verdict would only be a misleading log line.
-    modes = [mode] + (["target_only"] if speculation_gate(engine, mode) is not None else [])
+    switches = (speculation_gate(engine, mode) is not None
+                or (mode == "speculative" and engine.config.speculative_config.max_concurrency is not None))
+    modes = [mode] + (["target_only"] if switches else [])
     for (kind, rows, length, extra), run_mode in [(r, m) for m in modes for r in rounds]:
         scheduler = Scheduler(engine, mode=run_mode, overlap=overlap)
         scheduler.gate = None

@@ -53,7 +53,7 @@ from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.contract import (DraftBlockPlacement, DrafterBlockInputs, DraftModel, DSparkState,
                                        PagedLatentCache, SamplingParams, TargetModel, TargetOutput)
-from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors, record_generated
 from tensorrt_llm_ext.speculative.markov_chain import MarkovChain
 from tensorrt_llm_ext.speculative.markov_exactness import resolve_markov_mode
 from tensorrt_llm_ext.speculative.metadata import SpecMetadata
@@ -399,7 +399,8 @@ class DSparkWorker(SpecWorkerBase):
         return self.launch_prefill_batch(slots, prompts, params, speculative, starts).tolist()
 
     def launch_prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
-                             speculative: bool = True, starts: list[int] | None = None) -> torch.Tensor:
+                             speculative: bool = True, starts: list[int] | None = None,
+                             prompt_lens: list[int] | None = None) -> torch.Tensor:
         """Context phase of several requests in ONE target forward, enqueued: their first generated tokens
         (``[R]`` int64 on the device; nothing waits for the device).
 
@@ -414,7 +415,10 @@ class DSparkWorker(SpecWorkerBase):
         latent ``n_r-1`` is stored in a second store, and ONE block decode drafting every row's first block.
         ``speculative=False``: the context phase only, the first tokens and nothing drafted. ``params``: each
         request's :class:`SamplingParams` (checked where the request entered), assigned to its slot
-        (:class:`SlotSampling`): temperature, seed, top-p set and logits processing.
+        (:class:`SlotSampling`): temperature, seed, top-p set and logits processing. ``prompt_lens[r]``: where
+        row ``r``'s own prompt ends when ``prompts[r]`` also holds tokens it generated (a request resuming
+        speculation re-prefills what it decoded target-only): the logits processing counts those as generated
+        (presence / frequency penalties read them); default: all prompt.
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
@@ -445,10 +449,13 @@ class DSparkWorker(SpecWorkerBase):
         slots_l, lens_t, starts_t, last_t = block[:4 * r].view(4, r)
         ids = block[4 * r:].view(r, t)
         slots_t = slots_l.int()
+        own = prompts if prompt_lens is None else [p[:k] for p, k in zip(prompts, prompt_lens)]
         try:
-            temps, seeds, top_p = self.slot_sampling.assign(slots, list(params), prompts, idx=slots_l)
+            temps, seeds, top_p = self.slot_sampling.assign(slots, list(params), own, idx=slots_l)
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}: {e}") from None
+        if prompt_lens is not None and self.processors.counting(slots):
+            record_generated(self.processors, slots, slots_l, [p[k:] for p, k in zip(prompts, prompt_lens)])
         process = None
         if self.processors.active(slots):
             def process(logits, temps):

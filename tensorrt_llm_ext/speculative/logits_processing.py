@@ -238,6 +238,19 @@ class SlotLogitsProcessors:
         counts.view(-1).scatter_add_(0, flat.view(-1), keep.view(-1).to(torch.int32))
 
 
+def record_generated(processors: SlotLogitsProcessors, slots: list[int], row_slots: torch.Tensor,
+                     generated: list[list[int]]) -> None:
+    """Count each slot's tokens generated so far (host lists; ``row_slots``: ``slots`` on the device) in its
+    processing state: what a slot taking over a request mid-stream starts from (a hand-over between the decodes)."""
+    width = max(1, max(len(g) for g in generated))
+    toks = torch.zeros(len(slots), width, dtype=torch.int64)
+    for row, g in enumerate(generated):
+        toks[row, :len(g)] = torch.tensor(g, dtype=torch.int64)
+    dev = row_slots.device
+    processors.record(slots, row_slots, host_to_device(toks, torch.int64, dev),
+                      host_to_device([len(g) for g in generated], torch.int32, dev))
+
+
 def _neutral_fields(f: SamplingParams) -> bool:
     """Whether ``f``'s processing fields are the tables' identity values (what a fresh slot holds)."""
     return f.top_k == 0 and f.min_p == 0 and not f.uses_counts and not f.logit_bias

@@ -23,7 +23,7 @@ import torch
 
 from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.kernels.common import host_to_device
-from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
+from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors, record_generated
 from tensorrt_llm_ext.speculative.dspark_worker import DSparkWorker
 from tensorrt_llm_ext.speculative.vocab_parallel import TARGET_SALT
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
@@ -63,8 +63,16 @@ class ReferenceDecoder:
                              starts: list[int] | None = None) -> torch.Tensor:
         """:meth:`prefill_batch` enqueued: the first tokens ``[R]`` int64 on the device, nothing waited for.
         ``starts``: as :meth:`DSparkWorker.launch_prefill_batch` (positions already written by ``prefill_chunk``)."""
+        toks = self.worker.launch_prefill_batch(slots, prompts, params, speculative=False, starts=starts)
+        self.take_over_prefill(slots, params, prompts)
+        return toks
+
+    def take_over_prefill(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
+        """Continue ``slots`` -- their worker prefill just launched (``worker.prefill_rows``; a speculative one too:
+        its drafts and latents are simply not read here) -- in this decode: the first token's position and id from
+        the prefill's device rows, and where this decode keeps its own logits processing, the requests' fields and
+        the first token counted. Stream-ordered behind the prefill; nothing read back."""
         w, st = self.worker, self.worker.state
-        toks = w.launch_prefill_batch(slots, prompts, params, speculative=False, starts=starts)
         slots_l, lens, tok = w.prefill_rows  # the worker's device copies of this admission's rows
         if self.processors is not w.processors:
             self.processors.assign(slots, list(params), prompts, idx=slots_l)
@@ -73,7 +81,6 @@ class ReferenceDecoder:
                                        torch.ones(len(slots), dtype=torch.int32, device=w.device))
         st.ref_lens[slots_l] = lens.to(st.ref_lens.dtype)
         st.slot_tokens[slots_l, 0] = tok.to(st.slot_tokens.dtype)
-        return toks
 
     def take_over(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]],
                   outputs: list[list[int]]) -> None:
@@ -91,12 +98,7 @@ class ReferenceDecoder:
         if self.processors is w.processors:
             return
         self.processors.assign(slots, list(params), prompts)
-        width = max(1, max(len(o) for o in outputs))
-        toks = torch.zeros(len(slots), width, dtype=torch.int64)
-        for row, out in enumerate(outputs):
-            toks[row, :len(out)] = torch.tensor(out, dtype=torch.int64)
-        self.processors.record(slots, slots_l, host_to_device(toks, torch.int64, w.device),
-                               host_to_device([len(o) for o in outputs], torch.int32, w.device))
+        record_generated(self.processors, slots, slots_l, outputs)
 
     def step(self, batch_size: int) -> torch.Tensor:
         """One non-speculative decode step over the worker's rows ``[0, B)``: ``[B]`` int64 next tokens

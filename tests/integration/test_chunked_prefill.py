@@ -24,9 +24,9 @@ def test_chunked_prefill_equals_unchunked():
     calls = []  # per prefill call: its tokens (rows x columns, padding included)
     orig_rows, orig_chunk = chunked.launch_prefill, chunked.prefill_chunk
 
-    def rows(slots, requests, mode="speculative", starts=None):
+    def rows(slots, requests, mode="speculative", starts=None, **kw):
         calls.append(len(slots) * max(len(r.prompt_ids) - s for r, s in zip(requests, starts or [0] * len(slots))))
-        return orig_rows(slots, requests, mode, starts)
+        return orig_rows(slots, requests, mode, starts, **kw)
 
     def chunk(slot, request, start, end, mode="speculative"):
         calls.append(end - start)

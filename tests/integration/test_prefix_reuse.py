@@ -159,9 +159,9 @@ def test_reused_prefixes_give_the_tokens_of_whole_prefills(chunked):
     prefilled = []
     orig = reuse.launch_prefill
 
-    def rows(slots, requests, mode="speculative", starts=None):
+    def rows(slots, requests, mode="speculative", starts=None, **kw):
         prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
-        return orig(slots, requests, mode, starts)
+        return orig(slots, requests, mode, starts, **kw)
 
     reuse.launch_prefill = rows
     for mode, sampled in (("speculative", False), ("target_only", False), ("speculative", True),
@@ -365,9 +365,9 @@ def test_one_prompt_admitted_together_prefills_its_shared_pages_once(chunked):
     prefilled = []
     orig_rows, orig_chunk = reuse.launch_prefill, reuse.prefill_chunk
 
-    def rows(slots, requests, mode="speculative", starts=None):
+    def rows(slots, requests, mode="speculative", starts=None, **kw):
         prefilled.extend(len(r.prompt_ids) - s for r, s in zip(requests, starts))
-        return orig_rows(slots, requests, mode, starts)
+        return orig_rows(slots, requests, mode, starts, **kw)
 
     def chunk(slot, request, start, end, mode="speculative"):
         prefilled.append(end - start)

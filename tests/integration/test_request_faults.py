@@ -94,8 +94,8 @@ class _Refusing:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def launch_prefill(self, slots, requests, mode="speculative", starts=None):
-        launched = self._engine.launch_prefill(slots, requests, mode, starts)  # part way: the slots' state is written
+    def launch_prefill(self, slots, requests, mode="speculative", starts=None, **kw):
+        launched = self._engine.launch_prefill(slots, requests, mode, starts, **kw)  # part way: the slots' state is written
         if any(list(r.prompt_ids) == self._prompt for r in requests):
             raise ValueError("top_p: expected values in (0, 1], got [0.0]")
         return launched
@@ -184,8 +184,8 @@ class _Raising(_Refusing):
         super().__init__(engine)
         self._exc = exc
 
-    def launch_prefill(self, slots, requests, mode="speculative", starts=None):
-        launched = self._engine.launch_prefill(slots, requests, mode, starts)
+    def launch_prefill(self, slots, requests, mode="speculative", starts=None, **kw):
+        launched = self._engine.launch_prefill(slots, requests, mode, starts, **kw)
         if any(list(r.prompt_ids) == B["prompt_ids"] for r in requests):
             raise self._exc
         return launched

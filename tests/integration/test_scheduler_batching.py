@@ -58,11 +58,11 @@ class _Recorder:
         self.calls: list[tuple[str, int, int]] = []  # (kind, rows, tokens incl. padding)
         real_slots, real_chunk = engine.launch_prefill, engine.prefill_chunk
 
-        def launch_prefill(slots, requests, mode="speculative", starts=None):
+        def launch_prefill(slots, requests, mode="speculative", starts=None, **kw):
             starts = starts or [0] * len(slots)
             width = max(len(r.prompt_ids) - s for r, s in zip(requests, starts))
             self.calls.append(("prefill", len(slots), len(slots) * width))
-            return real_slots(slots, requests, mode, starts)
+            return real_slots(slots, requests, mode, starts, **kw)
 
         def prefill_chunk(slot, request, start, end, mode="speculative"):
             self.calls.append(("chunk", 1, end - start))

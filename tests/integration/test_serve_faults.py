@@ -82,10 +82,10 @@ def test_a_request_the_engine_refuses_is_a_400_with_its_message(server):
     engine = server.engine
     real = engine.launch_prefill
 
-    def refusing(slots, requests, mode="speculative", starts=None):
+    def refusing(slots, requests, mode="speculative", starts=None, **kw):
         if any(list(r.prompt_ids) == [4, 4, 4] for r in requests):
             raise ValueError("top_p: expected values in (0, 1], got [0.0]")
-        return real(slots, requests, mode, starts)
+        return real(slots, requests, mode, starts, **kw)
 
     engine.launch_prefill = refusing
     try:

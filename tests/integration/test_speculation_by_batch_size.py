@@ -1,0 +1,231 @@
+"""Speculation by batch size (``speculative_config.max_concurrency``, TensorRT-LLM's rule): a plan with more requests
+in flight than it says decodes target-only, one with at most that many speculatively. The running requests are
+handed between the two decodes mid-stream: to the target-only decode as the speculation gate hands them, back by a
+speculative prefill of what they decoded target-only (their drafter latents), whose token is their next one. A
+greedy request's tokens are the target's own across every switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm_ext.runtime.config import ConfigError, load_config
+from tensorrt_llm_ext.runtime.engine import Engine
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
+from tensorrt_llm_ext.testing.requests import make_request
+from tensorrt_llm_ext.testing.tiny_models import tiny_model
+
+SMALL = {"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 4, "max_seq_len": 48,
+         "kv_cache_config.tokens_per_block": 4}
+SWITCHED = {**SMALL, "speculative_config.max_concurrency": 2}
+
+
+def _prompt(i: int) -> list[int]:
+    return [(7 * i + 3 * j + 1) % 301 for j in range(3 + i % 4)]
+
+
+# Four in flight at plan 0 (target-only, above 2), two once 0 and 1 finish (speculative again), three when 4
+# arrives (target-only), two once it or another finishes (speculative).
+REQUESTS = {
+    0: {"prompt_ids": _prompt(0), "max_new_tokens": 3, "ignore_eos": True},
+    1: {"prompt_ids": _prompt(1), "max_new_tokens": 5, "ignore_eos": True},
+    2: {"prompt_ids": _prompt(2), "max_new_tokens": 24, "ignore_eos": True, "repetition_penalty": 1.8,
+        "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    3: {"prompt_ids": _prompt(3), "max_new_tokens": 20, "ignore_eos": True, "temperature": 0.8, "seed": 3},
+    4: {"prompt_ids": _prompt(4), "max_new_tokens": 6, "ignore_eos": True},
+}
+LATE = 9  # the plan request 4 arrives in
+
+
+def _engine(config: dict) -> Engine:
+    eng = Engine(load_config(**tiny_model(**config)))
+    eng.drafter.set_attention_backend("eager")
+    eng.worker("speculative").ops = STOCK_OPS  # the eager twins: the scheduling under test does not depend on them
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import tensorrt_llm_ext.kernels.rms_norm as rms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rms, "triton_runs_on", lambda t: False)
+        yield _engine(SWITCHED), _engine(SMALL)
+
+
+def _serve(engine: Engine, overlap: bool, mode: str = "speculative", modes: list[str] | None = None
+           ) -> tuple[dict[int, list[int]], Scheduler]:
+    """Requests 0-3 admitted together, 4 at plan ``LATE``; every handle's tokens, and (``modes``) the mode of every
+    step the engine launched."""
+    sch = Scheduler(engine, mode=mode, overlap=overlap)
+    launch = engine.launch_step
+    if modes is not None:
+        def spy(slots, step_mode="speculative"):
+            modes.append(step_mode)
+            return launch(slots, step_mode)
+        engine.launch_step = spy
+    out = {h: [] for h in REQUESTS}
+    done = set()
+    try:
+        for i in range(300):
+            admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else (4,) if i == LATE else ())]
+            events, _ = sch.apply(StepPlan(admit=admit))
+            for e in events:
+                assert e.finish_reason in (None, "length"), e
+                out[e.handle].extend(e.tokens)
+                if e.finish_reason:
+                    done.add(e.handle)
+            if len(done) == len(REQUESTS):
+                break
+    finally:
+        if modes is not None:
+            del engine.launch_step
+    assert done == set(REQUESTS) and not sch.num_active and not sch.in_flight
+    assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
+    return out, sch
+
+
+def _switches(modes: list[str]) -> list[str]:
+    """The decodes of ``modes`` with repeats removed (the order the steps went through them)."""
+    return [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
+
+
+def test_the_config_takes_max_concurrency_as_a_rule():
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        load_config(**tiny_model(**{"speculative_config.max_concurrency": 0}))
+    cfg = load_config(**tiny_model(**{"speculative_config.max_concurrency": 3}))
+    assert cfg.speculative_config.max_concurrency == 3
+    assert not [f for f, _, _ in cfg.no_effect_fields() if "max_concurrency" in f]  # no longer "no effect here"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_running_requests_switch_decodes_with_the_number_in_flight(engines, overlap):
+    switched, plain = engines
+    modes: list[str] = []
+    got, sch = _serve(switched, overlap, modes=modes)
+    # target-only while 3-4 run, speculative at 2: both ways, twice (the late request forces the second round)
+    assert _switches(modes) == ["target_only", "speculative", "target_only", "speculative"], _switches(modes)
+    assert sch.mode_switches == 4
+    want, _ = _serve(plain, overlap, mode="target_only")  # the target's own decode, no speculation at all
+    for h in (0, 1, 2, 4):  # greedy (2 with every count-based penalty): the target's tokens across every switch
+        assert got[h] == want[h], h
+    assert len(got[3]) == 20  # sampled: a valid draw of its own length
+    again, _ = _serve(switched, overlap)
+    assert again == got  # seeded: the same tokens
+
+
+def test_the_resume_prefills_from_where_the_latents_end_and_counts_the_tokens_out(engines, monkeypatch):
+    """Each resume prefills, speculatively, the request's prompt and tokens out from its last token stored with a
+    latent, the tokens out counted as generated (the penalties read them), and its token is a step's (accepted 1),
+    not a first token."""
+    switched, _ = engines
+    resumes = []
+    real = switched.launch_prefill
+
+    def spy(slots, requests, mode="speculative", starts=None, prompt_lens=None):
+        if prompt_lens is not None:
+            resumes.extend((len(r.prompt_ids), k, s) for r, k, s in zip(requests, prompt_lens, starts))
+        return real(slots, requests, mode, starts, prompt_lens)
+
+    monkeypatch.setattr(switched, "launch_prefill", spy)
+    got, sch = _serve(switched, overlap=False)
+    assert resumes, "no request resumed speculation"
+    for seq, prompt, start in resumes:
+        assert prompt < seq and prompt <= start < seq  # outputs appended; never the prompt again
+    # requests 2 and 3 resumed in both speculative rounds, request 4 (or the other survivor) in the second
+    assert len(resumes) >= 4
+
+
+def test_chunked_resume_equals_the_target_only_decode(engines):
+    """With chunked prefill at 4 tokens a plan, a resume's prefill runs over several plans while the others step,
+    and the switches still leave the target's own tokens."""
+    switched, plain = engines
+    with pytest.MonkeyPatch.context() as mp:
+        for eng in (switched, plain):
+            mp.setattr(eng, "chunked_prefill", True)
+            mp.setattr(eng, "max_num_tokens", 4)
+        chunks = []
+        real = switched.prefill_chunk
+        mp.setattr(switched, "prefill_chunk", lambda *a, **k: (chunks.append(a[2:4]), real(*a, **k))[1])
+        modes: list[str] = []
+        got, _ = _serve(switched, overlap=True, modes=modes)
+        want, _ = _serve(plain, overlap=True, mode="target_only")
+    assert "speculative" in modes and "target_only" in modes and chunks
+    for h in (0, 1, 2, 4):
+        assert got[h] == want[h], h
+
+
+def test_pages_registered_while_decoding_target_only_stop_where_the_latents_do():
+    """Block reuse: a request that finishes while decoding target-only registers its pages under the speculative
+    prefix root only up to its last position with a drafter latent -- a later speculative prompt never maps a page
+    whose latents no step stored."""
+    import tensorrt_llm_ext.kernels.rms_norm as rms
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rms, "triton_runs_on", lambda t: False)
+        eng = _engine({**SWITCHED, "kv_cache_config.enable_block_reuse": True})
+        plain = _engine({**SMALL, "kv_cache_config.enable_block_reuse": True})
+        latents_end: dict[tuple, int | None] = {}  # prompt -> where its latents end (None: every position)
+        checked = []
+        hand_over, prefilled, register, launch = (eng.hand_over_to_target_only, eng.hand_over_prefilled_to_target_only,
+                                                  eng.register_prefix, eng.launch_prefill)
+
+        def on_hand_over(slots, requests, outputs):
+            for r, o in zip(requests, outputs):
+                latents_end[tuple(r.prompt_ids)] = len(r.prompt_ids) + len(o) - 1
+            return hand_over(slots, requests, outputs)
+
+        def own_prompt(ids) -> tuple:  # a resumed request's prompt_ids hold its tokens out too
+            return next((p for p in latents_end if tuple(ids[:len(p)]) == p), tuple(ids))
+
+        def on_prefilled(slots, requests):
+            for r in requests:
+                latents_end[own_prompt(r.prompt_ids)] = len(r.prompt_ids)
+            return prefilled(slots, requests)
+
+        def on_launch(slots, requests, mode="speculative", starts=None, prompt_lens=None):
+            for r, k in zip(requests, prompt_lens or [None] * len(requests)):
+                if k is not None:
+                    latents_end[tuple(r.prompt_ids[:k])] = None  # resumed: latents written to its last token
+            return launch(slots, requests, mode, starts, prompt_lens)
+
+        def on_register(slot, request, mode="speculative", output_ids=()):
+            end = latents_end.get(tuple(request.prompt_ids))
+            if output_ids and end is not None and mode == "speculative":
+                checked.append(len(request.prompt_ids) + len(output_ids) - 1)
+                assert len(request.prompt_ids) + len(output_ids) - 1 <= end, (end, len(output_ids))
+            return register(slot, request, mode, output_ids)
+
+        mp.setattr(eng, "hand_over_to_target_only", on_hand_over)
+        mp.setattr(eng, "hand_over_prefilled_to_target_only", on_prefilled)
+        mp.setattr(eng, "launch_prefill", on_launch)
+        mp.setattr(eng, "register_prefix", on_register)
+        got, _ = _serve(eng, overlap=False)
+        want, _ = _serve(plain, overlap=False, mode="target_only")
+        assert checked, "no request finished while decoding target-only"
+        for h in (0, 1, 2, 4):
+            assert got[h] == want[h], h
+        again, _ = _serve(eng, overlap=False)  # the same prompts now map the cached pages: the same tokens
+        for h in (0, 1, 2, 4):
+            assert again[h] == want[h], h
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_switches_decodes_under_graphs():
+    """On the GPU with CUDA graphs: the scheduler captures the target-only decode when it is made, admissions above
+    max_concurrency prefill speculatively and decode target-only, resumes replay the speculative prefill, and the
+    greedy tokens across the switches are those of a target-only engine's graphs."""
+    dev = torch.device("cuda")
+    switched = Engine(load_config(**tiny_model(**SWITCHED)), device=dev, use_cuda_graph=True)
+    plain = Engine(load_config(**tiny_model(**SMALL)), device=dev, use_cuda_graph=True)
+    Scheduler(switched, mode="speculative", overlap=True)
+    assert "target_only" in switched._runners and switched._runners["target_only"].enabled
+    for overlap in (False, True):
+        modes: list[str] = []
+        got, _ = _serve(switched, overlap, modes=modes)
+        assert _switches(modes) == ["target_only", "speculative", "target_only", "speculative"], _switches(modes)
+        want, _ = _serve(plain, overlap, mode="target_only")
+        for h in (0, 1, 2, 4):
+            assert got[h] == want[h], (overlap, h)
+        assert len(got[3]) == 20
