@@ -121,3 +121,54 @@ def test_tp2_gate_hands_running_requests_to_the_target_decode(mpi_pool_executor)
         assert first["gated"][row] == first["target"][row], row
     assert [len(t) for t in first["gated"]] == [2] + [10] * (len(ROWS) + 1)
     assert first["gated"][1][7:] != first["gated"][1][:3]  # the penalty acted
+
+
+def _rank_switched(tp: int):
+    """Speculation by batch size at TP ``tp`` (max_concurrency 2): the first plans run more requests than that
+    (target-only: admitted with a speculative prefill, then handed to the target decode's own full-vocabulary
+    processing), the last two resume speculation by a speculative prefill of what they decoded target-only -- the
+    shard's processing rebuilt from their prompt and tokens out."""
+    import torch
+
+    from tensorrt_llm_ext.distributed import init_from_mpi
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.testing.requests import make_request
+
+    mapping = init_from_mpi(tp_size=tp)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    eng = Engine(load_config(**{**SMALL, "speculative_config.max_concurrency": 2, "tensor_parallel_size": tp}),
+                 mapping, device=device)
+    # rows 0 and 1 outlive the others and resume by their 5th token; row 0's unpenalised decode repeats its first 7
+    # tokens from its 8th on: its penalty, after the resume, reads counts made before it (both hand-overs)
+    lengths = [16, 14, 2, 3, 3, 4, 4]
+    reqs = [make_request(max_new_tokens=lengths[0], prompt_ids=[189, 126, 490], frequency_penalty=1.5,
+                         presence_penalty=0.4),
+            make_request(max_new_tokens=lengths[1], **ROWS[4])] + [
+        make_request(max_new_tokens=n, **r) for n, r in zip(lengths[2:], ROWS)]
+    modes = []
+    launch = eng.launch_step
+
+    def spy(slots, mode="speculative"):
+        modes.append(mode)
+        return launch(slots, mode)
+    eng.launch_step = spy
+    switched = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
+    del eng.launch_step
+    return {"switched": switched, "target": [r.output_ids for r in eng.generate(reqs, "target_only")[0]],
+            "modes": [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m], "lengths": lengths,
+            "separate": eng.reference(verify_shaped=False).processors is not eng.worker().processors}
+
+
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_tp2_max_concurrency_switches_decodes_mid_stream(mpi_pool_executor):
+    results = run_on_ranks(mpi_pool_executor, _rank_switched, 2)
+    first = results[0]
+    assert all(r == first for r in results[1:]), "ranks disagree"
+    assert first["modes"] == ["target_only", "speculative"], first["modes"]
+    assert first["separate"]  # the target decode keeps its own full-vocabulary processing; the shards rebuilt theirs
+    for row in (0, 1, 2, 5):  # greedy rows (0: penalties): the target's own tokens across both hand-overs
+        assert first["switched"][row] == first["target"][row], row
+    assert [len(t) for t in first["switched"]] == first["lengths"]
