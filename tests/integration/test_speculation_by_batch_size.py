@@ -11,38 +11,24 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
-from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
-from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
-from tensorrt_llm_ext.testing.requests import make_request
+from tensorrt_llm_ext.runtime.scheduler import Scheduler
+from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, prompt, serve_plans
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
-SMALL = {"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 4, "max_seq_len": 48,
-         "kv_cache_config.tokens_per_block": 4}
 SWITCHED = {**SMALL, "speculative_config.max_concurrency": 2}
-
-
-def _prompt(i: int) -> list[int]:
-    return [(7 * i + 3 * j + 1) % 301 for j in range(3 + i % 4)]
 
 
 # Four in flight at plan 0 (target-only, above 2), two once 0 and 1 finish (speculative again), three when 4
 # arrives (target-only), two once it or another finishes (speculative).
 REQUESTS = {
-    0: {"prompt_ids": _prompt(0), "max_new_tokens": 3, "ignore_eos": True},
-    1: {"prompt_ids": _prompt(1), "max_new_tokens": 5, "ignore_eos": True},
-    2: {"prompt_ids": _prompt(2), "max_new_tokens": 24, "ignore_eos": True, "repetition_penalty": 1.8,
+    0: {"prompt_ids": prompt(0), "max_new_tokens": 3, "ignore_eos": True},
+    1: {"prompt_ids": prompt(1), "max_new_tokens": 5, "ignore_eos": True},
+    2: {"prompt_ids": prompt(2), "max_new_tokens": 24, "ignore_eos": True, "repetition_penalty": 1.8,
         "presence_penalty": 0.5, "frequency_penalty": 0.3},
-    3: {"prompt_ids": _prompt(3), "max_new_tokens": 20, "ignore_eos": True, "temperature": 0.8, "seed": 3},
-    4: {"prompt_ids": _prompt(4), "max_new_tokens": 6, "ignore_eos": True},
+    3: {"prompt_ids": prompt(3), "max_new_tokens": 20, "ignore_eos": True, "temperature": 0.8, "seed": 3},
+    4: {"prompt_ids": prompt(4), "max_new_tokens": 6, "ignore_eos": True},
 }
 LATE = 9  # the plan request 4 arrives in
-
-
-def _engine(config: dict) -> Engine:
-    eng = Engine(load_config(**tiny_model(**config)))
-    eng.drafter.set_attention_backend("eager")
-    eng.worker("speculative").ops = STOCK_OPS  # the eager twins: the scheduling under test does not depend on them
-    return eng
 
 
 @pytest.fixture(scope="module")
@@ -51,39 +37,13 @@ def engines():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rms, "triton_runs_on", lambda t: False)
-        yield _engine(SWITCHED), _engine(SMALL)
+        yield eager_engine(SWITCHED), eager_engine(SMALL)
 
 
 def _serve(engine: Engine, overlap: bool, mode: str = "speculative", modes: list[str] | None = None
            ) -> tuple[dict[int, list[int]], Scheduler]:
-    """Requests 0-3 admitted together, 4 at plan ``LATE``; every handle's tokens, and (``modes``) the mode of every
-    step the engine launched."""
-    sch = Scheduler(engine, mode=mode, overlap=overlap)
-    launch = engine.launch_step
-    if modes is not None:
-        def spy(slots, step_mode="speculative"):
-            modes.append(step_mode)
-            return launch(slots, step_mode)
-        engine.launch_step = spy
-    out = {h: [] for h in REQUESTS}
-    done = set()
-    try:
-        for i in range(300):
-            admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else (4,) if i == LATE else ())]
-            events, _ = sch.apply(StepPlan(admit=admit))
-            for e in events:
-                assert e.finish_reason in (None, "length"), e
-                out[e.handle].extend(e.tokens)
-                if e.finish_reason:
-                    done.add(e.handle)
-            if len(done) == len(REQUESTS):
-                break
-    finally:
-        if modes is not None:
-            del engine.launch_step
-    assert done == set(REQUESTS) and not sch.num_active and not sch.in_flight
-    assert engine.slots.num_free == SMALL["max_batch_size"] and engine.pages.num_free == engine.pages.num_pages
-    return out, sch
+    """Requests 0-3 admitted together, 4 at plan ``LATE`` (:func:`serve_plans`)."""
+    return serve_plans(engine, REQUESTS, {0: (0, 1, 2, 3), LATE: (4,)}, overlap, mode, modes)
 
 
 def _switches(modes: list[str]) -> list[str]:
@@ -164,8 +124,8 @@ def test_pages_registered_while_decoding_target_only_stop_where_the_latents_do()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rms, "triton_runs_on", lambda t: False)
-        eng = _engine({**SWITCHED, "kv_cache_config.enable_block_reuse": True})
-        plain = _engine({**SMALL, "kv_cache_config.enable_block_reuse": True})
+        eng = eager_engine({**SWITCHED, "kv_cache_config.enable_block_reuse": True})
+        plain = eager_engine({**SMALL, "kv_cache_config.enable_block_reuse": True})
         latents_end: dict[tuple, int | None] = {}  # prompt -> where its latents end (None: every position)
         checked = []
         hand_over, prefilled, register, launch = (eng.hand_over_to_target_only, eng.hand_over_prefilled_to_target_only,
@@ -176,12 +136,12 @@ def test_pages_registered_while_decoding_target_only_stop_where_the_latents_do()
                 latents_end[tuple(r.prompt_ids)] = len(r.prompt_ids) + len(o) - 1
             return hand_over(slots, requests, outputs)
 
-        def own_prompt(ids) -> tuple:  # a resumed request's prompt_ids hold its tokens out too
+        def ownprompt(ids) -> tuple:  # a resumed request's prompt_ids hold its tokens out too
             return next((p for p in latents_end if tuple(ids[:len(p)]) == p), tuple(ids))
 
         def on_prefilled(slots, requests):
             for r in requests:
-                latents_end[own_prompt(r.prompt_ids)] = len(r.prompt_ids)
+                latents_end[ownprompt(r.prompt_ids)] = len(r.prompt_ids)
             return prefilled(slots, requests)
 
         def on_launch(slots, requests, mode="speculative", starts=None, prompt_lens=None):

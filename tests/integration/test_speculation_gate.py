@@ -9,15 +9,12 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
-from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.runtime.scheduler import Scheduler
 from tensorrt_llm_ext.runtime.speculation_gate import SpeculationGate
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
-from tensorrt_llm_ext.speculative.step_ops import STOCK_OPS
-from tensorrt_llm_ext.testing.requests import make_request
+from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, prompt, serve_plans
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
-SMALL = {"model.target.vocab_size": 301, "model.target.capture_layers": [1], "max_batch_size": 4, "max_seq_len": 48,
-         "kv_cache_config.tokens_per_block": 4}
 # closes at the first finished request that took a speculative step (no drafter accepts 100 drafts per step)
 GATED = {**SMALL, "speculative_config.acceptance_window": 1, "speculative_config.acceptance_length_threshold": 100.0}
 
@@ -54,68 +51,30 @@ def test_the_config_takes_the_gate_whole_or_not_at_all():
     assert not [f for f, _, _ in cfg.no_effect_fields() if f.startswith("speculative_config.acceptance")]
 
 
-def _engine(config: dict) -> Engine:
-    eng = Engine(load_config(**tiny_model(**config)))
-    eng.drafter.set_attention_backend("eager")
-    eng.worker("speculative").ops = STOCK_OPS  # the eager twins: the scheduling under test does not depend on them
-    return eng
-
-
 @pytest.fixture(scope="module")
 def engines():
     import tensorrt_llm_ext.kernels.rms_norm as rms
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rms, "triton_runs_on", lambda t: False)
-        yield _engine(GATED), _engine(SMALL)
-
-
-def _prompt(i: int) -> list[int]:
-    return [(7 * i + 3 * j + 1) % 301 for j in range(3 + i % 4)]
+        yield eager_engine(GATED), eager_engine(SMALL)
 
 
 REQUESTS = {
-    0: {"prompt_ids": _prompt(0), "max_new_tokens": 2, "ignore_eos": True},  # finishes first: closes the gate
-    1: {"prompt_ids": _prompt(1), "max_new_tokens": 14, "ignore_eos": True},
-    2: {"prompt_ids": _prompt(2), "max_new_tokens": 12, "ignore_eos": True, "repetition_penalty": 1.8,
+    0: {"prompt_ids": prompt(0), "max_new_tokens": 2, "ignore_eos": True},  # finishes first: closes the gate
+    1: {"prompt_ids": prompt(1), "max_new_tokens": 14, "ignore_eos": True},
+    2: {"prompt_ids": prompt(2), "max_new_tokens": 12, "ignore_eos": True, "repetition_penalty": 1.8,
         "presence_penalty": 0.5},
-    3: {"prompt_ids": _prompt(3), "max_new_tokens": 10, "ignore_eos": True, "temperature": 0.8, "seed": 3},
-    4: {"prompt_ids": _prompt(4), "max_new_tokens": 6, "ignore_eos": True},  # arrives once the gate is closed
+    3: {"prompt_ids": prompt(3), "max_new_tokens": 10, "ignore_eos": True, "temperature": 0.8, "seed": 3},
+    4: {"prompt_ids": prompt(4), "max_new_tokens": 6, "ignore_eos": True},  # arrives once the gate is closed
 }
 
 
 def _serve(engine: Engine, overlap: bool, modes: list[str] | None = None,
            mode: str = "speculative", late: int = 4, deferred: list[int] | None = None
            ) -> tuple[dict[int, list[int]], Scheduler]:
-    """Requests 0-3 admitted together, 4 ``late`` plans later; every handle's tokens, and (``modes``) the mode of
-    every step the engine launched; ``deferred``: per plan, the prefills read a plan later."""
-    sch = Scheduler(engine, mode=mode, overlap=overlap)
-    launch = engine.launch_step
-    if modes is not None:
-        def spy(slots, step_mode="speculative"):
-            modes.append(step_mode)
-            return launch(slots, step_mode)
-        engine.launch_step = spy
-    out = {h: [] for h in REQUESTS}
-    done = set()
-    try:
-        for i in range(200):
-            admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else (4,) if i == late else ())]
-            events, stats = sch.apply(StepPlan(admit=admit))
-            if deferred is not None:
-                deferred.append(stats.deferred_prefills)
-            for e in events:
-                assert e.finish_reason in (None, "length"), e
-                out[e.handle].extend(e.tokens)
-                if e.finish_reason:
-                    done.add(e.handle)
-            if len(done) == len(REQUESTS):
-                break
-    finally:
-        if modes is not None:
-            del engine.launch_step
-    assert done == set(REQUESTS) and not sch.num_active and not sch.in_flight
-    return out, sch
+    """Requests 0-3 admitted together, 4 ``late`` plans later (:func:`serve_plans`)."""
+    return serve_plans(engine, REQUESTS, {0: (0, 1, 2, 3), late: (4,)}, overlap, mode, modes, deferred)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
@@ -133,7 +92,6 @@ def test_closed_gate_hands_the_running_requests_to_the_target_only_decode(engine
     assert len(got[3]) == 10  # sampled: a valid draw of its own length, speculative then target-only
     again, _ = _serve(gated, overlap)
     assert again == got  # seeded: the same tokens
-    assert gated.slots.num_free == SMALL["max_batch_size"] and gated.pages.num_free == gated.pages.num_pages
 
 
 def test_a_first_token_not_read_back_when_the_gate_closes_is_handed_over_with_its_request():
@@ -145,7 +103,7 @@ def test_a_first_token_not_read_back_when_the_gate_closes_is_handed_over_with_it
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rms, "triton_runs_on", lambda t: False)
-        gated, plain = _engine({**GATED, "max_batch_size": 5}), _engine({**SMALL, "max_batch_size": 5})
+        gated, plain = eager_engine({**GATED, "max_batch_size": 5}), eager_engine({**SMALL, "max_batch_size": 5})
         _serve_across_the_close(gated, plain)
 
 

@@ -21,18 +21,23 @@ ROWS = [
 ]
 
 
-def _rank_generate(tp: int, max_new: int, graphs: bool = False):
-    import torch
-
+def _rank_setup(tp: int):
+    """This rank's mapping (MPI, TP ``tp``) and device; one intra-op thread on a CPU (the ranks share its cores)."""
     from tensorrt_llm_ext.distributed import init_from_mpi
-    from tensorrt_llm_ext.runtime.config import load_config
-    from tensorrt_llm_ext.runtime.engine import Engine
-    from tensorrt_llm_ext.testing.requests import make_request
 
     mapping = init_from_mpi(tp_size=tp)
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
-    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    return mapping, (torch.device("cuda", mapping.local_rank % torch.cuda.device_count())
+                     if torch.cuda.is_available() else None)
+
+
+def _rank_generate(tp: int, max_new: int, graphs: bool = False):
+    from tensorrt_llm_ext.runtime.config import load_config
+    from tensorrt_llm_ext.runtime.engine import Engine
+    from tensorrt_llm_ext.testing.requests import make_request
+
+    mapping, device = _rank_setup(tp)
     cfg = load_config(**{**SMALL, "tensor_parallel_size": tp})
     eng = Engine(cfg, mapping, device=device, use_cuda_graph=graphs)
     reqs = [make_request(max_new_tokens=max_new, **r) for r in ROWS]
@@ -76,17 +81,11 @@ def _rank_gated(tp: int, max_new: int):
     """The speculation gate at TP ``tp``: a 2-token request closes it (window 1, an unreachable threshold) while the
     others run, and they finish in the target-only decode, whose processing at TP > 1 keeps its own full-vocabulary
     state, rebuilt at the hand-over from each request's prompt and tokens so far."""
-    import torch
-
-    from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.testing.requests import make_request
 
-    mapping = init_from_mpi(tp_size=tp)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    mapping, device = _rank_setup(tp)
     # a random drafter accepts ~nothing: the hand-over comes after ~2 tokens of each row
     gate = {"speculative_config.acceptance_window": 1, "speculative_config.acceptance_length_threshold": 100.0,
             "model.drafter_init": "random"}
@@ -96,6 +95,13 @@ def _rank_gated(tp: int, max_new: int):
     reqs = [make_request(max_new_tokens=2, prompt_ids=[11, 12]),
             make_request(max_new_tokens=max_new, prompt_ids=[189, 126, 490], frequency_penalty=1.5)] + [
         make_request(max_new_tokens=max_new, **r) for r in ROWS]
+    return _served_and_target(eng, reqs)
+
+
+def _served_and_target(eng, reqs) -> dict:
+    """``reqs`` served speculatively (the engine's switches apply) and decoded target-only: each request's tokens
+    (``served`` / ``target``), the decodes the served steps went through in order (``modes``, repeats removed),
+    and whether the target decode keeps processing of its own (``separate``: a sharded worker's)."""
     modes = []
     launch = eng.launch_step
 
@@ -103,10 +109,11 @@ def _rank_gated(tp: int, max_new: int):
         modes.append(mode)
         return launch(slots, mode)
     eng.launch_step = spy
-    gated = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
+    served = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
     del eng.launch_step
-    return {"gated": gated, "target": [r.output_ids for r in eng.generate(reqs, "target_only")[0]],
-            "modes": modes, "separate": eng.reference(verify_shaped=False).processors is not eng.worker().processors}
+    return {"served": served, "target": [r.output_ids for r in eng.generate(reqs, "target_only")[0]],
+            "modes": [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m],
+            "separate": eng.reference(verify_shaped=False).processors is not eng.worker().processors}
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
@@ -115,12 +122,11 @@ def test_tp2_gate_hands_running_requests_to_the_target_decode(mpi_pool_executor)
     first = results[0]
     assert all(r == first for r in results[1:]), "ranks disagree"
     assert first["separate"]  # the hand-over rebuilt the target decode's own processing state
-    k = first["modes"].index("target_only")
-    assert k > 0 and set(first["modes"][:k]) == {"speculative"} and set(first["modes"][k:]) == {"target_only"}
+    assert first["modes"] == ["speculative", "target_only"], first["modes"]  # one hand-over, never back
     for row in (1, 2, 5, 6):  # greedy rows (1, 2: penalties): the target's own tokens across the hand-over
-        assert first["gated"][row] == first["target"][row], row
-    assert [len(t) for t in first["gated"]] == [2] + [10] * (len(ROWS) + 1)
-    assert first["gated"][1][7:] != first["gated"][1][:3]  # the penalty acted
+        assert first["served"][row] == first["target"][row], row
+    assert [len(t) for t in first["served"]] == [2] + [10] * (len(ROWS) + 1)
+    assert first["served"][1][7:] != first["served"][1][:3]  # the penalty acted
 
 
 def _rank_switched(tp: int):
@@ -128,17 +134,11 @@ def _rank_switched(tp: int):
     (target-only: admitted with a speculative prefill, then handed to the target decode's own full-vocabulary
     processing), the last two resume speculation by a speculative prefill of what they decoded target-only -- the
     shard's processing rebuilt from their prompt and tokens out."""
-    import torch
-
-    from tensorrt_llm_ext.distributed import init_from_mpi
     from tensorrt_llm_ext.runtime.config import load_config
     from tensorrt_llm_ext.runtime.engine import Engine
     from tensorrt_llm_ext.testing.requests import make_request
 
-    mapping = init_from_mpi(tp_size=tp)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    device = torch.device("cuda", mapping.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else None
+    mapping, device = _rank_setup(tp)
     eng = Engine(load_config(**{**SMALL, "speculative_config.max_concurrency": 2, "tensor_parallel_size": tp}),
                  mapping, device=device)
     # rows 0 and 1 outlive the others and resume by their 5th token; row 0's unpenalised decode repeats its first 7
@@ -148,18 +148,7 @@ def _rank_switched(tp: int):
                          presence_penalty=0.4),
             make_request(max_new_tokens=lengths[1], **ROWS[4])] + [
         make_request(max_new_tokens=n, **r) for n, r in zip(lengths[2:], ROWS)]
-    modes = []
-    launch = eng.launch_step
-
-    def spy(slots, mode="speculative"):
-        modes.append(mode)
-        return launch(slots, mode)
-    eng.launch_step = spy
-    switched = [r.output_ids for r in eng.generate(reqs, "speculative")[0]]
-    del eng.launch_step
-    return {"switched": switched, "target": [r.output_ids for r in eng.generate(reqs, "target_only")[0]],
-            "modes": [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m], "lengths": lengths,
-            "separate": eng.reference(verify_shaped=False).processors is not eng.worker().processors}
+    return {**_served_and_target(eng, reqs), "lengths": lengths}
 
 
 @pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
@@ -170,5 +159,5 @@ def test_tp2_max_concurrency_switches_decodes_mid_stream(mpi_pool_executor):
     assert first["modes"] == ["target_only", "speculative"], first["modes"]
     assert first["separate"]  # the target decode keeps its own full-vocabulary processing; the shards rebuilt theirs
     for row in (0, 1, 2, 5):  # greedy rows (0: penalties): the target's own tokens across both hand-overs
-        assert first["switched"][row] == first["target"][row], row
-    assert [len(t) for t in first["switched"]] == first["lengths"]
+        assert first["served"][row] == first["target"][row], row
+    assert [len(t) for t in first["served"]] == first["lengths"]
