@@ -28,6 +28,7 @@
 #          (docs/serving.md);
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
 #          A short verify block at concurrency 1: K_SERVE=3 TLLM_EXT_GEMV_MAX_ROWS=4 SERVE_CONCURRENCY=1 ... serve.
+#          SERVE_MAX_CONCURRENCY=N: speculative_config.max_concurrency (above N in flight, the target-only decode).
 # step:    bench step --model on the real model and its drafter (K_SERVE, STEP_BATCHES 1,8,32; --no-stock --profile):
 #          the speculative step by stage and the top kernels of one captured step, in the logs' step.log / step.md;
 #          ~1-2 minutes.
@@ -276,7 +277,7 @@ serve() {
 max_batch_size: 32
 speculative_config:
   max_draft_len: $K_SERVE
-  use_rejection_sampling: true
+  use_rejection_sampling: true$( [ -n "${SERVE_MAX_CONCURRENCY:-}" ] && printf '\n  max_concurrency: %s' "$SERVE_MAX_CONCURRENCY" )
 cuda_graph_config:
   enable_padding: true
   prefill_max_tokens: ${PREFILL_MAX_TOKENS:-2048}
