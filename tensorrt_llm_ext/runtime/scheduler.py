@@ -350,12 +350,14 @@ class Scheduler:
         flight and the prefills not read back are collected first (their tokens are in every request's history
         before the other decode takes it over). The decision reads only the plans and the tokens: every TP rank
         switches at the same plan."""
-        want = self._wanted_decode()
-        if want == self._decoding:
+        if self._wanted_decode() == self._decoding:
             return []
         events = self._collect_firsts(stats, lambda p: True)
         if self._in_flight is not None:
             events += self._collect(self._take_in_flight(), stats)
+        want = self._wanted_decode()  # what was collected may have ended requests or closed the gate
+        if want == self._decoding:
+            return events
         if want == "target_only":
             self._hand_over()
         else:
@@ -372,12 +374,18 @@ class Scheduler:
     def _hand_over(self) -> None:
         """The running requests continue in the target-only decode: the engine moves each live slot's state
         (:meth:`Engine.hand_over_to_target_only`); requests in their prefill finish it in :attr:`prefill_mode`.
-        Each keeps where its stored drafter latents end (its last token's position)."""
+        Each keeps where its stored drafter latents end (its last token's position). A request whose resume is
+        still in its chunks (its last prefill not launched: its slot still holds its target-only decode's state)
+        stops it and decodes on, its latents now ending where the chunks did."""
         lives = list(self._live.values())
         self.engine.hand_over_to_target_only([live.slot for live in lives], [live.request for live in lives],
                                              [live.out for live in lives])
         for live in lives:
             live.latents_end = len(live.request.prompt_ids) + live.num_out - 1
+        for h in [h for h, p in self._prefilling.items() if p.resumed is not None]:
+            p = self._prefilling.pop(h)
+            live = self._live[h] = p.resumed
+            live.resuming, live.latents_end = False, p.done
 
     def _resume(self) -> None:
         """The running requests (decoding target-only) resume speculation: each prefills again, speculatively, the

@@ -116,6 +116,33 @@ def test_chunked_resume_equals_the_target_only_decode(engines):
         assert got[h] == want[h], h
 
 
+def test_a_resume_in_its_chunks_stops_when_the_batch_grows_again(engines):
+    """Chunked prefill at 4 tokens a plan: when request 4 arrives while a resume is still in its chunks (its last
+    prefill not launched), that request decodes on target-only from where its chunks stopped -- no re-prefill
+    wasted, the target's own tokens -- whichever plan it arrives in."""
+    switched, plain = engines
+    stopped = []
+    hand_over = Scheduler._hand_over
+
+    def spy(self):
+        stopped.append(sum(p.resumed is not None for p in self._prefilling.values()))
+        hand_over(self)
+        assert not any(p.resumed is not None for p in self._prefilling.values())
+
+    with pytest.MonkeyPatch.context() as mp:
+        for eng in (switched, plain):
+            mp.setattr(eng, "chunked_prefill", True)
+            mp.setattr(eng, "max_num_tokens", 4)
+        mp.setattr(Scheduler, "_hand_over", spy)
+        for late in range(6, 14):
+            arrivals = {0: (0, 1, 2, 3), late: (4,)}
+            got, _ = serve_plans(switched, REQUESTS, arrivals, overlap=True)
+            want, _ = serve_plans(plain, REQUESTS, arrivals, overlap=True, mode="target_only")
+            for h in (0, 1, 2, 4):
+                assert got[h] == want[h], (late, h)
+    assert any(stopped), stopped  # some arrival met a resume in its chunks
+
+
 def test_pages_registered_while_decoding_target_only_stop_where_the_latents_do():
     """Block reuse: a request that finishes while decoding target-only registers its pages under the speculative
     prefix root only up to its last position with a drafter latent -- a later speculative prompt never maps a page
