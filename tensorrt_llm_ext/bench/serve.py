@@ -77,6 +77,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stub-host-ms", type=float, default=0.0,
                    help="--stub-engine: Python work per step that holds the interpreter lock (a step's launches), "
                         "inside the step's period")
+    p.add_argument("--stub-stream-interval", type=int, default=1,
+                   help="--stub-engine: the server's stream_interval (tokens a chunk gathers; 1: a chunk a step)")
     p.add_argument("--tokenizer", nargs="+", default=["embedded"],
                    help="--stub-engine: tokenizers to serve with, one server each: 'embedded' (the embedded "
                         "model's byte-level BPE) or a tokenizer directory (e.g. an imported checkpoint's)")
@@ -255,7 +257,7 @@ def _stub_run(args: argparse.Namespace) -> None:
     rows, empty = [], []
     for tok in args.tokenizer:
         srv_args = ["--slots", str(max(concurrency)), "--step-ms", str(args.stub_step_ms),
-                    "--host-ms", str(args.stub_host_ms)] + \
+                    "--host-ms", str(args.stub_host_ms), "--stream-interval", str(args.stub_stream_interval)] + \
             ([] if tok == "embedded" else ["--tokenizer", tok])
         server = start_server(srv_args, str(work / f"server_{len(rows)}.log"), command=STUB_SERVE_COMMAND)
         with _exit_code_on_last_row(server, rows):
@@ -283,7 +285,7 @@ def _stub_run(args: argparse.Namespace) -> None:
     import platform
 
     notes = [f"stub engine: one token per live request per step, step period {args.stub_step_ms:g} ms "
-             f"(0: back to back); {per_client} requests per client of {max_tokens} tokens, random token-id "
+             f"(0: back to back), stream_interval {args.stub_stream_interval}; {per_client} requests per client of {max_tokens} tokens, random token-id "
              f"prompts, streamed completions (the stub's tokens spell English text); client (httpx) in the bench "
              f"process, server in its own.",
              "server CPU = user + system time of the server process over the cell (all threads); us/token = that "
@@ -318,7 +320,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     import math
 
     for name, lo, hi in (("concurrency", 1, 4096), ("requests_per_client", 1, 1 << 20), ("max_tokens", 1, 1 << 20),
-                         ("shared_prefix", 0, 1 << 20), ("tp", 1, 1024)):
+                         ("shared_prefix", 0, 1 << 20), ("tp", 1, 1024), ("stub_stream_interval", 1, 1 << 20)):
         values = getattr(args, name)
         for v in values if isinstance(values, list) else [values]:
             if v is not None and not lo <= v <= hi:

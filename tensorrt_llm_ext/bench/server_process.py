@@ -234,6 +234,7 @@ def stub_server_main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-ms", type=float, default=0.0,
                    help="interpreter-bound host work per step before its period's wait (the launches of a step)")
     p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--stream-interval", type=int, default=1, help="serve's stream_interval")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
@@ -249,7 +250,8 @@ def stub_server_main(argv: list[str] | None = None) -> int:
     metrics = ServerMetrics(1, model_name="stub", max_model_len=4096)
     loop = EngineLoop(StubScheduler(args.slots, tok.encode(STUB_TEXT, add_special_tokens=False), args.step_ms / 1e3,
                                    args.host_ms / 1e3),
-                      PlanChannel(None), metrics, max_queue=args.max_queue, speculative=False)
+                      PlanChannel(None), metrics, max_queue=args.max_queue, speculative=False,
+                      stream_interval=args.stream_interval)
     ctx = ServeContext(loop=loop, model_name="stub", vocab_size=vocab, max_seq_len=4096, tokenizer=tok,
                        speculative=False)
     from tensorrt_llm_ext._env import ENV

@@ -344,7 +344,9 @@ class RuntimeConfig(_Strict):
     print_iter_log: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     enable_iter_perf_stats: StrictBool = no_effect(False, "per-step numbers are on /metrics")
     return_perf_metrics: StrictBool = no_effect(False, "per-step numbers are on /metrics")
-    stream_interval: StrictInt | None = no_effect(None, "streams one chunk per engine step")
+    # A stream's tokens go to its response once this many have gathered since its last chunk (its first token and
+    # its end at once; runtime/engine_loop.py). None / 1: a chunk per engine step.
+    stream_interval: StrictInt | None = Field(None, ge=1)
     enable_autotuner: StrictBool = no_effect(True, _PER_ITER)
     enable_min_latency: StrictBool = no_effect(False, _PER_ITER)
     scheduler_config: dict[str, Any] | None = no_effect(None, "first come, first served between steps")

@@ -154,8 +154,16 @@ class EngineLoop:
     """Owns the scheduler on rank 0; handlers submit requests and cancel them from the event loop."""
 
     def __init__(self, scheduler: Scheduler, channel: PlanChannel, metrics: ServerMetrics, max_queue: int,
-                 ranks: list[dict] | None = None, speculative: bool = True):
+                 ranks: list[dict] | None = None, speculative: bool = True, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"EngineLoop: stream_interval must be >= 1, got {stream_interval}")
         self.scheduler = scheduler
+        # A request's tokens go to its response once at least this many have gathered since the last hand-off (its
+        # first token and its end at once): TensorRT-LLM's stream_interval, vLLM's --stream-interval. Fewer,
+        # larger chunks: the server's per-chunk work (a task wake-up, the send, the socket write) shared by more
+        # tokens; the metrics count every token when the engine makes it.
+        self.stream_interval = stream_interval
+        self._held: dict[int, list[Event]] = {}  # per handle: its events not handed over yet (stream_interval)
         self.speculative = speculative  # False: --no-speculation (no drafts to count)
         self.channel = channel
         self.metrics = metrics
@@ -361,11 +369,30 @@ class EngineLoop:
         with self._cond:
             for e in events:
                 sink = self._sinks.get(e.handle)
-                if sink is not None:
-                    if e.finish_reason is not None:
-                        del self._sinks[e.handle]
-                    pairs.append((sink, e))
+                if sink is None:
+                    self._held.pop(e.handle, None)
+                    continue
+                if self.stream_interval > 1:
+                    e = self._gathered(e)
+                    if e is None:
+                        continue
+                if e.finish_reason is not None:
+                    del self._sinks[e.handle]
+                pairs.append((sink, e))
         deliver(pairs)
+
+    def _gathered(self, e: Event) -> Event | None:
+        """``e`` with its request's held events before it, once ``stream_interval`` tokens have gathered, at its
+        end, or for its first token (the prefill's: time to first token unchanged); else None (held)."""
+        held = self._held.get(e.handle)
+        if e.finish_reason is not None or e.accepted_len is None:
+            return Event.merged(self._held.pop(e.handle) + [e]) if held else e
+        if held is None:
+            held = self._held[e.handle] = []
+        held.append(e)
+        if sum(len(x.tokens) for x in held) < self.stream_interval:
+            return None
+        return Event.merged(self._held.pop(e.handle))
 
     def _record_speculating(self) -> None:
         """The speculative-decoding gauge: steps speculate (not --no-speculation, the speculation gate open)."""

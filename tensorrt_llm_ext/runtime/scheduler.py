@@ -109,6 +109,17 @@ class Event:
     prompt_logprobs: list | None = None
     speculative: bool = False  # the tokens come from a speculative step (accepted_len counts its drafts)
 
+    @staticmethod
+    def merged(events: list[Event]) -> Event:
+        """One request's consecutive ``events`` as one (a stream's chunks batched: ``stream_interval``): their tokens
+        and log-probabilities in order, the last one's end; the prefill's prompt log-probabilities, if any."""
+        last = events[-1]
+        lps = [lp for e in events for lp in e.logprobs or ()] if any(e.logprobs is not None for e in events) else None
+        return Event(last.handle, [t for e in events for t in e.tokens], last.finish_reason, last.error,
+                     sum(e.accepted_len or 0 for e in events), lps, last.request_fault,
+                     prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
+                     speculative=any(e.speculative for e in events))
+
 
 @dataclass
 class StepStats:

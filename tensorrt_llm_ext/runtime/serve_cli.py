@@ -55,6 +55,7 @@ TRTLLM_SERVE_FIELDS = {
     "enable_prefix_caching": "kv_cache_config.enable_block_reuse",
     "pp_size": "pipeline_parallel_size",
     "ep_size": "moe_expert_parallel_size",
+    "stream_interval": "stream_interval",
 }
 
 
@@ -324,7 +325,7 @@ def serve_rank(cfg: RuntimeConfig, args: argparse.Namespace) -> int:
     name = served_model_name(cfg, names[0] if names else None)
     metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     loop = EngineLoop(scheduler, channel, metrics, max_queue=args.max_queue, ranks=ranks,
-                      speculative=not args.no_speculation)
+                      speculative=not args.no_speculation, stream_interval=cfg.stream_interval or 1)
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        tokenizer=resolve_tokenizer(cfg, args.tokenizer),
                        speculative=not args.no_speculation, chat_template=read_chat_template(args.chat_template),
@@ -428,6 +429,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="= pipeline_parallel_size (1 only: no pipeline parallelism)")
     p.add_argument("--ep_size", "--moe_expert_parallel_size", dest="ep_size", type=int, default=None,
                    help="= moe_expert_parallel_size (accepted, no effect: dense targets, no experts)")
+    p.add_argument("--stream_interval", "--stream-interval", dest="stream_interval", type=int, default=None,
+                   help="= stream_interval: a stream's tokens go out once this many have gathered (its first token "
+                        "and its end at once; default 1: every step)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model id of /v1/models and responses; further names are accepted as `model` too")

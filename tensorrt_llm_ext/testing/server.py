@@ -70,7 +70,8 @@ def start_in_process(config_overrides: dict | None = None, *, model_dir: str | N
     metrics = ServerMetrics(cfg.draft_len, model_name=name, max_model_len=cfg.max_seq_len)
     # The served loop: the overlap scheduler unless the config disables it (as `serve`).
     scheduler = _SerialScheduler(engine, overlap=not cfg.disable_overlap_scheduler)
-    loop = EngineLoop(scheduler, PlanChannel(None), metrics, max_queue=max_queue)
+    loop = EngineLoop(scheduler, PlanChannel(None), metrics, max_queue=max_queue,
+                      stream_interval=cfg.stream_interval or 1)
     context.setdefault("tokenizer", load_tokenizer(cfg.tokenizer or cfg.model.path))
     ctx = ServeContext(loop=loop, model_name=name, vocab_size=engine.vocab_size, max_seq_len=cfg.max_seq_len,
                        api_key=api_key, chat_template=chat_template, **context)

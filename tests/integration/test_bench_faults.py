@@ -49,7 +49,7 @@ def test_a_signal_mid_cell_stops_the_server_bench_serve_started(signum):
         bs.asyncio.run = lambda coro: coro
         args = argparse.Namespace(stub_engine=True, concurrency=[1], requests_per_client=1, max_tokens=2,
                                   shared_prefix=0, tp=1, stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0,
-                                  tokenizer=["embedded"], out=None, prompt_set="random", prompt_file=None)
+                                  stub_stream_interval=1, tokenizer=["embedded"], out=None, prompt_set="random", prompt_file=None)
         sys.exit(bs.run(args))
     """)
     assert r.returncode == 128 + signum, (r.returncode, r.stderr[-2000:])
@@ -82,7 +82,8 @@ def _stub_args(**over):
     import argparse
 
     base = dict(stub_engine=True, concurrency=[1, 2], requests_per_client=1, max_tokens=2, shared_prefix=0, tp=1,
-                stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0, tokenizer=["embedded"], out=None, config=None,
+                stub_step_ms=0.0, stub_host_ms=0.0, stub_stream_interval=1, max_seconds=5.0, tokenizer=["embedded"],
+                out=None, config=None,
                 model=None, decodes=["speculative", "target_only"], prompt_set="random", prompt_file=None,
                 prefix_caching="off", no_cuda_graph=False, disable_overlap_scheduler=False)
     return argparse.Namespace(**{**base, **over})
