@@ -36,6 +36,30 @@ def test_generate_check_tp1(small_yaml, tmp_path, capsys):
     assert "gathered" not in res and "not compared" in text and "speculative vs gathered" not in text
 
 
+def test_generate_check_runs_every_step_speculatively_with_max_concurrency(tmp_path, capsys, caplog, monkeypatch):
+    """``--check`` compares the speculative step with its references plan for plan: a config's max_concurrency
+    (which would decode part of the plans target-only) is not applied there, and one line says so."""
+    from tensorrt_llm_ext.runtime.engine import Engine
+
+    path = tmp_path / "switched.yaml"
+    path.write_text(json.dumps(load_config(**{**SMALL, "speculative_config.max_concurrency": 1}).model_dump(mode="json")))
+    modes = []
+    launch = Engine.launch_step
+
+    def spy(self, slots, mode="speculative"):
+        modes.append(mode)
+        return launch(self, slots, mode)
+    monkeypatch.setattr(Engine, "launch_step", spy)
+    with caplog.at_level("INFO", logger="tensorrt_llm_ext"):
+        rc = main(["generate", "--config", str(path), "--max-new-tokens", "5", "--check", "--no-progress",
+                   "1 2 3", "400,5", "[7, 8, 9, 10]"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "check passed" in text, text
+    assert "max_concurrency=1 not applied" in caplog.text
+    # three requests in flight against a max_concurrency of 1: applied, the served run would decode target-only
+    assert "speculative" in modes and "target_only" not in modes, sorted(set(modes))
+
+
 def test_generate_is_the_default_command_and_reads_a_prompts_file(small_yaml, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# two prompts\n3 4 5\n9\n")
