@@ -216,3 +216,30 @@ def test_gpu_switches_decodes_under_graphs():
         for h in (0, 1, 2, 4):
             assert got[h] == want[h], (overlap, h)
         assert len(got[3]) == 20
+
+
+def test_served_requests_switch_decodes_over_http():
+    """``serve`` with max_concurrency 1 (the overlap scheduler, the engine loop): three greedy completions in flight
+    decode target-only, the last one alone resumes speculation; every answer is the target's own decode, and the
+    switches are counted by the scheduler."""
+    import asyncio
+
+    httpx = pytest.importorskip("httpx")
+    from tensorrt_llm_ext.testing.server import SMALL_SERVE_CONFIG, reference_outputs, start_in_process
+
+    bodies = [{"model": "dspark-embedded", "prompt": [5 + i, 17, 42, 9][: 2 + i], "max_tokens": n,
+               "temperature": 0.0, "ignore_eos": True} for i, n in enumerate((12, 16, 30))]
+    srv = start_in_process({**SMALL_SERVE_CONFIG, "speculative_config.max_concurrency": 1})
+    try:
+        async def post_all():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+        responses = asyncio.run(post_all())
+        switches = srv.loop.scheduler.mode_switches
+    finally:
+        srv.stop(30)
+    assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+    got = [r.json()["choices"][0]["token_ids"] for r in responses]
+    assert got == reference_outputs(SMALL_SERVE_CONFIG, bodies)
+    assert switches >= 2  # to the target-only decode while three ran, back for the last one
