@@ -102,7 +102,7 @@ def stub_device(eng, runner) -> None:
     runner.forward = cached
     from tensorrt_llm_ext.runtime.engine import LaunchedPrefill
 
-    def launch_prefill(slots, requests, mode="speculative", starts=None, prompt_lens=None):
+    def launch_prefill(slots, requests, mode="speculative", starts=None, **kw):
         return LaunchedPrefill(list(slots), mode, torch.ones(len(slots), dtype=torch.int64), None, None)
 
     eng.launch_prefill = launch_prefill

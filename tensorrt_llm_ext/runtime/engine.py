@@ -495,14 +495,17 @@ class Engine:
         return self.collect_prefill(self.launch_prefill(slots, requests, mode, starts))
 
     def launch_prefill(self, slots: list[int], requests: list[Request], mode: str = "speculative",
-                       starts: list[int] | None = None, prompt_lens: list[int] | None = None) -> LaunchedPrefill:
+                       starts: list[int] | None = None, prompt_lens: list[int] | None = None,
+                       draft: bool = True) -> LaunchedPrefill:
         """Enqueue :meth:`prefill_slots`' prefill and the copy of its first tokens (and first block's confidences)
         into host buffers; returns without waiting for the device on CUDA. The overlap scheduler reads them a
         plan later (:meth:`collect_prefill`), so the host goes on launching while the device runs the step before
         the prefill, the prefill and the step after it. The slots' next step may be launched before the collect:
         it reads their first tokens and drafts on the device. The prefill's logits (:meth:`prefill_logprobs`) stay
         valid only until the next launch. ``prompt_lens``: where each request's own prompt ends in its
-        ``prompt_ids`` (a speculative prefill resuming a request: :meth:`DSparkWorker.launch_prefill_batch`)."""
+        ``prompt_ids`` (a speculative prefill resuming a request: :meth:`DSparkWorker.launch_prefill_batch`);
+        ``draft=False``: a speculative prefill that stores the prompt's latents and drafts nothing (the requests
+        decode target-only next: :meth:`hand_over_prefilled_to_target_only`)."""
         worker = self.worker(_path(mode))
         prompts = [list(r.prompt_ids) for r in requests]
         params = [r.sampling for r in requests]
@@ -513,8 +516,9 @@ class Engine:
                 raise ValueError(f"Engine.launch_prefill: prompt_lens resumes speculation; not in mode {mode!r}")
             tokens = self._decoder(mode).launch_prefill_batch(list(slots), prompts, params, starts=starts)
         else:
-            tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts, prompt_lens=prompt_lens)
-            if self.has_confidence_head:  # the prefill drafted each slot's first block: its step verifies them
+            tokens = worker.launch_prefill_batch(list(slots), prompts, params, starts=starts, prompt_lens=prompt_lens,
+                                                 draft=draft)
+            if self.has_confidence_head and draft:  # the prefill drafted each slot's first block: its step verifies them
                 # copied now: the next step rewrites the buffer
                 confidences = _copy_to_host(worker.draft_confidences[:len(slots)])
         return LaunchedPrefill(list(slots), mode, _copy_to_host(tokens), confidences, _copies_done(tokens.device))
@@ -709,8 +713,8 @@ class Engine:
             self._pending_confidences.pop(slot, None)
 
     def hand_over_prefilled_to_target_only(self, slots: list[int], requests: list[Request]) -> None:
-        """``slots``' speculative prefill was just launched (its latents stored, so that their speculation can
-        resume later) and they decode target-only from their first token on (:meth:`ReferenceDecoder.take_over_prefill`:
+        """``slots``' speculative prefill was just launched without drafting (``draft=False``: its latents stored, so
+        that their speculation can resume later) and they decode target-only from their first token on (:meth:`ReferenceDecoder.take_over_prefill`:
         stream-ordered, nothing read back)."""
         self._decoder("target_only").take_over_prefill(list(slots), [r.sampling for r in requests],
                                                        [list(r.prompt_ids) for r in requests])

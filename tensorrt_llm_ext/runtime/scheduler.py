@@ -648,7 +648,7 @@ class Scheduler:
             prompt_lens = ([len(r.request.prompt_ids) if r else len(p.request.prompt_ids) for r, p in zip(resumed, held)]
                            if any(resumed) else None)
             launched = self.engine.launch_prefill([p.slot for p in held], reqs, mode, starts=[p.done for p in held],
-                                                  prompt_lens=prompt_lens)
+                                                  prompt_lens=prompt_lens, draft=mode == self._decoding)
             if mode != self._decoding:  # speculation may resume later: prefilled speculatively, decoded target-only
                 self.engine.hand_over_prefilled_to_target_only([p.slot for p in held], reqs)
             if not defer:
@@ -678,8 +678,8 @@ class Scheduler:
                         or (self.gate is not None and not self.gate.closed))
                 live = self._live[h] = _Live(p.request, p.slot, first_pending=defer, out=[] if keep else None,
                                              stops=self.engine.stop_ids(p.request))
-            # decoding target-only from here: the latents end at its new token's position
-            live.latents_end = len(p.request.prompt_ids) if mode != self._decoding else None
+            # decoding target-only from here: its latents end at its last prompt position (none drafted it)
+            live.latents_end = len(p.request.prompt_ids) - 1 if mode != self._decoding else None
             lives.append(live)
             if not defer:
                 events.append(self._first_token(h, live, firsts[row], stats, lps[row]))

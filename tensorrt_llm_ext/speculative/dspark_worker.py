@@ -400,7 +400,7 @@ class DSparkWorker(SpecWorkerBase):
 
     def launch_prefill_batch(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
                              speculative: bool = True, starts: list[int] | None = None,
-                             prompt_lens: list[int] | None = None) -> torch.Tensor:
+                             prompt_lens: list[int] | None = None, draft: bool = True) -> torch.Tensor:
         """Context phase of several requests in ONE target forward, enqueued: their first generated tokens
         (``[R]`` int64 on the device; nothing waits for the device).
 
@@ -418,7 +418,9 @@ class DSparkWorker(SpecWorkerBase):
         (:class:`SlotSampling`): temperature, seed, top-p set and logits processing. ``prompt_lens[r]``: where
         row ``r``'s own prompt ends when ``prompts[r]`` also holds tokens it generated (a request resuming
         speculation re-prefills what it decoded target-only): the logits processing counts those as generated
-        (presence / frequency penalties read them); default: all prompt.
+        (presence / frequency penalties read them); default: all prompt. ``draft=False`` (speculative): the prompt's
+        latents of positions ``s .. n-2`` stored, nothing drafted and no step state set -- a request that decodes
+        target-only from here keeps latents to resume speculation from (its last prompt position on).
 
         Same tokens and caches as one :meth:`prefill` per request wherever the target's and the drafter's
         GEMMs compute a row independently of the others (the CPU tests check it bit for bit); on a GPU a
@@ -482,6 +484,8 @@ class DSparkWorker(SpecWorkerBase):
             last_latents = None  # the fold put them in the first block's rows
             if out.captured is not None:  # the eager forward (no runner, or its rule said eager): stored here
                 last_latents = self._store_prompt_latents(out, slots_l, starts_t, lens_t).index_select(0, last_t)
+            if not draft:
+                return tok
             st.ctx_lens[slots_l] = (lens_t - 1).to(st.ctx_lens.dtype)
             self.draft_first_block(slots, tok, last_latents)
         return tok

@@ -83,16 +83,16 @@ def test_the_resume_prefills_from_where_the_latents_end_and_counts_the_tokens_ou
     resumes = []
     real = switched.launch_prefill
 
-    def spy(slots, requests, mode="speculative", starts=None, prompt_lens=None):
+    def spy(slots, requests, mode="speculative", starts=None, prompt_lens=None, **kw):
         if prompt_lens is not None:
             resumes.extend((len(r.prompt_ids), k, s) for r, k, s in zip(requests, prompt_lens, starts))
-        return real(slots, requests, mode, starts, prompt_lens)
+        return real(slots, requests, mode, starts, prompt_lens, **kw)
 
     monkeypatch.setattr(switched, "launch_prefill", spy)
     got, sch = _serve(switched, overlap=False)
     assert resumes, "no request resumed speculation"
     for seq, prompt, start in resumes:
-        assert prompt < seq and prompt <= start < seq  # outputs appended; never the prompt again
+        assert prompt < seq and prompt - 1 <= start < seq  # outputs appended; the prompt's last position at most
     # requests 2 and 3 resumed in both speculative rounds, request 4 (or the other survivor) in the second
     assert len(resumes) >= 4
 
@@ -163,19 +163,19 @@ def test_pages_registered_while_decoding_target_only_stop_where_the_latents_do()
                 latents_end[tuple(r.prompt_ids)] = len(r.prompt_ids) + len(o) - 1
             return hand_over(slots, requests, outputs)
 
-        def ownprompt(ids) -> tuple:  # a resumed request's prompt_ids hold its tokens out too
+        def own_prompt(ids) -> tuple:  # a resumed request's prompt_ids hold its tokens out too
             return next((p for p in latents_end if tuple(ids[:len(p)]) == p), tuple(ids))
 
         def on_prefilled(slots, requests):
             for r in requests:
-                latents_end[ownprompt(r.prompt_ids)] = len(r.prompt_ids)
+                latents_end[own_prompt(r.prompt_ids)] = len(r.prompt_ids) - 1  # its last prompt position on
             return prefilled(slots, requests)
 
-        def on_launch(slots, requests, mode="speculative", starts=None, prompt_lens=None):
+        def on_launch(slots, requests, mode="speculative", starts=None, prompt_lens=None, **kw):
             for r, k in zip(requests, prompt_lens or [None] * len(requests)):
                 if k is not None:
                     latents_end[tuple(r.prompt_ids[:k])] = None  # resumed: latents written to its last token
-            return launch(slots, requests, mode, starts, prompt_lens)
+            return launch(slots, requests, mode, starts, prompt_lens, **kw)
 
         def on_register(slot, request, mode="speculative", output_ids=()):
             end = latents_end.get(tuple(request.prompt_ids))
