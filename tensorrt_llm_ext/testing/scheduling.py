@@ -64,3 +64,18 @@ def serve_plans(engine: Engine, requests: dict[int, dict], arrivals: dict[int, t
     assert done == set(requests) and not sch.num_active and not sch.in_flight
     assert engine.slots.num_free == engine.max_batch_size and engine.pages.num_free == engine.pages.num_pages
     return out, sch
+
+
+def graphed_engines(config: dict) -> tuple[Engine, Engine]:
+    """On CUDA with graphs: an engine of ``tiny_model(**config)`` whose scheduler switches decodes, and a plain
+    SMALL one; asserts that making the first's scheduler captured its target-only decode (at start, every rank
+    alike: never mid-serving at a switch)."""
+    import torch
+
+    dev = torch.device("cuda")
+    switching = Engine(load_config(**tiny_model(**config)), device=dev, use_cuda_graph=True)
+    plain = Engine(load_config(**tiny_model(**SMALL)), device=dev, use_cuda_graph=True)
+    Scheduler(switching, mode="speculative", overlap=True)
+    runner = switching._runners.get("target_only")
+    assert runner is not None and runner.enabled
+    return switching, plain

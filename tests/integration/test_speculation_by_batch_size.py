@@ -12,7 +12,7 @@ import torch
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.scheduler import Scheduler
-from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, prompt, serve_plans
+from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, graphed_engines, prompt, serve_plans
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 SWITCHED = {**SMALL, "speculative_config.max_concurrency": 2}
@@ -203,11 +203,7 @@ def test_gpu_switches_decodes_under_graphs():
     """On the GPU with CUDA graphs: the scheduler captures the target-only decode when it is made, admissions above
     max_concurrency prefill speculatively and decode target-only, resumes replay the speculative prefill, and the
     greedy tokens across the switches are those of a target-only engine's graphs."""
-    dev = torch.device("cuda")
-    switched = Engine(load_config(**tiny_model(**SWITCHED)), device=dev, use_cuda_graph=True)
-    plain = Engine(load_config(**tiny_model(**SMALL)), device=dev, use_cuda_graph=True)
-    Scheduler(switched, mode="speculative", overlap=True)
-    assert "target_only" in switched._runners and switched._runners["target_only"].enabled
+    switched, plain = graphed_engines(SWITCHED)
     for overlap in (False, True):
         modes: list[str] = []
         got, _ = _serve(switched, overlap, modes=modes)

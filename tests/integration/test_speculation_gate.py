@@ -12,7 +12,7 @@ from tensorrt_llm_ext.runtime.engine import Engine
 from tensorrt_llm_ext.runtime.scheduler import Scheduler
 from tensorrt_llm_ext.runtime.speculation_gate import SpeculationGate
 from tensorrt_llm_ext.speculative.logits_processing import SlotLogitsProcessors
-from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, prompt, serve_plans
+from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, graphed_engines, prompt, serve_plans
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
 # closes at the first finished request that took a speculative step (no drafter accepts 100 drafts per step)
@@ -205,11 +205,7 @@ def test_serve_reports_the_closed_gate_and_counts_only_speculative_steps():
 def test_gpu_gate_hands_over_under_graphs():
     """On the GPU with CUDA graphs: the gated engine captures its target-only decode when the scheduler is made (not
     when the gate closes), and the greedy tokens across the hand-over are those of a target-only engine's graphs."""
-    dev = torch.device("cuda")
-    gated = Engine(load_config(**tiny_model(**GATED)), device=dev, use_cuda_graph=True)
-    plain = Engine(load_config(**tiny_model(**SMALL)), device=dev, use_cuda_graph=True)
-    Scheduler(gated, mode="speculative", overlap=True)
-    assert "target_only" in gated._runners and gated._runners["target_only"].enabled
+    gated, plain = graphed_engines(GATED)
     for overlap in (False, True):
         modes: list[str] = []
         got, sch = _serve(gated, overlap, modes)
