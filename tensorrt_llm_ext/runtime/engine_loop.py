@@ -164,6 +164,7 @@ class EngineLoop:
         # tokens; the metrics count every token when the engine makes it.
         self.stream_interval = stream_interval
         self._held: dict[int, list[Event]] = {}  # per handle: its events not handed over yet (stream_interval)
+        self._switches = 0  # the scheduler's decode switches counted in the metrics so far
         self.speculative = speculative  # False: --no-speculation (no drafts to count)
         self.channel = channel
         self.metrics = metrics
@@ -363,6 +364,10 @@ class EngineLoop:
             m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
+        m.speculation_resumes.inc(stats.resumed)
+        switches = getattr(self.scheduler, "mode_switches", 0)  # a stub scheduler has none
+        m.decode_switches.inc(switches - self._switches)
+        self._switches = switches
         self._record_speculating()
         # The step's events, in one hand-off (after the metrics: a client that has its answer finds it counted).
         pairs = []

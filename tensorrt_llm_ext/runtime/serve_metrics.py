@@ -143,7 +143,12 @@ class ServerMetrics:
         self.kv_usage = one(Gauge(p + "kv_cache_usage_perc", "Fraction of the KV / latent cache pages held by "
                                   "running requests (0..1)", labels, registry=r))
         self.speculating = one(Gauge(p + "speculative_decoding_enabled", "1 while steps speculate; 0 with "
-                                     "--no-speculation or once the speculation gate has closed", labels, registry=r))
+                                     "--no-speculation, once the speculation gate has closed, or while more requests "
+                                     "are in flight than speculative_config.max_concurrency", labels, registry=r))
+        self.decode_switches = one(counter("speculation_switches", "Hand-overs of the running requests between the "
+                                           "speculative and the target-only decode (the gate's, max_concurrency's)"))
+        self.speculation_resumes = one(counter("speculation_resumes", "Requests whose speculation resumed by a "
+                                               "prefill of the tokens they decoded target-only (max_concurrency)"))
         one(counter("num_preemptions", "Preempted requests (always 0: a request waits for its pages before "
                     "admission, and is never preempted)"))
         # -- vLLM's counters ---------------------------------------------------------------------------------

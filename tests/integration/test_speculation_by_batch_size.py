@@ -233,9 +233,14 @@ def test_served_requests_switch_decodes_over_http():
 
         responses = asyncio.run(post_all())
         switches = srv.loop.scheduler.mode_switches
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
     finally:
         srv.stop(30)
     assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
     got = [r.json()["choices"][0]["token_ids"] for r in responses]
     assert got == reference_outputs(SMALL_SERVE_CONFIG, bodies)
     assert switches >= 2  # to the target-only decode while three ran, back for the last one
+    metrics = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("trtllm_ext_speculation_")}
+    assert metrics["trtllm_ext_speculation_switches_total"] == switches
+    assert metrics["trtllm_ext_speculation_resumes_total"] >= 1  # the last request resumed at least once
