@@ -29,6 +29,7 @@
 #          SERVE_PREFIX=N adds the prefix-reuse A/B (--no-speculation, 32 streams, N shared token ids, ~70 s).
 #          A short verify block at concurrency 1: K_SERVE=3 TLLM_EXT_GEMV_MAX_ROWS=4 SERVE_CONCURRENCY=1 ... serve.
 #          SERVE_MAX_CONCURRENCY=N: speculative_config.max_concurrency (above N in flight, the target-only decode).
+#          SERVE_ROUNDS=N: bench serve --rounds N (fresh servers, the decodes in turns; each cell's spread).
 # step:    bench step --model on the real model and its drafter (K_SERVE, STEP_BATCHES 1,8,32; --no-stock --profile):
 #          the speculative step by stage and the top kernels of one captured step, in the logs' step.log / step.md;
 #          ~1-2 minutes.
@@ -284,7 +285,7 @@ cuda_graph_config:
 EOF
   run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set ${SERVE_PROMPTS:-$( [ -f .gpu_data/prompts.jsonl.gz ] && echo mt_bench || echo held_out )} \
     $( [ -f .gpu_data/prompts.jsonl.gz ] && echo --prompt-file .gpu_data/prompts.jsonl.gz ) \
-    --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 \
+    --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 --rounds ${SERVE_ROUNDS:-1} \
     --out "$OUT/serve.md" --json "$OUT/serve.json" 2>&1 | tail -30 | tee "$OUT/serve.log"
   if [ "${SERVE_PREFIX:-0}" -gt 0 ]; then  # prefix reuse A/B: one shared prefix of SERVE_PREFIX token ids (~70 s)
     run timeout 200 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set held_out \

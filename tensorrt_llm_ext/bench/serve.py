@@ -64,6 +64,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching", choices=["off", "on", "both"], default="off",
                    help="serve with kv_cache_config.enable_block_reuse off, on, or one server of each per decode "
                         "(the prefix-cache hit rate from the server's counters)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="serve every decode's cells this many times, a fresh server each round, in turns (decode A, B, "
+                        "A, B, ...): the table's rows per round, then each cell's median and spread over the rounds "
+                        "(a machine whose speed drifts between runs shows in the spread, not in one ratio)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="serve both decodes eagerly (default on a CUDA device: both captured, like for like)")
     p.add_argument("--disable-overlap-scheduler", action="store_true",
@@ -320,7 +324,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
     import math
 
     for name, lo, hi in (("concurrency", 1, 4096), ("requests_per_client", 1, 1 << 20), ("max_tokens", 1, 1 << 20),
-                         ("shared_prefix", 0, 1 << 20), ("tp", 1, 1024), ("stub_stream_interval", 1, 1 << 20)):
+                         ("shared_prefix", 0, 1 << 20), ("tp", 1, 1024), ("stub_stream_interval", 1, 1 << 20),
+                         ("rounds", 1, 100)):
         values = getattr(args, name)
         for v in values if isinstance(values, list) else [values]:
             if v is not None and not lo <= v <= hi:
@@ -410,10 +415,12 @@ def _model_run(args: argparse.Namespace) -> int | None:
 
     shared = [random.Random(11).randrange(cfg.model.target.vocab_size) for _ in range(args.shared_prefix)]
     empty = []
-    for decode, reuse in ((d, r) for d in args.decodes for r in caching):
+    rounds: dict[tuple, list[tuple[float, float]]] = {}  # a cell's (TPOT p50 ms, output tok/s) per round
+    for rnd, decode, reuse in ((k, d, r) for k in range(args.rounds) for d in args.decodes for r in caching):
+        label = decode if args.rounds == 1 else f"{decode} r{rnd + 1}"
         server = start_server(srv_args + (["--no-speculation"] if decode == "target_only" else []) +
                               (["--enable-prefix-caching"] if reuse else []),
-                              str(work / f"server_{decode}_{'reuse' if reuse else 'whole'}.log"))
+                              str(work / f"server_{decode}_{'reuse' if reuse else 'whole'}_{rnd}.log"))
         with _exit_code_on_last_row(server, rows):
             for name, sampling in SAMPLINGS.items():
                 for conc in args.concurrency:
@@ -439,8 +446,11 @@ def _model_run(args: argparse.Namespace) -> int | None:
                     looked_up = m1["prefix_cache_queries"] - m0["prefix_cache_queries"]
                     hit = (m1["prefix_cache_hits"] - m0["prefix_cache_hits"]) / looked_up if looked_up else 0.0
                     if not res:
-                        empty.append(_empty_cell(f"{decode}, {name}, concurrency {conc}", errors))
-                    rows.append([decode, name, f"on ({hit:.0%} hit)" if reuse else "off", conc, n, len(res),
+                        empty.append(_empty_cell(f"{label}, {name}, concurrency {conc}", errors))
+                    cache = f"on ({hit:.0%} hit)" if reuse else "off"
+                    rounds.setdefault((decode, name, "on" if reuse else "off", conc), []).append(
+                        (statistics.median(tpot) * 1e3 if tpot else float("nan"), tokens / wall))
+                    rows.append([label, name, cache, conc, n, len(res),
                                  len(errors),
                                  _median_ms(ttft, 1),
                                  fmt(_pct(ttft, 0.99) * 1e3, 1),
@@ -483,4 +493,25 @@ def _model_run(args: argparse.Namespace) -> int | None:
                 ["decode", "sampling", "prefix cache", "concurrency", "requests", "ok", "errors", "TTFT p50 ms",
                  "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "req/s", "mean acceptance", "step ms",
                  "host ms/step", "prefill ms/step", "kernel builds", "GC ms", "exit"], rows, notes)
+    if args.rounds > 1:
+        print_table(f"bench serve: each cell over {args.rounds} rounds",
+                    ["decode", "sampling", "prefix cache", "concurrency", "TPOT p50 ms: median", "min", "max",
+                     "max / min", "output tok/s: median", "min", "max"], _round_rows(rounds),
+                    ["every round a fresh server per decode, the decodes in turns; the TPOT p50 and output tok/s of "
+                     "the table above, per cell"])
     return _nothing_measured(empty, work)
+
+
+def _round_rows(rounds: dict[tuple, list[tuple[float, float]]]) -> list[list]:
+    """Per cell, the median / min / max over its rounds of its TPOT p50 and output tokens/s (the spread of TPOT as
+    max / min: how far one round's ratio between decodes can be from another's)."""
+    rows = []
+    for (decode, name, cache, conc), vals in rounds.items():
+        tpot = [t for t, _ in vals if t == t]
+        rate = [r for _, r in vals]
+        row = [decode, name, cache, conc]
+        row += ([fmt(statistics.median(tpot), 2), fmt(min(tpot), 2), fmt(max(tpot), 2),
+                 fmt(max(tpot) / min(tpot), 2) if min(tpot) > 0 else "-"] if tpot else ["-"] * 4)
+        row += [fmt(statistics.median(rate), 1), fmt(min(rate), 1), fmt(max(rate), 1)]
+        rows.append(row)
+    return rows

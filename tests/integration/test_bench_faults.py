@@ -49,7 +49,7 @@ def test_a_signal_mid_cell_stops_the_server_bench_serve_started(signum):
         bs.asyncio.run = lambda coro: coro
         args = argparse.Namespace(stub_engine=True, concurrency=[1], requests_per_client=1, max_tokens=2,
                                   shared_prefix=0, tp=1, stub_step_ms=0.0, stub_host_ms=0.0, max_seconds=5.0,
-                                  stub_stream_interval=1, tokenizer=["embedded"], out=None, prompt_set="random", prompt_file=None)
+                                  stub_stream_interval=1, rounds=1, tokenizer=["embedded"], out=None, prompt_set="random", prompt_file=None)
         sys.exit(bs.run(args))
     """)
     assert r.returncode == 128 + signum, (r.returncode, r.stderr[-2000:])
@@ -82,7 +82,8 @@ def _stub_args(**over):
     import argparse
 
     base = dict(stub_engine=True, concurrency=[1, 2], requests_per_client=1, max_tokens=2, shared_prefix=0, tp=1,
-                stub_step_ms=0.0, stub_host_ms=0.0, stub_stream_interval=1, max_seconds=5.0, tokenizer=["embedded"],
+                stub_step_ms=0.0, stub_host_ms=0.0, stub_stream_interval=1, rounds=1, max_seconds=5.0,
+                tokenizer=["embedded"],
                 out=None, config=None,
                 model=None, decodes=["speculative", "target_only"], prompt_set="random", prompt_file=None,
                 prefix_caching="off", no_cuda_graph=False, disable_overlap_scheduler=False)
@@ -234,6 +235,35 @@ def test_bench_serve_prompt_set_sends_bench_acceptances_prompts(tmp_path, monkey
     assert bs.run(_stub_args(**{**args, "prompt_set": "humaneval"})) == 2
     assert "error: bench serve: --prompt-set humaneval: no humaneval prompts found" in capsys.readouterr().err
     assert started == []
+
+
+def test_bench_serve_rounds_alternate_fresh_servers_and_report_each_cells_spread(monkeypatch, capsys):
+    """--rounds 3: a fresh server per decode per round, the decodes in turns; the main table's rows per round, then
+    each cell's median / min / max TPOT and tokens/s over the rounds."""
+    import collections
+
+    import tensorrt_llm_ext.bench.serve as bs
+    import tensorrt_llm_ext.bench.server_process as sp
+
+    started, tpots = [], iter([0.004, 0.001, 0.002] * 8)
+    monkeypatch.setattr(sp, "start_server", lambda args, *a, **k: started.append("--no-speculation" in args)
+                        or _FakeServer())
+
+    async def cell(url, bodies, concurrency, deadline):
+        return [(0.01, next(tpots), 2)] * len(bodies), []
+
+    monkeypatch.setattr(bs, "_cell", cell)
+    monkeypatch.setattr(bs, "_scrape", lambda url: collections.defaultdict(float))
+    assert bs.run(_stub_args(stub_engine=False, concurrency=[1], rounds=3)) == 0
+    assert started == [False, True] * 3  # speculative, target-only, in turns, each round a fresh server
+    out = capsys.readouterr().out
+    assert "speculative r1" in out and "target_only r3" in out  # the main table: a row per cell per round
+    summary = out[out.index("each cell over 3 rounds"):]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in summary.splitlines()
+            if line.startswith("| speculative") or line.startswith("| target_only")]
+    assert len(rows) == 4  # 2 decodes x 2 samplings, one cell each
+    # every cell saw 4, 1 and 2 ms in some order over its rounds (the fake's cycle)
+    assert all(r[4:8] == ["2.00", "1.00", "4.00", "4.00"] for r in rows), rows
 
 
 def test_a_server_that_exits_while_starting_names_its_last_log_line(tmp_path):
