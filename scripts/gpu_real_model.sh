@@ -283,7 +283,7 @@ cuda_graph_config:
   enable_padding: true
   prefill_max_tokens: ${PREFILL_MAX_TOKENS:-2048}
 EOF
-  run timeout 240 $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set ${SERVE_PROMPTS:-$( [ -f .gpu_data/prompts.jsonl.gz ] && echo mt_bench || echo held_out )} \
+  run timeout $(( 240 * ${SERVE_ROUNDS:-1} )) $CLI bench serve --model "$MODEL" --config "$WORK/serve.yaml" --prompt-set ${SERVE_PROMPTS:-$( [ -f .gpu_data/prompts.jsonl.gz ] && echo mt_bench || echo held_out )} \
     $( [ -f .gpu_data/prompts.jsonl.gz ] && echo --prompt-file .gpu_data/prompts.jsonl.gz ) \
     --concurrency ${SERVE_CONCURRENCY:-1 32} --requests-per-client 4 --max-tokens 128 --max-seconds 20 --rounds ${SERVE_ROUNDS:-1} \
     --out "$OUT/serve.md" --json "$OUT/serve.json" 2>&1 | tail -30 | tee "$OUT/serve.log"
