@@ -11,7 +11,8 @@ import torch
 
 from tensorrt_llm_ext.runtime.config import ConfigError, load_config
 from tensorrt_llm_ext.runtime.engine import Engine
-from tensorrt_llm_ext.runtime.scheduler import Scheduler
+from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
+from tensorrt_llm_ext.testing.requests import make_request
 from tensorrt_llm_ext.testing.scheduling import SMALL, eager_engine, graphed_engines, prompt, serve_plans
 from tensorrt_llm_ext.testing.tiny_models import tiny_model
 
@@ -244,3 +245,44 @@ def test_served_requests_switch_decodes_over_http():
                if line.startswith("trtllm_ext_speculation_")}
     assert metrics["trtllm_ext_speculation_switches_total"] == switches
     assert metrics["trtllm_ext_speculation_resumes_total"] >= 1  # the last request resumed at least once
+
+
+def test_a_resume_refused_by_a_layer_below_fails_its_requests_and_the_engine_serves_on(engines, monkeypatch):
+    """A request-level error in a resume's prefill (a layer below refusing a value) ends the requests of that prefill
+    with an error after their tokens so far -- no token lost or repeated before it -- frees their slots and pages,
+    and the engine serves the next request speculatively."""
+    switched, plain = engines
+    real = switched.launch_prefill
+    refused = []
+
+    culprit = REQUESTS[2]["prompt_ids"]
+
+    def refusing(slots, requests, mode="speculative", starts=None, prompt_lens=None, **kw):
+        if prompt_lens is not None and any(list(r.prompt_ids[:len(culprit)]) == culprit for r in requests):
+            refused.append(len(requests))  # a batch with it fails; retried alone, it fails alone
+            raise ValueError("top_p: expected values in (0, 1], got [0.0]")
+        return real(slots, requests, mode, starts, prompt_lens, **kw)
+
+    monkeypatch.setattr(switched, "launch_prefill", refusing)
+    sch = Scheduler(switched, mode="speculative")
+    out, ends = {h: [] for h in REQUESTS}, {}
+    for i in range(300):
+        admit = [(h, make_request(**REQUESTS[h])) for h in ((0, 1, 2, 3) if i == 0 else ())]
+        events, _ = sch.apply(StepPlan(admit=admit))
+        for e in events:
+            out[e.handle].extend(e.tokens)
+            if e.finish_reason:
+                ends[e.handle] = (e.finish_reason, e.error)
+        if len(ends) == 4:
+            break
+    assert refused and len(ends) == 4 and not sch.num_active
+    assert ends[2][0] == "error" and "refused in its prefill" in ends[2][1], ends[2]
+    assert 0 < len(out[2]) < REQUESTS[2]["max_new_tokens"]  # its tokens before the resume, then the error
+    first4 = {h: REQUESTS[h] for h in (0, 1, 2, 3)}
+    want, _ = serve_plans(plain, first4, {0: (0, 1, 2, 3)}, overlap=False, mode="target_only")
+    assert out[2] == want[2][:len(out[2])] and out[0] == want[0] and out[1] == want[1]  # none lost or repeated
+    for h in (0, 1, 3):  # the others, resumed in the same plan or not, run to their length
+        assert ends[h][0] == "length" and len(out[h]) == REQUESTS[h]["max_new_tokens"], h
+    assert switched.slots.num_free == SMALL["max_batch_size"] and switched.pages.num_free == switched.pages.num_pages
+    got, _ = serve_plans(switched, {4: REQUESTS[4]}, {0: (4,)}, overlap=False)  # serves on
+    assert len(got[4]) == REQUESTS[4]["max_new_tokens"]
