@@ -364,10 +364,12 @@ class EngineLoop:
             m.iteration_tokens.observe(prefilled + generated)
         m.active.set(self.scheduler.num_active)
         m.kv_usage.set(self.scheduler.kv_cache_usage)
-        m.speculation_resumes.inc(stats.resumed)
+        if stats.resumed:
+            m.speculation_resumes.inc(stats.resumed)
         switches = getattr(self.scheduler, "mode_switches", 0)  # a stub scheduler has none
-        m.decode_switches.inc(switches - self._switches)
-        self._switches = switches
+        if switches != self._switches:  # (an inc takes the metric's lock: not every plan for nothing)
+            m.decode_switches.inc(switches - self._switches)
+            self._switches = switches
         self._record_speculating()
         # The step's events, in one hand-off (after the metrics: a client that has its answer finds it counted).
         pairs = []

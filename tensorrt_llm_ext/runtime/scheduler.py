@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.requests import Request, RequestError
-from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate
+from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate, speculation_max_concurrency
 
 # The exceptions a request's own values cause in host code: a ValueError a layer below raises for a value it
 # refuses, an ArithmeticError (OverflowError, ZeroDivisionError) computing with one (a top_k past int64 once
@@ -215,7 +215,7 @@ class Scheduler:
         self.gate = speculation_gate(engine, mode)
         # Speculation by batch size (speculative_config.max_concurrency; the serving speculative mode only, as the
         # gate): the running requests decode target-only while more requests are in flight than it says.
-        self.max_concurrency = engine.config.speculative_config.max_concurrency if mode == "speculative" else None
+        self.max_concurrency = speculation_max_concurrency(engine, mode)
         self._decoding = mode  # the decode the running requests are in now
         self.mode_switches = 0  # hand-overs between the speculative and the target-only decode
         if (self.gate is not None or self.max_concurrency is not None) and engine.use_cuda_graph:

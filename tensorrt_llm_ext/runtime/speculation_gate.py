@@ -21,7 +21,7 @@ from collections import deque
 
 from tensorrt_llm_ext.logger import logger
 
-__all__ = ["SpeculationGate", "speculation_gate"]
+__all__ = ["SpeculationGate", "speculation_gate", "speculation_max_concurrency"]
 
 
 class SpeculationGate:
@@ -69,3 +69,9 @@ def speculation_gate(engine, mode: str) -> SpeculationGate | None:
     if not spec.acceptance_window or mode != "speculative":
         return None
     return SpeculationGate(spec.acceptance_window, spec.acceptance_length_threshold)
+
+
+def speculation_max_concurrency(engine, mode: str) -> int | None:
+    """The ``speculative_config.max_concurrency`` a scheduler over ``engine`` in ``mode`` applies (more requests in
+    flight than it: the target-only decode): the serving speculative mode only, as the gate; None otherwise."""
+    return engine.config.speculative_config.max_concurrency if mode == "speculative" else None

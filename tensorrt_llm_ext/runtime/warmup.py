@@ -26,7 +26,7 @@ from tensorrt_llm_ext.logger import logger
 from tensorrt_llm_ext.runtime.compile_watch import compile_watch
 from tensorrt_llm_ext.runtime.requests import Request
 from tensorrt_llm_ext.runtime.scheduler import Scheduler, StepPlan
-from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate
+from tensorrt_llm_ext.runtime.speculation_gate import speculation_gate, speculation_max_concurrency
 
 __all__ = ["WARMUP_LENGTHS", "WARMUP_ROWS", "WARMUP_SAMPLING", "WarmupReport", "warm_up", "warmup_rounds"]
 
@@ -126,8 +126,7 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
     # admissions are warmed too (with max_concurrency the speculative rounds wider than it switch between the two
     # decodes, as served). The warm-up's own schedulers run without a gate: its requests' acceptance (random
     # prompts) says nothing of the served traffic's, and its verdict would only be a misleading log line.
-    switches = (speculation_gate(engine, mode) is not None
-                or (mode == "speculative" and engine.config.speculative_config.max_concurrency is not None))
+    switches = speculation_gate(engine, mode) is not None or speculation_max_concurrency(engine, mode) is not None
     modes = [mode] + (["target_only"] if switches else [])
     for (kind, rows, length, extra), run_mode in [(r, m) for m in modes for r in rounds]:
         scheduler = Scheduler(engine, mode=run_mode, overlap=overlap)

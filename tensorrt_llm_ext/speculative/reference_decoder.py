@@ -68,8 +68,8 @@ class ReferenceDecoder:
         return toks
 
     def take_over_prefill(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]]) -> None:
-        """Continue ``slots`` -- their worker prefill just launched (``worker.prefill_rows``; a speculative one too:
-        its drafts and latents are simply not read here) -- in this decode: the first token's position and id from
+        """Continue ``slots`` -- their worker prefill just launched (``worker.prefill_rows``; a speculative one without
+        drafting too, whose stored latents this decode does not read) -- in this decode: the first token's position and id from
         the prefill's device rows, and where this decode keeps its own logits processing, the requests' fields and
         the first token counted. Stream-ordered behind the prefill; nothing read back."""
         w, st = self.worker, self.worker.state
