@@ -100,6 +100,9 @@ VARIANTS = {
     "m3": _every_step(AttentionConfig(128, 4, 2, 32, 3, prefetch=2)),
     "n64m3": _every_step(AttentionConfig(64, 4, 2, 32, 3, prefetch=2)),
     "n64m4": _every_step(AttentionConfig(64, 4, 2, 32, 4, prefetch=2)),
+    # the 16-row dot tiles' K blocks in 2 / 4 parts, one warp's batch each (DOT_K_SPLIT; 1 = the model's default)
+    "ks2": dict(DOT_K_SPLIT=2),
+    "ks4": dict(DOT_K_SPLIT=4),
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,

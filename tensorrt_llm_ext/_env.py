@@ -36,6 +36,9 @@ class _Env:
     # TLLM_EXT_GEMV_MAX_ROWS=N: the target's small-step products up to N rows take the dot-free few-row form
     # (kernels/fused_linear.py; default 1, the measured setting): for an A/B of a short verify block on the GPU.
     gemv_max_rows: int = 1
+    # TLLM_EXT_DOT_K_SPLIT=1 / 2 / 4: the parts a 16-row dot tile's K blocks split into across its warps
+    # (kernels/fused_linear.py DOT_K_SPLIT; 1: off): an A/B of the small steps' products on the GPU.
+    dot_k_split: int = 1
     # TLLM_EXT_SERVE_WARMUP=0: serve skips its start-up warm-up (runtime/warmup.py): a faster start, and an A/B of
     # what the warm-up changes; the first request of each kind then waits for its kernel builds.
     serve_warmup: bool = True
@@ -54,7 +57,8 @@ class _Env:
         return (f"TRITON_INTERPRET={int(self.triton_interpret)}, TLLM_EXT_COLLECTIVE_TIMEOUT_S="
                 f"{self.collective_timeout_s:g}, TLLM_EXT_LOG_LEVEL={self.log_level}, "
                 f"TLLM_EXT_CHECK_VALUES={int(self.check_values)}, TLLM_EXT_PDL={int(self.pdl)}, "
-                f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}, TLLM_EXT_SERVE_WARMUP={int(self.serve_warmup)}, "
+                f"TLLM_EXT_GEMV_MAX_ROWS={self.gemv_max_rows}, TLLM_EXT_DOT_K_SPLIT={self.dot_k_split}, "
+                f"TLLM_EXT_SERVE_WARMUP={int(self.serve_warmup)}, "
                 f"TLLM_EXT_SERVE_GC_FREEZE={int(self.serve_gc_freeze)}, "
                 f"TLLM_EXT_LOSS_LAYOUT={self.loss_layout or ''}, "
                 f"TLLM_EXT_LOSS_KERNEL={self.loss_kernel}")
@@ -82,6 +86,10 @@ def _read() -> _Env:
     except ValueError:
         errors.append(f"TLLM_EXT_GEMV_MAX_ROWS={raw_rows!r}: expected an integer in [0, 16]")
         gemv_rows = 1
+    raw_split = os.environ.get("TLLM_EXT_DOT_K_SPLIT", "1")
+    if raw_split not in ("1", "2", "4"):
+        errors.append(f"TLLM_EXT_DOT_K_SPLIT={raw_split!r}: expected 1, 2 or 4")
+        raw_split = "1"
     layout = os.environ.get("TLLM_EXT_LOSS_LAYOUT") or None
     if layout not in (None, "rows", "joint", "dedup"):
         errors.append(f"TLLM_EXT_LOSS_LAYOUT={layout!r}: expected rows, joint or dedup (unset: timed at the first step)")
@@ -98,6 +106,7 @@ def _read() -> _Env:
         check_values=os.environ.get("TLLM_EXT_CHECK_VALUES", "0") == "1",
         pdl=os.environ.get("TLLM_EXT_PDL", "1") != "0",
         gemv_max_rows=gemv_rows,
+        dot_k_split=int(raw_split),
         serve_warmup=os.environ.get("TLLM_EXT_SERVE_WARMUP", "1") != "0",
         serve_gc_freeze=os.environ.get("TLLM_EXT_SERVE_GC_FREEZE", "1") != "0",
         loss_layout=layout,

@@ -92,6 +92,11 @@ DOT_STAGES = 3
 # replay at 1k keys, two runs each): [32, 1] 1104 / 1081 -> 1060 / 1044 us, [4, 8] 856 / 846 -> 812 / 798,
 # [1, 8] 692 / 691 -> 670 / 665, [1, 1] unchanged (the few-row form).
 DOT_PEEL_FIRST_BLOCK = False
+# Parts each BLOCK_K block of a 16-row dot tile is split into, a batch of one batched dot each, summed at the end
+# (1: off). A 16 x 16 tile runs on mma.sync (wgmma needs 64 rows), one warp's accumulator chain of K / 16 dependent
+# MMAs (36 at K = 576, 96 at down's 1536); split in 4 on 4 warps the chain is 4x shorter and the parts' sum one
+# reduction. Another summation order over K (bits differ from 1, within the product's rounding), shape-only.
+DOT_K_SPLIT = ENV.dot_k_split
 
 
 @triton.jit
@@ -121,11 +126,32 @@ def _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _normed_tile(x, rstd, norm_w_ptr, kk, k_ok):
-    """The RMSNorm of a ``[BLOCK_M, BLOCK_K]`` tile in the input dtype (rms_norm's two roundings)."""
+    """The RMSNorm of an input tile in the input dtype (rms_norm's two roundings): ``rstd``, ``kk`` and ``k_ok``
+    broadcast to the tile (``[BLOCK_M, 1]`` and ``[1, BLOCK_K]`` for ``[BLOCK_M, BLOCK_K]``)."""
     dt = x.dtype
-    normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+    normed = (x.to(tl.float32) * rstd).to(dt).to(tl.float32)
     w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    return (normed * w[None, :]).to(dt)
+    return (normed * w).to(dt)
+
+
+@triton.jit
+def _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM: tl.constexpr,
+                 KSPLIT: tl.constexpr, KS: tl.constexpr):
+    """The ``[KSPLIT, BLOCK_M, KS]`` input tile of inputs ``k0 .. k0 + KSPLIT * KS - 1`` (part ``s`` holds
+    ``k0 + s KS ..``), normed when ``NORM``: the K-split dot tiles' operand (:data:`DOT_K_SPLIT`)."""
+    ka = k0 + tl.arange(0, KSPLIT)[:, None, None] * KS + tl.arange(0, KS)[None, None, :]
+    ka_ok = ka < k
+    a = tl.load(x_ptr + rows[None, :, None] * stride_xm + ka, mask=row_ok[None, :, None] & ka_ok, other=0.0)
+    if NORM:
+        a = _normed_tile(a, rstd[None, :, None], norm_w_ptr, ka, ka_ok)
+    return a
+
+
+@triton.jit
+def _split_weight(w_ptr, w_rows, col_ok, k0, k, KSPLIT: tl.constexpr, KS: tl.constexpr):
+    """The ``[KSPLIT, KS, BLOCK_N]`` weight tile matching :func:`_split_input` (``w_rows``: element offsets)."""
+    kw = k0 + tl.arange(0, KSPLIT)[:, None, None] * KS + tl.arange(0, KS)[None, :, None]
+    return tl.load(w_ptr + w_rows[None, None, :] + kw, mask=(kw < k) & col_ok[None, None, :], other=0.0)
 
 
 @triton.jit
@@ -170,7 +196,7 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY_RES: tl.constexpr,
-    PEEL: tl.constexpr,
+    PEEL: tl.constexpr, KSPLIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,15 +229,34 @@ def _fused_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
+    else:
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if KSPLIT > 1:
+        # Each BLOCK_K block split into KSPLIT parts, one batch of a batched dot each (its own warp and
+        # accumulator), summed at the end: a 16-row tile's MMAs otherwise form one dependent chain of K / 16
+        # steps per warp. The parts' order of summation is fixed by the settings (shape-only), as BLOCK_K's is.
+        KS: tl.constexpr = BLOCK_K // KSPLIT
+        acc3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
+        acc_up3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            a = _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM, KSPLIT, KS)
+            acc3 = _mac(acc3, a, _split_weight(w_ptr, w_rows, col_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
+                        PRECISION)
+            if EPILOGUE == 1:
+                acc_up3 = _mac(acc_up3, a, _split_weight(w_ptr + n * stride_wn, w_rows, col_ok, k0, k, KSPLIT, KS),
+                               False, DOT_DTYPE, PRECISION)
+        acc = tl.sum(acc3, axis=0)
+        acc_up = tl.sum(acc_up3, axis=0)
+        k_begin = k  # the loop below runs no iteration
     if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
         kk0 = tl.arange(0, BLOCK_K)
         k_ok0 = kk0 < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
                     other=0.0)
         if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk0[None, :], k_ok0[None, :])
         acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
         if EPILOGUE == 1:
             acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
@@ -220,7 +265,7 @@ def _fused_linear_kernel(
         k_ok = kk < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk[None, :], k_ok[None, :])
         w_mask = k_ok[:, None] & col_ok[None, :]
         w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _mac(acc, a, w, GEMV, DOT_DTYPE, PRECISION)
@@ -268,6 +313,22 @@ def dot_block_m(m: int) -> int:
     """Rows per program of the dot tiles for an ``m``-row step: 16 up to :data:`SMALL_STEP_ROWS` rows, else the
     next power of two up to :data:`MAX_BLOCK_M`."""
     return 16 if m <= SMALL_STEP_ROWS else min(MAX_BLOCK_M, triton.next_power_of_2(m))
+
+
+# fp32 accumulator elements a K-split program may hold (KSPLIT x BLOCK_M x the accumulators' columns): 16 registers
+# a thread at 4 warps. Wider tiles keep one part (a Qwen3-like head-dim-128 QKV tile, 2 x 64 columns, spilled
+# 20-56 B split in 2 / 4 at 255 registers, sm_90, Triton 3.6.0).
+SPLIT_MAX_ACC = 2048
+
+
+def dot_k_split(block_m: int, block_k: int, acc_cols: int) -> int:
+    """``KSPLIT`` of the dot tiles: :data:`DOT_K_SPLIT` for 16-row tiles (steps of at most
+    :data:`SMALL_STEP_ROWS` rows, where a tile's MMAs are few and chained) whose ``BLOCK_K`` gives each part 16
+    inputs or more and whose accumulators (``acc_cols`` columns in all) fit :data:`SPLIT_MAX_ACC` split, else 1.
+    Shape-only, like the other settings."""
+    split = DOT_K_SPLIT
+    ok = split > 1 and block_m == 16 and block_k >= 16 * split and split * block_m * acc_cols <= SPLIT_MAX_ACC
+    return split if ok else 1
 
 
 def fused_linear_settings(m: int, n: int, k: int, elem_bytes: int = 2, gate_up: bool = False,
@@ -380,13 +441,14 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             m, n, k, max(x.element_size(), weight.element_size()), epilogue == EPI_SILU_MUL)
     dot_dtype, precision = dot_settings(x, weight)
     pdl = programmatic_launch(x)
-    peel = pdl and (gemv or DOT_PEEL_FIRST_BLOCK)
+    ksplit = 1 if gemv else dot_k_split(block_m, block_k, block_n * (2 if epilogue == EPI_SILU_MUL else 1))
+    peel = pdl and (gemv or (DOT_PEEL_FIRST_BLOCK and ksplit == 1))
     _fused_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, res, out,
         m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), float(eps),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv,
-        PDL=pdl, PEEL=peel,
+        PDL=pdl, PEEL=peel, KSPLIT=ksplit,
         PREFETCH_LINES=prefetch_lines(k, block_k if peel else 0, weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // weight.element_size(), K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,
         EARLY_RES=bool(early_residual and EARLY_EPILOGUE and residual is not None),

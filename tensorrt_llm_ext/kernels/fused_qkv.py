@@ -38,8 +38,9 @@ import triton.language as tl
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels import fused_linear as _fl
 from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, WEIGHT_PREFETCH, _mac, _normed_tile,
-                                                   _prefetch_rows_l2, _row_rstd, dot_block_m, dot_settings,
-                                                   norm_unroll, prefetch_lines, stage_block_k)
+                                                   _prefetch_rows_l2, _row_rstd, _split_input, _split_weight,
+                                                   dot_block_m, dot_k_split, dot_settings, norm_unroll,
+                                                   prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -93,7 +94,7 @@ def _fused_qkv_rope_kernel(
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, WEIGHT_LINE: tl.constexpr, K_UNROLL: tl.constexpr, EARLY: tl.constexpr,
-    PEEL: tl.constexpr,
+    PEEL: tl.constexpr, KSPLIT: tl.constexpr,
 ):
     head = tl.program_id(0) // chunks  # 0 .. H-1: q heads, then KVH k heads, then KVH v heads
     chunk = tl.program_id(0) % chunks  # which BLOCK_HALF columns of each half (a whole head with q / k norms)
@@ -127,15 +128,30 @@ def _fused_qkv_rope_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
+    else:
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    if KSPLIT > 1:  # fused_linear's K-split dot tiles (DOT_K_SPLIT): shorter MMA chains, the parts summed at the end
+        KS: tl.constexpr = BLOCK_K // KSPLIT
+        acc1_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_HALF], tl.float32)
+        acc2_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_HALF], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            a = _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM, KSPLIT, KS)
+            acc1_3 = _mac(acc1_3, a, _split_weight(w_ptr, w1_rows, i_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
+                          PRECISION)
+            acc2_3 = _mac(acc2_3, a, _split_weight(w_ptr, w2_rows, i_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
+                          PRECISION)
+        acc1 = tl.sum(acc1_3, axis=0)
+        acc2 = tl.sum(acc2_3, axis=0)
+        k_begin = k  # the loop below runs no iteration
     if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
         kk0 = tl.arange(0, BLOCK_K)
         k_ok0 = kk0 < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
                     other=0.0)
         if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk0, k_ok0)
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk0[None, :], k_ok0[None, :])
         acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
         acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
     for k0 in range(k_begin, k, BLOCK_K):
@@ -143,7 +159,7 @@ def _fused_qkv_rope_kernel(
         k_ok = kk < k
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
-            a = _normed_tile(a, rstd, norm_w_ptr, kk, k_ok)
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk[None, :], k_ok[None, :])
         w_mask = k_ok[:, None] & i_ok[None, :]
         w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
         w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
@@ -280,7 +296,8 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
                                                               q_norm_weight is not None, x.element_size())
     dot_dtype, precision = dot_settings(x, qkv_weight)
     pdl = programmatic_launch(x)
-    peel = pdl and (gemv or _fl.DOT_PEEL_FIRST_BLOCK)
+    ksplit = 1 if gemv else dot_k_split(block_m, block_k, 2 * block_half)
+    peel = pdl and (gemv or (_fl.DOT_PEEL_FIRST_BLOCK and ksplit == 1))
     dummy = qkv_weight
     _fused_qkv_rope_kernel[((num_heads + 2 * kvh) * chunks, triton.cdiv(m, block_m))](
         x, qkv_weight, qkv_bias if qkv_bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -294,7 +311,7 @@ def fused_qkv_rope(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
         HALF=half, NORM=norm_weight is not None, HAS_BIAS=qkv_bias is not None, QK_NORM=q_norm_weight is not None,
         BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype, PRECISION=precision, GEMV=gemv, PDL=pdl,
-        PEEL=peel,
+        PEEL=peel, KSPLIT=ksplit,
         PREFETCH_LINES=prefetch_lines(k, block_k if peel else 0, qkv_weight.element_size(), pdl and WEIGHT_PREFETCH),
         WEIGHT_LINE=128 // qkv_weight.element_size(),
         K_UNROLL=norm_unroll(k, block_k) if norm_weight is not None else 0,

@@ -389,35 +389,44 @@ def _paged_attention():
 # -- target fused layer (small steps) --------------------------------------------------------------------------
 def _fused_layer():
     from tensorrt_llm_ext.kernels.fused_linear import EPI_RESIDUAL, EPI_SILU_MUL, fused_linear
+    from tensorrt_llm_ext.kernels import fused_linear as fl
     from tensorrt_llm_ext.kernels.fused_qkv import fused_qkv_rope
 
+    default_split = fl.DOT_K_SPLIT
     # SmolLM2-135M (hidden 576, 9 / 3 heads x 64, MLP 1536), an 8B Llama (4096, 32 / 8 x 128, 14336) and a
     # Qwen3-like target (q / k norms, q/k/v biases); M = 1 and 4 (the few-row dot-free form), 8 and 64
     # (FUSED_MAX_ROWS: B = 8 verify at K = 7). Weights are torch.empty: nothing runs, and an 8B layer must not be
     # touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
-    for dtype in FLOATS:
-        for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
-            page, max_pages, b = 16, 8, 64
-            table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
-            pool = torch.empty(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
-            wqkv = torch.empty((heads + 2 * kv_heads) * d, hidden, dtype=dtype)
-            bias = torch.empty(wqkv.shape[0], dtype=dtype) if qwen else None
-            qk = torch.empty(d, dtype=dtype) if qwen else None
-            norm = torch.empty(hidden, dtype=dtype)
-            w_gate_up, w_down = torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype)
-            w_o = torch.empty(hidden, heads * d, dtype=dtype)
-            for m in (1, 4, 8, 64):
-                t = 8 if m == 64 else 1
-                x = torch.empty(m // t, t, hidden, dtype=dtype)
-                pos = torch.zeros(m // t, t, dtype=torch.int64)
-                cos = torch.empty(m // t, t, d // 2)
-                slots = torch.zeros(m // t, dtype=torch.int32)
-                fused_qkv_rope(x, wqkv, bias, norm, 1e-6, cos, cos, pos, slots, table, pool, pool, heads, qk, qk)
-                h = x.view(m, hidden)
-                fused_linear(torch.empty(m, heads * d, dtype=dtype), w_o, epilogue=EPI_RESIDUAL, residual=h)
-                fused_linear(h, w_gate_up, norm_weight=norm, epilogue=EPI_SILU_MUL)
-                fused_linear(torch.empty(m, inter, dtype=dtype), w_down, epilogue=EPI_RESIDUAL, residual=h)
+    try:
+        for dtype in FLOATS:
+            for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
+                page, max_pages, b = 16, 8, 64
+                table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
+                pool = torch.empty(b * max_pages + 1, page, kv_heads, d, dtype=dtype)
+                wqkv = torch.empty((heads + 2 * kv_heads) * d, hidden, dtype=dtype)
+                bias = torch.empty(wqkv.shape[0], dtype=dtype) if qwen else None
+                qk = torch.empty(d, dtype=dtype) if qwen else None
+                norm = torch.empty(hidden, dtype=dtype)
+                w_gate_up, w_down = torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype)
+                w_o = torch.empty(hidden, heads * d, dtype=dtype)
+                # M = 8 again under DOT_K_SPLIT 2 / 4 (the K-split dot tiles, an A/B setting: TLLM_EXT_DOT_K_SPLIT)
+                for m, split in ((1, 0), (4, 0), (8, 0), (64, 0), (8, 2), (8, 4)):
+                    if split and dtype not in MODEL_FLOATS:
+                        continue
+                    fl.DOT_K_SPLIT = split or default_split
+                    t = 8 if m == 64 else 1
+                    x = torch.empty(m // t, t, hidden, dtype=dtype)
+                    pos = torch.zeros(m // t, t, dtype=torch.int64)
+                    cos = torch.empty(m // t, t, d // 2)
+                    slots = torch.zeros(m // t, dtype=torch.int32)
+                    fused_qkv_rope(x, wqkv, bias, norm, 1e-6, cos, cos, pos, slots, table, pool, pool, heads, qk, qk)
+                    h = x.view(m, hidden)
+                    fused_linear(torch.empty(m, heads * d, dtype=dtype), w_o, epilogue=EPI_RESIDUAL, residual=h)
+                    fused_linear(h, w_gate_up, norm_weight=norm, epilogue=EPI_SILU_MUL)
+                    fused_linear(torch.empty(m, inter, dtype=dtype), w_down, epilogue=EPI_RESIDUAL, residual=h)
+    finally:
+        fl.DOT_K_SPLIT = default_split
 
 
 # -- Markov draft chain ---------------------------------------------------------------------------------------

@@ -175,3 +175,31 @@ def test_validation_names_the_argument():
         fused_linear(x, w[:5], epilogue=EPI_SILU_MUL)
     with pytest.raises(ValueError, match="norm_weight"):
         fused_linear(x, w, norm_weight=nw[:3])
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", [EPI_NONE, EPI_SILU_MUL, EPI_RESIDUAL])
+def test_k_split_matches_twin_and_rows_keep_their_bits(monkeypatch, split, dtype, epilogue):
+    """DOT_K_SPLIT: the 16-row dot tiles' K blocks summed in parts (a batched dot) -- within the twin's tolerance
+    with the norm prologue over several K blocks (K = 600: a partial last block; K = 72: one block, parts past K),
+    and a row's bits the same at every step size that takes 16-row tiles (11 and 32 rows) and with other
+    neighbours."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    monkeypatch.setattr(fl, "DOT_K_SPLIT", split)
+    for k, n in ((600, 40), (72, 24)):
+        bm, bn, bk, _ = fused_linear_settings(32, n, k, gate_up=epilogue == EPI_SILU_MUL)
+        assert fl.dot_k_split(bm, bk, bn * (2 if epilogue == EPI_SILU_MUL else 1)) == split
+        x, w, b, nw, r = _case(32, k, n, dtype, seed=5, gate_up=epilogue == EPI_SILU_MUL)
+        kw = dict(norm_weight=nw, eps=1e-5, epilogue=epilogue)
+        res = (lambda rows: dict(residual=r[:rows])) if epilogue == EPI_RESIDUAL else (lambda rows: {})
+        out = fused_linear(x, w, b, **kw, **res(32))
+        torch.testing.assert_close(out.float(), fused_linear_reference(x, w, b, **kw, **res(32)).float(),
+                                   **TOL[dtype])
+        x11 = torch.randn_like(x[:11])
+        x11[4] = x[4]
+        out11 = fused_linear(x11, w, b, **kw, **res(11))
+        assert torch.equal(out11[4], out[4])
+    assert fl.dot_k_split(16, 256, 128) == 1  # a wide tile's accumulators would not fit split (SPLIT_MAX_ACC)
+    monkeypatch.setattr(fl, "DOT_K_SPLIT", 1)
+    assert fl.dot_k_split(16, 256, 16) == 1

@@ -123,3 +123,22 @@ def test_validation_names_the_argument():
         fused_qkv_rope(x, w, None, nw, 1e-6, cos, sin, pos, slots, table, pools[0], pools[1], 3, qn, None)
     with pytest.raises(ValueError, match="page_table"):
         fused_qkv_rope(x, w, None, nw, 1e-6, cos, sin, pos, slots, table.long(), pools[0], pools[1], 3)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d,bias,qk_norm", [(3, 1, 16, False, False), (6, 2, 16, True, True)])
+def test_k_split_matches_twin(monkeypatch, split, dtype, heads, kvh, d, bias, qk_norm):
+    """DOT_K_SPLIT (fused_linear's K-split dot tiles) in the QKV kernel: 12 verify rows over a 300-wide input (two
+    K blocks, the second partial), within the twin's tolerance, the same page slots written."""
+    from tensorrt_llm_ext.kernels import fused_linear as fl
+    monkeypatch.setattr(fl, "DOT_K_SPLIT", split)
+    bm, bh, _, bk, gemv = qkv_settings(12, heads + 2 * kvh, d // 2, 300, qk_norm)
+    assert not gemv and fl.dot_k_split(bm, bk, 2 * bh) == split
+    (x, w, bb, nw, qn, kn), args, pools = _case(3, 4, 300, heads, kvh, d, dtype, bias=bias, qk_norm=qk_norm, seed=11)
+    q = fused_qkv_rope(x, w, bb, nw, 1e-5, *args, pools[0], pools[1], heads, qn, kn, 1e-6)
+    q_ref = fused_qkv_rope_reference(x, w, bb, nw, 1e-5, *args, pools[2], pools[3], heads, qn, kn, 1e-6)
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
+    for got, ref in ((pools[0], pools[2]), (pools[1], pools[3])):
+        torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+        assert torch.equal(got.abs().sum((-1, -2)) > 0, ref.abs().sum((-1, -2)) > 0)
