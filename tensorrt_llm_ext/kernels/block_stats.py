@@ -46,14 +46,17 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, deco
                                                           sfu_exp2, sfu_exp2_torch, split_reduce, split_reduce_rows,
                                                           store_split_keys, top_p_in_force, top_p_in_force_torch,
                                                           verify_keys_reference, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, INT32_MIN, ordered_i32, ordered_i32_torch
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, block_best, ordered_i32, ordered_i32_torch,
+                                                  pack_key)
 
-__all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "block_bins_reference", "block_combine",
-           "block_combine_reference", "block_keys", "block_keys_reference", "block_stats", "block_stats_reference",
+__all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "STATS_FORMS", "block_bins", "block_bins_reference",
+           "block_combine", "block_combine_reference", "block_keys", "block_keys_reference", "block_stats",
+           "block_stats_reference",
            "row_bins_reference", "row_mass_reference", "shard_block_weights_torch"]
 
 STAT_BLOCK = 1024
 STATS_PREFETCH = True  # block_stats loads the next tile before this one's reductions (bench verify --one-pass-stats)
+STATS_FORMS = ("tile", "lane")  # block_stats' loops: the current one first, the previous one for A/B timing
 STAT_BINS = 32
 STATS_COLS = STAT_BINS + 3  # R_c, bins[STAT_BINS], F_b(token), R_b(token)
 BINS_COLS = STAT_BINS + 2  # the exchanged row bins: bins[STAT_BINS] (bin i = grid distance i to R), F_b(token), R - R_b(token)
@@ -82,6 +85,150 @@ def _block_weight(x, m, c, g, fin):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_tile(t_row, q_row, is_t, cols, valid):
+    """fp32 tile of a target row (``is_t``) or a draft row, -inf past the valid columns: one load (the branch is
+    uniform per program), and padding that neither holds a maximum nor weighs."""
+    if is_t:
+        x = tl.load(t_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.load(q_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _block_mass(x, m, c, g, G: tl.constexpr):
+    """int64 ``sum F_b(x)`` of a tile whose values are finite or -inf (-inf weighs exp2(-inf) = 0): the integers of
+    :func:`_block_weight` -- ``(e g) 2^30 = e (g 2^30)`` exactly, and an exp2 argument below -126 truncates to 0 with
+    or without its clamp. Each weight is in [0, 2^30] and the mass < 2^40, summed as two int32 sums of 16-bit pieces
+    (exact: G 2^16 <= 2^26), each warp's part one ``redux`` instead of an int64 shuffle tree."""
+    f = (sfu_exp2((x - m) * c) * (g * 1073741824.0)).to(tl.int32)
+    lo = tl.sum(f & 65535, 0)
+    hi = tl.sum(f >> 16, 0)
+    return (hi.to(tl.int64) << 16) + lo
+
+
+@triton.jit
+def _stats_tile_loop(t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_ptr_tok, q_ptr_tok,
+                     G: tl.constexpr, MAXB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr):
+    """A chunk's tiles, per element only what the weight needs (docs/rejection_sampling.md, "Issue 41, thirty-ninth
+    session"): the tile's max (NaN-propagating, so the one reduction also says whether the tile holds a NaN or
+    +inf), the weight and its sum. The finite-max key comes from the tile maxima; the argmax reads a tile's columns
+    again only when its max beats the row's best so far; a tile with a NaN or +inf takes a masked branch.
+    Returns ``(argmax key, its column, finite-max key, R_b [MAXB], Z_b [MAXB], F_b(token), R_b(token))``."""
+    lanes = tl.arange(0, G)
+    best_fin = tl.full([], float("-inf"), tl.float32)
+    arg_k = tl.full([], -2147483648, tl.int32)
+    arg_c = tl.full([], 2147483647, tl.int32)
+    idx = tl.arange(0, MAXB)
+    rb = tl.full([MAXB], -2147483648, tl.int32)
+    zb = tl.zeros([MAXB], tl.int64)
+    ftok = tl.full([], 0, tl.int64)
+    rtok = tl.full([], -9223372036854775808, tl.int64)
+    # the tile that holds the row's token (-1: none in this chunk): one compare per tile
+    tok_i = tl.where((col_tok >= col_begin) & (col_tok < col_end), (col_tok - col_begin) // G, -1).to(tl.int32)
+    if PREFETCH:  # the next tile's load is issued before this tile's reductions (their latency overlaps it)
+        x_next = _row_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
+    for i in range(0, tl.cdiv(col_end - col_begin, G)):
+        cols = col_begin + i * G + lanes
+        valid = cols < col_end
+        if PREFETCH:
+            x = x_next
+            x_next = _row_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
+        else:
+            x = _row_tile(t_row, q_row, is_t, cols, valid)
+        top = tl.reduce(x, 0, _max_nan)  # NaN if the tile holds one, else +inf if it holds one, else the finite max
+        fast = top < float("inf")  # finite values and -inf only: x weighs as it is
+        if fast:
+            m = top
+        else:
+            m = tl.max(tl.where(is_finite(x), x, float("-inf")), 0)
+        best_fin = tl.maximum(best_fin, m)
+        if is_t:  # strictly better than every earlier tile: its first column of that key (NaN highest)
+            tk = ordered_i32(top)
+            if tk > arg_k:
+                arg_c = tl.min(tl.where(valid & (ordered_i32(x) == tk), cols, 2147483647), 0)
+                arg_k = tk
+        if weigh:
+            # the block's own max (+0.0: a -0.0 max weighs as the keys' decoded +0.0), grid point and mass
+            empty = m == float("-inf")
+            m = tl.where(empty, 0.0, m + 0.0)
+            r, g = _block_scale(m, c)
+            if fast:  # the branch keeps the common tile free of the masking and of copies of x
+                z = _block_mass(x, m, c, g, G)
+            else:
+                z = _block_mass(tl.where(is_finite(x), x, float("-inf")), m, c, g, G)
+            r = tl.where(empty, -2147483648, r)
+            rb = tl.where(idx == i, r, rb)
+            zb = tl.where(idx == i, z, zb)
+            if HAS_TOK:
+                if i == tok_i:
+                    xt = tl.where(is_t, tl.load(t_ptr_tok).to(tl.float32), tl.load(q_ptr_tok).to(tl.float32))
+                    ft = is_finite(xt)
+                    ftok = _block_weight(xt, m, c, g, ft)
+                    rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
+    fin_key = tl.where(best_fin == float("-inf"), -9223372036854775808, ordered_i32(best_fin).to(tl.int64))
+    return arg_k, arg_c, fin_key, rb, zb, ftok, rtok
+
+
+@triton.jit
+def _stats_lane_loop(t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_ptr_tok, q_ptr_tok,
+                     G: tl.constexpr, MAXB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr):
+    """The previous form of :func:`_stats_tile_loop` (the same bits): per-lane ordered keys of every element (the
+    finite max and the argmax), the block max of those keys and int64 weights masked per element. Kept for
+    ``bench verify --one-pass-stats --stats-forms tile,lane`` (one GPU run times both) and the bitwise test."""
+    lanes = tl.arange(0, G)
+    best_fin = tl.full([G], -2147483648, tl.int32)
+    lane_k = tl.full([G], -2147483648, tl.int32)
+    lane_c = tl.full([G], 2147483647, tl.int32)
+    idx = tl.arange(0, MAXB)
+    rb = tl.full([MAXB], -2147483648, tl.int32)
+    zb = tl.zeros([MAXB], tl.int64)
+    ftok = tl.full([], 0, tl.int64)
+    rtok = tl.full([], -9223372036854775808, tl.int64)
+    if PREFETCH:
+        x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
+    for i in range(0, tl.cdiv(col_end - col_begin, G)):
+        start = col_begin + i * G
+        cols = start + lanes
+        valid = cols < col_end
+        if PREFETCH:
+            x = x_next
+            x_next = load_pair_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
+        else:
+            x = load_pair_tile(t_row, q_row, is_t, cols, valid)
+        o = ordered_i32(x)
+        fin = valid & is_finite(x)
+        ofin = tl.where(fin, o, -2147483648)
+        best_fin = tl.maximum(best_fin, ofin)
+        take = valid & is_t & (o > lane_k)
+        lane_k = tl.where(take, o, lane_k)
+        lane_c = tl.where(take, cols, lane_c)
+        if weigh:
+            mk = tl.max(ofin, 0)
+            m = decode_max_key(tl.where(mk == -2147483648, -9223372036854775808, mk.to(tl.int64)))
+            r, g = _block_scale(m, c)
+            z = tl.sum(_block_weight(x, m, c, g, fin), 0)
+            r = tl.where(mk == -2147483648, -2147483648, r)
+            rb = tl.where(idx == i, r, rb)
+            zb = tl.where(idx == i, z, zb)
+            if HAS_TOK:
+                if (col_tok >= start) & (col_tok < start + G) & (col_tok < col_end):
+                    xt = tl.where(is_t, tl.load(t_ptr_tok).to(tl.float32), tl.load(q_ptr_tok).to(tl.float32))
+                    ft = is_finite(xt)
+                    ftok = _block_weight(xt, m, c, g, ft)
+                    rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
+    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
+    fin = tl.max(best_fin, 0)
+    fin_key = tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64))
+    return arg_k, arg_c, fin_key, rb, zb, ftok, rtok
+
+
+@triton.jit
 def _block_stats_kernel(
     t_ptr, q_ptr,  # [rows_t, V_local], [rows_q, V_local] logits (q_ptr = t_ptr when rows_q = 0)
     temp_ptr,  # [B] fp32
@@ -92,6 +239,7 @@ def _block_stats_kernel(
     stride_t, stride_q, rows_t, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     G: tl.constexpr, MAXB: tl.constexpr, NB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_TOP_P: tl.constexpr = False,  # rows of requests with top-p in force (T > 0, p < 1): keys only
+    LANE_KEYS: tl.constexpr = False,  # the previous loop (_stats_lane_loop), for A/B timing
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,54 +260,20 @@ def _block_stats_kernel(
     if HAS_TOK:
         if kk < k_tok:
             col_tok = tl.load(tok_ptr + b.to(tl.int64) * k_tok + kk) - vocab_start
-    lanes = tl.arange(0, G)
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
-    best_fin = tl.full([G], -2147483648, tl.int32)
-    lane_k = tl.full([G], -2147483648, tl.int32)
-    lane_c = tl.full([G], 2147483647, tl.int32)
-    idx = tl.arange(0, MAXB)
-    rb = tl.full([MAXB], -2147483648, tl.int32)
-    zb = tl.zeros([MAXB], tl.int64)
-    ftok = tl.full([], 0, tl.int64)
-    rtok = tl.full([], -9223372036854775808, tl.int64)
-    # PREFETCH: the next tile's load is issued before this tile's two reductions, so its latency overlaps them (a
-    # program walks its chunk's tiles one after another; the values do not change)
-    if PREFETCH:
-        x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
-    for i in range(0, tl.cdiv(col_end - col_begin, G)):
-        start = col_begin + i * G
-        cols = start + lanes
-        valid = cols < col_end
-        if PREFETCH:
-            x = x_next
-            x_next = load_pair_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
-        else:
-            x = load_pair_tile(t_row, q_row, is_t, cols, valid)
-        o = ordered_i32(x)
-        fin = valid & is_finite(x)
-        ofin = tl.where(fin, o, -2147483648)
-        best_fin = tl.maximum(best_fin, ofin)
-        take = valid & is_t & (o > lane_k)
-        lane_k = tl.where(take, o, lane_k)
-        lane_c = tl.where(take, cols, lane_c)
-        if weigh:
-            # the block's own max, grid point and weights: one max and one sum across the tile
-            mk = tl.max(ofin, 0)
-            m = decode_max_key(tl.where(mk == -2147483648, -9223372036854775808, mk.to(tl.int64)))
-            r, g = _block_scale(m, c)
-            z = tl.sum(_block_weight(x, m, c, g, fin), 0)
-            r = tl.where(mk == -2147483648, -2147483648, r)
-            rb = tl.where(idx == i, r, rb)
-            zb = tl.where(idx == i, z, zb)
-            if HAS_TOK:
-                if (col_tok >= start) & (col_tok < start + G) & (col_tok < col_end):
-                    xt = tl.where(is_t, tl.load(t_row + col_tok).to(tl.float32),
-                                  tl.load(q_row + col_tok).to(tl.float32))
-                    ft = is_finite(xt)
-                    ftok = _block_weight(xt, m, c, g, ft)
-                    rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
-    store_split_keys(keys_ptr, row, split, num_splits, lane_k, lane_c, best_fin, vocab_start)
+    tok_off = tl.maximum(col_tok, 0)  # read only when the chunk owns the token
+    if LANE_KEYS:
+        arg_k, arg_c, fin_key, rb, zb, ftok, rtok = _stats_lane_loop(
+            t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_row + tok_off, q_row + tok_off,
+            G, MAXB, HAS_TOK, PREFETCH)
+    else:
+        arg_k, arg_c, fin_key, rb, zb, ftok, rtok = _stats_tile_loop(
+            t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_row + tok_off, q_row + tok_off,
+            G, MAXB, HAS_TOK, PREFETCH)
+    out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
+    tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
+    tl.store(out + 1, fin_key)
     # bins by grid distance below this program's top block (empty blocks never count)
     rc = tl.max(rb, 0)
     d = rc.to(tl.int64) - rb.to(tl.int64)
@@ -203,7 +317,8 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
                 vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                 keys_out: torch.Tensor, stats_out: torch.Tensor, num_splits: int = 1,
                 block_size: int = STAT_BLOCK, num_warps: int | None = None,
-                prefetch: bool | None = None, top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                prefetch: bool | None = None, top_p: torch.Tensor | None = None,
+                form: str = "tile") -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the target rows and the draft rows of a block-aligned shard: every slot of ``keys_out
     [R_t + R_q, S, 2]`` (as :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_keys`) and of
     ``stats_out [R_t + R_q, S, STATS_COLS]`` int64 written: per (row, column chunk of whole blocks) ``R_c``
@@ -212,13 +327,17 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
     ``tokens`` and temperatures as ``verify_sums``. ``S`` = ``plan_chunks(V_local, block_size, num_splits)``
     (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None: one per 256 ids of a
     block) and ``prefetch`` (the next tile loaded before this one's reductions; None: :data:`STATS_PREFETCH`): schedule
-    choices only, every value gives the same bits (integer sums and maxima). ``top_p`` (``[B]`` fp32): the rows of
+    choices only, every value gives the same bits (integer sums and maxima); so is ``form``: ``"tile"`` (per element
+    only the tile max and the weight) or ``"lane"`` (the previous loop: per-element ordered keys, int64 weights; kept
+    for A/B timing, ``bench verify --one-pass-stats --stats-forms``). ``top_p`` (``[B]`` fp32): the rows of
     the requests with top-p in force (``T > 0``, ``p < 1``; they weigh against the row max, ``verify_sums``) read
     their columns for the keys only and write an empty chunk's statistics (``EMPTY_KEY``, zero bins, token
     ``(0, EMPTY_KEY)``), which no consumer reads for them. CUDA-graph safe (no allocation, no sync).
     """
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
                                             stats_out, num_splits, vocab_start, vocab_size, block_size, top_p)
+    if form not in STATS_FORMS:
+        raise ValueError(f"form: expected one of {STATS_FORMS}, got {form!r}")
     if rt + rq == 0:
         return keys_out, stats_out
     if rt == 0:
@@ -232,7 +351,7 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
         target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits, row_div, row_div_q, k_tok,
         G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0,
         PREFETCH=STATS_PREFETCH if prefetch is None else bool(prefetch), SKIP_TOP_P=top_p is not None,
-        num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
+        LANE_KEYS=form == "lane", num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
     return keys_out, stats_out
 
 

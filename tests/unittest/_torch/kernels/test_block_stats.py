@@ -68,16 +68,80 @@ def _aligned(x: torch.Tensor, tp: int, rank: int, pad: float):
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_schedules_give_the_same_bits(splits):
-    """The schedule knobs (warps, the next tile's early load) change no bit of the keys or the statistics."""
+    """The schedule knobs (warps, the next tile's early load, the loop's form) change no bit of the keys or the
+    statistics."""
     target, draft, tokens, temps, k = _inputs()
     args = [t.to(DEV) for t in (target, draft, temps, tokens)]
     want = _run(block_stats, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
-    for num_warps, prefetch in ((4, True), (2, True), (8, False)):
+    for num_warps, prefetch, form in ((4, True, "tile"), (2, True, "tile"), (8, False, "tile"), (4, True, "lane")):
         def fn(*a, **kw):
-            return block_stats(*a, **kw, num_warps=num_warps, prefetch=prefetch)
+            return block_stats(*a, **kw, num_warps=num_warps, prefetch=prefetch, form=form)
 
         got = _run(fn, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_warps, prefetch)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_warps, prefetch, form)
+
+
+def _adversarial(vocab: int, dtype: torch.dtype, seed: int):
+    """Rows for the tile loop's branches: a NaN or +inf in a late tile (the masked branch, the argmax moving to it),
+    ties of the max across tiles and on a block boundary, a -0.0 / +0.0 block max, bf16's extremes (``x - m``
+    overflows), subnormals, all-NaN, all -inf and +inf-only rows, a block of only +inf and NaN; tokens on them."""
+    g = torch.Generator().manual_seed(seed)
+    b, k = 3, 2
+    t = torch.randn(b * (k + 1), vocab, generator=g) * 3.0
+    d = torch.randn(b * k, vocab, generator=g) * 3.0
+    big = torch.finfo(dtype).max
+    t[0, vocab - 2] = NAN  # the first NaN in the last tile: the argmax moves there
+    t[0, 5] = 50.0
+    t[1, 1500] = INF  # +inf in a later tile, NaN in a later one still
+    t[1, 2 * STAT_BLOCK + 3] = NAN
+    t[1, 2 * STAT_BLOCK + 4] = -INF
+    t[2, :] = -0.0
+    t[2, STAT_BLOCK:2 * STAT_BLOCK] = 0.0  # -0.0 and +0.0 block maxima, ties everywhere
+    t[2, 7] = 0.0
+    t[3, :] = -INF
+    # a subnormal max on the last real id (fp32 only: the interpreter flushes bf16 subnormals to 0, both forms alike)
+    t[3, vocab - 1] = 1e-40 if dtype == torch.float32 else 1e-30
+    t[4, 0], t[4, vocab - 1] = big, -big  # x - m = -inf in fp32
+    t[4, STAT_BLOCK - 1] = big  # a tie of the max across blocks
+    t[5, :] = NAN
+    t[6, :STAT_BLOCK] = INF  # a whole block +inf; the rest finite
+    t[7, :] = INF
+    t[8, STAT_BLOCK:2 * STAT_BLOCK] = NAN
+    t[8, STAT_BLOCK + 1::2] = INF  # a block of only NaN and +inf
+    d[0, :] = d[0, :] * 1e-30  # tiny values: weights near 2^30 each
+    d[1, 3] = NAN
+    d[2, STAT_BLOCK + 2] = INF
+    d[3, :] = -INF
+    d[4, vocab // 2] = big
+    d[5, 2 * STAT_BLOCK - 1] = -0.0
+    tokens = torch.tensor([[vocab - 2, 5], [1500, 2 * STAT_BLOCK + 3], [STAT_BLOCK, vocab - 1]])
+    temps = torch.tensor([1.0, 1e-5, 0.0])
+    return t.to(dtype), d.to(dtype), tokens, temps, k
+
+
+@pytest.mark.parametrize("vocab,dtype,tp,pad", [(3 * STAT_BLOCK + 5, torch.bfloat16, 1, 0.0),
+                                                (6 * STAT_BLOCK + 7, torch.float32, 3, NAN),
+                                                (6 * STAT_BLOCK + 7, torch.float16, 4, INF)])
+def test_tile_and_lane_forms_give_the_same_bits(vocab, dtype, tp, pad):
+    """The tile loop (per element only the tile max and the weight) against the lane loop it replaced and the twin,
+    bit for bit on adversarial rows, every aligned shard of odd vocabularies (the last padded with NaN or +inf past
+    its real ids), two column plans, with and without top-p rows."""
+    t, d, tokens, temps, k = _adversarial(vocab, dtype, seed=vocab)
+    top_p = torch.tensor([0.9, 1.0, 0.5])
+    for rank in range(tp):
+        ts, start = _aligned(t, tp, rank, pad)
+        ds, _ = _aligned(d, tp, rank, pad)
+        args = [x.to(DEV) for x in (ts, ds, temps, tokens)]
+        for splits, tp_arg in ((1, None), (3, top_p)):
+            runs = [_run(lambda *a, form=form, **kw: block_stats(*a, **kw, form=form, top_p=tp_arg), *args, k, start,
+                         vocab, splits) for form in ("tile", "lane")]
+            twin = _run(lambda *a, **kw: block_stats_reference(*a, **kw, top_p=tp_arg), *args, k, start, vocab, splits)
+            assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (rank, splits)
+            assert torch.equal(runs[0][0], twin[0]), (rank, splits)
+            if DEV == "cpu":  # both take numpy's exp2
+                assert torch.equal(runs[0][1], twin[1]), (rank, splits)
+    with pytest.raises(ValueError, match="form"):
+        _run(lambda *a, **kw: block_stats(*a, **kw, form="rows"), *args, k, start, vocab, 1)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
