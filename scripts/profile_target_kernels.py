@@ -103,6 +103,7 @@ VARIANTS = {
     # the 16-row dot tiles' K blocks in 2 / 4 parts, one warp's batch each (DOT_K_SPLIT; 1 = the model's default)
     "ks2": dict(DOT_K_SPLIT=2),
     "ks4": dict(DOT_K_SPLIT=4),
+    "dot1ks4": dict(GEMV_MAX_ROWS=0, DOT_K_SPLIT=4),  # ... and a 1-row step in those tiles (not the few-row form)
     "peel": dict(DOT_PEEL_FIRST_BLOCK=True),  # the dot tiles' first weight block held in registers (before 2026-12-05)
     # the fourteenth session's launches: all of the above off
     "s14": {"attn.LAST_PIECE_FIRST": False, "attn.ONE_BLOCK_PREFETCH": False, "EARLY_EPILOGUE": False,
