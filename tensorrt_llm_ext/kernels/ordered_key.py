@@ -108,8 +108,14 @@ def uniform_from_word(r):
     is the float whose mantissa is ``top``, and adding ``-(1 - 2^-24)`` to it is exact, so the result is
     bit for bit ``(top + 0.5) * 2^-23``.
     """
-    one_top = ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
-    return one_top - 0.999999940395355224609375
+    return one_plus_top(r) - 0.999999940395355224609375
+
+
+@triton.jit
+def one_plus_top(r):
+    """``1 + top * 2^-23`` (fp32 in ``[1, 2)``), ``top = r >> 9``: the float whose mantissa is ``top``;
+    ``one_plus_top(r) - (1 - 2^-24)`` is :func:`uniform_from_word` exactly."""
+    return ((r >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -124,18 +130,24 @@ def one_minus_uniform(r):
 
 
 # Compiled kernels take log2 from the SFU (one MUFU.LG2; tl.log2 lowers to a ~20-instruction accurate
-# log2f); the interpreter has no inline asm and takes numpy's. Decided by what triton.jit made of this
-# module's kernels (interpreted or compiled), so it always matches how they run.
-_SFU_LOG2: tl.constexpr = tl.constexpr(type(ordered_i32).__name__ != "InterpretedFunction")  # by name: no import
+# log2f) and Philox's wide products from inline PTX; the interpreter has no inline asm and takes numpy's.
+# Decided by what triton.jit made of this module's kernels (interpreted or compiled), so it always matches
+# how they run.
+_COMPILED: tl.constexpr = tl.constexpr(type(ordered_i32).__name__ != "InterpretedFunction")  # by name: no import
 
 
 @triton.jit
 def _log2(x):
-    """fp32 log2: ``lg2.approx.f32`` when compiled (absolute error about 2^-22 on [0.5, 2], relative
-    elsewhere), numpy's under the interpreter."""
-    if _SFU_LOG2:
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+    """fp32 log2 of a normal ``x > 0``: ``lg2.approx.ftz.f32`` when compiled (absolute error about 2^-22 on
+    [0.5, 2], relative elsewhere), numpy's under the interpreter.
+
+    ``ftz``: on a normal input it is the same MUFU.LG2 as ``lg2.approx.f32`` (the same bits); the non-ftz form
+    wraps it in a subnormal fix-up (a compare, a predicated scale, a predicated add). Every input here is
+    normal: ``u >= 2^-24`` and ``-log2 u >= 8.6e-8`` (the series included).
+    """
+    if _COMPILED:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
         return tl.log2(x)
 
@@ -149,7 +161,13 @@ def gumbel2_from_word(r):
     log's absolute error there could return 0 (``G2 = +inf``, a certain token) or a negative value.
     Elsewhere ``-log2 u >= 0.0227``, so the SFU log2's absolute error stays below 1e-5 of the noise.
     """
-    u = uniform_from_word(r)
+    return gumbel2_from_uniform(uniform_from_word(r))
+
+
+@triton.jit
+def gumbel2_from_uniform(u):
+    """:func:`gumbel2_from_word` from ``u = uniform_from_word(r)``, for a kernel that has ``u``'s bits already
+    (the shard kernel's skip bound)."""
     t = 1.0 - u
     # Explicit fma: one instruction sequence wherever this is inlined (compiled code would otherwise fuse
     # or not by context); the interpreter's fma rounds twice, as the torch twin's mul + add does.
@@ -183,12 +201,24 @@ def philox_4x32_10_wide(seed, c0, c1, c2, c3):
     k0 = (s & 4294967295).to(tl.uint32)
     k1 = ((s >> 32) & 4294967295).to(tl.uint32)
     for _ in tl.static_range(10):
-        p0 = c2.to(tl.uint64) * 3449720151  # 0xCD9E8D57
-        p1 = c0.to(tl.uint64) * 3528531795  # 0xD2511F53
-        c0 = (p0 >> 32).to(tl.uint32) ^ c1 ^ k0
-        c2 = (p1 >> 32).to(tl.uint32) ^ c3 ^ k1
-        c1 = p0.to(tl.uint32)
-        c3 = p1.to(tl.uint32)
+        if _COMPILED:
+            # Compiled: the product pair in PTX, since LLVM turns some zext-multiplies of xor results into
+            # 64-bit multiplies (ptxas then emits IMAD.HI + IMAD or a wide multiply and an add).
+            lo0, hi0 = tl.inline_asm_elementwise(
+                "{ .reg .b64 p; mul.wide.u32 p, $2, 0xCD9E8D57; mov.b64 {$0, $1}, p; }", "=r,=r,r", [c2],
+                dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+            lo1, hi1 = tl.inline_asm_elementwise(
+                "{ .reg .b64 p; mul.wide.u32 p, $2, 0xD2511F53; mov.b64 {$0, $1}, p; }", "=r,=r,r", [c0],
+                dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        else:
+            p0 = c2.to(tl.uint64) * 3449720151  # 0xCD9E8D57
+            p1 = c0.to(tl.uint64) * 3528531795  # 0xD2511F53
+            lo0, hi0 = p0.to(tl.uint32), (p0 >> 32).to(tl.uint32)
+            lo1, hi1 = p1.to(tl.uint32), (p1 >> 32).to(tl.uint32)
+        c0 = hi0 ^ (c1 ^ k0)  # grouped so that a loop-invariant c ^ k (round 1) is hoisted as one value
+        c2 = hi1 ^ (c3 ^ k1)
+        c1 = lo0
+        c3 = lo1
         k0 = k0 + 2654435769  # 0x9E3779B9, wraps mod 2^32
         k1 = k1 + 3144134277  # 0xBB67AE85
     return c0, c1, c2, c3
@@ -204,7 +234,7 @@ def gumbel_words4(seed, offset, group, SALT: tl.constexpr, WIDE_MUL: tl.constexp
     words with :func:`philox_4x32_10_wide` (a schedule choice: fewer multiply instructions).
     """
     off = offset.to(tl.int64)
-    c0 = (group.to(tl.int64) & 1073741823).to(tl.uint32)
+    c0 = group.to(tl.uint32)  # group < 2^30 (ids below 2^32): the truncation is the value
     c1 = (off & 4294967295).to(tl.uint32) + c0 * 0
     c2 = ((off >> 32) & 4294967295).to(tl.uint32) + c0 * 0
     c3 = c0 * 0 + SALT

@@ -35,14 +35,14 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     EMPTY_KEY,
     MAX_VOCAB,
     block_best,
-    gumbel2_from_word,
+    gumbel2_from_uniform,
     gumbel_scale,
     gumbel_score,
     gumbel_words4,
     key_to_id,
     key_to_id_torch,
     keyed_gumbel_scores_torch,
-    one_minus_uniform,
+    one_plus_top,
     ordered_i32,
     ordered_i32_torch,
     pack_key,
@@ -139,7 +139,7 @@ _SKIP_SLACK = tl.constexpr(0.00390625)
 @triton.jit
 def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr,
                 WIDE_MUL: tl.constexpr):
-    """Philox words of a ``[4, G]`` tile: element ``(j, i)`` is local column ``start + 4 i + j`` (``start`` a
+    """Philox words of a ``[G, 4]`` tile: element ``(i, j)`` is local column ``start + 4 i + j`` (``start`` a
     multiple of 4), its word that of global id ``vocab_start + start + 4 i + j``.
 
     The groups lie along the fast axis, so a group's four words stay in one thread and each thread runs
@@ -149,8 +149,8 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
     words of the next (two calls per four columns; such shards also have odd row strides, so their loads
     are not vectorized either).
     """
-    q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[None, :]
-    j = tl.arange(0, 4)[:, None]
+    q = ((vocab_start + start) >> 2).to(tl.int64) + tl.arange(0, G).to(tl.int64)[:, None]
+    j = tl.arange(0, 4)[None, :]
     a0, a1, a2, a3 = gumbel_words4(seed, offset, q, SALT, WIDE_MUL)
     if ALIGNED:
         w = pick_word(j, a0, a1, a2, a3)
@@ -161,48 +161,81 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _bound_lift(thr):
+    """``thr + log2(log2 e)`` less a slack, per tile. The slack absorbs the fp32 rounding of ``x * S + G2``
+    (relative 2^-24 of magnitudes near ``|thr|``) and the device exp2 / log2 approximations; skipping less
+    than possible never changes a result."""
+    return thr + (_LOG2_LOG2E - _SKIP_SLACK) - tl.abs(thr) * 3.814697265625e-06
+
+
+@triton.jit
+def _bound_sum(xf, scale, lift, o):
+    """``fl(e + o)``, ``e = 2^(x S - lift)``, ``o = one_plus_top(w)``: ``>= 2`` (or NaN) wherever ``t < e``.
+
+    ``t = (2 - 2^-24) - o`` exactly, so ``t < e`` means ``e + o > 2 - 2^-24``, the midpoint below 2, and the
+    sum rounds to ``>= 2``; it reaches 2 otherwise only at ``t == e``. One add where ``t < e`` as a compare
+    took a subtract, a compare and a select.
+    """
+    return tl.exp2(xf * scale - lift) + o
+
+
+@triton.jit
 def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, valid,
                   MASKED: tl.constexpr, ALIGNED: tl.constexpr, SALT: tl.constexpr, WIDE_MUL: tl.constexpr):
-    """Fold one ``[4, G]`` tile of a sampled row into the per-lane best, skipping the exact score when no
+    """Fold one ``[G, 4]`` tile of a sampled row into the per-lane best, skipping the exact score when no
     element of the tile can beat the program's best so far.
 
     The exact score ``x * S + G2`` costs two SFU log2 and a near-1 series per element; a bound costs one
     exp2: since ``-log2 u >= log2(e) t`` with ``t = 1 - u`` (exact in fp32), ``x * S + G2 > thr`` needs
-    ``t < 2^(x S - thr - log2(log2 e))``. ``thr`` is the best score folded so far (NaN ignored); an
-    element failing the test scores below ``thr`` and has a higher column than the element that set
-    ``thr``, so it cannot win: skipping the tile leaves the program's result exactly what the full fold
-    gives. A NaN value (NaN bound) and any element while ``thr = -inf`` (NaN or ``+inf`` bound) always
-    take the exact path; masked lanes never do.
+    ``t < e = 2^(x S - thr - log2(log2 e))``. ``thr`` is a score already folded at a lower column (the
+    best so far); an element failing the test scores below it, so it cannot win: skipping the tile leaves
+    the program's result exactly what the full fold gives. A NaN value (NaN bound) and any element while
+    ``thr = -inf`` (NaN or ``+inf`` bound) always take the exact path; masked lanes never do.
+
+    The test per element is an add (:func:`_bound_sum`) and a max: a tile is scored when the
+    NaN-propagating max of the sums is ``>= 2`` or NaN.
     """
     xf = x.to(tl.float32)
-    w = _tile_words(seed, offset, vocab_start, start, x.shape[1], ALIGNED, SALT, WIDE_MUL)
-    # The slack absorbs the fp32 rounding of x * S + G2 (relative 2^-24 of magnitudes near |thr|) and the
-    # device exp2 / log2 approximations; skipping less than possible never changes a result.
-    lift = thr + (_LOG2_LOG2E - _SKIP_SLACK) - tl.abs(thr) * 3.814697265625e-06
-    cand = ~(one_minus_uniform(w) >= tl.exp2(xf * scale - lift))
+    w = _tile_words(seed, offset, vocab_start, start, x.shape[0], ALIGNED, SALT, WIDE_MUL)
+    o = one_plus_top(w)
+    d = _bound_sum(xf, scale, _bound_lift(thr), o)
     if MASKED:
-        cand = cand & valid
-    if tl.max(cand.to(tl.int32)) > 0:
-        s = gumbel_score(xf, scale, gumbel2_from_word(w))
+        d = tl.where(valid, d, float("-inf"))
+    m = tl.reduce(d, None, _max_nan)
+    if (m >= 2.0) | (m != m):
+        s = gumbel_score(xf, scale, gumbel2_from_uniform(o - 0.999999940395355224609375))
         best_v, best_s = _fold(s, start, best_v, best_s, valid, MASKED)
-        thr = tl.max(tl.where(best_v == best_v, best_v, float("-inf")))
+        # Compiled, max skips NaN lanes (fmax); interpreted it returns NaN, which only scores every later tile.
+        thr = tl.max(best_v)
     return best_v, best_s, thr
 
 
 @triton.jit
 def _sampled_span(row_ptr, col_begin, col_end, scale, seed, offset, vocab_start, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr, SALT: tl.constexpr, WIDE_MUL: tl.constexpr):
+                  ALIGNED: tl.constexpr, SALT: tl.constexpr, WIDE_MUL: tl.constexpr, BF16_WORDS: tl.constexpr):
     """Best ``(ordered key, local column)`` of ``x * S + G2`` over the row's columns ``[col_begin, col_end)``:
     full tiles unmasked (vectorized loads), then the ragged tail."""
     G: tl.constexpr = BLOCK // 4
-    lanes = tl.arange(0, 4)[:, None] + (tl.arange(0, G) * 4)[None, :]
+    lanes = (tl.arange(0, G) * 4)[:, None] + tl.arange(0, 4)[None, :]
     best_v = tl.full(lanes.shape, float("-inf"), tl.float32)
     best_s = tl.full(lanes.shape, 0, tl.int32) + col_begin
     thr = float("-inf")
     n_full = (col_end - col_begin) // BLOCK
     for t in range(0, n_full):
         start = col_begin + t * BLOCK
-        x = tl.load(row_ptr + start + lanes)
+        if BF16_WORDS:
+            # bf16 pairs as 32-bit words: bf16 -> fp32 is the word shifted up (even column) or masked (odd), one
+            # op per element where the generic conversion takes up to two.
+            wd = tl.load((row_ptr + start).to(tl.pointer_type(tl.int32)) + (tl.arange(0, G) * 2)[:, None]
+                         + tl.arange(0, 2)[None, :])
+            x = tl.interleave((wd << 16).to(tl.float32, bitcast=True), (wd & -65536).to(tl.float32, bitcast=True))
+        else:
+            x = tl.load(row_ptr + start + lanes)
         best_v, best_s, thr = _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_start, lanes,
                                             False, ALIGNED, SALT, WIDE_MUL)
     tail = col_begin + n_full * BLOCK
@@ -237,6 +270,7 @@ def _shard_select_kernel(
     SALT: tl.constexpr,
     ALIGNED: tl.constexpr,  # vocab_start % 4 == 0 (read only if SAMPLE)
     WIDE_MUL: tl.constexpr,  # Philox through 32x32 -> 64-bit multiplies (same words; read only if SAMPLE)
+    BF16_WORDS: tl.constexpr,  # bf16 rows read as 32-bit words (4-byte aligned rows; read only if SAMPLE)
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -248,7 +282,8 @@ def _shard_select_kernel(
         if t_row > 0.0:
             # The row's one division; T <= 0 rows are greedy: plain values, no noise.
             bk, bc = _sampled_span(row_ptr, col_begin, col_end, gumbel_scale(t_row), tl.load(seed_ptr + row),
-                                   tl.load(offset_ptr + row), vocab_start, BLOCK, ALIGNED, SALT, WIDE_MUL)
+                                   tl.load(offset_ptr + row), vocab_start, BLOCK, ALIGNED, SALT, WIDE_MUL,
+                                   BF16_WORDS)
         else:
             bk, bc = _greedy_span(row_ptr, col_begin, col_end, BLOCK)
     else:
@@ -368,6 +403,13 @@ def plan_splits(rows: int, n_valid: int, device: torch.device, block: int, num_s
 # ----------------------------------------------------------------------------------------------------
 # Launcher and eager twin
 # ----------------------------------------------------------------------------------------------------
+def _bf16_words(shard_logits: torch.Tensor) -> bool:
+    """Whether a sampled launch reads these logits as 32-bit words of bf16 pairs: bf16 rows that start 4-byte
+    aligned (an aligned base and, above one row, an even row stride). The keys are the same either way."""
+    return (shard_logits.dtype == torch.bfloat16 and shard_logits.data_ptr() % 4 == 0
+            and (shard_logits.shape[0] <= 1 or shard_logits.stride(0) % 2 == 0))
+
+
 def _validate(shard_logits, vocab_start, vocab_size, temperatures, seeds, offsets, out, out_dtype):
     check_tensor("shard_logits", shard_logits, shape=(None, None), dtype=_SUPPORTED_DTYPES, unit_last_stride=True)
     rows, width = shard_logits.shape
@@ -500,6 +542,7 @@ def shard_select_keys(
         SALT=salt,
         ALIGNED=vocab_start % 4 == 0 or not sample,  # greedy launches: one variant
         WIDE_MUL=bool(_SAMPLED_WIDE_MUL if wide_mul is None else wide_mul) and sample,
+        BF16_WORDS=sample and _bf16_words(shard_logits),
         num_warps=num_warps,
     )
     return out

@@ -11,11 +11,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tensorrt_llm_ext.contract import BuildRefusal
-from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, key_to_id_torch
-from tensorrt_llm_ext.kernels.shard_select import (DRAFT_SALT, TARGET_SALT, make_shard_select_scratch,
-                                                   shard_select_keys, shard_select_keys_reference)
+from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, LOG2E_F32, key_to_id_torch, one_minus_uniform, one_plus_top
+from tensorrt_llm_ext.kernels.shard_select import (DRAFT_SALT, TARGET_SALT, _bf16_words, _bound_lift, _bound_sum,
+                                                   make_shard_select_scratch, shard_select_keys,
+                                                   shard_select_keys_reference)
 from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.modules.lm_head import LMHead
 from tensorrt_llm_ext.modules.linear import TensorParallelMode
@@ -282,6 +285,86 @@ def test_gumbel_skip_bound_keeps_the_exact_winner(device):
     # Philox (a schedule option, the launcher's default) draws the same words as tl.philox's
     assert torch.equal(_simulated_tp_keys(x, 5, vocab, block_size=16, num_splits=2, wide_mul=True, **kw), keys)
     assert torch.equal(shard_select_keys(x, 0, vocab, block_size=16, num_splits=1, **kw), keys)
+
+
+@triton.jit
+def _bound_probe_kernel(x_ptr, w_ptr, sum_ptr, cmp_ptr, t_ptr, e_ptr, scale, thr, N: tl.constexpr):
+    c = tl.arange(0, N)
+    x = tl.load(x_ptr + c)
+    w = tl.load(w_ptr + c).to(tl.uint32)
+    lift = _bound_lift(thr)
+    tl.store(sum_ptr + c, _bound_sum(x, scale, lift, one_plus_top(w)))
+    t = one_minus_uniform(w)
+    e = tl.exp2(x * scale - lift)
+    tl.store(cmp_ptr + c, (~(t >= e)).to(tl.int8))  # the earlier per-element test: t < e, or a NaN bound
+    tl.store(t_ptr + c, t)
+    tl.store(e_ptr + c, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_bound_sum_scores_what_the_compare_scores(device):
+    """The skip test as one add per element: ``fl(e + one_plus_top(w)) >= 2`` (or NaN) wherever ``t < e`` (or
+    the bound is NaN), and nowhere else but at ``t == e`` -- on NaN / +-inf / huge logits, thresholds -inf,
+    +inf, 0 and large, and the extreme words (u at its ends, t = e ties)."""
+    n = 256
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(n, generator=g) * 8
+    x[:8] = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 3e38, -3e38, 1e-30])
+    words = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    words[8:16] = torch.tensor([0, 2**32 - 1, 0x1FF, 0xFFFFFE00, 0x200, 2**31, 2**31 - 1, 0x7FFFFE00])
+    # Near-ties at scale 1, thr 0: x a few ulps either side of log2(t) + lift, so e = 2^(x - lift) lands
+    # within ulps of t on both sides (a sum that rounded the wrong way would skip a t < e element).
+    t_host = ((((words[16:80] >> 9) ^ 0x7FFFFF) + 0.5) * 2.0**-23).float()
+    lift0 = torch.tensor(0.52876, dtype=torch.float32) - torch.tensor(0.00390625, dtype=torch.float32)
+    near = torch.log2(t_host) + lift0
+    for k in range(4):
+        near[k::8] = torch.nextafter(near[k::8], torch.tensor(INF))
+        near[4 + k::8] = torch.nextafter(near[4 + k::8], torch.tensor(-INF))
+    x[16:80] = near
+    x, words = x.to(device), words.to(device)
+    for scale in (1.0, LOG2E_F32, 28.853900817779268, 1e-3):
+        for thr in (-INF, INF, 0.0, 17.8, -3.0, 1e4, 60.0):
+            out = [torch.empty(n, dtype=dt, device=device) for dt in (torch.float32, torch.int8, torch.float32,
+                                                                      torch.float32)]
+            _bound_probe_kernel[(1,)](x, words, *out, scale, thr, N=n)
+            total, cmp, t, e = (o.cpu() for o in out)
+            scored = (total >= 2.0) | torch.isnan(total)
+            assert torch.equal(scored, cmp.bool() | (t == e)), (scale, thr)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_bf16_words_match_element_loads(device):
+    """A sampled bf16 launch reads 4-byte aligned rows as 32-bit words (two columns per word); other rows load
+    per element. Both give the same keys bit for bit -- adversarial rows (NaN, -inf, all NaN, flat, a greedy
+    row whose maxima tie across a TP-3 shard boundary), an odd vocabulary, full tiles and a ragged tail --
+    and the eager twin's keys under the interpreter, at TP 1 and simulated TP 3."""
+    vocab, rows = 331, 8  # odd: shard starts 111 and 222 (phases 3 and 2), odd widths
+    x = _adversarial(rows, vocab, torch.float32, "cpu", seed=31)
+    x[4] = torch.randn(vocab, generator=torch.Generator().manual_seed(4)) - 5
+    x[4, 110], x[4, 111] = 9.0, 9.0  # greedy row: tied maxima on both sides of the TP-3 boundary at 111
+    x[6] = 0.0  # flat: the noise decides
+    x = x.to(torch.bfloat16)
+    aligned = torch.zeros(rows, vocab + 1, dtype=torch.bfloat16)
+    aligned[:, :vocab] = x
+    shifted = torch.zeros(rows, vocab + 1, dtype=torch.bfloat16)
+    shifted[:, 1:] = x
+    aligned, shifted = aligned.to(device)[:, :vocab], shifted.to(device)[:, 1:]  # row stride 332, base +0 / +2 bytes
+    assert _bf16_words(aligned) and not _bf16_words(shifted)
+    temps, seeds, offsets = _sampling_inputs(rows, device, 1.0, seed=2**33 + 5, offset0=9)
+    temps[4] = 0.0
+    temps[7] = 0.6
+    kw = dict(temperatures=temps, seeds=seeds, offsets=offsets)
+    keys = shard_select_keys(aligned, 0, vocab, block_size=64, num_splits=2, **kw)
+    assert torch.equal(shard_select_keys(shifted, 0, vocab, block_size=64, num_splits=2, **kw), keys)
+    assert torch.equal(shard_select_keys(aligned, 0, vocab, block_size=32, num_splits=1, **kw), keys)
+    ids = key_to_id_torch(keys)
+    assert ids[1].item() == 0 and ids[2].item() == 0 and ids[4].item() == 110
+    twin = shard_select_keys_reference(aligned, 0, vocab, temps, seeds, offsets)
+    if device == "cpu":
+        assert torch.equal(keys, twin)
+    else:
+        assert (key_to_id_torch(twin) != ids).sum().item() <= 1
+    assert torch.equal(_simulated_tp_keys(aligned, 3, vocab, block_size=32, num_splits=2, **kw), keys)
 
 
 @pytest.mark.parametrize("device", DEVICES)
