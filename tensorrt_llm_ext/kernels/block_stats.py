@@ -46,7 +46,7 @@ from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, deco
                                                           sfu_exp2, sfu_exp2_torch, split_reduce, split_reduce_rows,
                                                           store_split_keys, top_p_in_force, top_p_in_force_torch,
                                                           verify_keys_reference, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import (_COMPILED, EMPTY_KEY, INT32_MIN, block_best, ordered_i32,
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, block_best, nan_max, ordered_i32,
                                                   ordered_i32_torch, pack_key)
 
 __all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "STATS_FORMS", "block_bins", "block_bins_reference",
@@ -82,22 +82,6 @@ def _block_weight(x, m, c, g, fin):
     e = sfu_exp2(tl.maximum((xs - m) * c, -126.0))
     f = ((e * g) * 1073741824.0).to(tl.int32)
     return tl.where(fin, f, 0).to(tl.int64)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _tile_top(x):
-    """A tile's max, NaN if it holds one: one NaN-propagating reduction when compiled; the interpreter, which runs a
-    custom reduction's combine per element in Python (~5x the tile loop's time under CI), takes the same value from
-    its own max (NaN ignored, as on the GPU) and a NaN count."""
-    if _COMPILED:
-        return tl.reduce(x, 0, _max_nan)
-    else:
-        return tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), tl.max(x, 0))
 
 
 @triton.jit
@@ -152,7 +136,7 @@ def _stats_tile_loop(t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, 
             x_next = _row_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
         else:
             x = _row_tile(t_row, q_row, is_t, cols, valid)
-        top = _tile_top(x)  # NaN if the tile holds one, else +inf if it holds one, else the finite max
+        top = nan_max(x, 0)  # NaN if the tile holds one, else +inf if it holds one, else the finite max
         fast = top < float("inf")  # finite values and -inf only: x weighs as it is
         if fast:
             m = top

@@ -137,6 +137,22 @@ _COMPILED: tl.constexpr = tl.constexpr(type(ordered_i32).__name__ != "Interprete
 
 
 @triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max(x, axis: tl.constexpr):
+    """Max of ``x`` along ``axis`` (None: all), NaN where a NaN is among them: one NaN-propagating reduction when
+    compiled; the interpreter, which runs a custom reduction's combine per element in Python (5x a kernel's whole
+    time there), takes the same value from its own max (NaN ignored, as on the GPU) and a NaN count."""
+    if _COMPILED:
+        return tl.reduce(x, axis, _maximum_nan)
+    else:
+        return tl.where(tl.sum((x != x).to(tl.int32), axis) > 0, float("nan"), tl.max(x, axis))
+
+
+@triton.jit
 def _log2(x):
     """fp32 log2 of a normal ``x > 0``: ``lg2.approx.ftz.f32`` when compiled (absolute error about 2^-22 on
     [0.5, 2], relative elsewhere), numpy's under the interpreter.

@@ -42,6 +42,7 @@ from tensorrt_llm_ext.kernels.ordered_key import (
     key_to_id,
     key_to_id_torch,
     keyed_gumbel_scores_torch,
+    nan_max,
     one_plus_top,
     ordered_i32,
     ordered_i32_torch,
@@ -161,11 +162,6 @@ def _tile_words(seed, offset, vocab_start, start, G: tl.constexpr, ALIGNED: tl.c
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _bound_lift(thr):
     """``thr + log2(log2 e)`` less a slack, per tile. The slack absorbs the fp32 rounding of ``x * S + G2``
     (relative 2^-24 of magnitudes near ``|thr|``) and the device exp2 / log2 approximations; skipping less
@@ -206,7 +202,7 @@ def _sampled_tile(x, start, best_v, best_s, thr, scale, seed, offset, vocab_star
     d = _bound_sum(xf, scale, _bound_lift(thr), o)
     if MASKED:
         d = tl.where(valid, d, float("-inf"))
-    m = tl.reduce(d, None, _max_nan)
+    m = nan_max(d, None)
     if (m >= 2.0) | (m != m):
         s = gumbel_score(xf, scale, gumbel2_from_uniform(o - 0.999999940395355224609375))
         best_v, best_s = _fold(s, start, best_v, best_s, valid, MASKED)
