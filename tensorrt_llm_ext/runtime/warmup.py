@@ -94,9 +94,11 @@ def _new_tokens(engine) -> int:
     return 2 * (engine.draft_len + 1) + 1
 
 
-def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupReport:
-    """Run :func:`warmup_rounds` through a scheduler of ``mode`` (``overlap`` as served) on ``engine``, whose
-    runner for ``mode`` is built; every rank of a TP job runs it alike (its plans are the same on every rank).
+def warm_up(engine, mode: str, overlap: bool, force: bool = False,
+            rounds: list[tuple[str, int, int, dict]] | None = None) -> WarmupReport:
+    """Run :func:`warmup_rounds` (or ``rounds``, a selection of them: the CPU tests run one round of each kind
+    under the interpreter) through a scheduler of ``mode`` (``overlap`` as served) on ``engine``, whose runner for
+    ``mode`` is built; every rank of a TP job runs it alike (its plans are the same on every rank).
 
     It never keeps a server from serving what it could serve without it: a round whose requests fit no idle
     engine (a small ``kv_cache_config.max_tokens``) is skipped and a request a layer refuses is logged as an error
@@ -111,7 +113,7 @@ def warm_up(engine, mode: str, overlap: bool, force: bool = False) -> WarmupRepo
         report.skipped = "no kernel is built on a CPU (the Triton interpreter)"
         logger.info(f"warm-up: skipped ({report.skipped})")
         return report
-    rounds = warmup_rounds(engine)
+    rounds = warmup_rounds(engine) if rounds is None else rounds
     if not rounds:
         report.skipped = f"no warm-up request fits max_seq_len={engine.config.max_seq_len}"
         logger.warning(f"warm-up: skipped ({report.skipped}); the first request of each kind waits for its builds")

@@ -35,6 +35,34 @@ def _traffic(vocab: int, lengths: list[int], seed: int = 0) -> list[Request]:
     return out
 
 
+def _one_of_each(rounds: list[tuple[str, int, int, dict]]) -> list[tuple[str, int, int, dict]]:
+    """Of ``rounds``, each sampling kind's widest admission (most rows, then the longest prompt), the longest greedy
+    prompt and the ``logprobs`` round: every kind of admission and step the warm-up runs, in ~1/5 of the whole set's
+    interpreter time (the whole set, ~30 rounds, took ~80 CPU s of a 2-core CI machine in the speculative mode)."""
+    picked: dict[tuple[str, bool], tuple[str, int, int, dict]] = {}
+    for r in rounds:
+        key = (r[0], bool(r[3]))
+        if key not in picked or r[1:3] > picked[key][1:3]:
+            picked[key] = r
+    longest = max((r for r in rounds if r[0] == "greedy" and not r[3]), key=lambda r: r[2])
+    out = list(picked.values())
+    return out + [longest] * (longest not in out)
+
+
+def test_rounds_cover_every_kind_row_count_and_length():
+    """The whole set (not run here: the tests below run :func:`_one_of_each` of it): every sampling kind at every
+    row count and prompt length that fits, the logprobs round, and the greedy powers of two."""
+    eng = Engine(load_config(**tiny_model(**{"max_batch_size": 4, "max_seq_len": 64})))
+    rounds = warmup_rounds(eng)
+    room = 64 - 2 * (eng.draft_len + 1) - 1 - eng.draft_len - 2
+    for kind in WARMUP_SAMPLING:
+        assert {(r, n) for k, r, n, x in rounds if k == kind and not x} >= {(1, n) for n in (1, 7, 16, 40, 48)
+                                                                             if n <= room} | {(2, 7), (3, 7)}
+    assert [x for *_, x in rounds if x] == [{"logprobs": 2, "prompt_logprobs": 2}]
+    assert {n for k, r, n, x in rounds if k == "greedy" and r == 1} >= {1, 2, 4, 8, 16, 32} & set(range(room + 1))
+    assert len(_one_of_each(rounds)) == 6 and {k for k, *_ in _one_of_each(rounds)} == set(WARMUP_SAMPLING)
+
+
 @pytest.mark.parametrize("mode", ["speculative", "target_only"])
 def test_warm_up_leaves_no_state_and_the_same_tokens(mode):
     cfg = {"model.target.vocab_size": 301, "max_batch_size": 4, "max_seq_len": 64,
@@ -42,8 +70,8 @@ def test_warm_up_leaves_no_state_and_the_same_tokens(mode):
     warm, cold = (Engine(load_config(**tiny_model(**cfg))) for _ in range(2))
     warm.runner(mode)
     slots, pages = warm.slots.num_free, warm.pages.num_free
-    report = warm_up(warm, mode, overlap=True, force=True)
-    rounds = warmup_rounds(warm)
+    rounds = _one_of_each(warmup_rounds(warm))
+    report = warm_up(warm, mode, overlap=True, force=True, rounds=rounds)
     assert report.skipped is None and report.rounds == len(rounds)
     assert report.requests == sum(r for _, r, _, _ in rounds)
     assert {k for k, _, _, _ in rounds} == set(WARMUP_SAMPLING)
@@ -67,7 +95,7 @@ def test_warm_up_skips_on_a_cpu_or_when_switched_off_unless_forced(monkeypatch):
     monkeypatch.setattr(warmup, "ENV", dataclasses.replace(warmup.ENV, serve_warmup=False))
     report = warm_up(eng, "target_only", overlap=False)
     assert report.rounds == 0 and report.skipped == "TLLM_EXT_SERVE_WARMUP=0"
-    assert warm_up(eng, "target_only", overlap=False, force=True).rounds == len(warmup_rounds(eng))
+    assert warm_up(eng, "target_only", overlap=False, force=True, rounds=warmup_rounds(eng)[:1]).rounds == 1
 
 
 def test_compile_watch_counts_and_warns_only_when_serving(caplog):
@@ -122,9 +150,11 @@ def test_warm_up_on_a_small_engine():
     small = Engine(load_config(**tiny_model(**{"max_seq_len": 64, "kv_cache_config.max_tokens": 48})))
     small.runner("target_only")
     slots, pages = small.slots.num_free, small.pages.num_free
-    report = warm_up(small, "target_only", overlap=False, force=True)
+    # the rounds the tight cache makes wait: the longest prompt and the admissions of several rows
+    rounds = [r for r in warmup_rounds(small) if r[0] == "greedy" and not r[3] and (r[1] > 1 or r[2] == 48)]
+    report = warm_up(small, "target_only", overlap=False, force=True, rounds=rounds)
     assert report.skipped is None and report.skipped_requests == 0 and report.failed == 0
-    assert report.rounds == len(warmup_rounds(small)) and max(n for _, _, n, _ in warmup_rounds(small)) == 48
+    assert report.rounds == len(rounds) == 3 and max(n for _, _, n, _ in warmup_rounds(small)) == 48
     assert (small.slots.num_free, small.pages.num_free) == (slots, pages)
     tight = Engine(load_config(**tiny_model(**{"max_seq_len": 12})))
     tight.runner("target_only")
@@ -166,15 +196,14 @@ def test_warm_up_with_a_speculation_gate(caplog):
     closes no gate and logs no verdict; the serving scheduler built after it starts with an open gate."""
     from tensorrt_llm_ext.runtime.scheduler import Scheduler
 
-    # max_seq_len 40: prompts of at most 16 tokens (the long rounds are test_warm_up_leaves_no_state's), so the two
-    # modes' rounds cost the interpreter ~2/3 of 64's
     cfg = {"max_batch_size": 4, "max_seq_len": 40, "speculative_config.acceptance_window": 2,
            "speculative_config.acceptance_length_threshold": 3.5}
     eng = Engine(load_config(**tiny_model(**cfg)))
     eng.runner("speculative")
     slots, pages = eng.slots.num_free, eng.pages.num_free
-    report = warm_up(eng, "speculative", overlap=True, force=True)
-    assert report.rounds == 2 * len(warmup_rounds(eng)) and report.failed == 0
+    rounds = _one_of_each(warmup_rounds(eng))[:2]  # greedy and sampled: what the gate test needs is both modes
+    report = warm_up(eng, "speculative", overlap=True, force=True, rounds=rounds)
+    assert report.rounds == 2 * len(rounds) and report.failed == 0
     assert (eng.slots.num_free, eng.pages.num_free) == (slots, pages)
     assert not [r for r in caplog.records if "speculation gate" in r.getMessage()]
     assert any("speculative/target_only" in r.getMessage() for r in caplog.records if "warm-up:" in r.getMessage())
