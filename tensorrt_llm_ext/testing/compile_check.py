@@ -40,7 +40,7 @@ DEFAULT_SWEEP = "tensorrt_llm_ext.testing.compile_sweep"
 
 # -- worker: one arch, in this process ------------------------------------------------------------------------
 def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bool, out_path: str,
-            cache_dir: str | None = None, key_file: str | None = None) -> int:
+            cache_dir: str | None = None, key_file: str | None = None, dtypes: str | None = None) -> int:
     import triton
 
     if triton.knobs.runtime.interpret:
@@ -49,6 +49,8 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
     from tensorrt_llm_ext.testing.compile_only import CompileFailure, CompileOnly, _cpu_seconds
 
     sweep = importlib.import_module(sweep_module)
+    if dtypes:
+        sweep.DTYPES = _dtypes(dtypes)
     started = time.perf_counter()
     case_times = {}
     triton_key = None
@@ -88,7 +90,7 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
         variants.append(row)
     report = {
         "arch": arch, "triton": triton.__version__, "backend_hash": backend_hash, "seconds": round(elapsed, 1),
-        "case_seconds": case_times,
+        "case_seconds": case_times, "dtypes": dtypes or ",".join(DTYPE_NAMES),
         "variants": variants,
         "failures": [vars(f) for f in cc.failures],
         "accepted_spills": accepted,
@@ -99,13 +101,25 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
 
 
 # -- driver ----------------------------------------------------------------------------------------------------
-def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool, cache_args: list[str]) -> dict:
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _dtypes(names: str) -> tuple:
+    """``"bf16,fp32"`` -> the torch dtypes (``--dtypes``)."""
+    import torch
+
+    return tuple(getattr(torch, DTYPE_NAMES[n.strip()]) for n in names.split(",") if n.strip())
+
+
+def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool, cache_args: list[str],
+                dtypes: str | None = None) -> dict:
     fd, path = tempfile.mkstemp(prefix=f"compile_check_sm{arch}_", suffix=".json")
     os.close(fd)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
     cmd = [sys.executable, "-m", "tensorrt_llm_ext.testing.compile_check", "--worker", "--arch", str(arch),
            "--sweep-module", sweep_module, "--cases", ",".join(cases), "--out", path] + (["--sass"] if with_sass else [])
+    cmd += ["--dtypes", dtypes] if dtypes else []
     cmd += cache_args
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -133,7 +147,7 @@ def _merge(arch: int, parts: list[dict]) -> dict:
         return {"arch": arch, "crashed": True, "error": "\n".join(p["error"] for p in crashed)}
     first = parts[0]
     return {"arch": arch, "triton": first["triton"], "backend_hash": first.get("backend_hash"),
-            "seconds": max(p["seconds"] for p in parts),
+            "seconds": max(p["seconds"] for p in parts), "dtypes": first.get("dtypes"),
             "case_seconds": {k: v for p in parts for k, v in p["case_seconds"].items()},
             "variants": [v for p in parts for v in p["variants"]],
             "failures": [f for p in parts for f in p["failures"]], "accepted_spills": first["accepted_spills"]}
@@ -165,7 +179,9 @@ def _summarize(report: dict) -> tuple[bool, list[str]]:
     lines.append(f"sm_{report['arch']} (triton {report['triton']}): {len(report['variants'])} specializations of "
                  f"{len(kernels)} kernels compiled in {report['seconds']} s ({cpu:.0f} CPU s); {len(failures)} failed; "
                  f"spilling: {', '.join(spilling) or 'none'}" + (f"; {hits} served from the cache (no ptxas log)"
-                                                                 if hits else ""))
+                                                                 if hits else "")
+                 + (f"; float dtypes {report['dtypes']} only (--dtypes)"
+                    if report.get("dtypes", ",".join(DTYPE_NAMES)) != ",".join(DTYPE_NAMES) else ""))
     for f in failures:
         lines.append(f"FAILED {f['kernel']} for sm_{f['arch']} (case {f['case']})\n  specialization: "
                      f"{f['specialization']}\n  error: {f['error']}")
@@ -178,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="90", help="compute capabilities, comma-separated (90 = H200, 100 = B200)")
     p.add_argument("--sweep", action="store_true", help="run the launcher sweep (the default and only mode)")
     p.add_argument("--sweep-module", default=DEFAULT_SWEEP, help=argparse.SUPPRESS)
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="compile only these float dtypes of the sweep, comma-separated of bf16,fp16,fp32 (default: all; "
+                        "CI: bf16, the GPU's default -- every kernel and launcher path at ~45 %% of the CPU)")
     p.add_argument("--table", default=None, help="write the per-kernel resource table (Markdown) to this path")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes compiling at once, split over arches and sweep cases (default: one per core)")
@@ -207,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     for a in arches:
         if a not in ARCHES:
             p.error(f"--arch: expected one of {sorted(ARCHES)}, got {a}")
+    bad = [n for n in (args.dtypes or "").split(",") if n.strip() and n.strip() not in DTYPE_NAMES]
+    if bad or (args.dtypes is not None and not args.dtypes.strip(",").strip()):
+        p.error(f"--dtypes: expected a comma-separated list of {', '.join(DTYPE_NAMES)}, got {args.dtypes!r}")
     if args.worker:
         cases = args.cases.split(",") if args.cases else None
-        return _worker(arches[0], args.sweep_module, cases, args.sass, args.out, args.cache_dir, args.triton_key_file)
+        return _worker(arches[0], args.sweep_module, cases, args.sass, args.out, args.cache_dir, args.triton_key_file,
+                       args.dtypes)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="compile_check_") as scratch:
         cache_dir = args.cache_dir or (os.path.join(scratch, "cache") if args.pack else None)
@@ -257,7 +280,7 @@ def _check(args, arches: list[int], cache_args: list[str]) -> tuple[bool, list[d
     tasks = [(a, g) for a in arches for g in groups]
     with ThreadPoolExecutor(jobs) as pool:
         parts = list(pool.map(lambda t: _run_worker(t[0], args.sweep_module, t[1], args.table is not None,
-                                                    cache_args), tasks))
+                                                    cache_args, args.dtypes), tasks))
     reports = [_merge(a, [p for (arch, _), p in zip(tasks, parts) if arch == a]) for a in arches]
     ok = True
     for report in reports:

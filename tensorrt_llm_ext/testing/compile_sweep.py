@@ -30,6 +30,14 @@ MODEL_FLOATS = (torch.bfloat16, torch.float32)
 VOCAB = 128256  # Llama 3: shards of 128256 / 64128 / 16032 columns at TP 1 / 2 / 8
 ODD_VOCAB = 50257  # a length with no power-of-two factor: the other integer specializations
 DRAFT_LENS = (4, 7)  # the default config's max_draft_len, and the benchmarks' K
+# The float dtypes a run compiles (``compile-check --dtypes``): all of FLOATS by default; CI takes bf16 alone, the
+# GPU's default (every kernel and every launcher path at ~45 % of the whole sweep's CPU).
+DTYPES: tuple[torch.dtype, ...] = FLOATS
+
+
+def _floats(*candidates: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Of ``candidates`` (a loop's dtypes), those this run compiles (:data:`DTYPES`)."""
+    return tuple(d for d in candidates if d in DTYPES)
 
 
 def _variants(dtype: torch.dtype, variants) -> tuple:
@@ -126,7 +134,7 @@ def _rows(b: int):
 def _select():
     from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample, vocab_parallel_argmax
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         shards = ((_shards()[2], (1, 40)), (_shards(ODD_VOCAB)[0], (40,)))
         for (start, width, size), batches in _variants(dtype, shards):
             for b in batches:  # one row; 8 requests x (K + 1)
@@ -162,7 +170,7 @@ def _verification_shards():
 def _top_p():
     from tensorrt_llm_ext.speculative import verification as vf
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 8, 7
             rows = b * (k + 1)
@@ -176,7 +184,7 @@ def _top_p():
 def _rejection():
     from tensorrt_llm_ext.speculative import verification as vf
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 4, 7
             ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_REJECTION_SPLITS)
@@ -233,7 +241,7 @@ def _step_bookkeeping():
                                   torch.arange(b, dtype=torch.int64), torch.zeros(b, dtype=torch.bool),
                                   torch.zeros(slots, dtype=torch.int32), block_table, num_contexts=0, page_size=16,
                                   draft_len=k, max_ctx_len=max_pages * 16, mask_token_id=3)
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for d_c, layers in _variants(dtype, ((d_c, layers) for d_c in (32, 512) for layers in (1, 2))):
             n = 8 * 5
             pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
@@ -249,7 +257,7 @@ def _step_bookkeeping():
 def _rms_norm():
     from tensorrt_llm_ext.kernels.rms_norm import rms_norm
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for hidden in _variants(dtype, (48, 4096, 8192)):
             x = torch.zeros(40, hidden, dtype=dtype)
             w = torch.ones(hidden, dtype=dtype)
@@ -275,7 +283,7 @@ def _decode_step():  # the target-only step's bookkeeping: int32 / int64 slots a
 def _slot_rows():  # the sampled step's draft-logits store and load: [B, K, V] rows of the model's dtypes
     from tensorrt_llm_ext.kernels.slot_rows import gather_rows, scatter_rows
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for k in _variants(dtype, DRAFT_LENS):
             rows, slotted = torch.zeros(3, k, VOCAB, dtype=dtype), torch.zeros(4, k, VOCAB, dtype=dtype)
             scatter_rows(slotted, torch.zeros(3, dtype=torch.int64), rows)
@@ -285,14 +293,14 @@ def _slot_rows():  # the sampled step's draft-logits store and load: [B, K, V] r
 def _block_loss():  # train-drafter's loss rows (not in the captured step)
     from tensorrt_llm_ext.kernels.block_loss import block_loss_rows, teacher_stats
 
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in _floats(torch.bfloat16, torch.float32):
         for vocab, kl in ((49152, True), (49152, False), (1000, False)):
             z, t = torch.zeros(4, vocab, dtype=dtype), torch.zeros(4, vocab, dtype=dtype)
             a = torch.ones(4)
             block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, a if kl else None, write_grad=True)
     block_loss_rows(z, t, torch.zeros(4, dtype=torch.long), a, a, None, write_grad=False)
     # the "dedup" layout: teacher rows shared through an index, their statistics from teacher_stats
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in _floats(torch.bfloat16, torch.float32):
         for vocab, kl in ((49152, True), (49152, False), (1000, False)):
             z, t, idx = torch.zeros(4, vocab, dtype=dtype), torch.zeros(2, vocab, dtype=dtype), torch.zeros(4).long()
             stats = teacher_stats(t)
@@ -310,8 +318,8 @@ def _attention():
         return sorted(rows, key=lambda s: s.max_batch or 1 << 20) + [AttentionSchedule(None, split_k=4)]
 
     # tiny; the served default (fp16 at the first only, _variants)
-    shapes = [(dtype, shape) for dtype in FLOATS for shape in _variants(dtype, ((4, 16, 32), (8, 64, 256)))]
-    shapes.append((torch.bfloat16, (8, 64, 512)))  # the 512-wide latent (recipe 6), bf16 as served
+    shapes = [(dtype, shape) for dtype in _floats(*FLOATS) for shape in _variants(dtype, ((4, 16, 32), (8, 64, 256)))]
+    shapes += [(torch.bfloat16, (8, 64, 512))] * (torch.bfloat16 in DTYPES)  # the 512-wide latent (recipe 6), bf16 as served
     for dtype, (heads, head_dim, d_c) in shapes:
         for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
             b, slots, max_pages, page = 8, 16, 16, 16
@@ -334,7 +342,7 @@ def _paged_attention():
 
     # SmolLM2-135M (9 / 3 heads x 64), an 8B Llama (32 / 8 x 128), a Qwen3-like GQA 2 at head_dim 128; decode
     # (T = 1), verify (T = K + 1 = 8) and a prefill block (several query tiles, no split).
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128), (16, 8, 128))):
             page, max_pages, b = 16, 64, 4
             table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
@@ -354,7 +362,7 @@ def _paged_attention():
 
     from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in _floats(torch.bfloat16, torch.float16):
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128))):
             cfg = DECODE_CONFIGS[d]
             page, max_pages, b = 16, 64, 4
@@ -369,7 +377,7 @@ def _paged_attention():
     # programmatic launch and without it (the unfused layer's steps of more than 32 requests).
     from tensorrt_llm_ext.kernels.paged_attention import DECODE_CONFIGS_BY_BATCH
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in _floats(torch.bfloat16, torch.float16):
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64),)):
             for b, _ in DECODE_CONFIGS_BY_BATCH.get(d, ()):
                 page, max_pages = 32, 128
@@ -381,7 +389,7 @@ def _paged_attention():
                                     d ** -0.5, programmatic=programmatic)
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
-    for dtype in FLOATS:
+    for dtype in _floats(*FLOATS):
         for inter in _variants(dtype, (1536, 14336)):  # SmolLM2-135M, an 8B Llama (per rank at TP 1)
             silu_mul(torch.zeros(8, 2 * inter, dtype=dtype))
 
@@ -399,7 +407,7 @@ def _fused_layer():
     # touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
     try:
-        for dtype in FLOATS:
+        for dtype in _floats(*FLOATS):
             for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
                 page, max_pages, b = 16, 8, 64
                 table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
@@ -435,7 +443,7 @@ def _markov():
 
     start, width, size = _shards()[2]
     r, k = 256, 7  # the measured table's rank and draft length (docs/markov_chain.md)
-    w1s = {dtype: torch.zeros(size, r, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+    w1s = {dtype: torch.zeros(size, r, dtype=dtype) for dtype in _floats(torch.bfloat16, torch.float32)}
     for dtype, w1 in w1s.items():
         w2 = torch.zeros(width, r, dtype=dtype)
         # B = 1 specializes the exact kernels' row count; the fused kernel never specializes on B (one table row).
@@ -454,7 +462,7 @@ def _markov():
     # A shard whose first id is not a multiple of 4 (Qwen's V = 151936 at TP 3: rank 1 starts at 50646): the sampled
     # noise's runs of four ids straddle two Philox blocks (ALIGNED=False); the runtime's fused tile for 8 rows.
     r, k, width, start = 256, 7, 1031, 50646
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in _floats(torch.bfloat16, torch.float32):
         rows = dict(zip(("temperatures", "seeds", "offsets"), _rows(8)))
         w1, w2 = torch.zeros(start + width, r, dtype=dtype), torch.zeros(width, r, dtype=dtype)
         base, anchors = torch.zeros(8, k, width, dtype=dtype), torch.zeros(8, dtype=torch.int64)
@@ -462,7 +470,7 @@ def _markov():
         markov_chain_logits(base, anchors, w1, w2, vocab_start=start, vocab_size=start + width, mode="fused", **rows)
     # A wide rank with fp32 weights (a 576-wide target's drafter: r pads to 1024): the table's pipeline is
     # fitted to shared memory (it asked 320 KiB of an SM's 227 KiB on the H200 before).
-    for wdtype in (torch.bfloat16, torch.float32):
+    for wdtype in _floats(torch.bfloat16, torch.float32):
         r, k, width = 576, 7, 4099
         markov_chain_logits(torch.zeros(1, k, width, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
                             torch.zeros(width, r, dtype=wdtype), torch.zeros(width, r, dtype=wdtype),

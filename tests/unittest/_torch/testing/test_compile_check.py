@@ -129,3 +129,22 @@ def test_every_launched_kernel_is_in_the_sweep():
     assert defined and defined == swept, (sorted(defined - swept), sorted(swept - defined))
     assert {a.kernel for a in ACCEPTED_SPILLS} <= swept
     assert all(a.reason.strip() and a.when and a.max_bytes > 0 for a in ACCEPTED_SPILLS)
+
+
+def test_dtypes_select_the_sweeps_floats_and_bad_names_exit_2(tmp_path, monkeypatch):
+    """``--dtypes bf16`` (CI's run): every loop of the sweep keeps its bf16 variants only; an unknown name is a usage
+    error before any worker starts."""
+    import torch
+
+    import tensorrt_llm_ext.testing.compile_sweep as sweep
+    from tensorrt_llm_ext.testing.compile_check import _dtypes
+
+    assert sweep._floats(*sweep.FLOATS) == sweep.FLOATS
+    monkeypatch.setattr(sweep, "DTYPES", _dtypes("bf16"))
+    assert sweep._floats(*sweep.FLOATS) == (torch.bfloat16,)
+    assert sweep._floats(torch.float16, torch.float32) == ()
+    assert _dtypes("fp32, fp16") == (torch.float32, torch.float16)
+    for bad in ("fp8", ","):
+        proc = _check(tmp_path, "--dtypes", bad)
+        assert proc.returncode == 2 and "compiled" not in proc.stdout, (bad, proc.stdout, proc.stderr)
+        assert "--dtypes: expected a comma-separated list of bf16, fp16, fp32" in proc.stderr
