@@ -165,6 +165,67 @@ def _mac(acc, a, w, GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _products(x_ptr, rows, row_ok, stride_xm, k, rstd, norm_w_ptr, w1_ptr, w1_rows, w2_ptr, w2_rows, col_ok,
+              w1_first, w2_first, k_begin, TWO: tl.constexpr, PAIRED_LOADS: tl.constexpr, NORM: tl.constexpr,
+              GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PEEL: tl.constexpr,
+              KSPLIT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The input rows (RMS-normed when ``NORM``) times the weight rows ``w1_rows`` of ``w1_ptr`` -- and, when ``TWO``,
+    ``w2_rows`` of ``w2_ptr`` (gate and up; a head's two rotary halves) -- as two fp32 ``[BLOCK_M, BLOCK_N]``
+    accumulators: K-split dot tiles (``KSPLIT > 1``), or the first K block's weights loaded before the programmatic
+    wait (``PEEL``: ``w1_first`` / ``w2_first``) and the loop from ``k_begin``. Both weight-streaming kernels' K
+    loop (this one and fused_qkv's). ``PAIRED_LOADS``: the loop loads both weight tiles before the products
+    (fused_qkv's order) instead of each before its own (this kernel's gate / up): the two orders compile to other
+    registers and schedules (e.g. 146 -> 128 and 159 -> 178 registers on gate-up tiles under Triton 3.6.0), and each
+    kernel keeps the one it was timed with."""
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if KSPLIT > 1:
+        # Each BLOCK_K block split into KSPLIT parts, one batch of a batched dot each (its own warp and
+        # accumulator), summed at the end: a 16-row tile's MMAs otherwise form one dependent chain of K / 16
+        # steps per warp. The parts' order of summation is fixed by the settings (shape-only), as BLOCK_K's is.
+        KS: tl.constexpr = BLOCK_K // KSPLIT
+        acc1_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
+        acc2_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            a = _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM, KSPLIT, KS)
+            acc1_3 = _mac(acc1_3, a, _split_weight(w1_ptr, w1_rows, col_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
+                          PRECISION)
+            if TWO:
+                acc2_3 = _mac(acc2_3, a, _split_weight(w2_ptr, w2_rows, col_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
+                              PRECISION)
+        acc1 = tl.sum(acc1_3, axis=0)
+        acc2 = tl.sum(acc2_3, axis=0)
+        k_begin = k  # the loop below runs no iteration
+    if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
+        kk0 = tl.arange(0, BLOCK_K)
+        k_ok0 = kk0 < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
+                    other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk0[None, :], k_ok0[None, :])
+        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
+        if TWO:
+            acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
+    for k0 in range(k_begin, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk[None, :], k_ok[None, :])
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w1 = tl.load(w1_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if TWO and PAIRED_LOADS:
+            w2 = tl.load(w2_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
+        if TWO:
+            if not PAIRED_LOADS:
+                w2 = tl.load(w2_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
+            acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
+    return acc1, acc2
+
+
+@triton.jit
 def _prefetch_l2(ptrs, mask):
     """``prefetch.global.L2`` of each address under ``mask`` (the line holding it; nothing is returned or held)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -210,6 +271,8 @@ def _fused_linear_kernel(
         if EARLY_RES:  # written before the previous launch began (the caller's word): read before the wait
             r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     k_begin = 0
+    w_first = 0  # the first K block's weights (PEEL), else unused
+    w2_first = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights (written by no kernel) streams in while
         # the previous kernel finishes (PEEL: into registers, its products peeled off the loop; else to L2 with
@@ -231,47 +294,9 @@ def _fused_linear_kernel(
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     else:
         rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if KSPLIT > 1:
-        # Each BLOCK_K block split into KSPLIT parts, one batch of a batched dot each (its own warp and
-        # accumulator), summed at the end: a 16-row tile's MMAs otherwise form one dependent chain of K / 16
-        # steps per warp. The parts' order of summation is fixed by the settings (shape-only), as BLOCK_K's is.
-        KS: tl.constexpr = BLOCK_K // KSPLIT
-        acc3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
-        acc_up3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            a = _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM, KSPLIT, KS)
-            acc3 = _mac(acc3, a, _split_weight(w_ptr, w_rows, col_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
-                        PRECISION)
-            if EPILOGUE == 1:
-                acc_up3 = _mac(acc_up3, a, _split_weight(w_ptr + n * stride_wn, w_rows, col_ok, k0, k, KSPLIT, KS),
-                               False, DOT_DTYPE, PRECISION)
-        acc = tl.sum(acc3, axis=0)
-        acc_up = tl.sum(acc_up3, axis=0)
-        k_begin = k  # the loop below runs no iteration
-    if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
-        kk0 = tl.arange(0, BLOCK_K)
-        k_ok0 = kk0 < k
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
-                    other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk0[None, :], k_ok0[None, :])
-        acc = _mac(acc, a, w_first, GEMV, DOT_DTYPE, PRECISION)
-        if EPILOGUE == 1:
-            acc_up = _mac(acc_up, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-    for k0 in range(k_begin, k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk[None, :], k_ok[None, :])
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_ptr + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = _mac(acc, a, w, GEMV, DOT_DTYPE, PRECISION)
-        if EPILOGUE == 1:  # the up rows sit N rows below the gate rows
-            w2 = tl.load(w_ptr + n * stride_wn + w_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-            acc_up = _mac(acc_up, a, w2, GEMV, DOT_DTYPE, PRECISION)
+    acc, acc_up = _products(x_ptr, rows, row_ok, stride_xm, k, rstd, norm_w_ptr, w_ptr, w_rows, w_ptr + n * stride_wn,
+                            w_rows, col_ok, w_first, w2_first, k_begin, EPILOGUE == 1, False, NORM, GEMV, DOT_DTYPE,
+                            PRECISION, PEEL, KSPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if EPILOGUE == 1:

@@ -37,10 +37,9 @@ import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import INT_DTYPES, check_tensor, programmatic_launch
 from tensorrt_llm_ext.kernels import fused_linear as _fl
-from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, WEIGHT_PREFETCH, _mac, _normed_tile,
-                                                   _prefetch_rows_l2, _row_rstd, _split_input, _split_weight,
-                                                   dot_block_m, dot_k_split, dot_settings, norm_unroll,
-                                                   prefetch_lines, stage_block_k)
+from tensorrt_llm_ext.kernels.fused_linear import (GEMV_MAX_ROWS, GEMV_MAX_TILE, WEIGHT_PREFETCH, _prefetch_rows_l2,
+                                                   _products, _row_rstd, dot_block_m, dot_k_split, dot_settings,
+                                                   norm_unroll, prefetch_lines, stage_block_k)
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rms_norm import rms_norm_reference
 
@@ -112,6 +111,8 @@ def _fused_qkv_rope_kernel(
                                              head, num_heads, num_kv_heads, t_len, stride_pb, stride_cm, stride_tab,
                                              max_pages, page_size, scratch_page)
     k_begin = 0
+    w1_first = 0  # the first K block's weights (PEEL), else unused
+    w2_first = 0
     if PDL:
         # Programmatic dependent launch: the first K block of the weights streams in while the previous kernel
         # finishes (PEEL: into registers, as fused_linear's); x (and, unless EARLY, the step inputs) after the wait.
@@ -130,41 +131,9 @@ def _fused_qkv_rope_kernel(
         rstd = _row_rstd(x_ptr, rows, row_ok, stride_xm, k, eps, BLOCK_M, BLOCK_K, K_UNROLL)
     else:
         rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
-    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    if KSPLIT > 1:  # fused_linear's K-split dot tiles (DOT_K_SPLIT): shorter MMA chains, the parts summed at the end
-        KS: tl.constexpr = BLOCK_K // KSPLIT
-        acc1_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_HALF], tl.float32)
-        acc2_3 = tl.zeros([KSPLIT, BLOCK_M, BLOCK_HALF], tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            a = _split_input(x_ptr, rows, row_ok, stride_xm, k0, k, rstd, norm_w_ptr, NORM, KSPLIT, KS)
-            acc1_3 = _mac(acc1_3, a, _split_weight(w_ptr, w1_rows, i_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
-                          PRECISION)
-            acc2_3 = _mac(acc2_3, a, _split_weight(w_ptr, w2_rows, i_ok, k0, k, KSPLIT, KS), False, DOT_DTYPE,
-                          PRECISION)
-        acc1 = tl.sum(acc1_3, axis=0)
-        acc2 = tl.sum(acc2_3, axis=0)
-        k_begin = k  # the loop below runs no iteration
-    if PEEL:  # the first K block with its prefetched weights (the same products, in the same order)
-        kk0 = tl.arange(0, BLOCK_K)
-        k_ok0 = kk0 < k
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk0[None, :], mask=row_ok[:, None] & k_ok0[None, :],
-                    other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk0[None, :], k_ok0[None, :])
-        acc1 = _mac(acc1, a, w1_first, GEMV, DOT_DTYPE, PRECISION)
-        acc2 = _mac(acc2, a, w2_first, GEMV, DOT_DTYPE, PRECISION)
-    for k0 in range(k_begin, k, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            a = _normed_tile(a, rstd[:, None], norm_w_ptr, kk[None, :], k_ok[None, :])
-        w_mask = k_ok[:, None] & i_ok[None, :]
-        w1 = tl.load(w_ptr + w1_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        w2 = tl.load(w_ptr + w2_rows[None, :] + kk[:, None], mask=w_mask, other=0.0)
-        acc1 = _mac(acc1, a, w1, GEMV, DOT_DTYPE, PRECISION)
-        acc2 = _mac(acc2, a, w2, GEMV, DOT_DTYPE, PRECISION)
+    acc1, acc2 = _products(x_ptr, rows, row_ok, stride_xm, k, rstd, norm_w_ptr, w_ptr, w1_rows, w_ptr, w2_rows, i_ok,
+                           w1_first, w2_first, k_begin, True, True, NORM, GEMV, DOT_DTYPE, PRECISION, PEEL, KSPLIT,
+                           BLOCK_M, BLOCK_HALF, BLOCK_K)
     if HAS_BIAS:
         acc1 += tl.load(bias_ptr + c1, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(bias_ptr + c1 + HALF, mask=i_ok, other=0.0).to(tl.float32)[None, :]
