@@ -149,6 +149,26 @@ def test_every_rank_runs_once(mpi_pool_executor):
     assert run_on_ranks(mpi_pool_executor, _ranks) == list(range(n))  # the same ranks serve the next call
 
 
+@pytest.mark.parametrize("mpi_pool_executor", [2], indirect=True)
+def test_an_idle_pool_polls_less_often_and_still_answers(mpi_pool_executor):
+    """A rank between calls looks for its next task every <= 20 ms for a second, then every 100 ms (a pool kept
+    between a module's tests: ~0.2 % of a core a rank instead of ~1 %); a call after a longer idle is answered."""
+    from tensorrt_llm_ext.runtime.rank_process import IDLE_AFTER_S, IDLE_POLL_S, TASK_POLL_S, next_wait
+
+    schedule, wait, waited = [], 0.001, 0.0
+    while waited < 3:
+        waited += wait
+        wait = next_wait(wait, waited)
+        schedule.append((waited, wait))
+    assert max(w for t, w in schedule if t < IDLE_AFTER_S) == TASK_POLL_S
+    assert schedule[-1][1] == IDLE_POLL_S and all(w <= IDLE_POLL_S for _, w in schedule)
+    assert sum(t < IDLE_AFTER_S for t, _ in schedule) > sum(t >= IDLE_AFTER_S for t, _ in schedule)
+    time.sleep(IDLE_AFTER_S + 2 * IDLE_POLL_S)
+    t0 = time.monotonic()
+    assert run_on_ranks(mpi_pool_executor, _ranks) == [0, 1]
+    assert time.monotonic() - t0 < BOUND_S
+
+
 @pytest.mark.parametrize("mpi_pool_executor", [4], indirect=True)
 def test_every_rank_runs_once_at_4_ranks(mpi_pool_executor):
     assert run_on_ranks(mpi_pool_executor, _ranks) == [0, 1, 2, 3]
