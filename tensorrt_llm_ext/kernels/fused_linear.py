@@ -168,8 +168,7 @@ def _mac(acc, a, w, GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.c
 def _products(x_ptr, rows, row_ok, stride_xm, k, rstd, norm_w_ptr, w1_ptr, w1_rows, w2_ptr, w2_rows, col_ok,
               w1_first, w2_first, k_begin, TWO: tl.constexpr, PAIRED_LOADS: tl.constexpr, NORM: tl.constexpr,
               GEMV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PEEL: tl.constexpr,
-              KSPLIT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The input rows (RMS-normed when ``NORM``) times the weight rows ``w1_rows`` of ``w1_ptr`` -- and, when ``TWO``,
     ``w2_rows`` of ``w2_ptr`` (gate and up; a head's two rotary halves) -- as two fp32 ``[BLOCK_M, BLOCK_N]``
     accumulators: K-split dot tiles (``KSPLIT > 1``), or the first K block's weights loaded before the programmatic

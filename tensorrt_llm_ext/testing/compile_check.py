@@ -90,7 +90,7 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
         variants.append(row)
     report = {
         "arch": arch, "triton": triton.__version__, "backend_hash": backend_hash, "seconds": round(elapsed, 1),
-        "case_seconds": case_times, "dtypes": dtypes or ",".join(DTYPE_NAMES),
+        "case_seconds": case_times, "dtypes": dtypes,
         "variants": variants,
         "failures": [vars(f) for f in cc.failures],
         "accepted_spills": accepted,
@@ -101,14 +101,26 @@ def _worker(arch: int, sweep_module: str, cases: list[str] | None, with_sass: bo
 
 
 # -- driver ----------------------------------------------------------------------------------------------------
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the sweep's FLOATS, in its order
 
 
 def _dtypes(names: str) -> tuple:
-    """``"bf16,fp32"`` -> the torch dtypes (``--dtypes``)."""
+    """``"bf16,fp32"`` -> the torch dtypes, in the given order (the sweep's ``DTYPES``)."""
     import torch
 
     return tuple(getattr(torch, DTYPE_NAMES[n.strip()]) for n in names.split(",") if n.strip())
+
+
+def _dtype_list(p: argparse.ArgumentParser, given: str | None) -> str | None:
+    """``--dtypes`` in the sweep's order without repeats, or None for every dtype (the default); a usage error for
+    an unknown name or an empty list."""
+    if given is None:
+        return None
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    if not names or any(n not in DTYPE_NAMES for n in names):
+        p.error(f"--dtypes: expected a comma-separated list of {', '.join(DTYPE_NAMES)}, got {given!r}")
+    subset = [n for n in DTYPE_NAMES if n in names]
+    return None if len(subset) == len(DTYPE_NAMES) else ",".join(subset)
 
 
 def _run_worker(arch: int, sweep_module: str, cases: list[str], with_sass: bool, cache_args: list[str],
@@ -180,8 +192,7 @@ def _summarize(report: dict) -> tuple[bool, list[str]]:
                  f"{len(kernels)} kernels compiled in {report['seconds']} s ({cpu:.0f} CPU s); {len(failures)} failed; "
                  f"spilling: {', '.join(spilling) or 'none'}" + (f"; {hits} served from the cache (no ptxas log)"
                                                                  if hits else "")
-                 + (f"; float dtypes {report['dtypes']} only (--dtypes)"
-                    if report.get("dtypes", ",".join(DTYPE_NAMES)) != ",".join(DTYPE_NAMES) else ""))
+                 + (f"; float dtypes {report['dtypes']} only (--dtypes)" if report.get("dtypes") else ""))
     for f in failures:
         lines.append(f"FAILED {f['kernel']} for sm_{f['arch']} (case {f['case']})\n  specialization: "
                      f"{f['specialization']}\n  error: {f['error']}")
@@ -195,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="run the launcher sweep (the default and only mode)")
     p.add_argument("--sweep-module", default=DEFAULT_SWEEP, help=argparse.SUPPRESS)
     p.add_argument("--dtypes", default=None, metavar="LIST",
-                   help="compile only these float dtypes of the sweep, comma-separated of bf16,fp16,fp32 (default: all; "
-                        "CI: bf16, the GPU's default -- every kernel and launcher path at ~45 %% of the CPU)")
+                   help="compile only these float dtypes of the sweep, comma-separated of bf16,fp16,fp32 (default: "
+                        "all; CI: bf16, the GPU's default -- every kernel and launcher path at ~1/3 of the CPU)")
     p.add_argument("--table", default=None, help="write the per-kernel resource table (Markdown) to this path")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes compiling at once, split over arches and sweep cases (default: one per core)")
@@ -226,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for a in arches:
         if a not in ARCHES:
             p.error(f"--arch: expected one of {sorted(ARCHES)}, got {a}")
-    bad = [n for n in (args.dtypes or "").split(",") if n.strip() and n.strip() not in DTYPE_NAMES]
-    if bad or (args.dtypes is not None and not args.dtypes.strip(",").strip()):
-        p.error(f"--dtypes: expected a comma-separated list of {', '.join(DTYPE_NAMES)}, got {args.dtypes!r}")
+    args.dtypes = _dtype_list(p, args.dtypes)
     if args.worker:
         cases = args.cases.split(",") if args.cases else None
         return _worker(arches[0], args.sweep_module, cases, args.sass, args.out, args.cache_dir, args.triton_key_file,

@@ -30,8 +30,8 @@ MODEL_FLOATS = (torch.bfloat16, torch.float32)
 VOCAB = 128256  # Llama 3: shards of 128256 / 64128 / 16032 columns at TP 1 / 2 / 8
 ODD_VOCAB = 50257  # a length with no power-of-two factor: the other integer specializations
 DRAFT_LENS = (4, 7)  # the default config's max_draft_len, and the benchmarks' K
-# The float dtypes a run compiles (``compile-check --dtypes``): all of FLOATS by default; CI takes bf16 alone, the
-# GPU's default (every kernel and every launcher path at ~45 % of the whole sweep's CPU).
+# The float dtypes a run compiles, in FLOATS' order (``compile-check --dtypes``): all of FLOATS by default; CI takes
+# bf16 alone, the GPU's default (every kernel and every launcher path at ~1/3 of the whole sweep's CPU).
 DTYPES: tuple[torch.dtype, ...] = FLOATS
 
 
@@ -134,7 +134,7 @@ def _rows(b: int):
 def _select():
     from tensorrt_llm_ext.speculative.vocab_parallel import gumbel_sample, vocab_parallel_argmax
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         shards = ((_shards()[2], (1, 40)), (_shards(ODD_VOCAB)[0], (40,)))
         for (start, width, size), batches in _variants(dtype, shards):
             for b in batches:  # one row; 8 requests x (K + 1)
@@ -170,7 +170,7 @@ def _verification_shards():
 def _top_p():
     from tensorrt_llm_ext.speculative import verification as vf
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 8, 7
             rows = b * (k + 1)
@@ -184,7 +184,7 @@ def _top_p():
 def _rejection():
     from tensorrt_llm_ext.speculative import verification as vf
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for tp, start, width, size in _variants(dtype, _verification_shards()):
             b, k = 4, 7
             ws = vf.VerificationWorkspace.for_verification(b, k, width, tp=tp, num_splits=_REJECTION_SPLITS)
@@ -241,7 +241,7 @@ def _step_bookkeeping():
                                   torch.arange(b, dtype=torch.int64), torch.zeros(b, dtype=torch.bool),
                                   torch.zeros(slots, dtype=torch.int32), block_table, num_contexts=0, page_size=16,
                                   draft_len=k, max_ctx_len=max_pages * 16, mask_token_id=3)
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for d_c, layers in _variants(dtype, ((d_c, layers) for d_c in (32, 512) for layers in (1, 2))):
             n = 8 * 5
             pool = torch.zeros(layers, 16, 16, d_c, dtype=dtype)
@@ -257,7 +257,7 @@ def _step_bookkeeping():
 def _rms_norm():
     from tensorrt_llm_ext.kernels.rms_norm import rms_norm
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for hidden in _variants(dtype, (48, 4096, 8192)):
             x = torch.zeros(40, hidden, dtype=dtype)
             w = torch.ones(hidden, dtype=dtype)
@@ -283,7 +283,7 @@ def _decode_step():  # the target-only step's bookkeeping: int32 / int64 slots a
 def _slot_rows():  # the sampled step's draft-logits store and load: [B, K, V] rows of the model's dtypes
     from tensorrt_llm_ext.kernels.slot_rows import gather_rows, scatter_rows
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for k in _variants(dtype, DRAFT_LENS):
             rows, slotted = torch.zeros(3, k, VOCAB, dtype=dtype), torch.zeros(4, k, VOCAB, dtype=dtype)
             scatter_rows(slotted, torch.zeros(3, dtype=torch.int64), rows)
@@ -318,8 +318,9 @@ def _attention():
         return sorted(rows, key=lambda s: s.max_batch or 1 << 20) + [AttentionSchedule(None, split_k=4)]
 
     # tiny; the served default (fp16 at the first only, _variants)
-    shapes = [(dtype, shape) for dtype in _floats(*FLOATS) for shape in _variants(dtype, ((4, 16, 32), (8, 64, 256)))]
-    shapes += [(torch.bfloat16, (8, 64, 512))] * (torch.bfloat16 in DTYPES)  # the 512-wide latent (recipe 6), bf16 as served
+    shapes = [(dtype, shape) for dtype in DTYPES for shape in _variants(dtype, ((4, 16, 32), (8, 64, 256)))]
+    if torch.bfloat16 in DTYPES:
+        shapes.append((torch.bfloat16, (8, 64, 512)))  # the 512-wide latent (recipe 6), bf16 as served
     for dtype, (heads, head_dim, d_c) in shapes:
         for k in DRAFT_LENS[-1:]:  # K is a runtime argument; BLOCK_M = 16 for every K <= 16
             b, slots, max_pages, page = 8, 16, 16, 16
@@ -342,7 +343,7 @@ def _paged_attention():
 
     # SmolLM2-135M (9 / 3 heads x 64), an 8B Llama (32 / 8 x 128), a Qwen3-like GQA 2 at head_dim 128; decode
     # (T = 1), verify (T = K + 1 = 8) and a prefill block (several query tiles, no split).
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for heads, kv_heads, d in _variants(dtype, ((9, 3, 64), (32, 8, 128), (16, 8, 128))):
             page, max_pages, b = 16, 64, 4
             table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
@@ -389,7 +390,7 @@ def _paged_attention():
                                     d ** -0.5, programmatic=programmatic)
     from tensorrt_llm_ext.kernels.silu_mul import silu_mul
 
-    for dtype in _floats(*FLOATS):
+    for dtype in DTYPES:
         for inter in _variants(dtype, (1536, 14336)):  # SmolLM2-135M, an 8B Llama (per rank at TP 1)
             silu_mul(torch.zeros(8, 2 * inter, dtype=dtype))
 
@@ -407,7 +408,7 @@ def _fused_layer():
     # touched on the host.
     shapes = ((576, 9, 3, 64, 1536, False), (4096, 32, 8, 128, 14336, False), (1024, 16, 8, 128, 3072, True))
     try:
-        for dtype in _floats(*FLOATS):
+        for dtype in DTYPES:
             for hidden, heads, kv_heads, d, inter, qwen in _variants(dtype, shapes):
                 page, max_pages, b = 16, 8, 64
                 table = torch.zeros(b + 1, max_pages, dtype=torch.int32)
