@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
+
 L2_BYTES = 60 * 2**20  # H200
 
 
@@ -132,7 +134,7 @@ class BenchTimer:
         repeats = max(1, -(-min_calls_per_graph // len(fns)))
         calls = repeats * len(fns)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             for _ in range(repeats):
                 for fn in fns:
                     fn()

@@ -55,6 +55,7 @@ from tensorrt_llm_ext.contract import SamplingParams
 from tensorrt_llm_ext.argtypes import int_list, positive_int
 from tensorrt_llm_ext.bench.harness import BenchTimer, first_line, fmt, print_table, register_benchmark
 from tensorrt_llm_ext.runtime.config import MAX_BATCH_SIZE
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 if TYPE_CHECKING:
     from tensorrt_llm_ext.runtime.engine import Engine
@@ -227,7 +228,7 @@ def _profile(step, top: int = 12) -> list[str]:
     with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

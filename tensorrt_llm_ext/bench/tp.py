@@ -34,6 +34,7 @@ from tensorrt_llm_ext.argtypes import name_list, positive_int, seconds
 from tensorrt_llm_ext.bench.harness import (TABLES, BenchTimer, fmt, print_table, register_benchmark,
                                             rotation_count)
 from tensorrt_llm_ext.mapping import vocab_shards
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 # Drafter sizes on GPU: fc [4096, 3*4096] bf16 is 100 MB (above the 60 MiB L2, like a real drafter's
 # fc), 2 layers, weights drawn on the device (initialises in well under a second).
@@ -111,7 +112,7 @@ class _AgreedTimer:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             for fn in fns:
                 fn()
         del graph

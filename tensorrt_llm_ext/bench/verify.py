@@ -45,6 +45,7 @@ from tensorrt_llm_ext.kernels.top_p import radix_rounds
 from tensorrt_llm_ext.mapping import vocab_shards
 from tensorrt_llm_ext.speculative.verification import (VerificationPlan, VerificationWorkspace, choose_passes,
                                                         column_plan, draw_plan, rejection_sample)
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -364,7 +365,7 @@ def capture_graph(call) -> "torch.cuda.CUDAGraph":
         call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         call()
     return graph
 

@@ -29,8 +29,10 @@ eagerly through the same :meth:`CudaGraphRunner.step`.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -40,25 +42,51 @@ from tensorrt_llm_ext.mapping import Mapping
 from tensorrt_llm_ext.speculative.step_variant import StepVariant
 from tensorrt_llm_ext.speculative.worker_base import nvtx_range
 
-__all__ = ["CudaGraphRunner", "ReplayPlan", "agree_on_capture", "pad_batch_size", "plan_step",
-           "warm_up_and_capture"]
+__all__ = ["CudaGraphRunner", "ReplayPlan", "agree_on_capture", "collector_paused", "graph_capture", "pad_batch_size",
+           "plan_step", "warm_up_and_capture"]
 
 WARMUP_STEPS = 2
 
 
-def warm_up_and_capture(fn: Callable[[], object], pool, label: str):
-    """``WARMUP_STEPS`` calls of ``fn`` on a side stream (lazily sized buffers, autotuning and first launches out of
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it, on any exit). A collection
+    inside a capture can finalize an unreachable ``CUDAGraph`` of an earlier capture; its ``cudaGraphExecDestroy``
+    is not permitted while a stream captures, and it invalidates the capture in progress -- "operation failed due to
+    a previous error during capture", and after it every later capture of the process is refused ("already
+    recording to mempool_id"). torch stopped collecting before each capture (PyTorch 2.9); reference counting
+    still frees what it can, and the next collection outside a capture takes the rest."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: "torch.cuda.CUDAGraph", pool=None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with the collector paused (:func:`collector_paused`): every capture
+    of the package, its benchmarks and its tests goes through here."""
+    with collector_paused(), torch.cuda.graph(graph, pool=pool):
+        yield
+
+
+def warm_up_and_capture(fn: Callable[[], object], pool=None, label: str = "cuda_graph",
+                        warmup_steps: int = WARMUP_STEPS):
+    """``warmup_steps`` calls of ``fn`` on a side stream (lazily sized buffers, autotuning and first launches out of
     the graph), then one call captured into a new graph in ``pool`` (None: the graph's own, returned for the next
     capture to share): ``(graph, fn's outputs, pool)``. The caller keeps the state ``fn`` writes restorable."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), nvtx_range(f"{label}.warmup"):
-        for _ in range(WARMUP_STEPS):
+        for _ in range(warmup_steps):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with nvtx_range(f"{label}.capture"), torch.cuda.graph(graph, pool=pool):
+    with nvtx_range(f"{label}.capture"), graph_capture(graph, pool=pool):
         outputs = fn()
     return graph, outputs, pool if pool is not None else graph.pool()
 

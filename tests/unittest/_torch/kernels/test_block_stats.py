@@ -127,7 +127,7 @@ def test_tile_and_lane_forms_give_the_same_bits(vocab, dtype, tp, pad):
     bit for bit on adversarial rows, every aligned shard of odd vocabularies (the last padded with NaN or +inf past
     its real ids), two column plans, with and without top-p rows."""
     t, d, tokens, temps, k = _adversarial(vocab, dtype, seed=vocab)
-    top_p = torch.tensor([0.9, 1.0, 0.5])
+    top_p = torch.tensor([0.9, 1.0, 0.5], device=DEV)
     for rank in range(tp):
         ts, start = _aligned(t, tp, rank, pad)
         ds, _ = _aligned(d, tp, rank, pad)

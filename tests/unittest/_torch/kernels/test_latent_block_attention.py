@@ -16,6 +16,7 @@ from tensorrt_llm_ext.kernels.common import CaptureAllocationError
 from tensorrt_llm_ext.kernels.latent_block_attention import (ATTENTION_SCHEDULES, AttentionSchedule,
                                                              attention_schedule, latent_block_attention,
                                                              latent_block_attention_reference)
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -220,7 +221,7 @@ def test_realistic_shapes_bf16_and_graph_replay(b):
     latent_block_attention(**case, out=out)  # warm-up outside capture (compile, RoPE table)
     eager = out.clone()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         latent_block_attention(**case, out=out)
     out.zero_()
     case["pool_layer"].copy_(pool0)
@@ -229,7 +230,7 @@ def test_realistic_shapes_bf16_and_graph_replay(b):
     assert torch.equal(out, eager)
     assert torch.equal(case["pool_layer"], pool_f)
     with pytest.raises(CaptureAllocationError, match="out="):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with graph_capture(torch.cuda.CUDAGraph()):
             latent_block_attention(**case)
 
 
@@ -256,7 +257,7 @@ def test_gpu_split_k_bf16_and_graph_replay(b, split_k):
     latent_block_attention(**case, out=out, schedule=sched)  # warm-up: compile, RoPE table, partials
     eager = out.clone()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         latent_block_attention(**case, out=out, schedule=sched)
     out.zero_()
     case["pool_layer"].copy_(pool0)

@@ -15,6 +15,7 @@ from tensorrt_llm_ext.kernels.ll_exchange import (SPIN_LIMIT, TAG_MASK, TAG_PERI
                                                   ll_exchange, ll_exchange_reference, tag_of)
 from tensorrt_llm_ext.kernels.ordered_key import EMPTY_KEY, pack_key_torch, ordered_i32_torch
 from tensorrt_llm_ext.mapping import Mapping
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 # 0 and the wrap points of a 14-bit and a 22-bit tag (earlier layouts), and of this layout's 32-bit tag
 # (period 2^32 - 1), and near the end of the int64 epoch.
@@ -333,7 +334,7 @@ def test_gpu_simulated_cuda_graph_replay(world):
     sim.exchange(keys, out=outs[0])  # warm: compile and load before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for o in outs:
             sim.exchange(keys, out=o)
     e0 = int(sim.state.epoch[0])

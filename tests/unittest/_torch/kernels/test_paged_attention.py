@@ -20,6 +20,7 @@ from tensorrt_llm_ext.kernels.paged_attention import (CONFIG_CANDIDATES, DECODE_
 from tensorrt_llm_ext.kernels.paged_kv_write import paged_kv_write, paged_kv_write_reference
 from tensorrt_llm_ext.kernels.rope import rope_cos_sin
 from tensorrt_llm_ext.kernels.silu_mul import silu_mul, silu_mul_reference
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -337,7 +338,7 @@ def test_realistic_shapes_bf16_long_context_and_graph_replay(group, d, kvh):
     paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)  # warm-up (compile) before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         paged_attention(q, kp, vp, table, slots, pos, d ** -0.5, out=o)
     pos.copy_(torch.stack([torch.arange(n - t, n) for n in (300, 2000, 4700, 64)]).to(pos.device))
     graph.replay()

@@ -10,6 +10,7 @@ from tensorrt_llm_ext.kernels.common import CaptureAllocationError
 from tensorrt_llm_ext.kernels.block_table import decode_block_table, decode_block_table_reference
 from tensorrt_llm_ext.kernels.paged_latent import PagedLatentStep, paged_latent_step, paged_latent_step_reference, store_context_latents, store_context_latents_reference, store_prompt_latents, store_prompt_latents_reference
 from tensorrt_llm_ext.kernels.strict_accept import strict_accept, strict_accept_reference
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The parity tests run compiled on a GPU machine and under the Triton interpreter on CPU.
@@ -427,7 +428,7 @@ def test_spec_tail_cuda_graph_replay(num_gen, num_contexts, max_pages, d_c):
         run()  # compile outside capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         run()
 
     for it in range(3):
@@ -465,5 +466,5 @@ def test_capture_without_out_raises():
     strict_accept(draft, target)  # compile
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CaptureAllocationError, match="out="):
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             strict_accept(draft, target)

@@ -19,6 +19,7 @@ from tensorrt_llm_ext.models import (DSparkDrafter, DSparkDrafterConfig, DSparkD
                                      generate_full_state_dict, resolve_drafter_tp_plan)
 from tensorrt_llm_ext.modules.attention import resolve_block_attention
 from tensorrt_llm_ext.contract import DraftBlockPlacement, DrafterBlockInputs, DrafterTPFusions, PagedLatentCache
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 CFG = DSparkDrafterConfig()
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -200,7 +201,7 @@ def test_forward_block_cuda_graph_replay(backend):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         out = drafter.forward_block(inputs)
     inputs.cache.pool.copy_(pool0)
     graph.replay()
@@ -353,7 +354,7 @@ def test_fused_layers_match_eager_twin(device):
             fused.forward_block(a)  # warm-up outside capture (compile, concatenated weights)
             ref, ref_pool = fused.forward_block(a).clone(), a.cache.pool.clone()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 out = fused.forward_block(a)
             a.cache.pool.copy_(pool0)
             graph.replay()

@@ -13,6 +13,7 @@ import torch
 
 from tensorrt_llm_ext.models.llama_target import (FUSED_MAX_LAYER_BYTES, FUSED_MAX_ROWS, LlamaTarget,
                                                   LlamaTargetConfig, layer_weight_bytes, picks_fused_layer)
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
 
@@ -119,7 +120,7 @@ def test_programmatic_launch_switch_and_bits():
             set_programmatic_launch(on)
             m(ids, pos, slots, kv)  # warm-up (compile) outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 out = m(ids, pos, slots, kv)
             for _ in range(3):
                 graph.replay()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tensorrt_llm_ext.testing.mpi import run_on_ranks
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 
 def _fallback_case(strategy: str):
@@ -171,7 +172,7 @@ def _symmetric_memory_case():
     outs = [torch.zeros_like(static) for _ in range(3)]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for o in outs:
             o.copy_(static)
             ll_ex.exchange_(o)

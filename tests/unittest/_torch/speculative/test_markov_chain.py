@@ -19,6 +19,7 @@ from tensorrt_llm_ext.speculative.markov_chain import (
     markov_chain_logits_reference,
 )
 from tensorrt_llm_ext.testing.markov import bits_equal, markov_inputs, sampling_inputs
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -551,7 +552,7 @@ def test_gpu_cuda_graph_replay(mode, sample):
         chain(base, anchors, *samp)  # warm-up compiles outside capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         go, gt = chain(base, anchors, *samp)
     go.zero_()
     gt.zero_()
@@ -645,7 +646,7 @@ def test_gpu_fused_one_pass_graph_replay(B):
         chain(base, anchors)  # warm-up compiles outside capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         go, gt = chain(base, anchors)
     go.zero_()
     gt.zero_()

@@ -19,6 +19,7 @@ from tensorrt_llm_ext.speculative.markov_chain import (
     markov_chain_logits_reference,
 )
 from tensorrt_llm_ext.testing.markov import bits_equal, markov_inputs, sampling_inputs
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -256,7 +257,7 @@ def test_gpu_folded_graph_replay_matches_eager(B):
         chain(base, anchors)  # warm-up compiles outside capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         go, gt = chain(base, anchors)
     g = torch.Generator(device=DEV).manual_seed(1)
     for i in range(20):

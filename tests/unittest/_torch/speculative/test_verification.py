@@ -28,6 +28,7 @@ from tensorrt_llm_ext.speculative.verification import (VerificationWorkspace, ca
                                                         rejection_sample_reference, top_p_keep, top_p_keep_reference)
 from tensorrt_llm_ext.speculative.vocab_parallel import vocab_parallel_argmax
 from tensorrt_llm_ext.testing.simulated_tp import simulated_rejection_sample, simulated_top_p_keep
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
@@ -938,7 +939,7 @@ def test_gpu_large_vocab_and_graph_replay(dtype):
     acc2, n2 = rejection_sample(target, draft, tokens, **kw)
     assert torch.equal(out[0], acc2) and torch.equal(out[1], n2)
     with pytest.raises(Exception):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with graph_capture(torch.cuda.CUDAGraph()):
             rejection_sample(target, draft, tokens, temperatures=temps, seeds=seeds, offsets=offsets)
 
 

@@ -29,6 +29,7 @@ from tensorrt_llm_ext.speculative.token_selector import SelectionParams
 from tensorrt_llm_ext.speculative.vocab_parallel import (VocabShardedLogits, gathered_argmax, gumbel_sample,
                                                          vocab_parallel_argmax)
 from tensorrt_llm_ext.speculative.worker_base import VocabParallelSelectionMixin
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 NAN, INF = float("nan"), float("inf")
@@ -693,7 +694,7 @@ def test_cuda_graph_capture_replay_matches_eager():
     gumbel_sample(x, temps, seeds, offsets, start, vocab, out=out_s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         vocab_parallel_argmax(x, start, vocab, out=out_a)
         gumbel_sample(x, temps, seeds, offsets, start, vocab, out=out_s)
     for step in range(3):
