@@ -21,8 +21,8 @@ width ``ceil(V / tp)``, where it takes the two-pass path. ``--two-pass`` also ti
 same rows (the same bits), in its own column, so one run measures both.
 
 ``--one-pass-stats`` times the one-pass block statistics (``kernels/block_stats.py``) alone against the two passes
-of the previous definition (``verify_keys`` + ``verify_sums``), on block-aligned shards; ``--stats-forms tile,lane``
-times its current loop and the previous one (the same bits) side by side.
+of the previous definition (``verify_keys`` + ``verify_sums``), on block-aligned shards, at each ``--stats-configs``
+schedule (warps, programs, prefetch: the same bits).
 
 ``--acceptance`` instead prints the mean acceptance length on the embedded model (the default runtime
 config) at T = 0.7 and 1.0: strict acceptance with greedy drafts vs rejection sampling with sampled drafts.
@@ -100,16 +100,6 @@ def _stats_configs(text: str) -> str:
     return text
 
 
-def _stats_forms(text: str) -> str:
-    """``--stats-forms``: comma-separated names of ``block_stats``' loops (``STATS_FORMS``)."""
-    from tensorrt_llm_ext.kernels.block_stats import STATS_FORMS
-
-    for item in text.split(","):
-        if item.strip() not in STATS_FORMS:
-            raise argparse.ArgumentTypeError(f"expected items of {', '.join(STATS_FORMS)}, got {item.strip()!r}")
-    return text
-
-
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=positive_int, default=200064)
     p.add_argument("--draft-len", type=positive_int, default=7)
@@ -144,10 +134,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-pass-stats", action="store_true",
                    help="time the one-pass block statistics (kernels/block_stats.py) against verify_keys + verify_sums "
                         "on block-aligned shards instead")
-    p.add_argument("--stats-forms", type=_stats_forms, default="tile",
-                   help="--one-pass-stats: block_stats loops, comma-separated (a row each per schedule): tile (the "
-                        "current one), lane (the previous one: per-element ordered keys and int64 weights; the same "
-                        "bits)")
     p.add_argument("--stats-configs", type=_stats_configs, default="4/512/0",
                    help="--one-pass-stats: block_stats schedules WARPS/PROGRAMS/PREFETCH, comma-separated (a row each): "
                         "warps per program, programs per call the chunks aim at (column_plan's target_programs), "
@@ -299,7 +285,6 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     tps = [int(x) for x in args.tp_sizes.split(",")]
     block, splits = args.block_size, args.num_splits
     configs = [tuple(int(v) for v in c.split("/")) for c in args.stats_configs.split(",")]  # checked by its type
-    forms = [f.strip() for f in args.stats_forms.split(",")]
     if timer.smoke:
         vocab, k, batches, tps, block, splits = 3079, 2, [1], [1, 2], 256, 2
     bw = measure_copy_bandwidth(device)
@@ -328,24 +313,23 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
                 fps.verify_sums(t, d, keys2, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k,
                                 out=sums, block_size=block, num_splits=s2)
 
-            def one(t, d, w, f, s1, keys1, stats, form):
+            def one(t, d, w, f, s1, keys1, stats):
                 block_stats(t, d, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys1,
-                            stats_out=stats, num_splits=s1, num_warps=w, prefetch=f, form=form)
+                            stats_out=stats, num_splits=s1, num_warps=w, prefetch=f)
 
             t2 = timer.time_graph([lambda s=s: two(*s) for s in sets])
             fl = floor_us((rt + rq) * width * elt, bw)
-            for ((w, _, f), s1), form in ((c, form) for c in plans.items() for form in forms):
+            for (w, _, f), s1 in plans.items():
                 keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
                 stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
-                t1 = timer.time_graph([lambda s=s: one(*s, w, f, s1, keys1, stats, form) for s in sets])
-                table.append([tp, width, b, s2, f"{w}{' prefetch' if f else ''}", s1, form, fmt(fl, 2), fmt(t2, 2),
+                t1 = timer.time_graph([lambda s=s: one(*s, w, f, s1, keys1, stats) for s in sets])
+                table.append([tp, width, b, s2, f"{w}{' prefetch' if f else ''}", s1, fmt(fl, 2), fmt(t2, 2),
                               fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
         print_table(
             f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, tp {tp}, {args.dtype}, "
             f"V={vocab}, K={k}",
-            ["tp", "aligned width", "B", "chunks (two-pass)", "warps (one pass)", "chunks (one pass)", "loop",
-             "floor us", "keys + sums us",
-             "one pass us", "two / one", "one / floor"],
+            ["tp", "aligned width", "B", "chunks (two-pass)", "warps (one pass)", "chunks (one pass)", "floor us",
+             "keys + sums us", "one pass us", "two / one", "one / floor"],
             table,
             notes=[f"copy bandwidth {fmt(bw / 1e12, 2)} TB/s; floor = the rows of the last aligned shard read once; no "
                    "top-p; keys + sums = the two passes of the previous definition (the whole call on aligned shards: "

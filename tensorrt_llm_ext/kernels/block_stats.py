@@ -40,23 +40,30 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for
+from tensorrt_llm_ext.kernels.common import check_int, check_tensor, num_warps_for, sm_count
 from tensorrt_llm_ext.kernels.fixed_point_softmax import (_pair, _rows_f32, decode_max_key, decode_max_key_torch,
                                                           is_finite, load_pair_tile, plan_chunks, row_max_from_keys,
                                                           sfu_exp2, sfu_exp2_torch, split_reduce, split_reduce_rows,
                                                           store_split_keys, top_p_in_force, top_p_in_force_torch,
                                                           verify_keys_reference, weight_scale, weight_scale_torch)
-from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, block_best, nan_max, ordered_i32,
-                                                  ordered_i32_torch, pack_key)
+from tensorrt_llm_ext.kernels.ordered_key import (EMPTY_KEY, INT32_MIN, nan_max, ordered_i32, ordered_i32_torch,
+                                                  pack_key)
 
-__all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "STATS_FORMS", "block_bins", "block_bins_reference",
+__all__ = ["BINS_COLS", "STAT_BINS", "STAT_BLOCK", "STATS_COLS", "block_bins", "block_bins_reference",
            "block_combine", "block_combine_reference", "block_keys", "block_keys_reference", "block_stats",
            "block_stats_reference",
-           "row_bins_reference", "row_mass_reference", "shard_block_weights_torch"]
+           "row_bins_reference", "row_mass_reference", "shard_block_weights_torch", "stats_num_warps"]
 
 STAT_BLOCK = 1024
 STATS_PREFETCH = True  # block_stats loads the next tile before this one's reductions (bench verify --one-pass-stats)
-STATS_FORMS = ("tile", "lane")  # block_stats' loops: the current one first, the previous one for A/B timing
+# block_stats' warps (stats_num_warps). Measured 2026-12-08 on an H100 (bench verify --one-pass-stats, V = 200064,
+# K = 7, bf16): 2 warps issue ~30 % less per element than 4 -- the per-tile reductions and grid point run in every
+# warp -- and won on the TP-4 shard at B = 8 / 32 / 128 (-6 / -12 / -17 %) and at TP 1 at B = 8 / 32 (-7 / -16 %).
+# 4 won where the grid is under one wave of 4-warp programs (B = 1, 375-420 programs: -1 to -5 %; twice the warps
+# in flight) and where a program's chunk is long (98 tiles, TP 1 at B = 128: -26 %; a bandwidth-bound scan over
+# many waves keeps 36 warps an SM in flight at 4 warps, 20 at 2).
+STATS_WARPS_WAVE = 9  # 4-warp block_stats programs an SM holds (52 registers a thread, sm_90, Triton 3.6)
+STATS_WARPS_LONG_TILES = 64  # a program's chunk of more tiles than this: 4 warps
 STAT_BINS = 32
 STATS_COLS = STAT_BINS + 3  # R_c, bins[STAT_BINS], F_b(token), R_b(token)
 BINS_COLS = STAT_BINS + 2  # the exchanged row bins: bins[STAT_BINS] (bin i = grid distance i to R), F_b(token), R - R_b(token)
@@ -171,59 +178,6 @@ def _stats_tile_loop(t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, 
 
 
 @triton.jit
-def _stats_lane_loop(t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_ptr_tok, q_ptr_tok,
-                     G: tl.constexpr, MAXB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr):
-    """The previous form of :func:`_stats_tile_loop` (the same bits): per-lane ordered keys of every element (the
-    finite max and the argmax), the block max of those keys and int64 weights masked per element. Kept for
-    ``bench verify --one-pass-stats --stats-forms tile,lane`` (one GPU run times both) and the bitwise test."""
-    lanes = tl.arange(0, G)
-    best_fin = tl.full([G], -2147483648, tl.int32)
-    lane_k = tl.full([G], -2147483648, tl.int32)
-    lane_c = tl.full([G], 2147483647, tl.int32)
-    idx = tl.arange(0, MAXB)
-    rb = tl.full([MAXB], -2147483648, tl.int32)
-    zb = tl.zeros([MAXB], tl.int64)
-    ftok = tl.full([], 0, tl.int64)
-    rtok = tl.full([], -9223372036854775808, tl.int64)
-    if PREFETCH:
-        x_next = load_pair_tile(t_row, q_row, is_t, col_begin + lanes, (col_begin + lanes) < col_end)
-    for i in range(0, tl.cdiv(col_end - col_begin, G)):
-        start = col_begin + i * G
-        cols = start + lanes
-        valid = cols < col_end
-        if PREFETCH:
-            x = x_next
-            x_next = load_pair_tile(t_row, q_row, is_t, cols + G, (cols + G) < col_end)
-        else:
-            x = load_pair_tile(t_row, q_row, is_t, cols, valid)
-        o = ordered_i32(x)
-        fin = valid & is_finite(x)
-        ofin = tl.where(fin, o, -2147483648)
-        best_fin = tl.maximum(best_fin, ofin)
-        take = valid & is_t & (o > lane_k)
-        lane_k = tl.where(take, o, lane_k)
-        lane_c = tl.where(take, cols, lane_c)
-        if weigh:
-            mk = tl.max(ofin, 0)
-            m = decode_max_key(tl.where(mk == -2147483648, -9223372036854775808, mk.to(tl.int64)))
-            r, g = _block_scale(m, c)
-            z = tl.sum(_block_weight(x, m, c, g, fin), 0)
-            r = tl.where(mk == -2147483648, -2147483648, r)
-            rb = tl.where(idx == i, r, rb)
-            zb = tl.where(idx == i, z, zb)
-            if HAS_TOK:
-                if (col_tok >= start) & (col_tok < start + G) & (col_tok < col_end):
-                    xt = tl.where(is_t, tl.load(t_ptr_tok).to(tl.float32), tl.load(q_ptr_tok).to(tl.float32))
-                    ft = is_finite(xt)
-                    ftok = _block_weight(xt, m, c, g, ft)
-                    rtok = tl.where(ft, r.to(tl.int64), -9223372036854775808)
-    arg_k, arg_c = block_best(lane_k, lane_c, lane_c < 2147483647, 0)
-    fin = tl.max(best_fin, 0)
-    fin_key = tl.where(fin == -2147483648, -9223372036854775808, fin.to(tl.int64))
-    return arg_k, arg_c, fin_key, rb, zb, ftok, rtok
-
-
-@triton.jit
 def _block_stats_kernel(
     t_ptr, q_ptr,  # [rows_t, V_local], [rows_q, V_local] logits (q_ptr = t_ptr when rows_q = 0)
     temp_ptr,  # [B] fp32
@@ -234,7 +188,6 @@ def _block_stats_kernel(
     stride_t, stride_q, rows_t, n_valid, vocab_start, chunk, num_splits, div_t, div_q, k_tok,
     G: tl.constexpr, MAXB: tl.constexpr, NB: tl.constexpr, HAS_TOK: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_TOP_P: tl.constexpr = False,  # rows of requests with top-p in force (T > 0, p < 1): keys only
-    LANE_KEYS: tl.constexpr = False,  # the previous loop (_stats_lane_loop), for A/B timing
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -258,14 +211,9 @@ def _block_stats_kernel(
     col_begin = split * chunk
     col_end = tl.minimum(col_begin + chunk, n_valid)
     tok_off = tl.maximum(col_tok, 0)  # read only when the chunk owns the token
-    if LANE_KEYS:
-        arg_k, arg_c, fin_key, rb, zb, ftok, rtok = _stats_lane_loop(
-            t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_row + tok_off, q_row + tok_off,
-            G, MAXB, HAS_TOK, PREFETCH)
-    else:
-        arg_k, arg_c, fin_key, rb, zb, ftok, rtok = _stats_tile_loop(
-            t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_row + tok_off, q_row + tok_off,
-            G, MAXB, HAS_TOK, PREFETCH)
+    arg_k, arg_c, fin_key, rb, zb, ftok, rtok = _stats_tile_loop(
+        t_row, q_row, is_t, weigh, c, col_begin, col_end, col_tok, t_row + tok_off, q_row + tok_off,
+        G, MAXB, HAS_TOK, PREFETCH)
     out = keys_ptr + (row.to(tl.int64) * num_splits + split) * 2
     tl.store(out, pack_key(arg_k, arg_c.to(tl.int64) + vocab_start))
     tl.store(out + 1, fin_key)
@@ -312,27 +260,23 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
                 vocab_size: int, *, tokens: torch.Tensor | None = None, row_div: int = 1, row_div_q: int = 1,
                 keys_out: torch.Tensor, stats_out: torch.Tensor, num_splits: int = 1,
                 block_size: int = STAT_BLOCK, num_warps: int | None = None,
-                prefetch: bool | None = None, top_p: torch.Tensor | None = None,
-                form: str = "tile") -> tuple[torch.Tensor, torch.Tensor]:
+                prefetch: bool | None = None, top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the target rows and the draft rows of a block-aligned shard: every slot of ``keys_out
     [R_t + R_q, S, 2]`` (as :func:`~tensorrt_llm_ext.kernels.fixed_point_softmax.verify_keys`) and of
     ``stats_out [R_t + R_q, S, STATS_COLS]`` int64 written: per (row, column chunk of whole blocks) ``R_c``
     (``EMPTY_KEY`` if the chunk has no finite logit), the ``STAT_BINS`` bins, and ``F_b`` and ``R_b`` of the
     row's token where the chunk owns it (0 and ``EMPTY_KEY`` elsewhere). Rows, ``row_div`` / ``row_div_q``,
     ``tokens`` and temperatures as ``verify_sums``. ``S`` = ``plan_chunks(V_local, block_size, num_splits)``
-    (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None: one per 256 ids of a
-    block) and ``prefetch`` (the next tile loaded before this one's reductions; None: :data:`STATS_PREFETCH`): schedule
-    choices only, every value gives the same bits (integer sums and maxima); so is ``form``: ``"tile"`` (per element
-    only the tile max and the weight) or ``"lane"`` (the previous loop: per-element ordered keys, int64 weights; kept
-    for A/B timing, ``bench verify --one-pass-stats --stats-forms``). ``top_p`` (``[B]`` fp32): the rows of
+    (``block_size`` a multiple of ``STAT_BLOCK``). ``num_warps``: the launch's warps (None:
+    :func:`stats_num_warps`) and ``prefetch`` (the next tile loaded before this one's reductions; None:
+    :data:`STATS_PREFETCH`): schedule choices only, every value gives the same bits (integer sums and maxima).
+    ``top_p`` (``[B]`` fp32): the rows of
     the requests with top-p in force (``T > 0``, ``p < 1``; they weigh against the row max, ``verify_sums``) read
     their columns for the keys only and write an empty chunk's statistics (``EMPTY_KEY``, zero bins, token
     ``(0, EMPTY_KEY)``), which no consumer reads for them. CUDA-graph safe (no allocation, no sync).
     """
     n_valid, rt, rq, splits, chunk = _check(target, draft, temperatures, tokens, row_div, row_div_q, keys_out,
                                             stats_out, num_splits, vocab_start, vocab_size, block_size, top_p)
-    if form not in STATS_FORMS:
-        raise ValueError(f"form: expected one of {STATS_FORMS}, got {form!r}")
     if rt + rq == 0:
         return keys_out, stats_out
     if rt == 0:
@@ -346,8 +290,17 @@ def block_stats(target: torch.Tensor, draft: torch.Tensor | None, temperatures: 
         target.stride(0), q.stride(0), rt, n_valid, vocab_start, chunk, splits, row_div, row_div_q, k_tok,
         G=STAT_BLOCK, MAXB=maxb, NB=STAT_BINS, HAS_TOK=k_tok > 0,
         PREFETCH=STATS_PREFETCH if prefetch is None else bool(prefetch), SKIP_TOP_P=top_p is not None,
-        LANE_KEYS=form == "lane", num_warps=num_warps_for(STAT_BLOCK) if num_warps is None else num_warps)
+        num_warps=stats_num_warps(rt + rq, splits, chunk, sm_count(target.device)) if num_warps is None else num_warps)
     return keys_out, stats_out
+
+
+def stats_num_warps(rows: int, splits: int, chunk: int, sms: int) -> int:
+    """:func:`block_stats`' warps for ``rows`` x ``splits`` programs of ``chunk`` columns on ``sms`` SMs (the rule
+    measured beside :data:`STATS_WARPS_WAVE`): 4 where the grid is under one wave of 4-warp programs or a program's
+    chunk is over ``STATS_WARPS_LONG_TILES`` tiles; else 2."""
+    if rows * splits < STATS_WARPS_WAVE * sms or chunk // STAT_BLOCK > STATS_WARPS_LONG_TILES:
+        return 4
+    return 2
 
 
 # ----------------------------------------------------------------------------------------------------

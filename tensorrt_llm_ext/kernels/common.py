@@ -21,7 +21,7 @@ from tensorrt_llm_ext._env import ENV
 
 __all__ = [
     "INT_DTYPES", "CaptureAllocationError", "check_contiguous", "check_devices", "check_int", "check_tensor",
-    "is_capturing", "num_warps_for", "programmatic_launch",
+    "is_capturing", "num_warps_for", "programmatic_launch", "sm_count",
     "refuse_allocation_while_capturing", "set_programmatic_launch", "triton_runs_on",
 ]
 
@@ -167,3 +167,20 @@ def num_warps_for(block: int, *, elements_per_warp: int = 256, min_warps: int = 
     ``[min_warps, max_warps]``, a power of two (the launch-settings helper every launcher uses)."""
     warps = max(min_warps, min(max_warps, block // elements_per_warp))
     return 1 << (warps.bit_length() - 1)
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device | str, cpu: int = 8) -> int:
+    """The device's SM count (asked once per device), for launch schedules that scale with it; ``cpu`` off CUDA
+    (the interpreter: a few programs still take the multi-program paths)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    n = _SM_COUNTS.get(device)
+    if n is None:
+        n = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n

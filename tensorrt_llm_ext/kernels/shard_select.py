@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import (CaptureAllocationError, check_int, check_tensor, is_capturing,
-                                             num_warps_for, triton_runs_on)
+                                             num_warps_for, sm_count, triton_runs_on)
 from tensorrt_llm_ext.logger import info_once
 
 from tensorrt_llm_ext.kernels.ordered_key import (
@@ -319,7 +319,6 @@ _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 # Outgrown scratch buffers are kept, never freed: a CUDA graph captured while one of them was current
 # still reads and writes it on replay (the kernel leaves it reset, so it stays valid for those graphs).
 _RETIRED_SCRATCH: list[tuple[torch.Tensor, torch.Tensor]] = []
-_SM_COUNT: dict[torch.device, int] = {}
 
 
 def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,16 +351,6 @@ def make_shard_select_scratch(rows: int, device: torch.device | str) -> tuple[to
             torch.zeros((rows,), dtype=torch.int32, device=device))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # interpreter: a few programs per row still exercises the split path
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = torch.cuda.get_device_properties(device).multi_processor_count
-        _SM_COUNT[device] = n
-    return n
-
-
 def default_block(n_valid: int, dtype: torch.dtype, sampled: bool = False) -> int:
     """Columns per tile: greedy ``_TILE_BYTES`` of logits (4096 bf16/fp16, 2048 fp32), sampled
     ``_SAMPLED_TILE_COLUMNS``; less for narrow shards."""
@@ -389,7 +378,7 @@ def plan_splits(rows: int, n_valid: int, device: torch.device, block: int, num_s
     """
     tiles = max(1, triton.cdiv(n_valid, block))
     if num_splits is None:
-        num_splits = (programs_per_sm * _sm_count(device)) // max(rows, 1)
+        num_splits = (programs_per_sm * sm_count(device)) // max(rows, 1)
     num_splits = max(1, min(num_splits, tiles))
     chunk = triton.cdiv(tiles, num_splits) * block
     num_splits = max(1, triton.cdiv(n_valid, chunk))

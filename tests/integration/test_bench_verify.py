@@ -91,24 +91,6 @@ def test_bench_verify_one_pass_stats_sweeps_its_schedules(capsys, monkeypatch):
     assert exc.value.code == 2 and "argument --stats-configs: expected WARPS/PROGRAMS/PREFETCH" in capsys.readouterr().err
 
 
-def test_bench_verify_one_pass_stats_times_both_loops(capsys, monkeypatch):
-    """``--stats-forms tile,lane``: a row per schedule and loop, each launched with its form (the current loop and
-    the previous one, the same bits: one GPU run times both); an unknown form is refused."""
-    from tensorrt_llm_ext.kernels import block_stats
-
-    seen = []
-    fn = block_stats.block_stats
-    monkeypatch.setattr(block_stats, "block_stats", lambda *a, **kw: (seen.append(kw["form"]), fn(*a, **kw))[1])
-    assert main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--tp-sizes", "2",
-                 "--stats-forms", "tile,lane"]) == 0
-    text = capsys.readouterr().out
-    assert re.findall(r"^\| 2 +\| 2048 +\| 1 +\| \d+ +\| [^|]+\| \d+ +\| (\w+) +\|", text, flags=re.M) == ["tile", "lane"]
-    assert set(seen) == {"tile", "lane"}
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--stats-forms", "tile,rows"])
-    assert exc.value.code == 2 and "argument --stats-forms: expected items of tile, lane" in capsys.readouterr().err
-
-
 def test_random_logits_have_the_asked_scale_and_a_close_draft():
     """--logit-scale: target rows of that standard deviation, draft rows the target's plus half of it as noise."""
     from tensorrt_llm_ext.bench.verify import random_logits

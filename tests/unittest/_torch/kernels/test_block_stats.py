@@ -68,17 +68,28 @@ def _aligned(x: torch.Tensor, tp: int, rank: int, pad: float):
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_schedules_give_the_same_bits(splits):
-    """The schedule knobs (warps, the next tile's early load, the loop's form) change no bit of the keys or the
-    statistics."""
+    """The schedule knobs (warps, the next tile's early load) change no bit of the keys or the statistics."""
     target, draft, tokens, temps, k = _inputs()
     args = [t.to(DEV) for t in (target, draft, temps, tokens)]
     want = _run(block_stats, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
-    for num_warps, prefetch, form in ((4, True, "tile"), (2, True, "tile"), (8, False, "tile"), (4, True, "lane")):
+    for num_warps, prefetch in ((4, True), (2, True), (8, False), (2, False)):
         def fn(*a, **kw):
-            return block_stats(*a, **kw, num_warps=num_warps, prefetch=prefetch, form=form)
+            return block_stats(*a, **kw, num_warps=num_warps, prefetch=prefetch)
 
         got = _run(fn, args[0], args[1], args[2], args[3], k, 0, VOCAB, splits)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_warps, prefetch, form)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (num_warps, prefetch)
+
+
+def test_warps_rule_picks_the_measured_winner():
+    """stats_num_warps on the 2026-12-08 H100 measurement's grids (V = 200064, K = 7, 132 SMs; rows x chunks of the
+    call's column plan): 2 warps where they won, 4 where they lost (B = 1; TP 1 at B = 128)."""
+    from tensorrt_llm_ext.kernels.block_stats import stats_num_warps
+
+    cases = {  # (B, TP): (chunks, tiles a chunk) -> the faster warps measured
+        (1, 4): (25, 2, 4), (8, 4): (17, 3, 2), (32, 4): (5, 10, 2), (128, 4): (2, 25, 2),
+        (1, 1): (28, 7, 4), (8, 1): (18, 11, 2), (32, 1): (5, 40, 2), (128, 1): (2, 98, 4)}
+    for (b, tp), (splits, tiles, want) in cases.items():
+        assert stats_num_warps(b * 15, splits, tiles * STAT_BLOCK, 132) == want, (b, tp)
 
 
 def _adversarial(vocab: int, dtype: torch.dtype, seed: int):
@@ -122,10 +133,10 @@ def _adversarial(vocab: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("vocab,dtype,tp,pad", [(3 * STAT_BLOCK + 5, torch.bfloat16, 1, 0.0),
                                                 (6 * STAT_BLOCK + 7, torch.float32, 3, NAN),
                                                 (6 * STAT_BLOCK + 7, torch.float16, 4, INF)])
-def test_tile_and_lane_forms_give_the_same_bits(vocab, dtype, tp, pad):
-    """The tile loop (per element only the tile max and the weight) against the lane loop it replaced and the twin,
-    bit for bit on adversarial rows, every aligned shard of odd vocabularies (the last padded with NaN or +inf past
-    its real ids), two column plans, with and without top-p rows."""
+def test_tile_loop_equals_the_twin_on_adversarial_rows(vocab, dtype, tp, pad):
+    """The tile loop (per element only the tile max and the weight) against the twin, which keeps the definition's
+    per-element form: bit for bit on adversarial rows, every aligned shard of odd vocabularies (the last padded with
+    NaN or +inf past its real ids), two column plans, with and without top-p rows, at both warp counts."""
     t, d, tokens, temps, k = _adversarial(vocab, dtype, seed=vocab)
     top_p = torch.tensor([0.9, 1.0, 0.5], device=DEV)
     for rank in range(tp):
@@ -133,15 +144,13 @@ def test_tile_and_lane_forms_give_the_same_bits(vocab, dtype, tp, pad):
         ds, _ = _aligned(d, tp, rank, pad)
         args = [x.to(DEV) for x in (ts, ds, temps, tokens)]
         for splits, tp_arg in ((1, None), (3, top_p)):
-            runs = [_run(lambda *a, form=form, **kw: block_stats(*a, **kw, form=form, top_p=tp_arg), *args, k, start,
-                         vocab, splits) for form in ("tile", "lane")]
+            runs = [_run(lambda *a, w=w, **kw: block_stats(*a, **kw, num_warps=w, top_p=tp_arg), *args, k, start,
+                         vocab, splits) for w in (4, 2)]
             twin = _run(lambda *a, **kw: block_stats_reference(*a, **kw, top_p=tp_arg), *args, k, start, vocab, splits)
             assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (rank, splits)
             assert torch.equal(runs[0][0], twin[0]), (rank, splits)
             if DEV == "cpu":  # both take numpy's exp2
                 assert torch.equal(runs[0][1], twin[1]), (rank, splits)
-    with pytest.raises(ValueError, match="form"):
-        _run(lambda *a, **kw: block_stats(*a, **kw, form="rows"), *args, k, start, vocab, 1)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])

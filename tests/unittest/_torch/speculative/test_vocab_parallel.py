@@ -404,7 +404,7 @@ def test_plan_splits_one_wave_and_covering():
     from tensorrt_llm_ext.kernels import shard_select as ss
 
     dev = torch.device("cpu")
-    wave = ss._PROGRAMS_PER_SM * ss._sm_count(dev)
+    wave = ss._PROGRAMS_PER_SM * ss.sm_count(dev)
     for dtype in (torch.bfloat16, torch.float32):
         for n_valid in (0, 1, 15, 16, 17, 1001, 50016, 200064):
             block = ss.default_block(n_valid, dtype)
