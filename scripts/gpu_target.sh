@@ -21,18 +21,19 @@ budget() { local left=$((total - SECONDS)); (( left < 1 )) && left=1; (( $1 < le
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-# The K-split dot tiles' A/B (DOT_K_SPLIT, docs/target_forward.md; off until this decides): the forward's graph replay
-# under each setting at [1, 1] / [32, 1] and the verify shapes [1, 4] / [1, 8] / [4, 8], the first variant again last
-# (the run's drift), then the whole target-only step under TLLM_EXT_DOT_K_SPLIT=4 beside the default's table below.
+# The K-split dot tiles' A/B (DOT_K_SPLIT, docs/target_forward.md; 4 by default since 2026-12-08): the forward's graph
+# replay under each setting at [1, 1] / [32, 1] and the verify shapes [1, 4] / [1, 8] / [4, 8], the first variant
+# again last (the run's drift), then the whole target-only step with the split off (TLLM_EXT_DOT_K_SPLIT=1) beside
+# the default's table below.
 timeout "$(budget "${T_KSPLIT:-150}")" python3 scripts/profile_target_kernels.py --batch-sizes 1,32 --context 1024 \
-  --variants default,ks2,ks4,dot1ks4,default > "$out/ksplit.log" 2>&1
+  --variants default,ks1,ks2,dot1ks4,default > "$out/ksplit.log" 2>&1
 timeout "$(budget "${T_KSPLIT:-150}")" python3 scripts/profile_target_kernels.py --steps 1x4,1x8,4x8 --context 1024 \
-  --variants default,ks2,ks4,default >> "$out/ksplit.log" 2>&1
+  --variants default,ks1,ks2,default >> "$out/ksplit.log" 2>&1
 echo "k-split A/B rc=$?" | tee -a "$out/ksplit.log"; grep -E "^--" "$out/ksplit.log"
-TLLM_EXT_DOT_K_SPLIT=4 timeout "$(budget "${T_KSPLIT:-150}")" python3 -m tensorrt_llm_ext.cli bench target \
+TLLM_EXT_DOT_K_SPLIT=1 timeout "$(budget "${T_KSPLIT:-150}")" python3 -m tensorrt_llm_ext.cli bench target \
   --shapes smollm2-135m --spec-shapes '' --batch-sizes 1,32 --contexts 1024 --no-layer-compare --no-attn-configs \
-  > "$out/bench_target_ks4.log" 2>&1
-echo "bench target (TLLM_EXT_DOT_K_SPLIT=4) rc=$?" | tee -a "$out/bench_target_ks4.log"
+  > "$out/bench_target_ks1.log" 2>&1
+echo "bench target (TLLM_EXT_DOT_K_SPLIT=1) rc=$?" | tee -a "$out/bench_target_ks1.log"
 # the whole fused forward first (programmatic launch on vs off under graphs), then the kernels one by one
 (cd tests && timeout "$(budget "${T_KERNEL:-110}")" python3 -m pytest unittest/_torch/models/test_llama_target_fused.py \
   unittest/_torch/kernels/test_paged_attention.py unittest/_torch/kernels/test_fused_linear.py \

@@ -100,7 +100,9 @@ VARIANTS = {
     "m3": _every_step(AttentionConfig(128, 4, 2, 32, 3, prefetch=2)),
     "n64m3": _every_step(AttentionConfig(64, 4, 2, 32, 3, prefetch=2)),
     "n64m4": _every_step(AttentionConfig(64, 4, 2, 32, 4, prefetch=2)),
-    # the 16-row dot tiles' K blocks in 2 / 4 parts, one warp's batch each (DOT_K_SPLIT; 1 = the model's default)
+    # the 16-row dot tiles' K blocks in 1 / 2 / 4 parts, one warp's batch each (DOT_K_SPLIT; 4 = the model's default
+    # since 2026-12-08, 1 = off)
+    "ks1": dict(DOT_K_SPLIT=1),
     "ks2": dict(DOT_K_SPLIT=2),
     "ks4": dict(DOT_K_SPLIT=4),
     "dot1ks4": dict(GEMV_MAX_ROWS=0, DOT_K_SPLIT=4),  # ... and a 1-row step in those tiles (not the few-row form)

@@ -37,8 +37,9 @@ class _Env:
     # (kernels/fused_linear.py; default 1, the measured setting): for an A/B of a short verify block on the GPU.
     gemv_max_rows: int = 1
     # TLLM_EXT_DOT_K_SPLIT=1 / 2 / 4: the parts a 16-row dot tile's K blocks split into across its warps
-    # (kernels/fused_linear.py DOT_K_SPLIT; 1: off): an A/B of the small steps' products on the GPU.
-    dot_k_split: int = 1
+    # (kernels/fused_linear.py DOT_K_SPLIT; default 4, the measured setting; 1: off): an A/B of the small steps'
+    # products on the GPU.
+    dot_k_split: int = 4
     # TLLM_EXT_SERVE_WARMUP=0: serve skips its start-up warm-up (runtime/warmup.py): a faster start, and an A/B of
     # what the warm-up changes; the first request of each kind then waits for its kernel builds.
     serve_warmup: bool = True
@@ -86,10 +87,10 @@ def _read() -> _Env:
     except ValueError:
         errors.append(f"TLLM_EXT_GEMV_MAX_ROWS={raw_rows!r}: expected an integer in [0, 16]")
         gemv_rows = 1
-    raw_split = os.environ.get("TLLM_EXT_DOT_K_SPLIT", "1")
+    raw_split = os.environ.get("TLLM_EXT_DOT_K_SPLIT", "4")
     if raw_split not in ("1", "2", "4"):
         errors.append(f"TLLM_EXT_DOT_K_SPLIT={raw_split!r}: expected 1, 2 or 4")
-        raw_split = "1"
+        raw_split = "4"
     layout = os.environ.get("TLLM_EXT_LOSS_LAYOUT") or None
     if layout not in (None, "rows", "joint", "dedup"):
         errors.append(f"TLLM_EXT_LOSS_LAYOUT={layout!r}: expected rows, joint or dedup (unset: timed at the first step)")

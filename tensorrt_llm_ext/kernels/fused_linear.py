@@ -96,6 +96,9 @@ DOT_PEEL_FIRST_BLOCK = False
 # (1: off). A 16 x 16 tile runs on mma.sync (wgmma needs 64 rows), one warp's accumulator chain of K / 16 dependent
 # MMAs (36 at K = 576, 96 at down's 1536); split in 4 on 4 warps the chain is 4x shorter and the parts' sum one
 # reduction. Another summation order over K (bits differ from 1, within the product's rounding), shape-only.
+# 4 since 2026-12-08 (H100, graph replay, 1k keys, against 1 in the same run: the [32, 1] forward 1037-1047 ->
+# 1028 us, [1, 8] 665-676 -> 657, [4, 8] 807-815 -> 797, the target-only step at B = 32 1112 -> 1082; 2 no faster
+# than 1 at [32, 1]; [1, 1] takes the few-row form, unchanged). TLLM_EXT_DOT_K_SPLIT=1 turns it off.
 DOT_K_SPLIT = ENV.dot_k_split
 
 

@@ -419,8 +419,8 @@ def _fused_layer():
                 norm = torch.empty(hidden, dtype=dtype)
                 w_gate_up, w_down = torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype)
                 w_o = torch.empty(hidden, heads * d, dtype=dtype)
-                # M = 8 again under DOT_K_SPLIT 2 / 4 (the K-split dot tiles, an A/B setting: TLLM_EXT_DOT_K_SPLIT)
-                for m, split in ((1, 0), (4, 0), (8, 0), (64, 0), (8, 2), (8, 4)):
+                # M = 8 again under DOT_K_SPLIT 1 / 2 (the K-split dot tiles off and halved: TLLM_EXT_DOT_K_SPLIT)
+                for m, split in ((1, 0), (4, 0), (8, 0), (64, 0), (8, 1), (8, 2)):
                     if split and dtype not in MODEL_FLOATS:
                         continue
                     fl.DOT_K_SPLIT = split or default_split
