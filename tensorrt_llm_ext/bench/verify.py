@@ -88,15 +88,16 @@ def _number_list(low: float, high: float):
 
 
 def _stats_configs(text: str) -> str:
-    """``--stats-configs``: comma-separated WARPS/PROGRAMS/PREFETCH, integers >= 1 (PREFETCH 0 or 1)."""
+    """``--stats-configs``: comma-separated WARPS/PROGRAMS/PREFETCH, integers >= 1 (WARPS 0: the library's rule;
+    PREFETCH 0 or 1)."""
     for item in text.split(","):
         parts = item.strip().split("/")
         try:
             warps, programs, prefetch = (int(v) for v in parts)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected WARPS/PROGRAMS/PREFETCH items, got {text!r}") from None
-        if warps < 1 or programs < 1 or prefetch not in (0, 1):
-            raise argparse.ArgumentTypeError(f"expected WARPS >= 1, PROGRAMS >= 1, PREFETCH 0 or 1, got {item!r}")
+        if warps < 0 or programs < 1 or prefetch not in (0, 1):
+            raise argparse.ArgumentTypeError(f"expected WARPS >= 0, PROGRAMS >= 1, PREFETCH 0 or 1, got {item!r}")
     return text
 
 
@@ -136,8 +137,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "on block-aligned shards instead")
     p.add_argument("--stats-configs", type=_stats_configs, default="4/512/0",
                    help="--one-pass-stats: block_stats schedules WARPS/PROGRAMS/PREFETCH, comma-separated (a row each): "
-                        "warps per program, programs per call the chunks aim at (column_plan's target_programs), "
-                        "1 to load the next tile before this one's reductions")
+                        "warps per program (0: the library's rule, stats_num_warps), programs per call the chunks aim "
+                        "at (column_plan's target_programs), 1 to load the next tile before this one's reductions")
 
 
 # Reference columns (issue 28, H200, 2026-12-02, torch 2.11, triton 3.6, bf16, K = 7, T = 1, CUDA graph, medians;
@@ -278,7 +279,8 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
     """``--one-pass-stats``: one read of the logits (``block_stats``: keys, block maxima and mass bins) against
     today's two (``verify_keys`` + ``verify_sums`` without top-p), on the same rows of the last block-aligned shard
     (``1024 ceil(ceil(V / tp) / 1024)`` columns), each launch planned as a call at that B would plan it."""
-    from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats
+    from tensorrt_llm_ext.kernels.block_stats import STAT_BLOCK, STATS_COLS, block_stats, stats_num_warps
+    from tensorrt_llm_ext.kernels.common import sm_count
 
     vocab, k = args.vocab, args.draft_len
     batches = [int(x) for x in args.batch_sizes.split(",")]
@@ -315,7 +317,7 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
 
             def one(t, d, w, f, s1, keys1, stats):
                 block_stats(t, d, temps, start, vocab, tokens=tokens, row_div=k + 1, row_div_q=k, keys_out=keys1,
-                            stats_out=stats, num_splits=s1, num_warps=w, prefetch=f)
+                            stats_out=stats, num_splits=s1, num_warps=w or None, prefetch=f)
 
             t2 = timer.time_graph([lambda s=s: two(*s) for s in sets])
             fl = floor_us((rt + rq) * width * elt, bw)
@@ -323,7 +325,9 @@ def _one_pass_stats(args: argparse.Namespace, timer: BenchTimer, device: torch.d
                 keys1 = torch.empty(rt + rq, s1, 2, dtype=torch.int64, device=device)
                 stats = torch.empty(rt + rq, s1, STATS_COLS, dtype=torch.int64, device=device)
                 t1 = timer.time_graph([lambda s=s: one(*s, w, f, s1, keys1, stats) for s in sets])
-                table.append([tp, width, b, s2, f"{w}{' prefetch' if f else ''}", s1, fmt(fl, 2), fmt(t2, 2),
+                chunk = fps.plan_chunks(width, STAT_BLOCK, s1)[1]
+                warps = w or f"rule: {stats_num_warps(rt + rq, s1, chunk, sm_count(device))}"
+                table.append([tp, width, b, s2, f"{warps}{' prefetch' if f else ''}", s1, fmt(fl, 2), fmt(t2, 2),
                               fmt(t1, 2), fmt(t2 / t1, 2), fmt(t1 / fl, 2)])
         print_table(
             f"bench verify --one-pass-stats: block statistics vs verify_keys + verify_sums, tp {tp}, {args.dtype}, "

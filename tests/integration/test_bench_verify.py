@@ -73,8 +73,8 @@ def test_bench_verify_one_pass_stats_times_both_forms(capsys, monkeypatch):
 
 
 def test_bench_verify_one_pass_stats_sweeps_its_schedules(capsys, monkeypatch):
-    """``--stats-configs WARPS/PROGRAMS/PREFETCH``: a row per schedule, each launched with its warps and prefetch;
-    a malformed item is refused."""
+    """``--stats-configs WARPS/PROGRAMS/PREFETCH``: a row per schedule, each launched with its warps and prefetch
+    (WARPS 0: the library's rule, named in the row with the warps it picks); a malformed item is refused."""
     from tensorrt_llm_ext.kernels import block_stats
 
     seen = []
@@ -82,10 +82,11 @@ def test_bench_verify_one_pass_stats_sweeps_its_schedules(capsys, monkeypatch):
     monkeypatch.setattr(block_stats, "block_stats",
                         lambda *a, **kw: (seen.append((kw["num_warps"], kw["prefetch"])), fn(*a, **kw))[1])
     assert main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--tp-sizes", "2",
-                 "--stats-configs", "4/512/0,2/4096/1"]) == 0
+                 "--stats-configs", "4/512/0,2/4096/1,0/512/1"]) == 0
     text = capsys.readouterr().out
-    assert re.findall(r"^\| 2 +\| 2048 +\| 1 +\| \d+ +\| ([^|]+?) +\|", text, flags=re.M) == ["4", "2 prefetch"]
-    assert {(4, 0), (2, 1)} <= set(seen)
+    got = re.findall(r"^\| 2 +\| 2048 +\| 1 +\| \d+ +\| ([^|]+?) +\|", text, flags=re.M)
+    assert got[:2] == ["4", "2 prefetch"] and re.fullmatch(r"rule: [24] prefetch", got[2]), got
+    assert {(4, 0), (2, 1), (None, 1)} <= set(seen)
     with pytest.raises(SystemExit) as exc:  # a usage line naming the flag, exit 2
         main(["bench", "verify", "--one-pass-stats", "--batch-sizes", "1", "--stats-configs", "4/512"])
     assert exc.value.code == 2 and "argument --stats-configs: expected WARPS/PROGRAMS/PREFETCH" in capsys.readouterr().err
