@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorrt_llm_ext.runtime.cuda_graph import graph_capture
+
 
 @triton.jit
 def _step_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
@@ -60,7 +62,7 @@ def main() -> int:
             bufs[0].zero_()
             bufs[1].zero_()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with graph_capture(g):
                 _chain(bufs, args.launches, args.programs, args.block, pdl, wait)
             bufs[0].zero_()
             bufs[1].zero_()
