@@ -178,8 +178,6 @@ def sm_count(device: torch.device | str, cpu: int = 8) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return cpu
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     n = _SM_COUNTS.get(device)
     if n is None:
         n = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from tensorrt_llm_ext.kernels.common import (INT_DTYPES, check_tensor, programmatic_launch,
-                                             refuse_allocation_while_capturing)
+                                             refuse_allocation_while_capturing, sm_count)
 from tensorrt_llm_ext.kernels.fused_linear import _prefetch_l2
 
 __all__ = ["CONFIG_CANDIDATES", "DECODE_CONFIGS", "DECODE_CONFIGS_BY_BATCH", "SPLIT_TOKENS",
@@ -588,7 +588,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if prefetch < 0:
         # Auto: the prefetch changes when keys are read, never a bit of the result, so it may follow the grid: in
         # registers while the whole grid fits at the register form's occupancy, else to L2 (no registers held).
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        sms = sm_count(q.device, cpu=132)
         prefetch = 1 if b * m_tiles * kvh * splits <= REGISTER_PREFETCH_PER_SM * sms else 2
     if prefetch == 1 and block_m * block_d > REGISTER_PREFETCH_MAX_TILE:
         prefetch = 2  # the register form needs a query tile small enough to hold a block too

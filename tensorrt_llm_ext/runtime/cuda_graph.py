@@ -73,15 +73,14 @@ def graph_capture(graph: "torch.cuda.CUDAGraph", pool=None) -> Iterator[None]:
         yield
 
 
-def warm_up_and_capture(fn: Callable[[], object], pool=None, label: str = "cuda_graph",
-                        warmup_steps: int = WARMUP_STEPS):
-    """``warmup_steps`` calls of ``fn`` on a side stream (lazily sized buffers, autotuning and first launches out of
+def warm_up_and_capture(fn: Callable[[], object], pool, label: str):
+    """``WARMUP_STEPS`` calls of ``fn`` on a side stream (lazily sized buffers, autotuning and first launches out of
     the graph), then one call captured into a new graph in ``pool`` (None: the graph's own, returned for the next
     capture to share): ``(graph, fn's outputs, pool)``. The caller keeps the state ``fn`` writes restorable."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), nvtx_range(f"{label}.warmup"):
-        for _ in range(warmup_steps):
+        for _ in range(WARMUP_STEPS):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()

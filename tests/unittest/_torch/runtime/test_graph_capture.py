@@ -48,7 +48,7 @@ def test_gpu_no_collection_runs_inside_a_capture():
     (watched through ``gc.callbacks``) and none while the stream captures. The capture replays the right values,
     and a collection after it frees the old graph."""
     x = torch.arange(8, dtype=torch.float32, device="cuda")
-    old, _, _ = warm_up_and_capture(lambda: x * 2, label="test.old")
+    old, _, _ = warm_up_and_capture(lambda: x * 2, None, "test.old")
     holder = _Cycle(old)
     gone = weakref.ref(holder)
     del old, holder
@@ -67,7 +67,7 @@ def test_gpu_no_collection_runs_inside_a_capture():
     gc.set_threshold(1, 1, 1)
     gc.callbacks.append(watch)
     try:
-        graph, out, _ = warm_up_and_capture(churn, label="test.new")
+        graph, out, _ = warm_up_and_capture(churn, None, "test.new")
     finally:
         gc.callbacks.remove(watch)
         gc.set_threshold(*thresholds)
